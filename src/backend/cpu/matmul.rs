@@ -1,0 +1,57 @@
+//! GEMM through the `gemm` crate (AVX-512 micro-kernels picked at run time, rayon threads).
+//!
+//! `gemm` takes arbitrary row/column strides, so transposed operands are read in place.
+
+use gemm::Parallelism;
+
+/// Below this many multiply-adds threading costs more than it saves.
+const PARALLEL_MIN_FLOPS: usize = 48 * 48 * 48;
+
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool, accumulate: bool) {
+    assert!(out.len() >= m * n, "matmul: out holds {} < {m}x{n}", out.len());
+    assert!(a.len() >= m * k, "matmul: a holds {} < {m}x{k}", a.len());
+    assert!(b.len() >= k * n, "matmul: b holds {} < {k}x{n}", b.len());
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            out[..m * n].fill(0.0);
+        }
+        return;
+    }
+    // (row stride, column stride) of each operand as it is stored.
+    let (a_rs, a_cs) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
+    let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
+    let parallelism = if m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1 {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the asserts above bound every index the strides can reach; `out` does not alias `a`/`b`
+    // (distinct borrows).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}

@@ -1,0 +1,133 @@
+//! The CPU backend: the reference implementation of every kernel, fast enough to train on.
+//!
+//! GEMMs go to the `gemm` crate; everything else is written here because each op is fused with its
+//! neighbours (norm with its reciprocal RMS, loss with the output projection, flash-style attention)
+//! and no crate offers those shapes. Work is split over rayon threads in fixed chunks, so results are
+//! bitwise identical for any thread count.
+
+mod adamw;
+mod attention;
+mod elementwise;
+mod embedding;
+pub mod fastmath;
+mod loss;
+mod matmul;
+mod norm;
+pub mod rope;
+
+use std::sync::Mutex;
+
+use super::{AdamWStep, AttnShape, Backend, LossSum};
+
+/// Columns per task in column-blocked reductions (norm weight and embedding gradients).
+pub(crate) const COLUMN_BLOCK: usize = 64;
+
+/// A raw pointer that rayon tasks may share when each writes a disjoint part of the buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub *mut f32);
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    #[inline(always)]
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[derive(Default)]
+pub struct CpuBackend {
+    /// Logit block of the fused loss, grown once and reused every step.
+    loss_scratch: Mutex<Vec<f32>>,
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn zeros(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+    fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
+        buf.clone()
+    }
+    fn len(&self, buf: &Vec<f32>) -> usize {
+        buf.len()
+    }
+    fn fill(&self, buf: &mut Vec<f32>, value: f32) {
+        buf.fill(value);
+    }
+    fn copy_from(&self, dst: &mut Vec<f32>, src: &Vec<f32>) {
+        dst.copy_from_slice(src);
+    }
+    fn copy_into_at(&self, dst: &mut Vec<f32>, offset: usize, src: &Vec<f32>) {
+        dst[offset..offset + src.len()].copy_from_slice(src);
+    }
+    fn matmul(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>, m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool, accumulate: bool) {
+        matmul::matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate);
+    }
+    fn embedding_forward(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &[u32], dim: usize) {
+        embedding::embedding_forward(out, table, ids, dim);
+    }
+    fn embedding_backward(&self, dtable: &mut Vec<f32>, dout: &Vec<f32>, ids: &[u32], dim: usize) {
+        embedding::embedding_backward(dtable, dout, ids, dim);
+    }
+    fn rmsnorm_forward(&self, out: &mut Vec<f32>, rstd: &mut Vec<f32>, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32) {
+        norm::rmsnorm_forward(out, rstd, x, weight, dim, eps);
+    }
+    fn rmsnorm_backward(&self, dx: &mut Vec<f32>, dweight: &mut Vec<f32>, dout: &Vec<f32>, x: &Vec<f32>, weight: &Vec<f32>, rstd: &Vec<f32>, dim: usize) {
+        norm::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, dim);
+    }
+    fn rope_forward(&self, x: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, batch: usize, seq: usize, heads: usize, head_dim: usize, pos_offset: usize) {
+        rope::rope_forward(x, cos, sin, batch, seq, heads, head_dim, pos_offset);
+    }
+    fn rope_backward(&self, dx: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, batch: usize, seq: usize, heads: usize, head_dim: usize) {
+        rope::rope_backward(dx, cos, sin, batch, seq, heads, head_dim);
+    }
+    fn attention_forward(&self, out: &mut Vec<f32>, lse: &mut Vec<f32>, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, shape: AttnShape) {
+        attention::attention_forward(out, lse, q, k, v, shape);
+    }
+    fn attention_backward(&self, dq: &mut Vec<f32>, dk: &mut Vec<f32>, dv: &mut Vec<f32>, dout: &Vec<f32>, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, out: &Vec<f32>, lse: &Vec<f32>, shape: AttnShape) {
+        attention::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
+    }
+    fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
+        elementwise::swiglu_forward(out, gate, up);
+    }
+    fn swiglu_backward(&self, dgate: &mut Vec<f32>, dup: &mut Vec<f32>, dout: &Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
+        elementwise::swiglu_backward(dgate, dup, dout, gate, up);
+    }
+    fn add(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) {
+        elementwise::add(out, a, b);
+    }
+    fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+        elementwise::add_assign(acc, x);
+    }
+    fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
+        elementwise::scale(buf, factor);
+    }
+    fn cross_entropy_forward_backward(&self, h: &Vec<f32>, weight: &Vec<f32>, targets: &[u32], dim: usize, vocab: usize, grad_scale: f32, grads: Option<(&mut Vec<f32>, &mut Vec<f32>)>) -> LossSum {
+        let mut scratch = self.loss_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let need = loss::ROW_CHUNK * (vocab + 1);
+        if scratch.len() < need {
+            scratch.resize(need, 0.0);
+        }
+        let grads = grads.map(|(a, b)| (a.as_mut_slice(), b.as_mut_slice()));
+        loss::cross_entropy_forward_backward(h, weight, targets, dim, vocab, grad_scale, grads, &mut scratch)
+    }
+    fn adamw_step(&self, param: &mut Vec<f32>, grad: &Vec<f32>, exp_avg: &mut Vec<f32>, exp_avg_sq: &mut Vec<f32>, hp: AdamWStep) {
+        adamw::adamw_step(param, grad, exp_avg, exp_avg_sq, hp);
+    }
+    fn sum_squares(&self, buf: &Vec<f32>) -> f64 {
+        elementwise::sum_squares(buf)
+    }
+}

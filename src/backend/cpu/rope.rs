@@ -1,0 +1,86 @@
+//! Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` (Meta/TorchTitan layout),
+//! with Llama 3.1 frequency scaling when configured.
+
+use rayon::prelude::*;
+
+/// Llama 3.1 long-context frequency scaling (`rope_type = "llama3"` in HF configs).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: usize,
+}
+
+/// Inverse frequencies `θ^(-2i/d)`, scaled the Llama 3.1 way when `scaling` is given.
+pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<RopeScaling>) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            match scaling {
+                None => freq,
+                Some(s) => {
+                    let old = s.original_max_position_embeddings as f64;
+                    let low_wavelen = old / s.low_freq_factor;
+                    let high_wavelen = old / s.high_freq_factor;
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen < high_wavelen {
+                        freq
+                    } else if wavelen > low_wavelen {
+                        freq / s.factor
+                    } else {
+                        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                        (1.0 - smooth) * freq / s.factor + smooth * freq
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+/// `(cos, sin)` tables of shape `[max_seq, head_dim/2]`.
+pub fn rope_tables(head_dim: usize, max_seq: usize, theta: f64, scaling: Option<RopeScaling>) -> (Vec<f32>, Vec<f32>) {
+    let inv = inverse_frequencies(head_dim, theta, scaling);
+    let half = head_dim / 2;
+    let mut cos = vec![0.0f32; max_seq * half];
+    let mut sin = vec![0.0f32; max_seq * half];
+    for p in 0..max_seq {
+        for (i, f) in inv.iter().enumerate() {
+            let angle = p as f64 * f;
+            cos[p * half + i] = angle.cos() as f32;
+            sin[p * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], seq: usize, heads: usize, head_dim: usize, pos_offset: usize, direction: f32) {
+    let half = head_dim / 2;
+    let row = heads * head_dim;
+    x.par_chunks_mut(row).enumerate().for_each(|(t, xr)| {
+        let p = pos_offset + t % seq;
+        let c = &cos[p * half..(p + 1) * half];
+        let s = &sin[p * half..(p + 1) * half];
+        for head in xr.chunks_exact_mut(head_dim) {
+            for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                let (x0, x1) = (pair[0], pair[1]);
+                let si = direction * s[i];
+                pair[0] = x0 * c[i] - x1 * si;
+                pair[1] = x0 * si + x1 * c[i];
+            }
+        }
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn rope_forward(x: &mut [f32], cos: &[f32], sin: &[f32], batch: usize, seq: usize, heads: usize, head_dim: usize, pos_offset: usize) {
+    assert!((pos_offset + seq) * head_dim / 2 <= cos.len(), "rope: position {} beyond the table", pos_offset + seq);
+    rotate(&mut x[..batch * seq * heads * head_dim], cos, sin, seq, heads, head_dim, pos_offset, 1.0);
+}
+
+/// The rotation is orthogonal, so its backward is the rotation by the opposite angle.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_backward(dx: &mut [f32], cos: &[f32], sin: &[f32], batch: usize, seq: usize, heads: usize, head_dim: usize) {
+    rotate(&mut dx[..batch * seq * heads * head_dim], cos, sin, seq, heads, head_dim, 0, -1.0);
+}

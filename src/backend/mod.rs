@@ -1,0 +1,128 @@
+//! The backend trait: every kernel titan runs, forward and backward, on one kind of device.
+//!
+//! Layers above this one (model, train) only see `Backend` and its buffer type, so the CPU backend
+//! (the reference, always tested) and a CUDA backend are interchangeable. Shapes are passed
+//! explicitly; all buffers are contiguous row-major f32. Token ids live on the host and are handed to
+//! the kernels that need them (a device backend uploads them).
+
+pub mod cpu;
+
+/// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
+/// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
+/// valid. Query row `i` sits at absolute position `q_offset + i` and attends to keys `0..=q_offset+i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    pub batch: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub kv_capacity: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub q_offset: usize,
+}
+
+impl AttnShape {
+    /// The training case: queries and keys are the same sequence.
+    pub fn causal(batch: usize, seq: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        AttnShape { batch, q_len: seq, kv_len: seq, kv_capacity: seq, n_heads, n_kv_heads, head_dim, q_offset: 0 }
+    }
+}
+
+/// AdamW hyper-parameters for one optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step count, for bias correction.
+    pub step: u64,
+}
+
+/// Sum of cross-entropies and the number of targets that counted (ids equal to `IGNORE_INDEX` do not).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossSum {
+    pub sum: f64,
+    pub count: usize,
+}
+
+/// Target id that contributes neither loss nor gradient.
+pub const IGNORE_INDEX: u32 = u32::MAX;
+
+pub trait Backend: Send + Sync {
+    type Buf: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    // ---- memory ----
+    fn zeros(&self, len: usize) -> Self::Buf;
+    fn upload(&self, data: &[f32]) -> Self::Buf;
+    fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    fn len(&self, buf: &Self::Buf) -> usize;
+    fn fill(&self, buf: &mut Self::Buf, value: f32);
+    fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf);
+    /// Copies `src` into `dst[offset..offset+len(src)]`.
+    fn copy_into_at(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf);
+
+    // ---- linear algebra ----
+    /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`. `a` is stored `[m,k]`, or `[k,m]` when `trans_a`;
+    /// `b` is stored `[k,n]`, or `[n,k]` when `trans_b`. With `accumulate` the product is added.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf, m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool, accumulate: bool);
+
+    // ---- embedding ----
+    fn embedding_forward(&self, out: &mut Self::Buf, table: &Self::Buf, ids: &[u32], dim: usize);
+    /// `dtable[ids[t]] += dout[t]`.
+    fn embedding_backward(&self, dtable: &mut Self::Buf, dout: &Self::Buf, ids: &[u32], dim: usize);
+
+    // ---- RMSNorm ----
+    /// `out = x / rms(x) * weight` per row; `rstd` receives `1/rms` per row for the backward.
+    fn rmsnorm_forward(&self, out: &mut Self::Buf, rstd: &mut Self::Buf, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32);
+    /// Adds the input gradient into `dx` and the weight gradient into `dweight`.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(&self, dx: &mut Self::Buf, dweight: &mut Self::Buf, dout: &Self::Buf, x: &Self::Buf, weight: &Self::Buf, rstd: &Self::Buf, dim: usize);
+
+    // ---- RoPE (interleaved pairs), in place on `[batch, seq, heads, head_dim]` ----
+    /// `cos`/`sin` are `[max_seq, head_dim/2]`; token `s` uses row `pos_offset + s`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_forward(&self, x: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, batch: usize, seq: usize, heads: usize, head_dim: usize, pos_offset: usize);
+    #[allow(clippy::too_many_arguments)]
+    fn rope_backward(&self, dx: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, batch: usize, seq: usize, heads: usize, head_dim: usize);
+
+    // ---- causal grouped-query attention ----
+    /// Writes `out` `[batch, q_len, n_heads, head_dim]` and `lse` `[batch, n_heads, q_len]`.
+    fn attention_forward(&self, out: &mut Self::Buf, lse: &mut Self::Buf, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, shape: AttnShape);
+    /// Overwrites `dq`, `dk`, `dv` (training shape: `q_offset == 0`, `kv_len == q_len`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(&self, dq: &mut Self::Buf, dk: &mut Self::Buf, dv: &mut Self::Buf, dout: &Self::Buf, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, out: &Self::Buf, lse: &Self::Buf, shape: AttnShape);
+
+    // ---- SwiGLU: out = silu(gate) * up ----
+    fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
+    fn swiglu_backward(&self, dgate: &mut Self::Buf, dup: &mut Self::Buf, dout: &Self::Buf, gate: &Self::Buf, up: &Self::Buf);
+
+    // ---- elementwise ----
+    /// `out = a + b`.
+    fn add(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf);
+    /// `acc += x`.
+    fn add_assign(&self, acc: &mut Self::Buf, x: &Self::Buf);
+    fn scale(&self, buf: &mut Self::Buf, factor: f32);
+
+    // ---- loss ----
+    /// Cross-entropy of `logits = h · weightᵀ` (`h` `[rows, dim]`, `weight` `[vocab, dim]`) against
+    /// `targets`, computed over row chunks so the full `[rows, vocab]` logits never exist. With
+    /// `grads`, adds `grad_scale · ∂(sum of losses)/∂h` into `dh` and likewise into `dweight`.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_forward_backward(&self, h: &Self::Buf, weight: &Self::Buf, targets: &[u32], dim: usize, vocab: usize, grad_scale: f32, grads: Option<(&mut Self::Buf, &mut Self::Buf)>) -> LossSum;
+    /// Logits of the given rows of `h` (`[rows, dim]`) against `weight` `[vocab, dim]`.
+    fn logits(&self, out: &mut Self::Buf, h: &Self::Buf, weight: &Self::Buf, rows: usize, dim: usize, vocab: usize) {
+        self.matmul(out, h, weight, rows, dim, vocab, false, true, false);
+    }
+
+    // ---- optimizer ----
+    /// Fused AdamW with decoupled weight decay, in place.
+    fn adamw_step(&self, param: &mut Self::Buf, grad: &Self::Buf, exp_avg: &mut Self::Buf, exp_avg_sq: &mut Self::Buf, hp: AdamWStep);
+    /// Sum of squares in f64, reduced in a fixed order (deterministic).
+    fn sum_squares(&self, buf: &Self::Buf) -> f64;
+}

@@ -1,0 +1,6 @@
+//! titan: Llama pretraining in Rust. Modules follow the layers of DESIGN.md, bottom to top:
+//! tensor/backend → model → train → checkpoint → data → config/cli.
+
+pub mod backend;
+pub mod model;
+pub mod tensor;

@@ -1,0 +1,137 @@
+//! Llama 3 model shapes: the published flavors and the derived quantities (FFN width, parameter
+//! count, FLOPs per token, memory) that are known from the config alone, before anything is allocated.
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::cpu::rope::RopeScaling;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelArgs {
+    pub dim: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub vocab_size: usize,
+    pub ffn_hidden: usize,
+    pub norm_eps: f32,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_seq_len: usize,
+    pub tied_embeddings: bool,
+}
+
+/// The flavors `[model] flavor` accepts.
+pub const FLAVORS: &[&str] = &["debugmodel", "1B", "3B", "8B", "70B", "405B"];
+
+/// Llama's FFN width: two thirds of 4·dim, times an optional multiplier, rounded up to `multiple_of`.
+pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64>) -> usize {
+    let mut hidden = 2 * 4 * dim / 3;
+    if let Some(m) = ffn_dim_multiplier {
+        hidden = (m * hidden as f64) as usize;
+    }
+    multiple_of * hidden.div_ceil(multiple_of)
+}
+
+const LLAMA31_SCALING: RopeScaling = RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+const LLAMA32_SCALING: RopeScaling = RopeScaling { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+
+impl ModelArgs {
+    /// Published Llama 3.x dimensions (1B/3B are Llama 3.2 with tied embeddings).
+    pub fn flavor(name: &str) -> Result<ModelArgs> {
+        #[allow(clippy::type_complexity)]
+        let (dim, n_layers, n_heads, n_kv, vocab, multiple_of, mult, scaling, tied, max_seq): (usize, usize, usize, usize, usize, usize, Option<f64>, Option<RopeScaling>, bool, usize) = match name {
+            "debugmodel" => (256, 6, 16, 16, 2048, 256, None, None, false, 2048),
+            "1B" => (2048, 16, 32, 8, 128256, 256, Some(1.5), Some(LLAMA32_SCALING), true, 131072),
+            "3B" => (3072, 28, 24, 8, 128256, 256, Some(1.0), Some(LLAMA32_SCALING), true, 131072),
+            "8B" => (4096, 32, 32, 8, 128256, 1024, Some(1.3), Some(LLAMA31_SCALING), false, 131072),
+            "70B" => (8192, 80, 64, 8, 128256, 4096, Some(1.3), Some(LLAMA31_SCALING), false, 131072),
+            "405B" => (16384, 126, 128, 8, 128256, 4096, Some(1.2), Some(LLAMA31_SCALING), false, 131072),
+            other => bail!("unknown model flavor `{other}` (accepted: {})", FLAVORS.join(", ")),
+        };
+        Ok(ModelArgs {
+            dim,
+            n_layers,
+            n_heads,
+            n_kv_heads: n_kv,
+            vocab_size: vocab,
+            ffn_hidden: ffn_hidden(dim, multiple_of, mult),
+            norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling: scaling,
+            max_seq_len: max_seq,
+            tied_embeddings: tied,
+        })
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.dim / self.n_heads
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.dim == 0 || self.n_layers == 0 || self.n_heads == 0 || self.vocab_size == 0 || self.ffn_hidden == 0 {
+            bail!("model dimensions must be positive: {self:?}");
+        }
+        if self.dim % self.n_heads != 0 {
+            bail!("model dim {} is not divisible by n_heads {}", self.dim, self.n_heads);
+        }
+        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+            bail!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads);
+        }
+        if self.head_dim() % 2 != 0 {
+            bail!("head dim {} must be even for RoPE", self.head_dim());
+        }
+        Ok(())
+    }
+
+    /// Parameters of one transformer block.
+    pub fn params_per_layer(&self) -> usize {
+        let hd = self.head_dim();
+        let attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2;
+        let ffn = 3 * self.dim * self.ffn_hidden;
+        attn + ffn + 2 * self.dim
+    }
+
+    pub fn embedding_params(&self) -> usize {
+        self.vocab_size * self.dim
+    }
+
+    pub fn num_params(&self) -> usize {
+        let output = if self.tied_embeddings { 0 } else { self.vocab_size * self.dim };
+        self.embedding_params() + self.n_layers * self.params_per_layer() + self.dim + output
+    }
+
+    /// TorchTitan's count: 6·(N − N_embedding) + 12·n_layers·dim·seq_len.
+    pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        6.0 * (self.num_params() - self.embedding_params()) as f64 + 12.0 * (self.n_layers * self.dim * seq_len) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_ffn_widths() {
+        let want = [("debugmodel", 768), ("1B", 8192), ("3B", 8192), ("8B", 14336), ("70B", 28672), ("405B", 53248)];
+        for (name, hidden) in want {
+            assert_eq!(ModelArgs::flavor(name).unwrap().ffn_hidden, hidden, "{name}");
+        }
+    }
+
+    #[test]
+    fn published_parameter_counts() {
+        // Llama 3.1 8B has 8.03B parameters, 70B 70.6B, 405B 405.9B; Llama 3.2 1B 1.24B, 3B 3.21B.
+        let approx = [("1B", 1.236e9), ("3B", 3.213e9), ("8B", 8.030e9), ("70B", 70.55e9), ("405B", 405.85e9)];
+        for (name, n) in approx {
+            let got = ModelArgs::flavor(name).unwrap().num_params() as f64;
+            assert!((got - n).abs() / n < 0.002, "{name}: {got}");
+        }
+    }
+
+    #[test]
+    fn unknown_flavor_lists_the_accepted_ones() {
+        let err = ModelArgs::flavor("7B").unwrap_err().to_string();
+        assert!(err.contains("7B") && err.contains("debugmodel") && err.contains("405B"), "{err}");
+    }
+}

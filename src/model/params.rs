@@ -1,0 +1,105 @@
+//! Named parameter sets: the model's weights, its gradients and the optimizer's moments all use this
+//! one layout (same names, same order), so checkpoints, clipping and the optimizer walk them together.
+
+use crate::backend::Backend;
+
+use super::args::ModelArgs;
+
+/// Canonical (TorchTitan) names and shapes of a Llama model's parameters, in storage order.
+pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
+    let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
+    let mut specs = vec![("tok_embeddings.weight".to_string(), vec![args.vocab_size, d])];
+    for l in 0..args.n_layers {
+        let p = format!("layers.{l}");
+        specs.push((format!("{p}.attention_norm.weight"), vec![d]));
+        specs.push((format!("{p}.attention.wq.weight"), vec![args.n_heads * hd, d]));
+        specs.push((format!("{p}.attention.wk.weight"), vec![args.n_kv_heads * hd, d]));
+        specs.push((format!("{p}.attention.wv.weight"), vec![args.n_kv_heads * hd, d]));
+        specs.push((format!("{p}.attention.wo.weight"), vec![d, args.n_heads * hd]));
+        specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
+        specs.push((format!("{p}.feed_forward.w1.weight"), vec![f, d]));
+        specs.push((format!("{p}.feed_forward.w2.weight"), vec![d, f]));
+        specs.push((format!("{p}.feed_forward.w3.weight"), vec![f, d]));
+    }
+    specs.push(("norm.weight".to_string(), vec![d]));
+    if !args.tied_embeddings {
+        specs.push(("output.weight".to_string(), vec![args.vocab_size, d]));
+    }
+    specs
+}
+
+/// Index of each parameter of one block inside a `ParamSet`.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerIds {
+    pub attention_norm: usize,
+    pub wq: usize,
+    pub wk: usize,
+    pub wv: usize,
+    pub wo: usize,
+    pub ffn_norm: usize,
+    pub w1: usize,
+    pub w2: usize,
+    pub w3: usize,
+}
+
+/// Where every parameter lives in the storage order of `param_specs`.
+#[derive(Debug, Clone)]
+pub struct ParamIds {
+    pub tok_embeddings: usize,
+    pub layers: Vec<LayerIds>,
+    pub norm: usize,
+    /// Equal to `tok_embeddings` when the embeddings are tied.
+    pub output: usize,
+}
+
+impl ParamIds {
+    pub fn new(args: &ModelArgs) -> Self {
+        let layers = (0..args.n_layers)
+            .map(|l| {
+                let b = 1 + 9 * l;
+                LayerIds { attention_norm: b, wq: b + 1, wk: b + 2, wv: b + 3, wo: b + 4, ffn_norm: b + 5, w1: b + 6, w2: b + 7, w3: b + 8 }
+            })
+            .collect();
+        let norm = 1 + 9 * args.n_layers;
+        ParamIds { tok_embeddings: 0, layers, norm, output: if args.tied_embeddings { 0 } else { norm + 1 } }
+    }
+}
+
+/// Buffers with names and shapes, one per parameter.
+pub struct ParamSet<B: Backend> {
+    pub names: Vec<String>,
+    pub shapes: Vec<Vec<usize>>,
+    pub bufs: Vec<B::Buf>,
+}
+
+impl<B: Backend> ParamSet<B> {
+    pub fn zeros(backend: &B, specs: &[(String, Vec<usize>)]) -> Self {
+        ParamSet {
+            names: specs.iter().map(|(n, _)| n.clone()).collect(),
+            shapes: specs.iter().map(|(_, s)| s.clone()).collect(),
+            bufs: specs.iter().map(|(_, s)| backend.zeros(s.iter().product())).collect(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.bufs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bufs.is_empty()
+    }
+
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.names.iter().position(|n| n == name)
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shapes.iter().map(|s| s.iter().product::<usize>()).sum()
+    }
+
+    pub fn zero(&mut self, backend: &B) {
+        for b in &mut self.bufs {
+            backend.fill(b, 0.0);
+        }
+    }
+}
