@@ -2,5 +2,10 @@
 //! tensor/backend → model → train → checkpoint → data → config/cli.
 
 pub mod backend;
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod data;
 pub mod model;
 pub mod tensor;
+pub mod train;

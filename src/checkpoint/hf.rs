@@ -1,0 +1,249 @@
+//! Hugging Face Llama interop: `config.json` + safetensors in `transformers`' `LlamaForCausalLM`
+//! naming, out of and into titan checkpoints.
+//!
+//! titan (like Meta's and TorchTitan's code) applies RoPE to interleaved pairs `(2i, 2i+1)` of each
+//! head; HF rotates the two halves `(i, i + head_dim/2)`. The q and k projections are therefore
+//! permuted row-wise per head on the way out and back on the way in, which makes the two models
+//! compute the same function.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::{st, TrainState, FORMAT_VERSION};
+use crate::backend::cpu::rope::RopeScaling;
+use crate::backend::cpu::CpuBackend;
+use crate::data::LoaderState;
+use crate::model::params::param_specs;
+use crate::model::{ModelArgs, ParamSet};
+use crate::tensor::{DType, Tensor};
+
+/// titan name → HF name.
+pub fn hf_name(name: &str) -> String {
+    let map = [
+        ("attention.wq", "self_attn.q_proj"),
+        ("attention.wk", "self_attn.k_proj"),
+        ("attention.wv", "self_attn.v_proj"),
+        ("attention.wo", "self_attn.o_proj"),
+        ("feed_forward.w1", "mlp.gate_proj"),
+        ("feed_forward.w2", "mlp.down_proj"),
+        ("feed_forward.w3", "mlp.up_proj"),
+        ("attention_norm", "input_layernorm"),
+        ("ffn_norm", "post_attention_layernorm"),
+    ];
+    match name {
+        "tok_embeddings.weight" => return "model.embed_tokens.weight".into(),
+        "norm.weight" => return "model.norm.weight".into(),
+        "output.weight" => return "lm_head.weight".into(),
+        _ => {}
+    }
+    let mut out = format!("model.{name}");
+    for (a, b) in map {
+        out = out.replace(a, b);
+    }
+    out
+}
+
+/// Row `j` of an HF head comes from this row of the interleaved (titan) head.
+fn interleaved_row(j: usize, head_dim: usize) -> usize {
+    let half = head_dim / 2;
+    if j < half {
+        2 * j
+    } else {
+        2 * (j - half) + 1
+    }
+}
+
+/// Reorders the rows of a `[heads·head_dim, cols]` projection between the two RoPE layouts.
+fn permute_rows(w: &[f32], heads: usize, head_dim: usize, cols: usize, to_hf: bool) -> Vec<f32> {
+    let mut out = vec![0.0; w.len()];
+    for h in 0..heads {
+        for j in 0..head_dim {
+            let i = interleaved_row(j, head_dim);
+            let (dst, src) = if to_hf { (h * head_dim + j, h * head_dim + i) } else { (h * head_dim + i, h * head_dim + j) };
+            out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+        }
+    }
+    out
+}
+
+fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
+    if name.ends_with("attention.wq.weight") {
+        Some(args.n_heads)
+    } else if name.ends_with("attention.wk.weight") {
+        Some(args.n_kv_heads)
+    } else {
+        None
+    }
+}
+
+pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
+    let scaling = args.rope_scaling.map(|s| json!({"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}));
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim(),
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tied_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "mlp_bias": false,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
+    })
+}
+
+pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
+    let be = CpuBackend::new();
+    let dir = super::resolve_checkpoint_dir(checkpoint)?;
+    let state = super::read_state(&dir)?;
+    let (args, params) = super::load_weights(&be, &dir)?;
+    let tokenizer = crate::data::load_tokenizer(&state.tokenizer_path)?;
+    let mut tensors = Vec::new();
+    for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {
+        let data = match rope_permutation(name, &args) {
+            Some(heads) => permute_rows(buf, heads, args.head_dim(), shape[1], true),
+            None => buf.clone(),
+        };
+        tensors.push((hf_name(name), Tensor::from_f32(shape.clone(), data).to_dtype(dtype)));
+    }
+    std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let meta = [("format".to_string(), "pt".to_string())].into_iter().collect();
+    write_atomic(&out_dir.join("model.safetensors"), &st::to_bytes(&tensors, Some(meta))?)?;
+    let config = hf_config(&args, tokenizer.bos_id(), tokenizer.eos_id(), dtype);
+    write_atomic(&out_dir.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())?;
+    if !state.tokenizer_path.is_empty() {
+        std::fs::copy(&state.tokenizer_path, out_dir.join("tokenizer.json")).with_context(|| format!("cannot copy tokenizer {}", state.tokenizer_path))?;
+    }
+    println!("exported {} (step {}) to {} ({} tensors, {})", dir.display(), state.step, out_dir.display(), tensors.len(), if dtype == DType::BF16 { "bfloat16" } else { "float32" });
+    Ok(())
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", path.display()))?;
+    Ok(())
+}
+
+fn get_usize(cfg: &Value, key: &str, file: &Path) -> Result<usize> {
+    cfg.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| anyhow!("{}: missing or non-integer `{key}`", file.display()))
+}
+
+/// Model shapes from an HF Llama `config.json`.
+pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
+    let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if arch != "llama" {
+        bail!("{}: model_type is `{arch}`; titan imports Llama models (model_type \"llama\")", file.display());
+    }
+    let dim = get_usize(cfg, "hidden_size", file)?;
+    let n_heads = get_usize(cfg, "num_attention_heads", file)?;
+    let rope_scaling = match cfg.get("rope_scaling") {
+        None | Some(Value::Null) => None,
+        Some(s) => {
+            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("");
+            if kind != "llama3" {
+                bail!("{}: rope_scaling type `{kind}` is not supported (titan implements \"llama3\")", file.display());
+            }
+            let f = |k: &str| s.get(k).and_then(Value::as_f64).ok_or_else(|| anyhow!("{}: rope_scaling.{k} missing", file.display()));
+            Some(RopeScaling { factor: f("factor")?, low_freq_factor: f("low_freq_factor")?, high_freq_factor: f("high_freq_factor")?, original_max_position_embeddings: f("original_max_position_embeddings")? as usize })
+        }
+    };
+    if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
+        if hd as usize != dim / n_heads {
+            bail!("{}: head_dim {hd} differs from hidden_size / num_attention_heads = {}; titan needs them equal", file.display(), dim / n_heads);
+        }
+    }
+    let args = ModelArgs {
+        dim,
+        n_layers: get_usize(cfg, "num_hidden_layers", file)?,
+        n_heads,
+        n_kv_heads: cfg.get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(n_heads),
+        vocab_size: get_usize(cfg, "vocab_size", file)?,
+        ffn_hidden: get_usize(cfg, "intermediate_size", file)?,
+        norm_eps: cfg.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-5) as f32,
+        rope_theta: cfg.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
+        rope_scaling,
+        max_seq_len: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(2048) as usize,
+        tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+    };
+    args.validate().map_err(|e| anyhow!("{}: {e}", file.display()))?;
+    Ok(args)
+}
+
+pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
+    let be = CpuBackend::new();
+    let cfg_path = hf_dir.join("config.json");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?).map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
+    let args = args_from_hf_config(&cfg, &cfg_path)?;
+    let mut by_name: BTreeMap<String, (Tensor, std::path::PathBuf)> = BTreeMap::new();
+    let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
+    for f in &files {
+        for (n, t) in st::read_file(f)? {
+            by_name.insert(n, (t, f.clone()));
+        }
+    }
+    let specs = param_specs(&args);
+    let mut params: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
+    for (i, (name, shape)) in specs.iter().enumerate() {
+        let hf = hf_name(name);
+        let (t, file) = by_name.get(&hf).ok_or_else(|| anyhow!("{}: tensor `{hf}` (titan `{name}`) is missing from {}", hf_dir.display(), files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")))?;
+        if &t.shape != shape {
+            bail!("{}: tensor `{hf}` has shape {:?}, config.json implies {:?}", file.display(), t.shape, shape);
+        }
+        let data = t.to_f32_vec();
+        params.bufs[i] = match rope_permutation(name, &args) {
+            Some(heads) => permute_rows(&data, heads, args.head_dim(), shape[1], false),
+            None => data,
+        };
+    }
+    let tokenizer_path = hf_dir.join("tokenizer.json");
+    let zeros: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
+    let state = TrainState {
+        format_version: FORMAT_VERSION,
+        step: 0,
+        model_args: args.clone(),
+        seed: 0,
+        data: LoaderState::default(),
+        tokenizer_path: if tokenizer_path.exists() { std::fs::canonicalize(&tokenizer_path)?.display().to_string() } else { String::new() },
+        files: Default::default(),
+    };
+    let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;
+    println!("imported {} ({} layers, dim {}, vocab {}) into {}", hf_dir.display(), args.n_layers, args.dim, args.vocab_size, dir.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutation_round_trips_and_matches_hf_layout() {
+        let (heads, hd, cols) = (2, 4, 1);
+        let w: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let hf = permute_rows(&w, heads, hd, cols, true);
+        // Interleaved pairs (0,1),(2,3) of head 0 become halves (0,2 | 1,3).
+        assert_eq!(hf, vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
+        assert_eq!(permute_rows(&hf, heads, hd, cols, false), w);
+    }
+
+    #[test]
+    fn names_follow_transformers() {
+        assert_eq!(hf_name("layers.3.attention.wq.weight"), "model.layers.3.self_attn.q_proj.weight");
+        assert_eq!(hf_name("layers.0.feed_forward.w1.weight"), "model.layers.0.mlp.gate_proj.weight");
+        assert_eq!(hf_name("layers.0.ffn_norm.weight"), "model.layers.0.post_attention_layernorm.weight");
+        assert_eq!(hf_name("output.weight"), "lm_head.weight");
+    }
+}

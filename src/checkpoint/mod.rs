@@ -1,0 +1,191 @@
+//! Checkpoints: one folder per step (`step-N/`) holding the weights and the AdamW moments as
+//! safetensors plus `state.json` (step, data-loader position, model shapes, a CRC32 and size of every
+//! file). A checkpoint is written into a temporary folder and renamed into place, so a crash never
+//! leaves a half-written `step-N/`; loading verifies sizes and checksums before touching any state.
+
+pub mod hf;
+pub mod st;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::data::LoaderState;
+use crate::model::{ModelArgs, ParamSet};
+use crate::tensor::Tensor;
+
+pub const FORMAT_VERSION: u32 = 1;
+const STATE_FILE: &str = "state.json";
+const MODEL_FILE: &str = "model.safetensors";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct FileCheck {
+    pub bytes: u64,
+    pub crc32: u32,
+}
+
+/// Everything besides tensors that a resume needs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainState {
+    pub format_version: u32,
+    pub step: u64,
+    pub model_args: ModelArgs,
+    pub seed: u64,
+    pub data: LoaderState,
+    /// The tokenizer the model was trained with (empty: built-in byte-level).
+    #[serde(default)]
+    pub tokenizer_path: String,
+    /// Files of the checkpoint and their checks (filled in by `save`).
+    #[serde(default)]
+    pub files: BTreeMap<String, FileCheck>,
+}
+
+pub fn step_dir(folder: &Path, step: u64) -> PathBuf {
+    folder.join(format!("step-{step}"))
+}
+
+/// Host copies of a parameter set, by name.
+pub fn to_tensors<B: Backend>(be: &B, set: &ParamSet<B>, prefix: &str) -> Vec<(String, Tensor)> {
+    set.names.iter().zip(&set.shapes).zip(&set.bufs).map(|((n, s), b)| (format!("{prefix}{n}"), Tensor::from_f32(s.clone(), be.download(b)))).collect()
+}
+
+/// Fills `set` from `tensors`, requiring every name with its exact shape.
+pub fn fill_from<B: Backend>(be: &B, set: &mut ParamSet<B>, tensors: &[(String, Tensor)], prefix: &str, file: &Path) -> Result<()> {
+    let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    for i in 0..set.len() {
+        let name = format!("{prefix}{}", set.names[i]);
+        let t = by_name.get(name.as_str()).ok_or_else(|| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
+        if t.shape != set.shapes[i] {
+            bail!("{}: tensor `{name}` has shape {:?}, the model needs {:?}", file.display(), t.shape, set.shapes[i]);
+        }
+        set.bufs[i] = be.upload(&t.to_f32_vec());
+    }
+    Ok(())
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileCheck> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(bytes).with_context(|| format!("cannot write {}", path.display()))?;
+    f.sync_all()?;
+    Ok(FileCheck { bytes: bytes.len() as u64, crc32: crc32fast::hash(bytes) })
+}
+
+/// Writes `step-N/` atomically and prunes old checkpoints down to `keep_latest_k` (0 keeps all).
+pub fn save<B: Backend>(be: &B, folder: &Path, params: &ParamSet<B>, exp_avg: &ParamSet<B>, exp_avg_sq: &ParamSet<B>, mut state: TrainState, keep_latest_k: usize) -> Result<PathBuf> {
+    std::fs::create_dir_all(folder).with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
+    let final_dir = step_dir(folder, state.step);
+    let tmp = folder.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    std::fs::create_dir_all(&tmp)?;
+    let model = st::to_bytes(&to_tensors(be, params, ""), None)?;
+    state.files.insert(MODEL_FILE.into(), write_synced(&tmp.join(MODEL_FILE), &model)?);
+    drop(model);
+    let mut moments = to_tensors(be, exp_avg, "exp_avg.");
+    moments.extend(to_tensors(be, exp_avg_sq, "exp_avg_sq."));
+    let opt = st::to_bytes(&moments, None)?;
+    state.files.insert(OPTIMIZER_FILE.into(), write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?);
+    drop(opt);
+    write_synced(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir)?;
+    }
+    std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
+    if let Ok(dir) = std::fs::File::open(folder) {
+        let _ = dir.sync_all();
+    }
+    if keep_latest_k > 0 {
+        let steps = list_steps(folder)?;
+        for &old in steps.iter().take(steps.len().saturating_sub(keep_latest_k)) {
+            std::fs::remove_dir_all(step_dir(folder, old))?;
+        }
+    }
+    Ok(final_dir)
+}
+
+/// Steps of the complete checkpoints in `folder` (those with a `state.json`), ascending.
+pub fn list_steps(folder: &Path) -> Result<Vec<u64>> {
+    let mut steps = Vec::new();
+    if !folder.exists() {
+        return Ok(steps);
+    }
+    for entry in std::fs::read_dir(folder)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(n) = name.to_str().and_then(|s| s.strip_prefix("step-")).and_then(|s| s.parse::<u64>().ok()) else { continue };
+        if entry.path().join(STATE_FILE).exists() {
+            steps.push(n);
+        }
+    }
+    steps.sort_unstable();
+    Ok(steps)
+}
+
+/// Reads and verifies `state.json` and the checksums of the files it lists.
+pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&path).with_context(|| format!("checkpoint {} is incomplete: cannot read {}", dir.display(), path.display()))?;
+    let state: TrainState = serde_json::from_str(&text).map_err(|e| anyhow!("checkpoint state {} is corrupt: {e}", path.display()))?;
+    if state.format_version != FORMAT_VERSION {
+        bail!("checkpoint {} has format version {}, this titan reads {FORMAT_VERSION}", dir.display(), state.format_version);
+    }
+    for (file, check) in &state.files {
+        let p = dir.join(file);
+        let bytes = std::fs::read(&p).with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
+        if bytes.len() as u64 != check.bytes {
+            bail!("checkpoint file {} is truncated or altered: {} bytes, expected {}", p.display(), bytes.len(), check.bytes);
+        }
+        if crc32fast::hash(&bytes) != check.crc32 {
+            bail!("checkpoint file {} is corrupt: its CRC32 does not match the one recorded at save time", p.display());
+        }
+    }
+    Ok(state)
+}
+
+/// Loads weights and moments from a verified checkpoint folder into the given sets.
+pub fn load<B: Backend>(be: &B, dir: &Path, expect_args: &ModelArgs, params: &mut ParamSet<B>, exp_avg: &mut ParamSet<B>, exp_avg_sq: &mut ParamSet<B>) -> Result<TrainState> {
+    let state = read_state(dir)?;
+    if &state.model_args != expect_args {
+        bail!("checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})", dir.display(), state.model_args, expect_args);
+    }
+    let model_path = dir.join(MODEL_FILE);
+    fill_from(be, params, &st::read_file(&model_path)?, "", &model_path)?;
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let moments = st::read_file(&opt_path)?;
+    fill_from(be, exp_avg, &moments, "exp_avg.", &opt_path)?;
+    fill_from(be, exp_avg_sq, &moments, "exp_avg_sq.", &opt_path)?;
+    Ok(state)
+}
+
+/// Model weights only (generation, export), with the shapes recorded in the checkpoint.
+pub fn load_weights<B: Backend>(be: &B, dir: &Path) -> Result<(ModelArgs, ParamSet<B>)> {
+    let dir = resolve_checkpoint_dir(dir)?;
+    let state = read_state(&dir)?;
+    let specs = crate::model::params::param_specs(&state.model_args);
+    let mut params = ParamSet::zeros(be, &specs);
+    let model_path = dir.join(MODEL_FILE);
+    fill_from(be, &mut params, &st::read_file(&model_path)?, "", &model_path)?;
+    Ok((state.model_args, params))
+}
+
+/// Accepts a `step-N/` folder, or a folder of them (taking the latest), or a job's dump folder.
+pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf> {
+    if dir.join(STATE_FILE).exists() {
+        return Ok(dir.to_path_buf());
+    }
+    for folder in [dir.to_path_buf(), dir.join("checkpoint")] {
+        if let Some(&last) = list_steps(&folder)?.last() {
+            return Ok(step_dir(&folder, last));
+        }
+    }
+    if !dir.exists() {
+        bail!("checkpoint folder {} does not exist", dir.display());
+    }
+    bail!("{} holds no complete checkpoint (a step-N/ folder with state.json)", dir.display())
+}

@@ -1,0 +1,99 @@
+//! `titan bench train`: a few training steps on random tokens, timed after warm-up; prints the median
+//! tokens/s, GFLOP/s (TorchTitan's FLOP count) and peak resident memory, comparable with
+//! `shared/bench/torch_llama_cpu.py`.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::backend::cpu::CpuBackend;
+use crate::config::OptimizerConfig;
+use crate::model::{init_params, Llama, ModelArgs, ParamSet, Workspace};
+use crate::train::memory::peak_memory;
+use crate::train::optimizer::AdamW;
+use crate::train::trainer::{init_threads, train_step};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchTrainArgs {
+    #[arg(long, default_value = "debugmodel")]
+    pub flavor: String,
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 256)]
+    pub seq: usize,
+    /// Timed steps (after warm-up).
+    #[arg(long, default_value_t = 10)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// CPU threads (0: every core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Override the flavor's number of KV heads (grouped-query attention).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Print one JSON object instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
+    init_threads(a.threads);
+    let be = CpuBackend::new();
+    let mut args = ModelArgs::flavor(&a.flavor)?;
+    if let Some(kv) = a.kv_heads {
+        args.n_kv_heads = kv;
+    }
+    args.validate()?;
+    crate::train::memory::check_fits(&crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq), &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq))?;
+    let model = Llama::new(&be, args.clone(), a.seq)?;
+    let specs = model.param_specs();
+    let mut params = init_params(&be, &args, 0);
+    let mut grads = ParamSet::zeros(&be, &specs);
+    let mut opt = AdamW::new(&be, &specs, OptimizerConfig::default());
+    let mut ws = Workspace::new(&be, &args, a.batch, a.seq);
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let batches: Vec<Vec<u32>> = (0..4).map(|_| (0..a.batch * (a.seq + 1)).map(|_| rng.gen_range(0..args.vocab_size as u32)).collect()).collect();
+    let mut times = Vec::new();
+    let mut losses = Vec::new();
+    for i in 0..a.warmup + a.steps {
+        let t0 = Instant::now();
+        let (loss, _) = train_step(&be, &model, &mut params, &mut grads, &mut opt, &mut ws, std::slice::from_ref(&batches[i % batches.len()]), 8e-4, i as u64 + 1, 1.0)?;
+        let dt = t0.elapsed().as_secs_f64();
+        losses.push(loss);
+        if i >= a.warmup {
+            times.push(dt);
+        }
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    let median = times[times.len() / 2];
+    let tokens = (a.batch * a.seq) as f64;
+    let tok_s = tokens / median;
+    let gflops = tok_s * args.flops_per_token(a.seq) / 1e9;
+    let peak = peak_memory();
+    let threads = rayon::current_num_threads();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"flavor": a.flavor, "batch": a.batch, "seq": a.seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
+                "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1], "tokens_per_s": tok_s,
+                "gflops": gflops, "peak_rss_mib": peak as f64 / (1 << 20) as f64, "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
+        );
+    } else {
+        println!(
+            "bench train | {} b={} s={} threads={threads} | tok/s {tok_s:.0} | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | peak RSS {:.0} MiB | loss {:.3} -> {:.3}",
+            a.flavor,
+            a.batch,
+            a.seq,
+            median * 1e3,
+            times[0] * 1e3,
+            times[times.len() - 1] * 1e3,
+            peak as f64 / (1 << 20) as f64,
+            losses[0],
+            losses[losses.len() - 1]
+        );
+    }
+    Ok(())
+}

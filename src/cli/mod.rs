@@ -1,0 +1,103 @@
+//! The `titan` command: argument parsing and dispatch to the subcommands.
+
+pub mod bench;
+pub mod generate;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "titan", version, about = "Rust-native LLM pretraining (Llama 3), the counterpart of TorchTitan")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Train a model. With no arguments: the Llama 3 debug model on the built-in corpus, on CPU.
+    Train {
+        /// A TOML job config (TorchTitan section and key names); defaults to configs/debug_model.toml.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// No progress bar or per-step lines (metrics.jsonl is still written).
+        #[arg(long)]
+        quiet: bool,
+        /// Overrides: --section.key VALUE (e.g. --training.steps 50 --model.flavor 8B).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "--section.key VALUE")]
+        overrides: Vec<String>,
+    },
+    /// Sample text from a trained checkpoint (KV cache; temperature 0 is greedy).
+    Generate(generate::GenerateArgs),
+    /// Convert checkpoints to and from Hugging Face Llama safetensors.
+    Convert {
+        #[command(subcommand)]
+        direction: ConvertCommand,
+    },
+    /// Tokenizer tools.
+    Tokenizer {
+        #[command(subcommand)]
+        action: TokenizerCommand,
+    },
+    /// Benchmarks (not tests): print throughput, GFLOP/s and memory.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ConvertCommand {
+    /// titan checkpoint → HF folder (model.safetensors + config.json), loadable by `transformers`.
+    HfExport {
+        checkpoint: PathBuf,
+        out_dir: PathBuf,
+        /// Storage dtype of the exported weights: float32 or bfloat16.
+        #[arg(long, default_value = "float32")]
+        dtype: String,
+    },
+    /// HF Llama folder (config.json + *.safetensors) → titan checkpoint (step-0, fresh optimizer state).
+    HfImport { hf_dir: PathBuf, out_checkpoint_dir: PathBuf },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer (HF tokenizer.json) from text, JSONL or a folder of them.
+    Train {
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        vocab_size: usize,
+        #[arg(long)]
+        output: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Train steps on synthetic tokens; median tokens/s, GFLOP/s and peak memory after warm-up.
+    Train(bench::BenchTrainArgs),
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train { config, quiet, overrides } => {
+            let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
+            crate::train::train(&cfg, &crate::train::RunOptions { quiet })?;
+            Ok(())
+        }
+        Command::Generate(args) => generate::run(&args),
+        Command::Convert { direction } => match direction {
+            ConvertCommand::HfExport { checkpoint, out_dir, dtype } => crate::checkpoint::hf::export(&checkpoint, &out_dir, crate::tensor::DType::parse(&dtype)?),
+            ConvertCommand::HfImport { hf_dir, out_checkpoint_dir } => crate::checkpoint::hf::import(&hf_dir, &out_checkpoint_dir),
+        },
+        Command::Tokenizer { action } => match action {
+            TokenizerCommand::Train { input, vocab_size, output } => crate::data::bpe::train_bpe(&input, vocab_size, &output),
+        },
+        Command::Bench { what } => match what {
+            BenchCommand::Train(args) => bench::run_train(&args),
+        },
+    }
+}

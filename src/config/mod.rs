@@ -1,0 +1,396 @@
+//! Job configuration: TOML files with TorchTitan's section and key names, `--section.key value`
+//! overrides on the command line, and validation whose errors name the file, the key and what is
+//! accepted. The built-in defaults are `configs/debug_model.toml` (embedded at build time), so
+//! `titan train` with no arguments trains the debug model on the synthetic corpus.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// The embedded default job (kept identical to `configs/debug_model.toml`, which a test checks).
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/debug_model.toml");
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub job: JobConfig,
+    pub model: ModelConfig,
+    pub optimizer: OptimizerConfig,
+    pub lr_scheduler: LrSchedulerConfig,
+    pub training: TrainingConfig,
+    pub checkpoint: CheckpointConfig,
+    pub metrics: MetricsConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobConfig {
+    pub dump_folder: String,
+    pub description: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub name: String,
+    pub flavor: String,
+    /// A Hugging Face `tokenizer.json`; empty selects the built-in byte-level tokenizer.
+    pub tokenizer_path: String,
+    // Optional overrides of the flavor's shapes (research and tests).
+    pub dim: Option<usize>,
+    pub n_layers: Option<usize>,
+    pub n_heads: Option<usize>,
+    pub n_kv_heads: Option<usize>,
+    pub vocab_size: Option<usize>,
+    pub multiple_of: Option<usize>,
+    pub ffn_dim_multiplier: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub norm_eps: Option<f32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub name: String,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayType {
+    Linear,
+    Sqrt,
+    Cosine,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LrSchedulerConfig {
+    pub warmup_steps: u64,
+    /// Share of the steps spent decaying at the end; absent means every step after warm-up decays.
+    pub decay_ratio: Option<f64>,
+    pub decay_type: DecayType,
+    pub min_lr_factor: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainingConfig {
+    pub local_batch_size: usize,
+    /// Sequences per optimizer step; a multiple of `local_batch_size` (accumulation). -1: no accumulation.
+    pub global_batch_size: i64,
+    pub seq_len: usize,
+    pub steps: u64,
+    /// Clip the global gradient norm to this value; 0 disables clipping.
+    pub max_norm: f64,
+    pub dataset: String,
+    pub dataset_path: String,
+    pub seed: u64,
+    pub device: String,
+    /// CPU threads; 0 uses every core.
+    pub threads: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    pub enable: bool,
+    pub interval: u64,
+    /// Checkpoints to keep (oldest removed first); 0 keeps all.
+    pub keep_latest_k: usize,
+    /// Relative to `job.dump_folder` unless absolute.
+    pub folder: String,
+    /// Step to resume from; -1 picks the latest complete checkpoint.
+    pub load_step: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    pub log_freq: u64,
+    pub enable_tensorboard: bool,
+    /// Relative to `job.dump_folder`.
+    pub save_tb_folder: String,
+    /// Peak TFLOP/s used for MFU; 0 uses the documented default of the device (see README).
+    pub peak_tflops: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { job: JobConfig::default(), model: ModelConfig::default(), optimizer: OptimizerConfig::default(), lr_scheduler: LrSchedulerConfig::default(), training: TrainingConfig::default(), checkpoint: CheckpointConfig::default(), metrics: MetricsConfig::default() }
+    }
+}
+
+impl Default for JobConfig {
+    fn default() -> Self {
+        JobConfig { dump_folder: "./outputs".into(), description: "Llama 3 debug model on the built-in corpus".into() }
+    }
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig { name: "llama3".into(), flavor: "debugmodel".into(), tokenizer_path: String::new(), dim: None, n_layers: None, n_heads: None, n_kv_heads: None, vocab_size: None, multiple_of: None, ffn_dim_multiplier: None, rope_theta: None, norm_eps: None }
+    }
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig { name: "AdamW".into(), lr: 8e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+}
+
+impl Default for LrSchedulerConfig {
+    fn default() -> Self {
+        LrSchedulerConfig { warmup_steps: 20, decay_ratio: None, decay_type: DecayType::Linear, min_lr_factor: 0.0 }
+    }
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        TrainingConfig { local_batch_size: 8, global_batch_size: -1, seq_len: 256, steps: 200, max_norm: 1.0, dataset: "synthetic".into(), dataset_path: String::new(), seed: 42, device: "cpu".into(), threads: 0 }
+    }
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { enable: true, interval: 100, keep_latest_k: 3, folder: "checkpoint".into(), load_step: -1 }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig { log_freq: 10, enable_tensorboard: false, save_tb_folder: "tb".into(), peak_tflops: 0.0 }
+    }
+}
+
+/// The dataset kinds `[training] dataset` accepts.
+pub const DATASETS: &[&str] = &["synthetic", "text", "jsonl", "parquet", "tokens_u16", "tokens_u32"];
+pub const DEVICES: &[&str] = &["cpu", "cuda", "auto"];
+
+impl Config {
+    /// Reads `path` (or the built-in defaults when `None`) and applies `--section.key value` overrides.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
+        let (source, text) = match path {
+            Some(p) => (p.display().to_string(), std::fs::read_to_string(p).with_context(|| format!("cannot read config file {}", p.display()))?),
+            None => ("built-in defaults (configs/debug_model.toml)".to_string(), DEFAULT_CONFIG_TOML.to_string()),
+        };
+        let mut table: toml::Table = toml::from_str(&text).map_err(|e| anyhow!("config {source}: {e}"))?;
+        let pairs = parse_overrides(overrides)?;
+        for (section, key, value) in &pairs {
+            let entry = table.entry(section.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            match entry {
+                toml::Value::Table(t) => {
+                    t.insert(key.clone(), value.clone());
+                }
+                _ => bail!("override --{section}.{key}: `{section}` is not a section"),
+            }
+        }
+        let with = if pairs.is_empty() { String::new() } else { format!(" with overrides {}", pairs.iter().map(|(s, k, _)| format!("--{s}.{k}")).collect::<Vec<_>>().join(" ")) };
+        let cfg: Config = Config::deserialize(toml::Value::Table(table)).map_err(|e| anyhow!("config {source}{with}: {e}"))?;
+        cfg.validate().map_err(|e| anyhow!("config {source}{with}: {e}"))?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.model.name != "llama3" {
+            bail!("[model] name = `{}` is not supported (accepted: llama3)", self.model.name);
+        }
+        crate::model::ModelArgs::flavor(&self.model.flavor).map_err(|e| anyhow!("[model] flavor: {e}"))?;
+        if self.optimizer.name != "AdamW" {
+            bail!("[optimizer] name = `{}` is not supported (accepted: AdamW)", self.optimizer.name);
+        }
+        if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
+            bail!("[optimizer] lr must be a positive number, got {}", self.optimizer.lr);
+        }
+        for (k, v) in [("beta1", self.optimizer.beta1), ("beta2", self.optimizer.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                bail!("[optimizer] {k} must be in [0, 1), got {v}");
+            }
+        }
+        if let Some(r) = self.lr_scheduler.decay_ratio {
+            if !(0.0..=1.0).contains(&r) {
+                bail!("[lr_scheduler] decay_ratio must be in [0, 1], got {r}");
+            }
+        }
+        if !(0.0..=1.0).contains(&self.lr_scheduler.min_lr_factor) {
+            bail!("[lr_scheduler] min_lr_factor must be in [0, 1], got {}", self.lr_scheduler.min_lr_factor);
+        }
+        let t = &self.training;
+        if t.local_batch_size == 0 || t.seq_len == 0 || t.steps == 0 {
+            bail!("[training] local_batch_size, seq_len and steps must be positive (got {}, {}, {})", t.local_batch_size, t.seq_len, t.steps);
+        }
+        if t.global_batch_size != -1 && (t.global_batch_size <= 0 || t.global_batch_size as usize % t.local_batch_size != 0) {
+            bail!("[training] global_batch_size = {} must be -1 or a positive multiple of local_batch_size = {}", t.global_batch_size, t.local_batch_size);
+        }
+        if t.max_norm < 0.0 {
+            bail!("[training] max_norm must be >= 0 (0 disables clipping), got {}", t.max_norm);
+        }
+        if !DATASETS.contains(&t.dataset.as_str()) {
+            bail!("[training] dataset = `{}` is not known (accepted: {})", t.dataset, DATASETS.join(", "));
+        }
+        if t.dataset != "synthetic" && t.dataset_path.is_empty() {
+            bail!("[training] dataset = `{}` needs dataset_path", t.dataset);
+        }
+        if !DEVICES.contains(&t.device.as_str()) {
+            bail!("[training] device = `{}` is not known (accepted: {})", t.device, DEVICES.join(", "));
+        }
+        if self.checkpoint.interval == 0 {
+            bail!("[checkpoint] interval must be positive");
+        }
+        if self.metrics.log_freq == 0 {
+            bail!("[metrics] log_freq must be positive");
+        }
+        Ok(())
+    }
+
+    /// Sequences per optimizer step.
+    pub fn global_batch_size(&self) -> usize {
+        if self.training.global_batch_size < 0 {
+            self.training.local_batch_size
+        } else {
+            self.training.global_batch_size as usize
+        }
+    }
+
+    pub fn dump_folder(&self) -> PathBuf {
+        PathBuf::from(&self.job.dump_folder)
+    }
+
+    pub fn checkpoint_folder(&self) -> PathBuf {
+        self.dump_folder().join(&self.checkpoint.folder)
+    }
+
+    /// Model shapes: the flavor, with any `[model]` overrides applied.
+    pub fn model_args(&self) -> Result<crate::model::ModelArgs> {
+        let m = &self.model;
+        let mut a = crate::model::ModelArgs::flavor(&m.flavor)?;
+        let base_mult = match m.flavor.as_str() {
+            "1B" => Some(1.5),
+            "3B" => Some(1.0),
+            "8B" | "70B" => Some(1.3),
+            "405B" => Some(1.2),
+            _ => None,
+        };
+        let base_multiple = match m.flavor.as_str() {
+            "8B" => 1024,
+            "70B" | "405B" => 4096,
+            _ => 256,
+        };
+        if let Some(v) = m.dim {
+            a.dim = v;
+        }
+        if let Some(v) = m.n_layers {
+            a.n_layers = v;
+        }
+        if let Some(v) = m.n_heads {
+            a.n_heads = v;
+            if m.n_kv_heads.is_none() && a.n_kv_heads > v {
+                a.n_kv_heads = v;
+            }
+        }
+        if let Some(v) = m.n_kv_heads {
+            a.n_kv_heads = v;
+        }
+        if let Some(v) = m.vocab_size {
+            a.vocab_size = v;
+        }
+        if let Some(v) = m.rope_theta {
+            a.rope_theta = v;
+        }
+        if let Some(v) = m.norm_eps {
+            a.norm_eps = v;
+        }
+        if m.dim.is_some() || m.multiple_of.is_some() || m.ffn_dim_multiplier.is_some() {
+            a.ffn_hidden = crate::model::args::ffn_hidden(a.dim, m.multiple_of.unwrap_or(base_multiple), m.ffn_dim_multiplier.or(base_mult));
+        }
+        a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
+        Ok(a)
+    }
+}
+
+/// Splits `--section.key value` / `--section.key=value` pairs; values parse as TOML (number, bool,
+/// string, array), falling back to a plain string.
+pub fn parse_overrides(args: &[String]) -> Result<Vec<(String, String, toml::Value)>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        let Some(flag) = arg.strip_prefix("--") else {
+            bail!("unexpected argument `{arg}`: overrides look like --section.key value");
+        };
+        let (name, value) = match flag.split_once('=') {
+            Some((n, v)) => (n.to_string(), v.to_string()),
+            None => {
+                let v = args.get(i + 1).ok_or_else(|| anyhow!("override --{flag} needs a value"))?;
+                i += 1;
+                (flag.to_string(), v.clone())
+            }
+        };
+        let Some((section, key)) = name.split_once('.') else {
+            bail!("override --{name} must name a section and a key, like --training.steps 100");
+        };
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}")).ok().and_then(|mut t| t.remove("v")).unwrap_or(toml::Value::String(value.clone()));
+        out.push((section.to_string(), key.to_string(), parsed));
+        i += 1;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_defaults_equal_the_rust_defaults() {
+        assert_eq!(Config::load(None, &[]).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn overrides_apply_with_types() {
+        let args: Vec<String> = ["--training.steps", "7", "--model.flavor=8B", "--job.dump_folder", "/tmp/x"].iter().map(|s| s.to_string()).collect();
+        let c = Config::load(None, &args).unwrap();
+        assert_eq!(c.training.steps, 7);
+        assert_eq!(c.model.flavor, "8B");
+        assert_eq!(c.job.dump_folder, "/tmp/x");
+    }
+
+    #[test]
+    fn unknown_key_names_the_key_and_accepted_ones() {
+        let e = Config::load(None, &["--training.stepz".into(), "3".into()]).unwrap_err().to_string();
+        assert!(e.contains("stepz") && e.contains("steps") && e.contains("--training.stepz"), "{e}");
+        let e = Config::load(None, &["--trainin.steps".into(), "3".into()]).unwrap_err().to_string();
+        assert!(e.contains("trainin") && e.contains("training"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        let cases = [
+            (vec!["--lr_scheduler.decay_type", "exp"], "cosine"),
+            (vec!["--training.steps", "-3"], "steps"),
+            (vec!["--training.global_batch_size", "12", "--training.local_batch_size", "8"], "global_batch_size"),
+            (vec!["--training.dataset", "c5"], "synthetic"),
+            (vec!["--model.flavor", "7B"], "405B"),
+            (vec!["--training.device", "tpu"], "cuda"),
+            (vec!["--optimizer.lr", "\"fast\""], "lr"),
+        ];
+        for (args, needle) in cases {
+            let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+            let e = Config::load(None, &args).unwrap_err().to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn malformed_file_names_the_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("bad.toml");
+        std::fs::write(&p, "[training]\nsteps = 10\nseq_len = = 4\n").unwrap();
+        let e = Config::load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(e.contains("bad.toml") && e.contains("line 3"), "{e}");
+    }
+}

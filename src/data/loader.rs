@@ -1,0 +1,137 @@
+//! The stateful data loader: documents are tokenized as `[BOS] text [EOS]`, concatenated, and cut
+//! into windows of `seq_len + 1` tokens (inputs and shifted targets), `local_batch_size` windows per
+//! micro-batch. Data-parallel rank `r` of `n` takes documents (or token windows) `i` with
+//! `i % n == r`, so ranks read disjoint data. The position (epoch, documents consumed, tokens left
+//! over from the last document) is saved in checkpoints and restored exactly.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::documents::{DocumentSource, JsonlSource, SyntheticSource, TextSource};
+use super::tokenizer::Tokenizer;
+use super::tokens::TokenShards;
+use crate::config::Config;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    pub epoch: u64,
+    /// Documents (of every rank) consumed in this epoch, or token windows for token shards.
+    pub consumed: u64,
+    /// Tokens of this rank's last document not yet emitted.
+    pub buffer: Vec<u32>,
+}
+
+enum Stream {
+    Documents { source: Box<dyn DocumentSource>, tokenizer: Box<dyn Tokenizer> },
+    Tokens(TokenShards),
+}
+
+pub struct DataLoader {
+    stream: Stream,
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    dp_rank: usize,
+    dp_size: usize,
+    state: LoaderState,
+}
+
+impl DataLoader {
+    /// The loader a job configures. `vocab` is the model's vocabulary (token ids are checked against it).
+    pub fn from_config(cfg: &Config, tokenizer: Box<dyn Tokenizer>, vocab: usize, dp_rank: usize, dp_size: usize) -> Result<Self> {
+        let t = &cfg.training;
+        let path = Path::new(&t.dataset_path);
+        let stream = match t.dataset.as_str() {
+            "synthetic" => Stream::Documents { source: Box::new(SyntheticSource::new(t.seed)), tokenizer },
+            "text" => Stream::Documents { source: Box::new(TextSource::open(path)?), tokenizer },
+            "jsonl" => Stream::Documents { source: Box::new(JsonlSource::open(path)?), tokenizer },
+            "parquet" => Stream::Documents { source: Box::new(super::parquet::ParquetSource::open(path)?), tokenizer },
+            "tokens_u16" => Stream::Tokens(TokenShards::open(path, 2)?),
+            "tokens_u32" => Stream::Tokens(TokenShards::open(path, 4)?),
+            other => bail!("[training] dataset = `{other}` is not known"),
+        };
+        Ok(DataLoader { stream, batch: t.local_batch_size, seq: t.seq_len, vocab, dp_rank, dp_size, state: LoaderState::default() })
+    }
+
+    pub fn describe(&self) -> String {
+        match &self.stream {
+            Stream::Documents { source, .. } => source.describe(),
+            Stream::Tokens(t) => format!("{} pre-tokenized tokens", t.total_tokens()),
+        }
+    }
+
+    pub fn state(&self) -> LoaderState {
+        self.state.clone()
+    }
+
+    /// Puts the loader where `state` says (documents are re-read and skipped up to it).
+    pub fn restore(&mut self, state: LoaderState) -> Result<()> {
+        if let Stream::Documents { source, .. } = &mut self.stream {
+            source.reset();
+            source.skip(state.consumed)?;
+        }
+        self.state = state;
+        Ok(())
+    }
+
+    /// `[batch, seq + 1]` token ids, row-major.
+    pub fn next_batch(&mut self) -> Result<Vec<u32>> {
+        let window = self.seq + 1;
+        let mut out = vec![0u32; self.batch * window];
+        for row in out.chunks_mut(window) {
+            match &mut self.stream {
+                Stream::Tokens(shards) => {
+                    let windows = shards.total_tokens() / window as u64;
+                    if windows < self.dp_size as u64 {
+                        bail!("token shards hold {} tokens, fewer than one window of seq_len+1 = {window} per data-parallel rank", shards.total_tokens());
+                    }
+                    let usable = windows / self.dp_size as u64 * self.dp_size as u64;
+                    if self.state.consumed >= usable {
+                        self.state.epoch += 1;
+                        self.state.consumed = 0;
+                        eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                    }
+                    let w = self.state.consumed + self.dp_rank as u64;
+                    shards.read(w * window as u64, row, self.vocab)?;
+                    self.state.consumed += self.dp_size as u64;
+                }
+                Stream::Documents { source, tokenizer } => {
+                    while self.state.buffer.len() < window {
+                        let doc = loop {
+                            let index = self.state.consumed;
+                            match source.next_document()? {
+                                Some(d) => {
+                                    self.state.consumed += 1;
+                                    if index % self.dp_size as u64 == self.dp_rank as u64 {
+                                        break d;
+                                    }
+                                }
+                                None => {
+                                    if self.state.consumed < self.dp_size as u64 {
+                                        bail!("dataset ({}) has fewer documents than data-parallel ranks", source.describe());
+                                    }
+                                    self.state.epoch += 1;
+                                    self.state.consumed = 0;
+                                    source.reset();
+                                    eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                                }
+                            }
+                        };
+                        let ids = tokenizer.encode(&doc)?;
+                        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
+                            bail!("tokenizer produced id {bad} but the model's vocabulary has {} entries", self.vocab);
+                        }
+                        self.state.buffer.push(tokenizer.bos_id());
+                        self.state.buffer.extend_from_slice(&ids);
+                        self.state.buffer.push(tokenizer.eos_id());
+                    }
+                    row.copy_from_slice(&self.state.buffer[..window]);
+                    self.state.buffer.drain(..window);
+                }
+            }
+        }
+        Ok(out)
+    }
+}

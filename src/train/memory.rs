@@ -1,0 +1,69 @@
+//! Memory accounting known from the config alone (the way TorchTitan builds on the meta device):
+//! a job that cannot fit is refused with the estimate before anything is allocated.
+
+use anyhow::{bail, Result};
+
+use crate::model::{llama::workspace_floats, ModelArgs};
+
+/// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments and the
+/// activation workspace of one micro-batch (plus the loss's logit block).
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryEstimate {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    pub activations: u64,
+}
+
+impl MemoryEstimate {
+    pub fn new(args: &ModelArgs, batch: usize, seq: usize) -> Self {
+        let p = args.num_params() as u64 * 4;
+        let act = (workspace_floats(args, batch, seq) + 256 * (args.vocab_size + 1)) as u64 * 4;
+        MemoryEstimate { params: p, grads: p, optimizer: 2 * p, activations: act }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.activations
+    }
+}
+
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// Memory the OS says is available (`MemAvailable`), if known.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Peak resident memory of this process (`VmHWM`), in bytes.
+pub fn peak_memory() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()))
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+/// Refuses a job whose estimate exceeds the available memory.
+pub fn check_fits(est: &MemoryEstimate, what: &str) -> Result<()> {
+    if let Some(avail) = available_memory() {
+        if est.total() > avail {
+            bail!(
+                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB) but only {:.1} GiB is available; \
+                 choose a smaller flavor, batch or seq_len",
+                gib(est.total()),
+                est.total(),
+                gib(est.params),
+                gib(est.grads),
+                gib(est.optimizer),
+                gib(est.activations),
+                gib(avail)
+            );
+        }
+    }
+    Ok(())
+}

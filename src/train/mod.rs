@@ -1,0 +1,10 @@
+//! Training: AdamW and clipping, the lr schedule, memory accounting, metrics, and the loop itself.
+
+pub mod lr;
+pub mod memory;
+pub mod metrics;
+pub mod optimizer;
+pub mod tensorboard;
+pub mod trainer;
+
+pub use trainer::{train, RunOptions, TrainSummary};

@@ -1,0 +1,216 @@
+//! The single-process training loop: build everything from the config, resume from the latest
+//! complete checkpoint, then for each step accumulate micro-batch gradients (loss normalised by the
+//! step's total number of targets), clip by global norm, AdamW, log, checkpoint.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::lr::LrSchedule;
+use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
+use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
+use super::optimizer::{clip_grads, grad_norm, AdamW};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, IGNORE_INDEX};
+use crate::checkpoint::{self, TrainState};
+use crate::config::Config;
+use crate::data::{load_tokenizer, DataLoader};
+use crate::model::{init_params, Llama, ParamSet, Workspace};
+
+/// What a finished run reports (tests compare these).
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// `(step, loss)` of every step this run executed.
+    pub losses: Vec<(u64, f64)>,
+    pub final_step: u64,
+    pub resumed_from: Option<u64>,
+}
+
+/// Options that are about this invocation rather than the job.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// No progress bar and no per-step console lines (tests, benchmarks).
+    pub quiet: bool,
+}
+
+pub fn select_backend(cfg: &Config) -> Result<CpuBackend> {
+    match cfg.training.device.as_str() {
+        "cpu" | "auto" => Ok(CpuBackend::new()),
+        "cuda" => bail!("[training] device = \"cuda\": the CUDA backend is not built yet in this titan; use device = \"cpu\""),
+        other => bail!("[training] device = `{other}` is not known (accepted: cpu, cuda, auto)"),
+    }
+}
+
+/// Sizes rayon's global pool once per process (`threads = 0` keeps rayon's default: every core).
+pub fn init_threads(threads: usize) {
+    if threads > 0 {
+        let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    }
+}
+
+pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
+    init_threads(cfg.training.threads);
+    let be = select_backend(cfg)?;
+    train_on(&be, cfg, opts)
+}
+
+fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
+    let args = cfg.model_args()?;
+    let t = &cfg.training;
+    let (batch, seq) = (t.local_batch_size, t.seq_len);
+    let accum = cfg.global_batch_size() / batch;
+    let say = |s: String| {
+        if !opts.quiet {
+            println!("{s}");
+        }
+    };
+
+    // Everything below is known from the config alone: refuse what cannot fit before allocating.
+    let est = MemoryEstimate::new(&args, batch, seq);
+    check_fits(&est, &format!("model flavor {} at local_batch_size {batch} × seq_len {seq}", cfg.model.flavor))?;
+
+    let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
+    if tokenizer.vocab_size() > args.vocab_size {
+        bail!("tokenizer {} has {} tokens but the model's vocabulary holds {}: use a model with vocab_size >= {} (--model.vocab_size)", cfg.model.tokenizer_path, tokenizer.vocab_size(), args.vocab_size, tokenizer.vocab_size());
+    }
+    let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, 0, 1)?;
+
+    let model = Llama::new(be, args.clone(), seq)?;
+    let specs = model.param_specs();
+    let mut params = init_params(be, &args, t.seed);
+    let mut grads = ParamSet::zeros(be, &specs);
+    let mut opt = AdamW::new(be, &specs, cfg.optimizer.clone());
+    let mut ws = Workspace::new(be, &args, batch, seq);
+
+    let ckpt_folder = cfg.checkpoint_folder();
+    let mut start_step = 0;
+    let mut resumed_from = None;
+    let mut last_good = None;
+    if cfg.checkpoint.enable {
+        let steps = checkpoint::list_steps(&ckpt_folder)?;
+        let pick = if cfg.checkpoint.load_step >= 0 {
+            let s = cfg.checkpoint.load_step as u64;
+            if !steps.contains(&s) {
+                bail!("[checkpoint] load_step = {s}: no complete checkpoint step-{s} in {} (found: {steps:?})", ckpt_folder.display());
+            }
+            Some(s)
+        } else {
+            steps.last().copied()
+        };
+        if let Some(s) = pick {
+            let dir = checkpoint::step_dir(&ckpt_folder, s);
+            let state = checkpoint::load(be, &dir, &args, &mut params, &mut opt.exp_avg, &mut opt.exp_avg_sq).map_err(|e| anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)"))?;
+            loader.restore(state.data)?;
+            start_step = state.step;
+            resumed_from = Some(s);
+            last_good = Some(s);
+            say(format!("resumed from {} (step {s})", dir.display()));
+        }
+    }
+
+    let tokens_per_step = (cfg.global_batch_size() * seq) as f64;
+    let flops_per_token = args.flops_per_token(seq);
+    let threads = rayon::current_num_threads();
+    let peak_tflops = if cfg.metrics.peak_tflops > 0.0 { cfg.metrics.peak_tflops } else { default_peak_tflops(be.name(), threads) };
+    say(format!(
+        "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads",
+        cfg.model.flavor,
+        args.num_params() as f64 / 1e6,
+        (args.num_params() - args.embedding_params()) as f64 / 1e6,
+        flops_per_token / 1e6,
+        be.name()
+    ));
+    say(format!(
+        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB | data: {} | batch {} × {seq} tokens, {accum} micro-batch(es)/step",
+        gib(est.params),
+        gib(est.grads),
+        gib(est.optimizer),
+        gib(est.activations),
+        loader.describe(),
+        cfg.global_batch_size()
+    ));
+
+    let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
+    let mut logger = MetricsLogger::new(&cfg.dump_folder(), cfg.metrics.enable_tensorboard.then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder)).as_deref())?;
+    let bar = if opts.quiet || start_step >= t.steps { ProgressBar::hidden() } else { ProgressBar::new(t.steps) };
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_position(start_step);
+
+    let mut losses = Vec::new();
+    for step in start_step + 1..=t.steps {
+        let t0 = Instant::now();
+        let micro: Vec<Vec<u32>> = (0..accum).map(|_| loader.next_batch()).collect::<Result<_>>()?;
+        let data_time = t0.elapsed().as_secs_f64();
+        let lr = schedule.lr(step);
+        let (loss, norm) = train_step(be, &model, &mut params, &mut grads, &mut opt, &mut ws, &micro, lr, step, t.max_norm)?;
+        if !loss.is_finite() || !norm.is_finite() {
+            let keep = match last_good {
+                Some(s) => format!("the last good checkpoint is {}", checkpoint::step_dir(&ckpt_folder, s).display()),
+                None => "no checkpoint was written".into(),
+            };
+            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {keep}. Lower [optimizer] lr or set [training] max_norm");
+        }
+        let step_time = t0.elapsed().as_secs_f64();
+        losses.push((step, loss));
+
+        let tokens_per_s = tokens_per_step / step_time;
+        let tflops = tokens_per_s * flops_per_token / 1e12;
+        let m = StepMetrics { step, loss, grad_norm: norm, lr, tokens_per_s, tflops, mfu: 100.0 * tflops / peak_tflops, step_time_s: step_time, data_time_pct: 100.0 * data_time / step_time, peak_memory_bytes: peak_memory() };
+        if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
+            logger.log(&m)?;
+            if !opts.quiet {
+                emit(&bar, m.console_line());
+            }
+        }
+        bar.set_message(format!("loss {loss:.4}"));
+        bar.inc(1);
+
+        if cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps) {
+            let state = TrainState { format_version: checkpoint::FORMAT_VERSION, step, model_args: args.clone(), seed: t.seed, data: loader.state(), tokenizer_path: cfg.model.tokenizer_path.clone(), files: Default::default() };
+            let dir = checkpoint::save(be, &ckpt_folder, &params, &opt.exp_avg, &opt.exp_avg_sq, state, cfg.checkpoint.keep_latest_k)?;
+            last_good = Some(step);
+            if !opts.quiet {
+                emit(&bar, format!("saved checkpoint {}", dir.display()));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    if let Some(&(s, l)) = losses.last() {
+        say(format!("done: step {s}, loss {l:.4}, peak memory {:.0} MiB", peak_memory() as f64 / (1 << 20) as f64));
+    } else {
+        say(format!("nothing to do: the checkpoint is already at step {start_step} of {}", t.steps));
+    }
+    Ok(TrainSummary { losses, final_step: t.steps.max(start_step), resumed_from })
+}
+
+/// A line above the progress bar, or plainly when the bar is hidden (output is not a terminal).
+fn emit(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+/// One optimizer step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
+/// normalised by the total number of targets, then clipping and AdamW. Returns (loss, grad norm
+/// before clipping); when either is not finite the parameters are left untouched.
+#[allow(clippy::too_many_arguments)]
+pub fn train_step<B: Backend>(be: &B, model: &Llama<B>, params: &mut ParamSet<B>, grads: &mut ParamSet<B>, opt: &mut AdamW<B>, ws: &mut Workspace<B>, micro: &[Vec<u32>], lr: f64, step: u64, max_norm: f64) -> Result<(f64, f64)> {
+    let seq = ws.seq;
+    let targets: usize = micro.iter().map(|m| m.chunks(seq + 1).map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count()).sum::<usize>()).sum();
+    let scale = 1.0 / targets.max(1) as f32;
+    grads.zero(be);
+    let mut loss_sum = 0.0;
+    for tokens in micro {
+        loss_sum += model.forward_backward(be, params, grads, ws, tokens, scale)?.sum;
+    }
+    let loss = loss_sum / targets.max(1) as f64;
+    let norm = grad_norm(be, grads);
+    if loss.is_finite() && norm.is_finite() {
+        clip_grads(be, grads, norm, max_norm);
+        opt.step(be, params, grads, lr, step);
+    }
+    Ok((loss, norm))
+}
