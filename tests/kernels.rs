@@ -8,7 +8,9 @@ use titan::backend::cpu::CpuBackend;
 use titan::backend::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
-    (0..n).map(|_| (rng.gen::<f64>() * 2.0 - 1.0) * scale).collect()
+    (0..n)
+        .map(|_| (rng.gen::<f64>() * 2.0 - 1.0) * scale)
+        .collect()
 }
 
 fn f32s(v: &[f64]) -> Vec<f32> {
@@ -24,7 +26,10 @@ fn assert_close(name: &str, got: &[f32], want: &[f64], rtol: f64, atol: f64) {
     assert_eq!(got.len(), want.len(), "{name}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let err = (g as f64 - w).abs();
-        assert!(err <= atol + rtol * w.abs(), "{name}[{i}]: got {g}, want {w} (err {err:e})");
+        assert!(
+            err <= atol + rtol * w.abs(),
+            "{name}[{i}]: got {g}, want {w} (err {err:e})"
+        );
         assert!(g.is_finite(), "{name}[{i}] is not finite");
     }
 }
@@ -44,9 +49,16 @@ fn fd_check(name: &str, x: &[f64], f: impl Fn(&[f64]) -> f64, analytic: &[f32]) 
         let numeric = (up - down) / (2.0 * h);
         let err = (numeric - analytic[i] as f64).abs() / scale;
         max_err = max_err.max(err);
-        assert!(err < 2e-4, "{name}: d/dx[{i}] analytic {} vs numeric {numeric} (err {err:e} of max |g| {scale:e})", analytic[i]);
+        assert!(
+            err < 2e-4,
+            "{name}: d/dx[{i}] analytic {} vs numeric {numeric} (err {err:e} of max |g| {scale:e})",
+            analytic[i]
+        );
     }
-    assert!(analytic.iter().any(|&g| g != 0.0), "{name}: gradient is identically zero");
+    assert!(
+        analytic.iter().any(|&g| g != 0.0),
+        "{name}: gradient is identically zero"
+    );
 }
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
@@ -59,7 +71,12 @@ fn ref_matmul(a: &[f64], b: &[f64], m: usize, k: usize, n: usize, ta: bool, tb: 
     let mut out = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            out[i * n + j] = (0..k).map(|p| (if ta { a[p * m + i] } else { a[i * k + p] }) * (if tb { b[j * k + p] } else { b[p * n + j] })).sum();
+            out[i * n + j] = (0..k)
+                .map(|p| {
+                    (if ta { a[p * m + i] } else { a[i * k + p] })
+                        * (if tb { b[j * k + p] } else { b[p * n + j] })
+                })
+                .sum();
         }
     }
     out
@@ -69,12 +86,23 @@ fn ref_rmsnorm(x: &[f64], w: &[f64], dim: usize, eps: f64) -> Vec<f64> {
     x.chunks(dim)
         .flat_map(|r| {
             let rs = 1.0 / (r.iter().map(|v| v * v).sum::<f64>() / dim as f64 + eps).sqrt();
-            r.iter().zip(w).map(move |(v, w)| v * rs * w).collect::<Vec<_>>()
+            r.iter()
+                .zip(w)
+                .map(move |(v, w)| v * rs * w)
+                .collect::<Vec<_>>()
         })
         .collect()
 }
 
-fn ref_rope(x: &[f64], seq: usize, heads: usize, hd: usize, theta: f64, scaling: Option<RopeScaling>, offset: usize) -> Vec<f64> {
+fn ref_rope(
+    x: &[f64],
+    seq: usize,
+    heads: usize,
+    hd: usize,
+    theta: f64,
+    scaling: Option<RopeScaling>,
+    offset: usize,
+) -> Vec<f64> {
     let inv = titan::backend::cpu::rope::inverse_frequencies(hd, theta, scaling);
     let mut out = x.to_vec();
     for (t, row) in out.chunks_mut(heads * hd).enumerate() {
@@ -101,7 +129,14 @@ fn ref_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
             for i in 0..s.q_len {
                 let qi = &q[((b * s.q_len + i) * s.n_heads + h) * hd..][..hd];
                 let pos = s.q_offset + i;
-                let scores: Vec<f64> = (0..=pos).map(|j| dot(qi, &k[((b * s.kv_capacity + j) * s.n_kv_heads + kvh) * hd..][..hd]) / (hd as f64).sqrt()).collect();
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|j| {
+                        dot(
+                            qi,
+                            &k[((b * s.kv_capacity + j) * s.n_kv_heads + kvh) * hd..][..hd],
+                        ) / (hd as f64).sqrt()
+                    })
+                    .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
                 let o = &mut out[((b * s.q_len + i) * s.n_heads + h) * hd..][..hd];
@@ -170,12 +205,27 @@ fn embedding_forward_and_backward() {
     let ids = vec![3u32, 0, 3, 6, 3];
     let mut out = vec![0.0; ids.len() * dim];
     be.embedding_forward(&mut out, &f32s(&table), &ids, dim);
-    let want: Vec<f64> = ids.iter().flat_map(|&i| table[i as usize * dim..(i as usize + 1) * dim].to_vec()).collect();
+    let want: Vec<f64> = ids
+        .iter()
+        .flat_map(|&i| table[i as usize * dim..(i as usize + 1) * dim].to_vec())
+        .collect();
     assert_close("embedding", &out, &want, 0.0, 0.0);
     let r = rounded(rand_vec(&mut rng, ids.len() * dim, 1.0));
     let mut dtable = vec![0.0; vocab * dim];
     be.embedding_backward(&mut dtable, &f32s(&r), &ids, dim);
-    fd_check("embedding dtable", &table, |t| dot(&ids.iter().flat_map(|&i| t[i as usize * dim..(i as usize + 1) * dim].to_vec()).collect::<Vec<_>>(), &r), &dtable);
+    fd_check(
+        "embedding dtable",
+        &table,
+        |t| {
+            dot(
+                &ids.iter()
+                    .flat_map(|&i| t[i as usize * dim..(i as usize + 1) * dim].to_vec())
+                    .collect::<Vec<_>>(),
+                &r,
+            )
+        },
+        &dtable,
+    );
 }
 
 #[test]
@@ -190,34 +240,79 @@ fn rmsnorm_forward_and_backward() {
     be.rmsnorm_forward(&mut out, &mut rstd, &f32s(&x), &f32s(&w), dim, eps as f32);
     assert_close("rmsnorm", &out, &ref_rmsnorm(&x, &w, dim, eps), 1e-5, 1e-6);
     let (mut dx, mut dw) = (vec![0.0; rows * dim], vec![0.0; dim]);
-    be.rmsnorm_backward(&mut dx, &mut dw, &f32s(&r), &f32s(&x), &f32s(&w), &rstd, dim);
-    fd_check("rmsnorm dx", &x, |x| dot(&ref_rmsnorm(x, &w, dim, eps), &r), &dx);
-    fd_check("rmsnorm dw", &w, |w| dot(&ref_rmsnorm(&x, w, dim, eps), &r), &dw);
+    be.rmsnorm_backward(
+        &mut dx,
+        &mut dw,
+        &f32s(&r),
+        &f32s(&x),
+        &f32s(&w),
+        &rstd,
+        dim,
+    );
+    fd_check(
+        "rmsnorm dx",
+        &x,
+        |x| dot(&ref_rmsnorm(x, &w, dim, eps), &r),
+        &dx,
+    );
+    fd_check(
+        "rmsnorm dw",
+        &w,
+        |w| dot(&ref_rmsnorm(&x, w, dim, eps), &r),
+        &dw,
+    );
 }
 
 #[test]
 fn rope_forward_and_backward_with_llama31_scaling() {
     let be = CpuBackend::new();
     let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let scaling = Some(RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 64 });
+    let scaling = Some(RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64,
+    });
     let (batch, seq, heads, hd, theta) = (2, 9, 3, 16, 10000.0);
     let (cos, sin) = rope_tables(hd, 64, theta, scaling);
     let x = rounded(rand_vec(&mut rng, batch * seq * heads * hd, 1.0));
     let mut y = f32s(&x);
     be.rope_forward(&mut y, &cos, &sin, batch, seq, heads, hd, 0);
-    assert_close("rope", &y, &ref_rope(&x, seq, heads, hd, theta, scaling, 0), 1e-5, 1e-6);
+    assert_close(
+        "rope",
+        &y,
+        &ref_rope(&x, seq, heads, hd, theta, scaling, 0),
+        1e-5,
+        1e-6,
+    );
     let mut y_off = f32s(&x[..seq * heads * hd]);
     be.rope_forward(&mut y_off, &cos, &sin, 1, seq, heads, hd, 5);
-    assert_close("rope offset", &y_off, &ref_rope(&x[..seq * heads * hd], seq, heads, hd, theta, scaling, 5), 1e-5, 1e-6);
+    assert_close(
+        "rope offset",
+        &y_off,
+        &ref_rope(&x[..seq * heads * hd], seq, heads, hd, theta, scaling, 5),
+        1e-5,
+        1e-6,
+    );
     let r = rounded(rand_vec(&mut rng, x.len(), 1.0));
     let mut dx = f32s(&r);
     be.rope_backward(&mut dx, &cos, &sin, batch, seq, heads, hd);
-    fd_check("rope dx", &x, |x| dot(&ref_rope(x, seq, heads, hd, theta, scaling, 0), &r), &dx);
+    fd_check(
+        "rope dx",
+        &x,
+        |x| dot(&ref_rope(x, seq, heads, hd, theta, scaling, 0), &r),
+        &dx,
+    );
 }
 
 #[test]
 fn llama31_scaling_changes_only_low_frequencies() {
-    let scaling = RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+    let scaling = RopeScaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
     let plain = titan::backend::cpu::rope::inverse_frequencies(128, 500000.0, None);
     let scaled = titan::backend::cpu::rope::inverse_frequencies(128, 500000.0, Some(scaling));
     assert_eq!(plain[0], scaled[0]);
@@ -227,9 +322,21 @@ fn llama31_scaling_changes_only_low_frequencies() {
 fn attention_case(s: AttnShape, seed: u64) {
     let be = CpuBackend::new();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let q = rounded(rand_vec(&mut rng, s.batch * s.q_len * s.n_heads * s.head_dim, 1.5));
-    let k = rounded(rand_vec(&mut rng, s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim, 1.5));
-    let v = rounded(rand_vec(&mut rng, s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim, 1.0));
+    let q = rounded(rand_vec(
+        &mut rng,
+        s.batch * s.q_len * s.n_heads * s.head_dim,
+        1.5,
+    ));
+    let k = rounded(rand_vec(
+        &mut rng,
+        s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim,
+        1.5,
+    ));
+    let v = rounded(rand_vec(
+        &mut rng,
+        s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim,
+        1.0,
+    ));
     let mut out = vec![0.0; q.len()];
     let mut lse = vec![0.0; s.batch * s.n_heads * s.q_len];
     be.attention_forward(&mut out, &mut lse, &f32s(&q), &f32s(&k), &f32s(&v), s);
@@ -239,10 +346,36 @@ fn attention_case(s: AttnShape, seed: u64) {
     }
     let r = rounded(rand_vec(&mut rng, q.len(), 1.0));
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    be.attention_backward(&mut dq, &mut dk, &mut dv, &f32s(&r), &f32s(&q), &f32s(&k), &f32s(&v), &out, &lse, s);
-    fd_check("attention dq", &q, |q| dot(&ref_attention(q, &k, &v, s), &r), &dq);
-    fd_check("attention dk", &k, |k| dot(&ref_attention(&q, k, &v, s), &r), &dk);
-    fd_check("attention dv", &v, |v| dot(&ref_attention(&q, &k, v, s), &r), &dv);
+    be.attention_backward(
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        &f32s(&r),
+        &f32s(&q),
+        &f32s(&k),
+        &f32s(&v),
+        &out,
+        &lse,
+        s,
+    );
+    fd_check(
+        "attention dq",
+        &q,
+        |q| dot(&ref_attention(q, &k, &v, s), &r),
+        &dq,
+    );
+    fd_check(
+        "attention dk",
+        &k,
+        |k| dot(&ref_attention(&q, k, &v, s), &r),
+        &dk,
+    );
+    fd_check(
+        "attention dv",
+        &v,
+        |v| dot(&ref_attention(&q, &k, v, s), &r),
+        &dv,
+    );
 }
 
 #[test]
@@ -263,7 +396,16 @@ fn attention_spans_several_tiles() {
 
 #[test]
 fn attention_with_cache_offset_matches_reference() {
-    let s = AttnShape { batch: 1, q_len: 3, kv_len: 8, kv_capacity: 12, n_heads: 4, n_kv_heads: 2, head_dim: 8, q_offset: 5 };
+    let s = AttnShape {
+        batch: 1,
+        q_len: 3,
+        kv_len: 8,
+        kv_capacity: 12,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        q_offset: 5,
+    };
     attention_case(s, 8);
 }
 
@@ -277,7 +419,12 @@ fn swiglu_forward_and_backward() {
     let r = rounded(rand_vec(&mut rng, n, 1.0));
     let mut out = vec![0.0; n];
     be.swiglu_forward(&mut out, &f32s(&g), &f32s(&u));
-    let fwd = |g: &[f64], u: &[f64]| g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect::<Vec<_>>();
+    let fwd = |g: &[f64], u: &[f64]| {
+        g.iter()
+            .zip(u)
+            .map(|(g, u)| silu(*g) * u)
+            .collect::<Vec<_>>()
+    };
     assert_close("swiglu", &out, &fwd(&g, &u), 1e-6, 1e-6);
     let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
     be.swiglu_backward(&mut dg, &mut du, &f32s(&r), &f32s(&g), &f32s(&u));
@@ -297,13 +444,35 @@ fn cross_entropy_fused_with_projection() {
     targets[17] = IGNORE_INDEX;
     let scale = 0.37f32;
     let (mut dh, mut dw) = (vec![0.0; rows * dim], vec![0.0; vocab * dim]);
-    let loss = be.cross_entropy_forward_backward(&f32s(&h), &f32s(&w), &targets, dim, vocab, scale, Some((&mut dh, &mut dw)));
+    let loss = be.cross_entropy_forward_backward(
+        &f32s(&h),
+        &f32s(&w),
+        &targets,
+        dim,
+        vocab,
+        scale,
+        Some((&mut dh, &mut dw)),
+    );
     let want = ref_cross_entropy(&h, &w, &targets, dim, vocab);
     assert_eq!(loss.count, rows - 1);
-    assert!((loss.sum - want).abs() < 1e-4 * want.abs(), "{} vs {want}", loss.sum);
+    assert!(
+        (loss.sum - want).abs() < 1e-4 * want.abs(),
+        "{} vs {want}",
+        loss.sum
+    );
     let s = scale as f64;
-    fd_check("cross-entropy dh", &h, |h| s * ref_cross_entropy(h, &w, &targets, dim, vocab), &dh);
-    fd_check("cross-entropy dweight", &w, |w| s * ref_cross_entropy(&h, w, &targets, dim, vocab), &dw);
+    fd_check(
+        "cross-entropy dh",
+        &h,
+        |h| s * ref_cross_entropy(h, &w, &targets, dim, vocab),
+        &dh,
+    );
+    fd_check(
+        "cross-entropy dweight",
+        &w,
+        |w| s * ref_cross_entropy(&h, w, &targets, dim, vocab),
+        &dw,
+    );
 }
 
 #[test]
@@ -313,10 +482,21 @@ fn adamw_matches_pytorch_formula() {
     let n = 50;
     let mut p = f32s(&rand_vec(&mut rng, n, 1.0));
     let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
-    let (mut pr, mut mr, mut vr): (Vec<f64>, Vec<f64>, Vec<f64>) = (p.iter().map(|&x| x as f64).collect(), vec![0.0; n], vec![0.0; n]);
+    let (mut pr, mut mr, mut vr): (Vec<f64>, Vec<f64>, Vec<f64>) = (
+        p.iter().map(|&x| x as f64).collect(),
+        vec![0.0; n],
+        vec![0.0; n],
+    );
     for step in 1..=3u64 {
         let g = f32s(&rand_vec(&mut rng, n, 1.0));
-        let hp = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step };
+        let hp = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step,
+        };
         be.adamw_step(&mut p, &g, &mut m, &mut v, hp);
         for i in 0..n {
             let gi = g[i] as f64;
@@ -334,10 +514,16 @@ fn adamw_matches_pytorch_formula() {
 #[test]
 fn sum_squares_is_exact_and_thread_independent() {
     let be = CpuBackend::new();
-    let x: Vec<f32> = (0..100_000).map(|i| ((i % 17) as f32 - 8.0) * 0.25).collect();
+    let x: Vec<f32> = (0..100_000)
+        .map(|i| ((i % 17) as f32 - 8.0) * 0.25)
+        .collect();
     let want: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
     let got = be.sum_squares(&x);
     assert!((got - want).abs() < 1e-9 * want);
-    let single = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| be.sum_squares(&x));
+    let single = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(|| be.sum_squares(&x));
     assert_eq!(got.to_bits(), single.to_bits());
 }

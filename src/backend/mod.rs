@@ -24,8 +24,23 @@ pub struct AttnShape {
 
 impl AttnShape {
     /// The training case: queries and keys are the same sequence.
-    pub fn causal(batch: usize, seq: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Self {
-        AttnShape { batch, q_len: seq, kv_len: seq, kv_capacity: seq, n_heads, n_kv_heads, head_dim, q_offset: 0 }
+    pub fn causal(
+        batch: usize,
+        seq: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        AttnShape {
+            batch,
+            q_len: seq,
+            kv_len: seq,
+            kv_capacity: seq,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            q_offset: 0,
+        }
     }
 }
 
@@ -70,7 +85,18 @@ pub trait Backend: Send + Sync {
     /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`. `a` is stored `[m,k]`, or `[k,m]` when `trans_a`;
     /// `b` is stored `[k,n]`, or `[n,k]` when `trans_b`. With `accumulate` the product is added.
     #[allow(clippy::too_many_arguments)]
-    fn matmul(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf, m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool, accumulate: bool);
+    fn matmul(
+        &self,
+        out: &mut Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    );
 
     // ---- embedding ----
     fn embedding_forward(&self, out: &mut Self::Buf, table: &Self::Buf, ids: &[u32], dim: usize);
@@ -79,28 +105,91 @@ pub trait Backend: Send + Sync {
 
     // ---- RMSNorm ----
     /// `out = x / rms(x) * weight` per row; `rstd` receives `1/rms` per row for the backward.
-    fn rmsnorm_forward(&self, out: &mut Self::Buf, rstd: &mut Self::Buf, x: &Self::Buf, weight: &Self::Buf, dim: usize, eps: f32);
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Self::Buf,
+        rstd: &mut Self::Buf,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        dim: usize,
+        eps: f32,
+    );
     /// Adds the input gradient into `dx` and the weight gradient into `dweight`.
     #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward(&self, dx: &mut Self::Buf, dweight: &mut Self::Buf, dout: &Self::Buf, x: &Self::Buf, weight: &Self::Buf, rstd: &Self::Buf, dim: usize);
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Self::Buf,
+        dweight: &mut Self::Buf,
+        dout: &Self::Buf,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        rstd: &Self::Buf,
+        dim: usize,
+    );
 
     // ---- RoPE (interleaved pairs), in place on `[batch, seq, heads, head_dim]` ----
     /// `cos`/`sin` are `[max_seq, head_dim/2]`; token `s` uses row `pos_offset + s`.
     #[allow(clippy::too_many_arguments)]
-    fn rope_forward(&self, x: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, batch: usize, seq: usize, heads: usize, head_dim: usize, pos_offset: usize);
+    fn rope_forward(
+        &self,
+        x: &mut Self::Buf,
+        cos: &Self::Buf,
+        sin: &Self::Buf,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        pos_offset: usize,
+    );
     #[allow(clippy::too_many_arguments)]
-    fn rope_backward(&self, dx: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, batch: usize, seq: usize, heads: usize, head_dim: usize);
+    fn rope_backward(
+        &self,
+        dx: &mut Self::Buf,
+        cos: &Self::Buf,
+        sin: &Self::Buf,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+    );
 
     // ---- causal grouped-query attention ----
     /// Writes `out` `[batch, q_len, n_heads, head_dim]` and `lse` `[batch, n_heads, q_len]`.
-    fn attention_forward(&self, out: &mut Self::Buf, lse: &mut Self::Buf, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, shape: AttnShape);
+    fn attention_forward(
+        &self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        shape: AttnShape,
+    );
     /// Overwrites `dq`, `dk`, `dv` (training shape: `q_offset == 0`, `kv_len == q_len`).
     #[allow(clippy::too_many_arguments)]
-    fn attention_backward(&self, dq: &mut Self::Buf, dk: &mut Self::Buf, dv: &mut Self::Buf, dout: &Self::Buf, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, out: &Self::Buf, lse: &Self::Buf, shape: AttnShape);
+    fn attention_backward(
+        &self,
+        dq: &mut Self::Buf,
+        dk: &mut Self::Buf,
+        dv: &mut Self::Buf,
+        dout: &Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        out: &Self::Buf,
+        lse: &Self::Buf,
+        shape: AttnShape,
+    );
 
     // ---- SwiGLU: out = silu(gate) * up ----
     fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
-    fn swiglu_backward(&self, dgate: &mut Self::Buf, dup: &mut Self::Buf, dout: &Self::Buf, gate: &Self::Buf, up: &Self::Buf);
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Self::Buf,
+        dup: &mut Self::Buf,
+        dout: &Self::Buf,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+    );
 
     // ---- elementwise ----
     /// `out = a + b`.
@@ -114,15 +203,39 @@ pub trait Backend: Send + Sync {
     /// `targets`, computed over row chunks so the full `[rows, vocab]` logits never exist. With
     /// `grads`, adds `grad_scale · ∂(sum of losses)/∂h` into `dh` and likewise into `dweight`.
     #[allow(clippy::too_many_arguments)]
-    fn cross_entropy_forward_backward(&self, h: &Self::Buf, weight: &Self::Buf, targets: &[u32], dim: usize, vocab: usize, grad_scale: f32, grads: Option<(&mut Self::Buf, &mut Self::Buf)>) -> LossSum;
+    fn cross_entropy_forward_backward(
+        &self,
+        h: &Self::Buf,
+        weight: &Self::Buf,
+        targets: &[u32],
+        dim: usize,
+        vocab: usize,
+        grad_scale: f32,
+        grads: Option<(&mut Self::Buf, &mut Self::Buf)>,
+    ) -> LossSum;
     /// Logits of the given rows of `h` (`[rows, dim]`) against `weight` `[vocab, dim]`.
-    fn logits(&self, out: &mut Self::Buf, h: &Self::Buf, weight: &Self::Buf, rows: usize, dim: usize, vocab: usize) {
+    fn logits(
+        &self,
+        out: &mut Self::Buf,
+        h: &Self::Buf,
+        weight: &Self::Buf,
+        rows: usize,
+        dim: usize,
+        vocab: usize,
+    ) {
         self.matmul(out, h, weight, rows, dim, vocab, false, true, false);
     }
 
     // ---- optimizer ----
     /// Fused AdamW with decoupled weight decay, in place.
-    fn adamw_step(&self, param: &mut Self::Buf, grad: &Self::Buf, exp_avg: &mut Self::Buf, exp_avg_sq: &mut Self::Buf, hp: AdamWStep);
+    fn adamw_step(
+        &self,
+        param: &mut Self::Buf,
+        grad: &Self::Buf,
+        exp_avg: &mut Self::Buf,
+        exp_avg_sq: &mut Self::Buf,
+        hp: AdamWStep,
+    );
     /// Sum of squares in f64, reduced in a fixed order (deterministic).
     fn sum_squares(&self, buf: &Self::Buf) -> f64;
 }

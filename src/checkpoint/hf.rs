@@ -62,7 +62,11 @@ fn permute_rows(w: &[f32], heads: usize, head_dim: usize, cols: usize, to_hf: bo
     for h in 0..heads {
         for j in 0..head_dim {
             let i = interleaved_row(j, head_dim);
-            let (dst, src) = if to_hf { (h * head_dim + j, h * head_dim + i) } else { (h * head_dim + i, h * head_dim + j) };
+            let (dst, src) = if to_hf {
+                (h * head_dim + j, h * head_dim + i)
+            } else {
+                (h * head_dim + i, h * head_dim + j)
+            };
             out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
         }
     }
@@ -117,48 +121,95 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
             Some(heads) => permute_rows(buf, heads, args.head_dim(), shape[1], true),
             None => buf.clone(),
         };
-        tensors.push((hf_name(name), Tensor::from_f32(shape.clone(), data).to_dtype(dtype)));
+        tensors.push((
+            hf_name(name),
+            Tensor::from_f32(shape.clone(), data).to_dtype(dtype),
+        ));
     }
-    std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let meta = [("format".to_string(), "pt".to_string())].into_iter().collect();
-    write_atomic(&out_dir.join("model.safetensors"), &st::to_bytes(&tensors, Some(meta))?)?;
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let meta = [("format".to_string(), "pt".to_string())]
+        .into_iter()
+        .collect();
+    write_atomic(
+        &out_dir.join("model.safetensors"),
+        &st::to_bytes(&tensors, Some(meta))?,
+    )?;
     let config = hf_config(&args, tokenizer.bos_id(), tokenizer.eos_id(), dtype);
-    write_atomic(&out_dir.join("config.json"), serde_json::to_string_pretty(&config)?.as_bytes())?;
+    write_atomic(
+        &out_dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
     if !state.tokenizer_path.is_empty() {
-        std::fs::copy(&state.tokenizer_path, out_dir.join("tokenizer.json")).with_context(|| format!("cannot copy tokenizer {}", state.tokenizer_path))?;
+        std::fs::copy(&state.tokenizer_path, out_dir.join("tokenizer.json"))
+            .with_context(|| format!("cannot copy tokenizer {}", state.tokenizer_path))?;
     }
-    println!("exported {} (step {}) to {} ({} tensors, {})", dir.display(), state.step, out_dir.display(), tensors.len(), if dtype == DType::BF16 { "bfloat16" } else { "float32" });
+    println!(
+        "exported {} (step {}) to {} ({} tensors, {})",
+        dir.display(),
+        state.step,
+        out_dir.display(),
+        tensors.len(),
+        if dtype == DType::BF16 {
+            "bfloat16"
+        } else {
+            "float32"
+        }
+    );
     Ok(())
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot move {} into place", path.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("cannot move {} into place", path.display()))?;
     Ok(())
 }
 
 fn get_usize(cfg: &Value, key: &str, file: &Path) -> Result<usize> {
-    cfg.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| anyhow!("{}: missing or non-integer `{key}`", file.display()))
+    cfg.get(key)
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| anyhow!("{}: missing or non-integer `{key}`", file.display()))
 }
 
 /// Model shapes from an HF Llama `config.json`.
 pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
     if arch != "llama" {
-        bail!("{}: model_type is `{arch}`; titan imports Llama models (model_type \"llama\")", file.display());
+        bail!(
+            "{}: model_type is `{arch}`; titan imports Llama models (model_type \"llama\")",
+            file.display()
+        );
     }
     let dim = get_usize(cfg, "hidden_size", file)?;
     let n_heads = get_usize(cfg, "num_attention_heads", file)?;
     let rope_scaling = match cfg.get("rope_scaling") {
         None | Some(Value::Null) => None,
         Some(s) => {
-            let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("");
+            let kind = s
+                .get("rope_type")
+                .or_else(|| s.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("");
             if kind != "llama3" {
-                bail!("{}: rope_scaling type `{kind}` is not supported (titan implements \"llama3\")", file.display());
+                bail!(
+                    "{}: rope_scaling type `{kind}` is not supported (titan implements \"llama3\")",
+                    file.display()
+                );
             }
-            let f = |k: &str| s.get(k).and_then(Value::as_f64).ok_or_else(|| anyhow!("{}: rope_scaling.{k} missing", file.display()));
-            Some(RopeScaling { factor: f("factor")?, low_freq_factor: f("low_freq_factor")?, high_freq_factor: f("high_freq_factor")?, original_max_position_embeddings: f("original_max_position_embeddings")? as usize })
+            let f = |k: &str| {
+                s.get(k)
+                    .and_then(Value::as_f64)
+                    .ok_or_else(|| anyhow!("{}: rope_scaling.{k} missing", file.display()))
+            };
+            Some(RopeScaling {
+                factor: f("factor")?,
+                low_freq_factor: f("low_freq_factor")?,
+                high_freq_factor: f("high_freq_factor")?,
+                original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
+            })
         }
     };
     if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
@@ -170,23 +221,44 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
         dim,
         n_layers: get_usize(cfg, "num_hidden_layers", file)?,
         n_heads,
-        n_kv_heads: cfg.get("num_key_value_heads").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(n_heads),
+        n_kv_heads: cfg
+            .get("num_key_value_heads")
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .unwrap_or(n_heads),
         vocab_size: get_usize(cfg, "vocab_size", file)?,
         ffn_hidden: get_usize(cfg, "intermediate_size", file)?,
-        norm_eps: cfg.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-5) as f32,
-        rope_theta: cfg.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
+        norm_eps: cfg
+            .get("rms_norm_eps")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-5) as f32,
+        rope_theta: cfg
+            .get("rope_theta")
+            .and_then(Value::as_f64)
+            .unwrap_or(10000.0),
         rope_scaling,
-        max_seq_len: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(2048) as usize,
-        tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+        max_seq_len: cfg
+            .get("max_position_embeddings")
+            .and_then(Value::as_u64)
+            .unwrap_or(2048) as usize,
+        tied_embeddings: cfg
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     };
-    args.validate().map_err(|e| anyhow!("{}: {e}", file.display()))?;
+    args.validate()
+        .map_err(|e| anyhow!("{}: {e}", file.display()))?;
     Ok(args)
 }
 
 pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
     let be = CpuBackend::new();
     let cfg_path = hf_dir.join("config.json");
-    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?).map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
+    let cfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(&cfg_path)
+            .with_context(|| format!("cannot read {}", cfg_path.display()))?,
+    )
+    .map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
     let args = args_from_hf_config(&cfg, &cfg_path)?;
     let mut by_name: BTreeMap<String, (Tensor, std::path::PathBuf)> = BTreeMap::new();
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
@@ -199,9 +271,24 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
     let mut params: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
     for (i, (name, shape)) in specs.iter().enumerate() {
         let hf = hf_name(name);
-        let (t, file) = by_name.get(&hf).ok_or_else(|| anyhow!("{}: tensor `{hf}` (titan `{name}`) is missing from {}", hf_dir.display(), files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")))?;
+        let (t, file) = by_name.get(&hf).ok_or_else(|| {
+            anyhow!(
+                "{}: tensor `{hf}` (titan `{name}`) is missing from {}",
+                hf_dir.display(),
+                files
+                    .iter()
+                    .map(|f| f.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })?;
         if &t.shape != shape {
-            bail!("{}: tensor `{hf}` has shape {:?}, config.json implies {:?}", file.display(), t.shape, shape);
+            bail!(
+                "{}: tensor `{hf}` has shape {:?}, config.json implies {:?}",
+                file.display(),
+                t.shape,
+                shape
+            );
         }
         let data = t.to_f32_vec();
         params.bufs[i] = match rope_permutation(name, &args) {
@@ -217,11 +304,24 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         model_args: args.clone(),
         seed: 0,
         data: LoaderState::default(),
-        tokenizer_path: if tokenizer_path.exists() { std::fs::canonicalize(&tokenizer_path)?.display().to_string() } else { String::new() },
+        tokenizer_path: if tokenizer_path.exists() {
+            std::fs::canonicalize(&tokenizer_path)?
+                .display()
+                .to_string()
+        } else {
+            String::new()
+        },
         files: Default::default(),
     };
     let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;
-    println!("imported {} ({} layers, dim {}, vocab {}) into {}", hf_dir.display(), args.n_layers, args.dim, args.vocab_size, dir.display());
+    println!(
+        "imported {} ({} layers, dim {}, vocab {}) into {}",
+        hf_dir.display(),
+        args.n_layers,
+        args.dim,
+        args.vocab_size,
+        dir.display()
+    );
     Ok(())
 }
 
@@ -241,9 +341,18 @@ mod tests {
 
     #[test]
     fn names_follow_transformers() {
-        assert_eq!(hf_name("layers.3.attention.wq.weight"), "model.layers.3.self_attn.q_proj.weight");
-        assert_eq!(hf_name("layers.0.feed_forward.w1.weight"), "model.layers.0.mlp.gate_proj.weight");
-        assert_eq!(hf_name("layers.0.ffn_norm.weight"), "model.layers.0.post_attention_layernorm.weight");
+        assert_eq!(
+            hf_name("layers.3.attention.wq.weight"),
+            "model.layers.3.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("layers.0.feed_forward.w1.weight"),
+            "model.layers.0.mlp.gate_proj.weight"
+        );
+        assert_eq!(
+            hf_name("layers.0.ffn_norm.weight"),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
         assert_eq!(hf_name("output.weight"), "lm_head.weight");
     }
 }

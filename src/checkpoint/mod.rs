@@ -50,17 +50,40 @@ pub fn step_dir(folder: &Path, step: u64) -> PathBuf {
 
 /// Host copies of a parameter set, by name.
 pub fn to_tensors<B: Backend>(be: &B, set: &ParamSet<B>, prefix: &str) -> Vec<(String, Tensor)> {
-    set.names.iter().zip(&set.shapes).zip(&set.bufs).map(|((n, s), b)| (format!("{prefix}{n}"), Tensor::from_f32(s.clone(), be.download(b)))).collect()
+    set.names
+        .iter()
+        .zip(&set.shapes)
+        .zip(&set.bufs)
+        .map(|((n, s), b)| {
+            (
+                format!("{prefix}{n}"),
+                Tensor::from_f32(s.clone(), be.download(b)),
+            )
+        })
+        .collect()
 }
 
 /// Fills `set` from `tensors`, requiring every name with its exact shape.
-pub fn fill_from<B: Backend>(be: &B, set: &mut ParamSet<B>, tensors: &[(String, Tensor)], prefix: &str, file: &Path) -> Result<()> {
+pub fn fill_from<B: Backend>(
+    be: &B,
+    set: &mut ParamSet<B>,
+    tensors: &[(String, Tensor)],
+    prefix: &str,
+    file: &Path,
+) -> Result<()> {
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for i in 0..set.len() {
         let name = format!("{prefix}{}", set.names[i]);
-        let t = by_name.get(name.as_str()).ok_or_else(|| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
+        let t = by_name
+            .get(name.as_str())
+            .ok_or_else(|| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
         if t.shape != set.shapes[i] {
-            bail!("{}: tensor `{name}` has shape {:?}, the model needs {:?}", file.display(), t.shape, set.shapes[i]);
+            bail!(
+                "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
+                file.display(),
+                t.shape,
+                set.shapes[i]
+            );
         }
         set.bufs[i] = be.upload(&t.to_f32_vec());
     }
@@ -69,15 +92,29 @@ pub fn fill_from<B: Backend>(be: &B, set: &mut ParamSet<B>, tensors: &[(String, 
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileCheck> {
     use std::io::Write;
-    let mut f = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    f.write_all(bytes).with_context(|| format!("cannot write {}", path.display()))?;
+    let mut f =
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(bytes)
+        .with_context(|| format!("cannot write {}", path.display()))?;
     f.sync_all()?;
-    Ok(FileCheck { bytes: bytes.len() as u64, crc32: crc32fast::hash(bytes) })
+    Ok(FileCheck {
+        bytes: bytes.len() as u64,
+        crc32: crc32fast::hash(bytes),
+    })
 }
 
 /// Writes `step-N/` atomically and prunes old checkpoints down to `keep_latest_k` (0 keeps all).
-pub fn save<B: Backend>(be: &B, folder: &Path, params: &ParamSet<B>, exp_avg: &ParamSet<B>, exp_avg_sq: &ParamSet<B>, mut state: TrainState, keep_latest_k: usize) -> Result<PathBuf> {
-    std::fs::create_dir_all(folder).with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
+pub fn save<B: Backend>(
+    be: &B,
+    folder: &Path,
+    params: &ParamSet<B>,
+    exp_avg: &ParamSet<B>,
+    exp_avg_sq: &ParamSet<B>,
+    mut state: TrainState,
+    keep_latest_k: usize,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(folder)
+        .with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
     let final_dir = step_dir(folder, state.step);
     let tmp = folder.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
     if tmp.exists() {
@@ -85,18 +122,28 @@ pub fn save<B: Backend>(be: &B, folder: &Path, params: &ParamSet<B>, exp_avg: &P
     }
     std::fs::create_dir_all(&tmp)?;
     let model = st::to_bytes(&to_tensors(be, params, ""), None)?;
-    state.files.insert(MODEL_FILE.into(), write_synced(&tmp.join(MODEL_FILE), &model)?);
+    state.files.insert(
+        MODEL_FILE.into(),
+        write_synced(&tmp.join(MODEL_FILE), &model)?,
+    );
     drop(model);
     let mut moments = to_tensors(be, exp_avg, "exp_avg.");
     moments.extend(to_tensors(be, exp_avg_sq, "exp_avg_sq."));
     let opt = st::to_bytes(&moments, None)?;
-    state.files.insert(OPTIMIZER_FILE.into(), write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?);
+    state.files.insert(
+        OPTIMIZER_FILE.into(),
+        write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
+    );
     drop(opt);
-    write_synced(&tmp.join(STATE_FILE), serde_json::to_string_pretty(&state)?.as_bytes())?;
+    write_synced(
+        &tmp.join(STATE_FILE),
+        serde_json::to_string_pretty(&state)?.as_bytes(),
+    )?;
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir)?;
     }
-    std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
+    std::fs::rename(&tmp, &final_dir)
+        .with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
     if let Ok(dir) = std::fs::File::open(folder) {
         let _ = dir.sync_all();
     }
@@ -118,7 +165,13 @@ pub fn list_steps(folder: &Path) -> Result<Vec<u64>> {
     for entry in std::fs::read_dir(folder)? {
         let entry = entry?;
         let name = entry.file_name();
-        let Some(n) = name.to_str().and_then(|s| s.strip_prefix("step-")).and_then(|s| s.parse::<u64>().ok()) else { continue };
+        let Some(n) = name
+            .to_str()
+            .and_then(|s| s.strip_prefix("step-"))
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            continue;
+        };
         if entry.path().join(STATE_FILE).exists() {
             steps.push(n);
         }
@@ -130,16 +183,33 @@ pub fn list_steps(folder: &Path) -> Result<Vec<u64>> {
 /// Reads and verifies `state.json` and the checksums of the files it lists.
 pub fn read_state(dir: &Path) -> Result<TrainState> {
     let path = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("checkpoint {} is incomplete: cannot read {}", dir.display(), path.display()))?;
-    let state: TrainState = serde_json::from_str(&text).map_err(|e| anyhow!("checkpoint state {} is corrupt: {e}", path.display()))?;
+    let text = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "checkpoint {} is incomplete: cannot read {}",
+            dir.display(),
+            path.display()
+        )
+    })?;
+    let state: TrainState = serde_json::from_str(&text)
+        .map_err(|e| anyhow!("checkpoint state {} is corrupt: {e}", path.display()))?;
     if state.format_version != FORMAT_VERSION {
-        bail!("checkpoint {} has format version {}, this titan reads {FORMAT_VERSION}", dir.display(), state.format_version);
+        bail!(
+            "checkpoint {} has format version {}, this titan reads {FORMAT_VERSION}",
+            dir.display(),
+            state.format_version
+        );
     }
     for (file, check) in &state.files {
         let p = dir.join(file);
-        let bytes = std::fs::read(&p).with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
+        let bytes = std::fs::read(&p)
+            .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
         if bytes.len() as u64 != check.bytes {
-            bail!("checkpoint file {} is truncated or altered: {} bytes, expected {}", p.display(), bytes.len(), check.bytes);
+            bail!(
+                "checkpoint file {} is truncated or altered: {} bytes, expected {}",
+                p.display(),
+                bytes.len(),
+                check.bytes
+            );
         }
         if crc32fast::hash(&bytes) != check.crc32 {
             bail!("checkpoint file {} is corrupt: its CRC32 does not match the one recorded at save time", p.display());
@@ -149,10 +219,22 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
 }
 
 /// Loads weights and moments from a verified checkpoint folder into the given sets.
-pub fn load<B: Backend>(be: &B, dir: &Path, expect_args: &ModelArgs, params: &mut ParamSet<B>, exp_avg: &mut ParamSet<B>, exp_avg_sq: &mut ParamSet<B>) -> Result<TrainState> {
+pub fn load<B: Backend>(
+    be: &B,
+    dir: &Path,
+    expect_args: &ModelArgs,
+    params: &mut ParamSet<B>,
+    exp_avg: &mut ParamSet<B>,
+    exp_avg_sq: &mut ParamSet<B>,
+) -> Result<TrainState> {
     let state = read_state(dir)?;
     if &state.model_args != expect_args {
-        bail!("checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})", dir.display(), state.model_args, expect_args);
+        bail!(
+            "checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})",
+            dir.display(),
+            state.model_args,
+            expect_args
+        );
     }
     let model_path = dir.join(MODEL_FILE);
     fill_from(be, params, &st::read_file(&model_path)?, "", &model_path)?;
@@ -170,7 +252,13 @@ pub fn load_weights<B: Backend>(be: &B, dir: &Path) -> Result<(ModelArgs, ParamS
     let specs = crate::model::params::param_specs(&state.model_args);
     let mut params = ParamSet::zeros(be, &specs);
     let model_path = dir.join(MODEL_FILE);
-    fill_from(be, &mut params, &st::read_file(&model_path)?, "", &model_path)?;
+    fill_from(
+        be,
+        &mut params,
+        &st::read_file(&model_path)?,
+        "",
+        &model_path,
+    )?;
     Ok((state.model_args, params))
 }
 
@@ -187,5 +275,8 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf> {
     if !dir.exists() {
         bail!("checkpoint folder {} does not exist", dir.display());
     }
-    bail!("{} holds no complete checkpoint (a step-N/ folder with state.json)", dir.display())
+    bail!(
+        "{} holds no complete checkpoint (a step-N/ folder with state.json)",
+        dir.display()
+    )
 }

@@ -9,7 +9,10 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use crate::tensor::{DType, Tensor};
 
 /// Serialized safetensors bytes of `tensors` (in the given order, with optional metadata).
-pub fn to_bytes(tensors: &[(String, Tensor)], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
+pub fn to_bytes(
+    tensors: &[(String, Tensor)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
     let raw: Vec<(String, Vec<u8>, Dtype, Vec<usize>)> = tensors
         .iter()
         .map(|(n, t)| {
@@ -20,7 +23,10 @@ pub fn to_bytes(tensors: &[(String, Tensor)], metadata: Option<HashMap<String, S
             (n.clone(), t.to_le_bytes(), dtype, t.shape.clone())
         })
         .collect();
-    let views: Vec<(String, TensorView)> = raw.iter().map(|(n, b, d, s)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?))).collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let views: Vec<(String, TensorView)> = raw
+        .iter()
+        .map(|(n, b, d, s)| Ok((n.clone(), TensorView::new(*d, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
     Ok(safetensors::tensor::serialize(views, metadata)?)
 }
 
@@ -31,7 +37,8 @@ pub fn read_file(path: &Path) -> Result<Vec<(String, Tensor)>> {
 }
 
 pub fn from_bytes(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| anyhow!("not a valid safetensors file ({e}); is it truncated or corrupt?"))?;
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| anyhow!("not a valid safetensors file ({e}); is it truncated or corrupt?"))?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
         let shape = view.shape().to_vec();
@@ -39,7 +46,11 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
             Dtype::F32 => Tensor::from_le_bytes(shape, DType::F32, view.data())?,
             Dtype::BF16 => Tensor::from_le_bytes(shape, DType::BF16, view.data())?,
             Dtype::F16 => {
-                let v: Vec<f32> = view.data().chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect();
+                let v: Vec<f32> = view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                    .collect();
                 Tensor::from_f32(shape, v)
             }
             other => bail!("tensor `{name}` has dtype {other:?}; titan reads F32, BF16 and F16"),

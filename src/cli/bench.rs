@@ -47,7 +47,10 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
         args.n_kv_heads = kv;
     }
     args.validate()?;
-    crate::train::memory::check_fits(&crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq), &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq))?;
+    crate::train::memory::check_fits(
+        &crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq),
+        &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq),
+    )?;
     let model = Llama::new(&be, args.clone(), a.seq)?;
     let specs = model.param_specs();
     let mut params = init_params(&be, &args, 0);
@@ -55,12 +58,29 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     let mut opt = AdamW::new(&be, &specs, OptimizerConfig::default());
     let mut ws = Workspace::new(&be, &args, a.batch, a.seq);
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let batches: Vec<Vec<u32>> = (0..4).map(|_| (0..a.batch * (a.seq + 1)).map(|_| rng.gen_range(0..args.vocab_size as u32)).collect()).collect();
+    let batches: Vec<Vec<u32>> = (0..4)
+        .map(|_| {
+            (0..a.batch * (a.seq + 1))
+                .map(|_| rng.gen_range(0..args.vocab_size as u32))
+                .collect()
+        })
+        .collect();
     let mut times = Vec::new();
     let mut losses = Vec::new();
     for i in 0..a.warmup + a.steps {
         let t0 = Instant::now();
-        let (loss, _) = train_step(&be, &model, &mut params, &mut grads, &mut opt, &mut ws, std::slice::from_ref(&batches[i % batches.len()]), 8e-4, i as u64 + 1, 1.0)?;
+        let (loss, _) = train_step(
+            &be,
+            &model,
+            &mut params,
+            &mut grads,
+            &mut opt,
+            &mut ws,
+            std::slice::from_ref(&batches[i % batches.len()]),
+            8e-4,
+            i as u64 + 1,
+            1.0,
+        )?;
         let dt = t0.elapsed().as_secs_f64();
         losses.push(loss);
         if i >= a.warmup {

@@ -41,7 +41,17 @@ pub struct GenerateArgs {
 /// Index of the next token from `logits`.
 pub fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut ChaCha8Rng) -> u32 {
     if temperature <= 0.0 {
-        return logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32;
+        return logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 {
+                    (i, v)
+                } else {
+                    best
+                }
+            })
+            .0 as u32;
     }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
@@ -49,7 +59,10 @@ pub fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut ChaCha8R
         order.truncate(top_k);
     }
     let max = logits[order[0]] as f64;
-    let weights: Vec<f64> = order.iter().map(|&i| ((logits[i] as f64 - max) / temperature).exp()).collect();
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - max) / temperature).exp())
+        .collect();
     let total: f64 = weights.iter().sum();
     let mut r = rng.gen::<f64>() * total;
     for (w, &i) in weights.iter().zip(&order) {
@@ -71,7 +84,10 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     prompt_ids.extend(tokenizer.encode(&a.prompt)?);
     let capacity = prompt_ids.len() + a.max_new_tokens;
     if capacity > args.max_seq_len {
-        bail!("prompt + max_new_tokens = {capacity} exceeds the model's {} positions", args.max_seq_len);
+        bail!(
+            "prompt + max_new_tokens = {capacity} exceeds the model's {} positions",
+            args.max_seq_len
+        );
     }
     let model = Llama::new(&be, args.clone(), capacity)?;
     let mut cache = KvCache::new(&be, &args, capacity);
@@ -104,7 +120,10 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
     }
     let text = tokenizer.decode(&generated)?;
     if a.json {
-        println!("{}", serde_json::json!({ "prompt_ids": prompt_ids, "generated_ids": generated, "text": text }));
+        println!(
+            "{}",
+            serde_json::json!({ "prompt_ids": prompt_ids, "generated_ids": generated, "text": text })
+        );
     } else {
         if text.len() > printed {
             print!("{}", &text[printed..]);

@@ -9,7 +9,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "titan", version, about = "Rust-native LLM pretraining (Llama 3), the counterpart of TorchTitan")]
+#[command(
+    name = "titan",
+    version,
+    about = "Rust-native LLM pretraining (Llama 3), the counterpart of TorchTitan"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -26,7 +30,11 @@ pub enum Command {
         #[arg(long)]
         quiet: bool,
         /// Overrides: --section.key VALUE (e.g. --training.steps 50 --model.flavor 8B).
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "--section.key VALUE")]
+        #[arg(
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "--section.key VALUE"
+        )]
         overrides: Vec<String>,
     },
     /// Sample text from a trained checkpoint (KV cache; temperature 0 is greedy).
@@ -59,7 +67,10 @@ pub enum ConvertCommand {
         dtype: String,
     },
     /// HF Llama folder (config.json + *.safetensors) → titan checkpoint (step-0, fresh optimizer state).
-    HfImport { hf_dir: PathBuf, out_checkpoint_dir: PathBuf },
+    HfImport {
+        hf_dir: PathBuf,
+        out_checkpoint_dir: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -83,18 +94,43 @@ pub enum BenchCommand {
 
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, quiet, overrides } => {
+        Command::Train {
+            config,
+            quiet,
+            overrides,
+        } => {
             let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
-            crate::train::train(&cfg, &crate::train::RunOptions { quiet })?;
+            crate::train::train(
+                &cfg,
+                &crate::train::RunOptions {
+                    quiet,
+                    stop_after: None,
+                },
+            )?;
             Ok(())
         }
         Command::Generate(args) => generate::run(&args),
         Command::Convert { direction } => match direction {
-            ConvertCommand::HfExport { checkpoint, out_dir, dtype } => crate::checkpoint::hf::export(&checkpoint, &out_dir, crate::tensor::DType::parse(&dtype)?),
-            ConvertCommand::HfImport { hf_dir, out_checkpoint_dir } => crate::checkpoint::hf::import(&hf_dir, &out_checkpoint_dir),
+            ConvertCommand::HfExport {
+                checkpoint,
+                out_dir,
+                dtype,
+            } => crate::checkpoint::hf::export(
+                &checkpoint,
+                &out_dir,
+                crate::tensor::DType::parse(&dtype)?,
+            ),
+            ConvertCommand::HfImport {
+                hf_dir,
+                out_checkpoint_dir,
+            } => crate::checkpoint::hf::import(&hf_dir, &out_checkpoint_dir),
         },
         Command::Tokenizer { action } => match action {
-            TokenizerCommand::Train { input, vocab_size, output } => crate::data::bpe::train_bpe(&input, vocab_size, &output),
+            TokenizerCommand::Train {
+                input,
+                vocab_size,
+                output,
+            } => crate::data::bpe::train_bpe(&input, vocab_size, &output),
         },
         Command::Bench { what } => match what {
             BenchCommand::Train(args) => bench::run_train(&args),

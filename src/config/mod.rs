@@ -13,6 +13,7 @@ pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/debug_model.to
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+#[derive(Default)]
 pub struct Config {
     pub job: JobConfig,
     pub model: ModelConfig,
@@ -120,69 +121,130 @@ pub struct MetricsConfig {
     pub peak_tflops: f64,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config { job: JobConfig::default(), model: ModelConfig::default(), optimizer: OptimizerConfig::default(), lr_scheduler: LrSchedulerConfig::default(), training: TrainingConfig::default(), checkpoint: CheckpointConfig::default(), metrics: MetricsConfig::default() }
-    }
-}
-
 impl Default for JobConfig {
     fn default() -> Self {
-        JobConfig { dump_folder: "./outputs".into(), description: "Llama 3 debug model on the built-in corpus".into() }
+        JobConfig {
+            dump_folder: "./outputs".into(),
+            description: "Llama 3 debug model on the built-in corpus".into(),
+        }
     }
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        ModelConfig { name: "llama3".into(), flavor: "debugmodel".into(), tokenizer_path: String::new(), dim: None, n_layers: None, n_heads: None, n_kv_heads: None, vocab_size: None, multiple_of: None, ffn_dim_multiplier: None, rope_theta: None, norm_eps: None }
+        ModelConfig {
+            name: "llama3".into(),
+            flavor: "debugmodel".into(),
+            tokenizer_path: String::new(),
+            dim: None,
+            n_layers: None,
+            n_heads: None,
+            n_kv_heads: None,
+            vocab_size: None,
+            multiple_of: None,
+            ffn_dim_multiplier: None,
+            rope_theta: None,
+            norm_eps: None,
+        }
     }
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
-        OptimizerConfig { name: "AdamW".into(), lr: 8e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+        OptimizerConfig {
+            name: "AdamW".into(),
+            lr: 8e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
     }
 }
 
 impl Default for LrSchedulerConfig {
     fn default() -> Self {
-        LrSchedulerConfig { warmup_steps: 20, decay_ratio: None, decay_type: DecayType::Linear, min_lr_factor: 0.0 }
+        LrSchedulerConfig {
+            warmup_steps: 20,
+            decay_ratio: None,
+            decay_type: DecayType::Linear,
+            min_lr_factor: 0.0,
+        }
     }
 }
 
 impl Default for TrainingConfig {
     fn default() -> Self {
-        TrainingConfig { local_batch_size: 8, global_batch_size: -1, seq_len: 256, steps: 200, max_norm: 1.0, dataset: "synthetic".into(), dataset_path: String::new(), seed: 42, device: "cpu".into(), threads: 0 }
+        TrainingConfig {
+            local_batch_size: 8,
+            global_batch_size: -1,
+            seq_len: 256,
+            steps: 200,
+            max_norm: 1.0,
+            dataset: "synthetic".into(),
+            dataset_path: String::new(),
+            seed: 42,
+            device: "cpu".into(),
+            threads: 0,
+        }
     }
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { enable: true, interval: 100, keep_latest_k: 3, folder: "checkpoint".into(), load_step: -1 }
+        CheckpointConfig {
+            enable: true,
+            interval: 100,
+            keep_latest_k: 3,
+            folder: "checkpoint".into(),
+            load_step: -1,
+        }
     }
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        MetricsConfig { log_freq: 10, enable_tensorboard: false, save_tb_folder: "tb".into(), peak_tflops: 0.0 }
+        MetricsConfig {
+            log_freq: 10,
+            enable_tensorboard: false,
+            save_tb_folder: "tb".into(),
+            peak_tflops: 0.0,
+        }
     }
 }
 
 /// The dataset kinds `[training] dataset` accepts.
-pub const DATASETS: &[&str] = &["synthetic", "text", "jsonl", "parquet", "tokens_u16", "tokens_u32"];
+pub const DATASETS: &[&str] = &[
+    "synthetic",
+    "text",
+    "jsonl",
+    "parquet",
+    "tokens_u16",
+    "tokens_u32",
+];
 pub const DEVICES: &[&str] = &["cpu", "cuda", "auto"];
 
 impl Config {
     /// Reads `path` (or the built-in defaults when `None`) and applies `--section.key value` overrides.
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config> {
         let (source, text) = match path {
-            Some(p) => (p.display().to_string(), std::fs::read_to_string(p).with_context(|| format!("cannot read config file {}", p.display()))?),
-            None => ("built-in defaults (configs/debug_model.toml)".to_string(), DEFAULT_CONFIG_TOML.to_string()),
+            Some(p) => (
+                p.display().to_string(),
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read config file {}", p.display()))?,
+            ),
+            None => (
+                "built-in defaults (configs/debug_model.toml)".to_string(),
+                DEFAULT_CONFIG_TOML.to_string(),
+            ),
         };
-        let mut table: toml::Table = toml::from_str(&text).map_err(|e| anyhow!("config {source}: {e}"))?;
+        let mut table: toml::Table =
+            toml::from_str(&text).map_err(|e| anyhow!("config {source}: {e}"))?;
         let pairs = parse_overrides(overrides)?;
         for (section, key, value) in &pairs {
-            let entry = table.entry(section.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let entry = table
+                .entry(section.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
             match entry {
                 toml::Value::Table(t) => {
                     t.insert(key.clone(), value.clone());
@@ -190,24 +252,50 @@ impl Config {
                 _ => bail!("override --{section}.{key}: `{section}` is not a section"),
             }
         }
-        let with = if pairs.is_empty() { String::new() } else { format!(" with overrides {}", pairs.iter().map(|(s, k, _)| format!("--{s}.{k}")).collect::<Vec<_>>().join(" ")) };
-        let cfg: Config = Config::deserialize(toml::Value::Table(table)).map_err(|e| anyhow!("config {source}{with}: {e}"))?;
-        cfg.validate().map_err(|e| anyhow!("config {source}{with}: {e}"))?;
+        let with = if pairs.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " with overrides {}",
+                pairs
+                    .iter()
+                    .map(|(s, k, _)| format!("--{s}.{k}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+        };
+        let cfg: Config = Config::deserialize(toml::Value::Table(table))
+            .map_err(|e| anyhow!("config {source}{with}: {e}"))?;
+        cfg.validate()
+            .map_err(|e| anyhow!("config {source}{with}: {e}"))?;
         Ok(cfg)
     }
 
     pub fn validate(&self) -> Result<()> {
         if self.model.name != "llama3" {
-            bail!("[model] name = `{}` is not supported (accepted: llama3)", self.model.name);
+            bail!(
+                "[model] name = `{}` is not supported (accepted: llama3)",
+                self.model.name
+            );
         }
-        crate::model::ModelArgs::flavor(&self.model.flavor).map_err(|e| anyhow!("[model] flavor: {e}"))?;
+        crate::model::ModelArgs::flavor(&self.model.flavor)
+            .map_err(|e| anyhow!("[model] flavor: {e}"))?;
         if self.optimizer.name != "AdamW" {
-            bail!("[optimizer] name = `{}` is not supported (accepted: AdamW)", self.optimizer.name);
+            bail!(
+                "[optimizer] name = `{}` is not supported (accepted: AdamW)",
+                self.optimizer.name
+            );
         }
         if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
-            bail!("[optimizer] lr must be a positive number, got {}", self.optimizer.lr);
+            bail!(
+                "[optimizer] lr must be a positive number, got {}",
+                self.optimizer.lr
+            );
         }
-        for (k, v) in [("beta1", self.optimizer.beta1), ("beta2", self.optimizer.beta2)] {
+        for (k, v) in [
+            ("beta1", self.optimizer.beta1),
+            ("beta2", self.optimizer.beta2),
+        ] {
             if !(0.0..1.0).contains(&v) {
                 bail!("[optimizer] {k} must be in [0, 1), got {v}");
             }
@@ -218,26 +306,48 @@ impl Config {
             }
         }
         if !(0.0..=1.0).contains(&self.lr_scheduler.min_lr_factor) {
-            bail!("[lr_scheduler] min_lr_factor must be in [0, 1], got {}", self.lr_scheduler.min_lr_factor);
+            bail!(
+                "[lr_scheduler] min_lr_factor must be in [0, 1], got {}",
+                self.lr_scheduler.min_lr_factor
+            );
         }
         let t = &self.training;
         if t.local_batch_size == 0 || t.seq_len == 0 || t.steps == 0 {
-            bail!("[training] local_batch_size, seq_len and steps must be positive (got {}, {}, {})", t.local_batch_size, t.seq_len, t.steps);
+            bail!(
+                "[training] local_batch_size, seq_len and steps must be positive (got {}, {}, {})",
+                t.local_batch_size,
+                t.seq_len,
+                t.steps
+            );
         }
-        if t.global_batch_size != -1 && (t.global_batch_size <= 0 || t.global_batch_size as usize % t.local_batch_size != 0) {
+        if t.global_batch_size != -1
+            && (t.global_batch_size <= 0
+                || !(t.global_batch_size as usize).is_multiple_of(t.local_batch_size))
+        {
             bail!("[training] global_batch_size = {} must be -1 or a positive multiple of local_batch_size = {}", t.global_batch_size, t.local_batch_size);
         }
         if t.max_norm < 0.0 {
-            bail!("[training] max_norm must be >= 0 (0 disables clipping), got {}", t.max_norm);
+            bail!(
+                "[training] max_norm must be >= 0 (0 disables clipping), got {}",
+                t.max_norm
+            );
         }
         if !DATASETS.contains(&t.dataset.as_str()) {
-            bail!("[training] dataset = `{}` is not known (accepted: {})", t.dataset, DATASETS.join(", "));
+            bail!(
+                "[training] dataset = `{}` is not known (accepted: {})",
+                t.dataset,
+                DATASETS.join(", ")
+            );
         }
         if t.dataset != "synthetic" && t.dataset_path.is_empty() {
             bail!("[training] dataset = `{}` needs dataset_path", t.dataset);
         }
         if !DEVICES.contains(&t.device.as_str()) {
-            bail!("[training] device = `{}` is not known (accepted: {})", t.device, DEVICES.join(", "));
+            bail!(
+                "[training] device = `{}` is not known (accepted: {})",
+                t.device,
+                DEVICES.join(", ")
+            );
         }
         if self.checkpoint.interval == 0 {
             bail!("[checkpoint] interval must be positive");
@@ -306,7 +416,11 @@ impl Config {
             a.norm_eps = v;
         }
         if m.dim.is_some() || m.multiple_of.is_some() || m.ffn_dim_multiplier.is_some() {
-            a.ffn_hidden = crate::model::args::ffn_hidden(a.dim, m.multiple_of.unwrap_or(base_multiple), m.ffn_dim_multiplier.or(base_mult));
+            a.ffn_hidden = crate::model::args::ffn_hidden(
+                a.dim,
+                m.multiple_of.unwrap_or(base_multiple),
+                m.ffn_dim_multiplier.or(base_mult),
+            );
         }
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
         Ok(a)
@@ -326,7 +440,9 @@ pub fn parse_overrides(args: &[String]) -> Result<Vec<(String, String, toml::Val
         let (name, value) = match flag.split_once('=') {
             Some((n, v)) => (n.to_string(), v.to_string()),
             None => {
-                let v = args.get(i + 1).ok_or_else(|| anyhow!("override --{flag} needs a value"))?;
+                let v = args
+                    .get(i + 1)
+                    .ok_or_else(|| anyhow!("override --{flag} needs a value"))?;
                 i += 1;
                 (flag.to_string(), v.clone())
             }
@@ -334,7 +450,10 @@ pub fn parse_overrides(args: &[String]) -> Result<Vec<(String, String, toml::Val
         let Some((section, key)) = name.split_once('.') else {
             bail!("override --{name} must name a section and a key, like --training.steps 100");
         };
-        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}")).ok().and_then(|mut t| t.remove("v")).unwrap_or(toml::Value::String(value.clone()));
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or(toml::Value::String(value.clone()));
         out.push((section.to_string(), key.to_string(), parsed));
         i += 1;
     }
@@ -352,7 +471,16 @@ mod tests {
 
     #[test]
     fn overrides_apply_with_types() {
-        let args: Vec<String> = ["--training.steps", "7", "--model.flavor=8B", "--job.dump_folder", "/tmp/x"].iter().map(|s| s.to_string()).collect();
+        let args: Vec<String> = [
+            "--training.steps",
+            "7",
+            "--model.flavor=8B",
+            "--job.dump_folder",
+            "/tmp/x",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         let c = Config::load(None, &args).unwrap();
         assert_eq!(c.training.steps, 7);
         assert_eq!(c.model.flavor, "8B");
@@ -361,9 +489,16 @@ mod tests {
 
     #[test]
     fn unknown_key_names_the_key_and_accepted_ones() {
-        let e = Config::load(None, &["--training.stepz".into(), "3".into()]).unwrap_err().to_string();
-        assert!(e.contains("stepz") && e.contains("steps") && e.contains("--training.stepz"), "{e}");
-        let e = Config::load(None, &["--trainin.steps".into(), "3".into()]).unwrap_err().to_string();
+        let e = Config::load(None, &["--training.stepz".into(), "3".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("stepz") && e.contains("steps") && e.contains("--training.stepz"),
+            "{e}"
+        );
+        let e = Config::load(None, &["--trainin.steps".into(), "3".into()])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("trainin") && e.contains("training"), "{e}");
     }
 
@@ -372,7 +507,15 @@ mod tests {
         let cases = [
             (vec!["--lr_scheduler.decay_type", "exp"], "cosine"),
             (vec!["--training.steps", "-3"], "steps"),
-            (vec!["--training.global_batch_size", "12", "--training.local_batch_size", "8"], "global_batch_size"),
+            (
+                vec![
+                    "--training.global_batch_size",
+                    "12",
+                    "--training.local_batch_size",
+                    "8",
+                ],
+                "global_batch_size",
+            ),
             (vec!["--training.dataset", "c5"], "synthetic"),
             (vec!["--model.flavor", "7B"], "405B"),
             (vec!["--training.device", "tpu"], "cuda"),

@@ -15,7 +15,12 @@ pub fn train_bpe(input: &Path, vocab_size: usize, output: &Path) -> Result<()> {
         bail!("--vocab-size {vocab_size} is too small: byte-level BPE needs at least 260 (256 bytes, 2 special tokens, merges)");
     }
     let name = input.display().to_string();
-    let mut source: Box<dyn DocumentSource> = if name.ends_with(".jsonl") || name.ends_with(".jsonl.gz") || name.ends_with(".json.gz") { Box::new(JsonlSource::open(input)?) } else { Box::new(TextSource::open(input)?) };
+    let mut source: Box<dyn DocumentSource> =
+        if name.ends_with(".jsonl") || name.ends_with(".jsonl.gz") || name.ends_with(".json.gz") {
+            Box::new(JsonlSource::open(input)?)
+        } else {
+            Box::new(TextSource::open(input)?)
+        };
     let mut docs = Vec::new();
     while let Some(d) = source.next_document()? {
         docs.push(d);
@@ -23,19 +28,37 @@ pub fn train_bpe(input: &Path, vocab_size: usize, output: &Path) -> Result<()> {
     if docs.is_empty() {
         bail!("{name} holds no text to train a tokenizer on");
     }
-    let specials = vec![AddedToken::from("<|begin_of_text|>", true), AddedToken::from("<|end_of_text|>", true)];
-    let trainer = BpeTrainerBuilder::new().vocab_size(vocab_size).min_frequency(2).show_progress(false).special_tokens(specials).initial_alphabet(ByteLevel::alphabet().into_iter().collect()).build();
+    let specials = vec![
+        AddedToken::from("<|begin_of_text|>", true),
+        AddedToken::from("<|end_of_text|>", true),
+    ];
+    let trainer = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(specials)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
     let mut trainer: tokenizers::models::TrainerWrapper = trainer.into();
     let mut tokenizer = Tokenizer::new(BPE::default());
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
-    tokenizer.train(&mut trainer, docs.iter()).map_err(|e| anyhow!("tokenizer training failed: {e}"))?;
+    tokenizer
+        .train(&mut trainer, docs.iter())
+        .map_err(|e| anyhow!("tokenizer training failed: {e}"))?;
     if let Some(dir) = output.parent() {
         if !dir.as_os_str().is_empty() {
             std::fs::create_dir_all(dir)?;
         }
     }
-    tokenizer.save(output, true).map_err(|e| anyhow!("cannot write {}: {e}", output.display()))?;
-    println!("trained byte-level BPE on {} documents: {} tokens -> {}", docs.len(), tokenizer.get_vocab_size(true), output.display());
+    tokenizer
+        .save(output, true)
+        .map_err(|e| anyhow!("cannot write {}: {e}", output.display()))?;
+    println!(
+        "trained byte-level BPE on {} documents: {} tokens -> {}",
+        docs.len(),
+        tokenizer.get_vocab_size(true),
+        output.display()
+    );
     Ok(())
 }

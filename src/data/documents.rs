@@ -63,7 +63,10 @@ pub struct TextSource {
 
 impl TextSource {
     pub fn open(path: &Path) -> Result<Self> {
-        Ok(TextSource { lines: LineReader::new(list_files(path, &[])?), path: path.display().to_string() })
+        Ok(TextSource {
+            lines: LineReader::new(list_files(path, &[])?),
+            path: path.display().to_string(),
+        })
     }
 }
 
@@ -92,7 +95,10 @@ pub struct JsonlSource {
 
 impl JsonlSource {
     pub fn open(path: &Path) -> Result<Self> {
-        Ok(JsonlSource { lines: LineReader::new(list_files(path, &[".jsonl", ".jsonl.gz", ".json.gz"])?), path: path.display().to_string() })
+        Ok(JsonlSource {
+            lines: LineReader::new(list_files(path, &[".jsonl", ".jsonl.gz", ".json.gz"])?),
+            path: path.display().to_string(),
+        })
     }
 }
 
@@ -102,8 +108,14 @@ impl DocumentSource for JsonlSource {
             if line.trim().is_empty() {
                 continue;
             }
-            let value: serde_json::Value = serde_json::from_str(line).map_err(|e| anyhow!("{}:{line_no}: not valid JSON: {e}", file.display()))?;
-            let text = value.get("text").and_then(|t| t.as_str()).ok_or_else(|| anyhow!("{}:{line_no}: record has no string field `text`", file.display()))?;
+            let value: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| anyhow!("{}:{line_no}: not valid JSON: {e}", file.display()))?;
+            let text = value.get("text").and_then(|t| t.as_str()).ok_or_else(|| {
+                anyhow!(
+                    "{}:{line_no}: record has no string field `text`",
+                    file.display()
+                )
+            })?;
             return Ok(Some(text.to_string()));
         }
         Ok(None)

@@ -20,13 +20,17 @@ pub fn list_files(path: &Path, suffixes: &[&str]) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))? {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))?
+        {
             let p = entry?.path();
             if p.is_dir() {
                 stack.push(p);
             } else {
                 let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                if !name.starts_with('.') && (suffixes.is_empty() || suffixes.iter().any(|s| name.ends_with(s))) {
+                if !name.starts_with('.')
+                    && (suffixes.is_empty() || suffixes.iter().any(|s| name.ends_with(s)))
+                {
                     out.push(p);
                 }
             }
@@ -34,8 +38,15 @@ pub fn list_files(path: &Path, suffixes: &[&str]) -> Result<Vec<PathBuf>> {
     }
     out.sort();
     if out.is_empty() {
-        let want = if suffixes.is_empty() { "any file".to_string() } else { suffixes.join(", ") };
-        bail!("dataset folder {} holds no data files (looked for {want})", path.display());
+        let want = if suffixes.is_empty() {
+            "any file".to_string()
+        } else {
+            suffixes.join(", ")
+        };
+        bail!(
+            "dataset folder {} holds no data files (looked for {want})",
+            path.display()
+        );
     }
     Ok(out)
 }
@@ -50,7 +61,12 @@ pub struct LineReader {
 
 impl LineReader {
     pub fn new(files: Vec<PathBuf>) -> Self {
-        LineReader { files, next_file: 0, current: None, buf: String::new() }
+        LineReader {
+            files,
+            next_file: 0,
+            current: None,
+            buf: String::new(),
+        }
     }
 
     pub fn reset(&mut self) {
@@ -59,9 +75,14 @@ impl LineReader {
     }
 
     fn open(path: &Path) -> Result<Box<dyn BufRead + Send>> {
-        let f = File::open(path).with_context(|| format!("cannot open data file {}", path.display()))?;
+        let f = File::open(path)
+            .with_context(|| format!("cannot open data file {}", path.display()))?;
         let gz = path.extension().is_some_and(|e| e == "gz");
-        Ok(if gz { Box::new(BufReader::new(MultiGzDecoder::new(f))) } else { Box::new(BufReader::new(f)) })
+        Ok(if gz {
+            Box::new(BufReader::new(MultiGzDecoder::new(f)))
+        } else {
+            Box::new(BufReader::new(f))
+        })
     }
 
     /// The next line (without its newline) with its file and line number; `None` after the last file.
@@ -77,7 +98,9 @@ impl LineReader {
             }
             let (reader, path, line_no) = self.current.as_mut().expect("opened above");
             self.buf.clear();
-            let n = reader.read_line(&mut self.buf).map_err(|e| anyhow::anyhow!("{}:{}: cannot read: {e}", path.display(), *line_no + 1))?;
+            let n = reader.read_line(&mut self.buf).map_err(|e| {
+                anyhow::anyhow!("{}:{}: cannot read: {e}", path.display(), *line_no + 1)
+            })?;
             if n == 0 {
                 self.current = None;
                 continue;

@@ -24,7 +24,10 @@ pub struct LoaderState {
 }
 
 enum Stream {
-    Documents { source: Box<dyn DocumentSource>, tokenizer: Box<dyn Tokenizer> },
+    Documents {
+        source: Box<dyn DocumentSource>,
+        tokenizer: Box<dyn Tokenizer>,
+    },
     Tokens(TokenShards),
 }
 
@@ -40,19 +43,45 @@ pub struct DataLoader {
 
 impl DataLoader {
     /// The loader a job configures. `vocab` is the model's vocabulary (token ids are checked against it).
-    pub fn from_config(cfg: &Config, tokenizer: Box<dyn Tokenizer>, vocab: usize, dp_rank: usize, dp_size: usize) -> Result<Self> {
+    pub fn from_config(
+        cfg: &Config,
+        tokenizer: Box<dyn Tokenizer>,
+        vocab: usize,
+        dp_rank: usize,
+        dp_size: usize,
+    ) -> Result<Self> {
         let t = &cfg.training;
         let path = Path::new(&t.dataset_path);
         let stream = match t.dataset.as_str() {
-            "synthetic" => Stream::Documents { source: Box::new(SyntheticSource::new(t.seed)), tokenizer },
-            "text" => Stream::Documents { source: Box::new(TextSource::open(path)?), tokenizer },
-            "jsonl" => Stream::Documents { source: Box::new(JsonlSource::open(path)?), tokenizer },
-            "parquet" => Stream::Documents { source: Box::new(super::parquet::ParquetSource::open(path)?), tokenizer },
+            "synthetic" => Stream::Documents {
+                source: Box::new(SyntheticSource::new(t.seed)),
+                tokenizer,
+            },
+            "text" => Stream::Documents {
+                source: Box::new(TextSource::open(path)?),
+                tokenizer,
+            },
+            "jsonl" => Stream::Documents {
+                source: Box::new(JsonlSource::open(path)?),
+                tokenizer,
+            },
+            "parquet" => Stream::Documents {
+                source: Box::new(super::parquet::ParquetSource::open(path)?),
+                tokenizer,
+            },
             "tokens_u16" => Stream::Tokens(TokenShards::open(path, 2)?),
             "tokens_u32" => Stream::Tokens(TokenShards::open(path, 4)?),
             other => bail!("[training] dataset = `{other}` is not known"),
         };
-        Ok(DataLoader { stream, batch: t.local_batch_size, seq: t.seq_len, vocab, dp_rank, dp_size, state: LoaderState::default() })
+        Ok(DataLoader {
+            stream,
+            batch: t.local_batch_size,
+            seq: t.seq_len,
+            vocab,
+            dp_rank,
+            dp_size,
+            state: LoaderState::default(),
+        })
     }
 
     pub fn describe(&self) -> String {
@@ -115,7 +144,10 @@ impl DataLoader {
                                     self.state.epoch += 1;
                                     self.state.consumed = 0;
                                     source.reset();
-                                    eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                                    eprintln!(
+                                        "dataset exhausted: starting epoch {}",
+                                        self.state.epoch
+                                    );
                                 }
                             }
                         };

@@ -56,20 +56,40 @@ impl HfTokenizer {
         if !path.exists() {
             bail!("tokenizer file {} does not exist", path.display());
         }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
         let find = |names: &[&str]| names.iter().find_map(|n| inner.token_to_id(n));
-        let bos = find(BOS_NAMES).ok_or_else(|| anyhow!("tokenizer {} has no BOS token (looked for {})", path.display(), BOS_NAMES.join(", ")))?;
-        let eos = find(EOS_NAMES).ok_or_else(|| anyhow!("tokenizer {} has no EOS token (looked for {})", path.display(), EOS_NAMES.join(", ")))?;
+        let bos = find(BOS_NAMES).ok_or_else(|| {
+            anyhow!(
+                "tokenizer {} has no BOS token (looked for {})",
+                path.display(),
+                BOS_NAMES.join(", ")
+            )
+        })?;
+        let eos = find(EOS_NAMES).ok_or_else(|| {
+            anyhow!(
+                "tokenizer {} has no EOS token (looked for {})",
+                path.display(),
+                EOS_NAMES.join(", ")
+            )
+        })?;
         Ok(HfTokenizer { inner, bos, eos })
     }
 }
 
 impl Tokenizer for HfTokenizer {
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.inner.encode(text, false).map_err(|e| anyhow!("tokenizer: {e}"))?.get_ids().to_vec())
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenizer: {e}"))?
+            .get_ids()
+            .to_vec())
     }
     fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| anyhow!("tokenizer: {e}"))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| anyhow!("tokenizer: {e}"))
     }
     fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -20,7 +20,9 @@ impl TokenShards {
         let mut files = Vec::new();
         let mut total = 0;
         for p in list_files(path, &[".bin"])? {
-            let len = std::fs::metadata(&p).with_context(|| format!("cannot stat {}", p.display()))?.len();
+            let len = std::fs::metadata(&p)
+                .with_context(|| format!("cannot stat {}", p.display()))?
+                .len();
             if len % bytes_per_token != 0 {
                 bail!("token shard {} has {len} bytes, not a multiple of {bytes_per_token} (is it uint{} data?)", p.display(), bytes_per_token * 8);
             }
@@ -30,7 +32,11 @@ impl TokenShards {
         if total == 0 {
             bail!("token shards at {} hold no tokens", path.display());
         }
-        Ok(TokenShards { files, bytes_per_token, total })
+        Ok(TokenShards {
+            files,
+            bytes_per_token,
+            total,
+        })
     }
 
     pub fn total_tokens(&self) -> u64 {
@@ -52,12 +58,22 @@ impl TokenShards {
             }
             let local = pos - start;
             let take = ((n - local) as usize).min(out.len() - filled);
-            let mut f = File::open(path).with_context(|| format!("cannot open token shard {}", path.display()))?;
+            let mut f = File::open(path)
+                .with_context(|| format!("cannot open token shard {}", path.display()))?;
             f.seek(SeekFrom::Start(local * self.bytes_per_token))?;
             let mut bytes = vec![0u8; take * self.bytes_per_token as usize];
-            f.read_exact(&mut bytes).with_context(|| format!("token shard {} is shorter than it was", path.display()))?;
-            for (i, c) in bytes.chunks_exact(self.bytes_per_token as usize).enumerate() {
-                let id = if self.bytes_per_token == 2 { u16::from_le_bytes([c[0], c[1]]) as u32 } else { u32::from_le_bytes([c[0], c[1], c[2], c[3]]) };
+            f.read_exact(&mut bytes).with_context(|| {
+                format!("token shard {} is shorter than it was", path.display())
+            })?;
+            for (i, c) in bytes
+                .chunks_exact(self.bytes_per_token as usize)
+                .enumerate()
+            {
+                let id = if self.bytes_per_token == 2 {
+                    u16::from_le_bytes([c[0], c[1]]) as u32
+                } else {
+                    u32::from_le_bytes([c[0], c[1], c[2], c[3]])
+                };
                 if id as usize >= vocab {
                     bail!("token shard {} holds token id {id} at token {} but the model's vocabulary has {vocab} entries", path.display(), local + i as u64);
                 }
@@ -68,7 +84,12 @@ impl TokenShards {
             start += n;
         }
         if filled != out.len() {
-            bail!("token shards end at {} tokens; asked for {}..{}", self.total, offset, offset + out.len() as u64);
+            bail!(
+                "token shards end at {} tokens; asked for {}..{}",
+                self.total,
+                offset,
+                offset + out.len() as u64
+            );
         }
         Ok(())
     }

@@ -33,8 +33,18 @@ pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64
     multiple_of * hidden.div_ceil(multiple_of)
 }
 
-const LLAMA31_SCALING: RopeScaling = RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
-const LLAMA32_SCALING: RopeScaling = RopeScaling { factor: 32.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+const LLAMA31_SCALING: RopeScaling = RopeScaling {
+    factor: 8.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_max_position_embeddings: 8192,
+};
+const LLAMA32_SCALING: RopeScaling = RopeScaling {
+    factor: 32.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_max_position_embeddings: 8192,
+};
 
 impl ModelArgs {
     /// Published Llama 3.x dimensions (1B/3B are Llama 3.2 with tied embeddings).
@@ -69,16 +79,29 @@ impl ModelArgs {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.dim == 0 || self.n_layers == 0 || self.n_heads == 0 || self.vocab_size == 0 || self.ffn_hidden == 0 {
+        if self.dim == 0
+            || self.n_layers == 0
+            || self.n_heads == 0
+            || self.vocab_size == 0
+            || self.ffn_hidden == 0
+        {
             bail!("model dimensions must be positive: {self:?}");
         }
-        if self.dim % self.n_heads != 0 {
-            bail!("model dim {} is not divisible by n_heads {}", self.dim, self.n_heads);
+        if !self.dim.is_multiple_of(self.n_heads) {
+            bail!(
+                "model dim {} is not divisible by n_heads {}",
+                self.dim,
+                self.n_heads
+            );
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            bail!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads);
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            bail!(
+                "n_heads {} is not a multiple of n_kv_heads {}",
+                self.n_heads,
+                self.n_kv_heads
+            );
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             bail!("head dim {} must be even for RoPE", self.head_dim());
         }
         Ok(())
@@ -97,13 +120,18 @@ impl ModelArgs {
     }
 
     pub fn num_params(&self) -> usize {
-        let output = if self.tied_embeddings { 0 } else { self.vocab_size * self.dim };
+        let output = if self.tied_embeddings {
+            0
+        } else {
+            self.vocab_size * self.dim
+        };
         self.embedding_params() + self.n_layers * self.params_per_layer() + self.dim + output
     }
 
     /// TorchTitan's count: 6·(N − N_embedding) + 12·n_layers·dim·seq_len.
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
-        6.0 * (self.num_params() - self.embedding_params()) as f64 + 12.0 * (self.n_layers * self.dim * seq_len) as f64
+        6.0 * (self.num_params() - self.embedding_params()) as f64
+            + 12.0 * (self.n_layers * self.dim * seq_len) as f64
     }
 }
 
@@ -113,16 +141,33 @@ mod tests {
 
     #[test]
     fn published_ffn_widths() {
-        let want = [("debugmodel", 768), ("1B", 8192), ("3B", 8192), ("8B", 14336), ("70B", 28672), ("405B", 53248)];
+        let want = [
+            ("debugmodel", 768),
+            ("1B", 8192),
+            ("3B", 8192),
+            ("8B", 14336),
+            ("70B", 28672),
+            ("405B", 53248),
+        ];
         for (name, hidden) in want {
-            assert_eq!(ModelArgs::flavor(name).unwrap().ffn_hidden, hidden, "{name}");
+            assert_eq!(
+                ModelArgs::flavor(name).unwrap().ffn_hidden,
+                hidden,
+                "{name}"
+            );
         }
     }
 
     #[test]
     fn published_parameter_counts() {
         // Llama 3.1 8B has 8.03B parameters, 70B 70.6B, 405B 405.9B; Llama 3.2 1B 1.24B, 3B 3.21B.
-        let approx = [("1B", 1.236e9), ("3B", 3.213e9), ("8B", 8.030e9), ("70B", 70.55e9), ("405B", 405.85e9)];
+        let approx = [
+            ("1B", 1.236e9),
+            ("3B", 3.213e9),
+            ("8B", 8.030e9),
+            ("70B", 70.55e9),
+            ("405B", 405.85e9),
+        ];
         for (name, n) in approx {
             let got = ModelArgs::flavor(name).unwrap().num_params() as f64;
             assert!((got - n).abs() / n < 0.002, "{name}: {got}");
@@ -132,6 +177,9 @@ mod tests {
     #[test]
     fn unknown_flavor_lists_the_accepted_ones() {
         let err = ModelArgs::flavor("7B").unwrap_err().to_string();
-        assert!(err.contains("7B") && err.contains("debugmodel") && err.contains("405B"), "{err}");
+        assert!(
+            err.contains("7B") && err.contains("debugmodel") && err.contains("405B"),
+            "{err}"
+        );
     }
 }

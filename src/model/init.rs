@@ -46,16 +46,33 @@ pub fn init_param(args: &ModelArgs, name: &str, numel: usize, seed: u64) -> Vec<
         if args.tied_embeddings {
             // Shared with the output projection: use the output's scale so initial logits stay O(1).
             let std = (args.dim as f64).powf(-0.5);
-            return (0..numel).map(|_| truncated_normal(&mut rng, std, -3.0 * std, 3.0 * std)).collect();
+            return (0..numel)
+                .map(|_| truncated_normal(&mut rng, std, -3.0 * std, 3.0 * std))
+                .collect();
         }
-        return (0..numel).map(|_| standard_normal(&mut rng) as f32).collect();
+        return (0..numel)
+            .map(|_| standard_normal(&mut rng) as f32)
+            .collect();
     }
     if name == "output.weight" {
         let std = (args.dim as f64).powf(-0.5);
-        return (0..numel).map(|_| truncated_normal(&mut rng, std, -3.0 * std, 3.0 * std)).collect();
+        return (0..numel)
+            .map(|_| truncated_normal(&mut rng, std, -3.0 * std, 3.0 * std))
+            .collect();
     }
-    let layer: usize = name.split('.').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let depth_scaled = name.ends_with("wo.weight") || name.ends_with("w2.weight") || name.ends_with("w3.weight");
-    let std = if depth_scaled { 0.02 / (2.0 * (layer as f64 + 1.0)).sqrt() } else { 0.02 };
-    (0..numel).map(|_| truncated_normal(&mut rng, std, -2.0, 2.0)).collect()
+    let layer: usize = name
+        .split('.')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let depth_scaled =
+        name.ends_with("wo.weight") || name.ends_with("w2.weight") || name.ends_with("w3.weight");
+    let std = if depth_scaled {
+        0.02 / (2.0 * (layer as f64 + 1.0)).sqrt()
+    } else {
+        0.02
+    };
+    (0..numel)
+        .map(|_| truncated_normal(&mut rng, std, -2.0, 2.0))
+        .collect()
 }

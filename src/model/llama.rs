@@ -55,7 +55,8 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
     let (d, f, hd) = (args.dim, args.ffn_hidden, args.head_dim());
     let (qd, kvd) = (args.n_heads * hd, args.n_kv_heads * hd);
-    let per_layer = n * (d + 1 + qd + 2 * kvd + qd + d + d + 1 + 3 * f) + batch * args.n_heads * seq;
+    let per_layer =
+        n * (d + 1 + qd + 2 * kvd + qd + d + d + 1 + 3 * f) + batch * args.n_heads * seq;
     let resid = (args.n_layers + 1) * n * d;
     let scratch = n * (2 * d + 2 * qd + 2 * kvd + 3 * f);
     args.n_layers * per_layer + resid + n * (d + 1) + scratch
@@ -119,7 +120,13 @@ impl<B: Backend> Llama<B> {
     pub fn new(backend: &B, args: ModelArgs, max_seq: usize) -> Result<Self> {
         args.validate()?;
         let (cos, sin) = rope_tables(args.head_dim(), max_seq, args.rope_theta, args.rope_scaling);
-        Ok(Llama { ids: ParamIds::new(&args), args, rope_cos: backend.upload(&cos), rope_sin: backend.upload(&sin), rope_len: max_seq })
+        Ok(Llama {
+            ids: ParamIds::new(&args),
+            args,
+            rope_cos: backend.upload(&cos),
+            rope_sin: backend.upload(&sin),
+            rope_len: max_seq,
+        })
     }
 
     pub fn param_specs(&self) -> Vec<(String, Vec<usize>)> {
@@ -129,7 +136,15 @@ impl<B: Backend> Llama<B> {
     /// One forward and backward over `tokens` (`[batch, seq+1]`, inputs are the first `seq` of each
     /// row, targets the last `seq`). Gradients are *added* into `grads`, scaled by `grad_scale`
     /// (1 / global number of targets), so micro-batches accumulate into one big batch.
-    pub fn forward_backward(&self, be: &B, params: &ParamSet<B>, grads: &mut ParamSet<B>, ws: &mut Workspace<B>, tokens: &[u32], grad_scale: f32) -> Result<LossSum> {
+    pub fn forward_backward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+        grad_scale: f32,
+    ) -> Result<LossSum> {
         self.forward(be, params, ws, tokens)?;
         let a = &self.args;
         let (n, d) = (ws.batch * ws.seq, a.dim);
@@ -139,34 +154,86 @@ impl<B: Backend> Llama<B> {
         let loss = {
             let g = &mut grads.bufs;
             let dw_out = &mut g[self.ids.output];
-            be.cross_entropy_forward_backward(&ws.normed_final, &p[self.ids.output], &ws.targets, d, a.vocab_size, grad_scale, Some((&mut ws.dnormed, dw_out)))
+            be.cross_entropy_forward_backward(
+                &ws.normed_final,
+                &p[self.ids.output],
+                &ws.targets,
+                d,
+                a.vocab_size,
+                grad_scale,
+                Some((&mut ws.dnormed, dw_out)),
+            )
         };
         be.fill(&mut ws.dx, 0.0);
-        be.rmsnorm_backward(&mut ws.dx, &mut grads.bufs[self.ids.norm], &ws.dnormed, &ws.resid[a.n_layers], &p[self.ids.norm], &ws.rstd_final, d);
+        be.rmsnorm_backward(
+            &mut ws.dx,
+            &mut grads.bufs[self.ids.norm],
+            &ws.dnormed,
+            &ws.resid[a.n_layers],
+            &p[self.ids.norm],
+            &ws.rstd_final,
+            d,
+        );
         for l in (0..a.n_layers).rev() {
             self.block_backward(be, params, grads, ws, l);
         }
-        be.embedding_backward(&mut grads.bufs[self.ids.tok_embeddings], &ws.dx, &ws.inputs, d);
+        be.embedding_backward(
+            &mut grads.bufs[self.ids.tok_embeddings],
+            &ws.dx,
+            &ws.inputs,
+            d,
+        );
         debug_assert_eq!(n, ws.inputs.len());
         Ok(loss)
     }
 
     /// Loss without gradients (validation, tests).
-    pub fn loss(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<LossSum> {
+    pub fn loss(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<LossSum> {
         self.forward(be, params, ws, tokens)?;
-        Ok(be.cross_entropy_forward_backward(&ws.normed_final, &params.bufs[self.ids.output], &ws.targets, self.args.dim, self.args.vocab_size, 0.0, None))
+        Ok(be.cross_entropy_forward_backward(
+            &ws.normed_final,
+            &params.bufs[self.ids.output],
+            &ws.targets,
+            self.args.dim,
+            self.args.vocab_size,
+            0.0,
+            None,
+        ))
     }
 
-    fn forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
+    fn forward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<()> {
         let (b, s) = (ws.batch, ws.seq);
         if tokens.len() != b * (s + 1) {
-            bail!("expected {} tokens ({b} rows of seq_len+1 = {}), got {}", b * (s + 1), s + 1, tokens.len());
+            bail!(
+                "expected {} tokens ({b} rows of seq_len+1 = {}), got {}",
+                b * (s + 1),
+                s + 1,
+                tokens.len()
+            );
         }
         if s > self.rope_len {
-            bail!("sequence length {s} exceeds the {} positions this model was built for", self.rope_len);
+            bail!(
+                "sequence length {s} exceeds the {} positions this model was built for",
+                self.rope_len
+            );
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.args.vocab_size) {
-            bail!("token id {bad} is outside the model's vocabulary of {}", self.args.vocab_size);
+            bail!(
+                "token id {bad} is outside the model's vocabulary of {}",
+                self.args.vocab_size
+            );
         }
         for r in 0..b {
             let row = &tokens[r * (s + 1)..(r + 1) * (s + 1)];
@@ -175,11 +242,23 @@ impl<B: Backend> Llama<B> {
         }
         let a = &self.args;
         let p = &params.bufs;
-        be.embedding_forward(&mut ws.resid[0], &p[self.ids.tok_embeddings], &ws.inputs, a.dim);
+        be.embedding_forward(
+            &mut ws.resid[0],
+            &p[self.ids.tok_embeddings],
+            &ws.inputs,
+            a.dim,
+        );
         for l in 0..a.n_layers {
             self.block_forward(be, params, ws, l);
         }
-        be.rmsnorm_forward(&mut ws.normed_final, &mut ws.rstd_final, &ws.resid[a.n_layers], &p[self.ids.norm], a.dim, a.norm_eps);
+        be.rmsnorm_forward(
+            &mut ws.normed_final,
+            &mut ws.rstd_final,
+            &ws.resid[a.n_layers],
+            &p[self.ids.norm],
+            a.dim,
+            a.norm_eps,
+        );
         Ok(())
     }
 
@@ -194,27 +273,133 @@ impl<B: Backend> Llama<B> {
         let x = &before[l];
         let out = &mut after[0];
         let acts = &mut ws.layers[l];
-        be.rmsnorm_forward(&mut acts.normed_attn, &mut acts.rstd_attn, x, &p[id.attention_norm], d, a.norm_eps);
-        be.matmul(&mut acts.q, &acts.normed_attn, &p[id.wq], n, d, qd, false, true, false);
-        be.matmul(&mut acts.k, &acts.normed_attn, &p[id.wk], n, d, kvd, false, true, false);
-        be.matmul(&mut acts.v, &acts.normed_attn, &p[id.wv], n, d, kvd, false, true, false);
-        be.rope_forward(&mut acts.q, &self.rope_cos, &self.rope_sin, b, s, a.n_heads, hd, 0);
-        be.rope_forward(&mut acts.k, &self.rope_cos, &self.rope_sin, b, s, a.n_kv_heads, hd, 0);
+        be.rmsnorm_forward(
+            &mut acts.normed_attn,
+            &mut acts.rstd_attn,
+            x,
+            &p[id.attention_norm],
+            d,
+            a.norm_eps,
+        );
+        be.matmul(
+            &mut acts.q,
+            &acts.normed_attn,
+            &p[id.wq],
+            n,
+            d,
+            qd,
+            false,
+            true,
+            false,
+        );
+        be.matmul(
+            &mut acts.k,
+            &acts.normed_attn,
+            &p[id.wk],
+            n,
+            d,
+            kvd,
+            false,
+            true,
+            false,
+        );
+        be.matmul(
+            &mut acts.v,
+            &acts.normed_attn,
+            &p[id.wv],
+            n,
+            d,
+            kvd,
+            false,
+            true,
+            false,
+        );
+        be.rope_forward(
+            &mut acts.q,
+            &self.rope_cos,
+            &self.rope_sin,
+            b,
+            s,
+            a.n_heads,
+            hd,
+            0,
+        );
+        be.rope_forward(
+            &mut acts.k,
+            &self.rope_cos,
+            &self.rope_sin,
+            b,
+            s,
+            a.n_kv_heads,
+            hd,
+            0,
+        );
         let shape = AttnShape::causal(b, s, a.n_heads, a.n_kv_heads, hd);
-        be.attention_forward(&mut acts.attn_out, &mut acts.lse, &acts.q, &acts.k, &acts.v, shape);
+        be.attention_forward(
+            &mut acts.attn_out,
+            &mut acts.lse,
+            &acts.q,
+            &acts.k,
+            &acts.v,
+            shape,
+        );
         // h = x + attn_out · woᵀ
         be.copy_from(&mut acts.h, x);
-        be.matmul(&mut acts.h, &acts.attn_out, &p[id.wo], n, qd, d, false, true, true);
-        be.rmsnorm_forward(&mut acts.normed_ffn, &mut acts.rstd_ffn, &acts.h, &p[id.ffn_norm], d, a.norm_eps);
-        be.matmul(&mut acts.gate, &acts.normed_ffn, &p[id.w1], n, d, f, false, true, false);
-        be.matmul(&mut acts.up, &acts.normed_ffn, &p[id.w3], n, d, f, false, true, false);
+        be.matmul(
+            &mut acts.h,
+            &acts.attn_out,
+            &p[id.wo],
+            n,
+            qd,
+            d,
+            false,
+            true,
+            true,
+        );
+        be.rmsnorm_forward(
+            &mut acts.normed_ffn,
+            &mut acts.rstd_ffn,
+            &acts.h,
+            &p[id.ffn_norm],
+            d,
+            a.norm_eps,
+        );
+        be.matmul(
+            &mut acts.gate,
+            &acts.normed_ffn,
+            &p[id.w1],
+            n,
+            d,
+            f,
+            false,
+            true,
+            false,
+        );
+        be.matmul(
+            &mut acts.up,
+            &acts.normed_ffn,
+            &p[id.w3],
+            n,
+            d,
+            f,
+            false,
+            true,
+            false,
+        );
         be.swiglu_forward(&mut acts.act, &acts.gate, &acts.up);
         be.copy_from(out, &acts.h);
         be.matmul(out, &acts.act, &p[id.w2], n, f, d, false, true, true);
     }
 
     /// On entry `ws.dx` holds ∂L/∂(block output); on exit ∂L/∂(block input).
-    fn block_backward(&self, be: &B, params: &ParamSet<B>, grads: &mut ParamSet<B>, ws: &mut Workspace<B>, l: usize) {
+    fn block_backward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+    ) {
         let a = &self.args;
         let id = self.ids.layers[l];
         let p = &params.bufs;
@@ -224,34 +409,213 @@ impl<B: Backend> Llama<B> {
         let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
         let acts = &ws.layers[l];
         // Feed-forward.
-        be.matmul(&mut ws.dact, &ws.dx, &p[id.w2], n, d, f, false, false, false);
+        be.matmul(
+            &mut ws.dact,
+            &ws.dx,
+            &p[id.w2],
+            n,
+            d,
+            f,
+            false,
+            false,
+            false,
+        );
         be.matmul(&mut g[id.w2], &ws.dx, &acts.act, d, n, f, true, false, true);
         be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, &acts.gate, &acts.up);
-        be.matmul(&mut ws.dnormed, &ws.dgate, &p[id.w1], n, f, d, false, false, false);
-        be.matmul(&mut ws.dnormed, &ws.dup, &p[id.w3], n, f, d, false, false, true);
-        be.matmul(&mut g[id.w1], &ws.dgate, &acts.normed_ffn, f, n, d, true, false, true);
-        be.matmul(&mut g[id.w3], &ws.dup, &acts.normed_ffn, f, n, d, true, false, true);
-        be.rmsnorm_backward(&mut ws.dx, &mut g[id.ffn_norm], &ws.dnormed, &acts.h, &p[id.ffn_norm], &acts.rstd_ffn, d);
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dgate,
+            &p[id.w1],
+            n,
+            f,
+            d,
+            false,
+            false,
+            false,
+        );
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dup,
+            &p[id.w3],
+            n,
+            f,
+            d,
+            false,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut g[id.w1],
+            &ws.dgate,
+            &acts.normed_ffn,
+            f,
+            n,
+            d,
+            true,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut g[id.w3],
+            &ws.dup,
+            &acts.normed_ffn,
+            f,
+            n,
+            d,
+            true,
+            false,
+            true,
+        );
+        be.rmsnorm_backward(
+            &mut ws.dx,
+            &mut g[id.ffn_norm],
+            &ws.dnormed,
+            &acts.h,
+            &p[id.ffn_norm],
+            &acts.rstd_ffn,
+            d,
+        );
         // Attention.
-        be.matmul(&mut ws.dattn, &ws.dx, &p[id.wo], n, d, qd, false, false, false);
-        be.matmul(&mut g[id.wo], &ws.dx, &acts.attn_out, d, n, qd, true, false, true);
+        be.matmul(
+            &mut ws.dattn,
+            &ws.dx,
+            &p[id.wo],
+            n,
+            d,
+            qd,
+            false,
+            false,
+            false,
+        );
+        be.matmul(
+            &mut g[id.wo],
+            &ws.dx,
+            &acts.attn_out,
+            d,
+            n,
+            qd,
+            true,
+            false,
+            true,
+        );
         let shape = AttnShape::causal(b, s, a.n_heads, a.n_kv_heads, hd);
-        be.attention_backward(&mut ws.dq, &mut ws.dk, &mut ws.dv, &ws.dattn, &acts.q, &acts.k, &acts.v, &acts.attn_out, &acts.lse, shape);
-        be.rope_backward(&mut ws.dq, &self.rope_cos, &self.rope_sin, b, s, a.n_heads, hd);
-        be.rope_backward(&mut ws.dk, &self.rope_cos, &self.rope_sin, b, s, a.n_kv_heads, hd);
-        be.matmul(&mut ws.dnormed, &ws.dq, &p[id.wq], n, qd, d, false, false, false);
-        be.matmul(&mut ws.dnormed, &ws.dk, &p[id.wk], n, kvd, d, false, false, true);
-        be.matmul(&mut ws.dnormed, &ws.dv, &p[id.wv], n, kvd, d, false, false, true);
-        be.matmul(&mut g[id.wq], &ws.dq, &acts.normed_attn, qd, n, d, true, false, true);
-        be.matmul(&mut g[id.wk], &ws.dk, &acts.normed_attn, kvd, n, d, true, false, true);
-        be.matmul(&mut g[id.wv], &ws.dv, &acts.normed_attn, kvd, n, d, true, false, true);
-        be.rmsnorm_backward(&mut ws.dx, &mut g[id.attention_norm], &ws.dnormed, &ws.resid[l], &p[id.attention_norm], &acts.rstd_attn, d);
+        be.attention_backward(
+            &mut ws.dq,
+            &mut ws.dk,
+            &mut ws.dv,
+            &ws.dattn,
+            &acts.q,
+            &acts.k,
+            &acts.v,
+            &acts.attn_out,
+            &acts.lse,
+            shape,
+        );
+        be.rope_backward(
+            &mut ws.dq,
+            &self.rope_cos,
+            &self.rope_sin,
+            b,
+            s,
+            a.n_heads,
+            hd,
+        );
+        be.rope_backward(
+            &mut ws.dk,
+            &self.rope_cos,
+            &self.rope_sin,
+            b,
+            s,
+            a.n_kv_heads,
+            hd,
+        );
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dq,
+            &p[id.wq],
+            n,
+            qd,
+            d,
+            false,
+            false,
+            false,
+        );
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dk,
+            &p[id.wk],
+            n,
+            kvd,
+            d,
+            false,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dv,
+            &p[id.wv],
+            n,
+            kvd,
+            d,
+            false,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut g[id.wq],
+            &ws.dq,
+            &acts.normed_attn,
+            qd,
+            n,
+            d,
+            true,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut g[id.wk],
+            &ws.dk,
+            &acts.normed_attn,
+            kvd,
+            n,
+            d,
+            true,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut g[id.wv],
+            &ws.dv,
+            &acts.normed_attn,
+            kvd,
+            n,
+            d,
+            true,
+            false,
+            true,
+        );
+        be.rmsnorm_backward(
+            &mut ws.dx,
+            &mut g[id.attention_norm],
+            &ws.dnormed,
+            &ws.resid[l],
+            &p[id.attention_norm],
+            &acts.rstd_attn,
+            d,
+        );
     }
 
     // ------------------------------------------------------------------ inference with a KV cache
 
     /// Runs `tokens` at positions `cache.len..` and returns the logits of the last one.
-    pub fn forward_cached(&self, be: &B, params: &ParamSet<B>, cache: &mut KvCache<B>, tokens: &[u32]) -> Result<Vec<f32>> {
+    pub fn forward_cached(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
         let a = &self.args;
         let n = tokens.len();
         let pos = cache.len;
@@ -259,10 +623,17 @@ impl<B: Backend> Llama<B> {
             bail!("forward_cached needs at least one token");
         }
         if pos + n > cache.capacity || pos + n > self.rope_len {
-            bail!("generation reached {} tokens, beyond the cache of {}", pos + n, cache.capacity.min(self.rope_len));
+            bail!(
+                "generation reached {} tokens, beyond the cache of {}",
+                pos + n,
+                cache.capacity.min(self.rope_len)
+            );
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= a.vocab_size) {
-            bail!("token id {bad} is outside the model's vocabulary of {}", a.vocab_size);
+            bail!(
+                "token id {bad} is outside the model's vocabulary of {}",
+                a.vocab_size
+            );
         }
         let (d, f, hd) = (a.dim, a.ffn_hidden, a.head_dim());
         let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
@@ -275,15 +646,49 @@ impl<B: Backend> Llama<B> {
         let (mut gate, mut up, mut act) = (be.zeros(n * f), be.zeros(n * f), be.zeros(n * f));
         for l in 0..a.n_layers {
             let id = self.ids.layers[l];
-            be.rmsnorm_forward(&mut normed, &mut rstd, &x, &p[id.attention_norm], d, a.norm_eps);
+            be.rmsnorm_forward(
+                &mut normed,
+                &mut rstd,
+                &x,
+                &p[id.attention_norm],
+                d,
+                a.norm_eps,
+            );
             be.matmul(&mut q, &normed, &p[id.wq], n, d, qd, false, true, false);
             be.matmul(&mut k, &normed, &p[id.wk], n, d, kvd, false, true, false);
             be.matmul(&mut v, &normed, &p[id.wv], n, d, kvd, false, true, false);
-            be.rope_forward(&mut q, &self.rope_cos, &self.rope_sin, 1, n, a.n_heads, hd, pos);
-            be.rope_forward(&mut k, &self.rope_cos, &self.rope_sin, 1, n, a.n_kv_heads, hd, pos);
+            be.rope_forward(
+                &mut q,
+                &self.rope_cos,
+                &self.rope_sin,
+                1,
+                n,
+                a.n_heads,
+                hd,
+                pos,
+            );
+            be.rope_forward(
+                &mut k,
+                &self.rope_cos,
+                &self.rope_sin,
+                1,
+                n,
+                a.n_kv_heads,
+                hd,
+                pos,
+            );
             be.copy_into_at(&mut cache.k[l], pos * kvd, &k);
             be.copy_into_at(&mut cache.v[l], pos * kvd, &v);
-            let shape = AttnShape { batch: 1, q_len: n, kv_len: pos + n, kv_capacity: cache.capacity, n_heads: a.n_heads, n_kv_heads: a.n_kv_heads, head_dim: hd, q_offset: pos };
+            let shape = AttnShape {
+                batch: 1,
+                q_len: n,
+                kv_len: pos + n,
+                kv_capacity: cache.capacity,
+                n_heads: a.n_heads,
+                n_kv_heads: a.n_kv_heads,
+                head_dim: hd,
+                q_offset: pos,
+            };
             be.attention_forward(&mut attn, &mut lse, &q, &cache.k[l], &cache.v[l], shape);
             be.matmul(&mut x, &attn, &p[id.wo], n, qd, d, false, true, true);
             be.rmsnorm_forward(&mut normed, &mut rstd, &x, &p[id.ffn_norm], d, a.norm_eps);
@@ -296,9 +701,23 @@ impl<B: Backend> Llama<B> {
         let last = be.upload(&be.download(&x)[(n - 1) * d..]);
         let mut last_normed = be.zeros(d);
         let mut last_rstd = be.zeros(1);
-        be.rmsnorm_forward(&mut last_normed, &mut last_rstd, &last, &p[self.ids.norm], d, a.norm_eps);
+        be.rmsnorm_forward(
+            &mut last_normed,
+            &mut last_rstd,
+            &last,
+            &p[self.ids.norm],
+            d,
+            a.norm_eps,
+        );
         let mut logits = be.zeros(a.vocab_size);
-        be.logits(&mut logits, &last_normed, &p[self.ids.output], 1, d, a.vocab_size);
+        be.logits(
+            &mut logits,
+            &last_normed,
+            &p[self.ids.output],
+            1,
+            d,
+            a.vocab_size,
+        );
         Ok(be.download(&logits))
     }
 }
@@ -314,6 +733,15 @@ pub struct KvCache<B: Backend> {
 impl<B: Backend> KvCache<B> {
     pub fn new(be: &B, args: &ModelArgs, capacity: usize) -> Self {
         let kvd = args.n_kv_heads * args.head_dim();
-        KvCache { k: (0..args.n_layers).map(|_| be.zeros(capacity * kvd)).collect(), v: (0..args.n_layers).map(|_| be.zeros(capacity * kvd)).collect(), len: 0, capacity }
+        KvCache {
+            k: (0..args.n_layers)
+                .map(|_| be.zeros(capacity * kvd))
+                .collect(),
+            v: (0..args.n_layers)
+                .map(|_| be.zeros(capacity * kvd))
+                .collect(),
+            len: 0,
+            capacity,
+        }
     }
 }

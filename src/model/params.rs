@@ -8,14 +8,29 @@ use super::args::ModelArgs;
 /// Canonical (TorchTitan) names and shapes of a Llama model's parameters, in storage order.
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
-    let mut specs = vec![("tok_embeddings.weight".to_string(), vec![args.vocab_size, d])];
+    let mut specs = vec![(
+        "tok_embeddings.weight".to_string(),
+        vec![args.vocab_size, d],
+    )];
     for l in 0..args.n_layers {
         let p = format!("layers.{l}");
         specs.push((format!("{p}.attention_norm.weight"), vec![d]));
-        specs.push((format!("{p}.attention.wq.weight"), vec![args.n_heads * hd, d]));
-        specs.push((format!("{p}.attention.wk.weight"), vec![args.n_kv_heads * hd, d]));
-        specs.push((format!("{p}.attention.wv.weight"), vec![args.n_kv_heads * hd, d]));
-        specs.push((format!("{p}.attention.wo.weight"), vec![d, args.n_heads * hd]));
+        specs.push((
+            format!("{p}.attention.wq.weight"),
+            vec![args.n_heads * hd, d],
+        ));
+        specs.push((
+            format!("{p}.attention.wk.weight"),
+            vec![args.n_kv_heads * hd, d],
+        ));
+        specs.push((
+            format!("{p}.attention.wv.weight"),
+            vec![args.n_kv_heads * hd, d],
+        ));
+        specs.push((
+            format!("{p}.attention.wo.weight"),
+            vec![d, args.n_heads * hd],
+        ));
         specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
         specs.push((format!("{p}.feed_forward.w1.weight"), vec![f, d]));
         specs.push((format!("{p}.feed_forward.w2.weight"), vec![d, f]));
@@ -57,11 +72,26 @@ impl ParamIds {
         let layers = (0..args.n_layers)
             .map(|l| {
                 let b = 1 + 9 * l;
-                LayerIds { attention_norm: b, wq: b + 1, wk: b + 2, wv: b + 3, wo: b + 4, ffn_norm: b + 5, w1: b + 6, w2: b + 7, w3: b + 8 }
+                LayerIds {
+                    attention_norm: b,
+                    wq: b + 1,
+                    wk: b + 2,
+                    wv: b + 3,
+                    wo: b + 4,
+                    ffn_norm: b + 5,
+                    w1: b + 6,
+                    w2: b + 7,
+                    w3: b + 8,
+                }
             })
             .collect();
         let norm = 1 + 9 * args.n_layers;
-        ParamIds { tok_embeddings: 0, layers, norm, output: if args.tied_embeddings { 0 } else { norm + 1 } }
+        ParamIds {
+            tok_embeddings: 0,
+            layers,
+            norm,
+            output: if args.tied_embeddings { 0 } else { norm + 1 },
+        }
     }
 }
 
@@ -77,7 +107,10 @@ impl<B: Backend> ParamSet<B> {
         ParamSet {
             names: specs.iter().map(|(n, _)| n.clone()).collect(),
             shapes: specs.iter().map(|(_, s)| s.clone()).collect(),
-            bufs: specs.iter().map(|(_, s)| backend.zeros(s.iter().product())).collect(),
+            bufs: specs
+                .iter()
+                .map(|(_, s)| backend.zeros(s.iter().product()))
+                .collect(),
         }
     }
 
@@ -94,7 +127,10 @@ impl<B: Backend> ParamSet<B> {
     }
 
     pub fn numel(&self) -> usize {
-        self.shapes.iter().map(|s| s.iter().product::<usize>()).sum()
+        self.shapes
+            .iter()
+            .map(|s| s.iter().product::<usize>())
+            .sum()
     }
 
     pub fn zero(&mut self, backend: &B) {

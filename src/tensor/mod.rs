@@ -46,8 +46,16 @@ pub struct Tensor {
 
 impl Tensor {
     pub fn from_f32(shape: Vec<usize>, data: Vec<f32>) -> Self {
-        assert_eq!(shape.iter().product::<usize>(), data.len(), "shape {shape:?} does not match {} elements", data.len());
-        Tensor { shape, storage: Storage::F32(data) }
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape {shape:?} does not match {} elements",
+            data.len()
+        );
+        Tensor {
+            shape,
+            storage: Storage::F32(data),
+        }
     }
 
     pub fn zeros(shape: Vec<usize>) -> Self {
@@ -83,7 +91,10 @@ impl Tensor {
                 Storage::F32(v) => Storage::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
             },
         };
-        Tensor { shape: self.shape.clone(), storage }
+        Tensor {
+            shape: self.shape.clone(),
+            storage,
+        }
     }
 
     /// Little-endian bytes, the layout safetensors stores.
@@ -97,11 +108,25 @@ impl Tensor {
     pub fn from_le_bytes(shape: Vec<usize>, dtype: DType, bytes: &[u8]) -> Result<Tensor> {
         let n: usize = shape.iter().product();
         if bytes.len() != n * dtype.size_bytes() {
-            bail!("tensor of shape {shape:?} and dtype {dtype:?} needs {} bytes, found {}", n * dtype.size_bytes(), bytes.len());
+            bail!(
+                "tensor of shape {shape:?} and dtype {dtype:?} needs {} bytes, found {}",
+                n * dtype.size_bytes(),
+                bytes.len()
+            );
         }
         let storage = match dtype {
-            DType::F32 => Storage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
-            DType::BF16 => Storage::BF16(bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()),
+            DType::F32 => Storage::F32(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            DType::BF16 => Storage::BF16(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+            ),
         };
         Ok(Tensor { shape, storage })
     }

@@ -24,7 +24,14 @@ impl LrSchedule {
             decay = total_steps - warmup;
         }
         let stable = total_steps + 1 - warmup - decay;
-        LrSchedule { base_lr, warmup, stable, decay, decay_type: cfg.decay_type, min_factor: cfg.min_lr_factor }
+        LrSchedule {
+            base_lr,
+            warmup,
+            stable,
+            decay,
+            decay_type: cfg.decay_type,
+            min_factor: cfg.min_lr_factor,
+        }
     }
 
     /// Multiplier of the base lr for optimizer step `step` (1-based).
@@ -36,7 +43,8 @@ impl LrSchedule {
         if current < self.warmup + self.stable || self.decay == 0 {
             return 1.0;
         }
-        let progress = ((current + 1 - (self.warmup + self.stable)) as f64 / self.decay as f64).min(1.0);
+        let progress =
+            ((current + 1 - (self.warmup + self.stable)) as f64 / self.decay as f64).min(1.0);
         let f = match self.decay_type {
             DecayType::Linear => 1.0 - progress,
             DecayType::Sqrt => 1.0 - progress.sqrt(),
@@ -55,7 +63,12 @@ mod tests {
     use super::*;
 
     fn cfg(warmup: u64, ratio: Option<f64>, t: DecayType, min: f64) -> LrSchedulerConfig {
-        LrSchedulerConfig { warmup_steps: warmup, decay_ratio: ratio, decay_type: t, min_lr_factor: min }
+        LrSchedulerConfig {
+            warmup_steps: warmup,
+            decay_ratio: ratio,
+            decay_type: t,
+            min_lr_factor: min,
+        }
     }
 
     #[test]

@@ -19,7 +19,12 @@ impl MemoryEstimate {
     pub fn new(args: &ModelArgs, batch: usize, seq: usize) -> Self {
         let p = args.num_params() as u64 * 4;
         let act = (workspace_floats(args, batch, seq) + 256 * (args.vocab_size + 1)) as u64 * 4;
-        MemoryEstimate { params: p, grads: p, optimizer: 2 * p, activations: act }
+        MemoryEstimate {
+            params: p,
+            grads: p,
+            optimizer: 2 * p,
+            activations: act,
+        }
     }
 
     pub fn total(&self) -> u64 {
@@ -43,7 +48,12 @@ pub fn available_memory() -> Option<u64> {
 pub fn peak_memory() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()))
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
         .map(|kb| kb * 1024)
         .unwrap_or(0)
 }

@@ -49,9 +49,14 @@ pub struct MetricsLogger {
 
 impl MetricsLogger {
     pub fn new(dump_folder: &Path, tensorboard_dir: Option<&Path>) -> Result<Self> {
-        std::fs::create_dir_all(dump_folder).with_context(|| format!("cannot create dump folder {}", dump_folder.display()))?;
+        std::fs::create_dir_all(dump_folder)
+            .with_context(|| format!("cannot create dump folder {}", dump_folder.display()))?;
         let path = dump_folder.join("metrics.jsonl");
-        let jsonl = OpenOptions::new().create(true).append(true).open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+        let jsonl = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
         let tensorboard = tensorboard_dir.map(EventWriter::create).transpose()?;
         Ok(MetricsLogger { jsonl, tensorboard })
     }

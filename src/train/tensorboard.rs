@@ -42,13 +42,21 @@ fn event(wall_time: f64, step: i64, body: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> 
 
 impl EventWriter {
     pub fn create(dir: &Path) -> Result<Self> {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create TensorBoard folder {}", dir.display()))?;
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "titan".into());
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create TensorBoard folder {}", dir.display()))?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let host = std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "titan".into());
         let path = dir.join(format!("events.out.tfevents.{}.{host}", now.as_secs()));
-        let file = File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
+        let file =
+            File::create(&path).with_context(|| format!("cannot create {}", path.display()))?;
         let mut w = EventWriter { file };
-        w.record(&event(now.as_secs_f64(), 0, |e| length_delimited(3, b"brain.Event:2", e)))?;
+        w.record(&event(now.as_secs_f64(), 0, |e| {
+            length_delimited(3, b"brain.Event:2", e)
+        }))?;
         Ok(w)
     }
 
@@ -64,7 +72,10 @@ impl EventWriter {
     }
 
     pub fn scalars(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
-        let wall = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64();
         let mut summary = Vec::new();
         for (tag, v) in values {
             let mut value = Vec::new();
@@ -73,7 +84,9 @@ impl EventWriter {
             value.extend_from_slice(&(*v as f32).to_le_bytes());
             length_delimited(1, &value, &mut summary);
         }
-        self.record(&event(wall, step as i64, |e| length_delimited(5, &summary, e)))?;
+        self.record(&event(wall, step as i64, |e| {
+            length_delimited(5, &summary, e)
+        }))?;
         self.file.flush()?;
         Ok(())
     }

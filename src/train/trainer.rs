@@ -32,6 +32,9 @@ pub struct TrainSummary {
 pub struct RunOptions {
     /// No progress bar and no per-step console lines (tests, benchmarks).
     pub quiet: bool,
+    /// End the run after this step as if interrupted (preemption drills and resume tests); the
+    /// schedule still follows `[training] steps`.
+    pub stop_after: Option<u64>,
 }
 
 pub fn select_backend(cfg: &Config) -> Result<CpuBackend> {
@@ -45,7 +48,9 @@ pub fn select_backend(cfg: &Config) -> Result<CpuBackend> {
 /// Sizes rayon's global pool once per process (`threads = 0` keeps rayon's default: every core).
 pub fn init_threads(threads: usize) {
     if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global();
     }
 }
 
@@ -68,7 +73,13 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
 
     // Everything below is known from the config alone: refuse what cannot fit before allocating.
     let est = MemoryEstimate::new(&args, batch, seq);
-    check_fits(&est, &format!("model flavor {} at local_batch_size {batch} × seq_len {seq}", cfg.model.flavor))?;
+    check_fits(
+        &est,
+        &format!(
+            "model flavor {} at local_batch_size {batch} × seq_len {seq}",
+            cfg.model.flavor
+        ),
+    )?;
 
     let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
     if tokenizer.vocab_size() > args.vocab_size {
@@ -112,7 +123,11 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
     let tokens_per_step = (cfg.global_batch_size() * seq) as f64;
     let flops_per_token = args.flops_per_token(seq);
     let threads = rayon::current_num_threads();
-    let peak_tflops = if cfg.metrics.peak_tflops > 0.0 { cfg.metrics.peak_tflops } else { default_peak_tflops(be.name(), threads) };
+    let peak_tflops = if cfg.metrics.peak_tflops > 0.0 {
+        cfg.metrics.peak_tflops
+    } else {
+        default_peak_tflops(be.name(), threads)
+    };
     say(format!(
         "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads",
         cfg.model.flavor,
@@ -132,21 +147,53 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
     ));
 
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
-    let mut logger = MetricsLogger::new(&cfg.dump_folder(), cfg.metrics.enable_tensorboard.then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder)).as_deref())?;
-    let bar = if opts.quiet || start_step >= t.steps { ProgressBar::hidden() } else { ProgressBar::new(t.steps) };
-    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}").unwrap_or_else(|_| ProgressStyle::default_bar()));
+    let mut logger = MetricsLogger::new(
+        &cfg.dump_folder(),
+        cfg.metrics
+            .enable_tensorboard
+            .then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder))
+            .as_deref(),
+    )?;
+    let bar = if opts.quiet || start_step >= t.steps {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(t.steps)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     bar.set_position(start_step);
 
     let mut losses = Vec::new();
-    for step in start_step + 1..=t.steps {
+    let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
+    for step in start_step + 1..=last_step {
         let t0 = Instant::now();
-        let micro: Vec<Vec<u32>> = (0..accum).map(|_| loader.next_batch()).collect::<Result<_>>()?;
+        let micro: Vec<Vec<u32>> = (0..accum)
+            .map(|_| loader.next_batch())
+            .collect::<Result<_>>()?;
         let data_time = t0.elapsed().as_secs_f64();
         let lr = schedule.lr(step);
-        let (loss, norm) = train_step(be, &model, &mut params, &mut grads, &mut opt, &mut ws, &micro, lr, step, t.max_norm)?;
+        let (loss, norm) = train_step(
+            be,
+            &model,
+            &mut params,
+            &mut grads,
+            &mut opt,
+            &mut ws,
+            &micro,
+            lr,
+            step,
+            t.max_norm,
+        )?;
         if !loss.is_finite() || !norm.is_finite() {
             let keep = match last_good {
-                Some(s) => format!("the last good checkpoint is {}", checkpoint::step_dir(&ckpt_folder, s).display()),
+                Some(s) => format!(
+                    "the last good checkpoint is {}",
+                    checkpoint::step_dir(&ckpt_folder, s).display()
+                ),
                 None => "no checkpoint was written".into(),
             };
             bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {keep}. Lower [optimizer] lr or set [training] max_norm");
@@ -156,7 +203,18 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
 
         let tokens_per_s = tokens_per_step / step_time;
         let tflops = tokens_per_s * flops_per_token / 1e12;
-        let m = StepMetrics { step, loss, grad_norm: norm, lr, tokens_per_s, tflops, mfu: 100.0 * tflops / peak_tflops, step_time_s: step_time, data_time_pct: 100.0 * data_time / step_time, peak_memory_bytes: peak_memory() };
+        let m = StepMetrics {
+            step,
+            loss,
+            grad_norm: norm,
+            lr,
+            tokens_per_s,
+            tflops,
+            mfu: 100.0 * tflops / peak_tflops,
+            step_time_s: step_time,
+            data_time_pct: 100.0 * data_time / step_time,
+            peak_memory_bytes: peak_memory(),
+        };
         if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
             logger.log(&m)?;
             if !opts.quiet {
@@ -167,8 +225,24 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
         bar.inc(1);
 
         if cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps) {
-            let state = TrainState { format_version: checkpoint::FORMAT_VERSION, step, model_args: args.clone(), seed: t.seed, data: loader.state(), tokenizer_path: cfg.model.tokenizer_path.clone(), files: Default::default() };
-            let dir = checkpoint::save(be, &ckpt_folder, &params, &opt.exp_avg, &opt.exp_avg_sq, state, cfg.checkpoint.keep_latest_k)?;
+            let state = TrainState {
+                format_version: checkpoint::FORMAT_VERSION,
+                step,
+                model_args: args.clone(),
+                seed: t.seed,
+                data: loader.state(),
+                tokenizer_path: cfg.model.tokenizer_path.clone(),
+                files: Default::default(),
+            };
+            let dir = checkpoint::save(
+                be,
+                &ckpt_folder,
+                &params,
+                &opt.exp_avg,
+                &opt.exp_avg_sq,
+                state,
+                cfg.checkpoint.keep_latest_k,
+            )?;
             last_good = Some(step);
             if !opts.quiet {
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
@@ -177,11 +251,21 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
     }
     bar.finish_and_clear();
     if let Some(&(s, l)) = losses.last() {
-        say(format!("done: step {s}, loss {l:.4}, peak memory {:.0} MiB", peak_memory() as f64 / (1 << 20) as f64));
+        say(format!(
+            "done: step {s}, loss {l:.4}, peak memory {:.0} MiB",
+            peak_memory() as f64 / (1 << 20) as f64
+        ));
     } else {
-        say(format!("nothing to do: the checkpoint is already at step {start_step} of {}", t.steps));
+        say(format!(
+            "nothing to do: the checkpoint is already at step {start_step} of {}",
+            t.steps
+        ));
     }
-    Ok(TrainSummary { losses, final_step: t.steps.max(start_step), resumed_from })
+    Ok(TrainSummary {
+        losses,
+        final_step: t.steps.max(start_step),
+        resumed_from,
+    })
 }
 
 /// A line above the progress bar, or plainly when the bar is hidden (output is not a terminal).
@@ -197,14 +281,34 @@ fn emit(bar: &ProgressBar, line: String) {
 /// normalised by the total number of targets, then clipping and AdamW. Returns (loss, grad norm
 /// before clipping); when either is not finite the parameters are left untouched.
 #[allow(clippy::too_many_arguments)]
-pub fn train_step<B: Backend>(be: &B, model: &Llama<B>, params: &mut ParamSet<B>, grads: &mut ParamSet<B>, opt: &mut AdamW<B>, ws: &mut Workspace<B>, micro: &[Vec<u32>], lr: f64, step: u64, max_norm: f64) -> Result<(f64, f64)> {
+pub fn train_step<B: Backend>(
+    be: &B,
+    model: &Llama<B>,
+    params: &mut ParamSet<B>,
+    grads: &mut ParamSet<B>,
+    opt: &mut AdamW<B>,
+    ws: &mut Workspace<B>,
+    micro: &[Vec<u32>],
+    lr: f64,
+    step: u64,
+    max_norm: f64,
+) -> Result<(f64, f64)> {
     let seq = ws.seq;
-    let targets: usize = micro.iter().map(|m| m.chunks(seq + 1).map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count()).sum::<usize>()).sum();
+    let targets: usize = micro
+        .iter()
+        .map(|m| {
+            m.chunks(seq + 1)
+                .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
+                .sum::<usize>()
+        })
+        .sum();
     let scale = 1.0 / targets.max(1) as f32;
     grads.zero(be);
     let mut loss_sum = 0.0;
     for tokens in micro {
-        loss_sum += model.forward_backward(be, params, grads, ws, tokens, scale)?.sum;
+        loss_sum += model
+            .forward_backward(be, params, grads, ws, tokens, scale)?
+            .sum;
     }
     let loss = loss_sum / targets.max(1) as f64;
     let norm = grad_norm(be, grads);

@@ -6,21 +6,32 @@ use crate::backend::AdamWStep;
 
 const CHUNK: usize = 1 << 14;
 
-pub fn adamw_step(param: &mut [f32], grad: &[f32], exp_avg: &mut [f32], exp_avg_sq: &mut [f32], hp: AdamWStep) {
+pub fn adamw_step(
+    param: &mut [f32],
+    grad: &[f32],
+    exp_avg: &mut [f32],
+    exp_avg_sq: &mut [f32],
+    hp: AdamWStep,
+) {
     let bias1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
     let bias2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
     let step_size = (hp.lr as f64 / bias1) as f32;
     let bias2_sqrt = bias2.sqrt() as f32;
     let decay = 1.0 - hp.lr * hp.weight_decay;
     let (b1, b2, eps) = (hp.beta1, hp.beta2, hp.eps);
-    param.par_chunks_mut(CHUNK).zip(exp_avg.par_chunks_mut(CHUNK)).zip(exp_avg_sq.par_chunks_mut(CHUNK)).enumerate().for_each(|(c, ((p, m), v))| {
-        let g = &grad[c * CHUNK..c * CHUNK + p.len()];
-        for i in 0..p.len() {
-            let gi = g[i];
-            m[i] = b1 * m[i] + (1.0 - b1) * gi;
-            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-            let denom = v[i].sqrt() / bias2_sqrt + eps;
-            p[i] = p[i] * decay - step_size * m[i] / denom;
-        }
-    });
+    param
+        .par_chunks_mut(CHUNK)
+        .zip(exp_avg.par_chunks_mut(CHUNK))
+        .zip(exp_avg_sq.par_chunks_mut(CHUNK))
+        .enumerate()
+        .for_each(|(c, ((p, m), v))| {
+            let g = &grad[c * CHUNK..c * CHUNK + p.len()];
+            for i in 0..p.len() {
+                let gi = g[i];
+                m[i] = b1 * m[i] + (1.0 - b1) * gi;
+                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let denom = v[i].sqrt() / bias2_sqrt + eps;
+                p[i] = p[i] * decay - step_size * m[i] / denom;
+            }
+        });
 }

@@ -6,11 +6,17 @@ use super::COLUMN_BLOCK;
 
 pub fn embedding_forward(out: &mut [f32], table: &[f32], ids: &[u32], dim: usize) {
     let vocab = table.len() / dim;
-    out[..ids.len() * dim].par_chunks_mut(dim).zip(ids.par_iter()).for_each(|(row, &id)| {
-        let id = id as usize;
-        assert!(id < vocab, "token id {id} is outside the embedding table of {vocab} rows");
-        row.copy_from_slice(&table[id * dim..(id + 1) * dim]);
-    });
+    out[..ids.len() * dim]
+        .par_chunks_mut(dim)
+        .zip(ids.par_iter())
+        .for_each(|(row, &id)| {
+            let id = id as usize;
+            assert!(
+                id < vocab,
+                "token id {id} is outside the embedding table of {vocab} rows"
+            );
+            row.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+        });
 }
 
 /// Each task owns a block of columns and walks the tokens in order, so repeated ids add up in the
@@ -24,7 +30,9 @@ pub fn embedding_backward(dtable: &mut [f32], dout: &[f32], ids: &[u32], dim: us
         for (t, &id) in ids.iter().enumerate() {
             let src = &dout[t * dim + c0..t * dim + c1];
             // SAFETY: column blocks are disjoint across tasks.
-            let dst = unsafe { std::slice::from_raw_parts_mut(table.get().add(id as usize * dim + c0), c1 - c0) };
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(table.get().add(id as usize * dim + c0), c1 - c0)
+            };
             for (d, s) in dst.iter_mut().zip(src) {
                 *d += s;
             }

@@ -12,7 +12,12 @@ pub fn exp(x: f32) -> f32 {
     let n = (x * LOG2E + 0.5).floor();
     let r = x - n * LN2_HI - n * LN2_LO;
     // Taylor polynomial of e^r on |r| <= ln2/2 (Horner form).
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     let bits = ((n as i32 + 127) as u32) << 23;
     p * f32::from_bits(bits)
 }

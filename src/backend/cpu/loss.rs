@@ -35,29 +35,35 @@ pub fn cross_entropy_forward_backward(
         let lc = &mut logits[..n * vocab];
         matmul(lc, hc, weight, n, dim, vocab, false, true, false);
         let want_grad = grads.is_some();
-        lc.par_chunks_mut(vocab).zip(row_loss[..n].par_iter_mut()).zip(tc.par_iter()).for_each(|((row, loss), &t)| {
-            if t == IGNORE_INDEX {
-                *loss = f32::NAN; // marker: not counted
-                if want_grad {
-                    row.fill(0.0);
+        lc.par_chunks_mut(vocab)
+            .zip(row_loss[..n].par_iter_mut())
+            .zip(tc.par_iter())
+            .for_each(|((row, loss), &t)| {
+                if t == IGNORE_INDEX {
+                    *loss = f32::NAN; // marker: not counted
+                    if want_grad {
+                        row.fill(0.0);
+                    }
+                    return;
                 }
-                return;
-            }
-            assert!((t as usize) < vocab, "target id {t} is outside the vocabulary of {vocab}");
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            let target_logit = row[t as usize];
-            for x in row.iter_mut() {
-                *x = fastmath::exp(*x - max);
-                sum += *x;
-            }
-            *loss = max + sum.ln() - target_logit;
-            if want_grad {
-                let inv = grad_scale / sum;
-                row.iter_mut().for_each(|x| *x *= inv);
-                row[t as usize] -= grad_scale;
-            }
-        });
+                assert!(
+                    (t as usize) < vocab,
+                    "target id {t} is outside the vocabulary of {vocab}"
+                );
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0f32;
+                let target_logit = row[t as usize];
+                for x in row.iter_mut() {
+                    *x = fastmath::exp(*x - max);
+                    sum += *x;
+                }
+                *loss = max + sum.ln() - target_logit;
+                if want_grad {
+                    let inv = grad_scale / sum;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                    row[t as usize] -= grad_scale;
+                }
+            });
         for &l in &row_loss[..n] {
             if !l.is_nan() {
                 total.sum += l as f64;
@@ -65,7 +71,17 @@ pub fn cross_entropy_forward_backward(
             }
         }
         if let Some((dh, dweight)) = grads.as_mut() {
-            matmul(&mut dh[r0 * dim..(r0 + n) * dim], lc, weight, n, vocab, dim, false, false, true);
+            matmul(
+                &mut dh[r0 * dim..(r0 + n) * dim],
+                lc,
+                weight,
+                n,
+                vocab,
+                dim,
+                false,
+                false,
+                true,
+            );
             matmul(dweight, lc, hc, vocab, n, dim, true, false, true);
         }
     }

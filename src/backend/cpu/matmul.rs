@@ -8,8 +8,22 @@ use gemm::Parallelism;
 const PARALLEL_MIN_FLOPS: usize = 48 * 48 * 48;
 
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool, accumulate: bool) {
-    assert!(out.len() >= m * n, "matmul: out holds {} < {m}x{n}", out.len());
+pub fn matmul(
+    out: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+) {
+    assert!(
+        out.len() >= m * n,
+        "matmul: out holds {} < {m}x{n}",
+        out.len()
+    );
     assert!(a.len() >= m * k, "matmul: a holds {} < {m}x{k}", a.len());
     assert!(b.len() >= k * n, "matmul: b holds {} < {k}x{n}", b.len());
     if m == 0 || n == 0 {
@@ -22,8 +36,16 @@ pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usiz
         return;
     }
     // (row stride, column stride) of each operand as it is stored.
-    let (a_rs, a_cs) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
-    let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
+    let (a_rs, a_cs) = if trans_a {
+        (1, m as isize)
+    } else {
+        (k as isize, 1)
+    };
+    let (b_rs, b_cs) = if trans_b {
+        (1, k as isize)
+    } else {
+        (n as isize, 1)
+    };
     let parallelism = if m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1 {
         Parallelism::Rayon(0)
     } else {

@@ -73,7 +73,18 @@ impl Backend for CpuBackend {
     fn copy_into_at(&self, dst: &mut Vec<f32>, offset: usize, src: &Vec<f32>) {
         dst[offset..offset + src.len()].copy_from_slice(src);
     }
-    fn matmul(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>, m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool, accumulate: bool) {
+    fn matmul(
+        &self,
+        out: &mut Vec<f32>,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) {
         matmul::matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate);
     }
     fn embedding_forward(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &[u32], dim: usize) {
@@ -82,28 +93,91 @@ impl Backend for CpuBackend {
     fn embedding_backward(&self, dtable: &mut Vec<f32>, dout: &Vec<f32>, ids: &[u32], dim: usize) {
         embedding::embedding_backward(dtable, dout, ids, dim);
     }
-    fn rmsnorm_forward(&self, out: &mut Vec<f32>, rstd: &mut Vec<f32>, x: &Vec<f32>, weight: &Vec<f32>, dim: usize, eps: f32) {
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Vec<f32>,
+        rstd: &mut Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        dim: usize,
+        eps: f32,
+    ) {
         norm::rmsnorm_forward(out, rstd, x, weight, dim, eps);
     }
-    fn rmsnorm_backward(&self, dx: &mut Vec<f32>, dweight: &mut Vec<f32>, dout: &Vec<f32>, x: &Vec<f32>, weight: &Vec<f32>, rstd: &Vec<f32>, dim: usize) {
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Vec<f32>,
+        dweight: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dim: usize,
+    ) {
         norm::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, dim);
     }
-    fn rope_forward(&self, x: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, batch: usize, seq: usize, heads: usize, head_dim: usize, pos_offset: usize) {
+    fn rope_forward(
+        &self,
+        x: &mut Vec<f32>,
+        cos: &Vec<f32>,
+        sin: &Vec<f32>,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        pos_offset: usize,
+    ) {
         rope::rope_forward(x, cos, sin, batch, seq, heads, head_dim, pos_offset);
     }
-    fn rope_backward(&self, dx: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, batch: usize, seq: usize, heads: usize, head_dim: usize) {
+    fn rope_backward(
+        &self,
+        dx: &mut Vec<f32>,
+        cos: &Vec<f32>,
+        sin: &Vec<f32>,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+    ) {
         rope::rope_backward(dx, cos, sin, batch, seq, heads, head_dim);
     }
-    fn attention_forward(&self, out: &mut Vec<f32>, lse: &mut Vec<f32>, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, shape: AttnShape) {
+    fn attention_forward(
+        &self,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        shape: AttnShape,
+    ) {
         attention::attention_forward(out, lse, q, k, v, shape);
     }
-    fn attention_backward(&self, dq: &mut Vec<f32>, dk: &mut Vec<f32>, dv: &mut Vec<f32>, dout: &Vec<f32>, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, out: &Vec<f32>, lse: &Vec<f32>, shape: AttnShape) {
+    fn attention_backward(
+        &self,
+        dq: &mut Vec<f32>,
+        dk: &mut Vec<f32>,
+        dv: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        out: &Vec<f32>,
+        lse: &Vec<f32>,
+        shape: AttnShape,
+    ) {
         attention::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
     }
     fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
         elementwise::swiglu_forward(out, gate, up);
     }
-    fn swiglu_backward(&self, dgate: &mut Vec<f32>, dup: &mut Vec<f32>, dout: &Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Vec<f32>,
+        dup: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        gate: &Vec<f32>,
+        up: &Vec<f32>,
+    ) {
         elementwise::swiglu_backward(dgate, dup, dout, gate, up);
     }
     fn add(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) {
@@ -115,16 +189,41 @@ impl Backend for CpuBackend {
     fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
         elementwise::scale(buf, factor);
     }
-    fn cross_entropy_forward_backward(&self, h: &Vec<f32>, weight: &Vec<f32>, targets: &[u32], dim: usize, vocab: usize, grad_scale: f32, grads: Option<(&mut Vec<f32>, &mut Vec<f32>)>) -> LossSum {
+    fn cross_entropy_forward_backward(
+        &self,
+        h: &Vec<f32>,
+        weight: &Vec<f32>,
+        targets: &[u32],
+        dim: usize,
+        vocab: usize,
+        grad_scale: f32,
+        grads: Option<(&mut Vec<f32>, &mut Vec<f32>)>,
+    ) -> LossSum {
         let mut scratch = self.loss_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let need = loss::ROW_CHUNK * (vocab + 1);
         if scratch.len() < need {
             scratch.resize(need, 0.0);
         }
         let grads = grads.map(|(a, b)| (a.as_mut_slice(), b.as_mut_slice()));
-        loss::cross_entropy_forward_backward(h, weight, targets, dim, vocab, grad_scale, grads, &mut scratch)
+        loss::cross_entropy_forward_backward(
+            h,
+            weight,
+            targets,
+            dim,
+            vocab,
+            grad_scale,
+            grads,
+            &mut scratch,
+        )
     }
-    fn adamw_step(&self, param: &mut Vec<f32>, grad: &Vec<f32>, exp_avg: &mut Vec<f32>, exp_avg_sq: &mut Vec<f32>, hp: AdamWStep) {
+    fn adamw_step(
+        &self,
+        param: &mut Vec<f32>,
+        grad: &Vec<f32>,
+        exp_avg: &mut Vec<f32>,
+        exp_avg_sq: &mut Vec<f32>,
+        hp: AdamWStep,
+    ) {
         adamw::adamw_step(param, grad, exp_avg, exp_avg_sq, hp);
     }
     fn sum_squares(&self, buf: &Vec<f32>) -> f64 {

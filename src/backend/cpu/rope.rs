@@ -29,7 +29,8 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<RopeScal
                     } else if wavelen > low_wavelen {
                         freq / s.factor
                     } else {
-                        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                        let smooth = (old / wavelen - s.low_freq_factor)
+                            / (s.high_freq_factor - s.low_freq_factor);
                         (1.0 - smooth) * freq / s.factor + smooth * freq
                     }
                 }
@@ -39,7 +40,12 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<RopeScal
 }
 
 /// `(cos, sin)` tables of shape `[max_seq, head_dim/2]`.
-pub fn rope_tables(head_dim: usize, max_seq: usize, theta: f64, scaling: Option<RopeScaling>) -> (Vec<f32>, Vec<f32>) {
+pub fn rope_tables(
+    head_dim: usize,
+    max_seq: usize,
+    theta: f64,
+    scaling: Option<RopeScaling>,
+) -> (Vec<f32>, Vec<f32>) {
     let inv = inverse_frequencies(head_dim, theta, scaling);
     let half = head_dim / 2;
     let mut cos = vec![0.0f32; max_seq * half];
@@ -55,7 +61,16 @@ pub fn rope_tables(head_dim: usize, max_seq: usize, theta: f64, scaling: Option<
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], seq: usize, heads: usize, head_dim: usize, pos_offset: usize, direction: f32) {
+fn rotate(
+    x: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+    direction: f32,
+) {
     let half = head_dim / 2;
     let row = heads * head_dim;
     x.par_chunks_mut(row).enumerate().for_each(|(t, xr)| {
@@ -74,13 +89,52 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], seq: usize, heads: usize, hea
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn rope_forward(x: &mut [f32], cos: &[f32], sin: &[f32], batch: usize, seq: usize, heads: usize, head_dim: usize, pos_offset: usize) {
-    assert!((pos_offset + seq) * head_dim / 2 <= cos.len(), "rope: position {} beyond the table", pos_offset + seq);
-    rotate(&mut x[..batch * seq * heads * head_dim], cos, sin, seq, heads, head_dim, pos_offset, 1.0);
+pub fn rope_forward(
+    x: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    pos_offset: usize,
+) {
+    assert!(
+        (pos_offset + seq) * head_dim / 2 <= cos.len(),
+        "rope: position {} beyond the table",
+        pos_offset + seq
+    );
+    rotate(
+        &mut x[..batch * seq * heads * head_dim],
+        cos,
+        sin,
+        seq,
+        heads,
+        head_dim,
+        pos_offset,
+        1.0,
+    );
 }
 
 /// The rotation is orthogonal, so its backward is the rotation by the opposite angle.
 #[allow(clippy::too_many_arguments)]
-pub fn rope_backward(dx: &mut [f32], cos: &[f32], sin: &[f32], batch: usize, seq: usize, heads: usize, head_dim: usize) {
-    rotate(&mut dx[..batch * seq * heads * head_dim], cos, sin, seq, heads, head_dim, 0, -1.0);
+pub fn rope_backward(
+    dx: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+) {
+    rotate(
+        &mut dx[..batch * seq * heads * head_dim],
+        cos,
+        sin,
+        seq,
+        heads,
+        head_dim,
+        0,
+        -1.0,
+    );
 }

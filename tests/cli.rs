@@ -1,0 +1,277 @@
+//! The `titan` command as a user runs it: exit codes and messages for bad input, generation,
+//! tokenizer training, a Llama 3-format tokenizer.json, and the benchmark.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use common::titan_bin;
+
+fn titan(args: &[&str]) -> Output {
+    Command::new(titan_bin())
+        .args(args)
+        .output()
+        .expect("run titan")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+const TINY: &[&str] = &[
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.vocab_size",
+    "300",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+];
+
+fn train_tiny(dump: &str, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--job.dump_folder", dump];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(extra);
+    titan(&args)
+}
+
+#[test]
+fn a_405b_model_is_refused_before_allocating_with_the_estimate() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = titan(&[
+        "train",
+        "--model.flavor",
+        "405B",
+        "--job.dump_folder",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("405B") && e.contains("GiB") && e.contains("available"),
+        "{e}"
+    );
+}
+
+#[test]
+fn cuda_device_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train_tiny(
+        dir.path().to_str().unwrap(),
+        &["--training.device", "cuda", "--training.steps", "1"],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("CUDA backend is not built yet"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn config_errors_exit_non_zero_naming_the_key() {
+    let o = titan(&["train", "--training.stepz", "3"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("stepz"), "{}", stderr(&o));
+    let o = titan(&["train", "--config", "/nonexistent.toml"]);
+    assert!(!o.status.success() && stderr(&o).contains("/nonexistent.toml"));
+}
+
+#[test]
+fn shipped_configs_parse() {
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
+        let p = entry.unwrap().path();
+        titan::config::Config::load(Some(&p), &[])
+            .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    }
+}
+
+#[test]
+fn tokenizer_vocab_larger_than_the_model_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().to_str().unwrap();
+    let o = train_tiny(
+        dump,
+        &["--model.vocab_size", "200", "--training.steps", "1"],
+    );
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("258") && e.contains("200") && e.contains("vocab_size"),
+        "{e}"
+    );
+}
+
+#[test]
+fn train_then_generate_greedy_is_deterministic_and_json_is_parseable() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().to_str().unwrap();
+    let o = train_tiny(dump, &["--training.steps", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("step     4") && out.contains("saved checkpoint"),
+        "{out}"
+    );
+    let gen = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--checkpoint",
+            dump,
+            "--prompt",
+            "The cat",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = titan(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let (a, b) = (gen(&[]), gen(&[]));
+    assert_eq!(a, b);
+    assert_eq!(a["prompt_ids"][0], 256);
+    assert!(a["text"].is_string() && a["generated_ids"].is_array());
+    let sampled = gen(&["--temperature", "1.0", "--top-k", "5", "--seed", "3"]);
+    assert!(sampled["generated_ids"].as_array().unwrap().len() <= 12);
+}
+
+#[test]
+fn generate_without_a_checkpoint_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = titan(&[
+        "generate",
+        "--checkpoint",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "x",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("no complete checkpoint"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn trained_tokenizer_loads_and_trains_a_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let text: String = (0..200)
+        .map(|i| titan::data::synthetic::synthetic_document(1, i) + "\n")
+        .collect();
+    std::fs::write(&corpus, text).unwrap();
+    let tok = dir.path().join("tok/tokenizer.json");
+    let o = titan(&[
+        "tokenizer",
+        "train",
+        "--input",
+        corpus.to_str().unwrap(),
+        "--vocab-size",
+        "290",
+        "--output",
+        tok.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let t = titan::data::tokenizer::HfTokenizer::from_file(&tok).unwrap();
+    use titan::data::Tokenizer;
+    let ids = t.encode("the old man finds the river").unwrap();
+    assert!(
+        ids.len() < "the old man finds the river".len(),
+        "BPE merged nothing: {ids:?}"
+    );
+    assert_eq!(t.decode(&ids).unwrap(), "the old man finds the river");
+    let dump = dir.path().join("run");
+    let o = train_tiny(
+        dump.to_str().unwrap(),
+        &[
+            "--model.tokenizer_path",
+            tok.to_str().unwrap(),
+            "--training.steps",
+            "2",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// GPT-2's byte → printable character map, which byte-level BPE vocabularies use.
+fn byte_level_chars() -> Vec<char> {
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut chars = vec!['\0'; 256];
+    let mut extra = 0;
+    for b in 0..256u32 {
+        if let Some(pos) = printable.iter().position(|&p| p == b) {
+            chars[b as usize] = char::from_u32(printable[pos]).unwrap();
+        } else {
+            chars[b as usize] = char::from_u32(256 + extra).unwrap();
+            extra += 1;
+        }
+    }
+    printable.clear();
+    chars
+}
+
+#[test]
+fn llama3_format_tokenizer_json_loads() {
+    // The structure of Meta's Llama 3 tokenizer.json (Split with the lookahead regex, then
+    // ByteLevel), with a small vocabulary instead of 128k entries.
+    let chars = byte_level_chars();
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in chars.iter().enumerate() {
+        vocab.insert(c.to_string(), i.into());
+    }
+    vocab.insert("Ġt".into(), 256.into());
+    vocab.insert("he".into(), 257.into());
+    vocab.insert("Ġthe".into(), 258.into());
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [
+            {"id": 259, "content": "<|begin_of_text|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 260, "content": "<|end_of_text|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": true, "vocab": vocab, "merges": ["Ġ t", "h e", "Ġt he"]}
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tokenizer.json");
+    std::fs::write(&p, serde_json::to_string(&json).unwrap()).unwrap();
+    let t = titan::data::tokenizer::HfTokenizer::from_file(&p).unwrap();
+    use titan::data::Tokenizer;
+    assert_eq!((t.bos_id(), t.eos_id(), t.vocab_size()), (259, 260, 261));
+    let ids = t.encode("I see the sea   \n").unwrap();
+    assert!(ids.contains(&258), "{ids:?}");
+    assert_eq!(t.decode(&ids).unwrap(), "I see the sea   \n");
+}
+
+#[test]
+fn bench_prints_throughput() {
+    let o = titan(&[
+        "bench", "train", "--batch", "1", "--seq", "64", "--steps", "2", "--warmup", "1", "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["gflops"].as_f64().unwrap() > 0.0);
+}

@@ -1,0 +1,241 @@
+//! Every dataset format trains and resumes exactly; malformed data fails with the file and line.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+
+use common::{quiet, tiny_config};
+use titan::config::Config;
+use titan::data::{ByteTokenizer, DataLoader};
+use titan::train::train;
+
+fn write_text(dir: &Path) -> String {
+    let p = dir.join("corpus.txt");
+    let text: String = (0..60)
+        .map(|i| format!("line {i}: the quick brown fox jumps over the lazy dog\n\n"))
+        .collect();
+    std::fs::write(&p, text).unwrap();
+    p.display().to_string()
+}
+
+fn jsonl_lines() -> String {
+    (0..60)
+        .map(|i| format!("{{\"text\": \"record {i} says hello to the world\", \"id\": {i}}}\n"))
+        .collect()
+}
+
+fn write_jsonl(dir: &Path) -> String {
+    let p = dir.join("c4.jsonl");
+    std::fs::write(&p, jsonl_lines()).unwrap();
+    p.display().to_string()
+}
+
+fn write_jsonl_gz(dir: &Path) -> String {
+    let sub = dir.join("shards");
+    std::fs::create_dir_all(&sub).unwrap();
+    for shard in 0..2 {
+        let f = std::fs::File::create(sub.join(format!("part-{shard}.jsonl.gz"))).unwrap();
+        let mut gz = flate2::write::GzEncoder::new(f, flate2::Compression::default());
+        gz.write_all(jsonl_lines().as_bytes()).unwrap();
+        gz.finish().unwrap();
+    }
+    sub.display().to_string()
+}
+
+fn write_tokens(dir: &Path, bytes_per_token: usize) -> String {
+    let sub = dir.join(format!("tokens{bytes_per_token}"));
+    std::fs::create_dir_all(&sub).unwrap();
+    for shard in 0..2u32 {
+        let ids: Vec<u8> = (0..1000u32)
+            .flat_map(|i| {
+                let id = (i * 7 + shard) % 250;
+                if bytes_per_token == 2 {
+                    (id as u16).to_le_bytes().to_vec()
+                } else {
+                    id.to_le_bytes().to_vec()
+                }
+            })
+            .collect();
+        std::fs::write(sub.join(format!("shard-{shard}.bin")), ids).unwrap();
+    }
+    sub.display().to_string()
+}
+
+fn config_for(dump: &Path, dataset: &str, path: &str) -> Config {
+    let mut c = tiny_config(dump, 3);
+    c.training.dataset = dataset.into();
+    c.training.dataset_path = path.into();
+    c.checkpoint.enable = false;
+    c
+}
+
+fn all_formats(dir: &Path) -> Vec<(&'static str, String)> {
+    vec![
+        ("synthetic", String::new()),
+        ("text", write_text(dir)),
+        ("jsonl", write_jsonl(dir)),
+        ("jsonl", write_jsonl_gz(dir)),
+        ("tokens_u16", write_tokens(dir, 2)),
+        ("tokens_u32", write_tokens(dir, 4)),
+    ]
+}
+
+#[test]
+fn every_format_trains() {
+    let data = tempfile::tempdir().unwrap();
+    for (kind, path) in all_formats(data.path()) {
+        let dump = tempfile::tempdir().unwrap();
+        let s = train(&config_for(dump.path(), kind, &path), &quiet())
+            .unwrap_or_else(|e| panic!("{kind} {path}: {e:#}"));
+        assert_eq!(s.losses.len(), 3, "{kind}");
+        assert!(s.losses.iter().all(|(_, l)| l.is_finite()));
+    }
+}
+
+#[test]
+fn every_format_resumes_its_exact_position_across_epochs() {
+    let data = tempfile::tempdir().unwrap();
+    for (kind, path) in all_formats(data.path()) {
+        let dump = tempfile::tempdir().unwrap();
+        let cfg = config_for(dump.path(), kind, &path);
+        let make = || DataLoader::from_config(&cfg, Box::new(ByteTokenizer), 300, 0, 1).unwrap();
+        let mut straight = make();
+        // Enough batches to wrap the small files into a second epoch.
+        let all: Vec<Vec<u32>> = (0..80).map(|_| straight.next_batch().unwrap()).collect();
+        for cut in [1, 7, 50] {
+            let mut first = make();
+            for b in &all[..cut] {
+                assert_eq!(&first.next_batch().unwrap(), b, "{kind}");
+            }
+            let state =
+                serde_json::from_str(&serde_json::to_string(&first.state()).unwrap()).unwrap();
+            let mut resumed = make();
+            resumed.restore(state).unwrap();
+            for (i, b) in all[cut..cut + 10].iter().enumerate() {
+                assert_eq!(
+                    &resumed.next_batch().unwrap(),
+                    b,
+                    "{kind}: batch {} after resuming at {cut}",
+                    cut + i
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn data_parallel_ranks_read_disjoint_documents() {
+    let data = tempfile::tempdir().unwrap();
+    let path = write_jsonl(data.path());
+    let dump = tempfile::tempdir().unwrap();
+    let cfg = config_for(dump.path(), "jsonl", &path);
+    let text = |rank| {
+        let mut l = DataLoader::from_config(&cfg, Box::new(ByteTokenizer), 300, rank, 2).unwrap();
+        let ids: Vec<u32> = (0..3)
+            .flat_map(|_| l.next_batch().unwrap())
+            .filter(|&t| t < 256)
+            .collect();
+        String::from_utf8(ids.iter().map(|&t| t as u8).collect()).unwrap()
+    };
+    let (r0, r1) = (text(0), text(1));
+    assert!(
+        r0.contains("record 0 ") && r0.contains("record 2 ") && !r0.contains("record 1 "),
+        "{r0}"
+    );
+    assert!(
+        r1.contains("record 1 ") && r1.contains("record 3 ") && !r1.contains("record 0 "),
+        "{r1}"
+    );
+}
+
+fn train_err(dump: &Path, kind: &str, path: &str) -> String {
+    format!(
+        "{:#}",
+        train(&config_for(dump, kind, path), &quiet()).unwrap_err()
+    )
+}
+
+#[test]
+fn malformed_jsonl_names_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bad.jsonl");
+    std::fs::write(
+        &p,
+        "{\"text\": \"ok\"}\n{\"text\": \"ok too\"}\n{\"text\": broken}\n",
+    )
+    .unwrap();
+    let e = train_err(dir.path(), "jsonl", &p.display().to_string());
+    assert!(e.contains("bad.jsonl:3") && e.contains("JSON"), "{e}");
+    std::fs::write(&p, "{\"text\": \"ok\"}\n{\"body\": \"no text\"}\n").unwrap();
+    let e = train_err(dir.path(), "jsonl", &p.display().to_string());
+    assert!(e.contains("bad.jsonl:2") && e.contains("`text`"), "{e}");
+}
+
+#[test]
+fn truncated_gzip_is_reported_with_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_jsonl_gz(dir.path());
+    let f = Path::new(&path).join("part-1.jsonl.gz");
+    let bytes = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    let mut cfg = config_for(dir.path(), "jsonl", &path);
+    cfg.training.steps = 60;
+    let e = format!("{:#}", train(&cfg, &quiet()).unwrap_err());
+    assert!(e.contains("part-1.jsonl.gz"), "{e}");
+}
+
+#[test]
+fn missing_and_empty_data_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = train_err(dir.path(), "text", "/nonexistent/corpus.txt");
+    assert!(
+        e.contains("/nonexistent/corpus.txt") && e.contains("does not exist"),
+        "{e}"
+    );
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = train_err(dir.path(), "jsonl", &empty.display().to_string());
+    assert!(
+        e.contains("holds no data files") && e.contains(".jsonl"),
+        "{e}"
+    );
+    let blank = dir.path().join("blank.txt");
+    std::fs::write(&blank, "\n\n").unwrap();
+    let e = train_err(dir.path(), "text", &blank.display().to_string());
+    assert!(e.contains("fewer documents"), "{e}");
+}
+
+#[test]
+fn bad_token_shards_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let odd = dir.path().join("odd");
+    std::fs::create_dir_all(&odd).unwrap();
+    std::fs::write(odd.join("a.bin"), [1u8, 2, 3]).unwrap();
+    let e = train_err(dir.path(), "tokens_u16", &odd.display().to_string());
+    assert!(
+        e.contains("a.bin") && e.contains("not a multiple of 2"),
+        "{e}"
+    );
+    let big = dir.path().join("big");
+    std::fs::create_dir_all(&big).unwrap();
+    std::fs::write(
+        big.join("b.bin"),
+        (0..200u16)
+            .flat_map(|i| (if i == 40 { 5000 } else { i }).to_le_bytes())
+            .collect::<Vec<u8>>(),
+    )
+    .unwrap();
+    let e = train_err(dir.path(), "tokens_u16", &big.display().to_string());
+    assert!(
+        e.contains("b.bin") && e.contains("5000") && e.contains("vocabulary"),
+        "{e}"
+    );
+}
+
+#[test]
+fn parquet_is_reported_as_not_supported_yet() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = train_err(dir.path(), "parquet", "/some/data.parquet");
+    assert!(e.contains("not supported yet"), "{e}");
+}
