@@ -1,5 +1,5 @@
 //! Learning-rate schedule: linear warm-up, then warmup-stable-decay (WSD) with linear, sqrt or
-//! cosine decay down to `min_lr_factor · lr`, following TorchTitan's step accounting.
+//! cosine decay down to `min_lr_factor · lr` over the last steps.
 
 use crate::config::{DecayType, LrSchedulerConfig};
 
@@ -7,7 +7,7 @@ use crate::config::{DecayType, LrSchedulerConfig};
 pub struct LrSchedule {
     base_lr: f64,
     warmup: u64,
-    stable: u64,
+    total: u64,
     decay: u64,
     decay_type: DecayType,
     min_factor: f64,
@@ -16,35 +16,33 @@ pub struct LrSchedule {
 impl LrSchedule {
     pub fn new(base_lr: f64, cfg: &LrSchedulerConfig, total_steps: u64) -> Self {
         let warmup = cfg.warmup_steps.min(total_steps);
-        let mut decay = match cfg.decay_ratio {
+        let decay = match cfg.decay_ratio {
             Some(r) => (total_steps as f64 * r).round() as u64,
             None => total_steps - warmup,
-        };
-        if warmup + decay > total_steps {
-            decay = total_steps - warmup;
         }
-        let stable = total_steps + 1 - warmup - decay;
+        .min(total_steps - warmup);
         LrSchedule {
             base_lr,
             warmup,
-            stable,
+            total: total_steps,
             decay,
             decay_type: cfg.decay_type,
             min_factor: cfg.min_lr_factor,
         }
     }
 
-    /// Multiplier of the base lr for optimizer step `step` (1-based).
+    /// Multiplier of the base lr at optimizer step `step` (1-based). Warm-up starts at
+    /// `1/(warmup+1)` (never zero, as in TorchTitan) and reaches 1 after it; the decay window is the
+    /// last `decay` steps, and the final step runs at exactly `min_lr_factor`.
     pub fn factor(&self, step: u64) -> f64 {
-        let current = step - 1;
-        if current < self.warmup {
-            return (current + 1) as f64 / (self.warmup + 1) as f64;
+        if step <= self.warmup {
+            return step as f64 / (self.warmup + 1) as f64;
         }
-        if current < self.warmup + self.stable || self.decay == 0 {
+        let decay_start = self.total - self.decay;
+        if self.decay == 0 || step <= decay_start {
             return 1.0;
         }
-        let progress =
-            ((current + 1 - (self.warmup + self.stable)) as f64 / self.decay as f64).min(1.0);
+        let progress = ((step - decay_start) as f64 / self.decay as f64).min(1.0);
         let f = match self.decay_type {
             DecayType::Linear => 1.0 - progress,
             DecayType::Sqrt => 1.0 - progress.sqrt(),
