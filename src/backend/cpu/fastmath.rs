@@ -37,3 +37,73 @@ mod tests {
         assert!(worst < 5e-7, "worst relative error {worst}");
     }
 }
+
+/// Lanes of the explicit accumulators below: wide enough for one AVX-512 register (two AVX2 ones),
+/// so that reductions vectorise without relying on floating-point reassociation.
+const LANES: usize = 16;
+
+#[inline(always)]
+fn fold_lanes(acc: [f32; LANES]) -> f32 {
+    let mut s = 0.0;
+    for a in acc {
+        s += a;
+    }
+    s
+}
+
+/// `Σ a[i]·b[i]` with a fixed summation order (independent of threads and call site).
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; LANES];
+    let mut ca = a.chunks_exact(LANES);
+    let mut cb = b.chunks_exact(LANES);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+        acc[l] += x * y;
+    }
+    fold_lanes(acc)
+}
+
+#[inline(always)]
+pub fn sum(a: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut c = a.chunks_exact(LANES);
+    for x in &mut c {
+        for l in 0..LANES {
+            acc[l] += x[l];
+        }
+    }
+    for (l, x) in c.remainder().iter().enumerate() {
+        acc[l] += x;
+    }
+    fold_lanes(acc)
+}
+
+#[inline(always)]
+pub fn max(a: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut c = a.chunks_exact(LANES);
+    for x in &mut c {
+        for l in 0..LANES {
+            acc[l] = acc[l].max(x[l]);
+        }
+    }
+    for (l, x) in c.remainder().iter().enumerate() {
+        acc[l] = acc[l].max(*x);
+    }
+    acc.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `y += alpha · x`.
+#[inline(always)]
+pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += alpha * x;
+    }
+}
