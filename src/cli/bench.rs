@@ -117,3 +117,48 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// Best-of-5 GFLOP/s of `out[m,n] = a[m,k]·b[k,n]` through the backend's matmul.
+pub fn run_gemm(threads: usize, extra: &[String]) -> Result<()> {
+    use crate::backend::Backend;
+    init_threads(threads);
+    let be = CpuBackend::new();
+    let mut shapes = vec![
+        (4096, 4096, 4096),
+        (2048, 2048, 2048),
+        (2048, 256, 768),
+        (2048, 768, 256),
+        (2048, 256, 2048),
+        (64, 16, 256),
+        (64, 256, 16),
+    ];
+    for s in extra {
+        let dims: Vec<usize> = s
+            .split('x')
+            .map(|d| d.parse())
+            .collect::<Result<_, _>>()
+            .map_err(|_| anyhow::anyhow!("--shape {s}: expected MxKxN"))?;
+        anyhow::ensure!(dims.len() == 3, "--shape {s}: expected MxKxN");
+        shapes.push((dims[0], dims[1], dims[2]));
+    }
+    for (m, k, n) in shapes {
+        let a = vec![0.5f32; m * k];
+        let b = vec![0.25f32; k * n];
+        let mut out = vec![0.0f32; m * n];
+        let reps = (2e9 / (2.0 * (m * k * n) as f64)).clamp(1.0, 10000.0) as usize;
+        let mut best = f64::MAX;
+        for _ in 0..6 {
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                be.matmul(&mut out, &a, &b, m, k, n, false, false, false);
+            }
+            best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+        }
+        println!(
+            "gemm {m}x{k}x{n}: {:.1} GFLOP/s ({} threads)",
+            2.0 * (m * k * n) as f64 / best / 1e9,
+            rayon::current_num_threads()
+        );
+    }
+    Ok(())
+}

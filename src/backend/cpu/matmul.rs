@@ -77,3 +77,66 @@ pub fn matmul(
         );
     }
 }
+
+/// Strides of one matrix operand: element `(i, j)` is at `ptr + i·row + j·col`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided {
+    pub row: isize,
+    pub col: isize,
+}
+
+impl Strided {
+    pub const fn rows(stride: usize) -> Self {
+        Strided {
+            row: stride as isize,
+            col: 1,
+        }
+    }
+    pub const fn transposed(stride: usize) -> Self {
+        Strided {
+            row: 1,
+            col: stride as isize,
+        }
+    }
+}
+
+/// Single-threaded `out[m,n] (+)= a[m,k] · b[k,n]` on strided views, for small blocks inside
+/// tasks that are already parallel (attention tiles).
+///
+/// # Safety
+/// Every element the strides reach must be inside its allocation, and `out` must not overlap `a`/`b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_block(
+    out: *mut f32,
+    out_s: Strided,
+    a: *const f32,
+    a_s: Strided,
+    b: *const f32,
+    b_s: Strided,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        out,
+        out_s.col,
+        out_s.row,
+        accumulate,
+        a,
+        a_s.col,
+        a_s.row,
+        b,
+        b_s.col,
+        b_s.row,
+        1.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        Parallelism::None,
+    );
+}
