@@ -18,8 +18,10 @@ pub fn exp(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let bits = ((n as i32 + 127) as u32) << 23;
-    p * f32::from_bits(bits)
+    // 2^n built from bits: adding 1.5·2^23 puts the integer n in the low mantissa bits (no
+    // float→int conversion, which would keep the loop from vectorising).
+    let n_bits = (n + 12_582_912.0).to_bits().wrapping_sub(0x4B40_0000);
+    p * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
 #[cfg(test)]
