@@ -20,8 +20,8 @@ use super::matmul::{gemm_block, Strided};
 use super::SendPtr;
 use crate::backend::AttnShape;
 
-const Q_TILE: usize = 64;
-const K_TILE: usize = 64;
+const Q_TILE: usize = 128;
+const K_TILE: usize = 128;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
