@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::rows::adamw_chunk;
 use crate::backend::AdamWStep;
 
 const CHUNK: usize = 1 << 14;
@@ -26,12 +27,6 @@ pub fn adamw_step(
         .enumerate()
         .for_each(|(c, ((p, m), v))| {
             let g = &grad[c * CHUNK..c * CHUNK + p.len()];
-            for i in 0..p.len() {
-                let gi = g[i];
-                m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                let denom = v[i].sqrt() / bias2_sqrt + eps;
-                p[i] = p[i] * decay - step_size * m[i] / denom;
-            }
+            adamw_chunk(p, g, m, v, b1, b2, eps, step_size, bias2_sqrt, decay);
         });
 }

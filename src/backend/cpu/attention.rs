@@ -15,8 +15,9 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::fastmath::{dot, exp, max, sum};
+use super::fastmath::dot;
 use super::matmul::{gemm_block, Strided};
+use super::rows::{attention_grad_row, online_softmax_tile};
 use super::SendPtr;
 use crate::backend::AttnShape;
 
@@ -120,19 +121,8 @@ pub fn attention_forward(
                             sc.fill(0.0);
                             continue;
                         }
-                        let tile_max = max(&sc[..n]) * scale;
-                        let new_max = row_max[r].max(tile_max);
-                        let correction = if row_max[r] == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            exp(row_max[r] - new_max)
-                        };
-                        row_max[r] = new_max;
-                        for x in sc[..n].iter_mut() {
-                            *x = exp(*x * scale - new_max);
-                        }
-                        sc[n..].fill(0.0);
-                        row_sum[r] = row_sum[r] * correction + sum(&sc[..n]);
+                        let correction =
+                            online_softmax_tile(sc, n, scale, &mut row_max[r], &mut row_sum[r]);
                         if correction != 1.0 {
                             acc[r * hd..(r + 1) * hd]
                                 .iter_mut()
@@ -277,13 +267,7 @@ pub fn attention_backward(
                                     lse[(b * s.n_heads + h) * seq + i0 + r],
                                     delta[g * seq + i0 + r],
                                 );
-                                for (pj, dsj) in pr[..n].iter_mut().zip(dsr[..n].iter_mut()) {
-                                    *pj = exp(*pj * scale - row_lse);
-                                    // dS = P ∘ (dP − δ), times the softmax scale.
-                                    *dsj = *pj * (*dsj - row_delta) * scale;
-                                }
-                                pr[n..].fill(0.0);
-                                dsr[n..].fill(0.0);
+                                attention_grad_row(pr, dsr, n, scale, row_lse, row_delta);
                             }
                             unsafe {
                                 // dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K

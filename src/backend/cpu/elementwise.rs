@@ -2,46 +2,25 @@
 
 use rayon::prelude::*;
 
-use super::fastmath;
+use super::rows::{swiglu_backward_chunk, swiglu_forward_chunk};
 
 const CHUNK: usize = 1 << 14;
-
-#[inline(always)]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + fastmath::exp(-x))
-}
 
 pub fn swiglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
-        .for_each(|((o, g), u)| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g * sigmoid(g) * u;
-            }
-        });
+        .for_each(|((o, g), u)| swiglu_forward_chunk(o, g, u));
 }
 
-/// `d silu(g)/dg = σ(g)·(1 + g·(1 − σ(g)))`.
 pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], dout: &[f32], gate: &[f32], up: &[f32]) {
     dgate
         .par_chunks_mut(CHUNK)
         .zip(dup.par_chunks_mut(CHUNK))
         .enumerate()
         .for_each(|(c, (dg, du))| {
-            let base = c * CHUNK;
-            let n = dg.len();
-            let (d, g, u) = (
-                &dout[base..base + n],
-                &gate[base..base + n],
-                &up[base..base + n],
-            );
-            for i in 0..n {
-                let s = sigmoid(g[i]);
-                let silu = g[i] * s;
-                du[i] = d[i] * silu;
-                dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-            }
+            let r = c * CHUNK..c * CHUNK + dg.len();
+            swiglu_backward_chunk(dg, du, &dout[r.clone()], &gate[r.clone()], &up[r]);
         });
 }
 

@@ -72,6 +72,24 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     fold_lanes(acc)
 }
 
+/// `Σ a[i]·b[i]·c[i]` with a fixed summation order.
+#[inline(always)]
+pub fn dot3(a: &[f32], b: &[f32], c: &[f32]) -> f32 {
+    let n = a.len().min(b.len()).min(c.len());
+    let mut acc = [0.0f32; LANES];
+    let full = n / LANES * LANES;
+    for i in (0..full).step_by(LANES) {
+        let (x, y, z) = (&a[i..i + LANES], &b[i..i + LANES], &c[i..i + LANES]);
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l] * z[l];
+        }
+    }
+    for i in full..n {
+        acc[i - full] += a[i] * b[i] * c[i];
+    }
+    fold_lanes(acc)
+}
+
 #[inline(always)]
 pub fn sum(a: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];

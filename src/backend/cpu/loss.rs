@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::{fastmath, matmul::matmul};
+use super::{matmul::matmul, rows::cross_entropy_row};
 use crate::backend::{LossSum, IGNORE_INDEX};
 
 pub const ROW_CHUNK: usize = 256;
@@ -50,19 +50,7 @@ pub fn cross_entropy_forward_backward(
                     (t as usize) < vocab,
                     "target id {t} is outside the vocabulary of {vocab}"
                 );
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0f32;
-                let target_logit = row[t as usize];
-                for x in row.iter_mut() {
-                    *x = fastmath::exp(*x - max);
-                    sum += *x;
-                }
-                *loss = max + sum.ln() - target_logit;
-                if want_grad {
-                    let inv = grad_scale / sum;
-                    row.iter_mut().for_each(|x| *x *= inv);
-                    row[t as usize] -= grad_scale;
-                }
+                *loss = cross_entropy_row(row, t as usize, grad_scale, want_grad);
             });
         for &l in &row_loss[..n] {
             if !l.is_nan() {

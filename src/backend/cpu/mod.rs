@@ -14,6 +14,8 @@ mod loss;
 mod matmul;
 mod norm;
 pub mod rope;
+mod rows;
+pub(crate) mod simd;
 
 use std::sync::Mutex;
 

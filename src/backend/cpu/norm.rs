@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::rows::{rmsnorm_backward_row, rmsnorm_row};
 use super::{SendPtr, COLUMN_BLOCK};
 
 pub fn rmsnorm_forward(
@@ -18,12 +19,7 @@ pub fn rmsnorm_forward(
         .zip(rstd[..rows].par_iter_mut())
         .zip(x.par_chunks(dim))
         .for_each(|((o, r), xr)| {
-            let ms = xr.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-            let rs = 1.0 / (ms + eps).sqrt();
-            *r = rs;
-            for ((o, &xv), &w) in o.iter_mut().zip(xr).zip(weight) {
-                *o = xv * rs * w;
-            }
+            *r = rmsnorm_row(o, xr, weight, eps);
         });
 }
 
@@ -43,17 +39,8 @@ pub fn rmsnorm_backward(
         .par_chunks_mut(dim)
         .enumerate()
         .for_each(|(r, dxr)| {
-            let xr = &x[r * dim..(r + 1) * dim];
-            let dy = &dout[r * dim..(r + 1) * dim];
-            let rs = rstd[r];
-            let mut dot = 0.0f32;
-            for ((&g, &w), &xv) in dy.iter().zip(weight).zip(xr) {
-                dot += g * w * xv * rs;
-            }
-            let mean = dot / dim as f32;
-            for (((d, &g), &w), &xv) in dxr.iter_mut().zip(dy).zip(weight).zip(xr) {
-                *d += rs * (g * w - xv * rs * mean);
-            }
+            let (xr, dy) = (&x[r * dim..(r + 1) * dim], &dout[r * dim..(r + 1) * dim]);
+            rmsnorm_backward_row(dxr, dy, xr, weight, rstd[r]);
         });
     // Weight gradient: column blocks, rows summed in order (deterministic).
     let blocks = dim.div_ceil(COLUMN_BLOCK);
