@@ -62,6 +62,22 @@ fn write_tokens(dir: &Path, bytes_per_token: usize) -> String {
     sub.display().to_string()
 }
 
+fn write_parquet(dir: &Path) -> String {
+    let sub = dir.join("parquet");
+    std::fs::create_dir_all(&sub).unwrap();
+    for shard in 0..2 {
+        let texts: Vec<String> = (0..40)
+            .map(|i| format!("parquet row {i} of shard {shard} reads well"))
+            .collect();
+        titan::data::parquet::write_text_parquet(
+            &sub.join(format!("train-{shard}.parquet")),
+            &texts,
+        )
+        .unwrap();
+    }
+    sub.display().to_string()
+}
+
 fn config_for(dump: &Path, dataset: &str, path: &str) -> Config {
     let mut c = tiny_config(dump, 3);
     c.training.dataset = dataset.into();
@@ -76,6 +92,7 @@ fn all_formats(dir: &Path) -> Vec<(&'static str, String)> {
         ("text", write_text(dir)),
         ("jsonl", write_jsonl(dir)),
         ("jsonl", write_jsonl_gz(dir)),
+        ("parquet", write_parquet(dir)),
         ("tokens_u16", write_tokens(dir, 2)),
         ("tokens_u32", write_tokens(dir, 4)),
     ]
@@ -234,8 +251,35 @@ fn bad_token_shards_are_errors() {
 }
 
 #[test]
-fn parquet_is_reported_as_not_supported_yet() {
+fn parquet_without_a_text_column_or_not_parquet_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let e = train_err(dir.path(), "parquet", "/some/data.parquet");
-    assert!(e.contains("not supported yet"), "{e}");
+    let bad = dir.path().join("notes.parquet");
+    std::fs::write(&bad, "this is not parquet").unwrap();
+    let e = train_err(dir.path(), "parquet", &bad.display().to_string());
+    assert!(e.contains("notes.parquet") && e.contains("Parquet"), "{e}");
+    let p = dir.path().join("other.parquet");
+    {
+        use parquet::data_type::Int64Type;
+        use std::sync::Arc;
+        let schema = Arc::new(
+            parquet::schema::parser::parse_message_type("message schema { REQUIRED INT64 id; }")
+                .unwrap(),
+        );
+        let f = std::fs::File::create(&p).unwrap();
+        let mut w = parquet::file::writer::SerializedFileWriter::new(f, schema, Default::default())
+            .unwrap();
+        let mut g = w.next_row_group().unwrap();
+        let mut c = g.next_column().unwrap().unwrap();
+        c.typed::<Int64Type>()
+            .write_batch(&[1, 2], None, None)
+            .unwrap();
+        c.close().unwrap();
+        g.close().unwrap();
+        w.close().unwrap();
+    }
+    let e = train_err(dir.path(), "parquet", &p.display().to_string());
+    assert!(
+        e.contains("other.parquet") && e.contains("no column `text`") && e.contains("id"),
+        "{e}"
+    );
 }

@@ -1,25 +1,139 @@
-//! Parquet datasets (HF `datasets` style): one document per row of the `text` column.
+//! Parquet datasets (HF `datasets` style): one document per row of the string column `text`, read
+//! row by row with the `parquet` crate's record reader (only that column is decoded).
 
-use std::path::Path;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::record::reader::RowIter;
+use parquet::record::RowAccessor;
+use parquet::schema::types::Type;
 
 use super::documents::DocumentSource;
+use super::files::list_files;
 
-pub struct ParquetSource;
+pub struct ParquetSource {
+    files: Vec<PathBuf>,
+    next_file: usize,
+    current: Option<(RowIter<'static>, PathBuf, usize)>,
+    path: String,
+}
 
 impl ParquetSource {
     pub fn open(path: &Path) -> Result<Self> {
-        bail!("Parquet datasets are not supported yet (dataset_path {}): convert to JSONL with a `text` field, or use dataset = \"jsonl\"", path.display())
+        let files = list_files(path, &[".parquet"])?;
+        // Fail early (not at the first batch) when a file is unreadable or has no `text` column.
+        for f in &files {
+            Self::open_rows(f)?;
+        }
+        Ok(ParquetSource {
+            files,
+            next_file: 0,
+            current: None,
+            path: path.display().to_string(),
+        })
+    }
+
+    fn open_rows(path: &Path) -> Result<RowIter<'static>> {
+        let file = File::open(path)
+            .with_context(|| format!("cannot open data file {}", path.display()))?;
+        let reader = SerializedFileReader::new(file)
+            .map_err(|e| anyhow!("{}: not a readable Parquet file: {e}", path.display()))?;
+        let schema = reader.metadata().file_metadata().schema_descr_ptr();
+        let root = schema.root_schema();
+        let text = root
+            .get_fields()
+            .iter()
+            .find(|f| f.name() == "text")
+            .ok_or_else(|| {
+                let names: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
+                anyhow!(
+                    "{}: no column `text` (columns: {})",
+                    path.display(),
+                    names.join(", ")
+                )
+            })?;
+        let projection = Type::group_type_builder(root.name())
+            .with_fields(vec![text.clone()])
+            .build()?;
+        RowIter::from_file_into(Box::new(reader))
+            .project(Some(projection))
+            .map_err(|e| anyhow!("{}: {e}", path.display()))
     }
 }
 
 impl DocumentSource for ParquetSource {
     fn next_document(&mut self) -> Result<Option<String>> {
-        Ok(None)
+        loop {
+            if self.current.is_none() {
+                if self.next_file >= self.files.len() {
+                    return Ok(None);
+                }
+                let p = self.files[self.next_file].clone();
+                self.next_file += 1;
+                self.current = Some((Self::open_rows(&p)?, p, 0));
+            }
+            let (rows, path, row_no) = self.current.as_mut().expect("opened above");
+            match rows.next() {
+                None => self.current = None,
+                Some(row) => {
+                    *row_no += 1;
+                    let row = row.map_err(|e| anyhow!("{} row {}: {e}", path.display(), row_no))?;
+                    let text = row.get_string(0).map_err(|e| {
+                        anyhow!(
+                            "{} row {}: column `text` is not a non-null string ({e})",
+                            path.display(),
+                            row_no
+                        )
+                    })?;
+                    return Ok(Some(text.clone()));
+                }
+            }
+        }
     }
-    fn reset(&mut self) {}
+
+    fn reset(&mut self) {
+        self.next_file = 0;
+        self.current = None;
+    }
+
     fn describe(&self) -> String {
-        "parquet".into()
+        format!("Parquet at {}", self.path)
     }
+}
+
+/// Writes `texts` as a Parquet file with columns `id` (INT64) and `text` (UTF-8): for tests and
+/// for users who want to produce a small Parquet dataset.
+pub fn write_text_parquet(path: &Path, texts: &[String]) -> Result<()> {
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use std::sync::Arc;
+    let schema = Arc::new(parquet::schema::parser::parse_message_type(
+        "message schema { REQUIRED INT64 id; REQUIRED BYTE_ARRAY text (UTF8); }",
+    )?);
+    let file = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    let mut writer =
+        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build()))?;
+    let mut group = writer.next_row_group()?;
+    let ids: Vec<i64> = (0..texts.len() as i64).collect();
+    let mut col = group
+        .next_column()?
+        .ok_or_else(|| anyhow!("schema has no id column"))?;
+    col.typed::<Int64Type>().write_batch(&ids, None, None)?;
+    col.close()?;
+    let values: Vec<ByteArray> = texts.iter().map(|t| ByteArray::from(t.as_str())).collect();
+    let mut col = group
+        .next_column()?
+        .ok_or_else(|| anyhow!("schema has no text column"))?;
+    col.typed::<ByteArrayType>()
+        .write_batch(&values, None, None)?;
+    col.close()?;
+    group.close()?;
+    writer.close()?;
+    if texts.is_empty() {
+        bail!("wrote an empty Parquet file {}", path.display());
+    }
+    Ok(())
 }

@@ -24,22 +24,6 @@ pub fn exp(x: f32) -> f32 {
     p * f32::from_bits(n_bits.wrapping_add(127) << 23)
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn matches_std_exp() {
-        let mut worst = 0.0f64;
-        let mut x = -80.0f32;
-        while x < 80.0 {
-            let got = super::exp(x) as f64;
-            let want = (x as f64).exp();
-            worst = worst.max(((got - want) / want).abs());
-            x += 0.0137;
-        }
-        assert!(worst < 5e-7, "worst relative error {worst}");
-    }
-}
-
 /// Lanes of the explicit accumulators below: wide enough for one AVX-512 register (two AVX2 ones),
 /// so that reductions vectorise without relying on floating-point reassociation.
 const LANES: usize = 16;
@@ -125,5 +109,21 @@ pub fn max(a: &[f32]) -> f32 {
 pub fn axpy(y: &mut [f32], alpha: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += alpha * x;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn matches_std_exp() {
+        let mut worst = 0.0f64;
+        let mut x = -80.0f32;
+        while x < 80.0 {
+            let got = super::exp(x) as f64;
+            let want = (x as f64).exp();
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 5e-7, "worst relative error {worst}");
     }
 }
