@@ -1,0 +1,106 @@
+//! Parity with Hugging Face `transformers`: an exported checkpoint loaded by `LlamaForCausalLM` gives
+//! the same loss (and logits) as titan on the same tokens. Needs a Python with torch and
+//! transformers: `TITAN_HF_PYTHON` names it (default `python3`); without one the test says so and
+//! passes, since those packages are never a dependency of titan.
+
+mod common;
+
+use std::process::Command;
+
+use common::{quiet, tiny_config};
+use titan::backend::cpu::CpuBackend;
+use titan::checkpoint;
+use titan::model::{KvCache, Llama, Workspace};
+
+fn python() -> Option<String> {
+    let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    ok.then_some(py)
+}
+
+#[test]
+fn exported_debug_shape_matches_transformers() {
+    parity(|_| {});
+}
+
+#[test]
+fn exported_llama32_shape_with_rope_scaling_and_tied_embeddings_matches_transformers() {
+    // Llama 3.2 1B's layout (tied embeddings, RoPE scaling factor 32, FFN multiplier) at tiny width.
+    parity(|c| c.model.flavor = "1B".into());
+}
+
+fn parity(adjust: impl Fn(&mut titan::config::Config)) {
+    let Some(py) = python() else {
+        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(dir.path(), 8);
+    cfg.optimizer.lr = 3e-3;
+    adjust(&mut cfg);
+    train(&cfg);
+    let hf = dir.path().join("hf");
+    checkpoint::hf::export(&cfg.checkpoint_folder(), &hf, titan::tensor::DType::F32).unwrap();
+
+    let (batch, seq) = (2, 24);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i as u32 * 37 + 11) % 258)
+        .collect();
+    let be = CpuBackend::new();
+    let (args, params) = checkpoint::load_weights(&be, &cfg.checkpoint_folder()).unwrap();
+    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let mut ws = Workspace::new(&be, &args, batch, seq);
+    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+    let titan_loss = loss.sum / loss.count as f64;
+    let mut cache = KvCache::new(&be, &args, seq);
+    let titan_logits = model
+        .forward_cached(&be, &params, &mut cache, &tokens[..seq])
+        .unwrap();
+
+    let rows: Vec<String> = tokens
+        .chunks(seq + 1)
+        .map(|r| {
+            r.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
+    let out = Command::new(&py)
+        .args([script, hf.to_str().unwrap(), "--tokens", &rows.join(";")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let hf_loss = v["loss"].as_f64().unwrap();
+    assert!(
+        (hf_loss - titan_loss).abs() < 1e-5 * titan_loss.abs().max(1.0),
+        "titan {titan_loss} vs transformers {hf_loss}"
+    );
+    let hf_logits: Vec<f64> = v["last_logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let worst = titan_logits
+        .iter()
+        .zip(&hf_logits)
+        .map(|(a, b)| (*a as f64 - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "largest logit difference {worst}");
+    eprintln!("transformers parity: loss titan {titan_loss:.7} vs HF {hf_loss:.7}, max logit diff {worst:.2e}");
+}
+
+fn train(cfg: &titan::config::Config) {
+    titan::train::train(cfg, &quiet()).unwrap();
+}
