@@ -37,11 +37,14 @@ pub struct BenchTrainArgs {
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
+    /// Time every kernel and print where the timed steps went.
+    #[arg(long)]
+    pub profile_ops: bool,
 }
 
 pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     init_threads(a.threads);
-    let be = CpuBackend::new();
+    let be = if a.profile_ops { CpuBackend::profiled() } else { CpuBackend::new() };
     let mut args = ModelArgs::flavor(&a.flavor)?;
     if let Some(kv) = a.kv_heads {
         args.n_kv_heads = kv;
@@ -68,6 +71,9 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     let mut times = Vec::new();
     let mut losses = Vec::new();
     for i in 0..a.warmup + a.steps {
+        if i == a.warmup {
+            be.profiler.reset();
+        }
         let t0 = Instant::now();
         let (loss, _) = train_step(
             &be,
@@ -87,6 +93,7 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             times.push(dt);
         }
     }
+    let timed_s: f64 = times.iter().sum();
     times.sort_by(|x, y| x.total_cmp(y));
     let median = times[times.len() / 2];
     let tokens = (a.batch * a.seq) as f64;
@@ -114,6 +121,9 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             losses[0],
             losses[losses.len() - 1]
         );
+    }
+    if a.profile_ops {
+        print!("{}", be.profiler.report(timed_s));
     }
     Ok(())
 }

@@ -13,11 +13,14 @@ pub mod fastmath;
 mod loss;
 mod matmul;
 mod norm;
+mod profile;
 pub mod rope;
 mod rows;
 pub(crate) mod simd;
 
 use std::sync::Mutex;
+
+pub use profile::OpProfiler;
 
 use super::{AdamWStep, AttnShape, Backend, LossSum};
 
@@ -40,11 +43,17 @@ impl SendPtr {
 pub struct CpuBackend {
     /// Logit block of the fused loss, grown once and reused every step.
     loss_scratch: Mutex<Vec<f32>>,
+    pub profiler: OpProfiler,
 }
 
 impl CpuBackend {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A backend that times every kernel call (see `OpProfiler::report`).
+    pub fn profiled() -> Self {
+        CpuBackend { profiler: OpProfiler::enabled(), ..Self::default() }
     }
 }
 
@@ -67,9 +76,11 @@ impl Backend for CpuBackend {
         buf.len()
     }
     fn fill(&self, buf: &mut Vec<f32>, value: f32) {
+        let _timer = self.profiler.time("fill");
         buf.fill(value);
     }
     fn copy_from(&self, dst: &mut Vec<f32>, src: &Vec<f32>) {
+        let _timer = self.profiler.time("copy_from");
         dst.copy_from_slice(src);
     }
     fn copy_into_at(&self, dst: &mut Vec<f32>, offset: usize, src: &Vec<f32>) {
@@ -87,12 +98,15 @@ impl Backend for CpuBackend {
         trans_b: bool,
         accumulate: bool,
     ) {
+        let _timer = self.profiler.time("matmul");
         matmul::matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate);
     }
     fn embedding_forward(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &[u32], dim: usize) {
+        let _timer = self.profiler.time("embedding_forward");
         embedding::embedding_forward(out, table, ids, dim);
     }
     fn embedding_backward(&self, dtable: &mut Vec<f32>, dout: &Vec<f32>, ids: &[u32], dim: usize) {
+        let _timer = self.profiler.time("embedding_backward");
         embedding::embedding_backward(dtable, dout, ids, dim);
     }
     fn rmsnorm_forward(
@@ -104,6 +118,7 @@ impl Backend for CpuBackend {
         dim: usize,
         eps: f32,
     ) {
+        let _timer = self.profiler.time("rmsnorm_forward");
         norm::rmsnorm_forward(out, rstd, x, weight, dim, eps);
     }
     fn rmsnorm_backward(
@@ -116,6 +131,7 @@ impl Backend for CpuBackend {
         rstd: &Vec<f32>,
         dim: usize,
     ) {
+        let _timer = self.profiler.time("rmsnorm_backward");
         norm::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, dim);
     }
     fn rope_forward(
@@ -129,6 +145,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         pos_offset: usize,
     ) {
+        let _timer = self.profiler.time("rope_forward");
         rope::rope_forward(x, cos, sin, batch, seq, heads, head_dim, pos_offset);
     }
     fn rope_backward(
@@ -141,6 +158,7 @@ impl Backend for CpuBackend {
         heads: usize,
         head_dim: usize,
     ) {
+        let _timer = self.profiler.time("rope_backward");
         rope::rope_backward(dx, cos, sin, batch, seq, heads, head_dim);
     }
     fn attention_forward(
@@ -152,6 +170,7 @@ impl Backend for CpuBackend {
         v: &Vec<f32>,
         shape: AttnShape,
     ) {
+        let _timer = self.profiler.time("attention_forward");
         attention::attention_forward(out, lse, q, k, v, shape);
     }
     fn attention_backward(
@@ -167,9 +186,11 @@ impl Backend for CpuBackend {
         lse: &Vec<f32>,
         shape: AttnShape,
     ) {
+        let _timer = self.profiler.time("attention_backward");
         attention::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
     }
     fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
+        let _timer = self.profiler.time("swiglu_forward");
         elementwise::swiglu_forward(out, gate, up);
     }
     fn swiglu_backward(
@@ -180,15 +201,19 @@ impl Backend for CpuBackend {
         gate: &Vec<f32>,
         up: &Vec<f32>,
     ) {
+        let _timer = self.profiler.time("swiglu_backward");
         elementwise::swiglu_backward(dgate, dup, dout, gate, up);
     }
     fn add(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) {
+        let _timer = self.profiler.time("add");
         elementwise::add(out, a, b);
     }
     fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+        let _timer = self.profiler.time("add_assign");
         elementwise::add_assign(acc, x);
     }
     fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
+        let _timer = self.profiler.time("scale");
         elementwise::scale(buf, factor);
     }
     fn cross_entropy_forward_backward(
@@ -201,6 +226,7 @@ impl Backend for CpuBackend {
         grad_scale: f32,
         grads: Option<(&mut Vec<f32>, &mut Vec<f32>)>,
     ) -> LossSum {
+        let _timer = self.profiler.time("cross_entropy_forward_backward");
         let mut scratch = self.loss_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let need = loss::ROW_CHUNK * (vocab + 1);
         if scratch.len() < need {
@@ -226,9 +252,11 @@ impl Backend for CpuBackend {
         exp_avg_sq: &mut Vec<f32>,
         hp: AdamWStep,
     ) {
+        let _timer = self.profiler.time("adamw_step");
         adamw::adamw_step(param, grad, exp_avg, exp_avg_sq, hp);
     }
     fn sum_squares(&self, buf: &Vec<f32>) -> f64 {
+        let _timer = self.profiler.time("sum_squares");
         elementwise::sum_squares(buf)
     }
 }
