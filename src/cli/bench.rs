@@ -44,7 +44,11 @@ pub struct BenchTrainArgs {
 
 pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     init_threads(a.threads);
-    let be = if a.profile_ops { CpuBackend::profiled() } else { CpuBackend::new() };
+    let be = if a.profile_ops {
+        CpuBackend::profiled()
+    } else {
+        CpuBackend::new()
+    };
     let mut args = ModelArgs::flavor(&a.flavor)?;
     if let Some(kv) = a.kv_heads {
         args.n_kv_heads = kv;

@@ -53,7 +53,10 @@ impl CpuBackend {
 
     /// A backend that times every kernel call (see `OpProfiler::report`).
     pub fn profiled() -> Self {
-        CpuBackend { profiler: OpProfiler::enabled(), ..Self::default() }
+        CpuBackend {
+            profiler: OpProfiler::enabled(),
+            ..Self::default()
+        }
     }
 }
 

@@ -30,12 +30,18 @@ impl Drop for OpTimer<'_> {
 
 impl OpProfiler {
     pub fn enabled() -> Self {
-        OpProfiler { totals: Some(Mutex::new(BTreeMap::new())) }
+        OpProfiler {
+            totals: Some(Mutex::new(BTreeMap::new())),
+        }
     }
 
     #[inline]
     pub fn time(&self, name: &'static str) -> OpTimer<'_> {
-        OpTimer { profiler: self, name, start: self.totals.as_ref().map(|_| Instant::now()) }
+        OpTimer {
+            profiler: self,
+            name,
+            start: self.totals.as_ref().map(|_| Instant::now()),
+        }
     }
 
     pub fn reset(&self) {
@@ -46,13 +52,21 @@ impl OpProfiler {
 
     /// One line per op, most expensive first, with its share of `wall_s`.
     pub fn report(&self, wall_s: f64) -> String {
-        let Some(t) = &self.totals else { return String::new() };
+        let Some(t) = &self.totals else {
+            return String::new();
+        };
         let t = t.lock().unwrap_or_else(|e| e.into_inner());
         let mut rows: Vec<_> = t.iter().collect();
         rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
-        let mut out = format!("{:<32} {:>8} {:>10} {:>7}\n", "op", "calls", "seconds", "share");
+        let mut out = format!(
+            "{:<32} {:>8} {:>10} {:>7}\n",
+            "op", "calls", "seconds", "share"
+        );
         for (name, (calls, secs)) in rows {
-            out += &format!("{name:<32} {calls:>8} {secs:>10.3} {:>6.1}%\n", 100.0 * secs / wall_s);
+            out += &format!(
+                "{name:<32} {calls:>8} {secs:>10.3} {:>6.1}%\n",
+                100.0 * secs / wall_s
+            );
         }
         out
     }
