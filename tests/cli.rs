@@ -18,30 +18,9 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-const TINY: &[&str] = &[
-    "--model.dim",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
-    "--model.vocab_size",
-    "300",
-    "--training.local_batch_size",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_freq",
-    "1",
-];
-
 fn train_tiny(dump: &str, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--job.dump_folder", dump];
-    args.extend_from_slice(TINY);
+    args.extend_from_slice(common::TINY_ARGS);
     args.extend_from_slice(extra);
     titan(&args)
 }

@@ -33,7 +33,8 @@ impl LrSchedule {
 
     /// Multiplier of the base lr at optimizer step `step` (1-based). Warm-up starts at
     /// `1/(warmup+1)` (never zero, as in TorchTitan) and reaches 1 after it; the decay window is the
-    /// last `decay` steps, and the final step runs at exactly `min_lr_factor`.
+    /// last `decay` steps, symmetric to the warm-up: its last step is one `1/(decay+1)` short of
+    /// `min_lr_factor`, so every step still updates the weights.
     pub fn factor(&self, step: u64) -> f64 {
         if step <= self.warmup {
             return step as f64 / (self.warmup + 1) as f64;
@@ -42,7 +43,7 @@ impl LrSchedule {
         if self.decay == 0 || step <= decay_start {
             return 1.0;
         }
-        let progress = ((step - decay_start) as f64 / self.decay as f64).min(1.0);
+        let progress = ((step - decay_start) as f64 / (self.decay + 1) as f64).min(1.0);
         let f = match self.decay_type {
             DecayType::Linear => 1.0 - progress,
             DecayType::Sqrt => 1.0 - progress.sqrt(),
@@ -75,7 +76,7 @@ mod tests {
         let f: Vec<f64> = (1..=10).map(|i| s.factor(i)).collect();
         assert!((f[0] - 0.2).abs() < 1e-12 && (f[3] - 0.8).abs() < 1e-12);
         assert!(f[4] <= 1.0 && f.windows(2).skip(4).all(|w| w[1] < w[0]));
-        assert!(f[9].abs() < 1e-12, "{f:?}");
+        assert!((f[9] - 1.0 / 7.0).abs() < 1e-12, "{f:?}");
     }
 
     #[test]
@@ -84,7 +85,7 @@ mod tests {
         assert_eq!(s.lr(10), 2.0);
         assert_eq!(s.lr(16), 2.0);
         assert!(s.lr(18) < 2.0 && s.lr(18) > 0.2);
-        assert!((s.lr(20) - 0.2).abs() < 1e-9);
+        assert!(s.lr(20) > 0.2 && s.lr(20) < 0.3, "{}", s.lr(20));
     }
 
     #[test]

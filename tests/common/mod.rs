@@ -5,36 +5,36 @@ use std::path::Path;
 
 use titan::config::Config;
 
+/// Overrides that shrink the debug model to a tiny Llama (dim 64, 2 layers, GQA 4/2 heads, vocab 300).
+pub const TINY_ARGS: &[&str] = &[
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.vocab_size",
+    "300",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--lr_scheduler.warmup_steps",
+    "3",
+    "--checkpoint.interval",
+    "5",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--metrics.log_freq",
+    "1",
+];
+
 /// A tiny Llama (dim 64, 2 layers, GQA 4/2 heads, vocab 300 > the byte tokenizer's 258) on the
 /// synthetic corpus: fast enough for many runs per test.
 pub fn tiny_config(dump: &Path, steps: u64) -> Config {
-    let args: Vec<String> = [
-        "--model.dim",
-        "64",
-        "--model.n_layers",
-        "2",
-        "--model.n_heads",
-        "4",
-        "--model.n_kv_heads",
-        "2",
-        "--model.vocab_size",
-        "300",
-        "--training.local_batch_size",
-        "2",
-        "--training.seq_len",
-        "32",
-        "--lr_scheduler.warmup_steps",
-        "3",
-        "--checkpoint.interval",
-        "5",
-        "--checkpoint.keep_latest_k",
-        "0",
-        "--metrics.log_freq",
-        "1",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args: Vec<String> = TINY_ARGS.iter().map(|s| s.to_string()).collect();
     let mut c = Config::load(None, &args).unwrap();
     c.training.steps = steps;
     c.job.dump_folder = dump.display().to_string();
