@@ -18,7 +18,9 @@ pub struct MemoryEstimate {
 impl MemoryEstimate {
     pub fn new(args: &ModelArgs, batch: usize, seq: usize) -> Self {
         let p = args.num_params() as u64 * 4;
-        let act = (workspace_floats(args, batch, seq) + 256 * (args.vocab_size + 1)) as u64 * 4;
+        let act = (workspace_floats(args, batch, seq)
+            + crate::backend::cpu::loss::scratch_floats(args.vocab_size)) as u64
+            * 4;
         MemoryEstimate {
             params: p,
             grads: p,

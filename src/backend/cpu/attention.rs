@@ -1,14 +1,14 @@
 //! Causal grouped-query attention in the flash-attention manner on the CPU.
 //!
-//! Work is cut into tiles of `Q_TILE` query rows × `K_TILE` key positions, and every product inside a
-//! tile is a small single-threaded GEMM on strided views of `q`, `k`, `v` (the `gemm` crate runs these
-//! near the core's peak), so nothing is transposed or copied.
+//! Work is cut into tiles of query rows × key positions, and every product inside a tile is a small
+//! single-threaded GEMM on strided views of `q`, `k`, `v` (the `gemm` crate runs these near the
+//! core's peak), so nothing is transposed or copied.
 //!
-//! Forward, per (batch, head): each query tile walks its key tiles with an online softmax; only a
-//! `Q_TILE × K_TILE` score block exists at a time, and each row's log-sum-exp is saved.
+//! Forward, per (batch, head, query tile): the tile walks its key tiles with an online softmax; only
+//! a `FWD_Q_TILE × FWD_K_TILE` score block exists at a time, and each row's log-sum-exp is saved.
 //! Backward, per (batch, kv-head), FlashAttention-2 order: the outer loop takes a key tile, and every
-//! query tile of every head in the group at or below the diagonal recomputes its probabilities from
-//! the saved log-sum-exp and adds its share to `dq`, `dk`, `dv`. Tasks own disjoint outputs and loop
+//! block of later query rows of every head in the group recomputes its probabilities from the saved
+//! log-sum-exp and adds its share to `dq`, `dk`, `dv`. Tasks own disjoint outputs and loop
 //! in a fixed order, so results do not depend on the thread count.
 
 use std::cell::RefCell;
@@ -21,8 +21,9 @@ use super::rows::{attention_grad_row, online_softmax_tile};
 use super::SendPtr;
 use crate::backend::AttnShape;
 
-const Q_TILE: usize = 128;
 const K_TILE: usize = 128;
+/// The backward takes long query blocks per key tile: fewer, longer GEMMs (dV and dK get k = 512).
+const BWD_Q_TILE: usize = 512;
 /// The forward uses wider key tiles: fewer online-softmax rescales (measured on the debug model).
 const FWD_Q_TILE: usize = 128;
 const FWD_K_TILE: usize = 256;
@@ -205,9 +206,9 @@ pub fn attention_backward(
             let heads = kvh * group..(kvh + 1) * group;
             let q_at = |i: usize, h: usize| ((b * seq + i) * s.n_heads + h) * hd;
             let kv_at = |j: usize| ((b * seq + j) * s.n_kv_heads + kvh) * hd;
-            with_scratch(2 * Q_TILE * K_TILE + group * seq, |scratch| {
-                let (p, rest) = scratch.split_at_mut(Q_TILE * K_TILE);
-                let (ds, delta) = rest.split_at_mut(Q_TILE * K_TILE);
+            with_scratch(2 * BWD_Q_TILE * K_TILE + group * seq, |scratch| {
+                let (p, rest) = scratch.split_at_mut(BWD_Q_TILE * K_TILE);
+                let (ds, delta) = rest.split_at_mut(BWD_Q_TILE * K_TILE);
                 // SAFETY (all raw accesses below): dq rows of the group's heads and dk/dv rows of this kv
                 // head belong to this task; every strided view stays inside its buffer.
                 for (g, h) in heads.clone().enumerate() {
@@ -233,8 +234,8 @@ pub fn attention_backward(
                         unsafe { (dk_ptr.get().add(kv_at(j0)), dv_ptr.get().add(kv_at(j0))) };
                     for (g, h) in heads.clone().enumerate() {
                         // Query tiles that see at least one key of this tile.
-                        for i0 in ((j0 / Q_TILE) * Q_TILE..seq).step_by(Q_TILE) {
-                            let rows = Q_TILE.min(seq - i0);
+                        for i0 in (j0..seq).step_by(BWD_Q_TILE) {
+                            let rows = BWD_Q_TILE.min(seq - i0);
                             let (q_blk, do_blk) =
                                 (q[q_at(i0, h)..].as_ptr(), dout[q_at(i0, h)..].as_ptr());
                             unsafe {

@@ -2,17 +2,30 @@
 //!
 //! Each chunk computes its logits with one GEMM, turns them into softmax gradients in place, and
 //! immediately pushes them back through the projection (two more GEMMs), so peak memory is one
-//! `[ROW_CHUNK, vocab]` block instead of the `[tokens, vocab]` logits (2 GiB for Llama 3 at 4k tokens).
-//! Chunking rows rather than the vocabulary keeps each row's softmax exact in one pass.
+//! `[chunk_rows, vocab]` block instead of the `[tokens, vocab]` logits (2 GiB for Llama 3 at 4k
+//! tokens). The chunk holds at most `CHUNK_FLOATS` logits (32 MiB: 64 rows of Llama 3's 128k
+//! vocabulary, 256 rows of the debug model's 2k). Chunking rows rather than the vocabulary keeps
+//! each row's softmax exact in one pass; vocabulary chunks would need the logits computed twice.
 
 use rayon::prelude::*;
 
 use super::{matmul::matmul, rows::cross_entropy_row};
 use crate::backend::{LossSum, IGNORE_INDEX};
 
-pub const ROW_CHUNK: usize = 256;
+const MAX_CHUNK_ROWS: usize = 256;
+const CHUNK_FLOATS: usize = 8 << 20;
 
-/// `scratch` must hold `ROW_CHUNK * (vocab + 1)` floats.
+/// Rows per chunk for a vocabulary size.
+pub fn chunk_rows(vocab: usize) -> usize {
+    (CHUNK_FLOATS / vocab.max(1)).clamp(16, MAX_CHUNK_ROWS)
+}
+
+/// Floats of scratch the loss needs for a vocabulary size.
+pub fn scratch_floats(vocab: usize) -> usize {
+    chunk_rows(vocab) * (vocab + 1)
+}
+
+/// `scratch` must hold `scratch_floats(vocab)` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_forward_backward(
     h: &[f32],
@@ -26,10 +39,11 @@ pub fn cross_entropy_forward_backward(
 ) -> LossSum {
     let rows = targets.len();
     assert!(h.len() >= rows * dim && weight.len() >= vocab * dim);
-    let (logits, row_loss) = scratch.split_at_mut(ROW_CHUNK * vocab);
+    let chunk = chunk_rows(vocab);
+    let (logits, row_loss) = scratch.split_at_mut(chunk * vocab);
     let mut total = LossSum { sum: 0.0, count: 0 };
-    for r0 in (0..rows).step_by(ROW_CHUNK) {
-        let n = ROW_CHUNK.min(rows - r0);
+    for r0 in (0..rows).step_by(chunk) {
+        let n = chunk.min(rows - r0);
         let hc = &h[r0 * dim..(r0 + n) * dim];
         let tc = &targets[r0..r0 + n];
         let lc = &mut logits[..n * vocab];

@@ -10,7 +10,7 @@ mod attention;
 mod elementwise;
 mod embedding;
 pub mod fastmath;
-mod loss;
+pub mod loss;
 mod matmul;
 mod norm;
 mod profile;
@@ -231,7 +231,7 @@ impl Backend for CpuBackend {
     ) -> LossSum {
         let _timer = self.profiler.time("cross_entropy_forward_backward");
         let mut scratch = self.loss_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let need = loss::ROW_CHUNK * (vocab + 1);
+        let need = loss::scratch_floats(vocab);
         if scratch.len() < need {
             scratch.resize(need, 0.0);
         }
