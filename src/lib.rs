@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod cli;
+pub mod comm;
 pub mod config;
 pub mod data;
 pub mod model;

@@ -1,0 +1,5 @@
+//! Communication: the rendezvous store and process groups with their collectives (CPU transport
+//! over TCP; NCCL later), each operation bounded by a timeout.
+
+pub mod group;
+pub mod store;
