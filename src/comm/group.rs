@@ -1,1 +1,442 @@
+//! Process groups: the collectives every parallelism uses, behind one trait (the CPU transport
+//! here; NCCL will implement the same trait), and the TCP transport.
+//!
+//! The TCP transport connects every pair of ranks once (addresses exchanged through the store) and
+//! runs ring algorithms, whose per-rank traffic stays ~2·size/ranks as ranks grow: all-reduce =
+//! reduce-scatter + all-gather. Each step sends on a scoped thread while receiving, so the ring
+//! never deadlocks on socket buffers. Every socket operation has the group's timeout, and errors name
+//! the operation, the group, this rank and the peer that failed (a killed peer shows as a closed
+//! connection at once; a hung one as a timeout). Data travels as native little-endian f32 bytes.
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use super::store::StoreClient;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Avg,
+    Max,
+}
+
+pub trait ProcessGroup: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    fn name(&self) -> &str;
+    /// In place; `Avg` divides the sum by the group size.
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()>;
+    /// `output` (`size × input.len()`) receives every rank's `input` in rank order.
+    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()>;
+    /// `input` is `size` equal chunks; `output` receives the reduction of chunk `rank`.
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()>;
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()>;
+    fn send(&self, buf: &[f32], peer: usize) -> Result<()>;
+    fn recv(&self, buf: &mut [f32], peer: usize) -> Result<()>;
+    /// Rank `r` sends `input[offsets of send_counts]` part `p` to rank `p` and receives part `r` of
+    /// every rank into `output`, laid out by `recv_counts` (uneven splits allowed).
+    fn all_to_all(
+        &self,
+        input: &[f32],
+        send_counts: &[usize],
+        output: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<()>;
+    fn barrier(&self) -> Result<()>;
+}
+
+fn as_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+fn as_bytes_mut(x: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut u8, std::mem::size_of_val(x)) }
+}
+
+/// `[start, end)` of chunk `i` of `len` split `n` ways.
+fn chunk(len: usize, n: usize, i: usize) -> (usize, usize) {
+    (i * len / n, (i + 1) * len / n)
+}
+
+fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
+        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
+    }
+}
+
+struct Link {
+    reader: Mutex<TcpStream>,
+    writer: Mutex<TcpStream>,
+}
+
+impl Link {
+    fn new(s: TcpStream) -> std::io::Result<Self> {
+        Ok(Link {
+            writer: Mutex::new(s.try_clone()?),
+            reader: Mutex::new(s),
+        })
+    }
+}
+
+pub struct TcpGroup {
+    name: String,
+    rank: usize,
+    size: usize,
+    /// Connection to each peer (`None` at this rank's own index), split in a reading and a writing
+    /// handle so a send and a receive with the same peer (two-rank rings) never wait on each other.
+    peers: Vec<Option<Link>>,
+    timeout: Duration,
+}
+
+impl TcpGroup {
+    /// Joins group `name` of `size` ranks as `rank`: publishes a listening address in the store,
+    /// connects to lower ranks and accepts higher ones, within `init_timeout`. Collectives then use
+    /// `op_timeout`.
+    pub fn connect(
+        store: &StoreClient,
+        name: &str,
+        rank: usize,
+        size: usize,
+        host: &str,
+        init_timeout: Duration,
+        op_timeout: Duration,
+    ) -> Result<Self> {
+        if rank >= size {
+            bail!("group `{name}`: rank {rank} is outside a group of {size}");
+        }
+        let listener = TcpListener::bind(format!("{host}:0"))
+            .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {host}"))?;
+        store.set(
+            &format!("group/{name}/addr/{rank}"),
+            listener.local_addr()?.to_string().as_bytes(),
+        )?;
+        let deadline = Instant::now() + init_timeout;
+        let mut peers: Vec<Option<Link>> = (0..size).map(|_| None).collect();
+        for peer in 0..rank {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let addr = store.get_within(&format!("group/{name}/addr/{peer}"), left).map_err(|_| anyhow!("group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}"))?;
+            let addr = String::from_utf8_lossy(&addr).into_owned();
+            let mut s = TcpStream::connect(&addr).with_context(|| {
+                format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
+            })?;
+            s.write_all(&(rank as u64).to_le_bytes())?;
+            peers[peer] = Some(Link::new(s)?);
+        }
+        listener.set_nonblocking(true)?;
+        let mut missing = size - 1 - rank;
+        while missing > 0 {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    s.set_nonblocking(false)?;
+                    s.set_read_timeout(Some(init_timeout))?;
+                    let mut b = [0u8; 8];
+                    s.read_exact(&mut b).with_context(|| {
+                        format!(
+                            "group `{name}` rank {rank}: a peer connected but did not say its rank"
+                        )
+                    })?;
+                    let peer = u64::from_le_bytes(b) as usize;
+                    if peer <= rank || peer >= size || peers[peer].is_some() {
+                        bail!("group `{name}` rank {rank}: unexpected connection from rank {peer}");
+                    }
+                    peers[peer] = Some(Link::new(s)?);
+                    missing -= 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let absent: Vec<usize> =
+                            (rank + 1..size).filter(|&p| peers[p].is_none()).collect();
+                        bail!("group `{name}` rank {rank}: ranks {absent:?} never connected within {init_timeout:.0?}");
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("group `{name}` rank {rank}: accept failed"))
+                }
+            }
+        }
+        for link in peers.iter().flatten() {
+            let s = link.reader.lock().unwrap_or_else(|e| e.into_inner());
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(op_timeout))?;
+            s.set_write_timeout(Some(op_timeout))?;
+        }
+        Ok(TcpGroup {
+            name: name.to_string(),
+            rank,
+            size,
+            peers,
+            timeout: op_timeout,
+        })
+    }
+
+    fn link(&self, peer: usize) -> Result<&Link> {
+        self.peers
+            .get(peer)
+            .and_then(|p| p.as_ref())
+            .ok_or_else(|| anyhow!("group `{}`: no rank {peer} (size {})", self.name, self.size))
+    }
+
+    fn io_error(&self, op: &str, peer: usize, e: std::io::Error) -> anyhow::Error {
+        let why = match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                "did not answer within {:.0?} (train_timeout_seconds)",
+                self.timeout
+            ),
+            std::io::ErrorKind::UnexpectedEof
+            | std::io::ErrorKind::ConnectionReset
+            | std::io::ErrorKind::BrokenPipe => "closed the connection (did it exit?)".into(),
+            _ => e.to_string(),
+        };
+        anyhow!(
+            "{op} on group `{}` (rank {} of {}): peer rank {peer} {why}",
+            self.name,
+            self.rank,
+            self.size
+        )
+    }
+
+    fn send_bytes(&self, op: &str, peer: usize, bytes: &[u8]) -> Result<()> {
+        let mut w = self
+            .link(peer)?
+            .writer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        w.write_all(bytes).map_err(|e| self.io_error(op, peer, e))
+    }
+
+    fn recv_bytes(&self, op: &str, peer: usize, bytes: &mut [u8]) -> Result<()> {
+        let mut r = self
+            .link(peer)?
+            .reader
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        r.read_exact(bytes).map_err(|e| self.io_error(op, peer, e))
+    }
+
+    /// Sends `out` to `to` on a scoped thread while receiving `inp` from `from`.
+    fn exchange(&self, op: &str, to: usize, out: &[u8], from: usize, inp: &mut [u8]) -> Result<()> {
+        std::thread::scope(|sc| {
+            let sender = sc.spawn(|| self.send_bytes(op, to, out));
+            let received = self.recv_bytes(op, from, inp);
+            let sent = sender
+                .join()
+                .unwrap_or_else(|_| Err(anyhow!("{op}: sender thread panicked")));
+            received.and(sent)
+        })
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.size
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.size - 1) % self.size
+    }
+
+    /// Ring reduce-scatter in place over `buf` split in `size` chunks: afterwards chunk `rank` holds
+    /// the reduction over all ranks.
+    fn ring_reduce_scatter(&self, op_name: &str, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        let (n, r, len) = (self.size, self.rank, buf.len());
+        let mut incoming = vec![0f32; len.div_ceil(n) + 1];
+        for step in 0..n - 1 {
+            let send_c = (r + 2 * n - step - 1) % n;
+            let recv_c = (r + 2 * n - step - 2) % n;
+            let (s0, s1) = chunk(len, n, send_c);
+            let (r0, r1) = chunk(len, n, recv_c);
+            let out = buf[s0..s1].to_vec();
+            let inp = &mut incoming[..r1 - r0];
+            self.exchange(
+                op_name,
+                self.next(),
+                as_bytes(&out),
+                self.prev(),
+                as_bytes_mut(inp),
+            )?;
+            reduce_into(&mut buf[r0..r1], inp, op);
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather in place: chunk `rank` of `buf` is this rank's; afterwards all chunks are filled.
+    fn ring_all_gather(&self, op_name: &str, buf: &mut [f32]) -> Result<()> {
+        let (n, r, len) = (self.size, self.rank, buf.len());
+        for step in 0..n - 1 {
+            let send_c = (r + n - step) % n;
+            let recv_c = (r + 2 * n - step - 1) % n;
+            let (s0, s1) = chunk(len, n, send_c);
+            let (r0, r1) = chunk(len, n, recv_c);
+            let out = buf[s0..s1].to_vec();
+            self.exchange(
+                op_name,
+                self.next(),
+                as_bytes(&out),
+                self.prev(),
+                as_bytes_mut(&mut buf[r0..r1]),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl ProcessGroup for TcpGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        if self.size > 1 {
+            self.ring_reduce_scatter("all_reduce", buf, op)?;
+            self.ring_all_gather("all_reduce", buf)?;
+        }
+        if op == ReduceOp::Avg {
+            let inv = 1.0 / self.size as f32;
+            buf.iter_mut().for_each(|x| *x *= inv);
+        }
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
+        if output.len() != input.len() * self.size {
+            bail!(
+                "all_gather on group `{}`: output holds {} values, needs {} × {}",
+                self.name,
+                output.len(),
+                self.size,
+                input.len()
+            );
+        }
+        let c = input.len();
+        output[self.rank * c..(self.rank + 1) * c].copy_from_slice(input);
+        if self.size > 1 {
+            self.ring_all_gather("all_gather", output)?;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()> {
+        if input.len() != output.len() * self.size {
+            bail!(
+                "reduce_scatter on group `{}`: input holds {} values, needs {} × {}",
+                self.name,
+                input.len(),
+                self.size,
+                output.len()
+            );
+        }
+        let mut work = input.to_vec();
+        if self.size > 1 {
+            self.ring_reduce_scatter("reduce_scatter", &mut work, op)?;
+        }
+        let c = output.len();
+        output.copy_from_slice(&work[self.rank * c..(self.rank + 1) * c]);
+        if op == ReduceOp::Avg {
+            let inv = 1.0 / self.size as f32;
+            output.iter_mut().for_each(|x| *x *= inv);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        if root >= self.size {
+            bail!(
+                "broadcast on group `{}`: root {root} outside a group of {}",
+                self.name,
+                self.size
+            );
+        }
+        if self.rank == root {
+            for peer in (0..self.size).filter(|&p| p != root) {
+                self.send_bytes("broadcast", peer, as_bytes(buf))?;
+            }
+            Ok(())
+        } else {
+            self.recv_bytes("broadcast", root, as_bytes_mut(buf))
+        }
+    }
+
+    fn send(&self, buf: &[f32], peer: usize) -> Result<()> {
+        self.send_bytes("send", peer, as_bytes(buf))
+    }
+
+    fn recv(&self, buf: &mut [f32], peer: usize) -> Result<()> {
+        self.recv_bytes("recv", peer, as_bytes_mut(buf))
+    }
+
+    fn all_to_all(
+        &self,
+        input: &[f32],
+        send_counts: &[usize],
+        output: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let n = self.size;
+        if send_counts.len() != n
+            || recv_counts.len() != n
+            || send_counts.iter().sum::<usize>() != input.len()
+            || recv_counts.iter().sum::<usize>() != output.len()
+        {
+            bail!("all_to_all on group `{}`: counts {send_counts:?} / {recv_counts:?} do not match {} ranks and buffers of {} / {}", self.name, n, input.len(), output.len());
+        }
+        let offsets = |counts: &[usize]| {
+            counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let o = *acc;
+                    *acc += c;
+                    Some(o)
+                })
+                .collect::<Vec<usize>>()
+        };
+        let (so, ro) = (offsets(send_counts), offsets(recv_counts));
+        output[ro[self.rank]..ro[self.rank] + recv_counts[self.rank]]
+            .copy_from_slice(&input[so[self.rank]..so[self.rank] + send_counts[self.rank]]);
+        std::thread::scope(|sc| {
+            let senders: Vec<_> = (0..n)
+                .filter(|&p| p != self.rank)
+                .map(|p| {
+                    let part = &input[so[p]..so[p] + send_counts[p]];
+                    sc.spawn(move || self.send_bytes("all_to_all", p, as_bytes(part)))
+                })
+                .collect();
+            let mut result = Ok(());
+            for p in (0..n).filter(|&p| p != self.rank) {
+                if result.is_ok() {
+                    result = self.recv_bytes(
+                        "all_to_all",
+                        p,
+                        as_bytes_mut(&mut output[ro[p]..ro[p] + recv_counts[p]]),
+                    );
+                }
+            }
+            for s in senders {
+                let sent = s
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow!("all_to_all: sender thread panicked")));
+                if result.is_ok() {
+                    result = sent;
+                }
+            }
+            result
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let mut one = [1.0f32];
+        self.all_reduce(&mut one, ReduceOp::Sum)
+    }
+}

@@ -1,0 +1,187 @@
+//! Collectives of the TCP process group with real sockets (one thread per rank here; the launcher
+//! will run them as processes): results against a direct computation, uneven sizes, and failures
+//! that end in errors naming the peer instead of hangs.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use titan::comm::group::{ProcessGroup, ReduceOp, TcpGroup};
+use titan::comm::store::{StoreClient, StoreServer};
+
+fn run_ranks<T: Send + 'static>(
+    world: usize,
+    op_timeout: Duration,
+    f: impl Fn(TcpGroup) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let addr = server.addr.to_string();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let (addr, f) = (addr.clone(), f.clone());
+            std::thread::spawn(move || {
+                let store = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+                let g = TcpGroup::connect(
+                    &store,
+                    "test",
+                    rank,
+                    world,
+                    "127.0.0.1",
+                    Duration::from_secs(10),
+                    op_timeout,
+                )
+                .unwrap();
+                f(g)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn data(rank: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((rank * 31 + i * 7) % 23) as f32 - 11.0)
+        .collect()
+}
+
+#[test]
+fn collectives_match_direct_computation() {
+    for world in [1, 2, 3, 4] {
+        let len = 1000 + world; // not divisible by the world size
+        let results = run_ranks(world, Duration::from_secs(10), move |g| {
+            let r = g.rank();
+            let mut sum = data(r, len);
+            g.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+            let mut avg = data(r, len);
+            g.all_reduce(&mut avg, ReduceOp::Avg).unwrap();
+            let mut max = data(r, len);
+            g.all_reduce(&mut max, ReduceOp::Max).unwrap();
+            let mut gathered = vec![0.0; 5 * world];
+            g.all_gather(&data(r, 5), &mut gathered).unwrap();
+            let mut scattered = vec![0.0; 6];
+            g.reduce_scatter(&data(r, 6 * world), &mut scattered, ReduceOp::Sum)
+                .unwrap();
+            let mut bcast = if r == world - 1 {
+                data(99, 17)
+            } else {
+                vec![0.0; 17]
+            };
+            g.broadcast(&mut bcast, world - 1).unwrap();
+            // all_to_all with uneven splits: rank r sends p+1 values to rank p.
+            let send_counts: Vec<usize> = (0..world).map(|p| p + 1).collect();
+            let input: Vec<f32> = (0..world)
+                .flat_map(|p| vec![(r * 10 + p) as f32; p + 1])
+                .collect();
+            let recv_counts = vec![r + 1; world];
+            let mut output = vec![0.0; (r + 1) * world];
+            g.all_to_all(&input, &send_counts, &mut output, &recv_counts)
+                .unwrap();
+            g.barrier().unwrap();
+            (r, sum, avg, max, gathered, scattered, bcast, output)
+        });
+        let ranks: Vec<Vec<f32>> = (0..world).map(|r| data(r, len)).collect();
+        for (r, sum, avg, max, gathered, scattered, bcast, output) in results {
+            for i in 0..len {
+                let s: f32 = ranks.iter().map(|d| d[i]).sum();
+                assert_eq!(sum[i], s, "world {world} rank {r} sum[{i}]");
+                assert!((avg[i] - s / world as f32).abs() < 1e-5);
+                assert_eq!(max[i], ranks.iter().map(|d| d[i]).fold(f32::MIN, f32::max));
+            }
+            let want_gather: Vec<f32> = (0..world).flat_map(|p| data(p, 5)).collect();
+            assert_eq!(gathered, want_gather);
+            let want_scatter: Vec<f32> = (0..6)
+                .map(|i| (0..world).map(|p| data(p, 6 * world)[r * 6 + i]).sum())
+                .collect();
+            assert_eq!(scattered, want_scatter);
+            assert_eq!(bcast, data(99, 17));
+            let want_a2a: Vec<f32> = (0..world)
+                .flat_map(|p| vec![(p * 10 + r) as f32; r + 1])
+                .collect();
+            assert_eq!(output, want_a2a, "world {world} rank {r} all_to_all");
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named() {
+    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let addr = server.addr.to_string();
+    // Ranks 0 and 2 of 3 come; rank 1 never does.
+    let handles: Vec<_> = [0usize, 2]
+        .into_iter()
+        .map(|rank| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let store = StoreClient::connect(&addr, Duration::from_secs(5)).unwrap();
+                TcpGroup::connect(
+                    &store,
+                    "g",
+                    rank,
+                    3,
+                    "127.0.0.1",
+                    Duration::from_millis(800),
+                    Duration::from_secs(1),
+                )
+                .err()
+                .map(|e| e.to_string())
+            })
+        })
+        .collect();
+    for h in handles {
+        let e = h.join().unwrap().expect("joining without rank 1 must fail");
+        assert!(
+            e.contains("1") && (e.contains("never") || e.contains("not set")),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_dead_peer_makes_the_others_fail_fast_naming_it() {
+    let t0 = Instant::now();
+    let results = run_ranks(3, Duration::from_secs(20), |g| {
+        if g.rank() == 1 {
+            drop(g); // "killed": its sockets close
+            return None;
+        }
+        let mut buf = vec![1.0f32; 1 << 16];
+        Some(
+            g.all_reduce(&mut buf, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string(),
+        )
+    });
+    for e in results.into_iter().flatten() {
+        assert!(
+            e.contains("all_reduce") && e.contains("group `test`"),
+            "{e}"
+        );
+        assert!(e.contains("peer rank"), "{e}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn a_silent_peer_times_out_naming_it() {
+    let results = run_ranks(2, Duration::from_millis(500), |g| {
+        if g.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1500)); // alive but never joins the collective
+            return None;
+        }
+        let mut buf = vec![1.0f32; 8];
+        Some(
+            g.all_reduce(&mut buf, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string(),
+        )
+    });
+    let e = results[0].clone().unwrap();
+    assert!(
+        e.contains("peer rank 1") && e.contains("did not answer"),
+        "{e}"
+    );
+}
