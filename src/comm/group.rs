@@ -119,7 +119,7 @@ impl TcpGroup {
         )?;
         let deadline = Instant::now() + init_timeout;
         let mut peers: Vec<Option<Link>> = (0..size).map(|_| None).collect();
-        for peer in 0..rank {
+        for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
             let left = deadline.saturating_duration_since(Instant::now());
             let addr = store.get_within(&format!("group/{name}/addr/{peer}"), left).map_err(|_| anyhow!("group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}"))?;
             let addr = String::from_utf8_lossy(&addr).into_owned();
@@ -127,7 +127,7 @@ impl TcpGroup {
                 format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
             })?;
             s.write_all(&(rank as u64).to_le_bytes())?;
-            peers[peer] = Some(Link::new(s)?);
+            *slot = Some(Link::new(s)?);
         }
         listener.set_nonblocking(true)?;
         let mut missing = size - 1 - rank;
