@@ -2,4 +2,5 @@
 //! over TCP; NCCL later), each operation bounded by a timeout.
 
 pub mod group;
+pub mod mesh;
 pub mod store;

@@ -20,8 +20,42 @@ pub struct Config {
     pub optimizer: OptimizerConfig,
     pub lr_scheduler: LrSchedulerConfig,
     pub training: TrainingConfig,
+    pub parallelism: ParallelismConfig,
     pub checkpoint: CheckpointConfig,
     pub metrics: MetricsConfig,
+    pub comm: CommConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParallelismConfig {
+    pub data_parallel_replicate_degree: usize,
+    /// -1 fills what the other degrees leave of the world size.
+    pub data_parallel_shard_degree: i64,
+    pub tensor_parallel_degree: usize,
+    pub pipeline_parallel_degree: usize,
+    pub context_parallel_degree: usize,
+}
+
+impl Default for ParallelismConfig {
+    fn default() -> Self {
+        ParallelismConfig { data_parallel_replicate_degree: 1, data_parallel_shard_degree: -1, tensor_parallel_degree: 1, pipeline_parallel_degree: 1, context_parallel_degree: 1 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CommConfig {
+    /// Rendezvous and group set-up.
+    pub init_timeout_seconds: u64,
+    /// Every collective during training.
+    pub train_timeout_seconds: u64,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig { init_timeout_seconds: 300, train_timeout_seconds: 100 }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -348,6 +382,18 @@ impl Config {
                 t.device,
                 DEVICES.join(", ")
             );
+        }
+        let p = &self.parallelism;
+        for (key, degree) in [("tensor_parallel_degree", p.tensor_parallel_degree), ("pipeline_parallel_degree", p.pipeline_parallel_degree), ("context_parallel_degree", p.context_parallel_degree)] {
+            if degree == 0 {
+                bail!("[parallelism] {key} must be at least 1");
+            }
+            if degree > 1 {
+                bail!("[parallelism] {key} = {degree}: tensor, pipeline and context parallelism are not built yet in this titan (only 1 is accepted)");
+            }
+        }
+        if self.comm.init_timeout_seconds == 0 || self.comm.train_timeout_seconds == 0 {
+            bail!("[comm] init_timeout_seconds and train_timeout_seconds must be positive");
         }
         if self.checkpoint.interval == 0 {
             bail!("[checkpoint] interval must be positive");
