@@ -7,6 +7,8 @@ pub mod cli;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod launch;
 pub mod model;
+pub mod parallel;
 pub mod tensor;
 pub mod train;

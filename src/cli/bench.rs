@@ -90,6 +90,7 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             8e-4,
             i as u64 + 1,
             1.0,
+            None,
         )?;
         let dt = t0.elapsed().as_secs_f64();
         losses.push(loss);

@@ -29,6 +29,22 @@ pub enum Command {
         /// No progress bar or per-step lines (metrics.jsonl is still written).
         #[arg(long)]
         quiet: bool,
+        /// Worker processes to start on this node (one rank each); 1 trains in this process.
+        #[arg(long, default_value_t = 1)]
+        nproc: usize,
+        /// Nodes in the job (run the same command on each, with its --node-rank).
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Address of node 0, where the rendezvous store runs.
+        #[arg(long, default_value = "127.0.0.1")]
+        master_addr: String,
+        #[arg(long, default_value_t = 29500)]
+        master_port: u16,
+        /// Restart the whole group this many times after a rank fails (resuming from the latest checkpoint).
+        #[arg(long, default_value_t = 0)]
+        max_restarts: usize,
         /// Overrides: --section.key VALUE (e.g. --training.steps 50 --model.flavor 8B).
         #[arg(
             trailing_var_arg = true,
@@ -106,9 +122,35 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Train {
             config,
             quiet,
+            nproc,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            max_restarts,
             overrides,
         } => {
             let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
+            if nproc * nnodes > 1 {
+                let mut worker_args = vec!["train".to_string()];
+                if let Some(c) = &config {
+                    worker_args.extend(["--config".to_string(), c.display().to_string()]);
+                }
+                if quiet {
+                    worker_args.push("--quiet".into());
+                }
+                worker_args.extend(overrides);
+                let o = crate::launch::launcher::LaunchOptions {
+                    nproc,
+                    nnodes,
+                    node_rank,
+                    master_addr,
+                    master_port,
+                    max_restarts,
+                    worker_args,
+                };
+                return crate::launch::launcher::launch(&o);
+            }
             crate::train::train(
                 &cfg,
                 &crate::train::RunOptions {

@@ -16,8 +16,20 @@ pub struct DeviceMesh {
 
 impl DeviceMesh {
     /// Resolves `dp_shard = -1` to fill the world and checks that the product is the world size.
-    pub fn new(pp: usize, dp_replicate: usize, dp_shard: i64, cp: usize, tp: usize, world: usize) -> Result<Self> {
-        for (name, d) in [("pipeline_parallel_degree", pp), ("data_parallel_replicate_degree", dp_replicate), ("context_parallel_degree", cp), ("tensor_parallel_degree", tp)] {
+    pub fn new(
+        pp: usize,
+        dp_replicate: usize,
+        dp_shard: i64,
+        cp: usize,
+        tp: usize,
+        world: usize,
+    ) -> Result<Self> {
+        for (name, d) in [
+            ("pipeline_parallel_degree", pp),
+            ("data_parallel_replicate_degree", dp_replicate),
+            ("context_parallel_degree", cp),
+            ("tensor_parallel_degree", tp),
+        ] {
             if d == 0 {
                 bail!("[parallelism] {name} must be at least 1");
             }
@@ -25,13 +37,15 @@ impl DeviceMesh {
         let others = pp * dp_replicate * cp * tp;
         let shard = match dp_shard {
             -1 => {
-                if world % others != 0 {
+                if !world.is_multiple_of(others) {
                     bail!("[parallelism] cannot fill data_parallel_shard_degree = -1: world size {world} is not divisible by pp {pp} × dp_replicate {dp_replicate} × cp {cp} × tp {tp} = {others}");
                 }
                 world / others
             }
             d if d >= 1 => d as usize,
-            d => bail!("[parallelism] data_parallel_shard_degree = {d} must be -1 (fill) or at least 1"),
+            d => bail!(
+                "[parallelism] data_parallel_shard_degree = {d} must be -1 (fill) or at least 1"
+            ),
         };
         if others * shard != world {
             bail!(
@@ -39,7 +53,10 @@ impl DeviceMesh {
                 others * shard
             );
         }
-        Ok(DeviceMesh { degrees: [pp, dp_replicate, shard, cp, tp], world })
+        Ok(DeviceMesh {
+            degrees: [pp, dp_replicate, shard, cp, tp],
+            world,
+        })
     }
 
     pub fn degree(&self, dim: &str) -> usize {
@@ -47,7 +64,9 @@ impl DeviceMesh {
     }
 
     fn index(dim: &str) -> usize {
-        DIMS.iter().position(|d| *d == dim).unwrap_or_else(|| panic!("unknown mesh dim `{dim}` (known: {DIMS:?})"))
+        DIMS.iter()
+            .position(|d| *d == dim)
+            .unwrap_or_else(|| panic!("unknown mesh dim `{dim}` (known: {DIMS:?})"))
     }
 
     /// Coordinates of `rank` along every dim.
@@ -62,7 +81,10 @@ impl DeviceMesh {
     }
 
     fn rank_of(&self, coords: &[usize; 5]) -> usize {
-        coords.iter().zip(&self.degrees).fold(0, |acc, (c, d)| acc * d + c)
+        coords
+            .iter()
+            .zip(&self.degrees)
+            .fold(0, |acc, (c, d)| acc * d + c)
     }
 
     /// Ranks of the group through `rank` spanning `dims` (others fixed), in order; a flattened group
@@ -86,7 +108,11 @@ impl DeviceMesh {
     /// A stable name for the group through `rank` spanning `dims` (for store keys and messages).
     pub fn group_name(&self, rank: usize, dims: &[&str]) -> String {
         let ranks = self.group_ranks(rank, dims);
-        format!("{}[{}]", dims.join("+"), ranks.first().copied().unwrap_or(0))
+        format!(
+            "{}[{}]",
+            dims.join("+"),
+            ranks.first().copied().unwrap_or(0)
+        )
     }
 }
 
@@ -111,10 +137,15 @@ mod tests {
         assert_eq!(m.group_ranks(5, &["tp"]), vec![4, 5]);
         assert_eq!(m.group_ranks(5, &["dp_shard"]), vec![5, 7]);
         assert_eq!(m.group_ranks(5, &["dp_replicate"]), vec![1, 5]);
-        assert_eq!(m.group_ranks(5, &["dp_replicate", "dp_shard"]), vec![1, 3, 5, 7]);
+        assert_eq!(
+            m.group_ranks(5, &["dp_replicate", "dp_shard"]),
+            vec![1, 3, 5, 7]
+        );
         assert_eq!(m.group_ranks(0, &["dp_shard", "cp"]), vec![0, 2]);
         // Every rank appears in exactly one group of a dim.
-        let mut seen: Vec<usize> = (0..8).flat_map(|r| m.group_ranks(r, &["dp_shard"])).collect();
+        let mut seen: Vec<usize> = (0..8)
+            .flat_map(|r| m.group_ranks(r, &["dp_shard"]))
+            .collect();
         seen.sort();
         seen.dedup();
         assert_eq!(seen.len(), 8);

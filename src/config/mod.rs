@@ -39,7 +39,13 @@ pub struct ParallelismConfig {
 
 impl Default for ParallelismConfig {
     fn default() -> Self {
-        ParallelismConfig { data_parallel_replicate_degree: 1, data_parallel_shard_degree: -1, tensor_parallel_degree: 1, pipeline_parallel_degree: 1, context_parallel_degree: 1 }
+        ParallelismConfig {
+            data_parallel_replicate_degree: 1,
+            data_parallel_shard_degree: -1,
+            tensor_parallel_degree: 1,
+            pipeline_parallel_degree: 1,
+            context_parallel_degree: 1,
+        }
     }
 }
 
@@ -54,7 +60,10 @@ pub struct CommConfig {
 
 impl Default for CommConfig {
     fn default() -> Self {
-        CommConfig { init_timeout_seconds: 300, train_timeout_seconds: 100 }
+        CommConfig {
+            init_timeout_seconds: 300,
+            train_timeout_seconds: 100,
+        }
     }
 }
 
@@ -384,7 +393,11 @@ impl Config {
             );
         }
         let p = &self.parallelism;
-        for (key, degree) in [("tensor_parallel_degree", p.tensor_parallel_degree), ("pipeline_parallel_degree", p.pipeline_parallel_degree), ("context_parallel_degree", p.context_parallel_degree)] {
+        for (key, degree) in [
+            ("tensor_parallel_degree", p.tensor_parallel_degree),
+            ("pipeline_parallel_degree", p.pipeline_parallel_degree),
+            ("context_parallel_degree", p.context_parallel_degree),
+        ] {
             if degree == 0 {
                 bail!("[parallelism] {key} must be at least 1");
             }

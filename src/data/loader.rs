@@ -1,8 +1,11 @@
 //! The stateful data loader: documents are tokenized as `[BOS] text [EOS]`, concatenated, and cut
 //! into windows of `seq_len + 1` tokens (inputs and shifted targets), `local_batch_size` windows per
-//! micro-batch. Data-parallel rank `r` of `n` takes documents (or token windows) `i` with
-//! `i % n == r`, so ranks read disjoint data. The position (epoch, documents consumed, tokens left
-//! over from the last document) is saved in checkpoints and restored exactly.
+//! micro-batch. Every data-parallel rank walks the same global stream of windows and keeps its own
+//! block of each `dp_size × local_batch_size` windows, so ranks train on disjoint data, a step's global
+//! batch is the same for any data-parallel degree (exact loss parity with one process), and the
+//! position (epoch, documents consumed, tokens left over from the last document) is the same on every
+//! rank: it is saved in checkpoints and resumes under any data-parallel degree. The price is that each
+//! rank tokenizes the whole stream (cheap next to a training step).
 
 use std::path::Path;
 
@@ -17,7 +20,7 @@ use crate::config::Config;
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoaderState {
     pub epoch: u64,
-    /// Documents (of every rank) consumed in this epoch, or token windows for token shards.
+    /// Documents consumed in this epoch, or token windows for token shards (the same on every rank).
     pub consumed: u64,
     /// Tokens of this rank's last document not yet emitted.
     pub buffer: Vec<u32>,
@@ -105,65 +108,74 @@ impl DataLoader {
         Ok(())
     }
 
-    /// `[batch, seq + 1]` token ids, row-major.
+    /// `[batch, seq + 1]` token ids, row-major: this rank's share of the next `dp_size × batch`
+    /// windows of the global stream.
     pub fn next_batch(&mut self) -> Result<Vec<u32>> {
         let window = self.seq + 1;
         let mut out = vec![0u32; self.batch * window];
-        for row in out.chunks_mut(window) {
-            match &mut self.stream {
-                Stream::Tokens(shards) => {
-                    let windows = shards.total_tokens() / window as u64;
-                    if windows < self.dp_size as u64 {
-                        bail!("token shards hold {} tokens, fewer than one window of seq_len+1 = {window} per data-parallel rank", shards.total_tokens());
-                    }
-                    let usable = windows / self.dp_size as u64 * self.dp_size as u64;
-                    if self.state.consumed >= usable {
-                        self.state.epoch += 1;
-                        self.state.consumed = 0;
-                        eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
-                    }
-                    let w = self.state.consumed + self.dp_rank as u64;
-                    shards.read(w * window as u64, row, self.vocab)?;
-                    self.state.consumed += self.dp_size as u64;
-                }
-                Stream::Documents { source, tokenizer } => {
-                    while self.state.buffer.len() < window {
-                        let doc = loop {
-                            let index = self.state.consumed;
-                            match source.next_document()? {
-                                Some(d) => {
-                                    self.state.consumed += 1;
-                                    if index % self.dp_size as u64 == self.dp_rank as u64 {
-                                        break d;
-                                    }
-                                }
-                                None => {
-                                    if self.state.consumed < self.dp_size as u64 {
-                                        bail!("dataset ({}) has fewer documents than data-parallel ranks", source.describe());
-                                    }
-                                    self.state.epoch += 1;
-                                    self.state.consumed = 0;
-                                    source.reset();
-                                    eprintln!(
-                                        "dataset exhausted: starting epoch {}",
-                                        self.state.epoch
-                                    );
-                                }
-                            }
-                        };
-                        let ids = tokenizer.encode(&doc)?;
-                        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
-                            bail!("tokenizer produced id {bad} but the model's vocabulary has {} entries", self.vocab);
-                        }
-                        self.state.buffer.push(tokenizer.bos_id());
-                        self.state.buffer.extend_from_slice(&ids);
-                        self.state.buffer.push(tokenizer.eos_id());
-                    }
-                    row.copy_from_slice(&self.state.buffer[..window]);
-                    self.state.buffer.drain(..window);
-                }
+        for k in 0..self.dp_size * self.batch {
+            if k / self.batch == self.dp_rank {
+                let row = k % self.batch;
+                self.next_window(Some(&mut out[row * window..(row + 1) * window]))?;
+            } else {
+                self.next_window(None)?;
             }
         }
         Ok(out)
+    }
+
+    /// Fills `row` with the next window of the global stream, or only steps past it.
+    fn next_window(&mut self, row: Option<&mut [u32]>) -> Result<()> {
+        let window = self.seq + 1;
+        match &mut self.stream {
+            Stream::Tokens(shards) => {
+                let windows = shards.total_tokens() / window as u64;
+                if windows == 0 {
+                    bail!("token shards hold {} tokens, fewer than one window of seq_len+1 = {window}", shards.total_tokens());
+                }
+                if self.state.consumed >= windows {
+                    self.state.epoch += 1;
+                    self.state.consumed = 0;
+                    eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                }
+                if let Some(row) = row {
+                    shards.read(self.state.consumed * window as u64, row, self.vocab)?;
+                }
+                self.state.consumed += 1;
+            }
+            Stream::Documents { source, tokenizer } => {
+                while self.state.buffer.len() < window {
+                    let doc = match source.next_document()? {
+                        Some(d) => d,
+                        None => {
+                            if self.state.consumed == 0 {
+                                bail!("dataset ({}) has no documents", source.describe());
+                            }
+                            self.state.epoch += 1;
+                            self.state.consumed = 0;
+                            source.reset();
+                            eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                            continue;
+                        }
+                    };
+                    self.state.consumed += 1;
+                    let ids = tokenizer.encode(&doc)?;
+                    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
+                        bail!(
+                            "tokenizer produced id {bad} but the model's vocabulary has {} entries",
+                            self.vocab
+                        );
+                    }
+                    self.state.buffer.push(tokenizer.bos_id());
+                    self.state.buffer.extend_from_slice(&ids);
+                    self.state.buffer.push(tokenizer.eos_id());
+                }
+                if let Some(row) = row {
+                    row.copy_from_slice(&self.state.buffer[..window]);
+                }
+                self.state.buffer.drain(..window);
+            }
+        }
+        Ok(())
     }
 }

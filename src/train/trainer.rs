@@ -14,6 +14,7 @@ use super::optimizer::{clip_grads, grad_norm, AdamW};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, IGNORE_INDEX};
 use crate::checkpoint::{self, TrainState};
+use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::model::{init_params, Llama, ParamSet, Workspace};
@@ -57,16 +58,33 @@ pub fn init_threads(threads: usize) {
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     init_threads(cfg.training.threads);
     let be = select_backend(cfg)?;
-    train_on(&be, cfg, opts)
+    let dist = crate::launch::Distributed::from_env(cfg)?;
+    train_on(&be, cfg, opts, dist.as_ref())
 }
 
-fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
+fn train_on<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    opts: &RunOptions,
+    dist: Option<&crate::launch::Distributed>,
+) -> Result<TrainSummary> {
     let args = cfg.model_args()?;
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
-    let accum = cfg.global_batch_size() / batch;
+    let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
+    let dp: Option<&dyn ProcessGroup> = dist.map(|d| d.dp.as_ref());
+    let global_batch = if t.global_batch_size < 0 {
+        batch * dp_size
+    } else {
+        t.global_batch_size as usize
+    };
+    if global_batch % (batch * dp_size) != 0 {
+        bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
+    }
+    let accum = global_batch / (batch * dp_size);
+    let quiet = opts.quiet || rank != 0;
     let say = |s: String| {
-        if !opts.quiet {
+        if !quiet {
             println!("{s}");
         }
     };
@@ -85,7 +103,7 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
     if tokenizer.vocab_size() > args.vocab_size {
         bail!("tokenizer {} has {} tokens but the model's vocabulary holds {}: use a model with vocab_size >= {} (--model.vocab_size)", cfg.model.tokenizer_path, tokenizer.vocab_size(), args.vocab_size, tokenizer.vocab_size());
     }
-    let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, 0, 1)?;
+    let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, rank, dp_size)?;
 
     let model = Llama::new(be, args.clone(), seq)?;
     let specs = model.param_specs();
@@ -120,13 +138,13 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
         }
     }
 
-    let tokens_per_step = (cfg.global_batch_size() * seq) as f64;
+    let tokens_per_step = (global_batch * seq) as f64;
     let flops_per_token = args.flops_per_token(seq);
     let threads = rayon::current_num_threads();
     let peak_tflops = if cfg.metrics.peak_tflops > 0.0 {
         cfg.metrics.peak_tflops
     } else {
-        default_peak_tflops(be.name(), threads)
+        default_peak_tflops(be.name(), threads) * dp_size as f64
     };
     say(format!(
         "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads",
@@ -137,24 +155,28 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
         be.name()
     ));
     say(format!(
-        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB | data: {} | batch {} × {seq} tokens, {accum} micro-batch(es)/step",
+        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
         gib(est.params),
         gib(est.grads),
         gib(est.optimizer),
         gib(est.activations),
         loader.describe(),
-        cfg.global_batch_size()
+        global_batch
     ));
 
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
-    let mut logger = MetricsLogger::new(
-        &cfg.dump_folder(),
-        cfg.metrics
-            .enable_tensorboard
-            .then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder))
-            .as_deref(),
-    )?;
-    let bar = if opts.quiet || start_step >= t.steps {
+    let mut logger = if rank != 0 {
+        None
+    } else {
+        Some(MetricsLogger::new(
+            &cfg.dump_folder(),
+            cfg.metrics
+                .enable_tensorboard
+                .then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder))
+                .as_deref(),
+        )?)
+    };
+    let bar = if quiet || start_step >= t.steps {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(t.steps)
@@ -187,6 +209,7 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
             lr,
             step,
             t.max_norm,
+            dp,
         )?;
         if !loss.is_finite() || !norm.is_finite() {
             let keep = match last_good {
@@ -216,15 +239,21 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
             peak_memory_bytes: peak_memory(),
         };
         if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
-            logger.log(&m)?;
-            if !opts.quiet {
+            if let Some(logger) = &mut logger {
+                logger.log(&m)?;
+            }
+            if !quiet {
                 emit(&bar, m.console_line());
             }
         }
         bar.set_message(format!("loss {loss:.4}"));
         bar.inc(1);
 
-        if cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps) {
+        // Data-parallel ranks hold identical weights, moments and data position: rank 0 saves.
+        if cfg.checkpoint.enable
+            && rank == 0
+            && (step % cfg.checkpoint.interval == 0 || step == t.steps)
+        {
             let state = TrainState {
                 format_version: checkpoint::FORMAT_VERSION,
                 step,
@@ -244,7 +273,7 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
                 cfg.checkpoint.keep_latest_k,
             )?;
             last_good = Some(step);
-            if !opts.quiet {
+            if !quiet {
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
             }
         }
@@ -266,6 +295,15 @@ fn train_on<B: Backend>(be: &B, cfg: &Config, opts: &RunOptions) -> Result<Train
         final_step: t.steps.max(start_step),
         resumed_from,
     })
+}
+
+/// Sum of one f64 over a group, carried as two f32 (high part and remainder) so that token counts
+/// and loss sums keep ~14 significant digits.
+fn all_reduce_sum_f64(g: &dyn ProcessGroup, x: f64) -> Result<f64> {
+    let hi = x as f32;
+    let mut v = [hi, (x - hi as f64) as f32];
+    g.all_reduce(&mut v, crate::comm::group::ReduceOp::Sum)?;
+    Ok(v[0] as f64 + v[1] as f64)
 }
 
 /// A line above the progress bar, or plainly when the bar is hidden (output is not a terminal).
@@ -292,9 +330,10 @@ pub fn train_step<B: Backend>(
     lr: f64,
     step: u64,
     max_norm: f64,
+    dp: Option<&dyn ProcessGroup>,
 ) -> Result<(f64, f64)> {
     let seq = ws.seq;
-    let targets: usize = micro
+    let local_targets: usize = micro
         .iter()
         .map(|m| {
             m.chunks(seq + 1)
@@ -302,6 +341,10 @@ pub fn train_step<B: Backend>(
                 .sum::<usize>()
         })
         .sum();
+    let targets = match dp {
+        Some(g) => all_reduce_sum_f64(g, local_targets as f64)?.round() as usize,
+        None => local_targets,
+    };
     let scale = 1.0 / targets.max(1) as f32;
     grads.zero(be);
     let mut loss_sum = 0.0;
@@ -309,6 +352,10 @@ pub fn train_step<B: Backend>(
         loss_sum += model
             .forward_backward(be, params, grads, ws, tokens, scale)?
             .sum;
+    }
+    if let Some(g) = dp {
+        crate::parallel::ddp::all_reduce_gradients(be, g, grads)?;
+        loss_sum = all_reduce_sum_f64(g, loss_sum)?;
     }
     let loss = loss_sum / targets.max(1) as f64;
     let norm = grad_norm(be, grads);

@@ -1,0 +1,172 @@
+//! `titan train --nproc N`: starts N local worker processes (one rank each), hosts the rendezvous
+//! store, prefixes each rank's output with its rank, and supervises them: when a rank fails every
+//! other rank is stopped and the launcher exits non-zero naming the rank and its last error lines;
+//! with `--max-restarts K` the whole group is restarted (workers resume from the latest complete
+//! checkpoint).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::comm::store::StoreServer;
+
+#[derive(Debug, Clone)]
+pub struct LaunchOptions {
+    pub nproc: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub max_restarts: usize,
+    /// Arguments of the worker command (after the executable).
+    pub worker_args: Vec<String>,
+}
+
+struct Worker {
+    rank: usize,
+    child: Child,
+    last_err: Arc<Mutex<Vec<String>>>,
+}
+
+fn pump(
+    stream: impl std::io::Read + Send + 'static,
+    rank: usize,
+    to_stderr: bool,
+    keep: Option<Arc<Mutex<Vec<String>>>>,
+) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if to_stderr {
+                eprintln!("[rank {rank}] {line}");
+            } else {
+                println!("[rank {rank}] {line}");
+            }
+            if let Some(k) = &keep {
+                let mut k = k.lock().unwrap_or_else(|e| e.into_inner());
+                k.push(line);
+                if k.len() > 5 {
+                    k.remove(0);
+                }
+            }
+        }
+    });
+}
+
+pub fn launch(o: &LaunchOptions) -> Result<()> {
+    if o.nproc == 0 || o.nnodes == 0 || o.node_rank >= o.nnodes {
+        bail!(
+            "--nproc {} --nnodes {} --node-rank {}: need nproc ≥ 1 and node-rank < nnodes",
+            o.nproc,
+            o.nnodes,
+            o.node_rank
+        );
+    }
+    let world = o.nproc * o.nnodes;
+    let exe =
+        std::env::current_exe().context("cannot find the titan executable to start workers")?;
+    // Node 0 hosts the store; the others connect to it. Port 0 picks a free port (single node).
+    let store = if o.node_rank == 0 {
+        Some(StoreServer::start(&format!(
+            "{}:{}",
+            if o.nnodes > 1 {
+                "0.0.0.0"
+            } else {
+                &o.master_addr
+            },
+            o.master_port
+        ))?)
+    } else {
+        None
+    };
+    let port = store.as_ref().map_or(o.master_port, |s| s.addr.port());
+    if o.nnodes > 1 && o.master_port == 0 {
+        bail!("--master-port 0 (any free port) only works on a single node; give every node the same port");
+    }
+    for generation in 0..=o.max_restarts {
+        let mut workers = Vec::new();
+        for local in 0..o.nproc {
+            let rank = o.node_rank * o.nproc + local;
+            let mut child = Command::new(&exe)
+                .args(&o.worker_args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("LOCAL_WORLD_SIZE", o.nproc.to_string())
+                .env("MASTER_ADDR", &o.master_addr)
+                .env("MASTER_PORT", port.to_string())
+                .env("TITAN_STORE_PORT", port.to_string())
+                .env("TITAN_STORE_HOSTED", "1")
+                .env("TITAN_GENERATION", generation.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("cannot start rank {rank}"))?;
+            let last_err = Arc::new(Mutex::new(Vec::new()));
+            pump(child.stdout.take().expect("piped"), rank, false, None);
+            pump(
+                child.stderr.take().expect("piped"),
+                rank,
+                true,
+                Some(last_err.clone()),
+            );
+            workers.push(Worker {
+                rank,
+                child,
+                last_err,
+            });
+        }
+        match supervise(&mut workers) {
+            Ok(()) => return Ok(()),
+            Err((rank, code)) => {
+                std::thread::sleep(Duration::from_millis(200)); // let the output pumps drain
+                let lines = workers
+                    .iter()
+                    .find(|w| w.rank == rank)
+                    .map(|w| {
+                        w.last_err
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .join("\n")
+                    })
+                    .unwrap_or_default();
+                let msg = format!("rank {rank} failed ({code}); last error output:\n{lines}");
+                if generation < o.max_restarts {
+                    eprintln!("titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})", generation + 1, o.max_restarts);
+                    continue;
+                }
+                bail!("{msg}");
+            }
+        }
+    }
+    unreachable!("the loop returns or bails on its last generation")
+}
+
+/// Waits for every worker; on the first failure stops the others and returns (rank, exit status).
+fn supervise(workers: &mut [Worker]) -> std::result::Result<(), (usize, String)> {
+    let mut done = vec![false; workers.len()];
+    loop {
+        for (i, w) in workers.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            if let Ok(Some(status)) = w.child.try_wait() {
+                done[i] = true;
+                if !status.success() {
+                    let failed = (w.rank, status.to_string());
+                    for other in workers.iter_mut() {
+                        let _ = other.child.kill();
+                        let _ = other.child.wait();
+                    }
+                    return Err(failed);
+                }
+            }
+        }
+        if done.iter().all(|d| *d) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,85 @@
+//! Launch: the multi-process launcher and the worker's view of its environment.
+
+pub mod env;
+pub mod launcher;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+
+use crate::comm::group::{ProcessGroup, TcpGroup};
+use crate::comm::mesh::DeviceMesh;
+use crate::comm::store::{StoreClient, StoreServer};
+use crate::config::Config;
+
+/// A worker's place in a multi-process job and its data-parallel group.
+pub struct Distributed {
+    pub rank: usize,
+    pub world: usize,
+    pub mesh: DeviceMesh,
+    pub dp: Arc<dyn ProcessGroup>,
+    /// Keeps a store hosted by this rank alive.
+    _store: Option<StoreServer>,
+}
+
+impl Distributed {
+    /// `None` when this process is not part of a multi-process job (or is alone in it).
+    pub fn from_env(cfg: &Config) -> Result<Option<Distributed>> {
+        let Some(env) = env::WorkerEnv::detect()? else {
+            return Ok(None);
+        };
+        if env.world_size == 1 {
+            return Ok(None);
+        }
+        let p = &cfg.parallelism;
+        let mesh = DeviceMesh::new(
+            p.pipeline_parallel_degree,
+            p.data_parallel_replicate_degree,
+            p.data_parallel_shard_degree,
+            p.context_parallel_degree,
+            p.tensor_parallel_degree,
+            env.world_size,
+        )?;
+        if mesh.degree("dp_shard") > 1 {
+            bail!(
+                "[parallelism] data_parallel_shard_degree = {} (FSDP/HSDP): sharded data parallelism is not built yet in this titan; \
+                 use DDP with --parallelism.data_parallel_replicate_degree {} --parallelism.data_parallel_shard_degree 1",
+                mesh.degree("dp_shard"),
+                env.world_size
+            );
+        }
+        let (init, op) = (
+            Duration::from_secs(cfg.comm.init_timeout_seconds),
+            Duration::from_secs(cfg.comm.train_timeout_seconds),
+        );
+        let addr = format!("{}:{}", env.master_addr, env.store_port);
+        let store_server = if env.rank == 0 && !env.store_hosted {
+            Some(StoreServer::start(&addr)?)
+        } else {
+            None
+        };
+        let store = StoreClient::connect(&addr, init)?;
+        let host = match std::env::var("TITAN_HOST") {
+            Ok(h) if !h.is_empty() => h,
+            _ if env.world_size == env.local_world_size => "127.0.0.1".to_string(),
+            _ => bail!("rank {}: a multi-node job needs TITAN_HOST set to this node's address (peers connect to it)", env.rank),
+        };
+        let group = TcpGroup::connect(
+            &store,
+            &format!("dp-g{}", env.generation),
+            env.rank,
+            env.world_size,
+            &host,
+            init,
+            op,
+        )?;
+        Ok(Some(Distributed {
+            rank: env.rank,
+            world: env.world_size,
+            mesh,
+            dp: Arc::new(group),
+            _store: store_server,
+        }))
+    }
+}

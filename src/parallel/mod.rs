@@ -1,0 +1,3 @@
+//! Parallelisms that wrap the model: data parallel (DDP today; FSDP/HSDP, TP, PP, CP to come).
+
+pub mod ddp;

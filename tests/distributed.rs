@@ -1,0 +1,143 @@
+//! Multi-process training through the launcher (`titan train --nproc N`): DDP loss parity with one
+//! process, resuming a DDP checkpoint in one process, and failures that stop every rank.
+
+mod common;
+
+use std::process::Command;
+
+use common::{titan_bin, TINY_ARGS};
+
+fn losses(dump: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dump.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn train(dump: &std::path::Path, launcher: &[&str], extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["train"];
+    args.extend_from_slice(launcher);
+    args.extend_from_slice(&["--job.dump_folder", dump.to_str().unwrap()]);
+    args.extend_from_slice(TINY_ARGS);
+    args.extend_from_slice(extra);
+    Command::new(titan_bin())
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap()
+}
+
+const DDP2: &[&str] = &["--nproc", "2", "--master-port", "0"];
+const DDP_MESH: &[&str] = &[
+    "--parallelism.data_parallel_replicate_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+];
+
+#[test]
+fn ddp_two_ranks_match_one_process_step_by_step() {
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(
+        one.path(),
+        &[],
+        &["--training.steps", "20", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut extra = vec!["--training.steps", "20", "--training.local_batch_size", "2"];
+    extra.extend_from_slice(DDP_MESH);
+    let o = train(two.path(), DDP2, &extra);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("[rank 0] step") && !out.contains("[rank 1] step"),
+        "metrics come from rank 0 only:\n{out}"
+    );
+    let (a, b) = (losses(one.path()), losses(two.path()));
+    assert_eq!(a.len(), 20);
+    assert_eq!(a.len(), b.len());
+    for ((s, x), (_, y)) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "step {s}: one process {x}, DDP {y}"
+        );
+    }
+}
+
+#[test]
+fn a_ddp_checkpoint_resumes_in_one_process_on_the_same_curve() {
+    let (straight, split) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(
+        straight.path(),
+        &[],
+        &["--training.steps", "12", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success());
+    let mut extra = vec![
+        "--training.steps",
+        "12",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.interval",
+        "6",
+    ];
+    extra.extend_from_slice(DDP_MESH);
+    // DDP with a checkpoint at step 6; drop the final one and resume from step 6 in one process.
+    let o = train(split.path(), DDP2, &extra);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_dir_all(split.path().join("checkpoint/step-12")).unwrap();
+    std::fs::remove_file(split.path().join("metrics.jsonl")).unwrap();
+    let o = train(
+        split.path(),
+        &[],
+        &["--training.steps", "12", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let resumed = losses(split.path());
+    assert_eq!(resumed.first().unwrap().0, 7);
+    let full = losses(straight.path());
+    for (s, y) in resumed {
+        let x = full.iter().find(|(t, _)| *t == s).unwrap().1;
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "step {s}: straight {x}, resumed {y}"
+        );
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_group_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    // FSDP is not built: every rank refuses the default mesh (dp_shard fills the world).
+    let o = train(dir.path(), DDP2, &["--training.steps", "3"]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("rank ") && e.contains("failed") && e.contains("not built yet"),
+        "{e}"
+    );
+}
+
+#[test]
+fn mesh_that_does_not_match_the_world_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        DDP2,
+        &[
+            "--training.steps",
+            "3",
+            "--parallelism.data_parallel_replicate_degree",
+            "3",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+    );
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("world size is 2"), "{e}");
+}
