@@ -19,16 +19,26 @@ fn losses(dump: &std::path::Path) -> Vec<(u64, f64)> {
 }
 
 fn train(dump: &std::path::Path, launcher: &[&str], extra: &[&str]) -> std::process::Output {
+    train_env(dump, launcher, extra, &[])
+}
+
+fn train_env(
+    dump: &std::path::Path,
+    launcher: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
     let mut args = vec!["train"];
     args.extend_from_slice(launcher);
     args.extend_from_slice(&["--job.dump_folder", dump.to_str().unwrap()]);
     args.extend_from_slice(TINY_ARGS);
     args.extend_from_slice(extra);
-    Command::new(titan_bin())
-        .args(&args)
-        .env("RAYON_NUM_THREADS", "1")
-        .output()
-        .unwrap()
+    let mut cmd = Command::new(titan_bin());
+    cmd.args(&args).env("RAYON_NUM_THREADS", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
 }
 
 const DDP2: &[&str] = &["--nproc", "2", "--master-port", "0"];
@@ -140,4 +150,57 @@ fn mesh_that_does_not_match_the_world_is_refused() {
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("world size is 2"), "{e}");
+}
+
+#[test]
+fn a_killed_rank_fails_the_job_fast_and_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut extra = vec![
+        "--training.steps",
+        "10",
+        "--comm.train_timeout_seconds",
+        "20",
+    ];
+    extra.extend_from_slice(DDP_MESH);
+    let t0 = std::time::Instant::now();
+    let o = train_env(dir.path(), DDP2, &extra, &[("TITAN_CRASH_AT", "1:4")]);
+    assert!(!o.status.success());
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(20),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("failed") && e.contains("rank "), "{e}");
+}
+
+#[test]
+fn max_restarts_resumes_and_ends_on_the_uninterrupted_loss() {
+    let (straight, crashed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut extra = vec!["--training.steps", "12", "--checkpoint.interval", "4"];
+    extra.extend_from_slice(DDP_MESH);
+    let o = train(straight.path(), DDP2, &extra);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut launcher = DDP2.to_vec();
+    launcher.extend_from_slice(&["--max-restarts", "1"]);
+    let o = train_env(
+        crashed.path(),
+        &launcher,
+        &extra,
+        &[("TITAN_CRASH_AT", "1:7")],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("restarting all 2 ranks"), "{e}");
+    let (a, b) = (losses(straight.path()), losses(crashed.path()));
+    let (last_a, last_b) = (a.last().unwrap(), b.last().unwrap());
+    assert_eq!(last_a.0, 12);
+    assert_eq!(last_b.0, 12);
+    assert_eq!(
+        last_a.1.to_bits(),
+        last_b.1.to_bits(),
+        "final loss {} vs {}",
+        last_a.1,
+        last_b.1
+    );
 }

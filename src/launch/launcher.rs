@@ -120,19 +120,30 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         }
         match supervise(&mut workers) {
             Ok(()) => return Ok(()),
-            Err((rank, code)) => {
+            Err(failures) => {
                 std::thread::sleep(Duration::from_millis(200)); // let the output pumps drain
-                let lines = workers
+                let last_lines = |rank: usize| {
+                    workers
+                        .iter()
+                        .find(|w| w.rank == rank)
+                        .map(|w| {
+                            w.last_err
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .join("\n")
+                        })
+                        .unwrap_or_default()
+                };
+                let msg = failures
                     .iter()
-                    .find(|w| w.rank == rank)
-                    .map(|w| {
-                        w.last_err
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .join("\n")
+                    .map(|(rank, code)| {
+                        format!(
+                            "rank {rank} failed ({code}); last error output:\n{}",
+                            last_lines(*rank)
+                        )
                     })
-                    .unwrap_or_default();
-                let msg = format!("rank {rank} failed ({code}); last error output:\n{lines}");
+                    .collect::<Vec<_>>()
+                    .join("\n");
                 if generation < o.max_restarts {
                     eprintln!("titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})", generation + 1, o.max_restarts);
                     continue;
@@ -144,10 +155,13 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     unreachable!("the loop returns or bails on its last generation")
 }
 
-/// Waits for every worker; on the first failure stops the others and returns (rank, exit status).
-fn supervise(workers: &mut [Worker]) -> std::result::Result<(), (usize, String)> {
+/// Waits for every worker; at the first failure stops the others and returns every rank found
+/// failed in that pass (rank, exit status), ranks killed by a signal first: the rank that died is
+/// named before the ranks that failed because it did.
+fn supervise(workers: &mut [Worker]) -> std::result::Result<(), Vec<(usize, String)>> {
     let mut done = vec![false; workers.len()];
     loop {
+        let mut failed = Vec::new();
         for (i, w) in workers.iter_mut().enumerate() {
             if done[i] {
                 continue;
@@ -155,14 +169,17 @@ fn supervise(workers: &mut [Worker]) -> std::result::Result<(), (usize, String)>
             if let Ok(Some(status)) = w.child.try_wait() {
                 done[i] = true;
                 if !status.success() {
-                    let failed = (w.rank, status.to_string());
-                    for other in workers.iter_mut() {
-                        let _ = other.child.kill();
-                        let _ = other.child.wait();
-                    }
-                    return Err(failed);
+                    failed.push((status.code().is_some(), w.rank, status.to_string()));
                 }
             }
+        }
+        if !failed.is_empty() {
+            for other in workers.iter_mut() {
+                let _ = other.child.kill();
+                let _ = other.child.wait();
+            }
+            failed.sort();
+            return Err(failed.into_iter().map(|(_, r, s)| (r, s)).collect());
         }
         if done.iter().all(|d| *d) {
             return Ok(());

@@ -191,7 +191,12 @@ fn train_on<B: Backend>(
 
     let mut losses = Vec::new();
     let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
+    let crash_at = crash_drill(rank)?;
     for step in start_step + 1..=last_step {
+        if crash_at == Some(step) {
+            eprintln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
+            std::process::abort();
+        }
         let t0 = Instant::now();
         let micro: Vec<Vec<u32>> = (0..accum)
             .map(|_| loader.next_batch())
@@ -295,6 +300,28 @@ fn train_on<B: Backend>(
         final_step: t.steps.max(start_step),
         resumed_from,
     })
+}
+
+/// Fault drills: `TITAN_CRASH_AT=RANK:STEP` makes that rank die abruptly (abort, no cleanup) when it
+/// reaches that step, in the first launch only (`TITAN_GENERATION` 0), so that restarts, timeouts and
+/// resume can be tested the way a real crash happens.
+fn crash_drill(rank: usize) -> Result<Option<u64>> {
+    let Ok(spec) = std::env::var("TITAN_CRASH_AT") else {
+        return Ok(None);
+    };
+    if std::env::var("TITAN_GENERATION").is_ok_and(|g| g != "0") {
+        return Ok(None);
+    }
+    let (r, s) = spec
+        .split_once(':')
+        .ok_or_else(|| anyhow!("TITAN_CRASH_AT={spec}: expected RANK:STEP"))?;
+    let (r, s): (usize, u64) = (
+        r.parse()
+            .map_err(|_| anyhow!("TITAN_CRASH_AT={spec}: bad rank"))?,
+        s.parse()
+            .map_err(|_| anyhow!("TITAN_CRASH_AT={spec}: bad step"))?,
+    );
+    Ok((r == rank).then_some(s))
 }
 
 /// Sum of one f64 over a group, carried as two f32 (high part and remainder) so that token counts
