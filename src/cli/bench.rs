@@ -177,3 +177,98 @@ pub fn run_gemm(threads: usize, extra: &[String]) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchCommArgs {
+    /// Local ranks to start (each a process).
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Message sizes in MiB.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    pub sizes_mib: Vec<usize>,
+    /// Timed iterations per size (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+}
+
+/// Bus bandwidth (NCCL's definition) of all-reduce, all-gather and reduce-scatter across `nproc`
+/// local ranks of the CPU transport. Started plainly it launches the ranks; each rank runs the loop.
+pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
+    use crate::comm::group::{ProcessGroup, ReduceOp};
+    use crate::launch::env::WorkerEnv;
+    let Some(env) = WorkerEnv::detect()? else {
+        let mut worker_args = vec![
+            "bench".to_string(),
+            "comm".into(),
+            "--nproc".into(),
+            a.nproc.to_string(),
+            "--iters".into(),
+            a.iters.to_string(),
+            "--sizes-mib".into(),
+        ];
+        worker_args.push(
+            a.sizes_mib
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        let o = crate::launch::launcher::LaunchOptions {
+            nproc: a.nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            max_restarts: 0,
+            worker_args,
+        };
+        return crate::launch::launcher::launch(&o);
+    };
+    let timeout = std::time::Duration::from_secs(300);
+    let (g, _store) = crate::launch::world_group(&env, "bench", timeout, timeout)?;
+    let n = g.size() as f64;
+    if g.rank() == 0 {
+        println!(
+            "{:>9} {:>16} {:>16} {:>16}   (bus bandwidth GB/s, {} ranks, median of {})",
+            "size",
+            "all_reduce",
+            "all_gather",
+            "reduce_scatter",
+            g.size(),
+            a.iters
+        );
+    }
+    for &mib in &a.sizes_mib {
+        let floats = (mib << 20) / 4 / g.size() * g.size();
+        let bytes = (floats * 4) as f64;
+        let mut buf = vec![1.0f32; floats];
+        let mut shard = vec![0.0f32; floats / g.size()];
+        let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+            f()?;
+            let mut t = Vec::new();
+            for _ in 0..a.iters {
+                let t0 = Instant::now();
+                f()?;
+                t.push(t0.elapsed().as_secs_f64());
+            }
+            t.sort_by(|x, y| x.total_cmp(y));
+            Ok(t[t.len() / 2])
+        };
+        let ar = time(&mut || g.all_reduce(&mut buf, ReduceOp::Sum))?;
+        let input = vec![1.0f32; floats / g.size()];
+        let mut gathered = vec![0.0f32; floats];
+        let ag = time(&mut || g.all_gather(&input, &mut gathered))?;
+        let rs = time(&mut || g.reduce_scatter(&buf, &mut shard, ReduceOp::Sum))?;
+        if g.rank() == 0 {
+            let bw = |t: f64, factor: f64| bytes / t * factor / 1e9;
+            println!(
+                "{:>6} MiB {:>16.2} {:>16.2} {:>16.2}",
+                mib,
+                bw(ar, 2.0 * (n - 1.0) / n),
+                bw(ag, (n - 1.0) / n),
+                bw(rs, (n - 1.0) / n)
+            );
+        }
+    }
+    Ok(())
+}

@@ -107,6 +107,7 @@ pub enum BenchCommand {
     /// Train steps on synthetic tokens; median tokens/s, GFLOP/s and peak memory after warm-up.
     Train(bench::BenchTrainArgs),
     /// fp32 GEMM GFLOP/s of the CPU backend for the model's shapes (the ceiling for `bench train`).
+    Comm(bench::BenchCommArgs),
     Gemm {
         /// CPU threads (0: every core).
         #[arg(long, default_value_t = 0)]
@@ -186,6 +187,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench { what } => match what {
             BenchCommand::Train(args) => bench::run_train(&args),
             BenchCommand::Gemm { threads, shape } => bench::run_gemm(threads, &shape),
+            BenchCommand::Comm(args) => bench::run_comm(&args),
         },
     }
 }

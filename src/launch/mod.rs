@@ -53,27 +53,7 @@ impl Distributed {
             Duration::from_secs(cfg.comm.init_timeout_seconds),
             Duration::from_secs(cfg.comm.train_timeout_seconds),
         );
-        let addr = format!("{}:{}", env.master_addr, env.store_port);
-        let store_server = if env.rank == 0 && !env.store_hosted {
-            Some(StoreServer::start(&addr)?)
-        } else {
-            None
-        };
-        let store = StoreClient::connect(&addr, init)?;
-        let host = match std::env::var("TITAN_HOST") {
-            Ok(h) if !h.is_empty() => h,
-            _ if env.world_size == env.local_world_size => "127.0.0.1".to_string(),
-            _ => bail!("rank {}: a multi-node job needs TITAN_HOST set to this node's address (peers connect to it)", env.rank),
-        };
-        let group = TcpGroup::connect(
-            &store,
-            &format!("dp-g{}", env.generation),
-            env.rank,
-            env.world_size,
-            &host,
-            init,
-            op,
-        )?;
+        let (group, store_server) = world_group(&env, "dp", init, op)?;
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,
@@ -82,4 +62,36 @@ impl Distributed {
             _store: store_server,
         }))
     }
+}
+
+/// Joins (and on rank 0, when no launcher hosts it, serves) the rendezvous store and connects the
+/// group of all ranks named `name`.
+pub fn world_group(
+    env: &env::WorkerEnv,
+    name: &str,
+    init: Duration,
+    op: Duration,
+) -> Result<(TcpGroup, Option<StoreServer>)> {
+    let addr = format!("{}:{}", env.master_addr, env.store_port);
+    let store_server = if env.rank == 0 && !env.store_hosted {
+        Some(StoreServer::start(&addr)?)
+    } else {
+        None
+    };
+    let store = StoreClient::connect(&addr, init)?;
+    let host = match std::env::var("TITAN_HOST") {
+        Ok(h) if !h.is_empty() => h,
+        _ if env.world_size == env.local_world_size => "127.0.0.1".to_string(),
+        _ => bail!("rank {}: a multi-node job needs TITAN_HOST set to this node's address (peers connect to it)", env.rank),
+    };
+    let group = TcpGroup::connect(
+        &store,
+        &format!("{name}-g{}", env.generation),
+        env.rank,
+        env.world_size,
+        &host,
+        init,
+        op,
+    )?;
+    Ok((group, store_server))
 }
