@@ -13,6 +13,16 @@ fn run_ranks<T: Send + 'static>(
     op_timeout: Duration,
     f: impl Fn(TcpGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    run_ranks_on("127.0.0.1", world, op_timeout, f)
+}
+
+/// `127.0.0.1` selects Unix sockets; any other address (here 127.0.0.2, still loopback) TCP.
+fn run_ranks_on<T: Send + 'static>(
+    host: &'static str,
+    world: usize,
+    op_timeout: Duration,
+    f: impl Fn(TcpGroup) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let server = StoreServer::start("127.0.0.1:0").unwrap();
     let addr = server.addr.to_string();
     let f = Arc::new(f);
@@ -26,7 +36,7 @@ fn run_ranks<T: Send + 'static>(
                     "test",
                     rank,
                     world,
-                    "127.0.0.1",
+                    host,
                     Duration::from_secs(10),
                     op_timeout,
                 )
@@ -184,4 +194,33 @@ fn a_silent_peer_times_out_naming_it() {
         e.contains("peer rank 1") && e.contains("did not answer"),
         "{e}"
     );
+}
+
+#[test]
+fn tcp_transport_all_reduce_and_dead_peer() {
+    let sums = run_ranks_on("127.0.0.2", 3, Duration::from_secs(10), |g| {
+        let mut v = data(g.rank(), 777);
+        g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        v
+    });
+    let want: Vec<f32> = (0..777)
+        .map(|i| (0..3).map(|r| data(r, 777)[i]).sum())
+        .collect();
+    for s in sums {
+        assert_eq!(s, want);
+    }
+    let errs = run_ranks_on("127.0.0.2", 2, Duration::from_secs(10), |g| {
+        if g.rank() == 1 {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut buf = vec![1.0f32; 1 << 16];
+        Some(
+            g.all_reduce(&mut buf, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string(),
+        )
+    });
+    let e = errs[0].clone().unwrap();
+    assert!(e.contains("peer rank 1"), "{e}");
 }

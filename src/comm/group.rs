@@ -9,12 +9,12 @@
 //! connection at once; a hung one as a timeout). Data travels as native little-endian f32 bytes.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+use super::conn::{Conn, Listener};
 use super::store::StoreClient;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +64,17 @@ fn chunk(len: usize, n: usize, i: usize) -> (usize, usize) {
     (i * len / n, (i + 1) * len / n)
 }
 
+/// `buf[a]` to read and `buf[b]` to write, for two non-overlapping ranges.
+fn disjoint(buf: &mut [f32], a: (usize, usize), b: (usize, usize)) -> (&[f32], &mut [f32]) {
+    if a.1 <= b.0 {
+        let (lo, hi) = buf.split_at_mut(b.0);
+        (&lo[a.0..a.1], &mut hi[..b.1 - b.0])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.0);
+        (&hi[..a.1 - a.0], &mut lo[b.0..b.1])
+    }
+}
+
 fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
@@ -72,12 +83,12 @@ fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
 }
 
 struct Link {
-    reader: Mutex<TcpStream>,
-    writer: Mutex<TcpStream>,
+    reader: Mutex<Conn>,
+    writer: Mutex<Conn>,
 }
 
 impl Link {
-    fn new(s: TcpStream) -> std::io::Result<Self> {
+    fn new(s: Conn) -> std::io::Result<Self> {
         Ok(Link {
             writer: Mutex::new(s.try_clone()?),
             reader: Mutex::new(s),
@@ -111,31 +122,26 @@ impl TcpGroup {
         if rank >= size {
             bail!("group `{name}`: rank {rank} is outside a group of {size}");
         }
-        let listener = TcpListener::bind(format!("{host}:0"))
+        let (listener, my_addr) = Listener::bind(host, name, rank)
             .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {host}"))?;
-        store.set(
-            &format!("group/{name}/addr/{rank}"),
-            listener.local_addr()?.to_string().as_bytes(),
-        )?;
+        store.set(&format!("group/{name}/addr/{rank}"), my_addr.as_bytes())?;
         let deadline = Instant::now() + init_timeout;
         let mut peers: Vec<Option<Link>> = (0..size).map(|_| None).collect();
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
             let left = deadline.saturating_duration_since(Instant::now());
             let addr = store.get_within(&format!("group/{name}/addr/{peer}"), left).map_err(|_| anyhow!("group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}"))?;
             let addr = String::from_utf8_lossy(&addr).into_owned();
-            let mut s = TcpStream::connect(&addr).with_context(|| {
+            let mut s = Conn::connect(&addr).with_context(|| {
                 format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
             })?;
             s.write_all(&(rank as u64).to_le_bytes())?;
             *slot = Some(Link::new(s)?);
         }
-        listener.set_nonblocking(true)?;
         let mut missing = size - 1 - rank;
         while missing > 0 {
             match listener.accept() {
-                Ok((mut s, _)) => {
-                    s.set_nonblocking(false)?;
-                    s.set_read_timeout(Some(init_timeout))?;
+                Ok(mut s) => {
+                    s.set_timeouts(init_timeout, init_timeout)?;
                     let mut b = [0u8; 8];
                     s.read_exact(&mut b).with_context(|| {
                         format!(
@@ -165,9 +171,7 @@ impl TcpGroup {
         }
         for link in peers.iter().flatten() {
             let s = link.reader.lock().unwrap_or_else(|e| e.into_inner());
-            s.set_nodelay(true)?;
-            s.set_read_timeout(Some(op_timeout))?;
-            s.set_write_timeout(Some(op_timeout))?;
+            s.set_timeouts(op_timeout, op_timeout)?;
         }
         Ok(TcpGroup {
             name: name.to_string(),
@@ -252,12 +256,11 @@ impl TcpGroup {
             let recv_c = (r + 2 * n - step - 2) % n;
             let (s0, s1) = chunk(len, n, send_c);
             let (r0, r1) = chunk(len, n, recv_c);
-            let out = buf[s0..s1].to_vec();
             let inp = &mut incoming[..r1 - r0];
             self.exchange(
                 op_name,
                 self.next(),
-                as_bytes(&out),
+                as_bytes(&buf[s0..s1]),
                 self.prev(),
                 as_bytes_mut(inp),
             )?;
@@ -272,15 +275,13 @@ impl TcpGroup {
         for step in 0..n - 1 {
             let send_c = (r + n - step) % n;
             let recv_c = (r + 2 * n - step - 1) % n;
-            let (s0, s1) = chunk(len, n, send_c);
-            let (r0, r1) = chunk(len, n, recv_c);
-            let out = buf[s0..s1].to_vec();
+            let (out, inp) = disjoint(buf, chunk(len, n, send_c), chunk(len, n, recv_c));
             self.exchange(
                 op_name,
                 self.next(),
-                as_bytes(&out),
+                as_bytes(out),
                 self.prev(),
-                as_bytes_mut(&mut buf[r0..r1]),
+                as_bytes_mut(inp),
             )?;
         }
         Ok(())
