@@ -204,3 +204,54 @@ fn max_restarts_resumes_and_ends_on_the_uninterrupted_loss() {
         last_b.1
     );
 }
+
+#[test]
+fn a_port_in_use_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port().to_string();
+    let mut extra = vec!["--training.steps", "2"];
+    extra.extend_from_slice(DDP_MESH);
+    let o = train(
+        dir.path(),
+        &["--nproc", "2", "--master-port", &port],
+        &extra,
+    );
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains(&port) && e.contains("port in use"), "{e}");
+}
+
+#[test]
+fn a_peer_that_never_arrives_is_an_error_not_a_hang() {
+    // Rank 0 of 2 started by hand (as torchrun would), without rank 1.
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut extra = vec!["--training.steps", "2", "--comm.init_timeout_seconds", "2"];
+    extra.extend_from_slice(DDP_MESH);
+    let t0 = std::time::Instant::now();
+    let o = train_env(
+        dir.path(),
+        &[],
+        &extra,
+        &[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port),
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(15),
+        "took {:?}",
+        t0.elapsed()
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("ranks [1] never connected"), "{e}");
+}

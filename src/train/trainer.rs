@@ -164,6 +164,18 @@ fn train_on<B: Backend>(
         global_batch
     ));
 
+    if let Some(d) = dist {
+        // Each rank's own share (DDP replicates everything; FSDP will divide these by dp_shard).
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "rank {} of {}: parameters {:.1} MiB, gradients {:.1} MiB, AdamW state {:.1} MiB (replicated, DDP)",
+            d.rank,
+            d.world,
+            mib(est.params),
+            mib(est.grads),
+            mib(est.optimizer)
+        );
+    }
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
     let mut logger = if rank != 0 {
         None
