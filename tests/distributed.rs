@@ -255,3 +255,34 @@ fn a_peer_that_never_arrives_is_an_error_not_a_hang() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("ranks [1] never connected"), "{e}");
 }
+
+#[test]
+fn ddp_with_gradient_accumulation_matches_one_process() {
+    let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(
+        one.path(),
+        &[],
+        &["--training.steps", "8", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success());
+    // 2 ranks × 2 micro-batches × 1 sequence = the same 4 sequences per step.
+    let mut extra = vec![
+        "--training.steps",
+        "8",
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "4",
+    ];
+    extra.extend_from_slice(DDP_MESH);
+    let o = train(two.path(), DDP2, &extra);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (a, b) = (losses(one.path()), losses(two.path()));
+    assert_eq!((a.len(), b.len()), (8, 8));
+    for ((s, x), (_, y)) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "step {s}: one process {x}, DDP {y}"
+        );
+    }
+}

@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum};
 
 use super::args::ModelArgs;
-use super::params::{param_specs, ParamIds, ParamSet};
+use super::params::{param_specs, LayerIds, ParamIds, ParamSet};
 
 /// What one block keeps from its forward for its backward.
 pub struct LayerActs<B: Backend> {
@@ -106,6 +106,11 @@ impl<B: Backend> Workspace<B> {
     }
 }
 
+/// Called by `forward_backward_with` when a block's gradients are final.
+pub trait BlockGradHook<B: Backend> {
+    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()>;
+}
+
 /// A Llama model bound to a backend: shapes, parameter indices and RoPE tables.
 pub struct Llama<B: Backend> {
     pub args: ModelArgs,
@@ -145,6 +150,22 @@ impl<B: Backend> Llama<B> {
         tokens: &[u32],
         grad_scale: f32,
     ) -> Result<LossSum> {
+        self.forward_backward_with(be, params, grads, ws, tokens, grad_scale, None)
+    }
+
+    /// `forward_backward`, calling `hook` as soon as each block's gradients are complete (last block
+    /// first), so that data parallelism can start reducing them while earlier blocks still compute.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_with(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+        grad_scale: f32,
+        mut hook: Option<&mut dyn BlockGradHook<B>>,
+    ) -> Result<LossSum> {
         self.forward(be, params, ws, tokens)?;
         let a = &self.args;
         let (n, d) = (ws.batch * ws.seq, a.dim);
@@ -176,6 +197,9 @@ impl<B: Backend> Llama<B> {
         );
         for l in (0..a.n_layers).rev() {
             self.block_backward(be, params, grads, ws, l);
+            if let Some(h) = hook.as_deref_mut() {
+                h.block_done(be, &self.ids.layers[l], grads)?;
+            }
         }
         be.embedding_backward(
             &mut grads.bufs[self.ids.tok_embeddings],

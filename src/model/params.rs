@@ -57,6 +57,23 @@ pub struct LayerIds {
     pub w3: usize,
 }
 
+impl LayerIds {
+    /// The block's parameter indices, in storage order.
+    pub fn all(&self) -> [usize; 9] {
+        [
+            self.attention_norm,
+            self.wq,
+            self.wk,
+            self.wv,
+            self.wo,
+            self.ffn_norm,
+            self.w1,
+            self.w2,
+            self.w3,
+        ]
+    }
+}
+
 /// Where every parameter lives in the storage order of `param_specs`.
 #[derive(Debug, Clone)]
 pub struct ParamIds {

@@ -1,24 +1,141 @@
-//! DDP: every data-parallel rank holds the whole model; after the backward the gradients are summed
-//! across ranks (the loss is already normalised by the global number of targets, so the sum is the
-//! gradient of the global mean loss), after which every rank takes the same optimizer step.
+//! DDP: every data-parallel rank holds the whole model; gradients are summed across ranks (the loss
+//! is already normalised by the global number of targets, so the sum is the gradient of the global
+//! mean loss), after which every rank takes the same optimizer step.
 //!
-//! Not yet: bucketing and overlapping the all-reduce with the backward (today it runs after it).
+//! Gradients travel in buckets, one per transformer block: as soon as the backward has finished a
+//! block (on the last micro-batch of a step) its gradients are copied into a bucket and handed to a
+//! communication thread, which all-reduces it while the backward goes on with the blocks below.
+//! The remaining parameters (embeddings, final norm, output) form the last bucket. The thread is the
+//! group's only user while buckets are in flight.
 
-use anyhow::Result;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
 
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::model::llama::BlockGradHook;
+use crate::model::params::LayerIds;
 use crate::model::ParamSet;
 
-pub fn all_reduce_gradients<B: Backend>(
-    be: &B,
-    group: &dyn ProcessGroup,
-    grads: &mut ParamSet<B>,
-) -> Result<()> {
-    for g in &mut grads.bufs {
-        let mut host = be.download(g);
-        group.all_reduce(&mut host, ReduceOp::Sum)?;
-        *g = be.upload(&host);
+/// A bucket: the parameter indices it covers and their gradients, concatenated.
+struct Bucket {
+    ids: Vec<usize>,
+    data: Vec<f32>,
+}
+
+pub struct DdpReducer {
+    to_comm: Option<Sender<Bucket>>,
+    from_comm: Receiver<Result<Bucket>>,
+    in_flight: usize,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl DdpReducer {
+    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+        let (to_comm, jobs) = channel::<Bucket>();
+        let (done, from_comm) = channel();
+        let worker = std::thread::Builder::new()
+            .name("titan-ddp-comm".into())
+            .spawn(move || {
+                for mut b in jobs {
+                    let r = group.all_reduce(&mut b.data, ReduceOp::Sum).map(|_| b);
+                    if done.send(r).is_err() {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the DDP communication thread");
+        DdpReducer {
+            to_comm: Some(to_comm),
+            from_comm,
+            in_flight: 0,
+            worker: Some(worker),
+        }
     }
-    Ok(())
+
+    fn submit<B: Backend>(&mut self, be: &B, ids: Vec<usize>, grads: &ParamSet<B>) -> Result<()> {
+        let mut data = Vec::new();
+        for &i in &ids {
+            data.extend_from_slice(&be.download(&grads.bufs[i]));
+        }
+        self.to_comm
+            .as_ref()
+            .ok_or_else(|| anyhow!("DDP communication thread is gone"))?
+            .send(Bucket { ids, data })
+            .map_err(|_| anyhow!("DDP communication thread stopped"))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Reduces the parameters no block hook covered, waits for every bucket and writes the summed
+    /// gradients back.
+    pub fn finish<B: Backend>(
+        &mut self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        block_ids: &[LayerIds],
+    ) -> Result<()> {
+        let mut covered = vec![false; grads.len()];
+        for l in block_ids {
+            for i in l.all() {
+                covered[i] = true;
+            }
+        }
+        let rest: Vec<usize> = (0..grads.len()).filter(|&i| !covered[i]).collect();
+        self.submit(be, rest, grads)?;
+        let mut first_err = None;
+        while self.in_flight > 0 {
+            let r = self
+                .from_comm
+                .recv()
+                .map_err(|_| anyhow!("DDP communication thread stopped"))?;
+            self.in_flight -= 1;
+            match r {
+                Ok(b) => {
+                    let mut at = 0;
+                    for i in b.ids {
+                        let n = be.len(&grads.bufs[i]);
+                        grads.bufs[i] = be.upload(&b.data[at..at + n]);
+                        at += n;
+                    }
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl<B: Backend> BlockGradHook<B> for DdpReducer {
+    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()> {
+        self.submit(be, layer.all().to_vec(), grads)
+    }
+}
+
+impl Drop for DdpReducer {
+    fn drop(&mut self) {
+        self.to_comm = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A data-parallel group with its bucketed gradient reducer.
+pub struct Ddp {
+    pub group: Arc<dyn ProcessGroup>,
+    pub reducer: DdpReducer,
+}
+
+impl Ddp {
+    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+        Ddp {
+            reducer: DdpReducer::new(group.clone()),
+            group,
+        }
+    }
 }

@@ -72,7 +72,7 @@ fn train_on<B: Backend>(
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
     let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
-    let dp: Option<&dyn ProcessGroup> = dist.map(|d| d.dp.as_ref());
+    let mut ddp = dist.map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone()));
     let global_batch = if t.global_batch_size < 0 {
         batch * dp_size
     } else {
@@ -226,7 +226,7 @@ fn train_on<B: Backend>(
             lr,
             step,
             t.max_norm,
-            dp,
+            ddp.as_mut(),
         )?;
         if !loss.is_finite() || !norm.is_finite() {
             let keep = match last_good {
@@ -369,7 +369,7 @@ pub fn train_step<B: Backend>(
     lr: f64,
     step: u64,
     max_norm: f64,
-    dp: Option<&dyn ProcessGroup>,
+    mut dp: Option<&mut crate::parallel::ddp::Ddp>,
 ) -> Result<(f64, f64)> {
     let seq = ws.seq;
     let local_targets: usize = micro
@@ -380,21 +380,26 @@ pub fn train_step<B: Backend>(
                 .sum::<usize>()
         })
         .sum();
-    let targets = match dp {
-        Some(g) => all_reduce_sum_f64(g, local_targets as f64)?.round() as usize,
+    let targets = match dp.as_deref() {
+        Some(d) => all_reduce_sum_f64(d.group.as_ref(), local_targets as f64)?.round() as usize,
         None => local_targets,
     };
     let scale = 1.0 / targets.max(1) as f32;
     grads.zero(be);
     let mut loss_sum = 0.0;
-    for tokens in micro {
+    for (m, tokens) in micro.iter().enumerate() {
+        // Gradients are reduced during the last micro-batch's backward only (earlier ones accumulate).
+        let hook: Option<&mut dyn crate::model::llama::BlockGradHook<B>> = match dp.as_deref_mut() {
+            Some(d) if m + 1 == micro.len() => Some(&mut d.reducer),
+            _ => None,
+        };
         loss_sum += model
-            .forward_backward(be, params, grads, ws, tokens, scale)?
+            .forward_backward_with(be, params, grads, ws, tokens, scale, hook)?
             .sum;
     }
-    if let Some(g) = dp {
-        crate::parallel::ddp::all_reduce_gradients(be, g, grads)?;
-        loss_sum = all_reduce_sum_f64(g, loss_sum)?;
+    if let Some(d) = dp {
+        d.reducer.finish(be, grads, &model.ids.layers)?;
+        loss_sum = all_reduce_sum_f64(d.group.as_ref(), loss_sum)?;
     }
     let loss = loss_sum / targets.max(1) as f64;
     let norm = grad_norm(be, grads);
