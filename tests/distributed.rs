@@ -120,15 +120,19 @@ fn a_ddp_checkpoint_resumes_in_one_process_on_the_same_curve() {
 }
 
 #[test]
-fn a_failing_rank_stops_the_group_and_is_named() {
+fn an_fsdp_mesh_is_refused_before_any_worker_starts() {
     let dir = tempfile::tempdir().unwrap();
-    // FSDP is not built: every rank refuses the default mesh (dp_shard fills the world).
+    // FSDP is not built: the default mesh (dp_shard fills the world) is refused with the DDP hint.
     let o = train(dir.path(), DDP2, &["--training.steps", "3"]);
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(
-        e.contains("rank ") && e.contains("failed") && e.contains("not built yet"),
+        e.contains("not built yet") && e.contains("data_parallel_replicate_degree 2"),
         "{e}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&o.stdout).contains("[rank"),
+        "no worker should have started"
     );
 }
 

@@ -133,6 +133,8 @@ pub fn run(cli: Cli) -> Result<()> {
         } => {
             let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
             if nproc * nnodes > 1 {
+                // Refuse a mesh the workers would refuse, before starting any of them.
+                crate::launch::check_mesh(&cfg, nproc * nnodes)?;
                 let mut worker_args = vec!["train".to_string()];
                 if let Some(c) = &config {
                     worker_args.extend(["--config".to_string(), c.display().to_string()]);

@@ -32,23 +32,7 @@ impl Distributed {
         if env.world_size == 1 {
             return Ok(None);
         }
-        let p = &cfg.parallelism;
-        let mesh = DeviceMesh::new(
-            p.pipeline_parallel_degree,
-            p.data_parallel_replicate_degree,
-            p.data_parallel_shard_degree,
-            p.context_parallel_degree,
-            p.tensor_parallel_degree,
-            env.world_size,
-        )?;
-        if mesh.degree("dp_shard") > 1 {
-            bail!(
-                "[parallelism] data_parallel_shard_degree = {} (FSDP/HSDP): sharded data parallelism is not built yet in this titan; \
-                 use DDP with --parallelism.data_parallel_replicate_degree {} --parallelism.data_parallel_shard_degree 1",
-                mesh.degree("dp_shard"),
-                env.world_size
-            );
-        }
+        let mesh = check_mesh(cfg, env.world_size)?;
         let (init, op) = (
             Duration::from_secs(cfg.comm.init_timeout_seconds),
             Duration::from_secs(cfg.comm.train_timeout_seconds),
@@ -62,6 +46,28 @@ impl Distributed {
             _store: store_server,
         }))
     }
+}
+
+/// The device mesh `[parallelism]` asks for over `world` ranks, refused when it needs what is not
+/// built yet (FSDP/HSDP).
+pub fn check_mesh(cfg: &Config, world: usize) -> Result<DeviceMesh> {
+    let p = &cfg.parallelism;
+    let mesh = DeviceMesh::new(
+        p.pipeline_parallel_degree,
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.context_parallel_degree,
+        p.tensor_parallel_degree,
+        world,
+    )?;
+    if mesh.degree("dp_shard") > 1 {
+        bail!(
+            "[parallelism] data_parallel_shard_degree = {} (FSDP/HSDP): sharded data parallelism is not built yet in this titan; \
+             use DDP with --parallelism.data_parallel_replicate_degree {world} --parallelism.data_parallel_shard_degree 1",
+            mesh.degree("dp_shard")
+        );
+    }
+    Ok(mesh)
 }
 
 /// Joins (and on rank 0, when no launcher hosts it, serves) the rendezvous store and connects the
