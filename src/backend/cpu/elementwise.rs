@@ -50,11 +50,19 @@ pub fn scale(buf: &mut [f32], factor: f32) {
         .for_each(|b| b.iter_mut().for_each(|v| *v *= factor));
 }
 
-/// Sum of squares in f64: fixed chunks, partials added in order, whatever the thread count.
+/// Sum of squares in f64. The buffer is cut into `SUM_BLOCKS` fixed blocks whose partial sums land in a stack array, so
+/// the order of additions never depends on the threads and nothing is allocated.
 pub fn sum_squares(buf: &[f32]) -> f64 {
-    let partials: Vec<f64> = buf
-        .par_chunks(CHUNK)
-        .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
-        .collect();
+    const SUM_BLOCKS: usize = 64;
+    let block = buf.len().div_ceil(SUM_BLOCKS).max(1);
+    let mut partials = [0.0f64; SUM_BLOCKS];
+    partials.par_iter_mut().enumerate().for_each(|(i, p)| {
+        let lo = (i * block).min(buf.len());
+        let hi = ((i + 1) * block).min(buf.len());
+        *p = buf[lo..hi]
+            .iter()
+            .map(|&v| (v as f64) * (v as f64))
+            .sum::<f64>();
+    });
     partials.iter().sum()
 }
