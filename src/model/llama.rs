@@ -155,6 +155,7 @@ impl<B: Backend> Llama<B> {
 
     /// `forward_backward`, calling `hook` as soon as each block's gradients are complete (last block
     /// first), so that data parallelism can start reducing them while earlier blocks still compute.
+    /// The stages it runs are public, so that FSDP can run them with its gathers in between.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_backward_with(
         &self,
@@ -166,48 +167,19 @@ impl<B: Backend> Llama<B> {
         grad_scale: f32,
         mut hook: Option<&mut dyn BlockGradHook<B>>,
     ) -> Result<LossSum> {
-        self.forward(be, params, ws, tokens)?;
-        let a = &self.args;
-        let (n, d) = (ws.batch * ws.seq, a.dim);
-        let p = &params.bufs;
-        // Loss head: final norm, then cross-entropy fused with the output projection.
-        be.fill(&mut ws.dnormed, 0.0);
-        let loss = {
-            let g = &mut grads.bufs;
-            let dw_out = &mut g[self.ids.output];
-            be.cross_entropy_forward_backward(
-                &ws.normed_final,
-                &p[self.ids.output],
-                &ws.targets,
-                d,
-                a.vocab_size,
-                grad_scale,
-                Some((&mut ws.dnormed, dw_out)),
-            )
-        };
-        be.fill(&mut ws.dx, 0.0);
-        be.rmsnorm_backward(
-            &mut ws.dx,
-            &mut grads.bufs[self.ids.norm],
-            &ws.dnormed,
-            &ws.resid[a.n_layers],
-            &p[self.ids.norm],
-            &ws.rstd_final,
-            d,
-        );
-        for l in (0..a.n_layers).rev() {
+        self.load_tokens(ws, tokens)?;
+        self.embed_forward(be, params, ws);
+        for l in 0..self.args.n_layers {
+            self.block_forward(be, params, ws, l);
+        }
+        let loss = self.head_forward_backward(be, params, grads, ws, grad_scale);
+        for l in (0..self.args.n_layers).rev() {
             self.block_backward(be, params, grads, ws, l);
             if let Some(h) = hook.as_deref_mut() {
                 h.block_done(be, &self.ids.layers[l], grads)?;
             }
         }
-        be.embedding_backward(
-            &mut grads.bufs[self.ids.tok_embeddings],
-            &ws.dx,
-            &ws.inputs,
-            d,
-        );
-        debug_assert_eq!(n, ws.inputs.len());
+        self.embed_backward(be, grads, ws);
         Ok(loss)
     }
 
@@ -219,7 +191,12 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         tokens: &[u32],
     ) -> Result<LossSum> {
-        self.forward(be, params, ws, tokens)?;
+        self.load_tokens(ws, tokens)?;
+        self.embed_forward(be, params, ws);
+        for l in 0..self.args.n_layers {
+            self.block_forward(be, params, ws, l);
+        }
+        self.final_norm(be, params, ws);
         Ok(be.cross_entropy_forward_backward(
             &ws.normed_final,
             &params.bufs[self.ids.output],
@@ -231,13 +208,8 @@ impl<B: Backend> Llama<B> {
         ))
     }
 
-    fn forward(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-    ) -> Result<()> {
+    /// Checks `tokens` (`[batch, seq+1]`) and splits them into the workspace's inputs and targets.
+    pub fn load_tokens(&self, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
         let (b, s) = (ws.batch, ws.seq);
         if tokens.len() != b * (s + 1) {
             bail!(
@@ -264,29 +236,78 @@ impl<B: Backend> Llama<B> {
             ws.inputs[r * s..(r + 1) * s].copy_from_slice(&row[..s]);
             ws.targets[r * s..(r + 1) * s].copy_from_slice(&row[1..]);
         }
-        let a = &self.args;
-        let p = &params.bufs;
+        Ok(())
+    }
+
+    pub fn embed_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
         be.embedding_forward(
             &mut ws.resid[0],
-            &p[self.ids.tok_embeddings],
+            &params.bufs[self.ids.tok_embeddings],
             &ws.inputs,
-            a.dim,
+            self.args.dim,
         );
-        for l in 0..a.n_layers {
-            self.block_forward(be, params, ws, l);
-        }
+    }
+
+    fn final_norm(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
+        let a = &self.args;
         be.rmsnorm_forward(
             &mut ws.normed_final,
             &mut ws.rstd_final,
             &ws.resid[a.n_layers],
-            &p[self.ids.norm],
+            &params.bufs[self.ids.norm],
             a.dim,
             a.norm_eps,
         );
-        Ok(())
     }
 
-    fn block_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>, l: usize) {
+    /// Final norm, cross-entropy fused with the output projection, and their backward: leaves
+    /// ∂L/∂(last block output) in the workspace for `block_backward`.
+    pub fn head_forward_backward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        grad_scale: f32,
+    ) -> LossSum {
+        self.final_norm(be, params, ws);
+        let a = &self.args;
+        let d = a.dim;
+        let p = &params.bufs;
+        be.fill(&mut ws.dnormed, 0.0);
+        let loss = be.cross_entropy_forward_backward(
+            &ws.normed_final,
+            &p[self.ids.output],
+            &ws.targets,
+            d,
+            a.vocab_size,
+            grad_scale,
+            Some((&mut ws.dnormed, &mut grads.bufs[self.ids.output])),
+        );
+        be.fill(&mut ws.dx, 0.0);
+        be.rmsnorm_backward(
+            &mut ws.dx,
+            &mut grads.bufs[self.ids.norm],
+            &ws.dnormed,
+            &ws.resid[a.n_layers],
+            &p[self.ids.norm],
+            &ws.rstd_final,
+            d,
+        );
+        loss
+    }
+
+    /// Adds the embedding gradient (after the first block's backward).
+    pub fn embed_backward(&self, be: &B, grads: &mut ParamSet<B>, ws: &Workspace<B>) {
+        be.embedding_backward(
+            &mut grads.bufs[self.ids.tok_embeddings],
+            &ws.dx,
+            &ws.inputs,
+            self.args.dim,
+        );
+    }
+
+    pub fn block_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>, l: usize) {
         let a = &self.args;
         let id = self.ids.layers[l];
         let p = &params.bufs;
@@ -416,7 +437,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// On entry `ws.dx` holds ∂L/∂(block output); on exit ∂L/∂(block input).
-    fn block_backward(
+    pub fn block_backward(
         &self,
         be: &B,
         params: &ParamSet<B>,
