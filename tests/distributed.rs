@@ -120,20 +120,136 @@ fn a_ddp_checkpoint_resumes_in_one_process_on_the_same_curve() {
 }
 
 #[test]
-fn an_fsdp_mesh_is_refused_before_any_worker_starts() {
+fn an_hsdp_mesh_is_refused_before_any_worker_starts() {
     let dir = tempfile::tempdir().unwrap();
-    // FSDP is not built: the default mesh (dp_shard fills the world) is refused with the DDP hint.
-    let o = train(dir.path(), DDP2, &["--training.steps", "3"]);
+    let o = train(
+        dir.path(),
+        &["--nproc", "4", "--master-port", "0"],
+        &[
+            "--training.steps",
+            "3",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ],
+    );
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        e.contains("not built yet") && e.contains("data_parallel_replicate_degree 2"),
-        "{e}"
-    );
+    assert!(e.contains("HSDP") && e.contains("not built yet"), "{e}");
     assert!(
         !String::from_utf8_lossy(&o.stdout).contains("[rank"),
         "no worker should have started"
     );
+}
+
+fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((s, x), (_, y)) in a.iter().zip(b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{what}, step {s}: one process {x}, parallel {y}"
+        );
+    }
+}
+
+#[test]
+fn fsdp_two_and_four_ranks_match_one_process_step_by_step() {
+    let one = tempfile::tempdir().unwrap();
+    let o = train(
+        one.path(),
+        &[],
+        &["--training.steps", "20", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success());
+    let reference = losses(one.path());
+    for (nproc, local, reshard) in [
+        ("2", "2", "default"),
+        ("4", "1", "default"),
+        ("2", "2", "never"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let o = train(
+            dir.path(),
+            &["--nproc", nproc, "--master-port", "0"],
+            &[
+                "--training.steps",
+                "20",
+                "--training.local_batch_size",
+                local,
+                "--parallelism.fsdp_reshard_after_forward",
+                reshard,
+            ],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains("(sharded, FSDP)"), "{out}");
+        assert_parity(
+            &reference,
+            &losses(dir.path()),
+            &format!("FSDP {nproc} reshard {reshard}"),
+        );
+    }
+}
+
+#[test]
+fn an_fsdp4_checkpoint_resumes_with_fsdp2_and_one_process_on_the_same_curve() {
+    let straight = tempfile::tempdir().unwrap();
+    let o = train(
+        straight.path(),
+        &[],
+        &["--training.steps", "12", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success());
+    let full = losses(straight.path());
+    let saved = tempfile::tempdir().unwrap();
+    let o = train(
+        saved.path(),
+        &["--nproc", "4", "--master-port", "0"],
+        &[
+            "--training.steps",
+            "12",
+            "--training.local_batch_size",
+            "1",
+            "--checkpoint.interval",
+            "6",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::remove_dir_all(saved.path().join("checkpoint/step-12")).unwrap();
+    for (launcher, local) in [
+        (vec!["--nproc", "2", "--master-port", "0"], "2"),
+        (vec![], "4"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let copy = Command::new("cp")
+            .args([
+                "-r",
+                saved.path().join("checkpoint").to_str().unwrap(),
+                dir.path().to_str().unwrap(),
+            ])
+            .status()
+            .unwrap();
+        assert!(copy.success());
+        let o = train(
+            dir.path(),
+            &launcher,
+            &[
+                "--training.steps",
+                "12",
+                "--training.local_batch_size",
+                local,
+            ],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let resumed = losses(dir.path());
+        assert_eq!(resumed.first().unwrap().0, 7);
+        for (s, y) in resumed {
+            let x = full.iter().find(|(t, _)| *t == s).unwrap().1;
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs(),
+                "{launcher:?} step {s}: straight {x}, resumed {y}"
+            );
+        }
+    }
 }
 
 #[test]

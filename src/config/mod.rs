@@ -35,6 +35,9 @@ pub struct ParallelismConfig {
     pub tensor_parallel_degree: usize,
     pub pipeline_parallel_degree: usize,
     pub context_parallel_degree: usize,
+    /// FSDP: free a block's gathered parameters after its forward (`default`, `always`) or keep them
+    /// until its backward (`never`).
+    pub fsdp_reshard_after_forward: String,
 }
 
 impl Default for ParallelismConfig {
@@ -45,6 +48,7 @@ impl Default for ParallelismConfig {
             tensor_parallel_degree: 1,
             pipeline_parallel_degree: 1,
             context_parallel_degree: 1,
+            fsdp_reshard_after_forward: "default".into(),
         }
     }
 }
@@ -404,6 +408,9 @@ impl Config {
             if degree > 1 {
                 bail!("[parallelism] {key} = {degree}: tensor, pipeline and context parallelism are not built yet in this titan (only 1 is accepted)");
             }
+        }
+        if !["default", "always", "never"].contains(&p.fsdp_reshard_after_forward.as_str()) {
+            bail!("[parallelism] fsdp_reshard_after_forward = `{}` is not known (accepted: default, always, never)", p.fsdp_reshard_after_forward);
         }
         if self.comm.init_timeout_seconds == 0 || self.comm.train_timeout_seconds == 0 {
             bail!("[comm] init_timeout_seconds and train_timeout_seconds must be positive");

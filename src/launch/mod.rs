@@ -60,10 +60,11 @@ pub fn check_mesh(cfg: &Config, world: usize) -> Result<DeviceMesh> {
         p.tensor_parallel_degree,
         world,
     )?;
-    if mesh.degree("dp_shard") > 1 {
+    if mesh.degree("dp_shard") > 1 && mesh.degree("dp_replicate") > 1 {
         bail!(
-            "[parallelism] data_parallel_shard_degree = {} (FSDP/HSDP): sharded data parallelism is not built yet in this titan; \
-             use DDP with --parallelism.data_parallel_replicate_degree {world} --parallelism.data_parallel_shard_degree 1",
+            "[parallelism] data_parallel_replicate_degree = {} with data_parallel_shard_degree = {} (HSDP) is not built yet in this titan; \
+             use FSDP (replicate 1) or DDP (shard 1)",
+            mesh.degree("dp_replicate"),
             mesh.degree("dp_shard")
         );
     }

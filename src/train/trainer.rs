@@ -72,7 +72,10 @@ fn train_on<B: Backend>(
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
     let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
-    let mut ddp = dist.map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone()));
+    let fsdp_mode = dist.is_some_and(|d| d.mesh.degree("dp_shard") > 1);
+    let mut ddp = dist
+        .filter(|_| !fsdp_mode)
+        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone()));
     let global_batch = if t.global_batch_size < 0 {
         batch * dp_size
     } else {
@@ -138,6 +141,22 @@ fn train_on<B: Backend>(
         }
     }
 
+    // FSDP: keep only this rank's shards of weights, gradients and AdamW moments.
+    let mut fsdp = None;
+    if let Some(d) = dist.filter(|_| fsdp_mode) {
+        let reshard = cfg.parallelism.fsdp_reshard_after_forward != "never";
+        let f = crate::parallel::fsdp::Fsdp::new(be, d.dp.clone(), &model, &params, reshard);
+        opt = AdamW {
+            exp_avg: f.shard_of(be, &opt.exp_avg),
+            exp_avg_sq: f.shard_of(be, &opt.exp_avg_sq),
+            cfg: cfg.optimizer.clone(),
+        };
+        for b in params.bufs.iter_mut().chain(grads.bufs.iter_mut()) {
+            *b = be.zeros(0);
+        }
+        fsdp = Some(f);
+    }
+
     let tokens_per_step = (global_batch * seq) as f64;
     let flops_per_token = args.flops_per_token(seq);
     let threads = rayon::current_num_threads();
@@ -165,16 +184,14 @@ fn train_on<B: Backend>(
     ));
 
     if let Some(d) = dist {
-        // Each rank's own share (DDP replicates everything; FSDP will divide these by dp_shard).
-        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-        println!(
-            "rank {} of {}: parameters {:.1} MiB, gradients {:.1} MiB, AdamW state {:.1} MiB (replicated, DDP)",
-            d.rank,
-            d.world,
-            mib(est.params),
-            mib(est.grads),
-            mib(est.optimizer)
-        );
+        // Each rank's own share: DDP replicates everything, FSDP keeps 1/dp_shard of it.
+        let (share, how) = if fsdp_mode {
+            (d.mesh.degree("dp_shard") as f64, "sharded, FSDP")
+        } else {
+            (1.0, "replicated, DDP")
+        };
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / share;
+        println!("rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how})", d.rank, d.world, mib(est.params), mib(est.grads), mib(est.optimizer));
     }
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
     let mut logger = if rank != 0 {
@@ -215,19 +232,35 @@ fn train_on<B: Backend>(
             .collect::<Result<_>>()?;
         let data_time = t0.elapsed().as_secs_f64();
         let lr = schedule.lr(step);
-        let (loss, norm) = train_step(
-            be,
-            &model,
-            &mut params,
-            &mut grads,
-            &mut opt,
-            &mut ws,
-            &micro,
-            lr,
-            step,
-            t.max_norm,
-            ddp.as_mut(),
-        )?;
+        let (loss, norm) = match (&mut fsdp, dist) {
+            (Some(f), Some(d)) => train_step_fsdp(
+                be,
+                &model,
+                f,
+                d.dp.as_ref(),
+                &mut params,
+                &mut grads,
+                &mut opt,
+                &mut ws,
+                &micro,
+                lr,
+                step,
+                t.max_norm,
+            )?,
+            _ => train_step(
+                be,
+                &model,
+                &mut params,
+                &mut grads,
+                &mut opt,
+                &mut ws,
+                &micro,
+                lr,
+                step,
+                t.max_norm,
+                ddp.as_mut(),
+            )?,
+        };
         if !loss.is_finite() || !norm.is_finite() {
             let keep = match last_good {
                 Some(s) => format!(
@@ -266,11 +299,23 @@ fn train_on<B: Backend>(
         bar.set_message(format!("loss {loss:.4}"));
         bar.inc(1);
 
-        // Data-parallel ranks hold identical weights, moments and data position: rank 0 saves.
-        if cfg.checkpoint.enable
-            && rank == 0
-            && (step % cfg.checkpoint.interval == 0 || step == t.steps)
-        {
+        // Data-parallel ranks share the data position and (DDP) identical state, so rank 0 saves;
+        // under FSDP every rank first helps gather the full weights and moments.
+        let save_now =
+            cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps);
+        let gathered = match (&fsdp, save_now) {
+            (Some(f), true) => Some((
+                f.gather_full(be, &f.shards, &specs)?,
+                f.gather_full(be, &opt.exp_avg, &specs)?,
+                f.gather_full(be, &opt.exp_avg_sq, &specs)?,
+            )),
+            _ => None,
+        };
+        if save_now && rank == 0 {
+            let (p_full, m_full, v_full) = match &gathered {
+                Some((p, m, v)) => (p, m, v),
+                None => (&params, &opt.exp_avg, &opt.exp_avg_sq),
+            };
             let state = TrainState {
                 format_version: checkpoint::FORMAT_VERSION,
                 step,
@@ -283,9 +328,9 @@ fn train_on<B: Backend>(
             let dir = checkpoint::save(
                 be,
                 &ckpt_folder,
-                &params,
-                &opt.exp_avg,
-                &opt.exp_avg_sq,
+                p_full,
+                m_full,
+                v_full,
                 state,
                 cfg.checkpoint.keep_latest_k,
             )?;
@@ -334,6 +379,56 @@ fn crash_drill(rank: usize) -> Result<Option<u64>> {
             .map_err(|_| anyhow!("TITAN_CRASH_AT={spec}: bad step"))?,
     );
     Ok((r == rank).then_some(s))
+}
+
+/// One optimizer step under FSDP: micro-batches with gathers and reduce-scatters around each block,
+/// then clipping by the global norm (shard sums of squares all-reduced) and AdamW on the shards.
+#[allow(clippy::too_many_arguments)]
+fn train_step_fsdp<B: Backend>(
+    be: &B,
+    model: &Llama<B>,
+    fsdp: &mut crate::parallel::fsdp::Fsdp<B>,
+    group: &dyn ProcessGroup,
+    full: &mut ParamSet<B>,
+    grads: &mut ParamSet<B>,
+    opt: &mut AdamW<B>,
+    ws: &mut Workspace<B>,
+    micro: &[Vec<u32>],
+    lr: f64,
+    step: u64,
+    max_norm: f64,
+) -> Result<(f64, f64)> {
+    let seq = ws.seq;
+    let local_targets: usize = micro
+        .iter()
+        .map(|m| {
+            m.chunks(seq + 1)
+                .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
+                .sum::<usize>()
+        })
+        .sum();
+    let targets = all_reduce_sum_f64(group, local_targets as f64)?.round() as usize;
+    let scale = 1.0 / targets.max(1) as f32;
+    fsdp.grad_shards.zero(be);
+    let mut loss_sum = 0.0;
+    for tokens in micro {
+        loss_sum += fsdp
+            .forward_backward(be, model, full, grads, ws, tokens, scale)?
+            .sum;
+    }
+    let loss = all_reduce_sum_f64(group, loss_sum)? / targets.max(1) as f64;
+    let local_sq: f64 = fsdp
+        .grad_shards
+        .bufs
+        .iter()
+        .map(|g| be.sum_squares(g))
+        .sum();
+    let norm = all_reduce_sum_f64(group, local_sq)?.sqrt();
+    if loss.is_finite() && norm.is_finite() {
+        clip_grads(be, &mut fsdp.grad_shards, norm, max_norm);
+        opt.step(be, &mut fsdp.shards, &fsdp.grad_shards, lr, step);
+    }
+    Ok((loss, norm))
 }
 
 /// Sum of one f64 over a group, carried as two f32 (high part and remainder) so that token counts
