@@ -119,28 +119,6 @@ fn a_ddp_checkpoint_resumes_in_one_process_on_the_same_curve() {
     }
 }
 
-#[test]
-fn an_hsdp_mesh_is_refused_before_any_worker_starts() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = train(
-        dir.path(),
-        &["--nproc", "4", "--master-port", "0"],
-        &[
-            "--training.steps",
-            "3",
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-        ],
-    );
-    assert!(!o.status.success());
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(e.contains("HSDP") && e.contains("not built yet"), "{e}");
-    assert!(
-        !String::from_utf8_lossy(&o.stdout).contains("[rank"),
-        "no worker should have started"
-    );
-}
-
 fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
     for ((s, x), (_, y)) in a.iter().zip(b) {
@@ -152,7 +130,7 @@ fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
 }
 
 #[test]
-fn fsdp_two_and_four_ranks_match_one_process_step_by_step() {
+fn fsdp_2_fsdp_4_and_hsdp_2x2_match_one_process_step_by_step() {
     let one = tempfile::tempdir().unwrap();
     let o = train(
         one.path(),

@@ -19,6 +19,9 @@ pub struct Distributed {
     pub world: usize,
     pub mesh: DeviceMesh,
     pub dp: Arc<dyn ProcessGroup>,
+    /// FSDP's shard group (`dp_shard`) and, for HSDP, the replica group (`dp_replicate`).
+    pub shard: Option<Arc<dyn ProcessGroup>>,
+    pub replicate: Option<Arc<dyn ProcessGroup>>,
     /// Keeps a store hosted by this rank alive.
     _store: Option<StoreServer>,
 }
@@ -37,19 +40,44 @@ impl Distributed {
             Duration::from_secs(cfg.comm.init_timeout_seconds),
             Duration::from_secs(cfg.comm.train_timeout_seconds),
         );
-        let (group, store_server) = world_group(&env, "dp", init, op)?;
+        let (store, store_server, host) = rendezvous(&env, init)?;
+        let gen = env.generation;
+        let join = |dims: &[&str]| -> Result<Arc<dyn ProcessGroup>> {
+            let ranks = mesh.group_ranks(env.rank, dims);
+            let local = ranks
+                .iter()
+                .position(|&r| r == env.rank)
+                .expect("a rank is in its own group");
+            let name = format!("{}-g{gen}", mesh.group_name(env.rank, dims));
+            Ok(Arc::new(TcpGroup::connect(
+                &store,
+                &name,
+                local,
+                ranks.len(),
+                &host,
+                init,
+                op,
+            )?))
+        };
+        let dp = join(&["dp_replicate", "dp_shard"])?;
+        let (shard, replicate) = match (mesh.degree("dp_replicate"), mesh.degree("dp_shard")) {
+            (_, 1) => (None, None),
+            (1, _) => (Some(dp.clone()), None),
+            _ => (Some(join(&["dp_shard"])?), Some(join(&["dp_replicate"])?)),
+        };
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,
             mesh,
-            dp: Arc::new(group),
+            dp,
+            shard,
+            replicate,
             _store: store_server,
         }))
     }
 }
 
-/// The device mesh `[parallelism]` asks for over `world` ranks, refused when it needs what is not
-/// built yet (FSDP/HSDP).
+/// The device mesh `[parallelism]` asks for over `world` ranks (its degrees must multiply to it).
 pub fn check_mesh(cfg: &Config, world: usize) -> Result<DeviceMesh> {
     let p = &cfg.parallelism;
     let mesh = DeviceMesh::new(
@@ -60,25 +88,15 @@ pub fn check_mesh(cfg: &Config, world: usize) -> Result<DeviceMesh> {
         p.tensor_parallel_degree,
         world,
     )?;
-    if mesh.degree("dp_shard") > 1 && mesh.degree("dp_replicate") > 1 {
-        bail!(
-            "[parallelism] data_parallel_replicate_degree = {} with data_parallel_shard_degree = {} (HSDP) is not built yet in this titan; \
-             use FSDP (replicate 1) or DDP (shard 1)",
-            mesh.degree("dp_replicate"),
-            mesh.degree("dp_shard")
-        );
-    }
     Ok(mesh)
 }
 
-/// Joins (and on rank 0, when no launcher hosts it, serves) the rendezvous store and connects the
-/// group of all ranks named `name`.
-pub fn world_group(
+/// Joins (and on rank 0, when no launcher hosts it, serves) the rendezvous store; returns the
+/// client, the server if this rank hosts it, and the address peers reach this rank at.
+pub fn rendezvous(
     env: &env::WorkerEnv,
-    name: &str,
     init: Duration,
-    op: Duration,
-) -> Result<(TcpGroup, Option<StoreServer>)> {
+) -> Result<(StoreClient, Option<StoreServer>, String)> {
     let addr = format!("{}:{}", env.master_addr, env.store_port);
     let store_server = if env.rank == 0 && !env.store_hosted {
         Some(StoreServer::start(&addr)?)
@@ -91,6 +109,17 @@ pub fn world_group(
         _ if env.world_size == env.local_world_size => "127.0.0.1".to_string(),
         _ => bail!("rank {}: a multi-node job needs TITAN_HOST set to this node's address (peers connect to it)", env.rank),
     };
+    Ok((store, store_server, host))
+}
+
+/// The group of all ranks, named `name` (benchmarks).
+pub fn world_group(
+    env: &env::WorkerEnv,
+    name: &str,
+    init: Duration,
+    op: Duration,
+) -> Result<(TcpGroup, Option<StoreServer>)> {
+    let (store, server, host) = rendezvous(env, init)?;
     let group = TcpGroup::connect(
         &store,
         &format!("{name}-g{}", env.generation),
@@ -100,5 +129,5 @@ pub fn world_group(
         init,
         op,
     )?;
-    Ok((group, store_server))
+    Ok((group, server))
 }

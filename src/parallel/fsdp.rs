@@ -12,7 +12,10 @@
 //! buffers are freed. Reduce-scatter sums in fp32; the loss is normalised by the global number of
 //! targets, so the summed shards are the gradient of the global mean loss.
 //!
-//! Not yet: prefetching the next block's gather on a communication thread, HSDP, and checkpoints
+//! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
+//! is then all-reduced across the replicas.
+//!
+//! Not yet: prefetching the next block's gather on a communication thread, and checkpoints
 //! written shard by shard (today the full state is gathered and rank 0 writes it, which lets any
 //! layout resume it).
 
@@ -26,6 +29,8 @@ use crate::model::{Llama, ParamSet, Workspace};
 
 pub struct Fsdp<B: Backend> {
     group: Arc<dyn ProcessGroup>,
+    /// HSDP: the replicas of this shard, whose gradient shards are all-reduced.
+    replicate: Option<Arc<dyn ProcessGroup>>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
     pub grad_shards: ParamSet<B>,
@@ -41,6 +46,7 @@ impl<B: Backend> Fsdp<B> {
     pub fn new(
         be: &B,
         group: Arc<dyn ProcessGroup>,
+        replicate: Option<Arc<dyn ProcessGroup>>,
         model: &Llama<B>,
         full: &ParamSet<B>,
         reshard_after_forward: bool,
@@ -68,9 +74,15 @@ impl<B: Backend> Fsdp<B> {
             non_block: (0..full.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
             group,
+            replicate,
         };
         f.shards = f.shard_of(be, full);
         f
+    }
+
+    /// The group the parameters are sharded over.
+    pub fn shard_group(&self) -> &dyn ProcessGroup {
+        self.group.as_ref()
     }
 
     pub fn shard_specs(&self) -> Vec<(String, Vec<usize>)> {
@@ -149,6 +161,9 @@ impl<B: Backend> Fsdp<B> {
             g.resize(c * self.group.size(), 0.0);
             let mut mine = vec![0.0f32; c];
             self.group.reduce_scatter(&g, &mut mine, ReduceOp::Sum)?;
+            if let Some(r) = &self.replicate {
+                r.all_reduce(&mut mine, ReduceOp::Sum)?;
+            }
             let mut acc = be.download(&self.grad_shards.bufs[i]);
             acc.iter_mut().zip(&mine).for_each(|(a, m)| *a += m);
             self.grad_shards.bufs[i] = be.upload(&acc);

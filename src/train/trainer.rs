@@ -72,7 +72,7 @@ fn train_on<B: Backend>(
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
     let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
-    let fsdp_mode = dist.is_some_and(|d| d.mesh.degree("dp_shard") > 1);
+    let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
     let mut ddp = dist
         .filter(|_| !fsdp_mode)
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone()));
@@ -145,7 +145,15 @@ fn train_on<B: Backend>(
     let mut fsdp = None;
     if let Some(d) = dist.filter(|_| fsdp_mode) {
         let reshard = cfg.parallelism.fsdp_reshard_after_forward != "never";
-        let f = crate::parallel::fsdp::Fsdp::new(be, d.dp.clone(), &model, &params, reshard);
+        let shard = d.shard.clone().expect("FSDP mode has a shard group");
+        let f = crate::parallel::fsdp::Fsdp::new(
+            be,
+            shard,
+            d.replicate.clone(),
+            &model,
+            &params,
+            reshard,
+        );
         opt = AdamW {
             exp_avg: f.shard_of(be, &opt.exp_avg),
             exp_avg_sq: f.shard_of(be, &opt.exp_avg_sq),
@@ -185,10 +193,10 @@ fn train_on<B: Backend>(
 
     if let Some(d) = dist {
         // Each rank's own share: DDP replicates everything, FSDP keeps 1/dp_shard of it.
-        let (share, how) = if fsdp_mode {
-            (d.mesh.degree("dp_shard") as f64, "sharded, FSDP")
-        } else {
-            (1.0, "replicated, DDP")
+        let (share, how) = match (fsdp_mode, d.replicate.is_some()) {
+            (true, true) => (d.mesh.degree("dp_shard") as f64, "sharded, HSDP"),
+            (true, false) => (d.mesh.degree("dp_shard") as f64, "sharded, FSDP"),
+            _ => (1.0, "replicated, DDP"),
         };
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / share;
         println!("rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how})", d.rank, d.world, mib(est.params), mib(est.grads), mib(est.optimizer));
