@@ -2,8 +2,8 @@
 //!
 //! Sharding unit: each parameter separately, flattened and zero-padded to a multiple of the group
 //! size, rank `r` owning elements `[r·c, (r+1)·c)` (FSDP2's per-parameter dim-0 sharding, flattened).
-//! Per-parameter shards keep checkpoints and the optimizer parameter-shaped and need no flat-buffer
-//! bookkeeping; the price is one collective per tensor instead of one per block.
+//! Per-parameter shards keep checkpoints and the optimizer parameter-shaped; a block's shards are
+//! packed into one buffer for each collective, so communication is still one call per block.
 //!
 //! A step runs the model's stages with the collectives in between: the parameters outside blocks
 //! are gathered first; each block's parameters are all-gathered before its forward (and, when
@@ -111,19 +111,28 @@ impl<B: Backend> Fsdp<B> {
     }
 
     /// All-gathers the shards `ids` of `shards` into full buffers of `full`.
-    fn gather_into(
-        &self,
-        be: &B,
-        shards: &ParamSet<B>,
-        full: &mut ParamSet<B>,
-        ids: &[usize],
-    ) -> Result<()> {
+    /// All-gathers the shards `ids` of `shards` into full buffers of `full`, in one collective: the
+    /// shards are packed back to back, and rank `r`'s part of the result unpacks into each tensor's
+    /// `[r·c, (r+1)·c)`.
+    fn gather_into(&self, be: &B, shards: &ParamSet<B>, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
+        let size = self.group.size();
+        let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
+        let mut mine = Vec::with_capacity(packed_len);
         for &i in ids {
-            let mut out = vec![0.0f32; self.shard_len[i] * self.group.size()];
-            self.group
-                .all_gather(&be.download(&shards.bufs[i]), &mut out)?;
-            out.truncate(self.numel[i]);
-            full.bufs[i] = be.upload(&out);
+            mine.extend_from_slice(&be.download(&shards.bufs[i]));
+        }
+        let mut all = vec![0.0f32; packed_len * size];
+        self.group.all_gather(&mine, &mut all)?;
+        let mut offset = 0;
+        for &i in ids {
+            let c = self.shard_len[i];
+            let mut t = vec![0.0f32; c * size];
+            for r in 0..size {
+                t[r * c..(r + 1) * c].copy_from_slice(&all[r * packed_len + offset..r * packed_len + offset + c]);
+            }
+            t.truncate(self.numel[i]);
+            full.bufs[i] = be.upload(&t);
+            offset += c;
         }
         Ok(())
     }
@@ -154,19 +163,35 @@ impl<B: Backend> Fsdp<B> {
     }
 
     /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
+    /// Reduce-scatters the full gradients `ids` (one collective: rank `r`'s segment packs every
+    /// tensor's `[r·c, (r+1)·c)`) and adds them into this rank's gradient shards.
     fn reduce_grads(&mut self, be: &B, grads: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
+        let size = self.group.size();
+        let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
+        let mut packed = vec![0.0f32; packed_len * size];
+        let mut offset = 0;
         for &i in ids {
             let c = self.shard_len[i];
-            let mut g = be.download(&grads.bufs[i]);
-            g.resize(c * self.group.size(), 0.0);
-            let mut mine = vec![0.0f32; c];
-            self.group.reduce_scatter(&g, &mut mine, ReduceOp::Sum)?;
-            if let Some(r) = &self.replicate {
-                r.all_reduce(&mut mine, ReduceOp::Sum)?;
+            let g = be.download(&grads.bufs[i]);
+            for r in 0..size {
+                let lo = (r * c).min(g.len());
+                let hi = ((r + 1) * c).min(g.len());
+                packed[r * packed_len + offset..r * packed_len + offset + (hi - lo)].copy_from_slice(&g[lo..hi]);
             }
+            offset += c;
+        }
+        let mut mine = vec![0.0f32; packed_len];
+        self.group.reduce_scatter(&packed, &mut mine, ReduceOp::Sum)?;
+        if let Some(r) = &self.replicate {
+            r.all_reduce(&mut mine, ReduceOp::Sum)?;
+        }
+        let mut offset = 0;
+        for &i in ids {
+            let c = self.shard_len[i];
             let mut acc = be.download(&self.grad_shards.bufs[i]);
-            acc.iter_mut().zip(&mine).for_each(|(a, m)| *a += m);
+            acc.iter_mut().zip(&mine[offset..offset + c]).for_each(|(a, m)| *a += m);
             self.grad_shards.bufs[i] = be.upload(&acc);
+            offset += c;
         }
         Self::release(be, grads, ids);
         Ok(())
