@@ -7,7 +7,7 @@
 //!
 //! A step runs the model's stages with the collectives in between: the parameters outside blocks
 //! are gathered first; each block's parameters are all-gathered before its forward (and, when
-//! `reshard_after_forward`, freed after it and gathered again before its backward); right after a
+//! the `ReshardPolicy` says so, freed after it and gathered again before its backward); right after a
 //! block's backward its gradients are reduce-scattered into this rank's gradient shard and the full
 //! buffers are freed. Reduce-scatter sums in fp32; the loss is normalised by the global number of
 //! targets, so the summed shards are the gradient of the global mean loss.
@@ -38,7 +38,36 @@ pub struct Fsdp<B: Backend> {
     shard_len: Vec<usize>,
     /// Parameters outside the transformer blocks (embeddings, final norm, output).
     non_block: Vec<usize>,
-    reshard_after_forward: bool,
+    reshard_after_forward: ReshardPolicy,
+}
+
+/// When a block's gathered parameters are freed after its forward (TorchTitan's choices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReshardPolicy {
+    /// Every block but the last, whose backward comes right after its forward.
+    Default,
+    Always,
+    /// Keep them until the block's backward: one gather per block per step instead of two.
+    Never,
+}
+
+impl ReshardPolicy {
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "default" => Some(ReshardPolicy::Default),
+            "always" => Some(ReshardPolicy::Always),
+            "never" => Some(ReshardPolicy::Never),
+            _ => None,
+        }
+    }
+
+    fn reshard(self, block: usize, n_blocks: usize) -> bool {
+        match self {
+            ReshardPolicy::Default => block + 1 < n_blocks,
+            ReshardPolicy::Always => true,
+            ReshardPolicy::Never => false,
+        }
+    }
 }
 
 impl<B: Backend> Fsdp<B> {
@@ -49,7 +78,7 @@ impl<B: Backend> Fsdp<B> {
         replicate: Option<Arc<dyn ProcessGroup>>,
         model: &Llama<B>,
         full: &ParamSet<B>,
-        reshard_after_forward: bool,
+        reshard_after_forward: ReshardPolicy,
     ) -> Self {
         let size = group.size();
         let numel: Vec<usize> = full.shapes.iter().map(|s| s.iter().product()).collect();
@@ -215,11 +244,12 @@ impl<B: Backend> Fsdp<B> {
         let non_block = self.non_block.clone();
         self.gather_into(be, &self.shards, full, &non_block)?;
         model.embed_forward(be, full, ws);
+        let n_blocks = model.ids.layers.len();
         for (l, layer) in model.ids.layers.iter().enumerate() {
             let ids = layer.all();
             self.gather_into(be, &self.shards, full, &ids)?;
             model.block_forward(be, full, ws, l);
-            if self.reshard_after_forward {
+            if self.reshard_after_forward.reshard(l, n_blocks) {
                 Self::release(be, full, &ids);
             }
         }
@@ -227,7 +257,7 @@ impl<B: Backend> Fsdp<B> {
         let loss = model.head_forward_backward(be, full, grads, ws, grad_scale);
         for (l, layer) in model.ids.layers.iter().enumerate().rev() {
             let ids = layer.all();
-            if self.reshard_after_forward {
+            if self.reshard_after_forward.reshard(l, n_blocks) {
                 self.gather_into(be, &self.shards, full, &ids)?;
             }
             self.zeros(be, grads, &ids);
