@@ -21,16 +21,98 @@
 
 use std::sync::Arc;
 
-use anyhow::Result;
+use std::collections::VecDeque;
+use std::sync::mpsc::{channel, Receiver, Sender};
+
+use anyhow::{anyhow, Result};
 
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::model::{Llama, ParamSet, Workspace};
 
+/// Work for the communication thread: packed shards to all-gather, or packed gradients to
+/// reduce-scatter (and, for HSDP, all-reduce across replicas).
+enum Job {
+    Gather(Vec<f32>),
+    ReduceScatter(Vec<f32>),
+}
+
+/// What the main thread expects back, in submission order.
+enum Pending {
+    Gather(Vec<usize>),
+    ReduceScatter(Vec<usize>),
+}
+
+/// The thread that runs every collective of a step in submission order, so that the next block's
+/// gather and the previous block's reduce-scatter proceed while the current block computes.
+struct CommThread {
+    to_comm: Option<Sender<Job>>,
+    from_comm: Receiver<Result<Vec<f32>>>,
+    pending: VecDeque<Pending>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CommThread {
+    fn new(group: Arc<dyn ProcessGroup>, replicate: Option<Arc<dyn ProcessGroup>>) -> Self {
+        let (to_comm, jobs) = channel::<Job>();
+        let (done, from_comm) = channel();
+        let worker = std::thread::Builder::new()
+            .name("titan-fsdp-comm".into())
+            .spawn(move || {
+                let size = group.size();
+                for job in jobs {
+                    let r = match job {
+                        Job::Gather(mine) => {
+                            let mut all = vec![0.0f32; mine.len() * size];
+                            group.all_gather(&mine, &mut all).map(|_| all)
+                        }
+                        Job::ReduceScatter(packed) => {
+                            let mut mine = vec![0.0f32; packed.len() / size];
+                            group
+                                .reduce_scatter(&packed, &mut mine, ReduceOp::Sum)
+                                .and_then(|_| match &replicate {
+                                    Some(r) => r.all_reduce(&mut mine, ReduceOp::Sum).map(|_| mine),
+                                    None => Ok(mine),
+                                })
+                        }
+                    };
+                    if done.send(r).is_err() {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the FSDP communication thread");
+        CommThread {
+            to_comm: Some(to_comm),
+            from_comm,
+            pending: VecDeque::new(),
+            worker: Some(worker),
+        }
+    }
+
+    fn submit(&mut self, job: Job, pending: Pending) -> Result<()> {
+        self.to_comm
+            .as_ref()
+            .ok_or_else(|| anyhow!("FSDP communication thread is gone"))?
+            .send(job)
+            .map_err(|_| anyhow!("FSDP communication thread stopped"))?;
+        self.pending.push_back(pending);
+        Ok(())
+    }
+}
+
+impl Drop for CommThread {
+    fn drop(&mut self) {
+        self.to_comm = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
 pub struct Fsdp<B: Backend> {
+    comm: CommThread,
     group: Arc<dyn ProcessGroup>,
-    /// HSDP: the replicas of this shard, whose gradient shards are all-reduced.
-    replicate: Option<Arc<dyn ProcessGroup>>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
     pub grad_shards: ParamSet<B>,
@@ -96,6 +178,7 @@ impl<B: Backend> Fsdp<B> {
             }
         }
         let mut f = Fsdp {
+            comm: CommThread::new(group.clone(), replicate.clone()),
             shards: ParamSet::zeros(be, &specs),
             grad_shards: ParamSet::zeros(be, &specs),
             numel,
@@ -103,7 +186,6 @@ impl<B: Backend> Fsdp<B> {
             non_block: (0..full.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
             group,
-            replicate,
         };
         f.shards = f.shard_of(be, full);
         f
@@ -143,7 +225,13 @@ impl<B: Backend> Fsdp<B> {
     /// All-gathers the shards `ids` of `shards` into full buffers of `full`, in one collective: the
     /// shards are packed back to back, and rank `r`'s part of the result unpacks into each tensor's
     /// `[r·c, (r+1)·c)`.
-    fn gather_into(&self, be: &B, shards: &ParamSet<B>, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
+    fn gather_into(
+        &self,
+        be: &B,
+        shards: &ParamSet<B>,
+        full: &mut ParamSet<B>,
+        ids: &[usize],
+    ) -> Result<()> {
         let size = self.group.size();
         let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
         let mut mine = Vec::with_capacity(packed_len);
@@ -157,7 +245,8 @@ impl<B: Backend> Fsdp<B> {
             let c = self.shard_len[i];
             let mut t = vec![0.0f32; c * size];
             for r in 0..size {
-                t[r * c..(r + 1) * c].copy_from_slice(&all[r * packed_len + offset..r * packed_len + offset + c]);
+                t[r * c..(r + 1) * c]
+                    .copy_from_slice(&all[r * packed_len + offset..r * packed_len + offset + c]);
             }
             t.truncate(self.numel[i]);
             full.bufs[i] = be.upload(&t);
@@ -192,9 +281,21 @@ impl<B: Backend> Fsdp<B> {
     }
 
     /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
-    /// Reduce-scatters the full gradients `ids` (one collective: rank `r`'s segment packs every
-    /// tensor's `[r·c, (r+1)·c)`) and adds them into this rank's gradient shards.
-    fn reduce_grads(&mut self, be: &B, grads: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
+    fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
+        let mut mine = Vec::with_capacity(ids.iter().map(|&i| self.shard_len[i]).sum());
+        for &i in ids {
+            mine.extend_from_slice(&be.download(&self.shards.bufs[i]));
+        }
+        self.comm
+            .submit(Job::Gather(mine), Pending::Gather(ids.to_vec()))
+    }
+
+    fn submit_reduce_scatter(
+        &mut self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        ids: &[usize],
+    ) -> Result<()> {
         let size = self.group.size();
         let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
         let mut packed = vec![0.0f32; packed_len * size];
@@ -205,30 +306,81 @@ impl<B: Backend> Fsdp<B> {
             for r in 0..size {
                 let lo = (r * c).min(g.len());
                 let hi = ((r + 1) * c).min(g.len());
-                packed[r * packed_len + offset..r * packed_len + offset + (hi - lo)].copy_from_slice(&g[lo..hi]);
+                packed[r * packed_len + offset..r * packed_len + offset + (hi - lo)]
+                    .copy_from_slice(&g[lo..hi]);
             }
             offset += c;
         }
-        let mut mine = vec![0.0f32; packed_len];
-        self.group.reduce_scatter(&packed, &mut mine, ReduceOp::Sum)?;
-        if let Some(r) = &self.replicate {
-            r.all_reduce(&mut mine, ReduceOp::Sum)?;
-        }
-        let mut offset = 0;
-        for &i in ids {
-            let c = self.shard_len[i];
-            let mut acc = be.download(&self.grad_shards.bufs[i]);
-            acc.iter_mut().zip(&mine[offset..offset + c]).for_each(|(a, m)| *a += m);
-            self.grad_shards.bufs[i] = be.upload(&acc);
-            offset += c;
-        }
         Self::release(be, grads, ids);
-        Ok(())
+        self.comm.submit(
+            Job::ReduceScatter(packed),
+            Pending::ReduceScatter(ids.to_vec()),
+        )
     }
 
-    /// One micro-batch: forward and backward with gathers and reduce-scatters around each block;
-    /// gradients are added into `grad_shards`. `full` and `grads` are working sets whose buffers exist
-    /// only while a stage needs them.
+    /// Completes the oldest collective: unpacks a gather into `full` or adds reduced gradients into
+    /// the shards. Returns the ids of a completed gather.
+    fn complete_next(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Option<Vec<usize>>> {
+        let pending = self
+            .comm
+            .pending
+            .pop_front()
+            .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
+        let data = self
+            .comm
+            .from_comm
+            .recv()
+            .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
+        let size = self.group.size();
+        match pending {
+            Pending::Gather(ids) => {
+                let packed_len = data.len() / size;
+                let mut offset = 0;
+                for &i in &ids {
+                    let c = self.shard_len[i];
+                    let mut t = vec![0.0f32; c * size];
+                    for r in 0..size {
+                        t[r * c..(r + 1) * c].copy_from_slice(
+                            &data[r * packed_len + offset..r * packed_len + offset + c],
+                        );
+                    }
+                    t.truncate(self.numel[i]);
+                    full.bufs[i] = be.upload(&t);
+                    offset += c;
+                }
+                Ok(Some(ids))
+            }
+            Pending::ReduceScatter(ids) => {
+                let mut offset = 0;
+                for &i in &ids {
+                    let c = self.shard_len[i];
+                    let mut acc = be.download(&self.grad_shards.bufs[i]);
+                    acc.iter_mut()
+                        .zip(&data[offset..offset + c])
+                        .for_each(|(a, m)| *a += m);
+                    self.grad_shards.bufs[i] = be.upload(&acc);
+                    offset += c;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Completes collectives in order until the gather of `ids` is done.
+    fn wait_gather(&mut self, be: &B, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
+        loop {
+            if let Some(done) = self.complete_next(be, full)? {
+                if done == ids {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// One micro-batch: forward and backward with the collectives around each block running on the
+    /// communication thread, one block ahead (prefetched gathers) or behind (reduce-scatters).
+    /// Gradients are added into `grad_shards`. `full` and `grads` are working sets whose buffers
+    /// exist only while a stage needs them.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_backward(
         &mut self,
@@ -241,32 +393,49 @@ impl<B: Backend> Fsdp<B> {
         grad_scale: f32,
     ) -> Result<LossSum> {
         model.load_tokens(ws, tokens)?;
+        let blocks: Vec<[usize; 9]> = model.ids.layers.iter().map(|l| l.all()).collect();
+        let n = blocks.len();
         let non_block = self.non_block.clone();
-        self.gather_into(be, &self.shards, full, &non_block)?;
+        let regather = |l: usize| self.reshard_after_forward.reshard(l, n);
+        let regather: Vec<bool> = (0..n).map(regather).collect();
+        self.submit_gather(be, &non_block)?;
+        if n > 0 {
+            self.submit_gather(be, &blocks[0])?;
+        }
+        self.wait_gather(be, full, &non_block)?;
         model.embed_forward(be, full, ws);
-        let n_blocks = model.ids.layers.len();
-        for (l, layer) in model.ids.layers.iter().enumerate() {
-            let ids = layer.all();
-            self.gather_into(be, &self.shards, full, &ids)?;
+        for l in 0..n {
+            if l + 1 < n {
+                self.submit_gather(be, &blocks[l + 1])?;
+            }
+            self.wait_gather(be, full, &blocks[l])?;
             model.block_forward(be, full, ws, l);
-            if self.reshard_after_forward.reshard(l, n_blocks) {
-                Self::release(be, full, &ids);
+            if regather[l] {
+                Self::release(be, full, &blocks[l]);
             }
         }
         self.zeros(be, grads, &non_block);
         let loss = model.head_forward_backward(be, full, grads, ws, grad_scale);
-        for (l, layer) in model.ids.layers.iter().enumerate().rev() {
-            let ids = layer.all();
-            if self.reshard_after_forward.reshard(l, n_blocks) {
-                self.gather_into(be, &self.shards, full, &ids)?;
+        if n > 0 && regather[n - 1] {
+            self.submit_gather(be, &blocks[n - 1])?;
+        }
+        for l in (0..n).rev() {
+            if l >= 1 && regather[l - 1] {
+                self.submit_gather(be, &blocks[l - 1])?;
             }
-            self.zeros(be, grads, &ids);
+            if regather[l] {
+                self.wait_gather(be, full, &blocks[l])?;
+            }
+            self.zeros(be, grads, &blocks[l]);
             model.block_backward(be, full, grads, ws, l);
-            self.reduce_grads(be, grads, &ids)?;
-            Self::release(be, full, &ids);
+            self.submit_reduce_scatter(be, grads, &blocks[l])?;
+            Self::release(be, full, &blocks[l]);
         }
         model.embed_backward(be, grads, ws);
-        self.reduce_grads(be, grads, &non_block)?;
+        self.submit_reduce_scatter(be, grads, &non_block)?;
+        while !self.comm.pending.is_empty() {
+            self.complete_next(be, full)?;
+        }
         Self::release(be, full, &non_block);
         Ok(loss)
     }

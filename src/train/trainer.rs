@@ -144,7 +144,10 @@ fn train_on<B: Backend>(
     // FSDP: keep only this rank's shards of weights, gradients and AdamW moments.
     let mut fsdp = None;
     if let Some(d) = dist.filter(|_| fsdp_mode) {
-        let reshard = crate::parallel::fsdp::ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward).expect("validated with the config");
+        let reshard = crate::parallel::fsdp::ReshardPolicy::parse(
+            &cfg.parallelism.fsdp_reshard_after_forward,
+        )
+        .expect("validated with the config");
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
         let f = crate::parallel::fsdp::Fsdp::new(
             be,
