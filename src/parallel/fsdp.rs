@@ -15,8 +15,11 @@
 //! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
 //! is then all-reduced across the replicas.
 //!
-//! Not yet: prefetching the next block's gather on a communication thread, and checkpoints
-//! written shard by shard (today the full state is gathered and rank 0 writes it, which lets any
+//! Every collective of a step runs on one communication thread in submission order: the next
+//! block's gather is submitted before the current block computes, and a block's reduce-scatter
+//! proceeds while the block below it computes.
+//!
+//! Not yet: checkpoints written shard by shard (today the full state is gathered and rank 0 writes it, which lets any
 //! layout resume it).
 
 use std::sync::Arc;
