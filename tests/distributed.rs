@@ -192,6 +192,41 @@ fn an_fsdp4_checkpoint_resumes_with_fsdp2_and_one_process_on_the_same_curve() {
         ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Written shard by shard: one weights file and one optimizer file per rank, plus the index.
+    for r in 0..4 {
+        assert!(saved
+            .path()
+            .join(format!("checkpoint/step-6/model-rank{r}.safetensors"))
+            .exists());
+        assert!(saved
+            .path()
+            .join(format!("checkpoint/step-6/optimizer-rank{r}.safetensors"))
+            .exists());
+    }
+    assert!(!saved
+        .path()
+        .join("checkpoint/step-6/model.safetensors")
+        .exists());
+    let state = std::fs::read_to_string(saved.path().join("checkpoint/step-6/state.json")).unwrap();
+    assert!(
+        state.contains("\"shards\": 4") && state.contains("shard_len"),
+        "{state}"
+    );
+    // Tools that read weights merge the shards.
+    let g = Command::new(titan_bin())
+        .args([
+            "generate",
+            "--checkpoint",
+            saved.path().join("checkpoint/step-6").to_str().unwrap(),
+            "--prompt",
+            "The",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
     std::fs::remove_dir_all(saved.path().join("checkpoint/step-12")).unwrap();
     for (launcher, local) in [
         (vec!["--nproc", "2", "--master-port", "0"], "2"),

@@ -311,6 +311,7 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         } else {
             String::new()
         },
+        sharding: None,
         files: Default::default(),
     };
     let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;

@@ -4,6 +4,7 @@
 //! leaves a half-written `step-N/`; loading verifies sizes and checksums before touching any state.
 
 pub mod hf;
+pub mod sharded;
 pub mod st;
 
 use std::collections::BTreeMap;
@@ -39,6 +40,9 @@ pub struct TrainState {
     /// The tokenizer the model was trained with (empty: built-in byte-level).
     #[serde(default)]
     pub tokenizer_path: String,
+    /// Set for checkpoints written shard by shard (FSDP): how to merge them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharding: Option<sharded::ShardIndex>,
     /// Files of the checkpoint and their checks (filled in by `save`).
     #[serde(default)]
     pub files: BTreeMap<String, FileCheck>,
@@ -90,7 +94,7 @@ pub fn fill_from<B: Backend>(
     Ok(())
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileCheck> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileCheck> {
     use std::io::Write;
     let mut f =
         std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
@@ -115,7 +119,6 @@ pub fn save<B: Backend>(
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(folder)
         .with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
-    let final_dir = step_dir(folder, state.step);
     let tmp = folder.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
@@ -135,6 +138,18 @@ pub fn save<B: Backend>(
         write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
     );
     drop(opt);
+    finish_save(folder, &tmp, state, keep_latest_k)
+}
+
+/// Writes `state.json` into the complete temporary folder, renames it to `step-N/` and prunes old
+/// checkpoints down to `keep_latest_k` (0 keeps all).
+pub(crate) fn finish_save(
+    folder: &Path,
+    tmp: &Path,
+    state: TrainState,
+    keep_latest_k: usize,
+) -> Result<PathBuf> {
+    let final_dir = step_dir(folder, state.step);
     write_synced(
         &tmp.join(STATE_FILE),
         serde_json::to_string_pretty(&state)?.as_bytes(),
@@ -142,7 +157,7 @@ pub fn save<B: Backend>(
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir)?;
     }
-    std::fs::rename(&tmp, &final_dir)
+    std::fs::rename(tmp, &final_dir)
         .with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
     if let Ok(dir) = std::fs::File::open(folder) {
         let _ = dir.sync_all();
@@ -218,6 +233,19 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
     Ok(state)
 }
 
+/// Full tensors of the weights (`model`) or moments (`optimizer`), merged from shards when the
+/// checkpoint was written shard by shard.
+fn read_tensors(dir: &Path, state: &TrainState, kind: &str) -> Result<Vec<(String, Tensor)>> {
+    match &state.sharding {
+        Some(index) => sharded::merge(dir, index, kind),
+        None => st::read_file(&dir.join(if kind == "model" {
+            MODEL_FILE
+        } else {
+            OPTIMIZER_FILE
+        })),
+    }
+}
+
 /// Loads weights and moments from a verified checkpoint folder into the given sets.
 pub fn load<B: Backend>(
     be: &B,
@@ -237,9 +265,15 @@ pub fn load<B: Backend>(
         );
     }
     let model_path = dir.join(MODEL_FILE);
-    fill_from(be, params, &st::read_file(&model_path)?, "", &model_path)?;
+    fill_from(
+        be,
+        params,
+        &read_tensors(dir, &state, "model")?,
+        "",
+        &model_path,
+    )?;
     let opt_path = dir.join(OPTIMIZER_FILE);
-    let moments = st::read_file(&opt_path)?;
+    let moments = read_tensors(dir, &state, "optimizer")?;
     fill_from(be, exp_avg, &moments, "exp_avg.", &opt_path)?;
     fill_from(be, exp_avg_sq, &moments, "exp_avg_sq.", &opt_path)?;
     Ok(state)
@@ -255,7 +289,7 @@ pub fn load_weights<B: Backend>(be: &B, dir: &Path) -> Result<(ModelArgs, ParamS
     fill_from(
         be,
         &mut params,
-        &st::read_file(&model_path)?,
+        &read_tensors(&dir, &state, "model")?,
         "",
         &model_path,
     )?;

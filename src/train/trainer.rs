@@ -310,23 +310,11 @@ fn train_on<B: Backend>(
         bar.set_message(format!("loss {loss:.4}"));
         bar.inc(1);
 
-        // Data-parallel ranks share the data position and (DDP) identical state, so rank 0 saves;
-        // under FSDP every rank first helps gather the full weights and moments.
+        // FSDP: every rank writes its own shards. Otherwise (DDP, HSDP, one process) the ranks hold
+        // the same state (HSDP: after gathering it), and rank 0 writes it whole.
         let save_now =
             cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps);
-        let gathered = match (&fsdp, save_now) {
-            (Some(f), true) => Some((
-                f.gather_full(be, &f.shards, &specs)?,
-                f.gather_full(be, &opt.exp_avg, &specs)?,
-                f.gather_full(be, &opt.exp_avg_sq, &specs)?,
-            )),
-            _ => None,
-        };
-        if save_now && rank == 0 {
-            let (p_full, m_full, v_full) = match &gathered {
-                Some((p, m, v)) => (p, m, v),
-                None => (&params, &opt.exp_avg, &opt.exp_avg_sq),
-            };
+        if save_now {
             let state = TrainState {
                 format_version: checkpoint::FORMAT_VERSION,
                 step,
@@ -334,19 +322,55 @@ fn train_on<B: Backend>(
                 seed: t.seed,
                 data: loader.state(),
                 tokenizer_path: cfg.model.tokenizer_path.clone(),
+                sharding: None,
                 files: Default::default(),
             };
-            let dir = checkpoint::save(
-                be,
-                &ckpt_folder,
-                p_full,
-                m_full,
-                v_full,
-                state,
-                cfg.checkpoint.keep_latest_k,
-            )?;
+            let shapes: Vec<Vec<usize>> = specs.iter().map(|(_, s)| s.clone()).collect();
+            let written = match (&fsdp, dist.is_some_and(|d| d.replicate.is_none())) {
+                (Some(f), true) => checkpoint::sharded::save(
+                    be,
+                    f.shard_group(),
+                    &ckpt_folder,
+                    &f.shards,
+                    &opt.exp_avg,
+                    &opt.exp_avg_sq,
+                    &shapes,
+                    state,
+                    cfg.checkpoint.keep_latest_k,
+                )?,
+                (Some(f), false) => {
+                    let (p, m, v) = (
+                        f.gather_full(be, &f.shards, &specs)?,
+                        f.gather_full(be, &opt.exp_avg, &specs)?,
+                        f.gather_full(be, &opt.exp_avg_sq, &specs)?,
+                    );
+                    if rank == 0 {
+                        Some(checkpoint::save(
+                            be,
+                            &ckpt_folder,
+                            &p,
+                            &m,
+                            &v,
+                            state,
+                            cfg.checkpoint.keep_latest_k,
+                        )?)
+                    } else {
+                        None
+                    }
+                }
+                (None, _) if rank == 0 => Some(checkpoint::save(
+                    be,
+                    &ckpt_folder,
+                    &params,
+                    &opt.exp_avg,
+                    &opt.exp_avg_sq,
+                    state,
+                    cfg.checkpoint.keep_latest_k,
+                )?),
+                (None, _) => None,
+            };
             last_good = Some(step);
-            if !quiet {
+            if let (Some(dir), false) = (written, quiet) {
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
             }
         }

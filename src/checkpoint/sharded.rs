@@ -1,0 +1,181 @@
+//! Sharded checkpoints (FSDP): every rank writes its own shards of the weights and AdamW moments
+//! (`model-rank{r}.safetensors`, `optimizer-rank{r}.safetensors`); `state.json` carries the index —
+//! each tensor's global shape and shard length, and the number of shards — plus the size and CRC32
+//! of every rank's files. The folder is written under a temporary name and renamed by rank 0 once
+//! every rank has reported its files, so a crash leaves no complete-looking checkpoint.
+//!
+//! Loading merges the shards back into full tensors (`merge`), which the caller re-shards for its
+//! own layout: a checkpoint saved by 4 ranks resumes on 2, on 1, or on any other mesh.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::{st, step_dir, to_tensors, FileCheck, TrainState};
+use crate::backend::Backend;
+use crate::comm::group::ProcessGroup;
+use crate::model::ParamSet;
+use crate::tensor::Tensor;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardedTensor {
+    pub shape: Vec<usize>,
+    /// Elements per shard; shard `r` holds flat elements `[r·len, (r+1)·len)` (the last one zero-padded).
+    pub shard_len: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardIndex {
+    pub shards: usize,
+    pub tensors: BTreeMap<String, ShardedTensor>,
+}
+
+pub fn model_file(rank: usize) -> String {
+    format!("model-rank{rank}.safetensors")
+}
+
+pub fn optimizer_file(rank: usize) -> String {
+    format!("optimizer-rank{rank}.safetensors")
+}
+
+/// Packs a file check into f32s that survive a float sum exactly (16-bit pieces).
+fn pack(c: &FileCheck) -> [f32; 6] {
+    let b = c.bytes;
+    [
+        (b & 0xffff) as f32,
+        ((b >> 16) & 0xffff) as f32,
+        ((b >> 32) & 0xffff) as f32,
+        ((b >> 48) & 0xffff) as f32,
+        (c.crc32 & 0xffff) as f32,
+        (c.crc32 >> 16) as f32,
+    ]
+}
+
+fn unpack(v: &[f32]) -> FileCheck {
+    let p = |i: usize| v[i] as u64;
+    FileCheck {
+        bytes: p(0) | (p(1) << 16) | (p(2) << 32) | (p(3) << 48),
+        crc32: (p(4) | (p(5) << 16)) as u32,
+    }
+}
+
+/// Writes `step-N/` from every rank of `group` (collective: all ranks must call it). `shards`,
+/// `exp_avg`, `exp_avg_sq` are this rank's shards; `full_shapes` the global shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn save<B: Backend>(
+    be: &B,
+    group: &dyn ProcessGroup,
+    folder: &Path,
+    shards: &ParamSet<B>,
+    exp_avg: &ParamSet<B>,
+    exp_avg_sq: &ParamSet<B>,
+    full_shapes: &[Vec<usize>],
+    mut state: TrainState,
+    keep_latest_k: usize,
+) -> Result<Option<PathBuf>> {
+    let (rank, size) = (group.rank(), group.size());
+    let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
+    if rank == 0 {
+        std::fs::create_dir_all(folder)?;
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?;
+        }
+        std::fs::create_dir_all(&tmp)?;
+    }
+    group.barrier()?;
+    let model = st::to_bytes(&to_tensors(be, shards, ""), None)?;
+    let model_check = super::write_synced(&tmp.join(model_file(rank)), &model)?;
+    drop(model);
+    let mut moments = to_tensors(be, exp_avg, "exp_avg.");
+    moments.extend(to_tensors(be, exp_avg_sq, "exp_avg_sq."));
+    let opt = st::to_bytes(&moments, None)?;
+    let opt_check = super::write_synced(&tmp.join(optimizer_file(rank)), &opt)?;
+    drop(opt);
+    let mut mine = pack(&model_check).to_vec();
+    mine.extend(pack(&opt_check));
+    let mut all = vec![0.0f32; mine.len() * size];
+    group.all_gather(&mine, &mut all)?;
+    let mut result = None;
+    if rank == 0 {
+        for r in 0..size {
+            let v = &all[r * 12..(r + 1) * 12];
+            state.files.insert(model_file(r), unpack(&v[..6]));
+            state.files.insert(optimizer_file(r), unpack(&v[6..]));
+        }
+        let tensors = shards
+            .names
+            .iter()
+            .zip(&shards.shapes)
+            .zip(full_shapes)
+            .map(|((n, s), full)| {
+                (
+                    n.clone(),
+                    ShardedTensor {
+                        shape: full.clone(),
+                        shard_len: s[0],
+                    },
+                )
+            })
+            .collect();
+        state.sharding = Some(ShardIndex {
+            shards: size,
+            tensors,
+        });
+        result = Some(super::finish_save(folder, &tmp, state, keep_latest_k)?);
+    }
+    // Nobody goes on (and possibly saves again) before the checkpoint is in place.
+    group.barrier()?;
+    Ok(result)
+}
+
+/// Full tensors of a sharded checkpoint, `kind` being the weights (`model`) or the moments
+/// (`optimizer`).
+pub fn merge(dir: &Path, index: &ShardIndex, kind: &str) -> Result<Vec<(String, Tensor)>> {
+    let mut parts: Vec<BTreeMap<String, Tensor>> = Vec::new();
+    for r in 0..index.shards {
+        let f = dir.join(if kind == "model" {
+            model_file(r)
+        } else {
+            optimizer_file(r)
+        });
+        parts.push(st::read_file(&f)?.into_iter().collect());
+    }
+    let names: Vec<String> = parts[0].keys().cloned().collect();
+    let mut out = Vec::new();
+    for name in names {
+        let base = name
+            .strip_prefix("exp_avg_sq.")
+            .or_else(|| name.strip_prefix("exp_avg."))
+            .unwrap_or(&name);
+        let info = index
+            .tensors
+            .get(base)
+            .ok_or_else(|| anyhow!("{}: shard index has no tensor `{base}`", dir.display()))?;
+        let numel: usize = info.shape.iter().product();
+        let mut data = Vec::with_capacity(info.shard_len * index.shards);
+        for (r, part) in parts.iter().enumerate() {
+            let t = part.get(&name).ok_or_else(|| {
+                anyhow!("{}: rank {r}'s shard of `{name}` is missing", dir.display())
+            })?;
+            if t.numel() != info.shard_len {
+                bail!(
+                    "{}: rank {r}'s shard of `{name}` holds {} values, the index says {}",
+                    dir.display(),
+                    t.numel(),
+                    info.shard_len
+                );
+            }
+            data.extend(t.to_f32_vec());
+        }
+        data.truncate(numel);
+        out.push((name, Tensor::from_f32(info.shape.clone(), data)));
+    }
+    Ok(out)
+}
+
+/// The folder a sharded save of `step` would be renamed to (for messages).
+pub fn target(folder: &Path, step: u64) -> PathBuf {
+    step_dir(folder, step)
+}
