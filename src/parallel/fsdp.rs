@@ -19,8 +19,7 @@
 //! block's gather is submitted before the current block computes, and a block's reduce-scatter
 //! proceeds while the block below it computes.
 //!
-//! Not yet: checkpoints written shard by shard (today the full state is gathered and rank 0 writes it, which lets any
-//! layout resume it).
+//! Checkpoints: each rank writes its own shards (`checkpoint::sharded`).
 
 use std::sync::Arc;
 
