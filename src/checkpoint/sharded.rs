@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::{st, step_dir, to_tensors, FileCheck, TrainState};
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
+use crate::comm::mesh::{DeviceMesh, DIMS};
 use crate::model::ParamSet;
 use crate::tensor::Tensor;
 
@@ -29,6 +30,9 @@ pub struct ShardedTensor {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardIndex {
     pub shards: usize,
+    /// Degrees of the device mesh the checkpoint was saved with (`pp, dp_replicate, dp_shard, cp, tp`).
+    #[serde(default)]
+    pub mesh: BTreeMap<String, usize>,
     pub tensors: BTreeMap<String, ShardedTensor>,
 }
 
@@ -67,6 +71,7 @@ fn unpack(v: &[f32]) -> FileCheck {
 pub fn save<B: Backend>(
     be: &B,
     group: &dyn ProcessGroup,
+    mesh: &DeviceMesh,
     folder: &Path,
     shards: &ParamSet<B>,
     exp_avg: &ParamSet<B>,
@@ -119,8 +124,13 @@ pub fn save<B: Backend>(
                 )
             })
             .collect();
+        let mesh = DIMS
+            .iter()
+            .map(|d| (d.to_string(), mesh.degree(d)))
+            .collect();
         state.sharding = Some(ShardIndex {
             shards: size,
+            mesh,
             tensors,
         });
         result = Some(super::finish_save(folder, &tmp, state, keep_latest_k)?);

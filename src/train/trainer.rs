@@ -330,6 +330,7 @@ fn train_on<B: Backend>(
                 (Some(f), true) => checkpoint::sharded::save(
                     be,
                     f.shard_group(),
+                    &dist.expect("FSDP runs distributed").mesh,
                     &ckpt_folder,
                     &f.shards,
                     &opt.exp_avg,
