@@ -209,7 +209,9 @@ fn an_fsdp4_checkpoint_resumes_with_fsdp2_and_one_process_on_the_same_curve() {
         .exists());
     let state = std::fs::read_to_string(saved.path().join("checkpoint/step-6/state.json")).unwrap();
     assert!(
-        state.contains("\"shards\": 4") && state.contains("shard_len") && state.contains("\"dp_shard\": 4"),
+        state.contains("\"shards\": 4")
+            && state.contains("shard_len")
+            && state.contains("\"dp_shard\": 4"),
         "{state}"
     );
     // Tools that read weights merge the shards.
