@@ -167,11 +167,7 @@ impl<B: Backend> Llama<B> {
         grad_scale: f32,
         mut hook: Option<&mut dyn BlockGradHook<B>>,
     ) -> Result<LossSum> {
-        self.load_tokens(ws, tokens)?;
-        self.embed_forward(be, params, ws);
-        for l in 0..self.args.n_layers {
-            self.block_forward(be, params, ws, l);
-        }
+        self.forward_blocks(be, params, ws, tokens)?;
         let loss = self.head_forward_backward(be, params, grads, ws, grad_scale);
         for l in (0..self.args.n_layers).rev() {
             self.block_backward(be, params, grads, ws, l);
@@ -191,11 +187,7 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         tokens: &[u32],
     ) -> Result<LossSum> {
-        self.load_tokens(ws, tokens)?;
-        self.embed_forward(be, params, ws);
-        for l in 0..self.args.n_layers {
-            self.block_forward(be, params, ws, l);
-        }
+        self.forward_blocks(be, params, ws, tokens)?;
         self.final_norm(be, params, ws);
         Ok(be.cross_entropy_forward_backward(
             &ws.normed_final,
@@ -206,6 +198,22 @@ impl<B: Backend> Llama<B> {
             0.0,
             None,
         ))
+    }
+
+    /// Tokens in, through the embedding and every block (activations saved in `ws`).
+    fn forward_blocks(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<()> {
+        self.load_tokens(ws, tokens)?;
+        self.embed_forward(be, params, ws);
+        for l in 0..self.args.n_layers {
+            self.block_forward(be, params, ws, l);
+        }
+        Ok(())
     }
 
     /// Checks `tokens` (`[batch, seq+1]`) and splits them into the workspace's inputs and targets.

@@ -224,24 +224,19 @@ impl<B: Backend> Fsdp<B> {
     }
 
     /// All-gathers the shards `ids` of `shards` into full buffers of `full`.
-    /// All-gathers the shards `ids` of `shards` into full buffers of `full`, in one collective: the
-    /// shards are packed back to back, and rank `r`'s part of the result unpacks into each tensor's
-    /// `[r·c, (r+1)·c)`.
-    fn gather_into(
-        &self,
-        be: &B,
-        shards: &ParamSet<B>,
-        full: &mut ParamSet<B>,
-        ids: &[usize],
-    ) -> Result<()> {
-        let size = self.group.size();
-        let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
-        let mut mine = Vec::with_capacity(packed_len);
+    /// The shards `ids` of `shards`, packed back to back (one collective per block).
+    fn pack_shards(&self, be: &B, shards: &ParamSet<B>, ids: &[usize]) -> Vec<f32> {
+        let mut packed = Vec::with_capacity(ids.iter().map(|&i| self.shard_len[i]).sum());
         for &i in ids {
-            mine.extend_from_slice(&be.download(&shards.bufs[i]));
+            packed.extend_from_slice(&be.download(&shards.bufs[i]));
         }
-        let mut all = vec![0.0f32; packed_len * size];
-        self.group.all_gather(&mine, &mut all)?;
+        packed
+    }
+
+    /// Unpacks an all-gather of packed shards: rank `r`'s part fills each tensor's `[r·c, (r+1)·c)`.
+    fn unpack_gathered(&self, be: &B, all: &[f32], full: &mut ParamSet<B>, ids: &[usize]) {
+        let size = self.group.size();
+        let packed_len = all.len() / size;
         let mut offset = 0;
         for &i in ids {
             let c = self.shard_len[i];
@@ -254,6 +249,20 @@ impl<B: Backend> Fsdp<B> {
             full.bufs[i] = be.upload(&t);
             offset += c;
         }
+    }
+
+    /// All-gathers the shards `ids` of `shards` into full buffers of `full`, on this thread.
+    fn gather_into(
+        &self,
+        be: &B,
+        shards: &ParamSet<B>,
+        full: &mut ParamSet<B>,
+        ids: &[usize],
+    ) -> Result<()> {
+        let mine = self.pack_shards(be, shards, ids);
+        let mut all = vec![0.0f32; mine.len() * self.group.size()];
+        self.group.all_gather(&mine, &mut all)?;
+        self.unpack_gathered(be, &all, full, ids);
         Ok(())
     }
 
@@ -284,10 +293,7 @@ impl<B: Backend> Fsdp<B> {
 
     /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
-        let mut mine = Vec::with_capacity(ids.iter().map(|&i| self.shard_len[i]).sum());
-        for &i in ids {
-            mine.extend_from_slice(&be.download(&self.shards.bufs[i]));
-        }
+        let mine = self.pack_shards(be, &self.shards, ids);
         self.comm
             .submit(Job::Gather(mine), Pending::Gather(ids.to_vec()))
     }
@@ -333,23 +339,9 @@ impl<B: Backend> Fsdp<B> {
             .from_comm
             .recv()
             .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
-        let size = self.group.size();
         match pending {
             Pending::Gather(ids) => {
-                let packed_len = data.len() / size;
-                let mut offset = 0;
-                for &i in &ids {
-                    let c = self.shard_len[i];
-                    let mut t = vec![0.0f32; c * size];
-                    for r in 0..size {
-                        t[r * c..(r + 1) * c].copy_from_slice(
-                            &data[r * packed_len + offset..r * packed_len + offset + c],
-                        );
-                    }
-                    t.truncate(self.numel[i]);
-                    full.bufs[i] = be.upload(&t);
-                    offset += c;
-                }
+                self.unpack_gathered(be, &data, full, &ids);
                 Ok(Some(ids))
             }
             Pending::ReduceScatter(ids) => {

@@ -435,14 +435,7 @@ fn train_step_fsdp<B: Backend>(
     max_norm: f64,
 ) -> Result<(f64, f64)> {
     let seq = ws.seq;
-    let local_targets: usize = micro
-        .iter()
-        .map(|m| {
-            m.chunks(seq + 1)
-                .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
-                .sum::<usize>()
-        })
-        .sum();
+    let local_targets = count_targets(micro, seq);
     let targets = all_reduce_sum_f64(group, local_targets as f64)?.round() as usize;
     let scale = 1.0 / targets.max(1) as f32;
     fsdp.grad_shards.zero(be);
@@ -465,6 +458,15 @@ fn train_step_fsdp<B: Backend>(
         opt.step(be, &mut fsdp.shards, &fsdp.grad_shards, lr, step);
     }
     Ok((loss, norm))
+}
+
+/// Targets that count toward the loss in `[batch, seq+1]` micro-batches (ignored ids excluded).
+fn count_targets(micro: &[Vec<u32>], seq: usize) -> usize {
+    micro
+        .iter()
+        .flat_map(|m| m.chunks(seq + 1))
+        .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
+        .sum()
 }
 
 /// Sum of one f64 over a group, carried as two f32 (high part and remainder) so that token counts
@@ -503,14 +505,7 @@ pub fn train_step<B: Backend>(
     mut dp: Option<&mut crate::parallel::ddp::Ddp>,
 ) -> Result<(f64, f64)> {
     let seq = ws.seq;
-    let local_targets: usize = micro
-        .iter()
-        .map(|m| {
-            m.chunks(seq + 1)
-                .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
-                .sum::<usize>()
-        })
-        .sum();
+    let local_targets = count_targets(micro, seq);
     let targets = match dp.as_deref() {
         Some(d) => all_reduce_sum_f64(d.group.as_ref(), local_targets as f64)?.round() as usize,
         None => local_targets,
