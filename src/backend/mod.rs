@@ -6,6 +6,8 @@
 //! the kernels that need them (a device backend uploads them).
 
 pub mod cpu;
+pub mod crosscheck;
+pub mod cuda;
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
@@ -238,4 +240,17 @@ pub trait Backend: Send + Sync {
     );
     /// Sum of squares in f64, reduced in a fixed order (deterministic).
     fn sum_squares(&self, buf: &Self::Buf) -> f64;
+
+    // ---- device ----
+    /// Waits until every queued kernel has finished (device backends queue work; the CPU does not).
+    fn synchronize(&self) {}
+    /// Peak bytes of device memory held by this backend's buffers, where the device tracks it
+    /// (None on the CPU, whose peak is the process's resident memory).
+    fn device_peak_memory(&self) -> Option<u64> {
+        None
+    }
+    /// Free device memory in bytes (None on the CPU).
+    fn device_free_memory(&self) -> Option<u64> {
+        None
+    }
 }

@@ -4,11 +4,14 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::{CudaBackend, GemmPrecision};
+use crate::backend::Backend;
+use crate::train::metrics::default_peak_tflops;
 use crate::config::OptimizerConfig;
 use crate::model::{init_params, Llama, ModelArgs, ParamSet, Workspace};
 use crate::train::memory::peak_memory;
@@ -37,18 +40,49 @@ pub struct BenchTrainArgs {
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
-    /// Time every kernel and print where the timed steps went.
+    /// Time every kernel and print where the timed steps went (CPU only).
     #[arg(long)]
     pub profile_ops: bool,
+    /// cpu or cuda (GPU 0).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Arithmetic of the CUDA GEMMs: bfloat16, tfloat32 or float32 (the CPU always uses fp32).
+    #[arg(long, default_value = "bfloat16")]
+    pub precision: String,
+    /// Peak TFLOP/s for MFU; 0 uses the device default (989 for an H100/H200 in bf16).
+    #[arg(long, default_value_t = 0.0)]
+    pub peak_tflops: f64,
 }
 
 pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     init_threads(a.threads);
-    let be = if a.profile_ops {
-        CpuBackend::profiled()
-    } else {
-        CpuBackend::new()
-    };
+    match a.device.as_str() {
+        "cpu" => {
+            let be = if a.profile_ops {
+                CpuBackend::profiled()
+            } else {
+                CpuBackend::new()
+            };
+            let timed_s = bench_on(&be, a, &|| be.profiler.reset())?;
+            if a.profile_ops {
+                print!("{}", be.profiler.report(timed_s));
+            }
+            Ok(())
+        }
+        "cuda" => {
+            if a.profile_ops {
+                bail!("--profile-ops times CPU kernels only; on CUDA use Nsight Systems (nsys profile titan bench train ...)");
+            }
+            let be = CudaBackend::new(0, GemmPrecision::from_config(&a.precision)?)?;
+            bench_on(&be, a, &|| ()).map(|_| ())
+        }
+        other => bail!("--device `{other}` is not known (accepted: cpu, cuda)"),
+    }
+}
+
+/// Runs the timed steps; `on_warm` is called once the warm-up steps are done. Returns the seconds
+/// spent in timed steps.
+fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Result<f64> {
     let mut args = ModelArgs::flavor(&a.flavor)?;
     if let Some(kv) = a.kv_heads {
         args.n_kv_heads = kv;
@@ -57,13 +91,14 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     crate::train::memory::check_fits(
         &crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq),
         &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq),
+        be.device_free_memory(),
     )?;
-    let model = Llama::new(&be, args.clone(), a.seq)?;
+    let model = Llama::new(be, args.clone(), a.seq)?;
     let specs = model.param_specs();
-    let mut params = init_params(&be, &args, 0);
-    let mut grads = ParamSet::zeros(&be, &specs);
-    let mut opt = AdamW::new(&be, &specs, OptimizerConfig::default());
-    let mut ws = Workspace::new(&be, &args, a.batch, a.seq);
+    let mut params = init_params(be, &args, 0);
+    let mut grads = ParamSet::zeros(be, &specs);
+    let mut opt = AdamW::new(be, &specs, OptimizerConfig::default());
+    let mut ws = Workspace::new(be, &args, a.batch, a.seq);
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let batches: Vec<Vec<u32>> = (0..4)
         .map(|_| {
@@ -76,11 +111,12 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     let mut losses = Vec::new();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
-            be.profiler.reset();
+            on_warm();
         }
+        be.synchronize();
         let t0 = Instant::now();
         let (loss, _) = train_step(
-            &be,
+            be,
             &model,
             &mut params,
             &mut grads,
@@ -92,6 +128,7 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             1.0,
             None,
         )?;
+        be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
         losses.push(loss);
         if i >= a.warmup {
@@ -104,33 +141,44 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     let tokens = (a.batch * a.seq) as f64;
     let tok_s = tokens / median;
     let gflops = tok_s * args.flops_per_token(a.seq) / 1e9;
-    let peak = peak_memory();
+    let peak_rss = peak_memory();
+    let device_peak = be.device_peak_memory();
     let threads = rayon::current_num_threads();
+    let peak_tflops = if a.peak_tflops > 0.0 {
+        a.peak_tflops
+    } else {
+        default_peak_tflops(be.name(), threads)
+    };
+    let mfu = 100.0 * gflops / 1e3 / peak_tflops;
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"flavor": a.flavor, "batch": a.batch, "seq": a.seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
+            serde_json::json!({"device": be.name(), "precision": a.precision, "flavor": a.flavor, "batch": a.batch, "seq": a.seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
                 "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1], "tokens_per_s": tok_s,
-                "gflops": gflops, "peak_rss_mib": peak as f64 / (1 << 20) as f64, "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
+                "gflops": gflops, "tflops": gflops / 1e3, "mfu_pct": mfu, "peak_tflops": peak_tflops,
+                "peak_rss_mib": mib(peak_rss), "peak_device_mib": device_peak.map(mib),
+                "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
         );
     } else {
+        let memory = match device_peak {
+            Some(b) => format!("peak device memory {:.0} MiB", mib(b)),
+            None => format!("peak RSS {:.0} MiB", mib(peak_rss)),
+        };
         println!(
-            "bench train | {} b={} s={} threads={threads} | tok/s {tok_s:.0} | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | peak RSS {:.0} MiB | loss {:.3} -> {:.3}",
+            "bench train | {} {} b={} s={} threads={threads} | tok/s {tok_s:.0} | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} | loss {:.3} -> {:.3}",
+            be.name(),
             a.flavor,
             a.batch,
             a.seq,
             median * 1e3,
             times[0] * 1e3,
             times[times.len() - 1] * 1e3,
-            peak as f64 / (1 << 20) as f64,
             losses[0],
             losses[losses.len() - 1]
         );
     }
-    if a.profile_ops {
-        print!("{}", be.profiler.report(timed_s));
-    }
-    Ok(())
+    Ok(timed_s)
 }
 
 /// Best-of-5 GFLOP/s of `out[m,n] = a[m,k]·b[k,n]` through the backend's matmul.

@@ -1,6 +1,7 @@
 //! The `titan` command: argument parsing and dispatch to the subcommands.
 
 pub mod bench;
+pub mod cuda;
 pub mod generate;
 
 use std::path::PathBuf;
@@ -64,6 +65,11 @@ pub enum Command {
     Tokenizer {
         #[command(subcommand)]
         action: TokenizerCommand,
+    },
+    /// The CUDA backend: library check, NVRTC build of the kernels, CUDA-vs-CPU check.
+    Cuda {
+        #[command(subcommand)]
+        action: cuda::CudaCommand,
     },
     /// Benchmarks (not tests): print throughput, GFLOP/s and memory.
     Bench {
@@ -186,6 +192,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 output,
             } => crate::data::bpe::train_bpe(&input, vocab_size, &output),
         },
+        Command::Cuda { action } => cuda::run(&action),
         Command::Bench { what } => match what {
             BenchCommand::Train(args) => bench::run_train(&args),
             BenchCommand::Gemm { threads, shape } => bench::run_gemm(threads, &shape),

@@ -142,6 +142,9 @@ pub struct TrainingConfig {
     pub device: String,
     /// CPU threads; 0 uses every core.
     pub threads: usize,
+    /// Arithmetic of the CUDA GEMMs: bfloat16 (tensor cores, fp32 accumulation), tfloat32 or
+    /// float32. Weights, gradients and optimizer state stay fp32; the CPU always computes in fp32.
+    pub mixed_precision_param: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -232,6 +235,7 @@ impl Default for TrainingConfig {
             dataset_path: String::new(),
             seed: 42,
             device: "cpu".into(),
+            mixed_precision_param: "bfloat16".into(),
             threads: 0,
         }
     }
@@ -270,6 +274,7 @@ pub const DATASETS: &[&str] = &[
     "tokens_u32",
 ];
 pub const DEVICES: &[&str] = &["cpu", "cuda", "auto"];
+pub const PRECISIONS: &[&str] = &["bfloat16", "tfloat32", "float32"];
 
 impl Config {
     /// Reads `path` (or the built-in defaults when `None`) and applies `--section.key value` overrides.
@@ -388,6 +393,13 @@ impl Config {
         }
         if t.dataset != "synthetic" && t.dataset_path.is_empty() {
             bail!("[training] dataset = `{}` needs dataset_path", t.dataset);
+        }
+        if !PRECISIONS.contains(&t.mixed_precision_param.as_str()) {
+            bail!(
+                "[training] mixed_precision_param = `{}` is not known (accepted: {})",
+                t.mixed_precision_param,
+                PRECISIONS.join(", ")
+            );
         }
         if !DEVICES.contains(&t.device.as_str()) {
             bail!(

@@ -60,9 +60,10 @@ pub fn peak_memory() -> u64 {
         .unwrap_or(0)
 }
 
-/// Refuses a job whose estimate exceeds the available memory.
-pub fn check_fits(est: &MemoryEstimate, what: &str) -> Result<()> {
-    if let Some(avail) = available_memory() {
+/// Refuses a job whose estimate exceeds the available memory: the device's free memory where the
+/// backend reports it, else the host's.
+pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) -> Result<()> {
+    if let Some(avail) = device_free.or_else(available_memory) {
         if est.total() > avail {
             bail!(
                 "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB) but only {:.1} GiB is available; \

@@ -12,6 +12,7 @@ use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
 use super::optimizer::{clip_grads, grad_norm, AdamW};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::{Backend, IGNORE_INDEX};
 use crate::checkpoint::{self, TrainState};
 use crate::comm::group::ProcessGroup;
@@ -38,12 +39,28 @@ pub struct RunOptions {
     pub stop_after: Option<u64>,
 }
 
-pub fn select_backend(cfg: &Config) -> Result<CpuBackend> {
+/// The device a run trains on, from `[training] device` (`auto`: CUDA when a GPU and its libraries
+/// are there, else the CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda,
+}
+
+pub fn select_device(cfg: &Config) -> Result<Device> {
     match cfg.training.device.as_str() {
-        "cpu" | "auto" => Ok(CpuBackend::new()),
-        "cuda" => bail!("[training] device = \"cuda\": the CUDA backend is not built yet in this titan; use device = \"cpu\""),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda),
+        "auto" if crate::backend::cuda::libs::cuda_usable() => Ok(Device::Cuda),
+        "auto" => Ok(Device::Cpu),
         other => bail!("[training] device = `{other}` is not known (accepted: cpu, cuda, auto)"),
     }
+}
+
+/// The CUDA backend for this process: GPU `local_rank` (one process per GPU).
+pub fn cuda_backend(cfg: &Config, local_rank: usize) -> Result<CudaBackend> {
+    let precision = GemmPrecision::from_config(&cfg.training.mixed_precision_param)?;
+    CudaBackend::new(local_rank, precision)
 }
 
 /// Sizes rayon's global pool once per process (`threads = 0` keeps rayon's default: every core).
@@ -57,9 +74,24 @@ pub fn init_threads(threads: usize) {
 
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     init_threads(cfg.training.threads);
-    let be = select_backend(cfg)?;
+    let device = select_device(cfg)?;
     let dist = crate::launch::Distributed::from_env(cfg)?;
-    train_on(&be, cfg, opts, dist.as_ref())
+    match device {
+        Device::Cpu => train_on(&CpuBackend::new(), cfg, opts, dist.as_ref()),
+        Device::Cuda => {
+            let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
+            let be = cuda_backend(cfg, local_rank)?;
+            if !opts.quiet {
+                println!(
+                    "device: {} ({}), GEMMs in {:?}",
+                    be.device_name(),
+                    be.arch(),
+                    be.precision()
+                );
+            }
+            train_on(&be, cfg, opts, dist.as_ref())
+        }
+    }
 }
 
 fn train_on<B: Backend>(
@@ -100,6 +132,7 @@ fn train_on<B: Backend>(
             "model flavor {} at local_batch_size {batch} × seq_len {seq}",
             cfg.model.flavor
         ),
+        be.device_free_memory(),
     )?;
 
     let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
@@ -297,7 +330,7 @@ fn train_on<B: Backend>(
             mfu: 100.0 * tflops / peak_tflops,
             step_time_s: step_time,
             data_time_pct: 100.0 * data_time / step_time,
-            peak_memory_bytes: peak_memory(),
+            peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
         };
         if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
             if let Some(logger) = &mut logger {

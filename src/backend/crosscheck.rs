@@ -1,0 +1,385 @@
+//! Op-by-op comparison of two backends on the same fresh random inputs: every kernel of the trait,
+//! forward and backward, run on a reference (the CPU) and on the backend under test (CUDA), with
+//! the largest relative error of each output reported. `titan cuda check` prints this table; the
+//! tests run it CPU-vs-CPU and against a deliberately broken backend to prove it can fail.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::cpu::rope::rope_tables;
+use super::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
+
+/// One output of one op.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpCheck {
+    pub op: String,
+    /// `max |test − ref| / max |ref|` over the output (NaN or ∞ when the test output is not finite).
+    pub rel_err: f64,
+    pub tolerance: f64,
+    pub passed: bool,
+}
+
+/// Relative error of `test` against `reference`: the largest absolute difference over the largest
+/// reference magnitude. A NaN or ∞ anywhere in `test` (or a length mismatch) never passes.
+pub fn rel_err(test: &[f32], reference: &[f32]) -> f64 {
+    if test.len() != reference.len() || test.iter().any(|v| !v.is_finite()) {
+        return f64::NAN;
+    }
+    let scale = reference
+        .iter()
+        .fold(0.0f64, |m, &v| m.max((v as f64).abs()))
+        .max(1e-30);
+    let diff = test
+        .iter()
+        .zip(reference)
+        .fold(0.0f64, |m, (&a, &b)| m.max((a as f64 - b as f64).abs()));
+    diff / scale
+}
+
+/// Tolerances: `exact` for ops computed in fp32 on both sides, `gemm` for ops that go through the
+/// test backend's GEMMs (1e-2 when those run in bf16).
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerances {
+    pub exact: f64,
+    pub gemm: f64,
+}
+
+struct Checker<'a, R: Backend, T: Backend> {
+    reference: &'a R,
+    test: &'a T,
+    rng: ChaCha8Rng,
+    tol: Tolerances,
+    results: Vec<OpCheck>,
+}
+
+impl<R: Backend, T: Backend> Checker<'_, R, T> {
+    fn random(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| (self.rng.gen::<f32>() * 2.0 - 1.0) * scale)
+            .collect()
+    }
+
+    fn ids(&mut self, n: usize, below: usize) -> Vec<u32> {
+        (0..n).map(|_| self.rng.gen_range(0..below as u32)).collect()
+    }
+
+    fn record(&mut self, op: &str, test: &[f32], reference: &[f32], tolerance: f64) {
+        let e = rel_err(test, reference);
+        self.results.push(OpCheck {
+            op: op.to_string(),
+            rel_err: e,
+            tolerance,
+            passed: e <= tolerance,
+        });
+    }
+
+    /// Uploads `data` to both backends.
+    fn both(&self, data: &[f32]) -> (R::Buf, T::Buf) {
+        (self.reference.upload(data), self.test.upload(data))
+    }
+
+    /// Downloads one buffer from each backend and records their difference.
+    fn compare(&mut self, op: &str, r: &R::Buf, t: &T::Buf, tolerance: f64) {
+        let (rv, tv) = (self.reference.download(r), self.test.download(t));
+        self.record(op, &tv, &rv, tolerance);
+    }
+
+    fn matmul(&mut self) {
+        let (m, k, n) = (67, 129, 45);
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for accumulate in [false, true] {
+                let a = self.random(m * k, 1.0);
+                let b = self.random(k * n, 1.0);
+                let c = self.random(m * n, 1.0);
+                let (ra, tav) = self.both(&a);
+                let (rb, tbv) = self.both(&b);
+                let (mut rc, mut tc) = self.both(&c);
+                self.reference
+                    .matmul(&mut rc, &ra, &rb, m, k, n, ta, tb, accumulate);
+                self.test.matmul(&mut tc, &tav, &tbv, m, k, n, ta, tb, accumulate);
+                let name = format!(
+                    "matmul {}{}{}",
+                    if ta { "Aᵀ" } else { "A" },
+                    if tb { "Bᵀ" } else { "B" },
+                    if accumulate { " +=" } else { "" }
+                );
+                self.compare(&name, &rc, &tc, self.tol.gemm);
+            }
+        }
+    }
+
+    fn embedding(&mut self) {
+        let (vocab, dim, tokens) = (50, 96, 300);
+        let table = self.random(vocab * dim, 1.0);
+        let ids = self.ids(tokens, vocab);
+        let (rt, tt) = self.both(&table);
+        let (mut ro, mut to) = (self.reference.zeros(tokens * dim), self.test.zeros(tokens * dim));
+        self.reference.embedding_forward(&mut ro, &rt, &ids, dim);
+        self.test.embedding_forward(&mut to, &tt, &ids, dim);
+        self.compare("embedding_forward", &ro, &to, self.tol.exact);
+        let dout = self.random(tokens * dim, 1.0);
+        let (rd, td) = self.both(&dout);
+        let init = self.random(vocab * dim, 1.0);
+        let (mut rg, mut tg) = self.both(&init);
+        self.reference.embedding_backward(&mut rg, &rd, &ids, dim);
+        self.test.embedding_backward(&mut tg, &td, &ids, dim);
+        self.compare("embedding_backward", &rg, &tg, self.tol.exact);
+    }
+
+    fn rmsnorm(&mut self) {
+        let (rows, dim) = (37, 1000);
+        let x = self.random(rows * dim, 2.0);
+        let w = self.random(dim, 1.0);
+        let (rx, tx) = self.both(&x);
+        let (rw, tw) = self.both(&w);
+        let (mut ro, mut to) = (self.reference.zeros(rows * dim), self.test.zeros(rows * dim));
+        let (mut rr, mut tr) = (self.reference.zeros(rows), self.test.zeros(rows));
+        self.reference.rmsnorm_forward(&mut ro, &mut rr, &rx, &rw, dim, 1e-5);
+        self.test.rmsnorm_forward(&mut to, &mut tr, &tx, &tw, dim, 1e-5);
+        self.compare("rmsnorm_forward out", &ro, &to, self.tol.exact);
+        self.compare("rmsnorm_forward rstd", &rr, &tr, self.tol.exact);
+        let dout = self.random(rows * dim, 1.0);
+        let (rd, td) = self.both(&dout);
+        let dx0 = self.random(rows * dim, 1.0);
+        let dw0 = self.random(dim, 1.0);
+        let (mut rdx, mut tdx) = self.both(&dx0);
+        let (mut rdw, mut tdw) = self.both(&dw0);
+        self.reference
+            .rmsnorm_backward(&mut rdx, &mut rdw, &rd, &rx, &rw, &rr, dim);
+        self.test
+            .rmsnorm_backward(&mut tdx, &mut tdw, &td, &tx, &tw, &tr, dim);
+        self.compare("rmsnorm_backward dx", &rdx, &tdx, self.tol.exact);
+        self.compare("rmsnorm_backward dweight", &rdw, &tdw, self.tol.exact);
+    }
+
+    fn rope(&mut self) {
+        let (batch, seq, heads, hd, offset) = (2, 19, 3, 64, 5);
+        let (cos, sin) = rope_tables(hd, seq + offset, 500000.0, None);
+        let (rc, tc) = self.both(&cos);
+        let (rs, ts) = self.both(&sin);
+        let x = self.random(batch * seq * heads * hd, 1.0);
+        let (mut rx, mut tx) = self.both(&x);
+        self.reference
+            .rope_forward(&mut rx, &rc, &rs, batch, seq, heads, hd, offset);
+        self.test
+            .rope_forward(&mut tx, &tc, &ts, batch, seq, heads, hd, offset);
+        self.compare("rope_forward", &rx, &tx, self.tol.exact);
+        let (mut rx, mut tx) = self.both(&x);
+        self.reference
+            .rope_backward(&mut rx, &rc, &rs, batch, seq, heads, hd);
+        self.test.rope_backward(&mut tx, &tc, &ts, batch, seq, heads, hd);
+        self.compare("rope_backward", &rx, &tx, self.tol.exact);
+    }
+
+    fn attention(&mut self, label: &str, s: AttnShape, backward: bool) {
+        let q = self.random(s.batch * s.q_len * s.n_heads * s.head_dim, 1.0);
+        let kv_len = s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim;
+        let k = self.random(kv_len, 1.0);
+        let v = self.random(kv_len, 1.0);
+        let (rq, tq) = self.both(&q);
+        let (rk, tk) = self.both(&k);
+        let (rv, tv) = self.both(&v);
+        let (mut ro, mut to) = (self.reference.zeros(q.len()), self.test.zeros(q.len()));
+        let stats = s.batch * s.n_heads * s.q_len;
+        let (mut rl, mut tl) = (self.reference.zeros(stats), self.test.zeros(stats));
+        self.reference
+            .attention_forward(&mut ro, &mut rl, &rq, &rk, &rv, s);
+        self.test.attention_forward(&mut to, &mut tl, &tq, &tk, &tv, s);
+        self.compare(&format!("attention_forward {label} out"), &ro, &to, self.tol.exact);
+        self.compare(&format!("attention_forward {label} lse"), &rl, &tl, self.tol.exact);
+        if !backward {
+            return;
+        }
+        let dout = self.random(q.len(), 1.0);
+        let (rd, td) = self.both(&dout);
+        let (mut rdq, mut tdq) = (self.reference.zeros(q.len()), self.test.zeros(q.len()));
+        let (mut rdk, mut tdk) = (self.reference.zeros(kv_len), self.test.zeros(kv_len));
+        let (mut rdv, mut tdv) = (self.reference.zeros(kv_len), self.test.zeros(kv_len));
+        self.reference.attention_backward(
+            &mut rdq, &mut rdk, &mut rdv, &rd, &rq, &rk, &rv, &ro, &rl, s,
+        );
+        self.test.attention_backward(
+            &mut tdq, &mut tdk, &mut tdv, &td, &tq, &tk, &tv, &to, &tl, s,
+        );
+        for (name, r, t) in [("dq", &rdq, &tdq), ("dk", &rdk, &tdk), ("dv", &rdv, &tdv)] {
+            self.compare(&format!("attention_backward {label} {name}"), r, t, self.tol.exact);
+        }
+    }
+
+    fn swiglu_and_elementwise(&mut self) {
+        let n = 10_007;
+        let g = self.random(n, 4.0);
+        let u = self.random(n, 2.0);
+        let (rg, tg) = self.both(&g);
+        let (ru, tu) = self.both(&u);
+        let (mut ro, mut to) = (self.reference.zeros(n), self.test.zeros(n));
+        self.reference.swiglu_forward(&mut ro, &rg, &ru);
+        self.test.swiglu_forward(&mut to, &tg, &tu);
+        self.compare("swiglu_forward", &ro, &to, self.tol.exact);
+        let d = self.random(n, 1.0);
+        let (rd, td) = self.both(&d);
+        let (mut rdg, mut tdg) = (self.reference.zeros(n), self.test.zeros(n));
+        let (mut rdu, mut tdu) = (self.reference.zeros(n), self.test.zeros(n));
+        self.reference
+            .swiglu_backward(&mut rdg, &mut rdu, &rd, &rg, &ru);
+        self.test.swiglu_backward(&mut tdg, &mut tdu, &td, &tg, &tu);
+        self.compare("swiglu_backward dgate", &rdg, &tdg, self.tol.exact);
+        self.compare("swiglu_backward dup", &rdu, &tdu, self.tol.exact);
+
+        self.reference.add(&mut ro, &rg, &ru);
+        self.test.add(&mut to, &tg, &tu);
+        self.compare("add", &ro, &to, self.tol.exact);
+        self.reference.add_assign(&mut ro, &rd);
+        self.test.add_assign(&mut to, &td);
+        self.compare("add_assign", &ro, &to, self.tol.exact);
+        self.reference.scale(&mut ro, -0.37);
+        self.test.scale(&mut to, -0.37);
+        self.compare("scale", &ro, &to, self.tol.exact);
+        let (mut rb, mut tb) = (self.reference.zeros(3 * n), self.test.zeros(3 * n));
+        self.reference.fill(&mut rb, 0.5);
+        self.test.fill(&mut tb, 0.5);
+        self.reference.copy_into_at(&mut rb, n + 3, &ro);
+        self.test.copy_into_at(&mut tb, n + 3, &to);
+        self.compare("fill + copy_into_at", &rb, &tb, self.tol.exact);
+        self.reference.copy_from(&mut ro, &rg);
+        self.test.copy_from(&mut to, &tg);
+        self.compare("copy_from", &ro, &to, self.tol.exact);
+    }
+
+    fn cross_entropy(&mut self) {
+        // More rows than one loss chunk of either backend, and some ignored targets.
+        let (rows, dim, vocab) = (1500, 32, 300);
+        let h = self.random(rows * dim, 1.0);
+        let w = self.random(vocab * dim, 0.5);
+        let mut targets = self.ids(rows, vocab);
+        for t in targets.iter_mut().step_by(7) {
+            *t = IGNORE_INDEX;
+        }
+        let (rh, th) = self.both(&h);
+        let (rw, tw) = self.both(&w);
+        let dh0 = self.random(rows * dim, 0.1);
+        let dw0 = self.random(vocab * dim, 0.1);
+        let (mut rdh, mut tdh) = self.both(&dh0);
+        let (mut rdw, mut tdw) = self.both(&dw0);
+        let scale = 1.0 / rows as f32;
+        let rl = self.reference.cross_entropy_forward_backward(
+            &rh,
+            &rw,
+            &targets,
+            dim,
+            vocab,
+            scale,
+            Some((&mut rdh, &mut rdw)),
+        );
+        let tl = self.test.cross_entropy_forward_backward(
+            &th,
+            &tw,
+            &targets,
+            dim,
+            vocab,
+            scale,
+            Some((&mut tdh, &mut tdw)),
+        );
+        let count_ok = rl.count == tl.count;
+        self.record(
+            "cross_entropy loss",
+            &[tl.sum as f32, if count_ok { 0.0 } else { f32::NAN }],
+            &[rl.sum as f32, 0.0],
+            self.tol.gemm,
+        );
+        self.compare("cross_entropy dh", &rdh, &tdh, self.tol.gemm);
+        self.compare("cross_entropy dweight", &rdw, &tdw, self.tol.gemm);
+    }
+
+    fn adamw_and_norm(&mut self) {
+        let n = 5000;
+        let p = self.random(n, 1.0);
+        let g = self.random(n, 0.1);
+        let m = self.random(n, 0.01);
+        let v: Vec<f32> = self.random(n, 1e-3).iter().map(|x| x.abs()).collect();
+        let (mut rp, mut tp) = self.both(&p);
+        let (rg, tg) = self.both(&g);
+        let (mut rm, mut tm) = self.both(&m);
+        let (mut rv, mut tv) = self.both(&v);
+        let hp = AdamWStep {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 7,
+        };
+        self.reference
+            .adamw_step(&mut rp, &rg, &mut rm, &mut rv, hp);
+        self.test.adamw_step(&mut tp, &tg, &mut tm, &mut tv, hp);
+        self.compare("adamw_step param", &rp, &tp, self.tol.exact);
+        self.compare("adamw_step exp_avg", &rm, &tm, self.tol.exact);
+        self.compare("adamw_step exp_avg_sq", &rv, &tv, self.tol.exact);
+        let big = self.random(300_001, 3.0);
+        let (rb, tb) = self.both(&big);
+        let (rs, ts) = (self.reference.sum_squares(&rb), self.test.sum_squares(&tb));
+        self.record("sum_squares", &[ts as f32], &[rs as f32], self.tol.exact);
+    }
+}
+
+/// Runs every op on both backends and returns one row per output.
+pub fn check_ops<R: Backend, T: Backend>(
+    reference: &R,
+    test: &T,
+    tol: Tolerances,
+    seed: u64,
+) -> Vec<OpCheck> {
+    let mut c = Checker {
+        reference,
+        test,
+        rng: ChaCha8Rng::seed_from_u64(seed),
+        tol,
+        results: Vec::new(),
+    };
+    c.matmul();
+    c.embedding();
+    c.rmsnorm();
+    c.rope();
+    c.attention("MHA hd16", AttnShape::causal(2, 45, 4, 4, 16), true);
+    c.attention("GQA hd64", AttnShape::causal(1, 77, 4, 2, 64), true);
+    c.attention("GQA hd128", AttnShape::causal(1, 40, 8, 2, 128), true);
+    c.attention(
+        "KV cache",
+        AttnShape {
+            batch: 2,
+            q_len: 5,
+            kv_len: 38,
+            kv_capacity: 48,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 32,
+            q_offset: 33,
+        },
+        false,
+    );
+    c.swiglu_and_elementwise();
+    c.cross_entropy();
+    c.adamw_and_norm();
+    c.test.synchronize();
+    c.results
+}
+
+/// The table `titan cuda check` prints: one line per output, then the verdict.
+pub fn format_table(rows: &[OpCheck]) -> String {
+    let width = rows.iter().map(|r| r.op.chars().count()).max().unwrap_or(2);
+    let mut out = format!("{:<width$}  {:>10}  {:>9}  result\n", "op", "rel err", "tolerance");
+    for r in rows {
+        let pad = width - r.op.chars().count();
+        out += &format!(
+            "{}{}  {:>10.2e}  {:>9.0e}  {}\n",
+            r.op,
+            " ".repeat(pad),
+            r.rel_err,
+            r.tolerance,
+            if r.passed { "ok" } else { "FAIL" }
+        );
+    }
+    let failed = rows.iter().filter(|r| !r.passed).count();
+    out += &format!("{} of {} outputs within tolerance\n", rows.len() - failed, rows.len());
+    out
+}

@@ -1,0 +1,209 @@
+// Causal grouped-query attention in the flash-attention manner: keys are visited in tiles of 32 with
+// an online softmax, the log-sum-exp of each query row is saved, and no [seq, seq] matrix is ever
+// stored. One warp owns one query row (forward, dQ) or one key row (dK, dV): lane j scores key (or
+// query) j of the tile, then the lanes switch to splitting head_dim to accumulate the output row.
+// The backward recomputes the probabilities from the saved log-sum-exp and needs no atomics, so it
+// is deterministic.
+//
+// Layouts: q, out, dout [batch, q_len, n_heads, head_dim]; k, v [batch, kv_cap, n_kv_heads, head_dim];
+// lse, delta [batch, n_heads, q_len]. head_dim <= TITAN_ATTN_MAX_D.
+
+#define TITAN_ATTN_WARPS 4
+#define TITAN_ATTN_MAX_D 256
+#define TITAN_ATTN_PER_LANE (TITAN_ATTN_MAX_D / 32)
+
+__device__ __forceinline__ float dot_shared_global(const float* a, const float* b, int d) {
+    float acc = 0.0f;
+    for (int c = 0; c < d; ++c) acc += a[c] * b[c];
+    return acc;
+}
+
+extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k,
+                                             const float* v, int q_len, int kv_len, int kv_cap,
+                                             int n_heads, int n_kv_heads, int head_dim, int q_offset,
+                                             float scale) {
+    __shared__ float q_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int i = blockIdx.x * TITAN_ATTN_WARPS + warp;
+    int h = blockIdx.y, b = blockIdx.z;
+    if (i >= q_len) return;
+    int kvh = h / (n_heads / n_kv_heads);
+    const float* qi = q + (((i64)b * q_len + i) * n_heads + h) * head_dim;
+    float* qs = q_rows[warp];
+    for (int c = lane; c < head_dim; c += 32) qs[c] = qi[c];
+    __syncwarp();
+    int n_keys = min(q_offset + i + 1, kv_len);
+    i64 kv_stride = (i64)n_kv_heads * head_dim;
+    const float* kb = k + (i64)b * kv_cap * kv_stride + (i64)kvh * head_dim;
+    const float* vb = v + (i64)b * kv_cap * kv_stride + (i64)kvh * head_dim;
+    float acc[TITAN_ATTN_PER_LANE];
+#pragma unroll
+    for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] = 0.0f;
+    float row_max = TITAN_NEG_INF, row_sum = 0.0f;
+    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+        int j = j0 + lane;
+        float s = TITAN_NEG_INF;
+        if (j < n_keys) s = dot_shared_global(qs, kb + (i64)j * kv_stride, head_dim) * scale;
+        float new_max = fmaxf(row_max, warp_max(s));
+        float correction = row_max == TITAN_NEG_INF ? 0.0f : expf(row_max - new_max);
+        float p = j < n_keys ? expf(s - new_max) : 0.0f;
+        row_sum = row_sum * correction + warp_sum(p);
+        row_max = new_max;
+#pragma unroll
+        for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] *= correction;
+        int width = min(32, n_keys - j0);
+        for (int jj = 0; jj < width; ++jj) {
+            float pj = __shfl_sync(TITAN_FULL_MASK, p, jj);
+            const float* vj = vb + (i64)(j0 + jj) * kv_stride;
+#pragma unroll
+            for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+                int d = lane + 32 * c;
+                if (d < head_dim) acc[c] += pj * vj[d];
+            }
+        }
+    }
+    float inv = 1.0f / row_sum;
+    float* oi = out + (((i64)b * q_len + i) * n_heads + h) * head_dim;
+#pragma unroll
+    for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+        int d = lane + 32 * c;
+        if (d < head_dim) oi[d] = acc[c] * inv;
+    }
+    if (lane == 0) lse[((i64)b * n_heads + h) * q_len + i] = row_max + logf(row_sum);
+}
+
+// delta[b,h,i] = dot(dout_i, out_i): the row term of the softmax backward.
+extern "C" __global__ void attention_backward_delta(float* delta, const float* dout, const float* out,
+                                                    int q_len, int n_heads, int head_dim) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int i = blockIdx.x * TITAN_ATTN_WARPS + warp;
+    int h = blockIdx.y, b = blockIdx.z;
+    if (i >= q_len) return;
+    i64 row = (((i64)b * q_len + i) * n_heads + h) * head_dim;
+    float acc = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) acc += dout[row + d] * out[row + d];
+    acc = warp_sum(acc);
+    if (lane == 0) delta[((i64)b * n_heads + h) * q_len + i] = acc;
+}
+
+// dq_i = scale * sum_j p_ij (dp_ij - delta_i) k_j, with p_ij = exp(q_i.k_j * scale - lse_i) and
+// dp_ij = dout_i . v_j. One warp per query row; overwrites dq.
+extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, const float* q,
+                                                 const float* k, const float* v, const float* lse,
+                                                 const float* delta, int seq, int n_heads,
+                                                 int n_kv_heads, int head_dim, float scale) {
+    __shared__ float q_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
+    __shared__ float do_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int i = blockIdx.x * TITAN_ATTN_WARPS + warp;
+    int h = blockIdx.y, b = blockIdx.z;
+    if (i >= seq) return;
+    int kvh = h / (n_heads / n_kv_heads);
+    i64 row = (((i64)b * seq + i) * n_heads + h) * head_dim;
+    float* qs = q_rows[warp];
+    float* dos = do_rows[warp];
+    for (int c = lane; c < head_dim; c += 32) {
+        qs[c] = q[row + c];
+        dos[c] = dout[row + c];
+    }
+    __syncwarp();
+    i64 stat = ((i64)b * n_heads + h) * seq + i;
+    float row_lse = lse[stat], row_delta = delta[stat];
+    i64 kv_stride = (i64)n_kv_heads * head_dim;
+    const float* kb = k + (i64)b * seq * kv_stride + (i64)kvh * head_dim;
+    const float* vb = v + (i64)b * seq * kv_stride + (i64)kvh * head_dim;
+    float acc[TITAN_ATTN_PER_LANE];
+#pragma unroll
+    for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] = 0.0f;
+    int n_keys = i + 1;
+    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+        int j = j0 + lane;
+        float ds = 0.0f;
+        if (j < n_keys) {
+            float p = expf(dot_shared_global(qs, kb + (i64)j * kv_stride, head_dim) * scale - row_lse);
+            float dp = dot_shared_global(dos, vb + (i64)j * kv_stride, head_dim);
+            ds = p * (dp - row_delta) * scale;
+        }
+        int width = min(32, n_keys - j0);
+        for (int jj = 0; jj < width; ++jj) {
+            float dsj = __shfl_sync(TITAN_FULL_MASK, ds, jj);
+            const float* kj = kb + (i64)(j0 + jj) * kv_stride;
+#pragma unroll
+            for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+                int d = lane + 32 * c;
+                if (d < head_dim) acc[c] += dsj * kj[d];
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+        int d = lane + 32 * c;
+        if (d < head_dim) dq[row + d] = acc[c];
+    }
+}
+
+// dv_j = sum over the group's heads and i >= j of p_ij dout_i; dk_j = scale * sum p_ij (dp_ij -
+// delta_i) q_i. One warp per key row of one kv head; overwrites dk and dv.
+extern "C" __global__ void attention_backward_dkdv(float* dk, float* dv, const float* dout,
+                                                   const float* q, const float* k, const float* v,
+                                                   const float* lse, const float* delta, int seq,
+                                                   int n_heads, int n_kv_heads, int head_dim,
+                                                   float scale) {
+    __shared__ float k_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
+    __shared__ float v_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int j = blockIdx.x * TITAN_ATTN_WARPS + warp;
+    int kvh = blockIdx.y, b = blockIdx.z;
+    if (j >= seq) return;
+    i64 kv_row = (((i64)b * seq + j) * n_kv_heads + kvh) * head_dim;
+    float* ks = k_rows[warp];
+    float* vs = v_rows[warp];
+    for (int c = lane; c < head_dim; c += 32) {
+        ks[c] = k[kv_row + c];
+        vs[c] = v[kv_row + c];
+    }
+    __syncwarp();
+    float acc_k[TITAN_ATTN_PER_LANE], acc_v[TITAN_ATTN_PER_LANE];
+#pragma unroll
+    for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc_k[c] = acc_v[c] = 0.0f;
+    int group = n_heads / n_kv_heads;
+    i64 q_stride = (i64)n_heads * head_dim;
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const float* qb = q + (i64)b * seq * q_stride + (i64)h * head_dim;
+        const float* dob = dout + (i64)b * seq * q_stride + (i64)h * head_dim;
+        const float* lse_h = lse + ((i64)b * n_heads + h) * seq;
+        const float* delta_h = delta + ((i64)b * n_heads + h) * seq;
+        for (int i0 = j; i0 < seq; i0 += 32) {
+            int i = i0 + lane;
+            float p = 0.0f, ds = 0.0f;
+            if (i < seq) {
+                p = expf(dot_shared_global(ks, qb + (i64)i * q_stride, head_dim) * scale - lse_h[i]);
+                float dp = dot_shared_global(vs, dob + (i64)i * q_stride, head_dim);
+                ds = p * (dp - delta_h[i]) * scale;
+            }
+            int width = min(32, seq - i0);
+            for (int ii = 0; ii < width; ++ii) {
+                float pi = __shfl_sync(TITAN_FULL_MASK, p, ii);
+                float dsi = __shfl_sync(TITAN_FULL_MASK, ds, ii);
+                const float* qi = qb + (i64)(i0 + ii) * q_stride;
+                const float* doi = dob + (i64)(i0 + ii) * q_stride;
+#pragma unroll
+                for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+                    int d = lane + 32 * c;
+                    if (d < head_dim) {
+                        acc_v[c] += pi * doi[d];
+                        acc_k[c] += dsi * qi[d];
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+        int d = lane + 32 * c;
+        if (d < head_dim) {
+            dk[kv_row + d] = acc_k[c];
+            dv[kv_row + d] = acc_v[c];
+        }
+    }
+}

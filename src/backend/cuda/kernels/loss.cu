@@ -1,0 +1,38 @@
+// Cross-entropy over one chunk of logit rows. Each row's loss goes to row_loss (NaN marks an ignored
+// target); with want_grad the row is replaced by grad_scale * (softmax - onehot), ready to be pushed
+// back through the output projection by two GEMMs.
+
+#define TITAN_IGNORE_INDEX 0xffffffffu
+
+// One block per row.
+extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, const u32* targets,
+                                              int vocab, float grad_scale, int want_grad) {
+    __shared__ float shared[32];
+    i64 r = blockIdx.x;
+    float* row = logits + r * vocab;
+    u32 t = targets[r];
+    if (t == TITAN_IGNORE_INDEX || t >= (u32)vocab) {
+        // Out-of-range targets are refused on the host before the launch; NaN is the ignore marker.
+        if (threadIdx.x == 0) row_loss[r] = __int_as_float(0x7fc00000);
+        if (want_grad)
+            for (int j = threadIdx.x; j < vocab; j += blockDim.x) row[j] = 0.0f;
+        return;
+    }
+    float m = TITAN_NEG_INF;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, row[j]);
+    m = block_max(m, shared);
+    float z = 0.0f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) z += expf(row[j] - m);
+    z = block_sum(z, shared);
+    float target_logit = row[t];
+    __syncthreads();
+    if (threadIdx.x == 0) row_loss[r] = m + logf(z) - target_logit;
+    if (want_grad) {
+        float inv = grad_scale / z;
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            float gj = expf(row[j] - m) * inv;
+            if (j == (int)t) gj -= grad_scale;
+            row[j] = gj;
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! The CUDA backend: every kernel of the `Backend` trait on one NVIDIA GPU.
+//!
+//! Buffers are f32 device memory (`CudaSlice<f32>`) from the driver's stream-ordered memory pool,
+//! which this backend tells to keep freed memory (release threshold = ∞): after the first step no
+//! call reaches `cudaMalloc`, and the pool's high-water mark is the peak memory in the metrics.
+//! GEMMs go to cuBLASLt (`gemm`); every other op is CUDA C compiled at start-up by NVRTC
+//! (`kernels`). All work is queued on one stream; only `download`, the loss and `sum_squares`
+//! wait for it. The libraries are loaded at run time (`libs`), so titan builds and runs without CUDA.
+
+pub mod gemm;
+pub mod kernels;
+pub mod libs;
+mod ops;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+
+pub use gemm::GemmPrecision;
+use libs::{require, CudaLib};
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    functions: HashMap<&'static str, CudaFunction>,
+    gemm: gemm::Gemm,
+    pool: Option<sys::CUmemoryPool>,
+    device_name: String,
+    arch: String,
+}
+
+// SAFETY: the memory pool handle is only read through the driver, which is thread-safe; the other
+// fields are Send + Sync themselves.
+unsafe impl Send for CudaBackend {}
+unsafe impl Sync for CudaBackend {}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal`, compiles the kernels for its architecture and creates the cuBLASLt handle.
+    pub fn new(ordinal: usize, precision: GemmPrecision) -> Result<Self> {
+        require(
+            &[CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt],
+            "--training.device cuda",
+        )?;
+        let count = libs::device_count()?;
+        if ordinal >= count {
+            return Err(anyhow!(
+                "CUDA device {ordinal} requested but this machine has {count} (check \
+                 CUDA_VISIBLE_DEVICES and the number of processes per node)"
+            ));
+        }
+        let cuda = |what: &str, e: cudarc::driver::DriverError| anyhow!("CUDA {what}: {e}");
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda("context", e))?;
+        // One stream, ordered by construction: the per-buffer event tracking of cudarc is not needed.
+        // SAFETY: no buffer exists yet on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| cuda("compute capability", e))?;
+        let arch = format!("sm_{major}{minor}");
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let compiled = kernels::compile(&arch)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(|e| {
+                anyhow!(
+                    "the driver refused titan's kernels compiled for {arch} ({e}); an NVRTC of a \
+                     newer CUDA major version than the driver's cannot be used: put the NVRTC that \
+                     matches the driver first on LD_LIBRARY_PATH"
+                )
+            })?;
+        let mut functions = HashMap::new();
+        for name in kernels::KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(|e| anyhow!("kernel `{name}` missing from the compiled module: {e}"))?;
+            functions.insert(*name, f);
+        }
+        let pool = keep_freed_memory(&ctx);
+        let gemm = gemm::Gemm::new(stream.clone(), precision)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            functions,
+            gemm,
+            pool,
+            device_name,
+            arch,
+        })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn precision(&self) -> GemmPrecision {
+        self.gemm.precision()
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Waits for every queued kernel (benchmarks time whole steps).
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| anyhow!("CUDA synchronize: {e}"))
+    }
+
+    /// Highest number of bytes the memory pool has handed out since the last reset.
+    pub fn peak_memory_bytes(&self) -> Option<u64> {
+        let pool = self.pool?;
+        let mut value = 0u64;
+        // SAFETY: pool is the device's default pool; the attribute is a u64.
+        let r = unsafe {
+            sys::cuMemPoolGetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut value as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(value)
+    }
+
+    /// Total and free device memory in bytes.
+    pub fn memory_info(&self) -> Option<(usize, usize)> {
+        self.ctx.mem_get_info().ok().map(|(free, total)| (total, free))
+    }
+
+    fn function(&self, name: &'static str) -> &CudaFunction {
+        &self.functions[name]
+    }
+
+    fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> CudaSlice<T> {
+        self.stream
+            .alloc_zeros::<T>(len)
+            .unwrap_or_else(|e| panic!("CUDA: allocating {len} elements failed: {e}"))
+    }
+}
+
+/// Sets the default memory pool's release threshold to the maximum so freed blocks stay cached,
+/// and returns the pool for the peak-memory query (None when the device has no pools).
+fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Option<sys::CUmemoryPool> {
+    if !ctx.has_async_alloc() {
+        return None;
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the device handle is valid; the threshold attribute is a u64.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        );
+    }
+    Some(pool)
+}
+
+/// Grid for a grid-stride loop over `n` elements.
+fn elementwise_config(n: usize) -> LaunchConfig {
+    const THREADS: usize = 256;
+    const MAX_BLOCKS: usize = 8192;
+    LaunchConfig {
+        grid_dim: ((n.div_ceil(THREADS)).clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block per row, `threads` wide.
+fn rows_config(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Block width for a per-row reduction over `dim` columns: a multiple of 32, at most 1024.
+fn row_threads(dim: usize) -> u32 {
+    (dim.div_ceil(32) * 32).clamp(32, 1024) as u32
+}

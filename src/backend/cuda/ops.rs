@@ -1,0 +1,552 @@
+//! `Backend` for `CudaBackend`: argument checks on the host, then one launch per kernel (or a
+//! cuBLASLt call). A CUDA failure in the middle of a step cannot be recovered, so it panics with the
+//! op's name and the driver's error.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
+use super::{elementwise_config, row_threads, rows_config, CudaBackend};
+use crate::backend::cpu::loss::chunk_rows;
+use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
+
+type Buf = cudarc::driver::CudaSlice<f32>;
+
+/// Launches kernel `$name` with `$cfg` and the given arguments (device buffers by reference,
+/// scalars as references to locals of the kernel's C type).
+macro_rules! launch {
+    ($be:expr, $name:literal, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let mut builder = $be.stream.launch_builder($be.function($name));
+        $( builder.arg($arg); )+
+        // SAFETY: the argument list matches the kernel's C signature in kernels/*.cu, and the host
+        // checks above keep every index inside the buffers.
+        unsafe { builder.launch($cfg) }
+            .unwrap_or_else(|e| panic!("CUDA kernel `{}` failed: {e}", $name));
+    }};
+}
+
+fn check_len(op: &str, what: &str, have: usize, need: usize) {
+    assert!(
+        have >= need,
+        "{op}: `{what}` holds {have} floats but the shapes need {need}"
+    );
+}
+
+impl CudaBackend {
+    fn elementwise_len(&self, op: &str, bufs: &[(&str, usize)]) -> usize {
+        let n = bufs[0].1;
+        for (what, len) in bufs {
+            assert_eq!(*len, n, "{op}: `{what}` has {len} floats, expected {n}");
+        }
+        n
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_views(
+        &self,
+        out: &mut impl DevicePtrMut<f32>,
+        a: &impl DevicePtr<f32>,
+        b: &impl DevicePtr<f32>,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) {
+        self.gemm
+            .matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
+    fn upload_ids(&self, ids: &[u32]) -> cudarc::driver::CudaSlice<u32> {
+        self.stream
+            .clone_htod(ids)
+            .unwrap_or_else(|e| panic!("CUDA: uploading {} token ids failed: {e}", ids.len()))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_rotate(
+        &self,
+        x: &mut Buf,
+        cos: &Buf,
+        sin: &Buf,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        pos_offset: usize,
+        direction: f32,
+    ) {
+        let pairs = batch * seq * heads * head_dim / 2;
+        check_len("rope", "x", x.len(), pairs * 2);
+        check_len("rope", "cos", cos.len(), (pos_offset + seq) * head_dim / 2);
+        check_len("rope", "sin", sin.len(), (pos_offset + seq) * head_dim / 2);
+        if pairs == 0 {
+            return;
+        }
+        let (n, s, h, d, p) = (
+            pairs as i64,
+            seq as i32,
+            heads as i32,
+            head_dim as i32,
+            pos_offset as i32,
+        );
+        launch!(self, "rope_rotate", elementwise_config(pairs), x, cos, sin, &n, &s, &h, &d, &p, &direction);
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = Buf;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn zeros(&self, len: usize) -> Buf {
+        self.alloc(len)
+    }
+    fn upload(&self, data: &[f32]) -> Buf {
+        self.stream
+            .clone_htod(data)
+            .unwrap_or_else(|e| panic!("CUDA: uploading {} floats failed: {e}", data.len()))
+    }
+    fn download(&self, buf: &Buf) -> Vec<f32> {
+        self.stream
+            .clone_dtoh(buf)
+            .unwrap_or_else(|e| panic!("CUDA: downloading {} floats failed: {e}", buf.len()))
+    }
+    fn len(&self, buf: &Buf) -> usize {
+        buf.len()
+    }
+    fn fill(&self, buf: &mut Buf, value: f32) {
+        let n = buf.len();
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "fill_f32", elementwise_config(n), buf, &value, &len);
+    }
+    fn copy_from(&self, dst: &mut Buf, src: &Buf) {
+        assert_eq!(dst.len(), src.len(), "copy_from: lengths differ");
+        self.stream
+            .memcpy_dtod(src, dst)
+            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+    }
+    fn copy_into_at(&self, dst: &mut Buf, offset: usize, src: &Buf) {
+        check_len("copy_into_at", "dst", dst.len(), offset + src.len());
+        let mut window = dst.slice_mut(offset..offset + src.len());
+        self.stream
+            .memcpy_dtod(src, &mut window)
+            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+    }
+
+    fn matmul(
+        &self,
+        out: &mut Buf,
+        a: &Buf,
+        b: &Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+        accumulate: bool,
+    ) {
+        check_len("matmul", "a", a.len(), m * k);
+        check_len("matmul", "b", b.len(), k * n);
+        check_len("matmul", "out", out.len(), m * n);
+        self.gemm_views(out, a, b, m, k, n, trans_a, trans_b, accumulate);
+    }
+
+    fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
+        let vocab = table.len() / dim;
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            panic!("token id {bad} is outside the embedding table of {vocab} rows");
+        }
+        check_len("embedding_forward", "out", out.len(), ids.len() * dim);
+        if ids.is_empty() {
+            return;
+        }
+        let dev_ids = self.upload_ids(ids);
+        let d = dim as i32;
+        launch!(self, "embedding_forward", rows_config(ids.len(), row_threads(dim).min(256)), out, table, &dev_ids, &d);
+    }
+    fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
+        let vocab = dtable.len() / dim;
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            panic!("token id {bad} is outside the embedding table of {vocab} rows");
+        }
+        check_len("embedding_backward", "dout", dout.len(), ids.len() * dim);
+        if ids.is_empty() {
+            return;
+        }
+        let dev_ids = self.upload_ids(ids);
+        let (t, d) = (ids.len() as i32, dim as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (dim.div_ceil(128) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "embedding_backward", cfg, dtable, dout, &dev_ids, &t, &d);
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Buf,
+        rstd: &mut Buf,
+        x: &Buf,
+        weight: &Buf,
+        dim: usize,
+        eps: f32,
+    ) {
+        let rows = x.len() / dim;
+        check_len("rmsnorm_forward", "out", out.len(), rows * dim);
+        check_len("rmsnorm_forward", "rstd", rstd.len(), rows);
+        check_len("rmsnorm_forward", "weight", weight.len(), dim);
+        if rows == 0 {
+            return;
+        }
+        let d = dim as i32;
+        launch!(self, "rmsnorm_forward", rows_config(rows, row_threads(dim)), out, rstd, x, weight, &d, &eps);
+    }
+    fn rmsnorm_backward(
+        &self,
+        dx: &mut Buf,
+        dweight: &mut Buf,
+        dout: &Buf,
+        x: &Buf,
+        weight: &Buf,
+        rstd: &Buf,
+        dim: usize,
+    ) {
+        let rows = x.len() / dim;
+        check_len("rmsnorm_backward", "dx", dx.len(), rows * dim);
+        check_len("rmsnorm_backward", "dout", dout.len(), rows * dim);
+        check_len("rmsnorm_backward", "rstd", rstd.len(), rows);
+        check_len("rmsnorm_backward", "dweight", dweight.len(), dim);
+        if rows == 0 {
+            return;
+        }
+        let (r, d) = (rows as i32, dim as i32);
+        launch!(self, "rmsnorm_backward_dx", rows_config(rows, row_threads(dim)), dx, dout, x, weight, rstd, &d);
+        let cfg = LaunchConfig {
+            grid_dim: (dim.div_ceil(128) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "rmsnorm_backward_dweight", cfg, dweight, dout, x, rstd, &r, &d);
+    }
+
+    fn rope_forward(
+        &self,
+        x: &mut Buf,
+        cos: &Buf,
+        sin: &Buf,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+        pos_offset: usize,
+    ) {
+        self.rope_rotate(x, cos, sin, batch, seq, heads, head_dim, pos_offset, 1.0);
+    }
+    fn rope_backward(
+        &self,
+        dx: &mut Buf,
+        cos: &Buf,
+        sin: &Buf,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+    ) {
+        self.rope_rotate(dx, cos, sin, batch, seq, heads, head_dim, 0, -1.0);
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut Buf,
+        lse: &mut Buf,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        s: AttnShape,
+    ) {
+        check_attention_shape(&s);
+        let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
+        let kv_floats = s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim;
+        check_len("attention_forward", "q", q.len(), q_floats);
+        check_len("attention_forward", "out", out.len(), q_floats);
+        check_len("attention_forward", "k", k.len(), kv_floats);
+        check_len("attention_forward", "v", v.len(), kv_floats);
+        check_len("attention_forward", "lse", lse.len(), s.batch * s.n_heads * s.q_len);
+        if q_floats == 0 {
+            return;
+        }
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let (ql, kl, kc, h, kvh, d, off) = (
+            s.q_len as i32,
+            s.kv_len as i32,
+            s.kv_capacity as i32,
+            s.n_heads as i32,
+            s.n_kv_heads as i32,
+            s.head_dim as i32,
+            s.q_offset as i32,
+        );
+        let cfg = attention_config(s.q_len, s.n_heads, s.batch);
+        launch!(self, "attention_forward", cfg, out, lse, q, k, v, &ql, &kl, &kc, &h, &kvh, &d, &off, &scale);
+    }
+    fn attention_backward(
+        &self,
+        dq: &mut Buf,
+        dk: &mut Buf,
+        dv: &mut Buf,
+        dout: &Buf,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        out: &Buf,
+        lse: &Buf,
+        s: AttnShape,
+    ) {
+        check_attention_shape(&s);
+        assert!(
+            s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len,
+            "attention_backward: only the training shape (no KV cache offset) has a backward"
+        );
+        let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
+        let kv_floats = s.batch * s.q_len * s.n_kv_heads * s.head_dim;
+        for (what, len, need) in [
+            ("dq", dq.len(), q_floats),
+            ("dout", dout.len(), q_floats),
+            ("q", q.len(), q_floats),
+            ("out", out.len(), q_floats),
+            ("dk", dk.len(), kv_floats),
+            ("dv", dv.len(), kv_floats),
+            ("k", k.len(), kv_floats),
+            ("v", v.len(), kv_floats),
+            ("lse", lse.len(), s.batch * s.n_heads * s.q_len),
+        ] {
+            check_len("attention_backward", what, len, need);
+        }
+        if q_floats == 0 {
+            return;
+        }
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let mut delta = self.alloc::<f32>(s.batch * s.n_heads * s.q_len);
+        let (seq, h, kvh, d) = (
+            s.q_len as i32,
+            s.n_heads as i32,
+            s.n_kv_heads as i32,
+            s.head_dim as i32,
+        );
+        let per_query = attention_config(s.q_len, s.n_heads, s.batch);
+        launch!(self, "attention_backward_delta", per_query, &mut delta, dout, out, &seq, &h, &d);
+        launch!(self, "attention_backward_dq", per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh, &d, &scale);
+        let per_key = attention_config(s.q_len, s.n_kv_heads, s.batch);
+        launch!(self, "attention_backward_dkdv", per_key, dk, dv, dout, q, k, v, lse, &delta, &seq, &h, &kvh, &d, &scale);
+    }
+
+    fn swiglu_forward(&self, out: &mut Buf, gate: &Buf, up: &Buf) {
+        let n = self.elementwise_len(
+            "swiglu_forward",
+            &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
+        );
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "swiglu_forward", elementwise_config(n), out, gate, up, &len);
+    }
+    fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
+        let n = self.elementwise_len(
+            "swiglu_backward",
+            &[
+                ("dgate", dgate.len()),
+                ("dup", dup.len()),
+                ("dout", dout.len()),
+                ("gate", gate.len()),
+                ("up", up.len()),
+            ],
+        );
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "swiglu_backward", elementwise_config(n), dgate, dup, dout, gate, up, &len);
+    }
+
+    fn add(&self, out: &mut Buf, a: &Buf, b: &Buf) {
+        let n = self.elementwise_len("add", &[("out", out.len()), ("a", a.len()), ("b", b.len())]);
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "add_f32", elementwise_config(n), out, a, b, &len);
+    }
+    fn add_assign(&self, acc: &mut Buf, x: &Buf) {
+        let n = self.elementwise_len("add_assign", &[("acc", acc.len()), ("x", x.len())]);
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "add_assign_f32", elementwise_config(n), acc, x, &len);
+    }
+    fn scale(&self, buf: &mut Buf, factor: f32) {
+        let n = buf.len();
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "scale_f32", elementwise_config(n), buf, &factor, &len);
+    }
+
+    fn cross_entropy_forward_backward(
+        &self,
+        h: &Buf,
+        weight: &Buf,
+        targets: &[u32],
+        dim: usize,
+        vocab: usize,
+        grad_scale: f32,
+        mut grads: Option<(&mut Buf, &mut Buf)>,
+    ) -> LossSum {
+        let rows = targets.len();
+        check_len("cross_entropy", "h", h.len(), rows * dim);
+        check_len("cross_entropy", "weight", weight.len(), vocab * dim);
+        if let Some(&bad) = targets
+            .iter()
+            .find(|&&t| t != IGNORE_INDEX && t as usize >= vocab)
+        {
+            panic!("target id {bad} is outside the vocabulary of {vocab}");
+        }
+        if rows == 0 {
+            return LossSum { sum: 0.0, count: 0 };
+        }
+        let chunk = chunk_rows(vocab).max(GPU_MIN_LOSS_CHUNK_ROWS).min(rows);
+        let mut logits = self.alloc::<f32>(chunk * vocab);
+        let mut row_loss = self.alloc::<f32>(rows);
+        let dev_targets = self.upload_ids(targets);
+        let want_grad = grads.is_some() as i32;
+        let v = vocab as i32;
+        for r0 in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - r0);
+            let h_chunk = h.slice(r0 * dim..(r0 + n) * dim);
+            let mut lc = logits.slice_mut(..n * vocab);
+            self.gemm_views(&mut lc, &h_chunk, weight, n, dim, vocab, false, true, false);
+            let mut loss_chunk = row_loss.slice_mut(r0..r0 + n);
+            let t_chunk = dev_targets.slice(r0..r0 + n);
+            launch!(self, "cross_entropy_rows", rows_config(n, 256), &mut lc, &mut loss_chunk, &t_chunk, &v, &grad_scale, &want_grad);
+            if let Some((dh, dweight)) = grads.as_mut() {
+                let mut dh_chunk = dh.slice_mut(r0 * dim..(r0 + n) * dim);
+                let lc = logits.slice(..n * vocab);
+                self.gemm_views(&mut dh_chunk, &lc, weight, n, vocab, dim, false, false, true);
+                let mut dw = dweight.slice_mut(..);
+                self.gemm_views(&mut dw, &lc, &h_chunk, vocab, n, dim, true, false, true);
+            }
+        }
+        let losses = self
+            .stream
+            .clone_dtoh(&row_loss)
+            .unwrap_or_else(|e| panic!("CUDA: downloading the losses failed: {e}"));
+        let mut total = LossSum { sum: 0.0, count: 0 };
+        for l in losses {
+            if !l.is_nan() {
+                total.sum += l as f64;
+                total.count += 1;
+            }
+        }
+        total
+    }
+
+    fn adamw_step(
+        &self,
+        param: &mut Buf,
+        grad: &Buf,
+        exp_avg: &mut Buf,
+        exp_avg_sq: &mut Buf,
+        hp: AdamWStep,
+    ) {
+        let n = self.elementwise_len(
+            "adamw_step",
+            &[
+                ("param", param.len()),
+                ("grad", grad.len()),
+                ("exp_avg", exp_avg.len()),
+                ("exp_avg_sq", exp_avg_sq.len()),
+            ],
+        );
+        if n == 0 {
+            return;
+        }
+        // The same host-side constants as the CPU kernel, so both round alike.
+        let bias1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
+        let bias2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
+        let step_size = (hp.lr as f64 / bias1) as f32;
+        let bias2_sqrt = bias2.sqrt() as f32;
+        let decay = 1.0 - hp.lr * hp.weight_decay;
+        let len = n as i64;
+        launch!(self, "adamw_step", elementwise_config(n), param, grad, exp_avg, exp_avg_sq, &hp.beta1, &hp.beta2, &hp.eps, &step_size, &bias2_sqrt, &decay, &len);
+    }
+
+    fn sum_squares(&self, buf: &Buf) -> f64 {
+        let n = buf.len();
+        if n == 0 {
+            return 0.0;
+        }
+        const BLOCKS: usize = 256;
+        let mut partials = self.alloc::<f64>(BLOCKS);
+        let cfg = LaunchConfig {
+            grid_dim: (BLOCKS as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let len = n as i64;
+        launch!(self, "sum_squares_partial", cfg, &mut partials, buf, &len);
+        self.stream
+            .clone_dtoh(&partials)
+            .unwrap_or_else(|e| panic!("CUDA: downloading partial sums failed: {e}"))
+            .iter()
+            .sum()
+    }
+
+    fn synchronize(&self) {
+        CudaBackend::synchronize(self).unwrap_or_else(|e| panic!("{e:#}"));
+    }
+    fn device_peak_memory(&self) -> Option<u64> {
+        self.peak_memory_bytes()
+    }
+    fn device_free_memory(&self) -> Option<u64> {
+        self.memory_info().map(|(_, free)| free as u64)
+    }
+}
+
+/// The loss chunk on a GPU: at least this many rows, so the three GEMMs per chunk are large.
+const GPU_MIN_LOSS_CHUNK_ROWS: usize = 1024;
+
+fn check_attention_shape(s: &AttnShape) {
+    assert!(
+        s.head_dim <= ATTN_MAX_HEAD_DIM,
+        "attention: head_dim {} is above the CUDA kernels' limit of {ATTN_MAX_HEAD_DIM}",
+        s.head_dim
+    );
+    assert!(
+        s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0,
+        "attention: {} heads are not a multiple of {} kv heads",
+        s.n_heads,
+        s.n_kv_heads
+    );
+    assert!(s.kv_len <= s.kv_capacity, "attention: kv_len beyond the cache capacity");
+}
+
+/// One warp per row: `rows` rows per (head, batch), `ATTN_WARPS` rows per block.
+fn attention_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            rows.div_ceil(ATTN_WARPS) as u32,
+            heads as u32,
+            batch as u32,
+        ),
+        block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

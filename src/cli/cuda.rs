@@ -1,0 +1,212 @@
+//! `titan cuda`: what a GPU machine offers (`info`), the NVRTC build of every kernel for chosen
+//! architectures without a GPU (`compile`), and the CUDA-vs-CPU check of every op plus a short
+//! training run on both devices (`check`).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::crosscheck::{check_ops, format_table, OpCheck, Tolerances};
+use crate::backend::cuda::libs::{device_count, CudaLib};
+use crate::backend::cuda::{kernels, CudaBackend, GemmPrecision};
+use crate::config::Config;
+use crate::train::{train, RunOptions};
+
+#[derive(clap::Subcommand, Debug)]
+pub enum CudaCommand {
+    /// Which CUDA libraries load, and the GPUs they see.
+    Info,
+    /// Compile every kernel with NVRTC for the given architectures (no GPU needed).
+    Compile {
+        /// Comma-separated architectures, e.g. sm_80,sm_90.
+        #[arg(long, default_value = "sm_80,sm_90")]
+        arch: String,
+        /// Write each architecture's device code to DIR/titan_<arch>.cubin.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Print ptxas's registers, shared memory and spills per kernel.
+        #[arg(long)]
+        verbose: bool,
+    },
+    /// Every op on GPU 0 against the CPU on fresh random inputs, then the debug model trained on
+    /// both devices; exits non-zero when anything is outside its tolerance.
+    Check(CheckArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CheckArgs {
+    /// GEMM arithmetic on the GPU: float32 (tolerance 1e-5), tfloat32 or bfloat16 (1e-2).
+    #[arg(long, default_value = "float32")]
+    pub precision: String,
+    /// Steps of the debug model on each device (0 skips the training comparison).
+    #[arg(long, default_value_t = 20)]
+    pub train_steps: u64,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+pub fn run(cmd: &CudaCommand) -> Result<()> {
+    match cmd {
+        CudaCommand::Info => info(),
+        CudaCommand::Compile { arch, out, verbose } => compile(arch, out.as_ref(), *verbose),
+        CudaCommand::Check(args) => check(args),
+    }
+}
+
+fn info() -> Result<()> {
+    for lib in [CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt] {
+        let state = if lib.is_present() { "found" } else { "MISSING" };
+        println!("{state:>8}  {}", lib.describe());
+    }
+    let n = device_count()?;
+    println!("{n} CUDA device(s)");
+    for i in 0..n {
+        let ctx = cudarc::driver::CudaContext::new(i).context("opening the CUDA device")?;
+        let (major, minor) = ctx.compute_capability()?;
+        println!(
+            "  {i}: {} (sm_{major}{minor}), {:.1} GiB",
+            ctx.name()?,
+            ctx.total_mem()? as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}
+
+fn compile(archs: &str, out: Option<&PathBuf>, verbose: bool) -> Result<()> {
+    for arch in archs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        let compiled = kernels::compile(arch)?;
+        println!(
+            "{}: {} kernels compiled by NVRTC, {} bytes of cubin",
+            compiled.arch,
+            kernels::KERNELS.len(),
+            compiled.cubin.len()
+        );
+        if verbose {
+            print!("{}", compiled.log);
+        }
+        if let Some(dir) = out {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating {}", dir.display()))?;
+            let path = dir.join(format!("titan_{}.cubin", compiled.arch));
+            std::fs::write(&path, &compiled.cubin)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Loss curves of the same job on two devices: the largest relative difference over the steps.
+#[derive(Debug, serde::Serialize)]
+struct TrainParity {
+    steps: u64,
+    cpu: Vec<f64>,
+    cuda: Vec<f64>,
+    max_rel_diff: f64,
+    tolerance: f64,
+    passed: bool,
+}
+
+fn check(a: &CheckArgs) -> Result<()> {
+    let precision = GemmPrecision::from_config(&a.precision)?;
+    let be = CudaBackend::new(0, precision)?;
+    println!(
+        "CUDA-vs-CPU check on {} ({}), GEMMs in {:?}",
+        be.device_name(),
+        be.arch(),
+        precision
+    );
+    let gemm_tol = match precision {
+        GemmPrecision::Float32 => 1e-5,
+        GemmPrecision::TFloat32 | GemmPrecision::BFloat16 => 1e-2,
+    };
+    let tol = Tolerances {
+        exact: 1e-5,
+        gemm: gemm_tol,
+    };
+    let ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed);
+    print!("{}", format_table(&ops));
+    drop(be);
+    let parity = if a.train_steps > 0 {
+        Some(train_parity(a, gemm_tol.max(1e-4) * 10.0)?)
+    } else {
+        None
+    };
+    if let Some(p) = &parity {
+        println!(
+            "training: {} steps of the debug model, loss {:.4} -> {:.4} (CPU) vs {:.4} -> {:.4} (CUDA), \
+             max relative difference {:.2e} (tolerance {:.0e}): {}",
+            p.steps,
+            p.cpu.first().copied().unwrap_or(f64::NAN),
+            p.cpu.last().copied().unwrap_or(f64::NAN),
+            p.cuda.first().copied().unwrap_or(f64::NAN),
+            p.cuda.last().copied().unwrap_or(f64::NAN),
+            p.max_rel_diff,
+            p.tolerance,
+            if p.passed { "ok" } else { "FAIL" }
+        );
+    }
+    if let Some(path) = &a.json_out {
+        let json = serde_json::json!({"ops": ops, "training": parity});
+        std::fs::write(path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    let failed_ops = ops.iter().filter(|o| !o.passed).count();
+    let train_failed = parity.as_ref().is_some_and(|p| !p.passed);
+    if failed_ops > 0 || train_failed {
+        bail!(
+            "CUDA check failed: {failed_ops} op output(s) outside tolerance{}",
+            if train_failed { ", and the loss curves differ" } else { "" }
+        );
+    }
+    Ok(())
+}
+
+fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
+    let dir = std::env::temp_dir().join(format!("titan-cuda-check-{}", std::process::id()));
+    let run = |device: &str| -> Result<Vec<f64>> {
+        let folder = dir.join(device);
+        let overrides: Vec<String> = [
+            ("--training.device", device.to_string()),
+            ("--training.steps", a.train_steps.to_string()),
+            ("--training.mixed_precision_param", a.precision.clone()),
+            ("--checkpoint.enable", "false".into()),
+            ("--job.dump_folder", folder.display().to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect();
+        let cfg = Config::load(None, &overrides)?;
+        let summary = train(
+            &cfg,
+            &RunOptions {
+                quiet: true,
+                stop_after: None,
+            },
+        )?;
+        Ok(summary.losses.iter().map(|&(_, l)| l).collect())
+    };
+    let cpu = run("cpu")?;
+    let cuda = run("cuda")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let max_rel_diff = if cpu.len() == cuda.len() && cuda.iter().all(|l| l.is_finite()) {
+        cpu.iter()
+            .zip(&cuda)
+            .map(|(c, g)| (c - g).abs() / c.abs().max(1e-12))
+            .fold(0.0, f64::max)
+    } else {
+        f64::NAN
+    };
+    Ok(TrainParity {
+        steps: a.train_steps,
+        passed: max_rel_diff <= tolerance,
+        cpu,
+        cuda,
+        max_rel_diff,
+        tolerance,
+    })
+}
