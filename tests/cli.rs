@@ -44,21 +44,6 @@ fn a_405b_model_is_refused_before_allocating_with_the_estimate() {
 }
 
 #[test]
-fn cuda_device_is_a_clear_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = train_tiny(
-        dir.path().to_str().unwrap(),
-        &["--training.device", "cuda", "--training.steps", "1"],
-    );
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains("CUDA backend is not built yet"),
-        "{}",
-        stderr(&o)
-    );
-}
-
-#[test]
 fn config_errors_exit_non_zero_naming_the_key() {
     let o = titan(&["train", "--training.stepz", "3"]);
     assert!(!o.status.success());

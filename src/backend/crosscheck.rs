@@ -60,7 +60,9 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
     }
 
     fn ids(&mut self, n: usize, below: usize) -> Vec<u32> {
-        (0..n).map(|_| self.rng.gen_range(0..below as u32)).collect()
+        (0..n)
+            .map(|_| self.rng.gen_range(0..below as u32))
+            .collect()
     }
 
     fn record(&mut self, op: &str, test: &[f32], reference: &[f32], tolerance: f64) {
@@ -96,7 +98,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 let (mut rc, mut tc) = self.both(&c);
                 self.reference
                     .matmul(&mut rc, &ra, &rb, m, k, n, ta, tb, accumulate);
-                self.test.matmul(&mut tc, &tav, &tbv, m, k, n, ta, tb, accumulate);
+                self.test
+                    .matmul(&mut tc, &tav, &tbv, m, k, n, ta, tb, accumulate);
                 let name = format!(
                     "matmul {}{}{}",
                     if ta { "Aᵀ" } else { "A" },
@@ -113,7 +116,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let table = self.random(vocab * dim, 1.0);
         let ids = self.ids(tokens, vocab);
         let (rt, tt) = self.both(&table);
-        let (mut ro, mut to) = (self.reference.zeros(tokens * dim), self.test.zeros(tokens * dim));
+        let (mut ro, mut to) = (
+            self.reference.zeros(tokens * dim),
+            self.test.zeros(tokens * dim),
+        );
         self.reference.embedding_forward(&mut ro, &rt, &ids, dim);
         self.test.embedding_forward(&mut to, &tt, &ids, dim);
         self.compare("embedding_forward", &ro, &to, self.tol.exact);
@@ -132,10 +138,15 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let w = self.random(dim, 1.0);
         let (rx, tx) = self.both(&x);
         let (rw, tw) = self.both(&w);
-        let (mut ro, mut to) = (self.reference.zeros(rows * dim), self.test.zeros(rows * dim));
+        let (mut ro, mut to) = (
+            self.reference.zeros(rows * dim),
+            self.test.zeros(rows * dim),
+        );
         let (mut rr, mut tr) = (self.reference.zeros(rows), self.test.zeros(rows));
-        self.reference.rmsnorm_forward(&mut ro, &mut rr, &rx, &rw, dim, 1e-5);
-        self.test.rmsnorm_forward(&mut to, &mut tr, &tx, &tw, dim, 1e-5);
+        self.reference
+            .rmsnorm_forward(&mut ro, &mut rr, &rx, &rw, dim, 1e-5);
+        self.test
+            .rmsnorm_forward(&mut to, &mut tr, &tx, &tw, dim, 1e-5);
         self.compare("rmsnorm_forward out", &ro, &to, self.tol.exact);
         self.compare("rmsnorm_forward rstd", &rr, &tr, self.tol.exact);
         let dout = self.random(rows * dim, 1.0);
@@ -167,7 +178,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (mut rx, mut tx) = self.both(&x);
         self.reference
             .rope_backward(&mut rx, &rc, &rs, batch, seq, heads, hd);
-        self.test.rope_backward(&mut tx, &tc, &ts, batch, seq, heads, hd);
+        self.test
+            .rope_backward(&mut tx, &tc, &ts, batch, seq, heads, hd);
         self.compare("rope_backward", &rx, &tx, self.tol.exact);
     }
 
@@ -184,9 +196,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (mut rl, mut tl) = (self.reference.zeros(stats), self.test.zeros(stats));
         self.reference
             .attention_forward(&mut ro, &mut rl, &rq, &rk, &rv, s);
-        self.test.attention_forward(&mut to, &mut tl, &tq, &tk, &tv, s);
-        self.compare(&format!("attention_forward {label} out"), &ro, &to, self.tol.exact);
-        self.compare(&format!("attention_forward {label} lse"), &rl, &tl, self.tol.exact);
+        self.test
+            .attention_forward(&mut to, &mut tl, &tq, &tk, &tv, s);
+        self.compare(
+            &format!("attention_forward {label} out"),
+            &ro,
+            &to,
+            self.tol.exact,
+        );
+        self.compare(
+            &format!("attention_forward {label} lse"),
+            &rl,
+            &tl,
+            self.tol.exact,
+        );
         if !backward {
             return;
         }
@@ -202,7 +225,12 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             &mut tdq, &mut tdk, &mut tdv, &td, &tq, &tk, &tv, &to, &tl, s,
         );
         for (name, r, t) in [("dq", &rdq, &tdq), ("dk", &rdk, &tdk), ("dv", &rdv, &tdv)] {
-            self.compare(&format!("attention_backward {label} {name}"), r, t, self.tol.exact);
+            self.compare(
+                &format!("attention_backward {label} {name}"),
+                r,
+                t,
+                self.tol.exact,
+            );
         }
     }
 
@@ -367,7 +395,10 @@ pub fn check_ops<R: Backend, T: Backend>(
 /// The table `titan cuda check` prints: one line per output, then the verdict.
 pub fn format_table(rows: &[OpCheck]) -> String {
     let width = rows.iter().map(|r| r.op.chars().count()).max().unwrap_or(2);
-    let mut out = format!("{:<width$}  {:>10}  {:>9}  result\n", "op", "rel err", "tolerance");
+    let mut out = format!(
+        "{:<width$}  {:>10}  {:>9}  result\n",
+        "op", "rel err", "tolerance"
+    );
     for r in rows {
         let pad = width - r.op.chars().count();
         out += &format!(
@@ -380,6 +411,10 @@ pub fn format_table(rows: &[OpCheck]) -> String {
         );
     }
     let failed = rows.iter().filter(|r| !r.passed).count();
-    out += &format!("{} of {} outputs within tolerance\n", rows.len() - failed, rows.len());
+    out += &format!(
+        "{} of {} outputs within tolerance\n",
+        rows.len() - failed,
+        rows.len()
+    );
     out
 }

@@ -11,10 +11,10 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::Backend;
-use crate::train::metrics::default_peak_tflops;
 use crate::config::OptimizerConfig;
 use crate::model::{init_params, Llama, ModelArgs, ParamSet, Workspace};
 use crate::train::memory::peak_memory;
+use crate::train::metrics::default_peak_tflops;
 use crate::train::optimizer::AdamW;
 use crate::train::trainer::{init_threads, train_step};
 

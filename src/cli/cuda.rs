@@ -90,8 +90,7 @@ fn compile(archs: &str, out: Option<&PathBuf>, verbose: bool) -> Result<()> {
             print!("{}", compiled.log);
         }
         if let Some(dir) = out {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
             let path = dir.join(format!("titan_{}.cubin", compiled.arch));
             std::fs::write(&path, &compiled.cubin)
                 .with_context(|| format!("writing {}", path.display()))?;
@@ -160,7 +159,11 @@ fn check(a: &CheckArgs) -> Result<()> {
     if failed_ops > 0 || train_failed {
         bail!(
             "CUDA check failed: {failed_ops} op output(s) outside tolerance{}",
-            if train_failed { ", and the loss curves differ" } else { "" }
+            if train_failed {
+                ", and the loss curves differ"
+            } else {
+                ""
+            }
         );
     }
     Ok(())

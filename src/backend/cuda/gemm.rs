@@ -6,6 +6,7 @@
 //! descriptors and the heuristic's algorithm are cached per shape: after the first step no call
 //! allocates or queries the heuristic again.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -128,8 +129,14 @@ impl Gemm {
         // SAFETY: desc is live; the attribute values are i32 as cuBLASLt documents.
         unsafe {
             for (attr, op) in [
-                (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &op_a),
-                (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, &op_b),
+                (
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    &op_a,
+                ),
+                (
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    &op_b,
+                ),
             ] {
                 lt::set_matmul_desc_attribute(
                     desc,
@@ -216,11 +223,10 @@ impl Gemm {
             trans_b,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        if !plans.contains_key(&key) {
-            let plan = self.plan(key)?;
-            plans.insert(key, plan);
-        }
-        let plan = &plans[&key];
+        let plan = match plans.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(slot) => slot.insert(self.plan(key)?),
+        };
         let alpha = 1.0f32;
         let beta = if accumulate { 1.0f32 } else { 0.0f32 };
         let (a_ptr, _ra) = a.device_ptr(&self.stream);
@@ -255,10 +261,7 @@ impl Gemm {
 
 impl Drop for Gemm {
     fn drop(&mut self) {
-        self.plans
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.plans.lock().unwrap_or_else(|e| e.into_inner()).clear();
         // SAFETY: the handle was created in `new` and every plan using it is gone.
         unsafe {
             let _ = lt::destroy_handle(self.handle);

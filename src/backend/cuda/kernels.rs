@@ -118,7 +118,11 @@ fn nvrtc_cubin(arch: &str) -> Result<Compiled> {
         let compiled = nvrtc::compile_program(prog, &options);
         let log = nvrtc::get_program_log(prog)
             .map(|raw| {
-                let bytes: Vec<u8> = raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+                let bytes: Vec<u8> = raw
+                    .iter()
+                    .take_while(|&&c| c != 0)
+                    .map(|&c| c as u8)
+                    .collect();
                 String::from_utf8_lossy(&bytes).into_owned()
             })
             .unwrap_or_default();

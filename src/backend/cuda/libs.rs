@@ -57,8 +57,9 @@ pub fn require(libs: &[CudaLib], purpose: &str) -> Result<()> {
 /// Number of CUDA devices, or an error saying why there are none usable.
 pub fn device_count() -> Result<usize> {
     require(&[CudaLib::Driver], "the CUDA device")?;
-    let n = cudarc::driver::CudaContext::device_count()
-        .map_err(|e| anyhow::anyhow!("the NVIDIA driver is installed but CUDA failed to start: {e}"))?;
+    let n = cudarc::driver::CudaContext::device_count().map_err(|e| {
+        anyhow::anyhow!("the NVIDIA driver is installed but CUDA failed to start: {e}")
+    })?;
     Ok(n.max(0) as usize)
 }
 

@@ -131,7 +131,10 @@ impl CudaBackend {
 
     /// Total and free device memory in bytes.
     pub fn memory_info(&self) -> Option<(usize, usize)> {
-        self.ctx.mem_get_info().ok().map(|(free, total)| (total, free))
+        self.ctx
+            .mem_get_info()
+            .ok()
+            .map(|(free, total)| (total, free))
     }
 
     fn function(&self, name: &'static str) -> &CudaFunction {
@@ -158,7 +161,8 @@ fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Option<sys::CUmemoryPool> {
     let mut threshold = u64::MAX;
     // SAFETY: the device handle is valid; the threshold attribute is a u64.
     unsafe {
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) != sys::CUresult::CUDA_SUCCESS {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) != sys::CUresult::CUDA_SUCCESS
+        {
             return None;
         }
         sys::cuMemPoolSetAttribute(

@@ -91,7 +91,20 @@ impl CudaBackend {
             head_dim as i32,
             pos_offset as i32,
         );
-        launch!(self, "rope_rotate", elementwise_config(pairs), x, cos, sin, &n, &s, &h, &d, &p, &direction);
+        launch!(
+            self,
+            "rope_rotate",
+            elementwise_config(pairs),
+            x,
+            cos,
+            sin,
+            &n,
+            &s,
+            &h,
+            &d,
+            &p,
+            &direction
+        );
     }
 }
 
@@ -168,7 +181,15 @@ impl Backend for CudaBackend {
         }
         let dev_ids = self.upload_ids(ids);
         let d = dim as i32;
-        launch!(self, "embedding_forward", rows_config(ids.len(), row_threads(dim).min(256)), out, table, &dev_ids, &d);
+        launch!(
+            self,
+            "embedding_forward",
+            rows_config(ids.len(), row_threads(dim).min(256)),
+            out,
+            table,
+            &dev_ids,
+            &d
+        );
     }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let vocab = dtable.len() / dim;
@@ -186,7 +207,16 @@ impl Backend for CudaBackend {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(self, "embedding_backward", cfg, dtable, dout, &dev_ids, &t, &d);
+        launch!(
+            self,
+            "embedding_backward",
+            cfg,
+            dtable,
+            dout,
+            &dev_ids,
+            &t,
+            &d
+        );
     }
 
     fn rmsnorm_forward(
@@ -206,7 +236,17 @@ impl Backend for CudaBackend {
             return;
         }
         let d = dim as i32;
-        launch!(self, "rmsnorm_forward", rows_config(rows, row_threads(dim)), out, rstd, x, weight, &d, &eps);
+        launch!(
+            self,
+            "rmsnorm_forward",
+            rows_config(rows, row_threads(dim)),
+            out,
+            rstd,
+            x,
+            weight,
+            &d,
+            &eps
+        );
     }
     fn rmsnorm_backward(
         &self,
@@ -227,13 +267,33 @@ impl Backend for CudaBackend {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
-        launch!(self, "rmsnorm_backward_dx", rows_config(rows, row_threads(dim)), dx, dout, x, weight, rstd, &d);
+        launch!(
+            self,
+            "rmsnorm_backward_dx",
+            rows_config(rows, row_threads(dim)),
+            dx,
+            dout,
+            x,
+            weight,
+            rstd,
+            &d
+        );
         let cfg = LaunchConfig {
             grid_dim: (dim.div_ceil(128) as u32, 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(self, "rmsnorm_backward_dweight", cfg, dweight, dout, x, rstd, &r, &d);
+        launch!(
+            self,
+            "rmsnorm_backward_dweight",
+            cfg,
+            dweight,
+            dout,
+            x,
+            rstd,
+            &r,
+            &d
+        );
     }
 
     fn rope_forward(
@@ -278,7 +338,12 @@ impl Backend for CudaBackend {
         check_len("attention_forward", "out", out.len(), q_floats);
         check_len("attention_forward", "k", k.len(), kv_floats);
         check_len("attention_forward", "v", v.len(), kv_floats);
-        check_len("attention_forward", "lse", lse.len(), s.batch * s.n_heads * s.q_len);
+        check_len(
+            "attention_forward",
+            "lse",
+            lse.len(),
+            s.batch * s.n_heads * s.q_len,
+        );
         if q_floats == 0 {
             return;
         }
@@ -293,7 +358,24 @@ impl Backend for CudaBackend {
             s.q_offset as i32,
         );
         let cfg = attention_config(s.q_len, s.n_heads, s.batch);
-        launch!(self, "attention_forward", cfg, out, lse, q, k, v, &ql, &kl, &kc, &h, &kvh, &d, &off, &scale);
+        launch!(
+            self,
+            "attention_forward",
+            cfg,
+            out,
+            lse,
+            q,
+            k,
+            v,
+            &ql,
+            &kl,
+            &kc,
+            &h,
+            &kvh,
+            &d,
+            &off,
+            &scale
+        );
     }
     fn attention_backward(
         &self,
@@ -340,10 +422,53 @@ impl Backend for CudaBackend {
             s.head_dim as i32,
         );
         let per_query = attention_config(s.q_len, s.n_heads, s.batch);
-        launch!(self, "attention_backward_delta", per_query, &mut delta, dout, out, &seq, &h, &d);
-        launch!(self, "attention_backward_dq", per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh, &d, &scale);
+        launch!(
+            self,
+            "attention_backward_delta",
+            per_query,
+            &mut delta,
+            dout,
+            out,
+            &seq,
+            &h,
+            &d
+        );
+        launch!(
+            self,
+            "attention_backward_dq",
+            per_query,
+            dq,
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            &delta,
+            &seq,
+            &h,
+            &kvh,
+            &d,
+            &scale
+        );
         let per_key = attention_config(s.q_len, s.n_kv_heads, s.batch);
-        launch!(self, "attention_backward_dkdv", per_key, dk, dv, dout, q, k, v, lse, &delta, &seq, &h, &kvh, &d, &scale);
+        launch!(
+            self,
+            "attention_backward_dkdv",
+            per_key,
+            dk,
+            dv,
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            &delta,
+            &seq,
+            &h,
+            &kvh,
+            &d,
+            &scale
+        );
     }
 
     fn swiglu_forward(&self, out: &mut Buf, gate: &Buf, up: &Buf) {
@@ -355,7 +480,15 @@ impl Backend for CudaBackend {
             return;
         }
         let len = n as i64;
-        launch!(self, "swiglu_forward", elementwise_config(n), out, gate, up, &len);
+        launch!(
+            self,
+            "swiglu_forward",
+            elementwise_config(n),
+            out,
+            gate,
+            up,
+            &len
+        );
     }
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
         let n = self.elementwise_len(
@@ -372,7 +505,17 @@ impl Backend for CudaBackend {
             return;
         }
         let len = n as i64;
-        launch!(self, "swiglu_backward", elementwise_config(n), dgate, dup, dout, gate, up, &len);
+        launch!(
+            self,
+            "swiglu_backward",
+            elementwise_config(n),
+            dgate,
+            dup,
+            dout,
+            gate,
+            up,
+            &len
+        );
     }
 
     fn add(&self, out: &mut Buf, a: &Buf, b: &Buf) {
@@ -435,11 +578,31 @@ impl Backend for CudaBackend {
             self.gemm_views(&mut lc, &h_chunk, weight, n, dim, vocab, false, true, false);
             let mut loss_chunk = row_loss.slice_mut(r0..r0 + n);
             let t_chunk = dev_targets.slice(r0..r0 + n);
-            launch!(self, "cross_entropy_rows", rows_config(n, 256), &mut lc, &mut loss_chunk, &t_chunk, &v, &grad_scale, &want_grad);
+            launch!(
+                self,
+                "cross_entropy_rows",
+                rows_config(n, 256),
+                &mut lc,
+                &mut loss_chunk,
+                &t_chunk,
+                &v,
+                &grad_scale,
+                &want_grad
+            );
             if let Some((dh, dweight)) = grads.as_mut() {
                 let mut dh_chunk = dh.slice_mut(r0 * dim..(r0 + n) * dim);
                 let lc = logits.slice(..n * vocab);
-                self.gemm_views(&mut dh_chunk, &lc, weight, n, vocab, dim, false, false, true);
+                self.gemm_views(
+                    &mut dh_chunk,
+                    &lc,
+                    weight,
+                    n,
+                    vocab,
+                    dim,
+                    false,
+                    false,
+                    true,
+                );
                 let mut dw = dweight.slice_mut(..);
                 self.gemm_views(&mut dw, &lc, &h_chunk, vocab, n, dim, true, false, true);
             }
@@ -485,7 +648,22 @@ impl Backend for CudaBackend {
         let bias2_sqrt = bias2.sqrt() as f32;
         let decay = 1.0 - hp.lr * hp.weight_decay;
         let len = n as i64;
-        launch!(self, "adamw_step", elementwise_config(n), param, grad, exp_avg, exp_avg_sq, &hp.beta1, &hp.beta2, &hp.eps, &step_size, &bias2_sqrt, &decay, &len);
+        launch!(
+            self,
+            "adamw_step",
+            elementwise_config(n),
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            &hp.beta1,
+            &hp.beta2,
+            &hp.eps,
+            &step_size,
+            &bias2_sqrt,
+            &decay,
+            &len
+        );
     }
 
     fn sum_squares(&self, buf: &Buf) -> f64 {
@@ -530,22 +708,21 @@ fn check_attention_shape(s: &AttnShape) {
         s.head_dim
     );
     assert!(
-        s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0,
+        s.n_kv_heads > 0 && s.n_heads.is_multiple_of(s.n_kv_heads),
         "attention: {} heads are not a multiple of {} kv heads",
         s.n_heads,
         s.n_kv_heads
     );
-    assert!(s.kv_len <= s.kv_capacity, "attention: kv_len beyond the cache capacity");
+    assert!(
+        s.kv_len <= s.kv_capacity,
+        "attention: kv_len beyond the cache capacity"
+    );
 }
 
 /// One warp per row: `rows` rows per (head, batch), `ATTN_WARPS` rows per block.
 fn attention_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (
-            rows.div_ceil(ATTN_WARPS) as u32,
-            heads as u32,
-            batch as u32,
-        ),
+        grid_dim: (rows.div_ceil(ATTN_WARPS) as u32, heads as u32, batch as u32),
         block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     }

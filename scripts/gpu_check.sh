@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (NVIDIA driver + the pip nvidia-* libraries of its PyTorch, no
+# network, maybe no Rust): every op's CUDA-vs-CPU check, the debug model trained 20 steps on GPU and
+# CPU, then a Llama 3 1B benchmark of titan and PyTorch side by side at seq 2048 and 8192. Every stage
+# has its own timeout so the whole script ends within 8 minutes; the summary table is printed last.
+#
+# The titan binary is built on the CPU machine and carried with the call:
+#   cargo build --release          # then run this script with target/release/titan carried
+# Outputs (logs and JSON) go to $OUT when set (the device tool's folder), else ./gpu_check_out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${TITAN_BIN:-target/release/titan}
+if [ ! -x "$BIN" ]; then
+  echo "gpu_check: no titan binary at $BIN. Build it on a machine with Rust (cargo build --release)" >&2
+  echo "and bring target/release/titan along (the device tool: carry [\"target/release/titan\"])." >&2
+  exit 2
+fi
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT:-./gpu_check_out}
+mkdir -p "$OUT_DIR"
+
+# The CUDA libraries of the machine's PyTorch (site-packages/nvidia/*/lib) on the library path.
+lib_dirs=$("$PY" - <<'PYEOF' 2>/dev/null
+import glob, importlib.util, os
+spec = importlib.util.find_spec("nvidia")
+dirs = set()
+for base in (spec.submodule_search_locations if spec else []):
+    for f in glob.glob(os.path.join(base, "**", "lib", "lib*.so*"), recursive=True):
+        dirs.add(os.path.dirname(f))
+print(":".join(sorted(dirs)))
+PYEOF
+)
+export LD_LIBRARY_PATH="${lib_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+declare -A status
+stage() { # name timeout_s command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=5 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT_DIR/$name.log"
+  case $rc in
+    0) status[$name]="ok" ;;
+    124|137) status[$name]="TIMEOUT" ;;
+    *) status[$name]="FAILED (rc $rc)" ;;
+  esac
+  echo "--- $name: ${status[$name]} in $((SECONDS - t0))s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
+stage info 30 "$BIN" cuda info
+stage check_fp32 100 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
+stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
+stage titan_1b_s2048 90 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 2 --steps 5 --json > '$OUT_DIR/titan_1b_s2048.json'"
+stage torch_1b_s2048 60 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
+stage titan_1b_s8192 100 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 3 --json > '$OUT_DIR/titan_1b_s8192.json'"
+stage torch_1b_s8192 60 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
+
+echo
+echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
+echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
+for s in info check_fp32 check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+  printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
+done
+"$PY" - "$OUT_DIR" <<'PYEOF'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            text = f.read().strip()
+        return json.loads(text.splitlines()[-1]) if name.endswith("s2048.json") or name.endswith("s8192.json") else json.loads(text)
+    except Exception:
+        return None
+for prec in ("fp32", "bf16"):
+    c = load(f"check_{prec}.json")
+    if not c:
+        print(f"ops ({prec}): no result")
+        continue
+    ops = c["ops"]
+    bad = [o for o in ops if not o["passed"]]
+    worst = max(ops, key=lambda o: o["rel_err"] if o["rel_err"] == o["rel_err"] else float("inf"))
+    print(f"ops ({prec}): {len(ops) - len(bad)}/{len(ops)} within tolerance; worst {worst['op']} {worst['rel_err']:.2e}")
+    for o in bad:
+        print(f"    FAIL {o['op']}: {o['rel_err']:.2e} > {o['tolerance']:.0e}")
+    t = c.get("training")
+    if t:
+        print(f"training ({prec}): {t['steps']} steps, loss CPU {t['cpu'][0]:.4f}->{t['cpu'][-1]:.4f}, "
+              f"CUDA {t['cuda'][0]:.4f}->{t['cuda'][-1]:.4f}, max rel diff {t['max_rel_diff']:.2e} "
+              f"({'ok' if t['passed'] else 'FAIL'})")
+print()
+print(f"{'Llama 3 1B, bf16':<22} {'impl':<8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
+for seq, batch in ((2048, 8), (8192, 2)):
+    for impl in ("titan", "torch"):
+        r = load(f"{impl}_1b_s{seq}.json")
+        label = f"batch {batch} x seq {seq}"
+        if not r:
+            print(f"{label:<22} {impl:<8} {'no result':>9}")
+            continue
+        print(f"{label:<22} {impl:<8} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
+              f"{(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
+PYEOF
