@@ -215,6 +215,11 @@ impl Gemm {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        // cuBLASLt runs on the calling thread's current context.
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
         let key = GemmKey {
             m,
             k,

@@ -16,10 +16,40 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+};
 
 pub use gemm::GemmPrecision;
 use libs::{require, CudaLib};
+
+/// One f32 device buffer. Holds at least one element: the driver refuses zero-byte allocations,
+/// and the model does ask for empty buffers (unused gradient slots, empty FSDP shards).
+pub struct CudaBuf {
+    data: CudaSlice<f32>,
+    len: usize,
+}
+
+impl CudaBuf {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A view of `range` (within the logical length).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> CudaView<'_, f32> {
+        assert!(range.end <= self.len, "slice beyond the buffer");
+        self.data.slice(range)
+    }
+
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> CudaViewMut<'_, f32> {
+        assert!(range.end <= self.len, "slice beyond the buffer");
+        self.data.slice_mut(range)
+    }
+}
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -141,13 +171,21 @@ impl CudaBackend {
         &self.functions[name]
     }
 
+    /// Zeroed device memory for `len` elements (at least one, see `CudaBuf`).
     fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         len: usize,
     ) -> CudaSlice<T> {
         self.stream
-            .alloc_zeros::<T>(len)
+            .alloc_zeros::<T>(len.max(1))
             .unwrap_or_else(|e| panic!("CUDA: allocating {len} elements failed: {e}"))
+    }
+
+    fn buffer(&self, len: usize) -> CudaBuf {
+        CudaBuf {
+            data: self.alloc(len),
+            len,
+        }
     }
 }
 

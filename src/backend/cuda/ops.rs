@@ -2,21 +2,64 @@
 //! cuBLASLt call). A CUDA failure in the middle of a step cannot be recovered, so it panics with the
 //! op's name and the driver's error.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
-use super::{elementwise_config, row_threads, rows_config, CudaBackend};
-use crate::backend::cpu::loss::chunk_rows;
+use super::{elementwise_config, row_threads, rows_config, CudaBackend, CudaBuf};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
-type Buf = cudarc::driver::CudaSlice<f32>;
+type Buf = CudaBuf;
+
+/// What `launch!` hands to cudarc for each argument: a `CudaBuf` becomes its device slice, and
+/// everything cudarc takes directly (slices, views, scalars) passes through.
+trait KernelArg {
+    type Arg;
+    fn kernel_arg(self) -> Self::Arg;
+}
+
+impl<'a> KernelArg for &'a CudaBuf {
+    type Arg = &'a CudaSlice<f32>;
+    fn kernel_arg(self) -> Self::Arg {
+        &self.data
+    }
+}
+
+impl<'a> KernelArg for &'a mut CudaBuf {
+    type Arg = &'a mut CudaSlice<f32>;
+    fn kernel_arg(self) -> Self::Arg {
+        &mut self.data
+    }
+}
+
+macro_rules! pass_through {
+    ($($t:ty),* ; mut $($m:ty),*) => {
+        $(impl KernelArg for &$t {
+            type Arg = Self;
+            fn kernel_arg(self) -> Self {
+                self
+            }
+        })*
+        $(impl KernelArg for &mut $m {
+            type Arg = Self;
+            fn kernel_arg(self) -> Self {
+                self
+            }
+        })*
+    };
+}
+pass_through!(
+    i32, i64, f32, CudaSlice<u32>, CudaSlice<f32>, CudaSlice<f64>, CudaView<'_, f32>, CudaView<'_, u32>;
+    mut CudaSlice<f32>, CudaSlice<f64>, CudaViewMut<'_, f32>
+);
 
 /// Launches kernel `$name` with `$cfg` and the given arguments (device buffers by reference,
 /// scalars as references to locals of the kernel's C type).
 macro_rules! launch {
     ($be:expr, $name:literal, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let mut builder = $be.stream.launch_builder($be.function($name));
-        $( builder.arg($arg); )+
+        $( builder.arg(KernelArg::kernel_arg($arg)); )+
         // SAFETY: the argument list matches the kernel's C signature in kernels/*.cu, and the host
         // checks above keep every index inside the buffers.
         unsafe { builder.launch($cfg) }
@@ -77,6 +120,10 @@ impl CudaBackend {
         pos_offset: usize,
         direction: f32,
     ) {
+        assert!(
+            head_dim.is_multiple_of(2),
+            "rope: head_dim {head_dim} is odd; RoPE rotates pairs"
+        );
         let pairs = batch * seq * heads * head_dim / 2;
         check_len("rope", "x", x.len(), pairs * 2);
         check_len("rope", "cos", cos.len(), (pos_offset + seq) * head_dim / 2);
@@ -115,16 +162,27 @@ impl Backend for CudaBackend {
         "cuda"
     }
     fn zeros(&self, len: usize) -> Buf {
-        self.alloc(len)
+        self.buffer(len)
     }
     fn upload(&self, data: &[f32]) -> Buf {
-        self.stream
+        if data.is_empty() {
+            return self.buffer(0);
+        }
+        let data_dev = self
+            .stream
             .clone_htod(data)
-            .unwrap_or_else(|e| panic!("CUDA: uploading {} floats failed: {e}", data.len()))
+            .unwrap_or_else(|e| panic!("CUDA: uploading {} floats failed: {e}", data.len()));
+        CudaBuf {
+            data: data_dev,
+            len: data.len(),
+        }
     }
     fn download(&self, buf: &Buf) -> Vec<f32> {
+        if buf.is_empty() {
+            return Vec::new();
+        }
         self.stream
-            .clone_dtoh(buf)
+            .clone_dtoh(&buf.data)
             .unwrap_or_else(|e| panic!("CUDA: downloading {} floats failed: {e}", buf.len()))
     }
     fn len(&self, buf: &Buf) -> usize {
@@ -140,15 +198,17 @@ impl Backend for CudaBackend {
     }
     fn copy_from(&self, dst: &mut Buf, src: &Buf) {
         assert_eq!(dst.len(), src.len(), "copy_from: lengths differ");
-        self.stream
-            .memcpy_dtod(src, dst)
-            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+        self.copy_into_at(dst, 0, src);
     }
     fn copy_into_at(&self, dst: &mut Buf, offset: usize, src: &Buf) {
         check_len("copy_into_at", "dst", dst.len(), offset + src.len());
-        let mut window = dst.slice_mut(offset..offset + src.len());
+        if src.is_empty() {
+            return;
+        }
+        let n = src.len();
+        let mut window = dst.slice_mut(offset..offset + n);
         self.stream
-            .memcpy_dtod(src, &mut window)
+            .memcpy_dtod(&src.slice(0..n), &mut window)
             .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
     }
 
@@ -167,7 +227,24 @@ impl Backend for CudaBackend {
         check_len("matmul", "a", a.len(), m * k);
         check_len("matmul", "b", b.len(), k * n);
         check_len("matmul", "out", out.len(), m * n);
-        self.gemm_views(out, a, b, m, k, n, trans_a, trans_b, accumulate);
+        if k == 0 {
+            // An empty sum: `out` keeps its values (accumulate) or becomes zero.
+            if !accumulate {
+                self.fill(out, 0.0);
+            }
+            return;
+        }
+        self.gemm_views(
+            &mut out.data,
+            &a.data,
+            &b.data,
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+            accumulate,
+        );
     }
 
     fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
@@ -556,6 +633,10 @@ impl Backend for CudaBackend {
         let rows = targets.len();
         check_len("cross_entropy", "h", h.len(), rows * dim);
         check_len("cross_entropy", "weight", weight.len(), vocab * dim);
+        if let Some((dh, dweight)) = grads.as_ref() {
+            check_len("cross_entropy", "dh", dh.len(), rows * dim);
+            check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
+        }
         if let Some(&bad) = targets
             .iter()
             .find(|&&t| t != IGNORE_INDEX && t as usize >= vocab)
@@ -565,7 +646,7 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return LossSum { sum: 0.0, count: 0 };
         }
-        let chunk = chunk_rows(vocab).max(GPU_MIN_LOSS_CHUNK_ROWS).min(rows);
+        let chunk = gpu_loss_chunk_rows(vocab).min(rows);
         let mut logits = self.alloc::<f32>(chunk * vocab);
         let mut row_loss = self.alloc::<f32>(rows);
         let dev_targets = self.upload_ids(targets);
@@ -575,7 +656,17 @@ impl Backend for CudaBackend {
             let n = chunk.min(rows - r0);
             let h_chunk = h.slice(r0 * dim..(r0 + n) * dim);
             let mut lc = logits.slice_mut(..n * vocab);
-            self.gemm_views(&mut lc, &h_chunk, weight, n, dim, vocab, false, true, false);
+            self.gemm_views(
+                &mut lc,
+                &h_chunk,
+                &weight.data,
+                n,
+                dim,
+                vocab,
+                false,
+                true,
+                false,
+            );
             let mut loss_chunk = row_loss.slice_mut(r0..r0 + n);
             let t_chunk = dev_targets.slice(r0..r0 + n);
             launch!(
@@ -595,7 +686,7 @@ impl Backend for CudaBackend {
                 self.gemm_views(
                     &mut dh_chunk,
                     &lc,
-                    weight,
+                    &weight.data,
                     n,
                     vocab,
                     dim,
@@ -603,7 +694,7 @@ impl Backend for CudaBackend {
                     false,
                     true,
                 );
-                let mut dw = dweight.slice_mut(..);
+                let mut dw = dweight.slice_mut(0..vocab * dim);
                 self.gemm_views(&mut dw, &lc, &h_chunk, vocab, n, dim, true, false, true);
             }
         }
@@ -698,8 +789,11 @@ impl Backend for CudaBackend {
     }
 }
 
-/// The loss chunk on a GPU: at least this many rows, so the three GEMMs per chunk are large.
-const GPU_MIN_LOSS_CHUNK_ROWS: usize = 1024;
+/// Rows per loss chunk on a GPU: a logit block of at most 64 Mi floats (256 MiB; 512 rows of
+/// Llama 3's 128k vocabulary), and at least 128 rows so the three GEMMs per chunk stay large.
+fn gpu_loss_chunk_rows(vocab: usize) -> usize {
+    ((64usize << 20) / vocab.max(1)).clamp(128, 4096)
+}
 
 fn check_attention_shape(s: &AttnShape) {
     assert!(
