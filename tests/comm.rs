@@ -55,10 +55,30 @@ fn data(rank: usize, len: usize) -> Vec<f32> {
 }
 
 #[test]
-fn collectives_match_direct_computation() {
+fn collectives_match_direct_computation_with_cross_memory_reads() {
+    check_collectives(true);
+}
+
+#[test]
+fn collectives_match_direct_computation_over_sockets() {
+    check_collectives(false);
+}
+
+/// Every collective against a direct computation, for 1 to 4 ranks on Unix sockets, with the
+/// direct-read path (used whenever this machine allows it) or forced onto the sockets.
+fn check_collectives(direct_reads: bool) {
+    let readable = titan::comm::cma::can_read(
+        std::process::id() as i32,
+        titan::comm::cma::probe_address(),
+    );
     for world in [1, 2, 3, 4] {
-        let len = 1000 + world; // not divisible by the world size
-        let results = run_ranks(world, Duration::from_secs(10), move |g| {
+        let len = 100_000 + world; // not divisible by the world size; several read blocks
+        let results = run_ranks(world, Duration::from_secs(10), move |mut g| {
+            if direct_reads {
+                assert_eq!(g.uses_cross_memory_attach(), world > 1 && readable);
+            } else {
+                g.disable_cross_memory_attach();
+            }
             let r = g.rank();
             let mut sum = data(r, len);
             g.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
@@ -68,8 +88,8 @@ fn collectives_match_direct_computation() {
             g.all_reduce(&mut max, ReduceOp::Max).unwrap();
             let mut gathered = vec![0.0; 5 * world];
             g.all_gather(&data(r, 5), &mut gathered).unwrap();
-            let mut scattered = vec![0.0; 6];
-            g.reduce_scatter(&data(r, 6 * world), &mut scattered, ReduceOp::Sum)
+            let mut scattered = vec![0.0; 20_000];
+            g.reduce_scatter(&data(r, 20_000 * world), &mut scattered, ReduceOp::Sum)
                 .unwrap();
             let mut bcast = if r == world - 1 {
                 data(99, 17)
@@ -99,8 +119,9 @@ fn collectives_match_direct_computation() {
             }
             let want_gather: Vec<f32> = (0..world).flat_map(|p| data(p, 5)).collect();
             assert_eq!(gathered, want_gather);
-            let want_scatter: Vec<f32> = (0..6)
-                .map(|i| (0..world).map(|p| data(p, 6 * world)[r * 6 + i]).sum())
+            let inputs: Vec<Vec<f32>> = (0..world).map(|p| data(p, 20_000 * world)).collect();
+            let want_scatter: Vec<f32> = (0..20_000)
+                .map(|i| inputs.iter().map(|d| d[r * 20_000 + i]).sum())
                 .collect();
             assert_eq!(scattered, want_scatter);
             assert_eq!(bcast, data(99, 17));

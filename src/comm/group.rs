@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+use super::cma;
 use super::conn::{Conn, Listener};
 use super::store::StoreClient;
 
@@ -75,6 +76,52 @@ fn disjoint(buf: &mut [f32], a: (usize, usize), b: (usize, usize)) -> (&[f32], &
     }
 }
 
+/// Every rank probes every peer's memory and publishes whether it could read it; direct reads are
+/// used only when all could (the decision must be the same on every rank).
+fn agree_on_cma(
+    store: &StoreClient,
+    name: &str,
+    rank: usize,
+    size: usize,
+    deadline: Instant,
+) -> Result<Option<Vec<i32>>> {
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let mut pids = vec![std::process::id() as i32; size];
+    let mut readable = true;
+    for (peer, pid) in pids.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
+        let v = store
+            .get_within(&format!("group/{name}/pid/{peer}"), left())
+            .map_err(|_| {
+                anyhow!("group `{name}` rank {rank}: rank {peer} never published its process id")
+            })?;
+        let v = String::from_utf8_lossy(&v).into_owned();
+        let parsed = v
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse::<i32>().ok()?, b.parse::<u64>().ok()?)));
+        match parsed {
+            Some((p, probe)) => {
+                *pid = p;
+                readable &= cma::can_read(p, probe);
+            }
+            None => readable = false,
+        }
+    }
+    store.set(
+        &format!("group/{name}/cma/{rank}"),
+        if readable { b"1" } else { b"0" },
+    )?;
+    let mut all = readable;
+    for peer in (0..size).filter(|&p| p != rank) {
+        let v = store
+            .get_within(&format!("group/{name}/cma/{peer}"), left())
+            .map_err(|_| {
+                anyhow!("group `{name}` rank {rank}: rank {peer} never finished connecting")
+            })?;
+        all &= v.as_slice() == b"1";
+    }
+    Ok(all.then_some(pids))
+}
+
 fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
@@ -104,6 +151,9 @@ pub struct TcpGroup {
     /// handle so a send and a receive with the same peer (two-rank rings) never wait on each other.
     peers: Vec<Option<Link>>,
     timeout: Duration,
+    /// Process id of every rank when all share this host and can read each other's memory
+    /// (`cma`): the all-reduce, all-gather and reduce-scatter then copy straight between processes.
+    peer_pids: Option<Vec<i32>>,
 }
 
 impl TcpGroup {
@@ -125,6 +175,11 @@ impl TcpGroup {
         let (listener, my_addr) = Listener::bind(host, name, rank)
             .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {host}"))?;
         store.set(&format!("group/{name}/addr/{rank}"), my_addr.as_bytes())?;
+        let try_cma = size > 1 && my_addr.starts_with("unix:") && cma::allowed();
+        if try_cma {
+            let me = format!("{}:{}", std::process::id(), cma::probe_address());
+            store.set(&format!("group/{name}/pid/{rank}"), me.as_bytes())?;
+        }
         let deadline = Instant::now() + init_timeout;
         let mut peers: Vec<Option<Link>> = (0..size).map(|_| None).collect();
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
@@ -173,13 +228,30 @@ impl TcpGroup {
             let s = link.reader.lock().unwrap_or_else(|e| e.into_inner());
             s.set_timeouts(op_timeout, op_timeout)?;
         }
+        let peer_pids = if try_cma {
+            agree_on_cma(store, name, rank, size, deadline)?
+        } else {
+            None
+        };
         Ok(TcpGroup {
             name: name.to_string(),
             rank,
             size,
             peers,
             timeout: op_timeout,
+            peer_pids,
         })
+    }
+
+    /// Whether the collectives copy directly between processes (see `cma`).
+    pub fn uses_cross_memory_attach(&self) -> bool {
+        self.peer_pids.is_some()
+    }
+
+    /// Back to sockets for every collective; all ranks of the group must call it (tests compare
+    /// both transports).
+    pub fn disable_cross_memory_attach(&mut self) {
+        self.peer_pids = None;
     }
 
     fn link(&self, peer: usize) -> Result<&Link> {
@@ -236,6 +308,99 @@ impl TcpGroup {
                 .unwrap_or_else(|_| Err(anyhow!("{op}: sender thread panicked")));
             received.and(sent)
         })
+    }
+
+    /// Sends `word` to every peer and returns every rank's word (this rank's at its own index). Also
+    /// a barrier: it returns only once every rank has sent.
+    fn exchange_words(&self, op: &str, word: u64) -> Result<Vec<u64>> {
+        let mut words = vec![word; self.size];
+        std::thread::scope(|sc| {
+            let senders: Vec<_> = (0..self.size)
+                .filter(|&p| p != self.rank)
+                .map(|p| sc.spawn(move || self.send_bytes(op, p, &word.to_le_bytes())))
+                .collect();
+            let mut result = Ok(());
+            for (p, w) in words.iter_mut().enumerate() {
+                if p != self.rank && result.is_ok() {
+                    let mut b = [0u8; 8];
+                    result = self.recv_bytes(op, p, &mut b);
+                    *w = u64::from_le_bytes(b);
+                }
+            }
+            for s in senders {
+                let sent = s
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow!("{op}: sender thread panicked")));
+                result = result.and(sent);
+            }
+            result
+        })?;
+        Ok(words)
+    }
+
+    /// Reads `dst.len()` floats at `remote` from peer `peer`'s memory.
+    fn read_peer(
+        &self,
+        op: &str,
+        pids: &[i32],
+        peer: usize,
+        remote: u64,
+        dst: &mut [f32],
+    ) -> Result<()> {
+        cma::read_f32(pids[peer], remote, dst).map_err(|e| {
+            anyhow!(
+                "{op} on group `{}` (rank {} of {}): reading peer rank {peer}'s memory failed: {e} (did it exit?)",
+                self.name,
+                self.rank,
+                self.size
+            )
+        })
+    }
+
+    /// `acc[i] op= peer's floats at remote + i`, for this rank's chunk, read in cache-sized blocks.
+    fn reduce_from_peers(
+        &self,
+        op_name: &str,
+        pids: &[i32],
+        remotes: &[u64],
+        acc: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<()> {
+        const BLOCK: usize = 16 << 10;
+        let mut tmp = vec![0f32; BLOCK.min(acc.len())];
+        for (b, block) in acc.chunks_mut(BLOCK).enumerate() {
+            for p in (0..self.size).filter(|&p| p != self.rank) {
+                let t = &mut tmp[..block.len()];
+                let at = remotes[p] + (b * BLOCK * 4) as u64;
+                self.read_peer(op_name, pids, p, at, t)?;
+                reduce_into(block, t, op);
+            }
+        }
+        Ok(())
+    }
+
+    /// All-reduce by direct reads: rank r reduces chunk r from every peer's buffer in place, then
+    /// reads every other chunk from its owner. Three word exchanges order the phases: all inputs
+    /// ready; all chunks reduced; all reads done (a buffer may change only after the last).
+    fn cma_all_reduce(&self, pids: &[i32], buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        let (n, r, len) = (self.size, self.rank, buf.len());
+        let addrs = self.exchange_words("all_reduce", buf.as_ptr() as u64)?;
+        let (c0, c1) = chunk(len, n, r);
+        let remotes: Vec<u64> = addrs.iter().map(|a| a + (c0 * 4) as u64).collect();
+        self.reduce_from_peers("all_reduce", pids, &remotes, &mut buf[c0..c1], op)?;
+        self.exchange_words("all_reduce", 0)?;
+        for p in (0..n).filter(|&p| p != r) {
+            let (p0, p1) = chunk(len, n, p);
+            self.read_peer(
+                "all_reduce",
+                pids,
+                p,
+                addrs[p] + (p0 * 4) as u64,
+                &mut buf[p0..p1],
+            )?;
+        }
+        self.exchange_words("all_reduce", 0)?;
+        Ok(())
     }
 
     fn next(&self) -> usize {
@@ -300,7 +465,9 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
-        if self.size > 1 {
+        if let Some(pids) = &self.peer_pids {
+            self.cma_all_reduce(pids, buf, op)?;
+        } else if self.size > 1 {
             self.ring_reduce_scatter("all_reduce", buf, op)?;
             self.ring_all_gather("all_reduce", buf)?;
         }
@@ -323,7 +490,19 @@ impl ProcessGroup for TcpGroup {
         }
         let c = input.len();
         output[self.rank * c..(self.rank + 1) * c].copy_from_slice(input);
-        if self.size > 1 {
+        if let Some(pids) = &self.peer_pids {
+            let addrs = self.exchange_words("all_gather", input.as_ptr() as u64)?;
+            for p in (0..self.size).filter(|&p| p != self.rank) {
+                self.read_peer(
+                    "all_gather",
+                    pids,
+                    p,
+                    addrs[p],
+                    &mut output[p * c..(p + 1) * c],
+                )?;
+            }
+            self.exchange_words("all_gather", 0)?;
+        } else if self.size > 1 {
             self.ring_all_gather("all_gather", output)?;
         }
         Ok(())
@@ -339,12 +518,23 @@ impl ProcessGroup for TcpGroup {
                 output.len()
             );
         }
-        let mut work = input.to_vec();
-        if self.size > 1 {
-            self.ring_reduce_scatter("reduce_scatter", &mut work, op)?;
-        }
         let c = output.len();
-        output.copy_from_slice(&work[self.rank * c..(self.rank + 1) * c]);
+        if let Some(pids) = &self.peer_pids {
+            output.copy_from_slice(&input[self.rank * c..(self.rank + 1) * c]);
+            let addrs = self.exchange_words("reduce_scatter", input.as_ptr() as u64)?;
+            let remotes: Vec<u64> = addrs
+                .iter()
+                .map(|a| a + (self.rank * c * 4) as u64)
+                .collect();
+            self.reduce_from_peers("reduce_scatter", pids, &remotes, output, op)?;
+            self.exchange_words("reduce_scatter", 0)?;
+        } else {
+            let mut work = input.to_vec();
+            if self.size > 1 {
+                self.ring_reduce_scatter("reduce_scatter", &mut work, op)?;
+            }
+            output.copy_from_slice(&work[self.rank * c..(self.rank + 1) * c]);
+        }
         if op == ReduceOp::Avg {
             let inv = 1.0 / self.size as f32;
             output.iter_mut().for_each(|x| *x *= inv);
