@@ -313,28 +313,17 @@ impl TcpGroup {
     /// Sends `word` to every peer and returns every rank's word (this rank's at its own index). Also
     /// a barrier: it returns only once every rank has sent.
     fn exchange_words(&self, op: &str, word: u64) -> Result<Vec<u64>> {
+        // Eight bytes always fit in a socket's buffer, so sending to everyone before receiving
+        // cannot deadlock, and needs no sender threads (this is on the latency path).
+        for p in (0..self.size).filter(|&p| p != self.rank) {
+            self.send_bytes(op, p, &word.to_le_bytes())?;
+        }
         let mut words = vec![word; self.size];
-        std::thread::scope(|sc| {
-            let senders: Vec<_> = (0..self.size)
-                .filter(|&p| p != self.rank)
-                .map(|p| sc.spawn(move || self.send_bytes(op, p, &word.to_le_bytes())))
-                .collect();
-            let mut result = Ok(());
-            for (p, w) in words.iter_mut().enumerate() {
-                if p != self.rank && result.is_ok() {
-                    let mut b = [0u8; 8];
-                    result = self.recv_bytes(op, p, &mut b);
-                    *w = u64::from_le_bytes(b);
-                }
-            }
-            for s in senders {
-                let sent = s
-                    .join()
-                    .unwrap_or_else(|_| Err(anyhow!("{op}: sender thread panicked")));
-                result = result.and(sent);
-            }
-            result
-        })?;
+        for (p, w) in words.iter_mut().enumerate().filter(|(p, _)| *p != self.rank) {
+            let mut b = [0u8; 8];
+            self.recv_bytes(op, p, &mut b)?;
+            *w = u64::from_le_bytes(b);
+        }
         Ok(words)
     }
 
