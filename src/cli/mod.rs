@@ -112,8 +112,9 @@ pub enum TokenizerCommand {
 pub enum BenchCommand {
     /// Train steps on synthetic tokens; median tokens/s, GFLOP/s and peak memory after warm-up.
     Train(bench::BenchTrainArgs),
-    /// fp32 GEMM GFLOP/s of the CPU backend for the model's shapes (the ceiling for `bench train`).
+    /// Bus bandwidth of all-reduce, all-gather and reduce-scatter across local ranks.
     Comm(bench::BenchCommArgs),
+    /// fp32 GEMM GFLOP/s of the CPU backend for the model's shapes (the ceiling for `bench train`).
     Gemm {
         /// CPU threads (0: every core).
         #[arg(long, default_value_t = 0)]
