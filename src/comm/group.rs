@@ -7,6 +7,9 @@
 //! never deadlocks on socket buffers. Every socket operation has the group's timeout, and errors name
 //! the operation, the group, this rank and the peer that failed (a killed peer shows as a closed
 //! connection at once; a hung one as a timeout). Data travels as native little-endian f32 bytes.
+//! When every rank is on this host and may read its peers' memory, all-reduce, all-gather and
+//! reduce-scatter copy straight between processes instead (`cma`), with the sockets only carrying
+//! the three small messages that order each collective's phases.
 
 use std::io::{Read, Write};
 use std::sync::Mutex;
