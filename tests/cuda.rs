@@ -351,4 +351,7 @@ impl Backend for SkewedDkBackend {
     fn sum_squares(&self, buf: &Vec<f32>) -> f64 {
         self.0.sum_squares(buf)
     }
+    fn round_to_bf16(&self, buf: &mut Vec<f32>) {
+        self.0.round_to_bf16(buf)
+    }
 }

@@ -421,3 +421,56 @@ fn ddp_with_gradient_accumulation_matches_one_process() {
         );
     }
 }
+
+#[test]
+fn bf16_parameters_fsdp_2_and_ddp_2_match_one_process_in_bf16() {
+    let bf16 = ["--training.mixed_precision_param", "bfloat16"];
+    let steps = ["--training.steps", "12"];
+    let one = tempfile::tempdir().unwrap();
+    let o = train(
+        one.path(),
+        &[],
+        &[&steps[..], &bf16[..], &["--training.local_batch_size", "4"]].concat(),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let reference = losses(one.path());
+    // The rounding is real: fp32 weights give a different curve.
+    let fp32 = tempfile::tempdir().unwrap();
+    let o = train(
+        fp32.path(),
+        &[],
+        &[&steps[..], &["--training.local_batch_size", "4"]].concat(),
+    );
+    assert!(o.status.success());
+    let exact = losses(fp32.path());
+    let largest_gap = reference
+        .iter()
+        .zip(&exact)
+        .map(|(a, b)| (a.1 - b.1).abs() / b.1.abs())
+        .fold(0.0, f64::max);
+    assert!(largest_gap > 1e-5, "bf16 and fp32 curves agree to {largest_gap:e}");
+    for (what, mesh) in [
+        ("FSDP 2 (bf16 all-gathers)", vec![]),
+        (
+            "DDP 2",
+            vec![
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let args = [
+            &steps[..],
+            &bf16[..],
+            &["--training.local_batch_size", "2"],
+            &mesh[..],
+        ]
+        .concat();
+        let o = train(dir.path(), &["--nproc", "2", "--master-port", "0"], &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_parity(&reference, &losses(dir.path()), what);
+    }
+}

@@ -269,6 +269,12 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.copy_into_at(&mut rb, n + 3, &ro);
         self.test.copy_into_at(&mut tb, n + 3, &to);
         self.compare("fill + copy_into_at", &rb, &tb, self.tol.exact);
+        let mut values = self.random(n, 3.0);
+        values.extend([0.0, -0.0, 3.0e38, f32::MIN_POSITIVE, 1.0 + f32::EPSILON, 1.003_906_3]);
+        let (mut rr, mut tr) = self.both(&values);
+        self.reference.round_to_bf16(&mut rr);
+        self.test.round_to_bf16(&mut tr);
+        self.compare("round_to_bf16", &rr, &tr, 0.0);
         self.reference.copy_from(&mut ro, &rg);
         self.test.copy_from(&mut to, &tg);
         self.compare("copy_from", &ro, &to, self.tol.exact);

@@ -240,6 +240,9 @@ pub trait Backend: Send + Sync {
     );
     /// Sum of squares in f64, reduced in a fixed order (deterministic).
     fn sum_squares(&self, buf: &Self::Buf) -> f64;
+    /// Rounds every value to the nearest bf16 (ties to even; NaN stays NaN), kept in f32: the
+    /// parameters that bf16 mixed precision computes with.
+    fn round_to_bf16(&self, buf: &mut Self::Buf);
 
     // ---- device ----
     /// Waits until every queued kernel has finished (device backends queue work; the CPU does not).

@@ -99,6 +99,9 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let mut grads = ParamSet::zeros(be, &specs);
     let mut opt = AdamW::new(be, &specs, OptimizerConfig::default());
     let mut ws = Workspace::new(be, &args, a.batch, a.seq);
+    let mut bf16_copy = (crate::model::ParamDtype::from_config(&a.precision)
+        == crate::model::ParamDtype::BFloat16)
+        .then(|| ParamSet::zeros(be, &specs));
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let batches: Vec<Vec<u32>> = (0..4)
         .map(|_| {
@@ -127,6 +130,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
             i as u64 + 1,
             1.0,
             None,
+            bf16_copy.as_mut(),
         )?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();

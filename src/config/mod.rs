@@ -142,8 +142,10 @@ pub struct TrainingConfig {
     pub device: String,
     /// CPU threads; 0 uses every core.
     pub threads: usize,
-    /// Arithmetic of the CUDA GEMMs: bfloat16 (tensor cores, fp32 accumulation), tfloat32 or
-    /// float32. Weights, gradients and optimizer state stay fp32; the CPU always computes in fp32.
+    /// Precision of the parameters in the forward and backward (TorchTitan's key and values;
+    /// titan defaults to float32, the CPU reference): `bfloat16` computes with bf16-rounded weights (FSDP all-gathers bf16; CUDA GEMMs
+    /// run on bf16 tensor cores), `tfloat32` keeps fp32 weights with TF32 GEMMs on CUDA, `float32`
+    /// is exact fp32. Master weights, gradients, reductions and AdamW state are fp32 in every case.
     pub mixed_precision_param: String,
 }
 
@@ -235,7 +237,7 @@ impl Default for TrainingConfig {
             dataset_path: String::new(),
             seed: 42,
             device: "cpu".into(),
-            mixed_precision_param: "bfloat16".into(),
+            mixed_precision_param: "float32".into(),
             threads: 0,
         }
     }

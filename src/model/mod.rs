@@ -8,7 +8,7 @@ pub mod params;
 
 pub use args::ModelArgs;
 pub use llama::{KvCache, Llama, Workspace};
-pub use params::ParamSet;
+pub use params::{ParamDtype, ParamSet};
 
 use crate::backend::Backend;
 

@@ -112,6 +112,27 @@ impl ParamIds {
     }
 }
 
+/// The precision the forward and backward see the parameters in (`[training]
+/// mixed_precision_param`). Master weights, gradients, their reductions and the optimizer state are
+/// fp32 either way; with `BFloat16` the compute copy is rounded to bf16 and FSDP all-gathers bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamDtype {
+    Float32,
+    BFloat16,
+}
+
+impl ParamDtype {
+    /// From `mixed_precision_param`: `bfloat16` rounds the parameters; `float32` and `tfloat32`
+    /// (a GEMM arithmetic, not a storage format) keep them fp32.
+    pub fn from_config(name: &str) -> Self {
+        if name == "bfloat16" {
+            ParamDtype::BFloat16
+        } else {
+            ParamDtype::Float32
+        }
+    }
+}
+
 /// Buffers with names and shapes, one per parameter.
 pub struct ParamSet<B: Backend> {
     pub names: Vec<String>,
@@ -153,6 +174,14 @@ impl<B: Backend> ParamSet<B> {
     pub fn zero(&mut self, backend: &B) {
         for b in &mut self.bufs {
             backend.fill(b, 0.0);
+        }
+    }
+
+    /// Makes this set (same shapes) the compute copy of `master`: copied, then rounded to bf16.
+    pub fn refresh_bf16_copy(&mut self, backend: &B, master: &ParamSet<B>) {
+        for (dst, src) in self.bufs.iter_mut().zip(&master.bufs) {
+            backend.copy_from(dst, src);
+            backend.round_to_bf16(dst);
         }
     }
 }

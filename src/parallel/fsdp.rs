@@ -12,6 +12,10 @@
 //! buffers are freed. Reduce-scatter sums in fp32; the loss is normalised by the global number of
 //! targets, so the summed shards are the gradient of the global mean loss.
 //!
+//! Mixed precision (`ParamDtype::BFloat16`): the gathers for forward and backward carry the shards
+//! rounded to bf16, two values per f32 word (half the bytes), so the blocks compute with bf16
+//! weights; shards, gradients, their reduce-scatter and AdamW stay fp32. Checkpoint gathers are fp32.
+//!
 //! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
 //! is then all-reduced across the replicas.
 //!
@@ -30,7 +34,7 @@ use anyhow::{anyhow, Result};
 
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::{ProcessGroup, ReduceOp};
-use crate::model::{Llama, ParamSet, Workspace};
+use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
 /// Work for the communication thread: packed shards to all-gather, or packed gradients to
 /// reduce-scatter (and, for HSDP, all-reduce across replicas).
@@ -123,6 +127,8 @@ pub struct Fsdp<B: Backend> {
     /// Parameters outside the transformer blocks (embeddings, final norm, output).
     non_block: Vec<usize>,
     reshard_after_forward: ReshardPolicy,
+    /// What the forward and backward's gathers carry: fp32, or bf16 (half the bytes).
+    param_dtype: ParamDtype,
 }
 
 /// When a block's gathered parameters are freed after its forward (TorchTitan's choices).
@@ -163,6 +169,7 @@ impl<B: Backend> Fsdp<B> {
         model: &Llama<B>,
         full: &ParamSet<B>,
         reshard_after_forward: ReshardPolicy,
+        param_dtype: ParamDtype,
     ) -> Self {
         let size = group.size();
         let numel: Vec<usize> = full.shapes.iter().map(|s| s.iter().product()).collect();
@@ -187,6 +194,7 @@ impl<B: Backend> Fsdp<B> {
             shard_len,
             non_block: (0..full.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
+            param_dtype,
             group,
         };
         f.shards = f.shard_of(be, full);
@@ -223,27 +231,63 @@ impl<B: Backend> Fsdp<B> {
         out
     }
 
-    /// All-gathers the shards `ids` of `shards` into full buffers of `full`.
-    /// The shards `ids` of `shards`, packed back to back (one collective per block).
-    fn pack_shards(&self, be: &B, shards: &ParamSet<B>, ids: &[usize]) -> Vec<f32> {
-        let mut packed = Vec::with_capacity(ids.iter().map(|&i| self.shard_len[i]).sum());
+    /// The shards `ids` of `shards`, packed back to back (one collective per block). In bf16 two
+    /// values share each f32 word of the buffer: the all-gather only moves bytes.
+    fn pack_shards(
+        &self,
+        be: &B,
+        shards: &ParamSet<B>,
+        ids: &[usize],
+        dtype: ParamDtype,
+    ) -> Vec<f32> {
+        let values = ids.iter().map(|&i| self.shard_len[i]).sum();
+        let mut packed = Vec::with_capacity(values);
         for &i in ids {
             packed.extend_from_slice(&be.download(&shards.bufs[i]));
         }
-        packed
+        match dtype {
+            ParamDtype::Float32 => packed,
+            ParamDtype::BFloat16 => packed
+                .chunks(2)
+                .map(|pair| {
+                    let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
+                    let hi = pair.get(1).map_or(0, |&v| half::bf16::from_f32(v).to_bits()) as u32;
+                    f32::from_bits(lo | (hi << 16))
+                })
+                .collect(),
+        }
     }
 
     /// Unpacks an all-gather of packed shards: rank `r`'s part fills each tensor's `[r·c, (r+1)·c)`.
-    fn unpack_gathered(&self, be: &B, all: &[f32], full: &mut ParamSet<B>, ids: &[usize]) {
+    fn unpack_gathered(
+        &self,
+        be: &B,
+        all: &[f32],
+        full: &mut ParamSet<B>,
+        ids: &[usize],
+        dtype: ParamDtype,
+    ) {
         let size = self.group.size();
-        let packed_len = all.len() / size;
+        let words = all.len() / size;
+        let value = |part: &[f32], at: usize| -> f32 {
+            match dtype {
+                ParamDtype::Float32 => part[at],
+                ParamDtype::BFloat16 => {
+                    let w = part[at / 2].to_bits();
+                    let half = if at % 2 == 0 { w & 0xffff } else { w >> 16 };
+                    f32::from_bits(half << 16)
+                }
+            }
+        };
         let mut offset = 0;
         for &i in ids {
             let c = self.shard_len[i];
             let mut t = vec![0.0f32; c * size];
             for r in 0..size {
-                t[r * c..(r + 1) * c]
-                    .copy_from_slice(&all[r * packed_len + offset..r * packed_len + offset + c]);
+                let part = &all[r * words..(r + 1) * words];
+                for (j, v) in t[r * c..(r + 1) * c].iter_mut().enumerate() {
+                    *v = value(part, offset + j);
+                }
             }
             t.truncate(self.numel[i]);
             full.bufs[i] = be.upload(&t);
@@ -259,10 +303,10 @@ impl<B: Backend> Fsdp<B> {
         full: &mut ParamSet<B>,
         ids: &[usize],
     ) -> Result<()> {
-        let mine = self.pack_shards(be, shards, ids);
+        let mine = self.pack_shards(be, shards, ids, ParamDtype::Float32);
         let mut all = vec![0.0f32; mine.len() * self.group.size()];
         self.group.all_gather(&mine, &mut all)?;
-        self.unpack_gathered(be, &all, full, ids);
+        self.unpack_gathered(be, &all, full, ids, ParamDtype::Float32);
         Ok(())
     }
 
@@ -293,7 +337,7 @@ impl<B: Backend> Fsdp<B> {
 
     /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
-        let mine = self.pack_shards(be, &self.shards, ids);
+        let mine = self.pack_shards(be, &self.shards, ids, self.param_dtype);
         self.comm
             .submit(Job::Gather(mine), Pending::Gather(ids.to_vec()))
     }
@@ -341,7 +385,7 @@ impl<B: Backend> Fsdp<B> {
             .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
         match pending {
             Pending::Gather(ids) => {
-                self.unpack_gathered(be, &data, full, &ids);
+                self.unpack_gathered(be, &data, full, &ids, self.param_dtype);
                 Ok(Some(ids))
             }
             Pending::ReduceScatter(ids) => {

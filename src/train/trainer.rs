@@ -18,7 +18,7 @@ use crate::checkpoint::{self, TrainState};
 use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
-use crate::model::{init_params, Llama, ParamSet, Workspace};
+use crate::model::{init_params, Llama, ParamDtype, ParamSet, Workspace};
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -147,6 +147,7 @@ fn train_on<B: Backend>(
     let mut grads = ParamSet::zeros(be, &specs);
     let mut opt = AdamW::new(be, &specs, cfg.optimizer.clone());
     let mut ws = Workspace::new(be, &args, batch, seq);
+    let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
 
     let ckpt_folder = cfg.checkpoint_folder();
     let mut start_step = 0;
@@ -189,6 +190,7 @@ fn train_on<B: Backend>(
             &model,
             &params,
             reshard,
+            param_dtype,
         );
         opt = AdamW {
             exp_avg: f.shard_of(be, &opt.exp_avg),
@@ -200,6 +202,11 @@ fn train_on<B: Backend>(
         }
         fsdp = Some(f);
     }
+
+    // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
+    // rounds while it packs its all-gathers instead).
+    let mut bf16_copy =
+        (param_dtype == ParamDtype::BFloat16 && fsdp.is_none()).then(|| ParamSet::zeros(be, &specs));
 
     let tokens_per_step = (global_batch * seq) as f64;
     let flops_per_token = args.flops_per_token(seq);
@@ -303,6 +310,7 @@ fn train_on<B: Backend>(
                 step,
                 t.max_norm,
                 ddp.as_mut(),
+                bf16_copy.as_mut(),
             )?,
         };
         if !loss.is_finite() || !norm.is_finite() {
@@ -521,8 +529,10 @@ fn emit(bar: &ProgressBar, line: String) {
 }
 
 /// One optimizer step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
-/// normalised by the total number of targets, then clipping and AdamW. Returns (loss, grad norm
-/// before clipping); when either is not finite the parameters are left untouched.
+/// normalised by the total number of targets, then clipping and AdamW. With `bf16_copy` (bf16 mixed
+/// precision) the forward and backward use that set, refreshed from `params` and rounded to bf16;
+/// the update goes to the fp32 `params`. Returns (loss, grad norm before clipping); when either is
+/// not finite the parameters are left untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B: Backend>(
     be: &B,
@@ -536,7 +546,11 @@ pub fn train_step<B: Backend>(
     step: u64,
     max_norm: f64,
     mut dp: Option<&mut crate::parallel::ddp::Ddp>,
+    mut bf16_copy: Option<&mut ParamSet<B>>,
 ) -> Result<(f64, f64)> {
+    if let Some(c) = bf16_copy.as_deref_mut() {
+        c.refresh_bf16_copy(be, params);
+    }
     let seq = ws.seq;
     let local_targets = count_targets(micro, seq);
     let targets = match dp.as_deref() {
@@ -552,8 +566,9 @@ pub fn train_step<B: Backend>(
             Some(d) if m + 1 == micro.len() => Some(&mut d.reducer),
             _ => None,
         };
+        let compute: &ParamSet<B> = bf16_copy.as_deref().unwrap_or(params);
         loss_sum += model
-            .forward_backward_with(be, params, grads, ws, tokens, scale, hook)?
+            .forward_backward_with(be, compute, grads, ws, tokens, scale, hook)?
             .sum;
     }
     if let Some(d) = dp {

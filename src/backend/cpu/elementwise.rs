@@ -45,6 +45,14 @@ pub fn add_assign(acc: &mut [f32], x: &[f32]) {
         });
 }
 
+/// `half`'s conversion rounds to nearest even, like the CUDA kernel and PyTorch's `.to(bfloat16)`.
+pub fn round_to_bf16(buf: &mut [f32]) {
+    buf.par_chunks_mut(CHUNK).for_each(|b| {
+        b.iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32())
+    });
+}
+
 pub fn scale(buf: &mut [f32], factor: f32) {
     buf.par_chunks_mut(CHUNK)
         .for_each(|b| b.iter_mut().for_each(|v| *v *= factor));

@@ -262,4 +262,8 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("sum_squares");
         elementwise::sum_squares(buf)
     }
+    fn round_to_bf16(&self, buf: &mut Vec<f32>) {
+        let _timer = self.profiler.time("round_to_bf16");
+        elementwise::round_to_bf16(buf);
+    }
 }

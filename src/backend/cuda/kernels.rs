@@ -17,6 +17,7 @@ use super::libs::{require, CudaLib};
 pub const SOURCE: &str = concat!(
     include_str!("kernels/common.cuh"),
     include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/cast.cu"),
     include_str!("kernels/embedding.cu"),
     include_str!("kernels/norm.cu"),
     include_str!("kernels/rope.cu"),
@@ -34,6 +35,7 @@ pub const KERNELS: &[&str] = &[
     "scale_f32",
     "swiglu_forward",
     "swiglu_backward",
+    "round_to_bf16",
     "embedding_forward",
     "embedding_backward",
     "rmsnorm_forward",

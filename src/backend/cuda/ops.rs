@@ -778,6 +778,15 @@ impl Backend for CudaBackend {
             .sum()
     }
 
+    fn round_to_bf16(&self, buf: &mut Buf) {
+        let n = buf.len();
+        if n == 0 {
+            return;
+        }
+        let len = n as i64;
+        launch!(self, "round_to_bf16", elementwise_config(n), buf, &len);
+    }
+
     fn synchronize(&self) {
         CudaBackend::synchronize(self).unwrap_or_else(|e| panic!("{e:#}"));
     }
