@@ -67,10 +67,8 @@ fn collectives_match_direct_computation_over_sockets() {
 /// Every collective against a direct computation, for 1 to 4 ranks on Unix sockets, with the
 /// direct-read path (used whenever this machine allows it) or forced onto the sockets.
 fn check_collectives(direct_reads: bool) {
-    let readable = titan::comm::cma::can_read(
-        std::process::id() as i32,
-        titan::comm::cma::probe_address(),
-    );
+    let readable =
+        titan::comm::cma::can_read(std::process::id() as i32, titan::comm::cma::probe_address());
     for world in [1, 2, 3, 4] {
         let len = 100_000 + world; // not divisible by the world size; several read blocks
         let results = run_ranks(world, Duration::from_secs(10), move |mut g| {

@@ -448,7 +448,10 @@ fn bf16_parameters_fsdp_2_and_ddp_2_match_one_process_in_bf16() {
         .zip(&exact)
         .map(|(a, b)| (a.1 - b.1).abs() / b.1.abs())
         .fold(0.0, f64::max);
-    assert!(largest_gap > 1e-5, "bf16 and fp32 curves agree to {largest_gap:e}");
+    assert!(
+        largest_gap > 1e-5,
+        "bf16 and fp32 curves agree to {largest_gap:e}"
+    );
     for (what, mesh) in [
         ("FSDP 2 (bf16 all-gathers)", vec![]),
         (

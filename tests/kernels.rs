@@ -528,3 +528,25 @@ fn sum_squares_is_exact_and_thread_independent() {
         .install(|| be.sum_squares(&x));
     assert_eq!(got.to_bits(), single.to_bits());
 }
+
+#[test]
+fn round_to_bf16_is_round_to_nearest_even() {
+    let be = CpuBackend::new();
+    let tie_down = 1.0 + 2f32.powi(-8); // halfway between 1 and the next bf16: even is 1
+    let tie_up = 1.0 + 3.0 * 2f32.powi(-8); // halfway between 1+2^-7 and 1+2^-6: even is 1+2^-6
+    let mut buf = vec![
+        tie_down,
+        tie_up,
+        1.0 + 2f32.powi(-8) + 2f32.powi(-20),
+        -2.5,
+        0.0,
+        f32::NAN,
+    ];
+    be.round_to_bf16(&mut buf);
+    assert_eq!(buf[0], 1.0);
+    assert_eq!(buf[1], 1.0 + 2f32.powi(-6));
+    assert_eq!(buf[2], 1.0 + 2f32.powi(-7));
+    assert_eq!(buf[3], -2.5);
+    assert_eq!(buf[4], 0.0);
+    assert!(buf[5].is_nan());
+}

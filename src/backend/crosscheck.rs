@@ -270,7 +270,14 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.test.copy_into_at(&mut tb, n + 3, &to);
         self.compare("fill + copy_into_at", &rb, &tb, self.tol.exact);
         let mut values = self.random(n, 3.0);
-        values.extend([0.0, -0.0, 3.0e38, f32::MIN_POSITIVE, 1.0 + f32::EPSILON, 1.003_906_3]);
+        values.extend([
+            0.0,
+            -0.0,
+            3.0e38,
+            f32::MIN_POSITIVE,
+            1.0 + f32::EPSILON,
+            1.003_906_3,
+        ]);
         let (mut rr, mut tr) = self.both(&values);
         self.reference.round_to_bf16(&mut rr);
         self.test.round_to_bf16(&mut tr);

@@ -322,7 +322,11 @@ impl TcpGroup {
             self.send_bytes(op, p, &word.to_le_bytes())?;
         }
         let mut words = vec![word; self.size];
-        for (p, w) in words.iter_mut().enumerate().filter(|(p, _)| *p != self.rank) {
+        for (p, w) in words
+            .iter_mut()
+            .enumerate()
+            .filter(|(p, _)| *p != self.rank)
+        {
             let mut b = [0u8; 8];
             self.recv_bytes(op, p, &mut b)?;
             *w = u64::from_le_bytes(b);

@@ -251,7 +251,10 @@ impl<B: Backend> Fsdp<B> {
                 .chunks(2)
                 .map(|pair| {
                     let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
-                    let hi = pair.get(1).map_or(0, |&v| half::bf16::from_f32(v).to_bits()) as u32;
+                    let hi = pair
+                        .get(1)
+                        .map_or(0, |&v| half::bf16::from_f32(v).to_bits())
+                        as u32;
                     f32::from_bits(lo | (hi << 16))
                 })
                 .collect(),
@@ -274,7 +277,11 @@ impl<B: Backend> Fsdp<B> {
                 ParamDtype::Float32 => part[at],
                 ParamDtype::BFloat16 => {
                     let w = part[at / 2].to_bits();
-                    let half = if at % 2 == 0 { w & 0xffff } else { w >> 16 };
+                    let half = if at.is_multiple_of(2) {
+                        w & 0xffff
+                    } else {
+                        w >> 16
+                    };
                     f32::from_bits(half << 16)
                 }
             }

@@ -205,8 +205,8 @@ fn train_on<B: Backend>(
 
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
-    let mut bf16_copy =
-        (param_dtype == ParamDtype::BFloat16 && fsdp.is_none()).then(|| ParamSet::zeros(be, &specs));
+    let mut bf16_copy = (param_dtype == ParamDtype::BFloat16 && fsdp.is_none())
+        .then(|| ParamSet::zeros(be, &specs));
 
     let tokens_per_step = (global_batch * seq) as f64;
     let flops_per_token = args.flops_per_token(seq);
