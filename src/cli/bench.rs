@@ -18,7 +18,7 @@ use crate::train::metrics::default_peak_tflops;
 use crate::train::optimizer::AdamW;
 use crate::train::trainer::{init_threads, train_step};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct BenchTrainArgs {
     #[arg(long, default_value = "debugmodel")]
     pub flavor: String,
@@ -46,16 +46,33 @@ pub struct BenchTrainArgs {
     /// cpu or cuda (GPU 0).
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Arithmetic of the CUDA GEMMs: bfloat16, tfloat32 or float32 (the CPU always uses fp32).
-    #[arg(long, default_value = "bfloat16")]
-    pub precision: String,
+    /// `mixed_precision_param`: bfloat16 (bf16 weights in compute; bf16 tensor-core GEMMs on
+    /// CUDA), tfloat32 (CUDA) or float32. Default: bfloat16 on CUDA, float32 on the CPU.
+    #[arg(long)]
+    pub precision: Option<String>,
     /// Peak TFLOP/s for MFU; 0 uses the device default (989 for an H100/H200 in bf16).
     #[arg(long, default_value_t = 0.0)]
     pub peak_tflops: f64,
 }
 
+impl BenchTrainArgs {
+    fn precision(&self) -> &str {
+        self.precision.as_deref().unwrap_or("float32")
+    }
+}
+
 pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     init_threads(a.threads);
+    let mut a = a.clone();
+    a.precision.get_or_insert_with(|| {
+        if a.device == "cuda" {
+            "bfloat16"
+        } else {
+            "float32"
+        }
+        .to_string()
+    });
+    let a = &a;
     match a.device.as_str() {
         "cpu" => {
             let be = if a.profile_ops {
@@ -73,7 +90,7 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             if a.profile_ops {
                 bail!("--profile-ops times CPU kernels only; on CUDA use Nsight Systems (nsys profile titan bench train ...)");
             }
-            let be = CudaBackend::new(0, GemmPrecision::from_config(&a.precision)?)?;
+            let be = CudaBackend::new(0, GemmPrecision::from_config(a.precision())?)?;
             bench_on(&be, a, &|| ()).map(|_| ())
         }
         other => bail!("--device `{other}` is not known (accepted: cpu, cuda)"),
@@ -99,7 +116,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let mut grads = ParamSet::zeros(be, &specs);
     let mut opt = AdamW::new(be, &specs, OptimizerConfig::default());
     let mut ws = Workspace::new(be, &args, a.batch, a.seq);
-    let mut bf16_copy = (crate::model::ParamDtype::from_config(&a.precision)
+    let mut bf16_copy = (crate::model::ParamDtype::from_config(a.precision())
         == crate::model::ParamDtype::BFloat16)
         .then(|| ParamSet::zeros(be, &specs));
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -158,7 +175,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"device": be.name(), "precision": a.precision, "flavor": a.flavor, "batch": a.batch, "seq": a.seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
+            serde_json::json!({"device": be.name(), "precision": a.precision(), "flavor": a.flavor, "batch": a.batch, "seq": a.seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
                 "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1], "tokens_per_s": tok_s,
                 "gflops": gflops, "tflops": gflops / 1e3, "mfu_pct": mfu, "peak_tflops": peak_tflops,
                 "peak_rss_mib": mib(peak_rss), "peak_device_mib": device_peak.map(mib),
