@@ -2,7 +2,7 @@
 # One call on a lent GPU machine (NVIDIA driver + the pip nvidia-* libraries of its PyTorch, no
 # network, maybe no Rust): every op's CUDA-vs-CPU check, the debug model trained 20 steps on GPU and
 # CPU, then a Llama 3 1B benchmark of titan and PyTorch side by side at seq 2048 and 8192. Every stage
-# has its own timeout so the whole script ends within 8 minutes; the summary table is printed last.
+# has its own timeout (470 s in all) so the script ends within 8 minutes; the summary table is last.
 #
 # The titan binary is built on the CPU machine and carried with the call:
 #   cargo build --release          # then run this script with target/release/titan carried
@@ -51,12 +51,12 @@ stage() { # name timeout_s command...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 stage info 30 "$BIN" cuda info
-stage check_fp32 100 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
-stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
-stage titan_1b_s2048 90 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 2 --steps 5 --json > '$OUT_DIR/titan_1b_s2048.json'"
-stage torch_1b_s2048 60 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
-stage titan_1b_s8192 100 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 3 --json > '$OUT_DIR/titan_1b_s8192.json'"
-stage torch_1b_s8192 60 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
+stage check_fp32 90 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
+stage check_bf16 50 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
+stage titan_1b_s2048 90 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
+stage torch_1b_s2048 50 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
+stage titan_1b_s8192 110 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
+stage torch_1b_s8192 50 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
 
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
