@@ -31,7 +31,12 @@ for base in (spec.submodule_search_locations if spec else []):
 print(":".join(sorted(dirs)))
 PYEOF
 )
-export LD_LIBRARY_PATH="${lib_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cudarc opens NCCL as libnccl.so; pip ships libnccl.so.2.
+links=$(mktemp -d)
+for d in ${lib_dirs//:/ }; do
+  [ -e "$d/libnccl.so.2" ] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
+done
+export LD_LIBRARY_PATH="${links}:${lib_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 declare -A status
 stage() { # name timeout_s command...
@@ -52,18 +57,20 @@ stage() { # name timeout_s command...
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 stage info 30 "$BIN" cuda info
 stage check_fp32 90 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
-stage check_bf16 50 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
+stage nccl 20 "$BIN" cuda nccl-check
+stage check_bf16 40 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
 stage titan_1b_s2048 90 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
-stage torch_1b_s2048 50 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
+stage torch_1b_s2048 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
 stage titan_1b_s8192 110 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
-stage torch_1b_s8192 50 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
+stage torch_1b_s8192 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
 
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info check_fp32 check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+for s in info check_fp32 nccl check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
 done
+grep -h "NCCL one-rank" "$OUT_DIR/nccl.log" 2>/dev/null
 "$PY" - "$OUT_DIR" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]

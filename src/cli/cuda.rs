@@ -32,6 +32,9 @@ pub enum CudaCommand {
     /// Every op on GPU 0 against the CPU on fresh random inputs, then the debug model trained on
     /// both devices; exits non-zero when anything is outside its tolerance.
     Check(CheckArgs),
+    /// NCCL on GPU 0 as a one-rank group: communicator setup through the store, each collective
+    /// checked against the expected values.
+    NcclCheck,
 }
 
 #[derive(clap::Args, Debug)]
@@ -55,11 +58,12 @@ pub fn run(cmd: &CudaCommand) -> Result<()> {
         CudaCommand::Info => info(),
         CudaCommand::Compile { arch, out, verbose } => compile(arch, out.as_ref(), *verbose),
         CudaCommand::Check(args) => check(args),
+        CudaCommand::NcclCheck => nccl_check(),
     }
 }
 
 fn info() -> Result<()> {
-    for lib in [CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt] {
+    for lib in [CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt, CudaLib::Nccl] {
         let state = if lib.is_present() { "found" } else { "MISSING" };
         println!("{state:>8}  {}", lib.describe());
     }
@@ -212,4 +216,51 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
         max_rel_diff,
         tolerance,
     })
+}
+
+fn nccl_check() -> Result<()> {
+    use crate::backend::Backend;
+    use crate::comm::group::ReduceOp;
+    use crate::comm::nccl::NcclGroup;
+    use crate::comm::store::{StoreClient, StoreServer};
+    use std::time::Duration;
+
+    let be = CudaBackend::new(0, GemmPrecision::Float32)?;
+    let server = StoreServer::start("127.0.0.1:0")?;
+    let store = StoreClient::connect(&server.addr.to_string(), Duration::from_secs(10))?;
+    let t = Duration::from_secs(30);
+    let g = NcclGroup::connect(&store, "nccl-check", 0, 1, &be, t, t)?;
+    let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let mut buf = be.upload(&values);
+    g.all_reduce(&mut buf, ReduceOp::Sum)?;
+    let mut failures = Vec::new();
+    if be.download(&buf) != values {
+        failures.push("all_reduce");
+    }
+    let mut gathered = be.zeros(values.len());
+    g.all_gather(&buf, &mut gathered)?;
+    if be.download(&gathered) != values {
+        failures.push("all_gather");
+    }
+    let mut scattered = be.zeros(values.len());
+    g.reduce_scatter(&buf, &mut scattered, ReduceOp::Avg)?;
+    if be.download(&scattered) != values {
+        failures.push("reduce_scatter");
+    }
+    let mut big = be.zeros(64 << 20);
+    let t0 = std::time::Instant::now();
+    for _ in 0..10 {
+        g.all_reduce(&mut big, ReduceOp::Sum)?;
+    }
+    let per_call = t0.elapsed().as_secs_f64() / 10.0;
+    println!(
+        "NCCL one-rank group on {}: all_reduce, all_gather, reduce_scatter {}; 256 MiB all_reduce {:.2} ms",
+        be.device_name(),
+        if failures.is_empty() { "ok" } else { "FAILED" },
+        per_call * 1e3
+    );
+    if !failures.is_empty() {
+        bail!("NCCL check failed: {}", failures.join(", "));
+    }
+    Ok(())
 }

@@ -1,8 +1,9 @@
 //! Communication: the rendezvous store and process groups with their collectives (CPU transport
-//! over TCP; NCCL later), each operation bounded by a timeout.
+//! over sockets and cross-memory reads; NCCL for CUDA buffers), each operation bounded by a timeout.
 
 pub mod cma;
 pub mod conn;
 pub mod group;
 pub mod mesh;
+pub mod nccl;
 pub mod store;

@@ -13,6 +13,9 @@ pub enum CudaLib {
     Nvrtc,
     /// `libcublasLt.so`, the GEMMs (pip `nvidia-cublas-cu12` or `-cu13`).
     CublasLt,
+    /// `libnccl.so`, the collectives between GPUs (pip `nvidia-nccl-cu12` or `-cu13`, whose file
+    /// is `libnccl.so.2`: link it as `libnccl.so` in a folder on `LD_LIBRARY_PATH`).
+    Nccl,
 }
 
 impl CudaLib {
@@ -21,6 +24,9 @@ impl CudaLib {
             CudaLib::Driver => "libcuda.so.1 (the NVIDIA driver)",
             CudaLib::Nvrtc => "libnvrtc.so (NVRTC, pip package nvidia-cuda-nvrtc-cu12)",
             CudaLib::CublasLt => "libcublasLt.so (cuBLASLt, pip package nvidia-cublas-cu12)",
+            CudaLib::Nccl => {
+                "libnccl.so (NCCL, pip package nvidia-nccl-cu12; link its libnccl.so.2 as libnccl.so)"
+            }
         }
     }
 
@@ -31,6 +37,7 @@ impl CudaLib {
                 CudaLib::Driver => cudarc::driver::sys::is_culib_present(),
                 CudaLib::Nvrtc => cudarc::nvrtc::sys::is_culib_present(),
                 CudaLib::CublasLt => cudarc::cublaslt::sys::is_culib_present(),
+                CudaLib::Nccl => cudarc::nccl::sys::is_culib_present(),
             }
         }
     }

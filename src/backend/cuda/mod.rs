@@ -49,6 +49,14 @@ impl CudaBuf {
         assert!(range.end <= self.len, "slice beyond the buffer");
         self.data.slice_mut(range)
     }
+
+    /// Raw device address, for libraries that take pointers (NCCL). The caller orders its use on
+    /// the backend's stream.
+    pub fn device_address(&self, stream: &CudaStream) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let (ptr, _sync) = self.data.device_ptr(stream);
+        ptr
+    }
 }
 
 pub struct CudaBackend {
@@ -71,7 +79,7 @@ impl CudaBackend {
     pub fn new(ordinal: usize, precision: GemmPrecision) -> Result<Self> {
         require(
             &[CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt],
-            "--training.device cuda",
+            "the CUDA backend (--training.device cuda)",
         )?;
         let count = libs::device_count()?;
         if ordinal >= count {

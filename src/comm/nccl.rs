@@ -1,0 +1,298 @@
+//! NCCL communicators: collectives between GPUs on CUDA buffers, one communicator per group.
+//!
+//! The unique id travels through the rendezvous store (rank 0 creates it), and every rank announces
+//! itself there before the blocking `ncclCommInitRank`, so a rank that never comes is a store
+//! timeout naming it rather than a hang inside NCCL. Collectives are queued on the backend's stream;
+//! `wait` polls that stream and NCCL's asynchronous error instead of blocking, and aborts the
+//! communicator when the group's timeout passes, so a dead peer is an error, never a hang.
+//!
+//! Status: built and compiled, run on one GPU at most (`titan cuda nccl-check`); FSDP and DDP still
+//! move CUDA buffers through host copies and the CPU transport. Wiring them to this group (and a
+//! second stream with events for overlap) is the next step of the CUDA backend.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::CudaStream;
+use cudarc::nccl::{result as nccl, sys};
+
+use super::group::ReduceOp;
+use super::store::StoreClient;
+use crate::backend::cuda::libs::{require, CudaLib};
+use crate::backend::cuda::{CudaBackend, CudaBuf};
+
+pub struct NcclGroup {
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    name: String,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    /// Set once the communicator is aborted: it must then be neither used nor destroyed.
+    aborted: AtomicBool,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not race;
+// titan issues a group's collectives from one thread at a time.
+unsafe impl Send for NcclGroup {}
+unsafe impl Sync for NcclGroup {}
+
+fn nccl_err(what: &str, e: nccl::NcclError) -> anyhow::Error {
+    anyhow!("NCCL {what} failed: {e:?}")
+}
+
+impl NcclGroup {
+    /// Joins group `name` of `size` ranks as `rank`, on `be`'s GPU and stream.
+    pub fn connect(
+        store: &StoreClient,
+        name: &str,
+        rank: usize,
+        size: usize,
+        be: &CudaBackend,
+        init_timeout: Duration,
+        op_timeout: Duration,
+    ) -> Result<Self> {
+        require(&[CudaLib::Nccl], "NCCL collectives")?;
+        if rank >= size {
+            bail!("NCCL group `{name}`: rank {rank} is outside a group of {size}");
+        }
+        let deadline = Instant::now() + init_timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let key = format!("nccl/{name}/id");
+        let id = if rank == 0 {
+            let id = nccl::get_uniqueid().map_err(|e| nccl_err("get unique id", e))?;
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            store.set(&key, &bytes)?;
+            id
+        } else {
+            let bytes = store.get_within(&key, left()).map_err(|_| {
+                anyhow!("NCCL group `{name}` rank {rank}: rank 0 never published the unique id within {init_timeout:.0?}")
+            })?;
+            if bytes.len() != 128 {
+                bail!("NCCL group `{name}`: the unique id in the store has {} bytes, not 128", bytes.len());
+            }
+            let mut internal = [0 as std::ffi::c_char; 128];
+            for (d, s) in internal.iter_mut().zip(&bytes) {
+                *d = *s as std::ffi::c_char;
+            }
+            sys::ncclUniqueId { internal }
+        };
+        store.set(&format!("nccl/{name}/arrived/{rank}"), b"1")?;
+        for peer in 0..size {
+            store
+                .get_within(&format!("nccl/{name}/arrived/{peer}"), left())
+                .map_err(|_| {
+                    anyhow!("NCCL group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}")
+                })?;
+        }
+        let stream = be.stream().clone();
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: comm is written by NCCL on success; the id is the group's.
+        let comm = unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
+                .map_err(|e| nccl_err(&format!("init of group `{name}` rank {rank}"), e))?;
+            comm.assume_init()
+        };
+        Ok(NcclGroup {
+            comm,
+            stream,
+            name: name.to_string(),
+            rank,
+            size,
+            timeout: op_timeout,
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn red_op(op: ReduceOp) -> sys::ncclRedOp_t {
+        match op {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        }
+    }
+
+    fn cu_stream(&self) -> sys::cudaStream_t {
+        self.stream.cu_stream() as sys::cudaStream_t
+    }
+
+    fn check_usable(&self, op: &str) -> Result<()> {
+        if self.aborted.load(Ordering::SeqCst) {
+            bail!(
+                "{op} on NCCL group `{}`: the communicator was aborted after an earlier failure",
+                self.name
+            );
+        }
+        Ok(())
+    }
+
+    /// In place over the whole buffer.
+    pub fn all_reduce(&self, buf: &mut CudaBuf, op: ReduceOp) -> Result<()> {
+        self.check_usable("all_reduce")?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let p = buf.device_address(&self.stream);
+        // SAFETY: p addresses buf.len() floats on this communicator's device.
+        unsafe {
+            nccl::all_reduce(
+                p as *const _,
+                p as *mut _,
+                buf.len(),
+                sys::ncclDataType_t::ncclFloat32,
+                Self::red_op(op),
+                self.comm,
+                self.cu_stream(),
+            )
+        }
+        .map_err(|e| nccl_err("all_reduce", e))?;
+        self.wait("all_reduce")
+    }
+
+    /// `output` (`size × input.len()`) receives every rank's `input` in rank order.
+    pub fn all_gather(&self, input: &CudaBuf, output: &mut CudaBuf) -> Result<()> {
+        self.check_usable("all_gather")?;
+        if output.len() != input.len() * self.size {
+            bail!(
+                "all_gather on NCCL group `{}`: output holds {} values, needs {} × {}",
+                self.name,
+                output.len(),
+                self.size,
+                input.len()
+            );
+        }
+        if input.is_empty() {
+            return Ok(());
+        }
+        let (src, dst) = (
+            input.device_address(&self.stream),
+            output.device_address(&self.stream),
+        );
+        // SAFETY: the lengths were checked above.
+        unsafe {
+            nccl::all_gather(
+                src as *const _,
+                dst as *mut _,
+                input.len(),
+                sys::ncclDataType_t::ncclFloat32,
+                self.comm,
+                self.cu_stream(),
+            )
+        }
+        .map_err(|e| nccl_err("all_gather", e))?;
+        self.wait("all_gather")
+    }
+
+    /// `input` is `size` equal chunks; `output` receives the reduction of chunk `rank`.
+    pub fn reduce_scatter(&self, input: &CudaBuf, output: &mut CudaBuf, op: ReduceOp) -> Result<()> {
+        self.check_usable("reduce_scatter")?;
+        if input.len() != output.len() * self.size {
+            bail!(
+                "reduce_scatter on NCCL group `{}`: input holds {} values, needs {} × {}",
+                self.name,
+                input.len(),
+                self.size,
+                output.len()
+            );
+        }
+        if output.is_empty() {
+            return Ok(());
+        }
+        let (src, dst) = (
+            input.device_address(&self.stream),
+            output.device_address(&self.stream),
+        );
+        // SAFETY: the lengths were checked above.
+        unsafe {
+            nccl::reduce_scatter(
+                src as *const _,
+                dst as *mut _,
+                output.len(),
+                sys::ncclDataType_t::ncclFloat32,
+                Self::red_op(op),
+                self.comm,
+                self.cu_stream(),
+            )
+        }
+        .map_err(|e| nccl_err("reduce_scatter", e))?;
+        self.wait("reduce_scatter")
+    }
+
+    /// Waits for the queued collective by polling, so that a dead or silent peer ends in an error
+    /// naming the group within the timeout (the communicator is then aborted and unusable).
+    fn wait(&self, op: &str) -> Result<()> {
+        use cudarc::driver::sys as cu;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            // SAFETY: the stream is live; cuStreamQuery only reads its state.
+            let state = unsafe { cu::cuStreamQuery(self.stream.cu_stream()) };
+            match state {
+                cu::CUresult::CUDA_SUCCESS => return Ok(()),
+                cu::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => bail!(
+                    "{op} on NCCL group `{}` (rank {} of {}): CUDA error {other:?}",
+                    self.name,
+                    self.rank,
+                    self.size
+                ),
+            }
+            let mut async_err = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: comm is live; the call only reads its error state.
+            unsafe { sys::ncclCommGetAsyncError(self.comm, &mut async_err) };
+            let failed = !matches!(
+                async_err,
+                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+            );
+            if failed || Instant::now() >= deadline {
+                if !self.aborted.swap(true, Ordering::SeqCst) {
+                    // SAFETY: aborting a live communicator once; `aborted` keeps it from being
+                    // used or destroyed afterwards.
+                    unsafe {
+                        let _ = nccl::comm_abort(self.comm);
+                    }
+                }
+                let why = if failed {
+                    format!("NCCL reported {async_err:?} (a peer may have died)")
+                } else {
+                    format!(
+                        "did not complete within {:.0?} (train_timeout_seconds); a peer may have died or hung",
+                        self.timeout
+                    )
+                };
+                bail!(
+                    "{op} on NCCL group `{}` (rank {} of {}): {why}",
+                    self.name,
+                    self.rank,
+                    self.size
+                );
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        // SAFETY: the communicator was created in `connect` and is destroyed once.
+        unsafe {
+            let _ = nccl::comm_destroy(self.comm);
+        }
+    }
+}
