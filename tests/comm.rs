@@ -67,8 +67,11 @@ fn collectives_match_direct_computation_over_sockets() {
 /// Every collective against a direct computation, for 1 to 4 ranks on Unix sockets, with the
 /// direct-read path (used whenever this machine allows it) or forced onto the sockets.
 fn check_collectives(direct_reads: bool) {
-    let readable =
-        titan::comm::cma::can_read(std::process::id() as i32, titan::comm::cma::probe_address());
+    let readable = titan::comm::cma::can_read(
+        std::process::id() as i32,
+        titan::comm::cma::probe_address(),
+        titan::comm::cma::probe_value(),
+    );
     for world in [1, 2, 3, 4] {
         let len = 100_000 + world; // not divisible by the world size; several read blocks
         let results = run_ranks(world, Duration::from_secs(10), move |mut g| {
@@ -242,4 +245,29 @@ fn tcp_transport_all_reduce_and_dead_peer() {
     });
     let e = errs[0].clone().unwrap();
     assert!(e.contains("peer rank 1"), "{e}");
+}
+
+#[test]
+fn ranks_that_disagree_on_a_collective_fail_and_the_group_stays_failed() {
+    let results = run_ranks(2, Duration::from_secs(5), |g| {
+        if !g.uses_cross_memory_attach() {
+            return None; // the check below is about the direct-read path
+        }
+        let mut buf = vec![1.0f32; 10 + 2 * g.rank()];
+        let first = g
+            .all_reduce(&mut buf, ReduceOp::Sum)
+            .map_err(|e| e.to_string());
+        let mut again = vec![1.0f32; 4];
+        let second = g
+            .all_reduce(&mut again, ReduceOp::Sum)
+            .map_err(|e| e.to_string());
+        Some((first, second))
+    });
+    for r in results.into_iter().flatten() {
+        let (first, second) = r;
+        let e = first.expect_err("lengths 10 and 12 must not reduce");
+        assert!(e.contains("out of step") && e.contains("peer rank"), "{e}");
+        let e = second.expect_err("a failed group must refuse");
+        assert!(e.contains("failed in an earlier operation"), "{e}");
+    }
 }

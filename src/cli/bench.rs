@@ -63,6 +63,14 @@ impl BenchTrainArgs {
 
 pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     init_threads(a.threads);
+    if let Some(p) = &a.precision {
+        if !crate::config::PRECISIONS.contains(&p.as_str()) {
+            bail!(
+                "--precision `{p}` is not known (accepted: {})",
+                crate::config::PRECISIONS.join(", ")
+            );
+        }
+    }
     let mut a = a.clone();
     a.precision.get_or_insert_with(|| {
         if a.device == "cuda" {
@@ -105,8 +113,13 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
         args.n_kv_heads = kv;
     }
     args.validate()?;
+    let param_dtype = crate::model::ParamDtype::from_config(a.precision());
+    let mut estimate = crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq);
+    if param_dtype == crate::model::ParamDtype::BFloat16 {
+        estimate = estimate.with_compute_copy();
+    }
     crate::train::memory::check_fits(
-        &crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq),
+        &estimate,
         &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq),
         be.device_free_memory(),
     )?;
@@ -116,9 +129,8 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let mut grads = ParamSet::zeros(be, &specs);
     let mut opt = AdamW::new(be, &specs, OptimizerConfig::default());
     let mut ws = Workspace::new(be, &args, a.batch, a.seq);
-    let mut bf16_copy = (crate::model::ParamDtype::from_config(a.precision())
-        == crate::model::ParamDtype::BFloat16)
-        .then(|| ParamSet::zeros(be, &specs));
+    let mut bf16_copy =
+        (param_dtype == crate::model::ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs));
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let batches: Vec<Vec<u32>> = (0..4)
         .map(|_| {

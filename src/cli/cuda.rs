@@ -63,7 +63,12 @@ pub fn run(cmd: &CudaCommand) -> Result<()> {
 }
 
 fn info() -> Result<()> {
-    for lib in [CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt, CudaLib::Nccl] {
+    for lib in [
+        CudaLib::Driver,
+        CudaLib::Nvrtc,
+        CudaLib::CublasLt,
+        CudaLib::Nccl,
+    ] {
         let state = if lib.is_present() { "found" } else { "MISSING" };
         println!("{state:>8}  {}", lib.describe());
     }

@@ -9,17 +9,31 @@
 //! environment variable `TITAN_COMM_NO_CMA=1` turns it off.
 
 use std::io;
+use std::sync::OnceLock;
 
-/// A word every process holds at a known address, read by peers to check that reading works.
-pub static PROBE_WORD: u64 = 0x7469_7461_6e5f_636d; // "titan_cm"
+/// A random word of this process, read by peers to check that they read the right process: a pid
+/// can name another process in a peer's pid namespace, and without ASLR every titan process has its
+/// probe at the same address, but no other process holds this value there.
+static PROBE: OnceLock<u64> = OnceLock::new();
 
-/// Whether this process should try cross-memory attach at all.
-pub fn allowed() -> bool {
-    cfg!(target_os = "linux") && std::env::var_os("TITAN_COMM_NO_CMA").is_none_or(|v| v.is_empty())
+/// This process's probe word.
+pub fn probe_value() -> u64 {
+    *PROBE.get_or_init(|| rand::random::<u64>() | 1)
 }
 
+/// Where this process keeps its probe word.
 pub fn probe_address() -> u64 {
-    &PROBE_WORD as *const u64 as u64
+    probe_value();
+    PROBE.get().expect("initialised above") as *const u64 as u64
+}
+
+/// Whether this process should try cross-memory attach at all (`TITAN_COMM_NO_CMA` set to anything
+/// but empty, `0` or `false` turns it off).
+pub fn allowed() -> bool {
+    let off = std::env::var("TITAN_COMM_NO_CMA")
+        .map(|v| !matches!(v.trim(), "" | "0" | "false"))
+        .unwrap_or(false);
+    cfg!(target_os = "linux") && !off
 }
 
 /// Copies `dst.len()` bytes from address `remote` in process `pid` into `dst`.
@@ -69,8 +83,8 @@ pub fn read_f32(pid: i32, remote: u64, dst: &mut [f32]) -> io::Result<()> {
     read_bytes(pid, remote, bytes)
 }
 
-/// Whether the word at `probe` in process `pid` reads back as `PROBE_WORD`.
-pub fn can_read(pid: i32, probe: u64) -> bool {
+/// Whether the word at `address` in process `pid` reads back as `expected` (a peer's probe).
+pub fn can_read(pid: i32, address: u64, expected: u64) -> bool {
     let mut b = [0u8; 8];
-    read_bytes(pid, probe, &mut b).is_ok() && u64::from_ne_bytes(b) == PROBE_WORD
+    read_bytes(pid, address, &mut b).is_ok() && u64::from_ne_bytes(b) == expected
 }

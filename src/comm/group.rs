@@ -12,6 +12,7 @@
 //! the three small messages that order each collective's phases.
 
 use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -79,50 +80,67 @@ fn disjoint(buf: &mut [f32], a: (usize, usize), b: (usize, usize)) -> (&[f32], &
     }
 }
 
-/// Every rank probes every peer's memory and publishes whether it could read it; direct reads are
-/// used only when all could (the decision must be the same on every rank).
+/// Decides, identically on every rank, whether the group copies by direct reads. Round 1: each rank
+/// publishes whether it is willing (local sockets, not disabled) with its pid and probe. Round 2
+/// (only when all are willing): each rank reads every peer's probe and publishes whether all read
+/// back right. Direct reads are used only when every rank could read every peer.
 fn agree_on_cma(
     store: &StoreClient,
     name: &str,
     rank: usize,
     size: usize,
-    deadline: Instant,
+    willing: bool,
+    timeout: Duration,
 ) -> Result<Option<Vec<i32>>> {
+    let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
-    let mut pids = vec![std::process::id() as i32; size];
-    let mut readable = true;
-    for (peer, pid) in pids.iter_mut().enumerate().filter(|(p, _)| *p != rank) {
+    let never =
+        |peer: usize| anyhow!("group `{name}` rank {rank}: rank {peer} never finished connecting");
+    let me = if willing {
+        format!(
+            "{}:{}:{}",
+            std::process::id(),
+            cma::probe_address(),
+            cma::probe_value()
+        )
+    } else {
+        "no".to_string()
+    };
+    store.set(&format!("group/{name}/cma-offer/{rank}"), me.as_bytes())?;
+    let mut offers = Vec::with_capacity(size);
+    for peer in 0..size {
         let v = store
-            .get_within(&format!("group/{name}/pid/{peer}"), left())
-            .map_err(|_| {
-                anyhow!("group `{name}` rank {rank}: rank {peer} never published its process id")
-            })?;
+            .get_within(&format!("group/{name}/cma-offer/{peer}"), left())
+            .map_err(|_| never(peer))?;
         let v = String::from_utf8_lossy(&v).into_owned();
-        let parsed = v
-            .split_once(':')
-            .and_then(|(a, b)| Some((a.parse::<i32>().ok()?, b.parse::<u64>().ok()?)));
-        match parsed {
-            Some((p, probe)) => {
-                *pid = p;
-                readable &= cma::can_read(p, probe);
-            }
-            None => readable = false,
-        }
+        let mut parts = v.split(':');
+        let mut field = || parts.next().and_then(|f| f.parse::<u64>().ok());
+        offers.push(match (field(), field(), field()) {
+            (Some(pid), Some(address), Some(value)) => Some((pid as i32, address, value)),
+            _ => None,
+        });
     }
+    if offers.iter().any(Option::is_none) {
+        return Ok(None);
+    }
+    let offers: Vec<(i32, u64, u64)> = offers.into_iter().flatten().collect();
+    let readable = offers
+        .iter()
+        .enumerate()
+        .filter(|(p, _)| *p != rank)
+        .all(|(_, &(pid, address, value))| cma::can_read(pid, address, value));
     store.set(
-        &format!("group/{name}/cma/{rank}"),
+        &format!("group/{name}/cma-ok/{rank}"),
         if readable { b"1" } else { b"0" },
     )?;
     let mut all = readable;
     for peer in (0..size).filter(|&p| p != rank) {
         let v = store
-            .get_within(&format!("group/{name}/cma/{peer}"), left())
-            .map_err(|_| {
-                anyhow!("group `{name}` rank {rank}: rank {peer} never finished connecting")
-            })?;
+            .get_within(&format!("group/{name}/cma-ok/{peer}"), left())
+            .map_err(|_| never(peer))?;
         all &= v.as_slice() == b"1";
     }
-    Ok(all.then_some(pids))
+    Ok(all.then(|| offers.iter().map(|o| o.0).collect()))
 }
 
 fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
@@ -157,6 +175,11 @@ pub struct TcpGroup {
     /// Process id of every rank when all share this host and can read each other's memory
     /// (`cma`): the all-reduce, all-gather and reduce-scatter then copy straight between processes.
     peer_pids: Option<Vec<i32>>,
+    /// Collectives started on this group; every direct-read phase message carries it, so ranks that
+    /// fall out of step (one failed, the others went on) are an error, not a read of a stale buffer.
+    sequence: AtomicU64,
+    /// Set by the first failure: the sockets may hold half a message, so later collectives refuse.
+    broken: AtomicBool,
 }
 
 impl TcpGroup {
@@ -178,11 +201,7 @@ impl TcpGroup {
         let (listener, my_addr) = Listener::bind(host, name, rank)
             .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {host}"))?;
         store.set(&format!("group/{name}/addr/{rank}"), my_addr.as_bytes())?;
-        let try_cma = size > 1 && my_addr.starts_with("unix:") && cma::allowed();
-        if try_cma {
-            let me = format!("{}:{}", std::process::id(), cma::probe_address());
-            store.set(&format!("group/{name}/pid/{rank}"), me.as_bytes())?;
-        }
+        let willing = my_addr.starts_with("unix:") && cma::allowed();
         let deadline = Instant::now() + init_timeout;
         let mut peers: Vec<Option<Link>> = (0..size).map(|_| None).collect();
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
@@ -231,8 +250,8 @@ impl TcpGroup {
             let s = link.reader.lock().unwrap_or_else(|e| e.into_inner());
             s.set_timeouts(op_timeout, op_timeout)?;
         }
-        let peer_pids = if try_cma {
-            agree_on_cma(store, name, rank, size, deadline)?
+        let peer_pids = if size > 1 {
+            agree_on_cma(store, name, rank, size, willing, init_timeout)?
         } else {
             None
         };
@@ -243,6 +262,8 @@ impl TcpGroup {
             peers,
             timeout: op_timeout,
             peer_pids,
+            sequence: AtomicU64::new(0),
+            broken: AtomicBool::new(false),
         })
     }
 
@@ -289,7 +310,8 @@ impl TcpGroup {
             .writer
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        w.write_all(bytes).map_err(|e| self.io_error(op, peer, e))
+        w.write_all(bytes)
+            .map_err(|e| self.fail(self.io_error(op, peer, e)))
     }
 
     fn recv_bytes(&self, op: &str, peer: usize, bytes: &mut [u8]) -> Result<()> {
@@ -298,7 +320,8 @@ impl TcpGroup {
             .reader
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        r.read_exact(bytes).map_err(|e| self.io_error(op, peer, e))
+        r.read_exact(bytes)
+            .map_err(|e| self.fail(self.io_error(op, peer, e)))
     }
 
     /// Sends `out` to `to` on a scoped thread while receiving `inp` from `from`.
@@ -313,25 +336,69 @@ impl TcpGroup {
         })
     }
 
-    /// Sends `word` to every peer and returns every rank's word (this rank's at its own index). Also
-    /// a barrier: it returns only once every rank has sent.
-    fn exchange_words(&self, op: &str, word: u64) -> Result<Vec<u64>> {
-        // Eight bytes always fit in a socket's buffer, so sending to everyone before receiving
-        // cannot deadlock, and needs no sender threads (this is on the latency path).
-        for p in (0..self.size).filter(|&p| p != self.rank) {
-            self.send_bytes(op, p, &word.to_le_bytes())?;
+    /// Marks the group unusable and passes the error on.
+    fn fail(&self, e: anyhow::Error) -> anyhow::Error {
+        self.broken.store(true, Ordering::SeqCst);
+        e
+    }
+
+    /// Refuses a collective on a group that failed before.
+    fn check_usable(&self, op: &str) -> Result<()> {
+        if self.broken.load(Ordering::SeqCst) {
+            bail!(
+                "{op} on group `{}` (rank {} of {}): the group failed in an earlier operation",
+                self.name,
+                self.rank,
+                self.size
+            );
         }
-        let mut words = vec![word; self.size];
-        for (p, w) in words
+        Ok(())
+    }
+
+    /// One phase of a direct-read collective: sends (collective number, phase, address, length) to
+    /// every peer and returns every rank's address. Also a barrier: it returns once every rank has
+    /// reached this phase of this collective, with the same length.
+    fn exchange_phase(
+        &self,
+        op: &str,
+        seq: u64,
+        phase: u64,
+        addr: u64,
+        len: usize,
+    ) -> Result<Vec<u64>> {
+        let mut msg = [0u8; 32];
+        for (k, v) in [seq, phase, addr, len as u64].into_iter().enumerate() {
+            msg[k * 8..k * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        // 32 bytes always fit in a socket's buffer, so sending to everyone before receiving cannot
+        // deadlock, and needs no sender threads (this is on the latency path).
+        for p in (0..self.size).filter(|&p| p != self.rank) {
+            self.send_bytes(op, p, &msg)?;
+        }
+        let mut addrs = vec![addr; self.size];
+        for (p, a) in addrs
             .iter_mut()
             .enumerate()
             .filter(|(p, _)| *p != self.rank)
         {
-            let mut b = [0u8; 8];
+            let mut b = [0u8; 32];
             self.recv_bytes(op, p, &mut b)?;
-            *w = u64::from_le_bytes(b);
+            let word =
+                |k: usize| u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+            if (word(0), word(1)) != (seq, phase) || word(3) != len as u64 {
+                return Err(self.fail(anyhow!(
+                    "{op} on group `{}` (rank {} of {}): peer rank {p} is out of step (its collective {} phase {} with {} values, ours {seq} phase {phase} with {len}): the ranks called different collectives",
+                    self.name,
+                    self.rank,
+                    self.size,
+                    word(0),
+                    word(1),
+                    word(3)
+                )));
+            }
+            *a = word(2);
         }
-        Ok(words)
+        Ok(addrs)
     }
 
     /// Reads `dst.len()` floats at `remote` from peer `peer`'s memory.
@@ -344,6 +411,7 @@ impl TcpGroup {
         dst: &mut [f32],
     ) -> Result<()> {
         cma::read_f32(pids[peer], remote, dst).map_err(|e| {
+            self.broken.store(true, Ordering::SeqCst);
             anyhow!(
                 "{op} on group `{}` (rank {} of {}): reading peer rank {peer}'s memory failed: {e} (did it exit?)",
                 self.name,
@@ -380,11 +448,12 @@ impl TcpGroup {
     /// ready; all chunks reduced; all reads done (a buffer may change only after the last).
     fn cma_all_reduce(&self, pids: &[i32], buf: &mut [f32], op: ReduceOp) -> Result<()> {
         let (n, r, len) = (self.size, self.rank, buf.len());
-        let addrs = self.exchange_words("all_reduce", buf.as_ptr() as u64)?;
+        let seq = self.sequence.fetch_add(1, Ordering::SeqCst);
+        let addrs = self.exchange_phase("all_reduce", seq, 0, buf.as_ptr() as u64, len)?;
         let (c0, c1) = chunk(len, n, r);
         let remotes: Vec<u64> = addrs.iter().map(|a| a + (c0 * 4) as u64).collect();
         self.reduce_from_peers("all_reduce", pids, &remotes, &mut buf[c0..c1], op)?;
-        self.exchange_words("all_reduce", 0)?;
+        self.exchange_phase("all_reduce", seq, 1, 0, len)?;
         for p in (0..n).filter(|&p| p != r) {
             let (p0, p1) = chunk(len, n, p);
             self.read_peer(
@@ -395,7 +464,7 @@ impl TcpGroup {
                 &mut buf[p0..p1],
             )?;
         }
-        self.exchange_words("all_reduce", 0)?;
+        self.exchange_phase("all_reduce", seq, 2, 0, len)?;
         Ok(())
     }
 
@@ -461,6 +530,7 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.check_usable("all_reduce")?;
         if let Some(pids) = &self.peer_pids {
             self.cma_all_reduce(pids, buf, op)?;
         } else if self.size > 1 {
@@ -475,6 +545,7 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
+        self.check_usable("all_gather")?;
         if output.len() != input.len() * self.size {
             bail!(
                 "all_gather on group `{}`: output holds {} values, needs {} × {}",
@@ -487,7 +558,8 @@ impl ProcessGroup for TcpGroup {
         let c = input.len();
         output[self.rank * c..(self.rank + 1) * c].copy_from_slice(input);
         if let Some(pids) = &self.peer_pids {
-            let addrs = self.exchange_words("all_gather", input.as_ptr() as u64)?;
+            let seq = self.sequence.fetch_add(1, Ordering::SeqCst);
+            let addrs = self.exchange_phase("all_gather", seq, 0, input.as_ptr() as u64, c)?;
             for p in (0..self.size).filter(|&p| p != self.rank) {
                 self.read_peer(
                     "all_gather",
@@ -497,7 +569,7 @@ impl ProcessGroup for TcpGroup {
                     &mut output[p * c..(p + 1) * c],
                 )?;
             }
-            self.exchange_words("all_gather", 0)?;
+            self.exchange_phase("all_gather", seq, 1, 0, c)?;
         } else if self.size > 1 {
             self.ring_all_gather("all_gather", output)?;
         }
@@ -505,6 +577,7 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.check_usable("reduce_scatter")?;
         if input.len() != output.len() * self.size {
             bail!(
                 "reduce_scatter on group `{}`: input holds {} values, needs {} × {}",
@@ -517,13 +590,15 @@ impl ProcessGroup for TcpGroup {
         let c = output.len();
         if let Some(pids) = &self.peer_pids {
             output.copy_from_slice(&input[self.rank * c..(self.rank + 1) * c]);
-            let addrs = self.exchange_words("reduce_scatter", input.as_ptr() as u64)?;
+            let seq = self.sequence.fetch_add(1, Ordering::SeqCst);
+            let addrs =
+                self.exchange_phase("reduce_scatter", seq, 0, input.as_ptr() as u64, input.len())?;
             let remotes: Vec<u64> = addrs
                 .iter()
                 .map(|a| a + (self.rank * c * 4) as u64)
                 .collect();
             self.reduce_from_peers("reduce_scatter", pids, &remotes, output, op)?;
-            self.exchange_words("reduce_scatter", 0)?;
+            self.exchange_phase("reduce_scatter", seq, 1, 0, input.len())?;
         } else {
             let mut work = input.to_vec();
             if self.size > 1 {

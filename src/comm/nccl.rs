@@ -71,7 +71,10 @@ impl NcclGroup {
                 anyhow!("NCCL group `{name}` rank {rank}: rank 0 never published the unique id within {init_timeout:.0?}")
             })?;
             if bytes.len() != 128 {
-                bail!("NCCL group `{name}`: the unique id in the store has {} bytes, not 128", bytes.len());
+                bail!(
+                    "NCCL group `{name}`: the unique id in the store has {} bytes, not 128",
+                    bytes.len()
+                );
             }
             let mut internal = [0 as std::ffi::c_char; 128];
             for (d, s) in internal.iter_mut().zip(&bytes) {
@@ -198,7 +201,12 @@ impl NcclGroup {
     }
 
     /// `input` is `size` equal chunks; `output` receives the reduction of chunk `rank`.
-    pub fn reduce_scatter(&self, input: &CudaBuf, output: &mut CudaBuf, op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter(
+        &self,
+        input: &CudaBuf,
+        output: &mut CudaBuf,
+        op: ReduceOp,
+    ) -> Result<()> {
         self.check_usable("reduce_scatter")?;
         if input.len() != output.len() * self.size {
             bail!(

@@ -41,7 +41,9 @@ impl DdpReducer {
             .spawn(move || {
                 for mut b in jobs {
                     let r = group.all_reduce(&mut b.data, ReduceOp::Sum).map(|_| b);
-                    if done.send(r).is_err() {
+                    // After a failure the group is unusable: report it and take no more work.
+                    let failed = r.is_err();
+                    if done.send(r).is_err() || failed {
                         return;
                     }
                 }

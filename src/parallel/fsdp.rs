@@ -82,7 +82,9 @@ impl CommThread {
                                 })
                         }
                     };
-                    if done.send(r).is_err() {
+                    // After a failure the group is unusable: report it and take no more work.
+                    let failed = r.is_err();
+                    if done.send(r).is_err() || failed {
                         return;
                     }
                 }

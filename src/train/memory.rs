@@ -13,6 +13,8 @@ pub struct MemoryEstimate {
     pub grads: u64,
     pub optimizer: u64,
     pub activations: u64,
+    /// The bf16-rounded compute copy of the weights (bf16 mixed precision without FSDP), kept in f32.
+    pub compute_copy: u64,
 }
 
 impl MemoryEstimate {
@@ -26,11 +28,18 @@ impl MemoryEstimate {
             grads: p,
             optimizer: 2 * p,
             activations: act,
+            compute_copy: 0,
         }
     }
 
+    /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP.
+    pub fn with_compute_copy(mut self) -> Self {
+        self.compute_copy = self.params;
+        self
+    }
+
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.activations
+        self.params + self.grads + self.optimizer + self.activations + self.compute_copy
     }
 }
 
@@ -66,7 +75,7 @@ pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) ->
     if let Some(avail) = device_free.or_else(available_memory) {
         if est.total() > avail {
             bail!(
-                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB) but only {:.1} GiB is available; \
+                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
                  choose a smaller flavor, batch or seq_len",
                 gib(est.total()),
                 est.total(),
@@ -74,6 +83,7 @@ pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) ->
                 gib(est.grads),
                 gib(est.optimizer),
                 gib(est.activations),
+                gib(est.compute_copy),
                 gib(avail)
             );
         }

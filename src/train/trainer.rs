@@ -125,7 +125,11 @@ fn train_on<B: Backend>(
     };
 
     // Everything below is known from the config alone: refuse what cannot fit before allocating.
-    let est = MemoryEstimate::new(&args, batch, seq);
+    let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
+    let mut est = MemoryEstimate::new(&args, batch, seq);
+    if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
+        est = est.with_compute_copy();
+    }
     check_fits(
         &est,
         &format!(
@@ -147,7 +151,6 @@ fn train_on<B: Backend>(
     let mut grads = ParamSet::zeros(be, &specs);
     let mut opt = AdamW::new(be, &specs, cfg.optimizer.clone());
     let mut ws = Workspace::new(be, &args, batch, seq);
-    let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
 
     let ckpt_folder = cfg.checkpoint_folder();
     let mut start_step = 0;
