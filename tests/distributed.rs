@@ -8,12 +8,17 @@ use std::process::Command;
 use common::{titan_bin, TINY_ARGS};
 
 fn losses(dump: &std::path::Path) -> Vec<(u64, f64)> {
+    metric(dump, "loss")
+}
+
+/// `(step, value)` of one key of every line of `metrics.jsonl`.
+fn metric(dump: &std::path::Path, key: &str) -> Vec<(u64, f64)> {
     std::fs::read_to_string(dump.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+            (v["step"].as_u64().unwrap(), v[key].as_f64().unwrap())
         })
         .collect()
 }
@@ -475,5 +480,79 @@ fn bf16_parameters_fsdp_2_and_ddp_2_match_one_process_in_bf16() {
         let o = train(dir.path(), &["--nproc", "2", "--master-port", "0"], &args);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         assert_parity(&reference, &losses(dir.path()), what);
+    }
+}
+
+#[test]
+fn hsdp_writes_one_replica_of_shards_and_resumes_in_one_process() {
+    let straight = tempfile::tempdir().unwrap();
+    let o = train(
+        straight.path(),
+        &[],
+        &["--training.steps", "10", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success());
+    let full = losses(straight.path());
+    let saved = tempfile::tempdir().unwrap();
+    let o = train(
+        saved.path(),
+        &["--nproc", "4", "--master-port", "0"],
+        &[
+            "--training.steps",
+            "10",
+            "--training.local_batch_size",
+            "1",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--checkpoint.interval",
+            "5",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The global gradient norm counts each shard once, not once per replica.
+    let (one, hsdp) = (
+        metric(straight.path(), "grad_norm"),
+        metric(saved.path(), "grad_norm"),
+    );
+    for ((s, x), (_, y)) in one.iter().zip(&hsdp) {
+        assert!(
+            (x - y).abs() <= 1e-4 * x,
+            "step {s}: grad norm {x} vs HSDP {y}"
+        );
+    }
+    let step5 = saved.path().join("checkpoint/step-5");
+    for r in 0..2 {
+        assert!(step5.join(format!("model-rank{r}.safetensors")).exists());
+        assert!(step5
+            .join(format!("optimizer-rank{r}.safetensors"))
+            .exists());
+    }
+    assert!(!step5.join("model-rank2.safetensors").exists());
+    assert!(!step5.join("model.safetensors").exists());
+    let state = std::fs::read_to_string(step5.join("state.json")).unwrap();
+    assert!(
+        state.contains("\"shards\": 2") && state.contains("\"dp_replicate\": 2"),
+        "{state}"
+    );
+    std::fs::remove_dir_all(saved.path().join("checkpoint/step-10")).unwrap();
+    let o = train(
+        saved.path(),
+        &[],
+        &["--training.steps", "10", "--training.local_batch_size", "4"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // metrics.jsonl holds the first run's 10 steps, then the resumed run's.
+    let all = losses(saved.path());
+    let resumed = &all[10..];
+    assert_eq!(
+        resumed.iter().map(|r| r.0).collect::<Vec<_>>(),
+        vec![6, 7, 8, 9, 10]
+    );
+    for &(s, y) in resumed {
+        let x = full.iter().find(|(t, _)| *t == s).unwrap().1;
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "step {s}: straight {x}, resumed {y}"
+        );
     }
 }

@@ -354,8 +354,8 @@ fn train_on<B: Backend>(
         bar.set_message(format!("loss {loss:.4}"));
         bar.inc(1);
 
-        // FSDP: every rank writes its own shards. Otherwise (DDP, HSDP, one process) the ranks hold
-        // the same state (HSDP: after gathering it), and rank 0 writes it whole.
+        // FSDP: every rank writes its own shards (HSDP: the ranks of replica 0). Otherwise (DDP, one
+        // process) the ranks hold the same state and rank 0 writes it whole.
         let save_now =
             cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps);
         if save_now {
@@ -370,8 +370,10 @@ fn train_on<B: Backend>(
                 files: Default::default(),
             };
             let shapes: Vec<Vec<usize>> = specs.iter().map(|(_, s)| s.clone()).collect();
-            let written = match (&fsdp, dist.is_some_and(|d| d.replicate.is_none())) {
-                (Some(f), true) => checkpoint::sharded::save(
+            // HSDP replicas hold identical shards: replica 0's ranks write them, the others wait.
+            let replica = dist.and_then(|d| d.replicate.as_ref()).map(|r| r.rank());
+            let written = match (&fsdp, replica) {
+                (Some(f), None | Some(0)) => checkpoint::sharded::save(
                     be,
                     f.shard_group(),
                     &dist.expect("FSDP runs distributed").mesh,
@@ -383,26 +385,7 @@ fn train_on<B: Backend>(
                     state,
                     cfg.checkpoint.keep_latest_k,
                 )?,
-                (Some(f), false) => {
-                    let (p, m, v) = (
-                        f.gather_full(be, &f.shards, &specs)?,
-                        f.gather_full(be, &opt.exp_avg, &specs)?,
-                        f.gather_full(be, &opt.exp_avg_sq, &specs)?,
-                    );
-                    if rank == 0 {
-                        Some(checkpoint::save(
-                            be,
-                            &ckpt_folder,
-                            &p,
-                            &m,
-                            &v,
-                            state,
-                            cfg.checkpoint.keep_latest_k,
-                        )?)
-                    } else {
-                        None
-                    }
-                }
+                (Some(_), Some(_)) => None,
                 (None, _) if rank == 0 => Some(checkpoint::save(
                     be,
                     &ckpt_folder,
@@ -496,7 +479,8 @@ fn train_step_fsdp<B: Backend>(
         .iter()
         .map(|g| be.sum_squares(g))
         .sum();
-    let norm = all_reduce_sum_f64(group, local_sq)?.sqrt();
+    // Replicas (HSDP) hold the same gradient shards: the norm sums over one replica's shards.
+    let norm = all_reduce_sum_f64(fsdp.shard_group(), local_sq)?.sqrt();
     if loss.is_finite() && norm.is_finite() {
         clip_grads(be, &mut fsdp.grad_shards, norm, max_norm);
         opt.step(be, &mut fsdp.shards, &fsdp.grad_shards, lr, step);
