@@ -55,19 +55,23 @@ stage() { # name timeout_s command...
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
-stage info 30 "$BIN" cuda info
-stage check_fp32 90 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
+stage info 15 "$BIN" cuda info
+stage check_fp32 80 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
 stage nccl 20 "$BIN" cuda nccl-check
-stage check_bf16 40 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
-stage titan_1b_s2048 90 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
+# FSDP on CUDA (two ranks sharing the GPU, collectives through host copies) against one process.
+common="--quiet --training.device cuda --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1"
+rm -rf "$OUT_DIR/one" "$OUT_DIR/fsdp2"
+stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --job.dump_folder '$OUT_DIR/one' && '$BIN' train --nproc 2 $common --training.local_batch_size 4 --job.dump_folder '$OUT_DIR/fsdp2'"
+stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
+stage titan_1b_s2048 85 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
 stage torch_1b_s2048 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
-stage titan_1b_s8192 110 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
+stage titan_1b_s8192 100 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
 stage torch_1b_s8192 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
 
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info check_fp32 nccl check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+for s in info check_fp32 nccl fsdp_cuda check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
 done
 grep -h "NCCL one-rank" "$OUT_DIR/nccl.log" 2>/dev/null
@@ -97,6 +101,19 @@ for prec in ("fp32", "bf16"):
         print(f"training ({prec}): {t['steps']} steps, loss CPU {t['cpu'][0]:.4f}->{t['cpu'][-1]:.4f}, "
               f"CUDA {t['cuda'][0]:.4f}->{t['cuda'][-1]:.4f}, max rel diff {t['max_rel_diff']:.2e} "
               f"({'ok' if t['passed'] else 'FAIL'})")
+def curve(d):
+    try:
+        with open(os.path.join(out, d, "metrics.jsonl")) as f:
+            return [json.loads(l)["loss"] for l in f]
+    except Exception:
+        return None
+one, two = curve("one"), curve("fsdp2")
+if one and two and len(one) == len(two):
+    diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
+    print(f"FSDP 2 ranks on CUDA vs 1 process, {len(one)} steps fp32: max rel loss diff {diff:.2e} "
+          f"({'ok' if diff <= 1e-4 else 'FAIL'})")
+else:
+    print("FSDP on CUDA: no result")
 print()
 print(f"{'Llama 3 1B, bf16':<22} {'impl':<8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
 for seq, batch in ((2048, 8), (8192, 2)):

@@ -57,10 +57,22 @@ pub fn select_device(cfg: &Config) -> Result<Device> {
     }
 }
 
-/// The CUDA backend for this process: GPU `local_rank` (one process per GPU).
+/// The CUDA backend for this process: GPU `local_rank`, one process per GPU. With more local ranks
+/// than GPUs the ranks share them round-robin (said on stderr): slower, but it lets a one-GPU
+/// machine run and check multi-process layouts.
 pub fn cuda_backend(cfg: &Config, local_rank: usize) -> Result<CudaBackend> {
     let precision = GemmPrecision::from_config(&cfg.training.mixed_precision_param)?;
-    CudaBackend::new(local_rank, precision)
+    let gpus = crate::backend::cuda::libs::device_count()?;
+    if gpus == 0 {
+        bail!("--training.device cuda: the NVIDIA driver sees no GPU");
+    }
+    if local_rank >= gpus {
+        eprintln!(
+            "note: local rank {local_rank} shares GPU {} (this node has {gpus} GPU(s) for more ranks)",
+            local_rank % gpus
+        );
+    }
+    CudaBackend::new(local_rank % gpus, precision)
 }
 
 /// Sizes rayon's global pool once per process (`threads = 0` keeps rayon's default: every core).
