@@ -36,6 +36,22 @@ pub fn allowed() -> bool {
     cfg!(target_os = "linux") && !off
 }
 
+/// Lets sibling processes of the same user read this one. Under Yama's `ptrace_scope = 1` (Ubuntu's
+/// default) only ancestors may, and ranks are siblings; this lifts that restriction for this
+/// process only (`PR_SET_PTRACER_ANY`). Nothing changes where Yama is absent. Set
+/// `TITAN_COMM_NO_CMA=1` to keep the restriction (the collectives then use sockets).
+#[cfg(target_os = "linux")]
+pub fn allow_peer_reads() {
+    // SAFETY: prctl with these arguments only changes this process's Yama ptracer setting; a
+    // failure (no Yama) is harmless and ignored.
+    unsafe {
+        libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn allow_peer_reads() {}
+
 /// Copies `dst.len()` bytes from address `remote` in process `pid` into `dst`.
 #[cfg(target_os = "linux")]
 pub fn read_bytes(pid: i32, remote: u64, dst: &mut [u8]) -> io::Result<()> {

@@ -97,6 +97,7 @@ fn agree_on_cma(
     let never =
         |peer: usize| anyhow!("group `{name}` rank {rank}: rank {peer} never finished connecting");
     let me = if willing {
+        cma::allow_peer_reads();
         format!(
             "{}:{}:{}",
             std::process::id(),
