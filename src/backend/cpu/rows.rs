@@ -5,19 +5,37 @@ use super::fastmath::{dot, dot3, exp, max, sum};
 use super::simd::multiversion;
 
 multiversion! {
-    /// One key tile of a row's online softmax: turns the first `n` raw scores of `scores` into
-    /// `exp(score·scale − new_max)` (zeroing the rest), updates the running max and sum, and returns the
-    /// factor by which earlier accumulations must be rescaled.
-    pub fn online_softmax_tile(scores: &mut [f32], n: usize, scale: f32, row_max: &mut f32, row_sum: &mut f32) -> f32 {
-        let new_max = row_max.max(max(&scores[..n]) * scale);
-        let correction = if *row_max == f32::NEG_INFINITY { 0.0 } else { exp(*row_max - new_max) };
-        *row_max = new_max;
-        for x in scores[..n].iter_mut() {
-            *x = exp(*x * scale - new_max);
+    /// One key tile of the online softmax in key-major layout: `st[j·rows + r]` holds the raw score
+    /// of key `j` for query row `r`, and key `j` is visible to rows `r >= from[j]` (at most 256
+    /// rows). Scores become `exp(score·scale − new_max)` (0 where hidden), the running max and sum
+    /// are updated, and `correction[r]` receives the factor for earlier accumulations. Every loop
+    /// runs over rows, so it vectorises across queries.
+    pub fn online_softmax_tile_keys(st: &mut [f32], rows: usize, width: usize, from: &[usize], scale: f32, row_max: &mut [f32], row_sum: &mut [f32], correction: &mut [f32]) {
+        let (row_max, row_sum, correction) = (&mut row_max[..rows], &mut row_sum[..rows], &mut correction[..rows]);
+        let mut tile_max = [f32::NEG_INFINITY; 256];
+        let tile_max = &mut tile_max[..rows];
+        for j in 0..width {
+            let col = &st[j * rows..(j + 1) * rows];
+            for r in from[j]..rows {
+                tile_max[r] = tile_max[r].max(col[r]);
+            }
         }
-        scores[n..].fill(0.0);
-        *row_sum = *row_sum * correction + sum(&scores[..n]);
-        correction
+        for r in 0..rows {
+            let new_max = row_max[r].max(tile_max[r] * scale);
+            correction[r] = if row_max[r] == f32::NEG_INFINITY { 0.0 } else { exp(row_max[r] - new_max) };
+            row_max[r] = new_max;
+            row_sum[r] *= correction[r];
+        }
+        for j in 0..width {
+            let col = &mut st[j * rows..(j + 1) * rows];
+            let f = from[j].min(rows);
+            col[..f].fill(0.0);
+            for r in f..rows {
+                let p = exp(col[r] * scale - row_max[r]);
+                col[r] = p;
+                row_sum[r] += p;
+            }
+        }
     }
 }
 
