@@ -36,6 +36,9 @@ pub struct GenerateArgs {
     /// Print one JSON object (prompt_ids, generated_ids, text) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// cpu, cuda (GPU 0, fp32 GEMMs) or auto (CUDA when a GPU and its libraries are found).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// Index of the next token from `logits`.
@@ -75,10 +78,27 @@ pub fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut ChaCha8R
 }
 
 pub fn run(a: &GenerateArgs) -> Result<()> {
-    let be = CpuBackend::new();
+    let cuda = match a.device.as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        "auto" => crate::backend::cuda::libs::cuda_usable(),
+        other => bail!("--device `{other}` is not known (accepted: cpu, cuda, auto)"),
+    };
+    if cuda {
+        let be = crate::backend::cuda::CudaBackend::new(
+            0,
+            crate::backend::cuda::GemmPrecision::Float32,
+        )?;
+        generate_on(&be, a)
+    } else {
+        generate_on(&CpuBackend::new(), a)
+    }
+}
+
+fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
     let dir = checkpoint::resolve_checkpoint_dir(&a.checkpoint)?;
     let state = checkpoint::read_state(&dir)?;
-    let (args, params) = checkpoint::load_weights(&be, &dir)?;
+    let (args, params) = checkpoint::load_weights(be, &dir)?;
     let tokenizer = load_tokenizer(a.tokenizer.as_deref().unwrap_or(&state.tokenizer_path))?;
     let mut prompt_ids = vec![tokenizer.bos_id()];
     prompt_ids.extend(tokenizer.encode(&a.prompt)?);
@@ -89,10 +109,10 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
             args.max_seq_len
         );
     }
-    let model = Llama::new(&be, args.clone(), capacity)?;
-    let mut cache = KvCache::new(&be, &args, capacity);
+    let model = Llama::new(be, args.clone(), capacity)?;
+    let mut cache = KvCache::new(be, &args, capacity);
     let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
-    let mut logits = model.forward_cached(&be, &params, &mut cache, &prompt_ids)?;
+    let mut logits = model.forward_cached(be, &params, &mut cache, &prompt_ids)?;
     let mut generated = Vec::new();
     if !a.json {
         print!("{}", a.prompt);
@@ -116,7 +136,7 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         if cache.len >= capacity {
             break;
         }
-        logits = model.forward_cached(&be, &params, &mut cache, &[next])?;
+        logits = model.forward_cached(be, &params, &mut cache, &[next])?;
     }
     let text = tokenizer.decode(&generated)?;
     if a.json {
@@ -130,6 +150,5 @@ pub fn run(a: &GenerateArgs) -> Result<()> {
         }
         println!();
     }
-    let _ = be.name();
     Ok(())
 }
