@@ -9,6 +9,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
@@ -88,6 +89,7 @@ pub struct Gemm {
     workspace: CudaSlice<u8>,
     precision: GemmPrecision,
     plans: Mutex<HashMap<GemmKey, GemmPlan>>,
+    warned_fallback: AtomicBool,
 }
 
 // SAFETY: the cuBLASLt handle is thread-safe; the plan cache is behind a mutex.
@@ -113,6 +115,7 @@ impl Gemm {
             workspace,
             precision,
             plans: Mutex::new(HashMap::new()),
+            warned_fallback: AtomicBool::new(false),
         })
     }
 
@@ -120,10 +123,25 @@ impl Gemm {
         self.precision
     }
 
+    /// The plan in the configured precision; if cuBLASLt has no tensor-core algorithm for a shape,
+    /// that shape runs in exact fp32 instead (said once on stderr) rather than failing the step.
     fn plan(&self, key: GemmKey) -> Result<GemmPlan> {
+        match self.plan_with(key, self.precision.compute_type()) {
+            Ok(plan) => Ok(plan),
+            Err(e) if self.precision != GemmPrecision::Float32 => {
+                if !self.warned_fallback.swap(true, Ordering::Relaxed) {
+                    eprintln!("warning: {e:#}; such GEMMs run in fp32");
+                }
+                self.plan_with(key, GemmPrecision::Float32.compute_type())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn plan_with(&self, key: GemmKey, compute: sys::cublasComputeType_t) -> Result<GemmPlan> {
         let f32t = sys::cudaDataType::CUDA_R_32F;
-        let desc = lt::create_matmul_desc(self.precision.compute_type(), f32t)
-            .map_err(|e| lt_err("matmul descriptor", e))?;
+        let desc =
+            lt::create_matmul_desc(compute, f32t).map_err(|e| lt_err("matmul descriptor", e))?;
         // cuBLASLt's A is our b, its B is our a (see the module doc).
         let (op_a, op_b) = (key.trans_b as i32, key.trans_a as i32);
         // SAFETY: desc is live; the attribute values are i32 as cuBLASLt documents.
