@@ -74,19 +74,27 @@ fn every_kernel_compiles_with_nvrtc_for_sm80_and_sm90() {
     }
 }
 
+/// The tiny model trained on `device` with an empty library path, so that no CUDA library can be
+/// found whatever this machine has.
+fn train_tiny_without_cuda_libraries(dir: &std::path::Path, device: &str) -> Output {
+    let mut args = vec![
+        "train",
+        "--quiet",
+        "--training.device",
+        device,
+        "--training.steps",
+        "2",
+        "--job.dump_folder",
+        dir.to_str().unwrap(),
+    ];
+    args.extend_from_slice(common::TINY_ARGS);
+    titan_with_env(&args, &[("LD_LIBRARY_PATH", String::new())])
+}
+
 #[test]
 fn training_on_cuda_without_a_driver_fails_with_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = vec![
-        "train",
-        "--training.device",
-        "cuda",
-        "--job.dump_folder",
-        dir.path().to_str().unwrap(),
-    ];
-    args.extend_from_slice(common::TINY_ARGS);
-    // An empty library path: no CUDA library can be found, whatever this machine has.
-    let o = titan_with_env(&args, &[("LD_LIBRARY_PATH", String::new())]);
+    let o = train_tiny_without_cuda_libraries(dir.path(), "cuda");
     let err = String::from_utf8_lossy(&o.stderr);
     if o.status.success() {
         // A machine with a GPU and its driver in the system paths trains on it: nothing to check.
@@ -107,18 +115,7 @@ fn training_on_cuda_without_a_driver_fails_with_a_clear_error() {
 #[test]
 fn auto_device_trains_on_the_cpu_when_there_is_no_gpu() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = vec![
-        "train",
-        "--quiet",
-        "--training.device",
-        "auto",
-        "--training.steps",
-        "2",
-        "--job.dump_folder",
-        dir.path().to_str().unwrap(),
-    ];
-    args.extend_from_slice(common::TINY_ARGS);
-    let o = titan_with_env(&args, &[("LD_LIBRARY_PATH", String::new())]);
+    let o = train_tiny_without_cuda_libraries(dir.path(), "auto");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(dir.path().join("metrics.jsonl").exists());
 }
