@@ -169,3 +169,51 @@ fn hf_import_errors_name_the_problem() {
     );
     assert!(e.contains("gpt2") && e.contains("config.json"), "{e}");
 }
+
+#[test]
+fn async_saves_write_the_same_checkpoints_and_resume_bitwise() {
+    // tiny_config saves every 5 steps and keeps them all.
+    let sync_dir = tempfile::tempdir().unwrap();
+    let sync_cfg = trained(sync_dir.path(), 15);
+    let async_dir = tempfile::tempdir().unwrap();
+    let mut async_cfg = tiny_config(async_dir.path(), 15);
+    async_cfg.checkpoint.async_mode = "async".into();
+    let straight = train(&async_cfg, &quiet()).unwrap();
+    for step in [5, 10, 15] {
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            let a =
+                std::fs::read(checkpoint::step_dir(&sync_cfg.checkpoint_folder(), step).join(file));
+            let b = std::fs::read(
+                checkpoint::step_dir(&async_cfg.checkpoint_folder(), step).join(file),
+            );
+            assert_eq!(a.unwrap(), b.unwrap(), "step {step} {file}");
+        }
+    }
+    // Resume from the asynchronously written step 10: steps 11-15 repeat bit for bit.
+    std::fs::remove_dir_all(checkpoint::step_dir(&async_cfg.checkpoint_folder(), 15)).unwrap();
+    let resumed = train(&async_cfg, &quiet()).unwrap();
+    assert_eq!(resumed.resumed_from, Some(10));
+    let tail: Vec<(u64, f64)> = straight
+        .losses
+        .iter()
+        .copied()
+        .filter(|(s, _)| *s > 10)
+        .collect();
+    assert_eq!(common::bits(&tail), common::bits(&resumed.losses));
+}
+
+#[test]
+fn an_unknown_async_mode_is_refused() {
+    let args: Vec<String> = ["--checkpoint.async_mode", "async_with_pinned_mem"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let e = format!(
+        "{:#}",
+        titan::config::Config::load(None, &args).unwrap_err()
+    );
+    assert!(
+        e.contains("async_mode") && e.contains("use \"async\""),
+        "{e}"
+    );
+}

@@ -6,6 +6,7 @@
 pub mod hf;
 pub mod sharded;
 pub mod st;
+pub mod writer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -114,31 +115,57 @@ pub fn save<B: Backend>(
     params: &ParamSet<B>,
     exp_avg: &ParamSet<B>,
     exp_avg_sq: &ParamSet<B>,
-    mut state: TrainState,
+    state: TrainState,
     keep_latest_k: usize,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(folder)
-        .with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
-    let tmp = folder.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
+    Snapshot::take(be, params, exp_avg, exp_avg_sq)?.write(folder, state, keep_latest_k)
+}
+
+/// A whole checkpoint serialised in memory: what an asynchronous save hands to its writer thread,
+/// so training can change the weights while the files are written.
+pub struct Snapshot {
+    model: Vec<u8>,
+    optimizer: Vec<u8>,
+}
+
+impl Snapshot {
+    pub fn take<B: Backend>(
+        be: &B,
+        params: &ParamSet<B>,
+        exp_avg: &ParamSet<B>,
+        exp_avg_sq: &ParamSet<B>,
+    ) -> Result<Self> {
+        let model = st::to_bytes(&to_tensors(be, params, ""), None)?;
+        let mut moments = to_tensors(be, exp_avg, "exp_avg.");
+        moments.extend(to_tensors(be, exp_avg_sq, "exp_avg_sq."));
+        let optimizer = st::to_bytes(&moments, None)?;
+        Ok(Snapshot { model, optimizer })
     }
-    std::fs::create_dir_all(&tmp)?;
-    let model = st::to_bytes(&to_tensors(be, params, ""), None)?;
-    state.files.insert(
-        MODEL_FILE.into(),
-        write_synced(&tmp.join(MODEL_FILE), &model)?,
-    );
-    drop(model);
-    let mut moments = to_tensors(be, exp_avg, "exp_avg.");
-    moments.extend(to_tensors(be, exp_avg_sq, "exp_avg_sq."));
-    let opt = st::to_bytes(&moments, None)?;
-    state.files.insert(
-        OPTIMIZER_FILE.into(),
-        write_synced(&tmp.join(OPTIMIZER_FILE), &opt)?,
-    );
-    drop(opt);
-    finish_save(folder, &tmp, state, keep_latest_k)
+
+    /// Writes the files into a temporary folder, then `finish_save` (atomic rename, pruning).
+    pub fn write(
+        self,
+        folder: &Path,
+        mut state: TrainState,
+        keep_latest_k: usize,
+    ) -> Result<PathBuf> {
+        std::fs::create_dir_all(folder)
+            .with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
+        let tmp = folder.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp)?;
+        }
+        std::fs::create_dir_all(&tmp)?;
+        state.files.insert(
+            MODEL_FILE.into(),
+            write_synced(&tmp.join(MODEL_FILE), &self.model)?,
+        );
+        state.files.insert(
+            OPTIMIZER_FILE.into(),
+            write_synced(&tmp.join(OPTIMIZER_FILE), &self.optimizer)?,
+        );
+        finish_save(folder, &tmp, state, keep_latest_k)
+    }
 }
 
 /// Writes `state.json` into the complete temporary folder, renames it to `step-N/` and prunes old

@@ -160,6 +160,9 @@ pub struct CheckpointConfig {
     pub folder: String,
     /// Step to resume from; -1 picks the latest complete checkpoint.
     pub load_step: i64,
+    /// `disabled` (saves block the step) or `async` (a writer thread writes while training goes on;
+    /// whole checkpoints only, sharded saves stay synchronous). TorchTitan's key.
+    pub async_mode: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -251,6 +254,7 @@ impl Default for CheckpointConfig {
             keep_latest_k: 3,
             folder: "checkpoint".into(),
             load_step: -1,
+            async_mode: "disabled".into(),
         }
     }
 }
@@ -431,6 +435,16 @@ impl Config {
         }
         if self.checkpoint.interval == 0 {
             bail!("[checkpoint] interval must be positive");
+        }
+        match self.checkpoint.async_mode.as_str() {
+            "disabled" | "async" => {}
+            "async_with_pinned_mem" => bail!(
+                "[checkpoint] async_mode = \"async_with_pinned_mem\" is not built (pinned host memory \
+                 only speeds up GPU-to-host copies); use \"async\""
+            ),
+            other => bail!(
+                "[checkpoint] async_mode = `{other}` is not known (accepted: disabled, async)"
+            ),
         }
         if self.metrics.log_freq == 0 {
             bail!("[metrics] log_freq must be positive");

@@ -223,6 +223,7 @@ fn train_on<B: Backend>(
     let mut bf16_copy = (param_dtype == ParamDtype::BFloat16 && fsdp.is_none())
         .then(|| ParamSet::zeros(be, &specs));
 
+    let mut writer = checkpoint::writer::AsyncWriter::new();
     let tokens_per_step = (global_batch * seq) as f64;
     let flops_per_token = args.flops_per_token(seq);
     let threads = rayon::current_num_threads();
@@ -398,6 +399,12 @@ fn train_on<B: Backend>(
                     cfg.checkpoint.keep_latest_k,
                 )?,
                 (Some(_), Some(_)) => None,
+                (None, _) if rank == 0 && cfg.checkpoint.async_mode == "async" => {
+                    // Returns the previous save, which this one waited for.
+                    let snapshot =
+                        checkpoint::Snapshot::take(be, &params, &opt.exp_avg, &opt.exp_avg_sq)?;
+                    writer.start(snapshot, &ckpt_folder, state, cfg.checkpoint.keep_latest_k)?
+                }
                 (None, _) if rank == 0 => Some(checkpoint::save(
                     be,
                     &ckpt_folder,
@@ -414,6 +421,9 @@ fn train_on<B: Backend>(
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
             }
         }
+    }
+    if let (Some(dir), false) = (writer.wait()?, quiet) {
+        emit(&bar, format!("saved checkpoint {}", dir.display()));
     }
     bar.finish_and_clear();
     if let Some(&(s, l)) = losses.last() {
