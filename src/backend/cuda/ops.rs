@@ -54,6 +54,18 @@ pass_through!(
     mut CudaSlice<f32>, CudaSlice<f64>, CudaViewMut<'_, f32>
 );
 
+/// Launches elementwise kernel `$name` over `$n` values (nothing when there are none); the kernel's
+/// last argument is the count.
+macro_rules! launch_elementwise {
+    ($be:expr, $name:literal, $n:expr, $($arg:expr),+ $(,)?) => {{
+        let n: usize = $n;
+        if n > 0 {
+            let len = n as i64;
+            launch!($be, $name, elementwise_config(n), $($arg),+, &len);
+        }
+    }};
+}
+
 /// Launches kernel `$name` with `$cfg` and the given arguments (device buffers by reference,
 /// scalars as references to locals of the kernel's C type).
 macro_rules! launch {
@@ -190,11 +202,7 @@ impl Backend for CudaBackend {
     }
     fn fill(&self, buf: &mut Buf, value: f32) {
         let n = buf.len();
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(self, "fill_f32", elementwise_config(n), buf, &value, &len);
+        launch_elementwise!(self, "fill_f32", n, buf, &value);
     }
     fn copy_from(&self, dst: &mut Buf, src: &Buf) {
         assert_eq!(dst.len(), src.len(), "copy_from: lengths differ");
@@ -553,19 +561,7 @@ impl Backend for CudaBackend {
             "swiglu_forward",
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
         );
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(
-            self,
-            "swiglu_forward",
-            elementwise_config(n),
-            out,
-            gate,
-            up,
-            &len
-        );
+        launch_elementwise!(self, "swiglu_forward", n, out, gate, up);
     }
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
         let n = self.elementwise_len(
@@ -578,46 +574,20 @@ impl Backend for CudaBackend {
                 ("up", up.len()),
             ],
         );
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(
-            self,
-            "swiglu_backward",
-            elementwise_config(n),
-            dgate,
-            dup,
-            dout,
-            gate,
-            up,
-            &len
-        );
+        launch_elementwise!(self, "swiglu_backward", n, dgate, dup, dout, gate, up);
     }
 
     fn add(&self, out: &mut Buf, a: &Buf, b: &Buf) {
         let n = self.elementwise_len("add", &[("out", out.len()), ("a", a.len()), ("b", b.len())]);
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(self, "add_f32", elementwise_config(n), out, a, b, &len);
+        launch_elementwise!(self, "add_f32", n, out, a, b);
     }
     fn add_assign(&self, acc: &mut Buf, x: &Buf) {
         let n = self.elementwise_len("add_assign", &[("acc", acc.len()), ("x", x.len())]);
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(self, "add_assign_f32", elementwise_config(n), acc, x, &len);
+        launch_elementwise!(self, "add_assign_f32", n, acc, x);
     }
     fn scale(&self, buf: &mut Buf, factor: f32) {
         let n = buf.len();
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(self, "scale_f32", elementwise_config(n), buf, &factor, &len);
+        launch_elementwise!(self, "scale_f32", n, buf, &factor);
     }
 
     fn cross_entropy_forward_backward(
@@ -729,20 +699,16 @@ impl Backend for CudaBackend {
                 ("exp_avg_sq", exp_avg_sq.len()),
             ],
         );
-        if n == 0 {
-            return;
-        }
         // The same host-side constants as the CPU kernel, so both round alike.
         let bias1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
         let bias2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
         let step_size = (hp.lr as f64 / bias1) as f32;
         let bias2_sqrt = bias2.sqrt() as f32;
         let decay = 1.0 - hp.lr * hp.weight_decay;
-        let len = n as i64;
-        launch!(
+        launch_elementwise!(
             self,
             "adamw_step",
-            elementwise_config(n),
+            n,
             param,
             grad,
             exp_avg,
@@ -753,7 +719,6 @@ impl Backend for CudaBackend {
             &step_size,
             &bias2_sqrt,
             &decay,
-            &len
         );
     }
 
@@ -780,11 +745,7 @@ impl Backend for CudaBackend {
 
     fn round_to_bf16(&self, buf: &mut Buf) {
         let n = buf.len();
-        if n == 0 {
-            return;
-        }
-        let len = n as i64;
-        launch!(self, "round_to_bf16", elementwise_config(n), buf, &len);
+        launch_elementwise!(self, "round_to_bf16", n, buf);
     }
 
     fn synchronize(&self) {
