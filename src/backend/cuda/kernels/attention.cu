@@ -18,6 +18,22 @@ __device__ __forceinline__ float dot_shared_global(const float* a, const float* 
     return acc;
 }
 
+// acc[c] (this lane's dims lane + 32c) += sum over the tile's keys jj of weight_jj · row_jj[d], where
+// lane jj holds weight_jj and row_jj starts at base + (j0 + jj) · stride.
+__device__ __forceinline__ void warp_accumulate_rows(float* acc, float weight, const float* base,
+                                                     int j0, int width, i64 stride, int head_dim,
+                                                     int lane) {
+    for (int jj = 0; jj < width; ++jj) {
+        float w = __shfl_sync(TITAN_FULL_MASK, weight, jj);
+        const float* row = base + (i64)(j0 + jj) * stride;
+#pragma unroll
+        for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
+            int d = lane + 32 * c;
+            if (d < head_dim) acc[c] += w * row[d];
+        }
+    }
+}
+
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k,
                                              const float* v, int q_len, int kv_len, int kv_cap,
                                              int n_heads, int n_kv_heads, int head_dim, int q_offset,
@@ -51,16 +67,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
         row_max = new_max;
 #pragma unroll
         for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] *= correction;
-        int width = min(32, n_keys - j0);
-        for (int jj = 0; jj < width; ++jj) {
-            float pj = __shfl_sync(TITAN_FULL_MASK, p, jj);
-            const float* vj = vb + (i64)(j0 + jj) * kv_stride;
-#pragma unroll
-            for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
-                int d = lane + 32 * c;
-                if (d < head_dim) acc[c] += pj * vj[d];
-            }
-        }
+        warp_accumulate_rows(acc, p, vb, j0, min(32, n_keys - j0), kv_stride, head_dim, lane);
     }
     float inv = 1.0f / row_sum;
     float* oi = out + (((i64)b * q_len + i) * n_heads + h) * head_dim;
@@ -124,16 +131,7 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
             float dp = dot_shared_global(dos, vb + (i64)j * kv_stride, head_dim);
             ds = p * (dp - row_delta) * scale;
         }
-        int width = min(32, n_keys - j0);
-        for (int jj = 0; jj < width; ++jj) {
-            float dsj = __shfl_sync(TITAN_FULL_MASK, ds, jj);
-            const float* kj = kb + (i64)(j0 + jj) * kv_stride;
-#pragma unroll
-            for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
-                int d = lane + 32 * c;
-                if (d < head_dim) acc[c] += dsj * kj[d];
-            }
-        }
+        warp_accumulate_rows(acc, ds, kb, j0, min(32, n_keys - j0), kv_stride, head_dim, lane);
     }
 #pragma unroll
     for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
