@@ -2,11 +2,14 @@
 # One call on a lent GPU machine (NVIDIA driver + the pip nvidia-* libraries of its PyTorch, no
 # network, maybe no Rust): every op's CUDA-vs-CPU check, the debug model trained 20 steps on GPU and
 # CPU, then a Llama 3 1B benchmark of titan and PyTorch side by side at seq 2048 and 8192. Every stage
-# has its own timeout (470 s in all) so the script ends within 8 minutes; the summary table is last.
+# has its own timeout (455 s in all) so the script ends within 8 minutes; the summary table is last.
 #
 # The titan binary is built on the CPU machine and carried with the call:
 #   cargo build --release          # then run this script with target/release/titan carried
-# Outputs (logs and JSON) go to $OUT when set (the device tool's folder), else ./gpu_check_out.
+# Logs and JSON are written to a work folder; at the end they are packed into gpu_check_logs.tar.gz
+# and the summary into summary.txt, both in $OUT when set (the device tool's folder, which takes at
+# most 8 files), else in ./gpu_check_out. GPU_CHECK_STAGES="check_fp32 titan_1b_s2048" runs only
+# the named stages (a rerun after a fix).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,9 +19,15 @@ if [ ! -x "$BIN" ]; then
   echo "and bring target/release/titan along (the device tool: carry [\"target/release/titan\"])." >&2
   exit 2
 fi
+# The Python that holds PyTorch and its nvidia-* libraries (the lent machines keep it in a venv).
+if [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python3 ]; then
+  PYTHON=/opt/torch/.venv/bin/python3
+fi
 PY=${PYTHON:-python3}
-OUT_DIR=${OUT:-./gpu_check_out}
-mkdir -p "$OUT_DIR"
+RESULT_DIR=${OUT:-./gpu_check_out}
+OUT_DIR=$(mktemp -d /tmp/titan_gpu_check.XXXXXX)
+mkdir -p "$RESULT_DIR"
+STAGES=${GPU_CHECK_STAGES:-all}
 
 # The CUDA libraries of the machine's PyTorch (site-packages/nvidia/*/lib) on the library path.
 lib_dirs=$("$PY" - <<'PYEOF' 2>/dev/null
@@ -31,21 +40,35 @@ for base in (spec.submodule_search_locations if spec else []):
 print(":".join(sorted(dirs)))
 PYEOF
 )
+if [ -z "$lib_dirs" ]; then
+  echo "gpu_check: $PY has no nvidia-* pip libraries; relying on the system's (set PYTHON to the" >&2
+  echo "Python that holds PyTorch to use its CUDA libraries)" >&2
+fi
 # cudarc opens NCCL as libnccl.so; pip ships libnccl.so.2.
 links=$(mktemp -d)
 for d in ${lib_dirs//:/ }; do
   [ -e "$d/libnccl.so.2" ] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
 done
-export LD_LIBRARY_PATH="${links}:${lib_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The CUDA toolkit's own libraries, if any, after the pip ones.
+toolkit=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && toolkit="$toolkit:$d"
+done
+export LD_LIBRARY_PATH="${links}:${lib_dirs}${toolkit}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+{ echo "python: $PY"; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } | tee "$OUT_DIR/env.txt"
 
 declare -A status
 stage() { # name timeout_s command...
   local name=$1 limit=$2; shift 2
+  if [ "$STAGES" != all ] && [[ " $STAGES " != *" $name "* ]]; then
+    return
+  fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*"
   timeout --kill-after=5 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
   local rc=$?
-  tail -n 40 "$OUT_DIR/$name.log"
+  tail -n 25 "$OUT_DIR/$name.log"
   case $rc in
     0) status[$name]="ok" ;;
     124|137) status[$name]="TIMEOUT" ;;
@@ -56,23 +79,30 @@ stage() { # name timeout_s command...
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 stage info 15 "$BIN" cuda info
-stage check_fp32 80 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
+stage ptxas 15 "$BIN" cuda compile --arch sm_90 --verbose
+# Launches block here so that a failing kernel is reported by its own launch.
+stage check_fp32 80 env CUDA_LAUNCH_BLOCKING=1 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
 stage nccl 20 "$BIN" cuda nccl-check
 # FSDP on CUDA (two ranks sharing the GPU, collectives through host copies) against one process.
 common="--quiet --training.device cuda --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1"
 rm -rf "$OUT_DIR/one" "$OUT_DIR/fsdp2"
 stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --job.dump_folder '$OUT_DIR/one' && '$BIN' train --nproc 2 $common --training.local_batch_size 4 --job.dump_folder '$OUT_DIR/fsdp2'"
 stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
-stage titan_1b_s2048 85 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
+stage titan_1b_s2048 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
 stage torch_1b_s2048 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
-stage titan_1b_s8192 100 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
+stage titan_1b_s8192 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
 stage torch_1b_s8192 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
 
+summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info check_fp32 nccl fsdp_cuda check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
+  case ${status[$s]:-} in
+    ok|"") ;;
+    *) grep -v '^\s*$' "$OUT_DIR/$s.log" 2>/dev/null | tail -n 3 | cut -c1-300 | sed 's/^/      | /' ;;
+  esac
 done
 grep -h "NCCL one-rank" "$OUT_DIR/nccl.log" 2>/dev/null
 "$PY" - "$OUT_DIR" <<'PYEOF'
@@ -126,3 +156,7 @@ for seq, batch in ((2048, 8), (8192, 2)):
         print(f"{label:<22} {impl:<8} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
               f"{(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
 PYEOF
+}
+summarize 2>&1 | tee "$OUT_DIR/summary.txt"
+cp "$OUT_DIR/summary.txt" "$RESULT_DIR/summary.txt"
+tar czf "$RESULT_DIR/gpu_check_logs.tar.gz" -C "$OUT_DIR" . && echo "logs: $RESULT_DIR/gpu_check_logs.tar.gz"

@@ -147,7 +147,7 @@ const TOL: Tolerances = Tolerances {
 
 #[test]
 fn the_op_check_passes_cpu_against_itself() {
-    let rows = check_ops(&CpuBackend::new(), &CpuBackend::new(), TOL, 3);
+    let rows = check_ops(&CpuBackend::new(), &CpuBackend::new(), TOL, 3, false);
     assert!(rows.len() > 40, "{} rows", rows.len());
     for r in &rows {
         assert!(r.passed && r.rel_err == 0.0, "{r:?}");
@@ -158,9 +158,13 @@ fn the_op_check_passes_cpu_against_itself() {
 fn the_op_check_catches_a_wrong_kernel() {
     let rows = check_ops(
         &CpuBackend::new(),
-        &SkewedDkBackend(CpuBackend::new()),
+        &SkewedDkBackend {
+            cpu: CpuBackend::new(),
+            rope_panics: false,
+        },
         TOL,
         3,
+        false,
     );
     let failed: Vec<&str> = rows
         .iter()
@@ -176,8 +180,40 @@ fn the_op_check_catches_a_wrong_kernel() {
     );
 }
 
-/// The CPU backend with one bug: attention's dK is off by 0.1% (the size of a wrong scale factor).
-struct SkewedDkBackend(CpuBackend);
+#[test]
+fn a_panicking_op_fails_its_row_and_the_other_ops_still_run() {
+    let rows = check_ops(
+        &CpuBackend::new(),
+        &SkewedDkBackend {
+            cpu: CpuBackend::new(),
+            rope_panics: true,
+        },
+        TOL,
+        3,
+        true,
+    );
+    let failed: Vec<&str> = rows
+        .iter()
+        .filter(|r| !r.passed)
+        .map(|r| r.op.as_str())
+        .collect();
+    assert!(
+        failed
+            .iter()
+            .any(|op| op.starts_with("rope: panicked: ") && op.contains("device fault")),
+        "{failed:?}"
+    );
+    assert!(failed.iter().any(|op| op.ends_with("dk")), "{failed:?}");
+    let passed = |name: &str| rows.iter().any(|r| r.op == name && r.passed);
+    assert!(passed("rmsnorm_backward dx") && passed("adamw_step param"));
+}
+
+/// The CPU backend with one bug: attention's dK is off by 0.1% (the size of a wrong scale factor);
+/// with `rope_panics`, RoPE panics the way a failed CUDA launch does.
+struct SkewedDkBackend {
+    cpu: CpuBackend,
+    rope_panics: bool,
+}
 
 impl Backend for SkewedDkBackend {
     type Buf = Vec<f32>;
@@ -185,25 +221,25 @@ impl Backend for SkewedDkBackend {
         "skewed"
     }
     fn zeros(&self, len: usize) -> Vec<f32> {
-        self.0.zeros(len)
+        self.cpu.zeros(len)
     }
     fn upload(&self, data: &[f32]) -> Vec<f32> {
-        self.0.upload(data)
+        self.cpu.upload(data)
     }
     fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
-        self.0.download(buf)
+        self.cpu.download(buf)
     }
     fn len(&self, buf: &Vec<f32>) -> usize {
         buf.len()
     }
     fn fill(&self, buf: &mut Vec<f32>, value: f32) {
-        self.0.fill(buf, value)
+        self.cpu.fill(buf, value)
     }
     fn copy_from(&self, dst: &mut Vec<f32>, src: &Vec<f32>) {
-        self.0.copy_from(dst, src)
+        self.cpu.copy_from(dst, src)
     }
     fn copy_into_at(&self, dst: &mut Vec<f32>, offset: usize, src: &Vec<f32>) {
-        self.0.copy_into_at(dst, offset, src)
+        self.cpu.copy_into_at(dst, offset, src)
     }
     fn matmul(
         &self,
@@ -217,13 +253,13 @@ impl Backend for SkewedDkBackend {
         tb: bool,
         acc: bool,
     ) {
-        self.0.matmul(out, a, b, m, k, n, ta, tb, acc)
+        self.cpu.matmul(out, a, b, m, k, n, ta, tb, acc)
     }
     fn embedding_forward(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &[u32], dim: usize) {
-        self.0.embedding_forward(out, table, ids, dim)
+        self.cpu.embedding_forward(out, table, ids, dim)
     }
     fn embedding_backward(&self, dt: &mut Vec<f32>, dout: &Vec<f32>, ids: &[u32], dim: usize) {
-        self.0.embedding_backward(dt, dout, ids, dim)
+        self.cpu.embedding_backward(dt, dout, ids, dim)
     }
     fn rmsnorm_forward(
         &self,
@@ -234,7 +270,7 @@ impl Backend for SkewedDkBackend {
         dim: usize,
         eps: f32,
     ) {
-        self.0.rmsnorm_forward(out, rstd, x, w, dim, eps)
+        self.cpu.rmsnorm_forward(out, rstd, x, w, dim, eps)
     }
     fn rmsnorm_backward(
         &self,
@@ -246,7 +282,7 @@ impl Backend for SkewedDkBackend {
         rstd: &Vec<f32>,
         dim: usize,
     ) {
-        self.0.rmsnorm_backward(dx, dw, dout, x, w, rstd, dim)
+        self.cpu.rmsnorm_backward(dx, dw, dout, x, w, rstd, dim)
     }
     fn rope_forward(
         &self,
@@ -259,7 +295,11 @@ impl Backend for SkewedDkBackend {
         d: usize,
         off: usize,
     ) {
-        self.0.rope_forward(x, cos, sin, b, s, h, d, off)
+        assert!(
+            !self.rope_panics,
+            "CUDA kernel `rope_rotate` failed: device fault"
+        );
+        self.cpu.rope_forward(x, cos, sin, b, s, h, d, off)
     }
     fn rope_backward(
         &self,
@@ -271,7 +311,7 @@ impl Backend for SkewedDkBackend {
         h: usize,
         d: usize,
     ) {
-        self.0.rope_backward(dx, cos, sin, b, s, h, d)
+        self.cpu.rope_backward(dx, cos, sin, b, s, h, d)
     }
     fn attention_forward(
         &self,
@@ -282,7 +322,7 @@ impl Backend for SkewedDkBackend {
         v: &Vec<f32>,
         s: AttnShape,
     ) {
-        self.0.attention_forward(out, lse, q, k, v, s)
+        self.cpu.attention_forward(out, lse, q, k, v, s)
     }
     fn attention_backward(
         &self,
@@ -297,12 +337,12 @@ impl Backend for SkewedDkBackend {
         lse: &Vec<f32>,
         s: AttnShape,
     ) {
-        self.0
+        self.cpu
             .attention_backward(dq, dk, dv, dout, q, k, v, out, lse, s);
-        self.0.scale(dk, 1.001);
+        self.cpu.scale(dk, 1.001);
     }
     fn swiglu_forward(&self, out: &mut Vec<f32>, g: &Vec<f32>, u: &Vec<f32>) {
-        self.0.swiglu_forward(out, g, u)
+        self.cpu.swiglu_forward(out, g, u)
     }
     fn swiglu_backward(
         &self,
@@ -312,16 +352,16 @@ impl Backend for SkewedDkBackend {
         g: &Vec<f32>,
         u: &Vec<f32>,
     ) {
-        self.0.swiglu_backward(dg, du, dout, g, u)
+        self.cpu.swiglu_backward(dg, du, dout, g, u)
     }
     fn add(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) {
-        self.0.add(out, a, b)
+        self.cpu.add(out, a, b)
     }
     fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
-        self.0.add_assign(acc, x)
+        self.cpu.add_assign(acc, x)
     }
     fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
-        self.0.scale(buf, factor)
+        self.cpu.scale(buf, factor)
     }
     fn cross_entropy_forward_backward(
         &self,
@@ -333,7 +373,7 @@ impl Backend for SkewedDkBackend {
         gs: f32,
         grads: Option<(&mut Vec<f32>, &mut Vec<f32>)>,
     ) -> LossSum {
-        self.0
+        self.cpu
             .cross_entropy_forward_backward(h, w, t, dim, vocab, gs, grads)
     }
     fn adamw_step(
@@ -344,12 +384,12 @@ impl Backend for SkewedDkBackend {
         v: &mut Vec<f32>,
         hp: AdamWStep,
     ) {
-        self.0.adamw_step(p, g, m, v, hp)
+        self.cpu.adamw_step(p, g, m, v, hp)
     }
     fn sum_squares(&self, buf: &Vec<f32>) -> f64 {
-        self.0.sum_squares(buf)
+        self.cpu.sum_squares(buf)
     }
     fn round_to_bf16(&self, buf: &mut Vec<f32>) {
-        self.0.round_to_bf16(buf)
+        self.cpu.round_to_bf16(buf)
     }
 }

@@ -363,12 +363,16 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
     }
 }
 
-/// Runs every op on both backends and returns one row per output.
+/// Runs every op on both backends and returns one row per output. Each op family runs on its own
+/// and waits for the device: a family that panics (a failed launch, a device fault) becomes a
+/// failed row naming it and the panic, and the families after it still run, so one broken kernel
+/// does not hide the state of the others. With `echo`, each row goes to stderr as it is measured.
 pub fn check_ops<R: Backend, T: Backend>(
     reference: &R,
     test: &T,
     tol: Tolerances,
     seed: u64,
+    echo: bool,
 ) -> Vec<OpCheck> {
     let mut c = Checker {
         reference,
@@ -377,32 +381,80 @@ pub fn check_ops<R: Backend, T: Backend>(
         tol,
         results: Vec::new(),
     };
-    c.matmul();
-    c.embedding();
-    c.rmsnorm();
-    c.rope();
-    c.attention("MHA hd16", AttnShape::causal(2, 45, 4, 4, 16), true);
-    c.attention("GQA hd64", AttnShape::causal(1, 77, 4, 2, 64), true);
-    c.attention("GQA hd128", AttnShape::causal(1, 40, 8, 2, 128), true);
-    c.attention(
-        "KV cache",
-        AttnShape {
-            batch: 2,
-            q_len: 5,
-            kv_len: 38,
-            kv_capacity: 48,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 32,
-            q_offset: 33,
-        },
-        false,
-    );
-    c.swiglu_and_elementwise();
-    c.cross_entropy();
-    c.adamw_and_norm();
-    c.test.synchronize();
+    type Family<'c, 'a, R, T> = (&'static str, Box<dyn FnOnce(&mut Checker<'a, R, T>) + 'c>);
+    let families: Vec<Family<'_, '_, R, T>> = vec![
+        ("matmul", Box::new(|c| c.matmul())),
+        ("embedding", Box::new(|c| c.embedding())),
+        ("rmsnorm", Box::new(|c| c.rmsnorm())),
+        ("rope", Box::new(|c| c.rope())),
+        (
+            "attention MHA hd16",
+            Box::new(|c| c.attention("MHA hd16", AttnShape::causal(2, 45, 4, 4, 16), true)),
+        ),
+        (
+            "attention GQA hd64",
+            Box::new(|c| c.attention("GQA hd64", AttnShape::causal(1, 77, 4, 2, 64), true)),
+        ),
+        (
+            "attention GQA hd128",
+            Box::new(|c| c.attention("GQA hd128", AttnShape::causal(1, 40, 8, 2, 128), true)),
+        ),
+        (
+            "attention KV cache",
+            Box::new(|c| {
+                let shape = AttnShape {
+                    batch: 2,
+                    q_len: 5,
+                    kv_len: 38,
+                    kv_capacity: 48,
+                    n_heads: 4,
+                    n_kv_heads: 2,
+                    head_dim: 32,
+                    q_offset: 33,
+                };
+                c.attention("KV cache", shape, false)
+            }),
+        ),
+        ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),
+        ("cross_entropy", Box::new(|c| c.cross_entropy())),
+        ("adamw and norm", Box::new(|c| c.adamw_and_norm())),
+    ];
+    for (family, run) in families {
+        let before = c.results.len();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            run(&mut c);
+            c.test.synchronize();
+        }));
+        if let Err(payload) = outcome {
+            c.results.push(OpCheck {
+                op: format!("{family}: panicked: {}", panic_message(payload.as_ref())),
+                rel_err: f64::NAN,
+                tolerance: 0.0,
+                passed: false,
+            });
+        }
+        if echo {
+            for r in &c.results[before..] {
+                eprintln!(
+                    "checked {}: rel err {:.2e} (tolerance {:.0e}) {}",
+                    r.op,
+                    r.rel_err,
+                    r.tolerance,
+                    if r.passed { "ok" } else { "FAIL" }
+                );
+            }
+        }
+    }
     c.results
+}
+
+/// The text of a caught panic.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied())
+        .unwrap_or("non-text panic")
 }
 
 /// The table `titan cuda check` prints: one line per output, then the verdict.

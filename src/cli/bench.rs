@@ -123,6 +123,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
         &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq),
         be.device_free_memory(),
     )?;
+    let setup = Instant::now();
     let model = Llama::new(be, args.clone(), a.seq)?;
     let specs = model.param_specs();
     let mut params = init_params(be, &args, 0);
@@ -131,6 +132,12 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let mut ws = Workspace::new(be, &args, a.batch, a.seq);
     let mut bf16_copy =
         (param_dtype == crate::model::ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs));
+    be.synchronize();
+    eprintln!(
+        "bench setup of {} (parameters, optimizer, buffers): {:.1} s",
+        a.flavor,
+        setup.elapsed().as_secs_f64()
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let batches: Vec<Vec<u32>> = (0..4)
         .map(|_| {
@@ -163,6 +170,12 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
         )?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "bench step {}/{}{}: {dt:.3} s, loss {loss:.4}",
+            i + 1,
+            a.warmup + a.steps,
+            if i < a.warmup { " (warm-up)" } else { "" }
+        );
         losses.push(loss);
         if i >= a.warmup {
             times.push(dt);

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::crosscheck::{check_ops, format_table, OpCheck, Tolerances};
+use crate::backend::crosscheck::{check_ops, format_table, panic_message, OpCheck, Tolerances};
 use crate::backend::cuda::libs::{device_count, CudaLib};
 use crate::backend::cuda::{kernels, CudaBackend, GemmPrecision};
 use crate::config::Config;
@@ -117,6 +117,8 @@ struct TrainParity {
     max_rel_diff: f64,
     tolerance: f64,
     passed: bool,
+    /// Why the CUDA run stopped early (an error or a panic), if it did.
+    cuda_error: Option<String>,
 }
 
 fn check(a: &CheckArgs) -> Result<()> {
@@ -136,9 +138,19 @@ fn check(a: &CheckArgs) -> Result<()> {
         exact: 1e-5,
         gemm: gemm_tol,
     };
-    let ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed);
+    let ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed, true);
     print!("{}", format_table(&ops));
     drop(be);
+    // Written now and again after training, so a run that dies in training keeps the op table.
+    let write_json = |parity: Option<&TrainParity>| -> Result<()> {
+        if let Some(path) = &a.json_out {
+            let json = serde_json::json!({"ops": ops, "training": parity});
+            std::fs::write(path, serde_json::to_string_pretty(&json)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    };
+    write_json(None)?;
     let parity = if a.train_steps > 0 {
         Some(train_parity(a, gemm_tol.max(1e-4) * 10.0)?)
     } else {
@@ -157,12 +169,11 @@ fn check(a: &CheckArgs) -> Result<()> {
             p.tolerance,
             if p.passed { "ok" } else { "FAIL" }
         );
+        if let Some(e) = &p.cuda_error {
+            println!("training on CUDA failed: {e}");
+        }
     }
-    if let Some(path) = &a.json_out {
-        let json = serde_json::json!({"ops": ops, "training": parity});
-        std::fs::write(path, serde_json::to_string_pretty(&json)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+    write_json(parity.as_ref())?;
     let failed_ops = ops.iter().filter(|o| !o.passed).count();
     let train_failed = parity.as_ref().is_some_and(|p| !p.passed);
     if failed_ops > 0 || train_failed {
@@ -203,7 +214,15 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
         Ok(summary.losses.iter().map(|&(_, l)| l).collect())
     };
     let cpu = run("cpu")?;
-    let cuda = run("cuda")?;
+    let (cuda, cuda_error) =
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run("cuda"))) {
+            Ok(Ok(losses)) => (losses, None),
+            Ok(Err(e)) => (Vec::new(), Some(format!("{e:#}"))),
+            Err(payload) => (
+                Vec::new(),
+                Some(panic_message(payload.as_ref()).to_string()),
+            ),
+        };
     let _ = std::fs::remove_dir_all(&dir);
     let max_rel_diff = if cpu.len() == cuda.len() && cuda.iter().all(|l| l.is_finite()) {
         cpu.iter()
@@ -220,6 +239,7 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
         cuda,
         max_rel_diff,
         tolerance,
+        cuda_error,
     })
 }
 

@@ -40,7 +40,8 @@ unsafe impl Send for NcclGroup {}
 unsafe impl Sync for NcclGroup {}
 
 fn nccl_err(what: &str, e: nccl::NcclError) -> anyhow::Error {
-    anyhow!("NCCL {what} failed: {e:?}")
+    // cudarc's Debug for NcclError drops the code; the ncclResult_t inside names it.
+    anyhow!("NCCL {what} failed: {:?}", e.0)
 }
 
 impl NcclGroup {
@@ -240,6 +241,17 @@ impl NcclGroup {
         self.wait("reduce_scatter")
     }
 
+    /// Aborts the communicator once: a broken one would hang `ncclCommDestroy` at drop.
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: aborting a live communicator once; `aborted` keeps it from being used or
+            // destroyed afterwards.
+            unsafe {
+                let _ = nccl::comm_abort(self.comm);
+            }
+        }
+    }
+
     /// Waits for the queued collective by polling, so that a dead or silent peer ends in an error
     /// naming the group within the timeout (the communicator is then aborted and unusable).
     fn wait(&self, op: &str) -> Result<()> {
@@ -251,12 +263,15 @@ impl NcclGroup {
             match state {
                 cu::CUresult::CUDA_SUCCESS => return Ok(()),
                 cu::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => bail!(
-                    "{op} on NCCL group `{}` (rank {} of {}): CUDA error {other:?}",
-                    self.name,
-                    self.rank,
-                    self.size
-                ),
+                other => {
+                    self.abort();
+                    bail!(
+                        "{op} on NCCL group `{}` (rank {} of {}): CUDA error {other:?}",
+                        self.name,
+                        self.rank,
+                        self.size
+                    )
+                }
             }
             let mut async_err = sys::ncclResult_t::ncclSuccess;
             // SAFETY: comm is live; the call only reads its error state.
@@ -266,13 +281,7 @@ impl NcclGroup {
                 sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
             );
             if failed || Instant::now() >= deadline {
-                if !self.aborted.swap(true, Ordering::SeqCst) {
-                    // SAFETY: aborting a live communicator once; `aborted` keeps it from being
-                    // used or destroyed afterwards.
-                    unsafe {
-                        let _ = nccl::comm_abort(self.comm);
-                    }
-                }
+                self.abort();
                 let why = if failed {
                     format!("NCCL reported {async_err:?} (a peer may have died)")
                 } else {

@@ -22,10 +22,10 @@ impl CudaLib {
     pub fn describe(self) -> &'static str {
         match self {
             CudaLib::Driver => "libcuda.so.1 (the NVIDIA driver)",
-            CudaLib::Nvrtc => "libnvrtc.so (NVRTC, pip package nvidia-cuda-nvrtc-cu12)",
-            CudaLib::CublasLt => "libcublasLt.so (cuBLASLt, pip package nvidia-cublas-cu12)",
+            CudaLib::Nvrtc => "libnvrtc.so (NVRTC, pip package nvidia-cuda-nvrtc or -cu12)",
+            CudaLib::CublasLt => "libcublasLt.so (cuBLASLt, pip package nvidia-cublas or -cu12)",
             CudaLib::Nccl => {
-                "libnccl.so (NCCL, pip package nvidia-nccl-cu12; link its libnccl.so.2 as libnccl.so)"
+                "libnccl.so (NCCL, pip package nvidia-nccl-cu13 or -cu12; link its libnccl.so.2 as libnccl.so)"
             }
         }
     }

@@ -759,10 +759,11 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Rows per loss chunk on a GPU: a logit block of at most 64 Mi floats (256 MiB; 512 rows of
-/// Llama 3's 128k vocabulary), and at least 128 rows so the three GEMMs per chunk stay large.
+/// Rows per loss chunk on a GPU: a logit block of at most 128 Mi floats (512 MiB; 1024 rows of
+/// Llama 3's 128k vocabulary), at least 128 rows so the three GEMMs per chunk stay large, and a
+/// multiple of 64 so every chunk's rows start 256-byte aligned, as cuBLASLt's fast kernels assume.
 fn gpu_loss_chunk_rows(vocab: usize) -> usize {
-    ((64usize << 20) / vocab.max(1)).clamp(128, 4096)
+    ((128usize << 20) / vocab.max(1)).clamp(128, 4096) / 64 * 64
 }
 
 fn check_attention_shape(s: &AttnShape) {
@@ -778,8 +779,12 @@ fn check_attention_shape(s: &AttnShape) {
         s.n_kv_heads
     );
     assert!(
-        s.kv_len <= s.kv_capacity,
-        "attention: kv_len beyond the cache capacity"
+        s.q_offset + s.q_len <= s.kv_len && s.kv_len <= s.kv_capacity,
+        "attention: queries at {}..{} need keys the cache does not hold (kv_len {}, capacity {})",
+        s.q_offset,
+        s.q_offset + s.q_len,
+        s.kv_len,
+        s.kv_capacity
     );
 }
 
