@@ -87,7 +87,11 @@ stage nccl 20 "$BIN" cuda nccl-check
 common="--quiet --training.device cuda --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1"
 rm -rf "$OUT_DIR/one" "$OUT_DIR/fsdp2"
 stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --job.dump_folder '$OUT_DIR/one' && '$BIN' train --nproc 2 $common --training.local_batch_size 4 --job.dump_folder '$OUT_DIR/fsdp2'"
-stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --json-out "$OUT_DIR/check_bf16.json"
+# bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
+stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
+stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
+# Where a step goes: every op timed on its own (the GPU waits after each, so slower than the bench).
+stage titan_1b_profile 60 "$BIN" bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 1 --profile-ops
 stage titan_1b_s2048 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
 stage torch_1b_s2048 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
 stage titan_1b_s8192 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
@@ -97,7 +101,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -105,6 +109,10 @@ for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 titan_1b_s2048 torch_1b
   esac
 done
 grep -h "NCCL one-rank" "$OUT_DIR/nccl.log" 2>/dev/null
+if [ -s "$OUT_DIR/titan_1b_profile.log" ]; then
+  echo "titan 1B step by op (profiled: the GPU waits after each op):"
+  sed -n '/^op  /,$p' "$OUT_DIR/titan_1b_profile.log" | head -n 26 | sed 's/^/    /'
+fi
 "$PY" - "$OUT_DIR" <<'PYEOF'
 import json, os, sys
 out = sys.argv[1]
@@ -115,7 +123,7 @@ def load(name):
         return json.loads(text.splitlines()[-1]) if name.endswith("s2048.json") or name.endswith("s8192.json") else json.loads(text)
     except Exception:
         return None
-for prec in ("fp32", "bf16"):
+for prec in ("fp32", "bf16", "bf16_hd128"):
     c = load(f"check_{prec}.json")
     if not c:
         print(f"ops ({prec}): no result")

@@ -8,6 +8,7 @@
 pub mod cpu;
 pub mod crosscheck;
 pub mod cuda;
+pub mod profile;
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are

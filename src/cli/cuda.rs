@@ -48,6 +48,13 @@ pub struct CheckArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Query heads of the debug model in the training comparison (4 gives head_dim 64, 2 gives
+    /// 128: the shapes of the tensor-core attention kernels).
+    #[arg(long)]
+    pub model_heads: Option<usize>,
+    /// Key/value heads of the debug model in the training comparison.
+    #[arg(long)]
+    pub model_kv_heads: Option<usize>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
@@ -193,16 +200,23 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
     let dir = std::env::temp_dir().join(format!("titan-cuda-check-{}", std::process::id()));
     let run = |device: &str| -> Result<Vec<f64>> {
         let folder = dir.join(device);
-        let overrides: Vec<String> = [
+        let mut overrides = vec![
             ("--training.device", device.to_string()),
             ("--training.steps", a.train_steps.to_string()),
             ("--training.mixed_precision_param", a.precision.clone()),
             ("--checkpoint.enable", "false".into()),
             ("--job.dump_folder", folder.display().to_string()),
-        ]
-        .into_iter()
-        .flat_map(|(k, v)| [k.to_string(), v])
-        .collect();
+        ];
+        if let Some(h) = a.model_heads {
+            overrides.push(("--model.n_heads", h.to_string()));
+        }
+        if let Some(h) = a.model_kv_heads {
+            overrides.push(("--model.n_kv_heads", h.to_string()));
+        }
+        let overrides: Vec<String> = overrides
+            .into_iter()
+            .flat_map(|(k, v)| [k.to_string(), v])
+            .collect();
         let cfg = Config::load(None, &overrides)?;
         let summary = train(
             &cfg,

@@ -14,10 +14,17 @@ use crate::backend::Backend;
 
 /// Freshly initialised parameters for `args` (see `init`).
 pub fn init_params<B: Backend>(be: &B, args: &ModelArgs, seed: u64) -> ParamSet<B> {
+    use rayon::prelude::*;
     let specs = params::param_specs(args);
-    let mut set = ParamSet::zeros(be, &specs);
-    for (i, (name, shape)) in specs.iter().enumerate() {
-        set.bufs[i] = be.upload(&init::init_param(args, name, shape.iter().product(), seed));
+    // Each parameter has its own random stream, so drawing them in parallel changes no value.
+    ParamSet {
+        names: specs.iter().map(|(n, _)| n.clone()).collect(),
+        shapes: specs.iter().map(|(_, s)| s.clone()).collect(),
+        bufs: specs
+            .par_iter()
+            .map(|(name, shape)| {
+                be.upload(&init::init_param(args, name, shape.iter().product(), seed))
+            })
+            .collect(),
     }
-    set
 }

@@ -13,14 +13,13 @@ pub mod fastmath;
 pub mod loss;
 mod matmul;
 mod norm;
-mod profile;
 pub mod rope;
 mod rows;
 pub(crate) mod simd;
 
 use std::sync::Mutex;
 
-pub use profile::OpProfiler;
+pub use super::profile::OpProfiler;
 
 use super::{AdamWStep, AttnShape, Backend, LossSum};
 

@@ -25,6 +25,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/reduce.cu"),
     include_str!("kernels/loss.cu"),
     include_str!("kernels/attention.cu"),
+    include_str!("kernels/attention_tc.cu"),
 );
 
 /// Every `extern "C" __global__` entry point of `SOURCE`; the backend loads each by name.
@@ -49,6 +50,13 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_delta",
     "attention_backward_dq",
     "attention_backward_dkdv",
+    "attention_forward_tc64",
+    "attention_forward_tc128",
+    "attention_backward_dq_tc64",
+    "attention_backward_dq_tc128",
+    "attention_backward_dkdv_tc64",
+    "attention_backward_dk_tc128",
+    "attention_backward_dv_tc128",
 ];
 
 /// Threads per block of the attention kernels (one warp per row; `TITAN_ATTN_WARPS` in the source).

@@ -21,6 +21,8 @@ use cudarc::driver::{
 };
 
 pub use gemm::GemmPrecision;
+
+use super::profile::{OpProfiler, WaitForDevice};
 use libs::{require, CudaLib};
 
 /// One f32 device buffer. Holds at least one element: the driver refuses zero-byte allocations,
@@ -67,6 +69,8 @@ pub struct CudaBackend {
     pool: Option<sys::CUmemoryPool>,
     device_name: String,
     arch: String,
+    /// Per-op times when profiling (`titan bench train --profile-ops`); off by default.
+    pub profiler: OpProfiler,
 }
 
 // SAFETY: the memory pool handle is only read through the driver, which is thread-safe; the other
@@ -126,7 +130,13 @@ impl CudaBackend {
             pool,
             device_name,
             arch,
+            profiler: OpProfiler::default(),
         })
+    }
+
+    /// Times every op from now on (each op then waits for the GPU; see `OpProfiler`).
+    pub fn enable_profiling(&mut self) {
+        self.profiler = OpProfiler::enabled();
     }
 
     pub fn device_name(&self) -> &str {
@@ -194,6 +204,12 @@ impl CudaBackend {
             data: self.alloc(len),
             len,
         }
+    }
+}
+
+impl WaitForDevice for CudaBackend {
+    fn wait_for_device(&self) {
+        let _ = self.stream.synchronize();
     }
 }
 

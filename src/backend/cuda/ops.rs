@@ -7,7 +7,7 @@ use cudarc::driver::{
 };
 
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
-use super::{elementwise_config, row_threads, rows_config, CudaBackend, CudaBuf};
+use super::{elementwise_config, row_threads, rows_config, CudaBackend, CudaBuf, GemmPrecision};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
 type Buf = CudaBuf;
@@ -69,7 +69,7 @@ macro_rules! launch_elementwise {
 /// Launches kernel `$name` with `$cfg` and the given arguments (device buffers by reference,
 /// scalars as references to locals of the kernel's C type).
 macro_rules! launch {
-    ($be:expr, $name:literal, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+    ($be:expr, $name:expr, $cfg:expr, $($arg:expr),+ $(,)?) => {{
         let mut builder = $be.stream.launch_builder($be.function($name));
         $( builder.arg(KernelArg::kernel_arg($arg)); )+
         // SAFETY: the argument list matches the kernel's C signature in kernels/*.cu, and the host
@@ -177,6 +177,7 @@ impl Backend for CudaBackend {
         self.buffer(len)
     }
     fn upload(&self, data: &[f32]) -> Buf {
+        let _timer = self.profiler.time_on("upload", self);
         if data.is_empty() {
             return self.buffer(0);
         }
@@ -190,6 +191,7 @@ impl Backend for CudaBackend {
         }
     }
     fn download(&self, buf: &Buf) -> Vec<f32> {
+        let _timer = self.profiler.time_on("download", self);
         if buf.is_empty() {
             return Vec::new();
         }
@@ -201,14 +203,17 @@ impl Backend for CudaBackend {
         buf.len()
     }
     fn fill(&self, buf: &mut Buf, value: f32) {
+        let _timer = self.profiler.time_on("fill", self);
         let n = buf.len();
         launch_elementwise!(self, "fill_f32", n, buf, &value);
     }
     fn copy_from(&self, dst: &mut Buf, src: &Buf) {
+        let _timer = self.profiler.time_on("copy_from", self);
         assert_eq!(dst.len(), src.len(), "copy_from: lengths differ");
         self.copy_into_at(dst, 0, src);
     }
     fn copy_into_at(&self, dst: &mut Buf, offset: usize, src: &Buf) {
+        let _timer = self.profiler.time_on("copy_into_at", self);
         check_len("copy_into_at", "dst", dst.len(), offset + src.len());
         if src.is_empty() {
             return;
@@ -232,6 +237,7 @@ impl Backend for CudaBackend {
         trans_b: bool,
         accumulate: bool,
     ) {
+        let _timer = self.profiler.time_on("matmul", self);
         check_len("matmul", "a", a.len(), m * k);
         check_len("matmul", "b", b.len(), k * n);
         check_len("matmul", "out", out.len(), m * n);
@@ -256,6 +262,7 @@ impl Backend for CudaBackend {
     }
 
     fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
+        let _timer = self.profiler.time_on("embedding_forward", self);
         let vocab = table.len() / dim;
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             panic!("token id {bad} is outside the embedding table of {vocab} rows");
@@ -277,6 +284,7 @@ impl Backend for CudaBackend {
         );
     }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
+        let _timer = self.profiler.time_on("embedding_backward", self);
         let vocab = dtable.len() / dim;
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             panic!("token id {bad} is outside the embedding table of {vocab} rows");
@@ -313,6 +321,7 @@ impl Backend for CudaBackend {
         dim: usize,
         eps: f32,
     ) {
+        let _timer = self.profiler.time_on("rmsnorm_forward", self);
         let rows = x.len() / dim;
         check_len("rmsnorm_forward", "out", out.len(), rows * dim);
         check_len("rmsnorm_forward", "rstd", rstd.len(), rows);
@@ -343,6 +352,7 @@ impl Backend for CudaBackend {
         rstd: &Buf,
         dim: usize,
     ) {
+        let _timer = self.profiler.time_on("rmsnorm_backward", self);
         let rows = x.len() / dim;
         check_len("rmsnorm_backward", "dx", dx.len(), rows * dim);
         check_len("rmsnorm_backward", "dout", dout.len(), rows * dim);
@@ -392,6 +402,7 @@ impl Backend for CudaBackend {
         head_dim: usize,
         pos_offset: usize,
     ) {
+        let _timer = self.profiler.time_on("rope_forward", self);
         self.rope_rotate(x, cos, sin, batch, seq, heads, head_dim, pos_offset, 1.0);
     }
     fn rope_backward(
@@ -404,6 +415,7 @@ impl Backend for CudaBackend {
         heads: usize,
         head_dim: usize,
     ) {
+        let _timer = self.profiler.time_on("rope_backward", self);
         self.rope_rotate(dx, cos, sin, batch, seq, heads, head_dim, 0, -1.0);
     }
 
@@ -416,6 +428,7 @@ impl Backend for CudaBackend {
         v: &Buf,
         s: AttnShape,
     ) {
+        let _timer = self.profiler.time_on("attention_forward", self);
         check_attention_shape(&s);
         let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
         let kv_floats = s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim;
@@ -433,6 +446,25 @@ impl Backend for CudaBackend {
             return;
         }
         let scale = 1.0 / (s.head_dim as f32).sqrt();
+        if let Some(kernels) = self.tensor_core_attention(&s) {
+            let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
+            let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch);
+            launch!(
+                self,
+                kernels.forward,
+                cfg,
+                out,
+                lse,
+                q,
+                k,
+                v,
+                &seq,
+                &h,
+                &kvh,
+                &scale
+            );
+            return;
+        }
         let (ql, kl, kc, h, kvh, d, off) = (
             s.q_len as i32,
             s.kv_len as i32,
@@ -475,6 +507,7 @@ impl Backend for CudaBackend {
         lse: &Buf,
         s: AttnShape,
     ) {
+        let _timer = self.profiler.time_on("attention_backward", self);
         check_attention_shape(&s);
         assert!(
             s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len,
@@ -518,6 +551,20 @@ impl Backend for CudaBackend {
             &h,
             &d
         );
+        if let Some(kernels) = self.tensor_core_attention(&s) {
+            let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch);
+            let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch);
+            launch!(
+                self, kernels.dq, per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh, &scale
+            );
+            for pass in kernels.dkdv {
+                launch!(
+                    self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, &delta, &seq, &h,
+                    &kvh, &scale
+                );
+            }
+            return;
+        }
         launch!(
             self,
             "attention_backward_dq",
@@ -557,6 +604,7 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu_forward(&self, out: &mut Buf, gate: &Buf, up: &Buf) {
+        let _timer = self.profiler.time_on("swiglu_forward", self);
         let n = self.elementwise_len(
             "swiglu_forward",
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
@@ -564,6 +612,7 @@ impl Backend for CudaBackend {
         launch_elementwise!(self, "swiglu_forward", n, out, gate, up);
     }
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
+        let _timer = self.profiler.time_on("swiglu_backward", self);
         let n = self.elementwise_len(
             "swiglu_backward",
             &[
@@ -578,14 +627,17 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, out: &mut Buf, a: &Buf, b: &Buf) {
+        let _timer = self.profiler.time_on("add", self);
         let n = self.elementwise_len("add", &[("out", out.len()), ("a", a.len()), ("b", b.len())]);
         launch_elementwise!(self, "add_f32", n, out, a, b);
     }
     fn add_assign(&self, acc: &mut Buf, x: &Buf) {
+        let _timer = self.profiler.time_on("add_assign", self);
         let n = self.elementwise_len("add_assign", &[("acc", acc.len()), ("x", x.len())]);
         launch_elementwise!(self, "add_assign_f32", n, acc, x);
     }
     fn scale(&self, buf: &mut Buf, factor: f32) {
+        let _timer = self.profiler.time_on("scale", self);
         let n = buf.len();
         launch_elementwise!(self, "scale_f32", n, buf, &factor);
     }
@@ -600,6 +652,9 @@ impl Backend for CudaBackend {
         grad_scale: f32,
         mut grads: Option<(&mut Buf, &mut Buf)>,
     ) -> LossSum {
+        let _timer = self
+            .profiler
+            .time_on("cross_entropy_forward_backward", self);
         let rows = targets.len();
         check_len("cross_entropy", "h", h.len(), rows * dim);
         check_len("cross_entropy", "weight", weight.len(), vocab * dim);
@@ -690,6 +745,7 @@ impl Backend for CudaBackend {
         exp_avg_sq: &mut Buf,
         hp: AdamWStep,
     ) {
+        let _timer = self.profiler.time_on("adamw_step", self);
         let n = self.elementwise_len(
             "adamw_step",
             &[
@@ -723,6 +779,7 @@ impl Backend for CudaBackend {
     }
 
     fn sum_squares(&self, buf: &Buf) -> f64 {
+        let _timer = self.profiler.time_on("sum_squares", self);
         let n = buf.len();
         if n == 0 {
             return 0.0;
@@ -744,6 +801,7 @@ impl Backend for CudaBackend {
     }
 
     fn round_to_bf16(&self, buf: &mut Buf) {
+        let _timer = self.profiler.time_on("round_to_bf16", self);
         let n = buf.len();
         launch_elementwise!(self, "round_to_bf16", n, buf);
     }
@@ -786,6 +844,50 @@ fn check_attention_shape(s: &AttnShape) {
         s.kv_len,
         s.kv_capacity
     );
+}
+
+/// The tensor-core attention kernels for one head dimension (kernels/attention_tc.cu).
+struct TensorCoreAttention {
+    forward: &'static str,
+    dq: &'static str,
+    /// One pass computing dK and dV, or two (head_dim 128, so the accumulators fit in registers).
+    dkdv: &'static [&'static str],
+}
+
+impl CudaBackend {
+    /// The tensor-core kernels when they apply: GEMMs in bf16 (the same rounding the model already
+    /// accepts there), an sm_80+ GPU, head_dim 64 or 128, and the training shape (no KV cache).
+    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels (a comparison or a suspected fault).
+    fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
+        let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
+        let arch: u32 = self.arch().trim_start_matches("sm_").parse().unwrap_or(0);
+        let exact = std::env::var("TITAN_CUDA_ATTENTION").is_ok_and(|v| v == "exact");
+        if exact || !training_shape || arch < 80 || self.precision() != GemmPrecision::BFloat16 {
+            return None;
+        }
+        match s.head_dim {
+            64 => Some(TensorCoreAttention {
+                forward: "attention_forward_tc64",
+                dq: "attention_backward_dq_tc64",
+                dkdv: &["attention_backward_dkdv_tc64"],
+            }),
+            128 => Some(TensorCoreAttention {
+                forward: "attention_forward_tc128",
+                dq: "attention_backward_dq_tc128",
+                dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// 64 rows (4 warps of 16) per block for the tensor-core kernels.
+fn tensor_core_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(64) as u32, heads as u32, batch as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// One warp per row: `rows` rows per (head, batch), `ATTN_WARPS` rows per block.

@@ -1,5 +1,7 @@
 //! Optional per-kernel wall-clock accounting (`titan bench train --profile-ops`): calls and seconds
-//! per op, to see where a step goes without an external profiler.
+//! per op, to see where a step goes without an external profiler. On a device that queues work
+//! (CUDA) each timed op waits for the device before and after, so the time is the op's own; that
+//! serialises the step, so a profiled run is slower than a plain one.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -10,16 +12,25 @@ pub struct OpProfiler {
     totals: Option<Mutex<BTreeMap<&'static str, (u64, f64)>>>,
 }
 
+/// A device whose queued work the profiler waits for.
+pub trait WaitForDevice {
+    fn wait_for_device(&self);
+}
+
 /// Records its lifetime under an op name when dropped.
 pub struct OpTimer<'a> {
     profiler: &'a OpProfiler,
     name: &'static str,
     start: Option<Instant>,
+    device: Option<&'a dyn WaitForDevice>,
 }
 
 impl Drop for OpTimer<'_> {
     fn drop(&mut self) {
         if let (Some(start), Some(totals)) = (self.start, &self.profiler.totals) {
+            if let Some(d) = self.device {
+                d.wait_for_device();
+            }
             let mut t = totals.lock().unwrap_or_else(|e| e.into_inner());
             let e = t.entry(self.name).or_default();
             e.0 += 1;
@@ -35,12 +46,33 @@ impl OpProfiler {
         }
     }
 
+    pub fn is_enabled(&self) -> bool {
+        self.totals.is_some()
+    }
+
     #[inline]
     pub fn time(&self, name: &'static str) -> OpTimer<'_> {
         OpTimer {
             profiler: self,
             name,
             start: self.totals.as_ref().map(|_| Instant::now()),
+            device: None,
+        }
+    }
+
+    /// Times `name` on a queueing device: waits for earlier work first and for the op's own work
+    /// when the timer drops (nothing when profiling is off).
+    #[inline]
+    pub fn time_on<'a>(&'a self, name: &'static str, device: &'a dyn WaitForDevice) -> OpTimer<'a> {
+        let start = self.totals.as_ref().map(|_| {
+            device.wait_for_device();
+            Instant::now()
+        });
+        OpTimer {
+            profiler: self,
+            name,
+            start,
+            device: Some(device),
         }
     }
 

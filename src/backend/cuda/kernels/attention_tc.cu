@@ -1,0 +1,427 @@
+// Causal grouped-query attention on tensor cores, for the training shape (queries and keys the same
+// sequence) with head_dim 64 or 128, used when GEMMs run in bf16. The operands of every product are
+// rounded to bf16 and multiplied by `mma.sync.m16n8k16` with fp32 accumulation; the online softmax,
+// the saved log-sum-exp and every accumulator stay fp32. Same layouts and results (to bf16
+// precision) as attention.cu, same flash-attention structure: tiles of 64 keys staged in shared
+// memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics.
+//
+// A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV). The
+// fragments follow PTX's m16n8k16 layout: with g = lane / 4 and t = lane % 4, a thread holds rows g
+// and g + 8 and columns 2t, 2t + 1 (+ 8) of A, rows 2t, 2t + 1 (+ 8) of column g of B, and columns
+// 2t, 2t + 1 of rows g, g + 8 of C. A product's C fragments are repacked as the next product's A
+// fragments (the probabilities P feed P·V without leaving registers).
+//
+// Shared tiles are bf16, row-major, with rows padded by 8 elements so the fragment loads of a warp
+// fall on distinct banks. Needs sm_80 or newer; older devices trap (the host never launches these
+// there).
+
+#define TITAN_TC_ROWS 64
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define TITAN_TC_AVAILABLE 1
+#endif
+
+typedef unsigned short bf16_bits;
+
+// Two floats rounded to bf16 (nearest even) in one register: `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+#ifdef TITAN_TC_AVAILABLE
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    r = 0;
+#endif
+    return r;
+}
+
+// c += a · b for one 16x8x16 tile.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile("trap;");
+#endif
+}
+
+// Elements (r, c) and (r, c + 1) of a row-major shared tile: a B fragment register when the tile
+// is Bᵀ (rows are B's columns).
+__device__ __forceinline__ u32 tile_pair_along_row(const bf16_bits* s, int stride, int r, int c) {
+    return *(const u32*)(s + r * stride + c);
+}
+
+// Elements (r, c) and (r + 1, c): a B fragment register when the tile is B itself.
+__device__ __forceinline__ u32 tile_pair_down_column(const bf16_bits* s, int stride, int r, int c) {
+    return (u32)s[r * stride + c] | ((u32)s[(r + 1) * stride + c] << 16);
+}
+
+// Row `r`, columns c and c + 1 of a global fp32 matrix as a bf16 pair (zero past `rows`).
+__device__ __forceinline__ u32 global_pair(const float* base, i64 stride, int r, int rows, int c) {
+    if (r >= rows) return 0u;
+    const float* p = base + (i64)r * stride + c;
+    return pack_bf16(p[0], p[1]);
+}
+
+// Rows r0 .. r0 + 63 of a global fp32 matrix into a bf16 shared tile; rows past `rows` are zero.
+template <int D>
+__device__ __forceinline__ void load_tile(bf16_bits* s, const float* base, i64 stride, int r0,
+                                          int rows) {
+    constexpr int S = D + 8;
+    for (int idx = threadIdx.x; idx < TITAN_TC_ROWS * D / 4; idx += blockDim.x) {
+        int r = idx / (D / 4), c = (idx % (D / 4)) * 4;
+        u32 lo = 0u, hi = 0u;
+        if (r0 + r < rows) {
+            const float* p = base + (i64)(r0 + r) * stride + c;
+            lo = pack_bf16(p[0], p[1]);
+            hi = pack_bf16(p[2], p[3]);
+        }
+        u32* dst = (u32*)(s + r * S + c);
+        dst[0] = lo;
+        dst[1] = hi;
+    }
+}
+
+// acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile.
+template <int D>
+__device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u32 (*a)[4],
+                                                       const bf16_bits* tile, int g, int t) {
+    constexpr int S = D + 8;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 b0 = tile_pair_along_row(tile, S, nt * 8 + g, kk * 16 + 2 * t);
+            u32 b1 = tile_pair_along_row(tile, S, nt * 8 + g, kk * 16 + 8 + 2 * t);
+            mma_bf16(acc[nt], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b0, b1);
+        }
+    }
+}
+
+// out[D/8][4] += P · tile, P the 16x64 C fragments `p` of an earlier product (repacked as A), tile
+// a 64-row shared tile used as B (its rows are the shared dimension).
+template <int D>
+__device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p)[4],
+                                                      const bf16_bits* tile, int g, int t) {
+    constexpr int S = D + 8;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        u32 a0 = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
+        u32 a1 = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
+        u32 a2 = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        u32 a3 = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            u32 b0 = tile_pair_down_column(tile, S, kk * 16 + 2 * t, dn * 8 + g);
+            u32 b1 = tile_pair_down_column(tile, S, kk * 16 + 8 + 2 * t, dn * 8 + g);
+            mma_bf16(out[dn], a0, a1, a2, a3, b0, b1);
+        }
+    }
+}
+
+// A fragments of rows r, r + 8 (this thread's g rows) of a global fp32 matrix, over D columns.
+template <int D>
+__device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const float* base, i64 stride, int r,
+                                                   int rows, int t) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        int c = kk * 16 + 2 * t;
+        a[kk][0] = global_pair(base, stride, r, rows, c);
+        a[kk][1] = global_pair(base, stride, r + 8, rows, c);
+        a[kk][2] = global_pair(base, stride, r, rows, c + 8);
+        a[kk][3] = global_pair(base, stride, r + 8, rows, c + 8);
+    }
+}
+
+// Writes C fragments acc[D/8][4] (rows r, r + 8) to a global fp32 matrix, times row factors.
+template <int D>
+__device__ __forceinline__ void store_row_fragments(float* base, i64 stride, int r, int rows, int t,
+                                                    const float (*acc)[4], float f0, float f1) {
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+        int c = dn * 8 + 2 * t;
+        if (r < rows) {
+            base[(i64)r * stride + c] = acc[dn][0] * f0;
+            base[(i64)r * stride + c + 1] = acc[dn][1] * f0;
+        }
+        if (r + 8 < rows) {
+            base[(i64)(r + 8) * stride + c] = acc[dn][2] * f1;
+            base[(i64)(r + 8) * stride + c + 1] = acc[dn][3] * f1;
+        }
+    }
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(TITAN_FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(TITAN_FULL_MASK, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(TITAN_FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(TITAN_FULL_MASK, v, 2);
+}
+
+template <int D>
+__device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const float* q,
+                                                     const float* k, const float* v, int seq,
+                                                     int n_heads, int n_kv_heads, float scale) {
+    constexpr int S = D + 8;
+    __shared__ __align__(16) bf16_bits ks[TITAN_TC_ROWS * S];
+    __shared__ __align__(16) bf16_bits vs[TITAN_TC_ROWS * S];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    int kvh = h / (n_heads / n_kv_heads);
+    i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
+    const float* qb = q + (i64)b * seq * q_stride + (i64)h * D;
+    const float* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const float* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
+    int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    u32 qa[D / 16][4];
+    load_row_fragments<D>(qa, qb, q_stride, r0, seq, t);
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    float m0 = TITAN_NEG_INF, m1 = TITAN_NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    int kv_end = min(seq, q0 + TITAN_TC_ROWS);
+    for (int j0 = 0; j0 < kv_end; j0 += TITAN_TC_ROWS) {
+        __syncthreads();
+        load_tile<D>(ks, kb, kv_stride, j0, seq);
+        load_tile<D>(vs, vb, kv_stride, j0, seq);
+        __syncthreads();
+        float s[8][4];
+        product_with_tile_rows<D>(s, qa, ks, g, t);
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int j = j0 + nt * 8 + 2 * t + e;
+                s[nt][e] = (j <= r0 && j < seq) ? s[nt][e] * scale : TITAN_NEG_INF;
+                s[nt][2 + e] = (j <= r1 && j < seq) ? s[nt][2 + e] * scale : TITAN_NEG_INF;
+                mx0 = fmaxf(mx0, s[nt][e]);
+                mx1 = fmaxf(mx1, s[nt][2 + e]);
+            }
+        }
+        mx0 = quad_max(mx0);
+        mx1 = quad_max(mx1);
+        // A row with no visible key yet keeps max -inf; subtracting 0 then keeps exp at 0, not NaN.
+        float base0 = mx0 == TITAN_NEG_INF ? 0.0f : mx0;
+        float base1 = mx1 == TITAN_NEG_INF ? 0.0f : mx1;
+        float corr0 = expf(m0 - base0), corr1 = expf(m1 - base1);
+        m0 = mx0;
+        m1 = mx1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                s[nt][e] = expf(s[nt][e] - base0);
+                s[nt][2 + e] = expf(s[nt][2 + e] - base1);
+                sum0 += s[nt][e];
+                sum1 += s[nt][2 + e];
+            }
+        }
+        l0 = l0 * corr0 + quad_sum(sum0);
+        l1 = l1 * corr1 + quad_sum(sum1);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            o[dn][0] *= corr0;
+            o[dn][1] *= corr0;
+            o[dn][2] *= corr1;
+            o[dn][3] *= corr1;
+        }
+        accumulate_times_tile<D>(o, s, vs, g, t);
+    }
+    float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
+    store_row_fragments<D>(ob, q_stride, r0, seq, t, o, 1.0f / l0, 1.0f / l1);
+    if (t == 0) {
+        float* lb = lse + ((i64)b * n_heads + h) * seq;
+        if (r0 < seq) lb[r0] = m0 + logf(l0);
+        if (r1 < seq) lb[r1] = m1 + logf(l1);
+    }
+}
+
+extern "C" __global__ void attention_forward_tc64(float* out, float* lse, const float* q,
+                                                  const float* k, const float* v, int seq,
+                                                  int n_heads, int n_kv_heads, float scale) {
+    attention_forward_tc<64>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);
+}
+
+extern "C" __global__ void attention_forward_tc128(float* out, float* lse, const float* q,
+                                                   const float* k, const float* v, int seq,
+                                                   int n_heads, int n_kv_heads, float scale) {
+    attention_forward_tc<128>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);
+}
+
+// dq_i = scale · Σ_j p_ij (dp_ij − delta_i) k_j over the causal keys; one block per 64 queries of
+// one head. Overwrites dq.
+template <int D>
+__device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float* dout, const float* q,
+                                                         const float* k, const float* v,
+                                                         const float* lse, const float* delta,
+                                                         int seq, int n_heads, int n_kv_heads,
+                                                         float scale) {
+    constexpr int S = D + 8;
+    __shared__ __align__(16) bf16_bits ks[TITAN_TC_ROWS * S];
+    __shared__ __align__(16) bf16_bits vs[TITAN_TC_ROWS * S];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    int kvh = h / (n_heads / n_kv_heads);
+    i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
+    i64 q_off = (i64)b * seq * q_stride + (i64)h * D;
+    const float* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const float* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
+    int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    u32 qa[D / 16][4], da[D / 16][4];
+    load_row_fragments<D>(qa, q + q_off, q_stride, r0, seq, t);
+    load_row_fragments<D>(da, dout + q_off, q_stride, r0, seq, t);
+    const float* lse_bh = lse + ((i64)b * n_heads + h) * seq;
+    const float* delta_bh = delta + ((i64)b * n_heads + h) * seq;
+    float lse0 = r0 < seq ? lse_bh[r0] : 0.0f, lse1 = r1 < seq ? lse_bh[r1] : 0.0f;
+    float dl0 = r0 < seq ? delta_bh[r0] : 0.0f, dl1 = r1 < seq ? delta_bh[r1] : 0.0f;
+    float acc[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
+    int kv_end = min(seq, q0 + TITAN_TC_ROWS);
+    for (int j0 = 0; j0 < kv_end; j0 += TITAN_TC_ROWS) {
+        __syncthreads();
+        load_tile<D>(ks, kb, kv_stride, j0, seq);
+        load_tile<D>(vs, vb, kv_stride, j0, seq);
+        __syncthreads();
+        float s[8][4], dp[8][4];
+        product_with_tile_rows<D>(s, qa, ks, g, t);
+        product_with_tile_rows<D>(dp, da, vs, g, t);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int j = j0 + nt * 8 + 2 * t + e;
+                float p0 = (j <= r0 && r0 < seq) ? expf(s[nt][e] * scale - lse0) : 0.0f;
+                float p1 = (j <= r1 && r1 < seq) ? expf(s[nt][2 + e] * scale - lse1) : 0.0f;
+                s[nt][e] = p0 * (dp[nt][e] - dl0) * scale;
+                s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1) * scale;
+            }
+        }
+        accumulate_times_tile<D>(acc, s, ks, g, t);
+    }
+    store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void attention_backward_dq_tc64(float* dq, const float* dout, const float* q,
+                                                      const float* k, const float* v,
+                                                      const float* lse, const float* delta, int seq,
+                                                      int n_heads, int n_kv_heads, float scale) {
+    attention_backward_dq_tc<64>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads, scale);
+}
+
+extern "C" __global__ void attention_backward_dq_tc128(float* dq, const float* dout, const float* q,
+                                                       const float* k, const float* v,
+                                                       const float* lse, const float* delta,
+                                                       int seq, int n_heads, int n_kv_heads,
+                                                       float scale) {
+    attention_backward_dq_tc<128>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads, scale);
+}
+
+// dv_j = Σ p_ij dout_i and dk_j = scale · Σ p_ij (dp_ij − delta_i) q_i over the group's heads and
+// the causal queries i >= j; one block per 64 keys of one kv head. With WANT_K or WANT_V false the
+// pass skips that output (head_dim 128 makes two passes so the accumulators fit in registers).
+template <int D, bool WANT_K, bool WANT_V>
+__device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv, const float* dout,
+                                                           const float* q, const float* k,
+                                                           const float* v, const float* lse,
+                                                           const float* delta, int seq,
+                                                           int n_heads, int n_kv_heads,
+                                                           float scale) {
+    constexpr int S = D + 8;
+    __shared__ __align__(16) bf16_bits qs[TITAN_TC_ROWS * S];
+    __shared__ __align__(16) bf16_bits do_tile[TITAN_TC_ROWS * S];
+    __shared__ float lse_s[TITAN_TC_ROWS];
+    __shared__ float delta_s[TITAN_TC_ROWS];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int k0 = blockIdx.x * TITAN_TC_ROWS, kvh = blockIdx.y, b = blockIdx.z;
+    i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
+    i64 kv_off = (i64)b * seq * kv_stride + (i64)kvh * D;
+    int r0 = k0 + warp * 16 + g, r1 = r0 + 8;
+    u32 ka[D / 16][4], va[D / 16][4];
+    load_row_fragments<D>(ka, k + kv_off, kv_stride, r0, seq, t);
+    if (WANT_K) load_row_fragments<D>(va, v + kv_off, kv_stride, r0, seq, t);
+    float acc_k[D / 8][4], acc_v[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+        acc_k[dn][0] = acc_k[dn][1] = acc_k[dn][2] = acc_k[dn][3] = 0.0f;
+        acc_v[dn][0] = acc_v[dn][1] = acc_v[dn][2] = acc_v[dn][3] = 0.0f;
+    }
+    int group = n_heads / n_kv_heads;
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const float* qb = q + (i64)b * seq * q_stride + (i64)h * D;
+        const float* db = dout + (i64)b * seq * q_stride + (i64)h * D;
+        const float* lse_bh = lse + ((i64)b * n_heads + h) * seq;
+        const float* delta_bh = delta + ((i64)b * n_heads + h) * seq;
+        for (int i0 = k0; i0 < seq; i0 += TITAN_TC_ROWS) {
+            __syncthreads();
+            load_tile<D>(qs, qb, q_stride, i0, seq);
+            load_tile<D>(do_tile, db, q_stride, i0, seq);
+            if (threadIdx.x < TITAN_TC_ROWS) {
+                int i = i0 + threadIdx.x;
+                lse_s[threadIdx.x] = i < seq ? lse_bh[i] : 0.0f;
+                delta_s[threadIdx.x] = i < seq ? delta_bh[i] : 0.0f;
+            }
+            __syncthreads();
+            // Transposed scores: rows are this warp's keys, columns the tile's queries.
+            float p[8][4], dp[8][4];
+            product_with_tile_rows<D>(p, ka, qs, g, t);
+            if (WANT_K) product_with_tile_rows<D>(dp, va, do_tile, g, t);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    int c = nt * 8 + 2 * t + e, i = i0 + c;
+                    bool ok0 = i >= r0 && i < seq && r0 < seq;
+                    bool ok1 = i >= r1 && i < seq && r1 < seq;
+                    float p0 = ok0 ? expf(p[nt][e] * scale - lse_s[c]) : 0.0f;
+                    float p1 = ok1 ? expf(p[nt][2 + e] * scale - lse_s[c]) : 0.0f;
+                    if (WANT_K) {
+                        dp[nt][e] = p0 * (dp[nt][e] - delta_s[c]) * scale;
+                        dp[nt][2 + e] = p1 * (dp[nt][2 + e] - delta_s[c]) * scale;
+                    }
+                    p[nt][e] = p0;
+                    p[nt][2 + e] = p1;
+                }
+            }
+            if (WANT_V) accumulate_times_tile<D>(acc_v, p, do_tile, g, t);
+            if (WANT_K) accumulate_times_tile<D>(acc_k, dp, qs, g, t);
+        }
+    }
+    if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, 1.0f, 1.0f);
+    if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
+}
+
+extern "C" __global__ void attention_backward_dkdv_tc64(float* dk, float* dv, const float* dout,
+                                                        const float* q, const float* k,
+                                                        const float* v, const float* lse,
+                                                        const float* delta, int seq, int n_heads,
+                                                        int n_kv_heads, float scale) {
+    attention_backward_dkdv_tc<64, true, true>(dk, dv, dout, q, k, v, lse, delta, seq, n_heads,
+                                               n_kv_heads, scale);
+}
+
+extern "C" __global__ void attention_backward_dk_tc128(float* dk, float* dv, const float* dout,
+                                                       const float* q, const float* k,
+                                                       const float* v, const float* lse,
+                                                       const float* delta, int seq, int n_heads,
+                                                       int n_kv_heads, float scale) {
+    attention_backward_dkdv_tc<128, true, false>(dk, dv, dout, q, k, v, lse, delta, seq, n_heads,
+                                                 n_kv_heads, scale);
+}
+
+extern "C" __global__ void attention_backward_dv_tc128(float* dk, float* dv, const float* dout,
+                                                       const float* q, const float* k,
+                                                       const float* v, const float* lse,
+                                                       const float* delta, int seq, int n_heads,
+                                                       int n_kv_heads, float scale) {
+    attention_backward_dkdv_tc<128, false, true>(dk, dv, dout, q, k, v, lse, delta, seq, n_heads,
+                                                 n_kv_heads, scale);
+}
