@@ -1,5 +1,8 @@
 //! Row-major GEMMs on cuBLASLt with f32 storage and a chosen compute precision: exact fp32, TF32 or
-//! bf16 tensor cores (cuBLASLt rounds the f32 inputs to bf16 and accumulates in fp32).
+//! bf16 tensor cores. For bf16 both operands are first rounded into bf16 scratch buffers (one
+//! conversion kernel each), so cuBLASLt runs its native bf16 kernels, which read half the bytes and
+//! run about twice as fast as its f32-input "fast bf16" mode; products accumulate in fp32 and the
+//! output stays f32.
 //!
 //! cuBLASLt is column-major; a row-major `[r, c]` buffer is the column-major `[c, r]` matrix, so
 //! `out = op(a)·op(b)` is computed as `outᵀ = op(b)ᵀ·op(a)ᵀ` with the operands swapped. Layouts,
@@ -14,7 +17,9 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 /// Arithmetic of the GEMMs (storage stays f32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +70,8 @@ struct GemmPlan {
     /// Layouts of cuBLASLt's A (our `b`), B (our `a`) and C = D (our `out`).
     layouts: [sys::cublasLtMatrixLayout_t; 3],
     algo: sys::cublasLtMatmulAlgo_t,
+    /// A and B are bf16 (converted into the scratch buffers before the call).
+    bf16_inputs: bool,
 }
 
 // SAFETY: the plan's handles are plain descriptors; cuBLASLt allows using them from any thread as
@@ -90,6 +97,10 @@ pub struct Gemm {
     precision: GemmPrecision,
     plans: Mutex<HashMap<GemmKey, GemmPlan>>,
     warned_fallback: AtomicBool,
+    /// The `f32_to_bf16` kernel.
+    to_bf16: CudaFunction,
+    /// bf16 copies of the two operands, grown to the largest GEMM and then reused.
+    scratch: Mutex<[Option<CudaSlice<u16>>; 2]>,
 }
 
 // SAFETY: the cuBLASLt handle is thread-safe; the plan cache is behind a mutex.
@@ -104,7 +115,11 @@ fn lt_err(what: &str, e: lt::CublasError) -> anyhow::Error {
 }
 
 impl Gemm {
-    pub fn new(stream: Arc<CudaStream>, precision: GemmPrecision) -> Result<Self> {
+    pub fn new(
+        stream: Arc<CudaStream>,
+        precision: GemmPrecision,
+        to_bf16: CudaFunction,
+    ) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| lt_err("create", e))?;
         let workspace = stream
             .alloc_zeros::<u8>(WORKSPACE_BYTES)
@@ -116,6 +131,8 @@ impl Gemm {
             precision,
             plans: Mutex::new(HashMap::new()),
             warned_fallback: AtomicBool::new(false),
+            to_bf16,
+            scratch: Mutex::new([None, None]),
         })
     }
 
@@ -126,20 +143,36 @@ impl Gemm {
     /// The plan in the configured precision; if cuBLASLt has no tensor-core algorithm for a shape,
     /// that shape runs in exact fp32 instead (said once on stderr) rather than failing the step.
     fn plan(&self, key: GemmKey) -> Result<GemmPlan> {
-        match self.plan_with(key, self.precision.compute_type()) {
+        let wanted = match self.precision {
+            GemmPrecision::BFloat16 => {
+                self.plan_with(key, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, true)
+            }
+            other => self.plan_with(key, other.compute_type(), false),
+        };
+        match wanted {
             Ok(plan) => Ok(plan),
             Err(e) if self.precision != GemmPrecision::Float32 => {
                 if !self.warned_fallback.swap(true, Ordering::Relaxed) {
                     eprintln!("warning: {e:#}; such GEMMs run in fp32");
                 }
-                self.plan_with(key, GemmPrecision::Float32.compute_type())
+                self.plan_with(key, GemmPrecision::Float32.compute_type(), false)
             }
             Err(e) => Err(e),
         }
     }
 
-    fn plan_with(&self, key: GemmKey, compute: sys::cublasComputeType_t) -> Result<GemmPlan> {
+    fn plan_with(
+        &self,
+        key: GemmKey,
+        compute: sys::cublasComputeType_t,
+        bf16_inputs: bool,
+    ) -> Result<GemmPlan> {
         let f32t = sys::cudaDataType::CUDA_R_32F;
+        let input_type = if bf16_inputs {
+            sys::cudaDataType::CUDA_R_16BF
+        } else {
+            f32t
+        };
         let desc =
             lt::create_matmul_desc(compute, f32t).map_err(|e| lt_err("matmul descriptor", e))?;
         // cuBLASLt's A is our b, its B is our a (see the module doc).
@@ -171,8 +204,12 @@ impl Gemm {
         let a_layout = if key.trans_a { (m, k, m) } else { (k, m, k) };
         let c_layout = (n, m, n);
         let mut layouts = [std::ptr::null_mut(); 3];
-        for (slot, (r, c, ld)) in layouts.iter_mut().zip([b_layout, a_layout, c_layout]) {
-            *slot = lt::create_matrix_layout(f32t, r, c, ld as i64)
+        for ((slot, (r, c, ld)), dtype) in layouts
+            .iter_mut()
+            .zip([b_layout, a_layout, c_layout])
+            .zip([input_type, input_type, f32t])
+        {
+            *slot = lt::create_matrix_layout(dtype, r, c, ld as i64)
                 .map_err(|e| lt_err("matrix layout", e))?;
         }
         let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
@@ -200,19 +237,21 @@ impl Gemm {
         };
         let heuristic = heuristic.map_err(|e| {
             anyhow!(
-                "cuBLASLt has no algorithm for a {}x{}x{} GEMM (trans_a {}, trans_b {}) in {:?}: {e:?}",
+                "cuBLASLt has no algorithm for a {}x{}x{} GEMM (trans_a {}, trans_b {}) with \
+                 {compute:?}{}: {e:?}",
                 key.m,
                 key.k,
                 key.n,
                 key.trans_a,
                 key.trans_b,
-                self.precision
+                if bf16_inputs { " on bf16 inputs" } else { "" },
             )
         })?;
         Ok(GemmPlan {
             desc,
             layouts,
             algo: heuristic.algo,
+            bf16_inputs,
         })
     }
 
@@ -252,8 +291,13 @@ impl Gemm {
         };
         let alpha = 1.0f32;
         let beta = if accumulate { 1.0f32 } else { 0.0f32 };
-        let (a_ptr, _ra) = a.device_ptr(&self.stream);
-        let (b_ptr, _rb) = b.device_ptr(&self.stream);
+        let (mut a_ptr, _ra) = a.device_ptr(&self.stream);
+        let (mut b_ptr, _rb) = b.device_ptr(&self.stream);
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if plan.bf16_inputs {
+            a_ptr = self.convert_to_bf16(&mut scratch[0], a_ptr, m * k)?;
+            b_ptr = self.convert_to_bf16(&mut scratch[1], b_ptr, k * n)?;
+        }
         let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
         let (out_ptr, _ro) = out.device_ptr_mut(&self.stream);
         // SAFETY: the pointers are live device buffers at least as large as the shapes (checked by
@@ -279,6 +323,43 @@ impl Gemm {
             )
         }
         .map_err(|e| lt_err("matmul", e))
+    }
+}
+
+impl Gemm {
+    /// Rounds `len` f32 values at device address `src` into `slot` (grown when too small) and
+    /// returns the bf16 copy's address. Queued on the GEMM's stream, so it is ready for the call.
+    fn convert_to_bf16(
+        &self,
+        slot: &mut Option<CudaSlice<u16>>,
+        src: u64,
+        len: usize,
+    ) -> Result<u64> {
+        let capacity = len.div_ceil(2) * 2;
+        if slot.as_ref().is_none_or(|s| s.len() < capacity) {
+            *slot = None;
+            *slot = Some(
+                self.stream
+                    .alloc_zeros::<u16>(capacity)
+                    .map_err(|e| anyhow!("allocating {len} bf16 GEMM operands: {e}"))?,
+            );
+        }
+        let dst = slot.as_mut().expect("allocated above");
+        let pairs = len.div_ceil(2);
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = len as i64;
+        let mut builder = self.stream.launch_builder(&self.to_bf16);
+        builder.arg(&mut *dst).arg(&src).arg(&n);
+        // SAFETY: f32_to_bf16(u32* out_pairs, const float* in, i64 n): dst holds ⌈len/2⌉ pairs and
+        // src is a live device buffer of at least len floats (the caller's shape checks).
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| anyhow!("CUDA kernel `f32_to_bf16` failed: {e}"))?;
+        let (ptr, _sync) = dst.device_ptr(&self.stream);
+        Ok(ptr)
     }
 }
 

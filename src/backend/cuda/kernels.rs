@@ -37,11 +37,13 @@ pub const KERNELS: &[&str] = &[
     "swiglu_forward",
     "swiglu_backward",
     "round_to_bf16",
+    "f32_to_bf16",
     "embedding_forward",
     "embedding_backward",
     "rmsnorm_forward",
     "rmsnorm_backward_dx",
-    "rmsnorm_backward_dweight",
+    "rmsnorm_dweight_partial",
+    "rmsnorm_dweight_reduce",
     "rope_rotate",
     "adamw_step",
     "sum_squares_partial",
@@ -57,6 +59,13 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_dkdv_tc64",
     "attention_backward_dk_tc128",
     "attention_backward_dv_tc128",
+    "attention_forward_tc64_simple",
+    "attention_forward_tc128_simple",
+    "attention_backward_dq_tc64_simple",
+    "attention_backward_dq_tc128_simple",
+    "attention_backward_dkdv_tc64_simple",
+    "attention_backward_dk_tc128_simple",
+    "attention_backward_dv_tc128_simple",
 ];
 
 /// Threads per block of the attention kernels (one warp per row; `TITAN_ATTN_WARPS` in the source).

@@ -121,7 +121,7 @@ impl CudaBackend {
             functions.insert(*name, f);
         }
         let pool = keep_freed_memory(&ctx);
-        let gemm = gemm::Gemm::new(stream.clone(), precision)?;
+        let gemm = gemm::Gemm::new(stream.clone(), precision, functions["f32_to_bf16"].clone())?;
         Ok(CudaBackend {
             ctx,
             stream,

@@ -373,20 +373,40 @@ impl Backend for CudaBackend {
             rstd,
             &d
         );
-        let cfg = LaunchConfig {
-            grid_dim: (dim.div_ceil(128) as u32, 1, 1),
+        const ROWS_PER_CHUNK: usize = 128;
+        let chunks = rows.div_ceil(ROWS_PER_CHUNK);
+        let mut partial = self.alloc::<f32>(chunks * dim);
+        let column_blocks = dim.div_ceil(128) as u32;
+        let (c, rpc) = (chunks as i32, ROWS_PER_CHUNK as i32);
+        let per_chunk = LaunchConfig {
+            grid_dim: (column_blocks, chunks as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         launch!(
             self,
-            "rmsnorm_backward_dweight",
-            cfg,
-            dweight,
+            "rmsnorm_dweight_partial",
+            per_chunk,
+            &mut partial,
             dout,
             x,
             rstd,
             &r,
+            &d,
+            &rpc
+        );
+        let per_column = LaunchConfig {
+            grid_dim: (column_blocks, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "rmsnorm_dweight_reduce",
+            per_column,
+            dweight,
+            &partial,
+            &c,
             &d
         );
     }
@@ -817,11 +837,12 @@ impl Backend for CudaBackend {
     }
 }
 
-/// Rows per loss chunk on a GPU: a logit block of at most 128 Mi floats (512 MiB; 1024 rows of
-/// Llama 3's 128k vocabulary), at least 128 rows so the three GEMMs per chunk stay large, and a
-/// multiple of 64 so every chunk's rows start 256-byte aligned, as cuBLASLt's fast kernels assume.
+/// Rows per loss chunk on a GPU: a logit block of at most 512 Mi floats (2 GiB; 4096 rows of
+/// Llama 3's 128k vocabulary: few chunks, so the output weight is converted to bf16 few times), at
+/// least 128 rows so the three GEMMs per chunk stay large, and a multiple of 64 so every chunk's
+/// rows start 256-byte aligned, as cuBLASLt's fast kernels assume.
 fn gpu_loss_chunk_rows(vocab: usize) -> usize {
-    ((128usize << 20) / vocab.max(1)).clamp(128, 4096) / 64 * 64
+    ((512usize << 20) / vocab.max(1)).clamp(128, 4096) / 64 * 64
 }
 
 fn check_attention_shape(s: &AttnShape) {
@@ -857,24 +878,43 @@ struct TensorCoreAttention {
 impl CudaBackend {
     /// The tensor-core kernels when they apply: GEMMs in bf16 (the same rounding the model already
     /// accepts there), an sm_80+ GPU, head_dim 64 or 128, and the training shape (no KV cache).
-    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels (a comparison or a suspected fault).
+    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels, `tc-simple` the tensor-core kernels
+    /// without ldmatrix (a comparison or a suspected fault).
     fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
         let arch: u32 = self.arch().trim_start_matches("sm_").parse().unwrap_or(0);
-        let exact = std::env::var("TITAN_CUDA_ATTENTION").is_ok_and(|v| v == "exact");
-        if exact || !training_shape || arch < 80 || self.precision() != GemmPrecision::BFloat16 {
+        let choice = std::env::var("TITAN_CUDA_ATTENTION").unwrap_or_default();
+        if choice == "exact"
+            || !training_shape
+            || arch < 80
+            || self.precision() != GemmPrecision::BFloat16
+        {
             return None;
         }
-        match s.head_dim {
-            64 => Some(TensorCoreAttention {
+        let simple = choice == "tc-simple";
+        match (s.head_dim, simple) {
+            (64, false) => Some(TensorCoreAttention {
                 forward: "attention_forward_tc64",
                 dq: "attention_backward_dq_tc64",
                 dkdv: &["attention_backward_dkdv_tc64"],
             }),
-            128 => Some(TensorCoreAttention {
+            (128, false) => Some(TensorCoreAttention {
                 forward: "attention_forward_tc128",
                 dq: "attention_backward_dq_tc128",
                 dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
+            }),
+            (64, true) => Some(TensorCoreAttention {
+                forward: "attention_forward_tc64_simple",
+                dq: "attention_backward_dq_tc64_simple",
+                dkdv: &["attention_backward_dkdv_tc64_simple"],
+            }),
+            (128, true) => Some(TensorCoreAttention {
+                forward: "attention_forward_tc128_simple",
+                dq: "attention_backward_dq_tc128_simple",
+                dkdv: &[
+                    "attention_backward_dk_tc128_simple",
+                    "attention_backward_dv_tc128_simple",
+                ],
             }),
             _ => None,
         }

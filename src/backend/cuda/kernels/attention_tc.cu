@@ -47,6 +47,33 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
 #endif
 }
 
+// 32-bit shared-memory address of a generic pointer into shared memory (for ldmatrix).
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 bf16 matrices from shared memory, one row address per lane (lanes 8i..8i+7 address
+// matrix i's rows); register i gets matrix i's fragment: row g, columns 2t, 2t + 1, or with TRANS
+// rows 2t, 2t + 1 of column g.
+template <bool TRANS>
+__device__ __forceinline__ void load_matrices(u32* r, const bf16_bits* row_address) {
+#ifdef TITAN_TC_AVAILABLE
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row_address)));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row_address)));
+    }
+#else
+    asm volatile("trap;");
+#endif
+}
+
 // Elements (r, c) and (r, c + 1) of a row-major shared tile: a B fragment register when the tile
 // is Bᵀ (rows are B's columns).
 __device__ __forceinline__ u32 tile_pair_along_row(const bf16_bits* s, int stride, int r, int c) {
@@ -84,11 +111,29 @@ __device__ __forceinline__ void load_tile(bf16_bits* s, const float* base, i64 s
     }
 }
 
-// acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile.
-template <int D>
+// acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile. With
+// LDSM the B fragments come by ldmatrix (two n-tiles per instruction), else by 32-bit loads.
+template <int D, bool LDSM>
 __device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u32 (*a)[4],
                                                        const bf16_bits* tile, int g, int t) {
     constexpr int S = D + 8;
+    if (LDSM) {
+        int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            acc[2 * np][0] = acc[2 * np][1] = acc[2 * np][2] = acc[2 * np][3] = 0.0f;
+            acc[2 * np + 1][0] = acc[2 * np + 1][1] = acc[2 * np + 1][2] = acc[2 * np + 1][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                u32 b[4];
+                load_matrices<false>(b, tile + ((2 * np + (m >> 1)) * 8 + r) * S + kk * 16 +
+                                            (m & 1) * 8);
+                mma_bf16(acc[2 * np], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[0], b[1]);
+                mma_bf16(acc[2 * np + 1], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[2], b[3]);
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
         acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
@@ -102,8 +147,9 @@ __device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u3
 }
 
 // out[D/8][4] += P · tile, P the 16x64 C fragments `p` of an earlier product (repacked as A), tile
-// a 64-row shared tile used as B (its rows are the shared dimension).
-template <int D>
+// a 64-row shared tile used as B (its rows are the shared dimension). With LDSM the B fragments
+// come by transposing ldmatrix (two d-tiles per instruction), else by pairs of 16-bit loads.
+template <int D, bool LDSM>
 __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p)[4],
                                                       const bf16_bits* tile, int g, int t) {
     constexpr int S = D + 8;
@@ -113,6 +159,18 @@ __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p
         u32 a1 = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
         u32 a2 = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
         u32 a3 = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        if (LDSM) {
+            int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                u32 b[4];
+                load_matrices<true>(b, tile + (kk * 16 + (m & 1) * 8 + r) * S +
+                                           (2 * dp + (m >> 1)) * 8);
+                mma_bf16(out[2 * dp], a0, a1, a2, a3, b[0], b[1]);
+                mma_bf16(out[2 * dp + 1], a0, a1, a2, a3, b[2], b[3]);
+            }
+            continue;
+        }
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) {
             u32 b0 = tile_pair_down_column(tile, S, kk * 16 + 2 * t, dn * 8 + g);
@@ -164,7 +222,7 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(TITAN_FULL_MASK, v, 2);
 }
 
-template <int D>
+template <int D, bool LDSM>
 __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const float* q,
                                                      const float* k, const float* v, int seq,
                                                      int n_heads, int n_kv_heads, float scale) {
@@ -192,7 +250,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
         load_tile<D>(vs, vb, kv_stride, j0, seq);
         __syncthreads();
         float s[8][4];
-        product_with_tile_rows<D>(s, qa, ks, g, t);
+        product_with_tile_rows<D, LDSM>(s, qa, ks, g, t);
         float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -233,7 +291,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
             o[dn][2] *= corr1;
             o[dn][3] *= corr1;
         }
-        accumulate_times_tile<D>(o, s, vs, g, t);
+        accumulate_times_tile<D, LDSM>(o, s, vs, g, t);
     }
     float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
     store_row_fragments<D>(ob, q_stride, r0, seq, t, o, 1.0f / l0, 1.0f / l1);
@@ -244,21 +302,9 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     }
 }
 
-extern "C" __global__ void attention_forward_tc64(float* out, float* lse, const float* q,
-                                                  const float* k, const float* v, int seq,
-                                                  int n_heads, int n_kv_heads, float scale) {
-    attention_forward_tc<64>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);
-}
-
-extern "C" __global__ void attention_forward_tc128(float* out, float* lse, const float* q,
-                                                   const float* k, const float* v, int seq,
-                                                   int n_heads, int n_kv_heads, float scale) {
-    attention_forward_tc<128>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);
-}
-
 // dq_i = scale · Σ_j p_ij (dp_ij − delta_i) k_j over the causal keys; one block per 64 queries of
 // one head. Overwrites dq.
-template <int D>
+template <int D, bool LDSM>
 __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float* dout, const float* q,
                                                          const float* k, const float* v,
                                                          const float* lse, const float* delta,
@@ -292,8 +338,8 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float*
         load_tile<D>(vs, vb, kv_stride, j0, seq);
         __syncthreads();
         float s[8][4], dp[8][4];
-        product_with_tile_rows<D>(s, qa, ks, g, t);
-        product_with_tile_rows<D>(dp, da, vs, g, t);
+        product_with_tile_rows<D, LDSM>(s, qa, ks, g, t);
+        product_with_tile_rows<D, LDSM>(dp, da, vs, g, t);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -305,30 +351,15 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float*
                 s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1) * scale;
             }
         }
-        accumulate_times_tile<D>(acc, s, ks, g, t);
+        accumulate_times_tile<D, LDSM>(acc, s, ks, g, t);
     }
     store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, 1.0f, 1.0f);
-}
-
-extern "C" __global__ void attention_backward_dq_tc64(float* dq, const float* dout, const float* q,
-                                                      const float* k, const float* v,
-                                                      const float* lse, const float* delta, int seq,
-                                                      int n_heads, int n_kv_heads, float scale) {
-    attention_backward_dq_tc<64>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads, scale);
-}
-
-extern "C" __global__ void attention_backward_dq_tc128(float* dq, const float* dout, const float* q,
-                                                       const float* k, const float* v,
-                                                       const float* lse, const float* delta,
-                                                       int seq, int n_heads, int n_kv_heads,
-                                                       float scale) {
-    attention_backward_dq_tc<128>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads, scale);
 }
 
 // dv_j = Σ p_ij dout_i and dk_j = scale · Σ p_ij (dp_ij − delta_i) q_i over the group's heads and
 // the causal queries i >= j; one block per 64 keys of one kv head. With WANT_K or WANT_V false the
 // pass skips that output (head_dim 128 makes two passes so the accumulators fit in registers).
-template <int D, bool WANT_K, bool WANT_V>
+template <int D, bool LDSM, bool WANT_K, bool WANT_V>
 __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv, const float* dout,
                                                            const float* q, const float* k,
                                                            const float* v, const float* lse,
@@ -372,8 +403,8 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
             __syncthreads();
             // Transposed scores: rows are this warp's keys, columns the tile's queries.
             float p[8][4], dp[8][4];
-            product_with_tile_rows<D>(p, ka, qs, g, t);
-            if (WANT_K) product_with_tile_rows<D>(dp, va, do_tile, g, t);
+            product_with_tile_rows<D, LDSM>(p, ka, qs, g, t);
+            if (WANT_K) product_with_tile_rows<D, LDSM>(dp, va, do_tile, g, t);
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -391,37 +422,49 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
                     p[nt][2 + e] = p1;
                 }
             }
-            if (WANT_V) accumulate_times_tile<D>(acc_v, p, do_tile, g, t);
-            if (WANT_K) accumulate_times_tile<D>(acc_k, dp, qs, g, t);
+            if (WANT_V) accumulate_times_tile<D, LDSM>(acc_v, p, do_tile, g, t);
+            if (WANT_K) accumulate_times_tile<D, LDSM>(acc_k, dp, qs, g, t);
         }
     }
     if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, 1.0f, 1.0f);
     if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
 }
 
-extern "C" __global__ void attention_backward_dkdv_tc64(float* dk, float* dv, const float* dout,
-                                                        const float* q, const float* k,
-                                                        const float* v, const float* lse,
-                                                        const float* delta, int seq, int n_heads,
-                                                        int n_kv_heads, float scale) {
-    attention_backward_dkdv_tc<64, true, true>(dk, dv, dout, q, k, v, lse, delta, seq, n_heads,
-                                               n_kv_heads, scale);
-}
+// Entry points: head_dim 64 and 128, B fragments by ldmatrix, and the same with plain shared loads
+// (`_simple`, kept as a fallback: TITAN_CUDA_ATTENTION=tc-simple).
+#define TITAN_TC_FORWARD(name, D, LDSM)                                                           \
+    extern "C" __global__ void name(float* out, float* lse, const float* q, const float* k,       \
+                                    const float* v, int seq, int n_heads, int n_kv_heads,         \
+                                    float scale) {                                                \
+        attention_forward_tc<D, LDSM>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);        \
+    }
+#define TITAN_TC_DQ(name, D, LDSM)                                                                \
+    extern "C" __global__ void name(float* dq, const float* dout, const float* q, const float* k, \
+                                    const float* v, const float* lse, const float* delta, int seq, \
+                                    int n_heads, int n_kv_heads, float scale) {                   \
+        attention_backward_dq_tc<D, LDSM>(dq, dout, q, k, v, lse, delta, seq, n_heads,            \
+                                          n_kv_heads, scale);                                     \
+    }
+#define TITAN_TC_DKDV(name, D, LDSM, WANT_K, WANT_V)                                              \
+    extern "C" __global__ void name(float* dk, float* dv, const float* dout, const float* q,      \
+                                    const float* k, const float* v, const float* lse,             \
+                                    const float* delta, int seq, int n_heads, int n_kv_heads,     \
+                                    float scale) {                                                \
+        attention_backward_dkdv_tc<D, LDSM, WANT_K, WANT_V>(dk, dv, dout, q, k, v, lse, delta,    \
+                                                            seq, n_heads, n_kv_heads, scale);     \
+    }
 
-extern "C" __global__ void attention_backward_dk_tc128(float* dk, float* dv, const float* dout,
-                                                       const float* q, const float* k,
-                                                       const float* v, const float* lse,
-                                                       const float* delta, int seq, int n_heads,
-                                                       int n_kv_heads, float scale) {
-    attention_backward_dkdv_tc<128, true, false>(dk, dv, dout, q, k, v, lse, delta, seq, n_heads,
-                                                 n_kv_heads, scale);
-}
-
-extern "C" __global__ void attention_backward_dv_tc128(float* dk, float* dv, const float* dout,
-                                                       const float* q, const float* k,
-                                                       const float* v, const float* lse,
-                                                       const float* delta, int seq, int n_heads,
-                                                       int n_kv_heads, float scale) {
-    attention_backward_dkdv_tc<128, false, true>(dk, dv, dout, q, k, v, lse, delta, seq, n_heads,
-                                                 n_kv_heads, scale);
-}
+TITAN_TC_FORWARD(attention_forward_tc64, 64, true)
+TITAN_TC_FORWARD(attention_forward_tc128, 128, true)
+TITAN_TC_DQ(attention_backward_dq_tc64, 64, true)
+TITAN_TC_DQ(attention_backward_dq_tc128, 128, true)
+TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, true, true, true)
+TITAN_TC_DKDV(attention_backward_dk_tc128, 128, true, true, false)
+TITAN_TC_DKDV(attention_backward_dv_tc128, 128, true, false, true)
+TITAN_TC_FORWARD(attention_forward_tc64_simple, 64, false)
+TITAN_TC_FORWARD(attention_forward_tc128_simple, 128, false)
+TITAN_TC_DQ(attention_backward_dq_tc64_simple, 64, false)
+TITAN_TC_DQ(attention_backward_dq_tc128_simple, 128, false)
+TITAN_TC_DKDV(attention_backward_dkdv_tc64_simple, 64, false, true, true)
+TITAN_TC_DKDV(attention_backward_dk_tc128_simple, 128, false, true, false)
+TITAN_TC_DKDV(attention_backward_dv_tc128_simple, 128, false, false, true)

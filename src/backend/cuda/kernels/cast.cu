@@ -11,3 +11,12 @@ __device__ __forceinline__ float round_bf16(float f) {
 extern "C" __global__ void round_to_bf16(float* x, i64 n) {
     TITAN_FOR_EACH(i, n) x[i] = round_bf16(x[i]);
 }
+
+// f32 → bf16 bits (nearest even): the operands of bf16 GEMMs. Two values per thread step.
+extern "C" __global__ void f32_to_bf16(u32* out_pairs, const float* in, i64 n) {
+    TITAN_FOR_EACH(i, (n + 1) / 2) {
+        u32 lo = __float_as_uint(round_bf16(in[2 * i])) >> 16;
+        u32 hi = 2 * i + 1 < n ? __float_as_uint(round_bf16(in[2 * i + 1])) >> 16 : 0u;
+        out_pairs[i] = lo | (hi << 16);
+    }
+}

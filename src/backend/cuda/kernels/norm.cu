@@ -32,12 +32,25 @@ extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, con
         g[d] += rs * (dy[d] * weight[d] - xr[d] * rs * mean);
 }
 
-// dweight[d] += sum over rows of dout*x*rstd; one thread per column, rows in order (deterministic).
-extern "C" __global__ void rmsnorm_backward_dweight(float* dweight, const float* dout, const float* x,
-                                                    const float* rstd, int rows, int dim) {
+// dweight[d] += sum over rows of dout*x*rstd, in two deterministic passes so that every SM works:
+// partial[c][d] sums the rows of chunk c in order (grid: column blocks x chunks), then each column
+// adds its chunks in order.
+extern "C" __global__ void rmsnorm_dweight_partial(float* partial, const float* dout, const float* x,
+                                                   const float* rstd, int rows, int dim,
+                                                   int rows_per_chunk) {
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= dim) return;
+    int r0 = blockIdx.y * rows_per_chunk, r1 = min(rows, r0 + rows_per_chunk);
+    float acc = 0.0f;
+    for (int r = r0; r < r1; ++r) acc += dout[(i64)r * dim + d] * x[(i64)r * dim + d] * rstd[r];
+    partial[(i64)blockIdx.y * dim + d] = acc;
+}
+
+extern "C" __global__ void rmsnorm_dweight_reduce(float* dweight, const float* partial, int chunks,
+                                                  int dim) {
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= dim) return;
     float acc = 0.0f;
-    for (int r = 0; r < rows; ++r) acc += dout[(i64)r * dim + d] * x[(i64)r * dim + d] * rstd[r];
+    for (int c = 0; c < chunks; ++c) acc += partial[(i64)c * dim + d];
     dweight[d] += acc;
 }
