@@ -345,22 +345,42 @@ impl Gemm {
             );
         }
         let dst = slot.as_mut().expect("allocated above");
-        let pairs = len.div_ceil(2);
-        let cfg = LaunchConfig {
-            grid_dim: (pairs.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let n = len as i64;
-        let mut builder = self.stream.launch_builder(&self.to_bf16);
-        builder.arg(&mut *dst).arg(&src).arg(&n);
-        // SAFETY: f32_to_bf16(u32* out_pairs, const float* in, i64 n): dst holds ⌈len/2⌉ pairs and
-        // src is a live device buffer of at least len floats (the caller's shape checks).
-        unsafe { builder.launch(cfg) }
-            .map_err(|e| anyhow!("CUDA kernel `f32_to_bf16` failed: {e}"))?;
+        launch_to_bf16(&self.stream, &self.to_bf16, dst, src, len)?;
         let (ptr, _sync) = dst.device_ptr(&self.stream);
         Ok(ptr)
     }
+}
+
+/// Queues `f32_to_bf16`: the `len` f32 values at device address `src` rounded (nearest even) into
+/// `dst`, which holds at least ⌈len/2⌉·2 values.
+pub(super) fn launch_to_bf16(
+    stream: &CudaStream,
+    to_bf16: &CudaFunction,
+    dst: &mut CudaSlice<u16>,
+    src: u64,
+    len: usize,
+) -> Result<()> {
+    assert!(
+        dst.len() >= len.div_ceil(2) * 2,
+        "bf16 destination too small"
+    );
+    if len == 0 {
+        return Ok(());
+    }
+    let pairs = len.div_ceil(2);
+    let cfg = LaunchConfig {
+        grid_dim: (pairs.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n = len as i64;
+    let mut builder = stream.launch_builder(to_bf16);
+    builder.arg(dst).arg(&src).arg(&n);
+    // SAFETY: f32_to_bf16(u32* out_pairs, const float* in, i64 n): dst holds ⌈len/2⌉ pairs (checked
+    // above) and src is a live device buffer of at least len floats (the callers' shape checks).
+    unsafe { builder.launch(cfg) }
+        .map(|_| ())
+        .map_err(|e| anyhow!("CUDA kernel `f32_to_bf16` failed: {e}"))
 }
 
 impl Drop for Gemm {

@@ -50,7 +50,8 @@ macro_rules! pass_through {
     };
 }
 pass_through!(
-    i32, i64, f32, CudaSlice<u32>, CudaSlice<f32>, CudaSlice<f64>, CudaView<'_, f32>, CudaView<'_, u32>;
+    i32, i64, f32, CudaSlice<u16>, CudaSlice<u32>, CudaSlice<f32>, CudaSlice<f64>, CudaView<'_, f32>,
+    CudaView<'_, u32>;
     mut CudaSlice<f32>, CudaSlice<f64>, CudaViewMut<'_, f32>
 );
 
@@ -469,20 +470,42 @@ impl Backend for CudaBackend {
         if let Some(kernels) = self.tensor_core_attention(&s) {
             let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
             let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch);
-            launch!(
-                self,
-                kernels.forward,
-                cfg,
-                out,
-                lse,
-                q,
-                k,
-                v,
-                &seq,
-                &h,
-                &kvh,
-                &scale
-            );
+            if kernels.bf16_inputs {
+                let (q, k, v) = (
+                    self.to_bf16(q, q_floats),
+                    self.to_bf16(k, kv_floats),
+                    self.to_bf16(v, kv_floats),
+                );
+                launch!(
+                    self,
+                    kernels.forward,
+                    cfg,
+                    out,
+                    lse,
+                    &q,
+                    &k,
+                    &v,
+                    &seq,
+                    &h,
+                    &kvh,
+                    &scale
+                );
+            } else {
+                launch!(
+                    self,
+                    kernels.forward,
+                    cfg,
+                    out,
+                    lse,
+                    q,
+                    k,
+                    v,
+                    &seq,
+                    &h,
+                    &kvh,
+                    &scale
+                );
+            }
             return;
         }
         let (ql, kl, kc, h, kvh, d, off) = (
@@ -574,14 +597,34 @@ impl Backend for CudaBackend {
         if let Some(kernels) = self.tensor_core_attention(&s) {
             let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch);
             let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch);
-            launch!(
-                self, kernels.dq, per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh, &scale
-            );
-            for pass in kernels.dkdv {
+            if kernels.bf16_inputs {
+                let (dout, q, k, v) = (
+                    self.to_bf16(dout, q_floats),
+                    self.to_bf16(q, q_floats),
+                    self.to_bf16(k, kv_floats),
+                    self.to_bf16(v, kv_floats),
+                );
                 launch!(
-                    self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, &delta, &seq, &h,
+                    self, kernels.dq, per_query, dq, &dout, &q, &k, &v, lse, &delta, &seq, &h,
                     &kvh, &scale
                 );
+                for pass in kernels.dkdv {
+                    launch!(
+                        self, pass, per_key, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse, &delta,
+                        &seq, &h, &kvh, &scale
+                    );
+                }
+            } else {
+                launch!(
+                    self, kernels.dq, per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh,
+                    &scale
+                );
+                for pass in kernels.dkdv {
+                    launch!(
+                        self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, &delta, &seq,
+                        &h, &kvh, &scale
+                    );
+                }
             }
             return;
         }
@@ -873,13 +916,15 @@ struct TensorCoreAttention {
     dq: &'static str,
     /// One pass computing dK and dV, or two (head_dim 128, so the accumulators fit in registers).
     dkdv: &'static [&'static str],
+    /// The kernels read bf16 copies of their inputs (made per call) rather than the f32 tensors.
+    bf16_inputs: bool,
 }
 
 impl CudaBackend {
     /// The tensor-core kernels when they apply: GEMMs in bf16 (the same rounding the model already
     /// accepts there), an sm_80+ GPU, head_dim 64 or 128, and the training shape (no KV cache).
-    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels, `tc-simple` the tensor-core kernels
-    /// without ldmatrix (a comparison or a suspected fault).
+    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels, `tc-f32in` the tensor-core kernels
+    /// that read the f32 tensors without pipelining (a comparison or a suspected fault).
     fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
         let arch: u32 = self.arch().trim_start_matches("sm_").parse().unwrap_or(0);
@@ -891,33 +936,53 @@ impl CudaBackend {
         {
             return None;
         }
-        let simple = choice == "tc-simple";
-        match (s.head_dim, simple) {
-            (64, false) => Some(TensorCoreAttention {
+        let bf16_inputs = choice != "tc-f32in";
+        let kernels = match (s.head_dim, bf16_inputs) {
+            (64, true) => TensorCoreAttention {
                 forward: "attention_forward_tc64",
                 dq: "attention_backward_dq_tc64",
                 dkdv: &["attention_backward_dkdv_tc64"],
-            }),
-            (128, false) => Some(TensorCoreAttention {
+                bf16_inputs,
+            },
+            (64, false) => TensorCoreAttention {
+                forward: "attention_forward_tc64_f32in",
+                dq: "attention_backward_dq_tc64_f32in",
+                dkdv: &["attention_backward_dkdv_tc64_f32in"],
+                bf16_inputs,
+            },
+            (128, true) => TensorCoreAttention {
                 forward: "attention_forward_tc128",
                 dq: "attention_backward_dq_tc128",
                 dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
-            }),
-            (64, true) => Some(TensorCoreAttention {
-                forward: "attention_forward_tc64_simple",
-                dq: "attention_backward_dq_tc64_simple",
-                dkdv: &["attention_backward_dkdv_tc64_simple"],
-            }),
-            (128, true) => Some(TensorCoreAttention {
-                forward: "attention_forward_tc128_simple",
-                dq: "attention_backward_dq_tc128_simple",
+                bf16_inputs,
+            },
+            (128, false) => TensorCoreAttention {
+                forward: "attention_forward_tc128_f32in",
+                dq: "attention_backward_dq_tc128_f32in",
                 dkdv: &[
-                    "attention_backward_dk_tc128_simple",
-                    "attention_backward_dv_tc128_simple",
+                    "attention_backward_dk_tc128_f32in",
+                    "attention_backward_dv_tc128_f32in",
                 ],
-            }),
-            _ => None,
-        }
+                bf16_inputs,
+            },
+            _ => return None,
+        };
+        Some(kernels)
+    }
+
+    /// A bf16 copy (nearest even) of the first `len` values of `x`, for kernels that read bf16.
+    fn to_bf16(&self, x: &Buf, len: usize) -> CudaSlice<u16> {
+        let mut out = self.alloc::<u16>(len.div_ceil(2) * 2);
+        let src = x.device_address(&self.stream);
+        super::gemm::launch_to_bf16(
+            &self.stream,
+            self.function("f32_to_bf16"),
+            &mut out,
+            src,
+            len,
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        out
     }
 }
 

@@ -1,19 +1,24 @@
 // Causal grouped-query attention on tensor cores, for the training shape (queries and keys the same
 // sequence) with head_dim 64 or 128, used when GEMMs run in bf16. The operands of every product are
-// rounded to bf16 and multiplied by `mma.sync.m16n8k16` with fp32 accumulation; the online softmax,
-// the saved log-sum-exp and every accumulator stay fp32. Same layouts and results (to bf16
-// precision) as attention.cu, same flash-attention structure: tiles of 64 keys staged in shared
+// bf16 and multiplied by `mma.sync.m16n8k16` with fp32 accumulation; the online softmax, the saved
+// log-sum-exp and every accumulator stay fp32. Same layouts and results (to bf16 precision) as
+// attention.cu, same flash-attention structure: tiles of 64 keys (or queries) staged in shared
 // memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics.
 //
 // A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV). The
 // fragments follow PTX's m16n8k16 layout: with g = lane / 4 and t = lane % 4, a thread holds rows g
 // and g + 8 and columns 2t, 2t + 1 (+ 8) of A, rows 2t, 2t + 1 (+ 8) of column g of B, and columns
 // 2t, 2t + 1 of rows g, g + 8 of C. A product's C fragments are repacked as the next product's A
-// fragments (the probabilities P feed P·V without leaving registers).
+// fragments (the probabilities P feed P·V without leaving registers); B fragments come from shared
+// memory by ldmatrix.
 //
-// Shared tiles are bf16, row-major, with rows padded by 8 elements so the fragment loads of a warp
-// fall on distinct banks. Needs sm_80 or newer; older devices trap (the host never launches these
-// there).
+// Inputs are bf16 copies (the host rounds q, k, v and dout once per call): tiles then stream into
+// shared memory by cp.async, two stages deep for head_dim 64 so the next tile loads while this one
+// is multiplied (head_dim 128 has room for one stage under the 48 KiB static limit). The `_f32in`
+// kernels read the f32 tensors and round while staging, synchronously (TITAN_CUDA_ATTENTION=
+// tc-f32in). Shared tiles are bf16, row-major, rows padded by 8 elements so that the 8 rows of an
+// ldmatrix fall on distinct banks. Needs sm_80 or newer; older devices trap (the host never
+// launches these there).
 
 #define TITAN_TC_ROWS 64
 
@@ -74,25 +79,37 @@ __device__ __forceinline__ void load_matrices(u32* r, const bf16_bits* row_addre
 #endif
 }
 
-// Elements (r, c) and (r, c + 1) of a row-major shared tile: a B fragment register when the tile
-// is Bᵀ (rows are B's columns).
-__device__ __forceinline__ u32 tile_pair_along_row(const bf16_bits* s, int stride, int r, int c) {
-    return *(const u32*)(s + r * stride + c);
+// cp.async bookkeeping: close the group of copies issued so far; wait until at most N groups are
+// still in flight. No-ops for copies made synchronously.
+__device__ __forceinline__ void async_commit() {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
 }
 
-// Elements (r, c) and (r + 1, c): a B fragment register when the tile is B itself.
-__device__ __forceinline__ u32 tile_pair_down_column(const bf16_bits* s, int stride, int r, int c) {
-    return (u32)s[r * stride + c] | ((u32)s[(r + 1) * stride + c] << 16);
+template <int N>
+__device__ __forceinline__ void async_wait() {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
 }
 
-// Row `r`, columns c and c + 1 of a global fp32 matrix as a bf16 pair (zero past `rows`).
+// Row `r`, columns c and c + 1 of a global matrix as a bf16 pair (zero past `rows`).
 __device__ __forceinline__ u32 global_pair(const float* base, i64 stride, int r, int rows, int c) {
     if (r >= rows) return 0u;
     const float* p = base + (i64)r * stride + c;
     return pack_bf16(p[0], p[1]);
 }
 
-// Rows r0 .. r0 + 63 of a global fp32 matrix into a bf16 shared tile; rows past `rows` are zero.
+__device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, int r, int rows,
+                                           int c) {
+    if (r >= rows) return 0u;
+    return *(const u32*)(base + (i64)r * stride + c);
+}
+
+// Rows r0 .. r0 + 63 of a global matrix into a bf16 shared tile; rows past `rows` are zero. From
+// f32 the values are rounded and stored now; from bf16 they are queued as 16-byte cp.async copies
+// (visible after async_wait and a barrier).
 template <int D>
 __device__ __forceinline__ void load_tile(bf16_bits* s, const float* base, i64 stride, int r0,
                                           int rows) {
@@ -111,78 +128,75 @@ __device__ __forceinline__ void load_tile(bf16_bits* s, const float* base, i64 s
     }
 }
 
-// acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile. With
-// LDSM the B fragments come by ldmatrix (two n-tiles per instruction), else by 32-bit loads.
-template <int D, bool LDSM>
-__device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u32 (*a)[4],
-                                                       const bf16_bits* tile, int g, int t) {
-    constexpr int S = D + 8;
-    if (LDSM) {
-        int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-            acc[2 * np][0] = acc[2 * np][1] = acc[2 * np][2] = acc[2 * np][3] = 0.0f;
-            acc[2 * np + 1][0] = acc[2 * np + 1][1] = acc[2 * np + 1][2] = acc[2 * np + 1][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                u32 b[4];
-                load_matrices<false>(b, tile + ((2 * np + (m >> 1)) * 8 + r) * S + kk * 16 +
-                                            (m & 1) * 8);
-                mma_bf16(acc[2 * np], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[0], b[1]);
-                mma_bf16(acc[2 * np + 1], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[2], b[3]);
-            }
+template <int D>
+__device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i64 stride, int r0,
+                                          int rows) {
+    constexpr int S = D + 8, CHUNKS = D / 8;
+    for (int idx = threadIdx.x; idx < TITAN_TC_ROWS * CHUNKS; idx += blockDim.x) {
+        int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+        bf16_bits* dst = s + r * S + c;
+        if (r0 + r < rows) {
+#ifdef TITAN_TC_AVAILABLE
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)),
+                         "l"(base + (i64)(r0 + r) * stride + c)
+                         : "memory");
+#endif
+        } else {
+            u32* z = (u32*)dst;
+            z[0] = z[1] = z[2] = z[3] = 0u;
         }
-        return;
     }
+}
+
+// acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile; one
+// ldmatrix brings the B fragments of two n-tiles.
+template <int D>
+__device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u32 (*a)[4],
+                                                       const bf16_bits* tile) {
+    constexpr int S = D + 8;
+    int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int np = 0; np < 4; ++np) {
+        acc[2 * np][0] = acc[2 * np][1] = acc[2 * np][2] = acc[2 * np][3] = 0.0f;
+        acc[2 * np + 1][0] = acc[2 * np + 1][1] = acc[2 * np + 1][2] = acc[2 * np + 1][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            u32 b0 = tile_pair_along_row(tile, S, nt * 8 + g, kk * 16 + 2 * t);
-            u32 b1 = tile_pair_along_row(tile, S, nt * 8 + g, kk * 16 + 8 + 2 * t);
-            mma_bf16(acc[nt], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b0, b1);
+            u32 b[4];
+            load_matrices<false>(b,
+                                 tile + ((2 * np + (m >> 1)) * 8 + r) * S + kk * 16 + (m & 1) * 8);
+            mma_bf16(acc[2 * np], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[2], b[3]);
         }
     }
 }
 
 // out[D/8][4] += P · tile, P the 16x64 C fragments `p` of an earlier product (repacked as A), tile
-// a 64-row shared tile used as B (its rows are the shared dimension). With LDSM the B fragments
-// come by transposing ldmatrix (two d-tiles per instruction), else by pairs of 16-bit loads.
-template <int D, bool LDSM>
+// a 64-row shared tile used as B (its rows are the shared dimension); one transposing ldmatrix
+// brings the B fragments of two d-tiles.
+template <int D>
 __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p)[4],
-                                                      const bf16_bits* tile, int g, int t) {
+                                                      const bf16_bits* tile) {
     constexpr int S = D + 8;
+    int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         u32 a0 = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
         u32 a1 = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
         u32 a2 = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
         u32 a3 = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-        if (LDSM) {
-            int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                u32 b[4];
-                load_matrices<true>(b, tile + (kk * 16 + (m & 1) * 8 + r) * S +
-                                           (2 * dp + (m >> 1)) * 8);
-                mma_bf16(out[2 * dp], a0, a1, a2, a3, b[0], b[1]);
-                mma_bf16(out[2 * dp + 1], a0, a1, a2, a3, b[2], b[3]);
-            }
-            continue;
-        }
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            u32 b0 = tile_pair_down_column(tile, S, kk * 16 + 2 * t, dn * 8 + g);
-            u32 b1 = tile_pair_down_column(tile, S, kk * 16 + 8 + 2 * t, dn * 8 + g);
-            mma_bf16(out[dn], a0, a1, a2, a3, b0, b1);
+        for (int dp = 0; dp < D / 16; ++dp) {
+            u32 b[4];
+            load_matrices<true>(b, tile + (kk * 16 + (m & 1) * 8 + r) * S + (2 * dp + (m >> 1)) * 8);
+            mma_bf16(out[2 * dp], a0, a1, a2, a3, b[0], b[1]);
+            mma_bf16(out[2 * dp + 1], a0, a1, a2, a3, b[2], b[3]);
         }
     }
 }
 
 // A fragments of rows r, r + 8 (this thread's g rows) of a global fp32 matrix, over D columns.
-template <int D>
-__device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const float* base, i64 stride, int r,
+template <int D, typename T>
+__device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const T* base, i64 stride, int r,
                                                    int rows, int t) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -222,35 +236,47 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(TITAN_FULL_MASK, v, 2);
 }
 
-template <int D, bool LDSM>
-__device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const float* q,
-                                                     const float* k, const float* v, int seq,
-                                                     int n_heads, int n_kv_heads, float scale) {
-    constexpr int S = D + 8;
-    __shared__ __align__(16) bf16_bits ks[TITAN_TC_ROWS * S];
-    __shared__ __align__(16) bf16_bits vs[TITAN_TC_ROWS * S];
+// Stages of the tile pipelines: two for head_dim 64, one for 128 (shared memory).
+#define TITAN_TC_STAGES(D) ((D) <= 64 ? 2 : 1)
+
+template <int D, typename T>
+__device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const T* q, const T* k,
+                                                     const T* v, int seq, int n_heads,
+                                                     int n_kv_heads, float scale) {
+    constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
+    __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
+    __shared__ __align__(16) bf16_bits vs[STAGES * TILE];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
-    const float* qb = q + (i64)b * seq * q_stride + (i64)h * D;
-    const float* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
-    const float* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const T* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const T* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
     int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     u32 qa[D / 16][4];
-    load_row_fragments<D>(qa, qb, q_stride, r0, seq, t);
+    load_row_fragments<D>(qa, q + (i64)b * seq * q_stride + (i64)h * D, q_stride, r0, seq, t);
     float o[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     float m0 = TITAN_NEG_INF, m1 = TITAN_NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    int kv_end = min(seq, q0 + TITAN_TC_ROWS);
-    for (int j0 = 0; j0 < kv_end; j0 += TITAN_TC_ROWS) {
+    int n_tiles = (min(seq, q0 + TITAN_TC_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    load_tile<D>(ks, kb, kv_stride, 0, seq);
+    load_tile<D>(vs, vb, kv_stride, 0, seq);
+    async_commit();
+    for (int it = 0; it < n_tiles; ++it) {
+        int cur = STAGES == 2 ? (it & 1) : 0;
+        if (STAGES == 2 && it + 1 < n_tiles) {
+            load_tile<D>(ks + (cur ^ 1) * TILE, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            load_tile<D>(vs + (cur ^ 1) * TILE, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            async_commit();
+            async_wait<1>();
+        } else {
+            async_wait<0>();
+        }
         __syncthreads();
-        load_tile<D>(ks, kb, kv_stride, j0, seq);
-        load_tile<D>(vs, vb, kv_stride, j0, seq);
-        __syncthreads();
+        int j0 = it * TITAN_TC_ROWS;
         float s[8][4];
-        product_with_tile_rows<D, LDSM>(s, qa, ks, g, t);
+        product_with_tile_rows<D>(s, qa, ks + cur * TILE);
         float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
@@ -291,7 +317,13 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
             o[dn][2] *= corr1;
             o[dn][3] *= corr1;
         }
-        accumulate_times_tile<D, LDSM>(o, s, vs, g, t);
+        accumulate_times_tile<D>(o, s, vs + cur * TILE);
+        __syncthreads();
+        if (STAGES == 1 && it + 1 < n_tiles) {
+            load_tile<D>(ks, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            load_tile<D>(vs, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            async_commit();
+        }
     }
     float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
     store_row_fragments<D>(ob, q_stride, r0, seq, t, o, 1.0f / l0, 1.0f / l1);
@@ -304,22 +336,21 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
 
 // dq_i = scale · Σ_j p_ij (dp_ij − delta_i) k_j over the causal keys; one block per 64 queries of
 // one head. Overwrites dq.
-template <int D, bool LDSM>
-__device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float* dout, const float* q,
-                                                         const float* k, const float* v,
-                                                         const float* lse, const float* delta,
-                                                         int seq, int n_heads, int n_kv_heads,
-                                                         float scale) {
-    constexpr int S = D + 8;
-    __shared__ __align__(16) bf16_bits ks[TITAN_TC_ROWS * S];
-    __shared__ __align__(16) bf16_bits vs[TITAN_TC_ROWS * S];
+template <int D, typename T>
+__device__ __forceinline__ void attention_backward_dq_tc(float* dq, const T* dout, const T* q,
+                                                         const T* k, const T* v, const float* lse,
+                                                         const float* delta, int seq, int n_heads,
+                                                         int n_kv_heads, float scale) {
+    constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
+    __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
+    __shared__ __align__(16) bf16_bits vs[STAGES * TILE];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     i64 q_off = (i64)b * seq * q_stride + (i64)h * D;
-    const float* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
-    const float* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const T* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const T* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
     int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     u32 qa[D / 16][4], da[D / 16][4];
     load_row_fragments<D>(qa, q + q_off, q_stride, r0, seq, t);
@@ -331,15 +362,25 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float*
     float acc[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
-    int kv_end = min(seq, q0 + TITAN_TC_ROWS);
-    for (int j0 = 0; j0 < kv_end; j0 += TITAN_TC_ROWS) {
+    int n_tiles = (min(seq, q0 + TITAN_TC_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    load_tile<D>(ks, kb, kv_stride, 0, seq);
+    load_tile<D>(vs, vb, kv_stride, 0, seq);
+    async_commit();
+    for (int it = 0; it < n_tiles; ++it) {
+        int cur = STAGES == 2 ? (it & 1) : 0;
+        if (STAGES == 2 && it + 1 < n_tiles) {
+            load_tile<D>(ks + (cur ^ 1) * TILE, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            load_tile<D>(vs + (cur ^ 1) * TILE, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            async_commit();
+            async_wait<1>();
+        } else {
+            async_wait<0>();
+        }
         __syncthreads();
-        load_tile<D>(ks, kb, kv_stride, j0, seq);
-        load_tile<D>(vs, vb, kv_stride, j0, seq);
-        __syncthreads();
+        int j0 = it * TITAN_TC_ROWS;
         float s[8][4], dp[8][4];
-        product_with_tile_rows<D, LDSM>(s, qa, ks, g, t);
-        product_with_tile_rows<D, LDSM>(dp, da, vs, g, t);
+        product_with_tile_rows<D>(s, qa, ks + cur * TILE);
+        product_with_tile_rows<D>(dp, da, vs + cur * TILE);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -351,26 +392,32 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const float*
                 s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1) * scale;
             }
         }
-        accumulate_times_tile<D, LDSM>(acc, s, ks, g, t);
+        accumulate_times_tile<D>(acc, s, ks + cur * TILE);
+        __syncthreads();
+        if (STAGES == 1 && it + 1 < n_tiles) {
+            load_tile<D>(ks, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            load_tile<D>(vs, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
+            async_commit();
+        }
     }
     store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, 1.0f, 1.0f);
 }
 
 // dv_j = Σ p_ij dout_i and dk_j = scale · Σ p_ij (dp_ij − delta_i) q_i over the group's heads and
-// the causal queries i >= j; one block per 64 keys of one kv head. With WANT_K or WANT_V false the
-// pass skips that output (head_dim 128 makes two passes so the accumulators fit in registers).
-template <int D, bool LDSM, bool WANT_K, bool WANT_V>
-__device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv, const float* dout,
-                                                           const float* q, const float* k,
-                                                           const float* v, const float* lse,
-                                                           const float* delta, int seq,
-                                                           int n_heads, int n_kv_heads,
+// the causal queries i >= j; one block per 64 keys of one kv head, visiting (head, query tile)
+// pairs as one pipelined sequence. With WANT_K or WANT_V false the pass skips that output
+// (head_dim 128 makes two passes so the accumulators fit in registers).
+template <int D, typename T, bool WANT_K, bool WANT_V>
+__device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv, const T* dout,
+                                                           const T* q, const T* k, const T* v,
+                                                           const float* lse, const float* delta,
+                                                           int seq, int n_heads, int n_kv_heads,
                                                            float scale) {
-    constexpr int S = D + 8;
-    __shared__ __align__(16) bf16_bits qs[TITAN_TC_ROWS * S];
-    __shared__ __align__(16) bf16_bits do_tile[TITAN_TC_ROWS * S];
-    __shared__ float lse_s[TITAN_TC_ROWS];
-    __shared__ float delta_s[TITAN_TC_ROWS];
+    constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
+    __shared__ __align__(16) bf16_bits qs[STAGES * TILE];
+    __shared__ __align__(16) bf16_bits do_tile[STAGES * TILE];
+    __shared__ float lse_s[STAGES * TITAN_TC_ROWS];
+    __shared__ float delta_s[STAGES * TITAN_TC_ROWS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int k0 = blockIdx.x * TITAN_TC_ROWS, kvh = blockIdx.y, b = blockIdx.z;
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
@@ -386,85 +433,101 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
         acc_v[dn][0] = acc_v[dn][1] = acc_v[dn][2] = acc_v[dn][3] = 0.0f;
     }
     int group = n_heads / n_kv_heads;
-    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-        const float* qb = q + (i64)b * seq * q_stride + (i64)h * D;
-        const float* db = dout + (i64)b * seq * q_stride + (i64)h * D;
-        const float* lse_bh = lse + ((i64)b * n_heads + h) * seq;
-        const float* delta_bh = delta + ((i64)b * n_heads + h) * seq;
-        for (int i0 = k0; i0 < seq; i0 += TITAN_TC_ROWS) {
-            __syncthreads();
-            load_tile<D>(qs, qb, q_stride, i0, seq);
-            load_tile<D>(do_tile, db, q_stride, i0, seq);
-            if (threadIdx.x < TITAN_TC_ROWS) {
-                int i = i0 + threadIdx.x;
-                lse_s[threadIdx.x] = i < seq ? lse_bh[i] : 0.0f;
-                delta_s[threadIdx.x] = i < seq ? delta_bh[i] : 0.0f;
-            }
-            __syncthreads();
-            // Transposed scores: rows are this warp's keys, columns the tile's queries.
-            float p[8][4], dp[8][4];
-            product_with_tile_rows<D, LDSM>(p, ka, qs, g, t);
-            if (WANT_K) product_with_tile_rows<D, LDSM>(dp, va, do_tile, g, t);
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    int c = nt * 8 + 2 * t + e, i = i0 + c;
-                    bool ok0 = i >= r0 && i < seq && r0 < seq;
-                    bool ok1 = i >= r1 && i < seq && r1 < seq;
-                    float p0 = ok0 ? expf(p[nt][e] * scale - lse_s[c]) : 0.0f;
-                    float p1 = ok1 ? expf(p[nt][2 + e] * scale - lse_s[c]) : 0.0f;
-                    if (WANT_K) {
-                        dp[nt][e] = p0 * (dp[nt][e] - delta_s[c]) * scale;
-                        dp[nt][2 + e] = p1 * (dp[nt][2 + e] - delta_s[c]) * scale;
-                    }
-                    p[nt][e] = p0;
-                    p[nt][2 + e] = p1;
-                }
-            }
-            if (WANT_V) accumulate_times_tile<D, LDSM>(acc_v, p, do_tile, g, t);
-            if (WANT_K) accumulate_times_tile<D, LDSM>(acc_k, dp, qs, g, t);
+    int q_tiles = (seq - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    int n_tiles = group * q_tiles;
+    // Stages tile `it`: the queries and output gradients of one head's query tile, with their
+    // log-sum-exp and delta rows.
+    auto stage = [&](int it, int buf) {
+        int h = kvh * group + it / q_tiles, i0 = k0 + (it % q_tiles) * TITAN_TC_ROWS;
+        i64 head_off = (i64)b * seq * q_stride + (i64)h * D;
+        load_tile<D>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
+        load_tile<D>(do_tile + buf * TILE, dout + head_off, q_stride, i0, seq);
+        if (threadIdx.x < TITAN_TC_ROWS) {
+            int i = i0 + threadIdx.x;
+            i64 row = ((i64)b * n_heads + h) * seq + i;
+            lse_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? lse[row] : 0.0f;
+            delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
         }
+        async_commit();
+    };
+    stage(0, 0);
+    for (int it = 0; it < n_tiles; ++it) {
+        int cur = STAGES == 2 ? (it & 1) : 0;
+        if (STAGES == 2 && it + 1 < n_tiles) {
+            stage(it + 1, cur ^ 1);
+            async_wait<1>();
+        } else {
+            async_wait<0>();
+        }
+        __syncthreads();
+        int i0 = k0 + (it % q_tiles) * TITAN_TC_ROWS;
+        const bf16_bits* q_tile = qs + cur * TILE;
+        const bf16_bits* d_tile = do_tile + cur * TILE;
+        const float* lse_t = lse_s + cur * TITAN_TC_ROWS;
+        const float* delta_t = delta_s + cur * TITAN_TC_ROWS;
+        // Transposed scores: rows are this warp's keys, columns the tile's queries.
+        float p[8][4], dp[8][4];
+        product_with_tile_rows<D>(p, ka, q_tile);
+        if (WANT_K) product_with_tile_rows<D>(dp, va, d_tile);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                int c = nt * 8 + 2 * t + e, i = i0 + c;
+                bool ok0 = i >= r0 && i < seq && r0 < seq;
+                bool ok1 = i >= r1 && i < seq && r1 < seq;
+                float p0 = ok0 ? expf(p[nt][e] * scale - lse_t[c]) : 0.0f;
+                float p1 = ok1 ? expf(p[nt][2 + e] * scale - lse_t[c]) : 0.0f;
+                if (WANT_K) {
+                    dp[nt][e] = p0 * (dp[nt][e] - delta_t[c]) * scale;
+                    dp[nt][2 + e] = p1 * (dp[nt][2 + e] - delta_t[c]) * scale;
+                }
+                p[nt][e] = p0;
+                p[nt][2 + e] = p1;
+            }
+        }
+        if (WANT_V) accumulate_times_tile<D>(acc_v, p, d_tile);
+        if (WANT_K) accumulate_times_tile<D>(acc_k, dp, q_tile);
+        __syncthreads();
+        if (STAGES == 1 && it + 1 < n_tiles) stage(it + 1, 0);
     }
     if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, 1.0f, 1.0f);
     if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
 }
 
-// Entry points: head_dim 64 and 128, B fragments by ldmatrix, and the same with plain shared loads
-// (`_simple`, kept as a fallback: TITAN_CUDA_ATTENTION=tc-simple).
-#define TITAN_TC_FORWARD(name, D, LDSM)                                                           \
-    extern "C" __global__ void name(float* out, float* lse, const float* q, const float* k,       \
-                                    const float* v, int seq, int n_heads, int n_kv_heads,         \
-                                    float scale) {                                                \
-        attention_forward_tc<D, LDSM>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);        \
+// Entry points: head_dim 64 and 128, on bf16 copies of the inputs (`bf16_bits`), and the same on
+// the f32 tensors (`_f32in`, TITAN_CUDA_ATTENTION=tc-f32in).
+#define TITAN_TC_FORWARD(name, D, T)                                                              \
+    extern "C" __global__ void name(float* out, float* lse, const T* q, const T* k, const T* v,   \
+                                    int seq, int n_heads, int n_kv_heads, float scale) {          \
+        attention_forward_tc<D, T>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);           \
     }
-#define TITAN_TC_DQ(name, D, LDSM)                                                                \
-    extern "C" __global__ void name(float* dq, const float* dout, const float* q, const float* k, \
-                                    const float* v, const float* lse, const float* delta, int seq, \
+#define TITAN_TC_DQ(name, D, T)                                                                   \
+    extern "C" __global__ void name(float* dq, const T* dout, const T* q, const T* k, const T* v, \
+                                    const float* lse, const float* delta, int seq, int n_heads,   \
+                                    int n_kv_heads, float scale) {                                \
+        attention_backward_dq_tc<D, T>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads,   \
+                                       scale);                                                    \
+    }
+#define TITAN_TC_DKDV(name, D, T, WANT_K, WANT_V)                                                 \
+    extern "C" __global__ void name(float* dk, float* dv, const T* dout, const T* q, const T* k,  \
+                                    const T* v, const float* lse, const float* delta, int seq,    \
                                     int n_heads, int n_kv_heads, float scale) {                   \
-        attention_backward_dq_tc<D, LDSM>(dq, dout, q, k, v, lse, delta, seq, n_heads,            \
-                                          n_kv_heads, scale);                                     \
-    }
-#define TITAN_TC_DKDV(name, D, LDSM, WANT_K, WANT_V)                                              \
-    extern "C" __global__ void name(float* dk, float* dv, const float* dout, const float* q,      \
-                                    const float* k, const float* v, const float* lse,             \
-                                    const float* delta, int seq, int n_heads, int n_kv_heads,     \
-                                    float scale) {                                                \
-        attention_backward_dkdv_tc<D, LDSM, WANT_K, WANT_V>(dk, dv, dout, q, k, v, lse, delta,    \
-                                                            seq, n_heads, n_kv_heads, scale);     \
+        attention_backward_dkdv_tc<D, T, WANT_K, WANT_V>(dk, dv, dout, q, k, v, lse, delta, seq,  \
+                                                         n_heads, n_kv_heads, scale);             \
     }
 
-TITAN_TC_FORWARD(attention_forward_tc64, 64, true)
-TITAN_TC_FORWARD(attention_forward_tc128, 128, true)
-TITAN_TC_DQ(attention_backward_dq_tc64, 64, true)
-TITAN_TC_DQ(attention_backward_dq_tc128, 128, true)
-TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, true, true, true)
-TITAN_TC_DKDV(attention_backward_dk_tc128, 128, true, true, false)
-TITAN_TC_DKDV(attention_backward_dv_tc128, 128, true, false, true)
-TITAN_TC_FORWARD(attention_forward_tc64_simple, 64, false)
-TITAN_TC_FORWARD(attention_forward_tc128_simple, 128, false)
-TITAN_TC_DQ(attention_backward_dq_tc64_simple, 64, false)
-TITAN_TC_DQ(attention_backward_dq_tc128_simple, 128, false)
-TITAN_TC_DKDV(attention_backward_dkdv_tc64_simple, 64, false, true, true)
-TITAN_TC_DKDV(attention_backward_dk_tc128_simple, 128, false, true, false)
-TITAN_TC_DKDV(attention_backward_dv_tc128_simple, 128, false, false, true)
+TITAN_TC_FORWARD(attention_forward_tc64, 64, bf16_bits)
+TITAN_TC_FORWARD(attention_forward_tc128, 128, bf16_bits)
+TITAN_TC_DQ(attention_backward_dq_tc64, 64, bf16_bits)
+TITAN_TC_DQ(attention_backward_dq_tc128, 128, bf16_bits)
+TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, bf16_bits, true, true)
+TITAN_TC_DKDV(attention_backward_dk_tc128, 128, bf16_bits, true, false)
+TITAN_TC_DKDV(attention_backward_dv_tc128, 128, bf16_bits, false, true)
+TITAN_TC_FORWARD(attention_forward_tc64_f32in, 64, float)
+TITAN_TC_FORWARD(attention_forward_tc128_f32in, 128, float)
+TITAN_TC_DQ(attention_backward_dq_tc64_f32in, 64, float)
+TITAN_TC_DQ(attention_backward_dq_tc128_f32in, 128, float)
+TITAN_TC_DKDV(attention_backward_dkdv_tc64_f32in, 64, float, true, true)
+TITAN_TC_DKDV(attention_backward_dk_tc128_f32in, 128, float, true, false)
+TITAN_TC_DKDV(attention_backward_dv_tc128_f32in, 128, float, false, true)
