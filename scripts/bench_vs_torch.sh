@@ -14,7 +14,7 @@ out=$(mktemp -d)
 for r in $(seq "$rounds"); do
   for shape in "8 256" "4 1024" "1 2048"; do
     set -- $shape
-    ./target/release/titan bench train --batch "$1" --seq "$2" --threads 2 --steps 7 --warmup 3 --json >> "$out/titan_$1_$2"
+    ./target/release/titan bench train --batch "$1" --seq "$2" --threads 2 --steps 7 --warmup 3 --json >> "$out/titan_$1_$2" 2>> "$out/titan.log"
     "$py" "$ref" --one --batch "$1" --seq "$2" --threads 2 --steps 7 --warmup 3 | grep '^RESULT ' | cut -c8- >> "$out/torch_$1_$2"
   done
 done

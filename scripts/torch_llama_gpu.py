@@ -127,7 +127,12 @@ def main():
     cfg = FLAVORS[a.flavor]
     dev = torch.device(a.device)
     torch.manual_seed(0)
-    model = Llama(*cfg, seq=a.seq).to(dev)
+    model = Llama(*cfg, seq=a.seq)
+    # TorchTitan-style init (normal, std 0.02; norms at one) so the loss starts near ln(vocab).
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            nn.init.trunc_normal_(p, std=0.02, a=-0.04, b=0.04)
+    model = model.to(dev)
     step_model = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=dev.type == "cuda")
