@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (NVIDIA driver + the pip nvidia-* libraries of its PyTorch, no
-# network, maybe no Rust): every op's CUDA-vs-CPU check, the debug model trained 20 steps on GPU and
-# CPU, then a Llama 3 1B benchmark of titan and PyTorch side by side at seq 2048 and 8192. Every stage
-# has its own timeout (455 s in all) so the script ends within 8 minutes; the summary table is last.
+# network, maybe no Rust): every op's CUDA-vs-CPU check in fp32 and bf16, the debug model trained 20
+# steps on GPU and CPU (and with head_dim 64 and 128 in bf16), FSDP on the GPU against one process,
+# bitwise resume and greedy generation on the GPU, a per-op profile of a Llama 3 1B step, then the
+# 1B benchmark of titan and PyTorch side by side at seq 2048 and 8192. Every stage has its own
+# timeout so the script ends within 8 minutes (about 2 minutes on an H200); the summary is last.
 #
 # The titan binary is built on the CPU machine and carried with the call:
 #   cargo build --release          # then run this script with target/release/titan carried
@@ -90,6 +92,14 @@ stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --j
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
+# Bitwise resume on the GPU (20 steps straight against 10 + resume + 10), then greedy generation
+# from the result on the GPU and on the CPU. GPU_CHECK_DEVICE=cpu dry-runs these two stages.
+dev=${GPU_CHECK_DEVICE:-cuda}
+rc="--quiet --training.device $dev --training.mixed_precision_param float32 --lr_scheduler.warmup_steps 2 --lr_scheduler.decay_ratio 0 --checkpoint.interval 10 --metrics.log_freq 1 --training.local_batch_size 4 --training.seq_len 128"
+rm -rf "$OUT_DIR/straight" "$OUT_DIR/resumed"
+stage resume_cuda 40 sh -c "'$BIN' train $rc --training.steps 20 --job.dump_folder '$OUT_DIR/straight' && '$BIN' train $rc --training.steps 10 --job.dump_folder '$OUT_DIR/resumed' && '$BIN' train $rc --training.steps 20 --job.dump_folder '$OUT_DIR/resumed'"
+gen="'$BIN' generate --checkpoint '$OUT_DIR/straight' --prompt 'The ' --max-new-tokens 40 --json"
+stage generate_cuda 30 sh -c "$gen --device $dev > '$OUT_DIR/generate_gpu.json' && $gen --device cpu > '$OUT_DIR/generate_cpu.json'"
 # Where a step goes: every op timed on its own (the GPU waits after each, so slower than the bench).
 stage titan_1b_profile 60 "$BIN" bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 1 --profile-ops
 stage titan_1b_s2048 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
@@ -101,7 +111,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -145,6 +155,21 @@ def curve(d):
             return [json.loads(l)["loss"] for l in f]
     except Exception:
         return None
+straight, resumed = curve("straight"), curve("resumed")
+if straight and resumed and len(straight) == len(resumed) == 20:
+    same = straight[10:] == resumed[10:]
+    print(f"resume on the GPU: steps 11-20 after resuming at 10 {'bitwise equal' if same else 'DIFFER'} "
+          f"to the straight run (loss {straight[-1]:.4f})")
+else:
+    print("resume on the GPU: no result")
+try:
+    gpu_ids = json.load(open(os.path.join(out, "generate_gpu.json")))["generated_ids"]
+    cpu_ids = json.load(open(os.path.join(out, "generate_cpu.json")))["generated_ids"]
+    agree = sum(1 for a, b in zip(gpu_ids, cpu_ids) if a == b)
+    print(f"greedy generation, 40 tokens: GPU and CPU agree on {agree} of {len(cpu_ids)} "
+          f"({'ok' if gpu_ids == cpu_ids else 'differ'})")
+except Exception:
+    print("generation on the GPU: no result")
 one, two = curve("one"), curve("fsdp2")
 if one and two and len(one) == len(two):
     diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
@@ -167,4 +192,4 @@ PYEOF
 }
 summarize 2>&1 | tee "$OUT_DIR/summary.txt"
 cp "$OUT_DIR/summary.txt" "$RESULT_DIR/summary.txt"
-tar czf "$RESULT_DIR/gpu_check_logs.tar.gz" -C "$OUT_DIR" . && echo "logs: $RESULT_DIR/gpu_check_logs.tar.gz"
+tar czf "$RESULT_DIR/gpu_check_logs.tar.gz" --exclude=checkpoint -C "$OUT_DIR" . && echo "logs: $RESULT_DIR/gpu_check_logs.tar.gz"
