@@ -59,13 +59,6 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_dkdv_tc64",
     "attention_backward_dk_tc128",
     "attention_backward_dv_tc128",
-    "attention_forward_tc64_f32in",
-    "attention_forward_tc128_f32in",
-    "attention_backward_dq_tc64_f32in",
-    "attention_backward_dq_tc128_f32in",
-    "attention_backward_dkdv_tc64_f32in",
-    "attention_backward_dk_tc128_f32in",
-    "attention_backward_dv_tc128_f32in",
 ];
 
 /// Threads per block of the attention kernels (one warp per row; `TITAN_ATTN_WARPS` in the source).

@@ -470,42 +470,25 @@ impl Backend for CudaBackend {
         if let Some(kernels) = self.tensor_core_attention(&s) {
             let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
             let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch);
-            if kernels.bf16_inputs {
-                let (q, k, v) = (
-                    self.to_bf16(q, q_floats),
-                    self.to_bf16(k, kv_floats),
-                    self.to_bf16(v, kv_floats),
-                );
-                launch!(
-                    self,
-                    kernels.forward,
-                    cfg,
-                    out,
-                    lse,
-                    &q,
-                    &k,
-                    &v,
-                    &seq,
-                    &h,
-                    &kvh,
-                    &scale
-                );
-            } else {
-                launch!(
-                    self,
-                    kernels.forward,
-                    cfg,
-                    out,
-                    lse,
-                    q,
-                    k,
-                    v,
-                    &seq,
-                    &h,
-                    &kvh,
-                    &scale
-                );
-            }
+            let (q, k, v) = (
+                self.to_bf16(q, q_floats),
+                self.to_bf16(k, kv_floats),
+                self.to_bf16(v, kv_floats),
+            );
+            launch!(
+                self,
+                kernels.forward,
+                cfg,
+                out,
+                lse,
+                &q,
+                &k,
+                &v,
+                &seq,
+                &h,
+                &kvh,
+                &scale
+            );
             return;
         }
         let (ql, kl, kc, h, kvh, d, off) = (
@@ -597,34 +580,21 @@ impl Backend for CudaBackend {
         if let Some(kernels) = self.tensor_core_attention(&s) {
             let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch);
             let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch);
-            if kernels.bf16_inputs {
-                let (dout, q, k, v) = (
-                    self.to_bf16(dout, q_floats),
-                    self.to_bf16(q, q_floats),
-                    self.to_bf16(k, kv_floats),
-                    self.to_bf16(v, kv_floats),
-                );
+            let (dout, q, k, v) = (
+                self.to_bf16(dout, q_floats),
+                self.to_bf16(q, q_floats),
+                self.to_bf16(k, kv_floats),
+                self.to_bf16(v, kv_floats),
+            );
+            launch!(
+                self, kernels.dq, per_query, dq, &dout, &q, &k, &v, lse, &delta, &seq, &h, &kvh,
+                &scale
+            );
+            for pass in kernels.dkdv {
                 launch!(
-                    self, kernels.dq, per_query, dq, &dout, &q, &k, &v, lse, &delta, &seq, &h,
-                    &kvh, &scale
+                    self, pass, per_key, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse, &delta, &seq,
+                    &h, &kvh, &scale
                 );
-                for pass in kernels.dkdv {
-                    launch!(
-                        self, pass, per_key, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse, &delta,
-                        &seq, &h, &kvh, &scale
-                    );
-                }
-            } else {
-                launch!(
-                    self, kernels.dq, per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh,
-                    &scale
-                );
-                for pass in kernels.dkdv {
-                    launch!(
-                        self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, &delta, &seq,
-                        &h, &kvh, &scale
-                    );
-                }
             }
             return;
         }
@@ -910,64 +880,39 @@ fn check_attention_shape(s: &AttnShape) {
     );
 }
 
-/// The tensor-core attention kernels for one head dimension (kernels/attention_tc.cu).
+/// The tensor-core attention kernels for one head dimension (kernels/attention_tc.cu). They read
+/// bf16 copies of their inputs, made per call.
 struct TensorCoreAttention {
     forward: &'static str,
     dq: &'static str,
     /// One pass computing dK and dV, or two (head_dim 128, so the accumulators fit in registers).
     dkdv: &'static [&'static str],
-    /// The kernels read bf16 copies of their inputs (made per call) rather than the f32 tensors.
-    bf16_inputs: bool,
 }
 
 impl CudaBackend {
     /// The tensor-core kernels when they apply: GEMMs in bf16 (the same rounding the model already
     /// accepts there), an sm_80+ GPU, head_dim 64 or 128, and the training shape (no KV cache).
-    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels, `tc-f32in` the tensor-core kernels
-    /// that read the f32 tensors without pipelining (a comparison or a suspected fault).
+    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels (a comparison or a suspected fault).
     fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
         let arch: u32 = self.arch().trim_start_matches("sm_").parse().unwrap_or(0);
-        let choice = std::env::var("TITAN_CUDA_ATTENTION").unwrap_or_default();
-        if choice == "exact"
-            || !training_shape
-            || arch < 80
-            || self.precision() != GemmPrecision::BFloat16
-        {
+        let exact = std::env::var("TITAN_CUDA_ATTENTION").is_ok_and(|v| v == "exact");
+        if exact || !training_shape || arch < 80 || self.precision() != GemmPrecision::BFloat16 {
             return None;
         }
-        let bf16_inputs = choice != "tc-f32in";
-        let kernels = match (s.head_dim, bf16_inputs) {
-            (64, true) => TensorCoreAttention {
+        match s.head_dim {
+            64 => Some(TensorCoreAttention {
                 forward: "attention_forward_tc64",
                 dq: "attention_backward_dq_tc64",
                 dkdv: &["attention_backward_dkdv_tc64"],
-                bf16_inputs,
-            },
-            (64, false) => TensorCoreAttention {
-                forward: "attention_forward_tc64_f32in",
-                dq: "attention_backward_dq_tc64_f32in",
-                dkdv: &["attention_backward_dkdv_tc64_f32in"],
-                bf16_inputs,
-            },
-            (128, true) => TensorCoreAttention {
+            }),
+            128 => Some(TensorCoreAttention {
                 forward: "attention_forward_tc128",
                 dq: "attention_backward_dq_tc128",
                 dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
-                bf16_inputs,
-            },
-            (128, false) => TensorCoreAttention {
-                forward: "attention_forward_tc128_f32in",
-                dq: "attention_backward_dq_tc128_f32in",
-                dkdv: &[
-                    "attention_backward_dk_tc128_f32in",
-                    "attention_backward_dv_tc128_f32in",
-                ],
-                bf16_inputs,
-            },
-            _ => return None,
-        };
-        Some(kernels)
+            }),
+            _ => None,
+        }
     }
 
     /// A bf16 copy (nearest even) of the first `len` values of `x`, for kernels that read bf16.

@@ -14,10 +14,9 @@
 //
 // Inputs are bf16 copies (the host rounds q, k, v and dout once per call): tiles then stream into
 // shared memory by cp.async, two stages deep for head_dim 64 so the next tile loads while this one
-// is multiplied (head_dim 128 has room for one stage under the 48 KiB static limit). The `_f32in`
-// kernels read the f32 tensors and round while staging, synchronously (TITAN_CUDA_ATTENTION=
-// tc-f32in). Shared tiles are bf16, row-major, rows padded by 8 elements so that the 8 rows of an
-// ldmatrix fall on distinct banks. Needs sm_80 or newer; older devices trap (the host never
+// is multiplied (head_dim 128 has room for one stage under the 48 KiB static limit). Shared tiles
+// are bf16, row-major, rows padded by 8 elements so that the 8 rows of an ldmatrix fall on
+// distinct banks. Needs sm_80 or newer; older devices trap (the host never
 // launches these there).
 
 #define TITAN_TC_ROWS 64
@@ -94,40 +93,15 @@ __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// Row `r`, columns c and c + 1 of a global matrix as a bf16 pair (zero past `rows`).
-__device__ __forceinline__ u32 global_pair(const float* base, i64 stride, int r, int rows, int c) {
-    if (r >= rows) return 0u;
-    const float* p = base + (i64)r * stride + c;
-    return pack_bf16(p[0], p[1]);
-}
-
+// Row `r`, columns c and c + 1 of a global bf16 matrix (zero past `rows`).
 __device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, int r, int rows,
                                            int c) {
     if (r >= rows) return 0u;
     return *(const u32*)(base + (i64)r * stride + c);
 }
 
-// Rows r0 .. r0 + 63 of a global matrix into a bf16 shared tile; rows past `rows` are zero. From
-// f32 the values are rounded and stored now; from bf16 they are queued as 16-byte cp.async copies
-// (visible after async_wait and a barrier).
-template <int D>
-__device__ __forceinline__ void load_tile(bf16_bits* s, const float* base, i64 stride, int r0,
-                                          int rows) {
-    constexpr int S = D + 8;
-    for (int idx = threadIdx.x; idx < TITAN_TC_ROWS * D / 4; idx += blockDim.x) {
-        int r = idx / (D / 4), c = (idx % (D / 4)) * 4;
-        u32 lo = 0u, hi = 0u;
-        if (r0 + r < rows) {
-            const float* p = base + (i64)(r0 + r) * stride + c;
-            lo = pack_bf16(p[0], p[1]);
-            hi = pack_bf16(p[2], p[3]);
-        }
-        u32* dst = (u32*)(s + r * S + c);
-        dst[0] = lo;
-        dst[1] = hi;
-    }
-}
-
+// Rows r0 .. r0 + 63 of a global bf16 matrix into a shared tile, queued as 16-byte cp.async copies
+// (visible after async_wait and a barrier); rows past `rows` are zero.
 template <int D>
 __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i64 stride, int r0,
                                           int rows) {
@@ -195,8 +169,8 @@ __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p
 }
 
 // A fragments of rows r, r + 8 (this thread's g rows) of a global fp32 matrix, over D columns.
-template <int D, typename T>
-__device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const T* base, i64 stride, int r,
+template <int D>
+__device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const bf16_bits* base, i64 stride, int r,
                                                    int rows, int t) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -239,9 +213,31 @@ __device__ __forceinline__ float quad_sum(float v) {
 // Stages of the tile pipelines: two for head_dim 64, one for 128 (shared memory).
 #define TITAN_TC_STAGES(D) ((D) <= 64 ? 2 : 1)
 
-template <int D, typename T>
-__device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const T* q, const T* k,
-                                                     const T* v, int seq, int n_heads,
+// The tile pipeline around the use of tile `it` of `n_tiles`: `stage(i, buffer)` queues tile i into
+// buffer 0 or 1 and commits it. With two stages the next tile loads while this one is used; with
+// one, after it. `tile_begin` returns the buffer holding tile `it`, ready for every warp.
+template <int STAGES, typename Stage>
+__device__ __forceinline__ int tile_begin(Stage& stage, int it, int n_tiles) {
+    int cur = STAGES == 2 ? (it & 1) : 0;
+    if (STAGES == 2 && it + 1 < n_tiles) {
+        stage(it + 1, cur ^ 1);
+        async_wait<1>();
+    } else {
+        async_wait<0>();
+    }
+    __syncthreads();
+    return cur;
+}
+
+template <int STAGES, typename Stage>
+__device__ __forceinline__ void tile_end(Stage& stage, int it, int n_tiles) {
+    __syncthreads();
+    if (STAGES == 1 && it + 1 < n_tiles) stage(it + 1, 0);
+}
+
+template <int D>
+__device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
+                                                     const bf16_bits* v, int seq, int n_heads,
                                                      int n_kv_heads, float scale) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
     __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
@@ -250,8 +246,8 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
-    const T* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
-    const T* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const bf16_bits* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const bf16_bits* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
     int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     u32 qa[D / 16][4];
     load_row_fragments<D>(qa, q + (i64)b * seq * q_stride + (i64)h * D, q_stride, r0, seq, t);
@@ -260,20 +256,14 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     float m0 = TITAN_NEG_INF, m1 = TITAN_NEG_INF, l0 = 0.0f, l1 = 0.0f;
     int n_tiles = (min(seq, q0 + TITAN_TC_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
-    load_tile<D>(ks, kb, kv_stride, 0, seq);
-    load_tile<D>(vs, vb, kv_stride, 0, seq);
-    async_commit();
+    auto stage = [&](int i, int buf) {
+        load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
+        load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
+        async_commit();
+    };
+    stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
-        int cur = STAGES == 2 ? (it & 1) : 0;
-        if (STAGES == 2 && it + 1 < n_tiles) {
-            load_tile<D>(ks + (cur ^ 1) * TILE, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            load_tile<D>(vs + (cur ^ 1) * TILE, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            async_commit();
-            async_wait<1>();
-        } else {
-            async_wait<0>();
-        }
-        __syncthreads();
+        int cur = tile_begin<STAGES>(stage, it, n_tiles);
         int j0 = it * TITAN_TC_ROWS;
         float s[8][4];
         product_with_tile_rows<D>(s, qa, ks + cur * TILE);
@@ -318,12 +308,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
             o[dn][3] *= corr1;
         }
         accumulate_times_tile<D>(o, s, vs + cur * TILE);
-        __syncthreads();
-        if (STAGES == 1 && it + 1 < n_tiles) {
-            load_tile<D>(ks, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            load_tile<D>(vs, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            async_commit();
-        }
+        tile_end<STAGES>(stage, it, n_tiles);
     }
     float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
     store_row_fragments<D>(ob, q_stride, r0, seq, t, o, 1.0f / l0, 1.0f / l1);
@@ -336,9 +321,9 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
 
 // dq_i = scale · Σ_j p_ij (dp_ij − delta_i) k_j over the causal keys; one block per 64 queries of
 // one head. Overwrites dq.
-template <int D, typename T>
-__device__ __forceinline__ void attention_backward_dq_tc(float* dq, const T* dout, const T* q,
-                                                         const T* k, const T* v, const float* lse,
+template <int D>
+__device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_bits* dout, const bf16_bits* q,
+                                                         const bf16_bits* k, const bf16_bits* v, const float* lse,
                                                          const float* delta, int seq, int n_heads,
                                                          int n_kv_heads, float scale) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
@@ -349,8 +334,8 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const T* dou
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     i64 q_off = (i64)b * seq * q_stride + (i64)h * D;
-    const T* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
-    const T* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const bf16_bits* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
+    const bf16_bits* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
     int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     u32 qa[D / 16][4], da[D / 16][4];
     load_row_fragments<D>(qa, q + q_off, q_stride, r0, seq, t);
@@ -363,20 +348,14 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const T* dou
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
     int n_tiles = (min(seq, q0 + TITAN_TC_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
-    load_tile<D>(ks, kb, kv_stride, 0, seq);
-    load_tile<D>(vs, vb, kv_stride, 0, seq);
-    async_commit();
+    auto stage = [&](int i, int buf) {
+        load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
+        load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
+        async_commit();
+    };
+    stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
-        int cur = STAGES == 2 ? (it & 1) : 0;
-        if (STAGES == 2 && it + 1 < n_tiles) {
-            load_tile<D>(ks + (cur ^ 1) * TILE, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            load_tile<D>(vs + (cur ^ 1) * TILE, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            async_commit();
-            async_wait<1>();
-        } else {
-            async_wait<0>();
-        }
-        __syncthreads();
+        int cur = tile_begin<STAGES>(stage, it, n_tiles);
         int j0 = it * TITAN_TC_ROWS;
         float s[8][4], dp[8][4];
         product_with_tile_rows<D>(s, qa, ks + cur * TILE);
@@ -393,12 +372,7 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const T* dou
             }
         }
         accumulate_times_tile<D>(acc, s, ks + cur * TILE);
-        __syncthreads();
-        if (STAGES == 1 && it + 1 < n_tiles) {
-            load_tile<D>(ks, kb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            load_tile<D>(vs, vb, kv_stride, (it + 1) * TITAN_TC_ROWS, seq);
-            async_commit();
-        }
+        tile_end<STAGES>(stage, it, n_tiles);
     }
     store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, 1.0f, 1.0f);
 }
@@ -407,9 +381,9 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const T* dou
 // the causal queries i >= j; one block per 64 keys of one kv head, visiting (head, query tile)
 // pairs as one pipelined sequence. With WANT_K or WANT_V false the pass skips that output
 // (head_dim 128 makes two passes so the accumulators fit in registers).
-template <int D, typename T, bool WANT_K, bool WANT_V>
-__device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv, const T* dout,
-                                                           const T* q, const T* k, const T* v,
+template <int D, bool WANT_K, bool WANT_V>
+__device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv, const bf16_bits* dout,
+                                                           const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                            const float* lse, const float* delta,
                                                            int seq, int n_heads, int n_kv_heads,
                                                            float scale) {
@@ -452,14 +426,7 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     };
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
-        int cur = STAGES == 2 ? (it & 1) : 0;
-        if (STAGES == 2 && it + 1 < n_tiles) {
-            stage(it + 1, cur ^ 1);
-            async_wait<1>();
-        } else {
-            async_wait<0>();
-        }
-        __syncthreads();
+        int cur = tile_begin<STAGES>(stage, it, n_tiles);
         int i0 = k0 + (it % q_tiles) * TITAN_TC_ROWS;
         const bf16_bits* q_tile = qs + cur * TILE;
         const bf16_bits* d_tile = do_tile + cur * TILE;
@@ -488,46 +455,40 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
         }
         if (WANT_V) accumulate_times_tile<D>(acc_v, p, d_tile);
         if (WANT_K) accumulate_times_tile<D>(acc_k, dp, q_tile);
-        __syncthreads();
-        if (STAGES == 1 && it + 1 < n_tiles) stage(it + 1, 0);
+        tile_end<STAGES>(stage, it, n_tiles);
     }
     if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, 1.0f, 1.0f);
     if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
 }
 
-// Entry points: head_dim 64 and 128, on bf16 copies of the inputs (`bf16_bits`), and the same on
-// the f32 tensors (`_f32in`, TITAN_CUDA_ATTENTION=tc-f32in).
-#define TITAN_TC_FORWARD(name, D, T)                                                              \
-    extern "C" __global__ void name(float* out, float* lse, const T* q, const T* k, const T* v,   \
-                                    int seq, int n_heads, int n_kv_heads, float scale) {          \
-        attention_forward_tc<D, T>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);           \
+// Entry points for head_dim 64 and 128.
+#define TITAN_TC_FORWARD(name, D)                                                                 \
+    extern "C" __global__ void name(float* out, float* lse, const bf16_bits* q,                   \
+                                    const bf16_bits* k, const bf16_bits* v, int seq, int n_heads, \
+                                    int n_kv_heads, float scale) {                                \
+        attention_forward_tc<D>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);              \
     }
-#define TITAN_TC_DQ(name, D, T)                                                                   \
-    extern "C" __global__ void name(float* dq, const T* dout, const T* q, const T* k, const T* v, \
+#define TITAN_TC_DQ(name, D)                                                                      \
+    extern "C" __global__ void name(float* dq, const bf16_bits* dout, const bf16_bits* q,         \
+                                    const bf16_bits* k, const bf16_bits* v, const float* lse,     \
+                                    const float* delta, int seq, int n_heads, int n_kv_heads,     \
+                                    float scale) {                                                \
+        attention_backward_dq_tc<D>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads,      \
+                                    scale);                                                       \
+    }
+#define TITAN_TC_DKDV(name, D, WANT_K, WANT_V)                                                    \
+    extern "C" __global__ void name(float* dk, float* dv, const bf16_bits* dout,                  \
+                                    const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,   \
                                     const float* lse, const float* delta, int seq, int n_heads,   \
                                     int n_kv_heads, float scale) {                                \
-        attention_backward_dq_tc<D, T>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads,   \
-                                       scale);                                                    \
-    }
-#define TITAN_TC_DKDV(name, D, T, WANT_K, WANT_V)                                                 \
-    extern "C" __global__ void name(float* dk, float* dv, const T* dout, const T* q, const T* k,  \
-                                    const T* v, const float* lse, const float* delta, int seq,    \
-                                    int n_heads, int n_kv_heads, float scale) {                   \
-        attention_backward_dkdv_tc<D, T, WANT_K, WANT_V>(dk, dv, dout, q, k, v, lse, delta, seq,  \
-                                                         n_heads, n_kv_heads, scale);             \
+        attention_backward_dkdv_tc<D, WANT_K, WANT_V>(dk, dv, dout, q, k, v, lse, delta, seq,     \
+                                                      n_heads, n_kv_heads, scale);                \
     }
 
-TITAN_TC_FORWARD(attention_forward_tc64, 64, bf16_bits)
-TITAN_TC_FORWARD(attention_forward_tc128, 128, bf16_bits)
-TITAN_TC_DQ(attention_backward_dq_tc64, 64, bf16_bits)
-TITAN_TC_DQ(attention_backward_dq_tc128, 128, bf16_bits)
-TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, bf16_bits, true, true)
-TITAN_TC_DKDV(attention_backward_dk_tc128, 128, bf16_bits, true, false)
-TITAN_TC_DKDV(attention_backward_dv_tc128, 128, bf16_bits, false, true)
-TITAN_TC_FORWARD(attention_forward_tc64_f32in, 64, float)
-TITAN_TC_FORWARD(attention_forward_tc128_f32in, 128, float)
-TITAN_TC_DQ(attention_backward_dq_tc64_f32in, 64, float)
-TITAN_TC_DQ(attention_backward_dq_tc128_f32in, 128, float)
-TITAN_TC_DKDV(attention_backward_dkdv_tc64_f32in, 64, float, true, true)
-TITAN_TC_DKDV(attention_backward_dk_tc128_f32in, 128, float, true, false)
-TITAN_TC_DKDV(attention_backward_dv_tc128_f32in, 128, float, false, true)
+TITAN_TC_FORWARD(attention_forward_tc64, 64)
+TITAN_TC_FORWARD(attention_forward_tc128, 128)
+TITAN_TC_DQ(attention_backward_dq_tc64, 64)
+TITAN_TC_DQ(attention_backward_dq_tc128, 128)
+TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, true, true)
+TITAN_TC_DKDV(attention_backward_dk_tc128, 128, true, false)
+TITAN_TC_DKDV(attention_backward_dv_tc128, 128, false, true)
