@@ -124,8 +124,14 @@ if [ -s "$OUT_DIR/titan_1b_profile.log" ]; then
   sed -n '/^op  /,$p' "$OUT_DIR/titan_1b_profile.log" | head -n 26 | sed 's/^/    /'
 fi
 "$PY" - "$OUT_DIR" <<'PYEOF'
-import json, os, sys
+# Each section reports on its own: a missing or odd result (a NaN written as null, a run that
+# stopped early) prints "no result" or FAIL for that section and the rest still print.
+import json, math, os, sys
 out = sys.argv[1]
+def num(x):
+    return float("nan") if x is None else float(x)
+def first_last(xs):
+    return (f"{xs[0]:.4f}->{xs[-1]:.4f}") if xs else "none"
 def load(name):
     try:
         with open(os.path.join(out, name)) as f:
@@ -133,61 +139,77 @@ def load(name):
         return json.loads(text.splitlines()[-1]) if name.endswith("s2048.json") or name.endswith("s8192.json") else json.loads(text)
     except Exception:
         return None
-for prec in ("fp32", "bf16", "bf16_hd128"):
+def section(report):
+    try:
+        report()
+    except Exception as e:
+        print(f"  (summary section failed: {e!r})")
+def ops_report(prec):
     c = load(f"check_{prec}.json")
     if not c:
         print(f"ops ({prec}): no result")
-        continue
+        return
     ops = c["ops"]
     bad = [o for o in ops if not o["passed"]]
-    worst = max(ops, key=lambda o: o["rel_err"] if o["rel_err"] == o["rel_err"] else float("inf"))
-    print(f"ops ({prec}): {len(ops) - len(bad)}/{len(ops)} within tolerance; worst {worst['op']} {worst['rel_err']:.2e}")
+    worst = max(ops, key=lambda o: math.inf if math.isnan(num(o["rel_err"])) else num(o["rel_err"]))
+    print(f"ops ({prec}): {len(ops) - len(bad)}/{len(ops)} within tolerance; worst {worst['op']} {num(worst['rel_err']):.2e}")
     for o in bad:
-        print(f"    FAIL {o['op']}: {o['rel_err']:.2e} > {o['tolerance']:.0e}")
+        print(f"    FAIL {o['op']}: {num(o['rel_err']):.2e} > {num(o['tolerance']):.0e}")
     t = c.get("training")
     if t:
-        print(f"training ({prec}): {t['steps']} steps, loss CPU {t['cpu'][0]:.4f}->{t['cpu'][-1]:.4f}, "
-              f"CUDA {t['cuda'][0]:.4f}->{t['cuda'][-1]:.4f}, max rel diff {t['max_rel_diff']:.2e} "
+        print(f"training ({prec}): {t['steps']} steps, loss CPU {first_last(t['cpu'])}, "
+              f"CUDA {first_last(t['cuda'])}, max rel diff {num(t['max_rel_diff']):.2e} "
               f"({'ok' if t['passed'] else 'FAIL'})")
+        if t.get("cuda_error"):
+            print(f"    CUDA run failed: {t['cuda_error']}")
+for prec in ("fp32", "bf16", "bf16_hd128"):
+    section(lambda: ops_report(prec))
 def curve(d):
     try:
         with open(os.path.join(out, d, "metrics.jsonl")) as f:
             return [json.loads(l)["loss"] for l in f]
     except Exception:
         return None
-straight, resumed = curve("straight"), curve("resumed")
-if straight and resumed and len(straight) == len(resumed) == 20:
-    same = straight[10:] == resumed[10:]
-    print(f"resume on the GPU: steps 11-20 after resuming at 10 {'bitwise equal' if same else 'DIFFER'} "
-          f"to the straight run (loss {straight[-1]:.4f})")
-else:
-    print("resume on the GPU: no result")
-try:
-    gpu_ids = json.load(open(os.path.join(out, "generate_gpu.json")))["generated_ids"]
-    cpu_ids = json.load(open(os.path.join(out, "generate_cpu.json")))["generated_ids"]
+def resume_report():
+    straight, resumed = curve("straight"), curve("resumed")
+    if straight and resumed and len(straight) == len(resumed) == 20:
+        same = straight[10:] == resumed[10:]
+        print(f"resume on the GPU: steps 11-20 after resuming at 10 {'bitwise equal (ok)' if same else 'DIFFER (FAIL)'} "
+              f"to the straight run (loss {straight[-1]:.4f})")
+    else:
+        print("resume on the GPU: no result")
+def generate_report():
+    try:
+        gpu_ids = json.load(open(os.path.join(out, "generate_gpu.json")))["generated_ids"]
+        cpu_ids = json.load(open(os.path.join(out, "generate_cpu.json")))["generated_ids"]
+    except Exception:
+        print("generation on the GPU: no result")
+        return
     agree = sum(1 for a, b in zip(gpu_ids, cpu_ids) if a == b)
     print(f"greedy generation, 40 tokens: GPU and CPU agree on {agree} of {len(cpu_ids)} "
-          f"({'ok' if gpu_ids == cpu_ids else 'differ'})")
-except Exception:
-    print("generation on the GPU: no result")
-one, two = curve("one"), curve("fsdp2")
-if one and two and len(one) == len(two):
-    diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
-    print(f"FSDP 2 ranks on CUDA vs 1 process, {len(one)} steps fp32: max rel loss diff {diff:.2e} "
-          f"({'ok' if diff <= 1e-4 else 'FAIL'})")
-else:
-    print("FSDP on CUDA: no result")
-print()
-print(f"{'Llama 3 1B, bf16':<22} {'impl':<8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
-for seq, batch in ((2048, 8), (8192, 2)):
-    for impl in ("titan", "torch"):
-        r = load(f"{impl}_1b_s{seq}.json")
-        label = f"batch {batch} x seq {seq}"
-        if not r:
-            print(f"{label:<22} {impl:<8} {'no result':>9}")
-            continue
-        print(f"{label:<22} {impl:<8} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
-              f"{(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
+          f"({'ok' if gpu_ids == cpu_ids else 'FAIL'})")
+def fsdp_report():
+    one, two = curve("one"), curve("fsdp2")
+    if one and two and len(one) == len(two):
+        diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
+        print(f"FSDP 2 ranks on CUDA vs 1 process, {len(one)} steps fp32: max rel loss diff {diff:.2e} "
+              f"({'ok' if diff <= 1e-4 else 'FAIL'})")
+    else:
+        print("FSDP on CUDA: no result")
+def bench_report():
+    print()
+    print(f"{'Llama 3 1B, bf16':<22} {'impl':<8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
+    for seq, batch in ((2048, 8), (8192, 2)):
+        for impl in ("titan", "torch"):
+            r = load(f"{impl}_1b_s{seq}.json")
+            label = f"batch {batch} x seq {seq}"
+            if not r:
+                print(f"{label:<22} {impl:<8} {'no result':>9}")
+                continue
+            print(f"{label:<22} {impl:<8} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
+                  f"{num(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
+for report in (resume_report, generate_report, fsdp_report, bench_report):
+    section(report)
 PYEOF
 }
 summarize 2>&1 | tee "$OUT_DIR/summary.txt"

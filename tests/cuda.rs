@@ -143,6 +143,7 @@ fn relative_error_never_passes_nan_or_a_length_mismatch() {
 const TOL: Tolerances = Tolerances {
     exact: 1e-5,
     gemm: 1e-5,
+    attention: 1e-5,
 };
 
 #[test]

@@ -37,11 +37,13 @@ pub fn rel_err(test: &[f32], reference: &[f32]) -> f64 {
 }
 
 /// Tolerances: `exact` for ops computed in fp32 on both sides, `gemm` for ops that go through the
-/// test backend's GEMMs or tensor cores (1e-2 when those run in bf16).
+/// test backend's GEMMs (1e-2 when those run in bf16 or TF32), `attention` for attention (1e-2 only
+/// where it runs on bf16 tensor cores).
 #[derive(Debug, Clone, Copy)]
 pub struct Tolerances {
     pub exact: f64,
     pub gemm: f64,
+    pub attention: f64,
 }
 
 struct Checker<'a, R: Backend, T: Backend> {
@@ -133,7 +135,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
     }
 
     fn rmsnorm(&mut self) {
-        let (rows, dim) = (37, 1000);
+        // Several 128-row chunks of the weight gradient's first pass, the last one partial.
+        let (rows, dim) = (300, 1000);
         let x = self.random(rows * dim, 2.0);
         let w = self.random(dim, 1.0);
         let (rx, tx) = self.both(&x);
@@ -198,8 +201,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             .attention_forward(&mut ro, &mut rl, &rq, &rk, &rv, s);
         self.test
             .attention_forward(&mut to, &mut tl, &tq, &tk, &tv, s);
-        // Attention runs on tensor cores (bf16 operands) when the GEMMs do.
-        let tol = self.tol.gemm;
+        let tol = self.tol.attention;
         self.compare(&format!("attention_forward {label} out"), &ro, &to, tol);
         self.compare(&format!("attention_forward {label} lse"), &rl, &tl, tol);
         if !backward {

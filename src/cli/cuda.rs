@@ -144,6 +144,12 @@ fn check(a: &CheckArgs) -> Result<()> {
     let tol = Tolerances {
         exact: 1e-5,
         gemm: gemm_tol,
+        // Attention runs on bf16 tensor cores only with bf16 GEMMs; otherwise in exact fp32.
+        attention: if precision == GemmPrecision::BFloat16 {
+            1e-2
+        } else {
+            1e-5
+        },
     };
     let ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed, true);
     print!("{}", format_table(&ops));

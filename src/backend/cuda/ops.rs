@@ -88,6 +88,24 @@ fn check_len(op: &str, what: &str, have: usize, need: usize) {
 }
 
 impl CudaBackend {
+    /// The bodies of `fill` and `copy_into_at`, for ops that use them inside their own timing.
+    fn fill_untimed(&self, buf: &mut Buf, value: f32) {
+        let n = buf.len();
+        launch_elementwise!(self, "fill_f32", n, buf, &value);
+    }
+
+    fn copy_at_untimed(&self, dst: &mut Buf, offset: usize, src: &Buf) {
+        check_len("copy_into_at", "dst", dst.len(), offset + src.len());
+        if src.is_empty() {
+            return;
+        }
+        let n = src.len();
+        let mut window = dst.slice_mut(offset..offset + n);
+        self.stream
+            .memcpy_dtod(&src.slice(0..n), &mut window)
+            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+    }
+
     fn elementwise_len(&self, op: &str, bufs: &[(&str, usize)]) -> usize {
         let n = bufs[0].1;
         for (what, len) in bufs {
@@ -205,25 +223,16 @@ impl Backend for CudaBackend {
     }
     fn fill(&self, buf: &mut Buf, value: f32) {
         let _timer = self.profiler.time_on("fill", self);
-        let n = buf.len();
-        launch_elementwise!(self, "fill_f32", n, buf, &value);
+        self.fill_untimed(buf, value);
     }
     fn copy_from(&self, dst: &mut Buf, src: &Buf) {
         let _timer = self.profiler.time_on("copy_from", self);
         assert_eq!(dst.len(), src.len(), "copy_from: lengths differ");
-        self.copy_into_at(dst, 0, src);
+        self.copy_at_untimed(dst, 0, src);
     }
     fn copy_into_at(&self, dst: &mut Buf, offset: usize, src: &Buf) {
         let _timer = self.profiler.time_on("copy_into_at", self);
-        check_len("copy_into_at", "dst", dst.len(), offset + src.len());
-        if src.is_empty() {
-            return;
-        }
-        let n = src.len();
-        let mut window = dst.slice_mut(offset..offset + n);
-        self.stream
-            .memcpy_dtod(&src.slice(0..n), &mut window)
-            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+        self.copy_at_untimed(dst, offset, src);
     }
 
     fn matmul(
@@ -245,7 +254,7 @@ impl Backend for CudaBackend {
         if k == 0 {
             // An empty sum: `out` keeps its values (accumulate) or becomes zero.
             if !accumulate {
-                self.fill(out, 0.0);
+                self.fill_untimed(out, 0.0);
             }
             return;
         }

@@ -168,7 +168,7 @@ __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p
     }
 }
 
-// A fragments of rows r, r + 8 (this thread's g rows) of a global fp32 matrix, over D columns.
+// A fragments of rows r, r + 8 (this thread's g rows) of a global bf16 matrix, over D columns.
 template <int D>
 __device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const bf16_bits* base, i64 stride, int r,
                                                    int rows, int t) {
