@@ -253,6 +253,11 @@ pub trait Backend: Send + Sync {
     fn device_peak_memory(&self) -> Option<u64> {
         None
     }
+    /// Bytes of working memory this backend's kernels take for a training step of `tokens` tokens
+    /// beyond the model's own buffers (the loss's logit block, operand copies), for the memory check.
+    fn scratch_bytes(&self, _tokens: usize, _dim: usize, _hidden: usize, _vocab: usize) -> u64 {
+        0
+    }
     /// Free device memory in bytes (None on the CPU).
     fn device_free_memory(&self) -> Option<u64> {
         None

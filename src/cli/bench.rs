@@ -119,7 +119,8 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     }
     args.validate()?;
     let param_dtype = crate::model::ParamDtype::from_config(a.precision());
-    let mut estimate = crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq);
+    let mut estimate = crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq)
+        .with_backend_scratch(be, &args, a.batch, a.seq);
     if param_dtype == crate::model::ParamDtype::BFloat16 {
         estimate = estimate.with_compute_copy();
     }

@@ -3,16 +3,20 @@
 
 use anyhow::{bail, Result};
 
+use crate::backend::Backend;
 use crate::model::{llama::workspace_floats, ModelArgs};
 
-/// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments and the
-/// activation workspace of one micro-batch (plus the loss's logit block).
+/// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments, the
+/// activation workspace of one micro-batch, and the backend's own scratch (the loss's logit block,
+/// bf16 operand copies on CUDA; `Backend::scratch_bytes`).
 #[derive(Debug, Clone, Copy)]
 pub struct MemoryEstimate {
     pub params: u64,
     pub grads: u64,
     pub optimizer: u64,
     pub activations: u64,
+    /// Working memory of the backend's kernels.
+    pub scratch: u64,
     /// The bf16-rounded compute copy of the weights (bf16 mixed precision without FSDP), kept in f32.
     pub compute_copy: u64,
 }
@@ -20,16 +24,26 @@ pub struct MemoryEstimate {
 impl MemoryEstimate {
     pub fn new(args: &ModelArgs, batch: usize, seq: usize) -> Self {
         let p = args.num_params() as u64 * 4;
-        let act = (workspace_floats(args, batch, seq)
-            + crate::backend::cpu::loss::scratch_floats(args.vocab_size)) as u64
-            * 4;
         MemoryEstimate {
             params: p,
             grads: p,
             optimizer: 2 * p,
-            activations: act,
+            activations: workspace_floats(args, batch, seq) as u64 * 4,
+            scratch: 0,
             compute_copy: 0,
         }
+    }
+
+    /// Adds the scratch `be` needs for a step of this model at this batch and sequence.
+    pub fn with_backend_scratch<B: Backend>(
+        mut self,
+        be: &B,
+        args: &ModelArgs,
+        batch: usize,
+        seq: usize,
+    ) -> Self {
+        self.scratch = be.scratch_bytes(batch * seq, args.dim, args.ffn_hidden, args.vocab_size);
+        self
     }
 
     /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP.
@@ -39,7 +53,12 @@ impl MemoryEstimate {
     }
 
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.activations + self.compute_copy
+        self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.scratch
+            + self.compute_copy
     }
 }
 
@@ -75,7 +94,7 @@ pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) ->
     if let Some(avail) = device_free.or_else(available_memory) {
         if est.total() > avail {
             bail!(
-                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
+                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
                  choose a smaller flavor, batch or seq_len",
                 gib(est.total()),
                 est.total(),
@@ -83,6 +102,7 @@ pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) ->
                 gib(est.grads),
                 gib(est.optimizer),
                 gib(est.activations),
+                gib(est.scratch),
                 gib(est.compute_copy),
                 gib(avail)
             );

@@ -138,7 +138,8 @@ fn train_on<B: Backend>(
 
     // Everything below is known from the config alone: refuse what cannot fit before allocating.
     let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
-    let mut est = MemoryEstimate::new(&args, batch, seq);
+    let mut est =
+        MemoryEstimate::new(&args, batch, seq).with_backend_scratch(be, &args, batch, seq);
     if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
         est = est.with_compute_copy();
     }
@@ -241,11 +242,12 @@ fn train_on<B: Backend>(
         be.name()
     ));
     say(format!(
-        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
+        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
         gib(est.params),
         gib(est.grads),
         gib(est.optimizer),
         gib(est.activations),
+        gib(est.scratch),
         loader.describe(),
         global_batch
     ));

@@ -65,6 +65,9 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+    fn scratch_bytes(&self, _tokens: usize, _dim: usize, _hidden: usize, vocab: usize) -> u64 {
+        loss::scratch_floats(vocab) as u64 * 4
+    }
     fn zeros(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }

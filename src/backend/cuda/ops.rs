@@ -854,6 +854,20 @@ impl Backend for CudaBackend {
     fn device_peak_memory(&self) -> Option<u64> {
         self.peak_memory_bytes()
     }
+    fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
+        let chunk = gpu_loss_chunk_rows(vocab).min(tokens.max(1));
+        // The loss's f32 logit block; with bf16 GEMMs the two operand copies, at most the largest
+        // operands (the logit block, the output weight, an FFN activation), and the attention's bf16
+        // copies of q, k, v and dout (each at most tokens × dim).
+        let logits = chunk * vocab * 4;
+        let bf16_operands = if self.precision() == GemmPrecision::BFloat16 {
+            let largest = (chunk * vocab).max(vocab * dim).max(tokens * hidden);
+            2 * largest * 2 + 4 * tokens * dim * 2
+        } else {
+            0
+        };
+        (logits + bf16_operands) as u64
+    }
     fn device_free_memory(&self) -> Option<u64> {
         self.memory_info().map(|(_, free)| free as u64)
     }
