@@ -258,6 +258,11 @@ pub trait Backend: Send + Sync {
     fn scratch_bytes(&self, _tokens: usize, _dim: usize, _hidden: usize, _vocab: usize) -> u64 {
         0
     }
+    /// The device's datasheet peak TFLOP/s at the precision in use, for MFU (None when unknown, and
+    /// on the CPU, whose default comes from the thread count).
+    fn peak_tflops(&self) -> Option<f64> {
+        None
+    }
     /// Free device memory in bytes (None on the CPU).
     fn device_free_memory(&self) -> Option<u64> {
         None

@@ -199,7 +199,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let peak_tflops = if a.peak_tflops > 0.0 {
         a.peak_tflops
     } else {
-        default_peak_tflops(be.name(), threads)
+        default_peak_tflops(be, threads)
     };
     let mfu = 100.0 * gflops / 1e3 / peak_tflops;
     let mib = |b: u64| b as f64 / (1 << 20) as f64;

@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::tensorboard::EventWriter;
+use crate::backend::Backend;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct StepMetrics {
@@ -83,11 +84,20 @@ impl MetricsLogger {
     }
 }
 
-/// Peak TFLOP/s for MFU: the configured figure, else a documented default per device.
-/// CPU: 0.16 TFLOP/s per thread (AVX-512: 2 FMA units × 16 fp32 lanes × 2 FLOPs × 2.5 GHz).
-pub fn default_peak_tflops(device: &str, threads: usize) -> f64 {
-    match device {
-        "cuda" => 989.0, // H100/H200 SXM dense bf16
-        _ => 0.16 * threads as f64,
+/// Peak TFLOP/s for MFU when the config gives none: the GPU's datasheet figure at the precision in
+/// use (`backend::cuda::specs`); for a GPU titan does not know, the H100's dense bf16 989 TFLOP/s
+/// (said once on stderr); on the CPU 0.16 TFLOP/s per thread (AVX-512: 2 FMA units × 16 fp32
+/// lanes × 2 FLOPs × 2.5 GHz).
+pub fn default_peak_tflops<B: Backend>(be: &B, threads: usize) -> f64 {
+    match (be.peak_tflops(), be.name()) {
+        (Some(peak), _) => peak,
+        (None, "cuda") => {
+            eprintln!(
+                "note: MFU is against 989 TFLOP/s (H100 dense bf16): this GPU is not in titan's \
+                 table; set [metrics] peak_tflops to its figure"
+            );
+            989.0
+        }
+        (None, _) => 0.16 * threads as f64,
     }
 }

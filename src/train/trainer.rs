@@ -231,7 +231,7 @@ fn train_on<B: Backend>(
     let peak_tflops = if cfg.metrics.peak_tflops > 0.0 {
         cfg.metrics.peak_tflops
     } else {
-        default_peak_tflops(be.name(), threads) * dp_size as f64
+        default_peak_tflops(be, threads) * dp_size as f64
     };
     say(format!(
         "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads",

@@ -11,6 +11,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod libs;
 mod ops;
+pub mod specs;
 
 use std::collections::HashMap;
 use std::sync::Arc;

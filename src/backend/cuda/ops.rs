@@ -854,6 +854,9 @@ impl Backend for CudaBackend {
     fn device_peak_memory(&self) -> Option<u64> {
         self.peak_memory_bytes()
     }
+    fn peak_tflops(&self) -> Option<f64> {
+        super::specs::peak_tflops(self.device_name(), self.precision())
+    }
     fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
         let chunk = gpu_loss_chunk_rows(vocab).min(tokens.max(1));
         // The loss's f32 logit block; with bf16 GEMMs the two operand copies, at most the largest
