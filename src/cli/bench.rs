@@ -238,25 +238,35 @@ pub fn run_gemm(threads: usize, extra: &[String]) -> Result<()> {
     use crate::backend::Backend;
     init_threads(threads);
     let be = CpuBackend::new();
-    let mut shapes = vec![
-        (4096, 4096, 4096),
-        (2048, 2048, 2048),
-        (2048, 256, 768),
-        (2048, 768, 256),
-        (2048, 256, 2048),
-        (64, 16, 256),
-        (64, 256, 16),
+    let mut shapes: Vec<(usize, usize, usize, bool, bool)> = vec![
+        (4096, 4096, 4096, false, false),
+        (2048, 2048, 2048, false, false),
+        (2048, 256, 768, false, false),
+        (2048, 768, 256, false, false),
+        (2048, 256, 2048, false, false),
+        (64, 16, 256, false, false),
+        (64, 256, 16, false, false),
     ];
     for s in extra {
-        let dims: Vec<usize> = s
+        let bad = || anyhow::anyhow!("--shape {s}: expected MxKxN, optionally :TT with T = n or t");
+        let (dims, ops) = s.split_once(':').unwrap_or((s, "nn"));
+        let dims: Vec<usize> = dims
             .split('x')
             .map(|d| d.parse())
             .collect::<Result<_, _>>()
-            .map_err(|_| anyhow::anyhow!("--shape {s}: expected MxKxN"))?;
-        anyhow::ensure!(dims.len() == 3, "--shape {s}: expected MxKxN");
-        shapes.push((dims[0], dims[1], dims[2]));
+            .map_err(|_| bad())?;
+        let ops: Vec<bool> = ops
+            .chars()
+            .map(|c| match c {
+                'n' => Ok(false),
+                't' => Ok(true),
+                _ => Err(bad()),
+            })
+            .collect::<Result<_, _>>()?;
+        anyhow::ensure!(dims.len() == 3 && ops.len() == 2, bad());
+        shapes.push((dims[0], dims[1], dims[2], ops[0], ops[1]));
     }
-    for (m, k, n) in shapes {
+    for (m, k, n, trans_a, trans_b) in shapes {
         let a = vec![0.5f32; m * k];
         let b = vec![0.25f32; k * n];
         let mut out = vec![0.0f32; m * n];
@@ -265,12 +275,15 @@ pub fn run_gemm(threads: usize, extra: &[String]) -> Result<()> {
         for _ in 0..6 {
             let t0 = Instant::now();
             for _ in 0..reps {
-                be.matmul(&mut out, &a, &b, m, k, n, false, false, false);
+                be.matmul(&mut out, &a, &b, m, k, n, trans_a, trans_b, false);
             }
             best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
         }
+        let op = |t: bool| if t { "t" } else { "n" };
         println!(
-            "gemm {m}x{k}x{n}: {:.1} GFLOP/s ({} threads)",
+            "gemm {m}x{k}x{n}:{}{}: {:.1} GFLOP/s ({} threads)",
+            op(trans_a),
+            op(trans_b),
             2.0 * (m * k * n) as f64 / best / 1e9,
             rayon::current_num_threads()
         );

@@ -119,7 +119,7 @@ pub enum BenchCommand {
         /// CPU threads (0: every core).
         #[arg(long, default_value_t = 0)]
         threads: usize,
-        /// Extra shapes as MxKxN (repeatable).
+        /// Extra shapes as MxKxN, optionally :TT for op(A), op(B) with T = n or t (repeatable).
         #[arg(long)]
         shape: Vec<String>,
     },
