@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Hardware-counter profile of titan's CUDA kernels, for a lent GPU machine whose Nsight Compute
+# (`ncu`) and compute-sanitizer work (Firecracker machines; see the device tool's KINDS.md). Run it
+# after scripts/gpu_check.sh has passed, with the same carried binary:
+#
+#   cargo build --release             # on the CPU machine; carry target/release/titan
+#   scripts/gpu_profile.sh            # on the GPU machine: about 3 minutes
+#
+# 1. compute-sanitizer racecheck and memcheck over `titan cuda check` in bf16 (small shapes: every
+#    kernel, the tensor-core attention at head_dim 64 and 128 included).
+# 2. ncu on one training step of Llama 3 1B at batch 2 × seq 2048: speed of light, occupancy, warp
+#    stalls and pipe use of the attention kernels, and the same for the two slowest GEMMs.
+# Text reports go to $OUT (the device tool's folder; it returns at most 8 files) when set, else
+# ./gpu_profile_out. Not yet run on a GPU: the first session that runs it should fix what fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${TITAN_BIN:-target/release/titan}
+if [ ! -x "$BIN" ]; then
+  echo "gpu_profile: no titan binary at $BIN (cargo build --release, then carry target/release/titan)" >&2
+  exit 2
+fi
+OUT_DIR=${OUT:-./gpu_profile_out}
+mkdir -p "$OUT_DIR"
+# The same library setup as gpu_check.sh.
+if [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python3 ]; then
+  PYTHON=/opt/torch/.venv/bin/python3
+fi
+PY=${PYTHON:-python3}
+lib_dirs=$("$PY" - <<'PYEOF' 2>/dev/null
+import glob, importlib.util, os
+spec = importlib.util.find_spec("nvidia")
+dirs = set()
+for base in (spec.submodule_search_locations if spec else []):
+    for f in glob.glob(os.path.join(base, "**", "lib", "lib*.so*"), recursive=True):
+        dirs.add(os.path.dirname(f))
+print(":".join(sorted(dirs)))
+PYEOF
+)
+links=$(mktemp -d)
+for d in ${lib_dirs//:/ }; do
+  [ -e "$d/libnccl.so.2" ] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
+done
+export LD_LIBRARY_PATH="${links}:${lib_dirs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PATH="$PATH:/usr/local/cuda/bin"
+NCU=${NCU:-$(command -v ncu || true)}
+SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || true)}
+
+run() { # name timeout_s command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout --kill-after=5 "$limit" "$@" > "$OUT_DIR/$name.txt" 2>&1
+  echo "--- $name: rc $? ($(wc -l < "$OUT_DIR/$name.txt") lines in $OUT_DIR/$name.txt)"
+  tail -n 30 "$OUT_DIR/$name.txt"
+}
+
+if [ -n "$SANITIZER" ]; then
+  check=("$BIN" cuda check --precision bfloat16 --train-steps 0)
+  run racecheck 90 "$SANITIZER" --tool racecheck --racecheck-report analysis "${check[@]}"
+  run memcheck 90 "$SANITIZER" --tool memcheck "${check[@]}"
+else
+  echo "gpu_profile: compute-sanitizer not found; skipping race and memory checks"
+fi
+
+if [ -n "$NCU" ]; then
+  step=("$BIN" bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 2048 --warmup 0 --steps 1)
+  sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis)
+  # The first launch (layer 0) of each attention kernel, then the first GEMMs of the step.
+  for k in attention_forward_tc64 attention_backward_dq_tc64 attention_backward_dkdv_tc64; do
+    run "ncu_$k" 90 "$NCU" --clock-control none -k "$k" --launch-count 1 "${sections[@]}" "${step[@]}"
+  done
+  run ncu_gemm 90 "$NCU" --clock-control none -k 'regex:(gemm|nvjet|xmma)' --launch-count 6 \
+    --section SpeedOfLight "${step[@]}"
+else
+  echo "gpu_profile: ncu not found; skipping the hardware-counter profile"
+fi
