@@ -74,6 +74,24 @@ fn every_kernel_compiles_with_nvrtc_for_sm80_and_sm90() {
     }
 }
 
+#[test]
+fn nvrtc_is_found_through_titan_cuda_lib_dirs_without_a_library_path() {
+    let Some(dir) = nvrtc_dir() else { return };
+    let o = titan_with_env(
+        &["cuda", "compile", "--arch", "sm_90"],
+        &[
+            ("LD_LIBRARY_PATH", String::new()),
+            ("TITAN_CUDA_LIB_DIRS", dir.display().to_string()),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && stdout.contains("sm_90: "),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 /// The tiny model trained on `device` with an empty library path, so that no CUDA library can be
 /// found whatever this machine has.
 fn train_tiny_without_cuda_libraries(dir: &std::path::Path, device: &str) -> Output {
