@@ -21,42 +21,12 @@ if [ ! -x "$BIN" ]; then
   echo "and bring target/release/titan along (the device tool: carry [\"target/release/titan\"])." >&2
   exit 2
 fi
-# The Python that holds PyTorch and its nvidia-* libraries (the lent machines keep it in a venv).
-if [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python3 ]; then
-  PYTHON=/opt/torch/.venv/bin/python3
-fi
-PY=${PYTHON:-python3}
 RESULT_DIR=${OUT:-./gpu_check_out}
 OUT_DIR=$(mktemp -d /tmp/titan_gpu_check.XXXXXX)
 mkdir -p "$RESULT_DIR"
 STAGES=${GPU_CHECK_STAGES:-all}
 
-# The CUDA libraries of the machine's PyTorch (site-packages/nvidia/*/lib) on the library path.
-lib_dirs=$("$PY" - <<'PYEOF' 2>/dev/null
-import glob, importlib.util, os
-spec = importlib.util.find_spec("nvidia")
-dirs = set()
-for base in (spec.submodule_search_locations if spec else []):
-    for f in glob.glob(os.path.join(base, "**", "lib", "lib*.so*"), recursive=True):
-        dirs.add(os.path.dirname(f))
-print(":".join(sorted(dirs)))
-PYEOF
-)
-if [ -z "$lib_dirs" ]; then
-  echo "gpu_check: $PY has no nvidia-* pip libraries; relying on the system's (set PYTHON to the" >&2
-  echo "Python that holds PyTorch to use its CUDA libraries)" >&2
-fi
-# cudarc opens NCCL as libnccl.so; pip ships libnccl.so.2.
-links=$(mktemp -d)
-for d in ${lib_dirs//:/ }; do
-  [ -e "$d/libnccl.so.2" ] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
-done
-# The CUDA toolkit's own libraries, if any, after the pip ones.
-toolkit=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && toolkit="$toolkit:$d"
-done
-export LD_LIBRARY_PATH="${links}:${lib_dirs}${toolkit}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. scripts/gpu_env.sh
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 { echo "python: $PY"; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } | tee "$OUT_DIR/env.txt"
 

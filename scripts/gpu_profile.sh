@@ -22,26 +22,7 @@ if [ ! -x "$BIN" ]; then
 fi
 OUT_DIR=${OUT:-./gpu_profile_out}
 mkdir -p "$OUT_DIR"
-# The same library setup as gpu_check.sh.
-if [ -z "${PYTHON:-}" ] && [ -x /opt/torch/.venv/bin/python3 ]; then
-  PYTHON=/opt/torch/.venv/bin/python3
-fi
-PY=${PYTHON:-python3}
-lib_dirs=$("$PY" - <<'PYEOF' 2>/dev/null
-import glob, importlib.util, os
-spec = importlib.util.find_spec("nvidia")
-dirs = set()
-for base in (spec.submodule_search_locations if spec else []):
-    for f in glob.glob(os.path.join(base, "**", "lib", "lib*.so*"), recursive=True):
-        dirs.add(os.path.dirname(f))
-print(":".join(sorted(dirs)))
-PYEOF
-)
-links=$(mktemp -d)
-for d in ${lib_dirs//:/ }; do
-  [ -e "$d/libnccl.so.2" ] && ln -sf "$d/libnccl.so.2" "$links/libnccl.so"
-done
-export LD_LIBRARY_PATH="${links}:${lib_dirs}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. scripts/gpu_env.sh
 export PATH="$PATH:/usr/local/cuda/bin"
 NCU=${NCU:-$(command -v ncu || true)}
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || true)}

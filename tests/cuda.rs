@@ -175,21 +175,7 @@ fn the_op_check_passes_cpu_against_itself() {
 
 #[test]
 fn the_op_check_catches_a_wrong_kernel() {
-    let rows = check_ops(
-        &CpuBackend::new(),
-        &SkewedDkBackend {
-            cpu: CpuBackend::new(),
-            rope_panics: false,
-        },
-        TOL,
-        3,
-        false,
-    );
-    let failed: Vec<&str> = rows
-        .iter()
-        .filter(|r| !r.passed)
-        .map(|r| r.op.as_str())
-        .collect();
+    let (_, failed) = check_skewed(false);
     assert!(!failed.is_empty());
     assert!(
         failed
@@ -201,21 +187,7 @@ fn the_op_check_catches_a_wrong_kernel() {
 
 #[test]
 fn a_panicking_op_fails_its_row_and_the_other_ops_still_run() {
-    let rows = check_ops(
-        &CpuBackend::new(),
-        &SkewedDkBackend {
-            cpu: CpuBackend::new(),
-            rope_panics: true,
-        },
-        TOL,
-        3,
-        true,
-    );
-    let failed: Vec<&str> = rows
-        .iter()
-        .filter(|r| !r.passed)
-        .map(|r| r.op.as_str())
-        .collect();
+    let (rows, failed) = check_skewed(true);
     assert!(
         failed
             .iter()
@@ -225,6 +197,21 @@ fn a_panicking_op_fails_its_row_and_the_other_ops_still_run() {
     assert!(failed.iter().any(|op| op.ends_with("dk")), "{failed:?}");
     let passed = |name: &str| rows.iter().any(|r| r.op == name && r.passed);
     assert!(passed("rmsnorm_backward dx") && passed("adamw_step param"));
+}
+
+/// The op check of `SkewedDkBackend` against the CPU: every row, and the names of the failed ones.
+fn check_skewed(rope_panics: bool) -> (Vec<titan::backend::crosscheck::OpCheck>, Vec<String>) {
+    let skewed = SkewedDkBackend {
+        cpu: CpuBackend::new(),
+        rope_panics,
+    };
+    let rows = check_ops(&CpuBackend::new(), &skewed, TOL, 3, rope_panics);
+    let failed = rows
+        .iter()
+        .filter(|r| !r.passed)
+        .map(|r| r.op.clone())
+        .collect();
+    (rows, failed)
 }
 
 /// The CPU backend with one bug: attention's dK is off by 0.1% (the size of a wrong scale factor);

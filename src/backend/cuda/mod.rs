@@ -72,6 +72,10 @@ pub struct CudaBackend {
     arch: String,
     /// Per-op times when profiling (`titan bench train --profile-ops`); off by default.
     pub profiler: OpProfiler,
+    /// Attention may run on tensor cores: GEMMs in bf16 (the same rounding the model already
+    /// accepts there) on an sm_80+ GPU, unless `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels
+    /// (a comparison or a suspected fault).
+    tensor_core_attention: bool,
 }
 
 // SAFETY: the memory pool handle is only read through the driver, which is thread-safe; the other
@@ -132,6 +136,9 @@ impl CudaBackend {
             device_name,
             arch,
             profiler: OpProfiler::default(),
+            tensor_core_attention: precision == GemmPrecision::BFloat16
+                && major >= 8
+                && std::env::var("TITAN_CUDA_ATTENTION").map_or(true, |v| v != "exact"),
         })
     }
 

@@ -132,6 +132,15 @@ impl CudaBackend {
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
 
+    /// Token ids of an embedding table of `vocab` rows on the device (None when there are none);
+    /// an id outside the table panics, as on the CPU.
+    fn upload_table_ids(&self, ids: &[u32], vocab: usize) -> Option<CudaSlice<u32>> {
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+            panic!("token id {bad} is outside the embedding table of {vocab} rows");
+        }
+        (!ids.is_empty()).then(|| self.upload_ids(ids))
+    }
+
     fn upload_ids(&self, ids: &[u32]) -> cudarc::driver::CudaSlice<u32> {
         self.stream
             .clone_htod(ids)
@@ -273,15 +282,10 @@ impl Backend for CudaBackend {
 
     fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_forward", self);
-        let vocab = table.len() / dim;
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            panic!("token id {bad} is outside the embedding table of {vocab} rows");
-        }
         check_len("embedding_forward", "out", out.len(), ids.len() * dim);
-        if ids.is_empty() {
+        let Some(dev_ids) = self.upload_table_ids(ids, table.len() / dim) else {
             return;
-        }
-        let dev_ids = self.upload_ids(ids);
+        };
         let d = dim as i32;
         launch!(
             self,
@@ -295,15 +299,10 @@ impl Backend for CudaBackend {
     }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);
-        let vocab = dtable.len() / dim;
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            panic!("token id {bad} is outside the embedding table of {vocab} rows");
-        }
         check_len("embedding_backward", "dout", dout.len(), ids.len() * dim);
-        if ids.is_empty() {
+        let Some(dev_ids) = self.upload_table_ids(ids, dtable.len() / dim) else {
             return;
-        }
-        let dev_ids = self.upload_ids(ids);
+        };
         let (t, d) = (ids.len() as i32, dim as i32);
         let cfg = LaunchConfig {
             grid_dim: (dim.div_ceil(128) as u32, 1, 1),
@@ -916,14 +915,11 @@ struct TensorCoreAttention {
 }
 
 impl CudaBackend {
-    /// The tensor-core kernels when they apply: GEMMs in bf16 (the same rounding the model already
-    /// accepts there), an sm_80+ GPU, head_dim 64 or 128, and the training shape (no KV cache).
-    /// `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels (a comparison or a suspected fault).
+    /// The tensor-core kernels when they apply: the backend allows them (`tensor_core_attention`
+    /// in `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
     fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
-        let arch: u32 = self.arch().trim_start_matches("sm_").parse().unwrap_or(0);
-        let exact = std::env::var("TITAN_CUDA_ATTENTION").is_ok_and(|v| v == "exact");
-        if exact || !training_shape || arch < 80 || self.precision() != GemmPrecision::BFloat16 {
+        if !self.tensor_core_attention || !training_shape {
             return None;
         }
         match s.head_dim {
