@@ -25,6 +25,7 @@ pub const SOURCE: &str = concat!(
     include_str!("kernels/reduce.cu"),
     include_str!("kernels/loss.cu"),
     include_str!("kernels/attention.cu"),
+    include_str!("kernels/tensor_core.cuh"),
     include_str!("kernels/attention_tc.cu"),
 );
 

@@ -21,78 +21,6 @@
 
 #define TITAN_TC_ROWS 64
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-#define TITAN_TC_AVAILABLE 1
-#endif
-
-typedef unsigned short bf16_bits;
-
-// Two floats rounded to bf16 (nearest even) in one register: `lo` in the low half.
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-#ifdef TITAN_TC_AVAILABLE
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    r = 0;
-#endif
-    return r;
-}
-
-// c += a · b for one 16x8x16 tile.
-__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#ifdef TITAN_TC_AVAILABLE
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    asm volatile("trap;");
-#endif
-}
-
-// 32-bit shared-memory address of a generic pointer into shared memory (for ldmatrix).
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// Four 8x8 bf16 matrices from shared memory, one row address per lane (lanes 8i..8i+7 address
-// matrix i's rows); register i gets matrix i's fragment: row g, columns 2t, 2t + 1, or with TRANS
-// rows 2t, 2t + 1 of column g.
-template <bool TRANS>
-__device__ __forceinline__ void load_matrices(u32* r, const bf16_bits* row_address) {
-#ifdef TITAN_TC_AVAILABLE
-    if (TRANS) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(shared_address(row_address)));
-    } else {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(shared_address(row_address)));
-    }
-#else
-    asm volatile("trap;");
-#endif
-}
-
-// cp.async bookkeeping: close the group of copies issued so far; wait until at most N groups are
-// still in flight. No-ops for copies made synchronously.
-__device__ __forceinline__ void async_commit() {
-#ifdef TITAN_TC_AVAILABLE
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void async_wait() {
-#ifdef TITAN_TC_AVAILABLE
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
 // Row `r`, columns c and c + 1 of a global bf16 matrix (zero past `rows`).
 __device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, int r, int rows,
                                            int c) {
@@ -110,11 +38,7 @@ __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i
         int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
         bf16_bits* dst = s + r * S + c;
         if (r0 + r < rows) {
-#ifdef TITAN_TC_AVAILABLE
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)),
-                         "l"(base + (i64)(r0 + r) * stride + c)
-                         : "memory");
-#endif
+            copy_async_16(dst, base + (i64)(r0 + r) * stride + c);
         } else {
             u32* z = (u32*)dst;
             z[0] = z[1] = z[2] = z[3] = 0u;

@@ -1,0 +1,88 @@
+// The tensor-core instructions titan's kernels use, each behind one inline function: bf16 packing,
+// `mma.sync.m16n8k16`, `ldmatrix` and `cp.async`. Kept apart from the kernels so that the CPU
+// emulator of tests/cuda_emu can put its own definitions of exactly these functions in their place
+// and run the kernels on the host. Needs sm_80 or newer; on older devices each one traps (the host
+// never launches tensor-core kernels there).
+
+typedef unsigned short bf16_bits;
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define TITAN_TC_AVAILABLE 1
+#endif
+
+// Two floats rounded to bf16 (nearest even) in one register: `lo` in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+#ifdef TITAN_TC_AVAILABLE
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    r = 0;
+#endif
+    return r;
+}
+
+// c += a · b for one 16x8x16 tile.
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    asm volatile("trap;");
+#endif
+}
+
+// 32-bit shared-memory address of a generic pointer into shared memory (for ldmatrix).
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 bf16 matrices from shared memory, one row address per lane (lanes 8i..8i+7 address
+// matrix i's rows); register i gets matrix i's fragment: row g, columns 2t, 2t + 1, or with TRANS
+// rows 2t, 2t + 1 of column g.
+template <bool TRANS>
+__device__ __forceinline__ void load_matrices(u32* r, const bf16_bits* row_address) {
+#ifdef TITAN_TC_AVAILABLE
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row_address)));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(shared_address(row_address)));
+    }
+#else
+    asm volatile("trap;");
+#endif
+}
+
+// cp.async bookkeeping: close the group of copies issued so far; wait until at most N groups are
+// still in flight. No-ops for copies made synchronously.
+__device__ __forceinline__ void async_commit() {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void async_wait() {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// One 16-byte copy from global to shared memory, queued (visible after async_wait and a barrier).
+__device__ __forceinline__ void copy_async_16(bf16_bits* shared_dst, const bf16_bits* global_src) {
+#ifdef TITAN_TC_AVAILABLE
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared_dst)),
+                 "l"(global_src)
+                 : "memory");
+#else
+    asm volatile("trap;");
+#endif
+}

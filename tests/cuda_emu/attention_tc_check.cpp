@@ -1,0 +1,191 @@
+// Runs the tensor-core attention kernels (kernels/attention_tc.cu) on the CPU emulator and checks
+// forward (output, log-sum-exp) and backward (dQ, dK, dV) against a float64 reference of causal
+// grouped-query attention on the same bf16-rounded inputs. The shapes are the GPU op check's
+// (src/backend/crosscheck.rs), lengths that are not multiples of the 64-row tiles included; the
+// tolerance is its bf16 one, on the same measure: max |kernel − reference| / max |reference|.
+// Prints one line per output and exits 1 when any is outside the tolerance or not finite.
+
+#include <random>
+#include <string>
+
+#include "emu.h"
+// clang-format off
+#include "common.cuh"
+#include "tensor_core_emu.h"
+#include "attention_tc.cu"
+// clang-format on
+
+namespace {
+
+constexpr double kTolerance = 1e-2;
+
+struct Shape {
+    const char* name;
+    int batch, seq, heads, kv_heads, head_dim;
+};
+
+struct Bf16Tensor {
+    std::vector<bf16_bits> bits;
+    std::vector<double> values;
+};
+
+Bf16Tensor random_tensor(std::mt19937_64& rng, size_t n) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    Bf16Tensor t;
+    for (size_t i = 0; i < n; ++i) {
+        bf16_bits b = emu::bf16_round(dist(rng));
+        t.bits.push_back(b);
+        t.values.push_back(emu::bf16_value(b));
+    }
+    return t;
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
+    double scale = 1e-30, diff = 0.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+        if (!std::isfinite(got[i])) return NAN;
+        scale = std::max(scale, std::fabs(want[i]));
+        diff = std::max(diff, std::fabs((double)got[i] - want[i]));
+    }
+    return diff / scale;
+}
+
+struct Reference {
+    std::vector<double> out, lse, dq, dk, dv;
+};
+
+// Causal GQA attention and its gradients in float64. Layouts as the kernels': q, out, dout
+// [b, s, h, d]; k, v [b, s, kvh, d]; lse [b, h, s].
+Reference reference(const Shape& s, const std::vector<double>& q, const std::vector<double>& k,
+                    const std::vector<double>& v, const std::vector<double>& dout) {
+    int D = s.head_dim, group = s.heads / s.kv_heads;
+    double scale = 1.0 / std::sqrt((double)D);
+    Reference r;
+    r.out.assign(q.size(), 0.0);
+    r.dq.assign(q.size(), 0.0);
+    r.dk.assign(k.size(), 0.0);
+    r.dv.assign(v.size(), 0.0);
+    r.lse.assign((size_t)s.batch * s.heads * s.seq, 0.0);
+    auto qi = [&](int b, int i, int h) { return ((size_t)(b * s.seq + i) * s.heads + h) * D; };
+    auto kj = [&](int b, int j, int kh) { return ((size_t)(b * s.seq + j) * s.kv_heads + kh) * D; };
+    std::vector<double> p(s.seq), dp(s.seq);
+    for (int b = 0; b < s.batch; ++b)
+        for (int h = 0; h < s.heads; ++h) {
+            int kh = h / group;
+            for (int i = 0; i < s.seq; ++i) {
+                double mx = -INFINITY;
+                for (int j = 0; j <= i; ++j) {
+                    double dot = 0.0;
+                    for (int d = 0; d < D; ++d) dot += q[qi(b, i, h) + d] * k[kj(b, j, kh) + d];
+                    p[j] = dot * scale;
+                    mx = std::max(mx, p[j]);
+                }
+                double sum = 0.0;
+                for (int j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
+                r.lse[((size_t)b * s.heads + h) * s.seq + i] = mx + std::log(sum);
+                for (int j = 0; j <= i; ++j) p[j] = std::exp(p[j] - mx) / sum;
+                double delta = 0.0;
+                for (int d = 0; d < D; ++d) {
+                    double o = 0.0;
+                    for (int j = 0; j <= i; ++j) o += p[j] * v[kj(b, j, kh) + d];
+                    r.out[qi(b, i, h) + d] = o;
+                    delta += o * dout[qi(b, i, h) + d];
+                }
+                for (int j = 0; j <= i; ++j) {
+                    double dot = 0.0;
+                    for (int d = 0; d < D; ++d) dot += dout[qi(b, i, h) + d] * v[kj(b, j, kh) + d];
+                    double ds = p[j] * (dot - delta) * scale;
+                    for (int d = 0; d < D; ++d) {
+                        r.dq[qi(b, i, h) + d] += ds * k[kj(b, j, kh) + d];
+                        r.dk[kj(b, j, kh) + d] += ds * q[qi(b, i, h) + d];
+                        r.dv[kj(b, j, kh) + d] += p[j] * dout[qi(b, i, h) + d];
+                    }
+                }
+            }
+        }
+    return r;
+}
+
+bool report(const Shape& s, const char* output, const std::vector<float>& got,
+            const std::vector<double>& want) {
+    double err = rel_err(got, want);
+    bool ok = err <= kTolerance;  // NaN fails
+    std::printf("%-10s %-4s rel err %.3e %s\n", s.name, output, err, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+bool check(const Shape& s, std::mt19937_64& rng) {
+    int D = s.head_dim;
+    size_t q_len = (size_t)s.batch * s.seq * s.heads * D;
+    size_t kv_len = (size_t)s.batch * s.seq * s.kv_heads * D;
+    size_t rows = (size_t)s.batch * s.heads * s.seq;
+    Bf16Tensor q = random_tensor(rng, q_len), k = random_tensor(rng, kv_len),
+               v = random_tensor(rng, kv_len), dout = random_tensor(rng, q_len);
+    Reference ref = reference(s, q.values, k.values, v.values, dout.values);
+    float scale = 1.0f / std::sqrt((float)D);
+    unsigned tiles = (unsigned)((s.seq + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS);
+    EmuDim3 per_query{tiles, (unsigned)s.heads, (unsigned)s.batch};
+    EmuDim3 per_key{tiles, (unsigned)s.kv_heads, (unsigned)s.batch};
+
+    std::vector<float> out(q_len, NAN), lse(rows, NAN);
+    emu::launch(per_query, 128, [&] {
+        if (D == 64)
+            attention_forward_tc64(out.data(), lse.data(), q.bits.data(), k.bits.data(),
+                                   v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+        else
+            attention_forward_tc128(out.data(), lse.data(), q.bits.data(), k.bits.data(),
+                                    v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+    });
+    bool ok = report(s, "out", out, ref.out);
+    ok &= report(s, "lse", lse, ref.lse);
+
+    // delta = rowsum(dout * out) from the kernel's own output, as the backend's delta kernel does.
+    std::vector<float> delta(rows);
+    for (int b = 0; b < s.batch; ++b)
+        for (int i = 0; i < s.seq; ++i)
+            for (int h = 0; h < s.heads; ++h) {
+                size_t base = ((size_t)(b * s.seq + i) * s.heads + h) * D;
+                float sum = 0.0f;
+                for (int d = 0; d < D; ++d) sum += (float)dout.values[base + d] * out[base + d];
+                delta[((size_t)b * s.heads + h) * s.seq + i] = sum;
+            }
+    std::vector<float> dq(q_len, NAN), dk(kv_len, NAN), dv(kv_len, NAN);
+    emu::launch(per_query, 128, [&] {
+        auto kernel = D == 64 ? attention_backward_dq_tc64 : attention_backward_dq_tc128;
+        kernel(dq.data(), dout.bits.data(), q.bits.data(), k.bits.data(), v.bits.data(),
+               lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, scale);
+    });
+    std::vector<decltype(&attention_backward_dkdv_tc64)> dkdv_passes;
+    if (D == 64)
+        dkdv_passes = {attention_backward_dkdv_tc64};
+    else
+        dkdv_passes = {attention_backward_dk_tc128, attention_backward_dv_tc128};
+    for (auto pass : dkdv_passes)
+        emu::launch(per_key, 128, [&] {
+            pass(dk.data(), dv.data(), dout.bits.data(), q.bits.data(), k.bits.data(),
+                 v.bits.data(), lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, scale);
+        });
+    ok &= report(s, "dq", dq, ref.dq);
+    ok &= report(s, "dk", dk, ref.dk);
+    ok &= report(s, "dv", dv, ref.dv);
+    return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::vector<Shape> shapes = {
+        {"hd64", 1, 77, 4, 2, 64},
+        {"hd128", 1, 40, 8, 2, 128},
+        {"hd64 long", 2, 200, 4, 2, 64},
+        {"hd128 long", 1, 150, 4, 1, 128},
+        {"hd64 even", 1, 128, 2, 2, 64},
+    };
+    unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 20261130;
+    std::mt19937_64 rng(seed);
+    emu::seed_schedule(seed);
+    bool ok = true;
+    for (const Shape& s : shapes) ok &= check(s, rng);
+    std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
+    return ok ? 0 : 1;
+}
