@@ -77,9 +77,30 @@ inline void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     }
 }
 
+namespace emu {
+
+// Shared addresses are 32-bit offsets from this anchor: every `__shared__` array is a static of
+// the same program, well within 2 GiB of it.
+inline char g_shared_anchor;
+
+inline const void* shared_pointer(u32 address) {
+    return (const void*)((uintptr_t)&g_shared_anchor + (uintptr_t)(intptr_t)(int32_t)address);
+}
+
+}  // namespace emu
+
+inline u32 shared_address(const void* p) {
+    intptr_t offset = (intptr_t)((uintptr_t)p - (uintptr_t)&emu::g_shared_anchor);
+    if (offset != (intptr_t)(int32_t)offset) {
+        std::fprintf(stderr, "emu: shared pointer too far from the anchor\n");
+        std::exit(2);
+    }
+    return (u32)(int32_t)offset;
+}
+
 template <bool TRANS>
-inline void load_matrices(u32* r, const bf16_bits* row_address) {
-    emu::g_block->pointers[threadIdx.x] = row_address;
+inline void load_matrices(u32* r, u32 row_address) {
+    emu::g_block->pointers[threadIdx.x] = emu::shared_pointer(row_address);
     emu::warp_barrier();
     unsigned lane = emu::lane_id(), g = lane >> 2, t = lane & 3;
     for (unsigned i = 0; i < 4; ++i) {
@@ -98,11 +119,14 @@ inline void load_matrices(u32* r, const bf16_bits* row_address) {
 
 // A copy lands at once or at the wait that covers it, at random: landing early catches a buffer
 // refilled while other warps still read it, landing late a tile read before it was waited for.
-inline void copy_async_16(bf16_bits* shared_dst, const bf16_bits* global_src) {
+inline void copy_async_16(u32 shared_dst, const bf16_bits* global_src, bool valid) {
+    void* dst = const_cast<void*>(emu::shared_pointer(shared_dst));
+    static const bf16_bits zeros[8] = {};
+    if (!valid) global_src = zeros;
     if (emu::chance())
-        std::memcpy(shared_dst, global_src, 16);
+        std::memcpy(dst, global_src, 16);
     else
-        emu::g_block->async_copies[threadIdx.x].open.push_back({shared_dst, global_src});
+        emu::g_block->async_copies[threadIdx.x].open.push_back({dst, global_src});
 }
 
 inline void async_commit() {
@@ -119,3 +143,5 @@ inline void async_wait() {
         q.committed.erase(q.committed.begin());
     }
 }
+
+inline float exp2_approx(float x) { return std::exp2(x); }

@@ -20,6 +20,8 @@
 // launches these there).
 
 #define TITAN_TC_ROWS 64
+// Threads per block (4 warps of 16 rows); the host launches exactly this many.
+#define TITAN_TC_THREADS 128
 
 // Row `r`, columns c and c + 1 of a global bf16 matrix (zero past `rows`).
 __device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, int r, int rows,
@@ -29,30 +31,32 @@ __device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, in
 }
 
 // Rows r0 .. r0 + 63 of a global bf16 matrix into a shared tile, queued as 16-byte cp.async copies
-// (visible after async_wait and a barrier); rows past `rows` are zero.
+// (visible after async_wait and a barrier); rows past `rows` are zero. Every block of these kernels
+// is TITAN_TC_THREADS threads, so each thread's copies are known at compile time.
 template <int D>
 __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i64 stride, int r0,
                                           int rows) {
-    constexpr int S = D + 8, CHUNKS = D / 8;
-    for (int idx = threadIdx.x; idx < TITAN_TC_ROWS * CHUNKS; idx += blockDim.x) {
-        int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-        bf16_bits* dst = s + r * S + c;
-        if (r0 + r < rows) {
-            copy_async_16(dst, base + (i64)(r0 + r) * stride + c);
-        } else {
-            u32* z = (u32*)dst;
-            z[0] = z[1] = z[2] = z[3] = 0u;
-        }
+    constexpr int S = D + 8, CHUNKS = D / 8, ROWS_PER_PASS = TITAN_TC_THREADS / CHUNKS;
+    static_assert(TITAN_TC_ROWS % ROWS_PER_PASS == 0, "whole copies per thread");
+    int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+    u32 dst = shared_address(s + r * S + c);
+    const bf16_bits* src = base + (i64)(r0 + r) * stride + c;
+#pragma unroll
+    for (int i = 0; i < TITAN_TC_ROWS / ROWS_PER_PASS; ++i) {
+        bool inside = r0 + r + i * ROWS_PER_PASS < rows;
+        const bf16_bits* row = src + (i64)i * ROWS_PER_PASS * stride;
+        copy_async_16(dst + (u32)(i * ROWS_PER_PASS * S) * 2, inside ? row : base, inside);
     }
 }
 
 // acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile; one
-// ldmatrix brings the B fragments of two n-tiles.
+// ldmatrix brings the B fragments of two n-tiles. Addresses are one per-lane base plus constants.
 template <int D>
 __device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u32 (*a)[4],
                                                        const bf16_bits* tile) {
     constexpr int S = D + 8;
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    u32 lane_row = shared_address(tile + ((m >> 1) * 8 + r) * S + (m & 1) * 8);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
         acc[2 * np][0] = acc[2 * np][1] = acc[2 * np][2] = acc[2 * np][3] = 0.0f;
@@ -60,8 +64,7 @@ __device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u3
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 b[4];
-            load_matrices<false>(b,
-                                 tile + ((2 * np + (m >> 1)) * 8 + r) * S + kk * 16 + (m & 1) * 8);
+            load_matrices<false>(b, lane_row + (u32)(np * 16 * S + kk * 16) * 2);
             mma_bf16(acc[2 * np], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[0], b[1]);
             mma_bf16(acc[2 * np + 1], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[2], b[3]);
         }
@@ -76,6 +79,7 @@ __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p
                                                       const bf16_bits* tile) {
     constexpr int S = D + 8;
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    u32 lane_row = shared_address(tile + ((m & 1) * 8 + r) * S + (m >> 1) * 8);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         u32 a0 = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
@@ -85,7 +89,7 @@ __device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             u32 b[4];
-            load_matrices<true>(b, tile + (kk * 16 + (m & 1) * 8 + r) * S + (2 * dp + (m >> 1)) * 8);
+            load_matrices<true>(b, lane_row + (u32)(kk * 16 * S + dp * 16) * 2);
             mma_bf16(out[2 * dp], a0, a1, a2, a3, b[0], b[1]);
             mma_bf16(out[2 * dp + 1], a0, a1, a2, a3, b[2], b[3]);
         }
@@ -159,6 +163,68 @@ __device__ __forceinline__ void tile_end(Stage& stage, int it, int n_tiles) {
     if (STAGES == 1 && it + 1 < n_tiles) stage(it + 1, 0);
 }
 
+// log2(e): the softmax runs in base 2, so each probability is one fused multiply-add and one
+// exp2 (scores times scale·log2(e), minus the row's maximum or log-sum-exp in the same units).
+#define TITAN_LOG2E 1.4426950408889634f
+
+// Causal visibility inside the diagonal tile (the one tile whose keys and queries overlap; every
+// earlier tile is wholly visible, so only this one pays for a mask). `row` and `col` are positions
+// within the 64-row tile: keys at or before the query are visible.
+__device__ __forceinline__ bool visible_on_diagonal(int query_in_tile, int key_in_tile) {
+    return key_in_tile <= query_in_tile;
+}
+
+// One tile of the forward's online softmax for this thread's rows g and g + 8 (`row_in_tile` is
+// row g's position in the tile): turns the raw scores s into unnormalised probabilities in place
+// and rescales the running maxima m (raw-score units), sums l and output o.
+template <int D, bool DIAGONAL>
+__device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4], float& m0,
+                                                    float& m1, float& l0, float& l1,
+                                                    float scale_log2, int row_in_tile, int t) {
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (DIAGONAL) {
+                int c = nt * 8 + 2 * t + e;
+                if (!visible_on_diagonal(row_in_tile, c)) s[nt][e] = TITAN_NEG_INF;
+                if (!visible_on_diagonal(row_in_tile + 8, c)) s[nt][2 + e] = TITAN_NEG_INF;
+            }
+            mx0 = fmaxf(mx0, s[nt][e]);
+            mx1 = fmaxf(mx1, s[nt][2 + e]);
+        }
+    }
+    mx0 = quad_max(mx0);
+    mx1 = quad_max(mx1);
+    // A row with no visible key yet keeps max -inf; subtracting 0 then keeps exp2 at 0, not NaN.
+    float base0 = mx0 == TITAN_NEG_INF ? 0.0f : mx0 * scale_log2;
+    float base1 = mx1 == TITAN_NEG_INF ? 0.0f : mx1 * scale_log2;
+    float corr0 = exp2_approx(m0 * scale_log2 - base0), corr1 = exp2_approx(m1 * scale_log2 - base1);
+    m0 = mx0;
+    m1 = mx1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[nt][e] = exp2_approx(fmaf(s[nt][e], scale_log2, -base0));
+            s[nt][2 + e] = exp2_approx(fmaf(s[nt][2 + e], scale_log2, -base1));
+            sum0 += s[nt][e];
+            sum1 += s[nt][2 + e];
+        }
+    }
+    l0 = l0 * corr0 + quad_sum(sum0);
+    l1 = l1 * corr1 + quad_sum(sum1);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+        o[dn][0] *= corr0;
+        o[dn][1] *= corr0;
+        o[dn][2] *= corr1;
+        o[dn][3] *= corr1;
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
                                                      const bf16_bits* v, int seq, int n_heads,
@@ -172,14 +238,17 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     const bf16_bits* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
     const bf16_bits* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
-    int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    int row_in_tile = warp * 16 + g, r0 = q0 + row_in_tile, r1 = r0 + 8;
+    float scale_log2 = scale * TITAN_LOG2E;
     u32 qa[D / 16][4];
     load_row_fragments<D>(qa, q + (i64)b * seq * q_stride + (i64)h * D, q_stride, r0, seq, t);
     float o[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
     float m0 = TITAN_NEG_INF, m1 = TITAN_NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    int n_tiles = (min(seq, q0 + TITAN_TC_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    // Key tiles 0 .. blockIdx.x; the last is the diagonal. Keys past `seq` (zero-filled) only fall
+    // in it, after every valid query of the block, so the causal mask hides them too.
+    int n_tiles = blockIdx.x + 1;
     auto stage = [&](int i, int buf) {
         load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
         load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
@@ -188,49 +257,12 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
-        int j0 = it * TITAN_TC_ROWS;
         float s[8][4];
         product_with_tile_rows<D>(s, qa, ks + cur * TILE);
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int j = j0 + nt * 8 + 2 * t + e;
-                s[nt][e] = (j <= r0 && j < seq) ? s[nt][e] * scale : TITAN_NEG_INF;
-                s[nt][2 + e] = (j <= r1 && j < seq) ? s[nt][2 + e] * scale : TITAN_NEG_INF;
-                mx0 = fmaxf(mx0, s[nt][e]);
-                mx1 = fmaxf(mx1, s[nt][2 + e]);
-            }
-        }
-        mx0 = quad_max(mx0);
-        mx1 = quad_max(mx1);
-        // A row with no visible key yet keeps max -inf; subtracting 0 then keeps exp at 0, not NaN.
-        float base0 = mx0 == TITAN_NEG_INF ? 0.0f : mx0;
-        float base1 = mx1 == TITAN_NEG_INF ? 0.0f : mx1;
-        float corr0 = expf(m0 - base0), corr1 = expf(m1 - base1);
-        m0 = mx0;
-        m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[nt][e] = expf(s[nt][e] - base0);
-                s[nt][2 + e] = expf(s[nt][2 + e] - base1);
-                sum0 += s[nt][e];
-                sum1 += s[nt][2 + e];
-            }
-        }
-        l0 = l0 * corr0 + quad_sum(sum0);
-        l1 = l1 * corr1 + quad_sum(sum1);
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            o[dn][0] *= corr0;
-            o[dn][1] *= corr0;
-            o[dn][2] *= corr1;
-            o[dn][3] *= corr1;
-        }
+        if (it + 1 < n_tiles)
+            online_softmax_tile<D, false>(s, o, m0, m1, l0, l1, scale_log2, row_in_tile, t);
+        else
+            online_softmax_tile<D, true>(s, o, m0, m1, l0, l1, scale_log2, row_in_tile, t);
         accumulate_times_tile<D>(o, s, vs + cur * TILE);
         tile_end<STAGES>(stage, it, n_tiles);
     }
@@ -238,8 +270,31 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     store_row_fragments<D>(ob, q_stride, r0, seq, t, o, 1.0f / l0, 1.0f / l1);
     if (t == 0) {
         float* lb = lse + ((i64)b * n_heads + h) * seq;
-        if (r0 < seq) lb[r0] = m0 + logf(l0);
-        if (r1 < seq) lb[r1] = m1 + logf(l1);
+        if (r0 < seq) lb[r0] = m0 * scale + logf(l0);
+        if (r1 < seq) lb[r1] = m1 * scale + logf(l1);
+    }
+}
+
+// The dQ pass's scores → dS/scale for one key tile, in place in s: p = exp2(s·scale·log2e − lse
+// in base 2), dS = p (dP − delta). The caller applies `scale` once, to dQ.
+template <bool DIAGONAL>
+__device__ __forceinline__ void dq_scores_to_ds(float (*s)[4], const float (*dp)[4],
+                                                float scale_log2, float lse2_0, float lse2_1,
+                                                float dl0, float dl1, int row_in_tile, int t) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float p0 = exp2_approx(fmaf(s[nt][e], scale_log2, -lse2_0));
+            float p1 = exp2_approx(fmaf(s[nt][2 + e], scale_log2, -lse2_1));
+            if (DIAGONAL) {
+                int c = nt * 8 + 2 * t + e;
+                if (!visible_on_diagonal(row_in_tile, c)) p0 = 0.0f;
+                if (!visible_on_diagonal(row_in_tile + 8, c)) p1 = 0.0f;
+            }
+            s[nt][e] = p0 * (dp[nt][e] - dl0);
+            s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1);
+        }
     }
 }
 
@@ -260,18 +315,21 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     i64 q_off = (i64)b * seq * q_stride + (i64)h * D;
     const bf16_bits* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
     const bf16_bits* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
-    int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    int row_in_tile = warp * 16 + g, r0 = q0 + row_in_tile, r1 = r0 + 8;
+    float scale_log2 = scale * TITAN_LOG2E;
     u32 qa[D / 16][4], da[D / 16][4];
     load_row_fragments<D>(qa, q + q_off, q_stride, r0, seq, t);
     load_row_fragments<D>(da, dout + q_off, q_stride, r0, seq, t);
     const float* lse_bh = lse + ((i64)b * n_heads + h) * seq;
     const float* delta_bh = delta + ((i64)b * n_heads + h) * seq;
-    float lse0 = r0 < seq ? lse_bh[r0] : 0.0f, lse1 = r1 < seq ? lse_bh[r1] : 0.0f;
+    // Rows past `seq` compute values that are never stored.
+    float lse2_0 = r0 < seq ? lse_bh[r0] * TITAN_LOG2E : 0.0f;
+    float lse2_1 = r1 < seq ? lse_bh[r1] * TITAN_LOG2E : 0.0f;
     float dl0 = r0 < seq ? delta_bh[r0] : 0.0f, dl1 = r1 < seq ? delta_bh[r1] : 0.0f;
     float acc[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
-    int n_tiles = (min(seq, q0 + TITAN_TC_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    int n_tiles = blockIdx.x + 1;
     auto stage = [&](int i, int buf) {
         load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
         load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
@@ -280,25 +338,45 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
-        int j0 = it * TITAN_TC_ROWS;
         float s[8][4], dp[8][4];
         product_with_tile_rows<D>(s, qa, ks + cur * TILE);
         product_with_tile_rows<D>(dp, da, vs + cur * TILE);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int j = j0 + nt * 8 + 2 * t + e;
-                float p0 = (j <= r0 && r0 < seq) ? expf(s[nt][e] * scale - lse0) : 0.0f;
-                float p1 = (j <= r1 && r1 < seq) ? expf(s[nt][2 + e] * scale - lse1) : 0.0f;
-                s[nt][e] = p0 * (dp[nt][e] - dl0) * scale;
-                s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1) * scale;
-            }
-        }
+        if (it + 1 < n_tiles)
+            dq_scores_to_ds<false>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_in_tile, t);
+        else
+            dq_scores_to_ds<true>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_in_tile, t);
         accumulate_times_tile<D>(acc, s, ks + cur * TILE);
         tile_end<STAGES>(stage, it, n_tiles);
     }
-    store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, 1.0f, 1.0f);
+    store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, scale, scale);
+}
+
+// The dK/dV pass's transposed scores (rows: this thread's keys g and g + 8, columns: the tile's
+// queries) → probabilities in p and, with WANT_K, dS/scale in dp. `lse2` holds each query's
+// log-sum-exp in base 2 (+inf past `seq`, so those queries get p = 0), `delta` its delta.
+template <bool WANT_K, bool DIAGONAL>
+__device__ __forceinline__ void dkdv_scores(float (*p)[4], float (*dp)[4], const float* lse2,
+                                            const float* delta, float scale_log2, int key_in_tile,
+                                            int t) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            int c = nt * 8 + 2 * t + e;
+            float p0 = exp2_approx(fmaf(p[nt][e], scale_log2, -lse2[c]));
+            float p1 = exp2_approx(fmaf(p[nt][2 + e], scale_log2, -lse2[c]));
+            if (DIAGONAL) {
+                if (!visible_on_diagonal(c, key_in_tile)) p0 = 0.0f;
+                if (!visible_on_diagonal(c, key_in_tile + 8)) p1 = 0.0f;
+            }
+            if (WANT_K) {
+                dp[nt][e] = p0 * (dp[nt][e] - delta[c]);
+                dp[nt][2 + e] = p1 * (dp[nt][2 + e] - delta[c]);
+            }
+            p[nt][e] = p0;
+            p[nt][2 + e] = p1;
+        }
+    }
 }
 
 // dv_j = Σ p_ij dout_i and dk_j = scale · Σ p_ij (dp_ij − delta_i) q_i over the group's heads and
@@ -314,13 +392,14 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
     __shared__ __align__(16) bf16_bits qs[STAGES * TILE];
     __shared__ __align__(16) bf16_bits do_tile[STAGES * TILE];
-    __shared__ float lse_s[STAGES * TITAN_TC_ROWS];
+    __shared__ float lse2_s[STAGES * TITAN_TC_ROWS];
     __shared__ float delta_s[STAGES * TITAN_TC_ROWS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int k0 = blockIdx.x * TITAN_TC_ROWS, kvh = blockIdx.y, b = blockIdx.z;
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     i64 kv_off = (i64)b * seq * kv_stride + (i64)kvh * D;
-    int r0 = k0 + warp * 16 + g, r1 = r0 + 8;
+    int key_in_tile = warp * 16 + g, r0 = k0 + key_in_tile;
+    float scale_log2 = scale * TITAN_LOG2E;
     u32 ka[D / 16][4], va[D / 16][4];
     load_row_fragments<D>(ka, k + kv_off, kv_stride, r0, seq, t);
     if (WANT_K) load_row_fragments<D>(va, v + kv_off, kv_stride, r0, seq, t);
@@ -333,55 +412,51 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     int group = n_heads / n_kv_heads;
     int q_tiles = (seq - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
     int n_tiles = group * q_tiles;
-    // Stages tile `it`: the queries and output gradients of one head's query tile, with their
-    // log-sum-exp and delta rows.
-    auto stage = [&](int it, int buf) {
-        int h = kvh * group + it / q_tiles, i0 = k0 + (it % q_tiles) * TITAN_TC_ROWS;
+    // Stages the next tile (tiles are staged in order, so the head and query tile advance by
+    // counting instead of dividing): the queries and output gradients of one head's query tile,
+    // with their log-sum-exp (base 2) and delta rows. Queries past `seq` are zero with lse2 = +inf,
+    // so they get p = 0.
+    int staged_head = 0, staged_tile = 0;
+    auto stage = [&](int, int buf) {
+        int h = kvh * group + staged_head, i0 = k0 + staged_tile * TITAN_TC_ROWS;
+        if (++staged_tile == q_tiles) {
+            staged_tile = 0;
+            ++staged_head;
+        }
         i64 head_off = (i64)b * seq * q_stride + (i64)h * D;
         load_tile<D>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
         load_tile<D>(do_tile + buf * TILE, dout + head_off, q_stride, i0, seq);
         if (threadIdx.x < TITAN_TC_ROWS) {
             int i = i0 + threadIdx.x;
             i64 row = ((i64)b * n_heads + h) * seq + i;
-            lse_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? lse[row] : 0.0f;
+            lse2_s[buf * TITAN_TC_ROWS + threadIdx.x] =
+                i < seq ? lse[row] * TITAN_LOG2E : -TITAN_NEG_INF;
             delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
         }
         async_commit();
     };
     stage(0, 0);
-    for (int it = 0; it < n_tiles; ++it) {
+    for (int it = 0, query_tile = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
-        int i0 = k0 + (it % q_tiles) * TITAN_TC_ROWS;
         const bf16_bits* q_tile = qs + cur * TILE;
         const bf16_bits* d_tile = do_tile + cur * TILE;
-        const float* lse_t = lse_s + cur * TITAN_TC_ROWS;
+        const float* lse2_t = lse2_s + cur * TITAN_TC_ROWS;
         const float* delta_t = delta_s + cur * TITAN_TC_ROWS;
-        // Transposed scores: rows are this warp's keys, columns the tile's queries.
         float p[8][4], dp[8][4];
         product_with_tile_rows<D>(p, ka, q_tile);
         if (WANT_K) product_with_tile_rows<D>(dp, va, d_tile);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                int c = nt * 8 + 2 * t + e, i = i0 + c;
-                bool ok0 = i >= r0 && i < seq && r0 < seq;
-                bool ok1 = i >= r1 && i < seq && r1 < seq;
-                float p0 = ok0 ? expf(p[nt][e] * scale - lse_t[c]) : 0.0f;
-                float p1 = ok1 ? expf(p[nt][2 + e] * scale - lse_t[c]) : 0.0f;
-                if (WANT_K) {
-                    dp[nt][e] = p0 * (dp[nt][e] - delta_t[c]) * scale;
-                    dp[nt][2 + e] = p1 * (dp[nt][2 + e] - delta_t[c]) * scale;
-                }
-                p[nt][e] = p0;
-                p[nt][2 + e] = p1;
-            }
-        }
+        // Each head's first query tile is the diagonal one (its queries start at k0).
+        bool diagonal = query_tile == 0;
+        if (++query_tile == q_tiles) query_tile = 0;
+        if (!diagonal)
+            dkdv_scores<WANT_K, false>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
+        else
+            dkdv_scores<WANT_K, true>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
         if (WANT_V) accumulate_times_tile<D>(acc_v, p, d_tile);
         if (WANT_K) accumulate_times_tile<D>(acc_k, dp, q_tile);
         tile_end<STAGES>(stage, it, n_tiles);
     }
-    if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, 1.0f, 1.0f);
+    if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, scale, scale);
     if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
 }
 

@@ -41,20 +41,20 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
     return a;
 }
 
-// Four 8x8 bf16 matrices from shared memory, one row address per lane (lanes 8i..8i+7 address
+// Four 8x8 bf16 matrices from shared memory, one row address (shared_address) per lane (lanes 8i..8i+7 address
 // matrix i's rows); register i gets matrix i's fragment: row g, columns 2t, 2t + 1, or with TRANS
 // rows 2t, 2t + 1 of column g.
 template <bool TRANS>
-__device__ __forceinline__ void load_matrices(u32* r, const bf16_bits* row_address) {
+__device__ __forceinline__ void load_matrices(u32* r, u32 row_address) {
 #ifdef TITAN_TC_AVAILABLE
     if (TRANS) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(shared_address(row_address)));
+                     : "r"(row_address));
     } else {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(shared_address(row_address)));
+                     : "r"(row_address));
     }
 #else
     asm volatile("trap;");
@@ -76,13 +76,23 @@ __device__ __forceinline__ void async_wait() {
 #endif
 }
 
-// One 16-byte copy from global to shared memory, queued (visible after async_wait and a barrier).
-__device__ __forceinline__ void copy_async_16(bf16_bits* shared_dst, const bf16_bits* global_src) {
+// One 16-byte copy from global memory to a shared address (shared_address), queued (visible after
+// async_wait and a barrier). With `valid` false it writes 16 zero bytes and reads nothing (PTX's
+// src-size 0), so a tile's edge needs no branch.
+__device__ __forceinline__ void copy_async_16(u32 shared_dst, const bf16_bits* global_src,
+                                              bool valid) {
 #ifdef TITAN_TC_AVAILABLE
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared_dst)),
-                 "l"(global_src)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_dst),
+                 "l"(global_src), "r"(valid ? 16u : 0u)
                  : "memory");
 #else
     asm volatile("trap;");
 #endif
+}
+
+// 2^x by the special-function unit (relative error about 2^-22; -inf gives 0). Any sm_50+ GPU.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
