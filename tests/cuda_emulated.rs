@@ -1,7 +1,8 @@
-//! The tensor-core attention kernels run on the CPU: `tests/cuda_emu/` compiles their CUDA C source
-//! with the host C++ compiler against an emulator of the CUDA dialect and of the PTX tensor-core
-//! instructions, and checks forward and backward against a float64 reference. This is how a change
-//! to those kernels is tested on machines without a GPU; `scripts/gpu_check.sh` tests them on one.
+//! CUDA kernels run on the CPU: `tests/cuda_emu/` compiles their CUDA C source with the host C++
+//! compiler against an emulator of the CUDA dialect and of the PTX tensor-core instructions, and
+//! checks them against references: the tensor-core attention (forward and backward) against float64,
+//! the multi-tensor optimizer kernels against the single-tensor ones. This is how a change to those
+//! kernels is tested on machines without a GPU; `scripts/gpu_check.sh` tests them on one.
 //! Outside CI a machine with no C++ compiler skips it; in CI (`CI` set) that fails.
 
 use std::path::{Path, PathBuf};
@@ -48,19 +49,31 @@ fn build(cxx: &str, source: &str, out: &Path) {
     );
 }
 
-#[test]
-fn tensor_core_attention_matches_a_float64_reference_on_the_emulator() {
+/// Builds and runs one check program of tests/cuda_emu; it must succeed with `ok_lines` outputs
+/// reported ok (a check that silently skipped a kernel would print fewer).
+fn run_check(source: &str, ok_lines: usize) {
     let Some(cxx) = cxx() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let exe = dir.path().join("attention_tc_check");
-    build(&cxx, "attention_tc_check.cpp", &exe);
+    let exe = dir.path().join("check");
+    build(&cxx, source, &exe);
     let o = Command::new(&exe).output().expect("run the emulated check");
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success() && stdout.contains("all outputs within tolerance"),
-        "{stdout}\n{}",
+        "{source}:\n{stdout}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    // Five shapes, five outputs each: a check that silently skipped a kernel would print fewer.
-    assert_eq!(stdout.matches(" ok\n").count(), 25, "{stdout}");
+    assert_eq!(stdout.matches(" ok\n").count(), ok_lines, "{stdout}");
+}
+
+#[test]
+fn tensor_core_attention_matches_a_float64_reference_on_the_emulator() {
+    // Five shapes, five outputs each.
+    run_check("attention_tc_check.cpp", 25);
+}
+
+#[test]
+fn multi_tensor_kernels_match_the_single_tensor_ones_on_the_emulator() {
+    // AdamW's three outputs, the bf16 copy, the sum of squares.
+    run_check("multi_tensor_check.cpp", 5);
 }

@@ -497,6 +497,7 @@ fn adamw_matches_pytorch_formula() {
             eps: 1e-8,
             weight_decay: 0.1,
             step,
+            grad_scale: 1.0,
         };
         be.adamw_step(&mut p, &g, &mut m, &mut v, hp);
         for i in 0..n {

@@ -338,6 +338,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             eps: 1e-8,
             weight_decay: 0.1,
             step: 7,
+            grad_scale: 0.75,
         };
         self.reference
             .adamw_step(&mut rp, &rg, &mut rm, &mut rv, hp);
@@ -349,6 +350,78 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (rb, tb) = self.both(&big);
         let (rs, ts) = (self.reference.sum_squares(&rb), self.test.sum_squares(&tb));
         self.record("sum_squares", &[ts as f32], &[rs as f32], self.tol.exact);
+    }
+
+    /// The multi-tensor ops over a list with an empty tensor and lengths on both sides of the
+    /// device kernels' 8192-element chunks.
+    fn multi_tensor(&mut self) {
+        let lens = [3000, 0, 8192, 1, 8193, 20000, 5];
+        let (mut rp, mut tp) = self.both_list(&lens, 1.0);
+        let (rg, tg) = self.both_list(&lens, 0.1);
+        let (mut rm, mut tm) = self.both_list(&lens, 0.01);
+        let (mut rv, mut tv) = self.both_list(&lens, -1e-3);
+        let hp = AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 3,
+            grad_scale: 0.5,
+        };
+        self.reference
+            .adamw_step_all(&mut rp, &rg, &mut rm, &mut rv, hp);
+        self.test.adamw_step_all(&mut tp, &tg, &mut tm, &mut tv, hp);
+        for (what, r, t) in [
+            ("param", &rp, &tp),
+            ("exp_avg", &rm, &tm),
+            ("exp_avg_sq", &rv, &tv),
+        ] {
+            let (rv, tv) = (self.download_all_reference(r), self.download_all_test(t));
+            self.record(&format!("adamw_step_all {what}"), &tv, &rv, self.tol.exact);
+        }
+        let (rs, ts) = (
+            self.reference.sum_squares_all(&rg),
+            self.test.sum_squares_all(&tg),
+        );
+        self.record(
+            "sum_squares_all",
+            &[ts as f32],
+            &[rs as f32],
+            self.tol.exact,
+        );
+        // From identical inputs (the gradients), so the rounding must agree exactly.
+        self.reference.copy_rounded_to_bf16_all(&mut rm, &rg);
+        self.test.copy_rounded_to_bf16_all(&mut tm, &tg);
+        let (rc, tc) = (
+            self.download_all_reference(&rm),
+            self.download_all_test(&tm),
+        );
+        self.record("copy_rounded_to_bf16_all", &tc, &rc, 0.0);
+    }
+
+    /// Random tensors of the given lengths on both backends (uniform in ±scale; with a negative
+    /// scale, magnitudes only, as second moments are).
+    fn both_list(&mut self, lens: &[usize], scale: f32) -> (Vec<R::Buf>, Vec<T::Buf>) {
+        lens.iter()
+            .map(|&n| {
+                let mut values = self.random(n, scale.abs());
+                if scale < 0.0 {
+                    values.iter_mut().for_each(|v| *v = v.abs());
+                }
+                self.both(&values)
+            })
+            .unzip()
+    }
+
+    fn download_all_reference(&self, bufs: &[R::Buf]) -> Vec<f32> {
+        bufs.iter()
+            .flat_map(|b| self.reference.download(b))
+            .collect()
+    }
+
+    fn download_all_test(&self, bufs: &[T::Buf]) -> Vec<f32> {
+        bufs.iter().flat_map(|b| self.test.download(b)).collect()
     }
 }
 
@@ -415,6 +488,7 @@ pub fn check_ops<R: Backend, T: Backend>(
         ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),
         ("cross_entropy", Box::new(|c| c.cross_entropy())),
         ("adamw and norm", Box::new(|c| c.adamw_and_norm())),
+        ("multi-tensor", Box::new(|c| c.multi_tensor())),
     ];
     for (family, run) in families {
         let before = c.results.len();

@@ -57,6 +57,23 @@ pub struct AdamWStep {
     pub weight_decay: f32,
     /// 1-based step count, for bias correction.
     pub step: u64,
+    /// Factor the gradient is multiplied by before the update: gradient clipping's `max_norm /
+    /// norm`, or 1. The gradient buffers themselves are left as they are.
+    pub grad_scale: f32,
+}
+
+impl AdamWStep {
+    /// The per-step constants every AdamW kernel takes: the step size `lr / (1 − beta1^t)`, the
+    /// square root of the second bias correction `1 − beta2^t`, and the decay factor `1 − lr·wd`,
+    /// computed in f64 on the host so that every backend rounds them alike.
+    pub fn host_constants(&self) -> (f32, f32, f32) {
+        let bias1 = 1.0 - (self.beta1 as f64).powi(self.step as i32);
+        let bias2 = 1.0 - (self.beta2 as f64).powi(self.step as i32);
+        let step_size = (self.lr as f64 / bias1) as f32;
+        let bias2_sqrt = bias2.sqrt() as f32;
+        let decay = 1.0 - self.lr * self.weight_decay;
+        (step_size, bias2_sqrt, decay)
+    }
 }
 
 /// Sum of cross-entropies and the number of targets that counted (ids equal to `IGNORE_INDEX` do not).
@@ -241,6 +258,44 @@ pub trait Backend: Send + Sync {
     );
     /// Sum of squares in f64, reduced in a fixed order (deterministic).
     fn sum_squares(&self, buf: &Self::Buf) -> f64;
+    /// AdamW over a list of tensors (`params[i]` with `grads[i]` and its moments): on a device, one
+    /// launch for the whole list instead of one per tensor. Same arithmetic as `adamw_step`.
+    fn adamw_step_all(
+        &self,
+        params: &mut [Self::Buf],
+        grads: &[Self::Buf],
+        exp_avg: &mut [Self::Buf],
+        exp_avg_sq: &mut [Self::Buf],
+        hp: AdamWStep,
+    ) {
+        assert!(
+            grads.len() == params.len()
+                && exp_avg.len() == params.len()
+                && exp_avg_sq.len() == params.len(),
+            "adamw_step_all: the tensor lists differ in length"
+        );
+        for (((p, g), m), v) in params.iter_mut().zip(grads).zip(exp_avg).zip(exp_avg_sq) {
+            self.adamw_step(p, g, m, v, hp);
+        }
+    }
+    /// The sum of squares of every buffer in the list, each reduced as `sum_squares` does and the
+    /// results added in list order; a device waits once for the whole list. Deterministic.
+    fn sum_squares_all(&self, bufs: &[Self::Buf]) -> f64 {
+        bufs.iter().map(|b| self.sum_squares(b)).sum()
+    }
+    /// `dst[i] = src[i]` rounded to bf16 (kept in f32) for every pair: the bf16 compute copy of the
+    /// parameters, in one launch on a device.
+    fn copy_rounded_to_bf16_all(&self, dst: &mut [Self::Buf], src: &[Self::Buf]) {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "copy_rounded_to_bf16_all: list lengths differ"
+        );
+        for (d, s) in dst.iter_mut().zip(src) {
+            self.copy_from(d, s);
+            self.round_to_bf16(d);
+        }
+    }
     /// Rounds every value to the nearest bf16 (ties to even; NaN stays NaN), kept in f32: the
     /// parameters that bf16 mixed precision computes with.
     fn round_to_bf16(&self, buf: &mut Self::Buf);

@@ -179,9 +179,6 @@ impl<B: Backend> ParamSet<B> {
 
     /// Makes this set (same shapes) the compute copy of `master`: copied, then rounded to bf16.
     pub fn refresh_bf16_copy(&mut self, backend: &B, master: &ParamSet<B>) {
-        for (dst, src) in self.bufs.iter_mut().zip(&master.bufs) {
-            backend.copy_from(dst, src);
-            backend.round_to_bf16(dst);
-        }
+        backend.copy_rounded_to_bf16_all(&mut self.bufs, &master.bufs);
     }
 }

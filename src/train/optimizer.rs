@@ -1,5 +1,5 @@
-//! AdamW over a parameter set: fp32 moments laid out like the parameters, one fused kernel call
-//! per tensor, and global-norm gradient clipping.
+//! AdamW over a parameter set: fp32 moments laid out like the parameters, one fused multi-tensor
+//! kernel call for the whole set, and global-norm gradient clipping folded into it.
 
 use crate::backend::{AdamWStep, Backend};
 use crate::config::OptimizerConfig;
@@ -20,7 +20,8 @@ impl<B: Backend> AdamW<B> {
         }
     }
 
-    /// One update at `lr`; `step` is 1-based (bias correction).
+    /// One update at `lr`; `step` is 1-based (bias correction). Each gradient is multiplied by
+    /// `grad_scale` (the clipping factor, `clip_factor`) as it is read; the gradients are unchanged.
     pub fn step(
         &mut self,
         be: &B,
@@ -28,6 +29,7 @@ impl<B: Backend> AdamW<B> {
         grads: &ParamSet<B>,
         lr: f64,
         step: u64,
+        grad_scale: f32,
     ) {
         let hp = AdamWStep {
             lr: lr as f32,
@@ -36,35 +38,29 @@ impl<B: Backend> AdamW<B> {
             eps: self.cfg.eps as f32,
             weight_decay: self.cfg.weight_decay as f32,
             step,
+            grad_scale,
         };
-        for i in 0..params.len() {
-            be.adamw_step(
-                &mut params.bufs[i],
-                &grads.bufs[i],
-                &mut self.exp_avg.bufs[i],
-                &mut self.exp_avg_sq.bufs[i],
-                hp,
-            );
-        }
+        be.adamw_step_all(
+            &mut params.bufs,
+            &grads.bufs,
+            &mut self.exp_avg.bufs,
+            &mut self.exp_avg_sq.bufs,
+            hp,
+        );
     }
 }
 
 /// The global L2 norm of all gradients (tensors summed in order, so it is deterministic).
 pub fn grad_norm<B: Backend>(be: &B, grads: &ParamSet<B>) -> f64 {
-    grads
-        .bufs
-        .iter()
-        .map(|g| be.sum_squares(g))
-        .sum::<f64>()
-        .sqrt()
+    be.sum_squares_all(&grads.bufs).sqrt()
 }
 
-/// Scales gradients so that their global norm is at most `max_norm` (PyTorch's `clip_grad_norm_`).
-pub fn clip_grads<B: Backend>(be: &B, grads: &mut ParamSet<B>, norm: f64, max_norm: f64) {
+/// The factor that brings the gradients' global norm down to `max_norm` when it is above (PyTorch's
+/// `clip_grad_norm_`), else 1; AdamW applies it as it reads each gradient.
+pub fn clip_factor(norm: f64, max_norm: f64) -> f32 {
     if max_norm > 0.0 && norm > max_norm {
-        let factor = (max_norm / (norm + 1e-6)) as f32;
-        for g in &mut grads.bufs {
-            be.scale(g, factor);
-        }
+        (max_norm / (norm + 1e-6)) as f32
+    } else {
+        1.0
     }
 }

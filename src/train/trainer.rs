@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::lr::LrSchedule;
 use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
-use super::optimizer::{clip_grads, grad_norm, AdamW};
+use super::optimizer::{clip_factor, grad_norm, AdamW};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::{Backend, IGNORE_INDEX};
@@ -497,17 +497,19 @@ fn train_step_fsdp<B: Backend>(
             .sum;
     }
     let loss = all_reduce_sum_f64(group, loss_sum)? / targets.max(1) as f64;
-    let local_sq: f64 = fsdp
-        .grad_shards
-        .bufs
-        .iter()
-        .map(|g| be.sum_squares(g))
-        .sum();
+    let local_sq = be.sum_squares_all(&fsdp.grad_shards.bufs);
     // Replicas (HSDP) hold the same gradient shards: the norm sums over one replica's shards.
     let norm = all_reduce_sum_f64(fsdp.shard_group(), local_sq)?.sqrt();
     if loss.is_finite() && norm.is_finite() {
-        clip_grads(be, &mut fsdp.grad_shards, norm, max_norm);
-        opt.step(be, &mut fsdp.shards, &fsdp.grad_shards, lr, step);
+        let grad_scale = clip_factor(norm, max_norm);
+        opt.step(
+            be,
+            &mut fsdp.shards,
+            &fsdp.grad_shards,
+            lr,
+            step,
+            grad_scale,
+        );
     }
     Ok((loss, norm))
 }
@@ -589,8 +591,7 @@ pub fn train_step<B: Backend>(
     let loss = loss_sum / targets.max(1) as f64;
     let norm = grad_norm(be, grads);
     if loss.is_finite() && norm.is_finite() {
-        clip_grads(be, grads, norm, max_norm);
-        opt.step(be, params, grads, lr, step);
+        opt.step(be, params, grads, lr, step, clip_factor(norm, max_norm));
     }
     Ok((loss, norm))
 }

@@ -44,6 +44,18 @@ inline EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 using std::max;
 using std::min;
 
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    std::memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+inline float __uint_as_float(unsigned v) {
+    float f;
+    std::memcpy(&f, &v, sizeof f);
+    return f;
+}
+
 inline float __int_as_float(int v) {
     float f;
     std::memcpy(&f, &v, sizeof f);

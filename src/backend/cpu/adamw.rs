@@ -14,11 +14,7 @@ pub fn adamw_step(
     exp_avg_sq: &mut [f32],
     hp: AdamWStep,
 ) {
-    let bias1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
-    let bias2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
-    let step_size = (hp.lr as f64 / bias1) as f32;
-    let bias2_sqrt = bias2.sqrt() as f32;
-    let decay = 1.0 - hp.lr * hp.weight_decay;
+    let (step_size, bias2_sqrt, decay) = hp.host_constants();
     let (b1, b2, eps) = (hp.beta1, hp.beta2, hp.eps);
     param
         .par_chunks_mut(CHUNK)
@@ -27,6 +23,18 @@ pub fn adamw_step(
         .enumerate()
         .for_each(|(c, ((p, m), v))| {
             let g = &grad[c * CHUNK..c * CHUNK + p.len()];
-            adamw_chunk(p, g, m, v, b1, b2, eps, step_size, bias2_sqrt, decay);
+            adamw_chunk(
+                p,
+                g,
+                m,
+                v,
+                b1,
+                b2,
+                eps,
+                step_size,
+                bias2_sqrt,
+                decay,
+                hp.grad_scale,
+            );
         });
 }

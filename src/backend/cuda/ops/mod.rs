@@ -50,8 +50,8 @@ macro_rules! pass_through {
     };
 }
 pass_through!(
-    i32, i64, f32, CudaSlice<u16>, CudaSlice<u32>, CudaSlice<f32>, CudaSlice<f64>, CudaView<'_, f32>,
-    CudaView<'_, u32>;
+    i32, i64, f32, CudaSlice<u16>, CudaSlice<u32>, CudaSlice<u64>, CudaSlice<i64>, CudaSlice<f32>,
+    CudaSlice<f64>, CudaView<'_, f32>, CudaView<'_, u32>;
     mut CudaSlice<f32>, CudaSlice<f64>, CudaViewMut<'_, f32>
 );
 
@@ -79,6 +79,8 @@ macro_rules! launch {
             .unwrap_or_else(|e| panic!("CUDA kernel `{}` failed: {e}", $name));
     }};
 }
+
+mod multi_tensor;
 
 fn check_len(op: &str, what: &str, have: usize, need: usize) {
     assert!(
@@ -796,12 +798,7 @@ impl Backend for CudaBackend {
                 ("exp_avg_sq", exp_avg_sq.len()),
             ],
         );
-        // The same host-side constants as the CPU kernel, so both round alike.
-        let bias1 = 1.0 - (hp.beta1 as f64).powi(hp.step as i32);
-        let bias2 = 1.0 - (hp.beta2 as f64).powi(hp.step as i32);
-        let step_size = (hp.lr as f64 / bias1) as f32;
-        let bias2_sqrt = bias2.sqrt() as f32;
-        let decay = 1.0 - hp.lr * hp.weight_decay;
+        let (step_size, bias2_sqrt, decay) = hp.host_constants();
         launch_elementwise!(
             self,
             "adamw_step",
@@ -816,7 +813,30 @@ impl Backend for CudaBackend {
             &step_size,
             &bias2_sqrt,
             &decay,
+            &hp.grad_scale,
         );
+    }
+
+    fn adamw_step_all(
+        &self,
+        params: &mut [Buf],
+        grads: &[Buf],
+        exp_avg: &mut [Buf],
+        exp_avg_sq: &mut [Buf],
+        hp: AdamWStep,
+    ) {
+        let _timer = self.profiler.time_on("adamw_step_all", self);
+        self.adamw_all(params, grads, exp_avg, exp_avg_sq, hp);
+    }
+
+    fn sum_squares_all(&self, bufs: &[Buf]) -> f64 {
+        let _timer = self.profiler.time_on("sum_squares_all", self);
+        self.sum_squares_list(bufs)
+    }
+
+    fn copy_rounded_to_bf16_all(&self, dst: &mut [Buf], src: &[Buf]) {
+        let _timer = self.profiler.time_on("copy_rounded_to_bf16_all", self);
+        self.copy_rounded_all(dst, src);
     }
 
     fn sum_squares(&self, buf: &Buf) -> f64 {
