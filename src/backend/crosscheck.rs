@@ -398,6 +398,17 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             self.download_all_test(&tm),
         );
         self.record("copy_rounded_to_bf16_all", &tc, &rc, 0.0);
+        // A GEMM reading a compute-copy tensor (tensor 2, 8192 values, as a 64 × 128 weight): on a
+        // device it reads the bf16 twin the copy wrote.
+        let (m, k, n) = (33, 128, 64);
+        let x = self.random(m * k, 1.0);
+        let (rx, tx) = self.both(&x);
+        let (mut ro, mut to) = (self.reference.zeros(m * n), self.test.zeros(m * n));
+        self.reference
+            .matmul(&mut ro, &rx, &rm[2], m, k, n, false, true, false);
+        self.test
+            .matmul(&mut to, &tx, &tm[2], m, k, n, false, true, false);
+        self.compare("matmul on the compute copy", &ro, &to, self.tol.gemm);
     }
 
     /// Random tensors of the given lengths on both backends (uniform in ±scale; with a negative

@@ -313,6 +313,11 @@ pub trait Backend: Send + Sync {
     fn scratch_bytes(&self, _tokens: usize, _dim: usize, _hidden: usize, _vocab: usize) -> u64 {
         0
     }
+    /// Bytes per parameter of the bf16 compute copy that `copy_rounded_to_bf16_all` keeps: the f32
+    /// rounded values, plus on a device the bf16 twin its GEMMs read.
+    fn compute_copy_bytes_per_param(&self) -> u64 {
+        4
+    }
     /// The device's datasheet peak TFLOP/s at the precision in use, for MFU (None when unknown, and
     /// on the CPU, whose default comes from the thread count).
     fn peak_tflops(&self) -> Option<f64> {

@@ -122,7 +122,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let mut estimate = crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq)
         .with_backend_scratch(be, &args, a.batch, a.seq);
     if param_dtype == crate::model::ParamDtype::BFloat16 {
-        estimate = estimate.with_compute_copy();
+        estimate = estimate.with_compute_copy(be);
     }
     crate::train::memory::check_fits(
         &estimate,

@@ -150,7 +150,7 @@ impl NcclGroup {
         if buf.is_empty() {
             return Ok(());
         }
-        let p = buf.device_address(&self.stream);
+        let p = buf.device_address_mut(&self.stream);
         // SAFETY: p addresses buf.len() floats on this communicator's device.
         unsafe {
             nccl::all_reduce(
@@ -184,7 +184,7 @@ impl NcclGroup {
         }
         let (src, dst) = (
             input.device_address(&self.stream),
-            output.device_address(&self.stream),
+            output.device_address_mut(&self.stream),
         );
         // SAFETY: the lengths were checked above.
         unsafe {
@@ -223,7 +223,7 @@ impl NcclGroup {
         }
         let (src, dst) = (
             input.device_address(&self.stream),
-            output.device_address(&self.stream),
+            output.device_address_mut(&self.stream),
         );
         // SAFETY: the lengths were checked above.
         unsafe {

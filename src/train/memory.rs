@@ -17,7 +17,8 @@ pub struct MemoryEstimate {
     pub activations: u64,
     /// Working memory of the backend's kernels.
     pub scratch: u64,
-    /// The bf16-rounded compute copy of the weights (bf16 mixed precision without FSDP), kept in f32.
+    /// The bf16-rounded compute copy of the weights (bf16 mixed precision without FSDP): f32, and on
+    /// CUDA its bf16 twin too.
     pub compute_copy: u64,
 }
 
@@ -46,9 +47,10 @@ impl MemoryEstimate {
         self
     }
 
-    /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP.
-    pub fn with_compute_copy(mut self) -> Self {
-        self.compute_copy = self.params;
+    /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP, as `be`
+    /// stores it (`Backend::compute_copy_bytes_per_param`).
+    pub fn with_compute_copy<B: Backend>(mut self, be: &B) -> Self {
+        self.compute_copy = self.params / 4 * be.compute_copy_bytes_per_param();
         self
     }
 

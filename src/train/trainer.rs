@@ -141,7 +141,7 @@ fn train_on<B: Backend>(
     let mut est =
         MemoryEstimate::new(&args, batch, seq).with_backend_scratch(be, &args, batch, seq);
     if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
-        est = est.with_compute_copy();
+        est = est.with_compute_copy(be);
     }
     check_fits(
         &est,

@@ -77,11 +77,21 @@ int main() {
     List copy = random_list(rng, lens, 1.0f, false), copy_ref = p;
     for (auto& t : copy_ref.tensors)
         for (float& x : t) x = round_bf16(x);
+    std::vector<std::vector<unsigned short>> bits;
+    std::vector<unsigned short*> bit_pointers;
+    for (int len : lens) bits.emplace_back(len, 0xffff);
+    for (auto& b : bits) bit_pointers.push_back(b.data());
     emu::launch(grid, 256, [&] {
-        copy_rounded_to_bf16_all(copy.pointers.data(), (const float* const*)p.pointers.data(),
-                                 offsets.data(), n);
+        copy_rounded_to_bf16_all(copy.pointers.data(), bit_pointers.data(),
+                                 (const float* const*)p.pointers.data(), offsets.data(), n);
     });
     ok &= same_bits("copy_rounded_to_bf16_all", copy, copy_ref);
+    bool bits_ok = true;
+    for (size_t t = 0; t < bits.size(); ++t)
+        for (size_t j = 0; j < bits[t].size(); ++j)
+            bits_ok &= (unsigned)bits[t][j] << 16 == __float_as_uint(copy_ref.tensors[t][j]);
+    std::printf("%-26s %s\n", "copy_rounded_to_bf16_all bf16 bits", bits_ok ? "equal ok" : "FAILED");
+    ok &= bits_ok;
 
     double want = 0.0;
     for (auto& t : g.tensors)

@@ -1,8 +1,9 @@
 //! Row-major GEMMs on cuBLASLt with f32 storage and a chosen compute precision: exact fp32, TF32 or
-//! bf16 tensor cores. For bf16 both operands are first rounded into bf16 scratch buffers (one
-//! conversion kernel each), so cuBLASLt runs its native bf16 kernels, which read half the bytes and
-//! run about twice as fast as its f32-input "fast bf16" mode; products accumulate in fp32 and the
-//! output stays f32.
+//! bf16 tensor cores. For bf16 both operands are read as bf16: an operand's own bf16 copy where it
+//! has one (the parameters' compute copy, `CudaBuf`), else its values rounded into a bf16 scratch
+//! buffer by one conversion kernel. cuBLASLt then runs its native bf16 kernels, which read half the
+//! bytes and run about twice as fast as its f32-input "fast bf16" mode; products accumulate in fp32
+//! and the output stays f32.
 //!
 //! cuBLASLt is column-major; a row-major `[r, c]` buffer is the column-major `[c, r]` matrix, so
 //! `out = op(a)·op(b)` is computed as `outᵀ = op(b)ᵀ·op(a)ᵀ` with the operands swapped. Layouts,
@@ -52,6 +53,22 @@ impl GemmPrecision {
             GemmPrecision::TFloat32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             GemmPrecision::BFloat16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
         }
+    }
+}
+
+/// One GEMM input by device address: f32 values and, where the buffer has one, their bf16 copy
+/// (`CudaBuf`), which a bf16 GEMM reads as is instead of converting the f32 values again.
+#[derive(Debug, Clone, Copy)]
+pub struct GemmInput {
+    pub f32: u64,
+    pub bf16: Option<u64>,
+}
+
+impl GemmInput {
+    /// f32 values with no bf16 copy.
+    pub fn f32(values: &impl DevicePtr<f32>, stream: &CudaStream) -> Self {
+        let (f32, _sync) = values.device_ptr(stream);
+        GemmInput { f32, bf16: None }
     }
 }
 
@@ -260,8 +277,8 @@ impl Gemm {
     pub fn matmul(
         &self,
         out: &mut impl DevicePtrMut<f32>,
-        a: &impl DevicePtr<f32>,
-        b: &impl DevicePtr<f32>,
+        a: GemmInput,
+        b: GemmInput,
         m: usize,
         k: usize,
         n: usize,
@@ -291,12 +308,17 @@ impl Gemm {
         };
         let alpha = 1.0f32;
         let beta = if accumulate { 1.0f32 } else { 0.0f32 };
-        let (mut a_ptr, _ra) = a.device_ptr(&self.stream);
-        let (mut b_ptr, _rb) = b.device_ptr(&self.stream);
+        let (mut a_ptr, mut b_ptr) = (a.f32, b.f32);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if plan.bf16_inputs {
-            a_ptr = self.convert_to_bf16(&mut scratch[0], a_ptr, m * k)?;
-            b_ptr = self.convert_to_bf16(&mut scratch[1], b_ptr, k * n)?;
+            a_ptr = match a.bf16 {
+                Some(copy) => copy,
+                None => self.convert_to_bf16(&mut scratch[0], a.f32, m * k)?,
+            };
+            b_ptr = match b.bf16 {
+                Some(copy) => copy,
+                None => self.convert_to_bf16(&mut scratch[1], b.f32, k * n)?,
+            };
         }
         let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
         let (out_ptr, _ro) = out.device_ptr_mut(&self.stream);

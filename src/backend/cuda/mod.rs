@@ -7,6 +7,7 @@
 //! (`kernels`). All work is queued on one stream; only `download`, the loss and `sum_squares`
 //! wait for it. The libraries are loaded at run time (`libs`), so titan builds and runs without CUDA.
 
+mod buffer;
 pub mod gemm;
 pub mod kernels;
 pub mod libs;
@@ -17,50 +18,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
-};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 
+pub use buffer::CudaBuf;
 pub use gemm::GemmPrecision;
 
 use super::profile::{OpProfiler, WaitForDevice};
 use libs::{require, CudaLib};
-
-/// One f32 device buffer. Holds at least one element: the driver refuses zero-byte allocations,
-/// and the model does ask for empty buffers (unused gradient slots, empty FSDP shards).
-pub struct CudaBuf {
-    data: CudaSlice<f32>,
-    len: usize,
-}
-
-impl CudaBuf {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// A view of `range` (within the logical length).
-    pub fn slice(&self, range: std::ops::Range<usize>) -> CudaView<'_, f32> {
-        assert!(range.end <= self.len, "slice beyond the buffer");
-        self.data.slice(range)
-    }
-
-    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> CudaViewMut<'_, f32> {
-        assert!(range.end <= self.len, "slice beyond the buffer");
-        self.data.slice_mut(range)
-    }
-
-    /// Raw device address, for libraries that take pointers (NCCL). The caller orders its use on
-    /// the backend's stream.
-    pub fn device_address(&self, stream: &CudaStream) -> u64 {
-        use cudarc::driver::DevicePtr;
-        let (ptr, _sync) = self.data.device_ptr(stream);
-        ptr
-    }
-}
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -208,10 +172,7 @@ impl CudaBackend {
     }
 
     fn buffer(&self, len: usize) -> CudaBuf {
-        CudaBuf {
-            data: self.alloc(len),
-            len,
-        }
+        CudaBuf::new(self.alloc(len), len)
     }
 }
 

@@ -45,10 +45,16 @@ extern "C" __global__ void adamw_step_all(float* const* p, const float* const* g
     });
 }
 
-// dst[t][j] = src[t][j] rounded to bf16 (nearest even, NaN kept), stored as f32.
-extern "C" __global__ void copy_rounded_to_bf16_all(float* const* dst, const float* const* src,
-                                                    const i64* offsets, int n) {
-    for_each_listed(offsets, n, [&](int t, i64 j) { dst[t][j] = round_bf16(src[t][j]); });
+// dst[t][j] = src[t][j] rounded to bf16 (nearest even, NaN kept), stored as f32, and the same
+// value's bf16 bits in bits[t][j] (the copy bf16 GEMMs read).
+extern "C" __global__ void copy_rounded_to_bf16_all(float* const* dst, unsigned short* const* bits,
+                                                    const float* const* src, const i64* offsets,
+                                                    int n) {
+    for_each_listed(offsets, n, [&](int t, i64 j) {
+        float rounded = round_bf16(src[t][j]);
+        dst[t][j] = rounded;
+        bits[t][j] = (unsigned short)(__float_as_uint(rounded) >> 16);
+    });
 }
 
 // Sum of squares of the whole list in f64: each block writes one partial (blocks own fixed chunks,

@@ -6,6 +6,7 @@ use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
+use super::gemm::GemmInput;
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
 use super::{elementwise_config, row_threads, rows_config, CudaBackend, CudaBuf, GemmPrecision};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
@@ -22,14 +23,14 @@ trait KernelArg {
 impl<'a> KernelArg for &'a CudaBuf {
     type Arg = &'a CudaSlice<f32>;
     fn kernel_arg(self) -> Self::Arg {
-        &self.data
+        self.data()
     }
 }
 
 impl<'a> KernelArg for &'a mut CudaBuf {
     type Arg = &'a mut CudaSlice<f32>;
     fn kernel_arg(self) -> Self::Arg {
-        &mut self.data
+        self.data_mut()
     }
 }
 
@@ -116,12 +117,25 @@ impl CudaBackend {
         n
     }
 
+    /// A GEMM input that is a view (no bf16 copy).
+    fn view_input(&self, view: &impl DevicePtr<f32>) -> GemmInput {
+        GemmInput::f32(view, &self.stream)
+    }
+
+    /// A whole buffer as a GEMM input, with its bf16 copy when it has one.
+    fn buf_input(&self, buf: &Buf) -> GemmInput {
+        GemmInput {
+            f32: buf.device_address(&self.stream),
+            bf16: buf.bf16_address(&self.stream),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
-    fn gemm_views(
+    fn gemm(
         &self,
         out: &mut impl DevicePtrMut<f32>,
-        a: &impl DevicePtr<f32>,
-        b: &impl DevicePtr<f32>,
+        a: GemmInput,
+        b: GemmInput,
         m: usize,
         k: usize,
         n: usize,
@@ -215,10 +229,7 @@ impl Backend for CudaBackend {
             .stream
             .clone_htod(data)
             .unwrap_or_else(|e| panic!("CUDA: uploading {} floats failed: {e}", data.len()));
-        CudaBuf {
-            data: data_dev,
-            len: data.len(),
-        }
+        CudaBuf::new(data_dev, data.len())
     }
     fn download(&self, buf: &Buf) -> Vec<f32> {
         let _timer = self.profiler.time_on("download", self);
@@ -226,7 +237,7 @@ impl Backend for CudaBackend {
             return Vec::new();
         }
         self.stream
-            .clone_dtoh(&buf.data)
+            .clone_dtoh(buf.data())
             .unwrap_or_else(|e| panic!("CUDA: downloading {} floats failed: {e}", buf.len()))
     }
     fn len(&self, buf: &Buf) -> usize {
@@ -269,17 +280,8 @@ impl Backend for CudaBackend {
             }
             return;
         }
-        self.gemm_views(
-            &mut out.data,
-            &a.data,
-            &b.data,
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
-            accumulate,
-        );
+        let (a, b) = (self.buf_input(a), self.buf_input(b));
+        self.gemm(out.data_mut(), a, b, m, k, n, trans_a, trans_b, accumulate);
     }
 
     fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
@@ -724,10 +726,10 @@ impl Backend for CudaBackend {
             let n = chunk.min(rows - r0);
             let h_chunk = h.slice(r0 * dim..(r0 + n) * dim);
             let mut lc = logits.slice_mut(..n * vocab);
-            self.gemm_views(
+            self.gemm(
                 &mut lc,
-                &h_chunk,
-                &weight.data,
+                self.view_input(&h_chunk),
+                self.buf_input(weight),
                 n,
                 dim,
                 vocab,
@@ -751,10 +753,10 @@ impl Backend for CudaBackend {
             if let Some((dh, dweight)) = grads.as_mut() {
                 let mut dh_chunk = dh.slice_mut(r0 * dim..(r0 + n) * dim);
                 let lc = logits.slice(..n * vocab);
-                self.gemm_views(
+                self.gemm(
                     &mut dh_chunk,
-                    &lc,
-                    &weight.data,
+                    self.view_input(&lc),
+                    self.buf_input(weight),
                     n,
                     vocab,
                     dim,
@@ -763,7 +765,8 @@ impl Backend for CudaBackend {
                     true,
                 );
                 let mut dw = dweight.slice_mut(0..vocab * dim);
-                self.gemm_views(&mut dw, &lc, &h_chunk, vocab, n, dim, true, false, true);
+                let (lc, hc) = (self.view_input(&lc), self.view_input(&h_chunk));
+                self.gemm(&mut dw, lc, hc, vocab, n, dim, true, false, true);
             }
         }
         let losses = self
@@ -892,6 +895,9 @@ impl Backend for CudaBackend {
     }
     fn device_free_memory(&self) -> Option<u64> {
         self.memory_info().map(|(_, free)| free as u64)
+    }
+    fn compute_copy_bytes_per_param(&self) -> u64 {
+        4 + 2
     }
 }
 

@@ -1,10 +1,10 @@
 //! Host side of the multi-tensor kernels (kernels/multi_tensor.cu): the device tables that describe
 //! a list of buffers for one launch (a base-address array per operand and the prefix sums of the
-//! tensors' lengths), and the launches of AdamW, the bf16 compute copy and the sum of squares over
-//! a whole parameter set. The optimizer step then costs three launches instead of one per tensor
+//! tensors' lengths), and the launches of AdamW, the bf16 compute copy (with its bf16 twin for the
+//! GEMMs, see `CudaBuf`) and the sum of squares over a whole parameter set. The optimizer step then costs three launches instead of one per tensor
 //! and op, and the gradient norm waits for the GPU once instead of once per tensor.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{check_len, KernelArg};
 use crate::backend::cuda::{CudaBackend, CudaBuf};
@@ -26,43 +26,22 @@ struct TensorList {
 }
 
 impl CudaBackend {
-    /// The device tables for `operands[k][t]` (operand k of tensor t). Every operand of a tensor
-    /// must hold as many floats as the first.
-    fn tensor_list(&self, op: &str, operands: &[Vec<&CudaBuf>]) -> TensorList {
-        let first = &operands[0];
-        let mut offsets = Vec::with_capacity(first.len() + 1);
-        let mut total = 0usize;
+    /// The device tables for a list of `lens.len()` tensors, `addresses[k][t]` the base address of
+    /// operand k of tensor t.
+    fn tensor_list(&self, op: &str, lens: &[usize], addresses: &[Vec<u64>]) -> TensorList {
+        let mut offsets = Vec::with_capacity(lens.len() + 1);
         offsets.push(0i64);
-        for (t, buf) in first.iter().enumerate() {
-            for (k, operand) in operands.iter().enumerate().skip(1) {
-                assert_eq!(
-                    operand.len(),
-                    first.len(),
-                    "{op}: operand lists differ in length"
-                );
-                check_len(
-                    op,
-                    &format!("operand {k} of tensor {t}"),
-                    operand[t].len(),
-                    buf.len(),
-                );
-            }
-            total += buf.len();
+        let mut total = 0usize;
+        for &n in lens {
+            total += n;
             offsets.push(total as i64);
         }
-        let upload = |what: &str, host: &[u64]| {
-            self.stream
-                .clone_htod(host)
-                .unwrap_or_else(|e| panic!("CUDA: uploading the {what} of {op} failed: {e}"))
-        };
-        let pointers = operands
+        let pointers = addresses
             .iter()
             .map(|list| {
-                let addresses: Vec<u64> = list
-                    .iter()
-                    .map(|b| b.device_address(&self.stream))
-                    .collect();
-                upload("tensor addresses", &addresses)
+                self.stream.clone_htod(list).unwrap_or_else(|e| {
+                    panic!("CUDA: uploading the tensor addresses of {op} failed: {e}")
+                })
             })
             .collect();
         let offsets = self
@@ -72,9 +51,36 @@ impl CudaBackend {
         TensorList {
             pointers,
             offsets,
-            count: first.len() as i32,
+            count: lens.len() as i32,
             total,
         }
+    }
+
+    /// The lengths of `first`'s tensors, after checking that every other list has as many tensors,
+    /// each as long as its counterpart in `first`.
+    fn list_lengths(op: &str, first: &[CudaBuf], others: &[&[CudaBuf]]) -> Vec<usize> {
+        for (k, other) in others.iter().enumerate() {
+            assert_eq!(
+                other.len(),
+                first.len(),
+                "{op}: operand lists differ in length"
+            );
+            for (t, (a, b)) in first.iter().zip(other.iter()).enumerate() {
+                check_len(
+                    op,
+                    &format!("operand {} of tensor {t}", k + 1),
+                    b.len(),
+                    a.len(),
+                );
+            }
+        }
+        first.iter().map(CudaBuf::len).collect()
+    }
+
+    fn addresses(&self, list: &[CudaBuf]) -> Vec<u64> {
+        list.iter()
+            .map(|b| b.device_address(&self.stream))
+            .collect()
     }
 
     pub(super) fn adamw_all(
@@ -85,15 +91,14 @@ impl CudaBackend {
         exp_avg_sq: &mut [CudaBuf],
         hp: AdamWStep,
     ) {
-        let list = self.tensor_list(
-            "adamw_step_all",
-            &[
-                params.iter().collect(),
-                grads.iter().collect(),
-                exp_avg.iter().collect(),
-                exp_avg_sq.iter().collect(),
-            ],
-        );
+        let lens = Self::list_lengths("adamw_step_all", params, &[grads, exp_avg, exp_avg_sq]);
+        let addresses = [
+            self.addresses(params),
+            self.addresses(grads),
+            self.addresses(exp_avg),
+            self.addresses(exp_avg_sq),
+        ];
+        let list = self.tensor_list("adamw_step_all", &lens, &addresses);
         if list.total == 0 {
             return;
         }
@@ -118,32 +123,43 @@ impl CudaBackend {
         );
     }
 
+    /// `dst[t]` = `src[t]` rounded to bf16 (kept in f32), and the same values as bf16 in each
+    /// `dst[t]`'s bf16 copy, which bf16 GEMMs then read instead of converting the weights.
     pub(super) fn copy_rounded_all(&self, dst: &mut [CudaBuf], src: &[CudaBuf]) {
-        assert_eq!(
-            dst.len(),
-            src.len(),
-            "copy_rounded_to_bf16_all: list lengths differ"
-        );
-        let list = self.tensor_list(
-            "copy_rounded_to_bf16_all",
-            &[src.iter().collect(), dst.iter().collect()],
-        );
-        if list.total == 0 {
-            return;
+        let lens = Self::list_lengths("copy_rounded_to_bf16_all", src, &[dst]);
+        let copies: Vec<CudaSlice<u16>> = dst
+            .iter_mut()
+            .map(|b| b.take_bf16_storage(|capacity| self.alloc::<u16>(capacity)))
+            .collect();
+        let copy_addresses = copies
+            .iter()
+            .map(|c| {
+                let (ptr, _sync) = c.device_ptr(&self.stream);
+                ptr
+            })
+            .collect();
+        let addresses = [self.addresses(dst), copy_addresses, self.addresses(src)];
+        let list = self.tensor_list("copy_rounded_to_bf16_all", &lens, &addresses);
+        if list.total > 0 {
+            launch!(
+                self,
+                "copy_rounded_to_bf16_all",
+                chunked_config(list.total, usize::MAX),
+                &list.pointers[0],
+                &list.pointers[1],
+                &list.pointers[2],
+                &list.offsets,
+                &list.count,
+            );
         }
-        launch!(
-            self,
-            "copy_rounded_to_bf16_all",
-            chunked_config(list.total, usize::MAX),
-            &list.pointers[1],
-            &list.pointers[0],
-            &list.offsets,
-            &list.count,
-        );
+        for (buf, copy) in dst.iter_mut().zip(copies) {
+            buf.keep_bf16_copy(copy);
+        }
     }
 
     pub(super) fn sum_squares_list(&self, bufs: &[CudaBuf]) -> f64 {
-        let list = self.tensor_list("sum_squares_all", &[bufs.iter().collect()]);
+        let lens = Self::list_lengths("sum_squares_all", bufs, &[]);
+        let list = self.tensor_list("sum_squares_all", &lens, &[self.addresses(bufs)]);
         if list.total == 0 {
             return 0.0;
         }

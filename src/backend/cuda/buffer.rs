@@ -1,0 +1,102 @@
+//! `CudaBuf`, the CUDA backend's buffer: f32 device memory, and optionally a bf16 copy of it that
+//! bf16 GEMMs read instead of converting the operand again.
+//!
+//! The copy is only ever made by a kernel that writes the f32 values and their bf16 rounding
+//! together (the bf16 compute copy of the parameters, `copy_rounded_to_bf16_all`), and every way to
+//! write the f32 values goes through a `&mut self` method of this file that drops it first. So a
+//! buffer's bf16 copy, when it has one, always equals its values rounded to bf16, and a GEMM that
+//! uses it computes exactly what converting the operand would.
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
+
+/// One f32 device buffer. Holds at least one element: the driver refuses zero-byte allocations,
+/// and the model does ask for empty buffers (unused gradient slots, empty FSDP shards).
+pub struct CudaBuf {
+    data: CudaSlice<f32>,
+    len: usize,
+    /// `data` rounded to bf16 (nearest even), ⌈len/2⌉·2 values, when a kernel wrote both.
+    bf16: Option<CudaSlice<u16>>,
+}
+
+impl CudaBuf {
+    /// A buffer of `len` logical elements over `data` (which holds at least one).
+    pub(super) fn new(data: CudaSlice<f32>, len: usize) -> Self {
+        CudaBuf {
+            data,
+            len,
+            bf16: None,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device memory, for reading.
+    pub fn data(&self) -> &CudaSlice<f32> {
+        &self.data
+    }
+
+    /// The device memory, for writing: the bf16 copy no longer matches and is dropped.
+    pub fn data_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.bf16 = None;
+        &mut self.data
+    }
+
+    /// A view of `range` (within the logical length).
+    pub fn slice(&self, range: std::ops::Range<usize>) -> CudaView<'_, f32> {
+        assert!(range.end <= self.len, "slice beyond the buffer");
+        self.data.slice(range)
+    }
+
+    /// A writable view of `range`; drops the bf16 copy.
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> CudaViewMut<'_, f32> {
+        assert!(range.end <= self.len, "slice beyond the buffer");
+        self.data_mut().slice_mut(range)
+    }
+
+    /// Raw device address for reading, for libraries that take pointers (NCCL). The caller orders
+    /// its use on the backend's stream.
+    pub fn device_address(&self, stream: &CudaStream) -> u64 {
+        let (ptr, _sync) = self.data.device_ptr(stream);
+        ptr
+    }
+
+    /// Raw device address for writing; drops the bf16 copy.
+    pub fn device_address_mut(&mut self, stream: &CudaStream) -> u64 {
+        self.bf16 = None;
+        self.device_address(stream)
+    }
+
+    /// The bf16 copy's address, when the buffer has one.
+    pub fn bf16_address(&self, stream: &CudaStream) -> Option<u64> {
+        self.bf16.as_ref().map(|copy| {
+            let (ptr, _sync) = copy.device_ptr(stream);
+            ptr
+        })
+    }
+
+    /// Storage for a kernel that is about to write this buffer's values and their bf16 rounding
+    /// together: the old copy's memory when it is large enough, else `alloc(⌈len/2⌉·2)`. Hand it
+    /// back with `keep_bf16_copy` once that kernel is queued.
+    pub(super) fn take_bf16_storage(
+        &mut self,
+        alloc: impl FnOnce(usize) -> CudaSlice<u16>,
+    ) -> CudaSlice<u16> {
+        let capacity = self.len.div_ceil(2) * 2;
+        match self.bf16.take() {
+            Some(copy) if copy.len() >= capacity => copy,
+            _ => alloc(capacity),
+        }
+    }
+
+    /// Records `copy` as this buffer's bf16 copy. Only for the kernel that has just been queued to
+    /// write both (see the module doc): anything else would break the invariant GEMMs rely on.
+    pub(super) fn keep_bf16_copy(&mut self, copy: CudaSlice<u16>) {
+        self.bf16 = Some(copy);
+    }
+}
