@@ -111,6 +111,41 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 self.compare(&name, &rc, &tc, self.tol.gemm);
             }
         }
+        self.matmul_reuse();
+    }
+
+    /// One input in two GEMMs in a row (a device converts it to bf16 once and reuses the copy),
+    /// then rewritten and used again (the copy must not be reused).
+    fn matmul_reuse(&mut self) {
+        let (m, k, n) = (40, 96, 24);
+        let (a, b1, b2, a_new) = (
+            self.random(m * k, 1.0),
+            self.random(k * n, 1.0),
+            self.random(k * n, 1.0),
+            self.random(m * k, 1.0),
+        );
+        let (mut ra, mut ta) = self.both(&a);
+        let (rb1, tb1) = self.both(&b1);
+        let (rb2, tb2) = self.both(&b2);
+        let (ran, tan) = self.both(&a_new);
+        let (mut ro, mut to) = (self.reference.zeros(m * n), self.test.zeros(m * n));
+        for (name, b) in [
+            ("matmul reusing A", (&rb1, &tb1)),
+            ("matmul reusing A again", (&rb2, &tb2)),
+        ] {
+            self.reference
+                .matmul(&mut ro, &ra, b.0, m, k, n, false, false, false);
+            self.test
+                .matmul(&mut to, &ta, b.1, m, k, n, false, false, false);
+            self.compare(name, &ro, &to, self.tol.gemm);
+        }
+        self.reference.copy_from(&mut ra, &ran);
+        self.test.copy_from(&mut ta, &tan);
+        self.reference
+            .matmul(&mut ro, &ra, &rb2, m, k, n, false, false, false);
+        self.test
+            .matmul(&mut to, &ta, &tb2, m, k, n, false, false, false);
+        self.compare("matmul after A was rewritten", &ro, &to, self.tol.gemm);
     }
 
     fn embedding(&mut self) {

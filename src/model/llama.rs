@@ -475,6 +475,7 @@ impl<B: Backend> Llama<B> {
         );
         be.matmul(&mut g[id.w2], &ws.dx, &acts.act, d, n, f, true, false, true);
         be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, &acts.gate, &acts.up);
+        // Each gradient's two GEMMs back to back, so a device converts it to bf16 once.
         be.matmul(
             &mut ws.dnormed,
             &ws.dgate,
@@ -487,17 +488,6 @@ impl<B: Backend> Llama<B> {
             false,
         );
         be.matmul(
-            &mut ws.dnormed,
-            &ws.dup,
-            &p[id.w3],
-            n,
-            f,
-            d,
-            false,
-            false,
-            true,
-        );
-        be.matmul(
             &mut g[id.w1],
             &ws.dgate,
             &acts.normed_ffn,
@@ -505,6 +495,17 @@ impl<B: Backend> Llama<B> {
             n,
             d,
             true,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dup,
+            &p[id.w3],
+            n,
+            f,
+            d,
+            false,
             false,
             true,
         );
@@ -594,28 +595,6 @@ impl<B: Backend> Llama<B> {
             false,
         );
         be.matmul(
-            &mut ws.dnormed,
-            &ws.dk,
-            &p[id.wk],
-            n,
-            kvd,
-            d,
-            false,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut ws.dnormed,
-            &ws.dv,
-            &p[id.wv],
-            n,
-            kvd,
-            d,
-            false,
-            false,
-            true,
-        );
-        be.matmul(
             &mut g[id.wq],
             &ws.dq,
             &acts.normed_attn,
@@ -627,6 +606,17 @@ impl<B: Backend> Llama<B> {
             true,
         );
         be.matmul(
+            &mut ws.dnormed,
+            &ws.dk,
+            &p[id.wk],
+            n,
+            kvd,
+            d,
+            false,
+            false,
+            true,
+        );
+        be.matmul(
             &mut g[id.wk],
             &ws.dk,
             &acts.normed_attn,
@@ -634,6 +624,17 @@ impl<B: Backend> Llama<B> {
             n,
             d,
             true,
+            false,
+            true,
+        );
+        be.matmul(
+            &mut ws.dnormed,
+            &ws.dv,
+            &p[id.wv],
+            n,
+            kvd,
+            d,
+            false,
             false,
             true,
         );

@@ -6,8 +6,18 @@
 //! write the f32 values goes through a `&mut self` method of this file that drops it first. So a
 //! buffer's bf16 copy, when it has one, always equals its values rounded to bf16, and a GEMM that
 //! uses it computes exactly what converting the operand would.
+//!
+//! The same write paths bump the buffer's version, so `(id, version)` names the buffer's current
+//! contents: the GEMM's bf16 scratch remembers which contents it holds and skips converting the
+//! same operand again (the q, k and v projections of one input; a gradient used by both of its
+//! backward GEMMs).
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
+
+/// Source of buffer ids: never reused within a process.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// One f32 device buffer. Holds at least one element: the driver refuses zero-byte allocations,
 /// and the model does ask for empty buffers (unused gradient slots, empty FSDP shards).
@@ -16,6 +26,9 @@ pub struct CudaBuf {
     len: usize,
     /// `data` rounded to bf16 (nearest even), ⌈len/2⌉·2 values, when a kernel wrote both.
     bf16: Option<CudaSlice<u16>>,
+    id: u64,
+    /// Bumped by every write path.
+    version: u64,
 }
 
 impl CudaBuf {
@@ -25,7 +38,20 @@ impl CudaBuf {
             data,
             len,
             bf16: None,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            version: 0,
         }
+    }
+
+    /// `(id, version)`: names this buffer's current contents; any write changes it.
+    pub fn contents(&self) -> (u64, u64) {
+        (self.id, self.version)
+    }
+
+    /// Before any write: the bf16 copy no longer matches, and the contents change.
+    fn begin_write(&mut self) {
+        self.bf16 = None;
+        self.version += 1;
     }
 
     pub fn len(&self) -> usize {
@@ -43,7 +69,7 @@ impl CudaBuf {
 
     /// The device memory, for writing: the bf16 copy no longer matches and is dropped.
     pub fn data_mut(&mut self) -> &mut CudaSlice<f32> {
-        self.bf16 = None;
+        self.begin_write();
         &mut self.data
     }
 
@@ -68,7 +94,7 @@ impl CudaBuf {
 
     /// Raw device address for writing; drops the bf16 copy.
     pub fn device_address_mut(&mut self, stream: &CudaStream) -> u64 {
-        self.bf16 = None;
+        self.begin_write();
         self.device_address(stream)
     }
 
@@ -81,13 +107,14 @@ impl CudaBuf {
     }
 
     /// Storage for a kernel that is about to write this buffer's values and their bf16 rounding
-    /// together: the old copy's memory when it is large enough, else `alloc(⌈len/2⌉·2)`. Hand it
-    /// back with `keep_bf16_copy` once that kernel is queued.
+    /// together (this counts as the write): the old copy's memory when it is large enough, else
+    /// `alloc(⌈len/2⌉·2)`. Hand it back with `keep_bf16_copy` once that kernel is queued.
     pub(super) fn take_bf16_storage(
         &mut self,
         alloc: impl FnOnce(usize) -> CudaSlice<u16>,
     ) -> CudaSlice<u16> {
         let capacity = self.len.div_ceil(2) * 2;
+        self.version += 1;
         match self.bf16.take() {
             Some(copy) if copy.len() >= capacity => copy,
             _ => alloc(capacity),

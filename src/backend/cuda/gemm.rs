@@ -62,14 +62,29 @@ impl GemmPrecision {
 pub struct GemmInput {
     pub f32: u64,
     pub bf16: Option<u64>,
+    /// The buffer's `CudaBuf::contents` when the input is a whole buffer: a conversion of the same
+    /// contents still in the scratch is used again.
+    pub contents: Option<(u64, u64)>,
 }
 
 impl GemmInput {
-    /// f32 values with no bf16 copy.
+    /// f32 values with no bf16 copy (a view: never matched against the scratch).
     pub fn f32(values: &impl DevicePtr<f32>, stream: &CudaStream) -> Self {
         let (f32, _sync) = values.device_ptr(stream);
-        GemmInput { f32, bf16: None }
+        GemmInput {
+            f32,
+            bf16: None,
+            contents: None,
+        }
     }
+}
+
+/// A bf16 scratch buffer for one operand position, and which buffer contents (and how many
+/// values of them) it holds.
+#[derive(Default)]
+struct ScratchSlot {
+    copy: Option<CudaSlice<u16>>,
+    holds: Option<(u64, u64, usize)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -117,7 +132,7 @@ pub struct Gemm {
     /// The `f32_to_bf16` kernel.
     to_bf16: CudaFunction,
     /// bf16 copies of the two operands, grown to the largest GEMM and then reused.
-    scratch: Mutex<[Option<CudaSlice<u16>>; 2]>,
+    scratch: Mutex<[ScratchSlot; 2]>,
 }
 
 // SAFETY: the cuBLASLt handle is thread-safe; the plan cache is behind a mutex.
@@ -149,7 +164,7 @@ impl Gemm {
             plans: Mutex::new(HashMap::new()),
             warned_fallback: AtomicBool::new(false),
             to_bf16,
-            scratch: Mutex::new([None, None]),
+            scratch: Mutex::new(Default::default()),
         })
     }
 
@@ -313,11 +328,11 @@ impl Gemm {
         if plan.bf16_inputs {
             a_ptr = match a.bf16 {
                 Some(copy) => copy,
-                None => self.convert_to_bf16(&mut scratch[0], a.f32, m * k)?,
+                None => self.convert_to_bf16(&mut scratch[0], a, m * k)?,
             };
             b_ptr = match b.bf16 {
                 Some(copy) => copy,
-                None => self.convert_to_bf16(&mut scratch[1], b.f32, k * n)?,
+                None => self.convert_to_bf16(&mut scratch[1], b, k * n)?,
             };
         }
         let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
@@ -349,25 +364,26 @@ impl Gemm {
 }
 
 impl Gemm {
-    /// Rounds `len` f32 values at device address `src` into `slot` (grown when too small) and
-    /// returns the bf16 copy's address. Queued on the GEMM's stream, so it is ready for the call.
-    fn convert_to_bf16(
-        &self,
-        slot: &mut Option<CudaSlice<u16>>,
-        src: u64,
-        len: usize,
-    ) -> Result<u64> {
+    /// Rounds the first `len` f32 values of `input` into `slot` (grown when too small) and
+    /// returns the bf16 copy's address; when the slot already holds those values of the same
+    /// buffer contents, only returns it. Queued on the GEMM's stream, so it is ready for the call.
+    fn convert_to_bf16(&self, slot: &mut ScratchSlot, input: GemmInput, len: usize) -> Result<u64> {
+        let wanted = input.contents.map(|(id, version)| (id, version, len));
         let capacity = len.div_ceil(2) * 2;
-        if slot.as_ref().is_none_or(|s| s.len() < capacity) {
-            *slot = None;
-            *slot = Some(
+        if slot.copy.as_ref().is_none_or(|s| s.len() < capacity) {
+            slot.copy = None;
+            slot.holds = None;
+            slot.copy = Some(
                 self.stream
                     .alloc_zeros::<u16>(capacity)
                     .map_err(|e| anyhow!("allocating {len} bf16 GEMM operands: {e}"))?,
             );
         }
-        let dst = slot.as_mut().expect("allocated above");
-        launch_to_bf16(&self.stream, &self.to_bf16, dst, src, len)?;
+        let dst = slot.copy.as_mut().expect("allocated above");
+        if wanted.is_none() || slot.holds != wanted {
+            launch_to_bf16(&self.stream, &self.to_bf16, dst, input.f32, len)?;
+            slot.holds = wanted;
+        }
         let (ptr, _sync) = dst.device_ptr(&self.stream);
         Ok(ptr)
     }

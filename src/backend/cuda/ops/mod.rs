@@ -122,11 +122,12 @@ impl CudaBackend {
         GemmInput::f32(view, &self.stream)
     }
 
-    /// A whole buffer as a GEMM input, with its bf16 copy when it has one.
+    /// A whole buffer as a GEMM input, with its bf16 copy when it has one and its contents' name.
     fn buf_input(&self, buf: &Buf) -> GemmInput {
         GemmInput {
             f32: buf.device_address(&self.stream),
             bf16: buf.bf16_address(&self.stream),
+            contents: Some(buf.contents()),
         }
     }
 
