@@ -27,14 +27,17 @@ struct TensorList {
 
 impl CudaBackend {
     /// The device tables for a list of `lens.len()` tensors, `addresses[k][t]` the base address of
-    /// operand k of tensor t.
-    fn tensor_list(&self, op: &str, lens: &[usize], addresses: &[Vec<u64>]) -> TensorList {
+    /// operand k of tensor t; None when the tensors hold nothing (no launch needed).
+    fn tensor_list(&self, op: &str, lens: &[usize], addresses: &[Vec<u64>]) -> Option<TensorList> {
         let mut offsets = Vec::with_capacity(lens.len() + 1);
         offsets.push(0i64);
         let mut total = 0usize;
         for &n in lens {
             total += n;
             offsets.push(total as i64);
+        }
+        if total == 0 {
+            return None;
         }
         let pointers = addresses
             .iter()
@@ -48,12 +51,12 @@ impl CudaBackend {
             .stream
             .clone_htod(&offsets)
             .unwrap_or_else(|e| panic!("CUDA: uploading the offsets of {op} failed: {e}"));
-        TensorList {
+        Some(TensorList {
             pointers,
             offsets,
             count: lens.len() as i32,
             total,
-        }
+        })
     }
 
     /// The lengths of `first`'s tensors, after checking that every other list has as many tensors,
@@ -98,10 +101,9 @@ impl CudaBackend {
             self.addresses(exp_avg),
             self.addresses(exp_avg_sq),
         ];
-        let list = self.tensor_list("adamw_step_all", &lens, &addresses);
-        if list.total == 0 {
+        let Some(list) = self.tensor_list("adamw_step_all", &lens, &addresses) else {
             return;
-        }
+        };
         let (step_size, bias2_sqrt, decay) = hp.host_constants();
         launch!(
             self,
@@ -139,8 +141,7 @@ impl CudaBackend {
             })
             .collect();
         let addresses = [self.addresses(dst), copy_addresses, self.addresses(src)];
-        let list = self.tensor_list("copy_rounded_to_bf16_all", &lens, &addresses);
-        if list.total > 0 {
+        if let Some(list) = self.tensor_list("copy_rounded_to_bf16_all", &lens, &addresses) {
             launch!(
                 self,
                 "copy_rounded_to_bf16_all",
@@ -159,10 +160,9 @@ impl CudaBackend {
 
     pub(super) fn sum_squares_list(&self, bufs: &[CudaBuf]) -> f64 {
         let lens = Self::list_lengths("sum_squares_all", bufs, &[]);
-        let list = self.tensor_list("sum_squares_all", &lens, &[self.addresses(bufs)]);
-        if list.total == 0 {
+        let Some(list) = self.tensor_list("sum_squares_all", &lens, &[self.addresses(bufs)]) else {
             return 0.0;
-        }
+        };
         let cfg = chunked_config(list.total, SUM_BLOCKS);
         let mut partials = self.alloc::<f64>(cfg.grid_dim.0 as usize);
         launch!(
