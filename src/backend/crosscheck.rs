@@ -404,6 +404,16 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             step: 3,
             grad_scale: 0.5,
         };
+        // Tensor 2 (8192 values) as a 64 × 128 weight, multiplied before and after the update: a
+        // device must not reuse the bf16 conversion of the old values.
+        let (m, k, n) = (33, 128, 64);
+        let x = self.random(m * k, 1.0);
+        let (rx, tx) = self.both(&x);
+        let (mut ro, mut to) = (self.reference.zeros(m * n), self.test.zeros(m * n));
+        self.reference
+            .matmul(&mut ro, &rx, &rp[2], m, k, n, false, true, false);
+        self.test
+            .matmul(&mut to, &tx, &tp[2], m, k, n, false, true, false);
         self.reference
             .adamw_step_all(&mut rp, &rg, &mut rm, &mut rv, hp);
         self.test.adamw_step_all(&mut tp, &tg, &mut tm, &mut tv, hp);
@@ -415,6 +425,16 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             let (rv, tv) = (self.download_all_reference(r), self.download_all_test(t));
             self.record(&format!("adamw_step_all {what}"), &tv, &rv, self.tol.exact);
         }
+        self.reference
+            .matmul(&mut ro, &rx, &rp[2], m, k, n, false, true, false);
+        self.test
+            .matmul(&mut to, &tx, &tp[2], m, k, n, false, true, false);
+        self.compare(
+            "matmul on a parameter after its update",
+            &ro,
+            &to,
+            self.tol.gemm,
+        );
         let (rs, ts) = (
             self.reference.sum_squares_all(&rg),
             self.test.sum_squares_all(&tg),
@@ -433,12 +453,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             self.download_all_test(&tm),
         );
         self.record("copy_rounded_to_bf16_all", &tc, &rc, 0.0);
-        // A GEMM reading a compute-copy tensor (tensor 2, 8192 values, as a 64 × 128 weight): on a
-        // device it reads the bf16 twin the copy wrote.
-        let (m, k, n) = (33, 128, 64);
-        let x = self.random(m * k, 1.0);
-        let (rx, tx) = self.both(&x);
-        let (mut ro, mut to) = (self.reference.zeros(m * n), self.test.zeros(m * n));
+        // A GEMM reading a compute-copy tensor: on a device it reads the bf16 twin the copy wrote.
         self.reference
             .matmul(&mut ro, &rx, &rm[2], m, k, n, false, true, false);
         self.test

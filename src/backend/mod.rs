@@ -278,8 +278,9 @@ pub trait Backend: Send + Sync {
             self.adamw_step(p, g, m, v, hp);
         }
     }
-    /// The sum of squares of every buffer in the list, each reduced as `sum_squares` does and the
-    /// results added in list order; a device waits once for the whole list. Deterministic.
+    /// The sum of squares of every buffer in the list, in f64, deterministic (the same grouping of
+    /// the additions on every run: here each buffer's `sum_squares` added in list order; a device
+    /// reduces the whole list in fixed chunks and waits once).
     fn sum_squares_all(&self, bufs: &[Self::Buf]) -> f64 {
         bufs.iter().map(|b| self.sum_squares(b)).sum()
     }

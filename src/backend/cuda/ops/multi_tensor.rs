@@ -6,7 +6,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{check_len, KernelArg};
+use super::KernelArg;
 use crate::backend::cuda::{CudaBackend, CudaBuf};
 use crate::backend::AdamWStep;
 
@@ -60,7 +60,7 @@ impl CudaBackend {
     }
 
     /// The lengths of `first`'s tensors, after checking that every other list has as many tensors,
-    /// each as long as its counterpart in `first`.
+    /// each exactly as long as its counterpart in `first`.
     fn list_lengths(op: &str, first: &[CudaBuf], others: &[&[CudaBuf]]) -> Vec<usize> {
         for (k, other) in others.iter().enumerate() {
             assert_eq!(
@@ -69,20 +69,31 @@ impl CudaBackend {
                 "{op}: operand lists differ in length"
             );
             for (t, (a, b)) in first.iter().zip(other.iter()).enumerate() {
-                check_len(
-                    op,
-                    &format!("operand {} of tensor {t}", k + 1),
+                assert_eq!(
                     b.len(),
                     a.len(),
+                    "{op}: operand {} of tensor {t} holds {} floats, the first operand {}",
+                    k + 1,
+                    b.len(),
+                    a.len()
                 );
             }
         }
         first.iter().map(CudaBuf::len).collect()
     }
 
+    /// Addresses of buffers the launch only reads.
     fn addresses(&self, list: &[CudaBuf]) -> Vec<u64> {
         list.iter()
             .map(|b| b.device_address(&self.stream))
+            .collect()
+    }
+
+    /// Addresses of buffers the launch writes (which drops their bf16 copies and bumps their
+    /// versions, see `CudaBuf`).
+    fn addresses_to_write(&self, list: &mut [CudaBuf]) -> Vec<u64> {
+        list.iter_mut()
+            .map(|b| b.device_address_mut(&self.stream))
             .collect()
     }
 
@@ -96,10 +107,10 @@ impl CudaBackend {
     ) {
         let lens = Self::list_lengths("adamw_step_all", params, &[grads, exp_avg, exp_avg_sq]);
         let addresses = [
-            self.addresses(params),
+            self.addresses_to_write(params),
             self.addresses(grads),
-            self.addresses(exp_avg),
-            self.addresses(exp_avg_sq),
+            self.addresses_to_write(exp_avg),
+            self.addresses_to_write(exp_avg_sq),
         ];
         let Some(list) = self.tensor_list("adamw_step_all", &lens, &addresses) else {
             return;
