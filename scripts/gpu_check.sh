@@ -2,8 +2,9 @@
 # One call on a lent GPU machine (NVIDIA driver + the pip nvidia-* libraries of its PyTorch, no
 # network, maybe no Rust): every op's CUDA-vs-CPU check in fp32 and bf16, the debug model trained 20
 # steps on GPU and CPU (and with head_dim 64 and 128 in bf16), FSDP on the GPU against one process,
-# bitwise resume and greedy generation on the GPU, a per-op profile of a Llama 3 1B step, then the
-# 1B benchmark of titan and PyTorch side by side at seq 2048 and 8192. Every stage has its own
+# bitwise resume and greedy generation on the GPU, a per-op profile of a Llama 3 1B step, the 1B
+# benchmark of titan and PyTorch side by side at seq 2048 and 8192, and attention alone against
+# PyTorch's FlashAttention. Every stage has its own
 # timeout so the script ends within 8 minutes (about 2 minutes on an H200); the summary is last.
 #
 # The titan binary is built on the CPU machine and carried with the call:
@@ -76,12 +77,16 @@ stage titan_1b_s2048 70 sh -c "'$BIN' bench train --device cuda --precision bflo
 stage torch_1b_s2048 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
 stage titan_1b_s8192 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
 stage torch_1b_s8192 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
+# Attention alone against PyTorch's FlashAttention: Llama 3 1B's shape, and 8B's (head_dim 128) at 8192.
+attn_shapes="'--batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64' '--batch 1 --seq 8192 --heads 32 --kv-heads 8 --head-dim 128'"
+stage attn_titan 40 sh -c "for s in $attn_shapes; do '$BIN' bench attention --device cuda --precision bfloat16 --iters 10 --json \$s || exit 1; done > '$OUT_DIR/attn_titan.jsonl'"
+stage attn_torch 40 sh -c "for s in $attn_shapes; do '$PY' scripts/torch_attention_gpu.py --iters 10 \$s || exit 1; done > '$OUT_DIR/attn_torch.jsonl'"
 
 summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -178,7 +183,26 @@ def bench_report():
                 continue
             print(f"{label:<22} {impl:<8} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
                   f"{num(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
-for report in (resume_report, generate_report, fsdp_report, bench_report):
+def attention_report():
+    print()
+    print(f"{'attention, bf16':<30} {'impl':<6} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
+    rows = {}
+    for impl in ("titan", "torch"):
+        try:
+            with open(os.path.join(out, f"attn_{impl}.jsonl")) as f:
+                rows[impl] = [json.loads(l) for l in f if l.strip()]
+        except Exception:
+            rows[impl] = []
+    for i in range(max(len(rows["titan"]), len(rows["torch"]), 1)):
+        for impl in ("titan", "torch"):
+            if i >= len(rows[impl]):
+                print(f"{'shape ' + str(i + 1):<30} {impl:<6} {'no result':>8}")
+                continue
+            r = rows[impl][i]
+            label = f"{r['batch']}x{r['seq']} h{r['heads']}/{r['kv_heads']} d{r['head_dim']}"
+            print(f"{label:<30} {impl:<6} {r['forward_ms']:>8.2f} {r['forward_tflops']:>8.1f} "
+                  f"{r['backward_ms']:>8.2f} {r['backward_tflops']:>8.1f}")
+for report in (resume_report, generate_report, fsdp_report, bench_report, attention_report):
     section(report)
 PYEOF
 }

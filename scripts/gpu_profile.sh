@@ -8,8 +8,8 @@
 #
 # 1. compute-sanitizer racecheck and memcheck over `titan cuda check` in bf16 (small shapes: every
 #    kernel, the tensor-core attention at head_dim 64 and 128 included).
-# 2. ncu on one training step of Llama 3 1B at batch 2 × seq 2048: speed of light, occupancy, warp
-#    stalls and pipe use of the attention kernels, and the same for the two slowest GEMMs.
+# 2. ncu on the tensor-core attention kernels (`titan bench attention`, head_dim 64 and 128): speed
+#    of light, occupancy, warp stalls and pipe use; then the first GEMMs of a Llama 3 1B step.
 # Text reports go to $OUT (the device tool's folder; it returns at most 8 files) when set, else
 # ./gpu_profile_out. Not yet run on a GPU: the first session that runs it should fix what fails.
 set -uo pipefail
@@ -47,9 +47,16 @@ if [ -n "$NCU" ]; then
   step=("$BIN" bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 2048 --warmup 0 --steps 1)
   sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis)
-  # The first launch (layer 0) of each attention kernel, then the first GEMMs of the step.
+  # Each attention kernel's first launch in `titan bench attention` (no model to build): Llama 3
+  # 1B's shape for head_dim 64, 8B's for 128. Then the first GEMMs of a training step.
+  attn=("$BIN" bench attention --device cuda --precision bfloat16 --warmup 0 --iters 1 --heads 32 --kv-heads 8)
   for k in attention_forward_tc64 attention_backward_dq_tc64 attention_backward_dkdv_tc64; do
-    run "ncu_$k" 90 "$NCU" --clock-control none -k "$k" --launch-count 1 "${sections[@]}" "${step[@]}"
+    run "ncu_$k" 60 "$NCU" --clock-control none -k "$k" --launch-count 1 "${sections[@]}" \
+      "${attn[@]}" --batch 2 --seq 2048 --head-dim 64
+  done
+  for k in attention_forward_tc128 attention_backward_dk_tc128; do
+    run "ncu_$k" 60 "$NCU" --clock-control none -k "$k" --launch-count 1 "${sections[@]}" \
+      "${attn[@]}" --batch 1 --seq 4096 --head-dim 128
   done
   run ncu_gemm 90 "$NCU" --clock-control none -k 'regex:(gemm|nvjet|xmma)' --launch-count 6 \
     --section SpeedOfLight "${step[@]}"

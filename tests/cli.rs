@@ -239,3 +239,39 @@ fn bench_prints_throughput() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0 && v["gflops"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn bench_attention_times_both_directions_and_refuses_bad_heads() {
+    let o = titan(&[
+        "bench",
+        "attention",
+        "--batch",
+        "1",
+        "--seq",
+        "96",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for key in [
+        "forward_ms",
+        "backward_ms",
+        "forward_tflops",
+        "backward_tflops",
+    ] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    let o = titan(&["bench", "attention", "--heads", "6", "--kv-heads", "4"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--heads 6 must be a positive multiple of --kv-heads 4"));
+}

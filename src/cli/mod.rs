@@ -1,6 +1,7 @@
 //! The `titan` command: argument parsing and dispatch to the subcommands.
 
 pub mod bench;
+pub mod bench_attention;
 pub mod cuda;
 pub mod generate;
 
@@ -114,6 +115,8 @@ pub enum BenchCommand {
     Train(bench::BenchTrainArgs),
     /// Bus bandwidth of all-reduce, all-gather and reduce-scatter across local ranks.
     Comm(bench::BenchCommArgs),
+    /// Causal attention alone, forward and backward: median ms and TFLOP/s (FlashAttention's count).
+    Attention(bench_attention::BenchAttentionArgs),
     /// fp32 GEMM GFLOP/s of the CPU backend for the model's shapes (the ceiling for `bench train`).
     Gemm {
         /// CPU threads (0: every core).
@@ -198,6 +201,7 @@ pub fn run(cli: Cli) -> Result<()> {
             BenchCommand::Train(args) => bench::run_train(&args),
             BenchCommand::Gemm { threads, shape } => bench::run_gemm(threads, &shape),
             BenchCommand::Comm(args) => bench::run_comm(&args),
+            BenchCommand::Attention(args) => bench_attention::run_attention(&args),
         },
     }
 }
