@@ -1,7 +1,8 @@
 //! CUDA kernels run on the CPU: `tests/cuda_emu/` compiles their CUDA C source with the host C++
 //! compiler against an emulator of the CUDA dialect and of the PTX tensor-core instructions, and
 //! checks them against references: the tensor-core attention (forward and backward) against float64,
-//! the multi-tensor optimizer kernels against the single-tensor ones. This is how a change to those
+//! the multi-tensor optimizer kernels against the single-tensor ones, the grouped embedding backward
+//! against the in-order sum. This is how a change to those
 //! kernels is tested on machines without a GPU; `scripts/gpu_check.sh` tests them on one.
 //! Outside CI a machine with no C++ compiler skips it; in CI (`CI` set) that fails.
 
@@ -76,4 +77,9 @@ fn tensor_core_attention_matches_a_float64_reference_on_the_emulator() {
 fn multi_tensor_kernels_match_the_single_tensor_ones_on_the_emulator() {
     // AdamW's three outputs, the bf16 copy (f32 and bf16 bits), the sum of squares.
     run_check("multi_tensor_check.cpp", 6);
+}
+
+#[test]
+fn embedding_backward_matches_the_in_order_sum_bit_for_bit_on_the_emulator() {
+    run_check("embedding_check.cpp", 1);
 }

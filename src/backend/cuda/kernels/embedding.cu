@@ -8,11 +8,17 @@ extern "C" __global__ void embedding_forward(float* out, const float* table, con
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = src[d];
 }
 
-// One thread per column, walking the tokens in order: repeated ids add up in the same order as on
-// the CPU and on every run (bitwise determinism, no atomics).
-extern "C" __global__ void embedding_backward(float* dtable, const float* dout, const u32* ids,
-                                              int tokens, int dim) {
-    int d = blockIdx.x * blockDim.x + threadIdx.x;
+// The tokens grouped by id on the host: group g is table row rows[g], and its tokens are
+// order[starts[g]] .. order[starts[g + 1] - 1] in increasing position. One block per (group, 256
+// columns); each thread adds its column of the group's tokens in that order, so repeated ids add up
+// in the same order as on the CPU and on every run (bitwise determinism, no atomics), and every
+// distinct id of the batch works in parallel.
+extern "C" __global__ void embedding_backward(float* dtable, const float* dout, const u32* rows,
+                                              const u32* starts, const u32* order, int dim) {
+    int g = blockIdx.x, d = blockIdx.y * blockDim.x + threadIdx.x;
     if (d >= dim) return;
-    for (int t = 0; t < tokens; ++t) dtable[(i64)ids[t] * dim + d] += dout[(i64)t * dim + d];
+    float* row = dtable + (i64)rows[g] * dim + d;
+    float acc = *row;
+    for (u32 i = starts[g]; i < starts[g + 1]; ++i) acc += dout[(i64)order[i] * dim + d];
+    *row = acc;
 }

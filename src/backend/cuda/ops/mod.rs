@@ -152,9 +152,7 @@ impl CudaBackend {
     /// Token ids of an embedding table of `vocab` rows on the device (None when there are none);
     /// an id outside the table panics, as on the CPU.
     fn upload_table_ids(&self, ids: &[u32], vocab: usize) -> Option<CudaSlice<u32>> {
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            panic!("token id {bad} is outside the embedding table of {vocab} rows");
-        }
+        check_table_ids(ids, vocab);
         (!ids.is_empty()).then(|| self.upload_ids(ids))
     }
 
@@ -305,13 +303,20 @@ impl Backend for CudaBackend {
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);
         check_len("embedding_backward", "dout", dout.len(), ids.len() * dim);
-        let Some(dev_ids) = self.upload_table_ids(ids, dtable.len() / dim) else {
+        check_table_ids(ids, dtable.len() / dim.max(1));
+        if ids.is_empty() || dim == 0 {
             return;
-        };
-        let (t, d) = (ids.len() as i32, dim as i32);
+        }
+        let groups = TokenGroups::of(ids);
+        let (rows, starts, order) = (
+            self.upload_ids(&groups.rows),
+            self.upload_ids(&groups.starts),
+            self.upload_ids(&groups.order),
+        );
+        let d = dim as i32;
         let cfg = LaunchConfig {
-            grid_dim: (dim.div_ceil(128) as u32, 1, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (groups.rows.len() as u32, dim.div_ceil(256) as u32, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         launch!(
@@ -320,8 +325,9 @@ impl Backend for CudaBackend {
             cfg,
             dtable,
             dout,
-            &dev_ids,
-            &t,
+            &rows,
+            &starts,
+            &order,
             &d
         );
     }
@@ -995,5 +1001,54 @@ fn attention_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
         grid_dim: (rows.div_ceil(ATTN_WARPS) as u32, heads as u32, batch as u32),
         block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// Panics, as the CPU does, when an id is outside an embedding table of `vocab` rows.
+fn check_table_ids(ids: &[u32], vocab: usize) {
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        panic!("token id {bad} is outside the embedding table of {vocab} rows");
+    }
+}
+
+/// Token positions grouped by id for the embedding backward: group g is table row `rows[g]`, with
+/// tokens `order[starts[g]..starts[g + 1]]` in increasing position (a stable sort by id).
+struct TokenGroups {
+    rows: Vec<u32>,
+    starts: Vec<u32>,
+    order: Vec<u32>,
+}
+
+impl TokenGroups {
+    fn of(ids: &[u32]) -> Self {
+        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        order.sort_by_key(|&t| ids[t as usize]);
+        let (mut rows, mut starts) = (Vec::new(), Vec::new());
+        for (i, &t) in order.iter().enumerate() {
+            let id = ids[t as usize];
+            if rows.last() != Some(&id) {
+                rows.push(id);
+                starts.push(i as u32);
+            }
+        }
+        starts.push(order.len() as u32);
+        TokenGroups {
+            rows,
+            starts,
+            order,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenGroups;
+
+    #[test]
+    fn token_groups_keep_positions_in_order_within_each_id() {
+        let g = TokenGroups::of(&[5, 2, 5, 9, 2, 5]);
+        assert_eq!(g.rows, vec![2, 5, 9]);
+        assert_eq!(g.starts, vec![0, 2, 5, 6]);
+        assert_eq!(g.order, vec![1, 4, 0, 2, 5, 3]);
     }
 }
