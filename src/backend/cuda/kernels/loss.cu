@@ -1,21 +1,27 @@
 // Cross-entropy over one chunk of logit rows. Each row's loss goes to row_loss (NaN marks an ignored
 // target); with want_grad the row is replaced by grad_scale * (softmax - onehot), ready to be pushed
-// back through the output projection by two GEMMs.
+// back through the output projection by two GEMMs, and when grad_bf16 is not null the same values
+// rounded to bf16 go there too, so bf16 GEMMs read them without a conversion pass.
 
 #define TITAN_IGNORE_INDEX 0xffffffffu
 
 // One block per row.
 extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, const u32* targets,
-                                              int vocab, float grad_scale, int want_grad) {
+                                              int vocab, float grad_scale, int want_grad,
+                                              unsigned short* grad_bf16) {
     __shared__ float shared[32];
     i64 r = blockIdx.x;
     float* row = logits + r * vocab;
+    unsigned short* row16 = grad_bf16 ? grad_bf16 + r * vocab : nullptr;
     u32 t = targets[r];
     if (t == TITAN_IGNORE_INDEX || t >= (u32)vocab) {
         // Out-of-range targets are refused on the host before the launch; NaN is the ignore marker.
         if (threadIdx.x == 0) row_loss[r] = __int_as_float(0x7fc00000);
         if (want_grad)
-            for (int j = threadIdx.x; j < vocab; j += blockDim.x) row[j] = 0.0f;
+            for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+                row[j] = 0.0f;
+                if (row16) row16[j] = 0;
+            }
         return;
     }
     float m = TITAN_NEG_INF;
@@ -33,6 +39,7 @@ extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, co
             float gj = expf(row[j] - m) * inv;
             if (j == (int)t) gj -= grad_scale;
             row[j] = gj;
+            if (row16) row16[j] = (unsigned short)(__float_as_uint(round_bf16(gj)) >> 16);
         }
     }
 }

@@ -51,7 +51,7 @@ macro_rules! pass_through {
     };
 }
 pass_through!(
-    i32, i64, f32, CudaSlice<u16>, CudaSlice<u32>, CudaSlice<u64>, CudaSlice<i64>, CudaSlice<f32>,
+    i32, i64, u64, f32, CudaSlice<u16>, CudaSlice<u32>, CudaSlice<u64>, CudaSlice<i64>, CudaSlice<f32>,
     CudaSlice<f64>, CudaView<'_, f32>, CudaView<'_, u32>;
     mut CudaSlice<f32>, CudaSlice<f64>, CudaViewMut<'_, f32>
 );
@@ -729,6 +729,14 @@ impl Backend for CudaBackend {
         let dev_targets = self.upload_ids(targets);
         let want_grad = grads.is_some() as i32;
         let v = vocab as i32;
+        // With bf16 GEMMs the loss kernel also writes the logit gradients in bf16, which the two
+        // backward GEMMs read as is (no conversion of the largest operand of the step).
+        let grad16 = (grads.is_some() && self.precision() == GemmPrecision::BFloat16)
+            .then(|| self.alloc::<u16>(chunk * vocab));
+        let grad16_address = grad16.as_ref().map_or(0u64, |g| {
+            let (ptr, _sync) = g.device_ptr(&self.stream);
+            ptr
+        });
         for r0 in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - r0);
             let h_chunk = h.slice(r0 * dim..(r0 + n) * dim);
@@ -755,14 +763,19 @@ impl Backend for CudaBackend {
                 &t_chunk,
                 &v,
                 &grad_scale,
-                &want_grad
+                &want_grad,
+                &grad16_address
             );
             if let Some((dh, dweight)) = grads.as_mut() {
                 let mut dh_chunk = dh.slice_mut(r0 * dim..(r0 + n) * dim);
                 let lc = logits.slice(..n * vocab);
+                let lc = GemmInput {
+                    bf16: grad16.is_some().then_some(grad16_address),
+                    ..self.view_input(&lc)
+                };
                 self.gemm(
                     &mut dh_chunk,
-                    self.view_input(&lc),
+                    lc,
                     self.buf_input(weight),
                     n,
                     vocab,
@@ -772,7 +785,7 @@ impl Backend for CudaBackend {
                     true,
                 );
                 let mut dw = dweight.slice_mut(0..vocab * dim);
-                let (lc, hc) = (self.view_input(&lc), self.view_input(&h_chunk));
+                let hc = self.view_input(&h_chunk);
                 self.gemm(&mut dw, lc, hc, vocab, n, dim, true, false, true);
             }
         }
@@ -888,13 +901,13 @@ impl Backend for CudaBackend {
     }
     fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
         let chunk = gpu_loss_chunk_rows(vocab).min(tokens.max(1));
-        // The loss's f32 logit block; with bf16 GEMMs the two operand copies, at most the largest
-        // operands (the logit block, the output weight, an FFN activation), and the attention's bf16
-        // copies of q, k, v and dout (each at most tokens × dim).
+        // The loss's f32 logit block; with bf16 GEMMs its bf16 gradient, the two operand copies, at
+        // most the largest operands converted (the output weight, an FFN activation), and the
+        // attention's bf16 copies of q, k, v and dout (each at most tokens × dim).
         let logits = chunk * vocab * 4;
         let bf16_operands = if self.precision() == GemmPrecision::BFloat16 {
-            let largest = (chunk * vocab).max(vocab * dim).max(tokens * hidden);
-            2 * largest * 2 + 4 * tokens * dim * 2
+            let largest = (vocab * dim).max(tokens * hidden);
+            chunk * vocab * 2 + 2 * largest * 2 + 4 * tokens * dim * 2
         } else {
             0
         };
