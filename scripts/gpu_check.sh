@@ -81,12 +81,14 @@ stage torch_1b_s8192 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --ba
 attn_shapes="'--batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64' '--batch 1 --seq 8192 --heads 32 --kv-heads 8 --head-dim 128'"
 stage attn_titan 40 sh -c "for s in $attn_shapes; do '$BIN' bench attention --device cuda --precision bfloat16 --iters 10 --json \$s || exit 1; done > '$OUT_DIR/attn_titan.jsonl'"
 stage attn_torch 40 sh -c "for s in $attn_shapes; do '$PY' scripts/torch_attention_gpu.py --iters 10 \$s || exit 1; done > '$OUT_DIR/attn_torch.jsonl'"
+# The head_dim 64 forward with 16 rows per warp instead of 32 (TITAN_CUDA_ATTENTION=narrow), to compare.
+stage attn_titan_narrow 20 sh -c "TITAN_CUDA_ATTENTION=narrow '$BIN' bench attention --device cuda --precision bfloat16 --iters 10 --json --batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64 > '$OUT_DIR/attn_titan_narrow.jsonl'"
 
 summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -185,23 +187,32 @@ def bench_report():
                   f"{num(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
 def attention_report():
     print()
-    print(f"{'attention, bf16':<30} {'impl':<6} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
+    print(f"{'attention, bf16':<30} {'impl':<13} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
     rows = {}
-    for impl in ("titan", "torch"):
+    for impl in ("titan", "titan_narrow", "torch"):
+        rows[impl] = []
         try:
             with open(os.path.join(out, f"attn_{impl}.jsonl")) as f:
-                rows[impl] = [json.loads(l) for l in f if l.strip()]
-        except Exception:
-            rows[impl] = []
+                for line in f:
+                    try:
+                        rows[impl].append(json.loads(line))
+                    except ValueError:
+                        pass
+        except OSError:
+            pass
+    def cell(r, key, digits):
+        v = r.get(key)
+        return f"{v:>8.{digits}f}" if isinstance(v, (int, float)) else f"{'?':>8}"
     for i in range(max(len(rows["titan"]), len(rows["torch"]), 1)):
-        for impl in ("titan", "torch"):
+        for impl in ("titan", "titan_narrow", "torch"):
             if i >= len(rows[impl]):
-                print(f"{'shape ' + str(i + 1):<30} {impl:<6} {'no result':>8}")
+                if impl != "titan_narrow":
+                    print(f"{'shape ' + str(i + 1):<30} {impl:<13} {'no result':>8}")
                 continue
             r = rows[impl][i]
-            label = f"{r['batch']}x{r['seq']} h{r['heads']}/{r['kv_heads']} d{r['head_dim']}"
-            print(f"{label:<30} {impl:<6} {r['forward_ms']:>8.2f} {r['forward_tflops']:>8.1f} "
-                  f"{r['backward_ms']:>8.2f} {r['backward_tflops']:>8.1f}")
+            label = f"{r.get('batch')}x{r.get('seq')} h{r.get('heads')}/{r.get('kv_heads')} d{r.get('head_dim')}"
+            print(f"{label:<30} {impl:<13} {cell(r, 'forward_ms', 2)} {cell(r, 'forward_tflops', 1)} "
+                  f"{cell(r, 'backward_ms', 2)} {cell(r, 'backward_tflops', 1)}")
 for report in (resume_report, generate_report, fsdp_report, bench_report, attention_report):
     section(report)
 PYEOF

@@ -8,9 +8,9 @@
 For each kernel it finds the largest loop that holds tensor-core instructions (a backward branch
 and its target) and prints how many instructions of each kind one pass of its body issues per
 warp: the tensor-core MMAs (HMMA), shared-memory matrix loads (LDSM), special-function ops such as
-exp2 (MUFU), fp32 arithmetic, and the rest. Where the body branches, the pass counted is the
-shortest one from the loop's head to its back branch (for attention: a tile without the causal
-mask); `longest` gives the longest pass's total. The ratio of other instructions to HMMAs tells
+exp2 (MUFU), fp32 arithmetic, and the rest. Where the body branches, the pass counted is the full
+one: the most MMAs, then the fewest instructions (for attention: a tile without the causal mask);
+`longest` gives the longest pass's total. The ratio of other instructions to HMMAs tells
 whether a loop can keep the tensor cores fed: a warp scheduler issues one instruction per cycle, and
 an HMMA occupies the tensor core of its sub-partition for several.
 """
@@ -58,9 +58,11 @@ def kind(opcode):
 
 
 def main_loop(body):
-    """The largest [target, branch] range with a backward branch that holds an HMMA."""
+    """The loop (a backward branch and its target, holding no EXIT) with the most HMMA instructions,
+    the shortest of those on a tie. Backward jumps that close out-of-line code (the fallbacks of
+    divergent shuffles) span only part of the real loop's MMAs, so they lose."""
     by_address = {a: i for i, (a, _, _) in enumerate(body)}
-    best = None
+    best, best_key = None, None
     for i, (address, opcode, operands) in enumerate(body):
         if not opcode.startswith("BRA"):
             continue
@@ -71,18 +73,22 @@ def main_loop(body):
         if target >= address or target not in by_address:
             continue
         loop = body[by_address[target] : i + 1]
-        if any(op.startswith("HMMA") for _, op, _ in loop) and (best is None or len(loop) > len(best)):
-            best = loop
+        if any(op.startswith("EXIT") for _, op, _ in loop):
+            continue
+        key = (sum(op.startswith("HMMA") for _, op, _ in loop), -len(loop))
+        if key[0] > 0 and (best_key is None or key > best_key):
+            best, best_key = loop, key
     return best
 
 
 def passes(loop):
-    """Instructions of the shortest pass through the loop body, and the longest pass's length."""
+    """The full pass through the loop body (the most HMMAs, then the fewest instructions: a tile
+    that does all of its work by the cheapest branches) and the longest pass's length."""
     index = {address: i for i, (address, _, _) in enumerate(loop)}
     n = len(loop)
-    # shortest[i]: the fewest instructions from i to the back branch (None: no way there).
-    shortest, longest = [None] * (n + 1), [0] * (n + 1)
-    shortest[n] = []
+    # best[i]: (-hmma, length, instructions) of the chosen path from i to the back branch.
+    best, longest = [None] * (n + 1), [0] * (n + 1)
+    best[n] = (0, 0, [])
     for i in range(n - 1, -1, -1):
         _, opcode, operands = loop[i]
         successors = [n] if i == n - 1 else []
@@ -91,15 +97,18 @@ def passes(loop):
             target = index.get(int(m.group(1), 16)) if m else None
             if target is not None and target > i:
                 successors.append(target)
-            if operands.lstrip().startswith("@"):
+            # Only a plain, unpredicated BRA always jumps (BRA.DIV and the like fall through).
+            if operands.lstrip().startswith("@") or opcode != "BRA":
                 successors.append(i + 1)
         elif i < n - 1 and not opcode.startswith("EXIT"):
             successors.append(i + 1)
-        reachable = [j for j in successors if shortest[j] is not None]
+        reachable = [j for j in successors if best[j] is not None]
         if reachable:
-            shortest[i] = [loop[i]] + min((shortest[j] for j in reachable), key=len)
+            j = min(reachable, key=lambda j: best[j][:2])
+            hmma = best[j][0] - (1 if opcode.startswith("HMMA") else 0)
+            best[i] = (hmma, best[j][1] + 1, [loop[i]] + best[j][2])
             longest[i] = 1 + max(longest[j] for j in reachable)
-    return shortest[0], longest[0]
+    return (best[0][2] if best[0] else None), longest[0]
 
 
 def main():
@@ -117,6 +126,9 @@ def main():
             print(f"{name:34} no loop with HMMA instructions")
             continue
         path, longest = passes(loop)
+        if path is None:
+            print(f"{name:34} no pass through the loop found")
+            continue
         counts = collections.Counter(kind(op) for _, op, _ in path)
         hmma = max(counts["HMMA"], 1)
         cells = " ".join(f"{counts[k]:>13}" for k, _ in KINDS)

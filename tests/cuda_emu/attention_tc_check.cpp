@@ -110,7 +110,7 @@ bool report(const Shape& s, const char* output, const std::vector<float>& got,
             const std::vector<double>& want) {
     double err = rel_err(got, want);
     bool ok = err <= kTolerance;  // NaN fails
-    std::printf("%-10s %-4s rel err %.3e %s\n", s.name, output, err, ok ? "ok" : "FAILED");
+    std::printf("%-10s %-6s rel err %.3e %s\n", s.name, output, err, ok ? "ok" : "FAILED");
     return ok;
 }
 
@@ -138,6 +138,17 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     });
     bool ok = report(s, "out", out, ref.out);
     ok &= report(s, "lse", lse, ref.lse);
+    if (D == 64) {
+        // The forward with two 16-row blocks per warp (128 queries per block).
+        std::vector<float> out2(q_len, NAN), lse2(rows, NAN);
+        unsigned tiles2 = (unsigned)((s.seq + 2 * TITAN_TC_ROWS - 1) / (2 * TITAN_TC_ROWS));
+        emu::launch(EmuDim3{tiles2, (unsigned)s.heads, (unsigned)s.batch}, 128, [&] {
+            attention_forward_tc64x2(out2.data(), lse2.data(), q.bits.data(), k.bits.data(),
+                                     v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+        });
+        ok &= report(s, "out x2", out2, ref.out);
+        ok &= report(s, "lse x2", lse2, ref.lse);
+    }
 
     // delta = rowsum(dout * out) from the kernel's own output, as the backend's delta kernel does.
     std::vector<float> delta(rows);

@@ -58,6 +58,7 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_dq",
     "attention_backward_dkdv",
     "attention_forward_tc64",
+    "attention_forward_tc64x2",
     "attention_forward_tc128",
     "attention_backward_dq_tc64",
     "attention_backward_dq_tc128",

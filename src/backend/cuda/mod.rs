@@ -36,10 +36,36 @@ pub struct CudaBackend {
     arch: String,
     /// Per-op times when profiling (`titan bench train --profile-ops`); off by default.
     pub profiler: OpProfiler,
-    /// Attention may run on tensor cores: GEMMs in bf16 (the same rounding the model already
-    /// accepts there) on an sm_80+ GPU, unless `TITAN_CUDA_ATTENTION=exact` keeps the fp32 kernels
-    /// (a comparison or a suspected fault).
-    tensor_core_attention: bool,
+    /// Which attention kernels the training shape uses (decided once, here).
+    attention: AttentionKernels,
+}
+
+/// The attention kernels of the training shape. Tensor cores when GEMMs run in bf16 (the same
+/// rounding the model already accepts there) on an sm_80+ GPU; `TITAN_CUDA_ATTENTION` overrides:
+/// `exact` keeps the fp32 kernels (a comparison or a suspected fault), `narrow` runs the head_dim 64
+/// forward with 16 query rows per warp instead of 32 (to compare the two on a GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernels {
+    Exact,
+    TensorCores { wide_forward: bool },
+}
+
+impl AttentionKernels {
+    fn choose(precision: GemmPrecision, major: i32) -> Self {
+        let setting = std::env::var("TITAN_CUDA_ATTENTION").unwrap_or_default();
+        if precision != GemmPrecision::BFloat16 || major < 8 || setting == "exact" {
+            return AttentionKernels::Exact;
+        }
+        if !matches!(setting.as_str(), "" | "narrow") {
+            eprintln!(
+                "warning: TITAN_CUDA_ATTENTION={setting} is not known (accepted: exact, narrow); \
+                 using the default tensor-core kernels"
+            );
+        }
+        AttentionKernels::TensorCores {
+            wide_forward: setting != "narrow",
+        }
+    }
 }
 
 // SAFETY: the memory pool handle is only read through the driver, which is thread-safe; the other
@@ -100,9 +126,7 @@ impl CudaBackend {
             device_name,
             arch,
             profiler: OpProfiler::default(),
-            tensor_core_attention: precision == GemmPrecision::BFloat16
-                && major >= 8
-                && std::env::var("TITAN_CUDA_ATTENTION").map_or(true, |v| v != "exact"),
+            attention: AttentionKernels::choose(precision, major),
         })
     }
 

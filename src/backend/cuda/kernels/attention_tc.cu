@@ -5,7 +5,9 @@
 // attention.cu, same flash-attention structure: tiles of 64 keys (or queries) staged in shared
 // memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics.
 //
-// A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV). The
+// A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV), or
+// in the head_dim 64 forward 32 rows, so each B fragment loaded from shared memory feeds twice the
+// MMAs (`attention_forward_tc64x2`: 128 queries per block, 246 registers, no spills). The
 // fragments follow PTX's m16n8k16 layout: with g = lane / 4 and t = lane % 4, a thread holds rows g
 // and g + 8 and columns 2t, 2t + 1 (+ 8) of A, rows 2t, 2t + 1 (+ 8) of column g of B, and columns
 // 2t, 2t + 1 of rows g, g + 8 of C. A product's C fragments are repacked as the next product's A
@@ -49,49 +51,64 @@ __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i
     }
 }
 
-// acc[8][4] = A · Bᵀ over D: A's fragments in registers (16 rows), Bᵀ the 64-row shared tile; one
-// ldmatrix brings the B fragments of two n-tiles. Addresses are one per-lane base plus constants.
-template <int D>
-__device__ __forceinline__ void product_with_tile_rows(float (*acc)[4], const u32 (*a)[4],
+// acc[M][8][4] = A · Bᵀ over D for M 16-row blocks of A (fragments in registers), Bᵀ the 64-row
+// shared tile; one ldmatrix brings the B fragments of two n-tiles, used by all M blocks (so more
+// rows per warp read the tile fewer times). Addresses are one per-lane base plus constants.
+template <int D, int M = 1>
+__device__ __forceinline__ void product_with_tile_rows(float (*acc)[8][4], const u32 (*a)[D / 16][4],
                                                        const bf16_bits* tile) {
     constexpr int S = D + 8;
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
     u32 lane_row = shared_address(tile + ((m >> 1) * 8 + r) * S + (m & 1) * 8);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
-        acc[2 * np][0] = acc[2 * np][1] = acc[2 * np][2] = acc[2 * np][3] = 0.0f;
-        acc[2 * np + 1][0] = acc[2 * np + 1][1] = acc[2 * np + 1][2] = acc[2 * np + 1][3] = 0.0f;
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][2 * np][e] = acc[mt][2 * np + 1][e] = 0.0f;
+        }
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 b[4];
             load_matrices<false>(b, lane_row + (u32)(np * 16 * S + kk * 16) * 2);
-            mma_bf16(acc[2 * np], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[0], b[1]);
-            mma_bf16(acc[2 * np + 1], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                const u32* f = a[mt][kk];
+                mma_bf16(acc[mt][2 * np], f[0], f[1], f[2], f[3], b[0], b[1]);
+                mma_bf16(acc[mt][2 * np + 1], f[0], f[1], f[2], f[3], b[2], b[3]);
+            }
         }
     }
 }
 
-// out[D/8][4] += P · tile, P the 16x64 C fragments `p` of an earlier product (repacked as A), tile
-// a 64-row shared tile used as B (its rows are the shared dimension); one transposing ldmatrix
-// brings the B fragments of two d-tiles.
-template <int D>
-__device__ __forceinline__ void accumulate_times_tile(float (*out)[4], float (*p)[4],
+// out[M][D/8][4] += P · tile for M 16-row blocks, P the 16x64 C fragments `p[mt]` of an earlier
+// product (repacked as A), tile a 64-row shared tile used as B (its rows are the shared dimension);
+// one transposing ldmatrix brings the B fragments of two d-tiles for all M blocks.
+template <int D, int M = 1>
+__device__ __forceinline__ void accumulate_times_tile(float (*out)[D / 8][4], float (*p)[8][4],
                                                       const bf16_bits* tile) {
     constexpr int S = D + 8;
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
     u32 lane_row = shared_address(tile + ((m & 1) * 8 + r) * S + (m >> 1) * 8);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-        u32 a0 = pack_bf16(p[2 * kk][0], p[2 * kk][1]);
-        u32 a1 = pack_bf16(p[2 * kk][2], p[2 * kk][3]);
-        u32 a2 = pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        u32 a3 = pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        u32 a[M][4];
+#pragma unroll
+        for (int mt = 0; mt < M; ++mt) {
+            a[mt][0] = pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
             u32 b[4];
             load_matrices<true>(b, lane_row + (u32)(kk * 16 * S + dp * 16) * 2);
-            mma_bf16(out[2 * dp], a0, a1, a2, a3, b[0], b[1]);
-            mma_bf16(out[2 * dp + 1], a0, a1, a2, a3, b[2], b[3]);
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                mma_bf16(out[mt][2 * dp], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[0], b[1]);
+                mma_bf16(out[mt][2 * dp + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[2], b[3]);
+            }
         }
     }
 }
@@ -225,30 +242,40 @@ __device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4]
     }
 }
 
-template <int D>
+// One block per 64·M queries of one head: 4 warps of 16·M rows (M = 2 halves the shared-memory
+// reads per MMA at the cost of registers; head_dim 64 only).
+template <int D, int M>
 __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
                                                      const bf16_bits* v, int seq, int n_heads,
                                                      int n_kv_heads, float scale) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
+    constexpr int WARP_ROWS = 16 * M, BLOCK_ROWS = TITAN_TC_ROWS * M;
     __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
     __shared__ __align__(16) bf16_bits vs[STAGES * TILE];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    int q0 = blockIdx.x * BLOCK_ROWS, h = blockIdx.y, b = blockIdx.z;
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     const bf16_bits* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
     const bf16_bits* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
-    int row_in_tile = warp * 16 + g, r0 = q0 + row_in_tile, r1 = r0 + 8;
+    // Row g of block mt of this warp is warp_row + 16·mt + g (and + 8).
+    int warp_row = q0 + warp * WARP_ROWS;
     float scale_log2 = scale * TITAN_LOG2E;
-    u32 qa[D / 16][4];
-    load_row_fragments<D>(qa, q + (i64)b * seq * q_stride + (i64)h * D, q_stride, r0, seq, t);
-    float o[D / 8][4];
+    u32 qa[M][D / 16][4];
+    float o[M][D / 8][4];
+    float m0[M], m1[M], l0[M], l1[M];
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
-    float m0 = TITAN_NEG_INF, m1 = TITAN_NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    // Key tiles 0 .. blockIdx.x; the last is the diagonal. Keys past `seq` (zero-filled) only fall
-    // in it, after every valid query of the block, so the causal mask hides them too.
-    int n_tiles = blockIdx.x + 1;
+    for (int mt = 0; mt < M; ++mt) {
+        load_row_fragments<D>(qa[mt], q + (i64)b * seq * q_stride + (i64)h * D, q_stride,
+                              warp_row + 16 * mt + g, seq, t);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.0f;
+        m0[mt] = m1[mt] = TITAN_NEG_INF;
+        l0[mt] = l1[mt] = 0.0f;
+    }
+    // Key tiles up to the block's last query. Keys past `seq` (zero-filled) only fall in tiles
+    // that overlap the block's queries, after every valid query, so the causal mask hides them.
+    int n_tiles = (min(seq, q0 + BLOCK_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
     auto stage = [&](int i, int buf) {
         load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
         load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
@@ -257,21 +284,38 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
-        float s[8][4];
-        product_with_tile_rows<D>(s, qa, ks + cur * TILE);
-        if (it + 1 < n_tiles)
-            online_softmax_tile<D, false>(s, o, m0, m1, l0, l1, scale_log2, row_in_tile, t);
-        else
-            online_softmax_tile<D, true>(s, o, m0, m1, l0, l1, scale_log2, row_in_tile, t);
-        accumulate_times_tile<D>(o, s, vs + cur * TILE);
+        int j0 = it * TITAN_TC_ROWS;
+        // A warp whose rows all precede the tile sees none of it; one whose rows all follow it sees
+        // all of it; otherwise the tile straddles the diagonal and is masked. With M = 1 only the
+        // last tile does, and no warp skips one (decided at compile time).
+        if (M == 1 || j0 < warp_row + WARP_ROWS) {
+            float s[M][8][4];
+            product_with_tile_rows<D, M>(s, qa, ks + cur * TILE);
+            bool diagonal = M == 1 ? it + 1 == n_tiles : j0 + TITAN_TC_ROWS - 1 > warp_row;
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt) {
+                int row_in_tile = warp_row + 16 * mt + g - j0;
+                if (diagonal)
+                    online_softmax_tile<D, true>(s[mt], o[mt], m0[mt], m1[mt], l0[mt], l1[mt],
+                                                 scale_log2, row_in_tile, t);
+                else
+                    online_softmax_tile<D, false>(s[mt], o[mt], m0[mt], m1[mt], l0[mt], l1[mt],
+                                                  scale_log2, row_in_tile, t);
+            }
+            accumulate_times_tile<D, M>(o, s, vs + cur * TILE);
+        }
         tile_end<STAGES>(stage, it, n_tiles);
     }
     float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
-    store_row_fragments<D>(ob, q_stride, r0, seq, t, o, 1.0f / l0, 1.0f / l1);
-    if (t == 0) {
-        float* lb = lse + ((i64)b * n_heads + h) * seq;
-        if (r0 < seq) lb[r0] = m0 * scale + logf(l0);
-        if (r1 < seq) lb[r1] = m1 * scale + logf(l1);
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt) {
+        int r0 = warp_row + 16 * mt + g, r1 = r0 + 8;
+        store_row_fragments<D>(ob, q_stride, r0, seq, t, o[mt], 1.0f / l0[mt], 1.0f / l1[mt]);
+        if (t == 0) {
+            float* lb = lse + ((i64)b * n_heads + h) * seq;
+            if (r0 < seq) lb[r0] = m0[mt] * scale + logf(l0[mt]);
+            if (r1 < seq) lb[r1] = m1[mt] * scale + logf(l1[mt]);
+        }
     }
 }
 
@@ -339,13 +383,13 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
         float s[8][4], dp[8][4];
-        product_with_tile_rows<D>(s, qa, ks + cur * TILE);
-        product_with_tile_rows<D>(dp, da, vs + cur * TILE);
+        product_with_tile_rows<D>(&s, &qa, ks + cur * TILE);
+        product_with_tile_rows<D>(&dp, &da, vs + cur * TILE);
         if (it + 1 < n_tiles)
             dq_scores_to_ds<false>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_in_tile, t);
         else
             dq_scores_to_ds<true>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_in_tile, t);
-        accumulate_times_tile<D>(acc, s, ks + cur * TILE);
+        accumulate_times_tile<D>(&acc, &s, ks + cur * TILE);
         tile_end<STAGES>(stage, it, n_tiles);
     }
     store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, scale, scale);
@@ -443,8 +487,8 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
         const float* lse2_t = lse2_s + cur * TITAN_TC_ROWS;
         const float* delta_t = delta_s + cur * TITAN_TC_ROWS;
         float p[8][4], dp[8][4];
-        product_with_tile_rows<D>(p, ka, q_tile);
-        if (WANT_K) product_with_tile_rows<D>(dp, va, d_tile);
+        product_with_tile_rows<D>(&p, &ka, q_tile);
+        if (WANT_K) product_with_tile_rows<D>(&dp, &va, d_tile);
         // Each head's first query tile is the diagonal one (its queries start at k0).
         bool diagonal = query_tile == 0;
         if (++query_tile == q_tiles) query_tile = 0;
@@ -452,8 +496,8 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
             dkdv_scores<WANT_K, false>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
         else
             dkdv_scores<WANT_K, true>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
-        if (WANT_V) accumulate_times_tile<D>(acc_v, p, d_tile);
-        if (WANT_K) accumulate_times_tile<D>(acc_k, dp, q_tile);
+        if (WANT_V) accumulate_times_tile<D>(&acc_v, &p, d_tile);
+        if (WANT_K) accumulate_times_tile<D>(&acc_k, &dp, q_tile);
         tile_end<STAGES>(stage, it, n_tiles);
     }
     if (WANT_K) store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, scale, scale);
@@ -461,11 +505,11 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
 }
 
 // Entry points for head_dim 64 and 128.
-#define TITAN_TC_FORWARD(name, D)                                                                 \
+#define TITAN_TC_FORWARD(name, D, M)                                                              \
     extern "C" __global__ void name(float* out, float* lse, const bf16_bits* q,                   \
                                     const bf16_bits* k, const bf16_bits* v, int seq, int n_heads, \
                                     int n_kv_heads, float scale) {                                \
-        attention_forward_tc<D>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);              \
+        attention_forward_tc<D, M>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);           \
     }
 #define TITAN_TC_DQ(name, D)                                                                      \
     extern "C" __global__ void name(float* dq, const bf16_bits* dout, const bf16_bits* q,         \
@@ -484,8 +528,9 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
                                                       n_heads, n_kv_heads, scale);                \
     }
 
-TITAN_TC_FORWARD(attention_forward_tc64, 64)
-TITAN_TC_FORWARD(attention_forward_tc128, 128)
+TITAN_TC_FORWARD(attention_forward_tc64, 64, 1)
+TITAN_TC_FORWARD(attention_forward_tc64x2, 64, 2)
+TITAN_TC_FORWARD(attention_forward_tc128, 128, 1)
 TITAN_TC_DQ(attention_backward_dq_tc64, 64)
 TITAN_TC_DQ(attention_backward_dq_tc128, 128)
 TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, true, true)

@@ -8,7 +8,10 @@ use cudarc::driver::{
 
 use super::gemm::GemmInput;
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
-use super::{elementwise_config, row_threads, rows_config, CudaBackend, CudaBuf, GemmPrecision};
+use super::{
+    elementwise_config, row_threads, rows_config, AttentionKernels, CudaBackend, CudaBuf,
+    GemmPrecision,
+};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
 type Buf = CudaBuf;
@@ -488,7 +491,7 @@ impl Backend for CudaBackend {
         let scale = 1.0 / (s.head_dim as f32).sqrt();
         if let Some(kernels) = self.tensor_core_attention(&s) {
             let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
-            let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch);
+            let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch, kernels.forward_rows);
             let (q, k, v) = (
                 self.to_bf16(q, q_floats),
                 self.to_bf16(k, kv_floats),
@@ -597,8 +600,8 @@ impl Backend for CudaBackend {
             &d
         );
         if let Some(kernels) = self.tensor_core_attention(&s) {
-            let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch);
-            let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch);
+            let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
+            let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
             let (dout, q, k, v) = (
                 self.to_bf16(dout, q_floats),
                 self.to_bf16(q, q_floats),
@@ -955,27 +958,38 @@ fn check_attention_shape(s: &AttnShape) {
 /// bf16 copies of their inputs, made per call.
 struct TensorCoreAttention {
     forward: &'static str,
+    /// Query rows per block of the forward (64, or 128 with 32 rows per warp).
+    forward_rows: usize,
     dq: &'static str,
     /// One pass computing dK and dV, or two (head_dim 128, so the accumulators fit in registers).
     dkdv: &'static [&'static str],
 }
 
 impl CudaBackend {
-    /// The tensor-core kernels when they apply: the backend allows them (`tensor_core_attention`
-    /// in `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
+    /// The tensor-core kernels when they apply: the backend allows them (`attention`, chosen in
+    /// `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
     fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
-        if !self.tensor_core_attention || !training_shape {
+        let AttentionKernels::TensorCores { wide_forward } = self.attention else {
+            return None;
+        };
+        if !training_shape {
             return None;
         }
         match s.head_dim {
             64 => Some(TensorCoreAttention {
-                forward: "attention_forward_tc64",
+                forward: if wide_forward {
+                    "attention_forward_tc64x2"
+                } else {
+                    "attention_forward_tc64"
+                },
+                forward_rows: if wide_forward { 128 } else { 64 },
                 dq: "attention_backward_dq_tc64",
                 dkdv: &["attention_backward_dkdv_tc64"],
             }),
             128 => Some(TensorCoreAttention {
                 forward: "attention_forward_tc128",
+                forward_rows: 64,
                 dq: "attention_backward_dq_tc128",
                 dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
             }),
@@ -999,10 +1013,10 @@ impl CudaBackend {
     }
 }
 
-/// 64 rows (4 warps of 16) per block for the tensor-core kernels.
-fn tensor_core_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
+/// `block_rows` rows (4 warps of 16 or 32) per block for the tensor-core kernels.
+fn tensor_core_config(rows: usize, heads: usize, batch: usize, block_rows: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (rows.div_ceil(64) as u32, heads as u32, batch as u32),
+        grid_dim: (rows.div_ceil(block_rows) as u32, heads as u32, batch as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     }
