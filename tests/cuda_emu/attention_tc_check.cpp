@@ -9,6 +9,7 @@
 #include <string>
 
 #include "emu.h"
+#include "attention_reference.h"
 // clang-format off
 #include "common.cuh"
 #include "tensor_core_emu.h"
@@ -18,11 +19,6 @@
 namespace {
 
 constexpr double kTolerance = 1e-2;
-
-struct Shape {
-    const char* name;
-    int batch, seq, heads, kv_heads, head_dim;
-};
 
 struct Bf16Tensor {
     std::vector<bf16_bits> bits;
@@ -38,72 +34,6 @@ Bf16Tensor random_tensor(std::mt19937_64& rng, size_t n) {
         t.values.push_back(emu::bf16_value(b));
     }
     return t;
-}
-
-double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
-    double scale = 1e-30, diff = 0.0;
-    for (size_t i = 0; i < got.size(); ++i) {
-        if (!std::isfinite(got[i])) return NAN;
-        scale = std::max(scale, std::fabs(want[i]));
-        diff = std::max(diff, std::fabs((double)got[i] - want[i]));
-    }
-    return diff / scale;
-}
-
-struct Reference {
-    std::vector<double> out, lse, dq, dk, dv;
-};
-
-// Causal GQA attention and its gradients in float64. Layouts as the kernels': q, out, dout
-// [b, s, h, d]; k, v [b, s, kvh, d]; lse [b, h, s].
-Reference reference(const Shape& s, const std::vector<double>& q, const std::vector<double>& k,
-                    const std::vector<double>& v, const std::vector<double>& dout) {
-    int D = s.head_dim, group = s.heads / s.kv_heads;
-    double scale = 1.0 / std::sqrt((double)D);
-    Reference r;
-    r.out.assign(q.size(), 0.0);
-    r.dq.assign(q.size(), 0.0);
-    r.dk.assign(k.size(), 0.0);
-    r.dv.assign(v.size(), 0.0);
-    r.lse.assign((size_t)s.batch * s.heads * s.seq, 0.0);
-    auto qi = [&](int b, int i, int h) { return ((size_t)(b * s.seq + i) * s.heads + h) * D; };
-    auto kj = [&](int b, int j, int kh) { return ((size_t)(b * s.seq + j) * s.kv_heads + kh) * D; };
-    std::vector<double> p(s.seq), dp(s.seq);
-    for (int b = 0; b < s.batch; ++b)
-        for (int h = 0; h < s.heads; ++h) {
-            int kh = h / group;
-            for (int i = 0; i < s.seq; ++i) {
-                double mx = -INFINITY;
-                for (int j = 0; j <= i; ++j) {
-                    double dot = 0.0;
-                    for (int d = 0; d < D; ++d) dot += q[qi(b, i, h) + d] * k[kj(b, j, kh) + d];
-                    p[j] = dot * scale;
-                    mx = std::max(mx, p[j]);
-                }
-                double sum = 0.0;
-                for (int j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
-                r.lse[((size_t)b * s.heads + h) * s.seq + i] = mx + std::log(sum);
-                for (int j = 0; j <= i; ++j) p[j] = std::exp(p[j] - mx) / sum;
-                double delta = 0.0;
-                for (int d = 0; d < D; ++d) {
-                    double o = 0.0;
-                    for (int j = 0; j <= i; ++j) o += p[j] * v[kj(b, j, kh) + d];
-                    r.out[qi(b, i, h) + d] = o;
-                    delta += o * dout[qi(b, i, h) + d];
-                }
-                for (int j = 0; j <= i; ++j) {
-                    double dot = 0.0;
-                    for (int d = 0; d < D; ++d) dot += dout[qi(b, i, h) + d] * v[kj(b, j, kh) + d];
-                    double ds = p[j] * (dot - delta) * scale;
-                    for (int d = 0; d < D; ++d) {
-                        r.dq[qi(b, i, h) + d] += ds * k[kj(b, j, kh) + d];
-                        r.dk[kj(b, j, kh) + d] += ds * q[qi(b, i, h) + d];
-                        r.dv[kj(b, j, kh) + d] += p[j] * dout[qi(b, i, h) + d];
-                    }
-                }
-            }
-        }
-    return r;
 }
 
 bool report(const Shape& s, const char* output, const std::vector<float>& got,

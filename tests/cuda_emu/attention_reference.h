@@ -1,0 +1,80 @@
+// Causal grouped-query attention and its gradients in float64, the reference of the emulated
+// attention checks. Layouts as the kernels': q, out, dout [b, s, h, d]; k, v [b, s, kvh, d];
+// lse [b, h, s].
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+struct Shape {
+    const char* name;
+    int batch, seq, heads, kv_heads, head_dim;
+};
+
+struct Reference {
+    std::vector<double> out, lse, dq, dk, dv;
+};
+
+inline Reference reference(const Shape& s, const std::vector<double>& q, const std::vector<double>& k,
+                    const std::vector<double>& v, const std::vector<double>& dout) {
+    int D = s.head_dim, group = s.heads / s.kv_heads;
+    double scale = 1.0 / std::sqrt((double)D);
+    Reference r;
+    r.out.assign(q.size(), 0.0);
+    r.dq.assign(q.size(), 0.0);
+    r.dk.assign(k.size(), 0.0);
+    r.dv.assign(v.size(), 0.0);
+    r.lse.assign((size_t)s.batch * s.heads * s.seq, 0.0);
+    auto qi = [&](int b, int i, int h) { return ((size_t)(b * s.seq + i) * s.heads + h) * D; };
+    auto kj = [&](int b, int j, int kh) { return ((size_t)(b * s.seq + j) * s.kv_heads + kh) * D; };
+    std::vector<double> p(s.seq), dp(s.seq);
+    for (int b = 0; b < s.batch; ++b)
+        for (int h = 0; h < s.heads; ++h) {
+            int kh = h / group;
+            for (int i = 0; i < s.seq; ++i) {
+                double mx = -INFINITY;
+                for (int j = 0; j <= i; ++j) {
+                    double dot = 0.0;
+                    for (int d = 0; d < D; ++d) dot += q[qi(b, i, h) + d] * k[kj(b, j, kh) + d];
+                    p[j] = dot * scale;
+                    mx = std::max(mx, p[j]);
+                }
+                double sum = 0.0;
+                for (int j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
+                r.lse[((size_t)b * s.heads + h) * s.seq + i] = mx + std::log(sum);
+                for (int j = 0; j <= i; ++j) p[j] = std::exp(p[j] - mx) / sum;
+                double delta = 0.0;
+                for (int d = 0; d < D; ++d) {
+                    double o = 0.0;
+                    for (int j = 0; j <= i; ++j) o += p[j] * v[kj(b, j, kh) + d];
+                    r.out[qi(b, i, h) + d] = o;
+                    delta += o * dout[qi(b, i, h) + d];
+                }
+                for (int j = 0; j <= i; ++j) {
+                    double dot = 0.0;
+                    for (int d = 0; d < D; ++d) dot += dout[qi(b, i, h) + d] * v[kj(b, j, kh) + d];
+                    double ds = p[j] * (dot - delta) * scale;
+                    for (int d = 0; d < D; ++d) {
+                        r.dq[qi(b, i, h) + d] += ds * k[kj(b, j, kh) + d];
+                        r.dk[kj(b, j, kh) + d] += ds * q[qi(b, i, h) + d];
+                        r.dv[kj(b, j, kh) + d] += p[j] * dout[qi(b, i, h) + d];
+                    }
+                }
+            }
+        }
+    return r;
+}
+
+
+// max |got - want| / max |want|; NaN when `got` holds a non-finite value (as the GPU op check).
+inline double rel_err(const std::vector<float>& got, const std::vector<double>& want) {
+    double scale = 1e-30, diff = 0.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+        if (!std::isfinite(got[i])) return NAN;
+        scale = std::max(scale, std::fabs(want[i]));
+        diff = std::max(diff, std::fabs((double)got[i] - want[i]));
+    }
+    return diff / scale;
+}

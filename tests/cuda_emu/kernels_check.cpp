@@ -1,0 +1,190 @@
+// Runs the fp32 CUDA kernels that have no tensor cores on the CPU emulator against float64
+// references: causal attention (kernels/attention.cu: forward, delta, dQ, dK/dV, at head dims that
+// are and are not multiples of the 32 lanes), RMSNorm forward and backward (kernels/norm.cu, with
+// the two-pass weight gradient), RoPE both ways (kernels/rope.cu) and SwiGLU both ways
+// (kernels/elementwise.cu). Launch shapes are the backend's (src/backend/cuda/ops). The tolerance is
+// the GPU op check's fp32 one. Prints one line per output; exits 1 when any fails.
+
+#include <random>
+
+#include "emu.h"
+#include "attention_reference.h"
+// clang-format off
+#include "common.cuh"
+#include "elementwise.cu"
+#include "norm.cu"
+#include "rope.cu"
+#include "attention.cu"
+// clang-format on
+
+namespace {
+
+constexpr double kTolerance = 1e-5;
+
+std::mt19937_64 rng(20261130);
+
+std::vector<float> random_floats(size_t n, float scale = 1.0f) {
+    std::uniform_real_distribution<float> dist(-scale, scale);
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(rng);
+    return v;
+}
+
+std::vector<double> widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+bool report(const char* what, const std::vector<float>& got, const std::vector<double>& want) {
+    double err = rel_err(got, want);
+    bool ok = err <= kTolerance;
+    std::printf("%-28s rel err %.3e %s\n", what, err, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+// One block per row, a multiple of 32 threads covering the row (at most 1024): `row_threads`.
+unsigned row_threads(int dim) { return (unsigned)std::min(1024, std::max(32, (dim + 31) / 32 * 32)); }
+
+bool attention(const Shape& s) {
+    int D = s.head_dim;
+    size_t q_len = (size_t)s.batch * s.seq * s.heads * D, kv_len = (size_t)s.batch * s.seq * s.kv_heads * D;
+    size_t rows = (size_t)s.batch * s.heads * s.seq;
+    auto q = random_floats(q_len), k = random_floats(kv_len), v = random_floats(kv_len),
+         dout = random_floats(q_len);
+    Reference ref = reference(s, widen(q), widen(k), widen(v), widen(dout));
+    float scale = 1.0f / std::sqrt((float)D);
+    unsigned per_warp = (unsigned)((s.seq + TITAN_ATTN_WARPS - 1) / TITAN_ATTN_WARPS);
+    EmuDim3 per_query{per_warp, (unsigned)s.heads, (unsigned)s.batch};
+    EmuDim3 per_key{per_warp, (unsigned)s.kv_heads, (unsigned)s.batch};
+    unsigned threads = TITAN_ATTN_WARPS * 32;
+    std::vector<float> out(q_len, NAN), lse(rows, NAN), delta(rows, NAN);
+    emu::launch(per_query, threads, [&] {
+        attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.seq, s.seq, s.seq,
+                          s.heads, s.kv_heads, D, 0, scale);
+    });
+    emu::launch(per_query, threads, [&] {
+        attention_backward_delta(delta.data(), dout.data(), out.data(), s.seq, s.heads, D);
+    });
+    std::vector<float> dq(q_len, NAN), dk(kv_len, NAN), dv(kv_len, NAN);
+    emu::launch(per_query, threads, [&] {
+        attention_backward_dq(dq.data(), dout.data(), q.data(), k.data(), v.data(), lse.data(),
+                              delta.data(), s.seq, s.heads, s.kv_heads, D, scale);
+    });
+    emu::launch(per_key, threads, [&] {
+        attention_backward_dkdv(dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
+                                lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, D, scale);
+    });
+    std::string name = std::string("attention ") + s.name;
+    bool ok = report((name + " out").c_str(), out, ref.out);
+    ok &= report((name + " lse").c_str(), lse, ref.lse);
+    ok &= report((name + " dq").c_str(), dq, ref.dq);
+    ok &= report((name + " dk").c_str(), dk, ref.dk);
+    ok &= report((name + " dv").c_str(), dv, ref.dv);
+    return ok;
+}
+
+bool rmsnorm() {
+    const int rows = 37, dim = 96;
+    const float eps = 1e-5f;
+    auto x = random_floats((size_t)rows * dim), w = random_floats(dim), dout = random_floats((size_t)rows * dim);
+    auto dx0 = random_floats((size_t)rows * dim), dw0 = random_floats(dim);
+    std::vector<double> want_out(x.size()), want_dx(dx0.begin(), dx0.end()), want_dw(dw0.begin(), dw0.end());
+    for (int r = 0; r < rows; ++r) {
+        double ss = 0.0, dot = 0.0;
+        for (int d = 0; d < dim; ++d) ss += (double)x[r * dim + d] * x[r * dim + d];
+        double rs = 1.0 / std::sqrt(ss / dim + eps);
+        for (int d = 0; d < dim; ++d) {
+            want_out[r * dim + d] = x[r * dim + d] * rs * w[d];
+            dot += (double)dout[r * dim + d] * w[d] * x[r * dim + d];
+            want_dw[d] += (double)dout[r * dim + d] * x[r * dim + d] * rs;
+        }
+        for (int d = 0; d < dim; ++d)
+            want_dx[r * dim + d] += rs * (dout[r * dim + d] * w[d] - x[r * dim + d] * rs * rs * dot / dim);
+    }
+    std::vector<float> out(x.size(), NAN), rstd(rows, NAN), dx = dx0, dw = dw0;
+    emu::launch(EmuDim3{rows, 1, 1}, row_threads(dim),
+                [&] { rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), dim, eps); });
+    emu::launch(EmuDim3{rows, 1, 1}, row_threads(dim), [&] {
+        rmsnorm_backward_dx(dx.data(), dout.data(), x.data(), w.data(), rstd.data(), dim);
+    });
+    // The weight gradient's two passes, with chunks of 16 rows (the backend uses more).
+    const int per_chunk = 16, chunks = (rows + per_chunk - 1) / per_chunk;
+    std::vector<float> partial((size_t)chunks * dim, NAN);
+    unsigned column_blocks = (unsigned)((dim + 127) / 128);
+    emu::launch(EmuDim3{column_blocks, (unsigned)chunks, 1}, 128, [&] {
+        rmsnorm_dweight_partial(partial.data(), dout.data(), x.data(), rstd.data(), rows, dim, per_chunk);
+    });
+    emu::launch(EmuDim3{column_blocks, 1, 1}, 128,
+                [&] { rmsnorm_dweight_reduce(dw.data(), partial.data(), chunks, dim); });
+    bool ok = report("rmsnorm_forward", out, want_out);
+    ok &= report("rmsnorm_backward dx", dx, want_dx);
+    ok &= report("rmsnorm_backward dweight", dw, want_dw);
+    return ok;
+}
+
+bool rope() {
+    const int batch = 2, seq = 19, heads = 3, hd = 16, offset = 5, half = hd / 2;
+    std::vector<float> cos_t((size_t)(seq + offset) * half), sin_t(cos_t.size());
+    for (int p = 0; p < seq + offset; ++p)
+        for (int i = 0; i < half; ++i) {
+            double theta = p * std::pow(500000.0, -2.0 * i / hd);
+            cos_t[p * half + i] = (float)std::cos(theta);
+            sin_t[p * half + i] = (float)std::sin(theta);
+        }
+    auto x = random_floats((size_t)batch * seq * heads * hd);
+    std::vector<double> want(x.size());
+    long long pairs = (long long)x.size() / 2;
+    for (long long p = 0; p < pairs; ++p) {
+        int i = (int)(p % half);
+        long long pos = offset + (p / half / heads) % seq;
+        double c = cos_t[pos * half + i], s = sin_t[pos * half + i];
+        want[2 * p] = x[2 * p] * c - x[2 * p + 1] * s;
+        want[2 * p + 1] = x[2 * p] * s + x[2 * p + 1] * c;
+    }
+    std::vector<float> y = x;
+    EmuDim3 grid{(unsigned)((pairs + 255) / 256), 1, 1};
+    emu::launch(grid, 256, [&] {
+        rope_rotate(y.data(), cos_t.data(), sin_t.data(), pairs, seq, heads, hd, offset, 1.0f);
+    });
+    bool ok = report("rope forward", y, want);
+    // The backward (direction -1) undoes the forward.
+    emu::launch(grid, 256, [&] {
+        rope_rotate(y.data(), cos_t.data(), sin_t.data(), pairs, seq, heads, hd, offset, -1.0f);
+    });
+    ok &= report("rope backward of forward", y, widen(x));
+    return ok;
+}
+
+bool swiglu() {
+    const long long n = 5000;
+    auto gate = random_floats(n, 4.0f), up = random_floats(n), dout = random_floats(n);
+    std::vector<double> want_out(n), want_dgate(n), want_dup(n);
+    for (long long i = 0; i < n; ++i) {
+        double g = gate[i], sg = 1.0 / (1.0 + std::exp(-g));
+        want_out[i] = g * sg * up[i];
+        want_dup[i] = dout[i] * g * sg;
+        want_dgate[i] = dout[i] * up[i] * sg * (1.0 + g * (1.0 - sg));
+    }
+    std::vector<float> out(n, NAN), dgate(n, NAN), dup(n, NAN);
+    EmuDim3 grid{3, 1, 1};  // fewer blocks than elements / 256: the grid-stride loop wraps
+    emu::launch(grid, 256, [&] { swiglu_forward(out.data(), gate.data(), up.data(), n); });
+    emu::launch(grid, 256, [&] {
+        swiglu_backward(dgate.data(), dup.data(), dout.data(), gate.data(), up.data(), n);
+    });
+    bool ok = report("swiglu_forward", out, want_out);
+    ok &= report("swiglu_backward dgate", dgate, want_dgate);
+    ok &= report("swiglu_backward dup", dup, want_dup);
+    return ok;
+}
+
+}  // namespace
+
+int main() {
+    emu::seed_schedule(20261130);
+    bool ok = true;
+    for (const Shape& s : {Shape{"hd16", 2, 45, 4, 4, 16}, Shape{"hd40 GQA", 1, 38, 4, 2, 40},
+                           Shape{"hd64 GQA", 1, 33, 4, 1, 64}})
+        ok &= attention(s);
+    ok &= rmsnorm();
+    ok &= rope();
+    ok &= swiglu();
+    std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
+    return ok ? 0 : 1;
+}
