@@ -11,7 +11,9 @@
 #include "attention_reference.h"
 // clang-format off
 #include "common.cuh"
+#include "tensor_core_emu.h"
 #include "elementwise.cu"
+#include "cast.cu"
 #include "norm.cu"
 #include "rope.cu"
 #include "attention.cu"
@@ -171,6 +173,41 @@ bool swiglu() {
     bool ok = report("swiglu_forward", out, want_out);
     ok &= report("swiglu_backward dgate", dgate, want_dgate);
     ok &= report("swiglu_backward dup", dup, want_dup);
+    // Views one element in: not 16-byte aligned, so the one-by-one loop runs.
+    std::fill(out.begin(), out.end(), NAN);
+    std::fill(dgate.begin(), dgate.end(), NAN);
+    emu::launch(grid, 256, [&] { swiglu_forward(out.data() + 1, gate.data() + 1, up.data() + 1, n - 1); });
+    emu::launch(grid, 256, [&] {
+        swiglu_backward(dgate.data() + 1, dup.data() + 1, dout.data() + 1, gate.data() + 1,
+                        up.data() + 1, n - 1);
+    });
+    auto tail = [](const std::vector<float>& v) { return std::vector<float>(v.begin() + 1, v.end()); };
+    auto tail64 = [](const std::vector<double>& v) { return std::vector<double>(v.begin() + 1, v.end()); };
+    ok &= report("swiglu_forward unaligned", tail(out), tail64(want_out));
+    ok &= report("swiglu_backward unaligned", tail(dgate), tail64(want_dgate));
+    return ok;
+}
+
+// f32 → bf16 pairs, aligned (four at a time) and one element in (two at a time), with an odd
+// count: every value must be the nearest-even bf16 and the padding half zero.
+bool to_bf16() {
+    const long long n = 1003;
+    auto x = random_floats(n + 1, 3.0f);
+    x[7] = NAN;
+    bool ok = true;
+    for (int offset : {0, 1}) {
+        std::vector<u32> pairs((n + 1) / 2, 0xdeadbeefu);
+        emu::launch(EmuDim3{2, 1, 1}, 256, [&] { f32_to_bf16(pairs.data(), x.data() + offset, n); });
+        size_t bad = 0;
+        for (long long i = 0; i < n; ++i) {
+            unsigned bits = (pairs[i / 2] >> (16 * (i % 2))) & 0xffffu;
+            bad += bits != emu::bf16_round(x[offset + i]);
+        }
+        bad += (pairs[n / 2] >> 16) != 0;  // the odd count's padding
+        std::printf("%-28s %zu wrong %s\n", offset ? "f32_to_bf16 unaligned" : "f32_to_bf16",
+                    bad, bad ? "FAILED" : "ok");
+        ok &= bad == 0;
+    }
     return ok;
 }
 
@@ -185,6 +222,7 @@ int main() {
     ok &= rmsnorm();
     ok &= rope();
     ok &= swiglu();
+    ok &= to_bf16();
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;
 }

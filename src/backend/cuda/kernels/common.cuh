@@ -44,3 +44,17 @@ __device__ __forceinline__ float block_max(float v, float* shared32) {
 // Grid-stride loop over n elements.
 #define TITAN_FOR_EACH(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// Four floats moved by one 16-byte access (and two 32-bit words by one 8-byte access): memory-bound
+// kernels keep more bytes in flight per thread that way. (CUDA's float4 lives in a header NVRTC
+// does not have here.)
+struct __align__(16) float_x4 {
+    float v[4];
+};
+struct __align__(8) u32_x2 {
+    u32 v[2];
+};
+
+__device__ __forceinline__ bool aligned_to(const void* p, unsigned long long bytes) {
+    return ((unsigned long long)p & (bytes - 1)) == 0;
+}

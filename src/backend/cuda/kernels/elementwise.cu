@@ -18,20 +18,52 @@ extern "C" __global__ void scale_f32(float* buf, float factor, i64 n) {
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// out = silu(gate) * up
+__device__ __forceinline__ float swiglu(float g, float u) { return g * sigmoidf(g) * u; }
+
+// d silu(g)/dg = s(g) * (1 + g * (1 - s(g))).
+__device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg, float& du) {
+    float s = sigmoidf(g);
+    du = d * g * s;
+    dg = d * u * s * (1.0f + g * (1.0f - s));
+}
+
+// out = silu(gate) * up. Four values per 16-byte access where every buffer allows (buffers start
+// aligned; a view at an odd offset takes the one-by-one loop), the same arithmetic either way.
 extern "C" __global__ void swiglu_forward(float* out, const float* gate, const float* up, i64 n) {
-    TITAN_FOR_EACH(i, n) {
-        float g = gate[i];
-        out[i] = g * sigmoidf(g) * up[i];
+    i64 done = 0;
+    if (aligned_to(out, 16) && aligned_to(gate, 16) && aligned_to(up, 16)) {
+        TITAN_FOR_EACH(q, n / 4) {
+            float_x4 g = ((const float_x4*)gate)[q], u = ((const float_x4*)up)[q], o;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o.v[e] = swiglu(g.v[e], u.v[e]);
+            ((float_x4*)out)[q] = o;
+        }
+        done = n / 4 * 4;
+    }
+    TITAN_FOR_EACH(j, n - done) {
+        i64 i = done + j;
+        out[i] = swiglu(gate[i], up[i]);
     }
 }
 
-// Overwrites dgate and dup; d silu(g)/dg = s(g) * (1 + g * (1 - s(g))).
+// Overwrites dgate and dup; vectorised as swiglu_forward.
 extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* dout,
                                            const float* gate, const float* up, i64 n) {
-    TITAN_FOR_EACH(i, n) {
-        float g = gate[i], s = sigmoidf(g), d = dout[i];
-        dup[i] = d * g * s;
-        dgate[i] = d * up[i] * s * (1.0f + g * (1.0f - s));
+    i64 done = 0;
+    if (aligned_to(dgate, 16) && aligned_to(dup, 16) && aligned_to(dout, 16) &&
+        aligned_to(gate, 16) && aligned_to(up, 16)) {
+        TITAN_FOR_EACH(q, n / 4) {
+            float_x4 d = ((const float_x4*)dout)[q], g = ((const float_x4*)gate)[q],
+                     u = ((const float_x4*)up)[q], dg, du;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) swiglu_grad(d.v[e], g.v[e], u.v[e], dg.v[e], du.v[e]);
+            ((float_x4*)dgate)[q] = dg;
+            ((float_x4*)dup)[q] = du;
+        }
+        done = n / 4 * 4;
+    }
+    TITAN_FOR_EACH(j, n - done) {
+        i64 i = done + j;
+        swiglu_grad(dout[i], gate[i], up[i], dgate[i], dup[i]);
     }
 }
