@@ -73,6 +73,18 @@ stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --j
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
+# A failed bf16 check: try the 16-row attention forward, then the fp32 attention kernels, and run
+# the benchmarks below with the first that passes (so one broken kernel does not waste the call).
+if [ "${status[check_bf16]:-ok}" != ok ] || [ "${status[check_bf16_hd128]:-ok}" != ok ]; then
+  for fallback in narrow exact; do
+    stage "check_bf16_$fallback" 35 env TITAN_CUDA_ATTENTION=$fallback "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16_$fallback.json"
+    if [ "${status[check_bf16_$fallback]:-}" = ok ]; then
+      export TITAN_CUDA_ATTENTION=$fallback
+      echo "gpu_check: benchmarks run with TITAN_CUDA_ATTENTION=$fallback"
+      break
+    fi
+  done
+fi
 # Bitwise resume on the GPU (20 steps straight against 10 + resume + 10), then greedy generation
 # from the result on the GPU and on the CPU. GPU_CHECK_DEVICE=cpu dry-runs these two stages.
 dev=${GPU_CHECK_DEVICE:-cuda}
@@ -98,7 +110,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -106,6 +118,7 @@ for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 resume
   esac
 done
 grep -h "NCCL one-rank" "$OUT_DIR/nccl.log" 2>/dev/null
+[ -n "${TITAN_CUDA_ATTENTION:-}" ] && echo "attention kernels for the benchmarks: TITAN_CUDA_ATTENTION=$TITAN_CUDA_ATTENTION"
 if [ -s "$OUT_DIR/titan_1b_profile.log" ]; then
   echo "titan 1B step by op (profiled: the GPU waits after each op):"
   sed -n '/^op  /,$p' "$OUT_DIR/titan_1b_profile.log" | head -n 26 | sed 's/^/    /'
@@ -149,8 +162,10 @@ def ops_report(prec):
               f"({'ok' if t['passed'] else 'FAIL'})")
         if t.get("cuda_error"):
             print(f"    CUDA run failed: {t['cuda_error']}")
-for prec in ("fp32", "bf16", "bf16_hd128"):
-    section(lambda: ops_report(prec))
+for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_exact"):
+    # The fallback checks run only after a failed bf16 check.
+    if prec in ("fp32", "bf16", "bf16_hd128") or os.path.exists(os.path.join(out, f"check_{prec}.json")):
+        section(lambda: ops_report(prec))
 def curve(d):
     try:
         with open(os.path.join(out, d, "metrics.jsonl")) as f:
