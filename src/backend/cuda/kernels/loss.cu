@@ -24,12 +24,20 @@ extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, co
             }
         return;
     }
-    float m = TITAN_NEG_INF;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, row[j]);
-    m = block_max(m, shared);
-    float z = 0.0f;
-    for (int j = threadIdx.x; j < vocab; j += blockDim.x) z += expf(row[j] - m);
-    z = block_sum(z, shared);
+    // One pass for the maximum and the sum of exponentials: each thread keeps a running maximum and
+    // rescales its sum when it grows (online softmax), then the block combines them.
+    float tm = TITAN_NEG_INF, tz = 0.0f;
+    for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+        float x = row[j];
+        if (x > tm) {
+            tz = tz * expf(tm - x) + 1.0f;
+            tm = x;
+        } else if (x != TITAN_NEG_INF) {
+            tz += expf(x - tm);
+        }
+    }
+    float m = block_max(tm, shared);
+    float z = block_sum(tm == TITAN_NEG_INF ? 0.0f : tz * expf(tm - m), shared);
     float target_logit = row[t];
     __syncthreads();
     if (threadIdx.x == 0) row_loss[r] = m + logf(z) - target_logit;
