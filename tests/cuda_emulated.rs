@@ -76,8 +76,8 @@ fn tensor_core_attention_matches_a_float64_reference_on_the_emulator() {
 
 #[test]
 fn multi_tensor_kernels_match_the_single_tensor_ones_on_the_emulator() {
-    // AdamW's three outputs, the bf16 copy (f32 and bf16 bits), the sum of squares.
-    run_check("multi_tensor_check.cpp", 6);
+    // AdamW's three outputs, the bf16 copy (f32 and bf16 bits), the fill, the sum of squares.
+    run_check("multi_tensor_check.cpp", 7);
 }
 
 #[test]

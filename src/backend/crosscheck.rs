@@ -459,6 +459,13 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.test
             .matmul(&mut to, &tx, &tm[2], m, k, n, false, true, false);
         self.compare("matmul on the compute copy", &ro, &to, self.tol.gemm);
+        self.reference.fill_all(&mut rv, 0.25);
+        self.test.fill_all(&mut tv, 0.25);
+        let (rf, tf) = (
+            self.download_all_reference(&rv),
+            self.download_all_test(&tv),
+        );
+        self.record("fill_all", &tf, &rf, 0.0);
     }
 
     /// Random tensors of the given lengths on both backends (uniform in ±scale; with a negative

@@ -258,6 +258,12 @@ pub trait Backend: Send + Sync {
     );
     /// Sum of squares in f64, reduced in a fixed order (deterministic).
     fn sum_squares(&self, buf: &Self::Buf) -> f64;
+    /// `fill` on every buffer of the list: one launch on a device (zeroing all gradients).
+    fn fill_all(&self, bufs: &mut [Self::Buf], value: f32) {
+        for b in bufs {
+            self.fill(b, value);
+        }
+    }
     /// AdamW over a list of tensors (`params[i]` with `grads[i]` and its moments): on a device, one
     /// launch for the whole list instead of one per tensor. Same arithmetic as `adamw_step`.
     fn adamw_step_all(

@@ -172,9 +172,7 @@ impl<B: Backend> ParamSet<B> {
     }
 
     pub fn zero(&mut self, backend: &B) {
-        for b in &mut self.bufs {
-            backend.fill(b, 0.0);
-        }
+        backend.fill_all(&mut self.bufs, 0.0);
     }
 
     /// Makes this set (same shapes) the compute copy of `master`: copied, then rounded to bf16.

@@ -93,6 +93,14 @@ int main() {
     std::printf("%-26s %s\n", "copy_rounded_to_bf16_all bf16 bits", bits_ok ? "equal ok" : "FAILED");
     ok &= bits_ok;
 
+    List zeroed = random_list(rng, lens, 1.0f, false);
+    emu::launch(grid, 256, [&] { fill_all(zeroed.pointers.data(), offsets.data(), n, 0.5f); });
+    bool fill_ok = true;
+    for (auto& t : zeroed.tensors)
+        for (float x : t) fill_ok &= x == 0.5f;
+    std::printf("%-26s %s\n", "fill_all", fill_ok ? "every value set ok" : "FAILED");
+    ok &= fill_ok;
+
     double want = 0.0;
     for (auto& t : g.tensors)
         for (float x : t) want += (double)x * x;

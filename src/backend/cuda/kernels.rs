@@ -49,6 +49,7 @@ pub const KERNELS: &[&str] = &[
     "rope_rotate",
     "adamw_step",
     "sum_squares_partial",
+    "fill_all",
     "adamw_step_all",
     "copy_rounded_to_bf16_all",
     "sum_squares_all_partial",

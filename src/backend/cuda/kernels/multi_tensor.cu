@@ -45,6 +45,10 @@ extern "C" __global__ void adamw_step_all(float* const* p, const float* const* g
     });
 }
 
+extern "C" __global__ void fill_all(float* const* dst, const i64* offsets, int n, float value) {
+    for_each_listed(offsets, n, [&](int t, i64 j) { dst[t][j] = value; });
+}
+
 // dst[t][j] = src[t][j] rounded to bf16 (nearest even, NaN kept), stored as f32, and the same
 // value's bf16 bits in bits[t][j] (the copy bf16 GEMMs read).
 extern "C" __global__ void copy_rounded_to_bf16_all(float* const* dst, unsigned short* const* bits,

@@ -843,6 +843,11 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn fill_all(&self, bufs: &mut [Buf], value: f32) {
+        let _timer = self.profiler.time_on("fill_all", self);
+        self.fill_list(bufs, value);
+    }
+
     fn adamw_step_all(
         &self,
         params: &mut [Buf],

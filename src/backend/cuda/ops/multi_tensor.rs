@@ -97,6 +97,23 @@ impl CudaBackend {
             .collect()
     }
 
+    pub(super) fn fill_list(&self, bufs: &mut [CudaBuf], value: f32) {
+        let lens = Self::list_lengths("fill_all", bufs, &[]);
+        let addresses = [self.addresses_to_write(bufs)];
+        let Some(list) = self.tensor_list("fill_all", &lens, &addresses) else {
+            return;
+        };
+        launch!(
+            self,
+            "fill_all",
+            chunked_config(list.total, usize::MAX),
+            &list.pointers[0],
+            &list.offsets,
+            &list.count,
+            &value,
+        );
+    }
+
     pub(super) fn adamw_all(
         &self,
         params: &mut [CudaBuf],
