@@ -7,7 +7,7 @@
 //
 // A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV), or
 // in the head_dim 64 forward 32 rows, so each B fragment loaded from shared memory feeds twice the
-// MMAs (`attention_forward_tc64x2`: 128 queries per block, 246 registers, no spills). The
+// MMAs (`attention_forward_tc64x2`: 128 queries per block, 254 registers, no spills). The
 // fragments follow PTX's m16n8k16 layout: with g = lane / 4 and t = lane % 4, a thread holds rows g
 // and g + 8 and columns 2t, 2t + 1 (+ 8) of A, rows 2t, 2t + 1 (+ 8) of column g of B, and columns
 // 2t, 2t + 1 of rows g, g + 8 of C. A product's C fragments are repacked as the next product's A
@@ -43,6 +43,14 @@ __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i
     int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
     u32 dst = shared_address(s + r * S + c);
     const bf16_bits* src = base + (i64)(r0 + r) * stride + c;
+    if (r0 + TITAN_TC_ROWS <= rows) {
+        // Every tile but the sequence's last: no row to check.
+#pragma unroll
+        for (int i = 0; i < TITAN_TC_ROWS / ROWS_PER_PASS; ++i)
+            copy_async_16(dst + (u32)(i * ROWS_PER_PASS * S) * 2,
+                          src + (i64)i * ROWS_PER_PASS * stride, true);
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < TITAN_TC_ROWS / ROWS_PER_PASS; ++i) {
         bool inside = r0 + r + i * ROWS_PER_PASS < rows;
