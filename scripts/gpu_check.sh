@@ -75,9 +75,14 @@ stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --mo
 stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
 # A failed bf16 check: try the 16-row attention forward, then the fp32 attention kernels, and run
 # the benchmarks below with the first that passes (so one broken kernel does not waste the call).
+# Each retry reruns the failed checks (every op, then the model with head_dim 64 and/or 128).
 if [ "${status[check_bf16]:-ok}" != ok ] || [ "${status[check_bf16_hd128]:-ok}" != ok ]; then
   for fallback in narrow exact; do
-    stage "check_bf16_$fallback" 35 env TITAN_CUDA_ATTENTION=$fallback "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16_$fallback.json"
+    retry="TITAN_CUDA_ATTENTION=$fallback '$BIN' cuda check --precision bfloat16 --train-steps 20"
+    checks="true"
+    [ "${status[check_bf16]:-ok}" != ok ] && checks="$checks && $retry --model-heads 4 --model-kv-heads 2 --json-out '$OUT_DIR/check_bf16_$fallback.json'"
+    [ "${status[check_bf16_hd128]:-ok}" != ok ] && checks="$checks && $retry --model-heads 2 --model-kv-heads 1 --json-out '$OUT_DIR/check_bf16_hd128_$fallback.json'"
+    stage "check_bf16_$fallback" 70 sh -c "$checks"
     if [ "${status[check_bf16_$fallback]:-}" = ok ]; then
       export TITAN_CUDA_ATTENTION=$fallback
       echo "gpu_check: benchmarks run with TITAN_CUDA_ATTENTION=$fallback"
@@ -162,7 +167,7 @@ def ops_report(prec):
               f"({'ok' if t['passed'] else 'FAIL'})")
         if t.get("cuda_error"):
             print(f"    CUDA run failed: {t['cuda_error']}")
-for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_exact"):
+for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact"):
     # The fallback checks run only after a failed bf16 check.
     if prec in ("fp32", "bf16", "bf16_hd128") or os.path.exists(os.path.join(out, f"check_{prec}.json")):
         section(lambda: ops_report(prec))
