@@ -132,10 +132,11 @@ fn check(a: &CheckArgs) -> Result<()> {
     let precision = GemmPrecision::from_config(&a.precision)?;
     let be = CudaBackend::new(0, precision)?;
     println!(
-        "CUDA-vs-CPU check on {} ({}), GEMMs in {:?}",
+        "CUDA-vs-CPU check on {} ({}), GEMMs in {:?}, attention {:?}",
         be.device_name(),
         be.arch(),
-        precision
+        precision,
+        be.attention_kernels()
     );
     let gemm_tol = match precision {
         GemmPrecision::Float32 => 1e-5,

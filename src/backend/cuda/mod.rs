@@ -147,6 +147,11 @@ impl CudaBackend {
         self.gemm.precision()
     }
 
+    /// The attention kernels of the training shape (`AttentionKernels`).
+    pub fn attention_kernels(&self) -> AttentionKernels {
+        self.attention
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
