@@ -8,7 +8,7 @@
 // file got wrong would show up on them; a new kernel that passes here has had its indexing, masking,
 // pipelining and barriers exercised before it meets a GPU.
 //
-// Threads of a block run as ucontext fibers, switched only at barriers: `__syncthreads`, and the
+// Threads of a block run as fibers, switched only at barriers: `__syncthreads`, and the
 // warp-collective operations (shuffles, `mma`, `ldmatrix`), which every lane of a warp enters
 // together. Each round of the scheduler resumes a random half of the threads (seeded, so a run
 // repeats), which lets warps run far ahead of each other as they may on a GPU. Blocks run one after
@@ -72,6 +72,66 @@ namespace emu {
 
 constexpr size_t kStackBytes = 256 << 10;
 
+// A suspended fiber (or the scheduler): on x86-64 its stack pointer, switched by a few lines of
+// assembly that save the callee-saved registers (glibc's swapcontext also saves the signal mask,
+// a system call per switch, which made it most of the emulator's time); elsewhere a ucontext.
+#if defined(__x86_64__)
+struct Context {
+    void* sp = nullptr;
+};
+
+extern "C" void emu_switch_context(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl emu_switch_context
+    .type emu_switch_context, @function
+emu_switch_context:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch_context, .-emu_switch_context
+)");
+
+inline void switch_context(Context& from, Context& to) { emu_switch_context(&from.sp, to.sp); }
+
+// A context that starts `entry` (which must never return) on `stack`: the stack holds entry's
+// address for `ret` and zeros for the six registers, aligned as if entry had just been called.
+inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+    uintptr_t top = (uintptr_t)(stack.data() + stack.size()) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;
+    *--sp = (void*)entry;
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+
+inline void make_context(Context& c, std::vector<char>& stack, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack.data();
+    c.uc.uc_stack.ss_size = stack.size();
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
 // A queued 16-byte `cp.async` copy.
 struct PendingCopy {
     void* dst;
@@ -85,7 +145,7 @@ struct AsyncQueues {
 };
 
 struct Fiber {
-    ucontext_t context;
+    Context context;
     std::vector<char> stack;
     bool done = false;
 };
@@ -93,7 +153,7 @@ struct Fiber {
 // The block being run: its fibers, and the state of its barriers.
 struct Block {
     std::vector<Fiber> fibers;
-    ucontext_t scheduler;
+    Context scheduler;
     unsigned current = 0;
     unsigned live = 0;
     std::function<void()> body;
@@ -119,7 +179,7 @@ inline bool chance() { return (g_schedule() >> 63) != 0; }
 inline void seed_schedule(unsigned long long seed) { g_schedule.seed(seed); }
 
 inline void yield_to_scheduler() {
-    swapcontext(&g_block->fibers[g_block->current].context, &g_block->scheduler);
+    switch_context(g_block->fibers[g_block->current].context, g_block->scheduler);
 }
 
 inline void fiber_entry() {
@@ -132,7 +192,9 @@ inline void fiber_entry() {
         g_block->block_arrived = 0;
         g_block->block_generation += 1;
     }
-    // Returning resumes uc_link, the scheduler.
+    // Back to the scheduler for good: it never resumes a finished fiber, so this never returns.
+    switch_context(g_block->fibers[g_block->current].context, g_block->scheduler);
+    std::abort();
 }
 
 // Waits until `target` threads have arrived at this barrier (generation-counted, reusable).
@@ -181,11 +243,7 @@ inline void launch(EmuDim3 grid, unsigned threads, const std::function<void()>& 
                 for (unsigned t = 0; t < threads; ++t) {
                     Fiber& f = block.fibers[t];
                     f.done = false;
-                    getcontext(&f.context);
-                    f.context.uc_stack.ss_sp = f.stack.data();
-                    f.context.uc_stack.ss_size = f.stack.size();
-                    f.context.uc_link = &block.scheduler;
-                    makecontext(&f.context, fiber_entry, 0);
+                    make_context(f.context, f.stack, fiber_entry);
                 }
                 unsigned idle_rounds = 0;
                 while (block.live > 0) {
@@ -194,7 +252,7 @@ inline void launch(EmuDim3 grid, unsigned threads, const std::function<void()>& 
                         if (block.fibers[t].done || !chance()) continue;
                         block.current = t;
                         threadIdx = EmuDim3{t, 0, 0};
-                        swapcontext(&block.scheduler, &block.fibers[t].context);
+                        switch_context(block.scheduler, block.fibers[t].context);
                     }
                     idle_rounds = block.progress == before ? idle_rounds + 1 : 0;
                     if (block.live > 0 && idle_rounds > 200) {
