@@ -1,7 +1,9 @@
 //! `titan bench attention`: causal grouped-query attention alone, forward and backward, on the CPU
 //! or GPU 0, timed per call after warm-up (medians), with TFLOP/s counted the way FlashAttention
 //! reports them (forward 4·b·h·s²·d/2 for the causal half, backward 2.5 times that), so the figures
-//! compare with `scripts/torch_attention_gpu.py` (PyTorch's SDPA) on the same shapes.
+//! compare with `scripts/torch_attention_gpu.py` (PyTorch's SDPA) on the same shapes. titan's times
+//! are of the whole op as training calls it, rounding its f32 inputs to bf16 included; PyTorch's
+//! inputs are bf16 already.
 
 use std::time::Instant;
 
