@@ -59,6 +59,18 @@ __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i
     }
 }
 
+// Key tile `tile` of K and V into shared buffer `buf` (the forward's and dQ pass's pipeline stage),
+// committed as one cp.async group.
+template <int D>
+__device__ __forceinline__ void stage_keys_values(bf16_bits* ks, bf16_bits* vs, const bf16_bits* kb,
+                                                  const bf16_bits* vb, i64 kv_stride, int tile,
+                                                  int buf, int seq) {
+    constexpr int TILE = TITAN_TC_ROWS * (D + 8);
+    load_tile<D>(ks + buf * TILE, kb, kv_stride, tile * TITAN_TC_ROWS, seq);
+    load_tile<D>(vs + buf * TILE, vb, kv_stride, tile * TITAN_TC_ROWS, seq);
+    async_commit();
+}
+
 // acc[M][8][4] = A · Bᵀ over D for M 16-row blocks of A (fragments in registers), Bᵀ the 64-row
 // shared tile; one ldmatrix brings the B fragments of two n-tiles, used by all M blocks (so more
 // rows per warp read the tile fewer times). Addresses are one per-lane base plus constants.
@@ -284,11 +296,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     // Key tiles up to the block's last query. Keys past `seq` (zero-filled) only fall in tiles
     // that overlap the block's queries, after every valid query, so the causal mask hides them.
     int n_tiles = (min(seq, q0 + BLOCK_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
-    auto stage = [&](int i, int buf) {
-        load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
-        load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
-        async_commit();
-    };
+    auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
@@ -382,11 +390,7 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
     int n_tiles = blockIdx.x + 1;
-    auto stage = [&](int i, int buf) {
-        load_tile<D>(ks + buf * TILE, kb, kv_stride, i * TITAN_TC_ROWS, seq);
-        load_tile<D>(vs + buf * TILE, vb, kv_stride, i * TITAN_TC_ROWS, seq);
-        async_commit();
-    };
+    auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
