@@ -200,6 +200,16 @@ impl CudaBackend {
             .unwrap_or_else(|e| panic!("CUDA: allocating {len} elements failed: {e}"))
     }
 
+    /// Device memory for `len` elements (at least one) left as the pool hands it out: for per-call
+    /// scratch that a kernel or GEMM writes in full before anything reads it (the loss's logit
+    /// block, bf16 operand copies), where zeroing would be a wasted pass over gigabytes each step.
+    fn alloc_unzeroed<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> CudaSlice<T> {
+        // SAFETY: the callers write every element they later read (see each call), and the values
+        // are plain numbers: any bit pattern is a valid T.
+        unsafe { self.stream.alloc::<T>(len.max(1)) }
+            .unwrap_or_else(|e| panic!("CUDA: allocating {len} elements failed: {e}"))
+    }
+
     fn buffer(&self, len: usize) -> CudaBuf {
         CudaBuf::new(self.alloc(len), len)
     }

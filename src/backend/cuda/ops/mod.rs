@@ -727,7 +727,8 @@ impl Backend for CudaBackend {
             return LossSum { sum: 0.0, count: 0 };
         }
         let chunk = gpu_loss_chunk_rows(vocab).min(rows);
-        let mut logits = self.alloc::<f32>(chunk * vocab);
+        // Each chunk's GEMM writes the rows the loss kernel then reads.
+        let mut logits = self.alloc_unzeroed::<f32>(chunk * vocab);
         let mut row_loss = self.alloc::<f32>(rows);
         let dev_targets = self.upload_ids(targets);
         let want_grad = grads.is_some() as i32;
@@ -735,7 +736,7 @@ impl Backend for CudaBackend {
         // With bf16 GEMMs the loss kernel also writes the logit gradients in bf16, which the two
         // backward GEMMs read as is (no conversion of the largest operand of the step).
         let grad16 = (grads.is_some() && self.precision() == GemmPrecision::BFloat16)
-            .then(|| self.alloc::<u16>(chunk * vocab));
+            .then(|| self.alloc_unzeroed::<u16>(chunk * vocab));
         let grad16_address = grad16.as_ref().map_or(0u64, |g| {
             let (ptr, _sync) = g.device_ptr(&self.stream);
             ptr
@@ -1004,7 +1005,8 @@ impl CudaBackend {
 
     /// A bf16 copy (nearest even) of the first `len` values of `x`, for kernels that read bf16.
     fn to_bf16(&self, x: &Buf, len: usize) -> CudaSlice<u16> {
-        let mut out = self.alloc::<u16>(len.div_ceil(2) * 2);
+        // The conversion writes every pair, the odd count's padding included.
+        let mut out = self.alloc_unzeroed::<u16>(len.div_ceil(2) * 2);
         let src = x.device_address(&self.stream);
         super::gemm::launch_to_bf16(
             &self.stream,
