@@ -44,29 +44,19 @@ inline EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 using std::max;
 using std::min;
 
-inline unsigned __float_as_uint(float f) {
-    unsigned v;
-    std::memcpy(&v, &f, sizeof v);
-    return v;
+// CUDA's bit casts between float and 32-bit integers.
+template <typename To, typename From>
+inline To emu_bit_cast(From from) {
+    static_assert(sizeof(To) == sizeof(From), "same size");
+    To to;
+    std::memcpy(&to, &from, sizeof to);
+    return to;
 }
 
-inline float __uint_as_float(unsigned v) {
-    float f;
-    std::memcpy(&f, &v, sizeof f);
-    return f;
-}
-
-inline float __int_as_float(int v) {
-    float f;
-    std::memcpy(&f, &v, sizeof f);
-    return f;
-}
-
-inline int __float_as_int(float f) {
-    int v;
-    std::memcpy(&v, &f, sizeof v);
-    return v;
-}
+inline unsigned __float_as_uint(float f) { return emu_bit_cast<unsigned>(f); }
+inline float __uint_as_float(unsigned v) { return emu_bit_cast<float>(v); }
+inline float __int_as_float(int v) { return emu_bit_cast<float>(v); }
+inline int __float_as_int(float f) { return emu_bit_cast<int>(f); }
 
 namespace emu {
 
