@@ -422,7 +422,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             ("exp_avg", &rm, &tm),
             ("exp_avg_sq", &rv, &tv),
         ] {
-            let (rv, tv) = (self.download_all_reference(r), self.download_all_test(t));
+            let (rv, tv) = (download_all(self.reference, r), download_all(self.test, t));
             self.record(&format!("adamw_step_all {what}"), &tv, &rv, self.tol.exact);
         }
         self.reference
@@ -449,8 +449,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.copy_rounded_to_bf16_all(&mut rm, &rg);
         self.test.copy_rounded_to_bf16_all(&mut tm, &tg);
         let (rc, tc) = (
-            self.download_all_reference(&rm),
-            self.download_all_test(&tm),
+            download_all(self.reference, &rm),
+            download_all(self.test, &tm),
         );
         self.record("copy_rounded_to_bf16_all", &tc, &rc, 0.0);
         // A GEMM reading a compute-copy tensor: on a device it reads the bf16 twin the copy wrote.
@@ -462,8 +462,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.fill_all(&mut rv, 0.25);
         self.test.fill_all(&mut tv, 0.25);
         let (rf, tf) = (
-            self.download_all_reference(&rv),
-            self.download_all_test(&tv),
+            download_all(self.reference, &rv),
+            download_all(self.test, &tv),
         );
         self.record("fill_all", &tf, &rf, 0.0);
     }
@@ -481,16 +481,11 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             })
             .unzip()
     }
+}
 
-    fn download_all_reference(&self, bufs: &[R::Buf]) -> Vec<f32> {
-        bufs.iter()
-            .flat_map(|b| self.reference.download(b))
-            .collect()
-    }
-
-    fn download_all_test(&self, bufs: &[T::Buf]) -> Vec<f32> {
-        bufs.iter().flat_map(|b| self.test.download(b)).collect()
-    }
+/// Every buffer of a list, downloaded back to back.
+fn download_all<X: Backend>(be: &X, bufs: &[X::Buf]) -> Vec<f32> {
+    bufs.iter().flat_map(|b| be.download(b)).collect()
 }
 
 /// Runs every op on both backends and returns one row per output. Each op family runs on its own
