@@ -3,9 +3,10 @@
 # network, maybe no Rust): every op's CUDA-vs-CPU check in fp32 and bf16, the debug model trained 20
 # steps on GPU and CPU (and with head_dim 64 and 128 in bf16), FSDP on the GPU against one process,
 # bitwise resume and greedy generation on the GPU, a per-op profile of a Llama 3 1B step, the 1B
-# benchmark of titan and PyTorch side by side at seq 2048 and 8192, and attention alone against
-# PyTorch's FlashAttention. Every stage has its own timeout, cut to the script's budget, so the
-# script ends within 8 minutes (about 2.5 minutes on an H200); the summary is last.
+# benchmark of titan and PyTorch side by side at seq 2048 and 8192, attention alone against
+# PyTorch's FlashAttention, and last the fused attention backward (checked, then timed alone and in
+# the 1B step). Every stage has its own timeout, cut to the script's budget, so the script ends
+# within 8 minutes (about 4 on an H200); the summary is last.
 #
 # The titan binary is built on the CPU machine and carried with the call:
 #   cargo build --release          # then run this script with target/release/titan carried
@@ -110,12 +111,22 @@ stage attn_titan 40 sh -c "for s in $attn_shapes; do '$BIN' bench attention --de
 stage attn_torch 40 sh -c "for s in $attn_shapes; do '$PY' scripts/torch_attention_gpu.py --iters 10 \$s || exit 1; done > '$OUT_DIR/attn_torch.jsonl'"
 # The head_dim 64 forward with 16 rows per warp instead of 32 (TITAN_CUDA_ATTENTION=narrow), to compare.
 stage attn_titan_narrow 20 sh -c "TITAN_CUDA_ATTENTION=narrow '$BIN' bench attention --device cuda --precision bfloat16 --iters 10 --json --batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64 > '$OUT_DIR/attn_titan_narrow.jsonl'"
+# The fused head_dim 64 backward (one pass, atomic dQ; TITAN_CUDA_ATTENTION=fused: 64 keys per
+# block, fused8: 128), checked like the default kernels, then timed alone and in the 1B step.
+fused_check="'$BIN' cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2"
+stage check_bf16_fused 70 sh -c "TITAN_CUDA_ATTENTION=fused $fused_check --json-out '$OUT_DIR/check_bf16_fused.json' && TITAN_CUDA_ATTENTION=fused8 $fused_check --json-out '$OUT_DIR/check_bf16_fused8.json'"
+if [ "${status[check_bf16_fused]:-}" = ok ]; then
+  attn_1b="--device cuda --precision bfloat16 --iters 10 --json --batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64"
+  stage attn_titan_fused 30 sh -c "TITAN_CUDA_ATTENTION=fused '$BIN' bench attention $attn_1b > '$OUT_DIR/attn_titan_fused.jsonl' && TITAN_CUDA_ATTENTION=fused8 '$BIN' bench attention $attn_1b > '$OUT_DIR/attn_titan_fused8.jsonl'"
+  stage titan_1b_s2048_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_fused8_1b_s2048.json'"
+  stage titan_1b_s8192_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_fused8_1b_s8192.json'"
+fi
 
 summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s8192_fused8; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -167,8 +178,8 @@ def ops_report(prec):
               f"({'ok' if t['passed'] else 'FAIL'})")
         if t.get("cuda_error"):
             print(f"    CUDA run failed: {t['cuda_error']}")
-for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact"):
-    # The fallback checks run only after a failed bf16 check.
+for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact", "bf16_fused", "bf16_fused8"):
+    # The fallback checks run only after a failed bf16 check; the fused ones at the end.
     if prec in ("fp32", "bf16", "bf16_hd128") or os.path.exists(os.path.join(out, f"check_{prec}.json")):
         section(lambda: ops_report(prec))
 def curve(d):
@@ -205,21 +216,24 @@ def fsdp_report():
         print("FSDP on CUDA: no result")
 def bench_report():
     print()
-    print(f"{'Llama 3 1B, bf16':<22} {'impl':<8} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
+    print(f"{'Llama 3 1B, bf16':<22} {'impl':<12} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
     for seq, batch in ((2048, 8), (8192, 2)):
-        for impl in ("titan", "torch"):
+        for impl in ("titan", "titan_fused8", "torch"):
             r = load(f"{impl}_1b_s{seq}.json")
             label = f"batch {batch} x seq {seq}"
-            if not r:
-                print(f"{label:<22} {impl:<8} {'no result':>9}")
+            if not r and impl == "titan_fused8":
                 continue
-            print(f"{label:<22} {impl:<8} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
+            if not r:
+                print(f"{label:<22} {impl:<12} {'no result':>9}")
+                continue
+            print(f"{label:<22} {impl:<12} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
                   f"{num(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
 def attention_report():
     print()
     print(f"{'attention, bf16':<30} {'impl':<13} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
     rows = {}
-    for impl in ("titan", "titan_narrow", "torch"):
+    variants = ("titan", "titan_narrow", "titan_fused", "titan_fused8", "torch")
+    for impl in variants:
         rows[impl] = []
         try:
             with open(os.path.join(out, f"attn_{impl}.jsonl")) as f:
@@ -234,9 +248,9 @@ def attention_report():
         v = r.get(key)
         return f"{v:>8.{digits}f}" if isinstance(v, (int, float)) else f"{'?':>8}"
     for i in range(max(len(rows["titan"]), len(rows["torch"]), 1)):
-        for impl in ("titan", "titan_narrow", "torch"):
+        for impl in variants:
             if i >= len(rows[impl]):
-                if impl != "titan_narrow":
+                if impl in ("titan", "torch"):
                     print(f"{'shape ' + str(i + 1):<30} {impl:<13} {'no result':>8}")
                 continue
             r = rows[impl][i]

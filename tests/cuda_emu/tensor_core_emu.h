@@ -145,3 +145,15 @@ inline void async_wait() {
 }
 
 inline float exp2_approx(float x) { return std::exp2(x); }
+
+// Blocks run one at a time, so one static buffer serves every launch (up to 224 KiB, sm_90's most).
+inline unsigned char* dynamic_shared_memory() {
+    alignas(16) static unsigned char bytes[224 << 10];
+    return bytes;
+}
+
+// Fibers switch only at barriers, so a plain addition is atomic here.
+inline void atomic_add_pair(float* p, float a, float b) {
+    p[0] += a;
+    p[1] += b;
+}

@@ -41,32 +41,75 @@ pub struct CudaBackend {
 }
 
 /// The attention kernels of the training shape. Tensor cores when GEMMs run in bf16 (the same
-/// rounding the model already accepts there) on an sm_80+ GPU; `TITAN_CUDA_ATTENTION` overrides:
-/// `exact` keeps the fp32 kernels (a comparison or a suspected fault), `narrow` runs the head_dim 64
-/// forward with 16 query rows per warp instead of 32 (to compare the two on a GPU).
+/// rounding the model already accepts there) on an sm_80+ GPU. `TITAN_CUDA_ATTENTION`, a
+/// comma-separated list, overrides: `exact` keeps the fp32 kernels (a comparison or a suspected
+/// fault); `narrow` runs the head_dim 64 forward with 16 query rows per warp instead of 32;
+/// `fused` (64 keys per block) or `fused8` (128) computes the head_dim 64 backward in one pass
+/// with atomic dQ additions instead of the deterministic split passes (to compare them on a GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernels {
     Exact,
-    TensorCores { wide_forward: bool },
+    TensorCores {
+        wide_forward: bool,
+        backward: TensorCoreBackward,
+    },
+}
+
+/// The head_dim 64 tensor-core backward: a dQ pass and a dK/dV pass (deterministic), or one fused
+/// pass with `warps` warps of 16 keys per block whose dQ is summed by atomic additions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorCoreBackward {
+    Split,
+    Fused { warps: usize },
+}
+
+impl TensorCoreBackward {
+    /// The fused kernel's dynamic shared memory for head_dim `d` (FusedBackwardLayout in
+    /// kernels/attention_tc.cu): two stages of 64-query tiles of Q and dO, the block's keys and its
+    /// dS tile (bf16, rows padded by 8), and two stages of log-sum-exp and delta (f32).
+    pub fn fused_shared_bytes(d: usize, warps: usize) -> usize {
+        let (stride, keys) = (d + 8, 16 * warps);
+        let bf16_elements = 4 * 64 * stride + keys * stride + keys * (64 + 8);
+        bf16_elements * 2 + 4 * 64 * 4
+    }
 }
 
 impl AttentionKernels {
     fn choose(precision: GemmPrecision, major: i32) -> Self {
         let setting = std::env::var("TITAN_CUDA_ATTENTION").unwrap_or_default();
-        if precision != GemmPrecision::BFloat16 || major < 8 || setting == "exact" {
+        let words: Vec<&str> = setting
+            .split(',')
+            .map(str::trim)
+            .filter(|w| !w.is_empty())
+            .collect();
+        if precision != GemmPrecision::BFloat16 || major < 8 || words.contains(&"exact") {
             return AttentionKernels::Exact;
         }
-        if !matches!(setting.as_str(), "" | "narrow") {
-            eprintln!(
-                "warning: TITAN_CUDA_ATTENTION={setting} is not known (accepted: exact, narrow); \
-                 using the default tensor-core kernels"
-            );
+        let mut wide_forward = true;
+        let mut backward = TensorCoreBackward::Split;
+        for word in words {
+            match word {
+                "narrow" => wide_forward = false,
+                "fused" => backward = TensorCoreBackward::Fused { warps: 4 },
+                "fused8" => backward = TensorCoreBackward::Fused { warps: 8 },
+                other => eprintln!(
+                    "warning: TITAN_CUDA_ATTENTION: `{other}` is not known (accepted, comma \
+                     separated: exact, narrow, fused, fused8); ignoring it"
+                ),
+            }
         }
         AttentionKernels::TensorCores {
-            wide_forward: setting != "narrow",
+            wide_forward,
+            backward,
         }
     }
 }
+
+/// The fused head_dim 64 backward kernels and their warps per block.
+const FUSED_BACKWARD_KERNELS: [(&str, usize); 2] = [
+    ("attention_backward_fused_tc64", 4),
+    ("attention_backward_fused_tc64w8", 8),
+];
 
 // SAFETY: the memory pool handle is only read through the driver, which is thread-safe; the other
 // fields are Send + Sync themselves.
@@ -114,6 +157,19 @@ impl CudaBackend {
                 .load_function(name)
                 .map_err(|e| anyhow!("kernel `{name}` missing from the compiled module: {e}"))?;
             functions.insert(*name, f);
+        }
+        // The fused attention backward takes more shared memory than the 48 KiB a kernel gets
+        // without asking (sm_80 and newer allow at least 99 KiB).
+        if major >= 8 {
+            for (name, warps) in FUSED_BACKWARD_KERNELS {
+                let bytes = TensorCoreBackward::fused_shared_bytes(64, warps);
+                functions[name]
+                    .set_attribute(
+                        sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        bytes as i32,
+                    )
+                    .map_err(|e| cuda(&format!("shared memory limit of `{name}`"), e))?;
+            }
         }
         let pool = keep_freed_memory(&ctx);
         let gemm = gemm::Gemm::new(stream.clone(), precision, functions["f32_to_bf16"].clone())?;

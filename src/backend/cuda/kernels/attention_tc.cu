@@ -3,7 +3,8 @@
 // bf16 and multiplied by `mma.sync.m16n8k16` with fp32 accumulation; the online softmax, the saved
 // log-sum-exp and every accumulator stay fp32. Same layouts and results (to bf16 precision) as
 // attention.cu, same flash-attention structure: tiles of 64 keys (or queries) staged in shared
-// memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics.
+// memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics
+// (a fused one-pass backward with atomic dQ additions is the head_dim 64 alternative, at the end).
 //
 // A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV), or
 // in the head_dim 64 forward 32 rows, so each B fragment loaded from shared memory feeds twice the
@@ -32,27 +33,27 @@ __device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, in
     return *(const u32*)(base + (i64)r * stride + c);
 }
 
-// Rows r0 .. r0 + 63 of a global bf16 matrix into a shared tile, queued as 16-byte cp.async copies
-// (visible after async_wait and a barrier); rows past `rows` are zero. Every block of these kernels
-// is TITAN_TC_THREADS threads, so each thread's copies are known at compile time.
-template <int D>
+// Rows r0 .. r0 + ROWS - 1 of a global bf16 matrix into a shared tile, queued as 16-byte cp.async
+// copies (visible after async_wait and a barrier); rows past `rows` are zero. Every block of a
+// kernel has THREADS threads, so each thread's copies are known at compile time.
+template <int D, int THREADS = TITAN_TC_THREADS, int ROWS = TITAN_TC_ROWS>
 __device__ __forceinline__ void load_tile(bf16_bits* s, const bf16_bits* base, i64 stride, int r0,
                                           int rows) {
-    constexpr int S = D + 8, CHUNKS = D / 8, ROWS_PER_PASS = TITAN_TC_THREADS / CHUNKS;
-    static_assert(TITAN_TC_ROWS % ROWS_PER_PASS == 0, "whole copies per thread");
+    constexpr int S = D + 8, CHUNKS = D / 8, ROWS_PER_PASS = THREADS / CHUNKS;
+    static_assert(ROWS % ROWS_PER_PASS == 0, "whole copies per thread");
     int r = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
     u32 dst = shared_address(s + r * S + c);
     const bf16_bits* src = base + (i64)(r0 + r) * stride + c;
-    if (r0 + TITAN_TC_ROWS <= rows) {
+    if (r0 + ROWS <= rows) {
         // Every tile but the sequence's last: no row to check.
 #pragma unroll
-        for (int i = 0; i < TITAN_TC_ROWS / ROWS_PER_PASS; ++i)
+        for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i)
             copy_async_16(dst + (u32)(i * ROWS_PER_PASS * S) * 2,
                           src + (i64)i * ROWS_PER_PASS * stride, true);
         return;
     }
 #pragma unroll
-    for (int i = 0; i < TITAN_TC_ROWS / ROWS_PER_PASS; ++i) {
+    for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
         bool inside = r0 + r + i * ROWS_PER_PASS < rows;
         const bf16_bits* row = src + (i64)i * ROWS_PER_PASS * stride;
         copy_async_16(dst + (u32)(i * ROWS_PER_PASS * S) * 2, inside ? row : base, inside);
@@ -175,6 +176,11 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(TITAN_FULL_MASK, v, 2);
 }
 
+// The query tile of a forward or dQ block. Later queries see more keys, so the grid hands them out
+// first (blocks start roughly in index order) and the short tiles fill the end of the launch
+// instead of leaving a few long ones running alone.
+__device__ __forceinline__ int longest_first_query_tile() { return gridDim.x - 1 - blockIdx.x; }
+
 // Stages of the tile pipelines: two for head_dim 64, one for 128 (shared memory).
 #define TITAN_TC_STAGES(D) ((D) <= 64 ? 2 : 1)
 
@@ -273,7 +279,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
     __shared__ __align__(16) bf16_bits vs[STAGES * TILE];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int q0 = blockIdx.x * BLOCK_ROWS, h = blockIdx.y, b = blockIdx.z;
+    int q0 = longest_first_query_tile() * BLOCK_ROWS, h = blockIdx.y, b = blockIdx.z;
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     const bf16_bits* kb = k + (i64)b * seq * kv_stride + (i64)kvh * D;
@@ -369,7 +375,8 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
     __shared__ __align__(16) bf16_bits vs[STAGES * TILE];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int q0 = blockIdx.x * TITAN_TC_ROWS, h = blockIdx.y, b = blockIdx.z;
+    int q_tile = longest_first_query_tile(), q0 = q_tile * TITAN_TC_ROWS, h = blockIdx.y,
+        b = blockIdx.z;
     int kvh = h / (n_heads / n_kv_heads);
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     i64 q_off = (i64)b * seq * q_stride + (i64)h * D;
@@ -389,7 +396,7 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     float acc[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
-    int n_tiles = blockIdx.x + 1;
+    int n_tiles = q_tile + 1;
     auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
     stage(0, 0);
     for (int it = 0; it < n_tiles; ++it) {
@@ -516,6 +523,177 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
 }
 
+// ---- Fused backward: dQ, dK and dV in one pass (head_dim 64) ----
+//
+// FlashAttention-2's backward: each block owns 16·WARPS keys of one kv head and visits the group's
+// (head, query tile) pairs as the dK/dV pass does, but also hands each tile's dS to the queries:
+// the warps write dS (bf16) to shared memory, and after one barrier each warp multiplies a 16-query
+// slice of it by the block's keys and adds the result to dQ in global memory with atomic vector
+// additions (dq is zeroed by the host first). Five products per tile instead of the split passes'
+// seven, and each probability is computed once instead of twice. The price: the atomics' order is
+// not fixed, so dQ can differ in its last bits from run to run (the split passes are deterministic
+// and stay the default until a GPU run shows this one faster).
+//
+// Dynamic shared memory (fused_backward_shared_bytes on the host): two stages of query and
+// output-gradient tiles, the block's keys and its dS tile, and two stages of log-sum-exp and delta.
+template <int D, int WARPS>
+struct FusedBackwardLayout {
+    static constexpr int S = D + 8, KEYS = 16 * WARPS, TILE = TITAN_TC_ROWS * S;
+    // dS rows are keys, columns the tile's 64 queries (padded by 8, as every tile).
+    static constexpr int DS_STRIDE = TITAN_TC_ROWS + 8;
+    static constexpr int Q_OFFSET = 0, DO_OFFSET = 2 * TILE, K_OFFSET = 4 * TILE;
+    static constexpr int DS_OFFSET = K_OFFSET + KEYS * S;
+    static constexpr int BF16_ELEMENTS = DS_OFFSET + KEYS * DS_STRIDE;
+    static constexpr int BYTES = BF16_ELEMENTS * 2 + 4 * TITAN_TC_ROWS * 4;
+};
+
+// This warp's rows of dS (rows g and g + 8 of the C fragments `ds`) into the shared dS tile.
+__device__ __forceinline__ void store_ds_rows(bf16_bits* ds_rows, int stride, const float (*ds)[4],
+                                              int g, int t) {
+    u32* row0 = (u32*)(ds_rows + g * stride);
+    u32* row1 = (u32*)(ds_rows + (g + 8) * stride);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        row0[nt * 4 + t] = pack_bf16(ds[nt][0], ds[nt][1]);
+        row1[nt * 4 + t] = pack_bf16(ds[nt][2], ds[nt][3]);
+    }
+}
+
+// acc[COLS/8][4] = dS[queries q_row0 .. + 15, all KEYS keys] · K[keys, columns col0 .. + COLS - 1],
+// both from shared memory: dS stored key-major (so its A fragments load transposed) and K
+// row-major (its B fragments too, as in accumulate_times_tile).
+template <int D, int KEYS, int COLS>
+__device__ __forceinline__ void ds_times_keys(float (*acc)[4], const bf16_bits* ds, int ds_stride,
+                                              const bf16_bits* ks, int q_row0, int col0) {
+    constexpr int S = D + 8;
+    int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    u32 a_row = shared_address(ds + ((m >> 1) * 8 + r) * ds_stride + q_row0 + (m & 1) * 8);
+    u32 b_row = shared_address(ks + ((m & 1) * 8 + r) * S + (m >> 1) * 8 + col0);
+#pragma unroll
+    for (int dn = 0; dn < COLS / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) {
+        u32 a[4];
+        load_matrices<true>(a, a_row + (u32)(kk * 16 * ds_stride) * 2);
+#pragma unroll
+        for (int np = 0; np < COLS / 16; ++np) {
+            u32 b[4];
+            load_matrices<true>(b, b_row + (u32)(kk * 16 * S + np * 16) * 2);
+            mma_bf16(acc[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+        }
+    }
+}
+
+template <int D, int WARPS>
+__device__ __forceinline__ void attention_backward_fused_tc(
+    float* dq, float* dk, float* dv, const bf16_bits* dout, const bf16_bits* q, const bf16_bits* k,
+    const bf16_bits* v, const float* lse, const float* delta, int seq, int n_heads, int n_kv_heads,
+    float scale) {
+    using L = FusedBackwardLayout<D, WARPS>;
+    constexpr int THREADS = 32 * WARPS, KEYS = L::KEYS, TILE = L::TILE;
+    // The dQ products: 4 slices of 16 queries, each split in WARPS / 4 column ranges.
+    constexpr int DQ_COLS = D / (WARPS / 4);
+    static_assert(WARPS % 4 == 0 && DQ_COLS % 16 == 0, "whole dQ slices per warp");
+    bf16_bits* smem = (bf16_bits*)dynamic_shared_memory();
+    bf16_bits* qs = smem + L::Q_OFFSET;
+    bf16_bits* do_tile = smem + L::DO_OFFSET;
+    bf16_bits* ks = smem + L::K_OFFSET;
+    bf16_bits* ds = smem + L::DS_OFFSET;
+    float* lse2_s = (float*)(smem + L::BF16_ELEMENTS);
+    float* delta_s = lse2_s + 2 * TITAN_TC_ROWS;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int k0 = blockIdx.x * KEYS, kvh = blockIdx.y, b = blockIdx.z;
+    i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
+    i64 kv_off = (i64)b * seq * kv_stride + (i64)kvh * D;
+    int warp_key0 = k0 + warp * 16, r0 = warp_key0 + g;
+    float scale_log2 = scale * TITAN_LOG2E;
+    u32 ka[D / 16][4], va[D / 16][4];
+    load_row_fragments<D>(ka, k + kv_off, kv_stride, r0, seq, t);
+    load_row_fragments<D>(va, v + kv_off, kv_stride, r0, seq, t);
+    float acc_k[D / 8][4], acc_v[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+        acc_k[dn][0] = acc_k[dn][1] = acc_k[dn][2] = acc_k[dn][3] = 0.0f;
+        acc_v[dn][0] = acc_v[dn][1] = acc_v[dn][2] = acc_v[dn][3] = 0.0f;
+    }
+    int group = n_heads / n_kv_heads;
+    int q_tiles = (seq - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    int n_tiles = group * q_tiles;
+    int staged_head = 0, staged_tile = 0;
+    auto stage = [&](int, int buf) {
+        int h = kvh * group + staged_head, i0 = k0 + staged_tile * TITAN_TC_ROWS;
+        if (++staged_tile == q_tiles) {
+            staged_tile = 0;
+            ++staged_head;
+        }
+        i64 head_off = (i64)b * seq * q_stride + (i64)h * D;
+        load_tile<D, THREADS>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
+        load_tile<D, THREADS>(do_tile + buf * TILE, dout + head_off, q_stride, i0, seq);
+        if (threadIdx.x < TITAN_TC_ROWS) {
+            int i = i0 + threadIdx.x;
+            i64 row = ((i64)b * n_heads + h) * seq + i;
+            lse2_s[buf * TITAN_TC_ROWS + threadIdx.x] =
+                i < seq ? lse[row] * TITAN_LOG2E : -TITAN_NEG_INF;
+            delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
+        }
+        async_commit();
+    };
+    // The block's keys travel with the first stage (same cp.async group).
+    load_tile<D, THREADS, KEYS>(ks, k + kv_off, kv_stride, k0, seq);
+    stage(0, 0);
+    int dq_row0 = (warp & 3) * 16, dq_col0 = (warp >> 2) * DQ_COLS;
+    bf16_bits* ds_rows = ds + warp * 16 * L::DS_STRIDE;
+    for (int it = 0, query_tile = 0, head = kvh * group; it < n_tiles; ++it) {
+        int cur = tile_begin<2>(stage, it, n_tiles);
+        const bf16_bits* q_tile = qs + cur * TILE;
+        const bf16_bits* d_tile = do_tile + cur * TILE;
+        int i0 = k0 + query_tile * TITAN_TC_ROWS;
+        // Row g's key sits at this position relative to the tile's first query.
+        int key_offset = warp_key0 - i0;
+        if (key_offset >= TITAN_TC_ROWS) {
+            // Every key of this warp comes after every query of the tile: dS is zero.
+            float zero[8][4] = {};
+            store_ds_rows(ds_rows, L::DS_STRIDE, zero, g, t);
+        } else {
+            const float* lse2_t = lse2_s + cur * TITAN_TC_ROWS;
+            const float* delta_t = delta_s + cur * TITAN_TC_ROWS;
+            float p[8][4], dp[8][4];
+            product_with_tile_rows<D>(&p, &ka, q_tile);
+            product_with_tile_rows<D>(&dp, &va, d_tile);
+            if (key_offset + 15 <= 0)
+                dkdv_scores<true, false>(p, dp, lse2_t, delta_t, scale_log2, key_offset + g, t);
+            else
+                dkdv_scores<true, true>(p, dp, lse2_t, delta_t, scale_log2, key_offset + g, t);
+            store_ds_rows(ds_rows, L::DS_STRIDE, dp, g, t);
+            accumulate_times_tile<D>(&acc_v, &p, d_tile);
+            accumulate_times_tile<D>(&acc_k, &dp, q_tile);
+        }
+        __syncthreads();
+        float acc_q[DQ_COLS / 8][4];
+        ds_times_keys<D, KEYS, DQ_COLS>(acc_q, ds, L::DS_STRIDE, ks, dq_row0, dq_col0);
+        int qr0 = i0 + dq_row0 + g, qr1 = qr0 + 8;
+        float* dq_head = dq + (i64)b * seq * q_stride + (i64)head * D + dq_col0 + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
+            if (qr0 < seq)
+                atomic_add_pair(dq_head + (i64)qr0 * q_stride + dn * 8, acc_q[dn][0] * scale,
+                                acc_q[dn][1] * scale);
+            if (qr1 < seq)
+                atomic_add_pair(dq_head + (i64)qr1 * q_stride + dn * 8, acc_q[dn][2] * scale,
+                                acc_q[dn][3] * scale);
+        }
+        if (++query_tile == q_tiles) {
+            query_tile = 0;
+            ++head;
+        }
+        // The barrier also keeps the dS tile until every warp has read it.
+        tile_end<2>(stage, it, n_tiles);
+    }
+    store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, scale, scale);
+    store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
+}
+
 // Entry points for head_dim 64 and 128.
 #define TITAN_TC_FORWARD(name, D, M)                                                              \
     extern "C" __global__ void name(float* out, float* lse, const bf16_bits* q,                   \
@@ -540,6 +718,15 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
                                                       n_heads, n_kv_heads, scale);                \
     }
 
+#define TITAN_TC_FUSED(name, D, WARPS)                                                            \
+    extern "C" __global__ void name(float* dq, float* dk, float* dv, const bf16_bits* dout,       \
+                                    const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,   \
+                                    const float* lse, const float* delta, int seq, int n_heads,   \
+                                    int n_kv_heads, float scale) {                                \
+        attention_backward_fused_tc<D, WARPS>(dq, dk, dv, dout, q, k, v, lse, delta, seq,         \
+                                              n_heads, n_kv_heads, scale);                        \
+    }
+
 TITAN_TC_FORWARD(attention_forward_tc64, 64, 1)
 TITAN_TC_FORWARD(attention_forward_tc64x2, 64, 2)
 TITAN_TC_FORWARD(attention_forward_tc128, 128, 1)
@@ -548,3 +735,5 @@ TITAN_TC_DQ(attention_backward_dq_tc128, 128)
 TITAN_TC_DKDV(attention_backward_dkdv_tc64, 64, true, true)
 TITAN_TC_DKDV(attention_backward_dk_tc128, 128, true, false)
 TITAN_TC_DKDV(attention_backward_dv_tc128, 128, false, true)
+TITAN_TC_FUSED(attention_backward_fused_tc64, 64, 4)
+TITAN_TC_FUSED(attention_backward_fused_tc64w8, 64, 8)

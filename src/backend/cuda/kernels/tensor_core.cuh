@@ -90,6 +90,25 @@ __device__ __forceinline__ void copy_async_16(u32 shared_dst, const bf16_bits* g
 #endif
 }
 
+// The block's dynamic shared memory (the launch's shared_mem_bytes; above 48 KiB the host first
+// raises the kernel's limit, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+    extern __shared__ __align__(16) unsigned char titan_dynamic_shared[];
+    return titan_dynamic_shared;
+}
+
+// p[0] += a, p[1] += b in global memory, atomically per element (`p` 8-byte aligned): one vector
+// reduction on sm_90, two scalar ones before. The order of concurrent additions is not fixed, so
+// sums of more than two terms can differ in the last bits from run to run.
+__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(a) : "memory");
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(b) : "memory");
+#endif
+}
+
 // 2^x by the special-function unit (relative error about 2^-22; -inf gives 0). Any sm_50+ GPU.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

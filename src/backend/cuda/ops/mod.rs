@@ -10,7 +10,7 @@ use super::gemm::GemmInput;
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
 use super::{
     elementwise_config, row_threads, rows_config, AttentionKernels, CudaBackend, CudaBuf,
-    GemmPrecision,
+    GemmPrecision, TensorCoreBackward,
 };
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
@@ -600,23 +600,44 @@ impl Backend for CudaBackend {
             &d
         );
         if let Some(kernels) = self.tensor_core_attention(&s) {
-            let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
-            let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
             let (dout, q, k, v) = (
                 self.to_bf16(dout, q_floats),
                 self.to_bf16(q, q_floats),
                 self.to_bf16(k, kv_floats),
                 self.to_bf16(v, kv_floats),
             );
-            launch!(
-                self, kernels.dq, per_query, dq, &dout, &q, &k, &v, lse, &delta, &seq, &h, &kvh,
-                &scale
-            );
-            for pass in kernels.dkdv {
-                launch!(
-                    self, pass, per_key, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse, &delta, &seq,
-                    &h, &kvh, &scale
-                );
+            match kernels.backward {
+                TensorCoreBackwardKernels::Split { dq: dq_pass, dkdv } => {
+                    let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
+                    let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
+                    launch!(
+                        self, dq_pass, per_query, dq, &dout, &q, &k, &v, lse, &delta, &seq, &h,
+                        &kvh, &scale
+                    );
+                    for pass in dkdv {
+                        launch!(
+                            self, pass, per_key, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse,
+                            &delta, &seq, &h, &kvh, &scale
+                        );
+                    }
+                }
+                TensorCoreBackwardKernels::Fused { kernel, warps } => {
+                    self.fill_untimed(dq, 0.0);
+                    let cfg = LaunchConfig {
+                        grid_dim: (
+                            s.q_len.div_ceil(16 * warps) as u32,
+                            s.n_kv_heads as u32,
+                            s.batch as u32,
+                        ),
+                        block_dim: (32 * warps as u32, 1, 1),
+                        shared_mem_bytes: TensorCoreBackward::fused_shared_bytes(s.head_dim, warps)
+                            as u32,
+                    };
+                    launch!(
+                        self, kernel, cfg, &mut *dq, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse,
+                        &delta, &seq, &h, &kvh, &scale
+                    );
+                }
             }
             return;
         }
@@ -966,9 +987,18 @@ struct TensorCoreAttention {
     forward: &'static str,
     /// Query rows per block of the forward (64, or 128 with 32 rows per warp).
     forward_rows: usize,
-    dq: &'static str,
-    /// One pass computing dK and dV, or two (head_dim 128, so the accumulators fit in registers).
-    dkdv: &'static [&'static str],
+    backward: TensorCoreBackwardKernels,
+}
+
+enum TensorCoreBackwardKernels {
+    /// A dQ pass, then one pass computing dK and dV, or two (head_dim 128, so the accumulators
+    /// fit in registers).
+    Split {
+        dq: &'static str,
+        dkdv: &'static [&'static str],
+    },
+    /// One pass adding into a zeroed dQ; `warps` warps of 16 keys per block.
+    Fused { kernel: &'static str, warps: usize },
 }
 
 impl CudaBackend {
@@ -976,7 +1006,11 @@ impl CudaBackend {
     /// `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
     fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
-        let AttentionKernels::TensorCores { wide_forward } = self.attention else {
+        let AttentionKernels::TensorCores {
+            wide_forward,
+            backward,
+        } = self.attention
+        else {
             return None;
         };
         if !training_shape {
@@ -990,14 +1024,28 @@ impl CudaBackend {
                     "attention_forward_tc64"
                 },
                 forward_rows: if wide_forward { 128 } else { 64 },
-                dq: "attention_backward_dq_tc64",
-                dkdv: &["attention_backward_dkdv_tc64"],
+                backward: match backward {
+                    TensorCoreBackward::Split => TensorCoreBackwardKernels::Split {
+                        dq: "attention_backward_dq_tc64",
+                        dkdv: &["attention_backward_dkdv_tc64"],
+                    },
+                    TensorCoreBackward::Fused { warps } => TensorCoreBackwardKernels::Fused {
+                        kernel: if warps == 8 {
+                            "attention_backward_fused_tc64w8"
+                        } else {
+                            "attention_backward_fused_tc64"
+                        },
+                        warps,
+                    },
+                },
             }),
             128 => Some(TensorCoreAttention {
                 forward: "attention_forward_tc128",
                 forward_rows: 64,
-                dq: "attention_backward_dq_tc128",
-                dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
+                backward: TensorCoreBackwardKernels::Split {
+                    dq: "attention_backward_dq_tc128",
+                    dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
+                },
             }),
             _ => None,
         }
