@@ -72,6 +72,8 @@ pub const KERNELS: &[&str] = &[
 
 /// Threads per block of the attention kernels (one warp per row; `TITAN_ATTN_WARPS` in the source).
 pub const ATTN_WARPS: usize = 4;
+/// Rows per block of the RMSNorm kernels, one warp each (`TITAN_NORM_WARPS` in the source).
+pub const NORM_WARPS: usize = 4;
 /// Largest head dimension the attention kernels hold per warp (`TITAN_ATTN_MAX_D`).
 pub const ATTN_MAX_HEAD_DIM: usize = 256;
 

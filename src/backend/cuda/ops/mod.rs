@@ -7,7 +7,7 @@ use cudarc::driver::{
 };
 
 use super::gemm::GemmInput;
-use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
+use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS, NORM_WARPS};
 use super::{
     elementwise_config, row_threads, rows_config, AttentionKernels, CudaBackend, CudaBuf,
     GemmPrecision, TensorCoreBackward,
@@ -352,15 +352,16 @@ impl Backend for CudaBackend {
         if rows == 0 {
             return;
         }
-        let d = dim as i32;
+        let (r, d) = (rows as i32, dim as i32);
         launch!(
             self,
             "rmsnorm_forward",
-            rows_config(rows, row_threads(dim)),
+            norm_rows_config(rows),
             out,
             rstd,
             x,
             weight,
+            &r,
             &d,
             &eps
         );
@@ -388,12 +389,13 @@ impl Backend for CudaBackend {
         launch!(
             self,
             "rmsnorm_backward_dx",
-            rows_config(rows, row_threads(dim)),
+            norm_rows_config(rows),
             dx,
             dout,
             x,
             weight,
             rstd,
+            &r,
             &d
         );
         const ROWS_PER_CHUNK: usize = 128;
@@ -1073,6 +1075,15 @@ fn tensor_core_config(rows: usize, heads: usize, batch: usize, block_rows: usize
     LaunchConfig {
         grid_dim: (rows.div_ceil(block_rows) as u32, heads as u32, batch as u32),
         block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The RMSNorm kernels: one warp per row, `NORM_WARPS` rows per block.
+fn norm_rows_config(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(NORM_WARPS) as u32, 1, 1),
+        block_dim: ((NORM_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     }
 }
