@@ -112,6 +112,29 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             }
         }
         self.matmul_reuse();
+        self.matmul_add();
+    }
+
+    /// `out = residual + a·bᵀ` (a residual connection); `out` starts with other values, which must
+    /// not leak into the result.
+    fn matmul_add(&mut self) {
+        let (m, k, n) = (37, 80, 52);
+        let (a, b, residual, stale) = (
+            self.random(m * k, 1.0),
+            self.random(n * k, 1.0),
+            self.random(m * n, 1.0),
+            self.random(m * n, 1.0),
+        );
+        let (ra, ta) = self.both(&a);
+        let (rb, tb) = self.both(&b);
+        let (rr, tr) = self.both(&residual);
+        let (mut ro, mut to) = self.both(&stale);
+        self.reference
+            .matmul_add(&mut ro, &rr, &ra, &rb, m, k, n, false, true);
+        self.test
+            .matmul_add(&mut to, &tr, &ta, &tb, m, k, n, false, true);
+        self.compare("matmul_add (residual + A·Bᵀ)", &ro, &to, self.tol.gemm);
+        self.compare("matmul_add leaves the residual", &rr, &tr, self.tol.exact);
     }
 
     /// One input in two GEMMs in a row (a device converts it to bf16 once and reuses the copy),

@@ -118,6 +118,26 @@ pub trait Backend: Send + Sync {
         accumulate: bool,
     );
 
+    /// `out[m,n] = residual[m,n] + op(a)[m,k] · op(b)[k,n]`, operands as in `matmul`: a residual
+    /// connection. Here a copy and an accumulating `matmul`; a device has its GEMM read `residual`
+    /// as the addend instead of copying it first.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_add(
+        &self,
+        out: &mut Self::Buf,
+        residual: &Self::Buf,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) {
+        self.copy_from(out, residual);
+        self.matmul(out, a, b, m, k, n, trans_a, trans_b, true);
+    }
+
     // ---- embedding ----
     fn embedding_forward(&self, out: &mut Self::Buf, table: &Self::Buf, ids: &[u32], dim: usize);
     /// `dtable[ids[t]] += dout[t]`.

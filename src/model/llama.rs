@@ -397,16 +397,15 @@ impl<B: Backend> Llama<B> {
             shape,
         );
         // h = x + attn_out · woᵀ
-        be.copy_from(&mut acts.h, x);
-        be.matmul(
+        be.matmul_add(
             &mut acts.h,
+            x,
             &acts.attn_out,
             &p[id.wo],
             n,
             qd,
             d,
             false,
-            true,
             true,
         );
         be.rmsnorm_forward(
@@ -440,8 +439,7 @@ impl<B: Backend> Llama<B> {
             false,
         );
         be.swiglu_forward(&mut acts.act, &acts.gate, &acts.up);
-        be.copy_from(out, &acts.h);
-        be.matmul(out, &acts.act, &p[id.w2], n, f, d, false, true, true);
+        be.matmul_add(out, &acts.h, &acts.act, &p[id.w2], n, f, d, false, true);
     }
 
     /// On entry `ws.dx` holds ∂L/∂(block output); on exit ∂L/∂(block input).

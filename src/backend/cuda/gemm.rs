@@ -301,6 +301,46 @@ impl Gemm {
         trans_b: bool,
         accumulate: bool,
     ) -> Result<()> {
+        let addend = if accumulate {
+            Addend::Output
+        } else {
+            Addend::None
+        };
+        self.matmul_with(out, addend, a, b, m, k, n, trans_a, trans_b)
+    }
+
+    /// `out[m,n] = addend[m,n] + op(a)[m,k] · op(b)[k,n]` with `addend` an f32 device address of
+    /// m·n values that does not overlap `out` (cuBLASLt's C beside its D): a residual connection
+    /// without copying the residual into `out` first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_add(
+        &self,
+        out: &mut impl DevicePtrMut<f32>,
+        addend: u64,
+        a: GemmInput,
+        b: GemmInput,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<()> {
+        self.matmul_with(out, Addend::Other(addend), a, b, m, k, n, trans_a, trans_b)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_with(
+        &self,
+        out: &mut impl DevicePtrMut<f32>,
+        addend: Addend,
+        a: GemmInput,
+        b: GemmInput,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -322,7 +362,11 @@ impl Gemm {
             Entry::Vacant(slot) => slot.insert(self.plan(key)?),
         };
         let alpha = 1.0f32;
-        let beta = if accumulate { 1.0f32 } else { 0.0f32 };
+        let beta = if matches!(addend, Addend::None) {
+            0.0f32
+        } else {
+            1.0f32
+        };
         let (mut a_ptr, mut b_ptr) = (a.f32, b.f32);
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if plan.bf16_inputs {
@@ -337,6 +381,10 @@ impl Gemm {
         }
         let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
         let (out_ptr, _ro) = out.device_ptr_mut(&self.stream);
+        let c_ptr = match addend {
+            Addend::Other(address) => address,
+            Addend::None | Addend::Output => out_ptr,
+        };
         // SAFETY: the pointers are live device buffers at least as large as the shapes (checked by
         // the caller), and every handle belongs to this plan.
         unsafe {
@@ -349,7 +397,7 @@ impl Gemm {
                 plan.layouts[0],
                 a_ptr as *const c_void,
                 plan.layouts[1],
-                out_ptr as *const c_void,
+                c_ptr as *const c_void,
                 plan.layouts[2],
                 out_ptr as *mut c_void,
                 plan.layouts[2],
@@ -361,6 +409,14 @@ impl Gemm {
         }
         .map_err(|e| lt_err("matmul", e))
     }
+}
+
+/// What a GEMM adds its product to: nothing, the output's own values, or another buffer.
+#[derive(Clone, Copy)]
+enum Addend {
+    None,
+    Output,
+    Other(u64),
 }
 
 impl Gemm {

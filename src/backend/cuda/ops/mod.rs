@@ -286,6 +286,38 @@ impl Backend for CudaBackend {
         self.gemm(out.data_mut(), a, b, m, k, n, trans_a, trans_b, accumulate);
     }
 
+    fn matmul_add(
+        &self,
+        out: &mut Buf,
+        residual: &Buf,
+        a: &Buf,
+        b: &Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) {
+        let _timer = self.profiler.time_on("matmul", self);
+        check_len("matmul_add", "a", a.len(), m * k);
+        check_len("matmul_add", "b", b.len(), k * n);
+        check_len("matmul_add", "out", out.len(), m * n);
+        check_len("matmul_add", "residual", residual.len(), m * n);
+        if k == 0 || m == 0 || n == 0 {
+            // No product to add (the GEMM would not run): the output is the residual.
+            let mut dst = out.slice_mut(0..m * n);
+            self.stream
+                .memcpy_dtod(&residual.slice(0..m * n), &mut dst)
+                .unwrap_or_else(|e| panic!("CUDA copy failed: {e}"));
+            return;
+        }
+        let addend = residual.device_address(&self.stream);
+        let (a, b) = (self.buf_input(a), self.buf_input(b));
+        self.gemm
+            .matmul_add(out.data_mut(), addend, a, b, m, k, n, trans_a, trans_b)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
     fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_forward", self);
         check_len("embedding_forward", "out", out.len(), ids.len() * dim);
