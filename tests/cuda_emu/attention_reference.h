@@ -11,6 +11,9 @@
 struct Shape {
     const char* name;
     int batch, seq, heads, kv_heads, head_dim;
+    // Keys scaled up along the sequence (see attention_tc_check.cpp), so that later key tiles
+    // hold much larger scores than earlier ones.
+    bool growing_scores = false;
 };
 
 struct Reference {

@@ -26,11 +26,15 @@ struct Bf16Tensor {
     std::vector<double> values;
 };
 
-Bf16Tensor random_tensor(std::mt19937_64& rng, size_t n) {
+// Uniform in [-1, 1], element i times factor(i / row_len) when given.
+Bf16Tensor random_tensor(std::mt19937_64& rng, size_t n, size_t row_len = 1,
+                         float (*factor)(size_t row) = nullptr) {
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     Bf16Tensor t;
     for (size_t i = 0; i < n; ++i) {
-        bf16_bits b = emu::bf16_round(dist(rng));
+        float x = dist(rng);
+        if (factor) x *= factor(i / row_len);
+        bf16_bits b = emu::bf16_round(x);
         t.bits.push_back(b);
         t.values.push_back(emu::bf16_value(b));
     }
@@ -50,7 +54,17 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     size_t q_len = (size_t)s.batch * s.seq * s.heads * D;
     size_t kv_len = (size_t)s.batch * s.seq * s.kv_heads * D;
     size_t rows = (size_t)s.batch * s.heads * s.seq;
-    Bf16Tensor q = random_tensor(rng, q_len), k = random_tensor(rng, kv_len),
+    // With growing_scores, key j is scaled by 1 + j/8 (rows are positions when batch is 1) and
+    // queries by 16: each key tile's largest score lies far (more than the forward's rescaling
+    // slack of 2^8) above the previous tile's, so the online softmax rescales on later tiles too,
+    // not only on the first, and one that stopped rescaling would overflow fp32.
+    size_t kv_row = (size_t)s.kv_heads * D;
+    auto key_growth = [](size_t position) { return 1.0f + (float)position / 8.0f; };
+    auto query_scale = [](size_t) { return 16.0f; };
+    Bf16Tensor q = s.growing_scores ? random_tensor(rng, q_len, 1, query_scale)
+                                    : random_tensor(rng, q_len),
+               k = s.growing_scores ? random_tensor(rng, kv_len, kv_row, key_growth)
+                                    : random_tensor(rng, kv_len),
                v = random_tensor(rng, kv_len), dout = random_tensor(rng, q_len);
     Reference ref = reference(s, q.values, k.values, v.values, dout.values);
     float scale = 1.0f / std::sqrt((float)D);
@@ -142,6 +156,8 @@ int main(int argc, char** argv) {
         {"hd64 long", 2, 200, 4, 2, 64},
         {"hd128 long", 1, 150, 4, 1, 128},
         {"hd64 even", 1, 128, 2, 2, 64},
+        {"hd64 grow", 1, 200, 2, 1, 64, true},
+        {"hd128 grow", 1, 150, 2, 1, 128, true},
     };
     unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 20261130;
     std::mt19937_64 rng(seed);

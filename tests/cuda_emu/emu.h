@@ -276,6 +276,16 @@ inline void __syncthreads() {
 
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 
+// Whether any lane of the warp passes `predicate` (every lane takes part, as titan's kernels call it).
+inline int __any_sync(unsigned, int predicate) {
+    emu::g_block->words[threadIdx.x][0] = predicate != 0;
+    emu::warp_barrier();
+    int any = 0;
+    for (unsigned lane = 0; lane < 32; ++lane) any |= (int)emu::g_block->words[emu::mailbox(lane)][0];
+    emu::warp_barrier();
+    return any;
+}
+
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask) {
     return emu::shuffle(value, emu::lane_id() ^ (unsigned)lane_mask);

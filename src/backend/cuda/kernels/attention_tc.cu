@@ -1,7 +1,8 @@
 // Causal grouped-query attention on tensor cores, for the training shape (queries and keys the same
 // sequence) with head_dim 64 or 128, used when GEMMs run in bf16. The operands of every product are
 // bf16 and multiplied by `mma.sync.m16n8k16` with fp32 accumulation; the online softmax, the saved
-// log-sum-exp and every accumulator stay fp32. Same layouts and results (to bf16 precision) as
+// log-sum-exp and every accumulator stay fp32 (the forward's row sums are of the bf16-rounded P
+// that multiplies V, added up by one more MMA per tile). Same layouts and results (to bf16 precision) as
 // attention.cu, same flash-attention structure: tiles of 64 keys (or queries) staged in shared
 // memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics
 // (a fused one-pass backward with atomic dQ additions is the head_dim 64 alternative, at the end).
@@ -102,12 +103,18 @@ __device__ __forceinline__ void product_with_tile_rows(float (*acc)[8][4], const
     }
 }
 
+// bf16 1.0 in both halves: a B fragment of ones, so that one more MMA adds up P's rows.
+#define TITAN_BF16X2_ONES 0x3f803f80u
+
 // out[M][D/8][4] += P · tile for M 16-row blocks, P the 16x64 C fragments `p[mt]` of an earlier
 // product (repacked as A), tile a 64-row shared tile used as B (its rows are the shared dimension);
-// one transposing ldmatrix brings the B fragments of two d-tiles for all M blocks.
+// one transposing ldmatrix brings the B fragments of two d-tiles for all M blocks. With `row_sums`,
+// also row_sums[mt] += P · ones: every column of that C fragment is the row's sum of the same
+// bf16-rounded P, on the tensor cores instead of 32 additions and 4 shuffles per row pair.
 template <int D, int M = 1>
 __device__ __forceinline__ void accumulate_times_tile(float (*out)[D / 8][4], float (*p)[8][4],
-                                                      const bf16_bits* tile) {
+                                                      const bf16_bits* tile,
+                                                      float (*row_sums)[4] = nullptr) {
     constexpr int S = D + 8;
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
     u32 lane_row = shared_address(tile + ((m & 1) * 8 + r) * S + (m >> 1) * 8);
@@ -130,6 +137,12 @@ __device__ __forceinline__ void accumulate_times_tile(float (*out)[D / 8][4], fl
                 mma_bf16(out[mt][2 * dp], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[0], b[1]);
                 mma_bf16(out[mt][2 * dp + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b[2], b[3]);
             }
+        }
+        if (row_sums) {
+#pragma unroll
+            for (int mt = 0; mt < M; ++mt)
+                mma_bf16(row_sums[mt], a[mt][0], a[mt][1], a[mt][2], a[mt][3], TITAN_BF16X2_ONES,
+                         TITAN_BF16X2_ONES);
         }
     }
 }
@@ -217,14 +230,23 @@ __device__ __forceinline__ bool visible_on_diagonal(int query_in_tile, int key_i
     return key_in_tile <= query_in_tile;
 }
 
+// How far (in base-2 exponent) a row's maximum may grow past the reference its probabilities are
+// taken against before the output is rescaled: probabilities then stay below 2^8, harmless in fp32
+// and bf16, and most tiles after the first few skip the rescaling altogether.
+#define TITAN_RESCALE_SLACK_LOG2 8.0f
+
 // One tile of the forward's online softmax for this thread's rows g and g + 8 (`row_in_tile` is
-// row g's position in the tile): turns the raw scores s into unnormalised probabilities in place
-// and rescales the running maxima m (raw-score units), sums l and output o.
+// row g's position in the tile): turns the raw scores s into unnormalised probabilities in place,
+// exp2((s - m)·scale·log2e) against each row's reference maximum m (raw-score units). m moves to
+// the row maximum only when that is more than TITAN_RESCALE_SLACK_LOG2 above it, and then the output
+// o and the row sums (accumulated by the P·V products, see accumulate_times_tile) are rescaled;
+// the decision is made for the whole warp, so a warp whose rows all stay within the slack skips
+// the rescaling's multiplications and exponentials. `slack` is the slack in raw-score units.
 template <int D, bool DIAGONAL>
-__device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4], float& m0,
-                                                    float& m1, float& l0, float& l1,
-                                                    float scale_log2, int row_in_tile, int t) {
-    float mx0 = m0, mx1 = m1;
+__device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4], float* sums,
+                                                    float& m0, float& m1, float scale_log2,
+                                                    float slack, int row_in_tile, int t) {
+    float mx0 = TITAN_NEG_INF, mx1 = TITAN_NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -240,31 +262,38 @@ __device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4]
     }
     mx0 = quad_max(mx0);
     mx1 = quad_max(mx1);
+    // A row without a reference yet (m = -inf) takes its first visible maximum; -inf + slack stays
+    // -inf, so a row that still sees no key keeps m = -inf.
+    bool grow = mx0 > m0 + slack || mx1 > m1 + slack;
+    if (__any_sync(TITAN_FULL_MASK, grow)) {
+        float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+        // exp2(-inf) = 0 clears a row's (empty) past; a row still at -inf multiplies by 1.
+        float corr0 = new0 == TITAN_NEG_INF ? 1.0f : exp2_approx((m0 - new0) * scale_log2);
+        float corr1 = new1 == TITAN_NEG_INF ? 1.0f : exp2_approx((m1 - new1) * scale_log2);
+        m0 = new0;
+        m1 = new1;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            o[dn][0] *= corr0;
+            o[dn][1] *= corr0;
+            o[dn][2] *= corr1;
+            o[dn][3] *= corr1;
+        }
+        sums[0] *= corr0;
+        sums[1] *= corr0;
+        sums[2] *= corr1;
+        sums[3] *= corr1;
+    }
     // A row with no visible key yet keeps max -inf; subtracting 0 then keeps exp2 at 0, not NaN.
-    float base0 = mx0 == TITAN_NEG_INF ? 0.0f : mx0 * scale_log2;
-    float base1 = mx1 == TITAN_NEG_INF ? 0.0f : mx1 * scale_log2;
-    float corr0 = exp2_approx(m0 * scale_log2 - base0), corr1 = exp2_approx(m1 * scale_log2 - base1);
-    m0 = mx0;
-    m1 = mx1;
-    float sum0 = 0.0f, sum1 = 0.0f;
+    float base0 = m0 == TITAN_NEG_INF ? 0.0f : m0 * scale_log2;
+    float base1 = m1 == TITAN_NEG_INF ? 0.0f : m1 * scale_log2;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             s[nt][e] = exp2_approx(fmaf(s[nt][e], scale_log2, -base0));
             s[nt][2 + e] = exp2_approx(fmaf(s[nt][2 + e], scale_log2, -base1));
-            sum0 += s[nt][e];
-            sum1 += s[nt][2 + e];
         }
-    }
-    l0 = l0 * corr0 + quad_sum(sum0);
-    l1 = l1 * corr1 + quad_sum(sum1);
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-        o[dn][0] *= corr0;
-        o[dn][1] *= corr0;
-        o[dn][2] *= corr1;
-        o[dn][3] *= corr1;
     }
 }
 
@@ -286,10 +315,12 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
     const bf16_bits* vb = v + (i64)b * seq * kv_stride + (i64)kvh * D;
     // Row g of block mt of this warp is warp_row + 16·mt + g (and + 8).
     int warp_row = q0 + warp * WARP_ROWS;
-    float scale_log2 = scale * TITAN_LOG2E;
+    float scale_log2 = scale * TITAN_LOG2E, slack = TITAN_RESCALE_SLACK_LOG2 / scale_log2;
     u32 qa[M][D / 16][4];
-    float o[M][D / 8][4];
-    float m0[M], m1[M], l0[M], l1[M];
+    // Per 16-row block: the output, each row's reference maximum, and the row sums of P (every
+    // column of the C fragment holds its row's sum).
+    float o[M][D / 8][4], sums[M][4];
+    float m0[M], m1[M];
 #pragma unroll
     for (int mt = 0; mt < M; ++mt) {
         load_row_fragments<D>(qa[mt], q + (i64)b * seq * q_stride + (i64)h * D, q_stride,
@@ -297,7 +328,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.0f;
         m0[mt] = m1[mt] = TITAN_NEG_INF;
-        l0[mt] = l1[mt] = 0.0f;
+        sums[mt][0] = sums[mt][1] = sums[mt][2] = sums[mt][3] = 0.0f;
     }
     // Key tiles up to the block's last query. Keys past `seq` (zero-filled) only fall in tiles
     // that overlap the block's queries, after every valid query, so the causal mask hides them.
@@ -318,13 +349,13 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
             for (int mt = 0; mt < M; ++mt) {
                 int row_in_tile = warp_row + 16 * mt + g - j0;
                 if (diagonal)
-                    online_softmax_tile<D, true>(s[mt], o[mt], m0[mt], m1[mt], l0[mt], l1[mt],
-                                                 scale_log2, row_in_tile, t);
+                    online_softmax_tile<D, true>(s[mt], o[mt], sums[mt], m0[mt], m1[mt],
+                                                 scale_log2, slack, row_in_tile, t);
                 else
-                    online_softmax_tile<D, false>(s[mt], o[mt], m0[mt], m1[mt], l0[mt], l1[mt],
-                                                  scale_log2, row_in_tile, t);
+                    online_softmax_tile<D, false>(s[mt], o[mt], sums[mt], m0[mt], m1[mt],
+                                                  scale_log2, slack, row_in_tile, t);
             }
-            accumulate_times_tile<D, M>(o, s, vs + cur * TILE);
+            accumulate_times_tile<D, M>(o, s, vs + cur * TILE, sums);
         }
         tile_end<STAGES>(stage, it, n_tiles);
     }
@@ -332,11 +363,12 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
 #pragma unroll
     for (int mt = 0; mt < M; ++mt) {
         int r0 = warp_row + 16 * mt + g, r1 = r0 + 8;
-        store_row_fragments<D>(ob, q_stride, r0, seq, t, o[mt], 1.0f / l0[mt], 1.0f / l1[mt]);
+        float l0 = sums[mt][0], l1 = sums[mt][2];
+        store_row_fragments<D>(ob, q_stride, r0, seq, t, o[mt], 1.0f / l0, 1.0f / l1);
         if (t == 0) {
             float* lb = lse + ((i64)b * n_heads + h) * seq;
-            if (r0 < seq) lb[r0] = m0[mt] * scale + logf(l0[mt]);
-            if (r1 < seq) lb[r1] = m1[mt] * scale + logf(l1[mt]);
+            if (r0 < seq) lb[r0] = m0[mt] * scale + logf(l0);
+            if (r1 < seq) lb[r1] = m1[mt] * scale + logf(l1);
         }
     }
 }
