@@ -111,13 +111,19 @@ stage attn_titan 40 sh -c "for s in $attn_shapes; do '$BIN' bench attention --de
 stage attn_torch 40 sh -c "for s in $attn_shapes; do '$PY' scripts/torch_attention_gpu.py --iters 10 \$s || exit 1; done > '$OUT_DIR/attn_torch.jsonl'"
 # The head_dim 64 forward with 16 rows per warp instead of 32 (TITAN_CUDA_ATTENTION=narrow), to compare.
 stage attn_titan_narrow 20 sh -c "TITAN_CUDA_ATTENTION=narrow '$BIN' bench attention --device cuda --precision bfloat16 --iters 10 --json --batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64 > '$OUT_DIR/attn_titan_narrow.jsonl'"
-# The fused head_dim 64 backward (one pass, atomic dQ; TITAN_CUDA_ATTENTION=fused: 64 keys per
-# block, fused8: 128), checked like the default kernels, then timed alone and in the 1B step.
-fused_check="'$BIN' cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2"
-stage check_bf16_fused 70 sh -c "TITAN_CUDA_ATTENTION=fused $fused_check --json-out '$OUT_DIR/check_bf16_fused.json' && TITAN_CUDA_ATTENTION=fused8 $fused_check --json-out '$OUT_DIR/check_bf16_fused8.json'"
+# The fused attention backward (one pass, atomic dQ; TITAN_CUDA_ATTENTION=fused: 64 keys per
+# block, fused8: 128), checked like the default kernels at head_dim 64 and 128, then timed alone
+# and in the 1B step.
+fused_check="'$BIN' cuda check --precision bfloat16 --train-steps 20"
+fused_checks="true"
+for variant in fused fused8; do
+  fused_checks="$fused_checks && TITAN_CUDA_ATTENTION=$variant $fused_check --model-heads 4 --model-kv-heads 2 --json-out '$OUT_DIR/check_bf16_$variant.json'"
+  fused_checks="$fused_checks && TITAN_CUDA_ATTENTION=$variant $fused_check --model-heads 2 --model-kv-heads 1 --json-out '$OUT_DIR/check_bf16_hd128_$variant.json'"
+done
+stage check_bf16_fused 120 sh -c "$fused_checks"
 if [ "${status[check_bf16_fused]:-}" = ok ]; then
-  attn_1b="--device cuda --precision bfloat16 --iters 10 --json --batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64"
-  stage attn_titan_fused 30 sh -c "TITAN_CUDA_ATTENTION=fused '$BIN' bench attention $attn_1b > '$OUT_DIR/attn_titan_fused.jsonl' && TITAN_CUDA_ATTENTION=fused8 '$BIN' bench attention $attn_1b > '$OUT_DIR/attn_titan_fused8.jsonl'"
+  attn="--device cuda --precision bfloat16 --iters 10 --json"
+  stage attn_titan_fused 60 sh -c "for v in fused fused8; do for s in $attn_shapes; do TITAN_CUDA_ATTENTION=\$v '$BIN' bench attention $attn \$s >> '$OUT_DIR'/attn_titan_\$v.jsonl || exit 1; done; done"
   stage titan_1b_s2048_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_fused8_1b_s2048.json'"
   stage titan_1b_s8192_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_fused8_1b_s8192.json'"
 fi
@@ -178,7 +184,8 @@ def ops_report(prec):
               f"({'ok' if t['passed'] else 'FAIL'})")
         if t.get("cuda_error"):
             print(f"    CUDA run failed: {t['cuda_error']}")
-for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact", "bf16_fused", "bf16_fused8"):
+for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact",
+             "bf16_fused", "bf16_hd128_fused", "bf16_fused8", "bf16_hd128_fused8"):
     # The fallback checks run only after a failed bf16 check; the fused ones at the end.
     if prec in ("fp32", "bf16", "bf16_hd128") or os.path.exists(os.path.join(out, f"check_{prec}.json")):
         section(lambda: ops_report(prec))

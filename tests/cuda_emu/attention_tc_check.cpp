@@ -1,7 +1,7 @@
 // Runs the tensor-core attention kernels (kernels/attention_tc.cu) on the CPU emulator and checks
 // forward (output, log-sum-exp) and backward (dQ, dK, dV) against a float64 reference of causal
-// grouped-query attention on the same bf16-rounded inputs (at head_dim 64 also the two-block forward
-// and the fused backward with 64 and 128 keys per block). The shapes are the GPU op check's
+// grouped-query attention on the same bf16-rounded inputs (also the fused backward with 64 and 128
+// keys per block, and at head_dim 64 the two-block forward). The shapes are the GPU op check's
 // (src/backend/crosscheck.rs), lengths that are not multiples of the 64-row tiles included; the
 // tolerance is its bf16 one, on the same measure: max |kernel − reference| / max |reference|.
 // Prints one line per output and exits 1 when any is outside the tolerance or not finite.
@@ -124,7 +124,7 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     ok &= report(s, "dq", dq, ref.dq);
     ok &= report(s, "dk", dk, ref.dk);
     ok &= report(s, "dv", dv, ref.dv);
-    if (D == 64) {
+    {
         // The fused backward with 64 and 128 keys per block; it adds into a zeroed dq.
         for (int warps : {4, 8}) {
             std::vector<float> fdq(q_len, 0.0f), fdk(kv_len, NAN), fdv(kv_len, NAN);
@@ -132,8 +132,10 @@ bool check(const Shape& s, std::mt19937_64& rng) {
             EmuDim3 grid{(unsigned)((s.seq + keys - 1) / keys), (unsigned)s.kv_heads,
                          (unsigned)s.batch};
             emu::launch(grid, 32u * (unsigned)warps, [&] {
-                auto kernel = warps == 4 ? attention_backward_fused_tc64
-                                         : attention_backward_fused_tc64w8;
+                auto kernel = D == 64 ? (warps == 4 ? attention_backward_fused_tc64
+                                                    : attention_backward_fused_tc64w8)
+                                      : (warps == 4 ? attention_backward_fused_tc128
+                                                    : attention_backward_fused_tc128w8);
                 kernel(fdq.data(), fdk.data(), fdv.data(), dout.bits.data(), q.bits.data(),
                        k.bits.data(), v.bits.data(), lse.data(), delta.data(), s.seq, s.heads,
                        s.kv_heads, scale);

@@ -68,6 +68,8 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_dv_tc128",
     "attention_backward_fused_tc64",
     "attention_backward_fused_tc64w8",
+    "attention_backward_fused_tc128",
+    "attention_backward_fused_tc128w8",
 ];
 
 /// Threads per block of the attention kernels (one warp per row; `TITAN_ATTN_WARPS` in the source).

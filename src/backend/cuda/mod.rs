@@ -38,14 +38,16 @@ pub struct CudaBackend {
     pub profiler: OpProfiler,
     /// Which attention kernels the training shape uses (decided once, here).
     attention: AttentionKernels,
+    /// Most shared memory one block may have on this device (with the kernel's consent).
+    shared_memory_per_block: usize,
 }
 
 /// The attention kernels of the training shape. Tensor cores when GEMMs run in bf16 (the same
 /// rounding the model already accepts there) on an sm_80+ GPU. `TITAN_CUDA_ATTENTION`, a
 /// comma-separated list, overrides: `exact` keeps the fp32 kernels (a comparison or a suspected
 /// fault); `narrow` runs the head_dim 64 forward with 16 query rows per warp instead of 32;
-/// `fused` (64 keys per block) or `fused8` (128) computes the head_dim 64 backward in one pass
-/// with atomic dQ additions instead of the deterministic split passes (to compare them on a GPU).
+/// `fused` (64 keys per block) or `fused8` (128) computes the backward in one pass with atomic dQ
+/// additions instead of the deterministic split passes (to compare them on a GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernels {
     Exact,
@@ -55,8 +57,8 @@ pub enum AttentionKernels {
     },
 }
 
-/// The head_dim 64 tensor-core backward: a dQ pass and a dK/dV pass (deterministic), or one fused
-/// pass with `warps` warps of 16 keys per block whose dQ is summed by atomic additions.
+/// The tensor-core backward: a dQ pass and dK/dV pass(es) (deterministic), or one fused pass with
+/// `warps` warps of 16 keys per block whose dQ is summed by atomic additions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorCoreBackward {
     Split,
@@ -65,12 +67,16 @@ pub enum TensorCoreBackward {
 
 impl TensorCoreBackward {
     /// The fused kernel's dynamic shared memory for head_dim `d` (FusedBackwardLayout in
-    /// kernels/attention_tc.cu): two stages of 64-query tiles of Q and dO, the block's keys and its
-    /// dS tile (bf16, rows padded by 8), and two stages of log-sum-exp and delta (f32).
+    /// kernels/attention_tc.cu): the stages (two at head_dim 64, one above) of 64-query tiles of Q
+    /// and dO, the block's keys (and values above 64) and its dS tile (bf16, rows padded by 8), and
+    /// the stages of log-sum-exp and delta (f32).
     pub fn fused_shared_bytes(d: usize, warps: usize) -> usize {
         let (stride, keys) = (d + 8, 16 * warps);
-        let bf16_elements = 4 * 64 * stride + keys * stride + keys * (64 + 8);
-        bf16_elements * 2 + 4 * 64 * 4
+        let stages = if d <= 64 { 2 } else { 1 };
+        let key_value_tiles = if d <= 64 { 1 } else { 2 };
+        let bf16_elements =
+            2 * stages * 64 * stride + key_value_tiles * keys * stride + keys * (64 + 8);
+        bf16_elements * 2 + 2 * stages * 64 * 4
     }
 }
 
@@ -105,10 +111,12 @@ impl AttentionKernels {
     }
 }
 
-/// The fused head_dim 64 backward kernels and their warps per block.
-const FUSED_BACKWARD_KERNELS: [(&str, usize); 2] = [
-    ("attention_backward_fused_tc64", 4),
-    ("attention_backward_fused_tc64w8", 8),
+/// The fused attention backward kernels: name, head_dim, warps per block.
+pub(crate) const FUSED_BACKWARD_KERNELS: [(&str, usize, usize); 4] = [
+    ("attention_backward_fused_tc64", 64, 4),
+    ("attention_backward_fused_tc64w8", 64, 8),
+    ("attention_backward_fused_tc128", 128, 4),
+    ("attention_backward_fused_tc128w8", 128, 8),
 ];
 
 // SAFETY: the memory pool handle is only read through the driver, which is thread-safe; the other
@@ -159,10 +167,19 @@ impl CudaBackend {
             functions.insert(*name, f);
         }
         // The fused attention backward takes more shared memory than the 48 KiB a kernel gets
-        // without asking (sm_80 and newer allow at least 99 KiB).
+        // without asking; each kernel is allowed what it needs where the device has it (the
+        // others are not used, see `tensor_core_attention`).
+        let shared_memory_per_block =
+            ctx.attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| cuda("shared memory per block", e))? as usize;
         if major >= 8 {
-            for (name, warps) in FUSED_BACKWARD_KERNELS {
-                let bytes = TensorCoreBackward::fused_shared_bytes(64, warps);
+            for (name, head_dim, warps) in FUSED_BACKWARD_KERNELS {
+                let bytes = TensorCoreBackward::fused_shared_bytes(head_dim, warps);
+                if bytes > shared_memory_per_block {
+                    continue;
+                }
                 functions[name]
                     .set_attribute(
                         sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -183,6 +200,7 @@ impl CudaBackend {
             arch,
             profiler: OpProfiler::default(),
             attention: AttentionKernels::choose(precision, major),
+            shared_memory_per_block,
         })
     }
 

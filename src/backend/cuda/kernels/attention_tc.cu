@@ -555,29 +555,64 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     if (WANT_V) store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
 }
 
-// ---- Fused backward: dQ, dK and dV in one pass (head_dim 64) ----
+// ---- Fused backward: dQ, dK and dV in one pass ----
 //
 // FlashAttention-2's backward: each block owns 16·WARPS keys of one kv head and visits the group's
 // (head, query tile) pairs as the dK/dV pass does, but also hands each tile's dS to the queries:
 // the warps write dS (bf16) to shared memory, and after one barrier each warp multiplies a 16-query
 // slice of it by the block's keys and adds the result to dQ in global memory with atomic vector
 // additions (dq is zeroed by the host first). Five products per tile instead of the split passes'
-// seven, and each probability is computed once instead of twice. The price: the atomics' order is
-// not fixed, so dQ can differ in its last bits from run to run (the split passes are deterministic
-// and stay the default until a GPU run shows this one faster).
+// seven (eight at head_dim 128), and each probability is computed once instead of twice or three
+// times. The price: the atomics' order is not fixed, so dQ can differ in its last bits from run to
+// run (the split passes are deterministic and stay the default until a GPU run shows this one
+// faster).
 //
-// Dynamic shared memory (fused_backward_shared_bytes on the host): two stages of query and
-// output-gradient tiles, the block's keys and its dS tile, and two stages of log-sum-exp and delta.
+// At head_dim 64 each warp keeps its keys' and values' A fragments in registers; at 128 the dK and
+// dV accumulators alone take 128 registers, so the fragments are read from the block's key and
+// value tiles in shared memory for every product instead, and the query tiles have one stage.
+//
+// Dynamic shared memory (TensorCoreBackward::fused_shared_bytes on the host): the stages of query
+// and output-gradient tiles, the block's keys (and values at 128), its dS tile, and the stages of
+// log-sum-exp and delta.
 template <int D, int WARPS>
 struct FusedBackwardLayout {
     static constexpr int S = D + 8, KEYS = 16 * WARPS, TILE = TITAN_TC_ROWS * S;
+    static constexpr int STAGES = TITAN_TC_STAGES(D);
+    static constexpr bool KV_SHARED = D > 64;
     // dS rows are keys, columns the tile's 64 queries (padded by 8, as every tile).
     static constexpr int DS_STRIDE = TITAN_TC_ROWS + 8;
-    static constexpr int Q_OFFSET = 0, DO_OFFSET = 2 * TILE, K_OFFSET = 4 * TILE;
-    static constexpr int DS_OFFSET = K_OFFSET + KEYS * S;
+    static constexpr int Q_OFFSET = 0, DO_OFFSET = STAGES * TILE, K_OFFSET = 2 * STAGES * TILE;
+    static constexpr int V_OFFSET = K_OFFSET + KEYS * S;
+    static constexpr int DS_OFFSET = V_OFFSET + (KV_SHARED ? KEYS * S : 0);
     static constexpr int BF16_ELEMENTS = DS_OFFSET + KEYS * DS_STRIDE;
-    static constexpr int BYTES = BF16_ELEMENTS * 2 + 4 * TITAN_TC_ROWS * 4;
+    static constexpr int BYTES = BF16_ELEMENTS * 2 + 2 * STAGES * TITAN_TC_ROWS * 4;
 };
+
+// acc[8][4] = A · Bᵀ over D for this warp's 16 rows of A read from a shared tile (`a_rows`, its
+// first row) and Bᵀ the 64-row shared tile `tile`: product_with_tile_rows with the A fragments
+// loaded per step of the shared dimension instead of held in registers.
+template <int D>
+__device__ __forceinline__ void product_with_shared_rows(float (*acc)[4], const bf16_bits* a_rows,
+                                                         const bf16_bits* tile) {
+    constexpr int S = D + 8;
+    int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
+    u32 a_row = shared_address(a_rows + ((m & 1) * 8 + r) * S + (m >> 1) * 8);
+    u32 b_row = shared_address(tile + ((m >> 1) * 8 + r) * S + (m & 1) * 8);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 a[4];
+        load_matrices<false>(a, a_row + (u32)(kk * 16) * 2);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            u32 b[4];
+            load_matrices<false>(b, b_row + (u32)(np * 16 * S + kk * 16) * 2);
+            mma_bf16(acc[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
+            mma_bf16(acc[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+        }
+    }
+}
 
 // This warp's rows of dS (rows g and g + 8 of the C fragments `ds`) into the shared dS tile.
 __device__ __forceinline__ void store_ds_rows(bf16_bits* ds_rows, int stride, const float (*ds)[4],
@@ -623,7 +658,8 @@ __device__ __forceinline__ void attention_backward_fused_tc(
     const bf16_bits* v, const float* lse, const float* delta, int seq, int n_heads, int n_kv_heads,
     float scale) {
     using L = FusedBackwardLayout<D, WARPS>;
-    constexpr int THREADS = 32 * WARPS, KEYS = L::KEYS, TILE = L::TILE;
+    constexpr int THREADS = 32 * WARPS, KEYS = L::KEYS, TILE = L::TILE, STAGES = L::STAGES;
+    constexpr bool KV_SHARED = L::KV_SHARED;
     // The dQ products: 4 slices of 16 queries, each split in WARPS / 4 column ranges.
     constexpr int DQ_COLS = D / (WARPS / 4);
     static_assert(WARPS % 4 == 0 && DQ_COLS % 16 == 0, "whole dQ slices per warp");
@@ -631,18 +667,23 @@ __device__ __forceinline__ void attention_backward_fused_tc(
     bf16_bits* qs = smem + L::Q_OFFSET;
     bf16_bits* do_tile = smem + L::DO_OFFSET;
     bf16_bits* ks = smem + L::K_OFFSET;
+    bf16_bits* vs = smem + L::V_OFFSET;
     bf16_bits* ds = smem + L::DS_OFFSET;
     float* lse2_s = (float*)(smem + L::BF16_ELEMENTS);
-    float* delta_s = lse2_s + 2 * TITAN_TC_ROWS;
+    float* delta_s = lse2_s + STAGES * TITAN_TC_ROWS;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int k0 = blockIdx.x * KEYS, kvh = blockIdx.y, b = blockIdx.z;
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     i64 kv_off = (i64)b * seq * kv_stride + (i64)kvh * D;
     int warp_key0 = k0 + warp * 16, r0 = warp_key0 + g;
     float scale_log2 = scale * TITAN_LOG2E;
-    u32 ka[D / 16][4], va[D / 16][4];
-    load_row_fragments<D>(ka, k + kv_off, kv_stride, r0, seq, t);
-    load_row_fragments<D>(va, v + kv_off, kv_stride, r0, seq, t);
+    // At head_dim 64 the warp's key and value rows as A fragments; at 128 they stay in shared
+    // memory (the arrays are then unused and take no registers).
+    u32 ka[KV_SHARED ? 1 : D / 16][4], va[KV_SHARED ? 1 : D / 16][4];
+    if (!KV_SHARED) {
+        load_row_fragments<KV_SHARED ? 16 : D>(ka, k + kv_off, kv_stride, r0, seq, t);
+        load_row_fragments<KV_SHARED ? 16 : D>(va, v + kv_off, kv_stride, r0, seq, t);
+    }
     float acc_k[D / 8][4], acc_v[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
@@ -671,13 +712,16 @@ __device__ __forceinline__ void attention_backward_fused_tc(
         }
         async_commit();
     };
-    // The block's keys travel with the first stage (same cp.async group).
+    // The block's keys (and values) travel with the first stage (same cp.async group).
     load_tile<D, THREADS, KEYS>(ks, k + kv_off, kv_stride, k0, seq);
+    if (KV_SHARED) load_tile<D, THREADS, KEYS>(vs, v + kv_off, kv_stride, k0, seq);
     stage(0, 0);
     int dq_row0 = (warp & 3) * 16, dq_col0 = (warp >> 2) * DQ_COLS;
     bf16_bits* ds_rows = ds + warp * 16 * L::DS_STRIDE;
+    const bf16_bits* k_rows = ks + warp * 16 * L::S;
+    const bf16_bits* v_rows = vs + warp * 16 * L::S;
     for (int it = 0, query_tile = 0, head = kvh * group; it < n_tiles; ++it) {
-        int cur = tile_begin<2>(stage, it, n_tiles);
+        int cur = tile_begin<STAGES>(stage, it, n_tiles);
         const bf16_bits* q_tile = qs + cur * TILE;
         const bf16_bits* d_tile = do_tile + cur * TILE;
         int i0 = k0 + query_tile * TITAN_TC_ROWS;
@@ -691,8 +735,13 @@ __device__ __forceinline__ void attention_backward_fused_tc(
             const float* lse2_t = lse2_s + cur * TITAN_TC_ROWS;
             const float* delta_t = delta_s + cur * TITAN_TC_ROWS;
             float p[8][4], dp[8][4];
-            product_with_tile_rows<D>(&p, &ka, q_tile);
-            product_with_tile_rows<D>(&dp, &va, d_tile);
+            if (KV_SHARED) {
+                product_with_shared_rows<D>(p, k_rows, q_tile);
+                product_with_shared_rows<D>(dp, v_rows, d_tile);
+            } else {
+                product_with_tile_rows<KV_SHARED ? 16 : D>(&p, &ka, q_tile);
+                product_with_tile_rows<KV_SHARED ? 16 : D>(&dp, &va, d_tile);
+            }
             if (key_offset + 15 <= 0)
                 dkdv_scores<true, false>(p, dp, lse2_t, delta_t, scale_log2, key_offset + g, t);
             else
@@ -720,7 +769,7 @@ __device__ __forceinline__ void attention_backward_fused_tc(
             ++head;
         }
         // The barrier also keeps the dS tile until every warp has read it.
-        tile_end<2>(stage, it, n_tiles);
+        tile_end<STAGES>(stage, it, n_tiles);
     }
     store_row_fragments<D>(dk + kv_off, kv_stride, r0, seq, t, acc_k, scale, scale);
     store_row_fragments<D>(dv + kv_off, kv_stride, r0, seq, t, acc_v, 1.0f, 1.0f);
@@ -769,3 +818,5 @@ TITAN_TC_DKDV(attention_backward_dk_tc128, 128, true, false)
 TITAN_TC_DKDV(attention_backward_dv_tc128, 128, false, true)
 TITAN_TC_FUSED(attention_backward_fused_tc64, 64, 4)
 TITAN_TC_FUSED(attention_backward_fused_tc64w8, 64, 8)
+TITAN_TC_FUSED(attention_backward_fused_tc128, 128, 4)
+TITAN_TC_FUSED(attention_backward_fused_tc128w8, 128, 8)

@@ -10,7 +10,7 @@ use super::gemm::GemmInput;
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS, NORM_WARPS};
 use super::{
     elementwise_config, row_threads, rows_config, AttentionKernels, CudaBackend, CudaBuf,
-    GemmPrecision, TensorCoreBackward,
+    GemmPrecision, TensorCoreBackward, FUSED_BACKWARD_KERNELS,
 };
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
@@ -1035,6 +1035,31 @@ enum TensorCoreBackwardKernels {
     Fused { kernel: &'static str, warps: usize },
 }
 
+impl TensorCoreBackwardKernels {
+    /// The kernels of `choice` at `head_dim`: the given split passes, or the fused kernel when the
+    /// device gives a block the shared memory it needs (`shared_memory_per_block`; else the split
+    /// passes, which fit everywhere).
+    fn choose(
+        choice: TensorCoreBackward,
+        head_dim: usize,
+        shared_memory_per_block: usize,
+        dq: &'static str,
+        dkdv: &'static [&'static str],
+    ) -> Self {
+        if let TensorCoreBackward::Fused { warps } = choice {
+            let fits =
+                TensorCoreBackward::fused_shared_bytes(head_dim, warps) <= shared_memory_per_block;
+            let kernel = FUSED_BACKWARD_KERNELS
+                .into_iter()
+                .find(|&(_, d, w)| d == head_dim && w == warps);
+            if let (true, Some((kernel, _, _))) = (fits, kernel) {
+                return TensorCoreBackwardKernels::Fused { kernel, warps };
+            }
+        }
+        TensorCoreBackwardKernels::Split { dq, dkdv }
+    }
+}
+
 impl CudaBackend {
     /// The tensor-core kernels when they apply: the backend allows them (`attention`, chosen in
     /// `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
@@ -1058,28 +1083,24 @@ impl CudaBackend {
                     "attention_forward_tc64"
                 },
                 forward_rows: if wide_forward { 128 } else { 64 },
-                backward: match backward {
-                    TensorCoreBackward::Split => TensorCoreBackwardKernels::Split {
-                        dq: "attention_backward_dq_tc64",
-                        dkdv: &["attention_backward_dkdv_tc64"],
-                    },
-                    TensorCoreBackward::Fused { warps } => TensorCoreBackwardKernels::Fused {
-                        kernel: if warps == 8 {
-                            "attention_backward_fused_tc64w8"
-                        } else {
-                            "attention_backward_fused_tc64"
-                        },
-                        warps,
-                    },
-                },
+                backward: TensorCoreBackwardKernels::choose(
+                    backward,
+                    64,
+                    self.shared_memory_per_block,
+                    "attention_backward_dq_tc64",
+                    &["attention_backward_dkdv_tc64"],
+                ),
             }),
             128 => Some(TensorCoreAttention {
                 forward: "attention_forward_tc128",
                 forward_rows: 64,
-                backward: TensorCoreBackwardKernels::Split {
-                    dq: "attention_backward_dq_tc128",
-                    dkdv: &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
-                },
+                backward: TensorCoreBackwardKernels::choose(
+                    backward,
+                    128,
+                    self.shared_memory_per_block,
+                    "attention_backward_dq_tc128",
+                    &["attention_backward_dk_tc128", "attention_backward_dv_tc128"],
+                ),
             }),
             _ => None,
         }
