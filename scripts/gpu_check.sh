@@ -127,12 +127,15 @@ if [ "${status[check_bf16_fused]:-}" = ok ]; then
   stage titan_1b_s2048_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_fused8_1b_s2048.json'"
   stage titan_1b_s8192_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_fused8_1b_s8192.json'"
 fi
+# Without the bf16 copies that norm, attention and SwiGLU kernels write for the GEMMs (7.5 GiB at
+# this shape), to see what they buy.
+stage titan_1b_s2048_nocopies 70 sh -c "TITAN_CUDA_BF16_COPIES=off '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_nocopies_1b_s2048.json'"
 
 summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s8192_fused8; do
+for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -223,17 +226,17 @@ def fsdp_report():
         print("FSDP on CUDA: no result")
 def bench_report():
     print()
-    print(f"{'Llama 3 1B, bf16':<22} {'impl':<12} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
+    print(f"{'Llama 3 1B, bf16':<22} {'impl':<14} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
     for seq, batch in ((2048, 8), (8192, 2)):
-        for impl in ("titan", "titan_fused8", "torch"):
+        for impl in ("titan", "titan_fused8", "titan_nocopies", "torch"):
             r = load(f"{impl}_1b_s{seq}.json")
             label = f"batch {batch} x seq {seq}"
-            if not r and impl == "titan_fused8":
+            if not r and impl in ("titan_fused8", "titan_nocopies"):
                 continue
             if not r:
-                print(f"{label:<22} {impl:<12} {'no result':>9}")
+                print(f"{label:<22} {impl:<14} {'no result':>9}")
                 continue
-            print(f"{label:<22} {impl:<12} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
+            print(f"{label:<22} {impl:<14} {r['tokens_per_s']:>9.0f} {r['tflops']:>8.1f} {r['mfu_pct']:>6.1f} "
                   f"{num(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
 def attention_report():
     print()

@@ -70,10 +70,10 @@ fn run_check(source: &str, ok_lines: usize) {
 
 #[test]
 fn tensor_core_attention_matches_a_float64_reference_on_the_emulator() {
-    // Seven shapes (two with scores growing along the sequence), five outputs each, and the fused
-    // backward's three with 64 and with 128 keys per block; at the four head_dim 64 ones also the
-    // two-block forward's two.
-    run_check("attention_tc_check.cpp", 85);
+    // Seven shapes (two with scores growing along the sequence), five outputs each, the output's
+    // bf16 copy, and the fused backward's three with 64 and with 128 keys per block; at the four
+    // head_dim 64 ones also the two-block forward's two and its bf16 copy.
+    run_check("attention_tc_check.cpp", 96);
 }
 
 #[test]
@@ -94,8 +94,8 @@ fn loss_kernel_writes_its_bf16_gradient_as_the_rounded_f32_one_on_the_emulator()
 
 #[test]
 fn fp32_attention_norm_rope_and_swiglu_kernels_match_float64_on_the_emulator() {
-    // Attention at three shapes (five outputs each), RMSNorm (3, on the 16-byte and the scalar
-    // path), RoPE (2), SwiGLU (3, and 2 through unaligned views), the bf16 conversion (aligned and
-    // not).
-    run_check("kernels_check.cpp", 30);
+    // Attention at three shapes (five outputs each), RMSNorm (3 and the bf16 copy, on the 16-byte
+    // and the scalar path), RoPE (2), SwiGLU (3 and their bf16 copies, and 2 and a copy through
+    // unaligned views), the bf16 conversion (aligned and not).
+    run_check("kernels_check.cpp", 36);
 }

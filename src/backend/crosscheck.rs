@@ -171,6 +171,87 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare("matmul after A was rewritten", &ro, &to, self.tol.gemm);
     }
 
+    /// `out · bᵀ` compared, `out` a kernel's output (rows × k) on each side: on a device the GEMM
+    /// may read the bf16 copy that kernel wrote beside its values.
+    fn matmul_on(&mut self, op: &str, r_out: &R::Buf, t_out: &T::Buf, rows: usize, k: usize) {
+        let n = 24;
+        let b = self.random(n * k, 1.0);
+        let (rb, tb) = self.both(&b);
+        let (mut rc, mut tc) = (self.reference.zeros(rows * n), self.test.zeros(rows * n));
+        self.reference
+            .matmul(&mut rc, r_out, &rb, rows, k, n, false, true, false);
+        self.test
+            .matmul(&mut tc, t_out, &tb, rows, k, n, false, true, false);
+        self.compare(op, &rc, &tc, self.tol.gemm);
+    }
+
+    /// GEMMs reading the outputs of RMSNorm, SwiGLU (forward and backward) and attention, the ops
+    /// whose device kernels write a bf16 copy for them; then the norm's output rewritten by
+    /// another op, which must not leave a stale copy behind.
+    fn gemm_on_kernel_outputs(&mut self) {
+        let (rows, dim) = (64, 96);
+        let x = self.random(rows * dim, 2.0);
+        let w = self.random(dim, 1.0);
+        let (rx, tx) = self.both(&x);
+        let (rw, tw) = self.both(&w);
+        let (mut ro, mut to) = (
+            self.reference.zeros(rows * dim),
+            self.test.zeros(rows * dim),
+        );
+        let (mut rr, mut tr) = (self.reference.zeros(rows), self.test.zeros(rows));
+        self.reference
+            .rmsnorm_forward(&mut ro, &mut rr, &rx, &rw, dim, 1e-5);
+        self.test
+            .rmsnorm_forward(&mut to, &mut tr, &tx, &tw, dim, 1e-5);
+        self.matmul_on("matmul on rmsnorm's output", &ro, &to, rows, dim);
+        self.reference.scale(&mut ro, -0.5);
+        self.test.scale(&mut to, -0.5);
+        self.matmul_on("matmul on it after a rescale", &ro, &to, rows, dim);
+
+        let (gate, up, dout) = (
+            self.random(rows * dim, 3.0),
+            self.random(rows * dim, 1.0),
+            self.random(rows * dim, 1.0),
+        );
+        let ((rg, tg), (ru, tu), (rd, td)) = (self.both(&gate), self.both(&up), self.both(&dout));
+        let (mut ra, mut ta) = (
+            self.reference.zeros(rows * dim),
+            self.test.zeros(rows * dim),
+        );
+        self.reference.swiglu_forward(&mut ra, &rg, &ru);
+        self.test.swiglu_forward(&mut ta, &tg, &tu);
+        self.matmul_on("matmul on swiglu's output", &ra, &ta, rows, dim);
+        let (mut rdg, mut tdg) = (
+            self.reference.zeros(rows * dim),
+            self.test.zeros(rows * dim),
+        );
+        let (mut rdu, mut tdu) = (
+            self.reference.zeros(rows * dim),
+            self.test.zeros(rows * dim),
+        );
+        self.reference
+            .swiglu_backward(&mut rdg, &mut rdu, &rd, &rg, &ru);
+        self.test.swiglu_backward(&mut tdg, &mut tdu, &td, &tg, &tu);
+        self.matmul_on("matmul on swiglu's dgate", &rdg, &tdg, rows, dim);
+        self.matmul_on("matmul on swiglu's dup", &rdu, &tdu, rows, dim);
+
+        let s = AttnShape::causal(1, 70, 4, 2, 64);
+        let (q_len, kv_len) = (70 * 4 * 64, 70 * 2 * 64);
+        let (q, k, v) = (
+            self.random(q_len, 1.0),
+            self.random(kv_len, 1.0),
+            self.random(kv_len, 1.0),
+        );
+        let ((rq, tq), (rk, tk), (rv, tv)) = (self.both(&q), self.both(&k), self.both(&v));
+        let (mut rat, mut tat) = (self.reference.zeros(q_len), self.test.zeros(q_len));
+        let (mut rl, mut tl) = (self.reference.zeros(4 * 70), self.test.zeros(4 * 70));
+        self.reference
+            .attention_forward(&mut rat, &mut rl, &rq, &rk, &rv, s);
+        self.test
+            .attention_forward(&mut tat, &mut tl, &tq, &tk, &tv, s);
+        self.matmul_on("matmul on attention's output", &rat, &tat, 70, 4 * 64);
+    }
+
     fn embedding(&mut self) {
         let (vocab, dim, tokens) = (50, 96, 300);
         let table = self.random(vocab * dim, 1.0);
@@ -532,6 +613,10 @@ pub fn check_ops<R: Backend, T: Backend>(
     type Family<'c, 'a, R, T> = (&'static str, Box<dyn FnOnce(&mut Checker<'a, R, T>) + 'c>);
     let families: Vec<Family<'_, '_, R, T>> = vec![
         ("matmul", Box::new(|c| c.matmul())),
+        (
+            "matmul on kernel outputs",
+            Box::new(|c| c.gemm_on_kernel_outputs()),
+        ),
         ("embedding", Box::new(|c| c.embedding())),
         ("rmsnorm", Box::new(|c| c.rmsnorm())),
         ("rope", Box::new(|c| c.rope())),

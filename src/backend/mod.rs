@@ -340,6 +340,12 @@ pub trait Backend: Send + Sync {
     fn scratch_bytes(&self, _tokens: usize, _dim: usize, _hidden: usize, _vocab: usize) -> u64 {
         0
     }
+    /// Bytes per value of the bf16 copies that this backend's norm, attention and SwiGLU kernels
+    /// write beside their outputs for the GEMMs that read them (0: none; on CUDA with bf16 GEMMs,
+    /// 2). The memory check counts them over `workspace_copied_floats`.
+    fn activation_copy_bytes(&self) -> u64 {
+        0
+    }
     /// Bytes per parameter of the bf16 compute copy that `copy_rounded_to_bf16_all` keeps: the f32
     /// rounded values, plus on a device the bf16 twin its GEMMs read.
     fn compute_copy_bytes_per_param(&self) -> u64 {

@@ -62,6 +62,15 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     args.n_layers * per_layer + resid + n * (d + 1) + scratch
 }
 
+/// Values of the workspace whose producing kernels may keep a bf16 copy beside them for the GEMMs
+/// that read them (`Backend::activation_copy_bytes`): each layer's normed inputs, attention output
+/// and SwiGLU output, the final norm's output, and the SwiGLU gradients.
+pub fn workspace_copied_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
+    let n = batch * seq;
+    let (d, f, qd) = (args.dim, args.ffn_hidden, args.n_heads * args.head_dim());
+    args.n_layers * n * (2 * d + qd + f) + n * d + 2 * n * f
+}
+
 impl<B: Backend> Workspace<B> {
     pub fn new(backend: &B, args: &ModelArgs, batch: usize, seq: usize) -> Self {
         let n = batch * seq;

@@ -4,7 +4,10 @@
 use anyhow::{bail, Result};
 
 use crate::backend::Backend;
-use crate::model::{llama::workspace_floats, ModelArgs};
+use crate::model::{
+    llama::{workspace_copied_floats, workspace_floats},
+    ModelArgs,
+};
 
 /// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments, the
 /// activation workspace of one micro-batch, and the backend's own scratch (the loss's logit block,
@@ -35,7 +38,8 @@ impl MemoryEstimate {
         }
     }
 
-    /// Adds the scratch `be` needs for a step of this model at this batch and sequence.
+    /// Adds the scratch `be` needs for a step of this model at this batch and sequence, and the
+    /// bf16 copies its kernels keep beside activations (counted as activations).
     pub fn with_backend_scratch<B: Backend>(
         mut self,
         be: &B,
@@ -44,6 +48,8 @@ impl MemoryEstimate {
         seq: usize,
     ) -> Self {
         self.scratch = be.scratch_bytes(batch * seq, args.dim, args.ffn_hidden, args.vocab_size);
+        self.activations +=
+            workspace_copied_floats(args, batch, seq) as u64 * be.activation_copy_bytes();
         self
     }
 

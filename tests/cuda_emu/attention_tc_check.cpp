@@ -49,6 +49,16 @@ bool report(const Shape& s, const char* output, const std::vector<float>& got,
     return ok;
 }
 
+// The bf16 copy of an output, for the GEMM after attention: bit for bit its rounding.
+bool report_copy(const Shape& s, const char* output, const std::vector<bf16_bits>& copy,
+                 const std::vector<float>& values) {
+    size_t wrong = 0;
+    for (size_t i = 0; i < values.size(); ++i) wrong += copy[i] != emu::bf16_round(values[i]);
+    std::printf("%-10s %-9s %zu of %zu differ %s\n", s.name, output, wrong, values.size(),
+                wrong == 0 ? "ok" : "FAILED");
+    return wrong == 0;
+}
+
 bool check(const Shape& s, std::mt19937_64& rng) {
     int D = s.head_dim;
     size_t q_len = (size_t)s.batch * s.seq * s.heads * D;
@@ -73,26 +83,31 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     EmuDim3 per_key{tiles, (unsigned)s.kv_heads, (unsigned)s.batch};
 
     std::vector<float> out(q_len, NAN), lse(rows, NAN);
+    std::vector<bf16_bits> out16(q_len, 0xffff);
     emu::launch(per_query, 128, [&] {
         if (D == 64)
-            attention_forward_tc64(out.data(), lse.data(), q.bits.data(), k.bits.data(),
-                                   v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+            attention_forward_tc64(out.data(), out16.data(), lse.data(), q.bits.data(),
+                                   k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
         else
-            attention_forward_tc128(out.data(), lse.data(), q.bits.data(), k.bits.data(),
-                                    v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+            attention_forward_tc128(out.data(), out16.data(), lse.data(), q.bits.data(),
+                                    k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
     });
     bool ok = report(s, "out", out, ref.out);
     ok &= report(s, "lse", lse, ref.lse);
+    ok &= report_copy(s, "out bf16", out16, out);
     if (D == 64) {
         // The forward with two 16-row blocks per warp (128 queries per block).
         std::vector<float> out2(q_len, NAN), lse2(rows, NAN);
+        std::vector<bf16_bits> out2_16(q_len, 0xffff);
         unsigned tiles2 = (unsigned)((s.seq + 2 * TITAN_TC_ROWS - 1) / (2 * TITAN_TC_ROWS));
         emu::launch(EmuDim3{tiles2, (unsigned)s.heads, (unsigned)s.batch}, 128, [&] {
-            attention_forward_tc64x2(out2.data(), lse2.data(), q.bits.data(), k.bits.data(),
-                                     v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+            attention_forward_tc64x2(out2.data(), out2_16.data(), lse2.data(), q.bits.data(),
+                                     k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads,
+                                     scale);
         });
         ok &= report(s, "out x2", out2, ref.out);
         ok &= report(s, "lse x2", lse2, ref.lse);
+        ok &= report_copy(s, "out16 x2", out2_16, out2);
     }
 
     // delta = rowsum(dout * out) from the kernel's own output, as the backend's delta kernel does.

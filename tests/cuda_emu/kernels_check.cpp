@@ -42,8 +42,16 @@ bool report(const char* what, const std::vector<float>& got, const std::vector<d
     return ok;
 }
 
-// One block per row, a multiple of 32 threads covering the row (at most 1024): `row_threads`.
-unsigned row_threads(int dim) { return (unsigned)std::min(1024, std::max(32, (dim + 31) / 32 * 32)); }
+// A kernel's bf16 copy of its output: every value the nearest-even bf16 of the f32 output, bit
+// for bit, from element `from` on.
+bool report_copy(const char* what, const std::vector<bf16_bits>& copy, const std::vector<float>& values,
+                 size_t from = 0) {
+    size_t wrong = 0;
+    for (size_t i = from; i < values.size(); ++i) wrong += copy[i] != emu::bf16_round(values[i]);
+    std::printf("%-28s %zu of %zu differ %s\n", what, wrong, values.size() - from,
+                wrong == 0 ? "ok" : "FAILED");
+    return wrong == 0;
+}
 
 bool attention(const Shape& s) {
     int D = s.head_dim;
@@ -103,9 +111,10 @@ bool rmsnorm(int dim) {
             want_dx[r * dim + d] += rs * (dout[r * dim + d] * w[d] - x[r * dim + d] * rs * rs * dot / dim);
     }
     std::vector<float> out(x.size(), NAN), rstd(rows, NAN), dx = dx0, dw = dw0;
+    std::vector<bf16_bits> out16(x.size(), 0xffff);
     EmuDim3 per_row{(rows + TITAN_NORM_WARPS - 1) / TITAN_NORM_WARPS, 1, 1};
     emu::launch(per_row, 32 * TITAN_NORM_WARPS, [&] {
-        rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), rows, dim, eps);
+        rmsnorm_forward(out.data(), out16.data(), rstd.data(), x.data(), w.data(), rows, dim, eps);
     });
     emu::launch(per_row, 32 * TITAN_NORM_WARPS, [&] {
         rmsnorm_backward_dx(dx.data(), dout.data(), x.data(), w.data(), rstd.data(), rows, dim);
@@ -121,6 +130,7 @@ bool rmsnorm(int dim) {
                 [&] { rmsnorm_dweight_reduce(dw.data(), partial.data(), chunks, dim); });
     std::string tag = " dim " + std::to_string(dim);
     bool ok = report(("rmsnorm_forward" + tag).c_str(), out, want_out);
+    ok &= report_copy(("rmsnorm_forward bf16" + tag).c_str(), out16, out);
     ok &= report(("rmsnorm_backward dx" + tag).c_str(), dx, want_dx);
     ok &= report(("rmsnorm_backward dweight" + tag).c_str(), dw, want_dw);
     return ok;
@@ -170,26 +180,36 @@ bool swiglu() {
         want_dgate[i] = dout[i] * up[i] * sg * (1.0 + g * (1.0 - sg));
     }
     std::vector<float> out(n, NAN), dgate(n, NAN), dup(n, NAN);
+    std::vector<bf16_bits> out16(n, 0xffff), dgate16(n, 0xffff), dup16(n, 0xffff);
     EmuDim3 grid{3, 1, 1};  // fewer blocks than elements / 256: the grid-stride loop wraps
-    emu::launch(grid, 256, [&] { swiglu_forward(out.data(), gate.data(), up.data(), n); });
+    emu::launch(grid, 256, [&] { swiglu_forward(out.data(), out16.data(), gate.data(), up.data(), n); });
     emu::launch(grid, 256, [&] {
-        swiglu_backward(dgate.data(), dup.data(), dout.data(), gate.data(), up.data(), n);
+        swiglu_backward(dgate.data(), dup.data(), dgate16.data(), dup16.data(), dout.data(),
+                        gate.data(), up.data(), n);
     });
     bool ok = report("swiglu_forward", out, want_out);
     ok &= report("swiglu_backward dgate", dgate, want_dgate);
     ok &= report("swiglu_backward dup", dup, want_dup);
-    // Views one element in: not 16-byte aligned, so the one-by-one loop runs.
+    ok &= report_copy("swiglu_forward bf16", out16, out);
+    ok &= report_copy("swiglu_backward bf16 dgate", dgate16, dgate);
+    ok &= report_copy("swiglu_backward bf16 dup", dup16, dup);
+    // Views one element in: not 16-byte aligned, so the one-by-one loop runs (the forward
+    // without a bf16 copy, the backward with).
     std::fill(out.begin(), out.end(), NAN);
     std::fill(dgate.begin(), dgate.end(), NAN);
-    emu::launch(grid, 256, [&] { swiglu_forward(out.data() + 1, gate.data() + 1, up.data() + 1, n - 1); });
+    std::fill(dgate16.begin(), dgate16.end(), 0xffff);
     emu::launch(grid, 256, [&] {
-        swiglu_backward(dgate.data() + 1, dup.data() + 1, dout.data() + 1, gate.data() + 1,
-                        up.data() + 1, n - 1);
+        swiglu_forward(out.data() + 1, nullptr, gate.data() + 1, up.data() + 1, n - 1);
+    });
+    emu::launch(grid, 256, [&] {
+        swiglu_backward(dgate.data() + 1, dup.data() + 1, dgate16.data() + 1, nullptr,
+                        dout.data() + 1, gate.data() + 1, up.data() + 1, n - 1);
     });
     auto tail = [](const std::vector<float>& v) { return std::vector<float>(v.begin() + 1, v.end()); };
     auto tail64 = [](const std::vector<double>& v) { return std::vector<double>(v.begin() + 1, v.end()); };
     ok &= report("swiglu_forward unaligned", tail(out), tail64(want_out));
     ok &= report("swiglu_backward unaligned", tail(dgate), tail64(want_dgate));
+    ok &= report_copy("swiglu bf16 dgate unaligned", dgate16, dgate, 1);
     return ok;
 }
 

@@ -40,6 +40,9 @@ pub struct CudaBackend {
     attention: AttentionKernels,
     /// Most shared memory one block may have on this device (with the kernel's consent).
     shared_memory_per_block: usize,
+    /// Whether norm, attention and SwiGLU kernels write bf16 copies of their outputs for the GEMMs
+    /// that read them (with bf16 GEMMs; `TITAN_CUDA_BF16_COPIES=off` turns it off, to compare).
+    activation_copies: bool,
 }
 
 /// The attention kernels of the training shape. Tensor cores when GEMMs run in bf16 (the same
@@ -201,6 +204,8 @@ impl CudaBackend {
             profiler: OpProfiler::default(),
             attention: AttentionKernels::choose(precision, major),
             shared_memory_per_block,
+            activation_copies: precision == GemmPrecision::BFloat16
+                && std::env::var("TITAN_CUDA_BF16_COPIES").as_deref() != Ok("off"),
         })
     }
 

@@ -161,20 +161,23 @@ __device__ __forceinline__ void load_row_fragments(u32 (*a)[4], const bf16_bits*
     }
 }
 
-// Writes C fragments acc[D/8][4] (rows r, r + 8) to a global fp32 matrix, times row factors.
+// Writes C fragments acc[D/8][4] (rows r, r + 8) to a global fp32 matrix, times row factors, and
+// their bf16 rounding to the same positions of `base16` when it is not null.
 template <int D>
 __device__ __forceinline__ void store_row_fragments(float* base, i64 stride, int r, int rows, int t,
-                                                    const float (*acc)[4], float f0, float f1) {
+                                                    const float (*acc)[4], float f0, float f1,
+                                                    bf16_bits* base16 = nullptr) {
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
         int c = dn * 8 + 2 * t;
-        if (r < rows) {
-            base[(i64)r * stride + c] = acc[dn][0] * f0;
-            base[(i64)r * stride + c + 1] = acc[dn][1] * f0;
-        }
-        if (r + 8 < rows) {
-            base[(i64)(r + 8) * stride + c] = acc[dn][2] * f1;
-            base[(i64)(r + 8) * stride + c + 1] = acc[dn][3] * f1;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int row = r + 8 * half;
+            if (row >= rows) continue;
+            float f = half ? f1 : f0, lo = acc[dn][2 * half] * f, hi = acc[dn][2 * half + 1] * f;
+            base[(i64)row * stride + c] = lo;
+            base[(i64)row * stride + c + 1] = hi;
+            if (base16) *(u32*)(base16 + (i64)row * stride + c) = bf16_pair(lo, hi);
         }
     }
 }
@@ -300,7 +303,8 @@ __device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4]
 // One block per 64·M queries of one head: 4 warps of 16·M rows (M = 2 halves the shared-memory
 // reads per MMA at the cost of registers; head_dim 64 only).
 template <int D, int M>
-__device__ __forceinline__ void attention_forward_tc(float* out, float* lse, const bf16_bits* q, const bf16_bits* k,
+__device__ __forceinline__ void attention_forward_tc(float* out, bf16_bits* out16, float* lse,
+                                                     const bf16_bits* q, const bf16_bits* k,
                                                      const bf16_bits* v, int seq, int n_heads,
                                                      int n_kv_heads, float scale) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
@@ -360,11 +364,12 @@ __device__ __forceinline__ void attention_forward_tc(float* out, float* lse, con
         tile_end<STAGES>(stage, it, n_tiles);
     }
     float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
+    bf16_bits* ob16 = out16 ? out16 + (i64)b * seq * q_stride + (i64)h * D : nullptr;
 #pragma unroll
     for (int mt = 0; mt < M; ++mt) {
         int r0 = warp_row + 16 * mt + g, r1 = r0 + 8;
         float l0 = sums[mt][0], l1 = sums[mt][2];
-        store_row_fragments<D>(ob, q_stride, r0, seq, t, o[mt], 1.0f / l0, 1.0f / l1);
+        store_row_fragments<D>(ob, q_stride, r0, seq, t, o[mt], 1.0f / l0, 1.0f / l1, ob16);
         if (t == 0) {
             float* lb = lse + ((i64)b * n_heads + h) * seq;
             if (r0 < seq) lb[r0] = m0[mt] * scale + logf(l0);
@@ -777,10 +782,10 @@ __device__ __forceinline__ void attention_backward_fused_tc(
 
 // Entry points for head_dim 64 and 128.
 #define TITAN_TC_FORWARD(name, D, M)                                                              \
-    extern "C" __global__ void name(float* out, float* lse, const bf16_bits* q,                   \
+    extern "C" __global__ void name(float* out, bf16_bits* out16, float* lse, const bf16_bits* q, \
                                     const bf16_bits* k, const bf16_bits* v, int seq, int n_heads, \
                                     int n_kv_heads, float scale) {                                \
-        attention_forward_tc<D, M>(out, lse, q, k, v, seq, n_heads, n_kv_heads, scale);           \
+        attention_forward_tc<D, M>(out, out16, lse, q, k, v, seq, n_heads, n_kv_heads, scale);    \
     }
 #define TITAN_TC_DQ(name, D)                                                                      \
     extern "C" __global__ void name(float* dq, const bf16_bits* dout, const bf16_bits* q,         \

@@ -1,19 +1,9 @@
 // Rounding f32 values to bf16 precision in place (round to nearest even, NaN kept), for the
-// parameters of bf16 mixed precision.
-
-__device__ __forceinline__ float round_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return __uint_as_float((u | 0x00400000u) & 0xffff0000u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return __uint_as_float(u & 0xffff0000u);
-}
+// parameters of bf16 mixed precision, and f32 → bf16 bits for bf16 GEMM operands (the rounding
+// itself is in common.cuh).
 
 extern "C" __global__ void round_to_bf16(float* x, i64 n) {
     TITAN_FOR_EACH(i, n) x[i] = round_bf16(x[i]);
-}
-
-__device__ __forceinline__ u32 bf16_pair(float lo, float hi) {
-    return (__float_as_uint(round_bf16(lo)) >> 16) | (__float_as_uint(round_bf16(hi)) & 0xffff0000u);
 }
 
 // f32 → bf16 bits (nearest even): the operands of bf16 GEMMs. Four values per step (a 16-byte load,

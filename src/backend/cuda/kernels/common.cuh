@@ -6,6 +6,8 @@
 
 typedef unsigned int u32;
 typedef long long i64;
+// bf16 values as their 16 bits (CUDA's __nv_bfloat16 lives in a header NVRTC does not have here).
+typedef unsigned short bf16_bits;
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(TITAN_FULL_MASK, v, o);
@@ -57,4 +59,30 @@ struct __align__(8) u32_x2 {
 
 __device__ __forceinline__ bool aligned_to(const void* p, unsigned long long bytes) {
     return ((unsigned long long)p & (bytes - 1)) == 0;
+}
+
+// f32 rounded to bf16 precision (nearest even; NaN stays NaN), kept in f32.
+__device__ __forceinline__ float round_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return __uint_as_float((u | 0x00400000u) & 0xffff0000u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xffff0000u);
+}
+
+__device__ __forceinline__ bf16_bits bf16_of(float f) {
+    return (bf16_bits)(__float_as_uint(round_bf16(f)) >> 16);
+}
+
+// Two values rounded to bf16 in one word, `lo` in the low half.
+__device__ __forceinline__ u32 bf16_pair(float lo, float hi) {
+    return (__float_as_uint(round_bf16(lo)) >> 16) | (__float_as_uint(round_bf16(hi)) & 0xffff0000u);
+}
+
+// Four values rounded to bf16 at `out` (8-byte aligned): a buffer's bf16 copy written beside its
+// f32 values by the kernel that computes them (see CudaBuf), so bf16 GEMMs need no conversion pass.
+__device__ __forceinline__ void store_bf16_x4(bf16_bits* out, const float_x4& v) {
+    u32_x2 w;
+    w.v[0] = bf16_pair(v.v[0], v.v[1]);
+    w.v[1] = bf16_pair(v.v[2], v.v[3]);
+    *(u32_x2*)out = w;
 }

@@ -27,31 +27,37 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
     dg = d * u * s * (1.0f + g * (1.0f - s));
 }
 
-// out = silu(gate) * up. Four values per 16-byte access where every buffer allows (buffers start
-// aligned; a view at an odd offset takes the one-by-one loop), the same arithmetic either way.
-extern "C" __global__ void swiglu_forward(float* out, const float* gate, const float* up, i64 n) {
+// out = silu(gate) * up, and out16 = its bf16 rounding when given (a null out16 writes none). Four
+// values per 16-byte access where every buffer allows (buffers start aligned; a view at an odd
+// offset takes the one-by-one loop), the same arithmetic either way.
+extern "C" __global__ void swiglu_forward(float* out, bf16_bits* out16, const float* gate,
+                                          const float* up, i64 n) {
     i64 done = 0;
-    if (aligned_to(out, 16) && aligned_to(gate, 16) && aligned_to(up, 16)) {
+    if (aligned_to(out, 16) && aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(out16, 8)) {
         TITAN_FOR_EACH(q, n / 4) {
             float_x4 g = ((const float_x4*)gate)[q], u = ((const float_x4*)up)[q], o;
 #pragma unroll
             for (int e = 0; e < 4; ++e) o.v[e] = swiglu(g.v[e], u.v[e]);
             ((float_x4*)out)[q] = o;
+            if (out16) store_bf16_x4(out16 + 4 * q, o);
         }
         done = n / 4 * 4;
     }
     TITAN_FOR_EACH(j, n - done) {
         i64 i = done + j;
         out[i] = swiglu(gate[i], up[i]);
+        if (out16) out16[i] = bf16_of(out[i]);
     }
 }
 
-// Overwrites dgate and dup; vectorised as swiglu_forward.
-extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* dout,
-                                           const float* gate, const float* up, i64 n) {
+// Overwrites dgate and dup (and their bf16 copies when given); vectorised as swiglu_forward.
+extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* dgate16,
+                                           bf16_bits* dup16, const float* dout, const float* gate,
+                                           const float* up, i64 n) {
     i64 done = 0;
     if (aligned_to(dgate, 16) && aligned_to(dup, 16) && aligned_to(dout, 16) &&
-        aligned_to(gate, 16) && aligned_to(up, 16)) {
+        aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(dgate16, 8) &&
+        aligned_to(dup16, 8)) {
         TITAN_FOR_EACH(q, n / 4) {
             float_x4 d = ((const float_x4*)dout)[q], g = ((const float_x4*)gate)[q],
                      u = ((const float_x4*)up)[q], dg, du;
@@ -59,11 +65,15 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
             for (int e = 0; e < 4; ++e) swiglu_grad(d.v[e], g.v[e], u.v[e], dg.v[e], du.v[e]);
             ((float_x4*)dgate)[q] = dg;
             ((float_x4*)dup)[q] = du;
+            if (dgate16) store_bf16_x4(dgate16 + 4 * q, dg);
+            if (dup16) store_bf16_x4(dup16 + 4 * q, du);
         }
         done = n / 4 * 4;
     }
     TITAN_FOR_EACH(j, n - done) {
         i64 i = done + j;
         swiglu_grad(dout[i], gate[i], up[i], dgate[i], dup[i]);
+        if (dgate16) dgate16[i] = bf16_of(dgate[i]);
+        if (dup16) dup16[i] = bf16_of(dup[i]);
     }
 }

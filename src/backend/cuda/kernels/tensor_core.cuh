@@ -4,8 +4,6 @@
 // and run the kernels on the host. Needs sm_80 or newer; on older devices each one traps (the host
 // never launches tensor-core kernels there).
 
-typedef unsigned short bf16_bits;
-
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define TITAN_TC_AVAILABLE 1
 #endif

@@ -112,6 +112,26 @@ impl CudaBackend {
             .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
     }
 
+    /// Storage for the bf16 copy of `buf` that a kernel about to write all `written` of its values
+    /// writes beside them (see CudaBuf), when the backend keeps such copies (`activation_copies`:
+    /// GEMMs in bf16) and the kernel covers the whole buffer; None otherwise. The kernel gets
+    /// `twin_address`; `keep_twin` records the copy after.
+    fn twin_storage(&self, buf: &mut Buf, written: usize) -> Option<CudaSlice<u16>> {
+        (self.activation_copies && written == buf.len() && written > 0)
+            .then(|| buf.take_bf16_storage(|capacity| self.alloc_unzeroed::<u16>(capacity)))
+    }
+
+    /// The kernel argument for a bf16 copy: its address, or null for none.
+    fn twin_address(&self, twin: &Option<CudaSlice<u16>>) -> u64 {
+        twin.as_ref().map_or(0, |t| t.device_ptr(&self.stream).0)
+    }
+
+    fn keep_twin(buf: &mut Buf, twin: Option<CudaSlice<u16>>) {
+        if let Some(t) = twin {
+            buf.keep_bf16_copy(t);
+        }
+    }
+
     fn elementwise_len(&self, op: &str, bufs: &[(&str, usize)]) -> usize {
         let n = bufs[0].1;
         for (what, len) in bufs {
@@ -385,11 +405,14 @@ impl Backend for CudaBackend {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
+        let twin = self.twin_storage(out, rows * dim);
+        let out16 = self.twin_address(&twin);
         launch!(
             self,
             "rmsnorm_forward",
             norm_rows_config(rows),
-            out,
+            &mut *out,
+            &out16,
             rstd,
             x,
             weight,
@@ -397,6 +420,7 @@ impl Backend for CudaBackend {
             &d,
             &eps
         );
+        Self::keep_twin(out, twin);
     }
     fn rmsnorm_backward(
         &self,
@@ -531,11 +555,14 @@ impl Backend for CudaBackend {
                 self.to_bf16(k, kv_floats),
                 self.to_bf16(v, kv_floats),
             );
+            let twin = self.twin_storage(out, q_floats);
+            let out16 = self.twin_address(&twin);
             launch!(
                 self,
                 kernels.forward,
                 cfg,
-                out,
+                &mut *out,
+                &out16,
                 lse,
                 &q,
                 &k,
@@ -545,6 +572,7 @@ impl Backend for CudaBackend {
                 &kvh,
                 &scale
             );
+            Self::keep_twin(out, twin);
             return;
         }
         let (ql, kl, kc, h, kvh, d, off) = (
@@ -719,7 +747,10 @@ impl Backend for CudaBackend {
             "swiglu_forward",
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
         );
-        launch_elementwise!(self, "swiglu_forward", n, out, gate, up);
+        let twin = self.twin_storage(out, n);
+        let out16 = self.twin_address(&twin);
+        launch_elementwise!(self, "swiglu_forward", n, &mut *out, &out16, gate, up);
+        Self::keep_twin(out, twin);
     }
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
         let _timer = self.profiler.time_on("swiglu_backward", self);
@@ -733,7 +764,22 @@ impl Backend for CudaBackend {
                 ("up", up.len()),
             ],
         );
-        launch_elementwise!(self, "swiglu_backward", n, dgate, dup, dout, gate, up);
+        let (dgate_twin, dup_twin) = (self.twin_storage(dgate, n), self.twin_storage(dup, n));
+        let (dgate16, dup16) = (self.twin_address(&dgate_twin), self.twin_address(&dup_twin));
+        launch_elementwise!(
+            self,
+            "swiglu_backward",
+            n,
+            &mut *dgate,
+            &mut *dup,
+            &dgate16,
+            &dup16,
+            dout,
+            gate,
+            up
+        );
+        Self::keep_twin(dgate, dgate_twin);
+        Self::keep_twin(dup, dup_twin);
     }
 
     fn add(&self, out: &mut Buf, a: &Buf, b: &Buf) {
@@ -976,6 +1022,13 @@ impl Backend for CudaBackend {
             0
         };
         (logits + bf16_operands) as u64
+    }
+    fn activation_copy_bytes(&self) -> u64 {
+        if self.activation_copies {
+            2
+        } else {
+            0
+        }
     }
     fn device_free_memory(&self) -> Option<u64> {
         self.memory_info().map(|(_, free)| free as u64)
