@@ -185,9 +185,9 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare(op, &rc, &tc, self.tol.gemm);
     }
 
-    /// GEMMs reading the outputs of RMSNorm, SwiGLU (forward and backward) and attention, the ops
-    /// whose device kernels write a bf16 copy for them; then the norm's output rewritten by
-    /// another op, which must not leave a stale copy behind.
+    /// GEMMs (and attention) reading the outputs of RMSNorm (forward and dx), SwiGLU (forward and
+    /// backward), RoPE and attention, the ops whose device kernels write a bf16 copy for them; and
+    /// the norm's output rewritten by another op, which must not leave a stale copy behind.
     fn gemm_on_kernel_outputs(&mut self) {
         let (rows, dim) = (64, 96);
         let x = self.random(rows * dim, 2.0);
@@ -235,21 +235,46 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.matmul_on("matmul on swiglu's dgate", &rdg, &tdg, rows, dim);
         self.matmul_on("matmul on swiglu's dup", &rdu, &tdu, rows, dim);
 
-        let s = AttnShape::causal(1, 70, 4, 2, 64);
-        let (q_len, kv_len) = (70 * 4 * 64, 70 * 2 * 64);
+        // RMSNorm's dx (accumulated into its previous values).
+        let (dout, dx0) = (self.random(rows * dim, 1.0), self.random(rows * dim, 1.0));
+        let ((rd, td), (mut rdx, mut tdx)) = (self.both(&dout), self.both(&dx0));
+        let (mut rdw, mut tdw) = (self.reference.zeros(dim), self.test.zeros(dim));
+        self.reference
+            .rmsnorm_backward(&mut rdx, &mut rdw, &rd, &rx, &rw, &rr, dim);
+        self.test
+            .rmsnorm_backward(&mut tdx, &mut tdw, &td, &tx, &tw, &tr, dim);
+        self.matmul_on("matmul on rmsnorm's dx", &rdx, &tdx, rows, dim);
+
+        // Attention on rotated q and k (read through their bf16 copies on a device), then a GEMM
+        // on its output.
+        let (seq, heads, kv_heads, hd) = (70, 4, 2, 64);
+        let s = AttnShape::causal(1, seq, heads, kv_heads, hd);
+        let (q_len, kv_len) = (seq * heads * hd, seq * kv_heads * hd);
         let (q, k, v) = (
             self.random(q_len, 1.0),
             self.random(kv_len, 1.0),
             self.random(kv_len, 1.0),
         );
-        let ((rq, tq), (rk, tk), (rv, tv)) = (self.both(&q), self.both(&k), self.both(&v));
+        let ((mut rq, mut tq), (mut rk, mut tk), (rv, tv)) =
+            (self.both(&q), self.both(&k), self.both(&v));
+        let (cos, sin) = rope_tables(hd, seq, 500000.0, None);
+        let ((rc, tc), (rs, ts)) = (self.both(&cos), self.both(&sin));
+        for (r, t, h) in [(&mut rq, &mut tq, heads), (&mut rk, &mut tk, kv_heads)] {
+            self.reference.rope_forward(r, &rc, &rs, 1, seq, h, hd, 0);
+            self.test.rope_forward(t, &tc, &ts, 1, seq, h, hd, 0);
+        }
+        self.matmul_on("matmul on rope's output", &rq, &tq, seq, heads * hd);
         let (mut rat, mut tat) = (self.reference.zeros(q_len), self.test.zeros(q_len));
-        let (mut rl, mut tl) = (self.reference.zeros(4 * 70), self.test.zeros(4 * 70));
+        let (mut rl, mut tl) = (
+            self.reference.zeros(heads * seq),
+            self.test.zeros(heads * seq),
+        );
         self.reference
             .attention_forward(&mut rat, &mut rl, &rq, &rk, &rv, s);
         self.test
             .attention_forward(&mut tat, &mut tl, &tq, &tk, &tv, s);
-        self.matmul_on("matmul on attention's output", &rat, &tat, 70, 4 * 64);
+        self.compare("attention on rotated q, k", &rat, &tat, self.tol.attention);
+        self.matmul_on("matmul on attention's output", &rat, &tat, seq, heads * hd);
     }
 
     fn embedding(&mut self) {

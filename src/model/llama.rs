@@ -63,12 +63,17 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
 }
 
 /// Values of the workspace whose producing kernels may keep a bf16 copy beside them for the GEMMs
-/// that read them (`Backend::activation_copy_bytes`): each layer's normed inputs, attention output
-/// and SwiGLU output, the final norm's output, and the SwiGLU gradients.
+/// and attention kernels that read them (`Backend::activation_copy_bytes`): each layer's normed
+/// inputs, rotated q and k, attention output and SwiGLU output, the final norm's output, and the
+/// backward's SwiGLU gradients, rotated dq and dk, and block-input gradient.
 pub fn workspace_copied_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
-    let (d, f, qd) = (args.dim, args.ffn_hidden, args.n_heads * args.head_dim());
-    args.n_layers * n * (2 * d + qd + f) + n * d + 2 * n * f
+    let (d, f) = (args.dim, args.ffn_hidden);
+    let (qd, kvd) = (
+        args.n_heads * args.head_dim(),
+        args.n_kv_heads * args.head_dim(),
+    );
+    args.n_layers * n * (2 * d + 2 * qd + kvd + f) + n * d + n * (2 * f + d + qd + kvd)
 }
 
 impl<B: Backend> Workspace<B> {

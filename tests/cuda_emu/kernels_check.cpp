@@ -111,13 +111,14 @@ bool rmsnorm(int dim) {
             want_dx[r * dim + d] += rs * (dout[r * dim + d] * w[d] - x[r * dim + d] * rs * rs * dot / dim);
     }
     std::vector<float> out(x.size(), NAN), rstd(rows, NAN), dx = dx0, dw = dw0;
-    std::vector<bf16_bits> out16(x.size(), 0xffff);
+    std::vector<bf16_bits> out16(x.size(), 0xffff), dx16(x.size(), 0xffff);
     EmuDim3 per_row{(rows + TITAN_NORM_WARPS - 1) / TITAN_NORM_WARPS, 1, 1};
     emu::launch(per_row, 32 * TITAN_NORM_WARPS, [&] {
         rmsnorm_forward(out.data(), out16.data(), rstd.data(), x.data(), w.data(), rows, dim, eps);
     });
     emu::launch(per_row, 32 * TITAN_NORM_WARPS, [&] {
-        rmsnorm_backward_dx(dx.data(), dout.data(), x.data(), w.data(), rstd.data(), rows, dim);
+        rmsnorm_backward_dx(dx.data(), dx16.data(), dout.data(), x.data(), w.data(), rstd.data(),
+                            rows, dim);
     });
     // The weight gradient's two passes, with chunks of 16 rows (the backend uses more).
     const int per_chunk = 16, chunks = (rows + per_chunk - 1) / per_chunk;
@@ -132,6 +133,7 @@ bool rmsnorm(int dim) {
     bool ok = report(("rmsnorm_forward" + tag).c_str(), out, want_out);
     ok &= report_copy(("rmsnorm_forward bf16" + tag).c_str(), out16, out);
     ok &= report(("rmsnorm_backward dx" + tag).c_str(), dx, want_dx);
+    ok &= report_copy(("rmsnorm_backward bf16" + tag).c_str(), dx16, dx);
     ok &= report(("rmsnorm_backward dweight" + tag).c_str(), dw, want_dw);
     return ok;
 }
@@ -156,14 +158,18 @@ bool rope() {
         want[2 * p + 1] = x[2 * p] * s + x[2 * p + 1] * c;
     }
     std::vector<float> y = x;
+    std::vector<bf16_bits> y16(x.size(), 0xffff);
     EmuDim3 grid{(unsigned)((pairs + 255) / 256), 1, 1};
     emu::launch(grid, 256, [&] {
-        rope_rotate(y.data(), cos_t.data(), sin_t.data(), pairs, seq, heads, hd, offset, 1.0f);
+        rope_rotate(y.data(), y16.data(), cos_t.data(), sin_t.data(), pairs, seq, heads, hd,
+                    offset, 1.0f);
     });
     bool ok = report("rope forward", y, want);
+    ok &= report_copy("rope forward bf16", y16, y);
     // The backward (direction -1) undoes the forward.
     emu::launch(grid, 256, [&] {
-        rope_rotate(y.data(), cos_t.data(), sin_t.data(), pairs, seq, heads, hd, offset, -1.0f);
+        rope_rotate(y.data(), nullptr, cos_t.data(), sin_t.data(), pairs, seq, heads, hd, offset,
+                    -1.0f);
     });
     ok &= report("rope backward of forward", y, widen(x));
     return ok;

@@ -50,17 +50,20 @@ extern "C" __global__ void rmsnorm_forward(float* out, bf16_bits* out16, float* 
     }
 }
 
-// dx += rstd * (dout*w - x * rstd * mean(dout*w*x) * rstd). One warp per row, as the forward.
-extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, const float* x,
-                                               const float* weight, const float* rstd, int rows,
-                                               int dim) {
+// dx += rstd * (dout*w - x * rstd * mean(dout*w*x) * rstd), and dx16 = the sum's bf16 rounding
+// when not null. One warp per row, as the forward.
+extern "C" __global__ void rmsnorm_backward_dx(float* dx, bf16_bits* dx16, const float* dout,
+                                               const float* x, const float* weight,
+                                               const float* rstd, int rows, int dim) {
     i64 r = (i64)blockIdx.x * TITAN_NORM_WARPS + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31;
     const float* xr = x + r * dim;
     const float* dy = dout + r * dim;
     float* g = dx + r * dim;
-    bool vec = norm_rows_vectorised(dim, x, dout, weight) && aligned_to(dx, 16);
+    bool vec = norm_rows_vectorised(dim, x, dout, weight) && aligned_to(dx, 16) &&
+               aligned_to(dx16, 8);
+    bf16_bits* g16 = dx16 ? dx16 + r * dim : nullptr;
     float acc = 0.0f;
     if (vec) {
         for (int d = lane * 4; d < dim; d += 128) {
@@ -82,9 +85,13 @@ extern "C" __global__ void rmsnorm_backward_dx(float* dx, const float* dout, con
 #pragma unroll
             for (int e = 0; e < 4; ++e) out.v[e] += rs * (a.v[e] * w.v[e] - v.v[e] * rs * mean);
             *(float_x4*)(g + d) = out;
+            if (g16) store_bf16_x4(g16 + d, out);
         }
     } else {
-        for (int d = lane; d < dim; d += 32) g[d] += rs * (dy[d] * weight[d] - xr[d] * rs * mean);
+        for (int d = lane; d < dim; d += 32) {
+            g[d] += rs * (dy[d] * weight[d] - xr[d] * rs * mean);
+            if (g16) g16[d] = bf16_of(g[d]);
+        }
     }
 }
 

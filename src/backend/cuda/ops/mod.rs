@@ -216,11 +216,14 @@ impl CudaBackend {
             head_dim as i32,
             pos_offset as i32,
         );
+        let twin = self.twin_storage(x, pairs * 2);
+        let x16 = self.twin_address(&twin);
         launch!(
             self,
             "rope_rotate",
             elementwise_config(pairs),
-            x,
+            &mut *x,
+            &x16,
             cos,
             sin,
             &n,
@@ -230,6 +233,7 @@ impl CudaBackend {
             &p,
             &direction
         );
+        Self::keep_twin(x, twin);
     }
 }
 
@@ -442,11 +446,14 @@ impl Backend for CudaBackend {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
+        let twin = self.twin_storage(dx, rows * dim);
+        let dx16 = self.twin_address(&twin);
         launch!(
             self,
             "rmsnorm_backward_dx",
             norm_rows_config(rows),
-            dx,
+            &mut *dx,
+            &dx16,
             dout,
             x,
             weight,
@@ -454,6 +461,7 @@ impl Backend for CudaBackend {
             &r,
             &d
         );
+        Self::keep_twin(dx, twin);
         const ROWS_PER_CHUNK: usize = 128;
         let chunks = rows.div_ceil(ROWS_PER_CHUNK);
         let mut partial = self.alloc::<f32>(chunks * dim);
@@ -564,9 +572,9 @@ impl Backend for CudaBackend {
                 &mut *out,
                 &out16,
                 lse,
-                &q,
-                &k,
-                &v,
+                &q.address,
+                &k.address,
+                &v.address,
                 &seq,
                 &h,
                 &kvh,
@@ -672,14 +680,15 @@ impl Backend for CudaBackend {
                 TensorCoreBackwardKernels::Split { dq: dq_pass, dkdv } => {
                     let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
                     let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
+                    let (dout, q, k, v) = (&dout.address, &q.address, &k.address, &v.address);
                     launch!(
-                        self, dq_pass, per_query, dq, &dout, &q, &k, &v, lse, &delta, &seq, &h,
-                        &kvh, &scale
+                        self, dq_pass, per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh,
+                        &scale
                     );
                     for pass in dkdv {
                         launch!(
-                            self, pass, per_key, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse,
-                            &delta, &seq, &h, &kvh, &scale
+                            self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, &delta,
+                            &seq, &h, &kvh, &scale
                         );
                     }
                 }
@@ -696,8 +705,22 @@ impl Backend for CudaBackend {
                             as u32,
                     };
                     launch!(
-                        self, kernel, cfg, &mut *dq, &mut *dk, &mut *dv, &dout, &q, &k, &v, lse,
-                        &delta, &seq, &h, &kvh, &scale
+                        self,
+                        kernel,
+                        cfg,
+                        &mut *dq,
+                        &mut *dk,
+                        &mut *dv,
+                        &dout.address,
+                        &q.address,
+                        &k.address,
+                        &v.address,
+                        lse,
+                        &delta,
+                        &seq,
+                        &h,
+                        &kvh,
+                        &scale
                     );
                 }
             }
@@ -1159,8 +1182,15 @@ impl CudaBackend {
         }
     }
 
-    /// A bf16 copy (nearest even) of the first `len` values of `x`, for kernels that read bf16.
-    fn to_bf16(&self, x: &Buf, len: usize) -> CudaSlice<u16> {
+    /// The first `len` values of `x` in bf16 (nearest even), for kernels that read bf16: the
+    /// buffer's own bf16 copy when a kernel wrote one (see CudaBuf), else a conversion.
+    fn to_bf16(&self, x: &Buf, len: usize) -> Bf16Operand {
+        if let Some(address) = x.bf16_address(&self.stream) {
+            return Bf16Operand {
+                address,
+                _converted: None,
+            };
+        }
         // The conversion writes every pair, the odd count's padding included.
         let mut out = self.alloc_unzeroed::<u16>(len.div_ceil(2) * 2);
         let src = x.device_address(&self.stream);
@@ -1172,8 +1202,22 @@ impl CudaBackend {
             len,
         )
         .unwrap_or_else(|e| panic!("{e:#}"));
-        out
+        let address = {
+            let (ptr, _sync) = out.device_ptr(&self.stream);
+            ptr
+        };
+        Bf16Operand {
+            address,
+            _converted: Some(out),
+        }
     }
+}
+
+/// A bf16 operand of a kernel: its device address, and the conversion's memory when it was made
+/// for this call (held until the launch is queued; the pool frees it in stream order).
+struct Bf16Operand {
+    address: u64,
+    _converted: Option<CudaSlice<u16>>,
 }
 
 /// `block_rows` rows (4 warps of 16 or 32) per block for the tensor-core kernels.
