@@ -71,6 +71,9 @@ stage nccl 20 "$BIN" cuda nccl-check
 common="--quiet --training.device cuda --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1"
 rm -rf "$OUT_DIR/one" "$OUT_DIR/fsdp2"
 stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --job.dump_folder '$OUT_DIR/one' && '$BIN' train --nproc 2 $common --training.local_batch_size 4 --job.dump_folder '$OUT_DIR/fsdp2'"
+# DDP the same way (two ranks on one GPU take the host path: NCCL refuses two ranks on one GPU).
+rm -rf "$OUT_DIR/ddp2"
+stage ddp_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 4 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder "$OUT_DIR/ddp2"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -135,7 +138,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -217,13 +220,15 @@ def generate_report():
     print(f"greedy generation, 40 tokens: GPU and CPU agree on {agree} of {len(cpu_ids)} "
           f"({'ok' if gpu_ids == cpu_ids else 'FAIL'})")
 def fsdp_report():
-    one, two = curve("one"), curve("fsdp2")
-    if one and two and len(one) == len(two):
-        diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
-        print(f"FSDP 2 ranks on CUDA vs 1 process, {len(one)} steps fp32: max rel loss diff {diff:.2e} "
-              f"({'ok' if diff <= 1e-4 else 'FAIL'})")
-    else:
-        print("FSDP on CUDA: no result")
+    one = curve("one")
+    for layout, folder in (("FSDP", "fsdp2"), ("DDP", "ddp2")):
+        two = curve(folder)
+        if one and two and len(one) == len(two):
+            diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
+            print(f"{layout} 2 ranks on CUDA vs 1 process, {len(one)} steps fp32: max rel loss diff {diff:.2e} "
+                  f"({'ok' if diff <= 1e-4 else 'FAIL'})")
+        else:
+            print(f"{layout} on CUDA: no result")
 def bench_report():
     print()
     print(f"{'Llama 3 1B, bf16':<22} {'impl':<14} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")

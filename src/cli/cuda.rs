@@ -293,6 +293,12 @@ fn nccl_check() -> Result<()> {
     if be.download(&scattered) != values {
         failures.push("reduce_scatter");
     }
+    // DDP's gradient sum: several buffers (one empty) in one NCCL group call.
+    let mut grads = vec![be.upload(&values), be.zeros(0), be.upload(&values[..10])];
+    g.all_reduce_each(&mut grads, ReduceOp::Sum)?;
+    if be.download(&grads[0]) != values || be.download(&grads[2]) != values[..10] {
+        failures.push("all_reduce_each");
+    }
     let mut big = be.zeros(64 << 20);
     let t0 = std::time::Instant::now();
     for _ in 0..10 {
@@ -300,7 +306,7 @@ fn nccl_check() -> Result<()> {
     }
     let per_call = t0.elapsed().as_secs_f64() / 10.0;
     println!(
-        "NCCL one-rank group on {}: all_reduce, all_gather, reduce_scatter {}; 256 MiB all_reduce {:.2} ms",
+        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter {}; 256 MiB all_reduce {:.2} ms",
         be.device_name(),
         if failures.is_empty() { "ok" } else { "FAILED" },
         per_call * 1e3

@@ -6,9 +6,11 @@
 //! `wait` polls that stream and NCCL's asynchronous error instead of blocking, and aborts the
 //! communicator when the group's timeout passes, so a dead peer is an error, never a hang.
 //!
-//! Status: built and compiled, run on one GPU at most (`titan cuda nccl-check`); FSDP and DDP still
-//! move CUDA buffers through host copies and the CPU transport. Wiring them to this group (and a
-//! second stream with events for overlap) is the next step of the CUDA backend.
+//! Status: run on one GPU only (`titan cuda nccl-check`, a one-rank group): NCCL refuses two ranks
+//! on one GPU, and the lent machines have one. DDP on CUDA sums gradients through this group when
+//! every rank has its own GPU (`parallel::ddp::NcclGradReducer`); FSDP still moves CUDA buffers
+//! through host copies and the CPU transport. Overlapping collectives with compute (a second stream
+//! with events) is not done yet: DDP's all-reduce runs after the backward.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -165,6 +167,39 @@ impl NcclGroup {
         }
         .map_err(|e| nccl_err("all_reduce", e))?;
         self.wait("all_reduce")
+    }
+
+    /// Each buffer in place, as one NCCL group call (one launch sequence, one wait): DDP's
+    /// gradient sum over every parameter.
+    pub fn all_reduce_each(&self, bufs: &mut [CudaBuf], op: ReduceOp) -> Result<()> {
+        self.check_usable("all_reduce_each")?;
+        nccl::group_start().map_err(|e| nccl_err("group start", e))?;
+        let mut queued = Ok(());
+        for buf in bufs.iter_mut().filter(|b| !b.is_empty()) {
+            let p = buf.device_address_mut(&self.stream);
+            // SAFETY: p addresses buf.len() floats on this communicator's device.
+            queued = unsafe {
+                nccl::all_reduce(
+                    p as *const _,
+                    p as *mut _,
+                    buf.len(),
+                    sys::ncclDataType_t::ncclFloat32,
+                    Self::red_op(op),
+                    self.comm,
+                    self.cu_stream(),
+                )
+            }
+            .map(|_| ())
+            .map_err(|e| nccl_err("all_reduce", e));
+            if queued.is_err() {
+                break;
+            }
+        }
+        // The group is closed whatever happened inside it.
+        let ended = nccl::group_end().map_err(|e| nccl_err("group end", e));
+        queued?;
+        ended?;
+        self.wait("all_reduce_each")
     }
 
     /// `output` (`size × input.len()`) receives every rank's `input` in rank order.

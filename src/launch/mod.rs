@@ -22,6 +22,13 @@ pub struct Distributed {
     /// FSDP's shard group (`dp_shard`) and, for HSDP, the replica group (`dp_replicate`).
     pub shard: Option<Arc<dyn ProcessGroup>>,
     pub replicate: Option<Arc<dyn ProcessGroup>>,
+    /// Ranks on this node (the launcher's processes per node).
+    pub local_world_size: usize,
+    /// The rendezvous store, for groups formed later (NCCL's unique id).
+    store: StoreClient,
+    /// `dp`'s name in the store, and the timeouts of `[comm]` (init, each collective).
+    dp_name: String,
+    timeouts: (Duration, Duration),
     /// Keeps a store hosted by this rank alive.
     _store: Option<StoreServer>,
 }
@@ -60,6 +67,10 @@ impl Distributed {
             )?))
         };
         let dp = join(&["dp_replicate", "dp_shard"])?;
+        let dp_name = format!(
+            "{}-g{gen}",
+            mesh.group_name(env.rank, &["dp_replicate", "dp_shard"])
+        );
         let (shard, replicate) = match (mesh.degree("dp_replicate"), mesh.degree("dp_shard")) {
             (_, 1) => (None, None),
             (1, _) => (Some(dp.clone()), None),
@@ -72,8 +83,29 @@ impl Distributed {
             dp,
             shard,
             replicate,
+            local_world_size: env.local_world_size,
+            store,
+            dp_name,
+            timeouts: (init, op),
             _store: store_server,
         }))
+    }
+
+    /// An NCCL communicator over the data-parallel group's ranks, on `be`'s GPU (every rank of the
+    /// group calls this together; the unique id travels through the store).
+    pub fn nccl_dp_group(
+        &self,
+        be: &crate::backend::cuda::CudaBackend,
+    ) -> Result<crate::comm::nccl::NcclGroup> {
+        crate::comm::nccl::NcclGroup::connect(
+            &self.store,
+            &format!("{}-nccl", self.dp_name),
+            self.dp.rank(),
+            self.dp.size(),
+            be,
+            self.timeouts.0,
+            self.timeouts.1,
+        )
     }
 }
 

@@ -2,19 +2,26 @@
 //! is already normalised by the global number of targets, so the sum is the gradient of the global
 //! mean loss), after which every rank takes the same optimizer step.
 //!
-//! Gradients travel in buckets, one per transformer block: as soon as the backward has finished a
-//! block (on the last micro-batch of a step) its gradients are copied into a bucket and handed to a
-//! communication thread, which all-reduces it while the backward goes on with the blocks below.
-//! The remaining parameters (embeddings, final norm, output) form the last bucket. The thread is the
-//! group's only user while buckets are in flight.
+//! Two gradient reducers (`GradReducer`):
+//! - `DdpReducer`, for any backend over the CPU transport: gradients travel in buckets, one per
+//!   transformer block. As soon as the backward has finished a block (on the last micro-batch of a
+//!   step) its gradients are copied to the host into a bucket and handed to a communication thread,
+//!   which all-reduces it while the backward goes on with the blocks below. The remaining
+//!   parameters (embeddings, final norm, output) form the last bucket. The thread is the group's
+//!   only user while buckets are in flight.
+//! - `NcclGradReducer`, on CUDA when every rank has its own GPU: after the backward, every gradient
+//!   is summed in place on the GPUs by one NCCL group call (no host copies; not yet overlapped with
+//!   the backward, and not yet run with more than one rank: see `comm::nccl`).
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 
+use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::comm::nccl::NcclGroup;
 use crate::model::llama::BlockGradHook;
 use crate::model::params::LayerIds;
 use crate::model::ParamSet;
@@ -73,7 +80,7 @@ impl DdpReducer {
 
     /// Reduces the parameters no block hook covered, waits for every bucket and writes the summed
     /// gradients back.
-    pub fn finish<B: Backend>(
+    fn finish_buckets<B: Backend>(
         &mut self,
         be: &B,
         grads: &mut ParamSet<B>,
@@ -112,9 +119,54 @@ impl DdpReducer {
     }
 }
 
+/// Sums a step's gradients across the data-parallel ranks: told when each block's gradients are
+/// final (on the last micro-batch), then `finish` leaves every gradient summed.
+pub trait GradReducer<B: Backend>: BlockGradHook<B> {
+    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()>;
+}
+
 impl<B: Backend> BlockGradHook<B> for DdpReducer {
     fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()> {
         self.submit(be, layer.all().to_vec(), grads)
+    }
+}
+
+impl<B: Backend> GradReducer<B> for DdpReducer {
+    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()> {
+        self.finish_buckets(be, grads, block_ids)
+    }
+}
+
+/// DDP's gradient sum on the GPUs through NCCL, all at once after the backward.
+pub struct NcclGradReducer {
+    group: NcclGroup,
+}
+
+impl NcclGradReducer {
+    pub fn new(group: NcclGroup) -> Self {
+        NcclGradReducer { group }
+    }
+}
+
+impl BlockGradHook<CudaBackend> for NcclGradReducer {
+    fn block_done(
+        &mut self,
+        _be: &CudaBackend,
+        _layer: &LayerIds,
+        _grads: &mut ParamSet<CudaBackend>,
+    ) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl GradReducer<CudaBackend> for NcclGradReducer {
+    fn finish(
+        &mut self,
+        _be: &CudaBackend,
+        grads: &mut ParamSet<CudaBackend>,
+        _block_ids: &[LayerIds],
+    ) -> Result<()> {
+        self.group.all_reduce_each(&mut grads.bufs, ReduceOp::Sum)
     }
 }
 
@@ -127,16 +179,21 @@ impl Drop for DdpReducer {
     }
 }
 
-/// A data-parallel group with its bucketed gradient reducer.
-pub struct Ddp {
+/// A data-parallel group (the CPU transport, for the loss and target counts) with its gradient
+/// reducer.
+pub struct Ddp<B: Backend> {
     pub group: Arc<dyn ProcessGroup>,
-    pub reducer: DdpReducer,
+    pub reducer: Box<dyn GradReducer<B>>,
 }
 
-impl Ddp {
-    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+impl<B: Backend> Ddp<B> {
+    /// Gradients summed through `group` in host buckets, or by `device_reducer` when given.
+    pub fn new(
+        group: Arc<dyn ProcessGroup>,
+        device_reducer: Option<Box<dyn GradReducer<B>>>,
+    ) -> Self {
         Ddp {
-            reducer: DdpReducer::new(group.clone()),
+            reducer: device_reducer.unwrap_or_else(|| Box::new(DdpReducer::new(group.clone()))),
             group,
         }
     }

@@ -19,6 +19,7 @@ use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::model::{init_params, Llama, ParamDtype, ParamSet, Workspace};
+use crate::parallel::ddp::{GradReducer, NcclGradReducer};
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -89,7 +90,7 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     let device = select_device(cfg)?;
     let dist = crate::launch::Distributed::from_env(cfg)?;
     match device {
-        Device::Cpu => train_on(&CpuBackend::new(), cfg, opts, dist.as_ref()),
+        Device::Cpu => train_on(&CpuBackend::new(), cfg, opts, dist.as_ref(), None),
         Device::Cuda => {
             let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
             let be = cuda_backend(cfg, local_rank)?;
@@ -101,16 +102,66 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
                     be.precision()
                 );
             }
-            train_on(&be, cfg, opts, dist.as_ref())
+            let reducer = nccl_ddp_reducer(dist.as_ref(), &be, opts.quiet)?;
+            train_on(&be, cfg, opts, dist.as_ref(), reducer)
         }
     }
 }
 
+/// DDP's gradient sum through NCCL on the GPUs, when the job is DDP (FSDP still goes through host
+/// copies), every rank of the node has a GPU of its own (NCCL refuses two ranks on one), the NCCL
+/// library loads, and `TITAN_NCCL` is not `off`. The ranks agree over the CPU group first, so they
+/// all take the same path; otherwise gradients go through host copies and the CPU transport.
+fn nccl_ddp_reducer(
+    dist: Option<&crate::launch::Distributed>,
+    be: &CudaBackend,
+    quiet: bool,
+) -> Result<Option<Box<dyn GradReducer<CudaBackend>>>> {
+    use crate::backend::cuda::libs::{device_count, CudaLib};
+    let Some(d) = dist.filter(|d| d.shard.is_none()) else {
+        return Ok(None);
+    };
+    let why_not = if std::env::var("TITAN_NCCL").as_deref() == Ok("off") {
+        Some("TITAN_NCCL=off".to_string())
+    } else if !CudaLib::Nccl.is_present() {
+        Some(format!("{} not found", CudaLib::Nccl.describe()))
+    } else if d.local_world_size > device_count()? {
+        Some(format!(
+            "{} ranks share this node's {} GPU(s)",
+            d.local_world_size,
+            device_count()?
+        ))
+    } else {
+        None
+    };
+    let ready = all_reduce_sum_f64(d.dp.as_ref(), why_not.is_none() as u8 as f64)?;
+    if ready.round() as usize != d.dp.size() {
+        if d.rank == 0 && !quiet {
+            println!(
+                "note: DDP sums gradients through host copies, not NCCL ({})",
+                why_not.as_deref().unwrap_or("another rank cannot use NCCL")
+            );
+        }
+        return Ok(None);
+    }
+    let group = d.nccl_dp_group(be)?;
+    if d.rank == 0 && !quiet {
+        println!(
+            "DDP: gradients summed on the GPUs through NCCL ({} ranks)",
+            d.dp.size()
+        );
+    }
+    Ok(Some(Box::new(NcclGradReducer::new(group))))
+}
+
+/// Trains on `be`; with DDP, `device_reducer` (NCCL on CUDA) sums the gradients instead of host
+/// copies through the CPU transport.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
     opts: &RunOptions,
     dist: Option<&crate::launch::Distributed>,
+    device_reducer: Option<Box<dyn GradReducer<B>>>,
 ) -> Result<TrainSummary> {
     let args = cfg.model_args()?;
     let t = &cfg.training;
@@ -119,7 +170,7 @@ fn train_on<B: Backend>(
     let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
     let mut ddp = dist
         .filter(|_| !fsdp_mode)
-        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone()));
+        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer));
     let global_batch = if t.global_batch_size < 0 {
         batch * dp_size
     } else {
@@ -558,7 +609,7 @@ pub fn train_step<B: Backend>(
     lr: f64,
     step: u64,
     max_norm: f64,
-    mut dp: Option<&mut crate::parallel::ddp::Ddp>,
+    mut dp: Option<&mut crate::parallel::ddp::Ddp<B>>,
     mut bf16_copy: Option<&mut ParamSet<B>>,
 ) -> Result<(f64, f64)> {
     if let Some(c) = bf16_copy.as_deref_mut() {
@@ -576,7 +627,7 @@ pub fn train_step<B: Backend>(
     for (m, tokens) in micro.iter().enumerate() {
         // Gradients are reduced during the last micro-batch's backward only (earlier ones accumulate).
         let hook: Option<&mut dyn crate::model::llama::BlockGradHook<B>> = match dp.as_deref_mut() {
-            Some(d) if m + 1 == micro.len() => Some(&mut d.reducer),
+            Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
             _ => None,
         };
         let compute: &ParamSet<B> = bf16_copy.as_deref().unwrap_or(params);
