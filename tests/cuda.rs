@@ -247,6 +247,9 @@ impl Backend for SkewedDkBackend {
     fn copy_into_at(&self, dst: &mut Vec<f32>, offset: usize, src: &Vec<f32>) {
         self.cpu.copy_into_at(dst, offset, src)
     }
+    fn copy_range(&self, dst: &mut Vec<f32>, at: usize, src: &Vec<f32>, from: usize, n: usize) {
+        self.cpu.copy_range(dst, at, src, from, n)
+    }
     fn matmul(
         &self,
         out: &mut Vec<f32>,
@@ -365,6 +368,9 @@ impl Backend for SkewedDkBackend {
     }
     fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
         self.cpu.add_assign(acc, x)
+    }
+    fn add_range(&self, acc: &mut Vec<f32>, at: usize, x: &Vec<f32>, from: usize, n: usize) {
+        self.cpu.add_range(acc, at, x, from, n)
     }
     fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
         self.cpu.scale(buf, factor)

@@ -422,6 +422,12 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.copy_into_at(&mut rb, n + 3, &ro);
         self.test.copy_into_at(&mut tb, n + 3, &to);
         self.compare("fill + copy_into_at", &rb, &tb, self.tol.exact);
+        self.reference.copy_range(&mut rb, 5, &ro, n / 3, n / 2);
+        self.test.copy_range(&mut tb, 5, &to, n / 3, n / 2);
+        self.compare("copy_range", &rb, &tb, self.tol.exact);
+        self.reference.add_range(&mut rb, 2 * n + 1, &ro, 7, n - 9);
+        self.test.add_range(&mut tb, 2 * n + 1, &to, 7, n - 9);
+        self.compare("add_range", &rb, &tb, self.tol.exact);
         let mut values = self.random(n, 3.0);
         values.extend([
             0.0,

@@ -100,6 +100,15 @@ pub trait Backend: Send + Sync {
     fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf);
     /// Copies `src` into `dst[offset..offset+len(src)]`.
     fn copy_into_at(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf);
+    /// `dst[dst_offset..+len] = src[src_offset..+len]` (FSDP's packing of shards and gradients).
+    fn copy_range(
+        &self,
+        dst: &mut Self::Buf,
+        dst_offset: usize,
+        src: &Self::Buf,
+        src_offset: usize,
+        len: usize,
+    );
 
     // ---- linear algebra ----
     /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`. `a` is stored `[m,k]`, or `[k,m]` when `trans_a`;
@@ -236,6 +245,15 @@ pub trait Backend: Send + Sync {
     fn add(&self, out: &mut Self::Buf, a: &Self::Buf, b: &Self::Buf);
     /// `acc += x`.
     fn add_assign(&self, acc: &mut Self::Buf, x: &Self::Buf);
+    /// `acc[acc_offset..+len] += x[x_offset..+len]` (FSDP adding a reduced gradient shard).
+    fn add_range(
+        &self,
+        acc: &mut Self::Buf,
+        acc_offset: usize,
+        x: &Self::Buf,
+        x_offset: usize,
+        len: usize,
+    );
     fn scale(&self, buf: &mut Self::Buf, factor: f32);
 
     // ---- loss ----

@@ -91,6 +91,16 @@ impl Backend for CpuBackend {
     fn copy_into_at(&self, dst: &mut Vec<f32>, offset: usize, src: &Vec<f32>) {
         dst[offset..offset + src.len()].copy_from_slice(src);
     }
+    fn copy_range(
+        &self,
+        dst: &mut Vec<f32>,
+        dst_offset: usize,
+        src: &Vec<f32>,
+        src_offset: usize,
+        len: usize,
+    ) {
+        dst[dst_offset..dst_offset + len].copy_from_slice(&src[src_offset..src_offset + len]);
+    }
     fn matmul(
         &self,
         out: &mut Vec<f32>,
@@ -216,6 +226,20 @@ impl Backend for CpuBackend {
     fn add_assign(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
         let _timer = self.profiler.time("add_assign");
         elementwise::add_assign(acc, x);
+    }
+    fn add_range(
+        &self,
+        acc: &mut Vec<f32>,
+        acc_offset: usize,
+        x: &Vec<f32>,
+        x_offset: usize,
+        len: usize,
+    ) {
+        let _timer = self.profiler.time("add_assign");
+        elementwise::add_assign(
+            &mut acc[acc_offset..acc_offset + len],
+            &x[x_offset..x_offset + len],
+        );
     }
     fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
         let _timer = self.profiler.time("scale");

@@ -282,6 +282,18 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("copy_into_at", self);
         self.copy_at_untimed(dst, offset, src);
     }
+    fn copy_range(&self, dst: &mut Buf, dst_offset: usize, src: &Buf, src_offset: usize, len: usize) {
+        let _timer = self.profiler.time_on("copy_into_at", self);
+        check_len("copy_range", "dst", dst.len(), dst_offset + len);
+        check_len("copy_range", "src", src.len(), src_offset + len);
+        if len == 0 {
+            return;
+        }
+        let mut window = dst.slice_mut(dst_offset..dst_offset + len);
+        self.stream
+            .memcpy_dtod(&src.slice(src_offset..src_offset + len), &mut window)
+            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+    }
 
     fn matmul(
         &self,
@@ -814,6 +826,14 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("add_assign", self);
         let n = self.elementwise_len("add_assign", &[("acc", acc.len()), ("x", x.len())]);
         launch_elementwise!(self, "add_assign_f32", n, acc, x);
+    }
+    fn add_range(&self, acc: &mut Buf, acc_offset: usize, x: &Buf, x_offset: usize, len: usize) {
+        let _timer = self.profiler.time_on("add_assign", self);
+        check_len("add_range", "acc", acc.len(), acc_offset + len);
+        check_len("add_range", "x", x.len(), x_offset + len);
+        let mut window = acc.slice_mut(acc_offset..acc_offset + len);
+        let part = x.slice(x_offset..x_offset + len);
+        launch_elementwise!(self, "add_assign_f32", len, &mut window, &part);
     }
     fn scale(&self, buf: &mut Buf, factor: f32) {
         let _timer = self.profiler.time_on("scale", self);
