@@ -1,6 +1,7 @@
 //! Communication: the rendezvous store and process groups with their collectives (CPU transport
 //! over sockets and cross-memory reads; NCCL for CUDA buffers), each operation bounded by a timeout.
 
+pub mod buffers;
 pub mod cma;
 pub mod conn;
 pub mod group;

@@ -7,10 +7,11 @@
 //! communicator when the group's timeout passes, so a dead peer is an error, never a hang.
 //!
 //! Status: run on one GPU only (`titan cuda nccl-check`, a one-rank group): NCCL refuses two ranks
-//! on one GPU, and the lent machines have one. DDP on CUDA sums gradients through this group when
-//! every rank has its own GPU (`parallel::ddp::NcclGradReducer`); FSDP still moves CUDA buffers
-//! through host copies and the CPU transport. Overlapping collectives with compute (a second stream
-//! with events) is not done yet: DDP's all-reduce runs after the backward.
+//! on one GPU, and the lent machines have one. When every rank has its own GPU, DDP sums gradients
+//! through these groups (`parallel::ddp::NcclGradReducer`) and FSDP gathers and reduce-scatters
+//! through them (`comm::buffers`, FSDP's buffer path, whose packing is checked on the CPU against
+//! the host path bit for bit). Each collective waits for its result; overlapping them with compute
+//! (a second stream with events) is not done yet.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -26,8 +26,11 @@ pub struct Distributed {
     pub local_world_size: usize,
     /// The rendezvous store, for groups formed later (NCCL's unique id).
     store: StoreClient,
-    /// `dp`'s name in the store, and the timeouts of `[comm]` (init, each collective).
+    /// The names of `dp`, `shard` and `replicate` in the store, and the timeouts of `[comm]`
+    /// (init, each collective).
     dp_name: String,
+    shard_name: Option<String>,
+    replicate_name: Option<String>,
     timeouts: (Duration, Duration),
     /// Keeps a store hosted by this rank alive.
     _store: Option<StoreServer>,
@@ -66,16 +69,20 @@ impl Distributed {
                 op,
             )?))
         };
+        let name = |dims: &[&str]| format!("{}-g{gen}", mesh.group_name(env.rank, dims));
         let dp = join(&["dp_replicate", "dp_shard"])?;
-        let dp_name = format!(
-            "{}-g{gen}",
-            mesh.group_name(env.rank, &["dp_replicate", "dp_shard"])
-        );
-        let (shard, replicate) = match (mesh.degree("dp_replicate"), mesh.degree("dp_shard")) {
-            (_, 1) => (None, None),
-            (1, _) => (Some(dp.clone()), None),
-            _ => (Some(join(&["dp_shard"])?), Some(join(&["dp_replicate"])?)),
-        };
+        let dp_name = name(&["dp_replicate", "dp_shard"]);
+        let (shard, replicate, shard_name, replicate_name) =
+            match (mesh.degree("dp_replicate"), mesh.degree("dp_shard")) {
+                (_, 1) => (None, None, None, None),
+                (1, _) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
+                _ => (
+                    Some(join(&["dp_shard"])?),
+                    Some(join(&["dp_replicate"])?),
+                    Some(name(&["dp_shard"])),
+                    Some(name(&["dp_replicate"])),
+                ),
+            };
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,
@@ -86,27 +93,48 @@ impl Distributed {
             local_world_size: env.local_world_size,
             store,
             dp_name,
+            shard_name,
+            replicate_name,
             timeouts: (init, op),
             _store: store_server,
         }))
     }
 
-    /// An NCCL communicator over the data-parallel group's ranks, on `be`'s GPU (every rank of the
-    /// group calls this together; the unique id travels through the store).
-    pub fn nccl_dp_group(
+    /// An NCCL communicator over the ranks of one of this worker's groups, on `be`'s GPU (every
+    /// rank of that group calls this together; the unique id travels through the store). None when
+    /// the job has no such group.
+    pub fn nccl_group(
         &self,
+        which: DataParallelGroup,
         be: &crate::backend::cuda::CudaBackend,
-    ) -> Result<crate::comm::nccl::NcclGroup> {
+    ) -> Result<Option<crate::comm::nccl::NcclGroup>> {
+        let (group, name) = match which {
+            DataParallelGroup::All => (Some(&self.dp), Some(&self.dp_name)),
+            DataParallelGroup::Shard => (self.shard.as_ref(), self.shard_name.as_ref()),
+            DataParallelGroup::Replicate => (self.replicate.as_ref(), self.replicate_name.as_ref()),
+        };
+        let (Some(group), Some(name)) = (group, name) else {
+            return Ok(None);
+        };
         crate::comm::nccl::NcclGroup::connect(
             &self.store,
-            &format!("{}-nccl", self.dp_name),
-            self.dp.rank(),
-            self.dp.size(),
+            &format!("{name}-nccl"),
+            group.rank(),
+            group.size(),
             be,
             self.timeouts.0,
             self.timeouts.1,
         )
+        .map(Some)
     }
+}
+
+/// The data-parallel groups of a worker: all of them, FSDP's shard group, HSDP's replica group.
+#[derive(Debug, Clone, Copy)]
+pub enum DataParallelGroup {
+    All,
+    Shard,
+    Replicate,
 }
 
 /// The device mesh `[parallelism]` asks for over `world` ranks (its degrees must multiply to it).

@@ -19,9 +19,15 @@
 //! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
 //! is then all-reduced across the replicas.
 //!
-//! Every collective of a step runs on one communication thread in submission order: the next
-//! block's gather is submitted before the current block computes, and a block's reduce-scatter
-//! proceeds while the block below it computes.
+//! Two ways to run the collectives:
+//! - Host (the default): shards and gradients are packed on the host, and every collective of a
+//!   step runs on one communication thread in submission order over the CPU transport: the next
+//!   block's gather is submitted before the current block computes, and a block's reduce-scatter
+//!   proceeds while the block below it computes.
+//! - Buffers (`BufferComm`): packing and unpacking are backend ops on device buffers, and the
+//!   collectives take those buffers whole: NCCL on GPUs (`comm::nccl`), or through the host for
+//!   checking this path on the CPU (`TITAN_FSDP_COLLECTIVES=buffers`), where it gives the host
+//!   path's bits. The collectives are issued in the same order but not overlapped with compute.
 //!
 //! Checkpoints: each rank writes its own shards (`checkpoint::sharded`).
 
@@ -33,6 +39,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use anyhow::{anyhow, Result};
 
 use crate::backend::{Backend, LossSum};
+use crate::comm::buffers::BufferCollectives;
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
@@ -118,8 +125,24 @@ impl Drop for CommThread {
     }
 }
 
+/// FSDP's collectives on backend buffers: over the shard group and, for HSDP, the replicas.
+pub struct BufferComm<B: Backend> {
+    pub shard: Box<dyn BufferCollectives<B>>,
+    pub replicate: Option<Box<dyn BufferCollectives<B>>>,
+}
+
+/// A collective issued on the buffer path, completed in submission order: a gather's result (every
+/// rank's packed shards) or a reduce-scatter's (this rank's packed, summed gradient shards).
+enum BufferPending<B: Backend> {
+    Gather(Vec<usize>, B::Buf),
+    ReduceScatter(Vec<usize>, B::Buf),
+}
+
 pub struct Fsdp<B: Backend> {
-    comm: CommThread,
+    /// The host path's thread (None on the buffer path).
+    comm: Option<CommThread>,
+    /// The buffer path, with its issued collectives.
+    buffers: Option<(BufferComm<B>, VecDeque<BufferPending<B>>)>,
     group: Arc<dyn ProcessGroup>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
@@ -163,11 +186,15 @@ impl ReshardPolicy {
 }
 
 impl<B: Backend> Fsdp<B> {
-    /// Shards `full` (identical on every rank) across `group`.
+    /// Shards `full` (identical on every rank) across `group`. With `buffers` the step's
+    /// collectives run on backend buffers through it; else on the host over `group` and
+    /// `replicate` (which also serve checkpoints and the gradient norm either way).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &B,
         group: Arc<dyn ProcessGroup>,
         replicate: Option<Arc<dyn ProcessGroup>>,
+        buffers: Option<BufferComm<B>>,
         model: &Llama<B>,
         full: &ParamSet<B>,
         reshard_after_forward: ReshardPolicy,
@@ -188,8 +215,12 @@ impl<B: Backend> Fsdp<B> {
                 in_block[i] = true;
             }
         }
+        let comm = buffers
+            .is_none()
+            .then(|| CommThread::new(group.clone(), replicate.clone()));
         let mut f = Fsdp {
-            comm: CommThread::new(group.clone(), replicate.clone()),
+            comm,
+            buffers: buffers.map(|b| (b, VecDeque::new())),
             shards: ParamSet::zeros(be, &specs),
             grad_shards: ParamSet::zeros(be, &specs),
             numel,
@@ -346,9 +377,37 @@ impl<B: Backend> Fsdp<B> {
 
     /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
+        if let Some((comm, pending)) = &mut self.buffers {
+            let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
+            let mut packed = be.zeros(words);
+            let mut at = 0;
+            for &i in ids {
+                be.copy_range(&mut packed, at, &self.shards.bufs[i], 0, self.shard_len[i]);
+                at += self.shard_len[i];
+            }
+            let mut all = be.zeros(words * comm.shard.size());
+            comm.shard.all_gather(be, &packed, &mut all)?;
+            pending.push_back(BufferPending::Gather(ids.to_vec(), all));
+            return Ok(());
+        }
         let mine = self.pack_shards(be, &self.shards, ids, self.param_dtype);
-        self.comm
+        self.host_comm()?
             .submit(Job::Gather(mine), Pending::Gather(ids.to_vec()))
+    }
+
+    fn host_comm(&mut self) -> Result<&mut CommThread> {
+        self.comm
+            .as_mut()
+            .ok_or_else(|| anyhow!("FSDP: no host communication thread on the buffer path"))
+    }
+
+    /// Whether collectives are still to be completed.
+    fn has_pending(&self) -> bool {
+        match (&self.buffers, &self.comm) {
+            (Some((_, pending)), _) => !pending.is_empty(),
+            (None, Some(c)) => !c.pending.is_empty(),
+            (None, None) => false,
+        }
     }
 
     fn submit_reduce_scatter(
@@ -359,6 +418,30 @@ impl<B: Backend> Fsdp<B> {
     ) -> Result<()> {
         let size = self.group.size();
         let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
+        if let Some((comm, pending)) = &mut self.buffers {
+            // Rank r's chunk holds each tensor's elements [r·c, (r+1)·c), zero past its end.
+            let mut packed = be.zeros(packed_len * size);
+            let mut offset = 0;
+            for &i in ids {
+                let (c, g) = (self.shard_len[i], &grads.bufs[i]);
+                let n = be.len(g);
+                for r in 0..size {
+                    let (lo, hi) = ((r * c).min(n), ((r + 1) * c).min(n));
+                    if hi > lo {
+                        be.copy_range(&mut packed, r * packed_len + offset, g, lo, hi - lo);
+                    }
+                }
+                offset += c;
+            }
+            Self::release(be, grads, ids);
+            let mut mine = be.zeros(packed_len);
+            comm.shard.reduce_scatter_sum(be, &packed, &mut mine)?;
+            if let Some(replicas) = &comm.replicate {
+                replicas.all_reduce_sum(be, &mut mine)?;
+            }
+            pending.push_back(BufferPending::ReduceScatter(ids.to_vec(), mine));
+            return Ok(());
+        }
         let mut packed = vec![0.0f32; packed_len * size];
         let mut offset = 0;
         for &i in ids {
@@ -373,7 +456,7 @@ impl<B: Backend> Fsdp<B> {
             offset += c;
         }
         Self::release(be, grads, ids);
-        self.comm.submit(
+        self.host_comm()?.submit(
             Job::ReduceScatter(packed),
             Pending::ReduceScatter(ids.to_vec()),
         )
@@ -382,13 +465,15 @@ impl<B: Backend> Fsdp<B> {
     /// Completes the oldest collective: unpacks a gather into `full` or adds reduced gradients into
     /// the shards. Returns the ids of a completed gather.
     fn complete_next(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Option<Vec<usize>>> {
-        let pending = self
-            .comm
+        if self.buffers.is_some() {
+            return self.complete_next_buffer(be, full);
+        }
+        let comm = self.host_comm()?;
+        let pending = comm
             .pending
             .pop_front()
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
-        let data = self
-            .comm
+        let data = comm
             .from_comm
             .recv()
             .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
@@ -406,6 +491,53 @@ impl<B: Backend> Fsdp<B> {
                         .zip(&data[offset..offset + c])
                         .for_each(|(a, m)| *a += m);
                     self.grad_shards.bufs[i] = be.upload(&acc);
+                    offset += c;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// `complete_next` on the buffer path: unpacks a gather into full tensors (rounded to bf16
+    /// for bf16 parameters, the values the host path's bf16 gathers carry), or adds a reduced
+    /// gradient shard into this rank's shards.
+    fn complete_next_buffer(
+        &mut self,
+        be: &B,
+        full: &mut ParamSet<B>,
+    ) -> Result<Option<Vec<usize>>> {
+        let size = self.group.size();
+        let (_, pending) = self.buffers.as_mut().expect("the buffer path");
+        match pending
+            .pop_front()
+            .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?
+        {
+            BufferPending::Gather(ids, all) => {
+                let words = be.len(&all) / size;
+                let mut offset = 0;
+                for &i in &ids {
+                    let (c, numel) = (self.shard_len[i], self.numel[i]);
+                    let mut t = be.zeros(numel);
+                    for r in 0..size {
+                        let lo = r * c;
+                        if lo >= numel {
+                            break;
+                        }
+                        be.copy_range(&mut t, lo, &all, r * words + offset, c.min(numel - lo));
+                    }
+                    if self.param_dtype == ParamDtype::BFloat16 {
+                        be.round_to_bf16(&mut t);
+                    }
+                    full.bufs[i] = t;
+                    offset += c;
+                }
+                Ok(Some(ids))
+            }
+            BufferPending::ReduceScatter(ids, mine) => {
+                let mut offset = 0;
+                for &i in &ids {
+                    let c = self.shard_len[i];
+                    be.add_range(&mut self.grad_shards.bufs[i], 0, &mine, offset, c);
                     offset += c;
                 }
                 Ok(None)
@@ -480,7 +612,7 @@ impl<B: Backend> Fsdp<B> {
         }
         model.embed_backward(be, grads, ws);
         self.submit_reduce_scatter(be, grads, &non_block)?;
-        while !self.comm.pending.is_empty() {
+        while self.has_pending() {
             self.complete_next(be, full)?;
         }
         Self::release(be, full, &non_block);

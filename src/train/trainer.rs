@@ -15,11 +15,13 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::{Backend, IGNORE_INDEX};
 use crate::checkpoint::{self, TrainState};
+use crate::comm::buffers::{BufferCollectives, ThroughHost};
 use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::model::{init_params, Llama, ParamDtype, ParamSet, Workspace};
 use crate::parallel::ddp::{GradReducer, NcclGradReducer};
+use crate::parallel::fsdp::BufferComm;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -90,7 +92,10 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     let device = select_device(cfg)?;
     let dist = crate::launch::Distributed::from_env(cfg)?;
     match device {
-        Device::Cpu => train_on(&CpuBackend::new(), cfg, opts, dist.as_ref(), None),
+        Device::Cpu => {
+            let device_comm = buffer_path_through_host(dist.as_ref());
+            train_on(&CpuBackend::new(), cfg, opts, dist.as_ref(), device_comm)
+        }
         Device::Cuda => {
             let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
             let be = cuda_backend(cfg, local_rank)?;
@@ -102,23 +107,50 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
                     be.precision()
                 );
             }
-            let reducer = nccl_ddp_reducer(dist.as_ref(), &be, opts.quiet)?;
-            train_on(&be, cfg, opts, dist.as_ref(), reducer)
+            let device_comm = cuda_collectives(dist.as_ref(), &be, opts.quiet)?;
+            train_on(&be, cfg, opts, dist.as_ref(), device_comm)
         }
     }
 }
 
-/// DDP's gradient sum through NCCL on the GPUs, when the job is DDP (FSDP still goes through host
-/// copies), every rank of the node has a GPU of its own (NCCL refuses two ranks on one), the NCCL
-/// library loads, and `TITAN_NCCL` is not `off`. The ranks agree over the CPU group first, so they
-/// all take the same path; otherwise gradients go through host copies and the CPU transport.
-fn nccl_ddp_reducer(
+/// Data-parallel collectives on backend buffers instead of host copies through the CPU transport:
+/// DDP's gradient sum, or FSDP's gathers and reduce-scatters.
+pub enum DeviceComm<B: Backend> {
+    Ddp(Box<dyn GradReducer<B>>),
+    Fsdp(BufferComm<B>),
+}
+
+/// `TITAN_FSDP_COLLECTIVES=buffers`: FSDP packs on the backend's buffers and runs its collectives
+/// through host copies (the path NCCL takes on GPUs, checkable on the CPU).
+fn buffer_path_through_host<B: Backend>(
+    dist: Option<&crate::launch::Distributed>,
+) -> Option<DeviceComm<B>> {
+    let d = dist?;
+    let shard = d.shard.clone()?;
+    (std::env::var("TITAN_FSDP_COLLECTIVES").as_deref() == Ok("buffers")).then(|| {
+        DeviceComm::Fsdp(BufferComm {
+            shard: Box::new(ThroughHost(shard)),
+            replicate: d
+                .replicate
+                .clone()
+                .map(|r| Box::new(ThroughHost(r)) as Box<dyn BufferCollectives<B>>),
+        })
+    })
+}
+
+/// NCCL for the data-parallel collectives on the GPUs when every rank of the node has a GPU of its
+/// own (NCCL refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`: DDP
+/// sums its gradients through it, FSDP gathers and reduce-scatters through it. The ranks agree over
+/// the CPU group first, so they all take the same path; otherwise the host path (or the buffer
+/// path through the host, see `buffer_path_through_host`).
+fn cuda_collectives(
     dist: Option<&crate::launch::Distributed>,
     be: &CudaBackend,
     quiet: bool,
-) -> Result<Option<Box<dyn GradReducer<CudaBackend>>>> {
+) -> Result<Option<DeviceComm<CudaBackend>>> {
     use crate::backend::cuda::libs::{device_count, CudaLib};
-    let Some(d) = dist.filter(|d| d.shard.is_none()) else {
+    use crate::launch::DataParallelGroup;
+    let Some(d) = dist else {
         return Ok(None);
     };
     let why_not = if std::env::var("TITAN_NCCL").as_deref() == Ok("off") {
@@ -138,39 +170,59 @@ fn nccl_ddp_reducer(
     if ready.round() as usize != d.dp.size() {
         if d.rank == 0 && !quiet {
             println!(
-                "note: DDP sums gradients through host copies, not NCCL ({})",
+                "note: data-parallel collectives go through host copies, not NCCL ({})",
                 why_not.as_deref().unwrap_or("another rank cannot use NCCL")
             );
         }
-        return Ok(None);
+        return Ok(buffer_path_through_host(dist));
     }
-    let group = d.nccl_dp_group(be)?;
+    let comm = if d.shard.is_some() {
+        let shard = d
+            .nccl_group(DataParallelGroup::Shard, be)?
+            .expect("an FSDP job has a shard group");
+        let replicate = d.nccl_group(DataParallelGroup::Replicate, be)?;
+        DeviceComm::Fsdp(BufferComm {
+            shard: Box::new(shard),
+            replicate: replicate.map(|r| Box::new(r) as Box<dyn BufferCollectives<CudaBackend>>),
+        })
+    } else {
+        let all = d
+            .nccl_group(DataParallelGroup::All, be)?
+            .expect("every job has a data-parallel group");
+        DeviceComm::Ddp(Box::new(NcclGradReducer::new(all)))
+    };
     if d.rank == 0 && !quiet {
         println!(
-            "DDP: gradients summed on the GPUs through NCCL ({} ranks)",
+            "data-parallel collectives on the GPUs through NCCL ({} ranks)",
             d.dp.size()
         );
     }
-    Ok(Some(Box::new(NcclGradReducer::new(group))))
+    Ok(Some(comm))
 }
 
-/// Trains on `be`; with DDP, `device_reducer` (NCCL on CUDA) sums the gradients instead of host
-/// copies through the CPU transport.
+/// Trains on `be`; `device_comm` (NCCL on CUDA) runs the data-parallel collectives on backend
+/// buffers instead of host copies through the CPU transport.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
     opts: &RunOptions,
     dist: Option<&crate::launch::Distributed>,
-    device_reducer: Option<Box<dyn GradReducer<B>>>,
+    device_comm: Option<DeviceComm<B>>,
 ) -> Result<TrainSummary> {
     let args = cfg.model_args()?;
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
     let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
     let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
+    let (mut device_reducer, mut buffer_comm) = match device_comm {
+        Some(DeviceComm::Ddp(r)) => (Some(r), None),
+        Some(DeviceComm::Fsdp(b)) => (None, Some(b)),
+        None => (None, None),
+    };
+    let collectives_on_buffers = device_reducer.is_some() || buffer_comm.is_some();
     let mut ddp = dist
         .filter(|_| !fsdp_mode)
-        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer));
+        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
     let global_batch = if t.global_batch_size < 0 {
         batch * dp_size
     } else {
@@ -254,6 +306,7 @@ fn train_on<B: Backend>(
             be,
             shard,
             d.replicate.clone(),
+            buffer_comm.take(),
             &model,
             &params,
             reshard,
@@ -311,7 +364,12 @@ fn train_on<B: Backend>(
             _ => (1.0, "replicated, DDP"),
         };
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / share;
-        println!("rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how})", d.rank, d.world, mib(est.params), mib(est.grads), mib(est.optimizer));
+        let path = if collectives_on_buffers {
+            ", collectives on backend buffers"
+        } else {
+            ""
+        };
+        println!("rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how}{path})", d.rank, d.world, mib(est.params), mib(est.grads), mib(est.optimizer));
     }
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
     let mut logger = if rank != 0 {

@@ -282,7 +282,14 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("copy_into_at", self);
         self.copy_at_untimed(dst, offset, src);
     }
-    fn copy_range(&self, dst: &mut Buf, dst_offset: usize, src: &Buf, src_offset: usize, len: usize) {
+    fn copy_range(
+        &self,
+        dst: &mut Buf,
+        dst_offset: usize,
+        src: &Buf,
+        src_offset: usize,
+        len: usize,
+    ) {
         let _timer = self.profiler.time_on("copy_into_at", self);
         check_len("copy_range", "dst", dst.len(), dst_offset + len);
         check_len("copy_range", "src", src.len(), src_offset + len);
