@@ -190,19 +190,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
     /// the norm's output rewritten by another op, which must not leave a stale copy behind.
     fn gemm_on_kernel_outputs(&mut self) {
         let (rows, dim) = (64, 96);
-        let x = self.random(rows * dim, 2.0);
-        let w = self.random(dim, 1.0);
-        let (rx, tx) = self.both(&x);
-        let (rw, tw) = self.both(&w);
-        let (mut ro, mut to) = (
-            self.reference.zeros(rows * dim),
-            self.test.zeros(rows * dim),
-        );
-        let (mut rr, mut tr) = (self.reference.zeros(rows), self.test.zeros(rows));
-        self.reference
-            .rmsnorm_forward(&mut ro, &mut rr, &rx, &rw, dim, 1e-5);
-        self.test
-            .rmsnorm_forward(&mut to, &mut tr, &tx, &tw, dim, 1e-5);
+        let [(rx, tx), (rw, tw), (mut ro, mut to), (rr, tr)] = self.rmsnorm_both(rows, dim);
         self.matmul_on("matmul on rmsnorm's output", &ro, &to, rows, dim);
         self.reference.scale(&mut ro, -0.5);
         self.test.scale(&mut to, -0.5);
@@ -298,9 +286,9 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare("embedding_backward", &rg, &tg, self.tol.exact);
     }
 
-    fn rmsnorm(&mut self) {
-        // Several 128-row chunks of the weight gradient's first pass, the last one partial.
-        let (rows, dim) = (300, 1000);
+    /// RMSNorm's forward on random rows on both backends: (x, weight, out, rstd), each as a
+    /// (reference, test) pair.
+    fn rmsnorm_both(&mut self, rows: usize, dim: usize) -> [(R::Buf, T::Buf); 4] {
         let x = self.random(rows * dim, 2.0);
         let w = self.random(dim, 1.0);
         let (rx, tx) = self.both(&x);
@@ -314,6 +302,13 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             .rmsnorm_forward(&mut ro, &mut rr, &rx, &rw, dim, 1e-5);
         self.test
             .rmsnorm_forward(&mut to, &mut tr, &tx, &tw, dim, 1e-5);
+        [(rx, tx), (rw, tw), (ro, to), (rr, tr)]
+    }
+
+    fn rmsnorm(&mut self) {
+        // Several 128-row chunks of the weight gradient's first pass, the last one partial.
+        let (rows, dim) = (300, 1000);
+        let [(rx, tx), (rw, tw), (ro, to), (rr, tr)] = self.rmsnorm_both(rows, dim);
         self.compare("rmsnorm_forward out", &ro, &to, self.tol.exact);
         self.compare("rmsnorm_forward rstd", &rr, &tr, self.tol.exact);
         let dout = self.random(rows * dim, 1.0);

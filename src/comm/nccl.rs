@@ -149,25 +149,7 @@ impl NcclGroup {
 
     /// In place over the whole buffer.
     pub fn all_reduce(&self, buf: &mut CudaBuf, op: ReduceOp) -> Result<()> {
-        self.check_usable("all_reduce")?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let p = buf.device_address_mut(&self.stream);
-        // SAFETY: p addresses buf.len() floats on this communicator's device.
-        unsafe {
-            nccl::all_reduce(
-                p as *const _,
-                p as *mut _,
-                buf.len(),
-                sys::ncclDataType_t::ncclFloat32,
-                Self::red_op(op),
-                self.comm,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| nccl_err("all_reduce", e))?;
-        self.wait("all_reduce")
+        self.all_reduce_each(std::slice::from_mut(buf), op)
     }
 
     /// Each buffer in place, as one NCCL group call (one launch sequence, one wait): DDP's

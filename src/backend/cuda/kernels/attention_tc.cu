@@ -34,6 +34,28 @@ __device__ __forceinline__ u32 global_pair(const bf16_bits* base, i64 stride, in
     return *(const u32*)(base + (i64)r * stride + c);
 }
 
+// N C fragments (accumulators) set to zero.
+template <int N>
+__device__ __forceinline__ void zero_fragments(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+}
+
+// The dK/dV and fused passes visit (head, query tile) pairs in order, the query tiles of one head
+// of the group after another: this counts them instead of dividing.
+struct QueryTileCursor {
+    int head = 0, tile = 0;
+    // The next pair's head (within the group) and tile; `tiles` per head.
+    __device__ __forceinline__ void next(int tiles, int& head_out, int& tile_out) {
+        head_out = head;
+        tile_out = tile;
+        if (++tile == tiles) {
+            tile = 0;
+            ++head;
+        }
+    }
+};
+
 // Rows r0 .. r0 + ROWS - 1 of a global bf16 matrix into a shared tile, queued as 16-byte cp.async
 // copies (visible after async_wait and a barrier); rows past `rows` are zero. Every block of a
 // kernel has THREADS threads, so each thread's copies are known at compile time.
@@ -330,7 +352,7 @@ __device__ __forceinline__ void attention_forward_tc(float* out, bf16_bits* out1
         load_row_fragments<D>(qa[mt], q + (i64)b * seq * q_stride + (i64)h * D, q_stride,
                               warp_row + 16 * mt + g, seq, t);
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) o[mt][dn][0] = o[mt][dn][1] = o[mt][dn][2] = o[mt][dn][3] = 0.0f;
+        zero_fragments<D / 8>(o[mt]);
         m0[mt] = m1[mt] = TITAN_NEG_INF;
         sums[mt][0] = sums[mt][1] = sums[mt][2] = sums[mt][3] = 0.0f;
     }
@@ -432,7 +454,7 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     float dl0 = r0 < seq ? delta_bh[r0] : 0.0f, dl1 = r1 < seq ? delta_bh[r1] : 0.0f;
     float acc[D / 8][4];
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
+    zero_fragments<D / 8>(acc);
     int n_tiles = q_tile + 1;
     auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
     stage(0, 0);
@@ -479,6 +501,28 @@ __device__ __forceinline__ void dkdv_scores(float (*p)[4], float (*dp)[4], const
     }
 }
 
+// One stage of the dK/dV and fused passes' pipeline: head h's queries and output gradients from
+// query i0 on into buffer `buf`, with their log-sum-exp (base 2) and delta rows, committed as one
+// cp.async group. Queries past `seq` are zero with lse2 = +inf, so they get p = 0.
+template <int D, int THREADS>
+__device__ __forceinline__ void stage_query_tile(bf16_bits* qs, bf16_bits* do_tile, float* lse2_s,
+                                                 float* delta_s, const bf16_bits* q,
+                                                 const bf16_bits* dout, const float* lse,
+                                                 const float* delta, int b, int h, int i0,
+                                                 int seq, int n_heads, int buf) {
+    constexpr int TILE = TITAN_TC_ROWS * (D + 8);
+    i64 q_stride = (i64)n_heads * D, head_off = (i64)b * seq * q_stride + (i64)h * D;
+    load_tile<D, THREADS>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
+    load_tile<D, THREADS>(do_tile + buf * TILE, dout + head_off, q_stride, i0, seq);
+    if (threadIdx.x < TITAN_TC_ROWS) {
+        int i = i0 + threadIdx.x;
+        i64 row = ((i64)b * n_heads + h) * seq + i;
+        lse2_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? lse[row] * TITAN_LOG2E : -TITAN_NEG_INF;
+        delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
+    }
+    async_commit();
+}
+
 // dv_j = Σ p_ij dout_i and dk_j = scale · Σ p_ij (dp_ij − delta_i) q_i over the group's heads and
 // the causal queries i >= j; one block per 64 keys of one kv head, visiting (head, query tile)
 // pairs as one pipelined sequence. With WANT_K or WANT_V false the pass skips that output
@@ -504,39 +548,22 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     load_row_fragments<D>(ka, k + kv_off, kv_stride, r0, seq, t);
     if (WANT_K) load_row_fragments<D>(va, v + kv_off, kv_stride, r0, seq, t);
     float acc_k[D / 8][4], acc_v[D / 8][4];
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-        acc_k[dn][0] = acc_k[dn][1] = acc_k[dn][2] = acc_k[dn][3] = 0.0f;
-        acc_v[dn][0] = acc_v[dn][1] = acc_v[dn][2] = acc_v[dn][3] = 0.0f;
-    }
+    zero_fragments<D / 8>(acc_k);
+    zero_fragments<D / 8>(acc_v);
     int group = n_heads / n_kv_heads;
     int q_tiles = (seq - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
     int n_tiles = group * q_tiles;
-    // Stages the next tile (tiles are staged in order, so the head and query tile advance by
-    // counting instead of dividing): the queries and output gradients of one head's query tile,
-    // with their log-sum-exp (base 2) and delta rows. Queries past `seq` are zero with lse2 = +inf,
-    // so they get p = 0.
-    int staged_head = 0, staged_tile = 0;
+    QueryTileCursor staged;
     auto stage = [&](int, int buf) {
-        int h = kvh * group + staged_head, i0 = k0 + staged_tile * TITAN_TC_ROWS;
-        if (++staged_tile == q_tiles) {
-            staged_tile = 0;
-            ++staged_head;
-        }
-        i64 head_off = (i64)b * seq * q_stride + (i64)h * D;
-        load_tile<D>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
-        load_tile<D>(do_tile + buf * TILE, dout + head_off, q_stride, i0, seq);
-        if (threadIdx.x < TITAN_TC_ROWS) {
-            int i = i0 + threadIdx.x;
-            i64 row = ((i64)b * n_heads + h) * seq + i;
-            lse2_s[buf * TITAN_TC_ROWS + threadIdx.x] =
-                i < seq ? lse[row] * TITAN_LOG2E : -TITAN_NEG_INF;
-            delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
-        }
-        async_commit();
+        int head, tile;
+        staged.next(q_tiles, head, tile);
+        stage_query_tile<D, TITAN_TC_THREADS>(qs, do_tile, lse2_s, delta_s, q, dout, lse, delta, b,
+                                              kvh * group + head, k0 + tile * TITAN_TC_ROWS, seq,
+                                              n_heads, buf);
     };
     stage(0, 0);
-    for (int it = 0, query_tile = 0; it < n_tiles; ++it) {
+    QueryTileCursor visiting;
+    for (int it = 0; it < n_tiles; ++it) {
         int cur = tile_begin<STAGES>(stage, it, n_tiles);
         const bf16_bits* q_tile = qs + cur * TILE;
         const bf16_bits* d_tile = do_tile + cur * TILE;
@@ -546,8 +573,9 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
         product_with_tile_rows<D>(&p, &ka, q_tile);
         if (WANT_K) product_with_tile_rows<D>(&dp, &va, d_tile);
         // Each head's first query tile is the diagonal one (its queries start at k0).
+        int head, query_tile;
+        visiting.next(q_tiles, head, query_tile);
         bool diagonal = query_tile == 0;
-        if (++query_tile == q_tiles) query_tile = 0;
         if (!diagonal)
             dkdv_scores<WANT_K, false>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
         else
@@ -604,7 +632,7 @@ __device__ __forceinline__ void product_with_shared_rows(float (*acc)[4], const 
     u32 a_row = shared_address(a_rows + ((m & 1) * 8 + r) * S + (m >> 1) * 8);
     u32 b_row = shared_address(tile + ((m >> 1) * 8 + r) * S + (m & 1) * 8);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    zero_fragments<8>(acc);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         u32 a[4];
@@ -642,7 +670,7 @@ __device__ __forceinline__ void ds_times_keys(float (*acc)[4], const bf16_bits* 
     u32 a_row = shared_address(ds + ((m >> 1) * 8 + r) * ds_stride + q_row0 + (m & 1) * 8);
     u32 b_row = shared_address(ks + ((m & 1) * 8 + r) * S + (m >> 1) * 8 + col0);
 #pragma unroll
-    for (int dn = 0; dn < COLS / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.0f;
+    zero_fragments<COLS / 8>(acc);
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
         u32 a[4];
@@ -690,32 +718,18 @@ __device__ __forceinline__ void attention_backward_fused_tc(
         load_row_fragments<KV_SHARED ? 16 : D>(va, v + kv_off, kv_stride, r0, seq, t);
     }
     float acc_k[D / 8][4], acc_v[D / 8][4];
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-        acc_k[dn][0] = acc_k[dn][1] = acc_k[dn][2] = acc_k[dn][3] = 0.0f;
-        acc_v[dn][0] = acc_v[dn][1] = acc_v[dn][2] = acc_v[dn][3] = 0.0f;
-    }
+    zero_fragments<D / 8>(acc_k);
+    zero_fragments<D / 8>(acc_v);
     int group = n_heads / n_kv_heads;
     int q_tiles = (seq - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
     int n_tiles = group * q_tiles;
-    int staged_head = 0, staged_tile = 0;
+    QueryTileCursor staged;
     auto stage = [&](int, int buf) {
-        int h = kvh * group + staged_head, i0 = k0 + staged_tile * TITAN_TC_ROWS;
-        if (++staged_tile == q_tiles) {
-            staged_tile = 0;
-            ++staged_head;
-        }
-        i64 head_off = (i64)b * seq * q_stride + (i64)h * D;
-        load_tile<D, THREADS>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
-        load_tile<D, THREADS>(do_tile + buf * TILE, dout + head_off, q_stride, i0, seq);
-        if (threadIdx.x < TITAN_TC_ROWS) {
-            int i = i0 + threadIdx.x;
-            i64 row = ((i64)b * n_heads + h) * seq + i;
-            lse2_s[buf * TITAN_TC_ROWS + threadIdx.x] =
-                i < seq ? lse[row] * TITAN_LOG2E : -TITAN_NEG_INF;
-            delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
-        }
-        async_commit();
+        int head, tile;
+        staged.next(q_tiles, head, tile);
+        stage_query_tile<D, THREADS>(qs, do_tile, lse2_s, delta_s, q, dout, lse, delta, b,
+                                     kvh * group + head, k0 + tile * TITAN_TC_ROWS, seq, n_heads,
+                                     buf);
     };
     // The block's keys (and values) travel with the first stage (same cp.async group).
     load_tile<D, THREADS, KEYS>(ks, k + kv_off, kv_stride, k0, seq);
