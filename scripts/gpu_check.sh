@@ -81,19 +81,25 @@ stage ddp_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 4 -
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
-# A failed bf16 check: try the 16-row attention forward, then the fp32 attention kernels, and run
-# the benchmarks below with the first that passes (so one broken kernel does not waste the call).
-# Each retry reruns the failed checks (every op, then the model with head_dim 64 and/or 128).
+# A failed bf16 check: retry without the bf16 activation copies, then with the 16-row attention
+# forward, then with the fp32 attention kernels and no copies, and run the benchmarks below with
+# the first that passes (so one broken kernel does not waste the call). Each retry reruns the
+# failed checks (every op, then the model with head_dim 64 and/or 128).
 if [ "${status[check_bf16]:-ok}" != ok ] || [ "${status[check_bf16_hd128]:-ok}" != ok ]; then
-  for fallback in narrow exact; do
-    retry="TITAN_CUDA_ATTENTION=$fallback '$BIN' cuda check --precision bfloat16 --train-steps 20"
+  for fallback in nocopies narrow exact; do
+    case $fallback in
+      nocopies) settings="TITAN_CUDA_BF16_COPIES=off" ;;
+      narrow) settings="TITAN_CUDA_ATTENTION=narrow" ;;
+      exact) settings="TITAN_CUDA_ATTENTION=exact TITAN_CUDA_BF16_COPIES=off" ;;
+    esac
+    retry="env $settings '$BIN' cuda check --precision bfloat16 --train-steps 20"
     checks="true"
     [ "${status[check_bf16]:-ok}" != ok ] && checks="$checks && $retry --model-heads 4 --model-kv-heads 2 --json-out '$OUT_DIR/check_bf16_$fallback.json'"
     [ "${status[check_bf16_hd128]:-ok}" != ok ] && checks="$checks && $retry --model-heads 2 --model-kv-heads 1 --json-out '$OUT_DIR/check_bf16_hd128_$fallback.json'"
     stage "check_bf16_$fallback" 70 sh -c "$checks"
     if [ "${status[check_bf16_$fallback]:-}" = ok ]; then
-      export TITAN_CUDA_ATTENTION=$fallback
-      echo "gpu_check: benchmarks run with TITAN_CUDA_ATTENTION=$fallback"
+      export $settings
+      echo "gpu_check: benchmarks run with $settings"
       break
     fi
   done
@@ -142,7 +148,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda fsdp_cuda_buffers ddp_cuda check_bf16 check_bf16_hd128 check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
+for s in info ptxas check_fp32 nccl fsdp_cuda fsdp_cuda_buffers ddp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -150,7 +156,7 @@ for s in info ptxas check_fp32 nccl fsdp_cuda fsdp_cuda_buffers ddp_cuda check_b
   esac
 done
 grep -h "NCCL one-rank" "$OUT_DIR/nccl.log" 2>/dev/null
-[ -n "${TITAN_CUDA_ATTENTION:-}" ] && echo "attention kernels for the benchmarks: TITAN_CUDA_ATTENTION=$TITAN_CUDA_ATTENTION"
+[ -n "${TITAN_CUDA_ATTENTION:-}${TITAN_CUDA_BF16_COPIES:-}" ] && echo "benchmarks ran with TITAN_CUDA_ATTENTION=${TITAN_CUDA_ATTENTION:-} TITAN_CUDA_BF16_COPIES=${TITAN_CUDA_BF16_COPIES:-}"
 if [ -s "$OUT_DIR/titan_1b_profile.log" ]; then
   echo "titan 1B step by op (profiled: the GPU waits after each op):"
   sed -n '/^op  /,$p' "$OUT_DIR/titan_1b_profile.log" | head -n 26 | sed 's/^/    /'
@@ -194,7 +200,7 @@ def ops_report(prec):
               f"({'ok' if t['passed'] else 'FAIL'})")
         if t.get("cuda_error"):
             print(f"    CUDA run failed: {t['cuda_error']}")
-for prec in ("fp32", "bf16", "bf16_hd128", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact",
+for prec in ("fp32", "bf16", "bf16_hd128", "bf16_nocopies", "bf16_hd128_nocopies", "bf16_narrow", "bf16_hd128_narrow", "bf16_exact", "bf16_hd128_exact",
              "bf16_fused", "bf16_hd128_fused", "bf16_fused8", "bf16_hd128_fused8"):
     # The fallback checks run only after a failed bf16 check; the fused ones at the end.
     if prec in ("fp32", "bf16", "bf16_hd128") or os.path.exists(os.path.join(out, f"check_{prec}.json")):
