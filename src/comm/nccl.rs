@@ -178,8 +178,12 @@ impl NcclGroup {
                 break;
             }
         }
-        // The group is closed whatever happened inside it.
+        // The group is closed whatever happened inside it; a communicator that failed to take the
+        // work is in an unknown state, so it is aborted (never destroyed or used again).
         let ended = nccl::group_end().map_err(|e| nccl_err("group end", e));
+        if queued.is_err() || ended.is_err() {
+            self.abort();
+        }
         queued?;
         ended?;
         self.wait("all_reduce_each")
@@ -215,7 +219,10 @@ impl NcclGroup {
                 self.cu_stream(),
             )
         }
-        .map_err(|e| nccl_err("all_gather", e))?;
+        .map_err(|e| {
+            self.abort();
+            nccl_err("all_gather", e)
+        })?;
         self.wait("all_gather")
     }
 
@@ -255,7 +262,10 @@ impl NcclGroup {
                 self.cu_stream(),
             )
         }
-        .map_err(|e| nccl_err("reduce_scatter", e))?;
+        .map_err(|e| {
+            self.abort();
+            nccl_err("reduce_scatter", e)
+        })?;
         self.wait("reduce_scatter")
     }
 

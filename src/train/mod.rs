@@ -1,5 +1,6 @@
 //! Training: AdamW and clipping, the lr schedule, memory accounting, metrics, and the loop itself.
 
+pub mod collectives;
 pub mod lr;
 pub mod memory;
 pub mod metrics;

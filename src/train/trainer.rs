@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use super::collectives::{self, DeviceComm};
 use super::lr::LrSchedule;
 use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
@@ -15,13 +16,10 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::{Backend, IGNORE_INDEX};
 use crate::checkpoint::{self, TrainState};
-use crate::comm::buffers::{BufferCollectives, ThroughHost};
 use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::model::{init_params, Llama, ParamDtype, ParamSet, Workspace};
-use crate::parallel::ddp::{GradReducer, NcclGradReducer};
-use crate::parallel::fsdp::BufferComm;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -61,20 +59,16 @@ pub fn select_device(cfg: &Config) -> Result<Device> {
 }
 
 /// The CUDA backend for this process: GPU `local_rank`, one process per GPU. With more local ranks
-/// than GPUs the ranks share them round-robin (said on stderr): slower, but it lets a one-GPU
-/// machine run and check multi-process layouts.
+/// than GPUs the ranks share them round-robin: slower (collectives then go through the host), but
+/// it lets a one-GPU machine run and check multi-process layouts.
 pub fn cuda_backend(cfg: &Config, local_rank: usize) -> Result<CudaBackend> {
     let precision = GemmPrecision::from_config(&cfg.training.mixed_precision_param)?;
     let gpus = crate::backend::cuda::libs::device_count()?;
     if gpus == 0 {
         bail!("--training.device cuda: the NVIDIA driver sees no GPU");
     }
-    if local_rank >= gpus {
-        eprintln!(
-            "note: local rank {local_rank} shares GPU {} (this node has {gpus} GPU(s) for more ranks)",
-            local_rank % gpus
-        );
-    }
+    // More local ranks than visible GPUs: either the launcher gave each rank its own GPU through
+    // CUDA_VISIBLE_DEVICES, or ranks share GPUs (collectives::for_cuda finds out and says so).
     CudaBackend::new(local_rank % gpus, precision)
 }
 
@@ -93,7 +87,7 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     let dist = crate::launch::Distributed::from_env(cfg)?;
     match device {
         Device::Cpu => {
-            let device_comm = buffer_path_through_host(dist.as_ref());
+            let device_comm = collectives::for_cpu(dist.as_ref())?;
             train_on(&CpuBackend::new(), cfg, opts, dist.as_ref(), device_comm)
         }
         Device::Cuda => {
@@ -107,97 +101,10 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
                     be.precision()
                 );
             }
-            let device_comm = cuda_collectives(dist.as_ref(), &be, opts.quiet)?;
+            let device_comm = collectives::for_cuda(dist.as_ref(), &be, opts.quiet)?;
             train_on(&be, cfg, opts, dist.as_ref(), device_comm)
         }
     }
-}
-
-/// Data-parallel collectives on backend buffers instead of host copies through the CPU transport:
-/// DDP's gradient sum, or FSDP's gathers and reduce-scatters.
-pub enum DeviceComm<B: Backend> {
-    Ddp(Box<dyn GradReducer<B>>),
-    Fsdp(BufferComm<B>),
-}
-
-/// `TITAN_FSDP_COLLECTIVES=buffers`: FSDP packs on the backend's buffers and runs its collectives
-/// through host copies (the path NCCL takes on GPUs, checkable on the CPU).
-fn buffer_path_through_host<B: Backend>(
-    dist: Option<&crate::launch::Distributed>,
-) -> Option<DeviceComm<B>> {
-    let d = dist?;
-    let shard = d.shard.clone()?;
-    (std::env::var("TITAN_FSDP_COLLECTIVES").as_deref() == Ok("buffers")).then(|| {
-        DeviceComm::Fsdp(BufferComm {
-            shard: Box::new(ThroughHost(shard)),
-            replicate: d
-                .replicate
-                .clone()
-                .map(|r| Box::new(ThroughHost(r)) as Box<dyn BufferCollectives<B>>),
-        })
-    })
-}
-
-/// NCCL for the data-parallel collectives on the GPUs when every rank of the node has a GPU of its
-/// own (NCCL refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`: DDP
-/// sums its gradients through it, FSDP gathers and reduce-scatters through it. The ranks agree over
-/// the CPU group first, so they all take the same path; otherwise the host path (or the buffer
-/// path through the host, see `buffer_path_through_host`).
-fn cuda_collectives(
-    dist: Option<&crate::launch::Distributed>,
-    be: &CudaBackend,
-    quiet: bool,
-) -> Result<Option<DeviceComm<CudaBackend>>> {
-    use crate::backend::cuda::libs::{device_count, CudaLib};
-    use crate::launch::DataParallelGroup;
-    let Some(d) = dist else {
-        return Ok(None);
-    };
-    let why_not = if std::env::var("TITAN_NCCL").as_deref() == Ok("off") {
-        Some("TITAN_NCCL=off".to_string())
-    } else if !CudaLib::Nccl.is_present() {
-        Some(format!("{} not found", CudaLib::Nccl.describe()))
-    } else if d.local_world_size > device_count()? {
-        Some(format!(
-            "{} ranks share this node's {} GPU(s)",
-            d.local_world_size,
-            device_count()?
-        ))
-    } else {
-        None
-    };
-    let ready = all_reduce_sum_f64(d.dp.as_ref(), why_not.is_none() as u8 as f64)?;
-    if ready.round() as usize != d.dp.size() {
-        if d.rank == 0 && !quiet {
-            println!(
-                "note: data-parallel collectives go through host copies, not NCCL ({})",
-                why_not.as_deref().unwrap_or("another rank cannot use NCCL")
-            );
-        }
-        return Ok(buffer_path_through_host(dist));
-    }
-    let comm = if d.shard.is_some() {
-        let shard = d
-            .nccl_group(DataParallelGroup::Shard, be)?
-            .expect("an FSDP job has a shard group");
-        let replicate = d.nccl_group(DataParallelGroup::Replicate, be)?;
-        DeviceComm::Fsdp(BufferComm {
-            shard: Box::new(shard),
-            replicate: replicate.map(|r| Box::new(r) as Box<dyn BufferCollectives<CudaBackend>>),
-        })
-    } else {
-        let all = d
-            .nccl_group(DataParallelGroup::All, be)?
-            .expect("every job has a data-parallel group");
-        DeviceComm::Ddp(Box::new(NcclGradReducer::new(all)))
-    };
-    if d.rank == 0 && !quiet {
-        println!(
-            "data-parallel collectives on the GPUs through NCCL ({} ranks)",
-            d.dp.size()
-        );
-    }
-    Ok(Some(comm))
 }
 
 /// Trains on `be`; `device_comm` (NCCL on CUDA) runs the data-parallel collectives on backend

@@ -226,6 +226,23 @@ impl CudaBackend {
         self.gemm.precision()
     }
 
+    /// The GPU's place on the PCI bus (domain, bus, device packed below 2^24), which names it
+    /// among the node's GPUs whatever `CUDA_VISIBLE_DEVICES` each process sees.
+    pub fn pci_location(&self) -> Result<u32> {
+        use sys::CUdevice_attribute as A;
+        let get = |a| {
+            self.ctx
+                .attribute(a)
+                .map_err(|e| anyhow!("CUDA device attribute {a:?}: {e}"))
+        };
+        let (domain, bus, device) = (
+            get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
+        );
+        Ok(((domain as u32 & 0x7ff) << 13) | ((bus as u32 & 0xff) << 5) | (device as u32 & 0x1f))
+    }
+
     /// The attention kernels of the training shape (`AttentionKernels`).
     pub fn attention_kernels(&self) -> AttentionKernels {
         self.attention

@@ -5,11 +5,12 @@
 // that multiplies V, added up by one more MMA per tile). Same layouts and results (to bf16 precision) as
 // attention.cu, same flash-attention structure: tiles of 64 keys (or queries) staged in shared
 // memory, no [seq, seq] matrix, a backward that recomputes the probabilities and needs no atomics
-// (a fused one-pass backward with atomic dQ additions is the head_dim 64 alternative, at the end).
+// (a fused one-pass backward with atomic dQ additions is the opt-in alternative, at the end).
 //
-// A block is 4 warps; each warp owns 16 rows (queries in the forward and dQ, keys in dK/dV), or
-// in the head_dim 64 forward 32 rows, so each B fragment loaded from shared memory feeds twice the
-// MMAs (`attention_forward_tc64x2`: 128 queries per block, 254 registers, no spills). The
+// A block is 4 warps (8 in the fused backward's `w8` kernels); each warp owns 16 rows (queries in
+// the forward and dQ, keys in dK/dV), or in the head_dim 64 forward 32 rows, so each B fragment
+// loaded from shared memory feeds twice the MMAs (`attention_forward_tc64x2`: 128 queries per
+// block, 255 registers, no spills). The
 // fragments follow PTX's m16n8k16 layout: with g = lane / 4 and t = lane % 4, a thread holds rows g
 // and g + 8 and columns 2t, 2t + 1 (+ 8) of A, rows 2t, 2t + 1 (+ 8) of column g of B, and columns
 // 2t, 2t + 1 of rows g, g + 8 of C. A product's C fragments are repacked as the next product's A
@@ -18,13 +19,15 @@
 //
 // Inputs are bf16 copies (the host rounds q, k, v and dout once per call): tiles then stream into
 // shared memory by cp.async, two stages deep for head_dim 64 so the next tile loads while this one
-// is multiplied (head_dim 128 has room for one stage under the 48 KiB static limit). Shared tiles
+// is multiplied (head_dim 128 has room for one stage under the 48 KiB static limit; the fused
+// backward takes dynamic shared memory above it). Shared tiles
 // are bf16, row-major, rows padded by 8 elements so that the 8 rows of an ldmatrix fall on
 // distinct banks. Needs sm_80 or newer; older devices trap (the host never
 // launches these there).
 
 #define TITAN_TC_ROWS 64
-// Threads per block (4 warps of 16 rows); the host launches exactly this many.
+// Threads per block of every kernel but the fused `w8` ones (4 warps of 16 rows); the host
+// launches exactly this many.
 #define TITAN_TC_THREADS 128
 
 // Row `r`, columns c and c + 1 of a global bf16 matrix (zero past `rows`).
@@ -351,7 +354,6 @@ __device__ __forceinline__ void attention_forward_tc(float* out, bf16_bits* out1
     for (int mt = 0; mt < M; ++mt) {
         load_row_fragments<D>(qa[mt], q + (i64)b * seq * q_stride + (i64)h * D, q_stride,
                               warp_row + 16 * mt + g, seq, t);
-#pragma unroll
         zero_fragments<D / 8>(o[mt]);
         m0[mt] = m1[mt] = TITAN_NEG_INF;
         sums[mt][0] = sums[mt][1] = sums[mt][2] = sums[mt][3] = 0.0f;
@@ -453,7 +455,6 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     float lse2_1 = r1 < seq ? lse_bh[r1] * TITAN_LOG2E : 0.0f;
     float dl0 = r0 < seq ? delta_bh[r0] : 0.0f, dl1 = r1 < seq ? delta_bh[r1] : 0.0f;
     float acc[D / 8][4];
-#pragma unroll
     zero_fragments<D / 8>(acc);
     int n_tiles = q_tile + 1;
     auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
@@ -540,7 +541,7 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     __shared__ float delta_s[STAGES * TITAN_TC_ROWS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int k0 = blockIdx.x * TITAN_TC_ROWS, kvh = blockIdx.y, b = blockIdx.z;
-    i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
+    i64 kv_stride = (i64)n_kv_heads * D;
     i64 kv_off = (i64)b * seq * kv_stride + (i64)kvh * D;
     int key_in_tile = warp * 16 + g, r0 = k0 + key_in_tile;
     float scale_log2 = scale * TITAN_LOG2E;
@@ -631,7 +632,6 @@ __device__ __forceinline__ void product_with_shared_rows(float (*acc)[4], const 
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
     u32 a_row = shared_address(a_rows + ((m & 1) * 8 + r) * S + (m >> 1) * 8);
     u32 b_row = shared_address(tile + ((m >> 1) * 8 + r) * S + (m & 1) * 8);
-#pragma unroll
     zero_fragments<8>(acc);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -669,7 +669,6 @@ __device__ __forceinline__ void ds_times_keys(float (*acc)[4], const bf16_bits* 
     int lane = threadIdx.x & 31, m = lane >> 3, r = lane & 7;
     u32 a_row = shared_address(ds + ((m >> 1) * 8 + r) * ds_stride + q_row0 + (m & 1) * 8);
     u32 b_row = shared_address(ks + ((m & 1) * 8 + r) * S + (m >> 1) * 8 + col0);
-#pragma unroll
     zero_fragments<COLS / 8>(acc);
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
