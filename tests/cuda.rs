@@ -372,6 +372,12 @@ impl Backend for SkewedDkBackend {
     fn add_range(&self, acc: &mut Vec<f32>, at: usize, x: &Vec<f32>, from: usize, n: usize) {
         self.cpu.add_range(acc, at, x, from, n)
     }
+    fn pack_bf16_pairs(&self, words: &mut Vec<f32>, src: &Vec<f32>) {
+        self.cpu.pack_bf16_pairs(words, src)
+    }
+    fn unpack_bf16_pairs(&self, out: &mut Vec<f32>, words: &Vec<f32>) {
+        self.cpu.unpack_bf16_pairs(out, words)
+    }
     fn scale(&self, buf: &mut Vec<f32>, factor: f32) {
         self.cpu.scale(buf, factor)
     }

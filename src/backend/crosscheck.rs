@@ -436,6 +436,19 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.round_to_bf16(&mut rr);
         self.test.round_to_bf16(&mut tr);
         self.compare("round_to_bf16", &rr, &tr, 0.0);
+        // bf16 pairs (an odd count: the last word's high half is padding), through and back.
+        let m = values.len() - 1 + values.len() % 2;
+        let (src_r, src_t) = self.both(&values[..m]);
+        let (mut wr, mut wt) = (
+            self.reference.zeros(m.div_ceil(2)),
+            self.test.zeros(m.div_ceil(2)),
+        );
+        self.reference.pack_bf16_pairs(&mut wr, &src_r);
+        self.test.pack_bf16_pairs(&mut wt, &src_t);
+        let (mut ur, mut ut) = (self.reference.zeros(m), self.test.zeros(m));
+        self.reference.unpack_bf16_pairs(&mut ur, &wr);
+        self.test.unpack_bf16_pairs(&mut ut, &wt);
+        self.compare("pack_bf16_pairs + unpack", &ur, &ut, 0.0);
         self.reference.copy_from(&mut ro, &rg);
         self.test.copy_from(&mut to, &tg);
         self.compare("copy_from", &ro, &to, self.tol.exact);

@@ -344,6 +344,11 @@ pub trait Backend: Send + Sync {
     /// Rounds every value to the nearest bf16 (ties to even; NaN stays NaN), kept in f32: the
     /// parameters that bf16 mixed precision computes with.
     fn round_to_bf16(&self, buf: &mut Self::Buf);
+    /// `words` (⌈len(src)/2⌉ values) = `src` rounded to bf16, two per f32 word as
+    /// `tensor::pack_bf16_pairs` lays them out: FSDP's bf16 gathers on backend buffers.
+    fn pack_bf16_pairs(&self, words: &mut Self::Buf, src: &Self::Buf);
+    /// `out[i]` = value i of `words` packed that way (len(out) ≤ 2·len(words)).
+    fn unpack_bf16_pairs(&self, out: &mut Self::Buf, words: &Self::Buf);
 
     // ---- device ----
     /// Waits until every queued kernel has finished (device backends queue work; the CPU does not).

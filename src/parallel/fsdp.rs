@@ -280,17 +280,7 @@ impl<B: Backend> Fsdp<B> {
         }
         match dtype {
             ParamDtype::Float32 => packed,
-            ParamDtype::BFloat16 => packed
-                .chunks(2)
-                .map(|pair| {
-                    let lo = half::bf16::from_f32(pair[0]).to_bits() as u32;
-                    let hi = pair
-                        .get(1)
-                        .map_or(0, |&v| half::bf16::from_f32(v).to_bits())
-                        as u32;
-                    f32::from_bits(lo | (hi << 16))
-                })
-                .collect(),
+            ParamDtype::BFloat16 => crate::tensor::pack_bf16_pairs(&packed),
         }
     }
 
@@ -308,15 +298,7 @@ impl<B: Backend> Fsdp<B> {
         let value = |part: &[f32], at: usize| -> f32 {
             match dtype {
                 ParamDtype::Float32 => part[at],
-                ParamDtype::BFloat16 => {
-                    let w = part[at / 2].to_bits();
-                    let half = if at.is_multiple_of(2) {
-                        w & 0xffff
-                    } else {
-                        w >> 16
-                    };
-                    f32::from_bits(half << 16)
-                }
+                ParamDtype::BFloat16 => crate::tensor::bf16_pair_value(part, at),
             }
         };
         let mut offset = 0;
@@ -385,9 +367,25 @@ impl<B: Backend> Fsdp<B> {
                 be.copy_range(&mut packed, at, &self.shards.bufs[i], 0, self.shard_len[i]);
                 at += self.shard_len[i];
             }
-            let mut all = be.zeros(words * comm.shard.size());
-            comm.shard.all_gather(be, &packed, &mut all)?;
-            pending.push_back(BufferPending::Gather(ids.to_vec(), all));
+            // bf16 parameters travel as bf16 pairs (half the bytes), as on the host path.
+            let gathered = match self.param_dtype {
+                ParamDtype::Float32 => {
+                    let mut all = be.zeros(words * comm.shard.size());
+                    comm.shard.all_gather(be, &packed, &mut all)?;
+                    all
+                }
+                ParamDtype::BFloat16 => {
+                    let mut pairs = be.zeros(words.div_ceil(2));
+                    be.pack_bf16_pairs(&mut pairs, &packed);
+                    let mut all_pairs = be.zeros(words.div_ceil(2) * comm.shard.size());
+                    comm.shard.all_gather(be, &pairs, &mut all_pairs)?;
+                    // Each rank's part unpacks to an even number of values.
+                    let mut all = be.zeros(be.len(&all_pairs) * 2);
+                    be.unpack_bf16_pairs(&mut all, &all_pairs);
+                    all
+                }
+            };
+            pending.push_back(BufferPending::Gather(ids.to_vec(), gathered));
             return Ok(());
         }
         let mine = self.pack_shards(be, &self.shards, ids, self.param_dtype);
@@ -498,8 +496,7 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// `complete_next` on the buffer path: unpacks a gather into full tensors (rounded to bf16
-    /// for bf16 parameters, the values the host path's bf16 gathers carry), or adds a reduced
+    /// `complete_next` on the buffer path: unpacks a gather into full tensors, or adds a reduced
     /// gradient shard into this rank's shards.
     fn complete_next_buffer(
         &mut self,
@@ -524,9 +521,6 @@ impl<B: Backend> Fsdp<B> {
                             break;
                         }
                         be.copy_range(&mut t, lo, &all, r * words + offset, c.min(numel - lo));
-                    }
-                    if self.param_dtype == ParamDtype::BFloat16 {
-                        be.round_to_bf16(&mut t);
                     }
                     full.bufs[i] = t;
                     offset += c;

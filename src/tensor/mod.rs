@@ -6,6 +6,31 @@
 use anyhow::{bail, Result};
 use half::bf16;
 
+/// `values` rounded to bf16 (nearest even), two per f32 word: `values[2i]` in the low half,
+/// `values[2i + 1]` (or 0 past the end) in the high one. Collectives that carry bf16 move these
+/// words, half the bytes of the f32 values.
+pub fn pack_bf16_pairs(values: &[f32]) -> Vec<f32> {
+    values
+        .chunks(2)
+        .map(|pair| {
+            let lo = bf16::from_f32(pair[0]).to_bits() as u32;
+            let hi = pair.get(1).map_or(0, |&v| bf16::from_f32(v).to_bits()) as u32;
+            f32::from_bits(lo | (hi << 16))
+        })
+        .collect()
+}
+
+/// Value `at` of words made by `pack_bf16_pairs`, as f32.
+pub fn bf16_pair_value(words: &[f32], at: usize) -> f32 {
+    let w = words[at / 2].to_bits();
+    let half = if at.is_multiple_of(2) {
+        w & 0xffff
+    } else {
+        w >> 16
+    };
+    f32::from_bits(half << 16)
+}
+
 /// Storage element types titan reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {

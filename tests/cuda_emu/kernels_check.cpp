@@ -238,6 +238,18 @@ bool to_bf16() {
         std::printf("%-28s %zu wrong %s\n", offset ? "f32_to_bf16 unaligned" : "f32_to_bf16",
                     bad, bad ? "FAILED" : "ok");
         ok &= bad == 0;
+        if (offset == 0) {
+            // And back: every value the f32 of its bf16 (NaN stays NaN).
+            std::vector<float> back(n, 0.0f);
+            emu::launch(EmuDim3{2, 1, 1}, 256, [&] { bf16_pairs_to_f32(back.data(), pairs.data(), n); });
+            size_t wrong = 0;
+            for (long long i = 0; i < n; ++i) {
+                float want = emu::bf16_value(emu::bf16_round(x[i]));
+                wrong += std::isnan(want) ? !std::isnan(back[i]) : back[i] != want;
+            }
+            std::printf("%-28s %zu wrong %s\n", "bf16_pairs_to_f32", wrong, wrong ? "FAILED" : "ok");
+            ok &= wrong == 0;
+        }
     }
     return ok;
 }

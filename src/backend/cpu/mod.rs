@@ -288,6 +288,15 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("sum_squares");
         elementwise::sum_squares(buf)
     }
+    fn pack_bf16_pairs(&self, words: &mut Vec<f32>, src: &Vec<f32>) {
+        let packed = crate::tensor::pack_bf16_pairs(src);
+        words.copy_from_slice(&packed);
+    }
+    fn unpack_bf16_pairs(&self, out: &mut Vec<f32>, words: &Vec<f32>) {
+        for (i, v) in out.iter_mut().enumerate() {
+            *v = crate::tensor::bf16_pair_value(words, i);
+        }
+    }
     fn round_to_bf16(&self, buf: &mut Vec<f32>) {
         let _timer = self.profiler.time("round_to_bf16");
         elementwise::round_to_bf16(buf);

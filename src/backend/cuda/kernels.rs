@@ -40,6 +40,7 @@ pub const KERNELS: &[&str] = &[
     "swiglu_backward",
     "round_to_bf16",
     "f32_to_bf16",
+    "bf16_pairs_to_f32",
     "embedding_forward",
     "embedding_backward",
     "rmsnorm_forward",

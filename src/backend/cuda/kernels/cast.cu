@@ -26,3 +26,11 @@ extern "C" __global__ void f32_to_bf16(u32* out_pairs, const float* in, i64 n) {
         out_pairs[i] = bf16_pair(in[2 * i], 2 * i + 1 < n ? in[2 * i + 1] : 0.0f);
     }
 }
+
+// out[i] = value i of bf16 pairs (value 2j in the low half of word j): the inverse of f32_to_bf16.
+extern "C" __global__ void bf16_pairs_to_f32(float* out, const u32* words, i64 n) {
+    TITAN_FOR_EACH(i, n) {
+        u32 w = words[i / 2];
+        out[i] = __uint_as_float((i % 2 == 0 ? w & 0xffffu : w >> 16) << 16);
+    }
+}

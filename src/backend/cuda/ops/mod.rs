@@ -1049,6 +1049,24 @@ impl Backend for CudaBackend {
         let n = buf.len();
         launch_elementwise!(self, "round_to_bf16", n, buf);
     }
+    fn pack_bf16_pairs(&self, words: &mut Buf, src: &Buf) {
+        let _timer = self.profiler.time_on("round_to_bf16", self);
+        let n = src.len();
+        check_len("pack_bf16_pairs", "words", words.len() * 2, n);
+        // f32_to_bf16 writes the pairs as u32 words, the layout of tensor::pack_bf16_pairs.
+        let (out, input) = (
+            words.device_address_mut(&self.stream),
+            src.device_address(&self.stream),
+        );
+        launch_elementwise!(self, "f32_to_bf16", n, &out, &input);
+    }
+    fn unpack_bf16_pairs(&self, out: &mut Buf, words: &Buf) {
+        let _timer = self.profiler.time_on("round_to_bf16", self);
+        let n = out.len();
+        check_len("unpack_bf16_pairs", "words", words.len() * 2, n);
+        let input = words.device_address(&self.stream);
+        launch_elementwise!(self, "bf16_pairs_to_f32", n, out, &input);
+    }
 
     fn synchronize(&self) {
         CudaBackend::synchronize(self).unwrap_or_else(|e| panic!("{e:#}"));
