@@ -23,6 +23,9 @@ pub struct MemoryEstimate {
     /// The bf16-rounded compute copy of the weights (bf16 mixed precision without FSDP): f32, and on
     /// CUDA its bf16 twin too.
     pub compute_copy: u64,
+    /// bf16 copies the backend's kernels keep beside activations for the GEMMs that read them
+    /// (CUDA with bf16 GEMMs; `Backend::activation_copy_bytes`).
+    pub activation_copies: u64,
 }
 
 impl MemoryEstimate {
@@ -35,11 +38,12 @@ impl MemoryEstimate {
             activations: workspace_floats(args, batch, seq) as u64 * 4,
             scratch: 0,
             compute_copy: 0,
+            activation_copies: 0,
         }
     }
 
     /// Adds the scratch `be` needs for a step of this model at this batch and sequence, and the
-    /// bf16 copies its kernels keep beside activations (counted as activations).
+    /// bf16 copies its kernels keep beside activations.
     pub fn with_backend_scratch<B: Backend>(
         mut self,
         be: &B,
@@ -48,7 +52,7 @@ impl MemoryEstimate {
         seq: usize,
     ) -> Self {
         self.scratch = be.scratch_bytes(batch * seq, args.dim, args.ffn_hidden, args.vocab_size);
-        self.activations +=
+        self.activation_copies =
             workspace_copied_floats(args, batch, seq) as u64 * be.activation_copy_bytes();
         self
     }
@@ -67,6 +71,7 @@ impl MemoryEstimate {
             + self.activations
             + self.scratch
             + self.compute_copy
+            + self.activation_copies
     }
 }
 
@@ -101,15 +106,24 @@ pub fn peak_memory() -> u64 {
 pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) -> Result<()> {
     if let Some(avail) = device_free.or_else(available_memory) {
         if est.total() > avail {
+            let copies_hint = if est.activation_copies > 0 {
+                format!(
+                    ", or set TITAN_CUDA_BF16_COPIES=off to drop the activations' bf16 copies ({:.1} GiB; GEMMs then convert instead)",
+                    gib(est.activation_copies)
+                )
+            } else {
+                String::new()
+            };
             bail!(
-                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
-                 choose a smaller flavor, batch or seq_len",
+                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB and their bf16 copies {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
+                 choose a smaller flavor, batch or seq_len{copies_hint}",
                 gib(est.total()),
                 est.total(),
                 gib(est.params),
                 gib(est.grads),
                 gib(est.optimizer),
                 gib(est.activations),
+                gib(est.activation_copies),
                 gib(est.scratch),
                 gib(est.compute_copy),
                 gib(avail)

@@ -253,11 +253,16 @@ fn train_on<B: Backend>(
         be.name()
     ));
     say(format!(
-        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
+        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
         gib(est.params),
         gib(est.grads),
         gib(est.optimizer),
         gib(est.activations),
+        if est.activation_copies > 0 {
+            format!(" + bf16 copies {:.3} GiB", gib(est.activation_copies))
+        } else {
+            String::new()
+        },
         gib(est.scratch),
         loader.describe(),
         global_batch
