@@ -1,6 +1,7 @@
 // Runs the loss kernel (kernels/loss.cu) on the CPU emulator over rows with an ignored target:
 // the losses and the f32 logit gradients must match a float64 reference, and the bf16 gradients it
-// writes for the bf16 GEMMs must be exactly the f32 gradients rounded to bf16. Exits 1 otherwise.
+// writes for the bf16 GEMMs (instead of the f32 ones) must be exactly the f32 gradients rounded to
+// bf16. Exits 1 otherwise.
 
 #include <random>
 
@@ -35,10 +36,18 @@ int main() {
     }
 
     std::vector<float> row_loss(rows, 0.0f);
-    std::vector<unsigned short> grad16(logits.size(), 0x7fff);
+    const std::vector<float> original = logits;
+    std::vector<float> logits_for_bf16 = logits;
     emu::launch(EmuDim3{rows, 1, 1}, 256, [&] {
         cross_entropy_rows(logits.data(), row_loss.data(), targets.data(), vocab, grad_scale, 1,
-                           grad16.data());
+                           nullptr);
+    });
+    // With a bf16 destination the f32 block stays as it was.
+    std::vector<float> row_loss16(rows, 0.0f);
+    std::vector<unsigned short> grad16(logits.size(), 0x7fff);
+    emu::launch(EmuDim3{rows, 1, 1}, 256, [&] {
+        cross_entropy_rows(logits_for_bf16.data(), row_loss16.data(), targets.data(), vocab,
+                           grad_scale, 1, grad16.data());
     });
     bool ok = true;
     double loss_err = 0.0, grad_err = 0.0, grad_max = 0.0;
@@ -55,6 +64,10 @@ int main() {
         grad_max = std::max(grad_max, std::fabs(want_grad[i]));
         bits_differ += ((unsigned)grad16[i] << 16) != __float_as_uint(round_bf16(logits[i]));
     }
+    // The bf16 run leaves the logits untouched and computes the same losses.
+    for (int r = 0; r < rows; ++r)
+        bits_differ += !(row_loss16[r] == row_loss[r] || (std::isnan(row_loss16[r]) && std::isnan(row_loss[r])));
+    for (size_t i = 0; i < logits.size(); ++i) bits_differ += logits_for_bf16[i] != original[i];
     grad_err /= grad_max;
     bool loss_ok = ok && loss_err < 1e-5, grad_ok = grad_err < 1e-5, bits_ok = bits_differ == 0;
     std::printf("%-26s rel err %.3e %s\n", "cross_entropy loss", loss_err, loss_ok ? "ok" : "FAILED");

@@ -1,7 +1,8 @@
 // Cross-entropy over one chunk of logit rows. Each row's loss goes to row_loss (NaN marks an ignored
-// target); with want_grad the row is replaced by grad_scale * (softmax - onehot), ready to be pushed
-// back through the output projection by two GEMMs, and when grad_bf16 is not null the same values
-// rounded to bf16 go there too, so bf16 GEMMs read them without a conversion pass.
+// target); with want_grad the gradient grad_scale * (softmax - onehot), ready to be pushed back
+// through the output projection by two GEMMs, replaces the row, or when grad_bf16 is not null goes
+// there rounded to bf16 instead (the bf16 GEMMs read only that: the f32 block is not written back,
+// half a chunk's traffic).
 
 #define TITAN_IGNORE_INDEX 0xffffffffu
 
@@ -19,8 +20,10 @@ extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, co
         if (threadIdx.x == 0) row_loss[r] = __int_as_float(0x7fc00000);
         if (want_grad)
             for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-                row[j] = 0.0f;
-                if (row16) row16[j] = 0;
+                if (row16)
+                    row16[j] = 0;
+                else
+                    row[j] = 0.0f;
             }
         return;
     }
@@ -46,8 +49,10 @@ extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, co
         for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
             float gj = expf(row[j] - m) * inv;
             if (j == (int)t) gj -= grad_scale;
-            row[j] = gj;
-            if (row16) row16[j] = (unsigned short)(__float_as_uint(round_bf16(gj)) >> 16);
+            if (row16)
+                row16[j] = bf16_of(gj);
+            else
+                row[j] = gj;
         }
     }
 }
