@@ -40,14 +40,14 @@ int main() {
     std::vector<float> logits_for_bf16 = logits;
     emu::launch(EmuDim3{rows, 1, 1}, 256, [&] {
         cross_entropy_rows(logits.data(), row_loss.data(), targets.data(), vocab, grad_scale, 1,
-                           nullptr);
+                           nullptr, nullptr);
     });
-    // With a bf16 destination the f32 block stays as it was.
+    // With the gradient in bf16 only, the f32 block stays as it was.
     std::vector<float> row_loss16(rows, 0.0f);
-    std::vector<unsigned short> grad16(logits.size(), 0x7fff);
+    std::vector<bf16_bits> grad16(logits.size(), 0x7fff);
     emu::launch(EmuDim3{rows, 1, 1}, 256, [&] {
         cross_entropy_rows(logits_for_bf16.data(), row_loss16.data(), targets.data(), vocab,
-                           grad_scale, 1, grad16.data());
+                           grad_scale, 1, grad16.data(), grad16.data());
     });
     bool ok = true;
     double loss_err = 0.0, grad_err = 0.0, grad_max = 0.0;

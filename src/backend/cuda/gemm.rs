@@ -65,6 +65,9 @@ pub struct GemmInput {
     /// The buffer's `CudaBuf::contents` when the input is a whole buffer: a conversion of the same
     /// contents still in the scratch is used again.
     pub contents: Option<(u64, u64)>,
+    /// The f32 values were not written (only `bf16` holds them): a GEMM that would read f32
+    /// refuses instead of computing with stale values.
+    pub f32_stale: bool,
 }
 
 impl GemmInput {
@@ -75,6 +78,7 @@ impl GemmInput {
             f32,
             bf16: None,
             contents: None,
+            f32_stale: false,
         }
     }
 }
@@ -287,6 +291,39 @@ impl Gemm {
         })
     }
 
+    /// Whether the GEMM of this shape reads its operands in bf16 (bf16 precision, and cuBLASLt
+    /// had a tensor-core algorithm for it): then a producer may write an operand in bf16 only.
+    pub fn reads_bf16(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<bool> {
+        let key = GemmKey {
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+        };
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(self.cached_plan(&mut plans, key)?.bf16_inputs)
+    }
+
+    /// The plan of `key`, made on first use.
+    fn cached_plan<'p>(
+        &self,
+        plans: &'p mut HashMap<GemmKey, GemmPlan>,
+        key: GemmKey,
+    ) -> Result<&'p mut GemmPlan> {
+        Ok(match plans.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(slot) => slot.insert(self.plan(key)?),
+        })
+    }
+
     /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`, row-major, as in `Backend::matmul`.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
@@ -357,10 +394,13 @@ impl Gemm {
             trans_b,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        let plan = match plans.entry(key) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(slot) => slot.insert(self.plan(key)?),
-        };
+        let plan = self.cached_plan(&mut plans, key)?;
+        if !plan.bf16_inputs && (a.f32_stale || b.f32_stale) {
+            return Err(anyhow!(
+                "a {m}x{k}x{n} GEMM runs in fp32 but an operand holds its values only in bf16 \
+                 (its producer asked `reads_bf16` first; this is a titan bug)"
+            ));
+        }
         let alpha = 1.0f32;
         let beta = if matches!(addend, Addend::None) {
             0.0f32

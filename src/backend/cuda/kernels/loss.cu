@@ -1,29 +1,28 @@
 // Cross-entropy over one chunk of logit rows. Each row's loss goes to row_loss (NaN marks an ignored
 // target); with want_grad the gradient grad_scale * (softmax - onehot), ready to be pushed back
-// through the output projection by two GEMMs, replaces the row, or when grad_bf16 is not null goes
-// there rounded to bf16 instead (the bf16 GEMMs read only that: the f32 block is not written back,
-// half a chunk's traffic).
+// through the output projection by two GEMMs, replaces the row, and when grad_bf16 is not null
+// goes there rounded to bf16 too, so bf16 GEMMs read it without a conversion pass. When the host
+// knows both GEMMs read bf16 it passes the same pointer as bf16_only: the f32 row is then not
+// written back (half of a chunk's traffic).
 
 #define TITAN_IGNORE_INDEX 0xffffffffu
 
 // One block per row.
 extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, const u32* targets,
                                               int vocab, float grad_scale, int want_grad,
-                                              unsigned short* grad_bf16) {
+                                              bf16_bits* grad_bf16, const bf16_bits* bf16_only) {
     __shared__ float shared[32];
     i64 r = blockIdx.x;
     float* row = logits + r * vocab;
-    unsigned short* row16 = grad_bf16 ? grad_bf16 + r * vocab : nullptr;
+    bf16_bits* row16 = grad_bf16 ? grad_bf16 + r * vocab : nullptr;
     u32 t = targets[r];
     if (t == TITAN_IGNORE_INDEX || t >= (u32)vocab) {
         // Out-of-range targets are refused on the host before the launch; NaN is the ignore marker.
         if (threadIdx.x == 0) row_loss[r] = __int_as_float(0x7fc00000);
         if (want_grad)
             for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-                if (row16)
-                    row16[j] = 0;
-                else
-                    row[j] = 0.0f;
+                if (row16) row16[j] = 0;
+                if (!bf16_only) row[j] = 0.0f;
             }
         return;
     }
@@ -49,10 +48,8 @@ extern "C" __global__ void cross_entropy_rows(float* logits, float* row_loss, co
         for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
             float gj = expf(row[j] - m) * inv;
             if (j == (int)t) gj -= grad_scale;
-            if (row16)
-                row16[j] = bf16_of(gj);
-            else
-                row[j] = gj;
+            if (row16) row16[j] = bf16_of(gj);
+            if (!bf16_only) row[j] = gj;
         }
     }
 }

@@ -151,6 +151,7 @@ impl CudaBackend {
             f32: buf.device_address(&self.stream),
             bf16: buf.bf16_address(&self.stream),
             contents: Some(buf.contents()),
+            f32_stale: false,
         }
     }
 
@@ -909,6 +910,17 @@ impl Backend for CudaBackend {
             );
             let mut loss_chunk = row_loss.slice_mut(r0..r0 + n);
             let t_chunk = dev_targets.slice(r0..r0 + n);
+            // The gradient goes to bf16 alone when both backward GEMMs of this chunk read bf16;
+            // else (no bf16, or cuBLASLt fell back to fp32 for a shape) to f32 too.
+            let bf16_only = grad16.is_some()
+                && [(n, vocab, dim, false), (vocab, n, dim, true)]
+                    .into_iter()
+                    .all(|(m, k, nn, ta)| {
+                        self.gemm
+                            .reads_bf16(m, k, nn, ta, false)
+                            .unwrap_or_else(|e| panic!("{e:#}"))
+                    });
+            let grad16_only = if bf16_only { grad16_address } else { 0 };
             launch!(
                 self,
                 "cross_entropy_rows",
@@ -919,13 +931,15 @@ impl Backend for CudaBackend {
                 &v,
                 &grad_scale,
                 &want_grad,
-                &grad16_address
+                &grad16_address,
+                &grad16_only
             );
             if let Some((dh, dweight)) = grads.as_mut() {
                 let mut dh_chunk = dh.slice_mut(r0 * dim..(r0 + n) * dim);
                 let lc = logits.slice(..n * vocab);
                 let lc = GemmInput {
                     bf16: grad16.is_some().then_some(grad16_address),
+                    f32_stale: bf16_only,
                     ..self.view_input(&lc)
                 };
                 self.gemm(
