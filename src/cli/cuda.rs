@@ -132,11 +132,12 @@ fn check(a: &CheckArgs) -> Result<()> {
     let precision = GemmPrecision::from_config(&a.precision)?;
     let be = CudaBackend::new(0, precision)?;
     println!(
-        "CUDA-vs-CPU check on {} ({}), GEMMs in {:?}, attention {:?}",
+        "CUDA-vs-CPU check on {} ({}), GEMMs in {:?}, attention {:?}, bf16 activation copies {}",
         be.device_name(),
         be.arch(),
         precision,
-        be.attention_kernels()
+        be.attention_kernels(),
+        if be.activation_copies() { "on" } else { "off" }
     );
     let gemm_tol = match precision {
         GemmPrecision::Float32 => 1e-5,

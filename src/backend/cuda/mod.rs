@@ -243,6 +243,11 @@ impl CudaBackend {
         Ok(((domain as u32 & 0x7ff) << 13) | ((bus as u32 & 0xff) << 5) | (device as u32 & 0x1f))
     }
 
+    /// Whether kernels write bf16 copies of activations for the GEMMs (`TITAN_CUDA_BF16_COPIES`).
+    pub fn activation_copies(&self) -> bool {
+        self.activation_copies
+    }
+
     /// The attention kernels of the training shape (`AttentionKernels`).
     pub fn attention_kernels(&self) -> AttentionKernels {
         self.attention
