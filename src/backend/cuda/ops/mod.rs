@@ -93,6 +93,13 @@ fn check_len(op: &str, what: &str, have: usize, need: usize) {
     );
 }
 
+/// The operand lengths of an `m×k · k×n` product into `out`.
+fn check_matmul(op: &str, a: &Buf, b: &Buf, out: &Buf, m: usize, k: usize, n: usize) {
+    check_len(op, "a", a.len(), m * k);
+    check_len(op, "b", b.len(), k * n);
+    check_len(op, "out", out.len(), m * n);
+}
+
 impl CudaBackend {
     /// The bodies of `fill` and `copy_into_at`, for ops that use them inside their own timing.
     fn fill_untimed(&self, buf: &mut Buf, value: f32) {
@@ -316,9 +323,7 @@ impl Backend for CudaBackend {
         accumulate: bool,
     ) {
         let _timer = self.profiler.time_on("matmul", self);
-        check_len("matmul", "a", a.len(), m * k);
-        check_len("matmul", "b", b.len(), k * n);
-        check_len("matmul", "out", out.len(), m * n);
+        check_matmul("matmul", a, b, out, m, k, n);
         if k == 0 {
             // An empty sum: `out` keeps its values (accumulate) or becomes zero.
             if !accumulate {
@@ -343,9 +348,7 @@ impl Backend for CudaBackend {
         trans_b: bool,
     ) {
         let _timer = self.profiler.time_on("matmul", self);
-        check_len("matmul_add", "a", a.len(), m * k);
-        check_len("matmul_add", "b", b.len(), k * n);
-        check_len("matmul_add", "out", out.len(), m * n);
+        check_matmul("matmul_add", a, b, out, m, k, n);
         check_len("matmul_add", "residual", residual.len(), m * n);
         if k == 0 || m == 0 || n == 0 {
             // No product to add (the GEMM would not run): the output is the residual.
