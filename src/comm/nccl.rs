@@ -2,7 +2,8 @@
 //!
 //! The unique id travels through the rendezvous store (rank 0 creates it), and every rank announces
 //! itself there before the blocking `ncclCommInitRank`, so a rank that never comes is a store
-//! timeout naming it rather than a hang inside NCCL. Collectives are queued on the backend's stream;
+//! timeout naming it rather than a hang inside NCCL; the init itself is waited for at most the
+//! init timeout too (`init_within`). Collectives are queued on the backend's stream;
 //! `wait` polls that stream and NCCL's asynchronous error instead of blocking, and aborts the
 //! communicator when the group's timeout passes, so a dead peer is an error, never a hang.
 //!
@@ -99,13 +100,9 @@ impl NcclGroup {
             .context()
             .bind_to_thread()
             .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
-        let mut comm = std::mem::MaybeUninit::uninit();
-        // SAFETY: comm is written by NCCL on success; the id is the group's.
-        let comm = unsafe {
-            nccl::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
-                .map_err(|e| nccl_err(&format!("init of group `{name}` rank {rank}"), e))?;
-            comm.assume_init()
-        };
+        let comm = init_within(&stream, id, rank, size, init_timeout).map_err(|e| {
+            anyhow!("NCCL group `{name}` rank {rank}: {e:#} (a peer may have died after arriving)")
+        })?;
         Ok(NcclGroup {
             comm,
             stream,
@@ -327,6 +324,49 @@ impl NcclGroup {
             }
             std::thread::sleep(Duration::from_micros(20));
         }
+    }
+}
+
+/// A communicator handle moved out of the thread that created it.
+struct SendComm(sys::ncclComm_t);
+// SAFETY: the handle is only passed back to the thread that owns the group.
+unsafe impl Send for SendComm {}
+
+/// `ncclCommInitRank` blocks until every rank has called it, so it runs on a helper thread and is
+/// waited for at most `timeout`: a peer that dies between arriving at the store and calling it is
+/// an error, not a hang. (A helper left blocked then ends with the process, which fails.)
+fn init_within(
+    stream: &Arc<CudaStream>,
+    id: sys::ncclUniqueId,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+) -> Result<sys::ncclComm_t> {
+    let (done, result) = std::sync::mpsc::channel();
+    let ctx = stream.context().clone();
+    std::thread::Builder::new()
+        .name("titan-nccl-init".into())
+        .spawn(move || {
+            let r = ctx
+                .bind_to_thread()
+                .map_err(|e| anyhow!("binding the CUDA context: {e}"))
+                .and_then(|_| {
+                    let mut comm = std::mem::MaybeUninit::uninit();
+                    // SAFETY: comm is written by NCCL on success; the id is the group's.
+                    unsafe {
+                        nccl::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
+                            .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+                        Ok(SendComm(comm.assume_init()))
+                    }
+                });
+            let _ = done.send(r);
+        })
+        .map_err(|e| anyhow!("spawning the NCCL init thread: {e}"))?;
+    match result.recv_timeout(timeout) {
+        Ok(r) => r.map(|c| c.0),
+        Err(_) => Err(anyhow!(
+            "ncclCommInitRank did not complete within {timeout:.0?} (init_timeout_seconds)"
+        )),
     }
 }
 
