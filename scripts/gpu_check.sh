@@ -124,9 +124,9 @@ stage attn_titan 40 sh -c "for s in $attn_shapes; do '$BIN' bench attention --de
 stage attn_torch 40 sh -c "for s in $attn_shapes; do '$PY' scripts/torch_attention_gpu.py --iters 10 \$s || exit 1; done > '$OUT_DIR/attn_torch.jsonl'"
 # The head_dim 64 forward with 16 rows per warp instead of 32 (TITAN_CUDA_ATTENTION=narrow), to compare.
 stage attn_titan_narrow 20 sh -c "TITAN_CUDA_ATTENTION=narrow '$BIN' bench attention --device cuda --precision bfloat16 --iters 10 --json --batch 8 --seq 2048 --heads 32 --kv-heads 8 --head-dim 64 > '$OUT_DIR/attn_titan_narrow.jsonl'"
-# The fused attention backward (one pass, atomic dQ; TITAN_CUDA_ATTENTION=fused: 64 keys per
-# block, fused8: 128), checked like the default kernels at head_dim 64 and 128, then timed alone
-# and in the 1B step.
+# The fused attention backward (one pass, dQ added by turns; TITAN_CUDA_ATTENTION=fused: 64 keys
+# per block, fused8: 128; `unordered`: racing additions), checked like the default kernels at
+# head_dim 64 and 128, then timed alone and in the 1B step.
 fused_check="'$BIN' cuda check --precision bfloat16 --train-steps 20"
 fused_checks="true"
 for variant in fused fused8; do
@@ -136,7 +136,7 @@ done
 stage check_bf16_fused 120 sh -c "$fused_checks"
 if [ "${status[check_bf16_fused]:-}" = ok ]; then
   attn="--device cuda --precision bfloat16 --iters 10 --json"
-  stage attn_titan_fused 60 sh -c "for v in fused fused8; do for s in $attn_shapes; do TITAN_CUDA_ATTENTION=\$v '$BIN' bench attention $attn \$s >> '$OUT_DIR'/attn_titan_\$v.jsonl || exit 1; done; done"
+  stage attn_titan_fused 80 sh -c "for v in fused fused8 fused8,unordered; do for s in $attn_shapes; do TITAN_CUDA_ATTENTION=\$v '$BIN' bench attention $attn \$s >> '$OUT_DIR'/attn_titan_\$(echo \$v | tr , _).jsonl || exit 1; done; done"
   stage titan_1b_s2048_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_fused8_1b_s2048.json'"
   stage titan_1b_s8192_fused8 70 sh -c "TITAN_CUDA_ATTENTION=fused8 '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_fused8_1b_s8192.json'"
 fi
@@ -255,9 +255,9 @@ def bench_report():
                   f"{num(r.get('peak_device_mib') or 0):>9.0f} {r['step_s_median']:>7.3f}")
 def attention_report():
     print()
-    print(f"{'attention, bf16':<30} {'impl':<13} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
+    print(f"{'attention, bf16':<30} {'impl':<22} {'fwd ms':>8} {'TFLOP/s':>8} {'bwd ms':>8} {'TFLOP/s':>8}")
     rows = {}
-    variants = ("titan", "titan_narrow", "titan_fused", "titan_fused8", "torch")
+    variants = ("titan", "titan_narrow", "titan_fused", "titan_fused8", "titan_fused8_unordered", "torch")
     for impl in variants:
         rows[impl] = []
         try:
@@ -276,11 +276,11 @@ def attention_report():
         for impl in variants:
             if i >= len(rows[impl]):
                 if impl in ("titan", "torch"):
-                    print(f"{'shape ' + str(i + 1):<30} {impl:<13} {'no result':>8}")
+                    print(f"{'shape ' + str(i + 1):<30} {impl:<22} {'no result':>8}")
                 continue
             r = rows[impl][i]
             label = f"{r.get('batch')}x{r.get('seq')} h{r.get('heads')}/{r.get('kv_heads')} d{r.get('head_dim')}"
-            print(f"{label:<30} {impl:<13} {cell(r, 'forward_ms', 2)} {cell(r, 'forward_tflops', 1)} "
+            print(f"{label:<30} {impl:<22} {cell(r, 'forward_ms', 2)} {cell(r, 'forward_tflops', 1)} "
                   f"{cell(r, 'backward_ms', 2)} {cell(r, 'backward_tflops', 1)}")
 for report in (resume_report, generate_report, fsdp_report, bench_report, attention_report):
     section(report)

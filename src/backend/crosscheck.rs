@@ -380,6 +380,27 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         for (name, r, t) in [("dq", &rdq, &tdq), ("dk", &rdk, &tdk), ("dv", &rdv, &tdv)] {
             self.compare(&format!("attention_backward {label} {name}"), r, t, tol);
         }
+        // The backward again on the test backend: the same bits (training is repeatable), which
+        // a device's racing additions would not give.
+        let first = [&tdq, &tdk, &tdv].map(|b| self.test.download(b));
+        self.test.attention_backward(
+            &mut tdq, &mut tdk, &mut tdv, &td, &tq, &tk, &tv, &to, &tl, s,
+        );
+        let again: Vec<f32> = [&tdq, &tdk, &tdv]
+            .iter()
+            .flat_map(|b| self.test.download(b))
+            .collect();
+        let first: Vec<f32> = first.concat();
+        let same = first
+            .iter()
+            .zip(&again)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        self.results.push(OpCheck {
+            op: format!("attention_backward {label} repeats bit for bit"),
+            rel_err: if same { 0.0 } else { rel_err(&again, &first) },
+            tolerance: 0.0,
+            passed: same,
+        });
     }
 
     fn swiglu_and_elementwise(&mut self) {

@@ -140,9 +140,12 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     ok &= report(s, "dk", dk, ref.dk);
     ok &= report(s, "dv", dv, ref.dv);
     {
-        // The fused backward with 64 and 128 keys per block; it adds into a zeroed dq.
-        for (int warps : {4, 8}) {
+        // The fused backward with 64 and 128 keys per block, its dQ additions taking turns (the
+        // default) or not; it adds into a zeroed dq.
+        for (auto [warps, ordered] : {std::pair{4, true}, {8, true}, {8, false}}) {
             std::vector<float> fdq(q_len, 0.0f), fdk(kv_len, NAN), fdv(kv_len, NAN);
+            size_t query_tiles = (size_t)(s.seq + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+            std::vector<int> turns((size_t)s.batch * s.heads * query_tiles, 0);
             unsigned keys = 16u * (unsigned)warps;
             EmuDim3 grid{(unsigned)((s.seq + keys - 1) / keys), (unsigned)s.kv_heads,
                          (unsigned)s.batch};
@@ -152,10 +155,25 @@ bool check(const Shape& s, std::mt19937_64& rng) {
                                       : (warps == 4 ? attention_backward_fused_tc128
                                                     : attention_backward_fused_tc128w8);
                 kernel(fdq.data(), fdk.data(), fdv.data(), dout.bits.data(), q.bits.data(),
-                       k.bits.data(), v.bits.data(), lse.data(), delta.data(), s.seq, s.heads,
-                       s.kv_heads, scale);
+                       k.bits.data(), v.bits.data(), lse.data(), delta.data(),
+                       ordered ? turns.data() : nullptr, s.seq, s.heads, s.kv_heads, scale);
             });
-            std::string tag = warps == 4 ? " fused" : " fused8";
+            if (ordered) {
+                // Every query tile's counter ends at the number of key blocks that visited it.
+                size_t wrong = 0;
+                for (int b = 0; b < s.batch; ++b)
+                    for (int h = 0; h < s.heads; ++h)
+                        for (size_t i = 0; i < query_tiles; ++i) {
+                            int visitors = (int)(i * TITAN_TC_ROWS / keys) + 1;
+                            visitors = std::min(visitors, (int)grid.x);
+                            wrong += turns[((size_t)b * s.heads + h) * query_tiles + i] != visitors;
+                        }
+                std::printf("%-10s %-9s %zu of %zu counters wrong %s\n", s.name,
+                            warps == 4 ? "turns" : "turns8", wrong, turns.size(),
+                            wrong == 0 ? "ok" : "FAILED");
+                ok &= wrong == 0;
+            }
+            std::string tag = !ordered ? " racing8" : warps == 4 ? " fused" : " fused8";
             ok &= report(s, ("dq" + tag).c_str(), fdq, ref.dq);
             ok &= report(s, ("dk" + tag).c_str(), fdk, ref.dk);
             ok &= report(s, ("dv" + tag).c_str(), fdv, ref.dv);

@@ -276,6 +276,9 @@ inline void __syncthreads() {
 
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 
+// One OS thread: every write is visible at once.
+inline void __threadfence() {}
+
 // Whether any lane of the warp passes `predicate` (every lane takes part, as titan's kernels call it).
 inline int __any_sync(unsigned, int predicate) {
     emu::g_block->words[threadIdx.x][0] = predicate != 0;

@@ -152,6 +152,22 @@ inline unsigned char* dynamic_shared_memory() {
     return bytes;
 }
 
+// Blocks run one after another in index order, so a block's turn has always come: a block that
+// would wait is a kernel waiting on a later block, which could deadlock a GPU.
+inline void wait_turn(const int* turn, int mine) {
+    if (threadIdx.x == 0 && *turn != mine) {
+        std::fprintf(stderr, "emu: block %u waits for turn %d but the counter is %d\n", blockIdx.x,
+                     mine, *turn);
+        std::exit(4);
+    }
+    __syncthreads();
+}
+
+inline void pass_turn(int* turn) {
+    __syncthreads();
+    if (threadIdx.x == 0) *turn += 1;
+}
+
 // Fibers switch only at barriers, so a plain addition is atomic here.
 inline void atomic_add_pair(float* p, float a, float b) {
     p[0] += a;

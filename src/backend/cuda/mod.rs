@@ -49,8 +49,9 @@ pub struct CudaBackend {
 /// rounding the model already accepts there) on an sm_80+ GPU. `TITAN_CUDA_ATTENTION`, a
 /// comma-separated list, overrides: `exact` keeps the fp32 kernels (a comparison or a suspected
 /// fault); `narrow` runs the head_dim 64 forward with 16 query rows per warp instead of 32;
-/// `fused` (64 keys per block) or `fused8` (128) computes the backward in one pass with atomic dQ
-/// additions instead of the deterministic split passes (to compare them on a GPU).
+/// `fused` (64 keys per block) or `fused8` (128) computes the backward in one pass, its blocks
+/// taking turns to add into dQ (deterministic, like the split passes), and with `unordered` too
+/// without turns (racing atomics, not repeatable bit for bit), to compare them on a GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKernels {
     Exact,
@@ -65,7 +66,7 @@ pub enum AttentionKernels {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TensorCoreBackward {
     Split,
-    Fused { warps: usize },
+    Fused { warps: usize, ordered: bool },
 }
 
 impl TensorCoreBackward {
@@ -95,18 +96,24 @@ impl AttentionKernels {
             return AttentionKernels::Exact;
         }
         let mut wide_forward = true;
-        let mut backward = TensorCoreBackward::Split;
+        let mut fused_warps = None;
+        let mut ordered = true;
         for word in words {
             match word {
                 "narrow" => wide_forward = false,
-                "fused" => backward = TensorCoreBackward::Fused { warps: 4 },
-                "fused8" => backward = TensorCoreBackward::Fused { warps: 8 },
+                "fused" => fused_warps = Some(4),
+                "fused8" => fused_warps = Some(8),
+                "unordered" => ordered = false,
                 other => eprintln!(
                     "warning: TITAN_CUDA_ATTENTION: `{other}` is not known (accepted, comma \
-                     separated: exact, narrow, fused, fused8); ignoring it"
+                     separated: exact, narrow, fused, fused8, unordered); ignoring it"
                 ),
             }
         }
+        let backward = match fused_warps {
+            Some(warps) => TensorCoreBackward::Fused { warps, ordered },
+            None => TensorCoreBackward::Split,
+        };
         AttentionKernels::TensorCores {
             wide_forward,
             backward,

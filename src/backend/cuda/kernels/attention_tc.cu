@@ -597,9 +597,9 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
 // slice of it by the block's keys and adds the result to dQ in global memory with atomic vector
 // additions (dq is zeroed by the host first). Five products per tile instead of the split passes'
 // seven (eight at head_dim 128), and each probability is computed once instead of twice or three
-// times. The price: the atomics' order is not fixed, so dQ can differ in its last bits from run to
-// run (the split passes are deterministic and stay the default until a GPU run shows this one
-// faster).
+// times. By default the key blocks take turns at each query tile (`wait_turn`, lowest block
+// first), so the additions come in a fixed order and dQ is the same on every run; without the
+// counters (`unordered`) they race, which waits less but changes dQ's last bits from run to run.
 //
 // At head_dim 64 each warp keeps its keys' and values' A fragments in registers; at 128 the dK and
 // dV accumulators alone take 128 registers, so the fragments are read from the block's key and
@@ -684,11 +684,12 @@ __device__ __forceinline__ void ds_times_keys(float (*acc)[4], const bf16_bits* 
     }
 }
 
+// `dq_order` (b × n_heads × ⌈seq/64⌉ zeroed counters, or null) orders the dQ additions.
 template <int D, int WARPS>
 __device__ __forceinline__ void attention_backward_fused_tc(
     float* dq, float* dk, float* dv, const bf16_bits* dout, const bf16_bits* q, const bf16_bits* k,
-    const bf16_bits* v, const float* lse, const float* delta, int seq, int n_heads, int n_kv_heads,
-    float scale) {
+    const bf16_bits* v, const float* lse, const float* delta, int* dq_order, int seq, int n_heads,
+    int n_kv_heads, float scale) {
     using L = FusedBackwardLayout<D, WARPS>;
     constexpr int THREADS = 32 * WARPS, KEYS = L::KEYS, TILE = L::TILE, STAGES = L::STAGES;
     constexpr bool KV_SHARED = L::KV_SHARED;
@@ -773,6 +774,12 @@ __device__ __forceinline__ void attention_backward_fused_tc(
         ds_times_keys<D, KEYS, DQ_COLS>(acc_q, ds, L::DS_STRIDE, ks, dq_row0, dq_col0);
         int qr0 = i0 + dq_row0 + g, qr1 = qr0 + 8;
         float* dq_head = dq + (i64)b * seq * q_stride + (i64)head * D + dq_col0 + 2 * t;
+        // Ordered: the key blocks add into this query tile one after another, lowest first (every
+        // lower block visits it), so dQ's sums are the same on every run.
+        int* turn = dq_order ? dq_order + ((i64)b * n_heads + head) * ((seq + TITAN_TC_ROWS - 1) /
+                                                                       TITAN_TC_ROWS) + i0 / TITAN_TC_ROWS
+                             : nullptr;
+        if (turn) wait_turn(turn, blockIdx.x);
 #pragma unroll
         for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
             if (qr0 < seq)
@@ -782,6 +789,7 @@ __device__ __forceinline__ void attention_backward_fused_tc(
                 atomic_add_pair(dq_head + (i64)qr1 * q_stride + dn * 8, acc_q[dn][2] * scale,
                                 acc_q[dn][3] * scale);
         }
+        if (turn) pass_turn(turn);
         if (++query_tile == q_tiles) {
             query_tile = 0;
             ++head;
@@ -820,10 +828,10 @@ __device__ __forceinline__ void attention_backward_fused_tc(
 #define TITAN_TC_FUSED(name, D, WARPS)                                                            \
     extern "C" __global__ void name(float* dq, float* dk, float* dv, const bf16_bits* dout,       \
                                     const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,   \
-                                    const float* lse, const float* delta, int seq, int n_heads,   \
-                                    int n_kv_heads, float scale) {                                \
-        attention_backward_fused_tc<D, WARPS>(dq, dk, dv, dout, q, k, v, lse, delta, seq,         \
-                                              n_heads, n_kv_heads, scale);                        \
+                                    const float* lse, const float* delta, int* dq_order,          \
+                                    int seq, int n_heads, int n_kv_heads, float scale) {          \
+        attention_backward_fused_tc<D, WARPS>(dq, dk, dv, dout, q, k, v, lse, delta, dq_order,    \
+                                              seq, n_heads, n_kv_heads, scale);                   \
     }
 
 TITAN_TC_FORWARD(attention_forward_tc64, 64, 1)

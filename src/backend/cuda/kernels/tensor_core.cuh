@@ -107,6 +107,27 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
 #endif
 }
 
+// Turn-taking between blocks through a counter in global memory (the fused attention backward's
+// ordered dQ additions): `wait_turn` holds the block until *turn == mine (thread 0 polls with
+// acquire loads), `pass_turn` makes the block's global writes visible device-wide and then adds 1.
+// Only safe when every block a block waits for started earlier: blocks start in index order.
+__device__ __forceinline__ void wait_turn(const int* turn, int mine) {
+    if (threadIdx.x == 0) {
+        int v;
+        do {
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(turn) : "memory");
+        } while (v != mine);
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void pass_turn(int* turn) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(turn) : "memory");
+}
+
 // 2^x by the special-function unit (relative error about 2^-22; -inf gives 0). Any sm_50+ GPU.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

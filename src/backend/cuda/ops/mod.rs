@@ -715,8 +715,19 @@ impl Backend for CudaBackend {
                         );
                     }
                 }
-                TensorCoreBackwardKernels::Fused { kernel, warps } => {
+                TensorCoreBackwardKernels::Fused {
+                    kernel,
+                    warps,
+                    ordered,
+                } => {
                     self.fill_untimed(dq, 0.0);
+                    // One zeroed counter per (batch, head, 64-query tile) for the turns.
+                    let turns = ordered
+                        .then(|| self.alloc::<i32>(s.batch * s.n_heads * s.q_len.div_ceil(64)));
+                    let turns_address = turns.as_ref().map_or(0u64, |t| {
+                        let (ptr, _sync) = t.device_ptr(&self.stream);
+                        ptr
+                    });
                     let cfg = LaunchConfig {
                         grid_dim: (
                             s.q_len.div_ceil(16 * warps) as u32,
@@ -740,6 +751,7 @@ impl Backend for CudaBackend {
                         &v.address,
                         lse,
                         &delta,
+                        &turns_address,
                         &seq,
                         &h,
                         &kvh,
@@ -1169,8 +1181,13 @@ enum TensorCoreBackwardKernels {
         dq: &'static str,
         dkdv: &'static [&'static str],
     },
-    /// One pass adding into a zeroed dQ; `warps` warps of 16 keys per block.
-    Fused { kernel: &'static str, warps: usize },
+    /// One pass adding into a zeroed dQ; `warps` warps of 16 keys per block, taking turns at each
+    /// query tile when `ordered`.
+    Fused {
+        kernel: &'static str,
+        warps: usize,
+        ordered: bool,
+    },
 }
 
 impl TensorCoreBackwardKernels {
@@ -1184,14 +1201,18 @@ impl TensorCoreBackwardKernels {
         dq: &'static str,
         dkdv: &'static [&'static str],
     ) -> Self {
-        if let TensorCoreBackward::Fused { warps } = choice {
+        if let TensorCoreBackward::Fused { warps, ordered } = choice {
             let fits =
                 TensorCoreBackward::fused_shared_bytes(head_dim, warps) <= shared_memory_per_block;
             let kernel = FUSED_BACKWARD_KERNELS
                 .into_iter()
                 .find(|&(_, d, w)| d == head_dim && w == warps);
             if let (true, Some((kernel, _, _))) = (fits, kernel) {
-                return TensorCoreBackwardKernels::Fused { kernel, warps };
+                return TensorCoreBackwardKernels::Fused {
+                    kernel,
+                    warps,
+                    ordered,
+                };
             }
         }
         TensorCoreBackwardKernels::Split { dq, dkdv }
