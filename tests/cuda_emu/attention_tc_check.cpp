@@ -145,7 +145,7 @@ bool check(const Shape& s, std::mt19937_64& rng) {
         for (auto [warps, ordered] : {std::pair{4, true}, {8, true}, {8, false}}) {
             std::vector<float> fdq(q_len, 0.0f), fdk(kv_len, NAN), fdv(kv_len, NAN);
             size_t query_tiles = (size_t)(s.seq + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
-            std::vector<int> turns((size_t)s.batch * s.heads * query_tiles, 0);
+            std::vector<int> turns((size_t)s.batch * s.heads * query_tiles + 1, 0);
             unsigned keys = 16u * (unsigned)warps;
             EmuDim3 grid{(unsigned)((s.seq + keys - 1) / keys), (unsigned)s.kv_heads,
                          (unsigned)s.batch};
@@ -168,6 +168,8 @@ bool check(const Shape& s, std::mt19937_64& rng) {
                             visitors = std::min(visitors, (int)grid.x);
                             wrong += turns[((size_t)b * s.heads + h) * query_tiles + i] != visitors;
                         }
+                // And one ticket per block.
+                wrong += turns.back() != (int)(grid.x * grid.y * grid.z);
                 std::printf("%-10s %-9s %zu of %zu counters wrong %s\n", s.name,
                             warps == 4 ? "turns" : "turns8", wrong, turns.size(),
                             wrong == 0 ? "ok" : "FAILED");

@@ -152,7 +152,15 @@ inline unsigned char* dynamic_shared_memory() {
     return bytes;
 }
 
-// Blocks run one after another in index order, so a block's turn has always come: a block that
+// Blocks run one after another in index order: tickets follow the block index.
+inline int block_ticket(int* counter) {
+    static int ticket;
+    if (threadIdx.x == 0) ticket = (*counter)++;
+    __syncthreads();
+    return ticket;
+}
+
+// Blocks run one after another in ticket order, so a block's turn has always come: a block that
 // would wait is a kernel waiting on a later block, which could deadlock a GPU.
 inline void wait_turn(const int* turn, int mine) {
     if (threadIdx.x == 0 && *turn != mine) {

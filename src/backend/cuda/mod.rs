@@ -82,6 +82,13 @@ impl TensorCoreBackward {
             2 * stages * 64 * stride + key_value_tiles * keys * stride + keys * (64 + 8);
         bf16_elements * 2 + 2 * stages * 64 * 4
     }
+
+    /// Whether a device that gives a block at most `per_block` bytes of shared memory can run the
+    /// fused kernel: its dynamic memory plus the few static bytes of its block ticket.
+    pub fn fused_fits(d: usize, warps: usize, per_block: usize) -> bool {
+        const STATIC_BYTES: usize = 16;
+        Self::fused_shared_bytes(d, warps) + STATIC_BYTES <= per_block
+    }
 }
 
 impl AttentionKernels {
@@ -186,10 +193,10 @@ impl CudaBackend {
             .map_err(|e| cuda("shared memory per block", e))? as usize;
         if major >= 8 {
             for (name, head_dim, warps) in FUSED_BACKWARD_KERNELS {
-                let bytes = TensorCoreBackward::fused_shared_bytes(head_dim, warps);
-                if bytes > shared_memory_per_block {
+                if !TensorCoreBackward::fused_fits(head_dim, warps, shared_memory_per_block) {
                     continue;
                 }
+                let bytes = TensorCoreBackward::fused_shared_bytes(head_dim, warps);
                 functions[name]
                     .set_attribute(
                         sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -684,7 +684,8 @@ __device__ __forceinline__ void ds_times_keys(float (*acc)[4], const bf16_bits* 
     }
 }
 
-// `dq_order` (b × n_heads × ⌈seq/64⌉ zeroed counters, or null) orders the dQ additions.
+// `dq_order` (b × n_heads × ⌈seq/64⌉ zeroed turn counters and one ticket counter, or null)
+// orders the dQ additions.
 template <int D, int WARPS>
 __device__ __forceinline__ void attention_backward_fused_tc(
     float* dq, float* dk, float* dv, const bf16_bits* dout, const bf16_bits* q, const bf16_bits* k,
@@ -705,7 +706,18 @@ __device__ __forceinline__ void attention_backward_fused_tc(
     float* lse2_s = (float*)(smem + L::BF16_ELEMENTS);
     float* delta_s = lse2_s + STAGES * TITAN_TC_ROWS;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int k0 = blockIdx.x * KEYS, kvh = blockIdx.y, b = blockIdx.z;
+    // With turns, the block's (key block, kv head, batch) comes from its ticket in start order
+    // (x fastest, as blockIdx), so the lower key blocks it waits for have started; the ticket
+    // counter follows the turn counters.
+    int n_query_tiles = (seq + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    int key_block = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    if (dq_order) {
+        int ticket = block_ticket(dq_order + (i64)gridDim.z * n_heads * n_query_tiles);
+        key_block = ticket % gridDim.x;
+        kvh = ticket / gridDim.x % gridDim.y;
+        b = ticket / (gridDim.x * gridDim.y);
+    }
+    int k0 = key_block * KEYS;
     i64 q_stride = (i64)n_heads * D, kv_stride = (i64)n_kv_heads * D;
     i64 kv_off = (i64)b * seq * kv_stride + (i64)kvh * D;
     int warp_key0 = k0 + warp * 16, r0 = warp_key0 + g;
@@ -776,10 +788,9 @@ __device__ __forceinline__ void attention_backward_fused_tc(
         float* dq_head = dq + (i64)b * seq * q_stride + (i64)head * D + dq_col0 + 2 * t;
         // Ordered: the key blocks add into this query tile one after another, lowest first (every
         // lower block visits it), so dQ's sums are the same on every run.
-        int* turn = dq_order ? dq_order + ((i64)b * n_heads + head) * ((seq + TITAN_TC_ROWS - 1) /
-                                                                       TITAN_TC_ROWS) + i0 / TITAN_TC_ROWS
+        int* turn = dq_order ? dq_order + ((i64)b * n_heads + head) * n_query_tiles + i0 / TITAN_TC_ROWS
                              : nullptr;
-        if (turn) wait_turn(turn, blockIdx.x);
+        if (turn) wait_turn(turn, key_block);
 #pragma unroll
         for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
             if (qr0 < seq)

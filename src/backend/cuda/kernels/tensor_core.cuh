@@ -107,10 +107,21 @@ __device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
 #endif
 }
 
+// This block's place in the order blocks actually started, from a zeroed counter: a block that
+// waits only for blocks with smaller tickets waits for blocks already running, whatever order the
+// hardware starts them in (so turn-taking cannot deadlock).
+__device__ __forceinline__ int block_ticket(int* counter) {
+    __shared__ int ticket;
+    if (threadIdx.x == 0)
+        asm volatile("atom.global.add.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    __syncthreads();
+    return ticket;
+}
+
 // Turn-taking between blocks through a counter in global memory (the fused attention backward's
 // ordered dQ additions): `wait_turn` holds the block until *turn == mine (thread 0 polls with
 // acquire loads), `pass_turn` makes the block's global writes visible device-wide and then adds 1.
-// Only safe when every block a block waits for started earlier: blocks start in index order.
+// Every block waited for must hold a smaller `block_ticket`.
 __device__ __forceinline__ void wait_turn(const int* turn, int mine) {
     if (threadIdx.x == 0) {
         int v;

@@ -1202,8 +1202,7 @@ impl TensorCoreBackwardKernels {
         dkdv: &'static [&'static str],
     ) -> Self {
         if let TensorCoreBackward::Fused { warps, ordered } = choice {
-            let fits =
-                TensorCoreBackward::fused_shared_bytes(head_dim, warps) <= shared_memory_per_block;
+            let fits = TensorCoreBackward::fused_fits(head_dim, warps, shared_memory_per_block);
             let kernel = FUSED_BACKWARD_KERNELS
                 .into_iter()
                 .find(|&(_, d, w)| d == head_dim && w == warps);
