@@ -721,9 +721,10 @@ impl Backend for CudaBackend {
                     ordered,
                 } => {
                     self.fill_untimed(dq, 0.0);
-                    // One zeroed counter per (batch, head, 64-query tile) for the turns.
-                    let turns = ordered
-                        .then(|| self.alloc::<i32>(s.batch * s.n_heads * s.q_len.div_ceil(64)));
+                    // One zeroed counter per (batch, head, 64-query tile) for the turns, and
+                    // one last for the blocks' tickets (attention_tc.cu, `dq_order`).
+                    let counters = s.batch * s.n_heads * s.q_len.div_ceil(64) + 1;
+                    let turns = ordered.then(|| self.alloc::<i32>(counters));
                     let turns_address = turns.as_ref().map_or(0u64, |t| {
                         let (ptr, _sync) = t.device_ptr(&self.stream);
                         ptr
