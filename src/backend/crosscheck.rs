@@ -202,13 +202,32 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             self.random(rows * dim, 1.0),
         );
         let ((rg, tg), (ru, tu), (rd, td)) = (self.both(&gate), self.both(&up), self.both(&dout));
+        // SwiGLU's output in a GEMM-operand buffer, as the model allocates it (bf16 alone on a
+        // device that keeps the copies): read back, and through both kinds of GEMM.
         let (mut ra, mut ta) = (
-            self.reference.zeros(rows * dim),
-            self.test.zeros(rows * dim),
+            self.reference.zeros_gemm_operand(rows * dim),
+            self.test.zeros_gemm_operand(rows * dim),
         );
         self.reference.swiglu_forward(&mut ra, &rg, &ru);
         self.test.swiglu_forward(&mut ta, &tg, &tu);
+        self.compare(
+            "swiglu_forward into a GEMM operand",
+            &ra,
+            &ta,
+            self.tol.gemm,
+        );
         self.matmul_on("matmul on swiglu's output", &ra, &ta, rows, dim);
+        let (residual, w2) = (self.random(rows * dim, 1.0), self.random(dim * dim, 1.0));
+        let ((rres, tres), (rw2, tw2)) = (self.both(&residual), self.both(&w2));
+        let (mut rh, mut th) = (
+            self.reference.zeros(rows * dim),
+            self.test.zeros(rows * dim),
+        );
+        self.reference
+            .matmul_add(&mut rh, &rres, &ra, &rw2, rows, dim, dim, false, true);
+        self.test
+            .matmul_add(&mut th, &tres, &ta, &tw2, rows, dim, dim, false, true);
+        self.compare("matmul_add on swiglu's output", &rh, &th, self.tol.gemm);
         let (mut rdg, mut tdg) = (
             self.reference.zeros(rows * dim),
             self.test.zeros(rows * dim),

@@ -93,6 +93,16 @@ pub trait Backend: Send + Sync {
 
     // ---- memory ----
     fn zeros(&self, len: usize) -> Self::Buf;
+    /// A buffer that only its producing kernel writes and only GEMMs read (SwiGLU's output): a
+    /// device may keep it in bf16 alone (`gemm_operand_f32_bytes`); elsewhere plain `zeros`.
+    fn zeros_gemm_operand(&self, len: usize) -> Self::Buf {
+        self.zeros(len)
+    }
+    /// Bytes per value of f32 storage that `zeros_gemm_operand` buffers take (4, or 0 when they
+    /// live in bf16 alone, counted with `activation_copy_bytes`).
+    fn gemm_operand_f32_bytes(&self) -> u64 {
+        4
+    }
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
     fn len(&self, buf: &Self::Buf) -> usize;

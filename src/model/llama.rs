@@ -62,6 +62,12 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     args.n_layers * per_layer + resid + n * (d + 1) + scratch
 }
 
+/// Values of the workspace allocated by `Backend::zeros_gemm_operand` (each layer's SwiGLU
+/// output), whose f32 storage a device may leave out.
+pub fn workspace_gemm_operand_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
+    args.n_layers * batch * seq * args.ffn_hidden
+}
+
 /// Values of the workspace whose producing kernels may keep a bf16 copy beside them for the GEMMs
 /// and attention kernels that read them (`Backend::activation_copy_bytes`): each layer's normed
 /// inputs, rotated q and k, attention output and SwiGLU output, the final norm's output, and the
@@ -100,7 +106,8 @@ impl<B: Backend> Workspace<B> {
                     rstd_ffn: z(n),
                     gate: z(n * f),
                     up: z(n * f),
-                    act: z(n * f),
+                    // Read only by the w2 GEMMs: a device may keep it in bf16 alone.
+                    act: backend.zeros_gemm_operand(n * f),
                 })
                 .collect(),
             normed_final: z(n * d),

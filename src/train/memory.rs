@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::Backend;
 use crate::model::{
-    llama::{workspace_copied_floats, workspace_floats},
+    llama::{workspace_copied_floats, workspace_floats, workspace_gemm_operand_floats},
     ModelArgs,
 };
 
@@ -54,6 +54,9 @@ impl MemoryEstimate {
         self.scratch = be.scratch_bytes(batch * seq, args.dim, args.ffn_hidden, args.vocab_size);
         self.activation_copies =
             workspace_copied_floats(args, batch, seq) as u64 * be.activation_copy_bytes();
+        // Buffers the backend keeps in bf16 alone have no f32 storage.
+        self.activations -= workspace_gemm_operand_floats(args, batch, seq) as u64
+            * (4 - be.gemm_operand_f32_bytes());
         self
     }
 

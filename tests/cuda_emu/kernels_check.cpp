@@ -197,6 +197,10 @@ bool swiglu() {
     ok &= report("swiglu_backward dgate", dgate, want_dgate);
     ok &= report("swiglu_backward dup", dup, want_dup);
     ok &= report_copy("swiglu_forward bf16", out16, out);
+    // A bf16-only output: no f32 storage (null), the same bf16 values.
+    std::vector<bf16_bits> only16(n, 0xffff);
+    emu::launch(grid, 256, [&] { swiglu_forward(nullptr, only16.data(), gate.data(), up.data(), n); });
+    ok &= report_copy("swiglu_forward bf16 only", only16, out);
     ok &= report_copy("swiglu_backward bf16 dgate", dgate16, dgate);
     ok &= report_copy("swiglu_backward bf16 dup", dup16, dup);
     // Views one element in: not 16-byte aligned, so the one-by-one loop runs (the forward

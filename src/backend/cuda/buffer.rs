@@ -11,6 +11,10 @@
 //! contents: the GEMM's bf16 scratch remembers which contents it holds and skips converting the
 //! same operand again (the q, k and v projections of one input; a gradient used by both of its
 //! backward GEMMs).
+//!
+//! A buffer made by `bf16_only` holds its values in bf16 alone (SwiGLU's output, which only bf16
+//! GEMMs read): it has no f32 storage, and every f32 accessor panics naming the mistake, so a
+//! reader that would need f32 values fails loudly instead of reading stale memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -29,6 +33,8 @@ pub struct CudaBuf {
     id: u64,
     /// Bumped by every write path.
     version: u64,
+    /// The values live in `bf16` alone (`data` is a one-element placeholder).
+    bf16_only: bool,
 }
 
 impl CudaBuf {
@@ -40,7 +46,34 @@ impl CudaBuf {
             bf16: None,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             version: 0,
+            bf16_only: false,
         }
+    }
+
+    /// A buffer of `len` values kept in bf16 alone, in `copy` (⌈len/2⌉·2 values, written by the
+    /// kernels that produce it through `take_bf16_storage`); `placeholder` is one f32.
+    pub(super) fn bf16_only(copy: CudaSlice<u16>, placeholder: CudaSlice<f32>, len: usize) -> Self {
+        CudaBuf {
+            bf16: Some(copy),
+            bf16_only: true,
+            ..CudaBuf::new(placeholder, len)
+        }
+    }
+
+    /// Whether the values live in bf16 alone (see the module doc).
+    pub fn is_bf16_only(&self) -> bool {
+        self.bf16_only
+    }
+
+    /// The f32 storage; a bf16-only buffer has none.
+    fn f32_storage(&self) -> &CudaSlice<f32> {
+        assert!(
+            !self.bf16_only,
+            "a CUDA buffer of {} values kept in bf16 only (a GEMM operand) was read or written as \
+             f32: a titan bug",
+            self.len
+        );
+        &self.data
     }
 
     /// `(id, version)`: names this buffer's current contents; any write changes it.
@@ -64,11 +97,12 @@ impl CudaBuf {
 
     /// The device memory, for reading.
     pub fn data(&self) -> &CudaSlice<f32> {
-        &self.data
+        self.f32_storage()
     }
 
     /// The device memory, for writing: the bf16 copy no longer matches and is dropped.
     pub fn data_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.f32_storage();
         self.begin_write();
         &mut self.data
     }
@@ -76,7 +110,7 @@ impl CudaBuf {
     /// A view of `range` (within the logical length).
     pub fn slice(&self, range: std::ops::Range<usize>) -> CudaView<'_, f32> {
         assert!(range.end <= self.len, "slice beyond the buffer");
-        self.data.slice(range)
+        self.f32_storage().slice(range)
     }
 
     /// A writable view of `range`; drops the bf16 copy.
@@ -88,7 +122,7 @@ impl CudaBuf {
     /// Raw device address for reading, for libraries that take pointers (NCCL). The caller orders
     /// its use on the backend's stream.
     pub fn device_address(&self, stream: &CudaStream) -> u64 {
-        let (ptr, _sync) = self.data.device_ptr(stream);
+        let (ptr, _sync) = self.f32_storage().device_ptr(stream);
         ptr
     }
 

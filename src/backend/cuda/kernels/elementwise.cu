@@ -27,9 +27,10 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
     dg = d * u * s * (1.0f + g * (1.0f - s));
 }
 
-// out = silu(gate) * up, and out16 = its bf16 rounding when given (a null out16 writes none). Four
-// values per 16-byte access where every buffer allows (buffers start aligned; a view at an odd
-// offset takes the one-by-one loop), the same arithmetic either way.
+// out = silu(gate) * up, and out16 = its bf16 rounding when given; a null out or out16 is not
+// written (a bf16-only output has no f32 storage). Four values per 16-byte access where every
+// buffer allows (buffers start aligned; a view at an odd offset takes the one-by-one loop), the
+// same arithmetic either way.
 extern "C" __global__ void swiglu_forward(float* out, bf16_bits* out16, const float* gate,
                                           const float* up, i64 n) {
     i64 done = 0;
@@ -38,15 +39,16 @@ extern "C" __global__ void swiglu_forward(float* out, bf16_bits* out16, const fl
             float_x4 g = ((const float_x4*)gate)[q], u = ((const float_x4*)up)[q], o;
 #pragma unroll
             for (int e = 0; e < 4; ++e) o.v[e] = swiglu(g.v[e], u.v[e]);
-            ((float_x4*)out)[q] = o;
+            if (out) ((float_x4*)out)[q] = o;
             if (out16) store_bf16_x4(out16 + 4 * q, o);
         }
         done = n / 4 * 4;
     }
     TITAN_FOR_EACH(j, n - done) {
         i64 i = done + j;
-        out[i] = swiglu(gate[i], up[i]);
-        if (out16) out16[i] = bf16_of(out[i]);
+        float o = swiglu(gate[i], up[i]);
+        if (out) out[i] = o;
+        if (out16) out16[i] = bf16_of(o);
     }
 }
 

@@ -152,13 +152,19 @@ impl CudaBackend {
         GemmInput::f32(view, &self.stream)
     }
 
-    /// A whole buffer as a GEMM input, with its bf16 copy when it has one and its contents' name.
+    /// A whole buffer as a GEMM input, with its bf16 copy when it has one and its contents' name
+    /// (a bf16-only buffer has no f32 values to fall back on).
     fn buf_input(&self, buf: &Buf) -> GemmInput {
+        let bf16_only = buf.is_bf16_only();
         GemmInput {
-            f32: buf.device_address(&self.stream),
+            f32: if bf16_only {
+                0
+            } else {
+                buf.device_address(&self.stream)
+            },
             bf16: buf.bf16_address(&self.stream),
             contents: Some(buf.contents()),
-            f32_stale: false,
+            f32_stale: bf16_only,
         }
     }
 
@@ -254,6 +260,23 @@ impl Backend for CudaBackend {
     fn zeros(&self, len: usize) -> Buf {
         self.buffer(len)
     }
+    fn zeros_gemm_operand(&self, len: usize) -> Buf {
+        if !self.activation_copies || len == 0 {
+            return self.buffer(len);
+        }
+        CudaBuf::bf16_only(
+            self.alloc::<u16>(len.div_ceil(2) * 2),
+            self.alloc::<f32>(1),
+            len,
+        )
+    }
+    fn gemm_operand_f32_bytes(&self) -> u64 {
+        if self.activation_copies {
+            0
+        } else {
+            4
+        }
+    }
     fn upload(&self, data: &[f32]) -> Buf {
         let _timer = self.profiler.time_on("upload", self);
         if data.is_empty() {
@@ -270,9 +293,20 @@ impl Backend for CudaBackend {
         if buf.is_empty() {
             return Vec::new();
         }
-        self.stream
-            .clone_dtoh(buf.data())
-            .unwrap_or_else(|e| panic!("CUDA: downloading {} floats failed: {e}", buf.len()))
+        let fail = |e| panic!("CUDA: downloading {} floats failed: {e}", buf.len());
+        if buf.is_bf16_only() {
+            // The bf16 values, widened on the device.
+            let mut values = self.alloc_unzeroed::<f32>(buf.len());
+            let words = buf
+                .bf16_address(&self.stream)
+                .expect("a bf16-only buffer has its copy");
+            let n = buf.len();
+            launch_elementwise!(self, "bf16_pairs_to_f32", n, &mut values, &words);
+            let mut out = self.stream.clone_dtoh(&values).unwrap_or_else(fail);
+            out.truncate(n);
+            return out;
+        }
+        self.stream.clone_dtoh(buf.data()).unwrap_or_else(fail)
     }
     fn len(&self, buf: &Buf) -> usize {
         buf.len()
@@ -807,8 +841,18 @@ impl Backend for CudaBackend {
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
         );
         let twin = self.twin_storage(out, n);
+        assert!(
+            twin.is_some() || !out.is_bf16_only(),
+            "swiglu_forward: a bf16-only output needs the whole buffer written with its bf16 copy"
+        );
         let out16 = self.twin_address(&twin);
-        launch_elementwise!(self, "swiglu_forward", n, &mut *out, &out16, gate, up);
+        // A bf16-only output gets no f32 values (null).
+        let out32 = if out.is_bf16_only() {
+            0
+        } else {
+            out.device_address_mut(&self.stream)
+        };
+        launch_elementwise!(self, "swiglu_forward", n, &out32, &out16, gate, up);
         Self::keep_twin(out, twin);
     }
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
