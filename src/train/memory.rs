@@ -26,6 +26,9 @@ pub struct MemoryEstimate {
     /// bf16 copies the backend's kernels keep beside activations for the GEMMs that read them
     /// (CUDA with bf16 GEMMs; `Backend::activation_copy_bytes`).
     pub activation_copies: u64,
+    /// f32 storage the backend leaves out for buffers it keeps in bf16 alone (already taken off
+    /// `activations`; it comes back when the copies are turned off).
+    pub f32_left_out: u64,
 }
 
 impl MemoryEstimate {
@@ -39,6 +42,7 @@ impl MemoryEstimate {
             scratch: 0,
             compute_copy: 0,
             activation_copies: 0,
+            f32_left_out: 0,
         }
     }
 
@@ -55,8 +59,9 @@ impl MemoryEstimate {
         self.activation_copies =
             workspace_copied_floats(args, batch, seq) as u64 * be.activation_copy_bytes();
         // Buffers the backend keeps in bf16 alone have no f32 storage.
-        self.activations -= workspace_gemm_operand_floats(args, batch, seq) as u64
+        self.f32_left_out = workspace_gemm_operand_floats(args, batch, seq) as u64
             * (4 - be.gemm_operand_f32_bytes());
+        self.activations -= self.f32_left_out;
         self
     }
 
@@ -109,10 +114,11 @@ pub fn peak_memory() -> u64 {
 pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) -> Result<()> {
     if let Some(avail) = device_free.or_else(available_memory) {
         if est.total() > avail {
-            let copies_hint = if est.activation_copies > 0 {
+            let net = est.activation_copies.saturating_sub(est.f32_left_out);
+            let copies_hint = if net > 0 {
                 format!(
-                    ", or set TITAN_CUDA_BF16_COPIES=off to drop the activations' bf16 copies ({:.1} GiB; GEMMs then convert instead)",
-                    gib(est.activation_copies)
+                    ", or set TITAN_CUDA_BF16_COPIES=off to drop the activations' bf16 copies ({:.1} GiB net of the f32 storage they replace; GEMMs then convert instead)",
+                    gib(net)
                 )
             } else {
                 String::new()
