@@ -195,6 +195,24 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.scale(&mut ro, -0.5);
         self.test.scale(&mut to, -0.5);
         self.matmul_on("matmul on it after a rescale", &ro, &to, rows, dim);
+        // RMSNorm's output in a GEMM-operand buffer, as the model allocates it (bf16 alone on a
+        // device that keeps the copies).
+        let (mut rn, mut tn) = (
+            self.reference.zeros_gemm_operand(rows * dim),
+            self.test.zeros_gemm_operand(rows * dim),
+        );
+        let (mut rs2, mut ts2) = (self.reference.zeros(rows), self.test.zeros(rows));
+        self.reference
+            .rmsnorm_forward(&mut rn, &mut rs2, &rx, &rw, dim, 1e-5);
+        self.test
+            .rmsnorm_forward(&mut tn, &mut ts2, &tx, &tw, dim, 1e-5);
+        self.compare(
+            "rmsnorm_forward into a GEMM operand",
+            &rn,
+            &tn,
+            self.tol.gemm,
+        );
+        self.matmul_on("matmul on that output", &rn, &tn, rows, dim);
 
         let (gate, up, dout) = (
             self.random(rows * dim, 3.0),

@@ -93,8 +93,9 @@ pub trait Backend: Send + Sync {
 
     // ---- memory ----
     fn zeros(&self, len: usize) -> Self::Buf;
-    /// A buffer that only its producing kernel writes and only GEMMs read (SwiGLU's output): a
-    /// device may keep it in bf16 alone (`gemm_operand_f32_bytes`); elsewhere plain `zeros`.
+    /// A buffer that only its producing kernel (RMSNorm's or SwiGLU's forward) writes and only
+    /// GEMMs read: a device may keep it in bf16 alone (`gemm_operand_f32_bytes`); elsewhere plain
+    /// `zeros`.
     fn zeros_gemm_operand(&self, len: usize) -> Self::Buf {
         self.zeros(len)
     }

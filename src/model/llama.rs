@@ -62,10 +62,10 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     args.n_layers * per_layer + resid + n * (d + 1) + scratch
 }
 
-/// Values of the workspace allocated by `Backend::zeros_gemm_operand` (each layer's SwiGLU
-/// output), whose f32 storage a device may leave out.
+/// Values of the workspace allocated by `Backend::zeros_gemm_operand` (each layer's two norm
+/// outputs and SwiGLU output), whose f32 storage a device may leave out.
 pub fn workspace_gemm_operand_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
-    args.n_layers * batch * seq * args.ffn_hidden
+    args.n_layers * batch * seq * (2 * args.dim + args.ffn_hidden)
 }
 
 /// Values of the workspace whose producing kernels may keep a bf16 copy beside them for the GEMMs
@@ -94,7 +94,9 @@ impl<B: Backend> Workspace<B> {
             resid: (0..=args.n_layers).map(|_| z(n * d)).collect(),
             layers: (0..args.n_layers)
                 .map(|_| LayerActs {
-                    normed_attn: z(n * d),
+                    // The norms' and SwiGLU's outputs are read only by GEMMs: a device may keep
+                    // them in bf16 alone.
+                    normed_attn: backend.zeros_gemm_operand(n * d),
                     rstd_attn: z(n),
                     q: z(n * qd),
                     k: z(n * kvd),
@@ -102,11 +104,10 @@ impl<B: Backend> Workspace<B> {
                     attn_out: z(n * qd),
                     lse: z(batch * args.n_heads * seq),
                     h: z(n * d),
-                    normed_ffn: z(n * d),
+                    normed_ffn: backend.zeros_gemm_operand(n * d),
                     rstd_ffn: z(n),
                     gate: z(n * f),
                     up: z(n * f),
-                    // Read only by the w2 GEMMs: a device may keep it in bf16 alone.
                     act: backend.zeros_gemm_operand(n * f),
                 })
                 .collect(),

@@ -132,6 +132,13 @@ bool rmsnorm(int dim) {
     std::string tag = " dim " + std::to_string(dim);
     bool ok = report(("rmsnorm_forward" + tag).c_str(), out, want_out);
     ok &= report_copy(("rmsnorm_forward bf16" + tag).c_str(), out16, out);
+    // A bf16-only output (no f32 storage): the same bf16 values.
+    std::vector<bf16_bits> only16(x.size(), 0xffff);
+    std::vector<float> rstd2(rows, NAN);
+    emu::launch(per_row, 32 * TITAN_NORM_WARPS, [&] {
+        rmsnorm_forward(nullptr, only16.data(), rstd2.data(), x.data(), w.data(), rows, dim, eps);
+    });
+    ok &= report_copy(("rmsnorm_forward bf16 only" + tag).c_str(), only16, out);
     ok &= report(("rmsnorm_backward dx" + tag).c_str(), dx, want_dx);
     ok &= report_copy(("rmsnorm_backward bf16" + tag).c_str(), dx16, dx);
     ok &= report(("rmsnorm_backward dweight" + tag).c_str(), dw, want_dw);

@@ -11,16 +11,16 @@ __device__ __forceinline__ bool norm_rows_vectorised(int dim, const void* a, con
     return (dim & 3) == 0 && aligned_to(a, 16) && aligned_to(b, 16) && aligned_to(c, 16);
 }
 
-// out16, when not null, gets out's bf16 rounding.
+// out16, when not null, gets out's bf16 rounding; a null out is not written (a bf16-only output).
 extern "C" __global__ void rmsnorm_forward(float* out, bf16_bits* out16, float* rstd, const float* x,
                                            const float* weight, int rows, int dim, float eps) {
     i64 r = (i64)blockIdx.x * TITAN_NORM_WARPS + (threadIdx.x >> 5);
     if (r >= rows) return;
     int lane = threadIdx.x & 31;
     const float* xr = x + r * dim;
-    float* o = out + r * dim;
     bool vec = norm_rows_vectorised(dim, x, out, weight) && aligned_to(out16, 8);
     bf16_bits* o16 = out16 ? out16 + r * dim : nullptr;
+    float* o = out ? out + r * dim : nullptr;
     float ss = 0.0f;
     if (vec) {
         for (int d = lane * 4; d < dim; d += 128) {
@@ -39,13 +39,14 @@ extern "C" __global__ void rmsnorm_forward(float* out, bf16_bits* out16, float* 
             float_x4 v = *(const float_x4*)(xr + d), w = *(const float_x4*)(weight + d), y;
 #pragma unroll
             for (int e = 0; e < 4; ++e) y.v[e] = v.v[e] * rs * w.v[e];
-            *(float_x4*)(o + d) = y;
+            if (o) *(float_x4*)(o + d) = y;
             if (o16) store_bf16_x4(o16 + d, y);
         }
     } else {
         for (int d = lane; d < dim; d += 32) {
-            o[d] = xr[d] * rs * weight[d];
-            if (o16) o16[d] = bf16_of(o[d]);
+            float y = xr[d] * rs * weight[d];
+            if (o) o[d] = y;
+            if (o16) o16[d] = bf16_of(y);
         }
     }
 }

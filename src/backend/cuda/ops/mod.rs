@@ -133,6 +133,26 @@ impl CudaBackend {
         twin.as_ref().map_or(0, |t| t.device_ptr(&self.stream).0)
     }
 
+    /// The f32 and bf16 destinations of a kernel writing all of `out` with its bf16 copy `twin`
+    /// (from `twin_storage`): a bf16-only buffer gets no f32 values (null); the write begins here.
+    fn output_addresses(
+        &self,
+        out: &mut Buf,
+        twin: &Option<CudaSlice<u16>>,
+        op: &str,
+    ) -> (u64, u64) {
+        assert!(
+            twin.is_some() || !out.is_bf16_only(),
+            "{op}: a bf16-only output needs the whole buffer written with its bf16 copy"
+        );
+        let out32 = if out.is_bf16_only() {
+            0
+        } else {
+            out.device_address_mut(&self.stream)
+        };
+        (out32, self.twin_address(twin))
+    }
+
     fn keep_twin(buf: &mut Buf, twin: Option<CudaSlice<u16>>) {
         if let Some(t) = twin {
             buf.keep_bf16_copy(t);
@@ -467,12 +487,12 @@ impl Backend for CudaBackend {
         }
         let (r, d) = (rows as i32, dim as i32);
         let twin = self.twin_storage(out, rows * dim);
-        let out16 = self.twin_address(&twin);
+        let (out32, out16) = self.output_addresses(out, &twin, "rmsnorm_forward");
         launch!(
             self,
             "rmsnorm_forward",
             norm_rows_config(rows),
-            &mut *out,
+            &out32,
             &out16,
             rstd,
             x,
@@ -841,17 +861,7 @@ impl Backend for CudaBackend {
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
         );
         let twin = self.twin_storage(out, n);
-        assert!(
-            twin.is_some() || !out.is_bf16_only(),
-            "swiglu_forward: a bf16-only output needs the whole buffer written with its bf16 copy"
-        );
-        let out16 = self.twin_address(&twin);
-        // A bf16-only output gets no f32 values (null).
-        let out32 = if out.is_bf16_only() {
-            0
-        } else {
-            out.device_address_mut(&self.stream)
-        };
+        let (out32, out16) = self.output_addresses(out, &twin, "swiglu_forward");
         launch_elementwise!(self, "swiglu_forward", n, &out32, &out16, gate, up);
         Self::keep_twin(out, twin);
     }
