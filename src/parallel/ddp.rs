@@ -77,15 +77,24 @@ impl DdpReducer {
         self.in_flight += 1;
         Ok(())
     }
+}
 
+/// Sums a step's gradients across the data-parallel ranks: told when each block's gradients are
+/// final (on the last micro-batch), then `finish` leaves every gradient summed.
+pub trait GradReducer<B: Backend>: BlockGradHook<B> {
+    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()>;
+}
+
+impl<B: Backend> BlockGradHook<B> for DdpReducer {
+    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()> {
+        self.submit(be, layer.all().to_vec(), grads)
+    }
+}
+
+impl<B: Backend> GradReducer<B> for DdpReducer {
     /// Reduces the parameters no block hook covered, waits for every bucket and writes the summed
     /// gradients back.
-    fn finish_buckets<B: Backend>(
-        &mut self,
-        be: &B,
-        grads: &mut ParamSet<B>,
-        block_ids: &[LayerIds],
-    ) -> Result<()> {
+    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()> {
         let mut covered = vec![false; grads.len()];
         for l in block_ids {
             for i in l.all() {
@@ -116,24 +125,6 @@ impl DdpReducer {
             }
         }
         first_err.map_or(Ok(()), Err)
-    }
-}
-
-/// Sums a step's gradients across the data-parallel ranks: told when each block's gradients are
-/// final (on the last micro-batch), then `finish` leaves every gradient summed.
-pub trait GradReducer<B: Backend>: BlockGradHook<B> {
-    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()>;
-}
-
-impl<B: Backend> BlockGradHook<B> for DdpReducer {
-    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()> {
-        self.submit(be, layer.all().to_vec(), grads)
-    }
-}
-
-impl<B: Backend> GradReducer<B> for DdpReducer {
-    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()> {
-        self.finish_buckets(be, grads, block_ids)
     }
 }
 

@@ -138,11 +138,16 @@ enum BufferPending<B: Backend> {
     ReduceScatter(Vec<usize>, B::Buf),
 }
 
+/// How a step's collectives run (see the module doc).
+enum Collectives<B: Backend> {
+    /// On the host, by the communication thread.
+    Host(CommThread),
+    /// On backend buffers, with the collectives issued and not yet completed.
+    Buffers(BufferComm<B>, VecDeque<BufferPending<B>>),
+}
+
 pub struct Fsdp<B: Backend> {
-    /// The host path's thread (None on the buffer path).
-    comm: Option<CommThread>,
-    /// The buffer path, with its issued collectives.
-    buffers: Option<(BufferComm<B>, VecDeque<BufferPending<B>>)>,
+    comm: Collectives<B>,
     group: Arc<dyn ProcessGroup>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
@@ -215,12 +220,12 @@ impl<B: Backend> Fsdp<B> {
                 in_block[i] = true;
             }
         }
-        let comm = buffers
-            .is_none()
-            .then(|| CommThread::new(group.clone(), replicate.clone()));
+        let comm = match buffers {
+            Some(b) => Collectives::Buffers(b, VecDeque::new()),
+            None => Collectives::Host(CommThread::new(group.clone(), replicate.clone())),
+        };
         let mut f = Fsdp {
             comm,
-            buffers: buffers.map(|b| (b, VecDeque::new())),
             shards: ParamSet::zeros(be, &specs),
             grad_shards: ParamSet::zeros(be, &specs),
             numel,
@@ -359,7 +364,7 @@ impl<B: Backend> Fsdp<B> {
 
     /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
-        if let Some((comm, pending)) = &mut self.buffers {
+        if let Collectives::Buffers(comm, pending) = &mut self.comm {
             let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
             let mut packed = be.zeros(words);
             let mut at = 0;
@@ -389,22 +394,23 @@ impl<B: Backend> Fsdp<B> {
             return Ok(());
         }
         let mine = self.pack_shards(be, &self.shards, ids, self.param_dtype);
-        self.host_comm()?
+        self.host_thread()
             .submit(Job::Gather(mine), Pending::Gather(ids.to_vec()))
     }
 
-    fn host_comm(&mut self) -> Result<&mut CommThread> {
-        self.comm
-            .as_mut()
-            .ok_or_else(|| anyhow!("FSDP: no host communication thread on the buffer path"))
+    /// The communication thread, on the host path (callers have handled the buffer path).
+    fn host_thread(&mut self) -> &mut CommThread {
+        match &mut self.comm {
+            Collectives::Host(thread) => thread,
+            Collectives::Buffers(..) => unreachable!("FSDP's host path on the buffer path"),
+        }
     }
 
     /// Whether collectives are still to be completed.
     fn has_pending(&self) -> bool {
-        match (&self.buffers, &self.comm) {
-            (Some((_, pending)), _) => !pending.is_empty(),
-            (None, Some(c)) => !c.pending.is_empty(),
-            (None, None) => false,
+        match &self.comm {
+            Collectives::Host(thread) => !thread.pending.is_empty(),
+            Collectives::Buffers(_, pending) => !pending.is_empty(),
         }
     }
 
@@ -416,7 +422,7 @@ impl<B: Backend> Fsdp<B> {
     ) -> Result<()> {
         let size = self.group.size();
         let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
-        if let Some((comm, pending)) = &mut self.buffers {
+        if let Collectives::Buffers(comm, pending) = &mut self.comm {
             // Rank r's chunk holds each tensor's elements [r·c, (r+1)·c), zero past its end.
             let mut packed = be.zeros(packed_len * size);
             let mut offset = 0;
@@ -454,7 +460,7 @@ impl<B: Backend> Fsdp<B> {
             offset += c;
         }
         Self::release(be, grads, ids);
-        self.host_comm()?.submit(
+        self.host_thread().submit(
             Job::ReduceScatter(packed),
             Pending::ReduceScatter(ids.to_vec()),
         )
@@ -463,10 +469,10 @@ impl<B: Backend> Fsdp<B> {
     /// Completes the oldest collective: unpacks a gather into `full` or adds reduced gradients into
     /// the shards. Returns the ids of a completed gather.
     fn complete_next(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Option<Vec<usize>>> {
-        if self.buffers.is_some() {
+        if matches!(self.comm, Collectives::Buffers(..)) {
             return self.complete_next_buffer(be, full);
         }
-        let comm = self.host_comm()?;
+        let comm = self.host_thread();
         let pending = comm
             .pending
             .pop_front()
@@ -504,7 +510,9 @@ impl<B: Backend> Fsdp<B> {
         full: &mut ParamSet<B>,
     ) -> Result<Option<Vec<usize>>> {
         let size = self.group.size();
-        let (_, pending) = self.buffers.as_mut().expect("the buffer path");
+        let Collectives::Buffers(_, pending) = &mut self.comm else {
+            unreachable!("FSDP's buffer path on the host path")
+        };
         match pending
             .pop_front()
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?

@@ -108,49 +108,62 @@ impl CudaBackend {
     }
 
     fn copy_at_untimed(&self, dst: &mut Buf, offset: usize, src: &Buf) {
-        check_len("copy_into_at", "dst", dst.len(), offset + src.len());
-        if src.is_empty() {
+        self.copy_range_untimed(dst, offset, src, 0, src.len());
+    }
+
+    /// `dst[dst_offset..+len] = src[src_offset..+len]` on the device (the body of `copy_range`).
+    fn copy_range_untimed(
+        &self,
+        dst: &mut Buf,
+        dst_offset: usize,
+        src: &Buf,
+        src_offset: usize,
+        len: usize,
+    ) {
+        check_len("copy_range", "dst", dst.len(), dst_offset + len);
+        check_len("copy_range", "src", src.len(), src_offset + len);
+        if len == 0 {
             return;
         }
-        let n = src.len();
-        let mut window = dst.slice_mut(offset..offset + n);
+        let mut window = dst.slice_mut(dst_offset..dst_offset + len);
         self.stream
-            .memcpy_dtod(&src.slice(0..n), &mut window)
+            .memcpy_dtod(&src.slice(src_offset..src_offset + len), &mut window)
             .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
     }
 
-    /// Storage for the bf16 copy of `buf` that a kernel about to write all `written` of its values
-    /// writes beside them (see CudaBuf), when the backend keeps such copies (`activation_copies`:
-    /// GEMMs in bf16) and the kernel covers the whole buffer; None otherwise. The kernel gets
-    /// `twin_address`; `keep_twin` records the copy after.
-    fn twin_storage(&self, buf: &mut Buf, written: usize) -> Option<CudaSlice<u16>> {
-        (self.activation_copies && written == buf.len() && written > 0)
-            .then(|| buf.take_bf16_storage(|capacity| self.alloc_unzeroed::<u16>(capacity)))
-    }
-
-    /// The kernel argument for a bf16 copy: its address, or null for none.
-    fn twin_address(&self, twin: &Option<CudaSlice<u16>>) -> u64 {
-        twin.as_ref().map_or(0, |t| t.device_ptr(&self.stream).0)
-    }
-
-    /// The f32 and bf16 destinations of a kernel writing all of `out` with its bf16 copy `twin`
-    /// (from `twin_storage`): a bf16-only buffer gets no f32 values (null); the write begins here.
-    fn output_addresses(
+    /// Begins a kernel's write of all `written` values of `out`: storage for the bf16 copy it
+    /// writes beside them (see CudaBuf) when the backend keeps such copies (`activation_copies`:
+    /// GEMMs in bf16) and the kernel covers the whole buffer, and the kernel's two destinations:
+    /// f32 (null for a bf16-only buffer, which only kernels that skip a null f32 output take:
+    /// `f32_optional`) and bf16 (null without a copy). `keep_twin` records the copy once the
+    /// kernel is queued.
+    fn begin_output(
         &self,
         out: &mut Buf,
-        twin: &Option<CudaSlice<u16>>,
+        written: usize,
         op: &str,
-    ) -> (u64, u64) {
+        f32_optional: bool,
+    ) -> (Option<CudaSlice<u16>>, u64, u64) {
+        let twin = (self.activation_copies && written == out.len() && written > 0)
+            .then(|| out.take_bf16_storage(|capacity| self.alloc_unzeroed::<u16>(capacity)));
+        let bf16_only = out.is_bf16_only();
         assert!(
-            twin.is_some() || !out.is_bf16_only(),
-            "{op}: a bf16-only output needs the whole buffer written with its bf16 copy"
+            !bf16_only || (f32_optional && twin.is_some()),
+            "{op}: a bf16-only output must be written whole, by a kernel that takes a null f32 \
+             destination"
         );
-        let out32 = if out.is_bf16_only() {
+        let out32 = if bf16_only {
             0
         } else {
             out.device_address_mut(&self.stream)
         };
-        (out32, self.twin_address(twin))
+        let out16 = self.address_or_null(twin.as_ref());
+        (twin, out32, out16)
+    }
+
+    /// A kernel argument for optional device memory: its address, or null.
+    fn address_or_null<T>(&self, memory: Option<&CudaSlice<T>>) -> u64 {
+        memory.map_or(0, |m| m.device_ptr(&self.stream).0)
     }
 
     fn keep_twin(buf: &mut Buf, twin: Option<CudaSlice<u16>>) {
@@ -250,13 +263,12 @@ impl CudaBackend {
             head_dim as i32,
             pos_offset as i32,
         );
-        let twin = self.twin_storage(x, pairs * 2);
-        let x16 = self.twin_address(&twin);
+        let (twin, x32, x16) = self.begin_output(x, pairs * 2, "rope", false);
         launch!(
             self,
             "rope_rotate",
             elementwise_config(pairs),
-            &mut *x,
+            &x32,
             &x16,
             cos,
             sin,
@@ -353,15 +365,7 @@ impl Backend for CudaBackend {
         len: usize,
     ) {
         let _timer = self.profiler.time_on("copy_into_at", self);
-        check_len("copy_range", "dst", dst.len(), dst_offset + len);
-        check_len("copy_range", "src", src.len(), src_offset + len);
-        if len == 0 {
-            return;
-        }
-        let mut window = dst.slice_mut(dst_offset..dst_offset + len);
-        self.stream
-            .memcpy_dtod(&src.slice(src_offset..src_offset + len), &mut window)
-            .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+        self.copy_range_untimed(dst, dst_offset, src, src_offset, len);
     }
 
     fn matmul(
@@ -406,10 +410,7 @@ impl Backend for CudaBackend {
         check_len("matmul_add", "residual", residual.len(), m * n);
         if k == 0 || m == 0 || n == 0 {
             // No product to add (the GEMM would not run): the output is the residual.
-            let mut dst = out.slice_mut(0..m * n);
-            self.stream
-                .memcpy_dtod(&residual.slice(0..m * n), &mut dst)
-                .unwrap_or_else(|e| panic!("CUDA copy failed: {e}"));
+            self.copy_range_untimed(out, 0, residual, 0, m * n);
             return;
         }
         let addend = residual.device_address(&self.stream);
@@ -486,8 +487,7 @@ impl Backend for CudaBackend {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
-        let twin = self.twin_storage(out, rows * dim);
-        let (out32, out16) = self.output_addresses(out, &twin, "rmsnorm_forward");
+        let (twin, out32, out16) = self.begin_output(out, rows * dim, "rmsnorm_forward", true);
         launch!(
             self,
             "rmsnorm_forward",
@@ -523,13 +523,12 @@ impl Backend for CudaBackend {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
-        let twin = self.twin_storage(dx, rows * dim);
-        let dx16 = self.twin_address(&twin);
+        let (twin, dx32, dx16) = self.begin_output(dx, rows * dim, "rmsnorm_backward", false);
         launch!(
             self,
             "rmsnorm_backward_dx",
             norm_rows_config(rows),
-            &mut *dx,
+            &dx32,
             &dx16,
             dout,
             x,
@@ -640,13 +639,12 @@ impl Backend for CudaBackend {
                 self.to_bf16(k, kv_floats),
                 self.to_bf16(v, kv_floats),
             );
-            let twin = self.twin_storage(out, q_floats);
-            let out16 = self.twin_address(&twin);
+            let (twin, out32, out16) = self.begin_output(out, q_floats, "attention_forward", false);
             launch!(
                 self,
                 kernels.forward,
                 cfg,
-                &mut *out,
+                &out32,
                 &out16,
                 lse,
                 &q.address,
@@ -779,10 +777,7 @@ impl Backend for CudaBackend {
                     // one last for the blocks' tickets (attention_tc.cu, `dq_order`).
                     let counters = s.batch * s.n_heads * s.q_len.div_ceil(64) + 1;
                     let turns = ordered.then(|| self.alloc::<i32>(counters));
-                    let turns_address = turns.as_ref().map_or(0u64, |t| {
-                        let (ptr, _sync) = t.device_ptr(&self.stream);
-                        ptr
-                    });
+                    let turns_address = self.address_or_null(turns.as_ref());
                     let cfg = LaunchConfig {
                         grid_dim: (
                             s.q_len.div_ceil(16 * warps) as u32,
@@ -860,8 +855,7 @@ impl Backend for CudaBackend {
             "swiglu_forward",
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
         );
-        let twin = self.twin_storage(out, n);
-        let (out32, out16) = self.output_addresses(out, &twin, "swiglu_forward");
+        let (twin, out32, out16) = self.begin_output(out, n, "swiglu_forward", true);
         launch_elementwise!(self, "swiglu_forward", n, &out32, &out16, gate, up);
         Self::keep_twin(out, twin);
     }
@@ -877,14 +871,14 @@ impl Backend for CudaBackend {
                 ("up", up.len()),
             ],
         );
-        let (dgate_twin, dup_twin) = (self.twin_storage(dgate, n), self.twin_storage(dup, n));
-        let (dgate16, dup16) = (self.twin_address(&dgate_twin), self.twin_address(&dup_twin));
+        let (dgate_twin, dgate32, dgate16) = self.begin_output(dgate, n, "swiglu_backward", false);
+        let (dup_twin, dup32, dup16) = self.begin_output(dup, n, "swiglu_backward", false);
         launch_elementwise!(
             self,
             "swiglu_backward",
             n,
-            &mut *dgate,
-            &mut *dup,
+            &dgate32,
+            &dup32,
             &dgate16,
             &dup16,
             dout,
@@ -959,10 +953,7 @@ impl Backend for CudaBackend {
         // backward GEMMs read as is (no conversion of the largest operand of the step).
         let grad16 = (grads.is_some() && self.precision() == GemmPrecision::BFloat16)
             .then(|| self.alloc_unzeroed::<u16>(chunk * vocab));
-        let grad16_address = grad16.as_ref().map_or(0u64, |g| {
-            let (ptr, _sync) = g.device_ptr(&self.stream);
-            ptr
-        });
+        let grad16_address = self.address_or_null(grad16.as_ref());
         for r0 in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - r0);
             let h_chunk = h.slice(r0 * dim..(r0 + n) * dim);
