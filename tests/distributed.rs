@@ -563,7 +563,8 @@ fn hsdp_writes_one_replica_of_shards_and_resumes_in_one_process() {
 fn fsdp_collectives_on_backend_buffers_give_the_host_path_bits() {
     // The path NCCL takes on GPUs (packing by backend ops, collectives on whole buffers), run
     // through host copies on the CPU: FSDP 2 in fp32 and bf16 and HSDP 2×2, bit for bit the
-    // host path's losses and gradient norms.
+    // host path's losses and gradient norms. With 4 blocks regathered for the backward, the
+    // reduce-scatters outnumber the in-flight limit and are completed early, between gathers.
     let hsdp = [
         "--parallelism.data_parallel_replicate_degree",
         "2",
@@ -571,10 +572,17 @@ fn fsdp_collectives_on_backend_buffers_give_the_host_path_bits() {
         "1",
     ];
     let bf16 = ["--training.mixed_precision_param", "bfloat16"];
+    let deep = [
+        "--model.n_layers",
+        "4",
+        "--parallelism.fsdp_reshard_after_forward",
+        "always",
+    ];
     for (what, nproc, extra) in [
         ("FSDP 2", "2", &[][..]),
         ("FSDP 2 bf16", "2", &bf16[..]),
         ("HSDP 2x2", "4", &hsdp[..]),
+        ("FSDP 2, 4 blocks resharded", "2", &deep[..]),
     ] {
         let mut runs = Vec::new();
         for path in ["host", "buffers"] {

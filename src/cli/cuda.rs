@@ -300,6 +300,25 @@ fn nccl_check() -> Result<()> {
     if be.download(&grads[0]) != values || be.download(&grads[2]) != values[..10] {
         failures.push("all_reduce_each");
     }
+    // Collectives on the communication stream, ordered against compute by events: a value the
+    // compute stream writes just before a start is what the collective reads; two collectives are
+    // in flight at once with compute queued between them; compute queued after a wait reads the
+    // result.
+    let mut x = be.upload(&values);
+    be.fill(&mut x, 3.0);
+    let mut all_x = be.zeros(values.len());
+    let gather = g.start_all_gather(&x, &mut all_x)?;
+    let mut y = be.upload(&values);
+    be.scale(&mut y, 2.0);
+    let mut part = be.zeros(values.len());
+    let scatter = g.start_reduce_scatter(&y, &mut part, ReduceOp::Sum)?;
+    g.wait(gather)?;
+    g.wait(scatter)?;
+    be.scale(&mut all_x, 0.5);
+    let doubled: Vec<f32> = values.iter().map(|v| v * 2.0).collect();
+    if be.download(&all_x) != vec![1.5; values.len()] || be.download(&part) != doubled {
+        failures.push("ordering against compute");
+    }
     let mut big = be.zeros(64 << 20);
     let t0 = std::time::Instant::now();
     for _ in 0..10 {
@@ -307,7 +326,7 @@ fn nccl_check() -> Result<()> {
     }
     let per_call = t0.elapsed().as_secs_f64() / 10.0;
     println!(
-        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter {}; 256 MiB all_reduce {:.2} ms",
+        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter, ordering against compute {}; 256 MiB all_reduce {:.2} ms",
         be.device_name(),
         if failures.is_empty() { "ok" } else { "FAILED" },
         per_call * 1e3

@@ -3,23 +3,32 @@
 //! The unique id travels through the rendezvous store (rank 0 creates it), and every rank announces
 //! itself there before the blocking `ncclCommInitRank`, so a rank that never comes is a store
 //! timeout naming it rather than a hang inside NCCL; the init itself is waited for at most the
-//! init timeout too (`init_within`). Collectives are queued on the backend's stream;
-//! `wait` polls that stream and NCCL's asynchronous error instead of blocking, and aborts the
-//! communicator when the group's timeout passes, so a dead peer is an error, never a hang.
+//! init timeout too (`init_within`).
+//!
+//! Overlap with compute: collectives run on the backend's communication stream
+//! (`CudaBackend::comm_stream`), not the compute stream. Starting one (`start_*`) records an event
+//! on the compute stream that the communication stream waits for, so the collective reads what the
+//! kernels queued so far wrote (the packed shards, the finished gradients), then queues it and
+//! returns an `InFlight` holding an event recorded after it. The compute stream goes on meanwhile.
+//! `wait` polls that event and NCCL's asynchronous error instead of blocking, aborts the
+//! communicator when the group's timeout passes (a dead peer is an error, never a hang), and makes
+//! the compute stream wait for the event before anything it queues next reads the result. Between
+//! start and wait the caller keeps the collective's buffers alive and unwritten: the memory pool
+//! hands freed memory back to the compute stream, which would overwrite it under the collective.
 //!
 //! Status: run on one GPU only (`titan cuda nccl-check`, a one-rank group): NCCL refuses two ranks
-//! on one GPU, and the lent machines have one. When every rank has its own GPU, DDP sums gradients
-//! through these groups (`parallel::ddp::NcclGradReducer`) and FSDP gathers and reduce-scatters
-//! through them (`comm::buffers`, FSDP's buffer path, whose packing is checked on the CPU against
-//! the host path bit for bit). Each collective waits for its result; overlapping them with compute
-//! (a second stream with events) is not done yet.
+//! on one GPU, and the lent machines have one. When every rank has its own GPU, DDP sums each
+//! block's gradients through these groups while the backward goes on with the blocks below
+//! (`parallel::ddp::NcclGradReducer`), and FSDP gathers and reduce-scatters through them one block
+//! ahead of or behind the compute (`comm::buffers`, FSDP's buffer path, whose packing is checked on
+//! the CPU against the host path bit for bit).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result as nccl, sys};
 
 use super::group::ReduceOp;
@@ -29,7 +38,10 @@ use crate::backend::cuda::{CudaBackend, CudaBuf};
 
 pub struct NcclGroup {
     comm: sys::ncclComm_t,
+    /// Where the collectives run (the backend's communication stream).
     stream: Arc<CudaStream>,
+    /// The backend's compute stream, which the collectives are ordered against.
+    compute: Arc<CudaStream>,
     name: String,
     rank: usize,
     size: usize,
@@ -42,6 +54,15 @@ pub struct NcclGroup {
 // titan issues a group's collectives from one thread at a time.
 unsafe impl Send for NcclGroup {}
 unsafe impl Sync for NcclGroup {}
+
+/// A collective queued on the communication stream and not yet waited for (`NcclGroup::wait`).
+/// Its buffers must stay alive and unwritten until then (see the module doc).
+#[must_use = "a collective in flight must be waited for before its result is read"]
+pub struct InFlight {
+    /// Recorded on the communication stream right after the collective.
+    done: CudaEvent,
+    op: &'static str,
+}
 
 fn nccl_err(what: &str, e: nccl::NcclError) -> anyhow::Error {
     // cudarc's Debug for NcclError drops the code; the ncclResult_t inside names it.
@@ -95,7 +116,7 @@ impl NcclGroup {
                     anyhow!("NCCL group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}")
                 })?;
         }
-        let stream = be.stream().clone();
+        let stream = be.comm_stream()?;
         stream
             .context()
             .bind_to_thread()
@@ -106,6 +127,7 @@ impl NcclGroup {
         Ok(NcclGroup {
             comm,
             stream,
+            compute: be.stream().clone(),
             name: name.to_string(),
             rank,
             size,
@@ -144,18 +166,60 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// In place over the whole buffer.
-    pub fn all_reduce(&self, buf: &mut CudaBuf, op: ReduceOp) -> Result<()> {
-        self.all_reduce_each(std::slice::from_mut(buf), op)
+    fn cuda_error(&self, op: &str, what: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+        anyhow!(
+            "{op} on NCCL group `{}` (rank {} of {}): CUDA {what}: {e}",
+            self.name,
+            self.rank,
+            self.size
+        )
     }
 
-    /// Each buffer in place, as one NCCL group call (one launch sequence, one wait): DDP's
-    /// gradient sum over every parameter.
+    /// Before queueing a collective: the communication stream waits for the compute stream's work
+    /// so far (which wrote the collective's input and allocated its output).
+    fn begin(&self, op: &'static str) -> Result<()> {
+        self.check_usable(op)?;
+        let ready = self
+            .compute
+            .record_event(None)
+            .map_err(|e| self.cuda_error(op, "recording an event", e))?;
+        self.stream
+            .wait(&ready)
+            .map_err(|e| self.cuda_error(op, "ordering the communication stream", e))
+    }
+
+    /// After queueing a collective: the event that marks its end.
+    fn issued(&self, op: &'static str) -> Result<InFlight> {
+        let done = self
+            .stream
+            .record_event(None)
+            .map_err(|e| self.cuda_error(op, "recording an event", e))?;
+        Ok(InFlight { done, op })
+    }
+
+    /// In place over the whole buffer; waits for the result.
+    pub fn all_reduce(&self, buf: &mut CudaBuf, op: ReduceOp) -> Result<()> {
+        let f = self.start_all_reduce_each(std::iter::once(buf), op)?;
+        self.wait(f)
+    }
+
+    /// Each buffer in place, as one NCCL group call; waits for the result.
     pub fn all_reduce_each(&self, bufs: &mut [CudaBuf], op: ReduceOp) -> Result<()> {
-        self.check_usable("all_reduce_each")?;
+        let f = self.start_all_reduce_each(bufs.iter_mut(), op)?;
+        self.wait(f)
+    }
+
+    /// Starts reducing each buffer in place, as one NCCL group call (one launch sequence, one
+    /// event): DDP's gradient sum over a block's parameters.
+    pub fn start_all_reduce_each<'a>(
+        &self,
+        bufs: impl IntoIterator<Item = &'a mut CudaBuf>,
+        op: ReduceOp,
+    ) -> Result<InFlight> {
+        self.begin("all_reduce")?;
         nccl::group_start().map_err(|e| nccl_err("group start", e))?;
         let mut queued = Ok(());
-        for buf in bufs.iter_mut().filter(|b| !b.is_empty()) {
+        for buf in bufs.into_iter().filter(|b| !b.is_empty()) {
             let p = buf.device_address_mut(&self.stream);
             // SAFETY: p addresses buf.len() floats on this communicator's device.
             queued = unsafe {
@@ -183,12 +247,17 @@ impl NcclGroup {
         }
         queued?;
         ended?;
-        self.wait("all_reduce_each")
+        self.issued("all_reduce")
     }
 
-    /// `output` (`size × input.len()`) receives every rank's `input` in rank order.
+    /// `output` (`size × input.len()`) receives every rank's `input` in rank order; waits.
     pub fn all_gather(&self, input: &CudaBuf, output: &mut CudaBuf) -> Result<()> {
-        self.check_usable("all_gather")?;
+        let f = self.start_all_gather(input, output)?;
+        self.wait(f)
+    }
+
+    /// Starts `all_gather`.
+    pub fn start_all_gather(&self, input: &CudaBuf, output: &mut CudaBuf) -> Result<InFlight> {
         if output.len() != input.len() * self.size {
             bail!(
                 "all_gather on NCCL group `{}`: output holds {} values, needs {} × {}",
@@ -198,39 +267,49 @@ impl NcclGroup {
                 input.len()
             );
         }
-        if input.is_empty() {
-            return Ok(());
+        self.begin("all_gather")?;
+        if !input.is_empty() {
+            let (src, dst) = (
+                input.device_address(&self.stream),
+                output.device_address_mut(&self.stream),
+            );
+            // SAFETY: the lengths were checked above.
+            unsafe {
+                nccl::all_gather(
+                    src as *const _,
+                    dst as *mut _,
+                    input.len(),
+                    sys::ncclDataType_t::ncclFloat32,
+                    self.comm,
+                    self.cu_stream(),
+                )
+            }
+            .map_err(|e| {
+                self.abort();
+                nccl_err("all_gather", e)
+            })?;
         }
-        let (src, dst) = (
-            input.device_address(&self.stream),
-            output.device_address_mut(&self.stream),
-        );
-        // SAFETY: the lengths were checked above.
-        unsafe {
-            nccl::all_gather(
-                src as *const _,
-                dst as *mut _,
-                input.len(),
-                sys::ncclDataType_t::ncclFloat32,
-                self.comm,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| {
-            self.abort();
-            nccl_err("all_gather", e)
-        })?;
-        self.wait("all_gather")
+        self.issued("all_gather")
     }
 
-    /// `input` is `size` equal chunks; `output` receives the reduction of chunk `rank`.
+    /// `input` is `size` equal chunks; `output` receives the reduction of chunk `rank`; waits.
     pub fn reduce_scatter(
         &self,
         input: &CudaBuf,
         output: &mut CudaBuf,
         op: ReduceOp,
     ) -> Result<()> {
-        self.check_usable("reduce_scatter")?;
+        let f = self.start_reduce_scatter(input, output, op)?;
+        self.wait(f)
+    }
+
+    /// Starts `reduce_scatter`.
+    pub fn start_reduce_scatter(
+        &self,
+        input: &CudaBuf,
+        output: &mut CudaBuf,
+        op: ReduceOp,
+    ) -> Result<InFlight> {
         if input.len() != output.len() * self.size {
             bail!(
                 "reduce_scatter on NCCL group `{}`: input holds {} values, needs {} × {}",
@@ -240,30 +319,30 @@ impl NcclGroup {
                 output.len()
             );
         }
-        if output.is_empty() {
-            return Ok(());
+        self.begin("reduce_scatter")?;
+        if !output.is_empty() {
+            let (src, dst) = (
+                input.device_address(&self.stream),
+                output.device_address_mut(&self.stream),
+            );
+            // SAFETY: the lengths were checked above.
+            unsafe {
+                nccl::reduce_scatter(
+                    src as *const _,
+                    dst as *mut _,
+                    output.len(),
+                    sys::ncclDataType_t::ncclFloat32,
+                    Self::red_op(op),
+                    self.comm,
+                    self.cu_stream(),
+                )
+            }
+            .map_err(|e| {
+                self.abort();
+                nccl_err("reduce_scatter", e)
+            })?;
         }
-        let (src, dst) = (
-            input.device_address(&self.stream),
-            output.device_address_mut(&self.stream),
-        );
-        // SAFETY: the lengths were checked above.
-        unsafe {
-            nccl::reduce_scatter(
-                src as *const _,
-                dst as *mut _,
-                output.len(),
-                sys::ncclDataType_t::ncclFloat32,
-                Self::red_op(op),
-                self.comm,
-                self.cu_stream(),
-            )
-        }
-        .map_err(|e| {
-            self.abort();
-            nccl_err("reduce_scatter", e)
-        })?;
-        self.wait("reduce_scatter")
+        self.issued("reduce_scatter")
     }
 
     /// Aborts the communicator once: a broken one would hang `ncclCommDestroy` at drop.
@@ -277,21 +356,21 @@ impl NcclGroup {
         }
     }
 
-    /// Waits for the queued collective by polling, so that a dead or silent peer ends in an error
-    /// naming the group within the timeout (the communicator is then aborted and unusable).
-    fn wait(&self, op: &str) -> Result<()> {
-        use cudarc::driver::sys as cu;
+    /// Completes a collective of this group: polls its event, so that a dead or silent peer ends
+    /// in an error naming the group within the timeout (the communicator is then aborted and
+    /// unusable), then orders the compute stream after it.
+    pub fn wait(&self, f: InFlight) -> Result<()> {
+        let op = f.op;
+        self.check_usable(op)?;
         let deadline = Instant::now() + self.timeout;
         loop {
-            // SAFETY: the stream is live; cuStreamQuery only reads its state.
-            let state = unsafe { cu::cuStreamQuery(self.stream.cu_stream()) };
-            match state {
-                cu::CUresult::CUDA_SUCCESS => return Ok(()),
-                cu::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => {
+            match f.done.try_is_complete() {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
                     self.abort();
                     bail!(
-                        "{op} on NCCL group `{}` (rank {} of {}): CUDA error {other:?}",
+                        "{op} on NCCL group `{}` (rank {} of {}): CUDA error {e}",
                         self.name,
                         self.rank,
                         self.size
@@ -324,6 +403,10 @@ impl NcclGroup {
             }
             std::thread::sleep(Duration::from_micros(20));
         }
+        // Done already; the compute stream's wait keeps the order explicit for what it queues next.
+        self.compute
+            .wait(&f.done)
+            .map_err(|e| self.cuda_error(op, "ordering the compute stream", e))
     }
 }
 

@@ -9,9 +9,10 @@
 //!   which all-reduces it while the backward goes on with the blocks below. The remaining
 //!   parameters (embeddings, final norm, output) form the last bucket. The thread is the group's
 //!   only user while buckets are in flight.
-//! - `NcclGradReducer`, on CUDA when every rank has its own GPU: after the backward, every gradient
-//!   is summed in place on the GPUs by one NCCL group call (no host copies; not yet overlapped with
-//!   the backward, and not yet run with more than one rank: see `comm::nccl`).
+//! - `NcclGradReducer`, on CUDA when every rank has its own GPU: the same buckets summed in place on
+//!   the GPUs, one NCCL group call per block started as soon as the backward has queued that
+//!   block's gradients, running on NCCL's stream while the compute stream goes on with the blocks
+//!   below (no host copies; not yet run with more than one rank: see `comm::nccl`).
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use anyhow::{anyhow, Result};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
-use crate::comm::nccl::NcclGroup;
+use crate::comm::nccl::{InFlight, NcclGroup};
 use crate::model::llama::BlockGradHook;
 use crate::model::params::LayerIds;
 use crate::model::ParamSet;
@@ -128,14 +129,40 @@ impl<B: Backend> GradReducer<B> for DdpReducer {
     }
 }
 
-/// DDP's gradient sum on the GPUs through NCCL, all at once after the backward.
+/// DDP's gradient sum on the GPUs through NCCL, a block at a time during the backward.
 pub struct NcclGradReducer {
     group: NcclGroup,
+    /// The sums started this step, oldest first.
+    in_flight: Vec<InFlight>,
+    /// Which gradients a started sum covers (indexed like the parameters).
+    started: Vec<bool>,
 }
 
 impl NcclGradReducer {
     pub fn new(group: NcclGroup) -> Self {
-        NcclGradReducer { group }
+        NcclGradReducer {
+            group,
+            in_flight: Vec::new(),
+            started: Vec::new(),
+        }
+    }
+
+    /// Starts summing the gradients `ids` (one NCCL group call); they must not be written until
+    /// `finish`, which the backward guarantees for a finished block.
+    fn start(&mut self, grads: &mut ParamSet<CudaBackend>, ids: &[usize]) -> Result<()> {
+        self.started.resize(grads.len(), false);
+        for &i in ids {
+            self.started[i] = true;
+        }
+        let bufs = grads
+            .bufs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| ids.contains(i))
+            .map(|(_, b)| b);
+        let f = self.group.start_all_reduce_each(bufs, ReduceOp::Sum)?;
+        self.in_flight.push(f);
+        Ok(())
     }
 }
 
@@ -143,21 +170,39 @@ impl BlockGradHook<CudaBackend> for NcclGradReducer {
     fn block_done(
         &mut self,
         _be: &CudaBackend,
-        _layer: &LayerIds,
-        _grads: &mut ParamSet<CudaBackend>,
+        layer: &LayerIds,
+        grads: &mut ParamSet<CudaBackend>,
     ) -> Result<()> {
-        Ok(())
+        self.start(grads, &layer.all())
     }
 }
 
 impl GradReducer<CudaBackend> for NcclGradReducer {
+    /// Starts the sum of every gradient no block hook covered (embeddings, final norm, output),
+    /// then waits for all of them.
     fn finish(
         &mut self,
         _be: &CudaBackend,
         grads: &mut ParamSet<CudaBackend>,
         _block_ids: &[LayerIds],
     ) -> Result<()> {
-        self.group.all_reduce_each(&mut grads.bufs, ReduceOp::Sum)
+        self.started.resize(grads.len(), false);
+        let rest: Vec<usize> = (0..grads.len()).filter(|&i| !self.started[i]).collect();
+        let started = if rest.is_empty() {
+            Ok(())
+        } else {
+            self.start(grads, &rest)
+        };
+        self.started.iter_mut().for_each(|s| *s = false);
+        // Every started sum is waited for (after a failure they end at once: the communicator is
+        // aborted), and the first error is the one reported.
+        let mut first_err = started.err();
+        for f in self.in_flight.drain(..) {
+            if let Err(e) = self.group.wait(f) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 }
 

@@ -27,7 +27,12 @@
 //! - Buffers (`BufferComm`): packing and unpacking are backend ops on device buffers, and the
 //!   collectives take those buffers whole: NCCL on GPUs (`comm::nccl`), or through the host for
 //!   checking this path on the CPU (`TITAN_FSDP_COLLECTIVES=buffers`), where it gives the host
-//!   path's bits. The collectives are issued in the same order but not overlapped with compute.
+//!   path's bits. The collectives are started in the same order, and on GPUs they run on NCCL's
+//!   stream while the compute stream goes on: the next block's gather during this block's
+//!   forward, a block's reduce-scatter during the backward of the block below.
+//!
+//! Either way at most `MAX_IN_FLIGHT` collectives are left running after a block's backward, so the
+//! packed gradients waiting for their reduce-scatter never add up to more than a few blocks' worth.
 //!
 //! Checkpoints: each rank writes its own shards (`checkpoint::sharded`).
 
@@ -39,7 +44,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use anyhow::{anyhow, Result};
 
 use crate::backend::{Backend, LossSum};
-use crate::comm::buffers::BufferCollectives;
+use crate::comm::buffers::{BufferCollectives, Issued};
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
@@ -131,12 +136,30 @@ pub struct BufferComm<B: Backend> {
     pub replicate: Option<Box<dyn BufferCollectives<B>>>,
 }
 
-/// A collective issued on the buffer path, completed in submission order: a gather's result (every
-/// rank's packed shards) or a reduce-scatter's (this rank's packed, summed gradient shards).
+/// A collective started on the buffer path, completed in submission order. Each holds its input
+/// so that the buffer lives until the collective is done with it (see `comm::buffers`).
 enum BufferPending<B: Backend> {
-    Gather(Vec<usize>, B::Buf),
-    ReduceScatter(Vec<usize>, B::Buf),
+    /// Gathers the packed shards of `ids` (as bf16 pairs when `pairs`) into `gathered`.
+    Gather {
+        ids: Vec<usize>,
+        pairs: bool,
+        _packed: B::Buf,
+        gathered: B::Buf,
+        issued: Issued,
+    },
+    /// Reduce-scatters the packed gradients of `ids` into `mine` (this rank's summed shards),
+    /// then for HSDP sums `mine` across the replicas.
+    ReduceScatter {
+        ids: Vec<usize>,
+        _packed: B::Buf,
+        mine: B::Buf,
+        issued: Issued,
+        replicated: Option<Issued>,
+    },
 }
+
+/// Collectives left running after a block's backward (see the module doc).
+const MAX_IN_FLIGHT: usize = 2;
 
 /// How a step's collectives run (see the module doc).
 enum Collectives<B: Backend> {
@@ -373,24 +396,21 @@ impl<B: Backend> Fsdp<B> {
                 at += self.shard_len[i];
             }
             // bf16 parameters travel as bf16 pairs (half the bytes), as on the host path.
-            let gathered = match self.param_dtype {
-                ParamDtype::Float32 => {
-                    let mut all = be.zeros(words * comm.shard.size());
-                    comm.shard.all_gather(be, &packed, &mut all)?;
-                    all
-                }
-                ParamDtype::BFloat16 => {
-                    let mut pairs = be.zeros(words.div_ceil(2));
-                    be.pack_bf16_pairs(&mut pairs, &packed);
-                    let mut all_pairs = be.zeros(words.div_ceil(2) * comm.shard.size());
-                    comm.shard.all_gather(be, &pairs, &mut all_pairs)?;
-                    // Each rank's part unpacks to an even number of values.
-                    let mut all = be.zeros(be.len(&all_pairs) * 2);
-                    be.unpack_bf16_pairs(&mut all, &all_pairs);
-                    all
-                }
-            };
-            pending.push_back(BufferPending::Gather(ids.to_vec(), gathered));
+            let pairs = self.param_dtype == ParamDtype::BFloat16;
+            if pairs {
+                let mut paired = be.zeros(words.div_ceil(2));
+                be.pack_bf16_pairs(&mut paired, &packed);
+                packed = paired;
+            }
+            let mut gathered = be.zeros(be.len(&packed) * comm.shard.size());
+            let issued = comm.shard.all_gather(be, &packed, &mut gathered)?;
+            pending.push_back(BufferPending::Gather {
+                ids: ids.to_vec(),
+                pairs,
+                _packed: packed,
+                gathered,
+                issued,
+            });
             return Ok(());
         }
         let mine = self.pack_shards(be, &self.shards, ids, self.param_dtype);
@@ -406,11 +426,11 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// Whether collectives are still to be completed.
-    fn has_pending(&self) -> bool {
+    /// How many collectives are still to be completed.
+    fn in_flight(&self) -> usize {
         match &self.comm {
-            Collectives::Host(thread) => !thread.pending.is_empty(),
-            Collectives::Buffers(_, pending) => !pending.is_empty(),
+            Collectives::Host(thread) => thread.pending.len(),
+            Collectives::Buffers(_, pending) => pending.len(),
         }
     }
 
@@ -439,11 +459,19 @@ impl<B: Backend> Fsdp<B> {
             }
             Self::release(be, grads, ids);
             let mut mine = be.zeros(packed_len);
-            comm.shard.reduce_scatter_sum(be, &packed, &mut mine)?;
-            if let Some(replicas) = &comm.replicate {
-                replicas.all_reduce_sum(be, &mut mine)?;
-            }
-            pending.push_back(BufferPending::ReduceScatter(ids.to_vec(), mine));
+            let issued = comm.shard.reduce_scatter_sum(be, &packed, &mut mine)?;
+            // Runs after the reduce-scatter (collectives run in the order they start).
+            let replicated = match &comm.replicate {
+                Some(replicas) => Some(replicas.all_reduce_sum(be, &mut mine)?),
+                None => None,
+            };
+            pending.push_back(BufferPending::ReduceScatter {
+                ids: ids.to_vec(),
+                _packed: packed,
+                mine,
+                issued,
+                replicated,
+            });
             return Ok(());
         }
         let mut packed = vec![0.0f32; packed_len * size];
@@ -510,14 +538,29 @@ impl<B: Backend> Fsdp<B> {
         full: &mut ParamSet<B>,
     ) -> Result<Option<Vec<usize>>> {
         let size = self.group.size();
-        let Collectives::Buffers(_, pending) = &mut self.comm else {
+        let Collectives::Buffers(comm, pending) = &mut self.comm else {
             unreachable!("FSDP's buffer path on the host path")
         };
         match pending
             .pop_front()
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?
         {
-            BufferPending::Gather(ids, all) => {
+            BufferPending::Gather {
+                ids,
+                pairs,
+                _packed,
+                gathered,
+                issued,
+            } => {
+                comm.shard.wait(be, issued)?;
+                let all = if pairs {
+                    // Each rank's part unpacks to an even number of values.
+                    let mut all = be.zeros(be.len(&gathered) * 2);
+                    be.unpack_bf16_pairs(&mut all, &gathered);
+                    all
+                } else {
+                    gathered
+                };
                 let words = be.len(&all) / size;
                 let mut offset = 0;
                 for &i in &ids {
@@ -535,7 +578,17 @@ impl<B: Backend> Fsdp<B> {
                 }
                 Ok(Some(ids))
             }
-            BufferPending::ReduceScatter(ids, mine) => {
+            BufferPending::ReduceScatter {
+                ids,
+                _packed,
+                mine,
+                issued,
+                replicated,
+            } => {
+                comm.shard.wait(be, issued)?;
+                if let (Some(replicas), Some(issued)) = (&comm.replicate, replicated) {
+                    replicas.wait(be, issued)?;
+                }
                 let mut offset = 0;
                 for &i in &ids {
                     let c = self.shard_len[i];
@@ -543,6 +596,26 @@ impl<B: Backend> Fsdp<B> {
                     offset += c;
                 }
                 Ok(None)
+            }
+        }
+    }
+
+    /// Completes the oldest reduce-scatters until at most `MAX_IN_FLIGHT` collectives are running
+    /// (a gather is left for `wait_gather`, which looks for it in the queue).
+    fn complete_down_to_limit(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<()> {
+        while self.in_flight() > MAX_IN_FLIGHT && self.oldest_is_reduce_scatter() {
+            self.complete_next(be, full)?;
+        }
+        Ok(())
+    }
+
+    fn oldest_is_reduce_scatter(&self) -> bool {
+        match &self.comm {
+            Collectives::Host(thread) => {
+                matches!(thread.pending.front(), Some(Pending::ReduceScatter(_)))
+            }
+            Collectives::Buffers(_, pending) => {
+                matches!(pending.front(), Some(BufferPending::ReduceScatter { .. }))
             }
         }
     }
@@ -611,10 +684,11 @@ impl<B: Backend> Fsdp<B> {
             model.block_backward(be, full, grads, ws, l);
             self.submit_reduce_scatter(be, grads, &blocks[l])?;
             Self::release(be, full, &blocks[l]);
+            self.complete_down_to_limit(be, full)?;
         }
         model.embed_backward(be, grads, ws);
         self.submit_reduce_scatter(be, grads, &non_block)?;
-        while self.has_pending() {
+        while self.in_flight() > 0 {
             self.complete_next(be, full)?;
         }
         Self::release(be, full, &non_block);

@@ -4,8 +4,10 @@
 //! which this backend tells to keep freed memory (release threshold = ∞): after the first step no
 //! call reaches `cudaMalloc`, and the pool's high-water mark is the peak memory in the metrics.
 //! GEMMs go to cuBLASLt (`gemm`); every other op is CUDA C compiled at start-up by NVRTC
-//! (`kernels`). All work is queued on one stream; only `download`, the loss and `sum_squares`
-//! wait for it. The libraries are loaded at run time (`libs`), so titan builds and runs without CUDA.
+//! (`kernels`). All compute is queued on one stream; only `download`, the loss and `sum_squares`
+//! wait for it. NCCL collectives run on a second stream (`comm_stream`), ordered against the first
+//! by events (`comm::nccl`), so that they overlap compute. The libraries are loaded at run time
+//! (`libs`), so titan builds and runs without CUDA.
 
 mod buffer;
 pub mod gemm;
@@ -29,6 +31,8 @@ use libs::{require, CudaLib};
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// The stream NCCL collectives run on, made on first use (`comm_stream`).
+    comm_stream: std::sync::OnceLock<Arc<CudaStream>>,
     functions: HashMap<&'static str, CudaFunction>,
     gemm: gemm::Gemm,
     pool: Option<sys::CUmemoryPool>,
@@ -210,6 +214,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             ctx,
             stream,
+            comm_stream: std::sync::OnceLock::new(),
             functions,
             gemm,
             pool,
@@ -269,6 +274,22 @@ impl CudaBackend {
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// The stream every NCCL communicator of this process queues its collectives on, made on first
+    /// use. One stream for all groups keeps the collectives of a process in the order they were
+    /// issued (HSDP's all-reduce across replicas runs after the reduce-scatter it sums), which is
+    /// also the order every rank issues them in. Non-blocking: it does not wait for the compute
+    /// stream unless told to by an event.
+    pub fn comm_stream(&self) -> Result<Arc<CudaStream>> {
+        if let Some(s) = self.comm_stream.get() {
+            return Ok(s.clone());
+        }
+        let made = self
+            .ctx
+            .new_stream()
+            .map_err(|e| anyhow!("CUDA: creating the communication stream: {e}"))?;
+        Ok(self.comm_stream.get_or_init(|| made).clone())
     }
 
     /// Waits for every queued kernel (benchmarks time whole steps).
