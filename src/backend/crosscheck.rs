@@ -246,17 +246,30 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.test
             .matmul_add(&mut th, &tres, &ta, &tw2, rows, dim, dim, false, true);
         self.compare("matmul_add on swiglu's output", &rh, &th, self.tol.gemm);
+        // SwiGLU's gradients, which only GEMMs read: GEMM operands, as in the model's workspace.
         let (mut rdg, mut tdg) = (
-            self.reference.zeros(rows * dim),
-            self.test.zeros(rows * dim),
+            self.reference.zeros_gemm_operand(rows * dim),
+            self.test.zeros_gemm_operand(rows * dim),
         );
         let (mut rdu, mut tdu) = (
-            self.reference.zeros(rows * dim),
-            self.test.zeros(rows * dim),
+            self.reference.zeros_gemm_operand(rows * dim),
+            self.test.zeros_gemm_operand(rows * dim),
         );
         self.reference
             .swiglu_backward(&mut rdg, &mut rdu, &rd, &rg, &ru);
         self.test.swiglu_backward(&mut tdg, &mut tdu, &td, &tg, &tu);
+        self.compare(
+            "swiglu_backward dgate as a GEMM operand",
+            &rdg,
+            &tdg,
+            self.tol.gemm,
+        );
+        self.compare(
+            "swiglu_backward dup as a GEMM operand",
+            &rdu,
+            &tdu,
+            self.tol.gemm,
+        );
         self.matmul_on("matmul on swiglu's dgate", &rdg, &tdg, rows, dim);
         self.matmul_on("matmul on swiglu's dup", &rdu, &tdu, rows, dim);
 

@@ -63,9 +63,11 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
 }
 
 /// Values of the workspace allocated by `Backend::zeros_gemm_operand` (each layer's two norm
-/// outputs and SwiGLU output), whose f32 storage a device may leave out.
+/// outputs and SwiGLU output, and the backward's SwiGLU gradients), whose f32 storage a device may
+/// leave out.
 pub fn workspace_gemm_operand_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
-    args.n_layers * batch * seq * (2 * args.dim + args.ffn_hidden)
+    let n = batch * seq;
+    args.n_layers * n * (2 * args.dim + args.ffn_hidden) + 2 * n * args.ffn_hidden
 }
 
 /// Values of the workspace whose producing kernels may keep a bf16 copy beside them for the GEMMs
@@ -119,8 +121,9 @@ impl<B: Backend> Workspace<B> {
             dk: z(n * kvd),
             dv: z(n * kvd),
             dattn: z(n * qd),
-            dgate: z(n * f),
-            dup: z(n * f),
+            // Read only by GEMMs, like the norms' and SwiGLU's outputs.
+            dgate: backend.zeros_gemm_operand(n * f),
+            dup: backend.zeros_gemm_operand(n * f),
             dact: z(n * f),
             inputs: vec![0; n],
             targets: vec![0; n],

@@ -210,6 +210,19 @@ bool swiglu() {
     ok &= report_copy("swiglu_forward bf16 only", only16, out);
     ok &= report_copy("swiglu_backward bf16 dgate", dgate16, dgate);
     ok &= report_copy("swiglu_backward bf16 dup", dup16, dup);
+    // bf16-only gradients (null f32 destinations): the same bf16 values, aligned and from an odd
+    // offset (the one-by-one loop).
+    for (int at : {0, 1}) {
+        std::vector<bf16_bits> dgate_only(n, 0xffff), dup_only(n, 0xffff);
+        emu::launch(grid, 256, [&] {
+            swiglu_backward(nullptr, nullptr, dgate_only.data() + at, dup_only.data() + at,
+                            dout.data() + at, gate.data() + at, up.data() + at, n - at);
+        });
+        ok &= report_copy(at ? "swiglu_backward bf16-only dgate unaligned" : "swiglu_backward bf16-only dgate",
+                          dgate_only, dgate, at);
+        ok &= report_copy(at ? "swiglu_backward bf16-only dup unaligned" : "swiglu_backward bf16-only dup",
+                          dup_only, dup, at);
+    }
     // Views one element in: not 16-byte aligned, so the one-by-one loop runs (the forward
     // without a bf16 copy, the backward with).
     std::fill(out.begin(), out.end(), NAN);

@@ -52,7 +52,8 @@ extern "C" __global__ void swiglu_forward(float* out, bf16_bits* out16, const fl
     }
 }
 
-// Overwrites dgate and dup (and their bf16 copies when given); vectorised as swiglu_forward.
+// Overwrites dgate and dup (and their bf16 copies when given); a null f32 destination is not
+// written (bf16-only gradients, which only GEMMs read). Vectorised as swiglu_forward.
 extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* dgate16,
                                            bf16_bits* dup16, const float* dout, const float* gate,
                                            const float* up, i64 n) {
@@ -65,8 +66,8 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* 
                      u = ((const float_x4*)up)[q], dg, du;
 #pragma unroll
             for (int e = 0; e < 4; ++e) swiglu_grad(d.v[e], g.v[e], u.v[e], dg.v[e], du.v[e]);
-            ((float_x4*)dgate)[q] = dg;
-            ((float_x4*)dup)[q] = du;
+            if (dgate) ((float_x4*)dgate)[q] = dg;
+            if (dup) ((float_x4*)dup)[q] = du;
             if (dgate16) store_bf16_x4(dgate16 + 4 * q, dg);
             if (dup16) store_bf16_x4(dup16 + 4 * q, du);
         }
@@ -74,8 +75,11 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* 
     }
     TITAN_FOR_EACH(j, n - done) {
         i64 i = done + j;
-        swiglu_grad(dout[i], gate[i], up[i], dgate[i], dup[i]);
-        if (dgate16) dgate16[i] = bf16_of(dgate[i]);
-        if (dup16) dup16[i] = bf16_of(dup[i]);
+        float dg, du;
+        swiglu_grad(dout[i], gate[i], up[i], dg, du);
+        if (dgate) dgate[i] = dg;
+        if (dup) dup[i] = du;
+        if (dgate16) dgate16[i] = bf16_of(dg);
+        if (dup16) dup16[i] = bf16_of(du);
     }
 }

@@ -871,8 +871,8 @@ impl Backend for CudaBackend {
                 ("up", up.len()),
             ],
         );
-        let (dgate_twin, dgate32, dgate16) = self.begin_output(dgate, n, "swiglu_backward", false);
-        let (dup_twin, dup32, dup16) = self.begin_output(dup, n, "swiglu_backward", false);
+        let (dgate_twin, dgate32, dgate16) = self.begin_output(dgate, n, "swiglu_backward", true);
+        let (dup_twin, dup32, dup16) = self.begin_output(dup, n, "swiglu_backward", true);
         launch_elementwise!(
             self,
             "swiglu_backward",
