@@ -16,6 +16,11 @@
 //! start and wait the caller keeps the collective's buffers alive and unwritten: the memory pool
 //! hands freed memory back to the compute stream, which would overwrite it under the collective.
 //!
+//! After a failure: the communicator that failed is aborted, and so is every other one of the
+//! process when it is dropped (`ANY_ABORTED`): a collective still queued on the shared stream, whose
+//! peers may be gone, would hang `ncclCommDestroy`. The failure ends the training run, so buffers
+//! of collectives left in flight are freed with the process.
+//!
 //! Status: run on one GPU only (`titan cuda nccl-check`, a one-rank group): NCCL refuses two ranks
 //! on one GPU, and the lent machines have one. When every rank has its own GPU, DDP sums each
 //! block's gradients through these groups while the backward goes on with the blocks below
@@ -49,6 +54,10 @@ pub struct NcclGroup {
     /// Set once the communicator is aborted: it must then be neither used nor destroyed.
     aborted: AtomicBool,
 }
+
+/// Set when any communicator of this process was aborted: the others then refuse new work and are
+/// aborted, not destroyed, when dropped (see the module doc).
+static ANY_ABORTED: AtomicBool = AtomicBool::new(false);
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not race;
 // titan issues a group's collectives from one thread at a time.
@@ -163,16 +172,13 @@ impl NcclGroup {
                 self.name
             );
         }
+        if ANY_ABORTED.load(Ordering::SeqCst) {
+            bail!(
+                "{op} on NCCL group `{}`: another NCCL group of this process failed earlier",
+                self.name
+            );
+        }
         Ok(())
-    }
-
-    fn cuda_error(&self, op: &str, what: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
-        anyhow!(
-            "{op} on NCCL group `{}` (rank {} of {}): CUDA {what}: {e}",
-            self.name,
-            self.rank,
-            self.size
-        )
     }
 
     /// Before queueing a collective: the communication stream waits for the compute stream's work
@@ -182,10 +188,10 @@ impl NcclGroup {
         let ready = self
             .compute
             .record_event(None)
-            .map_err(|e| self.cuda_error(op, "recording an event", e))?;
+            .map_err(|e| self.failed_cuda(op, "recording an event", e))?;
         self.stream
             .wait(&ready)
-            .map_err(|e| self.cuda_error(op, "ordering the communication stream", e))
+            .map_err(|e| self.failed_cuda(op, "ordering the communication stream", e))
     }
 
     /// After queueing a collective: the event that marks its end.
@@ -193,8 +199,19 @@ impl NcclGroup {
         let done = self
             .stream
             .record_event(None)
-            .map_err(|e| self.cuda_error(op, "recording an event", e))?;
+            .map_err(|e| self.failed_cuda(op, "recording an event", e))?;
         Ok(InFlight { done, op })
+    }
+
+    /// A CUDA failure around a collective: the communicator may hold queued work, so it is aborted.
+    fn failed_cuda(&self, op: &str, what: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+        self.abort();
+        anyhow!(
+            "{op} on NCCL group `{}` (rank {} of {}): CUDA {what}: {e}",
+            self.name,
+            self.rank,
+            self.size
+        )
     }
 
     /// In place over the whole buffer; waits for the result.
@@ -347,6 +364,7 @@ impl NcclGroup {
 
     /// Aborts the communicator once: a broken one would hang `ncclCommDestroy` at drop.
     fn abort(&self) {
+        ANY_ABORTED.store(true, Ordering::SeqCst);
         if !self.aborted.swap(true, Ordering::SeqCst) {
             // SAFETY: aborting a live communicator once; `aborted` keeps it from being used or
             // destroyed afterwards.
@@ -406,7 +424,7 @@ impl NcclGroup {
         // Done already; the compute stream's wait keeps the order explicit for what it queues next.
         self.compute
             .wait(&f.done)
-            .map_err(|e| self.cuda_error(op, "ordering the compute stream", e))
+            .map_err(|e| self.failed_cuda(op, "ordering the compute stream", e))
     }
 }
 
@@ -456,6 +474,10 @@ fn init_within(
 impl Drop for NcclGroup {
     fn drop(&mut self) {
         if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        if ANY_ABORTED.load(Ordering::SeqCst) {
+            self.abort();
             return;
         }
         // SAFETY: the communicator was created in `connect` and is destroyed once.

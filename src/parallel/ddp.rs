@@ -150,10 +150,6 @@ impl NcclGradReducer {
     /// Starts summing the gradients `ids` (one NCCL group call); they must not be written until
     /// `finish`, which the backward guarantees for a finished block.
     fn start(&mut self, grads: &mut ParamSet<CudaBackend>, ids: &[usize]) -> Result<()> {
-        self.started.resize(grads.len(), false);
-        for &i in ids {
-            self.started[i] = true;
-        }
         let bufs = grads
             .bufs
             .iter_mut()
@@ -162,6 +158,10 @@ impl NcclGradReducer {
             .map(|(_, b)| b);
         let f = self.group.start_all_reduce_each(bufs, ReduceOp::Sum)?;
         self.in_flight.push(f);
+        self.started.resize(grads.len(), false);
+        for &i in ids {
+            self.started[i] = true;
+        }
         Ok(())
     }
 }
