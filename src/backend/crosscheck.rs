@@ -185,6 +185,84 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare(op, &rc, &tc, self.tol.gemm);
     }
 
+    /// The feed-forward as the model runs it: the gate and up projections and the gradient of
+    /// SwiGLU's output are GEMM outputs in activations a device may keep in bf16 alone
+    /// (`zeros_bf16_activation`: there cuBLASLt writes them in bf16), which SwiGLU's forward and
+    /// backward then read; a second shape with an odd number of values takes the kernels'
+    /// one-by-one path.
+    fn feed_forward_through_bf16_activations(&mut self) {
+        for (rows, dim, hidden) in [(64, 96, 160), (33, 40, 71)] {
+            let (x, w1, w3) = (
+                self.random(rows * dim, 1.0),
+                self.random(hidden * dim, 1.0),
+                self.random(hidden * dim, 1.0),
+            );
+            let ((rx, tx), (rw1, tw1), (rw3, tw3)) =
+                (self.both(&x), self.both(&w1), self.both(&w3));
+            let (mut rg, mut tg) = self.bf16_activations(rows * hidden);
+            let (mut ru, mut tu) = self.bf16_activations(rows * hidden);
+            self.reference
+                .matmul(&mut rg, &rx, &rw1, rows, dim, hidden, false, true, false);
+            self.test
+                .matmul(&mut tg, &tx, &tw1, rows, dim, hidden, false, true, false);
+            self.reference
+                .matmul(&mut ru, &rx, &rw3, rows, dim, hidden, false, true, false);
+            self.test
+                .matmul(&mut tu, &tx, &tw3, rows, dim, hidden, false, true, false);
+            let what = format!("{rows}x{dim}x{hidden}");
+            self.compare(
+                &format!("matmul into a bf16 activation ({what})"),
+                &rg,
+                &tg,
+                self.tol.gemm,
+            );
+            let (mut ra, mut ta) = self.bf16_activations(rows * hidden);
+            self.reference.swiglu_forward(&mut ra, &rg, &ru);
+            self.test.swiglu_forward(&mut ta, &tg, &tu);
+            self.compare(
+                &format!("swiglu_forward on bf16 activations ({what})"),
+                &ra,
+                &ta,
+                self.tol.gemm,
+            );
+            let (dy, w2) = (self.random(rows * dim, 1.0), self.random(dim * hidden, 1.0));
+            let ((rdy, tdy), (rw2, tw2)) = (self.both(&dy), self.both(&w2));
+            let (mut rdact, mut tdact) = self.bf16_activations(rows * hidden);
+            self.reference.matmul(
+                &mut rdact, &rdy, &rw2, rows, dim, hidden, false, false, false,
+            );
+            self.test.matmul(
+                &mut tdact, &tdy, &tw2, rows, dim, hidden, false, false, false,
+            );
+            let (mut rdg, mut tdg) = self.bf16_activations(rows * hidden);
+            let (mut rdu, mut tdu) = self.bf16_activations(rows * hidden);
+            self.reference
+                .swiglu_backward(&mut rdg, &mut rdu, &rdact, &rg, &ru);
+            self.test
+                .swiglu_backward(&mut tdg, &mut tdu, &tdact, &tg, &tu);
+            self.compare(
+                &format!("swiglu_backward dgate on bf16 activations ({what})"),
+                &rdg,
+                &tdg,
+                self.tol.gemm,
+            );
+            self.compare(
+                &format!("swiglu_backward dup on bf16 activations ({what})"),
+                &rdu,
+                &tdu,
+                self.tol.gemm,
+            );
+        }
+    }
+
+    /// `zeros_bf16_activation` on each side.
+    fn bf16_activations(&self, len: usize) -> (R::Buf, T::Buf) {
+        (
+            self.reference.zeros_bf16_activation(len),
+            self.test.zeros_bf16_activation(len),
+        )
+    }
+
     /// GEMMs (and attention) reading the outputs of RMSNorm (forward and dx), SwiGLU (forward and
     /// backward), RoPE and attention, the ops whose device kernels write a bf16 copy for them; and
     /// the norm's output rewritten by another op, which must not leave a stale copy behind.
@@ -198,8 +276,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         // RMSNorm's output in a GEMM-operand buffer, as the model allocates it (bf16 alone on a
         // device that keeps the copies).
         let (mut rn, mut tn) = (
-            self.reference.zeros_gemm_operand(rows * dim),
-            self.test.zeros_gemm_operand(rows * dim),
+            self.reference.zeros_bf16_activation(rows * dim),
+            self.test.zeros_bf16_activation(rows * dim),
         );
         let (mut rs2, mut ts2) = (self.reference.zeros(rows), self.test.zeros(rows));
         self.reference
@@ -223,8 +301,8 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         // SwiGLU's output in a GEMM-operand buffer, as the model allocates it (bf16 alone on a
         // device that keeps the copies): read back, and through both kinds of GEMM.
         let (mut ra, mut ta) = (
-            self.reference.zeros_gemm_operand(rows * dim),
-            self.test.zeros_gemm_operand(rows * dim),
+            self.reference.zeros_bf16_activation(rows * dim),
+            self.test.zeros_bf16_activation(rows * dim),
         );
         self.reference.swiglu_forward(&mut ra, &rg, &ru);
         self.test.swiglu_forward(&mut ta, &tg, &tu);
@@ -248,12 +326,12 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare("matmul_add on swiglu's output", &rh, &th, self.tol.gemm);
         // SwiGLU's gradients, which only GEMMs read: GEMM operands, as in the model's workspace.
         let (mut rdg, mut tdg) = (
-            self.reference.zeros_gemm_operand(rows * dim),
-            self.test.zeros_gemm_operand(rows * dim),
+            self.reference.zeros_bf16_activation(rows * dim),
+            self.test.zeros_bf16_activation(rows * dim),
         );
         let (mut rdu, mut tdu) = (
-            self.reference.zeros_gemm_operand(rows * dim),
-            self.test.zeros_gemm_operand(rows * dim),
+            self.reference.zeros_bf16_activation(rows * dim),
+            self.test.zeros_bf16_activation(rows * dim),
         );
         self.reference
             .swiglu_backward(&mut rdg, &mut rdu, &rd, &rg, &ru);
@@ -726,6 +804,10 @@ pub fn check_ops<R: Backend, T: Backend>(
         (
             "matmul on kernel outputs",
             Box::new(|c| c.gemm_on_kernel_outputs()),
+        ),
+        (
+            "feed-forward through bf16 activations",
+            Box::new(|c| c.feed_forward_through_bf16_activations()),
         ),
         ("embedding", Box::new(|c| c.embedding())),
         ("rmsnorm", Box::new(|c| c.rmsnorm())),

@@ -93,15 +93,15 @@ pub trait Backend: Send + Sync {
 
     // ---- memory ----
     fn zeros(&self, len: usize) -> Self::Buf;
-    /// A buffer that only its producing kernel (RMSNorm's or SwiGLU's forward) writes and only
-    /// GEMMs read: a device may keep it in bf16 alone (`gemm_operand_f32_bytes`); elsewhere plain
-    /// `zeros`.
-    fn zeros_gemm_operand(&self, len: usize) -> Self::Buf {
+    /// An activation that is only written whole, by a GEMM or by RMSNorm's or SwiGLU's kernels,
+    /// and only read by GEMMs and SwiGLU: a device may keep it in bf16 alone
+    /// (`bf16_activation_f32_bytes`); elsewhere plain `zeros`.
+    fn zeros_bf16_activation(&self, len: usize) -> Self::Buf {
         self.zeros(len)
     }
-    /// Bytes per value of f32 storage that `zeros_gemm_operand` buffers take (4, or 0 when they
+    /// Bytes per value of f32 storage that `zeros_bf16_activation` buffers take (4, or 0 when they
     /// live in bf16 alone, counted with `activation_copy_bytes`).
-    fn gemm_operand_f32_bytes(&self) -> u64 {
+    fn bf16_activation_f32_bytes(&self) -> u64 {
         4
     }
     fn upload(&self, data: &[f32]) -> Self::Buf;

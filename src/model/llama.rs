@@ -62,18 +62,19 @@ pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     args.n_layers * per_layer + resid + n * (d + 1) + scratch
 }
 
-/// Values of the workspace allocated by `Backend::zeros_gemm_operand` (each layer's two norm
-/// outputs and SwiGLU output, and the backward's SwiGLU gradients), whose f32 storage a device may
-/// leave out.
-pub fn workspace_gemm_operand_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
+/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (each layer's two norm
+/// outputs, gate and up projections and SwiGLU output, and the backward's SwiGLU input and output
+/// gradients), whose f32 storage a device may leave out.
+pub fn workspace_bf16_activation_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
-    args.n_layers * n * (2 * args.dim + args.ffn_hidden) + 2 * n * args.ffn_hidden
+    args.n_layers * n * (2 * args.dim + 3 * args.ffn_hidden) + 3 * n * args.ffn_hidden
 }
 
-/// Values of the workspace whose producing kernels may keep a bf16 copy beside them for the GEMMs
-/// and attention kernels that read them (`Backend::activation_copy_bytes`): each layer's normed
-/// inputs, rotated q and k, attention output and SwiGLU output, the final norm's output, and the
-/// backward's SwiGLU gradients, rotated dq and dk, and block-input gradient.
+/// Values of the workspace whose producers may keep a bf16 copy beside them (or their values in
+/// bf16 alone) for the GEMMs, attention and SwiGLU kernels that read them
+/// (`Backend::activation_copy_bytes`): each layer's normed inputs, rotated q and k, attention
+/// output, gate and up projections and SwiGLU output, the final norm's output, and the backward's
+/// SwiGLU input and output gradients, rotated dq and dk, and block-input gradient.
 pub fn workspace_copied_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
     let (d, f) = (args.dim, args.ffn_hidden);
@@ -81,7 +82,7 @@ pub fn workspace_copied_floats(args: &ModelArgs, batch: usize, seq: usize) -> us
         args.n_heads * args.head_dim(),
         args.n_kv_heads * args.head_dim(),
     );
-    args.n_layers * n * (2 * d + 2 * qd + kvd + f) + n * d + n * (2 * f + d + qd + kvd)
+    args.n_layers * n * (2 * d + 2 * qd + kvd + 3 * f) + n * d + n * (3 * f + d + qd + kvd)
 }
 
 impl<B: Backend> Workspace<B> {
@@ -96,9 +97,9 @@ impl<B: Backend> Workspace<B> {
             resid: (0..=args.n_layers).map(|_| z(n * d)).collect(),
             layers: (0..args.n_layers)
                 .map(|_| LayerActs {
-                    // The norms' and SwiGLU's outputs are read only by GEMMs: a device may keep
-                    // them in bf16 alone.
-                    normed_attn: backend.zeros_gemm_operand(n * d),
+                    // The norms' and SwiGLU's outputs are read only by GEMMs, and the gate and up
+                    // projections only by SwiGLU: a device may keep them in bf16 alone.
+                    normed_attn: backend.zeros_bf16_activation(n * d),
                     rstd_attn: z(n),
                     q: z(n * qd),
                     k: z(n * kvd),
@@ -106,11 +107,11 @@ impl<B: Backend> Workspace<B> {
                     attn_out: z(n * qd),
                     lse: z(batch * args.n_heads * seq),
                     h: z(n * d),
-                    normed_ffn: backend.zeros_gemm_operand(n * d),
+                    normed_ffn: backend.zeros_bf16_activation(n * d),
                     rstd_ffn: z(n),
-                    gate: z(n * f),
-                    up: z(n * f),
-                    act: backend.zeros_gemm_operand(n * f),
+                    gate: backend.zeros_bf16_activation(n * f),
+                    up: backend.zeros_bf16_activation(n * f),
+                    act: backend.zeros_bf16_activation(n * f),
                 })
                 .collect(),
             normed_final: z(n * d),
@@ -121,10 +122,10 @@ impl<B: Backend> Workspace<B> {
             dk: z(n * kvd),
             dv: z(n * kvd),
             dattn: z(n * qd),
-            // Read only by GEMMs, like the norms' and SwiGLU's outputs.
-            dgate: backend.zeros_gemm_operand(n * f),
-            dup: backend.zeros_gemm_operand(n * f),
-            dact: z(n * f),
+            // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
+            dgate: backend.zeros_bf16_activation(n * f),
+            dup: backend.zeros_bf16_activation(n * f),
+            dact: backend.zeros_bf16_activation(n * f),
             inputs: vec![0; n],
             targets: vec![0; n],
         }

@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::Backend;
 use crate::model::{
-    llama::{workspace_copied_floats, workspace_floats, workspace_gemm_operand_floats},
+    llama::{workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats},
     ModelArgs,
 };
 
@@ -59,8 +59,8 @@ impl MemoryEstimate {
         self.activation_copies =
             workspace_copied_floats(args, batch, seq) as u64 * be.activation_copy_bytes();
         // Buffers the backend keeps in bf16 alone have no f32 storage.
-        self.f32_left_out = workspace_gemm_operand_floats(args, batch, seq) as u64
-            * (4 - be.gemm_operand_f32_bytes());
+        self.f32_left_out = workspace_bf16_activation_floats(args, batch, seq) as u64
+            * (4 - be.bf16_activation_f32_bytes());
         self.activations -= self.f32_left_out;
         self
     }

@@ -195,10 +195,10 @@ bool swiglu() {
     std::vector<float> out(n, NAN), dgate(n, NAN), dup(n, NAN);
     std::vector<bf16_bits> out16(n, 0xffff), dgate16(n, 0xffff), dup16(n, 0xffff);
     EmuDim3 grid{3, 1, 1};  // fewer blocks than elements / 256: the grid-stride loop wraps
-    emu::launch(grid, 256, [&] { swiglu_forward(out.data(), out16.data(), gate.data(), up.data(), n); });
+    emu::launch(grid, 256, [&] { swiglu_forward(out.data(), out16.data(), gate.data(), up.data(), nullptr, nullptr, n); });
     emu::launch(grid, 256, [&] {
         swiglu_backward(dgate.data(), dup.data(), dgate16.data(), dup16.data(), dout.data(),
-                        gate.data(), up.data(), n);
+                        gate.data(), up.data(), nullptr, nullptr, nullptr, n);
     });
     bool ok = report("swiglu_forward", out, want_out);
     ok &= report("swiglu_backward dgate", dgate, want_dgate);
@@ -206,7 +206,7 @@ bool swiglu() {
     ok &= report_copy("swiglu_forward bf16", out16, out);
     // A bf16-only output: no f32 storage (null), the same bf16 values.
     std::vector<bf16_bits> only16(n, 0xffff);
-    emu::launch(grid, 256, [&] { swiglu_forward(nullptr, only16.data(), gate.data(), up.data(), n); });
+    emu::launch(grid, 256, [&] { swiglu_forward(nullptr, only16.data(), gate.data(), up.data(), nullptr, nullptr, n); });
     ok &= report_copy("swiglu_forward bf16 only", only16, out);
     ok &= report_copy("swiglu_backward bf16 dgate", dgate16, dgate);
     ok &= report_copy("swiglu_backward bf16 dup", dup16, dup);
@@ -216,7 +216,7 @@ bool swiglu() {
         std::vector<bf16_bits> dgate_only(n, 0xffff), dup_only(n, 0xffff);
         emu::launch(grid, 256, [&] {
             swiglu_backward(nullptr, nullptr, dgate_only.data() + at, dup_only.data() + at,
-                            dout.data() + at, gate.data() + at, up.data() + at, n - at);
+                            dout.data() + at, gate.data() + at, up.data() + at, nullptr, nullptr, nullptr, n - at);
         });
         ok &= report_copy(at ? "swiglu_backward bf16-only dgate unaligned" : "swiglu_backward bf16-only dgate",
                           dgate_only, dgate, at);
@@ -229,17 +229,53 @@ bool swiglu() {
     std::fill(dgate.begin(), dgate.end(), NAN);
     std::fill(dgate16.begin(), dgate16.end(), 0xffff);
     emu::launch(grid, 256, [&] {
-        swiglu_forward(out.data() + 1, nullptr, gate.data() + 1, up.data() + 1, n - 1);
+        swiglu_forward(out.data() + 1, nullptr, gate.data() + 1, up.data() + 1, nullptr, nullptr, n - 1);
     });
     emu::launch(grid, 256, [&] {
         swiglu_backward(dgate.data() + 1, dup.data() + 1, dgate16.data() + 1, nullptr,
-                        dout.data() + 1, gate.data() + 1, up.data() + 1, n - 1);
+                        dout.data() + 1, gate.data() + 1, up.data() + 1, nullptr, nullptr, nullptr, n - 1);
     });
     auto tail = [](const std::vector<float>& v) { return std::vector<float>(v.begin() + 1, v.end()); };
     auto tail64 = [](const std::vector<double>& v) { return std::vector<double>(v.begin() + 1, v.end()); };
     ok &= report("swiglu_forward unaligned", tail(out), tail64(want_out));
     ok &= report("swiglu_backward unaligned", tail(dgate), tail64(want_dgate));
     ok &= report_copy("swiglu bf16 dgate unaligned", dgate16, dgate, 1);
+    // Inputs kept in bf16 alone (null f32 pointers): the same results as from f32 inputs holding
+    // the bf16 values, aligned and from an odd offset.
+    std::vector<bf16_bits> gate_h(n), up_h(n), dout_h(n);
+    std::vector<float> gate_r(n), up_r(n), dout_r(n);
+    for (long long i = 0; i < n; ++i) {
+        gate_h[i] = emu::bf16_round(gate[i]);
+        up_h[i] = emu::bf16_round(up[i]);
+        dout_h[i] = emu::bf16_round(dout[i]);
+        gate_r[i] = emu::bf16_value(gate_h[i]);
+        up_r[i] = emu::bf16_value(up_h[i]);
+        dout_r[i] = emu::bf16_value(dout_h[i]);
+    }
+    std::vector<double> want_out_r(n), want_dgate_r(n), want_dup_r(n);
+    for (long long i = 0; i < n; ++i) {
+        double g = gate_r[i], sg = 1.0 / (1.0 + std::exp(-g));
+        want_out_r[i] = g * sg * up_r[i];
+        want_dup_r[i] = dout_r[i] * g * sg;
+        want_dgate_r[i] = dout_r[i] * up_r[i] * sg * (1.0 + g * (1.0 - sg));
+    }
+    for (int at : {0, 1}) {
+        std::vector<float> o(n, NAN), dg(n, NAN), du(n, NAN);
+        emu::launch(grid, 256, [&] {
+            swiglu_forward(o.data() + at, nullptr, nullptr, nullptr, gate_h.data() + at,
+                           up_h.data() + at, n - at);
+        });
+        emu::launch(grid, 256, [&] {
+            swiglu_backward(dg.data() + at, du.data() + at, nullptr, nullptr, nullptr, nullptr, nullptr,
+                            dout_h.data() + at, gate_h.data() + at, up_h.data() + at, n - at);
+        });
+        auto from = [at](const auto& v) { return std::vector<typename std::decay_t<decltype(v)>::value_type>(v.begin() + at, v.end()); };
+        ok &= report(at ? "swiglu_forward bf16 in, unaligned" : "swiglu_forward bf16 in", from(o), from(want_out_r));
+        ok &= report(at ? "swiglu_backward bf16 in dgate, unal." : "swiglu_backward bf16 in dgate", from(dg),
+                     from(want_dgate_r));
+        ok &= report(at ? "swiglu_backward bf16 in dup, unal." : "swiglu_backward bf16 in dup", from(du),
+                     from(want_dup_r));
+    }
     return ok;
 }
 

@@ -69,7 +69,7 @@ impl CudaBuf {
     fn f32_storage(&self) -> &CudaSlice<f32> {
         assert!(
             !self.bf16_only,
-            "a CUDA buffer of {} values kept in bf16 only (a GEMM operand) was read or written as \
+            "a CUDA buffer of {} values kept in bf16 only (`zeros_bf16_activation`) was read or written as \
              f32: a titan bug",
             self.len
         );

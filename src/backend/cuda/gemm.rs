@@ -3,7 +3,7 @@
 //! has one (the parameters' compute copy, `CudaBuf`), else its values rounded into a bf16 scratch
 //! buffer by one conversion kernel. cuBLASLt then runs its native bf16 kernels, which read half the
 //! bytes and run about twice as fast as its f32-input "fast bf16" mode; products accumulate in fp32
-//! and the output stays f32.
+//! and the output is f32, or bf16 for an output kept in bf16 alone (`matmul_to_bf16`).
 //!
 //! cuBLASLt is column-major; a row-major `[r, c]` buffer is the column-major `[c, r]` matrix, so
 //! `out = op(a)·op(b)` is computed as `outᵀ = op(b)ᵀ·op(a)ᵀ` with the operands swapped. Layouts,
@@ -98,6 +98,8 @@ struct GemmKey {
     n: usize,
     trans_a: bool,
     trans_b: bool,
+    /// The output (cuBLASLt's C and D) is bf16: bf16 inputs only, no fallback to fp32.
+    bf16_output: bool,
 }
 
 /// The cuBLASLt objects of one shape.
@@ -132,6 +134,8 @@ pub struct Gemm {
     workspace: CudaSlice<u8>,
     precision: GemmPrecision,
     plans: Mutex<HashMap<GemmKey, GemmPlan>>,
+    /// Shapes cuBLASLt has no bf16-output algorithm for (asked once each).
+    no_bf16_output: Mutex<std::collections::HashSet<GemmKey>>,
     warned_fallback: AtomicBool,
     /// The `f32_to_bf16` kernel.
     to_bf16: CudaFunction,
@@ -166,6 +170,7 @@ impl Gemm {
             workspace,
             precision,
             plans: Mutex::new(HashMap::new()),
+            no_bf16_output: Mutex::new(Default::default()),
             warned_fallback: AtomicBool::new(false),
             to_bf16,
             scratch: Mutex::new(Default::default()),
@@ -179,6 +184,9 @@ impl Gemm {
     /// The plan in the configured precision; if cuBLASLt has no tensor-core algorithm for a shape,
     /// that shape runs in exact fp32 instead (said once on stderr) rather than failing the step.
     fn plan(&self, key: GemmKey) -> Result<GemmPlan> {
+        if key.bf16_output {
+            return self.plan_with(key, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, true);
+        }
         let wanted = match self.precision {
             GemmPrecision::BFloat16 => {
                 self.plan_with(key, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, true)
@@ -204,11 +212,9 @@ impl Gemm {
         bf16_inputs: bool,
     ) -> Result<GemmPlan> {
         let f32t = sys::cudaDataType::CUDA_R_32F;
-        let input_type = if bf16_inputs {
-            sys::cudaDataType::CUDA_R_16BF
-        } else {
-            f32t
-        };
+        let bf16t = sys::cudaDataType::CUDA_R_16BF;
+        let input_type = if bf16_inputs { bf16t } else { f32t };
+        let output_type = if key.bf16_output { bf16t } else { f32t };
         let desc =
             lt::create_matmul_desc(compute, f32t).map_err(|e| lt_err("matmul descriptor", e))?;
         // cuBLASLt's A is our b, its B is our a (see the module doc).
@@ -243,7 +249,7 @@ impl Gemm {
         for ((slot, (r, c, ld)), dtype) in layouts
             .iter_mut()
             .zip([b_layout, a_layout, c_layout])
-            .zip([input_type, input_type, f32t])
+            .zip([input_type, input_type, output_type])
         {
             *slot = lt::create_matrix_layout(dtype, r, c, ld as i64)
                 .map_err(|e| lt_err("matrix layout", e))?;
@@ -274,13 +280,14 @@ impl Gemm {
         let heuristic = heuristic.map_err(|e| {
             anyhow!(
                 "cuBLASLt has no algorithm for a {}x{}x{} GEMM (trans_a {}, trans_b {}) with \
-                 {compute:?}{}: {e:?}",
+                 {compute:?}{}{}: {e:?}",
                 key.m,
                 key.k,
                 key.n,
                 key.trans_a,
                 key.trans_b,
                 if bf16_inputs { " on bf16 inputs" } else { "" },
+                if key.bf16_output { " into bf16" } else { "" },
             )
         })?;
         Ok(GemmPlan {
@@ -307,9 +314,39 @@ impl Gemm {
             n,
             trans_a,
             trans_b,
+            bf16_output: false,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         Ok(self.cached_plan(&mut plans, key)?.bf16_inputs)
+    }
+
+    /// Whether cuBLASLt can write the product of this shape in bf16 (`matmul_to_bf16`): bf16
+    /// precision and an algorithm for bf16 inputs and output.
+    pub fn writes_bf16(&self, m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool) -> bool {
+        if self.precision != GemmPrecision::BFloat16 {
+            return false;
+        }
+        let key = GemmKey {
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+            bf16_output: true,
+        };
+        let mut refused = self
+            .no_bf16_output
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if refused.contains(&key) {
+            return false;
+        }
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let ok = self.cached_plan(&mut plans, key).is_ok();
+        if !ok {
+            refused.insert(key);
+        }
+        ok
     }
 
     /// The plan of `key`, made on first use.
@@ -343,7 +380,37 @@ impl Gemm {
         } else {
             Addend::None
         };
-        self.matmul_with(out, addend, a, b, m, k, n, trans_a, trans_b)
+        let (out, _ro) = out.device_ptr_mut(&self.stream);
+        self.matmul_with(Output::F32(out), addend, a, b, m, k, n, trans_a, trans_b)
+    }
+
+    /// `out[m,n] = op(a)[m,k] · op(b)[k,n]` written in bf16 (rounded from the fp32 accumulator),
+    /// for an output kept in bf16 alone; only where `writes_bf16` said so.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_to_bf16(
+        &self,
+        out: &mut CudaSlice<u16>,
+        a: GemmInput,
+        b: GemmInput,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> Result<()> {
+        assert!(out.len() >= m * n, "bf16 GEMM output too small");
+        let (out, _ro) = out.device_ptr_mut(&self.stream);
+        self.matmul_with(
+            Output::Bf16(out),
+            Addend::None,
+            a,
+            b,
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+        )
     }
 
     /// `out[m,n] = addend[m,n] + op(a)[m,k] · op(b)[k,n]` with `addend` an f32 device address of
@@ -362,13 +429,24 @@ impl Gemm {
         trans_a: bool,
         trans_b: bool,
     ) -> Result<()> {
-        self.matmul_with(out, Addend::Other(addend), a, b, m, k, n, trans_a, trans_b)
+        let (out, _ro) = out.device_ptr_mut(&self.stream);
+        self.matmul_with(
+            Output::F32(out),
+            Addend::Other(addend),
+            a,
+            b,
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
     fn matmul_with(
         &self,
-        out: &mut impl DevicePtrMut<f32>,
+        out: Output,
         addend: Addend,
         a: GemmInput,
         b: GemmInput,
@@ -386,12 +464,17 @@ impl Gemm {
             .context()
             .bind_to_thread()
             .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
+        let (out_ptr, bf16_output) = match out {
+            Output::F32(address) => (address, false),
+            Output::Bf16(address) => (address, true),
+        };
         let key = GemmKey {
             m,
             k,
             n,
             trans_a,
             trans_b,
+            bf16_output,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let plan = self.cached_plan(&mut plans, key)?;
@@ -420,7 +503,6 @@ impl Gemm {
             };
         }
         let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
-        let (out_ptr, _ro) = out.device_ptr_mut(&self.stream);
         let c_ptr = match addend {
             Addend::Other(address) => address,
             Addend::None | Addend::Output => out_ptr,
@@ -449,6 +531,13 @@ impl Gemm {
         }
         .map_err(|e| lt_err("matmul", e))
     }
+}
+
+/// Where a GEMM writes, by device address: f32 values, or bf16 ones.
+#[derive(Clone, Copy)]
+enum Output {
+    F32(u64),
+    Bf16(u64),
 }
 
 /// What a GEMM adds its product to: nothing, the output's own values, or another buffer.

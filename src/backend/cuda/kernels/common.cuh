@@ -78,6 +78,25 @@ __device__ __forceinline__ u32 bf16_pair(float lo, float hi) {
     return (__float_as_uint(round_bf16(lo)) >> 16) | (__float_as_uint(round_bf16(hi)) & 0xffff0000u);
 }
 
+__device__ __forceinline__ float f32_of_bf16(bf16_bits h) { return __uint_as_float((u32)h << 16); }
+
+// An activation that may live in bf16 alone: value `i` from `h` when it is given, else from `f`.
+__device__ __forceinline__ float load_value(const float* f, const bf16_bits* h, i64 i) {
+    return h ? f32_of_bf16(h[i]) : f[i];
+}
+
+// Values 4q..4q+3 of such an activation (`f` 16-byte aligned, or `h` 8-byte aligned).
+__device__ __forceinline__ float_x4 load_values_x4(const float* f, const bf16_bits* h, i64 q) {
+    if (!h) return ((const float_x4*)f)[q];
+    u32_x2 w = ((const u32_x2*)h)[q];
+    float_x4 v;
+    v.v[0] = __uint_as_float(w.v[0] << 16);
+    v.v[1] = __uint_as_float(w.v[0] & 0xffff0000u);
+    v.v[2] = __uint_as_float(w.v[1] << 16);
+    v.v[3] = __uint_as_float(w.v[1] & 0xffff0000u);
+    return v;
+}
+
 // Four values rounded to bf16 at `out` (8-byte aligned): a buffer's bf16 copy written beside its
 // f32 values by the kernel that computes them (see CudaBuf), so bf16 GEMMs need no conversion pass.
 __device__ __forceinline__ void store_bf16_x4(bf16_bits* out, const float_x4& v) {

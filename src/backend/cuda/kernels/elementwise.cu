@@ -28,15 +28,18 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
 }
 
 // out = silu(gate) * up, and out16 = its bf16 rounding when given; a null out or out16 is not
-// written (a bf16-only output has no f32 storage). Four values per 16-byte access where every
-// buffer allows (buffers start aligned; a view at an odd offset takes the one-by-one loop), the
-// same arithmetic either way.
+// written (a bf16-only output has no f32 storage). An input whose bf16 pointer (gate16, up16) is
+// given is read from it instead (a GEMM output kept in bf16 alone). Four values per 16-byte access
+// where every buffer allows (buffers start aligned; a view at an odd offset takes the one-by-one
+// loop), the same arithmetic either way.
 extern "C" __global__ void swiglu_forward(float* out, bf16_bits* out16, const float* gate,
-                                          const float* up, i64 n) {
+                                          const float* up, const bf16_bits* gate16,
+                                          const bf16_bits* up16, i64 n) {
     i64 done = 0;
-    if (aligned_to(out, 16) && aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(out16, 8)) {
+    if (aligned_to(out, 16) && aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(out16, 8) &&
+        aligned_to(gate16, 8) && aligned_to(up16, 8)) {
         TITAN_FOR_EACH(q, n / 4) {
-            float_x4 g = ((const float_x4*)gate)[q], u = ((const float_x4*)up)[q], o;
+            float_x4 g = load_values_x4(gate, gate16, q), u = load_values_x4(up, up16, q), o;
 #pragma unroll
             for (int e = 0; e < 4; ++e) o.v[e] = swiglu(g.v[e], u.v[e]);
             if (out) ((float_x4*)out)[q] = o;
@@ -46,24 +49,27 @@ extern "C" __global__ void swiglu_forward(float* out, bf16_bits* out16, const fl
     }
     TITAN_FOR_EACH(j, n - done) {
         i64 i = done + j;
-        float o = swiglu(gate[i], up[i]);
+        float o = swiglu(load_value(gate, gate16, i), load_value(up, up16, i));
         if (out) out[i] = o;
         if (out16) out16[i] = bf16_of(o);
     }
 }
 
 // Overwrites dgate and dup (and their bf16 copies when given); a null f32 destination is not
-// written (bf16-only gradients, which only GEMMs read). Vectorised as swiglu_forward.
+// written (bf16-only gradients, which only GEMMs read). Inputs as in swiglu_forward (dout16 too);
+// vectorised the same way.
 extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* dgate16,
                                            bf16_bits* dup16, const float* dout, const float* gate,
-                                           const float* up, i64 n) {
+                                           const float* up, const bf16_bits* dout16,
+                                           const bf16_bits* gate16, const bf16_bits* up16, i64 n) {
     i64 done = 0;
     if (aligned_to(dgate, 16) && aligned_to(dup, 16) && aligned_to(dout, 16) &&
         aligned_to(gate, 16) && aligned_to(up, 16) && aligned_to(dgate16, 8) &&
-        aligned_to(dup16, 8)) {
+        aligned_to(dup16, 8) && aligned_to(dout16, 8) && aligned_to(gate16, 8) &&
+        aligned_to(up16, 8)) {
         TITAN_FOR_EACH(q, n / 4) {
-            float_x4 d = ((const float_x4*)dout)[q], g = ((const float_x4*)gate)[q],
-                     u = ((const float_x4*)up)[q], dg, du;
+            float_x4 d = load_values_x4(dout, dout16, q), g = load_values_x4(gate, gate16, q),
+                     u = load_values_x4(up, up16, q), dg, du;
 #pragma unroll
             for (int e = 0; e < 4; ++e) swiglu_grad(d.v[e], g.v[e], u.v[e], dg.v[e], du.v[e]);
             if (dgate) ((float_x4*)dgate)[q] = dg;
@@ -76,7 +82,8 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* 
     TITAN_FOR_EACH(j, n - done) {
         i64 i = done + j;
         float dg, du;
-        swiglu_grad(dout[i], gate[i], up[i], dg, du);
+        swiglu_grad(load_value(dout, dout16, i), load_value(gate, gate16, i),
+                    load_value(up, up16, i), dg, du);
         if (dgate) dgate[i] = dg;
         if (dup) dup[i] = du;
         if (dgate16) dgate16[i] = bf16_of(dg);

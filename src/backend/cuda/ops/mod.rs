@@ -6,7 +6,7 @@ use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
-use super::gemm::GemmInput;
+use super::gemm::{launch_to_bf16, GemmInput};
 use super::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS, NORM_WARPS};
 use super::{
     elementwise_config, row_threads, rows_config, AttentionKernels, CudaBackend, CudaBuf,
@@ -161,6 +161,20 @@ impl CudaBackend {
         (twin, out32, out16)
     }
 
+    /// An input of a kernel that reads activations kept in bf16 alone: (f32 address, null), or
+    /// (null, bf16 address) for a bf16-only buffer. A buffer with f32 values is read in f32 even
+    /// when it has a bf16 copy, so results do not depend on the copies.
+    fn activation_input(&self, buf: &Buf) -> (u64, u64) {
+        if buf.is_bf16_only() {
+            let bf16 = buf
+                .bf16_address(&self.stream)
+                .expect("a bf16-only buffer holds its values in bf16");
+            (0, bf16)
+        } else {
+            (buf.device_address(&self.stream), 0)
+        }
+    }
+
     /// A kernel argument for optional device memory: its address, or null.
     fn address_or_null<T>(&self, memory: Option<&CudaSlice<T>>) -> u64 {
         memory.map_or(0, |m| m.device_ptr(&self.stream).0)
@@ -217,6 +231,47 @@ impl CudaBackend {
         self.gemm
             .matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate)
             .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
+    /// `out = op(a)·op(b)` into an output kept in bf16 alone: cuBLASLt writes bf16 where it has an
+    /// algorithm for it (`Gemm::writes_bf16`), else the f32 product goes through scratch and is
+    /// rounded by one more pass (the same values either way).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_to_bf16_only(
+        &self,
+        out: &mut Buf,
+        a: &Buf,
+        b: &Buf,
+        m: usize,
+        k: usize,
+        n: usize,
+        trans_a: bool,
+        trans_b: bool,
+    ) {
+        let mut storage = out.take_bf16_storage(|capacity| self.alloc_unzeroed::<u16>(capacity));
+        let (a, b) = (self.buf_input(a), self.buf_input(b));
+        if k == 0 {
+            self.stream
+                .memset_zeros(&mut storage)
+                .unwrap_or_else(|e| panic!("CUDA memset: {e}"));
+        } else if self.gemm.writes_bf16(m, k, n, trans_a, trans_b) {
+            self.gemm
+                .matmul_to_bf16(&mut storage, a, b, m, k, n, trans_a, trans_b)
+                .unwrap_or_else(|e| panic!("{e:#}"));
+        } else {
+            let mut product = self.alloc_unzeroed::<f32>(m * n);
+            self.gemm(&mut product, a, b, m, k, n, trans_a, trans_b, false);
+            let (src, _sync) = product.device_ptr(&self.stream);
+            launch_to_bf16(
+                &self.stream,
+                self.function("f32_to_bf16"),
+                &mut storage,
+                src,
+                m * n,
+            )
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        }
+        out.keep_bf16_copy(storage);
     }
 
     /// Token ids of an embedding table of `vocab` rows on the device (None when there are none);
@@ -292,7 +347,7 @@ impl Backend for CudaBackend {
     fn zeros(&self, len: usize) -> Buf {
         self.buffer(len)
     }
-    fn zeros_gemm_operand(&self, len: usize) -> Buf {
+    fn zeros_bf16_activation(&self, len: usize) -> Buf {
         if !self.activation_copies || len == 0 {
             return self.buffer(len);
         }
@@ -302,7 +357,7 @@ impl Backend for CudaBackend {
             len,
         )
     }
-    fn gemm_operand_f32_bytes(&self) -> u64 {
+    fn bf16_activation_f32_bytes(&self) -> u64 {
         if self.activation_copies {
             0
         } else {
@@ -382,6 +437,13 @@ impl Backend for CudaBackend {
     ) {
         let _timer = self.profiler.time_on("matmul", self);
         check_matmul("matmul", a, b, out, m, k, n);
+        if out.is_bf16_only() {
+            assert!(
+                !accumulate && out.len() == m * n,
+                "matmul: a bf16-only output must be written whole, not accumulated (a titan bug)"
+            );
+            return self.matmul_to_bf16_only(out, a, b, m, k, n, trans_a, trans_b);
+        }
         if k == 0 {
             // An empty sum: `out` keeps its values (accumulate) or becomes zero.
             if !accumulate {
@@ -407,6 +469,10 @@ impl Backend for CudaBackend {
     ) {
         let _timer = self.profiler.time_on("matmul", self);
         check_matmul("matmul_add", a, b, out, m, k, n);
+        assert!(
+            !out.is_bf16_only(),
+            "matmul_add: a residual sum is kept in f32 (a titan bug)"
+        );
         check_len("matmul_add", "residual", residual.len(), m * n);
         if k == 0 || m == 0 || n == 0 {
             // No product to add (the GEMM would not run): the output is the residual.
@@ -855,8 +921,20 @@ impl Backend for CudaBackend {
             "swiglu_forward",
             &[("out", out.len()), ("gate", gate.len()), ("up", up.len())],
         );
+        let ((gate32, gate16), (up32, up16)) =
+            (self.activation_input(gate), self.activation_input(up));
         let (twin, out32, out16) = self.begin_output(out, n, "swiglu_forward", true);
-        launch_elementwise!(self, "swiglu_forward", n, &out32, &out16, gate, up);
+        launch_elementwise!(
+            self,
+            "swiglu_forward",
+            n,
+            &out32,
+            &out16,
+            &gate32,
+            &up32,
+            &gate16,
+            &up16
+        );
         Self::keep_twin(out, twin);
     }
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
@@ -871,6 +949,9 @@ impl Backend for CudaBackend {
                 ("up", up.len()),
             ],
         );
+        let (dout32, dout16) = self.activation_input(dout);
+        let ((gate32, gate16), (up32, up16)) =
+            (self.activation_input(gate), self.activation_input(up));
         let (dgate_twin, dgate32, dgate16) = self.begin_output(dgate, n, "swiglu_backward", true);
         let (dup_twin, dup32, dup16) = self.begin_output(dup, n, "swiglu_backward", true);
         launch_elementwise!(
@@ -881,9 +962,12 @@ impl Backend for CudaBackend {
             &dup32,
             &dgate16,
             &dup16,
-            dout,
-            gate,
-            up
+            &dout32,
+            &gate32,
+            &up32,
+            &dout16,
+            &gate16,
+            &up16
         );
         Self::keep_twin(dgate, dgate_twin);
         Self::keep_twin(dup, dup_twin);
@@ -1322,7 +1406,7 @@ impl CudaBackend {
         // The conversion writes every pair, the odd count's padding included.
         let mut out = self.alloc_unzeroed::<u16>(len.div_ceil(2) * 2);
         let src = x.device_address(&self.stream);
-        super::gemm::launch_to_bf16(
+        launch_to_bf16(
             &self.stream,
             self.function("f32_to_bf16"),
             &mut out,
