@@ -86,8 +86,8 @@ impl MetricsLogger {
 
 /// Peak TFLOP/s for MFU when the config gives none: the GPU's datasheet figure at the precision in
 /// use (`backend::cuda::specs`); for a GPU titan does not know, the H100's dense bf16 989 TFLOP/s
-/// (said once on stderr); on the CPU 0.16 TFLOP/s per thread (AVX-512: 2 FMA units × 16 fp32
-/// lanes × 2 FLOPs × 2.5 GHz).
+/// (said once on stderr); on the CPU the fp32 FMA rate of `threads` threads, measured
+/// (`backend::cpu::peak`).
 pub fn default_peak_tflops<B: Backend>(be: &B, threads: usize) -> f64 {
     match (be.peak_tflops(), be.name()) {
         (Some(peak), _) => peak,
@@ -98,6 +98,6 @@ pub fn default_peak_tflops<B: Backend>(be: &B, threads: usize) -> f64 {
             );
             989.0
         }
-        (None, _) => 0.16 * threads as f64,
+        (None, _) => crate::backend::cpu::peak::peak_tflops(threads),
     }
 }

@@ -245,12 +245,17 @@ fn train_on<B: Backend>(
         default_peak_tflops(be, threads) * dp_size as f64
     };
     say(format!(
-        "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads",
+        "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {peak_tflops:.3} TFLOP/s{}",
         cfg.model.flavor,
         args.num_params() as f64 / 1e6,
         (args.num_params() - args.embedding_params()) as f64 / 1e6,
         flops_per_token / 1e6,
-        be.name()
+        be.name(),
+        match (cfg.metrics.peak_tflops > 0.0, be.name()) {
+            (true, _) => " ([metrics] peak_tflops)",
+            (false, "cpu") => " (measured fp32 FMA peak)",
+            (false, _) => " (datasheet)",
+        }
     ));
     say(format!(
         "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",

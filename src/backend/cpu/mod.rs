@@ -13,6 +13,7 @@ pub mod fastmath;
 pub mod loss;
 mod matmul;
 mod norm;
+pub mod peak;
 pub mod rope;
 mod rows;
 pub(crate) mod simd;
