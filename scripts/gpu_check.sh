@@ -71,11 +71,7 @@ stage nccl 20 "$BIN" cuda nccl-check
 common="--quiet --training.device cuda --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1"
 rm -rf "$OUT_DIR/one" "$OUT_DIR/fsdp2"
 stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --job.dump_folder '$OUT_DIR/one' && '$BIN' train --nproc 2 $common --training.local_batch_size 4 --job.dump_folder '$OUT_DIR/fsdp2'"
-# FSDP's buffer path (the one NCCL takes: packing by CUDA copies, whole-buffer collectives), here
-# through host copies since two ranks share the GPU; then DDP the same way (host path: NCCL
-# refuses two ranks on one GPU).
-rm -rf "$OUT_DIR/fsdp2_buffers"
-stage fsdp_cuda_buffers 30 env TITAN_FSDP_COLLECTIVES=buffers "$BIN" train --nproc 2 $common --training.local_batch_size 4 --job.dump_folder "$OUT_DIR/fsdp2_buffers"
+# DDP the same way (host path: NCCL refuses two ranks on one GPU).
 rm -rf "$OUT_DIR/ddp2"
 stage ddp_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 4 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder "$OUT_DIR/ddp2"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
@@ -148,7 +144,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda fsdp_cuda_buffers ddp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -231,7 +227,7 @@ def generate_report():
           f"({'ok' if gpu_ids == cpu_ids else 'FAIL'})")
 def fsdp_report():
     one = curve("one")
-    for layout, folder in (("FSDP", "fsdp2"), ("FSDP on buffers", "fsdp2_buffers"), ("DDP", "ddp2")):
+    for layout, folder in (("FSDP", "fsdp2"), ("DDP", "ddp2")):
         two = curve(folder)
         if one and two and len(one) == len(two):
             diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))

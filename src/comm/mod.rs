@@ -1,10 +1,10 @@
 //! Communication: the rendezvous store and process groups with their collectives (CPU transport
 //! over sockets and cross-memory reads; NCCL for CUDA buffers), each operation bounded by a timeout.
 
-pub mod buffers;
 pub mod cma;
 pub mod conn;
 pub mod group;
 pub mod mesh;
 pub mod nccl;
+pub mod queue;
 pub mod store;

@@ -25,8 +25,8 @@
 //! on one GPU, and the lent machines have one. When every rank has its own GPU, DDP sums each
 //! block's gradients through these groups while the backward goes on with the blocks below
 //! (`parallel::ddp::NcclGradReducer`), and FSDP gathers and reduce-scatters through them one block
-//! ahead of or behind the compute (`comm::buffers`, FSDP's buffer path, whose packing is checked on
-//! the CPU against the host path bit for bit).
+//! ahead of or behind the compute (`comm::queue::NcclQueue`; FSDP's packing and schedule are the
+//! ones the CPU runs with the host queue).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

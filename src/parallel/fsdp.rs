@@ -12,165 +12,47 @@
 //! buffers are freed. Reduce-scatter sums in fp32; the loss is normalised by the global number of
 //! targets, so the summed shards are the gradient of the global mean loss.
 //!
+//! The collectives go through a `CollectiveQueue` (`comm::queue`): started as soon as their input
+//! is packed and finished in order, so the next block's gather runs during this block's forward
+//! and a block's reduce-scatter during the backward of the block below. Packing and unpacking are
+//! backend ops (`copy_range`, `add_range`, the bf16 pair packing), so the same code runs with the
+//! CPU transport's queue (a communication thread; any backend) and with NCCL's (on GPUs). At most
+//! `MAX_IN_FLIGHT` collectives are left running after a block's backward, so the packed gradients
+//! waiting for their reduce-scatter never add up to more than a few blocks' worth.
+//!
 //! Mixed precision (`ParamDtype::BFloat16`): the gathers for forward and backward carry the shards
 //! rounded to bf16, two values per f32 word (half the bytes), so the blocks compute with bf16
-//! weights; shards, gradients, their reduce-scatter and AdamW stay fp32. Checkpoint gathers are fp32.
+//! weights; shards, gradients, their reduce-scatter and AdamW stay fp32.
 //!
 //! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
-//! is then all-reduced across the replicas.
-//!
-//! Two ways to run the collectives:
-//! - Host (the default): shards and gradients are packed on the host, and every collective of a
-//!   step runs on one communication thread in submission order over the CPU transport: the next
-//!   block's gather is submitted before the current block computes, and a block's reduce-scatter
-//!   proceeds while the block below it computes.
-//! - Buffers (`BufferComm`): packing and unpacking are backend ops on device buffers, and the
-//!   collectives take those buffers whole: NCCL on GPUs (`comm::nccl`), or through the host for
-//!   checking this path on the CPU (`TITAN_FSDP_COLLECTIVES=buffers`), where it gives the host
-//!   path's bits. The collectives are started in the same order, and on GPUs they run on NCCL's
-//!   stream while the compute stream goes on: the next block's gather during this block's
-//!   forward, a block's reduce-scatter during the backward of the block below.
-//!
-//! Either way at most `MAX_IN_FLIGHT` collectives are left running after a block's backward, so the
-//! packed gradients waiting for their reduce-scatter never add up to more than a few blocks' worth.
+//! is then all-reduced across the replicas (by the queue).
 //!
 //! Checkpoints: each rank writes its own shards (`checkpoint::sharded`).
 
-use std::sync::Arc;
-
 use std::collections::VecDeque;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 
 use crate::backend::{Backend, LossSum};
-use crate::comm::buffers::{BufferCollectives, Issued};
-use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::comm::group::ProcessGroup;
+use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
-/// Work for the communication thread: packed shards to all-gather, or packed gradients to
-/// reduce-scatter (and, for HSDP, all-reduce across replicas).
-enum Job {
-    Gather(Vec<f32>),
-    ReduceScatter(Vec<f32>),
-}
-
-/// What the main thread expects back, in submission order.
+/// A collective in the queue, in the order they were started: what its output becomes.
 enum Pending {
-    Gather(Vec<usize>),
-    ReduceScatter(Vec<usize>),
-}
-
-/// The thread that runs every collective of a step in submission order, so that the next block's
-/// gather and the previous block's reduce-scatter proceed while the current block computes.
-struct CommThread {
-    to_comm: Option<Sender<Job>>,
-    from_comm: Receiver<Result<Vec<f32>>>,
-    pending: VecDeque<Pending>,
-    worker: Option<std::thread::JoinHandle<()>>,
-}
-
-impl CommThread {
-    fn new(group: Arc<dyn ProcessGroup>, replicate: Option<Arc<dyn ProcessGroup>>) -> Self {
-        let (to_comm, jobs) = channel::<Job>();
-        let (done, from_comm) = channel();
-        let worker = std::thread::Builder::new()
-            .name("titan-fsdp-comm".into())
-            .spawn(move || {
-                let size = group.size();
-                for job in jobs {
-                    let r = match job {
-                        Job::Gather(mine) => {
-                            let mut all = vec![0.0f32; mine.len() * size];
-                            group.all_gather(&mine, &mut all).map(|_| all)
-                        }
-                        Job::ReduceScatter(packed) => {
-                            let mut mine = vec![0.0f32; packed.len() / size];
-                            group
-                                .reduce_scatter(&packed, &mut mine, ReduceOp::Sum)
-                                .and_then(|_| match &replicate {
-                                    Some(r) => r.all_reduce(&mut mine, ReduceOp::Sum).map(|_| mine),
-                                    None => Ok(mine),
-                                })
-                        }
-                    };
-                    // After a failure the group is unusable: report it and take no more work.
-                    let failed = r.is_err();
-                    if done.send(r).is_err() || failed {
-                        return;
-                    }
-                }
-            })
-            .expect("spawn the FSDP communication thread");
-        CommThread {
-            to_comm: Some(to_comm),
-            from_comm,
-            pending: VecDeque::new(),
-            worker: Some(worker),
-        }
-    }
-
-    fn submit(&mut self, job: Job, pending: Pending) -> Result<()> {
-        self.to_comm
-            .as_ref()
-            .ok_or_else(|| anyhow!("FSDP communication thread is gone"))?
-            .send(job)
-            .map_err(|_| anyhow!("FSDP communication thread stopped"))?;
-        self.pending.push_back(pending);
-        Ok(())
-    }
-}
-
-impl Drop for CommThread {
-    fn drop(&mut self) {
-        self.to_comm = None;
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-    }
-}
-
-/// FSDP's collectives on backend buffers: over the shard group and, for HSDP, the replicas.
-pub struct BufferComm<B: Backend> {
-    pub shard: Box<dyn BufferCollectives<B>>,
-    pub replicate: Option<Box<dyn BufferCollectives<B>>>,
-}
-
-/// A collective started on the buffer path, completed in submission order. Each holds its input
-/// so that the buffer lives until the collective is done with it (see `comm::buffers`).
-enum BufferPending<B: Backend> {
-    /// Gathers the packed shards of `ids` (as bf16 pairs when `pairs`) into `gathered`.
-    Gather {
-        ids: Vec<usize>,
-        pairs: bool,
-        _packed: B::Buf,
-        gathered: B::Buf,
-        issued: Issued,
-    },
-    /// Reduce-scatters the packed gradients of `ids` into `mine` (this rank's summed shards),
-    /// then for HSDP sums `mine` across the replicas.
-    ReduceScatter {
-        ids: Vec<usize>,
-        _packed: B::Buf,
-        mine: B::Buf,
-        issued: Issued,
-        replicated: Option<Issued>,
-    },
+    /// The packed shards of `ids`, as bf16 pairs when `pairs`, from every rank.
+    Gather { ids: Vec<usize>, pairs: bool },
+    /// This rank's summed gradient shards of `ids`, packed.
+    ReduceScatter { ids: Vec<usize> },
 }
 
 /// Collectives left running after a block's backward (see the module doc).
 const MAX_IN_FLIGHT: usize = 2;
 
-/// How a step's collectives run (see the module doc).
-enum Collectives<B: Backend> {
-    /// On the host, by the communication thread.
-    Host(CommThread),
-    /// On backend buffers, with the collectives issued and not yet completed.
-    Buffers(BufferComm<B>, VecDeque<BufferPending<B>>),
-}
-
 pub struct Fsdp<B: Backend> {
-    comm: Collectives<B>,
+    queue: Box<dyn CollectiveQueue<B>>,
+    pending: VecDeque<Pending>,
     group: Arc<dyn ProcessGroup>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
@@ -214,15 +96,15 @@ impl ReshardPolicy {
 }
 
 impl<B: Backend> Fsdp<B> {
-    /// Shards `full` (identical on every rank) across `group`. With `buffers` the step's
-    /// collectives run on backend buffers through it; else on the host over `group` and
-    /// `replicate` (which also serve checkpoints and the gradient norm either way).
+    /// Shards `full` (identical on every rank) across `group`. The step's collectives go through
+    /// `queue`, or when none is given through the CPU transport over `group` and `replicate`
+    /// (`HostQueue`); `group` also serves the gradient norm.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &B,
         group: Arc<dyn ProcessGroup>,
         replicate: Option<Arc<dyn ProcessGroup>>,
-        buffers: Option<BufferComm<B>>,
+        queue: Option<Box<dyn CollectiveQueue<B>>>,
         model: &Llama<B>,
         full: &ParamSet<B>,
         reshard_after_forward: ReshardPolicy,
@@ -243,12 +125,15 @@ impl<B: Backend> Fsdp<B> {
                 in_block[i] = true;
             }
         }
-        let comm = match buffers {
-            Some(b) => Collectives::Buffers(b, VecDeque::new()),
-            None => Collectives::Host(CommThread::new(group.clone(), replicate.clone())),
-        };
+        let queue = queue.unwrap_or_else(|| Box::new(HostQueue::new(group.clone(), replicate)));
+        assert_eq!(
+            queue.shard_size(),
+            size,
+            "FSDP's collective queue spans another group than its shards"
+        );
         let mut f = Fsdp {
-            comm,
+            queue,
+            pending: VecDeque::new(),
             shards: ParamSet::zeros(be, &specs),
             grad_shards: ParamSet::zeros(be, &specs),
             numel,
@@ -292,87 +177,6 @@ impl<B: Backend> Fsdp<B> {
         out
     }
 
-    /// The shards `ids` of `shards`, packed back to back (one collective per block). In bf16 two
-    /// values share each f32 word of the buffer: the all-gather only moves bytes.
-    fn pack_shards(
-        &self,
-        be: &B,
-        shards: &ParamSet<B>,
-        ids: &[usize],
-        dtype: ParamDtype,
-    ) -> Vec<f32> {
-        let values = ids.iter().map(|&i| self.shard_len[i]).sum();
-        let mut packed = Vec::with_capacity(values);
-        for &i in ids {
-            packed.extend_from_slice(&be.download(&shards.bufs[i]));
-        }
-        match dtype {
-            ParamDtype::Float32 => packed,
-            ParamDtype::BFloat16 => crate::tensor::pack_bf16_pairs(&packed),
-        }
-    }
-
-    /// Unpacks an all-gather of packed shards: rank `r`'s part fills each tensor's `[r·c, (r+1)·c)`.
-    fn unpack_gathered(
-        &self,
-        be: &B,
-        all: &[f32],
-        full: &mut ParamSet<B>,
-        ids: &[usize],
-        dtype: ParamDtype,
-    ) {
-        let size = self.group.size();
-        let words = all.len() / size;
-        let value = |part: &[f32], at: usize| -> f32 {
-            match dtype {
-                ParamDtype::Float32 => part[at],
-                ParamDtype::BFloat16 => crate::tensor::bf16_pair_value(part, at),
-            }
-        };
-        let mut offset = 0;
-        for &i in ids {
-            let c = self.shard_len[i];
-            let mut t = vec![0.0f32; c * size];
-            for r in 0..size {
-                let part = &all[r * words..(r + 1) * words];
-                for (j, v) in t[r * c..(r + 1) * c].iter_mut().enumerate() {
-                    *v = value(part, offset + j);
-                }
-            }
-            t.truncate(self.numel[i]);
-            full.bufs[i] = be.upload(&t);
-            offset += c;
-        }
-    }
-
-    /// All-gathers the shards `ids` of `shards` into full buffers of `full`, on this thread.
-    fn gather_into(
-        &self,
-        be: &B,
-        shards: &ParamSet<B>,
-        full: &mut ParamSet<B>,
-        ids: &[usize],
-    ) -> Result<()> {
-        let mine = self.pack_shards(be, shards, ids, ParamDtype::Float32);
-        let mut all = vec![0.0f32; mine.len() * self.group.size()];
-        self.group.all_gather(&mine, &mut all)?;
-        self.unpack_gathered(be, &all, full, ids, ParamDtype::Float32);
-        Ok(())
-    }
-
-    /// Full tensors of a sharded set, on every rank (checkpoints).
-    pub fn gather_full(
-        &self,
-        be: &B,
-        shards: &ParamSet<B>,
-        full_specs: &[(String, Vec<usize>)],
-    ) -> Result<ParamSet<B>> {
-        let mut full = ParamSet::zeros(be, full_specs);
-        let all: Vec<usize> = (0..full.len()).collect();
-        self.gather_into(be, shards, &mut full, &all)?;
-        Ok(full)
-    }
-
     fn release(be: &B, set: &mut ParamSet<B>, ids: &[usize]) {
         for &i in ids {
             set.bufs[i] = be.zeros(0);
@@ -385,55 +189,32 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// Reduce-scatters the full gradients `ids` and adds them into this rank's gradient shards.
+    /// Packs this rank's shards of `ids` back to back and starts gathering them from every rank;
+    /// bf16 parameters travel as bf16 pairs (half the bytes).
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
-        if let Collectives::Buffers(comm, pending) = &mut self.comm {
-            let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
-            let mut packed = be.zeros(words);
-            let mut at = 0;
-            for &i in ids {
-                be.copy_range(&mut packed, at, &self.shards.bufs[i], 0, self.shard_len[i]);
-                at += self.shard_len[i];
-            }
-            // bf16 parameters travel as bf16 pairs (half the bytes), as on the host path.
-            let pairs = self.param_dtype == ParamDtype::BFloat16;
-            if pairs {
-                let mut paired = be.zeros(words.div_ceil(2));
-                be.pack_bf16_pairs(&mut paired, &packed);
-                packed = paired;
-            }
-            let mut gathered = be.zeros(be.len(&packed) * comm.shard.size());
-            let issued = comm.shard.all_gather(be, &packed, &mut gathered)?;
-            pending.push_back(BufferPending::Gather {
-                ids: ids.to_vec(),
-                pairs,
-                _packed: packed,
-                gathered,
-                issued,
-            });
-            return Ok(());
+        let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
+        let mut packed = be.zeros(words);
+        let mut at = 0;
+        for &i in ids {
+            be.copy_range(&mut packed, at, &self.shards.bufs[i], 0, self.shard_len[i]);
+            at += self.shard_len[i];
         }
-        let mine = self.pack_shards(be, &self.shards, ids, self.param_dtype);
-        self.host_thread()
-            .submit(Job::Gather(mine), Pending::Gather(ids.to_vec()))
+        let pairs = self.param_dtype == ParamDtype::BFloat16;
+        if pairs {
+            let mut paired = be.zeros(words.div_ceil(2));
+            be.pack_bf16_pairs(&mut paired, &packed);
+            packed = paired;
+        }
+        self.queue.start_gather(be, packed)?;
+        self.pending.push_back(Pending::Gather {
+            ids: ids.to_vec(),
+            pairs,
+        });
+        Ok(())
     }
 
-    /// The communication thread, on the host path (callers have handled the buffer path).
-    fn host_thread(&mut self) -> &mut CommThread {
-        match &mut self.comm {
-            Collectives::Host(thread) => thread,
-            Collectives::Buffers(..) => unreachable!("FSDP's host path on the buffer path"),
-        }
-    }
-
-    /// How many collectives are still to be completed.
-    fn in_flight(&self) -> usize {
-        match &self.comm {
-            Collectives::Host(thread) => thread.pending.len(),
-            Collectives::Buffers(_, pending) => pending.len(),
-        }
-    }
-
+    /// Packs the full gradients `ids` rank chunk by rank chunk, frees them, and starts their
+    /// reduce-scatter (which `complete_next` adds into this rank's gradient shards).
     fn submit_reduce_scatter(
         &mut self,
         be: &B,
@@ -442,124 +223,45 @@ impl<B: Backend> Fsdp<B> {
     ) -> Result<()> {
         let size = self.group.size();
         let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
-        if let Collectives::Buffers(comm, pending) = &mut self.comm {
-            // Rank r's chunk holds each tensor's elements [r·c, (r+1)·c), zero past its end.
-            let mut packed = be.zeros(packed_len * size);
-            let mut offset = 0;
-            for &i in ids {
-                let (c, g) = (self.shard_len[i], &grads.bufs[i]);
-                let n = be.len(g);
-                for r in 0..size {
-                    let (lo, hi) = ((r * c).min(n), ((r + 1) * c).min(n));
-                    if hi > lo {
-                        be.copy_range(&mut packed, r * packed_len + offset, g, lo, hi - lo);
-                    }
-                }
-                offset += c;
-            }
-            Self::release(be, grads, ids);
-            let mut mine = be.zeros(packed_len);
-            let issued = comm.shard.reduce_scatter_sum(be, &packed, &mut mine)?;
-            // Runs after the reduce-scatter (collectives run in the order they start).
-            let replicated = match &comm.replicate {
-                Some(replicas) => Some(replicas.all_reduce_sum(be, &mut mine)?),
-                None => None,
-            };
-            pending.push_back(BufferPending::ReduceScatter {
-                ids: ids.to_vec(),
-                _packed: packed,
-                mine,
-                issued,
-                replicated,
-            });
-            return Ok(());
-        }
-        let mut packed = vec![0.0f32; packed_len * size];
+        // Rank r's chunk holds each tensor's elements [r·c, (r+1)·c), zero past its end.
+        let mut packed = be.zeros(packed_len * size);
         let mut offset = 0;
         for &i in ids {
-            let c = self.shard_len[i];
-            let g = be.download(&grads.bufs[i]);
+            let (c, g) = (self.shard_len[i], &grads.bufs[i]);
+            let n = be.len(g);
             for r in 0..size {
-                let lo = (r * c).min(g.len());
-                let hi = ((r + 1) * c).min(g.len());
-                packed[r * packed_len + offset..r * packed_len + offset + (hi - lo)]
-                    .copy_from_slice(&g[lo..hi]);
+                let (lo, hi) = ((r * c).min(n), ((r + 1) * c).min(n));
+                if hi > lo {
+                    be.copy_range(&mut packed, r * packed_len + offset, g, lo, hi - lo);
+                }
             }
             offset += c;
         }
         Self::release(be, grads, ids);
-        self.host_thread().submit(
-            Job::ReduceScatter(packed),
-            Pending::ReduceScatter(ids.to_vec()),
-        )
+        self.queue.start_reduce_scatter(be, packed)?;
+        self.pending
+            .push_back(Pending::ReduceScatter { ids: ids.to_vec() });
+        Ok(())
     }
 
-    /// Completes the oldest collective: unpacks a gather into `full` or adds reduced gradients into
-    /// the shards. Returns the ids of a completed gather.
+    /// Finishes the oldest collective: unpacks a gather into full tensors of `full`, or adds a
+    /// reduced gradient shard into this rank's shards. Returns the ids of a finished gather.
     fn complete_next(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Option<Vec<usize>>> {
-        if matches!(self.comm, Collectives::Buffers(..)) {
-            return self.complete_next_buffer(be, full);
-        }
-        let comm = self.host_thread();
-        let pending = comm
+        let size = self.group.size();
+        let pending = self
             .pending
             .pop_front()
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
-        let data = comm
-            .from_comm
-            .recv()
-            .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
+        let output = self.queue.finish_oldest(be)?;
         match pending {
-            Pending::Gather(ids) => {
-                self.unpack_gathered(be, &data, full, &ids, self.param_dtype);
-                Ok(Some(ids))
-            }
-            Pending::ReduceScatter(ids) => {
-                let mut offset = 0;
-                for &i in &ids {
-                    let c = self.shard_len[i];
-                    let mut acc = be.download(&self.grad_shards.bufs[i]);
-                    acc.iter_mut()
-                        .zip(&data[offset..offset + c])
-                        .for_each(|(a, m)| *a += m);
-                    self.grad_shards.bufs[i] = be.upload(&acc);
-                    offset += c;
-                }
-                Ok(None)
-            }
-        }
-    }
-
-    /// `complete_next` on the buffer path: unpacks a gather into full tensors, or adds a reduced
-    /// gradient shard into this rank's shards.
-    fn complete_next_buffer(
-        &mut self,
-        be: &B,
-        full: &mut ParamSet<B>,
-    ) -> Result<Option<Vec<usize>>> {
-        let size = self.group.size();
-        let Collectives::Buffers(comm, pending) = &mut self.comm else {
-            unreachable!("FSDP's buffer path on the host path")
-        };
-        match pending
-            .pop_front()
-            .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?
-        {
-            BufferPending::Gather {
-                ids,
-                pairs,
-                _packed,
-                gathered,
-                issued,
-            } => {
-                comm.shard.wait(be, issued)?;
+            Pending::Gather { ids, pairs } => {
                 let all = if pairs {
                     // Each rank's part unpacks to an even number of values.
-                    let mut all = be.zeros(be.len(&gathered) * 2);
-                    be.unpack_bf16_pairs(&mut all, &gathered);
+                    let mut all = be.zeros(be.len(&output) * 2);
+                    be.unpack_bf16_pairs(&mut all, &output);
                     all
                 } else {
-                    gathered
+                    output
                 };
                 let words = be.len(&all) / size;
                 let mut offset = 0;
@@ -578,21 +280,11 @@ impl<B: Backend> Fsdp<B> {
                 }
                 Ok(Some(ids))
             }
-            BufferPending::ReduceScatter {
-                ids,
-                _packed,
-                mine,
-                issued,
-                replicated,
-            } => {
-                comm.shard.wait(be, issued)?;
-                if let (Some(replicas), Some(issued)) = (&comm.replicate, replicated) {
-                    replicas.wait(be, issued)?;
-                }
+            Pending::ReduceScatter { ids } => {
                 let mut offset = 0;
                 for &i in &ids {
                     let c = self.shard_len[i];
-                    be.add_range(&mut self.grad_shards.bufs[i], 0, &mine, offset, c);
+                    be.add_range(&mut self.grad_shards.bufs[i], 0, &output, offset, c);
                     offset += c;
                 }
                 Ok(None)
@@ -600,27 +292,18 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// Completes the oldest reduce-scatters until at most `MAX_IN_FLIGHT` collectives are running
-    /// (a gather is left for `wait_gather`, which looks for it in the queue).
+    /// Finishes the oldest reduce-scatters until at most `MAX_IN_FLIGHT` collectives are running
+    /// (a gather is left for `wait_gather`).
     fn complete_down_to_limit(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<()> {
-        while self.in_flight() > MAX_IN_FLIGHT && self.oldest_is_reduce_scatter() {
+        while self.pending.len() > MAX_IN_FLIGHT
+            && matches!(self.pending.front(), Some(Pending::ReduceScatter { .. }))
+        {
             self.complete_next(be, full)?;
         }
         Ok(())
     }
 
-    fn oldest_is_reduce_scatter(&self) -> bool {
-        match &self.comm {
-            Collectives::Host(thread) => {
-                matches!(thread.pending.front(), Some(Pending::ReduceScatter(_)))
-            }
-            Collectives::Buffers(_, pending) => {
-                matches!(pending.front(), Some(BufferPending::ReduceScatter { .. }))
-            }
-        }
-    }
-
-    /// Completes collectives in order until the gather of `ids` is done.
+    /// Finishes collectives in order until the gather of `ids` is done.
     fn wait_gather(&mut self, be: &B, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
         loop {
             if let Some(done) = self.complete_next(be, full)? {
@@ -631,8 +314,8 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// One micro-batch: forward and backward with the collectives around each block running on the
-    /// communication thread, one block ahead (prefetched gathers) or behind (reduce-scatters).
+    /// One micro-batch: forward and backward with the collectives around each block running one
+    /// block ahead (prefetched gathers) or behind (reduce-scatters) of the compute.
     /// Gradients are added into `grad_shards`. `full` and `grads` are working sets whose buffers
     /// exist only while a stage needs them.
     #[allow(clippy::too_many_arguments)]
@@ -688,7 +371,7 @@ impl<B: Backend> Fsdp<B> {
         }
         model.embed_backward(be, grads, ws);
         self.submit_reduce_scatter(be, grads, &non_block)?;
-        while self.in_flight() > 0 {
+        while !self.pending.is_empty() {
             self.complete_next(be, full)?;
         }
         Self::release(be, full, &non_block);

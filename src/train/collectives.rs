@@ -1,41 +1,31 @@
 //! Which way a data-parallel job moves its tensors between ranks: through host copies and the CPU
-//! transport (the default), or on backend buffers (NCCL between GPUs; through the host for checks
-//! of that path on the CPU). Every rank exchanges what it can do over the CPU group first, so all of
-//! them take the same path, and a job that cannot use NCCL says why.
+//! transport (the default), or through NCCL between GPUs. Every rank exchanges what it can do over
+//! the CPU group first, so all of them take the same path, and a job that cannot use NCCL says why.
 
 use std::collections::HashSet;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use crate::backend::cuda::libs::CudaLib;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
-use crate::comm::buffers::{BufferCollectives, ThroughHost};
+use crate::comm::queue::{CollectiveQueue, NcclQueue};
 use crate::launch::{DataParallelGroup, Distributed};
 use crate::parallel::ddp::{GradReducer, NcclGradReducer};
-use crate::parallel::fsdp::BufferComm;
 
-/// Data-parallel collectives on backend buffers instead of host copies through the CPU transport:
+/// Data-parallel collectives on the devices instead of host copies through the CPU transport:
 /// DDP's gradient sum, or FSDP's gathers and reduce-scatters.
 pub enum DeviceComm<B: Backend> {
     Ddp(Box<dyn GradReducer<B>>),
-    Fsdp(BufferComm<B>),
+    Fsdp(Box<dyn CollectiveQueue<B>>),
 }
 
 /// What the ranks agreed on.
 struct Agreement {
     /// Every rank has a GPU of its own and NCCL.
     nccl: bool,
-    /// `TITAN_FSDP_COLLECTIVES=buffers` on every rank.
-    buffers_through_host: bool,
     /// Why not NCCL, for rank 0 to say (None when NCCL is used or no rank has a GPU).
     why_not_nccl: Option<String>,
-}
-
-/// `TITAN_FSDP_COLLECTIVES=buffers`: FSDP packs on the backend's buffers and runs its collectives
-/// through host copies (the path NCCL takes on GPUs, checkable on the CPU).
-fn wants_buffers() -> bool {
-    std::env::var("TITAN_FSDP_COLLECTIVES").as_deref() == Ok("buffers")
 }
 
 /// This node's name as a number below 2^23 (exact in f32), to tell nodes apart.
@@ -51,8 +41,7 @@ fn node_key() -> f32 {
 }
 
 /// Exchanges every rank's facts over the data-parallel CPU group (all ranks call this, GPU or not):
-/// whether it can use NCCL (`local_nccl`: Ok with its GPU's PCI location, or why not), and whether
-/// it asks for the buffer path through the host.
+/// whether it can use NCCL (`local_nccl`: Ok with its GPU's PCI location, or why not).
 fn agree(d: &Distributed, local_nccl: std::result::Result<u32, String>) -> Result<Agreement> {
     let group = d.dp.as_ref();
     let (ready, gpu) = match &local_nccl {
@@ -60,22 +49,15 @@ fn agree(d: &Distributed, local_nccl: std::result::Result<u32, String>) -> Resul
         // A value no GPU has, distinct per rank.
         Err(_) => (0.0, -1.0 - group.rank() as f32),
     };
-    let mine = [ready, wants_buffers() as u8 as f32, node_key(), gpu];
+    let mine = [ready, node_key(), gpu];
     let mut all = vec![0.0f32; mine.len() * group.size()];
     group.all_gather(&mine, &mut all)?;
     let ranks: Vec<&[f32]> = all.chunks(mine.len()).collect();
-    let buffers = ranks.iter().filter(|r| r[1] == 1.0).count();
-    if buffers != 0 && buffers != ranks.len() {
-        bail!(
-            "TITAN_FSDP_COLLECTIVES=buffers is set on {buffers} of {} ranks: set it for every rank or none",
-            ranks.len()
-        );
-    }
     let mut gpus = HashSet::new();
     let shared = !ranks
         .iter()
         .filter(|r| r[0] == 1.0)
-        .all(|r| gpus.insert((r[2].to_bits(), r[3].to_bits())));
+        .all(|r| gpus.insert((r[1].to_bits(), r[2].to_bits())));
     let all_ready = ranks.iter().all(|r| r[0] == 1.0);
     let why_not_nccl = match (&local_nccl, all_ready, shared) {
         (_, true, false) => None,
@@ -85,38 +67,22 @@ fn agree(d: &Distributed, local_nccl: std::result::Result<u32, String>) -> Resul
     };
     Ok(Agreement {
         nccl: all_ready && !shared,
-        buffers_through_host: buffers == ranks.len(),
         why_not_nccl,
     })
 }
 
-/// FSDP's buffer path through host copies, when the ranks asked for it.
-fn through_host<B: Backend>(d: &Distributed, agreed: &Agreement) -> Option<DeviceComm<B>> {
-    let shard = d.shard.clone()?;
-    agreed.buffers_through_host.then(|| {
-        DeviceComm::Fsdp(BufferComm {
-            shard: Box::new(ThroughHost(shard)),
-            replicate: d
-                .replicate
-                .clone()
-                .map(|r| Box::new(ThroughHost(r)) as Box<dyn BufferCollectives<B>>),
-        })
-    })
-}
-
-/// The collectives of a CPU rank: the host path, or FSDP's buffer path through the host.
+/// The collectives of a CPU rank: the host path (it takes part in the agreement all the same).
 pub fn for_cpu<B: Backend>(dist: Option<&Distributed>) -> Result<Option<DeviceComm<B>>> {
-    let Some(d) = dist else {
-        return Ok(None);
-    };
-    let agreed = agree(d, Err("this rank runs on the CPU".to_string()))?;
-    Ok(through_host(d, &agreed))
+    if let Some(d) = dist {
+        agree(d, Err("this rank runs on the CPU".to_string()))?;
+    }
+    Ok(None)
 }
 
 /// The collectives of a CUDA rank: NCCL when every rank of the job has a GPU of its own (NCCL
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`; DDP then sums
 /// its gradients through it and FSDP gathers and reduce-scatters through it. Otherwise the host
-/// path (or FSDP's buffer path through the host when asked).
+/// path.
 pub fn for_cuda(
     dist: Option<&Distributed>,
     be: &CudaBackend,
@@ -140,17 +106,14 @@ pub fn for_cuda(
                 agreed.why_not_nccl.as_deref().unwrap_or("unknown")
             );
         }
-        return Ok(through_host(d, &agreed));
+        return Ok(None);
     }
     let comm = if d.shard.is_some() {
         let shard = d
             .nccl_group(DataParallelGroup::Shard, be)?
             .expect("an FSDP job has a shard group");
         let replicate = d.nccl_group(DataParallelGroup::Replicate, be)?;
-        DeviceComm::Fsdp(BufferComm {
-            shard: Box::new(shard),
-            replicate: replicate.map(|r| Box::new(r) as Box<dyn BufferCollectives<CudaBackend>>),
-        })
+        DeviceComm::Fsdp(Box::new(NcclQueue::new(shard, replicate)))
     } else {
         let all = d
             .nccl_group(DataParallelGroup::All, be)?

@@ -121,12 +121,12 @@ fn train_on<B: Backend>(
     let (batch, seq) = (t.local_batch_size, t.seq_len);
     let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
     let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
-    let (mut device_reducer, mut buffer_comm) = match device_comm {
+    let (mut device_reducer, mut device_queue) = match device_comm {
         Some(DeviceComm::Ddp(r)) => (Some(r), None),
-        Some(DeviceComm::Fsdp(b)) => (None, Some(b)),
+        Some(DeviceComm::Fsdp(q)) => (None, Some(q)),
         None => (None, None),
     };
-    let collectives_on_buffers = device_reducer.is_some() || buffer_comm.is_some();
+    let collectives_on_device = device_reducer.is_some() || device_queue.is_some();
     let mut ddp = dist
         .filter(|_| !fsdp_mode)
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
@@ -213,7 +213,7 @@ fn train_on<B: Backend>(
             be,
             shard,
             d.replicate.clone(),
-            buffer_comm.take(),
+            device_queue.take(),
             &model,
             &params,
             reshard,
@@ -281,8 +281,8 @@ fn train_on<B: Backend>(
             _ => (1.0, "replicated, DDP"),
         };
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / share;
-        let path = if collectives_on_buffers {
-            ", collectives on backend buffers"
+        let path = if collectives_on_device {
+            ", collectives through NCCL"
         } else {
             ""
         };

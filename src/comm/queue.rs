@@ -1,0 +1,215 @@
+//! Queued collectives of sharded data parallelism (FSDP, HSDP) on backend buffers: an all-gather
+//! over the shard group, and a reduce-scatter over it followed, for HSDP, by an all-reduce of the
+//! result across the replicas. They are started as soon as their input is ready and finished in the
+//! order they were started, so that they run while the caller computes.
+//!
+//! Two queues, one interface (FSDP knows only `CollectiveQueue`):
+//! - `HostQueue`, for any backend: each input is copied to the host and handed to a communication
+//!   thread, which runs the collectives in order over the CPU transport; finishing one waits for
+//!   the thread's result and uploads it.
+//! - `NcclQueue`, on GPUs: the collectives run on NCCL's stream (`comm::nccl`), each queue entry
+//!   holding its input and output until it is finished.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+
+use super::group::{ProcessGroup, ReduceOp};
+use super::nccl::{InFlight, NcclGroup};
+use crate::backend::cuda::{CudaBackend, CudaBuf};
+use crate::backend::Backend;
+
+pub trait CollectiveQueue<B: Backend> {
+    /// Ranks in the shard group.
+    fn shard_size(&self) -> usize;
+    /// Starts gathering every shard rank's `input`, in rank order, into one buffer of
+    /// `shard_size × len(input)` values.
+    fn start_gather(&mut self, be: &B, input: B::Buf) -> Result<()>;
+    /// Starts a reduce-scatter of `input` (`shard_size` equal chunks): this rank's chunk summed
+    /// over the shard group, then, for HSDP, across the replicas.
+    fn start_reduce_scatter(&mut self, be: &B, input: B::Buf) -> Result<()>;
+    /// Waits for the oldest collective not yet finished and returns its output.
+    fn finish_oldest(&mut self, be: &B) -> Result<B::Buf>;
+}
+
+/// Work for the communication thread.
+enum Job {
+    Gather(Vec<f32>),
+    ReduceScatter(Vec<f32>),
+}
+
+/// The collectives over the CPU transport, run by one thread in the order they were started.
+pub struct HostQueue {
+    shard_size: usize,
+    to_comm: Option<Sender<Job>>,
+    from_comm: Receiver<Result<Vec<f32>>>,
+    in_flight: usize,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HostQueue {
+    pub fn new(shard: Arc<dyn ProcessGroup>, replicate: Option<Arc<dyn ProcessGroup>>) -> Self {
+        let shard_size = shard.size();
+        let (to_comm, jobs) = channel::<Job>();
+        let (done, from_comm) = channel();
+        let worker = std::thread::Builder::new()
+            .name("titan-fsdp-comm".into())
+            .spawn(move || {
+                for job in jobs {
+                    let r = match job {
+                        Job::Gather(mine) => {
+                            let mut all = vec![0.0f32; mine.len() * shard_size];
+                            shard.all_gather(&mine, &mut all).map(|_| all)
+                        }
+                        Job::ReduceScatter(packed) => {
+                            let mut mine = vec![0.0f32; packed.len() / shard_size];
+                            shard
+                                .reduce_scatter(&packed, &mut mine, ReduceOp::Sum)
+                                .and_then(|_| match &replicate {
+                                    Some(r) => r.all_reduce(&mut mine, ReduceOp::Sum).map(|_| mine),
+                                    None => Ok(mine),
+                                })
+                        }
+                    };
+                    // After a failure the group is unusable: report it and take no more work.
+                    let failed = r.is_err();
+                    if done.send(r).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the FSDP communication thread");
+        HostQueue {
+            shard_size,
+            to_comm: Some(to_comm),
+            from_comm,
+            in_flight: 0,
+            worker: Some(worker),
+        }
+    }
+
+    fn submit(&mut self, job: Job) -> Result<()> {
+        self.to_comm
+            .as_ref()
+            .ok_or_else(|| anyhow!("FSDP communication thread is gone"))?
+            .send(job)
+            .map_err(|_| anyhow!("FSDP communication thread stopped"))?;
+        self.in_flight += 1;
+        Ok(())
+    }
+}
+
+impl<B: Backend> CollectiveQueue<B> for HostQueue {
+    fn shard_size(&self) -> usize {
+        self.shard_size
+    }
+
+    fn start_gather(&mut self, be: &B, input: B::Buf) -> Result<()> {
+        self.submit(Job::Gather(be.download(&input)))
+    }
+
+    fn start_reduce_scatter(&mut self, be: &B, input: B::Buf) -> Result<()> {
+        self.submit(Job::ReduceScatter(be.download(&input)))
+    }
+
+    fn finish_oldest(&mut self, be: &B) -> Result<B::Buf> {
+        if self.in_flight == 0 {
+            return Err(anyhow!("FSDP: no collective in flight"));
+        }
+        self.in_flight -= 1;
+        let data = self
+            .from_comm
+            .recv()
+            .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
+        Ok(be.upload(&data))
+    }
+}
+
+impl Drop for HostQueue {
+    fn drop(&mut self) {
+        self.to_comm = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A collective on NCCL's stream, with the buffers it reads and writes.
+struct NcclEntry {
+    _input: CudaBuf,
+    output: CudaBuf,
+    shard: InFlight,
+    /// HSDP's all-reduce across the replicas, queued after the reduce-scatter.
+    replicated: Option<InFlight>,
+}
+
+/// The collectives on the GPUs through NCCL: over the shard group and, for HSDP, the replicas.
+pub struct NcclQueue {
+    shard: NcclGroup,
+    replicate: Option<NcclGroup>,
+    in_flight: VecDeque<NcclEntry>,
+}
+
+impl NcclQueue {
+    pub fn new(shard: NcclGroup, replicate: Option<NcclGroup>) -> Self {
+        NcclQueue {
+            shard,
+            replicate,
+            in_flight: VecDeque::new(),
+        }
+    }
+}
+
+impl CollectiveQueue<CudaBackend> for NcclQueue {
+    fn shard_size(&self) -> usize {
+        self.shard.size()
+    }
+
+    fn start_gather(&mut self, be: &CudaBackend, input: CudaBuf) -> Result<()> {
+        let mut output = be.zeros(input.len() * self.shard.size());
+        let shard = self.shard.start_all_gather(&input, &mut output)?;
+        self.in_flight.push_back(NcclEntry {
+            _input: input,
+            output,
+            shard,
+            replicated: None,
+        });
+        Ok(())
+    }
+
+    fn start_reduce_scatter(&mut self, be: &CudaBackend, input: CudaBuf) -> Result<()> {
+        let mut output = be.zeros(input.len() / self.shard.size());
+        let shard = self
+            .shard
+            .start_reduce_scatter(&input, &mut output, ReduceOp::Sum)?;
+        self.in_flight.push_back(NcclEntry {
+            _input: input,
+            output,
+            shard,
+            replicated: None,
+        });
+        if let Some(replicas) = &self.replicate {
+            // Queued after the reduce-scatter on the one communication stream, so it sums the
+            // reduce-scatter's result.
+            let entry = self.in_flight.back_mut().expect("pushed above");
+            let f = replicas
+                .start_all_reduce_each(std::iter::once(&mut entry.output), ReduceOp::Sum)?;
+            entry.replicated = Some(f);
+        }
+        Ok(())
+    }
+
+    fn finish_oldest(&mut self, _be: &CudaBackend) -> Result<CudaBuf> {
+        let entry = self
+            .in_flight
+            .pop_front()
+            .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
+        self.shard.wait(entry.shard)?;
+        if let (Some(replicas), Some(f)) = (&self.replicate, entry.replicated) {
+            replicas.wait(f)?;
+        }
+        Ok(entry.output)
+    }
+}
