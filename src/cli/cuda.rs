@@ -269,6 +269,7 @@ fn nccl_check() -> Result<()> {
     use crate::backend::Backend;
     use crate::comm::group::ReduceOp;
     use crate::comm::nccl::NcclGroup;
+    use crate::comm::queue::{CollectiveQueue, NcclQueue};
     use crate::comm::store::{StoreClient, StoreServer};
     use std::time::Duration;
 
@@ -319,6 +320,17 @@ fn nccl_check() -> Result<()> {
     if be.download(&all_x) != vec![1.5; values.len()] || be.download(&part) != doubled {
         failures.push("ordering against compute");
     }
+    // FSDP's queue on NCCL, with HSDP's all-reduce across replicas after each reduce-scatter (two
+    // more one-rank groups): collectives finish in the order they started, each with its output.
+    let shard = NcclGroup::connect(&store, "nccl-check-shard", 0, 1, &be, t, t)?;
+    let replicas = NcclGroup::connect(&store, "nccl-check-replicas", 0, 1, &be, t, t)?;
+    let mut queue = NcclQueue::new(shard, Some(replicas));
+    queue.start_gather(&be, be.upload(&values))?;
+    queue.start_reduce_scatter(&be, be.upload(&doubled))?;
+    let (gathered, reduced) = (queue.finish_oldest(&be)?, queue.finish_oldest(&be)?);
+    if be.download(&gathered) != values || be.download(&reduced) != doubled {
+        failures.push("FSDP queue");
+    }
     let mut big = be.zeros(64 << 20);
     let t0 = std::time::Instant::now();
     for _ in 0..10 {
@@ -326,7 +338,7 @@ fn nccl_check() -> Result<()> {
     }
     let per_call = t0.elapsed().as_secs_f64() / 10.0;
     println!(
-        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter, ordering against compute {}; 256 MiB all_reduce {:.2} ms",
+        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter, ordering against compute, FSDP queue {}; 256 MiB all_reduce {:.2} ms",
         be.device_name(),
         if failures.is_empty() { "ok" } else { "FAILED" },
         per_call * 1e3
