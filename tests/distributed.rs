@@ -560,11 +560,23 @@ fn hsdp_writes_one_replica_of_shards_and_resumes_in_one_process() {
 }
 
 #[test]
-fn fsdp_with_more_blocks_in_flight_than_its_limit_matches_one_process() {
+fn fsdp_deeper_or_accumulating_matches_one_process() {
     // 4 blocks regathered after every forward, and 3 kept until their backward: the reduce-
     // scatters outnumber the collectives FSDP leaves running after a block's backward, so older
-    // ones are finished early, between gathers. Both step by step like one process.
-    for (layers, reshard) in [("4", "always"), ("3", "never")] {
+    // ones are finished early, between gathers. And 2 micro-batches of 1 per rank and step
+    // (gradient accumulation: the queue empties between micro-batches). All step by step like one
+    // process.
+    let accumulate = [
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "4",
+    ];
+    for (layers, reshard, more) in [
+        ("4", "always", &[][..]),
+        ("3", "never", &[][..]),
+        ("2", "default", &accumulate[..]),
+    ] {
         let model = ["--model.n_layers", layers, "--training.steps", "8"];
         let one = tempfile::tempdir().unwrap();
         let o = train(
@@ -580,6 +592,7 @@ fn fsdp_with_more_blocks_in_flight_than_its_limit_matches_one_process() {
             &[
                 &model[..],
                 &["--parallelism.fsdp_reshard_after_forward", reshard],
+                more,
             ]
             .concat(),
         );
@@ -587,7 +600,7 @@ fn fsdp_with_more_blocks_in_flight_than_its_limit_matches_one_process() {
         assert_parity(
             &losses(one.path()),
             &losses(dir.path()),
-            &format!("FSDP 2, {layers} blocks, reshard {reshard}"),
+            &format!("FSDP 2, {layers} blocks, reshard {reshard} {more:?}"),
         );
     }
 }

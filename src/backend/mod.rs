@@ -356,7 +356,7 @@ pub trait Backend: Send + Sync {
     /// parameters that bf16 mixed precision computes with.
     fn round_to_bf16(&self, buf: &mut Self::Buf);
     /// `words` (⌈len(src)/2⌉ values) = `src` rounded to bf16, two per f32 word as
-    /// `tensor::pack_bf16_pairs` lays them out: FSDP's bf16 gathers on backend buffers.
+    /// `tensor::pack_bf16_pairs` lays them out: FSDP's bf16 gathers.
     fn pack_bf16_pairs(&self, words: &mut Self::Buf, src: &Self::Buf);
     /// `out[i]` = value i of `words` packed that way (len(out) ≤ 2·len(words)).
     fn unpack_bf16_pairs(&self, out: &mut Self::Buf, words: &Self::Buf);

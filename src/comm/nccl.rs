@@ -234,7 +234,10 @@ impl NcclGroup {
         op: ReduceOp,
     ) -> Result<InFlight> {
         self.begin("all_reduce")?;
-        nccl::group_start().map_err(|e| nccl_err("group start", e))?;
+        nccl::group_start().map_err(|e| {
+            self.abort();
+            nccl_err("group start", e)
+        })?;
         let mut queued = Ok(());
         for buf in bufs.into_iter().filter(|b| !b.is_empty()) {
             let p = buf.device_address_mut(&self.stream);
@@ -362,8 +365,9 @@ impl NcclGroup {
         self.issued("reduce_scatter")
     }
 
-    /// Aborts the communicator once: a broken one would hang `ncclCommDestroy` at drop.
-    fn abort(&self) {
+    /// Aborts the communicator once: a broken one, or one with collectives that will never be
+    /// waited for, would hang `ncclCommDestroy` at drop.
+    pub fn abort(&self) {
         ANY_ABORTED.store(true, Ordering::SeqCst);
         if !self.aborted.swap(true, Ordering::SeqCst) {
             // SAFETY: aborting a live communicator once; `aborted` keeps it from being used or

@@ -32,6 +32,8 @@ pub trait CollectiveQueue<B: Backend> {
     fn start_reduce_scatter(&mut self, be: &B, input: B::Buf) -> Result<()>;
     /// Waits for the oldest collective not yet finished and returns its output.
     fn finish_oldest(&mut self, be: &B) -> Result<B::Buf>;
+    /// Whether reduce-scatters are also summed across replicas (HSDP).
+    fn replicated(&self) -> bool;
 }
 
 /// Work for the communication thread.
@@ -43,6 +45,7 @@ enum Job {
 /// The collectives over the CPU transport, run by one thread in the order they were started.
 pub struct HostQueue {
     shard_size: usize,
+    replicated: bool,
     to_comm: Option<Sender<Job>>,
     from_comm: Receiver<Result<Vec<f32>>>,
     in_flight: usize,
@@ -52,6 +55,7 @@ pub struct HostQueue {
 impl HostQueue {
     pub fn new(shard: Arc<dyn ProcessGroup>, replicate: Option<Arc<dyn ProcessGroup>>) -> Self {
         let shard_size = shard.size();
+        let replicated = replicate.is_some();
         let (to_comm, jobs) = channel::<Job>();
         let (done, from_comm) = channel();
         let worker = std::thread::Builder::new()
@@ -83,6 +87,7 @@ impl HostQueue {
             .expect("spawn the FSDP communication thread");
         HostQueue {
             shard_size,
+            replicated,
             to_comm: Some(to_comm),
             from_comm,
             in_flight: 0,
@@ -124,6 +129,10 @@ impl<B: Backend> CollectiveQueue<B> for HostQueue {
             .recv()
             .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
         Ok(be.upload(&data))
+    }
+
+    fn replicated(&self) -> bool {
+        self.replicated
     }
 }
 
@@ -184,20 +193,21 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
         let shard = self
             .shard
             .start_reduce_scatter(&input, &mut output, ReduceOp::Sum)?;
+        // Queued after the reduce-scatter on the one communication stream, so it sums the
+        // reduce-scatter's result. The entry is queued only once both started, so the caller's
+        // record of what is in flight stays in step on an error (which aborts the communicator).
+        let replicated = match &self.replicate {
+            Some(replicas) => {
+                Some(replicas.start_all_reduce_each(std::iter::once(&mut output), ReduceOp::Sum)?)
+            }
+            None => None,
+        };
         self.in_flight.push_back(NcclEntry {
             _input: input,
             output,
             shard,
-            replicated: None,
+            replicated,
         });
-        if let Some(replicas) = &self.replicate {
-            // Queued after the reduce-scatter on the one communication stream, so it sums the
-            // reduce-scatter's result.
-            let entry = self.in_flight.back_mut().expect("pushed above");
-            let f = replicas
-                .start_all_reduce_each(std::iter::once(&mut entry.output), ReduceOp::Sum)?;
-            entry.replicated = Some(f);
-        }
         Ok(())
     }
 
@@ -211,5 +221,22 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
             replicas.wait(f)?;
         }
         Ok(entry.output)
+    }
+
+    fn replicated(&self) -> bool {
+        self.replicate.is_some()
+    }
+}
+
+impl Drop for NcclQueue {
+    /// Collectives still in flight mean the run is ending on an error: the communicators are
+    /// aborted, as `ncclCommDestroy` could wait for them forever.
+    fn drop(&mut self) {
+        if !self.in_flight.is_empty() {
+            self.shard.abort();
+            if let Some(r) = &self.replicate {
+                r.abort();
+            }
+        }
     }
 }

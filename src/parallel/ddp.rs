@@ -206,6 +206,16 @@ impl GradReducer<CudaBackend> for NcclGradReducer {
     }
 }
 
+impl Drop for NcclGradReducer {
+    /// Sums still in flight mean the run is ending on an error: the communicator is aborted, as
+    /// `ncclCommDestroy` could wait for them forever.
+    fn drop(&mut self) {
+        if !self.in_flight.is_empty() {
+            self.group.abort();
+        }
+    }
+}
+
 impl Drop for DdpReducer {
     fn drop(&mut self) {
         self.to_comm = None;

@@ -53,6 +53,9 @@ const MAX_IN_FLIGHT: usize = 2;
 pub struct Fsdp<B: Backend> {
     queue: Box<dyn CollectiveQueue<B>>,
     pending: VecDeque<Pending>,
+    /// A step failed part-way: collectives may be left in the queue and gradients half-added, so
+    /// no further step runs.
+    failed: bool,
     group: Arc<dyn ProcessGroup>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
@@ -125,15 +128,16 @@ impl<B: Backend> Fsdp<B> {
                 in_block[i] = true;
             }
         }
+        let replicated = replicate.is_some();
         let queue = queue.unwrap_or_else(|| Box::new(HostQueue::new(group.clone(), replicate)));
-        assert_eq!(
-            queue.shard_size(),
-            size,
-            "FSDP's collective queue spans another group than its shards"
+        assert!(
+            queue.shard_size() == size && queue.replicated() == replicated,
+            "FSDP's collective queue spans another mesh than its shards (a titan bug)"
         );
         let mut f = Fsdp {
             queue,
             pending: VecDeque::new(),
+            failed: false,
             shards: ParamSet::zeros(be, &specs),
             grad_shards: ParamSet::zeros(be, &specs),
             numel,
@@ -320,6 +324,28 @@ impl<B: Backend> Fsdp<B> {
     /// exist only while a stage needs them.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_backward(
+        &mut self,
+        be: &B,
+        model: &Llama<B>,
+        full: &mut ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+        grad_scale: f32,
+    ) -> Result<LossSum> {
+        if self.failed {
+            return Err(anyhow!(
+                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
+            ));
+        }
+        let result = self.run_micro_batch(be, model, full, grads, ws, tokens, grad_scale);
+        self.failed = result.is_err();
+        result
+    }
+
+    /// `forward_backward`'s body.
+    #[allow(clippy::too_many_arguments)]
+    fn run_micro_batch(
         &mut self,
         be: &B,
         model: &Llama<B>,

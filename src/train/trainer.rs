@@ -107,8 +107,8 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     }
 }
 
-/// Trains on `be`; `device_comm` (NCCL on CUDA) runs the data-parallel collectives on backend
-/// buffers instead of host copies through the CPU transport.
+/// Trains on `be`; `device_comm` (NCCL on CUDA) runs the data-parallel collectives on the devices
+/// instead of through host copies and the CPU transport.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
