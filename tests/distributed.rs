@@ -560,35 +560,52 @@ fn hsdp_writes_one_replica_of_shards_and_resumes_in_one_process() {
 }
 
 #[test]
-fn fsdp_deeper_or_accumulating_matches_one_process() {
+fn fsdp_deeper_accumulating_or_uneven_matches_one_process() {
     // 4 blocks regathered after every forward, and 3 kept until their backward: the reduce-
     // scatters outnumber the collectives FSDP leaves running after a block's backward, so older
-    // ones are finished early, between gathers. And 2 micro-batches of 1 per rank and step
-    // (gradient accumulation: the queue empties between micro-batches). All step by step like one
-    // process.
+    // ones are finished early, between gathers. 2 micro-batches of 1 per rank and step (gradient
+    // accumulation: the queue empties between micro-batches). 3 ranks, whose chunks do not divide
+    // the tensors (a partial last chunk, padding, odd bf16 pair counts). All step by step like one
+    // process with the same global batch.
     let accumulate = [
         "--training.local_batch_size",
         "1",
         "--training.global_batch_size",
         "4",
     ];
-    for (layers, reshard, more) in [
-        ("4", "always", &[][..]),
-        ("3", "never", &[][..]),
-        ("2", "default", &accumulate[..]),
+    let one_each = ["--training.local_batch_size", "1"];
+    let bf16_one_each = [
+        "--training.local_batch_size",
+        "1",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    ];
+    for (nproc, layers, reshard, more, batch) in [
+        ("2", "4", "always", &[][..], "4"),
+        ("2", "3", "never", &[][..], "4"),
+        ("2", "2", "default", &accumulate[..], "4"),
+        ("3", "2", "default", &one_each[..], "3"),
+        ("3", "2", "always", &bf16_one_each[..], "3"),
     ] {
         let model = ["--model.n_layers", layers, "--training.steps", "8"];
+        let bf16 = more.contains(&"bfloat16");
+        let precision = ["--training.mixed_precision_param", "bfloat16"];
         let one = tempfile::tempdir().unwrap();
         let o = train(
             one.path(),
             &[],
-            &[&model[..], &["--training.local_batch_size", "4"]].concat(),
+            &[
+                &model[..],
+                &["--training.local_batch_size", batch],
+                if bf16 { &precision[..] } else { &[] },
+            ]
+            .concat(),
         );
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let dir = tempfile::tempdir().unwrap();
         let o = train(
             dir.path(),
-            &["--nproc", "2", "--master-port", "0"],
+            &["--nproc", nproc, "--master-port", "0"],
             &[
                 &model[..],
                 &["--parallelism.fsdp_reshard_after_forward", reshard],
@@ -600,7 +617,7 @@ fn fsdp_deeper_or_accumulating_matches_one_process() {
         assert_parity(
             &losses(one.path()),
             &losses(dir.path()),
-            &format!("FSDP 2, {layers} blocks, reshard {reshard} {more:?}"),
+            &format!("FSDP {nproc}, {layers} blocks, reshard {reshard} {more:?}"),
         );
     }
 }

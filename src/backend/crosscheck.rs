@@ -572,6 +572,17 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.add_range(&mut rb, 2 * n + 1, &ro, 7, n - 9);
         self.test.add_range(&mut tb, 2 * n + 1, &to, 7, n - 9);
         self.compare("add_range", &rb, &tb, self.tol.exact);
+        // FSDP's strided packing: 7 rows of 301 values, from rows 1000 apart into rows 400 apart
+        // (and back the other way, wider apart than the rows are long).
+        let (mut rr, mut tr) = (self.reference.zeros(3000), self.test.zeros(3000));
+        self.reference
+            .copy_rows(&mut rr, 11, 400, &ro, 3, 1000, 7, 301);
+        self.test.copy_rows(&mut tr, 11, 400, &to, 3, 1000, 7, 301);
+        self.compare("copy_rows", &rr, &tr, self.tol.exact);
+        self.reference
+            .copy_rows(&mut rb, 2, 1301, &rr, 11, 400, 7, 301);
+        self.test.copy_rows(&mut tb, 2, 1301, &tr, 11, 400, 7, 301);
+        self.compare("copy_rows back", &rb, &tb, self.tol.exact);
         let mut values = self.random(n, 3.0);
         values.extend([
             0.0,

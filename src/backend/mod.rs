@@ -120,6 +120,31 @@ pub trait Backend: Send + Sync {
         src_offset: usize,
         len: usize,
     );
+    /// `rows` runs of `cols` values, run `r` from `src[src_offset + r·src_stride..]` to
+    /// `dst[dst_offset + r·dst_stride..]`: FSDP's packing and unpacking of one tensor's chunks for
+    /// every rank in one call. Here one `copy_range` per row; a device does it in one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_rows(
+        &self,
+        dst: &mut Self::Buf,
+        dst_offset: usize,
+        dst_stride: usize,
+        src: &Self::Buf,
+        src_offset: usize,
+        src_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) {
+        for r in 0..rows {
+            self.copy_range(
+                dst,
+                dst_offset + r * dst_stride,
+                src,
+                src_offset + r * src_stride,
+                cols,
+            );
+        }
+    }
 
     // ---- linear algebra ----
     /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`. `a` is stored `[m,k]`, or `[k,m]` when `trans_a`;

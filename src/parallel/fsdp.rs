@@ -181,6 +181,16 @@ impl<B: Backend> Fsdp<B> {
         out
     }
 
+    /// How a tensor of `numel` values splits into the ranks' chunks of `c`: the number of whole
+    /// chunks, and the values of the partial one after them (the zero padding is in no tensor).
+    fn chunks(numel: usize, c: usize, size: usize) -> (usize, usize) {
+        if c == 0 {
+            return (0, 0);
+        }
+        let whole = (numel / c).min(size);
+        (whole, (numel - whole * c).min(c))
+    }
+
     fn release(be: &B, set: &mut ParamSet<B>, ids: &[usize]) {
         for &i in ids {
             set.bufs[i] = be.zeros(0);
@@ -232,12 +242,10 @@ impl<B: Backend> Fsdp<B> {
         let mut offset = 0;
         for &i in ids {
             let (c, g) = (self.shard_len[i], &grads.bufs[i]);
-            let n = be.len(g);
-            for r in 0..size {
-                let (lo, hi) = ((r * c).min(n), ((r + 1) * c).min(n));
-                if hi > lo {
-                    be.copy_range(&mut packed, r * packed_len + offset, g, lo, hi - lo);
-                }
+            let (whole, rest) = Self::chunks(be.len(g), c, size);
+            be.copy_rows(&mut packed, offset, packed_len, g, 0, c, whole, c);
+            if rest > 0 {
+                be.copy_range(&mut packed, whole * packed_len + offset, g, whole * c, rest);
             }
             offset += c;
         }
@@ -272,12 +280,10 @@ impl<B: Backend> Fsdp<B> {
                 for &i in &ids {
                     let (c, numel) = (self.shard_len[i], self.numel[i]);
                     let mut t = be.zeros(numel);
-                    for r in 0..size {
-                        let lo = r * c;
-                        if lo >= numel {
-                            break;
-                        }
-                        be.copy_range(&mut t, lo, &all, r * words + offset, c.min(numel - lo));
+                    let (whole, rest) = Self::chunks(numel, c, size);
+                    be.copy_rows(&mut t, 0, c, &all, offset, words, whole, c);
+                    if rest > 0 {
+                        be.copy_range(&mut t, whole * c, &all, whole * words + offset, rest);
                     }
                     full.bufs[i] = t;
                     offset += c;

@@ -36,6 +36,7 @@ pub const KERNELS: &[&str] = &[
     "add_f32",
     "add_assign_f32",
     "scale_f32",
+    "copy_rows_f32",
     "swiglu_forward",
     "swiglu_backward",
     "round_to_bf16",

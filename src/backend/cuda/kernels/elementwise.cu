@@ -16,6 +16,14 @@ extern "C" __global__ void scale_f32(float* buf, float factor, i64 n) {
     TITAN_FOR_EACH(i, n) buf[i] *= factor;
 }
 
+// `rows` runs of `cols` values from src (rows `src_stride` apart) to dst (`dst_stride` apart):
+// rows along y, columns along x, each grid-strided.
+extern "C" __global__ void copy_rows_f32(float* dst, i64 dst_stride, const float* src, i64 src_stride,
+                                         i64 rows, i64 cols) {
+    for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
+        TITAN_FOR_EACH(c, cols) dst[r * dst_stride + c] = src[r * src_stride + c];
+}
+
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float swiglu(float g, float u) { return g * sigmoidf(g) * u; }

@@ -419,8 +419,47 @@ impl Backend for CudaBackend {
         src_offset: usize,
         len: usize,
     ) {
-        let _timer = self.profiler.time_on("copy_into_at", self);
+        let _timer = self.profiler.time_on("copy_range", self);
         self.copy_range_untimed(dst, dst_offset, src, src_offset, len);
+    }
+
+    fn copy_rows(
+        &self,
+        dst: &mut Buf,
+        dst_offset: usize,
+        dst_stride: usize,
+        src: &Buf,
+        src_offset: usize,
+        src_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) {
+        let _timer = self.profiler.time_on("copy_rows", self);
+        if rows == 0 || cols == 0 {
+            return;
+        }
+        let last = |offset: usize, stride: usize| offset + (rows - 1) * stride + cols;
+        check_len("copy_rows", "dst", dst.len(), last(dst_offset, dst_stride));
+        check_len("copy_rows", "src", src.len(), last(src_offset, src_stride));
+        let to = dst.device_address_mut(&self.stream) + 4 * dst_offset as u64;
+        let from = src.device_address(&self.stream) + 4 * src_offset as u64;
+        let (dst_stride, src_stride) = (dst_stride as i64, src_stride as i64);
+        let (n_rows, n_cols) = (rows as i64, cols as i64);
+        // Rows along y; the columns' blocks shared out so the whole grid stays elementwise-sized.
+        let mut cfg = elementwise_config(cols);
+        let grid_rows = rows.min(65_535) as u32;
+        cfg.grid_dim = (cfg.grid_dim.0.div_ceil(grid_rows).max(1), grid_rows, 1);
+        launch!(
+            self,
+            "copy_rows_f32",
+            cfg,
+            &to,
+            &dst_stride,
+            &from,
+            &src_stride,
+            &n_rows,
+            &n_cols
+        );
     }
 
     fn matmul(
