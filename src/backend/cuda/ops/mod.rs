@@ -274,6 +274,25 @@ impl CudaBackend {
         out.keep_bf16_copy(storage);
     }
 
+    /// Whether the loss's logit gradient for a chunk of `n` rows can live in bf16 alone: bf16
+    /// GEMMs that read it in bf16 for both backward products.
+    fn loss_gradient_in_bf16(&self, n: usize, dim: usize, vocab: usize) -> bool {
+        self.precision() == GemmPrecision::BFloat16
+            && [(n, vocab, dim, false), (vocab, n, dim, true)]
+                .into_iter()
+                .all(|(m, k, nn, ta)| {
+                    self.gemm
+                        .reads_bf16(m, k, nn, ta, false)
+                        .unwrap_or_else(|e| panic!("{e:#}"))
+                })
+    }
+
+    /// Whether the loss's logits for a chunk of `n` rows are written in bf16 alone (with the bf16
+    /// activations on, where cuBLASLt can write that product in bf16).
+    fn loss_logits_in_bf16(&self, n: usize, dim: usize, vocab: usize) -> bool {
+        self.activation_copies && self.gemm.writes_bf16(n, dim, vocab, false, true)
+    }
+
     /// Token ids of an embedding table of `vocab` rows on the device (None when there are none);
     /// an id outside the table panics, as on the CPU.
     fn upload_table_ids(&self, ids: &[u32], vocab: usize) -> Option<CudaSlice<u32>> {
@@ -1066,50 +1085,67 @@ impl Backend for CudaBackend {
             return LossSum { sum: 0.0, count: 0 };
         }
         let chunk = gpu_loss_chunk_rows(vocab).min(rows);
-        // Each chunk's GEMM writes the rows the loss kernel then reads.
-        let mut logits = self.alloc_unzeroed::<f32>(chunk * vocab);
+        // Each chunk's GEMM writes the rows the loss kernel then reads: in f32 here, made on first
+        // use (a chunk whose logits stay in bf16 alone needs none).
+        let mut logits: Option<CudaSlice<f32>> = None;
         let mut row_loss = self.alloc::<f32>(rows);
         let dev_targets = self.upload_ids(targets);
         let want_grad = grads.is_some() as i32;
         let v = vocab as i32;
         // With bf16 GEMMs the loss kernel also writes the logit gradients in bf16, which the two
         // backward GEMMs read as is (no conversion of the largest operand of the step).
-        let grad16 = (grads.is_some() && self.precision() == GemmPrecision::BFloat16)
+        let mut grad16 = (grads.is_some() && self.precision() == GemmPrecision::BFloat16)
             .then(|| self.alloc_unzeroed::<u16>(chunk * vocab));
         let grad16_address = self.address_or_null(grad16.as_ref());
         for r0 in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - r0);
             let h_chunk = h.slice(r0 * dim..(r0 + n) * dim);
-            let mut lc = logits.slice_mut(..n * vocab);
-            self.gemm(
-                &mut lc,
-                self.view_input(&h_chunk),
-                self.buf_input(weight),
-                n,
-                dim,
-                vocab,
-                false,
-                true,
-                false,
-            );
+            // The gradient goes to bf16 alone when both backward GEMMs of this chunk read bf16;
+            // else (no bf16, or cuBLASLt fell back to fp32 for a shape) to f32 too. With the bf16
+            // activations on, the logits themselves are then written in bf16 alone, as PyTorch's
+            // autocast keeps them: the kernel reads them there and writes the gradient over them.
+            let bf16_only = grad16.is_some() && self.loss_gradient_in_bf16(n, dim, vocab);
+            let grad16_only = if bf16_only { grad16_address } else { 0 };
+            let logits_in_bf16 = bf16_only && self.loss_logits_in_bf16(n, dim, vocab);
+            let logits_address = if logits_in_bf16 {
+                let block = grad16.as_mut().expect("bf16_only implies the bf16 block");
+                self.gemm
+                    .matmul_to_bf16(
+                        block,
+                        self.view_input(&h_chunk),
+                        self.buf_input(weight),
+                        n,
+                        dim,
+                        vocab,
+                        false,
+                        true,
+                    )
+                    .unwrap_or_else(|e| panic!("{e:#}"));
+                0
+            } else {
+                let block = logits.get_or_insert_with(|| self.alloc_unzeroed::<f32>(chunk * vocab));
+                let mut lc = block.slice_mut(..n * vocab);
+                self.gemm(
+                    &mut lc,
+                    self.view_input(&h_chunk),
+                    self.buf_input(weight),
+                    n,
+                    dim,
+                    vocab,
+                    false,
+                    true,
+                    false,
+                );
+                let (address, _sync) = lc.device_ptr_mut(&self.stream);
+                address
+            };
             let mut loss_chunk = row_loss.slice_mut(r0..r0 + n);
             let t_chunk = dev_targets.slice(r0..r0 + n);
-            // The gradient goes to bf16 alone when both backward GEMMs of this chunk read bf16;
-            // else (no bf16, or cuBLASLt fell back to fp32 for a shape) to f32 too.
-            let bf16_only = grad16.is_some()
-                && [(n, vocab, dim, false), (vocab, n, dim, true)]
-                    .into_iter()
-                    .all(|(m, k, nn, ta)| {
-                        self.gemm
-                            .reads_bf16(m, k, nn, ta, false)
-                            .unwrap_or_else(|e| panic!("{e:#}"))
-                    });
-            let grad16_only = if bf16_only { grad16_address } else { 0 };
             launch!(
                 self,
                 "cross_entropy_rows",
                 rows_config(n, 256),
-                &mut lc,
+                &logits_address,
                 &mut loss_chunk,
                 &t_chunk,
                 &v,
@@ -1120,11 +1156,11 @@ impl Backend for CudaBackend {
             );
             if let Some((dh, dweight)) = grads.as_mut() {
                 let mut dh_chunk = dh.slice_mut(r0 * dim..(r0 + n) * dim);
-                let lc = logits.slice(..n * vocab);
                 let lc = GemmInput {
+                    f32: logits_address,
                     bf16: grad16.is_some().then_some(grad16_address),
+                    contents: None,
                     f32_stale: bf16_only,
-                    ..self.view_input(&lc)
                 };
                 self.gemm(
                     &mut dh_chunk,
@@ -1277,10 +1313,13 @@ impl Backend for CudaBackend {
     }
     fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
         let chunk = gpu_loss_chunk_rows(vocab).min(tokens.max(1));
-        // The loss's f32 logit block; with bf16 GEMMs its bf16 gradient, the two operand copies, at
-        // most the largest operands converted (the output weight, an FFN activation), and the
-        // attention's bf16 copies of q, k, v and dout (each at most tokens × dim).
-        let logits = chunk * vocab * 4;
+        // The loss's f32 logit block (none when the logits stay in bf16); with bf16 GEMMs its bf16
+        // gradient, the two operand copies, at most the largest operands converted (the output
+        // weight, an FFN activation), and the attention's bf16 copies of q, k, v and dout (each
+        // at most tokens × dim).
+        let bf16_logits = self.loss_gradient_in_bf16(chunk, dim, vocab)
+            && self.loss_logits_in_bf16(chunk, dim, vocab);
+        let logits = if bf16_logits { 0 } else { chunk * vocab * 4 };
         let bf16_operands = if self.precision() == GemmPrecision::BFloat16 {
             let largest = (vocab * dim).max(tokens * hidden);
             chunk * vocab * 2 + 2 * largest * 2 + 4 * tokens * dim * 2
