@@ -65,8 +65,8 @@ pub struct GemmInput {
     /// The buffer's `CudaBuf::contents` when the input is a whole buffer: a conversion of the same
     /// contents still in the scratch is used again.
     pub contents: Option<(u64, u64)>,
-    /// The f32 values were not written (only `bf16` holds them): a GEMM that would read f32
-    /// refuses instead of computing with stale values.
+    /// The f32 values were not written (only `bf16` holds them): an fp32 GEMM widens the bf16
+    /// values instead of reading stale f32 ones.
     pub f32_stale: bool,
 }
 
@@ -139,6 +139,8 @@ pub struct Gemm {
     warned_fallback: AtomicBool,
     /// The `f32_to_bf16` kernel.
     to_bf16: CudaFunction,
+    /// The `bf16_pairs_to_f32` kernel: widens an operand kept in bf16 alone for an fp32 GEMM.
+    to_f32: CudaFunction,
     /// bf16 copies of the two operands, grown to the largest GEMM and then reused.
     scratch: Mutex<[ScratchSlot; 2]>,
 }
@@ -159,6 +161,7 @@ impl Gemm {
         stream: Arc<CudaStream>,
         precision: GemmPrecision,
         to_bf16: CudaFunction,
+        to_f32: CudaFunction,
     ) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| lt_err("create", e))?;
         let workspace = stream
@@ -173,6 +176,7 @@ impl Gemm {
             no_bf16_output: Mutex::new(Default::default()),
             warned_fallback: AtomicBool::new(false),
             to_bf16,
+            to_f32,
             scratch: Mutex::new(Default::default()),
         })
     }
@@ -299,7 +303,8 @@ impl Gemm {
     }
 
     /// Whether the GEMM of this shape reads its operands in bf16 (bf16 precision, and cuBLASLt
-    /// had a tensor-core algorithm for it): then a producer may write an operand in bf16 only.
+    /// had a tensor-core algorithm for it): then a producer may write an operand in bf16 only at
+    /// no extra cost (an fp32 GEMM would widen it first).
     pub fn reads_bf16(
         &self,
         m: usize,
@@ -478,11 +483,15 @@ impl Gemm {
         };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let plan = self.cached_plan(&mut plans, key)?;
-        if !plan.bf16_inputs && (a.f32_stale || b.f32_stale) {
-            return Err(anyhow!(
-                "a {m}x{k}x{n} GEMM runs in fp32 but an operand holds its values only in bf16 \
-                 (its producer asked `reads_bf16` first; this is a titan bug)"
-            ));
+        // An fp32 plan (cuBLASLt had no bf16 algorithm for this shape) reading an operand kept in
+        // bf16 alone reads it widened to f32: its exact values, one more pass.
+        let mut widened = [None, None];
+        if !plan.bf16_inputs {
+            for (slot, (input, len)) in widened.iter_mut().zip([(a, m * k), (b, k * n)]) {
+                if input.f32_stale {
+                    *slot = Some(self.widen_to_f32(input, len)?);
+                }
+            }
         }
         let alpha = 1.0f32;
         let beta = if matches!(addend, Addend::None) {
@@ -490,7 +499,10 @@ impl Gemm {
         } else {
             1.0f32
         };
-        let (mut a_ptr, mut b_ptr) = (a.f32, b.f32);
+        let address = |w: &Option<CudaSlice<f32>>, f32: u64| {
+            w.as_ref().map_or(f32, |w| w.device_ptr(&self.stream).0)
+        };
+        let (mut a_ptr, mut b_ptr) = (address(&widened[0], a.f32), address(&widened[1], b.f32));
         let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if plan.bf16_inputs {
             a_ptr = match a.bf16 {
@@ -549,6 +561,31 @@ enum Addend {
 }
 
 impl Gemm {
+    /// The `len` values of an operand kept in bf16 alone, widened into new f32 memory (queued on
+    /// the GEMM's stream; freed in stream order after the GEMM that reads it).
+    fn widen_to_f32(&self, input: GemmInput, len: usize) -> Result<CudaSlice<f32>> {
+        let words = input.bf16.ok_or_else(|| {
+            anyhow!("a GEMM operand holds its values neither in f32 nor in bf16 (a titan bug)")
+        })?;
+        let mut out = self
+            .stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(|e| anyhow!("allocating {len} f32 GEMM operands: {e}"))?;
+        let cfg = LaunchConfig {
+            grid_dim: (len.div_ceil(256).clamp(1, 8192) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = len as i64;
+        let mut builder = self.stream.launch_builder(&self.to_f32);
+        builder.arg(&mut out).arg(&words).arg(&n);
+        // SAFETY: bf16_pairs_to_f32(float* out, const u32* words, i64 n): out holds len floats
+        // and words ⌈len/2⌉ pairs (the operand's bf16 copy, sized by its producer).
+        unsafe { builder.launch(cfg) }
+            .map_err(|e| anyhow!("CUDA kernel `bf16_pairs_to_f32` failed: {e}"))?;
+        Ok(out)
+    }
+
     /// Rounds the first `len` f32 values of `input` into `slot` (grown when too small) and
     /// returns the bf16 copy's address; when the slot already holds those values of the same
     /// buffer contents, only returns it. Queued on the GEMM's stream, so it is ready for the call.

@@ -210,7 +210,12 @@ impl CudaBackend {
             }
         }
         let pool = keep_freed_memory(&ctx);
-        let gemm = gemm::Gemm::new(stream.clone(), precision, functions["f32_to_bf16"].clone())?;
+        let gemm = gemm::Gemm::new(
+            stream.clone(),
+            precision,
+            functions["f32_to_bf16"].clone(),
+            functions["bf16_pairs_to_f32"].clone(),
+        )?;
         Ok(CudaBackend {
             ctx,
             stream,

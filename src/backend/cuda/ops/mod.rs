@@ -235,7 +235,8 @@ impl CudaBackend {
 
     /// `out = op(a)·op(b)` into an output kept in bf16 alone: cuBLASLt writes bf16 where it has an
     /// algorithm for it (`Gemm::writes_bf16`), else the f32 product goes through scratch and is
-    /// rounded by one more pass (the same values either way).
+    /// rounded by one more pass (the product rounded to bf16 either way, though the two cuBLASLt
+    /// algorithms may sum in different orders).
     #[allow(clippy::too_many_arguments)]
     fn matmul_to_bf16_only(
         &self,
@@ -457,6 +458,10 @@ impl Backend for CudaBackend {
         if rows == 0 || cols == 0 {
             return;
         }
+        assert!(
+            rows == 1 || dst_stride >= cols,
+            "copy_rows: destination rows of {cols} values {dst_stride} apart overlap"
+        );
         let last = |offset: usize, stride: usize| offset + (rows - 1) * stride + cols;
         check_len("copy_rows", "dst", dst.len(), last(dst_offset, dst_stride));
         check_len("copy_rows", "src", src.len(), last(src_offset, src_stride));
@@ -1086,7 +1091,8 @@ impl Backend for CudaBackend {
         }
         let chunk = gpu_loss_chunk_rows(vocab).min(rows);
         // Each chunk's GEMM writes the rows the loss kernel then reads: in f32 here, made on first
-        // use (a chunk whose logits stay in bf16 alone needs none).
+        // use (a chunk whose logits stay in bf16 alone needs none) at that chunk's size (only the
+        // last chunk is shorter).
         let mut logits: Option<CudaSlice<f32>> = None;
         let mut row_loss = self.alloc::<f32>(rows);
         let dev_targets = self.upload_ids(targets);
@@ -1123,7 +1129,7 @@ impl Backend for CudaBackend {
                     .unwrap_or_else(|e| panic!("{e:#}"));
                 0
             } else {
-                let block = logits.get_or_insert_with(|| self.alloc_unzeroed::<f32>(chunk * vocab));
+                let block = logits.get_or_insert_with(|| self.alloc_unzeroed::<f32>(n * vocab));
                 let mut lc = block.slice_mut(..n * vocab);
                 self.gemm(
                     &mut lc,
@@ -1317,9 +1323,19 @@ impl Backend for CudaBackend {
         // gradient, the two operand copies, at most the largest operands converted (the output
         // weight, an FFN activation), and the attention's bf16 copies of q, k, v and dout (each
         // at most tokens × dim).
-        let bf16_logits = self.loss_gradient_in_bf16(chunk, dim, vocab)
-            && self.loss_logits_in_bf16(chunk, dim, vocab);
-        let logits = if bf16_logits { 0 } else { chunk * vocab * 4 };
+        let last = tokens.max(1) % chunk;
+        let f32_logits = |n: usize| {
+            n > 0
+                && !(self.loss_gradient_in_bf16(n, dim, vocab)
+                    && self.loss_logits_in_bf16(n, dim, vocab))
+        };
+        let logits = if f32_logits(chunk) {
+            chunk * vocab * 4
+        } else if f32_logits(last) {
+            last * vocab * 4
+        } else {
+            0
+        };
         let bf16_operands = if self.precision() == GemmPrecision::BFloat16 {
             let largest = (vocab * dim).max(tokens * hidden);
             chunk * vocab * 2 + 2 * largest * 2 + 4 * tokens * dim * 2
