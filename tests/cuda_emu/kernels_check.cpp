@@ -182,16 +182,26 @@ bool rope() {
     return ok;
 }
 
+// SwiGLU's output and gradients in float64.
+void swiglu_reference(const std::vector<float>& gate, const std::vector<float>& up,
+                      const std::vector<float>& dout, std::vector<double>& out,
+                      std::vector<double>& dgate, std::vector<double>& dup) {
+    out.resize(gate.size());
+    dgate.resize(gate.size());
+    dup.resize(gate.size());
+    for (size_t i = 0; i < gate.size(); ++i) {
+        double g = gate[i], sg = 1.0 / (1.0 + std::exp(-g));
+        out[i] = g * sg * up[i];
+        dup[i] = dout[i] * g * sg;
+        dgate[i] = dout[i] * up[i] * sg * (1.0 + g * (1.0 - sg));
+    }
+}
+
 bool swiglu() {
     const long long n = 5000;
     auto gate = random_floats(n, 4.0f), up = random_floats(n), dout = random_floats(n);
-    std::vector<double> want_out(n), want_dgate(n), want_dup(n);
-    for (long long i = 0; i < n; ++i) {
-        double g = gate[i], sg = 1.0 / (1.0 + std::exp(-g));
-        want_out[i] = g * sg * up[i];
-        want_dup[i] = dout[i] * g * sg;
-        want_dgate[i] = dout[i] * up[i] * sg * (1.0 + g * (1.0 - sg));
-    }
+    std::vector<double> want_out, want_dgate, want_dup;
+    swiglu_reference(gate, up, dout, want_out, want_dgate, want_dup);
     std::vector<float> out(n, NAN), dgate(n, NAN), dup(n, NAN);
     std::vector<bf16_bits> out16(n, 0xffff), dgate16(n, 0xffff), dup16(n, 0xffff);
     EmuDim3 grid{3, 1, 1};  // fewer blocks than elements / 256: the grid-stride loop wraps
@@ -252,13 +262,8 @@ bool swiglu() {
         up_r[i] = emu::bf16_value(up_h[i]);
         dout_r[i] = emu::bf16_value(dout_h[i]);
     }
-    std::vector<double> want_out_r(n), want_dgate_r(n), want_dup_r(n);
-    for (long long i = 0; i < n; ++i) {
-        double g = gate_r[i], sg = 1.0 / (1.0 + std::exp(-g));
-        want_out_r[i] = g * sg * up_r[i];
-        want_dup_r[i] = dout_r[i] * g * sg;
-        want_dgate_r[i] = dout_r[i] * up_r[i] * sg * (1.0 + g * (1.0 - sg));
-    }
+    std::vector<double> want_out_r, want_dgate_r, want_dup_r;
+    swiglu_reference(gate_r, up_r, dout_r, want_out_r, want_dgate_r, want_dup_r);
     for (int at : {0, 1}) {
         std::vector<float> o(n, NAN), dg(n, NAN), du(n, NAN);
         emu::launch(grid, 256, [&] {
