@@ -15,7 +15,8 @@
 //! The collectives go through a `CollectiveQueue` (`comm::queue`): started as soon as their input
 //! is packed and finished in order, so the next block's gather runs during this block's forward
 //! and a block's reduce-scatter during the backward of the block below. Packing and unpacking are
-//! backend ops (`copy_range`, `add_range`, the bf16 pair packing), so the same code runs with the
+//! backend ops (`copy_rows` moves a tensor's chunks for every rank at once; `copy_range`,
+//! `add_range`, the bf16 pair packing), so the same code runs with the
 //! CPU transport's queue (a communication thread; any backend) and with NCCL's (on GPUs). At most
 //! `MAX_IN_FLIGHT` collectives are left running after a block's backward, so the packed gradients
 //! waiting for their reduce-scatter never add up to more than a few blocks' worth.
