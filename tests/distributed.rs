@@ -621,3 +621,40 @@ fn fsdp_deeper_accumulating_or_uneven_matches_one_process() {
         );
     }
 }
+
+#[test]
+fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
+    // Llama 3 3B needs about 51 GB per DDP replica (weights, gradients, AdamW state): the host must
+    // hold both replicas, and the estimate counts them before anything is allocated.
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec![
+        "train",
+        "--nproc",
+        "2",
+        "--master-port",
+        "0",
+        "--job.dump_folder",
+        dir.path().to_str().unwrap(),
+        "--model.flavor",
+        "3B",
+    ];
+    args.extend_from_slice(DDP_MESH);
+    let o = Command::new(titan_bin())
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("for 2 ranks on this host"), "{e}");
+    let needed: f64 = e
+        .split("needs about ")
+        .nth(1)
+        .and_then(|t| t.split(" GiB").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no estimate in: {e}"));
+    assert!(
+        needed > 95.0,
+        "two replicas of 3B counted as {needed} GiB: {e}"
+    );
+}

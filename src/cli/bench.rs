@@ -128,6 +128,7 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
         &estimate,
         &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq),
         be.device_free_memory(),
+        1,
     )?;
     let setup = Instant::now();
     let model = Llama::new(be, args.clone(), a.seq)?;

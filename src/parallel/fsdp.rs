@@ -51,6 +51,10 @@ enum Pending {
 /// Collectives left running after a block's backward (see the module doc).
 const MAX_IN_FLIGHT: usize = 2;
 
+/// Blocks' worth of packed gradients a rank holds at most for its reduce-scatters: those left in
+/// flight and the one being packed (for the memory estimate).
+pub const REDUCE_SCATTER_BLOCKS: usize = MAX_IN_FLIGHT + 1;
+
 pub struct Fsdp<B: Backend> {
     queue: Box<dyn CollectiveQueue<B>>,
     pending: VecDeque<Pending>,
@@ -95,6 +99,16 @@ impl ReshardPolicy {
             ReshardPolicy::Default => block + 1 < n_blocks,
             ReshardPolicy::Always => true,
             ReshardPolicy::Never => false,
+        }
+    }
+
+    /// Blocks' worth of gathered parameters a rank holds at most (for the memory estimate): the
+    /// block computing and the next one prefetched, plus one for a gather's buffers while it is
+    /// unpacked; without resharding, every block stays gathered until its backward.
+    pub fn blocks_gathered(self, n_blocks: usize) -> usize {
+        match self {
+            ReshardPolicy::Never => n_blocks + 1,
+            ReshardPolicy::Default | ReshardPolicy::Always => n_blocks.min(2) + 1,
         }
     }
 }

@@ -65,6 +65,29 @@ impl MemoryEstimate {
         self
     }
 
+    /// One FSDP rank's share with `shard` ranks sharding: its shards of the weights, gradients and
+    /// AdamW state, plus the full tensors it holds while it computes: the parameters outside the
+    /// blocks and `blocks_gathered` gathered blocks (`parallel::fsdp::ReshardPolicy::blocks_gathered`),
+    /// and the gradients outside the blocks, one block's, and the packed gradients of the
+    /// reduce-scatters in flight (`parallel::fsdp::REDUCE_SCATTER_BLOCKS`).
+    pub fn sharded(
+        mut self,
+        args: &ModelArgs,
+        shard: usize,
+        blocks_gathered: usize,
+        reduce_scatter_blocks: usize,
+    ) -> Self {
+        let all = args.num_params() as u64 * 4;
+        let block = args.params_per_layer() as u64 * 4;
+        let outside_blocks = all - block * args.n_layers as u64;
+        let shard = shard.max(1) as u64;
+        self.params = all.div_ceil(shard) + outside_blocks + blocks_gathered as u64 * block;
+        self.grads =
+            all.div_ceil(shard) + outside_blocks + (1 + reduce_scatter_blocks as u64) * block;
+        self.optimizer = self.optimizer.div_ceil(shard);
+        self
+    }
+
     /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP, as `be`
     /// stores it (`Backend::compute_copy_bytes_per_param`).
     pub fn with_compute_copy<B: Backend>(mut self, be: &B) -> Self {
@@ -109,11 +132,22 @@ pub fn peak_memory() -> u64 {
         .unwrap_or(0)
 }
 
-/// Refuses a job whose estimate exceeds the available memory: the device's free memory where the
-/// backend reports it, else the host's.
-pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) -> Result<()> {
-    if let Some(avail) = device_free.or_else(available_memory) {
-        if est.total() > avail {
+/// Refuses a job whose estimate (one rank's) exceeds the available memory: the device's free
+/// memory where the backend reports it (a GPU per rank), else the host's, which the
+/// `ranks_on_host` ranks of this node share.
+pub fn check_fits(
+    est: &MemoryEstimate,
+    what: &str,
+    device_free: Option<u64>,
+    ranks_on_host: usize,
+) -> Result<()> {
+    let (avail, ranks) = match device_free {
+        Some(free) => (Some(free), 1),
+        None => (available_memory(), ranks_on_host.max(1) as u64),
+    };
+    if let Some(avail) = avail {
+        let needed = est.total() * ranks;
+        if needed > avail {
             let net = est.activation_copies.saturating_sub(est.f32_left_out);
             let copies_hint = if net > 0 {
                 format!(
@@ -123,11 +157,16 @@ pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) ->
             } else {
                 String::new()
             };
+            let per_rank = if ranks > 1 {
+                format!(" for {ranks} ranks on this host, each")
+            } else {
+                String::new()
+            };
             bail!(
-                "{what} needs about {:.1} GiB ({} bytes: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB and their bf16 copies {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
+                "{what} needs about {:.1} GiB ({} bytes{per_rank}: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB and their bf16 copies {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
                  choose a smaller flavor, batch or seq_len{copies_hint}",
-                gib(est.total()),
-                est.total(),
+                gib(needed),
+                needed,
                 gib(est.params),
                 gib(est.grads),
                 gib(est.optimizer),
@@ -140,4 +179,30 @@ pub fn check_fits(est: &MemoryEstimate, what: &str, device_free: Option<u64>) ->
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_fsdp_rank_holds_its_shards_and_the_gathered_blocks() {
+        // Llama 3.1 8B on 8 GPUs, TorchTitan's flagship layout: 128 GB of weights, gradients and
+        // AdamW state in all, of which each rank holds an eighth plus what it gathers.
+        let args = ModelArgs::flavor("8B").unwrap();
+        let whole = MemoryEstimate::new(&args, 1, 8192);
+        let state = |e: &MemoryEstimate| e.params + e.grads + e.optimizer;
+        assert!(gib(state(&whole)) > 110.0, "{:.1} GiB", gib(state(&whole)));
+        let rank = whole.sharded(&args, 8, 3, 3);
+        let block = args.params_per_layer() as u64 * 4;
+        let outside = args.num_params() as u64 * 4 - block * args.n_layers as u64;
+        assert_eq!(rank.optimizer, whole.optimizer.div_ceil(8));
+        assert_eq!(rank.params, whole.params.div_ceil(8) + outside + 3 * block);
+        assert_eq!(rank.grads, whole.grads.div_ceil(8) + outside + 4 * block);
+        assert!(gib(state(&rank)) < 30.0, "{:.1} GiB", gib(state(&rank)));
+        assert_eq!(rank.activations, whole.activations);
+        // One rank alone holds everything once and the gathered working set on top.
+        let alone = whole.sharded(&args, 1, 3, 3);
+        assert!(state(&alone) > state(&whole));
+    }
 }

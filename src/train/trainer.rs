@@ -153,6 +153,17 @@ fn train_on<B: Backend>(
     if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
         est = est.with_compute_copy(be);
     }
+    let reshard =
+        crate::parallel::fsdp::ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
+            .expect("validated with the config");
+    if let Some(d) = dist.filter(|_| fsdp_mode) {
+        est = est.sharded(
+            &args,
+            d.mesh.degree("dp_shard"),
+            reshard.blocks_gathered(args.n_layers),
+            crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
+        );
+    }
     check_fits(
         &est,
         &format!(
@@ -160,6 +171,7 @@ fn train_on<B: Backend>(
             cfg.model.flavor
         ),
         be.device_free_memory(),
+        dist.map_or(1, |d| d.local_world_size),
     )?;
 
     let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
@@ -204,10 +216,6 @@ fn train_on<B: Backend>(
     // FSDP: keep only this rank's shards of weights, gradients and AdamW moments.
     let mut fsdp = None;
     if let Some(d) = dist.filter(|_| fsdp_mode) {
-        let reshard = crate::parallel::fsdp::ReshardPolicy::parse(
-            &cfg.parallelism.fsdp_reshard_after_forward,
-        )
-        .expect("validated with the config");
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
         let f = crate::parallel::fsdp::Fsdp::new(
             be,
@@ -258,7 +266,8 @@ fn train_on<B: Backend>(
         }
     ));
     say(format!(
-        "memory: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
+        "memory{}: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
+        if dist.is_some() { " per rank" } else { "" },
         gib(est.params),
         gib(est.grads),
         gib(est.optimizer),
@@ -274,13 +283,14 @@ fn train_on<B: Backend>(
     ));
 
     if let Some(d) = dist {
-        // Each rank's own share: DDP replicates everything, FSDP keeps 1/dp_shard of it.
-        let (share, how) = match (fsdp_mode, d.replicate.is_some()) {
-            (true, true) => (d.mesh.degree("dp_shard") as f64, "sharded, HSDP"),
-            (true, false) => (d.mesh.degree("dp_shard") as f64, "sharded, FSDP"),
-            _ => (1.0, "replicated, DDP"),
+        // Each rank's own share (the estimate is per rank): DDP replicates everything, FSDP keeps
+        // 1/dp_shard of it plus the tensors gathered while it computes.
+        let how = match (fsdp_mode, d.replicate.is_some()) {
+            (true, true) => "sharded, HSDP",
+            (true, false) => "sharded, FSDP",
+            _ => "replicated, DDP",
         };
-        let mib = |b: u64| b as f64 / (1u64 << 20) as f64 / share;
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let path = if collectives_on_device {
             ", collectives through NCCL"
         } else {
