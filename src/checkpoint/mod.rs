@@ -78,21 +78,33 @@ pub fn fill_from<B: Backend>(
 ) -> Result<()> {
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for i in 0..set.len() {
-        let name = format!("{prefix}{}", set.names[i]);
-        let t = by_name
-            .get(name.as_str())
-            .ok_or_else(|| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
-        if t.shape != set.shapes[i] {
-            bail!(
-                "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
-                file.display(),
-                t.shape,
-                set.shapes[i]
-            );
-        }
-        set.bufs[i] = be.upload(&t.to_f32_vec());
+        let values = tensor_values(&by_name, prefix, &set.names[i], &set.shapes[i], file)?;
+        set.bufs[i] = be.upload(&values);
     }
     Ok(())
+}
+
+/// The values of tensor `{prefix}{name}` of `tensors`, which must have `shape`.
+fn tensor_values(
+    tensors: &BTreeMap<&str, &Tensor>,
+    prefix: &str,
+    name: &str,
+    shape: &[usize],
+    file: &Path,
+) -> Result<Vec<f32>> {
+    let name = format!("{prefix}{name}");
+    let t = tensors
+        .get(name.as_str())
+        .ok_or_else(|| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
+    if t.shape != shape {
+        bail!(
+            "{}: tensor `{name}` has shape {:?}, the model needs {:?}",
+            file.display(),
+            t.shape,
+            shape
+        );
+    }
+    Ok(t.to_f32_vec())
 }
 
 pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<FileCheck> {
@@ -273,6 +285,70 @@ fn read_tensors(dir: &Path, state: &TrainState, kind: &str) -> Result<Vec<(Strin
     }
 }
 
+/// A verified checkpoint read into host memory: its state, weights and AdamW moments, handed out
+/// one tensor at a time (FSDP takes its shards of each without the full tensors reaching a device).
+pub struct HostCheckpoint {
+    pub state: TrainState,
+    model: Vec<(String, Tensor)>,
+    moments: Vec<(String, Tensor)>,
+    model_path: PathBuf,
+    optimizer_path: PathBuf,
+}
+
+impl HostCheckpoint {
+    /// Reads the checkpoint in `dir`, which must be of the model `expect_args` configures.
+    pub fn read(dir: &Path, expect_args: &ModelArgs) -> Result<Self> {
+        let state = read_state(dir)?;
+        if &state.model_args != expect_args {
+            bail!(
+                "checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})",
+                dir.display(),
+                state.model_args,
+                expect_args
+            );
+        }
+        Ok(HostCheckpoint {
+            model: read_tensors(dir, &state, "model")?,
+            moments: read_tensors(dir, &state, "optimizer")?,
+            state,
+            model_path: dir.join(MODEL_FILE),
+            optimizer_path: dir.join(OPTIMIZER_FILE),
+        })
+    }
+
+    /// The values of weight `name` (or with `moment` = `exp_avg.`/`exp_avg_sq.`, of that AdamW
+    /// moment), which must have `shape`.
+    pub fn values(&self, moment: Option<&str>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (tensors, prefix, file) = match moment {
+            None => (&self.model, "", &self.model_path),
+            Some(prefix) => (&self.moments, prefix, &self.optimizer_path),
+        };
+        // Looked up by name each time: a job reads each tensor once.
+        let by_name: BTreeMap<&str, &Tensor> =
+            tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        tensor_values(&by_name, prefix, name, shape, file)
+    }
+
+    /// Fills the weights and both moments.
+    pub fn fill<B: Backend>(
+        &self,
+        be: &B,
+        params: &mut ParamSet<B>,
+        exp_avg: &mut ParamSet<B>,
+        exp_avg_sq: &mut ParamSet<B>,
+    ) -> Result<()> {
+        fill_from(be, params, &self.model, "", &self.model_path)?;
+        fill_from(be, exp_avg, &self.moments, "exp_avg.", &self.optimizer_path)?;
+        fill_from(
+            be,
+            exp_avg_sq,
+            &self.moments,
+            "exp_avg_sq.",
+            &self.optimizer_path,
+        )
+    }
+}
+
 /// Loads weights and moments from a verified checkpoint folder into the given sets.
 pub fn load<B: Backend>(
     be: &B,
@@ -282,28 +358,9 @@ pub fn load<B: Backend>(
     exp_avg: &mut ParamSet<B>,
     exp_avg_sq: &mut ParamSet<B>,
 ) -> Result<TrainState> {
-    let state = read_state(dir)?;
-    if &state.model_args != expect_args {
-        bail!(
-            "checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})",
-            dir.display(),
-            state.model_args,
-            expect_args
-        );
-    }
-    let model_path = dir.join(MODEL_FILE);
-    fill_from(
-        be,
-        params,
-        &read_tensors(dir, &state, "model")?,
-        "",
-        &model_path,
-    )?;
-    let opt_path = dir.join(OPTIMIZER_FILE);
-    let moments = read_tensors(dir, &state, "optimizer")?;
-    fill_from(be, exp_avg, &moments, "exp_avg.", &opt_path)?;
-    fill_from(be, exp_avg_sq, &moments, "exp_avg_sq.", &opt_path)?;
-    Ok(state)
+    let host = HostCheckpoint::read(dir, expect_args)?;
+    host.fill(be, params, exp_avg, exp_avg_sq)?;
+    Ok(host.state)
 }
 
 /// Model weights only (generation, export), with the shapes recorded in the checkpoint.

@@ -152,6 +152,16 @@ impl<B: Backend> ParamSet<B> {
         }
     }
 
+    /// Names and shapes with no storage (empty buffers): FSDP's working sets, whose full tensors
+    /// exist only while a stage needs them.
+    pub fn unallocated(backend: &B, specs: &[(String, Vec<usize>)]) -> Self {
+        ParamSet {
+            names: specs.iter().map(|(n, _)| n.clone()).collect(),
+            shapes: specs.iter().map(|(_, s)| s.clone()).collect(),
+            bufs: specs.iter().map(|_| backend.zeros(0)).collect(),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.bufs.len()
     }

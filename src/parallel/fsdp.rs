@@ -114,9 +114,10 @@ impl ReshardPolicy {
 }
 
 impl<B: Backend> Fsdp<B> {
-    /// Shards `full` (identical on every rank) across `group`. The step's collectives go through
-    /// `queue`, or when none is given through the CPU transport over `group` and `replicate`
-    /// (`HostQueue`); `group` also serves the gradient norm.
+    /// Shards the parameters `specs` across `group`, their full values (identical on every rank)
+    /// given one at a time by `full_values`, so that no full tensor ever reaches the device. The
+    /// step's collectives go through `queue`, or when none is given through the CPU transport over
+    /// `group` and `replicate` (`HostQueue`); `group` also serves the gradient norm.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &B,
@@ -124,20 +125,20 @@ impl<B: Backend> Fsdp<B> {
         replicate: Option<Arc<dyn ProcessGroup>>,
         queue: Option<Box<dyn CollectiveQueue<B>>>,
         model: &Llama<B>,
-        full: &ParamSet<B>,
+        specs: &[(String, Vec<usize>)],
+        full_values: &dyn Fn(usize) -> Result<Vec<f32>>,
         reshard_after_forward: ReshardPolicy,
         param_dtype: ParamDtype,
-    ) -> Self {
+    ) -> Result<Self> {
         let size = group.size();
-        let numel: Vec<usize> = full.shapes.iter().map(|s| s.iter().product()).collect();
+        let numel: Vec<usize> = specs.iter().map(|(_, s)| s.iter().product()).collect();
         let shard_len: Vec<usize> = numel.iter().map(|n| n.div_ceil(size)).collect();
-        let specs: Vec<(String, Vec<usize>)> = full
-            .names
+        let shard_specs: Vec<(String, Vec<usize>)> = specs
             .iter()
             .zip(&shard_len)
-            .map(|(n, c)| (n.clone(), vec![*c]))
+            .map(|((n, _), c)| (n.clone(), vec![*c]))
             .collect();
-        let mut in_block = vec![false; full.len()];
+        let mut in_block = vec![false; specs.len()];
         for l in &model.ids.layers {
             for i in l.all() {
                 in_block[i] = true;
@@ -153,17 +154,17 @@ impl<B: Backend> Fsdp<B> {
             queue,
             pending: VecDeque::new(),
             failed: false,
-            shards: ParamSet::zeros(be, &specs),
-            grad_shards: ParamSet::zeros(be, &specs),
+            shards: ParamSet::unallocated(be, &shard_specs),
+            grad_shards: ParamSet::zeros(be, &shard_specs),
             numel,
             shard_len,
-            non_block: (0..full.len()).filter(|&i| !in_block[i]).collect(),
+            non_block: (0..specs.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
             param_dtype,
             group,
         };
-        f.shards = f.shard_of(be, full);
-        f
+        f.shards = f.shard_from(be, full_values)?;
+        Ok(f)
     }
 
     /// The group the parameters are sharded over.
@@ -180,20 +181,33 @@ impl<B: Backend> Fsdp<B> {
             .collect()
     }
 
-    /// This rank's shards of a full, parameter-shaped set (weights or optimizer moments).
-    pub fn shard_of(&self, be: &B, full: &ParamSet<B>) -> ParamSet<B> {
+    /// This rank's shards of a parameter-shaped set (weights or optimizer moments) whose full
+    /// host values `full_values` gives one tensor at a time: only shards reach the device.
+    pub fn shard_from(
+        &self,
+        be: &B,
+        full_values: &dyn Fn(usize) -> Result<Vec<f32>>,
+    ) -> Result<ParamSet<B>> {
         let rank = self.group.rank();
-        let mut out = ParamSet::zeros(be, &self.shard_specs());
-        for i in 0..full.len() {
+        let mut out = ParamSet::unallocated(be, &self.shard_specs());
+        for i in 0..out.len() {
             let c = self.shard_len[i];
-            let data = be.download(&full.bufs[i]);
+            let data = full_values(i)?;
+            if data.len() != self.numel[i] {
+                return Err(anyhow!(
+                    "FSDP: `{}` has {} values, its shape needs {}",
+                    out.names[i],
+                    data.len(),
+                    self.numel[i]
+                ));
+            }
             let mut shard = vec![0.0f32; c];
             let lo = (rank * c).min(data.len());
             let hi = ((rank + 1) * c).min(data.len());
             shard[..hi - lo].copy_from_slice(&data[lo..hi]);
             out.bufs[i] = be.upload(&shard);
         }
-        out
+        Ok(out)
     }
 
     /// How a tensor of `numel` values splits into the ranks' chunks of `c`: the number of whole

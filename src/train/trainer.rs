@@ -182,16 +182,10 @@ fn train_on<B: Backend>(
 
     let model = Llama::new(be, args.clone(), seq)?;
     let specs = model.param_specs();
-    let mut params = init_params(be, &args, t.seed);
-    let mut grads = ParamSet::zeros(be, &specs);
-    let mut opt = AdamW::new(be, &specs, cfg.optimizer.clone());
     let mut ws = Workspace::new(be, &args, batch, seq);
 
     let ckpt_folder = cfg.checkpoint_folder();
-    let mut start_step = 0;
-    let mut resumed_from = None;
-    let mut last_good = None;
-    if cfg.checkpoint.enable {
+    let resume_dir = if cfg.checkpoint.enable {
         let steps = checkpoint::list_steps(&ckpt_folder)?;
         let pick = if cfg.checkpoint.load_step >= 0 {
             let s = cfg.checkpoint.load_step as u64;
@@ -202,40 +196,78 @@ fn train_on<B: Backend>(
         } else {
             steps.last().copied()
         };
-        if let Some(s) = pick {
-            let dir = checkpoint::step_dir(&ckpt_folder, s);
-            let state = checkpoint::load(be, &dir, &args, &mut params, &mut opt.exp_avg, &mut opt.exp_avg_sq).map_err(|e| anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)"))?;
-            loader.restore(state.data)?;
-            start_step = state.step;
-            resumed_from = Some(s);
-            last_good = Some(s);
-            say(format!("resumed from {} (step {s})", dir.display()));
-        }
-    }
+        pick.map(|s| checkpoint::step_dir(&ckpt_folder, s))
+    } else {
+        None
+    };
+    let cannot_resume = |e: anyhow::Error| {
+        anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
+    };
+    let resumed = match &resume_dir {
+        Some(dir) => Some(checkpoint::HostCheckpoint::read(dir, &args).map_err(cannot_resume)?),
+        None => None,
+    };
 
-    // FSDP: keep only this rank's shards of weights, gradients and AdamW moments.
+    // The weights, gradients and AdamW moments. With FSDP they exist on the device only as this
+    // rank's shards: the full values (initial or from the checkpoint) are cut one tensor at a
+    // time on the host, and the full working sets hold a tensor only while a stage needs it.
     let mut fsdp = None;
+    let (mut params, mut grads, mut opt);
     if let Some(d) = dist.filter(|_| fsdp_mode) {
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
+        let full_values = |moment: Option<&str>, i: usize| -> Result<Vec<f32>> {
+            let (name, shape) = &specs[i];
+            match (&resumed, moment) {
+                (Some(ckpt), _) => ckpt.values(moment, name, shape).map_err(cannot_resume),
+                (None, None) => Ok(crate::model::init::init_param(
+                    &args,
+                    name,
+                    shape.iter().product(),
+                    t.seed,
+                )),
+                (None, Some(_)) => Ok(vec![0.0; shape.iter().product()]),
+            }
+        };
         let f = crate::parallel::fsdp::Fsdp::new(
             be,
             shard,
             d.replicate.clone(),
             device_queue.take(),
             &model,
-            &params,
+            &specs,
+            &|i| full_values(None, i),
             reshard,
             param_dtype,
-        );
+        )?;
         opt = AdamW {
-            exp_avg: f.shard_of(be, &opt.exp_avg),
-            exp_avg_sq: f.shard_of(be, &opt.exp_avg_sq),
+            exp_avg: f.shard_from(be, &|i| full_values(Some("exp_avg."), i))?,
+            exp_avg_sq: f.shard_from(be, &|i| full_values(Some("exp_avg_sq."), i))?,
             cfg: cfg.optimizer.clone(),
         };
-        for b in params.bufs.iter_mut().chain(grads.bufs.iter_mut()) {
-            *b = be.zeros(0);
-        }
+        params = ParamSet::unallocated(be, &specs);
+        grads = ParamSet::unallocated(be, &specs);
         fsdp = Some(f);
+    } else {
+        params = init_params(be, &args, t.seed);
+        grads = ParamSet::zeros(be, &specs);
+        opt = AdamW::new(be, &specs, cfg.optimizer.clone());
+        if let Some(ckpt) = &resumed {
+            ckpt.fill(be, &mut params, &mut opt.exp_avg, &mut opt.exp_avg_sq)
+                .map_err(cannot_resume)?;
+        }
+    }
+    let mut start_step = 0;
+    let mut resumed_from = None;
+    let mut last_good = None;
+    if let (Some(ckpt), Some(dir)) = (resumed, &resume_dir) {
+        loader.restore(ckpt.state.data)?;
+        start_step = ckpt.state.step;
+        resumed_from = Some(start_step);
+        last_good = Some(start_step);
+        say(format!(
+            "resumed from {} (step {start_step})",
+            dir.display()
+        ));
     }
 
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
