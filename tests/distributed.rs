@@ -174,7 +174,7 @@ fn fsdp_2_and_fsdp_4_match_one_process_step_by_step() {
 }
 
 #[test]
-fn an_fsdp4_checkpoint_resumes_with_fsdp2_and_one_process_on_the_same_curve() {
+fn an_fsdp4_checkpoint_resumes_with_fsdp4_fsdp2_and_one_process_on_the_same_curve() {
     let straight = tempfile::tempdir().unwrap();
     let o = train(
         straight.path(),
@@ -235,7 +235,9 @@ fn an_fsdp4_checkpoint_resumes_with_fsdp2_and_one_process_on_the_same_curve() {
         .unwrap();
     assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
     std::fs::remove_dir_all(saved.path().join("checkpoint/step-12")).unwrap();
+    // The same layout reads each rank's own shard files; the others merge them.
     for (launcher, local) in [
+        (vec!["--nproc", "4", "--master-port", "0"], "1"),
         (vec!["--nproc", "2", "--master-port", "0"], "2"),
         (vec![], "4"),
     ] {

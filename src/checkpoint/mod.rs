@@ -293,11 +293,33 @@ pub struct HostCheckpoint {
     moments: Vec<(String, Tensor)>,
     model_path: PathBuf,
     optimizer_path: PathBuf,
+    /// The tensors are only the shards of rank `.0` of `.1` (a sharded checkpoint read by a rank
+    /// of the layout that wrote it), not full tensors.
+    own_shards: Option<(usize, usize)>,
 }
 
 impl HostCheckpoint {
     /// Reads the checkpoint in `dir`, which must be of the model `expect_args` configures.
     pub fn read(dir: &Path, expect_args: &ModelArgs) -> Result<Self> {
+        Self::read_for(dir, expect_args, None)
+    }
+
+    /// As `read`, for rank `rank` of `size` FSDP ranks: a checkpoint written by as many shards is
+    /// read from this rank's own files only (its shards as they were saved), any other merged.
+    pub fn read_for_shard(
+        dir: &Path,
+        expect_args: &ModelArgs,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self> {
+        Self::read_for(dir, expect_args, Some((rank, size)))
+    }
+
+    fn read_for(
+        dir: &Path,
+        expect_args: &ModelArgs,
+        shard: Option<(usize, usize)>,
+    ) -> Result<Self> {
         let state = read_state(dir)?;
         if &state.model_args != expect_args {
             bail!(
@@ -307,18 +329,68 @@ impl HostCheckpoint {
                 expect_args
             );
         }
+        let own = shard.filter(|&(_, size)| {
+            state.sharding.as_ref().is_some_and(|index| {
+                index.shards == size
+                    && index
+                        .tensors
+                        .values()
+                        .all(|t| t.shard_len == t.shape.iter().product::<usize>().div_ceil(size))
+            })
+        });
+        let (model, moments, model_path, optimizer_path) = match own {
+            Some((rank, _)) => {
+                let (m, o) = (
+                    dir.join(sharded::model_file(rank)),
+                    dir.join(sharded::optimizer_file(rank)),
+                );
+                (st::read_file(&m)?, st::read_file(&o)?, m, o)
+            }
+            None => (
+                read_tensors(dir, &state, "model")?,
+                read_tensors(dir, &state, "optimizer")?,
+                dir.join(MODEL_FILE),
+                dir.join(OPTIMIZER_FILE),
+            ),
+        };
         Ok(HostCheckpoint {
-            model: read_tensors(dir, &state, "model")?,
-            moments: read_tensors(dir, &state, "optimizer")?,
+            model,
+            moments,
             state,
-            model_path: dir.join(MODEL_FILE),
-            optimizer_path: dir.join(OPTIMIZER_FILE),
+            model_path,
+            optimizer_path,
+            own_shards: own,
         })
     }
 
     /// The values of weight `name` (or with `moment` = `exp_avg.`/`exp_avg_sq.`, of that AdamW
     /// moment), which must have `shape`.
     pub fn values(&self, moment: Option<&str>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        assert!(
+            self.own_shards.is_none(),
+            "full tensors asked of a checkpoint read as one rank's shards (a titan bug)"
+        );
+        self.lookup(moment, name, shape)
+    }
+
+    /// Rank `rank`'s shard (`ceil(numel / size)` values) of weight `name` or a moment, straight
+    /// from the checkpoint when it was read as that rank's shards; None when it holds full
+    /// tensors (the caller cuts the shard from `values`).
+    pub fn own_shard(
+        &self,
+        moment: Option<&str>,
+        name: &str,
+        numel: usize,
+        rank: usize,
+        size: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        if self.own_shards != Some((rank, size)) {
+            return Ok(None);
+        }
+        self.lookup(moment, name, &[numel.div_ceil(size)]).map(Some)
+    }
+
+    fn lookup(&self, moment: Option<&str>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let (tensors, prefix, file) = match moment {
             None => (&self.model, "", &self.model_path),
             Some(prefix) => (&self.moments, prefix, &self.optimizer_path),
@@ -337,6 +409,10 @@ impl HostCheckpoint {
         exp_avg: &mut ParamSet<B>,
         exp_avg_sq: &mut ParamSet<B>,
     ) -> Result<()> {
+        assert!(
+            self.own_shards.is_none(),
+            "full tensors asked of a checkpoint read as one rank's shards (a titan bug)"
+        );
         fill_from(be, params, &self.model, "", &self.model_path)?;
         fill_from(be, exp_avg, &self.moments, "exp_avg.", &self.optimizer_path)?;
         fill_from(

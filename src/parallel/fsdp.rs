@@ -48,6 +48,14 @@ enum Pending {
     ReduceScatter { ids: Vec<usize> },
 }
 
+/// What a rank starts one parameter-shaped tensor (weights or an AdamW moment) from: its full
+/// values, which are cut here, or, read from a checkpoint written by the same layout, this rank's
+/// shard as it was saved.
+pub enum StartValues {
+    Full(Vec<f32>),
+    Shard(Vec<f32>),
+}
+
 /// Collectives left running after a block's backward (see the module doc).
 const MAX_IN_FLIGHT: usize = 2;
 
@@ -114,8 +122,8 @@ impl ReshardPolicy {
 }
 
 impl<B: Backend> Fsdp<B> {
-    /// Shards the parameters `specs` across `group`, their full values (identical on every rank)
-    /// given one at a time by `full_values`, so that no full tensor ever reaches the device. The
+    /// Shards the parameters `specs` across `group`, their values (identical on every rank) given
+    /// one tensor at a time by `start`, so that no full tensor ever reaches the device. The
     /// step's collectives go through `queue`, or when none is given through the CPU transport over
     /// `group` and `replicate` (`HostQueue`); `group` also serves the gradient norm.
     #[allow(clippy::too_many_arguments)]
@@ -126,7 +134,7 @@ impl<B: Backend> Fsdp<B> {
         queue: Option<Box<dyn CollectiveQueue<B>>>,
         model: &Llama<B>,
         specs: &[(String, Vec<usize>)],
-        full_values: &dyn Fn(usize) -> Result<Vec<f32>>,
+        start: &dyn Fn(usize) -> Result<StartValues>,
         reshard_after_forward: ReshardPolicy,
         param_dtype: ParamDtype,
     ) -> Result<Self> {
@@ -163,7 +171,7 @@ impl<B: Backend> Fsdp<B> {
             param_dtype,
             group,
         };
-        f.shards = f.shard_from(be, full_values)?;
+        f.shards = f.shard_from(be, start)?;
         Ok(f)
     }
 
@@ -181,31 +189,38 @@ impl<B: Backend> Fsdp<B> {
             .collect()
     }
 
-    /// This rank's shards of a parameter-shaped set (weights or optimizer moments) whose full
-    /// host values `full_values` gives one tensor at a time: only shards reach the device.
+    /// This rank's shards of a parameter-shaped set (weights or optimizer moments) whose host
+    /// values `start` gives one tensor at a time: only shards reach the device.
     pub fn shard_from(
         &self,
         be: &B,
-        full_values: &dyn Fn(usize) -> Result<Vec<f32>>,
+        start: &dyn Fn(usize) -> Result<StartValues>,
     ) -> Result<ParamSet<B>> {
         let rank = self.group.rank();
         let mut out = ParamSet::unallocated(be, &self.shard_specs());
         for i in 0..out.len() {
             let c = self.shard_len[i];
-            let data = full_values(i)?;
-            if data.len() != self.numel[i] {
+            let (values, expected) = match start(i)? {
+                StartValues::Full(data) => {
+                    let mut shard = vec![0.0f32; c];
+                    let lo = (rank * c).min(data.len());
+                    let hi = ((rank + 1) * c).min(data.len());
+                    shard[..hi - lo].copy_from_slice(&data[lo..hi]);
+                    (shard, (data.len(), self.numel[i], "values"))
+                }
+                StartValues::Shard(shard) => {
+                    let len = shard.len();
+                    (shard, (len, c, "values in its shard"))
+                }
+            };
+            let (have, need, what) = expected;
+            if have != need {
                 return Err(anyhow!(
-                    "FSDP: `{}` has {} values, its shape needs {}",
-                    out.names[i],
-                    data.len(),
-                    self.numel[i]
+                    "FSDP: `{}` has {have} {what}, rank {rank} needs {need}",
+                    out.names[i]
                 ));
             }
-            let mut shard = vec![0.0f32; c];
-            let lo = (rank * c).min(data.len());
-            let hi = ((rank + 1) * c).min(data.len());
-            shard[..hi - lo].copy_from_slice(&data[lo..hi]);
-            out.bufs[i] = be.upload(&shard);
+            out.bufs[i] = be.upload(&values);
         }
         Ok(out)
     }

@@ -20,6 +20,7 @@ use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::model::{init_params, Llama, ParamDtype, ParamSet, Workspace};
+use crate::parallel::fsdp::StartValues;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -203,10 +204,20 @@ fn train_on<B: Backend>(
     let cannot_resume = |e: anyhow::Error| {
         anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
     };
-    let resumed = match &resume_dir {
-        Some(dir) => Some(checkpoint::HostCheckpoint::read(dir, &args).map_err(cannot_resume)?),
-        None => None,
-    };
+    // An FSDP rank of the layout that wrote a sharded checkpoint reads its own files only.
+    let shard_place = dist
+        .filter(|_| fsdp_mode)
+        .and_then(|d| d.shard.as_ref())
+        .map(|g| (g.rank(), g.size()));
+    let resumed = match (&resume_dir, shard_place) {
+        (Some(dir), Some((r, size))) => Some(checkpoint::HostCheckpoint::read_for_shard(
+            dir, &args, r, size,
+        )),
+        (Some(dir), None) => Some(checkpoint::HostCheckpoint::read(dir, &args)),
+        (None, _) => None,
+    }
+    .transpose()
+    .map_err(cannot_resume)?;
 
     // The weights, gradients and AdamW moments. With FSDP they exist on the device only as this
     // rank's shards: the full values (initial or from the checkpoint) are cut one tensor at a
@@ -215,17 +226,27 @@ fn train_on<B: Backend>(
     let (mut params, mut grads, mut opt);
     if let Some(d) = dist.filter(|_| fsdp_mode) {
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
-        let full_values = |moment: Option<&str>, i: usize| -> Result<Vec<f32>> {
+        let (shard_rank, shard_size) = (shard.rank(), shard.size());
+        let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
             let (name, shape) = &specs[i];
+            let numel = shape.iter().product();
             match (&resumed, moment) {
-                (Some(ckpt), _) => ckpt.values(moment, name, shape).map_err(cannot_resume),
-                (None, None) => Ok(crate::model::init::init_param(
-                    &args,
-                    name,
-                    shape.iter().product(),
-                    t.seed,
-                )),
-                (None, Some(_)) => Ok(vec![0.0; shape.iter().product()]),
+                (Some(ckpt), _) => {
+                    let own = ckpt
+                        .own_shard(moment, name, numel, shard_rank, shard_size)
+                        .map_err(cannot_resume)?;
+                    match own {
+                        Some(shard) => Ok(StartValues::Shard(shard)),
+                        None => ckpt
+                            .values(moment, name, shape)
+                            .map(StartValues::Full)
+                            .map_err(cannot_resume),
+                    }
+                }
+                (None, None) => Ok(StartValues::Full(crate::model::init::init_param(
+                    &args, name, numel, t.seed,
+                ))),
+                (None, Some(_)) => Ok(StartValues::Full(vec![0.0; numel])),
             }
         };
         let f = crate::parallel::fsdp::Fsdp::new(
@@ -235,13 +256,13 @@ fn train_on<B: Backend>(
             device_queue.take(),
             &model,
             &specs,
-            &|i| full_values(None, i),
+            &|i| start_values(None, i),
             reshard,
             param_dtype,
         )?;
         opt = AdamW {
-            exp_avg: f.shard_from(be, &|i| full_values(Some("exp_avg."), i))?,
-            exp_avg_sq: f.shard_from(be, &|i| full_values(Some("exp_avg_sq."), i))?,
+            exp_avg: f.shard_from(be, &|i| start_values(Some("exp_avg."), i))?,
+            exp_avg_sq: f.shard_from(be, &|i| start_values(Some("exp_avg_sq."), i))?,
             cfg: cfg.optimizer.clone(),
         };
         params = ParamSet::unallocated(be, &specs);
