@@ -626,8 +626,9 @@ fn fsdp_deeper_accumulating_or_uneven_matches_one_process() {
 
 #[test]
 fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
-    // Llama 3 3B needs about 51 GB per DDP replica (weights, gradients, AdamW state): the host must
-    // hold both replicas, and the estimate counts them before anything is allocated.
+    // Two DDP replicas of Llama 3 405B on one host (refused on any machine): the refusal counts
+    // both, each with its whole weights, gradients, AdamW state and activations, before anything
+    // is allocated.
     let dir = tempfile::tempdir().unwrap();
     let mut args = vec![
         "train",
@@ -638,7 +639,7 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
         "--job.dump_folder",
         dir.path().to_str().unwrap(),
         "--model.flavor",
-        "3B",
+        "405B",
     ];
     args.extend_from_slice(DDP_MESH);
     let o = Command::new(titan_bin())
@@ -649,14 +650,30 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("for 2 ranks on this host"), "{e}");
-    let needed: f64 = e
-        .split("needs about ")
-        .nth(1)
-        .and_then(|t| t.split(" GiB").next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no estimate in: {e}"));
+    // "needs about N GiB (... each: weights W GiB, gradients G GiB, AdamW state A GiB, activations
+    // X GiB and their bf16 copies C GiB, kernel scratch S GiB, bf16 compute copy B GiB)"
+    let gib_after = |key: &str| -> f64 {
+        e.split(key)
+            .nth(1)
+            .and_then(|t| t.trim_start().split(" GiB").next())
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no `{key}` figure in: {e}"))
+    };
+    let each: f64 = [
+        "weights",
+        "gradients",
+        "AdamW state",
+        "activations",
+        "bf16 copies",
+        "kernel scratch",
+        "bf16 compute copy",
+    ]
+    .iter()
+    .map(|k| gib_after(k))
+    .sum();
+    let needed = gib_after("needs about");
     assert!(
-        needed > 95.0,
-        "two replicas of 3B counted as {needed} GiB: {e}"
+        (needed - 2.0 * each).abs() <= 0.01 * needed,
+        "two replicas counted as {needed} GiB, each {each} GiB: {e}"
     );
 }

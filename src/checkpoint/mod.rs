@@ -10,6 +10,7 @@ pub mod writer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -78,23 +79,23 @@ pub fn fill_from<B: Backend>(
 ) -> Result<()> {
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     for i in 0..set.len() {
-        let values = tensor_values(&by_name, prefix, &set.names[i], &set.shapes[i], file)?;
+        let get = |n: &str| by_name.get(n).copied();
+        let values = tensor_values(get, prefix, &set.names[i], &set.shapes[i], file)?;
         set.bufs[i] = be.upload(&values);
     }
     Ok(())
 }
 
 /// The values of tensor `{prefix}{name}` of `tensors`, which must have `shape`.
-fn tensor_values(
-    tensors: &BTreeMap<&str, &Tensor>,
+fn tensor_values<'t>(
+    get: impl Fn(&str) -> Option<&'t Tensor>,
     prefix: &str,
     name: &str,
     shape: &[usize],
     file: &Path,
 ) -> Result<Vec<f32>> {
     let name = format!("{prefix}{name}");
-    let t = tensors
-        .get(name.as_str())
+    let t = get(name.as_str())
         .ok_or_else(|| anyhow!("{}: tensor `{name}` is missing", file.display()))?;
     if t.shape != shape {
         bail!(
@@ -285,27 +286,36 @@ fn read_tensors(dir: &Path, state: &TrainState, kind: &str) -> Result<Vec<(Strin
     }
 }
 
-/// A verified checkpoint read into host memory: its state, weights and AdamW moments, handed out
-/// one tensor at a time (FSDP takes its shards of each without the full tensors reaching a device).
+/// A verified checkpoint whose weights and AdamW moments are read into host memory one file kind
+/// at a time, when first asked for (the weights, then the moments: the weights are dropped when
+/// the moments are read), and handed out one tensor at a time. FSDP takes its shards of each
+/// without the full tensors reaching a device; a rank of the layout that wrote a sharded
+/// checkpoint holds only its own shards (every file is still read once, for its CRC).
 pub struct HostCheckpoint {
     pub state: TrainState,
-    model: Vec<(String, Tensor)>,
-    moments: Vec<(String, Tensor)>,
-    model_path: PathBuf,
-    optimizer_path: PathBuf,
+    dir: PathBuf,
     /// The tensors are only the shards of rank `.0` of `.1` (a sharded checkpoint read by a rank
     /// of the layout that wrote it), not full tensors.
     own_shards: Option<(usize, usize)>,
+    /// The kind read last (`model` or `optimizer`) and its tensors by name.
+    loaded: Mutex<Option<(&'static str, Arc<LoadedTensors>)>>,
+}
+
+/// The tensors of one file kind, and the file to name in errors.
+struct LoadedTensors {
+    by_name: BTreeMap<String, Tensor>,
+    file: PathBuf,
 }
 
 impl HostCheckpoint {
-    /// Reads the checkpoint in `dir`, which must be of the model `expect_args` configures.
+    /// Opens the checkpoint in `dir`, which must be of the model `expect_args` configures.
     pub fn read(dir: &Path, expect_args: &ModelArgs) -> Result<Self> {
         Self::read_for(dir, expect_args, None)
     }
 
-    /// As `read`, for rank `rank` of `size` FSDP ranks: a checkpoint written by as many shards is
-    /// read from this rank's own files only (its shards as they were saved), any other merged.
+    /// As `read`, for rank `rank` of `size` FSDP ranks: of a checkpoint written by as many
+    /// shards, only this rank's own files are held (its shards as they were saved); any other is
+    /// merged.
     pub fn read_for_shard(
         dir: &Path,
         expect_args: &ModelArgs,
@@ -329,7 +339,7 @@ impl HostCheckpoint {
                 expect_args
             );
         }
-        let own = shard.filter(|&(_, size)| {
+        let own_shards = shard.filter(|&(_, size)| {
             state.sharding.as_ref().is_some_and(|index| {
                 index.shards == size
                     && index
@@ -338,29 +348,48 @@ impl HostCheckpoint {
                         .all(|t| t.shard_len == t.shape.iter().product::<usize>().div_ceil(size))
             })
         });
-        let (model, moments, model_path, optimizer_path) = match own {
+        Ok(HostCheckpoint {
+            state,
+            dir: dir.to_path_buf(),
+            own_shards,
+            loaded: Mutex::new(None),
+        })
+    }
+
+    /// The tensors of `kind` (`model` or `optimizer`), read now unless they were the last read.
+    fn tensors(&self, kind: &'static str) -> Result<Arc<LoadedTensors>> {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((k, t)) = loaded.as_ref() {
+            if *k == kind {
+                return Ok(t.clone());
+            }
+        }
+        // The other kind goes first, so the two are never held together.
+        *loaded = None;
+        let (tensors, file) = match self.own_shards {
             Some((rank, _)) => {
-                let (m, o) = (
-                    dir.join(sharded::model_file(rank)),
-                    dir.join(sharded::optimizer_file(rank)),
-                );
-                (st::read_file(&m)?, st::read_file(&o)?, m, o)
+                let file = self.dir.join(if kind == "model" {
+                    sharded::model_file(rank)
+                } else {
+                    sharded::optimizer_file(rank)
+                });
+                (st::read_file(&file)?, file)
             }
             None => (
-                read_tensors(dir, &state, "model")?,
-                read_tensors(dir, &state, "optimizer")?,
-                dir.join(MODEL_FILE),
-                dir.join(OPTIMIZER_FILE),
+                read_tensors(&self.dir, &self.state, kind)?,
+                self.dir.join(if kind == "model" {
+                    MODEL_FILE
+                } else {
+                    OPTIMIZER_FILE
+                }),
             ),
         };
-        Ok(HostCheckpoint {
-            model,
-            moments,
-            state,
-            model_path,
-            optimizer_path,
-            own_shards: own,
-        })
+        let t = Arc::new(LoadedTensors {
+            by_name: tensors.into_iter().collect(),
+            file,
+        });
+        *loaded = Some((kind, t.clone()));
+        Ok(t)
     }
 
     /// The values of weight `name` (or with `moment` = `exp_avg.`/`exp_avg_sq.`, of that AdamW
@@ -391,14 +420,12 @@ impl HostCheckpoint {
     }
 
     fn lookup(&self, moment: Option<&str>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let (tensors, prefix, file) = match moment {
-            None => (&self.model, "", &self.model_path),
-            Some(prefix) => (&self.moments, prefix, &self.optimizer_path),
+        let (kind, prefix) = match moment {
+            None => ("model", ""),
+            Some(prefix) => ("optimizer", prefix),
         };
-        // Looked up by name each time: a job reads each tensor once.
-        let by_name: BTreeMap<&str, &Tensor> =
-            tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        tensor_values(&by_name, prefix, name, shape, file)
+        let t = self.tensors(kind)?;
+        tensor_values(|n| t.by_name.get(n), prefix, name, shape, &t.file)
     }
 
     /// Fills the weights and both moments.
@@ -409,19 +436,17 @@ impl HostCheckpoint {
         exp_avg: &mut ParamSet<B>,
         exp_avg_sq: &mut ParamSet<B>,
     ) -> Result<()> {
-        assert!(
-            self.own_shards.is_none(),
-            "full tensors asked of a checkpoint read as one rank's shards (a titan bug)"
-        );
-        fill_from(be, params, &self.model, "", &self.model_path)?;
-        fill_from(be, exp_avg, &self.moments, "exp_avg.", &self.optimizer_path)?;
-        fill_from(
-            be,
-            exp_avg_sq,
-            &self.moments,
-            "exp_avg_sq.",
-            &self.optimizer_path,
-        )
+        for (set, moment) in [
+            (params, None),
+            (exp_avg, Some("exp_avg.")),
+            (exp_avg_sq, Some("exp_avg_sq.")),
+        ] {
+            for i in 0..set.len() {
+                let values = self.values(moment, &set.names[i], &set.shapes[i])?;
+                set.bufs[i] = be.upload(&values);
+            }
+        }
+        Ok(())
     }
 }
 

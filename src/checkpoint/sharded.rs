@@ -4,8 +4,10 @@
 //! of every rank's files. The folder is written under a temporary name and renamed by rank 0 once
 //! every rank has reported its files, so a crash leaves no complete-looking checkpoint.
 //!
-//! Loading merges the shards back into full tensors (`merge`), which the caller re-shards for its
-//! own layout: a checkpoint saved by 4 ranks resumes on 2, on 1, or on any other mesh.
+//! Loading under another layout merges the shards back into full tensors (`merge`), which the
+//! caller re-shards for its own: a checkpoint saved by 4 ranks resumes on 2, on 1, or on any other
+//! mesh. The layout that wrote it takes each rank's own files as they are
+//! (`HostCheckpoint::read_for_shard`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -134,7 +134,7 @@ impl<B: Backend> Fsdp<B> {
         queue: Option<Box<dyn CollectiveQueue<B>>>,
         model: &Llama<B>,
         specs: &[(String, Vec<usize>)],
-        start: &dyn Fn(usize) -> Result<StartValues>,
+        start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
         reshard_after_forward: ReshardPolicy,
         param_dtype: ParamDtype,
     ) -> Result<Self> {
@@ -190,37 +190,23 @@ impl<B: Backend> Fsdp<B> {
     }
 
     /// This rank's shards of a parameter-shaped set (weights or optimizer moments) whose host
-    /// values `start` gives one tensor at a time: only shards reach the device.
+    /// values `start` gives one tensor at a time: only shards reach the device. The tensors are
+    /// drawn or read on all threads (each full tensor lives only while its shard is cut).
     pub fn shard_from(
         &self,
         be: &B,
-        start: &dyn Fn(usize) -> Result<StartValues>,
+        start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
     ) -> Result<ParamSet<B>> {
+        use rayon::prelude::*;
         let rank = self.group.rank();
         let mut out = ParamSet::unallocated(be, &self.shard_specs());
-        for i in 0..out.len() {
-            let c = self.shard_len[i];
-            let (values, expected) = match start(i)? {
-                StartValues::Full(data) => {
-                    let mut shard = vec![0.0f32; c];
-                    let lo = (rank * c).min(data.len());
-                    let hi = ((rank + 1) * c).min(data.len());
-                    shard[..hi - lo].copy_from_slice(&data[lo..hi]);
-                    (shard, (data.len(), self.numel[i], "values"))
-                }
-                StartValues::Shard(shard) => {
-                    let len = shard.len();
-                    (shard, (len, c, "values in its shard"))
-                }
-            };
-            let (have, need, what) = expected;
-            if have != need {
-                return Err(anyhow!(
-                    "FSDP: `{}` has {have} {what}, rank {rank} needs {need}",
-                    out.names[i]
-                ));
-            }
-            out.bufs[i] = be.upload(&values);
+        let (numel, shard_len, names) = (&self.numel, &self.shard_len, &out.names);
+        let shards: Vec<Vec<f32>> = (0..out.len())
+            .into_par_iter()
+            .map(|i| cut_shard(start(i)?, numel[i], shard_len[i], rank, &names[i]))
+            .collect::<Result<_>>()?;
+        for (buf, shard) in out.bufs.iter_mut().zip(&shards) {
+            *buf = be.upload(shard);
         }
         Ok(out)
     }
@@ -453,4 +439,34 @@ impl<B: Backend> Fsdp<B> {
         Self::release(be, full, &non_block);
         Ok(loss)
     }
+}
+
+/// Rank `rank`'s shard (`c` values, zero past the tensor's end) of tensor `name` of `numel`
+/// values, from its start values, checked for length.
+fn cut_shard(
+    start: StartValues,
+    numel: usize,
+    c: usize,
+    rank: usize,
+    name: &str,
+) -> Result<Vec<f32>> {
+    let (values, have, need, what) = match start {
+        StartValues::Full(data) => {
+            let mut shard = vec![0.0f32; c];
+            let lo = (rank * c).min(data.len());
+            let hi = ((rank + 1) * c).min(data.len());
+            shard[..hi - lo].copy_from_slice(&data[lo..hi]);
+            (shard, data.len(), numel, "values")
+        }
+        StartValues::Shard(shard) => {
+            let len = shard.len();
+            (shard, len, c, "values in its shard")
+        }
+    };
+    if have != need {
+        return Err(anyhow!(
+            "FSDP: `{name}` has {have} {what}, rank {rank} needs {need}"
+        ));
+    }
+    Ok(values)
 }

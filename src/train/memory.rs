@@ -133,18 +133,19 @@ pub fn peak_memory() -> u64 {
 }
 
 /// Refuses a job whose estimate (one rank's) exceeds the available memory: the device's free
-/// memory where the backend reports it (a GPU per rank), else the host's, which the
-/// `ranks_on_host` ranks of this node share.
+/// memory where the backend reports it, else the host's, shared by `ranks_sharing` ranks (those
+/// on this GPU, or on this host).
 pub fn check_fits(
     est: &MemoryEstimate,
     what: &str,
     device_free: Option<u64>,
-    ranks_on_host: usize,
+    ranks_sharing: usize,
 ) -> Result<()> {
-    let (avail, ranks) = match device_free {
-        Some(free) => (Some(free), 1),
-        None => (available_memory(), ranks_on_host.max(1) as u64),
+    let (avail, place) = match device_free {
+        Some(free) => (Some(free), "GPU"),
+        None => (available_memory(), "host"),
     };
+    let ranks = ranks_sharing.max(1) as u64;
     if let Some(avail) = avail {
         let needed = est.total() * ranks;
         if needed > avail {
@@ -158,7 +159,7 @@ pub fn check_fits(
                 String::new()
             };
             let per_rank = if ranks > 1 {
-                format!(" for {ranks} ranks on this host, each")
+                format!(" for {ranks} ranks on this {place}, each")
             } else {
                 String::new()
             };

@@ -59,6 +59,19 @@ pub fn select_device(cfg: &Config) -> Result<Device> {
     }
 }
 
+/// How many of this host's `local_world` ranks share the memory the memory check compares with:
+/// all of them for the host's memory, those on the same GPU for a device's (ranks go to GPUs
+/// round robin, see `cuda_backend`).
+fn ranks_sharing_memory<B: Backend>(be: &B, local_world: usize) -> usize {
+    match be.device_free_memory() {
+        Some(_) => {
+            let gpus = crate::backend::cuda::libs::device_count().unwrap_or(1);
+            local_world.div_ceil(gpus.max(1))
+        }
+        None => local_world,
+    }
+}
+
 /// The CUDA backend for this process: GPU `local_rank`, one process per GPU. With more local ranks
 /// than GPUs the ranks share them round-robin: slower (collectives then go through the host), but
 /// it lets a one-GPU machine run and check multi-process layouts.
@@ -172,7 +185,7 @@ fn train_on<B: Backend>(
             cfg.model.flavor
         ),
         be.device_free_memory(),
-        dist.map_or(1, |d| d.local_world_size),
+        ranks_sharing_memory(be, dist.map_or(1, |d| d.local_world_size)),
     )?;
 
     let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
@@ -197,23 +210,23 @@ fn train_on<B: Backend>(
         } else {
             steps.last().copied()
         };
-        pick.map(|s| checkpoint::step_dir(&ckpt_folder, s))
+        pick.map(|s| (s, checkpoint::step_dir(&ckpt_folder, s)))
     } else {
         None
     };
     let cannot_resume = |e: anyhow::Error| {
         anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
     };
-    // An FSDP rank of the layout that wrote a sharded checkpoint reads its own files only.
+    // An FSDP rank of the layout that wrote a sharded checkpoint holds its own files only.
     let shard_place = dist
         .filter(|_| fsdp_mode)
         .and_then(|d| d.shard.as_ref())
         .map(|g| (g.rank(), g.size()));
     let resumed = match (&resume_dir, shard_place) {
-        (Some(dir), Some((r, size))) => Some(checkpoint::HostCheckpoint::read_for_shard(
+        (Some((_, dir)), Some((r, size))) => Some(checkpoint::HostCheckpoint::read_for_shard(
             dir, &args, r, size,
         )),
-        (Some(dir), None) => Some(checkpoint::HostCheckpoint::read(dir, &args)),
+        (Some((_, dir)), None) => Some(checkpoint::HostCheckpoint::read(dir, &args)),
         (None, _) => None,
     }
     .transpose()
@@ -280,15 +293,12 @@ fn train_on<B: Backend>(
     let mut start_step = 0;
     let mut resumed_from = None;
     let mut last_good = None;
-    if let (Some(ckpt), Some(dir)) = (resumed, &resume_dir) {
+    if let (Some(ckpt), Some((s, dir))) = (resumed, &resume_dir) {
         loader.restore(ckpt.state.data)?;
         start_step = ckpt.state.step;
-        resumed_from = Some(start_step);
-        last_good = Some(start_step);
-        say(format!(
-            "resumed from {} (step {start_step})",
-            dir.display()
-        ));
+        resumed_from = Some(*s);
+        last_good = Some(*s);
+        say(format!("resumed from {} (step {s})", dir.display()));
     }
 
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
