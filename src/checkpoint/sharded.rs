@@ -167,8 +167,10 @@ pub fn merge(dir: &Path, index: &ShardIndex, kind: &str) -> Result<Vec<(String, 
             .ok_or_else(|| anyhow!("{}: shard index has no tensor `{base}`", dir.display()))?;
         let numel: usize = info.shape.iter().product();
         let mut data = Vec::with_capacity(info.shard_len * index.shards);
-        for (r, part) in parts.iter().enumerate() {
-            let t = part.get(&name).ok_or_else(|| {
+        // Each shard is taken out of its part as it is merged, so the parts shrink while the
+        // merged tensors grow: the merge holds about one copy of the checkpoint, not two.
+        for (r, part) in parts.iter_mut().enumerate() {
+            let t = part.remove(&name).ok_or_else(|| {
                 anyhow!("{}: rank {r}'s shard of `{name}` is missing", dir.display())
             })?;
             if t.numel() != info.shard_len {
