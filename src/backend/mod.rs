@@ -93,6 +93,12 @@ pub trait Backend: Send + Sync {
 
     // ---- memory ----
     fn zeros(&self, len: usize) -> Self::Buf;
+    /// A buffer of `len` values that the caller writes in full before anything reads it (a
+    /// collective's output, a packing or unpacking target): a device skips the zeroing pass.
+    /// Here `zeros`.
+    fn uninit(&self, len: usize) -> Self::Buf {
+        self.zeros(len)
+    }
     /// An activation that is only written whole, by a GEMM or by RMSNorm's or SwiGLU's kernels,
     /// and only read by GEMMs and SwiGLU: a device may keep it in bf16 alone
     /// (`bf16_activation_f32_bytes`); elsewhere plain `zeros`.

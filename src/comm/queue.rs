@@ -177,7 +177,8 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
     }
 
     fn start_gather(&mut self, be: &CudaBackend, input: CudaBuf) -> Result<()> {
-        let mut output = be.zeros(input.len() * self.shard.size());
+        // NCCL writes every value of the outputs.
+        let mut output = be.uninit(input.len() * self.shard.size());
         let shard = self.shard.start_all_gather(&input, &mut output)?;
         self.in_flight.push_back(NcclEntry {
             _input: input,
@@ -189,7 +190,7 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
     }
 
     fn start_reduce_scatter(&mut self, be: &CudaBackend, input: CudaBuf) -> Result<()> {
-        let mut output = be.zeros(input.len() / self.shard.size());
+        let mut output = be.uninit(input.len() / self.shard.size());
         let shard = self
             .shard
             .start_reduce_scatter(&input, &mut output, ReduceOp::Sum)?;

@@ -237,7 +237,8 @@ impl<B: Backend> Fsdp<B> {
     /// bf16 parameters travel as bf16 pairs (half the bytes).
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
         let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
-        let mut packed = be.zeros(words);
+        // Written whole below (as are the other `uninit` buffers of this file).
+        let mut packed = be.uninit(words);
         let mut at = 0;
         for &i in ids {
             be.copy_range(&mut packed, at, &self.shards.bufs[i], 0, self.shard_len[i]);
@@ -245,7 +246,7 @@ impl<B: Backend> Fsdp<B> {
         }
         let pairs = self.param_dtype == ParamDtype::BFloat16;
         if pairs {
-            let mut paired = be.zeros(words.div_ceil(2));
+            let mut paired = be.uninit(words.div_ceil(2));
             be.pack_bf16_pairs(&mut paired, &packed);
             packed = paired;
         }
@@ -299,7 +300,7 @@ impl<B: Backend> Fsdp<B> {
             Pending::Gather { ids, pairs } => {
                 let all = if pairs {
                     // Each rank's part unpacks to an even number of values.
-                    let mut all = be.zeros(be.len(&output) * 2);
+                    let mut all = be.uninit(be.len(&output) * 2);
                     be.unpack_bf16_pairs(&mut all, &output);
                     all
                 } else {
@@ -309,7 +310,7 @@ impl<B: Backend> Fsdp<B> {
                 let mut offset = 0;
                 for &i in &ids {
                     let (c, numel) = (self.shard_len[i], self.numel[i]);
-                    let mut t = be.zeros(numel);
+                    let mut t = be.uninit(numel);
                     let (whole, rest) = Self::chunks(numel, c, size);
                     be.copy_rows(&mut t, 0, c, &all, offset, words, whole, c);
                     if rest > 0 {

@@ -26,6 +26,8 @@ struct Agreement {
     nccl: bool,
     /// Why not NCCL, for rank 0 to say (None when NCCL is used or no rank has a GPU).
     why_not_nccl: Option<String>,
+    /// Ranks on this rank's GPU, itself included (1 on the CPU).
+    ranks_on_my_gpu: usize,
 }
 
 /// This node's name as a number below 2^23 (exact in f32), to tell nodes apart.
@@ -41,18 +43,23 @@ fn node_key() -> f32 {
 }
 
 /// Exchanges every rank's facts over the data-parallel CPU group (all ranks call this, GPU or not):
-/// whether it can use NCCL (`local_nccl`: Ok with its GPU's PCI location, or why not).
-fn agree(d: &Distributed, local_nccl: std::result::Result<u32, String>) -> Result<Agreement> {
+/// its GPU's PCI location (`my_gpu`, None on the CPU) and whether it can use NCCL (`local_nccl`).
+fn agree(
+    d: &Distributed,
+    my_gpu: Option<u32>,
+    local_nccl: std::result::Result<(), String>,
+) -> Result<Agreement> {
     let group = d.dp.as_ref();
-    let (ready, gpu) = match &local_nccl {
-        Ok(pci) => (1.0, *pci as f32),
-        // A value no GPU has, distinct per rank.
-        Err(_) => (0.0, -1.0 - group.rank() as f32),
-    };
-    let mine = [ready, node_key(), gpu];
+    // A CPU rank gets a value no GPU has, distinct per rank.
+    let gpu = my_gpu.map_or(-1.0 - group.rank() as f32, |pci| pci as f32);
+    let mine = [local_nccl.is_ok() as u8 as f32, node_key(), gpu];
     let mut all = vec![0.0f32; mine.len() * group.size()];
     group.all_gather(&mine, &mut all)?;
     let ranks: Vec<&[f32]> = all.chunks(mine.len()).collect();
+    let ranks_on_my_gpu = ranks
+        .iter()
+        .filter(|r| (r[1].to_bits(), r[2].to_bits()) == (mine[1].to_bits(), mine[2].to_bits()))
+        .count();
     let mut gpus = HashSet::new();
     let shared = !ranks
         .iter()
@@ -68,13 +75,14 @@ fn agree(d: &Distributed, local_nccl: std::result::Result<u32, String>) -> Resul
     Ok(Agreement {
         nccl: all_ready && !shared,
         why_not_nccl,
+        ranks_on_my_gpu,
     })
 }
 
 /// The collectives of a CPU rank: the host path (it takes part in the agreement all the same).
 pub fn for_cpu<B: Backend>(dist: Option<&Distributed>) -> Result<Option<DeviceComm<B>>> {
     if let Some(d) = dist {
-        agree(d, Err("this rank runs on the CPU".to_string()))?;
+        agree(d, None, Err("this rank runs on the CPU".to_string()))?;
     }
     Ok(None)
 }
@@ -82,23 +90,25 @@ pub fn for_cpu<B: Backend>(dist: Option<&Distributed>) -> Result<Option<DeviceCo
 /// The collectives of a CUDA rank: NCCL when every rank of the job has a GPU of its own (NCCL
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`; DDP then sums
 /// its gradients through it and FSDP gathers and reduce-scatters through it. Otherwise the host
-/// path.
+/// path. Also returns how many ranks share this rank's GPU (itself included), for the memory check.
 pub fn for_cuda(
     dist: Option<&Distributed>,
     be: &CudaBackend,
     quiet: bool,
-) -> Result<Option<DeviceComm<CudaBackend>>> {
+) -> Result<(Option<DeviceComm<CudaBackend>>, usize)> {
     let Some(d) = dist else {
-        return Ok(None);
+        return Ok((None, 1));
     };
+    let pci = be.pci_location();
     let local = if std::env::var("TITAN_NCCL").as_deref() == Ok("off") {
         Err("TITAN_NCCL=off".to_string())
     } else if !CudaLib::Nccl.is_present() {
         Err(format!("{} not found", CudaLib::Nccl.describe()))
     } else {
-        be.pci_location().map_err(|e| e.to_string())
+        pci.as_ref().map(|_| ()).map_err(|e| e.to_string())
     };
-    let agreed = agree(d, local)?;
+    let agreed = agree(d, pci.ok(), local)?;
+    let sharing = agreed.ranks_on_my_gpu.max(1);
     if !agreed.nccl {
         if d.rank == 0 && !quiet {
             println!(
@@ -106,7 +116,7 @@ pub fn for_cuda(
                 agreed.why_not_nccl.as_deref().unwrap_or("unknown")
             );
         }
-        return Ok(None);
+        return Ok((None, sharing));
     }
     let comm = if d.shard.is_some() {
         let shard = d
@@ -126,5 +136,5 @@ pub fn for_cuda(
             d.dp.size()
         );
     }
-    Ok(Some(comm))
+    Ok((Some(comm), sharing))
 }

@@ -59,19 +59,6 @@ pub fn select_device(cfg: &Config) -> Result<Device> {
     }
 }
 
-/// How many of this host's `local_world` ranks share the memory the memory check compares with:
-/// all of them for the host's memory, those on the same GPU for a device's (ranks go to GPUs
-/// round robin, see `cuda_backend`).
-fn ranks_sharing_memory<B: Backend>(be: &B, local_world: usize) -> usize {
-    match be.device_free_memory() {
-        Some(_) => {
-            let gpus = crate::backend::cuda::libs::device_count().unwrap_or(1);
-            local_world.div_ceil(gpus.max(1))
-        }
-        None => local_world,
-    }
-}
-
 /// The CUDA backend for this process: GPU `local_rank`, one process per GPU. With more local ranks
 /// than GPUs the ranks share them round-robin: slower (collectives then go through the host), but
 /// it lets a one-GPU machine run and check multi-process layouts.
@@ -96,13 +83,35 @@ pub fn init_threads(threads: usize) {
 }
 
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
-    init_threads(cfg.training.threads);
+    // `threads = 0`: the host's cores shared out among its ranks (each taking every core would
+    // oversubscribe them `--nproc` times over), unless RAYON_NUM_THREADS says otherwise.
+    let rayon_env = std::env::var_os("RAYON_NUM_THREADS").is_some();
+    let threads = match (
+        cfg.training.threads,
+        crate::launch::env::WorkerEnv::detect()?,
+    ) {
+        (0, Some(env)) if env.local_world_size > 1 && !rayon_env => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / env.local_world_size).max(1)
+        }
+        (n, _) => n,
+    };
+    init_threads(threads);
     let device = select_device(cfg)?;
     let dist = crate::launch::Distributed::from_env(cfg)?;
     match device {
         Device::Cpu => {
             let device_comm = collectives::for_cpu(dist.as_ref())?;
-            train_on(&CpuBackend::new(), cfg, opts, dist.as_ref(), device_comm)
+            // The host's memory is shared by all of its ranks.
+            let sharing = dist.as_ref().map_or(1, |d| d.local_world_size);
+            train_on(
+                &CpuBackend::new(),
+                cfg,
+                opts,
+                dist.as_ref(),
+                device_comm,
+                sharing,
+            )
         }
         Device::Cuda => {
             let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
@@ -115,20 +124,22 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
                     be.precision()
                 );
             }
-            let device_comm = collectives::for_cuda(dist.as_ref(), &be, opts.quiet)?;
-            train_on(&be, cfg, opts, dist.as_ref(), device_comm)
+            let (device_comm, sharing) = collectives::for_cuda(dist.as_ref(), &be, opts.quiet)?;
+            train_on(&be, cfg, opts, dist.as_ref(), device_comm, sharing)
         }
     }
 }
 
 /// Trains on `be`; `device_comm` (NCCL on CUDA) runs the data-parallel collectives on the devices
-/// instead of through host copies and the CPU transport.
+/// instead of through host copies and the CPU transport. `ranks_sharing_memory` ranks (this one
+/// included) share the memory the memory check compares with: the host's, or this rank's GPU.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
     opts: &RunOptions,
     dist: Option<&crate::launch::Distributed>,
     device_comm: Option<DeviceComm<B>>,
+    ranks_sharing_memory: usize,
 ) -> Result<TrainSummary> {
     let args = cfg.model_args()?;
     let t = &cfg.training;
@@ -185,7 +196,7 @@ fn train_on<B: Backend>(
             cfg.model.flavor
         ),
         be.device_free_memory(),
-        ranks_sharing_memory(be, dist.map_or(1, |d| d.local_world_size)),
+        ranks_sharing_memory,
     )?;
 
     let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
@@ -530,7 +541,7 @@ fn train_on<B: Backend>(
     if let Some(&(s, l)) = losses.last() {
         say(format!(
             "done: step {s}, loss {l:.4}, peak memory {:.0} MiB",
-            peak_memory() as f64 / (1 << 20) as f64
+            be.device_peak_memory().unwrap_or_else(peak_memory) as f64 / (1 << 20) as f64
         ));
     } else {
         say(format!(

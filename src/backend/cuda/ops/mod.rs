@@ -367,6 +367,9 @@ impl Backend for CudaBackend {
     fn zeros(&self, len: usize) -> Buf {
         self.buffer(len)
     }
+    fn uninit(&self, len: usize) -> Buf {
+        CudaBuf::new(self.alloc_unzeroed::<f32>(len), len)
+    }
     fn zeros_bf16_activation(&self, len: usize) -> Buf {
         if !self.activation_copies || len == 0 {
             return self.buffer(len);
