@@ -14,6 +14,9 @@ use crate::comm::store::{StoreClient, StoreServer};
 use crate::config::Config;
 
 /// A worker's place in a multi-process job and its data-parallel group.
+/// The longest a rank waits for rank 0 to finish a checkpoint save (`Distributed::checkpoint_saved`).
+const SAVE_WAIT: Duration = Duration::from_secs(1800);
+
 pub struct Distributed {
     pub rank: usize,
     pub world: usize,
@@ -32,6 +35,8 @@ pub struct Distributed {
     shard_name: Option<String>,
     replicate_name: Option<String>,
     timeouts: (Duration, Duration),
+    /// Restart generation: store keys of this run never meet a previous run's.
+    generation: u64,
     /// Keeps a store hosted by this rank alive.
     _store: Option<StoreServer>,
 }
@@ -96,8 +101,29 @@ impl Distributed {
             shard_name,
             replicate_name,
             timeouts: (init, op),
+            generation: gen,
             _store: store_server,
         }))
+    }
+
+    /// After a checkpoint save, before the next collective: rank 0 finishes a save last (it
+    /// renames the folder once every writer has reported, or writes the whole checkpoint alone),
+    /// so it says so through the store and every other rank waits for that. A rank that writes
+    /// little or nothing (HSDP's other replicas, DDP's other ranks) would otherwise wait for the
+    /// writers inside its next collective, which gives up after `train_timeout_seconds`; here it
+    /// waits up to `SAVE_WAIT` (a rank that dies meanwhile is caught by the launcher at once).
+    pub fn checkpoint_saved(&self, step: u64) -> Result<()> {
+        let key = format!("checkpoint-saved/g{}/step-{step}", self.generation);
+        if self.rank == 0 {
+            return self.store.set(&key, b"1");
+        }
+        let wait = SAVE_WAIT.max(self.timeouts.0);
+        self.store.get_within(&key, wait).map(|_| ()).map_err(|_| {
+            anyhow::anyhow!(
+                "rank {}: rank 0 did not finish saving the step-{step} checkpoint within {wait:.0?}",
+                self.rank
+            )
+        })
     }
 
     /// An NCCL communicator over the ranks of one of this worker's groups, on `be`'s GPU (every

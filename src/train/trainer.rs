@@ -528,6 +528,9 @@ fn train_on<B: Backend>(
                 )?),
                 (None, _) => None,
             };
+            if let Some(d) = dist {
+                d.checkpoint_saved(step)?;
+            }
             last_good = Some(step);
             if let (Some(dir), false) = (written, quiet) {
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
