@@ -237,6 +237,15 @@ pub fn list_steps(folder: &Path) -> Result<Vec<u64>> {
 
 /// Reads and verifies `state.json` and the checksums of the files it lists.
 pub fn read_state(dir: &Path) -> Result<TrainState> {
+    let state = read_state_file(dir)?;
+    for file in state.files.keys() {
+        verified_bytes(dir, &state, file)?;
+    }
+    Ok(state)
+}
+
+/// `state.json` alone (its files are verified as they are read, `verified_bytes`).
+fn read_state_file(dir: &Path) -> Result<TrainState> {
     let path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
@@ -254,35 +263,58 @@ pub fn read_state(dir: &Path) -> Result<TrainState> {
             state.format_version
         );
     }
-    for (file, check) in &state.files {
-        let p = dir.join(file);
-        let bytes = std::fs::read(&p)
-            .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
-        if bytes.len() as u64 != check.bytes {
-            bail!(
-                "checkpoint file {} is truncated or altered: {} bytes, expected {}",
-                p.display(),
-                bytes.len(),
-                check.bytes
-            );
-        }
-        if crc32fast::hash(&bytes) != check.crc32 {
-            bail!("checkpoint file {} is corrupt: its CRC32 does not match the one recorded at save time", p.display());
-        }
-    }
     Ok(state)
 }
 
+/// The bytes of checkpoint file `file`, checked against the size and CRC32 `state` recorded for
+/// it at save time.
+fn verified_bytes(dir: &Path, state: &TrainState, file: &str) -> Result<Vec<u8>> {
+    let p = dir.join(file);
+    let check = state.files.get(file).ok_or_else(|| {
+        anyhow!(
+            "checkpoint {}: {file} is not among the files its state.json records",
+            dir.display()
+        )
+    })?;
+    let bytes = std::fs::read(&p)
+        .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
+    if bytes.len() as u64 != check.bytes {
+        bail!(
+            "checkpoint file {} is truncated or altered: {} bytes, expected {}",
+            p.display(),
+            bytes.len(),
+            check.bytes
+        );
+    }
+    if crc32fast::hash(&bytes) != check.crc32 {
+        bail!(
+            "checkpoint file {} is corrupt: its CRC32 does not match the one recorded at save time",
+            p.display()
+        );
+    }
+    Ok(bytes)
+}
+
+/// The tensors of checkpoint file `file`, verified (`verified_bytes`).
+fn read_verified(dir: &Path, state: &TrainState, file: &str) -> Result<Vec<(String, Tensor)>> {
+    let bytes = verified_bytes(dir, state, file)?;
+    st::from_bytes(&bytes).map_err(|e| anyhow!("{}: {e}", dir.join(file).display()))
+}
+
 /// Full tensors of the weights (`model`) or moments (`optimizer`), merged from shards when the
-/// checkpoint was written shard by shard.
+/// checkpoint was written shard by shard; every file read is verified.
 fn read_tensors(dir: &Path, state: &TrainState, kind: &str) -> Result<Vec<(String, Tensor)>> {
     match &state.sharding {
-        Some(index) => sharded::merge(dir, index, kind),
-        None => st::read_file(&dir.join(if kind == "model" {
-            MODEL_FILE
-        } else {
-            OPTIMIZER_FILE
-        })),
+        Some(index) => sharded::merge(dir, index, kind, &|file| read_verified(dir, state, file)),
+        None => read_verified(
+            dir,
+            state,
+            if kind == "model" {
+                MODEL_FILE
+            } else {
+                OPTIMIZER_FILE
+            },
+        ),
     }
 }
 
@@ -330,7 +362,9 @@ impl HostCheckpoint {
         expect_args: &ModelArgs,
         shard: Option<(usize, usize)>,
     ) -> Result<Self> {
-        let state = read_state(dir)?;
+        // Each file is verified when it is read: a rank that needs only its own shard files
+        // reads no other.
+        let state = read_state_file(dir)?;
         if &state.model_args != expect_args {
             bail!(
                 "checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})",
@@ -368,12 +402,15 @@ impl HostCheckpoint {
         *loaded = None;
         let (tensors, file) = match self.own_shards {
             Some((rank, _)) => {
-                let file = self.dir.join(if kind == "model" {
+                let name = if kind == "model" {
                     sharded::model_file(rank)
                 } else {
                     sharded::optimizer_file(rank)
-                });
-                (st::read_file(&file)?, file)
+                };
+                (
+                    read_verified(&self.dir, &self.state, &name)?,
+                    self.dir.join(&name),
+                )
             }
             None => (
                 read_tensors(&self.dir, &self.state, kind)?,
@@ -467,7 +504,8 @@ pub fn load<B: Backend>(
 /// Model weights only (generation, export), with the shapes recorded in the checkpoint.
 pub fn load_weights<B: Backend>(be: &B, dir: &Path) -> Result<(ModelArgs, ParamSet<B>)> {
     let dir = resolve_checkpoint_dir(dir)?;
-    let state = read_state(&dir)?;
+    // The weight files are verified as they are read; the moments are not needed.
+    let state = read_state_file(&dir)?;
     let specs = crate::model::params::param_specs(&state.model_args);
     let mut params = ParamSet::zeros(be, &specs);
     let model_path = dir.join(MODEL_FILE);
