@@ -81,6 +81,7 @@ pub fn save<B: Backend>(
     full_shapes: &[Vec<usize>],
     mut state: TrainState,
     keep_latest_k: usize,
+    all_written: &dyn Fn() -> Result<()>,
 ) -> Result<Option<PathBuf>> {
     let (rank, size) = (group.rank(), group.size());
     let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
@@ -100,6 +101,9 @@ pub fn save<B: Backend>(
     let opt = st::to_bytes(&moments, None)?;
     let opt_check = super::write_synced(&tmp.join(optimizer_file(rank)), &opt)?;
     drop(opt);
+    // Writers finish at their storage's pace: they meet here with the caller's (long) wait, not
+    // in the next collective, which has only the step's timeout.
+    all_written()?;
     let mut mine = pack(&model_check).to_vec();
     mine.extend(pack(&opt_check));
     let mut all = vec![0.0f32; mine.len() * size];

@@ -126,6 +126,33 @@ impl Distributed {
         })
     }
 
+    /// Inside a sharded checkpoint save, once this rank has written its files: waits (up to
+    /// `SAVE_WAIT`) until every rank of its shard group has written its own, through the store.
+    pub fn checkpoint_written(&self, step: u64) -> Result<()> {
+        let (Some(group), Some(name)) = (self.shard.as_ref(), self.shard_name.as_ref()) else {
+            return Ok(());
+        };
+        let key = |r: usize| {
+            format!(
+                "checkpoint-written/g{}/{name}/step-{step}/{r}",
+                self.generation
+            )
+        };
+        self.store.set(&key(group.rank()), b"1")?;
+        let wait = SAVE_WAIT.max(self.timeouts.0);
+        let deadline = std::time::Instant::now() + wait;
+        for r in 0..group.size() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            self.store.get_within(&key(r), left).map_err(|_| {
+                anyhow::anyhow!(
+                    "rank {}: shard rank {r} did not finish writing its step-{step} checkpoint files within {wait:.0?}",
+                    self.rank
+                )
+            })?;
+        }
+        Ok(())
+    }
+
     /// An NCCL communicator over the ranks of one of this worker's groups, on `be`'s GPU (every
     /// rank of that group calls this together; the unique id travels through the store). None when
     /// the job has no such group.

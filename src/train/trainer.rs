@@ -509,6 +509,7 @@ fn train_on<B: Backend>(
                     &shapes,
                     state,
                     cfg.checkpoint.keep_latest_k,
+                    &|| dist.map_or(Ok(()), |d| d.checkpoint_written(step)),
                 )?,
                 (Some(_), Some(_)) => None,
                 (None, _) if rank == 0 && cfg.checkpoint.async_mode == "async" => {
