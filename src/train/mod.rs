@@ -5,6 +5,7 @@ pub mod lr;
 pub mod memory;
 pub mod metrics;
 pub mod optimizer;
+pub mod start;
 pub mod tensorboard;
 pub mod trainer;
 

@@ -12,6 +12,7 @@ use super::lr::LrSchedule;
 use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
 use super::optimizer::{clip_factor, grad_norm, AdamW};
+use super::start::{start_state, StartState};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::{Backend, IGNORE_INDEX};
@@ -19,8 +20,7 @@ use crate::checkpoint::{self, TrainState};
 use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
-use crate::model::{init_params, Llama, ParamDtype, ParamSet, Workspace};
-use crate::parallel::fsdp::StartValues;
+use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -210,106 +210,34 @@ fn train_on<B: Backend>(
     let mut ws = Workspace::new(be, &args, batch, seq);
 
     let ckpt_folder = cfg.checkpoint_folder();
-    let resume_dir = if cfg.checkpoint.enable {
-        let steps = checkpoint::list_steps(&ckpt_folder)?;
-        let pick = if cfg.checkpoint.load_step >= 0 {
-            let s = cfg.checkpoint.load_step as u64;
-            if !steps.contains(&s) {
-                bail!("[checkpoint] load_step = {s}: no complete checkpoint step-{s} in {} (found: {steps:?})", ckpt_folder.display());
-            }
-            Some(s)
-        } else {
-            steps.last().copied()
-        };
-        pick.map(|s| (s, checkpoint::step_dir(&ckpt_folder, s)))
-    } else {
-        None
-    };
-    let cannot_resume = |e: anyhow::Error| {
-        anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
-    };
-    // An FSDP rank of the layout that wrote a sharded checkpoint holds its own files only.
-    let shard_place = dist
-        .filter(|_| fsdp_mode)
-        .and_then(|d| d.shard.as_ref())
-        .map(|g| (g.rank(), g.size()));
-    let resumed = match (&resume_dir, shard_place) {
-        (Some((_, dir)), Some((r, size))) => Some(checkpoint::HostCheckpoint::read_for_shard(
-            dir, &args, r, size,
-        )),
-        (Some((_, dir)), None) => Some(checkpoint::HostCheckpoint::read(dir, &args)),
-        (None, _) => None,
-    }
-    .transpose()
-    .map_err(cannot_resume)?;
-
-    // The weights, gradients and AdamW moments. With FSDP they exist on the device only as this
-    // rank's shards: the full values (initial or from the checkpoint) are cut one tensor at a
-    // time on the host, and the full working sets hold a tensor only while a stage needs it.
-    let mut fsdp = None;
-    let (mut params, mut grads, mut opt);
-    if let Some(d) = dist.filter(|_| fsdp_mode) {
-        let shard = d.shard.clone().expect("FSDP mode has a shard group");
-        let (shard_rank, shard_size) = (shard.rank(), shard.size());
-        let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
-            let (name, shape) = &specs[i];
-            let numel = shape.iter().product();
-            match (&resumed, moment) {
-                (Some(ckpt), _) => {
-                    let own = ckpt
-                        .own_shard(moment, name, numel, shard_rank, shard_size)
-                        .map_err(cannot_resume)?;
-                    match own {
-                        Some(shard) => Ok(StartValues::Shard(shard)),
-                        None => ckpt
-                            .values(moment, name, shape)
-                            .map(StartValues::Full)
-                            .map_err(cannot_resume),
-                    }
-                }
-                (None, None) => Ok(StartValues::Full(crate::model::init::init_param(
-                    &args, name, numel, t.seed,
-                ))),
-                (None, Some(_)) => Ok(StartValues::Full(vec![0.0; numel])),
-            }
-        };
-        let f = crate::parallel::fsdp::Fsdp::new(
-            be,
-            shard,
-            d.replicate.clone(),
-            device_queue.take(),
-            &model,
-            &specs,
-            &|i| start_values(None, i),
-            reshard,
-            param_dtype,
-        )?;
-        opt = AdamW {
-            exp_avg: f.shard_from(be, &|i| start_values(Some("exp_avg."), i))?,
-            exp_avg_sq: f.shard_from(be, &|i| start_values(Some("exp_avg_sq."), i))?,
-            cfg: cfg.optimizer.clone(),
-        };
-        params = ParamSet::unallocated(be, &specs);
-        grads = ParamSet::unallocated(be, &specs);
-        fsdp = Some(f);
-    } else {
-        params = init_params(be, &args, t.seed);
-        grads = ParamSet::zeros(be, &specs);
-        opt = AdamW::new(be, &specs, cfg.optimizer.clone());
-        if let Some(ckpt) = &resumed {
-            ckpt.fill(be, &mut params, &mut opt.exp_avg, &mut opt.exp_avg_sq)
-                .map_err(cannot_resume)?;
-        }
-    }
+    let StartState {
+        mut params,
+        mut grads,
+        mut opt,
+        mut fsdp,
+        resumed,
+    } = start_state(
+        be,
+        cfg,
+        &model,
+        dist.filter(|_| fsdp_mode),
+        device_queue.take(),
+        reshard,
+        param_dtype,
+    )?;
     let mut start_step = 0;
     let mut resumed_from = None;
     let mut last_good = None;
-    if let (Some(ckpt), Some((s, dir))) = (resumed, &resume_dir) {
-        loader.restore(ckpt.state.data)?;
-        start_step = ckpt.state.step;
-        resumed_from = Some(*s);
-        last_good = Some(*s);
-        say(format!("resumed from {} (step {s})", dir.display()));
+    if let Some(r) = resumed {
+        loader.restore(r.state.data)?;
+        start_step = r.state.step;
+        resumed_from = Some(r.folder_step);
+        last_good = Some(r.folder_step);
+        say(format!(
+            "resumed from {} (step {})",
+            r.dir.display(),
+            r.folder_step
+        ));
     }
 
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP

@@ -1,0 +1,158 @@
+//! Where a run starts from: the weights, gradients and AdamW moments, freshly initialised or read
+//! from the latest (or the chosen) checkpoint, laid out for the run: whole on every rank, or with
+//! FSDP as this rank's shards only (the full values are cut one tensor at a time on the host, so
+//! no full tensor ever reaches the device).
+
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Result};
+
+use super::optimizer::AdamW;
+use crate::backend::Backend;
+use crate::checkpoint::{self, HostCheckpoint, TrainState};
+use crate::comm::queue::CollectiveQueue;
+use crate::config::Config;
+use crate::launch::Distributed;
+use crate::model::{init_params, Llama, ParamDtype, ParamSet};
+use crate::parallel::fsdp::{Fsdp, ReshardPolicy, StartValues};
+
+/// The state a run starts from.
+pub struct StartState<B: Backend> {
+    /// Full weights; with FSDP an unallocated working set (the shards live in `fsdp`).
+    pub params: ParamSet<B>,
+    /// Full gradients; with FSDP an unallocated working set.
+    pub grads: ParamSet<B>,
+    pub opt: AdamW<B>,
+    pub fsdp: Option<Fsdp<B>>,
+    /// Set when the run resumes from a checkpoint.
+    pub resumed: Option<Resumed>,
+}
+
+/// The checkpoint a run resumed from.
+pub struct Resumed {
+    pub state: TrainState,
+    /// The step in the folder's name, and the folder.
+    pub folder_step: u64,
+    pub dir: PathBuf,
+}
+
+/// Builds the starting state of `model` for this rank: `fsdp_dist` is the job's distribution when
+/// it shards with FSDP (its collectives through `queue` when given, see `Fsdp::new`).
+pub fn start_state<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    model: &Llama<B>,
+    fsdp_dist: Option<&Distributed>,
+    queue: Option<Box<dyn CollectiveQueue<B>>>,
+    reshard: ReshardPolicy,
+    param_dtype: ParamDtype,
+) -> Result<StartState<B>> {
+    let args = &model.args;
+    let seed = cfg.training.seed;
+    let specs = model.param_specs();
+    let ckpt_folder = cfg.checkpoint_folder();
+    let resume_dir = if cfg.checkpoint.enable {
+        let steps = checkpoint::list_steps(&ckpt_folder)?;
+        let pick = if cfg.checkpoint.load_step >= 0 {
+            let s = cfg.checkpoint.load_step as u64;
+            if !steps.contains(&s) {
+                bail!("[checkpoint] load_step = {s}: no complete checkpoint step-{s} in {} (found: {steps:?})", ckpt_folder.display());
+            }
+            Some(s)
+        } else {
+            steps.last().copied()
+        };
+        pick.map(|s| (s, checkpoint::step_dir(&ckpt_folder, s)))
+    } else {
+        None
+    };
+    let cannot_resume = |e: anyhow::Error| {
+        anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
+    };
+    // An FSDP rank of the layout that wrote a sharded checkpoint holds its own files only.
+    let shard_place = fsdp_dist
+        .and_then(|d| d.shard.as_ref())
+        .map(|g| (g.rank(), g.size()));
+    let ckpt = match (&resume_dir, shard_place) {
+        (Some((_, dir)), Some((r, size))) => {
+            Some(HostCheckpoint::read_for_shard(dir, args, r, size))
+        }
+        (Some((_, dir)), None) => Some(HostCheckpoint::read(dir, args)),
+        (None, _) => None,
+    }
+    .transpose()
+    .map_err(cannot_resume)?;
+
+    let (params, grads, opt, fsdp);
+    if let Some(d) = fsdp_dist {
+        let shard = d.shard.clone().expect("FSDP mode has a shard group");
+        let (shard_rank, shard_size) = (shard.rank(), shard.size());
+        let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
+            let (name, shape) = &specs[i];
+            let numel = shape.iter().product();
+            match (&ckpt, moment) {
+                (Some(ckpt), _) => {
+                    let own = ckpt
+                        .own_shard(moment, name, numel, shard_rank, shard_size)
+                        .map_err(cannot_resume)?;
+                    match own {
+                        Some(shard) => Ok(StartValues::Shard(shard)),
+                        None => ckpt
+                            .values(moment, name, shape)
+                            .map(StartValues::Full)
+                            .map_err(cannot_resume),
+                    }
+                }
+                (None, None) => Ok(StartValues::Full(crate::model::init::init_param(
+                    args, name, numel, seed,
+                ))),
+                (None, Some(_)) => Ok(StartValues::Full(vec![0.0; numel])),
+            }
+        };
+        let f = Fsdp::new(
+            be,
+            shard,
+            d.replicate.clone(),
+            queue,
+            model,
+            &specs,
+            &|i| start_values(None, i),
+            reshard,
+            param_dtype,
+        )?;
+        opt = AdamW {
+            exp_avg: f.shard_from(be, &|i| start_values(Some("exp_avg."), i))?,
+            exp_avg_sq: f.shard_from(be, &|i| start_values(Some("exp_avg_sq."), i))?,
+            cfg: cfg.optimizer.clone(),
+        };
+        params = ParamSet::unallocated(be, &specs);
+        grads = ParamSet::unallocated(be, &specs);
+        fsdp = Some(f);
+    } else {
+        let mut p = init_params(be, args, seed);
+        let mut o = AdamW::new(be, &specs, cfg.optimizer.clone());
+        if let Some(ckpt) = &ckpt {
+            ckpt.fill(be, &mut p, &mut o.exp_avg, &mut o.exp_avg_sq)
+                .map_err(cannot_resume)?;
+        }
+        params = p;
+        grads = ParamSet::zeros(be, &specs);
+        opt = o;
+        fsdp = None;
+    }
+    let resumed = match (ckpt, resume_dir) {
+        (Some(ckpt), Some((folder_step, dir))) => Some(Resumed {
+            state: ckpt.state,
+            folder_step,
+            dir,
+        }),
+        _ => None,
+    };
+    Ok(StartState {
+        params,
+        grads,
+        opt,
+        fsdp,
+        resumed,
+    })
+}
