@@ -677,3 +677,30 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
         "two replicas counted as {needed} GiB, each {each} GiB: {e}"
     );
 }
+
+#[test]
+fn ranks_of_a_host_share_its_cores_by_default() {
+    // `threads = 0` with 2 ranks on this host: each takes half the cores (at least one), not all.
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec![
+        "train",
+        "--nproc",
+        "2",
+        "--master-port",
+        "0",
+        "--job.dump_folder",
+        dir.path().to_str().unwrap(),
+    ];
+    args.extend_from_slice(common::TINY_ARGS);
+    args.extend_from_slice(&["--training.steps", "1"]);
+    let o = Command::new(titan_bin())
+        .args(&args)
+        .env_remove("RAYON_NUM_THREADS")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let want = format!("× {} threads", (cores / 2).max(1));
+    assert!(out.contains(&want), "expected `{want}`: {out}");
+}
