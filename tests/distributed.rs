@@ -27,19 +27,24 @@ fn train(dump: &std::path::Path, launcher: &[&str], extra: &[&str]) -> std::proc
     train_env(dump, launcher, extra, &[])
 }
 
+/// `titan train` with `launcher` options, into `dump`, with the config overrides `overrides`.
+fn train_command(dump: &std::path::Path, launcher: &[&str], overrides: &[&str]) -> Command {
+    let mut cmd = Command::new(titan_bin());
+    cmd.arg("train")
+        .args(launcher)
+        .args(["--job.dump_folder", dump.to_str().unwrap()])
+        .args(overrides);
+    cmd
+}
+
 fn train_env(
     dump: &std::path::Path,
     launcher: &[&str],
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> std::process::Output {
-    let mut args = vec!["train"];
-    args.extend_from_slice(launcher);
-    args.extend_from_slice(&["--job.dump_folder", dump.to_str().unwrap()]);
-    args.extend_from_slice(TINY_ARGS);
-    args.extend_from_slice(extra);
-    let mut cmd = Command::new(titan_bin());
-    cmd.args(&args).env("RAYON_NUM_THREADS", "1");
+    let mut cmd = train_command(dump, launcher, &[TINY_ARGS, extra].concat());
+    cmd.env("RAYON_NUM_THREADS", "1");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -630,20 +635,8 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
     // both, each with its whole weights, gradients, AdamW state and activations, before anything
     // is allocated.
     let dir = tempfile::tempdir().unwrap();
-    let mut args = vec![
-        "train",
-        "--nproc",
-        "2",
-        "--master-port",
-        "0",
-        "--job.dump_folder",
-        dir.path().to_str().unwrap(),
-        "--model.flavor",
-        "405B",
-    ];
-    args.extend_from_slice(DDP_MESH);
-    let o = Command::new(titan_bin())
-        .args(&args)
+    let overrides = [&["--model.flavor", "405B"][..], DDP_MESH].concat();
+    let o = train_command(dir.path(), DDP2, &overrides)
         .env("RAYON_NUM_THREADS", "1")
         .output()
         .unwrap();
@@ -682,19 +675,8 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
 fn ranks_of_a_host_share_its_cores_by_default() {
     // `threads = 0` with 2 ranks on this host: each takes half the cores (at least one), not all.
     let dir = tempfile::tempdir().unwrap();
-    let mut args = vec![
-        "train",
-        "--nproc",
-        "2",
-        "--master-port",
-        "0",
-        "--job.dump_folder",
-        dir.path().to_str().unwrap(),
-    ];
-    args.extend_from_slice(common::TINY_ARGS);
-    args.extend_from_slice(&["--training.steps", "1"]);
-    let o = Command::new(titan_bin())
-        .args(&args)
+    let overrides = [TINY_ARGS, &["--training.steps", "1"]].concat();
+    let o = train_command(dir.path(), DDP2, &overrides)
         .env_remove("RAYON_NUM_THREADS")
         .output()
         .unwrap();

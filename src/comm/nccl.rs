@@ -28,6 +28,7 @@
 //! ahead of or behind the compute (`comm::queue::NcclQueue`; FSDP's packing and schedule are the
 //! ones the CPU runs with the host queue).
 
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -287,29 +288,20 @@ impl NcclGroup {
                 input.len()
             );
         }
-        self.begin("all_gather")?;
-        if !input.is_empty() {
-            let (src, dst) = (
-                input.device_address(&self.stream),
-                output.device_address_mut(&self.stream),
-            );
+        let count = input.len();
+        self.start_out_of_place("all_gather", input, output, count, |src, dst| {
             // SAFETY: the lengths were checked above.
             unsafe {
                 nccl::all_gather(
-                    src as *const _,
-                    dst as *mut _,
-                    input.len(),
+                    src,
+                    dst,
+                    count,
                     sys::ncclDataType_t::ncclFloat32,
                     self.comm,
                     self.cu_stream(),
                 )
             }
-            .map_err(|e| {
-                self.abort();
-                nccl_err("all_gather", e)
-            })?;
-        }
-        self.issued("all_gather")
+        })
     }
 
     /// `input` is `size` equal chunks; `output` receives the reduction of chunk `rank`; waits.
@@ -339,30 +331,46 @@ impl NcclGroup {
                 output.len()
             );
         }
-        self.begin("reduce_scatter")?;
-        if !output.is_empty() {
-            let (src, dst) = (
-                input.device_address(&self.stream),
-                output.device_address_mut(&self.stream),
-            );
+        let count = output.len();
+        self.start_out_of_place("reduce_scatter", input, output, count, |src, dst| {
             // SAFETY: the lengths were checked above.
             unsafe {
                 nccl::reduce_scatter(
-                    src as *const _,
-                    dst as *mut _,
-                    output.len(),
+                    src,
+                    dst,
+                    count,
                     sys::ncclDataType_t::ncclFloat32,
                     Self::red_op(op),
                     self.comm,
                     self.cu_stream(),
                 )
             }
-            .map_err(|e| {
+        })
+    }
+
+    /// Queues one collective from `input` into `output` (their lengths checked by the caller)
+    /// that moves `count` values per rank: `call` issues it on the device addresses. Nothing is
+    /// issued for `count` 0; a collective that fails to queue aborts the communicator.
+    fn start_out_of_place<S>(
+        &self,
+        op: &'static str,
+        input: &CudaBuf,
+        output: &mut CudaBuf,
+        count: usize,
+        call: impl FnOnce(*const c_void, *mut c_void) -> Result<S, nccl::NcclError>,
+    ) -> Result<InFlight> {
+        self.begin(op)?;
+        if count > 0 {
+            let (src, dst) = (
+                input.device_address(&self.stream),
+                output.device_address_mut(&self.stream),
+            );
+            call(src as *const c_void, dst as *mut c_void).map_err(|e| {
                 self.abort();
-                nccl_err("reduce_scatter", e)
+                nccl_err(op, e)
             })?;
         }
-        self.issued("reduce_scatter")
+        self.issued(op)
     }
 
     /// Aborts the communicator once: a broken one, or one with collectives that will never be
