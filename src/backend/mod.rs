@@ -190,8 +190,10 @@ pub trait Backend: Send + Sync {
     }
 
     // ---- embedding ----
+    /// `out[t] = table[ids[t]]`; an id of `IGNORE_INDEX` (a token outside this rank's vocabulary
+    /// shard) gives a zero row.
     fn embedding_forward(&self, out: &mut Self::Buf, table: &Self::Buf, ids: &[u32], dim: usize);
-    /// `dtable[ids[t]] += dout[t]`.
+    /// `dtable[ids[t]] += dout[t]`, nothing for `IGNORE_INDEX`.
     fn embedding_backward(&self, dtable: &mut Self::Buf, dout: &Self::Buf, ids: &[u32], dim: usize);
 
     // ---- RMSNorm ----

@@ -3,6 +3,7 @@
 //! file). A checkpoint is written into a temporary folder and renamed into place, so a crash never
 //! leaves a half-written `step-N/`; loading verifies sizes and checksums before touching any state.
 
+pub mod gather;
 pub mod hf;
 pub mod sharded;
 pub mod st;

@@ -13,10 +13,12 @@ use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::Backend;
 use crate::config::OptimizerConfig;
 use crate::model::{init_params, Llama, ModelArgs, ParamSet, Workspace};
+use crate::parallel::plan::{ParamState, RankLayout};
 use crate::train::memory::peak_memory;
 use crate::train::metrics::default_peak_tflops;
 use crate::train::optimizer::AdamW;
-use crate::train::trainer::{init_threads, train_step};
+use crate::train::step::train_step;
+use crate::train::trainer::init_threads;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchTrainArgs {
@@ -119,8 +121,9 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     }
     args.validate()?;
     let param_dtype = crate::model::ParamDtype::from_config(a.precision());
-    let mut estimate = crate::train::memory::MemoryEstimate::new(&args, a.batch, a.seq)
-        .with_backend_scratch(be, &args, a.batch, a.seq);
+    let local = crate::model::LocalShapes::whole(&args);
+    let mut estimate = crate::train::memory::MemoryEstimate::new(&args, &local, a.batch, a.seq)
+        .with_backend_scratch(be, &local, a.batch, a.seq);
     if param_dtype == crate::model::ParamDtype::BFloat16 {
         estimate = estimate.with_compute_copy(be);
     }
@@ -133,12 +136,16 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
     let setup = Instant::now();
     let model = Llama::new(be, args.clone(), a.seq)?;
     let specs = model.param_specs();
-    let mut params = init_params(be, &args, 0);
-    let mut grads = ParamSet::zeros(be, &specs);
+    let state = ParamState::Whole {
+        params: init_params(be, &args, 0),
+        grads: ParamSet::zeros(be, &specs),
+        bf16_copy: (param_dtype == crate::model::ParamDtype::BFloat16)
+            .then(|| ParamSet::zeros(be, &specs)),
+        ddp: None,
+    };
+    let mut layout = RankLayout::new(model, state, None, None);
     let mut opt = AdamW::new(be, &specs, OptimizerConfig::default());
     let mut ws = Workspace::new(be, &args, a.batch, a.seq);
-    let mut bf16_copy =
-        (param_dtype == crate::model::ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs));
     be.synchronize();
     eprintln!(
         "bench setup of {} (parameters, optimizer, buffers): {:.1} s",
@@ -163,17 +170,13 @@ fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Resul
         let t0 = Instant::now();
         let (loss, _) = train_step(
             be,
-            &model,
-            &mut params,
-            &mut grads,
+            &mut layout,
             &mut opt,
             &mut ws,
             std::slice::from_ref(&batches[i % batches.len()]),
             8e-4,
             i as u64 + 1,
             1.0,
-            None,
-            bf16_copy.as_mut(),
         )?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();

@@ -38,6 +38,12 @@ pub struct ParallelismConfig {
     /// FSDP: free a block's gathered parameters after its forward (`default`, `always`) or keep them
     /// until its backward (`never`).
     pub fsdp_reshard_after_forward: String,
+    /// With tensor parallelism: compute the cross-entropy from the gathered logits instead of over
+    /// the vocabulary shards (same loss; more traffic).
+    pub disable_loss_parallel: bool,
+    /// With tensor parallelism: overlap the sequence-parallel all-gathers and reduce-scatters with
+    /// the GEMMs next to them, in chunks.
+    pub enable_async_tensor_parallel: bool,
 }
 
 impl Default for ParallelismConfig {
@@ -49,6 +55,8 @@ impl Default for ParallelismConfig {
             pipeline_parallel_degree: 1,
             context_parallel_degree: 1,
             fsdp_reshard_after_forward: "default".into(),
+            disable_loss_parallel: false,
+            enable_async_tensor_parallel: false,
         }
     }
 }
@@ -415,8 +423,10 @@ impl Config {
             );
         }
         let p = &self.parallelism;
+        if p.tensor_parallel_degree == 0 {
+            bail!("[parallelism] tensor_parallel_degree must be at least 1");
+        }
         for (key, degree) in [
-            ("tensor_parallel_degree", p.tensor_parallel_degree),
             ("pipeline_parallel_degree", p.pipeline_parallel_degree),
             ("context_parallel_degree", p.context_parallel_degree),
         ] {
@@ -424,7 +434,7 @@ impl Config {
                 bail!("[parallelism] {key} must be at least 1");
             }
             if degree > 1 {
-                bail!("[parallelism] {key} = {degree}: tensor, pipeline and context parallelism are not built yet in this titan (only 1 is accepted)");
+                bail!("[parallelism] {key} = {degree}: pipeline and context parallelism are not built yet in this titan (only 1 is accepted)");
             }
         }
         if !["default", "always", "never"].contains(&p.fsdp_reshard_after_forward.as_str()) {

@@ -13,10 +13,10 @@ use crate::comm::mesh::DeviceMesh;
 use crate::comm::store::{StoreClient, StoreServer};
 use crate::config::Config;
 
-/// A worker's place in a multi-process job and its data-parallel group.
 /// The longest a rank waits for rank 0 to finish a checkpoint save (`Distributed::checkpoint_saved`).
 const SAVE_WAIT: Duration = Duration::from_secs(1800);
 
+/// A worker's place in a multi-process job and its groups.
 pub struct Distributed {
     pub rank: usize,
     pub world: usize,
@@ -25,6 +25,8 @@ pub struct Distributed {
     /// FSDP's shard group (`dp_shard`) and, for HSDP, the replica group (`dp_replicate`).
     pub shard: Option<Arc<dyn ProcessGroup>>,
     pub replicate: Option<Arc<dyn ProcessGroup>>,
+    /// The tensor-parallel group (`tp`), when its degree is above 1.
+    pub tp: Option<Arc<dyn ProcessGroup>>,
     /// Ranks on this node (the launcher's processes per node).
     pub local_world_size: usize,
     /// The rendezvous store, for groups formed later (NCCL's unique id).
@@ -88,6 +90,11 @@ impl Distributed {
                     Some(name(&["dp_replicate"])),
                 ),
             };
+        let tp = if mesh.degree("tp") > 1 {
+            Some(join(&["tp"])?)
+        } else {
+            None
+        };
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,
@@ -95,6 +102,7 @@ impl Distributed {
             dp,
             shard,
             replicate,
+            tp,
             local_world_size: env.local_world_size,
             store,
             dp_name,

@@ -135,6 +135,86 @@ impl ModelArgs {
     }
 }
 
+/// The shapes one tensor-parallel rank computes with: its heads, its slice of the feed-forward's
+/// hidden width and of the vocabulary (Megatron's column- and row-parallel split), and the token
+/// rows it holds between blocks (sequence parallel: `batch × seq / tp`). With one rank these are
+/// the model's own shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalShapes {
+    pub dim: usize,
+    pub n_layers: usize,
+    pub head_dim: usize,
+    /// Query and key/value heads of this rank.
+    pub heads: usize,
+    pub kv_heads: usize,
+    /// This rank's columns of the feed-forward's hidden layer.
+    pub ffn: usize,
+    /// This rank's rows of the vocabulary, starting at `vocab_offset`.
+    pub vocab: usize,
+    pub vocab_offset: usize,
+    /// Tensor-parallel degree and this rank's place in its group.
+    pub tp: usize,
+    pub tp_rank: usize,
+}
+
+impl LocalShapes {
+    /// The whole model (one rank).
+    pub fn whole(args: &ModelArgs) -> Self {
+        LocalShapes {
+            dim: args.dim,
+            n_layers: args.n_layers,
+            head_dim: args.head_dim(),
+            heads: args.n_heads,
+            kv_heads: args.n_kv_heads,
+            ffn: args.ffn_hidden,
+            vocab: args.vocab_size,
+            vocab_offset: 0,
+            tp: 1,
+            tp_rank: 0,
+        }
+    }
+
+    /// Rank `tp_rank` of `tp`: refuses, naming the key and the numbers, a model whose heads, key/
+    /// value heads, feed-forward width or vocabulary do not split evenly.
+    pub fn sharded(args: &ModelArgs, tp: usize, tp_rank: usize) -> Result<Self> {
+        for (key, value) in [
+            ("n_heads", args.n_heads),
+            ("n_kv_heads", args.n_kv_heads),
+            ("ffn hidden size", args.ffn_hidden),
+            ("vocab_size", args.vocab_size),
+        ] {
+            if !value.is_multiple_of(tp) {
+                bail!("[parallelism] tensor_parallel_degree = {tp} does not divide the model's {key} {value}: every tensor-parallel rank needs an equal share (choose a degree that divides it, or change [model])");
+            }
+        }
+        let whole = Self::whole(args);
+        Ok(LocalShapes {
+            heads: args.n_heads / tp,
+            kv_heads: args.n_kv_heads / tp,
+            ffn: args.ffn_hidden / tp,
+            vocab: args.vocab_size / tp,
+            vocab_offset: tp_rank * (args.vocab_size / tp),
+            tp,
+            tp_rank,
+            ..whole
+        })
+    }
+
+    /// Width of this rank's queries (and attention output), and of its keys and values.
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Token rows a rank holds between blocks for `tokens` tokens (sequence parallel).
+    pub fn rows(&self, tokens: usize) -> usize {
+        tokens / self.tp
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,18 +1,38 @@
-//! The Llama 3 decoder with an explicit forward (saving what the backward needs) and backward.
+//! The Llama 3 decoder with an explicit forward (saving what the backward needs) and backward,
+//! written once in one tensor-parallel rank's shapes (`LocalShapes`; with one rank, the model's).
 //!
 //! Per block: `h = x + Attention(RMSNorm(x))`, `out = h + W2·(silu(W1·n) ∘ W3·n)` with `n = RMSNorm(h)`.
+//!
+//! Tensor parallelism is Megatron's picture with sequence parallelism: between blocks a rank holds
+//! its `1/tp` of the token rows of the residual stream, and the RMSNorms run on those rows. Before
+//! the column-parallel projections (wq, wk, wv; w1, w3) the normed rows are all-gathered
+//! (`column_parallel_input`), each rank computing its heads and its slice of the hidden layer on
+//! every token; the row-parallel projections (wo, w2) give partial sums over the group, which are
+//! reduce-scattered back to row shards (`row_parallel_residual`). The backward mirrors each: the
+//! output gradient is gathered before a row-parallel backward and the input gradient of the
+//! column-parallel ones is reduce-scattered. The embedding is vocabulary-parallel and the loss
+//! runs over vocabulary shards (`TensorParallelOps::cross_entropy`). With one rank every one of
+//! these crossings is the identity and costs nothing.
+//!
 //! Activations live in a `Workspace` sized once for a (batch, seq) shape and reused every step.
+
+use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum};
+use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
-use super::args::ModelArgs;
-use super::params::{param_specs, LayerIds, ParamIds, ParamSet};
+use super::args::{LocalShapes, ModelArgs};
+use super::linear::Linear;
+use super::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
+use super::tensor_parallel::{SingleRank, TensorParallelOps};
 
 /// What one block keeps from its forward for its backward.
 pub struct LayerActs<B: Backend> {
+    /// The attention norm's output on this rank's rows, and (tensor parallel) gathered over the
+    /// group: the input of the column-parallel projections.
     pub normed_attn: B::Buf,
+    pub normed_attn_full: B::Buf,
     pub rstd_attn: B::Buf,
     pub q: B::Buf,
     pub k: B::Buf,
@@ -21,6 +41,7 @@ pub struct LayerActs<B: Backend> {
     pub lse: B::Buf,
     pub h: B::Buf,
     pub normed_ffn: B::Buf,
+    pub normed_ffn_full: B::Buf,
     pub rstd_ffn: B::Buf,
     pub gate: B::Buf,
     pub up: B::Buf,
@@ -35,10 +56,14 @@ pub struct Workspace<B: Backend> {
     resid: Vec<B::Buf>,
     layers: Vec<LayerActs<B>>,
     normed_final: B::Buf,
+    normed_final_full: B::Buf,
     rstd_final: B::Buf,
     // backward scratch
     dx: B::Buf,
     dnormed: B::Buf,
+    /// Tensor parallel only: `[tokens, dim]` for a row-parallel projection's partial sums, a
+    /// gathered output gradient, or a column-parallel input gradient's partial sums.
+    full: B::Buf,
     dq: B::Buf,
     dk: B::Buf,
     dv: B::Buf,
@@ -48,26 +73,32 @@ pub struct Workspace<B: Backend> {
     dact: B::Buf,
     inputs: Vec<u32>,
     targets: Vec<u32>,
+    /// The inputs as rows of this rank's vocabulary shard (`IGNORE_INDEX` for the others').
+    local_ids: Vec<u32>,
 }
 
 /// Float counts of the workspace for a shape: the single source for allocation and memory estimates.
-pub fn workspace_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
+pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
-    let (d, f, hd) = (args.dim, args.ffn_hidden, args.head_dim());
-    let (qd, kvd) = (args.n_heads * hd, args.n_kv_heads * hd);
-    let per_layer =
-        n * (d + 1 + qd + 2 * kvd + qd + d + d + 1 + 3 * f) + batch * args.n_heads * seq;
-    let resid = (args.n_layers + 1) * n * d;
-    let scratch = n * (2 * d + 2 * qd + 2 * kvd + 3 * f);
-    args.n_layers * per_layer + resid + n * (d + 1) + scratch
+    let r = m.rows(n);
+    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    // Gathered inputs of the column-parallel projections, kept for their weight gradients.
+    let gathered = if m.tp > 1 { n * d } else { 0 };
+    let per_layer = r * (d + 1 + d + d + 1)
+        + 2 * gathered
+        + n * (qd + 2 * kvd + qd + 3 * f)
+        + batch * m.heads * seq;
+    let resid = (m.n_layers + 1) * r * d;
+    let scratch = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f);
+    m.n_layers * per_layer + resid + r * (d + 1) + gathered + scratch
 }
 
-/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (each layer's two norm
-/// outputs, gate and up projections and SwiGLU output, and the backward's SwiGLU input and output
-/// gradients), whose f32 storage a device may leave out.
-pub fn workspace_bf16_activation_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
+/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (each layer's two
+/// column-parallel inputs, gate and up projections and SwiGLU output, and the backward's SwiGLU
+/// input and output gradients), whose f32 storage a device may leave out.
+pub fn workspace_bf16_activation_floats(m: &LocalShapes, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
-    args.n_layers * n * (2 * args.dim + 3 * args.ffn_hidden) + 3 * n * args.ffn_hidden
+    m.n_layers * n * (2 * m.dim + 3 * m.ffn) + 3 * n * m.ffn
 }
 
 /// Values of the workspace whose producers may keep a bf16 copy beside them (or their values in
@@ -75,59 +106,71 @@ pub fn workspace_bf16_activation_floats(args: &ModelArgs, batch: usize, seq: usi
 /// (`Backend::activation_copy_bytes`): each layer's normed inputs, rotated q and k, attention
 /// output, gate and up projections and SwiGLU output, the final norm's output, and the backward's
 /// SwiGLU input and output gradients, rotated dq and dk, and block-input gradient.
-pub fn workspace_copied_floats(args: &ModelArgs, batch: usize, seq: usize) -> usize {
+pub fn workspace_copied_floats(m: &LocalShapes, batch: usize, seq: usize) -> usize {
     let n = batch * seq;
-    let (d, f) = (args.dim, args.ffn_hidden);
-    let (qd, kvd) = (
-        args.n_heads * args.head_dim(),
-        args.n_kv_heads * args.head_dim(),
-    );
-    args.n_layers * n * (2 * d + 2 * qd + kvd + 3 * f) + n * d + n * (3 * f + d + qd + kvd)
+    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    m.n_layers * n * (2 * d + 2 * qd + kvd + 3 * f) + n * d + n * (3 * f + d + qd + kvd)
 }
 
 impl<B: Backend> Workspace<B> {
+    /// The workspace of a single-process model.
     pub fn new(backend: &B, args: &ModelArgs, batch: usize, seq: usize) -> Self {
+        Self::for_shapes(backend, &LocalShapes::whole(args), batch, seq)
+    }
+
+    /// The workspace of one tensor-parallel rank (`batch × seq` must divide by its degree).
+    pub fn for_shapes(backend: &B, m: &LocalShapes, batch: usize, seq: usize) -> Self {
         let n = batch * seq;
-        let (d, f, hd) = (args.dim, args.ffn_hidden, args.head_dim());
-        let (qd, kvd) = (args.n_heads * hd, args.n_kv_heads * hd);
+        let r = m.rows(n);
+        let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
         let z = |len: usize| backend.zeros(len);
+        let tp = m.tp > 1;
+        // The norms' outputs feed only GEMMs (and, tensor parallel, the gather whose result feeds
+        // them), SwiGLU's output only GEMMs, and the gate and up projections only SwiGLU: a device
+        // may keep those in bf16 alone.
+        let gemm_input = |len: usize| backend.zeros_bf16_activation(len);
+        let normed = || if tp { z(r * d) } else { gemm_input(n * d) };
+        let gathered = || if tp { gemm_input(n * d) } else { z(0) };
         Workspace {
             batch,
             seq,
-            resid: (0..=args.n_layers).map(|_| z(n * d)).collect(),
-            layers: (0..args.n_layers)
+            resid: (0..=m.n_layers).map(|_| z(r * d)).collect(),
+            layers: (0..m.n_layers)
                 .map(|_| LayerActs {
-                    // The norms' and SwiGLU's outputs are read only by GEMMs, and the gate and up
-                    // projections only by SwiGLU: a device may keep them in bf16 alone.
-                    normed_attn: backend.zeros_bf16_activation(n * d),
-                    rstd_attn: z(n),
+                    normed_attn: normed(),
+                    normed_attn_full: gathered(),
+                    rstd_attn: z(r),
                     q: z(n * qd),
                     k: z(n * kvd),
                     v: z(n * kvd),
                     attn_out: z(n * qd),
-                    lse: z(batch * args.n_heads * seq),
-                    h: z(n * d),
-                    normed_ffn: backend.zeros_bf16_activation(n * d),
-                    rstd_ffn: z(n),
-                    gate: backend.zeros_bf16_activation(n * f),
-                    up: backend.zeros_bf16_activation(n * f),
-                    act: backend.zeros_bf16_activation(n * f),
+                    lse: z(batch * m.heads * seq),
+                    h: z(r * d),
+                    normed_ffn: normed(),
+                    normed_ffn_full: gathered(),
+                    rstd_ffn: z(r),
+                    gate: gemm_input(n * f),
+                    up: gemm_input(n * f),
+                    act: gemm_input(n * f),
                 })
                 .collect(),
-            normed_final: z(n * d),
-            rstd_final: z(n),
-            dx: z(n * d),
-            dnormed: z(n * d),
+            normed_final: z(r * d),
+            normed_final_full: if tp { z(n * d) } else { z(0) },
+            rstd_final: z(r),
+            dx: z(r * d),
+            dnormed: z(r * d),
+            full: if tp { z(n * d) } else { z(0) },
             dq: z(n * qd),
             dk: z(n * kvd),
             dv: z(n * kvd),
             dattn: z(n * qd),
             // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
-            dgate: backend.zeros_bf16_activation(n * f),
-            dup: backend.zeros_bf16_activation(n * f),
-            dact: backend.zeros_bf16_activation(n * f),
+            dgate: gemm_input(n * f),
+            dup: gemm_input(n * f),
+            dact: gemm_input(n * f),
             inputs: vec![0; n],
             targets: vec![0; n],
+            local_ids: vec![0; n],
         }
     }
 }
@@ -137,10 +180,14 @@ pub trait BlockGradHook<B: Backend> {
     fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()>;
 }
 
-/// A Llama model bound to a backend: shapes, parameter indices and RoPE tables.
+/// A Llama model bound to a backend: shapes, parameter indices, RoPE tables and the
+/// tensor-parallel group its blocks cross.
 pub struct Llama<B: Backend> {
     pub args: ModelArgs,
+    /// The shapes this rank computes with.
+    pub local: LocalShapes,
     pub ids: ParamIds,
+    tp: Arc<dyn TensorParallelOps<B>>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
@@ -149,19 +196,44 @@ pub struct Llama<B: Backend> {
 impl<B: Backend> Llama<B> {
     /// `max_seq` bounds the positions the RoPE tables cover (training seq_len or generation length).
     pub fn new(backend: &B, args: ModelArgs, max_seq: usize) -> Result<Self> {
+        let local = LocalShapes::whole(&args);
+        Self::tensor_parallel(backend, args, max_seq, local, Arc::new(SingleRank))
+    }
+
+    /// One rank of a tensor-parallel model: `local` its shapes, `tp` its group.
+    pub fn tensor_parallel(
+        backend: &B,
+        args: ModelArgs,
+        max_seq: usize,
+        local: LocalShapes,
+        tp: Arc<dyn TensorParallelOps<B>>,
+    ) -> Result<Self> {
         args.validate()?;
+        assert_eq!(
+            local.tp,
+            tp.degree(),
+            "Llama: shapes and group disagree on the TP degree"
+        );
         let (cos, sin) = rope_tables(args.head_dim(), max_seq, args.rope_theta, args.rope_scaling);
         Ok(Llama {
             ids: ParamIds::new(&args),
             args,
+            local,
+            tp,
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
         })
     }
 
+    /// Names and shapes of this rank's parameters (its tensor-parallel parts).
     pub fn param_specs(&self) -> Vec<(String, Vec<usize>)> {
-        param_specs(&self.args)
+        local_param_specs(&self.args, self.local.tp)
+    }
+
+    /// The tensor-parallel group (degree 1 without tensor parallelism).
+    pub fn tp(&self) -> &dyn TensorParallelOps<B> {
+        self.tp.as_ref()
     }
 
     /// One forward and backward over `tokens` (`[batch, seq+1]`, inputs are the first `seq` of each
@@ -193,15 +265,19 @@ impl<B: Backend> Llama<B> {
         grad_scale: f32,
         mut hook: Option<&mut dyn BlockGradHook<B>>,
     ) -> Result<LossSum> {
-        self.forward_blocks(be, params, ws, tokens)?;
-        let loss = self.head_forward_backward(be, params, grads, ws, grad_scale);
+        self.load_tokens(ws, tokens)?;
+        self.embed_forward(be, params, ws)?;
+        for l in 0..self.args.n_layers {
+            self.block_forward(be, params, ws, l)?;
+        }
+        let loss = self.head_forward_backward(be, params, grads, ws, grad_scale)?;
         for l in (0..self.args.n_layers).rev() {
-            self.block_backward(be, params, grads, ws, l);
+            self.block_backward(be, params, grads, ws, l)?;
             if let Some(h) = hook.as_deref_mut() {
                 h.block_done(be, &self.ids.layers[l], grads)?;
             }
         }
-        self.embed_backward(be, grads, ws);
+        self.embed_backward(be, grads, ws)?;
         Ok(loss)
     }
 
@@ -213,33 +289,16 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         tokens: &[u32],
     ) -> Result<LossSum> {
-        self.forward_blocks(be, params, ws, tokens)?;
-        self.final_norm(be, params, ws);
-        Ok(be.cross_entropy_forward_backward(
-            &ws.normed_final,
-            &params.bufs[self.ids.output],
-            &ws.targets,
-            self.args.dim,
-            self.args.vocab_size,
-            0.0,
-            None,
-        ))
-    }
-
-    /// Tokens in, through the embedding and every block (activations saved in `ws`).
-    fn forward_blocks(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-    ) -> Result<()> {
         self.load_tokens(ws, tokens)?;
-        self.embed_forward(be, params, ws);
+        self.embed_forward(be, params, ws)?;
         for l in 0..self.args.n_layers {
-            self.block_forward(be, params, ws, l);
+            self.block_forward(be, params, ws, l)?;
         }
-        Ok(())
+        self.final_norm(be, params, ws);
+        let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
+        let w = &params.bufs[self.ids.output];
+        self.tp
+            .cross_entropy(be, h, w, &ws.targets, &self.local, 0.0, None)
     }
 
     /// Checks `tokens` (`[batch, seq+1]`) and splits them into the workspace's inputs and targets.
@@ -270,16 +329,102 @@ impl<B: Backend> Llama<B> {
             ws.inputs[r * s..(r + 1) * s].copy_from_slice(&row[..s]);
             ws.targets[r * s..(r + 1) * s].copy_from_slice(&row[1..]);
         }
+        let (lo, n) = (self.local.vocab_offset as u32, self.local.vocab as u32);
+        for (local, &id) in ws.local_ids.iter_mut().zip(&ws.inputs) {
+            *local = if id >= lo && id - lo < n {
+                id - lo
+            } else {
+                IGNORE_INDEX
+            };
+        }
         Ok(())
     }
 
-    pub fn embed_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
-        be.embedding_forward(
-            &mut ws.resid[0],
-            &params.bufs[self.ids.tok_embeddings],
-            &ws.inputs,
-            self.args.dim,
-        );
+    // ---------------------------------------------------- the tensor-parallel crossings
+
+    /// The input of column-parallel projections: this rank's `local` rows, or with tensor
+    /// parallelism every rank's rows gathered into `full`.
+    fn column_parallel_input<'a>(
+        &self,
+        be: &B,
+        local: &'a B::Buf,
+        full: &'a mut B::Buf,
+    ) -> Result<&'a B::Buf> {
+        if self.local.tp == 1 {
+            return Ok(local);
+        }
+        self.tp.gather_rows(be, local, full)?;
+        Ok(full)
+    }
+
+    /// Where a column-parallel layer's input gradient is summed: straight into this rank's rows
+    /// (`local`), or with tensor parallelism into the partial sums over every row (`full`), which
+    /// `scatter_input_grad` then reduces.
+    fn input_grad_target<'a>(&self, local: &'a mut B::Buf, full: &'a mut B::Buf) -> &'a mut B::Buf {
+        if self.local.tp == 1 {
+            local
+        } else {
+            full
+        }
+    }
+
+    /// With tensor parallelism, this rank's rows of the input gradient summed over the group.
+    fn scatter_input_grad(&self, be: &B, full: &B::Buf, local: &mut B::Buf) -> Result<()> {
+        if self.local.tp > 1 {
+            self.tp.reduce_scatter_rows(be, full, local)?;
+        }
+        Ok(())
+    }
+
+    /// `out = residual + x · Wᵀ` on this rank's rows, for a row-parallel `W` whose products are
+    /// partial sums over the group (reduce-scattered through `partial`).
+    #[allow(clippy::too_many_arguments)]
+    fn row_parallel_residual(
+        &self,
+        be: &B,
+        linear: Linear,
+        out: &mut B::Buf,
+        residual: &B::Buf,
+        x: &B::Buf,
+        w: &B::Buf,
+        partial: &mut B::Buf,
+        tokens: usize,
+    ) -> Result<()> {
+        if self.local.tp == 1 {
+            linear.forward_residual(be, out, residual, x, w, tokens);
+            return Ok(());
+        }
+        linear.forward(be, partial, x, w, tokens);
+        self.tp.reduce_scatter_rows(be, partial, out)?;
+        be.add_assign(out, residual);
+        Ok(())
+    }
+
+    /// The gradient a row-parallel projection's backward reads: this rank's rows of ∂L/∂out, or
+    /// with tensor parallelism every rank's gathered into `full`.
+    fn row_parallel_output_grad<'a>(
+        &self,
+        be: &B,
+        local: &'a B::Buf,
+        full: &'a mut B::Buf,
+    ) -> Result<&'a B::Buf> {
+        self.column_parallel_input(be, local, full)
+    }
+
+    // ---------------------------------------------------- stages
+
+    /// The embedding of the inputs into `resid[0]`: vocabulary-parallel with tensor parallelism
+    /// (each rank looks up the tokens of its vocabulary rows, zero for the others, and the sums
+    /// are reduce-scattered to row shards).
+    pub fn embed_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) -> Result<()> {
+        let table = &params.bufs[self.ids.tok_embeddings];
+        let d = self.args.dim;
+        if self.local.tp == 1 {
+            be.embedding_forward(&mut ws.resid[0], table, &ws.inputs, d);
+            return Ok(());
+        }
+        be.embedding_forward(&mut ws.full, table, &ws.local_ids, d);
+        self.tp.reduce_scatter_rows(be, &ws.full, &mut ws.resid[0])
     }
 
     fn final_norm(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
@@ -303,21 +448,23 @@ impl<B: Backend> Llama<B> {
         grads: &mut ParamSet<B>,
         ws: &mut Workspace<B>,
         grad_scale: f32,
-    ) -> LossSum {
+    ) -> Result<LossSum> {
         self.final_norm(be, params, ws);
         let a = &self.args;
-        let d = a.dim;
         let p = &params.bufs;
-        be.fill(&mut ws.dnormed, 0.0);
-        let loss = be.cross_entropy_forward_backward(
-            &ws.normed_final,
+        let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
+        let dh = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
+        be.fill(dh, 0.0);
+        let loss = self.tp.cross_entropy(
+            be,
+            h,
             &p[self.ids.output],
             &ws.targets,
-            d,
-            a.vocab_size,
+            &self.local,
             grad_scale,
-            Some((&mut ws.dnormed, &mut grads.bufs[self.ids.output])),
-        );
+            Some((dh, &mut grads.bufs[self.ids.output])),
+        )?;
+        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
         be.fill(&mut ws.dx, 0.0);
         be.rmsnorm_backward(
             &mut ws.dx,
@@ -326,32 +473,57 @@ impl<B: Backend> Llama<B> {
             &ws.resid[a.n_layers],
             &p[self.ids.norm],
             &ws.rstd_final,
-            d,
+            a.dim,
         );
-        loss
+        Ok(loss)
     }
 
     /// Adds the embedding gradient (after the first block's backward).
-    pub fn embed_backward(&self, be: &B, grads: &mut ParamSet<B>, ws: &Workspace<B>) {
-        be.embedding_backward(
-            &mut grads.bufs[self.ids.tok_embeddings],
-            &ws.dx,
-            &ws.inputs,
-            self.args.dim,
-        );
+    pub fn embed_backward(
+        &self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+    ) -> Result<()> {
+        let dtable = &mut grads.bufs[self.ids.tok_embeddings];
+        let d = self.args.dim;
+        if self.local.tp == 1 {
+            be.embedding_backward(dtable, &ws.dx, &ws.inputs, d);
+            return Ok(());
+        }
+        self.tp.gather_rows(be, &ws.dx, &mut ws.full)?;
+        be.embedding_backward(dtable, &ws.full, &ws.local_ids, d);
+        Ok(())
     }
 
-    pub fn block_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>, l: usize) {
-        let a = &self.args;
+    pub fn block_forward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+    ) -> Result<()> {
+        let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;
-        let (b, s, d, f, hd) = (ws.batch, ws.seq, a.dim, a.ffn_hidden, a.head_dim());
+        let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let n = b * s;
-        let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
+        let (wq, wk, wv) = (
+            Linear::new(d, m.q_dim()),
+            Linear::new(d, m.kv_dim()),
+            Linear::new(d, m.kv_dim()),
+        );
+        let wo = Linear::new(m.q_dim(), d);
+        let (w1, w2, w3) = (
+            Linear::new(d, m.ffn),
+            Linear::new(m.ffn, d),
+            Linear::new(d, m.ffn),
+        );
         let (before, after) = ws.resid.split_at_mut(l + 1);
         let x = &before[l];
         let out = &mut after[0];
         let acts = &mut ws.layers[l];
+        // Attention: h = x + wo · Attention(RoPE(wq·n), RoPE(wk·n), wv·n), n = RMSNorm(x).
         be.rmsnorm_forward(
             &mut acts.normed_attn,
             &mut acts.rstd_attn,
@@ -360,60 +532,15 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
-        be.matmul(
-            &mut acts.q,
-            &acts.normed_attn,
-            &p[id.wq],
-            n,
-            d,
-            qd,
-            false,
-            true,
-            false,
-        );
-        be.matmul(
-            &mut acts.k,
-            &acts.normed_attn,
-            &p[id.wk],
-            n,
-            d,
-            kvd,
-            false,
-            true,
-            false,
-        );
-        be.matmul(
-            &mut acts.v,
-            &acts.normed_attn,
-            &p[id.wv],
-            n,
-            d,
-            kvd,
-            false,
-            true,
-            false,
-        );
-        be.rope_forward(
-            &mut acts.q,
-            &self.rope_cos,
-            &self.rope_sin,
-            b,
-            s,
-            a.n_heads,
-            hd,
-            0,
-        );
-        be.rope_forward(
-            &mut acts.k,
-            &self.rope_cos,
-            &self.rope_sin,
-            b,
-            s,
-            a.n_kv_heads,
-            hd,
-            0,
-        );
-        let shape = AttnShape::causal(b, s, a.n_heads, a.n_kv_heads, hd);
+        let normed =
+            self.column_parallel_input(be, &acts.normed_attn, &mut acts.normed_attn_full)?;
+        wq.forward(be, &mut acts.q, normed, &p[id.wq], n);
+        wk.forward(be, &mut acts.k, normed, &p[id.wk], n);
+        wv.forward(be, &mut acts.v, normed, &p[id.wv], n);
+        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
+        be.rope_forward(&mut acts.q, cos, sin, b, s, m.heads, hd, 0);
+        be.rope_forward(&mut acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
+        let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
         be.attention_forward(
             &mut acts.attn_out,
             &mut acts.lse,
@@ -422,18 +549,17 @@ impl<B: Backend> Llama<B> {
             &acts.v,
             shape,
         );
-        // h = x + attn_out · woᵀ
-        be.matmul_add(
+        self.row_parallel_residual(
+            be,
+            wo,
             &mut acts.h,
             x,
             &acts.attn_out,
             &p[id.wo],
+            &mut ws.full,
             n,
-            qd,
-            d,
-            false,
-            true,
-        );
+        )?;
+        // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h).
         be.rmsnorm_forward(
             &mut acts.normed_ffn,
             &mut acts.rstd_ffn,
@@ -442,33 +568,14 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
-        be.matmul(
-            &mut acts.gate,
-            &acts.normed_ffn,
-            &p[id.w1],
-            n,
-            d,
-            f,
-            false,
-            true,
-            false,
-        );
-        be.matmul(
-            &mut acts.up,
-            &acts.normed_ffn,
-            &p[id.w3],
-            n,
-            d,
-            f,
-            false,
-            true,
-            false,
-        );
+        let normed = self.column_parallel_input(be, &acts.normed_ffn, &mut acts.normed_ffn_full)?;
+        w1.forward(be, &mut acts.gate, normed, &p[id.w1], n);
+        w3.forward(be, &mut acts.up, normed, &p[id.w3], n);
         be.swiglu_forward(&mut acts.act, &acts.gate, &acts.up);
-        be.matmul_add(out, &acts.h, &acts.act, &p[id.w2], n, f, d, false, true);
+        self.row_parallel_residual(be, w2, out, &acts.h, &acts.act, &p[id.w2], &mut ws.full, n)
     }
 
-    /// On entry `ws.dx` holds ∂L/∂(block output); on exit ∂L/∂(block input).
+    /// On entry `ws.dx` holds ∂L/∂(block output) on this rank's rows; on exit ∂L/∂(block input).
     pub fn block_backward(
         &self,
         be: &B,
@@ -476,74 +583,38 @@ impl<B: Backend> Llama<B> {
         grads: &mut ParamSet<B>,
         ws: &mut Workspace<B>,
         l: usize,
-    ) {
-        let a = &self.args;
+    ) -> Result<()> {
+        let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;
         let g = &mut grads.bufs;
-        let (b, s, d, f, hd) = (ws.batch, ws.seq, a.dim, a.ffn_hidden, a.head_dim());
+        let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let n = b * s;
-        let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
+        let (wq, wk, wv) = (
+            Linear::new(d, m.q_dim()),
+            Linear::new(d, m.kv_dim()),
+            Linear::new(d, m.kv_dim()),
+        );
+        let wo = Linear::new(m.q_dim(), d);
+        let (w1, w2, w3) = (
+            Linear::new(d, m.ffn),
+            Linear::new(m.ffn, d),
+            Linear::new(d, m.ffn),
+        );
         let acts = &ws.layers[l];
         // Feed-forward.
-        be.matmul(
-            &mut ws.dact,
-            &ws.dx,
-            &p[id.w2],
-            n,
-            d,
-            f,
-            false,
-            false,
-            false,
-        );
-        be.matmul(&mut g[id.w2], &ws.dx, &acts.act, d, n, f, true, false, true);
+        let dout = self.row_parallel_output_grad(be, &ws.dx, &mut ws.full)?;
+        w2.input_grad(be, &mut ws.dact, dout, &p[id.w2], n);
+        w2.add_weight_grad(be, &mut g[id.w2], dout, &acts.act, n);
         be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, &acts.gate, &acts.up);
         // Each gradient's two GEMMs back to back, so a device converts it to bf16 once.
-        be.matmul(
-            &mut ws.dnormed,
-            &ws.dgate,
-            &p[id.w1],
-            n,
-            f,
-            d,
-            false,
-            false,
-            false,
-        );
-        be.matmul(
-            &mut g[id.w1],
-            &ws.dgate,
-            &acts.normed_ffn,
-            f,
-            n,
-            d,
-            true,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut ws.dnormed,
-            &ws.dup,
-            &p[id.w3],
-            n,
-            f,
-            d,
-            false,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut g[id.w3],
-            &ws.dup,
-            &acts.normed_ffn,
-            f,
-            n,
-            d,
-            true,
-            false,
-            true,
-        );
+        let normed = self.gathered(&acts.normed_ffn, &acts.normed_ffn_full);
+        let dnormed = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
+        w1.input_grad(be, dnormed, &ws.dgate, &p[id.w1], n);
+        w1.add_weight_grad(be, &mut g[id.w1], &ws.dgate, normed, n);
+        w3.add_input_grad(be, dnormed, &ws.dup, &p[id.w3], n);
+        w3.add_weight_grad(be, &mut g[id.w3], &ws.dup, normed, n);
+        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
         be.rmsnorm_backward(
             &mut ws.dx,
             &mut g[id.ffn_norm],
@@ -554,29 +625,10 @@ impl<B: Backend> Llama<B> {
             d,
         );
         // Attention.
-        be.matmul(
-            &mut ws.dattn,
-            &ws.dx,
-            &p[id.wo],
-            n,
-            d,
-            qd,
-            false,
-            false,
-            false,
-        );
-        be.matmul(
-            &mut g[id.wo],
-            &ws.dx,
-            &acts.attn_out,
-            d,
-            n,
-            qd,
-            true,
-            false,
-            true,
-        );
-        let shape = AttnShape::causal(b, s, a.n_heads, a.n_kv_heads, hd);
+        let dout = self.row_parallel_output_grad(be, &ws.dx, &mut ws.full)?;
+        wo.input_grad(be, &mut ws.dattn, dout, &p[id.wo], n);
+        wo.add_weight_grad(be, &mut g[id.wo], dout, &acts.attn_out, n);
+        let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
         be.attention_backward(
             &mut ws.dq,
             &mut ws.dk,
@@ -589,90 +641,18 @@ impl<B: Backend> Llama<B> {
             &acts.lse,
             shape,
         );
-        be.rope_backward(
-            &mut ws.dq,
-            &self.rope_cos,
-            &self.rope_sin,
-            b,
-            s,
-            a.n_heads,
-            hd,
-        );
-        be.rope_backward(
-            &mut ws.dk,
-            &self.rope_cos,
-            &self.rope_sin,
-            b,
-            s,
-            a.n_kv_heads,
-            hd,
-        );
-        be.matmul(
-            &mut ws.dnormed,
-            &ws.dq,
-            &p[id.wq],
-            n,
-            qd,
-            d,
-            false,
-            false,
-            false,
-        );
-        be.matmul(
-            &mut g[id.wq],
-            &ws.dq,
-            &acts.normed_attn,
-            qd,
-            n,
-            d,
-            true,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut ws.dnormed,
-            &ws.dk,
-            &p[id.wk],
-            n,
-            kvd,
-            d,
-            false,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut g[id.wk],
-            &ws.dk,
-            &acts.normed_attn,
-            kvd,
-            n,
-            d,
-            true,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut ws.dnormed,
-            &ws.dv,
-            &p[id.wv],
-            n,
-            kvd,
-            d,
-            false,
-            false,
-            true,
-        );
-        be.matmul(
-            &mut g[id.wv],
-            &ws.dv,
-            &acts.normed_attn,
-            kvd,
-            n,
-            d,
-            true,
-            false,
-            true,
-        );
+        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
+        be.rope_backward(&mut ws.dq, cos, sin, b, s, m.heads, hd);
+        be.rope_backward(&mut ws.dk, cos, sin, b, s, m.kv_heads, hd);
+        let normed = self.gathered(&acts.normed_attn, &acts.normed_attn_full);
+        let dnormed = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
+        wq.input_grad(be, dnormed, &ws.dq, &p[id.wq], n);
+        wq.add_weight_grad(be, &mut g[id.wq], &ws.dq, normed, n);
+        wk.add_input_grad(be, dnormed, &ws.dk, &p[id.wk], n);
+        wk.add_weight_grad(be, &mut g[id.wk], &ws.dk, normed, n);
+        wv.add_input_grad(be, dnormed, &ws.dv, &p[id.wv], n);
+        wv.add_weight_grad(be, &mut g[id.wv], &ws.dv, normed, n);
+        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
         be.rmsnorm_backward(
             &mut ws.dx,
             &mut g[id.attention_norm],
@@ -682,6 +662,16 @@ impl<B: Backend> Llama<B> {
             &acts.rstd_attn,
             d,
         );
+        Ok(())
+    }
+
+    /// A column-parallel input as the forward left it: the local rows, or the gathered ones.
+    fn gathered<'a>(&self, local: &'a B::Buf, full: &'a B::Buf) -> &'a B::Buf {
+        if self.local.tp == 1 {
+            local
+        } else {
+            full
+        }
     }
 
     // ------------------------------------------------------------------ inference with a KV cache
@@ -695,6 +685,9 @@ impl<B: Backend> Llama<B> {
         tokens: &[u32],
     ) -> Result<Vec<f32>> {
         let a = &self.args;
+        if self.local.tp != 1 {
+            bail!("generation runs the whole model in one process (this one is a tensor-parallel rank)");
+        }
         let n = tokens.len();
         let pos = cache.len;
         if n == 0 {
@@ -715,6 +708,8 @@ impl<B: Backend> Llama<B> {
         }
         let (d, f, hd) = (a.dim, a.ffn_hidden, a.head_dim());
         let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
+        let (wq, wkv, wo) = (Linear::new(d, qd), Linear::new(d, kvd), Linear::new(qd, d));
+        let (w13, w2) = (Linear::new(d, f), Linear::new(f, d));
         let p = &params.bufs;
         let mut x = be.zeros(n * d);
         be.embedding_forward(&mut x, &p[self.ids.tok_embeddings], tokens, d);
@@ -722,6 +717,7 @@ impl<B: Backend> Llama<B> {
         let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kvd), be.zeros(n * kvd));
         let (mut attn, mut lse) = (be.zeros(n * qd), be.zeros(a.n_heads * n));
         let (mut gate, mut up, mut act) = (be.zeros(n * f), be.zeros(n * f), be.zeros(n * f));
+        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
         for l in 0..a.n_layers {
             let id = self.ids.layers[l];
             be.rmsnorm_forward(
@@ -732,29 +728,11 @@ impl<B: Backend> Llama<B> {
                 d,
                 a.norm_eps,
             );
-            be.matmul(&mut q, &normed, &p[id.wq], n, d, qd, false, true, false);
-            be.matmul(&mut k, &normed, &p[id.wk], n, d, kvd, false, true, false);
-            be.matmul(&mut v, &normed, &p[id.wv], n, d, kvd, false, true, false);
-            be.rope_forward(
-                &mut q,
-                &self.rope_cos,
-                &self.rope_sin,
-                1,
-                n,
-                a.n_heads,
-                hd,
-                pos,
-            );
-            be.rope_forward(
-                &mut k,
-                &self.rope_cos,
-                &self.rope_sin,
-                1,
-                n,
-                a.n_kv_heads,
-                hd,
-                pos,
-            );
+            wq.forward(be, &mut q, &normed, &p[id.wq], n);
+            wkv.forward(be, &mut k, &normed, &p[id.wk], n);
+            wkv.forward(be, &mut v, &normed, &p[id.wv], n);
+            be.rope_forward(&mut q, cos, sin, 1, n, a.n_heads, hd, pos);
+            be.rope_forward(&mut k, cos, sin, 1, n, a.n_kv_heads, hd, pos);
             be.copy_into_at(&mut cache.k[l], pos * kvd, &k);
             be.copy_into_at(&mut cache.v[l], pos * kvd, &v);
             let shape = AttnShape {
@@ -768,12 +746,12 @@ impl<B: Backend> Llama<B> {
                 q_offset: pos,
             };
             be.attention_forward(&mut attn, &mut lse, &q, &cache.k[l], &cache.v[l], shape);
-            be.matmul(&mut x, &attn, &p[id.wo], n, qd, d, false, true, true);
+            wo.add_forward(be, &mut x, &attn, &p[id.wo], n);
             be.rmsnorm_forward(&mut normed, &mut rstd, &x, &p[id.ffn_norm], d, a.norm_eps);
-            be.matmul(&mut gate, &normed, &p[id.w1], n, d, f, false, true, false);
-            be.matmul(&mut up, &normed, &p[id.w3], n, d, f, false, true, false);
+            w13.forward(be, &mut gate, &normed, &p[id.w1], n);
+            w13.forward(be, &mut up, &normed, &p[id.w3], n);
             be.swiglu_forward(&mut act, &gate, &up);
-            be.matmul(&mut x, &act, &p[id.w2], n, f, d, false, true, true);
+            w2.add_forward(be, &mut x, &act, &p[id.w2], n);
         }
         cache.len += n;
         let last = be.upload(&be.download(&x)[(n - 1) * d..]);

@@ -3,10 +3,12 @@
 
 pub mod args;
 pub mod init;
+pub mod linear;
 pub mod llama;
 pub mod params;
+pub mod tensor_parallel;
 
-pub use args::ModelArgs;
+pub use args::{LocalShapes, ModelArgs};
 pub use llama::{KvCache, Llama, Workspace};
 pub use params::{ParamDtype, ParamSet};
 

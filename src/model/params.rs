@@ -43,6 +43,102 @@ pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     specs
 }
 
+/// How a parameter splits over the tensor-parallel ranks (Megatron's plan, TorchTitan's
+/// `parallelize`): column-parallel projections (wq, wk, wv, w1, w3, the output) and the
+/// vocabulary-parallel embedding split their rows (`[out, in]`: output features, or vocabulary
+/// entries); row-parallel ones (wo, w2) split their columns (input features); the norms'
+/// weights are replicated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpSharding {
+    Rows,
+    Columns,
+    Replicated,
+}
+
+impl TpSharding {
+    /// The split of parameter `name` (a canonical name of `param_specs`).
+    pub fn of(name: &str) -> Self {
+        let column_parallel = [
+            "tok_embeddings.weight",
+            "output.weight",
+            ".attention.wq.weight",
+            ".attention.wk.weight",
+            ".attention.wv.weight",
+            ".feed_forward.w1.weight",
+            ".feed_forward.w3.weight",
+        ];
+        if column_parallel.iter().any(|s| name.ends_with(s)) {
+            TpSharding::Rows
+        } else if name.ends_with(".attention.wo.weight")
+            || name.ends_with(".feed_forward.w2.weight")
+        {
+            TpSharding::Columns
+        } else {
+            TpSharding::Replicated
+        }
+    }
+
+    /// The shape of one rank's part of a `[rows, cols]` (or 1-D) tensor of shape `shape`.
+    pub fn local_shape(self, shape: &[usize], tp: usize) -> Vec<usize> {
+        let mut s = shape.to_vec();
+        match self {
+            TpSharding::Rows => s[0] /= tp,
+            TpSharding::Columns => s[1] /= tp,
+            TpSharding::Replicated => {}
+        }
+        s
+    }
+
+    /// Rank `rank`'s part of the full row-major `values` of shape `shape`.
+    pub fn cut(self, values: &[f32], shape: &[usize], tp: usize, rank: usize) -> Vec<f32> {
+        match self {
+            TpSharding::Replicated => values.to_vec(),
+            TpSharding::Rows => {
+                let part = values.len() / tp;
+                values[rank * part..(rank + 1) * part].to_vec()
+            }
+            TpSharding::Columns => {
+                let (cols, local) = (shape[1], shape[1] / tp);
+                values
+                    .chunks(cols)
+                    .flat_map(|row| &row[rank * local..(rank + 1) * local])
+                    .copied()
+                    .collect()
+            }
+        }
+    }
+
+    /// The full values of a tensor of shape `shape` from every rank's part, in rank order (a
+    /// replicated tensor is rank 0's).
+    pub fn join(self, parts: &[Vec<f32>], shape: &[usize]) -> Vec<f32> {
+        match self {
+            TpSharding::Replicated => parts[0].clone(),
+            TpSharding::Rows => parts.concat(),
+            TpSharding::Columns => {
+                let (rows, local) = (shape[0], shape[1] / parts.len());
+                let mut out = Vec::with_capacity(rows * shape[1]);
+                for r in 0..rows {
+                    for p in parts {
+                        out.extend_from_slice(&p[r * local..(r + 1) * local]);
+                    }
+                }
+                out
+            }
+        }
+    }
+}
+
+/// `param_specs` with each tensor's shape as one of `tp` tensor-parallel ranks holds it.
+pub fn local_param_specs(args: &ModelArgs, tp: usize) -> Vec<(String, Vec<usize>)> {
+    param_specs(args)
+        .into_iter()
+        .map(|(name, shape)| {
+            let local = TpSharding::of(&name).local_shape(&shape, tp);
+            (name, local)
+        })
+        .collect()
+}
+
 /// Index of each parameter of one block inside a `ParamSet`.
 #[derive(Debug, Clone, Copy)]
 pub struct LayerIds {
@@ -188,5 +284,56 @@ impl<B: Backend> ParamSet<B> {
     /// Makes this set (same shapes) the compute copy of `master`: copied, then rounded to bf16.
     pub fn refresh_bf16_copy(&mut self, backend: &B, master: &ParamSet<B>) {
         backend.copy_rounded_to_bf16_all(&mut self.bufs, &master.bufs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_parallel_parts_cut_and_join_back() {
+        let values: Vec<f32> = (0..24).map(|v| v as f32).collect();
+        let shape = [4, 6];
+        for sharding in [
+            TpSharding::Rows,
+            TpSharding::Columns,
+            TpSharding::Replicated,
+        ] {
+            let parts: Vec<Vec<f32>> = (0..2)
+                .map(|r| sharding.cut(&values, &shape, 2, r))
+                .collect();
+            let local: usize = sharding.local_shape(&shape, 2).iter().product();
+            assert!(parts.iter().all(|p| p.len() == local), "{sharding:?}");
+            assert_eq!(sharding.join(&parts, &shape), values, "{sharding:?}");
+        }
+        // Columns: rank 1 owns the last three columns of every row.
+        assert_eq!(
+            TpSharding::Columns.cut(&values, &shape, 2, 1)[..3],
+            [3.0, 4.0, 5.0]
+        );
+    }
+
+    #[test]
+    fn megatron_plan_of_the_llama_parameters() {
+        assert_eq!(
+            TpSharding::of("layers.3.attention.wk.weight"),
+            TpSharding::Rows
+        );
+        assert_eq!(
+            TpSharding::of("layers.0.attention.wo.weight"),
+            TpSharding::Columns
+        );
+        assert_eq!(
+            TpSharding::of("layers.0.feed_forward.w2.weight"),
+            TpSharding::Columns
+        );
+        assert_eq!(
+            TpSharding::of("layers.0.ffn_norm.weight"),
+            TpSharding::Replicated
+        );
+        assert_eq!(TpSharding::of("norm.weight"), TpSharding::Replicated);
+        assert_eq!(TpSharding::of("output.weight"), TpSharding::Rows);
+        assert_eq!(TpSharding::of("tok_embeddings.weight"), TpSharding::Rows);
     }
 }

@@ -403,19 +403,19 @@ impl<B: Backend> Fsdp<B> {
             self.submit_gather(be, &blocks[0])?;
         }
         self.wait_gather(be, full, &non_block)?;
-        model.embed_forward(be, full, ws);
+        model.embed_forward(be, full, ws)?;
         for l in 0..n {
             if l + 1 < n {
                 self.submit_gather(be, &blocks[l + 1])?;
             }
             self.wait_gather(be, full, &blocks[l])?;
-            model.block_forward(be, full, ws, l);
+            model.block_forward(be, full, ws, l)?;
             if regather[l] {
                 Self::release(be, full, &blocks[l]);
             }
         }
         self.zeros(be, grads, &non_block);
-        let loss = model.head_forward_backward(be, full, grads, ws, grad_scale);
+        let loss = model.head_forward_backward(be, full, grads, ws, grad_scale)?;
         if n > 0 && regather[n - 1] {
             self.submit_gather(be, &blocks[n - 1])?;
         }
@@ -427,12 +427,12 @@ impl<B: Backend> Fsdp<B> {
                 self.wait_gather(be, full, &blocks[l])?;
             }
             self.zeros(be, grads, &blocks[l]);
-            model.block_backward(be, full, grads, ws, l);
+            model.block_backward(be, full, grads, ws, l)?;
             self.submit_reduce_scatter(be, grads, &blocks[l])?;
             Self::release(be, full, &blocks[l]);
             self.complete_down_to_limit(be, full)?;
         }
-        model.embed_backward(be, grads, ws);
+        model.embed_backward(be, grads, ws)?;
         self.submit_reduce_scatter(be, grads, &non_block)?;
         while !self.pending.is_empty() {
             self.complete_next(be, full)?;

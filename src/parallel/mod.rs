@@ -1,4 +1,7 @@
-//! Parallelisms that wrap the model: data parallel (DDP today; FSDP/HSDP, TP, PP, CP to come).
+//! Parallelisms that wrap or cross the model: data parallel (DDP, FSDP/HSDP), tensor parallel with
+//! sequence parallel (`tp`), and the composition of a rank's layout from the mesh (`plan`).
 
 pub mod ddp;
 pub mod fsdp;
+pub mod plan;
+pub mod tp;

@@ -6,8 +6,22 @@ use anyhow::{bail, Result};
 use crate::backend::Backend;
 use crate::model::{
     llama::{workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats},
-    ModelArgs,
+    params::local_param_specs,
+    LocalShapes, ModelArgs,
 };
+
+/// Values of one tensor-parallel rank's parameters (of `tp`): all of them, and one block's.
+fn local_param_counts(args: &ModelArgs, tp: usize) -> (u64, u64) {
+    let specs = local_param_specs(args, tp);
+    let numel = |s: &(String, Vec<usize>)| s.1.iter().product::<usize>() as u64;
+    let all = specs.iter().map(numel).sum();
+    let block = specs
+        .iter()
+        .filter(|s| s.0.starts_with("layers.0."))
+        .map(numel)
+        .sum();
+    (all, block)
+}
 
 /// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments, the
 /// activation workspace of one micro-batch, and the backend's own scratch (the loss's logit block,
@@ -32,13 +46,14 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
-    pub fn new(args: &ModelArgs, batch: usize, seq: usize) -> Self {
-        let p = args.num_params() as u64 * 4;
+    /// One tensor-parallel rank of shapes `m` (the whole model when `m.tp` is 1).
+    pub fn new(args: &ModelArgs, m: &LocalShapes, batch: usize, seq: usize) -> Self {
+        let p = local_param_counts(args, m.tp).0 * 4;
         MemoryEstimate {
             params: p,
             grads: p,
             optimizer: 2 * p,
-            activations: workspace_floats(args, batch, seq) as u64 * 4,
+            activations: workspace_floats(m, batch, seq) as u64 * 4,
             scratch: 0,
             compute_copy: 0,
             activation_copies: 0,
@@ -51,21 +66,21 @@ impl MemoryEstimate {
     pub fn with_backend_scratch<B: Backend>(
         mut self,
         be: &B,
-        args: &ModelArgs,
+        m: &LocalShapes,
         batch: usize,
         seq: usize,
     ) -> Self {
-        self.scratch = be.scratch_bytes(batch * seq, args.dim, args.ffn_hidden, args.vocab_size);
+        self.scratch = be.scratch_bytes(batch * seq, m.dim, m.ffn, m.vocab);
         self.activation_copies =
-            workspace_copied_floats(args, batch, seq) as u64 * be.activation_copy_bytes();
+            workspace_copied_floats(m, batch, seq) as u64 * be.activation_copy_bytes();
         // Buffers the backend keeps in bf16 alone have no f32 storage.
-        self.f32_left_out = workspace_bf16_activation_floats(args, batch, seq) as u64
+        self.f32_left_out = workspace_bf16_activation_floats(m, batch, seq) as u64
             * (4 - be.bf16_activation_f32_bytes());
         self.activations -= self.f32_left_out;
         self
     }
 
-    /// One FSDP rank's share with `shard` ranks sharding: its shards of the weights, gradients and
+    /// One FSDP rank's share with `shard` ranks sharding (each a tensor-parallel rank of shapes `m`): its shards of the weights, gradients and
     /// AdamW state, plus the full tensors it holds while it computes: the parameters outside the
     /// blocks and `blocks_gathered` gathered blocks (`parallel::fsdp::ReshardPolicy::blocks_gathered`),
     /// and the gradients outside the blocks, one block's, and the packed gradients of the
@@ -73,12 +88,13 @@ impl MemoryEstimate {
     pub fn sharded(
         mut self,
         args: &ModelArgs,
+        m: &LocalShapes,
         shard: usize,
         blocks_gathered: usize,
         reduce_scatter_blocks: usize,
     ) -> Self {
-        let all = args.num_params() as u64 * 4;
-        let block = args.params_per_layer() as u64 * 4;
+        let (all, block) = local_param_counts(args, m.tp);
+        let (all, block) = (all * 4, block * 4);
         let outside_blocks = all - block * args.n_layers as u64;
         let shard = shard.max(1) as u64;
         self.params = all.div_ceil(shard) + outside_blocks + blocks_gathered as u64 * block;

@@ -6,6 +6,7 @@ pub mod memory;
 pub mod metrics;
 pub mod optimizer;
 pub mod start;
+pub mod step;
 pub mod tensorboard;
 pub mod trainer;
 

@@ -13,6 +13,7 @@ use crate::checkpoint::{self, HostCheckpoint, TrainState};
 use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
+use crate::model::params::TpSharding;
 use crate::model::{init_params, Llama, ParamDtype, ParamSet};
 use crate::parallel::fsdp::{Fsdp, ReshardPolicy, StartValues};
 
@@ -49,7 +50,18 @@ pub fn start_state<B: Backend>(
 ) -> Result<StartState<B>> {
     let args = &model.args;
     let seed = cfg.training.seed;
+    // Checkpoints and initial values are of whole tensors (`global`); this rank holds its
+    // tensor-parallel part of each (`specs`).
+    let global = crate::model::params::param_specs(args);
     let specs = model.param_specs();
+    let (tp, tp_rank) = (model.local.tp, model.local.tp_rank);
+    let tp_part = |i: usize, values: Vec<f32>| -> Vec<f32> {
+        if tp == 1 {
+            return values;
+        }
+        let (name, shape) = &global[i];
+        TpSharding::of(name).cut(&values, shape, tp, tp_rank)
+    };
     let ckpt_folder = cfg.checkpoint_folder();
     let resume_dir = if cfg.checkpoint.enable {
         let steps = checkpoint::list_steps(&ckpt_folder)?;
@@ -69,8 +81,10 @@ pub fn start_state<B: Backend>(
     let cannot_resume = |e: anyhow::Error| {
         anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
     };
-    // An FSDP rank of the layout that wrote a sharded checkpoint holds its own files only.
+    // An FSDP rank of the layout that wrote a sharded checkpoint holds its own files only (its
+    // shards are of whole tensors, so not under tensor parallelism).
     let shard_place = fsdp_dist
+        .filter(|_| tp == 1)
         .and_then(|d| d.shard.as_ref())
         .map(|g| (g.rank(), g.size()));
     let ckpt = match (&resume_dir, shard_place) {
@@ -88,7 +102,7 @@ pub fn start_state<B: Backend>(
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
         let (shard_rank, shard_size) = (shard.rank(), shard.size());
         let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
-            let (name, shape) = &specs[i];
+            let (name, shape) = &global[i];
             let numel = shape.iter().product();
             match (&ckpt, moment) {
                 (Some(ckpt), _) => {
@@ -99,14 +113,15 @@ pub fn start_state<B: Backend>(
                         Some(shard) => Ok(StartValues::Shard(shard)),
                         None => ckpt
                             .values(moment, name, shape)
-                            .map(StartValues::Full)
+                            .map(|v| StartValues::Full(tp_part(i, v)))
                             .map_err(cannot_resume),
                     }
                 }
-                (None, None) => Ok(StartValues::Full(crate::model::init::init_param(
-                    args, name, numel, seed,
+                (None, None) => Ok(StartValues::Full(tp_part(
+                    i,
+                    crate::model::init::init_param(args, name, numel, seed),
                 ))),
-                (None, Some(_)) => Ok(StartValues::Full(vec![0.0; numel])),
+                (None, Some(_)) => Ok(StartValues::Full(vec![0.0; specs[i].1.iter().product()])),
             }
         };
         let f = Fsdp::new(
@@ -129,11 +144,29 @@ pub fn start_state<B: Backend>(
         grads = ParamSet::unallocated(be, &specs);
         fsdp = Some(f);
     } else {
-        let mut p = init_params(be, args, seed);
+        let mut p = ParamSet::zeros(be, &specs);
         let mut o = AdamW::new(be, &specs, cfg.optimizer.clone());
-        if let Some(ckpt) = &ckpt {
-            ckpt.fill(be, &mut p, &mut o.exp_avg, &mut o.exp_avg_sq)
-                .map_err(cannot_resume)?;
+        match &ckpt {
+            Some(ckpt) => {
+                for (set, moment) in [
+                    (&mut p, None),
+                    (&mut o.exp_avg, Some("exp_avg.")),
+                    (&mut o.exp_avg_sq, Some("exp_avg_sq.")),
+                ] {
+                    for (i, (name, shape)) in global.iter().enumerate() {
+                        let values = ckpt.values(moment, name, shape).map_err(cannot_resume)?;
+                        set.bufs[i] = be.upload(&tp_part(i, values));
+                    }
+                }
+            }
+            None if tp == 1 => p = init_params(be, args, seed),
+            None => {
+                for (i, (name, shape)) in global.iter().enumerate() {
+                    let numel = shape.iter().product();
+                    let values = crate::model::init::init_param(args, name, numel, seed);
+                    p.bufs[i] = be.upload(&tp_part(i, values));
+                }
+            }
         }
         params = p;
         grads = ParamSet::zeros(be, &specs);

@@ -11,16 +11,18 @@ use super::collectives::{self, DeviceComm};
 use super::lr::LrSchedule;
 use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
-use super::optimizer::{clip_factor, grad_norm, AdamW};
 use super::start::{start_state, StartState};
+use super::step::train_step;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
-use crate::backend::{Backend, IGNORE_INDEX};
+use crate::backend::Backend;
 use crate::checkpoint::{self, TrainState};
-use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
-use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
+use crate::model::{Llama, LocalShapes, ParamDtype, ParamSet, Workspace};
+use crate::parallel::plan::{ParamState, RankLayout};
+use crate::parallel::tp::TensorParallelGroup;
+use std::sync::Arc;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -144,16 +146,29 @@ fn train_on<B: Backend>(
     let args = cfg.model_args()?;
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
-    let (rank, dp_size) = dist.map_or((0, 1), |d| (d.rank, d.dp.size()));
+    let (rank, dp_rank, dp_size) = dist.map_or((0, 0, 1), |d| (d.rank, d.dp.rank(), d.dp.size()));
     let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
+    // Tensor parallel: this rank's shapes (refused here, before anything is allocated, when the
+    // model does not split evenly).
+    let tp_group = dist.and_then(|d| d.tp.clone());
+    let local = match &tp_group {
+        Some(g) => LocalShapes::sharded(&args, g.size(), g.rank())?,
+        None => LocalShapes::whole(&args),
+    };
+    if !(batch * seq).is_multiple_of(local.tp) {
+        bail!("[training] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", batch * seq, local.tp);
+    }
+    if cfg.parallelism.enable_async_tensor_parallel {
+        bail!("[parallelism] enable_async_tensor_parallel = true: async tensor parallelism (overlapping the sequence-parallel collectives with the GEMMs) is not built yet in this titan; set it to false");
+    }
     let (mut device_reducer, mut device_queue) = match device_comm {
         Some(DeviceComm::Ddp(r)) => (Some(r), None),
         Some(DeviceComm::Fsdp(q)) => (None, Some(q)),
         None => (None, None),
     };
     let collectives_on_device = device_reducer.is_some() || device_queue.is_some();
-    let mut ddp = dist
-        .filter(|_| !fsdp_mode)
+    let ddp = dist
+        .filter(|_| !fsdp_mode && dp_size > 1)
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
     let global_batch = if t.global_batch_size < 0 {
         batch * dp_size
@@ -174,7 +189,7 @@ fn train_on<B: Backend>(
     // Everything below is known from the config alone: refuse what cannot fit before allocating.
     let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
     let mut est =
-        MemoryEstimate::new(&args, batch, seq).with_backend_scratch(be, &args, batch, seq);
+        MemoryEstimate::new(&args, &local, batch, seq).with_backend_scratch(be, &local, batch, seq);
     if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
         est = est.with_compute_copy(be);
     }
@@ -184,6 +199,7 @@ fn train_on<B: Backend>(
     if let Some(d) = dist.filter(|_| fsdp_mode) {
         est = est.sharded(
             &args,
+            &local,
             d.mesh.degree("dp_shard"),
             reshard.blocks_gathered(args.n_layers),
             crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
@@ -203,18 +219,25 @@ fn train_on<B: Backend>(
     if tokenizer.vocab_size() > args.vocab_size {
         bail!("tokenizer {} has {} tokens but the model's vocabulary holds {}: use a model with vocab_size >= {} (--model.vocab_size)", cfg.model.tokenizer_path, tokenizer.vocab_size(), args.vocab_size, tokenizer.vocab_size());
     }
-    let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, rank, dp_size)?;
+    // The ranks of a tensor-parallel group read the same batches.
+    let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, dp_rank, dp_size)?;
 
-    let model = Llama::new(be, args.clone(), seq)?;
+    let model = match &tp_group {
+        Some(g) => {
+            let ops = TensorParallelGroup::new(g.clone(), !cfg.parallelism.disable_loss_parallel);
+            Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
+        }
+        None => Llama::new(be, args.clone(), seq)?,
+    };
     let specs = model.param_specs();
-    let mut ws = Workspace::new(be, &args, batch, seq);
+    let mut ws = Workspace::for_shapes(be, &local, batch, seq);
 
     let ckpt_folder = cfg.checkpoint_folder();
     let StartState {
-        mut params,
-        mut grads,
+        params,
+        grads,
         mut opt,
-        mut fsdp,
+        fsdp,
         resumed,
     } = start_state(
         be,
@@ -242,8 +265,21 @@ fn train_on<B: Backend>(
 
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
-    let mut bf16_copy = (param_dtype == ParamDtype::BFloat16 && fsdp.is_none())
-        .then(|| ParamSet::zeros(be, &specs));
+    let state = match fsdp {
+        Some(fsdp) => ParamState::Sharded {
+            fsdp,
+            full: params,
+            grads,
+        },
+        None => ParamState::Whole {
+            bf16_copy: (param_dtype == ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs)),
+            params,
+            grads,
+            ddp,
+        },
+    };
+    let batch_group = dist.map(|d| d.dp.clone());
+    let mut layout = RankLayout::new(model, state, batch_group, tp_group.clone());
 
     let mut writer = checkpoint::writer::AsyncWriter::new();
     let tokens_per_step = (global_batch * seq) as f64;
@@ -252,7 +288,7 @@ fn train_on<B: Backend>(
     let peak_tflops = if cfg.metrics.peak_tflops > 0.0 {
         cfg.metrics.peak_tflops
     } else {
-        default_peak_tflops(be, threads) * dp_size as f64
+        default_peak_tflops(be, threads) * dist.map_or(1, |d| d.world) as f64
     };
     say(format!(
         "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {peak_tflops:.3} TFLOP/s{}",
@@ -286,11 +322,21 @@ fn train_on<B: Backend>(
 
     if let Some(d) = dist {
         // Each rank's own share (the estimate is per rank): DDP replicates everything, FSDP keeps
-        // 1/dp_shard of it plus the tensors gathered while it computes.
-        let how = match (fsdp_mode, d.replicate.is_some()) {
-            (true, true) => "sharded, HSDP",
-            (true, false) => "sharded, FSDP",
-            _ => "replicated, DDP",
+        // 1/dp_shard of it plus the tensors gathered while it computes; TP keeps 1/tp of the
+        // split weights.
+        let how = match (fsdp_mode, d.replicate.is_some(), dp_size > 1) {
+            (true, true, _) => "sharded, HSDP",
+            (true, false, _) => "sharded, FSDP",
+            (false, _, true) => "replicated, DDP",
+            (false, _, false) => "no data parallel",
+        };
+        let how = if local.tp > 1 {
+            format!(
+                "{how}, tensor parallel {} (rank {} of its group)",
+                local.tp, local.tp_rank
+            )
+        } else {
+            how.to_string()
         };
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let path = if collectives_on_device {
@@ -339,36 +385,16 @@ fn train_on<B: Backend>(
             .collect::<Result<_>>()?;
         let data_time = t0.elapsed().as_secs_f64();
         let lr = schedule.lr(step);
-        let (loss, norm) = match (&mut fsdp, dist) {
-            (Some(f), Some(d)) => train_step_fsdp(
-                be,
-                &model,
-                f,
-                d.dp.as_ref(),
-                &mut params,
-                &mut grads,
-                &mut opt,
-                &mut ws,
-                &micro,
-                lr,
-                step,
-                t.max_norm,
-            )?,
-            _ => train_step(
-                be,
-                &model,
-                &mut params,
-                &mut grads,
-                &mut opt,
-                &mut ws,
-                &micro,
-                lr,
-                step,
-                t.max_norm,
-                ddp.as_mut(),
-                bf16_copy.as_mut(),
-            )?,
-        };
+        let (loss, norm) = train_step(
+            be,
+            &mut layout,
+            &mut opt,
+            &mut ws,
+            &micro,
+            lr,
+            step,
+            t.max_norm,
+        )?;
         if !loss.is_finite() || !norm.is_finite() {
             let keep = match last_good {
                 Some(s) => format!(
@@ -422,11 +448,31 @@ fn train_on<B: Backend>(
                 sharding: None,
                 files: Default::default(),
             };
-            let shapes: Vec<Vec<usize>> = specs.iter().map(|(_, s)| s.clone()).collect();
+            let shapes: Vec<Vec<usize>> = crate::model::params::param_specs(&args)
+                .into_iter()
+                .map(|(_, s)| s)
+                .collect();
             // HSDP replicas hold identical shards: replica 0's ranks write them, the others wait.
             let replica = dist.and_then(|d| d.replicate.as_ref()).map(|r| r.rank());
-            let written = match (&fsdp, replica) {
-                (Some(f), None | Some(0)) => checkpoint::sharded::save(
+            let written = match (&layout.state, replica) {
+                // Tensor parallel: whole tensors gathered from every rank, written by rank 0.
+                _ if local.tp > 1 => {
+                    let whole = checkpoint::gather::whole_state(be, &layout, &opt)?;
+                    if rank == 0 {
+                        Some(checkpoint::save(
+                            &CpuBackend::new(),
+                            &ckpt_folder,
+                            &whole.params,
+                            &whole.exp_avg,
+                            &whole.exp_avg_sq,
+                            state,
+                            cfg.checkpoint.keep_latest_k,
+                        )?)
+                    } else {
+                        None
+                    }
+                }
+                (ParamState::Sharded { fsdp: f, .. }, None | Some(0)) => checkpoint::sharded::save(
                     be,
                     f.shard_group(),
                     &dist.expect("FSDP runs distributed").mesh,
@@ -439,23 +485,25 @@ fn train_on<B: Backend>(
                     cfg.checkpoint.keep_latest_k,
                     &|| dist.map_or(Ok(()), |d| d.checkpoint_written(step)),
                 )?,
-                (Some(_), Some(_)) => None,
-                (None, _) if rank == 0 && cfg.checkpoint.async_mode == "async" => {
+                (ParamState::Sharded { .. }, Some(_)) => None,
+                (ParamState::Whole { params, .. }, _)
+                    if rank == 0 && cfg.checkpoint.async_mode == "async" =>
+                {
                     // Returns the previous save, which this one waited for.
                     let snapshot =
-                        checkpoint::Snapshot::take(be, &params, &opt.exp_avg, &opt.exp_avg_sq)?;
+                        checkpoint::Snapshot::take(be, params, &opt.exp_avg, &opt.exp_avg_sq)?;
                     writer.start(snapshot, &ckpt_folder, state, cfg.checkpoint.keep_latest_k)?
                 }
-                (None, _) if rank == 0 => Some(checkpoint::save(
+                (ParamState::Whole { params, .. }, _) if rank == 0 => Some(checkpoint::save(
                     be,
                     &ckpt_folder,
-                    &params,
+                    params,
                     &opt.exp_avg,
                     &opt.exp_avg_sq,
                     state,
                     cfg.checkpoint.keep_latest_k,
                 )?),
-                (None, _) => None,
+                (ParamState::Whole { .. }, _) => None,
             };
             if let Some(d) = dist {
                 d.checkpoint_saved(step)?;
@@ -510,70 +558,6 @@ fn crash_drill(rank: usize) -> Result<Option<u64>> {
     Ok((r == rank).then_some(s))
 }
 
-/// One optimizer step under FSDP: micro-batches with gathers and reduce-scatters around each block,
-/// then clipping by the global norm (shard sums of squares all-reduced) and AdamW on the shards.
-#[allow(clippy::too_many_arguments)]
-fn train_step_fsdp<B: Backend>(
-    be: &B,
-    model: &Llama<B>,
-    fsdp: &mut crate::parallel::fsdp::Fsdp<B>,
-    group: &dyn ProcessGroup,
-    full: &mut ParamSet<B>,
-    grads: &mut ParamSet<B>,
-    opt: &mut AdamW<B>,
-    ws: &mut Workspace<B>,
-    micro: &[Vec<u32>],
-    lr: f64,
-    step: u64,
-    max_norm: f64,
-) -> Result<(f64, f64)> {
-    let seq = ws.seq;
-    let local_targets = count_targets(micro, seq);
-    let targets = all_reduce_sum_f64(group, local_targets as f64)?.round() as usize;
-    let scale = 1.0 / targets.max(1) as f32;
-    fsdp.grad_shards.zero(be);
-    let mut loss_sum = 0.0;
-    for tokens in micro {
-        loss_sum += fsdp
-            .forward_backward(be, model, full, grads, ws, tokens, scale)?
-            .sum;
-    }
-    let loss = all_reduce_sum_f64(group, loss_sum)? / targets.max(1) as f64;
-    let local_sq = be.sum_squares_all(&fsdp.grad_shards.bufs);
-    // Replicas (HSDP) hold the same gradient shards: the norm sums over one replica's shards.
-    let norm = all_reduce_sum_f64(fsdp.shard_group(), local_sq)?.sqrt();
-    if loss.is_finite() && norm.is_finite() {
-        let grad_scale = clip_factor(norm, max_norm);
-        opt.step(
-            be,
-            &mut fsdp.shards,
-            &fsdp.grad_shards,
-            lr,
-            step,
-            grad_scale,
-        );
-    }
-    Ok((loss, norm))
-}
-
-/// Targets that count toward the loss in `[batch, seq+1]` micro-batches (ignored ids excluded).
-fn count_targets(micro: &[Vec<u32>], seq: usize) -> usize {
-    micro
-        .iter()
-        .flat_map(|m| m.chunks(seq + 1))
-        .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
-        .sum()
-}
-
-/// Sum of one f64 over a group, carried as two f32 (high part and remainder) so that token counts
-/// and loss sums keep ~14 significant digits.
-fn all_reduce_sum_f64(g: &dyn ProcessGroup, x: f64) -> Result<f64> {
-    let hi = x as f32;
-    let mut v = [hi, (x - hi as f64) as f32];
-    g.all_reduce(&mut v, crate::comm::group::ReduceOp::Sum)?;
-    Ok(v[0] as f64 + v[1] as f64)
-}
-
 /// A line above the progress bar, or plainly when the bar is hidden (output is not a terminal).
 fn emit(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
@@ -581,59 +565,4 @@ fn emit(bar: &ProgressBar, line: String) {
     } else {
         bar.println(line);
     }
-}
-
-/// One optimizer step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
-/// normalised by the total number of targets, then clipping and AdamW. With `bf16_copy` (bf16 mixed
-/// precision) the forward and backward use that set, refreshed from `params` and rounded to bf16;
-/// the update goes to the fp32 `params`. Returns (loss, grad norm before clipping); when either is
-/// not finite the parameters are left untouched.
-#[allow(clippy::too_many_arguments)]
-pub fn train_step<B: Backend>(
-    be: &B,
-    model: &Llama<B>,
-    params: &mut ParamSet<B>,
-    grads: &mut ParamSet<B>,
-    opt: &mut AdamW<B>,
-    ws: &mut Workspace<B>,
-    micro: &[Vec<u32>],
-    lr: f64,
-    step: u64,
-    max_norm: f64,
-    mut dp: Option<&mut crate::parallel::ddp::Ddp<B>>,
-    mut bf16_copy: Option<&mut ParamSet<B>>,
-) -> Result<(f64, f64)> {
-    if let Some(c) = bf16_copy.as_deref_mut() {
-        c.refresh_bf16_copy(be, params);
-    }
-    let seq = ws.seq;
-    let local_targets = count_targets(micro, seq);
-    let targets = match dp.as_deref() {
-        Some(d) => all_reduce_sum_f64(d.group.as_ref(), local_targets as f64)?.round() as usize,
-        None => local_targets,
-    };
-    let scale = 1.0 / targets.max(1) as f32;
-    grads.zero(be);
-    let mut loss_sum = 0.0;
-    for (m, tokens) in micro.iter().enumerate() {
-        // Gradients are reduced during the last micro-batch's backward only (earlier ones accumulate).
-        let hook: Option<&mut dyn crate::model::llama::BlockGradHook<B>> = match dp.as_deref_mut() {
-            Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
-            _ => None,
-        };
-        let compute: &ParamSet<B> = bf16_copy.as_deref().unwrap_or(params);
-        loss_sum += model
-            .forward_backward_with(be, compute, grads, ws, tokens, scale, hook)?
-            .sum;
-    }
-    if let Some(d) = dp {
-        d.reducer.finish(be, grads, &model.ids.layers)?;
-        loss_sum = all_reduce_sum_f64(d.group.as_ref(), loss_sum)?;
-    }
-    let loss = loss_sum / targets.max(1) as f64;
-    let norm = grad_norm(be, grads);
-    if loss.is_finite() && norm.is_finite() {
-        opt.step(be, params, grads, lr, step, clip_factor(norm, max_norm));
-    }
-    Ok((loss, norm))
 }

@@ -1,8 +1,10 @@
-//! Token embedding lookup and its scatter-add backward.
+//! Token embedding lookup and its scatter-add backward. An id of `IGNORE_INDEX` is a token of
+//! another rank's vocabulary shard: a zero row, and no gradient.
 
 use rayon::prelude::*;
 
 use super::COLUMN_BLOCK;
+use crate::backend::IGNORE_INDEX;
 
 pub fn embedding_forward(out: &mut [f32], table: &[f32], ids: &[u32], dim: usize) {
     let vocab = table.len() / dim;
@@ -10,6 +12,10 @@ pub fn embedding_forward(out: &mut [f32], table: &[f32], ids: &[u32], dim: usize
         .par_chunks_mut(dim)
         .zip(ids.par_iter())
         .for_each(|(row, &id)| {
+            if id == IGNORE_INDEX {
+                row.fill(0.0);
+                return;
+            }
             let id = id as usize;
             assert!(
                 id < vocab,
@@ -27,7 +33,7 @@ pub fn embedding_backward(dtable: &mut [f32], dout: &[f32], ids: &[u32], dim: us
     (0..blocks).into_par_iter().for_each(|blk| {
         let c0 = blk * COLUMN_BLOCK;
         let c1 = (c0 + COLUMN_BLOCK).min(dim);
-        for (t, &id) in ids.iter().enumerate() {
+        for (t, &id) in ids.iter().enumerate().filter(|(_, &id)| id != IGNORE_INDEX) {
             let src = &dout[t * dim + c0..t * dim + c1];
             // SAFETY: column blocks are disjoint across tasks.
             let dst = unsafe {

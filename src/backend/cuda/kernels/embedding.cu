@@ -1,10 +1,15 @@
 // Token embedding lookup and its scatter-add backward.
 
-// One block per token; threads copy the row.
+// One block per token; threads copy the row. The id 0xFFFFFFFF (IGNORE_INDEX: a token of another
+// rank's vocabulary shard) gives a zero row.
 extern "C" __global__ void embedding_forward(float* out, const float* table, const u32* ids, int dim) {
     i64 t = blockIdx.x;
-    const float* src = table + (i64)ids[t] * dim;
     float* dst = out + t * dim;
+    if (ids[t] == 0xFFFFFFFFu) {
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = 0.0f;
+        return;
+    }
+    const float* src = table + (i64)ids[t] * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = src[d];
 }
 

@@ -577,6 +577,9 @@ impl Backend for CudaBackend {
             return;
         }
         let groups = TokenGroups::of(ids);
+        if groups.rows.is_empty() {
+            return;
+        }
         let (rows, starts, order) = (
             self.upload_ids(&groups.rows),
             self.upload_ids(&groups.starts),
@@ -1556,15 +1559,18 @@ fn attention_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
     }
 }
 
-/// Panics, as the CPU does, when an id is outside an embedding table of `vocab` rows.
+/// Panics, as the CPU does, when an id is outside an embedding table of `vocab` rows
+/// (`IGNORE_INDEX`, another rank's token, is not).
 fn check_table_ids(ids: &[u32], vocab: usize) {
-    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+    let outside = |&&id: &&u32| id != crate::backend::IGNORE_INDEX && id as usize >= vocab;
+    if let Some(&bad) = ids.iter().find(outside) {
         panic!("token id {bad} is outside the embedding table of {vocab} rows");
     }
 }
 
 /// Token positions grouped by id for the embedding backward: group g is table row `rows[g]`, with
-/// tokens `order[starts[g]..starts[g + 1]]` in increasing position (a stable sort by id).
+/// tokens `order[starts[g]..starts[g + 1]]` in increasing position (a stable sort by id). Tokens
+/// of `IGNORE_INDEX` (another rank's vocabulary) are in no group.
 struct TokenGroups {
     rows: Vec<u32>,
     starts: Vec<u32>,
@@ -1573,7 +1579,9 @@ struct TokenGroups {
 
 impl TokenGroups {
     fn of(ids: &[u32]) -> Self {
-        let mut order: Vec<u32> = (0..ids.len() as u32).collect();
+        let mut order: Vec<u32> = (0..ids.len() as u32)
+            .filter(|&t| ids[t as usize] != crate::backend::IGNORE_INDEX)
+            .collect();
         order.sort_by_key(|&t| ids[t as usize]);
         let (mut rows, mut starts) = (Vec::new(), Vec::new());
         for (i, &t) in order.iter().enumerate() {
@@ -1602,5 +1610,11 @@ mod tests {
         assert_eq!(g.rows, vec![2, 5, 9]);
         assert_eq!(g.starts, vec![0, 2, 5, 6]);
         assert_eq!(g.order, vec![1, 4, 0, 2, 5, 3]);
+        let skip = crate::backend::IGNORE_INDEX;
+        let g = TokenGroups::of(&[skip, 2, skip, 2]);
+        assert_eq!(
+            (g.rows, g.starts, g.order),
+            (vec![2], vec![0, 2], vec![1, 3])
+        );
     }
 }

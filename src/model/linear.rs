@@ -1,0 +1,84 @@
+//! The linear layer of every Llama projection, `y = x · Wᵀ` with `W` stored `[out, in]` as
+//! PyTorch's `nn.Linear` keeps it, and its two backward products: the words the model is written
+//! in, instead of GEMM calls with transposes and accumulate flags.
+
+use crate::backend::Backend;
+
+/// A projection from `d_in` to `d_out` features over a number of token rows.
+#[derive(Debug, Clone, Copy)]
+pub struct Linear {
+    pub d_in: usize,
+    pub d_out: usize,
+}
+
+impl Linear {
+    pub fn new(d_in: usize, d_out: usize) -> Self {
+        Linear { d_in, d_out }
+    }
+
+    /// `y = x · Wᵀ` (`x` `[rows, d_in]`, `y` `[rows, d_out]`).
+    pub fn forward<B: Backend>(&self, be: &B, y: &mut B::Buf, x: &B::Buf, w: &B::Buf, rows: usize) {
+        be.matmul(y, x, w, rows, self.d_in, self.d_out, false, true, false);
+    }
+
+    /// `y += x · Wᵀ`: a projection added into the residual stream in place.
+    pub fn add_forward<B: Backend>(
+        &self,
+        be: &B,
+        y: &mut B::Buf,
+        x: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+    ) {
+        be.matmul(y, x, w, rows, self.d_in, self.d_out, false, true, true);
+    }
+
+    /// `y = residual + x · Wᵀ`: a projection back into the residual stream.
+    pub fn forward_residual<B: Backend>(
+        &self,
+        be: &B,
+        y: &mut B::Buf,
+        residual: &B::Buf,
+        x: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+    ) {
+        be.matmul_add(y, residual, x, w, rows, self.d_in, self.d_out, false, true);
+    }
+
+    /// `dx = dy · W`.
+    pub fn input_grad<B: Backend>(
+        &self,
+        be: &B,
+        dx: &mut B::Buf,
+        dy: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+    ) {
+        be.matmul(dx, dy, w, rows, self.d_out, self.d_in, false, false, false);
+    }
+
+    /// `dx += dy · W` (a layer whose input feeds several projections).
+    pub fn add_input_grad<B: Backend>(
+        &self,
+        be: &B,
+        dx: &mut B::Buf,
+        dy: &B::Buf,
+        w: &B::Buf,
+        rows: usize,
+    ) {
+        be.matmul(dx, dy, w, rows, self.d_out, self.d_in, false, false, true);
+    }
+
+    /// `dW += dyᵀ · x`.
+    pub fn add_weight_grad<B: Backend>(
+        &self,
+        be: &B,
+        dw: &mut B::Buf,
+        dy: &B::Buf,
+        x: &B::Buf,
+        rows: usize,
+    ) {
+        be.matmul(dw, dy, x, self.d_out, rows, self.d_in, true, false, true);
+    }
+}

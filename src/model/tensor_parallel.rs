@@ -1,0 +1,88 @@
+//! What a block needs from its tensor-parallel group, as an interface: the model is written once in
+//! one rank's shapes (`LocalShapes`) and crosses ranks only through these operations. Their
+//! implementation over a real group, with its collectives, is `parallel::tp`; `SingleRank` is the
+//! degree-1 case, where each is the local operation.
+
+use anyhow::Result;
+
+use super::args::LocalShapes;
+use crate::backend::{Backend, LossSum};
+
+/// The gradients a cross-entropy adds into: ∂/∂(its input rows) and ∂/∂(the output projection).
+pub type LossGrads<'a, B> = Option<(&'a mut <B as Backend>::Buf, &'a mut <B as Backend>::Buf)>;
+
+pub trait TensorParallelOps<B: Backend>: Send + Sync {
+    /// Ranks in the group (1: no tensor parallelism).
+    fn degree(&self) -> usize;
+
+    /// Sequence parallel to full: `full` (`[tokens, width]`) receives every rank's `local` rows
+    /// (`[tokens / degree, width]`) in rank order.
+    fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()>;
+
+    /// Full partial sums to sequence parallel: `local` receives this rank's rows of `partial`
+    /// summed over the group.
+    fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()>;
+
+    /// `buf` summed over the group, in place (the gradients of replicated weights).
+    fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()>;
+
+    /// Cross-entropy of `logits = h · wᵀ` for every row of `h` (`[rows, dim]`) against
+    /// `targets` (global ids), `w` holding this rank's `shapes.vocab` rows of the output
+    /// projection. With `grads`, adds `grad_scale · ∂/∂h` (this rank's part: summed over the
+    /// group it is the whole) and `grad_scale · ∂/∂w` for its rows. Every rank returns the same sum.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy(
+        &self,
+        be: &B,
+        h: &B::Buf,
+        w: &B::Buf,
+        targets: &[u32],
+        shapes: &LocalShapes,
+        grad_scale: f32,
+        grads: LossGrads<'_, B>,
+    ) -> Result<LossSum>;
+}
+
+/// One rank: every operation is the local one.
+pub struct SingleRank;
+
+impl<B: Backend> TensorParallelOps<B> for SingleRank {
+    fn degree(&self) -> usize {
+        1
+    }
+
+    fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()> {
+        be.copy_from(full, local);
+        Ok(())
+    }
+
+    fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()> {
+        be.copy_from(local, partial);
+        Ok(())
+    }
+
+    fn all_reduce_sum(&self, _be: &B, _buf: &mut B::Buf) -> Result<()> {
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &self,
+        be: &B,
+        h: &B::Buf,
+        w: &B::Buf,
+        targets: &[u32],
+        shapes: &LocalShapes,
+        grad_scale: f32,
+        grads: LossGrads<'_, B>,
+    ) -> Result<LossSum> {
+        Ok(be.cross_entropy_forward_backward(
+            h,
+            w,
+            targets,
+            shapes.dim,
+            shapes.vocab,
+            grad_scale,
+            grads,
+        ))
+    }
+}

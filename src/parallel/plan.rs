@@ -1,0 +1,207 @@
+//! A rank's layout, composed once from the mesh (TorchTitan's `parallelize`: tensor parallel, then
+//! data parallel), and the operations one training step needs of it whatever the layout: run the
+//! micro-batches' forward and backward, finish the gradients, take their global norm, update.
+//!
+//! - Tensor parallel lives in the model (`Llama::tensor_parallel`: its shapes and its group's
+//!   crossings); here only the gradients of the weights every TP rank holds whole (the norms),
+//!   whose parts come from each rank's token rows, are summed over the group once per step.
+//! - Data parallel is either whole weights on every rank (`ParamState::Whole`: one process, or DDP
+//!   summing gradients across ranks) or FSDP/HSDP shards (`ParamState::Sharded`).
+//!
+//! The trainer calls these and never asks which layout runs.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+
+use super::ddp::Ddp;
+use super::fsdp::Fsdp;
+use crate::backend::Backend;
+use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::model::llama::BlockGradHook;
+use crate::model::params::TpSharding;
+use crate::model::{Llama, ParamSet, Workspace};
+
+/// Where this rank's weights and gradients live.
+pub enum ParamState<B: Backend> {
+    /// The whole (tensor-parallel rank's) model: one process, or DDP with `ddp`. With bf16 mixed
+    /// precision, `bf16_copy` is the rounded set the forward and backward compute with.
+    Whole {
+        params: ParamSet<B>,
+        grads: ParamSet<B>,
+        bf16_copy: Option<ParamSet<B>>,
+        ddp: Option<Ddp<B>>,
+    },
+    /// FSDP/HSDP: this rank's shards in `fsdp`; `full` and `grads` are the working sets whose
+    /// tensors exist only while a block computes.
+    Sharded {
+        fsdp: Fsdp<B>,
+        full: ParamSet<B>,
+        grads: ParamSet<B>,
+    },
+}
+
+/// One rank's model and layout.
+pub struct RankLayout<B: Backend> {
+    pub model: Llama<B>,
+    pub state: ParamState<B>,
+    /// The ranks that split the batch (`dp_replicate × dp_shard`): loss sums and target counts
+    /// are summed over them. None in one process.
+    batch_group: Option<Arc<dyn ProcessGroup>>,
+    /// The tensor-parallel group, when its degree is above 1.
+    tp_group: Option<Arc<dyn ProcessGroup>>,
+    /// Whether each parameter is replicated over the tensor-parallel group.
+    tp_replicated: Vec<bool>,
+}
+
+impl<B: Backend> RankLayout<B> {
+    pub fn new(
+        model: Llama<B>,
+        state: ParamState<B>,
+        batch_group: Option<Arc<dyn ProcessGroup>>,
+        tp_group: Option<Arc<dyn ProcessGroup>>,
+    ) -> Self {
+        let tp_replicated = model
+            .param_specs()
+            .iter()
+            .map(|(name, _)| TpSharding::of(name) == TpSharding::Replicated)
+            .collect();
+        RankLayout {
+            model,
+            state,
+            batch_group,
+            tp_group: tp_group.filter(|g| g.size() > 1),
+            tp_replicated,
+        }
+    }
+
+    /// `x` summed over the ranks that split the batch.
+    pub fn sum_over_batch(&self, x: f64) -> Result<f64> {
+        match &self.batch_group {
+            Some(g) => all_reduce_sum_f64(g.as_ref(), x),
+            None => Ok(x),
+        }
+    }
+
+    /// Forward and backward of every micro-batch, gradients accumulated (scaled by `grad_scale`,
+    /// 1 / the step's global number of targets) and, once this returns, complete: summed over the
+    /// data-parallel ranks and, for replicated weights, over the tensor-parallel group. Returns
+    /// this rank's sum of token losses.
+    pub fn forward_backward(
+        &mut self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        micro: &[Vec<u32>],
+        grad_scale: f32,
+    ) -> Result<f64> {
+        let model = &self.model;
+        let mut loss_sum = 0.0;
+        match &mut self.state {
+            ParamState::Whole {
+                params,
+                grads,
+                bf16_copy,
+                ddp,
+            } => {
+                if let Some(c) = bf16_copy.as_mut() {
+                    c.refresh_bf16_copy(be, params);
+                }
+                grads.zero(be);
+                let compute: &ParamSet<B> = bf16_copy.as_ref().unwrap_or(params);
+                for (m, tokens) in micro.iter().enumerate() {
+                    // DDP reduces during the last micro-batch's backward (earlier ones accumulate).
+                    let hook: Option<&mut dyn BlockGradHook<B>> = match ddp.as_mut() {
+                        Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
+                        _ => None,
+                    };
+                    loss_sum += model
+                        .forward_backward_with(be, compute, grads, ws, tokens, grad_scale, hook)?
+                        .sum;
+                }
+                if let Some(d) = ddp {
+                    d.reducer.finish(be, grads, &model.ids.layers)?;
+                }
+            }
+            ParamState::Sharded { fsdp, full, grads } => {
+                fsdp.grad_shards.zero(be);
+                for tokens in micro {
+                    loss_sum += fsdp
+                        .forward_backward(be, model, full, grads, ws, tokens, grad_scale)?
+                        .sum;
+                }
+            }
+        }
+        if self.tp_group.is_some() {
+            let grads = match &mut self.state {
+                ParamState::Whole { grads, .. } => grads,
+                ParamState::Sharded { fsdp, .. } => &mut fsdp.grad_shards,
+            };
+            let tp = self.model.tp();
+            for (g, _) in grads
+                .bufs
+                .iter_mut()
+                .zip(&self.tp_replicated)
+                .filter(|(_, &r)| r)
+            {
+                tp.all_reduce_sum(be, g)?;
+            }
+        }
+        Ok(loss_sum)
+    }
+
+    /// The step's gradients as the optimizer reads them (FSDP: this rank's shards).
+    pub fn grads(&self) -> &ParamSet<B> {
+        match &self.state {
+            ParamState::Whole { grads, .. } => grads,
+            ParamState::Sharded { fsdp, .. } => &fsdp.grad_shards,
+        }
+    }
+
+    /// The global L2 norm of the gradients: each tensor-parallel part and each FSDP shard counted
+    /// once, the weights every TP rank holds whole counted once, HSDP's replicas once.
+    pub fn grad_norm(&self, be: &B) -> Result<f64> {
+        let grads = self.grads();
+        let shard_group = match &self.state {
+            ParamState::Sharded { fsdp, .. } => Some(fsdp.shard_group()),
+            ParamState::Whole { .. } => None,
+        };
+        let over_shards = |x: f64| shard_group.map_or(Ok(x), |g| all_reduce_sum_f64(g, x));
+        let Some(tp) = &self.tp_group else {
+            return Ok(over_shards(be.sum_squares_all(&grads.bufs))?.sqrt());
+        };
+        let (mut split, mut replicated) = (0.0, 0.0);
+        for (g, &r) in grads.bufs.iter().zip(&self.tp_replicated) {
+            let sq = be.sum_squares(g);
+            if r {
+                replicated += sq;
+            } else {
+                split += sq;
+            }
+        }
+        // The replicated weights' gradients are equal on every TP rank: counted once.
+        let split = all_reduce_sum_f64(tp.as_ref(), over_shards(split)?)?;
+        Ok((split + over_shards(replicated)?).sqrt())
+    }
+
+    /// This rank's master weights (FSDP: its shards) with their gradients, for the optimizer.
+    pub fn weights_and_grads(&mut self) -> (&mut ParamSet<B>, &ParamSet<B>) {
+        match &mut self.state {
+            ParamState::Whole { params, grads, .. } => (params, grads),
+            ParamState::Sharded { fsdp, .. } => (&mut fsdp.shards, &fsdp.grad_shards),
+        }
+    }
+
+    /// The tensor-parallel group (degree above 1), for gathering whole tensors.
+    pub fn tp_group(&self) -> Option<&dyn ProcessGroup> {
+        self.tp_group.as_deref()
+    }
+}
+
+/// Sum of one f64 over a group, carried as two f32 (high part and remainder) so that token counts
+/// and loss sums keep ~14 significant digits.
+pub fn all_reduce_sum_f64(g: &dyn ProcessGroup, x: f64) -> Result<f64> {
+    let hi = x as f32;
+    let mut v = [hi, (x - hi as f64) as f32];
+    g.all_reduce(&mut v, ReduceOp::Sum)?;
+    Ok(v[0] as f64 + v[1] as f64)
+}

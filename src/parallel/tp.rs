@@ -1,0 +1,207 @@
+//! Tensor parallelism (Megatron-LM's column- and row-parallel layers with sequence parallelism, and
+//! the vocabulary-parallel loss): the collectives behind `model::tensor_parallel::TensorParallelOps`
+//! over a real group of ranks.
+//!
+//! The block in `model::llama` is written once in one rank's shapes and crosses ranks only here:
+//! - `gather_rows`: the all-gather of the sequence-parallel token rows before column-parallel
+//!   projections (and of the output gradient before a row-parallel backward);
+//! - `reduce_scatter_rows`: the reduce-scatter of a row-parallel projection's partial sums back
+//!   to row shards (and of a column-parallel input gradient);
+//! - `all_reduce_sum`: the gradients of the replicated weights (the norms), whose parts come from
+//!   each rank's rows;
+//! - `cross_entropy`: the loss over vocabulary shards. Each rank computes the logits of every row
+//!   against its vocabulary rows, chunk by chunk; the row maxima are all-reduced (max), then the
+//!   sums of exponentials and the target logits (sum), so no rank ever holds a whole row of
+//!   logits. With `disable_loss_parallel` the chunk's logits are all-gathered instead and every
+//!   rank computes the softmax over whole rows (TorchTitan's behaviour without loss parallel):
+//!   the same loss for more traffic.
+//!
+//! The tensors travel through the host and the CPU transport (`comm::group`), on every backend.
+//! On GPUs that is a copy each way around each collective: these collectives do not go through
+//! NCCL yet, and the loss's softmax statistics are computed on the host.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use rayon::prelude::*;
+
+use crate::backend::{Backend, LossSum, IGNORE_INDEX};
+use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::model::tensor_parallel::{LossGrads, TensorParallelOps};
+use crate::model::LocalShapes;
+
+/// Logits a rank holds at once in the loss (rows × its vocabulary shard).
+const LOSS_CHUNK_FLOATS: usize = 4 << 20;
+
+/// A tensor-parallel group over the CPU transport.
+pub struct TensorParallelGroup {
+    group: Arc<dyn ProcessGroup>,
+    /// Cross-entropy over vocabulary shards (true) or over gathered logits.
+    loss_parallel: bool,
+}
+
+impl TensorParallelGroup {
+    pub fn new(group: Arc<dyn ProcessGroup>, loss_parallel: bool) -> Self {
+        TensorParallelGroup {
+            group,
+            loss_parallel,
+        }
+    }
+
+    /// Per row of a chunk of `rows` logits (`[rows, vocab]`, this rank's vocabulary shard at
+    /// `offset`): the maximum, the sum of `exp(logit − max)`, and the target's logit, each over
+    /// the whole vocabulary.
+    fn row_statistics(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        vocab: usize,
+        offset: usize,
+    ) -> Result<Vec<(f32, f64, f32)>> {
+        let rows = targets.len();
+        if !self.loss_parallel {
+            // Whole rows: every rank's shard, in rank order (= vocabulary order).
+            let size = self.group.size();
+            let mut all = vec![0.0f32; logits.len() * size];
+            self.group.all_gather(logits, &mut all)?;
+            let shard = |rank: usize, r: usize| &all[(rank * rows + r) * vocab..][..vocab];
+            return Ok((0..rows)
+                .into_par_iter()
+                .map(|r| {
+                    let max = (0..size)
+                        .flat_map(|k| shard(k, r).iter())
+                        .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let sum = (0..size)
+                        .flat_map(|k| shard(k, r).iter())
+                        .map(|&x| ((x - max) as f64).exp())
+                        .sum();
+                    let t = targets[r];
+                    let target = if t == IGNORE_INDEX {
+                        0.0
+                    } else {
+                        let t = t as usize;
+                        shard(t / vocab, r)[t % vocab]
+                    };
+                    (max, sum, target)
+                })
+                .collect());
+        }
+        let mut max: Vec<f32> = logits
+            .par_chunks(vocab)
+            .map(|row| row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
+            .collect();
+        self.group.all_reduce(&mut max, ReduceOp::Max)?;
+        // Sums of exponentials and target logits, each carried as f32 (the target logit is on one
+        // rank; the others add zero).
+        let mut sums = vec![0.0f32; 2 * rows];
+        sums.par_chunks_mut(2)
+            .zip(logits.par_chunks(vocab))
+            .enumerate()
+            .for_each(|(r, (out, row))| {
+                out[0] = row
+                    .iter()
+                    .map(|&x| ((x - max[r]) as f64).exp())
+                    .sum::<f64>() as f32;
+                let t = targets[r] as usize;
+                if targets[r] != IGNORE_INDEX && (offset..offset + vocab).contains(&t) {
+                    out[1] = row[t - offset];
+                }
+            });
+        self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
+        Ok((0..rows)
+            .map(|r| (max[r], sums[2 * r] as f64, sums[2 * r + 1]))
+            .collect())
+    }
+}
+
+impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
+    fn degree(&self) -> usize {
+        self.group.size()
+    }
+
+    fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()> {
+        let mine = be.download(local);
+        let mut all = vec![0.0f32; mine.len() * self.group.size()];
+        self.group.all_gather(&mine, &mut all)?;
+        *full = be.upload(&all);
+        Ok(())
+    }
+
+    fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()> {
+        let all = be.download(partial);
+        let mut mine = vec![0.0f32; all.len() / self.group.size()];
+        self.group.reduce_scatter(&all, &mut mine, ReduceOp::Sum)?;
+        *local = be.upload(&mine);
+        Ok(())
+    }
+
+    fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()> {
+        let mut values = be.download(buf);
+        self.group.all_reduce(&mut values, ReduceOp::Sum)?;
+        *buf = be.upload(&values);
+        Ok(())
+    }
+
+    fn cross_entropy(
+        &self,
+        be: &B,
+        h: &B::Buf,
+        w: &B::Buf,
+        targets: &[u32],
+        shapes: &LocalShapes,
+        grad_scale: f32,
+        mut grads: LossGrads<'_, B>,
+    ) -> Result<LossSum> {
+        let (d, vocab, offset) = (shapes.dim, shapes.vocab, shapes.vocab_offset);
+        let rows = targets.len();
+        let chunk = (LOSS_CHUNK_FLOATS / vocab.max(1)).clamp(1, rows.max(1));
+        let mut total = LossSum { sum: 0.0, count: 0 };
+        let mut h_chunk = be.uninit(chunk * d);
+        let mut logits_buf = be.uninit(chunk * vocab);
+        for r0 in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - r0);
+            let tc = &targets[r0..r0 + n];
+            if n < chunk {
+                h_chunk = be.uninit(n * d);
+                logits_buf = be.uninit(n * vocab);
+            }
+            be.copy_range(&mut h_chunk, 0, h, r0 * d, n * d);
+            be.logits(&mut logits_buf, &h_chunk, w, n, d, vocab);
+            let mut logits = be.download(&logits_buf);
+            let stats = self.row_statistics(&logits, tc, vocab, offset)?;
+            for (&t, &(max, sum, target)) in tc.iter().zip(&stats) {
+                if t != IGNORE_INDEX {
+                    total.sum += sum.ln() + max as f64 - target as f64;
+                    total.count += 1;
+                }
+            }
+            let Some((dh, dw)) = grads.as_mut() else {
+                continue;
+            };
+            // ∂(sum of losses)/∂logit = softmax − one-hot(target), times grad_scale.
+            logits
+                .par_chunks_mut(vocab)
+                .zip(tc.par_iter().zip(stats.par_iter()))
+                .for_each(|(row, (&t, &(max, sum, _)))| {
+                    if t == IGNORE_INDEX {
+                        row.fill(0.0);
+                        return;
+                    }
+                    let scale = grad_scale as f64 / sum;
+                    for x in row.iter_mut() {
+                        *x = (((*x - max) as f64).exp() * scale) as f32;
+                    }
+                    let t = t as usize;
+                    if (offset..offset + vocab).contains(&t) {
+                        row[t - offset] -= grad_scale;
+                    }
+                });
+            let dlogits = be.upload(&logits);
+            let mut dh_chunk = be.uninit(n * d);
+            be.matmul(&mut dh_chunk, &dlogits, w, n, vocab, d, false, false, false);
+            be.add_range(dh, r0 * d, &dh_chunk, 0, n * d);
+            be.matmul(dw, &dlogits, &h_chunk, vocab, n, d, true, false, true);
+        }
+        Ok(total)
+    }
+}

@@ -1,0 +1,48 @@
+//! One optimizer step, the same for every layout: the step's targets counted over the ranks that
+//! split the batch, every micro-batch's forward and backward (the layout runs its collectives),
+//! the global gradient norm, clipping folded into AdamW.
+
+use anyhow::Result;
+
+use super::optimizer::{clip_factor, AdamW};
+use crate::backend::{Backend, IGNORE_INDEX};
+use crate::model::Workspace;
+use crate::parallel::plan::RankLayout;
+
+/// One step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
+/// normalised by the step's global number of targets, so micro-batches and data-parallel ranks
+/// add up to one big batch. Returns (loss, grad norm before clipping); when either is not finite
+/// the weights are left untouched.
+#[allow(clippy::too_many_arguments)]
+pub fn train_step<B: Backend>(
+    be: &B,
+    layout: &mut RankLayout<B>,
+    opt: &mut AdamW<B>,
+    ws: &mut Workspace<B>,
+    micro: &[Vec<u32>],
+    lr: f64,
+    step: u64,
+    max_norm: f64,
+) -> Result<(f64, f64)> {
+    let targets = layout
+        .sum_over_batch(count_targets(micro, ws.seq) as f64)?
+        .round() as usize;
+    let scale = 1.0 / targets.max(1) as f32;
+    let loss_sum = layout.forward_backward(be, ws, micro, scale)?;
+    let loss = layout.sum_over_batch(loss_sum)? / targets.max(1) as f64;
+    let norm = layout.grad_norm(be)?;
+    if loss.is_finite() && norm.is_finite() {
+        let (weights, grads) = layout.weights_and_grads();
+        opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm));
+    }
+    Ok((loss, norm))
+}
+
+/// Targets that count toward the loss in `[batch, seq+1]` micro-batches (ignored ids excluded).
+fn count_targets(micro: &[Vec<u32>], seq: usize) -> usize {
+    micro
+        .iter()
+        .flat_map(|m| m.chunks(seq + 1))
+        .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
+        .sum()
+}
