@@ -5,51 +5,9 @@ mod common;
 
 use std::process::Command;
 
-use common::{titan_bin, TINY_ARGS};
-
-fn losses(dump: &std::path::Path) -> Vec<(u64, f64)> {
-    metric(dump, "loss")
-}
-
-/// `(step, value)` of one key of every line of `metrics.jsonl`.
-fn metric(dump: &std::path::Path, key: &str) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(dump.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v[key].as_f64().unwrap())
-        })
-        .collect()
-}
-
-fn train(dump: &std::path::Path, launcher: &[&str], extra: &[&str]) -> std::process::Output {
-    train_env(dump, launcher, extra, &[])
-}
-
-/// `titan train` with `launcher` options, into `dump`, with the config overrides `overrides`.
-fn train_command(dump: &std::path::Path, launcher: &[&str], overrides: &[&str]) -> Command {
-    let mut cmd = Command::new(titan_bin());
-    cmd.arg("train")
-        .args(launcher)
-        .args(["--job.dump_folder", dump.to_str().unwrap()])
-        .args(overrides);
-    cmd
-}
-
-fn train_env(
-    dump: &std::path::Path,
-    launcher: &[&str],
-    extra: &[&str],
-    env: &[(&str, &str)],
-) -> std::process::Output {
-    let mut cmd = train_command(dump, launcher, &[TINY_ARGS, extra].concat());
-    cmd.env("RAYON_NUM_THREADS", "1");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().unwrap()
-}
+use common::{
+    assert_parity, losses, metric, titan_bin, train, train_command, train_env, TINY_ARGS,
+};
 
 const DDP2: &[&str] = &["--nproc", "2", "--master-port", "0"];
 const DDP_MESH: &[&str] = &[
@@ -125,16 +83,6 @@ fn a_ddp_checkpoint_resumes_in_one_process_on_the_same_curve() {
         assert!(
             (x - y).abs() <= 1e-5 * x.abs(),
             "step {s}: straight {x}, resumed {y}"
-        );
-    }
-}
-
-fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for ((s, x), (_, y)) in a.iter().zip(b) {
-        assert!(
-            (x - y).abs() <= 1e-5 * x.abs(),
-            "{what}, step {s}: one process {x}, parallel {y}"
         );
     }
 }

@@ -207,10 +207,11 @@ mod tests {
         // Llama 3.1 8B on 8 GPUs, TorchTitan's flagship layout: 128 GB of weights, gradients and
         // AdamW state in all, of which each rank holds an eighth plus what it gathers.
         let args = ModelArgs::flavor("8B").unwrap();
-        let whole = MemoryEstimate::new(&args, 1, 8192);
+        let one = LocalShapes::whole(&args);
+        let whole = MemoryEstimate::new(&args, &one, 1, 8192);
         let state = |e: &MemoryEstimate| e.params + e.grads + e.optimizer;
         assert!(gib(state(&whole)) > 110.0, "{:.1} GiB", gib(state(&whole)));
-        let rank = whole.sharded(&args, 8, 3, 3);
+        let rank = whole.sharded(&args, &one, 8, 3, 3);
         let block = args.params_per_layer() as u64 * 4;
         let outside = args.num_params() as u64 * 4 - block * args.n_layers as u64;
         assert_eq!(rank.optimizer, whole.optimizer.div_ceil(8));
@@ -219,7 +220,25 @@ mod tests {
         assert!(gib(state(&rank)) < 30.0, "{:.1} GiB", gib(state(&rank)));
         assert_eq!(rank.activations, whole.activations);
         // One rank alone holds everything once and the gathered working set on top.
-        let alone = whole.sharded(&args, 1, 3, 3);
+        let alone = whole.sharded(&args, &one, 1, 3, 3);
         assert!(state(&alone) > state(&whole));
+    }
+
+    #[test]
+    fn a_tensor_parallel_rank_holds_its_parts_and_the_replicated_norms() {
+        // Llama 3.1 70B at TP 8: every weight but the norms split eight ways.
+        let args = ModelArgs::flavor("70B").unwrap();
+        let whole = MemoryEstimate::new(&args, &LocalShapes::whole(&args), 1, 8192);
+        let tp8 = LocalShapes::sharded(&args, 8, 3).unwrap();
+        let rank = MemoryEstimate::new(&args, &tp8, 1, 8192);
+        let norms = ((2 * args.n_layers + 1) * args.dim) as u64 * 4;
+        assert_eq!(rank.params, (whole.params - norms) / 8 + norms);
+        assert!(rank.activations < whole.activations / 4);
+        // 70B's 8 key/value heads do not split 16 ways.
+        let e = LocalShapes::sharded(&args, 16, 0).unwrap_err().to_string();
+        assert!(
+            e.contains("n_kv_heads 8") && e.contains("tensor_parallel_degree = 16"),
+            "{e}"
+        );
     }
 }

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use std::path::Path;
+use std::process::Command;
 
 use titan::config::Config;
 
@@ -55,4 +56,62 @@ pub fn bits(losses: &[(u64, f64)]) -> Vec<(u64, u64)> {
 /// Path of the built `titan` binary (integration tests get it from Cargo).
 pub fn titan_bin() -> &'static str {
     env!("CARGO_BIN_EXE_titan")
+}
+
+// ---- multi-process runs through the launcher (`titan train --nproc N`)
+
+/// Per-step losses of a run's `metrics.jsonl`.
+pub fn losses(dump: &std::path::Path) -> Vec<(u64, f64)> {
+    metric(dump, "loss")
+}
+
+/// `(step, value)` of one key of every line of `metrics.jsonl`.
+pub fn metric(dump: &std::path::Path, key: &str) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(dump.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v[key].as_f64().unwrap())
+        })
+        .collect()
+}
+
+pub fn train(dump: &std::path::Path, launcher: &[&str], extra: &[&str]) -> std::process::Output {
+    train_env(dump, launcher, extra, &[])
+}
+
+/// `titan train` with `launcher` options, into `dump`, with the config overrides `overrides`.
+pub fn train_command(dump: &std::path::Path, launcher: &[&str], overrides: &[&str]) -> Command {
+    let mut cmd = Command::new(titan_bin());
+    cmd.arg("train")
+        .args(launcher)
+        .args(["--job.dump_folder", dump.to_str().unwrap()])
+        .args(overrides);
+    cmd
+}
+
+pub fn train_env(
+    dump: &std::path::Path,
+    launcher: &[&str],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let mut cmd = train_command(dump, launcher, &[TINY_ARGS, extra].concat());
+    cmd.env("RAYON_NUM_THREADS", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+/// Per-step values of a parallel run within 1e-5 (relative) of one process's.
+pub fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((s, x), (_, y)) in a.iter().zip(b) {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs(),
+            "{what}, step {s}: one process {x}, parallel {y}"
+        );
+    }
 }
