@@ -17,7 +17,10 @@ pub struct StepMetrics {
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
+    /// The whole job's tokens per second.
     pub tokens_per_s: f64,
+    /// Per device (TorchTitan's `tps`): `tokens_per_s` over every rank of the job.
+    pub tokens_per_s_per_device: f64,
     pub tflops: f64,
     pub mfu: f64,
     pub step_time_s: f64,

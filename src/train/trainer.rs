@@ -416,6 +416,7 @@ fn train_on<B: Backend>(
             grad_norm: norm,
             lr,
             tokens_per_s,
+            tokens_per_s_per_device: tokens_per_s / dist.map_or(1, |d| d.world) as f64,
             tflops,
             mfu: 100.0 * tflops / peak_tflops,
             step_time_s: step_time,
