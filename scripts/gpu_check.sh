@@ -74,6 +74,10 @@ stage fsdp_cuda 45 sh -c "'$BIN' train $common --training.local_batch_size 8 --j
 # DDP the same way (host path: NCCL refuses two ranks on one GPU).
 rm -rf "$OUT_DIR/ddp2"
 stage ddp_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 4 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder "$OUT_DIR/ddp2"
+# TP 2 on one GPU: the blocks in one rank's shapes on CUDA (ids of the other rank's vocabulary give
+# zero embedding rows), the TP collectives through the host; same loss as the `one` run above.
+rm -rf "$OUT_DIR/tp2"
+stage tp_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder "$OUT_DIR/tp2"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -144,7 +148,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;

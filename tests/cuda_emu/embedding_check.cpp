@@ -1,7 +1,8 @@
 // Runs the embedding backward (kernels/embedding.cu) on the CPU emulator: the tokens grouped by id
 // as the host groups them (src/backend/cuda/ops/mod.rs, TokenGroups), many repeated ids, a width
 // that is not a multiple of the 256-column blocks. The table must match, bit for bit, the plain
-// loop over tokens in order that the CPU backend runs. Exits 1 on any difference.
+// loop over tokens in order that the CPU backend runs. The forward must give a zero row for an id
+// of another rank's vocabulary shard (IGNORE_INDEX). Exits 1 on any difference.
 
 #include <algorithm>
 #include <numeric>
@@ -48,6 +49,22 @@ int main() {
     bool ok = differ == 0;
     std::printf("%-26s %zu of %zu values differ %s\n", "embedding_backward", differ, got.size(),
                 ok ? "ok" : "FAILED");
+
+    // Forward with every third id another tensor-parallel rank's (0xFFFFFFFF): a zero row there,
+    // the table's row elsewhere.
+    std::vector<u32> shard_ids = ids;
+    for (int t = 0; t < tokens; t += 3) shard_ids[t] = 0xFFFFFFFFu;
+    std::vector<float> out((size_t)tokens * dim, 7.0f), want_out((size_t)tokens * dim, 0.0f);
+    for (int t = 0; t < tokens; ++t)
+        if (shard_ids[t] != 0xFFFFFFFFu)
+            for (int d = 0; d < dim; ++d) want_out[(size_t)t * dim + d] = table[(size_t)shard_ids[t] * dim + d];
+    emu::launch(EmuDim3{(unsigned)tokens, 1, 1}, 256,
+                [&] { embedding_forward(out.data(), table.data(), shard_ids.data(), dim); });
+    size_t differ_fwd = 0;
+    for (size_t i = 0; i < out.size(); ++i) differ_fwd += __float_as_uint(out[i]) != __float_as_uint(want_out[i]);
+    std::printf("%-26s %zu of %zu values differ %s\n", "embedding_forward (shard)", differ_fwd, out.size(),
+                differ_fwd == 0 ? "ok" : "FAILED");
+    ok = ok && differ_fwd == 0;
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;
 }
