@@ -133,6 +133,16 @@ fn tp_checkpoints_resume_under_other_layouts_and_fsdp_resumes_as_2d() {
         &resumed_losses(tp2.path(), &[], &[]),
         "TP 2 -> one process",
     );
+    // The tools that read checkpoints read a TP one too.
+    let hf = tp2.path().join("hf");
+    let o = std::process::Command::new(common::titan_bin())
+        .args(["convert", "hf-export"])
+        .arg(tp2.path().join("checkpoint/step-10"))
+        .arg(&hf)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(hf.join("model.safetensors").exists() && hf.join("config.json").exists());
     let fsdp2 = [
         "--parallelism.data_parallel_shard_degree",
         "2",
