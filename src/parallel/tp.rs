@@ -158,12 +158,14 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
         let mut total = LossSum { sum: 0.0, count: 0 };
         let mut h_chunk = be.uninit(chunk * d);
         let mut logits_buf = be.uninit(chunk * vocab);
+        let mut dh_chunk = be.uninit(chunk * d);
         for r0 in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - r0);
             let tc = &targets[r0..r0 + n];
             if n < chunk {
                 h_chunk = be.uninit(n * d);
                 logits_buf = be.uninit(n * vocab);
+                dh_chunk = be.uninit(n * d);
             }
             be.copy_range(&mut h_chunk, 0, h, r0 * d, n * d);
             be.logits(&mut logits_buf, &h_chunk, w, n, d, vocab);
@@ -197,7 +199,6 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
                     }
                 });
             let dlogits = be.upload(&logits);
-            let mut dh_chunk = be.uninit(n * d);
             be.matmul(&mut dh_chunk, &dlogits, w, n, vocab, d, false, false, false);
             be.add_range(dh, r0 * d, &dh_chunk, 0, n * d);
             be.matmul(dw, &dlogits, &h_chunk, vocab, n, d, true, false, true);
