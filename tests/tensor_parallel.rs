@@ -222,3 +222,63 @@ fn layouts_tp_cannot_split_are_refused_naming_the_numbers() {
         &["enable_async_tensor_parallel", "not built yet"],
     );
 }
+
+/// `titan bench train` runs any layout the launcher can start, with the figures every parallel
+/// dimension reports through (the largest rank's memory beside its estimate, TP's exposed
+/// communication), and the one-process bench the same keys.
+#[test]
+fn bench_train_reports_every_layout_through_the_same_keys() {
+    let bench = |launch: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "bench",
+            "train",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            "--threads",
+            "1",
+        ];
+        args.extend_from_slice(launch);
+        args.extend_from_slice(common::TINY_ARGS);
+        let o = std::process::Command::new(common::titan_bin())
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{launch:?}: not one JSON object ({e}): {}",
+                String::from_utf8_lossy(&o.stdout)
+            )
+        })
+    };
+    let one = bench(&[]);
+    let two_d = bench(&["--nproc", "4", "--parallelism.tensor_parallel_degree", "2"]);
+    assert_eq!(two_d["layout"], "dp_shard 2 × tp 2", "{two_d}");
+    assert_eq!(two_d["global_batch"].as_u64(), Some(4), "{two_d}");
+    for v in [&one, &two_d] {
+        let per_device = v["tokens_per_s"].as_f64().unwrap() / v["nproc"].as_f64().unwrap();
+        assert!(
+            (v["tokens_per_s_per_device"].as_f64().unwrap() - per_device).abs() < 1e-6 * per_device,
+            "{v}"
+        );
+        for key in ["tokens_per_s", "peak_rss_mib", "memory_estimate_mib"] {
+            assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+        }
+        assert!(v["peak_device_mib"].is_null(), "{v}");
+    }
+    assert!(one["tp_exposed_comm_ms_per_step"].is_null(), "{one}");
+    assert!(
+        two_d["tp_exposed_comm_ms_per_step"].as_f64().unwrap() > 0.0,
+        "{two_d}"
+    );
+    // Each rank of the 2-D layout holds half the weights of one TP rank's group, a quarter of
+    // the model's split weights: its estimate is below one process's.
+    assert!(
+        two_d["memory_estimate_mib"].as_f64().unwrap()
+            < one["memory_estimate_mib"].as_f64().unwrap(),
+        "{one}\n{two_d}"
+    );
+}

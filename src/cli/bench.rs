@@ -1,240 +1,341 @@
-//! `titan bench train`: a few training steps on random tokens, timed after warm-up; prints the median
-//! tokens/s, GFLOP/s (TorchTitan's FLOP count) and peak resident memory, comparable with
-//! `shared/bench/torch_llama_cpu.py`.
+//! `titan bench train`: a few training steps on random tokens, timed after warm-up, of any layout
+//! (`--nproc N` and `[parallelism]` overrides) composed as `titan train` composes it; prints the
+//! median tokens/s (global and per device), GFLOP/s (TorchTitan's FLOP count), the largest rank's
+//! peak memory beside its estimate and, with tensor parallelism, the communication the step left
+//! exposed. One process on the debug model is comparable with `shared/bench/torch_llama_cpu.py`.
+//! Also `bench gemm` and `bench comm`.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::Backend;
-use crate::config::OptimizerConfig;
-use crate::model::{init_params, Llama, ModelArgs, ParamSet, Workspace};
-use crate::parallel::plan::{ParamState, RankLayout};
+use crate::comm::group::ReduceOp;
+use crate::config::Config;
+use crate::train::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
 use crate::train::memory::peak_memory;
 use crate::train::metrics::default_peak_tflops;
-use crate::train::optimizer::AdamW;
 use crate::train::step::train_step;
-use crate::train::trainer::init_threads;
+use crate::train::trainer::{cuda_backend, init_threads, select_device, Device};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchTrainArgs {
-    #[arg(long, default_value = "debugmodel")]
-    pub flavor: String,
-    #[arg(long, default_value_t = 8)]
-    pub batch: usize,
-    #[arg(long, default_value_t = 256)]
-    pub seq: usize,
+    /// A TOML job config to start from (default: the built-in debug model job); the options
+    /// below and the trailing overrides change it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// `[model] flavor` (default: the config's, debugmodel).
+    #[arg(long)]
+    pub flavor: Option<String>,
+    /// `[training] local_batch_size` (default: the config's, 8).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// `[training] seq_len` (default: the config's, 256).
+    #[arg(long)]
+    pub seq: Option<usize>,
     /// Timed steps (after warm-up).
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
-    /// CPU threads (0: every core).
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-    /// Override the flavor's number of KV heads (grouped-query attention).
+    /// CPU threads per rank (`[training] threads`; 0: the cores shared out among the ranks).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// `[model] n_kv_heads`: override the flavor's number of KV heads (grouped-query attention).
     #[arg(long)]
     pub kv_heads: Option<usize>,
+    /// Local ranks to start, one process each, laid out by `[parallelism]` (e.g.
+    /// `--parallelism.tensor_parallel_degree 2`).
+    #[arg(long, default_value_t = 1)]
+    pub nproc: usize,
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
-    /// Time every kernel and print where the timed steps went (on CUDA each op then waits for the
-    /// GPU, so the profiled step is slower than a plain one).
+    /// Time every kernel and print where rank 0's timed steps went (on CUDA each op then waits
+    /// for the GPU, so the profiled step is slower than a plain one).
     #[arg(long)]
     pub profile_ops: bool,
-    /// cpu or cuda (GPU 0).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// `mixed_precision_param`: bfloat16 (bf16 weights in compute; bf16 tensor-core GEMMs on
-    /// CUDA), tfloat32 (CUDA) or float32. Default: bfloat16 on CUDA, float32 on the CPU.
+    /// `[training] device`: cpu or cuda (default: cpu).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// `[training] mixed_precision_param`: bfloat16 (bf16 weights in compute; bf16 tensor-core
+    /// GEMMs on CUDA), tfloat32 (CUDA) or float32. Default: bfloat16 on CUDA, float32 on the CPU.
     #[arg(long)]
     pub precision: Option<String>,
-    /// Peak TFLOP/s for MFU; 0 uses the device default (989 for an H100/H200 in bf16).
+    /// Peak TFLOP/s of one device for MFU; 0 uses the device default (989 for an H100/H200 in bf16).
     #[arg(long, default_value_t = 0.0)]
     pub peak_tflops: f64,
+    /// Any other config key: --section.key VALUE (after the options above).
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "--section.key VALUE"
+    )]
+    pub overrides: Vec<String>,
 }
 
 impl BenchTrainArgs {
-    fn precision(&self) -> &str {
-        self.precision.as_deref().unwrap_or("float32")
+    /// The job the benchmark runs: the config with the options and overrides applied, on
+    /// synthetic tokens, without checkpoints.
+    fn config(&self) -> Result<Config> {
+        let device = self.device.clone().unwrap_or_else(|| "cpu".into());
+        let precision = self.precision.clone().unwrap_or_else(|| {
+            if device == "cuda" {
+                "bfloat16"
+            } else {
+                "float32"
+            }
+            .into()
+        });
+        let mut overrides: Vec<String> = Vec::new();
+        let mut set = |key: &str, value: String| {
+            overrides.extend([format!("--{key}"), value]);
+        };
+        if let Some(f) = &self.flavor {
+            set("model.flavor", f.clone());
+        }
+        if let Some(b) = self.batch {
+            set("training.local_batch_size", b.to_string());
+        }
+        if let Some(s) = self.seq {
+            set("training.seq_len", s.to_string());
+        }
+        if let Some(t) = self.threads {
+            set("training.threads", t.to_string());
+        }
+        if let Some(kv) = self.kv_heads {
+            set("model.n_kv_heads", kv.to_string());
+        }
+        set("training.device", format!("\"{device}\""));
+        set("training.mixed_precision_param", format!("\"{precision}\""));
+        set("training.steps", (self.warmup + self.steps).to_string());
+        set("checkpoint.enable", "false".into());
+        overrides.extend(self.overrides.iter().cloned());
+        Config::load(self.config.as_deref(), &overrides)
     }
 }
 
 pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
-    init_threads(a.threads);
-    if let Some(p) = &a.precision {
-        if !crate::config::PRECISIONS.contains(&p.as_str()) {
-            bail!(
-                "--precision `{p}` is not known (accepted: {})",
-                crate::config::PRECISIONS.join(", ")
-            );
-        }
+    let cfg = a.config()?;
+    if crate::launch::env::WorkerEnv::detect()?.is_none() && a.nproc > 1 {
+        // Refuse a mesh the workers would refuse, then start them with this same command.
+        crate::launch::check_mesh(&cfg, a.nproc)?;
+        let o = crate::launch::launcher::LaunchOptions {
+            nproc: a.nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            max_restarts: 0,
+            worker_args: std::env::args().skip(1).collect(),
+            rank0_stdout_plain: true,
+        };
+        return crate::launch::launcher::launch(&o);
     }
-    let mut a = a.clone();
-    a.precision.get_or_insert_with(|| {
-        if a.device == "cuda" {
-            "bfloat16"
-        } else {
-            "float32"
-        }
-        .to_string()
-    });
-    let a = &a;
-    match a.device.as_str() {
-        "cpu" => {
+    init_rank_threads(&cfg)?;
+    match select_device(&cfg)? {
+        Device::Cpu => {
             let be = if a.profile_ops {
                 CpuBackend::profiled()
             } else {
                 CpuBackend::new()
             };
-            let timed_s = bench_on(&be, a, &|| be.profiler.reset())?;
-            if a.profile_ops {
-                print!("{}", be.profiler.report(timed_s));
+            let place = RankPlace::cpu(&cfg)?;
+            if let Some(timed_s) = bench_on(&be, &cfg, a, place, &|| be.profiler.reset())? {
+                if a.profile_ops {
+                    print!("{}", be.profiler.report(timed_s));
+                }
             }
             Ok(())
         }
-        "cuda" => {
-            let mut be = CudaBackend::new(0, GemmPrecision::from_config(a.precision())?)?;
+        Device::Cuda => {
+            let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
+            let mut be = cuda_backend(&cfg, local_rank)?;
             if a.profile_ops {
                 be.enable_profiling();
             }
-            let timed_s = bench_on(&be, a, &|| be.profiler.reset())?;
-            if a.profile_ops {
-                print!("{}", be.profiler.report(timed_s));
+            let place = RankPlace::cuda(&cfg, &be, a.json)?;
+            if let Some(timed_s) = bench_on(&be, &cfg, a, place, &|| be.profiler.reset())? {
+                if a.profile_ops {
+                    print!("{}", be.profiler.report(timed_s));
+                }
             }
             Ok(())
         }
-        other => bail!("--device `{other}` is not known (accepted: cpu, cuda)"),
     }
 }
 
-/// Runs the timed steps; `on_warm` is called once the warm-up steps are done. Returns the seconds
-/// spent in timed steps.
-fn bench_on<B: Backend>(be: &B, a: &BenchTrainArgs, on_warm: &dyn Fn()) -> Result<f64> {
-    let mut args = ModelArgs::flavor(&a.flavor)?;
-    if let Some(kv) = a.kv_heads {
-        args.n_kv_heads = kv;
-    }
-    args.validate()?;
-    let param_dtype = crate::model::ParamDtype::from_config(a.precision());
-    let local = crate::model::LocalShapes::whole(&args);
-    let mut estimate = crate::train::memory::MemoryEstimate::new(&args, &local, a.batch, a.seq)
-        .with_backend_scratch(be, &local, a.batch, a.seq);
-    if param_dtype == crate::model::ParamDtype::BFloat16 {
-        estimate = estimate.with_compute_copy(be);
-    }
-    crate::train::memory::check_fits(
-        &estimate,
-        &format!("bench of {} at {}×{}", a.flavor, a.batch, a.seq),
-        be.device_free_memory(),
-        1,
-    )?;
+/// This rank's timed steps of the composed layout; `on_warm` is called once the warm-up steps are
+/// done. Rank 0 prints the job's figures and returns the seconds its timed steps took; the other
+/// ranks return None.
+fn bench_on<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    a: &BenchTrainArgs,
+    place: RankPlace<B>,
+    on_warm: &dyn Fn(),
+) -> Result<Option<f64>> {
+    let dist = place.dist.as_ref();
+    let (rank, world, dp_rank) = dist.map_or((0, 1, 0), |d| (d.rank, d.world, d.dp.rank()));
+    let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
     let setup = Instant::now();
-    let model = Llama::new(be, args.clone(), a.seq)?;
-    let specs = model.param_specs();
-    let state = ParamState::Whole {
-        params: init_params(be, &args, 0),
-        grads: ParamSet::zeros(be, &specs),
-        bf16_copy: (param_dtype == crate::model::ParamDtype::BFloat16)
-            .then(|| ParamSet::zeros(be, &specs)),
-        ddp: None,
-    };
-    let mut layout = RankLayout::new(model, state, None, None);
-    let mut opt = AdamW::new(be, &specs, OptimizerConfig::default());
-    let mut ws = Workspace::new(be, &args, a.batch, a.seq);
+    let ComposedRank {
+        args,
+        mut layout,
+        mut opt,
+        mut ws,
+        estimate,
+        accum,
+        global_batch,
+        ..
+    } = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
     be.synchronize();
-    eprintln!(
-        "bench setup of {} (parameters, optimizer, buffers): {:.1} s",
-        a.flavor,
-        setup.elapsed().as_secs_f64()
-    );
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let batches: Vec<Vec<u32>> = (0..4)
+    if rank == 0 {
+        eprintln!(
+            "bench setup of {} (parameters, optimizer, buffers): {:.1} s",
+            cfg.model.flavor,
+            setup.elapsed().as_secs_f64()
+        );
+    }
+    // Random tokens: each data-parallel rank its own, the ranks of a tensor-parallel group the same.
+    let mut rng = ChaCha8Rng::seed_from_u64(1 + dp_rank as u64);
+    let batches: Vec<Vec<u32>> = (0..4 * accum)
         .map(|_| {
-            (0..a.batch * (a.seq + 1))
+            (0..batch * (seq + 1))
                 .map(|_| rng.gen_range(0..args.vocab_size as u32))
                 .collect()
         })
         .collect();
     let mut times = Vec::new();
     let mut losses = Vec::new();
+    let mut exposed_at_warm = 0.0;
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             on_warm();
+            exposed_at_warm = layout.model.tp().exposed_comm_seconds();
         }
         be.synchronize();
         let t0 = Instant::now();
+        let first = (i * accum) % batches.len();
         let (loss, _) = train_step(
             be,
             &mut layout,
             &mut opt,
             &mut ws,
-            std::slice::from_ref(&batches[i % batches.len()]),
+            &batches[first..first + accum],
             8e-4,
             i as u64 + 1,
             1.0,
         )?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
-        eprintln!(
-            "bench step {}/{}{}: {dt:.3} s, loss {loss:.4}",
-            i + 1,
-            a.warmup + a.steps,
-            if i < a.warmup { " (warm-up)" } else { "" }
-        );
+        if rank == 0 {
+            eprintln!(
+                "bench step {}/{}{}: {dt:.3} s, loss {loss:.4}",
+                i + 1,
+                a.warmup + a.steps,
+                if i < a.warmup { " (warm-up)" } else { "" }
+            );
+        }
         losses.push(loss);
         if i >= a.warmup {
             times.push(dt);
         }
     }
     let timed_s: f64 = times.iter().sum();
+    let exposed_tp_s =
+        (layout.model.tp().exposed_comm_seconds() - exposed_at_warm) / a.steps.max(1) as f64;
+    // Job-wide figures: the largest rank's memory, its estimate and its exposed TP communication.
+    let peak_rss = peak_memory() as f64;
+    let device_peak = be.device_peak_memory().map(|b| b as f64);
+    let [peak_rss, device_peak, estimate_bytes, exposed_tp_s] = match dist {
+        Some(d) => {
+            let mut v = [
+                peak_rss as f32,
+                device_peak.unwrap_or(0.0) as f32,
+                estimate.total() as f32,
+                exposed_tp_s as f32,
+            ];
+            d.all.all_reduce(&mut v, ReduceOp::Max)?;
+            v.map(f64::from)
+        }
+        None => [
+            peak_rss,
+            device_peak.unwrap_or(0.0),
+            estimate.total() as f64,
+            exposed_tp_s,
+        ],
+    };
+    if rank != 0 {
+        return Ok(None);
+    }
     times.sort_by(|x, y| x.total_cmp(y));
     let median = times[times.len() / 2];
-    let tokens = (a.batch * a.seq) as f64;
-    let tok_s = tokens / median;
-    let gflops = tok_s * args.flops_per_token(a.seq) / 1e9;
-    let peak_rss = peak_memory();
-    let device_peak = be.device_peak_memory();
+    let tok_s = (global_batch * seq) as f64 / median;
+    let gflops = tok_s * args.flops_per_token(seq) / 1e9;
     let threads = rayon::current_num_threads();
-    let peak_tflops = if a.peak_tflops > 0.0 {
-        a.peak_tflops
-    } else {
-        default_peak_tflops(be, threads)
-    };
+    let peak_tflops = world as f64
+        * if a.peak_tflops > 0.0 {
+            a.peak_tflops
+        } else {
+            default_peak_tflops(be, threads)
+        };
     let mfu = 100.0 * gflops / 1e3 / peak_tflops;
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mib = |b: f64| b / (1 << 20) as f64;
+    let p = &cfg.parallelism;
+    let tp = p.tensor_parallel_degree;
+    let layout_name = dist.map_or("one process".to_string(), |d| {
+        crate::comm::mesh::DIMS
+            .iter()
+            .zip(d.mesh.degrees)
+            .filter(|(_, n)| *n > 1)
+            .map(|(dim, n)| format!("{dim} {n}"))
+            .collect::<Vec<_>>()
+            .join(" × ")
+    });
+    let precision = &cfg.training.mixed_precision_param;
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"device": be.name(), "precision": a.precision(), "flavor": a.flavor, "batch": a.batch, "seq": a.seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
-                "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1], "tokens_per_s": tok_s,
+            serde_json::json!({"device": be.name(), "precision": precision, "flavor": cfg.model.flavor, "batch": batch, "seq": seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
+                "nproc": world, "layout": layout_name, "global_batch": global_batch, "micro_batches": accum,
+                "tensor_parallel_degree": tp, "async_tensor_parallel": p.enable_async_tensor_parallel,
+                "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1],
+                "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world as f64,
                 "gflops": gflops, "tflops": gflops / 1e3, "mfu_pct": mfu, "peak_tflops": peak_tflops,
-                "peak_rss_mib": mib(peak_rss), "peak_device_mib": device_peak.map(mib),
+                "peak_rss_mib": mib(peak_rss), "peak_device_mib": be.device_peak_memory().map(|_| mib(device_peak)),
+                "memory_estimate_mib": mib(estimate_bytes),
+                "tp_exposed_comm_ms_per_step": (tp > 1).then_some(exposed_tp_s * 1e3),
                 "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
         );
     } else {
-        let memory = match device_peak {
-            Some(b) => format!("peak device memory {:.0} MiB", mib(b)),
+        let memory = match be.device_peak_memory() {
+            Some(_) => format!("peak device memory {:.0} MiB", mib(device_peak)),
             None => format!("peak RSS {:.0} MiB", mib(peak_rss)),
         };
+        let exposed = if tp > 1 {
+            format!(" | TP comm exposed {:.1} ms/step", exposed_tp_s * 1e3)
+        } else {
+            String::new()
+        };
         println!(
-            "bench train | {} {} b={} s={} threads={threads} | tok/s {tok_s:.0} | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} | loss {:.3} -> {:.3}",
+            "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
             be.name(),
-            a.flavor,
-            a.batch,
-            a.seq,
+            cfg.model.flavor,
+            tok_s / world as f64,
             median * 1e3,
             times[0] * 1e3,
             times[times.len() - 1] * 1e3,
+            mib(estimate_bytes),
             losses[0],
             losses[losses.len() - 1]
         );
     }
-    Ok(timed_s)
+    Ok(Some(timed_s))
 }
 
 /// Best-of-5 GFLOP/s of `out[m,n] = a[m,k]·b[k,n]` through the backend's matmul.
@@ -338,6 +439,7 @@ pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
             master_port: 0,
             max_restarts: 0,
             worker_args,
+            rank0_stdout_plain: true,
         };
         return crate::launch::launcher::launch(&o);
     };

@@ -161,6 +161,7 @@ pub fn run(cli: Cli) -> Result<()> {
                     master_port,
                     max_restarts,
                     worker_args,
+                    rank0_stdout_plain: false,
                 };
                 return crate::launch::launcher::launch(&o);
             }

@@ -462,10 +462,11 @@ impl Config {
         Ok(())
     }
 
-    /// Sequences per optimizer step.
-    pub fn global_batch_size(&self) -> usize {
+    /// Sequences per optimizer step with `dp_size` data-parallel ranks (-1: one micro-batch per
+    /// rank per step).
+    pub fn global_batch_size_for(&self, dp_size: usize) -> usize {
         if self.training.global_batch_size < 0 {
-            self.training.local_batch_size
+            self.training.local_batch_size * dp_size
         } else {
             self.training.global_batch_size as usize
         }

@@ -23,6 +23,9 @@ pub struct LaunchOptions {
     pub max_restarts: usize,
     /// Arguments of the worker command (after the executable).
     pub worker_args: Vec<String>,
+    /// Rank 0's standard output passes through without the `[rank 0]` prefix (a benchmark's
+    /// JSON line, which a script parses).
+    pub rank0_stdout_plain: bool,
 }
 
 struct Worker {
@@ -35,14 +38,15 @@ fn pump(
     stream: impl std::io::Read + Send + 'static,
     rank: usize,
     to_stderr: bool,
+    plain: bool,
     keep: Option<Arc<Mutex<Vec<String>>>>,
 ) {
     std::thread::spawn(move || {
         for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            if to_stderr {
-                eprintln!("[rank {rank}] {line}");
-            } else {
-                println!("[rank {rank}] {line}");
+            match (to_stderr, plain) {
+                (true, _) => eprintln!("[rank {rank}] {line}"),
+                (false, true) => println!("{line}"),
+                (false, false) => println!("[rank {rank}] {line}"),
             }
             if let Some(k) = &keep {
                 let mut k = k.lock().unwrap_or_else(|e| e.into_inner());
@@ -105,11 +109,19 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
                 .spawn()
                 .with_context(|| format!("cannot start rank {rank}"))?;
             let last_err = Arc::new(Mutex::new(Vec::new()));
-            pump(child.stdout.take().expect("piped"), rank, false, None);
+            let plain = o.rank0_stdout_plain && rank == 0;
+            pump(
+                child.stdout.take().expect("piped"),
+                rank,
+                false,
+                plain,
+                None,
+            );
             pump(
                 child.stderr.take().expect("piped"),
                 rank,
                 true,
+                false,
                 Some(last_err.clone()),
             );
             workers.push(Worker {

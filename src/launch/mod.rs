@@ -27,6 +27,9 @@ pub struct Distributed {
     pub replicate: Option<Arc<dyn ProcessGroup>>,
     /// The tensor-parallel group (`tp`), when its degree is above 1.
     pub tp: Option<Arc<dyn ProcessGroup>>,
+    /// Every rank of the job (the data-parallel group itself when the job is data parallel only):
+    /// job-wide figures such as the largest rank's peak memory.
+    pub all: Arc<dyn ProcessGroup>,
     /// Ranks on this node (the launcher's processes per node).
     pub local_world_size: usize,
     /// The rendezvous store, for groups formed later (NCCL's unique id).
@@ -95,6 +98,11 @@ impl Distributed {
         } else {
             None
         };
+        let all = if dp.size() == env.world_size {
+            dp.clone()
+        } else {
+            join(&crate::comm::mesh::DIMS)?
+        };
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,
@@ -103,6 +111,7 @@ impl Distributed {
             shard,
             replicate,
             tp,
+            all,
             local_world_size: env.local_world_size,
             store,
             dp_name,

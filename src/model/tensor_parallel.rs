@@ -26,6 +26,12 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
     /// `buf` summed over the group, in place (the gradients of replicated weights).
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()>;
 
+    /// Seconds this rank has spent waiting on the group's communication since the group was
+    /// made: the communication no computation hid (exposed). 0 for one rank.
+    fn exposed_comm_seconds(&self) -> f64 {
+        0.0
+    }
+
     /// Cross-entropy of `logits = h · wᵀ` for every row of `h` (`[rows, dim]`) against
     /// `targets` (global ids), `w` holding this rank's `shapes.vocab` rows of the output
     /// projection. With `grads`, adds `grad_scale · ∂/∂h` (this rank's part: summed over the

@@ -20,13 +20,16 @@
 //! On GPUs that is a copy each way around each collective: these collectives do not go through
 //! NCCL yet, and the loss's softmax statistics are computed on the host.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::Result;
 use rayon::prelude::*;
 
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
 use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::config::ParallelismConfig;
 use crate::model::tensor_parallel::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
 
@@ -38,14 +41,27 @@ pub struct TensorParallelGroup {
     group: Arc<dyn ProcessGroup>,
     /// Cross-entropy over vocabulary shards (true) or over gathered logits.
     loss_parallel: bool,
+    /// Nanoseconds spent waiting on `group` (`exposed_comm_seconds`).
+    waited_ns: AtomicU64,
 }
 
 impl TensorParallelGroup {
-    pub fn new(group: Arc<dyn ProcessGroup>, loss_parallel: bool) -> Self {
+    /// The group's operations as `[parallelism]` asks (`disable_loss_parallel`).
+    pub fn new(group: Arc<dyn ProcessGroup>, p: &ParallelismConfig) -> Self {
         TensorParallelGroup {
             group,
-            loss_parallel,
+            loss_parallel: !p.disable_loss_parallel,
+            waited_ns: AtomicU64::new(0),
         }
+    }
+
+    /// Runs `collective`, counting the time it blocks as exposed communication.
+    fn waiting<T>(&self, collective: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t0 = Instant::now();
+        let r = collective();
+        self.waited_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
     }
 
     /// Per row of a chunk of `rows` logits (`[rows, vocab]`, this rank's vocabulary shard at
@@ -63,7 +79,7 @@ impl TensorParallelGroup {
             // Whole rows: every rank's shard, in rank order (= vocabulary order).
             let size = self.group.size();
             let mut all = vec![0.0f32; logits.len() * size];
-            self.group.all_gather(logits, &mut all)?;
+            self.waiting(|| self.group.all_gather(logits, &mut all))?;
             let shard = |rank: usize, r: usize| &all[(rank * rows + r) * vocab..][..vocab];
             return Ok((0..rows)
                 .into_par_iter()
@@ -90,7 +106,7 @@ impl TensorParallelGroup {
             .par_chunks(vocab)
             .map(|row| row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
             .collect();
-        self.group.all_reduce(&mut max, ReduceOp::Max)?;
+        self.waiting(|| self.group.all_reduce(&mut max, ReduceOp::Max))?;
         // Sums of exponentials and target logits, each carried as f32 (the target logit is on one
         // rank; the others add zero).
         let mut sums = vec![0.0f32; 2 * rows];
@@ -107,7 +123,7 @@ impl TensorParallelGroup {
                     out[1] = row[t - offset];
                 }
             });
-        self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
+        self.waiting(|| self.group.all_reduce(&mut sums, ReduceOp::Sum))?;
         Ok((0..rows)
             .map(|r| (max[r], sums[2 * r] as f64, sums[2 * r + 1]))
             .collect())
@@ -122,7 +138,7 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
     fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()> {
         let mine = be.download(local);
         let mut all = vec![0.0f32; mine.len() * self.group.size()];
-        self.group.all_gather(&mine, &mut all)?;
+        self.waiting(|| self.group.all_gather(&mine, &mut all))?;
         *full = be.upload(&all);
         Ok(())
     }
@@ -130,16 +146,20 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
     fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()> {
         let all = be.download(partial);
         let mut mine = vec![0.0f32; all.len() / self.group.size()];
-        self.group.reduce_scatter(&all, &mut mine, ReduceOp::Sum)?;
+        self.waiting(|| self.group.reduce_scatter(&all, &mut mine, ReduceOp::Sum))?;
         *local = be.upload(&mine);
         Ok(())
     }
 
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()> {
         let mut values = be.download(buf);
-        self.group.all_reduce(&mut values, ReduceOp::Sum)?;
+        self.waiting(|| self.group.all_reduce(&mut values, ReduceOp::Sum))?;
         *buf = be.upload(&values);
         Ok(())
+    }
+
+    fn exposed_comm_seconds(&self) -> f64 {
+        self.waited_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     fn cross_entropy(

@@ -1,6 +1,7 @@
 //! Training: AdamW and clipping, the lr schedule, memory accounting, metrics, and the loop itself.
 
 pub mod collectives;
+pub mod compose;
 pub mod lr;
 pub mod memory;
 pub mod metrics;

@@ -7,11 +7,10 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::collectives::{self, DeviceComm};
+use super::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
-use super::memory::{check_fits, gib, peak_memory, MemoryEstimate};
+use super::memory::{gib, peak_memory};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
-use super::start::{start_state, StartState};
 use super::step::train_step;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
@@ -19,10 +18,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
-use crate::model::{Llama, LocalShapes, ParamDtype, ParamSet, Workspace};
-use crate::parallel::plan::{ParamState, RankLayout};
-use crate::parallel::tp::TensorParallelGroup;
-use std::sync::Arc;
+use crate::parallel::plan::ParamState;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -85,36 +81,9 @@ pub fn init_threads(threads: usize) {
 }
 
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
-    // `threads = 0`: the host's cores shared out among its ranks (each taking every core would
-    // oversubscribe them `--nproc` times over), unless RAYON_NUM_THREADS says otherwise.
-    let rayon_env = std::env::var_os("RAYON_NUM_THREADS").is_some();
-    let threads = match (
-        cfg.training.threads,
-        crate::launch::env::WorkerEnv::detect()?,
-    ) {
-        (0, Some(env)) if env.local_world_size > 1 && !rayon_env => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / env.local_world_size).max(1)
-        }
-        (n, _) => n,
-    };
-    init_threads(threads);
-    let device = select_device(cfg)?;
-    let dist = crate::launch::Distributed::from_env(cfg)?;
-    match device {
-        Device::Cpu => {
-            let device_comm = collectives::for_cpu(dist.as_ref())?;
-            // The host's memory is shared by all of its ranks.
-            let sharing = dist.as_ref().map_or(1, |d| d.local_world_size);
-            train_on(
-                &CpuBackend::new(),
-                cfg,
-                opts,
-                dist.as_ref(),
-                device_comm,
-                sharing,
-            )
-        }
+    init_rank_threads(cfg)?;
+    match select_device(cfg)? {
+        Device::Cpu => train_on(&CpuBackend::new(), cfg, opts, RankPlace::cpu(cfg)?),
         Device::Cuda => {
             let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
             let be = cuda_backend(cfg, local_rank)?;
@@ -126,128 +95,51 @@ pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
                     be.precision()
                 );
             }
-            let (device_comm, sharing) = collectives::for_cuda(dist.as_ref(), &be, opts.quiet)?;
-            train_on(&be, cfg, opts, dist.as_ref(), device_comm, sharing)
+            let place = RankPlace::cuda(cfg, &be, opts.quiet)?;
+            train_on(&be, cfg, opts, place)
         }
     }
 }
 
-/// Trains on `be`; `device_comm` (NCCL on CUDA) runs the data-parallel collectives on the devices
-/// instead of through host copies and the CPU transport. `ranks_sharing_memory` ranks (this one
-/// included) share the memory the memory check compares with: the host's, or this rank's GPU.
+/// Trains on `be` from this rank's `place` in the job.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
     opts: &RunOptions,
-    dist: Option<&crate::launch::Distributed>,
-    device_comm: Option<DeviceComm<B>>,
-    ranks_sharing_memory: usize,
+    place: RankPlace<B>,
 ) -> Result<TrainSummary> {
-    let args = cfg.model_args()?;
+    let dist = place.dist.as_ref();
     let t = &cfg.training;
-    let (batch, seq) = (t.local_batch_size, t.seq_len);
+    let seq = t.seq_len;
     let (rank, dp_rank, dp_size) = dist.map_or((0, 0, 1), |d| (d.rank, d.dp.rank(), d.dp.size()));
     let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
-    // Tensor parallel: this rank's shapes (refused here, before anything is allocated, when the
-    // model does not split evenly).
-    let tp_group = dist.and_then(|d| d.tp.clone());
-    let local = match &tp_group {
-        Some(g) => LocalShapes::sharded(&args, g.size(), g.rank())?,
-        None => LocalShapes::whole(&args),
-    };
-    if !(batch * seq).is_multiple_of(local.tp) {
-        bail!("[training] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", batch * seq, local.tp);
-    }
-    if cfg.parallelism.enable_async_tensor_parallel {
-        bail!("[parallelism] enable_async_tensor_parallel = true: async tensor parallelism (overlapping the sequence-parallel collectives with the GEMMs) is not built yet in this titan; set it to false");
-    }
-    let (mut device_reducer, mut device_queue) = match device_comm {
-        Some(DeviceComm::Ddp(r)) => (Some(r), None),
-        Some(DeviceComm::Fsdp(q)) => (None, Some(q)),
-        None => (None, None),
-    };
-    let collectives_on_device = device_reducer.is_some() || device_queue.is_some();
-    let ddp = dist
-        .filter(|_| !fsdp_mode && dp_size > 1)
-        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
-    let global_batch = if t.global_batch_size < 0 {
-        batch * dp_size
-    } else {
-        t.global_batch_size as usize
-    };
-    if global_batch % (batch * dp_size) != 0 {
-        bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
-    }
-    let accum = global_batch / (batch * dp_size);
     let quiet = opts.quiet || rank != 0;
     let say = |s: String| {
         if !quiet {
             println!("{s}");
         }
     };
-
-    // Everything below is known from the config alone: refuse what cannot fit before allocating.
-    let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
-    let mut est =
-        MemoryEstimate::new(&args, &local, batch, seq).with_backend_scratch(be, &local, batch, seq);
-    if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
-        est = est.with_compute_copy(be);
-    }
-    let reshard =
-        crate::parallel::fsdp::ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
-            .expect("validated with the config");
-    if let Some(d) = dist.filter(|_| fsdp_mode) {
-        est = est.sharded(
-            &args,
-            &local,
-            d.mesh.degree("dp_shard"),
-            reshard.blocks_gathered(args.n_layers),
-            crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
-        );
-    }
-    check_fits(
-        &est,
-        &format!(
-            "model flavor {} at local_batch_size {batch} × seq_len {seq}",
-            cfg.model.flavor
-        ),
-        be.device_free_memory(),
-        ranks_sharing_memory,
-    )?;
-
+    let args = cfg.model_args()?;
     let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
     if tokenizer.vocab_size() > args.vocab_size {
         bail!("tokenizer {} has {} tokens but the model's vocabulary holds {}: use a model with vocab_size >= {} (--model.vocab_size)", cfg.model.tokenizer_path, tokenizer.vocab_size(), args.vocab_size, tokenizer.vocab_size());
     }
     // The ranks of a tensor-parallel group read the same batches.
     let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, dp_rank, dp_size)?;
-
-    let model = match &tp_group {
-        Some(g) => {
-            let ops = TensorParallelGroup::new(g.clone(), !cfg.parallelism.disable_loss_parallel);
-            Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
-        }
-        None => Llama::new(be, args.clone(), seq)?,
-    };
-    let specs = model.param_specs();
-    let mut ws = Workspace::for_shapes(be, &local, batch, seq);
+    let ComposedRank {
+        args,
+        local,
+        mut layout,
+        mut opt,
+        mut ws,
+        estimate: est,
+        accum,
+        global_batch,
+        resumed,
+        collectives_on_device,
+    } = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
 
     let ckpt_folder = cfg.checkpoint_folder();
-    let StartState {
-        params,
-        grads,
-        mut opt,
-        fsdp,
-        resumed,
-    } = start_state(
-        be,
-        cfg,
-        &model,
-        dist.filter(|_| fsdp_mode),
-        device_queue.take(),
-        reshard,
-        param_dtype,
-    )?;
     let mut start_step = 0;
     let mut resumed_from = None;
     let mut last_good = None;
@@ -262,24 +154,6 @@ fn train_on<B: Backend>(
             r.folder_step
         ));
     }
-
-    // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
-    // rounds while it packs its all-gathers instead).
-    let state = match fsdp {
-        Some(fsdp) => ParamState::Sharded {
-            fsdp,
-            full: params,
-            grads,
-        },
-        None => ParamState::Whole {
-            bf16_copy: (param_dtype == ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs)),
-            params,
-            grads,
-            ddp,
-        },
-    };
-    let batch_group = dist.map(|d| d.dp.clone());
-    let mut layout = RankLayout::new(model, state, batch_group, tp_group.clone());
 
     let mut writer = checkpoint::writer::AsyncWriter::new();
     let tokens_per_step = (global_batch * seq) as f64;

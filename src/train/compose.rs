@@ -1,0 +1,225 @@
+//! A rank composed from the config and its place in the mesh, once, before the first step: the
+//! model in this rank's tensor-parallel shapes, its weights laid out for data parallelism (whole,
+//! DDP or FSDP/HSDP shards, freshly initialised or resumed), the optimizer, the workspace, and the
+//! memory estimate that refused the layout if it could not fit. `titan train` and
+//! `titan bench train` both build their ranks here, so a benchmark measures the layout training runs.
+//!
+//! Also where a process learns its place: its thread count (`init_rank_threads`) and, per device,
+//! its distribution with the collectives its device can run (`RankPlace`).
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+
+use super::collectives::{self, DeviceComm};
+use super::memory::{check_fits, MemoryEstimate};
+use super::optimizer::AdamW;
+use super::start::{start_state, Resumed, StartState};
+use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::launch::Distributed;
+use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
+use crate::parallel::fsdp::ReshardPolicy;
+use crate::parallel::plan::{ParamState, RankLayout};
+use crate::parallel::tp::TensorParallelGroup;
+
+/// Sizes rayon's global pool once per process for a job's rank: `[training] threads`, where 0
+/// shares the host's cores out among its ranks (each taking every core would oversubscribe them
+/// `--nproc` times over), unless RAYON_NUM_THREADS says otherwise.
+pub fn init_rank_threads(cfg: &Config) -> Result<()> {
+    let rayon_env = std::env::var_os("RAYON_NUM_THREADS").is_some();
+    let threads = match (
+        cfg.training.threads,
+        crate::launch::env::WorkerEnv::detect()?,
+    ) {
+        (0, Some(env)) if env.local_world_size > 1 && !rayon_env => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / env.local_world_size).max(1)
+        }
+        (n, _) => n,
+    };
+    super::trainer::init_threads(threads);
+    Ok(())
+}
+
+/// This process's place in the job and what its device can do.
+pub struct RankPlace<B: Backend> {
+    /// None in one process.
+    pub dist: Option<Distributed>,
+    /// Data-parallel collectives on the device (NCCL) instead of through the host.
+    pub device_comm: Option<DeviceComm<B>>,
+    /// Ranks (this one included) sharing the memory the memory check compares with: the host's,
+    /// or this rank's GPU.
+    pub ranks_sharing_memory: usize,
+}
+
+impl<B: Backend> RankPlace<B> {
+    /// A CPU rank: collectives through the host.
+    pub fn cpu(cfg: &Config) -> Result<Self> {
+        let dist = Distributed::from_env(cfg)?;
+        let device_comm = collectives::for_cpu(dist.as_ref())?;
+        let ranks_sharing_memory = dist.as_ref().map_or(1, |d| d.local_world_size);
+        Ok(RankPlace {
+            dist,
+            device_comm,
+            ranks_sharing_memory,
+        })
+    }
+}
+
+impl RankPlace<CudaBackend> {
+    /// A CUDA rank: NCCL when every rank has a GPU of its own (see `collectives::for_cuda`).
+    pub fn cuda(cfg: &Config, be: &CudaBackend, quiet: bool) -> Result<Self> {
+        let dist = Distributed::from_env(cfg)?;
+        let (device_comm, ranks_sharing_memory) = collectives::for_cuda(dist.as_ref(), be, quiet)?;
+        Ok(RankPlace {
+            dist,
+            device_comm,
+            ranks_sharing_memory,
+        })
+    }
+}
+
+/// A rank ready to train.
+pub struct ComposedRank<B: Backend> {
+    pub args: ModelArgs,
+    /// This rank's tensor-parallel shapes.
+    pub local: LocalShapes,
+    pub layout: RankLayout<B>,
+    pub opt: AdamW<B>,
+    pub ws: Workspace<B>,
+    /// The memory estimate per rank the layout was checked against.
+    pub estimate: MemoryEstimate,
+    /// Micro-batches per step, and the global batch (sequences per step).
+    pub accum: usize,
+    pub global_batch: usize,
+    /// Set when the run resumed from a checkpoint.
+    pub resumed: Option<Resumed>,
+    /// Whether the data-parallel collectives run on the device (NCCL).
+    pub collectives_on_device: bool,
+}
+
+/// The layout `[parallelism]` asks for, on `be`, for this rank (TorchTitan's `parallelize`:
+/// tensor parallel shapes the model, then data parallel lays out its weights). Everything the
+/// config alone decides is checked before anything is allocated.
+pub fn compose_rank<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    dist: Option<&Distributed>,
+    device_comm: Option<DeviceComm<B>>,
+    ranks_sharing_memory: usize,
+) -> Result<ComposedRank<B>> {
+    let args = cfg.model_args()?;
+    let t = &cfg.training;
+    let (batch, seq) = (t.local_batch_size, t.seq_len);
+    let dp_size = dist.map_or(1, |d| d.dp.size());
+    let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
+    // Tensor parallel: this rank's shapes (refused here when the model does not split evenly).
+    let tp_group = dist.and_then(|d| d.tp.clone());
+    let local = match &tp_group {
+        Some(g) => LocalShapes::sharded(&args, g.size(), g.rank())?,
+        None => LocalShapes::whole(&args),
+    };
+    if !(batch * seq).is_multiple_of(local.tp) {
+        bail!("[training] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", batch * seq, local.tp);
+    }
+    if cfg.parallelism.enable_async_tensor_parallel {
+        bail!("[parallelism] enable_async_tensor_parallel = true: async tensor parallelism (overlapping the sequence-parallel collectives with the GEMMs) is not built yet in this titan; set it to false");
+    }
+    let global_batch = cfg.global_batch_size_for(dp_size);
+    if global_batch % (batch * dp_size) != 0 {
+        bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
+    }
+    let accum = global_batch / (batch * dp_size);
+
+    let (mut device_reducer, mut device_queue) = match device_comm {
+        Some(DeviceComm::Ddp(r)) => (Some(r), None),
+        Some(DeviceComm::Fsdp(q)) => (None, Some(q)),
+        None => (None, None),
+    };
+    let collectives_on_device = device_reducer.is_some() || device_queue.is_some();
+    let ddp = dist
+        .filter(|_| !fsdp_mode && dp_size > 1)
+        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
+
+    let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
+    let mut estimate =
+        MemoryEstimate::new(&args, &local, batch, seq).with_backend_scratch(be, &local, batch, seq);
+    if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
+        estimate = estimate.with_compute_copy(be);
+    }
+    let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
+        .expect("validated with the config");
+    if let Some(d) = dist.filter(|_| fsdp_mode) {
+        estimate = estimate.sharded(
+            &args,
+            &local,
+            d.mesh.degree("dp_shard"),
+            reshard.blocks_gathered(args.n_layers),
+            crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
+        );
+    }
+    check_fits(
+        &estimate,
+        &format!(
+            "model flavor {} at local_batch_size {batch} × seq_len {seq}",
+            cfg.model.flavor
+        ),
+        be.device_free_memory(),
+        ranks_sharing_memory,
+    )?;
+
+    let model = match &tp_group {
+        Some(g) => {
+            let ops = TensorParallelGroup::new(g.clone(), &cfg.parallelism);
+            Llama::tensor_parallel(be, args.clone(), seq, local.clone(), Arc::new(ops))?
+        }
+        None => Llama::new(be, args.clone(), seq)?,
+    };
+    let specs = model.param_specs();
+    let ws = Workspace::for_shapes(be, &local, batch, seq);
+    let StartState {
+        params,
+        grads,
+        opt,
+        fsdp,
+        resumed,
+    } = start_state(
+        be,
+        cfg,
+        &model,
+        dist.filter(|_| fsdp_mode),
+        device_queue.take(),
+        reshard,
+        param_dtype,
+    )?;
+    // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
+    // rounds while it packs its all-gathers instead).
+    let state = match fsdp {
+        Some(fsdp) => ParamState::Sharded {
+            fsdp,
+            full: params,
+            grads,
+        },
+        None => ParamState::Whole {
+            bf16_copy: (param_dtype == ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs)),
+            params,
+            grads,
+            ddp,
+        },
+    };
+    let layout = RankLayout::new(model, state, dist.map(|d| d.dp.clone()), tp_group);
+    Ok(ComposedRank {
+        args,
+        local,
+        layout,
+        opt,
+        ws,
+        estimate,
+        accum,
+        global_batch,
+        resumed,
+        collectives_on_device,
+    })
+}
