@@ -128,7 +128,7 @@ pub fn compose_rank<B: Backend>(
         bail!("[parallelism] enable_async_tensor_parallel = true: async tensor parallelism (overlapping the sequence-parallel collectives with the GEMMs) is not built yet in this titan; set it to false");
     }
     let global_batch = cfg.global_batch_size_for(dp_size);
-    if global_batch % (batch * dp_size) != 0 {
+    if !global_batch.is_multiple_of(batch * dp_size) {
         bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
     }
     let accum = global_batch / (batch * dp_size);
@@ -173,7 +173,7 @@ pub fn compose_rank<B: Backend>(
     let model = match &tp_group {
         Some(g) => {
             let ops = TensorParallelGroup::new(g.clone(), &cfg.parallelism);
-            Llama::tensor_parallel(be, args.clone(), seq, local.clone(), Arc::new(ops))?
+            Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
         }
         None => Llama::new(be, args.clone(), seq)?,
     };
