@@ -24,6 +24,7 @@ use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum, IGNORE
 
 use super::args::{LocalShapes, ModelArgs};
 use super::linear::Linear;
+use super::parallel_linear::{Projection, ProjectionGrad, SequenceParallel};
 use super::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
 use super::tensor_parallel::{SingleRank, TensorParallelOps};
 
@@ -376,41 +377,6 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
-    /// `out = residual + x · Wᵀ` on this rank's rows, for a row-parallel `W` whose products are
-    /// partial sums over the group (reduce-scattered through `partial`).
-    #[allow(clippy::too_many_arguments)]
-    fn row_parallel_residual(
-        &self,
-        be: &B,
-        linear: Linear,
-        out: &mut B::Buf,
-        residual: &B::Buf,
-        x: &B::Buf,
-        w: &B::Buf,
-        partial: &mut B::Buf,
-        tokens: usize,
-    ) -> Result<()> {
-        if self.local.tp == 1 {
-            linear.forward_residual(be, out, residual, x, w, tokens);
-            return Ok(());
-        }
-        linear.forward(be, partial, x, w, tokens);
-        self.tp.reduce_scatter_rows(be, partial, out)?;
-        be.add_assign(out, residual);
-        Ok(())
-    }
-
-    /// The gradient a row-parallel projection's backward reads: this rank's rows of ∂L/∂out, or
-    /// with tensor parallelism every rank's gathered into `full`.
-    fn row_parallel_output_grad<'a>(
-        &self,
-        be: &B,
-        local: &'a B::Buf,
-        full: &'a mut B::Buf,
-    ) -> Result<&'a B::Buf> {
-        self.column_parallel_input(be, local, full)
-    }
-
     // ---------------------------------------------------- stages
 
     /// The embedding of the inputs into `resid[0]`: vocabulary-parallel with tensor parallelism
@@ -496,6 +462,14 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
+    /// The linear layers of this rank's tensor-parallel group over `tokens` rows.
+    fn sequence_parallel(&self, tokens: usize) -> SequenceParallel<'_, B> {
+        SequenceParallel {
+            tp: self.tp.as_ref(),
+            tokens,
+        }
+    }
+
     pub fn block_forward(
         &self,
         be: &B,
@@ -507,7 +481,7 @@ impl<B: Backend> Llama<B> {
         let id = self.ids.layers[l];
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
-        let n = b * s;
+        let sp = self.sequence_parallel(b * s);
         let (wq, wk, wv) = (
             Linear::new(d, m.q_dim()),
             Linear::new(d, m.kv_dim()),
@@ -532,11 +506,29 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
-        let normed =
-            self.column_parallel_input(be, &acts.normed_attn, &mut acts.normed_attn_full)?;
-        wq.forward(be, &mut acts.q, normed, &p[id.wq], n);
-        wk.forward(be, &mut acts.k, normed, &p[id.wk], n);
-        wv.forward(be, &mut acts.v, normed, &p[id.wv], n);
+        sp.column_forward(
+            be,
+            &acts.normed_attn,
+            &mut acts.normed_attn_full,
+            d,
+            &mut [
+                Projection {
+                    linear: wq,
+                    w: &p[id.wq],
+                    y: &mut acts.q,
+                },
+                Projection {
+                    linear: wk,
+                    w: &p[id.wk],
+                    y: &mut acts.k,
+                },
+                Projection {
+                    linear: wv,
+                    w: &p[id.wv],
+                    y: &mut acts.v,
+                },
+            ],
+        )?;
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
         be.rope_forward(&mut acts.q, cos, sin, b, s, m.heads, hd, 0);
         be.rope_forward(&mut acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
@@ -549,15 +541,14 @@ impl<B: Backend> Llama<B> {
             &acts.v,
             shape,
         );
-        self.row_parallel_residual(
+        sp.row_forward_residual(
             be,
             wo,
-            &mut acts.h,
-            x,
             &acts.attn_out,
             &p[id.wo],
+            x,
+            &mut acts.h,
             &mut ws.full,
-            n,
         )?;
         // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h).
         be.rmsnorm_forward(
@@ -568,11 +559,26 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
-        let normed = self.column_parallel_input(be, &acts.normed_ffn, &mut acts.normed_ffn_full)?;
-        w1.forward(be, &mut acts.gate, normed, &p[id.w1], n);
-        w3.forward(be, &mut acts.up, normed, &p[id.w3], n);
+        sp.column_forward(
+            be,
+            &acts.normed_ffn,
+            &mut acts.normed_ffn_full,
+            d,
+            &mut [
+                Projection {
+                    linear: w1,
+                    w: &p[id.w1],
+                    y: &mut acts.gate,
+                },
+                Projection {
+                    linear: w3,
+                    w: &p[id.w3],
+                    y: &mut acts.up,
+                },
+            ],
+        )?;
         be.swiglu_forward(&mut acts.act, &acts.gate, &acts.up);
-        self.row_parallel_residual(be, w2, out, &acts.h, &acts.act, &p[id.w2], &mut ws.full, n)
+        sp.row_forward_residual(be, w2, &acts.act, &p[id.w2], &acts.h, out, &mut ws.full)
     }
 
     /// On entry `ws.dx` holds ∂L/∂(block output) on this rank's rows; on exit ∂L/∂(block input).
@@ -587,9 +593,8 @@ impl<B: Backend> Llama<B> {
         let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;
-        let g = &mut grads.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
-        let n = b * s;
+        let sp = self.sequence_parallel(b * s);
         let (wq, wk, wv) = (
             Linear::new(d, m.q_dim()),
             Linear::new(d, m.kv_dim()),
@@ -602,22 +607,55 @@ impl<B: Backend> Llama<B> {
             Linear::new(d, m.ffn),
         );
         let acts = &ws.layers[l];
+        let [g_w1, g_w2, g_w3, g_wq, g_wk, g_wv, g_wo, g_ffn_norm, g_attn_norm] = grads
+            .bufs
+            .get_disjoint_mut([
+                id.w1,
+                id.w2,
+                id.w3,
+                id.wq,
+                id.wk,
+                id.wv,
+                id.wo,
+                id.ffn_norm,
+                id.attention_norm,
+            ])
+            .expect("a block's parameters are distinct");
         // Feed-forward.
-        let dout = self.row_parallel_output_grad(be, &ws.dx, &mut ws.full)?;
-        w2.input_grad(be, &mut ws.dact, dout, &p[id.w2], n);
-        w2.add_weight_grad(be, &mut g[id.w2], dout, &acts.act, n);
+        sp.row_backward(
+            be,
+            w2,
+            &ws.dx,
+            &mut ws.full,
+            &p[id.w2],
+            g_w2,
+            &acts.act,
+            &mut ws.dact,
+        )?;
         be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, &acts.gate, &acts.up);
-        // Each gradient's two GEMMs back to back, so a device converts it to bf16 once.
-        let normed = self.gathered(&acts.normed_ffn, &acts.normed_ffn_full);
-        let dnormed = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
-        w1.input_grad(be, dnormed, &ws.dgate, &p[id.w1], n);
-        w1.add_weight_grad(be, &mut g[id.w1], &ws.dgate, normed, n);
-        w3.add_input_grad(be, dnormed, &ws.dup, &p[id.w3], n);
-        w3.add_weight_grad(be, &mut g[id.w3], &ws.dup, normed, n);
-        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
+        sp.column_backward(
+            be,
+            &mut [
+                ProjectionGrad {
+                    linear: w1,
+                    dy: &ws.dgate,
+                    w: &p[id.w1],
+                    dw: g_w1,
+                },
+                ProjectionGrad {
+                    linear: w3,
+                    dy: &ws.dup,
+                    w: &p[id.w3],
+                    dw: g_w3,
+                },
+            ],
+            self.gathered(&acts.normed_ffn, &acts.normed_ffn_full),
+            &mut ws.full,
+            &mut ws.dnormed,
+        )?;
         be.rmsnorm_backward(
             &mut ws.dx,
-            &mut g[id.ffn_norm],
+            g_ffn_norm,
             &ws.dnormed,
             &acts.h,
             &p[id.ffn_norm],
@@ -625,9 +663,16 @@ impl<B: Backend> Llama<B> {
             d,
         );
         // Attention.
-        let dout = self.row_parallel_output_grad(be, &ws.dx, &mut ws.full)?;
-        wo.input_grad(be, &mut ws.dattn, dout, &p[id.wo], n);
-        wo.add_weight_grad(be, &mut g[id.wo], dout, &acts.attn_out, n);
+        sp.row_backward(
+            be,
+            wo,
+            &ws.dx,
+            &mut ws.full,
+            &p[id.wo],
+            g_wo,
+            &acts.attn_out,
+            &mut ws.dattn,
+        )?;
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
         be.attention_backward(
             &mut ws.dq,
@@ -644,18 +689,35 @@ impl<B: Backend> Llama<B> {
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
         be.rope_backward(&mut ws.dq, cos, sin, b, s, m.heads, hd);
         be.rope_backward(&mut ws.dk, cos, sin, b, s, m.kv_heads, hd);
-        let normed = self.gathered(&acts.normed_attn, &acts.normed_attn_full);
-        let dnormed = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
-        wq.input_grad(be, dnormed, &ws.dq, &p[id.wq], n);
-        wq.add_weight_grad(be, &mut g[id.wq], &ws.dq, normed, n);
-        wk.add_input_grad(be, dnormed, &ws.dk, &p[id.wk], n);
-        wk.add_weight_grad(be, &mut g[id.wk], &ws.dk, normed, n);
-        wv.add_input_grad(be, dnormed, &ws.dv, &p[id.wv], n);
-        wv.add_weight_grad(be, &mut g[id.wv], &ws.dv, normed, n);
-        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
+        sp.column_backward(
+            be,
+            &mut [
+                ProjectionGrad {
+                    linear: wq,
+                    dy: &ws.dq,
+                    w: &p[id.wq],
+                    dw: g_wq,
+                },
+                ProjectionGrad {
+                    linear: wk,
+                    dy: &ws.dk,
+                    w: &p[id.wk],
+                    dw: g_wk,
+                },
+                ProjectionGrad {
+                    linear: wv,
+                    dy: &ws.dv,
+                    w: &p[id.wv],
+                    dw: g_wv,
+                },
+            ],
+            self.gathered(&acts.normed_attn, &acts.normed_attn_full),
+            &mut ws.full,
+            &mut ws.dnormed,
+        )?;
         be.rmsnorm_backward(
             &mut ws.dx,
-            &mut g[id.attention_norm],
+            g_attn_norm,
             &ws.dnormed,
             &ws.resid[l],
             &p[id.attention_norm],

@@ -5,6 +5,7 @@ pub mod args;
 pub mod init;
 pub mod linear;
 pub mod llama;
+pub mod parallel_linear;
 pub mod params;
 pub mod tensor_parallel;
 

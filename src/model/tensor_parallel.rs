@@ -3,7 +3,7 @@
 //! implementation over a real group, with its collectives, is `parallel::tp`; `SingleRank` is the
 //! degree-1 case, where each is the local operation.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use super::args::LocalShapes;
 use crate::backend::{Backend, LossSum};
@@ -25,6 +25,30 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
 
     /// `buf` summed over the group, in place (the gradients of replicated weights).
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()>;
+
+    /// Async tensor parallelism: how many chunks a collective fused with its GEMMs is cut into,
+    /// so that each chunk's communication overlaps another chunk's GEMMs (`parallel_linear`).
+    /// 1: plain TP, which has no queue and never calls the three methods below.
+    fn overlap_chunks(&self) -> usize {
+        1
+    }
+
+    /// Async TP: queues the gathering of every rank's `local` rows (`[rows, width]` each, into
+    /// `[degree · rows, width]` in rank order) behind the collectives already in flight.
+    fn start_gather_rows(&self, _be: &B, _local: B::Buf) -> Result<()> {
+        bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
+    }
+
+    /// Async TP: queues a reduce-scatter of `partial` (`[degree · rows, width]`): this rank
+    /// receives its `[rows, width]` summed over the group.
+    fn start_reduce_scatter_rows(&self, _be: &B, _partial: B::Buf) -> Result<()> {
+        bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
+    }
+
+    /// Async TP: waits for the oldest queued collective and returns its output.
+    fn finish_oldest(&self, _be: &B) -> Result<B::Buf> {
+        bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
+    }
 
     /// Seconds this rank has spent waiting on the group's communication since the group was
     /// made: the communication no computation hid (exposed). 0 for one rank.

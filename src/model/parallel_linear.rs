@@ -1,0 +1,302 @@
+//! Megatron's column- and row-parallel linear layers under sequence parallelism, forward and
+//! backward: each layer's GEMMs together with the collective that feeds or follows them, because
+//! async tensor parallelism overlaps the two.
+//!
+//! Between layers a rank holds its `1/tp` of the token rows (`local`, rows `[rank·n/tp, …)` of
+//! the `n` tokens). A column-parallel layer needs every row: the rows are all-gathered, then each
+//! rank multiplies them by its slice of the weight. A row-parallel layer's products are partial
+//! sums over the group: they are reduce-scattered back to row shards. The backward mirrors both.
+//!
+//! Plain TP runs one collective and then the GEMMs (or the GEMMs and then one collective).
+//! Async TP (`TensorParallelOps::overlap_chunks` > 1) cuts the local rows into chunks: chunk `c`
+//! of every rank's rows is one collective, queued on the group's communication thread, and the
+//! GEMMs of chunk `c` run while chunk `c + 1` travels (all-gather then GEMM), or chunk `c`'s
+//! reduce-scatter travels while chunk `c + 1` multiplies (GEMM then reduce-scatter). A chunk's
+//! rows are `rows_per_chunk` consecutive rows of each rank, so they are picked from and put back
+//! into full row order with one strided copy (`Backend::copy_rows`). The products are the same
+//! row by row, so async TP equals plain TP within fp32 rounding.
+//!
+//! With one rank every layer is its local GEMMs, in the same order as before tensor parallelism.
+
+use anyhow::Result;
+
+use super::linear::Linear;
+use super::tensor_parallel::TensorParallelOps;
+use crate::backend::Backend;
+
+/// One projection of a column-parallel layer's forward: `y = x · Wᵀ`.
+pub struct Projection<'a, B: Backend> {
+    pub linear: Linear,
+    pub w: &'a B::Buf,
+    pub y: &'a mut B::Buf,
+}
+
+/// One projection of a column-parallel layer's backward: its output gradient `dy`, its weight
+/// `w` and where that weight's gradient is added (`dw`).
+pub struct ProjectionGrad<'a, B: Backend> {
+    pub linear: Linear,
+    pub dy: &'a B::Buf,
+    pub w: &'a B::Buf,
+    pub dw: &'a mut B::Buf,
+}
+
+/// The linear layers of a tensor-parallel group over `tokens` token rows.
+pub struct SequenceParallel<'a, B: Backend> {
+    pub tp: &'a dyn TensorParallelOps<B>,
+    pub tokens: usize,
+}
+
+/// Where chunk `c` of the local rows lies: its first local row and its number of rows.
+struct Chunk {
+    first: usize,
+    rows: usize,
+}
+
+impl<'a, B: Backend> SequenceParallel<'a, B> {
+    fn degree(&self) -> usize {
+        self.tp.degree()
+    }
+
+    fn local_rows(&self) -> usize {
+        self.tokens / self.degree()
+    }
+
+    /// The chunks async TP cuts the local rows into (empty for plain TP).
+    fn chunks(&self) -> Vec<Chunk> {
+        let parts = self.tp.overlap_chunks().min(self.local_rows());
+        if self.degree() == 1 || parts <= 1 {
+            return Vec::new();
+        }
+        let per = self.local_rows().div_ceil(parts);
+        (0..self.local_rows())
+            .step_by(per)
+            .map(|first| Chunk {
+                first,
+                rows: per.min(self.local_rows() - first),
+            })
+            .collect()
+    }
+
+    /// Chunk `c`'s rows of every rank from `full` (`[tokens, width]`), as `[degree · rows, width]`.
+    fn pick(&self, be: &B, full: &B::Buf, width: usize, c: &Chunk) -> B::Buf {
+        let mut out = be.uninit(self.degree() * c.rows * width);
+        let (piece, stride) = (c.rows * width, self.local_rows() * width);
+        be.copy_rows(
+            &mut out,
+            0,
+            piece,
+            full,
+            c.first * width,
+            stride,
+            self.degree(),
+            piece,
+        );
+        out
+    }
+
+    /// The inverse of `pick`: chunk rows back to their places in `full`.
+    fn place(&self, be: &B, full: &mut B::Buf, chunk: &B::Buf, width: usize, c: &Chunk) {
+        let (piece, stride) = (c.rows * width, self.local_rows() * width);
+        be.copy_rows(
+            full,
+            c.first * width,
+            stride,
+            chunk,
+            0,
+            piece,
+            self.degree(),
+            piece,
+        );
+    }
+
+    /// This rank's chunk `c` of `local` (`[local rows, width]`).
+    fn local_chunk(&self, be: &B, local: &B::Buf, width: usize, c: &Chunk) -> B::Buf {
+        let mut out = be.uninit(c.rows * width);
+        be.copy_range(&mut out, 0, local, c.first * width, c.rows * width);
+        out
+    }
+
+    /// Column-parallel forward: `y = x · Wᵀ` for each projection over every token, `x` being the
+    /// `local` rows (`[tokens/tp, width]`) gathered over the group into `full`, which the backward
+    /// reads (with one rank `full` is not used).
+    pub fn column_forward(
+        &self,
+        be: &B,
+        local: &B::Buf,
+        full: &mut B::Buf,
+        width: usize,
+        projections: &mut [Projection<'_, B>],
+    ) -> Result<()> {
+        if self.degree() == 1 {
+            for p in projections.iter_mut() {
+                p.linear.forward(be, p.y, local, p.w, self.tokens);
+            }
+            return Ok(());
+        }
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            self.tp.gather_rows(be, local, full)?;
+            for p in projections.iter_mut() {
+                p.linear.forward(be, p.y, full, p.w, self.tokens);
+            }
+            return Ok(());
+        }
+        for c in &chunks {
+            self.tp
+                .start_gather_rows(be, self.local_chunk(be, local, width, c))?;
+        }
+        for c in &chunks {
+            let x = self.tp.finish_oldest(be)?;
+            self.place(be, full, &x, width, c);
+            let rows = self.degree() * c.rows;
+            for p in projections.iter_mut() {
+                let mut y = be.uninit(rows * p.linear.d_out);
+                p.linear.forward(be, &mut y, &x, p.w, rows);
+                self.place(be, p.y, &y, p.linear.d_out, c);
+            }
+        }
+        Ok(())
+    }
+
+    /// Row-parallel forward into the residual stream: `out = residual + x · Wᵀ` on this rank's
+    /// rows, `x` (`[tokens, d_in]`) holding this rank's slice of the input features, so that the
+    /// products are partial sums over the group, reduce-scattered (through `partial`,
+    /// `[tokens, d_out]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn row_forward_residual(
+        &self,
+        be: &B,
+        linear: Linear,
+        x: &B::Buf,
+        w: &B::Buf,
+        residual: &B::Buf,
+        out: &mut B::Buf,
+        partial: &mut B::Buf,
+    ) -> Result<()> {
+        if self.degree() == 1 {
+            linear.forward_residual(be, out, residual, x, w, self.tokens);
+            return Ok(());
+        }
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            linear.forward(be, partial, x, w, self.tokens);
+            self.tp.reduce_scatter_rows(be, partial, out)?;
+            be.add_assign(out, residual);
+            return Ok(());
+        }
+        for c in &chunks {
+            let xc = self.pick(be, x, linear.d_in, c);
+            let mut pc = be.uninit(self.degree() * c.rows * linear.d_out);
+            linear.forward(be, &mut pc, &xc, w, self.degree() * c.rows);
+            self.tp.start_reduce_scatter_rows(be, pc)?;
+        }
+        let d = linear.d_out;
+        for c in &chunks {
+            let sum = self.tp.finish_oldest(be)?;
+            be.copy_range(out, c.first * d, &sum, 0, c.rows * d);
+        }
+        be.add_assign(out, residual);
+        Ok(())
+    }
+
+    /// Row-parallel backward: `dx = dy · W` and `dW += dyᵀ · x`, `dy` being the output gradient's
+    /// `local` rows gathered over the group (into `full`, `[tokens, d_out]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn row_backward(
+        &self,
+        be: &B,
+        linear: Linear,
+        dy_local: &B::Buf,
+        full: &mut B::Buf,
+        w: &B::Buf,
+        dw: &mut B::Buf,
+        x: &B::Buf,
+        dx: &mut B::Buf,
+    ) -> Result<()> {
+        let n = self.tokens;
+        if self.degree() == 1 {
+            linear.input_grad(be, dx, dy_local, w, n);
+            linear.add_weight_grad(be, dw, dy_local, x, n);
+            return Ok(());
+        }
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            self.tp.gather_rows(be, dy_local, full)?;
+            linear.input_grad(be, dx, full, w, n);
+            linear.add_weight_grad(be, dw, full, x, n);
+            return Ok(());
+        }
+        for c in &chunks {
+            self.tp
+                .start_gather_rows(be, self.local_chunk(be, dy_local, linear.d_out, c))?;
+        }
+        for c in &chunks {
+            let dyc = self.tp.finish_oldest(be)?;
+            self.place(be, full, &dyc, linear.d_out, c);
+            let rows = self.degree() * c.rows;
+            let mut dxc = be.uninit(rows * linear.d_in);
+            linear.input_grad(be, &mut dxc, &dyc, w, rows);
+            self.place(be, dx, &dxc, linear.d_in, c);
+        }
+        linear.add_weight_grad(be, dw, full, x, n);
+        Ok(())
+    }
+
+    /// Column-parallel backward: `dW_i += dy_iᵀ · x` for each projection, and this rank's rows of
+    /// the input gradient `Σ_i dy_i · W_i`, summed over the group (reduce-scattered through
+    /// `full`, `[tokens, width]`) into `dlocal`. `x` is the input the forward read.
+    pub fn column_backward(
+        &self,
+        be: &B,
+        grads: &mut [ProjectionGrad<'_, B>],
+        x: &B::Buf,
+        full: &mut B::Buf,
+        dlocal: &mut B::Buf,
+    ) -> Result<()> {
+        let n = self.tokens;
+        let chunks = self.chunks();
+        if chunks.is_empty() {
+            // Each projection's two GEMMs back to back, so a device converts its `dy` once.
+            let target = if self.degree() == 1 {
+                &mut *dlocal
+            } else {
+                &mut *full
+            };
+            for (i, g) in grads.iter_mut().enumerate() {
+                if i == 0 {
+                    g.linear.input_grad(be, target, g.dy, g.w, n);
+                } else {
+                    g.linear.add_input_grad(be, target, g.dy, g.w, n);
+                }
+                g.linear.add_weight_grad(be, g.dw, g.dy, x, n);
+            }
+            if self.degree() > 1 {
+                self.tp.reduce_scatter_rows(be, full, dlocal)?;
+            }
+            return Ok(());
+        }
+        let width = grads[0].linear.d_in;
+        for c in &chunks {
+            let rows = self.degree() * c.rows;
+            let mut dxc = be.uninit(rows * width);
+            for (i, g) in grads.iter().enumerate() {
+                let dyc = self.pick(be, g.dy, g.linear.d_out, c);
+                if i == 0 {
+                    g.linear.input_grad(be, &mut dxc, &dyc, g.w, rows);
+                } else {
+                    g.linear.add_input_grad(be, &mut dxc, &dyc, g.w, rows);
+                }
+            }
+            self.tp.start_reduce_scatter_rows(be, dxc)?;
+        }
+        // The weight gradients need no communication: they hide the last reduce-scatters.
+        for g in grads.iter_mut() {
+            g.linear.add_weight_grad(be, g.dw, g.dy, x, n);
+        }
+        for c in &chunks {
+            let sum = self.tp.finish_oldest(be)?;
+            be.copy_range(dlocal, c.first * width, &sum, 0, c.rows * width);
+        }
+        Ok(())
+    }
+}
