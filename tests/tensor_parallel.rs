@@ -60,6 +60,32 @@ fn tp_2_and_tp_4_match_one_process_with_and_without_loss_parallel_and_in_bf16() 
     check_parity("TP 2 accumulating", "8", &accum, &nproc("2"), &tp("2"));
 }
 
+fn async_tp(degree: &'static str) -> Vec<&'static str> {
+    let mut args = tp(degree);
+    args.extend(["--parallelism.enable_async_tensor_parallel", "true"]);
+    args
+}
+
+#[test]
+fn async_tp_matches_one_process() {
+    check_parity("async TP 2", "20", &[], &nproc("2"), &async_tp("2"));
+    // 2 × 30 tokens: 30 rows per rank, in chunks of 8, 8, 8 and 6.
+    let uneven = ["--training.seq_len", "30"];
+    check_parity("async TP 2, uneven chunks", "10", &uneven, &nproc("2"), &async_tp("2"));
+    let kv4 = ["--model.n_kv_heads", "4"];
+    check_parity("async TP 4", "10", &kv4, &nproc("4"), &async_tp("4"));
+    // Beside FSDP's own queue of gathers and reduce-scatters.
+    let mut fsdp = async_tp("2");
+    fsdp.extend([
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ]);
+    let batch4 = ["--training.local_batch_size", "4"];
+    check_parity("FSDP 2 x async TP 2", "10", &batch4, &nproc("4"), &fsdp);
+}
+
 #[test]
 fn two_d_layouts_match_one_process() {
     // The same global batch of 4 rows: one process takes them all, two data-parallel ranks 2 each.
@@ -213,13 +239,6 @@ fn layouts_tp_cannot_split_are_refused_naming_the_numbers() {
         &nproc("2"),
         &odd_tokens,
         &["15 tokens", "tensor_parallel_degree 2"],
-    );
-    let mut async_tp = tp("2");
-    async_tp.extend(["--parallelism.enable_async_tensor_parallel", "true"]);
-    refused(
-        &nproc("2"),
-        &async_tp,
-        &["enable_async_tensor_parallel", "not built yet"],
     );
 }
 

@@ -1,9 +1,10 @@
-//! Queued collectives of sharded data parallelism (FSDP, HSDP) on backend buffers: an all-gather
-//! over the shard group, and a reduce-scatter over it followed, for HSDP, by an all-reduce of the
-//! result across the replicas. They are started as soon as their input is ready and finished in the
-//! order they were started, so that they run while the caller computes.
+//! Queued collectives on backend buffers: an all-gather over a group, and a reduce-scatter over it
+//! followed, for HSDP, by an all-reduce of the result across the replicas. They are started as
+//! soon as their input is ready and finished in the order they were started, so that they run
+//! while the caller computes. Sharded data parallelism (FSDP, HSDP) gathers its weights and
+//! reduce-scatters its gradients through one; async tensor parallelism its chunks of token rows.
 //!
-//! Two queues, one interface (FSDP knows only `CollectiveQueue`):
+//! Two queues, one interface (their users know only `CollectiveQueue`):
 //! - `HostQueue`, for any backend: each input is copied to the host and handed to a communication
 //!   thread, which runs the collectives in order over the CPU transport; finishing one waits for
 //!   the thread's result and uploads it.
@@ -44,6 +45,8 @@ enum Job {
 
 /// The collectives over the CPU transport, run by one thread in the order they were started.
 pub struct HostQueue {
+    /// Who uses the queue, for its thread's name and its errors ("FSDP", "tensor parallel").
+    user: &'static str,
     shard_size: usize,
     replicated: bool,
     to_comm: Option<Sender<Job>>,
@@ -53,13 +56,18 @@ pub struct HostQueue {
 }
 
 impl HostQueue {
-    pub fn new(shard: Arc<dyn ProcessGroup>, replicate: Option<Arc<dyn ProcessGroup>>) -> Self {
+    /// A queue for `user` over `shard` (and, for HSDP's reduce-scatters, `replicate`).
+    pub fn new(
+        user: &'static str,
+        shard: Arc<dyn ProcessGroup>,
+        replicate: Option<Arc<dyn ProcessGroup>>,
+    ) -> Self {
         let shard_size = shard.size();
         let replicated = replicate.is_some();
         let (to_comm, jobs) = channel::<Job>();
         let (done, from_comm) = channel();
         let worker = std::thread::Builder::new()
-            .name("titan-fsdp-comm".into())
+            .name(format!("titan-{}-comm", user.replace(' ', "-").to_lowercase()))
             .spawn(move || {
                 for job in jobs {
                     let r = match job {
@@ -84,8 +92,9 @@ impl HostQueue {
                     }
                 }
             })
-            .expect("spawn the FSDP communication thread");
+            .expect("spawn a communication thread");
         HostQueue {
+            user,
             shard_size,
             replicated,
             to_comm: Some(to_comm),
@@ -98,9 +107,9 @@ impl HostQueue {
     fn submit(&mut self, job: Job) -> Result<()> {
         self.to_comm
             .as_ref()
-            .ok_or_else(|| anyhow!("FSDP communication thread is gone"))?
+            .ok_or_else(|| anyhow!("{} communication thread is gone", self.user))?
             .send(job)
-            .map_err(|_| anyhow!("FSDP communication thread stopped"))?;
+            .map_err(|_| anyhow!("{} communication thread stopped", self.user))?;
         self.in_flight += 1;
         Ok(())
     }
@@ -121,13 +130,13 @@ impl<B: Backend> CollectiveQueue<B> for HostQueue {
 
     fn finish_oldest(&mut self, be: &B) -> Result<B::Buf> {
         if self.in_flight == 0 {
-            return Err(anyhow!("FSDP: no collective in flight"));
+            return Err(anyhow!("{}: no collective in flight", self.user));
         }
         self.in_flight -= 1;
         let data = self
             .from_comm
             .recv()
-            .map_err(|_| anyhow!("FSDP communication thread stopped"))??;
+            .map_err(|_| anyhow!("{} communication thread stopped", self.user))??;
         Ok(be.upload(&data))
     }
 

@@ -21,14 +21,15 @@
 //! NCCL yet, and the loss's softmax statistics are computed on the host.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 use rayon::prelude::*;
 
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
 use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::config::ParallelismConfig;
 use crate::model::tensor_parallel::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
@@ -36,23 +37,43 @@ use crate::model::LocalShapes;
 /// Logits a rank holds at once in the loss (rows × its vocabulary shard).
 const LOSS_CHUNK_FLOATS: usize = 4 << 20;
 
+/// Chunks async TP cuts a fused collective and its GEMMs into (`model::parallel_linear`).
+pub const ASYNC_TP_CHUNKS: usize = 4;
+
 /// A tensor-parallel group over the CPU transport.
 pub struct TensorParallelGroup {
     group: Arc<dyn ProcessGroup>,
     /// Cross-entropy over vocabulary shards (true) or over gathered logits.
     loss_parallel: bool,
+    /// Async TP: the chunks' collectives, run in order by a communication thread over `group`.
+    /// It is empty whenever a blocking collective runs (every fused layer finishes what it
+    /// queued), so the two never use the group at once.
+    queue: Option<Mutex<HostQueue>>,
     /// Nanoseconds spent waiting on `group` (`exposed_comm_seconds`).
     waited_ns: AtomicU64,
 }
 
 impl TensorParallelGroup {
-    /// The group's operations as `[parallelism]` asks (`disable_loss_parallel`).
+    /// The group's operations as `[parallelism]` asks (`disable_loss_parallel`,
+    /// `enable_async_tensor_parallel`).
     pub fn new(group: Arc<dyn ProcessGroup>, p: &ParallelismConfig) -> Self {
         TensorParallelGroup {
-            group,
+            group: group.clone(),
             loss_parallel: !p.disable_loss_parallel,
+            queue: p
+                .enable_async_tensor_parallel
+                .then(|| Mutex::new(HostQueue::new("tensor parallel", group.clone(), None))),
             waited_ns: AtomicU64::new(0),
         }
+    }
+
+    /// The async TP queue (only asked for when `overlap_chunks` > 1).
+    fn queued(&self) -> Result<std::sync::MutexGuard<'_, HostQueue>> {
+        let queue = self
+            .queue
+            .as_ref()
+            .ok_or_else(|| anyhow!("tensor parallel: async TP is off (a titan bug)"))?;
+        Ok(queue.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Runs `collective`, counting the time it blocks as exposed communication.
@@ -156,6 +177,26 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
         self.waiting(|| self.group.all_reduce(&mut values, ReduceOp::Sum))?;
         *buf = be.upload(&values);
         Ok(())
+    }
+
+    fn overlap_chunks(&self) -> usize {
+        if self.queue.is_some() {
+            ASYNC_TP_CHUNKS
+        } else {
+            1
+        }
+    }
+
+    fn start_gather_rows(&self, be: &B, local: B::Buf) -> Result<()> {
+        self.waiting(|| self.queued()?.start_gather(be, local))
+    }
+
+    fn start_reduce_scatter_rows(&self, be: &B, partial: B::Buf) -> Result<()> {
+        self.waiting(|| self.queued()?.start_reduce_scatter(be, partial))
+    }
+
+    fn finish_oldest(&self, be: &B) -> Result<B::Buf> {
+        self.waiting(|| self.queued()?.finish_oldest(be))
     }
 
     fn exposed_comm_seconds(&self) -> f64 {

@@ -124,9 +124,6 @@ pub fn compose_rank<B: Backend>(
     if !(batch * seq).is_multiple_of(local.tp) {
         bail!("[training] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", batch * seq, local.tp);
     }
-    if cfg.parallelism.enable_async_tensor_parallel {
-        bail!("[parallelism] enable_async_tensor_parallel = true: async tensor parallelism (overlapping the sequence-parallel collectives with the GEMMs) is not built yet in this titan; set it to false");
-    }
     let global_batch = cfg.global_batch_size_for(dp_size);
     if !global_batch.is_multiple_of(batch * dp_size) {
         bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
