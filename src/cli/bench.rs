@@ -212,11 +212,12 @@ fn bench_on<B: Backend>(
         .collect();
     let mut times = Vec::new();
     let mut losses = Vec::new();
-    let mut exposed_at_warm = 0.0;
+    let (mut exposed_at_warm, mut comm_at_warm) = (0.0, 0.0);
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             on_warm();
             exposed_at_warm = layout.model.tp().exposed_comm_seconds();
+            comm_at_warm = layout.model.tp().comm_seconds();
         }
         be.synchronize();
         let t0 = Instant::now();
@@ -247,18 +248,20 @@ fn bench_on<B: Backend>(
         }
     }
     let timed_s: f64 = times.iter().sum();
-    let exposed_tp_s =
-        (layout.model.tp().exposed_comm_seconds() - exposed_at_warm) / a.steps.max(1) as f64;
+    let per_step = |total: f64, at_warm: f64| (total - at_warm) / a.steps.max(1) as f64;
+    let exposed_tp_s = per_step(layout.model.tp().exposed_comm_seconds(), exposed_at_warm);
+    let comm_tp_s = per_step(layout.model.tp().comm_seconds(), comm_at_warm);
     // Job-wide figures: the largest rank's memory, its estimate and its exposed TP communication.
     let peak_rss = peak_memory() as f64;
     let device_peak = be.device_peak_memory().map(|b| b as f64);
-    let [peak_rss, device_peak, estimate_bytes, exposed_tp_s] = match dist {
+    let [peak_rss, device_peak, estimate_bytes, exposed_tp_s, comm_tp_s] = match dist {
         Some(d) => {
             let mut v = [
                 peak_rss as f32,
                 device_peak.unwrap_or(0.0) as f32,
                 estimate.total() as f32,
                 exposed_tp_s as f32,
+                comm_tp_s as f32,
             ];
             d.all.all_reduce(&mut v, ReduceOp::Max)?;
             v.map(f64::from)
@@ -268,6 +271,7 @@ fn bench_on<B: Backend>(
             device_peak.unwrap_or(0.0),
             estimate.total() as f64,
             exposed_tp_s,
+            comm_tp_s,
         ],
     };
     if rank != 0 {
@@ -310,6 +314,7 @@ fn bench_on<B: Backend>(
                 "peak_rss_mib": mib(peak_rss), "peak_device_mib": be.device_peak_memory().map(|_| mib(device_peak)),
                 "memory_estimate_mib": mib(estimate_bytes),
                 "tp_exposed_comm_ms_per_step": (tp > 1).then_some(exposed_tp_s * 1e3),
+                "tp_comm_ms_per_step": (tp > 1).then_some(comm_tp_s * 1e3),
                 "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
         );
     } else {
@@ -318,7 +323,11 @@ fn bench_on<B: Backend>(
             None => format!("peak RSS {:.0} MiB", mib(peak_rss)),
         };
         let exposed = if tp > 1 {
-            format!(" | TP comm exposed {:.1} ms/step", exposed_tp_s * 1e3)
+            format!(
+                " | TP comm {:.1} ms/step, exposed {:.1}",
+                comm_tp_s * 1e3,
+                exposed_tp_s * 1e3
+            )
         } else {
             String::new()
         };

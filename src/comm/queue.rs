@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
@@ -53,6 +54,8 @@ pub struct HostQueue {
     from_comm: Receiver<Result<Vec<f32>>>,
     in_flight: usize,
     worker: Option<std::thread::JoinHandle<()>>,
+    /// Nanoseconds the thread has spent running collectives (`busy_seconds`).
+    busy_ns: Arc<AtomicU64>,
 }
 
 impl HostQueue {
@@ -66,10 +69,13 @@ impl HostQueue {
         let replicated = replicate.is_some();
         let (to_comm, jobs) = channel::<Job>();
         let (done, from_comm) = channel();
+        let busy_ns = Arc::new(AtomicU64::new(0));
+        let busy = busy_ns.clone();
         let worker = std::thread::Builder::new()
             .name(format!("titan-{}-comm", user.replace(' ', "-").to_lowercase()))
             .spawn(move || {
                 for job in jobs {
+                    let t0 = std::time::Instant::now();
                     let r = match job {
                         Job::Gather(mine) => {
                             let mut all = vec![0.0f32; mine.len() * shard_size];
@@ -87,6 +93,7 @@ impl HostQueue {
                     };
                     // After a failure the group is unusable: report it and take no more work.
                     let failed = r.is_err();
+                    busy.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     if done.send(r).is_err() || failed {
                         return;
                     }
@@ -100,8 +107,15 @@ impl HostQueue {
             to_comm: Some(to_comm),
             from_comm,
             in_flight: 0,
+            busy_ns,
             worker: Some(worker),
         }
+    }
+
+    /// Seconds the communication thread has spent running collectives: with the time its user
+    /// waited for them, how much of the communication the computation hid.
+    pub fn busy_seconds(&self) -> f64 {
+        self.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     fn submit(&mut self, job: Job) -> Result<()> {

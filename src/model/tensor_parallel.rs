@@ -50,6 +50,12 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
         bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
     }
 
+    /// Seconds the group's communication has run on this rank since the group was made, hidden
+    /// or not (with plain TP, all of it is exposed). 0 for one rank.
+    fn comm_seconds(&self) -> f64 {
+        self.exposed_comm_seconds()
+    }
+
     /// Seconds this rank has spent waiting on the group's communication since the group was
     /// made: the communication no computation hid (exposed). 0 for one rank.
     fn exposed_comm_seconds(&self) -> f64 {

@@ -49,8 +49,10 @@ pub struct TensorParallelGroup {
     /// It is empty whenever a blocking collective runs (every fused layer finishes what it
     /// queued), so the two never use the group at once.
     queue: Option<Mutex<HostQueue>>,
-    /// Nanoseconds spent waiting on `group` (`exposed_comm_seconds`).
+    /// Nanoseconds spent waiting on `group` (`exposed_comm_seconds`), and of that in blocking
+    /// collectives rather than on the queue.
     waited_ns: AtomicU64,
+    plain_ns: AtomicU64,
 }
 
 impl TensorParallelGroup {
@@ -64,6 +66,7 @@ impl TensorParallelGroup {
                 .enable_async_tensor_parallel
                 .then(|| Mutex::new(HostQueue::new("tensor parallel", group.clone(), None))),
             waited_ns: AtomicU64::new(0),
+            plain_ns: AtomicU64::new(0),
         }
     }
 
@@ -80,6 +83,17 @@ impl TensorParallelGroup {
     fn waiting<T>(&self, collective: impl FnOnce() -> Result<T>) -> Result<T> {
         let t0 = Instant::now();
         let r = collective();
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.waited_ns.fetch_add(ns, Ordering::Relaxed);
+        self.plain_ns.fetch_add(ns, Ordering::Relaxed);
+        r
+    }
+
+    /// Runs a step of the async queue (its host copies, or the wait for a result), counting the
+    /// time as exposed communication.
+    fn waiting_on_queue<T>(&self, step: impl FnOnce(&mut HostQueue) -> Result<T>) -> Result<T> {
+        let t0 = Instant::now();
+        let r = step(&mut *self.queued()?);
         self.waited_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         r
@@ -188,15 +202,23 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
     }
 
     fn start_gather_rows(&self, be: &B, local: B::Buf) -> Result<()> {
-        self.waiting(|| self.queued()?.start_gather(be, local))
+        self.waiting_on_queue(|q| q.start_gather(be, local))
     }
 
     fn start_reduce_scatter_rows(&self, be: &B, partial: B::Buf) -> Result<()> {
-        self.waiting(|| self.queued()?.start_reduce_scatter(be, partial))
+        self.waiting_on_queue(|q| q.start_reduce_scatter(be, partial))
     }
 
     fn finish_oldest(&self, be: &B) -> Result<B::Buf> {
-        self.waiting(|| self.queued()?.finish_oldest(be))
+        self.waiting_on_queue(|q| q.finish_oldest(be))
+    }
+
+    fn comm_seconds(&self) -> f64 {
+        // Plain collectives block (all exposed); the queue's run on its thread.
+        let queued = self.queue.as_ref().map_or(0.0, |q| {
+            q.lock().unwrap_or_else(|e| e.into_inner()).busy_seconds()
+        });
+        self.plain_ns.load(Ordering::Relaxed) as f64 * 1e-9 + queued
     }
 
     fn exposed_comm_seconds(&self) -> f64 {
