@@ -71,7 +71,13 @@ fn async_tp_matches_one_process() {
     check_parity("async TP 2", "20", &[], &nproc("2"), &async_tp("2"));
     // 2 × 30 tokens: 30 rows per rank, in chunks of 8, 8, 8 and 6.
     let uneven = ["--training.seq_len", "30"];
-    check_parity("async TP 2, uneven chunks", "10", &uneven, &nproc("2"), &async_tp("2"));
+    check_parity(
+        "async TP 2, uneven chunks",
+        "10",
+        &uneven,
+        &nproc("2"),
+        &async_tp("2"),
+    );
     let kv4 = ["--model.n_kv_heads", "4"];
     check_parity("async TP 4", "10", &kv4, &nproc("4"), &async_tp("4"));
     // Beside FSDP's own queue of gathers and reduce-scatters.

@@ -86,7 +86,7 @@ pub struct LossSum {
 /// Target id that contributes neither loss nor gradient.
 pub const IGNORE_INDEX: u32 = u32::MAX;
 
-pub trait Backend: Send + Sync {
+pub trait Backend: Send + Sync + 'static {
     type Buf: Send + Sync;
 
     fn name(&self) -> &'static str;

@@ -324,7 +324,7 @@ fn nccl_check() -> Result<()> {
     // more one-rank groups): collectives finish in the order they started, each with its output.
     let shard = NcclGroup::connect(&store, "nccl-check-shard", 0, 1, &be, t, t)?;
     let replicas = NcclGroup::connect(&store, "nccl-check-replicas", 0, 1, &be, t, t)?;
-    let mut queue = NcclQueue::new(shard, Some(replicas));
+    let mut queue = NcclQueue::new("FSDP", shard, Some(replicas));
     queue.start_gather(&be, be.upload(&values))?;
     queue.start_reduce_scatter(&be, be.upload(&doubled))?;
     let (gathered, reduced) = (queue.finish_oldest(&be)?, queue.finish_oldest(&be)?);

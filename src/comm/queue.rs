@@ -12,8 +12,8 @@
 //!   holding its input and output until it is finished.
 
 use std::collections::VecDeque;
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
@@ -36,6 +36,10 @@ pub trait CollectiveQueue<B: Backend> {
     fn finish_oldest(&mut self, be: &B) -> Result<B::Buf>;
     /// Whether reduce-scatters are also summed across replicas (HSDP).
     fn replicated(&self) -> bool;
+    /// Seconds the queue's collectives have been running, where the queue measures it.
+    fn busy_seconds(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Work for the communication thread.
@@ -72,7 +76,10 @@ impl HostQueue {
         let busy_ns = Arc::new(AtomicU64::new(0));
         let busy = busy_ns.clone();
         let worker = std::thread::Builder::new()
-            .name(format!("titan-{}-comm", user.replace(' ', "-").to_lowercase()))
+            .name(format!(
+                "titan-{}-comm",
+                user.replace(' ', "-").to_lowercase()
+            ))
             .spawn(move || {
                 for job in jobs {
                     let t0 = std::time::Instant::now();
@@ -110,12 +117,6 @@ impl HostQueue {
             busy_ns,
             worker: Some(worker),
         }
-    }
-
-    /// Seconds the communication thread has spent running collectives: with the time its user
-    /// waited for them, how much of the communication the computation hid.
-    pub fn busy_seconds(&self) -> f64 {
-        self.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     fn submit(&mut self, job: Job) -> Result<()> {
@@ -157,6 +158,12 @@ impl<B: Backend> CollectiveQueue<B> for HostQueue {
     fn replicated(&self) -> bool {
         self.replicated
     }
+
+    /// Seconds the communication thread has spent running collectives: with the time its user
+    /// waited for them, how much of the communication the computation hid.
+    fn busy_seconds(&self) -> Option<f64> {
+        Some(self.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9)
+    }
 }
 
 impl Drop for HostQueue {
@@ -179,14 +186,17 @@ struct NcclEntry {
 
 /// The collectives on the GPUs through NCCL: over the shard group and, for HSDP, the replicas.
 pub struct NcclQueue {
+    /// Who uses the queue, for its errors ("FSDP", "tensor parallel").
+    user: &'static str,
     shard: NcclGroup,
     replicate: Option<NcclGroup>,
     in_flight: VecDeque<NcclEntry>,
 }
 
 impl NcclQueue {
-    pub fn new(shard: NcclGroup, replicate: Option<NcclGroup>) -> Self {
+    pub fn new(user: &'static str, shard: NcclGroup, replicate: Option<NcclGroup>) -> Self {
         NcclQueue {
+            user,
             shard,
             replicate,
             in_flight: VecDeque::new(),
@@ -239,7 +249,7 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
         let entry = self
             .in_flight
             .pop_front()
-            .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
+            .ok_or_else(|| anyhow!("{}: no collective in flight", self.user))?;
         self.shard.wait(entry.shard)?;
         if let (Some(replicas), Some(f)) = (&self.replicate, entry.replicated) {
             replicas.wait(f)?;

@@ -39,6 +39,7 @@ pub struct Distributed {
     dp_name: String,
     shard_name: Option<String>,
     replicate_name: Option<String>,
+    tp_name: Option<String>,
     timeouts: (Duration, Duration),
     /// Restart generation: store keys of this run never meet a previous run's.
     generation: u64,
@@ -93,10 +94,10 @@ impl Distributed {
                     Some(name(&["dp_replicate"])),
                 ),
             };
-        let tp = if mesh.degree("tp") > 1 {
-            Some(join(&["tp"])?)
+        let (tp, tp_name) = if mesh.degree("tp") > 1 {
+            (Some(join(&["tp"])?), Some(name(&["tp"])))
         } else {
-            None
+            (None, None)
         };
         let all = if dp.size() == env.world_size {
             dp.clone()
@@ -117,6 +118,7 @@ impl Distributed {
             dp_name,
             shard_name,
             replicate_name,
+            tp_name,
             timeouts: (init, op),
             generation: gen,
             _store: store_server,
@@ -175,13 +177,14 @@ impl Distributed {
     /// the job has no such group.
     pub fn nccl_group(
         &self,
-        which: DataParallelGroup,
+        which: MeshGroup,
         be: &crate::backend::cuda::CudaBackend,
     ) -> Result<Option<crate::comm::nccl::NcclGroup>> {
         let (group, name) = match which {
-            DataParallelGroup::All => (Some(&self.dp), Some(&self.dp_name)),
-            DataParallelGroup::Shard => (self.shard.as_ref(), self.shard_name.as_ref()),
-            DataParallelGroup::Replicate => (self.replicate.as_ref(), self.replicate_name.as_ref()),
+            MeshGroup::DataParallel => (Some(&self.dp), Some(&self.dp_name)),
+            MeshGroup::Shard => (self.shard.as_ref(), self.shard_name.as_ref()),
+            MeshGroup::Replicate => (self.replicate.as_ref(), self.replicate_name.as_ref()),
+            MeshGroup::Tensor => (self.tp.as_ref(), self.tp_name.as_ref()),
         };
         let (Some(group), Some(name)) = (group, name) else {
             return Ok(None);
@@ -199,12 +202,14 @@ impl Distributed {
     }
 }
 
-/// The data-parallel groups of a worker: all of them, FSDP's shard group, HSDP's replica group.
+/// A worker's groups that may get an NCCL communicator: every data-parallel rank, FSDP's shard
+/// group, HSDP's replica group, the tensor-parallel group.
 #[derive(Debug, Clone, Copy)]
-pub enum DataParallelGroup {
-    All,
+pub enum MeshGroup {
+    DataParallel,
     Shard,
     Replicate,
+    Tensor,
 }
 
 /// The device mesh `[parallelism]` asks for over `world` ranks (its degrees must multiply to it).

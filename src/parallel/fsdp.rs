@@ -153,7 +153,8 @@ impl<B: Backend> Fsdp<B> {
             }
         }
         let replicated = replicate.is_some();
-        let queue = queue.unwrap_or_else(|| Box::new(HostQueue::new("FSDP", group.clone(), replicate)));
+        let queue =
+            queue.unwrap_or_else(|| Box::new(HostQueue::new("FSDP", group.clone(), replicate)));
         assert!(
             queue.shard_size() == size && queue.replicated() == replicated,
             "FSDP's collective queue spans another mesh than its shards (a titan bug)"

@@ -16,9 +16,16 @@
 //!   rank computes the softmax over whole rows (TorchTitan's behaviour without loss parallel):
 //!   the same loss for more traffic.
 //!
-//! The tensors travel through the host and the CPU transport (`comm::group`), on every backend.
-//! On GPUs that is a copy each way around each collective: these collectives do not go through
-//! NCCL yet, and the loss's softmax statistics are computed on the host.
+//! Async TP (`enable_async_tensor_parallel`) also queues chunks of `gather_rows` and
+//! `reduce_scatter_rows` (`start_*`, `finish_oldest`), so that `model::parallel_linear` overlaps
+//! each chunk's communication with another chunk's GEMMs.
+//!
+//! Where the tensors travel: on GPUs whose ranks agreed on NCCL (`train::collectives`), the
+//! token rows go through a `comm::queue::NcclQueue` over the group's NCCL communicator, on its
+//! communication stream, blocking and async alike. Otherwise through the host and the CPU
+//! transport (`comm::group`): blocking collectives directly, async ones on a `HostQueue`'s
+//! thread. The loss's softmax statistics and the replicated weights' gradient sum always take
+//! the host path (a few floats per row, and once per step).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,48 +41,71 @@ use crate::config::ParallelismConfig;
 use crate::model::tensor_parallel::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
 
+/// A buffer of its own for a queued collective (which holds its input until finished).
+fn copy_of<B: Backend>(be: &B, buf: &B::Buf) -> B::Buf {
+    let mut copy = be.uninit(be.len(buf));
+    be.copy_from(&mut copy, buf);
+    copy
+}
+
 /// Logits a rank holds at once in the loss (rows × its vocabulary shard).
 const LOSS_CHUNK_FLOATS: usize = 4 << 20;
 
 /// Chunks async TP cuts a fused collective and its GEMMs into (`model::parallel_linear`).
 pub const ASYNC_TP_CHUNKS: usize = 4;
 
-/// A tensor-parallel group over the CPU transport.
-pub struct TensorParallelGroup {
+/// A tensor-parallel group of ranks.
+pub struct TensorParallelGroup<B: Backend> {
     group: Arc<dyn ProcessGroup>,
     /// Cross-entropy over vocabulary shards (true) or over gathered logits.
     loss_parallel: bool,
-    /// Async TP: the chunks' collectives, run in order by a communication thread over `group`.
-    /// It is empty whenever a blocking collective runs (every fused layer finishes what it
-    /// queued), so the two never use the group at once.
-    queue: Option<Mutex<HostQueue>>,
+    /// The queue of token-row collectives: NCCL's on GPUs (every gather and reduce-scatter of
+    /// rows), or for async TP on the host a communication thread over `group`. A host queue is
+    /// empty whenever a blocking collective runs (every fused layer finishes what it queued), so
+    /// the two never use the group at once.
+    queue: Option<Mutex<Box<dyn CollectiveQueue<B> + Send>>>,
+    /// Whether `queue` is on the device (then the blocking row collectives use it too).
+    queue_on_device: bool,
+    async_tp: bool,
     /// Nanoseconds spent waiting on `group` (`exposed_comm_seconds`), and of that in blocking
     /// collectives rather than on the queue.
     waited_ns: AtomicU64,
     plain_ns: AtomicU64,
 }
 
-impl TensorParallelGroup {
+impl<B: Backend> TensorParallelGroup<B> {
     /// The group's operations as `[parallelism]` asks (`disable_loss_parallel`,
-    /// `enable_async_tensor_parallel`).
-    pub fn new(group: Arc<dyn ProcessGroup>, p: &ParallelismConfig) -> Self {
+    /// `enable_async_tensor_parallel`); `device_queue` carries the token rows on GPUs (NCCL).
+    pub fn new(
+        group: Arc<dyn ProcessGroup>,
+        device_queue: Option<Box<dyn CollectiveQueue<B> + Send>>,
+        p: &ParallelismConfig,
+    ) -> Self {
+        let async_tp = p.enable_async_tensor_parallel;
+        let queue_on_device = device_queue.is_some();
+        let queue = device_queue.or_else(|| {
+            async_tp.then(|| {
+                Box::new(HostQueue::new("tensor parallel", group.clone(), None))
+                    as Box<dyn CollectiveQueue<B> + Send>
+            })
+        });
         TensorParallelGroup {
-            group: group.clone(),
+            group,
             loss_parallel: !p.disable_loss_parallel,
-            queue: p
-                .enable_async_tensor_parallel
-                .then(|| Mutex::new(HostQueue::new("tensor parallel", group.clone(), None))),
+            queue: queue.map(Mutex::new),
+            queue_on_device,
+            async_tp,
             waited_ns: AtomicU64::new(0),
             plain_ns: AtomicU64::new(0),
         }
     }
 
-    /// The async TP queue (only asked for when `overlap_chunks` > 1).
-    fn queued(&self) -> Result<std::sync::MutexGuard<'_, HostQueue>> {
+    /// The queue of token-row collectives (asked for only when there is one).
+    fn queued(&self) -> Result<std::sync::MutexGuard<'_, Box<dyn CollectiveQueue<B> + Send>>> {
         let queue = self
             .queue
             .as_ref()
-            .ok_or_else(|| anyhow!("tensor parallel: async TP is off (a titan bug)"))?;
+            .ok_or_else(|| anyhow!("tensor parallel: no collective queue (a titan bug)"))?;
         Ok(queue.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
@@ -91,9 +121,12 @@ impl TensorParallelGroup {
 
     /// Runs a step of the async queue (its host copies, or the wait for a result), counting the
     /// time as exposed communication.
-    fn waiting_on_queue<T>(&self, step: impl FnOnce(&mut HostQueue) -> Result<T>) -> Result<T> {
+    fn waiting_on_queue<T>(
+        &self,
+        step: impl FnOnce(&mut dyn CollectiveQueue<B>) -> Result<T>,
+    ) -> Result<T> {
         let t0 = Instant::now();
-        let r = step(&mut *self.queued()?);
+        let r = step(self.queued()?.as_mut());
         self.waited_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         r
@@ -165,12 +198,17 @@ impl TensorParallelGroup {
     }
 }
 
-impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
+impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
     fn degree(&self) -> usize {
         self.group.size()
     }
 
     fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()> {
+        if self.queue_on_device {
+            self.start_gather_rows(be, copy_of(be, local))?;
+            *full = self.finish_oldest(be)?;
+            return Ok(());
+        }
         let mine = be.download(local);
         let mut all = vec![0.0f32; mine.len() * self.group.size()];
         self.waiting(|| self.group.all_gather(&mine, &mut all))?;
@@ -179,6 +217,11 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
     }
 
     fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()> {
+        if self.queue_on_device {
+            self.start_reduce_scatter_rows(be, copy_of(be, partial))?;
+            *local = self.finish_oldest(be)?;
+            return Ok(());
+        }
         let all = be.download(partial);
         let mut mine = vec![0.0f32; all.len() / self.group.size()];
         self.waiting(|| self.group.reduce_scatter(&all, &mut mine, ReduceOp::Sum))?;
@@ -194,7 +237,7 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
     }
 
     fn overlap_chunks(&self) -> usize {
-        if self.queue.is_some() {
+        if self.async_tp && self.queue.is_some() {
             ASYNC_TP_CHUNKS
         } else {
             1
@@ -214,9 +257,13 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup {
     }
 
     fn comm_seconds(&self) -> f64 {
-        // Plain collectives block (all exposed); the queue's run on its thread.
+        // Plain collectives block (all exposed); a host queue's run on its thread (on a device
+        // the time in flight is not measured: NCCL's queue reports none).
         let queued = self.queue.as_ref().map_or(0.0, |q| {
-            q.lock().unwrap_or_else(|e| e.into_inner()).busy_seconds()
+            q.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .busy_seconds()
+                .unwrap_or(0.0)
         });
         self.plain_ns.load(Ordering::Relaxed) as f64 * 1e-9 + queued
     }

@@ -10,12 +10,29 @@ use crate::backend::cuda::libs::CudaLib;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::comm::queue::{CollectiveQueue, NcclQueue};
-use crate::launch::{DataParallelGroup, Distributed};
+use crate::launch::{Distributed, MeshGroup};
 use crate::parallel::ddp::{GradReducer, NcclGradReducer};
 
-/// Data-parallel collectives on the devices instead of host copies through the CPU transport:
+/// Collectives on the devices instead of host copies through the CPU transport (each None where
+/// they go through the host).
+pub struct DeviceComm<B: Backend> {
+    pub data_parallel: Option<DataParallelComm<B>>,
+    /// The tensor-parallel group's gathers and reduce-scatters of token rows.
+    pub tensor_parallel: Option<Box<dyn CollectiveQueue<B> + Send>>,
+}
+
+impl<B: Backend> DeviceComm<B> {
+    /// Everything through the host.
+    pub fn host() -> Self {
+        DeviceComm {
+            data_parallel: None,
+            tensor_parallel: None,
+        }
+    }
+}
+
 /// DDP's gradient sum, or FSDP's gathers and reduce-scatters.
-pub enum DeviceComm<B: Backend> {
+pub enum DataParallelComm<B: Backend> {
     Ddp(Box<dyn GradReducer<B>>),
     Fsdp(Box<dyn CollectiveQueue<B>>),
 }
@@ -42,14 +59,14 @@ fn node_key() -> f32 {
     (h.finish() & 0x7f_ffff) as f32
 }
 
-/// Exchanges every rank's facts over the data-parallel CPU group (all ranks call this, GPU or not):
+/// Exchanges every rank's facts over the CPU group of all ranks (all ranks call this, GPU or not):
 /// its GPU's PCI location (`my_gpu`, None on the CPU) and whether it can use NCCL (`local_nccl`).
 fn agree(
     d: &Distributed,
     my_gpu: Option<u32>,
     local_nccl: std::result::Result<(), String>,
 ) -> Result<Agreement> {
-    let group = d.dp.as_ref();
+    let group = d.all.as_ref();
     // A CPU rank gets a value no GPU has, distinct per rank.
     let gpu = my_gpu.map_or(-1.0 - group.rank() as f32, |pci| pci as f32);
     let mine = [local_nccl.is_ok() as u8 as f32, node_key(), gpu];
@@ -80,24 +97,25 @@ fn agree(
 }
 
 /// The collectives of a CPU rank: the host path (it takes part in the agreement all the same).
-pub fn for_cpu<B: Backend>(dist: Option<&Distributed>) -> Result<Option<DeviceComm<B>>> {
+pub fn for_cpu<B: Backend>(dist: Option<&Distributed>) -> Result<DeviceComm<B>> {
     if let Some(d) = dist {
         agree(d, None, Err("this rank runs on the CPU".to_string()))?;
     }
-    Ok(None)
+    Ok(DeviceComm::host())
 }
 
 /// The collectives of a CUDA rank: NCCL when every rank of the job has a GPU of its own (NCCL
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`; DDP then sums
-/// its gradients through it and FSDP gathers and reduce-scatters through it. Otherwise the host
-/// path. Also returns how many ranks share this rank's GPU (itself included), for the memory check.
+/// its gradients through it, FSDP gathers and reduce-scatters through it, and so does tensor
+/// parallelism. Otherwise the host path. Also returns how many ranks share this rank's GPU
+/// (itself included), for the memory check.
 pub fn for_cuda(
     dist: Option<&Distributed>,
     be: &CudaBackend,
     quiet: bool,
-) -> Result<(Option<DeviceComm<CudaBackend>>, usize)> {
+) -> Result<(DeviceComm<CudaBackend>, usize)> {
     let Some(d) = dist else {
-        return Ok((None, 1));
+        return Ok((DeviceComm::host(), 1));
     };
     let pci = be.pci_location();
     let local = if std::env::var("TITAN_NCCL").as_deref() == Ok("off") {
@@ -112,29 +130,42 @@ pub fn for_cuda(
     if !agreed.nccl {
         if d.rank == 0 && !quiet {
             println!(
-                "note: data-parallel collectives go through host copies, not NCCL ({})",
+                "note: collectives go through host copies, not NCCL ({})",
                 agreed.why_not_nccl.as_deref().unwrap_or("unknown")
             );
         }
-        return Ok((None, sharing));
+        return Ok((DeviceComm::host(), sharing));
     }
-    let comm = if d.shard.is_some() {
+    // Every rank creates its communicators in the same order (data parallel, then tensor
+    // parallel), so no two ranks wait for each other's next one.
+    let data_parallel = if d.shard.is_some() {
         let shard = d
-            .nccl_group(DataParallelGroup::Shard, be)?
+            .nccl_group(MeshGroup::Shard, be)?
             .expect("an FSDP job has a shard group");
-        let replicate = d.nccl_group(DataParallelGroup::Replicate, be)?;
-        DeviceComm::Fsdp(Box::new(NcclQueue::new(shard, replicate)))
-    } else {
+        let replicate = d.nccl_group(MeshGroup::Replicate, be)?;
+        Some(DataParallelComm::Fsdp(Box::new(NcclQueue::new(
+            "FSDP", shard, replicate,
+        ))))
+    } else if d.dp.size() > 1 {
         let all = d
-            .nccl_group(DataParallelGroup::All, be)?
+            .nccl_group(MeshGroup::DataParallel, be)?
             .expect("every job has a data-parallel group");
-        DeviceComm::Ddp(Box::new(NcclGradReducer::new(all)))
+        Some(DataParallelComm::Ddp(Box::new(NcclGradReducer::new(all))))
+    } else {
+        None
     };
+    let tensor_parallel = d.nccl_group(MeshGroup::Tensor, be)?.map(|tp| {
+        Box::new(NcclQueue::new("tensor parallel", tp, None))
+            as Box<dyn CollectiveQueue<CudaBackend> + Send>
+    });
     if d.rank == 0 && !quiet {
-        println!(
-            "data-parallel collectives on the GPUs through NCCL ({} ranks)",
-            d.dp.size()
-        );
+        println!("collectives on the GPUs through NCCL ({} ranks)", d.world);
     }
-    Ok((Some(comm), sharing))
+    Ok((
+        DeviceComm {
+            data_parallel,
+            tensor_parallel,
+        },
+        sharing,
+    ))
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use super::collectives::{self, DeviceComm};
+use super::collectives::{self, DataParallelComm, DeviceComm};
 use super::memory::{check_fits, MemoryEstimate};
 use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartState};
@@ -47,8 +47,8 @@ pub fn init_rank_threads(cfg: &Config) -> Result<()> {
 pub struct RankPlace<B: Backend> {
     /// None in one process.
     pub dist: Option<Distributed>,
-    /// Data-parallel collectives on the device (NCCL) instead of through the host.
-    pub device_comm: Option<DeviceComm<B>>,
+    /// Collectives on the device (NCCL) instead of through the host.
+    pub device_comm: DeviceComm<B>,
     /// Ranks (this one included) sharing the memory the memory check compares with: the host's,
     /// or this rank's GPU.
     pub ranks_sharing_memory: usize,
@@ -96,7 +96,7 @@ pub struct ComposedRank<B: Backend> {
     pub global_batch: usize,
     /// Set when the run resumed from a checkpoint.
     pub resumed: Option<Resumed>,
-    /// Whether the data-parallel collectives run on the device (NCCL).
+    /// Whether the collectives run on the device (NCCL).
     pub collectives_on_device: bool,
 }
 
@@ -107,7 +107,7 @@ pub fn compose_rank<B: Backend>(
     be: &B,
     cfg: &Config,
     dist: Option<&Distributed>,
-    device_comm: Option<DeviceComm<B>>,
+    device_comm: DeviceComm<B>,
     ranks_sharing_memory: usize,
 ) -> Result<ComposedRank<B>> {
     let args = cfg.model_args()?;
@@ -130,12 +130,13 @@ pub fn compose_rank<B: Backend>(
     }
     let accum = global_batch / (batch * dp_size);
 
-    let (mut device_reducer, mut device_queue) = match device_comm {
-        Some(DeviceComm::Ddp(r)) => (Some(r), None),
-        Some(DeviceComm::Fsdp(q)) => (None, Some(q)),
+    let (mut device_reducer, mut device_queue) = match device_comm.data_parallel {
+        Some(DataParallelComm::Ddp(r)) => (Some(r), None),
+        Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),
         None => (None, None),
     };
-    let collectives_on_device = device_reducer.is_some() || device_queue.is_some();
+    let collectives_on_device =
+        device_reducer.is_some() || device_queue.is_some() || device_comm.tensor_parallel.is_some();
     let ddp = dist
         .filter(|_| !fsdp_mode && dp_size > 1)
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
@@ -169,7 +170,8 @@ pub fn compose_rank<B: Backend>(
 
     let model = match &tp_group {
         Some(g) => {
-            let ops = TensorParallelGroup::new(g.clone(), &cfg.parallelism);
+            let ops =
+                TensorParallelGroup::new(g.clone(), device_comm.tensor_parallel, &cfg.parallelism);
             Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
         }
         None => Llama::new(be, args.clone(), seq)?,
