@@ -160,6 +160,30 @@ fn tp_checkpoints_resume_under_other_layouts_and_fsdp_resumes_as_2d() {
     args.extend(tp("2"));
     let o = train(tp2.path(), &nproc("2"), &args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Each TP rank wrote its own parts, indexed with their splits.
+    let step10 = tp2.path().join("checkpoint/step-10");
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step10.join("state.json")).unwrap()).unwrap();
+    let index = &state["sharding"];
+    assert_eq!(
+        (index["shards"].as_u64(), index["tp_parts"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let split = |name: &str| {
+        index["tensors"][name]["tp_split"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(split("layers.0.attention.wq.weight"), "rows");
+    assert_eq!(split("layers.0.feed_forward.w2.weight"), "columns");
+    assert_eq!(split("norm.weight"), "replicated");
+    for r in 0..2 {
+        assert!(step10.join(format!("model-rank{r}.safetensors")).exists());
+        assert!(step10
+            .join(format!("optimizer-rank{r}.safetensors"))
+            .exists());
+    }
     assert_parity(
         &tail,
         &resumed_losses(tp2.path(), &[], &[]),
@@ -212,6 +236,31 @@ fn tp_checkpoints_resume_under_other_layouts_and_fsdp_resumes_as_2d() {
         &tail,
         &resumed_losses(fsdp4.path(), &nproc("4"), &two_d),
         "FSDP 4 -> FSDP 2 x TP 2",
+    );
+
+    // FSDP 2 x TP 2 writes 4 files, each an FSDP shard of a TP part: one process and FSDP 4 (the
+    // same number of files, but flat shards of whole tensors) resume from them.
+    let two_d_ckpt = tempfile::tempdir().unwrap();
+    let mut args = base.to_vec();
+    args.extend(["--checkpoint.interval", "10"]);
+    args.extend(two_d);
+    let o = train(two_d_ckpt.path(), &nproc("4"), &args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_parity(
+        &tail,
+        &resumed_losses(two_d_ckpt.path(), &[], &[]),
+        "FSDP 2 x TP 2 -> one process",
+    );
+    let fsdp4_layout = [
+        "--parallelism.data_parallel_shard_degree",
+        "4",
+        "--training.local_batch_size",
+        "1",
+    ];
+    assert_parity(
+        &tail,
+        &resumed_losses(two_d_ckpt.path(), &nproc("4"), &fsdp4_layout),
+        "FSDP 2 x TP 2 -> FSDP 4",
     );
 }
 

@@ -3,7 +3,6 @@
 //! file). A checkpoint is written into a temporary folder and renamed into place, so a crash never
 //! leaves a half-written `step-N/`; loading verifies sizes and checksums before touching any state.
 
-pub mod gather;
 pub mod hf;
 pub mod sharded;
 pub mod st;
@@ -376,7 +375,8 @@ impl HostCheckpoint {
         }
         let own_shards = shard.filter(|&(_, size)| {
             state.sharding.as_ref().is_some_and(|index| {
-                index.shards == size
+                index.tp_parts <= 1
+                    && index.shards == size
                     && index
                         .tensors
                         .values()

@@ -1,13 +1,19 @@
-//! Sharded checkpoints (FSDP): every rank writes its own shards of the weights and AdamW moments
-//! (`model-rank{r}.safetensors`, `optimizer-rank{r}.safetensors`); `state.json` carries the index —
-//! each tensor's global shape and shard length, and the number of shards — plus the size and CRC32
-//! of every rank's files. The folder is written under a temporary name and renamed by rank 0 once
+//! Sharded checkpoints (FSDP, tensor parallel, both): every writing rank writes its own shards of
+//! the weights and AdamW moments (`model-rank{r}.safetensors`, `optimizer-rank{r}.safetensors`);
+//! `state.json` carries the index — each tensor's global shape, its tensor-parallel split and
+//! shard length, the number of shards and of tensor-parallel parts — plus the size and CRC32 of
+//! every rank's files. The folder is written under a temporary name and renamed by rank 0 once
 //! every rank has reported its files, so a crash leaves no complete-looking checkpoint.
+//!
+//! A tensor is first split into `tp_parts` tensor-parallel parts (by rows or columns, or held
+//! whole by every part), then each part, flattened, into `shards / tp_parts` equal flat shards
+//! (FSDP's). Writer `r` holds shard `r / tp_parts` of part `r % tp_parts` (tp innermost, as in the
+//! mesh). So no rank ever holds more than its own state while saving.
 //!
 //! Loading under another layout merges the shards back into full tensors (`merge`), which the
 //! caller re-shards for its own: a checkpoint saved by 4 ranks resumes on 2, on 1, or on any other
-//! mesh. The layout that wrote it takes each rank's own files as they are
-//! (`HostCheckpoint::read_for_shard`).
+//! mesh. An FSDP layout that wrote it (no tensor parallelism) takes each rank's own files as they
+//! are (`HostCheckpoint::read_for_shard`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -19,19 +25,61 @@ use super::{st, step_dir, to_tensors, FileCheck, TrainState};
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::mesh::{DeviceMesh, DIMS};
+use crate::model::params::TpSharding;
 use crate::model::ParamSet;
 use crate::tensor::Tensor;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardedTensor {
     pub shape: Vec<usize>,
-    /// Elements per shard; shard `r` holds flat elements `[r·len, (r+1)·len)` (the last one zero-padded).
+    /// Elements per shard; shard `s` of a tensor-parallel part holds the part's flat elements
+    /// `[s·len, (s+1)·len)` (the last one zero-padded).
     pub shard_len: usize,
+    /// How the tensor is split into tensor-parallel parts (absent: whole, one part).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_split: Option<TpSplit>,
+}
+
+/// A tensor's split over the tensor-parallel parts (`model::params::TpSharding`, as saved).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TpSplit {
+    Rows,
+    Columns,
+    Replicated,
+}
+
+impl From<TpSharding> for TpSplit {
+    fn from(s: TpSharding) -> Self {
+        match s {
+            TpSharding::Rows => TpSplit::Rows,
+            TpSharding::Columns => TpSplit::Columns,
+            TpSharding::Replicated => TpSplit::Replicated,
+        }
+    }
+}
+
+impl From<TpSplit> for TpSharding {
+    fn from(s: TpSplit) -> Self {
+        match s {
+            TpSplit::Rows => TpSharding::Rows,
+            TpSplit::Columns => TpSharding::Columns,
+            TpSplit::Replicated => TpSharding::Replicated,
+        }
+    }
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardIndex {
+    /// Writers (files of each kind): tensor-parallel parts × flat shards of each part.
     pub shards: usize,
+    /// Tensor-parallel parts (1: none).
+    #[serde(default = "one")]
+    pub tp_parts: usize,
     /// Degrees of the device mesh the checkpoint was saved with (`pp, dp_replicate, dp_shard, cp, tp`).
     #[serde(default)]
     pub mesh: BTreeMap<String, usize>,
@@ -67,12 +115,15 @@ fn unpack(v: &[f32]) -> FileCheck {
     }
 }
 
-/// Writes `step-N/` from every rank of `group` (collective: all ranks must call it). `shards`,
-/// `exp_avg`, `exp_avg_sq` are this rank's shards; `full_shapes` the global shapes.
+/// Writes `step-N/` from every rank of `group`, the writers (collective: all of them must call
+/// it), `tp_parts` of them being consecutive tensor-parallel ranks (1: none). `shards`, `exp_avg`,
+/// `exp_avg_sq` are this rank's flat shards of its tensor-parallel parts (or the parts whole);
+/// `full_shapes` the global shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn save<B: Backend>(
     be: &B,
     group: &dyn ProcessGroup,
+    tp_parts: usize,
     mesh: &DeviceMesh,
     folder: &Path,
     shards: &ParamSet<B>,
@@ -84,6 +135,10 @@ pub fn save<B: Backend>(
     all_written: &dyn Fn() -> Result<()>,
 ) -> Result<Option<PathBuf>> {
     let (rank, size) = (group.rank(), group.size());
+    assert!(
+        size.is_multiple_of(tp_parts),
+        "sharded save: {size} writers do not hold {tp_parts} tensor-parallel parts (a titan bug)"
+    );
     let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
     if rank == 0 {
         std::fs::create_dir_all(folder)?;
@@ -125,7 +180,8 @@ pub fn save<B: Backend>(
                     n.clone(),
                     ShardedTensor {
                         shape: full.clone(),
-                        shard_len: s[0],
+                        shard_len: s.iter().product(),
+                        tp_split: (tp_parts > 1).then(|| TpSharding::of(n).into()),
                     },
                 )
             })
@@ -136,6 +192,7 @@ pub fn save<B: Backend>(
             .collect();
         state.sharding = Some(ShardIndex {
             shards: size,
+            tp_parts,
             mesh,
             tensors,
         });
@@ -158,6 +215,14 @@ pub fn merge(
     kind: &str,
     read: &dyn Fn(&str) -> Result<NamedTensors>,
 ) -> Result<Vec<(String, Tensor)>> {
+    if index.tp_parts == 0 || !index.shards.is_multiple_of(index.tp_parts) {
+        bail!(
+            "{}: the shard index has {} shards, not a multiple of its {} tensor-parallel parts",
+            dir.display(),
+            index.shards,
+            index.tp_parts
+        );
+    }
     let mut parts: Vec<BTreeMap<String, Tensor>> = Vec::new();
     for r in 0..index.shards {
         let f = if kind == "model" {
@@ -179,24 +244,45 @@ pub fn merge(
             .get(base)
             .ok_or_else(|| anyhow!("{}: shard index has no tensor `{base}`", dir.display()))?;
         let numel: usize = info.shape.iter().product();
-        let mut data = Vec::with_capacity(info.shard_len * index.shards);
+        let tp = index.tp_parts.max(1);
+        let split: TpSharding = info.tp_split.map_or(TpSharding::Replicated, Into::into);
+        if tp > 1 && info.tp_split.is_none() {
+            bail!(
+                "{}: the shard index gives `{base}` no tensor-parallel split",
+                dir.display()
+            );
+        }
+        let part_numel: usize = split.local_shape(&info.shape, tp).iter().product();
+        let per_part = index.shards / tp;
         // Each shard is taken out of its part as it is merged, so the parts shrink while the
         // merged tensors grow: the merge holds about one copy of the checkpoint, not two.
-        for (r, part) in parts.iter_mut().enumerate() {
-            let t = part.remove(&name).ok_or_else(|| {
-                anyhow!("{}: rank {r}'s shard of `{name}` is missing", dir.display())
-            })?;
-            if t.numel() != info.shard_len {
-                bail!(
-                    "{}: rank {r}'s shard of `{name}` holds {} values, the index says {}",
-                    dir.display(),
-                    t.numel(),
-                    info.shard_len
-                );
+        let mut tp_values = Vec::with_capacity(tp);
+        for t in 0..tp {
+            let mut data = Vec::with_capacity(info.shard_len * per_part);
+            for s in 0..per_part {
+                let r = s * tp + t;
+                let shard = parts[r].remove(&name).ok_or_else(|| {
+                    anyhow!("{}: rank {r}'s shard of `{name}` is missing", dir.display())
+                })?;
+                if shard.numel() != info.shard_len {
+                    bail!(
+                        "{}: rank {r}'s shard of `{name}` holds {} values, the index says {}",
+                        dir.display(),
+                        shard.numel(),
+                        info.shard_len
+                    );
+                }
+                data.extend(shard.to_f32_vec());
             }
-            data.extend(t.to_f32_vec());
+            data.truncate(part_numel);
+            tp_values.push(data);
         }
-        data.truncate(numel);
+        let data = if tp == 1 {
+            tp_values.pop().expect("one part")
+        } else {
+            split.join(&tp_values, &info.shape)
+        };
+        debug_assert_eq!(data.len(), numel);
         out.push((name, Tensor::from_f32(info.shape.clone(), data)));
     }
     Ok(out)

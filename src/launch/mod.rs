@@ -27,6 +27,10 @@ pub struct Distributed {
     pub replicate: Option<Arc<dyn ProcessGroup>>,
     /// The tensor-parallel group (`tp`), when its degree is above 1.
     pub tp: Option<Arc<dyn ProcessGroup>>,
+    /// The ranks that write a sharded checkpoint together (`dp_shard × tp`, tp fastest; under
+    /// HSDP or DDP each replica has one and replica 0's writes). None when checkpoints are written
+    /// whole by rank 0 (one process or DDP, without TP).
+    pub writers: Option<Arc<dyn ProcessGroup>>,
     /// Every rank of the job (the data-parallel group itself when the job is data parallel only):
     /// job-wide figures such as the largest rank's peak memory.
     pub all: Arc<dyn ProcessGroup>,
@@ -40,6 +44,7 @@ pub struct Distributed {
     shard_name: Option<String>,
     replicate_name: Option<String>,
     tp_name: Option<String>,
+    writers_name: Option<String>,
     timeouts: (Duration, Duration),
     /// Restart generation: store keys of this run never meet a previous run's.
     generation: u64,
@@ -99,6 +104,15 @@ impl Distributed {
         } else {
             (None, None)
         };
+        let (writers, writers_name) = match (&shard, &tp) {
+            (None, None) => (None, None),
+            (Some(s), None) => (Some(s.clone()), shard_name.clone()),
+            (None, Some(t)) => (Some(t.clone()), tp_name.clone()),
+            (Some(_), Some(_)) => (
+                Some(join(&["dp_shard", "tp"])?),
+                Some(name(&["dp_shard", "tp"])),
+            ),
+        };
         let all = if dp.size() == env.world_size {
             dp.clone()
         } else {
@@ -112,6 +126,7 @@ impl Distributed {
             shard,
             replicate,
             tp,
+            writers,
             all,
             local_world_size: env.local_world_size,
             store,
@@ -119,6 +134,7 @@ impl Distributed {
             shard_name,
             replicate_name,
             tp_name,
+            writers_name,
             timeouts: (init, op),
             generation: gen,
             _store: store_server,
@@ -146,9 +162,9 @@ impl Distributed {
     }
 
     /// Inside a sharded checkpoint save, once this rank has written its files: waits (up to
-    /// `SAVE_WAIT`) until every rank of its shard group has written its own, through the store.
+    /// `SAVE_WAIT`) until every rank of its writers group has written its own, through the store.
     pub fn checkpoint_written(&self, step: u64) -> Result<()> {
-        let (Some(group), Some(name)) = (self.shard.as_ref(), self.shard_name.as_ref()) else {
+        let (Some(group), Some(name)) = (self.writers.as_ref(), self.writers_name.as_ref()) else {
             return Ok(());
         };
         let key = |r: usize| {
@@ -164,7 +180,7 @@ impl Distributed {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             self.store.get_within(&key(r), left).map_err(|_| {
                 anyhow::anyhow!(
-                    "rank {}: shard rank {r} did not finish writing its step-{step} checkpoint files within {wait:.0?}",
+                    "rank {}: checkpoint writer {r} of its group did not finish writing its step-{step} checkpoint files within {wait:.0?}",
                     self.rank
                 )
             })?;

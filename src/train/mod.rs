@@ -6,6 +6,7 @@ pub mod lr;
 pub mod memory;
 pub mod metrics;
 pub mod optimizer;
+pub mod save;
 pub mod start;
 pub mod step;
 pub mod tensorboard;

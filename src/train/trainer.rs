@@ -11,6 +11,7 @@ use super::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
 use super::memory::{gib, peak_memory};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
+use super::save::save_checkpoint;
 use super::step::train_step;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
@@ -18,7 +19,6 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
-use crate::parallel::plan::ParamState;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -308,8 +308,6 @@ fn train_on<B: Backend>(
         bar.set_message(format!("loss {loss:.4}"));
         bar.inc(1);
 
-        // FSDP: every rank writes its own shards (HSDP: the ranks of replica 0). Otherwise (DDP, one
-        // process) the ranks hold the same state and rank 0 writes it whole.
         let save_now =
             cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps);
         if save_now {
@@ -323,63 +321,7 @@ fn train_on<B: Backend>(
                 sharding: None,
                 files: Default::default(),
             };
-            let shapes: Vec<Vec<usize>> = crate::model::params::param_specs(&args)
-                .into_iter()
-                .map(|(_, s)| s)
-                .collect();
-            // HSDP replicas hold identical shards: replica 0's ranks write them, the others wait.
-            let replica = dist.and_then(|d| d.replicate.as_ref()).map(|r| r.rank());
-            let written = match (&layout.state, replica) {
-                // Tensor parallel: whole tensors gathered from every rank, written by rank 0.
-                _ if local.tp > 1 => {
-                    let whole = checkpoint::gather::whole_state(be, &layout, &opt)?;
-                    if rank == 0 {
-                        Some(checkpoint::save(
-                            &CpuBackend::new(),
-                            &ckpt_folder,
-                            &whole.params,
-                            &whole.exp_avg,
-                            &whole.exp_avg_sq,
-                            state,
-                            cfg.checkpoint.keep_latest_k,
-                        )?)
-                    } else {
-                        None
-                    }
-                }
-                (ParamState::Sharded { fsdp: f, .. }, None | Some(0)) => checkpoint::sharded::save(
-                    be,
-                    f.shard_group(),
-                    &dist.expect("FSDP runs distributed").mesh,
-                    &ckpt_folder,
-                    &f.shards,
-                    &opt.exp_avg,
-                    &opt.exp_avg_sq,
-                    &shapes,
-                    state,
-                    cfg.checkpoint.keep_latest_k,
-                    &|| dist.map_or(Ok(()), |d| d.checkpoint_written(step)),
-                )?,
-                (ParamState::Sharded { .. }, Some(_)) => None,
-                (ParamState::Whole { params, .. }, _)
-                    if rank == 0 && cfg.checkpoint.async_mode == "async" =>
-                {
-                    // Returns the previous save, which this one waited for.
-                    let snapshot =
-                        checkpoint::Snapshot::take(be, params, &opt.exp_avg, &opt.exp_avg_sq)?;
-                    writer.start(snapshot, &ckpt_folder, state, cfg.checkpoint.keep_latest_k)?
-                }
-                (ParamState::Whole { params, .. }, _) if rank == 0 => Some(checkpoint::save(
-                    be,
-                    &ckpt_folder,
-                    params,
-                    &opt.exp_avg,
-                    &opt.exp_avg_sq,
-                    state,
-                    cfg.checkpoint.keep_latest_k,
-                )?),
-                (ParamState::Whole { .. }, _) => None,
-            };
+            let written = save_checkpoint(be, cfg, dist, &layout, &opt, &mut writer, state)?;
             if let Some(d) = dist {
                 d.checkpoint_saved(step)?;
             }

@@ -1,0 +1,134 @@
+//! Who writes a step's checkpoint, for every layout, in the one layout-free format family:
+//! - ranks that hold different parts of the state (FSDP shards, tensor-parallel parts, or both)
+//!   write their own parts together, as a sharded checkpoint (`checkpoint::sharded`), over their
+//!   writers group (`Distributed::writers`); HSDP and DDP replicas hold the same parts, and
+//!   replica 0's ranks write them;
+//! - otherwise (one process, or DDP alone) every rank holds the whole state and rank 0 writes it
+//!   as one checkpoint, in the background with `[checkpoint] async_mode = "async"`.
+//!
+//! Then every rank waits until rank 0 has finished (`Distributed::checkpoint_saved`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+
+use super::optimizer::AdamW;
+use crate::backend::Backend;
+use crate::checkpoint::{self, writer::AsyncWriter, TrainState};
+use crate::config::Config;
+use crate::launch::Distributed;
+use crate::parallel::plan::{ParamState, RankLayout};
+
+/// Saves `state` with this rank's weights and moments (every rank of the job calls this
+/// together). Returns the folder written, on the rank that completed it.
+pub fn save_checkpoint<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    dist: Option<&Distributed>,
+    layout: &RankLayout<B>,
+    opt: &AdamW<B>,
+    writer: &mut AsyncWriter,
+    state: TrainState,
+) -> Result<Option<PathBuf>> {
+    let folder = cfg.checkpoint_folder();
+    let keep = cfg.checkpoint.keep_latest_k;
+    let step = state.step;
+    let rank = dist.map_or(0, |d| d.rank);
+    let writers = dist.and_then(|d| d.writers.as_ref().map(|w| (d, w)));
+    let written = match (&layout.state, writers) {
+        (ParamState::Sharded { fsdp, .. }, Some((d, writers))) => {
+            let replica_0 = d.replicate.as_ref().is_none_or(|r| r.rank() == 0);
+            if replica_0 {
+                save_parts(
+                    be,
+                    d,
+                    writers.as_ref(),
+                    layout,
+                    &fsdp.shards,
+                    opt,
+                    &folder,
+                    state,
+                    keep,
+                )?
+            } else {
+                None
+            }
+        }
+        // Tensor parallel without FSDP: data-parallel rank 0's TP group writes its parts.
+        (ParamState::Whole { params, .. }, Some((d, writers))) => {
+            if d.dp.rank() == 0 {
+                save_parts(
+                    be,
+                    d,
+                    writers.as_ref(),
+                    layout,
+                    params,
+                    opt,
+                    &folder,
+                    state,
+                    keep,
+                )?
+            } else {
+                None
+            }
+        }
+        (ParamState::Whole { params, .. }, None) if rank == 0 => {
+            if cfg.checkpoint.async_mode == "async" {
+                // Returns the previous save, which this one waited for.
+                let snapshot =
+                    checkpoint::Snapshot::take(be, params, &opt.exp_avg, &opt.exp_avg_sq)?;
+                writer.start(snapshot, &folder, state, keep)?
+            } else {
+                Some(checkpoint::save(
+                    be,
+                    &folder,
+                    params,
+                    &opt.exp_avg,
+                    &opt.exp_avg_sq,
+                    state,
+                    keep,
+                )?)
+            }
+        }
+        _ => None,
+    };
+    if let Some(d) = dist {
+        d.checkpoint_saved(step)?;
+    }
+    Ok(written)
+}
+
+/// This rank's parts (`weights`: FSDP shards, or tensor-parallel parts whole) as its files of a
+/// sharded checkpoint written by `writers`.
+#[allow(clippy::too_many_arguments)]
+fn save_parts<B: Backend>(
+    be: &B,
+    d: &Distributed,
+    writers: &dyn crate::comm::group::ProcessGroup,
+    layout: &RankLayout<B>,
+    weights: &crate::model::ParamSet<B>,
+    opt: &AdamW<B>,
+    folder: &Path,
+    state: TrainState,
+    keep: usize,
+) -> Result<Option<PathBuf>> {
+    let step = state.step;
+    let shapes: Vec<Vec<usize>> = crate::model::params::param_specs(&layout.model.args)
+        .into_iter()
+        .map(|(_, s)| s)
+        .collect();
+    checkpoint::sharded::save(
+        be,
+        writers,
+        layout.model.local.tp,
+        &d.mesh,
+        folder,
+        weights,
+        &opt.exp_avg,
+        &opt.exp_avg_sq,
+        &shapes,
+        state,
+        keep,
+        &|| d.checkpoint_written(step),
+    )
+}
