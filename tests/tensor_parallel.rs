@@ -189,6 +189,12 @@ fn tp_checkpoints_resume_under_other_layouts_and_fsdp_resumes_as_2d() {
         &resumed_losses(tp2.path(), &[], &[]),
         "TP 2 -> one process",
     );
+    // The layout that wrote it reads each rank's own files.
+    assert_parity(
+        &tail,
+        &resumed_losses(tp2.path(), &nproc("2"), &tp("2")),
+        "TP 2 -> TP 2",
+    );
     // The tools that read checkpoints read a TP one too.
     let hf = tp2.path().join("hf");
     let o = std::process::Command::new(common::titan_bin())
@@ -250,6 +256,11 @@ fn tp_checkpoints_resume_under_other_layouts_and_fsdp_resumes_as_2d() {
         &tail,
         &resumed_losses(two_d_ckpt.path(), &[], &[]),
         "FSDP 2 x TP 2 -> one process",
+    );
+    assert_parity(
+        &tail,
+        &resumed_losses(two_d_ckpt.path(), &nproc("4"), &two_d),
+        "FSDP 2 x TP 2 -> FSDP 2 x TP 2",
     );
     let fsdp4_layout = [
         "--parallelism.data_parallel_shard_degree",

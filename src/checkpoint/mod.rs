@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 use crate::data::LoaderState;
+use crate::model::params::TpSharding;
 use crate::model::{ModelArgs, ParamSet};
 use crate::tensor::Tensor;
 
@@ -318,6 +319,23 @@ fn read_tensors(dir: &Path, state: &TrainState, kind: &str) -> Result<Vec<(Strin
     }
 }
 
+/// A rank's place among the ranks that write a sharded checkpoint together
+/// (`Distributed::writers`): writer `rank` of `size`, of which `tp` consecutive ones hold the
+/// tensor-parallel parts of each tensor and `size / tp` the flat shards of each part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterPlace {
+    pub rank: usize,
+    pub size: usize,
+    pub tp: usize,
+}
+
+impl WriterPlace {
+    /// Values per shard of a tensor-parallel part of `part_numel` values.
+    pub fn shard_len(&self, part_numel: usize) -> usize {
+        part_numel.div_ceil(self.size / self.tp)
+    }
+}
+
 /// A verified checkpoint whose weights and AdamW moments are read into host memory one file kind
 /// at a time, when first asked for (the weights, then the moments: the weights are dropped when
 /// the moments are read), and handed out one tensor at a time. FSDP takes its shards of each
@@ -326,9 +344,9 @@ fn read_tensors(dir: &Path, state: &TrainState, kind: &str) -> Result<Vec<(Strin
 pub struct HostCheckpoint {
     pub state: TrainState,
     dir: PathBuf,
-    /// The tensors are only the shards of rank `.0` of `.1` (a sharded checkpoint read by a rank
-    /// of the layout that wrote it), not full tensors.
-    own_shards: Option<(usize, usize)>,
+    /// The tensors are only one writer's shards (a sharded checkpoint read by a rank of the
+    /// layout that wrote it), not full tensors.
+    own_shards: Option<WriterPlace>,
     /// The kind read last (`model` or `optimizer`) and its tensors by name.
     loaded: Mutex<Option<(&'static str, Arc<LoadedTensors>)>>,
 }
@@ -345,23 +363,18 @@ impl HostCheckpoint {
         Self::read_for(dir, expect_args, None)
     }
 
-    /// As `read`, for rank `rank` of `size` FSDP ranks: of a checkpoint written by as many
-    /// shards, only this rank's own files are held (its shards as they were saved); any other is
-    /// merged.
-    pub fn read_for_shard(
+    /// As `read`, for `writer`'s place among the ranks that write a sharded checkpoint: of a
+    /// checkpoint written by the same layout of writers, only this rank's own files are held (its
+    /// shards or tensor-parallel parts as they were saved); any other is merged.
+    pub fn read_for_writer(
         dir: &Path,
         expect_args: &ModelArgs,
-        rank: usize,
-        size: usize,
+        writer: WriterPlace,
     ) -> Result<Self> {
-        Self::read_for(dir, expect_args, Some((rank, size)))
+        Self::read_for(dir, expect_args, Some(writer))
     }
 
-    fn read_for(
-        dir: &Path,
-        expect_args: &ModelArgs,
-        shard: Option<(usize, usize)>,
-    ) -> Result<Self> {
+    fn read_for(dir: &Path, expect_args: &ModelArgs, writer: Option<WriterPlace>) -> Result<Self> {
         // Each file is verified when it is read: a rank that needs only its own shard files
         // reads no other.
         let state = read_state_file(dir)?;
@@ -373,14 +386,14 @@ impl HostCheckpoint {
                 expect_args
             );
         }
-        let own_shards = shard.filter(|&(_, size)| {
+        let own_shards = writer.filter(|w| {
             state.sharding.as_ref().is_some_and(|index| {
-                index.tp_parts <= 1
-                    && index.shards == size
-                    && index
-                        .tensors
-                        .values()
-                        .all(|t| t.shard_len == t.shape.iter().product::<usize>().div_ceil(size))
+                index.shards == w.size
+                    && index.tp_parts.max(1) == w.tp
+                    && index.tensors.iter().all(|(name, t)| {
+                        let part = TpSharding::of(name).local_shape(&t.shape, w.tp);
+                        t.shard_len == w.shard_len(part.iter().product())
+                    })
             })
         });
         Ok(HostCheckpoint {
@@ -402,7 +415,7 @@ impl HostCheckpoint {
         // The other kind goes first, so the two are never held together.
         *loaded = None;
         let (tensors, file) = match self.own_shards {
-            Some((rank, _)) => {
+            Some(WriterPlace { rank, .. }) => {
                 let name = if kind == "model" {
                     sharded::model_file(rank)
                 } else {
@@ -440,21 +453,25 @@ impl HostCheckpoint {
         self.lookup(moment, name, shape)
     }
 
-    /// Rank `rank`'s shard (`ceil(numel / size)` values) of weight `name` or a moment, straight
-    /// from the checkpoint when it was read as that rank's shards; None when it holds full
-    /// tensors (the caller cuts the shard from `values`).
+    /// This writer's shard of weight `name` or a moment, of its tensor-parallel part of shape
+    /// `part_shape`, straight from the checkpoint when it was read as this writer's files (the
+    /// part itself when each part is one shard); None when it holds full tensors (the caller cuts
+    /// its part from `values`).
     pub fn own_shard(
         &self,
         moment: Option<&str>,
         name: &str,
-        numel: usize,
-        rank: usize,
-        size: usize,
+        part_shape: &[usize],
     ) -> Result<Option<Vec<f32>>> {
-        if self.own_shards != Some((rank, size)) {
+        let Some(w) = self.own_shards else {
             return Ok(None);
-        }
-        self.lookup(moment, name, &[numel.div_ceil(size)]).map(Some)
+        };
+        let saved = if w.size == w.tp {
+            part_shape.to_vec()
+        } else {
+            vec![w.shard_len(part_shape.iter().product())]
+        };
+        self.lookup(moment, name, &saved).map(Some)
     }
 
     fn lookup(&self, moment: Option<&str>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {

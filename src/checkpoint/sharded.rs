@@ -12,8 +12,8 @@
 //!
 //! Loading under another layout merges the shards back into full tensors (`merge`), which the
 //! caller re-shards for its own: a checkpoint saved by 4 ranks resumes on 2, on 1, or on any other
-//! mesh. An FSDP layout that wrote it (no tensor parallelism) takes each rank's own files as they
-//! are (`HostCheckpoint::read_for_shard`).
+//! mesh. The layout of writers that wrote it takes each rank's own files as they are
+//! (`HostCheckpoint::read_for_writer`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Result};
 
 use super::optimizer::AdamW;
 use crate::backend::Backend;
-use crate::checkpoint::{self, HostCheckpoint, TrainState};
+use crate::checkpoint::{self, HostCheckpoint, TrainState, WriterPlace};
 use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
@@ -37,13 +37,16 @@ pub struct Resumed {
     pub dir: PathBuf,
 }
 
-/// Builds the starting state of `model` for this rank: `fsdp_dist` is the job's distribution when
-/// it shards with FSDP (its collectives through `queue` when given, see `Fsdp::new`).
+/// Builds the starting state of `model` for this rank, in the job `dist` (one process: None);
+/// `fsdp` says whether it shards with FSDP (its collectives through `queue` when given, see
+/// `Fsdp::new`).
+#[allow(clippy::too_many_arguments)]
 pub fn start_state<B: Backend>(
     be: &B,
     cfg: &Config,
     model: &Llama<B>,
-    fsdp_dist: Option<&Distributed>,
+    dist: Option<&Distributed>,
+    fsdp: bool,
     queue: Option<Box<dyn CollectiveQueue<B>>>,
     reshard: ReshardPolicy,
     param_dtype: ParamDtype,
@@ -81,33 +84,30 @@ pub fn start_state<B: Backend>(
     let cannot_resume = |e: anyhow::Error| {
         anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
     };
-    // An FSDP rank of the layout that wrote a sharded checkpoint holds its own files only (its
-    // shards are of whole tensors, so not under tensor parallelism).
-    let shard_place = fsdp_dist
-        .filter(|_| tp == 1)
-        .and_then(|d| d.shard.as_ref())
-        .map(|g| (g.rank(), g.size()));
-    let ckpt = match (&resume_dir, shard_place) {
-        (Some((_, dir)), Some((r, size))) => {
-            Some(HostCheckpoint::read_for_shard(dir, args, r, size))
-        }
+    // A rank of the layout that wrote a sharded checkpoint (FSDP, TP or both) holds its own files
+    // only: its shards, or its tensor-parallel parts, as they were saved.
+    let writer = dist.and_then(|d| d.writers.as_ref()).map(|w| WriterPlace {
+        rank: w.rank(),
+        size: w.size(),
+        tp,
+    });
+    let ckpt = match (&resume_dir, writer) {
+        (Some((_, dir)), Some(w)) => Some(HostCheckpoint::read_for_writer(dir, args, w)),
         (Some((_, dir)), None) => Some(HostCheckpoint::read(dir, args)),
         (None, _) => None,
     }
     .transpose()
     .map_err(cannot_resume)?;
-
-    let (params, grads, opt, fsdp);
-    if let Some(d) = fsdp_dist {
+    let (params, grads, opt, fsdp_state);
+    if let Some(d) = dist.filter(|_| fsdp) {
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
-        let (shard_rank, shard_size) = (shard.rank(), shard.size());
         let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
             let (name, shape) = &global[i];
             let numel = shape.iter().product();
             match (&ckpt, moment) {
                 (Some(ckpt), _) => {
                     let own = ckpt
-                        .own_shard(moment, name, numel, shard_rank, shard_size)
+                        .own_shard(moment, name, &specs[i].1)
                         .map_err(cannot_resume)?;
                     match own {
                         Some(shard) => Ok(StartValues::Shard(shard)),
@@ -142,7 +142,7 @@ pub fn start_state<B: Backend>(
         };
         params = ParamSet::unallocated(be, &specs);
         grads = ParamSet::unallocated(be, &specs);
-        fsdp = Some(f);
+        fsdp_state = Some(f);
     } else {
         let mut p = ParamSet::zeros(be, &specs);
         let mut o = AdamW::new(be, &specs, cfg.optimizer.clone());
@@ -154,8 +154,16 @@ pub fn start_state<B: Backend>(
                     (&mut o.exp_avg_sq, Some("exp_avg_sq.")),
                 ] {
                     for (i, (name, shape)) in global.iter().enumerate() {
-                        let values = ckpt.values(moment, name, shape).map_err(cannot_resume)?;
-                        set.bufs[i] = be.upload(&tp_part(i, values));
+                        let own = ckpt
+                            .own_shard(moment, name, &specs[i].1)
+                            .map_err(cannot_resume)?;
+                        let values = match own {
+                            Some(part) => part,
+                            None => {
+                                tp_part(i, ckpt.values(moment, name, shape).map_err(cannot_resume)?)
+                            }
+                        };
+                        set.bufs[i] = be.upload(&values);
                     }
                 }
             }
@@ -171,7 +179,7 @@ pub fn start_state<B: Backend>(
         params = p;
         grads = ParamSet::zeros(be, &specs);
         opt = o;
-        fsdp = None;
+        fsdp_state = None;
     }
     let resumed = match (ckpt, resume_dir) {
         (Some(ckpt), Some((folder_step, dir))) => Some(Resumed {
@@ -185,7 +193,7 @@ pub fn start_state<B: Backend>(
         params,
         grads,
         opt,
-        fsdp,
+        fsdp: fsdp_state,
         resumed,
     })
 }
