@@ -124,16 +124,10 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     if crate::launch::env::WorkerEnv::detect()?.is_none() && a.nproc > 1 {
         // Refuse a mesh the workers would refuse, then start them with this same command.
         crate::launch::check_mesh(&cfg, a.nproc)?;
-        let o = crate::launch::launcher::LaunchOptions {
-            nproc: a.nproc,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            max_restarts: 0,
-            worker_args: std::env::args().skip(1).collect(),
-            rank0_stdout_plain: true,
-        };
+        let o = crate::launch::launcher::LaunchOptions::local(
+            a.nproc,
+            std::env::args().skip(1).collect(),
+        );
         return crate::launch::launcher::launch(&o);
     }
     init_rank_threads(&cfg)?;
@@ -440,16 +434,7 @@ pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(","),
         );
-        let o = crate::launch::launcher::LaunchOptions {
-            nproc: a.nproc,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            max_restarts: 0,
-            worker_args,
-            rank0_stdout_plain: true,
-        };
+        let o = crate::launch::launcher::LaunchOptions::local(a.nproc, worker_args);
         return crate::launch::launcher::launch(&o);
     };
     let timeout = std::time::Duration::from_secs(300);

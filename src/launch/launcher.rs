@@ -28,6 +28,23 @@ pub struct LaunchOptions {
     pub rank0_stdout_plain: bool,
 }
 
+impl LaunchOptions {
+    /// `nproc` ranks on this host alone (any free store port), running `worker_args`; rank 0's
+    /// standard output passes through unprefixed (a benchmark's one JSON line).
+    pub fn local(nproc: usize, worker_args: Vec<String>) -> Self {
+        LaunchOptions {
+            nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            max_restarts: 0,
+            worker_args,
+            rank0_stdout_plain: true,
+        }
+    }
+}
+
 struct Worker {
     rank: usize,
     child: Child,

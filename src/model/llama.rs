@@ -512,21 +512,9 @@ impl<B: Backend> Llama<B> {
             &mut acts.normed_attn_full,
             d,
             &mut [
-                Projection {
-                    linear: wq,
-                    w: &p[id.wq],
-                    y: &mut acts.q,
-                },
-                Projection {
-                    linear: wk,
-                    w: &p[id.wk],
-                    y: &mut acts.k,
-                },
-                Projection {
-                    linear: wv,
-                    w: &p[id.wv],
-                    y: &mut acts.v,
-                },
+                Projection::new(wq, &p[id.wq], &mut acts.q),
+                Projection::new(wk, &p[id.wk], &mut acts.k),
+                Projection::new(wv, &p[id.wv], &mut acts.v),
             ],
         )?;
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
@@ -565,16 +553,8 @@ impl<B: Backend> Llama<B> {
             &mut acts.normed_ffn_full,
             d,
             &mut [
-                Projection {
-                    linear: w1,
-                    w: &p[id.w1],
-                    y: &mut acts.gate,
-                },
-                Projection {
-                    linear: w3,
-                    w: &p[id.w3],
-                    y: &mut acts.up,
-                },
+                Projection::new(w1, &p[id.w1], &mut acts.gate),
+                Projection::new(w3, &p[id.w3], &mut acts.up),
             ],
         )?;
         be.swiglu_forward(&mut acts.act, &acts.gate, &acts.up);
@@ -636,18 +616,8 @@ impl<B: Backend> Llama<B> {
         sp.column_backward(
             be,
             &mut [
-                ProjectionGrad {
-                    linear: w1,
-                    dy: &ws.dgate,
-                    w: &p[id.w1],
-                    dw: g_w1,
-                },
-                ProjectionGrad {
-                    linear: w3,
-                    dy: &ws.dup,
-                    w: &p[id.w3],
-                    dw: g_w3,
-                },
+                ProjectionGrad::new(w1, &ws.dgate, &p[id.w1], g_w1),
+                ProjectionGrad::new(w3, &ws.dup, &p[id.w3], g_w3),
             ],
             self.gathered(&acts.normed_ffn, &acts.normed_ffn_full),
             &mut ws.full,
@@ -692,24 +662,9 @@ impl<B: Backend> Llama<B> {
         sp.column_backward(
             be,
             &mut [
-                ProjectionGrad {
-                    linear: wq,
-                    dy: &ws.dq,
-                    w: &p[id.wq],
-                    dw: g_wq,
-                },
-                ProjectionGrad {
-                    linear: wk,
-                    dy: &ws.dk,
-                    w: &p[id.wk],
-                    dw: g_wk,
-                },
-                ProjectionGrad {
-                    linear: wv,
-                    dy: &ws.dv,
-                    w: &p[id.wv],
-                    dw: g_wv,
-                },
+                ProjectionGrad::new(wq, &ws.dq, &p[id.wq], g_wq),
+                ProjectionGrad::new(wk, &ws.dk, &p[id.wk], g_wk),
+                ProjectionGrad::new(wv, &ws.dv, &p[id.wv], g_wv),
             ],
             self.gathered(&acts.normed_attn, &acts.normed_attn_full),
             &mut ws.full,

@@ -31,6 +31,12 @@ pub struct Projection<'a, B: Backend> {
     pub y: &'a mut B::Buf,
 }
 
+impl<'a, B: Backend> Projection<'a, B> {
+    pub fn new(linear: Linear, w: &'a B::Buf, y: &'a mut B::Buf) -> Self {
+        Projection { linear, w, y }
+    }
+}
+
 /// One projection of a column-parallel layer's backward: its output gradient `dy`, its weight
 /// `w` and where that weight's gradient is added (`dw`).
 pub struct ProjectionGrad<'a, B: Backend> {
@@ -38,6 +44,12 @@ pub struct ProjectionGrad<'a, B: Backend> {
     pub dy: &'a B::Buf,
     pub w: &'a B::Buf,
     pub dw: &'a mut B::Buf,
+}
+
+impl<'a, B: Backend> ProjectionGrad<'a, B> {
+    pub fn new(linear: Linear, dy: &'a B::Buf, w: &'a B::Buf, dw: &'a mut B::Buf) -> Self {
+        ProjectionGrad { linear, dy, w, dw }
+    }
 }
 
 /// The linear layers of a tensor-parallel group over `tokens` token rows.

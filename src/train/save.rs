@@ -36,33 +36,22 @@ pub fn save_checkpoint<B: Backend>(
     let rank = dist.map_or(0, |d| d.rank);
     let writers = dist.and_then(|d| d.writers.as_ref().map(|w| (d, w)));
     let written = match (&layout.state, writers) {
-        (ParamState::Sharded { fsdp, .. }, Some((d, writers))) => {
-            let replica_0 = d.replicate.as_ref().is_none_or(|r| r.rank() == 0);
-            if replica_0 {
-                save_parts(
-                    be,
-                    d,
-                    writers.as_ref(),
-                    layout,
+        (param_state, Some((d, writers))) => {
+            // FSDP (maybe with TP): replica 0's shards. TP alone: data-parallel rank 0's parts.
+            let (parts, writes) = match param_state {
+                ParamState::Sharded { fsdp, .. } => (
                     &fsdp.shards,
-                    opt,
-                    &folder,
-                    state,
-                    keep,
-                )?
-            } else {
-                None
-            }
-        }
-        // Tensor parallel without FSDP: data-parallel rank 0's TP group writes its parts.
-        (ParamState::Whole { params, .. }, Some((d, writers))) => {
-            if d.dp.rank() == 0 {
+                    d.replicate.as_ref().is_none_or(|r| r.rank() == 0),
+                ),
+                ParamState::Whole { params, .. } => (params, d.dp.rank() == 0),
+            };
+            if writes {
                 save_parts(
                     be,
                     d,
                     writers.as_ref(),
                     layout,
-                    params,
+                    parts,
                     opt,
                     &folder,
                     state,
