@@ -22,6 +22,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum, IGNORE_INDEX};
 
+use super::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use super::args::{LocalShapes, ModelArgs};
 use super::linear::Linear;
 use super::parallel_linear::{Projection, ProjectionGrad, SequenceParallel};
@@ -55,7 +56,11 @@ pub struct Workspace<B: Backend> {
     pub seq: usize,
     /// Input of block `l` at `resid[l]`; the last entry is the final block's output.
     resid: Vec<B::Buf>,
+    /// Each block's own activations (empty buffers for what it does not keep) and the shared set
+    /// the blocks that keep less write and recompute theirs in; what each block keeps.
     layers: Vec<LayerActs<B>>,
+    recomputed: LayerActs<B>,
+    plan: ActivationPlan,
     normed_final: B::Buf,
     normed_final_full: B::Buf,
     rstd_final: B::Buf,
@@ -78,83 +83,242 @@ pub struct Workspace<B: Backend> {
     local_ids: Vec<u32>,
 }
 
-/// Float counts of the workspace for a shape: the single source for allocation and memory estimates.
-pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize) -> usize {
+/// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
+#[derive(Debug, Clone, Copy)]
+struct ActStorage {
+    floats: usize,
+    /// Read only by GEMMs, SwiGLU or a gather feeding GEMMs: a device may keep it in bf16 alone.
+    bf16_alone: bool,
+    /// Its producer may keep a bf16 copy beside it for the kernels that read it.
+    bf16_copy: bool,
+}
+
+/// The size and storage of each block activation for one rank's shapes: the single source for
+/// allocation and memory estimates.
+fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act) -> ActStorage {
     let n = batch * seq;
     let r = m.rows(n);
     let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
-    // Gathered inputs of the column-parallel projections, kept for their weight gradients.
-    let gathered = if m.tp > 1 { n * d } else { 0 };
-    let per_layer = r * (d + 1 + d + d + 1)
-        + 2 * gathered
-        + n * (qd + 2 * kvd + qd + 3 * f)
-        + batch * m.heads * seq;
-    let resid = (m.n_layers + 1) * r * d;
-    let scratch = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f);
-    m.n_layers * per_layer + resid + r * (d + 1) + gathered + scratch
+    let tp = m.tp > 1;
+    let plain = |floats| ActStorage {
+        floats,
+        bf16_alone: false,
+        bf16_copy: false,
+    };
+    let copied = |floats| ActStorage {
+        bf16_copy: true,
+        ..plain(floats)
+    };
+    let gemm_input = |floats| ActStorage {
+        floats,
+        bf16_alone: true,
+        bf16_copy: true,
+    };
+    match act {
+        // A norm's output feeds the column-parallel GEMMs directly, or (tensor parallel) through
+        // the gather, whose result is then the GEMMs' input.
+        Act::NormedAttn | Act::NormedFfn if tp => plain(r * d),
+        Act::NormedAttn | Act::NormedFfn => gemm_input(n * d),
+        Act::NormedAttnFull | Act::NormedFfnFull if tp => gemm_input(n * d),
+        Act::NormedAttnFull | Act::NormedFfnFull => plain(0),
+        Act::RstdAttn | Act::RstdFfn => plain(r),
+        Act::Q | Act::AttnOut => copied(n * qd),
+        Act::K => copied(n * kvd),
+        Act::V => plain(n * kvd),
+        Act::Lse => plain(batch * m.heads * seq),
+        Act::H => plain(r * d),
+        Act::Gate | Act::Up | Act::Act => gemm_input(n * f),
+    }
 }
 
-/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (each layer's two
-/// column-parallel inputs, gate and up projections and SwiGLU output, and the backward's SwiGLU
-/// input and output gradients), whose f32 storage a device may leave out.
-pub fn workspace_bf16_activation_floats(m: &LocalShapes, batch: usize, seq: usize) -> usize {
+/// The block activations' values over the workspace, counting each buffer `plan` allocates, of
+/// those selected by `which`.
+fn block_floats(
+    m: &LocalShapes,
+    batch: usize,
+    seq: usize,
+    plan: &ActivationPlan,
+    which: impl Fn(ActStorage) -> bool,
+) -> usize {
+    Act::ALL
+        .iter()
+        .map(|&act| (act_storage(m, batch, seq, act), plan.copies(act)))
+        .filter(|(st, _)| which(*st))
+        .map(|(st, copies)| st.floats * copies)
+        .sum()
+}
+
+/// Float counts of the workspace for a shape and activation plan: the single source for
+/// allocation and memory estimates.
+pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &ActivationPlan) -> usize {
     let n = batch * seq;
-    m.n_layers * n * (2 * m.dim + 3 * m.ffn) + 3 * n * m.ffn
+    let r = m.rows(n);
+    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    let gathered = if m.tp > 1 { n * d } else { 0 };
+    let resid = (m.n_layers + 1) * r * d;
+    let final_norm = r * (d + 1) + gathered;
+    let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f);
+    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward
+}
+
+/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (the blocks'
+/// column-parallel inputs, gate and up projections and SwiGLU outputs, and the backward's SwiGLU
+/// input and output gradients), whose f32 storage a device may leave out.
+pub fn workspace_bf16_activation_floats(
+    m: &LocalShapes,
+    batch: usize,
+    seq: usize,
+    plan: &ActivationPlan,
+) -> usize {
+    block_floats(m, batch, seq, plan, |st| st.bf16_alone) + 3 * batch * seq * m.ffn
 }
 
 /// Values of the workspace whose producers may keep a bf16 copy beside them (or their values in
 /// bf16 alone) for the GEMMs, attention and SwiGLU kernels that read them
-/// (`Backend::activation_copy_bytes`): each layer's normed inputs, rotated q and k, attention
-/// output, gate and up projections and SwiGLU output, the final norm's output, and the backward's
-/// SwiGLU input and output gradients, rotated dq and dk, and block-input gradient.
-pub fn workspace_copied_floats(m: &LocalShapes, batch: usize, seq: usize) -> usize {
+/// (`Backend::activation_copy_bytes`): the blocks' normed inputs, rotated q and k, attention
+/// outputs, gate and up projections and SwiGLU outputs, the final norm's output, and the
+/// backward's SwiGLU input and output gradients, rotated dq and dk, and block-input gradient.
+pub fn workspace_copied_floats(
+    m: &LocalShapes,
+    batch: usize,
+    seq: usize,
+    plan: &ActivationPlan,
+) -> usize {
     let n = batch * seq;
     let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
-    m.n_layers * n * (2 * d + 2 * qd + kvd + 3 * f) + n * d + n * (3 * f + d + qd + kvd)
+    block_floats(m, batch, seq, plan, |st| st.bf16_copy) + n * d + n * (3 * f + d + qd + kvd)
+}
+
+impl<B: Backend> LayerActs<B> {
+    /// A block's buffers: those `keep` selects sized for the shapes, the others empty.
+    fn allocate(
+        be: &B,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        keep: impl Fn(Act) -> bool,
+    ) -> Self {
+        let buf = |act: Act| {
+            let st = act_storage(m, batch, seq, act);
+            match (keep(act), st.bf16_alone) {
+                (false, _) => be.zeros(0),
+                (true, true) => be.zeros_bf16_activation(st.floats),
+                (true, false) => be.zeros(st.floats),
+            }
+        };
+        LayerActs {
+            normed_attn: buf(Act::NormedAttn),
+            normed_attn_full: buf(Act::NormedAttnFull),
+            rstd_attn: buf(Act::RstdAttn),
+            q: buf(Act::Q),
+            k: buf(Act::K),
+            v: buf(Act::V),
+            attn_out: buf(Act::AttnOut),
+            lse: buf(Act::Lse),
+            h: buf(Act::H),
+            normed_ffn: buf(Act::NormedFfn),
+            normed_ffn_full: buf(Act::NormedFfnFull),
+            rstd_ffn: buf(Act::RstdFfn),
+            gate: buf(Act::Gate),
+            up: buf(Act::Up),
+            act: buf(Act::Act),
+        }
+    }
+}
+
+/// One block's activations as its forward writes them and its backward reads them: each from the
+/// block's own buffers when it keeps it, else from the shared scratch set.
+pub struct BlockActs<'a, B: Backend> {
+    pub normed_attn: &'a mut B::Buf,
+    pub normed_attn_full: &'a mut B::Buf,
+    pub rstd_attn: &'a mut B::Buf,
+    pub q: &'a mut B::Buf,
+    pub k: &'a mut B::Buf,
+    pub v: &'a mut B::Buf,
+    pub attn_out: &'a mut B::Buf,
+    pub lse: &'a mut B::Buf,
+    pub h: &'a mut B::Buf,
+    pub normed_ffn: &'a mut B::Buf,
+    pub normed_ffn_full: &'a mut B::Buf,
+    pub rstd_ffn: &'a mut B::Buf,
+    pub gate: &'a mut B::Buf,
+    pub up: &'a mut B::Buf,
+    pub act: &'a mut B::Buf,
+}
+
+impl<'a, B: Backend> BlockActs<'a, B> {
+    fn pick(own: &'a mut LayerActs<B>, scratch: &'a mut LayerActs<B>, save: BlockSave) -> Self {
+        macro_rules! from {
+            ($field:ident, $act:expr) => {
+                if save.keeps($act) {
+                    &mut own.$field
+                } else {
+                    &mut scratch.$field
+                }
+            };
+        }
+        BlockActs {
+            normed_attn: from!(normed_attn, Act::NormedAttn),
+            normed_attn_full: from!(normed_attn_full, Act::NormedAttnFull),
+            rstd_attn: from!(rstd_attn, Act::RstdAttn),
+            q: from!(q, Act::Q),
+            k: from!(k, Act::K),
+            v: from!(v, Act::V),
+            attn_out: from!(attn_out, Act::AttnOut),
+            lse: from!(lse, Act::Lse),
+            h: from!(h, Act::H),
+            normed_ffn: from!(normed_ffn, Act::NormedFfn),
+            normed_ffn_full: from!(normed_ffn_full, Act::NormedFfnFull),
+            rstd_ffn: from!(rstd_ffn, Act::RstdFfn),
+            gate: from!(gate, Act::Gate),
+            up: from!(up, Act::Up),
+            act: from!(act, Act::Act),
+        }
+    }
 }
 
 impl<B: Backend> Workspace<B> {
-    /// The workspace of a single-process model.
+    /// The workspace of a single-process model, keeping every activation.
     pub fn new(backend: &B, args: &ModelArgs, batch: usize, seq: usize) -> Self {
-        Self::for_shapes(backend, &LocalShapes::whole(args), batch, seq)
+        let plan = ActivationPlan::keep_everything(args.n_layers);
+        Self::planned(backend, &LocalShapes::whole(args), batch, seq, plan)
     }
 
-    /// The workspace of one tensor-parallel rank (`batch × seq` must divide by its degree).
+    /// The workspace of one tensor-parallel rank (`batch × seq` must divide by its degree),
+    /// keeping every activation.
     pub fn for_shapes(backend: &B, m: &LocalShapes, batch: usize, seq: usize) -> Self {
+        let plan = ActivationPlan::keep_everything(m.n_layers);
+        Self::planned(backend, m, batch, seq, plan)
+    }
+
+    /// The workspace of one rank whose blocks keep what `plan` says (activation checkpointing):
+    /// a buffer per block for each kept activation, one shared for each recomputed one.
+    pub fn planned(
+        backend: &B,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        plan: ActivationPlan,
+    ) -> Self {
+        assert_eq!(plan.blocks.len(), m.n_layers, "a plan per block");
         let n = batch * seq;
         let r = m.rows(n);
         let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
         let z = |len: usize| backend.zeros(len);
         let tp = m.tp > 1;
-        // The norms' outputs feed only GEMMs (and, tensor parallel, the gather whose result feeds
-        // them), SwiGLU's output only GEMMs, and the gate and up projections only SwiGLU: a device
-        // may keep those in bf16 alone.
+        // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
         let gemm_input = |len: usize| backend.zeros_bf16_activation(len);
-        let normed = || if tp { z(r * d) } else { gemm_input(n * d) };
-        let gathered = || if tp { gemm_input(n * d) } else { z(0) };
         Workspace {
             batch,
             seq,
             resid: (0..=m.n_layers).map(|_| z(r * d)).collect(),
-            layers: (0..m.n_layers)
-                .map(|_| LayerActs {
-                    normed_attn: normed(),
-                    normed_attn_full: gathered(),
-                    rstd_attn: z(r),
-                    q: z(n * qd),
-                    k: z(n * kvd),
-                    v: z(n * kvd),
-                    attn_out: z(n * qd),
-                    lse: z(batch * m.heads * seq),
-                    h: z(r * d),
-                    normed_ffn: normed(),
-                    normed_ffn_full: gathered(),
-                    rstd_ffn: z(r),
-                    gate: gemm_input(n * f),
-                    up: gemm_input(n * f),
-                    act: gemm_input(n * f),
-                })
+            layers: plan
+                .blocks
+                .iter()
+                .map(|&save| LayerActs::allocate(backend, m, batch, seq, |a| save.keeps(a)))
                 .collect(),
+            recomputed: LayerActs::allocate(backend, m, batch, seq, |a| plan.needs_scratch(a)),
+            plan,
             normed_final: z(r * d),
             normed_final_full: if tp { z(n * d) } else { z(0) },
             rstd_final: z(r),
@@ -165,7 +329,6 @@ impl<B: Backend> Workspace<B> {
             dk: z(n * kvd),
             dv: z(n * kvd),
             dattn: z(n * qd),
-            // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
             dgate: gemm_input(n * f),
             dup: gemm_input(n * f),
             dact: gemm_input(n * f),
@@ -173,6 +336,11 @@ impl<B: Backend> Workspace<B> {
             targets: vec![0; n],
             local_ids: vec![0; n],
         }
+    }
+
+    /// What the workspace's blocks keep.
+    pub fn plan(&self) -> &ActivationPlan {
+        &self.plan
     }
 }
 
@@ -496,11 +664,12 @@ impl<B: Backend> Llama<B> {
         let (before, after) = ws.resid.split_at_mut(l + 1);
         let x = &before[l];
         let out = &mut after[0];
-        let acts = &mut ws.layers[l];
+        let save = ws.plan.blocks[l];
+        let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
         // Attention: h = x + wo · Attention(RoPE(wq·n), RoPE(wk·n), wv·n), n = RMSNorm(x).
         be.rmsnorm_forward(
-            &mut acts.normed_attn,
-            &mut acts.rstd_attn,
+            acts.normed_attn,
+            acts.rstd_attn,
             x,
             &p[id.attention_norm],
             d,
@@ -508,57 +677,100 @@ impl<B: Backend> Llama<B> {
         );
         sp.column_forward(
             be,
-            &acts.normed_attn,
-            &mut acts.normed_attn_full,
+            acts.normed_attn,
+            acts.normed_attn_full,
             d,
             &mut [
-                Projection::new(wq, &p[id.wq], &mut acts.q),
-                Projection::new(wk, &p[id.wk], &mut acts.k),
-                Projection::new(wv, &p[id.wv], &mut acts.v),
+                Projection::new(wq, &p[id.wq], acts.q),
+                Projection::new(wk, &p[id.wk], acts.k),
+                Projection::new(wv, &p[id.wv], acts.v),
             ],
         )?;
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
-        be.rope_forward(&mut acts.q, cos, sin, b, s, m.heads, hd, 0);
-        be.rope_forward(&mut acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
+        be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, 0);
+        be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-        be.attention_forward(
-            &mut acts.attn_out,
-            &mut acts.lse,
-            &acts.q,
-            &acts.k,
-            &acts.v,
-            shape,
-        );
-        sp.row_forward_residual(
-            be,
-            wo,
-            &acts.attn_out,
-            &p[id.wo],
-            x,
-            &mut acts.h,
-            &mut ws.full,
-        )?;
+        be.attention_forward(acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape);
+        sp.row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, &mut ws.full)?;
         // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h).
         be.rmsnorm_forward(
-            &mut acts.normed_ffn,
-            &mut acts.rstd_ffn,
-            &acts.h,
+            acts.normed_ffn,
+            acts.rstd_ffn,
+            acts.h,
             &p[id.ffn_norm],
             d,
             a.norm_eps,
         );
         sp.column_forward(
             be,
-            &acts.normed_ffn,
-            &mut acts.normed_ffn_full,
+            acts.normed_ffn,
+            acts.normed_ffn_full,
             d,
             &mut [
-                Projection::new(w1, &p[id.w1], &mut acts.gate),
-                Projection::new(w3, &p[id.w3], &mut acts.up),
+                Projection::new(w1, &p[id.w1], acts.gate),
+                Projection::new(w3, &p[id.w3], acts.up),
             ],
         )?;
-        be.swiglu_forward(&mut acts.act, &acts.gate, &acts.up);
-        sp.row_forward_residual(be, w2, &acts.act, &p[id.w2], &acts.h, out, &mut ws.full)
+        be.swiglu_forward(acts.act, acts.gate, acts.up);
+        sp.row_forward_residual(be, w2, acts.act, &p[id.w2], acts.h, out, &mut ws.full)
+    }
+
+    /// Before block `l`'s backward, what its forward did not keep (activation checkpointing):
+    /// with the same kernels on the same inputs, so the values are the forward's, bit for bit.
+    fn recompute(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+    ) -> Result<()> {
+        match ws.plan.blocks[l] {
+            BlockSave::Everything => Ok(()),
+            // The whole forward again, from the block's input (its output, the next block's
+            // input, is written again with the same values).
+            BlockSave::Input => self.block_forward(be, params, ws, l),
+            BlockSave::ExpensiveOps => self.recompute_cheap_ops(be, params, ws, l),
+        }
+    }
+
+    /// Per-op selective checkpointing: the norms' outputs (gathered over the tensor-parallel
+    /// group) and SwiGLU's output, from the block's input and the kept outputs.
+    fn recompute_cheap_ops(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+    ) -> Result<()> {
+        let a = &self.args;
+        let id = self.ids.layers[l];
+        let p = &params.bufs;
+        let save = ws.plan.blocks[l];
+        let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
+        be.rmsnorm_forward(
+            acts.normed_attn,
+            acts.rstd_attn,
+            &ws.resid[l],
+            &p[id.attention_norm],
+            a.dim,
+            a.norm_eps,
+        );
+        be.rmsnorm_forward(
+            acts.normed_ffn,
+            acts.rstd_ffn,
+            acts.h,
+            &p[id.ffn_norm],
+            a.dim,
+            a.norm_eps,
+        );
+        if self.local.tp > 1 {
+            self.tp
+                .gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
+            self.tp
+                .gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
+        }
+        be.swiglu_forward(acts.act, acts.gate, acts.up);
+        Ok(())
     }
 
     /// On entry `ws.dx` holds ∂L/∂(block output) on this rank's rows; on exit ∂L/∂(block input).
@@ -586,7 +798,9 @@ impl<B: Backend> Llama<B> {
             Linear::new(m.ffn, d),
             Linear::new(d, m.ffn),
         );
-        let acts = &ws.layers[l];
+        self.recompute(be, params, ws, l)?;
+        let save = ws.plan.blocks[l];
+        let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
         let [g_w1, g_w2, g_w3, g_wq, g_wk, g_wv, g_wo, g_ffn_norm, g_attn_norm] = grads
             .bufs
             .get_disjoint_mut([
@@ -609,17 +823,17 @@ impl<B: Backend> Llama<B> {
             &mut ws.full,
             &p[id.w2],
             g_w2,
-            &acts.act,
+            acts.act,
             &mut ws.dact,
         )?;
-        be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, &acts.gate, &acts.up);
+        be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, acts.gate, acts.up);
         sp.column_backward(
             be,
             &mut [
                 ProjectionGrad::new(w1, &ws.dgate, &p[id.w1], g_w1),
                 ProjectionGrad::new(w3, &ws.dup, &p[id.w3], g_w3),
             ],
-            self.gathered(&acts.normed_ffn, &acts.normed_ffn_full),
+            self.gathered(acts.normed_ffn, acts.normed_ffn_full),
             &mut ws.full,
             &mut ws.dnormed,
         )?;
@@ -627,9 +841,9 @@ impl<B: Backend> Llama<B> {
             &mut ws.dx,
             g_ffn_norm,
             &ws.dnormed,
-            &acts.h,
+            acts.h,
             &p[id.ffn_norm],
-            &acts.rstd_ffn,
+            acts.rstd_ffn,
             d,
         );
         // Attention.
@@ -640,7 +854,7 @@ impl<B: Backend> Llama<B> {
             &mut ws.full,
             &p[id.wo],
             g_wo,
-            &acts.attn_out,
+            acts.attn_out,
             &mut ws.dattn,
         )?;
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
@@ -649,11 +863,11 @@ impl<B: Backend> Llama<B> {
             &mut ws.dk,
             &mut ws.dv,
             &ws.dattn,
-            &acts.q,
-            &acts.k,
-            &acts.v,
-            &acts.attn_out,
-            &acts.lse,
+            acts.q,
+            acts.k,
+            acts.v,
+            acts.attn_out,
+            acts.lse,
             shape,
         );
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
@@ -666,7 +880,7 @@ impl<B: Backend> Llama<B> {
                 ProjectionGrad::new(wk, &ws.dk, &p[id.wk], g_wk),
                 ProjectionGrad::new(wv, &ws.dv, &p[id.wv], g_wv),
             ],
-            self.gathered(&acts.normed_attn, &acts.normed_attn_full),
+            self.gathered(acts.normed_attn, acts.normed_attn_full),
             &mut ws.full,
             &mut ws.dnormed,
         )?;
@@ -676,7 +890,7 @@ impl<B: Backend> Llama<B> {
             &ws.dnormed,
             &ws.resid[l],
             &p[id.attention_norm],
-            &acts.rstd_attn,
+            acts.rstd_attn,
             d,
         );
         Ok(())

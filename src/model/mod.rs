@@ -1,6 +1,7 @@
 //! Models: Llama 3 shapes and flavors, canonical parameter names, initialization, and the decoder
 //! itself with explicit forward and backward.
 
+pub mod activation_checkpoint;
 pub mod args;
 pub mod init;
 pub mod linear;

@@ -12,13 +12,14 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use super::collectives::{self, DataParallelComm, DeviceComm};
-use super::memory::{check_fits, MemoryEstimate};
+use super::memory::{check_fits, gib, MemoryEstimate};
 use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::launch::Distributed;
+use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
 use crate::parallel::fsdp::ReshardPolicy;
 use crate::parallel::plan::{ParamState, RankLayout};
@@ -142,31 +143,59 @@ pub fn compose_rank<B: Backend>(
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
 
     let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
-    let mut estimate =
-        MemoryEstimate::new(&args, &local, batch, seq).with_backend_scratch(be, &local, batch, seq);
-    if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
-        estimate = estimate.with_compute_copy(be);
-    }
     let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
         .expect("validated with the config");
-    if let Some(d) = dist.filter(|_| fsdp_mode) {
-        estimate = estimate.sharded(
-            &args,
-            &local,
-            d.mesh.degree("dp_shard"),
-            reshard.blocks_gathered(args.n_layers),
-            crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
-        );
+    let ac = cfg.activation_checkpoint.mode()?;
+    let estimate_with = |plan: &ActivationPlan| {
+        let mut e = MemoryEstimate::new(&args, &local, batch, seq, plan)
+            .with_backend_scratch(be, &local, batch, seq, plan);
+        if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
+            e = e.with_compute_copy(be);
+        }
+        match dist.filter(|_| fsdp_mode) {
+            Some(d) => e.sharded(
+                &args,
+                &local,
+                d.mesh.degree("dp_shard"),
+                reshard.blocks_gathered(args.n_layers),
+                crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
+            ),
+            None => e,
+        }
+    };
+    let plan = ac.plan(args.n_layers);
+    let estimate = estimate_with(&plan);
+    let what = format!(
+        "model flavor {} at local_batch_size {batch} × seq_len {seq} (activation checkpointing: {})",
+        cfg.model.flavor,
+        ac.describe()
+    );
+    let fits =
+        |e: &MemoryEstimate| check_fits(e, &what, be.device_free_memory(), ranks_sharing_memory);
+    if let Err(too_big) = fits(&estimate) {
+        // Would a mode that keeps less make it fit? Per-op first: it recomputes least.
+        let suggestion = [
+            (
+                AcMode::Op,
+                "mode = \"selective\", selective_ac_option = \"op\"",
+            ),
+            (AcMode::Full, "mode = \"full\""),
+        ]
+        .into_iter()
+        .filter(|(mode, _)| *mode != ac && *mode != AcMode::None)
+        .map(|(mode, keys)| (estimate_with(&mode.plan(args.n_layers)), keys))
+        .find(|(e, _)| e.total() < estimate.total() && fits(e).is_ok());
+        match suggestion {
+            Some((smaller, keys)) => {
+                bail!(
+                "{too_big:#}\n[activation_checkpoint] {keys} would make it fit (about {:.1} GiB{})",
+                gib(smaller.total()),
+                if ranks_sharing_memory > 1 { " per rank" } else { "" }
+            )
+            }
+            None => return Err(too_big),
+        }
     }
-    check_fits(
-        &estimate,
-        &format!(
-            "model flavor {} at local_batch_size {batch} × seq_len {seq}",
-            cfg.model.flavor
-        ),
-        be.device_free_memory(),
-        ranks_sharing_memory,
-    )?;
 
     let model = match &tp_group {
         Some(g) => {
@@ -177,7 +206,7 @@ pub fn compose_rank<B: Backend>(
         None => Llama::new(be, args.clone(), seq)?,
     };
     let specs = model.param_specs();
-    let ws = Workspace::for_shapes(be, &local, batch, seq);
+    let ws = Workspace::planned(be, &local, batch, seq, plan);
     let StartState {
         params,
         grads,

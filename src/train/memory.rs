@@ -5,6 +5,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::Backend;
 use crate::model::{
+    activation_checkpoint::ActivationPlan,
     llama::{workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats},
     params::local_param_specs,
     LocalShapes, ModelArgs,
@@ -46,14 +47,21 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
-    /// One tensor-parallel rank of shapes `m` (the whole model when `m.tp` is 1).
-    pub fn new(args: &ModelArgs, m: &LocalShapes, batch: usize, seq: usize) -> Self {
+    /// One tensor-parallel rank of shapes `m` (the whole model when `m.tp` is 1), its blocks
+    /// keeping the activations `plan` says (activation checkpointing).
+    pub fn new(
+        args: &ModelArgs,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        plan: &ActivationPlan,
+    ) -> Self {
         let p = local_param_counts(args, m.tp).0 * 4;
         MemoryEstimate {
             params: p,
             grads: p,
             optimizer: 2 * p,
-            activations: workspace_floats(m, batch, seq) as u64 * 4,
+            activations: workspace_floats(m, batch, seq, plan) as u64 * 4,
             scratch: 0,
             compute_copy: 0,
             activation_copies: 0,
@@ -69,12 +77,13 @@ impl MemoryEstimate {
         m: &LocalShapes,
         batch: usize,
         seq: usize,
+        plan: &ActivationPlan,
     ) -> Self {
         self.scratch = be.scratch_bytes(batch * seq, m.dim, m.ffn, m.vocab);
         self.activation_copies =
-            workspace_copied_floats(m, batch, seq) as u64 * be.activation_copy_bytes();
+            workspace_copied_floats(m, batch, seq, plan) as u64 * be.activation_copy_bytes();
         // Buffers the backend keeps in bf16 alone have no f32 storage.
-        self.f32_left_out = workspace_bf16_activation_floats(m, batch, seq) as u64
+        self.f32_left_out = workspace_bf16_activation_floats(m, batch, seq, plan) as u64
             * (4 - be.bf16_activation_f32_bytes());
         self.activations -= self.f32_left_out;
         self
@@ -208,7 +217,8 @@ mod tests {
         // AdamW state in all, of which each rank holds an eighth plus what it gathers.
         let args = ModelArgs::flavor("8B").unwrap();
         let one = LocalShapes::whole(&args);
-        let whole = MemoryEstimate::new(&args, &one, 1, 8192);
+        let everything = ActivationPlan::keep_everything(args.n_layers);
+        let whole = MemoryEstimate::new(&args, &one, 1, 8192, &everything);
         let state = |e: &MemoryEstimate| e.params + e.grads + e.optimizer;
         assert!(gib(state(&whole)) > 110.0, "{:.1} GiB", gib(state(&whole)));
         let rank = whole.sharded(&args, &one, 8, 3, 3);
@@ -228,9 +238,10 @@ mod tests {
     fn a_tensor_parallel_rank_holds_its_parts_and_the_replicated_norms() {
         // Llama 3.1 70B at TP 8: every weight but the norms split eight ways.
         let args = ModelArgs::flavor("70B").unwrap();
-        let whole = MemoryEstimate::new(&args, &LocalShapes::whole(&args), 1, 8192);
+        let everything = ActivationPlan::keep_everything(args.n_layers);
+        let whole = MemoryEstimate::new(&args, &LocalShapes::whole(&args), 1, 8192, &everything);
         let tp8 = LocalShapes::sharded(&args, 8, 3).unwrap();
-        let rank = MemoryEstimate::new(&args, &tp8, 1, 8192);
+        let rank = MemoryEstimate::new(&args, &tp8, 1, 8192, &everything);
         let norms = ((2 * args.n_layers + 1) * args.dim) as u64 * 4;
         assert_eq!(rank.params, (whole.params - norms) / 8 + norms);
         assert!(rank.activations < whole.activations / 4);

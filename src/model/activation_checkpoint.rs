@@ -1,0 +1,229 @@
+//! Activation checkpointing as a save policy: what each block's forward keeps for its backward.
+//! titan's backward is explicit, so checkpointing is not a wrapper around the block: a block that
+//! kept less recomputes the rest, with the same kernels on the same inputs, at the start of its
+//! backward (`Llama::block_backward`), and the gradients are bit-identical to a run that kept
+//! everything.
+//!
+//! TorchTitan's modes (`[activation_checkpoint]`):
+//! - `none`: every block keeps every activation;
+//! - `full`: every block keeps only its input (the residual stream, kept anyway) and reruns its
+//!   whole forward before its backward;
+//! - `selective` with `selective_ac_option = N`: every N-th block (blocks 0, N, 2N, …) as `full`,
+//!   the others as `none`;
+//! - `selective` with `op`: every block keeps the outputs of its expensive ops (`OP_SAVED`: the
+//!   GEMMs and attention) and recomputes the cheap ones (the norms, with their tensor-parallel
+//!   gathers, and SwiGLU) from them.
+//!
+//! What a block does not keep lives in one shared scratch set, so the memory saved is real: the
+//! workspace allocates each kept activation per block and each recomputed one once
+//! (`ActivationPlan::copies`).
+
+use anyhow::{bail, Result};
+
+/// A block's activations, as its backward reads them (`llama::LayerActs` has one buffer of each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    /// The attention norm's output on this rank's rows, and gathered over the tensor-parallel
+    /// group; its inverse RMS per row.
+    NormedAttn,
+    NormedAttnFull,
+    RstdAttn,
+    /// Query, key and value projections (query and key rotated).
+    Q,
+    K,
+    V,
+    /// Attention's output and its log-sum-exp per query.
+    AttnOut,
+    Lse,
+    /// The residual stream after attention.
+    H,
+    NormedFfn,
+    NormedFfnFull,
+    RstdFfn,
+    /// The feed-forward's gate and up projections and SwiGLU's output.
+    Gate,
+    Up,
+    Act,
+}
+
+impl Act {
+    pub const ALL: [Act; 15] = [
+        Act::NormedAttn,
+        Act::NormedAttnFull,
+        Act::RstdAttn,
+        Act::Q,
+        Act::K,
+        Act::V,
+        Act::AttnOut,
+        Act::Lse,
+        Act::H,
+        Act::NormedFfn,
+        Act::NormedFfnFull,
+        Act::RstdFfn,
+        Act::Gate,
+        Act::Up,
+        Act::Act,
+    ];
+}
+
+/// Per-op selective checkpointing keeps the outputs of the GEMMs, attention and the residual add
+/// (and the norms' per-row statistics, a value per row); the norms' outputs, their gathers and
+/// SwiGLU's output are recomputed from them.
+pub const OP_SAVED: &[Act] = &[
+    Act::RstdAttn,
+    Act::Q,
+    Act::K,
+    Act::V,
+    Act::AttnOut,
+    Act::Lse,
+    Act::H,
+    Act::RstdFfn,
+    Act::Gate,
+    Act::Up,
+];
+
+/// What one block keeps from its forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockSave {
+    /// Every activation (no checkpointing).
+    Everything,
+    /// Only its input: the whole forward is recomputed.
+    Input,
+    /// `OP_SAVED`: the cheap ops are recomputed.
+    ExpensiveOps,
+}
+
+impl BlockSave {
+    /// Whether the block keeps `act` from its forward.
+    pub fn keeps(self, act: Act) -> bool {
+        match self {
+            BlockSave::Everything => true,
+            BlockSave::Input => false,
+            BlockSave::ExpensiveOps => OP_SAVED.contains(&act),
+        }
+    }
+}
+
+/// `[activation_checkpoint]`, checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AcMode {
+    None,
+    Full,
+    /// Every N-th block fully checkpointed.
+    EveryNth(usize),
+    /// Per-op selective.
+    Op,
+}
+
+/// The accepted values, for errors and docs.
+pub const AC_MODES: &[&str] = &["none", "full", "selective"];
+
+impl AcMode {
+    /// From `mode` and `selective_ac_option` (`op` or a positive integer, read only with
+    /// `selective`).
+    pub fn parse(mode: &str, selective_option: &str) -> Result<Self> {
+        match mode {
+            "none" => Ok(AcMode::None),
+            "full" => Ok(AcMode::Full),
+            "selective" => match selective_option {
+                "op" => Ok(AcMode::Op),
+                n => match n.parse::<usize>() {
+                    Ok(n) if n > 0 => Ok(AcMode::EveryNth(n)),
+                    _ => bail!("[activation_checkpoint] selective_ac_option = `{n}` is not known (accepted: \"op\" or a positive integer N: every N-th block fully checkpointed)"),
+                },
+            },
+            other => bail!(
+                "[activation_checkpoint] mode = `{other}` is not known (accepted: {})",
+                AC_MODES.join(", ")
+            ),
+        }
+    }
+
+    /// How TorchTitan's config would spell it.
+    pub fn describe(self) -> String {
+        match self {
+            AcMode::None => "none".into(),
+            AcMode::Full => "full".into(),
+            AcMode::EveryNth(n) => format!("selective, every {n}"),
+            AcMode::Op => "selective, op".into(),
+        }
+    }
+
+    /// What each of `n_layers` blocks keeps.
+    pub fn plan(self, n_layers: usize) -> ActivationPlan {
+        let save = |l: usize| match self {
+            AcMode::None => BlockSave::Everything,
+            AcMode::Full => BlockSave::Input,
+            AcMode::EveryNth(n) if l % n == 0 => BlockSave::Input,
+            AcMode::EveryNth(_) => BlockSave::Everything,
+            AcMode::Op => BlockSave::ExpensiveOps,
+        };
+        ActivationPlan {
+            blocks: (0..n_layers).map(save).collect(),
+        }
+    }
+}
+
+/// What every block of a model keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActivationPlan {
+    pub blocks: Vec<BlockSave>,
+}
+
+impl ActivationPlan {
+    /// No checkpointing.
+    pub fn keep_everything(n_layers: usize) -> Self {
+        AcMode::None.plan(n_layers)
+    }
+
+    /// Whether some block recomputes `act`, so the shared scratch set needs a buffer for it.
+    pub fn needs_scratch(&self, act: Act) -> bool {
+        self.blocks.iter().any(|b| !b.keeps(act))
+    }
+
+    /// Buffers of `act` in the workspace: one per block keeping it, and one shared by the blocks
+    /// that recompute it.
+    pub fn copies(&self, act: Act) -> usize {
+        let kept = self.blocks.iter().filter(|b| b.keeps(act)).count();
+        kept + self.needs_scratch(act) as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse_and_plan_the_blocks() {
+        assert_eq!(AcMode::parse("none", "2").unwrap(), AcMode::None);
+        assert_eq!(AcMode::parse("full", "op").unwrap(), AcMode::Full);
+        assert_eq!(AcMode::parse("selective", "op").unwrap(), AcMode::Op);
+        assert_eq!(
+            AcMode::parse("selective", "2").unwrap(),
+            AcMode::EveryNth(2)
+        );
+        for (mode, option, want) in [
+            ("partial", "op", "mode = `partial`"),
+            ("selective", "0", "selective_ac_option = `0`"),
+            ("selective", "ops", "selective_ac_option = `ops`"),
+        ] {
+            let e = AcMode::parse(mode, option).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let every2 = AcMode::EveryNth(2).plan(3);
+        assert_eq!(
+            every2.blocks,
+            [BlockSave::Input, BlockSave::Everything, BlockSave::Input]
+        );
+        // Two blocks keep Q, one shared buffer serves the block that recomputes it.
+        assert_eq!(every2.copies(Act::Q), 2);
+        let op = AcMode::Op.plan(4);
+        assert_eq!((op.copies(Act::Q), op.copies(Act::Act)), (4, 1));
+        let none = ActivationPlan::keep_everything(4);
+        assert_eq!(
+            (none.copies(Act::Act), none.needs_scratch(Act::Act)),
+            (4, false)
+        );
+        assert_eq!(AcMode::Full.plan(4).copies(Act::Gate), 1);
+    }
+}
