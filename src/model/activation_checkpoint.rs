@@ -154,7 +154,7 @@ impl AcMode {
         let save = |l: usize| match self {
             AcMode::None => BlockSave::Everything,
             AcMode::Full => BlockSave::Input,
-            AcMode::EveryNth(n) if l % n == 0 => BlockSave::Input,
+            AcMode::EveryNth(n) if l.is_multiple_of(n) => BlockSave::Input,
             AcMode::EveryNth(_) => BlockSave::Everything,
             AcMode::Op => BlockSave::ExpensiveOps,
         };
