@@ -80,6 +80,9 @@ fn every_mode_is_bit_identical_in_one_process_and_under_fsdp_and_tp() {
         "1",
     ]);
     check_every_mode("TP 2", &nproc2, &tp2);
+    // The recompute runs the forward's own chunked gathers and GEMMs.
+    tp2.extend(["--parallelism.enable_async_tensor_parallel", "true"]);
+    check_every_mode("async TP 2", &nproc2, &tp2);
 }
 
 #[test]

@@ -296,12 +296,14 @@ fn bench_on<B: Backend>(
             .join(" × ")
     });
     let precision = &cfg.training.mixed_precision_param;
+    let ac = cfg.activation_checkpoint.mode()?.describe();
     if a.json {
         println!(
             "{}",
             serde_json::json!({"device": be.name(), "precision": precision, "flavor": cfg.model.flavor, "batch": batch, "seq": seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
                 "nproc": world, "layout": layout_name, "global_batch": global_batch, "micro_batches": accum,
                 "tensor_parallel_degree": tp, "async_tensor_parallel": p.enable_async_tensor_parallel,
+                "activation_checkpoint": ac,
                 "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1],
                 "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world as f64,
                 "gflops": gflops, "tflops": gflops / 1e3, "mfu_pct": mfu, "peak_tflops": peak_tflops,
@@ -326,7 +328,7 @@ fn bench_on<B: Backend>(
             String::new()
         };
         println!(
-            "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
+            "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} AC {ac} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
             be.name(),
             cfg.model.flavor,
             tok_s / world as f64,

@@ -729,47 +729,98 @@ impl<B: Backend> Llama<B> {
             // The whole forward again, from the block's input (its output, the next block's
             // input, is written again with the same values).
             BlockSave::Input => self.block_forward(be, params, ws, l),
-            BlockSave::ExpensiveOps => self.recompute_cheap_ops(be, params, ws, l),
+            BlockSave::ExpensiveOps => self.recompute_missing(be, params, ws, l),
         }
     }
 
-    /// Per-op selective checkpointing: the norms' outputs (gathered over the tensor-parallel
-    /// group) and SwiGLU's output, from the block's input and the kept outputs.
-    fn recompute_cheap_ops(
+    /// Selective checkpointing: every activation the block did not keep, op by op in the
+    /// forward's order, from the block's input and what it kept (an op whose output was kept is
+    /// skipped; the block's output is not needed again). The tensor-parallel gathers run whole
+    /// here, not chunked: nothing waits on the GEMMs they would overlap.
+    fn recompute_missing(
         &self,
         be: &B,
         params: &ParamSet<B>,
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
-        let a = &self.args;
+        let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;
+        let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
+        let n = b * s;
         let save = ws.plan.blocks[l];
+        let redo = |act: Act| !save.keeps(act);
+        let x = &ws.resid[l];
         let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
-        be.rmsnorm_forward(
-            acts.normed_attn,
-            acts.rstd_attn,
-            &ws.resid[l],
-            &p[id.attention_norm],
-            a.dim,
-            a.norm_eps,
-        );
-        be.rmsnorm_forward(
-            acts.normed_ffn,
-            acts.rstd_ffn,
-            acts.h,
-            &p[id.ffn_norm],
-            a.dim,
-            a.norm_eps,
-        );
-        if self.local.tp > 1 {
-            self.tp
-                .gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
-            self.tp
-                .gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
+        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
+        let tp = m.tp > 1;
+        let sp = self.sequence_parallel(n);
+        if redo(Act::NormedAttn) {
+            let w = &p[id.attention_norm];
+            be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, d, a.norm_eps);
         }
-        be.swiglu_forward(acts.act, acts.gate, acts.up);
+        // The projections go through the forward's own column-parallel layer (gather and GEMMs,
+        // chunked alike under async TP), so their values are the forward's to the bit.
+        let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
+        {
+            let (wq, wk, wv) = (
+                Linear::new(d, m.q_dim()),
+                Linear::new(d, m.kv_dim()),
+                Linear::new(d, m.kv_dim()),
+            );
+            let mut qkv = Vec::new();
+            if redo_q {
+                qkv.push(Projection::new(wq, &p[id.wq], &mut *acts.q));
+            }
+            if redo_k {
+                qkv.push(Projection::new(wk, &p[id.wk], &mut *acts.k));
+            }
+            if redo(Act::V) {
+                qkv.push(Projection::new(wv, &p[id.wv], &mut *acts.v));
+            }
+            if !qkv.is_empty() {
+                sp.column_forward(be, acts.normed_attn, acts.normed_attn_full, d, &mut qkv)?;
+            } else if tp && redo(Act::NormedAttnFull) {
+                self.tp.gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
+            }
+        }
+        if redo_q {
+            be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, 0);
+        }
+        if redo_k {
+            be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
+        }
+        if redo(Act::AttnOut) || redo(Act::Lse) {
+            let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
+            be.attention_forward(acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape);
+        }
+        if redo(Act::H) {
+            let wo = Linear::new(m.q_dim(), d);
+            let w = &p[id.wo];
+            sp.row_forward_residual(be, wo, acts.attn_out, w, x, acts.h, &mut ws.full)?;
+        }
+        if redo(Act::NormedFfn) {
+            let w = &p[id.ffn_norm];
+            be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, d, a.norm_eps);
+        }
+        {
+            let mut gate_up = Vec::new();
+            if redo(Act::Gate) {
+                gate_up.push(Projection::new(Linear::new(d, m.ffn), &p[id.w1], &mut *acts.gate));
+            }
+            if redo(Act::Up) {
+                gate_up.push(Projection::new(Linear::new(d, m.ffn), &p[id.w3], &mut *acts.up));
+            }
+            if !gate_up.is_empty() {
+                sp.column_forward(be, acts.normed_ffn, acts.normed_ffn_full, d, &mut gate_up)?;
+            } else if tp && redo(Act::NormedFfnFull) {
+                self.tp.gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
+            }
+        }
+        if redo(Act::Act) {
+            be.swiglu_forward(acts.act, acts.gate, acts.up);
+        }
         Ok(())
     }
 
