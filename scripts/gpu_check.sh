@@ -65,7 +65,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 stage info 15 "$BIN" cuda info
 stage ptxas 15 "$BIN" cuda compile --arch sm_90 --verbose
 # Launches block here so that a failing kernel is reported by its own launch.
-stage check_fp32 80 env CUDA_LAUNCH_BLOCKING=1 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
+stage check_fp32 110 env CUDA_LAUNCH_BLOCKING=1 "$BIN" cuda check --precision float32 --train-steps 20 --json-out "$OUT_DIR/check_fp32.json"
 stage nccl 20 "$BIN" cuda nccl-check
 # FSDP on CUDA (two ranks sharing the GPU, collectives through host copies) against one process.
 common="--quiet --training.device cuda --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1"
@@ -83,8 +83,8 @@ stage tp_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 8 --
 rm -rf "$OUT_DIR/tp2_async"
 stage tp_async_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --parallelism.enable_async_tensor_parallel true --job.dump_folder "$OUT_DIR/tp2_async"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
-stage check_bf16 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
-stage check_bf16_hd128 35 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
+stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
+stage check_bf16_hd128 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
 # A failed bf16 check: retry without the bf16 activation copies, then with the 16-row attention
 # forward, then with the fp32 attention kernels and no copies, and run the benchmarks below with
 # the first that passes (so one broken kernel does not waste the call). Each retry reruns the
@@ -147,12 +147,16 @@ fi
 # Without the bf16 copies that norm, attention and SwiGLU kernels write for the GEMMs (7.5 GiB at
 # this shape), to see what they buy.
 stage titan_1b_s2048_nocopies 70 sh -c "TITAN_CUDA_BF16_COPIES=off '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_nocopies_1b_s2048.json'"
+# Activation checkpointing at the same shape: the time each mode's recompute costs and the memory
+# it saves (peak device memory beside the estimate).
+stage titan_1b_s2048_ac_full 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json --activation_checkpoint.mode full > '$OUT_DIR/titan_acfull_1b_s2048.json'"
+stage titan_1b_s2048_ac_op 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op > '$OUT_DIR/titan_acop_1b_s2048.json'"
 
 summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -247,10 +251,10 @@ def bench_report():
     print()
     print(f"{'Llama 3 1B, bf16':<22} {'impl':<14} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
     for seq, batch in ((2048, 8), (8192, 2)):
-        for impl in ("titan", "titan_fused8", "titan_nocopies", "torch"):
+        for impl in ("titan", "titan_fused8", "titan_nocopies", "titan_acop", "titan_acfull", "torch"):
             r = load(f"{impl}_1b_s{seq}.json")
             label = f"batch {batch} x seq {seq}"
-            if not r and impl in ("titan_fused8", "titan_nocopies"):
+            if not r and impl in ("titan_fused8", "titan_nocopies", "titan_acop", "titan_acfull"):
                 continue
             if not r:
                 print(f"{label:<22} {impl:<14} {'no result':>9}")

@@ -126,6 +126,19 @@ struct TrainParity {
     passed: bool,
     /// Why the CUDA run stopped early (an error or a panic), if it did.
     cuda_error: Option<String>,
+    /// The CUDA run again with each activation-checkpointing mode, against the run without.
+    activation_checkpoint: Vec<AcParity>,
+}
+
+/// A CUDA training run with activation checkpointing against the same run without it: the
+/// recompute runs the same kernels, so the losses should agree to the bit.
+#[derive(Debug, serde::Serialize)]
+struct AcParity {
+    mode: String,
+    losses: Vec<f64>,
+    max_rel_diff: f64,
+    bit_identical: bool,
+    passed: bool,
 }
 
 fn check(a: &CheckArgs) -> Result<()> {
@@ -187,15 +200,26 @@ fn check(a: &CheckArgs) -> Result<()> {
         if let Some(e) = &p.cuda_error {
             println!("training on CUDA failed: {e}");
         }
+        for ac in &p.activation_checkpoint {
+            println!(
+                "activation checkpointing {} on CUDA vs none: max relative loss difference {:.2e}{}: {}",
+                ac.mode,
+                ac.max_rel_diff,
+                if ac.bit_identical { " (bit-identical)" } else { "" },
+                if ac.passed { "ok" } else { "FAIL" }
+            );
+        }
     }
     write_json(parity.as_ref())?;
     let failed_ops = ops.iter().filter(|o| !o.passed).count();
-    let train_failed = parity.as_ref().is_some_and(|p| !p.passed);
+    let train_failed = parity
+        .as_ref()
+        .is_some_and(|p| !p.passed || p.activation_checkpoint.iter().any(|ac| !ac.passed));
     if failed_ops > 0 || train_failed {
         bail!(
             "CUDA check failed: {failed_ops} op output(s) outside tolerance{}",
             if train_failed {
-                ", and the loss curves differ"
+                ", and the loss curves differ (CPU vs CUDA, or with activation checkpointing)"
             } else {
                 ""
             }
@@ -206,7 +230,7 @@ fn check(a: &CheckArgs) -> Result<()> {
 
 fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
     let dir = std::env::temp_dir().join(format!("titan-cuda-check-{}", std::process::id()));
-    let run = |device: &str| -> Result<Vec<f64>> {
+    let run_with = |device: &str, ac: &[(&str, &str)]| -> Result<Vec<f64>> {
         let folder = dir.join(device);
         let mut overrides = vec![
             ("--training.device", device.to_string()),
@@ -221,6 +245,7 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
         if let Some(h) = a.model_kv_heads {
             overrides.push(("--model.n_kv_heads", h.to_string()));
         }
+        overrides.extend(ac.iter().map(|&(k, v)| (k, v.to_string())));
         let overrides: Vec<String> = overrides
             .into_iter()
             .flat_map(|(k, v)| [k.to_string(), v])
@@ -235,6 +260,7 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
         )?;
         Ok(summary.losses.iter().map(|&(_, l)| l).collect())
     };
+    let run = |device: &str| run_with(device, &[]);
     let cpu = run("cpu")?;
     let (cuda, cuda_error) =
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run("cuda"))) {
@@ -245,15 +271,41 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
                 Some(panic_message(payload.as_ref()).to_string()),
             ),
         };
-    let _ = std::fs::remove_dir_all(&dir);
-    let max_rel_diff = if cpu.len() == cuda.len() && cuda.iter().all(|l| l.is_finite()) {
-        cpu.iter()
-            .zip(&cuda)
-            .map(|(c, g)| (c - g).abs() / c.abs().max(1e-12))
-            .fold(0.0, f64::max)
-    } else {
-        f64::NAN
+    let rel_diff = |a: &[f64], b: &[f64]| {
+        if a.len() == b.len() && b.iter().all(|l| l.is_finite()) {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs() / x.abs().max(1e-12))
+                .fold(0.0, f64::max)
+        } else {
+            f64::NAN
+        }
     };
+    let max_rel_diff = rel_diff(&cpu, &cuda);
+    let mut activation_checkpoint = Vec::new();
+    if cuda_error.is_none() {
+        let mode = "--activation_checkpoint.mode";
+        let option = "--activation_checkpoint.selective_ac_option";
+        for (name, ac) in [
+            ("full", vec![(mode, "full")]),
+            ("selective op", vec![(mode, "selective"), (option, "op")]),
+            ("selective 2", vec![(mode, "selective"), (option, "2")]),
+        ] {
+            let losses = run_with("cuda", &ac).unwrap_or_default();
+            let diff = rel_diff(&cuda, &losses);
+            activation_checkpoint.push(AcParity {
+                mode: name.into(),
+                bit_identical: losses
+                    .iter()
+                    .map(|l| l.to_bits())
+                    .eq(cuda.iter().map(|l| l.to_bits())),
+                passed: diff <= tolerance,
+                max_rel_diff: diff,
+                losses,
+            });
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(TrainParity {
         steps: a.train_steps,
         passed: max_rel_diff <= tolerance,
@@ -262,6 +314,7 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
         max_rel_diff,
         tolerance,
         cuda_error,
+        activation_checkpoint,
     })
 }
 

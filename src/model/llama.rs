@@ -782,7 +782,8 @@ impl<B: Backend> Llama<B> {
             if !qkv.is_empty() {
                 sp.column_forward(be, acts.normed_attn, acts.normed_attn_full, d, &mut qkv)?;
             } else if tp && redo(Act::NormedAttnFull) {
-                self.tp.gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
+                self.tp
+                    .gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
             }
         }
         if redo_q {
@@ -807,15 +808,24 @@ impl<B: Backend> Llama<B> {
         {
             let mut gate_up = Vec::new();
             if redo(Act::Gate) {
-                gate_up.push(Projection::new(Linear::new(d, m.ffn), &p[id.w1], &mut *acts.gate));
+                gate_up.push(Projection::new(
+                    Linear::new(d, m.ffn),
+                    &p[id.w1],
+                    &mut *acts.gate,
+                ));
             }
             if redo(Act::Up) {
-                gate_up.push(Projection::new(Linear::new(d, m.ffn), &p[id.w3], &mut *acts.up));
+                gate_up.push(Projection::new(
+                    Linear::new(d, m.ffn),
+                    &p[id.w3],
+                    &mut *acts.up,
+                ));
             }
             if !gate_up.is_empty() {
                 sp.column_forward(be, acts.normed_ffn, acts.normed_ffn_full, d, &mut gate_up)?;
             } else if tp && redo(Act::NormedFfnFull) {
-                self.tp.gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
+                self.tp
+                    .gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
             }
         }
         if redo(Act::Act) {

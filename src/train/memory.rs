@@ -235,6 +235,32 @@ mod tests {
     }
 
     #[test]
+    fn llama_8b_at_seq_8192_under_fsdp_8_fits_80_gb_with_activation_checkpointing() {
+        use crate::model::activation_checkpoint::AcMode;
+        // TorchTitan's 8B recipe: FSDP 8, local batch 1, seq 8192; activations counted in f32
+        // (the CPU's storage; a GPU keeps some in bf16 alone and adds bf16 copies of others).
+        let args = ModelArgs::flavor("8B").unwrap();
+        let one = LocalShapes::whole(&args);
+        let rank = |mode: AcMode| {
+            let plan = mode.plan(args.n_layers);
+            MemoryEstimate::new(&args, &one, 1, 8192, &plan).sharded(&args, &one, 8, 3, 3)
+        };
+        let gpu = 80e9;
+        let none = rank(AcMode::None);
+        let (op, full) = (rank(AcMode::Op), rank(AcMode::Full));
+        for (what, e) in [("none", &none), ("op", &op), ("full", &full)] {
+            eprintln!(
+                "8B, FSDP 8, seq 8192, AC {what}: {:.1} GiB per rank, of which activations {:.1} GiB",
+                gib(e.total()),
+                gib(e.activations)
+            );
+        }
+        assert!(none.total() as f64 > gpu, "{:.1} GiB", gib(none.total()));
+        assert!((op.total() as f64) < gpu && (full.total() as f64) < gpu);
+        assert!(full.activations < op.activations && op.activations < none.activations / 2);
+    }
+
+    #[test]
     fn a_tensor_parallel_rank_holds_its_parts_and_the_replicated_norms() {
         // Llama 3.1 70B at TP 8: every weight but the norms split eight ways.
         let args = ModelArgs::flavor("70B").unwrap();
