@@ -112,3 +112,55 @@ fn bad_settings_are_refused_naming_the_key() {
         assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// A run whose activations do not fit this machine without checkpointing, but do with per-op
+/// checkpointing, is refused before allocating, naming the mode that would fit.
+#[test]
+fn a_run_that_does_not_fit_is_told_which_mode_would() {
+    use titan::model::activation_checkpoint::AcMode;
+    use titan::model::{LocalShapes, ModelArgs};
+    use titan::train::memory::{available_memory, MemoryEstimate};
+    let Some(avail) = available_memory() else {
+        eprintln!("no MemAvailable on this machine: nothing to check");
+        return;
+    };
+    let args = ModelArgs::flavor("debugmodel").unwrap();
+    let whole = LocalShapes::whole(&args);
+    let seq = 2048;
+    let need = |batch: usize, mode: AcMode| {
+        let plan = mode.plan(args.n_layers);
+        let cpu = titan::backend::cpu::CpuBackend::new();
+        MemoryEstimate::new(&args, &whole, batch, seq, &plan)
+            .with_backend_scratch(&cpu, &whole, batch, seq, &plan)
+            .total() as f64
+    };
+    // Without checkpointing 1.2–1.35 times what is available; per-op then needs about 0.7 of it.
+    let batch = (1..4096)
+        .find(|&b| need(b, AcMode::None) > 1.2 * avail as f64)
+        .unwrap();
+    assert!(need(batch, AcMode::None) < 1.35 * avail as f64);
+    assert!(need(batch, AcMode::Op) < 0.8 * avail as f64);
+    let dir = tempfile::tempdir().unwrap();
+    let batch = batch.to_string();
+    let o = common::train_command(
+        dir.path(),
+        &[],
+        &[
+            "--training.local_batch_size",
+            &batch,
+            "--training.seq_len",
+            "2048",
+            "--training.steps",
+            "1",
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "ran");
+    assert!(
+        err.contains("activation checkpointing: none")
+            && err.contains(r#"[activation_checkpoint] mode = "selective", selective_ac_option = "op" would make it fit"#),
+        "{err}"
+    );
+}
