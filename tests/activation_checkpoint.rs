@@ -1,6 +1,7 @@
 //! Activation checkpointing: every mode gives the same losses and gradient norms as keeping every
 //! activation, bit for bit (the recompute runs the same kernels on the same inputs), in one
-//! process, under FSDP and under tensor parallelism; bad settings are refused naming the key.
+//! process, under DDP, FSDP and tensor parallelism (plain and async); bad settings are refused
+//! naming the key, and a run too big without checkpointing is told which mode would fit.
 
 mod common;
 
@@ -72,6 +73,14 @@ fn every_mode_is_bit_identical_in_one_process_and_under_fsdp_and_tp() {
     check_every_mode("one process, 2 micro-batches, bf16", &[], &accum_bf16);
     let nproc2 = ["--nproc", "2", "--master-port", "0"];
     check_every_mode("FSDP 2", &nproc2, &three);
+    let mut ddp2 = three.to_vec();
+    ddp2.extend([
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ]);
+    check_every_mode("DDP 2", &nproc2, &ddp2);
     let mut tp2 = three.to_vec();
     tp2.extend([
         "--parallelism.tensor_parallel_degree",
