@@ -226,6 +226,33 @@ impl<B: Backend> LayerActs<B> {
     }
 }
 
+/// A block's projections in one rank's shapes: attention's (wq, wk, wv column-parallel, wo
+/// row-parallel) and the feed-forward's (w1, w3 column-parallel, w2 row-parallel).
+struct BlockLinears {
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    w1: Linear,
+    w2: Linear,
+    w3: Linear,
+}
+
+impl BlockLinears {
+    fn of(m: &LocalShapes) -> Self {
+        let (d, f) = (m.dim, m.ffn);
+        BlockLinears {
+            wq: Linear::new(d, m.q_dim()),
+            wk: Linear::new(d, m.kv_dim()),
+            wv: Linear::new(d, m.kv_dim()),
+            wo: Linear::new(m.q_dim(), d),
+            w1: Linear::new(d, f),
+            w2: Linear::new(f, d),
+            w3: Linear::new(d, f),
+        }
+    }
+}
+
 /// One block's activations as its forward writes them and its backward reads them: each from the
 /// block's own buffers when it keeps it, else from the shared scratch set.
 pub struct BlockActs<'a, B: Backend> {
@@ -650,17 +677,15 @@ impl<B: Backend> Llama<B> {
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let sp = self.sequence_parallel(b * s);
-        let (wq, wk, wv) = (
-            Linear::new(d, m.q_dim()),
-            Linear::new(d, m.kv_dim()),
-            Linear::new(d, m.kv_dim()),
-        );
-        let wo = Linear::new(m.q_dim(), d);
-        let (w1, w2, w3) = (
-            Linear::new(d, m.ffn),
-            Linear::new(m.ffn, d),
-            Linear::new(d, m.ffn),
-        );
+        let BlockLinears {
+            wq,
+            wk,
+            wv,
+            wo,
+            w1,
+            w2,
+            w3,
+        } = BlockLinears::of(m);
         let (before, after) = ws.resid.split_at_mut(l + 1);
         let x = &before[l];
         let out = &mut after[0];
@@ -735,8 +760,7 @@ impl<B: Backend> Llama<B> {
 
     /// Selective checkpointing: every activation the block did not keep, op by op in the
     /// forward's order, from the block's input and what it kept (an op whose output was kept is
-    /// skipped; the block's output is not needed again). The tensor-parallel gathers run whole
-    /// here, not chunked: nothing waits on the GEMMs they would overlap.
+    /// skipped; the block's output is not needed again).
     fn recompute_missing(
         &self,
         be: &B,
@@ -764,11 +788,7 @@ impl<B: Backend> Llama<B> {
         // chunked alike under async TP), so their values are the forward's to the bit.
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
         {
-            let (wq, wk, wv) = (
-                Linear::new(d, m.q_dim()),
-                Linear::new(d, m.kv_dim()),
-                Linear::new(d, m.kv_dim()),
-            );
+            let BlockLinears { wq, wk, wv, .. } = BlockLinears::of(m);
             let mut qkv = Vec::new();
             if redo_q {
                 qkv.push(Projection::new(wq, &p[id.wq], &mut *acts.q));
@@ -797,8 +817,8 @@ impl<B: Backend> Llama<B> {
             be.attention_forward(acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape);
         }
         if redo(Act::H) {
-            let wo = Linear::new(m.q_dim(), d);
             let w = &p[id.wo];
+            let wo = BlockLinears::of(m).wo;
             sp.row_forward_residual(be, wo, acts.attn_out, w, x, acts.h, &mut ws.full)?;
         }
         if redo(Act::NormedFfn) {
@@ -848,17 +868,15 @@ impl<B: Backend> Llama<B> {
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let sp = self.sequence_parallel(b * s);
-        let (wq, wk, wv) = (
-            Linear::new(d, m.q_dim()),
-            Linear::new(d, m.kv_dim()),
-            Linear::new(d, m.kv_dim()),
-        );
-        let wo = Linear::new(m.q_dim(), d);
-        let (w1, w2, w3) = (
-            Linear::new(d, m.ffn),
-            Linear::new(m.ffn, d),
-            Linear::new(d, m.ffn),
-        );
+        let BlockLinears {
+            wq,
+            wk,
+            wv,
+            wo,
+            w1,
+            w2,
+            w3,
+        } = BlockLinears::of(m);
         self.recompute(be, params, ws, l)?;
         let save = ws.plan.blocks[l];
         let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
