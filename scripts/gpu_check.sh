@@ -151,12 +151,13 @@ stage titan_1b_s2048_nocopies 70 sh -c "TITAN_CUDA_BF16_COPIES=off '$BIN' bench 
 # it saves (peak device memory beside the estimate).
 stage titan_1b_s2048_ac_full 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json --activation_checkpoint.mode full > '$OUT_DIR/titan_acfull_1b_s2048.json'"
 stage titan_1b_s2048_ac_op 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op > '$OUT_DIR/titan_acop_1b_s2048.json'"
+stage titan_1b_s2048_ac_every2 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2 > '$OUT_DIR/titan_acevery2_1b_s2048.json'"
 
 summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -251,10 +252,10 @@ def bench_report():
     print()
     print(f"{'Llama 3 1B, bf16':<22} {'impl':<14} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
     for seq, batch in ((2048, 8), (8192, 2)):
-        for impl in ("titan", "titan_fused8", "titan_nocopies", "titan_acop", "titan_acfull", "torch"):
+        for impl in ("titan", "titan_fused8", "titan_nocopies", "titan_acop", "titan_acevery2", "titan_acfull", "torch"):
             r = load(f"{impl}_1b_s{seq}.json")
             label = f"batch {batch} x seq {seq}"
-            if not r and impl in ("titan_fused8", "titan_nocopies", "titan_acop", "titan_acfull"):
+            if not r and impl in ("titan_fused8", "titan_nocopies", "titan_acop", "titan_acevery2", "titan_acfull"):
                 continue
             if not r:
                 print(f"{label:<22} {impl:<14} {'no result':>9}")
