@@ -274,6 +274,13 @@ pub fn merge(
                 }
                 data.extend(shard.to_f32_vec());
             }
+            if data.len() < part_numel {
+                bail!(
+                    "{}: the shards of `{name}` hold {} values, its tensor-parallel part needs {part_numel}",
+                    dir.display(),
+                    data.len()
+                );
+            }
             data.truncate(part_numel);
             tp_values.push(data);
         }

@@ -780,7 +780,7 @@ impl<B: Backend> Llama<B> {
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
         let tp = m.tp > 1;
         let sp = self.sequence_parallel(n);
-        if redo(Act::NormedAttn) {
+        if redo(Act::NormedAttn) || redo(Act::RstdAttn) {
             let w = &p[id.attention_norm];
             be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, d, a.norm_eps);
         }
@@ -821,7 +821,7 @@ impl<B: Backend> Llama<B> {
             let wo = BlockLinears::of(m).wo;
             sp.row_forward_residual(be, wo, acts.attn_out, w, x, acts.h, &mut ws.full)?;
         }
-        if redo(Act::NormedFfn) {
+        if redo(Act::NormedFfn) || redo(Act::RstdFfn) {
             let w = &p[id.ffn_norm];
             be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, d, a.norm_eps);
         }

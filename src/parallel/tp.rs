@@ -257,6 +257,10 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
     }
 
     fn comm_seconds(&self) -> f64 {
+        if self.queue_on_device {
+            // NCCL's queue does not time its collectives: report what was waited for.
+            return self.exposed_comm_seconds();
+        }
         // Plain collectives block (all exposed); a host queue's run on its thread (on a device
         // the time in flight is not measured: NCCL's queue reports none).
         let queued = self.queue.as_ref().map_or(0.0, |q| {

@@ -125,6 +125,14 @@ pub fn compose_rank<B: Backend>(
     if !(batch * seq).is_multiple_of(local.tp) {
         bail!("[training] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", batch * seq, local.tp);
     }
+    // Async TP copies chunks of rows into and out of the activations; a device keeping some of
+    // them in bf16 alone has no f32 rows to copy.
+    if cfg.parallelism.enable_async_tensor_parallel
+        && local.tp > 1
+        && be.bf16_activation_f32_bytes() < 4
+    {
+        bail!("[parallelism] enable_async_tensor_parallel = true with bfloat16 activations kept in bf16 alone on this GPU is not supported yet: set TITAN_CUDA_BF16_COPIES=off (f32 activations with bf16 copies off), use [training] mixed_precision_param = \"float32\" or \"tfloat32\", or turn async TP off");
+    }
     let global_batch = cfg.global_batch_size_for(dp_size);
     if !global_batch.is_multiple_of(batch * dp_size) {
         bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
