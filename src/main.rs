@@ -3,7 +3,13 @@
 use clap::Parser;
 
 fn main() {
-    let cli = titan::cli::Cli::parse();
+    // Flags and `--section.key VALUE` overrides in any order (see `overrides_last`).
+    let args = titan::cli::overrides_last(
+        std::env::args_os()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect(),
+    );
+    let cli = titan::cli::Cli::parse_from(args);
     if let Err(e) = titan::cli::run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

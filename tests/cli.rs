@@ -275,3 +275,29 @@ fn bench_attention_times_both_directions_and_refuses_bad_heads() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--heads 6 must be a positive multiple of --kv-heads 4"));
 }
+
+/// Launcher flags may follow the `--section.key VALUE` overrides (and the other way round).
+#[test]
+fn flags_and_overrides_come_in_any_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = vec!["train", "--job.dump_folder", dir.path().to_str().unwrap()];
+    args.extend_from_slice(common::TINY_ARGS);
+    args.extend([
+        "--training.steps",
+        "2",
+        "--nproc",
+        "2",
+        "--checkpoint.enable",
+        "false",
+        "--master-port",
+        "0",
+        "--quiet",
+    ]);
+    let o = std::process::Command::new(common::titan_bin())
+        .args(&args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(common::losses(dir.path()).len(), 2);
+}

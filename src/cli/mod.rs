@@ -128,6 +128,41 @@ pub enum BenchCommand {
     },
 }
 
+/// The command line with every `--section.key VALUE` (or `--section.key=VALUE`) override moved
+/// after the other arguments, so that flags and overrides may come in any order: clap reads the
+/// subcommand's own flags first and hands the overrides over as its trailing arguments. An
+/// override is a `--` argument whose name holds a dot; its value is the next argument.
+pub fn overrides_last(args: Vec<String>) -> Vec<String> {
+    let mut rest = Vec::with_capacity(args.len());
+    let mut overrides = Vec::new();
+    let mut it = args.into_iter();
+    if let Some(program) = it.next() {
+        rest.push(program);
+    }
+    while let Some(arg) = it.next() {
+        let name = arg
+            .strip_prefix("--")
+            .map(|a| a.split('=').next().unwrap_or(a));
+        match name {
+            // `--` ends the options: what follows stays where it is.
+            Some("") => {
+                rest.push(arg);
+                rest.extend(it.by_ref());
+            }
+            Some(n) if n.contains('.') => {
+                let has_value = arg.contains('=');
+                overrides.push(arg);
+                if !has_value {
+                    overrides.extend(it.next());
+                }
+            }
+            _ => rest.push(arg),
+        }
+    }
+    rest.extend(overrides);
+    rest
+}
+
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train {
@@ -204,5 +239,64 @@ pub fn run(cli: Cli) -> Result<()> {
             BenchCommand::Comm(args) => bench::run_comm(&args),
             BenchCommand::Attention(args) => bench_attention::run_attention(&args),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn overrides_move_after_the_flags() {
+        assert_eq!(
+            overrides_last(args(
+                "titan train --training.steps 5 --nproc 2 --model.flavor=1B --quiet"
+            )),
+            args("titan train --nproc 2 --quiet --training.steps 5 --model.flavor=1B")
+        );
+        // Values with dots stay with their flags; a negative value stays with its override.
+        assert_eq!(
+            overrides_last(args(
+                "titan train --checkpoint.load_step -1 --config a.toml --master-addr 10.0.0.1"
+            )),
+            args("titan train --config a.toml --master-addr 10.0.0.1 --checkpoint.load_step -1")
+        );
+    }
+
+    #[test]
+    fn every_subcommand_parses_flags_after_overrides() {
+        let cli = Cli::try_parse_from(overrides_last(args(
+            "titan train --training.steps 5 --nproc 2 --max-restarts 1",
+        )))
+        .unwrap();
+        match cli.command {
+            Command::Train {
+                nproc,
+                max_restarts,
+                overrides,
+                ..
+            } => {
+                assert_eq!((nproc, max_restarts), (2, 1));
+                assert_eq!(overrides, args("--training.steps 5"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let cli = Cli::try_parse_from(overrides_last(args(
+            "titan bench train --parallelism.tensor_parallel_degree 2 --nproc 2 --json",
+        )))
+        .unwrap();
+        match cli.command {
+            Command::Bench {
+                what: BenchCommand::Train(a),
+            } => {
+                assert!(a.json && a.nproc == 2);
+                assert_eq!(a.overrides, args("--parallelism.tensor_parallel_degree 2"));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }
