@@ -26,6 +26,15 @@ pub struct LoaderState {
     pub buffer: Vec<u32>,
 }
 
+/// Where a loader's documents come from.
+struct Source<'a> {
+    /// The config section naming it, for errors.
+    section: &'static str,
+    dataset: &'a str,
+    path: &'a str,
+    seed: u64,
+}
+
 enum Stream {
     Documents {
         source: Box<dyn DocumentSource>,
@@ -54,10 +63,57 @@ impl DataLoader {
         dp_size: usize,
     ) -> Result<Self> {
         let t = &cfg.training;
-        let path = Path::new(&t.dataset_path);
-        let stream = match t.dataset.as_str() {
+        let source = Source {
+            section: "training",
+            dataset: &t.dataset,
+            path: &t.dataset_path,
+            seed: t.seed,
+        };
+        Self::open(
+            source,
+            tokenizer,
+            vocab,
+            t.local_batch_size,
+            t.seq_len,
+            dp_rank,
+            dp_size,
+        )
+    }
+
+    /// The held-out data of `[validation]`, from its start. Its synthetic corpus is another
+    /// stream than training's (another seed).
+    pub fn for_validation(
+        cfg: &Config,
+        tokenizer: Box<dyn Tokenizer>,
+        vocab: usize,
+        dp_rank: usize,
+        dp_size: usize,
+    ) -> Result<Self> {
+        let v = &cfg.validation;
+        let source = Source {
+            section: "validation",
+            dataset: &v.dataset,
+            path: &v.dataset_path,
+            seed: cfg.training.seed ^ 0x5eed_da7a,
+        };
+        let (batch, seq) = cfg.validation_shape();
+        Self::open(source, tokenizer, vocab, batch, seq, dp_rank, dp_size)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        src: Source<'_>,
+        tokenizer: Box<dyn Tokenizer>,
+        vocab: usize,
+        batch: usize,
+        seq: usize,
+        dp_rank: usize,
+        dp_size: usize,
+    ) -> Result<Self> {
+        let path = Path::new(src.path);
+        let stream = match src.dataset {
             "synthetic" => Stream::Documents {
-                source: Box::new(SyntheticSource::new(t.seed)),
+                source: Box::new(SyntheticSource::new(src.seed)),
                 tokenizer,
             },
             "text" => Stream::Documents {
@@ -74,12 +130,12 @@ impl DataLoader {
             },
             "tokens_u16" => Stream::Tokens(TokenShards::open(path, 2)?),
             "tokens_u32" => Stream::Tokens(TokenShards::open(path, 4)?),
-            other => bail!("[training] dataset = `{other}` is not known"),
+            other => bail!("[{}] dataset = `{other}` is not known", src.section),
         };
         Ok(DataLoader {
             stream,
-            batch: t.local_batch_size,
-            seq: t.seq_len,
+            batch,
+            seq,
             vocab,
             dp_rank,
             dp_size,

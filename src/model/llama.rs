@@ -490,6 +490,17 @@ impl<B: Backend> Llama<B> {
         for l in 0..self.args.n_layers {
             self.block_forward(be, params, ws, l)?;
         }
+        self.head_loss(be, params, ws)
+    }
+
+    /// Final norm and cross-entropy without gradients (after the last block's forward): this
+    /// rank's sum of token losses and their count.
+    pub fn head_loss(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+    ) -> Result<LossSum> {
         self.final_norm(be, params, ws);
         let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
         let w = &params.bufs[self.ids.output];

@@ -443,6 +443,58 @@ impl<B: Backend> Fsdp<B> {
     }
 }
 
+impl<B: Backend> Fsdp<B> {
+    /// The loss of `tokens` without gradients (validation): each block gathered for its forward
+    /// and released after it.
+    pub fn loss(
+        &mut self,
+        be: &B,
+        model: &Llama<B>,
+        full: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<LossSum> {
+        if self.failed {
+            return Err(anyhow!(
+                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
+            ));
+        }
+        let result = self.forward_only(be, model, full, ws, tokens);
+        self.failed = result.is_err();
+        result
+    }
+
+    fn forward_only(
+        &mut self,
+        be: &B,
+        model: &Llama<B>,
+        full: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<LossSum> {
+        model.load_tokens(ws, tokens)?;
+        let blocks: Vec<[usize; 9]> = model.ids.layers.iter().map(|l| l.all()).collect();
+        let non_block = self.non_block.clone();
+        self.submit_gather(be, &non_block)?;
+        if let Some(first) = blocks.first() {
+            self.submit_gather(be, first)?;
+        }
+        self.wait_gather(be, full, &non_block)?;
+        model.embed_forward(be, full, ws)?;
+        for (l, block) in blocks.iter().enumerate() {
+            if let Some(next) = blocks.get(l + 1) {
+                self.submit_gather(be, next)?;
+            }
+            self.wait_gather(be, full, block)?;
+            model.block_forward(be, full, ws, l)?;
+            Self::release(be, full, block);
+        }
+        let loss = model.head_loss(be, full, ws)?;
+        Self::release(be, full, &non_block);
+        Ok(loss)
+    }
+}
+
 /// Rank `rank`'s shard (`c` values, zero past the tensor's end) of tensor `name` of `numel`
 /// values, from its start values, checked for length.
 fn cut_shard(

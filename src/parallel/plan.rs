@@ -149,6 +149,35 @@ impl<B: Backend> RankLayout<B> {
         Ok(loss_sum)
     }
 
+    /// This rank's sum of token losses and their count over `batches`, without gradients
+    /// (validation), under the same layout as training.
+    pub fn loss(
+        &mut self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        batches: &[Vec<u32>],
+    ) -> Result<(f64, u64)> {
+        let model = &self.model;
+        let (mut sum, mut count) = (0.0, 0);
+        for tokens in batches {
+            let l = match &mut self.state {
+                ParamState::Whole {
+                    params, bf16_copy, ..
+                } => {
+                    if let Some(c) = bf16_copy.as_mut() {
+                        c.refresh_bf16_copy(be, params);
+                    }
+                    let compute: &ParamSet<B> = bf16_copy.as_ref().unwrap_or(params);
+                    model.loss(be, compute, ws, tokens)?
+                }
+                ParamState::Sharded { fsdp, full, .. } => fsdp.loss(be, model, full, ws, tokens)?,
+            };
+            sum += l.sum;
+            count += l.count as u64;
+        }
+        Ok((sum, count))
+    }
+
     /// The step's gradients as the optimizer reads them (FSDP: this rank's shards).
     pub fn grads(&self) -> &ParamSet<B> {
         match &self.state {

@@ -87,6 +87,41 @@ impl MetricsLogger {
     }
 }
 
+/// The loss on held-out data after a step (`[validation]`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ValidationMetrics {
+    pub step: u64,
+    pub validation_loss: f64,
+    pub validation_perplexity: f64,
+}
+
+impl ValidationMetrics {
+    pub fn console_line(&self) -> String {
+        format!(
+            "step {:>5} | validation loss {:>8.4} | perplexity {:>9.2}",
+            self.step, self.validation_loss, self.validation_perplexity
+        )
+    }
+}
+
+impl MetricsLogger {
+    /// A `metrics.jsonl` line with the validation figures beside the step, and their
+    /// TensorBoard scalars.
+    pub fn log_validation(&mut self, m: &ValidationMetrics) -> Result<()> {
+        writeln!(self.jsonl, "{}", serde_json::to_string(m)?)?;
+        if let Some(tb) = &mut self.tensorboard {
+            tb.scalars(
+                m.step,
+                &[
+                    ("validation_metrics/loss", m.validation_loss),
+                    ("validation_metrics/perplexity", m.validation_perplexity),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// Peak TFLOP/s for MFU when the config gives none: the GPU's datasheet figure at the precision in
 /// use (`backend::cuda::specs`); for a GPU titan does not know, the H100's dense bf16 989 TFLOP/s
 /// (said once on stderr); on the CPU the fp32 FMA rate of `threads` threads, measured

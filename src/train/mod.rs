@@ -11,5 +11,6 @@ pub mod start;
 pub mod step;
 pub mod tensorboard;
 pub mod trainer;
+pub mod validate;
 
 pub use trainer::{train, RunOptions, TrainSummary};

@@ -13,6 +13,7 @@ use super::memory::{gib, peak_memory};
 use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
 use super::save::save_checkpoint;
 use super::step::train_step;
+use super::validate::Validator;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::Backend;
@@ -221,6 +222,7 @@ fn train_on<B: Backend>(
         println!("rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how}{path})", d.rank, d.world, mib(est.params), mib(est.grads), mib(est.optimizer));
     }
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
+    let mut validator = Validator::from_config(be, cfg, &local, args.vocab_size, dp_rank, dp_size)?;
     let mut logger = if rank != 0 {
         None
     } else {
@@ -300,6 +302,18 @@ fn train_on<B: Backend>(
         if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
             if let Some(logger) = &mut logger {
                 logger.log(&m)?;
+            }
+            if !quiet {
+                emit(&bar, m.console_line());
+            }
+        }
+        if let Some(v) = validator
+            .as_mut()
+            .filter(|_| step % cfg.validation.freq == 0 || step == t.steps)
+        {
+            let m = v.run(be, &mut layout, &mut ws, step)?;
+            if let Some(logger) = &mut logger {
+                logger.log_validation(&m)?;
             }
             if !quiet {
                 emit(&bar, m.console_line());

@@ -65,14 +65,15 @@ pub fn losses(dump: &std::path::Path) -> Vec<(u64, f64)> {
     metric(dump, "loss")
 }
 
-/// `(step, value)` of one key of every line of `metrics.jsonl`.
+/// `(step, value)` of one key of every line of `metrics.jsonl` that has it (step lines, or
+/// validation lines).
 pub fn metric(dump: &std::path::Path, key: &str) -> Vec<(u64, f64)> {
     std::fs::read_to_string(dump.join("metrics.jsonl"))
         .unwrap()
         .lines()
-        .map(|l| {
+        .filter_map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v[key].as_f64().unwrap())
+            Some((v["step"].as_u64().unwrap(), v.get(key)?.as_f64().unwrap()))
         })
         .collect()
 }

@@ -1,0 +1,80 @@
+//! Validation (`[validation]`): every `freq` steps, the mean token loss (and its perplexity) over
+//! `steps` batches of held-out data, computed under the training's layout (`RankLayout::loss`) and
+//! averaged over the data-parallel ranks. Each validation reads the same batches, from the
+//! dataset's start, through a loader of its own, so the training's data position and curve are
+//! untouched. A validation shape other than the training's gets its own workspace, keeping no
+//! activations past each block (nothing runs backward).
+
+use anyhow::{bail, Result};
+
+use super::metrics::ValidationMetrics;
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::data::{load_tokenizer, DataLoader, LoaderState};
+use crate::model::activation_checkpoint::AcMode;
+use crate::model::{LocalShapes, Workspace};
+use crate::parallel::plan::RankLayout;
+
+pub struct Validator<B: Backend> {
+    loader: DataLoader,
+    steps: usize,
+    /// Its own workspace when the validation shape differs from the training's.
+    own_workspace: Option<Workspace<B>>,
+}
+
+impl<B: Backend> Validator<B> {
+    /// None when `[validation]` is off. `dp_rank`/`dp_size` split the held-out batches as the
+    /// training's.
+    pub fn from_config(
+        be: &B,
+        cfg: &Config,
+        local: &LocalShapes,
+        vocab: usize,
+        dp_rank: usize,
+        dp_size: usize,
+    ) -> Result<Option<Self>> {
+        if !cfg.validation.enabled {
+            return Ok(None);
+        }
+        let (batch, seq) = cfg.validation_shape();
+        if !(batch * seq).is_multiple_of(local.tp) {
+            bail!("[validation] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards", batch * seq, local.tp);
+        }
+        let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
+        let loader = DataLoader::for_validation(cfg, tokenizer, vocab, dp_rank, dp_size)?;
+        let own_workspace = ((batch, seq) != (cfg.training.local_batch_size, cfg.training.seq_len))
+            .then(|| {
+                let plan = AcMode::Full.plan(local.n_layers);
+                Workspace::planned(be, local, batch, seq, plan)
+            });
+        Ok(Some(Validator {
+            loader,
+            steps: cfg.validation.steps as usize,
+            own_workspace,
+        }))
+    }
+
+    /// The validation after `step` (every rank of the job calls this together).
+    pub fn run(
+        &mut self,
+        be: &B,
+        layout: &mut RankLayout<B>,
+        training_ws: &mut Workspace<B>,
+        step: u64,
+    ) -> Result<ValidationMetrics> {
+        self.loader.restore(LoaderState::default())?;
+        let batches: Vec<Vec<u32>> = (0..self.steps)
+            .map(|_| self.loader.next_batch())
+            .collect::<Result<_>>()?;
+        let ws = self.own_workspace.as_mut().unwrap_or(training_ws);
+        let (sum, count) = layout.loss(be, ws, &batches)?;
+        let sum = layout.sum_over_batch(sum)?;
+        let count = layout.sum_over_batch(count as f64)?;
+        let loss = sum / count.max(1.0);
+        Ok(ValidationMetrics {
+            step,
+            validation_loss: loss,
+            validation_perplexity: loss.exp(),
+        })
+    }
+}
