@@ -104,3 +104,80 @@ fn parity(adjust: impl Fn(&mut titan::config::Config)) {
 fn train(cfg: &titan::config::Config) {
     titan::train::train(cfg, &quiet()).unwrap();
 }
+
+/// A model `transformers` itself wrote (its current config form: RoPE in `rope_parameters`),
+/// imported into titan, gives transformers' loss: plain RoPE with theta 500000, and Llama 3
+/// scaling.
+#[test]
+fn imported_transformers_model_with_rope_parameters_matches() {
+    let Some(py) = python() else {
+        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
+        return;
+    };
+    let make = r#"
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+out, kind = sys.argv[1], sys.argv[2]
+rope = {"rope_type": "default", "rope_theta": 500000.0}
+if kind == "llama3":
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=rope)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+"#;
+    for kind in ["plain", "llama3"] {
+        let dir = tempfile::tempdir().unwrap();
+        let hf = dir.path().join("hf");
+        let out = Command::new(&py)
+            .args(["-c", make, hf.to_str().unwrap(), kind])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ckpt = dir.path().join("titan");
+        checkpoint::hf::import(&hf, &ckpt).unwrap();
+        let (batch, seq) = (2, 24);
+        let tokens: Vec<u32> = (0..batch * (seq + 1))
+            .map(|i| (i as u32 * 37 + 11) % 300)
+            .collect();
+        let be = CpuBackend::new();
+        let (args, params) = checkpoint::load_weights(&be, &ckpt).unwrap();
+        assert_eq!(args.rope_theta, 500000.0, "{kind}");
+        assert_eq!(args.rope_scaling.is_some(), kind == "llama3");
+        let model = Llama::new(&be, args.clone(), seq).unwrap();
+        let mut ws = Workspace::new(&be, &args, batch, seq);
+        let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+        let titan_loss = loss.sum / loss.count as f64;
+        let rows: Vec<String> = tokens
+            .chunks(seq + 1)
+            .map(|r| {
+                r.iter()
+                    .map(|t| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
+        let out = Command::new(&py)
+            .args([script, hf.to_str().unwrap(), "--tokens", &rows.join(";")])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let hf_loss = v["loss"].as_f64().unwrap();
+        assert!(
+            (hf_loss - titan_loss).abs() < 1e-5 * titan_loss.abs().max(1.0),
+            "{kind}: titan {titan_loss} vs transformers {hf_loss}"
+        );
+    }
+}

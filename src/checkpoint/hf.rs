@@ -85,6 +85,13 @@ fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
 
 pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
     let scaling = args.rope_scaling.map(|s| json!({"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}));
+    // Current `transformers` reads `rope_parameters`; earlier versions `rope_theta` and
+    // `rope_scaling`. Both are written, saying the same, so every version loads the same model
+    // (current ones without a warning).
+    let mut rope_parameters = scaling
+        .clone()
+        .unwrap_or_else(|| json!({"rope_type": "default"}));
+    rope_parameters["rope_theta"] = json!(args.rope_theta);
     json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -96,6 +103,7 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         "head_dim": args.head_dim(),
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
+        "rope_parameters": rope_parameters,
         "rope_theta": args.rope_theta,
         "rope_scaling": scaling,
         "max_position_embeddings": args.max_seq_len,
@@ -174,6 +182,99 @@ fn get_usize(cfg: &Value, key: &str, file: &Path) -> Result<usize> {
         .ok_or_else(|| anyhow!("{}: missing or non-integer `{key}`", file.display()))
 }
 
+/// RoPE's base and scaling from either form `transformers` writes: `rope_parameters` (an object
+/// holding `rope_type`, `rope_theta` and the scaling fields; current versions) or top-level
+/// `rope_theta` and `rope_scaling` (earlier ones). A config with both must say the same in each.
+fn rope_from_hf(cfg: &Value, file: &Path) -> Result<(f64, Option<RopeScaling>)> {
+    let present = |key: &str| cfg.get(key).filter(|v| !v.is_null());
+    let read = |params: Option<&Value>, theta: Option<&Value>, what: &str| {
+        let theta = match theta {
+            None => 10000.0,
+            Some(t) => t
+                .as_f64()
+                .ok_or_else(|| anyhow!("{}: {what} rope_theta is not a number", file.display()))?,
+        };
+        let Some(p) = params else {
+            return Ok((theta, None));
+        };
+        let kind = p
+            .get("rope_type")
+            .or_else(|| p.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let scaling = match kind {
+            "default" => None,
+            "llama3" => {
+                let f = |k: &str| {
+                    p.get(k)
+                        .and_then(Value::as_f64)
+                        .ok_or_else(|| anyhow!("{}: {what}.{k} missing", file.display()))
+                };
+                Some(RopeScaling {
+                    factor: f("factor")?,
+                    low_freq_factor: f("low_freq_factor")?,
+                    high_freq_factor: f("high_freq_factor")?,
+                    original_max_position_embeddings: f("original_max_position_embeddings")?
+                        as usize,
+                })
+            }
+            other => bail!(
+                "{}: {what} rope_type `{other}` is not supported (titan implements \"default\" and \"llama3\")",
+                file.display()
+            ),
+        };
+        Ok((theta, scaling))
+    };
+    let new = present("rope_parameters")
+        .map(|p| read(Some(p), p.get("rope_theta"), "rope_parameters"))
+        .transpose()?;
+    let legacy = (present("rope_theta").is_some() || present("rope_scaling").is_some())
+        .then(|| {
+            read(
+                present("rope_scaling"),
+                present("rope_theta"),
+                "rope_scaling",
+            )
+        })
+        .transpose()?;
+    match (new, legacy) {
+        (Some(n), Some(l)) if n != l => bail!(
+            "{}: rope_parameters (theta {}, scaling {:?}) and rope_theta/rope_scaling (theta {}, scaling {:?}) disagree",
+            file.display(),
+            n.0,
+            n.1,
+            l.0,
+            l.1
+        ),
+        (Some(rope), _) | (None, Some(rope)) => Ok(rope),
+        (None, None) => Ok((10000.0, None)),
+    }
+}
+
+/// Config fields that change what the model computes and that titan does not implement: an
+/// error, not a silently different model.
+fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
+    let act = cfg
+        .get("hidden_act")
+        .and_then(Value::as_str)
+        .unwrap_or("silu");
+    if act != "silu" {
+        bail!(
+            "{}: hidden_act `{act}` is not supported (titan's feed-forward is SwiGLU: \"silu\")",
+            file.display()
+        );
+    }
+    for key in ["attention_bias", "mlp_bias"] {
+        if cfg.get(key).and_then(Value::as_bool) == Some(true) {
+            bail!(
+                "{}: {key} = true is not supported (titan's projections have no bias)",
+                file.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Model shapes from an HF Llama `config.json`.
 pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
@@ -185,33 +286,8 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     }
     let dim = get_usize(cfg, "hidden_size", file)?;
     let n_heads = get_usize(cfg, "num_attention_heads", file)?;
-    let rope_scaling = match cfg.get("rope_scaling") {
-        None | Some(Value::Null) => None,
-        Some(s) => {
-            let kind = s
-                .get("rope_type")
-                .or_else(|| s.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            if kind != "llama3" {
-                bail!(
-                    "{}: rope_scaling type `{kind}` is not supported (titan implements \"llama3\")",
-                    file.display()
-                );
-            }
-            let f = |k: &str| {
-                s.get(k)
-                    .and_then(Value::as_f64)
-                    .ok_or_else(|| anyhow!("{}: rope_scaling.{k} missing", file.display()))
-            };
-            Some(RopeScaling {
-                factor: f("factor")?,
-                low_freq_factor: f("low_freq_factor")?,
-                high_freq_factor: f("high_freq_factor")?,
-                original_max_position_embeddings: f("original_max_position_embeddings")? as usize,
-            })
-        }
-    };
+    let (rope_theta, rope_scaling) = rope_from_hf(cfg, file)?;
+    refuse_unsupported(cfg, file)?;
     if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
         if hd as usize != dim / n_heads {
             bail!("{}: head_dim {hd} differs from hidden_size / num_attention_heads = {}; titan needs them equal", file.display(), dim / n_heads);
@@ -228,14 +304,12 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
             .unwrap_or(n_heads),
         vocab_size: get_usize(cfg, "vocab_size", file)?,
         ffn_hidden: get_usize(cfg, "intermediate_size", file)?,
+        // transformers' defaults where a field is absent.
         norm_eps: cfg
             .get("rms_norm_eps")
             .and_then(Value::as_f64)
-            .unwrap_or(1e-5) as f32,
-        rope_theta: cfg
-            .get("rope_theta")
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0),
+            .unwrap_or(1e-6) as f32,
+        rope_theta,
         rope_scaling,
         max_seq_len: cfg
             .get("max_position_embeddings")
@@ -338,6 +412,84 @@ mod tests {
         // Interleaved pairs (0,1),(2,3) of head 0 become halves (0,2 | 1,3).
         assert_eq!(hf, vec![0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0]);
         assert_eq!(permute_rows(&hf, heads, hd, cols, false), w);
+    }
+
+    fn config(extra: Value) -> Value {
+        let mut c = json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 300, "max_position_embeddings": 131072,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    #[test]
+    fn rope_is_read_from_either_form_transformers_writes() {
+        let file = Path::new("config.json");
+        let llama3 = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let scaling = Some(RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        });
+        let mut new = llama3.clone();
+        new["rope_theta"] = json!(500000.0);
+        let read = |c: Value| args_from_hf_config(&config(c), file);
+        for form in [
+            json!({"rope_parameters": new}),
+            json!({"rope_theta": 500000.0, "rope_scaling": llama3}),
+            json!({"rope_parameters": new, "rope_theta": 500000.0, "rope_scaling": llama3}),
+        ] {
+            let a = read(form.clone()).unwrap();
+            assert_eq!(
+                (a.rope_theta, a.rope_scaling),
+                (500000.0, scaling),
+                "{form}"
+            );
+        }
+        // Plain RoPE in the new form: its theta, no scaling (not 10000).
+        let plain = json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}});
+        let a = read(plain).unwrap();
+        assert_eq!((a.rope_theta, a.rope_scaling), (500000.0, None));
+        // Nothing said: transformers' defaults.
+        let a = read(json!({})).unwrap();
+        assert_eq!(
+            (a.rope_theta, a.rope_scaling, a.norm_eps),
+            (10000.0, None, 1e-6)
+        );
+        // What titan writes, it reads back the same.
+        let written = hf_config(&ModelArgs::flavor("1B").unwrap(), 1, 2, DType::F32);
+        let back = args_from_hf_config(&written, file).unwrap();
+        assert_eq!(back, ModelArgs::flavor("1B").unwrap());
+        assert_eq!(written["rope_parameters"]["rope_type"], "llama3");
+    }
+
+    #[test]
+    fn what_titan_does_not_compute_is_refused() {
+        let file = Path::new("config.json");
+        for (extra, want) in [
+            (
+                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}),
+                "rope_type `yarn`",
+            ),
+            (
+                json!({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4}),
+                "disagree",
+            ),
+            (json!({"hidden_act": "gelu"}), "hidden_act `gelu`"),
+            (json!({"attention_bias": true}), "attention_bias = true"),
+            (json!({"mlp_bias": true}), "mlp_bias = true"),
+        ] {
+            let e = args_from_hf_config(&config(extra.clone()), file)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
     }
 
     #[test]
