@@ -217,3 +217,86 @@ fn an_unknown_async_mode_is_refused() {
         "{e}"
     );
 }
+
+/// `[checkpoint] initial_load_path`: a run with no checkpoint of its own starts from another
+/// model, a titan checkpoint or a Hugging Face folder, under any layout, with fresh AdamW state.
+#[test]
+fn a_run_starts_from_a_titan_checkpoint_or_a_hugging_face_folder() {
+    use common::{assert_parity, losses, train};
+    let bits = |d: &std::path::Path| common::bits(&losses(d));
+    let source = tempfile::tempdir().unwrap();
+    let o = train(
+        source.path(),
+        &[],
+        &["--training.steps", "3", "--checkpoint.interval", "3"],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let step3 = source.path().join("checkpoint/step-3");
+    let hf = source.path().join("hf");
+    let o = std::process::Command::new(common::titan_bin())
+        .args(["convert", "hf-export"])
+        .args([&step3, &hf])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let start = |launcher: &[&str], extra: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["--training.steps", "2", "--checkpoint.enable", "true"];
+        args.extend_from_slice(extra);
+        let o = train(dir.path(), launcher, &args);
+        assert!(
+            o.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        dir
+    };
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (step3, hf) = (path(&step3), path(&hf));
+    let fresh = start(&[], &[]);
+    let from_titan = start(&[], &["--checkpoint.initial_load_path", &step3]);
+    let hf_args = [
+        "--checkpoint.initial_load_path",
+        &hf,
+        "--checkpoint.initial_load_in_hf",
+        "true",
+    ];
+    let from_hf = start(&[], &hf_args);
+    // The same weights either way (the export round-trips exactly), not a fresh model's.
+    assert_eq!(bits(from_titan.path()), bits(from_hf.path()));
+    assert_ne!(bits(fresh.path()), bits(from_hf.path()));
+    let mut fsdp_args = hf_args.to_vec();
+    fsdp_args.extend(["--training.local_batch_size", "1"]);
+    let nproc2 = ["--nproc", "2", "--master-port", "0"];
+    let fsdp = start(&nproc2, &fsdp_args);
+    assert_parity(
+        &losses(from_hf.path()),
+        &losses(fsdp.path()),
+        "HF start under FSDP 2",
+    );
+    // Once the run has a checkpoint of its own, it resumes from it instead.
+    let o = train(
+        from_hf.path(),
+        &[],
+        &[
+            "--training.steps",
+            "3",
+            "--checkpoint.initial_load_path",
+            &hf,
+            "--checkpoint.initial_load_in_hf",
+            "true",
+        ],
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("resumed from"));
+    // Another model is refused, naming the path.
+    let dir = tempfile::tempdir().unwrap();
+    let mut wrong = hf_args.to_vec();
+    wrong.extend(["--model.n_layers", "3"]);
+    let o = train(dir.path(), &[], &wrong);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains(&hf) && err.contains("not the one this job configures"),
+        "{err}"
+    );
+}

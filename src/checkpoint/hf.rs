@@ -325,7 +325,8 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     Ok(args)
 }
 
-pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
+/// An HF Llama folder's model shapes and weights, in titan's names and layout (host memory).
+pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
     let be = CpuBackend::new();
     let cfg_path = hf_dir.join("config.json");
     let cfg: Value = serde_json::from_str(
@@ -370,6 +371,13 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
             None => data,
         };
     }
+    Ok((args, params))
+}
+
+pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
+    let be = CpuBackend::new();
+    let (args, params) = read_hf(hf_dir)?;
+    let specs = param_specs(&args);
     let tokenizer_path = hf_dir.join("tokenizer.json");
     let zeros: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
     let state = TrainState {

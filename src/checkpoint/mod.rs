@@ -378,7 +378,7 @@ impl HostCheckpoint {
         // Each file is verified when it is read: a rank that needs only its own shard files
         // reads no other.
         let state = read_state_file(dir)?;
-        if &state.model_args != expect_args {
+        if !state.model_args.same_model(expect_args) {
             bail!(
                 "checkpoint {} was saved for a different model ({:?}) than this job configures ({:?})",
                 dir.display(),

@@ -246,6 +246,14 @@ pub struct CheckpointConfig {
     /// `disabled` (saves block the step) or `async` (a writer thread writes while training goes on;
     /// whole checkpoints only, sharded saves stay synchronous). TorchTitan's key.
     pub async_mode: String,
+    /// A titan checkpoint (a `step-N` folder) or, with `initial_load_in_hf`, a Hugging Face Llama
+    /// folder to start from when the run's own checkpoint folder holds none (continued
+    /// pretraining); empty: a fresh model.
+    pub initial_load_path: String,
+    pub initial_load_in_hf: bool,
+    /// Only the weights (fresh AdamW state, step 0); false also takes a titan checkpoint's
+    /// moments.
+    pub initial_load_model_only: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -338,6 +346,9 @@ impl Default for CheckpointConfig {
             folder: "checkpoint".into(),
             load_step: -1,
             async_mode: "disabled".into(),
+            initial_load_path: String::new(),
+            initial_load_in_hf: false,
+            initial_load_model_only: true,
         }
     }
 }
@@ -513,6 +524,13 @@ impl Config {
             }
         }
         self.activation_checkpoint.mode()?;
+        let c = &self.checkpoint;
+        if c.initial_load_path.is_empty() && c.initial_load_in_hf {
+            bail!("[checkpoint] initial_load_in_hf = true needs initial_load_path (the Hugging Face folder)");
+        }
+        if c.initial_load_in_hf && !c.initial_load_model_only {
+            bail!("[checkpoint] initial_load_model_only = false with initial_load_in_hf: a Hugging Face folder holds no optimizer state");
+        }
         let v = &self.validation;
         if v.enabled {
             if !DATASETS.contains(&v.dataset.as_str()) {

@@ -21,6 +21,18 @@ pub struct ModelArgs {
     pub tied_embeddings: bool,
 }
 
+impl ModelArgs {
+    /// Whether `other` computes the same function with the same parameters: every field but
+    /// `max_seq_len`, which only bounds the RoPE tables and the sequences (not part of a
+    /// model's identity: a checkpoint of one trains or generates at another).
+    pub fn same_model(&self, other: &ModelArgs) -> bool {
+        ModelArgs {
+            max_seq_len: other.max_seq_len,
+            ..self.clone()
+        } == *other
+    }
+}
+
 /// The flavors `[model] flavor` accepts.
 pub const FLAVORS: &[&str] = &["debugmodel", "1B", "3B", "8B", "70B", "405B"];
 

@@ -29,6 +29,61 @@ pub struct StartState<B: Backend> {
     pub resumed: Option<Resumed>,
 }
 
+/// Another model a run starts from (`[checkpoint] initial_load_path`).
+enum Initial {
+    /// A titan checkpoint, and whether to take its AdamW moments too.
+    Titan {
+        ckpt: Box<HostCheckpoint>,
+        moments: bool,
+    },
+    /// A Hugging Face folder's weights, in titan's names and layout.
+    Hf(Vec<Vec<f32>>),
+}
+
+impl Initial {
+    fn open(cfg: &Config, args: &crate::model::ModelArgs) -> Result<Self> {
+        let c = &cfg.checkpoint;
+        let path = std::path::Path::new(&c.initial_load_path);
+        let what =
+            |e: anyhow::Error| anyhow!("[checkpoint] initial_load_path {}: {e:#}", path.display());
+        if c.initial_load_in_hf {
+            let (theirs, weights) = checkpoint::hf::read_hf(path).map_err(what)?;
+            if !theirs.same_model(args) {
+                bail!("[checkpoint] initial_load_path {}: the Hugging Face model ({theirs:?}) is not the one this job configures ({args:?}); set [model] to its shapes", path.display());
+            }
+            return Ok(Initial::Hf(weights.bufs));
+        }
+        let dir = checkpoint::resolve_checkpoint_dir(path).map_err(what)?;
+        Ok(Initial::Titan {
+            ckpt: Box::new(HostCheckpoint::read(&dir, args).map_err(what)?),
+            moments: !c.initial_load_model_only,
+        })
+    }
+
+    /// Whole values of tensor `i` (`name`, `shape`), or of one of its moments: None where the
+    /// initial model does not give them (moments of a model-only start).
+    fn values(
+        &self,
+        moment: Option<&str>,
+        i: usize,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Vec<f32>>> {
+        match (self, moment) {
+            (Initial::Titan { ckpt, .. }, None) => ckpt.values(None, name, shape).map(Some),
+            (
+                Initial::Titan {
+                    ckpt,
+                    moments: true,
+                },
+                m,
+            ) => ckpt.values(m, name, shape).map(Some),
+            (Initial::Hf(weights), None) => Ok(Some(weights[i].clone())),
+            _ => Ok(None),
+        }
+    }
+}
+
 /// The checkpoint a run resumed from.
 pub struct Resumed {
     pub state: TrainState,
@@ -98,12 +153,31 @@ pub fn start_state<B: Backend>(
     }
     .transpose()
     .map_err(cannot_resume)?;
+    // No checkpoint of its own: the run may start from another model's weights.
+    let initial = match &ckpt {
+        None if !cfg.checkpoint.initial_load_path.is_empty() => Some(Initial::open(cfg, args)?),
+        _ => None,
+    };
+    // Whole values of tensor `i` (or, with `moment`, of an AdamW moment) a run starts from without
+    // a checkpoint of its own: the initial model's, else a fresh initialisation (moments zero).
+    let fresh = |moment: Option<&str>, i: usize| -> Result<Vec<f32>> {
+        let (name, shape) = &global[i];
+        let numel = shape.iter().product();
+        if let Some(from) = initial.as_ref().map(|x| x.values(moment, i, name, shape)) {
+            if let Some(values) = from? {
+                return Ok(values);
+            }
+        }
+        Ok(match moment {
+            None => crate::model::init::init_param(args, name, numel, seed),
+            Some(_) => vec![0.0; numel],
+        })
+    };
     let (params, grads, opt, fsdp_state);
     if let Some(d) = dist.filter(|_| fsdp) {
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
         let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
             let (name, shape) = &global[i];
-            let numel = shape.iter().product();
             match (&ckpt, moment) {
                 (Some(ckpt), _) => {
                     let own = ckpt
@@ -117,11 +191,7 @@ pub fn start_state<B: Backend>(
                             .map_err(cannot_resume),
                     }
                 }
-                (None, None) => Ok(StartValues::Full(tp_part(
-                    i,
-                    crate::model::init::init_param(args, name, numel, seed),
-                ))),
-                (None, Some(_)) => Ok(StartValues::Full(vec![0.0; specs[i].1.iter().product()])),
+                (None, _) => Ok(StartValues::Full(tp_part(i, fresh(moment, i)?))),
             }
         };
         let f = Fsdp::new(
@@ -167,12 +237,19 @@ pub fn start_state<B: Backend>(
                     }
                 }
             }
-            None if tp == 1 => p = init_params(be, args, seed),
+            None if tp == 1 && initial.is_none() => p = init_params(be, args, seed),
             None => {
-                for (i, (name, shape)) in global.iter().enumerate() {
-                    let numel = shape.iter().product();
-                    let values = crate::model::init::init_param(args, name, numel, seed);
-                    p.bufs[i] = be.upload(&tp_part(i, values));
+                for (set, moment) in [
+                    (&mut p, None),
+                    (&mut o.exp_avg, Some("exp_avg.")),
+                    (&mut o.exp_avg_sq, Some("exp_avg_sq.")),
+                ] {
+                    if moment.is_some() && initial.is_none() {
+                        continue; // AdamW::new's zeros
+                    }
+                    for i in 0..global.len() {
+                        set.bufs[i] = be.upload(&tp_part(i, fresh(moment, i)?));
+                    }
                 }
             }
         }
