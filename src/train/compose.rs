@@ -20,6 +20,7 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
+use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
 use crate::parallel::fsdp::ReshardPolicy;
 use crate::parallel::plan::{ParamState, RankLayout};
@@ -159,6 +160,13 @@ pub fn compose_rank<B: Backend>(
             .with_backend_scratch(be, &local, batch, seq, plan);
         if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
             e = e.with_compute_copy(be);
+        }
+        // Validation at a shape of its own has a workspace of its own, keeping no activations
+        // past each block (`train::validate`).
+        let (vb, vs) = cfg.validation_shape();
+        if cfg.validation.enabled && (vb, vs) != (batch, seq) {
+            let forward_only = AcMode::Full.plan(args.n_layers);
+            e.activations += workspace_floats(&local, vb, vs, &forward_only) as u64 * 4;
         }
         match dist.filter(|_| fsdp_mode) {
             Some(d) => e.sharded(
