@@ -61,26 +61,7 @@ fn parity(adjust: impl Fn(&mut titan::config::Config)) {
         .forward_cached(&be, &params, &mut cache, &tokens[..seq])
         .unwrap();
 
-    let rows: Vec<String> = tokens
-        .chunks(seq + 1)
-        .map(|r| {
-            r.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .collect();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
-    let out = Command::new(&py)
-        .args([script, hf.to_str().unwrap(), "--tokens", &rows.join(";")])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = transformers_run(&py, &hf, &tokens, seq);
     let hf_loss = v["loss"].as_f64().unwrap();
     assert!(
         (hf_loss - titan_loss).abs() < 1e-5 * titan_loss.abs().max(1.0),
@@ -154,30 +135,42 @@ LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
         let mut ws = Workspace::new(&be, &args, batch, seq);
         let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
         let titan_loss = loss.sum / loss.count as f64;
-        let rows: Vec<String> = tokens
-            .chunks(seq + 1)
-            .map(|r| {
-                r.iter()
-                    .map(|t| t.to_string())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
-            .collect();
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
-        let out = Command::new(&py)
-            .args([script, hf.to_str().unwrap(), "--tokens", &rows.join(";")])
-            .output()
+        let hf_loss = transformers_run(&py, &hf, &tokens, seq)["loss"]
+            .as_f64()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let hf_loss = v["loss"].as_f64().unwrap();
         assert!(
             (hf_loss - titan_loss).abs() < 1e-5 * titan_loss.abs().max(1.0),
             "{kind}: titan {titan_loss} vs transformers {hf_loss}"
         );
     }
+}
+
+/// `scripts/hf_parity.py` on the HF folder `hf` and `tokens` (rows of `seq + 1`): its JSON
+/// (`loss`, `last_logits`).
+fn transformers_run(
+    py: &str,
+    hf: &std::path::Path,
+    tokens: &[u32],
+    seq: usize,
+) -> serde_json::Value {
+    let rows: Vec<String> = tokens
+        .chunks(seq + 1)
+        .map(|r| {
+            r.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
+    let out = Command::new(py)
+        .args([script, hf.to_str().unwrap(), "--tokens", &rows.join(";")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
 }

@@ -49,36 +49,21 @@ fn validation_matches_across_layouts_and_leaves_training_alone() {
     // The model learns between the two validations, on data it does not train on.
     assert!(v1[1].1 < v1[0].1, "{v1:?}");
     // FSDP 2 (each rank half of every batch) measures the same loss.
+    let with_batch = |training: &'static str, validation: &'static str| {
+        let mut args = VALIDATE.to_vec();
+        args.extend([
+            "--training.local_batch_size",
+            training,
+            "--validation.local_batch_size",
+            validation,
+        ]);
+        args
+    };
     let fsdp = run(
         &["--nproc", "2", "--master-port", "0"],
-        &[
-            "--training.local_batch_size",
-            "1",
-            "--validation.enabled",
-            "true",
-            "--validation.freq",
-            "3",
-            "--validation.steps",
-            "2",
-            "--validation.local_batch_size",
-            "1",
-        ],
+        &with_batch("1", "1"),
     );
-    let one_b2 = run(
-        &[],
-        &[
-            "--validation.enabled",
-            "true",
-            "--validation.freq",
-            "3",
-            "--validation.steps",
-            "2",
-            "--validation.local_batch_size",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-    );
+    let one_b2 = run(&[], &with_batch("2", "2"));
     assert_eq!(metric(fsdp.path(), "validation_loss").len(), 2);
     common::assert_parity(
         &metric(one_b2.path(), "validation_loss"),

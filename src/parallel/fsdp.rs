@@ -371,14 +371,7 @@ impl<B: Backend> Fsdp<B> {
         tokens: &[u32],
         grad_scale: f32,
     ) -> Result<LossSum> {
-        if self.failed {
-            return Err(anyhow!(
-                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
-            ));
-        }
-        let result = self.run_micro_batch(be, model, full, grads, ws, tokens, grad_scale);
-        self.failed = result.is_err();
-        result
+        self.guarded(|f| f.run_micro_batch(be, model, full, grads, ws, tokens, grad_scale))
     }
 
     /// `forward_backward`'s body.
@@ -444,6 +437,19 @@ impl<B: Backend> Fsdp<B> {
 }
 
 impl<B: Backend> Fsdp<B> {
+    /// Runs a pass of collectives, refusing to after one failed part-way (collectives may be
+    /// left in the queue and gradients half-added).
+    fn guarded<T>(&mut self, pass: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        if self.failed {
+            return Err(anyhow!(
+                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
+            ));
+        }
+        let result = pass(self);
+        self.failed = result.is_err();
+        result
+    }
+
     /// The loss of `tokens` without gradients (validation): each block gathered for its forward
     /// and released after it.
     pub fn loss(
@@ -454,14 +460,7 @@ impl<B: Backend> Fsdp<B> {
         ws: &mut Workspace<B>,
         tokens: &[u32],
     ) -> Result<LossSum> {
-        if self.failed {
-            return Err(anyhow!(
-                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
-            ));
-        }
-        let result = self.forward_only(be, model, full, ws, tokens);
-        self.failed = result.is_err();
-        result
+        self.guarded(|f| f.forward_only(be, model, full, ws, tokens))
     }
 
     fn forward_only(
