@@ -11,4 +11,5 @@ pub mod launch;
 pub mod model;
 pub mod parallel;
 pub mod tensor;
+pub mod trace;
 pub mod train;

@@ -23,6 +23,8 @@ pub struct OpTimer<'a> {
     name: &'static str,
     start: Option<Instant>,
     device: Option<&'a dyn WaitForDevice>,
+    /// The op's span in a profiler trace, when one is being recorded (`crate::trace`).
+    _span: Option<crate::trace::Span>,
 }
 
 impl Drop for OpTimer<'_> {
@@ -57,6 +59,7 @@ impl OpProfiler {
             name,
             start: self.totals.as_ref().map(|_| Instant::now()),
             device: None,
+            _span: crate::trace::span("kernel", name),
         }
     }
 
@@ -73,6 +76,7 @@ impl OpProfiler {
             name,
             start,
             device: Some(device),
+            _span: crate::trace::span("kernel", name),
         }
     }
 

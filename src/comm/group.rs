@@ -531,6 +531,11 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        let _span = crate::trace::span_with(
+            "collective",
+            "all_reduce",
+            || serde_json::json!({"bytes": buf.len() * 4, "group": self.name(), "ranks": self.size()}),
+        );
         self.check_usable("all_reduce")?;
         if let Some(pids) = &self.peer_pids {
             self.cma_all_reduce(pids, buf, op)?;
@@ -546,6 +551,11 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
+        let _span = crate::trace::span_with(
+            "collective",
+            "all_gather",
+            || serde_json::json!({"bytes": output.len() * 4, "group": self.name(), "ranks": self.size()}),
+        );
         self.check_usable("all_gather")?;
         if output.len() != input.len() * self.size {
             bail!(
@@ -578,6 +588,11 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()> {
+        let _span = crate::trace::span_with(
+            "collective",
+            "reduce_scatter",
+            || serde_json::json!({"bytes": input.len() * 4, "group": self.name(), "ranks": self.size()}),
+        );
         self.check_usable("reduce_scatter")?;
         if input.len() != output.len() * self.size {
             bail!(

@@ -24,6 +24,7 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     pub activation_checkpoint: ActivationCheckpointConfig,
     pub validation: ValidationConfig,
+    pub profiling: ProfilingConfig,
     pub metrics: MetricsConfig,
     pub comm: CommConfig,
 }
@@ -53,6 +54,45 @@ impl Default for ActivationCheckpointConfig {
 impl ActivationCheckpointConfig {
     pub fn mode(&self) -> Result<crate::model::activation_checkpoint::AcMode> {
         crate::model::activation_checkpoint::AcMode::parse(&self.mode, &self.selective_ac_option)
+    }
+}
+
+/// `[profiling]` (TorchTitan's keys): Chrome traces of profiled steps (`crate::trace`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProfilingConfig {
+    pub enable_profiling: bool,
+    /// Under `job.dump_folder`: `{folder}/iteration_{step}/rank{r}_trace.json`.
+    pub save_traces_folder: String,
+    /// Every `profile_freq` steps, the last `profiler_active` are recorded, after
+    /// `profiler_warmup` unrecorded ones (TorchTitan's wait, warm-up and active phases).
+    pub profile_freq: u64,
+    pub profiler_warmup: u64,
+    pub profiler_active: u64,
+}
+
+impl Default for ProfilingConfig {
+    fn default() -> Self {
+        ProfilingConfig {
+            enable_profiling: false,
+            save_traces_folder: "profile_traces".into(),
+            profile_freq: 10,
+            profiler_warmup: 3,
+            profiler_active: 1,
+        }
+    }
+}
+
+impl ProfilingConfig {
+    /// Whether `step` (from 1) is recorded, and whether it is the last recorded step of its
+    /// period (its trace is written after it).
+    pub fn phase(&self, step: u64) -> (bool, bool) {
+        if !self.enable_profiling {
+            return (false, false);
+        }
+        let pos = (step - 1) % self.profile_freq;
+        let active = pos >= self.profile_freq - self.profiler_active;
+        (active, active && pos == self.profile_freq - 1)
     }
 }
 
@@ -524,6 +564,14 @@ impl Config {
             }
         }
         self.activation_checkpoint.mode()?;
+        let pr = &self.profiling;
+        if pr.enable_profiling
+            && (pr.profile_freq == 0
+                || pr.profiler_active == 0
+                || pr.profiler_warmup + pr.profiler_active > pr.profile_freq)
+        {
+            bail!("[profiling] profile_freq = {} must be positive and at least profiler_warmup {} + profiler_active {} (active at least 1)", pr.profile_freq, pr.profiler_warmup, pr.profiler_active);
+        }
         let c = &self.checkpoint;
         if c.initial_load_path.is_empty() && c.initial_load_in_hf {
             bail!("[checkpoint] initial_load_in_hf = true needs initial_load_path (the Hugging Face folder)");

@@ -501,6 +501,7 @@ impl<B: Backend> Llama<B> {
         params: &ParamSet<B>,
         ws: &mut Workspace<B>,
     ) -> Result<LossSum> {
+        let _span = crate::trace::span("model", "norm, output and loss");
         self.final_norm(be, params, ws);
         let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
         let w = &params.bufs[self.ids.output];
@@ -589,6 +590,7 @@ impl<B: Backend> Llama<B> {
     /// (each rank looks up the tokens of its vocabulary rows, zero for the others, and the sums
     /// are reduce-scattered to row shards).
     pub fn embed_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) -> Result<()> {
+        let _span = crate::trace::span("model", "embedding forward");
         let table = &params.bufs[self.ids.tok_embeddings];
         let d = self.args.dim;
         if self.local.tp == 1 {
@@ -621,6 +623,7 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         grad_scale: f32,
     ) -> Result<LossSum> {
+        let _span = crate::trace::span("model", "norm, output and loss, forward and backward");
         self.final_norm(be, params, ws);
         let a = &self.args;
         let p = &params.bufs;
@@ -657,6 +660,7 @@ impl<B: Backend> Llama<B> {
         grads: &mut ParamSet<B>,
         ws: &mut Workspace<B>,
     ) -> Result<()> {
+        let _span = crate::trace::span("model", "embedding backward");
         let dtable = &mut grads.bufs[self.ids.tok_embeddings];
         let d = self.args.dim;
         if self.local.tp == 1 {
@@ -683,6 +687,7 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
+        let _span = crate::trace::span_named("model", || format!("block {l} forward"));
         let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;
@@ -760,6 +765,7 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
+        let _span = crate::trace::span_named("model", || format!("block {l} recompute"));
         match ws.plan.blocks[l] {
             BlockSave::Everything => Ok(()),
             // The whole forward again, from the block's input (its output, the next block's
@@ -874,6 +880,7 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
+        let _span = crate::trace::span_named("model", || format!("block {l} backward"));
         let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;

@@ -24,6 +24,7 @@ pub fn train_step<B: Backend>(
     step: u64,
     max_norm: f64,
 ) -> Result<(f64, f64)> {
+    let _span = crate::trace::span_named("step", || format!("step {step}"));
     let targets = layout
         .sum_over_batch(count_targets(micro, ws.seq) as f64)?
         .round() as usize;
@@ -32,6 +33,7 @@ pub fn train_step<B: Backend>(
     let loss = layout.sum_over_batch(loss_sum)? / targets.max(1) as f64;
     let norm = layout.grad_norm(be)?;
     if loss.is_finite() && norm.is_finite() {
+        let _span = crate::trace::span("optimizer", "AdamW");
         let (weights, grads) = layout.weights_and_grads();
         opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm));
     }

@@ -255,10 +255,14 @@ fn train_on<B: Backend>(
             eprintln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
             std::process::abort();
         }
+        let (profiled, write_trace) = cfg.profiling.phase(step);
+        crate::trace::set_recording(profiled);
         let t0 = Instant::now();
+        let data_span = crate::trace::span("data", "data loading");
         let micro: Vec<Vec<u32>> = (0..accum)
             .map(|_| loader.next_batch())
             .collect::<Result<_>>()?;
+        drop(data_span);
         let data_time = t0.elapsed().as_secs_f64();
         let lr = schedule.lr(step);
         let (loss, norm) = train_step(
@@ -335,6 +339,7 @@ fn train_on<B: Backend>(
                 sharding: None,
                 files: Default::default(),
             };
+            let _span = crate::trace::span("checkpoint", "checkpoint save");
             let written = save_checkpoint(be, cfg, dist, &layout, &opt, &mut writer, state)?;
             if let Some(d) = dist {
                 d.checkpoint_saved(step)?;
@@ -342,6 +347,21 @@ fn train_on<B: Backend>(
             last_good = Some(step);
             if let (Some(dir), false) = (written, quiet) {
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
+            }
+        }
+        if write_trace || (profiled && step == last_step) {
+            crate::trace::set_recording(false);
+            let events = crate::trace::take();
+            let path = cfg
+                .dump_folder()
+                .join(&cfg.profiling.save_traces_folder)
+                .join(format!("iteration_{step}"))
+                .join(format!("rank{rank}_trace.json"));
+            // A trace that cannot be written costs the trace, not the run.
+            match crate::trace::write(&path, rank, &events) {
+                Ok(()) if !quiet => emit(&bar, format!("profiler trace {}", path.display())),
+                Ok(()) => {}
+                Err(e) => eprintln!("warning: rank {rank}: profiler trace not written: {e:#}"),
             }
         }
     }
