@@ -301,3 +301,47 @@ fn flags_and_overrides_come_in_any_order() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(common::losses(dir.path()).len(), 2);
 }
+
+/// `titan plot` draws one or several runs' curves as an SVG, validation loss included.
+#[test]
+fn plot_draws_runs_side_by_side() {
+    let runs: Vec<tempfile::TempDir> = ["8e-4", "3e-3"]
+        .iter()
+        .map(|lr| {
+            let dir = tempfile::tempdir().unwrap();
+            let o = train_tiny(
+                dir.path().to_str().unwrap(),
+                &[
+                    "--training.steps",
+                    "4",
+                    "--optimizer.lr",
+                    lr,
+                    "--validation.enabled",
+                    "true",
+                    "--validation.freq",
+                    "2",
+                    "--validation.steps",
+                    "1",
+                ],
+            );
+            assert!(o.status.success(), "{}", stderr(&o));
+            dir
+        })
+        .collect();
+    let out = runs[0].path().join("both.svg");
+    let o = titan(&[
+        "plot",
+        runs[0].path().join("metrics.jsonl").to_str().unwrap(),
+        runs[1].path().to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let svg = std::fs::read_to_string(&out).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    // Loss, validation loss, grad norm and tokens/s for each of the two runs.
+    assert_eq!(svg.matches("<polyline").count(), 8, "{svg}");
+    assert_eq!(svg.matches("stroke-dasharray").count(), 2);
+    let o = titan(&["plot", "/no/such/metrics.jsonl"]);
+    assert!(!o.status.success() && stderr(&o).contains("/no/such/metrics.jsonl"));
+}

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_attention;
 pub mod cuda;
 pub mod generate;
+pub mod plot;
 
 use std::path::PathBuf;
 
@@ -72,6 +73,9 @@ pub enum Command {
         #[command(subcommand)]
         action: cuda::CudaCommand,
     },
+    /// Draw loss (with validation loss), grad norm and tokens/s against steps from metrics.jsonl
+    /// files, one run or several side by side, as an SVG.
+    Plot(plot::PlotArgs),
     /// Benchmarks (not tests): print throughput, GFLOP/s and memory.
     Bench {
         #[command(subcommand)]
@@ -210,6 +214,7 @@ pub fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Generate(args) => generate::run(&args),
+        Command::Plot(args) => plot::run(&args),
         Command::Convert { direction } => match direction {
             ConvertCommand::HfExport {
                 checkpoint,
