@@ -133,10 +133,9 @@ fn svg(runs: &[Run]) -> String {
             let (s, v) = (sx0 + f * (sx1 - sx0), vy0 + f * (vy1 - vy0));
             let _ = writeln!(
                 out,
-                r##"<text x="{}" y="{}" text-anchor="middle" fill="#555">{}</text><text x="{}" y="{}" text-anchor="end" fill="#555">{}</text>"##,
+                r##"<text x="{}" y="{}" text-anchor="middle" fill="#555">{s:.0}</text><text x="{}" y="{}" text-anchor="end" fill="#555">{}</text>"##,
                 x(s),
                 y0 + ph + 16.0,
-                format!("{s:.0}"),
                 x0 - 6.0,
                 y(v) + 4.0,
                 format_tick(v)
