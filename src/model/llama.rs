@@ -311,14 +311,8 @@ impl<B: Backend> Workspace<B> {
         Self::planned(backend, &LocalShapes::whole(args), batch, seq, plan)
     }
 
-    /// The workspace of one tensor-parallel rank (`batch × seq` must divide by its degree),
-    /// keeping every activation.
-    pub fn for_shapes(backend: &B, m: &LocalShapes, batch: usize, seq: usize) -> Self {
-        let plan = ActivationPlan::keep_everything(m.n_layers);
-        Self::planned(backend, m, batch, seq, plan)
-    }
-
-    /// The workspace of one rank whose blocks keep what `plan` says (activation checkpointing):
+    /// The workspace of one tensor-parallel rank (`batch × seq` must divide by its degree) whose
+    /// blocks keep what `plan` says (activation checkpointing):
     /// a buffer per block for each kept activation, one shared for each recomputed one.
     pub fn planned(
         backend: &B,

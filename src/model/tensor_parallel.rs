@@ -3,7 +3,7 @@
 //! implementation over a real group, with its collectives, is `parallel::tp`; `SingleRank` is the
 //! degree-1 case, where each is the local operation.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use super::args::LocalShapes;
 use crate::backend::{Backend, LossSum};
@@ -36,18 +36,18 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
     /// Async TP: queues the gathering of every rank's `local` rows (`[rows, width]` each, into
     /// `[degree · rows, width]` in rank order) behind the collectives already in flight.
     fn start_gather_rows(&self, _be: &B, _local: B::Buf) -> Result<()> {
-        bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
+        Err(not_async())
     }
 
     /// Async TP: queues a reduce-scatter of `partial` (`[degree · rows, width]`): this rank
     /// receives its `[rows, width]` summed over the group.
     fn start_reduce_scatter_rows(&self, _be: &B, _partial: B::Buf) -> Result<()> {
-        bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
+        Err(not_async())
     }
 
     /// Async TP: waits for the oldest queued collective and returns its output.
     fn finish_oldest(&self, _be: &B) -> Result<B::Buf> {
-        bail!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
+        Err(not_async())
     }
 
     /// Seconds the group's communication has run on this rank since the group was made, hidden
@@ -77,6 +77,12 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
         grad_scale: f32,
         grads: LossGrads<'_, B>,
     ) -> Result<LossSum>;
+}
+
+/// The error of the async-only operations on a group without a queue (a titan bug: callers ask
+/// `overlap_chunks` first).
+fn not_async() -> anyhow::Error {
+    anyhow::anyhow!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
 }
 
 /// One rank: every operation is the local one.
