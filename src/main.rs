@@ -11,6 +11,8 @@ fn main() {
     );
     let cli = titan::cli::Cli::parse_from(args);
     if let Err(e) = titan::cli::run(cli) {
+        // A rank of a job with the flight recorder on leaves its dump (no-op otherwise).
+        titan::comm::flight_recorder::dump_once(&format!("this rank failed: {e:#}"));
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

@@ -76,6 +76,11 @@ pub enum Command {
     /// Draw loss (with validation loss), grad norm and tokens/s against steps from metrics.jsonl
     /// files, one run or several side by side, as an SVG.
     Plot(plot::PlotArgs),
+    /// Tools for a run that went wrong.
+    Debug {
+        #[command(subcommand)]
+        what: DebugCommand,
+    },
     /// Benchmarks (not tests): print throughput, GFLOP/s and memory.
     Bench {
         #[command(subcommand)]
@@ -97,6 +102,16 @@ pub enum ConvertCommand {
     HfImport {
         hf_dir: PathBuf,
         out_checkpoint_dir: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DebugCommand {
+    /// Read every rank's flight recorder dump (`{dump_folder}/comm_traces`) and say which ranks
+    /// never entered which collective, which disagree on one, and which rank died first.
+    FlightRecorder {
+        /// The folder holding the `rank_{r}.json` dumps.
+        dir: PathBuf,
     },
 }
 
@@ -215,6 +230,13 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Debug {
+            what: DebugCommand::FlightRecorder { dir },
+        } => {
+            let dumps = crate::comm::flight_recorder::read_dumps(&dir)?;
+            println!("{}", crate::comm::flight_recorder::analyze(&dumps));
+            Ok(())
+        }
         Command::Convert { direction } => match direction {
             ConvertCommand::HfExport {
                 checkpoint,

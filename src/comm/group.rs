@@ -13,13 +13,14 @@
 
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
 use super::cma;
 use super::conn::{Conn, Listener};
+use super::flight_recorder::GroupRecord;
 use super::store::StoreClient;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -181,6 +182,8 @@ pub struct TcpGroup {
     sequence: AtomicU64,
     /// Set by the first failure: the sockets may hold half a message, so later collectives refuse.
     broken: AtomicBool,
+    /// The flight recorder's buffer of this group's operations, when it is on.
+    record: Option<Arc<GroupRecord>>,
 }
 
 impl TcpGroup {
@@ -265,7 +268,34 @@ impl TcpGroup {
             peer_pids,
             sequence: AtomicU64::new(0),
             broken: AtomicBool::new(false),
+            record: None,
         })
+    }
+
+    /// Records this group's operations in the flight recorder's `record` (see `flight_recorder`).
+    pub fn with_record(mut self, record: Option<Arc<GroupRecord>>) -> Self {
+        self.record = record;
+        self
+    }
+
+    /// Runs one operation under the flight recorder (when on): started before, completed or
+    /// failed after. The recorder's fault drill may skip it.
+    fn recorded(
+        &self,
+        op: &str,
+        elements: usize,
+        peer: Option<usize>,
+        body: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let Some(record) = &self.record else {
+            return body();
+        };
+        let Some(recording) = record.start(op, elements, peer) else {
+            return Ok(());
+        };
+        let result = body();
+        recording.finish(&result);
+        result
     }
 
     /// Whether the collectives copy directly between processes (see `cma`).
@@ -519,18 +549,9 @@ impl TcpGroup {
     }
 }
 
-impl ProcessGroup for TcpGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.size
-    }
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+/// The operations themselves; `ProcessGroup` runs each under the flight recorder.
+impl TcpGroup {
+    fn all_reduce_now(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
         let _span = crate::trace::span_with(
             "collective",
             "all_reduce",
@@ -550,7 +571,7 @@ impl ProcessGroup for TcpGroup {
         Ok(())
     }
 
-    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
+    fn all_gather_now(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
         let _span = crate::trace::span_with(
             "collective",
             "all_gather",
@@ -587,7 +608,7 @@ impl ProcessGroup for TcpGroup {
         Ok(())
     }
 
-    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_now(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()> {
         let _span = crate::trace::span_with(
             "collective",
             "reduce_scatter",
@@ -629,7 +650,7 @@ impl ProcessGroup for TcpGroup {
         Ok(())
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+    fn broadcast_now(&self, buf: &mut [f32], root: usize) -> Result<()> {
         if root >= self.size {
             bail!(
                 "broadcast on group `{}`: root {root} outside a group of {}",
@@ -647,15 +668,15 @@ impl ProcessGroup for TcpGroup {
         }
     }
 
-    fn send(&self, buf: &[f32], peer: usize) -> Result<()> {
+    fn send_now(&self, buf: &[f32], peer: usize) -> Result<()> {
         self.send_bytes("send", peer, as_bytes(buf))
     }
 
-    fn recv(&self, buf: &mut [f32], peer: usize) -> Result<()> {
+    fn recv_now(&self, buf: &mut [f32], peer: usize) -> Result<()> {
         self.recv_bytes("recv", peer, as_bytes_mut(buf))
     }
 
-    fn all_to_all(
+    fn all_to_all_now(
         &self,
         input: &[f32],
         send_counts: &[usize],
@@ -710,6 +731,62 @@ impl ProcessGroup for TcpGroup {
                 }
             }
             result
+        })
+    }
+}
+
+impl ProcessGroup for TcpGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn all_reduce(&self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.recorded("all_reduce", buf.len(), None, || {
+            self.all_reduce_now(buf, op)
+        })
+    }
+
+    fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
+        self.recorded("all_gather", input.len(), None, || {
+            self.all_gather_now(input, output)
+        })
+    }
+
+    fn reduce_scatter(&self, input: &[f32], output: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.recorded("reduce_scatter", input.len(), None, || {
+            self.reduce_scatter_now(input, output, op)
+        })
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.recorded("broadcast", buf.len(), Some(root), || {
+            self.broadcast_now(buf, root)
+        })
+    }
+
+    fn send(&self, buf: &[f32], peer: usize) -> Result<()> {
+        self.recorded("send", buf.len(), Some(peer), || self.send_now(buf, peer))
+    }
+
+    fn recv(&self, buf: &mut [f32], peer: usize) -> Result<()> {
+        self.recorded("recv", buf.len(), Some(peer), || self.recv_now(buf, peer))
+    }
+
+    fn all_to_all(
+        &self,
+        input: &[f32],
+        send_counts: &[usize],
+        output: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        self.recorded("all_to_all", input.len(), None, || {
+            self.all_to_all_now(input, send_counts, output, recv_counts)
         })
     }
 

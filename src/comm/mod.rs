@@ -3,6 +3,7 @@
 
 pub mod cma;
 pub mod conn;
+pub mod flight_recorder;
 pub mod group;
 pub mod mesh;
 pub mod nccl;

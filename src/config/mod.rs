@@ -183,6 +183,11 @@ pub struct CommConfig {
     pub init_timeout_seconds: u64,
     /// Every collective during training.
     pub train_timeout_seconds: u64,
+    /// Flight recorder: the latest operations each process group keeps for a dump when a
+    /// collective fails (0 turns it off).
+    pub trace_buf_size: usize,
+    /// Where the dumps go, under the dump folder (`rank_{r}.json`).
+    pub save_traces_folder: String,
 }
 
 impl Default for CommConfig {
@@ -190,6 +195,8 @@ impl Default for CommConfig {
         CommConfig {
             init_timeout_seconds: 300,
             train_timeout_seconds: 100,
+            trace_buf_size: 20000,
+            save_traces_folder: "comm_traces".into(),
         }
     }
 }

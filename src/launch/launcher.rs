@@ -184,6 +184,32 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     unreachable!("the loop returns or bails on its last generation")
 }
 
+/// How long a rank may take to write its flight recorder dump after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Stops every worker still running: SIGTERM first (a rank with the flight recorder on writes its
+/// dump and exits), SIGKILL for any still there after `STOP_GRACE`.
+fn stop_all(workers: &mut [Worker]) {
+    for w in workers.iter_mut() {
+        if let Ok(None) = w.child.try_wait() {
+            // SAFETY: kill(2) on the pid of a child this process has not reaped yet.
+            unsafe { libc::kill(w.child.id() as libc::pid_t, libc::SIGTERM) };
+        }
+    }
+    let deadline = std::time::Instant::now() + STOP_GRACE;
+    while std::time::Instant::now() < deadline
+        && workers
+            .iter_mut()
+            .any(|w| matches!(w.child.try_wait(), Ok(None)))
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for w in workers.iter_mut() {
+        let _ = w.child.kill();
+        let _ = w.child.wait();
+    }
+}
+
 /// Waits for every worker; at the first failure stops the others and returns every rank found
 /// failed in that pass (rank, exit status), ranks killed by a signal first: the rank that died is
 /// named before the ranks that failed because it did.
@@ -203,10 +229,7 @@ fn supervise(workers: &mut [Worker]) -> std::result::Result<(), Vec<(usize, Stri
             }
         }
         if !failed.is_empty() {
-            for other in workers.iter_mut() {
-                let _ = other.child.kill();
-                let _ = other.child.wait();
-            }
+            stop_all(workers);
             failed.sort();
             return Err(failed.into_iter().map(|(_, r, s)| (r, s)).collect());
         }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 
+use crate::comm::flight_recorder;
 use crate::comm::group::{ProcessGroup, TcpGroup};
 use crate::comm::mesh::DeviceMesh;
 use crate::comm::store::{StoreClient, StoreServer};
@@ -68,6 +69,7 @@ impl Distributed {
         );
         let (store, store_server, host) = rendezvous(&env, init)?;
         let gen = env.generation;
+        start_flight_recorder(cfg, &env, &store, init)?;
         let join = |dims: &[&str]| -> Result<Arc<dyn ProcessGroup>> {
             let ranks = mesh.group_ranks(env.rank, dims);
             let local = ranks
@@ -75,15 +77,10 @@ impl Distributed {
                 .position(|&r| r == env.rank)
                 .expect("a rank is in its own group");
             let name = format!("{}-g{gen}", mesh.group_name(env.rank, dims));
-            Ok(Arc::new(TcpGroup::connect(
-                &store,
-                &name,
-                local,
-                ranks.len(),
-                &host,
-                init,
-                op,
-            )?))
+            let group = TcpGroup::connect(&store, &name, local, ranks.len(), &host, init, op)?;
+            Ok(Arc::new(
+                group.with_record(flight_recorder::for_group(&name, &ranks)),
+            ))
         };
         let name = |dims: &[&str]| format!("{}-g{gen}", mesh.group_name(env.rank, dims));
         let dp = join(&["dp_replicate", "dp_shard"])?;
@@ -226,6 +223,43 @@ pub enum MeshGroup {
     Shard,
     Replicate,
     Tensor,
+}
+
+/// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through
+/// the store (so the analyzer can tell dumps of different runs apart), and SIGTERM from the launcher
+/// makes this rank write its dump before it exits.
+fn start_flight_recorder(
+    cfg: &Config,
+    env: &env::WorkerEnv,
+    store: &StoreClient,
+    init: Duration,
+) -> Result<()> {
+    if cfg.comm.trace_buf_size == 0 {
+        return Ok(());
+    }
+    let key = format!("flight-recorder/run/g{}", env.generation);
+    if env.rank == 0 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let run = format!("{:x}-{nanos:x}-g{}", std::process::id(), env.generation);
+        store.set(&key, run.as_bytes())?;
+    }
+    let run = store.get_within(&key, init).map_err(|_| {
+        anyhow::anyhow!(
+            "rank {}: rank 0 did not publish the run id within {init:.0?}",
+            env.rank
+        )
+    })?;
+    let dir = std::path::Path::new(&cfg.job.dump_folder).join(&cfg.comm.save_traces_folder);
+    flight_recorder::configure(
+        env.rank,
+        env.world_size,
+        &String::from_utf8_lossy(&run),
+        cfg.comm.trace_buf_size,
+        &dir,
+    )?;
+    flight_recorder::dump_on_terminate()
 }
 
 /// The device mesh `[parallelism]` asks for over `world` ranks (its degrees must multiply to it).
