@@ -8,6 +8,7 @@ pub mod comm;
 pub mod config;
 pub mod data;
 pub mod launch;
+pub mod memory_timeline;
 pub mod model;
 pub mod parallel;
 pub mod tensor;

@@ -110,3 +110,89 @@ fn bad_profiling_settings_are_refused() {
         "{err}"
     );
 }
+
+/// The memory timeline of an FSDP rank: the categories held for the whole run, and the blocks it
+/// gathers, the full gradients and the collective buffers rising and falling back within a step.
+#[test]
+fn fsdp_ranks_write_a_memory_timeline_of_the_profiled_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &["--nproc", "2", "--master-port", "0"],
+        &[
+            "--training.steps",
+            "2",
+            "--profiling.enable_memory_snapshot",
+            "true",
+            "--profiling.profile_freq",
+            "2",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let at = dir.path().join("memory_snapshot/iteration_2");
+    for rank in 0..2 {
+        let svg = std::fs::read_to_string(at.join(format!("rank{rank}_memory.svg"))).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        let t: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(at.join(format!("rank{rank}_memory.json"))).unwrap(),
+        )
+        .unwrap();
+        let names: Vec<&str> = t["categories"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        let samples = t["samples"].as_array().unwrap();
+        let held = |s: &serde_json::Value, name: &str| {
+            let i = names.iter().position(|n| *n == name).unwrap();
+            s["bytes"][i].as_u64().unwrap()
+        };
+        let peak = |name: &str| samples.iter().map(|s| held(s, name)).max().unwrap();
+        let last = samples.last().unwrap();
+        for steady in ["weights", "optimizer_state", "activations"] {
+            assert!(held(last, steady) > 0, "{steady}: {t}");
+        }
+        for moving in ["gathered_blocks", "comm_buffers"] {
+            assert!(peak(moving) > 0, "{moving} never held: {t}");
+            assert_eq!(held(last, moving), 0, "{moving} left held after the step");
+        }
+        assert!(peak("gradients") > held(last, "gradients"));
+        assert!(samples
+            .iter()
+            .all(|s| s["measured_bytes"].as_u64().unwrap() > 0));
+    }
+}
+
+/// A refused run leaves the estimate it was refused on, by category.
+#[test]
+fn a_refused_run_writes_its_memory_estimate() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = common::train_command(
+        dir.path(),
+        &[],
+        &[
+            "--model.flavor",
+            "405B",
+            "--profiling.enable_memory_snapshot",
+            "true",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs about"));
+    let t: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("memory_snapshot/refused/rank0_memory.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let bytes: u64 = t["samples"][0]["bytes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .sum();
+    // 405B parameters alone are 1.6 TB in f32.
+    assert!(bytes > 1_000_000_000_000, "{t}");
+}

@@ -69,6 +69,10 @@ pub struct ProfilingConfig {
     pub profile_freq: u64,
     pub profiler_warmup: u64,
     pub profiler_active: u64,
+    /// The memory timeline of the same profiled steps (`crate::memory_timeline`), under
+    /// `job.dump_folder`: `{folder}/iteration_{step}/rank{r}_memory.{json,svg}`.
+    pub enable_memory_snapshot: bool,
+    pub save_memory_snapshot_folder: String,
 }
 
 impl Default for ProfilingConfig {
@@ -79,6 +83,8 @@ impl Default for ProfilingConfig {
             profile_freq: 10,
             profiler_warmup: 3,
             profiler_active: 1,
+            enable_memory_snapshot: false,
+            save_memory_snapshot_folder: "memory_snapshot".into(),
         }
     }
 }
@@ -87,7 +93,7 @@ impl ProfilingConfig {
     /// Whether `step` (from 1) is recorded, and whether it is the last recorded step of its
     /// period (its trace is written after it).
     pub fn phase(&self, step: u64) -> (bool, bool) {
-        if !self.enable_profiling {
+        if !self.enable_profiling && !self.enable_memory_snapshot {
             return (false, false);
         }
         let pos = (step - 1) % self.profile_freq;

@@ -38,14 +38,20 @@ use anyhow::{anyhow, Result};
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
+use crate::memory_timeline::{self, Category};
 use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
 /// A collective in the queue, in the order they were started: what its output becomes.
+/// `packed_bytes`: the size of its packed input, a communication buffer until it finishes.
 enum Pending {
     /// The packed shards of `ids`, as bf16 pairs when `pairs`, from every rank.
-    Gather { ids: Vec<usize>, pairs: bool },
+    Gather {
+        ids: Vec<usize>,
+        pairs: bool,
+        packed_bytes: i64,
+    },
     /// This rank's summed gradient shards of `ids`, packed.
-    ReduceScatter { ids: Vec<usize> },
+    ReduceScatter { ids: Vec<usize>, packed_bytes: i64 },
 }
 
 /// What a rank starts one parameter-shaped tensor (weights or an AdamW moment) from: its full
@@ -222,13 +228,23 @@ impl<B: Backend> Fsdp<B> {
         (whole, (numel - whole * c).min(c))
     }
 
-    fn release(be: &B, set: &mut ParamSet<B>, ids: &[usize]) {
+    /// Frees the full tensors `ids` of `set` (gathered weights or full gradients, `held` in the
+    /// memory timeline).
+    fn release(be: &B, set: &mut ParamSet<B>, ids: &[usize], held: Category) {
+        let bytes: usize = ids.iter().map(|&i| be.len(&set.bufs[i]) * 4).sum();
+        memory_timeline::add(held, -(bytes as i64));
         for &i in ids {
             set.bufs[i] = be.zeros(0);
         }
     }
 
+    /// Full gradients `ids`, zeroed.
     fn zeros(&self, be: &B, set: &mut ParamSet<B>, ids: &[usize]) {
+        let grown: i64 = ids
+            .iter()
+            .map(|&i| (self.numel[i] as i64 - be.len(&set.bufs[i]) as i64) * 4)
+            .sum();
+        memory_timeline::add(Category::Gradients, grown);
         for &i in ids {
             set.bufs[i] = be.zeros(self.numel[i]);
         }
@@ -251,10 +267,13 @@ impl<B: Backend> Fsdp<B> {
             be.pack_bf16_pairs(&mut paired, &packed);
             packed = paired;
         }
+        let packed_bytes = be.len(&packed) as i64 * 4;
+        memory_timeline::add(Category::CommBuffers, packed_bytes);
         self.queue.start_gather(be, packed)?;
         self.pending.push_back(Pending::Gather {
             ids: ids.to_vec(),
             pairs,
+            packed_bytes,
         });
         Ok(())
     }
@@ -281,10 +300,14 @@ impl<B: Backend> Fsdp<B> {
             }
             offset += c;
         }
-        Self::release(be, grads, ids);
+        Self::release(be, grads, ids, Category::Gradients);
+        let packed_bytes = be.len(&packed) as i64 * 4;
+        memory_timeline::add(Category::CommBuffers, packed_bytes);
         self.queue.start_reduce_scatter(be, packed)?;
-        self.pending
-            .push_back(Pending::ReduceScatter { ids: ids.to_vec() });
+        self.pending.push_back(Pending::ReduceScatter {
+            ids: ids.to_vec(),
+            packed_bytes,
+        });
         Ok(())
     }
 
@@ -298,7 +321,12 @@ impl<B: Backend> Fsdp<B> {
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
         let output = self.queue.finish_oldest(be)?;
         match pending {
-            Pending::Gather { ids, pairs } => {
+            Pending::Gather {
+                ids,
+                pairs,
+                packed_bytes,
+            } => {
+                memory_timeline::add(Category::CommBuffers, -packed_bytes);
                 let all = if pairs {
                     // Each rank's part unpacks to an even number of values.
                     let mut all = be.uninit(be.len(&output) * 2);
@@ -320,9 +348,12 @@ impl<B: Backend> Fsdp<B> {
                     full.bufs[i] = t;
                     offset += c;
                 }
+                let gathered: usize = ids.iter().map(|&i| self.numel[i] * 4).sum();
+                memory_timeline::add(Category::GatheredBlocks, gathered as i64);
                 Ok(Some(ids))
             }
-            Pending::ReduceScatter { ids } => {
+            Pending::ReduceScatter { ids, packed_bytes } => {
+                memory_timeline::add(Category::CommBuffers, -packed_bytes);
                 let mut offset = 0;
                 for &i in &ids {
                     let c = self.shard_len[i];
@@ -405,7 +436,7 @@ impl<B: Backend> Fsdp<B> {
             self.wait_gather(be, full, &blocks[l])?;
             model.block_forward(be, full, ws, l)?;
             if regather[l] {
-                Self::release(be, full, &blocks[l]);
+                Self::release(be, full, &blocks[l], Category::GatheredBlocks);
             }
         }
         self.zeros(be, grads, &non_block);
@@ -423,7 +454,7 @@ impl<B: Backend> Fsdp<B> {
             self.zeros(be, grads, &blocks[l]);
             model.block_backward(be, full, grads, ws, l)?;
             self.submit_reduce_scatter(be, grads, &blocks[l])?;
-            Self::release(be, full, &blocks[l]);
+            Self::release(be, full, &blocks[l], Category::GatheredBlocks);
             self.complete_down_to_limit(be, full)?;
         }
         model.embed_backward(be, grads, ws)?;
@@ -431,7 +462,7 @@ impl<B: Backend> Fsdp<B> {
         while !self.pending.is_empty() {
             self.complete_next(be, full)?;
         }
-        Self::release(be, full, &non_block);
+        Self::release(be, full, &non_block, Category::GatheredBlocks);
         Ok(loss)
     }
 }
@@ -486,10 +517,10 @@ impl<B: Backend> Fsdp<B> {
             }
             self.wait_gather(be, full, block)?;
             model.block_forward(be, full, ws, l)?;
-            Self::release(be, full, block);
+            Self::release(be, full, block, Category::GatheredBlocks);
         }
         let loss = model.head_loss(be, full, ws)?;
-        Self::release(be, full, &non_block);
+        Self::release(be, full, &non_block, Category::GatheredBlocks);
         Ok(loss)
     }
 }

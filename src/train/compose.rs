@@ -19,6 +19,7 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::launch::Distributed;
+use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
@@ -100,6 +101,26 @@ pub struct ComposedRank<B: Backend> {
     pub resumed: Option<Resumed>,
     /// Whether the collectives run on the device (NCCL).
     pub collectives_on_device: bool,
+}
+
+/// With `[profiling] enable_memory_snapshot`: the categories of a refused estimate, at its peak,
+/// in `{snapshot folder}/refused/rank{r}_memory.{json,svg}` (a warning if it cannot be written).
+fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharded: bool) {
+    if !cfg.profiling.enable_memory_snapshot {
+        return;
+    }
+    for (category, bytes) in estimate.by_category(sharded, true) {
+        memory_timeline::set(category, bytes);
+    }
+    let dir = cfg
+        .dump_folder()
+        .join(&cfg.profiling.save_memory_snapshot_folder)
+        .join("refused");
+    let sample = memory_timeline::now("estimate of the refused run");
+    if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, vec![sample])
+    {
+        eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+    }
 }
 
 /// The layout `[parallelism]` asks for, on `be`, for this rank (TorchTitan's `parallelize`:
@@ -189,6 +210,7 @@ pub fn compose_rank<B: Backend>(
     let fits =
         |e: &MemoryEstimate| check_fits(e, &what, be.device_free_memory(), ranks_sharing_memory);
     if let Err(too_big) = fits(&estimate) {
+        snapshot_refused(cfg, dist.map_or(0, |d| d.rank), &estimate, fsdp_mode);
         // Would a mode that keeps less make it fit? Per-op first: it recomputes least.
         let suggestion = [
             (
@@ -255,6 +277,9 @@ pub fn compose_rank<B: Backend>(
         },
     };
     let layout = RankLayout::new(model, state, dist.map(|d| d.dp.clone()), tp_group);
+    for (category, bytes) in estimate.by_category(fsdp_mode, false) {
+        memory_timeline::set(category, bytes);
+    }
     Ok(ComposedRank {
         args,
         local,

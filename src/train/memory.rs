@@ -4,6 +4,7 @@
 use anyhow::{bail, Result};
 
 use crate::backend::Backend;
+use crate::memory_timeline::Category;
 use crate::model::{
     activation_checkpoint::ActivationPlan,
     llama::{workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats},
@@ -118,6 +119,31 @@ impl MemoryEstimate {
     pub fn with_compute_copy<B: Backend>(mut self, be: &B) -> Self {
         self.compute_copy = self.params / 4 * be.compute_copy_bytes_per_param();
         self
+    }
+
+    /// The estimate by memory-timeline category: at its peak when `peak` (what a refused run
+    /// would have needed), else what stays held for the whole run (FSDP adds the blocks it gathers,
+    /// the full gradients and the packed buffers of its collectives as it goes). `sharded`: this is
+    /// an FSDP rank's estimate (`sharded`), whose AdamW state is two moments of its shards.
+    pub fn by_category(&self, sharded: bool, peak: bool) -> Vec<(Category, u64)> {
+        let shard = self.optimizer / 2;
+        let (weights, gathered, grads) = match (sharded, peak) {
+            (true, true) => (shard, self.params - shard, self.grads),
+            (true, false) => (shard, 0, shard),
+            (false, _) => (self.params + self.compute_copy, 0, self.grads),
+        };
+        vec![
+            (Category::Weights, weights),
+            (Category::Gradients, grads),
+            (Category::OptimizerState, self.optimizer),
+            (
+                Category::Activations,
+                self.activations + self.activation_copies,
+            ),
+            (Category::GatheredBlocks, gathered),
+            (Category::CommBuffers, 0),
+            (Category::KernelScratch, self.scratch),
+        ]
     }
 
     pub fn total(&self) -> u64 {

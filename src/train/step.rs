@@ -6,6 +6,7 @@ use anyhow::Result;
 
 use super::optimizer::{clip_factor, AdamW};
 use crate::backend::{Backend, IGNORE_INDEX};
+use crate::memory_timeline;
 use crate::model::Workspace;
 use crate::parallel::plan::RankLayout;
 
@@ -29,13 +30,16 @@ pub fn train_step<B: Backend>(
         .sum_over_batch(count_targets(micro, ws.seq) as f64)?
         .round() as usize;
     let scale = 1.0 / targets.max(1) as f32;
+    memory_timeline::mark(|| format!("step {step}: forward and backward start"));
     let loss_sum = layout.forward_backward(be, ws, micro, scale)?;
+    memory_timeline::mark(|| format!("step {step}: forward and backward done"));
     let loss = layout.sum_over_batch(loss_sum)? / targets.max(1) as f64;
     let norm = layout.grad_norm(be)?;
     if loss.is_finite() && norm.is_finite() {
         let _span = crate::trace::span("optimizer", "AdamW");
         let (weights, grads) = layout.weights_and_grads();
         opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm));
+        memory_timeline::mark(|| format!("step {step}: optimizer done"));
     }
     Ok((loss, norm))
 }

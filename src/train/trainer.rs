@@ -20,6 +20,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
+use crate::memory_timeline;
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -82,6 +83,37 @@ pub fn init_threads(threads: usize) {
 }
 
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
+    let result = train_on_device(cfg, opts);
+    if let Err(e) = &result {
+        snapshot_failure(cfg, e);
+    }
+    result
+}
+
+/// With `[profiling] enable_memory_snapshot`: what this rank held when its run failed (a CUDA
+/// allocation that did not fit, a collective that failed), after the samples recorded so far, in
+/// `{snapshot folder}/failure/rank{r}_memory.{json,svg}`.
+fn snapshot_failure(cfg: &Config, error: &anyhow::Error) {
+    if !cfg.profiling.enable_memory_snapshot {
+        return;
+    }
+    let rank = crate::launch::env::WorkerEnv::detect()
+        .ok()
+        .flatten()
+        .map_or(0, |e| e.rank);
+    memory_timeline::set_recording(false);
+    let mut samples = memory_timeline::take();
+    samples.push(memory_timeline::now(&format!("failed: {error:#}")));
+    let dir = cfg
+        .dump_folder()
+        .join(&cfg.profiling.save_memory_snapshot_folder)
+        .join("failure");
+    if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, samples) {
+        eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+    }
+}
+
+fn train_on_device(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     init_rank_threads(cfg)?;
     match select_device(cfg)? {
         Device::Cpu => train_on(&CpuBackend::new(), cfg, opts, RankPlace::cpu(cfg)?),
@@ -256,7 +288,8 @@ fn train_on<B: Backend>(
             std::process::abort();
         }
         let (profiled, write_trace) = cfg.profiling.phase(step);
-        crate::trace::set_recording(profiled);
+        crate::trace::set_recording(profiled && cfg.profiling.enable_profiling);
+        memory_timeline::set_recording(profiled && cfg.profiling.enable_memory_snapshot);
         let t0 = Instant::now();
         let data_span = crate::trace::span("data", "data loading");
         let micro: Vec<Vec<u32>> = (0..accum)
@@ -349,7 +382,23 @@ fn train_on<B: Backend>(
                 emit(&bar, format!("saved checkpoint {}", dir.display()));
             }
         }
-        if write_trace || (profiled && step == last_step) {
+        if (write_trace || step == last_step) && memory_timeline::recording() {
+            memory_timeline::set_recording(false);
+            let dir = cfg
+                .dump_folder()
+                .join(&cfg.profiling.save_memory_snapshot_folder)
+                .join(format!("iteration_{step}"));
+            let stem = format!("rank{rank}_memory");
+            match memory_timeline::write(&dir, &stem, rank, memory_timeline::take()) {
+                Ok(()) if !quiet => emit(
+                    &bar,
+                    format!("memory timeline {}/{stem}.svg", dir.display()),
+                ),
+                Ok(()) => {}
+                Err(e) => eprintln!("warning: rank {rank}: memory timeline not written: {e:#}"),
+            }
+        }
+        if (write_trace || step == last_step) && crate::trace::recording() {
             crate::trace::set_recording(false);
             let events = crate::trace::take();
             let path = cfg
