@@ -578,7 +578,7 @@ impl Config {
         }
         self.activation_checkpoint.mode()?;
         let pr = &self.profiling;
-        if pr.enable_profiling
+        if (pr.enable_profiling || pr.enable_memory_snapshot)
             && (pr.profile_freq == 0
                 || pr.profiler_active == 0
                 || pr.profiler_warmup + pr.profiler_active > pr.profile_freq)
