@@ -345,3 +345,61 @@ fn plot_draws_runs_side_by_side() {
     let o = titan(&["plot", "/no/such/metrics.jsonl"]);
     assert!(!o.status.success() && stderr(&o).contains("/no/such/metrics.jsonl"));
 }
+
+#[test]
+fn pipeline_show_prints_the_bubble_and_draws_the_timeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("1f1b.svg");
+    let o = titan(&[
+        "pipeline",
+        "show",
+        "--schedule",
+        "1F1B",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // (p − 1) / (m + p − 1) = 3/11.
+    assert!(out.contains("bubble fraction 0.273"), "{out}");
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        drawn.starts_with("<svg") && drawn.contains("3B7"),
+        "{drawn}"
+    );
+    let bubble = |schedule: &str| -> f64 {
+        let o = titan(&[
+            "pipeline",
+            "show",
+            "--schedule",
+            schedule,
+            "--pp",
+            "4",
+            "--microbatches",
+            "8",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        out.split("bubble fraction ")
+            .nth(1)
+            .and_then(|t| t.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{out}"))
+    };
+    for zb in ["InterleavedZeroBubble", "ZBVZeroBubble"] {
+        assert!(bubble(zb) < 0.273, "{zb}");
+    }
+    // A custom schedule from a CSV file, and one that deadlocks.
+    let csv = dir.path().join("s.csv");
+    std::fs::write(&csv, "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n").unwrap();
+    let o = titan(&["pipeline", "show", "--csv", csv.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::write(&csv, "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n").unwrap();
+    let o = titan(&["pipeline", "show", "--csv", csv.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("deadlocks"), "{}", stderr(&o));
+}

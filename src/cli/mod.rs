@@ -4,6 +4,7 @@ pub mod bench;
 pub mod bench_attention;
 pub mod cuda;
 pub mod generate;
+pub mod pipeline;
 pub mod plot;
 
 use std::path::PathBuf;
@@ -76,6 +77,11 @@ pub enum Command {
     /// Draw loss (with validation loss), grad norm and tokens/s against steps from metrics.jsonl
     /// files, one run or several side by side, as an SVG.
     Plot(plot::PlotArgs),
+    /// Pipeline schedules: print and draw one.
+    Pipeline {
+        #[command(subcommand)]
+        what: PipelineCommand,
+    },
     /// Tools for a run that went wrong.
     Debug {
         #[command(subcommand)]
@@ -103,6 +109,13 @@ pub enum ConvertCommand {
         hf_dir: PathBuf,
         out_checkpoint_dir: PathBuf,
     },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PipelineCommand {
+    /// Each rank's actions, the timeline under unit costs and the bubble fraction of a schedule
+    /// (`--svg FILE` draws it).
+    Show(pipeline::ShowArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -230,6 +243,9 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Pipeline {
+            what: PipelineCommand::Show(args),
+        } => pipeline::show(&args),
         Command::Debug {
             what: DebugCommand::FlightRecorder { dir },
         } => {

@@ -3,5 +3,6 @@
 
 pub mod ddp;
 pub mod fsdp;
+pub mod pipeline;
 pub mod plan;
 pub mod tp;
