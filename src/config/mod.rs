@@ -165,6 +165,17 @@ pub struct ParallelismConfig {
     /// With tensor parallelism: overlap the sequence-parallel all-gathers and reduce-scatters with
     /// the GEMMs next to them, in chunks.
     pub enable_async_tensor_parallel: bool,
+    /// Pipeline parallelism: the schedule (`parallel::pipeline::schedule::SCHEDULE_NAMES`).
+    pub pipeline_parallel_schedule: String,
+    /// A custom schedule in TorchTitan's CSV format (overrides `pipeline_parallel_schedule`).
+    pub pipeline_parallel_schedule_csv: String,
+    /// Sequences per microbatch: the local batch is cut into local_batch_size / this microbatches.
+    pub pipeline_parallel_microbatch_size: usize,
+    /// Units (blocks; the embedding and the output count as one each) per stage; -1: the
+    /// schedule's stages per rank, balanced.
+    pub pipeline_parallel_layers_per_stage: i64,
+    /// The blocks that start stages 1, 2, … (`layers.N`); empty: balanced.
+    pub pipeline_parallel_split_points: Vec<String>,
 }
 
 impl Default for ParallelismConfig {
@@ -178,6 +189,11 @@ impl Default for ParallelismConfig {
             fsdp_reshard_after_forward: "default".into(),
             disable_loss_parallel: false,
             enable_async_tensor_parallel: false,
+            pipeline_parallel_schedule: "1F1B".into(),
+            pipeline_parallel_schedule_csv: String::new(),
+            pipeline_parallel_microbatch_size: 1,
+            pipeline_parallel_layers_per_stage: -1,
+            pipeline_parallel_split_points: Vec::new(),
         }
     }
 }
@@ -565,15 +581,24 @@ impl Config {
         if p.tensor_parallel_degree == 0 {
             bail!("[parallelism] tensor_parallel_degree must be at least 1");
         }
-        for (key, degree) in [
-            ("pipeline_parallel_degree", p.pipeline_parallel_degree),
-            ("context_parallel_degree", p.context_parallel_degree),
-        ] {
-            if degree == 0 {
-                bail!("[parallelism] {key} must be at least 1");
+        if p.pipeline_parallel_degree == 0 {
+            bail!("[parallelism] pipeline_parallel_degree must be at least 1");
+        }
+        if p.context_parallel_degree == 0 {
+            bail!("[parallelism] context_parallel_degree must be at least 1");
+        }
+        if p.context_parallel_degree > 1 {
+            bail!("[parallelism] context_parallel_degree = {}: context parallelism is not built yet in this titan (only 1 is accepted)", p.context_parallel_degree);
+        }
+        if p.pipeline_parallel_degree > 1 {
+            if p.pipeline_parallel_schedule_csv.is_empty() {
+                crate::parallel::pipeline::schedule::ScheduleKind::parse(
+                    &p.pipeline_parallel_schedule,
+                )?;
             }
-            if degree > 1 {
-                bail!("[parallelism] {key} = {degree}: pipeline and context parallelism are not built yet in this titan (only 1 is accepted)");
+            let mb = p.pipeline_parallel_microbatch_size;
+            if mb == 0 || !t.local_batch_size.is_multiple_of(mb) {
+                bail!("[parallelism] pipeline_parallel_microbatch_size = {mb} must divide [training] local_batch_size = {} (microbatches = local batch / microbatch size)", t.local_batch_size);
             }
         }
         self.activation_checkpoint.mode()?;

@@ -28,6 +28,9 @@ pub struct Distributed {
     pub replicate: Option<Arc<dyn ProcessGroup>>,
     /// The tensor-parallel group (`tp`), when its degree is above 1.
     pub tp: Option<Arc<dyn ProcessGroup>>,
+    /// The pipeline group (`pp`: the ranks holding the stages of one model copy), when its degree
+    /// is above 1.
+    pub pp: Option<Arc<dyn ProcessGroup>>,
     /// The ranks that write a sharded checkpoint together (`dp_shard × tp`, tp fastest; under
     /// HSDP or DDP each replica has one and replica 0's writes). None when checkpoints are written
     /// whole by rank 0 (one process or DDP, without TP).
@@ -101,6 +104,11 @@ impl Distributed {
         } else {
             (None, None)
         };
+        let pp = if mesh.degree("pp") > 1 {
+            Some(join(&["pp"])?)
+        } else {
+            None
+        };
         let (writers, writers_name) = match (&shard, &tp) {
             (None, None) => (None, None),
             (Some(s), None) => (Some(s.clone()), shard_name.clone()),
@@ -123,6 +131,7 @@ impl Distributed {
             shard,
             replicate,
             tp,
+            pp,
             writers,
             all,
             local_world_size: env.local_world_size,

@@ -93,6 +93,8 @@ pub enum BlockSave {
     Input,
     /// `OP_SAVED`: the cheap ops are recomputed.
     ExpensiveOps,
+    /// On another pipeline rank: this rank never runs it and holds nothing of it.
+    Elsewhere,
 }
 
 impl BlockSave {
@@ -100,7 +102,7 @@ impl BlockSave {
     pub fn keeps(self, act: Act) -> bool {
         match self {
             BlockSave::Everything => true,
-            BlockSave::Input => false,
+            BlockSave::Input | BlockSave::Elsewhere => false,
             BlockSave::ExpensiveOps => OP_SAVED.contains(&act),
         }
     }
@@ -180,7 +182,21 @@ impl ActivationPlan {
 
     /// Whether some block recomputes `act`, so the shared scratch set needs a buffer for it.
     pub fn needs_scratch(&self, act: Act) -> bool {
-        self.blocks.iter().any(|b| !b.keeps(act))
+        self.blocks
+            .iter()
+            .any(|&b| b != BlockSave::Elsewhere && !b.keeps(act))
+    }
+
+    /// The plan of a pipeline rank running only the blocks `here` says: the others keep nothing.
+    pub fn only(&self, here: impl Fn(usize) -> bool) -> Self {
+        ActivationPlan {
+            blocks: self
+                .blocks
+                .iter()
+                .enumerate()
+                .map(|(l, &b)| if here(l) { b } else { BlockSave::Elsewhere })
+                .collect(),
+        }
     }
 
     /// Buffers of `act` in the workspace: one per block keeping it, and one shared by the blocks

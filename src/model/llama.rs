@@ -363,6 +363,28 @@ impl<B: Backend> Workspace<B> {
     pub fn plan(&self) -> &ActivationPlan {
         &self.plan
     }
+
+    /// The input of block `l` on this rank's rows: the embedding's output for `l = 0`, the final
+    /// norm's input for `l = n_layers` (a pipeline stage receives its input here and sends its
+    /// output from here).
+    pub fn block_input(&self, l: usize) -> &B::Buf {
+        &self.resid[l]
+    }
+
+    pub fn block_input_mut(&mut self, l: usize) -> &mut B::Buf {
+        &mut self.resid[l]
+    }
+
+    /// The gradient the backward carries from block to block: ∂L/∂(output) of the next block to
+    /// run backward, ∂L/∂(input) of the last one run (a pipeline stage receives the first and
+    /// sends the second).
+    pub fn carried_grad(&self) -> &B::Buf {
+        &self.dx
+    }
+
+    pub fn carried_grad_mut(&mut self) -> &mut B::Buf {
+        &mut self.dx
+    }
 }
 
 /// Called by `forward_backward_with` when a block's gradients are final.
@@ -766,6 +788,9 @@ impl<B: Backend> Llama<B> {
             // input, is written again with the same values).
             BlockSave::Input => self.block_forward(be, params, ws, l),
             BlockSave::ExpensiveOps => self.recompute_missing(be, params, ws, l),
+            BlockSave::Elsewhere => {
+                anyhow::bail!("block {l} runs on another pipeline rank, not this one")
+            }
         }
     }
 

@@ -237,6 +237,16 @@ pub struct ParamSet<B: Backend> {
 }
 
 impl<B: Backend> ParamSet<B> {
+    /// Frees every tensor whose name `keep` rejects (a pipeline rank keeps its stages' tensors;
+    /// the others stay in the set, empty, so indices keep their meaning).
+    pub fn keep_only(&mut self, backend: &B, keep: impl Fn(&str) -> bool) {
+        for (name, buf) in self.names.iter().zip(self.bufs.iter_mut()) {
+            if !keep(name) {
+                *buf = backend.zeros(0);
+            }
+        }
+    }
+
     pub fn zeros(backend: &B, specs: &[(String, Vec<usize>)]) -> Self {
         ParamSet {
             names: specs.iter().map(|(n, _)| n.clone()).collect(),

@@ -16,6 +16,7 @@ use anyhow::Result;
 
 use super::ddp::Ddp;
 use super::fsdp::Fsdp;
+use super::pipeline::runtime::PipelineRank;
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::model::llama::BlockGradHook;
@@ -52,6 +53,29 @@ pub struct RankLayout<B: Backend> {
     tp_group: Option<Arc<dyn ProcessGroup>>,
     /// Whether each parameter is replicated over the tensor-parallel group.
     tp_replicated: Vec<bool>,
+    /// This rank's pipeline stages and schedule, when the pipeline degree is above 1: the
+    /// micro-batches then run through the schedule, and the loss and the gradient norm are summed
+    /// over the pipeline ranks.
+    pub pipeline: Option<PipelineRank<B>>,
+}
+
+impl<B: Backend> ParamState<B> {
+    /// Frees every whole tensor `keep` rejects (a pipeline rank's other stages).
+    pub fn keep_only(&mut self, be: &B, keep: impl Fn(&str) -> bool) {
+        if let ParamState::Whole {
+            params,
+            grads,
+            bf16_copy,
+            ..
+        } = self
+        {
+            params.keep_only(be, &keep);
+            grads.keep_only(be, &keep);
+            if let Some(c) = bf16_copy {
+                c.keep_only(be, &keep);
+            }
+        }
+    }
 }
 
 impl<B: Backend> RankLayout<B> {
@@ -60,6 +84,7 @@ impl<B: Backend> RankLayout<B> {
         state: ParamState<B>,
         batch_group: Option<Arc<dyn ProcessGroup>>,
         tp_group: Option<Arc<dyn ProcessGroup>>,
+        pipeline: Option<PipelineRank<B>>,
     ) -> Self {
         let tp_replicated = model
             .param_specs()
@@ -72,6 +97,7 @@ impl<B: Backend> RankLayout<B> {
             batch_group,
             tp_group: tp_group.filter(|g| g.size() > 1),
             tp_replicated,
+            pipeline,
         }
     }
 
@@ -108,7 +134,13 @@ impl<B: Backend> RankLayout<B> {
                 }
                 grads.zero(be);
                 let compute: &ParamSet<B> = bf16_copy.as_ref().unwrap_or(params);
-                for (m, tokens) in micro.iter().enumerate() {
+                if let Some(pipe) = self.pipeline.as_mut() {
+                    for tokens in micro {
+                        loss_sum +=
+                            pipe.forward_backward(be, model, compute, grads, tokens, grad_scale)?;
+                    }
+                }
+                for (m, tokens) in micro.iter().enumerate().filter(|_| self.pipeline.is_none()) {
                     // DDP reduces during the last micro-batch's backward (earlier ones accumulate).
                     let hook: Option<&mut dyn BlockGradHook<B>> = match ddp.as_mut() {
                         Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
@@ -130,6 +162,10 @@ impl<B: Backend> RankLayout<B> {
                         .sum;
                 }
             }
+        }
+        // Only the last stage computes the loss.
+        if let Some(pipe) = &self.pipeline {
+            loss_sum = all_reduce_sum_f64(pipe.group(), loss_sum)?;
         }
         if self.tp_group.is_some() {
             let grads = match &mut self.state {
@@ -194,7 +230,12 @@ impl<B: Backend> RankLayout<B> {
             ParamState::Sharded { fsdp, .. } => Some(fsdp.shard_group()),
             ParamState::Whole { .. } => None,
         };
-        let over_shards = |x: f64| shard_group.map_or(Ok(x), |g| all_reduce_sum_f64(g, x));
+        // Each pipeline rank holds its stages' gradients: summed over the pipeline too.
+        let pipeline = self.pipeline.as_ref().map(|p| p.group());
+        let over_shards = |x: f64| -> Result<f64> {
+            let x = shard_group.map_or(Ok(x), |g| all_reduce_sum_f64(g, x))?;
+            pipeline.map_or(Ok(x), |g| all_reduce_sum_f64(g, x))
+        };
         let Some(tp) = &self.tp_group else {
             return Ok(over_shards(be.sum_squares_all(&grads.bufs))?.sqrt());
         };

@@ -24,6 +24,7 @@ use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
 use crate::parallel::fsdp::ReshardPolicy;
+use crate::parallel::pipeline::plan::PipelinePlan;
 use crate::parallel::plan::{ParamState, RankLayout};
 use crate::parallel::tp::TensorParallelGroup;
 
@@ -160,6 +161,10 @@ pub fn compose_rank<B: Backend>(
         bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
     }
     let accum = global_batch / (batch * dp_size);
+    let pipeline = match dist.and_then(|d| d.pp.clone()) {
+        Some(group) => Some(PipelinePlan::from_config(cfg, &args, dp_size, group)?),
+        None => None,
+    };
 
     let (mut device_reducer, mut device_queue) = match device_comm.data_parallel {
         Some(DataParallelComm::Ddp(r)) => (Some(r), None),
@@ -188,6 +193,13 @@ pub fn compose_rank<B: Backend>(
         if cfg.validation.enabled && (vb, vs) != (batch, seq) {
             let forward_only = AcMode::Full.plan(args.n_layers);
             e.activations += workspace_floats(&local, vb, vs, &forward_only) as u64 * 4;
+        }
+        if let Some(p) = &pipeline {
+            e = e.pipelined(
+                p.held_fraction(&args, &local),
+                p.workspaces(),
+                workspace_floats(&local, p.microbatch_rows, seq, &p.plan(plan)) as u64 * 4,
+            );
         }
         match dist.filter(|_| fsdp_mode) {
             Some(d) => e.sharded(
@@ -244,11 +256,16 @@ pub fn compose_rank<B: Backend>(
         None => Llama::new(be, args.clone(), seq)?,
     };
     let specs = model.param_specs();
-    let ws = Workspace::planned(be, &local, batch, seq, plan);
+    // A pipeline rank computes in its own workspaces, one per microbatch it holds; the step's is
+    // left without blocks.
+    let ws = match &pipeline {
+        Some(p) => Workspace::planned(be, &local, p.microbatch_rows, seq, plan.only(|_| false)),
+        None => Workspace::planned(be, &local, batch, seq, plan.clone()),
+    };
     let StartState {
         params,
         grads,
-        opt,
+        mut opt,
         fsdp,
         resumed,
     } = start_state(
@@ -263,7 +280,7 @@ pub fn compose_rank<B: Backend>(
     )?;
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
-    let state = match fsdp {
+    let mut state = match fsdp {
         Some(fsdp) => ParamState::Sharded {
             fsdp,
             full: params,
@@ -276,7 +293,16 @@ pub fn compose_rank<B: Backend>(
             ddp,
         },
     };
-    let layout = RankLayout::new(model, state, dist.map(|d| d.dp.clone()), tp_group);
+    let pipeline = match pipeline {
+        Some(p) => {
+            let rank = p.build(be, &local, seq, &plan, cfg)?;
+            state.keep_only(be, |name| rank.holds(name));
+            opt.keep_only(be, |name| rank.holds(name));
+            Some(rank)
+        }
+        None => None,
+    };
+    let layout = RankLayout::new(model, state, dist.map(|d| d.dp.clone()), tp_group, pipeline);
     for (category, bytes) in estimate.by_category(fsdp_mode, false) {
         memory_timeline::set(category, bytes);
     }

@@ -114,6 +114,18 @@ impl MemoryEstimate {
         self
     }
 
+    /// A pipeline rank's share: `held` of the weights, their gradients and AdamW state, and
+    /// `workspaces` workspaces of `workspace_bytes` (one per microbatch it holds at once) for the
+    /// activations.
+    pub fn pipelined(mut self, held: f64, workspaces: usize, workspace_bytes: u64) -> Self {
+        let part = |x: u64| (x as f64 * held).ceil() as u64;
+        self.params = part(self.params);
+        self.grads = part(self.grads);
+        self.optimizer = part(self.optimizer);
+        self.activations = workspaces as u64 * workspace_bytes;
+        self
+    }
+
     /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP, as `be`
     /// stores it (`Backend::compute_copy_bytes_per_param`).
     pub fn with_compute_copy<B: Backend>(mut self, be: &B) -> Self {

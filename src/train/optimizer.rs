@@ -12,6 +12,12 @@ pub struct AdamW<B: Backend> {
 }
 
 impl<B: Backend> AdamW<B> {
+    /// Frees the moments of every tensor `keep` rejects (`ParamSet::keep_only`).
+    pub fn keep_only(&mut self, be: &B, keep: impl Fn(&str) -> bool) {
+        self.exp_avg.keep_only(be, &keep);
+        self.exp_avg_sq.keep_only(be, &keep);
+    }
+
     pub fn new(be: &B, specs: &[(String, Vec<usize>)], cfg: OptimizerConfig) -> Self {
         AdamW {
             exp_avg: ParamSet::zeros(be, specs),

@@ -655,6 +655,32 @@ impl Schedule {
         most
     }
 
+    /// For each of rank `r`'s actions, whether it is the last of its microbatch on that rank (its
+    /// activations can go), and the most microbatches the rank holds at once, from each one's
+    /// first action to its last: the workspaces it needs.
+    pub fn microbatch_lifetimes(&self, r: usize) -> (Vec<bool>, usize) {
+        let list = &self.actions[r];
+        let mut last: HashMap<usize, usize> = HashMap::new();
+        for (i, a) in list.iter().enumerate() {
+            last.insert(a.microbatch, i);
+        }
+        let is_last: Vec<bool> = list
+            .iter()
+            .enumerate()
+            .map(|(i, a)| last[&a.microbatch] == i)
+            .collect();
+        let mut live = std::collections::HashSet::new();
+        let mut most = 0;
+        for (a, &end) in list.iter().zip(&is_last) {
+            live.insert(a.microbatch);
+            most = most.max(live.len());
+            if end {
+                live.remove(&a.microbatch);
+            }
+        }
+        (is_last, most)
+    }
+
     /// TorchTitan's compute-only CSV: a line per rank, its actions separated by commas.
     pub fn to_csv(&self) -> String {
         self.actions

@@ -1,0 +1,194 @@
+//! A pipeline rank's part of the layout, decided from the config before anything is allocated:
+//! the schedule (by name or from a CSV file), the cut into stages, the microbatches, which
+//! parameters this rank holds and how many workspaces it needs; then the running
+//! `PipelineRank`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use super::runtime::PipelineRank;
+use super::schedule::{generate, Schedule, ScheduleKind, Work};
+use super::stage::StageSplit;
+use crate::backend::Backend;
+use crate::comm::group::ProcessGroup;
+use crate::config::Config;
+use crate::model::activation_checkpoint::ActivationPlan;
+use crate::model::{LocalShapes, ModelArgs};
+
+/// A pipeline rank's layout, before allocation.
+pub struct PipelinePlan {
+    pub schedule: Schedule,
+    pub split: StageSplit,
+    pub group: Arc<dyn ProcessGroup>,
+    pub microbatch_rows: usize,
+    workspaces: usize,
+}
+
+/// Whether pipeline rank `r` of `schedule` over `split` holds the parameter `name`
+/// (`tok_embeddings.*`: the first stage; `layers.N.*`: block N's stage; `norm.*`, `output.*`:
+/// the last stage).
+pub fn holds(schedule: &Schedule, split: &StageSplit, r: usize, name: &str) -> bool {
+    let mine = schedule.stages_of(r);
+    let stages = &split.stages;
+    if let Some(rest) = name.strip_prefix("layers.") {
+        let block: usize = rest
+            .split('.')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(usize::MAX);
+        return mine.iter().any(|&s| stages[s].blocks.contains(&block));
+    }
+    if name.starts_with("tok_embeddings") {
+        return mine.iter().any(|&s| stages[s].embedding);
+    }
+    mine.iter().any(|&s| stages[s].head)
+}
+
+impl PipelinePlan {
+    /// The pipeline `[parallelism]` asks for over `group` (the `pp` ranks), checked: what titan's
+    /// pipeline does not combine with yet is refused here, saying so.
+    pub fn from_config(
+        cfg: &Config,
+        args: &ModelArgs,
+        dp_size: usize,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Result<Self> {
+        let p = &cfg.parallelism;
+        let pp = group.size();
+        if dp_size > 1 {
+            bail!("[parallelism] pipeline_parallel_degree = {pp} with data parallelism (dp_shard × dp_replicate = {dp_size}) is not built yet in titan: pipeline parallelism runs alone or with tensor parallelism for now");
+        }
+        if cfg.validation.enabled {
+            bail!("[validation] enabled = true with pipeline_parallel_degree = {pp} is not built yet in titan: turn validation off for pipeline runs for now");
+        }
+        if args.tied_embeddings {
+            bail!("[model] flavor {} ties the output to the embedding, which sit on the first and the last pipeline stage: pipeline parallelism with tied embeddings is not built yet in titan", cfg.model.flavor);
+        }
+        let rows = cfg.training.local_batch_size;
+        let microbatch_rows = p.pipeline_parallel_microbatch_size;
+        let microbatches = rows / microbatch_rows;
+        let n_layers = args.n_layers;
+        let fixed_split = if !p.pipeline_parallel_split_points.is_empty() {
+            Some(StageSplit::at_split_points(
+                n_layers,
+                &p.pipeline_parallel_split_points,
+            )?)
+        } else if p.pipeline_parallel_layers_per_stage > 0 {
+            Some(StageSplit::layers_per_stage(
+                n_layers,
+                p.pipeline_parallel_layers_per_stage as usize,
+            )?)
+        } else {
+            None
+        };
+        let per_rank = |stages: usize| -> Result<usize> {
+            if !stages.is_multiple_of(pp) {
+                bail!("[parallelism] {stages} pipeline stages do not spread evenly over pipeline_parallel_degree = {pp} ranks (split points or layers per stage decide the stages)");
+            }
+            Ok(stages / pp)
+        };
+        let schedule = if !p.pipeline_parallel_schedule_csv.is_empty() {
+            let path = &p.pipeline_parallel_schedule_csv;
+            let text = std::fs::read_to_string(path).with_context(|| {
+                format!("[parallelism] pipeline_parallel_schedule_csv: cannot read {path}")
+            })?;
+            let s = Schedule::from_csv(&text, path)?;
+            if s.ranks() != pp {
+                bail!("[parallelism] pipeline_parallel_schedule_csv {path} has {} ranks (lines) but pipeline_parallel_degree is {pp}", s.ranks());
+            }
+            if s.microbatches != microbatches {
+                bail!("[parallelism] pipeline_parallel_schedule_csv {path} runs {} microbatches but local_batch_size {rows} / pipeline_parallel_microbatch_size {microbatch_rows} makes {microbatches}", s.microbatches);
+            }
+            s
+        } else {
+            let kind = ScheduleKind::parse(&p.pipeline_parallel_schedule)?;
+            let asked = fixed_split
+                .as_ref()
+                .map(|s| per_rank(s.len()))
+                .transpose()?;
+            let v = kind.stages_per_rank(asked)?;
+            generate(kind, pp, v, microbatches).with_context(|| {
+                format!("[parallelism] pipeline_parallel_schedule = {}", kind.name())
+            })?
+        };
+        let split = match fixed_split {
+            Some(s) if s.len() != schedule.stages() => bail!(
+                "[parallelism] the split into {} stages does not match schedule {}'s {} stages",
+                s.len(),
+                schedule.name,
+                schedule.stages()
+            ),
+            Some(s) => s,
+            None => StageSplit::balanced(n_layers, schedule.stages())?,
+        };
+        if let Some(a) = schedule
+            .actions
+            .iter()
+            .flatten()
+            .find(|a| matches!(a.work, Work::BackwardInput | Work::BackwardWeight))
+        {
+            bail!("[parallelism] schedule {} splits backwards into input and weight gradients ({a}); titan's pipeline runtime does not run split backwards yet: use GPipe, 1F1B or Interleaved1F1B", schedule.name);
+        }
+        let workspaces = schedule.microbatch_lifetimes(group.rank()).1;
+        Ok(PipelinePlan {
+            schedule,
+            split,
+            group,
+            microbatch_rows,
+            workspaces,
+        })
+    }
+
+    /// Workspaces this rank keeps: the most microbatches it holds at once.
+    pub fn workspaces(&self) -> usize {
+        self.workspaces
+    }
+
+    pub fn holds(&self, name: &str) -> bool {
+        holds(&self.schedule, &self.split, self.group.rank(), name)
+    }
+
+    /// The blocks this rank runs keep what `plan` says; the others nothing.
+    pub fn plan(&self, plan: &ActivationPlan) -> ActivationPlan {
+        let mine: Vec<usize> = self
+            .schedule
+            .stages_of(self.group.rank())
+            .into_iter()
+            .flat_map(|s| self.split.stages[s].blocks.clone())
+            .collect();
+        plan.only(|l| mine.contains(&l))
+    }
+
+    /// The share of the (tensor-parallel rank's) parameters this rank holds.
+    pub fn held_fraction(&self, args: &ModelArgs, local: &LocalShapes) -> f64 {
+        let specs = crate::model::params::local_param_specs(args, local.tp);
+        let numel = |s: &(String, Vec<usize>)| s.1.iter().product::<usize>() as f64;
+        let all: f64 = specs.iter().map(numel).sum();
+        let held: f64 = specs.iter().filter(|s| self.holds(&s.0)).map(numel).sum();
+        held / all.max(1.0)
+    }
+
+    /// The running rank, with its workspaces allocated.
+    pub fn build<B: Backend>(
+        self,
+        be: &B,
+        local: &LocalShapes,
+        seq: usize,
+        plan: &ActivationPlan,
+        cfg: &Config,
+    ) -> Result<PipelineRank<B>> {
+        PipelineRank::new(
+            be,
+            self.schedule,
+            self.split,
+            self.group,
+            local,
+            self.microbatch_rows,
+            seq,
+            plan,
+            Duration::from_secs(cfg.comm.train_timeout_seconds),
+        )
+    }
+}

@@ -1,0 +1,246 @@
+//! One pipeline rank at run time: the stages it holds, a workspace per microbatch it keeps at once,
+//! and the execution of its schedule's actions over one local batch, with the activations and
+//! gradients that cross ranks moving on their own threads (`transfer`).
+//!
+//! A microbatch takes a workspace at its first action on this rank and gives it back after its
+//! last, so every stage of that microbatch on this rank (the two arms of a "V", the loops of an
+//! interleaved schedule) shares it: the hand-over between two stages on the same rank is the
+//! block boundary inside the workspace, and needs no copy. The last stage computes the loss and
+//! its gradient in its forward (titan's head is fused), so its backward starts from there; the
+//! loss is normalised by the step's global number of targets, as in every layout.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+
+use super::schedule::{Schedule, Work};
+use super::stage::StageSplit;
+use super::transfer::{with_transfers, Transfer};
+use crate::backend::Backend;
+use crate::comm::group::ProcessGroup;
+use crate::model::activation_checkpoint::ActivationPlan;
+use crate::model::{Llama, LocalShapes, ParamSet, Workspace};
+
+/// A pipeline rank's stages, schedule and workspaces.
+pub struct PipelineRank<B: Backend> {
+    pub schedule: Schedule,
+    pub split: StageSplit,
+    group: Arc<dyn ProcessGroup>,
+    /// Rows (sequences) of one microbatch.
+    pub microbatch_rows: usize,
+    seq: usize,
+    slots: Vec<Workspace<B>>,
+    /// Whether each of rank's actions is the last of its microbatch here.
+    last_of_microbatch: Vec<bool>,
+    timeout: Duration,
+}
+
+impl<B: Backend> PipelineRank<B> {
+    /// Rank `group.rank()` of the pipeline running `schedule` over the stages of `split`, its
+    /// blocks keeping what `plan` says, with microbatches of `microbatch_rows` sequences of `seq`
+    /// tokens on shapes `m`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        be: &B,
+        schedule: Schedule,
+        split: StageSplit,
+        group: Arc<dyn ProcessGroup>,
+        m: &LocalShapes,
+        microbatch_rows: usize,
+        seq: usize,
+        plan: &ActivationPlan,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let me = group.rank();
+        if schedule.ranks() != group.size() || schedule.stages() != split.len() {
+            bail!(
+                "pipeline: schedule {} has {} ranks and {} stages, the pipeline {} ranks and {} stages",
+                schedule.name,
+                schedule.ranks(),
+                schedule.stages(),
+                group.size(),
+                split.len()
+            );
+        }
+        let (last_of_microbatch, slots_needed) = schedule.microbatch_lifetimes(me);
+        let here = Self::blocks_of(&schedule, &split, me);
+        let plan = plan.only(|l| here.contains(&l));
+        let slots = (0..slots_needed)
+            .map(|_| Workspace::planned(be, m, microbatch_rows, seq, plan.clone()))
+            .collect();
+        Ok(PipelineRank {
+            schedule,
+            split,
+            group,
+            microbatch_rows,
+            seq,
+            slots,
+            last_of_microbatch,
+            timeout,
+        })
+    }
+
+    /// The blocks pipeline rank `r` runs.
+    fn blocks_of(schedule: &Schedule, split: &StageSplit, r: usize) -> Vec<usize> {
+        schedule
+            .stages_of(r)
+            .into_iter()
+            .flat_map(|s| split.stages[s].blocks.clone())
+            .collect()
+    }
+
+    pub fn group(&self) -> &dyn ProcessGroup {
+        self.group.as_ref()
+    }
+
+    /// Whether this rank's stages hold the parameter `name` (`plan::holds`).
+    pub fn holds(&self, name: &str) -> bool {
+        super::plan::holds(&self.schedule, &self.split, self.group.rank(), name)
+    }
+
+    /// The schedule (name, microbatches, bubble under unit costs) and one line per stage: where
+    /// it runs and what it holds.
+    pub fn describe(&self) -> String {
+        let bubble = self.schedule.unit_bubble().map_or(String::new(), |b| {
+            format!(", bubble {b:.3} under unit costs")
+        });
+        format!(
+            "pipeline: {} over {} ranks, {} microbatches of {} sequences{bubble}, up to {} held per rank here\n{}",
+            self.schedule.name,
+            self.schedule.ranks(),
+            self.schedule.microbatches,
+            self.microbatch_rows,
+            self.slots.len(),
+            self.split.describe(&self.schedule.placement)
+        )
+    }
+
+    /// Workspaces this rank keeps (one per microbatch held at once).
+    pub fn workspaces(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Forward and backward of one local batch (`[rows, seq+1]` tokens) cut into the schedule's
+    /// microbatches: gradients of this rank's stages added into `grads` (scaled by `grad_scale`),
+    /// returning this rank's sum of token losses (non-zero on the last stage's rank only).
+    pub fn forward_backward(
+        &mut self,
+        be: &B,
+        model: &Llama<B>,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        tokens: &[u32],
+        grad_scale: f32,
+    ) -> Result<f64> {
+        let row = self.seq + 1;
+        let rows = tokens.len() / row;
+        let microbatches = self.schedule.microbatches;
+        if rows != microbatches * self.microbatch_rows {
+            bail!(
+                "pipeline: a local batch of {rows} sequences does not make the schedule's {microbatches} microbatches of {} sequences",
+                self.microbatch_rows
+            );
+        }
+        let chunk = self.microbatch_rows * row;
+        let me = self.group.rank();
+        let len = be.len(self.slots[0].block_input(0));
+        let PipelineRank {
+            schedule,
+            split,
+            group,
+            slots,
+            last_of_microbatch,
+            timeout,
+            ..
+        } = self;
+        let (schedule, split, timeout) = (&*schedule, &*split, *timeout);
+        let placement = &schedule.placement;
+        with_transfers(group.as_ref(), schedule, len, |mailbox, send| {
+            let mut free: Vec<usize> = (0..slots.len()).rev().collect();
+            let mut slot_of = std::collections::HashMap::new();
+            let mut loss = 0.0;
+            for (i, a) in schedule.actions[me].iter().enumerate() {
+                let (s, mb) = (a.stage, a.microbatch);
+                let slot = match slot_of.get(&mb) {
+                    Some(&k) => k,
+                    None => {
+                        let k = free.pop().ok_or_else(|| {
+                            anyhow!("pipeline: no free workspace for microbatch {mb} (a bug in the slot count)")
+                        })?;
+                        model.load_tokens(&mut slots[k], &tokens[mb * chunk..(mb + 1) * chunk])?;
+                        slot_of.insert(mb, k);
+                        k
+                    }
+                };
+                let ws = &mut slots[slot];
+                let stage = &split.stages[s];
+                match a.work {
+                    Work::Forward => {
+                        let _span = crate::trace::span_named("pipeline", || format!("{a}"));
+                        if stage.embedding {
+                            model.embed_forward(be, params, ws)?;
+                        } else if placement[s - 1] != me {
+                            let t = Transfer::Activation {
+                                stage: s,
+                                microbatch: mb,
+                            };
+                            let v = mailbox.take(t, placement[s - 1], timeout)?;
+                            *ws.block_input_mut(stage.blocks.start) = be.upload(&v);
+                        }
+                        for l in stage.blocks.clone() {
+                            model.block_forward(be, params, ws, l)?;
+                        }
+                        if stage.head {
+                            loss += model
+                                .head_forward_backward(be, params, grads, ws, grad_scale)?
+                                .sum;
+                        } else if placement[s + 1] != me {
+                            let t = Transfer::Activation {
+                                stage: s + 1,
+                                microbatch: mb,
+                            };
+                            send(
+                                placement[s + 1],
+                                t,
+                                be.download(ws.block_input(stage.blocks.end)),
+                            )?;
+                        }
+                    }
+                    Work::Backward => {
+                        let _span = crate::trace::span_named("pipeline", || format!("{a}"));
+                        if !stage.head && placement[s + 1] != me {
+                            let t = Transfer::Gradient {
+                                stage: s,
+                                microbatch: mb,
+                            };
+                            let v = mailbox.take(t, placement[s + 1], timeout)?;
+                            *ws.carried_grad_mut() = be.upload(&v);
+                        }
+                        for l in stage.blocks.clone().rev() {
+                            model.block_backward(be, params, grads, ws, l)?;
+                        }
+                        if stage.embedding {
+                            model.embed_backward(be, grads, ws)?;
+                        } else if placement[s - 1] != me {
+                            let t = Transfer::Gradient {
+                                stage: s - 1,
+                                microbatch: mb,
+                            };
+                            send(placement[s - 1], t, be.download(ws.carried_grad()))?;
+                        }
+                    }
+                    Work::BackwardInput | Work::BackwardWeight => bail!(
+                        "schedule {}: backwards split into input and weight gradients ({a}) are not built yet in titan's pipeline runtime; use GPipe, 1F1B or Interleaved1F1B",
+                        schedule.name
+                    ),
+                }
+                if last_of_microbatch[i] {
+                    slot_of.remove(&mb);
+                    free.push(slot);
+                }
+            }
+            Ok(loss)
+        })
+    }
+}

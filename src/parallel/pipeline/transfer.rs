@@ -1,0 +1,199 @@
+//! Point-to-point transfers between pipeline ranks: a stage's output activations to the next
+//! stage's rank, and a stage's input gradient back to the previous stage's rank.
+//!
+//! Every rank knows the whole schedule, so it knows which transfers each peer sends it and in
+//! what order (the order of the peer's actions). During a step a receiving thread per peer reads
+//! them in that order into a mailbox, and a sending thread per peer writes this rank's in the
+//! order they are produced; the compute thread only posts what it produced and takes what it
+//! needs. Socket buffers therefore never fill up against a rank that is computing, transfers run
+//! during compute, and the ranks can never deadlock on the order of their sends (the schedule
+//! check proves the compute order itself cannot). Each receive and send has the group's timeout,
+//! and a wait on the mailbox gives up after the same time, naming the peer and the transfer.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+
+use super::schedule::{Schedule, Work};
+use crate::comm::group::ProcessGroup;
+
+/// What travels: the input activations of `stage` (sent by the previous stage's rank after its
+/// forward) or the gradient of the output of `stage` (sent by the next stage's rank after its
+/// backward), for one microbatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transfer {
+    Activation { stage: usize, microbatch: usize },
+    Gradient { stage: usize, microbatch: usize },
+}
+
+impl std::fmt::Display for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transfer::Activation { stage, microbatch } => write!(
+                f,
+                "the input activations of stage {stage}, microbatch {microbatch}"
+            ),
+            Transfer::Gradient { stage, microbatch } => write!(
+                f,
+                "the output gradient of stage {stage}, microbatch {microbatch}"
+            ),
+        }
+    }
+}
+
+/// What `from`'s actions send to `to`, in the order `from` runs them (a transfer is sent right
+/// after the forward or backward that produced it).
+pub fn sent_from_to(schedule: &Schedule, from: usize, to: usize) -> Vec<Transfer> {
+    let last = schedule.stages() - 1;
+    schedule.actions[from]
+        .iter()
+        .filter_map(|a| {
+            let (s, m) = (a.stage, a.microbatch);
+            match a.work {
+                Work::Forward if s < last && schedule.placement[s + 1] == to && to != from => {
+                    Some(Transfer::Activation {
+                        stage: s + 1,
+                        microbatch: m,
+                    })
+                }
+                Work::Backward | Work::BackwardInput
+                    if s > 0 && schedule.placement[s - 1] == to && to != from =>
+                {
+                    Some(Transfer::Gradient {
+                        stage: s - 1,
+                        microbatch: m,
+                    })
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// Transfers received and not yet taken, or the first error of a receiving thread.
+#[derive(Default)]
+pub struct Mailbox {
+    state: Mutex<(HashMap<Transfer, Vec<f32>>, Option<String>)>,
+    arrived: Condvar,
+}
+
+impl Mailbox {
+    fn put(&self, t: Transfer, values: Vec<f32>) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.0.insert(t, values);
+        self.arrived.notify_all();
+    }
+
+    fn fail(&self, why: String) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.1.get_or_insert(why);
+        self.arrived.notify_all();
+    }
+
+    /// Waits up to `timeout` for `t` from pipeline rank `peer`.
+    pub fn take(&self, t: Transfer, peer: usize, timeout: Duration) -> Result<Vec<f32>> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(v) = s.0.remove(&t) {
+                return Ok(v);
+            }
+            if let Some(why) = &s.1 {
+                return Err(anyhow!(
+                    "pipeline: waiting for {t} from pipeline rank {peer}: {why}"
+                ));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(anyhow!(
+                    "pipeline: pipeline rank {peer} did not send {t} within {timeout:.0?} (train_timeout_seconds): did it fail or stop?"
+                ));
+            }
+            s = self
+                .arrived
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// Runs `compute` with this rank's transfers of one pass of `schedule` moving on their own
+/// threads: `compute` gets the mailbox to take received values from and a function that sends a
+/// transfer to a pipeline rank. Each transfer holds `len` values; receives and sends have the
+/// group's timeout.
+pub fn with_transfers<T>(
+    group: &dyn ProcessGroup,
+    schedule: &Schedule,
+    len: usize,
+    compute: impl FnOnce(&Mailbox, &dyn Fn(usize, Transfer, Vec<f32>) -> Result<()>) -> Result<T>,
+) -> Result<T> {
+    let me = group.rank();
+    let mailbox = Mailbox::default();
+    std::thread::scope(|scope| {
+        let mut receivers = Vec::new();
+        let mut outboxes: HashMap<usize, mpsc::Sender<(Transfer, Vec<f32>)>> = HashMap::new();
+        let mut senders = Vec::new();
+        for peer in (0..schedule.ranks()).filter(|&p| p != me) {
+            let incoming = sent_from_to(schedule, peer, me);
+            if !incoming.is_empty() {
+                let mailbox = &mailbox;
+                receivers.push(scope.spawn(move || {
+                    for t in incoming {
+                        let mut buf = vec![0f32; len];
+                        if let Err(e) = group.recv(&mut buf, peer) {
+                            mailbox.fail(format!("{e:#}"));
+                            return;
+                        }
+                        mailbox.put(t, buf);
+                    }
+                }));
+            }
+            if !sent_from_to(schedule, me, peer).is_empty() {
+                let (tx, rx) = mpsc::channel::<(Transfer, Vec<f32>)>();
+                outboxes.insert(peer, tx);
+                senders.push(scope.spawn(move || -> Result<()> {
+                    for (t, values) in rx {
+                        group.send(&values, peer).map_err(|e| {
+                            anyhow!("pipeline: sending {t} to pipeline rank {peer}: {e:#}")
+                        })?;
+                    }
+                    Ok(())
+                }));
+            }
+        }
+        let send = |peer: usize, t: Transfer, values: Vec<f32>| -> Result<()> {
+            if values.len() != len {
+                return Err(anyhow!(
+                    "pipeline: {t} holds {} values, expected {len}",
+                    values.len()
+                ));
+            }
+            outboxes
+                .get(&peer)
+                .ok_or_else(|| anyhow!("pipeline: the schedule sends nothing to pipeline rank {peer}, yet {t} is sent there"))?
+                .send((t, values))
+                .map_err(|_| anyhow!("pipeline: the sending thread to pipeline rank {peer} stopped before {t}"))
+        };
+        let result = compute(&mailbox, &send);
+        drop(outboxes);
+        let mut sent = Ok(());
+        for s in senders {
+            let r = s
+                .join()
+                .unwrap_or_else(|_| Err(anyhow!("pipeline: a sending thread panicked")));
+            if sent.is_ok() {
+                sent = r;
+            }
+        }
+        for r in receivers {
+            let _ = r.join();
+        }
+        let value = result?;
+        sent?;
+        Ok(value)
+    })
+}
