@@ -35,7 +35,33 @@ pub fn save_checkpoint<B: Backend>(
     let step = state.step;
     let rank = dist.map_or(0, |d| d.rank);
     let writers = dist.and_then(|d| d.writers.as_ref().map(|w| (d, w)));
+    // Pipeline: every stage's tensors go to pipeline rank 0, which writes them as the same layout
+    // without a pipeline would; the other pipeline ranks write nothing.
+    let gathered = match (&layout.pipeline, &layout.state) {
+        (Some(pipe), ParamState::Whole { params, .. }) => {
+            Some(pipe.gather_to_first(be, &[params, &opt.exp_avg, &opt.exp_avg_sq])?)
+        }
+        _ => None,
+    };
+    let whole_state = gathered.flatten().map(|mut sets| {
+        let exp_avg_sq = sets.pop().expect("three sets");
+        let exp_avg = sets.pop().expect("three sets");
+        let params = sets.pop().expect("three sets");
+        let moments = AdamW {
+            exp_avg,
+            exp_avg_sq,
+            cfg: opt.cfg.clone(),
+        };
+        (params, moments)
+    });
+    let writes_here = layout
+        .pipeline
+        .as_ref()
+        .is_none_or(|p| p.group().rank() == 0);
+    let opt = whole_state.as_ref().map_or(opt, |w| &w.1);
+    let whole_params = whole_state.as_ref().map(|w| &w.0);
     let written = match (&layout.state, writers) {
+        _ if !writes_here => None,
         (param_state, Some((d, writers))) => {
             // FSDP (maybe with TP): replica 0's shards. TP alone: data-parallel rank 0's parts.
             let (parts, writes) = match param_state {
@@ -43,7 +69,9 @@ pub fn save_checkpoint<B: Backend>(
                     &fsdp.shards,
                     d.replicate.as_ref().is_none_or(|r| r.rank() == 0),
                 ),
-                ParamState::Whole { params, .. } => (params, d.dp.rank() == 0),
+                ParamState::Whole { params, .. } => {
+                    (whole_params.unwrap_or(params), d.dp.rank() == 0)
+                }
             };
             if writes {
                 save_parts(
@@ -62,6 +90,7 @@ pub fn save_checkpoint<B: Backend>(
             }
         }
         (ParamState::Whole { params, .. }, None) if rank == 0 => {
+            let params = whole_params.unwrap_or(params);
             if cfg.checkpoint.async_mode == "async" {
                 // Returns the previous save, which this one waited for.
                 let snapshot =

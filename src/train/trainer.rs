@@ -227,6 +227,9 @@ fn train_on<B: Backend>(
         global_batch
     ));
 
+    if let Some(p) = &layout.pipeline {
+        say(p.describe());
+    }
     if let Some(d) = dist {
         // Each rank's own share (the estimate is per rank): DDP replicates everything, FSDP keeps
         // 1/dp_shard of it plus the tensors gathered while it computes; TP keeps 1/tp of the
@@ -244,6 +247,14 @@ fn train_on<B: Backend>(
             )
         } else {
             how.to_string()
+        };
+        let how = match &layout.pipeline {
+            Some(p) => format!(
+                "{how}, pipeline stages {:?} of {}",
+                p.schedule.stages_of(p.group().rank()),
+                p.schedule.stages()
+            ),
+            None => how,
         };
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         let path = if collectives_on_device {

@@ -73,23 +73,30 @@ pub fn sent_from_to(schedule: &Schedule, from: usize, to: usize) -> Vec<Transfer
         .collect()
 }
 
-/// Transfers received and not yet taken, or the first error of a receiving thread.
+/// Transfers received and not yet taken, and the first error of a receiving thread.
+#[derive(Default)]
+struct Received {
+    values: HashMap<Transfer, Vec<f32>>,
+    failed: Option<String>,
+}
+
+/// What the receiving threads hand to the compute thread.
 #[derive(Default)]
 pub struct Mailbox {
-    state: Mutex<(HashMap<Transfer, Vec<f32>>, Option<String>)>,
+    state: Mutex<Received>,
     arrived: Condvar,
 }
 
 impl Mailbox {
     fn put(&self, t: Transfer, values: Vec<f32>) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.0.insert(t, values);
+        s.values.insert(t, values);
         self.arrived.notify_all();
     }
 
     fn fail(&self, why: String) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.1.get_or_insert(why);
+        s.failed.get_or_insert(why);
         self.arrived.notify_all();
     }
 
@@ -98,10 +105,10 @@ impl Mailbox {
         let deadline = Instant::now() + timeout;
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(v) = s.0.remove(&t) {
+            if let Some(v) = s.values.remove(&t) {
                 return Ok(v);
             }
-            if let Some(why) = &s.1 {
+            if let Some(why) = &s.failed {
                 return Err(anyhow!(
                     "pipeline: waiting for {t} from pipeline rank {peer}: {why}"
                 ));

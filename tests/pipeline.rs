@@ -1,0 +1,153 @@
+//! Pipeline parallelism through the launcher, real processes on the CPU transport: per-step loss
+//! and gradient-norm parity with one process under every schedule the runtime runs (and a custom
+//! CSV one), PP 4, PP × TP, resharding resume in both directions, and the refusals.
+
+mod common;
+
+use common::{assert_parity, losses, metric, train};
+
+/// Four sequences a step: four microbatches of one.
+const BATCH4: &[&str] = &["--training.local_batch_size", "4"];
+
+fn pp(degree: &'static str, schedule: &'static str) -> Vec<&'static str> {
+    vec![
+        "--parallelism.pipeline_parallel_degree",
+        degree,
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ]
+}
+
+fn nproc(n: &'static str) -> [&'static str; 4] {
+    ["--nproc", n, "--master-port", "0"]
+}
+
+/// Trains in one process and with `launcher` + `parallel`, 10 steps, and checks the curves agree.
+fn check_parity(what: &str, extra: &[&str], launcher: &[&str], parallel: &[&str]) {
+    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut single = vec!["--training.steps", "10"];
+    single.extend_from_slice(BATCH4);
+    single.extend_from_slice(extra);
+    let o = train(one.path(), &[], &single);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut args = single.clone();
+    args.extend_from_slice(parallel);
+    let o = train(many.path(), launcher, &args);
+    assert!(
+        o.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("pipeline: "), "{what}: {out}");
+    assert_parity(&losses(one.path()), &losses(many.path()), what);
+    assert_parity(
+        &metric(one.path(), "grad_norm"),
+        &metric(many.path(), "grad_norm"),
+        &format!("{what} (grad norm)"),
+    );
+}
+
+#[test]
+fn pp_2_matches_one_process_under_every_schedule() {
+    check_parity("PP 2 1F1B", &[], &nproc("2"), &pp("2", "1F1B"));
+    check_parity("PP 2 GPipe", &[], &nproc("2"), &pp("2", "GPipe"));
+    // Two stages per rank: embedding | block 0 | block 1 | head, looped over the two ranks.
+    check_parity(
+        "PP 2 Interleaved1F1B",
+        &[],
+        &nproc("2"),
+        &pp("2", "Interleaved1F1B"),
+    );
+    // Two micro-batches a step, each cut into four pipeline microbatches.
+    let accum = ["--training.global_batch_size", "8"];
+    check_parity("PP 2 accumulating", &accum, &nproc("2"), &pp("2", "1F1B"));
+}
+
+#[test]
+fn pp_4_a_csv_schedule_and_pp_with_tp_match_one_process() {
+    check_parity("PP 4 1F1B", &[], &nproc("4"), &pp("4", "1F1B"));
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 runs its two microbatches' backwards late (GPipe-like), rank 0 is 1F1B.
+    let csv = dir.path().join("custom.csv");
+    std::fs::write(
+        &csv,
+        "0F0,0F1,0F2,0B0,0F3,0B1,0B2,0B3\n1F0,1F1,1B0,1B1,1F2,1F3,1B2,1B3\n",
+    )
+    .unwrap();
+    let mut custom = pp("2", "1F1B");
+    let path = csv.to_str().unwrap().to_string();
+    let path: &'static str = Box::leak(path.into_boxed_str());
+    custom.extend(["--parallelism.pipeline_parallel_schedule_csv", path]);
+    check_parity("PP 2 CSV", &[], &nproc("2"), &custom);
+    let mut with_tp = pp("2", "1F1B");
+    with_tp.extend(["--parallelism.tensor_parallel_degree", "2"]);
+    check_parity("PP 2 × TP 2", &[], &nproc("4"), &with_tp);
+}
+
+#[test]
+fn a_pipeline_checkpoint_resumes_in_one_process_and_the_reverse() {
+    let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
+        let mut args = vec!["--training.steps", steps, "--checkpoint.interval", "3"];
+        args.extend_from_slice(BATCH4);
+        args.extend_from_slice(parallel);
+        let o = train(dir, launcher, &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let pipe = pp("2", "1F1B");
+    // Reference: one process, saved at step 3, resumed to 6.
+    let one = tempfile::tempdir().unwrap();
+    run(one.path(), "3", &[], &[]);
+    run(one.path(), "6", &[], &[]);
+    // PP 2 saves, one process resumes.
+    let a = tempfile::tempdir().unwrap();
+    run(a.path(), "3", &nproc("2"), &pipe);
+    assert!(a.path().join("checkpoint/step-3").is_dir());
+    run(a.path(), "6", &[], &[]);
+    // One process saves, PP 2 resumes.
+    let b = tempfile::tempdir().unwrap();
+    run(b.path(), "3", &[], &[]);
+    run(b.path(), "6", &nproc("2"), &pipe);
+    let reference = losses(one.path());
+    assert_eq!(reference.len(), 6);
+    assert_parity(&reference, &losses(a.path()), "PP 2 → one process");
+    assert_parity(&reference, &losses(b.path()), "one process → PP 2");
+}
+
+#[test]
+fn what_the_pipeline_cannot_run_is_refused_at_start() {
+    let refused = |launcher: &[&str], parallel: &[&str], expect: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["--training.steps", "2"];
+        args.extend_from_slice(parallel);
+        let o = train(dir.path(), launcher, &args);
+        assert!(!o.status.success(), "{parallel:?} ran");
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(e.contains(expect), "{parallel:?}: {e}");
+    };
+    // Two sequences are two microbatches: fewer than four stages need.
+    refused(
+        &nproc("4"),
+        &pp("4", "1F1B"),
+        "needs at least 4 microbatches",
+    );
+    let mut zb = pp("2", "ZBVZeroBubble");
+    zb.extend(BATCH4);
+    refused(&nproc("2"), &zb, "split backwards");
+    refused(&[], &pp("2", "Looped"), "is not known");
+    let mut odd = pp("2", "1F1B");
+    odd.extend(["--parallelism.pipeline_parallel_microbatch_size", "3"]);
+    refused(&[], &odd, "must divide");
+    let with_dp = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ];
+    refused(&nproc("4"), &with_dp, "not built yet");
+    let mut points = pp("2", "1F1B");
+    points.extend(["--parallelism.pipeline_parallel_split_points", "layers.7"]);
+    refused(&nproc("2"), &points, "names no block");
+}
