@@ -126,6 +126,8 @@ fn fsdp_ranks_write_a_memory_timeline_of_the_profiled_steps() {
             "true",
             "--profiling.profile_freq",
             "2",
+            "--profiling.profiler_warmup",
+            "0",
         ],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
