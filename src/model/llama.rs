@@ -25,7 +25,7 @@ use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum, IGNORE
 use super::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use super::args::{LocalShapes, ModelArgs};
 use super::linear::Linear;
-use super::parallel_linear::{Projection, ProjectionGrad, SequenceParallel};
+use super::parallel_linear::{DeferredWeightGrad, Projection, ProjectionGrad, SequenceParallel};
 use super::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
 use super::tensor_parallel::{SingleRank, TensorParallelOps};
 
@@ -693,6 +693,7 @@ impl<B: Backend> Llama<B> {
         SequenceParallel {
             tp: self.tp.as_ref(),
             tokens,
+            deferred: None,
         }
     }
 
@@ -900,11 +901,55 @@ impl<B: Backend> Llama<B> {
         l: usize,
     ) -> Result<()> {
         let _span = crate::trace::span_named("model", || format!("block {l} backward"));
+        self.block_backward_deferring(be, params, grads, ws, l, None)
+    }
+
+    /// The input-gradient half of `block_backward` (zero-bubble pipeline schedules): the same
+    /// chain to ∂L/∂(block input) and the norms' weight gradients, with the projections' weight
+    /// gradients left in `deferred` for `apply_weight_grads`.
+    pub fn block_backward_input(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+        deferred: &std::cell::RefCell<Vec<DeferredWeightGrad<B>>>,
+    ) -> Result<()> {
+        let _span = crate::trace::span_named("model", || format!("block {l} input gradient"));
+        self.block_backward_deferring(be, params, grads, ws, l, Some(deferred))
+    }
+
+    /// The weight-gradient half: the projections' `dW += dyᵀ · x` left by `block_backward_input`.
+    pub fn apply_weight_grads(
+        &self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        deferred: Vec<DeferredWeightGrad<B>>,
+    ) {
+        let _span = crate::trace::span("model", "weight gradients");
+        for g in deferred {
+            g.apply(be, &mut grads.bufs[g.param]);
+        }
+    }
+
+    fn block_backward_deferring(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+        deferred: Option<&std::cell::RefCell<Vec<DeferredWeightGrad<B>>>>,
+    ) -> Result<()> {
         let (a, m) = (&self.args, &self.local);
         let id = self.ids.layers[l];
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
-        let sp = self.sequence_parallel(b * s);
+        let sp = SequenceParallel {
+            deferred,
+            ..self.sequence_parallel(b * s)
+        };
         let BlockLinears {
             wq,
             wk,
@@ -938,7 +983,7 @@ impl<B: Backend> Llama<B> {
             &ws.dx,
             &mut ws.full,
             &p[id.w2],
-            g_w2,
+            (g_w2, id.w2),
             acts.act,
             &mut ws.dact,
         )?;
@@ -946,8 +991,8 @@ impl<B: Backend> Llama<B> {
         sp.column_backward(
             be,
             &mut [
-                ProjectionGrad::new(w1, &ws.dgate, &p[id.w1], g_w1),
-                ProjectionGrad::new(w3, &ws.dup, &p[id.w3], g_w3),
+                ProjectionGrad::new(w1, &ws.dgate, &p[id.w1], g_w1, id.w1),
+                ProjectionGrad::new(w3, &ws.dup, &p[id.w3], g_w3, id.w3),
             ],
             self.gathered(acts.normed_ffn, acts.normed_ffn_full),
             &mut ws.full,
@@ -969,7 +1014,7 @@ impl<B: Backend> Llama<B> {
             &ws.dx,
             &mut ws.full,
             &p[id.wo],
-            g_wo,
+            (g_wo, id.wo),
             acts.attn_out,
             &mut ws.dattn,
         )?;
@@ -992,9 +1037,9 @@ impl<B: Backend> Llama<B> {
         sp.column_backward(
             be,
             &mut [
-                ProjectionGrad::new(wq, &ws.dq, &p[id.wq], g_wq),
-                ProjectionGrad::new(wk, &ws.dk, &p[id.wk], g_wk),
-                ProjectionGrad::new(wv, &ws.dv, &p[id.wv], g_wv),
+                ProjectionGrad::new(wq, &ws.dq, &p[id.wq], g_wq, id.wq),
+                ProjectionGrad::new(wk, &ws.dk, &p[id.wk], g_wk, id.wk),
+                ProjectionGrad::new(wv, &ws.dv, &p[id.wv], g_wv, id.wv),
             ],
             self.gathered(acts.normed_attn, acts.normed_attn_full),
             &mut ws.full,

@@ -38,24 +38,57 @@ impl<'a, B: Backend> Projection<'a, B> {
 }
 
 /// One projection of a column-parallel layer's backward: its output gradient `dy`, its weight
-/// `w` and where that weight's gradient is added (`dw`).
+/// `w` and where that weight's gradient is added (`dw`, parameter `param`).
 pub struct ProjectionGrad<'a, B: Backend> {
     pub linear: Linear,
     pub dy: &'a B::Buf,
     pub w: &'a B::Buf,
     pub dw: &'a mut B::Buf,
+    pub param: usize,
 }
 
 impl<'a, B: Backend> ProjectionGrad<'a, B> {
-    pub fn new(linear: Linear, dy: &'a B::Buf, w: &'a B::Buf, dw: &'a mut B::Buf) -> Self {
-        ProjectionGrad { linear, dy, w, dw }
+    pub fn new(
+        linear: Linear,
+        dy: &'a B::Buf,
+        w: &'a B::Buf,
+        dw: &'a mut B::Buf,
+        param: usize,
+    ) -> Self {
+        ProjectionGrad {
+            linear,
+            dy,
+            w,
+            dw,
+            param,
+        }
     }
 }
 
-/// The linear layers of a tensor-parallel group over `tokens` token rows.
+/// A weight gradient `dW += dyᵀ · x` left for later (zero-bubble pipeline schedules run the
+/// weight-gradient GEMMs as their own `W` action): copies of its operands, and the parameter.
+pub struct DeferredWeightGrad<B: Backend> {
+    pub param: usize,
+    pub linear: Linear,
+    pub dy: B::Buf,
+    pub x: B::Buf,
+    pub rows: usize,
+}
+
+impl<B: Backend> DeferredWeightGrad<B> {
+    /// Adds the gradient into `dw`.
+    pub fn apply(&self, be: &B, dw: &mut B::Buf) {
+        self.linear
+            .add_weight_grad(be, dw, &self.dy, &self.x, self.rows);
+    }
+}
+
+/// The linear layers of a tensor-parallel group over `tokens` token rows. With `deferred`, the
+/// backward leaves the weight gradients there instead of computing them.
 pub struct SequenceParallel<'a, B: Backend> {
     pub tp: &'a dyn TensorParallelOps<B>,
     pub tokens: usize,
+    pub deferred: Option<&'a std::cell::RefCell<Vec<DeferredWeightGrad<B>>>>,
 }
 
 /// Where chunk `c` of the local rows lies: its first local row and its number of rows.
@@ -67,6 +100,37 @@ struct Chunk {
 impl<'a, B: Backend> SequenceParallel<'a, B> {
     fn degree(&self) -> usize {
         self.tp.degree()
+    }
+
+    /// `dW += dyᵀ · x` now, or copies of `dy` and `x` kept for later (`deferred`).
+    #[allow(clippy::too_many_arguments)]
+    fn weight_grad(
+        &self,
+        be: &B,
+        linear: Linear,
+        param: usize,
+        dw: &mut B::Buf,
+        dy: &B::Buf,
+        x: &B::Buf,
+        rows: usize,
+    ) {
+        match self.deferred {
+            None => linear.add_weight_grad(be, dw, dy, x, rows),
+            Some(later) => {
+                let copy = |b: &B::Buf, len: usize| {
+                    let mut c = be.uninit(len);
+                    be.copy_range(&mut c, 0, b, 0, len);
+                    c
+                };
+                later.borrow_mut().push(DeferredWeightGrad {
+                    param,
+                    linear,
+                    dy: copy(dy, rows * linear.d_out),
+                    x: copy(x, rows * linear.d_in),
+                    rows,
+                });
+            }
+        }
     }
 
     fn local_rows(&self) -> usize {
@@ -221,21 +285,21 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         dy_local: &B::Buf,
         full: &mut B::Buf,
         w: &B::Buf,
-        dw: &mut B::Buf,
+        (dw, param): (&mut B::Buf, usize),
         x: &B::Buf,
         dx: &mut B::Buf,
     ) -> Result<()> {
         let n = self.tokens;
         if self.degree() == 1 {
             linear.input_grad(be, dx, dy_local, w, n);
-            linear.add_weight_grad(be, dw, dy_local, x, n);
+            self.weight_grad(be, linear, param, dw, dy_local, x, n);
             return Ok(());
         }
         let chunks = self.chunks();
         if chunks.is_empty() {
             self.tp.gather_rows(be, dy_local, full)?;
             linear.input_grad(be, dx, full, w, n);
-            linear.add_weight_grad(be, dw, full, x, n);
+            self.weight_grad(be, linear, param, dw, full, x, n);
             return Ok(());
         }
         for c in &chunks {
@@ -250,7 +314,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             linear.input_grad(be, &mut dxc, &dyc, w, rows);
             self.place(be, dx, &dxc, linear.d_in, c);
         }
-        linear.add_weight_grad(be, dw, full, x, n);
+        self.weight_grad(be, linear, param, dw, full, x, n);
         Ok(())
     }
 
@@ -280,7 +344,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 } else {
                     g.linear.add_input_grad(be, target, g.dy, g.w, n);
                 }
-                g.linear.add_weight_grad(be, g.dw, g.dy, x, n);
+                self.weight_grad(be, g.linear, g.param, g.dw, g.dy, x, n);
             }
             if self.degree() > 1 {
                 self.tp.reduce_scatter_rows(be, full, dlocal)?;
@@ -303,7 +367,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         }
         // The weight gradients need no communication: they hide the last reduce-scatters.
         for g in grads.iter_mut() {
-            g.linear.add_weight_grad(be, g.dw, g.dy, x, n);
+            self.weight_grad(be, g.linear, g.param, g.dw, g.dy, x, n);
         }
         for c in &chunks {
             let sum = self.tp.finish_oldest(be)?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use super::runtime::PipelineRank;
-use super::schedule::{generate, Schedule, ScheduleKind, Work};
+use super::schedule::{generate, Schedule, ScheduleKind};
 use super::stage::StageSplit;
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
@@ -123,14 +123,6 @@ impl PipelinePlan {
             Some(s) => s,
             None => StageSplit::balanced(n_layers, schedule.stages())?,
         };
-        if let Some(a) = schedule
-            .actions
-            .iter()
-            .flatten()
-            .find(|a| matches!(a.work, Work::BackwardInput | Work::BackwardWeight))
-        {
-            bail!("[parallelism] schedule {} splits backwards into input and weight gradients ({a}); titan's pipeline runtime does not run split backwards yet: use GPipe, 1F1B or Interleaved1F1B", schedule.name);
-        }
         let workspaces = schedule.microbatch_lifetimes(group.rank()).1;
         Ok(PipelinePlan {
             schedule,

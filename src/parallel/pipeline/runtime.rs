@@ -9,6 +9,7 @@
 //! its gradient in its forward (titan's head is fused), so its backward starts from there; the
 //! loss is normalised by the step's global number of targets, as in every layout.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -200,6 +201,7 @@ impl<B: Backend> PipelineRank<B> {
         with_transfers(group.as_ref(), schedule, len, |mailbox, send| {
             let mut free: Vec<usize> = (0..slots.len()).rev().collect();
             let mut slot_of = std::collections::HashMap::new();
+            let mut deferred = std::collections::HashMap::new();
             let mut loss = 0.0;
             for (i, a) in schedule.actions[me].iter().enumerate() {
                 let (s, mb) = (a.stage, a.microbatch);
@@ -248,8 +250,11 @@ impl<B: Backend> PipelineRank<B> {
                             )?;
                         }
                     }
-                    Work::Backward => {
+                    Work::Backward | Work::BackwardInput => {
                         let _span = crate::trace::span_named("pipeline", || format!("{a}"));
+                        // Zero-bubble: the projections' weight gradients wait for the `W`.
+                        let split = a.work == Work::BackwardInput;
+                        let later = RefCell::new(Vec::new());
                         if !stage.head && placement[s + 1] != me {
                             let t = Transfer::Gradient {
                                 stage: s,
@@ -259,7 +264,14 @@ impl<B: Backend> PipelineRank<B> {
                             *ws.carried_grad_mut() = be.upload(&v);
                         }
                         for l in stage.blocks.clone().rev() {
-                            model.block_backward(be, params, grads, ws, l)?;
+                            if split {
+                                model.block_backward_input(be, params, grads, ws, l, &later)?;
+                            } else {
+                                model.block_backward(be, params, grads, ws, l)?;
+                            }
+                        }
+                        if split {
+                            deferred.insert((s, mb), later.into_inner());
                         }
                         if stage.embedding {
                             model.embed_backward(be, grads, ws)?;
@@ -271,10 +283,13 @@ impl<B: Backend> PipelineRank<B> {
                             send(placement[s - 1], t, be.download(ws.carried_grad()))?;
                         }
                     }
-                    Work::BackwardInput | Work::BackwardWeight => bail!(
-                        "schedule {}: backwards split into input and weight gradients ({a}) are not built yet in titan's pipeline runtime; use GPipe, 1F1B or Interleaved1F1B",
-                        schedule.name
-                    ),
+                    Work::BackwardWeight => {
+                        let _span = crate::trace::span_named("pipeline", || format!("{a}"));
+                        let later = deferred.remove(&(s, mb)).ok_or_else(|| {
+                            anyhow!("pipeline: {a} runs before its input-gradient action {s}I{mb}")
+                        })?;
+                        model.apply_weight_grads(be, grads, later);
+                    }
                 }
                 if last_of_microbatch[i] {
                     slot_of.remove(&mb);
