@@ -1,6 +1,7 @@
 //! Pipeline parallelism through the launcher, real processes on the CPU transport: per-step loss
-//! and gradient-norm parity with one process under every schedule the runtime runs (and a custom
-//! CSV one), PP 4, PP × TP, resharding resume in both directions, and the refusals.
+//! and gradient-norm parity with one process under every schedule (and a custom CSV one), PP 4,
+//! PP × TP, PP × FSDP, PP × DDP and PP × FSDP × TP, resharding resume in both directions, and
+//! the refusals.
 
 mod common;
 
@@ -10,13 +11,18 @@ use common::{assert_parity, losses, metric, train};
 const BATCH4: &[&str] = &["--training.local_batch_size", "4"];
 
 fn pp(degree: &'static str, schedule: &'static str) -> Vec<&'static str> {
+    pp_fsdp(degree, schedule, "1")
+}
+
+/// The pipeline with each stage sharded over `shard` FSDP ranks.
+fn pp_fsdp(degree: &'static str, schedule: &'static str, shard: &'static str) -> Vec<&'static str> {
     vec![
         "--parallelism.pipeline_parallel_degree",
         degree,
         "--parallelism.pipeline_parallel_schedule",
         schedule,
         "--parallelism.data_parallel_shard_degree",
-        "1",
+        shard,
     ]
 }
 
@@ -160,14 +166,73 @@ fn what_the_pipeline_cannot_run_is_refused_at_start() {
     let mut odd = pp("2", "1F1B");
     odd.extend(["--parallelism.pipeline_parallel_microbatch_size", "3"]);
     refused(&[], &odd, "must divide");
-    let with_dp = [
+    let three_d_saving = [
         "--parallelism.pipeline_parallel_degree",
         "2",
         "--parallelism.data_parallel_shard_degree",
         "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
     ];
-    refused(&nproc("4"), &with_dp, "not built yet");
+    refused(&nproc("8"), &three_d_saving, "--checkpoint.enable false");
     let mut points = pp("2", "1F1B");
     points.extend(["--parallelism.pipeline_parallel_split_points", "layers.7"]);
     refused(&nproc("2"), &points, "names no block");
+}
+
+/// The pipeline composed with data parallelism: each stage's parameters sharded (FSDP) or
+/// replicated (DDP) over the data-parallel ranks, and all three dimensions at once.
+#[test]
+fn pp_composes_with_fsdp_ddp_and_tp() {
+    // Two data-parallel ranks of four sequences: one process runs the global batch of eight.
+    let global = ["--training.global_batch_size", "8"];
+    check_parity(
+        "PP 2 × FSDP 2",
+        &global,
+        &nproc("4"),
+        &pp_fsdp("2", "1F1B", "2"),
+    );
+    let mut ddp = pp("2", "Interleaved1F1B");
+    ddp.extend(["--parallelism.data_parallel_replicate_degree", "2"]);
+    check_parity("PP 2 × DDP 2", &global, &nproc("4"), &ddp);
+    let mut three_d = pp_fsdp("2", "ZBVZeroBubble", "2");
+    three_d.extend([
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--checkpoint.enable",
+        "false",
+    ]);
+    check_parity("PP 2 × FSDP 2 × TP 2", &global, &nproc("8"), &three_d);
+}
+
+#[test]
+fn a_pp_fsdp_checkpoint_resumes_under_fsdp_alone_and_the_reverse() {
+    let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
+        let mut args = vec![
+            "--training.steps",
+            steps,
+            "--checkpoint.interval",
+            "3",
+            "--training.global_batch_size",
+            "8",
+        ];
+        args.extend_from_slice(BATCH4);
+        args.extend_from_slice(parallel);
+        let o = train(dir, launcher, &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let pipe = pp_fsdp("2", "1F1B", "2");
+    let fsdp = ["--parallelism.data_parallel_shard_degree", "2"];
+    let one = tempfile::tempdir().unwrap();
+    run(one.path(), "3", &[], &[]);
+    run(one.path(), "6", &[], &[]);
+    let a = tempfile::tempdir().unwrap();
+    run(a.path(), "3", &nproc("4"), &pipe);
+    run(a.path(), "6", &nproc("2"), &fsdp);
+    let b = tempfile::tempdir().unwrap();
+    run(b.path(), "3", &nproc("2"), &fsdp);
+    run(b.path(), "6", &nproc("4"), &pipe);
+    let reference = losses(one.path());
+    assert_parity(&reference, &losses(a.path()), "PP 2 × FSDP 2 → FSDP 2");
+    assert_parity(&reference, &losses(b.path()), "FSDP 2 → PP 2 × FSDP 2");
 }

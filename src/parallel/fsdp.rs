@@ -481,6 +481,58 @@ impl<B: Backend> Fsdp<B> {
         result
     }
 
+    /// Whole tensors of a parameter-shaped set of shards (weights or AdamW moments), gathered
+    /// over the shard group on the host (every rank of the group calls this together): for a
+    /// checkpoint written whole. `shapes`: the tensors' shapes (a tensor this rank does not hold,
+    /// of another pipeline stage, stays empty).
+    pub fn whole(
+        &self,
+        be: &B,
+        shards: &ParamSet<B>,
+        shapes: &[Vec<usize>],
+    ) -> Result<ParamSet<B>> {
+        let size = self.group.size();
+        let mut out = ParamSet {
+            names: shards.names.clone(),
+            shapes: shapes.to_vec(),
+            bufs: Vec::with_capacity(shards.len()),
+        };
+        for (i, shard) in shards.bufs.iter().enumerate() {
+            let mut all = vec![0f32; self.shard_len[i] * size];
+            self.group.all_gather(&be.download(shard), &mut all)?;
+            all.truncate(self.numel[i]);
+            out.bufs.push(be.upload(&all));
+        }
+        Ok(out)
+    }
+
+    /// A pass that needs every parameter this rank holds at once (a pipeline rank's stages, over
+    /// all its microbatches): gathers them all, zeroes their full gradients, runs `pass`, then
+    /// reduce-scatters the gradients into this rank's shards and frees the full tensors.
+    /// TorchTitan likewise keeps a stage's parameters gathered between microbatches under
+    /// pipeline parallelism: regathering them for each microbatch would multiply the traffic.
+    pub fn with_all_gathered<T>(
+        &mut self,
+        be: &B,
+        full: &mut ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        pass: impl FnOnce(&ParamSet<B>, &mut ParamSet<B>) -> Result<T>,
+    ) -> Result<T> {
+        self.guarded(|f| {
+            let ids: Vec<usize> = (0..f.numel.len()).filter(|&i| f.numel[i] > 0).collect();
+            f.submit_gather(be, &ids)?;
+            f.wait_gather(be, full, &ids)?;
+            f.zeros(be, grads, &ids);
+            let out = pass(full, grads)?;
+            f.submit_reduce_scatter(be, grads, &ids)?;
+            while !f.pending.is_empty() {
+                f.complete_next(be, full)?;
+            }
+            Self::release(be, full, &ids, Category::GatheredBlocks);
+            Ok(out)
+        })
+    }
+
     /// The loss of `tokens` without gradients (validation): each block gathered for its forward
     /// and released after it.
     pub fn loss(

@@ -139,6 +139,10 @@ impl<B: Backend> RankLayout<B> {
                         loss_sum +=
                             pipe.forward_backward(be, model, compute, grads, tokens, grad_scale)?;
                     }
+                    // DDP sums every gradient of the stages at once after the last microbatch.
+                    if let Some(d) = ddp {
+                        d.reducer.finish(be, grads, &[])?;
+                    }
                 }
                 for (m, tokens) in micro.iter().enumerate().filter(|_| self.pipeline.is_none()) {
                     // DDP reduces during the last micro-batch's backward (earlier ones accumulate).
@@ -150,16 +154,22 @@ impl<B: Backend> RankLayout<B> {
                         .forward_backward_with(be, compute, grads, ws, tokens, grad_scale, hook)?
                         .sum;
                 }
-                if let Some(d) = ddp {
+                if let (Some(d), None) = (ddp, &self.pipeline) {
                     d.reducer.finish(be, grads, &model.ids.layers)?;
                 }
             }
             ParamState::Sharded { fsdp, full, grads } => {
                 fsdp.grad_shards.zero(be);
                 for tokens in micro {
-                    loss_sum += fsdp
-                        .forward_backward(be, model, full, grads, ws, tokens, grad_scale)?
-                        .sum;
+                    loss_sum += match self.pipeline.as_mut() {
+                        Some(pipe) => fsdp.with_all_gathered(be, full, grads, |full, grads| {
+                            pipe.forward_backward(be, model, full, grads, tokens, grad_scale)
+                        })?,
+                        None => {
+                            fsdp.forward_backward(be, model, full, grads, ws, tokens, grad_scale)?
+                                .sum
+                        }
+                    };
                 }
             }
         }

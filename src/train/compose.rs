@@ -162,7 +162,7 @@ pub fn compose_rank<B: Backend>(
     }
     let accum = global_batch / (batch * dp_size);
     let pipeline = match dist.and_then(|d| d.pp.clone()) {
-        Some(group) => Some(PipelinePlan::from_config(cfg, &args, dp_size, group)?),
+        Some(group) => Some(PipelinePlan::from_config(cfg, &args, fsdp_mode, group)?),
         None => None,
     };
 
@@ -262,6 +262,7 @@ pub fn compose_rank<B: Backend>(
         Some(p) => Workspace::planned(be, &local, p.microbatch_rows, seq, plan.only(|_| false)),
         None => Workspace::planned(be, &local, batch, seq, plan.clone()),
     };
+    let held = |name: &str| pipeline.as_ref().is_none_or(|p| p.holds(name));
     let StartState {
         params,
         grads,
@@ -277,6 +278,9 @@ pub fn compose_rank<B: Backend>(
         device_queue.take(),
         reshard,
         param_dtype,
+        pipeline
+            .is_some()
+            .then_some(&held as &(dyn Fn(&str) -> bool + Sync)),
     )?;
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).

@@ -41,8 +41,26 @@ pub fn save_checkpoint<B: Backend>(
         (Some(pipe), ParamState::Whole { params, .. }) => {
             Some(pipe.gather_to_first(be, &[params, &opt.exp_avg, &opt.exp_avg_sq])?)
         }
+        // With FSDP each stage's shards are first made whole over the shard group, and global
+        // rank 0 writes one whole checkpoint.
+        (Some(pipe), ParamState::Sharded { fsdp, .. }) => {
+            let shapes: Vec<Vec<usize>> = layout
+                .model
+                .param_specs()
+                .into_iter()
+                .map(|(_, s)| s)
+                .collect();
+            let whole = [
+                fsdp.whole(be, &fsdp.shards, &shapes)?,
+                fsdp.whole(be, &opt.exp_avg, &shapes)?,
+                fsdp.whole(be, &opt.exp_avg_sq, &shapes)?,
+            ];
+            Some(pipe.gather_to_first(be, &[&whole[0], &whole[1], &whole[2]])?)
+        }
         _ => None,
     };
+    let sharded_pipeline =
+        layout.pipeline.is_some() && matches!(layout.state, ParamState::Sharded { .. });
     let whole_state = gathered.flatten().map(|mut sets| {
         let exp_avg_sq = sets.pop().expect("three sets");
         let exp_avg = sets.pop().expect("three sets");
@@ -62,6 +80,18 @@ pub fn save_checkpoint<B: Backend>(
     let whole_params = whole_state.as_ref().map(|w| &w.0);
     let written = match (&layout.state, writers) {
         _ if !writes_here => None,
+        _ if sharded_pipeline => match whole_params.filter(|_| rank == 0) {
+            Some(params) => Some(checkpoint::save(
+                be,
+                &folder,
+                params,
+                &opt.exp_avg,
+                &opt.exp_avg_sq,
+                state,
+                keep,
+            )?),
+            None => None,
+        },
         (param_state, Some((d, writers))) => {
             // FSDP (maybe with TP): replica 0's shards. TP alone: data-parallel rank 0's parts.
             let (parts, writes) = match param_state {

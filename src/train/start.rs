@@ -105,6 +105,7 @@ pub fn start_state<B: Backend>(
     queue: Option<Box<dyn CollectiveQueue<B>>>,
     reshard: ReshardPolicy,
     param_dtype: ParamDtype,
+    held: Option<&(dyn Fn(&str) -> bool + Sync)>,
 ) -> Result<StartState<B>> {
     let args = &model.args;
     let seed = cfg.training.seed;
@@ -176,8 +177,18 @@ pub fn start_state<B: Backend>(
     let (params, grads, opt, fsdp_state);
     if let Some(d) = dist.filter(|_| fsdp) {
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
+        // A pipeline rank shards only its stages' tensors; the others are empty here.
+        let here = |i: usize| held.is_none_or(|h| h(&global[i].0));
+        let fsdp_specs: Vec<(String, Vec<usize>)> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (n, s))| (n.clone(), if here(i) { s.clone() } else { vec![0] }))
+            .collect();
         let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
             let (name, shape) = &global[i];
+            if !here(i) {
+                return Ok(StartValues::Full(Vec::new()));
+            }
             match (&ckpt, moment) {
                 (Some(ckpt), _) => {
                     let own = ckpt
@@ -200,7 +211,7 @@ pub fn start_state<B: Backend>(
             d.replicate.clone(),
             queue,
             model,
-            &specs,
+            &fsdp_specs,
             &|i| start_values(None, i),
             reshard,
             param_dtype,
