@@ -212,6 +212,7 @@ fn bench_on<B: Backend>(
             on_warm();
             exposed_at_warm = layout.model.tp().exposed_comm_seconds();
             comm_at_warm = layout.model.tp().comm_seconds();
+            layout.pipeline_bubbles()?;
         }
         be.synchronize();
         let t0 = Instant::now();
@@ -242,6 +243,12 @@ fn bench_on<B: Backend>(
         }
     }
     let timed_s: f64 = times.iter().sum();
+    // Each pipeline rank's share of the timed steps spent waiting for another rank.
+    let bubbles = layout.pipeline_bubbles()?;
+    let unit_bubble = match &layout.pipeline {
+        Some(p) => Some(p.schedule.unit_bubble()?),
+        None => None,
+    };
     let per_step = |total: f64, at_warm: f64| (total - at_warm) / a.steps.max(1) as f64;
     let exposed_tp_s = per_step(layout.model.tp().exposed_comm_seconds(), exposed_at_warm);
     let comm_tp_s = per_step(layout.model.tp().comm_seconds(), comm_at_warm);
@@ -311,6 +318,9 @@ fn bench_on<B: Backend>(
                 "memory_estimate_mib": mib(estimate_bytes),
                 "tp_exposed_comm_ms_per_step": (tp > 1).then_some(exposed_tp_s * 1e3),
                 "tp_comm_ms_per_step": (tp > 1).then_some(comm_tp_s * 1e3),
+                "pipeline_schedule": layout.pipeline.as_ref().map(|p| p.schedule.name.clone()),
+                "pipeline_bubble_unit_cost": unit_bubble,
+                "pipeline_bubble_measured_per_rank": bubbles,
                 "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
         );
     } else {
@@ -318,7 +328,7 @@ fn bench_on<B: Backend>(
             Some(_) => format!("peak device memory {:.0} MiB", mib(device_peak)),
             None => format!("peak RSS {:.0} MiB", mib(peak_rss)),
         };
-        let exposed = if tp > 1 {
+        let mut exposed = if tp > 1 {
             format!(
                 " | TP comm {:.1} ms/step, exposed {:.1}",
                 comm_tp_s * 1e3,
@@ -327,6 +337,13 @@ fn bench_on<B: Backend>(
         } else {
             String::new()
         };
+        if let (Some(b), Some(unit)) = (&bubbles, unit_bubble) {
+            let per_rank: Vec<String> = b.iter().map(|x| format!("{x:.3}")).collect();
+            exposed += &format!(
+                " | pipeline bubble measured {} (unit-cost {unit:.3})",
+                per_rank.join(" ")
+            );
+        }
         println!(
             "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} AC {ac} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
             be.name(),

@@ -271,6 +271,20 @@ impl<B: Backend> RankLayout<B> {
         }
     }
 
+    /// Every pipeline rank's measured bubble since the last call (`PipelineRank::take_bubble`),
+    /// gathered over the pipeline group (all its ranks call this together); `None` without a
+    /// pipeline.
+    pub fn pipeline_bubbles(&mut self) -> Result<Option<Vec<f64>>> {
+        let Some(pipe) = self.pipeline.as_mut() else {
+            return Ok(None);
+        };
+        let mine = [pipe.take_bubble().unwrap_or(0.0) as f32];
+        let g = pipe.group();
+        let mut all = vec![0f32; g.size()];
+        g.all_gather(&mine, &mut all)?;
+        Ok(Some(all.into_iter().map(f64::from).collect()))
+    }
+
     /// The tensor-parallel group (degree above 1), for gathering whole tensors.
     pub fn tp_group(&self) -> Option<&dyn ProcessGroup> {
         self.tp_group.as_deref()

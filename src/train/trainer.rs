@@ -299,6 +299,11 @@ fn train_on<B: Backend>(
             std::process::abort();
         }
         let (profiled, write_trace) = cfg.profiling.phase(step);
+        // The pipeline's measured bubble covers the profiled steps only.
+        let first_profiled = step == start_step + 1 || !cfg.profiling.phase(step - 1).0;
+        if profiled && cfg.profiling.enable_profiling && first_profiled {
+            layout.pipeline_bubbles()?;
+        }
         crate::trace::set_recording(profiled && cfg.profiling.enable_profiling);
         memory_timeline::set_recording(profiled && cfg.profiling.enable_memory_snapshot);
         let t0 = Instant::now();
@@ -410,6 +415,22 @@ fn train_on<B: Backend>(
             }
         }
         if (write_trace || step == last_step) && crate::trace::recording() {
+            if let Some(b) = layout.pipeline_bubbles()? {
+                let per_rank: Vec<String> = b
+                    .iter()
+                    .enumerate()
+                    .map(|(r, x)| format!("rank {r} {x:.3}"))
+                    .collect();
+                if !quiet {
+                    emit(
+                        &bar,
+                        format!(
+                            "pipeline bubble measured over the profiled steps (share of the schedule's time waiting for other ranks): {}",
+                            per_rank.join(", ")
+                        ),
+                    );
+                }
+            }
             crate::trace::set_recording(false);
             let events = crate::trace::take();
             let path = cfg

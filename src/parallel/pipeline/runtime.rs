@@ -11,7 +11,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
 
@@ -35,6 +35,10 @@ pub struct PipelineRank<B: Backend> {
     /// Whether each of rank's actions is the last of its microbatch here.
     last_of_microbatch: Vec<bool>,
     timeout: Duration,
+    /// Seconds spent running schedules, and of those waiting for another rank's transfer (the
+    /// measured bubble), since `take_bubble`.
+    ran_s: f64,
+    waited_s: f64,
 }
 
 impl<B: Backend> PipelineRank<B> {
@@ -79,7 +83,18 @@ impl<B: Backend> PipelineRank<B> {
             slots,
             last_of_microbatch,
             timeout,
+            ran_s: 0.0,
+            waited_s: 0.0,
         })
+    }
+
+    /// The share of the time spent in schedules since the last call that this rank waited for
+    /// another rank's activations or gradients (its measured bubble); `None` before any ran.
+    pub fn take_bubble(&mut self) -> Option<f64> {
+        let b = (self.ran_s > 0.0).then(|| self.waited_s / self.ran_s);
+        self.ran_s = 0.0;
+        self.waited_s = 0.0;
+        b
     }
 
     /// The blocks pipeline rank `r` runs.
@@ -198,7 +213,15 @@ impl<B: Backend> PipelineRank<B> {
         } = self;
         let (schedule, split, timeout) = (&*schedule, &*split, *timeout);
         let placement = &schedule.placement;
-        with_transfers(group.as_ref(), schedule, len, |mailbox, send| {
+        let started = Instant::now();
+        let mut waited = 0.0;
+        let loss = with_transfers(group.as_ref(), schedule, len, |mailbox, send| {
+            let mut take = |t: Transfer, peer: usize| {
+                let t0 = Instant::now();
+                let v = mailbox.take(t, peer, timeout);
+                waited += t0.elapsed().as_secs_f64();
+                v
+            };
             let mut free: Vec<usize> = (0..slots.len()).rev().collect();
             let mut slot_of = std::collections::HashMap::new();
             let mut deferred = std::collections::HashMap::new();
@@ -228,7 +251,7 @@ impl<B: Backend> PipelineRank<B> {
                                 stage: s,
                                 microbatch: mb,
                             };
-                            let v = mailbox.take(t, placement[s - 1], timeout)?;
+                            let v = take(t, placement[s - 1])?;
                             *ws.block_input_mut(stage.blocks.start) = be.upload(&v);
                         }
                         for l in stage.blocks.clone() {
@@ -260,7 +283,7 @@ impl<B: Backend> PipelineRank<B> {
                                 stage: s,
                                 microbatch: mb,
                             };
-                            let v = mailbox.take(t, placement[s + 1], timeout)?;
+                            let v = take(t, placement[s + 1])?;
                             *ws.carried_grad_mut() = be.upload(&v);
                         }
                         for l in stage.blocks.clone().rev() {
@@ -297,6 +320,9 @@ impl<B: Backend> PipelineRank<B> {
                 }
             }
             Ok(loss)
-        })
+        })?;
+        self.ran_s += started.elapsed().as_secs_f64();
+        self.waited_s += waited;
+        Ok(loss)
     }
 }
