@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_parity, losses, metric, train};
+use common::{assert_layout_matches_one_process, assert_parity, losses, train};
 
 /// Four sequences a step: four microbatches of one.
 const BATCH4: &[&str] = &["--training.local_batch_size", "4"];
@@ -32,28 +32,8 @@ fn nproc(n: &'static str) -> [&'static str; 4] {
 
 /// Trains in one process and with `launcher` + `parallel`, 10 steps, and checks the curves agree.
 fn check_parity(what: &str, extra: &[&str], launcher: &[&str], parallel: &[&str]) {
-    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let mut single = vec!["--training.steps", "10"];
-    single.extend_from_slice(BATCH4);
-    single.extend_from_slice(extra);
-    let o = train(one.path(), &[], &single);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mut args = single.clone();
-    args.extend_from_slice(parallel);
-    let o = train(many.path(), launcher, &args);
-    assert!(
-        o.status.success(),
-        "{what}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("pipeline: "), "{what}: {out}");
-    assert_parity(&losses(one.path()), &losses(many.path()), what);
-    assert_parity(
-        &metric(one.path(), "grad_norm"),
-        &metric(many.path(), "grad_norm"),
-        &format!("{what} (grad norm)"),
-    );
+    let single = [&["--training.steps", "10"][..], BATCH4, extra].concat();
+    assert_layout_matches_one_process(what, &single, launcher, parallel, "pipeline: ");
 }
 
 #[test]

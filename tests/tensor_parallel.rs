@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_parity, losses, metric, train};
+use common::{assert_layout_matches_one_process, assert_parity, losses, train};
 
 fn tp(degree: &'static str) -> Vec<&'static str> {
     vec![
@@ -21,27 +21,8 @@ fn nproc(n: &'static str) -> [&'static str; 4] {
 
 /// Trains `extra` in one process and `parallel` with `launcher`, and checks both curves agree.
 fn check_parity(what: &str, steps: &str, extra: &[&str], launcher: &[&str], parallel: &[&str]) {
-    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let mut single = vec!["--training.steps", steps];
-    single.extend_from_slice(extra);
-    let o = train(one.path(), &[], &single);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mut args = single.clone();
-    args.extend_from_slice(parallel);
-    let o = train(many.path(), launcher, &args);
-    assert!(
-        o.status.success(),
-        "{what}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("tensor parallel"), "{what}: {out}");
-    assert_parity(&losses(one.path()), &losses(many.path()), what);
-    assert_parity(
-        &metric(one.path(), "grad_norm"),
-        &metric(many.path(), "grad_norm"),
-        &format!("{what} (grad norm)"),
-    );
+    let single = [&["--training.steps", steps][..], extra].concat();
+    assert_layout_matches_one_process(what, &single, launcher, parallel, "tensor parallel");
 }
 
 #[test]

@@ -59,8 +59,6 @@ pub fn save_checkpoint<B: Backend>(
         }
         _ => None,
     };
-    let sharded_pipeline =
-        layout.pipeline.is_some() && matches!(layout.state, ParamState::Sharded { .. });
     let whole_state = gathered.flatten().map(|mut sets| {
         let exp_avg_sq = sets.pop().expect("three sets");
         let exp_avg = sets.pop().expect("three sets");
@@ -78,10 +76,16 @@ pub fn save_checkpoint<B: Backend>(
         .is_none_or(|p| p.group().rank() == 0);
     let opt = whole_state.as_ref().map_or(opt, |w| &w.1);
     let whole_params = whole_state.as_ref().map(|w| &w.0);
-    let written = match (&layout.state, writers) {
-        _ if !writes_here => None,
-        _ if sharded_pipeline => match whole_params.filter(|_| rank == 0) {
-            Some(params) => Some(checkpoint::save(
+    // One whole checkpoint by rank 0, in the background with `async_mode = "async"`.
+    let mut write_whole = |params: &crate::model::ParamSet<B>,
+                           state: TrainState|
+     -> Result<Option<PathBuf>> {
+        if cfg.checkpoint.async_mode == "async" {
+            // Returns the previous save, which this one waited for.
+            let snapshot = checkpoint::Snapshot::take(be, params, &opt.exp_avg, &opt.exp_avg_sq)?;
+            writer.start(snapshot, &folder, state, keep)
+        } else {
+            let dir = checkpoint::save(
                 be,
                 &folder,
                 params,
@@ -89,9 +93,19 @@ pub fn save_checkpoint<B: Backend>(
                 &opt.exp_avg_sq,
                 state,
                 keep,
-            )?),
-            None => None,
-        },
+            )?;
+            Ok(Some(dir))
+        }
+    };
+    let written = match (&layout.state, writers) {
+        _ if !writes_here => None,
+        // PP × FSDP: the stages' whole tensors, gathered above.
+        (ParamState::Sharded { .. }, _) if layout.pipeline.is_some() => {
+            match whole_params.filter(|_| rank == 0) {
+                Some(params) => write_whole(params, state)?,
+                None => None,
+            }
+        }
         (param_state, Some((d, writers))) => {
             // FSDP (maybe with TP): replica 0's shards. TP alone: data-parallel rank 0's parts.
             let (parts, writes) = match param_state {
@@ -120,23 +134,7 @@ pub fn save_checkpoint<B: Backend>(
             }
         }
         (ParamState::Whole { params, .. }, None) if rank == 0 => {
-            let params = whole_params.unwrap_or(params);
-            if cfg.checkpoint.async_mode == "async" {
-                // Returns the previous save, which this one waited for.
-                let snapshot =
-                    checkpoint::Snapshot::take(be, params, &opt.exp_avg, &opt.exp_avg_sq)?;
-                writer.start(snapshot, &folder, state, keep)?
-            } else {
-                Some(checkpoint::save(
-                    be,
-                    &folder,
-                    params,
-                    &opt.exp_avg,
-                    &opt.exp_avg_sq,
-                    state,
-                    keep,
-                )?)
-            }
+            write_whole(whole_params.unwrap_or(params), state)?
         }
         _ => None,
     };

@@ -116,3 +116,32 @@ pub fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
         );
     }
 }
+
+/// Trains `single` in one process, then with `launcher` and the `parallel` overrides added, checks
+/// that the parallel run's output says `says` (its layout) and that both loss and gradient-norm
+/// curves agree within 1e-5.
+pub fn assert_layout_matches_one_process(
+    what: &str,
+    single: &[&str],
+    launcher: &[&str],
+    parallel: &[&str],
+    says: &str,
+) {
+    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(one.path(), &[], single);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = train(many.path(), launcher, &[single, parallel].concat());
+    assert!(
+        o.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains(says), "{what}: {out}");
+    assert_parity(&losses(one.path()), &losses(many.path()), what);
+    assert_parity(
+        &metric(one.path(), "grad_norm"),
+        &metric(many.path(), "grad_norm"),
+        &format!("{what} (grad norm)"),
+    );
+}

@@ -295,6 +295,66 @@ enum SplitBackward {
     AfterLastForward,
 }
 
+/// When each (stage, microbatch)'s forward and input gradient (`B` or `I`) ended, in a run being
+/// simulated: what decides when an action may start.
+struct Ends {
+    stages: usize,
+    forward: HashMap<(usize, usize), u64>,
+    input_grad: HashMap<(usize, usize), u64>,
+}
+
+impl Ends {
+    fn new(stages: usize) -> Self {
+        Ends {
+            stages,
+            forward: HashMap::new(),
+            input_grad: HashMap::new(),
+        }
+    }
+
+    /// When `work` on stage `s` for microbatch `mb` may start, once what it needs has run: the
+    /// previous stage's forward; this stage's forward and the next stage's input gradient; the
+    /// input gradient before its `W`.
+    fn ready(&self, work: Work, s: usize, mb: usize) -> Option<u64> {
+        match work {
+            Work::Forward if s == 0 => Some(0),
+            Work::Forward => self.forward.get(&(s - 1, mb)).copied(),
+            Work::Backward | Work::BackwardInput => {
+                let f = *self.forward.get(&(s, mb))?;
+                if s + 1 == self.stages {
+                    Some(f)
+                } else {
+                    self.input_grad.get(&(s + 1, mb)).map(|&g| g.max(f))
+                }
+            }
+            Work::BackwardWeight => self.input_grad.get(&(s, mb)).copied(),
+        }
+    }
+
+    fn record(&mut self, work: Work, s: usize, mb: usize, end: u64) {
+        match work {
+            Work::Forward => self.forward.insert((s, mb), end),
+            Work::Backward | Work::BackwardInput => self.input_grad.insert((s, mb), end),
+            Work::BackwardWeight => None,
+        };
+    }
+
+    /// The first end after `t` of anything recorded.
+    fn next_end_after(&self, t: u64) -> Option<u64> {
+        self.forward
+            .values()
+            .chain(self.input_grad.values())
+            .copied()
+            .filter(|&e| e > t)
+            .min()
+    }
+}
+
+/// A ready candidate `(stage, microbatch)`: the lowest microbatch, then the deepest stage.
+fn better(candidate: Option<(usize, usize)>, s: usize, mb: usize) -> bool {
+    candidate.is_none_or(|(cs, cm)| (mb, usize::MAX - s) < (cm, usize::MAX - cs))
+}
+
 /// Generates a schedule by list scheduling under unit costs (see the module doc): ranks take,
 /// when free, a ready backward (lowest microbatch, deepest stage), else a ready forward if fewer
 /// than `limit[r]` of its microbatches hold activations (forwards of a rank's deeper stages
@@ -312,9 +372,7 @@ fn list_schedule(
     let stages_of: Vec<Vec<usize>> = (0..p)
         .map(|r| (0..n_stages).filter(|&s| placement[s] == r).collect())
         .collect();
-    // End times of what has been scheduled.
-    let mut forward_end: HashMap<(usize, usize), u64> = HashMap::new();
-    let mut grad_end: HashMap<(usize, usize), u64> = HashMap::new();
+    let mut ends = Ends::new(n_stages);
     let mut pending_w: Vec<Vec<(usize, usize)>> = vec![Vec::new(); p];
     let mut next_forward = vec![0usize; n_stages];
     let mut backwarded = vec![0usize; n_stages];
@@ -323,6 +381,7 @@ fn list_schedule(
     let mut actions: Vec<Vec<Action>> = vec![Vec::new(); p];
     // Work units: a forward 1, a backward 2 (full, or I and W).
     let total: usize = n_stages * m * 3;
+    let mut done = 0usize;
     let active = |r: usize,
                   next_forward: &[usize],
                   backwarded: &[usize],
@@ -332,64 +391,39 @@ fn list_schedule(
             .any(|&s| next_forward[s] < m || backwarded[s] < m)
             || !pending_w[r].is_empty()
     };
-    let mut done = 0usize;
     while done < total {
         let r = (0..p)
             .filter(|&r| active(r, &next_forward, &backwarded, &pending_w))
             .min_by_key(|&r| (free[r], r))
             .ok_or_else(|| anyhow!("{name}: list scheduling ran out of work early (a bug)"))?;
         let t = free[r];
-        // Candidates with the time their inputs are ready, when known.
-        let mut backward: Option<(u64, usize, usize)> = None;
-        let mut forward: Option<(u64, usize, usize)> = None;
+        // Ready candidates, and the earliest known time another becomes ready.
+        let (mut backward, mut forward) = (None, None);
         let mut wake = u64::MAX;
+        let mut consider =
+            |slot: &mut Option<(usize, usize)>, ready: Option<u64>, s, mb| match ready {
+                Some(at) if at <= t && better(*slot, s, mb) => *slot = Some((s, mb)),
+                Some(at) if at > t => wake = wake.min(at),
+                _ => {}
+            };
         for &s in &stages_of[r] {
             let mb = backwarded[s];
             if mb < next_forward[s] {
-                let ready = match forward_end.get(&(s, mb)) {
-                    Some(&f) if s + 1 == n_stages => Some(f),
-                    Some(&f) => grad_end.get(&(s + 1, mb)).map(|&g| g.max(f)),
-                    None => None,
-                };
-                if let Some(ready) = ready {
-                    if ready <= t {
-                        let better = backward
-                            .is_none_or(|(_, bs, bm)| (mb, usize::MAX - s) < (bm, usize::MAX - bs));
-                        if better {
-                            backward = Some((ready, s, mb));
-                        }
-                    } else {
-                        wake = wake.min(ready);
-                    }
-                }
+                consider(&mut backward, ends.ready(Work::Backward, s, mb), s, mb);
             }
             let mb = next_forward[s];
-            if mb < m {
-                let ready = if s == 0 {
-                    Some(0)
-                } else {
-                    forward_end.get(&(s - 1, mb)).copied()
-                };
-                let first_stage = s == stages_of[r][0];
-                let allowed = !first_stage || in_flight[r] < limit[r];
-                if let (Some(ready), true) = (ready, allowed) {
-                    if ready <= t {
-                        let better = forward
-                            .is_none_or(|(_, fs, fm)| (mb, usize::MAX - s) < (fm, usize::MAX - fs));
-                        if better {
-                            forward = Some((ready, s, mb));
-                        }
-                    } else {
-                        wake = wake.min(ready);
-                    }
-                }
+            // Activations held are limited at the rank's first stage only.
+            let allowed = s != stages_of[r][0] || in_flight[r] < limit[r];
+            if mb < m && allowed {
+                consider(&mut forward, ends.ready(Work::Forward, s, mb), s, mb);
             }
         }
         let forwards_left = stages_of[r]
             .iter()
             .map(|&s| m - next_forward[s])
             .sum::<usize>();
-        if let Some((_, s, mb)) = backward {
+        let first_stage = stages_of[r][0];
+        if let Some((s, mb)) = backward {
             let full = match split {
                 SplitBackward::Always => false,
                 SplitBackward::AfterLastForward => forwards_left > 0,
@@ -401,11 +435,11 @@ fn list_schedule(
             };
             let end = t + work.unit_cost();
             actions[r].push(act(s, work, mb));
-            grad_end.insert((s, mb), end);
+            ends.record(work, s, mb, end);
             backwarded[s] += 1;
             free[r] = end;
             if full {
-                if s == stages_of[r][0] {
+                if s == first_stage {
                     in_flight[r] -= 1;
                 }
                 done += 2;
@@ -413,11 +447,11 @@ fn list_schedule(
                 pending_w[r].push((s, mb));
                 done += 1;
             }
-        } else if let Some((_, s, mb)) = forward {
+        } else if let Some((s, mb)) = forward {
             actions[r].push(act(s, Work::Forward, mb));
-            forward_end.insert((s, mb), t + 1);
+            ends.record(Work::Forward, s, mb, t + 1);
             next_forward[s] += 1;
-            if s == stages_of[r][0] {
+            if s == first_stage {
                 in_flight[r] += 1;
             }
             free[r] = t + 1;
@@ -427,25 +461,20 @@ fn list_schedule(
             actions[r].push(act(s, Work::BackwardWeight, mb));
             free[r] = t + 1;
             done += 1;
-            if s == stages_of[r][0] {
+            if s == first_stage {
                 in_flight[r] -= 1;
             }
         } else {
-            // Nothing ready: wait for the next input known to arrive, or the next action to end.
-            let next_end = forward_end
-                .values()
-                .chain(grad_end.values())
-                .copied()
-                .filter(|&e| e > t)
-                .min()
-                .unwrap_or(u64::MAX);
-            // Another rank's next action ends at t + 1 at the earliest (integer costs).
+            // Nothing ready: wait for the next input known to arrive, the next action to end, or
+            // another rank's next action (integer costs: it ends at t + 1 at the earliest).
             let others = (0..p)
                 .filter(|&o| o != r && active(o, &next_forward, &backwarded, &pending_w))
                 .map(|o| free[o].max(t + 1))
                 .min()
                 .unwrap_or(u64::MAX);
-            let until = wake.min(next_end).min(others);
+            let until = wake
+                .min(ends.next_end_after(t).unwrap_or(u64::MAX))
+                .min(others);
             if until == u64::MAX {
                 bail!("{name}: list scheduling is stuck at time {t} on rank {r} (a bug)");
             }
@@ -558,10 +587,8 @@ impl Schedule {
     /// gradient and this stage's forward; a `W` after its `I`). Transfers take no time. An error
     /// names where every rank is stuck when the ranks wait on each other.
     pub fn simulate(&self, cost: impl Fn(Work) -> u64) -> Result<Timeline> {
-        let n = self.stages();
         let p = self.ranks();
-        let mut forward_end: HashMap<(usize, usize), u64> = HashMap::new();
-        let mut grad_end: HashMap<(usize, usize), u64> = HashMap::new();
+        let mut ends = Ends::new(self.stages());
         let mut next = vec![0usize; p];
         let mut free = vec![0u64; p];
         let mut timed: Vec<Vec<Timed>> = vec![Vec::new(); p];
@@ -569,27 +596,12 @@ impl Schedule {
             let mut progressed = false;
             for r in 0..p {
                 while let Some(&a) = self.actions[r].get(next[r]) {
-                    let (s, mb) = (a.stage, a.microbatch);
-                    let ready = match a.work {
-                        Work::Forward if s == 0 => Some(0),
-                        Work::Forward => forward_end.get(&(s - 1, mb)).copied(),
-                        Work::Backward | Work::BackwardInput => {
-                            match (forward_end.get(&(s, mb)), s + 1 == n) {
-                                (Some(&f), true) => Some(f),
-                                (Some(&f), false) => grad_end.get(&(s + 1, mb)).map(|&g| g.max(f)),
-                                (None, _) => None,
-                            }
-                        }
-                        Work::BackwardWeight => grad_end.get(&(s, mb)).copied(),
+                    let Some(ready) = ends.ready(a.work, a.stage, a.microbatch) else {
+                        break;
                     };
-                    let Some(ready) = ready else { break };
                     let start = ready.max(free[r]);
                     let end = start + cost(a.work);
-                    match a.work {
-                        Work::Forward => forward_end.insert((s, mb), end),
-                        Work::Backward | Work::BackwardInput => grad_end.insert((s, mb), end),
-                        Work::BackwardWeight => None,
-                    };
+                    ends.record(a.work, a.stage, a.microbatch, end);
                     timed[r].push(Timed {
                         action: a,
                         start,
@@ -611,7 +623,7 @@ impl Schedule {
                         let waits = match a.work {
                             Work::Forward => format!("{}F{mb}", s - 1),
                             Work::BackwardWeight => format!("{s}I{mb}"),
-                            _ if !forward_end.contains_key(&(s, mb)) => format!("{s}F{mb}"),
+                            _ if !ends.forward.contains_key(&(s, mb)) => format!("{s}F{mb}"),
                             _ => format!(
                                 "the input gradient of stage {} ({}B{mb} or {}I{mb})",
                                 s + 1,
