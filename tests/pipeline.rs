@@ -146,15 +146,9 @@ fn what_the_pipeline_cannot_run_is_refused_at_start() {
     let mut odd = pp("2", "1F1B");
     odd.extend(["--parallelism.pipeline_parallel_microbatch_size", "3"]);
     refused(&[], &odd, "must divide");
-    let three_d_saving = [
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.data_parallel_shard_degree",
-        "2",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-    ];
-    refused(&nproc("8"), &three_d_saving, "--checkpoint.enable false");
+    let mut validating = pp("2", "1F1B");
+    validating.extend(["--validation.enabled", "true"]);
+    refused(&nproc("2"), &validating, "not built yet");
     let mut points = pp("2", "1F1B");
     points.extend(["--parallelism.pipeline_parallel_split_points", "layers.7"]);
     refused(&nproc("2"), &points, "names no block");
@@ -176,17 +170,12 @@ fn pp_composes_with_fsdp_ddp_and_tp() {
     ddp.extend(["--parallelism.data_parallel_replicate_degree", "2"]);
     check_parity("PP 2 × DDP 2", &global, &nproc("4"), &ddp);
     let mut three_d = pp_fsdp("2", "ZBVZeroBubble", "2");
-    three_d.extend([
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--checkpoint.enable",
-        "false",
-    ]);
+    three_d.extend(["--parallelism.tensor_parallel_degree", "2"]);
     check_parity("PP 2 × FSDP 2 × TP 2", &global, &nproc("8"), &three_d);
 }
 
 #[test]
-fn a_pp_fsdp_checkpoint_resumes_under_fsdp_alone_and_the_reverse() {
+fn pp_fsdp_and_3d_checkpoints_resume_under_other_layouts() {
     let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
         let mut args = vec![
             "--training.steps",
@@ -212,7 +201,18 @@ fn a_pp_fsdp_checkpoint_resumes_under_fsdp_alone_and_the_reverse() {
     let b = tempfile::tempdir().unwrap();
     run(b.path(), "3", &nproc("2"), &fsdp);
     run(b.path(), "6", &nproc("4"), &pipe);
+    // 3-D: the TP group of the first stages writes tensor-parallel parts.
+    let c = tempfile::tempdir().unwrap();
+    let mut three_d = pp_fsdp("2", "1F1B", "2");
+    three_d.extend(["--parallelism.tensor_parallel_degree", "2"]);
+    run(c.path(), "3", &nproc("8"), &three_d);
+    run(c.path(), "6", &[], &[]);
     let reference = losses(one.path());
     assert_parity(&reference, &losses(a.path()), "PP 2 × FSDP 2 → FSDP 2");
     assert_parity(&reference, &losses(b.path()), "FSDP 2 → PP 2 × FSDP 2");
+    assert_parity(
+        &reference,
+        &losses(c.path()),
+        "PP 2 × FSDP 2 × TP 2 → one process",
+    );
 }

@@ -162,7 +162,7 @@ pub fn compose_rank<B: Backend>(
     }
     let accum = global_batch / (batch * dp_size);
     let pipeline = match dist.and_then(|d| d.pp.clone()) {
-        Some(group) => Some(PipelinePlan::from_config(cfg, &args, fsdp_mode, group)?),
+        Some(group) => Some(PipelinePlan::from_config(cfg, &args, group)?),
         None => None,
     };
 

@@ -99,11 +99,28 @@ pub fn save_checkpoint<B: Backend>(
     };
     let written = match (&layout.state, writers) {
         _ if !writes_here => None,
-        // PP × FSDP: the stages' whole tensors, gathered above.
+        // PP × FSDP: the stages' whole tensors, gathered above, written by rank 0; with TP each
+        // is a tensor-parallel part, which the TP group of data-parallel rank 0 writes, as TP
+        // alone would.
         (ParamState::Sharded { .. }, _) if layout.pipeline.is_some() => {
-            match whole_params.filter(|_| rank == 0) {
-                Some(params) => write_whole(params, state)?,
-                None => None,
+            match (
+                whole_params,
+                dist.and_then(|d| d.tp.as_ref().map(|tp| (d, tp))),
+            ) {
+                (Some(params), Some((d, tp))) if d.dp.rank() == 0 => save_parts_then(
+                    be,
+                    d,
+                    tp.as_ref(),
+                    layout,
+                    params,
+                    opt,
+                    &folder,
+                    state,
+                    keep,
+                    &|| tp.barrier(),
+                )?,
+                (Some(params), None) if rank == 0 => write_whole(params, state)?,
+                _ => None,
             }
         }
         (param_state, Some((d, writers))) => {
@@ -159,6 +176,34 @@ fn save_parts<B: Backend>(
     keep: usize,
 ) -> Result<Option<PathBuf>> {
     let step = state.step;
+    save_parts_then(
+        be,
+        d,
+        writers,
+        layout,
+        weights,
+        opt,
+        folder,
+        state,
+        keep,
+        &|| d.checkpoint_written(step),
+    )
+}
+
+/// `save_parts` with `all_written` returning once every writer has written its files.
+#[allow(clippy::too_many_arguments)]
+fn save_parts_then<B: Backend>(
+    be: &B,
+    d: &Distributed,
+    writers: &dyn crate::comm::group::ProcessGroup,
+    layout: &RankLayout<B>,
+    weights: &crate::model::ParamSet<B>,
+    opt: &AdamW<B>,
+    folder: &Path,
+    state: TrainState,
+    keep: usize,
+    all_written: &dyn Fn() -> Result<()>,
+) -> Result<Option<PathBuf>> {
     let shapes: Vec<Vec<usize>> = crate::model::params::param_specs(&layout.model.args)
         .into_iter()
         .map(|(_, s)| s)
@@ -175,6 +220,6 @@ fn save_parts<B: Backend>(
         &shapes,
         state,
         keep,
-        &|| d.checkpoint_written(step),
+        all_written,
     )
 }

@@ -47,20 +47,15 @@ pub fn holds(schedule: &Schedule, split: &StageSplit, r: usize, name: &str) -> b
 }
 
 impl PipelinePlan {
-    /// The pipeline `[parallelism]` asks for over `group` (the `pp` ranks; `fsdp`: the stages'
-    /// parameters are sharded over `dp_shard`), checked: what titan's pipeline does not combine
-    /// with yet is refused here, saying so.
+    /// The pipeline `[parallelism]` asks for over `group` (the `pp` ranks), checked: what titan's
+    /// pipeline does not combine with yet is refused here, saying so.
     pub fn from_config(
         cfg: &Config,
         args: &ModelArgs,
-        fsdp: bool,
         group: Arc<dyn ProcessGroup>,
     ) -> Result<Self> {
         let p = &cfg.parallelism;
         let pp = group.size();
-        if cfg.checkpoint.enable && fsdp && cfg.parallelism.tensor_parallel_degree > 1 {
-            bail!("[checkpoint] enable = true with pipeline, FSDP and tensor parallelism together is not built yet in titan (PP × FSDP and PP × TP checkpoints are): set --checkpoint.enable false for 3-D runs for now");
-        }
         if cfg.validation.enabled {
             bail!("[validation] enabled = true with pipeline_parallel_degree = {pp} is not built yet in titan: turn validation off for pipeline runs for now");
         }
