@@ -146,9 +146,9 @@ fn what_the_pipeline_cannot_run_is_refused_at_start() {
     let mut odd = pp("2", "1F1B");
     odd.extend(["--parallelism.pipeline_parallel_microbatch_size", "3"]);
     refused(&[], &odd, "must divide");
-    let mut validating = pp("2", "1F1B");
-    validating.extend(["--validation.enabled", "true"]);
-    refused(&nproc("2"), &validating, "not built yet");
+    let mut tied = pp("2", "1F1B");
+    tied.extend(["--model.flavor", "1B"]);
+    refused(&nproc("2"), &tied, "tied embeddings");
     let mut points = pp("2", "1F1B");
     points.extend(["--parallelism.pipeline_parallel_split_points", "layers.7"]);
     refused(&nproc("2"), &points, "names no block");

@@ -1,5 +1,6 @@
-//! Validation: the held-out loss every `freq` steps, the same under one process and FSDP 2, and a
-//! training curve untouched by it; bad settings refused naming the key or the file.
+//! Validation: the held-out loss every `freq` steps, the same under one process, FSDP 2, PP 2 and
+//! PP 2 × FSDP 2, and a training curve untouched by it; bad settings refused naming the key or
+//! the file.
 
 mod common;
 
@@ -69,6 +70,34 @@ fn validation_matches_across_layouts_and_leaves_training_alone() {
         &metric(one_b2.path(), "validation_loss"),
         &metric(fsdp.path(), "validation_loss"),
         "validation loss, FSDP 2 against one process",
+    );
+    // The pipeline (only the last stage computes the loss), alone and with FSDP.
+    let pp = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ];
+    let pipelined = run(
+        &["--nproc", "2", "--master-port", "0"],
+        &[&with_batch("2", "2")[..], &pp].concat(),
+    );
+    common::assert_parity(
+        &metric(one_b2.path(), "validation_loss"),
+        &metric(pipelined.path(), "validation_loss"),
+        "validation loss, PP 2 against one process",
+    );
+    let mut pp_fsdp = pp;
+    pp_fsdp[3] = "2";
+    let one_b4 = run(&[], &with_batch("4", "4"));
+    let pipelined = run(
+        &["--nproc", "4", "--master-port", "0"],
+        &[&with_batch("2", "2")[..], &pp_fsdp].concat(),
+    );
+    common::assert_parity(
+        &metric(one_b4.path(), "validation_loss"),
+        &metric(pipelined.path(), "validation_loss"),
+        "validation loss, PP 2 × FSDP 2 against one process",
     );
     // A validation shape of its own (its own workspace).
     let other = run(

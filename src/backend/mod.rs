@@ -83,6 +83,12 @@ pub struct LossSum {
     pub count: usize,
 }
 
+impl From<LossSum> for (f64, u64) {
+    fn from(l: LossSum) -> Self {
+        (l.sum, l.count as u64)
+    }
+}
+
 /// Target id that contributes neither loss nor gradient.
 pub const IGNORE_INDEX: u32 = u32::MAX;
 

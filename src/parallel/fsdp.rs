@@ -506,6 +506,31 @@ impl<B: Backend> Fsdp<B> {
         Ok(out)
     }
 
+    /// A forward-only pass that needs every parameter this rank holds at once (a pipeline
+    /// rank's validation): gathered for it, freed after.
+    pub fn with_weights_gathered<T>(
+        &mut self,
+        be: &B,
+        full: &mut ParamSet<B>,
+        pass: impl FnOnce(&ParamSet<B>) -> Result<T>,
+    ) -> Result<T> {
+        self.guarded(|f| {
+            let ids = f.held_ids();
+            f.submit_gather(be, &ids)?;
+            f.wait_gather(be, full, &ids)?;
+            let out = pass(full);
+            Self::release(be, full, &ids, Category::GatheredBlocks);
+            out
+        })
+    }
+
+    /// The parameters this rank holds a shard of (a pipeline rank: its stages').
+    fn held_ids(&self) -> Vec<usize> {
+        (0..self.numel.len())
+            .filter(|&i| self.numel[i] > 0)
+            .collect()
+    }
+
     /// A pass that needs every parameter this rank holds at once (a pipeline rank's stages, over
     /// all its microbatches): gathers them all, zeroes their full gradients, runs `pass`, then
     /// reduce-scatters the gradients into this rank's shards and frees the full tensors.
@@ -519,7 +544,7 @@ impl<B: Backend> Fsdp<B> {
         pass: impl FnOnce(&ParamSet<B>, &mut ParamSet<B>) -> Result<T>,
     ) -> Result<T> {
         self.guarded(|f| {
-            let ids: Vec<usize> = (0..f.numel.len()).filter(|&i| f.numel[i] > 0).collect();
+            let ids = f.held_ids();
             f.submit_gather(be, &ids)?;
             f.wait_gather(be, full, &ids)?;
             f.zeros(be, grads, &ids);

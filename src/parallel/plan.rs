@@ -204,22 +204,41 @@ impl<B: Backend> RankLayout<B> {
         batches: &[Vec<u32>],
     ) -> Result<(f64, u64)> {
         let model = &self.model;
+        let pipe = self.pipeline.as_ref();
         let (mut sum, mut count) = (0.0, 0);
         for tokens in batches {
-            let l = match &mut self.state {
-                ParamState::Whole {
-                    params, bf16_copy, ..
-                } => {
+            let (s, c) = match (&mut self.state, pipe) {
+                (
+                    ParamState::Whole {
+                        params, bf16_copy, ..
+                    },
+                    _,
+                ) => {
                     if let Some(c) = bf16_copy.as_mut() {
                         c.refresh_bf16_copy(be, params);
                     }
                     let compute: &ParamSet<B> = bf16_copy.as_ref().unwrap_or(params);
-                    model.loss(be, compute, ws, tokens)?
+                    match pipe {
+                        Some(p) => p.loss(be, model, compute, ws, tokens)?,
+                        None => model.loss(be, compute, ws, tokens)?.into(),
+                    }
                 }
-                ParamState::Sharded { fsdp, full, .. } => fsdp.loss(be, model, full, ws, tokens)?,
+                (ParamState::Sharded { fsdp, full, .. }, Some(p)) => {
+                    fsdp.with_weights_gathered(be, full, |full| {
+                        p.loss(be, model, full, ws, tokens)
+                    })?
+                }
+                (ParamState::Sharded { fsdp, full, .. }, None) => {
+                    fsdp.loss(be, model, full, ws, tokens)?.into()
+                }
             };
-            sum += l.sum;
-            count += l.count as u64;
+            sum += s;
+            count += c;
+        }
+        // Only the last stage computes the loss.
+        if let Some(p) = pipe {
+            sum = all_reduce_sum_f64(p.group(), sum)?;
+            count = all_reduce_sum_f64(p.group(), count as f64)?.round() as u64;
         }
         Ok((sum, count))
     }

@@ -187,30 +187,33 @@ pub fn compose_rank<B: Backend>(
         if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
             e = e.with_compute_copy(be);
         }
-        // Validation at a shape of its own has a workspace of its own, keeping no activations
-        // past each block (`train::validate`).
-        let (vb, vs) = cfg.validation_shape();
-        if cfg.validation.enabled && (vb, vs) != (batch, seq) {
-            let forward_only = AcMode::Full.plan(args.n_layers);
-            e.activations += workspace_floats(&local, vb, vs, &forward_only) as u64 * 4;
-        }
-        if let Some(p) = &pipeline {
-            e = e.pipelined(
+        let fsdp_shard = dist
+            .filter(|_| fsdp_mode)
+            .map(|d| d.mesh.degree("dp_shard"));
+        e = match (&pipeline, fsdp_shard) {
+            (Some(p), shard) => e.pipelined(
                 p.held_fraction(&args, &local),
+                shard,
                 p.workspaces(),
                 workspace_floats(&local, p.microbatch_rows, seq, &p.plan(plan)) as u64 * 4,
-            );
-        }
-        match dist.filter(|_| fsdp_mode) {
-            Some(d) => e.sharded(
+            ),
+            (None, Some(shard)) => e.sharded(
                 &args,
                 &local,
-                d.mesh.degree("dp_shard"),
+                shard,
                 reshard.blocks_gathered(args.n_layers),
                 crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
             ),
-            None => e,
+            (None, None) => e,
+        };
+        // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
+        // its own, keeping no activations past each block (`train::validate`).
+        let (vb, vs) = cfg.validation_shape();
+        if cfg.validation.enabled && ((vb, vs) != (batch, seq) || pipeline.is_some()) {
+            let forward_only = AcMode::Full.plan(args.n_layers);
+            e.activations += workspace_floats(&local, vb, vs, &forward_only) as u64 * 4;
         }
+        e
     };
     let plan = ac.plan(args.n_layers);
     let estimate = estimate_with(&plan);

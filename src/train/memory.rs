@@ -114,14 +114,28 @@ impl MemoryEstimate {
         self
     }
 
-    /// A pipeline rank's share: `held` of the weights, their gradients and AdamW state, and
-    /// `workspaces` workspaces of `workspace_bytes` (one per microbatch it holds at once) for the
-    /// activations.
-    pub fn pipelined(mut self, held: f64, workspaces: usize, workspace_bytes: u64) -> Self {
+    /// A pipeline rank's share: `held` of the weights with their gradients and AdamW state, the
+    /// three sharded over `fsdp_shard` ranks when given (the stage's parameters are then gathered
+    /// whole, with whole gradients, for the step's pipeline pass), and `workspaces` workspaces of
+    /// `workspace_bytes` (one per microbatch it holds at once) for the activations.
+    pub fn pipelined(
+        mut self,
+        held: f64,
+        fsdp_shard: Option<usize>,
+        workspaces: usize,
+        workspace_bytes: u64,
+    ) -> Self {
         let part = |x: u64| (x as f64 * held).ceil() as u64;
-        self.params = part(self.params);
-        self.grads = part(self.grads);
-        self.optimizer = part(self.optimizer);
+        let (params, optimizer) = (part(self.params), part(self.optimizer));
+        self.compute_copy = part(self.compute_copy);
+        (self.params, self.grads, self.optimizer) = match fsdp_shard {
+            Some(n) => {
+                let n = n.max(1) as u64;
+                let shard = params.div_ceil(n);
+                (shard + params, shard + params, optimizer.div_ceil(n))
+            }
+            None => (params, params, optimizer),
+        };
         self.activations = workspaces as u64 * workspace_bytes;
         self
     }

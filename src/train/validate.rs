@@ -42,11 +42,14 @@ impl<B: Backend> Validator<B> {
         }
         let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
         let loader = DataLoader::for_validation(cfg, tokenizer, vocab, dp_rank, dp_size)?;
-        let own_workspace = ((batch, seq) != (cfg.training.local_batch_size, cfg.training.seq_len))
-            .then(|| {
-                let plan = AcMode::Full.plan(local.n_layers);
-                Workspace::planned(be, local, batch, seq, plan)
-            });
+        // A pipeline rank's step workspace holds one microbatch of its own stages: validation
+        // runs whole batches through every block position, so it has its own.
+        let pipelined = cfg.parallelism.pipeline_parallel_degree > 1;
+        let own_shape = (batch, seq) != (cfg.training.local_batch_size, cfg.training.seq_len);
+        let own_workspace = (own_shape || pipelined).then(|| {
+            let plan = AcMode::Full.plan(local.n_layers);
+            Workspace::planned(be, local, batch, seq, plan)
+        });
         Ok(Some(Validator {
             loader,
             steps: cfg.validation.steps as usize,

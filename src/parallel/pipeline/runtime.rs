@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, Result};
 use super::schedule::{Schedule, Work};
 use super::stage::StageSplit;
 use super::transfer::{with_transfers, Transfer};
-use crate::backend::Backend;
+use crate::backend::{Backend, LossSum};
 use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::{Llama, LocalShapes, ParamSet, Workspace};
@@ -244,34 +244,12 @@ impl<B: Backend> PipelineRank<B> {
                 match a.work {
                     Work::Forward => {
                         let _span = crate::trace::span_named("pipeline", || format!("{a}"));
-                        if stage.embedding {
-                            model.embed_forward(be, params, ws)?;
-                        } else if placement[s - 1] != me {
-                            let t = Transfer::Activation {
-                                stage: s,
-                                microbatch: mb,
-                            };
-                            let v = take(t, placement[s - 1])?;
-                            *ws.block_input_mut(stage.blocks.start) = be.upload(&v);
-                        }
-                        for l in stage.blocks.clone() {
-                            model.block_forward(be, params, ws, l)?;
-                        }
-                        if stage.head {
-                            loss += model
-                                .head_forward_backward(be, params, grads, ws, grad_scale)?
-                                .sum;
-                        } else if placement[s + 1] != me {
-                            let t = Transfer::Activation {
-                                stage: s + 1,
-                                microbatch: mb,
-                            };
-                            send(
-                                placement[s + 1],
-                                t,
-                                be.download(ws.block_input(stage.blocks.end)),
-                            )?;
-                        }
+                        let head = Head::Train { grads, grad_scale };
+                        let sum = forward_stage(
+                            be, model, params, ws, split, placement, me, s, mb, head, &mut take,
+                            send,
+                        )?;
+                        loss += sum.map_or(0.0, |l| l.sum);
                     }
                     Work::Backward | Work::BackwardInput => {
                         let _span = crate::trace::span_named("pipeline", || format!("{a}"));
@@ -324,5 +302,133 @@ impl<B: Backend> PipelineRank<B> {
         self.ran_s += started.elapsed().as_secs_f64();
         self.waited_s += waited;
         Ok(loss)
+    }
+}
+
+/// What the last stage's forward does after the blocks: the loss with its gradient (training),
+/// or the loss alone (validation).
+enum Head<'a, B: Backend> {
+    Train {
+        grads: &'a mut ParamSet<B>,
+        grad_scale: f32,
+    },
+    LossOnly,
+}
+
+/// The forward of stage `s` for microbatch `mb` on pipeline rank `me`: its input embedded,
+/// received (`take`) or already in the workspace (the previous stage ran here), its blocks, then
+/// the head (returning the loss) or its output sent on (`send`).
+#[allow(clippy::too_many_arguments)]
+fn forward_stage<B: Backend>(
+    be: &B,
+    model: &Llama<B>,
+    params: &ParamSet<B>,
+    ws: &mut Workspace<B>,
+    split: &StageSplit,
+    placement: &[usize],
+    me: usize,
+    s: usize,
+    mb: usize,
+    head: Head<'_, B>,
+    take: &mut dyn FnMut(Transfer, usize) -> Result<Vec<f32>>,
+    send: &dyn Fn(usize, Transfer, Vec<f32>) -> Result<()>,
+) -> Result<Option<LossSum>> {
+    let stage = &split.stages[s];
+    if stage.embedding {
+        model.embed_forward(be, params, ws)?;
+    } else if placement[s - 1] != me {
+        let t = Transfer::Activation {
+            stage: s,
+            microbatch: mb,
+        };
+        let v = take(t, placement[s - 1])?;
+        *ws.block_input_mut(stage.blocks.start) = be.upload(&v);
+    }
+    for l in stage.blocks.clone() {
+        model.block_forward(be, params, ws, l)?;
+    }
+    if stage.head {
+        return Ok(Some(match head {
+            Head::Train { grads, grad_scale } => {
+                model.head_forward_backward(be, params, grads, ws, grad_scale)?
+            }
+            Head::LossOnly => model.head_loss(be, params, ws)?,
+        }));
+    }
+    if placement[s + 1] != me {
+        let t = Transfer::Activation {
+            stage: s + 1,
+            microbatch: mb,
+        };
+        send(
+            placement[s + 1],
+            t,
+            be.download(ws.block_input(stage.blocks.end)),
+        )?;
+    }
+    Ok(None)
+}
+
+impl<B: Backend> PipelineRank<B> {
+    /// The loss of `tokens` (`[rows, seq+1]`) without gradients (validation), as one microbatch
+    /// through the stages in `ws` (a workspace of that shape, not the schedule's): this rank's
+    /// loss sum and target count (non-zero on the last stage's rank only).
+    pub fn loss(
+        &self,
+        be: &B,
+        model: &Llama<B>,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<(f64, u64)> {
+        let me = self.group.rank();
+        let placement = &self.schedule.placement;
+        // Each rank runs its stages' forwards in order: a forward-only "schedule" of one microbatch.
+        let forwards = Schedule {
+            name: "forward only".into(),
+            microbatches: 1,
+            placement: placement.clone(),
+            actions: (0..self.schedule.ranks())
+                .map(|r| {
+                    self.schedule
+                        .stages_of(r)
+                        .into_iter()
+                        .map(|stage| super::schedule::Action {
+                            stage,
+                            work: Work::Forward,
+                            microbatch: 0,
+                        })
+                        .collect()
+                })
+                .collect(),
+        };
+        model.load_tokens(ws, tokens)?;
+        let len = be.len(ws.block_input(0));
+        let timeout = self.timeout;
+        with_transfers(self.group.as_ref(), &forwards, len, |mailbox, send| {
+            let mut take = |t: Transfer, peer: usize| mailbox.take(t, peer, timeout);
+            let mut out = (0.0, 0u64);
+            for s in self.schedule.stages_of(me) {
+                let head = Head::LossOnly;
+                let sum = forward_stage(
+                    be,
+                    model,
+                    params,
+                    ws,
+                    &self.split,
+                    placement,
+                    me,
+                    s,
+                    0,
+                    head,
+                    &mut take,
+                    send,
+                )?;
+                if let Some(l) = sum {
+                    out = (l.sum, l.count as u64);
+                }
+            }
+            Ok(out)
+        })
     }
 }
