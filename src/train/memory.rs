@@ -287,6 +287,25 @@ mod tests {
     }
 
     #[test]
+    fn a_pipeline_rank_holds_its_stages_and_the_microbatches_in_flight() {
+        let args = ModelArgs::flavor("8B").unwrap();
+        let one = LocalShapes::whole(&args);
+        let everything = ActivationPlan::keep_everything(args.n_layers);
+        let whole = MemoryEstimate::new(&args, &one, 8, 8192, &everything);
+        let micro = MemoryEstimate::new(&args, &one, 1, 8192, &everything).activations;
+        // PP 8 with 1F1B: the first rank holds an eighth of the model and 8 microbatches.
+        let rank = whole.pipelined(1.0 / 8.0, None, 8, micro);
+        assert_eq!(rank.params, whole.params.div_ceil(8));
+        assert_eq!(rank.optimizer, whole.optimizer.div_ceil(8));
+        assert_eq!(rank.activations, 8 * micro);
+        // With FSDP 2 inside the stage: half of the stage's shards, plus the stage gathered whole.
+        let sharded = whole.pipelined(1.0 / 8.0, Some(2), 8, micro);
+        assert_eq!(sharded.optimizer, rank.optimizer.div_ceil(2));
+        assert_eq!(sharded.params, rank.params.div_ceil(2) + rank.params);
+        assert!(rank.total() < whole.total());
+    }
+
+    #[test]
     fn llama_8b_at_seq_8192_under_fsdp_8_fits_80_gb_with_activation_checkpointing() {
         use crate::model::activation_checkpoint::AcMode;
         // TorchTitan's 8B recipe: FSDP 8, local batch 1, seq 8192; activations counted in f32
