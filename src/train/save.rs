@@ -107,7 +107,7 @@ pub fn save_checkpoint<B: Backend>(
                 whole_params,
                 dist.and_then(|d| d.tp.as_ref().map(|tp| (d, tp))),
             ) {
-                (Some(params), Some((d, tp))) if d.dp.rank() == 0 => save_parts_then(
+                (Some(params), Some((d, tp))) if d.dp.rank() == 0 => save_parts(
                     be,
                     d,
                     tp.as_ref(),
@@ -145,6 +145,7 @@ pub fn save_checkpoint<B: Backend>(
                     &folder,
                     state,
                     keep,
+                    &|| d.checkpoint_written(step),
                 )?
             } else {
                 None
@@ -162,37 +163,10 @@ pub fn save_checkpoint<B: Backend>(
 }
 
 /// This rank's parts (`weights`: FSDP shards, or tensor-parallel parts whole) as its files of a
-/// sharded checkpoint written by `writers`.
+/// sharded checkpoint written by `writers`; `all_written` returns once every writer has written
+/// its files.
 #[allow(clippy::too_many_arguments)]
 fn save_parts<B: Backend>(
-    be: &B,
-    d: &Distributed,
-    writers: &dyn crate::comm::group::ProcessGroup,
-    layout: &RankLayout<B>,
-    weights: &crate::model::ParamSet<B>,
-    opt: &AdamW<B>,
-    folder: &Path,
-    state: TrainState,
-    keep: usize,
-) -> Result<Option<PathBuf>> {
-    let step = state.step;
-    save_parts_then(
-        be,
-        d,
-        writers,
-        layout,
-        weights,
-        opt,
-        folder,
-        state,
-        keep,
-        &|| d.checkpoint_written(step),
-    )
-}
-
-/// `save_parts` with `all_written` returning once every writer has written its files.
-#[allow(clippy::too_many_arguments)]
-fn save_parts_then<B: Backend>(
     be: &B,
     d: &Distributed,
     writers: &dyn crate::comm::group::ProcessGroup,

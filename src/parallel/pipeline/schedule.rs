@@ -96,20 +96,22 @@ pub const SCHEDULE_NAMES: [&str; 6] = [
 ];
 
 impl ScheduleKind {
+    /// Every schedule, in `SCHEDULE_NAMES` order.
+    pub const ALL: [ScheduleKind; 6] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::InterleavedZeroBubble,
+        ScheduleKind::ZbvZeroBubble,
+        ScheduleKind::DualPipeV,
+    ];
+
     /// TorchTitan's name (any case).
     pub fn parse(name: &str) -> Result<Self> {
-        let kinds = [
-            ScheduleKind::GPipe,
-            ScheduleKind::OneFOneB,
-            ScheduleKind::Interleaved1F1B,
-            ScheduleKind::InterleavedZeroBubble,
-            ScheduleKind::ZbvZeroBubble,
-            ScheduleKind::DualPipeV,
-        ];
         SCHEDULE_NAMES
             .iter()
             .position(|n| n.eq_ignore_ascii_case(name))
-            .map(|i| kinds[i])
+            .map(|i| Self::ALL[i])
             .ok_or_else(|| {
                 anyhow!(
                     "[parallelism] pipeline_parallel_schedule = `{name}` is not known (accepted: {}; or a CSV file in pipeline_parallel_schedule_csv)",
@@ -787,17 +789,10 @@ mod tests {
     use super::*;
 
     fn all(p: usize, m: usize) -> Vec<Schedule> {
-        [
-            ScheduleKind::GPipe,
-            ScheduleKind::OneFOneB,
-            ScheduleKind::Interleaved1F1B,
-            ScheduleKind::InterleavedZeroBubble,
-            ScheduleKind::ZbvZeroBubble,
-            ScheduleKind::DualPipeV,
-        ]
-        .into_iter()
-        .map(|k| generate(k, p, k.stages_per_rank(None).unwrap(), m).unwrap())
-        .collect()
+        ScheduleKind::ALL
+            .into_iter()
+            .map(|k| generate(k, p, k.stages_per_rank(None).unwrap(), m).unwrap())
+            .collect()
     }
 
     #[test]
