@@ -75,7 +75,7 @@ pub fn describe(s: &Schedule, t: &Timeline) -> String {
             out,
             "rank {r} (stages {:?}, up to {} microbatches held): {}",
             s.stages_of(r),
-            s.max_in_flight(r),
+            s.microbatch_lifetimes(r).1,
             names.join(" ")
         );
     }

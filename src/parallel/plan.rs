@@ -143,19 +143,23 @@ impl<B: Backend> RankLayout<B> {
                     if let Some(d) = ddp {
                         d.reducer.finish(be, grads, &[])?;
                     }
-                }
-                for (m, tokens) in micro.iter().enumerate().filter(|_| self.pipeline.is_none()) {
-                    // DDP reduces during the last micro-batch's backward (earlier ones accumulate).
-                    let hook: Option<&mut dyn BlockGradHook<B>> = match ddp.as_mut() {
-                        Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
-                        _ => None,
-                    };
-                    loss_sum += model
-                        .forward_backward_with(be, compute, grads, ws, tokens, grad_scale, hook)?
-                        .sum;
-                }
-                if let (Some(d), None) = (ddp, &self.pipeline) {
-                    d.reducer.finish(be, grads, &model.ids.layers)?;
+                } else {
+                    for (m, tokens) in micro.iter().enumerate() {
+                        // DDP reduces during the last micro-batch's backward (earlier ones
+                        // accumulate).
+                        let hook: Option<&mut dyn BlockGradHook<B>> = match ddp.as_mut() {
+                            Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
+                            _ => None,
+                        };
+                        loss_sum += model
+                            .forward_backward_with(
+                                be, compute, grads, ws, tokens, grad_scale, hook,
+                            )?
+                            .sum;
+                    }
+                    if let Some(d) = ddp {
+                        d.reducer.finish(be, grads, &model.ids.layers)?;
+                    }
                 }
             }
             ParamState::Sharded { fsdp, full, grads } => {

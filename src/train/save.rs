@@ -37,7 +37,10 @@ pub fn save_checkpoint<B: Backend>(
     let writers = dist.and_then(|d| d.writers.as_ref().map(|w| (d, w)));
     // Pipeline: every stage's tensors go to pipeline rank 0, which writes them as the same layout
     // without a pipeline would; the other pipeline ranks write nothing.
+    // Only data-parallel rank 0's pipeline writes (its pipeline group shares that coordinate).
+    let dp_first = dist.is_none_or(|d| d.dp.rank() == 0);
     let gathered = match (&layout.pipeline, &layout.state) {
+        (Some(_), ParamState::Whole { .. }) if !dp_first => None,
         (Some(pipe), ParamState::Whole { params, .. }) => {
             Some(pipe.gather_to_first(be, &[params, &opt.exp_avg, &opt.exp_avg_sq])?)
         }
@@ -50,12 +53,17 @@ pub fn save_checkpoint<B: Backend>(
                 .into_iter()
                 .map(|(_, s)| s)
                 .collect();
+            // Every rank of the shard group takes part in making the shards whole.
             let whole = [
                 fsdp.whole(be, &fsdp.shards, &shapes)?,
                 fsdp.whole(be, &opt.exp_avg, &shapes)?,
                 fsdp.whole(be, &opt.exp_avg_sq, &shapes)?,
             ];
-            Some(pipe.gather_to_first(be, &[&whole[0], &whole[1], &whole[2]])?)
+            if dp_first {
+                Some(pipe.gather_to_first(be, &[&whole[0], &whole[1], &whole[2]])?)
+            } else {
+                None
+            }
         }
         _ => None,
     };

@@ -390,9 +390,6 @@ fn train_on<B: Backend>(
             };
             let _span = crate::trace::span("checkpoint", "checkpoint save");
             let written = save_checkpoint(be, cfg, dist, &layout, &opt, &mut writer, state)?;
-            if let Some(d) = dist {
-                d.checkpoint_saved(step)?;
-            }
             last_good = Some(step);
             if let (Some(dir), false) = (written, quiet) {
                 emit(&bar, format!("saved checkpoint {}", dir.display()));

@@ -393,7 +393,14 @@ fn list_schedule(
             .any(|&s| next_forward[s] < m || backwarded[s] < m)
             || !pending_w[r].is_empty()
     };
+    // Each pass schedules an action or moves a rank's clock forward; far more passes than
+    // actions mean the scheduler is going round in circles (a bug), which must not hang a start.
+    let mut passes = 0usize;
     while done < total {
+        passes += 1;
+        if passes > 64 * total * p + 1024 {
+            bail!("{name}: list scheduling did not finish (a bug)");
+        }
         let r = (0..p)
             .filter(|&r| active(r, &next_forward, &backwarded, &pending_w))
             .min_by_key(|&r| (free[r], r))
@@ -544,6 +551,12 @@ impl Schedule {
     /// Checks completeness and deadlock-freedom (see the module doc).
     pub fn check(&self) -> Result<()> {
         let (n, m) = (self.stages(), self.microbatches);
+        if let Some(r) = (0..self.ranks()).find(|&r| self.stages_of(r).is_empty()) {
+            bail!(
+                "schedule {}: rank {r} holds no stage (every pipeline rank needs one)",
+                self.name
+            );
+        }
         let mut count: HashMap<(usize, Work, usize), usize> = HashMap::new();
         for (r, list) in self.actions.iter().enumerate() {
             for a in list {
@@ -651,24 +664,6 @@ impl Schedule {
         Ok(self.simulate(Work::unit_cost)?.bubble())
     }
 
-    /// The most microbatches whose activations rank `r` holds at once (forwarded, weight gradient
-    /// not yet computed), per stage of the rank, summed: what its workspaces must hold.
-    pub fn max_in_flight(&self, r: usize) -> usize {
-        let mut held = 0usize;
-        let mut most = 0usize;
-        for a in &self.actions[r] {
-            match a.work {
-                Work::Forward => {
-                    held += 1;
-                    most = most.max(held);
-                }
-                Work::Backward | Work::BackwardWeight => held -= 1,
-                Work::BackwardInput => {}
-            }
-        }
-        most
-    }
-
     /// For each of rank `r`'s actions, whether it is the last of its microbatch on that rank (its
     /// activations can go), and the most microbatches the rank holds at once, from each one's
     /// first action to its last: the workspaces it needs.
@@ -730,12 +725,16 @@ impl Schedule {
                     continue;
                 }
                 let at = || format!("{source} line {} column {}", line_no + 1, col + 1);
-                let digits = cell.chars().take_while(|c| c.is_ascii_digit()).count();
+                let digits = cell
+                    .find(|c: char| !c.is_ascii_digit())
+                    .unwrap_or(cell.len());
                 let stage: usize = cell[..digits].parse().map_err(|_| {
                     anyhow!("{}: `{cell}` does not start with a stage number", at())
                 })?;
                 let rest = &cell[digits..];
-                let kind_len = rest.chars().take_while(|c| !c.is_ascii_digit()).count();
+                let kind_len = rest
+                    .find(|c: char| c.is_ascii_digit())
+                    .unwrap_or(rest.len());
                 let (kind, mb) = rest.split_at(kind_len);
                 let work = match kind {
                     "F" => Work::Forward,
@@ -804,8 +803,8 @@ mod tests {
                 (s.unit_bubble().unwrap() - expected).abs() < 1e-12,
                 "p {p} m {m}"
             );
-            assert_eq!(s.max_in_flight(0), p.min(m));
-            assert_eq!(s.max_in_flight(p - 1), 1);
+            assert_eq!(s.microbatch_lifetimes(0).1, p.min(m));
+            assert_eq!(s.microbatch_lifetimes(p - 1).1, 1);
         }
         let s = generate(ScheduleKind::OneFOneB, 4, 1, 8).unwrap();
         assert!((s.unit_bubble().unwrap() - 3.0 / 11.0).abs() < 1e-12);
@@ -847,6 +846,11 @@ mod tests {
         // Rank 1 waits for a gradient rank 0 never lets it have: a deadlock, found before running.
         let e = Schedule::from_csv("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "dl.csv").unwrap_err();
         assert!(format!("{e:#}").contains("deadlocks"), "{e:#}");
+        // Text that is no action, even outside ASCII, and a rank left without a stage.
+        let e = Schedule::from_csv("0F0,0Fé1\n", "u.csv").unwrap_err();
+        assert!(format!("{e:#}").contains("u.csv line 1 column 2"), "{e:#}");
+        let e = Schedule::from_csv("0F0,0B0\nnone\n", "e.csv").unwrap_err();
+        assert!(format!("{e:#}").contains("rank 1 holds no stage"), "{e:#}");
         // TorchTitan's transfer actions are skipped.
         let with_comms = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
         Schedule::from_csv(with_comms, "c.csv").unwrap();

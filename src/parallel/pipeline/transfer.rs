@@ -3,12 +3,13 @@
 //!
 //! Every rank knows the whole schedule, so it knows which transfers each peer sends it and in
 //! what order (the order of the peer's actions). During a step a receiving thread per peer reads
-//! them in that order into a mailbox, and a sending thread per peer writes this rank's in the
-//! order they are produced; the compute thread only posts what it produced and takes what it
-//! needs. Socket buffers therefore never fill up against a rank that is computing, transfers run
-//! during compute, and the ranks can never deadlock on the order of their sends (the schedule
-//! check proves the compute order itself cannot). Each receive and send has the group's timeout,
-//! and a wait on the mailbox gives up after the same time, naming the peer and the transfer.
+//! them in that order into a mailbox, as soon as the compute thread waits for one of them, and a
+//! sending thread per peer writes this rank's in the order they are produced; the compute thread
+//! only posts what it produced and takes what it needs. A rank that computes therefore never
+//! blocks on a full socket (its sending thread does), transfers run during compute, and the ranks
+//! can never deadlock on the order of their sends (the schedule check proves the compute order
+//! itself cannot). Each receive and send has the group's timeout, and a wait on the mailbox gives
+//! up after the same time, naming the peer and the transfer.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -73,37 +74,82 @@ pub fn sent_from_to(schedule: &Schedule, from: usize, to: usize) -> Vec<Transfer
         .collect()
 }
 
-/// Transfers received and not yet taken, and the first error of a receiving thread.
+/// Transfers received and not yet taken, how many of each peer's transfers the compute thread
+/// has asked for, and the first error of a transfer thread.
 #[derive(Default)]
 struct Received {
     values: HashMap<Transfer, Vec<f32>>,
+    /// Per peer: transfers asked for so far (a prefix of its send order).
+    wanted: HashMap<usize, usize>,
     failed: Option<String>,
+    done: bool,
 }
 
-/// What the receiving threads hand to the compute thread.
-#[derive(Default)]
+/// What the receiving threads hand to the compute thread. A receiving thread reads a peer's next
+/// transfer only once the compute thread waits for it or a later one, so each socket read's
+/// timeout measures a real wait, as a collective's does (a peer may rightly stay silent for most
+/// of a step, as under GPipe).
 pub struct Mailbox {
     state: Mutex<Received>,
-    arrived: Condvar,
+    changed: Condvar,
+    /// Each transfer's place in its sender's order.
+    position: HashMap<Transfer, usize>,
 }
 
 impl Mailbox {
+    fn new(position: HashMap<Transfer, usize>) -> Self {
+        Mailbox {
+            state: Mutex::new(Received::default()),
+            changed: Condvar::new(),
+            position,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Received> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn put(&self, t: Transfer, values: Vec<f32>) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.values.insert(t, values);
-        self.arrived.notify_all();
+        self.lock().values.insert(t, values);
+        self.changed.notify_all();
     }
 
     fn fail(&self, why: String) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.failed.get_or_insert(why);
-        self.arrived.notify_all();
+        self.lock().failed.get_or_insert(why);
+        self.changed.notify_all();
+    }
+
+    /// The pass is over (or failed): receiving threads waiting for demand stop.
+    fn finish(&self) {
+        self.lock().done = true;
+        self.changed.notify_all();
+    }
+
+    /// For the receiving thread of `peer`: waits until transfer number `k` of its order is wanted
+    /// (true), or the pass ended (false).
+    fn wait_wanted(&self, peer: usize, k: usize) -> bool {
+        let mut s = self.lock();
+        loop {
+            if s.done || s.failed.is_some() {
+                return false;
+            }
+            if s.wanted.get(&peer).is_some_and(|&w| w > k) {
+                return true;
+            }
+            s = self.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// Waits up to `timeout` for `t` from pipeline rank `peer`.
     pub fn take(&self, t: Transfer, peer: usize, timeout: Duration) -> Result<Vec<f32>> {
         let deadline = Instant::now() + timeout;
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let k = self.position.get(&t).copied().ok_or_else(|| {
+            anyhow!("pipeline: {t} is not sent by pipeline rank {peer} in this schedule (a bug)")
+        })?;
+        let mut s = self.lock();
+        let w = s.wanted.entry(peer).or_default();
+        *w = (*w).max(k + 1);
+        self.changed.notify_all();
         loop {
             if let Some(v) = s.values.remove(&t) {
                 return Ok(v);
@@ -120,7 +166,7 @@ impl Mailbox {
                 ));
             }
             s = self
-                .arrived
+                .changed
                 .wait_timeout(s, left)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
@@ -139,17 +185,29 @@ pub fn with_transfers<T>(
     compute: impl FnOnce(&Mailbox, &dyn Fn(usize, Transfer, Vec<f32>) -> Result<()>) -> Result<T>,
 ) -> Result<T> {
     let me = group.rank();
-    let mailbox = Mailbox::default();
+    let peers: Vec<usize> = (0..schedule.ranks()).filter(|&p| p != me).collect();
+    let incoming: HashMap<usize, Vec<Transfer>> = peers
+        .iter()
+        .map(|&p| (p, sent_from_to(schedule, p, me)))
+        .collect();
+    let position = incoming
+        .values()
+        .flat_map(|list| list.iter().enumerate().map(|(k, &t)| (t, k)))
+        .collect();
+    let mailbox = Mailbox::new(position);
     std::thread::scope(|scope| {
         let mut receivers = Vec::new();
         let mut outboxes: HashMap<usize, mpsc::Sender<(Transfer, Vec<f32>)>> = HashMap::new();
         let mut senders = Vec::new();
-        for peer in (0..schedule.ranks()).filter(|&p| p != me) {
-            let incoming = sent_from_to(schedule, peer, me);
-            if !incoming.is_empty() {
+        for &peer in &peers {
+            let expected = incoming[&peer].clone();
+            if !expected.is_empty() {
                 let mailbox = &mailbox;
                 receivers.push(scope.spawn(move || {
-                    for t in incoming {
+                    for (k, t) in expected.into_iter().enumerate() {
+                        if !mailbox.wait_wanted(peer, k) {
+                            return;
+                        }
                         let mut buf = vec![0f32; len];
                         if let Err(e) = group.recv(&mut buf, peer) {
                             mailbox.fail(format!("{e:#}"));
@@ -162,11 +220,15 @@ pub fn with_transfers<T>(
             if !sent_from_to(schedule, me, peer).is_empty() {
                 let (tx, rx) = mpsc::channel::<(Transfer, Vec<f32>)>();
                 outboxes.insert(peer, tx);
+                let mailbox = &mailbox;
                 senders.push(scope.spawn(move || -> Result<()> {
                     for (t, values) in rx {
-                        group.send(&values, peer).map_err(|e| {
-                            anyhow!("pipeline: sending {t} to pipeline rank {peer}: {e:#}")
-                        })?;
+                        if let Err(e) = group.send(&values, peer) {
+                            let e = anyhow!("pipeline: sending {t} to pipeline rank {peer}: {e:#}");
+                            // The compute thread stops waiting at once, with this error.
+                            mailbox.fail(format!("{e:#}"));
+                            return Err(e);
+                        }
                     }
                     Ok(())
                 }));
@@ -187,6 +249,7 @@ pub fn with_transfers<T>(
         };
         let result = compute(&mailbox, &send);
         drop(outboxes);
+        mailbox.finish();
         let mut sent = Ok(());
         for s in senders {
             let r = s
@@ -199,8 +262,8 @@ pub fn with_transfers<T>(
         for r in receivers {
             let _ = r.join();
         }
-        let value = result?;
+        // A failed send is the cause of whatever the compute thread then ran into.
         sent?;
-        Ok(value)
+        result
     })
 }
