@@ -206,6 +206,9 @@ pub fn compose_rank<B: Backend>(
             ),
             (None, None) => e,
         };
+        if let Some(p) = &pipeline {
+            e.activations += p.deferred_bytes(&local, seq);
+        }
         // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
         // its own, keeping no activations past each block (`train::validate`).
         let (vb, vs) = cfg.validation_shape();

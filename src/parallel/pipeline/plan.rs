@@ -126,6 +126,28 @@ impl PipelinePlan {
         })
     }
 
+    /// Bytes of the weight gradients a zero-bubble schedule leaves deferred on this rank at most:
+    /// each deferred block keeps copies of its seven projections' inputs and output gradients
+    /// over a microbatch's `tokens` (`parallel_linear::DeferredWeightGrad`).
+    pub fn deferred_bytes(&self, local: &LocalShapes, seq: usize) -> u64 {
+        let split = &self.split;
+        let blocks = self
+            .schedule
+            .max_deferred_blocks(self.group.rank(), |s| split.stages[s].blocks.len());
+        let tokens = (self.microbatch_rows * seq) as u64;
+        let (d, f, q, kv) = (
+            local.dim as u64,
+            local.ffn as u64,
+            local.q_dim() as u64,
+            local.kv_dim() as u64,
+        );
+        // w2: act (f) and its output gradient (d); w1, w3: the normed input (d) and gradient (f)
+        // each; wo: attention's output (q) and gradient (d); wq, wk, wv: the normed input (d)
+        // each and gradients (q, kv, kv).
+        let per_token = (f + d) + 2 * (d + f) + (q + d) + 3 * d + q + 2 * kv;
+        blocks as u64 * tokens * per_token * 4
+    }
+
     /// Workspaces this rank keeps: the most microbatches it holds at once.
     pub fn workspaces(&self) -> usize {
         self.workspaces

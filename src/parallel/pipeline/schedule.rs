@@ -690,6 +690,23 @@ impl Schedule {
         (is_last, most)
     }
 
+    /// The most weight gradients rank `r` holds deferred at once (from an `I` to its `W`),
+    /// counted in blocks: `blocks(stage)` per deferred (stage, microbatch).
+    pub fn max_deferred_blocks(&self, r: usize, blocks: impl Fn(usize) -> usize) -> usize {
+        let (mut held, mut most) = (0usize, 0usize);
+        for a in &self.actions[r] {
+            match a.work {
+                Work::BackwardInput => {
+                    held += blocks(a.stage);
+                    most = most.max(held);
+                }
+                Work::BackwardWeight => held -= blocks(a.stage),
+                _ => {}
+            }
+        }
+        most
+    }
+
     /// TorchTitan's compute-only CSV: a line per rank, its actions separated by commas.
     pub fn to_csv(&self) -> String {
         self.actions
@@ -821,6 +838,10 @@ mod tests {
                 eprintln!("p {p} m {m} {}: bubble {b:.3}", s.name);
                 if s.name.contains("ZeroBubble") {
                     assert!(b < one_f_one_b, "{} {b} vs 1F1B {one_f_one_b}", s.name);
+                    // Deferred weight gradients are held between each I and its W.
+                    assert!(s.max_deferred_blocks(0, |_| 1) >= 1, "{}", s.name);
+                } else if !s.name.contains("DualPipe") {
+                    assert_eq!(s.max_deferred_blocks(0, |_| 1), 0, "{}", s.name);
                 }
             }
             // Interleaving shrinks the bubble (same work cut into twice the stages).
