@@ -119,10 +119,23 @@ fn a_pipeline_checkpoint_resumes_in_one_process_and_the_reverse() {
     let b = tempfile::tempdir().unwrap();
     run(b.path(), "3", &[], &[]);
     run(b.path(), "6", &nproc("2"), &pipe);
+    // PP 2 saves (each stage its own tensors) and resumes from its own files.
+    let c = tempfile::tempdir().unwrap();
+    run(c.path(), "3", &nproc("2"), &pipe);
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(c.path().join("checkpoint/step-3/state.json")).unwrap(),
+    )
+    .unwrap();
+    let index = &state["sharding"];
+    assert_eq!(index["pp_parts"], 2, "{index}");
+    assert_eq!(index["tensors"]["output.weight"]["pp_part"], 1, "{index}");
+    assert!(index["tensors"]["tok_embeddings.weight"]["pp_part"].is_null());
+    run(c.path(), "6", &nproc("2"), &pipe);
     let reference = losses(one.path());
     assert_eq!(reference.len(), 6);
     assert_parity(&reference, &losses(a.path()), "PP 2 → one process");
     assert_parity(&reference, &losses(b.path()), "one process → PP 2");
+    assert_parity(&reference, &losses(c.path()), "PP 2 → PP 2");
 }
 
 #[test]

@@ -57,10 +57,21 @@ pub fn step_dir(folder: &Path, step: u64) -> PathBuf {
 
 /// Host copies of a parameter set, by name.
 pub fn to_tensors<B: Backend>(be: &B, set: &ParamSet<B>, prefix: &str) -> Vec<(String, Tensor)> {
+    to_tensors_of(be, set, prefix, &|_| true)
+}
+
+/// `to_tensors` of the tensors whose name `keep` accepts (a pipeline rank's stages).
+pub fn to_tensors_of<B: Backend>(
+    be: &B,
+    set: &ParamSet<B>,
+    prefix: &str,
+    keep: &dyn Fn(&str) -> bool,
+) -> Vec<(String, Tensor)> {
     set.names
         .iter()
         .zip(&set.shapes)
         .zip(&set.bufs)
+        .filter(|((n, _), _)| keep(n))
         .map(|((n, s), b)| {
             (
                 format!("{prefix}{n}"),
@@ -327,12 +338,14 @@ pub struct WriterPlace {
     pub rank: usize,
     pub size: usize,
     pub tp: usize,
+    /// Pipeline parts (1: none): `size / pp` writers hold each stage's tensors.
+    pub pp: usize,
 }
 
 impl WriterPlace {
     /// Values per shard of a tensor-parallel part of `part_numel` values.
     pub fn shard_len(&self, part_numel: usize) -> usize {
-        part_numel.div_ceil(self.size / self.tp)
+        part_numel.div_ceil(self.size / self.pp / self.tp)
     }
 }
 
@@ -388,7 +401,8 @@ impl HostCheckpoint {
         }
         let own_shards = writer.filter(|w| {
             state.sharding.as_ref().is_some_and(|index| {
-                index.shards == w.size
+                index.shards * index.pp_parts.max(1) == w.size
+                    && index.pp_parts.max(1) == w.pp
                     && index.tp_parts.max(1) == w.tp
                     && index.tensors.iter().all(|(name, t)| {
                         let part = TpSharding::of(name).local_shape(&t.shape, w.tp);
@@ -466,7 +480,7 @@ impl HostCheckpoint {
         let Some(w) = self.own_shards else {
             return Ok(None);
         };
-        let saved = if w.size == w.tp {
+        let saved = if w.size / w.pp == w.tp {
             part_shape.to_vec()
         } else {
             vec![w.shard_len(part_shape.iter().product())]

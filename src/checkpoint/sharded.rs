@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::{st, step_dir, to_tensors, FileCheck, TrainState};
+use super::{st, step_dir, to_tensors_of, FileCheck, TrainState};
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::mesh::{DeviceMesh, DIMS};
@@ -38,6 +38,13 @@ pub struct ShardedTensor {
     /// How the tensor is split into tensor-parallel parts (absent: whole, one part).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_split: Option<TpSplit>,
+    /// The pipeline stage rank whose writers hold it (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pp_part: usize,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
 }
 
 /// A tensor's split over the tensor-parallel parts (`model::params::TpSharding`, as saved).
@@ -73,13 +80,23 @@ fn one() -> usize {
     1
 }
 
+fn is_one(x: &usize) -> bool {
+    *x == 1
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ShardIndex {
-    /// Writers (files of each kind): tensor-parallel parts × flat shards of each part.
+    /// Writers of each pipeline part (files of each kind): tensor-parallel parts × flat shards of
+    /// each part.
     pub shards: usize,
     /// Tensor-parallel parts (1: none).
     #[serde(default = "one")]
     pub tp_parts: usize,
+    /// Pipeline parts (1: none): the writers of pipeline rank `p` are files
+    /// `p·shards .. (p+1)·shards` and hold the tensors whose `pp_part` is `p`, each stage writing
+    /// its own.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub pp_parts: usize,
     /// Degrees of the device mesh the checkpoint was saved with (`pp, dp_replicate, dp_shard, cp, tp`).
     #[serde(default)]
     pub mesh: BTreeMap<String, usize>,
@@ -115,6 +132,13 @@ fn unpack(v: &[f32]) -> FileCheck {
     }
 }
 
+/// A pipeline's split of a checkpoint: `parts` pipeline ranks, each writing its stages' tensors
+/// (`part_of`: the pipeline rank holding a tensor).
+pub struct PipelineParts<'a> {
+    pub parts: usize,
+    pub part_of: &'a dyn Fn(&str) -> usize,
+}
+
 /// Writes `step-N/` from every rank of `group`, the writers (collective: all of them must call
 /// it), `tp_parts` of them being consecutive tensor-parallel ranks (1: none). `shards`, `exp_avg`,
 /// `exp_avg_sq` are this rank's flat shards of its tensor-parallel parts (or the parts whole);
@@ -130,15 +154,21 @@ pub fn save<B: Backend>(
     exp_avg: &ParamSet<B>,
     exp_avg_sq: &ParamSet<B>,
     full_shapes: &[Vec<usize>],
+    pipeline: Option<&PipelineParts>,
     mut state: TrainState,
     keep_latest_k: usize,
     all_written: &dyn Fn() -> Result<()>,
 ) -> Result<Option<PathBuf>> {
     let (rank, size) = (group.rank(), group.size());
+    let pp_parts = pipeline.map_or(1, |p| p.parts);
     assert!(
-        size.is_multiple_of(tp_parts),
-        "sharded save: {size} writers do not hold {tp_parts} tensor-parallel parts (a titan bug)"
+        size.is_multiple_of(tp_parts * pp_parts),
+        "sharded save: {size} writers do not hold {pp_parts} pipeline × {tp_parts} tensor-parallel parts (a titan bug)"
     );
+    let per_part = size / pp_parts;
+    // A pipeline rank writes only its stages' tensors.
+    let my_part = rank / per_part;
+    let here = |name: &str| pipeline.is_none_or(|p| (p.part_of)(name) == my_part);
     let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
     if rank == 0 {
         std::fs::create_dir_all(folder)?;
@@ -148,11 +178,11 @@ pub fn save<B: Backend>(
         std::fs::create_dir_all(&tmp)?;
     }
     group.barrier()?;
-    let model = st::to_bytes(&to_tensors(be, shards, ""), None)?;
+    let model = st::to_bytes(&to_tensors_of(be, shards, "", &here), None)?;
     let model_check = super::write_synced(&tmp.join(model_file(rank)), &model)?;
     drop(model);
-    let mut moments = to_tensors(be, exp_avg, "exp_avg.");
-    moments.extend(to_tensors(be, exp_avg_sq, "exp_avg_sq."));
+    let mut moments = to_tensors_of(be, exp_avg, "exp_avg.", &here);
+    moments.extend(to_tensors_of(be, exp_avg_sq, "exp_avg_sq.", &here));
     let opt = st::to_bytes(&moments, None)?;
     let opt_check = super::write_synced(&tmp.join(optimizer_file(rank)), &opt)?;
     drop(opt);
@@ -176,12 +206,23 @@ pub fn save<B: Backend>(
             .zip(&shards.shapes)
             .zip(full_shapes)
             .map(|((n, s), full)| {
+                // Rank 0 holds no shard of another stage's tensor: its length follows from the
+                // part's size, as the stage's own writers cut it.
+                let shard_len = match pipeline {
+                    Some(_) => {
+                        let split = TpSharding::of(n);
+                        let part: usize = split.local_shape(full, tp_parts).iter().product();
+                        part.div_ceil(per_part / tp_parts)
+                    }
+                    None => s.iter().product(),
+                };
                 (
                     n.clone(),
                     ShardedTensor {
                         shape: full.clone(),
-                        shard_len: s.iter().product(),
+                        shard_len,
                         tp_split: (tp_parts > 1).then(|| TpSharding::of(n).into()),
+                        pp_part: pipeline.map_or(0, |p| (p.part_of)(n)),
                     },
                 )
             })
@@ -191,8 +232,9 @@ pub fn save<B: Backend>(
             .map(|d| (d.to_string(), mesh.degree(d)))
             .collect();
         state.sharding = Some(ShardIndex {
-            shards: size,
+            shards: per_part,
             tp_parts,
+            pp_parts,
             mesh,
             tensors,
         });
@@ -223,8 +265,9 @@ pub fn merge(
             index.tp_parts
         );
     }
+    let pp = index.pp_parts.max(1);
     let mut parts: Vec<BTreeMap<String, Tensor>> = Vec::new();
-    for r in 0..index.shards {
+    for r in 0..index.shards * pp {
         let f = if kind == "model" {
             model_file(r)
         } else {
@@ -232,7 +275,10 @@ pub fn merge(
         };
         parts.push(read(&f)?.into_iter().collect());
     }
-    let names: Vec<String> = parts[0].keys().cloned().collect();
+    // Each pipeline part's first writer holds every tensor of its stages.
+    let names: Vec<String> = (0..pp)
+        .flat_map(|p| parts[p * index.shards].keys().cloned().collect::<Vec<_>>())
+        .collect();
     let mut out = Vec::new();
     for name in names {
         let base = name
@@ -243,6 +289,13 @@ pub fn merge(
             .tensors
             .get(base)
             .ok_or_else(|| anyhow!("{}: shard index has no tensor `{base}`", dir.display()))?;
+        if info.pp_part >= pp {
+            bail!(
+                "{}: the shard index puts `{base}` in pipeline part {} of {pp}",
+                dir.display(),
+                info.pp_part
+            );
+        }
         let numel: usize = info.shape.iter().product();
         let tp = index.tp_parts.max(1);
         let split: TpSharding = info.tp_split.map_or(TpSharding::Replicated, Into::into);
@@ -260,7 +313,7 @@ pub fn merge(
         for t in 0..tp {
             let mut data = Vec::with_capacity(info.shard_len * per_part);
             for s in 0..per_part {
-                let r = s * tp + t;
+                let r = info.pp_part * index.shards + s * tp + t;
                 let shard = parts[r].remove(&name).ok_or_else(|| {
                     anyhow!("{}: rank {r}'s shard of `{name}` is missing", dir.display())
                 })?;

@@ -31,9 +31,9 @@ pub struct Distributed {
     /// The pipeline group (`pp`: the ranks holding the stages of one model copy), when its degree
     /// is above 1.
     pub pp: Option<Arc<dyn ProcessGroup>>,
-    /// The ranks that write a sharded checkpoint together (`dp_shard × tp`, tp fastest; under
-    /// HSDP or DDP each replica has one and replica 0's writes). None when checkpoints are written
-    /// whole by rank 0 (one process or DDP, without TP).
+    /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of
+    /// the dims in use; under HSDP or DDP each replica has one and replica 0's writes). None when
+    /// checkpoints are written whole by rank 0 (one process or DDP, without TP or PP).
     pub writers: Option<Arc<dyn ProcessGroup>>,
     /// Every rank of the job (the data-parallel group itself when the job is data parallel only):
     /// job-wide figures such as the largest rank's peak memory.
@@ -109,11 +109,24 @@ impl Distributed {
         } else {
             None
         };
-        let (writers, writers_name) = match (&shard, &tp) {
-            (None, None) => (None, None),
-            (Some(s), None) => (Some(s.clone()), shard_name.clone()),
-            (None, Some(t)) => (Some(t.clone()), tp_name.clone()),
-            (Some(_), Some(_)) => (
+        let (writers, writers_name) = match (&shard, &tp, &pp) {
+            (None, None, None) => (None, None),
+            (Some(s), None, None) => (Some(s.clone()), shard_name.clone()),
+            (None, Some(t), None) => (Some(t.clone()), tp_name.clone()),
+            (None, None, Some(p)) => (Some(p.clone()), Some(name(&["pp"]))),
+            // With a pipeline every stage's ranks write its own tensors: the writers span `pp`
+            // too (outermost, so pipeline rank p's writers come p-th).
+            (_, _, Some(_)) => {
+                let mut dims = vec!["pp"];
+                if shard.is_some() {
+                    dims.push("dp_shard");
+                }
+                if tp.is_some() {
+                    dims.push("tp");
+                }
+                (Some(join(&dims)?), Some(name(&dims)))
+            }
+            (Some(_), Some(_), None) => (
                 Some(join(&["dp_shard", "tp"])?),
                 Some(name(&["dp_shard", "tp"])),
             ),

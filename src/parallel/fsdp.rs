@@ -481,31 +481,6 @@ impl<B: Backend> Fsdp<B> {
         result
     }
 
-    /// Whole tensors of a parameter-shaped set of shards (weights or AdamW moments), gathered
-    /// over the shard group on the host (every rank of the group calls this together): for a
-    /// checkpoint written whole. `shapes`: the tensors' shapes (a tensor this rank does not hold,
-    /// of another pipeline stage, stays empty).
-    pub fn whole(
-        &self,
-        be: &B,
-        shards: &ParamSet<B>,
-        shapes: &[Vec<usize>],
-    ) -> Result<ParamSet<B>> {
-        let size = self.group.size();
-        let mut out = ParamSet {
-            names: shards.names.clone(),
-            shapes: shapes.to_vec(),
-            bufs: Vec::with_capacity(shards.len()),
-        };
-        for (i, shard) in shards.bufs.iter().enumerate() {
-            let mut all = vec![0f32; self.shard_len[i] * size];
-            self.group.all_gather(&be.download(shard), &mut all)?;
-            all.truncate(self.numel[i]);
-            out.bufs.push(be.upload(&all));
-        }
-        Ok(out)
-    }
-
     /// A forward-only pass that needs every parameter this rank holds at once (a pipeline
     /// rank's validation): gathered for it, freed after.
     pub fn with_weights_gathered<T>(

@@ -142,11 +142,16 @@ pub fn start_state<B: Backend>(
     };
     // A rank of the layout that wrote a sharded checkpoint (FSDP, TP or both) holds its own files
     // only: its shards, or its tensor-parallel parts, as they were saved.
-    let writer = dist.and_then(|d| d.writers.as_ref()).map(|w| WriterPlace {
-        rank: w.rank(),
-        size: w.size(),
-        tp,
-    });
+    let writer = dist
+        .and_then(|d| d.writers.as_ref().map(|w| (d, w)))
+        .map(|(d, w)| WriterPlace {
+            rank: w.rank(),
+            size: w.size(),
+            tp,
+            pp: d.mesh.degree("pp"),
+        });
+    // A pipeline rank holds (and reads) only its stages' tensors.
+    let here = |i: usize| held.is_none_or(|h| h(&global[i].0));
     let ckpt = match (&resume_dir, writer) {
         (Some((_, dir)), Some(w)) => Some(HostCheckpoint::read_for_writer(dir, args, w)),
         (Some((_, dir)), None) => Some(HostCheckpoint::read(dir, args)),
@@ -178,7 +183,6 @@ pub fn start_state<B: Backend>(
     if let Some(d) = dist.filter(|_| fsdp) {
         let shard = d.shard.clone().expect("FSDP mode has a shard group");
         // A pipeline rank shards only its stages' tensors; the others are empty here.
-        let here = |i: usize| held.is_none_or(|h| h(&global[i].0));
         let fsdp_specs: Vec<(String, Vec<usize>)> = specs
             .iter()
             .enumerate()
@@ -234,7 +238,7 @@ pub fn start_state<B: Backend>(
                     (&mut o.exp_avg, Some("exp_avg.")),
                     (&mut o.exp_avg_sq, Some("exp_avg_sq.")),
                 ] {
-                    for (i, (name, shape)) in global.iter().enumerate() {
+                    for (i, (name, shape)) in global.iter().enumerate().filter(|(i, _)| here(*i)) {
                         let own = ckpt
                             .own_shard(moment, name, &specs[i].1)
                             .map_err(cannot_resume)?;

@@ -132,45 +132,11 @@ impl<B: Backend> PipelineRank<B> {
         )
     }
 
-    /// For a checkpoint: every stage's tensors of `sets` (weights, AdamW moments) brought to
-    /// pipeline rank 0, which gets whole sets back; the other ranks send theirs and get `None`.
-    pub fn gather_to_first(
-        &self,
-        be: &B,
-        sets: &[&ParamSet<B>],
-    ) -> Result<Option<Vec<ParamSet<B>>>> {
-        let g = self.group.as_ref();
-        let me = g.rank();
-        let owner = |name: &str| {
-            (0..g.size())
-                .find(|&r| super::plan::holds(&self.schedule, &self.split, r, name))
-                .unwrap_or(0)
-        };
-        let mut whole: Vec<ParamSet<B>> = Vec::new();
-        for set in sets {
-            let mut out = ParamSet {
-                names: set.names.clone(),
-                shapes: set.shapes.clone(),
-                bufs: Vec::with_capacity(set.bufs.len()),
-            };
-            for (i, name) in set.names.iter().enumerate() {
-                let from = owner(name);
-                let numel: usize = set.shapes[i].iter().product();
-                if me == 0 {
-                    out.bufs.push(if from == 0 {
-                        be.upload(&be.download(&set.bufs[i]))
-                    } else {
-                        let mut v = vec![0f32; numel];
-                        g.recv(&mut v, from)?;
-                        be.upload(&v)
-                    });
-                } else if from == me {
-                    g.send(&be.download(&set.bufs[i]), 0)?;
-                }
-            }
-            whole.push(out);
-        }
-        Ok((me == 0).then_some(whole))
+    /// The pipeline rank holding parameter `name` (a checkpoint's part for it).
+    pub fn holder(&self, name: &str) -> usize {
+        (0..self.schedule.ranks())
+            .find(|&r| super::plan::holds(&self.schedule, &self.split, r, name))
+            .unwrap_or(0)
     }
 
     /// Workspaces this rank keeps (one per microbatch held at once).
