@@ -51,6 +51,10 @@ fn pp_2_matches_one_process_under_every_schedule() {
     for zb in ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] {
         check_parity(&format!("PP 2 {zb}"), &[], &nproc("2"), &pp("2", zb));
     }
+    // Tied embeddings (1B's): the first and last stages both hold the embedding, their
+    // gradients summed, the norm counting it once.
+    let tied = ["--model.flavor", "1B"];
+    check_parity("PP 2 tied", &tied, &nproc("2"), &pp("2", "1F1B"));
     // Two micro-batches a step, each cut into four pipeline microbatches.
     let accum = ["--training.global_batch_size", "8"];
     check_parity("PP 2 accumulating", &accum, &nproc("2"), &pp("2", "1F1B"));
@@ -159,9 +163,6 @@ fn what_the_pipeline_cannot_run_is_refused_at_start() {
     let mut odd = pp("2", "1F1B");
     odd.extend(["--parallelism.pipeline_parallel_microbatch_size", "3"]);
     refused(&[], &odd, "must divide");
-    let mut tied = pp("2", "1F1B");
-    tied.extend(["--model.flavor", "1B"]);
-    refused(&nproc("2"), &tied, "tied embeddings");
     let mut points = pp("2", "1F1B");
     points.extend(["--parallelism.pipeline_parallel_split_points", "layers.7"]);
     refused(&nproc("2"), &points, "names no block");
@@ -228,4 +229,37 @@ fn pp_fsdp_and_3d_checkpoints_resume_under_other_layouts() {
         &losses(c.path()),
         "PP 2 × FSDP 2 × TP 2 → one process",
     );
+}
+
+/// A tied embedding is written by both stages holding it, so each reads its own files back, and
+/// the checkpoint merges under another layout.
+#[test]
+fn tied_embeddings_resume_under_pp_and_in_one_process() {
+    let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
+        let mut args = vec![
+            "--training.steps",
+            steps,
+            "--checkpoint.interval",
+            "3",
+            "--model.flavor",
+            "1B",
+        ];
+        args.extend_from_slice(BATCH4);
+        args.extend_from_slice(parallel);
+        let o = train(dir, launcher, &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let pipe = pp("2", "1F1B");
+    let one = tempfile::tempdir().unwrap();
+    run(one.path(), "3", &[], &[]);
+    run(one.path(), "6", &[], &[]);
+    let a = tempfile::tempdir().unwrap();
+    run(a.path(), "3", &nproc("2"), &pipe);
+    run(a.path(), "6", &nproc("2"), &pipe);
+    let b = tempfile::tempdir().unwrap();
+    run(b.path(), "3", &nproc("2"), &pipe);
+    run(b.path(), "6", &[], &[]);
+    let reference = losses(one.path());
+    assert_parity(&reference, &losses(a.path()), "tied, PP 2 → PP 2");
+    assert_parity(&reference, &losses(b.path()), "tied, PP 2 → one process");
 }

@@ -137,6 +137,9 @@ fn unpack(v: &[f32]) -> FileCheck {
 pub struct PipelineParts<'a> {
     pub parts: usize,
     pub part_of: &'a dyn Fn(&str) -> usize,
+    /// Whether pipeline rank `p` holds a tensor (a tied embedding is held by two: both write it,
+    /// so each reads its own files back; the index names the first).
+    pub held_by: &'a dyn Fn(&str, usize) -> bool,
 }
 
 /// Writes `step-N/` from every rank of `group`, the writers (collective: all of them must call
@@ -168,7 +171,7 @@ pub fn save<B: Backend>(
     let per_part = size / pp_parts;
     // A pipeline rank writes only its stages' tensors.
     let my_part = rank / per_part;
-    let here = |name: &str| pipeline.is_none_or(|p| (p.part_of)(name) == my_part);
+    let here = |name: &str| pipeline.is_none_or(|p| (p.held_by)(name, my_part));
     let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
     if rank == 0 {
         std::fs::create_dir_all(folder)?;
@@ -276,7 +279,7 @@ pub fn merge(
         parts.push(read(&f)?.into_iter().collect());
     }
     // Each pipeline part's first writer holds every tensor of its stages.
-    let names: Vec<String> = (0..pp)
+    let names: std::collections::BTreeSet<String> = (0..pp)
         .flat_map(|p| parts[p * index.shards].keys().cloned().collect::<Vec<_>>())
         .collect();
     let mut out = Vec::new();

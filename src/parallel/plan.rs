@@ -139,6 +139,7 @@ impl<B: Backend> RankLayout<B> {
                         loss_sum +=
                             pipe.forward_backward(be, model, compute, grads, tokens, grad_scale)?;
                     }
+                    pipe.sum_tied_grad(be, model, grads)?;
                     // DDP sums every gradient of the stages at once after the last microbatch.
                     if let Some(d) = ddp {
                         d.reducer.finish(be, grads, &[])?;
@@ -167,7 +168,10 @@ impl<B: Backend> RankLayout<B> {
                 for tokens in micro {
                     loss_sum += match self.pipeline.as_mut() {
                         Some(pipe) => fsdp.with_all_gathered(be, full, grads, |full, grads| {
-                            pipe.forward_backward(be, model, full, grads, tokens, grad_scale)
+                            let loss =
+                                pipe.forward_backward(be, model, full, grads, tokens, grad_scale)?;
+                            pipe.sum_tied_grad(be, model, grads)?;
+                            Ok(loss)
                         })?,
                         None => {
                             fsdp.forward_backward(be, model, full, grads, ws, tokens, grad_scale)?
@@ -269,11 +273,24 @@ impl<B: Backend> RankLayout<B> {
             let x = shard_group.map_or(Ok(x), |g| all_reduce_sum_f64(g, x))?;
             pipeline.map_or(Ok(x), |g| all_reduce_sum_f64(g, x))
         };
+        // A tied embedding's copy on the last stage has the same gradient as the first's.
+        let copy = self
+            .pipeline
+            .as_ref()
+            .and_then(|p| p.copy_not_to_count(&self.model));
+        let counted = |i: usize| copy != Some(i);
         let Some(tp) = &self.tp_group else {
-            return Ok(over_shards(be.sum_squares_all(&grads.bufs))?.sqrt());
+            let mut sq = be.sum_squares_all(&grads.bufs);
+            if let Some(i) = copy {
+                sq -= be.sum_squares(&grads.bufs[i]);
+            }
+            return Ok(over_shards(sq.max(0.0))?.sqrt());
         };
         let (mut split, mut replicated) = (0.0, 0.0);
-        for (g, &r) in grads.bufs.iter().zip(&self.tp_replicated) {
+        for (i, (g, &r)) in grads.bufs.iter().zip(&self.tp_replicated).enumerate() {
+            if !counted(i) {
+                continue;
+            }
             let sq = be.sum_squares(g);
             if r {
                 replicated += sq;

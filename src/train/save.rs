@@ -109,12 +109,19 @@ fn save_parts<B: Backend>(
         .map(|(_, s)| s)
         .collect();
     let part_of = |name: &str| layout.pipeline.as_ref().map_or(0, |p| p.holder(name));
+    let held_by = |name: &str, r: usize| {
+        layout
+            .pipeline
+            .as_ref()
+            .is_some_and(|p| p.holds_on(r, name))
+    };
     let pipeline = layout
         .pipeline
         .as_ref()
         .map(|p| checkpoint::sharded::PipelineParts {
             parts: p.group().size(),
             part_of: &part_of,
+            held_by: &held_by,
         });
     checkpoint::sharded::save(
         be,

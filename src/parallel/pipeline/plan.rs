@@ -24,12 +24,14 @@ pub struct PipelinePlan {
     pub group: Arc<dyn ProcessGroup>,
     pub microbatch_rows: usize,
     workspaces: usize,
+    /// The output projection is the embedding (1B/3B): the first and last stages both hold it.
+    pub tied: bool,
 }
 
 /// Whether pipeline rank `r` of `schedule` over `split` holds the parameter `name`
-/// (`tok_embeddings.*`: the first stage; `layers.N.*`: block N's stage; `norm.*`, `output.*`:
-/// the last stage).
-pub fn holds(schedule: &Schedule, split: &StageSplit, r: usize, name: &str) -> bool {
+/// (`tok_embeddings.*`: the first stage, and the last too when the output is tied to it;
+/// `layers.N.*`: block N's stage; `norm.*`, `output.*`: the last stage).
+pub fn holds(schedule: &Schedule, split: &StageSplit, tied: bool, r: usize, name: &str) -> bool {
     let mine = schedule.stages_of(r);
     let stages = &split.stages;
     if let Some(rest) = name.strip_prefix("layers.") {
@@ -40,10 +42,11 @@ pub fn holds(schedule: &Schedule, split: &StageSplit, r: usize, name: &str) -> b
             .unwrap_or(usize::MAX);
         return mine.iter().any(|&s| stages[s].blocks.contains(&block));
     }
+    let head = mine.iter().any(|&s| stages[s].head);
     if name.starts_with("tok_embeddings") {
-        return mine.iter().any(|&s| stages[s].embedding);
+        return mine.iter().any(|&s| stages[s].embedding) || (tied && head);
     }
-    mine.iter().any(|&s| stages[s].head)
+    head
 }
 
 impl PipelinePlan {
@@ -56,9 +59,6 @@ impl PipelinePlan {
     ) -> Result<Self> {
         let p = &cfg.parallelism;
         let pp = group.size();
-        if args.tied_embeddings {
-            bail!("[model] flavor {} ties the output to the embedding, which sit on the first and the last pipeline stage: pipeline parallelism with tied embeddings is not built yet in titan", cfg.model.flavor);
-        }
         let rows = cfg.training.local_batch_size;
         let microbatch_rows = p.pipeline_parallel_microbatch_size;
         let microbatches = rows / microbatch_rows;
@@ -123,6 +123,7 @@ impl PipelinePlan {
             group,
             microbatch_rows,
             workspaces,
+            tied: args.tied_embeddings,
         })
     }
 
@@ -154,7 +155,13 @@ impl PipelinePlan {
     }
 
     pub fn holds(&self, name: &str) -> bool {
-        holds(&self.schedule, &self.split, self.group.rank(), name)
+        holds(
+            &self.schedule,
+            &self.split,
+            self.tied,
+            self.group.rank(),
+            name,
+        )
     }
 
     /// The blocks this rank runs keep what `plan` says; the others nothing.
@@ -195,6 +202,7 @@ impl PipelinePlan {
             self.microbatch_rows,
             seq,
             plan,
+            self.tied,
             Duration::from_secs(cfg.comm.train_timeout_seconds),
         )
     }

@@ -34,6 +34,8 @@ pub struct PipelineRank<B: Backend> {
     slots: Vec<Workspace<B>>,
     /// Whether each of rank's actions is the last of its microbatch here.
     last_of_microbatch: Vec<bool>,
+    /// The output is tied to the embedding: its gradient is summed over the two stages holding it.
+    tied: bool,
     timeout: Duration,
     /// Seconds spent running schedules, and of those waiting for another rank's transfer (the
     /// measured bubble), since `take_bubble`.
@@ -55,6 +57,7 @@ impl<B: Backend> PipelineRank<B> {
         microbatch_rows: usize,
         seq: usize,
         plan: &ActivationPlan,
+        tied: bool,
         timeout: Duration,
     ) -> Result<Self> {
         let me = group.rank();
@@ -82,6 +85,7 @@ impl<B: Backend> PipelineRank<B> {
             seq,
             slots,
             last_of_microbatch,
+            tied,
             timeout,
             ran_s: 0.0,
             waited_s: 0.0,
@@ -112,7 +116,13 @@ impl<B: Backend> PipelineRank<B> {
 
     /// Whether this rank's stages hold the parameter `name` (`plan::holds`).
     pub fn holds(&self, name: &str) -> bool {
-        super::plan::holds(&self.schedule, &self.split, self.group.rank(), name)
+        super::plan::holds(
+            &self.schedule,
+            &self.split,
+            self.tied,
+            self.group.rank(),
+            name,
+        )
     }
 
     /// The schedule (name, microbatches, bubble under unit costs) and one line per stage: where
@@ -132,10 +142,46 @@ impl<B: Backend> PipelineRank<B> {
         )
     }
 
+    /// With the output tied to the embedding (held by the first and the last stage): sums the
+    /// two stages' gradients of it over the pipeline group, so both hold the whole gradient and
+    /// take the same optimizer step (every pipeline rank calls this together, once per gradient).
+    pub fn sum_tied_grad(&self, be: &B, model: &Llama<B>, grads: &mut ParamSet<B>) -> Result<()> {
+        if !self.tied {
+            return Ok(());
+        }
+        let id = model.ids.tok_embeddings;
+        let numel: usize = grads.shapes[id].iter().product();
+        let here = self.holds(&grads.names[id]);
+        let mut v = if here {
+            be.download(&grads.bufs[id])
+        } else {
+            vec![0f32; numel]
+        };
+        self.group
+            .all_reduce(&mut v, crate::comm::group::ReduceOp::Sum)?;
+        if here {
+            grads.bufs[id] = be.upload(&v);
+        }
+        Ok(())
+    }
+
+    /// The parameter this rank holds as a copy whose gradient the norm must not count again: the
+    /// tied embedding on a rank holding the last stage but not the first.
+    pub fn copy_not_to_count(&self, model: &Llama<B>) -> Option<usize> {
+        let first = self.holder("tok_embeddings.weight");
+        (self.tied && self.group.rank() != first && self.holds("tok_embeddings.weight"))
+            .then_some(model.ids.tok_embeddings)
+    }
+
+    /// Whether pipeline rank `r` holds parameter `name`.
+    pub fn holds_on(&self, r: usize, name: &str) -> bool {
+        super::plan::holds(&self.schedule, &self.split, self.tied, r, name)
+    }
+
     /// The pipeline rank holding parameter `name` (a checkpoint's part for it).
     pub fn holder(&self, name: &str) -> usize {
         (0..self.schedule.ranks())
-            .find(|&r| super::plan::holds(&self.schedule, &self.split, r, name))
+            .find(|&r| self.holds_on(r, name))
             .unwrap_or(0)
     }
 
