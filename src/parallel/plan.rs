@@ -282,9 +282,13 @@ impl<B: Backend> RankLayout<B> {
         let Some(tp) = &self.tp_group else {
             let mut sq = be.sum_squares_all(&grads.bufs);
             if let Some(i) = copy {
+                // Rounding may leave a hair below zero; a NaN stays a NaN (training must stop).
                 sq -= be.sum_squares(&grads.bufs[i]);
+                if sq < 0.0 {
+                    sq = 0.0;
+                }
             }
-            return Ok(over_shards(sq.max(0.0))?.sqrt());
+            return Ok(over_shards(sq)?.sqrt());
         };
         let (mut split, mut replicated) = (0.0, 0.0);
         for (i, (g, &r)) in grads.bufs.iter().zip(&self.tp_replicated).enumerate() {
