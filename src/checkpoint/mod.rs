@@ -457,6 +457,19 @@ impl HostCheckpoint {
         Ok(t)
     }
 
+    /// Whether a checkpoint read as this writer's own files put each tensor in the pipeline part
+    /// `holder` gives it now (a pipeline rank whose stages changed, by another schedule or split,
+    /// must merge instead: its files hold other tensors). True when not read as own files.
+    pub fn same_stages(&self, holder: &dyn Fn(&str) -> usize) -> bool {
+        match (&self.own_shards, &self.state.sharding) {
+            (Some(_), Some(index)) => index
+                .tensors
+                .iter()
+                .all(|(name, t)| t.pp_part == holder(name)),
+            _ => true,
+        }
+    }
+
     /// The values of weight `name` (or with `moment` = `exp_avg.`/`exp_avg_sq.`, of that AdamW
     /// moment), which must have `shape`.
     pub fn values(&self, moment: Option<&str>, name: &str, shape: &[usize]) -> Result<Vec<f32>> {

@@ -260,7 +260,7 @@ pub fn merge(
     kind: &str,
     read: &dyn Fn(&str) -> Result<NamedTensors>,
 ) -> Result<Vec<(String, Tensor)>> {
-    if index.tp_parts == 0 || !index.shards.is_multiple_of(index.tp_parts) {
+    if index.shards == 0 || index.tp_parts == 0 || !index.shards.is_multiple_of(index.tp_parts) {
         bail!(
             "{}: the shard index has {} shards, not a multiple of its {} tensor-parallel parts",
             dir.display(),

@@ -84,6 +84,9 @@ impl GroupRecord {
     /// Records the start of `op`; `None` when the fault drill makes this rank skip it (the caller
     /// then returns without communicating, as a rank with a bug in its control flow would).
     pub fn start(&self, op: &str, elements: usize, peer: Option<usize>) -> Option<Recording<'_>> {
+        // Numbered under the buffer's lock: threads sharing a group (a pipeline's sending and
+        // receiving threads) never draw the same number.
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let seq = self.next_seq.load(Ordering::SeqCst);
         if self.skip_at == Some(seq) && !self.skipped.swap(true, Ordering::SeqCst) {
             eprintln!(
@@ -92,8 +95,7 @@ impl GroupRecord {
             );
             return None;
         }
-        self.next_seq.fetch_add(1, Ordering::SeqCst);
-        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        self.next_seq.store(seq + 1, Ordering::SeqCst);
         if entries.len() == self.capacity {
             entries.pop_front();
         }
@@ -159,6 +161,7 @@ struct Recorder {
 }
 
 static RECORDER: OnceLock<Recorder> = OnceLock::new();
+static DUMPING: Mutex<()> = Mutex::new(());
 
 /// Turns the recorder on for this process (once; later calls are ignored): `capacity` entries per
 /// group (0 = off), dumps into `dir`. Reads the `TITAN_SKIP_COLLECTIVE=RANK:SEQ` fault drill: that
@@ -240,6 +243,9 @@ pub fn dump_once(reason: &str) {
     let Some(rec) = RECORDER.get() else {
         return;
     };
+    // Held while the dump is written: a SIGTERM arriving meanwhile waits for it before the
+    // process exits, so a dump is never cut short.
+    let _writing = DUMPING.lock().unwrap_or_else(|e| e.into_inner());
     if rec.dumped.swap(true, Ordering::SeqCst) {
         return;
     }
@@ -269,10 +275,12 @@ pub fn dump_once(reason: &str) {
         groups,
     };
     let path = rec.dir.join(format!("rank_{}.json", rec.rank));
+    let tmp = rec.dir.join(format!(".rank_{}.json.tmp", rec.rank));
     let written = std::fs::create_dir_all(&rec.dir)
         .map_err(anyhow::Error::from)
         .and_then(|_| Ok(serde_json::to_vec_pretty(&dump)?))
-        .and_then(|bytes| Ok(std::fs::write(&path, bytes)?));
+        .and_then(|bytes| Ok(std::fs::write(&tmp, bytes)?))
+        .and_then(|_| Ok(std::fs::rename(&tmp, &path)?));
     match written {
         Ok(()) => eprintln!("flight recorder: wrote {}", path.display()),
         Err(e) => eprintln!(
@@ -312,11 +320,16 @@ pub fn read_dumps(dir: &Path) -> Result<Vec<Dump>> {
         if !(name.starts_with("rank_") && name.ends_with(".json")) {
             continue;
         }
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let dump: Dump = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a flight recorder dump", path.display()))?;
-        dumps.push(dump);
+        let parsed = std::fs::read_to_string(&path)
+            .map_err(anyhow::Error::from)
+            .and_then(|text| Ok(serde_json::from_str::<Dump>(&text)?));
+        match parsed {
+            Ok(dump) => dumps.push(dump),
+            Err(e) => eprintln!(
+                "warning: {} is not a readable flight recorder dump, left out: {e:#}",
+                path.display()
+            ),
+        }
     }
     if dumps.is_empty() {
         bail!(
@@ -336,13 +349,23 @@ pub fn analyze(dumps: &[Dump]) -> String {
         m
     });
     if runs.len() > 1 {
-        let list: Vec<String> = runs
+        // Only the newest run's dumps are compared; older ones (a rank that died in an earlier
+        // run and wrote nothing since) are named and left out.
+        let newest = dumps
             .iter()
+            .max_by_key(|d| d.written_us)
+            .map(|d| d.run.clone())
+            .unwrap_or_default();
+        let stale: Vec<String> = runs
+            .iter()
+            .filter(|(run, _)| **run != newest)
             .map(|(run, ranks)| format!("run {run}: ranks {ranks:?}"))
             .collect();
+        let current: Vec<Dump> = dumps.iter().filter(|d| d.run == newest).cloned().collect();
         return format!(
-            "These dumps come from different runs ({}); compare only one run's dumps (clear the folder before a new run).",
-            list.join("; ")
+            "These dumps come from different runs: analysing the newest (run {newest}) and leaving out {} (clear the folder before a new run). {}",
+            stale.join("; "),
+            analyze(&current)
         );
     }
     let world = dumps.iter().map(|d| d.world).max().unwrap_or(0);
@@ -405,9 +428,12 @@ pub fn analyze(dumps: &[Dump]) -> String {
         let expected = members[0].1.ranks.clone();
         let reporting: Vec<usize> = members.iter().map(|(r, _)| *r).collect();
         // Disagreement: the same number, a different op or size.
+        // Collectives only: the ranks of a group call the same ones in the same order, while a
+        // send on one rank is a receive on another.
+        let collective = |e: &&Entry| e.op != "send" && e.op != "recv";
         let mut by_seq: BTreeMap<u64, Vec<(usize, &Entry)>> = BTreeMap::new();
         for (rank, g) in members {
-            for e in &g.entries {
+            for e in g.entries.iter().filter(collective) {
                 by_seq.entry(e.seq).or_default().push((*rank, e));
             }
         }
@@ -426,7 +452,14 @@ pub fn analyze(dumps: &[Dump]) -> String {
             ));
         }
         // Ranks that never entered the latest collective another rank started.
-        let last_seq = |g: &GroupDump| g.entries.last().map(|e| e.seq);
+        let latest = |g: &'_ GroupDump| -> Option<Entry> {
+            g.entries
+                .iter()
+                .filter(collective)
+                .max_by_key(|e| e.seq)
+                .cloned()
+        };
+        let last_seq = |g: &GroupDump| latest(g).map(|e| e.seq);
         let newest = members.iter().filter_map(|(_, g)| last_seq(g)).max();
         if let Some(n) = newest {
             let behind: Vec<usize> = members
@@ -439,6 +472,7 @@ pub fn analyze(dumps: &[Dump]) -> String {
                 .filter_map(|(r, g)| {
                     g.entries
                         .iter()
+                        .filter(collective)
                         .find(|e| e.seq == n)
                         .map(|e| format!("rank {r} ({}, {:?})", e.op, e.state))
                 })
@@ -448,7 +482,7 @@ pub fn analyze(dumps: &[Dump]) -> String {
                     .iter()
                     .map(|r| {
                         let g = members.iter().find(|(m, _)| m == r).expect("a member").1;
-                        match g.entries.last() {
+                        match latest(g) {
                             Some(e) => format!("rank {r} (last: {} #{})", e.op, e.seq),
                             None => format!("rank {r} (none recorded)"),
                         }

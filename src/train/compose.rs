@@ -269,6 +269,7 @@ pub fn compose_rank<B: Backend>(
         None => Workspace::planned(be, &local, batch, seq, plan.clone()),
     };
     let held = |name: &str| pipeline.as_ref().is_none_or(|p| p.holds(name));
+    let holder = |name: &str| pipeline.as_ref().map_or(0, |p| p.holder(name));
     let StartState {
         params,
         grads,
@@ -287,6 +288,9 @@ pub fn compose_rank<B: Backend>(
         pipeline
             .is_some()
             .then_some(&held as &(dyn Fn(&str) -> bool + Sync)),
+        pipeline
+            .is_some()
+            .then_some(&holder as &(dyn Fn(&str) -> usize + Sync)),
     )?;
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).

@@ -106,6 +106,7 @@ pub fn start_state<B: Backend>(
     reshard: ReshardPolicy,
     param_dtype: ParamDtype,
     held: Option<&(dyn Fn(&str) -> bool + Sync)>,
+    holder: Option<&(dyn Fn(&str) -> usize + Sync)>,
 ) -> Result<StartState<B>> {
     let args = &model.args;
     let seed = cfg.training.seed;
@@ -159,6 +160,14 @@ pub fn start_state<B: Backend>(
     }
     .transpose()
     .map_err(cannot_resume)?;
+    // A pipeline rank whose stages hold other tensors than when the checkpoint was written
+    // merges it instead of reading its own files.
+    let ckpt = match (ckpt, holder, &resume_dir) {
+        (Some(c), Some(h), Some((_, dir))) if !c.same_stages(h) => {
+            Some(HostCheckpoint::read(dir, args).map_err(cannot_resume)?)
+        }
+        (c, _, _) => c,
+    };
     // No checkpoint of its own: the run may start from another model's weights.
     let initial = match &ckpt {
         None if !cfg.checkpoint.initial_load_path.is_empty() => Some(Initial::open(cfg, args)?),

@@ -164,6 +164,13 @@ impl PipelinePlan {
         )
     }
 
+    /// The first pipeline rank holding parameter `name` (its checkpoint part).
+    pub fn holder(&self, name: &str) -> usize {
+        (0..self.schedule.ranks())
+            .find(|&r| holds(&self.schedule, &self.split, self.tied, r, name))
+            .unwrap_or(0)
+    }
+
     /// The blocks this rank runs keep what `plan` says; the others nothing.
     pub fn plan(&self, plan: &ActivationPlan) -> ActivationPlan {
         let mine: Vec<usize> = self
