@@ -36,6 +36,26 @@ fn check_parity(what: &str, extra: &[&str], launcher: &[&str], parallel: &[&str]
     assert_layout_matches_one_process(what, &single, launcher, parallel, "pipeline: ");
 }
 
+/// Trains `steps` steps (of 4 sequences, a checkpoint every 3) into `dir` with `launcher`, the
+/// overrides `extra` and `parallel`, which must succeed.
+fn train_saving(
+    dir: &std::path::Path,
+    steps: &str,
+    launcher: &[&str],
+    extra: &[&str],
+    parallel: &[&str],
+) {
+    let args = [
+        &["--training.steps", steps, "--checkpoint.interval", "3"][..],
+        BATCH4,
+        extra,
+        parallel,
+    ]
+    .concat();
+    let o = train(dir, launcher, &args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 #[test]
 fn pp_2_matches_one_process_under_every_schedule() {
     check_parity("PP 2 1F1B", &[], &nproc("2"), &pp("2", "1F1B"));
@@ -103,11 +123,7 @@ fn pp_4_a_csv_schedule_and_pp_with_tp_match_one_process() {
 #[test]
 fn a_pipeline_checkpoint_resumes_in_one_process_and_the_reverse() {
     let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
-        let mut args = vec!["--training.steps", steps, "--checkpoint.interval", "3"];
-        args.extend_from_slice(BATCH4);
-        args.extend_from_slice(parallel);
-        let o = train(dir, launcher, &args);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        train_saving(dir, steps, launcher, &[], parallel)
     };
     let pipe = pp("2", "1F1B");
     // Reference: one process, saved at step 3, resumed to 6.
@@ -200,19 +216,9 @@ fn pp_composes_with_fsdp_ddp_and_tp() {
 
 #[test]
 fn pp_fsdp_and_3d_checkpoints_resume_under_other_layouts() {
+    let global = ["--training.global_batch_size", "8"];
     let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
-        let mut args = vec![
-            "--training.steps",
-            steps,
-            "--checkpoint.interval",
-            "3",
-            "--training.global_batch_size",
-            "8",
-        ];
-        args.extend_from_slice(BATCH4);
-        args.extend_from_slice(parallel);
-        let o = train(dir, launcher, &args);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        train_saving(dir, steps, launcher, &global, parallel)
     };
     let pipe = pp_fsdp("2", "1F1B", "2");
     let fsdp = ["--parallelism.data_parallel_shard_degree", "2"];
@@ -245,19 +251,9 @@ fn pp_fsdp_and_3d_checkpoints_resume_under_other_layouts() {
 /// the checkpoint merges under another layout.
 #[test]
 fn tied_embeddings_resume_under_pp_and_in_one_process() {
+    let tied = ["--model.flavor", "1B"];
     let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
-        let mut args = vec![
-            "--training.steps",
-            steps,
-            "--checkpoint.interval",
-            "3",
-            "--model.flavor",
-            "1B",
-        ];
-        args.extend_from_slice(BATCH4);
-        args.extend_from_slice(parallel);
-        let o = train(dir, launcher, &args);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        train_saving(dir, steps, launcher, &tied, parallel)
     };
     let pipe = pp("2", "1F1B");
     let one = tempfile::tempdir().unwrap();

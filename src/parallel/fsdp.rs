@@ -490,20 +490,22 @@ impl<B: Backend> Fsdp<B> {
         pass: impl FnOnce(&ParamSet<B>) -> Result<T>,
     ) -> Result<T> {
         self.guarded(|f| {
-            let ids = f.held_ids();
-            f.submit_gather(be, &ids)?;
-            f.wait_gather(be, full, &ids)?;
+            let ids = f.gather_held(be, full)?;
             let out = pass(full);
             Self::release(be, full, &ids, Category::GatheredBlocks);
             out
         })
     }
 
-    /// The parameters this rank holds a shard of (a pipeline rank: its stages').
-    fn held_ids(&self) -> Vec<usize> {
-        (0..self.numel.len())
+    /// Gathers every parameter this rank holds a shard of (a pipeline rank: its stages') into
+    /// `full`, returning their ids.
+    fn gather_held(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Vec<usize>> {
+        let ids: Vec<usize> = (0..self.numel.len())
             .filter(|&i| self.numel[i] > 0)
-            .collect()
+            .collect();
+        self.submit_gather(be, &ids)?;
+        self.wait_gather(be, full, &ids)?;
+        Ok(ids)
     }
 
     /// A pass that needs every parameter this rank holds at once (a pipeline rank's stages, over
@@ -519,9 +521,7 @@ impl<B: Backend> Fsdp<B> {
         pass: impl FnOnce(&ParamSet<B>, &mut ParamSet<B>) -> Result<T>,
     ) -> Result<T> {
         self.guarded(|f| {
-            let ids = f.held_ids();
-            f.submit_gather(be, &ids)?;
-            f.wait_gather(be, full, &ids)?;
+            let ids = f.gather_held(be, full)?;
             f.zeros(be, grads, &ids);
             let out = pass(full, grads)?;
             f.submit_reduce_scatter(be, grads, &ids)?;

@@ -49,6 +49,13 @@ pub fn holds(schedule: &Schedule, split: &StageSplit, tied: bool, r: usize, name
     head
 }
 
+/// The first pipeline rank holding parameter `name`: the part of a checkpoint that records it.
+pub fn holder(schedule: &Schedule, split: &StageSplit, tied: bool, name: &str) -> usize {
+    (0..schedule.ranks())
+        .find(|&r| holds(schedule, split, tied, r, name))
+        .unwrap_or(0)
+}
+
 impl PipelinePlan {
     /// The pipeline `[parallelism]` asks for over `group` (the `pp` ranks), checked: what titan's
     /// pipeline does not combine with yet is refused here, saying so.
@@ -166,9 +173,7 @@ impl PipelinePlan {
 
     /// The first pipeline rank holding parameter `name` (its checkpoint part).
     pub fn holder(&self, name: &str) -> usize {
-        (0..self.schedule.ranks())
-            .find(|&r| holds(&self.schedule, &self.split, self.tied, r, name))
-            .unwrap_or(0)
+        holder(&self.schedule, &self.split, self.tied, name)
     }
 
     /// The blocks this rank runs keep what `plan` says; the others nothing.

@@ -180,9 +180,7 @@ impl<B: Backend> PipelineRank<B> {
 
     /// The pipeline rank holding parameter `name` (a checkpoint's part for it).
     pub fn holder(&self, name: &str) -> usize {
-        (0..self.schedule.ranks())
-            .find(|&r| self.holds_on(r, name))
-            .unwrap_or(0)
+        super::plan::holder(&self.schedule, &self.split, self.tied, name)
     }
 
     /// Workspaces this rank keeps (one per microbatch held at once).
