@@ -129,7 +129,7 @@ fn ref_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
             for i in 0..s.q_len {
                 let qi = &q[((b * s.q_len + i) * s.n_heads + h) * hd..][..hd];
                 let pos = s.q_offset + i;
-                let scores: Vec<f64> = (0..=pos)
+                let scores: Vec<f64> = (0..=pos.min(s.kv_len - 1))
                     .map(|j| {
                         dot(
                             qi,
@@ -341,7 +341,7 @@ fn attention_case(s: AttnShape, seed: u64) {
     let mut lse = vec![0.0; s.batch * s.n_heads * s.q_len];
     be.attention_forward(&mut out, &mut lse, &f32s(&q), &f32s(&k), &f32s(&v), s);
     assert_close("attention", &out, &ref_attention(&q, &k, &v, s), 1e-5, 2e-6);
-    if s.q_offset != 0 || s.kv_capacity != s.q_len {
+    if s.kv_capacity != s.kv_len {
         return;
     }
     let r = rounded(rand_vec(&mut rng, q.len(), 1.0));
@@ -408,6 +408,84 @@ fn attention_with_cache_offset_matches_reference() {
         q_offset: 5,
     };
     attention_case(s, 8);
+}
+
+#[test]
+fn attention_of_a_query_chunk_after_its_keys_forward_and_backward() {
+    // Context parallelism's blocks: a query chunk at positions 6.. against the 9 keys before and
+    // under it (the diagonal block of a longer sequence), and against 4 keys all before it.
+    let chunk = |q_offset, kv_len| AttnShape {
+        batch: 2,
+        q_len: 5,
+        kv_len,
+        kv_capacity: kv_len,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 4,
+        q_offset,
+    };
+    attention_case(chunk(6, 9), 11);
+    attention_case(chunk(6, 4), 12);
+    // Longer than the tiles (forward 128 × 256, backward 512 × 128).
+    attention_case(
+        AttnShape {
+            batch: 1,
+            q_len: 200,
+            kv_len: 300,
+            kv_capacity: 300,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            q_offset: 150,
+        },
+        13,
+    );
+}
+
+#[test]
+fn merging_attention_over_two_key_blocks_equals_attention_over_all() {
+    // Queries at positions 8..14 against keys 0..14, computed as keys 0..8 (all visible) and
+    // keys 8..14 (the diagonal), merged by log-sum-exp.
+    let be = CpuBackend::new();
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let (b, ql, h, kvh, hd) = (2, 6, 4, 2, 8);
+    let whole = AttnShape {
+        batch: b,
+        q_len: ql,
+        kv_len: 14,
+        kv_capacity: 14,
+        n_heads: h,
+        n_kv_heads: kvh,
+        head_dim: hd,
+        q_offset: 8,
+    };
+    let q = f32s(&rand_vec(&mut rng, b * ql * h * hd, 1.5));
+    let k = f32s(&rand_vec(&mut rng, b * 14 * kvh * hd, 1.5));
+    let v = f32s(&rand_vec(&mut rng, b * 14 * kvh * hd, 1.0));
+    let keys = |from: usize, to: usize, x: &[f32]| -> Vec<f32> {
+        (0..b)
+            .flat_map(|bi| x[(bi * 14 + from) * kvh * hd..(bi * 14 + to) * kvh * hd].to_vec())
+            .collect()
+    };
+    let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; b * h * ql]);
+    be.attention_forward(&mut out, &mut lse, &q, &k, &v, whole);
+    let block = |from: usize, to: usize, q_offset: usize| {
+        let s = AttnShape {
+            kv_len: to - from,
+            kv_capacity: to - from,
+            q_offset,
+            ..whole
+        };
+        let (mut o, mut l) = (vec![0.0; q.len()], vec![0.0; b * h * ql]);
+        be.attention_forward(&mut o, &mut l, &q, &keys(from, to, &k), &keys(from, to, &v), s);
+        (o, l)
+    };
+    let (mut merged, mut merged_lse) = block(0, 8, 8);
+    let (part, part_lse) = block(8, 14, 0);
+    be.attention_merge(&mut merged, &mut merged_lse, &part, &part_lse, whole);
+    let widen = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    assert_close("merged out", &merged, &widen(&out), 1e-5, 1e-6);
+    assert_close("merged lse", &merged_lse, &widen(&lse), 1e-5, 1e-6);
 }
 
 #[test]

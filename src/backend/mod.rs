@@ -12,7 +12,10 @@ pub mod profile;
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
-/// valid. Query row `i` sits at absolute position `q_offset + i` and attends to keys `0..=q_offset+i`.
+/// valid. Query row `i` sits `q_offset + i` positions after the first key and attends to the keys
+/// `j ≤ q_offset + i` of those there are (`j < kv_len`): the whole causal prefix when the keys run
+/// up to the queries (training, generation with a cache), every key when a block of keys lies
+/// wholly before the queries (context parallelism's off-diagonal blocks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnShape {
     pub batch: usize,
@@ -263,7 +266,9 @@ pub trait Backend: Send + Sync + 'static {
         v: &Self::Buf,
         shape: AttnShape,
     );
-    /// Overwrites `dq`, `dk`, `dv` (training shape: `q_offset == 0`, `kv_len == q_len`).
+    /// Overwrites `dq`, `dk`, `dv` (keys without spare capacity: `kv_capacity == kv_len`). `out`
+    /// and `lse` are the forward's over *all* keys the queries attend to, so that a block of keys
+    /// (context parallelism) gets its exact share of the gradients.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -276,6 +281,18 @@ pub trait Backend: Send + Sync + 'static {
         v: &Self::Buf,
         out: &Self::Buf,
         lse: &Self::Buf,
+        shape: AttnShape,
+    );
+
+    /// Folds attention over another block of keys into `out`/`lse` (shapes as the forward's for
+    /// `shape`'s queries): `lse' = log(e^lse + e^part_lse)`, `out' = out·e^(lse − lse') +
+    /// part_out·e^(part_lse − lse')`, the online softmax across blocks (ring attention).
+    fn attention_merge(
+        &self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        part_out: &Self::Buf,
+        part_lse: &Self::Buf,
         shape: AttnShape,
     );
 

@@ -76,11 +76,12 @@ bool attention(const Shape& s) {
     std::vector<float> dq(q_len, NAN), dk(kv_len, NAN), dv(kv_len, NAN);
     emu::launch(per_query, threads, [&] {
         attention_backward_dq(dq.data(), dout.data(), q.data(), k.data(), v.data(), lse.data(),
-                              delta.data(), s.seq, s.heads, s.kv_heads, D, scale);
+                              delta.data(), s.seq, s.seq, 0, s.heads, s.kv_heads, D, scale);
     });
     emu::launch(per_key, threads, [&] {
         attention_backward_dkdv(dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
-                                lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, D, scale);
+                                lse.data(), delta.data(), s.seq, s.seq, 0, s.heads, s.kv_heads, D,
+                                scale);
     });
     std::string name = std::string("attention ") + s.name;
     bool ok = report((name + " out").c_str(), out, ref.out);
@@ -88,6 +89,83 @@ bool attention(const Shape& s) {
     ok &= report((name + " dq").c_str(), dq, ref.dq);
     ok &= report((name + " dk").c_str(), dk, ref.dk);
     ok &= report((name + " dv").c_str(), dv, ref.dv);
+    return ok;
+}
+
+// Context parallelism's ring attention over two blocks of keys: the queries at positions
+// P..P+c against keys 0..P (every key visible, q_offset P) and keys P..P+c (the diagonal,
+// q_offset 0), each block's forward merged by attention_merge and each block's backward run with
+// the merged out and lse, must equal whole causal attention over P + c positions whose output
+// gradient is zero outside the chunk.
+bool ring_attention_blocks() {
+    const int P = 20, c = 13, S = P + c, H = 4, KVH = 2, D = 16;
+    Shape whole{"ring", 1, S, H, KVH, D};
+    auto q = random_floats((size_t)S * H * D), k = random_floats((size_t)S * KVH * D),
+         v = random_floats((size_t)S * KVH * D), dout = random_floats((size_t)S * H * D);
+    std::fill(dout.begin(), dout.begin() + (size_t)P * H * D, 0.0f);
+    Reference ref = reference(whole, widen(q), widen(k), widen(v), widen(dout));
+    auto rows = [](const std::vector<float>& x, int from, int to, int width) {
+        return std::vector<float>(x.begin() + (size_t)from * width, x.begin() + (size_t)to * width);
+    };
+    auto q_c = rows(q, P, S, H * D), do_c = rows(dout, P, S, H * D);
+    float scale = 1.0f / std::sqrt((float)D);
+    unsigned threads = TITAN_ATTN_WARPS * 32;
+    auto grid = [](int n, int heads) {
+        return EmuDim3{(unsigned)((n + TITAN_ATTN_WARPS - 1) / TITAN_ATTN_WARPS), (unsigned)heads, 1};
+    };
+    struct Block {
+        int from, to, q_offset;
+        std::vector<float> out, lse;
+    };
+    Block blocks[2] = {{0, P, P, {}, {}}, {P, S, 0, {}, {}}};
+    for (Block& blk : blocks) {
+        int n = blk.to - blk.from;
+        auto kb = rows(k, blk.from, blk.to, KVH * D), vb = rows(v, blk.from, blk.to, KVH * D);
+        blk.out.assign((size_t)c * H * D, NAN);
+        blk.lse.assign((size_t)H * c, NAN);
+        emu::launch(grid(c, H), threads, [&] {
+            attention_forward(blk.out.data(), blk.lse.data(), q_c.data(), kb.data(), vb.data(), c,
+                              n, n, H, KVH, D, blk.q_offset, scale);
+        });
+    }
+    std::vector<float> out = blocks[0].out, lse = blocks[0].lse;
+    emu::launch(EmuDim3{1, 1, 1}, 128, [&] {
+        attention_merge(out.data(), lse.data(), blocks[1].out.data(), blocks[1].lse.data(), 1, c, H,
+                        D);
+    });
+    std::vector<float> delta((size_t)H * c, NAN), dq((size_t)c * H * D, 0.0f), dk, dv;
+    emu::launch(grid(c, H), threads, [&] {
+        attention_backward_delta(delta.data(), do_c.data(), out.data(), c, H, D);
+    });
+    for (Block& blk : blocks) {
+        int n = blk.to - blk.from;
+        auto kb = rows(k, blk.from, blk.to, KVH * D), vb = rows(v, blk.from, blk.to, KVH * D);
+        std::vector<float> dq_b((size_t)c * H * D, NAN), dk_b(kb.size(), NAN), dv_b(vb.size(), NAN);
+        emu::launch(grid(c, H), threads, [&] {
+            attention_backward_dq(dq_b.data(), do_c.data(), q_c.data(), kb.data(), vb.data(),
+                                  lse.data(), delta.data(), c, n, blk.q_offset, H, KVH, D, scale);
+        });
+        emu::launch(grid(n, KVH), threads, [&] {
+            attention_backward_dkdv(dk_b.data(), dv_b.data(), do_c.data(), q_c.data(), kb.data(),
+                                    vb.data(), lse.data(), delta.data(), c, n, blk.q_offset, H, KVH,
+                                    D, scale);
+        });
+        for (size_t i = 0; i < dq.size(); ++i) dq[i] += dq_b[i];
+        dk.insert(dk.end(), dk_b.begin(), dk_b.end());
+        dv.insert(dv.end(), dv_b.begin(), dv_b.end());
+    }
+    auto chunk = [&](const std::vector<double>& x, int width) {
+        return std::vector<double>(x.begin() + (size_t)P * width, x.end());
+    };
+    std::vector<double> want_lse;
+    for (int h = 0; h < H; ++h)
+        want_lse.insert(want_lse.end(), ref.lse.begin() + (size_t)h * S + P,
+                        ref.lse.begin() + (size_t)(h + 1) * S);
+    bool ok = report("ring blocks merged out", out, chunk(ref.out, H * D));
+    ok &= report("ring blocks merged lse", lse, want_lse);
+    ok &= report("ring blocks dq", dq, chunk(ref.dq, H * D));
+    ok &= report("ring blocks dk", dk, ref.dk);
+    ok &= report("ring blocks dv", dv, ref.dv);
     return ok;
 }
 
@@ -344,6 +422,7 @@ int main() {
     for (const Shape& s : {Shape{"hd16", 2, 45, 4, 4, 16}, Shape{"hd40 GQA", 1, 38, 4, 2, 40},
                            Shape{"hd64 GQA", 1, 33, 4, 1, 64}})
         ok &= attention(s);
+    ok &= ring_attention_blocks();
     ok &= rmsnorm(96);
     ok &= rmsnorm(38);
     ok &= rope();

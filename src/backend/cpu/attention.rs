@@ -53,10 +53,7 @@ fn check(s: AttnShape, q: &[f32], k: &[f32], v: &[f32]) {
         s.n_heads,
         s.n_kv_heads
     );
-    assert!(
-        s.q_offset + s.q_len <= s.kv_len && s.kv_len <= s.kv_capacity,
-        "attention: bad lengths {s:?}"
-    );
+    assert!(s.kv_len <= s.kv_capacity, "attention: bad lengths {s:?}");
     assert!(q.len() >= s.batch * s.q_len * s.n_heads * s.head_dim);
     assert!(k.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
     assert!(v.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
@@ -109,9 +106,10 @@ pub fn attention_forward(
                     row_sum.fill(0.0);
                     let mut from = [0usize; FWD_K_TILE];
                     let q_blk = q[((b * s.q_len + i0) * s.n_heads + h) * hd..].as_ptr();
-                    let last_pos = first_pos + rows - 1;
-                    for j0 in (0..=last_pos).step_by(FWD_K_TILE) {
-                        let width = FWD_K_TILE.min(last_pos + 1 - j0);
+                    // Keys up to the last row's position, of those there are.
+                    let key_end = (first_pos + rows).min(s.kv_len);
+                    for j0 in (0..key_end).step_by(FWD_K_TILE) {
+                        let width = FWD_K_TILE.min(key_end - j0);
                         let kv_off = ((b * s.kv_capacity + j0) * s.n_kv_heads + kvh) * hd;
                         // SAFETY: the views stay inside q/k/v (checked shapes); st is local scratch.
                         unsafe {
@@ -192,10 +190,10 @@ pub fn attention_backward(
 ) {
     check(s, q, k, v);
     assert!(
-        s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len,
-        "attention backward expects the training shape, got {s:?}"
+        s.kv_capacity == s.kv_len,
+        "attention backward expects keys without spare capacity, got {s:?}"
     );
-    let (hd, seq) = (s.head_dim, s.q_len);
+    let (hd, seq, keys) = (s.head_dim, s.q_len, s.kv_len);
     let group = s.n_heads / s.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let (q_rs, kv_rs) = (s.n_heads * hd, s.n_kv_heads * hd);
@@ -210,7 +208,7 @@ pub fn attention_backward(
             let (b, kvh) = (task / s.n_kv_heads, task % s.n_kv_heads);
             let heads = kvh * group..(kvh + 1) * group;
             let q_at = |i: usize, h: usize| ((b * seq + i) * s.n_heads + h) * hd;
-            let kv_at = |j: usize| ((b * seq + j) * s.n_kv_heads + kvh) * hd;
+            let kv_at = |j: usize| ((b * keys + j) * s.n_kv_heads + kvh) * hd;
             with_scratch(2 * BWD_Q_TILE * K_TILE + group * seq, |scratch| {
                 let (p, rest) = scratch.split_at_mut(BWD_Q_TILE * K_TILE);
                 let (ds, delta) = rest.split_at_mut(BWD_Q_TILE * K_TILE);
@@ -226,20 +224,20 @@ pub fn attention_backward(
                             .fill(0.0);
                     }
                 }
-                for j in 0..seq {
+                for j in 0..keys {
                     unsafe {
                         std::slice::from_raw_parts_mut(dk_ptr.get().add(kv_at(j)), hd).fill(0.0);
                         std::slice::from_raw_parts_mut(dv_ptr.get().add(kv_at(j)), hd).fill(0.0);
                     }
                 }
-                for j0 in (0..seq).step_by(K_TILE) {
-                    let width = K_TILE.min(seq - j0);
+                for j0 in (0..keys).step_by(K_TILE) {
+                    let width = K_TILE.min(keys - j0);
                     let (k_blk, v_blk) = (k[kv_at(j0)..].as_ptr(), v[kv_at(j0)..].as_ptr());
                     let (dk_blk, dv_blk) =
                         unsafe { (dk_ptr.get().add(kv_at(j0)), dv_ptr.get().add(kv_at(j0))) };
                     for (g, h) in heads.clone().enumerate() {
                         // Query tiles that see at least one key of this tile.
-                        for i0 in (j0..seq).step_by(BWD_Q_TILE) {
+                        for i0 in (j0.saturating_sub(s.q_offset)..seq).step_by(BWD_Q_TILE) {
                             let rows = BWD_Q_TILE.min(seq - i0);
                             let (q_blk, do_blk) =
                                 (q[q_at(i0, h)..].as_ptr(), dout[q_at(i0, h)..].as_ptr());
@@ -270,7 +268,7 @@ pub fn attention_backward(
                                 );
                             }
                             for r in 0..rows {
-                                let n = visible(i0, r, j0, width);
+                                let n = visible(s.q_offset + i0, r, j0, width);
                                 let (pr, dsr) = (
                                     &mut p[r * K_TILE..r * K_TILE + width],
                                     &mut ds[r * K_TILE..r * K_TILE + width],
@@ -324,5 +322,38 @@ pub fn attention_backward(
                     }
                 }
             });
+        });
+}
+
+/// `out`/`lse` ← their log-sum-exp merge with `part_out`/`part_lse` (`Backend::attention_merge`).
+pub fn attention_merge(
+    out: &mut [f32],
+    lse: &mut [f32],
+    part_out: &[f32],
+    part_lse: &[f32],
+    s: AttnShape,
+) {
+    let (hd, heads, q_len) = (s.head_dim, s.n_heads, s.q_len);
+    assert!(out.len() >= s.batch * q_len * heads * hd && part_out.len() >= out.len());
+    assert!(lse.len() >= s.batch * heads * q_len && part_lse.len() >= lse.len());
+    out[..s.batch * q_len * heads * hd]
+        .par_chunks_mut(q_len * heads * hd)
+        .zip(lse.par_chunks_mut(heads * q_len))
+        .enumerate()
+        .for_each(|(b, (out, lse))| {
+            for i in 0..q_len {
+                for h in 0..heads {
+                    let at = h * q_len + i;
+                    let (mine, theirs) = (lse[at], part_lse[b * heads * q_len + at]);
+                    let merged = mine.max(theirs) + (-(mine - theirs).abs()).exp().ln_1p();
+                    let (keep, take) = ((mine - merged).exp(), (theirs - merged).exp());
+                    let row = (i * heads + h) * hd;
+                    let part = &part_out[b * q_len * heads * hd + row..][..hd];
+                    for (o, p) in out[row..row + hd].iter_mut().zip(part) {
+                        *o = *o * keep + p * take;
+                    }
+                    lse[at] = merged;
+                }
+            }
         });
 }

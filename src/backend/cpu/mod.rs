@@ -205,6 +205,17 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("attention_backward");
         attention::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
     }
+    fn attention_merge(
+        &self,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+        part_out: &Vec<f32>,
+        part_lse: &Vec<f32>,
+        shape: AttnShape,
+    ) {
+        let _timer = self.profiler.time("attention_merge");
+        attention::attention_merge(out, lse, part_out, part_lse, shape);
+    }
     fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
         let _timer = self.profiler.time("swiglu_forward");
         elementwise::swiglu_forward(out, gate, up);

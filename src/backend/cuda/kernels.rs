@@ -60,6 +60,7 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_delta",
     "attention_backward_dq",
     "attention_backward_dkdv",
+    "attention_merge",
     "attention_forward_tc64",
     "attention_forward_tc64x2",
     "attention_forward_tc128",

@@ -97,16 +97,17 @@ extern "C" __global__ void attention_backward_delta(float* delta, const float* d
 // dp_ij = dout_i . v_j. One warp per query row; overwrites dq.
 extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, const float* q,
                                                  const float* k, const float* v, const float* lse,
-                                                 const float* delta, int seq, int n_heads,
-                                                 int n_kv_heads, int head_dim, float scale) {
+                                                 const float* delta, int q_len, int kv_len,
+                                                 int q_offset, int n_heads, int n_kv_heads,
+                                                 int head_dim, float scale) {
     __shared__ float q_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     __shared__ float do_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int i = blockIdx.x * TITAN_ATTN_WARPS + warp;
     int h = blockIdx.y, b = blockIdx.z;
-    if (i >= seq) return;
+    if (i >= q_len) return;
     int kvh = h / (n_heads / n_kv_heads);
-    i64 row = (((i64)b * seq + i) * n_heads + h) * head_dim;
+    i64 row = (((i64)b * q_len + i) * n_heads + h) * head_dim;
     float* qs = q_rows[warp];
     float* dos = do_rows[warp];
     for (int c = lane; c < head_dim; c += 32) {
@@ -114,15 +115,15 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
         dos[c] = dout[row + c];
     }
     __syncwarp();
-    i64 stat = ((i64)b * n_heads + h) * seq + i;
+    i64 stat = ((i64)b * n_heads + h) * q_len + i;
     float row_lse = lse[stat], row_delta = delta[stat];
     i64 kv_stride = (i64)n_kv_heads * head_dim;
-    const float* kb = k + (i64)b * seq * kv_stride + (i64)kvh * head_dim;
-    const float* vb = v + (i64)b * seq * kv_stride + (i64)kvh * head_dim;
+    const float* kb = k + (i64)b * kv_len * kv_stride + (i64)kvh * head_dim;
+    const float* vb = v + (i64)b * kv_len * kv_stride + (i64)kvh * head_dim;
     float acc[TITAN_ATTN_PER_LANE];
 #pragma unroll
     for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] = 0.0f;
-    int n_keys = i + 1;
+    int n_keys = min(q_offset + i + 1, kv_len);
     for (int j0 = 0; j0 < n_keys; j0 += 32) {
         int j = j0 + lane;
         float ds = 0.0f;
@@ -144,16 +145,16 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
 // delta_i) q_i. One warp per key row of one kv head; overwrites dk and dv.
 extern "C" __global__ void attention_backward_dkdv(float* dk, float* dv, const float* dout,
                                                    const float* q, const float* k, const float* v,
-                                                   const float* lse, const float* delta, int seq,
-                                                   int n_heads, int n_kv_heads, int head_dim,
-                                                   float scale) {
+                                                   const float* lse, const float* delta,
+                                                   int q_len, int kv_len, int q_offset, int n_heads,
+                                                   int n_kv_heads, int head_dim, float scale) {
     __shared__ float k_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     __shared__ float v_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int j = blockIdx.x * TITAN_ATTN_WARPS + warp;
     int kvh = blockIdx.y, b = blockIdx.z;
-    if (j >= seq) return;
-    i64 kv_row = (((i64)b * seq + j) * n_kv_heads + kvh) * head_dim;
+    if (j >= kv_len) return;
+    i64 kv_row = (((i64)b * kv_len + j) * n_kv_heads + kvh) * head_dim;
     float* ks = k_rows[warp];
     float* vs = v_rows[warp];
     for (int c = lane; c < head_dim; c += 32) {
@@ -167,19 +168,20 @@ extern "C" __global__ void attention_backward_dkdv(float* dk, float* dv, const f
     int group = n_heads / n_kv_heads;
     i64 q_stride = (i64)n_heads * head_dim;
     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-        const float* qb = q + (i64)b * seq * q_stride + (i64)h * head_dim;
-        const float* dob = dout + (i64)b * seq * q_stride + (i64)h * head_dim;
-        const float* lse_h = lse + ((i64)b * n_heads + h) * seq;
-        const float* delta_h = delta + ((i64)b * n_heads + h) * seq;
-        for (int i0 = j; i0 < seq; i0 += 32) {
+        const float* qb = q + (i64)b * q_len * q_stride + (i64)h * head_dim;
+        const float* dob = dout + (i64)b * q_len * q_stride + (i64)h * head_dim;
+        const float* lse_h = lse + ((i64)b * n_heads + h) * q_len;
+        const float* delta_h = delta + ((i64)b * n_heads + h) * q_len;
+        // Query i (at position q_offset + i) sees key j from i = j - q_offset on.
+        for (int i0 = max(j - q_offset, 0); i0 < q_len; i0 += 32) {
             int i = i0 + lane;
             float p = 0.0f, ds = 0.0f;
-            if (i < seq) {
+            if (i < q_len) {
                 p = expf(dot_shared_global(ks, qb + (i64)i * q_stride, head_dim) * scale - lse_h[i]);
                 float dp = dot_shared_global(vs, dob + (i64)i * q_stride, head_dim);
                 ds = p * (dp - delta_h[i]) * scale;
             }
-            int width = min(32, seq - i0);
+            int width = min(32, q_len - i0);
             for (int ii = 0; ii < width; ++ii) {
                 float pi = __shfl_sync(TITAN_FULL_MASK, p, ii);
                 float dsi = __shfl_sync(TITAN_FULL_MASK, ds, ii);
@@ -204,4 +206,25 @@ extern "C" __global__ void attention_backward_dkdv(float* dk, float* dv, const f
             dv[kv_row + d] = acc_v[c];
         }
     }
+}
+
+// Ring attention's merge of a block of keys into the running result: per query row,
+// lse' = log(e^lse + e^part_lse) and out' = out·e^(lse − lse') + part_out·e^(part_lse − lse').
+// One thread per (batch, query, head) row.
+extern "C" __global__ void attention_merge(float* out, float* lse, const float* part_out,
+                                           const float* part_lse, int batch, int q_len, int n_heads,
+                                           int head_dim) {
+    i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= (i64)batch * q_len * n_heads) return;
+    int h = (int)(row % n_heads);
+    i64 bi = row / n_heads;
+    int i = (int)(bi % q_len), b = (int)(bi / q_len);
+    i64 at = ((i64)b * n_heads + h) * q_len + i;
+    float mine = lse[at], theirs = part_lse[at];
+    float merged = fmaxf(mine, theirs) + log1pf(expf(-fabsf(mine - theirs)));
+    float keep = expf(mine - merged), take = expf(theirs - merged);
+    float* o = out + row * head_dim;
+    const float* p = part_out + row * head_dim;
+    for (int d = 0; d < head_dim; ++d) o[d] = o[d] * keep + p[d] * take;
+    lse[at] = merged;
 }

@@ -838,11 +838,11 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("attention_backward", self);
         check_attention_shape(&s);
         assert!(
-            s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len,
-            "attention_backward: only the training shape (no KV cache offset) has a backward"
+            s.kv_capacity == s.kv_len,
+            "attention_backward: keys with spare capacity (a KV cache) have no backward"
         );
         let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
-        let kv_floats = s.batch * s.q_len * s.n_kv_heads * s.head_dim;
+        let kv_floats = s.batch * s.kv_len * s.n_kv_heads * s.head_dim;
         for (what, len, need) in [
             ("dq", dq.len(), q_floats),
             ("dout", dout.len(), q_floats),
@@ -946,6 +946,7 @@ impl Backend for CudaBackend {
             }
             return;
         }
+        let (kv_len, q_offset) = (s.kv_len as i32, s.q_offset as i32);
         launch!(
             self,
             "attention_backward_dq",
@@ -958,12 +959,14 @@ impl Backend for CudaBackend {
             lse,
             &delta,
             &seq,
+            &kv_len,
+            &q_offset,
             &h,
             &kvh,
             &d,
             &scale
         );
-        let per_key = attention_config(s.q_len, s.n_kv_heads, s.batch);
+        let per_key = attention_config(s.kv_len, s.n_kv_heads, s.batch);
         launch!(
             self,
             "attention_backward_dkdv",
@@ -977,10 +980,60 @@ impl Backend for CudaBackend {
             lse,
             &delta,
             &seq,
+            &kv_len,
+            &q_offset,
             &h,
             &kvh,
             &d,
             &scale
+        );
+    }
+
+    fn attention_merge(
+        &self,
+        out: &mut Buf,
+        lse: &mut Buf,
+        part_out: &Buf,
+        part_lse: &Buf,
+        s: AttnShape,
+    ) {
+        let _timer = self.profiler.time_on("attention_merge", self);
+        let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
+        let rows = s.batch * s.q_len * s.n_heads;
+        for (what, len, need) in [
+            ("out", out.len(), q_floats),
+            ("part_out", part_out.len(), q_floats),
+            ("lse", lse.len(), rows),
+            ("part_lse", part_lse.len(), rows),
+        ] {
+            check_len("attention_merge", what, len, need);
+        }
+        if rows == 0 {
+            return;
+        }
+        let (b, ql, h, d) = (
+            s.batch as i32,
+            s.q_len as i32,
+            s.n_heads as i32,
+            s.head_dim as i32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(128) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "attention_merge",
+            cfg,
+            out,
+            lse,
+            part_out,
+            part_lse,
+            &b,
+            &ql,
+            &h,
+            &d
         );
     }
 
@@ -1386,10 +1439,8 @@ fn check_attention_shape(s: &AttnShape) {
         s.n_kv_heads
     );
     assert!(
-        s.q_offset + s.q_len <= s.kv_len && s.kv_len <= s.kv_capacity,
-        "attention: queries at {}..{} need keys the cache does not hold (kv_len {}, capacity {})",
-        s.q_offset,
-        s.q_offset + s.q_len,
+        s.kv_len <= s.kv_capacity,
+        "attention: kv_len {} is above the capacity {}",
         s.kv_len,
         s.kv_capacity
     );
