@@ -350,6 +350,16 @@ impl Backend for SkewedDkBackend {
             .attention_backward(dq, dk, dv, dout, q, k, v, out, lse, s);
         self.cpu.scale(dk, 1.001);
     }
+    fn attention_merge(
+        &self,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+        part_out: &Vec<f32>,
+        part_lse: &Vec<f32>,
+        s: AttnShape,
+    ) {
+        self.cpu.attention_merge(out, lse, part_out, part_lse, s)
+    }
     fn swiglu_forward(&self, out: &mut Vec<f32>, g: &Vec<f32>, u: &Vec<f32>) {
         self.cpu.swiglu_forward(out, g, u)
     }
