@@ -156,6 +156,9 @@ pub struct ParallelismConfig {
     pub tensor_parallel_degree: usize,
     pub pipeline_parallel_degree: usize,
     pub context_parallel_degree: usize,
+    /// Context parallelism: how the ranks exchange keys and values, `allgather` (all at once,
+    /// TorchTitan's default) or `alltoall` (rotated around the ring, peer to peer).
+    pub context_parallel_rotate_method: String,
     /// FSDP: free a block's gathered parameters after its forward (`default`, `always`) or keep them
     /// until its backward (`never`).
     pub fsdp_reshard_after_forward: String,
@@ -206,6 +209,7 @@ impl Default for ParallelismConfig {
             tensor_parallel_degree: 1,
             pipeline_parallel_degree: 1,
             context_parallel_degree: 1,
+            context_parallel_rotate_method: "allgather".into(),
             fsdp_reshard_after_forward: "default".into(),
             disable_loss_parallel: false,
             enable_async_tensor_parallel: false,
@@ -608,7 +612,19 @@ impl Config {
             bail!("[parallelism] context_parallel_degree must be at least 1");
         }
         if p.context_parallel_degree > 1 {
-            bail!("[parallelism] context_parallel_degree = {}: context parallelism is not built yet in this titan (only 1 is accepted)", p.context_parallel_degree);
+            let cp = p.context_parallel_degree;
+            crate::parallel::cp::RotateMethod::parse(&p.context_parallel_rotate_method)?;
+            for (section, seq) in [
+                ("training", t.seq_len),
+                ("validation", self.validation_shape().1),
+            ] {
+                if section == "validation" && !self.validation.enabled {
+                    continue;
+                }
+                if !seq.is_multiple_of(2 * cp) {
+                    bail!("[{section}] seq_len = {seq} does not split into 2 × context_parallel_degree = {} equal chunks (each rank holds two, head and tail, for balanced causal attention); make it a multiple of {}", 2 * cp, 2 * cp);
+                }
+            }
         }
         if p.pipeline_parallel_degree > 1 {
             if p.pipeline_parallel_schedule_csv.is_empty() {

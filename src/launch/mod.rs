@@ -22,12 +22,20 @@ pub struct Distributed {
     pub rank: usize,
     pub world: usize,
     pub mesh: DeviceMesh,
+    /// The ranks that split the batch (`dp_replicate × dp_shard`): each reads its own data.
     pub dp: Arc<dyn ProcessGroup>,
-    /// FSDP's shard group (`dp_shard`) and, for HSDP, the replica group (`dp_replicate`).
+    /// The ranks whose losses and target counts add up to the step's (`dp_replicate × dp_shard ×
+    /// cp`: context parallelism splits each sequence's targets too); `dp` without it.
+    pub loss: Arc<dyn ProcessGroup>,
+    /// FSDP's shard group (`dp_shard`, `× cp` with context parallelism, TorchTitan's folding) and,
+    /// for HSDP, the replica group (`dp_replicate`).
     pub shard: Option<Arc<dyn ProcessGroup>>,
     pub replicate: Option<Arc<dyn ProcessGroup>>,
     /// The tensor-parallel group (`tp`), when its degree is above 1.
     pub tp: Option<Arc<dyn ProcessGroup>>,
+    /// The context-parallel group (`cp`: the ranks splitting each sequence), when its degree is
+    /// above 1.
+    pub cp: Option<Arc<dyn ProcessGroup>>,
     /// The pipeline group (`pp`: the ranks holding the stages of one model copy), when its degree
     /// is above 1.
     pub pp: Option<Arc<dyn ProcessGroup>>,
@@ -48,6 +56,7 @@ pub struct Distributed {
     shard_name: Option<String>,
     replicate_name: Option<String>,
     tp_name: Option<String>,
+    cp_name: Option<String>,
     writers_name: Option<String>,
     timeouts: (Duration, Duration),
     /// Restart generation: store keys of this run never meet a previous run's.
@@ -88,19 +97,40 @@ impl Distributed {
         let name = |dims: &[&str]| format!("{}-g{gen}", mesh.group_name(env.rank, dims));
         let dp = join(&["dp_replicate", "dp_shard"])?;
         let dp_name = name(&["dp_replicate", "dp_shard"]);
-        let (shard, replicate, shard_name, replicate_name) =
-            match (mesh.degree("dp_replicate"), mesh.degree("dp_shard")) {
-                (_, 1) => (None, None, None, None),
-                (1, _) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
-                _ => (
-                    Some(join(&["dp_shard"])?),
-                    Some(join(&["dp_replicate"])?),
-                    Some(name(&["dp_shard"])),
-                    Some(name(&["dp_replicate"])),
-                ),
-            };
+        let cp_degree = mesh.degree("cp");
+        let loss = if cp_degree > 1 {
+            join(&["dp_replicate", "dp_shard", "cp"])?
+        } else {
+            dp.clone()
+        };
+        // Parameters are sharded over `dp_shard × cp`: with context parallelism even a job without
+        // `dp_shard` shards them over its CP ranks (whose gradients must be summed anyway).
+        let shard_dims: &[&str] = if cp_degree > 1 {
+            &["dp_shard", "cp"]
+        } else {
+            &["dp_shard"]
+        };
+        let (shard, replicate, shard_name, replicate_name) = match (
+            mesh.degree("dp_replicate"),
+            mesh.degree("dp_shard") * cp_degree,
+        ) {
+            (_, 1) => (None, None, None, None),
+            (1, _) if cp_degree > 1 => (Some(loss.clone()), None, Some(name(shard_dims)), None),
+            (1, _) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
+            _ => (
+                Some(join(shard_dims)?),
+                Some(join(&["dp_replicate"])?),
+                Some(name(shard_dims)),
+                Some(name(&["dp_replicate"])),
+            ),
+        };
         let (tp, tp_name) = if mesh.degree("tp") > 1 {
             (Some(join(&["tp"])?), Some(name(&["tp"])))
+        } else {
+            (None, None)
+        };
+        let (cp, cp_name) = if cp_degree > 1 {
+            (Some(join(&["cp"])?), Some(name(&["cp"])))
         } else {
             (None, None)
         };
@@ -119,17 +149,17 @@ impl Distributed {
             (_, _, Some(_)) => {
                 let mut dims = vec!["pp"];
                 if shard.is_some() {
-                    dims.push("dp_shard");
+                    dims.extend(shard_dims);
                 }
                 if tp.is_some() {
                     dims.push("tp");
                 }
                 (Some(join(&dims)?), Some(name(&dims)))
             }
-            (Some(_), Some(_), None) => (
-                Some(join(&["dp_shard", "tp"])?),
-                Some(name(&["dp_shard", "tp"])),
-            ),
+            (Some(_), Some(_), None) => {
+                let dims = [shard_dims, &["tp"]].concat();
+                (Some(join(&dims)?), Some(name(&dims)))
+            }
         };
         let all = if dp.size() == env.world_size {
             dp.clone()
@@ -141,9 +171,11 @@ impl Distributed {
             world: env.world_size,
             mesh,
             dp,
+            loss,
             shard,
             replicate,
             tp,
+            cp,
             pp,
             writers,
             all,
@@ -153,6 +185,7 @@ impl Distributed {
             shard_name,
             replicate_name,
             tp_name,
+            cp_name,
             writers_name,
             timeouts: (init, op),
             generation: gen,
@@ -220,6 +253,7 @@ impl Distributed {
             MeshGroup::Shard => (self.shard.as_ref(), self.shard_name.as_ref()),
             MeshGroup::Replicate => (self.replicate.as_ref(), self.replicate_name.as_ref()),
             MeshGroup::Tensor => (self.tp.as_ref(), self.tp_name.as_ref()),
+            MeshGroup::Context => (self.cp.as_ref(), self.cp_name.as_ref()),
         };
         let (Some(group), Some(name)) = (group, name) else {
             return Ok(None);
@@ -238,13 +272,14 @@ impl Distributed {
 }
 
 /// A worker's groups that may get an NCCL communicator: every data-parallel rank, FSDP's shard
-/// group, HSDP's replica group, the tensor-parallel group.
+/// group, HSDP's replica group, the tensor-parallel group, the context-parallel group.
 #[derive(Debug, Clone, Copy)]
 pub enum MeshGroup {
     DataParallel,
     Shard,
     Replicate,
     Tensor,
+    Context,
 }
 
 /// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through

@@ -147,10 +147,11 @@ impl ModelArgs {
     }
 }
 
-/// The shapes one tensor-parallel rank computes with: its heads, its slice of the feed-forward's
-/// hidden width and of the vocabulary (Megatron's column- and row-parallel split), and the token
-/// rows it holds between blocks (sequence parallel: `batch × seq / tp`). With one rank these are
-/// the model's own shapes.
+/// The shapes one rank computes with: its heads, its slice of the feed-forward's hidden width and
+/// of the vocabulary (Megatron's column- and row-parallel split), the token rows it holds between
+/// blocks (sequence parallel: `batch × seq / tp`), and, with context parallelism, its shard of
+/// every sequence (`seq / cp` positions, `model::context_parallel::SequenceShard`). With one rank
+/// these are the model's own shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalShapes {
     pub dim: usize,
@@ -167,6 +168,9 @@ pub struct LocalShapes {
     /// Tensor-parallel degree and this rank's place in its group.
     pub tp: usize,
     pub tp_rank: usize,
+    /// Context-parallel degree and this rank's place in its group.
+    pub cp: usize,
+    pub cp_rank: usize,
 }
 
 impl LocalShapes {
@@ -183,7 +187,23 @@ impl LocalShapes {
             vocab_offset: 0,
             tp: 1,
             tp_rank: 0,
+            cp: 1,
+            cp_rank: 0,
         }
+    }
+
+    /// These shapes on rank `cp_rank` of a context-parallel group of `cp` ranks.
+    pub fn with_context_parallel(self, cp: usize, cp_rank: usize) -> Self {
+        LocalShapes {
+            cp,
+            cp_rank,
+            ..self
+        }
+    }
+
+    /// Positions of each sequence of `seq` this rank computes (context parallel: its shard).
+    pub fn local_seq(&self, seq: usize) -> usize {
+        seq / self.cp
     }
 
     /// Rank `tp_rank` of `tp`: refuses, naming the key and the numbers, a model whose heads, key/

@@ -14,6 +14,10 @@
 //! runs over vocabulary shards (`TensorParallelOps::cross_entropy`). With one rank every one of
 //! these crossings is the identity and costs nothing.
 //!
+//! Context parallelism splits each sequence over a group (`model::context_parallel`): a rank's
+//! workspace holds its shard of every sequence, RoPE rotates its rows by their global positions,
+//! and attention crosses the group (`ContextParallelOps`); nothing else in the block changes.
+//!
 //! Activations live in a `Workspace` sized once for a (batch, seq) shape and reused every step.
 
 use std::sync::Arc;
@@ -24,6 +28,7 @@ use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum, IGNORE
 
 use super::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use super::args::{LocalShapes, ModelArgs};
+use super::context_parallel::{ContextParallelOps, SequenceShard};
 use super::linear::Linear;
 use super::parallel_linear::{DeferredWeightGrad, Projection, ProjectionGrad, SequenceParallel};
 use super::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
@@ -53,7 +58,11 @@ pub struct LayerActs<B: Backend> {
 /// Every activation and gradient buffer of one training step, allocated once per shape.
 pub struct Workspace<B: Backend> {
     pub batch: usize,
+    /// Positions of each sequence this rank holds (with context parallelism, its shard).
     pub seq: usize,
+    /// With context parallelism, the RoPE tables of the shard's rows (their global positions),
+    /// made by `Llama::load_tokens` the first time.
+    rope: Option<(B::Buf, B::Buf)>,
     /// Input of block `l` at `resid[l]`; the last entry is the final block's output.
     resid: Vec<B::Buf>,
     /// Each block's own activations (empty buffers for what it does not keep) and the shared set
@@ -151,6 +160,7 @@ fn block_floats(
 /// Float counts of the workspace for a shape and activation plan: the single source for
 /// allocation and memory estimates.
 pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &ActivationPlan) -> usize {
+    let seq = m.local_seq(seq);
     let n = batch * seq;
     let r = m.rows(n);
     let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
@@ -170,6 +180,7 @@ pub fn workspace_bf16_activation_floats(
     seq: usize,
     plan: &ActivationPlan,
 ) -> usize {
+    let seq = m.local_seq(seq);
     block_floats(m, batch, seq, plan, |st| st.bf16_alone) + 3 * batch * seq * m.ffn
 }
 
@@ -184,6 +195,7 @@ pub fn workspace_copied_floats(
     seq: usize,
     plan: &ActivationPlan,
 ) -> usize {
+    let seq = m.local_seq(seq);
     let n = batch * seq;
     let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
     block_floats(m, batch, seq, plan, |st| st.bf16_copy) + n * d + n * (3 * f + d + qd + kvd)
@@ -311,8 +323,9 @@ impl<B: Backend> Workspace<B> {
         Self::planned(backend, &LocalShapes::whole(args), batch, seq, plan)
     }
 
-    /// The workspace of one tensor-parallel rank (`batch × seq` must divide by its degree) whose
-    /// blocks keep what `plan` says (activation checkpointing):
+    /// The workspace of one rank for `batch` sequences of `seq` positions (context parallel: it
+    /// holds `seq / cp` of each; tensor parallel: `batch × seq / cp` must divide by its degree)
+    /// whose blocks keep what `plan` says (activation checkpointing):
     /// a buffer per block for each kept activation, one shared for each recomputed one.
     pub fn planned(
         backend: &B,
@@ -322,6 +335,7 @@ impl<B: Backend> Workspace<B> {
         plan: ActivationPlan,
     ) -> Self {
         assert_eq!(plan.blocks.len(), m.n_layers, "a plan per block");
+        let seq = m.local_seq(seq);
         let n = batch * seq;
         let r = m.rows(n);
         let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
@@ -332,6 +346,7 @@ impl<B: Backend> Workspace<B> {
         Workspace {
             batch,
             seq,
+            rope: None,
             resid: (0..=m.n_layers).map(|_| z(r * d)).collect(),
             layers: plan
                 .blocks
@@ -393,13 +408,14 @@ pub trait BlockGradHook<B: Backend> {
 }
 
 /// A Llama model bound to a backend: shapes, parameter indices, RoPE tables and the
-/// tensor-parallel group its blocks cross.
+/// tensor- and context-parallel groups its blocks cross.
 pub struct Llama<B: Backend> {
     pub args: ModelArgs,
     /// The shapes this rank computes with.
     pub local: LocalShapes,
     pub ids: ParamIds,
     tp: Arc<dyn TensorParallelOps<B>>,
+    cp: Arc<dyn ContextParallelOps<B>>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
@@ -432,10 +448,64 @@ impl<B: Backend> Llama<B> {
             args,
             local,
             tp,
+            cp: Arc::new(SingleRank),
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
         })
+    }
+
+    /// This model with its attention spread over a context-parallel group (`self.local` says
+    /// which shard of each sequence this rank holds).
+    pub fn with_context_parallel(mut self, cp: Arc<dyn ContextParallelOps<B>>) -> Self {
+        assert_eq!(
+            self.local.cp,
+            cp.degree(),
+            "Llama: shapes and group disagree on the CP degree"
+        );
+        self.cp = cp;
+        self
+    }
+
+    /// The context-parallel group (degree 1 without context parallelism).
+    pub fn cp(&self) -> &dyn ContextParallelOps<B> {
+        self.cp.as_ref()
+    }
+
+    /// The positions of each sequence this rank holds.
+    pub fn sequence_shard(&self) -> SequenceShard {
+        SequenceShard {
+            degree: self.local.cp,
+            rank: self.local.cp_rank,
+        }
+    }
+
+    /// The targets of `[rows, seq+1]` token rows that count toward this rank's loss: those at its
+    /// positions, ignored ids left out.
+    pub fn count_targets(&self, tokens: &[u32], seq: usize) -> usize {
+        let chunks = self.sequence_shard().chunks(seq);
+        tokens
+            .chunks(seq + 1)
+            .map(|row| {
+                chunks
+                    .iter()
+                    .map(|c| {
+                        row[c.start + 1..c.end + 1]
+                            .iter()
+                            .filter(|&&t| t != IGNORE_INDEX)
+                            .count()
+                    })
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// The RoPE tables of a workspace's rows: the model's, or the shard's own.
+    fn rope_tables<'a>(&'a self, shard: &'a Option<(B::Buf, B::Buf)>) -> (&'a B::Buf, &'a B::Buf) {
+        match shard {
+            Some((cos, sin)) => (cos, sin),
+            None => (&self.rope_cos, &self.rope_sin),
+        }
     }
 
     /// Names and shapes of this rank's parameters (its tensor-parallel parts).
@@ -477,7 +547,7 @@ impl<B: Backend> Llama<B> {
         grad_scale: f32,
         mut hook: Option<&mut dyn BlockGradHook<B>>,
     ) -> Result<LossSum> {
-        self.load_tokens(ws, tokens)?;
+        self.load_tokens(be, ws, tokens)?;
         self.embed_forward(be, params, ws)?;
         for l in 0..self.args.n_layers {
             self.block_forward(be, params, ws, l)?;
@@ -501,7 +571,7 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         tokens: &[u32],
     ) -> Result<LossSum> {
-        self.load_tokens(ws, tokens)?;
+        self.load_tokens(be, ws, tokens)?;
         self.embed_forward(be, params, ws)?;
         for l in 0..self.args.n_layers {
             self.block_forward(be, params, ws, l)?;
@@ -525,9 +595,10 @@ impl<B: Backend> Llama<B> {
             .cross_entropy(be, h, w, &ws.targets, &self.local, 0.0, None)
     }
 
-    /// Checks `tokens` (`[batch, seq+1]`) and splits them into the workspace's inputs and targets.
-    pub fn load_tokens(&self, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
-        let (b, s) = (ws.batch, ws.seq);
+    /// Checks `tokens` (`[batch, seq+1]`, whole sequences) and splits them into the workspace's
+    /// inputs and targets: with context parallelism, those at this rank's positions.
+    pub fn load_tokens(&self, be: &B, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
+        let (b, s) = (ws.batch, ws.seq * self.local.cp);
         if tokens.len() != b * (s + 1) {
             bail!(
                 "expected {} tokens ({b} rows of seq_len+1 = {}), got {}",
@@ -548,10 +619,28 @@ impl<B: Backend> Llama<B> {
                 self.args.vocab_size
             );
         }
-        for r in 0..b {
-            let row = &tokens[r * (s + 1)..(r + 1) * (s + 1)];
-            ws.inputs[r * s..(r + 1) * s].copy_from_slice(&row[..s]);
-            ws.targets[r * s..(r + 1) * s].copy_from_slice(&row[1..]);
+        let chunks = self.sequence_shard().chunks(s);
+        for (r, row) in tokens.chunks(s + 1).enumerate() {
+            let mut at = r * ws.seq;
+            for c in &chunks {
+                let n = c.len();
+                ws.inputs[at..at + n].copy_from_slice(&row[c.clone()]);
+                ws.targets[at..at + n].copy_from_slice(&row[c.start + 1..c.end + 1]);
+                at += n;
+            }
+        }
+        if self.local.cp > 1 && ws.rope.is_none() {
+            let a = &self.args;
+            let half = a.head_dim() / 2;
+            let (cos, sin) = rope_tables(a.head_dim(), s, a.rope_theta, a.rope_scaling);
+            let rows = |table: &[f32]| -> Vec<f32> {
+                self.sequence_shard()
+                    .positions(s)
+                    .into_iter()
+                    .flat_map(|p| table[p * half..(p + 1) * half].to_vec())
+                    .collect()
+            };
+            ws.rope = Some((be.upload(&rows(&cos)), be.upload(&rows(&sin))));
         }
         let (lo, n) = (self.local.vocab_offset as u32, self.local.vocab as u32);
         for (local, &id) in ws.local_ids.iter_mut().zip(&ws.inputs) {
@@ -744,11 +833,12 @@ impl<B: Backend> Llama<B> {
                 Projection::new(wv, &p[id.wv], acts.v),
             ],
         )?;
-        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
+        let (cos, sin) = self.rope_tables(&ws.rope);
         be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, 0);
         be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-        be.attention_forward(acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape);
+        self.cp
+            .attention_forward(be, acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape)?;
         sp.row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, &mut ws.full)?;
         // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h).
         be.rmsnorm_forward(
@@ -814,7 +904,7 @@ impl<B: Backend> Llama<B> {
         let redo = |act: Act| !save.keeps(act);
         let x = &ws.resid[l];
         let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
-        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
+        let (cos, sin) = self.rope_tables(&ws.rope);
         let tp = m.tp > 1;
         let sp = self.sequence_parallel(n);
         if redo(Act::NormedAttn) || redo(Act::RstdAttn) {
@@ -851,7 +941,8 @@ impl<B: Backend> Llama<B> {
         }
         if redo(Act::AttnOut) || redo(Act::Lse) {
             let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-            be.attention_forward(acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape);
+            self.cp
+                .attention_forward(be, acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape)?;
         }
         if redo(Act::H) {
             let w = &p[id.wo];
@@ -1019,7 +1110,8 @@ impl<B: Backend> Llama<B> {
             &mut ws.dattn,
         )?;
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-        be.attention_backward(
+        self.cp.attention_backward(
+            be,
             &mut ws.dq,
             &mut ws.dk,
             &mut ws.dv,
@@ -1030,8 +1122,8 @@ impl<B: Backend> Llama<B> {
             acts.attn_out,
             acts.lse,
             shape,
-        );
-        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
+        )?;
+        let (cos, sin) = self.rope_tables(&ws.rope);
         be.rope_backward(&mut ws.dq, cos, sin, b, s, m.heads, hd);
         be.rope_backward(&mut ws.dk, cos, sin, b, s, m.kv_heads, hd);
         sp.column_backward(

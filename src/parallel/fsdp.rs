@@ -417,7 +417,7 @@ impl<B: Backend> Fsdp<B> {
         tokens: &[u32],
         grad_scale: f32,
     ) -> Result<LossSum> {
-        model.load_tokens(ws, tokens)?;
+        model.load_tokens(be, ws, tokens)?;
         let blocks: Vec<[usize; 9]> = model.ids.layers.iter().map(|l| l.all()).collect();
         let n = blocks.len();
         let non_block = self.non_block.clone();
@@ -554,7 +554,7 @@ impl<B: Backend> Fsdp<B> {
         ws: &mut Workspace<B>,
         tokens: &[u32],
     ) -> Result<LossSum> {
-        model.load_tokens(ws, tokens)?;
+        model.load_tokens(be, ws, tokens)?;
         let blocks: Vec<[usize; 9]> = model.ids.layers.iter().map(|l| l.all()).collect();
         let non_block = self.non_block.clone();
         self.submit_gather(be, &non_block)?;

@@ -1,6 +1,7 @@
 //! Parallelisms that wrap or cross the model: data parallel (DDP, FSDP/HSDP), tensor parallel with
 //! sequence parallel (`tp`), and the composition of a rank's layout from the mesh (`plan`).
 
+pub mod cp;
 pub mod ddp;
 pub mod fsdp;
 pub mod pipeline;

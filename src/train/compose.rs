@@ -23,6 +23,8 @@ use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
+use crate::comm::queue::HostQueue;
+use crate::parallel::cp::ContextParallelGroup;
 use crate::parallel::fsdp::ReshardPolicy;
 use crate::parallel::pipeline::plan::PipelinePlan;
 use crate::parallel::plan::{ParamState, RankLayout};
@@ -145,9 +147,19 @@ pub fn compose_rank<B: Backend>(
         Some(g) => LocalShapes::sharded(&args, g.size(), g.rank())?,
         None => LocalShapes::whole(&args),
     };
-    if !(batch * seq).is_multiple_of(local.tp) {
-        bail!("[training] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", batch * seq, local.tp);
+    // Context parallel: the rank's shard of every sequence.
+    let cp_group = dist.and_then(|d| d.cp.clone());
+    let local = match &cp_group {
+        Some(g) => local.with_context_parallel(g.size(), g.rank()),
+        None => local,
+    };
+    let local_tokens = batch * local.local_seq(seq);
+    if !local_tokens.is_multiple_of(local.tp) {
+        bail!("[training] local_batch_size {batch} × seq_len {seq} / context_parallel_degree {} = {local_tokens} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", local.cp, local.tp);
     }
+    let rotate = crate::parallel::cp::RotateMethod::parse(
+        &cfg.parallelism.context_parallel_rotate_method,
+    )?;
     // Async TP copies chunks of rows into and out of the activations; a device keeping some of
     // them in bf16 alone has no f32 rows to copy.
     if cfg.parallelism.enable_async_tensor_parallel
@@ -184,12 +196,13 @@ pub fn compose_rank<B: Backend>(
     let estimate_with = |plan: &ActivationPlan| {
         let mut e = MemoryEstimate::new(&args, &local, batch, seq, plan)
             .with_backend_scratch(be, &local, batch, seq, plan);
+        e.scratch += crate::parallel::cp::scratch_bytes(&local, batch, seq, rotate);
         if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
             e = e.with_compute_copy(be);
         }
         let fsdp_shard = dist
             .filter(|_| fsdp_mode)
-            .map(|d| d.mesh.degree("dp_shard"));
+            .map(|d| d.mesh.degree("dp_shard") * d.mesh.degree("cp"));
         e = match (&pipeline, fsdp_shard) {
             (Some(p), shard) => e.pipelined(
                 p.held_fraction(&args, &local),
@@ -259,7 +272,24 @@ pub fn compose_rank<B: Backend>(
                 TensorParallelGroup::new(g.clone(), device_comm.tensor_parallel, &cfg.parallelism);
             Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
         }
-        None => Llama::new(be, args.clone(), seq)?,
+        None => Llama::tensor_parallel(
+            be,
+            args.clone(),
+            seq,
+            local,
+            Arc::new(crate::model::tensor_parallel::SingleRank),
+        )?,
+    };
+    let model = match &cp_group {
+        Some(g) => {
+            let queue = Box::new(HostQueue::new("context parallel", g.clone(), None));
+            model.with_context_parallel(Arc::new(ContextParallelGroup::new(
+                g.clone(),
+                rotate,
+                queue,
+            )))
+        }
+        None => model,
     };
     let specs = model.param_specs();
     // A pipeline rank computes in its own workspaces, one per microbatch it holds; the step's is
@@ -316,7 +346,7 @@ pub fn compose_rank<B: Backend>(
         }
         None => None,
     };
-    let layout = RankLayout::new(model, state, dist.map(|d| d.dp.clone()), tp_group, pipeline);
+    let layout = RankLayout::new(model, state, dist.map(|d| d.loss.clone()), tp_group, pipeline);
     for (category, bytes) in estimate.by_category(fsdp_mode, false) {
         memory_timeline::set(category, bytes);
     }

@@ -5,7 +5,7 @@
 use anyhow::Result;
 
 use super::optimizer::{clip_factor, AdamW};
-use crate::backend::{Backend, IGNORE_INDEX};
+use crate::backend::Backend;
 use crate::memory_timeline;
 use crate::model::Workspace;
 use crate::parallel::plan::RankLayout;
@@ -26,9 +26,12 @@ pub fn train_step<B: Backend>(
     max_norm: f64,
 ) -> Result<(f64, f64)> {
     let _span = crate::trace::span_named("step", || format!("step {step}"));
-    let targets = layout
-        .sum_over_batch(count_targets(micro, ws.seq) as f64)?
-        .round() as usize;
+    let seq = ws.seq * layout.model.local.cp;
+    let counted: usize = micro
+        .iter()
+        .map(|m| layout.model.count_targets(m, seq))
+        .sum();
+    let targets = layout.sum_over_batch(counted as f64)?.round() as usize;
     let scale = 1.0 / targets.max(1) as f32;
     memory_timeline::mark(|| format!("step {step}: forward and backward start"));
     let loss_sum = layout.forward_backward(be, ws, micro, scale)?;
@@ -42,13 +45,4 @@ pub fn train_step<B: Backend>(
         memory_timeline::mark(|| format!("step {step}: optimizer done"));
     }
     Ok((loss, norm))
-}
-
-/// Targets that count toward the loss in `[batch, seq+1]` micro-batches (ignored ids excluded).
-fn count_targets(micro: &[Vec<u32>], seq: usize) -> usize {
-    micro
-        .iter()
-        .flat_map(|m| m.chunks(seq + 1))
-        .map(|r| r[1..].iter().filter(|&&x| x != IGNORE_INDEX).count())
-        .sum()
 }

@@ -248,6 +248,20 @@ fn train_on<B: Backend>(
         } else {
             how.to_string()
         };
+        let how = if local.cp > 1 {
+            let seq = t.seq_len;
+            let chunks = crate::model::context_parallel::SequenceShard {
+                degree: local.cp,
+                rank: local.cp_rank,
+            }
+            .chunks(seq);
+            format!(
+                "{how}, context parallel {} ({}, positions {chunks:?} of {seq})",
+                local.cp, cfg.parallelism.context_parallel_rotate_method
+            )
+        } else {
+            how
+        };
         let how = match &layout.pipeline {
             Some(p) => format!(
                 "{how}, pipeline stages {:?} of {}",

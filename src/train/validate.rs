@@ -37,8 +37,9 @@ impl<B: Backend> Validator<B> {
             return Ok(None);
         }
         let (batch, seq) = cfg.validation_shape();
-        if !(batch * seq).is_multiple_of(local.tp) {
-            bail!("[validation] local_batch_size {batch} × seq_len {seq} = {} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards", batch * seq, local.tp);
+        let tokens = batch * local.local_seq(seq);
+        if !tokens.is_multiple_of(local.tp) {
+            bail!("[validation] local_batch_size {batch} × seq_len {seq} / context_parallel_degree {} = {tokens} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards", local.cp, local.tp);
         }
         let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
         let loader = DataLoader::for_validation(cfg, tokenizer, vocab, dp_rank, dp_size)?;

@@ -142,7 +142,7 @@ impl PipelinePlan {
         let blocks = self
             .schedule
             .max_deferred_blocks(self.group.rank(), |s| split.stages[s].blocks.len());
-        let tokens = (self.microbatch_rows * seq) as u64;
+        let tokens = (self.microbatch_rows * local.local_seq(seq)) as u64;
         let (d, f, q, kv) = (
             local.dim as u64,
             local.ffn as u64,

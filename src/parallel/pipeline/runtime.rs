@@ -244,7 +244,7 @@ impl<B: Backend> PipelineRank<B> {
                         let k = free.pop().ok_or_else(|| {
                             anyhow!("pipeline: no free workspace for microbatch {mb} (a bug in the slot count)")
                         })?;
-                        model.load_tokens(&mut slots[k], &tokens[mb * chunk..(mb + 1) * chunk])?;
+                        model.load_tokens(be, &mut slots[k], &tokens[mb * chunk..(mb + 1) * chunk])?;
                         slot_of.insert(mb, k);
                         k
                     }
@@ -412,7 +412,7 @@ impl<B: Backend> PipelineRank<B> {
                 })
                 .collect(),
         };
-        model.load_tokens(ws, tokens)?;
+        model.load_tokens(be, ws, tokens)?;
         let len = be.len(ws.block_input(0));
         let timeout = self.timeout;
         with_transfers(self.group.as_ref(), &forwards, len, |mailbox, send| {

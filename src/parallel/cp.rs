@@ -1,0 +1,463 @@
+//! Context parallelism: ring attention over a group of ranks that split every sequence (the
+//! collectives behind `model::context_parallel::ContextParallelOps`).
+//!
+//! Each rank holds a head-tail balanced shard of every sequence (`SequenceShard`: chunks `r` and
+//! `2·cp − 1 − r` of `2·cp`), so its queries and its keys are two chunks each. Attention of the
+//! rank's queries over the whole sequence is computed block by block, one (query chunk, key chunk)
+//! pair at a time, with the local kernel: a key chunk wholly before the query chunk is attended in
+//! full (`q_offset` ≥ the chunk length), the chunk on the diagonal causally, and one wholly after
+//! is skipped. The blocks' outputs are folded together by their log-sum-exp
+//! (`Backend::attention_merge`), the online softmax across blocks. The backward runs each block's
+//! backward with the merged output and log-sum-exp, so each returns its exact share of dQ, dK, dV.
+//!
+//! Where the other ranks' keys and values come from (`context_parallel_rotate_method`):
+//! - `allgather` (TorchTitan's default): every rank's K and V are all-gathered on the group's queue
+//!   while the rank computes its own chunks' blocks; the backward gathers them again and returns
+//!   each rank's dK/dV with one reduce-scatter.
+//! - `alltoall`: the shards rotate around the ring, peer to peer, each transfer overlapping the
+//!   blocks of the shard already here; in the backward each shard's dK/dV accumulator travels with
+//!   it, and one last step hands it to its owner. Only one shard besides the rank's own is held at
+//!   a time.
+//!
+//! The queue is `comm::queue`'s (host transport, or NCCL on GPUs); the ring's transfers run on a
+//! scoped thread over the group's CPU transport, with its timeout.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Result};
+
+use crate::backend::{AttnShape, Backend};
+use crate::comm::group::ProcessGroup;
+use crate::comm::queue::CollectiveQueue;
+use crate::model::context_parallel::{ContextParallelOps, SequenceShard};
+use crate::model::LocalShapes;
+
+/// How the ranks exchange their keys and values (`[parallelism] context_parallel_rotate_method`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RotateMethod {
+    AllGather,
+    AllToAll,
+}
+
+impl RotateMethod {
+    pub const NAMES: [&'static str; 2] = ["allgather", "alltoall"];
+
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "allgather" => Ok(RotateMethod::AllGather),
+            "alltoall" => Ok(RotateMethod::AllToAll),
+            other => bail!(
+                "[parallelism] context_parallel_rotate_method = \"{other}\" is not one titan knows (choose one of {:?})",
+                Self::NAMES
+            ),
+        }
+    }
+}
+
+/// A context-parallel group of ranks.
+pub struct ContextParallelGroup<B: Backend> {
+    group: Arc<dyn ProcessGroup>,
+    rotate: RotateMethod,
+    /// The all-gathers and reduce-scatters of `allgather`.
+    queue: Option<Mutex<Box<dyn CollectiveQueue<B> + Send>>>,
+    /// Nanoseconds spent in the attention blocks' kernels (`attention_seconds`).
+    compute_ns: AtomicU64,
+}
+
+/// How a rank's shard lies in a buffer: `batch` sequences of two chunks of `chunk` rows of
+/// `width` values each (queries and keys `[batch, 2·chunk, heads·head_dim]`; a log-sum-exp
+/// `[batch·heads, 2·chunk]` is the same with width 1).
+#[derive(Debug, Clone, Copy)]
+struct ShardLayout {
+    batch: usize,
+    chunk: usize,
+    width: usize,
+}
+
+impl ShardLayout {
+    fn len(&self) -> usize {
+        self.batch * 2 * self.chunk * self.width
+    }
+
+    fn chunk_len(&self) -> usize {
+        self.batch * self.chunk * self.width
+    }
+
+    /// Chunk `i` of the shard starting at `offset` of `src`, as `[batch, chunk, width]`.
+    fn take<B: Backend>(&self, be: &B, src: &B::Buf, offset: usize, i: usize) -> B::Buf {
+        let mut dst = be.uninit(self.chunk_len());
+        let run = self.chunk * self.width;
+        be.copy_rows(
+            &mut dst,
+            0,
+            run,
+            src,
+            offset + i * run,
+            2 * run,
+            self.batch,
+            run,
+        );
+        dst
+    }
+
+    /// Writes `x` (`[batch, chunk, width]`) as chunk `i` of the shard starting at `offset` of `dst`.
+    fn put<B: Backend>(&self, be: &B, dst: &mut B::Buf, offset: usize, i: usize, x: &B::Buf) {
+        let run = self.chunk * self.width;
+        be.copy_rows(dst, offset + i * run, 2 * run, x, 0, run, self.batch, run);
+    }
+
+    /// Adds `x` (`[batch, chunk, width]`) into chunk `i` of the shard starting at `offset` of `dst`.
+    fn add_into<B: Backend>(&self, be: &B, dst: &mut B::Buf, offset: usize, i: usize, x: &B::Buf) {
+        let run = self.chunk * self.width;
+        for b in 0..self.batch {
+            be.add_range(dst, offset + (2 * b + i) * run, x, b * run, run);
+        }
+    }
+}
+
+/// The layouts of one attention call's shard: queries (and outputs), keys (and values), and the
+/// log-sum-exp.
+struct Layouts {
+    q: ShardLayout,
+    kv: ShardLayout,
+    lse: ShardLayout,
+}
+
+/// Bytes one context-parallel attention call holds beyond the workspace, for `batch` sequences of
+/// `seq` on a rank of shapes `m`: the chunk copies of its queries, outputs and their gradients,
+/// and the other ranks' keys and values with their gradients (all of them under `allgather`, one
+/// shard at a time under `alltoall`).
+pub fn scratch_bytes(m: &LocalShapes, batch: usize, seq: usize, rotate: RotateMethod) -> u64 {
+    if m.cp == 1 {
+        return 0;
+    }
+    let tokens = (batch * m.local_seq(seq)) as u64;
+    let (q, kv) = (tokens * m.q_dim() as u64, tokens * m.kv_dim() as u64);
+    let shards = match rotate {
+        RotateMethod::AllGather => 2 * m.cp as u64 + 1,
+        RotateMethod::AllToAll => 4,
+    };
+    4 * (5 * q + shards * 2 * kv)
+}
+
+impl<B: Backend> ContextParallelGroup<B> {
+    /// The group's attention as `rotate` says; `queue` (over `group`) carries `allgather`'s
+    /// collectives.
+    pub fn new(
+        group: Arc<dyn ProcessGroup>,
+        rotate: RotateMethod,
+        queue: Box<dyn CollectiveQueue<B> + Send>,
+    ) -> Self {
+        ContextParallelGroup {
+            group,
+            rotate,
+            queue: (rotate == RotateMethod::AllGather).then(|| Mutex::new(queue)),
+            compute_ns: AtomicU64::new(0),
+        }
+    }
+
+    fn layouts(&self, s: &AttnShape) -> Result<Layouts> {
+        if !s.q_len.is_multiple_of(2) || s.q_len != s.kv_len || s.q_offset != 0 {
+            bail!("context-parallel attention expects a shard of two equal chunks, got {s:?}");
+        }
+        let chunk = s.q_len / 2;
+        Ok(Layouts {
+            q: ShardLayout {
+                batch: s.batch,
+                chunk,
+                width: s.n_heads * s.head_dim,
+            },
+            kv: ShardLayout {
+                batch: s.batch,
+                chunk,
+                width: s.n_kv_heads * s.head_dim,
+            },
+            lse: ShardLayout {
+                batch: s.batch * s.n_heads,
+                chunk,
+                width: 1,
+            },
+        })
+    }
+
+    /// The global position of each chunk `rank` holds, for sequences of `seq`.
+    fn chunk_starts(&self, rank: usize, seq: usize) -> [usize; 2] {
+        let c = SequenceShard::chunks_of(self.group.size(), rank, seq);
+        [c[0].start, c[1].start]
+    }
+
+    /// The block of a query chunk at `q_pos` against a key chunk at `k_pos` (both `chunk` long),
+    /// or None when every key lies after every query.
+    fn block(s: &AttnShape, chunk: usize, q_pos: usize, k_pos: usize) -> Option<AttnShape> {
+        (k_pos <= q_pos).then_some(AttnShape {
+            batch: s.batch,
+            q_len: chunk,
+            kv_len: chunk,
+            kv_capacity: chunk,
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            head_dim: s.head_dim,
+            q_offset: q_pos - k_pos,
+        })
+    }
+
+    /// `[k | v]` in one buffer, so that one transfer carries both.
+    fn pack(be: &B, k: &B::Buf, v: &B::Buf) -> B::Buf {
+        let len = be.len(k);
+        let mut packed = be.uninit(2 * len);
+        be.copy_into_at(&mut packed, 0, k);
+        be.copy_into_at(&mut packed, len, v);
+        packed
+    }
+
+    /// Sends `data` to the next rank of the ring and returns what the previous one sent.
+    fn shift(&self, data: &[f32]) -> Result<Vec<f32>> {
+        let (n, r) = (self.group.size(), self.group.rank());
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let mut send_counts = vec![0; n];
+        let mut recv_counts = vec![0; n];
+        send_counts[next] = data.len();
+        recv_counts[prev] = data.len();
+        let mut received = vec![0.0; data.len()];
+        self.group
+            .all_to_all(data, &send_counts, &mut received, &recv_counts)?;
+        Ok(received)
+    }
+
+    /// `shift` of a device buffer through the host, on a scoped thread while `compute` runs.
+    fn shift_during<T>(
+        &self,
+        be: &B,
+        buf: &B::Buf,
+        compute: impl FnOnce() -> T,
+    ) -> Result<(B::Buf, T)> {
+        let host = be.download(buf);
+        let (received, out) = std::thread::scope(|sc| {
+            let transfer = sc.spawn(|| self.shift(&host));
+            let out = compute();
+            let received = transfer
+                .join()
+                .unwrap_or_else(|_| Err(anyhow!("context parallel: ring transfer panicked")));
+            (received, out)
+        });
+        Ok((be.upload(&received?), out))
+    }
+
+    fn queue(&self) -> Result<std::sync::MutexGuard<'_, Box<dyn CollectiveQueue<B> + Send>>> {
+        self.queue
+            .as_ref()
+            .ok_or_else(|| anyhow!("context parallel: no queue for allgather (a titan bug)"))?
+            .lock()
+            .map_err(|_| anyhow!("context parallel: queue lock poisoned"))
+    }
+
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t0 = Instant::now();
+        let out = f();
+        self.compute_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        out
+    }
+}
+
+impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
+    fn degree(&self) -> usize {
+        self.group.size()
+    }
+
+    fn attention_forward(
+        &self,
+        be: &B,
+        out: &mut B::Buf,
+        lse: &mut B::Buf,
+        q: &B::Buf,
+        k: &B::Buf,
+        v: &B::Buf,
+        s: AttnShape,
+    ) -> Result<()> {
+        let _span = crate::trace::span("context parallel", "ring attention forward");
+        let lay = self.layouts(&s)?;
+        let (n, r, c) = (self.group.size(), self.group.rank(), lay.q.chunk);
+        let seq = s.q_len * n;
+        let mine = self.chunk_starts(r, seq);
+        let queries = [lay.q.take(be, q, 0, 0), lay.q.take(be, q, 0, 1)];
+        let kv_len = lay.kv.len();
+        // Per query chunk, the output and log-sum-exp over the key blocks seen so far.
+        let mut acc: [Option<(B::Buf, B::Buf)>; 2] = [None, None];
+        let mut attend = |owner: usize, kv: &B::Buf, offset: usize| {
+            self.timed(|| {
+                let theirs = self.chunk_starts(owner, seq);
+                for (i, &k_pos) in theirs.iter().enumerate() {
+                    let blocks: Vec<(usize, AttnShape)> = (0..2)
+                        .filter_map(|j| Self::block(&s, c, mine[j], k_pos).map(|b| (j, b)))
+                        .collect();
+                    if blocks.is_empty() {
+                        continue;
+                    }
+                    let keys = lay.kv.take(be, kv, offset, i);
+                    let values = lay.kv.take(be, kv, offset + kv_len, i);
+                    for (j, shape) in blocks {
+                        let mut o = be.uninit(lay.q.chunk_len());
+                        let mut l = be.uninit(lay.lse.chunk_len());
+                        be.attention_forward(&mut o, &mut l, &queries[j], &keys, &values, shape);
+                        match &mut acc[j] {
+                            None => acc[j] = Some((o, l)),
+                            Some((ao, al)) => be.attention_merge(ao, al, &o, &l, shape),
+                        }
+                    }
+                }
+            })
+        };
+        let own = Self::pack(be, k, v);
+        match self.rotate {
+            RotateMethod::AllGather => {
+                let mut queue = self.queue()?;
+                queue.start_gather(be, Self::pack(be, k, v))?;
+                attend(r, &own, 0);
+                let all = queue.finish_oldest(be)?;
+                for owner in (0..n).filter(|&o| o != r) {
+                    attend(owner, &all, owner * 2 * kv_len);
+                }
+            }
+            RotateMethod::AllToAll => {
+                let mut here = own;
+                for t in 0..n {
+                    let owner = (r + n - t) % n;
+                    if t + 1 < n {
+                        let (next, ()) = self.shift_during(be, &here, || attend(owner, &here, 0))?;
+                        here = next;
+                    } else {
+                        attend(owner, &here, 0);
+                    }
+                }
+            }
+        }
+        for (j, a) in acc.iter().enumerate() {
+            let (o, l) = a
+                .as_ref()
+                .expect("every query chunk sees its own diagonal block");
+            lay.q.put(be, out, 0, j, o);
+            lay.lse.put(be, lse, 0, j, l);
+        }
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        be: &B,
+        dq: &mut B::Buf,
+        dk: &mut B::Buf,
+        dv: &mut B::Buf,
+        dout: &B::Buf,
+        q: &B::Buf,
+        k: &B::Buf,
+        v: &B::Buf,
+        out: &B::Buf,
+        lse: &B::Buf,
+        s: AttnShape,
+    ) -> Result<()> {
+        let _span = crate::trace::span("context parallel", "ring attention backward");
+        let lay = self.layouts(&s)?;
+        let (n, r, c) = (self.group.size(), self.group.rank(), lay.q.chunk);
+        let seq = s.q_len * n;
+        let mine = self.chunk_starts(r, seq);
+        let of = |x: &B::Buf, l: &ShardLayout| [l.take(be, x, 0, 0), l.take(be, x, 0, 1)];
+        let (queries, douts, outs, lses) = (
+            of(q, &lay.q),
+            of(dout, &lay.q),
+            of(out, &lay.q),
+            of(lse, &lay.lse),
+        );
+        let mut dqs = [be.zeros(lay.q.chunk_len()), be.zeros(lay.q.chunk_len())];
+        let kv_len = lay.kv.len();
+        // Adds the gradients of shard `owner`'s keys and values (at `offset` of `kv`) from this
+        // rank's queries into `grad` (`[dk | dv]` of that shard at `grad_offset`).
+        let mut attend = |owner: usize,
+                          kv: &B::Buf,
+                          offset: usize,
+                          grad: &mut B::Buf,
+                          grad_offset: usize| {
+            self.timed(|| {
+                let theirs = self.chunk_starts(owner, seq);
+                for (i, &k_pos) in theirs.iter().enumerate() {
+                    let blocks: Vec<(usize, AttnShape)> = (0..2)
+                        .filter_map(|j| Self::block(&s, c, mine[j], k_pos).map(|b| (j, b)))
+                        .collect();
+                    if blocks.is_empty() {
+                        continue;
+                    }
+                    let keys = lay.kv.take(be, kv, offset, i);
+                    let values = lay.kv.take(be, kv, offset + kv_len, i);
+                    let mut dq_block = be.uninit(lay.q.chunk_len());
+                    let mut dk_block = be.uninit(lay.kv.chunk_len());
+                    let mut dv_block = be.uninit(lay.kv.chunk_len());
+                    for (j, shape) in blocks {
+                        be.attention_backward(
+                            &mut dq_block,
+                            &mut dk_block,
+                            &mut dv_block,
+                            &douts[j],
+                            &queries[j],
+                            &keys,
+                            &values,
+                            &outs[j],
+                            &lses[j],
+                            shape,
+                        );
+                        be.add_assign(&mut dqs[j], &dq_block);
+                        lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
+                        lay.kv.add_into(be, grad, grad_offset + kv_len, i, &dv_block);
+                    }
+                }
+            })
+        };
+        let own = Self::pack(be, k, v);
+        // This rank's `[dk | dv]`, summed over every rank's queries.
+        let summed = match self.rotate {
+            RotateMethod::AllGather => {
+                let mut queue = self.queue()?;
+                queue.start_gather(be, Self::pack(be, k, v))?;
+                let mut grads = be.zeros(n * 2 * kv_len);
+                attend(r, &own, 0, &mut grads, r * 2 * kv_len);
+                let all = queue.finish_oldest(be)?;
+                for owner in (0..n).filter(|&o| o != r) {
+                    let at = owner * 2 * kv_len;
+                    attend(owner, &all, at, &mut grads, at);
+                }
+                queue.start_reduce_scatter(be, grads)?;
+                queue.finish_oldest(be)?
+            }
+            RotateMethod::AllToAll => {
+                // The shard here and its gradient so far travel the ring together; the keys and
+                // values move on while this rank computes, the gradient once it has added to it.
+                let mut here = own;
+                let mut grad = be.zeros(2 * kv_len);
+                for t in 0..n {
+                    let owner = (r + n - t) % n;
+                    if t + 1 < n {
+                        let (next, ()) = self.shift_during(be, &here, || {
+                            attend(owner, &here, 0, &mut grad, 0)
+                        })?;
+                        here = next;
+                    } else {
+                        attend(owner, &here, 0, &mut grad, 0);
+                    }
+                    grad = be.upload(&self.shift(&be.download(&grad))?);
+                }
+                grad
+            }
+        };
+        be.copy_range(dk, 0, &summed, 0, kv_len);
+        be.copy_range(dv, 0, &summed, kv_len, kv_len);
+        for (j, d) in dqs.iter().enumerate() {
+            lay.q.put(be, dq, 0, j, d);
+        }
+        Ok(())
+    }
+
+    fn attention_seconds(&self) -> f64 {
+        self.compute_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+}
