@@ -477,7 +477,14 @@ fn merging_attention_over_two_key_blocks_equals_attention_over_all() {
             ..whole
         };
         let (mut o, mut l) = (vec![0.0; q.len()], vec![0.0; b * h * ql]);
-        be.attention_forward(&mut o, &mut l, &q, &keys(from, to, &k), &keys(from, to, &v), s);
+        be.attention_forward(
+            &mut o,
+            &mut l,
+            &q,
+            &keys(from, to, &k),
+            &keys(from, to, &v),
+            s,
+        );
         (o, l)
     };
     let (mut merged, mut merged_lse) = block(0, 8, 8);

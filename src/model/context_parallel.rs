@@ -34,7 +34,7 @@ impl SequenceShard {
     /// `chunks` for any rank of the group.
     pub fn chunks_of(degree: usize, rank: usize, seq: usize) -> Vec<Range<usize>> {
         if degree == 1 {
-            return vec![0..seq];
+            return std::iter::once(0..seq).collect();
         }
         let c = seq / (2 * degree);
         let tail = 2 * degree - 1 - rank;
@@ -151,6 +151,6 @@ mod tests {
         assert!(seen.iter().all(|&n| n == 1));
         assert!(work.iter().all(|&w| w == work[0]), "{work:?}");
         assert_eq!(SequenceShard::chunks_of(4, 1, 64), vec![8..16, 48..56]);
-        assert_eq!(SequenceShard::chunks_of(1, 0, 64), vec![0..64]);
+        assert_eq!(SequenceShard::chunks_of(1, 0, 64), [0..64]);
     }
 }

@@ -941,8 +941,15 @@ impl<B: Backend> Llama<B> {
         }
         if redo(Act::AttnOut) || redo(Act::Lse) {
             let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-            self.cp
-                .attention_forward(be, acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape)?;
+            self.cp.attention_forward(
+                be,
+                acts.attn_out,
+                acts.lse,
+                acts.q,
+                acts.k,
+                acts.v,
+                shape,
+            )?;
         }
         if redo(Act::H) {
             let w = &p[id.wo];

@@ -326,7 +326,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                 for t in 0..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
-                        let (next, ()) = self.shift_during(be, &here, || attend(owner, &here, 0))?;
+                        let (next, ()) =
+                            self.shift_during(be, &here, || attend(owner, &here, 0))?;
                         here = next;
                     } else {
                         attend(owner, &here, 0);
@@ -374,45 +375,43 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         let kv_len = lay.kv.len();
         // Adds the gradients of shard `owner`'s keys and values (at `offset` of `kv`) from this
         // rank's queries into `grad` (`[dk | dv]` of that shard at `grad_offset`).
-        let mut attend = |owner: usize,
-                          kv: &B::Buf,
-                          offset: usize,
-                          grad: &mut B::Buf,
-                          grad_offset: usize| {
-            self.timed(|| {
-                let theirs = self.chunk_starts(owner, seq);
-                for (i, &k_pos) in theirs.iter().enumerate() {
-                    let blocks: Vec<(usize, AttnShape)> = (0..2)
-                        .filter_map(|j| Self::block(&s, c, mine[j], k_pos).map(|b| (j, b)))
-                        .collect();
-                    if blocks.is_empty() {
-                        continue;
+        let mut attend =
+            |owner: usize, kv: &B::Buf, offset: usize, grad: &mut B::Buf, grad_offset: usize| {
+                self.timed(|| {
+                    let theirs = self.chunk_starts(owner, seq);
+                    for (i, &k_pos) in theirs.iter().enumerate() {
+                        let blocks: Vec<(usize, AttnShape)> = (0..2)
+                            .filter_map(|j| Self::block(&s, c, mine[j], k_pos).map(|b| (j, b)))
+                            .collect();
+                        if blocks.is_empty() {
+                            continue;
+                        }
+                        let keys = lay.kv.take(be, kv, offset, i);
+                        let values = lay.kv.take(be, kv, offset + kv_len, i);
+                        let mut dq_block = be.uninit(lay.q.chunk_len());
+                        let mut dk_block = be.uninit(lay.kv.chunk_len());
+                        let mut dv_block = be.uninit(lay.kv.chunk_len());
+                        for (j, shape) in blocks {
+                            be.attention_backward(
+                                &mut dq_block,
+                                &mut dk_block,
+                                &mut dv_block,
+                                &douts[j],
+                                &queries[j],
+                                &keys,
+                                &values,
+                                &outs[j],
+                                &lses[j],
+                                shape,
+                            );
+                            be.add_assign(&mut dqs[j], &dq_block);
+                            lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
+                            lay.kv
+                                .add_into(be, grad, grad_offset + kv_len, i, &dv_block);
+                        }
                     }
-                    let keys = lay.kv.take(be, kv, offset, i);
-                    let values = lay.kv.take(be, kv, offset + kv_len, i);
-                    let mut dq_block = be.uninit(lay.q.chunk_len());
-                    let mut dk_block = be.uninit(lay.kv.chunk_len());
-                    let mut dv_block = be.uninit(lay.kv.chunk_len());
-                    for (j, shape) in blocks {
-                        be.attention_backward(
-                            &mut dq_block,
-                            &mut dk_block,
-                            &mut dv_block,
-                            &douts[j],
-                            &queries[j],
-                            &keys,
-                            &values,
-                            &outs[j],
-                            &lses[j],
-                            shape,
-                        );
-                        be.add_assign(&mut dqs[j], &dq_block);
-                        lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
-                        lay.kv.add_into(be, grad, grad_offset + kv_len, i, &dv_block);
-                    }
-                }
-            })
-        };
+                })
+            };
         let own = Self::pack(be, k, v);
         // This rank's `[dk | dv]`, summed over every rank's queries.
         let summed = match self.rotate {
@@ -437,9 +436,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                 for t in 0..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
-                        let (next, ()) = self.shift_during(be, &here, || {
-                            attend(owner, &here, 0, &mut grad, 0)
-                        })?;
+                        let (next, ()) =
+                            self.shift_during(be, &here, || attend(owner, &here, 0, &mut grad, 0))?;
                         here = next;
                     } else {
                         attend(owner, &here, 0, &mut grad, 0);

@@ -17,13 +17,13 @@ use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
+use crate::comm::queue::HostQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
-use crate::comm::queue::HostQueue;
 use crate::parallel::cp::ContextParallelGroup;
 use crate::parallel::fsdp::ReshardPolicy;
 use crate::parallel::pipeline::plan::PipelinePlan;
@@ -157,9 +157,8 @@ pub fn compose_rank<B: Backend>(
     if !local_tokens.is_multiple_of(local.tp) {
         bail!("[training] local_batch_size {batch} × seq_len {seq} / context_parallel_degree {} = {local_tokens} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", local.cp, local.tp);
     }
-    let rotate = crate::parallel::cp::RotateMethod::parse(
-        &cfg.parallelism.context_parallel_rotate_method,
-    )?;
+    let rotate =
+        crate::parallel::cp::RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?;
     // Async TP copies chunks of rows into and out of the activations; a device keeping some of
     // them in bf16 alone has no f32 rows to copy.
     if cfg.parallelism.enable_async_tensor_parallel
@@ -346,7 +345,13 @@ pub fn compose_rank<B: Backend>(
         }
         None => None,
     };
-    let layout = RankLayout::new(model, state, dist.map(|d| d.loss.clone()), tp_group, pipeline);
+    let layout = RankLayout::new(
+        model,
+        state,
+        dist.map(|d| d.loss.clone()),
+        tp_group,
+        pipeline,
+    );
     for (category, bytes) in estimate.by_category(fsdp_mode, false) {
         memory_timeline::set(category, bytes);
     }

@@ -244,7 +244,11 @@ impl<B: Backend> PipelineRank<B> {
                         let k = free.pop().ok_or_else(|| {
                             anyhow!("pipeline: no free workspace for microbatch {mb} (a bug in the slot count)")
                         })?;
-                        model.load_tokens(be, &mut slots[k], &tokens[mb * chunk..(mb + 1) * chunk])?;
+                        model.load_tokens(
+                            be,
+                            &mut slots[k],
+                            &tokens[mb * chunk..(mb + 1) * chunk],
+                        )?;
                         slot_of.insert(mb, k);
                         k
                     }
