@@ -206,12 +206,13 @@ fn bench_on<B: Backend>(
         .collect();
     let mut times = Vec::new();
     let mut losses = Vec::new();
-    let (mut exposed_at_warm, mut comm_at_warm) = (0.0, 0.0);
+    let (mut exposed_at_warm, mut comm_at_warm, mut attention_at_warm) = (0.0, 0.0, 0.0);
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             on_warm();
             exposed_at_warm = layout.model.tp().exposed_comm_seconds();
             comm_at_warm = layout.model.tp().comm_seconds();
+            attention_at_warm = layout.model.cp().attention_seconds();
             layout.pipeline_bubbles()?;
         }
         be.synchronize();
@@ -252,6 +253,28 @@ fn bench_on<B: Backend>(
     let per_step = |total: f64, at_warm: f64| (total - at_warm) / a.steps.max(1) as f64;
     let exposed_tp_s = per_step(layout.model.tp().exposed_comm_seconds(), exposed_at_warm);
     let comm_tp_s = per_step(layout.model.tp().comm_seconds(), comm_at_warm);
+    // Context parallel: every rank's attention time per step and peak memory (the load balance).
+    let cp = layout.model.local.cp;
+    let attention_s = per_step(layout.model.cp().attention_seconds(), attention_at_warm);
+    let per_rank = match dist.filter(|_| cp > 1) {
+        Some(d) => {
+            let mine = [attention_s as f32, peak_memory() as f32];
+            let mut all = vec![0f32; 2 * d.world];
+            d.all.all_gather(&mine, &mut all)?;
+            let (attention, peaks): (Vec<f64>, Vec<f64>) = all
+                .chunks(2)
+                .map(|x| (x[0] as f64, x[1] as f64 / (1 << 20) as f64))
+                .unzip();
+            Some((attention, peaks))
+        }
+        None => None,
+    };
+    let attention_spread = per_rank.as_ref().map(|(a, _)| {
+        let (lo, hi) = a
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        hi / lo.max(1e-12)
+    });
     // Job-wide figures: the largest rank's memory, its estimate and its exposed TP communication.
     let peak_rss = peak_memory() as f64;
     let device_peak = be.device_peak_memory().map(|b| b as f64);
@@ -321,6 +344,10 @@ fn bench_on<B: Backend>(
                 "pipeline_schedule": layout.pipeline.as_ref().map(|p| p.schedule.name.clone()),
                 "pipeline_bubble_unit_cost": unit_bubble,
                 "pipeline_bubble_measured_per_rank": bubbles,
+                "context_parallel_degree": cp,
+                "cp_attention_s_per_step_per_rank": per_rank.as_ref().map(|(a, _)| a),
+                "cp_attention_slowest_over_fastest": attention_spread,
+                "peak_rss_mib_per_rank": per_rank.as_ref().map(|(_, m)| m),
                 "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
         );
     } else {
@@ -342,6 +369,15 @@ fn bench_on<B: Backend>(
             exposed += &format!(
                 " | pipeline bubble measured {} (unit-cost {unit:.3})",
                 per_rank.join(" ")
+            );
+        }
+        if let (Some((attention, peaks)), Some(spread)) = (&per_rank, attention_spread) {
+            let ms: Vec<String> = attention.iter().map(|x| format!("{:.1}", x * 1e3)).collect();
+            let mib: Vec<String> = peaks.iter().map(|x| format!("{x:.0}")).collect();
+            exposed += &format!(
+                " | CP attention ms/step per rank {} (slowest/fastest {spread:.3}), peak MiB per rank {}",
+                ms.join(" "),
+                mib.join(" ")
             );
         }
         println!(
