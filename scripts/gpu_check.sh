@@ -87,6 +87,11 @@ stage tp_async_cuda 30 "$BIN" train --nproc 2 $common --training.local_batch_siz
 # host; 8 sequences in 8 microbatches, same loss as the `one` run above.
 rm -rf "$OUT_DIR/pp2"
 stage pp_cuda 40 "$BIN" train --nproc 2 $common --training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble --parallelism.data_parallel_shard_degree 1 --job.dump_folder "$OUT_DIR/pp2"
+# CP 2 on one GPU: each rank half of every sequence (head-tail chunks), ring attention blocks
+# (attention with a query offset, the fp32 kernels' backward of a block, attention_merge) on CUDA,
+# K/V exchanged through the host (allgather, then alltoall); same loss as the `one` run above.
+rm -rf "$OUT_DIR/cp2" "$OUT_DIR/cp2_a2a"
+stage cp_cuda 50 sh -c "'$BIN' train --nproc 2 $common --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/cp2' && '$BIN' train --nproc 2 $common --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.context_parallel_rotate_method alltoall --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/cp2_a2a'"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -162,7 +167,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -245,7 +250,7 @@ def generate_report():
           f"({'ok' if gpu_ids == cpu_ids else 'FAIL'})")
 def fsdp_report():
     one = curve("one")
-    for layout, folder in (("FSDP", "fsdp2"), ("DDP", "ddp2"), ("TP", "tp2"), ("async TP", "tp2_async"), ("PP (ZBV)", "pp2")):
+    for layout, folder in (("FSDP", "fsdp2"), ("DDP", "ddp2"), ("TP", "tp2"), ("async TP", "tp2_async"), ("PP (ZBV)", "pp2"), ("CP allgather", "cp2"), ("CP alltoall", "cp2_a2a")):
         two = curve(folder)
         if one and two and len(one) == len(two):
             diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))

@@ -531,6 +531,26 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         });
     }
 
+    /// Ring attention's merge of two blocks' outputs by their log-sum-exp (context parallelism).
+    fn attention_merge(&mut self) {
+        let s = AttnShape::causal(2, 37, 4, 2, 32);
+        let (n, rows) = (2 * 37 * 4 * 32, 2 * 4 * 37);
+        let out = self.random(n, 1.0);
+        let part = self.random(n, 1.0);
+        let lse = self.random(rows, 3.0);
+        let part_lse = self.random(rows, 3.0);
+        let (mut ro, mut to) = self.both(&out);
+        let (mut rl, mut tl) = self.both(&lse);
+        let (rp, tp) = self.both(&part);
+        let (rpl, tpl) = self.both(&part_lse);
+        self.reference
+            .attention_merge(&mut ro, &mut rl, &rp, &rpl, s);
+        self.test.attention_merge(&mut to, &mut tl, &tp, &tpl, s);
+        let tol = self.tol.attention;
+        self.compare("attention_merge out", &ro, &to, tol);
+        self.compare("attention_merge lse", &rl, &tl, tol);
+    }
+
     fn swiglu_and_elementwise(&mut self) {
         let n = 10_007;
         let g = self.random(n, 4.0);
@@ -857,6 +877,31 @@ pub fn check_ops<R: Backend, T: Backend>(
                     q_offset: 33,
                 };
                 c.attention("KV cache", shape, false)
+            }),
+        ),
+        (
+            "attention context-parallel blocks",
+            Box::new(|c| {
+                // A query chunk against a key chunk wholly before it, and against the keys up to
+                // and under it: ring attention's blocks, forward and backward.
+                let before = AttnShape {
+                    batch: 2,
+                    q_len: 40,
+                    kv_len: 40,
+                    kv_capacity: 40,
+                    n_heads: 4,
+                    n_kv_heads: 2,
+                    head_dim: 64,
+                    q_offset: 80,
+                };
+                c.attention("CP block before", before, true);
+                let prefix = AttnShape {
+                    kv_len: 120,
+                    kv_capacity: 120,
+                    ..before
+                };
+                c.attention("CP prefix", prefix, true);
+                c.attention_merge();
             }),
         ),
         ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),

@@ -117,6 +117,36 @@ impl ShardLayout {
     }
 }
 
+/// Where one rank's shard of keys and values lies: its own buffers, or a place in a gathered or
+/// received buffer (`[k | v]` per rank).
+struct KeysValues<'a, B: Backend> {
+    keys: &'a B::Buf,
+    values: &'a B::Buf,
+    keys_at: usize,
+    values_at: usize,
+}
+
+impl<'a, B: Backend> KeysValues<'a, B> {
+    fn own(k: &'a B::Buf, v: &'a B::Buf) -> Self {
+        KeysValues {
+            keys: k,
+            values: v,
+            keys_at: 0,
+            values_at: 0,
+        }
+    }
+
+    /// Shard `index` of `[k | v]` shards of `len` values each.
+    fn packed(buf: &'a B::Buf, index: usize, len: usize) -> Self {
+        KeysValues {
+            keys: buf,
+            values: buf,
+            keys_at: index * 2 * len,
+            values_at: index * 2 * len + len,
+        }
+    }
+}
+
 /// The layouts of one attention call's shard: queries (and outputs), keys (and values), and the
 /// log-sum-exp.
 struct Layouts {
@@ -212,6 +242,13 @@ impl<B: Backend> ContextParallelGroup<B> {
         packed
     }
 
+    /// `[k | v]` on the host, for the ring.
+    fn pack_on_host(be: &B, k: &B::Buf, v: &B::Buf) -> Vec<f32> {
+        let mut host = be.download(k);
+        host.extend(be.download(v));
+        host
+    }
+
     /// Sends `data` to the next rank of the ring and returns what the previous one sent.
     fn shift(&self, data: &[f32]) -> Result<Vec<f32>> {
         let (n, r) = (self.group.size(), self.group.rank());
@@ -226,14 +263,13 @@ impl<B: Backend> ContextParallelGroup<B> {
         Ok(received)
     }
 
-    /// `shift` of a device buffer through the host, on a scoped thread while `compute` runs.
+    /// `shift` of `host` on a scoped thread while `compute` runs; what arrived, on the device.
     fn shift_during<T>(
         &self,
         be: &B,
-        buf: &B::Buf,
+        host: Vec<f32>,
         compute: impl FnOnce() -> T,
     ) -> Result<(B::Buf, T)> {
-        let host = be.download(buf);
         let (received, out) = std::thread::scope(|sc| {
             let transfer = sc.spawn(|| self.shift(&host));
             let out = compute();
@@ -286,7 +322,7 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         let kv_len = lay.kv.len();
         // Per query chunk, the output and log-sum-exp over the key blocks seen so far.
         let mut acc: [Option<(B::Buf, B::Buf)>; 2] = [None, None];
-        let mut attend = |owner: usize, kv: &B::Buf, offset: usize| {
+        let mut attend = |owner: usize, kv: KeysValues<'_, B>| {
             self.timed(|| {
                 let theirs = self.chunk_starts(owner, seq);
                 for (i, &k_pos) in theirs.iter().enumerate() {
@@ -296,8 +332,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                     if blocks.is_empty() {
                         continue;
                     }
-                    let keys = lay.kv.take(be, kv, offset, i);
-                    let values = lay.kv.take(be, kv, offset + kv_len, i);
+                    let keys = lay.kv.take(be, kv.keys, kv.keys_at, i);
+                    let values = lay.kv.take(be, kv.values, kv.values_at, i);
                     for (j, shape) in blocks {
                         let mut o = be.uninit(lay.q.chunk_len());
                         let mut l = be.uninit(lay.lse.chunk_len());
@@ -310,27 +346,31 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                 }
             })
         };
-        let own = Self::pack(be, k, v);
         match self.rotate {
             RotateMethod::AllGather => {
                 let mut queue = self.queue()?;
                 queue.start_gather(be, Self::pack(be, k, v))?;
-                attend(r, &own, 0);
+                attend(r, KeysValues::own(k, v));
                 let all = queue.finish_oldest(be)?;
                 for owner in (0..n).filter(|&o| o != r) {
-                    attend(owner, &all, owner * 2 * kv_len);
+                    attend(owner, KeysValues::packed(&all, owner, kv_len));
                 }
             }
             RotateMethod::AllToAll => {
-                let mut here = own;
-                for t in 0..n {
+                // The shard here moves on to the next rank while this one computes with it.
+                let (mut here, ()) = self.shift_during(be, Self::pack_on_host(be, k, v), || {
+                    attend(r, KeysValues::own(k, v))
+                })?;
+                for t in 1..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
-                        let (next, ()) =
-                            self.shift_during(be, &here, || attend(owner, &here, 0))?;
+                        let host = be.download(&here);
+                        let (next, ()) = self.shift_during(be, host, || {
+                            attend(owner, KeysValues::packed(&here, 0, kv_len))
+                        })?;
                         here = next;
                     } else {
-                        attend(owner, &here, 0);
+                        attend(owner, KeysValues::packed(&here, 0, kv_len));
                     }
                 }
             }
@@ -376,7 +416,7 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         // Adds the gradients of shard `owner`'s keys and values (at `offset` of `kv`) from this
         // rank's queries into `grad` (`[dk | dv]` of that shard at `grad_offset`).
         let mut attend =
-            |owner: usize, kv: &B::Buf, offset: usize, grad: &mut B::Buf, grad_offset: usize| {
+            |owner: usize, kv: KeysValues<'_, B>, grad: &mut B::Buf, grad_offset: usize| {
                 self.timed(|| {
                     let theirs = self.chunk_starts(owner, seq);
                     for (i, &k_pos) in theirs.iter().enumerate() {
@@ -386,8 +426,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                         if blocks.is_empty() {
                             continue;
                         }
-                        let keys = lay.kv.take(be, kv, offset, i);
-                        let values = lay.kv.take(be, kv, offset + kv_len, i);
+                        let keys = lay.kv.take(be, kv.keys, kv.keys_at, i);
+                        let values = lay.kv.take(be, kv.values, kv.values_at, i);
                         let mut dq_block = be.uninit(lay.q.chunk_len());
                         let mut dk_block = be.uninit(lay.kv.chunk_len());
                         let mut dv_block = be.uninit(lay.kv.chunk_len());
@@ -412,35 +452,40 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                     }
                 })
             };
-        let own = Self::pack(be, k, v);
         // This rank's `[dk | dv]`, summed over every rank's queries.
         let summed = match self.rotate {
             RotateMethod::AllGather => {
                 let mut queue = self.queue()?;
                 queue.start_gather(be, Self::pack(be, k, v))?;
                 let mut grads = be.zeros(n * 2 * kv_len);
-                attend(r, &own, 0, &mut grads, r * 2 * kv_len);
+                attend(r, KeysValues::own(k, v), &mut grads, r * 2 * kv_len);
                 let all = queue.finish_oldest(be)?;
                 for owner in (0..n).filter(|&o| o != r) {
-                    let at = owner * 2 * kv_len;
-                    attend(owner, &all, at, &mut grads, at);
+                    let kv = KeysValues::packed(&all, owner, kv_len);
+                    attend(owner, kv, &mut grads, owner * 2 * kv_len);
                 }
+                drop(all);
                 queue.start_reduce_scatter(be, grads)?;
                 queue.finish_oldest(be)?
             }
             RotateMethod::AllToAll => {
                 // The shard here and its gradient so far travel the ring together; the keys and
                 // values move on while this rank computes, the gradient once it has added to it.
-                let mut here = own;
                 let mut grad = be.zeros(2 * kv_len);
-                for t in 0..n {
+                let (mut here, ()) = self.shift_during(be, Self::pack_on_host(be, k, v), || {
+                    attend(r, KeysValues::own(k, v), &mut grad, 0)
+                })?;
+                grad = be.upload(&self.shift(&be.download(&grad))?);
+                for t in 1..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
-                        let (next, ()) =
-                            self.shift_during(be, &here, || attend(owner, &here, 0, &mut grad, 0))?;
+                        let host = be.download(&here);
+                        let (next, ()) = self.shift_during(be, host, || {
+                            attend(owner, KeysValues::packed(&here, 0, kv_len), &mut grad, 0)
+                        })?;
                         here = next;
                     } else {
-                        attend(owner, &here, 0, &mut grad, 0);
+                        attend(owner, KeysValues::packed(&here, 0, kv_len), &mut grad, 0);
                     }
                     grad = be.upload(&self.shift(&be.download(&grad))?);
                 }

@@ -19,6 +19,9 @@ pub struct DeviceComm<B: Backend> {
     pub data_parallel: Option<DataParallelComm<B>>,
     /// The tensor-parallel group's gathers and reduce-scatters of token rows.
     pub tensor_parallel: Option<Box<dyn CollectiveQueue<B> + Send>>,
+    /// The context-parallel group's gathers of keys and values and reduce-scatters of their
+    /// gradients (ring attention's `allgather`).
+    pub context_parallel: Option<Box<dyn CollectiveQueue<B> + Send>>,
 }
 
 impl<B: Backend> DeviceComm<B> {
@@ -27,6 +30,7 @@ impl<B: Backend> DeviceComm<B> {
         DeviceComm {
             data_parallel: None,
             tensor_parallel: None,
+            context_parallel: None,
         }
     }
 }
@@ -106,8 +110,8 @@ pub fn for_cpu<B: Backend>(dist: Option<&Distributed>) -> Result<DeviceComm<B>> 
 
 /// The collectives of a CUDA rank: NCCL when every rank of the job has a GPU of its own (NCCL
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`; DDP then sums
-/// its gradients through it, FSDP gathers and reduce-scatters through it, and so does tensor
-/// parallelism. Otherwise the host path. Also returns how many ranks share this rank's GPU
+/// its gradients through it, FSDP gathers and reduce-scatters through it, and so do tensor
+/// parallelism and context parallelism's `allgather`. Otherwise the host path. Also returns how many ranks share this rank's GPU
 /// (itself included), for the memory check.
 pub fn for_cuda(
     dist: Option<&Distributed>,
@@ -136,8 +140,8 @@ pub fn for_cuda(
         }
         return Ok((DeviceComm::host(), sharing));
     }
-    // Every rank creates its communicators in the same order (data parallel, then tensor
-    // parallel), so no two ranks wait for each other's next one.
+    // Every rank creates its communicators in the same order (data parallel, tensor parallel,
+    // context parallel), so no two ranks wait for each other's next one.
     let data_parallel = if d.shard.is_some() {
         let shard = d
             .nccl_group(MeshGroup::Shard, be)?
@@ -158,6 +162,10 @@ pub fn for_cuda(
         Box::new(NcclQueue::new("tensor parallel", tp, None))
             as Box<dyn CollectiveQueue<CudaBackend> + Send>
     });
+    let context_parallel = d.nccl_group(MeshGroup::Context, be)?.map(|cp| {
+        Box::new(NcclQueue::new("context parallel", cp, None))
+            as Box<dyn CollectiveQueue<CudaBackend> + Send>
+    });
     if d.rank == 0 && !quiet {
         println!("collectives on the GPUs through NCCL ({} ranks)", d.world);
     }
@@ -165,6 +173,7 @@ pub fn for_cuda(
         DeviceComm {
             data_parallel,
             tensor_parallel,
+            context_parallel,
         },
         sharing,
     ))

@@ -17,7 +17,7 @@ use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
-use crate::comm::queue::HostQueue;
+use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::memory_timeline;
@@ -182,8 +182,10 @@ pub fn compose_rank<B: Backend>(
         Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),
         None => (None, None),
     };
-    let collectives_on_device =
-        device_reducer.is_some() || device_queue.is_some() || device_comm.tensor_parallel.is_some();
+    let collectives_on_device = device_reducer.is_some()
+        || device_queue.is_some()
+        || device_comm.tensor_parallel.is_some()
+        || device_comm.context_parallel.is_some();
     let ddp = dist
         .filter(|_| !fsdp_mode && dp_size > 1)
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
@@ -281,7 +283,10 @@ pub fn compose_rank<B: Backend>(
     };
     let model = match &cp_group {
         Some(g) => {
-            let queue = Box::new(HostQueue::new("context parallel", g.clone(), None));
+            let queue: Box<dyn CollectiveQueue<B> + Send> = match device_comm.context_parallel {
+                Some(q) => q,
+                None => Box::new(HostQueue::new("context parallel", g.clone(), None)),
+            };
             model.with_context_parallel(Arc::new(ContextParallelGroup::new(
                 g.clone(),
                 rotate,
