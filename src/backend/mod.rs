@@ -121,6 +121,14 @@ pub trait Backend: Send + Sync + 'static {
     }
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    /// `upload` of data the caller gives up: a host backend keeps the vector (no copy).
+    fn upload_owned(&self, data: Vec<f32>) -> Self::Buf {
+        self.upload(&data)
+    }
+    /// `download` of a buffer the caller gives up: a host backend hands its vector over.
+    fn download_owned(&self, buf: Self::Buf) -> Vec<f32> {
+        self.download(&buf)
+    }
     fn len(&self, buf: &Self::Buf) -> usize;
     fn fill(&self, buf: &mut Self::Buf, value: f32);
     fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf);

@@ -372,7 +372,10 @@ fn bench_on<B: Backend>(
             );
         }
         if let (Some((attention, peaks)), Some(spread)) = (&per_rank, attention_spread) {
-            let ms: Vec<String> = attention.iter().map(|x| format!("{:.1}", x * 1e3)).collect();
+            let ms: Vec<String> = attention
+                .iter()
+                .map(|x| format!("{:.1}", x * 1e3))
+                .collect();
             let mib: Vec<String> = peaks.iter().map(|x| format!("{x:.0}")).collect();
             exposed += &format!(
                 " | CP attention ms/step per rank {} (slowest/fastest {spread:.3}), peak MiB per rank {}",

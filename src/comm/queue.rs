@@ -136,11 +136,11 @@ impl<B: Backend> CollectiveQueue<B> for HostQueue {
     }
 
     fn start_gather(&mut self, be: &B, input: B::Buf) -> Result<()> {
-        self.submit(Job::Gather(be.download(&input)))
+        self.submit(Job::Gather(be.download_owned(input)))
     }
 
     fn start_reduce_scatter(&mut self, be: &B, input: B::Buf) -> Result<()> {
-        self.submit(Job::ReduceScatter(be.download(&input)))
+        self.submit(Job::ReduceScatter(be.download_owned(input)))
     }
 
     fn finish_oldest(&mut self, be: &B) -> Result<B::Buf> {
@@ -152,7 +152,7 @@ impl<B: Backend> CollectiveQueue<B> for HostQueue {
             .from_comm
             .recv()
             .map_err(|_| anyhow!("{} communication thread stopped", self.user))??;
-        Ok(be.upload(&data))
+        Ok(be.upload_owned(data))
     }
 
     fn replicated(&self) -> bool {

@@ -278,7 +278,7 @@ impl<B: Backend> ContextParallelGroup<B> {
                 .unwrap_or_else(|_| Err(anyhow!("context parallel: ring transfer panicked")));
             (received, out)
         });
-        Ok((be.upload(&received?), out))
+        Ok((be.upload_owned(received?), out))
     }
 
     fn queue(&self) -> Result<std::sync::MutexGuard<'_, Box<dyn CollectiveQueue<B> + Send>>> {
@@ -475,7 +475,7 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                 let (mut here, ()) = self.shift_during(be, Self::pack_on_host(be, k, v), || {
                     attend(r, KeysValues::own(k, v), &mut grad, 0)
                 })?;
-                grad = be.upload(&self.shift(&be.download(&grad))?);
+                grad = be.upload_owned(self.shift(&be.download_owned(grad))?);
                 for t in 1..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
@@ -487,7 +487,7 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                     } else {
                         attend(owner, KeysValues::packed(&here, 0, kv_len), &mut grad, 0);
                     }
-                    grad = be.upload(&self.shift(&be.download(&grad))?);
+                    grad = be.upload_owned(self.shift(&be.download_owned(grad))?);
                 }
                 grad
             }

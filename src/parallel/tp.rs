@@ -212,7 +212,7 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
         let mine = be.download(local);
         let mut all = vec![0.0f32; mine.len() * self.group.size()];
         self.waiting(|| self.group.all_gather(&mine, &mut all))?;
-        *full = be.upload(&all);
+        *full = be.upload_owned(all);
         Ok(())
     }
 
@@ -225,14 +225,14 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
         let all = be.download(partial);
         let mut mine = vec![0.0f32; all.len() / self.group.size()];
         self.waiting(|| self.group.reduce_scatter(&all, &mut mine, ReduceOp::Sum))?;
-        *local = be.upload(&mine);
+        *local = be.upload_owned(mine);
         Ok(())
     }
 
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()> {
         let mut values = be.download(buf);
         self.waiting(|| self.group.all_reduce(&mut values, ReduceOp::Sum))?;
-        *buf = be.upload(&values);
+        *buf = be.upload_owned(values);
         Ok(())
     }
 

@@ -78,6 +78,12 @@ impl Backend for CpuBackend {
     fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
         buf.clone()
     }
+    fn upload_owned(&self, data: Vec<f32>) -> Vec<f32> {
+        data
+    }
+    fn download_owned(&self, buf: Vec<f32>) -> Vec<f32> {
+        buf
+    }
     fn len(&self, buf: &Vec<f32>) -> usize {
         buf.len()
     }
