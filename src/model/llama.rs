@@ -502,6 +502,10 @@ impl<B: Backend> Llama<B> {
 
     /// The RoPE tables of a workspace's rows: the model's, or the shard's own.
     fn rope_tables<'a>(&'a self, shard: &'a Option<(B::Buf, B::Buf)>) -> (&'a B::Buf, &'a B::Buf) {
+        debug_assert!(
+            self.local.cp == 1 || shard.is_some(),
+            "a context-parallel workspace gets its RoPE tables from load_tokens"
+        );
         match shard {
             Some((cos, sin)) => (cos, sin),
             None => (&self.rope_cos, &self.rope_sin),
@@ -1176,8 +1180,8 @@ impl<B: Backend> Llama<B> {
         tokens: &[u32],
     ) -> Result<Vec<f32>> {
         let a = &self.args;
-        if self.local.tp != 1 {
-            bail!("generation runs the whole model in one process (this one is a tensor-parallel rank)");
+        if self.local.tp != 1 || self.local.cp != 1 {
+            bail!("generation runs the whole model in one process (this one is a tensor- or context-parallel rank)");
         }
         let n = tokens.len();
         let pos = cache.len;

@@ -14,10 +14,11 @@
 //! - `allgather` (TorchTitan's default): every rank's K and V are all-gathered on the group's queue
 //!   while the rank computes its own chunks' blocks; the backward gathers them again and returns
 //!   each rank's dK/dV with one reduce-scatter.
-//! - `alltoall`: the shards rotate around the ring, peer to peer, each transfer overlapping the
-//!   blocks of the shard already here; in the backward each shard's dK/dV accumulator travels with
-//!   it, and one last step hands it to its owner. Only one shard besides the rank's own is held at
-//!   a time.
+//! - `alltoall`: the shards rotate around the ring (each step an all-to-all in which a rank sends
+//!   only to the next and receives only from the previous), each transfer overlapping the blocks of
+//!   the shard already here; in the backward each shard's dK/dV accumulator travels with it, and
+//!   one last step hands it to its owner. A rank holds the shard it computes with and the one
+//!   arriving, never all of them.
 //!
 //! The queue is `comm::queue`'s (host transport, or NCCL on GPUs); the ring's transfers run on a
 //! scoped thread over the group's CPU transport, with its timeout.
@@ -156,9 +157,9 @@ struct Layouts {
 }
 
 /// Bytes one context-parallel attention call holds beyond the workspace, for `batch` sequences of
-/// `seq` on a rank of shapes `m`: the chunk copies of its queries, outputs and their gradients,
-/// and the other ranks' keys and values with their gradients (all of them under `allgather`, one
-/// shard at a time under `alltoall`).
+/// `seq` (a pipeline rank: one microbatch's) on a rank of shapes `m`: the chunk copies of its
+/// queries, outputs and their gradients, and keys and values with their gradients (every rank's
+/// under `allgather`, plus the packed copy sent; two shards at a time under `alltoall`).
 pub fn scratch_bytes(m: &LocalShapes, batch: usize, seq: usize, rotate: RotateMethod) -> u64 {
     if m.cp == 1 {
         return 0;
@@ -166,7 +167,7 @@ pub fn scratch_bytes(m: &LocalShapes, batch: usize, seq: usize, rotate: RotateMe
     let tokens = (batch * m.local_seq(seq)) as u64;
     let (q, kv) = (tokens * m.q_dim() as u64, tokens * m.kv_dim() as u64);
     let shards = match rotate {
-        RotateMethod::AllGather => 2 * m.cp as u64 + 1,
+        RotateMethod::AllGather => 2 * m.cp as u64 + 2,
         RotateMethod::AllToAll => 4,
     };
     4 * (5 * q + shards * 2 * kv)
@@ -174,18 +175,21 @@ pub fn scratch_bytes(m: &LocalShapes, batch: usize, seq: usize, rotate: RotateMe
 
 impl<B: Backend> ContextParallelGroup<B> {
     /// The group's attention as `rotate` says; `queue` (over `group`) carries `allgather`'s
-    /// collectives.
+    /// collectives (and is made only for it: `alltoall` needs none).
     pub fn new(
         group: Arc<dyn ProcessGroup>,
         rotate: RotateMethod,
-        queue: Box<dyn CollectiveQueue<B> + Send>,
-    ) -> Self {
-        ContextParallelGroup {
+        queue: Option<Box<dyn CollectiveQueue<B> + Send>>,
+    ) -> Result<Self> {
+        if rotate == RotateMethod::AllGather && queue.is_none() {
+            bail!("context parallel: allgather needs a collective queue (a titan bug)");
+        }
+        Ok(ContextParallelGroup {
             group,
             rotate,
-            queue: (rotate == RotateMethod::AllGather).then(|| Mutex::new(queue)),
+            queue: queue.map(Mutex::new),
             compute_ns: AtomicU64::new(0),
-        }
+        })
     }
 
     fn layouts(&self, s: &AttnShape) -> Result<Layouts> {
@@ -320,6 +324,12 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         let mine = self.chunk_starts(r, seq);
         let queries = [lay.q.take(be, q, 0, 0), lay.q.take(be, q, 0, 1)];
         let kv_len = lay.kv.len();
+        anyhow::ensure!(
+            be.len(k) == kv_len && be.len(v) == kv_len,
+            "context parallel: keys and values of {} and {} values, expected {kv_len}",
+            be.len(k),
+            be.len(v)
+        );
         // Per query chunk, the output and log-sum-exp over the key blocks seen so far.
         let mut acc: [Option<(B::Buf, B::Buf)>; 2] = [None, None];
         let mut attend = |owner: usize, kv: KeysValues<'_, B>| {
@@ -413,6 +423,12 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         );
         let mut dqs = [be.zeros(lay.q.chunk_len()), be.zeros(lay.q.chunk_len())];
         let kv_len = lay.kv.len();
+        anyhow::ensure!(
+            be.len(k) == kv_len && be.len(v) == kv_len,
+            "context parallel: keys and values of {} and {} values, expected {kv_len}",
+            be.len(k),
+            be.len(v)
+        );
         // Adds the gradients of shard `owner`'s keys and values (at `offset` of `kv`) from this
         // rank's queries into `grad` (`[dk | dv]` of that shard at `grad_offset`).
         let mut attend =

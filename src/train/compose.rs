@@ -24,7 +24,7 @@ use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
-use crate::parallel::cp::ContextParallelGroup;
+use crate::parallel::cp::{ContextParallelGroup, RotateMethod};
 use crate::parallel::fsdp::ReshardPolicy;
 use crate::parallel::pipeline::plan::PipelinePlan;
 use crate::parallel::plan::{ParamState, RankLayout};
@@ -157,8 +157,7 @@ pub fn compose_rank<B: Backend>(
     if !local_tokens.is_multiple_of(local.tp) {
         bail!("[training] local_batch_size {batch} × seq_len {seq} / context_parallel_degree {} = {local_tokens} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", local.cp, local.tp);
     }
-    let rotate =
-        crate::parallel::cp::RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?;
+    let rotate = RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?;
     // Async TP copies chunks of rows into and out of the activations; a device keeping some of
     // them in bf16 alone has no f32 rows to copy.
     if cfg.parallelism.enable_async_tensor_parallel
@@ -176,6 +175,12 @@ pub fn compose_rank<B: Backend>(
         Some(group) => Some(PipelinePlan::from_config(cfg, &args, group)?),
         None => None,
     };
+    if let Some(p) = &pipeline {
+        let tokens = p.microbatch_rows * local.local_seq(seq);
+        if !tokens.is_multiple_of(local.tp) {
+            bail!("[parallelism] pipeline_parallel_microbatch_size {} × seq_len {seq} / context_parallel_degree {} = {tokens} tokens per microbatch do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", p.microbatch_rows, local.cp, local.tp);
+        }
+    }
 
     let (mut device_reducer, mut device_queue) = match device_comm.data_parallel {
         Some(DataParallelComm::Ddp(r)) => (Some(r), None),
@@ -197,7 +202,9 @@ pub fn compose_rank<B: Backend>(
     let estimate_with = |plan: &ActivationPlan| {
         let mut e = MemoryEstimate::new(&args, &local, batch, seq, plan)
             .with_backend_scratch(be, &local, batch, seq, plan);
-        e.scratch += crate::parallel::cp::scratch_bytes(&local, batch, seq, rotate);
+        // Attention runs one pipeline microbatch at a time.
+        let rows = pipeline.as_ref().map_or(batch, |p| p.microbatch_rows);
+        e.scratch += crate::parallel::cp::scratch_bytes(&local, rows, seq, rotate);
         if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
             e = e.with_compute_copy(be);
         }
@@ -283,15 +290,18 @@ pub fn compose_rank<B: Backend>(
     };
     let model = match &cp_group {
         Some(g) => {
-            let queue: Box<dyn CollectiveQueue<B> + Send> = match device_comm.context_parallel {
-                Some(q) => q,
-                None => Box::new(HostQueue::new("context parallel", g.clone(), None)),
-            };
+            // Only `allgather` runs collectives on a queue (`alltoall` rotates through the group).
+            let queue = (rotate == RotateMethod::AllGather).then(|| {
+                device_comm.context_parallel.unwrap_or_else(|| {
+                    Box::new(HostQueue::new("context parallel", g.clone(), None))
+                        as Box<dyn CollectiveQueue<B> + Send>
+                })
+            });
             model.with_context_parallel(Arc::new(ContextParallelGroup::new(
                 g.clone(),
                 rotate,
                 queue,
-            )))
+            )?))
         }
         None => model,
     };
