@@ -192,11 +192,20 @@ impl<B: Backend> ContextParallelGroup<B> {
         })
     }
 
-    fn layouts(&self, s: &AttnShape) -> Result<Layouts> {
+    /// The layouts of a call's shard, checking that `k` and `v` hold it.
+    fn layouts(&self, s: &AttnShape, be: &B, k: &B::Buf, v: &B::Buf) -> Result<Layouts> {
         if !s.q_len.is_multiple_of(2) || s.q_len != s.kv_len || s.q_offset != 0 {
             bail!("context-parallel attention expects a shard of two equal chunks, got {s:?}");
         }
         let chunk = s.q_len / 2;
+        let kv_len = s.batch * s.q_len * s.n_kv_heads * s.head_dim;
+        if be.len(k) != kv_len || be.len(v) != kv_len {
+            bail!(
+                "context parallel: keys and values of {} and {} values, expected {kv_len}",
+                be.len(k),
+                be.len(v)
+            );
+        }
         Ok(Layouts {
             q: ShardLayout {
                 batch: s.batch,
@@ -285,6 +294,35 @@ impl<B: Backend> ContextParallelGroup<B> {
         Ok((be.upload_owned(received?), out))
     }
 
+    /// For each key chunk of shard `owner` (at `kv`) that some query chunk of this rank sees:
+    /// `f(key chunk, its keys, its values, [(query chunk, block shape)])`, its time counted as
+    /// attention's. Blocks wholly above the causal diagonal are skipped.
+    fn each_key_chunk(
+        &self,
+        be: &B,
+        s: &AttnShape,
+        lay: &Layouts,
+        owner: usize,
+        kv: KeysValues<'_, B>,
+        mut f: impl FnMut(usize, &B::Buf, &B::Buf, Vec<(usize, AttnShape)>),
+    ) {
+        self.timed(|| {
+            let seq = s.q_len * self.group.size();
+            let mine = self.chunk_starts(self.group.rank(), seq);
+            for (i, k_pos) in self.chunk_starts(owner, seq).into_iter().enumerate() {
+                let blocks: Vec<(usize, AttnShape)> = (0..2)
+                    .filter_map(|j| Self::block(s, lay.q.chunk, mine[j], k_pos).map(|b| (j, b)))
+                    .collect();
+                if blocks.is_empty() {
+                    continue;
+                }
+                let keys = lay.kv.take(be, kv.keys, kv.keys_at, i);
+                let values = lay.kv.take(be, kv.values, kv.values_at, i);
+                f(i, &keys, &values, blocks);
+            }
+        })
+    }
+
     fn queue(&self) -> Result<std::sync::MutexGuard<'_, Box<dyn CollectiveQueue<B> + Send>>> {
         self.queue
             .as_ref()
@@ -318,40 +356,21 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         s: AttnShape,
     ) -> Result<()> {
         let _span = crate::trace::span("context parallel", "ring attention forward");
-        let lay = self.layouts(&s)?;
-        let (n, r, c) = (self.group.size(), self.group.rank(), lay.q.chunk);
-        let seq = s.q_len * n;
-        let mine = self.chunk_starts(r, seq);
+        let lay = self.layouts(&s, be, k, v)?;
+        let (n, r) = (self.group.size(), self.group.rank());
         let queries = [lay.q.take(be, q, 0, 0), lay.q.take(be, q, 0, 1)];
         let kv_len = lay.kv.len();
-        anyhow::ensure!(
-            be.len(k) == kv_len && be.len(v) == kv_len,
-            "context parallel: keys and values of {} and {} values, expected {kv_len}",
-            be.len(k),
-            be.len(v)
-        );
         // Per query chunk, the output and log-sum-exp over the key blocks seen so far.
         let mut acc: [Option<(B::Buf, B::Buf)>; 2] = [None, None];
         let mut attend = |owner: usize, kv: KeysValues<'_, B>| {
-            self.timed(|| {
-                let theirs = self.chunk_starts(owner, seq);
-                for (i, &k_pos) in theirs.iter().enumerate() {
-                    let blocks: Vec<(usize, AttnShape)> = (0..2)
-                        .filter_map(|j| Self::block(&s, c, mine[j], k_pos).map(|b| (j, b)))
-                        .collect();
-                    if blocks.is_empty() {
-                        continue;
-                    }
-                    let keys = lay.kv.take(be, kv.keys, kv.keys_at, i);
-                    let values = lay.kv.take(be, kv.values, kv.values_at, i);
-                    for (j, shape) in blocks {
-                        let mut o = be.uninit(lay.q.chunk_len());
-                        let mut l = be.uninit(lay.lse.chunk_len());
-                        be.attention_forward(&mut o, &mut l, &queries[j], &keys, &values, shape);
-                        match &mut acc[j] {
-                            None => acc[j] = Some((o, l)),
-                            Some((ao, al)) => be.attention_merge(ao, al, &o, &l, shape),
-                        }
+            self.each_key_chunk(be, &s, &lay, owner, kv, |_, keys, values, blocks| {
+                for (j, shape) in blocks {
+                    let mut o = be.uninit(lay.q.chunk_len());
+                    let mut l = be.uninit(lay.lse.chunk_len());
+                    be.attention_forward(&mut o, &mut l, &queries[j], keys, values, shape);
+                    match &mut acc[j] {
+                        None => acc[j] = Some((o, l)),
+                        Some((ao, al)) => be.attention_merge(ao, al, &o, &l, shape),
                     }
                 }
             })
@@ -410,10 +429,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         s: AttnShape,
     ) -> Result<()> {
         let _span = crate::trace::span("context parallel", "ring attention backward");
-        let lay = self.layouts(&s)?;
-        let (n, r, c) = (self.group.size(), self.group.rank(), lay.q.chunk);
-        let seq = s.q_len * n;
-        let mine = self.chunk_starts(r, seq);
+        let lay = self.layouts(&s, be, k, v)?;
+        let (n, r) = (self.group.size(), self.group.rank());
         let of = |x: &B::Buf, l: &ShardLayout| [l.take(be, x, 0, 0), l.take(be, x, 0, 1)];
         let (queries, douts, outs, lses) = (
             of(q, &lay.q),
@@ -423,48 +440,31 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         );
         let mut dqs = [be.zeros(lay.q.chunk_len()), be.zeros(lay.q.chunk_len())];
         let kv_len = lay.kv.len();
-        anyhow::ensure!(
-            be.len(k) == kv_len && be.len(v) == kv_len,
-            "context parallel: keys and values of {} and {} values, expected {kv_len}",
-            be.len(k),
-            be.len(v)
-        );
-        // Adds the gradients of shard `owner`'s keys and values (at `offset` of `kv`) from this
+        // Adds the gradients of shard `owner`'s keys and values (`kv`) from this
         // rank's queries into `grad` (`[dk | dv]` of that shard at `grad_offset`).
         let mut attend =
             |owner: usize, kv: KeysValues<'_, B>, grad: &mut B::Buf, grad_offset: usize| {
-                self.timed(|| {
-                    let theirs = self.chunk_starts(owner, seq);
-                    for (i, &k_pos) in theirs.iter().enumerate() {
-                        let blocks: Vec<(usize, AttnShape)> = (0..2)
-                            .filter_map(|j| Self::block(&s, c, mine[j], k_pos).map(|b| (j, b)))
-                            .collect();
-                        if blocks.is_empty() {
-                            continue;
-                        }
-                        let keys = lay.kv.take(be, kv.keys, kv.keys_at, i);
-                        let values = lay.kv.take(be, kv.values, kv.values_at, i);
-                        let mut dq_block = be.uninit(lay.q.chunk_len());
-                        let mut dk_block = be.uninit(lay.kv.chunk_len());
-                        let mut dv_block = be.uninit(lay.kv.chunk_len());
-                        for (j, shape) in blocks {
-                            be.attention_backward(
-                                &mut dq_block,
-                                &mut dk_block,
-                                &mut dv_block,
-                                &douts[j],
-                                &queries[j],
-                                &keys,
-                                &values,
-                                &outs[j],
-                                &lses[j],
-                                shape,
-                            );
-                            be.add_assign(&mut dqs[j], &dq_block);
-                            lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
-                            lay.kv
-                                .add_into(be, grad, grad_offset + kv_len, i, &dv_block);
-                        }
+                self.each_key_chunk(be, &s, &lay, owner, kv, |i, keys, values, blocks| {
+                    let mut dq_block = be.uninit(lay.q.chunk_len());
+                    let mut dk_block = be.uninit(lay.kv.chunk_len());
+                    let mut dv_block = be.uninit(lay.kv.chunk_len());
+                    for (j, shape) in blocks {
+                        be.attention_backward(
+                            &mut dq_block,
+                            &mut dk_block,
+                            &mut dv_block,
+                            &douts[j],
+                            &queries[j],
+                            keys,
+                            values,
+                            &outs[j],
+                            &lses[j],
+                            shape,
+                        );
+                        be.add_assign(&mut dqs[j], &dq_block);
+                        lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
+                        lay.kv
+                            .add_into(be, grad, grad_offset + kv_len, i, &dv_block);
                     }
                 })
             };
