@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loads a folder exported by `titan convert hf-export` in Hugging Face transformers and prints, as
+"""Loads a folder exported by `titan convert hf-export` (Llama or Qwen3) in Hugging Face transformers and prints, as
 JSON, the mean next-token cross-entropy of the given token rows and the logits of the last position
 of the first row, so titan's numbers can be compared with transformers' on the same tokens.
 
@@ -11,7 +11,7 @@ import argparse
 import json
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def main():
@@ -21,7 +21,7 @@ def main():
     a = ap.parse_args()
     rows = [[int(t) for t in r.split(",")] for r in a.tokens.split(";")]
     ids = torch.tensor(rows, dtype=torch.long)
-    model = LlamaForCausalLM.from_pretrained(a.hf_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.hf_dir, torch_dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids[:, :-1]).logits.float()

@@ -1,5 +1,6 @@
-//! Parity with Hugging Face `transformers`: an exported checkpoint loaded by `LlamaForCausalLM` gives
-//! the same loss (and logits) as titan on the same tokens. Needs a Python with torch and
+//! Parity with Hugging Face `transformers`: an exported checkpoint loaded by `LlamaForCausalLM` or
+//! `Qwen3ForCausalLM` gives the same loss (and logits) as titan on the same tokens, and a Qwen3
+//! model made by transformers imports, generates greedily and exports back like transformers. Needs a Python with torch and
 //! transformers: `TITAN_HF_PYTHON` names it (default `python3`); without one the test says so and
 //! passes, since those packages are never a dependency of titan.
 
@@ -31,6 +32,121 @@ fn exported_debug_shape_matches_transformers() {
 fn exported_llama32_shape_with_rope_scaling_and_tied_embeddings_matches_transformers() {
     // Llama 3.2 1B's layout (tied embeddings, RoPE scaling factor 32, FFN multiplier) at tiny width.
     parity(|c| c.model.flavor = "1B".into());
+}
+
+#[test]
+fn exported_qwen3_shape_matches_transformers() {
+    // QK-norm, and 4 heads of 64 while dim / heads is 16.
+    parity(|c| {
+        c.model.name = "qwen3".into();
+        c.model.flavor = "debugmodel".into();
+    });
+}
+
+/// A Qwen3 model transformers made (tied embeddings, heads of 32 over dim 64): imported into titan,
+/// its loss and 12 greedy tokens are transformers'; exported back, transformers gives the same.
+#[test]
+fn qwen3_made_by_transformers_imports_generates_and_exports_back() {
+    let Some(py) = python() else {
+        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
+        return;
+    };
+    let make = r#"
+import sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+torch.manual_seed(0)
+model = Qwen3ForCausalLM(cfg)
+# Larger QK-norm weights than the ones they start at, so a wrong layout would show.
+with torch.no_grad():
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+        layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#;
+    let greedy = r#"
+import sys, json, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+model.generation_config.eos_token_id = None
+ids = torch.tensor([[int(t) for t in sys.argv[2].split(",")]])
+out = model.generate(ids, max_new_tokens=int(sys.argv[3]), min_new_tokens=int(sys.argv[3]),
+                     do_sample=False, pad_token_id=0)
+print(json.dumps(out[0, ids.shape[1]:].tolist()))
+"#;
+    let run = |script: &str, args: &[&str]| -> String {
+        let out = Command::new(&py)
+            .args([&["-c", script][..], args].concat())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    run(make, &[hf.to_str().unwrap()]);
+    let ckpt = dir.path().join("titan");
+    checkpoint::hf::import(&hf, &ckpt).unwrap();
+    let be = CpuBackend::new();
+    let (args, params) = checkpoint::load_weights(&be, &ckpt).unwrap();
+    assert!(args.qk_norm && args.tied_embeddings && args.head_dim() == 32);
+    let (batch, seq) = (2, 24);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i as u32 * 37 + 11) % 300)
+        .collect();
+    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let mut ws = Workspace::new(&be, &args, batch, seq);
+    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+    let titan_loss = loss.sum / loss.count as f64;
+    // Greedy continuation of the first 8 tokens, with titan's KV cache.
+    let (prompt, new) = (&tokens[..8], 12);
+    let mut cache = KvCache::new(&be, &args, prompt.len() + new);
+    let mut logits = model
+        .forward_cached(&be, &params, &mut cache, prompt)
+        .unwrap();
+    let mut titan_ids = Vec::new();
+    for _ in 0..new {
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        titan_ids.push(next);
+        logits = model
+            .forward_cached(&be, &params, &mut cache, &[next])
+            .unwrap();
+    }
+    let prompt_arg = prompt
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let exported = dir.path().join("hf_again");
+    checkpoint::hf::export(&ckpt, &exported, titan::tensor::DType::F32).unwrap();
+    for (what, folder) in [
+        ("made by transformers", &hf),
+        ("exported by titan", &exported),
+    ] {
+        let hf_loss = transformers_run(&py, folder, &tokens, seq)["loss"]
+            .as_f64()
+            .unwrap();
+        assert!(
+            (hf_loss - titan_loss).abs() < 1e-5 * titan_loss.abs().max(1.0),
+            "{what}: titan {titan_loss} vs transformers {hf_loss}"
+        );
+        let ids: Vec<u32> =
+            serde_json::from_str(&run(greedy, &[folder.to_str().unwrap(), &prompt_arg, "12"]))
+                .unwrap();
+        assert_eq!(ids, titan_ids, "{what}: greedy ids");
+    }
 }
 
 fn parity(adjust: impl Fn(&mut titan::config::Config)) {

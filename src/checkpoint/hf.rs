@@ -1,10 +1,11 @@
-//! Hugging Face Llama interop: `config.json` + safetensors in `transformers`' `LlamaForCausalLM`
-//! naming, out of and into titan checkpoints.
+//! Hugging Face interop: `config.json` + safetensors in `transformers`' `LlamaForCausalLM` and
+//! `Qwen3ForCausalLM` naming, out of and into titan checkpoints.
 //!
 //! titan (like Meta's and TorchTitan's code) applies RoPE to interleaved pairs `(2i, 2i+1)` of each
 //! head; HF rotates the two halves `(i, i + head_dim/2)`. The q and k projections are therefore
 //! permuted row-wise per head on the way out and back on the way in, which makes the two models
-//! compute the same function.
+//! compute the same function. Qwen3's QK-norm weights (one per position of a head) take the same
+//! permutation.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -27,6 +28,8 @@ pub fn hf_name(name: &str) -> String {
         ("attention.wk", "self_attn.k_proj"),
         ("attention.wv", "self_attn.v_proj"),
         ("attention.wo", "self_attn.o_proj"),
+        ("attention.q_norm", "self_attn.q_norm"),
+        ("attention.k_norm", "self_attn.k_norm"),
         ("feed_forward.w1", "mlp.gate_proj"),
         ("feed_forward.w2", "mlp.down_proj"),
         ("feed_forward.w3", "mlp.up_proj"),
@@ -73,11 +76,16 @@ fn permute_rows(w: &[f32], heads: usize, head_dim: usize, cols: usize, to_hf: bo
     out
 }
 
+/// The heads whose rows a parameter's RoPE layout permutes: the q and k projections', and
+/// QK-norm's weights (one head's positions).
 fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
     if name.ends_with("attention.wq.weight") {
         Some(args.n_heads)
     } else if name.ends_with("attention.wk.weight") {
         Some(args.n_kv_heads)
+    } else if name.ends_with("attention.q_norm.weight") || name.ends_with("attention.k_norm.weight")
+    {
+        Some(1)
     } else {
         None
     }
@@ -92,9 +100,16 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         .clone()
         .unwrap_or_else(|| json!({"rope_type": "default"}));
     rope_parameters["rope_theta"] = json!(args.rope_theta);
+    let (architecture, model_type) = if args.qk_norm {
+        ("Qwen3ForCausalLM", "qwen3")
+    } else {
+        ("LlamaForCausalLM", "llama")
+    };
     json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
+        "use_sliding_window": false,
+        "attention_dropout": 0.0,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden,
         "num_hidden_layers": args.n_layers,
@@ -126,7 +141,7 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
     let mut tensors = Vec::new();
     for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {
         let data = match rope_permutation(name, &args) {
-            Some(heads) => permute_rows(buf, heads, args.head_dim(), shape[1], true),
+            Some(heads) => permute_rows(buf, heads, args.head_dim(), columns(shape), true),
             None => buf.clone(),
         };
         tensors.push((
@@ -165,6 +180,11 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
         }
     );
     Ok(())
+}
+
+/// Columns of a matrix (1 for a vector).
+fn columns(shape: &[usize]) -> usize {
+    shape.get(1).copied().unwrap_or(1)
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -264,6 +284,24 @@ fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
             file.display()
         );
     }
+    if cfg.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        bail!(
+            "{}: use_sliding_window = true is not supported (titan's attention is full causal attention)",
+            file.display()
+        );
+    }
+    if let Some(kinds) = cfg.get("layer_types").and_then(Value::as_array) {
+        if let Some(other) = kinds
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|k| *k != "full_attention")
+        {
+            bail!(
+                "{}: layer_types holds `{other}`; titan implements \"full_attention\" only",
+                file.display()
+            );
+        }
+    }
     for key in ["attention_bias", "mlp_bias"] {
         if cfg.get(key).and_then(Value::as_bool) == Some(true) {
             bail!(
@@ -275,24 +313,27 @@ fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Model shapes from an HF Llama `config.json`.
+/// Model shapes from an HF Llama or Qwen3 (dense) `config.json`.
 pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
-    if arch != "llama" {
-        bail!(
-            "{}: model_type is `{arch}`; titan imports Llama models (model_type \"llama\")",
+    let qwen3 = match arch {
+        "llama" => false,
+        "qwen3" => true,
+        other => bail!(
+            "{}: model_type is `{other}`; titan imports Llama (\"llama\") and Qwen3 (\"qwen3\") models",
             file.display()
-        );
-    }
+        ),
+    };
     let dim = get_usize(cfg, "hidden_size", file)?;
     let n_heads = get_usize(cfg, "num_attention_heads", file)?;
     let (rope_theta, rope_scaling) = rope_from_hf(cfg, file)?;
     refuse_unsupported(cfg, file)?;
-    if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
-        if hd as usize != dim / n_heads {
-            bail!("{}: head_dim {hd} differs from hidden_size / num_attention_heads = {}; titan needs them equal", file.display(), dim / n_heads);
-        }
-    }
+    // transformers' default head width: Qwen3's 128, Llama's hidden_size / heads.
+    let head_dim = match cfg.get("head_dim").and_then(Value::as_u64) {
+        Some(hd) => hd as usize,
+        None if qwen3 => 128,
+        None => dim / n_heads.max(1),
+    };
     let args = ModelArgs {
         dim,
         n_layers: get_usize(cfg, "num_hidden_layers", file)?,
@@ -319,6 +360,8 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        attention_head_dim: (head_dim * n_heads != dim).then_some(head_dim),
+        qk_norm: qwen3,
     };
     args.validate()
         .map_err(|e| anyhow!("{}: {e}", file.display()))?;
@@ -367,7 +410,7 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
         }
         let data = t.to_f32_vec();
         params.bufs[i] = match rope_permutation(name, &args) {
-            Some(heads) => permute_rows(&data, heads, args.head_dim(), shape[1], false),
+            Some(heads) => permute_rows(&data, heads, args.head_dim(), columns(shape), false),
             None => data,
         };
     }

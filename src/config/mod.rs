@@ -517,14 +517,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.model.name != "llama3" {
-            bail!(
-                "[model] name = `{}` is not supported (accepted: llama3)",
-                self.model.name
-            );
-        }
-        crate::model::ModelArgs::flavor(&self.model.flavor)
-            .map_err(|e| anyhow!("[model] flavor: {e}"))?;
+        self.base_model_args()?;
         if self.optimizer.name != "AdamW" {
             bail!(
                 "[optimizer] name = `{}` is not supported (accepted: AdamW)",
@@ -739,10 +732,23 @@ impl Config {
     }
 
     /// Model shapes: the flavor, with any `[model]` overrides applied.
+    /// The published shapes of `[model] name` and `flavor`, before the config's overrides.
+    fn base_model_args(&self) -> Result<crate::model::ModelArgs> {
+        let m = &self.model;
+        match m.name.as_str() {
+            "llama3" => crate::model::ModelArgs::flavor(&m.flavor),
+            "qwen3" => crate::model::ModelArgs::qwen3_flavor(&m.flavor),
+            other => bail!("[model] name = `{other}` is not supported (accepted: llama3, qwen3)"),
+        }
+        .map_err(|e| anyhow!("[model] flavor: {e}"))
+    }
+
     pub fn model_args(&self) -> Result<crate::model::ModelArgs> {
         let m = &self.model;
-        let mut a = crate::model::ModelArgs::flavor(&m.flavor)?;
+        let mut a = self.base_model_args()?;
+        let llama = m.name == "llama3";
         let base_mult = match m.flavor.as_str() {
+            _ if !llama => None,
             "1B" => Some(1.5),
             "3B" => Some(1.0),
             "8B" | "70B" => Some(1.3),

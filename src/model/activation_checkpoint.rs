@@ -28,10 +28,16 @@ pub enum Act {
     NormedAttn,
     NormedAttnFull,
     RstdAttn,
-    /// Query, key and value projections (query and key rotated).
+    /// Query, key and value projections (query and key rotated; with QK-norm, normed first).
     Q,
     K,
     V,
+    /// With QK-norm (Qwen3): the query and key projections before it, and its inverse RMS per
+    /// token and head. Empty without.
+    QRaw,
+    KRaw,
+    RstdQ,
+    RstdK,
     /// Attention's output and its log-sum-exp per query.
     AttnOut,
     Lse,
@@ -47,13 +53,17 @@ pub enum Act {
 }
 
 impl Act {
-    pub const ALL: [Act; 15] = [
+    pub const ALL: [Act; 19] = [
         Act::NormedAttn,
         Act::NormedAttnFull,
         Act::RstdAttn,
         Act::Q,
         Act::K,
         Act::V,
+        Act::QRaw,
+        Act::KRaw,
+        Act::RstdQ,
+        Act::RstdK,
         Act::AttnOut,
         Act::Lse,
         Act::H,
@@ -78,6 +88,10 @@ pub const OP_SAVED: &[Act] = &[
     Act::Q,
     Act::K,
     Act::V,
+    Act::QRaw,
+    Act::KRaw,
+    Act::RstdQ,
+    Act::RstdK,
     Act::AttnOut,
     Act::Lse,
     Act::H,

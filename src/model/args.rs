@@ -1,5 +1,8 @@
-//! Llama 3 model shapes: the published flavors and the derived quantities (FFN width, parameter
-//! count, FLOPs per token, memory) that are known from the config alone, before anything is allocated.
+//! Model shapes: the published Llama 3 and Qwen3 flavors and the derived quantities (FFN width,
+//! parameter count, FLOPs per token, memory) that are known from the config alone, before anything
+//! is allocated. Qwen3 is Llama's block with two differences, both fields here: a head width of its
+//! own (`attention_head_dim`, not `dim / n_heads`) and an RMSNorm on every query and key head before
+//! RoPE (`qk_norm`).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -19,6 +22,13 @@ pub struct ModelArgs {
     pub rope_scaling: Option<RopeScaling>,
     pub max_seq_len: usize,
     pub tied_embeddings: bool,
+    /// Width of each attention head when it is not `dim / n_heads` (Qwen3).
+    #[serde(default)]
+    pub attention_head_dim: Option<usize>,
+    /// RMSNorm over each query and key head (weights `[head_dim]` shared by the heads) before
+    /// RoPE (Qwen3's QK-norm).
+    #[serde(default)]
+    pub qk_norm: bool,
 }
 
 impl ModelArgs {
@@ -33,8 +43,11 @@ impl ModelArgs {
     }
 }
 
-/// The flavors `[model] flavor` accepts.
+/// The flavors `[model] flavor` accepts for `name = "llama3"`.
 pub const FLAVORS: &[&str] = &["debugmodel", "1B", "3B", "8B", "70B", "405B"];
+
+/// The flavors `[model] flavor` accepts for `name = "qwen3"`.
+pub const QWEN3_FLAVORS: &[&str] = &["debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"];
 
 /// Llama's FFN width: two thirds of 4·dim, times an optional multiplier, rounded up to `multiple_of`.
 pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64>) -> usize {
@@ -83,11 +96,58 @@ impl ModelArgs {
             rope_scaling: scaling,
             max_seq_len: max_seq,
             tied_embeddings: tied,
+            attention_head_dim: None,
+            qk_norm: false,
         })
     }
 
+    /// Published Qwen3 dense dimensions (Hugging Face `Qwen/Qwen3-*` configs: head width 128,
+    /// QK-norm, RoPE θ 10⁶, RMSNorm ε 10⁻⁶; 0.6B, 1.7B and 4B tie their embeddings), and a tiny
+    /// `debugmodel` whose head width (64) is not `dim / n_heads` (32), as Qwen3's are not.
+    pub fn qwen3_flavor(name: &str) -> Result<ModelArgs> {
+        #[allow(clippy::type_complexity)]
+        let (dim, n_layers, n_heads, n_kv, head_dim, ffn, vocab, tied): (
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            usize,
+            bool,
+        ) = match name {
+            "debugmodel" => (256, 6, 8, 4, 64, 768, 2048, false),
+            "0.6B" => (1024, 28, 16, 8, 128, 3072, 151936, true),
+            "1.7B" => (2048, 28, 16, 8, 128, 6144, 151936, true),
+            "4B" => (2560, 36, 32, 8, 128, 9728, 151936, true),
+            "8B" => (4096, 36, 32, 8, 128, 12288, 151936, false),
+            "14B" => (5120, 40, 40, 8, 128, 17408, 151936, false),
+            "32B" => (5120, 64, 64, 8, 128, 25600, 151936, false),
+            other => bail!(
+                "unknown qwen3 flavor `{other}` (accepted: {})",
+                QWEN3_FLAVORS.join(", ")
+            ),
+        };
+        Ok(ModelArgs {
+            dim,
+            n_layers,
+            n_heads,
+            n_kv_heads: n_kv,
+            vocab_size: vocab,
+            ffn_hidden: ffn,
+            norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: None,
+            max_seq_len: 40960,
+            tied_embeddings: tied,
+            attention_head_dim: Some(head_dim),
+            qk_norm: true,
+        })
+    }
+
+    /// Width of each attention head.
     pub fn head_dim(&self) -> usize {
-        self.dim / self.n_heads
+        self.attention_head_dim.unwrap_or(self.dim / self.n_heads)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -99,7 +159,7 @@ impl ModelArgs {
         {
             bail!("model dimensions must be positive: {self:?}");
         }
-        if !self.dim.is_multiple_of(self.n_heads) {
+        if self.attention_head_dim.is_none() && !self.dim.is_multiple_of(self.n_heads) {
             bail!(
                 "model dim {} is not divisible by n_heads {}",
                 self.dim,
@@ -124,7 +184,8 @@ impl ModelArgs {
         let hd = self.head_dim();
         let attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2;
         let ffn = 3 * self.dim * self.ffn_hidden;
-        attn + ffn + 2 * self.dim
+        let qk_norm = if self.qk_norm { 2 * hd } else { 0 };
+        attn + ffn + 2 * self.dim + qk_norm
     }
 
     pub fn embedding_params(&self) -> usize {
@@ -140,10 +201,11 @@ impl ModelArgs {
         self.embedding_params() + self.n_layers * self.params_per_layer() + self.dim + output
     }
 
-    /// TorchTitan's count: 6·(N − N_embedding) + 12·n_layers·dim·seq_len.
+    /// TorchTitan's count: 6·(N − N_embedding) + 12·n_layers·(heads · head_dim)·seq_len (the
+    /// attention width is `dim` for Llama).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         6.0 * (self.num_params() - self.embedding_params()) as f64
-            + 12.0 * (self.n_layers * self.dim * seq_len) as f64
+            + 12.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
     }
 }
 
@@ -168,6 +230,8 @@ pub struct LocalShapes {
     /// Tensor-parallel degree and this rank's place in its group.
     pub tp: usize,
     pub tp_rank: usize,
+    /// Whether each query and key head is RMS-normalised before RoPE (Qwen3).
+    pub qk_norm: bool,
     /// Context-parallel degree and this rank's place in its group.
     pub cp: usize,
     pub cp_rank: usize,
@@ -187,6 +251,7 @@ impl LocalShapes {
             vocab_offset: 0,
             tp: 1,
             tp_rank: 0,
+            qk_norm: args.qk_norm,
             cp: 1,
             cp_rank: 0,
         }
@@ -268,6 +333,28 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn published_qwen3_parameter_counts() {
+        // Qwen3 model cards: 0.6B (tied), 1.7B (tied), 4B (tied), 8.2B, 14.8B, 32.8B in all.
+        let approx = [
+            ("0.6B", 0.596e9),
+            ("1.7B", 1.72e9),
+            ("4B", 4.02e9),
+            ("8B", 8.19e9),
+            ("14B", 14.77e9),
+            ("32B", 32.76e9),
+        ];
+        for (name, n) in approx {
+            let a = ModelArgs::qwen3_flavor(name).unwrap();
+            assert_eq!(a.head_dim(), 128, "{name}");
+            let got = a.num_params() as f64;
+            assert!((got - n).abs() / n < 0.01, "{name}: {got}");
+        }
+        let debug = ModelArgs::qwen3_flavor("debugmodel").unwrap();
+        assert_ne!(debug.head_dim(), debug.dim / debug.n_heads);
+        debug.validate().unwrap();
     }
 
     #[test]

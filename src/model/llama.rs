@@ -44,6 +44,11 @@ pub struct LayerActs<B: Backend> {
     pub q: B::Buf,
     pub k: B::Buf,
     pub v: B::Buf,
+    /// QK-norm's inputs and statistics (Qwen3; empty without QK-norm).
+    pub q_raw: B::Buf,
+    pub k_raw: B::Buf,
+    pub rstd_q: B::Buf,
+    pub rstd_k: B::Buf,
     pub attn_out: B::Buf,
     pub lse: B::Buf,
     pub h: B::Buf,
@@ -82,6 +87,9 @@ pub struct Workspace<B: Backend> {
     dq: B::Buf,
     dk: B::Buf,
     dv: B::Buf,
+    /// With QK-norm: the gradients of the projections before it.
+    dq_raw: B::Buf,
+    dk_raw: B::Buf,
     dattn: B::Buf,
     dgate: B::Buf,
     dup: B::Buf,
@@ -134,6 +142,11 @@ fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act) -> ActStorag
         Act::Q | Act::AttnOut => copied(n * qd),
         Act::K => copied(n * kvd),
         Act::V => plain(n * kvd),
+        Act::QRaw if m.qk_norm => plain(n * qd),
+        Act::KRaw if m.qk_norm => plain(n * kvd),
+        Act::RstdQ if m.qk_norm => plain(n * m.heads),
+        Act::RstdK if m.qk_norm => plain(n * m.kv_heads),
+        Act::QRaw | Act::KRaw | Act::RstdQ | Act::RstdK => plain(0),
         Act::Lse => plain(batch * m.heads * seq),
         Act::H => plain(r * d),
         Act::Gate | Act::Up | Act::Act => gemm_input(n * f),
@@ -167,7 +180,8 @@ pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &Activa
     let gathered = if m.tp > 1 { n * d } else { 0 };
     let resid = (m.n_layers + 1) * r * d;
     let final_norm = r * (d + 1) + gathered;
-    let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f);
+    let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };
+    let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f) + qk_norm;
     block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward
 }
 
@@ -225,6 +239,10 @@ impl<B: Backend> LayerActs<B> {
             q: buf(Act::Q),
             k: buf(Act::K),
             v: buf(Act::V),
+            q_raw: buf(Act::QRaw),
+            k_raw: buf(Act::KRaw),
+            rstd_q: buf(Act::RstdQ),
+            rstd_k: buf(Act::RstdK),
             attn_out: buf(Act::AttnOut),
             lse: buf(Act::Lse),
             h: buf(Act::H),
@@ -274,6 +292,10 @@ pub struct BlockActs<'a, B: Backend> {
     pub q: &'a mut B::Buf,
     pub k: &'a mut B::Buf,
     pub v: &'a mut B::Buf,
+    pub q_raw: &'a mut B::Buf,
+    pub k_raw: &'a mut B::Buf,
+    pub rstd_q: &'a mut B::Buf,
+    pub rstd_k: &'a mut B::Buf,
     pub attn_out: &'a mut B::Buf,
     pub lse: &'a mut B::Buf,
     pub h: &'a mut B::Buf,
@@ -303,6 +325,10 @@ impl<'a, B: Backend> BlockActs<'a, B> {
             q: from!(q, Act::Q),
             k: from!(k, Act::K),
             v: from!(v, Act::V),
+            q_raw: from!(q_raw, Act::QRaw),
+            k_raw: from!(k_raw, Act::KRaw),
+            rstd_q: from!(rstd_q, Act::RstdQ),
+            rstd_k: from!(rstd_k, Act::RstdK),
             attn_out: from!(attn_out, Act::AttnOut),
             lse: from!(lse, Act::Lse),
             h: from!(h, Act::H),
@@ -364,6 +390,8 @@ impl<B: Backend> Workspace<B> {
             dq: z(n * qd),
             dk: z(n * kvd),
             dv: z(n * kvd),
+            dq_raw: z(if m.qk_norm { n * qd } else { 0 }),
+            dk_raw: z(if m.qk_norm { n * kvd } else { 0 }),
             dattn: z(n * qd),
             dgate: gemm_input(n * f),
             dup: gemm_input(n * f),
@@ -826,17 +854,26 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
+        // With QK-norm the projections go to q_raw and k_raw, normed per head into q and k.
+        let (q_proj, k_proj) = match m.qk_norm {
+            true => (&mut *acts.q_raw, &mut *acts.k_raw),
+            false => (&mut *acts.q, &mut *acts.k),
+        };
         sp.column_forward(
             be,
             acts.normed_attn,
             acts.normed_attn_full,
             d,
             &mut [
-                Projection::new(wq, &p[id.wq], acts.q),
-                Projection::new(wk, &p[id.wk], acts.k),
+                Projection::new(wq, &p[id.wq], q_proj),
+                Projection::new(wk, &p[id.wk], k_proj),
                 Projection::new(wv, &p[id.wv], acts.v),
             ],
         )?;
+        if let (Some(qn), Some(kn)) = (id.q_norm, id.k_norm) {
+            be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, a.norm_eps);
+            be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, a.norm_eps);
+        }
         let (cos, sin) = self.rope_tables(&ws.rope);
         be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, 0);
         be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
@@ -921,11 +958,21 @@ impl<B: Backend> Llama<B> {
         {
             let BlockLinears { wq, wk, wv, .. } = BlockLinears::of(m);
             let mut qkv = Vec::new();
-            if redo_q {
-                qkv.push(Projection::new(wq, &p[id.wq], &mut *acts.q));
+            // With QK-norm the projections are q_raw and k_raw (then normed into q and k).
+            let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match m.qk_norm {
+                true => (
+                    &mut *acts.q_raw,
+                    &mut *acts.k_raw,
+                    redo(Act::QRaw),
+                    redo(Act::KRaw),
+                ),
+                false => (&mut *acts.q, &mut *acts.k, redo_q, redo_k),
+            };
+            if redo_q_proj {
+                qkv.push(Projection::new(wq, &p[id.wq], q_proj));
             }
-            if redo_k {
-                qkv.push(Projection::new(wk, &p[id.wk], &mut *acts.k));
+            if redo_k_proj {
+                qkv.push(Projection::new(wk, &p[id.wk], k_proj));
             }
             if redo(Act::V) {
                 qkv.push(Projection::new(wv, &p[id.wv], &mut *acts.v));
@@ -935,6 +982,14 @@ impl<B: Backend> Llama<B> {
             } else if tp && redo(Act::NormedAttnFull) {
                 self.tp
                     .gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
+            }
+        }
+        if let (Some(qn), Some(kn)) = (id.q_norm, id.k_norm) {
+            if redo_q || redo(Act::RstdQ) {
+                be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, a.norm_eps);
+            }
+            if redo_k || redo(Act::RstdK) {
+                be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, a.norm_eps);
             }
         }
         if redo_q {
@@ -1064,6 +1119,14 @@ impl<B: Backend> Llama<B> {
         self.recompute(be, params, ws, l)?;
         let save = ws.plan.blocks[l];
         let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
+        // QK-norm's weight gradients, out of the set while the block's others are borrowed.
+        let mut qk_norm_grads = match (id.q_norm, id.k_norm) {
+            (Some(qn), Some(kn)) => Some((
+                (qn, std::mem::replace(&mut grads.bufs[qn], be.zeros(0))),
+                (kn, std::mem::replace(&mut grads.bufs[kn], be.zeros(0))),
+            )),
+            _ => None,
+        };
         let [g_w1, g_w2, g_w3, g_wq, g_wk, g_wv, g_wo, g_ffn_norm, g_attn_norm] = grads
             .bufs
             .get_disjoint_mut([
@@ -1137,11 +1200,22 @@ impl<B: Backend> Llama<B> {
         let (cos, sin) = self.rope_tables(&ws.rope);
         be.rope_backward(&mut ws.dq, cos, sin, b, s, m.heads, hd);
         be.rope_backward(&mut ws.dk, cos, sin, b, s, m.kv_heads, hd);
+        if let Some(((qn, gq), (kn, gk))) = qk_norm_grads.as_mut() {
+            be.fill(&mut ws.dq_raw, 0.0);
+            be.fill(&mut ws.dk_raw, 0.0);
+            let (q_raw, k_raw) = (&*acts.q_raw, &*acts.k_raw);
+            be.rmsnorm_backward(&mut ws.dq_raw, gq, &ws.dq, q_raw, &p[*qn], acts.rstd_q, hd);
+            be.rmsnorm_backward(&mut ws.dk_raw, gk, &ws.dk, k_raw, &p[*kn], acts.rstd_k, hd);
+        }
+        let (dq, dk) = match m.qk_norm {
+            true => (&ws.dq_raw, &ws.dk_raw),
+            false => (&ws.dq, &ws.dk),
+        };
         sp.column_backward(
             be,
             &mut [
-                ProjectionGrad::new(wq, &ws.dq, &p[id.wq], g_wq, id.wq),
-                ProjectionGrad::new(wk, &ws.dk, &p[id.wk], g_wk, id.wk),
+                ProjectionGrad::new(wq, dq, &p[id.wq], g_wq, id.wq),
+                ProjectionGrad::new(wk, dk, &p[id.wk], g_wk, id.wk),
                 ProjectionGrad::new(wv, &ws.dv, &p[id.wv], g_wv, id.wv),
             ],
             self.gathered(acts.normed_attn, acts.normed_attn_full),
@@ -1157,6 +1231,10 @@ impl<B: Backend> Llama<B> {
             acts.rstd_attn,
             d,
         );
+        if let Some(((qn, gq), (kn, gk))) = qk_norm_grads {
+            grads.bufs[qn] = gq;
+            grads.bufs[kn] = gk;
+        }
         Ok(())
     }
 
@@ -1210,6 +1288,12 @@ impl<B: Backend> Llama<B> {
         be.embedding_forward(&mut x, &p[self.ids.tok_embeddings], tokens, d);
         let (mut normed, mut rstd) = (be.zeros(n * d), be.zeros(n));
         let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kvd), be.zeros(n * kvd));
+        // QK-norm's scratch: the projections before it and the statistics.
+        let mut qk_norm = a.qk_norm.then(|| {
+            let (q_raw, k_raw) = (be.zeros(n * qd), be.zeros(n * kvd));
+            let (rq, rk) = (be.zeros(n * a.n_heads), be.zeros(n * a.n_kv_heads));
+            (q_raw, k_raw, rq, rk)
+        });
         let (mut attn, mut lse) = (be.zeros(n * qd), be.zeros(a.n_heads * n));
         let (mut gate, mut up, mut act) = (be.zeros(n * f), be.zeros(n * f), be.zeros(n * f));
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
@@ -1223,8 +1307,18 @@ impl<B: Backend> Llama<B> {
                 d,
                 a.norm_eps,
             );
-            wq.forward(be, &mut q, &normed, &p[id.wq], n);
-            wkv.forward(be, &mut k, &normed, &p[id.wk], n);
+            match (&mut qk_norm, id.q_norm, id.k_norm) {
+                (Some((q_raw, k_raw, rq, rk)), Some(qn), Some(kn)) => {
+                    wq.forward(be, q_raw, &normed, &p[id.wq], n);
+                    wkv.forward(be, k_raw, &normed, &p[id.wk], n);
+                    be.rmsnorm_forward(&mut q, rq, q_raw, &p[qn], hd, a.norm_eps);
+                    be.rmsnorm_forward(&mut k, rk, k_raw, &p[kn], hd, a.norm_eps);
+                }
+                _ => {
+                    wq.forward(be, &mut q, &normed, &p[id.wq], n);
+                    wkv.forward(be, &mut k, &normed, &p[id.wk], n);
+                }
+            }
             wkv.forward(be, &mut v, &normed, &p[id.wv], n);
             be.rope_forward(&mut q, cos, sin, 1, n, a.n_heads, hd, pos);
             be.rope_forward(&mut k, cos, sin, 1, n, a.n_kv_heads, hd, pos);

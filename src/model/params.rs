@@ -5,7 +5,8 @@ use crate::backend::Backend;
 
 use super::args::ModelArgs;
 
-/// Canonical (TorchTitan) names and shapes of a Llama model's parameters, in storage order.
+/// Canonical (TorchTitan) names and shapes of a model's parameters, in storage order (Qwen3's
+/// QK-norm weights after each block's `wo`).
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
     let mut specs = vec![(
@@ -31,6 +32,10 @@ pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
             format!("{p}.attention.wo.weight"),
             vec![d, args.n_heads * hd],
         ));
+        if args.qk_norm {
+            specs.push((format!("{p}.attention.q_norm.weight"), vec![hd]));
+            specs.push((format!("{p}.attention.k_norm.weight"), vec![hd]));
+        }
         specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
         specs.push((format!("{p}.feed_forward.w1.weight"), vec![f, d]));
         specs.push((format!("{p}.feed_forward.w2.weight"), vec![d, f]));
@@ -147,6 +152,9 @@ pub struct LayerIds {
     pub wk: usize,
     pub wv: usize,
     pub wo: usize,
+    /// QK-norm's weights (Qwen3).
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
     pub ffn_norm: usize,
     pub w1: usize,
     pub w2: usize,
@@ -155,18 +163,12 @@ pub struct LayerIds {
 
 impl LayerIds {
     /// The block's parameter indices, in storage order.
-    pub fn all(&self) -> [usize; 9] {
-        [
-            self.attention_norm,
-            self.wq,
-            self.wk,
-            self.wv,
-            self.wo,
-            self.ffn_norm,
-            self.w1,
-            self.w2,
-            self.w3,
-        ]
+    pub fn all(&self) -> Vec<usize> {
+        let mut ids = vec![self.attention_norm, self.wq, self.wk, self.wv, self.wo];
+        ids.extend(self.q_norm);
+        ids.extend(self.k_norm);
+        ids.extend([self.ffn_norm, self.w1, self.w2, self.w3]);
+        ids
     }
 }
 
@@ -182,23 +184,27 @@ pub struct ParamIds {
 
 impl ParamIds {
     pub fn new(args: &ModelArgs) -> Self {
+        let qk = if args.qk_norm { 2 } else { 0 };
+        let per_block = 9 + qk;
         let layers = (0..args.n_layers)
             .map(|l| {
-                let b = 1 + 9 * l;
+                let b = 1 + per_block * l;
                 LayerIds {
                     attention_norm: b,
                     wq: b + 1,
                     wk: b + 2,
                     wv: b + 3,
                     wo: b + 4,
-                    ffn_norm: b + 5,
-                    w1: b + 6,
-                    w2: b + 7,
-                    w3: b + 8,
+                    q_norm: args.qk_norm.then_some(b + 5),
+                    k_norm: args.qk_norm.then_some(b + 6),
+                    ffn_norm: b + 5 + qk,
+                    w1: b + 6 + qk,
+                    w2: b + 7 + qk,
+                    w3: b + 8 + qk,
                 }
             })
             .collect();
-        let norm = 1 + 9 * args.n_layers;
+        let norm = 1 + per_block * args.n_layers;
         ParamIds {
             tok_embeddings: 0,
             layers,

@@ -418,7 +418,7 @@ impl<B: Backend> Fsdp<B> {
         grad_scale: f32,
     ) -> Result<LossSum> {
         model.load_tokens(be, ws, tokens)?;
-        let blocks: Vec<[usize; 9]> = model.ids.layers.iter().map(|l| l.all()).collect();
+        let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();
         let n = blocks.len();
         let non_block = self.non_block.clone();
         let regather = |l: usize| self.reshard_after_forward.reshard(l, n);
@@ -555,7 +555,7 @@ impl<B: Backend> Fsdp<B> {
         tokens: &[u32],
     ) -> Result<LossSum> {
         model.load_tokens(be, ws, tokens)?;
-        let blocks: Vec<[usize; 9]> = model.ids.layers.iter().map(|l| l.all()).collect();
+        let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();
         let non_block = self.non_block.clone();
         self.submit_gather(be, &non_block)?;
         if let Some(first) = blocks.first() {
