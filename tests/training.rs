@@ -19,6 +19,33 @@ fn loss_falls_on_the_synthetic_corpus() {
 }
 
 #[test]
+fn qwen3_loss_falls_and_resumes_bit_for_bit() {
+    let qwen3 = |dir: &std::path::Path, steps: u64| {
+        let mut cfg = tiny_config(dir, steps);
+        cfg.model.name = "qwen3".into();
+        cfg.model.flavor = "debugmodel".into();
+        cfg.optimizer.lr = 3e-3;
+        cfg
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = qwen3(dir.path(), 40);
+    cfg.checkpoint.enable = false;
+    let s = train(&cfg, &quiet()).unwrap();
+    let (first, last) = (s.losses[0].1, s.losses.last().unwrap().1);
+    assert!(last < 0.6 * first, "qwen3: loss {first} -> {last}");
+    // 10 steps straight, or 5 + resume + 5: the same bits.
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let straight = train(&qwen3(a.path(), 10), &quiet()).unwrap().losses;
+    let stop_at_5 = RunOptions {
+        quiet: true,
+        stop_after: Some(5),
+    };
+    train(&qwen3(b.path(), 10), &stop_at_5).unwrap();
+    let resumed = train(&qwen3(b.path(), 10), &quiet()).unwrap().losses;
+    assert_eq!(bits(&straight[5..]), bits(&resumed));
+}
+
+#[test]
 fn same_seed_gives_bitwise_identical_losses() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let mut ca = tiny_config(a.path(), 6);
