@@ -330,6 +330,24 @@ pub trait Backend: Send + Sync + 'static {
         len: usize,
     );
     fn scale(&self, buf: &mut Self::Buf, factor: f32);
+    /// Row `r` of `buf` (`[rows, width]`) times `scales[r]` (a mixture-of-experts combine).
+    /// Here through the host; a backend that runs MoE on its device overrides it.
+    fn scale_rows(&self, buf: &mut Self::Buf, scales: &[f32], width: usize) {
+        let mut host = self.download(buf);
+        for (row, s) in host.chunks_mut(width).zip(scales) {
+            row.iter_mut().for_each(|x| *x *= s);
+        }
+        *buf = self.upload_owned(host);
+    }
+    /// The dot product of each row of `a` with the same row of `b` (`[rows, width]` each): the
+    /// gradient of a mixture-of-experts routing weight. Here through the host, as `scale_rows`.
+    fn row_dots(&self, a: &Self::Buf, b: &Self::Buf, width: usize) -> Vec<f32> {
+        let (a, b) = (self.download(a), self.download(b));
+        a.chunks(width)
+            .zip(b.chunks(width))
+            .map(|(x, y)| x.iter().zip(y).map(|(x, y)| x * y).sum())
+            .collect()
+    }
 
     // ---- loss ----
     /// Cross-entropy of `logits = h · weightᵀ` (`h` `[rows, dim]`, `weight` `[vocab, dim]`) against

@@ -7,6 +7,7 @@ pub mod context_parallel;
 pub mod init;
 pub mod linear;
 pub mod llama;
+pub mod moe;
 pub mod parallel_linear;
 pub mod params;
 pub mod tensor_parallel;

@@ -20,6 +20,8 @@ pub(crate) mod simd;
 
 use std::sync::Mutex;
 
+use rayon::prelude::*;
+
 pub use super::profile::OpProfiler;
 
 use super::{AdamWStep, AttnShape, Backend, LossSum};
@@ -77,6 +79,17 @@ impl Backend for CpuBackend {
     }
     fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
         buf.clone()
+    }
+    fn scale_rows(&self, buf: &mut Vec<f32>, scales: &[f32], width: usize) {
+        buf.par_chunks_mut(width)
+            .zip(scales)
+            .for_each(|(row, s)| row.iter_mut().for_each(|x| *x *= s));
+    }
+    fn row_dots(&self, a: &Vec<f32>, b: &Vec<f32>, width: usize) -> Vec<f32> {
+        a.par_chunks(width)
+            .zip(b.par_chunks(width))
+            .map(|(x, y)| fastmath::dot(x, y))
+            .collect()
     }
     fn upload_owned(&self, data: Vec<f32>) -> Vec<f32> {
         data

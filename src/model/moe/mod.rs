@@ -1,0 +1,431 @@
+//! The mixture-of-experts feed-forward (TorchTitan's `MoE`, Qwen3-MoE's and DeepSeek-V3's
+//! structure), forward and backward: a token-choice top-k router (`router`), routed SwiGLU experts
+//! computed on the token rows sorted by expert (no capacity limit: no token is dropped), optional
+//! shared experts every token goes through, and the expert bias of auxiliary-loss-free load
+//! balancing.
+//!
+//! `out += Σ_j w_tj · Expert_{e_tj}(x_t) + Shared(x_t)` for every token `t`, where the router chose
+//! experts `e_tj` with weights `w_tj`. The dispatch gathers each token's row once per choice, in
+//! expert order (`Backend::embedding_forward` with the row order as ids); each expert's rows are
+//! one block, its three projections one GEMM each (a grouped GEMM as a loop over the experts); the
+//! combine scales each row by its weight and adds it back to its token
+//! (`Backend::embedding_backward`, a scatter-add). The backward mirrors each step; the weights'
+//! gradient is each row's output dotted with the token's output gradient, and the router's is
+//! `router::route_backward`'s.
+//!
+//! Not built yet (issue 16): the model's blocks using this layer (Qwen3-MoE flavors, HF import of
+//! per-expert weights), expert parallelism's all-to-all, the auxiliary loss, device-side routing.
+
+pub mod router;
+
+use crate::backend::Backend;
+use crate::model::linear::Linear;
+use router::{route, route_backward, RouterArgs, Routing};
+
+/// A mixture-of-experts layer's shapes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeShapes {
+    pub dim: usize,
+    /// Each routed expert's hidden width.
+    pub hidden: usize,
+    /// The shared experts' hidden width, all of them as one SwiGLU (None: no shared experts).
+    pub shared_hidden: Option<usize>,
+    pub router: RouterArgs,
+}
+
+/// Where a layer's parameters are in a parameter list: the router's `[experts, dim]` gate, each
+/// expert's `[w1, w2, w3]` (`[hidden, dim]`, `[dim, hidden]`, `[hidden, dim]`), and the shared
+/// experts' likewise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeIds {
+    pub router: usize,
+    pub experts: Vec<[usize; 3]>,
+    pub shared: Option<[usize; 3]>,
+}
+
+/// What the forward keeps for the backward.
+pub struct MoeActs<B: Backend> {
+    pub routing: Routing,
+    /// The token of each dispatched row (rows in expert order) and its place `t·k + j` in the
+    /// routing; `offsets[e]..offsets[e + 1]` are expert `e`'s rows.
+    pub rows: Vec<u32>,
+    pub slots: Vec<usize>,
+    pub offsets: Vec<usize>,
+    /// Dispatched inputs `[rows, dim]`, the experts' gate and up projections and SwiGLU outputs
+    /// `[rows, hidden]`, and their unweighted outputs `[rows, dim]`.
+    x_sorted: B::Buf,
+    gate: B::Buf,
+    up: B::Buf,
+    act: B::Buf,
+    y: B::Buf,
+    /// The shared experts' gate, up and SwiGLU output `[tokens, shared_hidden]`.
+    shared: Option<[B::Buf; 3]>,
+}
+
+/// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
+fn rows_of<B: Backend>(be: &B, x: &B::Buf, from: usize, rows: usize, width: usize) -> B::Buf {
+    let mut out = be.uninit(rows * width);
+    be.copy_range(&mut out, 0, x, from * width, rows * width);
+    out
+}
+
+/// The routing's rows in expert order (stable: by token, then choice, within an expert).
+fn dispatch_order(routing: &Routing, num_experts: usize) -> (Vec<u32>, Vec<usize>, Vec<usize>) {
+    let mut offsets = vec![0usize; num_experts + 1];
+    for &e in &routing.experts {
+        offsets[e as usize + 1] += 1;
+    }
+    for e in 0..num_experts {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut next = offsets.clone();
+    let n = routing.experts.len();
+    let (mut rows, mut slots) = (vec![0u32; n], vec![0usize; n]);
+    for (slot, &e) in routing.experts.iter().enumerate() {
+        let r = next[e as usize];
+        next[e as usize] += 1;
+        rows[r] = (slot / routing.top_k) as u32;
+        slots[r] = slot;
+    }
+    (rows, slots, offsets)
+}
+
+/// `y = w2 · (silu(w1 · x) ∘ w3 · x)` over `rows` rows, keeping gate, up and SwiGLU's output.
+#[allow(clippy::too_many_arguments)]
+fn swiglu_ffn<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    [w1, w2, w3]: [&B::Buf; 3],
+    dim: usize,
+    hidden: usize,
+    rows: usize,
+    y: &mut B::Buf,
+    add: bool,
+) -> [B::Buf; 3] {
+    let (up_proj, down) = (Linear::new(dim, hidden), Linear::new(hidden, dim));
+    let (mut gate, mut up, mut act) = (
+        be.uninit(rows * hidden),
+        be.uninit(rows * hidden),
+        be.uninit(rows * hidden),
+    );
+    up_proj.forward(be, &mut gate, x, w1, rows);
+    up_proj.forward(be, &mut up, x, w3, rows);
+    be.swiglu_forward(&mut act, &gate, &up);
+    if add {
+        down.add_forward(be, y, &act, w2, rows);
+    } else {
+        down.forward(be, y, &act, w2, rows);
+    }
+    [gate, up, act]
+}
+
+/// The backward of `swiglu_ffn`: adds the weights' gradients into `[g1, g2, g3]` and `dx +=`
+/// the input's.
+#[allow(clippy::too_many_arguments)]
+fn swiglu_ffn_backward<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    [gate, up, act]: [&B::Buf; 3],
+    [w1, w2, w3]: [&B::Buf; 3],
+    [g1, g2, g3]: [&mut B::Buf; 3],
+    dy: &B::Buf,
+    dim: usize,
+    hidden: usize,
+    rows: usize,
+    dx: &mut B::Buf,
+) {
+    let (up_proj, down) = (Linear::new(dim, hidden), Linear::new(hidden, dim));
+    let mut dact = be.uninit(rows * hidden);
+    down.input_grad(be, &mut dact, dy, w2, rows);
+    down.add_weight_grad(be, g2, dy, act, rows);
+    let (mut dgate, mut dup) = (be.uninit(rows * hidden), be.uninit(rows * hidden));
+    be.swiglu_backward(&mut dgate, &mut dup, &dact, gate, up);
+    up_proj.add_input_grad(be, dx, &dgate, w1, rows);
+    up_proj.add_input_grad(be, dx, &dup, w3, rows);
+    up_proj.add_weight_grad(be, g1, &dgate, x, rows);
+    up_proj.add_weight_grad(be, g3, &dup, x, rows);
+}
+
+/// Three distinct entries of `bufs`, mutably.
+fn three_mut<T>(bufs: &mut [T], [a, b, c]: [usize; 3]) -> [&mut T; 3] {
+    bufs.get_disjoint_mut([a, b, c])
+        .expect("an expert's three parameters are distinct")
+}
+
+/// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
+/// expert bias that shifts the router's choice.
+pub fn forward<B: Backend>(
+    be: &B,
+    m: &MoeShapes,
+    ids: &MoeIds,
+    params: &[B::Buf],
+    x: &B::Buf,
+    out: &mut B::Buf,
+    bias: Option<&[f32]>,
+) -> MoeActs<B> {
+    let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
+    let tokens = be.len(x) / d;
+    let mut logits = be.uninit(tokens * e);
+    Linear::new(d, e).forward(be, &mut logits, x, &params[ids.router], tokens);
+    let routing = route(&m.router, &be.download(&logits), bias);
+    let (rows, slots, offsets) = dispatch_order(&routing, e);
+    let n = rows.len();
+    let mut x_sorted = be.uninit(n * d);
+    be.embedding_forward(&mut x_sorted, x, &rows, d);
+    let (mut gate, mut up, mut act, mut y) = (
+        be.uninit(n * h),
+        be.uninit(n * h),
+        be.uninit(n * h),
+        be.uninit(n * d),
+    );
+    for (expert, w) in ids.experts.iter().enumerate() {
+        let (from, count) = (offsets[expert], offsets[expert + 1] - offsets[expert]);
+        if count == 0 {
+            continue;
+        }
+        let xe = rows_of(be, &x_sorted, from, count, d);
+        let mut ye = be.uninit(count * d);
+        let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
+        let [g, u, a] = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye, false);
+        be.copy_range(&mut gate, from * h, &g, 0, count * h);
+        be.copy_range(&mut up, from * h, &u, 0, count * h);
+        be.copy_range(&mut act, from * h, &a, 0, count * h);
+        be.copy_range(&mut y, from * d, &ye, 0, count * d);
+    }
+    // Combine: each row weighted, added back to its token.
+    let row_weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
+    let mut weighted = rows_of(be, &y, 0, n, d);
+    be.scale_rows(&mut weighted, &row_weights, d);
+    be.embedding_backward(out, &weighted, &rows, d);
+    let shared = m.shared_hidden.map(|hs| {
+        let s = ids.shared.expect("shared experts have parameters");
+        let weights = [&params[s[0]], &params[s[1]], &params[s[2]]];
+        swiglu_ffn(be, x, weights, d, hs, tokens, out, true)
+    });
+    MoeActs {
+        routing,
+        rows,
+        slots,
+        offsets,
+        x_sorted,
+        gate,
+        up,
+        act,
+        y,
+        shared,
+    }
+}
+
+/// The layer's backward: adds the parameters' gradients into `grads` and `dx += ∂L/∂x` for the
+/// output gradient `dout` (`[tokens, dim]`).
+#[allow(clippy::too_many_arguments)]
+pub fn backward<B: Backend>(
+    be: &B,
+    m: &MoeShapes,
+    ids: &MoeIds,
+    params: &[B::Buf],
+    grads: &mut [B::Buf],
+    acts: &MoeActs<B>,
+    x: &B::Buf,
+    dout: &B::Buf,
+    dx: &mut B::Buf,
+) {
+    let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
+    let tokens = be.len(x) / d;
+    let n = acts.rows.len();
+    // Each row's output gradient: its token's, times its weight; the weight's own gradient is
+    // that token's output gradient dotted with the row's unweighted output.
+    let mut dy = be.uninit(n * d);
+    be.embedding_forward(&mut dy, dout, &acts.rows, d);
+    let dots = be.row_dots(&dy, &acts.y, d);
+    let mut dweights = vec![0.0f32; n];
+    for (r, &slot) in acts.slots.iter().enumerate() {
+        dweights[slot] = dots[r];
+    }
+    let row_weights: Vec<f32> = acts
+        .slots
+        .iter()
+        .map(|&s| acts.routing.weights[s])
+        .collect();
+    be.scale_rows(&mut dy, &row_weights, d);
+    let mut dx_sorted = be.zeros(n * d);
+    for (expert, w) in ids.experts.iter().enumerate() {
+        let (from, count) = (
+            acts.offsets[expert],
+            acts.offsets[expert + 1] - acts.offsets[expert],
+        );
+        if count == 0 {
+            continue;
+        }
+        let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
+        let (xe, dye) = (block(&acts.x_sorted, d), block(&dy, d));
+        let (g, u, a) = (
+            block(&acts.gate, h),
+            block(&acts.up, h),
+            block(&acts.act, h),
+        );
+        let mut dxe = be.zeros(count * d);
+        let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
+        swiglu_ffn_backward(
+            be,
+            &xe,
+            [&g, &u, &a],
+            weights,
+            three_mut(grads, *w),
+            &dye,
+            d,
+            h,
+            count,
+            &mut dxe,
+        );
+        be.copy_range(&mut dx_sorted, from * d, &dxe, 0, count * d);
+    }
+    be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
+    // The router: from the weights' gradient to the logits', then to its gate and the input.
+    let dlogits = be.upload(&route_backward(&m.router, &acts.routing, &dweights));
+    let gate = Linear::new(d, e);
+    gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
+    gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
+    if let (Some(hs), Some(s), Some([g, u, a])) = (m.shared_hidden, ids.shared, &acts.shared) {
+        let weights = [&params[s[0]], &params[s[1]], &params[s[2]]];
+        swiglu_ffn_backward(
+            be,
+            x,
+            [g, u, a],
+            weights,
+            three_mut(grads, s),
+            dout,
+            d,
+            hs,
+            tokens,
+            dx,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::router::ScoreFunc;
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// Parameters of a layer of `m` at `ids`: router, experts, shared.
+    fn layer(m: &MoeShapes, seed: u64) -> (MoeIds, Vec<Vec<f32>>) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut params = vec![];
+        let mut add = |n: usize, scale: f32| {
+            params.push((0..n).map(|_| (rng.gen::<f32>() - 0.5) * scale).collect());
+            params.len() - 1
+        };
+        let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
+        let router = add(e * d, 2.0);
+        let experts = (0..e)
+            .map(|_| [add(h * d, 0.8), add(d * h, 0.8), add(h * d, 0.8)])
+            .collect();
+        let shared = m
+            .shared_hidden
+            .map(|hs| [add(hs * d, 0.8), add(d * hs, 0.8), add(hs * d, 0.8)]);
+        (
+            MoeIds {
+                router,
+                experts,
+                shared,
+            },
+            params,
+        )
+    }
+
+    fn shapes(score_func: ScoreFunc, shared: bool, groups: Option<(usize, usize)>) -> MoeShapes {
+        MoeShapes {
+            dim: 6,
+            hidden: 5,
+            shared_hidden: shared.then_some(4),
+            router: RouterArgs {
+                num_experts: 4,
+                top_k: 2,
+                score_func,
+                norm_topk_prob: score_func == ScoreFunc::Softmax,
+                route_scale: 1.3,
+                groups,
+            },
+        }
+    }
+
+    /// Σ out ⊙ r for the layer at `params` on `x`.
+    fn objective(m: &MoeShapes, ids: &MoeIds, params: &[Vec<f32>], x: &[f32], r: &[f32]) -> f64 {
+        let be = CpuBackend::new();
+        let mut out = vec![0.0; x.len()];
+        forward(&be, m, ids, params, &x.to_vec(), &mut out, None);
+        out.iter().zip(r).map(|(o, r)| *o as f64 * *r as f64).sum()
+    }
+
+    #[test]
+    fn moe_gradients_match_finite_differences() {
+        for (f, shared, groups) in [
+            (ScoreFunc::Softmax, false, None),
+            (ScoreFunc::Sigmoid, true, Some((2, 1))),
+        ] {
+            let m = shapes(f, shared, groups);
+            let be = CpuBackend::new();
+            let (ids, params) = layer(&m, 7);
+            let tokens = 9;
+            let mut rng = ChaCha8Rng::seed_from_u64(11);
+            let x: Vec<f32> = (0..tokens * m.dim)
+                .map(|_| rng.gen::<f32>() - 0.5)
+                .collect();
+            let r: Vec<f32> = (0..tokens * m.dim)
+                .map(|_| rng.gen::<f32>() - 0.5)
+                .collect();
+            let mut out = vec![0.0; x.len()];
+            let acts = forward(&be, &m, &ids, &params, &x, &mut out, None);
+            // Every expert gets tokens, so every expert's gradient is checked.
+            assert!(
+                acts.routing.load(4).iter().all(|&l| l > 0),
+                "{:?}",
+                acts.routing.load(4)
+            );
+            let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+            let mut dx = vec![0.0; x.len()];
+            backward(&be, &m, &ids, &params, &mut grads, &acts, &x, &r, &mut dx);
+            let eps = 1e-3f32;
+            let check = |name: &str, analytic: &[f32], perturb: &dyn Fn(usize, f32) -> f64| {
+                for i in (0..analytic.len()).step_by(3) {
+                    let numeric = (perturb(i, eps) - perturb(i, -eps)) / (2.0 * eps as f64);
+                    assert!(
+                        (numeric - analytic[i] as f64).abs() < 3e-3 * (1.0 + numeric.abs()),
+                        "{f:?} {name}[{i}]: analytic {} numeric {numeric}",
+                        analytic[i]
+                    );
+                }
+            };
+            check("x", &dx, &|i, delta| {
+                let mut x2 = x.clone();
+                x2[i] += delta;
+                objective(&m, &ids, &params, &x2, &r)
+            });
+            for (p, g) in grads.iter().enumerate() {
+                check(&format!("param {p}"), g, &|i, delta| {
+                    let mut p2 = params.clone();
+                    p2[p][i] += delta;
+                    objective(&m, &ids, &p2, &x, &r)
+                });
+            }
+        }
+    }
+
+    #[test]
+    fn dispatch_orders_rows_by_expert_and_keeps_every_choice() {
+        let routing = Routing {
+            top_k: 2,
+            experts: vec![2, 0, 0, 1, 2, 1],
+            weights: vec![0.5; 6],
+            scores: vec![],
+        };
+        let (rows, slots, offsets) = dispatch_order(&routing, 3);
+        assert_eq!(offsets, [0, 2, 4, 6]);
+        assert_eq!(rows, [0, 1, 1, 2, 0, 2]);
+        assert_eq!(slots, [1, 2, 3, 5, 0, 4]);
+    }
+}

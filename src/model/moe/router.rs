@@ -1,0 +1,320 @@
+//! The token-choice top-k router of a mixture-of-experts layer (TorchTitan's `TokenChoiceTopKRouter`,
+//! DeepSeek-V3's and Qwen3-MoE's routing): scores from the router's logits, each token's `top_k`
+//! experts, their weights, and the backward of those weights to the logits.
+//!
+//! Runs on the host over `[tokens, experts]` logits: a few numbers per token, against the experts'
+//! `tokens × top_k × hidden × dim` GEMMs, and the dispatch needs the choice on the host anyway (it
+//! orders the token rows by expert).
+//!
+//! - Scores: `softmax` over the experts (Qwen3-MoE, Mixtral) or `sigmoid` of each (DeepSeek-V3).
+//! - Selection: by score plus the expert bias of auxiliary-loss-free load balancing (the bias moves
+//!   the choice only, never the weights); with group-limited routing only the experts of the
+//!   `num_limited_groups` best of `num_expert_groups` groups compete (a group's score is its best
+//!   expert's under softmax, the sum of its best two under sigmoid, as DeepSeek-V3).
+//! - Weights: the chosen experts' scores, renormalised to sum to one with `norm_topk_prob`, times
+//!   `route_scale`.
+
+use anyhow::{bail, Result};
+
+/// How the router turns logits into scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreFunc {
+    Softmax,
+    Sigmoid,
+}
+
+/// A router's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterArgs {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub score_func: ScoreFunc,
+    pub norm_topk_prob: bool,
+    pub route_scale: f32,
+    /// Group-limited routing: `(num_expert_groups, num_limited_groups)`.
+    pub groups: Option<(usize, usize)>,
+}
+
+impl RouterArgs {
+    pub fn validate(&self) -> Result<()> {
+        if self.num_experts == 0 || self.top_k == 0 || self.top_k > self.num_experts {
+            bail!(
+                "[model] moe top_k {} must be between 1 and the number of experts {}",
+                self.top_k,
+                self.num_experts
+            );
+        }
+        if let Some((groups, limited)) = self.groups {
+            if groups == 0 || !self.num_experts.is_multiple_of(groups) {
+                bail!(
+                    "[model] num_expert_groups {groups} must divide the number of experts {}",
+                    self.num_experts
+                );
+            }
+            if limited == 0 || limited > groups {
+                bail!("[model] num_limited_groups {limited} must be between 1 and num_expert_groups {groups}");
+            }
+            if limited * (self.num_experts / groups) < self.top_k {
+                bail!(
+                    "[model] num_limited_groups {limited} of {groups} groups leave fewer than top_k {} experts to choose from",
+                    self.top_k
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every token's choice: `experts[t·k + j]` its j-th expert and `weights[t·k + j]` that expert's
+/// weight; `scores` `[tokens, experts]` kept for the backward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub top_k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+    pub scores: Vec<f32>,
+}
+
+impl Routing {
+    /// Tokens routed to each of `num_experts` experts.
+    pub fn load(&self, num_experts: usize) -> Vec<usize> {
+        let mut load = vec![0; num_experts];
+        for &e in &self.experts {
+            load[e as usize] += 1;
+        }
+        load
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Routes every token of `logits` (`[tokens, experts]`); `bias` (`[experts]`) shifts the choice.
+pub fn route(args: &RouterArgs, logits: &[f32], bias: Option<&[f32]>) -> Routing {
+    let (e, k) = (args.num_experts, args.top_k);
+    let tokens = logits.len() / e;
+    let mut scores = vec![0.0f32; logits.len()];
+    let mut experts = Vec::with_capacity(tokens * k);
+    let mut weights = Vec::with_capacity(tokens * k);
+    for t in 0..tokens {
+        let (l, s) = (&logits[t * e..(t + 1) * e], &mut scores[t * e..(t + 1) * e]);
+        match args.score_func {
+            ScoreFunc::Softmax => {
+                let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for (s, &x) in s.iter_mut().zip(l) {
+                    *s = (x - max).exp();
+                    sum += *s;
+                }
+                s.iter_mut().for_each(|s| *s /= sum);
+            }
+            ScoreFunc::Sigmoid => {
+                for (s, &x) in s.iter_mut().zip(l) {
+                    *s = sigmoid(x);
+                }
+            }
+        }
+        let mut select: Vec<f32> = match bias {
+            Some(b) => s.iter().zip(b).map(|(s, b)| s + b).collect(),
+            None => s.to_vec(),
+        };
+        if let Some((groups, limited)) = args.groups {
+            let per = e / groups;
+            let group_score = |g: usize| {
+                let mut v: Vec<f32> = select[g * per..(g + 1) * per].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                match args.score_func {
+                    ScoreFunc::Softmax => v[0],
+                    ScoreFunc::Sigmoid => v.iter().take(2).sum(),
+                }
+            };
+            let mut order: Vec<usize> = (0..groups).collect();
+            let group_scores: Vec<f32> = order.iter().map(|&g| group_score(g)).collect();
+            order.sort_by(|&a, &b| group_scores[b].total_cmp(&group_scores[a]).then(a.cmp(&b)));
+            for &g in &order[limited..] {
+                select[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+            }
+        }
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| select[b].total_cmp(&select[a]).then(a.cmp(&b)));
+        let chosen = &order[..k];
+        let total: f32 = chosen.iter().map(|&x| s[x]).sum();
+        for &x in chosen {
+            let w = if args.norm_topk_prob {
+                s[x] / total
+            } else {
+                s[x]
+            };
+            experts.push(x as u32);
+            weights.push(w * args.route_scale);
+        }
+    }
+    Routing {
+        top_k: k,
+        experts,
+        weights,
+        scores,
+    }
+}
+
+/// The gradient of the logits from the gradient of the routing weights (`dweights`, one per
+/// token and choice): through the renormalisation, the scale and the score function. The choice
+/// itself is piecewise constant and has none.
+pub fn route_backward(args: &RouterArgs, routing: &Routing, dweights: &[f32]) -> Vec<f32> {
+    let (e, k) = (args.num_experts, args.top_k);
+    let tokens = routing.scores.len() / e;
+    let mut dlogits = vec![0.0f32; tokens * e];
+    let mut dscores = vec![0.0f32; e];
+    for t in 0..tokens {
+        let s = &routing.scores[t * e..(t + 1) * e];
+        let chosen = &routing.experts[t * k..(t + 1) * k];
+        let dw = &dweights[t * k..(t + 1) * k];
+        dscores.fill(0.0);
+        if args.norm_topk_prob {
+            // w_j = scale · s_j / Z with Z = Σ s_chosen.
+            let z: f32 = chosen.iter().map(|&x| s[x as usize]).sum();
+            let dot: f32 = chosen
+                .iter()
+                .zip(dw)
+                .map(|(&x, &d)| d * s[x as usize])
+                .sum();
+            for (&x, &d) in chosen.iter().zip(dw) {
+                dscores[x as usize] += args.route_scale * (d / z - dot / (z * z));
+            }
+        } else {
+            for (&x, &d) in chosen.iter().zip(dw) {
+                dscores[x as usize] += args.route_scale * d;
+            }
+        }
+        let dl = &mut dlogits[t * e..(t + 1) * e];
+        match args.score_func {
+            ScoreFunc::Softmax => {
+                let dot: f32 = dscores.iter().zip(s).map(|(d, s)| d * s).sum();
+                for ((dl, d), s) in dl.iter_mut().zip(&dscores).zip(s) {
+                    *dl = s * (d - dot);
+                }
+            }
+            ScoreFunc::Sigmoid => {
+                for ((dl, d), s) in dl.iter_mut().zip(&dscores).zip(s) {
+                    *dl = d * s * (1.0 - s);
+                }
+            }
+        }
+    }
+    dlogits
+}
+
+/// Auxiliary-loss-free load balancing (DeepSeek-V3, TorchTitan's `load_balance_coeff`): after a
+/// step, each expert's bias moves by `coeff` toward the mean load: up for an expert that got fewer
+/// tokens than the mean, down for one that got more.
+pub fn update_expert_bias(bias: &mut [f32], load: &[usize], coeff: f32) {
+    let mean = load.iter().sum::<usize>() as f32 / load.len().max(1) as f32;
+    for (b, &l) in bias.iter_mut().zip(load) {
+        let diff = mean - l as f32;
+        *b += coeff
+            * if diff > 0.0 {
+                1.0
+            } else if diff < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(score_func: ScoreFunc, norm: bool) -> RouterArgs {
+        RouterArgs {
+            num_experts: 6,
+            top_k: 2,
+            score_func,
+            norm_topk_prob: norm,
+            route_scale: 1.5,
+            groups: None,
+        }
+    }
+
+    #[test]
+    fn chooses_the_best_scores_and_the_bias_moves_only_the_choice() {
+        let logits = [0.1, 2.0, -1.0, 1.5, 0.0, 0.3];
+        let a = args(ScoreFunc::Softmax, true);
+        let r = route(&a, &logits, None);
+        assert_eq!(r.experts, [1, 3]);
+        let (s1, s3) = (r.scores[1], r.scores[3]);
+        assert!((r.weights[0] - 1.5 * s1 / (s1 + s3)).abs() < 1e-6);
+        // A bias large enough for expert 5 to win a place, with the weight of its own score.
+        let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 1.0];
+        let b = route(&a, &logits, Some(&bias));
+        assert_eq!(b.experts, [5, 1]);
+        let (s5, s1) = (b.scores[5], b.scores[1]);
+        assert!((b.weights[0] - 1.5 * s5 / (s5 + s1)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn group_limited_routing_keeps_to_the_best_groups() {
+        // Three groups of two; sigmoid group score = its two scores' sum.
+        let a = RouterArgs {
+            groups: Some((3, 1)),
+            ..args(ScoreFunc::Sigmoid, false)
+        };
+        // Expert 1 alone is best, but group 2 (experts 4, 5) has the best pair.
+        let logits = [-3.0, 4.0, 0.0, 0.0, 2.0, 2.0];
+        let r = route(&a, &logits, None);
+        assert_eq!(r.experts, [4, 5]);
+        let bad = RouterArgs {
+            groups: Some((4, 1)),
+            ..a
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let logits: Vec<f32> = (0..4 * 6)
+            .map(|i| ((i * 7919) % 23) as f32 / 7.0 - 1.5)
+            .collect();
+        let dw: Vec<f32> = (0..4 * 2).map(|i| (i as f32 * 0.37).sin()).collect();
+        for (f, norm) in [
+            (ScoreFunc::Softmax, true),
+            (ScoreFunc::Softmax, false),
+            (ScoreFunc::Sigmoid, true),
+            (ScoreFunc::Sigmoid, false),
+        ] {
+            let a = args(f, norm);
+            let r = route(&a, &logits, None);
+            let dl = route_backward(&a, &r, &dw);
+            let objective = |l: &[f32]| -> f64 {
+                let r2 = route(&a, l, None);
+                assert_eq!(r2.experts, r.experts, "the choice must not move");
+                r2.weights
+                    .iter()
+                    .zip(&dw)
+                    .map(|(w, d)| *w as f64 * *d as f64)
+                    .sum()
+            };
+            for i in 0..logits.len() {
+                let eps = 1e-3;
+                let (mut up, mut down) = (logits.clone(), logits.clone());
+                up[i] += eps;
+                down[i] -= eps;
+                let numeric = (objective(&up) - objective(&down)) / (2.0 * eps as f64);
+                assert!(
+                    (numeric - dl[i] as f64).abs() < 2e-3,
+                    "{f:?} norm {norm} logit {i}: analytic {} numeric {numeric}",
+                    dl[i]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bias_moves_toward_the_mean_load() {
+        let mut bias = vec![0.0; 3];
+        update_expert_bias(&mut bias, &[1, 3, 2], 0.01);
+        assert_eq!(bias, [0.01, -0.01, 0.0]);
+    }
+}
