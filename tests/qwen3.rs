@@ -1,11 +1,12 @@
-//! Qwen3 (QK-norm, a head width of its own) under the parallel layouts, real processes through the
-//! launcher: per-step loss and gradient norm within 1e-5 of one process. The layouts need nothing
-//! of their own for it: QK-norm's weights are replicated over tensor-parallel ranks (their
-//! gradients summed like the other norms') and sharded like any tensor elsewhere.
+//! Qwen3 (QK-norm, a head width of its own) and Qwen3-MoE under the parallel layouts, real
+//! processes through the launcher: per-step loss and gradient norm within 1e-5 of one process. The
+//! layouts need nothing of their own for it: QK-norm's weights are replicated over
+//! tensor-parallel ranks (their gradients summed like the other norms') and sharded like any
+//! tensor elsewhere; a mixture of experts is per token, so FSDP, CP and PP carry it unchanged.
 
 mod common;
 
-use common::assert_layout_matches_one_process;
+use common::{assert_layout_matches_one_process, quiet, tiny_config, train};
 
 const QWEN3: &[&str] = &[
     "--model.name",
@@ -53,5 +54,65 @@ fn qwen3_matches_one_process_under_tp_fsdp_cp_and_pp() {
             "--parallelism.pipeline_parallel_schedule",
             "ZBVZeroBubble",
         ],
+    );
+}
+
+const QWEN3_MOE: &[&str] = &[
+    "--model.name",
+    "qwen3",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--training.steps",
+    "8",
+];
+
+#[test]
+fn qwen3_moe_matches_one_process_under_fsdp_cp_and_pp() {
+    let check = |what: &str, extra: &[&str], n: &'static str, parallel: &[&str]| {
+        let single = [QWEN3_MOE, extra].concat();
+        assert_layout_matches_one_process(what, &single, &nproc(n), parallel, "rank 0 of");
+    };
+    check(
+        "Qwen3-MoE FSDP 2",
+        &["--training.global_batch_size", "4"],
+        "2",
+        &[],
+    );
+    check(
+        "Qwen3-MoE CP 2",
+        &[],
+        "2",
+        &["--parallelism.context_parallel_degree", "2"],
+    );
+    check(
+        "Qwen3-MoE PP 2",
+        &[],
+        "2",
+        &["--parallelism.pipeline_parallel_degree", "2"],
+    );
+}
+
+#[test]
+fn qwen3_moe_learns_and_tp_is_refused_saying_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(dir.path(), 40);
+    cfg.model.name = "qwen3".into();
+    cfg.model.flavor = "debugmodel_moe".into();
+    cfg.checkpoint.enable = false;
+    cfg.optimizer.lr = 3e-3;
+    let s = titan::train::train(&cfg, &quiet()).unwrap();
+    let (first, last) = (s.losses[0].1, s.losses.last().unwrap().1);
+    assert!(last < 0.6 * first, "qwen3 MoE: loss {first} -> {last}");
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &nproc("2"),
+        &[QWEN3_MOE, &["--parallelism.tensor_parallel_degree", "2"]].concat(),
+    );
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("tensor_parallel_degree") && err.contains("mixture-of-experts"),
+        "{err}"
     );
 }

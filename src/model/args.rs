@@ -7,6 +7,8 @@
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+use super::moe::router::{RouterArgs, ScoreFunc};
+use super::moe::MoeArgs;
 use crate::backend::cpu::rope::RopeScaling;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -29,6 +31,9 @@ pub struct ModelArgs {
     /// RoPE (Qwen3's QK-norm).
     #[serde(default)]
     pub qk_norm: bool,
+    /// A mixture-of-experts feed-forward in every block instead of the dense one (Qwen3-MoE).
+    #[serde(default)]
+    pub moe: Option<MoeArgs>,
 }
 
 impl ModelArgs {
@@ -47,7 +52,18 @@ impl ModelArgs {
 pub const FLAVORS: &[&str] = &["debugmodel", "1B", "3B", "8B", "70B", "405B"];
 
 /// The flavors `[model] flavor` accepts for `name = "qwen3"`.
-pub const QWEN3_FLAVORS: &[&str] = &["debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"];
+pub const QWEN3_FLAVORS: &[&str] = &[
+    "debugmodel",
+    "0.6B",
+    "1.7B",
+    "4B",
+    "8B",
+    "14B",
+    "32B",
+    "debugmodel_moe",
+    "30B-A3B",
+    "235B-A22B",
+];
 
 /// Llama's FFN width: two thirds of 4·dim, times an optional multiplier, rounded up to `multiple_of`.
 pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64>) -> usize {
@@ -98,6 +114,7 @@ impl ModelArgs {
             tied_embeddings: tied,
             attention_head_dim: None,
             qk_norm: false,
+            moe: None,
         })
     }
 
@@ -123,10 +140,33 @@ impl ModelArgs {
             "8B" => (4096, 36, 32, 8, 128, 12288, 151936, false),
             "14B" => (5120, 40, 40, 8, 128, 17408, 151936, false),
             "32B" => (5120, 64, 64, 8, 128, 25600, 151936, false),
+            "debugmodel_moe" => (256, 6, 8, 4, 64, 768, 2048, false),
+            "30B-A3B" => (2048, 48, 32, 4, 128, 6144, 151936, false),
+            "235B-A22B" => (4096, 94, 64, 4, 128, 12288, 151936, false),
             other => bail!(
                 "unknown qwen3 flavor `{other}` (accepted: {})",
                 QWEN3_FLAVORS.join(", ")
             ),
+        };
+        // Qwen3-MoE: every block's feed-forward is 128 experts (8 for the debug model) of which
+        // each token takes 8 (2), softmax scores renormalised over the chosen, no shared experts.
+        let moe = |experts: usize, top_k: usize, hidden: usize| MoeArgs {
+            hidden,
+            shared_hidden: None,
+            router: RouterArgs {
+                num_experts: experts,
+                top_k,
+                score_func: ScoreFunc::Softmax,
+                norm_topk_prob: true,
+                route_scale: 1.0,
+                groups: None,
+            },
+        };
+        let moe = match name {
+            "debugmodel_moe" => Some(moe(8, 2, 256)),
+            "30B-A3B" => Some(moe(128, 8, 768)),
+            "235B-A22B" => Some(moe(128, 8, 1536)),
+            _ => None,
         };
         Ok(ModelArgs {
             dim,
@@ -142,6 +182,7 @@ impl ModelArgs {
             tied_embeddings: tied,
             attention_head_dim: Some(head_dim),
             qk_norm: true,
+            moe,
         })
     }
 
@@ -176,6 +217,9 @@ impl ModelArgs {
         if !self.head_dim().is_multiple_of(2) {
             bail!("head dim {} must be even for RoPE", self.head_dim());
         }
+        if let Some(moe) = &self.moe {
+            moe.validate()?;
+        }
         Ok(())
     }
 
@@ -183,7 +227,10 @@ impl ModelArgs {
     pub fn params_per_layer(&self) -> usize {
         let hd = self.head_dim();
         let attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2;
-        let ffn = 3 * self.dim * self.ffn_hidden;
+        let ffn = match &self.moe {
+            Some(moe) => moe.params(self.dim),
+            None => 3 * self.dim * self.ffn_hidden,
+        };
         let qk_norm = if self.qk_norm { 2 * hd } else { 0 };
         attn + ffn + 2 * self.dim + qk_norm
     }
@@ -201,10 +248,22 @@ impl ModelArgs {
         self.embedding_params() + self.n_layers * self.params_per_layer() + self.dim + output
     }
 
-    /// TorchTitan's count: 6·(N − N_embedding) + 12·n_layers·(heads · head_dim)·seq_len (the
-    /// attention width is `dim` for Llama).
+    /// Parameters one token goes through: all of them for a dense model; with MoE, each block's
+    /// router, `top_k` of its experts and its shared ones (TorchTitan's count).
+    pub fn active_params(&self) -> usize {
+        match &self.moe {
+            Some(moe) => {
+                self.num_params()
+                    - self.n_layers * (moe.params(self.dim) - moe.active_params(self.dim))
+            }
+            None => self.num_params(),
+        }
+    }
+
+    /// TorchTitan's count: 6·(N_active − N_embedding) + 12·n_layers·(heads · head_dim)·seq_len
+    /// (the attention width is `dim` for Llama).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
-        6.0 * (self.num_params() - self.embedding_params()) as f64
+        6.0 * (self.active_params() - self.embedding_params()) as f64
             + 12.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
     }
 }
@@ -214,7 +273,7 @@ impl ModelArgs {
 /// blocks (sequence parallel: `batch × seq / tp`), and, with context parallelism, its shard of
 /// every sequence (`seq / cp` positions, `model::context_parallel::SequenceShard`). With one rank
 /// these are the model's own shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LocalShapes {
     pub dim: usize,
     pub n_layers: usize,
@@ -232,6 +291,8 @@ pub struct LocalShapes {
     pub tp_rank: usize,
     /// Whether each query and key head is RMS-normalised before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// The mixture-of-experts feed-forward (then `ffn` is 0: no dense one).
+    pub moe: Option<MoeArgs>,
     /// Context-parallel degree and this rank's place in its group.
     pub cp: usize,
     pub cp_rank: usize,
@@ -246,12 +307,17 @@ impl LocalShapes {
             head_dim: args.head_dim(),
             heads: args.n_heads,
             kv_heads: args.n_kv_heads,
-            ffn: args.ffn_hidden,
+            ffn: if args.moe.is_some() {
+                0
+            } else {
+                args.ffn_hidden
+            },
             vocab: args.vocab_size,
             vocab_offset: 0,
             tp: 1,
             tp_rank: 0,
             qk_norm: args.qk_norm,
+            moe: args.moe,
             cp: 1,
             cp_rank: 0,
         }

@@ -30,8 +30,9 @@ use super::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use super::args::{LocalShapes, ModelArgs};
 use super::context_parallel::{ContextParallelOps, SequenceShard};
 use super::linear::Linear;
+use super::moe::{self, MoeActs, MoeShapes};
 use super::parallel_linear::{DeferredWeightGrad, Projection, ProjectionGrad, SequenceParallel};
-use super::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
+use super::params::{local_param_specs, FeedForwardIds, LayerIds, ParamIds, ParamSet};
 use super::tensor_parallel::{SingleRank, TensorParallelOps};
 
 /// What one block keeps from its forward for its backward.
@@ -98,6 +99,9 @@ pub struct Workspace<B: Backend> {
     targets: Vec<u32>,
     /// The inputs as rows of this rank's vocabulary shard (`IGNORE_INDEX` for the others').
     local_ids: Vec<u32>,
+    /// Each mixture-of-experts block's routing and expert activations, from its forward to its
+    /// backward (their sizes depend on nothing but the shape; the routing is per step).
+    moe: Vec<Option<MoeActs<B>>>,
 }
 
 /// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
@@ -182,7 +186,13 @@ pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &Activa
     let final_norm = r * (d + 1) + gathered;
     let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };
     let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f) + qk_norm;
-    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward
+    // Every mixture-of-experts block keeps its routed rows' activations (`Workspace::moe`), and its
+    // backward needs about as much again for their gradients.
+    let moe = m.moe.map_or(0, |moe| {
+        let per_block = n * moe.activation_floats_per_token(d);
+        m.n_layers * per_block + per_block
+    });
+    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward + moe
 }
 
 /// Values of the workspace allocated by `Backend::zeros_bf16_activation` (the blocks'
@@ -399,6 +409,7 @@ impl<B: Backend> Workspace<B> {
             inputs: vec![0; n],
             targets: vec![0; n],
             local_ids: vec![0; n],
+            moe: (0..m.n_layers).map(|_| None).collect(),
         }
     }
 
@@ -827,7 +838,7 @@ impl<B: Backend> Llama<B> {
     ) -> Result<()> {
         let _span = crate::trace::span_named("model", || format!("block {l} forward"));
         let (a, m) = (&self.args, &self.local);
-        let id = self.ids.layers[l];
+        let id = &self.ids.layers[l];
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let sp = self.sequence_parallel(b * s);
@@ -881,7 +892,8 @@ impl<B: Backend> Llama<B> {
         self.cp
             .attention_forward(be, acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape)?;
         sp.row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, &mut ws.full)?;
-        // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h).
+        // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h), or with a mixture
+        // of experts out = h + MoE(n).
         be.rmsnorm_forward(
             acts.normed_ffn,
             acts.rstd_ffn,
@@ -890,18 +902,43 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
-        sp.column_forward(
-            be,
-            acts.normed_ffn,
-            acts.normed_ffn_full,
-            d,
-            &mut [
-                Projection::new(w1, &p[id.w1], acts.gate),
-                Projection::new(w3, &p[id.w3], acts.up),
-            ],
-        )?;
-        be.swiglu_forward(acts.act, acts.gate, acts.up);
-        sp.row_forward_residual(be, w2, acts.act, &p[id.w2], acts.h, out, &mut ws.full)
+        match &id.ffn {
+            FeedForwardIds::Dense {
+                w1: i1,
+                w2: i2,
+                w3: i3,
+            } => {
+                sp.column_forward(
+                    be,
+                    acts.normed_ffn,
+                    acts.normed_ffn_full,
+                    d,
+                    &mut [
+                        Projection::new(w1, &p[*i1], acts.gate),
+                        Projection::new(w3, &p[*i3], acts.up),
+                    ],
+                )?;
+                be.swiglu_forward(acts.act, acts.gate, acts.up);
+                sp.row_forward_residual(be, w2, acts.act, &p[*i2], acts.h, out, &mut ws.full)
+            }
+            FeedForwardIds::Moe(experts) => {
+                be.copy_from(out, acts.h);
+                let shapes = self.moe_shapes()?;
+                let moe_acts = moe::forward(be, &shapes, experts, p, acts.normed_ffn, out, None);
+                ws.moe[l] = Some(moe_acts);
+                Ok(())
+            }
+        }
+    }
+
+    /// The mixture-of-experts layer's shapes (a MoE model's).
+    fn moe_shapes(&self) -> Result<MoeShapes> {
+        match &self.args.moe {
+            Some(moe) => Ok(MoeShapes::new(self.args.dim, moe)),
+            None => {
+                bail!("a mixture-of-experts block in a model without MoE arguments (a titan bug)")
+            }
+        }
     }
 
     /// Before block `l`'s backward, what its forward did not keep (activation checkpointing):
@@ -937,7 +974,7 @@ impl<B: Backend> Llama<B> {
         l: usize,
     ) -> Result<()> {
         let (a, m) = (&self.args, &self.local);
-        let id = self.ids.layers[l];
+        let id = &self.ids.layers[l];
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let n = b * s;
@@ -1019,19 +1056,21 @@ impl<B: Backend> Llama<B> {
             let w = &p[id.ffn_norm];
             be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, d, a.norm_eps);
         }
-        {
+        // A mixture of experts keeps its activations in `ws.moe` (its own forward's, or the
+        // recomputed block's): only the dense feed-forward has projections to redo here.
+        if let FeedForwardIds::Dense { w1, w3, .. } = &id.ffn {
             let mut gate_up = Vec::new();
             if redo(Act::Gate) {
                 gate_up.push(Projection::new(
                     Linear::new(d, m.ffn),
-                    &p[id.w1],
+                    &p[*w1],
                     &mut *acts.gate,
                 ));
             }
             if redo(Act::Up) {
                 gate_up.push(Projection::new(
                     Linear::new(d, m.ffn),
-                    &p[id.w3],
+                    &p[*w3],
                     &mut *acts.up,
                 ));
             }
@@ -1042,7 +1081,7 @@ impl<B: Backend> Llama<B> {
                     .gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
             }
         }
-        if redo(Act::Act) {
+        if redo(Act::Act) && matches!(id.ffn, FeedForwardIds::Dense { .. }) {
             be.swiglu_forward(acts.act, acts.gate, acts.up);
         }
         Ok(())
@@ -1100,7 +1139,7 @@ impl<B: Backend> Llama<B> {
         deferred: Option<&std::cell::RefCell<Vec<DeferredWeightGrad<B>>>>,
     ) -> Result<()> {
         let (a, m) = (&self.args, &self.local);
-        let id = self.ids.layers[l];
+        let id = &self.ids.layers[l];
         let p = &params.bufs;
         let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
         let sp = SequenceParallel {
@@ -1127,51 +1166,71 @@ impl<B: Backend> Llama<B> {
             )),
             _ => None,
         };
-        let [g_w1, g_w2, g_w3, g_wq, g_wk, g_wv, g_wo, g_ffn_norm, g_attn_norm] = grads
-            .bufs
-            .get_disjoint_mut([
-                id.w1,
-                id.w2,
-                id.w3,
-                id.wq,
-                id.wk,
-                id.wv,
-                id.wo,
-                id.ffn_norm,
-                id.attention_norm,
-            ])
-            .expect("a block's parameters are distinct");
-        // Feed-forward.
-        sp.row_backward(
-            be,
-            w2,
-            &ws.dx,
-            &mut ws.full,
-            &p[id.w2],
-            (g_w2, id.w2),
-            acts.act,
-            &mut ws.dact,
-        )?;
-        be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, acts.gate, acts.up);
-        sp.column_backward(
-            be,
-            &mut [
-                ProjectionGrad::new(w1, &ws.dgate, &p[id.w1], g_w1, id.w1),
-                ProjectionGrad::new(w3, &ws.dup, &p[id.w3], g_w3, id.w3),
-            ],
-            self.gathered(acts.normed_ffn, acts.normed_ffn_full),
-            &mut ws.full,
-            &mut ws.dnormed,
-        )?;
+        // Feed-forward: ∂L/∂n into ws.dnormed.
+        match &id.ffn {
+            FeedForwardIds::Dense {
+                w1: i1,
+                w2: i2,
+                w3: i3,
+            } => {
+                let [g_w1, g_w2, g_w3] = grads
+                    .bufs
+                    .get_disjoint_mut([*i1, *i2, *i3])
+                    .expect("a block's parameters are distinct");
+                sp.row_backward(
+                    be,
+                    w2,
+                    &ws.dx,
+                    &mut ws.full,
+                    &p[*i2],
+                    (g_w2, *i2),
+                    acts.act,
+                    &mut ws.dact,
+                )?;
+                be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, acts.gate, acts.up);
+                sp.column_backward(
+                    be,
+                    &mut [
+                        ProjectionGrad::new(w1, &ws.dgate, &p[*i1], g_w1, *i1),
+                        ProjectionGrad::new(w3, &ws.dup, &p[*i3], g_w3, *i3),
+                    ],
+                    self.gathered(acts.normed_ffn, acts.normed_ffn_full),
+                    &mut ws.full,
+                    &mut ws.dnormed,
+                )?;
+            }
+            FeedForwardIds::Moe(experts) => {
+                let moe_acts = ws.moe[l].take().ok_or_else(|| {
+                    anyhow::anyhow!("block {l}: no mixture-of-experts activations (a titan bug)")
+                })?;
+                be.fill(&mut ws.dnormed, 0.0);
+                let shapes = self.moe_shapes()?;
+                moe::backward(
+                    be,
+                    &shapes,
+                    experts,
+                    p,
+                    &mut grads.bufs,
+                    &moe_acts,
+                    acts.normed_ffn,
+                    &ws.dx,
+                    &mut ws.dnormed,
+                );
+            }
+        }
         be.rmsnorm_backward(
             &mut ws.dx,
-            g_ffn_norm,
+            &mut grads.bufs[id.ffn_norm],
             &ws.dnormed,
             acts.h,
             &p[id.ffn_norm],
             acts.rstd_ffn,
             d,
         );
+        let [g_wq, g_wk, g_wv, g_wo, g_attn_norm] = grads
+            .bufs
+            .get_disjoint_mut([id.wq, id.wk, id.wv, id.wo, id.attention_norm])
+            .expect("a block's parameters are distinct");
         // Attention.
         sp.row_backward(
             be,
@@ -1298,7 +1357,7 @@ impl<B: Backend> Llama<B> {
         let (mut gate, mut up, mut act) = (be.zeros(n * f), be.zeros(n * f), be.zeros(n * f));
         let (cos, sin) = (&self.rope_cos, &self.rope_sin);
         for l in 0..a.n_layers {
-            let id = self.ids.layers[l];
+            let id = &self.ids.layers[l];
             be.rmsnorm_forward(
                 &mut normed,
                 &mut rstd,
@@ -1337,10 +1396,21 @@ impl<B: Backend> Llama<B> {
             be.attention_forward(&mut attn, &mut lse, &q, &cache.k[l], &cache.v[l], shape);
             wo.add_forward(be, &mut x, &attn, &p[id.wo], n);
             be.rmsnorm_forward(&mut normed, &mut rstd, &x, &p[id.ffn_norm], d, a.norm_eps);
-            w13.forward(be, &mut gate, &normed, &p[id.w1], n);
-            w13.forward(be, &mut up, &normed, &p[id.w3], n);
-            be.swiglu_forward(&mut act, &gate, &up);
-            w2.add_forward(be, &mut x, &act, &p[id.w2], n);
+            match &id.ffn {
+                FeedForwardIds::Dense {
+                    w1: i1,
+                    w2: i2,
+                    w3: i3,
+                } => {
+                    w13.forward(be, &mut gate, &normed, &p[*i1], n);
+                    w13.forward(be, &mut up, &normed, &p[*i3], n);
+                    be.swiglu_forward(&mut act, &gate, &up);
+                    w2.add_forward(be, &mut x, &act, &p[*i2], n);
+                }
+                FeedForwardIds::Moe(experts) => {
+                    moe::forward(be, &self.moe_shapes()?, experts, p, &normed, &mut x, None);
+                }
+            }
         }
         cache.len += n;
         let last = be.upload(&be.download(&x)[(n - 1) * d..]);

@@ -4,9 +4,11 @@
 use crate::backend::Backend;
 
 use super::args::ModelArgs;
+use super::moe::MoeIds;
 
 /// Canonical (TorchTitan) names and shapes of a model's parameters, in storage order (Qwen3's
-/// QK-norm weights after each block's `wo`).
+/// QK-norm weights after each block's `wo`; a mixture-of-experts block's router, then each
+/// expert's and the shared experts' projections, in place of the feed-forward's).
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
     let mut specs = vec![(
@@ -37,15 +39,32 @@ pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
             specs.push((format!("{p}.attention.k_norm.weight"), vec![hd]));
         }
         specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
-        specs.push((format!("{p}.feed_forward.w1.weight"), vec![f, d]));
-        specs.push((format!("{p}.feed_forward.w2.weight"), vec![d, f]));
-        specs.push((format!("{p}.feed_forward.w3.weight"), vec![f, d]));
+        match &args.moe {
+            None => push_swiglu(&mut specs, &format!("{p}.feed_forward"), f, d),
+            Some(moe) => {
+                let experts = moe.router.num_experts;
+                specs.push((format!("{p}.moe.router.gate.weight"), vec![experts, d]));
+                for e in 0..experts {
+                    push_swiglu(&mut specs, &format!("{p}.moe.experts.{e}"), moe.hidden, d);
+                }
+                if let Some(hs) = moe.shared_hidden {
+                    push_swiglu(&mut specs, &format!("{p}.moe.shared_experts"), hs, d);
+                }
+            }
+        }
     }
     specs.push(("norm.weight".to_string(), vec![d]));
     if !args.tied_embeddings {
         specs.push(("output.weight".to_string(), vec![args.vocab_size, d]));
     }
     specs
+}
+
+/// A SwiGLU feed-forward's `w1`, `w2`, `w3` under `prefix`.
+fn push_swiglu(specs: &mut Vec<(String, Vec<usize>)>, prefix: &str, hidden: usize, dim: usize) {
+    specs.push((format!("{prefix}.w1.weight"), vec![hidden, dim]));
+    specs.push((format!("{prefix}.w2.weight"), vec![dim, hidden]));
+    specs.push((format!("{prefix}.w3.weight"), vec![hidden, dim]));
 }
 
 /// How a parameter splits over the tensor-parallel ranks (Megatron's plan, TorchTitan's
@@ -145,7 +164,7 @@ pub fn local_param_specs(args: &ModelArgs, tp: usize) -> Vec<(String, Vec<usize>
 }
 
 /// Index of each parameter of one block inside a `ParamSet`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LayerIds {
     pub attention_norm: usize,
     pub wq: usize,
@@ -156,9 +175,14 @@ pub struct LayerIds {
     pub q_norm: Option<usize>,
     pub k_norm: Option<usize>,
     pub ffn_norm: usize,
-    pub w1: usize,
-    pub w2: usize,
-    pub w3: usize,
+    pub ffn: FeedForwardIds,
+}
+
+/// A block's feed-forward: one SwiGLU, or a mixture of experts.
+#[derive(Debug, Clone)]
+pub enum FeedForwardIds {
+    Dense { w1: usize, w2: usize, w3: usize },
+    Moe(MoeIds),
 }
 
 impl LayerIds {
@@ -167,7 +191,15 @@ impl LayerIds {
         let mut ids = vec![self.attention_norm, self.wq, self.wk, self.wv, self.wo];
         ids.extend(self.q_norm);
         ids.extend(self.k_norm);
-        ids.extend([self.ffn_norm, self.w1, self.w2, self.w3]);
+        ids.push(self.ffn_norm);
+        match &self.ffn {
+            FeedForwardIds::Dense { w1, w2, w3 } => ids.extend([*w1, *w2, *w3]),
+            FeedForwardIds::Moe(moe) => {
+                ids.push(moe.router);
+                ids.extend(moe.experts.iter().flatten());
+                ids.extend(moe.shared.iter().flatten());
+            }
+        }
         ids
     }
 }
@@ -183,33 +215,70 @@ pub struct ParamIds {
 }
 
 impl ParamIds {
+    /// Each parameter's index, looked up by its name in `param_specs`.
     pub fn new(args: &ModelArgs) -> Self {
-        let qk = if args.qk_norm { 2 } else { 0 };
-        let per_block = 9 + qk;
+        let specs = param_specs(args);
+        let at: std::collections::HashMap<&str, usize> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| (name.as_str(), i))
+            .collect();
+        let id = |name: String| -> usize {
+            *at.get(name.as_str())
+                .unwrap_or_else(|| panic!("no parameter `{name}` in the model's specs"))
+        };
+        let swiglu = |prefix: &str| {
+            [
+                id(format!("{prefix}.w1.weight")),
+                id(format!("{prefix}.w2.weight")),
+                id(format!("{prefix}.w3.weight")),
+            ]
+        };
         let layers = (0..args.n_layers)
             .map(|l| {
-                let b = 1 + per_block * l;
+                let p = format!("layers.{l}");
+                let ffn = match &args.moe {
+                    None => {
+                        let [w1, w2, w3] = swiglu(&format!("{p}.feed_forward"));
+                        FeedForwardIds::Dense { w1, w2, w3 }
+                    }
+                    Some(moe) => FeedForwardIds::Moe(MoeIds {
+                        router: id(format!("{p}.moe.router.gate.weight")),
+                        experts: (0..moe.router.num_experts)
+                            .map(|e| swiglu(&format!("{p}.moe.experts.{e}")))
+                            .collect(),
+                        shared: moe
+                            .shared_hidden
+                            .map(|_| swiglu(&format!("{p}.moe.shared_experts"))),
+                    }),
+                };
                 LayerIds {
-                    attention_norm: b,
-                    wq: b + 1,
-                    wk: b + 2,
-                    wv: b + 3,
-                    wo: b + 4,
-                    q_norm: args.qk_norm.then_some(b + 5),
-                    k_norm: args.qk_norm.then_some(b + 6),
-                    ffn_norm: b + 5 + qk,
-                    w1: b + 6 + qk,
-                    w2: b + 7 + qk,
-                    w3: b + 8 + qk,
+                    attention_norm: id(format!("{p}.attention_norm.weight")),
+                    wq: id(format!("{p}.attention.wq.weight")),
+                    wk: id(format!("{p}.attention.wk.weight")),
+                    wv: id(format!("{p}.attention.wv.weight")),
+                    wo: id(format!("{p}.attention.wo.weight")),
+                    q_norm: args
+                        .qk_norm
+                        .then(|| id(format!("{p}.attention.q_norm.weight"))),
+                    k_norm: args
+                        .qk_norm
+                        .then(|| id(format!("{p}.attention.k_norm.weight"))),
+                    ffn_norm: id(format!("{p}.ffn_norm.weight")),
+                    ffn,
                 }
             })
             .collect();
-        let norm = 1 + per_block * args.n_layers;
+        let norm = id("norm.weight".to_string());
         ParamIds {
             tok_embeddings: 0,
             layers,
             norm,
-            output: if args.tied_embeddings { 0 } else { norm + 1 },
+            output: if args.tied_embeddings {
+                0
+            } else {
+                id("output.weight".to_string())
+            },
         }
     }
 }

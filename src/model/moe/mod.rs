@@ -18,9 +18,49 @@
 
 pub mod router;
 
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+
 use crate::backend::Backend;
 use crate::model::linear::Linear;
 use router::{route, route_backward, RouterArgs, Routing};
+
+/// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct MoeArgs {
+    /// Each routed expert's hidden width.
+    pub hidden: usize,
+    /// The shared experts' hidden width (None: none).
+    pub shared_hidden: Option<usize>,
+    pub router: RouterArgs,
+}
+
+impl MoeArgs {
+    pub fn validate(&self) -> Result<()> {
+        if self.hidden == 0 || self.shared_hidden == Some(0) {
+            anyhow::bail!("[model] moe hidden widths must be positive: {self:?}");
+        }
+        self.router.validate()
+    }
+
+    /// Parameters of one layer: the router, every expert, the shared experts.
+    pub fn params(&self, dim: usize) -> usize {
+        let e = self.router.num_experts;
+        e * dim + 3 * dim * (e * self.hidden + self.shared_hidden.unwrap_or(0))
+    }
+
+    /// Parameters one token goes through: the router, its `top_k` experts, the shared ones.
+    pub fn active_params(&self, dim: usize) -> usize {
+        let r = &self.router;
+        r.num_experts * dim + 3 * dim * (r.top_k * self.hidden + self.shared_hidden.unwrap_or(0))
+    }
+
+    /// Activation values one layer keeps per token (`MoeActs`): each choice's dispatched input and
+    /// output, gate, up and SwiGLU output, and the shared experts' three.
+    pub fn activation_floats_per_token(&self, dim: usize) -> usize {
+        self.router.top_k * (2 * dim + 3 * self.hidden) + 3 * self.shared_hidden.unwrap_or(0)
+    }
+}
 
 /// A mixture-of-experts layer's shapes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,6 +71,17 @@ pub struct MoeShapes {
     /// The shared experts' hidden width, all of them as one SwiGLU (None: no shared experts).
     pub shared_hidden: Option<usize>,
     pub router: RouterArgs,
+}
+
+impl MoeShapes {
+    pub fn new(dim: usize, moe: &MoeArgs) -> Self {
+        MoeShapes {
+            dim,
+            hidden: moe.hidden,
+            shared_hidden: moe.shared_hidden,
+            router: moe.router,
+        }
+    }
 }
 
 /// Where a layer's parameters are in a parameter list: the router's `[experts, dim]` gate, each

@@ -15,16 +15,18 @@
 //!   `route_scale`.
 
 use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
 
 /// How the router turns logits into scores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ScoreFunc {
     Softmax,
     Sigmoid,
 }
 
 /// A router's settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RouterArgs {
     pub num_experts: usize,
     pub top_k: usize,
