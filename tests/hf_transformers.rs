@@ -43,15 +43,21 @@ fn exported_qwen3_shape_matches_transformers() {
     });
 }
 
+#[test]
+fn exported_qwen3_moe_shape_matches_transformers() {
+    // 8 experts, 2 per token, renormalised softmax weights.
+    parity(|c| {
+        c.model.name = "qwen3".into();
+        c.model.flavor = "debugmodel_moe".into();
+    });
+}
+
 /// A Qwen3 model transformers made (tied embeddings, heads of 32 over dim 64): imported into titan,
 /// its loss and 12 greedy tokens are transformers'; exported back, transformers gives the same.
 #[test]
 fn qwen3_made_by_transformers_imports_generates_and_exports_back() {
-    let Some(py) = python() else {
-        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
-        return;
-    };
-    let make = r#"
+    round_trip_made_by_transformers(
+        r#"
 import sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -66,7 +72,52 @@ with torch.no_grad():
         layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
         layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
 model.save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
+"#,
+        |args| assert!(args.qk_norm && args.tied_embeddings && args.head_dim() == 32),
+    );
+}
+
+/// The same for a Qwen3-MoE model (8 experts, 2 per token, renormalised; per-expert tensors as the
+/// published checkpoints store them).
+#[test]
+fn qwen3_moe_made_by_transformers_imports_generates_and_exports_back() {
+    round_trip_made_by_transformers(
+        r#"
+import sys, torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6,
+                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+torch.manual_seed(0)
+model = Qwen3MoeForCausalLM(cfg)
+# A router with a spread, so tokens choose different experts.
+with torch.no_grad():
+    for layer in model.model.layers:
+        layer.mlp.gate.weight.normal_(0.0, 0.5)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#,
+        |args| {
+            let moe = args.moe.expect("a mixture of experts");
+            assert_eq!(
+                (moe.router.num_experts, moe.router.top_k, moe.hidden),
+                (8, 2, 32)
+            );
+            assert!(moe.router.norm_topk_prob);
+        },
+    );
+}
+
+/// Makes an HF model with the Python `make` (its folder as argument), imports it, checks the
+/// imported shapes with `expect`, and compares titan's loss and 12 greedy tokens with
+/// transformers' on the folder it made and on titan's export of the import.
+fn round_trip_made_by_transformers(make: &str, expect: impl Fn(&titan::model::ModelArgs)) {
+    let Some(py) = python() else {
+        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
+        return;
+    };
     let greedy = r#"
 import sys, json, torch
 from transformers import AutoModelForCausalLM
@@ -96,7 +147,7 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
     checkpoint::hf::import(&hf, &ckpt).unwrap();
     let be = CpuBackend::new();
     let (args, params) = checkpoint::load_weights(&be, &ckpt).unwrap();
-    assert!(args.qk_norm && args.tied_embeddings && args.head_dim() == 32);
+    expect(&args);
     let (batch, seq) = (2, 24);
     let tokens: Vec<u32> = (0..batch * (seq + 1))
         .map(|i| (i as u32 * 37 + 11) % 300)

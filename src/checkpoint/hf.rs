@@ -1,5 +1,6 @@
-//! Hugging Face interop: `config.json` + safetensors in `transformers`' `LlamaForCausalLM` and
-//! `Qwen3ForCausalLM` naming, out of and into titan checkpoints.
+//! Hugging Face interop: `config.json` + safetensors in `transformers`' `LlamaForCausalLM`,
+//! `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` naming (experts one tensor each, as the published
+//! checkpoints store them), out of and into titan checkpoints.
 //!
 //! titan (like Meta's and TorchTitan's code) applies RoPE to interleaved pairs `(2i, 2i+1)` of each
 //! head; HF rotates the two halves `(i, i + head_dim/2)`. The q and k projections are therefore
@@ -46,6 +47,15 @@ pub fn hf_name(name: &str) -> String {
     for (a, b) in map {
         out = out.replace(a, b);
     }
+    // Qwen3-MoE: the router is `mlp.gate`, each expert's projections gate/up/down.
+    if name.contains(".moe.") {
+        out = out
+            .replace(".moe.router.gate.", ".mlp.gate.")
+            .replace(".moe.experts.", ".mlp.experts.")
+            .replace(".w1.weight", ".gate_proj.weight")
+            .replace(".w2.weight", ".down_proj.weight")
+            .replace(".w3.weight", ".up_proj.weight");
+    }
     out
 }
 
@@ -91,6 +101,24 @@ fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
     }
 }
 
+/// The mixture of experts Qwen3-MoE's config can say: softmax scores, scale 1, no groups, no shared
+/// experts. Anything else has no `transformers` model to load it as.
+fn check_exportable(args: &ModelArgs) -> Result<()> {
+    let Some(moe) = &args.moe else {
+        return Ok(());
+    };
+    let r = &moe.router;
+    if r.score_func != crate::model::moe::router::ScoreFunc::Softmax
+        || r.route_scale != 1.0
+        || r.groups.is_some()
+        || moe.shared_hidden.is_some()
+        || !args.qk_norm
+    {
+        bail!("this mixture-of-experts model ({moe:?}) has no Hugging Face model type titan exports to: Qwen3-MoE needs QK-norm, softmax scores, route scale 1, no expert groups and no shared experts");
+    }
+    Ok(())
+}
+
 pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
     let scaling = args.rope_scaling.map(|s| json!({"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}));
     // Current `transformers` reads `rope_parameters`; earlier versions `rope_theta` and
@@ -100,12 +128,12 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         .clone()
         .unwrap_or_else(|| json!({"rope_type": "default"}));
     rope_parameters["rope_theta"] = json!(args.rope_theta);
-    let (architecture, model_type) = if args.qk_norm {
-        ("Qwen3ForCausalLM", "qwen3")
-    } else {
-        ("LlamaForCausalLM", "llama")
+    let (architecture, model_type) = match (args.qk_norm, args.moe.is_some()) {
+        (_, true) => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+        (true, false) => ("Qwen3ForCausalLM", "qwen3"),
+        (false, false) => ("LlamaForCausalLM", "llama"),
     };
-    json!({
+    let mut config = json!({
         "architectures": [architecture],
         "model_type": model_type,
         "use_sliding_window": false,
@@ -129,7 +157,24 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         "bos_token_id": bos,
         "eos_token_id": eos,
         "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
-    })
+    });
+    if let Some(moe) = &args.moe {
+        // Every block a mixture of experts; titan trains without the auxiliary loss.
+        let fields = json!({
+            "num_experts": moe.router.num_experts,
+            "num_experts_per_tok": moe.router.top_k,
+            "moe_intermediate_size": moe.hidden,
+            "norm_topk_prob": moe.router.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": false,
+            "router_aux_loss_coef": 0.0,
+        });
+        for (k, v) in fields.as_object().expect("an object") {
+            config[k] = v.clone();
+        }
+    }
+    config
 }
 
 pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
@@ -137,6 +182,7 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
     let dir = super::resolve_checkpoint_dir(checkpoint)?;
     let state = super::read_state(&dir)?;
     let (args, params) = super::load_weights(&be, &dir)?;
+    check_exportable(&args)?;
     let tokenizer = crate::data::load_tokenizer(&state.tokenizer_path)?;
     let mut tensors = Vec::new();
     for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {
@@ -313,16 +359,64 @@ fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Model shapes from an HF Llama or Qwen3 (dense) `config.json`.
+/// Qwen3-MoE's experts from its `config.json`: every block a mixture of experts (a
+/// `decoder_sparse_step` above 1 or dense `mlp_only_layers` are refused: titan's MoE models have
+/// no dense blocks yet), softmax scores renormalised over the chosen when `norm_topk_prob`.
+fn moe_from_hf(cfg: &Value, file: &Path) -> Result<crate::model::moe::MoeArgs> {
+    use crate::model::moe::router::{RouterArgs, ScoreFunc};
+    let step = cfg
+        .get("decoder_sparse_step")
+        .and_then(Value::as_u64)
+        .unwrap_or(1);
+    if step != 1 {
+        bail!(
+            "{}: decoder_sparse_step = {step} is not supported (titan's MoE models have experts in every block)",
+            file.display()
+        );
+    }
+    if let Some(dense) = cfg.get("mlp_only_layers").and_then(Value::as_array) {
+        if !dense.is_empty() {
+            bail!(
+                "{}: mlp_only_layers = {dense:?} is not supported (titan's MoE models have experts in every block)",
+                file.display()
+            );
+        }
+    }
+    Ok(crate::model::moe::MoeArgs {
+        hidden: get_usize(cfg, "moe_intermediate_size", file)?,
+        shared_hidden: None,
+        router: RouterArgs {
+            // Current transformers writes `num_local_experts`, earlier `num_experts`.
+            num_experts: get_usize(cfg, "num_local_experts", file)
+                .or_else(|_| get_usize(cfg, "num_experts", file))?,
+            top_k: get_usize(cfg, "num_experts_per_tok", file)?,
+            score_func: ScoreFunc::Softmax,
+            norm_topk_prob: cfg
+                .get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            route_scale: 1.0,
+            groups: None,
+        },
+    })
+}
+
+/// Model shapes from an HF Llama, Qwen3 or Qwen3-MoE `config.json`.
 pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let qwen3 = match arch {
-        "llama" => false,
-        "qwen3" => true,
+    let (qwen3, qwen3_moe) = match arch {
+        "llama" => (false, false),
+        "qwen3" => (true, false),
+        "qwen3_moe" => (true, true),
         other => bail!(
-            "{}: model_type is `{other}`; titan imports Llama (\"llama\") and Qwen3 (\"qwen3\") models",
+            "{}: model_type is `{other}`; titan imports Llama (\"llama\"), Qwen3 (\"qwen3\") and Qwen3-MoE (\"qwen3_moe\") models",
             file.display()
         ),
+    };
+    let moe = if qwen3_moe {
+        Some(moe_from_hf(cfg, file)?)
+    } else {
+        None
     };
     let dim = get_usize(cfg, "hidden_size", file)?;
     let n_heads = get_usize(cfg, "num_attention_heads", file)?;
@@ -362,7 +456,7 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
             .unwrap_or(false),
         attention_head_dim: (head_dim * n_heads != dim).then_some(head_dim),
         qk_norm: qwen3,
-        moe: None,
+        moe,
     };
     args.validate()
         .map_err(|e| anyhow!("{}: {e}", file.display()))?;
