@@ -103,6 +103,21 @@ fn qwen3_moe_learns_and_tp_is_refused_saying_so() {
     let s = titan::train::train(&cfg, &quiet()).unwrap();
     let (first, last) = (s.losses[0].1, s.losses.last().unwrap().1);
     assert!(last < 0.6 * first, "qwen3 MoE: loss {first} -> {last}");
+    // Each step's expert load: every block routes each of the 2 × 32 tokens to 2 experts.
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let step: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    let load = step["moe_expert_load"].as_array().unwrap();
+    assert_eq!(load.len(), 2);
+    for block in load {
+        let tokens: u64 = block["tokens_per_expert"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .sum();
+        assert_eq!(tokens, 2 * 32 * 2, "{block}");
+        assert!(block["max_over_mean"].as_f64().unwrap() >= 1.0);
+    }
     let dir = tempfile::tempdir().unwrap();
     let o = train(
         dir.path(),

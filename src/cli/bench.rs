@@ -244,6 +244,13 @@ fn bench_on<B: Backend>(
         }
     }
     let timed_s: f64 = times.iter().sum();
+    // Mixture of experts: the least balanced block's busiest expert over the mean, all steps.
+    let expert_balance = layout.expert_load()?.map(|load| {
+        crate::train::metrics::ExpertLoad::of(&load)
+            .iter()
+            .map(|l| l.max_over_mean)
+            .fold(0.0, f64::max)
+    });
     // Each pipeline rank's share of the timed steps spent waiting for another rank.
     let bubbles = layout.pipeline_bubbles()?;
     let unit_bubble = match &layout.pipeline {
@@ -345,6 +352,8 @@ fn bench_on<B: Backend>(
                 "pipeline_bubble_unit_cost": unit_bubble,
                 "pipeline_bubble_measured_per_rank": bubbles,
                 "context_parallel_degree": cp,
+                "moe_expert_load_max_over_mean": expert_balance,
+                "active_params": args.active_params(),
                 "cp_attention_s_per_step_per_rank": per_rank.as_ref().map(|(a, _)| a),
                 "cp_attention_slowest_over_fastest": attention_spread,
                 "peak_rss_mib_per_rank": per_rank.as_ref().map(|(_, m)| m),
@@ -370,6 +379,9 @@ fn bench_on<B: Backend>(
                 " | pipeline bubble measured {} (unit-cost {unit:.3})",
                 per_rank.join(" ")
             );
+        }
+        if let Some(balance) = expert_balance {
+            exposed += &format!(" | experts max/mean {balance:.2}");
         }
         if let (Some((attention, peaks)), Some(spread)) = (&per_rank, attention_spread) {
             let ms: Vec<String> = attention

@@ -455,6 +455,10 @@ pub struct Llama<B: Backend> {
     pub ids: ParamIds,
     tp: Arc<dyn TensorParallelOps<B>>,
     cp: Arc<dyn ContextParallelOps<B>>,
+    /// Tokens each mixture-of-experts block sent to each expert since `take_expert_load`: counted
+    /// in the backward, so once per trained microbatch (not again for a recomputed forward, not for
+    /// validation).
+    expert_load: std::sync::Mutex<Vec<Vec<u64>>>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
@@ -482,12 +486,17 @@ impl<B: Backend> Llama<B> {
             "Llama: shapes and group disagree on the TP degree"
         );
         let (cos, sin) = rope_tables(args.head_dim(), max_seq, args.rope_theta, args.rope_scaling);
+        let expert_load = match &args.moe {
+            Some(moe) => vec![vec![0; moe.router.num_experts]; args.n_layers],
+            None => Vec::new(),
+        };
         Ok(Llama {
             ids: ParamIds::new(&args),
             args,
             local,
             tp,
             cp: Arc::new(SingleRank),
+            expert_load: std::sync::Mutex::new(expert_load),
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
@@ -509,6 +518,16 @@ impl<B: Backend> Llama<B> {
     /// The context-parallel group (degree 1 without context parallelism).
     pub fn cp(&self) -> &dyn ContextParallelOps<B> {
         self.cp.as_ref()
+    }
+
+    /// Tokens each mixture-of-experts block sent to each expert since the last call (`[layer]
+    /// [expert]`; this rank's microbatches only), and zeroes the counts. None for a dense model.
+    pub fn take_expert_load(&self) -> Option<Vec<Vec<u64>>> {
+        self.args.moe.as_ref()?;
+        let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = load.clone();
+        load.iter_mut().for_each(|l| l.fill(0));
+        Some(taken)
     }
 
     /// The positions of each sequence this rank holds.
@@ -1203,6 +1222,12 @@ impl<B: Backend> Llama<B> {
                 let moe_acts = ws.moe[l].take().ok_or_else(|| {
                     anyhow::anyhow!("block {l}: no mixture-of-experts activations (a titan bug)")
                 })?;
+                {
+                    let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
+                    for &e in &moe_acts.routing.experts {
+                        load[l][e as usize] += 1;
+                    }
+                }
                 be.fill(&mut ws.dnormed, 0.0);
                 let shapes = self.moe_shapes()?;
                 moe::backward(

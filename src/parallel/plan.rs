@@ -251,6 +251,32 @@ impl<B: Backend> RankLayout<B> {
         Ok((sum, count))
     }
 
+    /// Tokens each mixture-of-experts block sent to each expert since the last call, summed over the
+    /// job (every rank calls this together: the ranks that split the batch and the sequences, and
+    /// the pipeline's, each holding its own blocks' counts). None for a dense model.
+    pub fn expert_load(&self) -> Result<Option<Vec<Vec<u64>>>> {
+        let Some(load) = self.model.take_expert_load() else {
+            return Ok(None);
+        };
+        let experts = load.first().map_or(0, Vec::len);
+        // Exact in f32 up to 2^24 tokens per expert and step.
+        let mut flat: Vec<f32> = load.iter().flatten().map(|&c| c as f32).collect();
+        for g in [
+            self.batch_group.as_deref(),
+            self.pipeline.as_ref().map(|p| p.group()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            g.all_reduce(&mut flat, ReduceOp::Sum)?;
+        }
+        Ok(Some(
+            flat.chunks(experts.max(1))
+                .map(|l| l.iter().map(|&c| c.round() as u64).collect())
+                .collect(),
+        ))
+    }
+
     /// The step's gradients as the optimizer reads them (FSDP: this rank's shards).
     pub fn grads(&self) -> &ParamSet<B> {
         match &self.state {

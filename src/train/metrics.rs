@@ -26,12 +26,49 @@ pub struct StepMetrics {
     pub step_time_s: f64,
     pub data_time_pct: f64,
     pub peak_memory_bytes: u64,
+    /// Mixture-of-experts models: each block's tokens per expert over the step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe_expert_load: Option<Vec<ExpertLoad>>,
+}
+
+/// One mixture-of-experts block's expert load over a step.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExpertLoad {
+    pub layer: usize,
+    pub tokens_per_expert: Vec<u64>,
+    /// The busiest and the idlest expert's tokens over the mean (1 and 1: perfectly balanced).
+    pub max_over_mean: f64,
+    pub min_over_mean: f64,
+}
+
+impl ExpertLoad {
+    /// Every block's load from `[layer][expert]` token counts.
+    pub fn of(load: &[Vec<u64>]) -> Vec<ExpertLoad> {
+        load.iter()
+            .enumerate()
+            .map(|(layer, tokens)| {
+                let mean = tokens.iter().sum::<u64>() as f64 / tokens.len().max(1) as f64;
+                let ratio = |x: u64| if mean > 0.0 { x as f64 / mean } else { 0.0 };
+                ExpertLoad {
+                    layer,
+                    max_over_mean: ratio(tokens.iter().copied().max().unwrap_or(0)),
+                    min_over_mean: ratio(tokens.iter().copied().min().unwrap_or(0)),
+                    tokens_per_expert: tokens.clone(),
+                }
+            })
+            .collect()
+    }
 }
 
 impl StepMetrics {
     pub fn console_line(&self) -> String {
+        // The least balanced block's busiest expert, for MoE models.
+        let experts = self.moe_expert_load.as_ref().map_or(String::new(), |l| {
+            let worst = l.iter().map(|x| x.max_over_mean).fold(0.0, f64::max);
+            format!(" | experts max/mean {worst:.2}")
+        });
         format!(
-            "step {:>5} | loss {:>8.4} | grad_norm {:>7.3} | lr {:.2e} | tok/s {:>8.0} | TFLOP/s {:>6.3} | MFU {:>5.1}% | step {:>6.3}s | data {:>4.1}% | mem {:>6.0} MiB",
+            "step {:>5} | loss {:>8.4} | grad_norm {:>7.3} | lr {:.2e} | tok/s {:>8.0} | TFLOP/s {:>6.3} | MFU {:>5.1}% | step {:>6.3}s | data {:>4.1}% | mem {:>6.0} MiB{experts}",
             self.step,
             self.loss,
             self.grad_norm,
@@ -82,6 +119,21 @@ impl MetricsLogger {
                     ("memory/peak_bytes", m.peak_memory_bytes as f64),
                 ],
             )?;
+            for l in m.moe_expert_load.iter().flatten() {
+                tb.scalars(
+                    m.step,
+                    &[
+                        (
+                            &format!("moe/layer{}_max_over_mean", l.layer),
+                            l.max_over_mean,
+                        ),
+                        (
+                            &format!("moe/layer{}_min_over_mean", l.layer),
+                            l.min_over_mean,
+                        ),
+                    ],
+                )?;
+            }
         }
         Ok(())
     }

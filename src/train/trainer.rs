@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
 use super::memory::{gib, peak_memory};
-use super::metrics::{default_peak_tflops, MetricsLogger, StepMetrics};
+use super::metrics::{default_peak_tflops, ExpertLoad, MetricsLogger, StepMetrics};
 use super::save::save_checkpoint;
 use super::step::train_step;
 use super::validate::Validator;
@@ -348,6 +348,7 @@ fn train_on<B: Backend>(
             };
             bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {keep}. Lower [optimizer] lr or set [training] max_norm");
         }
+        let expert_load = layout.expert_load()?;
         let step_time = t0.elapsed().as_secs_f64();
         losses.push((step, loss));
 
@@ -365,6 +366,7 @@ fn train_on<B: Backend>(
             step_time_s: step_time,
             data_time_pct: 100.0 * data_time / step_time,
             peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
+            moe_expert_load: expert_load.as_deref().map(ExpertLoad::of),
         };
         if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
             if let Some(logger) = &mut logger {
