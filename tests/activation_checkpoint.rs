@@ -95,6 +95,21 @@ fn every_mode_is_bit_identical_in_one_process_and_under_fsdp_and_tp() {
 }
 
 #[test]
+fn every_mode_is_bit_identical_for_qwen3_and_qwen3_moe() {
+    // QK-norm's inputs and statistics, and a mixture of experts' routed activations, recomputed.
+    let three = ["--model.n_layers", "3", "--model.name", "qwen3"];
+    check_every_mode(
+        "Qwen3",
+        &[],
+        &[&three[..], &["--model.flavor", "debugmodel"]].concat(),
+    );
+    let moe = [&three[..], &["--model.flavor", "debugmodel_moe"]].concat();
+    check_every_mode("Qwen3-MoE", &[], &moe);
+    let nproc2 = ["--nproc", "2", "--master-port", "0"];
+    check_every_mode("Qwen3-MoE FSDP 2", &nproc2, &moe);
+}
+
+#[test]
 fn bad_settings_are_refused_naming_the_key() {
     for (args, want) in [
         (

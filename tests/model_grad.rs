@@ -165,6 +165,7 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         hidden: 12,
         shared_hidden: None,
         router,
+        load_balance_coeff: None,
     };
     check_model(
         ModelArgs {

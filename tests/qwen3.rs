@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{assert_layout_matches_one_process, quiet, tiny_config, train};
+use common::{assert_layout_matches_one_process, bits, quiet, tiny_config, train};
 
 const QWEN3: &[&str] = &[
     "--model.name",
@@ -130,4 +130,51 @@ fn qwen3_moe_learns_and_tp_is_refused_saying_so() {
         err.contains("tensor_parallel_degree") && err.contains("mixture-of-experts"),
         "{err}"
     );
+}
+
+/// Auxiliary-loss-free load balancing: the expert bias moves after every step with the job's
+/// loads (so FSDP ranks move it alike and match one process), is saved in the checkpoint, and a
+/// resumed run continues bit for bit.
+#[test]
+fn expert_bias_moves_is_saved_and_resumes_bit_for_bit() {
+    let biased = ["--model.load_balance_coeff", "0.01"];
+    assert_layout_matches_one_process(
+        "Qwen3-MoE FSDP 2 with the expert bias",
+        &[QWEN3_MOE, &biased, &["--training.global_batch_size", "4"]].concat(),
+        &nproc("2"),
+        &[],
+        "rank 0 of",
+    );
+    let moe = |dir: &std::path::Path| {
+        let mut cfg = tiny_config(dir, 10);
+        cfg.model.name = "qwen3".into();
+        cfg.model.flavor = "debugmodel_moe".into();
+        cfg.model.load_balance_coeff = Some(0.01);
+        cfg
+    };
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let straight = titan::train::train(&moe(a.path()), &quiet())
+        .unwrap()
+        .losses;
+    let stop_at_5 = titan::train::RunOptions {
+        quiet: true,
+        stop_after: Some(5),
+    };
+    titan::train::train(&moe(b.path()), &stop_at_5).unwrap();
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(b.path().join("checkpoint/step-5/state.json")).unwrap(),
+    )
+    .unwrap();
+    let bias = state["expert_bias"].as_array().expect("the bias is saved");
+    assert_eq!(bias.len(), 2);
+    assert!(
+        bias.iter()
+            .flat_map(|l| l.as_array().unwrap())
+            .any(|x| x.as_f64().unwrap() != 0.0),
+        "the bias moved: {bias:?}"
+    );
+    let resumed = titan::train::train(&moe(b.path()), &quiet())
+        .unwrap()
+        .losses;
+    assert_eq!(bits(&straight[5..]), bits(&resumed));
 }

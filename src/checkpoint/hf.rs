@@ -112,9 +112,10 @@ fn check_exportable(args: &ModelArgs) -> Result<()> {
         || r.route_scale != 1.0
         || r.groups.is_some()
         || moe.shared_hidden.is_some()
+        || moe.load_balance_coeff.is_some()
         || !args.qk_norm
     {
-        bail!("this mixture-of-experts model ({moe:?}) has no Hugging Face model type titan exports to: Qwen3-MoE needs QK-norm, softmax scores, route scale 1, no expert groups and no shared experts");
+        bail!("this mixture-of-experts model ({moe:?}) has no Hugging Face model type titan exports to: Qwen3-MoE needs QK-norm, softmax scores, route scale 1, no expert groups, no shared experts and no expert bias (load_balance_coeff)");
     }
     Ok(())
 }
@@ -385,6 +386,7 @@ fn moe_from_hf(cfg: &Value, file: &Path) -> Result<crate::model::moe::MoeArgs> {
     Ok(crate::model::moe::MoeArgs {
         hidden: get_usize(cfg, "moe_intermediate_size", file)?,
         shared_hidden: None,
+        load_balance_coeff: None,
         router: RouterArgs {
             // Current transformers writes `num_local_experts`, earlier `num_experts`.
             num_experts: get_usize(cfg, "num_local_experts", file)
@@ -533,6 +535,7 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         },
         sharding: None,
         files: Default::default(),
+        expert_bias: None,
     };
     let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;
     println!(
@@ -549,6 +552,21 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_published_flavor_round_trips_through_its_hf_config() {
+        let llama = crate::model::args::FLAVORS
+            .iter()
+            .map(|f| ModelArgs::flavor(f).unwrap());
+        let qwen3 = crate::model::args::QWEN3_FLAVORS
+            .iter()
+            .map(|f| ModelArgs::qwen3_flavor(f).unwrap());
+        for args in llama.chain(qwen3) {
+            let cfg = hf_config(&args, 1, 2, DType::BF16);
+            let back = args_from_hf_config(&cfg, Path::new("config.json")).unwrap();
+            assert!(back.same_model(&args), "{args:?}\n{back:?}");
+        }
+    }
 
     #[test]
     fn permutation_round_trips_and_matches_hf_layout() {

@@ -49,6 +49,10 @@ pub struct TrainState {
     /// Files of the checkpoint and their checks (filled in by `save`).
     #[serde(default)]
     pub files: BTreeMap<String, FileCheck>,
+    /// Mixture-of-experts models with load balancing: every block's expert bias (`[layer]
+    /// [expert]`), the same on every rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_bias: Option<Vec<Vec<f32>>>,
 }
 
 pub fn step_dir(folder: &Path, step: u64) -> PathBuf {

@@ -271,6 +271,9 @@ pub struct ModelConfig {
     pub ffn_dim_multiplier: Option<f64>,
     pub rope_theta: Option<f64>,
     pub norm_eps: Option<f32>,
+    /// Mixture-of-experts models: auxiliary-loss-free load balancing, the step of the expert
+    /// bias after each step (TorchTitan's `load_balance_coeff`; absent: none).
+    pub load_balance_coeff: Option<f32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -384,6 +387,7 @@ impl Default for ModelConfig {
             ffn_dim_multiplier: None,
             rope_theta: None,
             norm_eps: None,
+            load_balance_coeff: None,
         }
     }
 }
@@ -790,6 +794,12 @@ impl Config {
                 m.multiple_of.unwrap_or(base_multiple),
                 m.ffn_dim_multiplier.or(base_mult),
             );
+        }
+        if let Some(c) = m.load_balance_coeff {
+            match a.moe.as_mut() {
+                Some(moe) => moe.load_balance_coeff = Some(c),
+                None => bail!("[model] load_balance_coeff = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
         }
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
         Ok(a)

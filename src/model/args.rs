@@ -41,10 +41,16 @@ impl ModelArgs {
     /// `max_seq_len`, which only bounds the RoPE tables and the sequences (not part of a
     /// model's identity: a checkpoint of one trains or generates at another).
     pub fn same_model(&self, other: &ModelArgs) -> bool {
-        ModelArgs {
-            max_seq_len: other.max_seq_len,
-            ..self.clone()
-        } == *other
+        // Load balancing's coefficient is a training setting, not part of the function either.
+        let plain = |a: &ModelArgs| {
+            let mut a = a.clone();
+            if let Some(moe) = a.moe.as_mut() {
+                moe.load_balance_coeff = None;
+            }
+            a.max_seq_len = 0;
+            a
+        };
+        plain(self) == plain(other)
     }
 }
 
@@ -153,6 +159,7 @@ impl ModelArgs {
         let moe = |experts: usize, top_k: usize, hidden: usize| MoeArgs {
             hidden,
             shared_hidden: None,
+            load_balance_coeff: None,
             router: RouterArgs {
                 num_experts: experts,
                 top_k,
@@ -180,7 +187,8 @@ impl ModelArgs {
             rope_scaling: None,
             max_seq_len: 40960,
             tied_embeddings: tied,
-            attention_head_dim: Some(head_dim),
+            // Stored only where it differs from dim / heads, as an imported config stores it.
+            attention_head_dim: (head_dim * n_heads != dim).then_some(head_dim),
             qk_norm: true,
             moe,
         })
@@ -213,6 +221,9 @@ impl ModelArgs {
                 self.n_heads,
                 self.n_kv_heads
             );
+        }
+        if self.attention_head_dim == Some(0) {
+            bail!("attention head_dim must be positive");
         }
         if !self.head_dim().is_multiple_of(2) {
             bail!("head dim {} must be even for RoPE", self.head_dim());

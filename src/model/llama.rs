@@ -139,6 +139,8 @@ fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act) -> ActStorag
         // A norm's output feeds the column-parallel GEMMs directly, or (tensor parallel) through
         // the gather, whose result is then the GEMMs' input.
         Act::NormedAttn | Act::NormedFfn if tp => plain(r * d),
+        // A mixture of experts gathers the normed rows (not a GEMM reading them): f32 kept.
+        Act::NormedFfn if m.moe.is_some() => copied(n * d),
         Act::NormedAttn | Act::NormedFfn => gemm_input(n * d),
         Act::NormedAttnFull | Act::NormedFfnFull if tp => gemm_input(n * d),
         Act::NormedAttnFull | Act::NormedFfnFull => plain(0),
@@ -190,7 +192,12 @@ pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &Activa
     // backward needs about as much again for their gradients.
     let moe = m.moe.map_or(0, |moe| {
         let per_block = n * moe.activation_floats_per_token(d);
-        m.n_layers * per_block + per_block
+        let held = plan
+            .blocks
+            .iter()
+            .filter(|&&b| b != BlockSave::Elsewhere && b != BlockSave::Input)
+            .count();
+        held * per_block + per_block
     });
     block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward + moe
 }
@@ -441,6 +448,14 @@ impl<B: Backend> Workspace<B> {
     }
 }
 
+/// Whether a block's forward keeps its mixture of experts' activations: as its save policy says
+/// (not for a block that keeps only its input), or always (the recompute before its backward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExpertActs {
+    AsPlanned,
+    ForBackward,
+}
+
 /// Called by `forward_backward_with` when a block's gradients are final.
 pub trait BlockGradHook<B: Backend> {
     fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()>;
@@ -459,6 +474,9 @@ pub struct Llama<B: Backend> {
     /// in the backward, so once per trained microbatch (not again for a recomputed forward, not for
     /// validation).
     expert_load: std::sync::Mutex<Vec<Vec<u64>>>,
+    /// Each mixture-of-experts block's routing bias (`load_balance_coeff`; empty without), moved
+    /// after every step by `update_expert_bias`.
+    expert_bias: std::sync::Mutex<Vec<Vec<f32>>>,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
@@ -490,6 +508,12 @@ impl<B: Backend> Llama<B> {
             Some(moe) => vec![vec![0; moe.router.num_experts]; args.n_layers],
             None => Vec::new(),
         };
+        let expert_bias = match &args.moe {
+            Some(moe) if moe.load_balance_coeff.is_some() => {
+                vec![vec![0.0; moe.router.num_experts]; args.n_layers]
+            }
+            _ => Vec::new(),
+        };
         Ok(Llama {
             ids: ParamIds::new(&args),
             args,
@@ -497,6 +521,7 @@ impl<B: Backend> Llama<B> {
             tp,
             cp: Arc::new(SingleRank),
             expert_load: std::sync::Mutex::new(expert_load),
+            expert_bias: std::sync::Mutex::new(expert_bias),
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
@@ -528,6 +553,48 @@ impl<B: Backend> Llama<B> {
         let taken = load.clone();
         load.iter_mut().for_each(|l| l.fill(0));
         Some(taken)
+    }
+
+    /// Every MoE block's expert bias (None without load balancing).
+    pub fn expert_bias(&self) -> Option<Vec<Vec<f32>>> {
+        let bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        (!bias.is_empty()).then(|| bias.clone())
+    }
+
+    /// Restores the expert bias of a checkpoint (it must be this model's shape).
+    pub fn set_expert_bias(&self, saved: &[Vec<f32>]) -> Result<()> {
+        let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        let shape = |b: &[Vec<f32>]| b.iter().map(Vec::len).collect::<Vec<_>>();
+        if shape(&bias) != shape(saved) {
+            bail!(
+                "the checkpoint's expert bias has {} blocks of {:?} experts; this model's has {} blocks of {:?} (is load_balance_coeff set alike?)",
+                saved.len(),
+                saved.first().map(Vec::len),
+                bias.len(),
+                bias.first().map(Vec::len)
+            );
+        }
+        *bias = saved.to_vec();
+        Ok(())
+    }
+
+    /// After a step: each block's bias moves `load_balance_coeff` toward the mean of `load`, the
+    /// step's tokens per expert summed over the job (so every rank moves it alike).
+    pub fn update_expert_bias(&self, load: &[Vec<u64>]) {
+        let Some(coeff) = self.args.moe.and_then(|m| m.load_balance_coeff) else {
+            return;
+        };
+        let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        for (b, l) in bias.iter_mut().zip(load) {
+            let l: Vec<usize> = l.iter().map(|&x| x as usize).collect();
+            moe::router::update_expert_bias(b, &l, coeff);
+        }
+    }
+
+    /// Block `l`'s routing bias, when load balancing is on.
+    fn block_expert_bias(&self, l: usize) -> Option<Vec<f32>> {
+        let bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        bias.get(l).cloned()
     }
 
     /// The positions of each sequence this rank holds.
@@ -638,6 +705,8 @@ impl<B: Backend> Llama<B> {
         for l in 0..self.args.n_layers {
             self.block_forward(be, params, ws, l)?;
         }
+        // No backward follows: a mixture of experts' activations are not needed.
+        ws.moe.iter_mut().for_each(|m| *m = None);
         self.head_loss(be, params, ws)
     }
 
@@ -855,6 +924,18 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
+        self.block_forward_keeping(be, params, ws, l, ExpertActs::AsPlanned)
+    }
+
+    /// `block_forward`, keeping a mixture of experts' activations as `experts` says.
+    fn block_forward_keeping(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+        experts_kept: ExpertActs,
+    ) -> Result<()> {
         let _span = crate::trace::span_named("model", || format!("block {l} forward"));
         let (a, m) = (&self.args, &self.local);
         let id = &self.ids.layers[l];
@@ -943,8 +1024,19 @@ impl<B: Backend> Llama<B> {
             FeedForwardIds::Moe(experts) => {
                 be.copy_from(out, acts.h);
                 let shapes = self.moe_shapes()?;
-                let moe_acts = moe::forward(be, &shapes, experts, p, acts.normed_ffn, out, None);
-                ws.moe[l] = Some(moe_acts);
+                let bias = self.block_expert_bias(l);
+                let moe_acts = moe::forward(
+                    be,
+                    &shapes,
+                    experts,
+                    p,
+                    acts.normed_ffn,
+                    out,
+                    bias.as_deref(),
+                );
+                // A block that keeps only its input recomputes its experts before its backward.
+                let keep = experts_kept == ExpertActs::ForBackward || save != BlockSave::Input;
+                ws.moe[l] = keep.then_some(moe_acts);
                 Ok(())
             }
         }
@@ -974,7 +1066,9 @@ impl<B: Backend> Llama<B> {
             BlockSave::Everything => Ok(()),
             // The whole forward again, from the block's input (its output, the next block's
             // input, is written again with the same values).
-            BlockSave::Input => self.block_forward(be, params, ws, l),
+            BlockSave::Input => {
+                self.block_forward_keeping(be, params, ws, l, ExpertActs::ForBackward)
+            }
             BlockSave::ExpensiveOps => self.recompute_missing(be, params, ws, l),
             BlockSave::Elsewhere => {
                 anyhow::bail!("block {l} runs on another pipeline rank, not this one")
@@ -1433,7 +1527,9 @@ impl<B: Backend> Llama<B> {
                     w2.add_forward(be, &mut x, &act, &p[*i2], n);
                 }
                 FeedForwardIds::Moe(experts) => {
-                    moe::forward(be, &self.moe_shapes()?, experts, p, &normed, &mut x, None);
+                    let bias = self.block_expert_bias(l);
+                    let shapes = self.moe_shapes()?;
+                    moe::forward(be, &shapes, experts, p, &normed, &mut x, bias.as_deref());
                 }
             }
         }

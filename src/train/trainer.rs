@@ -178,6 +178,9 @@ fn train_on<B: Backend>(
     let mut last_good = None;
     if let Some(r) = resumed {
         loader.restore(r.state.data)?;
+        if let Some(bias) = &r.state.expert_bias {
+            layout.model.set_expert_bias(bias)?;
+        }
         start_step = r.state.step;
         resumed_from = Some(r.folder_step);
         last_good = Some(r.folder_step);
@@ -349,6 +352,9 @@ fn train_on<B: Backend>(
             bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {keep}. Lower [optimizer] lr or set [training] max_norm");
         }
         let expert_load = layout.expert_load()?;
+        if let Some(load) = &expert_load {
+            layout.model.update_expert_bias(load);
+        }
         let step_time = t0.elapsed().as_secs_f64();
         losses.push((step, loss));
 
@@ -403,6 +409,7 @@ fn train_on<B: Backend>(
                 tokenizer_path: cfg.model.tokenizer_path.clone(),
                 sharding: None,
                 files: Default::default(),
+                expert_bias: layout.model.expert_bias(),
             };
             let _span = crate::trace::span("checkpoint", "checkpoint save");
             let written = save_checkpoint(be, cfg, dist, &layout, &opt, &mut writer, state)?;

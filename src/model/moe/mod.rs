@@ -33,12 +33,23 @@ pub struct MoeArgs {
     /// The shared experts' hidden width (None: none).
     pub shared_hidden: Option<usize>,
     pub router: RouterArgs,
+    /// Auxiliary-loss-free load balancing: after each step every expert's routing bias moves this
+    /// much toward the mean load (TorchTitan's `load_balance_coeff`); None: no bias.
+    #[serde(default)]
+    pub load_balance_coeff: Option<f32>,
 }
 
 impl MoeArgs {
     pub fn validate(&self) -> Result<()> {
         if self.hidden == 0 || self.shared_hidden == Some(0) {
             anyhow::bail!("[model] moe hidden widths must be positive: {self:?}");
+        }
+        if let Some(c) = self.load_balance_coeff {
+            if !(c.is_finite() && c > 0.0) {
+                anyhow::bail!(
+                    "[model] load_balance_coeff = {c} must be positive (or absent: no expert bias)"
+                );
+            }
         }
         self.router.validate()
     }

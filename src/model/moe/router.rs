@@ -88,6 +88,9 @@ impl Routing {
     }
 }
 
+/// Added to the chosen scores' sum before renormalising (TorchTitan's).
+const RENORM_EPS: f32 = 1e-20;
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
@@ -141,7 +144,8 @@ pub fn route(args: &RouterArgs, logits: &[f32], bias: Option<&[f32]>) -> Routing
         let mut order: Vec<usize> = (0..e).collect();
         order.sort_by(|&a, &b| select[b].total_cmp(&select[a]).then(a.cmp(&b)));
         let chosen = &order[..k];
-        let total: f32 = chosen.iter().map(|&x| s[x]).sum();
+        // The epsilon keeps sigmoid scores that all underflow from dividing by zero.
+        let total: f32 = chosen.iter().map(|&x| s[x]).sum::<f32>() + RENORM_EPS;
         for &x in chosen {
             let w = if args.norm_topk_prob {
                 s[x] / total
@@ -175,7 +179,7 @@ pub fn route_backward(args: &RouterArgs, routing: &Routing, dweights: &[f32]) ->
         dscores.fill(0.0);
         if args.norm_topk_prob {
             // w_j = scale · s_j / Z with Z = Σ s_chosen.
-            let z: f32 = chosen.iter().map(|&x| s[x as usize]).sum();
+            let z: f32 = chosen.iter().map(|&x| s[x as usize]).sum::<f32>() + RENORM_EPS;
             let dot: f32 = chosen
                 .iter()
                 .zip(dw)
