@@ -201,10 +201,16 @@ fn train_on<B: Backend>(
         default_peak_tflops(be, threads) * dist.map_or(1, |d| d.world) as f64
     };
     say(format!(
-        "titan | model llama3 {} | {:.2}M parameters ({:.2}M non-embedding) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {peak_tflops:.3} TFLOP/s{}",
+        "titan | model {} {} | {:.2}M parameters ({:.2}M non-embedding{}) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {peak_tflops:.3} TFLOP/s{}",
+        cfg.model.name,
         cfg.model.flavor,
         args.num_params() as f64 / 1e6,
         (args.num_params() - args.embedding_params()) as f64 / 1e6,
+        if args.moe.is_some() {
+            format!(", {:.2}M active", args.active_params() as f64 / 1e6)
+        } else {
+            String::new()
+        },
         flops_per_token / 1e6,
         be.name(),
         match (cfg.metrics.peak_tflops > 0.0, be.name()) {
