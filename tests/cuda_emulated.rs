@@ -102,5 +102,5 @@ fn fp32_attention_norm_rope_and_swiglu_kernels_match_float64_on_the_emulator() {
     // unaligned views, and all 3 from bf16-only inputs aligned and not), FSDP's strided copy, the
     // bf16 conversion
     // (aligned and not) and back.
-    run_check("kernels_check.cpp", 59);
+    run_check("kernels_check.cpp", 61);
 }

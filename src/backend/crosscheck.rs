@@ -531,6 +531,24 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         });
     }
 
+    /// A mixture of experts' row ops: the combine's row scaling and the weights' gradient dots.
+    fn moe_row_ops(&mut self) {
+        let (rows, width) = (37, 70);
+        let x = self.random(rows * width, 1.0);
+        let y = self.random(rows * width, 1.0);
+        let scales = self.random(rows, 2.0);
+        let (mut rx, mut tx) = self.both(&x);
+        let (ry, ty) = self.both(&y);
+        let (rd, td) = (
+            self.reference.row_dots(&rx, &ry, width),
+            self.test.row_dots(&tx, &ty, width),
+        );
+        self.record("row_dots", &td, &rd, self.tol.exact);
+        self.reference.scale_rows(&mut rx, &scales, width);
+        self.test.scale_rows(&mut tx, &scales, width);
+        self.compare("scale_rows", &rx, &tx, self.tol.exact);
+    }
+
     /// Ring attention's merge of two blocks' outputs by their log-sum-exp (context parallelism).
     fn attention_merge(&mut self) {
         let s = AttnShape::causal(2, 37, 4, 2, 32);
@@ -905,6 +923,7 @@ pub fn check_ops<R: Backend, T: Backend>(
             }),
         ),
         ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),
+        ("mixture-of-experts row ops", Box::new(|c| c.moe_row_ops())),
         ("cross_entropy", Box::new(|c| c.cross_entropy())),
         ("adamw and norm", Box::new(|c| c.adamw_and_norm())),
         ("multi-tensor", Box::new(|c| c.multi_tensor())),

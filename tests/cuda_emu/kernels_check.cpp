@@ -416,6 +416,29 @@ bool copy_rows() {
     return report("copy_rows", dst, want);
 }
 
+// A mixture of experts' row ops: each row scaled by its weight, and each row's dot product with
+// another buffer's (one warp per row; a width that is not a multiple of the 32 lanes).
+bool moe_row_ops() {
+    const long long rows = 13, width = 45;
+    auto x = random_floats((size_t)(rows * width)), y = random_floats((size_t)(rows * width)),
+         scales = random_floats((size_t)rows);
+    std::vector<double> want_scaled(x.size()), want_dots(rows, 0.0);
+    for (long long r = 0; r < rows; ++r)
+        for (long long c = 0; c < width; ++c) {
+            want_scaled[r * width + c] = (double)x[r * width + c] * scales[r];
+            want_dots[r] += (double)x[r * width + c] * y[r * width + c];
+        }
+    std::vector<float> dots(rows, NAN);
+    emu::launch(EmuDim3{(unsigned)((rows + 3) / 4), 1, 1}, 128,
+                [&] { row_dots_f32(dots.data(), x.data(), y.data(), rows, width); });
+    std::vector<float> scaled = x;
+    emu::launch(EmuDim3{3, 1, 1}, 128,
+                [&] { scale_rows_f32(scaled.data(), scales.data(), width, rows * width); });
+    bool ok = report("moe row_dots", dots, want_dots);
+    ok &= report("moe scale_rows", scaled, want_scaled);
+    return ok;
+}
+
 int main() {
     emu::seed_schedule(20261130);
     bool ok = true;
@@ -429,6 +452,7 @@ int main() {
     ok &= swiglu();
     ok &= to_bf16();
     ok &= copy_rows();
+    ok &= moe_row_ops();
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;
 }

@@ -36,6 +36,8 @@ pub const KERNELS: &[&str] = &[
     "add_f32",
     "add_assign_f32",
     "scale_f32",
+    "scale_rows_f32",
+    "row_dots_f32",
     "copy_rows_f32",
     "swiglu_forward",
     "swiglu_backward",

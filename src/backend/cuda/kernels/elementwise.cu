@@ -16,6 +16,24 @@ extern "C" __global__ void scale_f32(float* buf, float factor, i64 n) {
     TITAN_FOR_EACH(i, n) buf[i] *= factor;
 }
 
+// Row r of x ([rows, width]) times scales[r]: a mixture of experts' combine weights.
+extern "C" __global__ void scale_rows_f32(float* x, const float* scales, i64 width, i64 n) {
+    TITAN_FOR_EACH(i, n) x[i] *= scales[i / width];
+}
+
+// out[r] = the dot product of row r of a and of b ([rows, width] each): the gradient of a mixture of
+// experts' routing weights. One warp per row (a warp leaves together, so the shuffle is safe).
+extern "C" __global__ void row_dots_f32(float* out, const float* a, const float* b, i64 rows,
+                                        i64 width) {
+    i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    float acc = 0.0f;
+    for (i64 c = lane; c < width; c += 32) acc += a[r * width + c] * b[r * width + c];
+    acc = warp_sum(acc);
+    if (lane == 0) out[r] = acc;
+}
+
 // `rows` runs of `cols` values from src (rows `src_stride` apart) to dst (`dst_stride` apart):
 // rows along y, columns along x, each grid-strided.
 extern "C" __global__ void copy_rows_f32(float* dst, i64 dst_stride, const float* src, i64 src_stride,

@@ -1118,6 +1118,44 @@ impl Backend for CudaBackend {
         let n = buf.len();
         launch_elementwise!(self, "scale_f32", n, buf, &factor);
     }
+    fn scale_rows(&self, buf: &mut Buf, scales: &[f32], width: usize) {
+        let _timer = self.profiler.time_on("scale_rows", self);
+        check_len("scale_rows", "buf", buf.len(), scales.len() * width);
+        let scales = self.upload(scales);
+        let width = width as i64;
+        launch_elementwise!(self, "scale_rows_f32", buf.len(), buf, &scales, &width);
+    }
+    fn row_dots(&self, a: &Buf, b: &Buf, width: usize) -> Vec<f32> {
+        let _timer = self.profiler.time_on("row_dots", self);
+        let rows = a.len() / width.max(1);
+        check_len("row_dots", "a", a.len(), rows * width);
+        check_len("row_dots", "b", b.len(), rows * width);
+        let mut out = self.alloc::<f32>(rows.max(1));
+        if rows > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(4) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (rows_arg, width_arg) = (rows as i64, width as i64);
+            launch!(
+                self,
+                "row_dots_f32",
+                cfg,
+                &mut out,
+                a,
+                b,
+                &rows_arg,
+                &width_arg
+            );
+        }
+        let mut host = self
+            .stream
+            .clone_dtoh(&out)
+            .unwrap_or_else(|e| panic!("CUDA: reading row dots back failed: {e}"));
+        host.truncate(rows);
+        host
+    }
 
     fn cross_entropy_forward_backward(
         &self,
