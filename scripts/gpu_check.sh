@@ -92,6 +92,11 @@ stage pp_cuda 40 "$BIN" train --nproc 2 $common --training.local_batch_size 8 --
 # K/V exchanged through the host (allgather, then alltoall); same loss as the `one` run above.
 rm -rf "$OUT_DIR/cp2" "$OUT_DIR/cp2_a2a"
 stage cp_cuda 50 sh -c "'$BIN' train --nproc 2 $common --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/cp2' && '$BIN' train --nproc 2 $common --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.context_parallel_rotate_method alltoall --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/cp2_a2a'"
+# Qwen3-MoE on CUDA (QK-norm, 8 experts top-2: the dispatch gathers and scatter-adds, the row ops
+# scale_rows and row_dots, the router on the host) against the same run on the CPU.
+rm -rf "$OUT_DIR/moe_gpu" "$OUT_DIR/moe_cpu"
+moe="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name qwen3 --model.flavor debugmodel_moe --training.local_batch_size 4"
+stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_folder '$OUT_DIR/moe_gpu' && '$BIN' train $moe --training.device cpu --job.dump_folder '$OUT_DIR/moe_cpu'"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -167,7 +172,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -301,7 +306,15 @@ def attention_report():
             label = f"{r.get('batch')}x{r.get('seq')} h{r.get('heads')}/{r.get('kv_heads')} d{r.get('head_dim')}"
             print(f"{label:<30} {impl:<22} {cell(r, 'forward_ms', 2)} {cell(r, 'forward_tflops', 1)} "
                   f"{cell(r, 'backward_ms', 2)} {cell(r, 'backward_tflops', 1)}")
-for report in (resume_report, generate_report, fsdp_report, bench_report, attention_report):
+def moe_report():
+    gpu, cpu = curve("moe_gpu"), curve("moe_cpu")
+    if gpu and cpu and len(gpu) == len(cpu):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
+        print(f"Qwen3-MoE on CUDA vs the CPU, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
+              f"({'ok' if diff <= 1e-3 else 'FAIL'})")
+    else:
+        print("Qwen3-MoE on CUDA: no result")
+for report in (resume_report, generate_report, fsdp_report, moe_report, bench_report, attention_report):
     section(report)
 PYEOF
 }
