@@ -13,8 +13,8 @@
 //! gradient is each row's output dotted with the token's output gradient, and the router's is
 //! `router::route_backward`'s.
 //!
-//! Not built yet (issue 16): the model's blocks using this layer (Qwen3-MoE flavors, HF import of
-//! per-expert weights), expert parallelism's all-to-all, the auxiliary loss, device-side routing.
+//! Qwen3-MoE's blocks run this layer (`model::llama`, `FeedForwardIds::Moe`). Not built yet
+//! (issue 16): expert parallelism's all-to-all, the auxiliary loss, routing on the device.
 
 pub mod router;
 
