@@ -13,6 +13,7 @@ use titan::backend::cpu::CpuBackend;
 use titan::checkpoint;
 use titan::model::{KvCache, Llama, Workspace};
 
+/// The Python with torch and transformers, or None after saying the test is skipped.
 fn python() -> Option<String> {
     let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&py)
@@ -20,7 +21,24 @@ fn python() -> Option<String> {
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false);
+    if !ok {
+        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
+    }
     ok.then_some(py)
+}
+
+/// Runs the Python `script` with `args`, which must succeed; its standard output, trimmed.
+fn run_python(py: &str, script: &str, args: &[&str]) -> String {
+    let out = Command::new(py)
+        .args([&["-c", script][..], args].concat())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[test]
@@ -115,7 +133,6 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
 /// transformers' on the folder it made and on titan's export of the import.
 fn round_trip_made_by_transformers(make: &str, expect: impl Fn(&titan::model::ModelArgs)) {
     let Some(py) = python() else {
-        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
         return;
     };
     let greedy = r#"
@@ -128,18 +145,7 @@ out = model.generate(ids, max_new_tokens=int(sys.argv[3]), min_new_tokens=int(sy
                      do_sample=False, pad_token_id=0)
 print(json.dumps(out[0, ids.shape[1]:].tolist()))
 "#;
-    let run = |script: &str, args: &[&str]| -> String {
-        let out = Command::new(&py)
-            .args([&["-c", script][..], args].concat())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    };
+    let run = |script: &str, args: &[&str]| run_python(&py, script, args);
     let dir = tempfile::tempdir().unwrap();
     let hf = dir.path().join("hf");
     run(make, &[hf.to_str().unwrap()]);
@@ -202,7 +208,6 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
 
 fn parity(adjust: impl Fn(&mut titan::config::Config)) {
     let Some(py) = python() else {
-        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -259,7 +264,6 @@ fn train(cfg: &titan::config::Config) {
 #[test]
 fn imported_transformers_model_with_rope_parameters_matches() {
     let Some(py) = python() else {
-        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
         return;
     };
     let make = r#"
@@ -279,15 +283,7 @@ LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
     for kind in ["plain", "llama3"] {
         let dir = tempfile::tempdir().unwrap();
         let hf = dir.path().join("hf");
-        let out = Command::new(&py)
-            .args(["-c", make, hf.to_str().unwrap(), kind])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_python(&py, make, &[hf.to_str().unwrap(), kind]);
         let ckpt = dir.path().join("titan");
         checkpoint::hf::import(&hf, &ckpt).unwrap();
         let (batch, seq) = (2, 24);
