@@ -344,12 +344,16 @@ pub struct WriterPlace {
     pub tp: usize,
     /// Pipeline parts (1: none): `size / pp` writers hold each stage's tensors.
     pub pp: usize,
+    /// Under expert parallelism, the degree and the experts it splits: a routed expert's
+    /// tensors are sharded over `1 / ep` of the writers.
+    pub experts: Option<sharded::ExpertParts>,
 }
 
 impl WriterPlace {
-    /// Values per shard of a tensor-parallel part of `part_numel` values.
-    pub fn shard_len(&self, part_numel: usize) -> usize {
-        part_numel.div_ceil(self.size / self.pp / self.tp)
+    /// Values per shard of tensor `name`'s tensor-parallel part of `part_numel` values.
+    pub fn shard_len(&self, name: &str, part_numel: usize) -> usize {
+        let (ep_parts, _) = sharded::ExpertParts::of(self.experts, name);
+        part_numel.div_ceil(self.size / self.pp / self.tp / ep_parts)
     }
 }
 
@@ -410,7 +414,8 @@ impl HostCheckpoint {
                     && index.tp_parts.max(1) == w.tp
                     && index.tensors.iter().all(|(name, t)| {
                         let part = TpSharding::of(name).local_shape(&t.shape, w.tp);
-                        t.shard_len == w.shard_len(part.iter().product())
+                        (t.ep_parts, t.ep_part) == sharded::ExpertParts::of(w.experts, name)
+                            && t.shard_len == w.shard_len(name, part.iter().product())
                     })
             })
         });
@@ -500,7 +505,7 @@ impl HostCheckpoint {
         let saved = if w.size / w.pp == w.tp {
             part_shape.to_vec()
         } else {
-            vec![w.shard_len(part_shape.iter().product())]
+            vec![w.shard_len(name, part_shape.iter().product())]
         };
         self.lookup(moment, name, &saved).map(Some)
     }

@@ -14,6 +14,10 @@
 //! caller re-shards for its own: a checkpoint saved by 4 ranks resumes on 2, on 1, or on any other
 //! mesh. The layout of writers that wrote it takes each rank's own files as they are
 //! (`HostCheckpoint::read_for_writer`).
+//!
+//! Expert parallelism: a routed expert's tensors are held by the writers of one expert-parallel
+//! rank only (`ep_part` of `ep_parts`), which shard them among themselves: writer shard index `s`
+//! holds shard `s / ep_parts` when `s % ep_parts == ep_part` (`DeviceMesh::expert_groups`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +45,38 @@ pub struct ShardedTensor {
     /// The pipeline stage rank whose writers hold it (absent: 0).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pp_part: usize,
+    /// A routed expert under expert parallelism: the expert-parallel ranks (absent: 1), and the
+    /// one whose writers hold it.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub ep_parts: usize,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ep_part: usize,
+}
+
+impl ShardedTensor {
+    /// The writer (of its pipeline part's `shards`, `tp_parts` of them per flat shard) holding
+    /// flat shard `s` of tensor-parallel part `t`, for `s` below the tensor's shard count.
+    fn writer(&self, shards: usize, tp_parts: usize, s: usize, t: usize) -> usize {
+        self.pp_part * shards + (s * self.ep_parts + self.ep_part) * tp_parts + t
+    }
+}
+
+/// Under expert parallelism, which expert-parallel rank's writers hold a tensor: `ep` ranks
+/// splitting `num_experts` experts in consecutive runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertParts {
+    pub ep: usize,
+    pub num_experts: usize,
+}
+
+impl ExpertParts {
+    /// `(ep_parts, ep_part)` of tensor `name`: `(1, 0)` for any but a routed expert's.
+    pub fn of(parts: Option<Self>, name: &str) -> (usize, usize) {
+        match (parts, crate::model::params::expert_of(name)) {
+            (Some(p), Some(e)) if p.ep > 1 => (p.ep, e / (p.num_experts / p.ep)),
+            _ => (1, 0),
+        }
+    }
 }
 
 fn is_zero(x: &usize) -> bool {
@@ -158,6 +194,7 @@ pub fn save<B: Backend>(
     exp_avg_sq: &ParamSet<B>,
     full_shapes: &[Vec<usize>],
     pipeline: Option<&PipelineParts>,
+    experts: Option<ExpertParts>,
     mut state: TrainState,
     keep_latest_k: usize,
     all_written: &dyn Fn() -> Result<()>,
@@ -169,9 +206,13 @@ pub fn save<B: Backend>(
         "sharded save: {size} writers do not hold {pp_parts} pipeline × {tp_parts} tensor-parallel parts (a titan bug)"
     );
     let per_part = size / pp_parts;
-    // A pipeline rank writes only its stages' tensors.
+    // A pipeline rank writes only its stages' tensors, an expert-parallel rank only its experts.
     let my_part = rank / per_part;
-    let here = |name: &str| pipeline.is_none_or(|p| (p.held_by)(name, my_part));
+    let my_ep = (rank % per_part) / tp_parts;
+    let here = |name: &str| {
+        let (ep_parts, ep_part) = ExpertParts::of(experts, name);
+        pipeline.is_none_or(|p| (p.held_by)(name, my_part)) && my_ep % ep_parts == ep_part
+    };
     let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
     if rank == 0 {
         std::fs::create_dir_all(folder)?;
@@ -206,26 +247,22 @@ pub fn save<B: Backend>(
         let tensors = shards
             .names
             .iter()
-            .zip(&shards.shapes)
             .zip(full_shapes)
-            .map(|((n, s), full)| {
-                // Rank 0 holds no shard of another stage's tensor: its length follows from the
-                // part's size, as the stage's own writers cut it.
-                let shard_len = match pipeline {
-                    Some(_) => {
-                        let split = TpSharding::of(n);
-                        let part: usize = split.local_shape(full, tp_parts).iter().product();
-                        part.div_ceil(per_part / tp_parts)
-                    }
-                    None => s.iter().product(),
-                };
+            .map(|(n, full)| {
+                // Rank 0 holds no shard of another stage's tensor or another rank's expert: each
+                // length follows from the part's size, as its own writers cut it.
+                let (ep_parts, ep_part) = ExpertParts::of(experts, n);
+                let split = TpSharding::of(n);
+                let part: usize = split.local_shape(full, tp_parts).iter().product();
                 (
                     n.clone(),
                     ShardedTensor {
                         shape: full.clone(),
-                        shard_len,
-                        tp_split: (tp_parts > 1).then(|| TpSharding::of(n).into()),
+                        shard_len: part.div_ceil(per_part / tp_parts / ep_parts),
+                        tp_split: (tp_parts > 1).then(|| split.into()),
                         pp_part: pipeline.map_or(0, |p| (p.part_of)(n)),
+                        ep_parts,
+                        ep_part,
                     },
                 )
             })
@@ -278,10 +315,9 @@ pub fn merge(
         };
         parts.push(read(&f)?.into_iter().collect());
     }
-    // Each pipeline part's first writer holds every tensor of its stages.
-    let names: std::collections::BTreeSet<String> = (0..pp)
-        .flat_map(|p| parts[p * index.shards].keys().cloned().collect::<Vec<_>>())
-        .collect();
+    // Every tensor is in some writer's files (a routed expert's only in its rank's writers').
+    let names: std::collections::BTreeSet<String> =
+        parts.iter().flat_map(|p| p.keys().cloned()).collect();
     let mut out = Vec::new();
     for name in names {
         let base = name
@@ -309,14 +345,23 @@ pub fn merge(
             );
         }
         let part_numel: usize = split.local_shape(&info.shape, tp).iter().product();
-        let per_part = index.shards / tp;
+        let ep = info.ep_parts.max(1);
+        if info.ep_part >= ep || !index.shards.is_multiple_of(tp * ep) {
+            bail!(
+                "{}: the shard index puts `{base}` on expert-parallel rank {} of {ep}, which {} writers of {tp} tensor-parallel parts cannot hold",
+                dir.display(),
+                info.ep_part,
+                index.shards
+            );
+        }
+        let per_part = index.shards / tp / ep;
         // Each shard is taken out of its part as it is merged, so the parts shrink while the
         // merged tensors grow: the merge holds about one copy of the checkpoint, not two.
         let mut tp_values = Vec::with_capacity(tp);
         for t in 0..tp {
             let mut data = Vec::with_capacity(info.shard_len * per_part);
             for s in 0..per_part {
-                let r = info.pp_part * index.shards + s * tp + t;
+                let r = info.writer(index.shards, tp, s, t);
                 let shard = parts[r].remove(&name).ok_or_else(|| {
                     anyhow!("{}: rank {r}'s shard of `{name}` is missing", dir.display())
                 })?;

@@ -1,7 +1,8 @@
 //! The device mesh: named dims `pp, dp_replicate, dp_shard, cp, tp` (TorchTitan's order, `tp`
 //! fastest) over the world's ranks, the degrees from `[parallelism]`, and the ranks of each
 //! dimension's group and of the flattened groups (data loading and loss over `dp_replicate ×
-//! dp_shard`, FSDP over `dp_shard × cp`).
+//! dp_shard`, FSDP over `dp_shard × cp`), and expert parallelism's split of the FSDP group
+//! (`expert_groups`).
 
 use anyhow::{bail, Result};
 
@@ -105,6 +106,39 @@ impl DeviceMesh {
             .collect()
     }
 
+    /// The dims parameters are sharded over: `dp_shard`, `× cp` with context parallelism (whose
+    /// ranks must sum their gradients anyway).
+    pub fn shard_dims(&self) -> &'static [&'static str] {
+        if self.degree("cp") > 1 {
+            &["dp_shard", "cp"]
+        } else {
+            &["dp_shard"]
+        }
+    }
+
+    /// Expert parallelism borrows its ranks from the shard group (`dp_shard × cp`, TorchTitan's
+    /// dp2ep): the group's ranks, in order, are cut into consecutive runs of `ep`, each run one
+    /// expert-parallel group splitting the experts; the ranks at the same place of every run hold
+    /// the same experts and shard them with FSDP. Returns the two groups through `rank`: its
+    /// expert-parallel group and its expert-shard group (`dp_shard × cp / ep` ranks), each in
+    /// order. `ep` must divide the shard group's size.
+    pub fn expert_groups(&self, rank: usize, ep: usize) -> (Vec<usize>, Vec<usize>) {
+        let shard = self.group_ranks(rank, self.shard_dims());
+        let at = shard
+            .iter()
+            .position(|&r| r == rank)
+            .expect("a rank is in its own group");
+        assert!(
+            ep >= 1 && shard.len().is_multiple_of(ep),
+            "expert_groups: ep {ep} does not divide the shard group of {} (checked with the config)",
+            shard.len()
+        );
+        let run = at / ep;
+        let ep_ranks = shard[run * ep..(run + 1) * ep].to_vec();
+        let expert_shard = shard.iter().skip(at % ep).step_by(ep).copied().collect();
+        (ep_ranks, expert_shard)
+    }
+
     /// A stable name for the group through `rank` spanning `dims` (for store keys and messages).
     pub fn group_name(&self, rank: usize, dims: &[&str]) -> String {
         let ranks = self.group_ranks(rank, dims);
@@ -142,6 +176,12 @@ mod tests {
             vec![1, 3, 5, 7]
         );
         assert_eq!(m.group_ranks(0, &["dp_shard", "cp"]), vec![0, 2]);
+        // Expert parallelism splits dp_shard × cp into runs of ep.
+        let e = DeviceMesh::new(1, 1, 2, 2, 1, 4).unwrap();
+        assert_eq!(e.group_ranks(3, &["dp_shard", "cp"]), vec![0, 1, 2, 3]);
+        assert_eq!(e.expert_groups(3, 2), (vec![2, 3], vec![1, 3]));
+        assert_eq!(e.expert_groups(0, 4), (vec![0, 1, 2, 3], vec![0]));
+        assert_eq!(e.expert_groups(2, 1), (vec![2], vec![0, 1, 2, 3]));
         // Every rank appears in exactly one group of a dim.
         let mut seen: Vec<usize> = (0..8)
             .flat_map(|r| m.group_ranks(r, &["dp_shard"]))

@@ -159,6 +159,9 @@ pub struct ParallelismConfig {
     /// Context parallelism: how the ranks exchange keys and values, `allgather` (all at once,
     /// TorchTitan's default) or `alltoall` (rotated around the ring, peer to peer).
     pub context_parallel_rotate_method: String,
+    /// Mixture of experts: ranks the experts are split over (TorchTitan's `expert_parallel_degree`),
+    /// borrowed from `dp_shard × cp`; tokens travel to their experts' ranks by all-to-all.
+    pub expert_parallel_degree: usize,
     /// FSDP: free a block's gathered parameters after its forward (`default`, `always`) or keep them
     /// until its backward (`never`).
     pub fsdp_reshard_after_forward: String,
@@ -210,6 +213,7 @@ impl Default for ParallelismConfig {
             pipeline_parallel_degree: 1,
             context_parallel_degree: 1,
             context_parallel_rotate_method: "allgather".into(),
+            expert_parallel_degree: 1,
             fsdp_reshard_after_forward: "default".into(),
             disable_loss_parallel: false,
             enable_async_tensor_parallel: false,
@@ -607,6 +611,9 @@ impl Config {
         }
         if p.context_parallel_degree == 0 {
             bail!("[parallelism] context_parallel_degree must be at least 1");
+        }
+        if p.expert_parallel_degree == 0 {
+            bail!("[parallelism] expert_parallel_degree must be at least 1");
         }
         if p.context_parallel_degree > 1 {
             let cp = p.context_parallel_degree;

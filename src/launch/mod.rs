@@ -39,6 +39,11 @@ pub struct Distributed {
     /// The pipeline group (`pp`: the ranks holding the stages of one model copy), when its degree
     /// is above 1.
     pub pp: Option<Arc<dyn ProcessGroup>>,
+    /// Expert parallelism (`[parallelism] expert_parallel_degree` above 1): the ranks splitting
+    /// the experts, and the ranks holding the same experts, which FSDP-shard them
+    /// (`DeviceMesh::expert_groups`).
+    pub ep: Option<Arc<dyn ProcessGroup>>,
+    pub expert_shard: Option<Arc<dyn ProcessGroup>>,
     /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of
     /// the dims in use; under HSDP or DDP each replica has one and replica 0's writes). None when
     /// checkpoints are written whole by rank 0 (one process or DDP, without TP or PP).
@@ -57,6 +62,7 @@ pub struct Distributed {
     replicate_name: Option<String>,
     tp_name: Option<String>,
     cp_name: Option<String>,
+    expert_shard_name: Option<String>,
     writers_name: Option<String>,
     timeouts: (Duration, Duration),
     /// Restart generation: store keys of this run never meet a previous run's.
@@ -82,19 +88,18 @@ impl Distributed {
         let (store, store_server, host) = rendezvous(&env, init)?;
         let gen = env.generation;
         start_flight_recorder(cfg, &env, &store, init)?;
-        let join = |dims: &[&str]| -> Result<Arc<dyn ProcessGroup>> {
-            let ranks = mesh.group_ranks(env.rank, dims);
+        let join_ranks = |ranks: &[usize], name: &str| -> Result<Arc<dyn ProcessGroup>> {
             let local = ranks
                 .iter()
                 .position(|&r| r == env.rank)
                 .expect("a rank is in its own group");
-            let name = format!("{}-g{gen}", mesh.group_name(env.rank, dims));
-            let group = TcpGroup::connect(&store, &name, local, ranks.len(), &host, init, op)?;
+            let group = TcpGroup::connect(&store, name, local, ranks.len(), &host, init, op)?;
             Ok(Arc::new(
-                group.with_record(flight_recorder::for_group(&name, &ranks)),
+                group.with_record(flight_recorder::for_group(name, ranks)),
             ))
         };
         let name = |dims: &[&str]| format!("{}-g{gen}", mesh.group_name(env.rank, dims));
+        let join = |dims: &[&str]| join_ranks(&mesh.group_ranks(env.rank, dims), &name(dims));
         let dp = join(&["dp_replicate", "dp_shard"])?;
         let dp_name = name(&["dp_replicate", "dp_shard"]);
         let cp_degree = mesh.degree("cp");
@@ -105,11 +110,7 @@ impl Distributed {
         };
         // Parameters are sharded over `dp_shard × cp`: with context parallelism even a job without
         // `dp_shard` shards them over its CP ranks (whose gradients must be summed anyway).
-        let shard_dims: &[&str] = if cp_degree > 1 {
-            &["dp_shard", "cp"]
-        } else {
-            &["dp_shard"]
-        };
+        let shard_dims = mesh.shard_dims();
         let (shard, replicate, shard_name, replicate_name) = match (
             mesh.degree("dp_replicate"),
             mesh.degree("dp_shard") * cp_degree,
@@ -138,6 +139,19 @@ impl Distributed {
             Some(join(&["pp"])?)
         } else {
             None
+        };
+        let ep_degree = cfg.parallelism.expert_parallel_degree;
+        let (ep, expert_shard, expert_shard_name) = if ep_degree > 1 {
+            let (ep_ranks, shard_ranks) = mesh.expert_groups(env.rank, ep_degree);
+            let ep_name = format!("ep[{}]-g{gen}", ep_ranks[0]);
+            let shard_name = format!("expert_shard[{}]-g{gen}", shard_ranks[0]);
+            (
+                Some(join_ranks(&ep_ranks, &ep_name)?),
+                Some(join_ranks(&shard_ranks, &shard_name)?),
+                Some(shard_name),
+            )
+        } else {
+            (None, None, None)
         };
         let (writers, writers_name) = match (&shard, &tp, &pp) {
             (None, None, None) => (None, None),
@@ -177,6 +191,8 @@ impl Distributed {
             tp,
             cp,
             pp,
+            ep,
+            expert_shard,
             writers,
             all,
             local_world_size: env.local_world_size,
@@ -186,6 +202,7 @@ impl Distributed {
             replicate_name,
             tp_name,
             cp_name,
+            expert_shard_name,
             writers_name,
             timeouts: (init, op),
             generation: gen,
@@ -254,6 +271,7 @@ impl Distributed {
             MeshGroup::Replicate => (self.replicate.as_ref(), self.replicate_name.as_ref()),
             MeshGroup::Tensor => (self.tp.as_ref(), self.tp_name.as_ref()),
             MeshGroup::Context => (self.cp.as_ref(), self.cp_name.as_ref()),
+            MeshGroup::ExpertShard => (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
         };
         let (Some(group), Some(name)) = (group, name) else {
             return Ok(None);
@@ -272,7 +290,8 @@ impl Distributed {
 }
 
 /// A worker's groups that may get an NCCL communicator: every data-parallel rank, FSDP's shard
-/// group, HSDP's replica group, the tensor-parallel group, the context-parallel group.
+/// group, HSDP's replica group, the tensor-parallel group, the context-parallel group, FSDP's
+/// shard group of the experts under expert parallelism.
 #[derive(Debug, Clone, Copy)]
 pub enum MeshGroup {
     DataParallel,
@@ -280,6 +299,7 @@ pub enum MeshGroup {
     Replicate,
     Tensor,
     Context,
+    ExpertShard,
 }
 
 /// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through
@@ -330,6 +350,13 @@ pub fn check_mesh(cfg: &Config, world: usize) -> Result<DeviceMesh> {
         p.tensor_parallel_degree,
         world,
     )?;
+    let (ep, shard) = (
+        p.expert_parallel_degree,
+        mesh.degree("dp_shard") * mesh.degree("cp"),
+    );
+    if ep > 1 && !shard.is_multiple_of(ep) {
+        bail!("[parallelism] expert_parallel_degree = {ep} must divide data_parallel_shard_degree {} × context_parallel_degree {} = {shard}: expert parallelism borrows its ranks from them", mesh.degree("dp_shard"), mesh.degree("cp"));
+    }
     Ok(mesh)
 }
 

@@ -307,6 +307,10 @@ pub struct LocalShapes {
     /// Context-parallel degree and this rank's place in its group.
     pub cp: usize,
     pub cp_rank: usize,
+    /// Expert-parallel degree and this rank's place in its group: the rank computes experts
+    /// `local_experts()` (all of them at degree 1).
+    pub ep: usize,
+    pub ep_rank: usize,
 }
 
 impl LocalShapes {
@@ -331,7 +335,37 @@ impl LocalShapes {
             moe: args.moe,
             cp: 1,
             cp_rank: 0,
+            ep: 1,
+            ep_rank: 0,
         }
+    }
+
+    /// These shapes on rank `ep_rank` of an expert-parallel group of `ep` ranks: refused, naming
+    /// the key, for a dense model or experts that do not split evenly.
+    pub fn with_expert_parallel(self, ep: usize, ep_rank: usize) -> Result<Self> {
+        let experts = self.moe.map_or(0, |m| m.router.num_experts);
+        if ep > 1 && experts == 0 {
+            anyhow::bail!("[parallelism] expert_parallel_degree = {ep} needs a mixture-of-experts model (this one has no experts; e.g. [model] name = \"qwen3\", flavor = \"debugmodel_moe\")");
+        }
+        if !experts.is_multiple_of(ep) {
+            anyhow::bail!("[parallelism] expert_parallel_degree = {ep} does not divide the model's {experts} experts; choose a divisor of {experts}");
+        }
+        Ok(LocalShapes {
+            ep,
+            ep_rank,
+            ..self
+        })
+    }
+
+    /// The experts this rank computes (global ids), a consecutive run of `experts / ep`.
+    pub fn local_experts(&self) -> std::ops::Range<usize> {
+        let per = self.moe.map_or(0, |m| m.router.num_experts) / self.ep;
+        self.ep_rank * per..(self.ep_rank + 1) * per
+    }
+
+    /// Whether this rank holds parameter `name`: every one but other ranks' experts.
+    pub fn holds(&self, name: &str) -> bool {
+        crate::model::params::expert_of(name).is_none_or(|e| self.local_experts().contains(&e))
     }
 
     /// These shapes on rank `cp_rank` of a context-parallel group of `cp` ranks.

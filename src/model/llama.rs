@@ -29,6 +29,7 @@ use crate::backend::{cpu::rope::rope_tables, AttnShape, Backend, LossSum, IGNORE
 use super::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use super::args::{LocalShapes, ModelArgs};
 use super::context_parallel::{ContextParallelOps, SequenceShard};
+use super::expert_parallel::ExpertParallelOps;
 use super::linear::Linear;
 use super::moe::{self, MoeActs, MoeShapes};
 use super::parallel_linear::{DeferredWeightGrad, Projection, ProjectionGrad, SequenceParallel};
@@ -470,6 +471,8 @@ pub struct Llama<B: Backend> {
     pub ids: ParamIds,
     tp: Arc<dyn TensorParallelOps<B>>,
     cp: Arc<dyn ContextParallelOps<B>>,
+    /// The expert-parallel group a mixture of experts' rows travel over (one rank: `SingleRank`).
+    ep: Arc<dyn ExpertParallelOps<B>>,
     /// Tokens each mixture-of-experts block sent to each expert since `take_expert_load`: counted
     /// in the backward, so once per trained microbatch (not again for a recomputed forward, not for
     /// validation).
@@ -520,6 +523,7 @@ impl<B: Backend> Llama<B> {
             local,
             tp,
             cp: Arc::new(SingleRank),
+            ep: Arc::new(SingleRank),
             expert_load: std::sync::Mutex::new(expert_load),
             expert_bias: std::sync::Mutex::new(expert_bias),
             rope_cos: backend.upload(&cos),
@@ -537,6 +541,18 @@ impl<B: Backend> Llama<B> {
             "Llama: shapes and group disagree on the CP degree"
         );
         self.cp = cp;
+        self
+    }
+
+    /// This model with its experts split over an expert-parallel group (`self.local` says which
+    /// experts this rank holds).
+    pub fn with_expert_parallel(mut self, ep: Arc<dyn ExpertParallelOps<B>>) -> Self {
+        assert_eq!(
+            (self.local.ep, self.local.ep_rank),
+            (ep.degree(), ep.rank()),
+            "Llama: shapes and group disagree on the EP degree or rank"
+        );
+        self.ep = ep;
         self
     }
 
@@ -1033,7 +1049,8 @@ impl<B: Backend> Llama<B> {
                     acts.normed_ffn,
                     out,
                     bias.as_deref(),
-                );
+                    self.ep.as_ref(),
+                )?;
                 // A block that keeps only its input recomputes its experts before its backward.
                 let keep = experts_kept == ExpertActs::ForBackward || save != BlockSave::Input;
                 ws.moe[l] = keep.then_some(moe_acts);
@@ -1334,7 +1351,8 @@ impl<B: Backend> Llama<B> {
                     acts.normed_ffn,
                     &ws.dx,
                     &mut ws.dnormed,
-                );
+                    self.ep.as_ref(),
+                )?;
             }
         }
         be.rmsnorm_backward(
@@ -1529,7 +1547,16 @@ impl<B: Backend> Llama<B> {
                 FeedForwardIds::Moe(experts) => {
                     let bias = self.block_expert_bias(l);
                     let shapes = self.moe_shapes()?;
-                    moe::forward(be, &shapes, experts, p, &normed, &mut x, bias.as_deref());
+                    moe::forward(
+                        be,
+                        &shapes,
+                        experts,
+                        p,
+                        &normed,
+                        &mut x,
+                        bias.as_deref(),
+                        self.ep.as_ref(),
+                    )?;
                 }
             }
         }

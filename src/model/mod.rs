@@ -4,6 +4,7 @@
 pub mod activation_checkpoint;
 pub mod args;
 pub mod context_parallel;
+pub mod expert_parallel;
 pub mod init;
 pub mod linear;
 pub mod llama;

@@ -28,6 +28,10 @@
 //! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
 //! is then all-reduced across the replicas (by the queue).
 //!
+//! Expert parallelism: a rank holds only its experts, and the ranks holding the same experts
+//! (`dp_shard × cp / ep` of them) shard those: each tensor has its shard group (`ShardGroup`, the
+//! experts' second one with a queue of its own), and a block's collectives are one per group.
+//!
 //! Checkpoints: each rank writes its own shards (`checkpoint::sharded`).
 
 use std::collections::VecDeque;
@@ -41,17 +45,37 @@ use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::memory_timeline::{self, Category};
 use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
 
-/// A collective in the queue, in the order they were started: what its output becomes.
-/// `packed_bytes`: the size of its packed input, a communication buffer until it finishes.
+/// A collective in the queues, in the order they were started: what its output becomes, and the
+/// shard group whose queue runs it. `packed_bytes`: the size of its packed input, a communication
+/// buffer until it finishes.
 enum Pending {
-    /// The packed shards of `ids`, as bf16 pairs when `pairs`, from every rank.
+    /// The packed shards of `ids`, as bf16 pairs when `pairs`, from every rank of the group.
     Gather {
+        group: usize,
         ids: Vec<usize>,
         pairs: bool,
         packed_bytes: i64,
     },
     /// This rank's summed gradient shards of `ids`, packed.
-    ReduceScatter { ids: Vec<usize>, packed_bytes: i64 },
+    ReduceScatter {
+        group: usize,
+        ids: Vec<usize>,
+        packed_bytes: i64,
+    },
+}
+
+/// Ranks a set of tensors is sharded over, and the queue their collectives run on.
+struct ShardGroup<B: Backend> {
+    group: Arc<dyn ProcessGroup>,
+    queue: Box<dyn CollectiveQueue<B>>,
+}
+
+/// Expert parallelism's second shard group: the ranks holding the same experts, over which the
+/// experts this rank holds are sharded (`DeviceMesh::expert_groups`), and the queue for their
+/// collectives (None: the CPU transport's).
+pub struct ExpertShards<B: Backend> {
+    pub group: Arc<dyn ProcessGroup>,
+    pub queue: Option<Box<dyn CollectiveQueue<B>>>,
 }
 
 /// What a rank starts one parameter-shaped tensor (weights or an AdamW moment) from: its full
@@ -70,12 +94,14 @@ const MAX_IN_FLIGHT: usize = 2;
 pub const REDUCE_SCATTER_BLOCKS: usize = MAX_IN_FLIGHT + 1;
 
 pub struct Fsdp<B: Backend> {
-    queue: Box<dyn CollectiveQueue<B>>,
+    /// The shard groups: every parameter's, and under expert parallelism the experts' second.
+    groups: Vec<ShardGroup<B>>,
+    /// Each parameter's shard group.
+    group_of: Vec<usize>,
     pending: VecDeque<Pending>,
     /// A step failed part-way: collectives may be left in the queue and gradients half-added, so
     /// no further step runs.
     failed: bool,
-    group: Arc<dyn ProcessGroup>,
     /// This rank's shard of every parameter (`[shard_len]` each).
     pub shards: ParamSet<B>,
     pub grad_shards: ParamSet<B>,
@@ -131,22 +157,40 @@ impl<B: Backend> Fsdp<B> {
     /// Shards the parameters `specs` across `group`, their values (identical on every rank) given
     /// one tensor at a time by `start`, so that no full tensor ever reaches the device. The
     /// step's collectives go through `queue`, or when none is given through the CPU transport over
-    /// `group` and `replicate` (`HostQueue`); `group` also serves the gradient norm.
+    /// `group` and `replicate` (`HostQueue`); `group` also serves the gradient norm. Under expert
+    /// parallelism the routed experts this rank holds are sharded over `experts.group` instead
+    /// (the others are absent: `specs` gives them no values).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         be: &B,
         group: Arc<dyn ProcessGroup>,
         replicate: Option<Arc<dyn ProcessGroup>>,
         queue: Option<Box<dyn CollectiveQueue<B>>>,
+        experts: Option<ExpertShards<B>>,
         model: &Llama<B>,
         specs: &[(String, Vec<usize>)],
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
         reshard_after_forward: ReshardPolicy,
         param_dtype: ParamDtype,
     ) -> Result<Self> {
-        let size = group.size();
         let numel: Vec<usize> = specs.iter().map(|(_, s)| s.iter().product()).collect();
-        let shard_len: Vec<usize> = numel.iter().map(|n| n.div_ceil(size)).collect();
+        let group_of: Vec<usize> = specs
+            .iter()
+            .zip(&numel)
+            .map(|((name, _), &n)| {
+                let expert = crate::model::params::expert_of(name).is_some();
+                usize::from(experts.is_some() && expert && n > 0)
+            })
+            .collect();
+        let sizes = [
+            group.size(),
+            experts.as_ref().map_or(1, |e| e.group.size()),
+        ];
+        let shard_len: Vec<usize> = numel
+            .iter()
+            .zip(&group_of)
+            .map(|(n, &g)| n.div_ceil(sizes[g]))
+            .collect();
         let shard_specs: Vec<(String, Vec<usize>)> = specs
             .iter()
             .zip(&shard_len)
@@ -159,14 +203,30 @@ impl<B: Backend> Fsdp<B> {
             }
         }
         let replicated = replicate.is_some();
-        let queue =
-            queue.unwrap_or_else(|| Box::new(HostQueue::new("FSDP", group.clone(), replicate)));
-        assert!(
-            queue.shard_size() == size && queue.replicated() == replicated,
-            "FSDP's collective queue spans another mesh than its shards (a titan bug)"
-        );
-        let mut f = Fsdp {
+        let queue = queue
+            .unwrap_or_else(|| Box::new(HostQueue::new("FSDP", group.clone(), replicate.clone())));
+        let mut groups = vec![ShardGroup {
+            group: group.clone(),
             queue,
+        }];
+        if let Some(e) = experts {
+            let queue = e.queue.unwrap_or_else(|| {
+                Box::new(HostQueue::new("FSDP experts", e.group.clone(), replicate))
+            });
+            groups.push(ShardGroup {
+                group: e.group,
+                queue,
+            });
+        }
+        for g in &groups {
+            assert!(
+                g.queue.shard_size() == g.group.size() && g.queue.replicated() == replicated,
+                "FSDP's collective queue spans another mesh than its shards (a titan bug)"
+            );
+        }
+        let mut f = Fsdp {
+            groups,
+            group_of,
             pending: VecDeque::new(),
             failed: false,
             shards: ParamSet::unallocated(be, &shard_specs),
@@ -176,15 +236,15 @@ impl<B: Backend> Fsdp<B> {
             non_block: (0..specs.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
             param_dtype,
-            group,
         };
         f.shards = f.shard_from(be, start)?;
         Ok(f)
     }
 
-    /// The group the parameters are sharded over.
+    /// The group the parameters are sharded over (under expert parallelism, the experts' shards
+    /// are spread over it too: each is held by one of its ranks).
     pub fn shard_group(&self) -> &dyn ProcessGroup {
-        self.group.as_ref()
+        self.groups[0].group.as_ref()
     }
 
     pub fn shard_specs(&self) -> Vec<(String, Vec<usize>)> {
@@ -205,12 +265,14 @@ impl<B: Backend> Fsdp<B> {
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
     ) -> Result<ParamSet<B>> {
         use rayon::prelude::*;
-        let rank = self.group.rank();
         let mut out = ParamSet::unallocated(be, &self.shard_specs());
         let (numel, shard_len, names) = (&self.numel, &self.shard_len, &out.names);
+        let ranks: Vec<usize> = self.groups.iter().map(|g| g.group.rank()).collect();
+        let (ranks, group_of) = (&ranks, &self.group_of);
+        let rank = |i: usize| ranks[group_of[i]];
         let shards: Vec<Vec<f32>> = (0..out.len())
             .into_par_iter()
-            .map(|i| cut_shard(start(i)?, numel[i], shard_len[i], rank, &names[i]))
+            .map(|i| cut_shard(start(i)?, numel[i], shard_len[i], rank(i), &names[i]))
             .collect::<Result<_>>()?;
         for (buf, shard) in out.bufs.iter_mut().zip(&shards) {
             *buf = be.upload(shard);
@@ -250,9 +312,33 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// Packs this rank's shards of `ids` back to back and starts gathering them from every rank;
-    /// bf16 parameters travel as bf16 pairs (half the bytes).
+    /// `ids` split by shard group, in group order (the groups with none left out).
+    fn by_group(&self, ids: &[usize]) -> Vec<(usize, Vec<usize>)> {
+        (0..self.groups.len())
+            .map(|g| {
+                let part: Vec<usize> = ids
+                    .iter()
+                    .copied()
+                    .filter(|&i| self.group_of[i] == g)
+                    .collect();
+                (g, part)
+            })
+            .filter(|(g, part)| *g == 0 || !part.is_empty())
+            .collect()
+    }
+
+    /// Starts gathering the tensors `ids` from every rank of their shard groups: one collective
+    /// per group.
     fn submit_gather(&mut self, be: &B, ids: &[usize]) -> Result<()> {
+        for (group, part) in self.by_group(ids) {
+            self.submit_group_gather(be, group, &part)?;
+        }
+        Ok(())
+    }
+
+    /// Packs this rank's shards of `ids` (all of shard group `group`) back to back and starts
+    /// gathering them; bf16 parameters travel as bf16 pairs (half the bytes).
+    fn submit_group_gather(&mut self, be: &B, group: usize, ids: &[usize]) -> Result<()> {
         let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
         // Written whole below (as are the other `uninit` buffers of this file).
         let mut packed = be.uninit(words);
@@ -269,8 +355,9 @@ impl<B: Backend> Fsdp<B> {
         }
         let packed_bytes = be.len(&packed) as i64 * 4;
         memory_timeline::add(Category::CommBuffers, packed_bytes);
-        self.queue.start_gather(be, packed)?;
+        self.groups[group].queue.start_gather(be, packed)?;
         self.pending.push_back(Pending::Gather {
+            group,
             ids: ids.to_vec(),
             pairs,
             packed_bytes,
@@ -278,15 +365,31 @@ impl<B: Backend> Fsdp<B> {
         Ok(())
     }
 
-    /// Packs the full gradients `ids` rank chunk by rank chunk, frees them, and starts their
-    /// reduce-scatter (which `complete_next` adds into this rank's gradient shards).
+    /// Starts the reduce-scatter of the full gradients `ids` over their shard groups (one per
+    /// group), freeing them.
     fn submit_reduce_scatter(
         &mut self,
         be: &B,
         grads: &mut ParamSet<B>,
         ids: &[usize],
     ) -> Result<()> {
-        let size = self.group.size();
+        for (group, part) in self.by_group(ids) {
+            self.submit_group_reduce_scatter(be, grads, group, &part)?;
+        }
+        Ok(())
+    }
+
+    /// Packs the full gradients `ids` (all of shard group `group`) rank chunk by rank chunk, frees
+    /// them, and starts their reduce-scatter (which `complete_next` adds into this rank's gradient
+    /// shards).
+    fn submit_group_reduce_scatter(
+        &mut self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        group: usize,
+        ids: &[usize],
+    ) -> Result<()> {
+        let size = self.groups[group].group.size();
         let packed_len: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
         // Rank r's chunk holds each tensor's elements [r·c, (r+1)·c), zero past its end.
         let mut packed = be.zeros(packed_len * size);
@@ -303,8 +406,9 @@ impl<B: Backend> Fsdp<B> {
         Self::release(be, grads, ids, Category::Gradients);
         let packed_bytes = be.len(&packed) as i64 * 4;
         memory_timeline::add(Category::CommBuffers, packed_bytes);
-        self.queue.start_reduce_scatter(be, packed)?;
+        self.groups[group].queue.start_reduce_scatter(be, packed)?;
         self.pending.push_back(Pending::ReduceScatter {
+            group,
             ids: ids.to_vec(),
             packed_bytes,
         });
@@ -312,19 +416,23 @@ impl<B: Backend> Fsdp<B> {
     }
 
     /// Finishes the oldest collective: unpacks a gather into full tensors of `full`, or adds a
-    /// reduced gradient shard into this rank's shards. Returns the ids of a finished gather.
-    fn complete_next(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Option<Vec<usize>>> {
-        let size = self.group.size();
+    /// reduced gradient shard into this rank's shards.
+    fn complete_next(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<()> {
         let pending = self
             .pending
             .pop_front()
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
-        let output = self.queue.finish_oldest(be)?;
+        let group = match &pending {
+            Pending::Gather { group, .. } | Pending::ReduceScatter { group, .. } => *group,
+        };
+        let size = self.groups[group].group.size();
+        let output = self.groups[group].queue.finish_oldest(be)?;
         match pending {
             Pending::Gather {
                 ids,
                 pairs,
                 packed_bytes,
+                ..
             } => {
                 memory_timeline::add(Category::CommBuffers, -packed_bytes);
                 let all = if pairs {
@@ -350,9 +458,11 @@ impl<B: Backend> Fsdp<B> {
                 }
                 let gathered: usize = ids.iter().map(|&i| self.numel[i] * 4).sum();
                 memory_timeline::add(Category::GatheredBlocks, gathered as i64);
-                Ok(Some(ids))
+                Ok(())
             }
-            Pending::ReduceScatter { ids, packed_bytes } => {
+            Pending::ReduceScatter {
+                ids, packed_bytes, ..
+            } => {
                 memory_timeline::add(Category::CommBuffers, -packed_bytes);
                 let mut offset = 0;
                 for &i in &ids {
@@ -360,15 +470,15 @@ impl<B: Backend> Fsdp<B> {
                     be.add_range(&mut self.grad_shards.bufs[i], 0, &output, offset, c);
                     offset += c;
                 }
-                Ok(None)
+                Ok(())
             }
         }
     }
 
-    /// Finishes the oldest reduce-scatters until at most `MAX_IN_FLIGHT` collectives are running
-    /// (a gather is left for `wait_gather`).
+    /// Finishes the oldest reduce-scatters until at most `MAX_IN_FLIGHT` collectives per shard
+    /// group are running (a gather is left for `wait_gather`).
     fn complete_down_to_limit(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<()> {
-        while self.pending.len() > MAX_IN_FLIGHT
+        while self.pending.len() > MAX_IN_FLIGHT * self.groups.len()
             && matches!(self.pending.front(), Some(Pending::ReduceScatter { .. }))
         {
             self.complete_next(be, full)?;
@@ -376,15 +486,16 @@ impl<B: Backend> Fsdp<B> {
         Ok(())
     }
 
-    /// Finishes collectives in order until the gather of `ids` is done.
+    /// Finishes collectives in order until the gathers of `ids` are done.
     fn wait_gather(&mut self, be: &B, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
-        loop {
-            if let Some(done) = self.complete_next(be, full)? {
-                if done == ids {
-                    return Ok(());
-                }
-            }
+        let waiting = |p: &Pending| match p {
+            Pending::Gather { ids: part, .. } => part.iter().any(|i| ids.contains(i)),
+            Pending::ReduceScatter { .. } => false,
+        };
+        while self.pending.iter().any(waiting) {
+            self.complete_next(be, full)?;
         }
+        Ok(())
     }
 
     /// One micro-batch: forward and backward with the collectives around each block running one

@@ -22,6 +22,9 @@ pub struct DeviceComm<B: Backend> {
     /// The context-parallel group's gathers of keys and values and reduce-scatters of their
     /// gradients (ring attention's `allgather`).
     pub context_parallel: Option<Box<dyn CollectiveQueue<B> + Send>>,
+    /// FSDP's gathers and reduce-scatters of the routed experts under expert parallelism (over
+    /// the ranks holding the same experts).
+    pub expert_shard: Option<Box<dyn CollectiveQueue<B>>>,
 }
 
 impl<B: Backend> DeviceComm<B> {
@@ -31,6 +34,7 @@ impl<B: Backend> DeviceComm<B> {
             data_parallel: None,
             tensor_parallel: None,
             context_parallel: None,
+            expert_shard: None,
         }
     }
 }
@@ -141,7 +145,7 @@ pub fn for_cuda(
         return Ok((DeviceComm::host(), sharing));
     }
     // Every rank creates its communicators in the same order (data parallel, tensor parallel,
-    // context parallel), so no two ranks wait for each other's next one.
+    // context parallel, expert shards), so no two ranks wait for each other's next one.
     let data_parallel = if d.shard.is_some() {
         let shard = d
             .nccl_group(MeshGroup::Shard, be)?
@@ -166,6 +170,14 @@ pub fn for_cuda(
         Box::new(NcclQueue::new("context parallel", cp, None))
             as Box<dyn CollectiveQueue<CudaBackend> + Send>
     });
+    // The experts' shard queue needs a replica communicator of its own under HSDP: one more
+    // communicator over the same ranks is not built yet, so HSDP's experts go through the host.
+    let expert_shard = match d.replicate {
+        None => d.nccl_group(MeshGroup::ExpertShard, be)?.map(|g| {
+            Box::new(NcclQueue::new("FSDP experts", g, None)) as Box<dyn CollectiveQueue<_>>
+        }),
+        Some(_) => None,
+    };
     if d.rank == 0 && !quiet {
         println!("collectives on the GPUs through NCCL ({} ranks)", d.world);
     }
@@ -174,6 +186,7 @@ pub fn for_cuda(
             data_parallel,
             tensor_parallel,
             context_parallel,
+            expert_shard,
         },
         sharing,
     ))

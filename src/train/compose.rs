@@ -25,7 +25,8 @@ use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
 use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
 use crate::parallel::cp::{ContextParallelGroup, RotateMethod};
-use crate::parallel::fsdp::ReshardPolicy;
+use crate::parallel::ep::ExpertParallelGroup;
+use crate::parallel::fsdp::{ExpertShards, ReshardPolicy};
 use crate::parallel::pipeline::plan::PipelinePlan;
 use crate::parallel::plan::{ParamState, RankLayout};
 use crate::parallel::tp::TensorParallelGroup;
@@ -151,6 +152,14 @@ pub fn compose_rank<B: Backend>(
     let cp_group = dist.and_then(|d| d.cp.clone());
     let local = match &cp_group {
         Some(g) => local.with_context_parallel(g.size(), g.rank()),
+        None => local,
+    };
+    // Expert parallel: the experts this rank computes.
+    let ep_degree = cfg.parallelism.expert_parallel_degree;
+    let ep_group = dist.and_then(|d| d.ep.clone());
+    let local = match &ep_group {
+        Some(g) => local.with_expert_parallel(g.size(), g.rank())?,
+        None if ep_degree > 1 => bail!("[parallelism] expert_parallel_degree = {ep_degree} needs {ep_degree} ranks of data_parallel_shard_degree × context_parallel_degree; this job runs one process (launch it with --nproc)"),
         None => local,
     };
     if local.tp > 1 && args.moe.is_some() {
@@ -308,6 +317,16 @@ pub fn compose_rank<B: Backend>(
         }
         None => model,
     };
+    let model = match &ep_group {
+        Some(g) => model.with_expert_parallel(Arc::new(ExpertParallelGroup::new(g.clone()))),
+        None => model,
+    };
+    let expert_shards = dist
+        .and_then(|d| d.expert_shard.clone())
+        .map(|group| ExpertShards {
+            group,
+            queue: device_comm.expert_shard,
+        });
     let specs = model.param_specs();
     // A pipeline rank computes in its own workspaces, one per microbatch it holds; the step's is
     // left without blocks.
@@ -330,6 +349,7 @@ pub fn compose_rank<B: Backend>(
         dist,
         fsdp_mode,
         device_queue.take(),
+        expert_shards,
         reshard,
         param_dtype,
         pipeline

@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::launch::Distributed;
 use crate::model::params::TpSharding;
 use crate::model::{init_params, Llama, ParamDtype, ParamSet};
-use crate::parallel::fsdp::{Fsdp, ReshardPolicy, StartValues};
+use crate::parallel::fsdp::{ExpertShards, Fsdp, ReshardPolicy, StartValues};
 
 /// The state a run starts from.
 pub struct StartState<B: Backend> {
@@ -103,6 +103,7 @@ pub fn start_state<B: Backend>(
     dist: Option<&Distributed>,
     fsdp: bool,
     queue: Option<Box<dyn CollectiveQueue<B>>>,
+    experts: Option<ExpertShards<B>>,
     reshard: ReshardPolicy,
     param_dtype: ParamDtype,
     held: Option<&(dyn Fn(&str) -> bool + Sync)>,
@@ -150,9 +151,14 @@ pub fn start_state<B: Backend>(
             size: w.size(),
             tp,
             pp: d.mesh.degree("pp"),
+            experts: args.moe.map(|m| checkpoint::sharded::ExpertParts {
+                ep: model.local.ep,
+                num_experts: m.router.num_experts,
+            }),
         });
-    // A pipeline rank holds (and reads) only its stages' tensors.
-    let here = |i: usize| held.is_none_or(|h| h(&global[i].0));
+    // A pipeline rank holds (and reads) only its stages' tensors, an expert-parallel rank only its
+    // experts.
+    let here = |i: usize| held.is_none_or(|h| h(&global[i].0)) && model.local.holds(&global[i].0);
     let ckpt = match (&resume_dir, writer) {
         (Some((_, dir)), Some(w)) => Some(HostCheckpoint::read_for_writer(dir, args, w)),
         (Some((_, dir)), None) => Some(HostCheckpoint::read(dir, args)),
@@ -223,6 +229,7 @@ pub fn start_state<B: Backend>(
             shard,
             d.replicate.clone(),
             queue,
+            experts,
             model,
             &fsdp_specs,
             &|i| start_values(None, i),

@@ -16,13 +16,16 @@
 //! Qwen3-MoE's blocks run this layer (`model::llama`, `FeedForwardIds::Moe`). Not built yet
 //! (issue 16): expert parallelism's all-to-all, the auxiliary loss, routing on the device.
 
+pub mod dispatch;
 pub mod router;
 
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
+use crate::model::expert_parallel::ExpertParallelOps;
 use crate::model::linear::Linear;
+use dispatch::Dispatch;
 use router::{route, route_backward, RouterArgs, Routing};
 
 /// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
@@ -109,16 +112,19 @@ pub struct MoeIds {
 pub struct MoeActs<B: Backend> {
     pub routing: Routing,
     /// The token of each dispatched row (rows in expert order) and its place `t·k + j` in the
-    /// routing; `offsets[e]..offsets[e + 1]` are expert `e`'s rows.
+    /// routing.
     pub rows: Vec<u32>,
     pub slots: Vec<usize>,
-    pub offsets: Vec<usize>,
-    /// Dispatched inputs `[rows, dim]`, the experts' gate and up projections and SwiGLU outputs
-    /// `[rows, hidden]`, and their unweighted outputs `[rows, dim]`.
-    x_sorted: B::Buf,
+    /// Where the rows went to their experts and came back from (expert parallelism).
+    dispatch: Dispatch,
+    /// This rank's experts' input rows `[local rows, dim]` (in local expert order, rows
+    /// `dispatch.offsets[x]..` for local expert `x`), their gate and up projections and SwiGLU
+    /// outputs `[local rows, hidden]`.
+    x_local: B::Buf,
     gate: B::Buf,
     up: B::Buf,
     act: B::Buf,
+    /// The unweighted outputs of this rank's dispatched rows `[rows, dim]`, back from their experts.
     y: B::Buf,
     /// The shared experts' gate, up and SwiGLU output `[tokens, shared_hidden]`.
     shared: Option<[B::Buf; 3]>,
@@ -215,7 +221,9 @@ fn three_mut<T>(bufs: &mut [T], [a, b, c]: [usize; 3]) -> [&mut T; 3] {
 }
 
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
-/// expert bias that shifts the router's choice.
+/// expert bias that shifts the router's choice. This rank computes its experts (`ep`) on every
+/// rank's rows routed to them.
+#[allow(clippy::too_many_arguments)]
 pub fn forward<B: Backend>(
     be: &B,
     m: &MoeShapes,
@@ -224,36 +232,47 @@ pub fn forward<B: Backend>(
     x: &B::Buf,
     out: &mut B::Buf,
     bias: Option<&[f32]>,
-) -> MoeActs<B> {
+    ep: &dyn ExpertParallelOps<B>,
+) -> Result<MoeActs<B>> {
     let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
     let tokens = be.len(x) / d;
     let mut logits = be.uninit(tokens * e);
     Linear::new(d, e).forward(be, &mut logits, x, &params[ids.router], tokens);
     let routing = route(&m.router, &be.download(&logits), bias);
     let (rows, slots, offsets) = dispatch_order(&routing, e);
+    let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
+    let dispatch = Dispatch::plan(ep, &counts)?;
     let n = rows.len();
     let mut x_sorted = be.uninit(n * d);
     be.embedding_forward(&mut x_sorted, x, &rows, d);
-    let (mut gate, mut up, mut act, mut y) = (
-        be.uninit(n * h),
-        be.uninit(n * h),
-        be.uninit(n * h),
-        be.uninit(n * d),
+    let x_local = dispatch.to_experts(be, ep, x_sorted, d)?;
+    let local_n = dispatch.local_rows();
+    let (mut gate, mut up, mut act, mut y_local) = (
+        be.uninit(local_n * h),
+        be.uninit(local_n * h),
+        be.uninit(local_n * h),
+        be.uninit(local_n * d),
     );
-    for (expert, w) in ids.experts.iter().enumerate() {
-        let (from, count) = (offsets[expert], offsets[expert + 1] - offsets[expert]);
+    let first = ep.rank() * (e / ep.degree());
+    for (x_id, w) in ids.experts[first..first + dispatch.offsets.len() - 1]
+        .iter()
+        .enumerate()
+    {
+        let from = dispatch.offsets[x_id];
+        let count = dispatch.offsets[x_id + 1] - from;
         if count == 0 {
             continue;
         }
-        let xe = rows_of(be, &x_sorted, from, count, d);
+        let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
         let [g, u, a] = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye, false);
         be.copy_range(&mut gate, from * h, &g, 0, count * h);
         be.copy_range(&mut up, from * h, &u, 0, count * h);
         be.copy_range(&mut act, from * h, &a, 0, count * h);
-        be.copy_range(&mut y, from * d, &ye, 0, count * d);
+        be.copy_range(&mut y_local, from * d, &ye, 0, count * d);
     }
+    let y = dispatch.from_experts(be, ep, y_local, d)?;
     // Combine: each row weighted, added back to its token.
     let row_weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
     let mut weighted = rows_of(be, &y, 0, n, d);
@@ -264,22 +283,23 @@ pub fn forward<B: Backend>(
         let weights = [&params[s[0]], &params[s[1]], &params[s[2]]];
         swiglu_ffn(be, x, weights, d, hs, tokens, out, true)
     });
-    MoeActs {
+    Ok(MoeActs {
         routing,
         rows,
         slots,
-        offsets,
-        x_sorted,
+        dispatch,
+        x_local,
         gate,
         up,
         act,
         y,
         shared,
-    }
+    })
 }
 
-/// The layer's backward: adds the parameters' gradients into `grads` and `dx += ∂L/∂x` for the
-/// output gradient `dout` (`[tokens, dim]`).
+/// The layer's backward: adds the parameters' gradients into `grads` (this rank's experts' from
+/// every rank's rows routed to them) and `dx += ∂L/∂x` for the output gradient `dout`
+/// (`[tokens, dim]`).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend>(
     be: &B,
@@ -291,7 +311,8 @@ pub fn backward<B: Backend>(
     x: &B::Buf,
     dout: &B::Buf,
     dx: &mut B::Buf,
-) {
+    ep: &dyn ExpertParallelOps<B>,
+) -> Result<()> {
     let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
     let tokens = be.len(x) / d;
     let n = acts.rows.len();
@@ -310,17 +331,21 @@ pub fn backward<B: Backend>(
         .map(|&s| acts.routing.weights[s])
         .collect();
     be.scale_rows(&mut dy, &row_weights, d);
-    let mut dx_sorted = be.zeros(n * d);
-    for (expert, w) in ids.experts.iter().enumerate() {
-        let (from, count) = (
-            acts.offsets[expert],
-            acts.offsets[expert + 1] - acts.offsets[expert],
-        );
+    let dispatch = &acts.dispatch;
+    let dy_local = dispatch.to_experts(be, ep, dy, d)?;
+    let mut dx_local = be.zeros(dispatch.local_rows() * d);
+    let first = ep.rank() * (e / ep.degree());
+    for (x_id, w) in ids.experts[first..first + dispatch.offsets.len() - 1]
+        .iter()
+        .enumerate()
+    {
+        let from = dispatch.offsets[x_id];
+        let count = dispatch.offsets[x_id + 1] - from;
         if count == 0 {
             continue;
         }
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
-        let (xe, dye) = (block(&acts.x_sorted, d), block(&dy, d));
+        let (xe, dye) = (block(&acts.x_local, d), block(&dy_local, d));
         let (g, u, a) = (
             block(&acts.gate, h),
             block(&acts.up, h),
@@ -340,8 +365,9 @@ pub fn backward<B: Backend>(
             count,
             &mut dxe,
         );
-        be.copy_range(&mut dx_sorted, from * d, &dxe, 0, count * d);
+        be.copy_range(&mut dx_local, from * d, &dxe, 0, count * d);
     }
+    let dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
     be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
     // The router: from the weights' gradient to the logits', then to its gate and the input.
     let dlogits = be.upload(&route_backward(&m.router, &acts.routing, &dweights));
@@ -363,6 +389,7 @@ pub fn backward<B: Backend>(
             dx,
         );
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -370,6 +397,7 @@ mod tests {
     use super::router::ScoreFunc;
     use super::*;
     use crate::backend::cpu::CpuBackend;
+    use crate::model::tensor_parallel::SingleRank;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -419,7 +447,7 @@ mod tests {
     fn objective(m: &MoeShapes, ids: &MoeIds, params: &[Vec<f32>], x: &[f32], r: &[f32]) -> f64 {
         let be = CpuBackend::new();
         let mut out = vec![0.0; x.len()];
-        forward(&be, m, ids, params, &x.to_vec(), &mut out, None);
+        forward(&be, m, ids, params, &x.to_vec(), &mut out, None, &SingleRank).unwrap();
         out.iter().zip(r).map(|(o, r)| *o as f64 * *r as f64).sum()
     }
 
@@ -441,7 +469,7 @@ mod tests {
                 .map(|_| rng.gen::<f32>() - 0.5)
                 .collect();
             let mut out = vec![0.0; x.len()];
-            let acts = forward(&be, &m, &ids, &params, &x, &mut out, None);
+            let acts = forward(&be, &m, &ids, &params, &x, &mut out, None, &SingleRank).unwrap();
             // Every expert gets tokens, so every expert's gradient is checked.
             assert!(
                 acts.routing.load(4).iter().all(|&l| l > 0),
@@ -450,7 +478,19 @@ mod tests {
             );
             let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
             let mut dx = vec![0.0; x.len()];
-            backward(&be, &m, &ids, &params, &mut grads, &acts, &x, &r, &mut dx);
+            backward(
+                &be,
+                &m,
+                &ids,
+                &params,
+                &mut grads,
+                &acts,
+                &x,
+                &r,
+                &mut dx,
+                &SingleRank,
+            )
+            .unwrap();
             let eps = 1e-3f32;
             let check = |name: &str, analytic: &[f32], perturb: &dyn Fn(usize, f32) -> f64| {
                 for i in (0..analytic.len()).step_by(3) {

@@ -1,0 +1,84 @@
+//! Expert parallelism: the all-to-alls that carry a mixture-of-experts layer's dispatched rows to
+//! their experts' ranks and back (the collectives behind `model::expert_parallel::
+//! ExpertParallelOps`).
+//!
+//! Each layer and direction costs two exchanges over the expert-parallel group: first the rows per
+//! expert (small, so every rank knows how many rows it will receive from each peer), then the rows
+//! themselves, of uneven sizes (`ProcessGroup::all_to_all`, with the group's timeout). The rows
+//! travel through the host on every backend (an NCCL all-to-all is not built yet); the time spent
+//! is counted, so `titan bench train` can report it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+
+use crate::backend::Backend;
+use crate::comm::group::ProcessGroup;
+use crate::model::expert_parallel::ExpertParallelOps;
+
+/// An expert-parallel group over the CPU transport.
+pub struct ExpertParallelGroup {
+    group: Arc<dyn ProcessGroup>,
+    /// Nanoseconds spent in the row all-to-alls since the group was made.
+    exchange_nanos: AtomicU64,
+}
+
+impl ExpertParallelGroup {
+    pub fn new(group: Arc<dyn ProcessGroup>) -> Self {
+        ExpertParallelGroup {
+            group,
+            exchange_nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Seconds this rank has spent exchanging rows (waiting for its peers included).
+    pub fn exchange_seconds(&self) -> f64 {
+        self.exchange_nanos.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+}
+
+impl<B: Backend> ExpertParallelOps<B> for ExpertParallelGroup {
+    fn degree(&self) -> usize {
+        self.group.size()
+    }
+
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    fn exchange_counts(&self, counts: &[usize]) -> Result<Vec<Vec<usize>>> {
+        let n = self.group.size();
+        let per = counts.len() / n;
+        // Exact in f32 up to 2^24 rows per expert.
+        let send: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+        let mut recv = vec![0.0f32; per * n];
+        self.group
+            .all_to_all(&send, &vec![per; n], &mut recv, &vec![per; n])?;
+        Ok(recv
+            .chunks(per.max(1))
+            .take(n)
+            .map(|c| c.iter().map(|&x| x as usize).collect())
+            .collect())
+    }
+
+    fn all_to_all_rows(
+        &self,
+        be: &B,
+        rows: B::Buf,
+        send: &[usize],
+        recv: &[usize],
+        width: usize,
+    ) -> Result<B::Buf> {
+        let start = Instant::now();
+        let input = be.download_owned(rows);
+        let scaled = |c: &[usize]| c.iter().map(|&r| r * width).collect::<Vec<usize>>();
+        let mut output = vec![0.0f32; recv.iter().sum::<usize>() * width];
+        self.group
+            .all_to_all(&input, &scaled(send), &mut output, &scaled(recv))?;
+        self.exchange_nanos
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(be.upload_owned(output))
+    }
+}
