@@ -41,9 +41,11 @@ pub struct Distributed {
     pub pp: Option<Arc<dyn ProcessGroup>>,
     /// Expert parallelism (`[parallelism] expert_parallel_degree` above 1): the ranks splitting
     /// the experts, and the ranks holding the same experts, which FSDP-shard them
-    /// (`DeviceMesh::expert_groups`).
+    /// (`DeviceMesh::expert_groups`); under HSDP, a replica group of the experts' own (the
+    /// `dp_replicate` ranks again: its collectives run on another queue than `replicate`'s).
     pub ep: Option<Arc<dyn ProcessGroup>>,
     pub expert_shard: Option<Arc<dyn ProcessGroup>>,
+    pub expert_replicate: Option<Arc<dyn ProcessGroup>>,
     /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of
     /// the dims in use; under HSDP or DDP each replica has one and replica 0's writes). None when
     /// checkpoints are written whole by rank 0 (one process or DDP, without TP or PP).
@@ -63,6 +65,7 @@ pub struct Distributed {
     tp_name: Option<String>,
     cp_name: Option<String>,
     expert_shard_name: Option<String>,
+    expert_replicate_name: Option<String>,
     writers_name: Option<String>,
     timeouts: (Duration, Duration),
     /// Restart generation: store keys of this run never meet a previous run's.
@@ -153,6 +156,14 @@ impl Distributed {
         } else {
             (None, None, None)
         };
+        let (expert_replicate, expert_replicate_name) = match &replicate {
+            Some(_) if ep_degree > 1 => {
+                let ranks = mesh.group_ranks(env.rank, &["dp_replicate"]);
+                let name = format!("expert_replicate[{}]-g{gen}", ranks[0]);
+                (Some(join_ranks(&ranks, &name)?), Some(name))
+            }
+            _ => (None, None),
+        };
         let (writers, writers_name) = match (&shard, &tp, &pp) {
             (None, None, None) => (None, None),
             (Some(s), None, None) => (Some(s.clone()), shard_name.clone()),
@@ -193,6 +204,7 @@ impl Distributed {
             pp,
             ep,
             expert_shard,
+            expert_replicate,
             writers,
             all,
             local_world_size: env.local_world_size,
@@ -203,6 +215,7 @@ impl Distributed {
             tp_name,
             cp_name,
             expert_shard_name,
+            expert_replicate_name,
             writers_name,
             timeouts: (init, op),
             generation: gen,
@@ -272,6 +285,10 @@ impl Distributed {
             MeshGroup::Tensor => (self.tp.as_ref(), self.tp_name.as_ref()),
             MeshGroup::Context => (self.cp.as_ref(), self.cp_name.as_ref()),
             MeshGroup::ExpertShard => (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
+            MeshGroup::ExpertReplicate => (
+                self.expert_replicate.as_ref(),
+                self.expert_replicate_name.as_ref(),
+            ),
         };
         let (Some(group), Some(name)) = (group, name) else {
             return Ok(None);
@@ -291,7 +308,7 @@ impl Distributed {
 
 /// A worker's groups that may get an NCCL communicator: every data-parallel rank, FSDP's shard
 /// group, HSDP's replica group, the tensor-parallel group, the context-parallel group, FSDP's
-/// shard group of the experts under expert parallelism.
+/// shard and replica groups of the experts under expert parallelism.
 #[derive(Debug, Clone, Copy)]
 pub enum MeshGroup {
     DataParallel,
@@ -300,6 +317,7 @@ pub enum MeshGroup {
     Tensor,
     Context,
     ExpertShard,
+    ExpertReplicate,
 }
 
 /// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through

@@ -71,10 +71,12 @@ struct ShardGroup<B: Backend> {
 }
 
 /// Expert parallelism's second shard group: the ranks holding the same experts, over which the
-/// experts this rank holds are sharded (`DeviceMesh::expert_groups`), and the queue for their
-/// collectives (None: the CPU transport's).
+/// experts this rank holds are sharded (`DeviceMesh::expert_groups`), under HSDP their replica
+/// group (its own connections: its queue runs beside the other), and the queue for their
+/// collectives (None: the CPU transport's over those groups).
 pub struct ExpertShards<B: Backend> {
     pub group: Arc<dyn ProcessGroup>,
+    pub replicate: Option<Arc<dyn ProcessGroup>>,
     pub queue: Option<Box<dyn CollectiveQueue<B>>>,
 }
 
@@ -182,10 +184,7 @@ impl<B: Backend> Fsdp<B> {
                 usize::from(experts.is_some() && expert && n > 0)
             })
             .collect();
-        let sizes = [
-            group.size(),
-            experts.as_ref().map_or(1, |e| e.group.size()),
-        ];
+        let sizes = [group.size(), experts.as_ref().map_or(1, |e| e.group.size())];
         let shard_len: Vec<usize> = numel
             .iter()
             .zip(&group_of)
@@ -211,7 +210,7 @@ impl<B: Backend> Fsdp<B> {
         }];
         if let Some(e) = experts {
             let queue = e.queue.unwrap_or_else(|| {
-                Box::new(HostQueue::new("FSDP experts", e.group.clone(), replicate))
+                Box::new(HostQueue::new("FSDP experts", e.group.clone(), e.replicate))
             });
             groups.push(ShardGroup {
                 group: e.group,

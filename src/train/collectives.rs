@@ -170,13 +170,13 @@ pub fn for_cuda(
         Box::new(NcclQueue::new("context parallel", cp, None))
             as Box<dyn CollectiveQueue<CudaBackend> + Send>
     });
-    // The experts' shard queue needs a replica communicator of its own under HSDP: one more
-    // communicator over the same ranks is not built yet, so HSDP's experts go through the host.
-    let expert_shard = match d.replicate {
-        None => d.nccl_group(MeshGroup::ExpertShard, be)?.map(|g| {
-            Box::new(NcclQueue::new("FSDP experts", g, None)) as Box<dyn CollectiveQueue<_>>
-        }),
-        Some(_) => None,
+    let expert_shard = match d.nccl_group(MeshGroup::ExpertShard, be)? {
+        Some(g) => {
+            let replicate = d.nccl_group(MeshGroup::ExpertReplicate, be)?;
+            Some(Box::new(NcclQueue::new("FSDP experts", g, replicate))
+                as Box<dyn CollectiveQueue<CudaBackend>>)
+        }
+        None => None,
     };
     if d.rank == 0 && !quiet {
         println!("collectives on the GPUs through NCCL ({} ranks)", d.world);

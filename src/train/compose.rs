@@ -325,6 +325,7 @@ pub fn compose_rank<B: Backend>(
         .and_then(|d| d.expert_shard.clone())
         .map(|group| ExpertShards {
             group,
+            replicate: dist.and_then(|d| d.expert_replicate.clone()),
             queue: device_comm.expert_shard,
         });
     let specs = model.param_specs();

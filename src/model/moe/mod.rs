@@ -447,7 +447,17 @@ mod tests {
     fn objective(m: &MoeShapes, ids: &MoeIds, params: &[Vec<f32>], x: &[f32], r: &[f32]) -> f64 {
         let be = CpuBackend::new();
         let mut out = vec![0.0; x.len()];
-        forward(&be, m, ids, params, &x.to_vec(), &mut out, None, &SingleRank).unwrap();
+        forward(
+            &be,
+            m,
+            ids,
+            params,
+            &x.to_vec(),
+            &mut out,
+            None,
+            &SingleRank,
+        )
+        .unwrap();
         out.iter().zip(r).map(|(o, r)| *o as f64 * *r as f64).sum()
     }
 

@@ -1,0 +1,174 @@
+//! Expert parallelism (`[parallelism] expert_parallel_degree`), real processes through the
+//! launcher on the tiny Qwen3-MoE (8 experts, top-2): per-step loss and gradient norm within 1e-5
+//! of one process under EP alone and composed with FSDP, HSDP, CP, PP, activation checkpointing
+//! and the expert bias; checkpoints resharded across EP degrees; bad settings refused by name.
+
+mod common;
+
+use common::{assert_layout_matches_one_process, assert_parity, losses, train};
+
+const MOE: &[&str] = &[
+    "--model.name",
+    "qwen3",
+    "--model.flavor",
+    "debugmodel_moe",
+    "--training.steps",
+    "10",
+];
+
+fn nproc(n: &'static str) -> [&'static str; 4] {
+    ["--nproc", n, "--master-port", "0"]
+}
+
+/// `parallel` (with `ep` as the EP degree) on `n` ranks against one process, both at the global
+/// batch `global` and the extra settings `extra`.
+fn check(what: &str, n: &'static str, global: &str, ep: &str, parallel: &[&str], extra: &[&str]) {
+    let single = [MOE, &["--training.global_batch_size", global][..], extra].concat();
+    let parallel = [&["--parallelism.expert_parallel_degree", ep][..], parallel].concat();
+    assert_layout_matches_one_process(what, &single, &nproc(n), &parallel, "rank 0 of");
+}
+
+#[test]
+fn ep_2_and_4_and_fsdp_2_with_ep_2_match_one_process() {
+    check("EP 2", "2", "4", "2", &[], &[]);
+    check("EP 4", "4", "8", "4", &[], &[]);
+    // Four shard ranks, experts split two ways and each half FSDP-sharded over two ranks.
+    check("FSDP 2 × EP 2", "4", "8", "2", &[], &[]);
+}
+
+#[test]
+fn ep_composes_with_hsdp_cp_and_pp() {
+    check(
+        "HSDP 2 × EP 2",
+        "4",
+        "8",
+        "2",
+        &[
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+        &[],
+    );
+    check(
+        "CP 2 × EP 2",
+        "2",
+        "2",
+        "2",
+        &["--parallelism.context_parallel_degree", "2"],
+        &[],
+    );
+    check(
+        "PP 2 × FSDP 2 × EP 2",
+        "4",
+        "4",
+        "2",
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+        &[],
+    );
+}
+
+#[test]
+fn ep_composes_with_full_ac_and_the_expert_bias() {
+    // Full AC recomputes the experts (and their all-to-alls) before each block's backward; the
+    // bias moves every rank's routing alike from the job's summed loads.
+    check(
+        "EP 2, full AC, load balancing",
+        "2",
+        "4",
+        "2",
+        &[],
+        &[
+            "--activation_checkpoint.mode",
+            "full",
+            "--model.load_balance_coeff",
+            "0.01",
+        ],
+    );
+}
+
+#[test]
+fn ep_checkpoints_reshard_across_degrees() {
+    let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {
+        let args = [
+            MOE,
+            &[
+                "--training.steps",
+                steps,
+                "--checkpoint.interval",
+                "3",
+                "--training.global_batch_size",
+                "8",
+            ][..],
+            parallel,
+        ]
+        .concat();
+        let o = train(dir, launcher, &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let ep = |d: &'static str| vec!["--parallelism.expert_parallel_degree", d];
+    // Steps 1-3 are the warm-up, the same whatever `steps` says; from there on every run is
+    // 6 steps long, so the learning rate decays alike.
+    let one = tempfile::tempdir().unwrap();
+    run(one.path(), "6", &[], &[]);
+    let reference = losses(one.path());
+    for (what, first, first_ep, then, then_ep) in [
+        ("EP 4 → EP 2", "4", "4", "2", "2"),
+        // The same layout reads its own shards as saved.
+        ("EP 2 → EP 2", "2", "2", "2", "2"),
+        ("FSDP 2 × EP 2 → one process", "4", "2", "1", "1"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        run(dir.path(), "3", &nproc(first), &ep(first_ep));
+        let launcher: &[&str] = if then == "1" { &[] } else { &nproc(then) };
+        run(dir.path(), "6", launcher, &ep(then_ep));
+        assert_parity(&reference, &losses(dir.path()), what);
+    }
+}
+
+#[test]
+fn bad_ep_settings_are_refused_naming_the_key() {
+    let refused = |launcher: &[&str], extra: &[&str], says: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let o = train(
+            dir.path(),
+            launcher,
+            &[&["--training.steps", "1"][..], extra].concat(),
+        );
+        assert!(!o.status.success(), "{extra:?} should be refused");
+        let err = String::from_utf8_lossy(&o.stderr);
+        for s in says {
+            assert!(err.contains(s), "{extra:?}: {err}");
+        }
+    };
+    let ep = |d: &'static str| [MOE, &["--parallelism.expert_parallel_degree", d][..]].concat();
+    // 8 experts do not split 3 ways.
+    refused(
+        &nproc("3"),
+        &ep("3"),
+        &["expert_parallel_degree = 3", "8 experts"],
+    );
+    // EP 4 borrows 4 ranks of dp_shard × cp; a world of 2 has 2.
+    refused(
+        &nproc("2"),
+        &ep("4"),
+        &["expert_parallel_degree = 4", "must divide"],
+    );
+    refused(
+        &[],
+        &ep("2"),
+        &["expert_parallel_degree = 2", "one process"],
+    );
+    // A dense model has no experts to split.
+    refused(
+        &nproc("2"),
+        &["--parallelism.expert_parallel_degree", "2"],
+        &["expert_parallel_degree = 2", "mixture-of-experts"],
+    );
+}
