@@ -1,7 +1,7 @@
 //! Expert parallelism (`[parallelism] expert_parallel_degree`), real processes through the
 //! launcher on the tiny Qwen3-MoE (8 experts, top-2): per-step loss and gradient norm within 1e-5
-//! of one process under EP alone and composed with FSDP, HSDP, CP, PP, activation checkpointing
-//! and the expert bias; checkpoints resharded across EP degrees; bad settings refused by name.
+//! of one process under EP alone and composed with FSDP, HSDP, TP, CP, PP, activation
+//! checkpointing and the expert bias; checkpoints resharded across EP degrees; bad settings refused by name.
 
 mod common;
 
@@ -71,6 +71,23 @@ fn ep_composes_with_hsdp_cp_and_pp() {
             "2",
         ],
         &[],
+    );
+}
+
+#[test]
+fn tp_2_alone_and_with_ep_2_match_one_process() {
+    // Each tensor-parallel rank routes its own sequence-parallel rows through experts it holds
+    // whole; the expert bias moves by the loads summed over the TP ranks too.
+    let bias = ["--model.load_balance_coeff", "0.01"];
+    let tp = ["--parallelism.tensor_parallel_degree", "2"];
+    check("TP 2 with the expert bias", "2", "2", "1", &tp, &bias);
+    check(
+        "TP 2 × EP 2 with the expert bias",
+        "4",
+        "4",
+        "2",
+        &tp,
+        &bias,
     );
 }
 

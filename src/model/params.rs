@@ -15,7 +15,6 @@ pub fn expert_of(name: &str) -> Option<usize> {
 /// Canonical (TorchTitan) names and shapes of a model's parameters, in storage order (Qwen3's
 /// QK-norm weights after each block's `wo`; a mixture-of-experts block's router, then each
 /// expert's and the shared experts' projections, in place of the feed-forward's).
-
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
     let mut specs = vec![(

@@ -252,8 +252,9 @@ impl<B: Backend> RankLayout<B> {
     }
 
     /// Tokens each mixture-of-experts block sent to each expert since the last call, summed over the
-    /// job (every rank calls this together: the ranks that split the batch and the sequences, and
-    /// the pipeline's, each holding its own blocks' counts). None for a dense model.
+    /// job (every rank calls this together: the ranks that split the batch and the sequences, the
+    /// tensor-parallel ranks, each routing its own rows, and the pipeline's, each holding its own
+    /// blocks' counts). None for a dense model.
     pub fn expert_load(&self) -> Result<Option<Vec<Vec<u64>>>> {
         let Some(load) = self.model.take_expert_load() else {
             return Ok(None);
@@ -261,8 +262,10 @@ impl<B: Backend> RankLayout<B> {
         let experts = load.first().map_or(0, Vec::len);
         // Exact in f32 up to 2^24 tokens per expert and step.
         let mut flat: Vec<f32> = load.iter().flatten().map(|&c| c as f32).collect();
+        // Tensor-parallel ranks route their own sequence-parallel rows.
         for g in [
             self.batch_group.as_deref(),
+            self.tp_group.as_deref(),
             self.pipeline.as_ref().map(|p| p.group()),
         ]
         .into_iter()

@@ -162,9 +162,6 @@ pub fn compose_rank<B: Backend>(
         None if ep_degree > 1 => bail!("[parallelism] expert_parallel_degree = {ep_degree} needs {ep_degree} ranks of data_parallel_shard_degree × context_parallel_degree; this job runs one process (launch it with --nproc)"),
         None => local,
     };
-    if local.tp > 1 && args.moe.is_some() {
-        bail!("[parallelism] tensor_parallel_degree = {} with a mixture-of-experts model ({} flavor {}) is not built yet: its experts are not split over tensor-parallel ranks; use FSDP, CP or PP", local.tp, cfg.model.name, cfg.model.flavor);
-    }
     let local_tokens = batch * local.local_seq(seq);
     if !local_tokens.is_multiple_of(local.tp) {
         bail!("[training] local_batch_size {batch} × seq_len {seq} / context_parallel_degree {} = {local_tokens} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", local.cp, local.tp);
