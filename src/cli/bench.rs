@@ -207,12 +207,14 @@ fn bench_on<B: Backend>(
     let mut times = Vec::new();
     let mut losses = Vec::new();
     let (mut exposed_at_warm, mut comm_at_warm, mut attention_at_warm) = (0.0, 0.0, 0.0);
+    let mut exchange_at_warm = 0.0;
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             on_warm();
             exposed_at_warm = layout.model.tp().exposed_comm_seconds();
             comm_at_warm = layout.model.tp().comm_seconds();
             attention_at_warm = layout.model.cp().attention_seconds();
+            exchange_at_warm = layout.model.ep().exchange_seconds();
             layout.pipeline_bubbles()?;
         }
         be.synchronize();
@@ -260,6 +262,7 @@ fn bench_on<B: Backend>(
     let per_step = |total: f64, at_warm: f64| (total - at_warm) / a.steps.max(1) as f64;
     let exposed_tp_s = per_step(layout.model.tp().exposed_comm_seconds(), exposed_at_warm);
     let comm_tp_s = per_step(layout.model.tp().comm_seconds(), comm_at_warm);
+    let exchange_ep_s = per_step(layout.model.ep().exchange_seconds(), exchange_at_warm);
     // Context parallel: every rank's attention time per step and peak memory (the load balance).
     let cp = layout.model.local.cp;
     let attention_s = per_step(layout.model.cp().attention_seconds(), attention_at_warm);
@@ -285,7 +288,8 @@ fn bench_on<B: Backend>(
     // Job-wide figures: the largest rank's memory, its estimate and its exposed TP communication.
     let peak_rss = peak_memory() as f64;
     let device_peak = be.device_peak_memory().map(|b| b as f64);
-    let [peak_rss, device_peak, estimate_bytes, exposed_tp_s, comm_tp_s] = match dist {
+    let [peak_rss, device_peak, estimate_bytes, exposed_tp_s, comm_tp_s, exchange_ep_s] = match dist
+    {
         Some(d) => {
             let mut v = [
                 peak_rss as f32,
@@ -293,6 +297,7 @@ fn bench_on<B: Backend>(
                 estimate.total() as f32,
                 exposed_tp_s as f32,
                 comm_tp_s as f32,
+                exchange_ep_s as f32,
             ];
             d.all.all_reduce(&mut v, ReduceOp::Max)?;
             v.map(f64::from)
@@ -303,6 +308,7 @@ fn bench_on<B: Backend>(
             estimate.total() as f64,
             exposed_tp_s,
             comm_tp_s,
+            exchange_ep_s,
         ],
     };
     if rank != 0 {
@@ -323,14 +329,19 @@ fn bench_on<B: Backend>(
     let mib = |b: f64| b / (1 << 20) as f64;
     let p = &cfg.parallelism;
     let tp = p.tensor_parallel_degree;
+    let ep = layout.model.local.ep;
     let layout_name = dist.map_or("one process".to_string(), |d| {
-        crate::comm::mesh::DIMS
+        let mut dims: Vec<String> = crate::comm::mesh::DIMS
             .iter()
             .zip(d.mesh.degrees)
             .filter(|(_, n)| *n > 1)
             .map(|(dim, n)| format!("{dim} {n}"))
-            .collect::<Vec<_>>()
-            .join(" × ")
+            .collect();
+        // Expert parallelism borrows its ranks from dp_shard × cp.
+        if ep > 1 {
+            dims.push(format!("(ep {ep})"));
+        }
+        dims.join(" × ")
     });
     let precision = &cfg.training.mixed_precision_param;
     let ac = cfg.activation_checkpoint.mode()?.describe();
@@ -352,6 +363,8 @@ fn bench_on<B: Backend>(
                 "pipeline_bubble_unit_cost": unit_bubble,
                 "pipeline_bubble_measured_per_rank": bubbles,
                 "context_parallel_degree": cp,
+                "expert_parallel_degree": ep,
+                "ep_all_to_all_ms_per_step": (ep > 1).then_some(exchange_ep_s * 1e3),
                 "moe_expert_load_max_over_mean": expert_balance,
                 "active_params": args.active_params(),
                 "cp_attention_s_per_step_per_rank": per_rank.as_ref().map(|(a, _)| a),
@@ -382,6 +395,12 @@ fn bench_on<B: Backend>(
         }
         if let Some(balance) = expert_balance {
             exposed += &format!(" | experts max/mean {balance:.2}");
+        }
+        if ep > 1 {
+            exposed += &format!(
+                " | EP all-to-all {:.1} ms/step (slowest rank)",
+                exchange_ep_s * 1e3
+            );
         }
         if let (Some((attention, peaks)), Some(spread)) = (&per_rank, attention_spread) {
             let ms: Vec<String> = attention

@@ -35,6 +35,12 @@ pub trait ExpertParallelOps<B: Backend>: Send + Sync {
         recv: &[usize],
         width: usize,
     ) -> Result<B::Buf>;
+
+    /// Seconds this rank has spent in the row all-to-alls since the group was made (waiting for
+    /// its peers included; 0 for one rank).
+    fn exchange_seconds(&self) -> f64 {
+        0.0
+    }
 }
 
 impl<B: Backend> ExpertParallelOps<B> for SingleRank {

@@ -556,6 +556,11 @@ impl<B: Backend> Llama<B> {
         self
     }
 
+    /// The expert-parallel group (degree 1 without expert parallelism).
+    pub fn ep(&self) -> &dyn ExpertParallelOps<B> {
+        self.ep.as_ref()
+    }
+
     /// The context-parallel group (degree 1 without context parallelism).
     pub fn cp(&self) -> &dyn ContextParallelOps<B> {
         self.cp.as_ref()

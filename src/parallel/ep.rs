@@ -32,11 +32,6 @@ impl ExpertParallelGroup {
             exchange_nanos: AtomicU64::new(0),
         }
     }
-
-    /// Seconds this rank has spent exchanging rows (waiting for its peers included).
-    pub fn exchange_seconds(&self) -> f64 {
-        self.exchange_nanos.load(Ordering::Relaxed) as f64 * 1e-9
-    }
 }
 
 impl<B: Backend> ExpertParallelOps<B> for ExpertParallelGroup {
@@ -80,5 +75,9 @@ impl<B: Backend> ExpertParallelOps<B> for ExpertParallelGroup {
         self.exchange_nanos
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(be.upload_owned(output))
+    }
+
+    fn exchange_seconds(&self) -> f64 {
+        self.exchange_nanos.load(Ordering::Relaxed) as f64 * 1e-9
     }
 }
