@@ -13,8 +13,10 @@
 //! gradient is each row's output dotted with the token's output gradient, and the router's is
 //! `router::route_backward`'s.
 //!
-//! Qwen3-MoE's blocks run this layer (`model::llama`, `FeedForwardIds::Moe`). Not built yet
-//! (issue 16): expert parallelism's all-to-all, the auxiliary loss, routing on the device.
+//! Under expert parallelism a rank holds some of the experts: the dispatched rows go to their
+//! experts' ranks and come back before the combine (`dispatch`, over `ExpertParallelOps`); with one
+//! rank nothing moves. Qwen3-MoE's blocks run this layer (`model::llama`, `FeedForwardIds::Moe`).
+//! Not built yet (issue 16): the auxiliary loss, routing on the device, grouped GEMMs.
 
 pub mod dispatch;
 pub mod router;
