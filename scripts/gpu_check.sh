@@ -97,6 +97,10 @@ stage cp_cuda 50 sh -c "'$BIN' train --nproc 2 $common --training.local_batch_si
 rm -rf "$OUT_DIR/moe_gpu" "$OUT_DIR/moe_cpu"
 moe="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name qwen3 --model.flavor debugmodel_moe --training.local_batch_size 4"
 stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_folder '$OUT_DIR/moe_gpu' && '$BIN' train $moe --training.device cpu --job.dump_folder '$OUT_DIR/moe_cpu'"
+# Expert parallelism on CUDA: 2 ranks (on one GPU: rows and collectives through the host), each
+# with 4 of the 8 experts and half the batch, against the one-process CPU run above.
+rm -rf "$OUT_DIR/ep2_gpu"
+stage ep_cuda 60 "$BIN" train --nproc 2 $moe --training.device cuda --training.local_batch_size 2 --parallelism.expert_parallel_degree 2 --job.dump_folder "$OUT_DIR/ep2_gpu"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -172,7 +176,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -314,6 +318,13 @@ def moe_report():
               f"({'ok' if diff <= 1e-3 else 'FAIL'})")
     else:
         print("Qwen3-MoE on CUDA: no result")
+    ep = curve("ep2_gpu")
+    if ep and cpu and len(ep) == len(cpu):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(ep, cpu))
+        print(f"Qwen3-MoE EP 2 on CUDA vs one CPU process, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
+              f"({'ok' if diff <= 1e-3 else 'FAIL'})")
+    else:
+        print("Qwen3-MoE EP 2 on CUDA: no result")
 for report in (resume_report, generate_report, fsdp_report, moe_report, bench_report, attention_report):
     section(report)
 PYEOF
