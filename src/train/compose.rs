@@ -199,7 +199,8 @@ pub fn compose_rank<B: Backend>(
     let collectives_on_device = device_reducer.is_some()
         || device_queue.is_some()
         || device_comm.tensor_parallel.is_some()
-        || device_comm.context_parallel.is_some();
+        || device_comm.context_parallel.is_some()
+        || device_comm.expert_shard.is_some();
     let ddp = dist
         .filter(|_| !fsdp_mode && dp_size > 1)
         .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));

@@ -12,14 +12,16 @@ use crate::model::{
     LocalShapes, ModelArgs,
 };
 
-/// Values of one tensor-parallel rank's parameters (of `tp`): all of them, and one block's.
-fn local_param_counts(args: &ModelArgs, tp: usize) -> (u64, u64) {
-    let specs = local_param_specs(args, tp);
+/// Values of one tensor-parallel rank's parameters (`m.tp`): all of them, and one block's as the
+/// rank gathers it (under expert parallelism, with its own experts only).
+fn local_param_counts(args: &ModelArgs, m: &LocalShapes) -> (u64, u64) {
+    let specs = local_param_specs(args, m.tp);
     let numel = |s: &(String, Vec<usize>)| s.1.iter().product::<usize>() as u64;
     let all = specs.iter().map(numel).sum();
+    // Under expert parallelism a block holds only this rank's experts when gathered.
     let block = specs
         .iter()
-        .filter(|s| s.0.starts_with("layers.0."))
+        .filter(|s| s.0.starts_with("layers.0.") && m.holds(&s.0))
         .map(numel)
         .sum();
     (all, block)
@@ -57,7 +59,7 @@ impl MemoryEstimate {
         seq: usize,
         plan: &ActivationPlan,
     ) -> Self {
-        let p = local_param_counts(args, m.tp).0 * 4;
+        let p = local_param_counts(args, m).0 * 4;
         MemoryEstimate {
             params: p,
             grads: p,
@@ -103,9 +105,20 @@ impl MemoryEstimate {
         blocks_gathered: usize,
         reduce_scatter_blocks: usize,
     ) -> Self {
-        let (all, block) = local_param_counts(args, m.tp);
+        let (all, block) = local_param_counts(args, m);
         let (all, block) = (all * 4, block * 4);
-        let outside_blocks = all - block * args.n_layers as u64;
+        // No expert lives outside the blocks; each rank's share of the experts' shards is the
+        // same with expert parallelism (`1 / ep` of them over `shard / ep` ranks) or without.
+        let whole_block = local_param_counts(
+            args,
+            &LocalShapes {
+                ep: 1,
+                ep_rank: 0,
+                ..*m
+            },
+        )
+        .1 * 4;
+        let outside_blocks = all - whole_block * args.n_layers as u64;
         let shard = shard.max(1) as u64;
         self.params = all.div_ceil(shard) + outside_blocks + blocks_gathered as u64 * block;
         self.grads =
