@@ -222,6 +222,22 @@ fn three_mut<T>(bufs: &mut [T], [a, b, c]: [usize; 3]) -> [&mut T; 3] {
         .expect("an expert's three parameters are distinct")
 }
 
+/// This rank's experts that got rows: each one's weights and its block of the experts' input
+/// (first row and row count).
+fn local_blocks<'a, B: Backend>(
+    ids: &'a MoeIds,
+    ep: &dyn ExpertParallelOps<B>,
+    dispatch: &'a Dispatch,
+) -> impl Iterator<Item = (&'a [usize; 3], usize, usize)> + 'a {
+    let first = ep.rank() * (ids.experts.len() / ep.degree());
+    dispatch
+        .offsets
+        .windows(2)
+        .zip(&ids.experts[first..])
+        .map(|(rows, w)| (w, rows[0], rows[1] - rows[0]))
+        .filter(|&(_, _, count)| count > 0)
+}
+
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
 /// expert bias that shifts the router's choice. This rank computes its experts (`ep`) on every
 /// rank's rows routed to them.
@@ -255,16 +271,7 @@ pub fn forward<B: Backend>(
         be.uninit(local_n * h),
         be.uninit(local_n * d),
     );
-    let first = ep.rank() * (e / ep.degree());
-    for (x_id, w) in ids.experts[first..first + dispatch.offsets.len() - 1]
-        .iter()
-        .enumerate()
-    {
-        let from = dispatch.offsets[x_id];
-        let count = dispatch.offsets[x_id + 1] - from;
-        if count == 0 {
-            continue;
-        }
+    for (w, from, count) in local_blocks(ids, ep, &dispatch) {
         let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
@@ -336,16 +343,7 @@ pub fn backward<B: Backend>(
     let dispatch = &acts.dispatch;
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
     let mut dx_local = be.zeros(dispatch.local_rows() * d);
-    let first = ep.rank() * (e / ep.degree());
-    for (x_id, w) in ids.experts[first..first + dispatch.offsets.len() - 1]
-        .iter()
-        .enumerate()
-    {
-        let from = dispatch.offsets[x_id];
-        let count = dispatch.offsets[x_id + 1] - from;
-        if count == 0 {
-            continue;
-        }
+    for (w, from, count) in local_blocks(ids, ep, dispatch) {
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
         let (xe, dye) = (block(&acts.x_local, d), block(&dy_local, d));
         let (g, u, a) = (
