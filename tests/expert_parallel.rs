@@ -110,6 +110,81 @@ fn ep_composes_with_full_ac_and_the_expert_bias() {
     );
 }
 
+/// The auxiliary loss is a mean over the step's sequences, so every layout reports it and
+/// trains with it alike: loss, grad norm and `moe_aux_loss` against one process.
+#[test]
+fn the_auxiliary_loss_is_the_same_under_every_layout() {
+    let aux = ["--model.router_aux_loss_coef", "0.01"];
+    let one = tempfile::tempdir().unwrap();
+    let single = |global: &'static str| {
+        [MOE, &aux[..], &["--training.global_batch_size", global][..]].concat()
+    };
+    let o = train(one.path(), &[], &single("4"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let reference = metric(one.path(), "moe_aux_loss");
+    assert_eq!(reference.len(), 10);
+    // Two blocks of coefficient 0.01: at least 0.02 (perfect balance), at most 0.02 · 8 / 2.
+    assert!(
+        reference.iter().all(|(_, a)| (0.02..=0.08).contains(a)),
+        "{reference:?}"
+    );
+    for (what, n, parallel) in [
+        (
+            "EP 2",
+            "2",
+            vec!["--parallelism.expert_parallel_degree", "2"],
+        ),
+        (
+            "TP 2 × EP 2",
+            "4",
+            vec![
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ],
+        ),
+        (
+            "CP 2 × EP 2 (4 sequences over 2 ranks each)",
+            "4",
+            vec![
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ],
+        ),
+        (
+            "PP 2 (accumulation over micro-batches)",
+            "2",
+            vec!["--parallelism.pipeline_parallel_degree", "2"],
+        ),
+    ] {
+        let many = tempfile::tempdir().unwrap();
+        let local = if what.starts_with("PP") { "4" } else { "2" };
+        let args = [
+            &single("4")[..],
+            &parallel,
+            &["--training.local_batch_size", local][..],
+        ]
+        .concat();
+        let o = train(many.path(), &nproc(n), &args);
+        assert!(
+            o.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_parity(&losses(one.path()), &losses(many.path()), what);
+        for key in ["grad_norm", "moe_aux_loss"] {
+            assert_parity(
+                &metric(one.path(), key),
+                &metric(many.path(), key),
+                &format!("{what} ({key})"),
+            );
+        }
+    }
+}
+
 #[test]
 fn validation_under_ep_equals_one_process() {
     // Validation's forward sends its rows to the experts' ranks too.

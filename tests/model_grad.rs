@@ -81,8 +81,20 @@ fn check_model_with(args: ModelArgs, tied: bool, eps: f64) {
         )
         .unwrap();
     assert!(loss.sum.is_finite());
+    // With the MoE auxiliary loss the objective is the language model's loss plus it (which only
+    // a backward reports): the finite differences run whole steps on a scratch gradient set.
+    let aux = args.moe.and_then(|m| m.aux_loss_coef).is_some();
+    model.take_aux_loss();
+    let mut scratch = ParamSet::zeros(&be, &model.param_specs());
     let mut loss_at = |params: &ParamSet<CpuBackend>| {
-        model.loss(&be, params, &mut ws, &tokens).unwrap().sum / n_targets
+        if !aux {
+            return model.loss(&be, params, &mut ws, &tokens).unwrap().sum / n_targets;
+        }
+        let lm = model
+            .forward_backward(&be, params, &mut scratch, &mut ws, &tokens, 1.0)
+            .unwrap()
+            .sum;
+        lm / n_targets + model.take_aux_loss().expect("an auxiliary loss")
     };
     for i in 0..params.len() {
         let g = &grads.bufs[i];
@@ -166,6 +178,7 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         shared_hidden: None,
         router,
         load_balance_coeff: None,
+        aux_loss_coef: None,
     };
     check_model(
         ModelArgs {
@@ -191,4 +204,18 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         },
         true,
     );
+    // The sequence-wise auxiliary loss (large, so its share of each gradient is visible), over
+    // both score functions.
+    for m in [moe, sigmoid] {
+        check_model(
+            ModelArgs {
+                moe: Some(MoeArgs {
+                    aux_loss_coef: Some(0.5),
+                    ..m
+                }),
+                ..qwen3_args(false)
+            },
+            false,
+        );
+    }
 }

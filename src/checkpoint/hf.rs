@@ -387,6 +387,7 @@ fn moe_from_hf(cfg: &Value, file: &Path) -> Result<crate::model::moe::MoeArgs> {
         hidden: get_usize(cfg, "moe_intermediate_size", file)?,
         shared_hidden: None,
         load_balance_coeff: None,
+        aux_loss_coef: None,
         router: RouterArgs {
             // Current transformers writes `num_local_experts`, earlier `num_experts`.
             num_experts: get_usize(cfg, "num_local_experts", file)

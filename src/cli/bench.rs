@@ -247,8 +247,8 @@ fn bench_on<B: Backend>(
     }
     let timed_s: f64 = times.iter().sum();
     // Mixture of experts: the least balanced block's busiest expert over the mean, all steps.
-    let expert_balance = layout.expert_load()?.map(|load| {
-        crate::train::metrics::ExpertLoad::of(&load)
+    let expert_balance = layout.moe_step_stats()?.map(|load| {
+        crate::train::metrics::ExpertLoad::of(&load.load)
             .iter()
             .map(|l| l.max_over_mean)
             .fold(0.0, f64::max)

@@ -278,6 +278,9 @@ pub struct ModelConfig {
     /// Mixture-of-experts models: auxiliary-loss-free load balancing, the step of the expert
     /// bias after each step (TorchTitan's `load_balance_coeff`; absent: none).
     pub load_balance_coeff: Option<f32>,
+    /// Mixture-of-experts models: the sequence-wise auxiliary balance loss's coefficient (the
+    /// name Hugging Face configs use; absent: none).
+    pub router_aux_loss_coef: Option<f32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -392,6 +395,7 @@ impl Default for ModelConfig {
             rope_theta: None,
             norm_eps: None,
             load_balance_coeff: None,
+            router_aux_loss_coef: None,
         }
     }
 }
@@ -806,6 +810,12 @@ impl Config {
             match a.moe.as_mut() {
                 Some(moe) => moe.load_balance_coeff = Some(c),
                 None => bail!("[model] load_balance_coeff = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
+        }
+        if let Some(c) = m.router_aux_loss_coef {
+            match a.moe.as_mut() {
+                Some(moe) => moe.aux_loss_coef = Some(c),
+                None => bail!("[model] router_aux_loss_coef = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
             }
         }
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;

@@ -41,11 +41,12 @@ impl ModelArgs {
     /// `max_seq_len`, which only bounds the RoPE tables and the sequences (not part of a
     /// model's identity: a checkpoint of one trains or generates at another).
     pub fn same_model(&self, other: &ModelArgs) -> bool {
-        // Load balancing's coefficient is a training setting, not part of the function either.
+        // Load balancing's coefficients are training settings, not part of the function either.
         let plain = |a: &ModelArgs| {
             let mut a = a.clone();
             if let Some(moe) = a.moe.as_mut() {
                 moe.load_balance_coeff = None;
+                moe.aux_loss_coef = None;
             }
             a.max_seq_len = 0;
             a
@@ -160,6 +161,7 @@ impl ModelArgs {
             hidden,
             shared_hidden: None,
             load_balance_coeff: None,
+            aux_loss_coef: None,
             router: RouterArgs {
                 num_experts: experts,
                 top_k,

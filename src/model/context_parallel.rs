@@ -89,6 +89,12 @@ pub trait ContextParallelOps<B: Backend>: Send + Sync {
     fn attention_seconds(&self) -> f64 {
         0.0
     }
+
+    /// Sums per-sequence figures over the group, whose ranks hold the other rows of the same
+    /// sequences (the MoE auxiliary loss's counts); nothing to do for one rank.
+    fn sum_over_group(&self, _values: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl<B: Backend> ContextParallelOps<B> for SingleRank {

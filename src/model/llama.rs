@@ -480,6 +480,13 @@ pub struct Llama<B: Backend> {
     /// Each mixture-of-experts block's routing bias (`load_balance_coeff`; empty without), moved
     /// after every step by `update_expert_bias`.
     expert_bias: std::sync::Mutex<Vec<Vec<f32>>>,
+    /// The auxiliary loss (`aux_loss_coef`) since `take_aux_loss`: this rank's share of
+    /// `coef · Σ_blocks Σ_sequences L_b`, counted in the backward like the expert load (a sequence
+    /// spread over TP and CP ranks adds `1 / (tp · cp)` on each).
+    aux_loss: std::sync::Mutex<f64>,
+    /// Sequences in an optimizer step over the whole job (the global batch): the auxiliary loss is
+    /// a mean over them.
+    sequences_per_step: usize,
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
@@ -526,6 +533,8 @@ impl<B: Backend> Llama<B> {
             ep: Arc::new(SingleRank),
             expert_load: std::sync::Mutex::new(expert_load),
             expert_bias: std::sync::Mutex::new(expert_bias),
+            aux_loss: std::sync::Mutex::new(0.0),
+            sequences_per_step: 1,
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
@@ -554,6 +563,51 @@ impl<B: Backend> Llama<B> {
         );
         self.ep = ep;
         self
+    }
+
+    /// This model in a job whose optimizer steps take `sequences` sequences (the global batch):
+    /// the MoE auxiliary loss is their mean.
+    pub fn with_sequences_per_step(mut self, sequences: usize) -> Self {
+        self.sequences_per_step = sequences.max(1);
+        self
+    }
+
+    /// The MoE auxiliary loss's share this rank has added since the last call (`Σ` over the
+    /// job's ranks, divided by nothing more: it is already a mean over the step's sequences), and
+    /// zeroes it. None without an auxiliary loss.
+    pub fn take_aux_loss(&self) -> Option<f64> {
+        self.args.moe.as_ref()?.aux_loss_coef?;
+        let mut aux = self.aux_loss.lock().unwrap_or_else(|e| e.into_inner());
+        Some(std::mem::take(&mut *aux))
+    }
+
+    /// With the auxiliary loss: which sequence each of this rank's rows of a block's forward
+    /// belongs to (its sequence-parallel rows under TP; its shard of each under CP), and the sum
+    /// of per-sequence figures over the TP and CP ranks sharing them.
+    fn sequence_rows<'a>(
+        &self,
+        batch: usize,
+        seq: usize,
+        sum: &'a (dyn Fn(&mut [f32]) -> Result<()> + 'a),
+    ) -> Option<moe::aux_loss::SequenceRows<'a>> {
+        self.args.moe.as_ref()?.aux_loss_coef?;
+        let rows = self.local.rows(batch * seq);
+        let first = self.local.tp_rank * rows;
+        Some(moe::aux_loss::SequenceRows {
+            seq_of: (first..first + rows).map(|r| (r / seq) as u32).collect(),
+            sequences: batch,
+            sum,
+        })
+    }
+
+    /// Sums host figures over the TP and CP ranks (every one of them calls this together).
+    fn sum_over_sequence_ranks(&self, be: &B, values: &mut [f32]) -> Result<()> {
+        if self.local.tp > 1 {
+            let mut buf = be.upload(values);
+            self.tp.all_reduce_sum(be, &mut buf)?;
+            values.copy_from_slice(&be.download(&buf));
+        }
+        self.cp.sum_over_group(values)
     }
 
     /// The expert-parallel group (degree 1 without expert parallelism).
@@ -1046,6 +1100,7 @@ impl<B: Backend> Llama<B> {
                 be.copy_from(out, acts.h);
                 let shapes = self.moe_shapes()?;
                 let bias = self.block_expert_bias(l);
+                let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
                 let moe_acts = moe::forward(
                     be,
                     &shapes,
@@ -1055,6 +1110,7 @@ impl<B: Backend> Llama<B> {
                     out,
                     bias.as_deref(),
                     self.ep.as_ref(),
+                    self.sequence_rows(b, s, &sum),
                 )?;
                 // A block that keeps only its input recomputes its experts before its backward.
                 let keep = experts_kept == ExpertActs::ForBackward || save != BlockSave::Input;
@@ -1344,6 +1400,16 @@ impl<B: Backend> Llama<B> {
                         load[l][e as usize] += 1;
                     }
                 }
+                let aux_scale = match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
+                    (Some(stats), Some(coef)) => {
+                        let share = (self.local.tp * self.local.cp) as f64;
+                        let value: f64 = stats.values.iter().map(|&v| v as f64).sum();
+                        *self.aux_loss.lock().unwrap_or_else(|e| e.into_inner()) +=
+                            coef as f64 * value / self.sequences_per_step as f64 / share;
+                        coef / self.sequences_per_step as f32
+                    }
+                    _ => 0.0,
+                };
                 be.fill(&mut ws.dnormed, 0.0);
                 let shapes = self.moe_shapes()?;
                 moe::backward(
@@ -1357,6 +1423,7 @@ impl<B: Backend> Llama<B> {
                     &ws.dx,
                     &mut ws.dnormed,
                     self.ep.as_ref(),
+                    aux_scale,
                 )?;
             }
         }
@@ -1561,6 +1628,7 @@ impl<B: Backend> Llama<B> {
                         &mut x,
                         bias.as_deref(),
                         self.ep.as_ref(),
+                        None,
                     )?;
                 }
             }

@@ -345,6 +345,11 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         self.group.size()
     }
 
+    fn sum_over_group(&self, values: &mut [f32]) -> Result<()> {
+        self.group
+            .all_reduce(values, crate::comm::group::ReduceOp::Sum)
+    }
+
     fn attention_forward(
         &self,
         be: &B,

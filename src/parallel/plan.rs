@@ -23,6 +23,14 @@ use crate::model::llama::BlockGradHook;
 use crate::model::params::TpSharding;
 use crate::model::{Llama, ParamSet, Workspace};
 
+/// A mixture-of-experts model's figures of a step, summed over the job.
+pub struct MoeStepStats {
+    /// Tokens each block sent to each expert (`[layer][expert]`).
+    pub load: Vec<Vec<u64>>,
+    /// The auxiliary loss (`router_aux_loss_coef`), when the model has one.
+    pub aux_loss: Option<f64>,
+}
+
 /// Where this rank's weights and gradients live.
 pub enum ParamState<B: Backend> {
     /// The whole (tensor-parallel rank's) model: one process, or DDP with `ddp`. With bf16 mixed
@@ -251,17 +259,20 @@ impl<B: Backend> RankLayout<B> {
         Ok((sum, count))
     }
 
-    /// Tokens each mixture-of-experts block sent to each expert since the last call, summed over the
-    /// job (every rank calls this together: the ranks that split the batch and the sequences, the
+    /// Tokens each mixture-of-experts block sent to each expert since the last call, and the
+    /// auxiliary loss, summed over the job (every rank calls this together: the ranks that split the batch and the sequences, the
     /// tensor-parallel ranks, each routing its own rows, and the pipeline's, each holding its own
     /// blocks' counts). None for a dense model.
-    pub fn expert_load(&self) -> Result<Option<Vec<Vec<u64>>>> {
+    pub fn moe_step_stats(&self) -> Result<Option<MoeStepStats>> {
         let Some(load) = self.model.take_expert_load() else {
             return Ok(None);
         };
+        let aux = self.model.take_aux_loss();
         let experts = load.first().map_or(0, Vec::len);
         // Exact in f32 up to 2^24 tokens per expert and step.
         let mut flat: Vec<f32> = load.iter().flatten().map(|&c| c as f32).collect();
+        // The auxiliary loss's share rides along (summed likewise: every rank adds its own).
+        flat.extend(aux.map(|a| a as f32));
         // Tensor-parallel ranks route their own sequence-parallel rows.
         for g in [
             self.batch_group.as_deref(),
@@ -273,11 +284,14 @@ impl<B: Backend> RankLayout<B> {
         {
             g.all_reduce(&mut flat, ReduceOp::Sum)?;
         }
-        Ok(Some(
-            flat.chunks(experts.max(1))
+        let aux_loss = aux.map(|_| flat.pop().unwrap_or(0.0) as f64);
+        Ok(Some(MoeStepStats {
+            load: flat
+                .chunks(experts.max(1))
                 .map(|l| l.iter().map(|&c| c.round() as u64).collect())
                 .collect(),
-        ))
+            aux_loss,
+        }))
     }
 
     /// The step's gradients as the optimizer reads them (FSDP: this rank's shards).

@@ -318,7 +318,8 @@ pub fn compose_rank<B: Backend>(
     let model = match &ep_group {
         Some(g) => model.with_expert_parallel(Arc::new(ExpertParallelGroup::new(g.clone()))),
         None => model,
-    };
+    }
+    .with_sequences_per_step(global_batch);
     let expert_shards = dist
         .and_then(|d| d.expert_shard.clone())
         .map(|group| ExpertShards {

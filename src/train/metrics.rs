@@ -29,6 +29,10 @@ pub struct StepMetrics {
     /// Mixture-of-experts models: each block's tokens per expert over the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe_expert_load: Option<Vec<ExpertLoad>>,
+    /// Mixture-of-experts models with `router_aux_loss_coef`: the step's auxiliary loss (not in
+    /// `loss`, which stays the language model's; the gradients carry both).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe_aux_loss: Option<f64>,
 }
 
 /// One mixture-of-experts block's expert load over a step.
@@ -67,6 +71,10 @@ impl StepMetrics {
             let worst = l.iter().map(|x| x.max_over_mean).fold(0.0, f64::max);
             format!(" | experts max/mean {worst:.2}")
         });
+        let experts = match self.moe_aux_loss {
+            Some(aux) => format!("{experts} | aux loss {aux:.5}"),
+            None => experts,
+        };
         format!(
             "step {:>5} | loss {:>8.4} | grad_norm {:>7.3} | lr {:.2e} | tok/s {:>8.0} | TFLOP/s {:>6.3} | MFU {:>5.1}% | step {:>6.3}s | data {:>4.1}% | mem {:>6.0} MiB{experts}",
             self.step,
@@ -119,6 +127,9 @@ impl MetricsLogger {
                     ("memory/peak_bytes", m.peak_memory_bytes as f64),
                 ],
             )?;
+            if let Some(aux) = m.moe_aux_loss {
+                tb.scalars(m.step, &[("moe/aux_loss", aux)])?;
+            }
             for l in m.moe_expert_load.iter().flatten() {
                 tb.scalars(
                     m.step,

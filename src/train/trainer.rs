@@ -357,9 +357,9 @@ fn train_on<B: Backend>(
             };
             bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {keep}. Lower [optimizer] lr or set [training] max_norm");
         }
-        let expert_load = layout.expert_load()?;
-        if let Some(load) = &expert_load {
-            layout.model.update_expert_bias(load);
+        let moe = layout.moe_step_stats()?;
+        if let Some(m) = &moe {
+            layout.model.update_expert_bias(&m.load);
         }
         let step_time = t0.elapsed().as_secs_f64();
         losses.push((step, loss));
@@ -378,7 +378,8 @@ fn train_on<B: Backend>(
             step_time_s: step_time,
             data_time_pct: 100.0 * data_time / step_time,
             peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
-            moe_expert_load: expert_load.as_deref().map(ExpertLoad::of),
+            moe_expert_load: moe.as_ref().map(|m| ExpertLoad::of(&m.load)),
+            moe_aux_loss: moe.as_ref().and_then(|m| m.aux_loss),
         };
         if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
             if let Some(logger) = &mut logger {

@@ -16,8 +16,10 @@
 //! Under expert parallelism a rank holds some of the experts: the dispatched rows go to their
 //! experts' ranks and come back before the combine (`dispatch`, over `ExpertParallelOps`); with one
 //! rank nothing moves. Qwen3-MoE's blocks run this layer (`model::llama`, `FeedForwardIds::Moe`).
-//! Not built yet (issue 16): the auxiliary loss, routing on the device, grouped GEMMs.
+//! The sequence-wise auxiliary balance loss is `aux_loss`. Not built yet (issue 16): routing on
+//! the device, grouped GEMMs.
 
+pub mod aux_loss;
 pub mod dispatch;
 pub mod router;
 
@@ -27,6 +29,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::Backend;
 use crate::model::expert_parallel::ExpertParallelOps;
 use crate::model::linear::Linear;
+use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
 use router::{route, route_backward, RouterArgs, Routing};
 
@@ -42,6 +45,10 @@ pub struct MoeArgs {
     /// much toward the mean load (TorchTitan's `load_balance_coeff`); None: no bias.
     #[serde(default)]
     pub load_balance_coeff: Option<f32>,
+    /// The sequence-wise auxiliary balance loss's coefficient (`aux_loss`; Hugging Face's
+    /// `router_aux_loss_coef`); None: no auxiliary loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss_coef: Option<f32>,
 }
 
 impl MoeArgs {
@@ -53,6 +60,13 @@ impl MoeArgs {
             if !(c.is_finite() && c > 0.0) {
                 anyhow::bail!(
                     "[model] load_balance_coeff = {c} must be positive (or absent: no expert bias)"
+                );
+            }
+        }
+        if let Some(c) = self.aux_loss_coef {
+            if !(c.is_finite() && c > 0.0) {
+                anyhow::bail!(
+                    "[model] router_aux_loss_coef = {c} must be positive (or absent: no auxiliary loss)"
                 );
             }
         }
@@ -130,6 +144,8 @@ pub struct MoeActs<B: Backend> {
     y: B::Buf,
     /// The shared experts' gate, up and SwiGLU output `[tokens, shared_hidden]`.
     shared: Option<[B::Buf; 3]>,
+    /// The auxiliary loss's per-sequence figures (with `aux_loss_coef`).
+    pub aux: Option<AuxStats>,
 }
 
 /// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
@@ -240,7 +256,8 @@ fn local_blocks<'a, B: Backend>(
 
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
 /// expert bias that shifts the router's choice. This rank computes its experts (`ep`) on every
-/// rank's rows routed to them.
+/// rank's rows routed to them. With `sequences` (the auxiliary loss), the per-sequence figures of
+/// the auxiliary loss are kept for the backward.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<B: Backend>(
     be: &B,
@@ -251,12 +268,17 @@ pub fn forward<B: Backend>(
     out: &mut B::Buf,
     bias: Option<&[f32]>,
     ep: &dyn ExpertParallelOps<B>,
+    sequences: Option<SequenceRows>,
 ) -> Result<MoeActs<B>> {
     let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
     let tokens = be.len(x) / d;
     let mut logits = be.uninit(tokens * e);
     Linear::new(d, e).forward(be, &mut logits, x, &params[ids.router], tokens);
     let routing = route(&m.router, &be.download(&logits), bias);
+    let aux = match sequences {
+        Some(rows) => Some(aux_loss::forward(&m.router, &routing, rows)?),
+        None => None,
+    };
     let (rows, slots, offsets) = dispatch_order(&routing, e);
     let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
     let dispatch = Dispatch::plan(ep, &counts)?;
@@ -303,12 +325,14 @@ pub fn forward<B: Backend>(
         act,
         y,
         shared,
+        aux,
     })
 }
 
 /// The layer's backward: adds the parameters' gradients into `grads` (this rank's experts' from
 /// every rank's rows routed to them) and `dx += ∂L/∂x` for the output gradient `dout`
-/// (`[tokens, dim]`).
+/// (`[tokens, dim]`), plus, when the forward kept its figures, the gradient of `aux_scale ·
+/// Σ_sequences L_b` (the auxiliary loss's share of this block).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<B: Backend>(
     be: &B,
@@ -321,6 +345,7 @@ pub fn backward<B: Backend>(
     dout: &B::Buf,
     dx: &mut B::Buf,
     ep: &dyn ExpertParallelOps<B>,
+    aux_scale: f32,
 ) -> Result<()> {
     let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
     let tokens = be.len(x) / d;
@@ -370,7 +395,16 @@ pub fn backward<B: Backend>(
     let dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
     be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
     // The router: from the weights' gradient to the logits', then to its gate and the input.
-    let dlogits = be.upload(&route_backward(&m.router, &acts.routing, &dweights));
+    let aux_grads = acts
+        .aux
+        .as_ref()
+        .map(|a| aux_loss::score_grads(&m.router, a, aux_scale));
+    let dlogits = be.upload(&route_backward(
+        &m.router,
+        &acts.routing,
+        &dweights,
+        aux_grads.as_deref(),
+    ));
     let gate = Linear::new(d, e);
     gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
     gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
@@ -443,11 +477,24 @@ mod tests {
         }
     }
 
-    /// Σ out ⊙ r for the layer at `params` on `x`.
+    /// The auxiliary loss's weight in the objective of the gradient check.
+    const AUX_SCALE: f32 = 0.7;
+
+    /// Three sequences of three tokens, on one rank.
+    fn three_sequences<'a>(sum: &'a (dyn Fn(&mut [f32]) -> Result<()> + 'a)) -> SequenceRows<'a> {
+        SequenceRows {
+            seq_of: (0..9).map(|t| t / 3).collect(),
+            sequences: 3,
+            sum,
+        }
+    }
+
+    /// Σ out ⊙ r + AUX_SCALE · Σ_b L_b for the layer at `params` on `x`.
     fn objective(m: &MoeShapes, ids: &MoeIds, params: &[Vec<f32>], x: &[f32], r: &[f32]) -> f64 {
         let be = CpuBackend::new();
         let mut out = vec![0.0; x.len()];
-        forward(
+        let nothing = |_: &mut [f32]| Ok(());
+        let acts = forward(
             &be,
             m,
             ids,
@@ -456,9 +503,15 @@ mod tests {
             &mut out,
             None,
             &SingleRank,
+            Some(three_sequences(&nothing)),
         )
         .unwrap();
-        out.iter().zip(r).map(|(o, r)| *o as f64 * *r as f64).sum()
+        let aux: f64 = acts.aux.unwrap().values.iter().map(|&v| v as f64).sum();
+        out.iter()
+            .zip(r)
+            .map(|(o, r)| *o as f64 * *r as f64)
+            .sum::<f64>()
+            + AUX_SCALE as f64 * aux
     }
 
     #[test]
@@ -479,7 +532,19 @@ mod tests {
                 .map(|_| rng.gen::<f32>() - 0.5)
                 .collect();
             let mut out = vec![0.0; x.len()];
-            let acts = forward(&be, &m, &ids, &params, &x, &mut out, None, &SingleRank).unwrap();
+            let nothing = |_: &mut [f32]| Ok(());
+            let acts = forward(
+                &be,
+                &m,
+                &ids,
+                &params,
+                &x,
+                &mut out,
+                None,
+                &SingleRank,
+                Some(three_sequences(&nothing)),
+            )
+            .unwrap();
             // Every expert gets tokens, so every expert's gradient is checked.
             assert!(
                 acts.routing.load(4).iter().all(|&l| l > 0),
@@ -499,6 +564,7 @@ mod tests {
                 &r,
                 &mut dx,
                 &SingleRank,
+                AUX_SCALE,
             )
             .unwrap();
             let eps = 1e-3f32;

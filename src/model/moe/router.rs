@@ -165,9 +165,15 @@ pub fn route(args: &RouterArgs, logits: &[f32], bias: Option<&[f32]>) -> Routing
 }
 
 /// The gradient of the logits from the gradient of the routing weights (`dweights`, one per
-/// token and choice): through the renormalisation, the scale and the score function. The choice
-/// itself is piecewise constant and has none.
-pub fn route_backward(args: &RouterArgs, routing: &Routing, dweights: &[f32]) -> Vec<f32> {
+/// token and choice) and, with the auxiliary loss, of the normalised scores (`aux_grads`,
+/// `[tokens, experts]`): through the renormalisation, the scale and the score function. The
+/// choice itself is piecewise constant and has none.
+pub fn route_backward(
+    args: &RouterArgs,
+    routing: &Routing,
+    dweights: &[f32],
+    aux_grads: Option<&[f32]>,
+) -> Vec<f32> {
     let (e, k) = (args.num_experts, args.top_k);
     let tokens = routing.scores.len() / e;
     let mut dlogits = vec![0.0f32; tokens * e];
@@ -192,6 +198,9 @@ pub fn route_backward(args: &RouterArgs, routing: &Routing, dweights: &[f32]) ->
             for (&x, &d) in chosen.iter().zip(dw) {
                 dscores[x as usize] += args.route_scale * d;
             }
+        }
+        if let Some(g) = aux_grads {
+            super::aux_loss::unnormalise_grad(args, s, &g[t * e..(t + 1) * e], &mut dscores);
         }
         let dl = &mut dlogits[t * e..(t + 1) * e];
         match args.score_func {
@@ -292,7 +301,7 @@ mod tests {
         ] {
             let a = args(f, norm);
             let r = route(&a, &logits, None);
-            let dl = route_backward(&a, &r, &dw);
+            let dl = route_backward(&a, &r, &dw, None);
             let objective = |l: &[f32]| -> f64 {
                 let r2 = route(&a, l, None);
                 assert_eq!(r2.experts, r.experts, "the choice must not move");
