@@ -89,6 +89,27 @@ fn tp_2_alone_and_with_ep_2_match_one_process() {
         &tp,
         &bias,
     );
+    // Shared experts are the block's SwiGLU: column- then row-parallel like a dense
+    // feed-forward, and recomputed like one under activation checkpointing.
+    for ac in [
+        &["--activation_checkpoint.mode", "full"][..],
+        &[
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ] {
+        let shared = [&["--model.moe_shared_hidden", "32"][..], ac].concat();
+        check(
+            &format!("TP 2 × EP 2 with TP-sharded shared experts, {ac:?}"),
+            "4",
+            "4",
+            "2",
+            &tp,
+            &shared,
+        );
+    }
 }
 
 #[test]

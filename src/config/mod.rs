@@ -281,6 +281,9 @@ pub struct ModelConfig {
     /// Mixture-of-experts models: the sequence-wise auxiliary balance loss's coefficient (the
     /// name Hugging Face configs use; absent: none).
     pub router_aux_loss_coef: Option<f32>,
+    /// Mixture-of-experts models: the hidden width of shared experts every token goes through
+    /// besides its routed ones (DeepSeek-V3's; absent: the flavor's, none for Qwen3-MoE).
+    pub moe_shared_hidden: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -396,6 +399,7 @@ impl Default for ModelConfig {
             norm_eps: None,
             load_balance_coeff: None,
             router_aux_loss_coef: None,
+            moe_shared_hidden: None,
         }
     }
 }
@@ -810,6 +814,12 @@ impl Config {
             match a.moe.as_mut() {
                 Some(moe) => moe.load_balance_coeff = Some(c),
                 None => bail!("[model] load_balance_coeff = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
+        }
+        if let Some(h) = m.moe_shared_hidden {
+            match a.moe.as_mut() {
+                Some(moe) => moe.shared_hidden = Some(h),
+                None => bail!("[model] moe_shared_hidden = {h} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
             }
         }
         if let Some(c) = m.router_aux_loss_coef {

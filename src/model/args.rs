@@ -196,6 +196,15 @@ impl ModelArgs {
         })
     }
 
+    /// Hidden width of the block's SwiGLU: the dense feed-forward's, or a mixture of experts'
+    /// shared experts' (0 without).
+    pub fn swiglu_hidden(&self) -> usize {
+        match &self.moe {
+            Some(moe) => moe.shared_hidden.unwrap_or(0),
+            None => self.ffn_hidden,
+        }
+    }
+
     /// Width of each attention head.
     pub fn head_dim(&self) -> usize {
         self.attention_head_dim.unwrap_or(self.dim / self.n_heads)
@@ -294,7 +303,8 @@ pub struct LocalShapes {
     /// Query and key/value heads of this rank.
     pub heads: usize,
     pub kv_heads: usize,
-    /// This rank's columns of the feed-forward's hidden layer.
+    /// This rank's columns of the SwiGLU's hidden layer (the dense feed-forward's, or a mixture of
+    /// experts' shared experts'; 0 without).
     pub ffn: usize,
     /// This rank's rows of the vocabulary, starting at `vocab_offset`.
     pub vocab: usize,
@@ -304,7 +314,7 @@ pub struct LocalShapes {
     pub tp_rank: usize,
     /// Whether each query and key head is RMS-normalised before RoPE (Qwen3).
     pub qk_norm: bool,
-    /// The mixture-of-experts feed-forward (then `ffn` is 0: no dense one).
+    /// The mixture-of-experts feed-forward (then `ffn` is its shared experts' width).
     pub moe: Option<MoeArgs>,
     /// Context-parallel degree and this rank's place in its group.
     pub cp: usize,
@@ -324,11 +334,7 @@ impl LocalShapes {
             head_dim: args.head_dim(),
             heads: args.n_heads,
             kv_heads: args.n_kv_heads,
-            ffn: if args.moe.is_some() {
-                0
-            } else {
-                args.ffn_hidden
-            },
+            ffn: args.swiglu_hidden(),
             vocab: args.vocab_size,
             vocab_offset: 0,
             tp: 1,
@@ -390,7 +396,10 @@ impl LocalShapes {
         for (key, value) in [
             ("n_heads", args.n_heads),
             ("n_kv_heads", args.n_kv_heads),
-            ("ffn hidden size", args.ffn_hidden),
+            (
+                "feed-forward (or shared experts') hidden size",
+                args.swiglu_hidden(),
+            ),
             ("vocab_size", args.vocab_size),
         ] {
             if !value.is_multiple_of(tp) {
@@ -401,7 +410,7 @@ impl LocalShapes {
         Ok(LocalShapes {
             heads: args.n_heads / tp,
             kv_heads: args.n_kv_heads / tp,
-            ffn: args.ffn_hidden / tp,
+            ffn: args.swiglu_hidden() / tp,
             vocab: args.vocab_size / tp,
             vocab_offset: tp_rank * (args.vocab_size / tp),
             tp,

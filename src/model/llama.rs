@@ -1077,27 +1077,29 @@ impl<B: Backend> Llama<B> {
             d,
             a.norm_eps,
         );
-        match &id.ffn {
-            FeedForwardIds::Dense {
-                w1: i1,
-                w2: i2,
-                w3: i3,
-            } => {
+        // The SwiGLU (the dense feed-forward, or a mixture of experts' shared experts), column-
+        // then row-parallel under TP: out = h + w2 · (silu(w1·n) ∘ w3·n).
+        match id.ffn.swiglu() {
+            Some([i1, i2, i3]) => {
                 sp.column_forward(
                     be,
                     acts.normed_ffn,
                     acts.normed_ffn_full,
                     d,
                     &mut [
-                        Projection::new(w1, &p[*i1], acts.gate),
-                        Projection::new(w3, &p[*i3], acts.up),
+                        Projection::new(w1, &p[i1], acts.gate),
+                        Projection::new(w3, &p[i3], acts.up),
                     ],
                 )?;
                 be.swiglu_forward(acts.act, acts.gate, acts.up);
-                sp.row_forward_residual(be, w2, acts.act, &p[*i2], acts.h, out, &mut ws.full)
+                sp.row_forward_residual(be, w2, acts.act, &p[i2], acts.h, out, &mut ws.full)?;
             }
+            None => be.copy_from(out, acts.h),
+        }
+        // The routed experts: out += Σ_j w_j · Expert_j(n), on this rank's rows.
+        match &id.ffn {
+            FeedForwardIds::Dense { .. } => Ok(()),
             FeedForwardIds::Moe(experts) => {
-                be.copy_from(out, acts.h);
                 let shapes = self.moe_shapes()?;
                 let bias = self.block_expert_bias(l);
                 let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
@@ -1120,7 +1122,8 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    /// The mixture-of-experts layer's shapes (a MoE model's).
+    /// The mixture-of-experts layer's shapes (a MoE model's): its routed experts (the block
+    /// computes the shared experts as its SwiGLU, `FeedForwardIds::swiglu`).
     fn moe_shapes(&self) -> Result<MoeShapes> {
         match &self.args.moe {
             Some(moe) => Ok(MoeShapes::new(self.args.dim, moe)),
@@ -1247,21 +1250,22 @@ impl<B: Backend> Llama<B> {
             let w = &p[id.ffn_norm];
             be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, d, a.norm_eps);
         }
-        // A mixture of experts keeps its activations in `ws.moe` (its own forward's, or the
-        // recomputed block's): only the dense feed-forward has projections to redo here.
-        if let FeedForwardIds::Dense { w1, w3, .. } = &id.ffn {
+        // A mixture of experts keeps its routed experts' activations in `ws.moe` (its own
+        // forward's, or the recomputed block's): only the SwiGLU (dense, or the shared experts)
+        // has projections to redo here.
+        if let Some([w1, _, w3]) = id.ffn.swiglu() {
             let mut gate_up = Vec::new();
             if redo(Act::Gate) {
                 gate_up.push(Projection::new(
                     Linear::new(d, m.ffn),
-                    &p[*w1],
+                    &p[w1],
                     &mut *acts.gate,
                 ));
             }
             if redo(Act::Up) {
                 gate_up.push(Projection::new(
                     Linear::new(d, m.ffn),
-                    &p[*w3],
+                    &p[w3],
                     &mut *acts.up,
                 ));
             }
@@ -1272,7 +1276,7 @@ impl<B: Backend> Llama<B> {
                     .gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
             }
         }
-        if redo(Act::Act) && matches!(id.ffn, FeedForwardIds::Dense { .. }) {
+        if redo(Act::Act) && id.ffn.swiglu().is_some() {
             be.swiglu_forward(acts.act, acts.gate, acts.up);
         }
         Ok(())
@@ -1357,24 +1361,21 @@ impl<B: Backend> Llama<B> {
             )),
             _ => None,
         };
-        // Feed-forward: ∂L/∂n into ws.dnormed.
-        match &id.ffn {
-            FeedForwardIds::Dense {
-                w1: i1,
-                w2: i2,
-                w3: i3,
-            } => {
+        // Feed-forward: ∂L/∂n into ws.dnormed, the SwiGLU's (dense, or the shared experts')
+        // first, then the routed experts' added.
+        match id.ffn.swiglu() {
+            Some([i1, i2, i3]) => {
                 let [g_w1, g_w2, g_w3] = grads
                     .bufs
-                    .get_disjoint_mut([*i1, *i2, *i3])
+                    .get_disjoint_mut([i1, i2, i3])
                     .expect("a block's parameters are distinct");
                 sp.row_backward(
                     be,
                     w2,
                     &ws.dx,
                     &mut ws.full,
-                    &p[*i2],
-                    (g_w2, *i2),
+                    &p[i2],
+                    (g_w2, i2),
                     acts.act,
                     &mut ws.dact,
                 )?;
@@ -1382,14 +1383,18 @@ impl<B: Backend> Llama<B> {
                 sp.column_backward(
                     be,
                     &mut [
-                        ProjectionGrad::new(w1, &ws.dgate, &p[*i1], g_w1, *i1),
-                        ProjectionGrad::new(w3, &ws.dup, &p[*i3], g_w3, *i3),
+                        ProjectionGrad::new(w1, &ws.dgate, &p[i1], g_w1, i1),
+                        ProjectionGrad::new(w3, &ws.dup, &p[i3], g_w3, i3),
                     ],
                     self.gathered(acts.normed_ffn, acts.normed_ffn_full),
                     &mut ws.full,
                     &mut ws.dnormed,
                 )?;
             }
+            None => be.fill(&mut ws.dnormed, 0.0),
+        }
+        match &id.ffn {
+            FeedForwardIds::Dense { .. } => {}
             FeedForwardIds::Moe(experts) => {
                 let moe_acts = ws.moe[l].take().ok_or_else(|| {
                     anyhow::anyhow!("block {l}: no mixture-of-experts activations (a titan bug)")
@@ -1410,7 +1415,6 @@ impl<B: Backend> Llama<B> {
                     }
                     _ => 0.0,
                 };
-                be.fill(&mut ws.dnormed, 0.0);
                 let shapes = self.moe_shapes()?;
                 moe::backward(
                     be,
@@ -1547,7 +1551,7 @@ impl<B: Backend> Llama<B> {
                 a.vocab_size
             );
         }
-        let (d, f, hd) = (a.dim, a.ffn_hidden, a.head_dim());
+        let (d, f, hd) = (a.dim, a.swiglu_hidden(), a.head_dim());
         let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
         let (wq, wkv, wo) = (Linear::new(d, qd), Linear::new(d, kvd), Linear::new(qd, d));
         let (w13, w2) = (Linear::new(d, f), Linear::new(f, d));
@@ -1605,17 +1609,14 @@ impl<B: Backend> Llama<B> {
             be.attention_forward(&mut attn, &mut lse, &q, &cache.k[l], &cache.v[l], shape);
             wo.add_forward(be, &mut x, &attn, &p[id.wo], n);
             be.rmsnorm_forward(&mut normed, &mut rstd, &x, &p[id.ffn_norm], d, a.norm_eps);
+            if let Some([i1, i2, i3]) = id.ffn.swiglu() {
+                w13.forward(be, &mut gate, &normed, &p[i1], n);
+                w13.forward(be, &mut up, &normed, &p[i3], n);
+                be.swiglu_forward(&mut act, &gate, &up);
+                w2.add_forward(be, &mut x, &act, &p[i2], n);
+            }
             match &id.ffn {
-                FeedForwardIds::Dense {
-                    w1: i1,
-                    w2: i2,
-                    w3: i3,
-                } => {
-                    w13.forward(be, &mut gate, &normed, &p[*i1], n);
-                    w13.forward(be, &mut up, &normed, &p[*i3], n);
-                    be.swiglu_forward(&mut act, &gate, &up);
-                    w2.add_forward(be, &mut x, &act, &p[*i2], n);
-                }
+                FeedForwardIds::Dense { .. } => {}
                 FeedForwardIds::Moe(experts) => {
                     let bias = self.block_expert_bias(l);
                     let shapes = self.moe_shapes()?;

@@ -96,11 +96,14 @@ impl TpSharding {
             ".attention.wv.weight",
             ".feed_forward.w1.weight",
             ".feed_forward.w3.weight",
+            ".moe.shared_experts.w1.weight",
+            ".moe.shared_experts.w3.weight",
         ];
         if column_parallel.iter().any(|s| name.ends_with(s)) {
             TpSharding::Rows
         } else if name.ends_with(".attention.wo.weight")
             || name.ends_with(".feed_forward.w2.weight")
+            || name.ends_with(".moe.shared_experts.w2.weight")
         {
             TpSharding::Columns
         } else {
@@ -189,6 +192,17 @@ pub struct LayerIds {
 pub enum FeedForwardIds {
     Dense { w1: usize, w2: usize, w3: usize },
     Moe(MoeIds),
+}
+
+impl FeedForwardIds {
+    /// The block's SwiGLU `[w1, w2, w3]`: the dense feed-forward, or a mixture of experts'
+    /// shared experts (None without).
+    pub fn swiglu(&self) -> Option<[usize; 3]> {
+        match self {
+            FeedForwardIds::Dense { w1, w2, w3 } => Some([*w1, *w2, *w3]),
+            FeedForwardIds::Moe(moe) => moe.shared,
+        }
+    }
 }
 
 impl LayerIds {

@@ -1,10 +1,11 @@
 //! The mixture-of-experts feed-forward (TorchTitan's `MoE`, Qwen3-MoE's and DeepSeek-V3's
 //! structure), forward and backward: a token-choice top-k router (`router`), routed SwiGLU experts
-//! computed on the token rows sorted by expert (no capacity limit: no token is dropped), optional
-//! shared experts every token goes through, and the expert bias of auxiliary-loss-free load
-//! balancing.
+//! computed on the token rows sorted by expert (no capacity limit: no token is dropped), and the
+//! expert bias of auxiliary-loss-free load balancing. Optional shared experts, which every token
+//! goes through, are the block's SwiGLU (`FeedForwardIds::swiglu`, column- and row-parallel
+//! under TP like a dense feed-forward), not this layer's.
 //!
-//! `out += Σ_j w_tj · Expert_{e_tj}(x_t) + Shared(x_t)` for every token `t`, where the router chose
+//! `out += Σ_j w_tj · Expert_{e_tj}(x_t)` for every token `t`, where the router chose
 //! experts `e_tj` with weights `w_tj`. The dispatch gathers each token's row once per choice, in
 //! expert order (`Backend::embedding_forward` with the row order as ids); each expert's rows are
 //! one block, its three projections one GEMM each (a grouped GEMM as a loop over the experts); the
@@ -85,21 +86,20 @@ impl MoeArgs {
         r.num_experts * dim + 3 * dim * (r.top_k * self.hidden + self.shared_hidden.unwrap_or(0))
     }
 
-    /// Activation values one layer keeps per token (`MoeActs`): each choice's dispatched input and
-    /// output, gate, up and SwiGLU output, and the shared experts' three.
+    /// Activation values one layer keeps per token for its routed experts (`MoeActs`): each
+    /// choice's dispatched input and output, gate, up and SwiGLU output (a block keeps its
+    /// shared experts' as its SwiGLU's).
     pub fn activation_floats_per_token(&self, dim: usize) -> usize {
-        self.router.top_k * (2 * dim + 3 * self.hidden) + 3 * self.shared_hidden.unwrap_or(0)
+        self.router.top_k * (2 * dim + 3 * self.hidden)
     }
 }
 
-/// A mixture-of-experts layer's shapes.
+/// A mixture-of-experts layer's shapes (its routed experts).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeShapes {
     pub dim: usize,
     /// Each routed expert's hidden width.
     pub hidden: usize,
-    /// The shared experts' hidden width, all of them as one SwiGLU (None: no shared experts).
-    pub shared_hidden: Option<usize>,
     pub router: RouterArgs,
 }
 
@@ -108,15 +108,14 @@ impl MoeShapes {
         MoeShapes {
             dim,
             hidden: moe.hidden,
-            shared_hidden: moe.shared_hidden,
             router: moe.router,
         }
     }
 }
 
-/// Where a layer's parameters are in a parameter list: the router's `[experts, dim]` gate, each
-/// expert's `[w1, w2, w3]` (`[hidden, dim]`, `[dim, hidden]`, `[hidden, dim]`), and the shared
-/// experts' likewise.
+/// Where a block's mixture-of-experts parameters are in a parameter list: the router's
+/// `[experts, dim]` gate, each expert's `[w1, w2, w3]` (`[hidden, dim]`, `[dim, hidden]`,
+/// `[hidden, dim]`), and the shared experts' likewise (computed by the block as its SwiGLU).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MoeIds {
     pub router: usize,
@@ -142,8 +141,6 @@ pub struct MoeActs<B: Backend> {
     act: B::Buf,
     /// The unweighted outputs of this rank's dispatched rows `[rows, dim]`, back from their experts.
     y: B::Buf,
-    /// The shared experts' gate, up and SwiGLU output `[tokens, shared_hidden]`.
-    shared: Option<[B::Buf; 3]>,
     /// The auxiliary loss's per-sequence figures (with `aux_loss_coef`).
     pub aux: Option<AuxStats>,
 }
@@ -177,7 +174,6 @@ fn dispatch_order(routing: &Routing, num_experts: usize) -> (Vec<u32>, Vec<usize
 }
 
 /// `y = w2 · (silu(w1 · x) ∘ w3 · x)` over `rows` rows, keeping gate, up and SwiGLU's output.
-#[allow(clippy::too_many_arguments)]
 fn swiglu_ffn<B: Backend>(
     be: &B,
     x: &B::Buf,
@@ -186,7 +182,6 @@ fn swiglu_ffn<B: Backend>(
     hidden: usize,
     rows: usize,
     y: &mut B::Buf,
-    add: bool,
 ) -> [B::Buf; 3] {
     let (up_proj, down) = (Linear::new(dim, hidden), Linear::new(hidden, dim));
     let (mut gate, mut up, mut act) = (
@@ -197,11 +192,7 @@ fn swiglu_ffn<B: Backend>(
     up_proj.forward(be, &mut gate, x, w1, rows);
     up_proj.forward(be, &mut up, x, w3, rows);
     be.swiglu_forward(&mut act, &gate, &up);
-    if add {
-        down.add_forward(be, y, &act, w2, rows);
-    } else {
-        down.forward(be, y, &act, w2, rows);
-    }
+    down.forward(be, y, &act, w2, rows);
     [gate, up, act]
 }
 
@@ -297,7 +288,7 @@ pub fn forward<B: Backend>(
         let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
-        let [g, u, a] = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye, false);
+        let [g, u, a] = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye);
         be.copy_range(&mut gate, from * h, &g, 0, count * h);
         be.copy_range(&mut up, from * h, &u, 0, count * h);
         be.copy_range(&mut act, from * h, &a, 0, count * h);
@@ -309,11 +300,6 @@ pub fn forward<B: Backend>(
     let mut weighted = rows_of(be, &y, 0, n, d);
     be.scale_rows(&mut weighted, &row_weights, d);
     be.embedding_backward(out, &weighted, &rows, d);
-    let shared = m.shared_hidden.map(|hs| {
-        let s = ids.shared.expect("shared experts have parameters");
-        let weights = [&params[s[0]], &params[s[1]], &params[s[2]]];
-        swiglu_ffn(be, x, weights, d, hs, tokens, out, true)
-    });
     Ok(MoeActs {
         routing,
         rows,
@@ -324,7 +310,6 @@ pub fn forward<B: Backend>(
         up,
         act,
         y,
-        shared,
         aux,
     })
 }
@@ -408,21 +393,6 @@ pub fn backward<B: Backend>(
     let gate = Linear::new(d, e);
     gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
     gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
-    if let (Some(hs), Some(s), Some([g, u, a])) = (m.shared_hidden, ids.shared, &acts.shared) {
-        let weights = [&params[s[0]], &params[s[1]], &params[s[2]]];
-        swiglu_ffn_backward(
-            be,
-            x,
-            [g, u, a],
-            weights,
-            three_mut(grads, s),
-            dout,
-            d,
-            hs,
-            tokens,
-            dx,
-        );
-    }
     Ok(())
 }
 
@@ -435,7 +405,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    /// Parameters of a layer of `m` at `ids`: router, experts, shared.
+    /// Parameters of a layer of `m` at `ids`: router, experts.
     fn layer(m: &MoeShapes, seed: u64) -> (MoeIds, Vec<Vec<f32>>) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut params = vec![];
@@ -448,24 +418,20 @@ mod tests {
         let experts = (0..e)
             .map(|_| [add(h * d, 0.8), add(d * h, 0.8), add(h * d, 0.8)])
             .collect();
-        let shared = m
-            .shared_hidden
-            .map(|hs| [add(hs * d, 0.8), add(d * hs, 0.8), add(hs * d, 0.8)]);
         (
             MoeIds {
                 router,
                 experts,
-                shared,
+                shared: None,
             },
             params,
         )
     }
 
-    fn shapes(score_func: ScoreFunc, shared: bool, groups: Option<(usize, usize)>) -> MoeShapes {
+    fn shapes(score_func: ScoreFunc, groups: Option<(usize, usize)>) -> MoeShapes {
         MoeShapes {
             dim: 6,
             hidden: 5,
-            shared_hidden: shared.then_some(4),
             router: RouterArgs {
                 num_experts: 4,
                 top_k: 2,
@@ -516,11 +482,11 @@ mod tests {
 
     #[test]
     fn moe_gradients_match_finite_differences() {
-        for (f, shared, groups) in [
-            (ScoreFunc::Softmax, false, None),
-            (ScoreFunc::Sigmoid, true, Some((2, 1))),
+        for (f, groups) in [
+            (ScoreFunc::Softmax, None),
+            (ScoreFunc::Sigmoid, Some((2, 1))),
         ] {
-            let m = shapes(f, shared, groups);
+            let m = shapes(f, groups);
             let be = CpuBackend::new();
             let (ids, params) = layer(&m, 7);
             let tokens = 9;
