@@ -180,9 +180,18 @@ fn the_auxiliary_loss_is_the_same_under_every_layout() {
             "2",
             vec!["--parallelism.pipeline_parallel_degree", "2"],
         ),
+        (
+            "TP 2 (one sequence per micro-batch, split over the TP ranks)",
+            "2",
+            vec!["--parallelism.tensor_parallel_degree", "2"],
+        ),
     ] {
         let many = tempfile::tempdir().unwrap();
-        let local = if what.starts_with("PP") { "4" } else { "2" };
+        let local = match what {
+            _ if what.starts_with("PP") => "4",
+            _ if what.starts_with("TP 2 (") => "1",
+            _ => "2",
+        };
         let args = [
             &single("4")[..],
             &parallel,

@@ -160,7 +160,8 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
     });
     if let Some(moe) = &args.moe {
-        // Every block a mixture of experts; titan trains without the auxiliary loss.
+        // Every block a mixture of experts. The auxiliary loss is a training setting (and titan's
+        // is sequence-wise, not transformers' batch-wise one): exported as off.
         let fields = json!({
             "num_experts": moe.router.num_experts,
             "num_experts_per_tok": moe.router.top_k,
