@@ -3,8 +3,9 @@
 //! micro-batches' forward and backward, finish the gradients, take their global norm, update.
 //!
 //! - Tensor parallel lives in the model (`Llama::tensor_parallel`: its shapes and its group's
-//!   crossings); here only the gradients of the weights every TP rank holds whole (the norms),
-//!   whose parts come from each rank's token rows, are summed over the group once per step.
+//!   crossings); here only the gradients of the weights every TP rank holds whole (the norms,
+//!   a mixture of experts' router and routed experts), whose parts come from each rank's token
+//!   rows, are summed over the group once per step, packed into one all-reduce.
 //! - Data parallel is either whole weights on every rank (`ParamState::Whole`: one process, or DDP
 //!   summing gradients across ranks) or FSDP/HSDP shards (`ParamState::Sharded`).
 //!
@@ -198,14 +199,26 @@ impl<B: Backend> RankLayout<B> {
                 ParamState::Whole { grads, .. } => grads,
                 ParamState::Sharded { fsdp, .. } => &mut fsdp.grad_shards,
             };
-            let tp = self.model.tp();
-            for (g, _) in grads
-                .bufs
-                .iter_mut()
-                .zip(&self.tp_replicated)
-                .filter(|(_, &r)| r)
-            {
-                tp.all_reduce_sum(be, g)?;
+            // One all-reduce for all of them (a MoE block has three per expert, mostly small).
+            let ids: Vec<usize> = (0..grads.len())
+                .filter(|&i| self.tp_replicated[i] && be.len(&grads.bufs[i]) > 0)
+                .collect();
+            let total: usize = ids.iter().map(|&i| be.len(&grads.bufs[i])).sum();
+            let mut packed = be.uninit(total);
+            let mut at = 0;
+            for &i in &ids {
+                let n = be.len(&grads.bufs[i]);
+                be.copy_range(&mut packed, at, &grads.bufs[i], 0, n);
+                at += n;
+            }
+            if total > 0 {
+                self.model.tp().all_reduce_sum(be, &mut packed)?;
+            }
+            at = 0;
+            for &i in &ids {
+                let n = be.len(&grads.bufs[i]);
+                be.copy_range(&mut grads.bufs[i], 0, &packed, at, n);
+                at += n;
             }
         }
         Ok(loss_sum)
