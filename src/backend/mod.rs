@@ -476,4 +476,9 @@ pub trait Backend: Send + Sync + 'static {
     fn device_free_memory(&self) -> Option<u64> {
         None
     }
+    /// Whether independent ops gain from being called from several host threads at once (the
+    /// CPU's kernels run on the calling threads; a GPU's one stream runs them in order anyway).
+    fn overlaps_host_calls(&self) -> bool {
+        false
+    }
 }

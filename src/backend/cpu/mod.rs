@@ -68,6 +68,9 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+    fn overlaps_host_calls(&self) -> bool {
+        true
+    }
     fn scratch_bytes(&self, _tokens: usize, _dim: usize, _hidden: usize, vocab: usize) -> u64 {
         loss::scratch_floats(vocab) as u64 * 4
     }

@@ -25,6 +25,7 @@ pub mod dispatch;
 pub mod router;
 
 use anyhow::Result;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
@@ -223,12 +224,6 @@ fn swiglu_ffn_backward<B: Backend>(
     up_proj.add_weight_grad(be, g3, &dup, x, rows);
 }
 
-/// Three distinct entries of `bufs`, mutably.
-fn three_mut<T>(bufs: &mut [T], [a, b, c]: [usize; 3]) -> [&mut T; 3] {
-    bufs.get_disjoint_mut([a, b, c])
-        .expect("an expert's three parameters are distinct")
-}
-
 /// This rank's experts that got rows: each one's weights and its block of the experts' input
 /// (first row and row count).
 fn local_blocks<'a, B: Backend>(
@@ -243,6 +238,21 @@ fn local_blocks<'a, B: Backend>(
         .zip(&ids.experts[first..])
         .map(|(rows, w)| (w, rows[0], rows[1] - rows[0]))
         .filter(|&(_, _, count)| count > 0)
+}
+
+/// `f` of every expert's work, in order: on the CPU the experts run concurrently, one per
+/// thread, because their GEMMs are small (a few hundred rows) and split over every thread they
+/// scaled worse than whole experts per thread (docs/performance.md); elsewhere one after another.
+fn each_expert<B: Backend, I: Send, T: Send>(
+    be: &B,
+    work: Vec<I>,
+    f: impl Fn(I) -> T + Sync + Send,
+) -> Vec<T> {
+    if be.overlaps_host_calls() {
+        work.into_par_iter().map(f).collect()
+    } else {
+        work.into_iter().map(f).collect()
+    }
 }
 
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
@@ -284,11 +294,15 @@ pub fn forward<B: Backend>(
         be.uninit(local_n * h),
         be.uninit(local_n * d),
     );
-    for (w, from, count) in local_blocks(ids, ep, &dispatch) {
+    let blocks: Vec<_> = local_blocks(ids, ep, &dispatch).collect();
+    let outputs = each_expert(be, blocks.clone(), |(w, from, count)| {
         let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
-        let [g, u, a] = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye);
+        let gua = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye);
+        (gua, ye)
+    });
+    for (&(_, from, count), ([g, u, a], ye)) in blocks.iter().zip(outputs) {
         be.copy_range(&mut gate, from * h, &g, 0, count * h);
         be.copy_range(&mut up, from * h, &u, 0, count * h);
         be.copy_range(&mut act, from * h, &a, 0, count * h);
@@ -353,7 +367,17 @@ pub fn backward<B: Backend>(
     let dispatch = &acts.dispatch;
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
     let mut dx_local = be.zeros(dispatch.local_rows() * d);
-    for (w, from, count) in local_blocks(ids, ep, dispatch) {
+    // Each expert adds into its own three gradients (concurrently on the CPU: `each_expert`).
+    let blocks: Vec<_> = local_blocks(ids, ep, dispatch).collect();
+    let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
+    let work: Vec<_> = blocks
+        .iter()
+        .map(|&(w, from, count)| {
+            let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
+            ((w, from, count), [take(w[0]), take(w[1]), take(w[2])])
+        })
+        .collect();
+    let dxs: Vec<B::Buf> = each_expert(be, work, |((w, from, count), expert_grads)| {
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
         let (xe, dye) = (block(&acts.x_local, d), block(&dy_local, d));
         let (g, u, a) = (
@@ -368,14 +392,18 @@ pub fn backward<B: Backend>(
             &xe,
             [&g, &u, &a],
             weights,
-            three_mut(grads, *w),
+            expert_grads,
             &dye,
             d,
             h,
             count,
             &mut dxe,
         );
-        be.copy_range(&mut dx_local, from * d, &dxe, 0, count * d);
+        dxe
+    });
+    drop(slots);
+    for (&(_, from, count), dxe) in blocks.iter().zip(&dxs) {
+        be.copy_range(&mut dx_local, from * d, dxe, 0, count * d);
     }
     let dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
     be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
