@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::{assert_layout_matches_one_process, assert_parity, losses, metric, train};
+use common::{
+    assert_layout_matches_one_process, assert_parity, assert_validation_matches, losses, train,
+};
 
 fn nproc(n: &'static str) -> [&'static str; 4] {
     ["--nproc", n, "--master-port", "0"]
@@ -103,32 +105,7 @@ fn pp_fsdp_tp_cp_4d_matches_one_process() {
 
 #[test]
 fn validation_under_cp_equals_one_process() {
-    let validation = [
-        "--training.steps",
-        "4",
-        "--validation.enabled",
-        "true",
-        "--validation.freq",
-        "2",
-        "--validation.steps",
-        "2",
-    ];
-    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let o = train(one.path(), &[], &validation);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = train(
-        many.path(),
-        &nproc("2"),
-        &[&validation[..], &cp("2", "alltoall")].concat(),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v = metric(one.path(), "validation_loss");
-    assert_eq!(v.len(), 2);
-    assert_parity(
-        &v,
-        &metric(many.path(), "validation_loss"),
-        "CP 2 validation",
-    );
+    assert_validation_matches(&[], &nproc("2"), &cp("2", "alltoall"), "CP 2 validation");
 }
 
 #[test]

@@ -5,7 +5,10 @@
 
 mod common;
 
-use common::{assert_layout_matches_one_process, assert_parity, losses, metric, train};
+use common::{
+    assert_layout_matches_one_process, assert_parity, assert_validation_matches, losses, metric,
+    train,
+};
 
 const MOE: &[&str] = &[
     "--model.name",
@@ -217,41 +220,20 @@ fn the_auxiliary_loss_is_the_same_under_every_layout() {
 
 #[test]
 fn validation_under_ep_equals_one_process() {
-    // Validation's forward sends its rows to the experts' ranks too.
-    let validation = [
-        MOE,
-        &[
-            "--training.steps",
-            "4",
-            "--validation.enabled",
-            "true",
-            "--validation.freq",
-            "2",
-            "--validation.steps",
-            "2",
-            "--training.global_batch_size",
-            "4",
-        ][..],
-    ]
-    .concat();
-    // One process reads both ranks' batches at once.
+    // Validation's forward sends its rows to the experts' ranks too. One process reads both
+    // ranks' batches at once.
+    let moe = [MOE, &["--training.global_batch_size", "4"][..]].concat();
     let whole = [
         "--training.local_batch_size",
         "4",
         "--validation.local_batch_size",
         "4",
     ];
-    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let o = train(one.path(), &[], &[&validation[..], &whole].concat());
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let ep = ["--parallelism.expert_parallel_degree", "2"];
-    let o = train(many.path(), &nproc("2"), &[&validation[..], &ep].concat());
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v = metric(one.path(), "validation_loss");
-    assert_eq!(v.len(), 2);
-    assert_parity(
-        &v,
-        &metric(many.path(), "validation_loss"),
+    assert_validation_matches(
+        &[&moe[..], &whole].concat(),
+        &nproc("2"),
+        &[&moe[..], &ep].concat(),
         "EP 2 validation",
     );
 }

@@ -27,18 +27,21 @@ fn python() -> Option<String> {
     ok.then_some(py)
 }
 
-/// Runs the Python `script` with `args`, which must succeed; its standard output, trimmed.
-fn run_python(py: &str, script: &str, args: &[&str]) -> String {
-    let out = Command::new(py)
-        .args([&["-c", script][..], args].concat())
-        .output()
-        .unwrap();
+/// Runs `py` with `args`, which must succeed; its standard output.
+fn python_output(py: &str, args: &[&str]) -> Vec<u8> {
+    let out = Command::new(py).args(args).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    out.stdout
+}
+
+/// Runs the Python `script` with `args`, which must succeed; its standard output, trimmed.
+fn run_python(py: &str, script: &str, args: &[&str]) -> String {
+    let out = python_output(py, &[&["-c", script][..], args].concat());
+    String::from_utf8_lossy(&out).trim().to_string()
 }
 
 #[test]
@@ -326,14 +329,9 @@ fn transformers_run(
         })
         .collect();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
-    let out = Command::new(py)
-        .args([script, hf.to_str().unwrap(), "--tokens", &rows.join(";")])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = python_output(
+        py,
+        &[script, hf.to_str().unwrap(), "--tokens", &rows.join(";")],
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    serde_json::from_slice(&out).unwrap()
 }

@@ -70,6 +70,14 @@ pub struct ExpertParts {
 }
 
 impl ExpertParts {
+    /// The split of a rank of shapes `m` (None for a dense model).
+    pub fn of_shapes(m: &crate::model::LocalShapes) -> Option<Self> {
+        m.moe.map(|moe| ExpertParts {
+            ep: m.ep,
+            num_experts: moe.router.num_experts,
+        })
+    }
+
     /// `(ep_parts, ep_part)` of tensor `name`: `(1, 0)` for any but a routed expert's.
     pub fn of(parts: Option<Self>, name: &str) -> (usize, usize) {
         match (parts, crate::model::params::expert_of(name)) {

@@ -661,8 +661,7 @@ impl<B: Backend> Llama<B> {
         };
         let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
         for (b, l) in bias.iter_mut().zip(load) {
-            let l: Vec<usize> = l.iter().map(|&x| x as usize).collect();
-            moe::router::update_expert_bias(b, &l, coeff);
+            moe::router::update_expert_bias(b, l, coeff);
         }
     }
 

@@ -12,19 +12,23 @@ use crate::model::{
     LocalShapes, ModelArgs,
 };
 
-/// Values of one tensor-parallel rank's parameters (`m.tp`): all of them, and one block's as the
-/// rank gathers it (under expert parallelism, with its own experts only).
-fn local_param_counts(args: &ModelArgs, m: &LocalShapes) -> (u64, u64) {
+/// Values of one tensor-parallel rank's parameters (`m.tp`): all of them, those outside the
+/// blocks, and one block's as the rank gathers it (under expert parallelism, with its own experts
+/// only).
+fn local_param_counts(args: &ModelArgs, m: &LocalShapes) -> (u64, u64, u64) {
     let specs = local_param_specs(args, m.tp);
-    let numel = |s: &(String, Vec<usize>)| s.1.iter().product::<usize>() as u64;
-    let all = specs.iter().map(numel).sum();
-    // Under expert parallelism a block holds only this rank's experts when gathered.
-    let block = specs
-        .iter()
-        .filter(|s| s.0.starts_with("layers.0.") && m.holds(&s.0))
-        .map(numel)
-        .sum();
-    (all, block)
+    let count = |keep: &dyn Fn(&str) -> bool| -> u64 {
+        specs
+            .iter()
+            .filter(|(name, _)| keep(name))
+            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+            .sum()
+    };
+    (
+        count(&|_| true),
+        count(&|name| !name.starts_with("layers.")),
+        count(&|name| name.starts_with("layers.0.") && m.holds(name)),
+    )
 }
 
 /// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments, the
@@ -105,20 +109,10 @@ impl MemoryEstimate {
         blocks_gathered: usize,
         reduce_scatter_blocks: usize,
     ) -> Self {
-        let (all, block) = local_param_counts(args, m);
-        let (all, block) = (all * 4, block * 4);
-        // No expert lives outside the blocks; each rank's share of the experts' shards is the
-        // same with expert parallelism (`1 / ep` of them over `shard / ep` ranks) or without.
-        let whole_block = local_param_counts(
-            args,
-            &LocalShapes {
-                ep: 1,
-                ep_rank: 0,
-                ..*m
-            },
-        )
-        .1 * 4;
-        let outside_blocks = all - whole_block * args.n_layers as u64;
+        // Each rank's share of the experts' shards is the same with expert parallelism (`1 / ep`
+        // of them over `shard / ep` ranks) or without.
+        let (all, outside_blocks, block) = local_param_counts(args, m);
+        let (all, outside_blocks, block) = (all * 4, outside_blocks * 4, block * 4);
         let shard = shard.max(1) as u64;
         self.params = all.div_ceil(shard) + outside_blocks + blocks_gathered as u64 * block;
         self.grads =

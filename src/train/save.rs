@@ -134,14 +134,7 @@ fn save_parts<B: Backend>(
         &opt.exp_avg_sq,
         &shapes,
         pipeline.as_ref(),
-        layout
-            .model
-            .args
-            .moe
-            .map(|m| checkpoint::sharded::ExpertParts {
-                ep: layout.model.local.ep,
-                num_experts: m.router.num_experts,
-            }),
+        checkpoint::sharded::ExpertParts::of_shapes(&layout.model.local),
         state,
         keep,
         &|| d.checkpoint_written(step),

@@ -151,10 +151,7 @@ pub fn start_state<B: Backend>(
             size: w.size(),
             tp,
             pp: d.mesh.degree("pp"),
-            experts: args.moe.map(|m| checkpoint::sharded::ExpertParts {
-                ep: model.local.ep,
-                num_experts: m.router.num_experts,
-            }),
+            experts: checkpoint::sharded::ExpertParts::of_shapes(&model.local),
         });
     // A pipeline rank holds (and reads) only its stages' tensors, an expert-parallel rank only its
     // experts.

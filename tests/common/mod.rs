@@ -106,6 +106,40 @@ pub fn train_env(
     cmd.output().unwrap()
 }
 
+/// Validation every 2 of 4 steps, 2 batches each (overrides).
+pub const VALIDATE_TWICE: &[&str] = &[
+    "--training.steps",
+    "4",
+    "--validation.enabled",
+    "true",
+    "--validation.freq",
+    "2",
+    "--validation.steps",
+    "2",
+];
+
+/// The two validation losses of `VALIDATE_TWICE` (applied last) with `single` in one process and
+/// with `parallel` through `launcher` agree within 1e-5.
+pub fn assert_validation_matches(
+    single: &[&str],
+    launcher: &[&str],
+    parallel: &[&str],
+    what: &str,
+) {
+    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(one.path(), &[], &[single, VALIDATE_TWICE].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = train(many.path(), launcher, &[parallel, VALIDATE_TWICE].concat());
+    assert!(
+        o.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v = metric(one.path(), "validation_loss");
+    assert_eq!(v.len(), 2);
+    assert_parity(&v, &metric(many.path(), "validation_loss"), what);
+}
+
 /// Per-step values of a parallel run within 1e-5 (relative) of one process's.
 pub fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");

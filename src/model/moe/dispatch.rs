@@ -24,8 +24,10 @@ pub struct Dispatch {
     /// `order[i]`, and received row `j` is row `inverse[j]` of it (None: the same order).
     order: Option<Vec<u32>>,
     inverse: Option<Vec<u32>>,
-    /// Rows `offsets[x]..offsets[x + 1]` of the experts' input are this rank's local expert `x`'s.
+    /// Rows `offsets[x]..offsets[x + 1]` of the experts' input are this rank's local expert `x`'s,
+    /// global expert `first_expert + x`.
     pub offsets: Vec<usize>,
+    pub first_expert: usize,
 }
 
 impl Dispatch {
@@ -71,6 +73,7 @@ impl Dispatch {
             order,
             inverse,
             offsets,
+            first_expert: ep.rank() * per,
         })
     }
 

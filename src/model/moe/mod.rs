@@ -226,18 +226,21 @@ fn swiglu_ffn_backward<B: Backend>(
 
 /// This rank's experts that got rows: each one's weights and its block of the experts' input
 /// (first row and row count).
-fn local_blocks<'a, B: Backend>(
+fn local_blocks<'a>(
     ids: &'a MoeIds,
-    ep: &dyn ExpertParallelOps<B>,
     dispatch: &'a Dispatch,
 ) -> impl Iterator<Item = (&'a [usize; 3], usize, usize)> + 'a {
-    let first = ep.rank() * (ids.experts.len() / ep.degree());
     dispatch
         .offsets
         .windows(2)
-        .zip(&ids.experts[first..])
+        .zip(&ids.experts[dispatch.first_expert..])
         .map(|(rows, w)| (w, rows[0], rows[1] - rows[0]))
         .filter(|&(_, _, count)| count > 0)
+}
+
+/// The routing weight of each dispatched row (`slots`: each row's place in the routing).
+fn row_weights(routing: &Routing, slots: &[usize]) -> Vec<f32> {
+    slots.iter().map(|&s| routing.weights[s]).collect()
 }
 
 /// `f` of every expert's work, in order: on the CPU the experts run concurrently, one per
@@ -294,7 +297,7 @@ pub fn forward<B: Backend>(
         be.uninit(local_n * h),
         be.uninit(local_n * d),
     );
-    let blocks: Vec<_> = local_blocks(ids, ep, &dispatch).collect();
+    let blocks: Vec<_> = local_blocks(ids, &dispatch).collect();
     let outputs = each_expert(be, blocks.clone(), |(w, from, count)| {
         let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
@@ -310,9 +313,8 @@ pub fn forward<B: Backend>(
     }
     let y = dispatch.from_experts(be, ep, y_local, d)?;
     // Combine: each row weighted, added back to its token.
-    let row_weights: Vec<f32> = slots.iter().map(|&s| routing.weights[s]).collect();
     let mut weighted = rows_of(be, &y, 0, n, d);
-    be.scale_rows(&mut weighted, &row_weights, d);
+    be.scale_rows(&mut weighted, &row_weights(&routing, &slots), d);
     be.embedding_backward(out, &weighted, &rows, d);
     Ok(MoeActs {
         routing,
@@ -358,17 +360,12 @@ pub fn backward<B: Backend>(
     for (r, &slot) in acts.slots.iter().enumerate() {
         dweights[slot] = dots[r];
     }
-    let row_weights: Vec<f32> = acts
-        .slots
-        .iter()
-        .map(|&s| acts.routing.weights[s])
-        .collect();
-    be.scale_rows(&mut dy, &row_weights, d);
+    be.scale_rows(&mut dy, &row_weights(&acts.routing, &acts.slots), d);
     let dispatch = &acts.dispatch;
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
     let mut dx_local = be.zeros(dispatch.local_rows() * d);
     // Each expert adds into its own three gradients (concurrently on the CPU: `each_expert`).
-    let blocks: Vec<_> = local_blocks(ids, ep, dispatch).collect();
+    let blocks: Vec<_> = local_blocks(ids, dispatch).collect();
     let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
     let work: Vec<_> = blocks
         .iter()

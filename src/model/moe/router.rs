@@ -223,8 +223,8 @@ pub fn route_backward(
 /// Auxiliary-loss-free load balancing (DeepSeek-V3, TorchTitan's `load_balance_coeff`): after a
 /// step, each expert's bias moves by `coeff` toward the mean load: up for an expert that got fewer
 /// tokens than the mean, down for one that got more.
-pub fn update_expert_bias(bias: &mut [f32], load: &[usize], coeff: f32) {
-    let mean = load.iter().sum::<usize>() as f32 / load.len().max(1) as f32;
+pub fn update_expert_bias(bias: &mut [f32], load: &[u64], coeff: f32) {
+    let mean = load.iter().sum::<u64>() as f32 / load.len().max(1) as f32;
     for (b, &l) in bias.iter_mut().zip(load) {
         let diff = mean - l as f32;
         *b += coeff
