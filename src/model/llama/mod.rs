@@ -1,0 +1,580 @@
+//! The Llama 3 decoder with an explicit forward (saving what the backward needs) and backward,
+//! written once in one tensor-parallel rank's shapes (`LocalShapes`; with one rank, the model's).
+//!
+//! Per block: `h = x + Attention(RMSNorm(x))`, `out = h + W2·(silu(W1·n) ∘ W3·n)` with `n = RMSNorm(h)`.
+//!
+//! Tensor parallelism is Megatron's picture with sequence parallelism: between blocks a rank holds
+//! its `1/tp` of the token rows of the residual stream, and the RMSNorms run on those rows. Before
+//! the column-parallel projections (wq, wk, wv; w1, w3) the normed rows are all-gathered
+//! (`column_parallel_input`), each rank computing its heads and its slice of the hidden layer on
+//! every token; the row-parallel projections (wo, w2) give partial sums over the group, which are
+//! reduce-scattered back to row shards (`row_parallel_residual`). The backward mirrors each: the
+//! output gradient is gathered before a row-parallel backward and the input gradient of the
+//! column-parallel ones is reduce-scattered. The embedding is vocabulary-parallel and the loss
+//! runs over vocabulary shards (`TensorParallelOps::cross_entropy`). With one rank every one of
+//! these crossings is the identity and costs nothing.
+//!
+//! Context parallelism splits each sequence over a group (`model::context_parallel`): a rank's
+//! workspace holds its shard of every sequence, RoPE rotates its rows by their global positions,
+//! and attention crosses the group (`ContextParallelOps`); nothing else in the block changes.
+//!
+//! Activations live in a `Workspace` sized once for a (batch, seq) shape and reused every step.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+
+use crate::backend::{cpu::rope::rope_tables, Backend, LossSum, IGNORE_INDEX};
+
+use crate::model::args::{LocalShapes, ModelArgs};
+use crate::model::context_parallel::{ContextParallelOps, SequenceShard};
+use crate::model::expert_parallel::ExpertParallelOps;
+use crate::model::moe;
+use crate::model::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
+use crate::model::tensor_parallel::{SingleRank, TensorParallelOps};
+
+mod backward;
+mod block;
+mod generate;
+mod workspace;
+
+pub use generate::KvCache;
+pub use workspace::{
+    workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats, LayerActs,
+    Workspace,
+};
+
+/// Called by `forward_backward_with` when a block's gradients are final.
+pub trait BlockGradHook<B: Backend> {
+    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()>;
+}
+
+/// A Llama model bound to a backend: shapes, parameter indices, RoPE tables and the
+/// tensor- and context-parallel groups its blocks cross.
+pub struct Llama<B: Backend> {
+    pub args: ModelArgs,
+    /// The shapes this rank computes with.
+    pub local: LocalShapes,
+    pub ids: ParamIds,
+    tp: Arc<dyn TensorParallelOps<B>>,
+    cp: Arc<dyn ContextParallelOps<B>>,
+    /// The expert-parallel group a mixture of experts' rows travel over (one rank: `SingleRank`).
+    ep: Arc<dyn ExpertParallelOps<B>>,
+    /// Tokens each mixture-of-experts block sent to each expert since `take_expert_load`: counted
+    /// in the backward, so once per trained microbatch (not again for a recomputed forward, not for
+    /// validation).
+    expert_load: std::sync::Mutex<Vec<Vec<u64>>>,
+    /// Each mixture-of-experts block's routing bias (`load_balance_coeff`; empty without), moved
+    /// after every step by `update_expert_bias`.
+    expert_bias: std::sync::Mutex<Vec<Vec<f32>>>,
+    /// The auxiliary loss (`aux_loss_coef`) since `take_aux_loss`: this rank's share of
+    /// `coef · Σ_blocks Σ_sequences L_b`, counted in the backward like the expert load (a sequence
+    /// spread over TP and CP ranks adds `1 / (tp · cp)` on each).
+    aux_loss: std::sync::Mutex<f64>,
+    /// Sequences in an optimizer step over the whole job (the global batch): the auxiliary loss is
+    /// a mean over them.
+    sequences_per_step: usize,
+    rope_cos: B::Buf,
+    rope_sin: B::Buf,
+    rope_len: usize,
+}
+
+impl<B: Backend> Llama<B> {
+    /// `max_seq` bounds the positions the RoPE tables cover (training seq_len or generation length).
+    pub fn new(backend: &B, args: ModelArgs, max_seq: usize) -> Result<Self> {
+        let local = LocalShapes::whole(&args);
+        Self::tensor_parallel(backend, args, max_seq, local, Arc::new(SingleRank))
+    }
+
+    /// One rank of a tensor-parallel model: `local` its shapes, `tp` its group.
+    pub fn tensor_parallel(
+        backend: &B,
+        args: ModelArgs,
+        max_seq: usize,
+        local: LocalShapes,
+        tp: Arc<dyn TensorParallelOps<B>>,
+    ) -> Result<Self> {
+        args.validate()?;
+        assert_eq!(
+            local.tp,
+            tp.degree(),
+            "Llama: shapes and group disagree on the TP degree"
+        );
+        let (cos, sin) = rope_tables(args.head_dim(), max_seq, args.rope_theta, args.rope_scaling);
+        let expert_load = match &args.moe {
+            Some(moe) => vec![vec![0; moe.router.num_experts]; args.n_layers],
+            None => Vec::new(),
+        };
+        let expert_bias = match &args.moe {
+            Some(moe) if moe.load_balance_coeff.is_some() => {
+                vec![vec![0.0; moe.router.num_experts]; args.n_layers]
+            }
+            _ => Vec::new(),
+        };
+        Ok(Llama {
+            ids: ParamIds::new(&args),
+            args,
+            local,
+            tp,
+            cp: Arc::new(SingleRank),
+            ep: Arc::new(SingleRank),
+            expert_load: std::sync::Mutex::new(expert_load),
+            expert_bias: std::sync::Mutex::new(expert_bias),
+            aux_loss: std::sync::Mutex::new(0.0),
+            sequences_per_step: 1,
+            rope_cos: backend.upload(&cos),
+            rope_sin: backend.upload(&sin),
+            rope_len: max_seq,
+        })
+    }
+
+    /// This model with its attention spread over a context-parallel group (`self.local` says
+    /// which shard of each sequence this rank holds).
+    pub fn with_context_parallel(mut self, cp: Arc<dyn ContextParallelOps<B>>) -> Self {
+        assert_eq!(
+            self.local.cp,
+            cp.degree(),
+            "Llama: shapes and group disagree on the CP degree"
+        );
+        self.cp = cp;
+        self
+    }
+
+    /// This model with its experts split over an expert-parallel group (`self.local` says which
+    /// experts this rank holds).
+    pub fn with_expert_parallel(mut self, ep: Arc<dyn ExpertParallelOps<B>>) -> Self {
+        assert_eq!(
+            (self.local.ep, self.local.ep_rank),
+            (ep.degree(), ep.rank()),
+            "Llama: shapes and group disagree on the EP degree or rank"
+        );
+        self.ep = ep;
+        self
+    }
+
+    /// This model in a job whose optimizer steps take `sequences` sequences (the global batch):
+    /// the MoE auxiliary loss is their mean.
+    pub fn with_sequences_per_step(mut self, sequences: usize) -> Self {
+        self.sequences_per_step = sequences.max(1);
+        self
+    }
+
+    /// The MoE auxiliary loss's share this rank has added since the last call (`Σ` over the
+    /// job's ranks, divided by nothing more: it is already a mean over the step's sequences), and
+    /// zeroes it. None without an auxiliary loss.
+    pub fn take_aux_loss(&self) -> Option<f64> {
+        self.args.moe.as_ref()?.aux_loss_coef?;
+        let mut aux = self.aux_loss.lock().unwrap_or_else(|e| e.into_inner());
+        Some(std::mem::take(&mut *aux))
+    }
+
+    /// With the auxiliary loss: which sequence each of this rank's rows of a block's forward
+    /// belongs to (its sequence-parallel rows under TP; its shard of each under CP), and the sum
+    /// of per-sequence figures over the TP and CP ranks sharing them.
+    fn sequence_rows<'a>(
+        &self,
+        batch: usize,
+        seq: usize,
+        sum: &'a (dyn Fn(&mut [f32]) -> Result<()> + 'a),
+    ) -> Option<moe::aux_loss::SequenceRows<'a>> {
+        self.args.moe.as_ref()?.aux_loss_coef?;
+        let rows = self.local.rows(batch * seq);
+        let first = self.local.tp_rank * rows;
+        Some(moe::aux_loss::SequenceRows {
+            seq_of: (first..first + rows).map(|r| (r / seq) as u32).collect(),
+            sequences: batch,
+            sum,
+        })
+    }
+
+    /// Sums host figures over the TP and CP ranks (every one of them calls this together).
+    fn sum_over_sequence_ranks(&self, be: &B, values: &mut [f32]) -> Result<()> {
+        if self.local.tp > 1 {
+            let mut buf = be.upload(values);
+            self.tp.all_reduce_sum(be, &mut buf)?;
+            values.copy_from_slice(&be.download(&buf));
+        }
+        self.cp.sum_over_group(values)
+    }
+
+    /// The expert-parallel group (degree 1 without expert parallelism).
+    pub fn ep(&self) -> &dyn ExpertParallelOps<B> {
+        self.ep.as_ref()
+    }
+
+    /// The context-parallel group (degree 1 without context parallelism).
+    pub fn cp(&self) -> &dyn ContextParallelOps<B> {
+        self.cp.as_ref()
+    }
+
+    /// Tokens each mixture-of-experts block sent to each expert since the last call (`[layer]
+    /// [expert]`; this rank's microbatches only), and zeroes the counts. None for a dense model.
+    pub fn take_expert_load(&self) -> Option<Vec<Vec<u64>>> {
+        self.args.moe.as_ref()?;
+        let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = load.clone();
+        load.iter_mut().for_each(|l| l.fill(0));
+        Some(taken)
+    }
+
+    /// Every MoE block's expert bias (None without load balancing).
+    pub fn expert_bias(&self) -> Option<Vec<Vec<f32>>> {
+        let bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        (!bias.is_empty()).then(|| bias.clone())
+    }
+
+    /// Restores the expert bias of a checkpoint (it must be this model's shape).
+    pub fn set_expert_bias(&self, saved: &[Vec<f32>]) -> Result<()> {
+        let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        let shape = |b: &[Vec<f32>]| b.iter().map(Vec::len).collect::<Vec<_>>();
+        if shape(&bias) != shape(saved) {
+            bail!(
+                "the checkpoint's expert bias has {} blocks of {:?} experts; this model's has {} blocks of {:?} (is load_balance_coeff set alike?)",
+                saved.len(),
+                saved.first().map(Vec::len),
+                bias.len(),
+                bias.first().map(Vec::len)
+            );
+        }
+        *bias = saved.to_vec();
+        Ok(())
+    }
+
+    /// After a step: each block's bias moves `load_balance_coeff` toward the mean of `load`, the
+    /// step's tokens per expert summed over the job (so every rank moves it alike).
+    pub fn update_expert_bias(&self, load: &[Vec<u64>]) {
+        let Some(coeff) = self.args.moe.and_then(|m| m.load_balance_coeff) else {
+            return;
+        };
+        let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        for (b, l) in bias.iter_mut().zip(load) {
+            moe::router::update_expert_bias(b, l, coeff);
+        }
+    }
+
+    /// Block `l`'s routing bias, when load balancing is on.
+    fn block_expert_bias(&self, l: usize) -> Option<Vec<f32>> {
+        let bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+        bias.get(l).cloned()
+    }
+
+    /// The positions of each sequence this rank holds.
+    pub fn sequence_shard(&self) -> SequenceShard {
+        SequenceShard {
+            degree: self.local.cp,
+            rank: self.local.cp_rank,
+        }
+    }
+
+    /// The targets of `[rows, seq+1]` token rows that count toward this rank's loss: those at its
+    /// positions, ignored ids left out.
+    pub fn count_targets(&self, tokens: &[u32], seq: usize) -> usize {
+        let chunks = self.sequence_shard().chunks(seq);
+        tokens
+            .chunks(seq + 1)
+            .map(|row| {
+                chunks
+                    .iter()
+                    .map(|c| {
+                        row[c.start + 1..c.end + 1]
+                            .iter()
+                            .filter(|&&t| t != IGNORE_INDEX)
+                            .count()
+                    })
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// The RoPE tables of a workspace's rows: the model's, or the shard's own.
+    fn rope_tables<'a>(&'a self, shard: &'a Option<(B::Buf, B::Buf)>) -> (&'a B::Buf, &'a B::Buf) {
+        debug_assert!(
+            self.local.cp == 1 || shard.is_some(),
+            "a context-parallel workspace gets its RoPE tables from load_tokens"
+        );
+        match shard {
+            Some((cos, sin)) => (cos, sin),
+            None => (&self.rope_cos, &self.rope_sin),
+        }
+    }
+
+    /// Names and shapes of this rank's parameters (its tensor-parallel parts).
+    pub fn param_specs(&self) -> Vec<(String, Vec<usize>)> {
+        local_param_specs(&self.args, self.local.tp)
+    }
+
+    /// The tensor-parallel group (degree 1 without tensor parallelism).
+    pub fn tp(&self) -> &dyn TensorParallelOps<B> {
+        self.tp.as_ref()
+    }
+
+    /// One forward and backward over `tokens` (`[batch, seq+1]`, inputs are the first `seq` of each
+    /// row, targets the last `seq`). Gradients are *added* into `grads`, scaled by `grad_scale`
+    /// (1 / global number of targets), so micro-batches accumulate into one big batch.
+    pub fn forward_backward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+        grad_scale: f32,
+    ) -> Result<LossSum> {
+        self.forward_backward_with(be, params, grads, ws, tokens, grad_scale, None)
+    }
+
+    /// `forward_backward`, calling `hook` as soon as each block's gradients are complete (last block
+    /// first), so that data parallelism can start reducing them while earlier blocks still compute.
+    /// The stages it runs are public, so that FSDP can run them with its gathers in between.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_with(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+        grad_scale: f32,
+        mut hook: Option<&mut dyn BlockGradHook<B>>,
+    ) -> Result<LossSum> {
+        self.load_tokens(be, ws, tokens)?;
+        self.embed_forward(be, params, ws)?;
+        for l in 0..self.args.n_layers {
+            self.block_forward(be, params, ws, l)?;
+        }
+        let loss = self.head_forward_backward(be, params, grads, ws, grad_scale)?;
+        for l in (0..self.args.n_layers).rev() {
+            self.block_backward(be, params, grads, ws, l)?;
+            if let Some(h) = hook.as_deref_mut() {
+                h.block_done(be, &self.ids.layers[l], grads)?;
+            }
+        }
+        self.embed_backward(be, grads, ws)?;
+        Ok(loss)
+    }
+
+    /// Loss without gradients (validation, tests).
+    pub fn loss(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        tokens: &[u32],
+    ) -> Result<LossSum> {
+        self.load_tokens(be, ws, tokens)?;
+        self.embed_forward(be, params, ws)?;
+        for l in 0..self.args.n_layers {
+            self.block_forward(be, params, ws, l)?;
+        }
+        // No backward follows: a mixture of experts' activations are not needed.
+        ws.moe.iter_mut().for_each(|m| *m = None);
+        self.head_loss(be, params, ws)
+    }
+
+    /// Final norm and cross-entropy without gradients (after the last block's forward): this
+    /// rank's sum of token losses and their count.
+    pub fn head_loss(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+    ) -> Result<LossSum> {
+        let _span = crate::trace::span("model", "norm, output and loss");
+        self.final_norm(be, params, ws);
+        let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
+        let w = &params.bufs[self.ids.output];
+        self.tp
+            .cross_entropy(be, h, w, &ws.targets, &self.local, 0.0, None)
+    }
+
+    /// Checks `tokens` (`[batch, seq+1]`, whole sequences) and splits them into the workspace's
+    /// inputs and targets: with context parallelism, those at this rank's positions.
+    pub fn load_tokens(&self, be: &B, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
+        let (b, s) = (ws.batch, ws.seq * self.local.cp);
+        if tokens.len() != b * (s + 1) {
+            bail!(
+                "expected {} tokens ({b} rows of seq_len+1 = {}), got {}",
+                b * (s + 1),
+                s + 1,
+                tokens.len()
+            );
+        }
+        if s > self.rope_len {
+            bail!(
+                "sequence length {s} exceeds the {} positions this model was built for",
+                self.rope_len
+            );
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.args.vocab_size) {
+            bail!(
+                "token id {bad} is outside the model's vocabulary of {}",
+                self.args.vocab_size
+            );
+        }
+        let chunks = self.sequence_shard().chunks(s);
+        for (r, row) in tokens.chunks(s + 1).enumerate() {
+            let mut at = r * ws.seq;
+            for c in &chunks {
+                let n = c.len();
+                ws.inputs[at..at + n].copy_from_slice(&row[c.clone()]);
+                ws.targets[at..at + n].copy_from_slice(&row[c.start + 1..c.end + 1]);
+                at += n;
+            }
+        }
+        if self.local.cp > 1 && ws.rope.is_none() {
+            let a = &self.args;
+            let half = a.head_dim() / 2;
+            let (cos, sin) = rope_tables(a.head_dim(), s, a.rope_theta, a.rope_scaling);
+            let rows = |table: &[f32]| -> Vec<f32> {
+                self.sequence_shard()
+                    .positions(s)
+                    .into_iter()
+                    .flat_map(|p| table[p * half..(p + 1) * half].to_vec())
+                    .collect()
+            };
+            ws.rope = Some((be.upload(&rows(&cos)), be.upload(&rows(&sin))));
+        }
+        let (lo, n) = (self.local.vocab_offset as u32, self.local.vocab as u32);
+        for (local, &id) in ws.local_ids.iter_mut().zip(&ws.inputs) {
+            *local = if id >= lo && id - lo < n {
+                id - lo
+            } else {
+                IGNORE_INDEX
+            };
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------- the tensor-parallel crossings
+
+    /// The input of column-parallel projections: this rank's `local` rows, or with tensor
+    /// parallelism every rank's rows gathered into `full`.
+    fn column_parallel_input<'a>(
+        &self,
+        be: &B,
+        local: &'a B::Buf,
+        full: &'a mut B::Buf,
+    ) -> Result<&'a B::Buf> {
+        if self.local.tp == 1 {
+            return Ok(local);
+        }
+        self.tp.gather_rows(be, local, full)?;
+        Ok(full)
+    }
+
+    /// Where a column-parallel layer's input gradient is summed: straight into this rank's rows
+    /// (`local`), or with tensor parallelism into the partial sums over every row (`full`), which
+    /// `scatter_input_grad` then reduces.
+    fn input_grad_target<'a>(&self, local: &'a mut B::Buf, full: &'a mut B::Buf) -> &'a mut B::Buf {
+        if self.local.tp == 1 {
+            local
+        } else {
+            full
+        }
+    }
+
+    /// With tensor parallelism, this rank's rows of the input gradient summed over the group.
+    fn scatter_input_grad(&self, be: &B, full: &B::Buf, local: &mut B::Buf) -> Result<()> {
+        if self.local.tp > 1 {
+            self.tp.reduce_scatter_rows(be, full, local)?;
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------- stages
+
+    /// The embedding of the inputs into `resid[0]`: vocabulary-parallel with tensor parallelism
+    /// (each rank looks up the tokens of its vocabulary rows, zero for the others, and the sums
+    /// are reduce-scattered to row shards).
+    pub fn embed_forward(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) -> Result<()> {
+        let _span = crate::trace::span("model", "embedding forward");
+        let table = &params.bufs[self.ids.tok_embeddings];
+        let d = self.args.dim;
+        if self.local.tp == 1 {
+            be.embedding_forward(&mut ws.resid[0], table, &ws.inputs, d);
+            return Ok(());
+        }
+        be.embedding_forward(&mut ws.full, table, &ws.local_ids, d);
+        self.tp.reduce_scatter_rows(be, &ws.full, &mut ws.resid[0])
+    }
+
+    fn final_norm(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
+        let a = &self.args;
+        be.rmsnorm_forward(
+            &mut ws.normed_final,
+            &mut ws.rstd_final,
+            &ws.resid[a.n_layers],
+            &params.bufs[self.ids.norm],
+            a.dim,
+            a.norm_eps,
+        );
+    }
+
+    /// Final norm, cross-entropy fused with the output projection, and their backward: leaves
+    /// ∂L/∂(last block output) in the workspace for `block_backward`.
+    pub fn head_forward_backward(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+        grad_scale: f32,
+    ) -> Result<LossSum> {
+        let _span = crate::trace::span("model", "norm, output and loss, forward and backward");
+        self.final_norm(be, params, ws);
+        let a = &self.args;
+        let p = &params.bufs;
+        let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
+        let dh = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
+        be.fill(dh, 0.0);
+        let loss = self.tp.cross_entropy(
+            be,
+            h,
+            &p[self.ids.output],
+            &ws.targets,
+            &self.local,
+            grad_scale,
+            Some((dh, &mut grads.bufs[self.ids.output])),
+        )?;
+        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
+        be.fill(&mut ws.dx, 0.0);
+        be.rmsnorm_backward(
+            &mut ws.dx,
+            &mut grads.bufs[self.ids.norm],
+            &ws.dnormed,
+            &ws.resid[a.n_layers],
+            &p[self.ids.norm],
+            &ws.rstd_final,
+            a.dim,
+        );
+        Ok(loss)
+    }
+
+    /// Adds the embedding gradient (after the first block's backward).
+    pub fn embed_backward(
+        &self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        ws: &mut Workspace<B>,
+    ) -> Result<()> {
+        let _span = crate::trace::span("model", "embedding backward");
+        let dtable = &mut grads.bufs[self.ids.tok_embeddings];
+        let d = self.args.dim;
+        if self.local.tp == 1 {
+            be.embedding_backward(dtable, &ws.dx, &ws.inputs, d);
+            return Ok(());
+        }
+        self.tp.gather_rows(be, &ws.dx, &mut ws.full)?;
+        be.embedding_backward(dtable, &ws.full, &ws.local_ids, d);
+        Ok(())
+    }
+
+    /// A column-parallel input as the forward left it: the local rows, or the gathered ones.
+    fn gathered<'a>(&self, local: &'a B::Buf, full: &'a B::Buf) -> &'a B::Buf {
+        if self.local.tp == 1 {
+            local
+        } else {
+            full
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! Every activation and gradient buffer of one rank's training step (`Workspace`), allocated
+//! once per (batch, seq) shape, and the float counts the memory estimate reads from the same
+//! source: each block's activations (`LayerActs`), kept per block or in one shared set that the
+//! blocks which keep less recompute into (activation checkpointing).
+
+use crate::backend::Backend;
+use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
+use crate::model::args::{LocalShapes, ModelArgs};
+use crate::model::moe::MoeActs;
+
+/// What one block keeps from its forward for its backward.
+pub struct LayerActs<B: Backend> {
+    /// The attention norm's output on this rank's rows, and (tensor parallel) gathered over the
+    /// group: the input of the column-parallel projections.
+    pub normed_attn: B::Buf,
+    pub normed_attn_full: B::Buf,
+    pub rstd_attn: B::Buf,
+    pub q: B::Buf,
+    pub k: B::Buf,
+    pub v: B::Buf,
+    /// QK-norm's inputs and statistics (Qwen3; empty without QK-norm).
+    pub q_raw: B::Buf,
+    pub k_raw: B::Buf,
+    pub rstd_q: B::Buf,
+    pub rstd_k: B::Buf,
+    pub attn_out: B::Buf,
+    pub lse: B::Buf,
+    pub h: B::Buf,
+    pub normed_ffn: B::Buf,
+    pub normed_ffn_full: B::Buf,
+    pub rstd_ffn: B::Buf,
+    pub gate: B::Buf,
+    pub up: B::Buf,
+    pub act: B::Buf,
+}
+
+/// Every activation and gradient buffer of one training step, allocated once per shape.
+pub struct Workspace<B: Backend> {
+    pub batch: usize,
+    /// Positions of each sequence this rank holds (with context parallelism, its shard).
+    pub seq: usize,
+    /// With context parallelism, the RoPE tables of the shard's rows (their global positions),
+    /// made by `Llama::load_tokens` the first time.
+    pub(super) rope: Option<(B::Buf, B::Buf)>,
+    /// Input of block `l` at `resid[l]`; the last entry is the final block's output.
+    pub(super) resid: Vec<B::Buf>,
+    /// Each block's own activations (empty buffers for what it does not keep) and the shared set
+    /// the blocks that keep less write and recompute theirs in; what each block keeps.
+    pub(super) layers: Vec<LayerActs<B>>,
+    pub(super) recomputed: LayerActs<B>,
+    pub(super) plan: ActivationPlan,
+    pub(super) normed_final: B::Buf,
+    pub(super) normed_final_full: B::Buf,
+    pub(super) rstd_final: B::Buf,
+    // backward scratch
+    pub(super) dx: B::Buf,
+    pub(super) dnormed: B::Buf,
+    /// Tensor parallel only: `[tokens, dim]` for a row-parallel projection's partial sums, a
+    /// gathered output gradient, or a column-parallel input gradient's partial sums.
+    pub(super) full: B::Buf,
+    pub(super) dq: B::Buf,
+    pub(super) dk: B::Buf,
+    pub(super) dv: B::Buf,
+    /// With QK-norm: the gradients of the projections before it.
+    pub(super) dq_raw: B::Buf,
+    pub(super) dk_raw: B::Buf,
+    pub(super) dattn: B::Buf,
+    pub(super) dgate: B::Buf,
+    pub(super) dup: B::Buf,
+    pub(super) dact: B::Buf,
+    pub(super) inputs: Vec<u32>,
+    pub(super) targets: Vec<u32>,
+    /// The inputs as rows of this rank's vocabulary shard (`IGNORE_INDEX` for the others').
+    pub(super) local_ids: Vec<u32>,
+    /// Each mixture-of-experts block's routing and expert activations, from its forward to its
+    /// backward (their sizes depend on nothing but the shape; the routing is per step).
+    pub(super) moe: Vec<Option<MoeActs<B>>>,
+}
+
+/// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
+#[derive(Debug, Clone, Copy)]
+struct ActStorage {
+    floats: usize,
+    /// Read only by GEMMs, SwiGLU or a gather feeding GEMMs: a device may keep it in bf16 alone.
+    bf16_alone: bool,
+    /// Its producer may keep a bf16 copy beside it for the kernels that read it.
+    bf16_copy: bool,
+}
+
+/// The size and storage of each block activation for one rank's shapes: the single source for
+/// allocation and memory estimates.
+fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act) -> ActStorage {
+    let n = batch * seq;
+    let r = m.rows(n);
+    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    let tp = m.tp > 1;
+    let plain = |floats| ActStorage {
+        floats,
+        bf16_alone: false,
+        bf16_copy: false,
+    };
+    let copied = |floats| ActStorage {
+        bf16_copy: true,
+        ..plain(floats)
+    };
+    let gemm_input = |floats| ActStorage {
+        floats,
+        bf16_alone: true,
+        bf16_copy: true,
+    };
+    match act {
+        // A norm's output feeds the column-parallel GEMMs directly, or (tensor parallel) through
+        // the gather, whose result is then the GEMMs' input.
+        Act::NormedAttn | Act::NormedFfn if tp => plain(r * d),
+        // A mixture of experts gathers the normed rows (not a GEMM reading them): f32 kept.
+        Act::NormedFfn if m.moe.is_some() => copied(n * d),
+        Act::NormedAttn | Act::NormedFfn => gemm_input(n * d),
+        Act::NormedAttnFull | Act::NormedFfnFull if tp => gemm_input(n * d),
+        Act::NormedAttnFull | Act::NormedFfnFull => plain(0),
+        Act::RstdAttn | Act::RstdFfn => plain(r),
+        Act::Q | Act::AttnOut => copied(n * qd),
+        Act::K => copied(n * kvd),
+        Act::V => plain(n * kvd),
+        Act::QRaw if m.qk_norm => plain(n * qd),
+        Act::KRaw if m.qk_norm => plain(n * kvd),
+        Act::RstdQ if m.qk_norm => plain(n * m.heads),
+        Act::RstdK if m.qk_norm => plain(n * m.kv_heads),
+        Act::QRaw | Act::KRaw | Act::RstdQ | Act::RstdK => plain(0),
+        Act::Lse => plain(batch * m.heads * seq),
+        Act::H => plain(r * d),
+        Act::Gate | Act::Up | Act::Act => gemm_input(n * f),
+    }
+}
+
+/// The block activations' values over the workspace, counting each buffer `plan` allocates, of
+/// those selected by `which`.
+fn block_floats(
+    m: &LocalShapes,
+    batch: usize,
+    seq: usize,
+    plan: &ActivationPlan,
+    which: impl Fn(ActStorage) -> bool,
+) -> usize {
+    Act::ALL
+        .iter()
+        .map(|&act| (act_storage(m, batch, seq, act), plan.copies(act)))
+        .filter(|(st, _)| which(*st))
+        .map(|(st, copies)| st.floats * copies)
+        .sum()
+}
+
+/// Float counts of the workspace for a shape and activation plan: the single source for
+/// allocation and memory estimates.
+pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &ActivationPlan) -> usize {
+    let seq = m.local_seq(seq);
+    let n = batch * seq;
+    let r = m.rows(n);
+    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    let gathered = if m.tp > 1 { n * d } else { 0 };
+    let resid = (m.n_layers + 1) * r * d;
+    let final_norm = r * (d + 1) + gathered;
+    let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };
+    let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f) + qk_norm;
+    // Every mixture-of-experts block keeps its routed rows' activations (`Workspace::moe`), and its
+    // backward needs about as much again for their gradients.
+    let moe = m.moe.map_or(0, |moe| {
+        let per_block = n * moe.activation_floats_per_token(d);
+        let held = plan
+            .blocks
+            .iter()
+            .filter(|&&b| b != BlockSave::Elsewhere && b != BlockSave::Input)
+            .count();
+        held * per_block + per_block
+    });
+    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward + moe
+}
+
+/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (the blocks'
+/// column-parallel inputs, gate and up projections and SwiGLU outputs, and the backward's SwiGLU
+/// input and output gradients), whose f32 storage a device may leave out.
+pub fn workspace_bf16_activation_floats(
+    m: &LocalShapes,
+    batch: usize,
+    seq: usize,
+    plan: &ActivationPlan,
+) -> usize {
+    let seq = m.local_seq(seq);
+    block_floats(m, batch, seq, plan, |st| st.bf16_alone) + 3 * batch * seq * m.ffn
+}
+
+/// Values of the workspace whose producers may keep a bf16 copy beside them (or their values in
+/// bf16 alone) for the GEMMs, attention and SwiGLU kernels that read them
+/// (`Backend::activation_copy_bytes`): the blocks' normed inputs, rotated q and k, attention
+/// outputs, gate and up projections and SwiGLU outputs, the final norm's output, and the
+/// backward's SwiGLU input and output gradients, rotated dq and dk, and block-input gradient.
+pub fn workspace_copied_floats(
+    m: &LocalShapes,
+    batch: usize,
+    seq: usize,
+    plan: &ActivationPlan,
+) -> usize {
+    let seq = m.local_seq(seq);
+    let n = batch * seq;
+    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    block_floats(m, batch, seq, plan, |st| st.bf16_copy) + n * d + n * (3 * f + d + qd + kvd)
+}
+
+impl<B: Backend> LayerActs<B> {
+    /// A block's buffers: those `keep` selects sized for the shapes, the others empty.
+    fn allocate(
+        be: &B,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        keep: impl Fn(Act) -> bool,
+    ) -> Self {
+        let buf = |act: Act| {
+            let st = act_storage(m, batch, seq, act);
+            match (keep(act), st.bf16_alone) {
+                (false, _) => be.zeros(0),
+                (true, true) => be.zeros_bf16_activation(st.floats),
+                (true, false) => be.zeros(st.floats),
+            }
+        };
+        LayerActs {
+            normed_attn: buf(Act::NormedAttn),
+            normed_attn_full: buf(Act::NormedAttnFull),
+            rstd_attn: buf(Act::RstdAttn),
+            q: buf(Act::Q),
+            k: buf(Act::K),
+            v: buf(Act::V),
+            q_raw: buf(Act::QRaw),
+            k_raw: buf(Act::KRaw),
+            rstd_q: buf(Act::RstdQ),
+            rstd_k: buf(Act::RstdK),
+            attn_out: buf(Act::AttnOut),
+            lse: buf(Act::Lse),
+            h: buf(Act::H),
+            normed_ffn: buf(Act::NormedFfn),
+            normed_ffn_full: buf(Act::NormedFfnFull),
+            rstd_ffn: buf(Act::RstdFfn),
+            gate: buf(Act::Gate),
+            up: buf(Act::Up),
+            act: buf(Act::Act),
+        }
+    }
+}
+
+/// One block's activations as its forward writes them and its backward reads them: each from the
+/// block's own buffers when it keeps it, else from the shared scratch set.
+pub struct BlockActs<'a, B: Backend> {
+    pub normed_attn: &'a mut B::Buf,
+    pub normed_attn_full: &'a mut B::Buf,
+    pub rstd_attn: &'a mut B::Buf,
+    pub q: &'a mut B::Buf,
+    pub k: &'a mut B::Buf,
+    pub v: &'a mut B::Buf,
+    pub q_raw: &'a mut B::Buf,
+    pub k_raw: &'a mut B::Buf,
+    pub rstd_q: &'a mut B::Buf,
+    pub rstd_k: &'a mut B::Buf,
+    pub attn_out: &'a mut B::Buf,
+    pub lse: &'a mut B::Buf,
+    pub h: &'a mut B::Buf,
+    pub normed_ffn: &'a mut B::Buf,
+    pub normed_ffn_full: &'a mut B::Buf,
+    pub rstd_ffn: &'a mut B::Buf,
+    pub gate: &'a mut B::Buf,
+    pub up: &'a mut B::Buf,
+    pub act: &'a mut B::Buf,
+}
+
+impl<'a, B: Backend> BlockActs<'a, B> {
+    pub(super) fn pick(
+        own: &'a mut LayerActs<B>,
+        scratch: &'a mut LayerActs<B>,
+        save: BlockSave,
+    ) -> Self {
+        macro_rules! from {
+            ($field:ident, $act:expr) => {
+                if save.keeps($act) {
+                    &mut own.$field
+                } else {
+                    &mut scratch.$field
+                }
+            };
+        }
+        BlockActs {
+            normed_attn: from!(normed_attn, Act::NormedAttn),
+            normed_attn_full: from!(normed_attn_full, Act::NormedAttnFull),
+            rstd_attn: from!(rstd_attn, Act::RstdAttn),
+            q: from!(q, Act::Q),
+            k: from!(k, Act::K),
+            v: from!(v, Act::V),
+            q_raw: from!(q_raw, Act::QRaw),
+            k_raw: from!(k_raw, Act::KRaw),
+            rstd_q: from!(rstd_q, Act::RstdQ),
+            rstd_k: from!(rstd_k, Act::RstdK),
+            attn_out: from!(attn_out, Act::AttnOut),
+            lse: from!(lse, Act::Lse),
+            h: from!(h, Act::H),
+            normed_ffn: from!(normed_ffn, Act::NormedFfn),
+            normed_ffn_full: from!(normed_ffn_full, Act::NormedFfnFull),
+            rstd_ffn: from!(rstd_ffn, Act::RstdFfn),
+            gate: from!(gate, Act::Gate),
+            up: from!(up, Act::Up),
+            act: from!(act, Act::Act),
+        }
+    }
+}
+
+impl<B: Backend> Workspace<B> {
+    /// The workspace of a single-process model, keeping every activation.
+    pub fn new(backend: &B, args: &ModelArgs, batch: usize, seq: usize) -> Self {
+        let plan = ActivationPlan::keep_everything(args.n_layers);
+        Self::planned(backend, &LocalShapes::whole(args), batch, seq, plan)
+    }
+
+    /// The workspace of one rank for `batch` sequences of `seq` positions (context parallel: it
+    /// holds `seq / cp` of each; tensor parallel: `batch × seq / cp` must divide by its degree)
+    /// whose blocks keep what `plan` says (activation checkpointing):
+    /// a buffer per block for each kept activation, one shared for each recomputed one.
+    pub fn planned(
+        backend: &B,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        plan: ActivationPlan,
+    ) -> Self {
+        assert_eq!(plan.blocks.len(), m.n_layers, "a plan per block");
+        let seq = m.local_seq(seq);
+        let n = batch * seq;
+        let r = m.rows(n);
+        let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+        let z = |len: usize| backend.zeros(len);
+        let tp = m.tp > 1;
+        // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
+        let gemm_input = |len: usize| backend.zeros_bf16_activation(len);
+        Workspace {
+            batch,
+            seq,
+            rope: None,
+            resid: (0..=m.n_layers).map(|_| z(r * d)).collect(),
+            layers: plan
+                .blocks
+                .iter()
+                .map(|&save| LayerActs::allocate(backend, m, batch, seq, |a| save.keeps(a)))
+                .collect(),
+            recomputed: LayerActs::allocate(backend, m, batch, seq, |a| plan.needs_scratch(a)),
+            plan,
+            normed_final: z(r * d),
+            normed_final_full: if tp { z(n * d) } else { z(0) },
+            rstd_final: z(r),
+            dx: z(r * d),
+            dnormed: z(r * d),
+            full: if tp { z(n * d) } else { z(0) },
+            dq: z(n * qd),
+            dk: z(n * kvd),
+            dv: z(n * kvd),
+            dq_raw: z(if m.qk_norm { n * qd } else { 0 }),
+            dk_raw: z(if m.qk_norm { n * kvd } else { 0 }),
+            dattn: z(n * qd),
+            dgate: gemm_input(n * f),
+            dup: gemm_input(n * f),
+            dact: gemm_input(n * f),
+            inputs: vec![0; n],
+            targets: vec![0; n],
+            local_ids: vec![0; n],
+            moe: (0..m.n_layers).map(|_| None).collect(),
+        }
+    }
+
+    /// What the workspace's blocks keep.
+    pub fn plan(&self) -> &ActivationPlan {
+        &self.plan
+    }
+
+    /// The input of block `l` on this rank's rows: the embedding's output for `l = 0`, the final
+    /// norm's input for `l = n_layers` (a pipeline stage receives its input here and sends its
+    /// output from here).
+    pub fn block_input(&self, l: usize) -> &B::Buf {
+        &self.resid[l]
+    }
+
+    pub fn block_input_mut(&mut self, l: usize) -> &mut B::Buf {
+        &mut self.resid[l]
+    }
+
+    /// The gradient the backward carries from block to block: ∂L/∂(output) of the next block to
+    /// run backward, ∂L/∂(input) of the last one run (a pipeline stage receives the first and
+    /// sends the second).
+    pub fn carried_grad(&self) -> &B::Buf {
+        &self.dx
+    }
+
+    pub fn carried_grad_mut(&mut self) -> &mut B::Buf {
+        &mut self.dx
+    }
+}
