@@ -1,5 +1,11 @@
-//! The decoder block's forward, written once in one rank's local shapes: the training forward,
-//! activation checkpointing's recompute and generation with a KV cache all run it.
+//! The decoder block's forward, written once in one rank's local shapes. The training and
+//! validation forward, activation checkpointing's recompute before a block's backward and
+//! generation with a KV cache all run this one function (`Llama::run_block`); they differ only in
+//! which ops run (`Pass`: every op, or those whose outputs the block did not keep) and where
+//! attention finds its keys and values (`KvSource`: the workspace's sequences, or the cache).
+//!
+//! Per block: `h = x + Attention(RMSNorm(x))`, `out = h + W2·(silu(W1·n) ∘ W3·n)` with
+//! `n = RMSNorm(h)` (or `out = h + MoE(n)`, plus the shared experts as the SwiGLU).
 
 use anyhow::{bail, Result};
 
@@ -11,7 +17,7 @@ use crate::model::args::LocalShapes;
 use crate::model::linear::Linear;
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
-use crate::model::params::{FeedForwardIds, ParamSet};
+use crate::model::params::{FeedForwardIds, LayerIds, ParamSet};
 use crate::model::Workspace;
 
 /// A block's projections in one rank's shapes: attention's (wq, wk, wv column-parallel, wo
@@ -41,12 +47,71 @@ impl BlockLinears {
     }
 }
 
-/// Whether a block's forward keeps its mixture of experts' activations: as its save policy says
-/// (not for a block that keeps only its input), or always (the recompute before its backward).
+/// Which of a block's forward ops a run computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum ExpertActs {
-    AsPlanned,
-    ForBackward,
+pub(super) enum Pass {
+    /// The forward (training, validation, generation): every op, each activation kept where the
+    /// block's save policy says (a mixture of experts' only if the block keeps more than its
+    /// input).
+    Forward,
+    /// Before the backward of a block that kept only its input: the whole forward again, a
+    /// mixture of experts' activations kept for the backward (its output, the next block's input,
+    /// is written again with the same values).
+    RecomputeAll,
+    /// Before the backward of a block that kept its expensive ops: only the ops whose outputs it
+    /// did not keep, in the forward's order; its output is not needed again.
+    RecomputeMissing,
+}
+
+/// Where a block's attention finds its keys and values.
+pub(super) enum KvSource<'c, B: Backend> {
+    /// The workspace's own sequences (crossing the context-parallel group when they are split).
+    Sequences,
+    /// Generation: the new positions `pos..` are appended to this block's cache
+    /// (`[capacity, kv_dim]` each) and attend to every position before them.
+    Cache {
+        k: &'c mut B::Buf,
+        v: &'c mut B::Buf,
+        pos: usize,
+        capacity: usize,
+    },
+}
+
+impl<B: Backend> KvSource<'_, B> {
+    /// The position of the first row (RoPE's offset).
+    fn first_position(&self) -> usize {
+        match self {
+            KvSource::Sequences => 0,
+            KvSource::Cache { pos, .. } => *pos,
+        }
+    }
+}
+
+/// What every op of one block's run reads.
+struct BlockRun<'r, B: Backend> {
+    be: &'r B,
+    p: &'r [B::Buf],
+    id: &'r LayerIds,
+    sp: SequenceParallel<'r, B>,
+    batch: usize,
+    seq: usize,
+    save: BlockSave,
+    pass: Pass,
+    /// Whether a mixture of experts gathers its auxiliary-loss statistics (not in generation).
+    aux_stats: bool,
+}
+
+impl<B: Backend> BlockRun<'_, B> {
+    /// Whether this run computes `act`.
+    fn redo(&self, act: Act) -> bool {
+        self.pass != Pass::RecomputeMissing || !self.save.keeps(act)
+    }
+
+    /// Whether this run writes the block's output (the feed-forward's last projection and the
+    /// experts).
+    fn writes_output(&self) -> bool {
+        self.pass != Pass::RecomputeMissing
+    }
 }
 
 impl<B: Backend> Llama<B> {
@@ -59,6 +124,7 @@ impl<B: Backend> Llama<B> {
         }
     }
 
+    /// Block `l`'s forward from `ws.block_input(l)` to `ws.block_input(l + 1)`.
     pub fn block_forward(
         &self,
         be: &B,
@@ -66,127 +132,285 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
-        self.block_forward_keeping(be, params, ws, l, ExpertActs::AsPlanned)
+        self.run_block(be, params, ws, l, Pass::Forward, KvSource::Sequences)
     }
 
-    /// `block_forward`, keeping a mixture of experts' activations as `experts` says.
-    pub(super) fn block_forward_keeping(
+    /// Before block `l`'s backward, what its forward did not keep (activation checkpointing):
+    /// the same ops on the same inputs, so the values are the forward's, bit for bit.
+    pub(super) fn recompute(
         &self,
         be: &B,
         params: &ParamSet<B>,
         ws: &mut Workspace<B>,
         l: usize,
-        experts_kept: ExpertActs,
     ) -> Result<()> {
-        let _span = crate::trace::span_named("model", || format!("block {l} forward"));
-        let (a, m) = (&self.args, &self.local);
-        let id = &self.ids.layers[l];
-        let p = &params.bufs;
-        let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
-        let sp = self.sequence_parallel(b * s);
-        let BlockLinears {
-            wq,
-            wk,
-            wv,
-            wo,
-            w1,
-            w2,
-            w3,
-        } = BlockLinears::of(m);
-        let (before, after) = ws.resid.split_at_mut(l + 1);
-        let x = &before[l];
-        let out = &mut after[0];
-        let save = ws.plan.blocks[l];
-        let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
-        // Attention: h = x + wo · Attention(RoPE(wq·n), RoPE(wk·n), wv·n), n = RMSNorm(x).
-        be.rmsnorm_forward(
-            acts.normed_attn,
-            acts.rstd_attn,
-            x,
-            &p[id.attention_norm],
-            d,
-            a.norm_eps,
-        );
-        // With QK-norm the projections go to q_raw and k_raw, normed per head into q and k.
-        let (q_proj, k_proj) = match m.qk_norm {
-            true => (&mut *acts.q_raw, &mut *acts.k_raw),
-            false => (&mut *acts.q, &mut *acts.k),
+        let _span = crate::trace::span_named("model", || format!("block {l} recompute"));
+        let pass = match ws.plan.blocks[l] {
+            BlockSave::Everything => return Ok(()),
+            BlockSave::Input => Pass::RecomputeAll,
+            BlockSave::ExpensiveOps => Pass::RecomputeMissing,
+            BlockSave::Elsewhere => bail!("block {l} runs on another pipeline rank, not this one"),
         };
-        sp.column_forward(
+        self.run_block(be, params, ws, l, pass, KvSource::Sequences)
+    }
+
+    /// The block, written once: attention then the feed-forward, each op run when `pass` asks
+    /// for its output.
+    pub(super) fn run_block(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        ws: &mut Workspace<B>,
+        l: usize,
+        pass: Pass,
+        kv: KvSource<'_, B>,
+    ) -> Result<()> {
+        let _span = (pass != Pass::RecomputeMissing)
+            .then(|| crate::trace::span_named("model", || format!("block {l} forward")));
+        let (b, s) = (ws.batch, ws.seq);
+        let run = BlockRun {
             be,
-            acts.normed_attn,
-            acts.normed_attn_full,
-            d,
-            &mut [
-                Projection::new(wq, &p[id.wq], q_proj),
-                Projection::new(wk, &p[id.wk], k_proj),
-                Projection::new(wv, &p[id.wv], acts.v),
-            ],
-        )?;
-        if let (Some(qn), Some(kn)) = (id.q_norm, id.k_norm) {
-            be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, a.norm_eps);
-            be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, a.norm_eps);
-        }
-        let (cos, sin) = self.rope_tables(&ws.rope);
-        be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, 0);
-        be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
-        let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-        self.cp
-            .attention_forward(be, acts.attn_out, acts.lse, acts.q, acts.k, acts.v, shape)?;
-        sp.row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, &mut ws.full)?;
-        // Feed-forward: out = h + w2 · (silu(w1·n) ∘ w3·n), n = RMSNorm(h), or with a mixture
-        // of experts out = h + MoE(n).
-        be.rmsnorm_forward(
-            acts.normed_ffn,
-            acts.rstd_ffn,
-            acts.h,
-            &p[id.ffn_norm],
-            d,
-            a.norm_eps,
-        );
-        // The SwiGLU (the dense feed-forward, or a mixture of experts' shared experts), column-
-        // then row-parallel under TP: out = h + w2 · (silu(w1·n) ∘ w3·n).
-        match id.ffn.swiglu() {
-            Some([i1, i2, i3]) => {
-                sp.column_forward(
-                    be,
-                    acts.normed_ffn,
-                    acts.normed_ffn_full,
-                    d,
-                    &mut [
-                        Projection::new(w1, &p[i1], acts.gate),
-                        Projection::new(w3, &p[i3], acts.up),
-                    ],
-                )?;
-                be.swiglu_forward(acts.act, acts.gate, acts.up);
-                sp.row_forward_residual(be, w2, acts.act, &p[i2], acts.h, out, &mut ws.full)?;
-            }
-            None => be.copy_from(out, acts.h),
-        }
-        // The routed experts: out += Σ_j w_j · Expert_j(n), on this rank's rows.
-        match &id.ffn {
-            FeedForwardIds::Dense { .. } => Ok(()),
-            FeedForwardIds::Moe(experts) => {
-                let shapes = self.moe_shapes()?;
-                let bias = self.block_expert_bias(l);
-                let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
-                let moe_acts = moe::forward(
-                    be,
-                    &shapes,
-                    experts,
-                    p,
-                    acts.normed_ffn,
-                    out,
-                    bias.as_deref(),
-                    self.ep.as_ref(),
-                    self.sequence_rows(b, s, &sum),
-                )?;
+            p: &params.bufs,
+            id: &self.ids.layers[l],
+            sp: self.sequence_parallel(b * s),
+            batch: b,
+            seq: s,
+            save: ws.plan.blocks[l],
+            pass,
+            aux_stats: matches!(kv, KvSource::Sequences),
+        };
+        let (before, after) = ws.resid.split_at_mut(l + 1);
+        let mut acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, run.save);
+        let rope = self.rope_tables(&ws.rope);
+        self.attention_half(&run, &mut acts, &before[l], &mut ws.full, rope, kv)?;
+        self.feed_forward_half(&run, &mut acts, &mut after[0], &mut ws.full)?;
+        if run.writes_output() {
+            if let FeedForwardIds::Moe(_) = &run.id.ffn {
+                let moe_acts = self.experts_forward(&run, acts.normed_ffn, &mut after[0], l)?;
                 // A block that keeps only its input recomputes its experts before its backward.
-                let keep = experts_kept == ExpertActs::ForBackward || save != BlockSave::Input;
+                let keep = pass == Pass::RecomputeAll || run.save != BlockSave::Input;
                 ws.moe[l] = keep.then_some(moe_acts);
+            }
+        }
+        Ok(())
+    }
+
+    /// `h = x + wo · Attention(RoPE(wq·n), RoPE(wk·n), wv·n)`, `n = RMSNorm(x)` (with QK-norm,
+    /// q and k normed per head before RoPE).
+    fn attention_half(
+        &self,
+        run: &BlockRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        x: &B::Buf,
+        full: &mut B::Buf,
+        (cos, sin): (&B::Buf, &B::Buf),
+        kv: KvSource<'_, B>,
+    ) -> Result<()> {
+        let (a, m, be, p, id) = (&self.args, &self.local, run.be, run.p, run.id);
+        let (d, hd, eps) = (a.dim, m.head_dim, a.norm_eps);
+        let redo = |act| run.redo(act);
+        if redo(Act::NormedAttn) || redo(Act::RstdAttn) {
+            let w = &p[id.attention_norm];
+            be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, d, eps);
+        }
+        let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
+        {
+            let BlockLinears { wq, wk, wv, .. } = BlockLinears::of(m);
+            // With QK-norm the projections go to q_raw and k_raw, normed per head into q and k.
+            let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match m.qk_norm {
+                true => (
+                    &mut *acts.q_raw,
+                    &mut *acts.k_raw,
+                    redo(Act::QRaw),
+                    redo(Act::KRaw),
+                ),
+                false => (&mut *acts.q, &mut *acts.k, redo_q, redo_k),
+            };
+            let mut qkv = Vec::new();
+            if redo_q_proj {
+                qkv.push(Projection::new(wq, &p[id.wq], q_proj));
+            }
+            if redo_k_proj {
+                qkv.push(Projection::new(wk, &p[id.wk], k_proj));
+            }
+            if redo(Act::V) {
+                qkv.push(Projection::new(wv, &p[id.wv], &mut *acts.v));
+            }
+            self.column_layer(
+                run,
+                acts.normed_attn,
+                acts.normed_attn_full,
+                &mut qkv,
+                Act::NormedAttnFull,
+            )?;
+        }
+        if let (Some(qn), Some(kn)) = (id.q_norm, id.k_norm) {
+            if redo_q || redo(Act::RstdQ) {
+                be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, eps);
+            }
+            if redo_k || redo(Act::RstdK) {
+                be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, eps);
+            }
+        }
+        let (b, s, at) = (run.batch, run.seq, kv.first_position());
+        if redo_q {
+            be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, at);
+        }
+        if redo_k {
+            be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, at);
+        }
+        if redo(Act::AttnOut) || redo(Act::Lse) {
+            self.attend(run, acts, kv)?;
+        }
+        if redo(Act::H) {
+            let wo = BlockLinears::of(m).wo;
+            run.sp
+                .row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, full)?;
+        }
+        Ok(())
+    }
+
+    /// Causal attention of the block's queries over its keys and values: the workspace's
+    /// sequences (through the context-parallel group), or the cache with the new rows appended.
+    fn attend(
+        &self,
+        run: &BlockRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        kv: KvSource<'_, B>,
+    ) -> Result<()> {
+        let (m, be) = (&self.local, run.be);
+        let (b, s) = (run.batch, run.seq);
+        match kv {
+            KvSource::Sequences => {
+                let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, m.head_dim);
+                let (q, k, v) = (&*acts.q, &*acts.k, &*acts.v);
+                self.cp
+                    .attention_forward(be, acts.attn_out, acts.lse, q, k, v, shape)
+            }
+            KvSource::Cache {
+                k,
+                v,
+                pos,
+                capacity,
+            } => {
+                let kvd = m.kv_dim();
+                be.copy_into_at(k, pos * kvd, acts.k);
+                be.copy_into_at(v, pos * kvd, acts.v);
+                let shape = AttnShape {
+                    batch: b,
+                    q_len: s,
+                    kv_len: pos + s,
+                    kv_capacity: capacity,
+                    n_heads: m.heads,
+                    n_kv_heads: m.kv_heads,
+                    head_dim: m.head_dim,
+                    q_offset: pos,
+                };
+                be.attention_forward(acts.attn_out, acts.lse, acts.q, k, v, shape);
                 Ok(())
             }
         }
+    }
+
+    /// The column-parallel projections of `projections` from the normed rows `local` (gathered
+    /// over the tensor-parallel group into `full`); with none to run, the gather alone when the
+    /// run needs `full` (`full_act`) again.
+    fn column_layer(
+        &self,
+        run: &BlockRun<'_, B>,
+        local: &B::Buf,
+        full: &mut B::Buf,
+        projections: &mut [Projection<'_, B>],
+        full_act: Act,
+    ) -> Result<()> {
+        if !projections.is_empty() {
+            run.sp
+                .column_forward(run.be, local, full, self.args.dim, projections)
+        } else if self.local.tp > 1 && run.redo(full_act) {
+            self.tp.gather_rows(run.be, local, full)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The feed-forward's norm and SwiGLU (the dense feed-forward, or a mixture of experts' shared
+    /// experts), column- then row-parallel under TP: `out = h + w2 · (silu(w1·n) ∘ w3·n)`,
+    /// `n = RMSNorm(h)`; without a SwiGLU `out = h` (the routed experts add theirs after).
+    fn feed_forward_half(
+        &self,
+        run: &BlockRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        out: &mut B::Buf,
+        full: &mut B::Buf,
+    ) -> Result<()> {
+        let (a, m, be, p, id) = (&self.args, &self.local, run.be, run.p, run.id);
+        let redo = |act| run.redo(act);
+        if redo(Act::NormedFfn) || redo(Act::RstdFfn) {
+            let w = &p[id.ffn_norm];
+            be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, a.dim, a.norm_eps);
+        }
+        let Some([i1, i2, i3]) = id.ffn.swiglu() else {
+            if run.writes_output() {
+                be.copy_from(out, acts.h);
+            }
+            return Ok(());
+        };
+        let BlockLinears { w1, w2, w3, .. } = BlockLinears::of(m);
+        let mut gate_up = Vec::new();
+        if redo(Act::Gate) {
+            gate_up.push(Projection::new(w1, &p[i1], &mut *acts.gate));
+        }
+        if redo(Act::Up) {
+            gate_up.push(Projection::new(w3, &p[i3], &mut *acts.up));
+        }
+        self.column_layer(
+            run,
+            acts.normed_ffn,
+            acts.normed_ffn_full,
+            &mut gate_up,
+            Act::NormedFfnFull,
+        )?;
+        if redo(Act::Act) {
+            be.swiglu_forward(acts.act, acts.gate, acts.up);
+        }
+        if run.writes_output() {
+            run.sp
+                .row_forward_residual(be, w2, acts.act, &p[i2], acts.h, out, full)?;
+        }
+        Ok(())
+    }
+
+    /// The routed experts: `out += Σ_j w_j · Expert_j(n)` on this rank's rows, returning their
+    /// activations for the backward.
+    fn experts_forward(
+        &self,
+        run: &BlockRun<'_, B>,
+        normed: &B::Buf,
+        out: &mut B::Buf,
+        l: usize,
+    ) -> Result<moe::MoeActs<B>> {
+        let FeedForwardIds::Moe(experts) = &run.id.ffn else {
+            bail!("block {l} has no mixture of experts (a titan bug)");
+        };
+        let be = run.be;
+        let shapes = self.moe_shapes()?;
+        let bias = self.block_expert_bias(l);
+        let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
+        let rows = match run.aux_stats {
+            true => self.sequence_rows(run.batch, run.seq, &sum),
+            false => None,
+        };
+        moe::forward(
+            be,
+            &shapes,
+            experts,
+            run.p,
+            normed,
+            out,
+            bias.as_deref(),
+            self.ep.as_ref(),
+            rows,
+        )
     }
 
     /// The mixture-of-experts layer's shapes (a MoE model's): its routed experts (the block
@@ -198,154 +422,5 @@ impl<B: Backend> Llama<B> {
                 bail!("a mixture-of-experts block in a model without MoE arguments (a titan bug)")
             }
         }
-    }
-
-    /// Before block `l`'s backward, what its forward did not keep (activation checkpointing):
-    /// with the same kernels on the same inputs, so the values are the forward's, bit for bit.
-    pub(super) fn recompute(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        ws: &mut Workspace<B>,
-        l: usize,
-    ) -> Result<()> {
-        let _span = crate::trace::span_named("model", || format!("block {l} recompute"));
-        match ws.plan.blocks[l] {
-            BlockSave::Everything => Ok(()),
-            // The whole forward again, from the block's input (its output, the next block's
-            // input, is written again with the same values).
-            BlockSave::Input => {
-                self.block_forward_keeping(be, params, ws, l, ExpertActs::ForBackward)
-            }
-            BlockSave::ExpensiveOps => self.recompute_missing(be, params, ws, l),
-            BlockSave::Elsewhere => {
-                anyhow::bail!("block {l} runs on another pipeline rank, not this one")
-            }
-        }
-    }
-
-    /// Selective checkpointing: every activation the block did not keep, op by op in the
-    /// forward's order, from the block's input and what it kept (an op whose output was kept is
-    /// skipped; the block's output is not needed again).
-    pub(super) fn recompute_missing(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        ws: &mut Workspace<B>,
-        l: usize,
-    ) -> Result<()> {
-        let (a, m) = (&self.args, &self.local);
-        let id = &self.ids.layers[l];
-        let p = &params.bufs;
-        let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
-        let n = b * s;
-        let save = ws.plan.blocks[l];
-        let redo = |act: Act| !save.keeps(act);
-        let x = &ws.resid[l];
-        let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
-        let (cos, sin) = self.rope_tables(&ws.rope);
-        let tp = m.tp > 1;
-        let sp = self.sequence_parallel(n);
-        if redo(Act::NormedAttn) || redo(Act::RstdAttn) {
-            let w = &p[id.attention_norm];
-            be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, d, a.norm_eps);
-        }
-        // The projections go through the forward's own column-parallel layer (gather and GEMMs,
-        // chunked alike under async TP), so their values are the forward's to the bit.
-        let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
-        {
-            let BlockLinears { wq, wk, wv, .. } = BlockLinears::of(m);
-            let mut qkv = Vec::new();
-            // With QK-norm the projections are q_raw and k_raw (then normed into q and k).
-            let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match m.qk_norm {
-                true => (
-                    &mut *acts.q_raw,
-                    &mut *acts.k_raw,
-                    redo(Act::QRaw),
-                    redo(Act::KRaw),
-                ),
-                false => (&mut *acts.q, &mut *acts.k, redo_q, redo_k),
-            };
-            if redo_q_proj {
-                qkv.push(Projection::new(wq, &p[id.wq], q_proj));
-            }
-            if redo_k_proj {
-                qkv.push(Projection::new(wk, &p[id.wk], k_proj));
-            }
-            if redo(Act::V) {
-                qkv.push(Projection::new(wv, &p[id.wv], &mut *acts.v));
-            }
-            if !qkv.is_empty() {
-                sp.column_forward(be, acts.normed_attn, acts.normed_attn_full, d, &mut qkv)?;
-            } else if tp && redo(Act::NormedAttnFull) {
-                self.tp
-                    .gather_rows(be, acts.normed_attn, acts.normed_attn_full)?;
-            }
-        }
-        if let (Some(qn), Some(kn)) = (id.q_norm, id.k_norm) {
-            if redo_q || redo(Act::RstdQ) {
-                be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, a.norm_eps);
-            }
-            if redo_k || redo(Act::RstdK) {
-                be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, a.norm_eps);
-            }
-        }
-        if redo_q {
-            be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, 0);
-        }
-        if redo_k {
-            be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, 0);
-        }
-        if redo(Act::AttnOut) || redo(Act::Lse) {
-            let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-            self.cp.attention_forward(
-                be,
-                acts.attn_out,
-                acts.lse,
-                acts.q,
-                acts.k,
-                acts.v,
-                shape,
-            )?;
-        }
-        if redo(Act::H) {
-            let w = &p[id.wo];
-            let wo = BlockLinears::of(m).wo;
-            sp.row_forward_residual(be, wo, acts.attn_out, w, x, acts.h, &mut ws.full)?;
-        }
-        if redo(Act::NormedFfn) || redo(Act::RstdFfn) {
-            let w = &p[id.ffn_norm];
-            be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, d, a.norm_eps);
-        }
-        // A mixture of experts keeps its routed experts' activations in `ws.moe` (its own
-        // forward's, or the recomputed block's): only the SwiGLU (dense, or the shared experts)
-        // has projections to redo here.
-        if let Some([w1, _, w3]) = id.ffn.swiglu() {
-            let mut gate_up = Vec::new();
-            if redo(Act::Gate) {
-                gate_up.push(Projection::new(
-                    Linear::new(d, m.ffn),
-                    &p[w1],
-                    &mut *acts.gate,
-                ));
-            }
-            if redo(Act::Up) {
-                gate_up.push(Projection::new(
-                    Linear::new(d, m.ffn),
-                    &p[w3],
-                    &mut *acts.up,
-                ));
-            }
-            if !gate_up.is_empty() {
-                sp.column_forward(be, acts.normed_ffn, acts.normed_ffn_full, d, &mut gate_up)?;
-            } else if tp && redo(Act::NormedFfnFull) {
-                self.tp
-                    .gather_rows(be, acts.normed_ffn, acts.normed_ffn_full)?;
-            }
-        }
-        if redo(Act::Act) && id.ffn.swiglu().is_some() {
-            be.swiglu_forward(acts.act, acts.gate, acts.up);
-        }
-        Ok(())
     }
 }

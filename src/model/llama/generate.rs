@@ -1,14 +1,13 @@
-//! Generation: the decoder run over new tokens with the keys and values of the earlier ones
-//! kept in a `KvCache`.
+//! Generation: the decoder's forward (the block written once, `block::run_block`) over new
+//! tokens, attending to the keys and values of the earlier ones kept in a `KvCache`.
 
 use anyhow::{bail, Result};
 
-use super::Llama;
-use crate::backend::{AttnShape, Backend};
+use super::block::{KvSource, Pass};
+use super::{Llama, Workspace};
+use crate::backend::Backend;
 use crate::model::args::ModelArgs;
-use crate::model::linear::Linear;
-use crate::model::moe;
-use crate::model::params::{FeedForwardIds, ParamSet};
+use crate::model::params::ParamSet;
 
 impl<B: Backend> Llama<B> {
     /// Runs `tokens` at positions `cache.len..` and returns the logits of the last one.
@@ -41,98 +40,29 @@ impl<B: Backend> Llama<B> {
                 a.vocab_size
             );
         }
-        let (d, f, hd) = (a.dim, a.swiglu_hidden(), a.head_dim());
-        let (qd, kvd) = (a.n_heads * hd, a.n_kv_heads * hd);
-        let (wq, wkv, wo) = (Linear::new(d, qd), Linear::new(d, kvd), Linear::new(qd, d));
-        let (w13, w2) = (Linear::new(d, f), Linear::new(f, d));
-        let p = &params.bufs;
-        let mut x = be.zeros(n * d);
-        be.embedding_forward(&mut x, &p[self.ids.tok_embeddings], tokens, d);
-        let (mut normed, mut rstd) = (be.zeros(n * d), be.zeros(n));
-        let (mut q, mut k, mut v) = (be.zeros(n * qd), be.zeros(n * kvd), be.zeros(n * kvd));
-        // QK-norm's scratch: the projections before it and the statistics.
-        let mut qk_norm = a.qk_norm.then(|| {
-            let (q_raw, k_raw) = (be.zeros(n * qd), be.zeros(n * kvd));
-            let (rq, rk) = (be.zeros(n * a.n_heads), be.zeros(n * a.n_kv_heads));
-            (q_raw, k_raw, rq, rk)
-        });
-        let (mut attn, mut lse) = (be.zeros(n * qd), be.zeros(a.n_heads * n));
-        let (mut gate, mut up, mut act) = (be.zeros(n * f), be.zeros(n * f), be.zeros(n * f));
-        let (cos, sin) = (&self.rope_cos, &self.rope_sin);
-        for l in 0..a.n_layers {
-            let id = &self.ids.layers[l];
-            be.rmsnorm_forward(
-                &mut normed,
-                &mut rstd,
-                &x,
-                &p[id.attention_norm],
-                d,
-                a.norm_eps,
-            );
-            match (&mut qk_norm, id.q_norm, id.k_norm) {
-                (Some((q_raw, k_raw, rq, rk)), Some(qn), Some(kn)) => {
-                    wq.forward(be, q_raw, &normed, &p[id.wq], n);
-                    wkv.forward(be, k_raw, &normed, &p[id.wk], n);
-                    be.rmsnorm_forward(&mut q, rq, q_raw, &p[qn], hd, a.norm_eps);
-                    be.rmsnorm_forward(&mut k, rk, k_raw, &p[kn], hd, a.norm_eps);
-                }
-                _ => {
-                    wq.forward(be, &mut q, &normed, &p[id.wq], n);
-                    wkv.forward(be, &mut k, &normed, &p[id.wk], n);
-                }
-            }
-            wkv.forward(be, &mut v, &normed, &p[id.wv], n);
-            be.rope_forward(&mut q, cos, sin, 1, n, a.n_heads, hd, pos);
-            be.rope_forward(&mut k, cos, sin, 1, n, a.n_kv_heads, hd, pos);
-            be.copy_into_at(&mut cache.k[l], pos * kvd, &k);
-            be.copy_into_at(&mut cache.v[l], pos * kvd, &v);
-            let shape = AttnShape {
-                batch: 1,
-                q_len: n,
-                kv_len: pos + n,
-                kv_capacity: cache.capacity,
-                n_heads: a.n_heads,
-                n_kv_heads: a.n_kv_heads,
-                head_dim: hd,
-                q_offset: pos,
+        let d = a.dim;
+        let mut ws = Workspace::for_inference(be, &self.local, 1, n);
+        ws.inputs.copy_from_slice(tokens);
+        self.embed_forward(be, params, &mut ws)?;
+        for (l, (k, v)) in cache.k.iter_mut().zip(&mut cache.v).enumerate() {
+            let capacity = cache.capacity;
+            let kv = KvSource::Cache {
+                k,
+                v,
+                pos,
+                capacity,
             };
-            be.attention_forward(&mut attn, &mut lse, &q, &cache.k[l], &cache.v[l], shape);
-            wo.add_forward(be, &mut x, &attn, &p[id.wo], n);
-            be.rmsnorm_forward(&mut normed, &mut rstd, &x, &p[id.ffn_norm], d, a.norm_eps);
-            if let Some([i1, i2, i3]) = id.ffn.swiglu() {
-                w13.forward(be, &mut gate, &normed, &p[i1], n);
-                w13.forward(be, &mut up, &normed, &p[i3], n);
-                be.swiglu_forward(&mut act, &gate, &up);
-                w2.add_forward(be, &mut x, &act, &p[i2], n);
-            }
-            match &id.ffn {
-                FeedForwardIds::Dense { .. } => {}
-                FeedForwardIds::Moe(experts) => {
-                    let bias = self.block_expert_bias(l);
-                    let shapes = self.moe_shapes()?;
-                    moe::forward(
-                        be,
-                        &shapes,
-                        experts,
-                        p,
-                        &normed,
-                        &mut x,
-                        bias.as_deref(),
-                        self.ep.as_ref(),
-                        None,
-                    )?;
-                }
-            }
+            self.run_block(be, params, &mut ws, l, Pass::Forward, kv)?;
         }
         cache.len += n;
-        let last = be.upload(&be.download(&x)[(n - 1) * d..]);
+        let last = be.upload(&be.download(ws.block_input(a.n_layers))[(n - 1) * d..]);
         let mut last_normed = be.zeros(d);
         let mut last_rstd = be.zeros(1);
         be.rmsnorm_forward(
             &mut last_normed,
             &mut last_rstd,
             &last,
-            &p[self.ids.norm],
+            &params.bufs[self.ids.norm],
             d,
             a.norm_eps,
         );
@@ -140,7 +70,7 @@ impl<B: Backend> Llama<B> {
         be.logits(
             &mut logits,
             &last_normed,
-            &p[self.ids.output],
+            &params.bufs[self.ids.output],
             1,
             d,
             a.vocab_size,

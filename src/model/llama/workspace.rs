@@ -327,6 +327,26 @@ impl<B: Backend> Workspace<B> {
         seq: usize,
         plan: ActivationPlan,
     ) -> Self {
+        Self::allocate(backend, m, batch, seq, plan, true)
+    }
+
+    /// The workspace of a forward with no backward after it (generation): the blocks' activations
+    /// in one shared set, no gradient buffers.
+    pub fn for_inference(backend: &B, m: &LocalShapes, batch: usize, seq: usize) -> Self {
+        let plan = ActivationPlan {
+            blocks: vec![BlockSave::Input; m.n_layers],
+        };
+        Self::allocate(backend, m, batch, seq, plan, false)
+    }
+
+    fn allocate(
+        backend: &B,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        plan: ActivationPlan,
+        backward: bool,
+    ) -> Self {
         assert_eq!(plan.blocks.len(), m.n_layers, "a plan per block");
         let seq = m.local_seq(seq);
         let n = batch * seq;
@@ -334,8 +354,10 @@ impl<B: Backend> Workspace<B> {
         let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
         let z = |len: usize| backend.zeros(len);
         let tp = m.tp > 1;
+        // The backward's scratch, none without a backward.
+        let grad = |len: usize| backend.zeros(if backward { len } else { 0 });
         // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
-        let gemm_input = |len: usize| backend.zeros_bf16_activation(len);
+        let gemm_input = |len: usize| backend.zeros_bf16_activation(if backward { len } else { 0 });
         Workspace {
             batch,
             seq,
@@ -351,15 +373,15 @@ impl<B: Backend> Workspace<B> {
             normed_final: z(r * d),
             normed_final_full: if tp { z(n * d) } else { z(0) },
             rstd_final: z(r),
-            dx: z(r * d),
-            dnormed: z(r * d),
+            dx: grad(r * d),
+            dnormed: grad(r * d),
             full: if tp { z(n * d) } else { z(0) },
-            dq: z(n * qd),
-            dk: z(n * kvd),
-            dv: z(n * kvd),
-            dq_raw: z(if m.qk_norm { n * qd } else { 0 }),
-            dk_raw: z(if m.qk_norm { n * kvd } else { 0 }),
-            dattn: z(n * qd),
+            dq: grad(n * qd),
+            dk: grad(n * kvd),
+            dv: grad(n * kvd),
+            dq_raw: grad(if m.qk_norm { n * qd } else { 0 }),
+            dk_raw: grad(if m.qk_norm { n * kvd } else { 0 }),
+            dattn: grad(n * qd),
             dgate: gemm_input(n * f),
             dup: gemm_input(n * f),
             dact: gemm_input(n * f),
