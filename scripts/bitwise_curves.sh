@@ -12,6 +12,8 @@
 set -euo pipefail
 
 steps=20
+# A port of its own, so that two recordings (or a test run) can share the machine.
+port=${TITAN_CURVES_PORT:-$((30000 + RANDOM % 20000))}
 
 # name | nproc | config | extra flags
 cases=(
@@ -31,7 +33,17 @@ cases=(
   "ac_op_tp2|2|configs/debug_model.toml|--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op --parallelism.tensor_parallel_degree 2"
   "validation|1|configs/debug_model.toml|--validation.enabled true --validation.freq 5 --validation.steps 2"
   "validation_fsdp_pp|4|configs/debug_model.toml|--validation.enabled true --validation.freq 5 --validation.steps 2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_microbatch_size 4"
+  "ddp2_accum|2|configs/debug_model.toml|--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --training.local_batch_size 4 --training.global_batch_size 16"
+  "fsdp2_accum_bf16|2|configs/debug_model.toml|--training.local_batch_size 4 --training.global_batch_size 16 --training.mixed_precision_param bfloat16"
+  "bf16_1proc|1|configs/debug_model.toml|--training.mixed_precision_param bfloat16"
+  "pp2_ddp2_accum|4|configs/debug_model.toml|--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 1 --training.local_batch_size 4 --training.global_batch_size 16 --parallelism.pipeline_parallel_microbatch_size 2"
+  "tied_pp2_accum|2|configs/debug_model.toml|--model.flavor 1B --model.dim 128 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2 --model.vocab_size 2048 --parallelism.pipeline_parallel_degree 2 --training.local_batch_size 4 --training.global_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2 --training.seq_len 128"
+  "tied_fsdp_pp|4|configs/debug_model.toml|--model.flavor 1B --model.dim 128 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2 --model.vocab_size 2048 --parallelism.pipeline_parallel_degree 2 --training.local_batch_size 4 --training.global_batch_size 16 --parallelism.pipeline_parallel_microbatch_size 2 --training.seq_len 128"
+  "ep2_fsdp_ac_full|4|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --parallelism.expert_parallel_degree 2 --activation_checkpoint.mode full --training.seq_len 128 --model.router_aux_loss_coef 0.001"
+  "fsdp2_reshard_never_ac2|2|configs/debug_model.toml|--parallelism.fsdp_reshard_after_forward never --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2"
 )
+# TITAN_CURVES_ONLY="name ...": record only those cases (and no generation).
+only=${TITAN_CURVES_ONLY:-}
 
 record() {
   local bin=$1 out=$2 work
@@ -39,9 +51,10 @@ record() {
   work=$(mktemp -d)
   for spec in "${cases[@]}"; do
     IFS='|' read -r name nproc config extra <<<"$spec"
+    if [ -n "$only" ] && [[ " $only " != *" $name "* ]]; then continue; fi
     local dump="$work/$name"
     # shellcheck disable=SC2086
-    if ! "$bin" train --config "$config" --nproc "$nproc" --job.dump_folder "$dump" \
+    if ! "$bin" train --config "$config" --nproc "$nproc" --master-port "$port" --job.dump_folder "$dump" \
       --training.steps "$steps" --metrics.log_freq 1 --checkpoint.interval "$steps" \
       $extra >"$work/$name.log" 2>&1; then
       echo "FAILED: $name (log: $work/$name.log)" >&2
@@ -63,6 +76,7 @@ for line in open(sys.argv[1]):
 EOF
     echo "recorded $name: $(grep -c '^step' "$out/$name.txt") steps"
   done
+  if [ -n "$only" ]; then rm -rf "$work"; return; fi
   # Generation from the README run's checkpoint: greedy, and sampled (sensitive to every logit).
   "$bin" generate --checkpoint "$work/readme" --prompt "The cat" --max-new-tokens 40 \
     --temperature 0 --json >"$out/generate_greedy.txt"

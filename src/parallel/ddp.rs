@@ -23,7 +23,6 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::nccl::{InFlight, NcclGroup};
-use crate::model::llama::BlockGradHook;
 use crate::model::params::LayerIds;
 use crate::model::ParamSet;
 
@@ -82,17 +81,18 @@ impl DdpReducer {
 
 /// Sums a step's gradients across the data-parallel ranks: told when each block's gradients are
 /// final (on the last micro-batch), then `finish` leaves every gradient summed.
-pub trait GradReducer<B: Backend>: BlockGradHook<B> {
+pub trait GradReducer<B: Backend> {
+    /// A block's gradients (`ids`) are final: their sum over the group may start.
+    fn block_done(&mut self, be: &B, ids: &[usize], grads: &mut ParamSet<B>) -> Result<()>;
+    /// Sums what no `block_done` covered and waits for every sum.
     fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()>;
 }
 
-impl<B: Backend> BlockGradHook<B> for DdpReducer {
-    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()> {
-        self.submit(be, layer.all().to_vec(), grads)
-    }
-}
-
 impl<B: Backend> GradReducer<B> for DdpReducer {
+    fn block_done(&mut self, be: &B, ids: &[usize], grads: &mut ParamSet<B>) -> Result<()> {
+        self.submit(be, ids.to_vec(), grads)
+    }
+
     /// Reduces the parameters no block hook covered, waits for every bucket and writes the summed
     /// gradients back.
     fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()> {
@@ -166,18 +166,16 @@ impl NcclGradReducer {
     }
 }
 
-impl BlockGradHook<CudaBackend> for NcclGradReducer {
+impl GradReducer<CudaBackend> for NcclGradReducer {
     fn block_done(
         &mut self,
         _be: &CudaBackend,
-        layer: &LayerIds,
+        ids: &[usize],
         grads: &mut ParamSet<CudaBackend>,
     ) -> Result<()> {
-        self.start(grads, &layer.all())
+        self.start(grads, ids)
     }
-}
 
-impl GradReducer<CudaBackend> for NcclGradReducer {
     /// Starts the sum of every gradient no block hook covered (embeddings, final norm, output),
     /// then waits for all of them.
     fn finish(

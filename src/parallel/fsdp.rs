@@ -39,11 +39,12 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 
-use crate::backend::{Backend, LossSum};
+use super::walk::{ParamHooks, PassKind, Unit};
+use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::memory_timeline::{self, Category};
-use crate::model::{Llama, ParamDtype, ParamSet, Workspace};
+use crate::model::{Llama, ParamDtype, ParamSet};
 
 /// A collective in the queues, in the order they were started: what its output becomes, and the
 /// shard group whose queue runs it. `packed_bytes`: the size of its packed input, a communication
@@ -485,128 +486,6 @@ impl<B: Backend> Fsdp<B> {
         Ok(())
     }
 
-    /// Finishes collectives in order until the gathers of `ids` are done.
-    fn wait_gather(&mut self, be: &B, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
-        let waiting = |p: &Pending| match p {
-            Pending::Gather { ids: part, .. } => part.iter().any(|i| ids.contains(i)),
-            Pending::ReduceScatter { .. } => false,
-        };
-        while self.pending.iter().any(waiting) {
-            self.complete_next(be, full)?;
-        }
-        Ok(())
-    }
-
-    /// One micro-batch: forward and backward with the collectives around each block running one
-    /// block ahead (prefetched gathers) or behind (reduce-scatters) of the compute.
-    /// Gradients are added into `grad_shards`. `full` and `grads` are working sets whose buffers
-    /// exist only while a stage needs them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_backward(
-        &mut self,
-        be: &B,
-        model: &Llama<B>,
-        full: &mut ParamSet<B>,
-        grads: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-        grad_scale: f32,
-    ) -> Result<LossSum> {
-        self.guarded(|f| f.run_micro_batch(be, model, full, grads, ws, tokens, grad_scale))
-    }
-
-    /// `forward_backward`'s body.
-    #[allow(clippy::too_many_arguments)]
-    fn run_micro_batch(
-        &mut self,
-        be: &B,
-        model: &Llama<B>,
-        full: &mut ParamSet<B>,
-        grads: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-        grad_scale: f32,
-    ) -> Result<LossSum> {
-        model.load_tokens(be, ws, tokens)?;
-        let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();
-        let n = blocks.len();
-        let non_block = self.non_block.clone();
-        let regather = |l: usize| self.reshard_after_forward.reshard(l, n);
-        let regather: Vec<bool> = (0..n).map(regather).collect();
-        self.submit_gather(be, &non_block)?;
-        if n > 0 {
-            self.submit_gather(be, &blocks[0])?;
-        }
-        self.wait_gather(be, full, &non_block)?;
-        model.embed_forward(be, full, ws)?;
-        for l in 0..n {
-            if l + 1 < n {
-                self.submit_gather(be, &blocks[l + 1])?;
-            }
-            self.wait_gather(be, full, &blocks[l])?;
-            model.block_forward(be, full, ws, l)?;
-            if regather[l] {
-                Self::release(be, full, &blocks[l], Category::GatheredBlocks);
-            }
-        }
-        self.zeros(be, grads, &non_block);
-        let loss = model.head_forward_backward(be, full, grads, ws, grad_scale)?;
-        if n > 0 && regather[n - 1] {
-            self.submit_gather(be, &blocks[n - 1])?;
-        }
-        for l in (0..n).rev() {
-            if l >= 1 && regather[l - 1] {
-                self.submit_gather(be, &blocks[l - 1])?;
-            }
-            if regather[l] {
-                self.wait_gather(be, full, &blocks[l])?;
-            }
-            self.zeros(be, grads, &blocks[l]);
-            model.block_backward(be, full, grads, ws, l)?;
-            self.submit_reduce_scatter(be, grads, &blocks[l])?;
-            Self::release(be, full, &blocks[l], Category::GatheredBlocks);
-            self.complete_down_to_limit(be, full)?;
-        }
-        model.embed_backward(be, grads, ws)?;
-        self.submit_reduce_scatter(be, grads, &non_block)?;
-        while !self.pending.is_empty() {
-            self.complete_next(be, full)?;
-        }
-        Self::release(be, full, &non_block, Category::GatheredBlocks);
-        Ok(loss)
-    }
-}
-
-impl<B: Backend> Fsdp<B> {
-    /// Runs a pass of collectives, refusing to after one failed part-way (collectives may be
-    /// left in the queue and gradients half-added).
-    fn guarded<T>(&mut self, pass: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
-        if self.failed {
-            return Err(anyhow!(
-                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
-            ));
-        }
-        let result = pass(self);
-        self.failed = result.is_err();
-        result
-    }
-
-    /// A forward-only pass that needs every parameter this rank holds at once (a pipeline
-    /// rank's validation): gathered for it, freed after.
-    pub fn with_weights_gathered<T>(
-        &mut self,
-        be: &B,
-        full: &mut ParamSet<B>,
-        pass: impl FnOnce(&ParamSet<B>) -> Result<T>,
-    ) -> Result<T> {
-        self.guarded(|f| {
-            let ids = f.gather_held(be, full)?;
-            let out = pass(full);
-            Self::release(be, full, &ids, Category::GatheredBlocks);
-            out
-        })
-    }
-
     /// Gathers every parameter this rank holds a shard of (a pipeline rank: its stages') into
     /// `full`, returning their ids.
     fn gather_held(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Vec<usize>> {
@@ -618,75 +497,237 @@ impl<B: Backend> Fsdp<B> {
         Ok(ids)
     }
 
-    /// A pass that needs every parameter this rank holds at once (a pipeline rank's stages, over
-    /// all its microbatches): gathers them all, zeroes their full gradients, runs `pass`, then
-    /// reduce-scatters the gradients into this rank's shards and frees the full tensors.
-    /// TorchTitan likewise keeps a stage's parameters gathered between microbatches under
-    /// pipeline parallelism: regathering them for each microbatch would multiply the traffic.
-    pub fn with_all_gathered<T>(
-        &mut self,
-        be: &B,
-        full: &mut ParamSet<B>,
-        grads: &mut ParamSet<B>,
-        pass: impl FnOnce(&ParamSet<B>, &mut ParamSet<B>) -> Result<T>,
-    ) -> Result<T> {
-        self.guarded(|f| {
-            let ids = f.gather_held(be, full)?;
-            f.zeros(be, grads, &ids);
-            let out = pass(full, grads)?;
-            f.submit_reduce_scatter(be, grads, &ids)?;
-            while !f.pending.is_empty() {
-                f.complete_next(be, full)?;
-            }
-            Self::release(be, full, &ids, Category::GatheredBlocks);
-            Ok(out)
-        })
+    /// Finishes every collective in flight.
+    fn drain(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<()> {
+        while !self.pending.is_empty() {
+            self.complete_next(be, full)?;
+        }
+        Ok(())
     }
 
-    /// The loss of `tokens` without gradients (validation): each block gathered for its forward
-    /// and released after it.
-    pub fn loss(
-        &mut self,
-        be: &B,
-        model: &Llama<B>,
-        full: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-    ) -> Result<LossSum> {
-        self.guarded(|f| f.forward_only(be, model, full, ws, tokens))
-    }
-
-    fn forward_only(
-        &mut self,
-        be: &B,
-        model: &Llama<B>,
-        full: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-    ) -> Result<LossSum> {
-        model.load_tokens(be, ws, tokens)?;
-        let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();
-        let non_block = self.non_block.clone();
-        self.submit_gather(be, &non_block)?;
-        if let Some(first) = blocks.first() {
-            self.submit_gather(be, first)?;
+    /// Finishes collectives in order until the gathers of `ids` are done.
+    fn wait_gather(&mut self, be: &B, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
+        let waiting = |p: &Pending| match p {
+            Pending::Gather { ids: part, .. } => part.iter().any(|i| ids.contains(i)),
+            Pending::ReduceScatter { .. } => false,
+        };
+        while self.pending.iter().any(waiting) {
+            self.complete_next(be, full)?;
         }
-        self.wait_gather(be, full, &non_block)?;
-        model.embed_forward(be, full, ws)?;
-        for (l, block) in blocks.iter().enumerate() {
-            if let Some(next) = blocks.get(l + 1) {
-                self.submit_gather(be, next)?;
-            }
-            self.wait_gather(be, full, block)?;
-            model.block_forward(be, full, ws, l)?;
-            Self::release(be, full, block, Category::GatheredBlocks);
-        }
-        let loss = model.head_loss(be, full, ws)?;
-        Self::release(be, full, &non_block, Category::GatheredBlocks);
-        Ok(loss)
+        Ok(())
     }
 }
 
+/// FSDP as the walk's parameter hooks (`walk::ParamHooks`): this rank's shards in `fsdp`, and the
+/// working sets `full` and `grads` whose tensors exist only while a unit computes.
+///
+/// Without a pipeline each block is a unit (FSDP2): its parameters are all-gathered before its
+/// forward, the next block's gather started first so it runs during this one's compute, and freed
+/// after it when the `ReshardPolicy` says so (then gathered again, one block ahead, before its
+/// backward); right after its backward its gradients are reduce-scattered into this rank's shards
+/// and the full tensors freed. The parameters outside blocks are gathered with the embedding and
+/// reduce-scattered after the embedding's backward.
+///
+/// Under a pipeline (`per_pass`) every parameter this rank holds is gathered for the whole pass
+/// over its microbatches and reduce-scattered once after it, as TorchTitan keeps a stage's
+/// parameters gathered between microbatches: regathering them for each would multiply the traffic.
+pub struct ShardedParams<B: Backend> {
+    pub fsdp: Fsdp<B>,
+    pub full: ParamSet<B>,
+    pub grads: ParamSet<B>,
+    pub per_pass: bool,
+    pass: Option<ShardedPass>,
+}
+
+/// The pass in progress.
+struct ShardedPass {
+    kind: PassKind,
+    blocks: Vec<Vec<usize>>,
+    /// Whether each block's parameters are freed after its forward and gathered again.
+    regather: Vec<bool>,
+    /// Under a pipeline: every parameter gathered for the pass.
+    held: Vec<usize>,
+}
+
+impl<B: Backend> ShardedParams<B> {
+    pub fn new(fsdp: Fsdp<B>, full: ParamSet<B>, grads: ParamSet<B>, per_pass: bool) -> Self {
+        ShardedParams {
+            fsdp,
+            full,
+            grads,
+            per_pass,
+            pass: None,
+        }
+    }
+
+    fn pass(&self) -> Result<&ShardedPass> {
+        self.pass
+            .as_ref()
+            .ok_or_else(|| anyhow!("FSDP: a unit ran outside a pass (a titan bug)"))
+    }
+
+    /// Whether this is a per-block pass, and block `l`'s parameters with whether they are
+    /// gathered again before the backward.
+    fn block(&self, l: usize) -> Result<Option<(Vec<usize>, bool)>> {
+        let pass = self.pass()?;
+        Ok((!self.per_pass).then(|| (pass.blocks[l].clone(), pass.regather[l])))
+    }
+
+    fn release(&mut self, be: &B, ids: &[usize]) {
+        Fsdp::release(be, &mut self.full, ids, Category::GatheredBlocks);
+    }
+}
+
+impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
+    fn sets(&mut self) -> (&ParamSet<B>, &mut ParamSet<B>) {
+        (&self.full, &mut self.grads)
+    }
+
+    fn begin_pass(&mut self, be: &B, kind: PassKind, blocks: &[Vec<usize>]) -> Result<()> {
+        if self.fsdp.failed {
+            return Err(anyhow!(
+                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
+            ));
+        }
+        // Cleared by `end_pass`: a pass that stops part-way may leave collectives in the queue
+        // and gradients half-added.
+        self.fsdp.failed = true;
+        let n = blocks.len();
+        let policy = self.fsdp.reshard_after_forward;
+        let mut pass = ShardedPass {
+            kind,
+            blocks: blocks.to_vec(),
+            regather: (0..n).map(|l| policy.reshard(l, n)).collect(),
+            held: Vec::new(),
+        };
+        if self.per_pass {
+            pass.held = self.fsdp.gather_held(be, &mut self.full)?;
+            if kind != PassKind::LossOnly {
+                self.fsdp.zeros(be, &mut self.grads, &pass.held);
+            }
+        }
+        self.pass = Some(pass);
+        Ok(())
+    }
+
+    fn before_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        if self.per_pass {
+            return Ok(());
+        }
+        let non_block = self.fsdp.non_block.clone();
+        match unit {
+            Unit::Embedding => {
+                let first = self.pass()?.blocks.first().cloned();
+                self.fsdp.submit_gather(be, &non_block)?;
+                if let Some(first) = first {
+                    self.fsdp.submit_gather(be, &first)?;
+                }
+                self.fsdp.wait_gather(be, &mut self.full, &non_block)
+            }
+            Unit::Block(l) => {
+                if let Some(next) = self.pass()?.blocks.get(l + 1).cloned() {
+                    self.fsdp.submit_gather(be, &next)?;
+                }
+                let block = self.pass()?.blocks[l].clone();
+                self.fsdp.wait_gather(be, &mut self.full, &block)
+            }
+            Unit::Head => {
+                if self.pass()?.kind != PassKind::LossOnly {
+                    self.fsdp.zeros(be, &mut self.grads, &non_block);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn after_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        if self.per_pass {
+            return Ok(());
+        }
+        let loss_only = self.pass()?.kind == PassKind::LossOnly;
+        match unit {
+            Unit::Block(l) => {
+                if let Some((block, regather)) = self.block(l)? {
+                    if regather || loss_only {
+                        self.release(be, &block);
+                    }
+                }
+            }
+            Unit::Head if loss_only => {
+                let non_block = self.fsdp.non_block.clone();
+                self.release(be, &non_block);
+            }
+            Unit::Head | Unit::Embedding => {}
+        }
+        Ok(())
+    }
+
+    fn before_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        let Unit::Block(l) = unit else {
+            return Ok(());
+        };
+        let Some((block, regather)) = self.block(l)? else {
+            return Ok(());
+        };
+        let pass = self.pass()?;
+        let last = pass.blocks.len() - 1;
+        let previous = (l >= 1 && pass.regather[l - 1]).then(|| pass.blocks[l - 1].clone());
+        // The last block's backward follows its forward at once: its gather was not prefetched.
+        if l == last && regather {
+            self.fsdp.submit_gather(be, &block)?;
+        }
+        if let Some(previous) = previous {
+            self.fsdp.submit_gather(be, &previous)?;
+        }
+        if regather {
+            self.fsdp.wait_gather(be, &mut self.full, &block)?;
+        }
+        self.fsdp.zeros(be, &mut self.grads, &block);
+        Ok(())
+    }
+
+    fn after_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        if self.per_pass {
+            return Ok(());
+        }
+        let ids = match unit {
+            Unit::Block(l) => self.pass()?.blocks[l].clone(),
+            Unit::Embedding => self.fsdp.non_block.clone(),
+            Unit::Head => return Ok(()),
+        };
+        self.fsdp.submit_reduce_scatter(be, &mut self.grads, &ids)?;
+        if unit == Unit::Embedding {
+            // The pass's last collectives.
+            self.fsdp.drain(be, &mut self.full)?;
+            self.release(be, &ids);
+            return Ok(());
+        }
+        self.release(be, &ids);
+        self.fsdp.complete_down_to_limit(be, &mut self.full)
+    }
+
+    fn end_pass(
+        &mut self,
+        be: &B,
+        complete: &dyn Fn(&mut ParamSet<B>) -> Result<()>,
+    ) -> Result<()> {
+        let pass = self
+            .pass
+            .take()
+            .ok_or_else(|| anyhow!("FSDP: a pass ended that did not begin (a titan bug)"))?;
+        if self.per_pass {
+            if pass.kind != PassKind::LossOnly {
+                complete(&mut self.grads)?;
+                self.fsdp
+                    .submit_reduce_scatter(be, &mut self.grads, &pass.held)?;
+                self.fsdp.drain(be, &mut self.full)?;
+            }
+            self.release(be, &pass.held);
+        }
+        self.fsdp.failed = false;
+        Ok(())
+    }
+}
 /// Rank `rank`'s shard (`c` values, zero past the tensor's end) of tensor `name` of `numel`
 /// values, from its start values, checked for length.
 fn cut_shard(

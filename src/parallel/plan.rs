@@ -15,12 +15,11 @@ use std::sync::Arc;
 
 use anyhow::Result;
 
-use super::ddp::Ddp;
-use super::fsdp::Fsdp;
-use super::pipeline::runtime::PipelineRank;
+pub use super::param_state::{ParamState, WholeParams};
+use super::pipeline::rank::PipelineRank;
+use super::walk::{PassKind, Walk};
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
-use crate::model::llama::BlockGradHook;
 use crate::model::params::TpSharding;
 use crate::model::{Llama, ParamSet, Workspace};
 
@@ -32,29 +31,12 @@ pub struct MoeStepStats {
     pub aux_loss: Option<f64>,
 }
 
-/// Where this rank's weights and gradients live.
-pub enum ParamState<B: Backend> {
-    /// The whole (tensor-parallel rank's) model: one process, or DDP with `ddp`. With bf16 mixed
-    /// precision, `bf16_copy` is the rounded set the forward and backward compute with.
-    Whole {
-        params: ParamSet<B>,
-        grads: ParamSet<B>,
-        bf16_copy: Option<ParamSet<B>>,
-        ddp: Option<Ddp<B>>,
-    },
-    /// FSDP/HSDP: this rank's shards in `fsdp`; `full` and `grads` are the working sets whose
-    /// tensors exist only while a block computes.
-    Sharded {
-        fsdp: Fsdp<B>,
-        full: ParamSet<B>,
-        grads: ParamSet<B>,
-    },
-}
-
 /// One rank's model and layout.
 pub struct RankLayout<B: Backend> {
     pub model: Llama<B>,
     pub state: ParamState<B>,
+    /// The rank's action list with its workspaces (one stage, or its pipeline schedule).
+    pub walk: Walk<B>,
     /// The ranks that split the batch (`dp_replicate × dp_shard`): loss sums and target counts
     /// are summed over them. None in one process.
     batch_group: Option<Arc<dyn ProcessGroup>>,
@@ -62,52 +44,56 @@ pub struct RankLayout<B: Backend> {
     tp_group: Option<Arc<dyn ProcessGroup>>,
     /// Whether each parameter is replicated over the tensor-parallel group.
     tp_replicated: Vec<bool>,
-    /// This rank's pipeline stages and schedule, when the pipeline degree is above 1: the
-    /// micro-batches then run through the schedule, and the loss and the gradient norm are summed
-    /// over the pipeline ranks.
-    pub pipeline: Option<PipelineRank<B>>,
+    /// This rank's pipeline stages, when the pipeline degree is above 1: the loss and the
+    /// gradient norm are then summed over the pipeline ranks.
+    pub pipeline: Option<PipelineRank>,
 }
 
-impl<B: Backend> ParamState<B> {
-    /// Frees every whole tensor `keep` rejects (a pipeline rank's other stages).
-    pub fn keep_only(&mut self, be: &B, keep: impl Fn(&str) -> bool) {
-        if let ParamState::Whole {
-            params,
-            grads,
-            bf16_copy,
-            ..
-        } = self
-        {
-            params.keep_only(be, &keep);
-            grads.keep_only(be, &keep);
-            if let Some(c) = bf16_copy {
-                c.keep_only(be, &keep);
-            }
-        }
-    }
+/// A rank's parts, for `RankLayout::new`.
+pub struct LayoutParts<B: Backend> {
+    pub model: Llama<B>,
+    pub state: ParamState<B>,
+    pub walk: Walk<B>,
+    pub batch_group: Option<Arc<dyn ProcessGroup>>,
+    pub tp_group: Option<Arc<dyn ProcessGroup>>,
+    pub pipeline: Option<PipelineRank>,
 }
 
 impl<B: Backend> RankLayout<B> {
-    pub fn new(
-        model: Llama<B>,
-        state: ParamState<B>,
-        batch_group: Option<Arc<dyn ProcessGroup>>,
-        tp_group: Option<Arc<dyn ProcessGroup>>,
-        pipeline: Option<PipelineRank<B>>,
-    ) -> Self {
+    pub fn new(parts: LayoutParts<B>) -> Self {
+        let LayoutParts {
+            model,
+            mut state,
+            walk,
+            batch_group,
+            tp_group,
+            pipeline,
+        } = parts;
         let tp_replicated = model
             .param_specs()
             .iter()
             .map(|(name, _)| TpSharding::of(name) == TpSharding::Replicated)
             .collect();
+        // Under a pipeline FSDP gathers a stage's weights for the whole pass, and DDP sums every
+        // gradient after the step's last microbatch.
+        match &mut state {
+            ParamState::Whole(w) => w.ddp_per_block = pipeline.is_none(),
+            ParamState::Sharded(s) => s.per_pass = pipeline.is_some(),
+        }
         RankLayout {
             model,
             state,
+            walk,
             batch_group,
             tp_group: tp_group.filter(|g| g.size() > 1),
             tp_replicated,
             pipeline,
         }
+    }
+
+    /// Positions of each whole sequence of the training batches.
+    pub fn seq(&self) -> usize {
+        self.walk.seq
     }
 
     /// `x` summed over the ranks that split the batch.
@@ -122,150 +108,85 @@ impl<B: Backend> RankLayout<B> {
     /// 1 / the step's global number of targets) and, once this returns, complete: summed over the
     /// data-parallel ranks and, for replicated weights, over the tensor-parallel group. Returns
     /// this rank's sum of token losses.
-    pub fn forward_backward(
-        &mut self,
-        be: &B,
-        ws: &mut Workspace<B>,
-        micro: &[Vec<u32>],
-        grad_scale: f32,
-    ) -> Result<f64> {
-        let model = &self.model;
+    pub fn forward_backward(&mut self, be: &B, micro: &[Vec<u32>], grad_scale: f32) -> Result<f64> {
+        let (model, pipeline) = (&self.model, self.pipeline.as_ref());
+        // A tied embedding's two stages sum their gradients of it before the gradients leave
+        // the working set.
+        let complete = |grads: &mut ParamSet<B>| match pipeline {
+            Some(p) => p.sum_tied_grad(be, model, grads),
+            None => Ok(()),
+        };
+        self.state.begin_step(be);
         let mut loss_sum = 0.0;
-        match &mut self.state {
-            ParamState::Whole {
-                params,
-                grads,
-                bf16_copy,
-                ddp,
-            } => {
-                if let Some(c) = bf16_copy.as_mut() {
-                    c.refresh_bf16_copy(be, params);
-                }
-                grads.zero(be);
-                let compute: &ParamSet<B> = bf16_copy.as_ref().unwrap_or(params);
-                if let Some(pipe) = self.pipeline.as_mut() {
-                    for tokens in micro {
-                        loss_sum +=
-                            pipe.forward_backward(be, model, compute, grads, tokens, grad_scale)?;
-                    }
-                    pipe.sum_tied_grad(be, model, grads)?;
-                    // DDP sums every gradient of the stages at once after the last microbatch.
-                    if let Some(d) = ddp {
-                        d.reducer.finish(be, grads, &[])?;
-                    }
-                } else {
-                    for (m, tokens) in micro.iter().enumerate() {
-                        // DDP reduces during the last micro-batch's backward (earlier ones
-                        // accumulate).
-                        let hook: Option<&mut dyn BlockGradHook<B>> = match ddp.as_mut() {
-                            Some(d) if m + 1 == micro.len() => Some(d.reducer.as_mut()),
-                            _ => None,
-                        };
-                        loss_sum += model
-                            .forward_backward_with(
-                                be, compute, grads, ws, tokens, grad_scale, hook,
-                            )?
-                            .sum;
-                    }
-                    if let Some(d) = ddp {
-                        d.reducer.finish(be, grads, &model.ids.layers)?;
-                    }
-                }
-            }
-            ParamState::Sharded { fsdp, full, grads } => {
-                fsdp.grad_shards.zero(be);
-                for tokens in micro {
-                    loss_sum += match self.pipeline.as_mut() {
-                        Some(pipe) => fsdp.with_all_gathered(be, full, grads, |full, grads| {
-                            let loss =
-                                pipe.forward_backward(be, model, full, grads, tokens, grad_scale)?;
-                            pipe.sum_tied_grad(be, model, grads)?;
-                            Ok(loss)
-                        })?,
-                        None => {
-                            fsdp.forward_backward(be, model, full, grads, ws, tokens, grad_scale)?
-                                .sum
-                        }
-                    };
-                }
-            }
+        for (m, tokens) in micro.iter().enumerate() {
+            let pass = PassKind::Train {
+                grad_scale,
+                last_microbatch: m + 1 == micro.len(),
+            };
+            let hooks = self.state.hooks();
+            loss_sum += self
+                .walk
+                .forward_backward(be, model, hooks, tokens, pass, &complete)?;
         }
+        self.state.finish_step(be, &model.ids.layers, &complete)?;
         // Only the last stage computes the loss.
-        if let Some(pipe) = &self.pipeline {
+        if let Some(pipe) = pipeline {
             loss_sum = all_reduce_sum_f64(pipe.group(), loss_sum)?;
         }
-        if self.tp_group.is_some() {
-            let grads = match &mut self.state {
-                ParamState::Whole { grads, .. } => grads,
-                ParamState::Sharded { fsdp, .. } => &mut fsdp.grad_shards,
-            };
-            // One all-reduce for all of them (a MoE block has three per expert, mostly small).
-            let ids: Vec<usize> = (0..grads.len())
-                .filter(|&i| self.tp_replicated[i] && be.len(&grads.bufs[i]) > 0)
-                .collect();
-            let total: usize = ids.iter().map(|&i| be.len(&grads.bufs[i])).sum();
-            let mut packed = be.uninit(total);
-            let mut at = 0;
-            for &i in &ids {
-                let n = be.len(&grads.bufs[i]);
-                be.copy_range(&mut packed, at, &grads.bufs[i], 0, n);
-                at += n;
-            }
-            if total > 0 {
-                self.model.tp().all_reduce_sum(be, &mut packed)?;
-            }
-            at = 0;
-            for &i in &ids {
-                let n = be.len(&grads.bufs[i]);
-                be.copy_range(&mut grads.bufs[i], 0, &packed, at, n);
-                at += n;
-            }
-        }
+        self.sum_replicated_grads(be)?;
         Ok(loss_sum)
     }
 
+    /// The gradients of the weights every tensor-parallel rank holds whole (norms, a mixture of
+    /// experts' router and experts), each rank's from its own token rows, summed over the group in
+    /// one packed all-reduce (a MoE block has three per expert, mostly small).
+    fn sum_replicated_grads(&mut self, be: &B) -> Result<()> {
+        if self.tp_group.is_none() {
+            return Ok(());
+        }
+        let grads = self.state.grads_mut();
+        let ids: Vec<usize> = (0..grads.len())
+            .filter(|&i| self.tp_replicated[i] && be.len(&grads.bufs[i]) > 0)
+            .collect();
+        let total: usize = ids.iter().map(|&i| be.len(&grads.bufs[i])).sum();
+        let mut packed = be.uninit(total);
+        let mut at = 0;
+        for &i in &ids {
+            let n = be.len(&grads.bufs[i]);
+            be.copy_range(&mut packed, at, &grads.bufs[i], 0, n);
+            at += n;
+        }
+        if total > 0 {
+            self.model.tp().all_reduce_sum(be, &mut packed)?;
+        }
+        at = 0;
+        for &i in &ids {
+            let n = be.len(&grads.bufs[i]);
+            be.copy_range(&mut grads.bufs[i], 0, &packed, at, n);
+            at += n;
+        }
+        Ok(())
+    }
+
     /// This rank's sum of token losses and their count over `batches`, without gradients
-    /// (validation), under the same layout as training.
+    /// (validation), under the same layout as training, in `ws` (None: the training workspace,
+    /// when the shapes are the same).
     pub fn loss(
         &mut self,
         be: &B,
-        ws: &mut Workspace<B>,
+        mut ws: Option<&mut Workspace<B>>,
         batches: &[Vec<u32>],
     ) -> Result<(f64, u64)> {
-        let model = &self.model;
-        let pipe = self.pipeline.as_ref();
         let (mut sum, mut count) = (0.0, 0);
         for tokens in batches {
-            let (s, c) = match (&mut self.state, pipe) {
-                (
-                    ParamState::Whole {
-                        params, bf16_copy, ..
-                    },
-                    _,
-                ) => {
-                    if let Some(c) = bf16_copy.as_mut() {
-                        c.refresh_bf16_copy(be, params);
-                    }
-                    let compute: &ParamSet<B> = bf16_copy.as_ref().unwrap_or(params);
-                    match pipe {
-                        Some(p) => p.loss(be, model, compute, ws, tokens)?,
-                        None => model.loss(be, compute, ws, tokens)?.into(),
-                    }
-                }
-                (ParamState::Sharded { fsdp, full, .. }, Some(p)) => {
-                    fsdp.with_weights_gathered(be, full, |full| {
-                        p.loss(be, model, full, ws, tokens)
-                    })?
-                }
-                (ParamState::Sharded { fsdp, full, .. }, None) => {
-                    fsdp.loss(be, model, full, ws, tokens)?.into()
-                }
-            };
+            let hooks = self.state.hooks();
+            let ws = ws.as_deref_mut();
+            let (s, c) = self.walk.loss(be, &self.model, hooks, ws, tokens)?;
             sum += s;
             count += c;
         }
         // Only the last stage computes the loss.
-        if let Some(p) = pipe {
+        if let Some(p) = &self.pipeline {
             sum = all_reduce_sum_f64(p.group(), sum)?;
             count = all_reduce_sum_f64(p.group(), count as f64)?.round() as u64;
         }
@@ -309,10 +230,7 @@ impl<B: Backend> RankLayout<B> {
 
     /// The step's gradients as the optimizer reads them (FSDP: this rank's shards).
     pub fn grads(&self) -> &ParamSet<B> {
-        match &self.state {
-            ParamState::Whole { grads, .. } => grads,
-            ParamState::Sharded { fsdp, .. } => &fsdp.grad_shards,
-        }
+        self.state.grads()
     }
 
     /// The global L2 norm of the gradients: each tensor-parallel part and each FSDP shard counted
@@ -320,8 +238,8 @@ impl<B: Backend> RankLayout<B> {
     pub fn grad_norm(&self, be: &B) -> Result<f64> {
         let grads = self.grads();
         let shard_group = match &self.state {
-            ParamState::Sharded { fsdp, .. } => Some(fsdp.shard_group()),
-            ParamState::Whole { .. } => None,
+            ParamState::Sharded(s) => Some(s.fsdp.shard_group()),
+            ParamState::Whole(_) => None,
         };
         // Each pipeline rank holds its stages' gradients: summed over the pipeline too.
         let pipeline = self.pipeline.as_ref().map(|p| p.group());
@@ -365,20 +283,17 @@ impl<B: Backend> RankLayout<B> {
 
     /// This rank's master weights (FSDP: its shards) with their gradients, for the optimizer.
     pub fn weights_and_grads(&mut self) -> (&mut ParamSet<B>, &ParamSet<B>) {
-        match &mut self.state {
-            ParamState::Whole { params, grads, .. } => (params, grads),
-            ParamState::Sharded { fsdp, .. } => (&mut fsdp.shards, &fsdp.grad_shards),
-        }
+        self.state.weights_and_grads()
     }
 
-    /// Every pipeline rank's measured bubble since the last call (`PipelineRank::take_bubble`),
+    /// Every pipeline rank's measured bubble since the last call (`Walk::take_bubble`),
     /// gathered over the pipeline group (all its ranks call this together); `None` without a
     /// pipeline.
     pub fn pipeline_bubbles(&mut self) -> Result<Option<Vec<f64>>> {
-        let Some(pipe) = self.pipeline.as_mut() else {
+        let Some(pipe) = self.pipeline.as_ref() else {
             return Ok(None);
         };
-        let mine = [pipe.take_bubble().unwrap_or(0.0) as f32];
+        let mine = [self.walk.take_bubble().unwrap_or(0.0) as f32];
         let g = pipe.group();
         let mut all = vec![0f32; g.size()];
         g.all_gather(&mine, &mut all)?;

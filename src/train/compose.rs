@@ -1,6 +1,6 @@
 //! A rank composed from the config and its place in the mesh, once, before the first step: the
 //! model in this rank's tensor-parallel shapes, its weights laid out for data parallelism (whole,
-//! DDP or FSDP/HSDP shards, freshly initialised or resumed), the optimizer, the workspace, and the
+//! DDP or FSDP/HSDP shards, freshly initialised or resumed), the optimizer, the walk with its workspaces, and the
 //! memory estimate that refused the layout if it could not fit. `titan train` and
 //! `titan bench train` both build their ranks here, so a benchmark measures the layout training runs.
 //!
@@ -26,10 +26,11 @@ use crate::model::llama::workspace_floats;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
 use crate::parallel::cp::{ContextParallelGroup, RotateMethod};
 use crate::parallel::ep::ExpertParallelGroup;
-use crate::parallel::fsdp::{ExpertShards, ReshardPolicy};
+use crate::parallel::fsdp::{ExpertShards, ReshardPolicy, ShardedParams};
 use crate::parallel::pipeline::plan::PipelinePlan;
-use crate::parallel::plan::{ParamState, RankLayout};
+use crate::parallel::plan::{LayoutParts, ParamState, RankLayout, WholeParams};
 use crate::parallel::tp::TensorParallelGroup;
+use crate::parallel::walk::Walk;
 
 /// Sizes rayon's global pool once per process for a job's rank: `[training] threads`, where 0
 /// shares the host's cores out among its ranks (each taking every core would oversubscribe them
@@ -95,7 +96,6 @@ pub struct ComposedRank<B: Backend> {
     pub local: LocalShapes,
     pub layout: RankLayout<B>,
     pub opt: AdamW<B>,
-    pub ws: Workspace<B>,
     /// The memory estimate per rank the layout was checked against.
     pub estimate: MemoryEstimate,
     /// Micro-batches per step, and the global batch (sequences per step).
@@ -328,12 +328,6 @@ pub fn compose_rank<B: Backend>(
             queue: device_comm.expert_shard,
         });
     let specs = model.param_specs();
-    // A pipeline rank computes in its own workspaces, one per microbatch it holds; the step's is
-    // left without blocks.
-    let ws = match &pipeline {
-        Some(p) => Workspace::planned(be, &local, p.microbatch_rows, seq, plan.only(|_| false)),
-        None => Workspace::planned(be, &local, batch, seq, plan.clone()),
-    };
     let held = |name: &str| pipeline.as_ref().is_none_or(|p| p.holds(name));
     let holder = |name: &str| pipeline.as_ref().map_or(0, |p| p.holder(name));
     let StartState {
@@ -362,34 +356,35 @@ pub fn compose_rank<B: Backend>(
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
     let mut state = match fsdp {
-        Some(fsdp) => ParamState::Sharded {
-            fsdp,
-            full: params,
-            grads,
-        },
-        None => ParamState::Whole {
-            bf16_copy: (param_dtype == ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs)),
-            params,
-            grads,
-            ddp,
-        },
+        Some(fsdp) => ParamState::Sharded(ShardedParams::new(fsdp, params, grads, false)),
+        None => {
+            let bf16_copy =
+                (param_dtype == ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs));
+            ParamState::Whole(WholeParams::new(params, grads, bf16_copy, ddp))
+        }
     };
-    let pipeline = match pipeline {
+    // A pipeline rank computes in its own workspaces, one per microbatch it holds.
+    let (pipeline, walk) = match pipeline {
         Some(p) => {
-            let rank = p.build(be, &local, seq, &plan, cfg)?;
+            let timeout = std::time::Duration::from_secs(cfg.comm.train_timeout_seconds);
+            let (rank, walk) = p.build(be, &local, seq, &plan, timeout)?;
             state.keep_only(be, |name| rank.holds(name));
             opt.keep_only(be, |name| rank.holds(name));
-            Some(rank)
+            (Some(rank), walk)
         }
-        None => None,
+        None => {
+            let ws = Workspace::planned(be, &local, batch, seq, plan.clone());
+            (None, Walk::one_stage(ws, args.n_layers, seq)?)
+        }
     };
-    let layout = RankLayout::new(
+    let layout = RankLayout::new(LayoutParts {
         model,
         state,
-        dist.map(|d| d.loss.clone()),
+        walk,
+        batch_group: dist.map(|d| d.loss.clone()),
         tp_group,
         pipeline,
-    );
+    });
     for (category, bytes) in estimate.by_category(fsdp_mode, false) {
         memory_timeline::set(category, bytes);
     }
@@ -398,7 +393,6 @@ pub fn compose_rank<B: Backend>(
         local,
         layout,
         opt,
-        ws,
         estimate,
         accum,
         global_batch,

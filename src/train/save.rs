@@ -41,11 +41,11 @@ pub fn save_checkpoint<B: Backend>(
             // FSDP (maybe with TP or PP): replica 0's shards. TP or PP without FSDP:
             // data-parallel rank 0's parts (a pipeline group shares that coordinate).
             let (parts, writes) = match param_state {
-                ParamState::Sharded { fsdp, .. } => (
-                    &fsdp.shards,
+                ParamState::Sharded(s) => (
+                    &s.fsdp.shards,
                     d.replicate.as_ref().is_none_or(|r| r.rank() == 0),
                 ),
-                ParamState::Whole { params, .. } => (params, d.dp.rank() == 0),
+                ParamState::Whole(w) => (&w.params, d.dp.rank() == 0),
             };
             if writes {
                 save_parts(
@@ -63,7 +63,8 @@ pub fn save_checkpoint<B: Backend>(
                 None
             }
         }
-        (ParamState::Whole { params, .. }, None) if rank == 0 => {
+        (ParamState::Whole(w), None) if rank == 0 => {
+            let params = &w.params;
             if cfg.checkpoint.async_mode == "async" {
                 // Returns the previous save, which this one waited for.
                 let snapshot =

@@ -7,7 +7,6 @@ use anyhow::Result;
 use super::optimizer::{clip_factor, AdamW};
 use crate::backend::Backend;
 use crate::memory_timeline;
-use crate::model::Workspace;
 use crate::parallel::plan::RankLayout;
 
 /// One step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
@@ -19,14 +18,13 @@ pub fn train_step<B: Backend>(
     be: &B,
     layout: &mut RankLayout<B>,
     opt: &mut AdamW<B>,
-    ws: &mut Workspace<B>,
     micro: &[Vec<u32>],
     lr: f64,
     step: u64,
     max_norm: f64,
 ) -> Result<(f64, f64)> {
     let _span = crate::trace::span_named("step", || format!("step {step}"));
-    let seq = ws.seq * layout.model.local.cp;
+    let seq = layout.seq();
     let counted: usize = micro
         .iter()
         .map(|m| layout.model.count_targets(m, seq))
@@ -34,7 +32,7 @@ pub fn train_step<B: Backend>(
     let targets = layout.sum_over_batch(counted as f64)?.round() as usize;
     let scale = 1.0 / targets.max(1) as f32;
     memory_timeline::mark(|| format!("step {step}: forward and backward start"));
-    let loss_sum = layout.forward_backward(be, ws, micro, scale)?;
+    let loss_sum = layout.forward_backward(be, micro, scale)?;
     memory_timeline::mark(|| format!("step {step}: forward and backward done"));
     let loss = layout.sum_over_batch(loss_sum)? / targets.max(1) as f64;
     let norm = layout.grad_norm(be)?;

@@ -164,7 +164,6 @@ fn train_on<B: Backend>(
         local,
         mut layout,
         mut opt,
-        mut ws,
         estimate: est,
         accum,
         global_batch,
@@ -337,16 +336,7 @@ fn train_on<B: Backend>(
         drop(data_span);
         let data_time = t0.elapsed().as_secs_f64();
         let lr = schedule.lr(step);
-        let (loss, norm) = train_step(
-            be,
-            &mut layout,
-            &mut opt,
-            &mut ws,
-            &micro,
-            lr,
-            step,
-            t.max_norm,
-        )?;
+        let (loss, norm) = train_step(be, &mut layout, &mut opt, &micro, lr, step, t.max_norm)?;
         if !loss.is_finite() || !norm.is_finite() {
             let keep = match last_good {
                 Some(s) => format!(
@@ -393,7 +383,7 @@ fn train_on<B: Backend>(
             .as_mut()
             .filter(|_| step % cfg.validation.freq == 0 || step == t.steps)
         {
-            let m = v.run(be, &mut layout, &mut ws, step)?;
+            let m = v.run(be, &mut layout, step)?;
             if let Some(logger) = &mut logger {
                 logger.log_validation(&m)?;
             }

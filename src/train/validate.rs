@@ -63,14 +63,14 @@ impl<B: Backend> Validator<B> {
         &mut self,
         be: &B,
         layout: &mut RankLayout<B>,
-        training_ws: &mut Workspace<B>,
         step: u64,
     ) -> Result<ValidationMetrics> {
         self.loader.restore(LoaderState::default())?;
         let batches: Vec<Vec<u32>> = (0..self.steps)
             .map(|_| self.loader.next_batch())
             .collect::<Result<_>>()?;
-        let ws = self.own_workspace.as_mut().unwrap_or(training_ws);
+        // None: the training workspace (same shapes, no pipeline).
+        let ws = self.own_workspace.as_mut();
         let (sum, count) = layout.loss(be, ws, &batches)?;
         let sum = layout.sum_over_batch(sum)?;
         let count = layout.sum_over_batch(count as f64)?;

@@ -30,7 +30,7 @@ use crate::model::args::{LocalShapes, ModelArgs};
 use crate::model::context_parallel::{ContextParallelOps, SequenceShard};
 use crate::model::expert_parallel::ExpertParallelOps;
 use crate::model::moe;
-use crate::model::params::{local_param_specs, LayerIds, ParamIds, ParamSet};
+use crate::model::params::{local_param_specs, ParamIds, ParamSet};
 use crate::model::tensor_parallel::{SingleRank, TensorParallelOps};
 
 mod backward;
@@ -43,11 +43,6 @@ pub use workspace::{
     workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats, LayerActs,
     Workspace,
 };
-
-/// Called by `forward_backward_with` when a block's gradients are final.
-pub trait BlockGradHook<B: Backend> {
-    fn block_done(&mut self, be: &B, layer: &LayerIds, grads: &mut ParamSet<B>) -> Result<()>;
-}
 
 /// A Llama model bound to a backend: shapes, parameter indices, RoPE tables and the
 /// tensor- and context-parallel groups its blocks cross.
@@ -306,69 +301,6 @@ impl<B: Backend> Llama<B> {
     /// The tensor-parallel group (degree 1 without tensor parallelism).
     pub fn tp(&self) -> &dyn TensorParallelOps<B> {
         self.tp.as_ref()
-    }
-
-    /// One forward and backward over `tokens` (`[batch, seq+1]`, inputs are the first `seq` of each
-    /// row, targets the last `seq`). Gradients are *added* into `grads`, scaled by `grad_scale`
-    /// (1 / global number of targets), so micro-batches accumulate into one big batch.
-    pub fn forward_backward(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        grads: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-        grad_scale: f32,
-    ) -> Result<LossSum> {
-        self.forward_backward_with(be, params, grads, ws, tokens, grad_scale, None)
-    }
-
-    /// `forward_backward`, calling `hook` as soon as each block's gradients are complete (last block
-    /// first), so that data parallelism can start reducing them while earlier blocks still compute.
-    /// The stages it runs are public, so that FSDP can run them with its gathers in between.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_backward_with(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        grads: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-        grad_scale: f32,
-        mut hook: Option<&mut dyn BlockGradHook<B>>,
-    ) -> Result<LossSum> {
-        self.load_tokens(be, ws, tokens)?;
-        self.embed_forward(be, params, ws)?;
-        for l in 0..self.args.n_layers {
-            self.block_forward(be, params, ws, l)?;
-        }
-        let loss = self.head_forward_backward(be, params, grads, ws, grad_scale)?;
-        for l in (0..self.args.n_layers).rev() {
-            self.block_backward(be, params, grads, ws, l)?;
-            if let Some(h) = hook.as_deref_mut() {
-                h.block_done(be, &self.ids.layers[l], grads)?;
-            }
-        }
-        self.embed_backward(be, grads, ws)?;
-        Ok(loss)
-    }
-
-    /// Loss without gradients (validation, tests).
-    pub fn loss(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        ws: &mut Workspace<B>,
-        tokens: &[u32],
-    ) -> Result<LossSum> {
-        self.load_tokens(be, ws, tokens)?;
-        self.embed_forward(be, params, ws)?;
-        for l in 0..self.args.n_layers {
-            self.block_forward(be, params, ws, l)?;
-        }
-        // No backward follows: a mixture of experts' activations are not needed.
-        ws.moe.iter_mut().for_each(|m| *m = None);
-        self.head_loss(be, params, ws)
     }
 
     /// Final norm and cross-entropy without gradients (after the last block's forward): this

@@ -415,6 +415,11 @@ impl<B: Backend> Workspace<B> {
         &self.dx
     }
 
+    /// Frees the mixture-of-experts activations the blocks' forwards kept (no backward follows).
+    pub fn drop_expert_acts(&mut self) {
+        self.moe.iter_mut().for_each(|m| *m = None);
+    }
+
     pub fn carried_grad_mut(&mut self) -> &mut B::Buf {
         &mut self.dx
     }

@@ -1,14 +1,14 @@
 //! A pipeline rank's part of the layout, decided from the config before anything is allocated:
 //! the schedule (by name or from a CSV file), the cut into stages, the microbatches, which
 //! parameters this rank holds and how many workspaces it needs; then the running
-//! `PipelineRank`.
+//! `PipelineRank` with the walk running its schedule.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::runtime::PipelineRank;
+use super::rank::PipelineRank;
 use super::schedule::{generate, Schedule, ScheduleKind};
 use super::stage::StageSplit;
 use crate::backend::Backend;
@@ -16,6 +16,7 @@ use crate::comm::group::ProcessGroup;
 use crate::config::Config;
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::{LocalShapes, ModelArgs};
+use crate::parallel::walk::{PipelineParts, Walk};
 
 /// A pipeline rank's layout, before allocation.
 pub struct PipelinePlan {
@@ -196,26 +197,31 @@ impl PipelinePlan {
         held / all.max(1.0)
     }
 
-    /// The running rank, with its workspaces allocated.
+    /// The pipeline rank and the walk running its schedule, with its workspaces allocated.
     pub fn build<B: Backend>(
         self,
         be: &B,
         local: &LocalShapes,
         seq: usize,
         plan: &ActivationPlan,
-        cfg: &Config,
-    ) -> Result<PipelineRank<B>> {
-        PipelineRank::new(
-            be,
+        timeout: Duration,
+    ) -> Result<(PipelineRank, Walk<B>)> {
+        let parts = PipelineParts {
+            schedule: self.schedule.clone(),
+            split: self.split.clone(),
+            group: self.group.clone(),
+            microbatch_rows: self.microbatch_rows,
+            seq,
+            timeout,
+        };
+        let walk = Walk::pipelined(be, parts, local, plan)?;
+        let rank = PipelineRank::new(
             self.schedule,
             self.split,
             self.group,
-            local,
             self.microbatch_rows,
-            seq,
-            plan,
             self.tied,
-            Duration::from_secs(cfg.comm.train_timeout_seconds),
-        )
+        );
+        Ok((rank, walk))
     }
 }
