@@ -2,7 +2,7 @@
 //! (kernels/attention_tc.cu) where they apply and the one-warp-per-row kernels elsewhere, and the
 //! choice between them.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{check_len, Buf, KernelArg};
 use crate::backend::cuda::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
@@ -133,13 +133,27 @@ impl CudaBackend {
             return;
         }
         let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let delta = self.attention_backward_delta(dout, out, &s);
+        let reads = BackwardReads {
+            dout,
+            q,
+            k,
+            v,
+            lse,
+            delta: &delta,
+            scale,
+        };
+        match self.tensor_core_attention(&s) {
+            Some(kernels) => self.tensor_core_backward(kernels.backward, dq, dk, dv, &reads, &s),
+            None => self.per_row_backward(dq, dk, dv, &reads, &s),
+        }
+    }
+
+    /// `delta`, which every backward pass reads: per query row, the dot product of the output
+    /// with its gradient (the row term of the softmax backward).
+    fn attention_backward_delta(&self, dout: &Buf, out: &Buf, s: &AttnShape) -> CudaSlice<f32> {
         let mut delta = self.alloc::<f32>(s.batch * s.n_heads * s.q_len);
-        let (seq, h, kvh, d) = (
-            s.q_len as i32,
-            s.n_heads as i32,
-            s.n_kv_heads as i32,
-            s.head_dim as i32,
-        );
+        let (seq, h, d) = (s.q_len as i32, s.n_heads as i32, s.head_dim as i32);
         let per_query = attention_config(s.q_len, s.n_heads, s.batch);
         launch!(
             self,
@@ -152,74 +166,108 @@ impl CudaBackend {
             &h,
             &d
         );
-        if let Some(kernels) = self.tensor_core_attention(&s) {
-            let (dout, q, k, v) = (
-                self.to_bf16(dout, q_floats),
-                self.to_bf16(q, q_floats),
-                self.to_bf16(k, kv_floats),
-                self.to_bf16(v, kv_floats),
-            );
-            match kernels.backward {
-                TensorCoreBackwardKernels::Split { dq: dq_pass, dkdv } => {
-                    let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
-                    let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
-                    let (dout, q, k, v) = (&dout.address, &q.address, &k.address, &v.address);
+        delta
+    }
+
+    /// The backward on the tensor-core kernels, which read bf16 copies of `dout`, q, k and v: the
+    /// split passes (dQ, then dK and dV), or the fused kernel, which adds into a zeroed dQ.
+    fn tensor_core_backward(
+        &self,
+        kernels: TensorCoreBackwardKernels,
+        dq: &mut Buf,
+        dk: &mut Buf,
+        dv: &mut Buf,
+        r: &BackwardReads,
+        s: &AttnShape,
+    ) {
+        let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
+        let kv_floats = s.batch * s.kv_len * s.n_kv_heads * s.head_dim;
+        let (dout, q, k, v) = (
+            self.to_bf16(r.dout, q_floats),
+            self.to_bf16(r.q, q_floats),
+            self.to_bf16(r.k, kv_floats),
+            self.to_bf16(r.v, kv_floats),
+        );
+        let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
+        let (lse, delta, scale) = (r.lse, r.delta, &r.scale);
+        match kernels {
+            TensorCoreBackwardKernels::Split { dq: dq_pass, dkdv } => {
+                let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
+                let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
+                let (dout, q, k, v) = (&dout.address, &q.address, &k.address, &v.address);
+                launch!(
+                    self, dq_pass, per_query, dq, dout, q, k, v, lse, delta, &seq, &h, &kvh, scale
+                );
+                for pass in dkdv {
                     launch!(
-                        self, dq_pass, per_query, dq, dout, q, k, v, lse, &delta, &seq, &h, &kvh,
-                        &scale
-                    );
-                    for pass in dkdv {
-                        launch!(
-                            self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, &delta,
-                            &seq, &h, &kvh, &scale
-                        );
-                    }
-                }
-                TensorCoreBackwardKernels::Fused {
-                    kernel,
-                    warps,
-                    ordered,
-                } => {
-                    self.fill_untimed(dq, 0.0);
-                    // One zeroed counter per (batch, head, 64-query tile) for the turns, and
-                    // one last for the blocks' tickets (attention_tc.cu, `dq_order`).
-                    let counters = s.batch * s.n_heads * s.q_len.div_ceil(64) + 1;
-                    let turns = ordered.then(|| self.alloc::<i32>(counters));
-                    let turns_address = self.address_or_null(turns.as_ref());
-                    let cfg = LaunchConfig {
-                        grid_dim: (
-                            s.q_len.div_ceil(16 * warps) as u32,
-                            s.n_kv_heads as u32,
-                            s.batch as u32,
-                        ),
-                        block_dim: (32 * warps as u32, 1, 1),
-                        shared_mem_bytes: TensorCoreBackward::fused_shared_bytes(s.head_dim, warps)
-                            as u32,
-                    };
-                    launch!(
-                        self,
-                        kernel,
-                        cfg,
-                        &mut *dq,
-                        &mut *dk,
-                        &mut *dv,
-                        &dout.address,
-                        &q.address,
-                        &k.address,
-                        &v.address,
-                        lse,
-                        &delta,
-                        &turns_address,
-                        &seq,
-                        &h,
-                        &kvh,
-                        &scale
+                        self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, delta, &seq,
+                        &h, &kvh, scale
                     );
                 }
             }
-            return;
+            TensorCoreBackwardKernels::Fused {
+                kernel,
+                warps,
+                ordered,
+            } => {
+                self.fill_untimed(dq, 0.0);
+                // One zeroed counter per (batch, head, 64-query tile) for the turns, and
+                // one last for the blocks' tickets (attention_tc.cu, `dq_order`).
+                let counters = s.batch * s.n_heads * s.q_len.div_ceil(64) + 1;
+                let turns = ordered.then(|| self.alloc::<i32>(counters));
+                let turns_address = self.address_or_null(turns.as_ref());
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        s.q_len.div_ceil(16 * warps) as u32,
+                        s.n_kv_heads as u32,
+                        s.batch as u32,
+                    ),
+                    block_dim: (32 * warps as u32, 1, 1),
+                    shared_mem_bytes: TensorCoreBackward::fused_shared_bytes(s.head_dim, warps)
+                        as u32,
+                };
+                launch!(
+                    self,
+                    kernel,
+                    cfg,
+                    &mut *dq,
+                    &mut *dk,
+                    &mut *dv,
+                    &dout.address,
+                    &q.address,
+                    &k.address,
+                    &v.address,
+                    lse,
+                    delta,
+                    &turns_address,
+                    &seq,
+                    &h,
+                    &kvh,
+                    scale
+                );
+            }
         }
+    }
+
+    /// The backward on the one-warp-per-row kernels, for every shape the tensor cores do not
+    /// take: dQ one query row per warp, then dK and dV one key row per warp.
+    fn per_row_backward(
+        &self,
+        dq: &mut Buf,
+        dk: &mut Buf,
+        dv: &mut Buf,
+        r: &BackwardReads,
+        s: &AttnShape,
+    ) {
+        let (seq, h, kvh, d) = (
+            s.q_len as i32,
+            s.n_heads as i32,
+            s.n_kv_heads as i32,
+            s.head_dim as i32,
+        );
         let (kv_len, q_offset) = (s.kv_len as i32, s.q_offset as i32);
+        let (dout, q, k, v, lse, delta, scale) = (r.dout, r.q, r.k, r.v, r.lse, r.delta, &r.scale);
+        let per_query = attention_config(s.q_len, s.n_heads, s.batch);
         launch!(
             self,
             "attention_backward_dq",
@@ -230,14 +278,14 @@ impl CudaBackend {
             k,
             v,
             lse,
-            &delta,
+            delta,
             &seq,
             &kv_len,
             &q_offset,
             &h,
             &kvh,
             &d,
-            &scale
+            scale
         );
         let per_key = attention_config(s.kv_len, s.n_kv_heads, s.batch);
         launch!(
@@ -251,14 +299,14 @@ impl CudaBackend {
             k,
             v,
             lse,
-            &delta,
+            delta,
             &seq,
             &kv_len,
             &q_offset,
             &h,
             &kvh,
             &d,
-            &scale
+            scale
         );
     }
 
@@ -328,6 +376,18 @@ fn check_attention_shape(s: &AttnShape) {
         s.kv_len,
         s.kv_capacity
     );
+}
+
+/// What every backward pass reads besides the gradients it writes: the output's gradient, the
+/// forward's inputs and log-sum-exp, `delta` (see `attention_backward_delta`) and the score scale.
+struct BackwardReads<'a> {
+    dout: &'a Buf,
+    q: &'a Buf,
+    k: &'a Buf,
+    v: &'a Buf,
+    lse: &'a Buf,
+    delta: &'a CudaSlice<f32>,
+    scale: f32,
 }
 
 /// The tensor-core attention kernels for one head dimension (kernels/attention_tc.cu). They read

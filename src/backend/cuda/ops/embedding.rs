@@ -1,5 +1,6 @@
 //! Token embeddings: the table lookup, and its backward, for which the host groups the tokens by
-//! id (`TokenGroups`) so that each table row sums its gradient rows in token order.
+//! id (`TokenGroups`) so that each table row adds its tokens' gradient rows in token order: the
+//! CPU's order, on every run, with no atomics.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 

@@ -1,7 +1,7 @@
 //! The fused output projection and cross-entropy: logits in row chunks (`gpu_loss_chunk_rows`),
 //! the loss kernel, and the two gradient GEMMs per chunk; and the scratch memory this takes.
 
-use cudarc::driver::{CudaSlice, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtrMut, PushKernelArg};
 
 use super::{check_len, Buf, KernelArg};
 use crate::backend::cuda::gemm::GemmInput;
@@ -10,7 +10,7 @@ use crate::backend::{LossSum, IGNORE_INDEX};
 
 impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn cross_entropy_untimed(
+    pub(super) fn cross_entropy_forward_backward_untimed(
         &self,
         h: &Buf,
         weight: &Buf,
@@ -21,18 +21,7 @@ impl CudaBackend {
         mut grads: Option<(&mut Buf, &mut Buf)>,
     ) -> LossSum {
         let rows = targets.len();
-        check_len("cross_entropy", "h", h.len(), rows * dim);
-        check_len("cross_entropy", "weight", weight.len(), vocab * dim);
-        if let Some((dh, dweight)) = grads.as_ref() {
-            check_len("cross_entropy", "dh", dh.len(), rows * dim);
-            check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
-        }
-        if let Some(&bad) = targets
-            .iter()
-            .find(|&&t| t != IGNORE_INDEX && t as usize >= vocab)
-        {
-            panic!("target id {bad} is outside the vocabulary of {vocab}");
-        }
+        check_loss_operands(h, weight, targets, dim, vocab, grads.as_ref());
         if rows == 0 {
             return LossSum { sum: 0.0, count: 0 };
         }
@@ -62,35 +51,11 @@ impl CudaBackend {
             let logits_in_bf16 = bf16_only && self.loss_logits_in_bf16(n, dim, vocab);
             let logits_address = if logits_in_bf16 {
                 let block = grad16.as_mut().expect("bf16_only implies the bf16 block");
-                self.gemm
-                    .matmul_to_bf16(
-                        block,
-                        self.view_input(&h_chunk),
-                        self.buf_input(weight),
-                        n,
-                        dim,
-                        vocab,
-                        false,
-                        true,
-                    )
-                    .unwrap_or_else(|e| panic!("{e:#}"));
+                self.chunk_logits_in_bf16(block, &h_chunk, weight, n, dim, vocab);
                 0
             } else {
                 let block = logits.get_or_insert_with(|| self.alloc_unzeroed::<f32>(n * vocab));
-                let mut lc = block.slice_mut(..n * vocab);
-                self.gemm(
-                    &mut lc,
-                    self.view_input(&h_chunk),
-                    self.buf_input(weight),
-                    n,
-                    dim,
-                    vocab,
-                    false,
-                    true,
-                    false,
-                );
-                let (address, _sync) = lc.device_ptr_mut(&self.stream);
-                address
+                self.chunk_logits_in_f32(block, &h_chunk, weight, n, dim, vocab)
             };
             let mut loss_chunk = row_loss.slice_mut(r0..r0 + n);
             let t_chunk = dev_targets.slice(r0..r0 + n);
@@ -131,9 +96,66 @@ impl CudaBackend {
                 self.gemm(&mut dw, lc, hc, vocab, n, dim, true, false, true);
             }
         }
+        self.sum_row_losses(&row_loss)
+    }
+
+    /// One chunk's logits `h_chunk · weightᵀ` (`n` rows) written in bf16 alone, into the block
+    /// where the loss kernel then writes their gradient over them.
+    fn chunk_logits_in_bf16(
+        &self,
+        block: &mut CudaSlice<u16>,
+        h_chunk: &CudaView<'_, f32>,
+        weight: &Buf,
+        n: usize,
+        dim: usize,
+        vocab: usize,
+    ) {
+        self.gemm
+            .matmul_to_bf16(
+                block,
+                self.view_input(h_chunk),
+                self.buf_input(weight),
+                n,
+                dim,
+                vocab,
+                false,
+                true,
+            )
+            .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+
+    /// One chunk's logits `h_chunk · weightᵀ` (`n` rows) in f32, at the start of `block`; returns
+    /// their address for the loss kernel.
+    fn chunk_logits_in_f32(
+        &self,
+        block: &mut CudaSlice<f32>,
+        h_chunk: &CudaView<'_, f32>,
+        weight: &Buf,
+        n: usize,
+        dim: usize,
+        vocab: usize,
+    ) -> u64 {
+        let mut lc = block.slice_mut(..n * vocab);
+        self.gemm(
+            &mut lc,
+            self.view_input(h_chunk),
+            self.buf_input(weight),
+            n,
+            dim,
+            vocab,
+            false,
+            true,
+            false,
+        );
+        let (address, _sync) = lc.device_ptr_mut(&self.stream);
+        address
+    }
+
+    /// The loss summed over the rows that count: the kernel marks an ignored target's row NaN.
+    fn sum_row_losses(&self, row_loss: &CudaSlice<f32>) -> LossSum {
         let losses = self
             .stream
-            .clone_dtoh(&row_loss)
+            .clone_dtoh(row_loss)
             .unwrap_or_else(|e| panic!("CUDA: downloading the losses failed: {e}"));
         let mut total = LossSum { sum: 0.0, count: 0 };
         for l in losses {
@@ -197,6 +219,31 @@ impl CudaBackend {
     /// activations on, where cuBLASLt can write that product in bf16).
     fn loss_logits_in_bf16(&self, n: usize, dim: usize, vocab: usize) -> bool {
         self.activation_copies && self.gemm.writes_bf16(n, dim, vocab, false, true)
+    }
+}
+
+/// The operands' lengths for `targets.len()` rows, and every target inside the vocabulary
+/// (`IGNORE_INDEX` aside), checked on the host before any launch.
+fn check_loss_operands(
+    h: &Buf,
+    weight: &Buf,
+    targets: &[u32],
+    dim: usize,
+    vocab: usize,
+    grads: Option<&(&mut Buf, &mut Buf)>,
+) {
+    let rows = targets.len();
+    check_len("cross_entropy", "h", h.len(), rows * dim);
+    check_len("cross_entropy", "weight", weight.len(), vocab * dim);
+    if let Some((dh, dweight)) = grads {
+        check_len("cross_entropy", "dh", dh.len(), rows * dim);
+        check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
+    }
+    if let Some(&bad) = targets
+        .iter()
+        .find(|&&t| t != IGNORE_INDEX && t as usize >= vocab)
+    {
+        panic!("target id {bad} is outside the vocabulary of {vocab}");
     }
 }
 

@@ -3,9 +3,10 @@
 //! op's name and the driver's error.
 //!
 //! This file holds what every op's launch shares (`launch!` and the conversion of its arguments,
-//! the length checks) and the trait impl, which times each op and hands it to its family's file:
-//! `copy`, `bf16`, `matmul`, `embedding`, `norm`, `rope`, `attention`, `elementwise`, `loss`,
-//! `adamw`, and `multi_tensor` for the ops over whole parameter lists.
+//! the length checks) and the trait impl, which times each op and hands it to its body in its
+//! family's file (`<op>_untimed`, which other ops also call inside their own timing): `copy`,
+//! `bf16`, `matmul`, `embedding`, `norm`, `rope`, `attention`, `elementwise`, `loss`, `adamw`, and
+//! `multi_tensor` for the ops over whole parameter lists.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
@@ -373,7 +374,9 @@ impl Backend for CudaBackend {
         let _timer = self
             .profiler
             .time_on("cross_entropy_forward_backward", self);
-        self.cross_entropy_untimed(h, weight, targets, dim, vocab, grad_scale, grads)
+        self.cross_entropy_forward_backward_untimed(
+            h, weight, targets, dim, vocab, grad_scale, grads,
+        )
     }
 
     fn adamw_step(

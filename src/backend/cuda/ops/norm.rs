@@ -1,5 +1,5 @@
-//! RMSNorm forward and backward: one warp per row, and the weight gradient summed over fixed
-//! chunks of rows, then across the chunks.
+//! RMSNorm forward and backward: one warp per row; the weight gradient is summed over fixed chunks
+//! of rows, then across the chunks, so every SM has work and the order never changes.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
