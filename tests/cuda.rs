@@ -26,12 +26,8 @@ fn nvrtc_dir() -> Option<PathBuf> {
     match std::env::var_os("TITAN_NVRTC_LIB_DIR") {
         Some(d) => Some(PathBuf::from(d)),
         None => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "CI must set TITAN_NVRTC_LIB_DIR (see .ci/run) so the CUDA kernels are compiled"
-            );
-            eprintln!(
-                "SKIPPED: TITAN_NVRTC_LIB_DIR is not set; the NVRTC compile test did not run"
+            common::reference_missing(
+                "TITAN_NVRTC_LIB_DIR is not set (.ci/run sets it); the NVRTC compile test did not run",
             );
             None
         }

@@ -1,31 +1,18 @@
 //! Parity with Hugging Face `transformers`: an exported checkpoint loaded by `LlamaForCausalLM` or
 //! `Qwen3ForCausalLM` gives the same loss (and logits) as titan on the same tokens, and a Qwen3
 //! model made by transformers imports, generates greedily and exports back like transformers. Needs a Python with torch and
-//! transformers: `TITAN_HF_PYTHON` names it (default `python3`); without one the test says so and
-//! passes, since those packages are never a dependency of titan.
+//! transformers: `TITAN_HF_PYTHON` names it (default `python3`). Those packages are never a
+//! dependency of titan: without them the test says SKIPPED and passes, except in CI (`CI` set),
+//! where a missing reference fails it (`common::reference_missing`).
 
 mod common;
 
 use std::process::Command;
 
-use common::{quiet, tiny_config};
+use common::{hf_python, quiet, tiny_config};
 use titan::backend::cpu::CpuBackend;
 use titan::checkpoint;
 use titan::model::{KvCache, Llama, Workspace};
-
-/// The Python with torch and transformers, or None after saying the test is skipped.
-fn python() -> Option<String> {
-    let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !ok {
-        eprintln!("SKIPPED: no Python with torch and transformers (set TITAN_HF_PYTHON to run this parity check)");
-    }
-    ok.then_some(py)
-}
 
 /// Runs `py` with `args`, which must succeed; its standard output.
 fn python_output(py: &str, args: &[&str]) -> Vec<u8> {
@@ -135,7 +122,7 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
 /// imported shapes with `expect`, and compares titan's loss and 12 greedy tokens with
 /// transformers' on the folder it made and on titan's export of the import.
 fn round_trip_made_by_transformers(make: &str, expect: impl Fn(&titan::model::ModelArgs)) {
-    let Some(py) = python() else {
+    let Some(py) = hf_python() else {
         return;
     };
     let greedy = r#"
@@ -210,7 +197,7 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
 }
 
 fn parity(adjust: impl Fn(&mut titan::config::Config)) {
-    let Some(py) = python() else {
+    let Some(py) = hf_python() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -266,7 +253,7 @@ fn train(cfg: &titan::config::Config) {
 /// scaling.
 #[test]
 fn imported_transformers_model_with_rope_parameters_matches() {
-    let Some(py) = python() else {
+    let Some(py) = hf_python() else {
         return;
     };
     let make = r#"

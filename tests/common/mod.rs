@@ -1,4 +1,5 @@
-//! Shared helpers for integration tests: a tiny model config and a temporary dump folder.
+//! Shared helpers for integration tests: a tiny model config, runs of the `titan` binary, the
+//! parity check between curves, and what a test does when a reference it needs is missing.
 #![allow(dead_code)]
 
 use std::path::Path;
@@ -140,9 +141,17 @@ pub fn assert_validation_matches(
     assert_parity(&v, &metric(many.path(), "validation_loss"), what);
 }
 
-/// Per-step values of a parallel run within 1e-5 (relative) of one process's.
+/// Per-step values of a parallel run within 1e-5 (relative) of one process's. Both curves must
+/// have points and the same steps: two empty curves, or curves over other steps, are no parity.
 pub fn assert_parity(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
+    assert!(
+        !a.is_empty() && !b.is_empty(),
+        "{what}: an empty curve (one process {} points, parallel {})",
+        a.len(),
+        b.len()
+    );
+    let steps = |c: &[(u64, f64)]| c.iter().map(|&(s, _)| s).collect::<Vec<_>>();
+    assert_eq!(steps(a), steps(b), "{what}: the curves' steps differ");
     for ((s, x), (_, y)) in a.iter().zip(b) {
         assert!(
             (x - y).abs() <= 1e-5 * x.abs(),
@@ -178,4 +187,44 @@ pub fn assert_layout_matches_one_process(
         &metric(many.path(), "grad_norm"),
         &format!("{what} (grad norm)"),
     );
+}
+
+// ---- references outside titan (Python packages, compilers)
+
+/// Whether the tests run in CI: the `CI` variable is set (`.ci/run` exports `CI=true`).
+pub fn in_ci() -> bool {
+    std::env::var_os("CI").is_some()
+}
+
+/// A reference a test compares against is missing (`what` says which, and how to provide it).
+/// In CI that fails the test, so a check that did not run is a red build; elsewhere it prints
+/// `SKIPPED: {what}` and the caller returns.
+pub fn reference_missing(what: &str) {
+    reference_missing_in(in_ci(), what);
+}
+
+/// `reference_missing` with `in_ci` given (for testing it without changing the environment).
+pub fn reference_missing_in(in_ci: bool, what: &str) {
+    assert!(
+        !in_ci,
+        "{what}; CI is set, so the missing reference fails the test instead of skipping it"
+    );
+    eprintln!("SKIPPED: {what}");
+}
+
+/// The Python with torch and transformers for the Hugging Face parity tests: `TITAN_HF_PYTHON`
+/// (default `python3`). None, after `reference_missing` (a failure in CI), when it cannot import
+/// them.
+pub fn hf_python() -> Option<String> {
+    let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        reference_missing(&format!(
+            "no Python with torch and transformers at `{py}` (set TITAN_HF_PYTHON to run this parity check)"
+        ));
+    }
+    ok.then_some(py)
 }

@@ -1,0 +1,161 @@
+//! `[model]`: the model family and flavor with optional shape and mixture-of-experts overrides,
+//! and how they become `model::ModelArgs`; with its checks.
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::Config;
+use crate::model::ModelArgs;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub name: String,
+    pub flavor: String,
+    /// A Hugging Face `tokenizer.json`; empty selects the built-in byte-level tokenizer.
+    pub tokenizer_path: String,
+    // Optional overrides of the flavor's shapes (research and tests).
+    pub dim: Option<usize>,
+    pub n_layers: Option<usize>,
+    pub n_heads: Option<usize>,
+    pub n_kv_heads: Option<usize>,
+    pub vocab_size: Option<usize>,
+    pub multiple_of: Option<usize>,
+    pub ffn_dim_multiplier: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub norm_eps: Option<f32>,
+    /// Mixture-of-experts models: auxiliary-loss-free load balancing, the step of the expert
+    /// bias after each step (TorchTitan's `load_balance_coeff`; absent: none).
+    pub load_balance_coeff: Option<f32>,
+    /// Mixture-of-experts models: the sequence-wise auxiliary balance loss's coefficient (the
+    /// name Hugging Face configs use; absent: none).
+    pub router_aux_loss_coef: Option<f32>,
+    /// Mixture-of-experts models: the hidden width of shared experts every token goes through
+    /// besides its routed ones (DeepSeek-V3's; absent: the flavor's, none for Qwen3-MoE).
+    pub moe_shared_hidden: Option<usize>,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: "llama3".into(),
+            flavor: "debugmodel".into(),
+            tokenizer_path: String::new(),
+            dim: None,
+            n_layers: None,
+            n_heads: None,
+            n_kv_heads: None,
+            vocab_size: None,
+            multiple_of: None,
+            ffn_dim_multiplier: None,
+            rope_theta: None,
+            norm_eps: None,
+            load_balance_coeff: None,
+            router_aux_loss_coef: None,
+            moe_shared_hidden: None,
+        }
+    }
+}
+
+impl Config {
+    /// The published shapes of `[model] name` and `flavor`, before the config's overrides.
+    fn base_model_args(&self) -> Result<ModelArgs> {
+        let m = &self.model;
+        match m.name.as_str() {
+            "llama3" => ModelArgs::flavor(&m.flavor),
+            "qwen3" => ModelArgs::qwen3_flavor(&m.flavor),
+            other => bail!("[model] name = `{other}` is not supported (accepted: llama3, qwen3)"),
+        }
+        .map_err(|e| anyhow!("[model] flavor: {e}"))
+    }
+
+    pub(super) fn validate_model(&self) -> Result<()> {
+        self.base_model_args()?;
+        Ok(())
+    }
+
+    /// Model shapes: the flavor, with any `[model]` overrides applied.
+    pub fn model_args(&self) -> Result<ModelArgs> {
+        let mut a = self.base_model_args()?;
+        self.apply_shape_overrides(&mut a);
+        self.apply_moe_overrides(&mut a)?;
+        a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
+        Ok(a)
+    }
+
+    /// `dim`, `n_layers`, heads, vocabulary, RoPE, norm and FFN overrides; the FFN width is
+    /// recomputed (with the flavor's multiplier and rounding where not overridden) when `dim`,
+    /// `multiple_of` or `ffn_dim_multiplier` is set.
+    fn apply_shape_overrides(&self, a: &mut ModelArgs) {
+        let m = &self.model;
+        let llama = m.name == "llama3";
+        let base_mult = match m.flavor.as_str() {
+            _ if !llama => None,
+            "1B" => Some(1.5),
+            "3B" => Some(1.0),
+            "8B" | "70B" => Some(1.3),
+            "405B" => Some(1.2),
+            _ => None,
+        };
+        let base_multiple = match m.flavor.as_str() {
+            "8B" => 1024,
+            "70B" | "405B" => 4096,
+            _ => 256,
+        };
+        if let Some(v) = m.dim {
+            a.dim = v;
+        }
+        if let Some(v) = m.n_layers {
+            a.n_layers = v;
+        }
+        if let Some(v) = m.n_heads {
+            a.n_heads = v;
+            if m.n_kv_heads.is_none() && a.n_kv_heads > v {
+                a.n_kv_heads = v;
+            }
+        }
+        if let Some(v) = m.n_kv_heads {
+            a.n_kv_heads = v;
+        }
+        if let Some(v) = m.vocab_size {
+            a.vocab_size = v;
+        }
+        if let Some(v) = m.rope_theta {
+            a.rope_theta = v;
+        }
+        if let Some(v) = m.norm_eps {
+            a.norm_eps = v;
+        }
+        if m.dim.is_some() || m.multiple_of.is_some() || m.ffn_dim_multiplier.is_some() {
+            a.ffn_hidden = crate::model::args::ffn_hidden(
+                a.dim,
+                m.multiple_of.unwrap_or(base_multiple),
+                m.ffn_dim_multiplier.or(base_mult),
+            );
+        }
+    }
+
+    /// The mixture-of-experts overrides, refused on a dense model.
+    fn apply_moe_overrides(&self, a: &mut ModelArgs) -> Result<()> {
+        let m = &self.model;
+        if let Some(c) = m.load_balance_coeff {
+            match a.moe.as_mut() {
+                Some(moe) => moe.load_balance_coeff = Some(c),
+                None => bail!("[model] load_balance_coeff = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
+        }
+        if let Some(h) = m.moe_shared_hidden {
+            match a.moe.as_mut() {
+                Some(moe) => moe.shared_hidden = Some(h),
+                None => bail!("[model] moe_shared_hidden = {h} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
+        }
+        if let Some(c) = m.router_aux_loss_coef {
+            match a.moe.as_mut() {
+                Some(moe) => moe.aux_loss_coef = Some(c),
+                None => bail!("[model] router_aux_loss_coef = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
+        }
+        Ok(())
+    }
+}
