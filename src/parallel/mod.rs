@@ -6,6 +6,7 @@ pub mod cp;
 pub mod ddp;
 pub mod ep;
 pub mod fsdp;
+pub mod parallelize;
 pub mod param_state;
 pub mod pipeline;
 pub mod plan;

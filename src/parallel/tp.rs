@@ -37,7 +37,6 @@ use rayon::prelude::*;
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::queue::{CollectiveQueue, HostQueue};
-use crate::config::ParallelismConfig;
 use crate::model::tensor_parallel::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
 
@@ -74,14 +73,16 @@ pub struct TensorParallelGroup<B: Backend> {
 }
 
 impl<B: Backend> TensorParallelGroup<B> {
-    /// The group's operations as `[parallelism]` asks (`disable_loss_parallel`,
-    /// `enable_async_tensor_parallel`); `device_queue` carries the token rows on GPUs (NCCL).
+    /// The group's operations as `[parallelism]` asks: cross-entropy over vocabulary shards
+    /// (`loss_parallel`, unless `disable_loss_parallel`), chunked collectives overlapping the
+    /// GEMMs (`async_tp`, `enable_async_tensor_parallel`); `device_queue` carries the token rows
+    /// on GPUs (NCCL).
     pub fn new(
         group: Arc<dyn ProcessGroup>,
         device_queue: Option<Box<dyn CollectiveQueue<B> + Send>>,
-        p: &ParallelismConfig,
+        loss_parallel: bool,
+        async_tp: bool,
     ) -> Self {
-        let async_tp = p.enable_async_tensor_parallel;
         let queue_on_device = device_queue.is_some();
         let queue = device_queue.or_else(|| {
             async_tp.then(|| {
@@ -91,7 +92,7 @@ impl<B: Backend> TensorParallelGroup<B> {
         });
         TensorParallelGroup {
             group,
-            loss_parallel: !p.disable_loss_parallel,
+            loss_parallel,
             queue: queue.map(Mutex::new),
             queue_on_device,
             async_tp,

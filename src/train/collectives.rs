@@ -28,6 +28,14 @@ pub struct DeviceComm<B: Backend> {
 }
 
 impl<B: Backend> DeviceComm<B> {
+    /// Whether any collective runs on the device (NCCL).
+    pub fn on_device(&self) -> bool {
+        self.data_parallel.is_some()
+            || self.tensor_parallel.is_some()
+            || self.context_parallel.is_some()
+            || self.expert_shard.is_some()
+    }
+
     /// Everything through the host.
     pub fn host() -> Self {
         DeviceComm {

@@ -7,30 +7,27 @@
 //! Also where a process learns its place: its thread count (`init_rank_threads`) and, per device,
 //! its distribution with the collectives its device can run (`RankPlace`).
 
-use std::sync::Arc;
-
 use anyhow::{bail, Result};
 
 use super::collectives::{self, DataParallelComm, DeviceComm};
-use super::memory::{check_fits, gib, MemoryEstimate};
+use super::fit::RankSizing;
+use super::memory::MemoryEstimate;
 use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
-use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::memory_timeline;
-use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
-use crate::model::llama::workspace_floats;
-use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, Workspace};
-use crate::parallel::cp::{ContextParallelGroup, RotateMethod};
-use crate::parallel::ep::ExpertParallelGroup;
+use crate::model::{LocalShapes, ModelArgs, ParamDtype, ParamSet};
+use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, ReshardPolicy, ShardedParams};
-use crate::parallel::pipeline::plan::PipelinePlan;
-use crate::parallel::plan::{LayoutParts, ParamState, RankLayout, WholeParams};
-use crate::parallel::tp::TensorParallelGroup;
-use crate::parallel::walk::Walk;
+use crate::parallel::parallelize::{
+    check_expert_degree, local_shapes, parallelize_layout, parallelize_model, MeshGroups,
+    ModelQueues, ParallelOptions, WalkShape,
+};
+use crate::parallel::pipeline::plan::{PipelineOptions, PipelinePlan};
+use crate::parallel::plan::{ParamState, RankLayout, WholeParams};
 
 /// Sizes rayon's global pool once per process for a job's rank: `[training] threads`, where 0
 /// shares the host's cores out among its ranks (each taking every core would oversubscribe them
@@ -107,66 +104,68 @@ pub struct ComposedRank<B: Backend> {
     pub collectives_on_device: bool,
 }
 
-/// With `[profiling] enable_memory_snapshot`: the categories of a refused estimate, at its peak,
-/// in `{snapshot folder}/refused/rank{r}_memory.{json,svg}` (a warning if it cannot be written).
-fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharded: bool) {
-    if !cfg.profiling.enable_memory_snapshot {
-        return;
-    }
-    for (category, bytes) in estimate.by_category(sharded, true) {
-        memory_timeline::set(category, bytes);
-    }
-    let dir = cfg
-        .dump_folder()
-        .join(&cfg.profiling.save_memory_snapshot_folder)
-        .join("refused");
-    let sample = memory_timeline::now("estimate of the refused run");
-    if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, vec![sample])
-    {
-        eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+/// This rank's mesh groups, as the layout crosses them (TorchTitan's device mesh, sliced).
+fn mesh_groups(dist: Option<&Distributed>) -> MeshGroups {
+    match dist {
+        None => MeshGroups::default(),
+        Some(d) => MeshGroups {
+            tp: d.tp.clone(),
+            cp: d.cp.clone(),
+            ep: d.ep.clone(),
+            pp: d.pp.clone(),
+            loss: Some(d.loss.clone()),
+        },
     }
 }
 
-/// The layout `[parallelism]` asks for, on `be`, for this rank (TorchTitan's `parallelize`:
-/// tensor parallel shapes the model, then data parallel lays out its weights). Everything the
-/// config alone decides is checked before anything is allocated.
-pub fn compose_rank<B: Backend>(
+/// What `[parallelism]` asks of the model's crossings.
+fn parallel_options(cfg: &Config, global_batch: usize) -> Result<ParallelOptions> {
+    let p = &cfg.parallelism;
+    Ok(ParallelOptions {
+        loss_parallel: !p.disable_loss_parallel,
+        async_tp: p.enable_async_tensor_parallel,
+        rotate: RotateMethod::parse(&p.context_parallel_rotate_method)?,
+        global_batch,
+    })
+}
+
+/// The pipeline `[parallelism]` asks for over the `pp` group, if any.
+fn pipeline_plan(
+    cfg: &Config,
+    args: &ModelArgs,
+    groups: &MeshGroups,
+) -> Result<Option<PipelinePlan>> {
+    let Some(group) = groups.pp.clone() else {
+        return Ok(None);
+    };
+    let p = &cfg.parallelism;
+    let options = PipelineOptions {
+        pipeline_parallel_schedule: &p.pipeline_parallel_schedule,
+        pipeline_parallel_schedule_csv: &p.pipeline_parallel_schedule_csv,
+        pipeline_parallel_microbatch_size: p.pipeline_parallel_microbatch_size,
+        pipeline_parallel_layers_per_stage: p.pipeline_parallel_layers_per_stage,
+        pipeline_parallel_split_points: &p.pipeline_parallel_split_points,
+        local_batch_size: cfg.training.local_batch_size,
+    };
+    Ok(Some(PipelinePlan::new(&options, args, group)?))
+}
+
+/// The checks of how the batch splits that only the shapes can make: the sequence-parallel
+/// shards of a (micro)batch, async TP's row copies, the global batch over the data-parallel
+/// ranks. Returns the microbatches per step (gradient accumulation) and the global batch.
+fn check_batch<B: Backend>(
     be: &B,
     cfg: &Config,
-    dist: Option<&Distributed>,
-    device_comm: DeviceComm<B>,
-    ranks_sharing_memory: usize,
-) -> Result<ComposedRank<B>> {
-    let args = cfg.model_args()?;
+    local: &LocalShapes,
+    dp_size: usize,
+    pipeline: Option<&PipelinePlan>,
+) -> Result<(usize, usize)> {
     let t = &cfg.training;
     let (batch, seq) = (t.local_batch_size, t.seq_len);
-    let dp_size = dist.map_or(1, |d| d.dp.size());
-    let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
-    // Tensor parallel: this rank's shapes (refused here when the model does not split evenly).
-    let tp_group = dist.and_then(|d| d.tp.clone());
-    let local = match &tp_group {
-        Some(g) => LocalShapes::sharded(&args, g.size(), g.rank())?,
-        None => LocalShapes::whole(&args),
-    };
-    // Context parallel: the rank's shard of every sequence.
-    let cp_group = dist.and_then(|d| d.cp.clone());
-    let local = match &cp_group {
-        Some(g) => local.with_context_parallel(g.size(), g.rank()),
-        None => local,
-    };
-    // Expert parallel: the experts this rank computes.
-    let ep_degree = cfg.parallelism.expert_parallel_degree;
-    let ep_group = dist.and_then(|d| d.ep.clone());
-    let local = match &ep_group {
-        Some(g) => local.with_expert_parallel(g.size(), g.rank())?,
-        None if ep_degree > 1 => bail!("[parallelism] expert_parallel_degree = {ep_degree} needs {ep_degree} ranks of data_parallel_shard_degree × context_parallel_degree; this job runs one process (launch it with --nproc)"),
-        None => local,
-    };
     let local_tokens = batch * local.local_seq(seq);
     if !local_tokens.is_multiple_of(local.tp) {
         bail!("[training] local_batch_size {batch} × seq_len {seq} / context_parallel_degree {} = {local_tokens} tokens do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", local.cp, local.tp);
     }
-    let rotate = RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?;
     // Async TP copies chunks of rows into and out of the activations; a device keeping some of
     // them in bf16 alone has no f32 rows to copy.
     if cfg.parallelism.enable_async_tensor_parallel
@@ -179,153 +178,86 @@ pub fn compose_rank<B: Backend>(
     if !global_batch.is_multiple_of(batch * dp_size) {
         bail!("[training] global_batch_size = {global_batch} is not a multiple of local_batch_size {batch} × data-parallel degree {dp_size}");
     }
-    let accum = global_batch / (batch * dp_size);
-    let pipeline = match dist.and_then(|d| d.pp.clone()) {
-        Some(group) => Some(PipelinePlan::from_config(cfg, &args, group)?),
-        None => None,
-    };
-    if let Some(p) = &pipeline {
+    if let Some(p) = pipeline {
         let tokens = p.microbatch_rows * local.local_seq(seq);
         if !tokens.is_multiple_of(local.tp) {
             bail!("[parallelism] pipeline_parallel_microbatch_size {} × seq_len {seq} / context_parallel_degree {} = {tokens} tokens per microbatch do not split into tensor_parallel_degree {} equal sequence-parallel shards; make their product a multiple of it", p.microbatch_rows, local.cp, local.tp);
         }
     }
+    Ok((global_batch / (batch * dp_size), global_batch))
+}
 
-    let (mut device_reducer, mut device_queue) = match device_comm.data_parallel {
+/// The layout `[parallelism]` asks for, on `be`, for this rank, composed by `parallelize`
+/// (tensor → context → expert parallel shape the model; activation checkpointing and FSDP/DDP
+/// lay out the rest) with the weights loaded or initialised in between. Everything the config
+/// alone decides is checked, and the memory estimate, before anything is allocated.
+pub fn compose_rank<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    dist: Option<&Distributed>,
+    device_comm: DeviceComm<B>,
+    ranks_sharing_memory: usize,
+) -> Result<ComposedRank<B>> {
+    let args = cfg.model_args()?;
+    let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
+    let dp_size = dist.map_or(1, |d| d.dp.size());
+    let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
+    let groups = mesh_groups(dist);
+    let local = local_shapes(&args, &groups)?;
+    check_expert_degree(cfg.parallelism.expert_parallel_degree, &groups)?;
+    let rotate = RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?;
+    let pipeline = pipeline_plan(cfg, &args, &groups)?;
+    let (accum, global_batch) = check_batch(be, cfg, &local, dp_size, pipeline.as_ref())?;
+    let collectives_on_device = device_comm.on_device();
+    let DeviceComm {
+        data_parallel,
+        tensor_parallel,
+        context_parallel,
+        expert_shard,
+    } = device_comm;
+    let (device_reducer, device_queue) = match data_parallel {
         Some(DataParallelComm::Ddp(r)) => (Some(r), None),
         Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),
         None => (None, None),
     };
-    let collectives_on_device = device_reducer.is_some()
-        || device_queue.is_some()
-        || device_comm.tensor_parallel.is_some()
-        || device_comm.context_parallel.is_some()
-        || device_comm.expert_shard.is_some();
     let ddp = dist
         .filter(|_| !fsdp_mode && dp_size > 1)
-        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer.take()));
-
-    let param_dtype = ParamDtype::from_config(&t.mixed_precision_param);
+        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer));
+    let param_dtype = ParamDtype::from_config(&cfg.training.mixed_precision_param);
     let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
         .expect("validated with the config");
     let ac = cfg.activation_checkpoint.mode()?;
-    let estimate_with = |plan: &ActivationPlan| {
-        let mut e = MemoryEstimate::new(&args, &local, batch, seq, plan)
-            .with_backend_scratch(be, &local, batch, seq, plan);
-        // Attention runs one pipeline microbatch at a time.
-        let rows = pipeline.as_ref().map_or(batch, |p| p.microbatch_rows);
-        e.scratch += crate::parallel::cp::scratch_bytes(&local, rows, seq, rotate);
-        if param_dtype == ParamDtype::BFloat16 && !fsdp_mode {
-            e = e.with_compute_copy(be);
-        }
-        let fsdp_shard = dist
+    let sizing = RankSizing {
+        be,
+        cfg,
+        args: &args,
+        local: &local,
+        batch,
+        seq,
+        pipeline: pipeline.as_ref(),
+        rotate,
+        param_dtype,
+        fsdp_shard: dist
             .filter(|_| fsdp_mode)
-            .map(|d| d.mesh.degree("dp_shard") * d.mesh.degree("cp"));
-        e = match (&pipeline, fsdp_shard) {
-            (Some(p), shard) => e.pipelined(
-                p.held_fraction(&args, &local),
-                shard,
-                p.workspaces(),
-                workspace_floats(&local, p.microbatch_rows, seq, &p.plan(plan)) as u64 * 4,
-            ),
-            (None, Some(shard)) => e.sharded(
-                &args,
-                &local,
-                shard,
-                reshard.blocks_gathered(args.n_layers),
-                crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
-            ),
-            (None, None) => e,
-        };
-        if let Some(p) = &pipeline {
-            e.activations += p.deferred_bytes(&local, seq);
-        }
-        // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
-        // its own, keeping no activations past each block (`train::validate`).
-        let (vb, vs) = cfg.validation_shape();
-        if cfg.validation.enabled && ((vb, vs) != (batch, seq) || pipeline.is_some()) {
-            let forward_only = AcMode::Full.plan(args.n_layers);
-            e.activations += workspace_floats(&local, vb, vs, &forward_only) as u64 * 4;
-        }
-        e
+            .map(|d| d.mesh.degree("dp_shard") * d.mesh.degree("cp")),
+        reshard,
+        ranks_sharing_memory,
+        rank: dist.map_or(0, |d| d.rank),
     };
-    let plan = ac.plan(args.n_layers);
-    let estimate = estimate_with(&plan);
-    let what = format!(
-        "model flavor {} at local_batch_size {batch} × seq_len {seq} (activation checkpointing: {})",
-        cfg.model.flavor,
-        ac.describe()
-    );
-    let fits =
-        |e: &MemoryEstimate| check_fits(e, &what, be.device_free_memory(), ranks_sharing_memory);
-    if let Err(too_big) = fits(&estimate) {
-        snapshot_refused(cfg, dist.map_or(0, |d| d.rank), &estimate, fsdp_mode);
-        // Would a mode that keeps less make it fit? Per-op first: it recomputes least.
-        let suggestion = [
-            (
-                AcMode::Op,
-                "mode = \"selective\", selective_ac_option = \"op\"",
-            ),
-            (AcMode::Full, "mode = \"full\""),
-        ]
-        .into_iter()
-        .filter(|(mode, _)| *mode != ac && *mode != AcMode::None)
-        .map(|(mode, keys)| (estimate_with(&mode.plan(args.n_layers)), keys))
-        .find(|(e, _)| e.total() < estimate.total() && fits(e).is_ok());
-        match suggestion {
-            Some((smaller, keys)) => {
-                bail!(
-                "{too_big:#}\n[activation_checkpoint] {keys} would make it fit (about {:.1} GiB{})",
-                gib(smaller.total()),
-                if ranks_sharing_memory > 1 { " per rank" } else { "" }
-            )
-            }
-            None => return Err(too_big),
-        }
-    }
+    let estimate = sizing.check_or_suggest(ac)?;
 
-    let model = match &tp_group {
-        Some(g) => {
-            let ops =
-                TensorParallelGroup::new(g.clone(), device_comm.tensor_parallel, &cfg.parallelism);
-            Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
-        }
-        None => Llama::tensor_parallel(
-            be,
-            args.clone(),
-            seq,
-            local,
-            Arc::new(crate::model::tensor_parallel::SingleRank),
-        )?,
+    let queues = ModelQueues {
+        tensor_parallel,
+        context_parallel,
     };
-    let model = match &cp_group {
-        Some(g) => {
-            // Only `allgather` runs collectives on a queue (`alltoall` rotates through the group).
-            let queue = (rotate == RotateMethod::AllGather).then(|| {
-                device_comm.context_parallel.unwrap_or_else(|| {
-                    Box::new(HostQueue::new("context parallel", g.clone(), None))
-                        as Box<dyn CollectiveQueue<B> + Send>
-                })
-            });
-            model.with_context_parallel(Arc::new(ContextParallelGroup::new(
-                g.clone(),
-                rotate,
-                queue,
-            )?))
-        }
-        None => model,
-    };
-    let model = match &ep_group {
-        Some(g) => model.with_expert_parallel(Arc::new(ExpertParallelGroup::new(g.clone()))),
-        None => model,
-    }
-    .with_sequences_per_step(global_batch);
+    let options = parallel_options(cfg, global_batch)?;
+    let model = parallelize_model(be, &args, seq, &groups, queues, options)?;
     let expert_shards = dist
         .and_then(|d| d.expert_shard.clone())
         .map(|group| ExpertShards {
             group,
             replicate: dist.and_then(|d| d.expert_replicate.clone()),
-            queue: device_comm.expert_shard,
+            queue: expert_shard,
         });
     let specs = model.param_specs();
     let held = |name: &str| pipeline.as_ref().is_none_or(|p| p.holds(name));
@@ -342,7 +274,7 @@ pub fn compose_rank<B: Backend>(
         &model,
         dist,
         fsdp_mode,
-        device_queue.take(),
+        device_queue,
         expert_shards,
         reshard,
         param_dtype,
@@ -355,7 +287,7 @@ pub fn compose_rank<B: Backend>(
     )?;
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
-    let mut state = match fsdp {
+    let state = match fsdp {
         Some(fsdp) => ParamState::Sharded(ShardedParams::new(fsdp, params, grads, false)),
         None => {
             let bf16_copy =
@@ -363,28 +295,16 @@ pub fn compose_rank<B: Backend>(
             ParamState::Whole(WholeParams::new(params, grads, bf16_copy, ddp))
         }
     };
-    // A pipeline rank computes in its own workspaces, one per microbatch it holds.
-    let (pipeline, walk) = match pipeline {
-        Some(p) => {
-            let timeout = std::time::Duration::from_secs(cfg.comm.train_timeout_seconds);
-            let (rank, walk) = p.build(be, &local, seq, &plan, timeout)?;
-            state.keep_only(be, |name| rank.holds(name));
-            opt.keep_only(be, |name| rank.holds(name));
-            (Some(rank), walk)
-        }
-        None => {
-            let ws = Workspace::planned(be, &local, batch, seq, plan.clone());
-            (None, Walk::one_stage(ws, args.n_layers, seq)?)
-        }
+    let walk_shape = WalkShape {
+        batch,
+        seq,
+        plan: &ac.plan(args.n_layers),
+        timeout: std::time::Duration::from_secs(cfg.comm.train_timeout_seconds),
     };
-    let layout = RankLayout::new(LayoutParts {
-        model,
-        state,
-        walk,
-        batch_group: dist.map(|d| d.loss.clone()),
-        tp_group,
-        pipeline,
-    });
+    let layout = parallelize_layout(be, model, state, &groups, pipeline, walk_shape)?;
+    if let Some(p) = &layout.pipeline {
+        opt.keep_only(be, |name| p.holds(name));
+    }
     for (category, bytes) in estimate.by_category(fsdp_mode, false) {
         memory_timeline::set(category, bytes);
     }

@@ -1,11 +1,14 @@
 //! Training: AdamW and clipping, the lr schedule, memory accounting, metrics, and the loop itself.
 
+pub mod banner;
 pub mod collectives;
 pub mod compose;
+pub mod fit;
 pub mod lr;
 pub mod memory;
 pub mod metrics;
 pub mod optimizer;
+pub mod profiler;
 pub mod save;
 pub mod start;
 pub mod step;

@@ -7,10 +7,12 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
+use super::banner::Banner;
 use super::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
-use super::memory::{gib, peak_memory};
+use super::memory::peak_memory;
 use super::metrics::{default_peak_tflops, ExpertLoad, MetricsLogger, StepMetrics};
+use super::profiler::StepProfiler;
 use super::save::save_checkpoint;
 use super::step::train_step;
 use super::validate::Validator;
@@ -21,6 +23,8 @@ use crate::checkpoint::{self, TrainState};
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::memory_timeline;
+use crate::model::ModelArgs;
+use crate::parallel::plan::{MoeStepStats, RankLayout};
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]
@@ -134,7 +138,7 @@ fn train_on_device(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     }
 }
 
-/// Trains on `be` from this rank's `place` in the job.
+/// Trains on `be` from this rank's `place` in the job: the rank composed, resumed, then the loop.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
@@ -143,9 +147,7 @@ fn train_on<B: Backend>(
 ) -> Result<TrainSummary> {
     let dist = place.dist.as_ref();
     let t = &cfg.training;
-    let seq = t.seq_len;
     let (rank, dp_rank, dp_size) = dist.map_or((0, 0, 1), |d| (d.rank, d.dp.rank(), d.dp.size()));
-    let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
     let quiet = opts.quiet || rank != 0;
     let say = |s: String| {
         if !quiet {
@@ -159,175 +161,84 @@ fn train_on<B: Backend>(
     }
     // The ranks of a tensor-parallel group read the same batches.
     let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, dp_rank, dp_size)?;
+    let mut rank_parts =
+        compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
+    let resume = Resume::of(&mut rank_parts, &mut loader, &say)?;
     let ComposedRank {
         args,
         local,
         mut layout,
         mut opt,
-        estimate: est,
+        estimate,
         accum,
         global_batch,
-        resumed,
         collectives_on_device,
-    } = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
-
-    let ckpt_folder = cfg.checkpoint_folder();
-    let mut start_step = 0;
-    let mut resumed_from = None;
-    let mut last_good = None;
-    if let Some(r) = resumed {
-        loader.restore(r.state.data)?;
-        if let Some(bias) = &r.state.expert_bias {
-            layout.model.set_expert_bias(bias)?;
-        }
-        start_step = r.state.step;
-        resumed_from = Some(r.folder_step);
-        last_good = Some(r.folder_step);
-        say(format!(
-            "resumed from {} (step {})",
-            r.dir.display(),
-            r.folder_step
-        ));
-    }
-
-    let mut writer = checkpoint::writer::AsyncWriter::new();
-    let tokens_per_step = (global_batch * seq) as f64;
-    let flops_per_token = args.flops_per_token(seq);
-    let threads = rayon::current_num_threads();
+        ..
+    } = rank_parts;
+    let flops_per_token = args.flops_per_token(t.seq_len);
     let peak_tflops = if cfg.metrics.peak_tflops > 0.0 {
         cfg.metrics.peak_tflops
     } else {
+        let threads = rayon::current_num_threads();
         default_peak_tflops(be, threads) * dist.map_or(1, |d| d.world) as f64
     };
-    say(format!(
-        "titan | model {} {} | {:.2}M parameters ({:.2}M non-embedding{}) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {peak_tflops:.3} TFLOP/s{}",
-        cfg.model.name,
-        cfg.model.flavor,
-        args.num_params() as f64 / 1e6,
-        (args.num_params() - args.embedding_params()) as f64 / 1e6,
-        if args.moe.is_some() {
-            format!(", {:.2}M active", args.active_params() as f64 / 1e6)
-        } else {
-            String::new()
-        },
-        flops_per_token / 1e6,
-        be.name(),
-        match (cfg.metrics.peak_tflops > 0.0, be.name()) {
-            (true, _) => " ([metrics] peak_tflops)",
-            (false, "cpu") => " (measured fp32 FMA peak)",
-            (false, _) => " (datasheet)",
-        }
-    ));
-    say(format!(
-        "memory{}: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {accum} micro-batch(es)/step",
-        if dist.is_some() { " per rank" } else { "" },
-        gib(est.params),
-        gib(est.grads),
-        gib(est.optimizer),
-        gib(est.activations),
-        if est.activation_copies > 0 {
-            format!(" + bf16 copies {:.3} GiB", gib(est.activation_copies))
-        } else {
-            String::new()
-        },
-        gib(est.scratch),
-        loader.describe(),
-        global_batch
-    ));
-
-    if let Some(p) = &layout.pipeline {
-        say(p.describe());
-    }
-    if let Some(d) = dist {
-        // Each rank's own share (the estimate is per rank): DDP replicates everything, FSDP keeps
-        // 1/dp_shard of it plus the tensors gathered while it computes; TP keeps 1/tp of the
-        // split weights.
-        let how = match (fsdp_mode, d.replicate.is_some(), dp_size > 1) {
-            (true, true, _) => "sharded, HSDP",
-            (true, false, _) => "sharded, FSDP",
-            (false, _, true) => "replicated, DDP",
-            (false, _, false) => "no data parallel",
-        };
-        let how = if local.tp > 1 {
-            format!(
-                "{how}, tensor parallel {} (rank {} of its group)",
-                local.tp, local.tp_rank
-            )
-        } else {
-            how.to_string()
-        };
-        let how = if local.cp > 1 {
-            let seq = t.seq_len;
-            let chunks = crate::model::context_parallel::SequenceShard {
-                degree: local.cp,
-                rank: local.cp_rank,
-            }
-            .chunks(seq);
-            format!(
-                "{how}, context parallel {} ({}, positions {chunks:?} of {seq})",
-                local.cp, cfg.parallelism.context_parallel_rotate_method
-            )
-        } else {
-            how
-        };
-        let how = match &layout.pipeline {
-            Some(p) => format!(
-                "{how}, pipeline stages {:?} of {}",
-                p.schedule.stages_of(p.group().rank()),
-                p.schedule.stages()
-            ),
-            None => how,
-        };
-        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-        let path = if collectives_on_device {
-            ", collectives through NCCL"
-        } else {
-            ""
-        };
-        println!("rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how}{path})", d.rank, d.world, mib(est.params), mib(est.grads), mib(est.optimizer));
+    let banner = Banner {
+        be,
+        cfg,
+        args: &args,
+        local: &local,
+        estimate: &estimate,
+        dist,
+        layout: &layout,
+        data: loader.describe(),
+        global_batch,
+        accum,
+        flops_per_token,
+        peak_tflops,
+        collectives_on_device,
+    };
+    banner.lines().into_iter().for_each(&say);
+    if let Some(line) = banner.rank_line() {
+        println!("{line}");
     }
     let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
-    let mut validator = Validator::from_config(be, cfg, &local, args.vocab_size, dp_rank, dp_size)?;
-    let mut logger = if rank != 0 {
-        None
-    } else {
-        Some(MetricsLogger::new(
-            &cfg.dump_folder(),
-            cfg.metrics
-                .enable_tensorboard
-                .then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder))
-                .as_deref(),
-        )?)
+    let mut reporter = Reporter {
+        cfg,
+        validator: Validator::from_config(be, cfg, &local, args.vocab_size, dp_rank, dp_size)?,
+        logger: metrics_logger(cfg, rank)?,
+        bar: progress_bar(
+            quiet || resume.start_step >= t.steps,
+            resume.start_step,
+            t.steps,
+        ),
+        quiet,
     };
-    let bar = if quiet || start_step >= t.steps {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(t.steps)
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_position(start_step);
-
+    let bar = reporter.bar.clone();
+    let out = |line: String| emit(&bar, line);
+    let mut writer = checkpoint::writer::AsyncWriter::new();
+    let mut last_good = resume.last_good;
     let mut losses = Vec::new();
     let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
+    let profiler = StepProfiler {
+        cfg,
+        rank,
+        quiet,
+        first_step: resume.start_step + 1,
+        last_step,
+    };
+    let rate = StepRate {
+        tokens_per_step: (global_batch * t.seq_len) as f64,
+        flops_per_token,
+        peak_tflops,
+        devices: dist.map_or(1, |d| d.world),
+    };
     let crash_at = crash_drill(rank)?;
-    for step in start_step + 1..=last_step {
+    for step in resume.start_step + 1..=last_step {
         if crash_at == Some(step) {
             eprintln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
             std::process::abort();
         }
-        let (profiled, write_trace) = cfg.profiling.phase(step);
-        // The pipeline's measured bubble covers the profiled steps only.
-        let first_profiled = step == start_step + 1 || !cfg.profiling.phase(step - 1).0;
-        if profiled && cfg.profiling.enable_profiling && first_profiled {
-            layout.pipeline_bubbles()?;
-        }
-        crate::trace::set_recording(profiled && cfg.profiling.enable_profiling);
-        memory_timeline::set_recording(profiled && cfg.profiling.enable_memory_snapshot);
+        let write_trace = profiler.begin(step, &mut layout)?;
         let t0 = Instant::now();
         let data_span = crate::trace::span("data", "data loading");
         let micro: Vec<Vec<u32>> = (0..accum)
@@ -338,14 +249,7 @@ fn train_on<B: Backend>(
         let lr = schedule.lr(step);
         let (loss, norm) = train_step(be, &mut layout, &mut opt, &micro, lr, step, t.max_norm)?;
         if !loss.is_finite() || !norm.is_finite() {
-            let keep = match last_good {
-                Some(s) => format!(
-                    "the last good checkpoint is {}",
-                    checkpoint::step_dir(&ckpt_folder, s).display()
-                ),
-                None => "no checkpoint was written".into(),
-            };
-            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {keep}. Lower [optimizer] lr or set [training] max_norm");
+            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, last_good));
         }
         let moe = layout.moe_step_stats()?;
         if let Some(m) = &moe {
@@ -353,136 +257,217 @@ fn train_on<B: Backend>(
         }
         let step_time = t0.elapsed().as_secs_f64();
         losses.push((step, loss));
-
-        let tokens_per_s = tokens_per_step / step_time;
-        let tflops = tokens_per_s * flops_per_token / 1e12;
-        let m = StepMetrics {
+        let m = rate.metrics(
+            be,
             step,
-            loss,
-            grad_norm: norm,
-            lr,
-            tokens_per_s,
-            tokens_per_s_per_device: tokens_per_s / dist.map_or(1, |d| d.world) as f64,
-            tflops,
-            mfu: 100.0 * tflops / peak_tflops,
-            step_time_s: step_time,
-            data_time_pct: 100.0 * data_time / step_time,
-            peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
-            moe_expert_load: moe.as_ref().map(|m| ExpertLoad::of(&m.load)),
-            moe_aux_loss: moe.as_ref().and_then(|m| m.aux_loss),
-        };
-        if step % cfg.metrics.log_freq == 0 || step == 1 || step == t.steps {
-            if let Some(logger) = &mut logger {
-                logger.log(&m)?;
-            }
-            if !quiet {
-                emit(&bar, m.console_line());
-            }
-        }
-        if let Some(v) = validator
-            .as_mut()
-            .filter(|_| step % cfg.validation.freq == 0 || step == t.steps)
-        {
-            let m = v.run(be, &mut layout, step)?;
-            if let Some(logger) = &mut logger {
-                logger.log_validation(&m)?;
-            }
-            if !quiet {
-                emit(&bar, m.console_line());
-            }
-        }
-        bar.set_message(format!("loss {loss:.4}"));
-        bar.inc(1);
-
-        let save_now =
-            cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps);
-        if save_now {
-            let state = TrainState {
-                format_version: checkpoint::FORMAT_VERSION,
-                step,
-                model_args: args.clone(),
-                seed: t.seed,
-                data: loader.state(),
-                tokenizer_path: cfg.model.tokenizer_path.clone(),
-                sharding: None,
-                files: Default::default(),
-                expert_bias: layout.model.expert_bias(),
-            };
+            (loss, norm, lr),
+            (step_time, data_time),
+            moe.as_ref(),
+        );
+        reporter.report(be, &mut layout, &m)?;
+        if cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps) {
+            let state = train_state(cfg, &args, step, &loader, &layout);
             let _span = crate::trace::span("checkpoint", "checkpoint save");
             let written = save_checkpoint(be, cfg, dist, &layout, &opt, &mut writer, state)?;
             last_good = Some(step);
             if let (Some(dir), false) = (written, quiet) {
-                emit(&bar, format!("saved checkpoint {}", dir.display()));
+                out(format!("saved checkpoint {}", dir.display()));
             }
         }
-        if (write_trace || step == last_step) && memory_timeline::recording() {
-            memory_timeline::set_recording(false);
-            let dir = cfg
-                .dump_folder()
-                .join(&cfg.profiling.save_memory_snapshot_folder)
-                .join(format!("iteration_{step}"));
-            let stem = format!("rank{rank}_memory");
-            match memory_timeline::write(&dir, &stem, rank, memory_timeline::take()) {
-                Ok(()) if !quiet => emit(
-                    &bar,
-                    format!("memory timeline {}/{stem}.svg", dir.display()),
-                ),
-                Ok(()) => {}
-                Err(e) => eprintln!("warning: rank {rank}: memory timeline not written: {e:#}"),
-            }
-        }
-        if (write_trace || step == last_step) && crate::trace::recording() {
-            if let Some(b) = layout.pipeline_bubbles()? {
-                let per_rank: Vec<String> = b
-                    .iter()
-                    .enumerate()
-                    .map(|(r, x)| format!("rank {r} {x:.3}"))
-                    .collect();
-                if !quiet {
-                    emit(
-                        &bar,
-                        format!(
-                            "pipeline bubble measured over the profiled steps (share of the schedule's time waiting for other ranks): {}",
-                            per_rank.join(", ")
-                        ),
-                    );
-                }
-            }
-            crate::trace::set_recording(false);
-            let events = crate::trace::take();
-            let path = cfg
-                .dump_folder()
-                .join(&cfg.profiling.save_traces_folder)
-                .join(format!("iteration_{step}"))
-                .join(format!("rank{rank}_trace.json"));
-            // A trace that cannot be written costs the trace, not the run.
-            match crate::trace::write(&path, rank, &events) {
-                Ok(()) if !quiet => emit(&bar, format!("profiler trace {}", path.display())),
-                Ok(()) => {}
-                Err(e) => eprintln!("warning: rank {rank}: profiler trace not written: {e:#}"),
-            }
-        }
+        profiler.end(step, write_trace, &mut layout, &out)?;
     }
     if let (Some(dir), false) = (writer.wait()?, quiet) {
-        emit(&bar, format!("saved checkpoint {}", dir.display()));
+        out(format!("saved checkpoint {}", dir.display()));
     }
     bar.finish_and_clear();
-    if let Some(&(s, l)) = losses.last() {
-        say(format!(
+    match losses.last() {
+        Some(&(s, l)) => say(format!(
             "done: step {s}, loss {l:.4}, peak memory {:.0} MiB",
             be.device_peak_memory().unwrap_or_else(peak_memory) as f64 / (1 << 20) as f64
-        ));
-    } else {
-        say(format!(
-            "nothing to do: the checkpoint is already at step {start_step} of {}",
-            t.steps
-        ));
+        )),
+        None => say(format!(
+            "nothing to do: the checkpoint is already at step {} of {}",
+            resume.start_step, t.steps
+        )),
     }
     Ok(TrainSummary {
         losses,
-        final_step: t.steps.max(start_step),
-        resumed_from,
+        final_step: t.steps.max(resume.start_step),
+        resumed_from: resume.resumed_from,
     })
+}
+
+/// Where a step's figures go: the console (through the progress bar), `metrics.jsonl` and
+/// TensorBoard on rank 0, and the validation that follows every `freq` steps.
+struct Reporter<'a, B: Backend> {
+    cfg: &'a Config,
+    validator: Option<Validator<B>>,
+    logger: Option<MetricsLogger>,
+    bar: ProgressBar,
+    quiet: bool,
+}
+
+impl<B: Backend> Reporter<'_, B> {
+    fn report(&mut self, be: &B, layout: &mut RankLayout<B>, m: &StepMetrics) -> Result<()> {
+        let (step, steps) = (m.step, self.cfg.training.steps);
+        if step % self.cfg.metrics.log_freq == 0 || step == 1 || step == steps {
+            if let Some(logger) = &mut self.logger {
+                logger.log(m)?;
+            }
+            if !self.quiet {
+                emit(&self.bar, m.console_line());
+            }
+        }
+        let validate_now = step % self.cfg.validation.freq == 0 || step == steps;
+        if let Some(v) = self.validator.as_mut().filter(|_| validate_now) {
+            let vm = v.run(be, layout, step)?;
+            if let Some(logger) = &mut self.logger {
+                logger.log_validation(&vm)?;
+            }
+            if !self.quiet {
+                emit(&self.bar, vm.console_line());
+            }
+        }
+        self.bar.set_message(format!("loss {:.4}", m.loss));
+        self.bar.inc(1);
+        Ok(())
+    }
+}
+
+/// Rank 0's `metrics.jsonl` (and TensorBoard events when enabled); None on the other ranks.
+fn metrics_logger(cfg: &Config, rank: usize) -> Result<Option<MetricsLogger>> {
+    if rank != 0 {
+        return Ok(None);
+    }
+    let tb = cfg
+        .metrics
+        .enable_tensorboard
+        .then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder));
+    Ok(Some(MetricsLogger::new(&cfg.dump_folder(), tb.as_deref())?))
+}
+
+/// Where a run starts: step 0, or the checkpoint it resumed from.
+struct Resume {
+    start_step: u64,
+    resumed_from: Option<u64>,
+    /// The latest checkpoint known complete.
+    last_good: Option<u64>,
+}
+
+impl Resume {
+    /// The data position and expert bias of the checkpoint the rank resumed from, restored.
+    fn of<B: Backend>(
+        rank: &mut ComposedRank<B>,
+        loader: &mut DataLoader,
+        say: &dyn Fn(String),
+    ) -> Result<Self> {
+        let Some(r) = rank.resumed.take() else {
+            return Ok(Resume {
+                start_step: 0,
+                resumed_from: None,
+                last_good: None,
+            });
+        };
+        loader.restore(r.state.data)?;
+        if let Some(bias) = &r.state.expert_bias {
+            rank.layout.model.set_expert_bias(bias)?;
+        }
+        say(format!(
+            "resumed from {} (step {})",
+            r.dir.display(),
+            r.folder_step
+        ));
+        Ok(Resume {
+            start_step: r.state.step,
+            resumed_from: Some(r.folder_step),
+            last_good: Some(r.folder_step),
+        })
+    }
+}
+
+/// The figures a step's metrics are computed from.
+struct StepRate {
+    tokens_per_step: f64,
+    flops_per_token: f64,
+    peak_tflops: f64,
+    devices: usize,
+}
+
+impl StepRate {
+    fn metrics<B: Backend>(
+        &self,
+        be: &B,
+        step: u64,
+        (loss, grad_norm, lr): (f64, f64, f64),
+        (step_time, data_time): (f64, f64),
+        moe: Option<&MoeStepStats>,
+    ) -> StepMetrics {
+        let tokens_per_s = self.tokens_per_step / step_time;
+        let tflops = tokens_per_s * self.flops_per_token / 1e12;
+        StepMetrics {
+            step,
+            loss,
+            grad_norm,
+            lr,
+            tokens_per_s,
+            tokens_per_s_per_device: tokens_per_s / self.devices as f64,
+            tflops,
+            mfu: 100.0 * tflops / self.peak_tflops,
+            step_time_s: step_time,
+            data_time_pct: 100.0 * data_time / step_time,
+            peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
+            moe_expert_load: moe.map(|m| ExpertLoad::of(&m.load)),
+            moe_aux_loss: moe.and_then(|m| m.aux_loss),
+        }
+    }
+}
+
+/// The training state a checkpoint of `step` records beside the weights.
+fn train_state<B: Backend>(
+    cfg: &Config,
+    args: &ModelArgs,
+    step: u64,
+    loader: &DataLoader,
+    layout: &RankLayout<B>,
+) -> TrainState {
+    TrainState {
+        format_version: checkpoint::FORMAT_VERSION,
+        step,
+        model_args: args.clone(),
+        seed: cfg.training.seed,
+        data: loader.state(),
+        tokenizer_path: cfg.model.tokenizer_path.clone(),
+        sharding: None,
+        files: Default::default(),
+        expert_bias: layout.model.expert_bias(),
+    }
+}
+
+/// Where a stopped run can restart from, for its error.
+fn kept_checkpoint(cfg: &Config, last_good: Option<u64>) -> String {
+    match last_good {
+        Some(s) => format!(
+            "the last good checkpoint is {}",
+            checkpoint::step_dir(&cfg.checkpoint_folder(), s).display()
+        ),
+        None => "no checkpoint was written".into(),
+    }
+}
+
+/// The progress bar of steps `start..=steps` (hidden for quiet ranks and finished runs).
+fn progress_bar(hidden: bool, start: u64, steps: u64) -> ProgressBar {
+    let bar = match hidden {
+        true => ProgressBar::hidden(),
+        false => ProgressBar::new(steps),
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    bar
 }
 
 /// Fault drills: `TITAN_CRASH_AT=RANK:STEP` makes that rank die abruptly (abort, no cleanup) when it

@@ -13,7 +13,6 @@ use super::schedule::{generate, Schedule, ScheduleKind};
 use super::stage::StageSplit;
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
-use crate::config::Config;
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::{LocalShapes, ModelArgs};
 use crate::parallel::walk::{PipelineParts, Walk};
@@ -57,24 +56,33 @@ pub fn holder(schedule: &Schedule, split: &StageSplit, tied: bool, name: &str) -
         .unwrap_or(0)
 }
 
+/// The pipeline keys of `[parallelism]` (TorchTitan's names), and the local batch it cuts.
+pub struct PipelineOptions<'a> {
+    pub pipeline_parallel_schedule: &'a str,
+    pub pipeline_parallel_schedule_csv: &'a str,
+    pub pipeline_parallel_microbatch_size: usize,
+    pub pipeline_parallel_layers_per_stage: i64,
+    pub pipeline_parallel_split_points: &'a [String],
+    pub local_batch_size: usize,
+}
+
 impl PipelinePlan {
-    /// The pipeline `[parallelism]` asks for over `group` (the `pp` ranks), checked: what titan's
-    /// pipeline does not combine with yet is refused here, saying so.
-    pub fn from_config(
-        cfg: &Config,
+    /// The pipeline `p` asks for over `group` (the `pp` ranks), checked: what titan's pipeline
+    /// does not combine with yet is refused here, saying so.
+    pub fn new(
+        p: &PipelineOptions<'_>,
         args: &ModelArgs,
         group: Arc<dyn ProcessGroup>,
     ) -> Result<Self> {
-        let p = &cfg.parallelism;
         let pp = group.size();
-        let rows = cfg.training.local_batch_size;
+        let rows = p.local_batch_size;
         let microbatch_rows = p.pipeline_parallel_microbatch_size;
         let microbatches = rows / microbatch_rows;
         let n_layers = args.n_layers;
         let fixed_split = if !p.pipeline_parallel_split_points.is_empty() {
             Some(StageSplit::at_split_points(
                 n_layers,
-                &p.pipeline_parallel_split_points,
+                p.pipeline_parallel_split_points,
             )?)
         } else if p.pipeline_parallel_layers_per_stage > 0 {
             Some(StageSplit::layers_per_stage(
@@ -91,7 +99,7 @@ impl PipelinePlan {
             Ok(stages / pp)
         };
         let schedule = if !p.pipeline_parallel_schedule_csv.is_empty() {
-            let path = &p.pipeline_parallel_schedule_csv;
+            let path = p.pipeline_parallel_schedule_csv;
             let text = std::fs::read_to_string(path).with_context(|| {
                 format!("[parallelism] pipeline_parallel_schedule_csv: cannot read {path}")
             })?;
@@ -104,7 +112,7 @@ impl PipelinePlan {
             }
             s
         } else {
-            let kind = ScheduleKind::parse(&p.pipeline_parallel_schedule)?;
+            let kind = ScheduleKind::parse(p.pipeline_parallel_schedule)?;
             let asked = fixed_split
                 .as_ref()
                 .map(|s| per_rank(s.len()))

@@ -1,0 +1,133 @@
+//! The start banner of a run: what it trains (parameters, FLOPs per token, backend, the MFU
+//! reference), its memory estimate and data, the pipeline's schedule, and each rank's place in
+//! the layout.
+
+use super::memory::{gib, MemoryEstimate};
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::launch::Distributed;
+use crate::model::context_parallel::SequenceShard;
+use crate::model::{LocalShapes, ModelArgs};
+use crate::parallel::plan::RankLayout;
+
+/// What the banner reports.
+pub struct Banner<'a, B: Backend> {
+    pub be: &'a B,
+    pub cfg: &'a Config,
+    pub args: &'a ModelArgs,
+    pub local: &'a LocalShapes,
+    pub estimate: &'a MemoryEstimate,
+    pub dist: Option<&'a Distributed>,
+    pub layout: &'a RankLayout<B>,
+    pub data: String,
+    pub global_batch: usize,
+    pub accum: usize,
+    pub flops_per_token: f64,
+    pub peak_tflops: f64,
+    pub collectives_on_device: bool,
+}
+
+impl<B: Backend> Banner<'_, B> {
+    /// The lines rank 0 prints: the model and the memory.
+    pub fn lines(&self) -> Vec<String> {
+        let (cfg, args, est) = (self.cfg, self.args, self.estimate);
+        let threads = rayon::current_num_threads();
+        let seq = cfg.training.seq_len;
+        let dp_size = self.dist.map_or(1, |d| d.dp.size());
+        let active = match args.moe.is_some() {
+            true => format!(", {:.2}M active", args.active_params() as f64 / 1e6),
+            false => String::new(),
+        };
+        let reference = match (cfg.metrics.peak_tflops > 0.0, self.be.name()) {
+            (true, _) => " ([metrics] peak_tflops)",
+            (false, "cpu") => " (measured fp32 FMA peak)",
+            (false, _) => " (datasheet)",
+        };
+        let copies = match est.activation_copies > 0 {
+            true => format!(" + bf16 copies {:.3} GiB", gib(est.activation_copies)),
+            false => String::new(),
+        };
+        let mut lines = vec![
+            format!(
+                "titan | model {} {} | {:.2}M parameters ({:.2}M non-embedding{active}) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {:.3} TFLOP/s{reference}",
+                cfg.model.name,
+                cfg.model.flavor,
+                args.num_params() as f64 / 1e6,
+                (args.num_params() - args.embedding_params()) as f64 / 1e6,
+                self.flops_per_token / 1e6,
+                self.be.name(),
+                self.peak_tflops,
+            ),
+            format!(
+                "memory{}: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{copies}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {} micro-batch(es)/step",
+                if self.dist.is_some() { " per rank" } else { "" },
+                gib(est.params),
+                gib(est.grads),
+                gib(est.optimizer),
+                gib(est.activations),
+                gib(est.scratch),
+                self.data,
+                self.global_batch,
+                self.accum,
+            ),
+        ];
+        if let Some(p) = &self.layout.pipeline {
+            lines.push(p.describe());
+        }
+        lines
+    }
+
+    /// The line every rank prints of its own share (the estimate is per rank): DDP replicates
+    /// everything, FSDP keeps 1/dp_shard of it plus the tensors gathered while it computes; TP
+    /// keeps 1/tp of the split weights. None in one process.
+    pub fn rank_line(&self) -> Option<String> {
+        let d = self.dist?;
+        let (local, est) = (self.local, self.estimate);
+        let fsdp_mode = d.shard.is_some();
+        let mut how = match (fsdp_mode, d.replicate.is_some(), d.dp.size() > 1) {
+            (true, true, _) => "sharded, HSDP",
+            (true, false, _) => "sharded, FSDP",
+            (false, _, true) => "replicated, DDP",
+            (false, _, false) => "no data parallel",
+        }
+        .to_string();
+        if local.tp > 1 {
+            how = format!(
+                "{how}, tensor parallel {} (rank {} of its group)",
+                local.tp, local.tp_rank
+            );
+        }
+        if local.cp > 1 {
+            let seq = self.cfg.training.seq_len;
+            let chunks = SequenceShard {
+                degree: local.cp,
+                rank: local.cp_rank,
+            }
+            .chunks(seq);
+            how = format!(
+                "{how}, context parallel {} ({}, positions {chunks:?} of {seq})",
+                local.cp, self.cfg.parallelism.context_parallel_rotate_method
+            );
+        }
+        if let Some(p) = &self.layout.pipeline {
+            how = format!(
+                "{how}, pipeline stages {:?} of {}",
+                p.schedule.stages_of(p.group().rank()),
+                p.schedule.stages()
+            );
+        }
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let path = match self.collectives_on_device {
+            true => ", collectives through NCCL",
+            false => "",
+        };
+        Some(format!(
+            "rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how}{path})",
+            d.rank,
+            d.world,
+            mib(est.params),
+            mib(est.grads),
+            mib(est.optimizer)
+        ))
+    }
+}

@@ -1,0 +1,140 @@
+//! Whether a rank's layout fits its memory, decided before anything is allocated: the estimate
+//! for an activation-checkpointing plan (`estimate_rank`), the check against the device's or the
+//! host's free memory, and, when it does not fit, the checkpointing mode that would make it fit
+//! (`check_or_suggest`).
+
+use anyhow::{bail, Result};
+
+use super::memory::{check_fits, gib, MemoryEstimate};
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::memory_timeline;
+use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
+use crate::model::llama::workspace_floats;
+use crate::model::{LocalShapes, ModelArgs, ParamDtype};
+use crate::parallel::cp::RotateMethod;
+use crate::parallel::fsdp::ReshardPolicy;
+use crate::parallel::pipeline::plan::PipelinePlan;
+
+/// What a rank's memory estimate depends on.
+pub struct RankSizing<'a, B: Backend> {
+    pub be: &'a B,
+    pub cfg: &'a Config,
+    pub args: &'a ModelArgs,
+    pub local: &'a LocalShapes,
+    pub batch: usize,
+    pub seq: usize,
+    pub pipeline: Option<&'a PipelinePlan>,
+    pub rotate: RotateMethod,
+    pub param_dtype: ParamDtype,
+    /// FSDP's shard degree (`dp_shard × cp`), None without FSDP.
+    pub fsdp_shard: Option<usize>,
+    pub reshard: ReshardPolicy,
+    /// Ranks (this one included) sharing the memory compared with.
+    pub ranks_sharing_memory: usize,
+    pub rank: usize,
+}
+
+impl<B: Backend> RankSizing<'_, B> {
+    /// The estimate per rank when the blocks keep what `plan` says.
+    pub fn estimate(&self, plan: &ActivationPlan) -> MemoryEstimate {
+        let (args, local, batch, seq) = (self.args, self.local, self.batch, self.seq);
+        let mut e = MemoryEstimate::new(args, local, batch, seq, plan)
+            .with_backend_scratch(self.be, local, batch, seq, plan);
+        // Attention runs one pipeline microbatch at a time.
+        let rows = self.pipeline.map_or(batch, |p| p.microbatch_rows);
+        e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
+        if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {
+            e = e.with_compute_copy(self.be);
+        }
+        e = match (self.pipeline, self.fsdp_shard) {
+            (Some(p), shard) => e.pipelined(
+                p.held_fraction(args, local),
+                shard,
+                p.workspaces(),
+                workspace_floats(local, p.microbatch_rows, seq, &p.plan(plan)) as u64 * 4,
+            ),
+            (None, Some(shard)) => e.sharded(
+                args,
+                local,
+                shard,
+                self.reshard.blocks_gathered(args.n_layers),
+                crate::parallel::fsdp::REDUCE_SCATTER_BLOCKS,
+            ),
+            (None, None) => e,
+        };
+        if let Some(p) = self.pipeline {
+            e.activations += p.deferred_bytes(local, seq);
+        }
+        // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
+        // its own, keeping no activations past each block (`train::validate`).
+        let (vb, vs) = self.cfg.validation_shape();
+        if self.cfg.validation.enabled && ((vb, vs) != (batch, seq) || self.pipeline.is_some()) {
+            let forward_only = AcMode::Full.plan(args.n_layers);
+            e.activations += workspace_floats(local, vb, vs, &forward_only) as u64 * 4;
+        }
+        e
+    }
+
+    /// The estimate of mode `ac`, checked against the free memory; when it does not fit, an
+    /// error that names the checkpointing mode that would (per-op first: it recomputes least).
+    pub fn check_or_suggest(&self, ac: AcMode) -> Result<MemoryEstimate> {
+        let estimate = self.estimate(&ac.plan(self.args.n_layers));
+        let what = format!(
+            "model flavor {} at local_batch_size {} × seq_len {} (activation checkpointing: {})",
+            self.cfg.model.flavor,
+            self.batch,
+            self.seq,
+            ac.describe()
+        );
+        let free = self.be.device_free_memory();
+        let fits = |e: &MemoryEstimate| check_fits(e, &what, free, self.ranks_sharing_memory);
+        let Err(too_big) = fits(&estimate) else {
+            return Ok(estimate);
+        };
+        snapshot_refused(self.cfg, self.rank, &estimate, self.fsdp_shard.is_some());
+        let suggestion = [
+            (
+                AcMode::Op,
+                "mode = \"selective\", selective_ac_option = \"op\"",
+            ),
+            (AcMode::Full, "mode = \"full\""),
+        ]
+        .into_iter()
+        .filter(|(mode, _)| *mode != ac && *mode != AcMode::None)
+        .map(|(mode, keys)| (self.estimate(&mode.plan(self.args.n_layers)), keys))
+        .find(|(e, _)| e.total() < estimate.total() && fits(e).is_ok());
+        match suggestion {
+            Some((smaller, keys)) => bail!(
+                "{too_big:#}\n[activation_checkpoint] {keys} would make it fit (about {:.1} GiB{})",
+                gib(smaller.total()),
+                if self.ranks_sharing_memory > 1 {
+                    " per rank"
+                } else {
+                    ""
+                }
+            ),
+            None => Err(too_big),
+        }
+    }
+}
+
+/// With `[profiling] enable_memory_snapshot`: the categories of a refused estimate, at its peak,
+/// in `{snapshot folder}/refused/rank{r}_memory.{json,svg}` (a warning if it cannot be written).
+fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharded: bool) {
+    if !cfg.profiling.enable_memory_snapshot {
+        return;
+    }
+    for (category, bytes) in estimate.by_category(sharded, true) {
+        memory_timeline::set(category, bytes);
+    }
+    let dir = cfg
+        .dump_folder()
+        .join(&cfg.profiling.save_memory_snapshot_folder)
+        .join("refused");
+    let sample = memory_timeline::now("estimate of the refused run");
+    if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, vec![sample])
+    {
+        eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+    }
+}
