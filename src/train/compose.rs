@@ -4,8 +4,7 @@
 //! memory estimate that refused the layout if it could not fit. `titan train` and
 //! `titan bench train` both build their ranks here, so a benchmark measures the layout training runs.
 //!
-//! Also where a process learns its place: its thread count (`init_rank_threads`) and, per device,
-//! its distribution with the collectives its device can run (`RankPlace`).
+//! Also where a process learns its place: per device, its distribution with the collectives its device can run (`RankPlace`).
 
 use anyhow::{bail, Result};
 
@@ -14,6 +13,7 @@ use super::fit::RankSizing;
 use super::memory::MemoryEstimate;
 use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartState};
+pub use super::threads::init_rank_threads;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::config::Config;
@@ -28,25 +28,6 @@ use crate::parallel::parallelize::{
 };
 use crate::parallel::pipeline::plan::{PipelineOptions, PipelinePlan};
 use crate::parallel::plan::{ParamState, RankLayout, WholeParams};
-
-/// Sizes rayon's global pool once per process for a job's rank: `[training] threads`, where 0
-/// shares the host's cores out among its ranks (each taking every core would oversubscribe them
-/// `--nproc` times over), unless RAYON_NUM_THREADS says otherwise.
-pub fn init_rank_threads(cfg: &Config) -> Result<()> {
-    let rayon_env = std::env::var_os("RAYON_NUM_THREADS").is_some();
-    let threads = match (
-        cfg.training.threads,
-        crate::launch::env::WorkerEnv::detect()?,
-    ) {
-        (0, Some(env)) if env.local_world_size > 1 && !rayon_env => {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / env.local_world_size).max(1)
-        }
-        (n, _) => n,
-    };
-    super::trainer::init_threads(threads);
-    Ok(())
-}
 
 /// This process's place in the job and what its device can do.
 pub struct RankPlace<B: Backend> {

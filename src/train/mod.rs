@@ -13,6 +13,7 @@ pub mod save;
 pub mod start;
 pub mod step;
 pub mod tensorboard;
+pub mod threads;
 pub mod trainer;
 pub mod validate;
 

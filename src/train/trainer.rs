@@ -8,13 +8,15 @@ use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::banner::Banner;
-use super::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
+use super::compose::{compose_rank, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
 use super::memory::peak_memory;
 use super::metrics::{default_peak_tflops, ExpertLoad, MetricsLogger, StepMetrics};
 use super::profiler::StepProfiler;
 use super::save::save_checkpoint;
 use super::step::train_step;
+use super::threads::init_rank_threads;
+pub use super::threads::init_threads;
 use super::validate::Validator;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
@@ -75,15 +77,6 @@ pub fn cuda_backend(cfg: &Config, local_rank: usize) -> Result<CudaBackend> {
     // More local ranks than visible GPUs: either the launcher gave each rank its own GPU through
     // CUDA_VISIBLE_DEVICES, or ranks share GPUs (collectives::for_cuda finds out and says so).
     CudaBackend::new(local_rank % gpus, precision)
-}
-
-/// Sizes rayon's global pool once per process (`threads = 0` keeps rayon's default: every core).
-pub fn init_threads(threads: usize) {
-    if threads > 0 {
-        let _ = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build_global();
-    }
 }
 
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use super::rank::PipelineRank;
+use super::rank::{holder, holds, PipelineRank};
 use super::schedule::{generate, Schedule, ScheduleKind};
 use super::stage::StageSplit;
 use crate::backend::Backend;
@@ -26,34 +26,6 @@ pub struct PipelinePlan {
     workspaces: usize,
     /// The output projection is the embedding (1B/3B): the first and last stages both hold it.
     pub tied: bool,
-}
-
-/// Whether pipeline rank `r` of `schedule` over `split` holds the parameter `name`
-/// (`tok_embeddings.*`: the first stage, and the last too when the output is tied to it;
-/// `layers.N.*`: block N's stage; `norm.*`, `output.*`: the last stage).
-pub fn holds(schedule: &Schedule, split: &StageSplit, tied: bool, r: usize, name: &str) -> bool {
-    let mine = schedule.stages_of(r);
-    let stages = &split.stages;
-    if let Some(rest) = name.strip_prefix("layers.") {
-        let block: usize = rest
-            .split('.')
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(usize::MAX);
-        return mine.iter().any(|&s| stages[s].blocks.contains(&block));
-    }
-    let head = mine.iter().any(|&s| stages[s].head);
-    if name.starts_with("tok_embeddings") {
-        return mine.iter().any(|&s| stages[s].embedding) || (tied && head);
-    }
-    head
-}
-
-/// The first pipeline rank holding parameter `name`: the part of a checkpoint that records it.
-pub fn holder(schedule: &Schedule, split: &StageSplit, tied: bool, name: &str) -> usize {
-    (0..schedule.ranks())
-        .find(|&r| holds(schedule, split, tied, r, name))
-        .unwrap_or(0)
 }
 
 /// The pipeline keys of `[parallelism]` (TorchTitan's names), and the local batch it cuts.

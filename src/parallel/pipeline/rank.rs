@@ -12,6 +12,34 @@ use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::model::{Llama, ParamSet};
 
+/// Whether pipeline rank `r` of `schedule` over `split` holds the parameter `name`
+/// (`tok_embeddings.*`: the first stage, and the last too when the output is tied to it;
+/// `layers.N.*`: block N's stage; `norm.*`, `output.*`: the last stage).
+pub fn holds(schedule: &Schedule, split: &StageSplit, tied: bool, r: usize, name: &str) -> bool {
+    let mine = schedule.stages_of(r);
+    let stages = &split.stages;
+    if let Some(rest) = name.strip_prefix("layers.") {
+        let block: usize = rest
+            .split('.')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(usize::MAX);
+        return mine.iter().any(|&s| stages[s].blocks.contains(&block));
+    }
+    let head = mine.iter().any(|&s| stages[s].head);
+    if name.starts_with("tok_embeddings") {
+        return mine.iter().any(|&s| stages[s].embedding) || (tied && head);
+    }
+    head
+}
+
+/// The first pipeline rank holding parameter `name`: the part of a checkpoint that records it.
+pub fn holder(schedule: &Schedule, split: &StageSplit, tied: bool, name: &str) -> usize {
+    (0..schedule.ranks())
+        .find(|&r| holds(schedule, split, tied, r, name))
+        .unwrap_or(0)
+}
+
 /// A pipeline rank: its stages and schedule (the walk runs a copy of the schedule with the
 /// workspaces, `Walk::pipelined`).
 pub struct PipelineRank {
@@ -51,7 +79,7 @@ impl PipelineRank {
 
     /// Whether this rank's stages hold the parameter `name` (`plan::holds`).
     pub fn holds(&self, name: &str) -> bool {
-        super::plan::holds(
+        holds(
             &self.schedule,
             &self.split,
             self.tied,
@@ -115,12 +143,12 @@ impl PipelineRank {
 
     /// Whether pipeline rank `r` holds parameter `name`.
     pub fn holds_on(&self, r: usize, name: &str) -> bool {
-        super::plan::holds(&self.schedule, &self.split, self.tied, r, name)
+        holds(&self.schedule, &self.split, self.tied, r, name)
     }
 
     /// The pipeline rank holding parameter `name` (a checkpoint's part for it).
     pub fn holder(&self, name: &str) -> usize {
-        super::plan::holder(&self.schedule, &self.split, self.tied, name)
+        holder(&self.schedule, &self.split, self.tied, name)
     }
 
     /// Workspaces this rank keeps (one per microbatch held at once).
