@@ -257,23 +257,19 @@ impl<B: Backend> Walk<B> {
         } = self;
         let list = ActionList {
             schedule,
+            split,
+            group: group.as_deref(),
+            timeout: *timeout,
             last_of_microbatch,
             microbatch_rows: *microbatch_rows,
             seq: *seq,
         };
-        let (sum, waited) = run_list(
-            be,
-            model,
-            hooks,
-            split,
-            group.as_deref(),
-            *timeout,
-            &list,
-            slots,
+        let pass = Pass {
             tokens,
-            pass,
+            kind: pass,
             complete,
-        )?;
+        };
+        let (sum, waited) = run_list(be, model, hooks, &list, slots, pass)?;
         self.ran_s += started.elapsed().as_secs_f64();
         self.waited_s += waited;
         Ok(sum.sum)
@@ -298,23 +294,19 @@ impl<B: Backend> Walk<B> {
         };
         let list = ActionList {
             schedule: &forwards,
+            split: &self.split,
+            group: self.group.as_deref(),
+            timeout: self.timeout,
             last_of_microbatch: &last_of_microbatch,
             microbatch_rows: ws.batch,
             seq: ws.seq * model.local.cp,
         };
-        let (sum, _) = run_list(
-            be,
-            model,
-            hooks,
-            &self.split,
-            self.group.as_deref(),
-            self.timeout,
-            &list,
-            std::slice::from_mut(ws),
+        let pass = Pass {
             tokens,
-            PassKind::LossOnly,
-            &|_| Ok(()),
-        )?;
+            kind: PassKind::LossOnly,
+            complete: &|_| Ok(()),
+        };
+        let (sum, _) = run_list(be, model, hooks, &list, std::slice::from_mut(ws), pass)?;
         Ok((sum.sum, sum.count as u64))
     }
 
@@ -364,30 +356,37 @@ pub fn blocks_of(schedule: &Schedule, split: &StageSplit, r: usize) -> Vec<usize
         .collect()
 }
 
-/// A rank's actions over one local batch, and how the batch is cut into microbatches.
+/// A rank's actions over one local batch, how the batch is cut into microbatches, the stages
+/// and the pipeline group its transfers cross (None: one stage alone).
 struct ActionList<'a> {
     schedule: &'a Schedule,
+    split: &'a StageSplit,
+    group: Option<&'a dyn ProcessGroup>,
+    timeout: Duration,
     last_of_microbatch: &'a [bool],
     microbatch_rows: usize,
     seq: usize,
 }
 
+/// One pass over a local batch: its tokens, what it computes, and how the working gradients are
+/// completed before a state hands them on (`ParamHooks::end_pass`).
+struct Pass<'a, B: Backend> {
+    tokens: &'a [u32],
+    kind: PassKind,
+    complete: &'a dyn Fn(&mut ParamSet<B>) -> Result<()>,
+}
+
 /// Runs this rank's actions of `list` over `tokens` with the workspaces `slots`: the loss (sum
 /// and count) and the seconds spent waiting for other ranks.
-#[allow(clippy::too_many_arguments)]
 fn run_list<B: Backend>(
     be: &B,
     model: &Llama<B>,
     hooks: &mut dyn ParamHooks<B>,
-    split: &StageSplit,
-    group: Option<&dyn ProcessGroup>,
-    timeout: Duration,
     list: &ActionList<'_>,
     slots: &mut [Workspace<B>],
-    tokens: &[u32],
-    pass: PassKind,
-    complete: &dyn Fn(&mut ParamSet<B>) -> Result<()>,
+    pass: Pass<'_, B>,
 ) -> Result<(LossSum, f64)> {
+    let (tokens, group, timeout) = (pass.tokens, list.group, list.timeout);
     let row = list.seq + 1;
     let rows = tokens.len() / row.max(1);
     let microbatches = list.schedule.microbatches;
@@ -399,15 +398,15 @@ fn run_list<B: Backend>(
         );
     }
     let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();
-    hooks.begin_pass(be, pass, &blocks)?;
+    hooks.begin_pass(be, pass.kind, &blocks)?;
     let me = group.map_or(0, |g| g.rank());
     let run = StageRun {
         be,
         model,
-        split,
+        split: list.split,
         placement: &list.schedule.placement,
         me,
-        pass,
+        pass: pass.kind,
     };
     let mut waited = 0.0;
     let loss = match group {
@@ -433,7 +432,7 @@ fn run_list<B: Backend>(
             })?
         }
     };
-    hooks.end_pass(be, complete)?;
+    hooks.end_pass(be, pass.complete)?;
     Ok((loss, waited))
 }
 
@@ -481,7 +480,7 @@ fn run_actions<B: Backend>(
             Work::Backward | Work::BackwardInput => {
                 // Zero-bubble: the projections' weight gradients wait for the `W`.
                 let later = (a.work == Work::BackwardInput).then(|| RefCell::new(Vec::new()));
-                run.backward_stage(hooks, ws, s, mb, later.as_ref(), take, send)?;
+                run.backward_stage(hooks, ws, a, later.as_ref(), take, send)?;
                 if let Some(later) = later {
                     deferred.insert((s, mb), later.into_inner());
                 }
@@ -562,21 +561,20 @@ impl<B: Backend> StageRun<'_, B> {
         Ok(None)
     }
 
-    /// The backward of stage `s` for microbatch `mb`, from the gradient of its output (left by
+    /// The backward of action `a`'s stage `s` for its microbatch `mb`, from the gradient of its output (left by
     /// the head, by the next stage here, or received) to its input's, sent on or into the
     /// embedding. With `later`, the projections' weight gradients are left there.
-    #[allow(clippy::too_many_arguments)]
     fn backward_stage(
         &self,
         hooks: &mut dyn ParamHooks<B>,
         ws: &mut Workspace<B>,
-        s: usize,
-        mb: usize,
+        a: &Action,
         later: Option<&RefCell<Vec<DeferredWeightGrad<B>>>>,
         take: &mut Take<'_>,
         send: &Send<'_>,
     ) -> Result<()> {
         let (be, model) = (self.be, self.model);
+        let (s, mb) = (a.stage, a.microbatch);
         let stage = &self.split.stages[s];
         if !stage.head && self.placement[s + 1] != self.me {
             let t = Transfer::Gradient {
@@ -677,24 +675,19 @@ impl<B: Backend> Llama<B> {
         };
         let list = ActionList {
             schedule: &schedule,
+            split: &split,
+            group: None,
+            timeout: Duration::MAX,
             last_of_microbatch: &[],
             microbatch_rows: ws.batch,
             seq: ws.seq * self.local.cp,
         };
-        let slots = std::slice::from_mut(ws);
-        let (loss, _) = run_list(
-            be,
-            self,
-            hooks,
-            &split,
-            None,
-            Duration::MAX,
-            &list,
-            slots,
+        let pass = Pass {
             tokens,
-            pass,
-            &|_| Ok(()),
-        )?;
+            kind: pass,
+            complete: &|_| Ok(()),
+        };
+        let (loss, _) = run_list(be, self, hooks, &list, std::slice::from_mut(ws), pass)?;
         Ok(loss)
     }
 }
