@@ -2,6 +2,8 @@
 //! to ∂L/∂(block input) with every weight gradient, whole or split into its input-gradient and
 //! weight-gradient halves (zero-bubble pipeline schedules).
 
+use std::cell::RefCell;
+
 use anyhow::Result;
 
 use super::block::BlockLinears;
@@ -10,7 +12,7 @@ use super::Llama;
 use crate::backend::{AttnShape, Backend};
 use crate::model::moe;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
-use crate::model::params::{FeedForwardIds, ParamSet};
+use crate::model::params::{FeedForwardIds, LayerIds, ParamSet};
 use crate::model::Workspace;
 
 impl<B: Backend> Llama<B> {
@@ -37,7 +39,7 @@ impl<B: Backend> Llama<B> {
         grads: &mut ParamSet<B>,
         ws: &mut Workspace<B>,
         l: usize,
-        deferred: &std::cell::RefCell<Vec<DeferredWeightGrad<B>>>,
+        deferred: &RefCell<Vec<DeferredWeightGrad<B>>>,
     ) -> Result<()> {
         let _span = crate::trace::span_named("model", || format!("block {l} input gradient"));
         self.block_backward_deferring(be, params, grads, ws, l, Some(deferred))
@@ -56,6 +58,8 @@ impl<B: Backend> Llama<B> {
         }
     }
 
+    /// The block's backward: the feed-forward half, then attention's, each the mirror of the
+    /// forward's (`block::run_block`), after recomputing what the forward did not keep.
     fn block_backward_deferring(
         &self,
         be: &B,
@@ -63,28 +67,169 @@ impl<B: Backend> Llama<B> {
         grads: &mut ParamSet<B>,
         ws: &mut Workspace<B>,
         l: usize,
-        deferred: Option<&std::cell::RefCell<Vec<DeferredWeightGrad<B>>>>,
+        deferred: Option<&RefCell<Vec<DeferredWeightGrad<B>>>>,
     ) -> Result<()> {
-        let (a, m) = (&self.args, &self.local);
-        let id = &self.ids.layers[l];
-        let p = &params.bufs;
-        let (b, s, d, hd) = (ws.batch, ws.seq, a.dim, m.head_dim);
-        let sp = SequenceParallel {
-            deferred,
-            ..self.sequence_parallel(b * s)
-        };
-        let BlockLinears {
-            wq,
-            wk,
-            wv,
-            wo,
-            w1,
-            w2,
-            w3,
-        } = BlockLinears::of(m);
         self.recompute(be, params, ws, l)?;
-        let save = ws.plan.blocks[l];
-        let acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, save);
+        let Workspace {
+            batch,
+            seq,
+            rope,
+            resid,
+            layers,
+            recomputed,
+            plan,
+            dx,
+            dnormed,
+            full,
+            dq,
+            dk,
+            dv,
+            dq_raw,
+            dk_raw,
+            dattn,
+            dgate,
+            dup,
+            dact,
+            moe,
+            ..
+        } = ws;
+        let run = BackwardRun {
+            be,
+            p: &params.bufs,
+            id: &self.ids.layers[l],
+            sp: SequenceParallel {
+                deferred,
+                ..self.sequence_parallel(*batch * *seq)
+            },
+            batch: *batch,
+            seq: *seq,
+        };
+        let mut acts = BlockActs::pick(&mut layers[l], recomputed, plan.blocks[l]);
+        let ffn = FeedForwardGrads {
+            dx,
+            dnormed,
+            full,
+            dgate,
+            dup,
+            dact,
+        };
+        let moe_acts = moe[l].take();
+        self.feed_forward_backward(&run, &mut acts, ffn, grads, moe_acts, l)?;
+        let attn = AttentionGrads {
+            dx,
+            dnormed,
+            full,
+            dq,
+            dk,
+            dv,
+            dq_raw,
+            dk_raw,
+            dattn,
+        };
+        let rope = self.rope_tables(rope);
+        self.attention_backward(&run, &mut acts, attn, grads, &resid[l], rope)
+    }
+
+    /// ∂L/∂h from ∂L/∂out (`grads.dx` on entry and exit): the SwiGLU's row- then column-parallel
+    /// backward (dense, or the shared experts'), the routed experts', then the norm's.
+    fn feed_forward_backward(
+        &self,
+        run: &BackwardRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        g: FeedForwardGrads<'_, B>,
+        grads: &mut ParamSet<B>,
+        moe_acts: Option<moe::MoeActs<B>>,
+        l: usize,
+    ) -> Result<()> {
+        let (be, p, id) = (run.be, run.p, run.id);
+        let BlockLinears { w1, w2, w3, .. } = BlockLinears::of(&self.local);
+        // ∂L/∂n into dnormed: the SwiGLU's first, then the routed experts' added.
+        match id.ffn.swiglu() {
+            Some([i1, i2, i3]) => {
+                let [g_w1, g_w2, g_w3] = grads
+                    .bufs
+                    .get_disjoint_mut([i1, i2, i3])
+                    .expect("a block's parameters are distinct");
+                let (act, dact) = (&*acts.act, &mut *g.dact);
+                run.sp
+                    .row_backward(be, w2, g.dx, g.full, &p[i2], (g_w2, i2), act, dact)?;
+                be.swiglu_backward(g.dgate, g.dup, g.dact, acts.gate, acts.up);
+                run.sp.column_backward(
+                    be,
+                    &mut [
+                        ProjectionGrad::new(w1, g.dgate, &p[i1], g_w1, i1),
+                        ProjectionGrad::new(w3, g.dup, &p[i3], g_w3, i3),
+                    ],
+                    self.gathered(acts.normed_ffn, acts.normed_ffn_full),
+                    g.full,
+                    g.dnormed,
+                )?;
+            }
+            None => be.fill(g.dnormed, 0.0),
+        }
+        if let FeedForwardIds::Moe(experts) = &id.ffn {
+            let moe_acts = moe_acts.ok_or_else(|| {
+                anyhow::anyhow!("block {l}: no mixture-of-experts activations (a titan bug)")
+            })?;
+            let aux_scale = self.count_expert_stats(&moe_acts, l);
+            let shapes = self.moe_shapes()?;
+            moe::backward(
+                be,
+                &shapes,
+                experts,
+                p,
+                &mut grads.bufs,
+                &moe_acts,
+                acts.normed_ffn,
+                g.dx,
+                g.dnormed,
+                self.ep.as_ref(),
+                aux_scale,
+            )?;
+        }
+        let d = self.args.dim;
+        let w = &p[id.ffn_norm];
+        let dw = &mut grads.bufs[id.ffn_norm];
+        be.rmsnorm_backward(g.dx, dw, g.dnormed, acts.h, w, acts.rstd_ffn, d);
+        Ok(())
+    }
+
+    /// A mixture-of-experts block's step statistics from its routing (the backward counts each
+    /// trained microbatch once): the tokens per expert, and the auxiliary loss's share. Returns
+    /// the auxiliary loss's gradient scale (0 without one).
+    fn count_expert_stats(&self, moe_acts: &moe::MoeActs<B>, l: usize) -> f32 {
+        {
+            let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
+            for &e in &moe_acts.routing.experts {
+                load[l][e as usize] += 1;
+            }
+        }
+        match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
+            (Some(stats), Some(coef)) => {
+                let share = (self.local.tp * self.local.cp) as f64;
+                let value: f64 = stats.values.iter().map(|&v| v as f64).sum();
+                *self.aux_loss.lock().unwrap_or_else(|e| e.into_inner()) +=
+                    coef as f64 * value / self.sequences_per_step as f64 / share;
+                coef / self.sequences_per_step as f32
+            }
+            _ => 0.0,
+        }
+    }
+
+    /// ∂L/∂x from ∂L/∂h (`g.dx` on entry and exit): wo's row-parallel backward, attention's,
+    /// RoPE's and QK-norm's, the column-parallel q/k/v backward, then the norm's.
+    fn attention_backward(
+        &self,
+        run: &BackwardRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        g: AttentionGrads<'_, B>,
+        grads: &mut ParamSet<B>,
+        x: &B::Buf,
+        (cos, sin): (&B::Buf, &B::Buf),
+    ) -> Result<()> {
+        let (be, p, id, m) = (run.be, run.p, run.id, &self.local);
+        let (b, s, hd) = (run.batch, run.seq, m.head_dim);
+        let BlockLinears { wq, wk, wv, wo, .. } = BlockLinears::of(m);
         // QK-norm's weight gradients, out of the set while the block's others are borrowed.
         let mut qk_norm_grads = match (id.q_norm, id.k_norm) {
             (Some(qn), Some(kn)) => Some((
@@ -93,152 +238,89 @@ impl<B: Backend> Llama<B> {
             )),
             _ => None,
         };
-        // Feed-forward: ∂L/∂n into ws.dnormed, the SwiGLU's (dense, or the shared experts')
-        // first, then the routed experts' added.
-        match id.ffn.swiglu() {
-            Some([i1, i2, i3]) => {
-                let [g_w1, g_w2, g_w3] = grads
-                    .bufs
-                    .get_disjoint_mut([i1, i2, i3])
-                    .expect("a block's parameters are distinct");
-                sp.row_backward(
-                    be,
-                    w2,
-                    &ws.dx,
-                    &mut ws.full,
-                    &p[i2],
-                    (g_w2, i2),
-                    acts.act,
-                    &mut ws.dact,
-                )?;
-                be.swiglu_backward(&mut ws.dgate, &mut ws.dup, &ws.dact, acts.gate, acts.up);
-                sp.column_backward(
-                    be,
-                    &mut [
-                        ProjectionGrad::new(w1, &ws.dgate, &p[i1], g_w1, i1),
-                        ProjectionGrad::new(w3, &ws.dup, &p[i3], g_w3, i3),
-                    ],
-                    self.gathered(acts.normed_ffn, acts.normed_ffn_full),
-                    &mut ws.full,
-                    &mut ws.dnormed,
-                )?;
-            }
-            None => be.fill(&mut ws.dnormed, 0.0),
-        }
-        match &id.ffn {
-            FeedForwardIds::Dense { .. } => {}
-            FeedForwardIds::Moe(experts) => {
-                let moe_acts = ws.moe[l].take().ok_or_else(|| {
-                    anyhow::anyhow!("block {l}: no mixture-of-experts activations (a titan bug)")
-                })?;
-                {
-                    let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
-                    for &e in &moe_acts.routing.experts {
-                        load[l][e as usize] += 1;
-                    }
-                }
-                let aux_scale = match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
-                    (Some(stats), Some(coef)) => {
-                        let share = (self.local.tp * self.local.cp) as f64;
-                        let value: f64 = stats.values.iter().map(|&v| v as f64).sum();
-                        *self.aux_loss.lock().unwrap_or_else(|e| e.into_inner()) +=
-                            coef as f64 * value / self.sequences_per_step as f64 / share;
-                        coef / self.sequences_per_step as f32
-                    }
-                    _ => 0.0,
-                };
-                let shapes = self.moe_shapes()?;
-                moe::backward(
-                    be,
-                    &shapes,
-                    experts,
-                    p,
-                    &mut grads.bufs,
-                    &moe_acts,
-                    acts.normed_ffn,
-                    &ws.dx,
-                    &mut ws.dnormed,
-                    self.ep.as_ref(),
-                    aux_scale,
-                )?;
-            }
-        }
-        be.rmsnorm_backward(
-            &mut ws.dx,
-            &mut grads.bufs[id.ffn_norm],
-            &ws.dnormed,
-            acts.h,
-            &p[id.ffn_norm],
-            acts.rstd_ffn,
-            d,
-        );
         let [g_wq, g_wk, g_wv, g_wo, g_attn_norm] = grads
             .bufs
             .get_disjoint_mut([id.wq, id.wk, id.wv, id.wo, id.attention_norm])
             .expect("a block's parameters are distinct");
-        // Attention.
-        sp.row_backward(
+        let (attn_out, dattn) = (&*acts.attn_out, &mut *g.dattn);
+        run.sp.row_backward(
             be,
             wo,
-            &ws.dx,
-            &mut ws.full,
+            g.dx,
+            g.full,
             &p[id.wo],
             (g_wo, id.wo),
-            acts.attn_out,
-            &mut ws.dattn,
+            attn_out,
+            dattn,
         )?;
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-        self.cp.attention_backward(
-            be,
-            &mut ws.dq,
-            &mut ws.dk,
-            &mut ws.dv,
-            &ws.dattn,
-            acts.q,
-            acts.k,
-            acts.v,
-            acts.attn_out,
-            acts.lse,
-            shape,
-        )?;
-        let (cos, sin) = self.rope_tables(&ws.rope);
-        be.rope_backward(&mut ws.dq, cos, sin, b, s, m.heads, hd);
-        be.rope_backward(&mut ws.dk, cos, sin, b, s, m.kv_heads, hd);
+        let (q, k, v, lse) = (&*acts.q, &*acts.k, &*acts.v, &*acts.lse);
+        self.cp
+            .attention_backward(be, g.dq, g.dk, g.dv, g.dattn, q, k, v, attn_out, lse, shape)?;
+        be.rope_backward(g.dq, cos, sin, b, s, m.heads, hd);
+        be.rope_backward(g.dk, cos, sin, b, s, m.kv_heads, hd);
         if let Some(((qn, gq), (kn, gk))) = qk_norm_grads.as_mut() {
-            be.fill(&mut ws.dq_raw, 0.0);
-            be.fill(&mut ws.dk_raw, 0.0);
+            be.fill(g.dq_raw, 0.0);
+            be.fill(g.dk_raw, 0.0);
             let (q_raw, k_raw) = (&*acts.q_raw, &*acts.k_raw);
-            be.rmsnorm_backward(&mut ws.dq_raw, gq, &ws.dq, q_raw, &p[*qn], acts.rstd_q, hd);
-            be.rmsnorm_backward(&mut ws.dk_raw, gk, &ws.dk, k_raw, &p[*kn], acts.rstd_k, hd);
+            be.rmsnorm_backward(g.dq_raw, gq, g.dq, q_raw, &p[*qn], acts.rstd_q, hd);
+            be.rmsnorm_backward(g.dk_raw, gk, g.dk, k_raw, &p[*kn], acts.rstd_k, hd);
         }
         let (dq, dk) = match m.qk_norm {
-            true => (&ws.dq_raw, &ws.dk_raw),
-            false => (&ws.dq, &ws.dk),
+            true => (&*g.dq_raw, &*g.dk_raw),
+            false => (&*g.dq, &*g.dk),
         };
-        sp.column_backward(
+        run.sp.column_backward(
             be,
             &mut [
                 ProjectionGrad::new(wq, dq, &p[id.wq], g_wq, id.wq),
                 ProjectionGrad::new(wk, dk, &p[id.wk], g_wk, id.wk),
-                ProjectionGrad::new(wv, &ws.dv, &p[id.wv], g_wv, id.wv),
+                ProjectionGrad::new(wv, g.dv, &p[id.wv], g_wv, id.wv),
             ],
             self.gathered(acts.normed_attn, acts.normed_attn_full),
-            &mut ws.full,
-            &mut ws.dnormed,
+            g.full,
+            g.dnormed,
         )?;
-        be.rmsnorm_backward(
-            &mut ws.dx,
-            g_attn_norm,
-            &ws.dnormed,
-            &ws.resid[l],
-            &p[id.attention_norm],
-            acts.rstd_attn,
-            d,
-        );
+        let (w, d) = (&p[id.attention_norm], self.args.dim);
+        be.rmsnorm_backward(g.dx, g_attn_norm, g.dnormed, x, w, acts.rstd_attn, d);
         if let Some(((qn, gq), (kn, gk))) = qk_norm_grads {
             grads.bufs[qn] = gq;
             grads.bufs[kn] = gk;
         }
         Ok(())
     }
+}
+
+/// What every op of one block's backward reads.
+struct BackwardRun<'r, B: Backend> {
+    be: &'r B,
+    p: &'r [B::Buf],
+    id: &'r LayerIds,
+    sp: SequenceParallel<'r, B>,
+    batch: usize,
+    seq: usize,
+}
+
+/// The feed-forward backward's buffers: the carried gradient, the norm's input gradient, the
+/// tensor-parallel partial sums, SwiGLU's gradients.
+struct FeedForwardGrads<'w, B: Backend> {
+    dx: &'w mut B::Buf,
+    dnormed: &'w mut B::Buf,
+    full: &'w mut B::Buf,
+    dgate: &'w mut B::Buf,
+    dup: &'w mut B::Buf,
+    dact: &'w mut B::Buf,
+}
+
+/// Attention's backward buffers.
+struct AttentionGrads<'w, B: Backend> {
+    dx: &'w mut B::Buf,
+    dnormed: &'w mut B::Buf,
+    full: &'w mut B::Buf,
+    dq: &'w mut B::Buf,
+    dk: &'w mut B::Buf,
+    dv: &'w mut B::Buf,
+    dq_raw: &'w mut B::Buf,
+    dk_raw: &'w mut B::Buf,
+    dattn: &'w mut B::Buf,
 }
