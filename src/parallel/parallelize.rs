@@ -13,9 +13,9 @@ use anyhow::{bail, Result};
 
 use super::cp::{ContextParallelGroup, RotateMethod};
 use super::ep::ExpertParallelGroup;
+use super::layout::{LayoutParts, RankLayout};
 use super::param_state::ParamState;
 use super::pipeline::plan::PipelinePlan;
-use super::plan::{LayoutParts, RankLayout};
 use super::tp::TensorParallelGroup;
 use super::walk::Walk;
 use crate::backend::Backend;

@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::launch::Distributed;
 use crate::model::context_parallel::SequenceShard;
 use crate::model::{LocalShapes, ModelArgs};
-use crate::parallel::plan::RankLayout;
+use crate::parallel::layout::RankLayout;
 
 /// What the banner reports.
 pub struct Banner<'a, B: Backend> {

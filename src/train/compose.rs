@@ -22,12 +22,12 @@ use crate::memory_timeline;
 use crate::model::{LocalShapes, ModelArgs, ParamDtype, ParamSet};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, ReshardPolicy, ShardedParams};
+use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
 use crate::parallel::parallelize::{
     check_expert_degree, local_shapes, parallelize_layout, parallelize_model, MeshGroups,
     ModelQueues, ParallelOptions, WalkShape,
 };
 use crate::parallel::pipeline::plan::{PipelineOptions, PipelinePlan};
-use crate::parallel::plan::{ParamState, RankLayout, WholeParams};
 
 /// This process's place in the job and what its device can do.
 pub struct RankPlace<B: Backend> {

@@ -6,7 +6,7 @@ use anyhow::Result;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::memory_timeline;
-use crate::parallel::plan::RankLayout;
+use crate::parallel::layout::RankLayout;
 
 /// The profiling of one run's steps on one rank.
 pub struct StepProfiler<'a> {

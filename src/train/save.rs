@@ -18,7 +18,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{self, writer::AsyncWriter, TrainState};
 use crate::config::Config;
 use crate::launch::Distributed;
-use crate::parallel::plan::{ParamState, RankLayout};
+use crate::parallel::layout::{ParamState, RankLayout};
 
 /// Saves `state` with this rank's weights and moments (every rank of the job calls this
 /// together). Returns the folder written, on the rank that completed it.

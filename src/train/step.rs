@@ -7,7 +7,7 @@ use anyhow::Result;
 use super::optimizer::{clip_factor, AdamW};
 use crate::backend::Backend;
 use crate::memory_timeline;
-use crate::parallel::plan::RankLayout;
+use crate::parallel::layout::RankLayout;
 
 /// One step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
 /// normalised by the step's global number of targets, so micro-batches and data-parallel ranks

@@ -26,7 +26,7 @@ use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader};
 use crate::memory_timeline;
 use crate::model::ModelArgs;
-use crate::parallel::plan::{MoeStepStats, RankLayout};
+use crate::parallel::layout::{MoeStepStats, RankLayout};
 
 /// What a finished run reports (tests compare these).
 #[derive(Debug, Clone)]

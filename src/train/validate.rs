@@ -13,7 +13,7 @@ use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader, LoaderState};
 use crate::model::activation_checkpoint::AcMode;
 use crate::model::{LocalShapes, Workspace};
-use crate::parallel::plan::RankLayout;
+use crate::parallel::layout::RankLayout;
 
 pub struct Validator<B: Backend> {
     loader: DataLoader,

@@ -1,6 +1,6 @@
-//! A rank's layout, composed once from the mesh (TorchTitan's `parallelize`: tensor parallel, then
-//! data parallel), and the operations one training step needs of it whatever the layout: run the
-//! micro-batches' forward and backward, finish the gradients, take their global norm, update.
+//! A rank's layout, composed once from the mesh (`parallelize`), and the operations one training
+//! step needs of it whatever the layout: walk the micro-batches' forward and backward (`walk`),
+//! finish the gradients, take their global norm, update.
 //!
 //! - Tensor parallel lives in the model (`Llama::tensor_parallel`: its shapes and its group's
 //!   crossings); here only the gradients of the weights every TP rank holds whole (the norms,
