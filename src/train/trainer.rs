@@ -12,6 +12,7 @@ use super::compose::{compose_rank, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
 use super::memory::peak_memory;
 use super::metrics::{default_peak_tflops, ExpertLoad, MetricsLogger, StepMetrics};
+use super::optimizer::AdamW;
 use super::profiler::StepProfiler;
 use super::save::save_checkpoint;
 use super::step::train_step;
@@ -147,13 +148,7 @@ fn train_on<B: Backend>(
             println!("{s}");
         }
     };
-    let args = cfg.model_args()?;
-    let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
-    if tokenizer.vocab_size() > args.vocab_size {
-        bail!("tokenizer {} has {} tokens but the model's vocabulary holds {}: use a model with vocab_size >= {} (--model.vocab_size)", cfg.model.tokenizer_path, tokenizer.vocab_size(), args.vocab_size, tokenizer.vocab_size());
-    }
-    // The ranks of a tensor-parallel group read the same batches.
-    let mut loader = DataLoader::from_config(cfg, tokenizer, args.vocab_size, dp_rank, dp_size)?;
+    let mut loader = open_loader(cfg, dp_rank, dp_size)?;
     let mut rank_parts =
         compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
     let resume = Resume::of(&mut rank_parts, &mut loader, &say)?;
@@ -169,11 +164,12 @@ fn train_on<B: Backend>(
         ..
     } = rank_parts;
     let flops_per_token = args.flops_per_token(t.seq_len);
-    let peak_tflops = if cfg.metrics.peak_tflops > 0.0 {
-        cfg.metrics.peak_tflops
-    } else {
-        let threads = rayon::current_num_threads();
-        default_peak_tflops(be, threads) * dist.map_or(1, |d| d.world) as f64
+    let peak_tflops = match cfg.metrics.peak_tflops > 0.0 {
+        true => cfg.metrics.peak_tflops,
+        false => {
+            let one = default_peak_tflops(be, rayon::current_num_threads());
+            one * dist.map_or(1, |d| d.world) as f64
+        }
     };
     let banner = Banner {
         be,
@@ -208,8 +204,10 @@ fn train_on<B: Backend>(
     };
     let bar = reporter.bar.clone();
     let out = |line: String| emit(&bar, line);
-    let mut writer = checkpoint::writer::AsyncWriter::new();
-    let mut last_good = resume.last_good;
+    let mut saver = Saver {
+        writer: checkpoint::writer::AsyncWriter::new(),
+        last_good: resume.last_good,
+    };
     let mut losses = Vec::new();
     let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
     let profiler = StepProfiler {
@@ -233,16 +231,12 @@ fn train_on<B: Backend>(
         }
         let write_trace = profiler.begin(step, &mut layout)?;
         let t0 = Instant::now();
-        let data_span = crate::trace::span("data", "data loading");
-        let micro: Vec<Vec<u32>> = (0..accum)
-            .map(|_| loader.next_batch())
-            .collect::<Result<_>>()?;
-        drop(data_span);
+        let micro = next_batches(&mut loader, accum)?;
         let data_time = t0.elapsed().as_secs_f64();
         let lr = schedule.lr(step);
         let (loss, norm) = train_step(be, &mut layout, &mut opt, &micro, lr, step, t.max_norm)?;
         if !loss.is_finite() || !norm.is_finite() {
-            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, last_good));
+            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, saver.last_good));
         }
         let moe = layout.moe_step_stats()?;
         if let Some(m) = &moe {
@@ -260,16 +254,14 @@ fn train_on<B: Backend>(
         reporter.report(be, &mut layout, &m)?;
         if cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps) {
             let state = train_state(cfg, &args, step, &loader, &layout);
-            let _span = crate::trace::span("checkpoint", "checkpoint save");
-            let written = save_checkpoint(be, cfg, dist, &layout, &opt, &mut writer, state)?;
-            last_good = Some(step);
+            let written = saver.save(be, cfg, dist, (&layout, &opt), state)?;
             if let (Some(dir), false) = (written, quiet) {
                 out(format!("saved checkpoint {}", dir.display()));
             }
         }
         profiler.end(step, write_trace, &mut layout, &out)?;
     }
-    if let (Some(dir), false) = (writer.wait()?, quiet) {
+    if let (Some(dir), false) = (saver.writer.wait()?, quiet) {
         out(format!("saved checkpoint {}", dir.display()));
     }
     bar.finish_and_clear();
@@ -288,6 +280,46 @@ fn train_on<B: Backend>(
         final_step: t.steps.max(resume.start_step),
         resumed_from: resume.resumed_from,
     })
+}
+
+/// The data loader of this data-parallel rank (the ranks of a tensor-parallel group read the
+/// same batches), its tokenizer checked against the model's vocabulary.
+fn open_loader(cfg: &Config, dp_rank: usize, dp_size: usize) -> Result<DataLoader> {
+    let vocab = cfg.model_args()?.vocab_size;
+    let tokenizer = load_tokenizer(&cfg.model.tokenizer_path)?;
+    if tokenizer.vocab_size() > vocab {
+        bail!("tokenizer {} has {} tokens but the model's vocabulary holds {vocab}: use a model with vocab_size >= {} (--model.vocab_size)", cfg.model.tokenizer_path, tokenizer.vocab_size(), tokenizer.vocab_size());
+    }
+    DataLoader::from_config(cfg, tokenizer, vocab, dp_rank, dp_size)
+}
+
+/// A step's `accum` micro-batches.
+fn next_batches(loader: &mut DataLoader, accum: usize) -> Result<Vec<Vec<u32>>> {
+    let _span = crate::trace::span("data", "data loading");
+    (0..accum).map(|_| loader.next_batch()).collect()
+}
+
+/// Checkpoint saves (written by a thread with `async_mode`) and the latest known complete.
+struct Saver {
+    writer: checkpoint::writer::AsyncWriter,
+    last_good: Option<u64>,
+}
+
+impl Saver {
+    fn save<B: Backend>(
+        &mut self,
+        be: &B,
+        cfg: &Config,
+        dist: Option<&crate::launch::Distributed>,
+        (layout, opt): (&RankLayout<B>, &AdamW<B>),
+        state: TrainState,
+    ) -> Result<Option<std::path::PathBuf>> {
+        let step = state.step;
+        let _span = crate::trace::span("checkpoint", "checkpoint save");
+        let written = save_checkpoint(be, cfg, dist, layout, opt, &mut self.writer, state)?;
+        self.last_good = Some(step);
+        Ok(written)
+    }
 }
 
 /// Where a step's figures go: the console (through the progress bar), `metrics.jsonl` and
