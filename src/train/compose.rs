@@ -295,7 +295,7 @@ pub fn compose_rank<B: Backend>(
             args.clone(),
             seq,
             local,
-            Arc::new(crate::model::tensor_parallel::SingleRank),
+            Arc::new(crate::model::crossings::single_rank::SingleRank),
         )?,
     };
     let model = match &cp_group {

@@ -258,7 +258,7 @@ fn train_on<B: Backend>(
         };
         let how = if local.cp > 1 {
             let seq = t.seq_len;
-            let chunks = crate::model::context_parallel::SequenceShard {
+            let chunks = crate::model::crossings::context::SequenceShard {
                 degree: local.cp,
                 rank: local.cp_rank,
             }
