@@ -3,6 +3,8 @@
 //! is allocated. Qwen3 is Llama's block with two differences, both fields here: a head width of its
 //! own (`attention_head_dim`, not `dim / n_heads`) and an RMSNorm on every query and key head before
 //! RoPE (`qk_norm`).
+//! One rank's share of these shapes under tensor, context and expert parallelism is `LocalShapes`
+//! (`local_shapes.rs`).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -287,150 +289,6 @@ impl ModelArgs {
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         6.0 * (self.active_params() - self.embedding_params()) as f64
             + 12.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
-    }
-}
-
-/// The shapes one rank computes with: its heads, its slice of the feed-forward's hidden width and
-/// of the vocabulary (Megatron's column- and row-parallel split), the token rows it holds between
-/// blocks (sequence parallel: `batch × seq / tp`), and, with context parallelism, its shard of
-/// every sequence (`seq / cp` positions, `model::context_parallel::SequenceShard`). With one rank
-/// these are the model's own shapes.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LocalShapes {
-    pub dim: usize,
-    pub n_layers: usize,
-    pub head_dim: usize,
-    /// Query and key/value heads of this rank.
-    pub heads: usize,
-    pub kv_heads: usize,
-    /// This rank's columns of the SwiGLU's hidden layer (the dense feed-forward's, or a mixture of
-    /// experts' shared experts'; 0 without).
-    pub ffn: usize,
-    /// This rank's rows of the vocabulary, starting at `vocab_offset`.
-    pub vocab: usize,
-    pub vocab_offset: usize,
-    /// Tensor-parallel degree and this rank's place in its group.
-    pub tp: usize,
-    pub tp_rank: usize,
-    /// Whether each query and key head is RMS-normalised before RoPE (Qwen3).
-    pub qk_norm: bool,
-    /// The mixture-of-experts feed-forward (then `ffn` is its shared experts' width).
-    pub moe: Option<MoeArgs>,
-    /// Context-parallel degree and this rank's place in its group.
-    pub cp: usize,
-    pub cp_rank: usize,
-    /// Expert-parallel degree and this rank's place in its group: the rank computes experts
-    /// `local_experts()` (all of them at degree 1).
-    pub ep: usize,
-    pub ep_rank: usize,
-}
-
-impl LocalShapes {
-    /// The whole model (one rank).
-    pub fn whole(args: &ModelArgs) -> Self {
-        LocalShapes {
-            dim: args.dim,
-            n_layers: args.n_layers,
-            head_dim: args.head_dim(),
-            heads: args.n_heads,
-            kv_heads: args.n_kv_heads,
-            ffn: args.swiglu_hidden(),
-            vocab: args.vocab_size,
-            vocab_offset: 0,
-            tp: 1,
-            tp_rank: 0,
-            qk_norm: args.qk_norm,
-            moe: args.moe,
-            cp: 1,
-            cp_rank: 0,
-            ep: 1,
-            ep_rank: 0,
-        }
-    }
-
-    /// These shapes on rank `ep_rank` of an expert-parallel group of `ep` ranks: refused, naming
-    /// the key, for a dense model or experts that do not split evenly.
-    pub fn with_expert_parallel(self, ep: usize, ep_rank: usize) -> Result<Self> {
-        let experts = self.moe.map_or(0, |m| m.router.num_experts);
-        if ep > 1 && experts == 0 {
-            anyhow::bail!("[parallelism] expert_parallel_degree = {ep} needs a mixture-of-experts model (this one has no experts; e.g. [model] name = \"qwen3\", flavor = \"debugmodel_moe\")");
-        }
-        if !experts.is_multiple_of(ep) {
-            anyhow::bail!("[parallelism] expert_parallel_degree = {ep} does not divide the model's {experts} experts; choose a divisor of {experts}");
-        }
-        Ok(LocalShapes {
-            ep,
-            ep_rank,
-            ..self
-        })
-    }
-
-    /// The experts this rank computes (global ids), a consecutive run of `experts / ep`.
-    pub fn local_experts(&self) -> std::ops::Range<usize> {
-        let per = self.moe.map_or(0, |m| m.router.num_experts) / self.ep;
-        self.ep_rank * per..(self.ep_rank + 1) * per
-    }
-
-    /// Whether this rank holds parameter `name`: every one but other ranks' experts.
-    pub fn holds(&self, name: &str) -> bool {
-        crate::model::params::expert_of(name).is_none_or(|e| self.local_experts().contains(&e))
-    }
-
-    /// These shapes on rank `cp_rank` of a context-parallel group of `cp` ranks.
-    pub fn with_context_parallel(self, cp: usize, cp_rank: usize) -> Self {
-        LocalShapes {
-            cp,
-            cp_rank,
-            ..self
-        }
-    }
-
-    /// Positions of each sequence of `seq` this rank computes (context parallel: its shard).
-    pub fn local_seq(&self, seq: usize) -> usize {
-        seq / self.cp
-    }
-
-    /// Rank `tp_rank` of `tp`: refuses, naming the key and the numbers, a model whose heads, key/
-    /// value heads, feed-forward width or vocabulary do not split evenly.
-    pub fn sharded(args: &ModelArgs, tp: usize, tp_rank: usize) -> Result<Self> {
-        for (key, value) in [
-            ("n_heads", args.n_heads),
-            ("n_kv_heads", args.n_kv_heads),
-            (
-                "feed-forward (or shared experts') hidden size",
-                args.swiglu_hidden(),
-            ),
-            ("vocab_size", args.vocab_size),
-        ] {
-            if !value.is_multiple_of(tp) {
-                bail!("[parallelism] tensor_parallel_degree = {tp} does not divide the model's {key} {value}: every tensor-parallel rank needs an equal share (choose a degree that divides it, or change [model])");
-            }
-        }
-        let whole = Self::whole(args);
-        Ok(LocalShapes {
-            heads: args.n_heads / tp,
-            kv_heads: args.n_kv_heads / tp,
-            ffn: args.swiglu_hidden() / tp,
-            vocab: args.vocab_size / tp,
-            vocab_offset: tp_rank * (args.vocab_size / tp),
-            tp,
-            tp_rank,
-            ..whole
-        })
-    }
-
-    /// Width of this rank's queries (and attention output), and of its keys and values.
-    pub fn q_dim(&self) -> usize {
-        self.heads * self.head_dim
-    }
-
-    pub fn kv_dim(&self) -> usize {
-        self.kv_heads * self.head_dim
-    }
-
-    /// Token rows a rank holds between blocks for `tokens` tokens (sequence parallel).
-    pub fn rows(&self, tokens: usize) -> usize {
-        tokens / self.tp
     }
 }
 

@@ -1,20 +1,21 @@
 //! Models: Llama 3 shapes and flavors, canonical parameter names, initialization, and the decoder
-//! itself with explicit forward and backward.
+//! itself with explicit forward and backward; one rank's shapes (`local_shapes`) and the interfaces
+//! through which the block crosses ranks (`crossings`).
 
 pub mod activation_checkpoint;
 pub mod args;
-pub mod context_parallel;
-pub mod expert_parallel;
+pub mod crossings;
 pub mod init;
 pub mod linear;
 pub mod llama;
+pub mod local_shapes;
 pub mod moe;
 pub mod parallel_linear;
 pub mod params;
-pub mod tensor_parallel;
 
-pub use args::{LocalShapes, ModelArgs};
+pub use args::ModelArgs;
 pub use llama::{KvCache, Llama, Workspace};
+pub use local_shapes::LocalShapes;
 pub use params::{ParamDtype, ParamSet};
 
 use crate::backend::Backend;

@@ -20,8 +20,8 @@
 
 use anyhow::Result;
 
+use super::crossings::tensor::TensorParallelOps;
 use super::linear::Linear;
-use super::tensor_parallel::TensorParallelOps;
 use crate::backend::Backend;
 
 /// One projection of a column-parallel layer's forward: `y = x · Wᵀ`.

@@ -1,5 +1,5 @@
 //! Context parallelism: ring attention over a group of ranks that split every sequence (the
-//! collectives behind `model::context_parallel::ContextParallelOps`).
+//! collectives behind `model::crossings::context::ContextParallelOps`).
 //!
 //! Each rank holds a head-tail balanced shard of every sequence (`SequenceShard`: chunks `r` and
 //! `2·cp − 1 − r` of `2·cp`), so its queries and its keys are two chunks each. Attention of the
@@ -32,7 +32,7 @@ use anyhow::{anyhow, bail, Result};
 use crate::backend::{AttnShape, Backend};
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::CollectiveQueue;
-use crate::model::context_parallel::{ContextParallelOps, SequenceShard};
+use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
 use crate::model::LocalShapes;
 
 /// How the ranks exchange their keys and values (`[parallelism] context_parallel_rotate_method`).

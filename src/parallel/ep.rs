@@ -1,6 +1,6 @@
 //! Expert parallelism: the all-to-alls that carry a mixture-of-experts layer's dispatched rows to
-//! their experts' ranks and back (the collectives behind `model::expert_parallel::
-//! ExpertParallelOps`).
+//! their experts' ranks and back (the collectives behind
+//! `model::crossings::expert::ExpertParallelOps`).
 //!
 //! Each layer and direction costs two exchanges over the expert-parallel group: first the rows per
 //! expert (small, so every rank knows how many rows it will receive from each peer), then the rows
@@ -16,7 +16,7 @@ use anyhow::Result;
 
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
-use crate::model::expert_parallel::ExpertParallelOps;
+use crate::model::crossings::expert::ExpertParallelOps;
 
 /// An expert-parallel group over the CPU transport.
 pub struct ExpertParallelGroup {

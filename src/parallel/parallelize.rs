@@ -22,7 +22,7 @@ use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::activation_checkpoint::ActivationPlan;
-use crate::model::tensor_parallel::SingleRank;
+use crate::model::crossings::single_rank::SingleRank;
 use crate::model::{Llama, LocalShapes, ModelArgs, Workspace};
 
 /// The groups of this rank's mesh that its layout crosses (None: degree 1).

@@ -1,6 +1,6 @@
 //! Tensor parallelism (Megatron-LM's column- and row-parallel layers with sequence parallelism, and
-//! the vocabulary-parallel loss): the collectives behind `model::tensor_parallel::TensorParallelOps`
-//! over a real group of ranks.
+//! the vocabulary-parallel loss): the collectives behind
+//! `model::crossings::tensor::TensorParallelOps` over a real group of ranks.
 //!
 //! The block in `model::llama` is written once in one rank's shapes and crosses ranks only here:
 //! - `gather_rows`: the all-gather of the sequence-parallel token rows before column-parallel
@@ -37,7 +37,7 @@ use rayon::prelude::*;
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::queue::{CollectiveQueue, HostQueue};
-use crate::model::tensor_parallel::{LossGrads, TensorParallelOps};
+use crate::model::crossings::tensor::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
 
 /// A buffer of its own for a queued collective (which holds its input until finished).

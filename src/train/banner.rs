@@ -6,7 +6,7 @@ use super::memory::{gib, MemoryEstimate};
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::launch::Distributed;
-use crate::model::context_parallel::SequenceShard;
+use crate::model::crossings::context::SequenceShard;
 use crate::model::{LocalShapes, ModelArgs};
 use crate::parallel::layout::RankLayout;
 

@@ -14,7 +14,7 @@
 //! runs over vocabulary shards (`TensorParallelOps::cross_entropy`). With one rank every one of
 //! these crossings is the identity and costs nothing.
 //!
-//! Context parallelism splits each sequence over a group (`model::context_parallel`): a rank's
+//! Context parallelism splits each sequence over a group (`model::crossings::context`): a rank's
 //! workspace holds its shard of every sequence, RoPE rotates its rows by their global positions,
 //! and attention crosses the group (`ContextParallelOps`); nothing else in the block changes.
 //!
@@ -26,12 +26,14 @@ use anyhow::{bail, Result};
 
 use crate::backend::{cpu::rope::rope_tables, Backend, LossSum, IGNORE_INDEX};
 
-use crate::model::args::{LocalShapes, ModelArgs};
-use crate::model::context_parallel::{ContextParallelOps, SequenceShard};
-use crate::model::expert_parallel::ExpertParallelOps;
+use crate::model::args::ModelArgs;
+use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
+use crate::model::crossings::expert::ExpertParallelOps;
+use crate::model::crossings::single_rank::SingleRank;
+use crate::model::crossings::tensor::TensorParallelOps;
+use crate::model::local_shapes::LocalShapes;
 use crate::model::moe;
 use crate::model::params::{local_param_specs, ParamIds, ParamSet};
-use crate::model::tensor_parallel::{SingleRank, TensorParallelOps};
 
 mod backward;
 mod block;

@@ -5,7 +5,8 @@
 
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
-use crate::model::args::{LocalShapes, ModelArgs};
+use crate::model::args::ModelArgs;
+use crate::model::local_shapes::LocalShapes;
 use crate::model::moe::MoeActs;
 
 /// What one block keeps from its forward for its backward.

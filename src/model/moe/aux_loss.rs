@@ -19,7 +19,7 @@
 
 use anyhow::Result;
 
-use super::router::{RouterArgs, Routing, ScoreFunc};
+use super::router::{normalised, RouterArgs, Routing};
 
 /// Which sequence each of a rank's token rows belongs to, and how to sum per-sequence figures over
 /// the ranks holding the other rows of the same sequences.
@@ -40,17 +40,6 @@ pub struct AuxStats {
     /// `L_b` of each sequence.
     pub values: Vec<f32>,
     seq_of: Vec<u32>,
-}
-
-/// Token `t`'s scores normalised to sum to one.
-fn normalised(args: &RouterArgs, s: &[f32]) -> (Vec<f32>, f32) {
-    match args.score_func {
-        ScoreFunc::Softmax => (s.to_vec(), 1.0),
-        ScoreFunc::Sigmoid => {
-            let total: f32 = s.iter().sum();
-            (s.iter().map(|x| x / total).collect(), total)
-        }
-    }
 }
 
 /// `f`, `P` and `L_b` of every sequence of `rows` (collective over the ranks sharing them).
@@ -108,23 +97,4 @@ pub fn score_grads(args: &RouterArgs, stats: &AuxStats, scale: f32) -> Vec<f32> 
         }
     }
     g
-}
-
-/// The gradient of the raw scores `s` of one token given that of its normalised ones `g`.
-pub fn unnormalise_grad(args: &RouterArgs, s: &[f32], g: &[f32], out: &mut [f32]) {
-    match args.score_func {
-        ScoreFunc::Softmax => {
-            for (o, g) in out.iter_mut().zip(g) {
-                *o += g;
-            }
-        }
-        ScoreFunc::Sigmoid => {
-            // s'_j = s_j / S: ∂/∂s_i = (g_i − Σ_j g_j s'_j) / S.
-            let (norm, total) = normalised(args, s);
-            let dot: f32 = g.iter().zip(&norm).map(|(g, n)| g * n).sum();
-            for (o, g) in out.iter_mut().zip(g) {
-                *o += (g - dot) / total;
-            }
-        }
-    }
 }

@@ -12,7 +12,7 @@
 use anyhow::Result;
 
 use crate::backend::Backend;
-use crate::model::expert_parallel::ExpertParallelOps;
+use crate::model::crossings::expert::ExpertParallelOps;
 
 /// One layer's dispatch over the expert-parallel group (its forward's and its backward's: the
 /// backward sends the output gradients the way the inputs went).

@@ -29,7 +29,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
-use crate::model::expert_parallel::ExpertParallelOps;
+use crate::model::crossings::expert::ExpertParallelOps;
 use crate::model::linear::Linear;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
@@ -426,7 +426,7 @@ mod tests {
     use super::router::ScoreFunc;
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::model::tensor_parallel::SingleRank;
+    use crate::model::crossings::single_rank::SingleRank;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 

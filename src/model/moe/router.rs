@@ -13,6 +13,9 @@
 //!   expert's under softmax, the sum of its best two under sigmoid, as DeepSeek-V3).
 //! - Weights: the chosen experts' scores, renormalised to sum to one with `norm_topk_prob`, times
 //!   `route_scale`.
+//! - Normalised scores: each token's scores divided by their sum (`normalised`; the auxiliary loss
+//!   of `aux_loss` is taken over them), and the backward through that division (`unnormalise_grad`),
+//!   which `route_backward` applies to the auxiliary loss's gradient.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -164,6 +167,37 @@ pub fn route(args: &RouterArgs, logits: &[f32], bias: Option<&[f32]>) -> Routing
     }
 }
 
+/// One token's scores `s` normalised to sum to one, and the sum they were divided by (softmax
+/// scores already sum to one: 1). The auxiliary loss (`aux_loss`) is taken over these.
+pub fn normalised(args: &RouterArgs, s: &[f32]) -> (Vec<f32>, f32) {
+    match args.score_func {
+        ScoreFunc::Softmax => (s.to_vec(), 1.0),
+        ScoreFunc::Sigmoid => {
+            let total: f32 = s.iter().sum();
+            (s.iter().map(|x| x / total).collect(), total)
+        }
+    }
+}
+
+/// The gradient of the raw scores `s` of one token given that of its normalised ones `g`.
+pub fn unnormalise_grad(args: &RouterArgs, s: &[f32], g: &[f32], out: &mut [f32]) {
+    match args.score_func {
+        ScoreFunc::Softmax => {
+            for (o, g) in out.iter_mut().zip(g) {
+                *o += g;
+            }
+        }
+        ScoreFunc::Sigmoid => {
+            // s'_j = s_j / S: ∂/∂s_i = (g_i − Σ_j g_j s'_j) / S.
+            let (norm, total) = normalised(args, s);
+            let dot: f32 = g.iter().zip(&norm).map(|(g, n)| g * n).sum();
+            for (o, g) in out.iter_mut().zip(g) {
+                *o += (g - dot) / total;
+            }
+        }
+    }
+}
+
 /// The gradient of the logits from the gradient of the routing weights (`dweights`, one per
 /// token and choice) and, with the auxiliary loss, of the normalised scores (`aux_grads`,
 /// `[tokens, experts]`): through the renormalisation, the scale and the score function. The
@@ -200,7 +234,7 @@ pub fn route_backward(
             }
         }
         if let Some(g) = aux_grads {
-            super::aux_loss::unnormalise_grad(args, s, &g[t * e..(t + 1) * e], &mut dscores);
+            unnormalise_grad(args, s, &g[t * e..(t + 1) * e], &mut dscores);
         }
         let dl = &mut dlogits[t * e..(t + 1) * e];
         match args.score_func {

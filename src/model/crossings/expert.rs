@@ -6,11 +6,10 @@
 //! back: two all-to-alls of uneven sizes per layer and direction, the counts exchanged first
 //! (`moe::dispatch` does the bookkeeping). Everything else of the block is per token and runs on
 //! the rank's own tokens unchanged. The implementation over a real group is `parallel::ep`; with
-//! one rank (`SingleRank`) the rows stay where they are.
+//! one rank (`SingleRank`, `single_rank.rs`) the rows stay where they are.
 
 use anyhow::Result;
 
-use super::tensor_parallel::SingleRank;
 use crate::backend::Backend;
 
 pub trait ExpertParallelOps<B: Backend>: Send + Sync {
@@ -40,30 +39,5 @@ pub trait ExpertParallelOps<B: Backend>: Send + Sync {
     /// its peers included; 0 for one rank).
     fn exchange_seconds(&self) -> f64 {
         0.0
-    }
-}
-
-impl<B: Backend> ExpertParallelOps<B> for SingleRank {
-    fn degree(&self) -> usize {
-        1
-    }
-
-    fn rank(&self) -> usize {
-        0
-    }
-
-    fn exchange_counts(&self, counts: &[usize]) -> Result<Vec<Vec<usize>>> {
-        Ok(vec![counts.to_vec()])
-    }
-
-    fn all_to_all_rows(
-        &self,
-        _be: &B,
-        rows: B::Buf,
-        _send: &[usize],
-        _recv: &[usize],
-        _width: usize,
-    ) -> Result<B::Buf> {
-        Ok(rows)
     }
 }

@@ -8,13 +8,12 @@
 //! attention is per token and runs on the shard unchanged; RoPE rotates each row by its global
 //! position; attention is the one crossing (`ContextParallelOps`, implemented with its
 //! collectives in `parallel::cp`). With one rank the shard is the whole sequence and attention is
-//! the local kernel.
+//! the local kernel (`SingleRank`, `single_rank.rs`).
 
 use std::ops::Range;
 
 use anyhow::Result;
 
-use super::tensor_parallel::SingleRank;
 use crate::backend::{AttnShape, Backend};
 
 /// The positions of each sequence rank `rank` of a context-parallel group of `degree` computes.
@@ -93,44 +92,6 @@ pub trait ContextParallelOps<B: Backend>: Send + Sync {
     /// Sums per-sequence figures over the group, whose ranks hold the other rows of the same
     /// sequences (the MoE auxiliary loss's counts); nothing to do for one rank.
     fn sum_over_group(&self, _values: &mut [f32]) -> Result<()> {
-        Ok(())
-    }
-}
-
-impl<B: Backend> ContextParallelOps<B> for SingleRank {
-    fn degree(&self) -> usize {
-        1
-    }
-
-    fn attention_forward(
-        &self,
-        be: &B,
-        out: &mut B::Buf,
-        lse: &mut B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        shape: AttnShape,
-    ) -> Result<()> {
-        be.attention_forward(out, lse, q, k, v, shape);
-        Ok(())
-    }
-
-    fn attention_backward(
-        &self,
-        be: &B,
-        dq: &mut B::Buf,
-        dk: &mut B::Buf,
-        dv: &mut B::Buf,
-        dout: &B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        out: &B::Buf,
-        lse: &B::Buf,
-        shape: AttnShape,
-    ) -> Result<()> {
-        be.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
         Ok(())
     }
 }

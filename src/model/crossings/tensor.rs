@@ -1,12 +1,12 @@
 //! What a block needs from its tensor-parallel group, as an interface: the model is written once in
 //! one rank's shapes (`LocalShapes`) and crosses ranks only through these operations. Their
-//! implementation over a real group, with its collectives, is `parallel::tp`; `SingleRank` is the
-//! degree-1 case, where each is the local operation.
+//! implementation over a real group, with its collectives, is `parallel::tp`; `SingleRank`
+//! (`single_rank.rs`) is the degree-1 case, where each is the local operation.
 
 use anyhow::Result;
 
-use super::args::LocalShapes;
 use crate::backend::{Backend, LossSum};
+use crate::model::local_shapes::LocalShapes;
 
 /// The gradients a cross-entropy adds into: ∂/∂(its input rows) and ∂/∂(the output projection).
 pub type LossGrads<'a, B> = Option<(&'a mut <B as Backend>::Buf, &'a mut <B as Backend>::Buf)>;
@@ -83,48 +83,4 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
 /// `overlap_chunks` first).
 fn not_async() -> anyhow::Error {
     anyhow::anyhow!("this tensor-parallel group is not async (a titan bug: overlap_chunks is 1)")
-}
-
-/// One rank: every operation is the local one.
-pub struct SingleRank;
-
-impl<B: Backend> TensorParallelOps<B> for SingleRank {
-    fn degree(&self) -> usize {
-        1
-    }
-
-    fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()> {
-        be.copy_from(full, local);
-        Ok(())
-    }
-
-    fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()> {
-        be.copy_from(local, partial);
-        Ok(())
-    }
-
-    fn all_reduce_sum(&self, _be: &B, _buf: &mut B::Buf) -> Result<()> {
-        Ok(())
-    }
-
-    fn cross_entropy(
-        &self,
-        be: &B,
-        h: &B::Buf,
-        w: &B::Buf,
-        targets: &[u32],
-        shapes: &LocalShapes,
-        grad_scale: f32,
-        grads: LossGrads<'_, B>,
-    ) -> Result<LossSum> {
-        Ok(be.cross_entropy_forward_backward(
-            h,
-            w,
-            targets,
-            shapes.dim,
-            shapes.vocab,
-            grad_scale,
-            grads,
-        ))
-    }
 }
