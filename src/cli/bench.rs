@@ -12,15 +12,14 @@ use anyhow::Result;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::bench_report::{BenchReport, CommClocks, JobFigures, Timing};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::comm::group::ReduceOp;
 use crate::config::Config;
-use crate::train::compose::{compose_rank, init_rank_threads, ComposedRank, RankPlace};
-use crate::train::memory::peak_memory;
-use crate::train::metrics::default_peak_tflops;
+use crate::train::compose::{compose_rank, ComposedRank, RankPlace};
 use crate::train::step::train_step;
-use crate::train::trainer::{cuda_backend, init_threads, select_device, Device};
+use crate::train::threads::{init_rank_threads, init_threads};
+use crate::train::trainer::{cuda_backend, select_device, Device};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchTrainArgs {
@@ -174,18 +173,9 @@ fn bench_on<B: Backend>(
     on_warm: &dyn Fn(),
 ) -> Result<Option<f64>> {
     let dist = place.dist.as_ref();
-    let (rank, world, dp_rank) = dist.map_or((0, 1, 0), |d| (d.rank, d.world, d.dp.rank()));
-    let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
+    let (rank, dp_rank) = dist.map_or((0, 0), |d| (d.rank, d.dp.rank()));
     let setup = Instant::now();
-    let ComposedRank {
-        args,
-        mut layout,
-        mut opt,
-        estimate,
-        accum,
-        global_batch,
-        ..
-    } = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
+    let mut composed = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
     be.synchronize();
     if rank == 0 {
         eprintln!(
@@ -194,43 +184,78 @@ fn bench_on<B: Backend>(
             setup.elapsed().as_secs_f64()
         );
     }
-    // Random tokens: each data-parallel rank its own, the ranks of a tensor-parallel group the same.
+    let batches = random_batches(cfg, composed.args.vocab_size, composed.accum, dp_rank);
+    let timing = time_steps(be, &mut composed, &batches, a, rank == 0, on_warm)?;
+    // Every rank takes part in the gathering (collectives); rank 0 alone reports.
+    let job = JobFigures::gather(
+        be,
+        &mut composed.layout,
+        dist,
+        &composed.estimate,
+        &timing,
+        a.steps,
+    )?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let timed_s = timing.timed_s();
+    let report = BenchReport::new(be, cfg, a.peak_tflops, &composed, dist, timing, job)?;
+    if a.json {
+        println!("{}", report.json());
+    } else {
+        println!("{}", report.text());
+    }
+    Ok(Some(timed_s))
+}
+
+/// Random tokens for `4 × accum` micro-batches of `[training]`'s shape: each data-parallel rank
+/// its own, the ranks of a tensor-parallel group the same.
+fn random_batches(cfg: &Config, vocab_size: usize, accum: usize, dp_rank: usize) -> Vec<Vec<u32>> {
+    let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
     let mut rng = ChaCha8Rng::seed_from_u64(1 + dp_rank as u64);
-    let batches: Vec<Vec<u32>> = (0..4 * accum)
+    (0..4 * accum)
         .map(|_| {
             (0..batch * (seq + 1))
-                .map(|_| rng.gen_range(0..args.vocab_size as u32))
+                .map(|_| rng.gen_range(0..vocab_size as u32))
                 .collect()
         })
-        .collect();
-    let mut times = Vec::new();
-    let mut losses = Vec::new();
-    let (mut exposed_at_warm, mut comm_at_warm, mut attention_at_warm) = (0.0, 0.0, 0.0);
-    let mut exchange_at_warm = 0.0;
+        .collect()
+}
+
+/// Runs the warm-up and the timed steps over `batches`, rank 0 (`log`) printing each. At the end
+/// of warm-up it calls `on_warm`, reads the clocks and drops the warm-up's pipeline bubbles (a
+/// collective of the pipeline group, so that the report's bubbles are the timed steps').
+fn time_steps<B: Backend>(
+    be: &B,
+    c: &mut ComposedRank<B>,
+    batches: &[Vec<u32>],
+    a: &BenchTrainArgs,
+    log: bool,
+    on_warm: &dyn Fn(),
+) -> Result<Timing> {
+    let mut timing = Timing::default();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             on_warm();
-            exposed_at_warm = layout.model.tp().exposed_comm_seconds();
-            comm_at_warm = layout.model.tp().comm_seconds();
-            attention_at_warm = layout.model.cp().attention_seconds();
-            exchange_at_warm = layout.model.ep().exchange_seconds();
-            layout.pipeline_bubbles()?;
+            timing.at_warm = CommClocks::read(&c.layout.model);
+            c.layout.pipeline_bubbles()?;
         }
         be.synchronize();
         let t0 = Instant::now();
-        let first = (i * accum) % batches.len();
+        let first = (i * c.accum) % batches.len();
+        let micro = &batches[first..first + c.accum];
         let (loss, _) = train_step(
             be,
-            &mut layout,
-            &mut opt,
-            &batches[first..first + accum],
+            &mut c.layout,
+            &mut c.opt,
+            micro,
             8e-4,
             i as u64 + 1,
             1.0,
         )?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
-        if rank == 0 {
+        if log {
             eprintln!(
                 "bench step {}/{}{}: {dt:.3} s, loss {loss:.4}",
                 i + 1,
@@ -238,194 +263,12 @@ fn bench_on<B: Backend>(
                 if i < a.warmup { " (warm-up)" } else { "" }
             );
         }
-        losses.push(loss);
+        timing.losses.push(loss);
         if i >= a.warmup {
-            times.push(dt);
+            timing.times.push(dt);
         }
     }
-    let timed_s: f64 = times.iter().sum();
-    // Mixture of experts: the least balanced block's busiest expert over the mean, all steps.
-    let expert_balance = layout.moe_step_stats()?.map(|load| {
-        crate::train::metrics::ExpertLoad::of(&load.load)
-            .iter()
-            .map(|l| l.max_over_mean)
-            .fold(0.0, f64::max)
-    });
-    // Each pipeline rank's share of the timed steps spent waiting for another rank.
-    let bubbles = layout.pipeline_bubbles()?;
-    let unit_bubble = match &layout.pipeline {
-        Some(p) => Some(p.schedule.unit_bubble()?),
-        None => None,
-    };
-    let per_step = |total: f64, at_warm: f64| (total - at_warm) / a.steps.max(1) as f64;
-    let exposed_tp_s = per_step(layout.model.tp().exposed_comm_seconds(), exposed_at_warm);
-    let comm_tp_s = per_step(layout.model.tp().comm_seconds(), comm_at_warm);
-    let exchange_ep_s = per_step(layout.model.ep().exchange_seconds(), exchange_at_warm);
-    // Context parallel: every rank's attention time per step and peak memory (the load balance).
-    let cp = layout.model.local.cp;
-    let attention_s = per_step(layout.model.cp().attention_seconds(), attention_at_warm);
-    let per_rank = match dist.filter(|_| cp > 1) {
-        Some(d) => {
-            let mine = [attention_s as f32, peak_memory() as f32];
-            let mut all = vec![0f32; 2 * d.world];
-            d.all.all_gather(&mine, &mut all)?;
-            let (attention, peaks): (Vec<f64>, Vec<f64>) = all
-                .chunks(2)
-                .map(|x| (x[0] as f64, x[1] as f64 / (1 << 20) as f64))
-                .unzip();
-            Some((attention, peaks))
-        }
-        None => None,
-    };
-    let attention_spread = per_rank.as_ref().map(|(a, _)| {
-        let (lo, hi) = a
-            .iter()
-            .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-        hi / lo.max(1e-12)
-    });
-    // Job-wide figures: the largest rank's memory, its estimate and its exposed TP communication.
-    let peak_rss = peak_memory() as f64;
-    let device_peak = be.device_peak_memory().map(|b| b as f64);
-    let [peak_rss, device_peak, estimate_bytes, exposed_tp_s, comm_tp_s, exchange_ep_s] = match dist
-    {
-        Some(d) => {
-            let mut v = [
-                peak_rss as f32,
-                device_peak.unwrap_or(0.0) as f32,
-                estimate.total() as f32,
-                exposed_tp_s as f32,
-                comm_tp_s as f32,
-                exchange_ep_s as f32,
-            ];
-            d.all.all_reduce(&mut v, ReduceOp::Max)?;
-            v.map(f64::from)
-        }
-        None => [
-            peak_rss,
-            device_peak.unwrap_or(0.0),
-            estimate.total() as f64,
-            exposed_tp_s,
-            comm_tp_s,
-            exchange_ep_s,
-        ],
-    };
-    if rank != 0 {
-        return Ok(None);
-    }
-    times.sort_by(|x, y| x.total_cmp(y));
-    let median = times[times.len() / 2];
-    let tok_s = (global_batch * seq) as f64 / median;
-    let gflops = tok_s * args.flops_per_token(seq) / 1e9;
-    let threads = rayon::current_num_threads();
-    let peak_tflops = world as f64
-        * if a.peak_tflops > 0.0 {
-            a.peak_tflops
-        } else {
-            default_peak_tflops(be, threads)
-        };
-    let mfu = 100.0 * gflops / 1e3 / peak_tflops;
-    let mib = |b: f64| b / (1 << 20) as f64;
-    let p = &cfg.parallelism;
-    let tp = p.tensor_parallel_degree;
-    let ep = layout.model.local.ep;
-    let layout_name = dist.map_or("one process".to_string(), |d| {
-        let mut dims: Vec<String> = crate::comm::mesh::DIMS
-            .iter()
-            .zip(d.mesh.degrees)
-            .filter(|(_, n)| *n > 1)
-            .map(|(dim, n)| format!("{dim} {n}"))
-            .collect();
-        // Expert parallelism borrows its ranks from dp_shard × cp.
-        if ep > 1 {
-            dims.push(format!("(ep {ep})"));
-        }
-        dims.join(" × ")
-    });
-    let precision = &cfg.training.mixed_precision_param;
-    let ac = cfg.activation_checkpoint.mode()?.describe();
-    if a.json {
-        println!(
-            "{}",
-            serde_json::json!({"device": be.name(), "precision": precision, "flavor": cfg.model.flavor, "batch": batch, "seq": seq, "threads": threads, "n_kv_heads": args.n_kv_heads,
-                "nproc": world, "layout": layout_name, "global_batch": global_batch, "micro_batches": accum,
-                "tensor_parallel_degree": tp, "async_tensor_parallel": p.enable_async_tensor_parallel,
-                "activation_checkpoint": ac,
-                "step_s_median": median, "step_s_min": times[0], "step_s_max": times[times.len()-1],
-                "tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / world as f64,
-                "gflops": gflops, "tflops": gflops / 1e3, "mfu_pct": mfu, "peak_tflops": peak_tflops,
-                "peak_rss_mib": mib(peak_rss), "peak_device_mib": be.device_peak_memory().map(|_| mib(device_peak)),
-                "memory_estimate_mib": mib(estimate_bytes),
-                "tp_exposed_comm_ms_per_step": (tp > 1).then_some(exposed_tp_s * 1e3),
-                "tp_comm_ms_per_step": (tp > 1).then_some(comm_tp_s * 1e3),
-                "pipeline_schedule": layout.pipeline.as_ref().map(|p| p.schedule.name.clone()),
-                "pipeline_bubble_unit_cost": unit_bubble,
-                "pipeline_bubble_measured_per_rank": bubbles,
-                "context_parallel_degree": cp,
-                "expert_parallel_degree": ep,
-                "ep_all_to_all_ms_per_step": (ep > 1).then_some(exchange_ep_s * 1e3),
-                "moe_expert_load_max_over_mean": expert_balance,
-                "active_params": args.active_params(),
-                "cp_attention_s_per_step_per_rank": per_rank.as_ref().map(|(a, _)| a),
-                "cp_attention_slowest_over_fastest": attention_spread,
-                "peak_rss_mib_per_rank": per_rank.as_ref().map(|(_, m)| m),
-                "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
-        );
-    } else {
-        let memory = match be.device_peak_memory() {
-            Some(_) => format!("peak device memory {:.0} MiB", mib(device_peak)),
-            None => format!("peak RSS {:.0} MiB", mib(peak_rss)),
-        };
-        let mut exposed = if tp > 1 {
-            format!(
-                " | TP comm {:.1} ms/step, exposed {:.1}",
-                comm_tp_s * 1e3,
-                exposed_tp_s * 1e3
-            )
-        } else {
-            String::new()
-        };
-        if let (Some(b), Some(unit)) = (&bubbles, unit_bubble) {
-            let per_rank: Vec<String> = b.iter().map(|x| format!("{x:.3}")).collect();
-            exposed += &format!(
-                " | pipeline bubble measured {} (unit-cost {unit:.3})",
-                per_rank.join(" ")
-            );
-        }
-        if let Some(balance) = expert_balance {
-            exposed += &format!(" | experts max/mean {balance:.2}");
-        }
-        if ep > 1 {
-            exposed += &format!(
-                " | EP all-to-all {:.1} ms/step (slowest rank)",
-                exchange_ep_s * 1e3
-            );
-        }
-        if let (Some((attention, peaks)), Some(spread)) = (&per_rank, attention_spread) {
-            let ms: Vec<String> = attention
-                .iter()
-                .map(|x| format!("{:.1}", x * 1e3))
-                .collect();
-            let mib: Vec<String> = peaks.iter().map(|x| format!("{x:.0}")).collect();
-            exposed += &format!(
-                " | CP attention ms/step per rank {} (slowest/fastest {spread:.3}), peak MiB per rank {}",
-                ms.join(" "),
-                mib.join(" ")
-            );
-        }
-        println!(
-            "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} AC {ac} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
-            be.name(),
-            cfg.model.flavor,
-            tok_s / world as f64,
-            median * 1e3,
-            times[0] * 1e3,
-            times[times.len() - 1] * 1e3,
-            mib(estimate_bytes),
-            losses[0],
-            losses[losses.len() - 1]
-        );
-    }
-    Ok(Some(timed_s))
+    Ok(timing)
 }
 
 /// Best-of-5 GFLOP/s of `out[m,n] = a[m,k]·b[k,n]` through the backend's matmul.

@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
 use crate::backend::{AttnShape, Backend};
-use crate::train::trainer::init_threads;
+use crate::train::threads::init_threads;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchAttentionArgs {

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_attention;
+mod bench_report;
 pub mod cuda;
 pub mod generate;
 pub mod pipeline;

@@ -12,8 +12,7 @@ use super::collectives::{self, DataParallelComm, DeviceComm};
 use super::fit::RankSizing;
 use super::memory::MemoryEstimate;
 use super::optimizer::AdamW;
-use super::start::{start_state, Resumed, StartState};
-pub use super::threads::init_rank_threads;
+use super::start::{start_state, Resumed, StartInputs, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
 use crate::config::Config;
@@ -251,20 +250,22 @@ pub fn compose_rank<B: Backend>(
         resumed,
     } = start_state(
         be,
-        cfg,
-        &model,
-        dist,
-        fsdp_mode,
-        device_queue,
-        expert_shards,
-        reshard,
-        param_dtype,
-        pipeline
-            .is_some()
-            .then_some(&held as &(dyn Fn(&str) -> bool + Sync)),
-        pipeline
-            .is_some()
-            .then_some(&holder as &(dyn Fn(&str) -> usize + Sync)),
+        StartInputs {
+            cfg,
+            model: &model,
+            dist,
+            fsdp: fsdp_mode,
+            queue: device_queue,
+            experts: expert_shards,
+            reshard,
+            param_dtype,
+            held: pipeline
+                .is_some()
+                .then_some(&held as &(dyn Fn(&str) -> bool + Sync)),
+            holder: pipeline
+                .is_some()
+                .then_some(&holder as &(dyn Fn(&str) -> usize + Sync)),
+        },
     )?;
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).

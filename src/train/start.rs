@@ -92,201 +92,44 @@ pub struct Resumed {
     pub dir: PathBuf,
 }
 
-/// Builds the starting state of `model` for this rank, in the job `dist` (one process: None);
-/// `fsdp` says whether it shards with FSDP (its collectives through `queue` when given, see
-/// `Fsdp::new`).
-#[allow(clippy::too_many_arguments)]
-pub fn start_state<B: Backend>(
-    be: &B,
-    cfg: &Config,
-    model: &Llama<B>,
-    dist: Option<&Distributed>,
-    fsdp: bool,
-    queue: Option<Box<dyn CollectiveQueue<B>>>,
-    experts: Option<ExpertShards<B>>,
-    reshard: ReshardPolicy,
-    param_dtype: ParamDtype,
-    held: Option<&(dyn Fn(&str) -> bool + Sync)>,
-    holder: Option<&(dyn Fn(&str) -> usize + Sync)>,
-) -> Result<StartState<B>> {
-    let args = &model.args;
-    let seed = cfg.training.seed;
-    // Checkpoints and initial values are of whole tensors (`global`); this rank holds its
-    // tensor-parallel part of each (`specs`).
-    let global = crate::model::params::param_specs(args);
-    let specs = model.param_specs();
-    let (tp, tp_rank) = (model.local.tp, model.local.tp_rank);
-    let tp_part = |i: usize, values: Vec<f32>| -> Vec<f32> {
-        if tp == 1 {
-            return values;
-        }
-        let (name, shape) = &global[i];
-        TpSharding::of(name).cut(&values, shape, tp, tp_rank)
-    };
-    let ckpt_folder = cfg.checkpoint_folder();
-    let resume_dir = if cfg.checkpoint.enable {
-        let steps = checkpoint::list_steps(&ckpt_folder)?;
-        let pick = if cfg.checkpoint.load_step >= 0 {
-            let s = cfg.checkpoint.load_step as u64;
-            if !steps.contains(&s) {
-                bail!("[checkpoint] load_step = {s}: no complete checkpoint step-{s} in {} (found: {steps:?})", ckpt_folder.display());
-            }
-            Some(s)
-        } else {
-            steps.last().copied()
-        };
-        pick.map(|s| (s, checkpoint::step_dir(&ckpt_folder, s)))
-    } else {
-        None
-    };
-    let cannot_resume = |e: anyhow::Error| {
-        anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
-    };
-    // A rank of the layout that wrote a sharded checkpoint (FSDP, TP or both) holds its own files
-    // only: its shards, or its tensor-parallel parts, as they were saved.
-    let writer = dist
-        .and_then(|d| d.writers.as_ref().map(|w| (d, w)))
-        .map(|(d, w)| WriterPlace {
-            rank: w.rank(),
-            size: w.size(),
-            tp,
-            pp: d.mesh.degree("pp"),
-            experts: checkpoint::sharded::ExpertParts::of_shapes(&model.local),
-        });
-    // A pipeline rank holds (and reads) only its stages' tensors, an expert-parallel rank only its
-    // experts.
-    let here = |i: usize| held.is_none_or(|h| h(&global[i].0)) && model.local.holds(&global[i].0);
-    let ckpt = match (&resume_dir, writer) {
-        (Some((_, dir)), Some(w)) => Some(HostCheckpoint::read_for_writer(dir, args, w)),
-        (Some((_, dir)), None) => Some(HostCheckpoint::read(dir, args)),
-        (None, _) => None,
-    }
-    .transpose()
-    .map_err(cannot_resume)?;
-    // A pipeline rank whose stages hold other tensors than when the checkpoint was written
-    // merges it instead of reading its own files.
-    let ckpt = match (ckpt, holder, &resume_dir) {
-        (Some(c), Some(h), Some((_, dir))) if !c.same_stages(h) => {
-            Some(HostCheckpoint::read(dir, args).map_err(cannot_resume)?)
-        }
-        (c, _, _) => c,
-    };
+/// What a rank's starting state is built from: the job, the model in this rank's shapes, how its
+/// weights are laid out (FSDP shards or whole) and which tensors it holds.
+pub struct StartInputs<'a, B: Backend> {
+    pub cfg: &'a Config,
+    pub model: &'a Llama<B>,
+    /// The job (one process: None).
+    pub dist: Option<&'a Distributed>,
+    /// Whether it shards with FSDP, its collectives through `queue` when given and the experts'
+    /// through `experts` (see `Fsdp::new`).
+    pub fsdp: bool,
+    pub queue: Option<Box<dyn CollectiveQueue<B>>>,
+    pub experts: Option<ExpertShards<B>>,
+    pub reshard: ReshardPolicy,
+    pub param_dtype: ParamDtype,
+    /// A pipeline rank's: whether its stages hold a tensor, and which stage holds it (to tell a
+    /// checkpoint written with other stages); None without a pipeline.
+    pub held: Option<&'a (dyn Fn(&str) -> bool + Sync)>,
+    pub holder: Option<&'a (dyn Fn(&str) -> usize + Sync)>,
+}
+
+/// Builds the starting state of `inputs.model` for this rank: from its checkpoint when it resumes,
+/// else from `[checkpoint] initial_load_path` or a fresh initialisation; as FSDP shards or whole.
+pub fn start_state<B: Backend>(be: &B, inputs: StartInputs<'_, B>) -> Result<StartState<B>> {
+    let resume_dir = resume_dir(inputs.cfg)?;
+    let ckpt = read_checkpoint(&inputs, resume_dir.as_ref())?;
     // No checkpoint of its own: the run may start from another model's weights.
     let initial = match &ckpt {
-        None if !cfg.checkpoint.initial_load_path.is_empty() => Some(Initial::open(cfg, args)?),
+        None if !inputs.cfg.checkpoint.initial_load_path.is_empty() => {
+            Some(Initial::open(inputs.cfg, &inputs.model.args)?)
+        }
         _ => None,
     };
-    // Whole values of tensor `i` (or, with `moment`, of an AdamW moment) a run starts from without
-    // a checkpoint of its own: the initial model's, else a fresh initialisation (moments zero).
-    let fresh = |moment: Option<&str>, i: usize| -> Result<Vec<f32>> {
-        let (name, shape) = &global[i];
-        let numel = shape.iter().product();
-        if let Some(from) = initial.as_ref().map(|x| x.values(moment, i, name, shape)) {
-            if let Some(values) = from? {
-                return Ok(values);
-            }
-        }
-        Ok(match moment {
-            None => crate::model::init::init_param(args, name, numel, seed),
-            Some(_) => vec![0.0; numel],
-        })
+    let source = Source::new(&inputs, ckpt, initial);
+    let mut state = match inputs.dist.filter(|_| inputs.fsdp) {
+        Some(d) => sharded_start(be, &source, d, inputs)?,
+        None => whole_start(be, &source, inputs.cfg)?,
     };
-    let (params, grads, opt, fsdp_state);
-    if let Some(d) = dist.filter(|_| fsdp) {
-        let shard = d.shard.clone().expect("FSDP mode has a shard group");
-        // A pipeline rank shards only its stages' tensors; the others are empty here.
-        let fsdp_specs: Vec<(String, Vec<usize>)> = specs
-            .iter()
-            .enumerate()
-            .map(|(i, (n, s))| (n.clone(), if here(i) { s.clone() } else { vec![0] }))
-            .collect();
-        let start_values = |moment: Option<&str>, i: usize| -> Result<StartValues> {
-            let (name, shape) = &global[i];
-            if !here(i) {
-                return Ok(StartValues::Full(Vec::new()));
-            }
-            match (&ckpt, moment) {
-                (Some(ckpt), _) => {
-                    let own = ckpt
-                        .own_shard(moment, name, &specs[i].1)
-                        .map_err(cannot_resume)?;
-                    match own {
-                        Some(shard) => Ok(StartValues::Shard(shard)),
-                        None => ckpt
-                            .values(moment, name, shape)
-                            .map(|v| StartValues::Full(tp_part(i, v)))
-                            .map_err(cannot_resume),
-                    }
-                }
-                (None, _) => Ok(StartValues::Full(tp_part(i, fresh(moment, i)?))),
-            }
-        };
-        let f = Fsdp::new(
-            be,
-            shard,
-            d.replicate.clone(),
-            queue,
-            experts,
-            model,
-            &fsdp_specs,
-            &|i| start_values(None, i),
-            reshard,
-            param_dtype,
-        )?;
-        opt = AdamW {
-            exp_avg: f.shard_from(be, &|i| start_values(Some("exp_avg."), i))?,
-            exp_avg_sq: f.shard_from(be, &|i| start_values(Some("exp_avg_sq."), i))?,
-            cfg: cfg.optimizer.clone(),
-        };
-        params = ParamSet::unallocated(be, &specs);
-        grads = ParamSet::unallocated(be, &specs);
-        fsdp_state = Some(f);
-    } else {
-        let mut p = ParamSet::zeros(be, &specs);
-        let mut o = AdamW::new(be, &specs, cfg.optimizer.clone());
-        match &ckpt {
-            Some(ckpt) => {
-                for (set, moment) in [
-                    (&mut p, None),
-                    (&mut o.exp_avg, Some("exp_avg.")),
-                    (&mut o.exp_avg_sq, Some("exp_avg_sq.")),
-                ] {
-                    for (i, (name, shape)) in global.iter().enumerate().filter(|(i, _)| here(*i)) {
-                        let own = ckpt
-                            .own_shard(moment, name, &specs[i].1)
-                            .map_err(cannot_resume)?;
-                        let values = match own {
-                            Some(part) => part,
-                            None => {
-                                tp_part(i, ckpt.values(moment, name, shape).map_err(cannot_resume)?)
-                            }
-                        };
-                        set.bufs[i] = be.upload(&values);
-                    }
-                }
-            }
-            None if tp == 1 && initial.is_none() => p = init_params(be, args, seed),
-            None => {
-                for (set, moment) in [
-                    (&mut p, None),
-                    (&mut o.exp_avg, Some("exp_avg.")),
-                    (&mut o.exp_avg_sq, Some("exp_avg_sq.")),
-                ] {
-                    if moment.is_some() && initial.is_none() {
-                        continue; // AdamW::new's zeros
-                    }
-                    for i in 0..global.len() {
-                        set.bufs[i] = be.upload(&tp_part(i, fresh(moment, i)?));
-                    }
-                }
-            }
-        }
-        params = p;
-        grads = ParamSet::zeros(be, &specs);
-        opt = o;
-        fsdp_state = None;
-    }
-    let resumed = match (ckpt, resume_dir) {
+    state.resumed = match (source.ckpt, resume_dir) {
         (Some(ckpt), Some((folder_step, dir))) => Some(Resumed {
             state: ckpt.state,
             folder_step,
@@ -294,11 +137,259 @@ pub fn start_state<B: Backend>(
         }),
         _ => None,
     };
+    Ok(state)
+}
+
+/// The checkpoint step a run resumes from and its folder: `[checkpoint] load_step`, else the
+/// latest complete one; None without checkpointing or before the first checkpoint.
+fn resume_dir(cfg: &Config) -> Result<Option<(u64, PathBuf)>> {
+    if !cfg.checkpoint.enable {
+        return Ok(None);
+    }
+    let ckpt_folder = cfg.checkpoint_folder();
+    let steps = checkpoint::list_steps(&ckpt_folder)?;
+    let pick = if cfg.checkpoint.load_step >= 0 {
+        let s = cfg.checkpoint.load_step as u64;
+        if !steps.contains(&s) {
+            bail!("[checkpoint] load_step = {s}: no complete checkpoint step-{s} in {} (found: {steps:?})", ckpt_folder.display());
+        }
+        Some(s)
+    } else {
+        steps.last().copied()
+    };
+    Ok(pick.map(|s| (s, checkpoint::step_dir(&ckpt_folder, s))))
+}
+
+/// A checkpoint that cannot be read, with the way out: the run must not silently start afresh.
+fn cannot_resume(e: anyhow::Error) -> anyhow::Error {
+    anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
+}
+
+/// The checkpoint in `resume` (the step and its folder) as this rank reads it: a rank of the
+/// layout that wrote a sharded checkpoint (FSDP, TP or both) its own files only (its shards, or its
+/// tensor-parallel parts, as they were saved), else the whole tensors.
+fn read_checkpoint<B: Backend>(
+    inputs: &StartInputs<'_, B>,
+    resume: Option<&(u64, PathBuf)>,
+) -> Result<Option<HostCheckpoint>> {
+    let Some((_, dir)) = resume else {
+        return Ok(None);
+    };
+    let (args, local) = (&inputs.model.args, &inputs.model.local);
+    let writer = inputs
+        .dist
+        .and_then(|d| d.writers.as_ref().map(|w| (d, w)))
+        .map(|(d, w)| WriterPlace {
+            rank: w.rank(),
+            size: w.size(),
+            tp: local.tp,
+            pp: d.mesh.degree("pp"),
+            experts: checkpoint::sharded::ExpertParts::of_shapes(local),
+        });
+    let ckpt = match writer {
+        Some(w) => HostCheckpoint::read_for_writer(dir, args, w),
+        None => HostCheckpoint::read(dir, args),
+    }
+    .map_err(cannot_resume)?;
+    // A pipeline rank whose stages hold other tensors than when the checkpoint was written
+    // merges it instead of reading its own files.
+    Ok(Some(match inputs.holder {
+        Some(h) if !ckpt.same_stages(h) => {
+            HostCheckpoint::read(dir, args).map_err(cannot_resume)?
+        }
+        _ => ckpt,
+    }))
+}
+
+/// Where this rank's start values of each tensor come from: its checkpoint when it resumes, else
+/// the initial model (`[checkpoint] initial_load_path`), else a fresh initialisation; each cut
+/// to this rank's tensor-parallel part.
+struct Source<'a, B: Backend> {
+    model: &'a Llama<B>,
+    seed: u64,
+    /// The tensors whole (`global`), as checkpoints and initial values hold them, and this rank's
+    /// tensor-parallel part of each (`specs`).
+    global: Vec<(String, Vec<usize>)>,
+    specs: Vec<(String, Vec<usize>)>,
+    held: Option<&'a (dyn Fn(&str) -> bool + Sync)>,
+    ckpt: Option<HostCheckpoint>,
+    initial: Option<Initial>,
+}
+
+impl<'a, B: Backend> Source<'a, B> {
+    fn new(
+        inputs: &StartInputs<'a, B>,
+        ckpt: Option<HostCheckpoint>,
+        initial: Option<Initial>,
+    ) -> Self {
+        Source {
+            model: inputs.model,
+            seed: inputs.cfg.training.seed,
+            global: crate::model::params::param_specs(&inputs.model.args),
+            specs: inputs.model.param_specs(),
+            held: inputs.held,
+            ckpt,
+            initial,
+        }
+    }
+
+    /// Whether this rank holds tensor `i`: a pipeline rank holds (and reads) only its stages'
+    /// tensors, an expert-parallel rank only its experts.
+    fn here(&self, i: usize) -> bool {
+        let name = &self.global[i].0;
+        self.held.is_none_or(|h| h(name)) && self.model.local.holds(name)
+    }
+
+    /// This rank's tensor-parallel part of the whole `values` of tensor `i`.
+    fn tp_part(&self, i: usize, values: Vec<f32>) -> Vec<f32> {
+        let (tp, tp_rank) = (self.model.local.tp, self.model.local.tp_rank);
+        if tp == 1 {
+            return values;
+        }
+        let (name, shape) = &self.global[i];
+        TpSharding::of(name).cut(&values, shape, tp, tp_rank)
+    }
+
+    /// Whole values of tensor `i` (or, with `moment`, of an AdamW moment) a run starts from without
+    /// a checkpoint of its own: the initial model's, else a fresh initialisation (moments zero).
+    fn fresh(&self, moment: Option<&str>, i: usize) -> Result<Vec<f32>> {
+        let (name, shape) = &self.global[i];
+        let numel = shape.iter().product();
+        if let Some(from) = self
+            .initial
+            .as_ref()
+            .map(|x| x.values(moment, i, name, shape))
+        {
+            if let Some(values) = from? {
+                return Ok(values);
+            }
+        }
+        Ok(match moment {
+            None => crate::model::init::init_param(&self.model.args, name, numel, self.seed),
+            Some(_) => vec![0.0; numel],
+        })
+    }
+
+    /// Tensor `i` (or a moment) from `ckpt`: this rank's shard as it was saved, else its
+    /// tensor-parallel part of the whole values.
+    fn checkpointed(
+        &self,
+        ckpt: &HostCheckpoint,
+        moment: Option<&str>,
+        i: usize,
+    ) -> Result<StartValues> {
+        let (name, shape) = &self.global[i];
+        let own = ckpt
+            .own_shard(moment, name, &self.specs[i].1)
+            .map_err(cannot_resume)?;
+        match own {
+            Some(shard) => Ok(StartValues::Shard(shard)),
+            None => ckpt
+                .values(moment, name, shape)
+                .map(|v| StartValues::Full(self.tp_part(i, v)))
+                .map_err(cannot_resume),
+        }
+    }
+
+    /// FSDP's start values of tensor `i` (or a moment): nothing for a tensor another pipeline rank
+    /// holds, else the checkpoint's or the fresh ones.
+    fn start_values(&self, moment: Option<&str>, i: usize) -> Result<StartValues> {
+        if !self.here(i) {
+            return Ok(StartValues::Full(Vec::new()));
+        }
+        match &self.ckpt {
+            Some(ckpt) => self.checkpointed(ckpt, moment, i),
+            None => Ok(StartValues::Full(self.tp_part(i, self.fresh(moment, i)?))),
+        }
+    }
+}
+
+/// FSDP: this rank's shards of the weights and the AdamW moments (the full values cut one tensor
+/// at a time on the host); the weights and gradients are unallocated working sets.
+fn sharded_start<B: Backend>(
+    be: &B,
+    source: &Source<'_, B>,
+    d: &Distributed,
+    inputs: StartInputs<'_, B>,
+) -> Result<StartState<B>> {
+    let shard = d.shard.clone().expect("FSDP mode has a shard group");
+    // A pipeline rank shards only its stages' tensors; the others are empty here.
+    let fsdp_specs: Vec<(String, Vec<usize>)> = source
+        .specs
+        .iter()
+        .enumerate()
+        .map(|(i, (n, s))| (n.clone(), if source.here(i) { s.clone() } else { vec![0] }))
+        .collect();
+    let f = Fsdp::new(
+        be,
+        shard,
+        d.replicate.clone(),
+        inputs.queue,
+        inputs.experts,
+        inputs.model,
+        &fsdp_specs,
+        &|i| source.start_values(None, i),
+        inputs.reshard,
+        inputs.param_dtype,
+    )?;
+    let opt = AdamW {
+        exp_avg: f.shard_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
+        exp_avg_sq: f.shard_from(be, &|i| source.start_values(Some("exp_avg_sq."), i))?,
+        cfg: inputs.cfg.optimizer.clone(),
+    };
+    Ok(StartState {
+        params: ParamSet::unallocated(be, &source.specs),
+        grads: ParamSet::unallocated(be, &source.specs),
+        opt,
+        fsdp: Some(f),
+        resumed: None,
+    })
+}
+
+/// Whole weights and AdamW moments on this rank (one process, DDP, or the tensor-parallel parts):
+/// the checkpoint's, the initial model's or freshly initialised; gradients zero.
+fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Result<StartState<B>> {
+    let specs = &source.specs;
+    let mut params = ParamSet::zeros(be, specs);
+    let mut opt = AdamW::new(be, specs, cfg.optimizer.clone());
+    let tp = source.model.local.tp;
+    match &source.ckpt {
+        Some(ckpt) => {
+            for (set, moment) in [
+                (&mut params, None),
+                (&mut opt.exp_avg, Some("exp_avg.")),
+                (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
+            ] {
+                for i in (0..source.global.len()).filter(|&i| source.here(i)) {
+                    let (StartValues::Shard(values) | StartValues::Full(values)) =
+                        source.checkpointed(ckpt, moment, i)?;
+                    set.bufs[i] = be.upload(&values);
+                }
+            }
+        }
+        None if tp == 1 && source.initial.is_none() => {
+            params = init_params(be, &source.model.args, source.seed)
+        }
+        None => {
+            for (set, moment) in [
+                (&mut params, None),
+                (&mut opt.exp_avg, Some("exp_avg.")),
+                (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
+            ] {
+                if moment.is_some() && source.initial.is_none() {
+                    continue; // AdamW::new's zeros
+                }
+                for i in 0..source.global.len() {
+                    set.bufs[i] = be.upload(&source.tp_part(i, source.fresh(moment, i)?));
+                }
+            }
+        }
+    }
     Ok(StartState {
         params,
-        grads,
+        grads: ParamSet::zeros(be, specs),
         opt,
-        fsdp: fsdp_state,
-        resumed,
+        fsdp: None,
+        resumed: None,
     })
 }

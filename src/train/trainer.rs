@@ -17,7 +17,6 @@ use super::profiler::StepProfiler;
 use super::save::save_checkpoint;
 use super::step::train_step;
 use super::threads::init_rank_threads;
-pub use super::threads::init_threads;
 use super::validate::Validator;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
