@@ -6,6 +6,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use titan::backend::{GemmOutput, GemmShape};
 
 use titan::backend::cpu::CpuBackend;
 use titan::backend::crosscheck::{check_ops, rel_err, Tolerances};
@@ -251,14 +252,10 @@ impl Backend for SkewedDkBackend {
         out: &mut Vec<f32>,
         a: &Vec<f32>,
         b: &Vec<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-        ta: bool,
-        tb: bool,
-        acc: bool,
+        shape: GemmShape,
+        output: GemmOutput,
     ) {
-        self.cpu.matmul(out, a, b, m, k, n, ta, tb, acc)
+        self.cpu.matmul(out, a, b, shape, output)
     }
     fn embedding_forward(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &[u32], dim: usize) {
         self.cpu.embedding_forward(out, table, ids, dim)

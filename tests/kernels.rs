@@ -6,6 +6,7 @@ use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::rope::{rope_tables, RopeScaling};
 use titan::backend::cpu::CpuBackend;
 use titan::backend::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
+use titan::backend::{GemmOutput, GemmShape};
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
     (0..n)
@@ -185,10 +186,34 @@ fn matmul_all_transpose_combinations() {
                 let c0 = rounded(rand_vec(&mut rng, m * n, 1.0));
                 let want = ref_matmul(&a, &b, m, k, n, ta, tb);
                 let mut out = f32s(&c0);
-                be.matmul(&mut out, &f32s(&a), &f32s(&b), m, k, n, ta, tb, false);
+                be.matmul(
+                    &mut out,
+                    &f32s(&a),
+                    &f32s(&b),
+                    GemmShape {
+                        m,
+                        k,
+                        n,
+                        trans_a: ta,
+                        trans_b: tb,
+                    },
+                    GemmOutput::Overwrite,
+                );
                 assert_close("matmul", &out, &want, 1e-5, 1e-5);
                 let mut acc = f32s(&c0);
-                be.matmul(&mut acc, &f32s(&a), &f32s(&b), m, k, n, ta, tb, true);
+                be.matmul(
+                    &mut acc,
+                    &f32s(&a),
+                    &f32s(&b),
+                    GemmShape {
+                        m,
+                        k,
+                        n,
+                        trans_a: ta,
+                        trans_b: tb,
+                    },
+                    GemmOutput::Accumulate,
+                );
                 let want_acc: Vec<f64> = want.iter().zip(&c0).map(|(x, y)| x + y).collect();
                 assert_close("matmul accumulate", &acc, &want_acc, 1e-5, 1e-5);
             }

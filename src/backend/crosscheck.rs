@@ -3,6 +3,7 @@
 //! the largest relative error of each output reported. `titan cuda check` prints this table; the
 //! tests run it CPU-vs-CPU and against a deliberately broken backend to prove it can fail.
 
+use crate::backend::{GemmOutput, GemmShape};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -98,10 +99,32 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 let (ra, tav) = self.both(&a);
                 let (rb, tbv) = self.both(&b);
                 let (mut rc, mut tc) = self.both(&c);
-                self.reference
-                    .matmul(&mut rc, &ra, &rb, m, k, n, ta, tb, accumulate);
-                self.test
-                    .matmul(&mut tc, &tav, &tbv, m, k, n, ta, tb, accumulate);
+                self.reference.matmul(
+                    &mut rc,
+                    &ra,
+                    &rb,
+                    GemmShape {
+                        m,
+                        k,
+                        n,
+                        trans_a: ta,
+                        trans_b: tb,
+                    },
+                    GemmOutput::accumulate_if(accumulate),
+                );
+                self.test.matmul(
+                    &mut tc,
+                    &tav,
+                    &tbv,
+                    GemmShape {
+                        m,
+                        k,
+                        n,
+                        trans_a: ta,
+                        trans_b: tb,
+                    },
+                    GemmOutput::accumulate_if(accumulate),
+                );
                 let name = format!(
                     "matmul {}{}{}",
                     if ta { "Aᵀ" } else { "A" },
@@ -129,10 +152,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (rb, tb) = self.both(&b);
         let (rr, tr) = self.both(&residual);
         let (mut ro, mut to) = self.both(&stale);
-        self.reference
-            .matmul_add(&mut ro, &rr, &ra, &rb, m, k, n, false, true);
-        self.test
-            .matmul_add(&mut to, &tr, &ta, &tb, m, k, n, false, true);
+        self.reference.matmul_add(
+            &mut ro,
+            &rr,
+            &ra,
+            &rb,
+            GemmShape::new(m, k, n).b_transposed(),
+        );
+        self.test.matmul_add(
+            &mut to,
+            &tr,
+            &ta,
+            &tb,
+            GemmShape::new(m, k, n).b_transposed(),
+        );
         self.compare("matmul_add (residual + A·Bᵀ)", &ro, &to, self.tol.gemm);
         self.compare("matmul_add leaves the residual", &rr, &tr, self.tol.exact);
     }
@@ -156,18 +189,38 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             ("matmul reusing A", (&rb1, &tb1)),
             ("matmul reusing A again", (&rb2, &tb2)),
         ] {
-            self.reference
-                .matmul(&mut ro, &ra, b.0, m, k, n, false, false, false);
-            self.test
-                .matmul(&mut to, &ta, b.1, m, k, n, false, false, false);
+            self.reference.matmul(
+                &mut ro,
+                &ra,
+                b.0,
+                GemmShape::new(m, k, n),
+                GemmOutput::Overwrite,
+            );
+            self.test.matmul(
+                &mut to,
+                &ta,
+                b.1,
+                GemmShape::new(m, k, n),
+                GemmOutput::Overwrite,
+            );
             self.compare(name, &ro, &to, self.tol.gemm);
         }
         self.reference.copy_from(&mut ra, &ran);
         self.test.copy_from(&mut ta, &tan);
-        self.reference
-            .matmul(&mut ro, &ra, &rb2, m, k, n, false, false, false);
-        self.test
-            .matmul(&mut to, &ta, &tb2, m, k, n, false, false, false);
+        self.reference.matmul(
+            &mut ro,
+            &ra,
+            &rb2,
+            GemmShape::new(m, k, n),
+            GemmOutput::Overwrite,
+        );
+        self.test.matmul(
+            &mut to,
+            &ta,
+            &tb2,
+            GemmShape::new(m, k, n),
+            GemmOutput::Overwrite,
+        );
         self.compare("matmul after A was rewritten", &ro, &to, self.tol.gemm);
     }
 
@@ -178,10 +231,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let b = self.random(n * k, 1.0);
         let (rb, tb) = self.both(&b);
         let (mut rc, mut tc) = (self.reference.zeros(rows * n), self.test.zeros(rows * n));
-        self.reference
-            .matmul(&mut rc, r_out, &rb, rows, k, n, false, true, false);
-        self.test
-            .matmul(&mut tc, t_out, &tb, rows, k, n, false, true, false);
+        self.reference.matmul(
+            &mut rc,
+            r_out,
+            &rb,
+            GemmShape::new(rows, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
+        self.test.matmul(
+            &mut tc,
+            t_out,
+            &tb,
+            GemmShape::new(rows, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
         self.compare(op, &rc, &tc, self.tol.gemm);
     }
 
@@ -201,14 +264,34 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 (self.both(&x), self.both(&w1), self.both(&w3));
             let (mut rg, mut tg) = self.bf16_activations(rows * hidden);
             let (mut ru, mut tu) = self.bf16_activations(rows * hidden);
-            self.reference
-                .matmul(&mut rg, &rx, &rw1, rows, dim, hidden, false, true, false);
-            self.test
-                .matmul(&mut tg, &tx, &tw1, rows, dim, hidden, false, true, false);
-            self.reference
-                .matmul(&mut ru, &rx, &rw3, rows, dim, hidden, false, true, false);
-            self.test
-                .matmul(&mut tu, &tx, &tw3, rows, dim, hidden, false, true, false);
+            self.reference.matmul(
+                &mut rg,
+                &rx,
+                &rw1,
+                GemmShape::new(rows, dim, hidden).b_transposed(),
+                GemmOutput::Overwrite,
+            );
+            self.test.matmul(
+                &mut tg,
+                &tx,
+                &tw1,
+                GemmShape::new(rows, dim, hidden).b_transposed(),
+                GemmOutput::Overwrite,
+            );
+            self.reference.matmul(
+                &mut ru,
+                &rx,
+                &rw3,
+                GemmShape::new(rows, dim, hidden).b_transposed(),
+                GemmOutput::Overwrite,
+            );
+            self.test.matmul(
+                &mut tu,
+                &tx,
+                &tw3,
+                GemmShape::new(rows, dim, hidden).b_transposed(),
+                GemmOutput::Overwrite,
+            );
             let what = format!("{rows}x{dim}x{hidden}");
             self.compare(
                 &format!("matmul into a bf16 activation ({what})"),
@@ -229,10 +312,18 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             let ((rdy, tdy), (rw2, tw2)) = (self.both(&dy), self.both(&w2));
             let (mut rdact, mut tdact) = self.bf16_activations(rows * hidden);
             self.reference.matmul(
-                &mut rdact, &rdy, &rw2, rows, dim, hidden, false, false, false,
+                &mut rdact,
+                &rdy,
+                &rw2,
+                GemmShape::new(rows, dim, hidden),
+                GemmOutput::Overwrite,
             );
             self.test.matmul(
-                &mut tdact, &tdy, &tw2, rows, dim, hidden, false, false, false,
+                &mut tdact,
+                &tdy,
+                &tw2,
+                GemmShape::new(rows, dim, hidden),
+                GemmOutput::Overwrite,
             );
             let (mut rdg, mut tdg) = self.bf16_activations(rows * hidden);
             let (mut rdu, mut tdu) = self.bf16_activations(rows * hidden);
@@ -319,10 +410,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             self.reference.zeros(rows * dim),
             self.test.zeros(rows * dim),
         );
-        self.reference
-            .matmul_add(&mut rh, &rres, &ra, &rw2, rows, dim, dim, false, true);
-        self.test
-            .matmul_add(&mut th, &tres, &ta, &tw2, rows, dim, dim, false, true);
+        self.reference.matmul_add(
+            &mut rh,
+            &rres,
+            &ra,
+            &rw2,
+            GemmShape::new(rows, dim, dim).b_transposed(),
+        );
+        self.test.matmul_add(
+            &mut th,
+            &tres,
+            &ta,
+            &tw2,
+            GemmShape::new(rows, dim, dim).b_transposed(),
+        );
         self.compare("matmul_add on swiglu's output", &rh, &th, self.tol.gemm);
         // SwiGLU's gradients, which only GEMMs read: GEMM operands, as in the model's workspace.
         let (mut rdg, mut tdg) = (
@@ -751,10 +852,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let x = self.random(m * k, 1.0);
         let (rx, tx) = self.both(&x);
         let (mut ro, mut to) = (self.reference.zeros(m * n), self.test.zeros(m * n));
-        self.reference
-            .matmul(&mut ro, &rx, &rp[2], m, k, n, false, true, false);
-        self.test
-            .matmul(&mut to, &tx, &tp[2], m, k, n, false, true, false);
+        self.reference.matmul(
+            &mut ro,
+            &rx,
+            &rp[2],
+            GemmShape::new(m, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
+        self.test.matmul(
+            &mut to,
+            &tx,
+            &tp[2],
+            GemmShape::new(m, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
         self.reference
             .adamw_step_all(&mut rp, &rg, &mut rm, &mut rv, hp);
         self.test.adamw_step_all(&mut tp, &tg, &mut tm, &mut tv, hp);
@@ -766,10 +877,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             let (rv, tv) = (download_all(self.reference, r), download_all(self.test, t));
             self.record(&format!("adamw_step_all {what}"), &tv, &rv, self.tol.exact);
         }
-        self.reference
-            .matmul(&mut ro, &rx, &rp[2], m, k, n, false, true, false);
-        self.test
-            .matmul(&mut to, &tx, &tp[2], m, k, n, false, true, false);
+        self.reference.matmul(
+            &mut ro,
+            &rx,
+            &rp[2],
+            GemmShape::new(m, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
+        self.test.matmul(
+            &mut to,
+            &tx,
+            &tp[2],
+            GemmShape::new(m, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
         self.compare(
             "matmul on a parameter after its update",
             &ro,
@@ -795,10 +916,20 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         );
         self.record("copy_rounded_to_bf16_all", &tc, &rc, 0.0);
         // A GEMM reading a compute-copy tensor: on a device it reads the bf16 twin the copy wrote.
-        self.reference
-            .matmul(&mut ro, &rx, &rm[2], m, k, n, false, true, false);
-        self.test
-            .matmul(&mut to, &tx, &tm[2], m, k, n, false, true, false);
+        self.reference.matmul(
+            &mut ro,
+            &rx,
+            &rm[2],
+            GemmShape::new(m, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
+        self.test.matmul(
+            &mut to,
+            &tx,
+            &tm[2],
+            GemmShape::new(m, k, n).b_transposed(),
+            GemmOutput::Overwrite,
+        );
         self.compare("matmul on the compute copy", &ro, &to, self.tol.gemm);
         self.reference.fill_all(&mut rv, 0.25);
         self.test.fill_all(&mut tv, 0.25);

@@ -50,6 +50,66 @@ impl AttnShape {
     }
 }
 
+/// The shape of one matrix product `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]` and how its operands
+/// are stored: `a` as `[m,k]`, or `[k,m]` when `trans_a`; `b` as `[k,n]`, or `[n,k]` when
+/// `trans_b`. Built by name: `GemmShape::new(rows, d_in, d_out).b_transposed()` is `x · Wᵀ`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+}
+
+impl GemmShape {
+    /// `[m,k] · [k,n]`, both operands stored as they are multiplied.
+    pub fn new(m: usize, k: usize, n: usize) -> Self {
+        GemmShape {
+            m,
+            k,
+            n,
+            trans_a: false,
+            trans_b: false,
+        }
+    }
+    /// `a` is stored `[k,m]` and read transposed (a weight gradient `dyᵀ · x`).
+    pub fn a_transposed(self) -> Self {
+        GemmShape {
+            trans_a: true,
+            ..self
+        }
+    }
+    /// `b` is stored `[n,k]` and read transposed (a linear layer `x · Wᵀ`).
+    pub fn b_transposed(self) -> Self {
+        GemmShape {
+            trans_b: true,
+            ..self
+        }
+    }
+}
+
+/// Whether a matrix product replaces its output or is added to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmOutput {
+    Overwrite,
+    Accumulate,
+}
+
+impl GemmOutput {
+    /// `Accumulate` when `accumulate`, else `Overwrite`.
+    pub fn accumulate_if(accumulate: bool) -> Self {
+        if accumulate {
+            GemmOutput::Accumulate
+        } else {
+            GemmOutput::Overwrite
+        }
+    }
+    pub fn accumulates(self) -> bool {
+        self == GemmOutput::Accumulate
+    }
+}
+
 /// AdamW hyper-parameters for one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {
@@ -170,40 +230,30 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     // ---- linear algebra ----
-    /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`. `a` is stored `[m,k]`, or `[k,m]` when `trans_a`;
-    /// `b` is stored `[k,n]`, or `[n,k]` when `trans_b`. With `accumulate` the product is added.
-    #[allow(clippy::too_many_arguments)]
+    /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]` (see `GemmShape`); with `GemmOutput::Accumulate`
+    /// the product is added.
     fn matmul(
         &self,
         out: &mut Self::Buf,
         a: &Self::Buf,
         b: &Self::Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
+        shape: GemmShape,
+        output: GemmOutput,
     );
 
     /// `out[m,n] = residual[m,n] + op(a)[m,k] · op(b)[k,n]`, operands as in `matmul`: a residual
     /// connection. Here a copy and an accumulating `matmul`; a device has its GEMM read `residual`
     /// as the addend instead of copying it first.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_add(
         &self,
         out: &mut Self::Buf,
         residual: &Self::Buf,
         a: &Self::Buf,
         b: &Self::Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
+        shape: GemmShape,
     ) {
         self.copy_from(out, residual);
-        self.matmul(out, a, b, m, k, n, trans_a, trans_b, true);
+        self.matmul(out, a, b, shape, GemmOutput::Accumulate);
     }
 
     // ---- embedding ----
@@ -374,7 +424,13 @@ pub trait Backend: Send + Sync + 'static {
         dim: usize,
         vocab: usize,
     ) {
-        self.matmul(out, h, weight, rows, dim, vocab, false, true, false);
+        self.matmul(
+            out,
+            h,
+            weight,
+            GemmShape::new(rows, dim, vocab).b_transposed(),
+            GemmOutput::Overwrite,
+        );
     }
 
     // ---- optimizer ----

@@ -5,6 +5,7 @@
 //! exposed. One process on the debug model is comparable with `shared/bench/torch_llama_cpu.py`.
 //! Also `bench gemm` and `bench comm`.
 
+use crate::backend::{GemmOutput, GemmShape};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -313,7 +314,19 @@ pub fn run_gemm(threads: usize, extra: &[String]) -> Result<()> {
         for _ in 0..6 {
             let t0 = Instant::now();
             for _ in 0..reps {
-                be.matmul(&mut out, &a, &b, m, k, n, trans_a, trans_b, false);
+                be.matmul(
+                    &mut out,
+                    &a,
+                    &b,
+                    GemmShape {
+                        m,
+                        k,
+                        n,
+                        trans_a,
+                        trans_b,
+                    },
+                    GemmOutput::Overwrite,
+                );
             }
             best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
         }

@@ -3,6 +3,7 @@
 //! in, instead of GEMM calls with transposes and accumulate flags.
 
 use crate::backend::Backend;
+use crate::backend::{GemmOutput, GemmShape};
 
 /// A projection from `d_in` to `d_out` features over a number of token rows.
 #[derive(Debug, Clone, Copy)]
@@ -18,7 +19,13 @@ impl Linear {
 
     /// `y = x · Wᵀ` (`x` `[rows, d_in]`, `y` `[rows, d_out]`).
     pub fn forward<B: Backend>(&self, be: &B, y: &mut B::Buf, x: &B::Buf, w: &B::Buf, rows: usize) {
-        be.matmul(y, x, w, rows, self.d_in, self.d_out, false, true, false);
+        be.matmul(
+            y,
+            x,
+            w,
+            GemmShape::new(rows, self.d_in, self.d_out).b_transposed(),
+            GemmOutput::Overwrite,
+        );
     }
 
     /// `y += x · Wᵀ`: a projection added into the residual stream in place.
@@ -30,7 +37,13 @@ impl Linear {
         w: &B::Buf,
         rows: usize,
     ) {
-        be.matmul(y, x, w, rows, self.d_in, self.d_out, false, true, true);
+        be.matmul(
+            y,
+            x,
+            w,
+            GemmShape::new(rows, self.d_in, self.d_out).b_transposed(),
+            GemmOutput::Accumulate,
+        );
     }
 
     /// `y = residual + x · Wᵀ`: a projection back into the residual stream.
@@ -43,7 +56,13 @@ impl Linear {
         w: &B::Buf,
         rows: usize,
     ) {
-        be.matmul_add(y, residual, x, w, rows, self.d_in, self.d_out, false, true);
+        be.matmul_add(
+            y,
+            residual,
+            x,
+            w,
+            GemmShape::new(rows, self.d_in, self.d_out).b_transposed(),
+        );
     }
 
     /// `dx = dy · W`.
@@ -55,7 +74,13 @@ impl Linear {
         w: &B::Buf,
         rows: usize,
     ) {
-        be.matmul(dx, dy, w, rows, self.d_out, self.d_in, false, false, false);
+        be.matmul(
+            dx,
+            dy,
+            w,
+            GemmShape::new(rows, self.d_out, self.d_in),
+            GemmOutput::Overwrite,
+        );
     }
 
     /// `dx += dy · W` (a layer whose input feeds several projections).
@@ -67,7 +92,13 @@ impl Linear {
         w: &B::Buf,
         rows: usize,
     ) {
-        be.matmul(dx, dy, w, rows, self.d_out, self.d_in, false, false, true);
+        be.matmul(
+            dx,
+            dy,
+            w,
+            GemmShape::new(rows, self.d_out, self.d_in),
+            GemmOutput::Accumulate,
+        );
     }
 
     /// `dW += dyᵀ · x`.
@@ -79,6 +110,12 @@ impl Linear {
         x: &B::Buf,
         rows: usize,
     ) {
-        be.matmul(dw, dy, x, self.d_out, rows, self.d_in, true, false, true);
+        be.matmul(
+            dw,
+            dy,
+            x,
+            GemmShape::new(self.d_out, rows, self.d_in).a_transposed(),
+            GemmOutput::Accumulate,
+        );
     }
 }

@@ -27,6 +27,7 @@
 //! thread. The loss's softmax statistics and the replicated weights' gradient sum always take
 //! the host path (a few floats per row, and once per step).
 
+use crate::backend::{GemmOutput, GemmShape};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -334,9 +335,21 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
                     }
                 });
             let dlogits = be.upload(&logits);
-            be.matmul(&mut dh_chunk, &dlogits, w, n, vocab, d, false, false, false);
+            be.matmul(
+                &mut dh_chunk,
+                &dlogits,
+                w,
+                GemmShape::new(n, vocab, d),
+                GemmOutput::Overwrite,
+            );
             be.add_range(dh, r0 * d, &dh_chunk, 0, n * d);
-            be.matmul(dw, &dlogits, &h_chunk, vocab, n, d, true, false, true);
+            be.matmul(
+                dw,
+                &dlogits,
+                &h_chunk,
+                GemmShape::new(vocab, n, d).a_transposed(),
+                GemmOutput::Accumulate,
+            );
         }
         Ok(total)
     }

@@ -7,6 +7,7 @@
 //! vocabulary, 256 rows of the debug model's 2k). Chunking rows rather than the vocabulary keeps
 //! each row's softmax exact in one pass; vocabulary chunks would need the logits computed twice.
 
+use crate::backend::{GemmOutput, GemmShape};
 use rayon::prelude::*;
 
 use super::{matmul::matmul, rows::cross_entropy_row};
@@ -47,7 +48,13 @@ pub fn cross_entropy_forward_backward(
         let hc = &h[r0 * dim..(r0 + n) * dim];
         let tc = &targets[r0..r0 + n];
         let lc = &mut logits[..n * vocab];
-        matmul(lc, hc, weight, n, dim, vocab, false, true, false);
+        matmul(
+            lc,
+            hc,
+            weight,
+            GemmShape::new(n, dim, vocab).b_transposed(),
+            GemmOutput::Overwrite,
+        );
         let want_grad = grads.is_some();
         lc.par_chunks_mut(vocab)
             .zip(row_loss[..n].par_iter_mut())
@@ -77,14 +84,16 @@ pub fn cross_entropy_forward_backward(
                 &mut dh[r0 * dim..(r0 + n) * dim],
                 lc,
                 weight,
-                n,
-                vocab,
-                dim,
-                false,
-                false,
-                true,
+                GemmShape::new(n, vocab, dim),
+                GemmOutput::Accumulate,
             );
-            matmul(dweight, lc, hc, vocab, n, dim, true, false, true);
+            matmul(
+                dweight,
+                lc,
+                hc,
+                GemmShape::new(vocab, n, dim).a_transposed(),
+                GemmOutput::Accumulate,
+            );
         }
     }
     total

@@ -2,23 +2,21 @@
 //!
 //! `gemm` takes arbitrary row/column strides, so transposed operands are read in place.
 
+use crate::backend::{GemmOutput, GemmShape};
 use gemm::Parallelism;
 
 /// Below this many multiply-adds threading costs more than it saves.
 const PARALLEL_MIN_FLOPS: usize = 48 * 48 * 48;
 
-#[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    out: &mut [f32],
-    a: &[f32],
-    b: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-    trans_a: bool,
-    trans_b: bool,
-    accumulate: bool,
-) {
+pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], shape: GemmShape, output: GemmOutput) {
+    let GemmShape {
+        m,
+        k,
+        n,
+        trans_a,
+        trans_b,
+    } = shape;
+    let accumulate = output.accumulates();
     assert!(
         out.len() >= m * n,
         "matmul: out holds {} < {m}x{n}",

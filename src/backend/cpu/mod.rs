@@ -18,6 +18,7 @@ pub mod rope;
 mod rows;
 pub(crate) mod simd;
 
+use crate::backend::{GemmOutput, GemmShape};
 use std::sync::Mutex;
 
 use rayon::prelude::*;
@@ -129,15 +130,11 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
         a: &Vec<f32>,
         b: &Vec<f32>,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
+        shape: GemmShape,
+        output: GemmOutput,
     ) {
         let _timer = self.profiler.time("matmul");
-        matmul::matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate);
+        matmul::matmul(out, a, b, shape, output);
     }
     fn embedding_forward(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time("embedding_forward");

@@ -10,6 +10,7 @@
 //! descriptors and the heuristic's algorithm are cached per shape: after the first step no call
 //! allocates or queries the heuristic again.
 
+use crate::backend::{GemmOutput, GemmShape};
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -93,11 +94,7 @@ struct ScratchSlot {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct GemmKey {
-    m: usize,
-    k: usize,
-    n: usize,
-    trans_a: bool,
-    trans_b: bool,
+    shape: GemmShape,
     /// The output (cuBLASLt's C and D) is bf16: bf16 inputs only, no fallback to fp32.
     bf16_output: bool,
 }
@@ -222,7 +219,7 @@ impl Gemm {
         let desc =
             lt::create_matmul_desc(compute, f32t).map_err(|e| lt_err("matmul descriptor", e))?;
         // cuBLASLt's A is our b, its B is our a (see the module doc).
-        let (op_a, op_b) = (key.trans_b as i32, key.trans_a as i32);
+        let (op_a, op_b) = (key.shape.trans_b as i32, key.shape.trans_a as i32);
         // SAFETY: desc is live; the attribute values are i32 as cuBLASLt documents.
         unsafe {
             for (attr, op) in [
@@ -244,10 +241,18 @@ impl Gemm {
                 .map_err(|e| lt_err("transpose attribute", e))?;
             }
         }
-        let (m, k, n) = (key.m as u64, key.k as u64, key.n as u64);
+        let (m, k, n) = (key.shape.m as u64, key.shape.k as u64, key.shape.n as u64);
         // Stored (rows, cols, ld) of each operand in column-major terms.
-        let b_layout = if key.trans_b { (k, n, k) } else { (n, k, n) };
-        let a_layout = if key.trans_a { (m, k, m) } else { (k, m, k) };
+        let b_layout = if key.shape.trans_b {
+            (k, n, k)
+        } else {
+            (n, k, n)
+        };
+        let a_layout = if key.shape.trans_a {
+            (m, k, m)
+        } else {
+            (k, m, k)
+        };
         let c_layout = (n, m, n);
         let mut layouts = [std::ptr::null_mut(); 3];
         for ((slot, (r, c, ld)), dtype) in layouts
@@ -285,11 +290,11 @@ impl Gemm {
             anyhow!(
                 "cuBLASLt has no algorithm for a {}x{}x{} GEMM (trans_a {}, trans_b {}) with \
                  {compute:?}{}{}: {e:?}",
-                key.m,
-                key.k,
-                key.n,
-                key.trans_a,
-                key.trans_b,
+                key.shape.m,
+                key.shape.k,
+                key.shape.n,
+                key.shape.trans_a,
+                key.shape.trans_b,
                 if bf16_inputs { " on bf16 inputs" } else { "" },
                 if key.bf16_output { " into bf16" } else { "" },
             )
@@ -305,20 +310,9 @@ impl Gemm {
     /// Whether the GEMM of this shape reads its operands in bf16 (bf16 precision, and cuBLASLt
     /// had a tensor-core algorithm for it): then a producer may write an operand in bf16 only at
     /// no extra cost (an fp32 GEMM would widen it first).
-    pub fn reads_bf16(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-    ) -> Result<bool> {
+    pub fn reads_bf16(&self, shape: GemmShape) -> Result<bool> {
         let key = GemmKey {
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
+            shape,
             bf16_output: false,
         };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
@@ -327,16 +321,12 @@ impl Gemm {
 
     /// Whether cuBLASLt can write the product of this shape in bf16 (`matmul_to_bf16`): bf16
     /// precision and an algorithm for bf16 inputs and output.
-    pub fn writes_bf16(&self, m: usize, k: usize, n: usize, trans_a: bool, trans_b: bool) -> bool {
+    pub fn writes_bf16(&self, shape: GemmShape) -> bool {
         if self.precision != GemmPrecision::BFloat16 {
             return false;
         }
         let key = GemmKey {
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
+            shape,
             bf16_output: true,
         };
         let mut refused = self
@@ -367,42 +357,40 @@ impl Gemm {
     }
 
     /// `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]`, row-major, as in `Backend::matmul`.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul(
         &self,
         out: &mut impl DevicePtrMut<f32>,
         a: GemmInput,
         b: GemmInput,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
+        shape: GemmShape,
+        output: GemmOutput,
     ) -> Result<()> {
+        let accumulate = output.accumulates();
         let addend = if accumulate {
             Addend::Output
         } else {
             Addend::None
         };
         let (out, _ro) = out.device_ptr_mut(&self.stream);
-        self.matmul_with(Output::F32(out), addend, a, b, m, k, n, trans_a, trans_b)
+        self.matmul_with(Output::F32(out), addend, a, b, shape)
     }
 
     /// `out[m,n] = op(a)[m,k] · op(b)[k,n]` written in bf16 (rounded from the fp32 accumulator),
     /// for an output kept in bf16 alone; only where `writes_bf16` said so.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_to_bf16(
         &self,
         out: &mut CudaSlice<u16>,
         a: GemmInput,
         b: GemmInput,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
+        shape: GemmShape,
     ) -> Result<()> {
+        let GemmShape {
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+        } = shape;
         assert!(out.len() >= m * n, "bf16 GEMM output too small");
         let (out, _ro) = out.device_ptr_mut(&self.stream);
         self.matmul_with(
@@ -410,57 +398,59 @@ impl Gemm {
             Addend::None,
             a,
             b,
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
+            GemmShape {
+                m,
+                k,
+                n,
+                trans_a,
+                trans_b,
+            },
         )
     }
 
     /// `out[m,n] = addend[m,n] + op(a)[m,k] · op(b)[k,n]` with `addend` an f32 device address of
     /// m·n values that does not overlap `out` (cuBLASLt's C beside its D): a residual connection
     /// without copying the residual into `out` first.
-    #[allow(clippy::too_many_arguments)]
     pub fn matmul_add(
         &self,
         out: &mut impl DevicePtrMut<f32>,
         addend: u64,
         a: GemmInput,
         b: GemmInput,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
+        shape: GemmShape,
     ) -> Result<()> {
+        let GemmShape {
+            m,
+            k,
+            n,
+            trans_a,
+            trans_b,
+        } = shape;
         let (out, _ro) = out.device_ptr_mut(&self.stream);
         self.matmul_with(
             Output::F32(out),
             Addend::Other(addend),
             a,
             b,
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
+            GemmShape {
+                m,
+                k,
+                n,
+                trans_a,
+                trans_b,
+            },
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn matmul_with(
         &self,
         out: Output,
         addend: Addend,
         a: GemmInput,
         b: GemmInput,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
+        shape: GemmShape,
     ) -> Result<()> {
+        let GemmShape { m, k, n, .. } = shape;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -473,14 +463,7 @@ impl Gemm {
             Output::F32(address) => (address, false),
             Output::Bf16(address) => (address, true),
         };
-        let key = GemmKey {
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
-            bf16_output,
-        };
+        let key = GemmKey { shape, bf16_output };
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let plan = self.cached_plan(&mut plans, key)?;
         // An fp32 plan (cuBLASLt had no bf16 algorithm for this shape) reading an operand kept in

@@ -1,6 +1,7 @@
 //! The fused output projection and cross-entropy: logits in row chunks (`gpu_loss_chunk_rows`),
 //! the loss kernel, and the two gradient GEMMs per chunk; and the scratch memory this takes.
 
+use crate::backend::{GemmOutput, GemmShape};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtrMut, PushKernelArg};
 
 use super::{check_len, Buf, KernelArg};
@@ -84,16 +85,18 @@ impl CudaBackend {
                     &mut dh_chunk,
                     lc,
                     self.buf_input(weight),
-                    n,
-                    vocab,
-                    dim,
-                    false,
-                    false,
-                    true,
+                    GemmShape::new(n, vocab, dim),
+                    GemmOutput::Accumulate,
                 );
                 let mut dw = dweight.slice_mut(0..vocab * dim);
                 let hc = self.view_input(&h_chunk);
-                self.gemm(&mut dw, lc, hc, vocab, n, dim, true, false, true);
+                self.gemm(
+                    &mut dw,
+                    lc,
+                    hc,
+                    GemmShape::new(vocab, n, dim).a_transposed(),
+                    GemmOutput::Accumulate,
+                );
             }
         }
         self.sum_row_losses(&row_loss)
@@ -115,11 +118,7 @@ impl CudaBackend {
                 block,
                 self.view_input(h_chunk),
                 self.buf_input(weight),
-                n,
-                dim,
-                vocab,
-                false,
-                true,
+                GemmShape::new(n, dim, vocab).b_transposed(),
             )
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
@@ -140,12 +139,8 @@ impl CudaBackend {
             &mut lc,
             self.view_input(h_chunk),
             self.buf_input(weight),
-            n,
-            dim,
-            vocab,
-            false,
-            true,
-            false,
+            GemmShape::new(n, dim, vocab).b_transposed(),
+            GemmOutput::Overwrite,
         );
         let (address, _sync) = lc.device_ptr_mut(&self.stream);
         address
@@ -210,7 +205,13 @@ impl CudaBackend {
                 .into_iter()
                 .all(|(m, k, nn, ta)| {
                     self.gemm
-                        .reads_bf16(m, k, nn, ta, false)
+                        .reads_bf16(GemmShape {
+                            m,
+                            k,
+                            n: nn,
+                            trans_a: ta,
+                            trans_b: false,
+                        })
                         .unwrap_or_else(|e| panic!("{e:#}"))
                 })
     }
@@ -218,7 +219,10 @@ impl CudaBackend {
     /// Whether the loss's logits for a chunk of `n` rows are written in bf16 alone (with the bf16
     /// activations on, where cuBLASLt can write that product in bf16).
     fn loss_logits_in_bf16(&self, n: usize, dim: usize, vocab: usize) -> bool {
-        self.activation_copies && self.gemm.writes_bf16(n, dim, vocab, false, true)
+        self.activation_copies
+            && self
+                .gemm
+                .writes_bf16(GemmShape::new(n, dim, vocab).b_transposed())
     }
 }
 

@@ -1,6 +1,7 @@
 //! Matrix products over cuBLASLt (`gemm.rs`): `matmul` and `matmul_add`, the GEMM inputs made
 //! from buffers and views, and products into outputs kept in bf16 alone.
 
+use crate::backend::{GemmOutput, GemmShape};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::{check_len, Buf};
@@ -36,21 +37,16 @@ impl CudaBackend {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm(
         &self,
         out: &mut impl DevicePtrMut<f32>,
         a: GemmInput,
         b: GemmInput,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
+        shape: GemmShape,
+        output: GemmOutput,
     ) {
         self.gemm
-            .matmul(out, a, b, m, k, n, trans_a, trans_b, accumulate)
+            .matmul(out, a, b, shape, output)
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
 
@@ -58,31 +54,21 @@ impl CudaBackend {
     /// algorithm for it (`Gemm::writes_bf16`), else the f32 product goes through scratch and is
     /// rounded by one more pass (the product rounded to bf16 either way, though the two cuBLASLt
     /// algorithms may sum in different orders).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_to_bf16_only(
-        &self,
-        out: &mut Buf,
-        a: &Buf,
-        b: &Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-    ) {
+    fn matmul_to_bf16_only(&self, out: &mut Buf, a: &Buf, b: &Buf, shape: GemmShape) {
+        let GemmShape { m, k, n, .. } = shape;
         let mut storage = out.take_bf16_storage(|capacity| self.alloc_unzeroed::<u16>(capacity));
         let (a, b) = (self.buf_input(a), self.buf_input(b));
         if k == 0 {
             self.stream
                 .memset_zeros(&mut storage)
                 .unwrap_or_else(|e| panic!("CUDA memset: {e}"));
-        } else if self.gemm.writes_bf16(m, k, n, trans_a, trans_b) {
+        } else if self.gemm.writes_bf16(shape) {
             self.gemm
-                .matmul_to_bf16(&mut storage, a, b, m, k, n, trans_a, trans_b)
+                .matmul_to_bf16(&mut storage, a, b, shape)
                 .unwrap_or_else(|e| panic!("{e:#}"));
         } else {
             let mut product = self.alloc_unzeroed::<f32>(m * n);
-            self.gemm(&mut product, a, b, m, k, n, trans_a, trans_b, false);
+            self.gemm(&mut product, a, b, shape, GemmOutput::Overwrite);
             let (src, _sync) = product.device_ptr(&self.stream);
             launch_to_bf16(
                 &self.stream,
@@ -96,26 +82,23 @@ impl CudaBackend {
         out.keep_bf16_copy(storage);
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_untimed(
         &self,
         out: &mut Buf,
         a: &Buf,
         b: &Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
+        shape: GemmShape,
+        output: GemmOutput,
     ) {
+        let GemmShape { m, k, n, .. } = shape;
+        let accumulate = output.accumulates();
         check_matmul("matmul", a, b, out, m, k, n);
         if out.is_bf16_only() {
             assert!(
                 !accumulate && out.len() == m * n,
                 "matmul: a bf16-only output must be written whole, not accumulated (a titan bug)"
             );
-            return self.matmul_to_bf16_only(out, a, b, m, k, n, trans_a, trans_b);
+            return self.matmul_to_bf16_only(out, a, b, shape);
         }
         if k == 0 {
             // An empty sum: `out` keeps its values (accumulate) or becomes zero.
@@ -125,22 +108,18 @@ impl CudaBackend {
             return;
         }
         let (a, b) = (self.buf_input(a), self.buf_input(b));
-        self.gemm(out.data_mut(), a, b, m, k, n, trans_a, trans_b, accumulate);
+        self.gemm(out.data_mut(), a, b, shape, output);
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn matmul_add_untimed(
         &self,
         out: &mut Buf,
         residual: &Buf,
         a: &Buf,
         b: &Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
+        shape: GemmShape,
     ) {
+        let GemmShape { m, k, n, .. } = shape;
         check_matmul("matmul_add", a, b, out, m, k, n);
         assert!(
             !out.is_bf16_only(),
@@ -155,7 +134,7 @@ impl CudaBackend {
         let addend = residual.device_address(&self.stream);
         let (a, b) = (self.buf_input(a), self.buf_input(b));
         self.gemm
-            .matmul_add(out.data_mut(), addend, a, b, m, k, n, trans_a, trans_b)
+            .matmul_add(out.data_mut(), addend, a, b, shape)
             .unwrap_or_else(|e| panic!("{e:#}"));
     }
 }

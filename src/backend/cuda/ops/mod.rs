@@ -8,6 +8,7 @@
 //! `bf16`, `matmul`, `embedding`, `norm`, `rope`, `attention`, `elementwise`, `loss`, `adamw`, and
 //! `multi_tensor` for the ops over whole parameter lists.
 
+use crate::backend::{GemmOutput, GemmShape};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
@@ -191,36 +192,14 @@ impl Backend for CudaBackend {
         );
     }
 
-    fn matmul(
-        &self,
-        out: &mut Buf,
-        a: &Buf,
-        b: &Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-        accumulate: bool,
-    ) {
+    fn matmul(&self, out: &mut Buf, a: &Buf, b: &Buf, shape: GemmShape, output: GemmOutput) {
         let _timer = self.profiler.time_on("matmul", self);
-        self.matmul_untimed(out, a, b, m, k, n, trans_a, trans_b, accumulate);
+        self.matmul_untimed(out, a, b, shape, output);
     }
 
-    fn matmul_add(
-        &self,
-        out: &mut Buf,
-        residual: &Buf,
-        a: &Buf,
-        b: &Buf,
-        m: usize,
-        k: usize,
-        n: usize,
-        trans_a: bool,
-        trans_b: bool,
-    ) {
+    fn matmul_add(&self, out: &mut Buf, residual: &Buf, a: &Buf, b: &Buf, shape: GemmShape) {
         let _timer = self.profiler.time_on("matmul", self);
-        self.matmul_add_untimed(out, residual, a, b, m, k, n, trans_a, trans_b);
+        self.matmul_add_untimed(out, residual, a, b, shape);
     }
 
     fn embedding_forward(&self, out: &mut Buf, table: &Buf, ids: &[u32], dim: usize) {
