@@ -20,6 +20,7 @@ use super::pipeline::rank::PipelineRank;
 use super::walk::{PassKind, Walk};
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::model::moe::stats::ExpertStats;
 use crate::model::params::TpSharding;
 use crate::model::{Llama, ParamSet, Workspace};
 
@@ -197,11 +198,14 @@ impl<B: Backend> RankLayout<B> {
     /// auxiliary loss, summed over the job (every rank calls this together: the ranks that split the batch and the sequences, the
     /// tensor-parallel ranks, each routing its own rows, and the pipeline's, each holding its own
     /// blocks' counts). None for a dense model.
-    pub fn moe_step_stats(&self) -> Result<Option<MoeStepStats>> {
-        let Some(load) = self.model.take_expert_load() else {
+    pub fn moe_step_stats(&mut self) -> Result<Option<MoeStepStats>> {
+        let Some(ExpertStats {
+            load,
+            aux_loss: aux,
+        }) = self.walk.take_expert_stats()
+        else {
             return Ok(None);
         };
-        let aux = self.model.take_aux_loss();
         let experts = load.first().map_or(0, Vec::len);
         // Exact in f32 up to 2^24 tokens per expert and step.
         let mut flat: Vec<f32> = load.iter().flatten().map(|&c| c as f32).collect();

@@ -32,6 +32,7 @@ use super::pipeline::transfer::{with_transfers, Transfer};
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
+use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::DeferredWeightGrad;
 use crate::model::{Llama, LocalShapes, ParamSet, Workspace};
 
@@ -214,6 +215,18 @@ impl<B: Backend> Walk<B> {
     /// The pipeline group, when this rank is one stage of several.
     pub fn pipeline_group(&self) -> Option<&dyn ProcessGroup> {
         self.group.as_deref()
+    }
+
+    /// The expert load and auxiliary loss the microbatches trained since the last call, summed
+    /// over this rank's workspaces (None for a dense model).
+    pub fn take_expert_stats(&mut self) -> Option<ExpertStats> {
+        let mut slots = self
+            .slots
+            .iter_mut()
+            .filter_map(Workspace::take_expert_stats);
+        let mut total = slots.next()?;
+        slots.for_each(|s| total.add(&s));
+        Some(total)
     }
 
     /// Workspaces this rank keeps (one per microbatch held at once).

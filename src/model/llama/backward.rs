@@ -11,6 +11,7 @@ use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::{AttnShape, Backend};
 use crate::model::moe;
+use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
 use crate::model::params::{FeedForwardIds, LayerIds, ParamSet};
 use crate::model::Workspace;
@@ -91,6 +92,7 @@ impl<B: Backend> Llama<B> {
             dup,
             dact,
             moe,
+            expert_stats,
             ..
         } = ws;
         let run = BackwardRun {
@@ -114,7 +116,8 @@ impl<B: Backend> Llama<B> {
             dact,
         };
         let moe_acts = moe[l].take();
-        self.feed_forward_backward(&run, &mut acts, ffn, grads, moe_acts, l)?;
+        let moe = moe_acts.map(|acts| (acts, expert_stats.as_mut()));
+        self.feed_forward_backward(&run, &mut acts, ffn, grads, moe, l)?;
         let attn = AttentionGrads {
             dx,
             dnormed,
@@ -138,7 +141,7 @@ impl<B: Backend> Llama<B> {
         acts: &mut BlockActs<'_, B>,
         g: FeedForwardGrads<'_, B>,
         grads: &mut ParamSet<B>,
-        moe_acts: Option<moe::MoeActs<B>>,
+        moe_acts: Option<(moe::MoeActs<B>, Option<&mut ExpertStats>)>,
         l: usize,
     ) -> Result<()> {
         let (be, p, id) = (run.be, run.p, run.id);
@@ -168,10 +171,13 @@ impl<B: Backend> Llama<B> {
             None => be.fill(g.dnormed, 0.0),
         }
         if let FeedForwardIds::Moe(experts) = &id.ffn {
-            let moe_acts = moe_acts.ok_or_else(|| {
+            let (moe_acts, stats) = moe_acts.ok_or_else(|| {
                 anyhow::anyhow!("block {l}: no mixture-of-experts activations (a titan bug)")
             })?;
-            let aux_scale = self.count_expert_stats(&moe_acts, l);
+            let stats = stats.ok_or_else(|| {
+                anyhow::anyhow!("block {l}: a workspace without expert statistics (a titan bug)")
+            })?;
+            let aux_scale = self.count_expert_stats(&moe_acts, l, stats);
             let shapes = self.moe_shapes()?;
             moe::backward(
                 be,
@@ -197,19 +203,20 @@ impl<B: Backend> Llama<B> {
     /// A mixture-of-experts block's step statistics from its routing (the backward counts each
     /// trained microbatch once): the tokens per expert, and the auxiliary loss's share. Returns
     /// the auxiliary loss's gradient scale (0 without one).
-    fn count_expert_stats(&self, moe_acts: &moe::MoeActs<B>, l: usize) -> f32 {
-        {
-            let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
-            for &e in &moe_acts.routing.experts {
-                load[l][e as usize] += 1;
-            }
-        }
+    fn count_expert_stats(
+        &self,
+        moe_acts: &moe::MoeActs<B>,
+        l: usize,
+        stats: &mut ExpertStats,
+    ) -> f32 {
+        stats.count_routing(l, &moe_acts.routing.experts);
         match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
-            (Some(stats), Some(coef)) => {
+            (Some(aux), Some(coef)) => {
                 let share = (self.local.tp * self.local.cp) as f64;
-                let value: f64 = stats.values.iter().map(|&v| v as f64).sum();
-                *self.aux_loss.lock().unwrap_or_else(|e| e.into_inner()) +=
-                    coef as f64 * value / self.sequences_per_step as f64 / share;
+                let value: f64 = aux.values.iter().map(|&v| v as f64).sum();
+                if let Some(total) = stats.aux_loss.as_mut() {
+                    *total += coef as f64 * value / self.sequences_per_step as f64 / share;
+                }
                 coef / self.sequences_per_step as f32
             }
             _ => 0.0,

@@ -407,7 +407,7 @@ impl<B: Backend> Llama<B> {
             run.p,
             normed,
             out,
-            bias.as_deref(),
+            bias,
             self.ep.as_ref(),
             rows,
         )

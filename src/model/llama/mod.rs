@@ -57,17 +57,10 @@ pub struct Llama<B: Backend> {
     cp: Arc<dyn ContextParallelOps<B>>,
     /// The expert-parallel group a mixture of experts' rows travel over (one rank: `SingleRank`).
     ep: Arc<dyn ExpertParallelOps<B>>,
-    /// Tokens each mixture-of-experts block sent to each expert since `take_expert_load`: counted
-    /// in the backward, so once per trained microbatch (not again for a recomputed forward, not for
-    /// validation).
-    expert_load: std::sync::Mutex<Vec<Vec<u64>>>,
     /// Each mixture-of-experts block's routing bias (`load_balance_coeff`; empty without), moved
-    /// after every step by `update_expert_bias`.
-    expert_bias: std::sync::Mutex<Vec<Vec<f32>>>,
-    /// The auxiliary loss (`aux_loss_coef`) since `take_aux_loss`: this rank's share of
-    /// `coef · Σ_blocks Σ_sequences L_b`, counted in the backward like the expert load (a sequence
-    /// spread over TP and CP ranks adds `1 / (tp · cp)` on each).
-    aux_loss: std::sync::Mutex<f64>,
+    /// after every step by `update_expert_bias`. (The step's expert load and auxiliary loss are
+    /// counted in the workspaces: `Workspace::take_expert_stats`.)
+    expert_bias: Vec<Vec<f32>>,
     /// Sequences in an optimizer step over the whole job (the global batch): the auxiliary loss is
     /// a mean over them.
     sequences_per_step: usize,
@@ -98,10 +91,6 @@ impl<B: Backend> Llama<B> {
             "Llama: shapes and group disagree on the TP degree"
         );
         let (cos, sin) = rope_tables(args.head_dim(), max_seq, args.rope_theta, args.rope_scaling);
-        let expert_load = match &args.moe {
-            Some(moe) => vec![vec![0; moe.router.num_experts]; args.n_layers],
-            None => Vec::new(),
-        };
         let expert_bias = match &args.moe {
             Some(moe) if moe.load_balance_coeff.is_some() => {
                 vec![vec![0.0; moe.router.num_experts]; args.n_layers]
@@ -115,9 +104,7 @@ impl<B: Backend> Llama<B> {
             tp,
             cp: Arc::new(SingleRank),
             ep: Arc::new(SingleRank),
-            expert_load: std::sync::Mutex::new(expert_load),
-            expert_bias: std::sync::Mutex::new(expert_bias),
-            aux_loss: std::sync::Mutex::new(0.0),
+            expert_bias,
             sequences_per_step: 1,
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
@@ -154,15 +141,6 @@ impl<B: Backend> Llama<B> {
     pub fn with_sequences_per_step(mut self, sequences: usize) -> Self {
         self.sequences_per_step = sequences.max(1);
         self
-    }
-
-    /// The MoE auxiliary loss's share this rank has added since the last call (`Σ` over the
-    /// job's ranks, divided by nothing more: it is already a mean over the step's sequences), and
-    /// zeroes it. None without an auxiliary loss.
-    pub fn take_aux_loss(&self) -> Option<f64> {
-        self.args.moe.as_ref()?.aux_loss_coef?;
-        let mut aux = self.aux_loss.lock().unwrap_or_else(|e| e.into_inner());
-        Some(std::mem::take(&mut *aux))
     }
 
     /// With the auxiliary loss: which sequence each of this rank's rows of a block's forward
@@ -204,27 +182,16 @@ impl<B: Backend> Llama<B> {
         self.cp.as_ref()
     }
 
-    /// Tokens each mixture-of-experts block sent to each expert since the last call (`[layer]
-    /// [expert]`; this rank's microbatches only), and zeroes the counts. None for a dense model.
-    pub fn take_expert_load(&self) -> Option<Vec<Vec<u64>>> {
-        self.args.moe.as_ref()?;
-        let mut load = self.expert_load.lock().unwrap_or_else(|e| e.into_inner());
-        let taken = load.clone();
-        load.iter_mut().for_each(|l| l.fill(0));
-        Some(taken)
-    }
-
     /// Every MoE block's expert bias (None without load balancing).
     pub fn expert_bias(&self) -> Option<Vec<Vec<f32>>> {
-        let bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
-        (!bias.is_empty()).then(|| bias.clone())
+        (!self.expert_bias.is_empty()).then(|| self.expert_bias.clone())
     }
 
     /// Restores the expert bias of a checkpoint (it must be this model's shape).
-    pub fn set_expert_bias(&self, saved: &[Vec<f32>]) -> Result<()> {
-        let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
+    pub fn set_expert_bias(&mut self, saved: &[Vec<f32>]) -> Result<()> {
+        let bias = &mut self.expert_bias;
         let shape = |b: &[Vec<f32>]| b.iter().map(Vec::len).collect::<Vec<_>>();
-        if shape(&bias) != shape(saved) {
+        if shape(bias) != shape(saved) {
             bail!(
                 "the checkpoint's expert bias has {} blocks of {:?} experts; this model's has {} blocks of {:?} (is load_balance_coeff set alike?)",
                 saved.len(),
@@ -239,20 +206,18 @@ impl<B: Backend> Llama<B> {
 
     /// After a step: each block's bias moves `load_balance_coeff` toward the mean of `load`, the
     /// step's tokens per expert summed over the job (so every rank moves it alike).
-    pub fn update_expert_bias(&self, load: &[Vec<u64>]) {
+    pub fn update_expert_bias(&mut self, load: &[Vec<u64>]) {
         let Some(coeff) = self.args.moe.and_then(|m| m.load_balance_coeff) else {
             return;
         };
-        let mut bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
-        for (b, l) in bias.iter_mut().zip(load) {
+        for (b, l) in self.expert_bias.iter_mut().zip(load) {
             moe::router::update_expert_bias(b, l, coeff);
         }
     }
 
     /// Block `l`'s routing bias, when load balancing is on.
-    fn block_expert_bias(&self, l: usize) -> Option<Vec<f32>> {
-        let bias = self.expert_bias.lock().unwrap_or_else(|e| e.into_inner());
-        bias.get(l).cloned()
+    fn block_expert_bias(&self, l: usize) -> Option<&[f32]> {
+        self.expert_bias.get(l).map(Vec::as_slice)
     }
 
     /// The positions of each sequence this rank holds.

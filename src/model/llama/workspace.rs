@@ -7,6 +7,7 @@ use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
 use crate::model::local_shapes::LocalShapes;
+use crate::model::moe::stats::ExpertStats;
 use crate::model::moe::MoeActs;
 
 /// What one block keeps from its forward for its backward.
@@ -76,6 +77,9 @@ pub struct Workspace<B: Backend> {
     /// Each mixture-of-experts block's routing and expert activations, from its forward to its
     /// backward (their sizes depend on nothing but the shape; the routing is per step).
     pub(super) moe: Vec<Option<MoeActs<B>>>,
+    /// A mixture of experts' load and auxiliary loss of the microbatches this workspace trained
+    /// (None for a dense model).
+    pub(super) expert_stats: Option<ExpertStats>,
 }
 
 /// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
@@ -390,6 +394,7 @@ impl<B: Backend> Workspace<B> {
             targets: vec![0; n],
             local_ids: vec![0; n],
             moe: (0..m.n_layers).map(|_| None).collect(),
+            expert_stats: m.moe.map(|moe| ExpertStats::zeros(&moe, m.n_layers)),
         }
     }
 
@@ -414,6 +419,12 @@ impl<B: Backend> Workspace<B> {
     /// sends the second).
     pub fn carried_grad(&self) -> &B::Buf {
         &self.dx
+    }
+
+    /// The expert load and auxiliary loss of the microbatches this workspace trained since the
+    /// last call, the counts left at zero (None for a dense model).
+    pub fn take_expert_stats(&mut self) -> Option<ExpertStats> {
+        self.expert_stats.as_mut().map(ExpertStats::take)
     }
 
     /// Frees the mixture-of-experts activations the blocks' forwards kept (no backward follows).

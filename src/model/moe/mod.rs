@@ -23,6 +23,7 @@
 pub mod aux_loss;
 pub mod dispatch;
 pub mod router;
+pub mod stats;
 
 use anyhow::Result;
 use rayon::prelude::*;
