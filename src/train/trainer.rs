@@ -131,154 +131,233 @@ fn train_on_device(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
     }
 }
 
-/// Trains on `be` from this rank's `place` in the job: the rank composed, resumed, then the loop.
+/// Trains on `be` from this rank's `place` in the job: the rank composed and resumed, then the
+/// loop, one step at a time.
 fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
     opts: &RunOptions,
     place: RankPlace<B>,
 ) -> Result<TrainSummary> {
-    let dist = place.dist.as_ref();
-    let t = &cfg.training;
-    let (rank, dp_rank, dp_size) = dist.map_or((0, 0, 1), |d| (d.rank, d.dp.rank(), d.dp.size()));
-    let quiet = opts.quiet || rank != 0;
-    let say = |s: String| {
-        if !quiet {
-            println!("{s}");
-        }
-    };
-    let mut loader = open_loader(cfg, dp_rank, dp_size)?;
-    let mut rank_parts =
-        compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
-    let resume = Resume::of(&mut rank_parts, &mut loader, &say)?;
-    let ComposedRank {
-        args,
-        local,
-        mut layout,
-        mut opt,
-        estimate,
-        accum,
-        global_batch,
-        collectives_on_device,
-        ..
-    } = rank_parts;
-    let flops_per_token = args.flops_per_token(t.seq_len);
-    let peak_tflops = match cfg.metrics.peak_tflops > 0.0 {
-        true => cfg.metrics.peak_tflops,
-        false => {
-            let one = default_peak_tflops(be, rayon::current_num_threads());
-            one * dist.map_or(1, |d| d.world) as f64
-        }
-    };
-    let banner = Banner {
-        be,
-        cfg,
-        args: &args,
-        local: &local,
-        estimate: &estimate,
-        dist,
-        layout: &layout,
-        data: loader.describe(),
-        global_batch,
-        accum,
-        flops_per_token,
-        peak_tflops,
-        collectives_on_device,
-    };
-    banner.lines().into_iter().for_each(&say);
-    if let Some(line) = banner.rank_line() {
-        println!("{line}");
-    }
-    let schedule = LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps);
-    let mut reporter = Reporter {
-        cfg,
-        validator: Validator::from_config(be, cfg, &local, args.vocab_size, dp_rank, dp_size)?,
-        logger: metrics_logger(cfg, rank)?,
-        bar: progress_bar(
-            quiet || resume.start_step >= t.steps,
-            resume.start_step,
-            t.steps,
-        ),
-        quiet,
-    };
-    let bar = reporter.bar.clone();
-    let out = |line: String| emit(&bar, line);
-    let mut saver = Saver {
-        writer: checkpoint::writer::AsyncWriter::new(),
-        last_good: resume.last_good,
-    };
-    let mut losses = Vec::new();
-    let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
-    let profiler = StepProfiler {
-        cfg,
-        rank,
-        quiet,
-        first_step: resume.start_step + 1,
-        last_step,
-    };
-    let rate = StepRate {
-        tokens_per_step: (global_batch * t.seq_len) as f64,
-        flops_per_token,
-        peak_tflops,
-        devices: dist.map_or(1, |d| d.world),
-    };
-    let crash_at = crash_drill(rank)?;
-    for step in resume.start_step + 1..=last_step {
+    let mut run = TrainingRun::start(be, cfg, opts, place)?;
+    let crash_at = crash_drill(run.rank)?;
+    for step in run.first_step..=run.last_step {
         if crash_at == Some(step) {
+            let rank = run.rank;
             eprintln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
             std::process::abort();
         }
-        let write_trace = profiler.begin(step, &mut layout)?;
+        let write_trace = run.profiler.begin(step, &mut run.layout)?;
         let t0 = Instant::now();
-        let micro = next_batches(&mut loader, accum)?;
+        let micro = next_batches(&mut run.loader, run.accum)?;
         let data_time = t0.elapsed().as_secs_f64();
-        let lr = schedule.lr(step);
-        let (loss, norm) = train_step(be, &mut layout, &mut opt, &micro, lr, step, t.max_norm)?;
-        if !loss.is_finite() || !norm.is_finite() {
-            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, saver.last_good));
-        }
-        let moe = layout.moe_step_stats()?;
-        if let Some(m) = &moe {
-            layout.model.update_expert_bias(&m.load);
-        }
-        let step_time = t0.elapsed().as_secs_f64();
-        losses.push((step, loss));
-        let m = rate.metrics(
+        let lr = run.schedule.lr(step);
+        let max_norm = cfg.training.max_norm;
+        let (loss, norm) = train_step(
             be,
+            &mut run.layout,
+            &mut run.opt,
+            &micro,
+            lr,
             step,
-            (loss, norm, lr),
-            (step_time, data_time),
-            moe.as_ref(),
+            max_norm,
+        )?;
+        if !loss.is_finite() || !norm.is_finite() {
+            bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, run.saver.last_good));
+        }
+        let moe = run.layout.moe_step_stats()?;
+        if let Some(m) = &moe {
+            run.layout.model.update_expert_bias(&m.load);
+        }
+        let times = (t0.elapsed().as_secs_f64(), data_time);
+        run.losses.push((step, loss));
+        let m = run
+            .rate
+            .metrics(be, step, (loss, norm, lr), times, moe.as_ref());
+        run.reporter.report(be, &mut run.layout, &m)?;
+        run.save_if_due(step)?;
+        let out = |line: String| emit(&run.reporter.bar, line);
+        run.profiler.end(step, write_trace, &mut run.layout, &out)?;
+    }
+    run.finish()
+}
+
+/// One rank's training run between its steps: the composed layout and optimizer, the data, the
+/// schedule, and where the figures and checkpoints go.
+struct TrainingRun<'a, B: Backend> {
+    be: &'a B,
+    cfg: &'a Config,
+    /// None in one process.
+    dist: Option<crate::launch::Distributed>,
+    rank: usize,
+    quiet: bool,
+    args: ModelArgs,
+    layout: RankLayout<B>,
+    opt: AdamW<B>,
+    loader: DataLoader,
+    accum: usize,
+    schedule: LrSchedule,
+    reporter: Reporter<'a, B>,
+    saver: Saver,
+    profiler: StepProfiler<'a>,
+    rate: StepRate,
+    losses: Vec<(u64, f64)>,
+    /// The steps this run executes (`first_step > last_step`: nothing left to do).
+    first_step: u64,
+    last_step: u64,
+    resumed_from: Option<u64>,
+}
+
+impl<'a, B: Backend> TrainingRun<'a, B> {
+    /// Composes the rank, resumes it from the latest complete checkpoint and prints the banner.
+    fn start(be: &'a B, cfg: &'a Config, opts: &RunOptions, place: RankPlace<B>) -> Result<Self> {
+        let dist = place.dist.as_ref();
+        let t = &cfg.training;
+        let (rank, dp_rank, dp_size) =
+            dist.map_or((0, 0, 1), |d| (d.rank, d.dp.rank(), d.dp.size()));
+        let quiet = opts.quiet || rank != 0;
+        let say = |s: String| {
+            if !quiet {
+                println!("{s}");
+            }
+        };
+        let mut loader = open_loader(cfg, dp_rank, dp_size)?;
+        let mut composed =
+            compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
+        let resume = Resume::of(&mut composed, &mut loader, &say)?;
+        let rate = StepRate::of(be, cfg, &composed, dist);
+        print_banner(be, cfg, dist, &composed, &loader, &rate, &say);
+        let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
+        let bar = progress_bar(
+            quiet || resume.start_step >= t.steps,
+            resume.start_step,
+            t.steps,
         );
-        reporter.report(be, &mut layout, &m)?;
-        if cfg.checkpoint.enable && (step % cfg.checkpoint.interval == 0 || step == t.steps) {
-            let state = train_state(cfg, &args, step, &loader, &layout);
-            let written = saver.save(be, cfg, dist, (&layout, &opt), state)?;
-            if let (Some(dir), false) = (written, quiet) {
-                out(format!("saved checkpoint {}", dir.display()));
+        Ok(TrainingRun {
+            dist: place.dist,
+            be,
+            cfg,
+            rank,
+            quiet,
+            reporter: Reporter {
+                cfg,
+                validator: Validator::from_config(
+                    be,
+                    cfg,
+                    &composed.local,
+                    composed.args.vocab_size,
+                    dp_rank,
+                    dp_size,
+                )?,
+                logger: metrics_logger(cfg, rank)?,
+                bar,
+                quiet,
+            },
+            saver: Saver {
+                writer: checkpoint::writer::AsyncWriter::new(),
+                last_good: resume.last_good,
+            },
+            profiler: StepProfiler {
+                cfg,
+                rank,
+                quiet,
+                first_step: resume.start_step + 1,
+                last_step,
+            },
+            schedule: LrSchedule::new(cfg.optimizer.lr, &cfg.lr_scheduler, t.steps),
+            rate,
+            args: composed.args,
+            layout: composed.layout,
+            opt: composed.opt,
+            accum: composed.accum,
+            loader,
+            losses: Vec::new(),
+            first_step: resume.start_step + 1,
+            last_step,
+            resumed_from: resume.resumed_from,
+        })
+    }
+
+    /// A checkpoint of `step` when one is due (every `interval` steps and at the end).
+    fn save_if_due(&mut self, step: u64) -> Result<()> {
+        let c = &self.cfg.checkpoint;
+        if !c.enable || (!step.is_multiple_of(c.interval) && step != self.cfg.training.steps) {
+            return Ok(());
+        }
+        let state = train_state(self.cfg, &self.args, step, &self.loader, &self.layout);
+        let parts = (&self.layout, &self.opt);
+        let written = self
+            .saver
+            .save(self.be, self.cfg, self.dist.as_ref(), parts, state)?;
+        if let (Some(dir), false) = (written, self.quiet) {
+            emit(
+                &self.reporter.bar,
+                format!("saved checkpoint {}", dir.display()),
+            );
+        }
+        Ok(())
+    }
+
+    /// Waits for the last checkpoint write and says where the run ended.
+    fn finish(mut self) -> Result<TrainSummary> {
+        if let (Some(dir), false) = (self.saver.writer.wait()?, self.quiet) {
+            emit(
+                &self.reporter.bar,
+                format!("saved checkpoint {}", dir.display()),
+            );
+        }
+        self.reporter.bar.finish_and_clear();
+        let start_step = self.first_step - 1;
+        let steps = self.cfg.training.steps;
+        if !self.quiet {
+            match self.losses.last() {
+                Some(&(s, l)) => println!(
+                    "done: step {s}, loss {l:.4}, peak memory {:.0} MiB",
+                    self.be.device_peak_memory().unwrap_or_else(peak_memory) as f64
+                        / (1 << 20) as f64
+                ),
+                None => println!(
+                    "nothing to do: the checkpoint is already at step {start_step} of {steps}"
+                ),
             }
         }
-        profiler.end(step, write_trace, &mut layout, &out)?;
+        Ok(TrainSummary {
+            losses: self.losses,
+            final_step: steps.max(start_step),
+            resumed_from: self.resumed_from,
+        })
     }
-    if let (Some(dir), false) = (saver.writer.wait()?, quiet) {
-        out(format!("saved checkpoint {}", dir.display()));
+}
+
+/// The start banner (rank 0 unless quiet) and each rank's own line.
+fn print_banner<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    dist: Option<&crate::launch::Distributed>,
+    composed: &ComposedRank<B>,
+    loader: &DataLoader,
+    rate: &StepRate,
+    say: &dyn Fn(String),
+) {
+    let banner = Banner {
+        be,
+        cfg,
+        args: &composed.args,
+        local: &composed.local,
+        estimate: &composed.estimate,
+        dist,
+        layout: &composed.layout,
+        data: loader.describe(),
+        global_batch: composed.global_batch,
+        accum: composed.accum,
+        flops_per_token: rate.flops_per_token,
+        peak_tflops: rate.peak_tflops,
+        collectives_on_device: composed.collectives_on_device,
+    };
+    banner.lines().into_iter().for_each(say);
+    if let Some(line) = banner.rank_line() {
+        println!("{line}");
     }
-    bar.finish_and_clear();
-    match losses.last() {
-        Some(&(s, l)) => say(format!(
-            "done: step {s}, loss {l:.4}, peak memory {:.0} MiB",
-            be.device_peak_memory().unwrap_or_else(peak_memory) as f64 / (1 << 20) as f64
-        )),
-        None => say(format!(
-            "nothing to do: the checkpoint is already at step {} of {}",
-            resume.start_step, t.steps
-        )),
-    }
-    Ok(TrainSummary {
-        losses,
-        final_step: t.steps.max(resume.start_step),
-        resumed_from: resume.resumed_from,
-    })
 }
 
 /// The data loader of this data-parallel rank (the ranks of a tensor-parallel group read the
@@ -418,6 +497,27 @@ struct StepRate {
 }
 
 impl StepRate {
+    /// The rates of `composed`'s steps: tokens per step over the job, FLOPs per token, and the
+    /// peak the MFU is taken against (`[metrics] peak_tflops`, or the devices' measured peak).
+    fn of<B: Backend>(
+        be: &B,
+        cfg: &Config,
+        composed: &ComposedRank<B>,
+        dist: Option<&crate::launch::Distributed>,
+    ) -> Self {
+        let devices = dist.map_or(1, |d| d.world);
+        let peak_tflops = match cfg.metrics.peak_tflops > 0.0 {
+            true => cfg.metrics.peak_tflops,
+            false => default_peak_tflops(be, rayon::current_num_threads()) * devices as f64,
+        };
+        StepRate {
+            tokens_per_step: (composed.global_batch * cfg.training.seq_len) as f64,
+            flops_per_token: composed.args.flops_per_token(cfg.training.seq_len),
+            peak_tflops,
+            devices,
+        }
+    }
+
     fn metrics<B: Backend>(
         &self,
         be: &B,
