@@ -15,10 +15,12 @@ use super::optimizer::AdamW;
 use super::start::{start_state, Resumed, StartInputs, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
+use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::memory_timeline;
-use crate::model::{LocalShapes, ModelArgs, ParamDtype, ParamSet};
+use crate::model::activation_checkpoint::AcMode;
+use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, ReshardPolicy, ShardedParams};
 use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
@@ -167,6 +169,80 @@ fn check_batch<B: Backend>(
     Ok((global_batch / (batch * dp_size), global_batch))
 }
 
+/// What the config and this rank's place decide before anything is allocated: the shapes, the
+/// mesh groups, the pipeline, the batch split and the memory estimate the layout was checked
+/// against.
+struct RankPlan {
+    args: ModelArgs,
+    local: LocalShapes,
+    groups: MeshGroups,
+    pipeline: Option<PipelinePlan>,
+    accum: usize,
+    global_batch: usize,
+    /// FSDP/HSDP shards the parameters (else they stay whole, with DDP over `dp` ranks).
+    fsdp: bool,
+    param_dtype: ParamDtype,
+    reshard: ReshardPolicy,
+    ac: AcMode,
+    estimate: MemoryEstimate,
+}
+
+impl RankPlan {
+    /// Every check the config alone can make, and the memory estimate (with the activation
+    /// checkpointing that would fit suggested when it does not).
+    fn check<B: Backend>(
+        be: &B,
+        cfg: &Config,
+        dist: Option<&Distributed>,
+        ranks_sharing_memory: usize,
+    ) -> Result<Self> {
+        let args = cfg.model_args()?;
+        let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
+        let dp_size = dist.map_or(1, |d| d.dp.size());
+        let fsdp = dist.is_some_and(|d| d.shard.is_some());
+        let groups = mesh_groups(dist);
+        let local = local_shapes(&args, &groups)?;
+        check_expert_degree(cfg.parallelism.expert_parallel_degree, &groups)?;
+        let pipeline = pipeline_plan(cfg, &args, &groups)?;
+        let (accum, global_batch) = check_batch(be, cfg, &local, dp_size, pipeline.as_ref())?;
+        let param_dtype = ParamDtype::from_config(&cfg.training.mixed_precision_param);
+        let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
+            .expect("validated with the config");
+        let ac = cfg.activation_checkpoint.mode()?;
+        let sizing = RankSizing {
+            be,
+            cfg,
+            args: &args,
+            local: &local,
+            batch,
+            seq,
+            pipeline: pipeline.as_ref(),
+            rotate: RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?,
+            param_dtype,
+            fsdp_shard: dist
+                .filter(|_| fsdp)
+                .map(|d| d.mesh.degree("dp_shard") * d.mesh.degree("cp")),
+            reshard,
+            ranks_sharing_memory,
+            rank: dist.map_or(0, |d| d.rank),
+        };
+        let estimate = sizing.check_or_suggest(ac)?;
+        Ok(RankPlan {
+            args,
+            local,
+            groups,
+            pipeline,
+            accum,
+            global_batch,
+            fsdp,
+            param_dtype,
+            reshard,
+            ac,
+            estimate,
+        })
+    }
+}
+
 /// The layout `[parallelism]` asks for, on `be`, for this rank, composed by `parallelize`
 /// (tensor → context → expert parallel shape the model; activation checkpointing and FSDP/DDP
 /// lay out the rest) with the weights loaded or initialised in between. Everything the config
@@ -178,16 +254,7 @@ pub fn compose_rank<B: Backend>(
     device_comm: DeviceComm<B>,
     ranks_sharing_memory: usize,
 ) -> Result<ComposedRank<B>> {
-    let args = cfg.model_args()?;
-    let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
-    let dp_size = dist.map_or(1, |d| d.dp.size());
-    let fsdp_mode = dist.is_some_and(|d| d.shard.is_some());
-    let groups = mesh_groups(dist);
-    let local = local_shapes(&args, &groups)?;
-    check_expert_degree(cfg.parallelism.expert_parallel_degree, &groups)?;
-    let rotate = RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?;
-    let pipeline = pipeline_plan(cfg, &args, &groups)?;
-    let (accum, global_batch) = check_batch(be, cfg, &local, dp_size, pipeline.as_ref())?;
+    let plan = RankPlan::check(be, cfg, dist, ranks_sharing_memory)?;
     let collectives_on_device = device_comm.on_device();
     let DeviceComm {
         data_parallel,
@@ -195,70 +262,89 @@ pub fn compose_rank<B: Backend>(
         context_parallel,
         expert_shard,
     } = device_comm;
-    let (device_reducer, device_queue) = match data_parallel {
-        Some(DataParallelComm::Ddp(r)) => (Some(r), None),
-        Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),
-        None => (None, None),
-    };
-    let ddp = dist
-        .filter(|_| !fsdp_mode && dp_size > 1)
-        .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer));
-    let param_dtype = ParamDtype::from_config(&cfg.training.mixed_precision_param);
-    let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
-        .expect("validated with the config");
-    let ac = cfg.activation_checkpoint.mode()?;
-    let sizing = RankSizing {
-        be,
-        cfg,
-        args: &args,
-        local: &local,
-        batch,
-        seq,
-        pipeline: pipeline.as_ref(),
-        rotate,
-        param_dtype,
-        fsdp_shard: dist
-            .filter(|_| fsdp_mode)
-            .map(|d| d.mesh.degree("dp_shard") * d.mesh.degree("cp")),
-        reshard,
-        ranks_sharing_memory,
-        rank: dist.map_or(0, |d| d.rank),
-    };
-    let estimate = sizing.check_or_suggest(ac)?;
-
     let queues = ModelQueues {
         tensor_parallel,
         context_parallel,
     };
-    let options = parallel_options(cfg, global_batch)?;
-    let model = parallelize_model(be, &args, seq, &groups, queues, options)?;
+    let (seq, options) = (
+        cfg.training.seq_len,
+        parallel_options(cfg, plan.global_batch)?,
+    );
+    let model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
+    let comm = ParamComm {
+        data_parallel,
+        expert_shard,
+    };
+    let (state, mut opt, resumed) = param_state(be, cfg, dist, &plan, &model, comm)?;
+    let walk_shape = WalkShape {
+        batch: cfg.training.local_batch_size,
+        seq,
+        plan: &plan.ac.plan(plan.args.n_layers),
+        timeout: std::time::Duration::from_secs(cfg.comm.train_timeout_seconds),
+    };
+    let layout = parallelize_layout(be, model, state, &plan.groups, plan.pipeline, walk_shape)?;
+    if let Some(p) = &layout.pipeline {
+        opt.keep_only(be, |name| p.holds(name));
+    }
+    for (category, bytes) in plan.estimate.by_category(plan.fsdp, false) {
+        memory_timeline::set(category, bytes);
+    }
+    Ok(ComposedRank {
+        args: plan.args,
+        local: plan.local,
+        layout,
+        opt,
+        estimate: plan.estimate,
+        accum: plan.accum,
+        global_batch: plan.global_batch,
+        resumed,
+        collectives_on_device,
+    })
+}
+
+/// The device collectives the parameter state runs over: data parallelism's, and the expert
+/// shards'.
+struct ParamComm<B: Backend> {
+    data_parallel: Option<DataParallelComm<B>>,
+    expert_shard: Option<Box<dyn CollectiveQueue<B>>>,
+}
+
+/// The model's parameters, gradients and optimizer, initialised or resumed, laid out whole (with
+/// DDP across data-parallel ranks) or as FSDP/HSDP shards; and the checkpoint resumed from.
+fn param_state<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    dist: Option<&Distributed>,
+    plan: &RankPlan,
+    model: &Llama<B>,
+    comm: ParamComm<B>,
+) -> Result<(ParamState<B>, AdamW<B>, Option<Resumed>)> {
+    let (device_reducer, device_queue) = match comm.data_parallel {
+        Some(DataParallelComm::Ddp(r)) => (Some(r), None),
+        Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),
+        None => (None, None),
+    };
     let expert_shards = dist
         .and_then(|d| d.expert_shard.clone())
         .map(|group| ExpertShards {
             group,
             replicate: dist.and_then(|d| d.expert_replicate.clone()),
-            queue: expert_shard,
+            queue: comm.expert_shard,
         });
-    let specs = model.param_specs();
-    let held = |name: &str| pipeline.as_ref().is_none_or(|p| p.holds(name));
-    let holder = |name: &str| pipeline.as_ref().map_or(0, |p| p.holder(name));
-    let StartState {
-        params,
-        grads,
-        mut opt,
-        fsdp,
-        resumed,
-    } = start_state(
+    let pipeline = plan.pipeline.as_ref();
+    let held = |name: &str| pipeline.is_none_or(|p| p.holds(name));
+    let holder = |name: &str| pipeline.map_or(0, |p| p.holder(name));
+    let start = start_state(
         be,
         StartInputs {
             cfg,
-            model: &model,
+            model,
             dist,
-            fsdp: fsdp_mode,
+            fsdp: plan.fsdp,
             queue: device_queue,
             experts: expert_shards,
-            reshard,
-            param_dtype,
+            reshard: plan.reshard,
+            param_dtype: plan.param_dtype,
             held: pipeline
                 .is_some()
                 .then_some(&held as &(dyn Fn(&str) -> bool + Sync)),
@@ -267,38 +353,26 @@ pub fn compose_rank<B: Backend>(
                 .then_some(&holder as &(dyn Fn(&str) -> usize + Sync)),
         },
     )?;
+    let StartState {
+        params,
+        grads,
+        opt,
+        fsdp,
+        resumed,
+    } = start;
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
     let state = match fsdp {
         Some(fsdp) => ParamState::Sharded(ShardedParams::new(fsdp, params, grads, false)),
         None => {
-            let bf16_copy =
-                (param_dtype == ParamDtype::BFloat16).then(|| ParamSet::zeros(be, &specs));
+            let dp_size = dist.map_or(1, |d| d.dp.size());
+            let ddp = dist
+                .filter(|_| !plan.fsdp && dp_size > 1)
+                .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer));
+            let bf16_copy = (plan.param_dtype == ParamDtype::BFloat16)
+                .then(|| ParamSet::zeros(be, &model.param_specs()));
             ParamState::Whole(WholeParams::new(params, grads, bf16_copy, ddp))
         }
     };
-    let walk_shape = WalkShape {
-        batch,
-        seq,
-        plan: &ac.plan(args.n_layers),
-        timeout: std::time::Duration::from_secs(cfg.comm.train_timeout_seconds),
-    };
-    let layout = parallelize_layout(be, model, state, &groups, pipeline, walk_shape)?;
-    if let Some(p) = &layout.pipeline {
-        opt.keep_only(be, |name| p.holds(name));
-    }
-    for (category, bytes) in estimate.by_category(fsdp_mode, false) {
-        memory_timeline::set(category, bytes);
-    }
-    Ok(ComposedRank {
-        args,
-        local,
-        layout,
-        opt,
-        estimate,
-        accum,
-        global_batch,
-        resumed,
-        collectives_on_device,
-    })
+    Ok((state, opt, resumed))
 }
