@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use titan::comm::auth::JobSecret;
 use titan::comm::group::{ProcessGroup, ReduceOp, TcpGroup};
 use titan::comm::store::{StoreClient, StoreServer};
 
@@ -17,20 +18,27 @@ fn run_ranks<T: Send + 'static>(
 }
 
 /// `127.0.0.1` selects Unix sockets; any other address (here 127.0.0.2, still loopback) TCP.
+/// This test process's job secret (one for every store and rank it starts).
+fn job_secret() -> JobSecret {
+    static SECRET: std::sync::OnceLock<JobSecret> = std::sync::OnceLock::new();
+    SECRET.get_or_init(JobSecret::generate).clone()
+}
+
 fn run_ranks_on<T: Send + 'static>(
     host: &'static str,
     world: usize,
     op_timeout: Duration,
     f: impl Fn(TcpGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
-    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let server = StoreServer::start("127.0.0.1:0", &job_secret()).unwrap();
     let addr = server.addr.to_string();
     let f = Arc::new(f);
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let (addr, f) = (addr.clone(), f.clone());
             std::thread::spawn(move || {
-                let store = StoreClient::connect(&addr, Duration::from_secs(10)).unwrap();
+                let store =
+                    StoreClient::connect(&addr, &job_secret(), Duration::from_secs(10)).unwrap();
                 let g = TcpGroup::connect(
                     &store,
                     "test",
@@ -136,7 +144,7 @@ fn check_collectives(direct_reads: bool) {
 
 #[test]
 fn a_rank_that_never_arrives_is_named() {
-    let server = StoreServer::start("127.0.0.1:0").unwrap();
+    let server = StoreServer::start("127.0.0.1:0", &job_secret()).unwrap();
     let addr = server.addr.to_string();
     // Ranks 0 and 2 of 3 come; rank 1 never does.
     let handles: Vec<_> = [0usize, 2]
@@ -144,7 +152,8 @@ fn a_rank_that_never_arrives_is_named() {
         .map(|rank| {
             let addr = addr.clone();
             std::thread::spawn(move || {
-                let store = StoreClient::connect(&addr, Duration::from_secs(5)).unwrap();
+                let store =
+                    StoreClient::connect(&addr, &job_secret(), Duration::from_secs(5)).unwrap();
                 TcpGroup::connect(
                     &store,
                     "g",
@@ -270,4 +279,70 @@ fn ranks_that_disagree_on_a_collective_fail_and_the_group_stays_failed() {
         let e = second.expect_err("a failed group must refuse");
         assert!(e.contains("failed in an earlier operation"), "{e}");
     }
+}
+
+/// An outsider at a rank's listening socket: silent, sending garbage, or claiming to be rank 1
+/// without the secret. None of them joins or fails the group, and the ranks' all-reduce is exact.
+fn outsiders_neither_join_nor_fail_the_group(host: &'static str) {
+    let server = StoreServer::start("127.0.0.1:0", &job_secret()).unwrap();
+    let addr = server.addr.to_string();
+    let group = format!("outsiders-{host}");
+    let rank = |r: usize| {
+        let (addr, group) = (addr.clone(), group.clone());
+        std::thread::spawn(move || {
+            let store =
+                StoreClient::connect(&addr, &job_secret(), Duration::from_secs(10)).unwrap();
+            let g = TcpGroup::connect(
+                &store,
+                &group,
+                r,
+                2,
+                host,
+                Duration::from_secs(20),
+                Duration::from_secs(20),
+            )
+            .unwrap();
+            let mut v = vec![r as f32 + 1.0; 1000];
+            g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            v
+        })
+    };
+    let rank0 = rank(0);
+    // The outsiders find rank 0's address (here through the store; an attacker would guess it).
+    let store = StoreClient::connect(&addr, &job_secret(), Duration::from_secs(10)).unwrap();
+    let published =
+        String::from_utf8(store.get(&format!("group/{group}/addr/0")).unwrap()).unwrap();
+    let mut outsiders = Vec::new();
+    for attempt in 0..3 {
+        let mut c = titan::comm::conn::Conn::connect(&published).unwrap();
+        c.set_timeouts(Duration::from_secs(10), Duration::from_secs(10))
+            .unwrap();
+        match attempt {
+            0 => {} // silent
+            1 => {
+                use std::io::Write;
+                let _ = c.write_all(&[0xee; 256]);
+            }
+            _ => {
+                let wrong = JobSecret::generate();
+                let name = format!("group/{group}");
+                let e = titan::comm::auth::client_handshake(&mut c, &wrong, &name, 1);
+                assert!(e.is_err(), "a wrong secret was accepted");
+            }
+        }
+        outsiders.push(c);
+    }
+    let rank1 = rank(1);
+    assert_eq!(rank0.join().unwrap(), vec![3.0; 1000]);
+    assert_eq!(rank1.join().unwrap(), vec![3.0; 1000]);
+}
+
+#[test]
+fn outsiders_neither_join_nor_fail_a_group_over_unix_sockets() {
+    outsiders_neither_join_nor_fail_the_group("127.0.0.1");
+}
+
+#[test]
+fn outsiders_neither_join_nor_fail_a_group_over_tcp() {
+    outsiders_neither_join_nor_fail_the_group("127.0.0.2");
 }

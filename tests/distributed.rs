@@ -339,6 +339,7 @@ fn a_peer_that_never_arrives_is_an_error_not_a_hang() {
             ("WORLD_SIZE", "2"),
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", &port),
+            ("TITAN_JOB_SECRET", &"ab".repeat(32)),
         ],
     );
     assert!(!o.status.success());

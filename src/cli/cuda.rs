@@ -327,8 +327,9 @@ fn nccl_check() -> Result<()> {
     use std::time::Duration;
 
     let be = CudaBackend::new(0, GemmPrecision::Float32)?;
-    let server = StoreServer::start("127.0.0.1:0")?;
-    let store = StoreClient::connect(&server.addr.to_string(), Duration::from_secs(10))?;
+    let secret = crate::comm::auth::JobSecret::generate();
+    let server = StoreServer::start("127.0.0.1:0", &secret)?;
+    let store = StoreClient::connect(&server.addr.to_string(), &secret, Duration::from_secs(10))?;
     let t = Duration::from_secs(30);
     let g = NcclGroup::connect(&store, "nccl-check", 0, 1, &be, t, t)?;
     let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();

@@ -50,6 +50,10 @@ pub enum Command {
         /// Restart the whole group this many times after a rank fails (resuming from the latest checkpoint).
         #[arg(long, default_value_t = 0)]
         max_restarts: usize,
+        /// A file (mode 0600) holding the job secret, 64 hex digits, the same on every node: only
+        /// processes that hold it join the job. One node draws a fresh one when it is not given.
+        #[arg(long)]
+        job_secret_file: Option<PathBuf>,
         /// Overrides: --section.key VALUE (e.g. --training.steps 50 --model.flavor 8B).
         #[arg(
             trailing_var_arg = true,
@@ -207,6 +211,7 @@ pub fn run(cli: Cli) -> Result<()> {
             master_addr,
             master_port,
             max_restarts,
+            job_secret_file,
             overrides,
         } => {
             let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
@@ -230,6 +235,11 @@ pub fn run(cli: Cli) -> Result<()> {
                     max_restarts,
                     worker_args,
                     rank0_stdout_plain: false,
+                    secret: crate::launch::secret::for_launcher(
+                        job_secret_file.as_deref(),
+                        nnodes,
+                        cfg.comm.insecure_no_auth,
+                    )?,
                 };
                 return crate::launch::launcher::launch(&o);
             }

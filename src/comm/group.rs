@@ -16,11 +16,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 
 use super::cma;
-use super::conn::{Conn, Listener};
+use super::conn::Conn;
 use super::flight_recorder::GroupRecord;
+use super::peers::{connect_peers, PeerSetup};
 use super::store::StoreClient;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,54 +203,20 @@ impl TcpGroup {
         if rank >= size {
             bail!("group `{name}`: rank {rank} is outside a group of {size}");
         }
-        let (listener, my_addr) = Listener::bind(host, name, rank)
-            .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {host}"))?;
-        store.set(&format!("group/{name}/addr/{rank}"), my_addr.as_bytes())?;
-        let willing = my_addr.starts_with("unix:") && cma::allowed();
-        let deadline = Instant::now() + init_timeout;
-        let mut peers: Vec<Option<Link>> = (0..size).map(|_| None).collect();
-        for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let addr = store.get_within(&format!("group/{name}/addr/{peer}"), left).map_err(|_| anyhow!("group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}"))?;
-            let addr = String::from_utf8_lossy(&addr).into_owned();
-            let mut s = Conn::connect(&addr).with_context(|| {
-                format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
-            })?;
-            s.write_all(&(rank as u64).to_le_bytes())?;
-            *slot = Some(Link::new(s)?);
-        }
-        let mut missing = size - 1 - rank;
-        while missing > 0 {
-            match listener.accept() {
-                Ok(mut s) => {
-                    s.set_timeouts(init_timeout, init_timeout)?;
-                    let mut b = [0u8; 8];
-                    s.read_exact(&mut b).with_context(|| {
-                        format!(
-                            "group `{name}` rank {rank}: a peer connected but did not say its rank"
-                        )
-                    })?;
-                    let peer = u64::from_le_bytes(b) as usize;
-                    if peer <= rank || peer >= size || peers[peer].is_some() {
-                        bail!("group `{name}` rank {rank}: unexpected connection from rank {peer}");
-                    }
-                    peers[peer] = Some(Link::new(s)?);
-                    missing -= 1;
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let absent: Vec<usize> =
-                            (rank + 1..size).filter(|&p| peers[p].is_none()).collect();
-                        bail!("group `{name}` rank {rank}: ranks {absent:?} never connected within {init_timeout:.0?}");
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("group `{name}` rank {rank}: accept failed"))
-                }
-            }
-        }
+        let setup = PeerSetup {
+            store,
+            name,
+            rank,
+            size,
+            host,
+            init_timeout,
+        };
+        let (conns, unix) = connect_peers(&setup)?;
+        let willing = unix && cma::allowed();
+        let peers = conns
+            .into_iter()
+            .map(|c| c.map(Link::new).transpose())
+            .collect::<std::io::Result<Vec<_>>>()?;
         for link in peers.iter().flatten() {
             let s = link.reader.lock().unwrap_or_else(|e| e.into_inner());
             s.set_timeouts(op_timeout, op_timeout)?;

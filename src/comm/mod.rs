@@ -1,11 +1,13 @@
 //! Communication: the rendezvous store and process groups with their collectives (CPU transport
 //! over sockets and cross-memory reads; NCCL for CUDA buffers), each operation bounded by a timeout.
 
+pub mod auth;
 pub mod cma;
 pub mod conn;
 pub mod flight_recorder;
 pub mod group;
 pub mod mesh;
 pub mod nccl;
+pub mod peers;
 pub mod queue;
 pub mod store;

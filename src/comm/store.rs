@@ -1,18 +1,42 @@
 //! The rendezvous store: a small TCP key-value server (hosted by the launcher or rank 0) through
 //! which ranks find each other. Operations: set, get (waits for the key), add (atomic counter),
 //! wait and barrier, each with a timeout whose error names the key and the store.
+//!
+//! Only the job's own processes get in: every connection opens with the job secret's
+//! challenge-response (`auth.rs`), and every key is prefixed with the job's id. The server is
+//! bounded against anything else that reaches its port: a connection that does not finish the
+//! handshake within `HANDSHAKE_TIMEOUT` is dropped (each connection has its own thread, so a
+//! silent one stalls nobody), keys are at most `MAX_KEY` bytes and values `MAX_VALUE`, a request
+//! once begun must arrive whole within `REQUEST_TIMEOUT`, at most `MAX_CONNECTIONS` are served at
+//! once, counters refuse to overflow, and a failing `accept` backs off instead of spinning.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
+use super::auth::{client_handshake, server_handshake, JobSecret, STORE_CLIENT};
+
 const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
+
+/// The longest key a request may carry (bytes).
+pub const MAX_KEY: usize = 4096;
+/// The largest value (bytes): addresses, pids and NCCL ids are far smaller.
+pub const MAX_VALUE: usize = 1 << 20;
+/// Connections served at once; more are closed on arrival.
+pub const MAX_CONNECTIONS: usize = 1024;
+/// How long a new connection has to prove the job secret.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the rest of a request may take once its first byte arrived.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// The store's channel name in the handshake.
+const CHANNEL: &str = "store";
 
 #[derive(Default)]
 struct Table {
@@ -26,21 +50,39 @@ pub struct StoreServer {
 }
 
 impl StoreServer {
-    /// Listens on `bind` (use port 0 for any free port).
-    pub fn start(bind: &str) -> Result<Self> {
+    /// Listens on `bind` (use port 0 for any free port); serves clients holding `secret`.
+    pub fn start(bind: &str, secret: &JobSecret) -> Result<Self> {
         let listener = TcpListener::bind(bind).with_context(|| {
             format!("rendezvous store cannot listen on {bind} (is the port in use?)")
         })?;
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
+        let secret = secret.clone();
+        let live = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("titan-store".into())
-            .spawn(move || {
-                for stream in listener.incoming().flatten() {
-                    let table = table.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("titan-store-conn".into())
-                        .spawn(move || serve(stream, &table));
+            .spawn(move || loop {
+                let stream = match listener.accept() {
+                    Ok((stream, _)) => stream,
+                    Err(_) => {
+                        // Out of descriptors or a reset connection: back off, never spin.
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                };
+                if live.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                    live.fetch_sub(1, Ordering::SeqCst);
+                    continue;
+                }
+                let (table, secret, live) = (table.clone(), secret.clone(), live.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("titan-store-conn".into())
+                    .spawn(move || {
+                        serve_authenticated(stream, &table, &secret);
+                        live.fetch_sub(1, Ordering::SeqCst);
+                    });
+                if spawned.is_err() {
+                    std::thread::sleep(Duration::from_millis(20));
                 }
             })?;
         Ok(StoreServer { addr })
@@ -59,27 +101,43 @@ fn read_u64(s: &mut TcpStream) -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-fn serve(mut s: TcpStream, table: &Table) {
+/// A length read from the wire, refused above `max` before anything is allocated.
+fn read_len(s: &mut TcpStream, max: usize) -> Option<usize> {
+    let n = read_u64(s).ok()?;
+    (n <= max as u64).then_some(n as usize)
+}
+
+fn serve_authenticated(mut s: TcpStream, table: &Table, secret: &JobSecret) {
+    let timeouts = s
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|_| s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)));
+    if timeouts.is_err() || server_handshake(&mut s, secret, CHANNEL).is_err() {
+        return;
+    }
     let _ = s.set_nodelay(true);
-    loop {
-        let mut op = [0u8; 1];
-        if s.read_exact(&mut op).is_err() {
-            return;
-        }
-        let Ok(key_len) = read_u64(&mut s) else {
-            return;
-        };
-        let Ok(key) = read_exact_vec(&mut s, key_len as usize) else {
-            return;
-        };
-        let key = String::from_utf8_lossy(&key).into_owned();
-        let Ok(val_len) = read_u64(&mut s) else {
-            return;
-        };
-        let Ok(val) = read_exact_vec(&mut s, val_len as usize) else {
-            return;
-        };
-        let reply: Vec<u8> = match op[0] {
+    serve(s, table);
+}
+
+/// One request: its operation, key and value. None: the connection ended, broke a bound or sent
+/// something that is not a request (the connection is then closed).
+fn read_request(s: &mut TcpStream) -> Option<(u8, String, Vec<u8>)> {
+    // Waiting for the next request is unbounded (a rank keeps its connection for the job);
+    // a request once begun must arrive whole in time.
+    s.set_read_timeout(None).ok()?;
+    let mut op = [0u8; 1];
+    s.read_exact(&mut op).ok()?;
+    s.set_read_timeout(Some(REQUEST_TIMEOUT)).ok()?;
+    let key_len = read_len(s, MAX_KEY)?;
+    let key = String::from_utf8(read_exact_vec(s, key_len).ok()?).ok()?;
+    let val_len = read_len(s, MAX_VALUE)?;
+    let val = read_exact_vec(s, val_len).ok()?;
+    Some((op[0], key, val))
+}
+
+fn serve(mut s: TcpStream, table: &Table) {
+    let _ = s.set_write_timeout(Some(REQUEST_TIMEOUT));
+    while let Some((op, key, val)) = read_request(&mut s) {
+        let reply = match op {
             OP_SET => {
                 table
                     .values
@@ -89,50 +147,11 @@ fn serve(mut s: TcpStream, table: &Table) {
                 table.changed.notify_all();
                 Vec::new()
             }
-            OP_GET => {
-                // `val` carries the timeout in milliseconds; an empty reply with flag 0 means timed out.
-                let ms = u64::from_le_bytes(
-                    val.get(..8)
-                        .and_then(|b| b.try_into().ok())
-                        .unwrap_or([0; 8]),
-                );
-                let deadline = Instant::now() + Duration::from_millis(ms);
-                let mut values = table.values.lock().unwrap_or_else(|e| e.into_inner());
-                loop {
-                    if let Some(v) = values.get(&key) {
-                        let mut r = vec![1u8];
-                        r.extend_from_slice(v);
-                        break r;
-                    }
-                    let now = Instant::now();
-                    if now >= deadline {
-                        break vec![0u8];
-                    }
-                    values = table
-                        .changed
-                        .wait_timeout(values, deadline - now)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
-                }
-            }
-            OP_ADD => {
-                let delta = i64::from_le_bytes(
-                    val.get(..8)
-                        .and_then(|b| b.try_into().ok())
-                        .unwrap_or([0; 8]),
-                );
-                let mut values = table.values.lock().unwrap_or_else(|e| e.into_inner());
-                let cur = values
-                    .get(&key)
-                    .and_then(|v| v.get(..8))
-                    .and_then(|b| b.try_into().ok())
-                    .map(i64::from_le_bytes)
-                    .unwrap_or(0);
-                let new = cur + delta;
-                values.insert(key, new.to_le_bytes().to_vec());
-                table.changed.notify_all();
-                new.to_le_bytes().to_vec()
-            }
+            OP_GET => get(table, &key, &val),
+            OP_ADD => match add(table, key, &val) {
+                Some(v) => v.to_le_bytes().to_vec(),
+                None => return,
+            },
             _ => return,
         };
         if s.write_all(&(reply.len() as u64).to_le_bytes())
@@ -144,18 +163,66 @@ fn serve(mut s: TcpStream, table: &Table) {
     }
 }
 
+/// The value of `key` once some client set it: flag 1 then the value, or flag 0 when it was not
+/// set within the timeout `val` carries (milliseconds, at most a day).
+fn get(table: &Table, key: &str, val: &[u8]) -> Vec<u8> {
+    let ms = val
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+        .min(86_400_000);
+    let deadline = Instant::now() + Duration::from_millis(ms);
+    let mut values = table.values.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if let Some(v) = values.get(key) {
+            let mut r = vec![1u8];
+            r.extend_from_slice(v);
+            return r;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return vec![0u8];
+        }
+        values = table
+            .changed
+            .wait_timeout(values, deadline - now)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+/// Adds the delta `val` carries to the counter `key`; None when the sum would overflow.
+fn add(table: &Table, key: String, val: &[u8]) -> Option<i64> {
+    let delta = i64::from_le_bytes(val.get(..8)?.try_into().ok()?);
+    let mut values = table.values.lock().unwrap_or_else(|e| e.into_inner());
+    let cur = values
+        .get(&key)
+        .and_then(|v| v.get(..8))
+        .and_then(|b| b.try_into().ok())
+        .map(i64::from_le_bytes)
+        .unwrap_or(0);
+    let new = cur.checked_add(delta)?;
+    values.insert(key, new.to_le_bytes().to_vec());
+    table.changed.notify_all();
+    Some(new)
+}
+
 /// A connection to the store.
 pub struct StoreClient {
     stream: Mutex<TcpStream>,
     addr: String,
     timeout: Duration,
+    secret: JobSecret,
+    /// Every key this client names is `{job_id}/{key}` in the store.
+    job_id: String,
 }
 
 impl StoreClient {
-    /// Connects to `addr`, retrying until `timeout` (the store may start after this rank).
-    pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
+    /// Connects to `addr` and proves `secret`, retrying the connection until `timeout` (the store
+    /// may start after this rank).
+    pub fn connect(addr: &str, secret: &JobSecret, timeout: Duration) -> Result<Self> {
         let deadline = Instant::now() + timeout;
-        let stream = loop {
+        let mut stream = loop {
             match TcpStream::connect(addr) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => bail!(
@@ -165,15 +232,36 @@ impl StoreClient {
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        client_handshake(&mut stream, secret, CHANNEL, STORE_CLIENT).with_context(|| {
+            format!("rendezvous store at {addr}: the handshake failed (every rank of a job needs the same job secret: TITAN_JOB_SECRET or --job-secret-file)")
+        })?;
+        stream.set_write_timeout(Some(REQUEST_TIMEOUT))?;
         stream.set_nodelay(true)?;
         Ok(StoreClient {
             stream: Mutex::new(stream),
             addr: addr.to_string(),
             timeout,
+            secret: secret.clone(),
+            job_id: secret.job_id(),
         })
     }
 
+    /// The job secret this client proved (process groups prove it to each other too).
+    pub fn secret(&self) -> &JobSecret {
+        &self.secret
+    }
+
     fn request(&self, op: u8, key: &str, val: &[u8], io_timeout: Duration) -> Result<Vec<u8>> {
+        let key = format!("{}/{key}", self.job_id);
+        if key.len() > MAX_KEY || val.len() > MAX_VALUE {
+            bail!(
+                "rendezvous store: key `{key}` ({} bytes) or its value ({} bytes) is over the store's limits ({MAX_KEY}, {MAX_VALUE}) (a titan bug)",
+                key.len(),
+                val.len()
+            );
+        }
         let mut s = self.stream.lock().unwrap_or_else(|e| e.into_inner());
         s.set_read_timeout(Some(io_timeout))?;
         let mut msg = vec![op];
@@ -187,10 +275,13 @@ impl StoreClient {
                 self.addr
             )
         })?;
-        let n = read_u64(&mut s).with_context(|| {
-            format!("rendezvous store {} did not answer for `{key}`", self.addr)
+        let n = read_len(&mut s, MAX_VALUE + 1).ok_or_else(|| {
+            anyhow!(
+                "rendezvous store {} did not answer for `{key}` (or its answer is over the limit)",
+                self.addr
+            )
         })?;
-        Ok(read_exact_vec(&mut s, n as usize)?)
+        Ok(read_exact_vec(&mut s, n)?)
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
@@ -255,14 +346,15 @@ mod tests {
 
     #[test]
     fn set_get_add_barrier() {
-        let server = StoreServer::start("127.0.0.1:0").unwrap();
+        let secret = JobSecret::generate();
+        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
         let addr = server.addr.to_string();
         let t = Duration::from_secs(5);
         let handles: Vec<_> = (0..4)
             .map(|r| {
-                let addr = addr.clone();
+                let (addr, secret) = (addr.clone(), secret.clone());
                 std::thread::spawn(move || {
-                    let c = StoreClient::connect(&addr, t).unwrap();
+                    let c = StoreClient::connect(&addr, &secret, t).unwrap();
                     c.set(&format!("addr/{r}"), format!("host-{r}").as_bytes())
                         .unwrap();
                     c.add("count", 1).unwrap();
@@ -284,8 +376,14 @@ mod tests {
 
     #[test]
     fn missing_key_and_missing_ranks_time_out_with_names() {
-        let server = StoreServer::start("127.0.0.1:0").unwrap();
-        let c = StoreClient::connect(&server.addr.to_string(), Duration::from_millis(300)).unwrap();
+        let secret = JobSecret::generate();
+        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
+        let c = StoreClient::connect(
+            &server.addr.to_string(),
+            &secret,
+            Duration::from_millis(300),
+        )
+        .unwrap();
         let e = c.get("addr/7").unwrap_err().to_string();
         assert!(e.contains("addr/7") && e.contains("not set"), "{e}");
         let e = c.barrier("b", 3).unwrap_err().to_string();
@@ -294,11 +392,89 @@ mod tests {
 
     #[test]
     fn port_in_use_is_a_clear_error() {
-        let server = StoreServer::start("127.0.0.1:0").unwrap();
-        let e = StoreServer::start(&server.addr.to_string())
+        let secret = JobSecret::generate();
+        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
+        let e = StoreServer::start(&server.addr.to_string(), &secret)
             .err()
             .unwrap()
             .to_string();
         assert!(e.contains("port in use"), "{e}");
+    }
+
+    /// A raw request frame: op, key, value, each length as the wire has it.
+    fn frame(op: u8, key_len: u64, key: &[u8], val_len: u64) -> Vec<u8> {
+        let mut m = vec![op];
+        m.extend_from_slice(&key_len.to_le_bytes());
+        m.extend_from_slice(key);
+        m.extend_from_slice(&val_len.to_le_bytes());
+        m
+    }
+
+    #[test]
+    fn an_outsider_without_the_secret_reads_and_writes_nothing() {
+        let secret = JobSecret::generate();
+        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
+        let addr = server.addr.to_string();
+        let job = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+        job.set("group/dp/addr/0", b"unix:/tmp/rank0").unwrap();
+        // Another secret: refused, naming the secret.
+        let e = StoreClient::connect(&addr, &JobSecret::generate(), Duration::from_secs(5))
+            .err()
+            .unwrap();
+        assert!(format!("{e:#}").contains("job secret"), "{e:#}");
+        // No handshake at all: a bare SET (under the job's own key name) changes nothing and
+        // a bare GET gets no value back.
+        let key = format!("{}/group/dp/addr/0", secret.job_id());
+        let mut raw = TcpStream::connect(&addr).unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut set = frame(OP_SET, key.len() as u64, key.as_bytes(), 4);
+        set.extend_from_slice(b"evil");
+        let _ = raw.write_all(&set);
+        let _ = raw.write_all(&frame(OP_GET, key.len() as u64, key.as_bytes(), 8));
+        let _ = raw.write_all(&1000u64.to_le_bytes());
+        let mut answer = Vec::new();
+        let _ = raw.read_to_end(&mut answer);
+        assert!(
+            !answer.windows(15).any(|w| w == b"unix:/tmp/rank0"),
+            "the value leaked"
+        );
+        assert_eq!(job.get("group/dp/addr/0").unwrap(), b"unix:/tmp/rank0");
+    }
+
+    #[test]
+    fn oversized_garbage_and_silent_connections_leave_the_store_serving() {
+        let secret = JobSecret::generate();
+        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
+        let addr = server.addr.to_string();
+        // Silent connections, before and during the job's.
+        let _silent: Vec<_> = (0..8).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        let job = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+        // Garbage instead of a handshake.
+        let mut junk = TcpStream::connect(&addr).unwrap();
+        let _ = junk.write_all(&[0xff; 4096]);
+        // An authenticated connection sending a key length of 2^40: closed, nothing allocated.
+        let mut big = TcpStream::connect(&addr).unwrap();
+        big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        client_handshake(&mut big, &secret, CHANNEL, STORE_CLIENT).unwrap();
+        let _ = big.write_all(&frame(OP_SET, 1 << 40, b"", 0));
+        let mut rest = Vec::new();
+        let _ = big.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "an oversized request got an answer");
+        // A counter cannot overflow.
+        job.add("c", i64::MAX).unwrap();
+        let mut ctr = TcpStream::connect(&addr).unwrap();
+        ctr.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        client_handshake(&mut ctr, &secret, CHANNEL, STORE_CLIENT).unwrap();
+        let key = format!("{}/c", secret.job_id());
+        let mut add = frame(OP_ADD, key.len() as u64, key.as_bytes(), 8);
+        add.extend_from_slice(&1i64.to_le_bytes());
+        let _ = ctr.write_all(&add);
+        let mut rest = Vec::new();
+        let _ = ctr.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "an overflowing add got an answer");
+        // The job's own client still works.
+        job.set("k", b"v").unwrap();
+        assert_eq!(job.get("k").unwrap(), b"v");
+        assert_eq!(job.add("c", 0).unwrap(), i64::MAX);
     }
 }

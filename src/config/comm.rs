@@ -18,6 +18,9 @@ pub struct CommConfig {
     pub trace_buf_size: usize,
     /// Where the dumps go, under the dump folder (`rank_{r}.json`).
     pub save_traces_folder: String,
+    /// Run a multi-node job without a job secret: its store and ranks then accept any
+    /// connection (docs/security.md). Off: such a job is refused until it has a secret.
+    pub insecure_no_auth: bool,
 }
 
 impl Default for CommConfig {
@@ -27,6 +30,7 @@ impl Default for CommConfig {
             train_timeout_seconds: 100,
             trace_buf_size: 20000,
             save_traces_folder: "comm_traces".into(),
+            insecure_no_auth: false,
         }
     }
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
+use crate::comm::auth::{JobSecret, SECRET_ENV, SECRET_FILE_ENV};
 use crate::comm::store::StoreServer;
 
 #[derive(Debug, Clone)]
@@ -26,6 +27,9 @@ pub struct LaunchOptions {
     /// Rank 0's standard output passes through without the `[rank 0]` prefix (a benchmark's
     /// JSON line, which a script parses).
     pub rank0_stdout_plain: bool,
+    /// The job secret the store and every rank prove (`launch::secret::for_launcher`); handed to
+    /// the workers in their environment, never on their command line.
+    pub secret: JobSecret,
 }
 
 impl LaunchOptions {
@@ -41,6 +45,7 @@ impl LaunchOptions {
             max_restarts: 0,
             worker_args,
             rank0_stdout_plain: true,
+            secret: JobSecret::generate(),
         }
     }
 }
@@ -90,15 +95,11 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         std::env::current_exe().context("cannot find the titan executable to start workers")?;
     // Node 0 hosts the store; the others connect to it. Port 0 picks a free port (single node).
     let store = if o.node_rank == 0 {
-        Some(StoreServer::start(&format!(
-            "{}:{}",
-            if o.nnodes > 1 {
-                "0.0.0.0"
-            } else {
-                &o.master_addr
-            },
-            o.master_port
-        ))?)
+        // Multi-node: the given address only, not every interface.
+        Some(StoreServer::start(
+            &format!("{}:{}", o.master_addr, o.master_port),
+            &o.secret,
+        )?)
     } else {
         None
     };
@@ -121,6 +122,8 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
                 .env("TITAN_STORE_PORT", port.to_string())
                 .env("TITAN_STORE_HOSTED", "1")
                 .env("TITAN_GENERATION", generation.to_string())
+                .env(SECRET_ENV, o.secret.to_hex())
+                .env_remove(SECRET_FILE_ENV)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

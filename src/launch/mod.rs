@@ -2,12 +2,14 @@
 
 pub mod env;
 pub mod launcher;
+pub mod secret;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
 
+use crate::comm::auth::JobSecret;
 use crate::comm::flight_recorder;
 use crate::comm::group::{ProcessGroup, TcpGroup};
 use crate::comm::mesh::DeviceMesh;
@@ -88,7 +90,8 @@ impl Distributed {
             Duration::from_secs(cfg.comm.init_timeout_seconds),
             Duration::from_secs(cfg.comm.train_timeout_seconds),
         );
-        let (store, store_server, host) = rendezvous(&env, init)?;
+        let secret = secret::for_worker(env.rank, cfg.comm.insecure_no_auth)?;
+        let (store, store_server, host) = rendezvous(&env, &secret, init)?;
         let gen = env.generation;
         start_flight_recorder(cfg, &env, &store, init)?;
         let join_ranks = |ranks: &[usize], name: &str| -> Result<Arc<dyn ProcessGroup>> {
@@ -382,15 +385,16 @@ pub fn check_mesh(cfg: &Config, world: usize) -> Result<DeviceMesh> {
 /// client, the server if this rank hosts it, and the address peers reach this rank at.
 pub fn rendezvous(
     env: &env::WorkerEnv,
+    secret: &JobSecret,
     init: Duration,
 ) -> Result<(StoreClient, Option<StoreServer>, String)> {
     let addr = format!("{}:{}", env.master_addr, env.store_port);
     let store_server = if env.rank == 0 && !env.store_hosted {
-        Some(StoreServer::start(&addr)?)
+        Some(StoreServer::start(&addr, secret)?)
     } else {
         None
     };
-    let store = StoreClient::connect(&addr, init)?;
+    let store = StoreClient::connect(&addr, secret, init)?;
     let host = match std::env::var("TITAN_HOST") {
         Ok(h) if !h.is_empty() => h,
         _ if env.world_size == env.local_world_size => "127.0.0.1".to_string(),
@@ -406,7 +410,8 @@ pub fn world_group(
     init: Duration,
     op: Duration,
 ) -> Result<(TcpGroup, Option<StoreServer>)> {
-    let (store, server, host) = rendezvous(env, init)?;
+    let secret = secret::for_worker(env.rank, false)?;
+    let (store, server, host) = rendezvous(env, &secret, init)?;
     let group = TcpGroup::connect(
         &store,
         &format!("{name}-g{}", env.generation),

@@ -1,0 +1,138 @@
+//! Connecting a group's ranks pairwise, each link authenticated: a rank publishes its listening
+//! address in the store, connects to every lower rank and accepts every higher one, and both ends
+//! of every link prove the job secret for this group (`auth.rs`; the connecting rank's number is
+//! bound into its proof). Whatever else reaches the listening socket (a port scanner, a silent
+//! connection, a process of another job) is dropped after at most `HANDSHAKE_TIMEOUT` on its own
+//! thread while accepting goes on: it can neither join the group nor fail it.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use super::auth::{client_handshake, server_handshake, JobSecret};
+use super::conn::{Conn, Listener};
+use super::store::{StoreClient, HANDSHAKE_TIMEOUT};
+
+/// Where and how a rank joins a group.
+pub struct PeerSetup<'a> {
+    pub store: &'a StoreClient,
+    pub name: &'a str,
+    pub rank: usize,
+    pub size: usize,
+    /// This rank's address peers connect to (loopback: a Unix socket).
+    pub host: &'a str,
+    pub init_timeout: Duration,
+}
+
+/// The handshake's channel for group `name` (its generation is part of the name).
+fn channel(name: &str) -> String {
+    format!("group/{name}")
+}
+
+/// A connection to every other rank of the group (None at this rank's own index), and whether
+/// this rank listened on a Unix socket (every rank on this host).
+pub fn connect_peers(p: &PeerSetup) -> Result<(Vec<Option<Conn>>, bool)> {
+    let (name, rank, size) = (p.name, p.rank, p.size);
+    let (listener, my_addr) = Listener::bind(p.host, name, rank)
+        .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {}", p.host))?;
+    p.store
+        .set(&format!("group/{name}/addr/{rank}"), my_addr.as_bytes())?;
+    let deadline = Instant::now() + p.init_timeout;
+    let mut peers: Vec<Option<Conn>> = (0..size).map(|_| None).collect();
+    for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
+        *slot = Some(connect_down(p, peer, deadline)?);
+    }
+    accept_up(p, &listener, &mut peers, deadline)?;
+    Ok((peers, my_addr.starts_with("unix:")))
+}
+
+/// The link to lower rank `peer`: its published address, connected and authenticated.
+fn connect_down(p: &PeerSetup, peer: usize, deadline: Instant) -> Result<Conn> {
+    let (name, rank) = (p.name, p.rank);
+    let left = deadline.saturating_duration_since(Instant::now());
+    let addr = p
+        .store
+        .get_within(&format!("group/{name}/addr/{peer}"), left)
+        .map_err(|_| {
+            anyhow!(
+                "group `{name}` rank {rank}: rank {peer} never arrived within {:.0?}",
+                p.init_timeout
+            )
+        })?;
+    let addr = String::from_utf8_lossy(&addr).into_owned();
+    let mut s = Conn::connect(&addr).with_context(|| {
+        format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
+    })?;
+    s.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT)?;
+    client_handshake(&mut s, p.store.secret(), &channel(name), rank as u64).with_context(|| {
+        format!(
+            "group `{name}` rank {rank}: the link to rank {peer} at {addr} failed its handshake"
+        )
+    })?;
+    Ok(s)
+}
+
+/// Accepts the higher ranks until each has a link or the deadline passes. Each connection proves
+/// the secret on its own thread; one that fails, stalls or claims a rank it cannot be is dropped.
+fn accept_up(
+    p: &PeerSetup,
+    listener: &Listener,
+    peers: &mut [Option<Conn>],
+    deadline: Instant,
+) -> Result<()> {
+    let (name, rank, size) = (p.name, p.rank, p.size);
+    let (done, proven) = mpsc::channel::<(usize, Conn)>();
+    let mut missing = size - 1 - rank;
+    while missing > 0 {
+        while let Ok((peer, conn)) = proven.try_recv() {
+            if peer > rank && peer < size && peers[peer].is_none() {
+                peers[peer] = Some(conn);
+                missing -= 1;
+            }
+        }
+        if missing == 0 {
+            break;
+        }
+        match listener.accept() {
+            Ok(conn) => authenticate_in_background(conn, p.store.secret(), name, done.clone()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let absent: Vec<usize> =
+                        (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
+                    bail!(
+                        "group `{name}` rank {rank}: ranks {absent:?} never connected within {:.0?}",
+                        p.init_timeout
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // A connection reset before it was accepted, or out of descriptors: go on.
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+    Ok(())
+}
+
+/// Runs the server side of the handshake on its own thread and hands a proven link over.
+fn authenticate_in_background(
+    mut conn: Conn,
+    secret: &JobSecret,
+    name: &str,
+    done: mpsc::Sender<(usize, Conn)>,
+) {
+    let (secret, channel) = (secret.clone(), channel(name));
+    let _ = std::thread::Builder::new()
+        .name("titan-peer-auth".into())
+        .spawn(move || {
+            if conn
+                .set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT)
+                .is_err()
+            {
+                return;
+            }
+            if let Ok(peer) = server_handshake(&mut conn, &secret, &channel) {
+                let _ = done.send((peer as usize, conn));
+            }
+        });
+}
