@@ -635,3 +635,78 @@ fn ranks_of_a_host_share_its_cores_by_default() {
     let want = format!("× {} threads", (cores / 2).max(1));
     assert!(out.contains(&want), "expected `{want}`: {out}");
 }
+
+/// The processes whose parent is `parent` (from /proc).
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command name in parentheses: state, then the parent's pid.
+        let after = &stat[stat.rfind(')').unwrap_or(0) + 1..];
+        let ppid = after.split_whitespace().nth(1).and_then(|p| p.parse().ok());
+        if ppid == Some(parent) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Whether `pid` still runs (a zombie waiting for its new parent to reap it does not).
+fn running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let after = &stat[stat.rfind(')').unwrap_or(0) + 1..];
+            after.split_whitespace().next() != Some("Z")
+        }
+        Err(_) => false,
+    }
+}
+
+/// A launcher killed outright (SIGKILL) or told to stop (SIGTERM) takes its workers with it
+/// within seconds, instead of leaving them training (or hung in a collective) on their own.
+#[test]
+fn a_killed_or_stopped_launcher_takes_its_workers_with_it() {
+    for signal in [libc::SIGKILL, libc::SIGTERM] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut overrides = vec!["--training.steps", "100000"];
+        overrides.extend_from_slice(TINY_ARGS);
+        overrides.extend_from_slice(DDP_MESH);
+        let mut launcher = train_command(dir.path(), DDP2, &overrides)
+            .env("RAYON_NUM_THREADS", "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let workers = loop {
+            let w = children_of(launcher.id());
+            if w.len() == 2 || t0.elapsed() > std::time::Duration::from_secs(60) {
+                break w;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert_eq!(workers.len(), 2, "the launcher started {workers:?}");
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(launcher.id() as libc::pid_t, signal) };
+        let t1 = std::time::Instant::now();
+        while workers.iter().any(|&p| running(p)) {
+            assert!(
+                t1.elapsed() < std::time::Duration::from_secs(20),
+                "signal {signal}: workers {workers:?} outlived the launcher"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let status = launcher.wait().unwrap();
+        assert!(!status.success(), "signal {signal}: {status}");
+    }
+}

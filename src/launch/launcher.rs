@@ -2,10 +2,12 @@
 //! store, prefixes each rank's output with its rank, and supervises them: when a rank fails every
 //! other rank is stopped and the launcher exits non-zero naming the rank and its last error lines;
 //! with `--max-restarts K` the whole group is restarted (workers resume from the latest complete
-//! checkpoint).
+//! checkpoint). Workers die with the launcher (a parent-death signal), and SIGINT or SIGTERM to
+//! the launcher stops them as a failure does.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,6 +58,9 @@ struct Worker {
     last_err: Arc<Mutex<Vec<String>>>,
 }
 
+/// Copies a worker's output lines to the launcher's, prefixed with the rank, whatever bytes they
+/// hold (invalid UTF-8 is shown replaced, never a reason to stop reading and leave the worker
+/// blocked on a full pipe).
 fn pump(
     stream: impl std::io::Read + Send + 'static,
     rank: usize,
@@ -64,7 +69,16 @@ fn pump(
     keep: Option<Arc<Mutex<Vec<String>>>>,
 ) {
     std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+        let mut reader = BufReader::new(stream);
+        let mut bytes = Vec::new();
+        loop {
+            bytes.clear();
+            match reader.read_until(b'\n', &mut bytes) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let line = String::from_utf8_lossy(&bytes);
+            let line = line.trim_end_matches(['\n', '\r']).to_string();
             match (to_stderr, plain) {
                 (true, _) => eprintln!("[rank {rank}] {line}"),
                 (false, true) => println!("{line}"),
@@ -79,6 +93,39 @@ fn pump(
             }
         }
     });
+}
+
+/// A worker of this launcher: dies with it (the parent-death signal, set in the child before
+/// `exec`, and a check that the launcher did not die before that), output piped.
+fn worker_command(exe: &std::path::Path) -> Command {
+    use std::os::unix::process::CommandExt;
+    let launcher = std::process::id() as libc::pid_t;
+    let mut cmd = Command::new(exe);
+    // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd
+}
+
+/// SIGINT or SIGTERM reached the launcher (set by signal-hook; the launcher then stops its
+/// workers the same way a failure does, and exits).
+fn interrupt_flag() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, flag.clone())
+            .context("cannot install the launcher's signal handler")?;
+    }
+    Ok(flag)
 }
 
 pub fn launch(o: &LaunchOptions) -> Result<()> {
@@ -107,11 +154,12 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     if o.nnodes > 1 && o.master_port == 0 {
         bail!("--master-port 0 (any free port) only works on a single node; give every node the same port");
     }
+    let interrupted = interrupt_flag()?;
     for generation in 0..=o.max_restarts {
         let mut workers = Vec::new();
         for local in 0..o.nproc {
             let rank = o.node_rank * o.nproc + local;
-            let mut child = Command::new(&exe)
+            let mut child = worker_command(&exe)
                 .args(&o.worker_args)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
@@ -124,8 +172,6 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
                 .env("TITAN_GENERATION", generation.to_string())
                 .env(SECRET_ENV, o.secret.to_hex())
                 .env_remove(SECRET_FILE_ENV)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .with_context(|| format!("cannot start rank {rank}"))?;
             let last_err = Arc::new(Mutex::new(Vec::new()));
@@ -150,9 +196,12 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
                 last_err,
             });
         }
-        match supervise(&mut workers) {
-            Ok(()) => return Ok(()),
-            Err(failures) => {
+        match supervise(&mut workers, &interrupted) {
+            Outcome::Done => return Ok(()),
+            Outcome::Interrupted => {
+                bail!("titan launcher: interrupted (SIGINT or SIGTERM); all {world} ranks stopped")
+            }
+            Outcome::Failed(failures) => {
                 std::thread::sleep(Duration::from_millis(200)); // let the output pumps drain
                 let last_lines = |rank: usize| {
                     workers
@@ -213,12 +262,25 @@ fn stop_all(workers: &mut [Worker]) {
     }
 }
 
+/// How a generation of workers ended.
+enum Outcome {
+    Done,
+    /// Every rank found failed in the pass that saw the first failure (rank, exit status).
+    Failed(Vec<(usize, String)>),
+    /// The launcher was told to stop (SIGINT, SIGTERM): its workers were stopped.
+    Interrupted,
+}
+
 /// Waits for every worker; at the first failure stops the others and returns every rank found
-/// failed in that pass (rank, exit status), ranks killed by a signal first: the rank that died is
-/// named before the ranks that failed because it did.
-fn supervise(workers: &mut [Worker]) -> std::result::Result<(), Vec<(usize, String)>> {
+/// failed in that pass, ranks killed by a signal first: the rank that died is named before the
+/// ranks that failed because it did. A signal to the launcher stops them all.
+fn supervise(workers: &mut [Worker], interrupted: &AtomicBool) -> Outcome {
     let mut done = vec![false; workers.len()];
     loop {
+        if interrupted.load(Ordering::SeqCst) {
+            stop_all(workers);
+            return Outcome::Interrupted;
+        }
         let mut failed = Vec::new();
         for (i, w) in workers.iter_mut().enumerate() {
             if done[i] {
@@ -234,10 +296,10 @@ fn supervise(workers: &mut [Worker]) -> std::result::Result<(), Vec<(usize, Stri
         if !failed.is_empty() {
             stop_all(workers);
             failed.sort();
-            return Err(failed.into_iter().map(|(_, r, s)| (r, s)).collect());
+            return Outcome::Failed(failed.into_iter().map(|(_, r, s)| (r, s)).collect());
         }
         if done.iter().all(|d| *d) {
-            return Ok(());
+            return Outcome::Done;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
