@@ -36,16 +36,22 @@ pub fn allowed() -> bool {
     cfg!(target_os = "linux") && !off
 }
 
-/// Lets sibling processes of the same user read this one. Under Yama's `ptrace_scope = 1` (Ubuntu's
-/// default) only ancestors may, and ranks are siblings; this lifts that restriction for this
-/// process only (`PR_SET_PTRACER_ANY`). Nothing changes where Yama is absent. Set
-/// `TITAN_COMM_NO_CMA=1` to keep the restriction (the collectives then use sockets).
+/// Lets this process's siblings (the other ranks its launcher started) read it, and no one else
+/// beyond what the system already allows. Under Yama's `ptrace_scope = 1` (Ubuntu's default) only
+/// ancestors may read a process; naming the parent as this process's ptracer
+/// (`PR_SET_PTRACER`) admits the parent and its descendants: the launcher (titan's, torchrun) and
+/// the ranks it started. Not `PR_SET_PTRACER_ANY`, which would open this process to every process
+/// of the user. Ranks under different parents fail the probe and use sockets. Nothing changes
+/// where Yama is absent; `TITAN_COMM_NO_CMA=1` keeps the restriction as it is.
 #[cfg(target_os = "linux")]
 pub fn allow_peer_reads() {
-    // SAFETY: prctl with these arguments only changes this process's Yama ptracer setting; a
-    // failure (no Yama) is harmless and ignored.
+    // SAFETY: getppid cannot fail; prctl with these arguments only changes this process's Yama
+    // ptracer setting, and a failure (no Yama) is harmless and ignored.
     unsafe {
-        libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0);
+        let parent = libc::getppid();
+        if parent > 1 {
+            libc::prctl(libc::PR_SET_PTRACER, parent as libc::c_ulong, 0, 0, 0);
+        }
     }
 }
 

@@ -26,6 +26,46 @@ impl Conn {
         }
     }
 
+    /// The process at the other end of a Unix socket and its user, from the kernel
+    /// (`SO_PEERCRED`, recorded when the connection was made): not what the peer says. None over
+    /// TCP.
+    pub fn peer_credentials(&self) -> Option<(i32, u32)> {
+        use std::os::fd::AsRawFd;
+        let Conn::Unix(s) = self else {
+            return None;
+        };
+        let mut cred = libc::ucred {
+            pid: 0,
+            uid: 0,
+            gid: 0,
+        };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is that large.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                &mut cred as *mut libc::ucred as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        (rc == 0).then_some((cred.pid, cred.uid))
+    }
+
+    /// Over a Unix socket, an error unless the peer runs as this process's user.
+    pub fn check_same_user(&self) -> std::io::Result<()> {
+        // SAFETY: getuid cannot fail.
+        let me = unsafe { libc::getuid() };
+        match self.peer_credentials() {
+            Some((_, uid)) if uid != me => Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("the peer runs as user {uid}, this rank as {me}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     pub fn try_clone(&self) -> std::io::Result<Conn> {
         Ok(match self {
             Conn::Tcp(s) => Conn::Tcp(s.try_clone()?),

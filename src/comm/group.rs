@@ -92,6 +92,7 @@ fn agree_on_cma(
     rank: usize,
     size: usize,
     willing: bool,
+    link_pids: &[Option<i32>],
     timeout: Duration,
 ) -> Result<Option<Vec<i32>>> {
     let deadline = Instant::now() + timeout;
@@ -131,7 +132,10 @@ fn agree_on_cma(
         .iter()
         .enumerate()
         .filter(|(p, _)| *p != rank)
-        .all(|(_, &(pid, address, value))| cma::can_read(pid, address, value));
+        .all(|(p, &(pid, address, value))| {
+            // The pid a peer offers must be the one the kernel names at the link's other end.
+            link_pids.get(p).copied().flatten() == Some(pid) && cma::can_read(pid, address, value)
+        });
     store.set(
         &format!("group/{name}/cma-ok/{rank}"),
         if readable { b"1" } else { b"0" },
@@ -222,7 +226,14 @@ impl TcpGroup {
             s.set_timeouts(op_timeout, op_timeout)?;
         }
         let peer_pids = if size > 1 {
-            agree_on_cma(store, name, rank, size, willing, init_timeout)?
+            let link_pids: Vec<Option<i32>> = peers
+                .iter()
+                .map(|l| {
+                    let s = l.as_ref()?.reader.lock().unwrap_or_else(|e| e.into_inner());
+                    s.peer_credentials().map(|(pid, _)| pid)
+                })
+                .collect();
+            agree_on_cma(store, name, rank, size, willing, &link_pids, init_timeout)?
         } else {
             None
         };

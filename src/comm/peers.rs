@@ -65,6 +65,8 @@ fn connect_down(p: &PeerSetup, peer: usize, deadline: Instant) -> Result<Conn> {
         format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
     })?;
     s.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT)?;
+    s.check_same_user()
+        .with_context(|| format!("group `{name}` rank {rank}: rank {peer} at {addr}"))?;
     client_handshake(&mut s, p.store.secret(), &channel(name), rank as u64).with_context(|| {
         format!(
             "group `{name}` rank {rank}: the link to rank {peer} at {addr} failed its handshake"
@@ -125,10 +127,8 @@ fn authenticate_in_background(
     let _ = std::thread::Builder::new()
         .name("titan-peer-auth".into())
         .spawn(move || {
-            if conn
-                .set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT)
-                .is_err()
-            {
+            let ready = conn.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT);
+            if ready.and_then(|_| conn.check_same_user()).is_err() {
                 return;
             }
             if let Ok(peer) = server_handshake(&mut conn, &secret, &channel) {
