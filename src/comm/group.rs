@@ -11,7 +11,6 @@
 //! reduce-scatter copy straight between processes instead (`cma`), with the sockets only carrying
 //! the three small messages that order each collective's phases.
 
-use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -21,6 +20,7 @@ use anyhow::{anyhow, bail, Result};
 use super::cma;
 use super::conn::Conn;
 use super::flight_recorder::GroupRecord;
+use super::frame::{FramedReader, FramedWriter, RecvError};
 use super::peers::{connect_peers, PeerSetup};
 use super::store::StoreClient;
 
@@ -128,14 +128,16 @@ fn agree_on_cma(
         return Ok(None);
     }
     let offers: Vec<(i32, u64, u64)> = offers.into_iter().flatten().collect();
-    let readable = offers
-        .iter()
-        .enumerate()
-        .filter(|(p, _)| *p != rank)
-        .all(|(p, &(pid, address, value))| {
-            // The pid a peer offers must be the one the kernel names at the link's other end.
-            link_pids.get(p).copied().flatten() == Some(pid) && cma::can_read(pid, address, value)
-        });
+    let readable =
+        offers
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| *p != rank)
+            .all(|(p, &(pid, address, value))| {
+                // The pid a peer offers must be the one the kernel names at the link's other end.
+                link_pids.get(p).copied().flatten() == Some(pid)
+                    && cma::can_read(pid, address, value)
+            });
     store.set(
         &format!("group/{name}/cma-ok/{rank}"),
         if readable { b"1" } else { b"0" },
@@ -158,15 +160,15 @@ fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
 }
 
 struct Link {
-    reader: Mutex<Conn>,
-    writer: Mutex<Conn>,
+    reader: Mutex<FramedReader>,
+    writer: Mutex<FramedWriter>,
 }
 
 impl Link {
     fn new(s: Conn) -> std::io::Result<Self> {
         Ok(Link {
-            writer: Mutex::new(s.try_clone()?),
-            reader: Mutex::new(s),
+            writer: Mutex::new(FramedWriter::new(s.try_clone()?)),
+            reader: Mutex::new(FramedReader::new(s)),
         })
     }
 }
@@ -223,6 +225,7 @@ impl TcpGroup {
             .collect::<std::io::Result<Vec<_>>>()?;
         for link in peers.iter().flatten() {
             let s = link.reader.lock().unwrap_or_else(|e| e.into_inner());
+            let s = s.conn();
             s.set_timeouts(op_timeout, op_timeout)?;
         }
         let peer_pids = if size > 1 {
@@ -230,7 +233,7 @@ impl TcpGroup {
                 .iter()
                 .map(|l| {
                     let s = l.as_ref()?.reader.lock().unwrap_or_else(|e| e.into_inner());
-                    s.peer_credentials().map(|(pid, _)| pid)
+                    s.conn().peer_credentials().map(|(pid, _)| pid)
                 })
                 .collect();
             agree_on_cma(store, name, rank, size, willing, &link_pids, init_timeout)?
@@ -319,7 +322,7 @@ impl TcpGroup {
             .writer
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        w.write_all(bytes)
+        w.send(bytes)
             .map_err(|e| self.fail(self.io_error(op, peer, e)))
     }
 
@@ -329,8 +332,22 @@ impl TcpGroup {
             .reader
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        r.read_exact(bytes)
-            .map_err(|e| self.fail(self.io_error(op, peer, e)))
+        r.recv(bytes).map_err(|e| {
+            self.fail(match e {
+                RecvError::Io(e) => self.io_error(op, peer, e),
+                RecvError::OutOfStep {
+                    index,
+                    len,
+                    expected_index,
+                    expected_len,
+                } => anyhow!(
+                    "{op} on group `{}` (rank {} of {}): peer rank {peer} sent its message #{index} of {len} bytes where this rank expected message #{expected_index} of {expected_len} bytes: the ranks called different collectives (or with different sizes)",
+                    self.name,
+                    self.rank,
+                    self.size
+                ),
+            })
+        })
     }
 
     /// Sends `out` to `to` on a scoped thread while receiving `inp` from `from`.

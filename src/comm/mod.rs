@@ -5,6 +5,7 @@ pub mod auth;
 pub mod cma;
 pub mod conn;
 pub mod flight_recorder;
+pub mod frame;
 pub mod group;
 pub mod mesh;
 pub mod nccl;
