@@ -163,7 +163,7 @@ fn resume_dir(cfg: &Config, dist: Option<&Distributed>) -> Result<Option<(u64, P
 
 /// A checkpoint that cannot be read, with the way out: the run must not silently start afresh.
 fn cannot_resume(e: anyhow::Error) -> anyhow::Error {
-    anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
+    anyhow!("cannot resume: {e:#}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
 }
 
 /// The checkpoint in `resume` (the step and its folder) as this rank reads it: a rank of the
