@@ -102,3 +102,155 @@ pub fn agree(
         _ => Ok(step),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::{Arc, Barrier, Mutex};
+
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::checkpoint::{save, TrainState, FORMAT_VERSION};
+    use crate::comm::group::ReduceOp;
+    use crate::model::{params::param_specs, ModelArgs, ParamSet};
+
+    /// Ranks as threads of one process: just the collectives `agree` uses.
+    struct Threads {
+        rank: usize,
+        size: usize,
+        shared: Arc<(Mutex<Vec<Vec<f32>>>, Barrier)>,
+    }
+
+    impl ProcessGroup for Threads {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn size(&self) -> usize {
+            self.size
+        }
+        fn name(&self) -> &str {
+            "threads"
+        }
+        fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+            let (slots, barrier) = &*self.shared;
+            if self.rank == root {
+                slots.lock().unwrap()[0] = buf.to_vec();
+            }
+            barrier.wait();
+            buf.copy_from_slice(&slots.lock().unwrap()[0]);
+            barrier.wait();
+            Ok(())
+        }
+        fn all_gather(&self, input: &[f32], output: &mut [f32]) -> Result<()> {
+            let (slots, barrier) = &*self.shared;
+            slots.lock().unwrap()[self.rank] = input.to_vec();
+            barrier.wait();
+            output.copy_from_slice(&slots.lock().unwrap().concat());
+            barrier.wait();
+            Ok(())
+        }
+        fn all_reduce(&self, _: &mut [f32], _: ReduceOp) -> Result<()> {
+            bail!("not used")
+        }
+        fn reduce_scatter(&self, _: &[f32], _: &mut [f32], _: ReduceOp) -> Result<()> {
+            bail!("not used")
+        }
+        fn send(&self, _: &[f32], _: usize) -> Result<()> {
+            bail!("not used")
+        }
+        fn recv(&self, _: &mut [f32], _: usize) -> Result<()> {
+            bail!("not used")
+        }
+        fn all_to_all(&self, _: &[f32], _: &[usize], _: &mut [f32], _: &[usize]) -> Result<()> {
+            bail!("not used")
+        }
+        fn barrier(&self) -> Result<()> {
+            self.shared.1.wait();
+            Ok(())
+        }
+    }
+
+    /// A checkpoint of a tiny model at `step` in `folder`.
+    fn saved(folder: &Path, step: u64) {
+        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) = (16, 1, 2, 2);
+        (args.vocab_size, args.ffn_hidden) = (8, 8);
+        let be = CpuBackend::new();
+        let p = ParamSet::zeros(&be, &param_specs(&args));
+        let state = TrainState {
+            format_version: FORMAT_VERSION,
+            step,
+            model_args: args,
+            seed: 0,
+            data: Default::default(),
+            tokenizer_path: String::new(),
+            sharding: None,
+            files: Default::default(),
+            expert_bias: None,
+        };
+        save(&be, folder, &p, &p, &p, state, 0).unwrap();
+    }
+
+    /// `agree` on two thread ranks, each seeing its own folder; rank 0 runs `choose`.
+    fn agree_on(folders: [PathBuf; 2]) -> Vec<Result<Option<u64>>> {
+        let shared = Arc::new((Mutex::new(vec![Vec::new(); 2]), Barrier::new(2)));
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (folder, shared) = (folders[rank].clone(), shared.clone());
+                    s.spawn(move || {
+                        let group = Threads {
+                            rank,
+                            size: 2,
+                            shared,
+                        };
+                        let chosen = match rank {
+                            0 => choose(&folder, None),
+                            _ => Ok(None),
+                        };
+                        agree(&group, &folder, chosen)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn every_rank_takes_rank_0s_step_or_fails_naming_the_rank_without_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (shared, empty) = (dir.path().join("shared"), dir.path().join("empty"));
+        for r in agree_on([empty.clone(), empty.clone()]) {
+            assert_eq!(r.unwrap(), None);
+        }
+        saved(&shared, 5);
+        saved(&shared, 10);
+        for r in agree_on([shared.clone(), shared.clone()]) {
+            assert_eq!(r.unwrap(), Some(10));
+        }
+        // Rank 1 does not see rank 0's checkpoints: both stop, naming rank 1.
+        let errors: Vec<String> = agree_on([shared.clone(), empty.clone()])
+            .into_iter()
+            .map(|r| format!("{:#}", r.unwrap_err()))
+            .collect();
+        for (rank, e) in errors.iter().enumerate() {
+            assert!(
+                e.starts_with(&format!("rank {rank}:"))
+                    && e.contains("step-10")
+                    && e.contains("rank(s) [1]"),
+                "{e}"
+            );
+        }
+        // Rank 0 cannot choose (its only checkpoint is corrupt): rank 1 stops too.
+        std::fs::remove_dir_all(step_dir(&shared, 10)).unwrap();
+        std::fs::write(step_dir(&shared, 5).join("model.safetensors"), b"x").unwrap();
+        let r = agree_on([shared.clone(), shared.clone()]);
+        let e0 = format!("{:#}", r[0].as_ref().unwrap_err());
+        let e1 = format!("{:#}", r[1].as_ref().unwrap_err());
+        assert!(
+            e0.contains("model.safetensors") && e0.contains("truncated"),
+            "{e0}"
+        );
+        assert!(e1.contains("rank 0 could not choose"), "{e1}");
+    }
+}

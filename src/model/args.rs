@@ -422,6 +422,59 @@ mod tests {
     }
 
     #[test]
+    fn every_size_is_bounded_and_an_error_names_the_field() {
+        let ok = ModelArgs::flavor("debugmodel").unwrap();
+        ok.validate().unwrap();
+        type Edit = fn(&mut ModelArgs);
+        let cases: [(&str, Edit); 9] = [
+            ("n_heads = 0", |a| a.n_heads = 0),
+            ("n_kv_heads = 0", |a| a.n_kv_heads = 0),
+            ("dim = 131073", |a| a.dim = (1 << 17) + 1),
+            ("vocab_size = 1099511627776", |a| a.vocab_size = 1 << 40),
+            ("n_layers = 4097", |a| a.n_layers = 4097),
+            ("ffn_hidden = 0", |a| a.ffn_hidden = 0),
+            ("attention_head_dim = 8192", |a| {
+                a.attention_head_dim = Some(8192)
+            }),
+            ("not divisible by n_heads", |a| a.dim = 250),
+            ("rope_theta", |a| a.rope_theta = f64::NAN),
+        ];
+        for (want, edit) in cases {
+            let mut a = ok.clone();
+            edit(&mut a);
+            let e = a.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_largest_accepted_model_counts_its_parameters_without_overflow() {
+        let bound = |f: &str| field_range(f).1;
+        let mut a = ModelArgs::qwen3_flavor("235B-A22B").unwrap();
+        (a.dim, a.n_layers, a.vocab_size) = (bound("dim"), bound("n_layers"), bound("vocab_size"));
+        (a.n_heads, a.n_kv_heads) = (bound("n_heads"), bound("n_kv_heads"));
+        a.attention_head_dim = Some(MAX_HEAD_DIM);
+        a.tied_embeddings = false;
+        let moe = a.moe.as_mut().unwrap();
+        (moe.hidden, moe.shared_hidden) = (bound("moe.hidden"), Some(bound("moe.shared_hidden")));
+        moe.router.num_experts = bound("moe.num_experts");
+        a.validate().unwrap();
+        // The same count in u128.
+        let (d, h, kv, hd) = (
+            a.dim as u128,
+            a.n_heads as u128,
+            a.n_kv_heads as u128,
+            4096u128,
+        );
+        let (e, eh, sh) = (1024u128, 1u128 << 20, 1u128 << 20);
+        let layer =
+            d * h * hd * 2 + d * kv * hd * 2 + e * d + 3 * d * (e * eh + sh) + 2 * d + 2 * hd;
+        let want = 2 * (a.vocab_size as u128) * d + a.n_layers as u128 * layer + d;
+        assert_eq!(a.num_params() as u128, want);
+        assert!(want < 1 << 62, "{want}");
+    }
+
+    #[test]
     fn unknown_flavor_lists_the_accepted_ones() {
         let err = ModelArgs::flavor("7B").unwrap_err().to_string();
         assert!(
