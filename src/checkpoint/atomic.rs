@@ -7,7 +7,8 @@
 //! - a step saved again (a run resumed from an earlier step) first renames the old `step-N/` aside
 //!   (`.old-step-N-…`), renames the new one in, and only then removes the old one: there is always
 //!   a complete `step-N/`, or the aside copy that start-up puts back;
-//! - a failed save's error names the last complete checkpoint (`save_failed`).
+//! - a failed save's error names the last complete checkpoint (`save_failed`); once the new step
+//!   is in place, an old one that cannot be pruned is only a warning.
 
 use std::path::{Path, PathBuf};
 
@@ -84,14 +85,24 @@ pub(crate) fn finish_save(
     install(folder, tmp.path(), &final_dir, step)?;
     tmp.placed = true;
     if keep_latest_k > 0 {
-        let steps = list_steps(folder)?;
-        for &old in steps.iter().take(steps.len().saturating_sub(keep_latest_k)) {
-            let dir = step_dir(folder, old);
-            std::fs::remove_dir_all(&dir)
-                .with_context(|| format!("cannot remove old checkpoint {}", dir.display()))?;
-        }
+        prune(folder, keep_latest_k);
     }
     Ok(final_dir)
+}
+
+/// Removes all but the latest `keep` complete checkpoints. The new one is in place by now, so a
+/// checkpoint that cannot be removed is a warning, not a failed save.
+fn prune(folder: &Path, keep: usize) {
+    let steps = match list_steps(folder) {
+        Ok(steps) => steps,
+        Err(e) => return eprintln!("warning: old checkpoints not pruned: {e:#}"),
+    };
+    for &old in steps.iter().take(steps.len().saturating_sub(keep)) {
+        let dir = step_dir(folder, old);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            eprintln!("warning: old checkpoint {} not removed: {e}", dir.display());
+        }
+    }
 }
 
 /// Renames `tmp` to `final_dir`; an existing `final_dir` is renamed aside first (and back if the
