@@ -26,13 +26,14 @@ const EXTRA: &[&str] = &[
 #[test]
 fn a_skipped_collective_is_named_by_both_dumps() {
     let dir = tempfile::tempdir().unwrap();
-    // Rank 1 skips its 9th collective of the step-1 gradient sync (a reduce-scatter); its next
-    // one pairs with it.
+    // Rank 1 skips its 11th collective on the group (after the 2 of the start, where every rank
+    // takes rank 0's resume step: the 9th of the step-1 gradient sync, a reduce-scatter); its
+    // next one pairs with it.
     let o = train_env(
         dir.path(),
         FSDP2,
         EXTRA,
-        &[("TITAN_SKIP_COLLECTIVE", "1:8")],
+        &[("TITAN_SKIP_COLLECTIVE", "1:10")],
     );
     assert!(!o.status.success());
     let traces = dir.path().join("comm_traces");
@@ -45,7 +46,7 @@ fn a_skipped_collective_is_named_by_both_dumps() {
     }
     let text = analyze(&traces);
     assert!(
-        text.contains("disagree on collective #8") && text.contains("rank 1 called"),
+        text.contains("disagree on collective #10") && text.contains("rank 1 called"),
         "{text}"
     );
 }

@@ -243,11 +243,34 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn get_usize(cfg: &Value, key: &str, file: &Path) -> Result<usize> {
-    cfg.get(key)
-        .and_then(Value::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| anyhow!("{}: missing or non-integer `{key}`", file.display()))
+/// Size `key` of `cfg` (`default` when absent or null), within the range `ModelArgs::validate`
+/// accepts for titan's `field`: an error naming the file and the key, before anything is sized
+/// from it.
+fn get_size(
+    cfg: &Value,
+    key: &str,
+    field: &str,
+    default: Option<usize>,
+    file: &Path,
+) -> Result<usize> {
+    let v = match (cfg.get(key).filter(|v| !v.is_null()), default) {
+        (None, Some(d)) => return Ok(d),
+        (None, None) => bail!("{}: `{key}` is missing", file.display()),
+        (Some(v), _) => v.as_u64().ok_or_else(|| {
+            anyhow!(
+                "{}: `{key}` = {v} is not a non-negative integer",
+                file.display()
+            )
+        })?,
+    };
+    let (min, max) = crate::model::args::field_range(field);
+    match usize::try_from(v) {
+        Ok(v) if (min..=max).contains(&v) => Ok(v),
+        _ => bail!(
+            "{}: `{key}` = {v} is out of range (titan's {field}: {min} to {max})",
+            file.display()
+        ),
+    }
 }
 
 /// RoPE's base and scaling from either form `transformers` writes: `rope_parameters` (an object
@@ -385,15 +408,17 @@ fn moe_from_hf(cfg: &Value, file: &Path) -> Result<crate::model::moe::MoeArgs> {
         }
     }
     Ok(crate::model::moe::MoeArgs {
-        hidden: get_usize(cfg, "moe_intermediate_size", file)?,
+        hidden: get_size(cfg, "moe_intermediate_size", "moe.hidden", None, file)?,
         shared_hidden: None,
         load_balance_coeff: None,
         aux_loss_coef: None,
         router: RouterArgs {
             // Current transformers writes `num_local_experts`, earlier `num_experts`.
-            num_experts: get_usize(cfg, "num_local_experts", file)
-                .or_else(|_| get_usize(cfg, "num_experts", file))?,
-            top_k: get_usize(cfg, "num_experts_per_tok", file)?,
+            num_experts: match cfg.get("num_local_experts").filter(|v| !v.is_null()) {
+                Some(_) => get_size(cfg, "num_local_experts", "moe.num_experts", None, file)?,
+                None => get_size(cfg, "num_experts", "moe.num_experts", None, file)?,
+            },
+            top_k: get_size(cfg, "num_experts_per_tok", "moe.num_experts", None, file)?,
             score_func: ScoreFunc::Softmax,
             norm_topk_prob: cfg
                 .get("norm_topk_prob")
@@ -422,27 +447,24 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     } else {
         None
     };
-    let dim = get_usize(cfg, "hidden_size", file)?;
-    let n_heads = get_usize(cfg, "num_attention_heads", file)?;
+    let dim = get_size(cfg, "hidden_size", "dim", None, file)?;
+    let n_heads = get_size(cfg, "num_attention_heads", "n_heads", None, file)?;
     let (rope_theta, rope_scaling) = rope_from_hf(cfg, file)?;
     refuse_unsupported(cfg, file)?;
-    // transformers' default head width: Qwen3's 128, Llama's hidden_size / heads.
-    let head_dim = match cfg.get("head_dim").and_then(Value::as_u64) {
-        Some(hd) => hd as usize,
-        None if qwen3 => 128,
-        None => dim / n_heads.max(1),
-    };
+    let head_dim = hf_head_dim(cfg, dim, n_heads, qwen3, file)?;
     let args = ModelArgs {
         dim,
-        n_layers: get_usize(cfg, "num_hidden_layers", file)?,
+        n_layers: get_size(cfg, "num_hidden_layers", "n_layers", None, file)?,
         n_heads,
-        n_kv_heads: cfg
-            .get("num_key_value_heads")
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .unwrap_or(n_heads),
-        vocab_size: get_usize(cfg, "vocab_size", file)?,
-        ffn_hidden: get_usize(cfg, "intermediate_size", file)?,
+        n_kv_heads: get_size(
+            cfg,
+            "num_key_value_heads",
+            "n_kv_heads",
+            Some(n_heads),
+            file,
+        )?,
+        vocab_size: get_size(cfg, "vocab_size", "vocab_size", None, file)?,
+        ffn_hidden: get_size(cfg, "intermediate_size", "ffn_hidden", None, file)?,
         // transformers' defaults where a field is absent.
         norm_eps: cfg
             .get("rms_norm_eps")
@@ -450,10 +472,13 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
             .unwrap_or(1e-6) as f32,
         rope_theta,
         rope_scaling,
-        max_seq_len: cfg
-            .get("max_position_embeddings")
-            .and_then(Value::as_u64)
-            .unwrap_or(2048) as usize,
+        max_seq_len: get_size(
+            cfg,
+            "max_position_embeddings",
+            "max_seq_len",
+            Some(2048),
+            file,
+        )?,
         tied_embeddings: cfg
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
@@ -467,6 +492,25 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     Ok(args)
 }
 
+/// The width of each attention head: `head_dim` when given, else transformers' default (Qwen3's
+/// 128, Llama's `hidden_size / num_attention_heads`, which must then divide evenly). The sizes
+/// are in range (`get_size`), so the products cannot overflow.
+fn hf_head_dim(cfg: &Value, dim: usize, n_heads: usize, qwen3: bool, file: &Path) -> Result<usize> {
+    if cfg.get("head_dim").is_some_and(|v| !v.is_null()) {
+        return get_size(cfg, "head_dim", "attention_head_dim", None, file);
+    }
+    if qwen3 {
+        return Ok(128);
+    }
+    if !dim.is_multiple_of(n_heads) {
+        bail!(
+            "{}: hidden_size = {dim} is not divisible by num_attention_heads = {n_heads} (and no head_dim is given)",
+            file.display()
+        );
+    }
+    Ok(dim / n_heads)
+}
+
 /// An HF Llama folder's model shapes and weights, in titan's names and layout (host memory).
 pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
     let be = CpuBackend::new();
@@ -477,8 +521,9 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
     )
     .map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
     let args = args_from_hf_config(&cfg, &cfg_path)?;
-    let mut by_name: BTreeMap<String, (Tensor, std::path::PathBuf)> = BTreeMap::new();
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
+    check_weights_present(&args, &files, &cfg_path)?;
+    let mut by_name: BTreeMap<String, (Tensor, std::path::PathBuf)> = BTreeMap::new();
     for f in &files {
         for (n, t) in st::read_file(f)? {
             by_name.insert(n, (t, f.clone()));
@@ -514,6 +559,33 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
         };
     }
     Ok((args, params))
+}
+
+/// The weights `config.json` describes fit in the safetensors files present (at 2 bytes a value,
+/// the narrowest dtype read): checked before the model is allocated, so a config that claims a
+/// far larger model than its files hold is an error, not an allocation of that size.
+fn check_weights_present(
+    args: &ModelArgs,
+    files: &[std::path::PathBuf],
+    cfg_path: &Path,
+) -> Result<()> {
+    let mut present = 0u64;
+    for f in files {
+        let len = std::fs::metadata(f)
+            .with_context(|| format!("cannot read {}", f.display()))?
+            .len();
+        present = present.saturating_add(len);
+    }
+    // Within `ModelArgs::validate`'s bounds the count stays below 2⁶².
+    let needed = (args.num_params() as u64).saturating_mul(2);
+    if needed > present {
+        bail!(
+            "{}: the model it describes has {} parameters ({needed} bytes at least), but the safetensors files beside it hold only {present} bytes",
+            cfg_path.display(),
+            args.num_params()
+        );
+    }
+    Ok(())
 }
 
 pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {

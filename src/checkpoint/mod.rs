@@ -1,12 +1,19 @@
 //! Checkpoints: one folder per step (`step-N/`) holding the weights and the AdamW moments as
 //! safetensors plus `state.json` (step, data-loader position, model shapes, a CRC32 and size of every
-//! file). A checkpoint is written into a temporary folder and renamed into place, so a crash never
-//! leaves a half-written `step-N/`; loading verifies sizes and checksums before touching any state.
+//! file) and its SHA-256 (`state.json.sha256`). A checkpoint is written into a temporary folder,
+//! synced and renamed into place (`atomic`), so a crash never leaves a half-written `step-N/`;
+//! loading checks the state, the model it describes and every size against the bytes present
+//! before allocating anything from them (`integrity`), and verifies every file's checksum.
 
+pub mod atomic;
 pub mod hf;
+pub mod integrity;
+pub mod resume;
 pub mod sharded;
 pub mod st;
 pub mod writer;
+
+pub(crate) use atomic::finish_save;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,7 +29,7 @@ use crate::model::{ModelArgs, ParamSet};
 use crate::tensor::Tensor;
 
 pub const FORMAT_VERSION: u32 = 1;
-const STATE_FILE: &str = "state.json";
+pub(crate) const STATE_FILE: &str = "state.json";
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
@@ -171,60 +178,32 @@ impl Snapshot {
         Ok(Snapshot { model, optimizer })
     }
 
-    /// Writes the files into a temporary folder, then `finish_save` (atomic rename, pruning).
-    pub fn write(
+    /// Writes the files into a temporary folder, then `finish_save` (atomic rename, pruning). A
+    /// failure removes the temporary folder and names the last complete checkpoint.
+    pub fn write(self, folder: &Path, state: TrainState, keep_latest_k: usize) -> Result<PathBuf> {
+        let step = state.step;
+        self.write_into(folder, state, keep_latest_k)
+            .with_context(|| atomic::save_failed(folder, step))
+    }
+
+    fn write_into(
         self,
         folder: &Path,
         mut state: TrainState,
         keep_latest_k: usize,
     ) -> Result<PathBuf> {
-        std::fs::create_dir_all(folder)
-            .with_context(|| format!("cannot create checkpoint folder {}", folder.display()))?;
-        let tmp = folder.join(format!(".tmp-step-{}-{}", state.step, std::process::id()));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp)?;
-        }
-        std::fs::create_dir_all(&tmp)?;
+        let pid = std::process::id().to_string();
+        let tmp = atomic::TempFolder::create(folder, state.step, &pid)?;
         state.files.insert(
             MODEL_FILE.into(),
-            write_synced(&tmp.join(MODEL_FILE), &self.model)?,
+            write_synced(&tmp.path().join(MODEL_FILE), &self.model)?,
         );
         state.files.insert(
             OPTIMIZER_FILE.into(),
-            write_synced(&tmp.join(OPTIMIZER_FILE), &self.optimizer)?,
+            write_synced(&tmp.path().join(OPTIMIZER_FILE), &self.optimizer)?,
         );
-        finish_save(folder, &tmp, state, keep_latest_k)
+        finish_save(folder, tmp, state, keep_latest_k)
     }
-}
-
-/// Writes `state.json` into the complete temporary folder, renames it to `step-N/` and prunes old
-/// checkpoints down to `keep_latest_k` (0 keeps all).
-pub(crate) fn finish_save(
-    folder: &Path,
-    tmp: &Path,
-    state: TrainState,
-    keep_latest_k: usize,
-) -> Result<PathBuf> {
-    let final_dir = step_dir(folder, state.step);
-    write_synced(
-        &tmp.join(STATE_FILE),
-        serde_json::to_string_pretty(&state)?.as_bytes(),
-    )?;
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir)?;
-    }
-    std::fs::rename(tmp, &final_dir)
-        .with_context(|| format!("cannot move checkpoint into {}", final_dir.display()))?;
-    if let Ok(dir) = std::fs::File::open(folder) {
-        let _ = dir.sync_all();
-    }
-    if keep_latest_k > 0 {
-        let steps = list_steps(folder)?;
-        for &old in steps.iter().take(steps.len().saturating_sub(keep_latest_k)) {
-            std::fs::remove_dir_all(step_dir(folder, old))?;
-        }
-    }
-    Ok(final_dir)
 }
 
 /// Steps of the complete checkpoints in `folder` (those with a `state.json`), ascending.
@@ -251,25 +230,21 @@ pub fn list_steps(folder: &Path) -> Result<Vec<u64>> {
     Ok(steps)
 }
 
-/// Reads and verifies `state.json` and the checksums of the files it lists.
+/// Reads and verifies `state.json` and the sizes and checksums of the files it lists (each read
+/// in pieces: nothing is held).
 pub fn read_state(dir: &Path) -> Result<TrainState> {
     let state = read_state_file(dir)?;
-    for file in state.files.keys() {
-        verified_bytes(dir, &state, file)?;
+    for (file, check) in &state.files {
+        integrity::verify_file(dir, file, check)?;
     }
     Ok(state)
 }
 
-/// `state.json` alone (its files are verified as they are read, `verified_bytes`).
-fn read_state_file(dir: &Path) -> Result<TrainState> {
+/// `state.json` alone, checked (`integrity`: its SHA-256, the model arguments, the shard index,
+/// the file names); its files are verified as they are read (`verified_bytes`).
+pub(crate) fn read_state_file(dir: &Path) -> Result<TrainState> {
     let path = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "checkpoint {} is incomplete: cannot read {}",
-            dir.display(),
-            path.display()
-        )
-    })?;
+    let text = integrity::read_state_text(dir)?;
     let state: TrainState = serde_json::from_str(&text)
         .map_err(|e| anyhow!("checkpoint state {} is corrupt: {e}", path.display()))?;
     if state.format_version != FORMAT_VERSION {
@@ -279,11 +254,12 @@ fn read_state_file(dir: &Path) -> Result<TrainState> {
             state.format_version
         );
     }
+    integrity::check_state(dir, &state)?;
     Ok(state)
 }
 
-/// The bytes of checkpoint file `file`, checked against the size and CRC32 `state` recorded for
-/// it at save time.
+/// The bytes of checkpoint file `file`, checked against the size (before reading) and CRC32
+/// `state` recorded for it at save time.
 fn verified_bytes(dir: &Path, state: &TrainState, file: &str) -> Result<Vec<u8>> {
     let p = dir.join(file);
     let check = state.files.get(file).ok_or_else(|| {
@@ -292,6 +268,7 @@ fn verified_bytes(dir: &Path, state: &TrainState, file: &str) -> Result<Vec<u8>>
             dir.display()
         )
     })?;
+    integrity::check_size(dir, file, check)?;
     let bytes = std::fs::read(&p)
         .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
     if bytes.len() as u64 != check.bytes {
@@ -560,6 +537,7 @@ pub fn load_weights<B: Backend>(be: &B, dir: &Path) -> Result<(ModelArgs, ParamS
     let dir = resolve_checkpoint_dir(dir)?;
     // The weight files are verified as they are read; the moments are not needed.
     let state = read_state_file(&dir)?;
+    integrity::check_weights_present(&dir, &state)?;
     let specs = crate::model::params::param_specs(&state.model_args);
     let mut params = ParamSet::zeros(be, &specs);
     let model_path = dir.join(MODEL_FILE);

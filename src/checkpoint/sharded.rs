@@ -29,8 +29,8 @@ use super::{st, step_dir, to_tensors_of, FileCheck, TrainState};
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::mesh::{DeviceMesh, DIMS};
-use crate::model::params::TpSharding;
-use crate::model::ParamSet;
+use crate::model::params::{param_specs, TpSharding};
+use crate::model::{ModelArgs, ParamSet};
 use crate::tensor::Tensor;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -147,6 +147,85 @@ pub struct ShardIndex {
     pub tensors: BTreeMap<String, ShardedTensor>,
 }
 
+/// The most files of each kind a sharded checkpoint may have (writers × pipeline parts).
+const MAX_WRITERS: usize = 1 << 20;
+
+impl ShardIndex {
+    /// Checks the index against the model `args` describe (already validated), before anything is
+    /// sized from it: the writer counts in range and consistent, every tensor one of the model's
+    /// with its shape, its parts in range, and its shard length the one its writers cut. So no
+    /// size read from the index overflows or exceeds the model's. Errors name the field.
+    pub fn validate(&self, args: &ModelArgs) -> Result<()> {
+        let (shards, tp, pp) = (self.shards, self.tp_parts, self.pp_parts.max(1));
+        let files = shards.checked_mul(pp).filter(|&n| n <= MAX_WRITERS);
+        if shards == 0 || tp == 0 || !shards.is_multiple_of(tp) || files.is_none() {
+            bail!(
+                "shards = {shards}, tp_parts = {tp}, pp_parts = {pp}: shards must be a positive multiple of tp_parts, and shards × pp_parts at most {MAX_WRITERS}"
+            );
+        }
+        let specs: BTreeMap<String, Vec<usize>> = param_specs(args).into_iter().collect();
+        for (name, t) in &self.tensors {
+            let want = specs
+                .get(name)
+                .ok_or_else(|| anyhow!("tensors.{name}: the model has no such tensor"))?;
+            if &t.shape != want {
+                bail!(
+                    "tensors.{name}.shape = {:?}, the model's is {want:?}",
+                    t.shape
+                );
+            }
+            self.check_parts(name, t)?;
+        }
+        Ok(())
+    }
+
+    /// Tensor `name`'s pipeline, expert and tensor-parallel parts and shard length (its shape is
+    /// the model's).
+    fn check_parts(&self, name: &str, t: &ShardedTensor) -> Result<()> {
+        let (tp, pp) = (self.tp_parts, self.pp_parts.max(1));
+        if t.pp_part >= pp {
+            bail!(
+                "tensors.{name}.pp_part = {} is not below pp_parts = {pp}",
+                t.pp_part
+            );
+        }
+        let ep = t.ep_parts;
+        let per_part = tp
+            .checked_mul(ep)
+            .filter(|&n| n > 0 && self.shards.is_multiple_of(n))
+            .map(|n| self.shards / n);
+        let Some(per_part) = per_part.filter(|_| t.ep_part < ep) else {
+            bail!(
+                "tensors.{name}: ep_part = {} of ep_parts = {ep} cannot be held by {} writers of {tp} tensor-parallel parts",
+                t.ep_part,
+                self.shards
+            );
+        };
+        let split: TpSharding = t.tp_split.map_or(TpSharding::Replicated, Into::into);
+        let divides = match split {
+            TpSharding::Replicated => tp == 1 || t.tp_split.is_some(),
+            TpSharding::Rows => t.shape.first().is_some_and(|r| r.is_multiple_of(tp)),
+            TpSharding::Columns => t.shape.get(1).is_some_and(|c| c.is_multiple_of(tp)),
+        };
+        if !divides {
+            bail!(
+                "tensors.{name}.tp_split = {:?} does not split shape {:?} into {tp} parts",
+                t.tp_split,
+                t.shape
+            );
+        }
+        let part: usize = split.local_shape(&t.shape, tp).iter().product();
+        let want = part.div_ceil(per_part);
+        if t.shard_len != want {
+            bail!(
+                "tensors.{name}.shard_len = {}, but {per_part} shards of its {part} values hold {want} each",
+                t.shard_len
+            );
+        }
+        Ok(())
+    }
+}
+
 pub fn model_file(rank: usize) -> String {
     format!("model-rank{rank}.safetensors")
 }
@@ -221,14 +300,15 @@ pub fn save<B: Backend>(
         let (ep_parts, ep_part) = ExpertParts::of(experts, name);
         pipeline.is_none_or(|p| (p.held_by)(name, my_part)) && my_ep % ep_parts == ep_part
     };
-    let tmp = folder.join(format!(".tmp-step-{}-sharded", state.step));
-    if rank == 0 {
-        std::fs::create_dir_all(folder)?;
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp)?;
-        }
-        std::fs::create_dir_all(&tmp)?;
-    }
+    // Rank 0 creates the temporary folder and removes it again if its part of the save fails
+    // (any other rank's failure reaches it as a failed collective).
+    let guard = match rank {
+        0 => Some(super::atomic::TempFolder::create(
+            folder, state.step, "sharded",
+        )?),
+        _ => None,
+    };
+    let tmp = super::atomic::tmp_path(folder, state.step, "sharded");
     group.barrier()?;
     let model = st::to_bytes(&to_tensors_of(be, shards, "", &here), None)?;
     let model_check = super::write_synced(&tmp.join(model_file(rank)), &model)?;
@@ -246,7 +326,7 @@ pub fn save<B: Backend>(
     let mut all = vec![0.0f32; mine.len() * size];
     group.all_gather(&mine, &mut all)?;
     let mut result = None;
-    if rank == 0 {
+    if let Some(guard) = guard {
         for r in 0..size {
             let v = &all[r * 12..(r + 1) * 12];
             state.files.insert(model_file(r), unpack(&v[..6]));
@@ -286,7 +366,7 @@ pub fn save<B: Backend>(
             mesh,
             tensors,
         });
-        result = Some(super::finish_save(folder, &tmp, state, keep_latest_k)?);
+        result = Some(super::finish_save(folder, guard, state, keep_latest_k)?);
     }
     // Nobody goes on (and possibly saves again) before the checkpoint is in place.
     group.barrier()?;
@@ -343,7 +423,6 @@ pub fn merge(
                 info.pp_part
             );
         }
-        let numel: usize = info.shape.iter().product();
         let tp = index.tp_parts.max(1);
         let split: TpSharding = info.tp_split.map_or(TpSharding::Replicated, Into::into);
         if tp > 1 && info.tp_split.is_none() {
@@ -367,7 +446,16 @@ pub fn merge(
         // merged tensors grow: the merge holds about one copy of the checkpoint, not two.
         let mut tp_values = Vec::with_capacity(tp);
         for t in 0..tp {
-            let mut data = Vec::with_capacity(info.shard_len * per_part);
+            // The index was checked against the model (`validate`); a size that still overflows
+            // is refused rather than allocated.
+            let capacity = info.shard_len.checked_mul(per_part).ok_or_else(|| {
+                anyhow!(
+                    "{}: tensors.{base}.shard_len = {} overflows over {per_part} shards",
+                    dir.display(),
+                    info.shard_len
+                )
+            })?;
+            let mut data = Vec::with_capacity(capacity.min(part_numel));
             for s in 0..per_part {
                 let r = info.writer(index.shards, tp, s, t);
                 let shard = parts[r].remove(&name).ok_or_else(|| {
@@ -398,7 +486,6 @@ pub fn merge(
         } else {
             split.join(&tp_values, &info.shape)
         };
-        debug_assert_eq!(data.len(), numel);
         out.push((name, Tensor::from_f32(info.shape.clone(), data)));
     }
     Ok(out)

@@ -74,6 +74,36 @@ pub const QWEN3_FLAVORS: &[&str] = &[
     "235B-A22B",
 ];
 
+/// The range of every size field of `ModelArgs` (`validate`): far above any published model
+/// (Llama 3 405B: dim 16384, 126 layers, 128 heads, vocabulary 128256; Qwen3-MoE: 128 experts),
+/// low enough that no count derived from them overflows (all together stay below 2⁶² parameters)
+/// and that a crafted config or checkpoint is refused before anything is sized from it.
+pub const BOUNDS: &[(&str, usize, usize)] = &[
+    ("dim", 1, 1 << 17),
+    ("n_layers", 1, 1 << 12),
+    ("n_heads", 1, 1 << 10),
+    ("n_kv_heads", 1, 1 << 10),
+    ("vocab_size", 1, 1 << 24),
+    ("ffn_hidden", 1, 1 << 20),
+    ("max_seq_len", 1, 1 << 24),
+    ("attention_head_dim", 2, MAX_HEAD_DIM),
+    ("moe.hidden", 1, 1 << 20),
+    ("moe.shared_hidden", 1, 1 << 20),
+    ("moe.num_experts", 1, 1 << 10),
+];
+
+/// The range `ModelArgs::validate` accepts for size field `field` (a name of `BOUNDS`; any other
+/// is unbounded).
+pub fn field_range(field: &str) -> (usize, usize) {
+    BOUNDS
+        .iter()
+        .find(|(f, _, _)| *f == field)
+        .map_or((0, usize::MAX), |&(_, min, max)| (min, max))
+}
+
+/// The widest attention head `validate` accepts.
+pub const MAX_HEAD_DIM: usize = 1 << 12;
+
 /// Llama's FFN width: two thirds of 4·dim, times an optional multiplier, rounded up to `multiple_of`.
 pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64>) -> usize {
     let mut hidden = 2 * 4 * dim / 3;
@@ -212,37 +242,75 @@ impl ModelArgs {
         self.attention_head_dim.unwrap_or(self.dim / self.n_heads)
     }
 
+    /// Checks every field against its range (`BOUNDS`) and the fields against each other, with
+    /// an error naming the field. Every path that builds a model from outside input (a config, a
+    /// checkpoint's `state.json`, a Hugging Face `config.json`) calls it before anything is sized
+    /// from these values; within the bounds no parameter count overflows a `u64`.
     pub fn validate(&self) -> Result<()> {
-        if self.dim == 0
-            || self.n_layers == 0
-            || self.n_heads == 0
-            || self.vocab_size == 0
-            || self.ffn_hidden == 0
-        {
-            bail!("model dimensions must be positive: {self:?}");
-        }
+        self.check_ranges()?;
         if self.attention_head_dim.is_none() && !self.dim.is_multiple_of(self.n_heads) {
             bail!(
-                "model dim {} is not divisible by n_heads {}",
+                "dim = {} is not divisible by n_heads = {} (and no attention_head_dim is given)",
                 self.dim,
                 self.n_heads
             );
         }
-        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
+        if self.n_kv_heads > self.n_heads || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             bail!(
-                "n_heads {} is not a multiple of n_kv_heads {}",
+                "n_heads = {} is not a multiple of n_kv_heads = {}",
                 self.n_heads,
                 self.n_kv_heads
             );
         }
-        if self.attention_head_dim == Some(0) {
-            bail!("attention head_dim must be positive");
+        if !self.head_dim().is_multiple_of(2) || self.head_dim() > MAX_HEAD_DIM {
+            bail!(
+                "head dim {} (dim / n_heads, or attention_head_dim) must be even for RoPE and at most {MAX_HEAD_DIM}",
+                self.head_dim()
+            );
         }
-        if !self.head_dim().is_multiple_of(2) {
-            bail!("head dim {} must be even for RoPE", self.head_dim());
+        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
+            bail!("norm_eps = {} must be a finite number ≥ 0", self.norm_eps);
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!(
+                "rope_theta = {} must be a finite positive number",
+                self.rope_theta
+            );
+        }
+        if let Some(s) = &self.rope_scaling {
+            let factors = [s.factor, s.low_freq_factor, s.high_freq_factor];
+            if factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+                bail!("rope_scaling factors {factors:?} must be finite positive numbers");
+            }
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;
+        }
+        Ok(())
+    }
+
+    /// Every size field within `[min, max]` (`BOUNDS`; the optional ones when present).
+    fn check_ranges(&self) -> Result<()> {
+        let moe = self.moe.as_ref();
+        let fields = [
+            ("dim", Some(self.dim)),
+            ("n_layers", Some(self.n_layers)),
+            ("n_heads", Some(self.n_heads)),
+            ("n_kv_heads", Some(self.n_kv_heads)),
+            ("vocab_size", Some(self.vocab_size)),
+            ("ffn_hidden", Some(self.ffn_hidden)),
+            ("max_seq_len", Some(self.max_seq_len)),
+            ("attention_head_dim", self.attention_head_dim),
+            ("moe.hidden", moe.map(|m| m.hidden)),
+            ("moe.shared_hidden", moe.and_then(|m| m.shared_hidden)),
+            ("moe.num_experts", moe.map(|m| m.router.num_experts)),
+        ];
+        for (field, value) in fields {
+            let Some(v) = value else { continue };
+            let (min, max) = field_range(field);
+            if v < min || v > max {
+                bail!("{field} = {v} is out of range (accepted: {min} to {max})");
+            }
         }
         Ok(())
     }
@@ -351,6 +419,59 @@ mod tests {
             let got = ModelArgs::flavor(name).unwrap().num_params() as f64;
             assert!((got - n).abs() / n < 0.002, "{name}: {got}");
         }
+    }
+
+    #[test]
+    fn every_size_is_bounded_and_an_error_names_the_field() {
+        let ok = ModelArgs::flavor("debugmodel").unwrap();
+        ok.validate().unwrap();
+        type Edit = fn(&mut ModelArgs);
+        let cases: [(&str, Edit); 9] = [
+            ("n_heads = 0", |a| a.n_heads = 0),
+            ("n_kv_heads = 0", |a| a.n_kv_heads = 0),
+            ("dim = 131073", |a| a.dim = (1 << 17) + 1),
+            ("vocab_size = 1099511627776", |a| a.vocab_size = 1 << 40),
+            ("n_layers = 4097", |a| a.n_layers = 4097),
+            ("ffn_hidden = 0", |a| a.ffn_hidden = 0),
+            ("attention_head_dim = 8192", |a| {
+                a.attention_head_dim = Some(8192)
+            }),
+            ("not divisible by n_heads", |a| a.dim = 250),
+            ("rope_theta", |a| a.rope_theta = f64::NAN),
+        ];
+        for (want, edit) in cases {
+            let mut a = ok.clone();
+            edit(&mut a);
+            let e = a.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_largest_accepted_model_counts_its_parameters_without_overflow() {
+        let bound = |f: &str| field_range(f).1;
+        let mut a = ModelArgs::qwen3_flavor("235B-A22B").unwrap();
+        (a.dim, a.n_layers, a.vocab_size) = (bound("dim"), bound("n_layers"), bound("vocab_size"));
+        (a.n_heads, a.n_kv_heads) = (bound("n_heads"), bound("n_kv_heads"));
+        a.attention_head_dim = Some(MAX_HEAD_DIM);
+        a.tied_embeddings = false;
+        let moe = a.moe.as_mut().unwrap();
+        (moe.hidden, moe.shared_hidden) = (bound("moe.hidden"), Some(bound("moe.shared_hidden")));
+        moe.router.num_experts = bound("moe.num_experts");
+        a.validate().unwrap();
+        // The same count in u128.
+        let (d, h, kv, hd) = (
+            a.dim as u128,
+            a.n_heads as u128,
+            a.n_kv_heads as u128,
+            4096u128,
+        );
+        let (e, eh, sh) = (1024u128, 1u128 << 20, 1u128 << 20);
+        let layer =
+            d * h * hd * 2 + d * kv * hd * 2 + e * d + 3 * d * (e * eh + sh) + 2 * d + 2 * hd;
+        let want = 2 * (a.vocab_size as u128) * d + a.n_layers as u128 * layer + d;
+        assert_eq!(a.num_params() as u128, want);
+        assert!(want < 1 << 62, "{want}");
     }
 
     #[test]

@@ -8,10 +8,13 @@
 //!   as one checkpoint, in the background with `[checkpoint] async_mode = "async"`.
 //!
 //! Then every rank waits until rank 0 has finished (`Distributed::checkpoint_saved`).
+//!
+//! A save that fails leaves no temporary folder (`checkpoint::atomic`) and its error names the
+//! last complete checkpoint, the one a restart resumes from; the run stops with it.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use super::optimizer::AdamW;
 use crate::backend::Backend;
@@ -140,4 +143,5 @@ fn save_parts<B: Backend>(
         keep,
         &|| d.checkpoint_written(step),
     )
+    .with_context(|| checkpoint::atomic::save_failed(folder, step))
 }

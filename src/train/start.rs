@@ -115,7 +115,7 @@ pub struct StartInputs<'a, B: Backend> {
 /// Builds the starting state of `inputs.model` for this rank: from its checkpoint when it resumes,
 /// else from `[checkpoint] initial_load_path` or a fresh initialisation; as FSDP shards or whole.
 pub fn start_state<B: Backend>(be: &B, inputs: StartInputs<'_, B>) -> Result<StartState<B>> {
-    let resume_dir = resume_dir(inputs.cfg)?;
+    let resume_dir = resume_dir(inputs.cfg, inputs.dist)?;
     let ckpt = read_checkpoint(&inputs, resume_dir.as_ref())?;
     // No checkpoint of its own: the run may start from another model's weights.
     let initial = match &ckpt {
@@ -141,28 +141,29 @@ pub fn start_state<B: Backend>(be: &B, inputs: StartInputs<'_, B>) -> Result<Sta
 }
 
 /// The checkpoint step a run resumes from and its folder: `[checkpoint] load_step`, else the
-/// latest complete one; None without checkpointing or before the first checkpoint.
-fn resume_dir(cfg: &Config) -> Result<Option<(u64, PathBuf)>> {
+/// latest complete one that verifies (an unreadable latest falls back to the one before, with a
+/// warning); None without checkpointing or before the first checkpoint. Rank 0 chooses and every
+/// rank checks that it has that step (`checkpoint::resume`): collective over the job.
+fn resume_dir(cfg: &Config, dist: Option<&Distributed>) -> Result<Option<(u64, PathBuf)>> {
     if !cfg.checkpoint.enable {
         return Ok(None);
     }
-    let ckpt_folder = cfg.checkpoint_folder();
-    let steps = checkpoint::list_steps(&ckpt_folder)?;
-    let pick = if cfg.checkpoint.load_step >= 0 {
-        let s = cfg.checkpoint.load_step as u64;
-        if !steps.contains(&s) {
-            bail!("[checkpoint] load_step = {s}: no complete checkpoint step-{s} in {} (found: {steps:?})", ckpt_folder.display());
-        }
-        Some(s)
-    } else {
-        steps.last().copied()
+    let folder = cfg.checkpoint_folder();
+    let load_step = u64::try_from(cfg.checkpoint.load_step).ok();
+    let chosen = match dist {
+        Some(d) if d.rank != 0 => Ok(None),
+        _ => checkpoint::resume::choose(&folder, load_step).map_err(cannot_resume),
     };
-    Ok(pick.map(|s| (s, checkpoint::step_dir(&ckpt_folder, s))))
+    let step = match dist {
+        Some(d) => checkpoint::resume::agree(d.all.as_ref(), &folder, chosen)?,
+        None => chosen?,
+    };
+    Ok(step.map(|s| (s, checkpoint::step_dir(&folder, s))))
 }
 
 /// A checkpoint that cannot be read, with the way out: the run must not silently start afresh.
 fn cannot_resume(e: anyhow::Error) -> anyhow::Error {
-    anyhow!("cannot resume: {e}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
+    anyhow!("cannot resume: {e:#}\n(remove the bad checkpoint folder or choose another with --checkpoint.load_step N)")
 }
 
 /// The checkpoint in `resume` (the step and its folder) as this rank reads it: a rank of the
