@@ -3,11 +3,9 @@
 //! backward first, then a forward while its microbatches in flight stay under the schedule's limit
 //! (1F1B's memory), and fills the remaining gaps with deferred weight gradients.
 
-use std::collections::HashMap;
-
 use anyhow::{anyhow, bail, Result};
 
-use super::schedule::{act, Action, Schedule, Work};
+use super::actions::{act, Action, Ends, Schedule, Work};
 
 /// When a list-scheduled backward is split into `I` and `W`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,61 +15,6 @@ pub(super) enum SplitBackward {
     /// Full backwards while the rank still has forwards to run, split ones after (DualPipeV: full
     /// forward-backward pairs in the steady phase, weight gradients filling the cool-down).
     AfterLastForward,
-}
-
-/// When each (stage, microbatch)'s forward and input gradient (`B` or `I`) ended, in a run being
-/// simulated: what decides when an action may start.
-pub(super) struct Ends {
-    stages: usize,
-    pub(super) forward: HashMap<(usize, usize), u64>,
-    input_grad: HashMap<(usize, usize), u64>,
-}
-
-impl Ends {
-    pub(super) fn new(stages: usize) -> Self {
-        Ends {
-            stages,
-            forward: HashMap::new(),
-            input_grad: HashMap::new(),
-        }
-    }
-
-    /// When `work` on stage `s` for microbatch `mb` may start, once what it needs has run: the
-    /// previous stage's forward; this stage's forward and the next stage's input gradient; the
-    /// input gradient before its `W`.
-    pub(super) fn ready(&self, work: Work, s: usize, mb: usize) -> Option<u64> {
-        match work {
-            Work::Forward if s == 0 => Some(0),
-            Work::Forward => self.forward.get(&(s - 1, mb)).copied(),
-            Work::Backward | Work::BackwardInput => {
-                let f = *self.forward.get(&(s, mb))?;
-                if s + 1 == self.stages {
-                    Some(f)
-                } else {
-                    self.input_grad.get(&(s + 1, mb)).map(|&g| g.max(f))
-                }
-            }
-            Work::BackwardWeight => self.input_grad.get(&(s, mb)).copied(),
-        }
-    }
-
-    pub(super) fn record(&mut self, work: Work, s: usize, mb: usize, end: u64) {
-        match work {
-            Work::Forward => self.forward.insert((s, mb), end),
-            Work::Backward | Work::BackwardInput => self.input_grad.insert((s, mb), end),
-            Work::BackwardWeight => None,
-        };
-    }
-
-    /// The first end after `t` of anything recorded.
-    pub(super) fn next_end_after(&self, t: u64) -> Option<u64> {
-        self.forward
-            .values()
-            .chain(self.input_grad.values())
-            .copied()
-            .filter(|&e| e > t)
-            .min()
-    }
 }
 
 /// A ready candidate `(stage, microbatch)`: the lowest microbatch, then the deepest stage.

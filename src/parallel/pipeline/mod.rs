@@ -3,6 +3,7 @@
 //! (`schedule`), the transfers of activations and gradients between ranks (`transfer`), and what a
 //! rank holds (`rank`); the one walk (`parallel::walk`) runs its schedule.
 
+mod actions;
 mod list_schedule;
 pub mod plan;
 pub mod rank;

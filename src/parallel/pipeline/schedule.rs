@@ -19,64 +19,12 @@
 //! (looped or "V") and in when the backward is split.
 
 use std::collections::HashMap;
-use std::fmt;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use super::list_schedule::{list_schedule, Ends, SplitBackward};
-
-/// What an action computes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Work {
-    Forward,
-    /// Input and weight gradients together.
-    Backward,
-    /// The input gradient only (zero-bubble); its weight gradient follows as `BackwardWeight`.
-    BackwardInput,
-    BackwardWeight,
-}
-
-impl Work {
-    pub fn letter(self) -> char {
-        match self {
-            Work::Forward => 'F',
-            Work::Backward => 'B',
-            Work::BackwardInput => 'I',
-            Work::BackwardWeight => 'W',
-        }
-    }
-
-    /// Cost under the unit model: a full backward is an input and a weight gradient.
-    pub fn unit_cost(self) -> u64 {
-        match self {
-            Work::Backward => 2,
-            _ => 1,
-        }
-    }
-}
-
-/// One compute action: `work` on `stage` for `microbatch`, written `{stage}{F|B|I|W}{microbatch}`
-/// as in TorchTitan's CSV files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Action {
-    pub stage: usize,
-    pub work: Work,
-    pub microbatch: usize,
-}
-
-impl fmt::Display for Action {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}{}{}", self.stage, self.work.letter(), self.microbatch)
-    }
-}
-
-pub(super) fn act(stage: usize, work: Work, microbatch: usize) -> Action {
-    Action {
-        stage,
-        work,
-        microbatch,
-    }
-}
+use super::actions::{act, Ends};
+pub use super::actions::{Action, Schedule, Work};
+use super::list_schedule::{list_schedule, SplitBackward};
 
 /// The schedules TorchTitan offers (`[parallelism] pipeline_parallel_schedule`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,17 +101,6 @@ impl ScheduleKind {
             (_, Some(v)) => Ok(v),
         }
     }
-}
-
-/// One schedule: each rank's compute actions in order and the rank holding each stage.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Schedule {
-    pub name: String,
-    pub microbatches: usize,
-    /// `placement[s]`: the pipeline rank holding stage `s`.
-    pub placement: Vec<usize>,
-    /// `actions[r]`: rank `r`'s actions in the order it runs them.
-    pub actions: Vec<Vec<Action>>,
 }
 
 /// Stage `s` on rank `s mod ranks` (looped: interleaved schedules, and one stage per rank).
