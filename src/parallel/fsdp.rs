@@ -602,7 +602,7 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
         };
         if self.per_pass {
             pass.held = self.fsdp.gather_held(be, &mut self.full)?;
-            if kind != PassKind::LossOnly {
+            if kind.has_backward() {
                 self.fsdp.zeros(be, &mut self.grads, &pass.held);
             }
         }
@@ -632,7 +632,7 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
                 self.fsdp.wait_gather(be, &mut self.full, &block)
             }
             Unit::Head => {
-                if self.pass()?.kind != PassKind::LossOnly {
+                if self.pass()?.kind.has_backward() {
                     self.fsdp.zeros(be, &mut self.grads, &non_block);
                 }
                 Ok(())
@@ -644,7 +644,7 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
         if self.per_pass {
             return Ok(());
         }
-        let loss_only = self.pass()?.kind == PassKind::LossOnly;
+        let loss_only = !self.pass()?.kind.has_backward();
         match unit {
             Unit::Block(l) => {
                 if let Some((block, regather)) = self.block(l)? {
@@ -716,7 +716,7 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
             .take()
             .ok_or_else(|| anyhow!("FSDP: a pass ended that did not begin (a titan bug)"))?;
         if self.per_pass {
-            if pass.kind != PassKind::LossOnly {
+            if pass.kind.has_backward() {
                 complete(&mut self.grads)?;
                 self.fsdp
                     .submit_reduce_scatter(be, &mut self.grads, &pass.held)?;

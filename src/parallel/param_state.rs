@@ -63,7 +63,7 @@ impl<B: Backend> ParamHooks<B> for WholeParams<B> {
             PassKind::Train {
                 last_microbatch, ..
             } => self.ddp.is_some() && self.ddp_per_block && last_microbatch,
-            PassKind::LossOnly => {
+            PassKind::LossOnly | PassKind::LastLogits => {
                 self.refresh_copy(be);
                 false
             }

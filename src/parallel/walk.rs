@@ -12,6 +12,8 @@
 //!   (each block all-gathered before its forward and its gradients reduce-scattered after its
 //!   backward, FSDP2's hooks; under a pipeline, every held parameter gathered for the pass).
 //! - Validation runs the same walk without the backward (`PassKind::LossOnly`: a forward-only list).
+//! - Generation too (`PassKind::LastLogits`, `Llama::forward_cached`): the workspace holds the KV
+//!   cache every block reads and extends; the head keeps the last position's logits.
 //!
 //! A microbatch takes a workspace at its first action on this rank and gives it back after its
 //! last, so every stage of that microbatch on this rank (the two arms of a "V", the loops of an
@@ -34,7 +36,7 @@ use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::DeferredWeightGrad;
-use crate::model::{Llama, LocalShapes, ParamSet, Workspace};
+use crate::model::{KvCache, Llama, LocalShapes, ParamSet, Workspace};
 
 /// A part of the model the walk visits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,6 +58,16 @@ pub enum PassKind {
     },
     /// The loss alone (validation).
     LossOnly,
+    /// The logits of the last position, the blocks reading and extending the workspace's KV
+    /// cache (generation).
+    LastLogits,
+}
+
+impl PassKind {
+    /// Whether a backward follows the forward.
+    pub fn has_backward(self) -> bool {
+        matches!(self, PassKind::Train { .. })
+    }
 }
 
 /// Where the walk's weights and gradients come from, called around each unit it visits (all
@@ -547,7 +559,7 @@ impl<B: Backend> StageRun<'_, B> {
             model.block_forward(be, hooks.sets().0, ws, l)?;
             hooks.after_forward(be, Unit::Block(l))?;
         }
-        if self.pass == PassKind::LossOnly {
+        if !self.pass.has_backward() {
             // No backward follows: a mixture of experts' activations are not needed.
             ws.drop_expert_acts();
         }
@@ -559,6 +571,10 @@ impl<B: Backend> StageRun<'_, B> {
                     model.head_forward_backward(be, params, grads, ws, grad_scale)?
                 }
                 PassKind::LossOnly => model.head_loss(be, params, ws)?,
+                PassKind::LastLogits => {
+                    model.head_last_logits(be, params, ws);
+                    LossSum { sum: 0.0, count: 0 }
+                }
             };
             hooks.after_forward(be, Unit::Head)?;
             return Ok(Some(loss));
@@ -662,6 +678,37 @@ impl<B: Backend> Llama<B> {
         self.walk_one_stage(be, &mut sets, ws, tokens, PassKind::LossOnly)
     }
 
+    /// Runs `tokens` at positions `cache.len..` through the same walk (a forward-only list, the
+    /// blocks attending to and extending `cache`) and returns the logits of the last one.
+    pub fn forward_cached(
+        &self,
+        be: &B,
+        params: &ParamSet<B>,
+        cache: &mut KvCache<B>,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        self.check_generation_step(cache, tokens)?;
+        let n = tokens.len();
+        let mut ws = Workspace::for_inference(be, &self.local, 1, n).with_kv_cache(cache.take());
+        // One row of inputs; its targets are not read (no loss).
+        let row: Vec<u32> = tokens.iter().copied().chain([0]).collect();
+        let mut no_grads = ParamSet {
+            names: Vec::new(),
+            shapes: Vec::new(),
+            bufs: Vec::new(),
+        };
+        let mut sets = FixedSets {
+            params,
+            grads: &mut no_grads,
+        };
+        let walked = self.walk_one_stage(be, &mut sets, &mut ws, &row, PassKind::LastLogits);
+        let (returned, logits) = ws.take_generation_output();
+        *cache = returned.ok_or_else(|| anyhow!("the walk lost the KV cache (a titan bug)"))?;
+        walked?;
+        cache.len += n;
+        Ok(logits)
+    }
+
     fn walk_one_stage(
         &self,
         be: &B,
@@ -678,7 +725,7 @@ impl<B: Backend> Llama<B> {
         };
         let actions = match pass {
             PassKind::Train { .. } => vec![act(Work::Forward), act(Work::Backward)],
-            PassKind::LossOnly => vec![act(Work::Forward)],
+            PassKind::LossOnly | PassKind::LastLogits => vec![act(Work::Forward)],
         };
         let schedule = Schedule {
             name: "one stage".into(),

@@ -124,7 +124,8 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    /// Block `l`'s forward from `ws.block_input(l)` to `ws.block_input(l + 1)`.
+    /// Block `l`'s forward from `ws.block_input(l)` to `ws.block_input(l + 1)`; attending to the
+    /// workspace's KV cache and extending it when it holds one (generation).
     pub fn block_forward(
         &self,
         be: &B,
@@ -132,7 +133,19 @@ impl<B: Backend> Llama<B> {
         ws: &mut Workspace<B>,
         l: usize,
     ) -> Result<()> {
-        self.run_block(be, params, ws, l, Pass::Forward, KvSource::Sequences)
+        let Some(mut cache) = ws.kv_cache.take() else {
+            return self.run_block(be, params, ws, l, Pass::Forward, KvSource::Sequences);
+        };
+        let (pos, capacity) = (cache.len, cache.capacity);
+        let kv = KvSource::Cache {
+            k: &mut cache.k[l],
+            v: &mut cache.v[l],
+            pos,
+            capacity,
+        };
+        let done = self.run_block(be, params, ws, l, Pass::Forward, kv);
+        ws.kv_cache = Some(cache);
+        done
     }
 
     /// Before block `l`'s backward, what its forward did not keep (activation checkpointing):

@@ -1,29 +1,24 @@
-//! Generation: the decoder's forward (the block written once, `block::run_block`) over new
-//! tokens, attending to the keys and values of the earlier ones kept in a `KvCache`.
+//! Generation's pieces: the `KvCache` of the earlier tokens' keys and values, which a workspace
+//! holds while the walk runs the blocks over new tokens (the block written once,
+//! `block::run_block`, reading and extending the cache), and the head that keeps the last
+//! position's logits. The step itself is `Llama::forward_cached` in `parallel/walk.rs`.
 
 use anyhow::{bail, Result};
 
-use super::block::{KvSource, Pass};
 use super::{Llama, Workspace};
 use crate::backend::Backend;
 use crate::model::args::ModelArgs;
 use crate::model::params::ParamSet;
 
 impl<B: Backend> Llama<B> {
-    /// Runs `tokens` at positions `cache.len..` and returns the logits of the last one.
-    pub fn forward_cached(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        cache: &mut KvCache<B>,
-        tokens: &[u32],
-    ) -> Result<Vec<f32>> {
+    /// Whether `tokens` can run next at positions `cache.len..` (the walk then runs them:
+    /// `Llama::forward_cached` in `parallel/walk.rs`).
+    pub fn check_generation_step(&self, cache: &KvCache<B>, tokens: &[u32]) -> Result<()> {
         let a = &self.args;
         if self.local.tp != 1 || self.local.cp != 1 {
             bail!("generation runs the whole model in one process (this one is a tensor- or context-parallel rank)");
         }
-        let n = tokens.len();
-        let pos = cache.len;
+        let (n, pos) = (tokens.len(), cache.len);
         if n == 0 {
             bail!("forward_cached needs at least one token");
         }
@@ -40,21 +35,14 @@ impl<B: Backend> Llama<B> {
                 a.vocab_size
             );
         }
+        Ok(())
+    }
+
+    /// The head of a generation step (after the last block's forward over the new tokens): the
+    /// logits of the last position, kept in the workspace (`Workspace::last_logits`).
+    pub fn head_last_logits(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
+        let (a, n) = (&self.args, ws.batch * ws.seq);
         let d = a.dim;
-        let mut ws = Workspace::for_inference(be, &self.local, 1, n);
-        ws.inputs.copy_from_slice(tokens);
-        self.embed_forward(be, params, &mut ws)?;
-        for (l, (k, v)) in cache.k.iter_mut().zip(&mut cache.v).enumerate() {
-            let capacity = cache.capacity;
-            let kv = KvSource::Cache {
-                k,
-                v,
-                pos,
-                capacity,
-            };
-            self.run_block(be, params, &mut ws, l, Pass::Forward, kv)?;
-        }
-        cache.len += n;
         let last = be.upload(&be.download(ws.block_input(a.n_layers))[(n - 1) * d..]);
         let mut last_normed = be.zeros(d);
         let mut last_rstd = be.zeros(1);
@@ -75,7 +63,7 @@ impl<B: Backend> Llama<B> {
             d,
             a.vocab_size,
         );
-        Ok(be.download(&logits))
+        ws.last_logits = be.download(&logits);
     }
 }
 
@@ -100,5 +88,18 @@ impl<B: Backend> KvCache<B> {
             len: 0,
             capacity,
         }
+    }
+
+    /// This cache, leaving an empty one in its place (a workspace holds it for one walk).
+    pub fn take(&mut self) -> Self {
+        std::mem::replace(
+            self,
+            KvCache {
+                k: Vec::new(),
+                v: Vec::new(),
+                len: self.len,
+                capacity: self.capacity,
+            },
+        )
     }
 }

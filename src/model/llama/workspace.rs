@@ -3,6 +3,7 @@
 //! source: each block's activations (`LayerActs`), kept per block or in one shared set that the
 //! blocks which keep less recompute into (activation checkpointing).
 
+use super::generate::KvCache;
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
@@ -80,6 +81,11 @@ pub struct Workspace<B: Backend> {
     /// A mixture of experts' load and auxiliary loss of the microbatches this workspace trained
     /// (None for a dense model).
     pub(super) expert_stats: Option<ExpertStats>,
+    /// Generation: the keys and values of the earlier tokens, which every block's forward reads
+    /// and extends (None in training and validation).
+    pub(super) kv_cache: Option<KvCache<B>>,
+    /// Generation: the logits of the last position (`Llama::head_last_logits`).
+    pub(super) last_logits: Vec<f32>,
 }
 
 /// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
@@ -395,7 +401,21 @@ impl<B: Backend> Workspace<B> {
             local_ids: vec![0; n],
             moe: (0..m.n_layers).map(|_| None).collect(),
             expert_stats: m.moe.map(|moe| ExpertStats::zeros(&moe, m.n_layers)),
+            kv_cache: None,
+            last_logits: Vec::new(),
         }
+    }
+
+    /// This workspace's blocks read and extend `cache` (generation).
+    pub fn with_kv_cache(mut self, cache: KvCache<B>) -> Self {
+        self.kv_cache = Some(cache);
+        self
+    }
+
+    /// The KV cache handed in by `with_kv_cache` and the last position's logits, after a
+    /// generation step.
+    pub fn take_generation_output(&mut self) -> (Option<KvCache<B>>, Vec<f32>) {
+        (self.kv_cache.take(), std::mem::take(&mut self.last_logits))
     }
 
     /// What the workspace's blocks keep.
