@@ -6,7 +6,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use titan::backend::{GemmOutput, GemmShape};
+use titan::backend::{GemmOutput, GemmShape, RopeShape};
 
 use titan::backend::cpu::CpuBackend;
 use titan::backend::crosscheck::{check_ops, rel_err, Tolerances};
@@ -286,34 +286,15 @@ impl Backend for SkewedDkBackend {
     ) {
         self.cpu.rmsnorm_backward(dx, dw, dout, x, w, rstd, dim)
     }
-    fn rope_forward(
-        &self,
-        x: &mut Vec<f32>,
-        cos: &Vec<f32>,
-        sin: &Vec<f32>,
-        b: usize,
-        s: usize,
-        h: usize,
-        d: usize,
-        off: usize,
-    ) {
+    fn rope_forward(&self, x: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, shape: RopeShape) {
         assert!(
             !self.rope_panics,
             "CUDA kernel `rope_rotate` failed: device fault"
         );
-        self.cpu.rope_forward(x, cos, sin, b, s, h, d, off)
+        self.cpu.rope_forward(x, cos, sin, shape)
     }
-    fn rope_backward(
-        &self,
-        dx: &mut Vec<f32>,
-        cos: &Vec<f32>,
-        sin: &Vec<f32>,
-        b: usize,
-        s: usize,
-        h: usize,
-        d: usize,
-    ) {
-        self.cpu.rope_backward(dx, cos, sin, b, s, h, d)
+    fn rope_backward(&self, dx: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, shape: RopeShape) {
+        self.cpu.rope_backward(dx, cos, sin, shape)
     }
     fn attention_forward(
         &self,

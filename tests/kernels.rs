@@ -6,7 +6,7 @@ use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::rope::{rope_tables, RopeScaling};
 use titan::backend::cpu::CpuBackend;
 use titan::backend::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
-use titan::backend::{GemmOutput, GemmShape};
+use titan::backend::{GemmOutput, GemmShape, RopeShape};
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
     (0..n)
@@ -302,7 +302,7 @@ fn rope_forward_and_backward_with_llama31_scaling() {
     let (cos, sin) = rope_tables(hd, 64, theta, scaling);
     let x = rounded(rand_vec(&mut rng, batch * seq * heads * hd, 1.0));
     let mut y = f32s(&x);
-    be.rope_forward(&mut y, &cos, &sin, batch, seq, heads, hd, 0);
+    be.rope_forward(&mut y, &cos, &sin, RopeShape::new(batch, seq, heads, hd));
     assert_close(
         "rope",
         &y,
@@ -311,7 +311,12 @@ fn rope_forward_and_backward_with_llama31_scaling() {
         1e-6,
     );
     let mut y_off = f32s(&x[..seq * heads * hd]);
-    be.rope_forward(&mut y_off, &cos, &sin, 1, seq, heads, hd, 5);
+    be.rope_forward(
+        &mut y_off,
+        &cos,
+        &sin,
+        RopeShape::new(1, seq, heads, hd).at(5),
+    );
     assert_close(
         "rope offset",
         &y_off,
@@ -321,7 +326,7 @@ fn rope_forward_and_backward_with_llama31_scaling() {
     );
     let r = rounded(rand_vec(&mut rng, x.len(), 1.0));
     let mut dx = f32s(&r);
-    be.rope_backward(&mut dx, &cos, &sin, batch, seq, heads, hd);
+    be.rope_backward(&mut dx, &cos, &sin, RopeShape::new(batch, seq, heads, hd));
     fd_check(
         "rope dx",
         &x,

@@ -89,6 +89,38 @@ impl GemmShape {
     }
 }
 
+/// The shape of one RoPE call on `[batch, seq, heads, head_dim]` (interleaved pairs), token `s` of
+/// each sequence at position `pos_offset + s` of the tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RopeShape {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub pos_offset: usize,
+}
+
+impl RopeShape {
+    /// Sequences starting at position 0 (training).
+    pub fn new(batch: usize, seq: usize, heads: usize, head_dim: usize) -> Self {
+        RopeShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+            pos_offset: 0,
+        }
+    }
+    /// Sequences starting at position `pos_offset` (generation after a KV cache of that length).
+    pub fn at(self, pos_offset: usize) -> Self {
+        RopeShape { pos_offset, ..self }
+    }
+    /// The values the call rotates.
+    pub fn values(&self) -> usize {
+        self.batch * self.seq * self.heads * self.head_dim
+    }
+}
+
 /// Whether a matrix product replaces its output or is added to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GemmOutput {
@@ -288,30 +320,10 @@ pub trait Backend: Send + Sync + 'static {
     );
 
     // ---- RoPE (interleaved pairs), in place on `[batch, seq, heads, head_dim]` ----
-    /// `cos`/`sin` are `[max_seq, head_dim/2]`; token `s` uses row `pos_offset + s`.
-    #[allow(clippy::too_many_arguments)]
-    fn rope_forward(
-        &self,
-        x: &mut Self::Buf,
-        cos: &Self::Buf,
-        sin: &Self::Buf,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        pos_offset: usize,
-    );
-    #[allow(clippy::too_many_arguments)]
-    fn rope_backward(
-        &self,
-        dx: &mut Self::Buf,
-        cos: &Self::Buf,
-        sin: &Self::Buf,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-    );
+    /// `cos`/`sin` are `[max_seq, head_dim/2]`; token `s` uses row `shape.pos_offset + s`.
+    fn rope_forward(&self, x: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, shape: RopeShape);
+    /// The rotation by the opposite angles (the rotation is orthogonal).
+    fn rope_backward(&self, dx: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, shape: RopeShape);
 
     // ---- causal grouped-query attention ----
     /// Writes `out` `[batch, q_len, n_heads, head_dim]` and `lse` `[batch, n_heads, q_len]`.

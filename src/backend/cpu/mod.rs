@@ -18,7 +18,7 @@ pub mod rope;
 mod rows;
 pub(crate) mod simd;
 
-use crate::backend::{GemmOutput, GemmShape};
+use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use std::sync::Mutex;
 
 use rayon::prelude::*;
@@ -169,32 +169,13 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("rmsnorm_backward");
         norm::rmsnorm_backward(dx, dweight, dout, x, weight, rstd, dim);
     }
-    fn rope_forward(
-        &self,
-        x: &mut Vec<f32>,
-        cos: &Vec<f32>,
-        sin: &Vec<f32>,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        pos_offset: usize,
-    ) {
+    fn rope_forward(&self, x: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, shape: RopeShape) {
         let _timer = self.profiler.time("rope_forward");
-        rope::rope_forward(x, cos, sin, batch, seq, heads, head_dim, pos_offset);
+        rope::rope_forward(x, cos, sin, shape);
     }
-    fn rope_backward(
-        &self,
-        dx: &mut Vec<f32>,
-        cos: &Vec<f32>,
-        sin: &Vec<f32>,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-    ) {
+    fn rope_backward(&self, dx: &mut Vec<f32>, cos: &Vec<f32>, sin: &Vec<f32>, shape: RopeShape) {
         let _timer = self.profiler.time("rope_backward");
-        rope::rope_backward(dx, cos, sin, batch, seq, heads, head_dim);
+        rope::rope_backward(dx, cos, sin, shape);
     }
     fn attention_forward(
         &self,

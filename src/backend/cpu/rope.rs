@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use crate::backend::RopeShape;
+
 /// Llama 3.1 long-context frequency scaling (`rope_type = "llama3"` in HF configs).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RopeScaling {
@@ -60,81 +62,46 @@ pub fn rope_tables(
     (cos, sin)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rotate(
-    x: &mut [f32],
-    cos: &[f32],
-    sin: &[f32],
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-    direction: f32,
-) {
-    let half = head_dim / 2;
-    let row = heads * head_dim;
-    x.par_chunks_mut(row).enumerate().for_each(|(t, xr)| {
-        let p = pos_offset + t % seq;
-        let c = &cos[p * half..(p + 1) * half];
-        let s = &sin[p * half..(p + 1) * half];
-        for head in xr.chunks_exact_mut(head_dim) {
-            for (i, pair) in head.chunks_exact_mut(2).enumerate() {
-                let (x0, x1) = (pair[0], pair[1]);
-                let si = direction * s[i];
-                pair[0] = x0 * c[i] - x1 * si;
-                pair[1] = x0 * si + x1 * c[i];
-            }
-        }
-    });
-}
-
-#[allow(clippy::too_many_arguments)]
-pub fn rope_forward(
-    x: &mut [f32],
-    cos: &[f32],
-    sin: &[f32],
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-    pos_offset: usize,
-) {
-    assert!(
-        (pos_offset + seq) * head_dim / 2 <= cos.len(),
-        "rope: position {} beyond the table",
-        pos_offset + seq
-    );
-    rotate(
-        &mut x[..batch * seq * heads * head_dim],
-        cos,
-        sin,
+/// Rotates every pair of `x` (`shape`) by its position's angle times `direction` (1: forward,
+/// -1: backward).
+fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], shape: RopeShape, direction: f32) {
+    let RopeShape {
         seq,
         heads,
         head_dim,
         pos_offset,
-        1.0,
+        ..
+    } = shape;
+    assert!(
+        (pos_offset + seq) * head_dim / 2 <= cos.len().min(sin.len()),
+        "rope: position {} beyond the table",
+        pos_offset + seq
     );
+    let half = head_dim / 2;
+    let row = heads * head_dim;
+    x[..shape.values()]
+        .par_chunks_mut(row)
+        .enumerate()
+        .for_each(|(t, xr)| {
+            let p = pos_offset + t % seq;
+            let c = &cos[p * half..(p + 1) * half];
+            let s = &sin[p * half..(p + 1) * half];
+            for head in xr.chunks_exact_mut(head_dim) {
+                for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                    let (x0, x1) = (pair[0], pair[1]);
+                    let si = direction * s[i];
+                    pair[0] = x0 * c[i] - x1 * si;
+                    pair[1] = x0 * si + x1 * c[i];
+                }
+            }
+        });
+}
+
+pub fn rope_forward(x: &mut [f32], cos: &[f32], sin: &[f32], shape: RopeShape) {
+    rotate(x, cos, sin, shape, 1.0);
 }
 
 /// The rotation is orthogonal, so its backward is the rotation by the opposite angle.
-#[allow(clippy::too_many_arguments)]
-pub fn rope_backward(
-    dx: &mut [f32],
-    cos: &[f32],
-    sin: &[f32],
-    batch: usize,
-    seq: usize,
-    heads: usize,
-    head_dim: usize,
-) {
-    rotate(
-        &mut dx[..batch * seq * heads * head_dim],
-        cos,
-        sin,
-        seq,
-        heads,
-        head_dim,
-        0,
-        -1.0,
-    );
+pub fn rope_backward(dx: &mut [f32], cos: &[f32], sin: &[f32], shape: RopeShape) {
+    rotate(dx, cos, sin, shape, -1.0);
 }

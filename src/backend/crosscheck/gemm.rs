@@ -4,7 +4,7 @@
 
 use super::Checker;
 use crate::backend::cpu::rope::rope_tables;
-use crate::backend::{AttnShape, Backend, GemmOutput, GemmShape};
+use crate::backend::{AttnShape, Backend, GemmOutput, GemmShape, RopeShape};
 
 impl<R: Backend, T: Backend> Checker<'_, R, T> {
     pub(super) fn matmul(&mut self) {
@@ -395,8 +395,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (cos, sin) = rope_tables(hd, seq, 500000.0, None);
         let ((rc, tc), (rs, ts)) = (self.both(&cos), self.both(&sin));
         for (r, t, h) in [(&mut rq, &mut tq, heads), (&mut rk, &mut tk, kv_heads)] {
-            self.reference.rope_forward(r, &rc, &rs, 1, seq, h, hd, 0);
-            self.test.rope_forward(t, &tc, &ts, 1, seq, h, hd, 0);
+            self.reference
+                .rope_forward(r, &rc, &rs, RopeShape::new(1, seq, h, hd));
+            self.test
+                .rope_forward(t, &tc, &ts, RopeShape::new(1, seq, h, hd));
         }
         self.matmul_on("matmul on rope's output", &rq, &tq, seq, heads * hd);
         let (mut rat, mut tat) = (self.reference.zeros(q_len), self.test.zeros(q_len));

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::cpu::rope::rope_tables;
-use super::{AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, IGNORE_INDEX};
+use super::{AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, RopeShape, IGNORE_INDEX};
 
 /// One output of one op.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -157,16 +157,24 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (rs, ts) = self.both(&sin);
         let x = self.random(batch * seq * heads * hd, 1.0);
         let (mut rx, mut tx) = self.both(&x);
-        self.reference
-            .rope_forward(&mut rx, &rc, &rs, batch, seq, heads, hd, offset);
-        self.test
-            .rope_forward(&mut tx, &tc, &ts, batch, seq, heads, hd, offset);
+        self.reference.rope_forward(
+            &mut rx,
+            &rc,
+            &rs,
+            RopeShape::new(batch, seq, heads, hd).at(offset),
+        );
+        self.test.rope_forward(
+            &mut tx,
+            &tc,
+            &ts,
+            RopeShape::new(batch, seq, heads, hd).at(offset),
+        );
         self.compare("rope_forward", &rx, &tx, self.tol.exact);
         let (mut rx, mut tx) = self.both(&x);
         self.reference
-            .rope_backward(&mut rx, &rc, &rs, batch, seq, heads, hd);
+            .rope_backward(&mut rx, &rc, &rs, RopeShape::new(batch, seq, heads, hd));
         self.test
-            .rope_backward(&mut tx, &tc, &ts, batch, seq, heads, hd);
+            .rope_backward(&mut tx, &tc, &ts, RopeShape::new(batch, seq, heads, hd));
         self.compare("rope_backward", &rx, &tx, self.tol.exact);
     }
 

@@ -9,7 +9,7 @@ use anyhow::Result;
 use super::block::BlockLinears;
 use super::workspace::BlockActs;
 use super::Llama;
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
@@ -264,8 +264,8 @@ impl<B: Backend> Llama<B> {
         let (q, k, v, lse) = (&*acts.q, &*acts.k, &*acts.v, &*acts.lse);
         self.cp
             .attention_backward(be, g.dq, g.dk, g.dv, g.dattn, q, k, v, attn_out, lse, shape)?;
-        be.rope_backward(g.dq, cos, sin, b, s, m.heads, hd);
-        be.rope_backward(g.dk, cos, sin, b, s, m.kv_heads, hd);
+        be.rope_backward(g.dq, cos, sin, RopeShape::new(b, s, m.heads, hd));
+        be.rope_backward(g.dk, cos, sin, RopeShape::new(b, s, m.kv_heads, hd));
         if let Some(((qn, gq), (kn, gk))) = qk_norm_grads.as_mut() {
             be.fill(g.dq_raw, 0.0);
             be.fill(g.dk_raw, 0.0);

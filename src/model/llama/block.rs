@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 
 use super::workspace::BlockActs;
 use super::Llama;
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::activation_checkpoint::{Act, BlockSave};
 use crate::model::linear::Linear;
 use crate::model::local_shapes::LocalShapes;
@@ -267,10 +267,15 @@ impl<B: Backend> Llama<B> {
         }
         let (b, s, at) = (run.batch, run.seq, kv.first_position());
         if redo_q {
-            be.rope_forward(acts.q, cos, sin, b, s, m.heads, hd, at);
+            be.rope_forward(acts.q, cos, sin, RopeShape::new(b, s, m.heads, hd).at(at));
         }
         if redo_k {
-            be.rope_forward(acts.k, cos, sin, b, s, m.kv_heads, hd, at);
+            be.rope_forward(
+                acts.k,
+                cos,
+                sin,
+                RopeShape::new(b, s, m.kv_heads, hd).at(at),
+            );
         }
         if redo(Act::AttnOut) || redo(Act::Lse) {
             self.attend(run, acts, kv)?;

@@ -8,7 +8,7 @@
 //! `bf16`, `matmul`, `embedding`, `norm`, `rope`, `attention`, `elementwise`, `loss`, `adamw`, and
 //! `multi_tensor` for the ops over whole parameter lists.
 
-use crate::backend::{GemmOutput, GemmShape};
+use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
@@ -237,32 +237,13 @@ impl Backend for CudaBackend {
         self.rmsnorm_backward_untimed(dx, dweight, dout, x, weight, rstd, dim);
     }
 
-    fn rope_forward(
-        &self,
-        x: &mut Buf,
-        cos: &Buf,
-        sin: &Buf,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        pos_offset: usize,
-    ) {
+    fn rope_forward(&self, x: &mut Buf, cos: &Buf, sin: &Buf, shape: RopeShape) {
         let _timer = self.profiler.time_on("rope_forward", self);
-        self.rope_rotate(x, cos, sin, batch, seq, heads, head_dim, pos_offset, 1.0);
+        self.rope_rotate(x, cos, sin, shape, 1.0);
     }
-    fn rope_backward(
-        &self,
-        dx: &mut Buf,
-        cos: &Buf,
-        sin: &Buf,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-    ) {
+    fn rope_backward(&self, dx: &mut Buf, cos: &Buf, sin: &Buf, shape: RopeShape) {
         let _timer = self.profiler.time_on("rope_backward", self);
-        self.rope_rotate(dx, cos, sin, batch, seq, heads, head_dim, 0, -1.0);
+        self.rope_rotate(dx, cos, sin, shape, -1.0);
     }
 
     fn attention_forward(

@@ -5,21 +5,24 @@ use cudarc::driver::PushKernelArg;
 
 use super::{check_len, Buf, KernelArg};
 use crate::backend::cuda::{elementwise_config, CudaBackend};
+use crate::backend::RopeShape;
 
 impl CudaBackend {
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn rope_rotate(
         &self,
         x: &mut Buf,
         cos: &Buf,
         sin: &Buf,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        pos_offset: usize,
+        shape: RopeShape,
         direction: f32,
     ) {
+        let RopeShape {
+            batch,
+            seq,
+            heads,
+            head_dim,
+            pos_offset,
+        } = shape;
         assert!(
             head_dim.is_multiple_of(2),
             "rope: head_dim {head_dim} is odd; RoPE rotates pairs"
