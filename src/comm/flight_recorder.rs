@@ -343,80 +343,16 @@ pub fn read_dumps(dir: &Path) -> Result<Vec<Dump>> {
 
 /// What the dumps of one run say went wrong, as one paragraph.
 pub fn analyze(dumps: &[Dump]) -> String {
-    let mut findings: Vec<String> = Vec::new();
-    let runs: BTreeMap<&str, Vec<usize>> = dumps.iter().fold(BTreeMap::new(), |mut m, d| {
-        m.entry(d.run.as_str()).or_default().push(d.rank);
-        m
-    });
-    if runs.len() > 1 {
-        // Only the newest run's dumps are compared; older ones (a rank that died in an earlier
-        // run and wrote nothing since) are named and left out.
-        let newest = dumps
-            .iter()
-            .max_by_key(|d| d.written_us)
-            .map(|d| d.run.clone())
-            .unwrap_or_default();
-        let stale: Vec<String> = runs
-            .iter()
-            .filter(|(run, _)| **run != newest)
-            .map(|(run, ranks)| format!("run {run}: ranks {ranks:?}"))
-            .collect();
-        let current: Vec<Dump> = dumps.iter().filter(|d| d.run == newest).cloned().collect();
-        return format!(
-            "These dumps come from different runs: analysing the newest (run {newest}) and leaving out {} (clear the folder before a new run). {}",
-            stale.join("; "),
-            analyze(&current)
-        );
+    if let Some(mixed) = analyze_newest_run(dumps) {
+        return mixed;
     }
+    let mut findings: Vec<String> = Vec::new();
     let world = dumps.iter().map(|d| d.world).max().unwrap_or(0);
     let present: Vec<usize> = dumps.iter().map(|d| d.rank).collect();
     let missing: Vec<usize> = (0..world).filter(|r| !present.contains(r)).collect();
-
-    // Which ranks the failures blame: a peer that closed its connection or did not answer.
-    let mut blamed: BTreeMap<usize, (u64, String)> = BTreeMap::new();
-    for d in dumps {
-        for g in &d.groups {
-            for e in g.entries.iter().filter(|e| e.state == State::Failed) {
-                let Some(peer) = e.error.as_deref().and_then(peer_named) else {
-                    continue;
-                };
-                let Some(&global) = g.ranks.get(peer) else {
-                    continue;
-                };
-                let when = e.ended_us.unwrap_or(e.started_us);
-                let what = format!(
-                    "rank {}'s {} #{} on group `{}`",
-                    d.rank, e.op, e.seq, g.name
-                );
-                let slot = blamed.entry(global).or_insert((when, what.clone()));
-                if when < slot.0 {
-                    *slot = (when, what);
-                }
-            }
-        }
-    }
     if !missing.is_empty() {
-        let mut dead: Vec<(u64, usize, String)> = missing
-            .iter()
-            .filter_map(|r| blamed.get(r).map(|(t, w)| (*t, *r, w.clone())))
-            .collect();
-        dead.sort();
-        let first = match (dead.first(), missing.as_slice()) {
-            (Some((_, r, what)), _) => {
-                format!("; rank {r} died first: {what} found its connection closed or unanswered")
-            }
-            // No survivor's collective failed before the launcher stopped it: the one silent
-            // rank is the one that died.
-            (None, [r]) => {
-                format!("; rank {r} died first (the others were stopped because a rank failed)")
-            }
-            (None, _) => String::new(),
-        };
-        findings.push(format!(
-            "ranks {missing:?} of {world} wrote no dump (they died or were killed before they could){first}"
-        ));
+        findings.push(missing_ranks(dumps, &missing, world));
     }
-
     // Per group: compare what every rank recorded under each sequence number.
     let mut groups: BTreeMap<&str, Vec<(usize, &GroupDump)>> = BTreeMap::new();
     for d in dumps {
@@ -425,80 +361,12 @@ pub fn analyze(dumps: &[Dump]) -> String {
         }
     }
     for (name, members) in &groups {
-        let expected = members[0].1.ranks.clone();
+        findings.extend(disagreement(name, members));
+        findings.extend(ranks_behind(name, members));
         let reporting: Vec<usize> = members.iter().map(|(r, _)| *r).collect();
-        // Disagreement: the same number, a different op or size.
-        // Collectives only: the ranks of a group call the same ones in the same order, while a
-        // send on one rank is a receive on another.
-        let collective = |e: &&Entry| e.op != "send" && e.op != "recv";
-        let mut by_seq: BTreeMap<u64, Vec<(usize, &Entry)>> = BTreeMap::new();
-        for (rank, g) in members {
-            for e in g.entries.iter().filter(collective) {
-                by_seq.entry(e.seq).or_default().push((*rank, e));
-            }
-        }
-        // An all-to-all's sizes differ between ranks by design (expert parallelism's rows): only
-        // its op must agree.
-        let first_disagreement = by_seq.iter().find(|(_, es)| {
-            es.iter().any(|(_, e)| {
-                e.op != es[0].1.op || (e.op != "all_to_all" && e.elements != es[0].1.elements)
-            })
-        });
-        if let Some((seq, es)) = first_disagreement {
-            let said: Vec<String> = es
-                .iter()
-                .map(|(r, e)| format!("rank {r} called {} of {} elements", e.op, e.elements))
-                .collect();
-            findings.push(format!(
-                "on group `{name}` the ranks disagree on collective #{seq}: {} (a rank skipped or added a collective before it)",
-                said.join(", ")
-            ));
-        }
-        // Ranks that never entered the latest collective another rank started.
-        let latest = |g: &'_ GroupDump| -> Option<Entry> {
-            g.entries
-                .iter()
-                .filter(collective)
-                .max_by_key(|e| e.seq)
-                .cloned()
-        };
-        let last_seq = |g: &GroupDump| latest(g).map(|e| e.seq);
-        let newest = members.iter().filter_map(|(_, g)| last_seq(g)).max();
-        if let Some(n) = newest {
-            let behind: Vec<usize> = members
-                .iter()
-                .filter(|(_, g)| last_seq(g).is_none_or(|s| s < n))
-                .map(|(r, _)| *r)
-                .collect();
-            let waiting: Vec<String> = members
-                .iter()
-                .filter_map(|(r, g)| {
-                    g.entries
-                        .iter()
-                        .filter(collective)
-                        .find(|e| e.seq == n)
-                        .map(|e| format!("rank {r} ({}, {:?})", e.op, e.state))
-                })
-                .collect();
-            if !behind.is_empty() {
-                let behind_at: Vec<String> = behind
-                    .iter()
-                    .map(|r| {
-                        let g = members.iter().find(|(m, _)| m == r).expect("a member").1;
-                        match latest(g) {
-                            Some(e) => format!("rank {r} (last: {} #{})", e.op, e.seq),
-                            None => format!("rank {r} (none recorded)"),
-                        }
-                    })
-                    .collect();
-                findings.push(format!(
-                    "on group `{name}` {} never entered collective #{n}, which {} started",
-                    behind_at.join(" and "),
-                    waiting.join(" and ")
-                ));
-            }
-        }
-        let silent: Vec<usize> = expected
+        let silent: Vec<usize> = members[0]
+            .1
+            .ranks
             .iter()
             .copied()
             .filter(|r| !reporting.contains(r) && !missing.contains(r))
@@ -521,6 +389,155 @@ pub fn analyze(dumps: &[Dump]) -> String {
         findings.join("; "),
         reasons.join("; ")
     )
+}
+
+/// With dumps of several runs: the newest run's analysis, naming and leaving out the older ones
+/// (a rank that died in an earlier run and wrote nothing since). None for one run.
+fn analyze_newest_run(dumps: &[Dump]) -> Option<String> {
+    let runs: BTreeMap<&str, Vec<usize>> = dumps.iter().fold(BTreeMap::new(), |mut m, d| {
+        m.entry(d.run.as_str()).or_default().push(d.rank);
+        m
+    });
+    if runs.len() <= 1 {
+        return None;
+    }
+    let newest = dumps
+        .iter()
+        .max_by_key(|d| d.written_us)
+        .map(|d| d.run.clone())
+        .unwrap_or_default();
+    let stale: Vec<String> = runs
+        .iter()
+        .filter(|(run, _)| **run != newest)
+        .map(|(run, ranks)| format!("run {run}: ranks {ranks:?}"))
+        .collect();
+    let current: Vec<Dump> = dumps.iter().filter(|d| d.run == newest).cloned().collect();
+    Some(format!(
+        "These dumps come from different runs: analysing the newest (run {newest}) and leaving out {} (clear the folder before a new run). {}",
+        stale.join("; "),
+        analyze(&current)
+    ))
+}
+
+/// Which global ranks the failures blame (a peer that closed its connection or did not answer),
+/// each with the earliest failure naming it.
+fn blamed_ranks(dumps: &[Dump]) -> BTreeMap<usize, (u64, String)> {
+    let mut blamed: BTreeMap<usize, (u64, String)> = BTreeMap::new();
+    for d in dumps {
+        for g in &d.groups {
+            for e in g.entries.iter().filter(|e| e.state == State::Failed) {
+                let Some(peer) = e.error.as_deref().and_then(peer_named) else {
+                    continue;
+                };
+                let Some(&global) = g.ranks.get(peer) else {
+                    continue;
+                };
+                let when = e.ended_us.unwrap_or(e.started_us);
+                let what = format!(
+                    "rank {}'s {} #{} on group `{}`",
+                    d.rank, e.op, e.seq, g.name
+                );
+                let slot = blamed.entry(global).or_insert((when, what.clone()));
+                if when < slot.0 {
+                    *slot = (when, what);
+                }
+            }
+        }
+    }
+    blamed
+}
+
+/// The ranks that wrote no dump, and which of them died first.
+fn missing_ranks(dumps: &[Dump], missing: &[usize], world: usize) -> String {
+    let blamed = blamed_ranks(dumps);
+    let mut dead: Vec<(u64, usize, String)> = missing
+        .iter()
+        .filter_map(|r| blamed.get(r).map(|(t, w)| (*t, *r, w.clone())))
+        .collect();
+    dead.sort();
+    let first = match (dead.first(), missing) {
+        (Some((_, r, what)), _) => {
+            format!("; rank {r} died first: {what} found its connection closed or unanswered")
+        }
+        // No survivor's collective failed before the launcher stopped it: the one silent
+        // rank is the one that died.
+        (None, [r]) => {
+            format!("; rank {r} died first (the others were stopped because a rank failed)")
+        }
+        (None, _) => String::new(),
+    };
+    format!(
+        "ranks {missing:?} of {world} wrote no dump (they died or were killed before they could){first}"
+    )
+}
+
+/// Collectives only: the ranks of a group call the same ones in the same order, while a send on
+/// one rank is a receive on another.
+fn is_collective(e: &&Entry) -> bool {
+    e.op != "send" && e.op != "recv"
+}
+
+/// The first collective number under which the ranks of group `name` recorded a different op or
+/// size (an all-to-all's sizes differ by design: only its op must agree).
+fn disagreement(name: &str, members: &[(usize, &GroupDump)]) -> Option<String> {
+    let mut by_seq: BTreeMap<u64, Vec<(usize, &Entry)>> = BTreeMap::new();
+    for (rank, g) in members {
+        for e in g.entries.iter().filter(is_collective) {
+            by_seq.entry(e.seq).or_default().push((*rank, e));
+        }
+    }
+    let (seq, es) = by_seq.iter().find(|(_, es)| {
+        es.iter().any(|(_, e)| {
+            e.op != es[0].1.op || (e.op != "all_to_all" && e.elements != es[0].1.elements)
+        })
+    })?;
+    let said: Vec<String> = es
+        .iter()
+        .map(|(r, e)| format!("rank {r} called {} of {} elements", e.op, e.elements))
+        .collect();
+    Some(format!(
+        "on group `{name}` the ranks disagree on collective #{seq}: {} (a rank skipped or added a collective before it)",
+        said.join(", ")
+    ))
+}
+
+/// The ranks of group `name` that never entered the latest collective another rank started.
+fn ranks_behind(name: &str, members: &[(usize, &GroupDump)]) -> Option<String> {
+    let latest = |g: &GroupDump| -> Option<Entry> {
+        g.entries
+            .iter()
+            .filter(is_collective)
+            .max_by_key(|e| e.seq)
+            .cloned()
+    };
+    let last_seq = |g: &GroupDump| latest(g).map(|e| e.seq);
+    let n = members.iter().filter_map(|(_, g)| last_seq(g)).max()?;
+    let behind_at: Vec<String> = members
+        .iter()
+        .filter(|(_, g)| last_seq(g).is_none_or(|s| s < n))
+        .map(|(r, g)| match latest(g) {
+            Some(e) => format!("rank {r} (last: {} #{})", e.op, e.seq),
+            None => format!("rank {r} (none recorded)"),
+        })
+        .collect();
+    if behind_at.is_empty() {
+        return None;
+    }
+    let waiting: Vec<String> = members
+        .iter()
+        .filter_map(|(r, g)| {
+            g.entries
+                .iter()
+                .filter(is_collective)
+                .find(|e| e.seq == n)
+                .map(|e| format!("rank {r} ({}, {:?})", e.op, e.state))
+        })
+        .collect();
+    Some(format!(
+        "on group `{name}` {} never entered collective #{n}, which {} started",
+        behind_at.join(" and "),
+        waiting.join(" and ")
+    ))
 }
 
 /// The group rank an error message blames ("peer rank 3 ...").
