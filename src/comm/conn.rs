@@ -1,6 +1,6 @@
-//! Point-to-point byte streams between ranks: a Unix socket when every rank is on this host (about
-//! twice the bandwidth of loopback TCP), TCP otherwise. Addresses travel through the store as
-//! `unix:PATH` or `tcp:HOST:PORT`.
+//! Point-to-point byte streams between ranks: a Unix socket in the job's private folder (mode 0700)
+//! when every rank is on this host (about twice the bandwidth of loopback TCP), TCP otherwise.
+//! Addresses travel through the store as `unix:PATH` or `tcp:HOST:PORT`.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -122,16 +122,22 @@ pub enum Listener {
 }
 
 impl Listener {
-    /// Listens on `host` (a Unix socket in the temp folder when `host` is loopback) and returns the
-    /// address peers connect to.
-    pub fn bind(host: &str, group: &str, rank: usize) -> std::io::Result<(Listener, String)> {
+    /// Listens on `host` (a Unix socket in the job's private folder, `job_socket_dir`, when `host`
+    /// is loopback) and returns the address peers connect to.
+    pub fn bind(
+        host: &str,
+        job_id: &str,
+        group: &str,
+        rank: usize,
+    ) -> std::io::Result<(Listener, String)> {
         if host == "127.0.0.1" || host == "localhost" {
-            let safe: String = group
-                .chars()
-                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                .collect();
-            let path = std::env::temp_dir()
-                .join(format!("titan-{}-{safe}-{rank}.sock", std::process::id()));
+            let dir = job_socket_dir(job_id)?;
+            // Short whatever the group's name: a Unix socket path holds at most 107 bytes.
+            let path = dir.join(format!(
+                "{:08x}-{rank}-{}.sock",
+                crc32fast::hash(group.as_bytes()),
+                std::process::id()
+            ));
             let _ = std::fs::remove_file(&path);
             let l = UnixListener::bind(&path)?;
             l.set_nonblocking(true)?;
@@ -158,5 +164,70 @@ impl Drop for Listener {
         if let Listener::Unix(_, path) = self {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+/// Where `job_socket_dir` puts the job's sockets (the launcher removes the folder at the end).
+pub fn job_socket_path(job_id: &str) -> PathBuf {
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let name = format!("titan-{uid}-{job_id}");
+    let tmp = std::env::temp_dir();
+    // Room for the folder name and "/xxxxxxxx-rank-pid.sock" within 107 bytes.
+    let base = if tmp.as_os_str().len() + name.len() + 40 <= 107 {
+        tmp
+    } else {
+        PathBuf::from("/tmp")
+    };
+    base.join(name)
+}
+
+/// The job's folder of Unix sockets: `titan-{uid}-{job_id}` in the temp folder (or in `/tmp` when
+/// the temp folder's path would make socket paths too long), mode 0700, owned by this user. Made
+/// by whichever rank comes first; a folder of that name owned by another user, or open to others,
+/// is refused rather than used.
+pub fn job_socket_dir(job_id: &str) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    // SAFETY: getuid cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let dir = job_socket_path(job_id);
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a private folder of this user (owner {}, mode {:o}); remove it",
+                dir.display(),
+                meta.uid(),
+                meta.permissions().mode() & 0o777
+            ),
+        ));
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn the_socket_folder_is_private_and_a_shared_one_is_refused() {
+        let job = format!("test{}", std::process::id());
+        let dir = job_socket_dir(&job).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let (l, addr) = Listener::bind("127.0.0.1", &job, "a-group-name-that-is-long", 3).unwrap();
+        assert!(addr.len() < 100 && addr.starts_with(&format!("unix:{}", dir.display())));
+        drop(l);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = job_socket_dir(&job).unwrap_err().to_string();
+        assert!(e.contains("not a private folder"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

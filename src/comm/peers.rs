@@ -34,7 +34,8 @@ fn channel(name: &str) -> String {
 /// this rank listened on a Unix socket (every rank on this host).
 pub fn connect_peers(p: &PeerSetup) -> Result<(Vec<Option<Conn>>, bool)> {
     let (name, rank, size) = (p.name, p.rank, p.size);
-    let (listener, my_addr) = Listener::bind(p.host, name, rank)
+    let job_id = p.store.secret().job_id();
+    let (listener, my_addr) = Listener::bind(p.host, &job_id, name, rank)
         .with_context(|| format!("group `{name}` rank {rank}: cannot listen on {}", p.host))?;
     p.store
         .set(&format!("group/{name}/addr/{rank}"), my_addr.as_bytes())?;

@@ -155,11 +155,25 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         bail!("--master-port 0 (any free port) only works on a single node; give every node the same port");
     }
     let interrupted = interrupt_flag()?;
+    let outcome = run_generations(o, &exe, port, world, &interrupted);
+    // The job's Unix sockets folder (empty once every rank closed its sockets).
+    let _ = std::fs::remove_dir_all(crate::comm::conn::job_socket_path(&o.secret.job_id()));
+    outcome
+}
+
+/// Starts the workers, restarting them all up to `max_restarts` times after a failure.
+fn run_generations(
+    o: &LaunchOptions,
+    exe: &std::path::Path,
+    port: u16,
+    world: usize,
+    interrupted: &AtomicBool,
+) -> Result<()> {
     for generation in 0..=o.max_restarts {
         let mut workers = Vec::new();
         for local in 0..o.nproc {
             let rank = o.node_rank * o.nproc + local;
-            let mut child = worker_command(&exe)
+            let mut child = worker_command(exe)
                 .args(&o.worker_args)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
@@ -196,7 +210,7 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
                 last_err,
             });
         }
-        match supervise(&mut workers, &interrupted) {
+        match supervise(&mut workers, interrupted) {
             Outcome::Done => return Ok(()),
             Outcome::Interrupted => {
                 bail!("titan launcher: interrupted (SIGINT or SIGTERM); all {world} ranks stopped")
