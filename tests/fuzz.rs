@@ -46,7 +46,7 @@ fn runner(default: u32) -> RunnerConfig {
     RunnerConfig {
         cases,
         max_shrink_iters: 512,
-        failure_persistence: Some(Box::new(FileFailurePersistence::SourceParallel(
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
             "proptest-regressions",
         ))),
         ..RunnerConfig::default()
@@ -194,10 +194,13 @@ fn mutation() -> impl Strategy<Value = Mutation> {
     ]
 }
 
-/// Byte edits only (for binary seeds, which have no tree).
+/// Byte edits only (for binary seeds, which have no tree): mostly one flipped bit, which keeps
+/// the file's framing and reaches the decoder's inner loops.
 fn byte_mutation() -> impl Strategy<Value = Mutation> {
+    let bit = (any::<usize>(), 0..8u32).prop_map(|(i, b)| vec![ByteEdit::Flip(i, 1 << b)]);
     prop_oneof![
-        8 => proptest::collection::vec(byte_edit(), 1..6).prop_map(Mutation::Bytes),
+        6 => bit.prop_map(Mutation::Bytes),
+        3 => proptest::collection::vec(byte_edit(), 1..6).prop_map(Mutation::Bytes),
         1 => proptest::collection::vec(any::<u8>(), 0..512).prop_map(Mutation::Random),
     ]
 }
@@ -319,10 +322,19 @@ fn mutate_toml(seed: &[u8], m: &Mutation) -> Vec<u8> {
     }
 }
 
-/// The bytes of a binary seed after `m`.
+/// The bytes of a binary seed after `m` (a tree edit, meaningless here, flips one bit).
 fn mutate_bytes(seed: &[u8], m: &Mutation) -> Vec<u8> {
     match m {
-        Mutation::Tree(_) => seed.to_vec(),
+        Mutation::Tree(edits) => {
+            let flips: Vec<ByteEdit> = edits
+                .iter()
+                .map(|e| match e {
+                    TreeEdit::Set(n, m) => ByteEdit::Flip(*n, 1 << (m % 8)),
+                    TreeEdit::Remove(n) => ByteEdit::Flip(*n, 0x80),
+                })
+                .collect();
+            apply_bytes(seed, &flips)
+        }
         Mutation::Bytes(edits) => apply_bytes(seed, edits),
         Mutation::Random(bytes) => bytes.clone(),
     }
@@ -839,6 +851,10 @@ proptest! {
             }
         });
     }
+}
+
+proptest! {
+    #![proptest_config(runner(512))]
 
     /// Mutated Parquet files: the decoder's errors and panics are errors naming the file.
     #[test]
