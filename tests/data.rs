@@ -284,3 +284,127 @@ fn parquet_without_a_text_column_or_not_parquet_is_an_error() {
         "{e}"
     );
 }
+
+// ---- issue 27, item 7: bounded lines, caught decoder panics, resumed buffers checked
+
+/// The first error of a loader over `path` (batches of 2 windows of 33 tokens).
+fn loader_err(dir: &Path, kind: &str, path: &Path) -> String {
+    let cfg = config_for(dir, kind, &path.display().to_string());
+    let mut loader = match DataLoader::from_config(&cfg, Box::new(ByteTokenizer), 300, 0, 1) {
+        Ok(l) => l,
+        Err(e) => return format!("{e:#}"),
+    };
+    for _ in 0..16 {
+        if let Err(e) = loader.next_batch() {
+            return format!("{e:#}");
+        }
+    }
+    panic!("{} was read without an error", path.display());
+}
+
+#[test]
+fn a_line_over_the_cap_is_an_error_naming_file_and_line() {
+    use titan::data::files::MAX_LINE_BYTES;
+    let dir = tempfile::tempdir().unwrap();
+    let long = "x".repeat(MAX_LINE_BYTES + 1);
+    let txt = dir.path().join("long.txt");
+    std::fs::write(&txt, format!("a short first line\n{long}\nthird\n")).unwrap();
+    let e = loader_err(dir.path(), "text", &txt);
+    assert!(
+        e.contains("long.txt:2") && e.contains("longer than 16777216 bytes"),
+        "{e}"
+    );
+    // A gzipped JSONL file whose third line never ends (64 MiB inflated from about 64 KiB):
+    // refused after reading at most the cap, never held whole.
+    let gz = dir.path().join("bomb.jsonl.gz");
+    let f = std::fs::File::create(&gz).unwrap();
+    let mut enc = flate2::write::GzEncoder::new(f, flate2::Compression::best());
+    enc.write_all(b"{\"text\": \"one\"}\n{\"text\": \"two\"}\n{\"text\": \"")
+        .unwrap();
+    let chunk = vec![b'y'; 1 << 20];
+    for _ in 0..64 {
+        enc.write_all(&chunk).unwrap();
+    }
+    enc.finish().unwrap();
+    let e = loader_err(dir.path(), "jsonl", &gz);
+    assert!(
+        e.contains("bomb.jsonl.gz:3") && e.contains("MAX_LINE_BYTES"),
+        "{e}"
+    );
+    // Exactly the cap (with a CRLF ending) is still a line.
+    let edge = dir.path().join("edge.txt");
+    std::fs::write(&edge, format!("{}\r\n", &long[1..])).unwrap();
+    let mut source = titan::data::documents::TextSource::open(&edge).unwrap();
+    use titan::data::documents::DocumentSource;
+    assert_eq!(
+        source.next_document().unwrap().unwrap().len(),
+        MAX_LINE_BYTES
+    );
+}
+
+#[test]
+fn a_panicking_parquet_decoder_is_an_error_naming_the_file() {
+    // Single-bit corruptions of a valid file: the `parquet` crate panics on some of them (slice
+    // bounds in its bit reader, "column start and length should not be negative", ...), which
+    // used to take the rank down. Each must now be an error naming the file.
+    let dir = tempfile::tempdir().unwrap();
+    let seed_path = dir.path().join("seed.parquet");
+    let texts: Vec<String> = (0..12).map(|i| format!("parquet row {i}")).collect();
+    titan::data::parquet::write_text_parquet(&seed_path, &texts).unwrap();
+    let seed = std::fs::read(&seed_path).unwrap();
+    let path = dir.path().join("corrupt.parquet");
+    let mut caught = 0;
+    for i in 0..seed.len() {
+        for bit in [0x01u8, 0x80] {
+            let mut bytes = seed.clone();
+            bytes[i] ^= bit;
+            std::fs::write(&path, &bytes).unwrap();
+            let mut source = match titan::data::parquet::ParquetSource::open(&path) {
+                Ok(s) => s,
+                Err(e) => {
+                    assert!(format!("{e:#}").contains("corrupt.parquet"), "{e:#}");
+                    continue;
+                }
+            };
+            use titan::data::documents::DocumentSource;
+            for _ in 0..texts.len() + 1 {
+                match source.next_document() {
+                    Ok(Some(_)) => {}
+                    Ok(None) => break,
+                    Err(e) => {
+                        let e = format!("{e:#}");
+                        assert!(e.contains("corrupt.parquet"), "{e}");
+                        caught += e.contains("the Parquet decoder failed") as usize;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    assert!(caught > 0, "no corruption made the decoder panic");
+}
+
+#[test]
+fn a_resumed_buffer_outside_the_vocabulary_is_an_error_naming_the_field() {
+    use titan::checkpoint::integrity::sha256_hex;
+    let dump = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(dump.path(), 5);
+    train(&cfg, &quiet()).unwrap();
+    let step = cfg.checkpoint_folder().join("step-5");
+    let path = step.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    state["data"]["buffer"] = serde_json::json!([1, 2, 3, 5000]);
+    let text = serde_json::to_string_pretty(&state).unwrap();
+    std::fs::write(&path, &text).unwrap();
+    let sha = format!("{}  state.json\n", sha256_hex(text.as_bytes()));
+    std::fs::write(step.join("state.json.sha256"), sha).unwrap();
+    cfg.training.steps = 10;
+    let e = format!("{:#}", train(&cfg, &quiet()).unwrap_err());
+    assert!(
+        e.contains("state.json")
+            && e.contains("checkpoint field `data.buffer`[3] is token id 5000")
+            && e.contains("vocabulary of 300"),
+        "{e}"
+    );
+}

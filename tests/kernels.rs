@@ -666,3 +666,79 @@ fn round_to_bf16_is_round_to_nearest_even() {
     assert_eq!(buf[4], 0.0);
     assert!(buf[5].is_nan());
 }
+
+// ---- the kernels' API boundary (issue 27, item 7): a bad shape or id is a clear panic, never UB
+
+/// A panic's message, from `catch_unwind`.
+fn panic_message(f: impl FnOnce()) -> String {
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .expect_err("the kernel accepted what it must refuse");
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn embedding_kernels_refuse_ids_outside_the_table_and_short_buffers() {
+    let be = CpuBackend::new();
+    let (dim, rows) = (4, 3);
+    let table = vec![1.0f32; rows * dim];
+    // The backward's scatter-add writes through a raw pointer: an id one past the table was
+    // an out-of-bounds write before the check.
+    let mut dtable = vec![0.0f32; rows * dim];
+    let dout = vec![1.0f32; 2 * dim];
+    let e = panic_message(|| be.embedding_backward(&mut dtable, &dout, &[0, 3], dim));
+    assert!(
+        e.contains("embedding_backward") && e.contains("token id 3 at position 1"),
+        "{e}"
+    );
+    assert!(dtable.iter().all(|&x| x == 0.0), "nothing written");
+    let e = panic_message(|| be.embedding_backward(&mut dtable, &dout, &[0, 1, 2], dim));
+    assert!(e.contains("3 ids of width 4 need 12 floats"), "{e}");
+    let mut out = vec![0.0f32; 2 * dim];
+    let e = panic_message(|| be.embedding_forward(&mut out, &table, &[0, 1, 2], dim));
+    assert!(e.contains("embedding_forward: 3 ids"), "{e}");
+    let e = panic_message(|| be.embedding_forward(&mut out, &table, &[7], dim));
+    assert!(e.contains("token id 7 at position 0"), "{e}");
+    // Another rank's tokens (IGNORE_INDEX) stay a zero row and no gradient.
+    be.embedding_forward(&mut out, &table, &[IGNORE_INDEX, 2], dim);
+    assert_eq!(&out[..dim], &[0.0; 4]);
+}
+
+#[test]
+fn cross_entropy_refuses_targets_outside_the_vocabulary_and_short_buffers() {
+    let be = CpuBackend::new();
+    let (dim, vocab, rows) = (4, 8, 3);
+    let h = vec![0.1f32; rows * dim];
+    let w = vec![0.2f32; vocab * dim];
+    let e = panic_message(|| {
+        be.cross_entropy_forward_backward(&h, &w, &[1, 9, 2], dim, vocab, 1.0, None);
+    });
+    assert!(
+        e.contains("cross_entropy: target id 9 at row 1 is outside the vocabulary of 8"),
+        "{e}"
+    );
+    let (mut dh, mut dw) = (vec![0.0f32; dim], vec![0.0f32; vocab * dim]);
+    let e = panic_message(|| {
+        be.cross_entropy_forward_backward(
+            &h,
+            &w,
+            &[1, 2, 3],
+            dim,
+            vocab,
+            1.0,
+            Some((&mut dh, &mut dw)),
+        );
+    });
+    assert!(
+        e.contains("cross_entropy: dh holds 4 floats, its shape needs 12"),
+        "{e}"
+    );
+    let short_h = vec![0.1f32; dim];
+    let e = panic_message(|| {
+        be.cross_entropy_forward_backward(&short_h, &w, &[1, 2], dim, vocab, 1.0, None);
+    });
+    assert!(e.contains("cross_entropy: h holds 4 floats"), "{e}");
+}

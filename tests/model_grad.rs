@@ -220,3 +220,37 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         );
     }
 }
+
+/// Token ids enter the model through `load_tokens` (training, validation) and `forward_cached`
+/// (generation): one outside the vocabulary is an error naming the id, its position and the
+/// vocabulary, before any kernel sees it (issue 27, item 7).
+#[test]
+fn a_token_id_outside_the_vocabulary_is_an_error_before_any_kernel() {
+    let be = CpuBackend::new();
+    let args = llama_args(false);
+    let (batch, seq) = (2, 5);
+    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let params = init_params(&be, &args, 3);
+    let mut ws = Workspace::new(&be, &args, batch, seq);
+    let mut grads = ParamSet::zeros(&be, &model.param_specs());
+    let mut tokens: Vec<u32> = (0..batch * (seq + 1)).map(|i| i as u32 % 23).collect();
+    tokens[seq + 1 + 4] = 23;
+    let e = model
+        .forward_backward(&be, &params, &mut grads, &mut ws, &tokens, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("token id 23 at position 10 (row 1, column 4)") && e.contains("of 23 ids"),
+        "{e}"
+    );
+    assert!(grads.bufs.iter().all(|g| g.iter().all(|&x| x == 0.0)));
+    let mut cache = titan::model::KvCache::new(&be, &args, 8);
+    let e = model
+        .forward_cached(&be, &params, &mut cache, &[1, u32::MAX])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("token id {} at position 1", u32::MAX)),
+        "{e}"
+    );
+}

@@ -40,14 +40,16 @@ impl SyntheticSource {
 impl DocumentSource for SyntheticSource {
     fn next_document(&mut self) -> Result<Option<String>> {
         let doc = synthetic_document(self.seed, self.next);
-        self.next += 1;
+        self.next = self.next.wrapping_add(1);
         Ok(Some(doc))
     }
     fn reset(&mut self) {
         self.next = 0;
     }
     fn skip(&mut self, n: u64) -> Result<()> {
-        self.next += n;
+        self.next = self.next.checked_add(n).ok_or_else(|| {
+            anyhow!("cannot resume at synthetic document {n}: the position overflows (checkpoint field `data.consumed`)")
+        })?;
         Ok(())
     }
     fn describe(&self) -> String {

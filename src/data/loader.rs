@@ -132,6 +132,10 @@ impl DataLoader {
             "tokens_u32" => Stream::Tokens(TokenShards::open(path, 4)?),
             other => bail!("[{}] dataset = `{other}` is not known", src.section),
         };
+        if let Stream::Documents { tokenizer, .. } = &stream {
+            check_ids(&[tokenizer.bos_id()], vocab, "the tokenizer's BOS id")?;
+            check_ids(&[tokenizer.eos_id()], vocab, "the tokenizer's EOS id")?;
+        }
         Ok(DataLoader {
             stream,
             batch,
@@ -154,8 +158,11 @@ impl DataLoader {
         self.state.clone()
     }
 
-    /// Puts the loader where `state` says (documents are re-read and skipped up to it).
+    /// Puts the loader where `state` says (documents are re-read and skipped up to it). `state`
+    /// comes from a checkpoint's `state.json` (field `data`): its buffered tokens are checked
+    /// against the model's vocabulary, since they go to the model without passing the tokenizer.
     pub fn restore(&mut self, state: LoaderState) -> Result<()> {
+        check_ids(&state.buffer, self.vocab, "checkpoint field `data.buffer`")?;
         if let Stream::Documents { source, .. } = &mut self.stream {
             source.reset();
             source.skip(state.consumed)?;
@@ -190,7 +197,7 @@ impl DataLoader {
                     bail!("token shards hold {} tokens, fewer than one window of seq_len+1 = {window}", shards.total_tokens());
                 }
                 if self.state.consumed >= windows {
-                    self.state.epoch += 1;
+                    self.state.epoch = self.state.epoch.saturating_add(1);
                     self.state.consumed = 0;
                     eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
                 }
@@ -207,21 +214,16 @@ impl DataLoader {
                             if self.state.consumed == 0 {
                                 bail!("dataset ({}) has no documents", source.describe());
                             }
-                            self.state.epoch += 1;
+                            self.state.epoch = self.state.epoch.saturating_add(1);
                             self.state.consumed = 0;
                             source.reset();
                             eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
                             continue;
                         }
                     };
-                    self.state.consumed += 1;
+                    self.state.consumed = self.state.consumed.saturating_add(1);
                     let ids = tokenizer.encode(&doc)?;
-                    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.vocab) {
-                        bail!(
-                            "tokenizer produced id {bad} but the model's vocabulary has {} entries",
-                            self.vocab
-                        );
-                    }
+                    check_ids(&ids, self.vocab, "the tokenizer's output")?;
                     self.state.buffer.push(tokenizer.bos_id());
                     self.state.buffer.extend_from_slice(&ids);
                     self.state.buffer.push(tokenizer.eos_id());
@@ -233,5 +235,21 @@ impl DataLoader {
             }
         }
         Ok(())
+    }
+}
+
+/// Every id of `ids` below `vocab`; otherwise an error naming `what`, the id, its index and the
+/// vocabulary size.
+fn check_ids(ids: &[u32], vocab: usize, what: &str) -> Result<()> {
+    match ids.iter().position(|&t| t as usize >= vocab) {
+        None => Ok(()),
+        Some(i) if ids.len() == 1 => bail!(
+            "{what} is {}, outside the model's vocabulary of {vocab} ids",
+            ids[i]
+        ),
+        Some(i) => bail!(
+            "{what}[{i}] is token id {}, outside the model's vocabulary of {vocab} ids (0..{vocab})",
+            ids[i]
+        ),
     }
 }

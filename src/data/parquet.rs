@@ -1,7 +1,12 @@
 //! Parquet datasets (HF `datasets` style): one document per row of the string column `text`, read
 //! row by row with the `parquet` crate's record reader (only that column is decoded).
+//!
+//! The `parquet` crate can panic on malformed input (a corrupt page, a bad dictionary index); every
+//! call into it runs under `catch_unwind`, so a bad file is an error naming the file (and row),
+//! never a crashed rank.
 
 use std::fs::File;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -38,6 +43,11 @@ impl ParquetSource {
     fn open_rows(path: &Path) -> Result<RowIter<'static>> {
         let file = File::open(path)
             .with_context(|| format!("cannot open data file {}", path.display()))?;
+        guarded(path, None, || Self::rows_of(path, file))
+    }
+
+    /// The rows of `file`'s `text` column (the decoder may panic here: see `guarded`).
+    fn rows_of(path: &Path, file: File) -> Result<RowIter<'static>> {
         let reader = SerializedFileReader::new(file)
             .map_err(|e| anyhow!("{}: not a readable Parquet file: {e}", path.display()))?;
         let schema = reader.metadata().file_metadata().schema_descr_ptr();
@@ -56,11 +66,49 @@ impl ParquetSource {
             })?;
         let projection = Type::group_type_builder(root.name())
             .with_fields(vec![text.clone()])
-            .build()?;
+            .build()
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
         RowIter::from_file_into(Box::new(reader))
             .project(Some(projection))
             .map_err(|e| anyhow!("{}: {e}", path.display()))
     }
+
+    /// The next row's text, `None` at the end of the file.
+    fn next_text(
+        rows: &mut RowIter<'static>,
+        path: &Path,
+        row_no: usize,
+    ) -> Result<Option<String>> {
+        let Some(row) = rows.next() else {
+            return Ok(None);
+        };
+        let row = row.map_err(|e| anyhow!("{} row {row_no}: {e}", path.display()))?;
+        let text = row.get_string(0).map_err(|e| {
+            anyhow!(
+                "{} row {row_no}: column `text` is not a non-null string ({e})",
+                path.display()
+            )
+        })?;
+        Ok(Some(text.clone()))
+    }
+}
+
+/// Runs `f`, a call into the `parquet` crate, turning a panic of the decoder into an error naming
+/// `path` and the row it was reading, if any (the panic message is kept; the default hook has
+/// already printed it to stderr).
+fn guarded<T>(path: &Path, row: Option<usize>, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        let doing = row.map_or("opening it".into(), |r| format!("at row {r}"));
+        bail!(
+            "{}: the Parquet decoder failed {doing} (a corrupt or unsupported file): {msg}",
+            path.display()
+        )
+    })
 }
 
 impl DocumentSource for ParquetSource {
@@ -75,19 +123,15 @@ impl DocumentSource for ParquetSource {
                 self.current = Some((Self::open_rows(&p)?, p, 0));
             }
             let (rows, path, row_no) = self.current.as_mut().expect("opened above");
-            match rows.next() {
-                None => self.current = None,
-                Some(row) => {
-                    *row_no += 1;
-                    let row = row.map_err(|e| anyhow!("{} row {}: {e}", path.display(), row_no))?;
-                    let text = row.get_string(0).map_err(|e| {
-                        anyhow!(
-                            "{} row {}: column `text` is not a non-null string ({e})",
-                            path.display(),
-                            row_no
-                        )
-                    })?;
-                    return Ok(Some(text.clone()));
+            *row_no += 1;
+            let (path, at) = (&*path, *row_no);
+            match guarded(path, Some(at), || Self::next_text(rows, path, at)) {
+                Ok(Some(text)) => return Ok(Some(text)),
+                Ok(None) => self.current = None,
+                Err(e) => {
+                    // A reader that panicked is not used again.
+                    self.current = None;
+                    return Err(e);
                 }
             }
         }

@@ -471,7 +471,10 @@ impl Resume {
                 last_good: None,
             });
         };
-        loader.restore(r.state.data)?;
+        let state_file = r.dir.join("state.json");
+        loader
+            .restore(r.state.data)
+            .map_err(|e| anyhow!("resuming from {}: {e:#}", state_file.display()))?;
         if let Some(bias) = &r.state.expert_bias {
             rank.layout.model.set_expert_bias(bias)?;
         }

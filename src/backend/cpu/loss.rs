@@ -26,6 +26,44 @@ pub fn scratch_floats(vocab: usize) -> usize {
     chunk_rows(vocab) * (vocab + 1)
 }
 
+/// The loss kernel's API boundary: every buffer long enough for its shape and every target but
+/// `IGNORE_INDEX` inside the vocabulary, checked before any GEMM or index (a panic naming the
+/// target and its row: targets from data are checked as errors before they reach a kernel).
+fn check_shapes(
+    h: &[f32],
+    weight: &[f32],
+    targets: &[u32],
+    dim: usize,
+    vocab: usize,
+    grads: &Option<(&mut [f32], &mut [f32])>,
+    scratch: &[f32],
+) {
+    let rows = targets.len();
+    let (h_need, w_need) = (rows.saturating_mul(dim), vocab.saturating_mul(dim));
+    let fits = |what: &str, len: usize, need: usize| {
+        assert!(
+            len >= need,
+            "cross_entropy: {what} holds {len} floats, its shape needs {need} ({rows} rows, width {dim}, vocabulary {vocab})"
+        );
+    };
+    fits("h", h.len(), h_need);
+    fits("the output weight", weight.len(), w_need);
+    fits("the scratch", scratch.len(), scratch_floats(vocab));
+    if let Some((dh, dweight)) = grads {
+        fits("dh", dh.len(), h_need);
+        fits("the output weight's gradient", dweight.len(), w_need);
+    }
+    if let Some(r) = targets
+        .iter()
+        .position(|&t| t != IGNORE_INDEX && t as usize >= vocab)
+    {
+        panic!(
+            "cross_entropy: target id {} at row {r} is outside the vocabulary of {vocab}",
+            targets[r]
+        );
+    }
+}
+
 /// `scratch` must hold `scratch_floats(vocab)` floats.
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_forward_backward(
@@ -38,8 +76,8 @@ pub fn cross_entropy_forward_backward(
     mut grads: Option<(&mut [f32], &mut [f32])>,
     scratch: &mut [f32],
 ) -> LossSum {
+    check_shapes(h, weight, targets, dim, vocab, &grads, scratch);
     let rows = targets.len();
-    assert!(h.len() >= rows * dim && weight.len() >= vocab * dim);
     let chunk = chunk_rows(vocab);
     let (logits, row_loss) = scratch.split_at_mut(chunk * vocab);
     let mut total = LossSum { sum: 0.0, count: 0 };
@@ -67,10 +105,6 @@ pub fn cross_entropy_forward_backward(
                     }
                     return;
                 }
-                assert!(
-                    (t as usize) < vocab,
-                    "target id {t} is outside the vocabulary of {vocab}"
-                );
                 *loss = cross_entropy_row(row, t as usize, grad_scale, want_grad);
             });
         for &l in &row_loss[..n] {

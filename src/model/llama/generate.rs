@@ -29,12 +29,7 @@ impl<B: Backend> Llama<B> {
                 cache.capacity.min(self.rope_len)
             );
         }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= a.vocab_size) {
-            bail!(
-                "token id {bad} is outside the model's vocabulary of {}",
-                a.vocab_size
-            );
-        }
+        super::check_token_ids(tokens, n, a.vocab_size)?;
         Ok(())
     }
 

@@ -287,7 +287,8 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Checks `tokens` (`[batch, seq+1]`, whole sequences) and splits them into the workspace's
-    /// inputs and targets: with context parallelism, those at this rank's positions.
+    /// inputs and targets: with context parallelism, those at this rank's positions. This is where
+    /// token ids enter the model: one outside the vocabulary is an error here, before any kernel.
     pub fn load_tokens(&self, be: &B, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
         let (b, s) = (ws.batch, ws.seq * self.local.cp);
         if tokens.len() != b * (s + 1) {
@@ -304,12 +305,7 @@ impl<B: Backend> Llama<B> {
                 self.rope_len
             );
         }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.args.vocab_size) {
-            bail!(
-                "token id {bad} is outside the model's vocabulary of {}",
-                self.args.vocab_size
-            );
-        }
+        check_token_ids(tokens, s + 1, self.args.vocab_size)?;
         let chunks = self.sequence_shard().chunks(s);
         for (r, row) in tokens.chunks(s + 1).enumerate() {
             let mut at = r * ws.seq;
@@ -476,4 +472,20 @@ impl<B: Backend> Llama<B> {
             full
         }
     }
+}
+
+/// Where token ids enter the model (training batches, prompts): every id below `vocab`, or an
+/// error naming the first that is not, its position (row and column of rows of `width`) and the
+/// vocabulary size. No kernel then sees an id outside its table.
+pub fn check_token_ids(tokens: &[u32], width: usize, vocab: usize) -> Result<()> {
+    let Some(i) = tokens.iter().position(|&t| t as usize >= vocab) else {
+        return Ok(());
+    };
+    let width = width.max(1);
+    bail!(
+        "token id {} at position {i} (row {}, column {}) is outside the model's vocabulary of {vocab} ids",
+        tokens[i],
+        i / width,
+        i % width
+    )
 }
