@@ -710,3 +710,33 @@ fn a_killed_or_stopped_launcher_takes_its_workers_with_it() {
         assert!(!status.success(), "signal {signal}: {status}");
     }
 }
+
+/// Several nodes must share a job secret: without one the launcher refuses before starting
+/// anything, and a secret file that other users can read is refused too.
+#[test]
+fn a_multi_node_job_needs_a_private_job_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let two_nodes = ["--nproc", "1", "--nnodes", "2", "--node-rank", "0"];
+    let o = train(dir.path(), &two_nodes, &["--training.steps", "2"]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("job secret")
+            && e.contains("--job-secret-file")
+            && e.contains("insecure_no_auth"),
+        "{e}"
+    );
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "ab".repeat(32)).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let with_file = [
+        &two_nodes[..],
+        &["--job-secret-file", secret.to_str().unwrap()],
+    ]
+    .concat();
+    let o = train(dir.path(), &with_file, &["--training.steps", "2"]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("chmod 600"), "{e}");
+}

@@ -45,8 +45,10 @@ pub enum Command {
         /// Address of node 0, where the rendezvous store runs.
         #[arg(long, default_value = "127.0.0.1")]
         master_addr: String,
-        #[arg(long, default_value_t = 29500)]
-        master_port: u16,
+        /// The rendezvous store's port on node 0. One node: any free port the system picks
+        /// unless given; several nodes: 29500 unless given (every node must name the same).
+        #[arg(long)]
+        master_port: Option<u16>,
         /// Restart the whole group this many times after a rank fails (resuming from the latest checkpoint).
         #[arg(long, default_value_t = 0)]
         max_restarts: usize,
@@ -231,7 +233,7 @@ pub fn run(cli: Cli) -> Result<()> {
                     nnodes,
                     node_rank,
                     master_addr,
-                    master_port,
+                    master_port: master_port.unwrap_or(if nnodes > 1 { 29500 } else { 0 }),
                     max_restarts,
                     worker_args,
                     rank0_stdout_plain: false,
