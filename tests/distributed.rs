@@ -740,3 +740,71 @@ fn a_multi_node_job_needs_a_private_job_secret() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("chmod 600"), "{e}");
 }
+
+/// Two nodes on one host, each with its own launcher as `--nnodes 2` on two machines would run:
+/// they share the job secret and train DDP 2; when a rank of node 1 dies, both launchers start
+/// generation 1 together (a barrier on the store) and the run ends on the uninterrupted loss.
+#[test]
+fn two_nodes_restart_together_and_end_on_the_uninterrupted_loss() {
+    let (straight, crashed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut extra = vec!["--training.steps", "12", "--checkpoint.interval", "4"];
+    extra.extend_from_slice(DDP_MESH);
+    let o = train(straight.path(), DDP2, &extra);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let secret = "cd".repeat(32);
+    let node = |rank: &str| {
+        let launcher = [
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--max-restarts",
+            "1",
+        ];
+        train_command(crashed.path(), &launcher, &[TINY_ARGS, &extra].concat())
+            .env("RAYON_NUM_THREADS", "1")
+            .env("TITAN_JOB_SECRET", &secret)
+            .env("TITAN_HOST", "127.0.0.1")
+            .env("TITAN_CRASH_AT", "1:7")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (node0, node1) = (node("0"), node("1"));
+    let (o0, o1) = (
+        node0.wait_with_output().unwrap(),
+        node1.wait_with_output().unwrap(),
+    );
+    let (e0, e1) = (
+        String::from_utf8_lossy(&o0.stderr),
+        String::from_utf8_lossy(&o1.stderr),
+    );
+    assert!(
+        o0.status.success() && o1.status.success(),
+        "node 0:\n{e0}\nnode 1:\n{e1}"
+    );
+    assert!(e1.contains("restarting all 2 ranks"), "{e1}");
+    let (a, b) = (losses(straight.path()), losses(crashed.path()));
+    let (last_a, last_b) = (a.last().unwrap(), b.last().unwrap());
+    assert_eq!((last_a.0, last_b.0), (12, 12));
+    assert_eq!(
+        last_a.1.to_bits(),
+        last_b.1.to_bits(),
+        "{} vs {}",
+        last_a.1,
+        last_b.1
+    );
+}

@@ -242,6 +242,7 @@ pub fn run(cli: Cli) -> Result<()> {
                         nnodes,
                         cfg.comm.insecure_no_auth,
                     )?,
+                    init_timeout: std::time::Duration::from_secs(cfg.comm.init_timeout_seconds),
                 };
                 return crate::launch::launcher::launch(&o);
             }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use crate::comm::auth::{JobSecret, SECRET_ENV, SECRET_FILE_ENV};
-use crate::comm::store::StoreServer;
+use crate::comm::store::{StoreClient, StoreServer};
 
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
@@ -32,6 +32,8 @@ pub struct LaunchOptions {
     /// The job secret the store and every rank prove (`launch::secret::for_launcher`); handed to
     /// the workers in their environment, never on their command line.
     pub secret: JobSecret,
+    /// How long the nodes' launchers wait for each other (`[comm] init_timeout_seconds`).
+    pub init_timeout: Duration,
 }
 
 impl LaunchOptions {
@@ -48,6 +50,7 @@ impl LaunchOptions {
             worker_args,
             rank0_stdout_plain: true,
             secret: JobSecret::generate(),
+            init_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -161,7 +164,16 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     outcome
 }
 
-/// Starts the workers, restarting them all up to `max_restarts` times after a failure.
+/// Where the workers of one generation find the store and who they are.
+struct Spawn<'a> {
+    o: &'a LaunchOptions,
+    exe: &'a std::path::Path,
+    port: u16,
+    world: usize,
+}
+
+/// Starts the workers, restarting them all up to `max_restarts` times after a failure. With
+/// several nodes every node's launcher starts each generation together (`agree_on_generation`).
 fn run_generations(
     o: &LaunchOptions,
     exe: &std::path::Path,
@@ -169,47 +181,25 @@ fn run_generations(
     world: usize,
     interrupted: &AtomicBool,
 ) -> Result<()> {
+    let spawn = Spawn {
+        o,
+        exe,
+        port,
+        world,
+    };
+    let nodes = match o.nnodes {
+        1 => None,
+        _ => Some(StoreClient::connect(
+            &format!("{}:{port}", o.master_addr),
+            &o.secret,
+            o.init_timeout,
+        )?),
+    };
     for generation in 0..=o.max_restarts {
-        let mut workers = Vec::new();
-        for local in 0..o.nproc {
-            let rank = o.node_rank * o.nproc + local;
-            let mut child = worker_command(exe)
-                .args(&o.worker_args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", local.to_string())
-                .env("LOCAL_WORLD_SIZE", o.nproc.to_string())
-                .env("MASTER_ADDR", &o.master_addr)
-                .env("MASTER_PORT", port.to_string())
-                .env("TITAN_STORE_PORT", port.to_string())
-                .env("TITAN_STORE_HOSTED", "1")
-                .env("TITAN_GENERATION", generation.to_string())
-                .env(SECRET_ENV, o.secret.to_hex())
-                .env_remove(SECRET_FILE_ENV)
-                .spawn()
-                .with_context(|| format!("cannot start rank {rank}"))?;
-            let last_err = Arc::new(Mutex::new(Vec::new()));
-            let plain = o.rank0_stdout_plain && rank == 0;
-            pump(
-                child.stdout.take().expect("piped"),
-                rank,
-                false,
-                plain,
-                None,
-            );
-            pump(
-                child.stderr.take().expect("piped"),
-                rank,
-                true,
-                false,
-                Some(last_err.clone()),
-            );
-            workers.push(Worker {
-                rank,
-                child,
-                last_err,
-            });
+        if let Some(store) = &nodes {
+            agree_on_generation(store, generation, o)?;
         }
+        let mut workers = start_workers(&spawn, generation)?;
         match supervise(&mut workers, interrupted) {
             Outcome::Done => return Ok(()),
             Outcome::Interrupted => {
@@ -217,28 +207,7 @@ fn run_generations(
             }
             Outcome::Failed(failures) => {
                 std::thread::sleep(Duration::from_millis(200)); // let the output pumps drain
-                let last_lines = |rank: usize| {
-                    workers
-                        .iter()
-                        .find(|w| w.rank == rank)
-                        .map(|w| {
-                            w.last_err
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .join("\n")
-                        })
-                        .unwrap_or_default()
-                };
-                let msg = failures
-                    .iter()
-                    .map(|(rank, code)| {
-                        format!(
-                            "rank {rank} failed ({code}); last error output:\n{}",
-                            last_lines(*rank)
-                        )
-                    })
-                    .collect::<Vec<_>>()
-                    .join("\n");
+                let msg = failure_message(&workers, &failures);
                 if generation < o.max_restarts {
                     eprintln!("titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})", generation + 1, o.max_restarts);
                     continue;
@@ -248,6 +217,91 @@ fn run_generations(
         }
     }
     unreachable!("the loop returns or bails on its last generation")
+}
+
+/// Every node's launcher starts generation `g` together (a barrier on the job's store), so the
+/// ranks of all nodes agree on which restart they are in: their groups' names carry it.
+fn agree_on_generation(store: &StoreClient, g: usize, o: &LaunchOptions) -> Result<()> {
+    store
+        .barrier(&format!("launch/generation-{g}"), o.nnodes)
+        .with_context(|| {
+            format!(
+                "node {}: not every node's launcher started generation {g} (restart {g} of {}); every node must run with the same --max-restarts, and a node whose launcher stopped ends the job",
+                o.node_rank, o.max_restarts
+            )
+        })
+}
+
+/// This node's workers of `generation`, their output pumped.
+fn start_workers(sp: &Spawn, generation: usize) -> Result<Vec<Worker>> {
+    let o = sp.o;
+    let mut workers = Vec::new();
+    for local in 0..o.nproc {
+        let rank = o.node_rank * o.nproc + local;
+        let mut child = worker_command(sp.exe)
+            .args(&o.worker_args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", sp.world.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", o.nproc.to_string())
+            .env("MASTER_ADDR", &o.master_addr)
+            .env("MASTER_PORT", sp.port.to_string())
+            .env("TITAN_STORE_PORT", sp.port.to_string())
+            .env("TITAN_STORE_HOSTED", "1")
+            .env("TITAN_GENERATION", generation.to_string())
+            .env(SECRET_ENV, o.secret.to_hex())
+            .env_remove(SECRET_FILE_ENV)
+            .spawn()
+            .with_context(|| format!("cannot start rank {rank}"))?;
+        let last_err = Arc::new(Mutex::new(Vec::new()));
+        let plain = o.rank0_stdout_plain && rank == 0;
+        pump(
+            child.stdout.take().expect("piped"),
+            rank,
+            false,
+            plain,
+            None,
+        );
+        pump(
+            child.stderr.take().expect("piped"),
+            rank,
+            true,
+            false,
+            Some(last_err.clone()),
+        );
+        workers.push(Worker {
+            rank,
+            child,
+            last_err,
+        });
+    }
+    Ok(workers)
+}
+
+/// Each failed rank with its exit status and last error lines.
+fn failure_message(workers: &[Worker], failures: &[(usize, String)]) -> String {
+    let last_lines = |rank: usize| {
+        workers
+            .iter()
+            .find(|w| w.rank == rank)
+            .map(|w| {
+                w.last_err
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .join("\n")
+            })
+            .unwrap_or_default()
+    };
+    failures
+        .iter()
+        .map(|(rank, code)| {
+            format!(
+                "rank {rank} failed ({code}); last error output:\n{}",
+                last_lines(*rank)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// How long a rank may take to write its flight recorder dump after SIGTERM before it is killed.
