@@ -808,3 +808,69 @@ fn two_nodes_restart_together_and_end_on_the_uninterrupted_loss() {
         last_b.1
     );
 }
+
+/// A DDP 2 job while an outsider keeps knocking on its store port (garbage, then silence: up to
+/// 50 connections held open) and on every rank socket it finds while the groups form (a wrong
+/// secret): the job finishes on the same losses, bit for bit, as the undisturbed run. (The rank
+/// sockets exist only while a group forms; `tests/comm.rs` knocks on them deterministically.)
+#[test]
+fn outsiders_during_a_job_change_nothing() {
+    let (quiet, knocked) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut extra = vec!["--training.steps", "30"];
+    extra.extend_from_slice(DDP_MESH);
+    let o = train(quiet.path(), DDP2, &extra);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let secret = titan::comm::auth::JobSecret::from_hex(&"5a".repeat(32), "test").unwrap();
+    let sockets = titan::comm::conn::job_socket_path(&secret.job_id());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let outsider = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let mut held = Vec::new();
+            let mut knocks = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                    let _ = s.write_all(&[0x01; 64]);
+                    held.push(s);
+                    knocks += 1;
+                }
+                for entry in std::fs::read_dir(&sockets).into_iter().flatten().flatten() {
+                    let addr = format!("unix:{}", entry.path().display());
+                    if let Ok(mut c) = titan::comm::conn::Conn::connect(&addr) {
+                        let _ = c.set_timeouts(
+                            std::time::Duration::from_secs(1),
+                            std::time::Duration::from_secs(1),
+                        );
+                        let wrong = titan::comm::auth::JobSecret::generate();
+                        let _ = titan::comm::auth::client_handshake(&mut c, &wrong, "group/x", 1);
+                        knocks += 1;
+                    }
+                }
+                held.truncate(50);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            knocks
+        })
+    };
+    let launcher = ["--nproc", "2", "--master-port", &port.to_string()];
+    let o = train_env(
+        knocked.path(),
+        &launcher,
+        &extra,
+        &[("TITAN_JOB_SECRET", &"5a".repeat(32))],
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let knocks = outsider.join().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(knocks > 0, "the outsider never reached the job");
+    let (a, b) = (losses(quiet.path()), losses(knocked.path()));
+    assert_eq!(a.len(), 30);
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(s, x)| (*s, x.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&b), "the losses changed");
+}
