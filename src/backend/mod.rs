@@ -8,6 +8,7 @@
 pub mod cpu;
 pub mod crosscheck;
 pub mod cuda;
+pub mod float8;
 pub mod profile;
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
