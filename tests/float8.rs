@@ -82,3 +82,60 @@ fn casts_match_pytorch_bit_for_bit() {
         }
     }
 }
+
+/// PyTorch's scales for `amaxes`: torchao's `amax_to_scale` (f64, then f32) and its power-of-two
+/// rounding (`exp2(floor(log2(scale)))`), as little-endian f32 pairs.
+fn torch_scales(py: &str, amaxes: &[f32]) -> Vec<(f32, f32)> {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, output) = (dir.path().join("in.bin"), dir.path().join("out.bin"));
+    let bytes: Vec<u8> = amaxes.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(&input, bytes).unwrap();
+    let script = "import torch, sys\n\
+        a = torch.frombuffer(bytearray(open(sys.argv[1], 'rb').read()), dtype=torch.float32)\n\
+        s = (448.0 / torch.clamp(a.to(torch.float64), min=1e-12)).to(torch.float32)\n\
+        p = torch.exp2(torch.floor(torch.log2(s)))\n\
+        open(sys.argv[2], 'wb').write(torch.stack([s, p], 1).numpy().tobytes())\n";
+    let o = Command::new(py)
+        .args(["-c", script])
+        .arg(&input)
+        .arg(&output)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f: Vec<f32> = std::fs::read(&output)
+        .unwrap()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    f.chunks(2).map(|p| (p[0], p[1])).collect()
+}
+
+#[test]
+fn scales_match_torchao_formulas_in_pytorch() {
+    let Some(py) = common::hf_python() else {
+        return;
+    };
+    let mut amaxes = vec![0.0f32, 1e-20, 1e-12, 448.0, 1.0, 3.5, 7.0, 1e6];
+    let mut a = 1e-9f32;
+    while a < 1e9 {
+        amaxes.push(a);
+        // Around powers of two, where the power-of-two rounding is decided.
+        amaxes.push(448.0 / 2f32.powi(a.log2() as i32));
+        a *= 1.21;
+    }
+    let theirs = torch_scales(&py, &amaxes);
+    for (&a, &(s, p)) in amaxes.iter().zip(&theirs) {
+        let mine = titan::backend::float8::scale_from_amax(a, Fp8Format::E4M3);
+        assert_eq!(
+            mine.to_bits(),
+            s.to_bits(),
+            "amax {a:e}: titan {mine:e}, torch {s:e}"
+        );
+        let pow2 = titan::backend::float8::round_scale_down_to_power_of_two(mine);
+        assert_eq!(
+            pow2.to_bits(),
+            p.to_bits(),
+            "amax {a:e}: titan {pow2:e}, torch {p:e}"
+        );
+    }
+}

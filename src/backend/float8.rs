@@ -131,12 +131,11 @@ pub fn scale_from_amax(amax: f32, format: Fp8Format) -> f32 {
 }
 
 /// A scale rounded down to a power of two (the rowwise recipes: the product of two such scales
-/// is exact, and dividing by it only moves the exponent).
+/// is exact, and dividing by it only moves the exponent), as torchao computes it:
+/// `exp2(floor(log2(scale)))` in f32. (Within an ulp of log2's rounding below a power of two this
+/// rounds up to it, as torchao's does.)
 pub fn round_scale_down_to_power_of_two(scale: f32) -> f32 {
-    if !scale.is_finite() || scale <= 0.0 {
-        return scale;
-    }
-    2f64.powi(exponent_of(f64::from(scale))) as f32
+    scale.log2().floor().exp2()
 }
 
 /// The largest magnitude of `values` (NaN if any is NaN, as `torch.amax` of `abs`).
@@ -149,6 +148,100 @@ pub fn amax(values: &[f32]) -> f32 {
         m = m.max(v.abs());
     }
     m
+}
+
+/// Which scales a matrix `[rows, cols]` is quantised with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleAxis {
+    /// One scale for the whole tensor (tensorwise).
+    Tensor,
+    /// One scale per row, its amax over the row's columns (rowwise `X` in `X·Wᵀ`).
+    Rows,
+    /// One scale per column, its amax over the column's rows (rowwise `X` in `dW = Gᵀ·X`).
+    Columns,
+}
+
+/// How a matrix is quantised: the format, the scales' axis, and whether they are rounded down to
+/// powers of two (the rowwise recipes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quantization {
+    pub format: Fp8Format,
+    pub axis: ScaleAxis,
+    pub power_of_two_scales: bool,
+}
+
+/// A quantised matrix: its fp8 values (held as f32) and its scales (one, one per row, or one per
+/// column). The value it stands for is `values[i] / scale`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantized {
+    pub values: Vec<f32>,
+    pub scales: Vec<f32>,
+}
+
+impl Quantization {
+    /// The scales of `x` (`[rows, cols]`, row-major) along this quantisation's axis.
+    pub fn scales(&self, x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        assert_eq!(
+            x.len(),
+            rows * cols,
+            "float8 scales: {rows}x{cols} needs {} values",
+            rows * cols
+        );
+        let amaxes: Vec<f32> = match self.axis {
+            ScaleAxis::Tensor => vec![amax(x)],
+            ScaleAxis::Rows => x.chunks(cols.max(1)).take(rows).map(amax).collect(),
+            ScaleAxis::Columns => (0..cols)
+                .map(|c| {
+                    let column: Vec<f32> = (0..rows).map(|r| x[r * cols + c]).collect();
+                    amax(&column)
+                })
+                .collect(),
+        };
+        amaxes
+            .into_iter()
+            .map(|a| {
+                let s = scale_from_amax(a, self.format);
+                match self.power_of_two_scales {
+                    true => round_scale_down_to_power_of_two(s),
+                    false => s,
+                }
+            })
+            .collect()
+    }
+
+    /// `x` (`[rows, cols]`) quantised with the scales of its own amaxes.
+    pub fn quantize(&self, x: &[f32], rows: usize, cols: usize) -> Quantized {
+        let scales = self.scales(x, rows, cols);
+        let scale_of = |i: usize| match self.axis {
+            ScaleAxis::Tensor => scales[0],
+            ScaleAxis::Rows => scales[i / cols],
+            ScaleAxis::Columns => scales[i % cols],
+        };
+        let values = x
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| self.format.quantize(v, scale_of(i)))
+            .collect();
+        Quantized { values, scales }
+    }
+}
+
+impl Quantized {
+    /// The values this stands for (`values / scale`), `[rows, cols]` along `axis`.
+    pub fn dequantize(&self, axis: ScaleAxis, cols: usize) -> Vec<f32> {
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| {
+                let s = match axis {
+                    ScaleAxis::Tensor => self.scales[0],
+                    ScaleAxis::Rows => self.scales[i / cols],
+                    ScaleAxis::Columns => self.scales[i % cols],
+                };
+                q / s
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -252,5 +345,53 @@ mod tests {
         let q = e4.quantize(-3.5, s);
         assert_eq!(q, -448.0);
         assert_eq!(q / s, -3.5);
+    }
+
+    #[test]
+    fn rows_columns_and_tensors_get_the_scales_of_their_amaxes() {
+        let (rows, cols) = (3, 4);
+        let x: Vec<f32> = (0..12).map(|i| (i as f32 - 5.5) * 0.37).collect();
+        for axis in [ScaleAxis::Tensor, ScaleAxis::Rows, ScaleAxis::Columns] {
+            for pow2 in [false, true] {
+                let q = Quantization {
+                    format: Fp8Format::E4M3,
+                    axis,
+                    power_of_two_scales: pow2,
+                };
+                let got = q.quantize(&x, rows, cols);
+                let amaxes: Vec<f32> = match axis {
+                    ScaleAxis::Tensor => vec![amax(&x)],
+                    ScaleAxis::Rows => (0..rows)
+                        .map(|r| amax(&x[r * cols..(r + 1) * cols]))
+                        .collect(),
+                    ScaleAxis::Columns => (0..cols)
+                        .map(|c| amax(&(0..rows).map(|r| x[r * cols + c]).collect::<Vec<_>>()))
+                        .collect(),
+                };
+                let want: Vec<f32> = amaxes
+                    .iter()
+                    .map(|&a| {
+                        let s = scale_from_amax(a, Fp8Format::E4M3);
+                        if pow2 {
+                            round_scale_down_to_power_of_two(s)
+                        } else {
+                            s
+                        }
+                    })
+                    .collect();
+                assert_eq!(got.scales, want, "{axis:?} pow2 {pow2}");
+                // Every value is representable, within ±max, and dequantises to within one
+                // e4m3 step (2^-3 relative) of the input.
+                let back = got.dequantize(axis, cols);
+                for ((&v, &q), &b) in x.iter().zip(&got.values).zip(&back) {
+                    assert_eq!(Fp8Format::E4M3.round(q), q);
+                    assert!(q.abs() <= 448.0);
+                    assert!(
+                        (b - v).abs() <= v.abs() / 8.0 + 1e-6,
+                        "{axis:?}: {v} -> {b}"
+                    );
+                }
+            }
+        }
     }
 }
