@@ -17,13 +17,13 @@ fn run_ranks<T: Send + 'static>(
     run_ranks_on("127.0.0.1", world, op_timeout, f)
 }
 
-/// `127.0.0.1` selects Unix sockets; any other address (here 127.0.0.2, still loopback) TCP.
-/// This test process's job secret (one for every store and rank it starts).
+/// The job secret of every store and rank these tests start: a fixed one, so their Unix sockets
+/// share one private folder from run to run instead of leaving a new one each time.
 fn job_secret() -> JobSecret {
-    static SECRET: std::sync::OnceLock<JobSecret> = std::sync::OnceLock::new();
-    SECRET.get_or_init(JobSecret::generate).clone()
+    JobSecret::from_hex(&"c0".repeat(32), "test secret").unwrap()
 }
 
+/// `127.0.0.1` selects Unix sockets; any other address (here 127.0.0.2, still loopback) TCP.
 fn run_ranks_on<T: Send + 'static>(
     host: &'static str,
     world: usize,

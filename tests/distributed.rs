@@ -680,8 +680,11 @@ fn a_killed_or_stopped_launcher_takes_its_workers_with_it() {
         let mut overrides = vec!["--training.steps", "100000"];
         overrides.extend_from_slice(TINY_ARGS);
         overrides.extend_from_slice(DDP_MESH);
+        // A fixed secret: the launcher killed outright cannot remove its sockets folder, so
+        // every run reuses the same one.
         let mut launcher = train_command(dir.path(), DDP2, &overrides)
             .env("RAYON_NUM_THREADS", "1")
+            .env("TITAN_JOB_SECRET", "7e".repeat(32))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
