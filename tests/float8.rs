@@ -139,3 +139,115 @@ fn scales_match_torchao_formulas_in_pytorch() {
         );
     }
 }
+
+/// Every operand of every GEMM of every recipe, fake-quantised as torchao's emulated float8 GEMM
+/// reads it (`(x·s).clamp(±max).to(fp8).float() · s⁻¹`, scales along the recipe's axes), against
+/// the same formulas run in PyTorch, bit for bit.
+#[test]
+fn recipe_operands_match_torchao_formulas_in_pytorch() {
+    use titan::backend::float8::{fake_quantize, Float8Recipe, LinearGemm, ScaleAxis};
+    let Some(py) = common::hf_python() else {
+        return;
+    };
+    let (m, k, n) = (6, 8, 5);
+    let values = |len: usize, seed: u32| -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let h = (i as u32 ^ seed).wrapping_mul(2654435761) >> 8;
+                ((h % 20001) as f32 - 10000.0) * 1e-3 * (1 + i % 7) as f32
+            })
+            .collect()
+    };
+    let (x, w, g) = (values(m * k, 1), values(n * k, 2), values(m * n, 3));
+    let operand = |name: char| match name {
+        'X' => (&x, m, k),
+        'W' => (&w, n, k),
+        _ => (&g, m, n),
+    };
+    let mut jobs = Vec::new();
+    for recipe in ["tensorwise", "rowwise", "rowwise_with_gw_hp"] {
+        let r = Float8Recipe::parse(recipe).unwrap();
+        for (gemm, names) in [
+            (LinearGemm::Output, ['X', 'W']),
+            (LinearGemm::InputGrad, ['G', 'W']),
+            (LinearGemm::WeightGrad, ['G', 'X']),
+        ] {
+            for (q, name) in r.operands(gemm).into_iter().zip(names) {
+                if let Some(q) = q {
+                    jobs.push((name, q));
+                }
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let write = |file: &str, v: &[f32]| {
+        let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+        std::fs::write(dir.path().join(file), bytes).unwrap();
+    };
+    write("X", &x);
+    write("W", &w);
+    write("G", &g);
+    let spec: Vec<String> = jobs
+        .iter()
+        .map(|(name, q)| {
+            let (_, rows, cols) = operand(*name);
+            let axis = match q.axis {
+                ScaleAxis::Tensor => "tensor",
+                ScaleAxis::Rows => "rows",
+                ScaleAxis::Columns => "cols",
+            };
+            let (dtype, max) = match q.format {
+                Fp8Format::E4M3 => ("float8_e4m3fn", 448.0),
+                Fp8Format::E5M2 => ("float8_e5m2", 57344.0),
+            };
+            format!(
+                "{name} {rows} {cols} {axis} {dtype} {max} {}",
+                q.power_of_two_scales as u8
+            )
+        })
+        .collect();
+    std::fs::write(dir.path().join("jobs"), spec.join("\n")).unwrap();
+    let script = r#"
+import torch, sys, os
+d = sys.argv[1]
+out = []
+for line in open(os.path.join(d, 'jobs')).read().splitlines():
+    name, rows, cols, axis, dtype, mx, pow2 = line.split()
+    x = torch.frombuffer(bytearray(open(os.path.join(d, name), 'rb').read()), dtype=torch.float32)
+    x = x.reshape(int(rows), int(cols))
+    a = x.abs()
+    amax = a.amax() if axis == 'tensor' else a.amax(dim=1, keepdim=True) if axis == 'rows' else a.amax(dim=0, keepdim=True)
+    s = (float(mx) / torch.clamp(amax.to(torch.float64), min=1e-12)).to(torch.float32)
+    if pow2 == '1':
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    q = (x * s).clamp(min=-float(mx), max=float(mx)).to(getattr(torch, dtype)).float()
+    out.append((q * s.reciprocal()).reshape(-1))
+open(os.path.join(d, 'out'), 'wb').write(torch.cat(out).numpy().tobytes())
+"#;
+    let o = Command::new(&py)
+        .args(["-c", script])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let theirs: Vec<f32> = std::fs::read(dir.path().join("out"))
+        .unwrap()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let mut at = 0;
+    for (name, q) in &jobs {
+        let (v, rows, cols) = operand(*name);
+        let mine = fake_quantize(v, rows, cols, *q);
+        let t = &theirs[at..at + mine.len()];
+        at += mine.len();
+        for (i, (a, b)) in mine.iter().zip(t).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{name} {q:?} [{i}]: titan {a:e}, torch {b:e}"
+            );
+        }
+    }
+    assert_eq!(at, theirs.len());
+}
