@@ -1,6 +1,7 @@
 //! Launch: the multi-process launcher and the worker's view of its environment.
 
 pub mod env;
+pub mod groups;
 pub mod launcher;
 pub mod secret;
 
@@ -94,106 +95,38 @@ impl Distributed {
         let (store, store_server, host) = rendezvous(&env, &secret, init)?;
         let gen = env.generation;
         start_flight_recorder(cfg, &env, &store, init)?;
-        let join_ranks = |ranks: &[usize], name: &str| -> Result<Arc<dyn ProcessGroup>> {
-            let local = ranks
-                .iter()
-                .position(|&r| r == env.rank)
-                .expect("a rank is in its own group");
-            let group = TcpGroup::connect(&store, name, local, ranks.len(), &host, init, op)?;
-            Ok(Arc::new(
-                group.with_record(flight_recorder::for_group(name, ranks)),
-            ))
+        let joiner = groups::GroupJoiner {
+            store: &store,
+            mesh: &mesh,
+            rank: env.rank,
+            world: env.world_size,
+            host: &host,
+            init,
+            op,
+            generation: gen,
         };
-        let name = |dims: &[&str]| format!("{}-g{gen}", mesh.group_name(env.rank, dims));
-        let join = |dims: &[&str]| join_ranks(&mesh.group_ranks(env.rank, dims), &name(dims));
-        let dp = join(&["dp_replicate", "dp_shard"])?;
-        let dp_name = name(&["dp_replicate", "dp_shard"]);
-        let cp_degree = mesh.degree("cp");
-        let loss = if cp_degree > 1 {
-            join(&["dp_replicate", "dp_shard", "cp"])?
-        } else {
-            dp.clone()
-        };
-        // Parameters are sharded over `dp_shard × cp`: with context parallelism even a job without
-        // `dp_shard` shards them over its CP ranks (whose gradients must be summed anyway).
-        let shard_dims = mesh.shard_dims();
-        let (shard, replicate, shard_name, replicate_name) = match (
-            mesh.degree("dp_replicate"),
-            mesh.degree("dp_shard") * cp_degree,
-        ) {
-            (_, 1) => (None, None, None, None),
-            (1, _) if cp_degree > 1 => (Some(loss.clone()), None, Some(name(shard_dims)), None),
-            (1, _) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
-            _ => (
-                Some(join(shard_dims)?),
-                Some(join(&["dp_replicate"])?),
-                Some(name(shard_dims)),
-                Some(name(&["dp_replicate"])),
-            ),
-        };
-        let (tp, tp_name) = if mesh.degree("tp") > 1 {
-            (Some(join(&["tp"])?), Some(name(&["tp"])))
-        } else {
-            (None, None)
-        };
-        let (cp, cp_name) = if cp_degree > 1 {
-            (Some(join(&["cp"])?), Some(name(&["cp"])))
-        } else {
-            (None, None)
-        };
-        let pp = if mesh.degree("pp") > 1 {
-            Some(join(&["pp"])?)
-        } else {
-            None
-        };
-        let ep_degree = cfg.parallelism.expert_parallel_degree;
-        let (ep, expert_shard, expert_shard_name) = if ep_degree > 1 {
-            let (ep_ranks, shard_ranks) = mesh.expert_groups(env.rank, ep_degree);
-            let ep_name = format!("ep[{}]-g{gen}", ep_ranks[0]);
-            let shard_name = format!("expert_shard[{}]-g{gen}", shard_ranks[0]);
-            (
-                Some(join_ranks(&ep_ranks, &ep_name)?),
-                Some(join_ranks(&shard_ranks, &shard_name)?),
-                Some(shard_name),
-            )
-        } else {
-            (None, None, None)
-        };
-        let (expert_replicate, expert_replicate_name) = match &replicate {
-            Some(_) if ep_degree > 1 => {
-                let ranks = mesh.group_ranks(env.rank, &["dp_replicate"]);
-                let name = format!("expert_replicate[{}]-g{gen}", ranks[0]);
-                (Some(join_ranks(&ranks, &name)?), Some(name))
-            }
-            _ => (None, None),
-        };
-        let (writers, writers_name) = match (&shard, &tp, &pp) {
-            (None, None, None) => (None, None),
-            (Some(s), None, None) => (Some(s.clone()), shard_name.clone()),
-            (None, Some(t), None) => (Some(t.clone()), tp_name.clone()),
-            (None, None, Some(p)) => (Some(p.clone()), Some(name(&["pp"]))),
-            // With a pipeline every stage's ranks write its own tensors: the writers span `pp`
-            // too (outermost, so pipeline rank p's writers come p-th).
-            (_, _, Some(_)) => {
-                let mut dims = vec!["pp"];
-                if shard.is_some() {
-                    dims.extend(shard_dims);
-                }
-                if tp.is_some() {
-                    dims.push("tp");
-                }
-                (Some(join(&dims)?), Some(name(&dims)))
-            }
-            (Some(_), Some(_), None) => {
-                let dims = [shard_dims, &["tp"]].concat();
-                (Some(join(&dims)?), Some(name(&dims)))
-            }
-        };
-        let all = if dp.size() == env.world_size {
-            dp.clone()
-        } else {
-            join(&crate::comm::mesh::DIMS)?
-        };
+        let groups::RankGroups {
+            dp,
+            dp_name,
+            loss,
+            shard,
+            shard_name,
+            replicate,
+            replicate_name,
+            tp,
+            tp_name,
+            cp,
+            cp_name,
+            pp,
+            ep,
+            expert_shard,
+            expert_shard_name,
+            expert_replicate,
+            expert_replicate_name,
+            writers,
+            writers_name,
+            all,
+        } = joiner.join_all(cfg.parallelism.expert_parallel_degree)?;
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,

@@ -1,0 +1,248 @@
+//! Joining a rank's process groups from the device mesh, in the one order every rank follows
+//! (a rank that joined its groups in another order would wait on a peer waiting on it): the data
+//! groups (`dp`, the loss group, FSDP's shard and HSDP's replica groups), then `tp`, `cp`, `pp`,
+//! the expert groups, the checkpoint writers and the whole job. Each group is named by its mesh
+//! dims and the restart generation, so a restarted run never meets an earlier one's keys.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+
+use crate::comm::flight_recorder;
+use crate::comm::group::{ProcessGroup, TcpGroup};
+use crate::comm::mesh::DeviceMesh;
+use crate::comm::store::StoreClient;
+
+type Group = Arc<dyn ProcessGroup>;
+
+/// What a rank joins groups with.
+pub struct GroupJoiner<'a> {
+    pub store: &'a StoreClient,
+    pub mesh: &'a DeviceMesh,
+    pub rank: usize,
+    pub world: usize,
+    /// This rank's address peers connect to.
+    pub host: &'a str,
+    pub init: Duration,
+    pub op: Duration,
+    pub generation: u64,
+}
+
+/// Every group of a rank and the store names of those a layer above forms more groups beside
+/// (NCCL communicators, checkpoint barriers).
+pub struct RankGroups {
+    pub dp: Group,
+    pub dp_name: String,
+    pub loss: Group,
+    pub shard: Option<Group>,
+    pub shard_name: Option<String>,
+    pub replicate: Option<Group>,
+    pub replicate_name: Option<String>,
+    pub tp: Option<Group>,
+    pub tp_name: Option<String>,
+    pub cp: Option<Group>,
+    pub cp_name: Option<String>,
+    pub pp: Option<Group>,
+    pub ep: Option<Group>,
+    pub expert_shard: Option<Group>,
+    pub expert_shard_name: Option<String>,
+    pub expert_replicate: Option<Group>,
+    pub expert_replicate_name: Option<String>,
+    pub writers: Option<Group>,
+    pub writers_name: Option<String>,
+    pub all: Group,
+}
+
+/// The data groups: `dp`, the loss group, and FSDP's shard and HSDP's replica groups.
+struct DataGroups {
+    dp: Group,
+    dp_name: String,
+    loss: Group,
+    shard: Option<Group>,
+    shard_name: Option<String>,
+    replicate: Option<Group>,
+    replicate_name: Option<String>,
+}
+
+impl GroupJoiner<'_> {
+    /// The group of these global ranks, named `name`.
+    fn ranks(&self, ranks: &[usize], name: &str) -> Result<Group> {
+        let local = ranks
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("a rank is in its own group");
+        let group = TcpGroup::connect(
+            self.store,
+            name,
+            local,
+            ranks.len(),
+            self.host,
+            self.init,
+            self.op,
+        )?;
+        Ok(Arc::new(
+            group.with_record(flight_recorder::for_group(name, ranks)),
+        ))
+    }
+
+    /// The store name of this rank's group over mesh `dims`.
+    fn name(&self, dims: &[&str]) -> String {
+        format!(
+            "{}-g{}",
+            self.mesh.group_name(self.rank, dims),
+            self.generation
+        )
+    }
+
+    /// This rank's group over mesh `dims`.
+    fn dims(&self, dims: &[&str]) -> Result<Group> {
+        self.ranks(&self.mesh.group_ranks(self.rank, dims), &self.name(dims))
+    }
+
+    /// The group over one mesh dim, with its name, when that dim's degree is above 1.
+    fn optional(&self, dim: &str) -> Result<(Option<Group>, Option<String>)> {
+        if self.mesh.degree(dim) <= 1 {
+            return Ok((None, None));
+        }
+        Ok((Some(self.dims(&[dim])?), Some(self.name(&[dim]))))
+    }
+
+    /// Every group of this rank, in the order every rank joins them.
+    pub fn join_all(&self, expert_parallel_degree: usize) -> Result<RankGroups> {
+        let data = self.data_groups()?;
+        let (tp, tp_name) = self.optional("tp")?;
+        let (cp, cp_name) = self.optional("cp")?;
+        let (pp, _) = self.optional("pp")?;
+        let (ep, expert_shard, expert_shard_name) = self.expert_groups(expert_parallel_degree)?;
+        let (expert_replicate, expert_replicate_name) = match &data.replicate {
+            Some(_) if expert_parallel_degree > 1 => {
+                let ranks = self.mesh.group_ranks(self.rank, &["dp_replicate"]);
+                let name = format!("expert_replicate[{}]-g{}", ranks[0], self.generation);
+                (Some(self.ranks(&ranks, &name)?), Some(name))
+            }
+            _ => (None, None),
+        };
+        let (writers, writers_name) = self.writers(&data, (&tp, &tp_name), &pp)?;
+        let all = if data.dp.size() == self.world {
+            data.dp.clone()
+        } else {
+            self.dims(&crate::comm::mesh::DIMS)?
+        };
+        Ok(RankGroups {
+            dp: data.dp,
+            dp_name: data.dp_name,
+            loss: data.loss,
+            shard: data.shard,
+            shard_name: data.shard_name,
+            replicate: data.replicate,
+            replicate_name: data.replicate_name,
+            tp,
+            tp_name,
+            cp,
+            cp_name,
+            pp,
+            ep,
+            expert_shard,
+            expert_shard_name,
+            expert_replicate,
+            expert_replicate_name,
+            writers,
+            writers_name,
+            all,
+        })
+    }
+
+    /// `dp` (the ranks that split the batch), the loss group (`× cp`), and the parameter shard
+    /// and replica groups: parameters are sharded over `dp_shard × cp`, so with context
+    /// parallelism even a job without `dp_shard` shards them over its CP ranks.
+    fn data_groups(&self) -> Result<DataGroups> {
+        let mesh = self.mesh;
+        let dp = self.dims(&["dp_replicate", "dp_shard"])?;
+        let dp_name = self.name(&["dp_replicate", "dp_shard"]);
+        let cp_degree = mesh.degree("cp");
+        let loss = if cp_degree > 1 {
+            self.dims(&["dp_replicate", "dp_shard", "cp"])?
+        } else {
+            dp.clone()
+        };
+        let shard_dims = mesh.shard_dims();
+        let (shard, replicate, shard_name, replicate_name) = match (
+            mesh.degree("dp_replicate"),
+            mesh.degree("dp_shard") * cp_degree,
+        ) {
+            (_, 1) => (None, None, None, None),
+            (1, _) if cp_degree > 1 => {
+                (Some(loss.clone()), None, Some(self.name(shard_dims)), None)
+            }
+            (1, _) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
+            _ => (
+                Some(self.dims(shard_dims)?),
+                Some(self.dims(&["dp_replicate"])?),
+                Some(self.name(shard_dims)),
+                Some(self.name(&["dp_replicate"])),
+            ),
+        };
+        Ok(DataGroups {
+            dp,
+            dp_name,
+            loss,
+            shard,
+            shard_name,
+            replicate,
+            replicate_name,
+        })
+    }
+
+    /// Expert parallelism's groups: the ranks splitting the experts and the ranks holding the
+    /// same experts (which FSDP-shard them), with the latter's name.
+    fn expert_groups(
+        &self,
+        degree: usize,
+    ) -> Result<(Option<Group>, Option<Group>, Option<String>)> {
+        if degree <= 1 {
+            return Ok((None, None, None));
+        }
+        let (ep_ranks, shard_ranks) = self.mesh.expert_groups(self.rank, degree);
+        let ep_name = format!("ep[{}]-g{}", ep_ranks[0], self.generation);
+        let shard_name = format!("expert_shard[{}]-g{}", shard_ranks[0], self.generation);
+        Ok((
+            Some(self.ranks(&ep_ranks, &ep_name)?),
+            Some(self.ranks(&shard_ranks, &shard_name)?),
+            Some(shard_name),
+        ))
+    }
+
+    /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of
+    /// the dims in use), reusing a group already joined when it is exactly that.
+    fn writers(
+        &self,
+        data: &DataGroups,
+        (tp, tp_name): (&Option<Group>, &Option<String>),
+        pp: &Option<Group>,
+    ) -> Result<(Option<Group>, Option<String>)> {
+        let shard_dims = self.mesh.shard_dims();
+        Ok(match (&data.shard, tp, pp) {
+            (None, None, None) => (None, None),
+            (Some(s), None, None) => (Some(s.clone()), data.shard_name.clone()),
+            (None, Some(t), None) => (Some(t.clone()), tp_name.clone()),
+            (None, None, Some(p)) => (Some(p.clone()), Some(self.name(&["pp"]))),
+            // With a pipeline every stage's ranks write its own tensors: the writers span `pp`
+            // too (outermost, so pipeline rank p's writers come p-th).
+            (_, _, Some(_)) => {
+                let mut dims = vec!["pp"];
+                if data.shard.is_some() {
+                    dims.extend(shard_dims);
+                }
+                if tp.is_some() {
+                    dims.push("tp");
+                }
+                (Some(self.dims(&dims)?), Some(self.name(&dims)))
+            }
+            (Some(_), Some(_), None) => {
+                let dims = [shard_dims, &["tp"]].concat();
+                (Some(self.dims(&dims)?), Some(self.name(&dims)))
+            }
+        })
+    }
+}
