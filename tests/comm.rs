@@ -346,3 +346,37 @@ fn outsiders_neither_join_nor_fail_a_group_over_unix_sockets() {
 fn outsiders_neither_join_nor_fail_a_group_over_tcp() {
     outsiders_neither_join_nor_fail_the_group("127.0.0.2");
 }
+
+/// A flood of silent connections at a rank's socket (more than it handshakes with at once): the
+/// real peer waits its turn in the listen backlog and the group still forms, exactly.
+#[test]
+fn a_flood_of_silent_connections_delays_but_does_not_fail_a_group() {
+    let server = StoreServer::start("127.0.0.1:0", &job_secret()).unwrap();
+    let addr = server.addr.to_string();
+    let rank = |r: usize| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let store =
+                StoreClient::connect(&addr, &job_secret(), Duration::from_secs(10)).unwrap();
+            let t = Duration::from_secs(40);
+            let g = TcpGroup::connect(&store, "flood", r, 2, "127.0.0.1", t, t).unwrap();
+            let mut v = vec![r as f32 + 1.0; 100];
+            g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            v
+        })
+    };
+    let rank0 = rank(0);
+    let store = StoreClient::connect(&addr, &job_secret(), Duration::from_secs(10)).unwrap();
+    let published = String::from_utf8(store.get("group/flood/addr/0").unwrap()).unwrap();
+    let flood: Vec<_> = (0..100)
+        .filter_map(|_| titan::comm::conn::Conn::connect(&published).ok())
+        .collect();
+    assert!(
+        flood.len() > 64,
+        "only {} connections got through",
+        flood.len()
+    );
+    let rank1 = rank(1);
+    assert_eq!(rank0.join().unwrap(), vec![3.0; 100]);
+    assert_eq!(rank1.join().unwrap(), vec![3.0; 100]);
+}

@@ -5,7 +5,8 @@
 //! connection, a process of another job) is dropped after at most `HANDSHAKE_TIMEOUT` on its own
 //! thread while accepting goes on: it can neither join the group nor fail it.
 
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -65,7 +66,12 @@ fn connect_down(p: &PeerSetup, peer: usize, deadline: Instant) -> Result<Conn> {
     let mut s = Conn::connect(&addr).with_context(|| {
         format!("group `{name}` rank {rank}: cannot connect to rank {peer} at {addr}")
     })?;
-    s.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT)?;
+    // The peer (whose address came from the authenticated store) may be busy with other
+    // handshakes: wait for it up to the group's deadline, not just one handshake's time.
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(HANDSHAKE_TIMEOUT);
+    s.set_timeouts(wait, wait)?;
     s.check_same_user()
         .with_context(|| format!("group `{name}` rank {rank}: rank {peer} at {addr}"))?;
     client_handshake(&mut s, p.store.secret(), &channel(name), rank as u64).with_context(|| {
@@ -86,6 +92,7 @@ fn accept_up(
 ) -> Result<()> {
     let (name, rank, size) = (p.name, p.rank, p.size);
     let (done, proven) = mpsc::channel::<(usize, Conn)>();
+    let pending = Arc::new(AtomicUsize::new(0));
     let mut missing = size - 1 - rank;
     while missing > 0 {
         while let Ok((peer, conn)) = proven.try_recv() {
@@ -97,17 +104,31 @@ fn accept_up(
         if missing == 0 {
             break;
         }
+        // Checked on every pass: a flood of connections must not keep the deadline from coming.
+        if Instant::now() >= deadline {
+            let absent: Vec<usize> = (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
+            bail!(
+                "group `{name}` rank {rank}: ranks {absent:?} never connected within {:.0?}",
+                p.init_timeout
+            );
+        }
+        // At most MAX_PENDING handshakes at once (a flood cannot start a thread each); later
+        // connections wait in the listen backlog until one ends, within HANDSHAKE_TIMEOUT.
+        if pending.load(Ordering::SeqCst) >= MAX_PENDING {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
         match listener.accept() {
-            Ok(conn) => authenticate_in_background(conn, p.store.secret(), name, done.clone()),
+            Ok(conn) => {
+                let auth = Handshake {
+                    secret: p.store.secret().clone(),
+                    channel: channel(name),
+                    done: done.clone(),
+                    pending: pending.clone(),
+                };
+                auth.run_in_background(conn);
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let absent: Vec<usize> =
-                        (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
-                    bail!(
-                        "group `{name}` rank {rank}: ranks {absent:?} never connected within {:.0?}",
-                        p.init_timeout
-                    );
-                }
                 std::thread::sleep(Duration::from_millis(5));
             }
             // A connection reset before it was accepted, or out of descriptors: go on.
@@ -117,23 +138,35 @@ fn accept_up(
     Ok(())
 }
 
-/// Runs the server side of the handshake on its own thread and hands a proven link over.
-fn authenticate_in_background(
-    mut conn: Conn,
-    secret: &JobSecret,
-    name: &str,
+/// Handshakes running at once while a group forms; later connections wait in the listen backlog.
+const MAX_PENDING: usize = 64;
+
+/// The server side of one accepted connection's handshake.
+struct Handshake {
+    secret: JobSecret,
+    channel: String,
     done: mpsc::Sender<(usize, Conn)>,
-) {
-    let (secret, channel) = (secret.clone(), channel(name));
-    let _ = std::thread::Builder::new()
-        .name("titan-peer-auth".into())
-        .spawn(move || {
-            let ready = conn.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT);
-            if ready.and_then(|_| conn.check_same_user()).is_err() {
-                return;
-            }
-            if let Ok(peer) = server_handshake(&mut conn, &secret, &channel) {
-                let _ = done.send((peer as usize, conn));
-            }
-        });
+    pending: Arc<AtomicUsize>,
+}
+
+impl Handshake {
+    /// Runs on its own thread and hands a proven link over; counted in `pending` meanwhile.
+    fn run_in_background(self, mut conn: Conn) {
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let pending = self.pending.clone();
+        let spawned = std::thread::Builder::new()
+            .name("titan-peer-auth".into())
+            .spawn(move || {
+                let ready = conn.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT);
+                if ready.and_then(|_| conn.check_same_user()).is_ok() {
+                    if let Ok(peer) = server_handshake(&mut conn, &self.secret, &self.channel) {
+                        let _ = self.done.send((peer as usize, conn));
+                    }
+                }
+                self.pending.fetch_sub(1, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            pending.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
