@@ -512,6 +512,43 @@ proptest! {
     }
 }
 
+/// Random bytes, or headers of random index and length, on the socket data path after a
+/// handshake (`comm::frame`): a message of the expected length is read or an error returned,
+/// never a panic, a hang or an allocation the header asked for.
+fn frame_stream() -> impl Strategy<Value = Vec<u8>> {
+    let header = (
+        any::<u64>(),
+        length(),
+        proptest::collection::vec(any::<u8>(), 0..64),
+    )
+        .prop_map(|(index, len, body)| {
+            [index.to_le_bytes().as_slice(), &len.to_le_bytes(), &body].concat()
+        });
+    prop_oneof![proptest::collection::vec(any::<u8>(), 0..200), header]
+}
+
+proptest! {
+    #![proptest_config(runner(128))]
+
+    #[test]
+    fn framed_links_refuse_garbage(bytes in frame_stream(), expected in 0usize..64) {
+        let got = within("frame", move || {
+            let (a, b) = socket_pair();
+            let feeder = std::thread::spawn(move || feed(a, &bytes));
+            let mut reader = titan::comm::frame::FramedReader::new(titan::comm::conn::Conn::Unix(b));
+            let mut buf = vec![0u8; expected];
+            let r = reader.recv(&mut buf).map(|_| buf.len());
+            drop(reader);
+            feeder.join().unwrap();
+            r.ok()
+        });
+        // A message is accepted only when its header says index 0 and exactly this length.
+        if let Some(len) = got {
+            prop_assert_eq!(len, expected);
+        }
+    }
+}
+
 // ------------------------------------------------------------------ checkpoints
 
 /// A micro model: a checkpoint of it is a few tens of KiB.
