@@ -251,3 +251,61 @@ open(os.path.join(d, 'out'), 'wb').write(torch.cat(out).numpy().tobytes())
     }
     assert_eq!(at, theirs.len());
 }
+
+/// MXFP8 with RCEIL scales against torchao's `to_mx` RCEIL formulas run in PyTorch: the E8M0
+/// scale bytes and the e4m3 element codes of blocks of every magnitude (zero blocks, one outlier,
+/// tiny and huge values), bit for bit.
+#[test]
+fn mxfp8_rceil_matches_torchao_formulas_in_pytorch() {
+    use titan::backend::float8::mx_quantize;
+    let Some(py) = common::hf_python() else {
+        return;
+    };
+    let (rows, cols) = (16, 64);
+    let x: Vec<f32> = (0..rows * cols)
+        .map(|i| {
+            let h = (i as u32).wrapping_mul(2654435761) >> 8;
+            let magnitude = 10f32.powi((i / 32 % 16) as i32 - 8);
+            match i / 32 {
+                3 => 0.0,
+                5 if i % 32 == 7 => 3.0e4,
+                _ => ((h % 20001) as f32 - 10000.0) * 1e-4 * magnitude,
+            }
+        })
+        .collect();
+    let mine = mx_quantize(&x, cols).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(dir.path().join("x"), bytes).unwrap();
+    let script = format!(
+        r#"
+import torch, sys, os
+d = sys.argv[1]
+x = torch.frombuffer(bytearray(open(os.path.join(d, 'x'), 'rb').read()), dtype=torch.float32)
+b = x.reshape({rows}, {cols} // 32, 32)
+descale = b.abs().amax(-1, keepdim=True) / 448.0
+e = torch.where(torch.isnan(descale), 255, (torch.clamp(torch.ceil(torch.log2(descale)), min=-127, max=127) + 127).to(torch.uint8))
+m = torch.where(e == 0, 1.0, torch.exp2(127 - e.to(torch.float32)))
+q = torch.clamp(b * m, min=-448.0, max=448.0).to(torch.float8_e4m3fn)
+open(os.path.join(d, 'e'), 'wb').write(e.to(torch.uint8).reshape(-1).numpy().tobytes())
+open(os.path.join(d, 'q'), 'wb').write(q.view(torch.uint8).reshape(-1).numpy().tobytes())
+"#
+    );
+    let o = Command::new(&py)
+        .args(["-c", &script])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let scales = std::fs::read(dir.path().join("e")).unwrap();
+    let codes = std::fs::read(dir.path().join("q")).unwrap();
+    assert_eq!(mine.scales, scales, "E8M0 scale bytes");
+    for (i, (v, &c)) in mine.values.iter().zip(&codes).enumerate() {
+        let m = Fp8Format::E4M3.encode(*v);
+        assert_eq!(
+            m, c,
+            "element {i} ({:e}): titan {m:#04x}, torch {c:#04x}",
+            x[i]
+        );
+    }
+}

@@ -329,6 +329,77 @@ pub fn fake_quantize(x: &[f32], rows: usize, cols: usize, q: Quantization) -> Ve
     q.quantize(x, rows, cols).dequantize(q.axis, cols)
 }
 
+/// Elements per MX block (OCP MX v1.0: one shared scale per 32 values).
+pub const MX_BLOCK: usize = 32;
+/// The bias of an E8M0 scale (its byte is the exponent plus this; 255 is NaN).
+pub const E8M0_BIAS: i32 = 127;
+
+/// An MXFP8 matrix: e4m3 values (held as f32) in blocks of `MX_BLOCK` along each row, and one
+/// E8M0 scale byte per block (the block's values stand for `value · 2^(byte − 127)`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MxQuantized {
+    pub values: Vec<f32>,
+    pub scales: Vec<u8>,
+}
+
+/// `x` (`[rows, cols]`, `cols` a multiple of `MX_BLOCK`) in MXFP8 with RCEIL scales, as torchao's
+/// `to_mx` with `ScaleCalculationMode.RCEIL`: per block, `descale = amax / 448` in f32, the scale
+/// exponent `ceil(log2(descale))` clamped to ±127 (NaN: the NaN byte), the elements multiplied by
+/// `2^(127 − byte)` (1 for byte 0), clamped to ±448 and rounded to e4m3.
+pub fn mx_quantize(x: &[f32], cols: usize) -> anyhow::Result<MxQuantized> {
+    if cols == 0 || !cols.is_multiple_of(MX_BLOCK) || !x.len().is_multiple_of(cols) {
+        anyhow::bail!(
+            "MXFP8: rows of {cols} values do not split into blocks of {MX_BLOCK} (a linear's features must be a multiple of {MX_BLOCK})"
+        );
+    }
+    let max_pos = Fp8Format::E4M3.max();
+    let mut values = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len() / MX_BLOCK);
+    for block in x.chunks(MX_BLOCK) {
+        let descale = amax(block) / max_pos;
+        let byte = if descale.is_nan() {
+            255u8
+        } else {
+            (descale
+                .log2()
+                .ceil()
+                .clamp(-E8M0_BIAS as f32, E8M0_BIAS as f32) as i32
+                + E8M0_BIAS) as u8
+        };
+        let multiplier = match byte {
+            0 => 1.0,
+            b => (E8M0_BIAS as f32 - f32::from(b)).exp2(),
+        };
+        scales.push(byte);
+        values.extend(block.iter().map(|&v| {
+            let scaled = v * multiplier;
+            match scaled.is_nan() {
+                true => scaled,
+                false => Fp8Format::E4M3.round(scaled.clamp(-max_pos, max_pos)),
+            }
+        }));
+    }
+    Ok(MxQuantized { values, scales })
+}
+
+impl MxQuantized {
+    /// The values this stands for: each element times its block's `2^(byte − 127)` (NaN for
+    /// the NaN byte).
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.values
+            .chunks(MX_BLOCK)
+            .zip(&self.scales)
+            .flat_map(|(block, &byte)| {
+                let scale = match byte {
+                    255 => f32::NAN,
+                    b => 2f64.powi(i32::from(b) - E8M0_BIAS) as f32,
+                };
+                block.iter().map(move |&v| v * scale)
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,5 +549,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn mx_blocks_get_rceil_scales_and_refuse_ragged_rows() {
+        let mut x: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 0.01).collect();
+        x[40] = 1000.0;
+        let q = mx_quantize(&x, 64).unwrap();
+        // Block 0's amax is 0.315: descale 0.315/448 → ceil(log2) = -10 → byte 117.
+        assert_eq!(q.scales, vec![117, 127 + 2]);
+        // Within half a step of e4m3 (relative 2^-4, or half the smallest subnormal, 2^-10,
+        // times the block's scale).
+        let back = q.dequantize();
+        for (i, (v, b)) in x.iter().zip(&back).enumerate() {
+            let scale = 2f32.powi(i32::from(q.scales[i / MX_BLOCK]) - E8M0_BIAS);
+            assert!(
+                (v - b).abs() <= v.abs() / 16.0 + scale / 1024.0,
+                "{v} -> {b}"
+            );
+        }
+        assert!(mx_quantize(&x, 48).is_err());
+        let zeros = mx_quantize(&[0.0; 32], 32).unwrap();
+        assert_eq!(zeros.scales, vec![0]);
+        let nan = mx_quantize(&[f32::NAN; 32], 32).unwrap();
+        assert_eq!(nan.scales, vec![255]);
     }
 }
