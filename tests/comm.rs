@@ -326,7 +326,13 @@ fn outsiders_neither_join_nor_fail_the_group(host: &'static str) {
             _ => {
                 let wrong = JobSecret::generate();
                 let name = format!("group/{group}");
-                let e = titan::comm::auth::client_handshake(&mut c, &wrong, &name, 1);
+                let e = titan::comm::auth::client_handshake(
+                    &mut c,
+                    &wrong,
+                    &name,
+                    1,
+                    Instant::now() + Duration::from_secs(10),
+                );
                 assert!(e.is_err(), "a wrong secret was accepted");
             }
         }

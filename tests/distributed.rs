@@ -712,6 +712,18 @@ fn a_killed_or_stopped_launcher_takes_its_workers_with_it() {
         let status = launcher.wait().unwrap();
         assert!(!status.success(), "signal {signal}: {status}");
     }
+    // A launcher killed outright cannot remove its sockets folder: this test does.
+    let secret = titan::comm::auth::JobSecret::from_hex(&"7e".repeat(32), "test").unwrap();
+    let prefix = titan::comm::conn::job_socket_path(&secret.job_id(), None);
+    let name = prefix.file_name().unwrap().to_string_lossy().into_owned();
+    for f in std::fs::read_dir(prefix.parent().unwrap())
+        .unwrap()
+        .flatten()
+    {
+        if f.file_name().to_string_lossy().starts_with(&name) {
+            let _ = std::fs::remove_dir_all(f.path());
+        }
+    }
 }
 
 /// Several nodes must share a job secret: without one the launcher refuses before starting
@@ -829,7 +841,12 @@ fn outsiders_during_a_job_change_nothing() {
         .unwrap()
         .port();
     let secret = titan::comm::auth::JobSecret::from_hex(&"5a".repeat(32), "test").unwrap();
-    let sockets = titan::comm::conn::job_socket_path(&secret.job_id());
+    // The launcher names its sockets folder `titan-{uid}-{job id}-{launch}`: knock on every one.
+    let prefix = titan::comm::conn::job_socket_path(&secret.job_id(), None)
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let outsider = {
         let stop = stop.clone();
@@ -843,7 +860,14 @@ fn outsiders_during_a_job_change_nothing() {
                     held.push(s);
                     knocks += 1;
                 }
-                for entry in std::fs::read_dir(&sockets).into_iter().flatten().flatten() {
+                let folders = std::fs::read_dir(std::env::temp_dir())
+                    .into_iter()
+                    .flatten()
+                    .flatten();
+                let ours = folders.filter(|f| f.file_name().to_string_lossy().starts_with(&prefix));
+                let sockets =
+                    ours.flat_map(|f| std::fs::read_dir(f.path()).into_iter().flatten().flatten());
+                for entry in sockets {
                     let addr = format!("unix:{}", entry.path().display());
                     if let Ok(mut c) = titan::comm::conn::Conn::connect(&addr) {
                         let _ = c.set_timeouts(
@@ -851,7 +875,13 @@ fn outsiders_during_a_job_change_nothing() {
                             std::time::Duration::from_secs(1),
                         );
                         let wrong = titan::comm::auth::JobSecret::generate();
-                        let _ = titan::comm::auth::client_handshake(&mut c, &wrong, "group/x", 1);
+                        let _ = titan::comm::auth::client_handshake(
+                            &mut c,
+                            &wrong,
+                            "group/x",
+                            1,
+                            std::time::Instant::now() + std::time::Duration::from_secs(1),
+                        );
                         knocks += 1;
                     }
                 }

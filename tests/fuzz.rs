@@ -432,7 +432,14 @@ fn store_case(authenticated: bool, bytes: Vec<u8>, case: u64) {
     conn.set_write_timeout(Some(Duration::from_secs(5)))
         .unwrap();
     if authenticated {
-        client_handshake(&mut conn, &s.secret, "store", STORE_CLIENT).unwrap();
+        client_handshake(
+            &mut conn,
+            &s.secret,
+            "store",
+            STORE_CLIENT,
+            std::time::Instant::now() + Duration::from_secs(5),
+        )
+        .unwrap();
     }
     // The server may close first (a refused length): a failed write is fine.
     let _ = conn.write_all(&bytes);
@@ -500,9 +507,9 @@ proptest! {
             let (a, mut b) = socket_pair();
             let feeder = std::thread::spawn(move || feed(a, &bytes));
             let r = if as_server {
-                server_handshake(&mut b, &secret, "group/fuzz-g0").map(|_| ())
+                server_handshake(&mut b, &secret, "group/fuzz-g0", std::time::Instant::now() + Duration::from_secs(2)).map(|_| ())
             } else {
-                client_handshake(&mut b, &secret, "group/fuzz-g0", 1)
+                client_handshake(&mut b, &secret, "group/fuzz-g0", 1, std::time::Instant::now() + Duration::from_secs(2))
             };
             drop(b);
             feeder.join().unwrap();

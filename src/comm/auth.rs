@@ -23,6 +23,7 @@
 
 use std::io::{Read, Write};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use hmac::{Hmac, Mac};
@@ -159,19 +160,57 @@ impl JobSecret {
     }
 }
 
+/// A stream whose reads can be given a timeout: the handshake bounds its whole exchange, not
+/// each read (a peer sending one byte every few seconds cannot stretch it).
+pub trait TimedStream: Read + Write {
+    fn set_read_timeout_to(&mut self, timeout: Duration) -> std::io::Result<()>;
+}
+
+impl TimedStream for std::net::TcpStream {
+    fn set_read_timeout_to(&mut self, timeout: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(timeout))
+    }
+}
+
+impl TimedStream for std::os::unix::net::UnixStream {
+    fn set_read_timeout_to(&mut self, timeout: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(timeout))
+    }
+}
+
+/// Fills `buf` by `deadline`, whatever pace the bytes arrive at.
+fn read_by(s: &mut impl TimedStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout_to(left)?;
+        match s.read(&mut buf[done..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn nonce() -> [u8; NONCE] {
     let mut n = [0u8; NONCE];
     rand::rngs::OsRng.fill_bytes(&mut n);
     n
 }
 
-/// The client's side: proves the secret for `channel` as `id` and checks the server does too.
-/// The stream's timeouts bound every step.
+/// The client's side: proves the secret for `channel` as `id` and checks the server does too,
+/// by `deadline` (the stream's write timeout bounds each write).
 pub fn client_handshake(
-    s: &mut (impl Read + Write),
+    s: &mut impl TimedStream,
     secret: &JobSecret,
     channel: &str,
     id: u64,
+    deadline: Instant,
 ) -> Result<()> {
     let mine = nonce();
     let mut hello = Vec::with_capacity(MAGIC.len() + NONCE + 8);
@@ -180,19 +219,18 @@ pub fn client_handshake(
     hello.extend_from_slice(&id.to_le_bytes());
     s.write_all(&hello).context("sending the handshake")?;
     let mut reply = [0u8; NONCE + TAG];
-    s.read_exact(&mut reply)
-        .context("no handshake answer (is the other end a titan rank of this job?)")?;
+    read_by(s, &mut reply, deadline)
+        .context("no handshake answer (is the other end a titan process of this job?)")?;
     let (theirs, server_tag) = reply.split_at(NONCE);
     let id_bytes = id.to_le_bytes();
     let parts = |role: &'static [u8]| [role, channel.as_bytes(), &mine[..], theirs, &id_bytes[..]];
     if !secret.verify(&parts(b"server"), server_tag) {
-        bail!("the other end does not hold this job's secret (another job, or not titan)");
+        bail!("the other end does not hold this job's secret (another job, or not titan; every process of a job needs the same job secret: TITAN_JOB_SECRET or --job-secret-file)");
     }
     s.write_all(&secret.tag(&parts(b"client")))
         .context("sending the handshake response")?;
     let mut ok = [0u8; 1];
-    s.read_exact(&mut ok)
-        .context("the other end refused this job's secret")?;
+    read_by(s, &mut ok, deadline).context("the other end refused this job's secret")?;
     match ok[0] {
         1 => Ok(()),
         _ => Err(anyhow!("the other end refused the handshake")),
@@ -200,14 +238,15 @@ pub fn client_handshake(
 }
 
 /// The server's side: checks the client holds the secret for `channel` and returns the id it
-/// claimed (bound into its MAC). The stream's timeouts bound every step.
+/// claimed (bound into its MAC), by `deadline` (the stream's write timeout bounds each write).
 pub fn server_handshake(
-    s: &mut (impl Read + Write),
+    s: &mut impl TimedStream,
     secret: &JobSecret,
     channel: &str,
+    deadline: Instant,
 ) -> Result<u64> {
     let mut hello = [0u8; 8 + NONCE + 8];
-    s.read_exact(&mut hello).context("no handshake")?;
+    read_by(s, &mut hello, deadline).context("no handshake")?;
     if &hello[..8] != MAGIC {
         bail!("not a titan handshake");
     }
@@ -220,8 +259,7 @@ pub fn server_handshake(
     reply.extend_from_slice(&secret.tag(&parts(b"server")));
     s.write_all(&reply).context("answering the handshake")?;
     let mut client_tag = [0u8; TAG];
-    s.read_exact(&mut client_tag)
-        .context("no handshake response")?;
+    read_by(s, &mut client_tag, deadline).context("no handshake response")?;
     if !secret.verify(&parts(b"client"), &client_tag) {
         bail!("the client does not hold this job's secret");
     }
@@ -244,9 +282,11 @@ mod tests {
             s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
                 .unwrap();
         }
-        let server =
-            std::thread::spawn(move || server_handshake(&mut b, &server_secret, "group/x-g0"));
-        let client = client_handshake(&mut a, &client_secret, client_channel, 3);
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        let server = std::thread::spawn(move || {
+            server_handshake(&mut b, &server_secret, "group/x-g0", deadline)
+        });
+        let client = client_handshake(&mut a, &client_secret, client_channel, 3, deadline);
         drop(a);
         (client, server.join().unwrap())
     }
@@ -283,5 +323,30 @@ mod tests {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert_eq!(JobSecret::from_file(&path).unwrap(), secret);
         assert_eq!(format!("{secret:?}"), "JobSecret(<redacted>)");
+    }
+
+    #[test]
+    fn a_slow_drip_cannot_stretch_the_handshake_past_its_deadline() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let dripper = std::thread::spawn(move || {
+            // One byte of a hello every 100 ms: each read alone would be in time.
+            for &byte in MAGIC.iter().chain([0u8; 40].iter()) {
+                if a.write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        let t0 = Instant::now();
+        let deadline = t0 + std::time::Duration::from_millis(500);
+        let r = server_handshake(&mut b, &JobSecret::generate(), "store", deadline);
+        assert!(r.is_err());
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            t0.elapsed()
+        );
+        drop(b);
+        dripper.join().unwrap();
     }
 }

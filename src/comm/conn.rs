@@ -91,6 +91,15 @@ impl Conn {
     }
 }
 
+impl crate::comm::auth::TimedStream for Conn {
+    fn set_read_timeout_to(&mut self, timeout: Duration) -> std::io::Result<()> {
+        match self {
+            Conn::Tcp(s) => s.set_read_timeout(Some(timeout)),
+            Conn::Unix(s) => s.set_read_timeout(Some(timeout)),
+        }
+    }
+}
+
 impl Read for Conn {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
@@ -167,11 +176,19 @@ impl Drop for Listener {
     }
 }
 
-/// Where `job_socket_dir` puts the job's sockets (the launcher removes the folder at the end).
-pub fn job_socket_path(job_id: &str) -> PathBuf {
+/// The environment variable naming this launch (set by titan's launcher for its workers): two
+/// jobs that share a secret still get separate socket folders.
+pub const RUN_ID_ENV: &str = "TITAN_RUN_ID";
+
+/// Where `job_socket_dir` puts the sockets of job `job_id` in launch `run` (the launcher removes
+/// its own folder at the end).
+pub fn job_socket_path(job_id: &str, run: Option<&str>) -> PathBuf {
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    let name = format!("titan-{uid}-{job_id}");
+    let name = match run {
+        Some(run) => format!("titan-{uid}-{job_id}-{run}"),
+        None => format!("titan-{uid}-{job_id}"),
+    };
     let tmp = std::env::temp_dir();
     // Room for the folder name and "/xxxxxxxx-rank-pid.sock" within 107 bytes.
     let base = if tmp.as_os_str().len() + name.len() + 40 <= 107 {
@@ -190,7 +207,10 @@ pub fn job_socket_dir(job_id: &str) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    let dir = job_socket_path(job_id);
+    let run = std::env::var(RUN_ID_ENV)
+        .ok()
+        .filter(|r| !r.is_empty() && r.len() <= 16 && r.bytes().all(|b| b.is_ascii_alphanumeric()));
+    let dir = job_socket_path(job_id, run.as_deref());
     match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}

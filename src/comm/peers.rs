@@ -74,11 +74,14 @@ fn connect_down(p: &PeerSetup, peer: usize, deadline: Instant) -> Result<Conn> {
     s.set_timeouts(wait, wait)?;
     s.check_same_user()
         .with_context(|| format!("group `{name}` rank {rank}: rank {peer} at {addr}"))?;
-    client_handshake(&mut s, p.store.secret(), &channel(name), rank as u64).with_context(|| {
-        format!(
+    let by = Instant::now() + wait;
+    client_handshake(&mut s, p.store.secret(), &channel(name), rank as u64, by).with_context(
+        || {
+            format!(
             "group `{name}` rank {rank}: the link to rank {peer} at {addr} failed its handshake"
         )
-    })?;
+        },
+    )?;
     Ok(s)
 }
 
@@ -157,9 +160,11 @@ impl Handshake {
         let spawned = std::thread::Builder::new()
             .name("titan-peer-auth".into())
             .spawn(move || {
+                let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
                 let ready = conn.set_timeouts(HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT);
                 if ready.and_then(|_| conn.check_same_user()).is_ok() {
-                    if let Ok(peer) = server_handshake(&mut conn, &self.secret, &self.channel) {
+                    let proven = server_handshake(&mut conn, &self.secret, &self.channel, deadline);
+                    if let Ok(peer) = proven {
                         let _ = self.done.send((peer as usize, conn));
                     }
                 }

@@ -6,9 +6,11 @@
 //! challenge-response (`auth.rs`), and every key is prefixed with the job's id. The server is
 //! bounded against anything else that reaches its port: a connection that does not finish the
 //! handshake within `HANDSHAKE_TIMEOUT` is dropped (each connection has its own thread, so a
-//! silent one stalls nobody), keys are at most `MAX_KEY` bytes and values `MAX_VALUE`, a request
-//! once begun must arrive whole within `REQUEST_TIMEOUT`, at most `MAX_CONNECTIONS` are served at
-//! once, counters refuse to overflow, and a failing `accept` backs off instead of spinning.
+//! silent one stalls nobody, and the deadline bounds the whole exchange, not each read), at most
+//! `MAX_HANDSHAKES` prove themselves at once (the rest wait in the listen backlog), keys are at
+//! most `MAX_KEY` bytes and values `MAX_VALUE`, a request once begun must arrive within
+//! `REQUEST_TIMEOUT` per read, counters refuse to overflow, and a failing `accept` backs off
+//! instead of spinning.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -29,8 +31,8 @@ const OP_ADD: u8 = 3;
 pub const MAX_KEY: usize = 4096;
 /// The largest value (bytes): addresses, pids and NCCL ids are far smaller.
 pub const MAX_VALUE: usize = 1 << 20;
-/// Connections served at once; more are closed on arrival.
-pub const MAX_CONNECTIONS: usize = 1024;
+/// Connections proving the secret at once; more wait in the listen backlog.
+pub const MAX_HANDSHAKES: usize = 256;
 /// How long a new connection has to prove the job secret.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the rest of a request may take once its first byte arrived.
@@ -58,10 +60,16 @@ impl StoreServer {
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
         let secret = secret.clone();
-        let live = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("titan-store".into())
             .spawn(move || loop {
+                // At most MAX_HANDSHAKES connections prove the secret at once; later ones wait in
+                // the listen backlog (closing them would turn the job's own ranks away too).
+                if pending.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
                 let stream = match listener.accept() {
                     Ok((stream, _)) => stream,
                     Err(_) => {
@@ -70,18 +78,13 @@ impl StoreServer {
                         continue;
                     }
                 };
-                if live.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-                    live.fetch_sub(1, Ordering::SeqCst);
-                    continue;
-                }
-                let (table, secret, live) = (table.clone(), secret.clone(), live.clone());
+                pending.fetch_add(1, Ordering::SeqCst);
+                let (table, secret, counted) = (table.clone(), secret.clone(), pending.clone());
                 let spawned = std::thread::Builder::new()
                     .name("titan-store-conn".into())
-                    .spawn(move || {
-                        serve_authenticated(stream, &table, &secret);
-                        live.fetch_sub(1, Ordering::SeqCst);
-                    });
+                    .spawn(move || serve_authenticated(stream, &table, &secret, &counted));
                 if spawned.is_err() {
+                    pending.fetch_sub(1, Ordering::SeqCst);
                     std::thread::sleep(Duration::from_millis(20));
                 }
             })?;
@@ -107,11 +110,14 @@ fn read_len(s: &mut TcpStream, max: usize) -> Option<usize> {
     (n <= max as u64).then_some(n as usize)
 }
 
-fn serve_authenticated(mut s: TcpStream, table: &Table, secret: &JobSecret) {
-    let timeouts = s
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .and_then(|_| s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)));
-    if timeouts.is_err() || server_handshake(&mut s, secret, CHANNEL).is_err() {
+/// Serves `s` once it proved the secret within `HANDSHAKE_TIMEOUT` (`pending` counts the
+/// connections still proving it).
+fn serve_authenticated(mut s: TcpStream, table: &Table, secret: &JobSecret, pending: &AtomicUsize) {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let proven = s.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).is_ok()
+        && server_handshake(&mut s, secret, CHANNEL, deadline).is_ok();
+    pending.fetch_sub(1, Ordering::SeqCst);
+    if !proven {
         return;
     }
     let _ = s.set_nodelay(true);
@@ -232,11 +238,12 @@ impl StoreClient {
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
             }
         };
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        client_handshake(&mut stream, secret, CHANNEL, STORE_CLIENT).with_context(|| {
-            format!("rendezvous store at {addr}: the handshake failed (every rank of a job needs the same job secret: TITAN_JOB_SECRET or --job-secret-file)")
-        })?;
+        // The store (its address is the job's own) may be busy proving other connections: wait
+        // for it up to this connection's deadline.
+        let by = deadline.max(Instant::now() + HANDSHAKE_TIMEOUT);
+        client_handshake(&mut stream, secret, CHANNEL, STORE_CLIENT, by)
+            .with_context(|| format!("rendezvous store at {addr}: handshake"))?;
         stream.set_write_timeout(Some(REQUEST_TIMEOUT))?;
         stream.set_nodelay(true)?;
         Ok(StoreClient {
@@ -269,19 +276,19 @@ impl StoreClient {
         msg.extend_from_slice(key.as_bytes());
         msg.extend_from_slice(&(val.len() as u64).to_le_bytes());
         msg.extend_from_slice(val);
-        s.write_all(&msg).with_context(|| {
-            format!(
-                "rendezvous store {}: cannot send request for `{key}`",
-                self.addr
-            )
-        })?;
-        let n = read_len(&mut s, MAX_VALUE + 1).ok_or_else(|| {
+        let answer = s
+            .write_all(&msg)
+            .ok()
+            .and_then(|_| read_len(&mut s, MAX_VALUE + 1))
+            .and_then(|n| read_exact_vec(&mut s, n).ok());
+        answer.ok_or_else(|| {
+            // A late answer must not be read as the next request's: the connection is closed.
+            let _ = s.shutdown(std::net::Shutdown::Both);
             anyhow!(
-                "rendezvous store {} did not answer for `{key}` (or its answer is over the limit)",
+                "rendezvous store {}: no answer for `{key}` (the store is gone, or its answer was over the limit); this connection is closed",
                 self.addr
             )
-        })?;
-        Ok(read_exact_vec(&mut s, n)?)
+        })
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
@@ -326,16 +333,20 @@ impl StoreClient {
     pub fn barrier(&self, name: &str, world: usize) -> Result<()> {
         let count_key = format!("barrier/{name}/count");
         let n = self.add(&count_key, 1)?;
+        if n as usize > world {
+            bail!("barrier `{name}`: {n} arrivals for {world} ranks (one entered twice: a relaunched rank or node?)");
+        }
         if n as usize == world {
             self.set(&format!("barrier/{name}/done"), b"1")?;
         }
-        self.get(&format!("barrier/{name}/done")).map_err(|_| {
-            let arrived = self.add(&count_key, 0).unwrap_or(-1);
-            anyhow!(
+        if let Err(e) = self.get(&format!("barrier/{name}/done")) {
+            // The count says how many came, if the store still answers; else its own error.
+            let arrived = self.add(&count_key, 0).map_err(|_| e)?;
+            bail!(
                 "barrier `{name}`: only {arrived} of {world} ranks arrived within {:.0?}",
                 self.timeout
-            )
-        })?;
+            );
+        }
         Ok(())
     }
 }
@@ -401,6 +412,10 @@ mod tests {
         assert!(e.contains("port in use"), "{e}");
     }
 
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
     /// A raw request frame: op, key, value, each length as the wire has it.
     fn frame(op: u8, key_len: u64, key: &[u8], val_len: u64) -> Vec<u8> {
         let mut m = vec![op];
@@ -455,7 +470,7 @@ mod tests {
         // An authenticated connection sending a key length of 2^40: closed, nothing allocated.
         let mut big = TcpStream::connect(&addr).unwrap();
         big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        client_handshake(&mut big, &secret, CHANNEL, STORE_CLIENT).unwrap();
+        client_handshake(&mut big, &secret, CHANNEL, STORE_CLIENT, soon()).unwrap();
         let _ = big.write_all(&frame(OP_SET, 1 << 40, b"", 0));
         let mut rest = Vec::new();
         let _ = big.read_to_end(&mut rest);
@@ -464,7 +479,7 @@ mod tests {
         job.add("c", i64::MAX).unwrap();
         let mut ctr = TcpStream::connect(&addr).unwrap();
         ctr.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        client_handshake(&mut ctr, &secret, CHANNEL, STORE_CLIENT).unwrap();
+        client_handshake(&mut ctr, &secret, CHANNEL, STORE_CLIENT, soon()).unwrap();
         let key = format!("{}/c", secret.job_id());
         let mut add = frame(OP_ADD, key.len() as u64, key.as_bytes(), 8);
         add.extend_from_slice(&1i64.to_le_bytes());

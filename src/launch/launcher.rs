@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 
 use crate::comm::auth::{JobSecret, SECRET_ENV, SECRET_FILE_ENV};
+use crate::comm::conn::RUN_ID_ENV;
 use crate::comm::store::{StoreClient, StoreServer};
 
 #[derive(Debug, Clone)]
@@ -98,6 +99,19 @@ fn pump(
     });
 }
 
+/// This launch's id (its workers' sockets folder is named by it): the launcher's pid and start
+/// time, so two launches that share a job secret never share or remove each other's sockets.
+fn spawn_run_id() -> String {
+    static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    RUN.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        format!("{:x}{:05x}", std::process::id(), nanos & 0xfffff)
+    })
+    .clone()
+}
+
 /// A worker of this launcher: dies with it (the parent-death signal, set in the child before
 /// `exec`, and a check that the launcher did not die before that), output piped.
 fn worker_command(exe: &std::path::Path) -> Command {
@@ -121,10 +135,13 @@ fn worker_command(exe: &std::path::Path) -> Command {
 }
 
 /// SIGINT or SIGTERM reached the launcher (set by signal-hook; the launcher then stops its
-/// workers the same way a failure does, and exits).
+/// workers the same way a failure does, and exits). A second one, while the launcher is still
+/// waiting (for other nodes, say), ends it at once.
 fn interrupt_flag() -> Result<Arc<AtomicBool>> {
     let flag = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 130, flag.clone())
+            .context("cannot install the launcher's signal handler")?;
         signal_hook::flag::register(signal, flag.clone())
             .context("cannot install the launcher's signal handler")?;
     }
@@ -160,7 +177,8 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
     let interrupted = interrupt_flag()?;
     let outcome = run_generations(o, &exe, port, world, &interrupted);
     // The job's Unix sockets folder (empty once every rank closed its sockets).
-    let _ = std::fs::remove_dir_all(crate::comm::conn::job_socket_path(&o.secret.job_id()));
+    let folder = crate::comm::conn::job_socket_path(&o.secret.job_id(), Some(&spawn_run_id()));
+    let _ = std::fs::remove_dir_all(folder);
     outcome
 }
 
@@ -198,6 +216,9 @@ fn run_generations(
     for generation in 0..=o.max_restarts {
         if let Some(store) = &nodes {
             agree_on_generation(store, generation, o)?;
+        }
+        if interrupted.load(Ordering::SeqCst) {
+            bail!("titan launcher: interrupted (SIGINT or SIGTERM) before generation {generation} started");
         }
         let mut workers = start_workers(&spawn, generation)?;
         match supervise(&mut workers, interrupted) {
@@ -249,6 +270,7 @@ fn start_workers(sp: &Spawn, generation: usize) -> Result<Vec<Worker>> {
             .env("TITAN_STORE_PORT", sp.port.to_string())
             .env("TITAN_STORE_HOSTED", "1")
             .env("TITAN_GENERATION", generation.to_string())
+            .env(RUN_ID_ENV, spawn_run_id())
             .env(SECRET_ENV, o.secret.to_hex())
             .env_remove(SECRET_FILE_ENV)
             .spawn()
