@@ -17,32 +17,15 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 let (ra, tav) = self.both(&a);
                 let (rb, tbv) = self.both(&b);
                 let (mut rc, mut tc) = self.both(&c);
-                self.reference.matmul(
-                    &mut rc,
-                    &ra,
-                    &rb,
-                    GemmShape {
-                        m,
-                        k,
-                        n,
-                        trans_a: ta,
-                        trans_b: tb,
-                    },
-                    GemmOutput::accumulate_if(accumulate),
-                );
-                self.test.matmul(
-                    &mut tc,
-                    &tav,
-                    &tbv,
-                    GemmShape {
-                        m,
-                        k,
-                        n,
-                        trans_a: ta,
-                        trans_b: tb,
-                    },
-                    GemmOutput::accumulate_if(accumulate),
-                );
+                let shape = GemmShape {
+                    m,
+                    k,
+                    n,
+                    trans_a: ta,
+                    trans_b: tb,
+                };
+                let output = GemmOutput::accumulate_if(accumulate);
+                self.matmul_both((&mut rc, &mut tc), (&ra, &tav), (&rb, &tbv), shape, output);
                 let name = format!(
                     "matmul {}{}{}",
                     if ta { "Aᵀ" } else { "A" },
@@ -107,17 +90,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             ("matmul reusing A", (&rb1, &tb1)),
             ("matmul reusing A again", (&rb2, &tb2)),
         ] {
-            self.reference.matmul(
-                &mut ro,
-                &ra,
-                b.0,
-                GemmShape::new(m, k, n),
-                GemmOutput::Overwrite,
-            );
-            self.test.matmul(
-                &mut to,
-                &ta,
-                b.1,
+            self.matmul_both(
+                (&mut ro, &mut to),
+                (&ra, &ta),
+                (b.0, b.1),
                 GemmShape::new(m, k, n),
                 GemmOutput::Overwrite,
             );
@@ -125,17 +101,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         }
         self.reference.copy_from(&mut ra, &ran);
         self.test.copy_from(&mut ta, &tan);
-        self.reference.matmul(
-            &mut ro,
-            &ra,
-            &rb2,
-            GemmShape::new(m, k, n),
-            GemmOutput::Overwrite,
-        );
-        self.test.matmul(
-            &mut to,
-            &ta,
-            &tb2,
+        self.matmul_both(
+            (&mut ro, &mut to),
+            (&ra, &ta),
+            (&rb2, &tb2),
             GemmShape::new(m, k, n),
             GemmOutput::Overwrite,
         );
@@ -149,17 +118,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let b = self.random(n * k, 1.0);
         let (rb, tb) = self.both(&b);
         let (mut rc, mut tc) = (self.reference.zeros(rows * n), self.test.zeros(rows * n));
-        self.reference.matmul(
-            &mut rc,
-            r_out,
-            &rb,
-            GemmShape::new(rows, k, n).b_transposed(),
-            GemmOutput::Overwrite,
-        );
-        self.test.matmul(
-            &mut tc,
-            t_out,
-            &tb,
+        self.matmul_both(
+            (&mut rc, &mut tc),
+            (r_out, t_out),
+            (&rb, &tb),
             GemmShape::new(rows, k, n).b_transposed(),
             GemmOutput::Overwrite,
         );
@@ -182,31 +144,17 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 (self.both(&x), self.both(&w1), self.both(&w3));
             let (mut rg, mut tg) = self.bf16_activations(rows * hidden);
             let (mut ru, mut tu) = self.bf16_activations(rows * hidden);
-            self.reference.matmul(
-                &mut rg,
-                &rx,
-                &rw1,
+            self.matmul_both(
+                (&mut rg, &mut tg),
+                (&rx, &tx),
+                (&rw1, &tw1),
                 GemmShape::new(rows, dim, hidden).b_transposed(),
                 GemmOutput::Overwrite,
             );
-            self.test.matmul(
-                &mut tg,
-                &tx,
-                &tw1,
-                GemmShape::new(rows, dim, hidden).b_transposed(),
-                GemmOutput::Overwrite,
-            );
-            self.reference.matmul(
-                &mut ru,
-                &rx,
-                &rw3,
-                GemmShape::new(rows, dim, hidden).b_transposed(),
-                GemmOutput::Overwrite,
-            );
-            self.test.matmul(
-                &mut tu,
-                &tx,
-                &tw3,
+            self.matmul_both(
+                (&mut ru, &mut tu),
+                (&rx, &tx),
+                (&rw3, &tw3),
                 GemmShape::new(rows, dim, hidden).b_transposed(),
                 GemmOutput::Overwrite,
             );
@@ -229,17 +177,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             let (dy, w2) = (self.random(rows * dim, 1.0), self.random(dim * hidden, 1.0));
             let ((rdy, tdy), (rw2, tw2)) = (self.both(&dy), self.both(&w2));
             let (mut rdact, mut tdact) = self.bf16_activations(rows * hidden);
-            self.reference.matmul(
-                &mut rdact,
-                &rdy,
-                &rw2,
-                GemmShape::new(rows, dim, hidden),
-                GemmOutput::Overwrite,
-            );
-            self.test.matmul(
-                &mut tdact,
-                &tdy,
-                &tw2,
+            self.matmul_both(
+                (&mut rdact, &mut tdact),
+                (&rdy, &tdy),
+                (&rw2, &tw2),
                 GemmShape::new(rows, dim, hidden),
                 GemmOutput::Overwrite,
             );

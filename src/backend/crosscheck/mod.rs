@@ -84,6 +84,19 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         (self.reference.upload(data), self.test.upload(data))
     }
 
+    /// The same product on both backends: each pair is (reference's, test's).
+    fn matmul_both(
+        &self,
+        (ro, to): (&mut R::Buf, &mut T::Buf),
+        (ra, ta): (&R::Buf, &T::Buf),
+        (rb, tb): (&R::Buf, &T::Buf),
+        shape: GemmShape,
+        output: GemmOutput,
+    ) {
+        self.reference.matmul(ro, ra, rb, shape, output);
+        self.test.matmul(to, ta, tb, shape, output);
+    }
+
     /// Downloads one buffer from each backend and records their difference.
     fn compare(&mut self, op: &str, r: &R::Buf, t: &T::Buf, tolerance: f64) {
         let (rv, tv) = (self.reference.download(r), self.test.download(t));
@@ -456,17 +469,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let x = self.random(m * k, 1.0);
         let (rx, tx) = self.both(&x);
         let (mut ro, mut to) = (self.reference.zeros(m * n), self.test.zeros(m * n));
-        self.reference.matmul(
-            &mut ro,
-            &rx,
-            &rp[2],
-            GemmShape::new(m, k, n).b_transposed(),
-            GemmOutput::Overwrite,
-        );
-        self.test.matmul(
-            &mut to,
-            &tx,
-            &tp[2],
+        self.matmul_both(
+            (&mut ro, &mut to),
+            (&rx, &tx),
+            (&rp[2], &tp[2]),
             GemmShape::new(m, k, n).b_transposed(),
             GemmOutput::Overwrite,
         );
@@ -481,17 +487,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             let (rv, tv) = (download_all(self.reference, r), download_all(self.test, t));
             self.record(&format!("adamw_step_all {what}"), &tv, &rv, self.tol.exact);
         }
-        self.reference.matmul(
-            &mut ro,
-            &rx,
-            &rp[2],
-            GemmShape::new(m, k, n).b_transposed(),
-            GemmOutput::Overwrite,
-        );
-        self.test.matmul(
-            &mut to,
-            &tx,
-            &tp[2],
+        self.matmul_both(
+            (&mut ro, &mut to),
+            (&rx, &tx),
+            (&rp[2], &tp[2]),
             GemmShape::new(m, k, n).b_transposed(),
             GemmOutput::Overwrite,
         );
@@ -520,17 +519,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         );
         self.record("copy_rounded_to_bf16_all", &tc, &rc, 0.0);
         // A GEMM reading a compute-copy tensor: on a device it reads the bf16 twin the copy wrote.
-        self.reference.matmul(
-            &mut ro,
-            &rx,
-            &rm[2],
-            GemmShape::new(m, k, n).b_transposed(),
-            GemmOutput::Overwrite,
-        );
-        self.test.matmul(
-            &mut to,
-            &tx,
-            &tm[2],
+        self.matmul_both(
+            (&mut ro, &mut to),
+            (&rx, &tx),
+            (&rm[2], &tm[2]),
             GemmShape::new(m, k, n).b_transposed(),
             GemmOutput::Overwrite,
         );
