@@ -11,6 +11,8 @@ pub mod cuda;
 pub mod float8;
 pub mod profile;
 
+use float8::{Quantization, ScaleAxis};
+
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
 /// valid. Query row `i` sits `q_offset + i` positions after the first key and attends to the keys
@@ -410,6 +412,29 @@ pub trait Backend: Send + Sync + 'static {
             .zip(b.chunks(width))
             .map(|(x, y)| x.iter().zip(y).map(|(x, y)| x * y).sum())
             .collect()
+    }
+
+    // ---- float8 (issue 28: emulated float8 GEMMs read fake-quantised operands) ----
+    /// The amaxes of `x` (`[rows, cols]`) along `axis` (`float8::amaxes`), on the host: the
+    /// scales they give may first be agreed over a group (an operand split across ranks).
+    /// Here through the host; the CPU overrides it with a threaded pass.
+    fn float8_amaxes(&self, x: &Self::Buf, rows: usize, cols: usize, axis: ScaleAxis) -> Vec<f32> {
+        float8::amaxes(&self.download(x), rows, cols, axis)
+    }
+    /// `x` (`[rows, cols]`) quantised with `q` and the scales of `amaxes`, then dequantised:
+    /// the operand an emulated float8 GEMM reads (`float8::fake_quantize_rows`).
+    fn float8_fake_quantized(
+        &self,
+        x: &Self::Buf,
+        cols: usize,
+        q: Quantization,
+        amaxes: &[f32],
+    ) -> Self::Buf {
+        let host = self.download(x);
+        let mut out = vec![0f32; host.len()];
+        let scales = float8::scales_from_amaxes(amaxes, q);
+        float8::fake_quantize_rows(&mut out, &host, cols, 0, &scales, q);
+        self.upload_owned(out)
     }
 
     // ---- loss ----

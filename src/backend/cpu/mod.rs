@@ -9,6 +9,7 @@ mod adamw;
 mod attention;
 mod elementwise;
 mod embedding;
+mod float8_rows;
 pub mod fastmath;
 pub mod loss;
 mod matmul;
@@ -25,6 +26,7 @@ use rayon::prelude::*;
 
 pub use super::profile::OpProfiler;
 
+use super::float8::{Quantization, ScaleAxis};
 use super::{AdamWStep, AttnShape, Backend, LossSum};
 
 /// Columns per task in column-blocked reductions (norm weight and embedding gradients).
@@ -88,6 +90,20 @@ impl Backend for CpuBackend {
         buf.par_chunks_mut(width)
             .zip(scales)
             .for_each(|(row, s)| row.iter_mut().for_each(|x| *x *= s));
+    }
+    fn float8_amaxes(&self, x: &Vec<f32>, rows: usize, cols: usize, axis: ScaleAxis) -> Vec<f32> {
+        let _timer = self.profiler.time("float8_amax");
+        float8_rows::amaxes(x, rows, cols, axis)
+    }
+    fn float8_fake_quantized(
+        &self,
+        x: &Vec<f32>,
+        cols: usize,
+        q: Quantization,
+        amaxes: &[f32],
+    ) -> Vec<f32> {
+        let _timer = self.profiler.time("float8_fake_quantize");
+        float8_rows::fake_quantized(x, cols, q, amaxes)
     }
     fn row_dots(&self, a: &Vec<f32>, b: &Vec<f32>, width: usize) -> Vec<f32> {
         a.par_chunks(width)

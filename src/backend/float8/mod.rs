@@ -1,7 +1,8 @@
 //! The float8 formats (OCP FP8 `e4m3fn` and `e5m2`) and torchao's dynamic scaling, on the host:
 //! the reference numerics every float8 path (the CPU emulation, the CUDA cast kernels) is checked
-//! against. Groundwork of issue 28: the converters and recipes that quantise linears with these
-//! are not built yet.
+//! against. `recipe` scales whole matrices and names each GEMM's operands, `mx` holds MXFP8's
+//! blocks, and `kernels` runs the same arithmetic fast, in f32 bit operations, for the CPU's
+//! emulated float8 GEMMs.
 //!
 //! A value is quantised as torchao's `to_fp8_saturated` does: multiplied by its scale in f32,
 //! clamped to the format's ±max, then rounded to the nearest representable value, ties to even;
@@ -11,6 +12,14 @@
 //! No crate provides the OCP FP8 formats with these exact semantics (`half` has none; `float8`
 //! crates differ on saturation and NaN), and the rounding is a few lines of exact f64 arithmetic,
 //! so it is written here.
+
+mod kernels;
+mod mx;
+mod recipe;
+
+pub use kernels::{amaxes, fake_quantize_rows, scales_from_amaxes};
+pub use mx::{mx_quantize, MxQuantized, E8M0_BIAS, MX_BLOCK};
+pub use recipe::{fake_quantize, Float8Recipe, LinearGemm, Quantization, Quantized, ScaleAxis};
 
 /// The smallest amax a scale is computed from (torchao's `EPS`): an all-zero tensor gets a large,
 /// finite scale instead of infinity.
@@ -34,7 +43,7 @@ impl Fp8Format {
         }
     }
 
-    fn mantissa_bits(self) -> i32 {
+    pub(super) fn mantissa_bits(self) -> i32 {
         match self {
             Fp8Format::E4M3 => 3,
             Fp8Format::E5M2 => 2,
@@ -49,7 +58,7 @@ impl Fp8Format {
     }
 
     /// The exponent of the smallest normal value (below it the spacing stays that of subnormals).
-    fn min_normal_exponent(self) -> i32 {
+    pub(super) fn min_normal_exponent(self) -> i32 {
         1 - self.bias()
     }
 
@@ -148,256 +157,6 @@ pub fn amax(values: &[f32]) -> f32 {
         m = m.max(v.abs());
     }
     m
-}
-
-/// Which scales a matrix `[rows, cols]` is quantised with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScaleAxis {
-    /// One scale for the whole tensor (tensorwise).
-    Tensor,
-    /// One scale per row, its amax over the row's columns (rowwise `X` in `X·Wᵀ`).
-    Rows,
-    /// One scale per column, its amax over the column's rows (rowwise `X` in `dW = Gᵀ·X`).
-    Columns,
-}
-
-/// How a matrix is quantised: the format, the scales' axis, and whether they are rounded down to
-/// powers of two (the rowwise recipes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Quantization {
-    pub format: Fp8Format,
-    pub axis: ScaleAxis,
-    pub power_of_two_scales: bool,
-}
-
-/// A quantised matrix: its fp8 values (held as f32) and its scales (one, one per row, or one per
-/// column). The value it stands for is `values[i] / scale`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Quantized {
-    pub values: Vec<f32>,
-    pub scales: Vec<f32>,
-}
-
-impl Quantization {
-    /// The scales of `x` (`[rows, cols]`, row-major) along this quantisation's axis.
-    pub fn scales(&self, x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-        assert_eq!(
-            x.len(),
-            rows * cols,
-            "float8 scales: {rows}x{cols} needs {} values",
-            rows * cols
-        );
-        let amaxes: Vec<f32> = match self.axis {
-            ScaleAxis::Tensor => vec![amax(x)],
-            ScaleAxis::Rows => x.chunks(cols.max(1)).take(rows).map(amax).collect(),
-            ScaleAxis::Columns => (0..cols)
-                .map(|c| {
-                    let column: Vec<f32> = (0..rows).map(|r| x[r * cols + c]).collect();
-                    amax(&column)
-                })
-                .collect(),
-        };
-        amaxes
-            .into_iter()
-            .map(|a| {
-                let s = scale_from_amax(a, self.format);
-                match self.power_of_two_scales {
-                    true => round_scale_down_to_power_of_two(s),
-                    false => s,
-                }
-            })
-            .collect()
-    }
-
-    /// `x` (`[rows, cols]`) quantised with the scales of its own amaxes.
-    pub fn quantize(&self, x: &[f32], rows: usize, cols: usize) -> Quantized {
-        let scales = self.scales(x, rows, cols);
-        let scale_of = |i: usize| match self.axis {
-            ScaleAxis::Tensor => scales[0],
-            ScaleAxis::Rows => scales[i / cols],
-            ScaleAxis::Columns => scales[i % cols],
-        };
-        let values = x
-            .iter()
-            .enumerate()
-            .map(|(i, &v)| self.format.quantize(v, scale_of(i)))
-            .collect();
-        Quantized { values, scales }
-    }
-}
-
-impl Quantized {
-    /// The values this stands for, `[rows, cols]` along `axis`: each fp8 value times the f32
-    /// reciprocal of its scale, as torchao's emulated GEMM dequantises (`m.float() * inv_s`).
-    pub fn dequantize(&self, axis: ScaleAxis, cols: usize) -> Vec<f32> {
-        self.values
-            .iter()
-            .enumerate()
-            .map(|(i, &q)| {
-                let s = match axis {
-                    ScaleAxis::Tensor => self.scales[0],
-                    ScaleAxis::Rows => self.scales[i / cols],
-                    ScaleAxis::Columns => self.scales[i % cols],
-                };
-                q * s.recip()
-            })
-            .collect()
-    }
-}
-
-/// The dynamic-scaling recipes of torchao's `Float8LinearConfig` (TorchTitan's
-/// `[quantize.linear.float8] recipe_name`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Float8Recipe {
-    /// One scale per tensor; `X` and `W` in e4m3, the output gradient in e5m2.
-    Tensorwise,
-    /// All e4m3, scales per row or column along each GEMM's contraction, rounded down to powers
-    /// of two.
-    Rowwise,
-    /// As `Rowwise`, but `dX` uses `W` with one scale per tensor (its power of two) and `dW`
-    /// stays in high precision.
-    RowwiseWithGwHp,
-}
-
-/// The three GEMMs of a linear `Y = X·Wᵀ` (`X` `[M,K]`, `W` `[N,K]`, `G = ∂L/∂Y` `[M,N]`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LinearGemm {
-    /// `Y = X·Wᵀ`: operands `X`, `W`.
-    Output,
-    /// `dX = G·W`: operands `G`, `W`.
-    InputGrad,
-    /// `dW = Gᵀ·X`: operands `G`, `X`.
-    WeightGrad,
-}
-
-impl Float8Recipe {
-    /// Parses `recipe_name`; the error names the key and the accepted values.
-    pub fn parse(name: &str) -> anyhow::Result<Self> {
-        match name {
-            "tensorwise" => Ok(Float8Recipe::Tensorwise),
-            "rowwise" => Ok(Float8Recipe::Rowwise),
-            "rowwise_with_gw_hp" => Ok(Float8Recipe::RowwiseWithGwHp),
-            other => anyhow::bail!("[quantize.linear.float8] recipe_name = \"{other}\" is not known (accepted: rowwise, rowwise_with_gw_hp, tensorwise)"),
-        }
-    }
-
-    /// How each operand of `gemm` is quantised (in the order the GEMM names them; None: high
-    /// precision), each as stored: `X` `[M,K]`, `W` `[N,K]`, `G` `[M,N]`.
-    pub fn operands(self, gemm: LinearGemm) -> [Option<Quantization>; 2] {
-        let q = |format, axis, power_of_two_scales| {
-            Some(Quantization {
-                format,
-                axis,
-                power_of_two_scales,
-            })
-        };
-        use Fp8Format::{E4M3, E5M2};
-        use ScaleAxis::{Columns, Rows, Tensor};
-        match (self, gemm) {
-            (Float8Recipe::Tensorwise, LinearGemm::Output) => {
-                [q(E4M3, Tensor, false), q(E4M3, Tensor, false)]
-            }
-            (Float8Recipe::Tensorwise, LinearGemm::InputGrad) => {
-                [q(E5M2, Tensor, false), q(E4M3, Tensor, false)]
-            }
-            (Float8Recipe::Tensorwise, LinearGemm::WeightGrad) => {
-                [q(E5M2, Tensor, false), q(E4M3, Tensor, false)]
-            }
-            // Y = X·Wᵀ contracts K: X per row, W per output feature (its rows).
-            (_, LinearGemm::Output) => [q(E4M3, Rows, true), q(E4M3, Rows, true)],
-            // dX = G·W contracts N: G per row, W per column k.
-            (Float8Recipe::Rowwise, LinearGemm::InputGrad) => {
-                [q(E4M3, Rows, true), q(E4M3, Columns, true)]
-            }
-            // torchao's `round_scales_to_power_of_2` is set for the whole recipe, this tensorwise
-            // cast included.
-            (Float8Recipe::RowwiseWithGwHp, LinearGemm::InputGrad) => {
-                [q(E4M3, Rows, true), q(E4M3, Tensor, true)]
-            }
-            // dW = Gᵀ·X contracts M: G per column n, X per column k.
-            (Float8Recipe::Rowwise, LinearGemm::WeightGrad) => {
-                [q(E4M3, Columns, true), q(E4M3, Columns, true)]
-            }
-            (Float8Recipe::RowwiseWithGwHp, LinearGemm::WeightGrad) => [None, None],
-        }
-    }
-}
-
-/// `x` (`[rows, cols]`) as a float8 GEMM of the emulated path reads it: quantised with `q`, then
-/// dequantised (torchao's `mm_float8_emulated`: dequantise each operand, multiply in f32).
-pub fn fake_quantize(x: &[f32], rows: usize, cols: usize, q: Quantization) -> Vec<f32> {
-    q.quantize(x, rows, cols).dequantize(q.axis, cols)
-}
-
-/// Elements per MX block (OCP MX v1.0: one shared scale per 32 values).
-pub const MX_BLOCK: usize = 32;
-/// The bias of an E8M0 scale (its byte is the exponent plus this; 255 is NaN).
-pub const E8M0_BIAS: i32 = 127;
-
-/// An MXFP8 matrix: e4m3 values (held as f32) in blocks of `MX_BLOCK` along each row, and one
-/// E8M0 scale byte per block (the block's values stand for `value · 2^(byte − 127)`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct MxQuantized {
-    pub values: Vec<f32>,
-    pub scales: Vec<u8>,
-}
-
-/// `x` (`[rows, cols]`, `cols` a multiple of `MX_BLOCK`) in MXFP8 with RCEIL scales, as torchao's
-/// `to_mx` with `ScaleCalculationMode.RCEIL`: per block, `descale = amax / 448` in f32, the scale
-/// exponent `ceil(log2(descale))` clamped to ±127 (NaN: the NaN byte), the elements multiplied by
-/// `2^(127 − byte)` (1 for byte 0), clamped to ±448 and rounded to e4m3.
-pub fn mx_quantize(x: &[f32], cols: usize) -> anyhow::Result<MxQuantized> {
-    if cols == 0 || !cols.is_multiple_of(MX_BLOCK) || !x.len().is_multiple_of(cols) {
-        anyhow::bail!(
-            "MXFP8: rows of {cols} values do not split into blocks of {MX_BLOCK} (a linear's features must be a multiple of {MX_BLOCK})"
-        );
-    }
-    let max_pos = Fp8Format::E4M3.max();
-    let mut values = Vec::with_capacity(x.len());
-    let mut scales = Vec::with_capacity(x.len() / MX_BLOCK);
-    for block in x.chunks(MX_BLOCK) {
-        let descale = amax(block) / max_pos;
-        let byte = if descale.is_nan() {
-            255u8
-        } else {
-            (descale
-                .log2()
-                .ceil()
-                .clamp(-E8M0_BIAS as f32, E8M0_BIAS as f32) as i32
-                + E8M0_BIAS) as u8
-        };
-        let multiplier = match byte {
-            0 => 1.0,
-            b => (E8M0_BIAS as f32 - f32::from(b)).exp2(),
-        };
-        scales.push(byte);
-        values.extend(block.iter().map(|&v| {
-            let scaled = v * multiplier;
-            match scaled.is_nan() {
-                true => scaled,
-                false => Fp8Format::E4M3.round(scaled.clamp(-max_pos, max_pos)),
-            }
-        }));
-    }
-    Ok(MxQuantized { values, scales })
-}
-
-impl MxQuantized {
-    /// The values this stands for: each element times its block's `2^(byte − 127)` (NaN for
-    /// the NaN byte).
-    pub fn dequantize(&self) -> Vec<f32> {
-        self.values
-            .chunks(MX_BLOCK)
-            .zip(&self.scales)
-            .flat_map(|(block, &byte)| {
-                let scale = match byte {
-                    255 => f32::NAN,
-                    b => 2f64.powi(i32::from(b) - E8M0_BIAS) as f32,
-                };
-                block.iter().map(move |&v| v * scale)
-            })
-            .collect()
-    }
 }
 
 #[cfg(test)]
