@@ -1,7 +1,12 @@
 //! The linear layer of every Llama projection, `y = x · Wᵀ` with `W` stored `[out, in]` as
 //! PyTorch's `nn.Linear` keeps it, and its two backward products: the words the model is written
 //! in, instead of GEMM calls with transposes and accumulate flags.
+//!
+//! A linear converted to float8 (`[model] converters = ["quantize.linear.float8"]`) carries its
+//! recipe; its GEMMs are the same calls on operands cast beforehand (`float8_linear`), so these
+//! methods never quantise.
 
+use crate::backend::float8::Float8Recipe;
 use crate::backend::Backend;
 use crate::backend::{GemmOutput, GemmShape};
 
@@ -10,11 +15,25 @@ use crate::backend::{GemmOutput, GemmShape};
 pub struct Linear {
     pub d_in: usize,
     pub d_out: usize,
+    /// The float8 recipe its three GEMMs' operands are cast with (None: high precision).
+    pub float8: Option<Float8Recipe>,
 }
 
 impl Linear {
     pub fn new(d_in: usize, d_out: usize) -> Self {
-        Linear { d_in, d_out }
+        Linear {
+            d_in,
+            d_out,
+            float8: None,
+        }
+    }
+
+    /// This linear computing in float8 with `recipe` (None: high precision).
+    pub fn in_float8(self, recipe: Option<Float8Recipe>) -> Self {
+        Linear {
+            float8: recipe,
+            ..self
+        }
     }
 
     /// `y = x · Wᵀ` (`x` `[rows, d_in]`, `y` `[rows, d_out]`).

@@ -5,6 +5,8 @@
 pub mod activation_checkpoint;
 pub mod args;
 pub mod crossings;
+pub mod float8_convert;
+pub mod float8_linear;
 pub mod init;
 pub mod linear;
 pub mod llama;

@@ -17,11 +17,18 @@
 //! row by row, so async TP equals plain TP within fp32 rounding.
 //!
 //! With one rank every layer is its local GEMMs, in the same order as before tensor parallelism.
+//!
+//! A float8 linear's GEMMs read operands cast first, whole (`float8_linear`): a row-parallel
+//! forward and a column-parallel backward cast before cutting chunks, and a layer whose input
+//! arrives in gathered chunks (column-parallel forward, row-parallel backward) gathers it whole
+//! before the cast, so async TP runs those as plain TP.
 
 use anyhow::Result;
 
 use super::crossings::tensor::TensorParallelOps;
+use super::float8_linear::{FeatureSplit, Float8Casts};
 use super::linear::Linear;
+use crate::backend::float8::LinearGemm;
 use crate::backend::Backend;
 
 /// One projection of a column-parallel layer's forward: `y = x · Wᵀ`.
@@ -102,45 +109,49 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         self.tp.degree()
     }
 
-    /// `dW += dyᵀ · x` now, or copies of `dy` and `x` kept for later (`deferred`).
+    /// The float8 casts of a layer whose features the group splits as `split`.
+    fn casts(&self, split: FeatureSplit) -> Float8Casts<'_, B> {
+        Float8Casts { tp: self.tp, split }
+    }
+
+    /// `dW += dyᵀ · x` now, or its operands kept for later (`deferred`): copies, or the float8
+    /// casts themselves.
     #[allow(clippy::too_many_arguments)]
     fn weight_grad(
         &self,
         be: &B,
-        linear: Linear,
+        (linear, split): (Linear, FeatureSplit),
         param: usize,
         dw: &mut B::Buf,
         dy: &B::Buf,
         x: &B::Buf,
         rows: usize,
-    ) {
+    ) -> Result<()> {
+        let [g, xq] =
+            self.casts(split)
+                .operands(be, linear, LinearGemm::WeightGrad, (dy, x), rows)?;
         match self.deferred {
-            None => linear.add_weight_grad(be, dw, dy, x, rows),
-            Some(later) => {
-                let copy = |b: &B::Buf, len: usize| {
-                    let mut c = be.uninit(len);
-                    be.copy_range(&mut c, 0, b, 0, len);
-                    c
-                };
-                later.borrow_mut().push(DeferredWeightGrad {
-                    param,
-                    linear,
-                    dy: copy(dy, rows * linear.d_out),
-                    x: copy(x, rows * linear.d_in),
-                    rows,
-                });
-            }
+            None => linear.add_weight_grad(be, dw, g.buf(), xq.buf(), rows),
+            Some(later) => later.borrow_mut().push(DeferredWeightGrad {
+                param,
+                linear,
+                dy: g.into_owned(be, rows * linear.d_out),
+                x: xq.into_owned(be, rows * linear.d_in),
+                rows,
+            }),
         }
+        Ok(())
     }
 
     fn local_rows(&self) -> usize {
         self.tokens / self.degree()
     }
 
-    /// The chunks async TP cuts the local rows into (empty for plain TP).
-    fn chunks(&self) -> Vec<Chunk> {
+    /// The chunks async TP cuts the local rows into (empty for plain TP, and for a layer whose
+    /// gathered input a float8 linear casts whole).
+    fn chunks(&self, gathers_float8_input: bool) -> Vec<Chunk> {
         let parts = self.tp.overlap_chunks().min(self.local_rows());
-        if self.degree() == 1 || parts <= 1 {
+        if self.degree() == 1 || parts <= 1 || gathers_float8_input {
             return Vec::new();
         }
         let per = self.local_rows().div_ceil(parts);
@@ -203,17 +214,24 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         width: usize,
         projections: &mut [Projection<'_, B>],
     ) -> Result<()> {
-        if self.degree() == 1 {
-            for p in projections.iter_mut() {
-                p.linear.forward(be, p.y, local, p.w, self.tokens);
-            }
-            return Ok(());
-        }
-        let chunks = self.chunks();
+        let float8 = projections.iter().any(|p| p.linear.float8.is_some());
+        let chunks = self.chunks(float8);
         if chunks.is_empty() {
-            self.tp.gather_rows(be, local, full)?;
+            let x = if self.degree() == 1 {
+                local
+            } else {
+                self.tp.gather_rows(be, local, full)?;
+                &*full
+            };
             for p in projections.iter_mut() {
-                p.linear.forward(be, p.y, full, p.w, self.tokens);
+                let [xq, w] = self.casts(FeatureSplit::Outputs).operands(
+                    be,
+                    p.linear,
+                    LinearGemm::Output,
+                    (x, p.w),
+                    self.tokens,
+                )?;
+                p.linear.forward(be, p.y, xq.buf(), w.buf(), self.tokens);
             }
             return Ok(());
         }
@@ -249,11 +267,19 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         out: &mut B::Buf,
         partial: &mut B::Buf,
     ) -> Result<()> {
+        let [x, w] = self.casts(FeatureSplit::Inputs).operands(
+            be,
+            linear,
+            LinearGemm::Output,
+            (x, w),
+            self.tokens,
+        )?;
+        let (x, w) = (x.buf(), w.buf());
         if self.degree() == 1 {
             linear.forward_residual(be, out, residual, x, w, self.tokens);
             return Ok(());
         }
-        let chunks = self.chunks();
+        let chunks = self.chunks(false);
         if chunks.is_empty() {
             linear.forward(be, partial, x, w, self.tokens);
             self.tp.reduce_scatter_rows(be, partial, out)?;
@@ -290,17 +316,24 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         dx: &mut B::Buf,
     ) -> Result<()> {
         let n = self.tokens;
-        if self.degree() == 1 {
-            linear.input_grad(be, dx, dy_local, w, n);
-            self.weight_grad(be, linear, param, dw, dy_local, x, n);
-            return Ok(());
-        }
-        let chunks = self.chunks();
+        let row = (linear, FeatureSplit::Inputs);
+        let chunks = self.chunks(linear.float8.is_some());
         if chunks.is_empty() {
-            self.tp.gather_rows(be, dy_local, full)?;
-            linear.input_grad(be, dx, full, w, n);
-            self.weight_grad(be, linear, param, dw, full, x, n);
-            return Ok(());
+            let dy = if self.degree() == 1 {
+                dy_local
+            } else {
+                self.tp.gather_rows(be, dy_local, full)?;
+                &*full
+            };
+            let [g, wq] = self.casts(FeatureSplit::Inputs).operands(
+                be,
+                linear,
+                LinearGemm::InputGrad,
+                (dy, w),
+                n,
+            )?;
+            linear.input_grad(be, dx, g.buf(), wq.buf(), n);
+            return self.weight_grad(be, row, param, dw, dy, x, n);
         }
         for c in &chunks {
             self.tp
@@ -314,8 +347,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             linear.input_grad(be, &mut dxc, &dyc, w, rows);
             self.place(be, dx, &dxc, linear.d_in, c);
         }
-        self.weight_grad(be, linear, param, dw, full, x, n);
-        Ok(())
+        self.weight_grad(be, row, param, dw, full, x, n)
     }
 
     /// Column-parallel backward: `dW_i += dy_iᵀ · x` for each projection, and this rank's rows of
@@ -330,7 +362,8 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         dlocal: &mut B::Buf,
     ) -> Result<()> {
         let n = self.tokens;
-        let chunks = self.chunks();
+        let casts = self.casts(FeatureSplit::Outputs);
+        let chunks = self.chunks(false);
         if chunks.is_empty() {
             // Each projection's two GEMMs back to back, so a device converts its `dy` once.
             let target = if self.degree() == 1 {
@@ -339,12 +372,15 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 &mut *full
             };
             for (i, g) in grads.iter_mut().enumerate() {
+                let [dy, w] =
+                    casts.operands(be, g.linear, LinearGemm::InputGrad, (g.dy, g.w), n)?;
                 if i == 0 {
-                    g.linear.input_grad(be, target, g.dy, g.w, n);
+                    g.linear.input_grad(be, target, dy.buf(), w.buf(), n);
                 } else {
-                    g.linear.add_input_grad(be, target, g.dy, g.w, n);
+                    g.linear.add_input_grad(be, target, dy.buf(), w.buf(), n);
                 }
-                self.weight_grad(be, g.linear, g.param, g.dw, g.dy, x, n);
+                let column = (g.linear, FeatureSplit::Outputs);
+                self.weight_grad(be, column, g.param, g.dw, g.dy, x, n)?;
             }
             if self.degree() > 1 {
                 self.tp.reduce_scatter_rows(be, full, dlocal)?;
@@ -352,22 +388,28 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             return Ok(());
         }
         let width = grads[0].linear.d_in;
+        let mut cast = Vec::with_capacity(grads.len());
+        for g in grads.iter() {
+            cast.push(casts.operands(be, g.linear, LinearGemm::InputGrad, (g.dy, g.w), n)?);
+        }
         for c in &chunks {
             let rows = self.degree() * c.rows;
             let mut dxc = be.uninit(rows * width);
-            for (i, g) in grads.iter().enumerate() {
-                let dyc = self.pick(be, g.dy, g.linear.d_out, c);
+            for (i, (g, [dy, w])) in grads.iter().zip(&cast).enumerate() {
+                let dyc = self.pick(be, dy.buf(), g.linear.d_out, c);
                 if i == 0 {
-                    g.linear.input_grad(be, &mut dxc, &dyc, g.w, rows);
+                    g.linear.input_grad(be, &mut dxc, &dyc, w.buf(), rows);
                 } else {
-                    g.linear.add_input_grad(be, &mut dxc, &dyc, g.w, rows);
+                    g.linear.add_input_grad(be, &mut dxc, &dyc, w.buf(), rows);
                 }
             }
             self.tp.start_reduce_scatter_rows(be, dxc)?;
         }
+        drop(cast);
         // The weight gradients need no communication: they hide the last reduce-scatters.
         for g in grads.iter_mut() {
-            self.weight_grad(be, g.linear, g.param, g.dw, g.dy, x, n);
+            let column = (g.linear, FeatureSplit::Outputs);
+            self.weight_grad(be, column, g.param, g.dw, g.dy, x, n)?;
         }
         for c in &chunks {
             let sum = self.tp.finish_oldest(be)?;

@@ -238,6 +238,21 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
         Ok(())
     }
 
+    fn all_reduce_max(&self, amaxes: &mut [f32]) -> Result<()> {
+        // `f32::max` drops a NaN, so a NaN amax travels as +inf and comes back as NaN. (An
+        // infinite amax dequantises every value to NaN as well: scale 0, inverse infinity.)
+        amaxes
+            .iter_mut()
+            .filter(|a| a.is_nan())
+            .for_each(|a| *a = f32::INFINITY);
+        self.waiting(|| self.group.all_reduce(amaxes, ReduceOp::Max))?;
+        amaxes
+            .iter_mut()
+            .filter(|a| a.is_infinite())
+            .for_each(|a| *a = f32::NAN);
+        Ok(())
+    }
+
     fn overlap_chunks(&self) -> usize {
         if self.async_tp && self.queue.is_some() {
             ASYNC_TP_CHUNKS

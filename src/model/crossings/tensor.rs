@@ -26,6 +26,10 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
     /// `buf` summed over the group, in place (the gradients of replicated weights).
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()>;
 
+    /// Each value of `amaxes` the largest over the group, in place: the float8 scales of an
+    /// operand split across the group are those of the whole operand (NaN if any rank's is).
+    fn all_reduce_max(&self, amaxes: &mut [f32]) -> Result<()>;
+
     /// Async tensor parallelism: how many chunks a collective fused with its GEMMs is cut into,
     /// so that each chunk's communication overlaps another chunk's GEMMs (`parallel_linear`).
     /// 1: plain TP, which has no queue and never calls the three methods below.

@@ -99,6 +99,7 @@ impl<B: Backend> Llama<B> {
             be,
             p: &params.bufs,
             id: &self.ids.layers[l],
+            linears: BlockLinears::of(&self.local, &self.float8, l),
             sp: SequenceParallel {
                 deferred,
                 ..self.sequence_parallel(*batch * *seq)
@@ -145,7 +146,7 @@ impl<B: Backend> Llama<B> {
         l: usize,
     ) -> Result<()> {
         let (be, p, id) = (run.be, run.p, run.id);
-        let BlockLinears { w1, w2, w3, .. } = BlockLinears::of(&self.local);
+        let BlockLinears { w1, w2, w3, .. } = run.linears;
         // ∂L/∂n into dnormed: the SwiGLU's first, then the routed experts' added.
         match id.ffn.swiglu() {
             Some([i1, i2, i3]) => {
@@ -236,7 +237,7 @@ impl<B: Backend> Llama<B> {
     ) -> Result<()> {
         let (be, p, id, m) = (run.be, run.p, run.id, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
-        let BlockLinears { wq, wk, wv, wo, .. } = BlockLinears::of(m);
+        let BlockLinears { wq, wk, wv, wo, .. } = run.linears;
         // QK-norm's weight gradients, out of the set while the block's others are borrowed.
         let mut qk_norm_grads = match (id.q_norm, id.k_norm) {
             (Some(qn), Some(kn)) => Some((
@@ -303,6 +304,7 @@ struct BackwardRun<'r, B: Backend> {
     be: &'r B,
     p: &'r [B::Buf],
     id: &'r LayerIds,
+    linears: BlockLinears,
     sp: SequenceParallel<'r, B>,
     batch: usize,
     seq: usize,

@@ -13,6 +13,7 @@ use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::activation_checkpoint::{Act, BlockSave};
+use crate::model::float8_convert::Float8Conversion;
 use crate::model::linear::Linear;
 use crate::model::local_shapes::LocalShapes;
 use crate::model::moe::{self, MoeShapes};
@@ -22,6 +23,7 @@ use crate::model::Workspace;
 
 /// A block's projections in one rank's shapes: attention's (wq, wk, wv column-parallel, wo
 /// row-parallel) and the feed-forward's (w1, w3 column-parallel, w2 row-parallel).
+#[derive(Clone, Copy)]
 pub(super) struct BlockLinears {
     pub(super) wq: Linear,
     pub(super) wk: Linear,
@@ -33,16 +35,19 @@ pub(super) struct BlockLinears {
 }
 
 impl BlockLinears {
-    pub(super) fn of(m: &LocalShapes) -> Self {
+    /// Block `layer`'s projections in this rank's shapes, each in float8 where `float8` converted
+    /// it.
+    pub(super) fn of(m: &LocalShapes, float8: &Float8Conversion, layer: usize) -> Self {
         let (d, f) = (m.dim, m.ffn);
+        let recipe = |i| float8.recipe(layer, i);
         BlockLinears {
-            wq: Linear::new(d, m.q_dim()),
-            wk: Linear::new(d, m.kv_dim()),
-            wv: Linear::new(d, m.kv_dim()),
-            wo: Linear::new(m.q_dim(), d),
-            w1: Linear::new(d, f),
-            w2: Linear::new(f, d),
-            w3: Linear::new(d, f),
+            wq: Linear::new(d, m.q_dim()).in_float8(recipe(0)),
+            wk: Linear::new(d, m.kv_dim()).in_float8(recipe(1)),
+            wv: Linear::new(d, m.kv_dim()).in_float8(recipe(2)),
+            wo: Linear::new(m.q_dim(), d).in_float8(recipe(3)),
+            w1: Linear::new(d, f).in_float8(recipe(4)),
+            w2: Linear::new(f, d).in_float8(recipe(5)),
+            w3: Linear::new(d, f).in_float8(recipe(6)),
         }
     }
 }
@@ -92,6 +97,7 @@ struct BlockRun<'r, B: Backend> {
     be: &'r B,
     p: &'r [B::Buf],
     id: &'r LayerIds,
+    linears: BlockLinears,
     sp: SequenceParallel<'r, B>,
     batch: usize,
     seq: usize,
@@ -185,6 +191,7 @@ impl<B: Backend> Llama<B> {
             be,
             p: &params.bufs,
             id: &self.ids.layers[l],
+            linears: BlockLinears::of(&self.local, &self.float8, l),
             sp: self.sequence_parallel(b * s),
             batch: b,
             seq: s,
@@ -228,7 +235,7 @@ impl<B: Backend> Llama<B> {
         }
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
         {
-            let BlockLinears { wq, wk, wv, .. } = BlockLinears::of(m);
+            let BlockLinears { wq, wk, wv, .. } = run.linears;
             // With QK-norm the projections go to q_raw and k_raw, normed per head into q and k.
             let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match m.qk_norm {
                 true => (
@@ -281,7 +288,7 @@ impl<B: Backend> Llama<B> {
             self.attend(run, acts, kv)?;
         }
         if redo(Act::H) {
-            let wo = BlockLinears::of(m).wo;
+            let wo = run.linears.wo;
             run.sp
                 .row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, full)?;
         }
@@ -361,7 +368,7 @@ impl<B: Backend> Llama<B> {
         out: &mut B::Buf,
         full: &mut B::Buf,
     ) -> Result<()> {
-        let (a, m, be, p, id) = (&self.args, &self.local, run.be, run.p, run.id);
+        let (a, be, p, id) = (&self.args, run.be, run.p, run.id);
         let redo = |act| run.redo(act);
         if redo(Act::NormedFfn) || redo(Act::RstdFfn) {
             let w = &p[id.ffn_norm];
@@ -373,7 +380,7 @@ impl<B: Backend> Llama<B> {
             }
             return Ok(());
         };
-        let BlockLinears { w1, w2, w3, .. } = BlockLinears::of(m);
+        let BlockLinears { w1, w2, w3, .. } = run.linears;
         let mut gate_up = Vec::new();
         if redo(Act::Gate) {
             gate_up.push(Projection::new(w1, &p[i1], &mut *acts.gate));

@@ -31,6 +31,7 @@ use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
 use crate::model::crossings::expert::ExpertParallelOps;
 use crate::model::crossings::single_rank::SingleRank;
 use crate::model::crossings::tensor::TensorParallelOps;
+use crate::model::float8_convert::Float8Conversion;
 use crate::model::local_shapes::LocalShapes;
 use crate::model::moe;
 use crate::model::params::{local_param_specs, ParamIds, ParamSet};
@@ -67,6 +68,8 @@ pub struct Llama<B: Backend> {
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
+    /// Which linears compute in float8 (`[model] converters`; none by default).
+    float8: Float8Conversion,
 }
 
 impl<B: Backend> Llama<B> {
@@ -109,7 +112,21 @@ impl<B: Backend> Llama<B> {
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
+            float8: Float8Conversion::default(),
         })
+    }
+
+    /// This model with the linears `float8` converted computing in float8 (TorchTitan applies its
+    /// model converters before parallelizing; here they only mark which linears cast their
+    /// operands, so the order does not matter).
+    pub fn with_float8(mut self, float8: Float8Conversion) -> Self {
+        self.float8 = float8;
+        self
+    }
+
+    /// Which linears compute in float8.
+    pub fn float8(&self) -> &Float8Conversion {
+        &self.float8
     }
 
     /// This model with its attention spread over a context-parallel group (`self.local` says

@@ -1,0 +1,186 @@
+//! TorchTitan's `quantize.linear.float8` model converter: which of the model's linears compute in
+//! float8, and the start-up report of those converted and those left in high precision, with why.
+//!
+//! As torchao's converter (`convert_to_float8_training` with TorchTitan's module filter), a
+//! linear is converted unless a `filter_fqns` entry is a substring of its name, or its input or
+//! output features are not multiples of 16 (the float8 GEMMs' requirement), or, with
+//! `auto_filter_small_kn` among the filters, it is below torchao's size thresholds for the recipe
+//! (`_auto_filter_for_recipe`, measured on H100s). The features counted are the whole model's,
+//! before tensor parallelism splits them.
+//!
+//! Only the blocks' projections are `nn.Linear`s that titan computes through `Linear`: the output
+//! head is fused with the loss (and TorchTitan filters it by default), the router stays in high
+//! precision, and the routed experts are grouped GEMMs (`quantize.grouped_mm.float8`, not built
+//! yet): the report lists them as left out.
+
+use anyhow::{bail, Result};
+
+use super::args::ModelArgs;
+use crate::backend::float8::Float8Recipe;
+
+/// What `[quantize.linear.float8]` asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Float8Options {
+    pub recipe: Float8Recipe,
+    /// Substrings of linear names to leave in high precision; the entry
+    /// `auto_filter_small_kn` turns on torchao's size thresholds instead of naming a linear.
+    pub filter_fqns: Vec<String>,
+}
+
+/// The filter entry that selects torchao's size thresholds.
+pub const AUTO_FILTER_SMALL_KN: &str = "auto_filter_small_kn";
+
+/// A block's projections, in `BlockLinears`' order.
+pub const BLOCK_PROJECTIONS: [&str; 7] = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"];
+
+/// Which linears compute in float8: per block, per projection in `BLOCK_PROJECTIONS`' order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Float8Conversion {
+    blocks: Vec<[Option<Float8Recipe>; 7]>,
+    /// Every linear's name and, for those left in high precision, why.
+    pub report: Vec<(String, Option<String>)>,
+}
+
+impl Float8Conversion {
+    /// The conversion of `args`' linears under `options`.
+    pub fn plan(args: &ModelArgs, options: &Float8Options) -> Result<Self> {
+        let auto = options.filter_fqns.iter().any(|f| f == AUTO_FILTER_SMALL_KN);
+        if auto && options.recipe == Float8Recipe::RowwiseWithGwHp {
+            bail!("[quantize.linear.float8] filter_fqns: `{AUTO_FILTER_SMALL_KN}` has no size thresholds for recipe_name = \"rowwise_with_gw_hp\" (torchao defines them for tensorwise and rowwise only)");
+        }
+        let mut plan = Float8Conversion::default();
+        for l in 0..args.n_layers {
+            let mut block = [None; 7];
+            for (slot, (name, d_in, d_out)) in block.iter_mut().zip(block_linears(args, l)) {
+                let why = Self::left_out(&name, d_in, d_out, options, auto);
+                if why.is_none() {
+                    *slot = Some(options.recipe);
+                }
+                plan.report.push((name, why));
+            }
+            plan.blocks.push(block);
+            if args.moe.is_some() {
+                let p = format!("layers.{l}.moe");
+                plan.report.push((format!("{p}.router.gate"), Some("the router stays in high precision".into())));
+                plan.report.push((format!("{p}.experts"), Some("routed experts are grouped GEMMs: quantize.grouped_mm.float8 (not built yet)".into())));
+            }
+        }
+        let head = match options.filter_fqns.iter().find(|f| "output".contains(f.as_str())) {
+            Some(f) => format!("filter_fqns \"{f}\""),
+            None => "the output head is computed fused with the loss; a float8 head is not built".into(),
+        };
+        plan.report.push(("output".into(), Some(head)));
+        Ok(plan)
+    }
+
+    /// Why the linear `name` (`d_in` → `d_out` features) stays in high precision, if it does.
+    fn left_out(
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+        options: &Float8Options,
+        auto: bool,
+    ) -> Option<String> {
+        if let Some(f) = options.filter_fqns.iter().find(|f| name.contains(f.as_str())) {
+            return Some(format!("filter_fqns \"{f}\""));
+        }
+        if d_in % 16 != 0 || d_out % 16 != 0 {
+            return Some(format!(
+                "features {d_in} -> {d_out} are not multiples of 16"
+            ));
+        }
+        if auto && below_torchao_thresholds(options.recipe, d_in, d_out) {
+            return Some(format!(
+                "{AUTO_FILTER_SMALL_KN}: {d_in} -> {d_out} is below torchao's thresholds for this recipe"
+            ));
+        }
+        None
+    }
+
+    /// The recipe of block `layer`'s projection `index` (in `BLOCK_PROJECTIONS`' order; None:
+    /// high precision, and always without a conversion).
+    pub fn recipe(&self, layer: usize, index: usize) -> Option<Float8Recipe> {
+        self.blocks.get(layer).and_then(|b| b[index])
+    }
+
+    /// How many linears compute in float8.
+    pub fn converted(&self) -> usize {
+        self.blocks.iter().flatten().filter(|r| r.is_some()).count()
+    }
+
+    /// The start-up lines: the converted linears and those left out with why, a projection that
+    /// fares alike in every block named once as `layers.*.…`.
+    pub fn summary(&self, n_layers: usize) -> Vec<String> {
+        let mut groups: Vec<(String, Option<String>, Vec<String>)> = Vec::new();
+        for (name, why) in &self.report {
+            let pattern = layer_pattern(name);
+            match groups.iter_mut().find(|(p, w, _)| *p == pattern && w == why) {
+                Some(g) => g.2.push(name.clone()),
+                None => groups.push((pattern, why.clone(), vec![name.clone()])),
+            }
+        }
+        let named = |pattern: &String, names: &Vec<String>| match names.len() == n_layers || names.len() == 1 && !pattern.contains('*') {
+            true => vec![pattern.clone()],
+            false => names.clone(),
+        };
+        let mut converted = Vec::new();
+        let mut lines = Vec::new();
+        for (pattern, why, names) in &groups {
+            match why {
+                None => converted.extend(named(pattern, names)),
+                Some(why) => lines.push(format!("  left in high precision: {} ({why})", named(pattern, names).join(", "))),
+            }
+        }
+        let head = format!("  {} linears in float8: {}", self.converted(), match converted.is_empty() {
+            true => "none".to_string(),
+            false => converted.join(", "),
+        });
+        std::iter::once(head).chain(lines).collect()
+    }
+}
+
+/// `layers.<n>.rest` as `layers.*.rest` (other names unchanged).
+fn layer_pattern(name: &str) -> String {
+    match name.strip_prefix("layers.").and_then(|r| r.split_once('.')) {
+        Some((_, rest)) => format!("layers.*.{rest}"),
+        None => name.to_string(),
+    }
+}
+
+/// Block `l`'s projections: name, input and output features (the whole model's).
+fn block_linears(args: &ModelArgs, l: usize) -> Vec<(String, usize, usize)> {
+    let (d, q, kv, f) = (
+        args.dim,
+        args.n_heads * args.head_dim(),
+        args.n_kv_heads * args.head_dim(),
+        args.swiglu_hidden(),
+    );
+    let ffn = match &args.moe {
+        Some(_) => format!("layers.{l}.moe.shared_experts"),
+        None => format!("layers.{l}.feed_forward"),
+    };
+    let attention = format!("layers.{l}.attention");
+    let mut out = vec![
+        (format!("{attention}.wq"), d, q),
+        (format!("{attention}.wk"), d, kv),
+        (format!("{attention}.wv"), d, kv),
+        (format!("{attention}.wo"), q, d),
+    ];
+    if f > 0 {
+        out.extend([
+            (format!("{ffn}.w1"), d, f),
+            (format!("{ffn}.w2"), f, d),
+            (format!("{ffn}.w3"), d, f),
+        ]);
+    }
+    out
+}
+
+/// torchao's `_auto_filter_for_recipe` size thresholds (weights `[out, in]`): below them a float8
+/// linear was measured slower than bf16 on H100s.
+fn below_torchao_thresholds(recipe: Float8Recipe, d_in: usize, d_out: usize) -> bool {
+    match recipe {
+        Float8Recipe::Tensorwise => d_out <= 4096 && d_in <= 1024,
+        _ => d_in <= 2048 || d_out <= 1024 || (d_in <= 4096 && d_out <= 2048),
+    }
+}
