@@ -49,18 +49,21 @@ impl Config {
     }
 }
 
-/// Sets each `(section, key, value)` in `table`, adding the section where the file has none.
+/// Sets each `(section, key, value)` in `table`, adding the section where the file has none; a
+/// section may be nested (`quantize.linear.float8`).
 fn apply_overrides(table: &mut toml::Table, pairs: &[(String, String, toml::Value)]) -> Result<()> {
     for (section, key, value) in pairs {
-        let entry = table
-            .entry(section.clone())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        match entry {
-            toml::Value::Table(t) => {
-                t.insert(key.clone(), value.clone());
-            }
-            _ => bail!("override --{section}.{key}: `{section}` is not a section"),
+        let mut t = &mut *table;
+        for part in section.split('.') {
+            let entry = t
+                .entry(part.to_string())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            t = match entry {
+                toml::Value::Table(inner) => inner,
+                _ => bail!("override --{section}.{key}: `{part}` is not a section"),
+            };
         }
+        t.insert(key.clone(), value.clone());
     }
     Ok(())
 }
@@ -85,7 +88,7 @@ pub fn parse_overrides(args: &[String]) -> Result<Vec<(String, String, toml::Val
                 (flag.to_string(), v.clone())
             }
         };
-        let Some((section, key)) = name.split_once('.') else {
+        let Some((section, key)) = name.rsplit_once('.') else {
             bail!("override --{name} must name a section and a key, like --training.steps 100");
         };
         let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))

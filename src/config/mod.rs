@@ -17,6 +17,7 @@ mod model;
 mod optimizer;
 mod parallelism;
 mod profiling;
+mod quantize;
 mod training;
 mod validation;
 
@@ -33,6 +34,7 @@ pub use model::ModelConfig;
 pub use optimizer::{DecayType, LrSchedulerConfig, OptimizerConfig};
 pub use parallelism::ParallelismConfig;
 pub use profiling::ProfilingConfig;
+pub use quantize::{QuantizeConfig, CONVERTERS, FLOAT8_LINEAR};
 pub use training::{TrainingConfig, DATASETS, DEVICES, PRECISIONS};
 pub use validation::ValidationConfig;
 
@@ -52,12 +54,14 @@ pub struct Config {
     pub profiling: ProfilingConfig,
     pub metrics: MetricsConfig,
     pub comm: CommConfig,
+    pub quantize: QuantizeConfig,
 }
 
 impl Config {
     /// Every section's checks; the first failure is the error, naming its section and key.
     pub fn validate(&self) -> Result<()> {
         self.validate_model()?;
+        self.validate_quantize()?;
         self.validate_optimizer()?;
         self.validate_lr_scheduler()?;
         self.validate_training()?;

@@ -33,6 +33,10 @@ pub struct ModelConfig {
     /// Mixture-of-experts models: the hidden width of shared experts every token goes through
     /// besides its routed ones (DeepSeek-V3's; absent: the flavor's, none for Qwen3-MoE).
     pub moe_shared_hidden: Option<usize>,
+    /// Model converters applied before parallelizing (TorchTitan's names, e.g.
+    /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
+    #[serde(deserialize_with = "super::quantize::list_or_comma_separated")]
+    pub converters: Vec<String>,
 }
 
 impl Default for ModelConfig {
@@ -53,6 +57,7 @@ impl Default for ModelConfig {
             load_balance_coeff: None,
             router_aux_loss_coef: None,
             moe_shared_hidden: None,
+            converters: Vec::new(),
         }
     }
 }

@@ -44,7 +44,10 @@ pub struct Float8Conversion {
 impl Float8Conversion {
     /// The conversion of `args`' linears under `options`.
     pub fn plan(args: &ModelArgs, options: &Float8Options) -> Result<Self> {
-        let auto = options.filter_fqns.iter().any(|f| f == AUTO_FILTER_SMALL_KN);
+        let auto = options
+            .filter_fqns
+            .iter()
+            .any(|f| f == AUTO_FILTER_SMALL_KN);
         if auto && options.recipe == Float8Recipe::RowwiseWithGwHp {
             bail!("[quantize.linear.float8] filter_fqns: `{AUTO_FILTER_SMALL_KN}` has no size thresholds for recipe_name = \"rowwise_with_gw_hp\" (torchao defines them for tensorwise and rowwise only)");
         }
@@ -61,13 +64,22 @@ impl Float8Conversion {
             plan.blocks.push(block);
             if args.moe.is_some() {
                 let p = format!("layers.{l}.moe");
-                plan.report.push((format!("{p}.router.gate"), Some("the router stays in high precision".into())));
+                plan.report.push((
+                    format!("{p}.router.gate"),
+                    Some("the router stays in high precision".into()),
+                ));
                 plan.report.push((format!("{p}.experts"), Some("routed experts are grouped GEMMs: quantize.grouped_mm.float8 (not built yet)".into())));
             }
         }
-        let head = match options.filter_fqns.iter().find(|f| "output".contains(f.as_str())) {
+        let head = match options
+            .filter_fqns
+            .iter()
+            .find(|f| "output".contains(f.as_str()))
+        {
             Some(f) => format!("filter_fqns \"{f}\""),
-            None => "the output head is computed fused with the loss; a float8 head is not built".into(),
+            None => {
+                "the output head is computed fused with the loss; a float8 head is not built".into()
+            }
         };
         plan.report.push(("output".into(), Some(head)));
         Ok(plan)
@@ -81,10 +93,14 @@ impl Float8Conversion {
         options: &Float8Options,
         auto: bool,
     ) -> Option<String> {
-        if let Some(f) = options.filter_fqns.iter().find(|f| name.contains(f.as_str())) {
+        if let Some(f) = options
+            .filter_fqns
+            .iter()
+            .find(|f| name.contains(f.as_str()))
+        {
             return Some(format!("filter_fqns \"{f}\""));
         }
-        if d_in % 16 != 0 || d_out % 16 != 0 {
+        if !d_in.is_multiple_of(16) || !d_out.is_multiple_of(16) {
             return Some(format!(
                 "features {d_in} -> {d_out} are not multiples of 16"
             ));
@@ -114,12 +130,17 @@ impl Float8Conversion {
         let mut groups: Vec<(String, Option<String>, Vec<String>)> = Vec::new();
         for (name, why) in &self.report {
             let pattern = layer_pattern(name);
-            match groups.iter_mut().find(|(p, w, _)| *p == pattern && w == why) {
+            match groups
+                .iter_mut()
+                .find(|(p, w, _)| *p == pattern && w == why)
+            {
                 Some(g) => g.2.push(name.clone()),
                 None => groups.push((pattern, why.clone(), vec![name.clone()])),
             }
         }
-        let named = |pattern: &String, names: &Vec<String>| match names.len() == n_layers || names.len() == 1 && !pattern.contains('*') {
+        let named = |pattern: &String, names: &Vec<String>| match names.len() == n_layers
+            || names.len() == 1 && !pattern.contains('*')
+        {
             true => vec![pattern.clone()],
             false => names.clone(),
         };
@@ -128,13 +149,20 @@ impl Float8Conversion {
         for (pattern, why, names) in &groups {
             match why {
                 None => converted.extend(named(pattern, names)),
-                Some(why) => lines.push(format!("  left in high precision: {} ({why})", named(pattern, names).join(", "))),
+                Some(why) => lines.push(format!(
+                    "  left in high precision: {} ({why})",
+                    named(pattern, names).join(", ")
+                )),
             }
         }
-        let head = format!("  {} linears in float8: {}", self.converted(), match converted.is_empty() {
-            true => "none".to_string(),
-            false => converted.join(", "),
-        });
+        let head = format!(
+            "  {} linears in float8: {}",
+            self.converted(),
+            match converted.is_empty() {
+                true => "none".to_string(),
+                false => converted.join(", "),
+            }
+        );
         std::iter::once(head).chain(lines).collect()
     }
 }

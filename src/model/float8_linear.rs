@@ -12,7 +12,7 @@ use anyhow::Result;
 
 use super::crossings::tensor::TensorParallelOps;
 use super::linear::Linear;
-use crate::backend::float8::{LinearGemm, Quantization, ScaleAxis};
+use crate::backend::float8::{Float8Recipe, LinearGemm, Quantization, ScaleAxis};
 use crate::backend::Backend;
 
 /// A GEMM operand: the high-precision buffer itself, or its fake-quantised copy.
@@ -77,25 +77,34 @@ impl<B: Backend> Float8Casts<'_, B> {
         (a, b): (&'x B::Buf, &'x B::Buf),
         rows: usize,
     ) -> Result<[Operand<'x, B>; 2]> {
-        let Some(recipe) = linear.float8 else {
-            return Ok([Operand::HighPrecision(a), Operand::HighPrecision(b)]);
+        Ok([
+            self.operand(be, (linear, gemm, 0), a, rows)?,
+            self.operand(be, (linear, gemm, 1), b, rows)?,
+        ])
+    }
+
+    /// Operand `slot` (0 or 1, as `operands` orders them) of `gemm` of `linear`.
+    pub fn operand<'x>(
+        &self,
+        be: &B,
+        (linear, gemm, slot): (Linear, LinearGemm, usize),
+        x: &'x B::Buf,
+        rows: usize,
+    ) -> Result<Operand<'x, B>> {
+        let Some(q) = linear.float8.and_then(|r| r.operands(gemm)[slot]) else {
+            return Ok(Operand::HighPrecision(x));
         };
-        let [qa, qb] = recipe.operands(gemm);
-        let [da, db] = match gemm {
+        let dims = match gemm {
             LinearGemm::Output => [(Dim::M, Dim::K), (Dim::N, Dim::K)],
             LinearGemm::InputGrad => [(Dim::M, Dim::N), (Dim::N, Dim::K)],
             LinearGemm::WeightGrad => [(Dim::M, Dim::N), (Dim::M, Dim::K)],
-        };
+        }[slot];
         let size = |d| match d {
             Dim::M => rows,
             Dim::N => linear.d_out,
             Dim::K => linear.d_in,
         };
-        let cast = |x: &'x B::Buf, (r, c): (Dim, Dim), q: Option<Quantization>| match q {
-            None => Ok(Operand::HighPrecision(x)),
-            Some(q) => self.cast(be, x, [(r, size(r)), (c, size(c))], q),
-        };
-        Ok([cast(a, da, qa)?, cast(b, db, qb)?])
+        self.cast(be, x, [(dims.0, size(dims.0)), (dims.1, size(dims.1))], q)
     }
 
     /// `x` (`[rows, cols]`, their dimensions named) fake-quantised with `q`.
@@ -120,5 +129,47 @@ impl<B: Backend> Float8Casts<'_, B> {
             self.tp.all_reduce_max(&mut amaxes)?;
         }
         Ok(Operand::Cast(be.float8_fake_quantized(x, cols, q, &amaxes)))
+    }
+}
+
+/// The input `X` several projections of one layer read (a column-parallel layer's), cast once
+/// per recipe instead of once per projection.
+pub struct SharedInput<'x, B: Backend> {
+    x: &'x B::Buf,
+    /// `Output` (X is operand 0) or `WeightGrad` (operand 1).
+    gemm: LinearGemm,
+    casts: Vec<(Option<Float8Recipe>, Operand<'x, B>)>,
+}
+
+impl<'x, B: Backend> SharedInput<'x, B> {
+    pub fn new(x: &'x B::Buf, gemm: LinearGemm) -> Self {
+        SharedInput {
+            x,
+            gemm,
+            casts: Vec::new(),
+        }
+    }
+
+    /// `X` as `linear`'s GEMM reads it.
+    pub fn for_linear(
+        &mut self,
+        casts: &Float8Casts<'_, B>,
+        be: &B,
+        linear: Linear,
+        rows: usize,
+    ) -> Result<&B::Buf> {
+        let slot = match self.gemm {
+            LinearGemm::WeightGrad => 1,
+            _ => 0,
+        };
+        let i = match self.casts.iter().position(|(r, _)| *r == linear.float8) {
+            Some(i) => i,
+            None => {
+                let cast = casts.operand(be, (linear, self.gemm, slot), self.x, rows)?;
+                self.casts.push((linear.float8, cast));
+                self.casts.len() - 1
+            }
+        };
+        Ok(self.casts[i].1.buf())
     }
 }

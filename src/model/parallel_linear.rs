@@ -26,7 +26,7 @@
 use anyhow::Result;
 
 use super::crossings::tensor::TensorParallelOps;
-use super::float8_linear::{FeatureSplit, Float8Casts};
+use super::float8_linear::{FeatureSplit, Float8Casts, Operand, SharedInput};
 use super::linear::Linear;
 use crate::backend::float8::LinearGemm;
 use crate::backend::Backend;
@@ -124,19 +124,19 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         param: usize,
         dw: &mut B::Buf,
         dy: &B::Buf,
-        x: &B::Buf,
+        x: &mut SharedInput<'_, B>,
         rows: usize,
     ) -> Result<()> {
-        let [g, xq] =
-            self.casts(split)
-                .operands(be, linear, LinearGemm::WeightGrad, (dy, x), rows)?;
+        let casts = self.casts(split);
+        let g = casts.operand(be, (linear, LinearGemm::WeightGrad, 0), dy, rows)?;
+        let xq = x.for_linear(&casts, be, linear, rows)?;
         match self.deferred {
-            None => linear.add_weight_grad(be, dw, g.buf(), xq.buf(), rows),
+            None => linear.add_weight_grad(be, dw, g.buf(), xq, rows),
             Some(later) => later.borrow_mut().push(DeferredWeightGrad {
                 param,
                 linear,
                 dy: g.into_owned(be, rows * linear.d_out),
-                x: xq.into_owned(be, rows * linear.d_in),
+                x: Operand::HighPrecision(xq).into_owned(be, rows * linear.d_in),
                 rows,
             }),
         }
@@ -223,15 +223,12 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 self.tp.gather_rows(be, local, full)?;
                 &*full
             };
+            let casts = self.casts(FeatureSplit::Outputs);
+            let mut x = SharedInput::new(x, LinearGemm::Output);
             for p in projections.iter_mut() {
-                let [xq, w] = self.casts(FeatureSplit::Outputs).operands(
-                    be,
-                    p.linear,
-                    LinearGemm::Output,
-                    (x, p.w),
-                    self.tokens,
-                )?;
-                p.linear.forward(be, p.y, xq.buf(), w.buf(), self.tokens);
+                let w = casts.operand(be, (p.linear, LinearGemm::Output, 1), p.w, self.tokens)?;
+                let xq = x.for_linear(&casts, be, p.linear, self.tokens)?;
+                p.linear.forward(be, p.y, xq, w.buf(), self.tokens);
             }
             return Ok(());
         }
@@ -333,7 +330,8 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 n,
             )?;
             linear.input_grad(be, dx, g.buf(), wq.buf(), n);
-            return self.weight_grad(be, row, param, dw, dy, x, n);
+            let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
+            return self.weight_grad(be, row, param, dw, dy, &mut x, n);
         }
         for c in &chunks {
             self.tp
@@ -347,7 +345,8 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             linear.input_grad(be, &mut dxc, &dyc, w, rows);
             self.place(be, dx, &dxc, linear.d_in, c);
         }
-        self.weight_grad(be, row, param, dw, full, x, n)
+        let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
+        self.weight_grad(be, row, param, dw, full, &mut x, n)
     }
 
     /// Column-parallel backward: `dW_i += dy_iᵀ · x` for each projection, and this rank's rows of
@@ -363,6 +362,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
     ) -> Result<()> {
         let n = self.tokens;
         let casts = self.casts(FeatureSplit::Outputs);
+        let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
         let chunks = self.chunks(false);
         if chunks.is_empty() {
             // Each projection's two GEMMs back to back, so a device converts its `dy` once.
@@ -380,7 +380,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                     g.linear.add_input_grad(be, target, dy.buf(), w.buf(), n);
                 }
                 let column = (g.linear, FeatureSplit::Outputs);
-                self.weight_grad(be, column, g.param, g.dw, g.dy, x, n)?;
+                self.weight_grad(be, column, g.param, g.dw, g.dy, &mut x, n)?;
             }
             if self.degree() > 1 {
                 self.tp.reduce_scatter_rows(be, full, dlocal)?;
@@ -409,7 +409,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         // The weight gradients need no communication: they hide the last reduce-scatters.
         for g in grads.iter_mut() {
             let column = (g.linear, FeatureSplit::Outputs);
-            self.weight_grad(be, column, g.param, g.dw, g.dy, x, n)?;
+            self.weight_grad(be, column, g.param, g.dw, g.dy, &mut x, n)?;
         }
         for c in &chunks {
             let sum = self.tp.finish_oldest(be)?;

@@ -23,6 +23,7 @@ use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::crossings::single_rank::SingleRank;
+use crate::model::float8_convert::Float8Conversion;
 use crate::model::{Llama, LocalShapes, ModelArgs, Workspace};
 
 /// The groups of this rank's mesh that its layout crosses (None: degree 1).
@@ -36,8 +37,9 @@ pub struct MeshGroups {
     pub loss: Option<Arc<dyn ProcessGroup>>,
 }
 
-/// What `[parallelism]` asks of the model's crossings.
-#[derive(Debug, Clone, Copy)]
+/// What `[parallelism]` asks of the model's crossings, and which linears the model converters
+/// made float8.
+#[derive(Debug, Clone)]
 pub struct ParallelOptions {
     /// Cross-entropy over vocabulary shards (false: over gathered logits).
     pub loss_parallel: bool,
@@ -46,6 +48,8 @@ pub struct ParallelOptions {
     pub rotate: RotateMethod,
     /// Sequences in an optimizer step over the whole job (the MoE auxiliary loss is their mean).
     pub global_batch: usize,
+    /// `[model] converters`' float8 linears (none by default).
+    pub float8: Float8Conversion,
 }
 
 /// The device's queues for the model's collectives (None: the CPU transport's).
@@ -70,8 +74,8 @@ pub fn local_shapes(args: &ModelArgs, groups: &MeshGroups) -> Result<LocalShapes
     Ok(local)
 }
 
-/// Tensor parallel → context parallel → expert parallel: the model in this rank's shapes,
-/// crossing its groups (with one rank each crossing is the local op).
+/// Model converters → tensor parallel → context parallel → expert parallel: the model in this
+/// rank's shapes, crossing its groups (with one rank each crossing is the local op).
 pub fn parallelize_model<B: Backend>(
     be: &B,
     args: &ModelArgs,
@@ -81,6 +85,7 @@ pub fn parallelize_model<B: Backend>(
     options: ParallelOptions,
 ) -> Result<Llama<B>> {
     let local = local_shapes(args, groups)?;
+    let float8 = options.float8;
     let model = match &groups.tp {
         Some(g) => {
             let ops = TensorParallelGroup::new(
@@ -92,7 +97,8 @@ pub fn parallelize_model<B: Backend>(
             Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
         }
         None => Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(SingleRank))?,
-    };
+    }
+    .with_float8(float8);
     let model = match &groups.cp {
         Some(g) => {
             // Only `allgather` runs collectives on a queue (`alltoall` rotates through the group).

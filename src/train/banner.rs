@@ -74,7 +74,28 @@ impl<B: Backend> Banner<'_, B> {
         if let Some(p) = &self.layout.pipeline {
             lines.push(p.describe());
         }
+        lines.extend(self.float8_lines());
         lines
+    }
+
+    /// `[model] converters`' float8 linears: the recipe, how the GEMMs run, which linears were
+    /// converted and which were left in high precision, with why.
+    fn float8_lines(&self) -> Vec<String> {
+        let Ok(Some(_)) = self.cfg.float8_linears() else {
+            return Vec::new();
+        };
+        let async_tp = match self.cfg.parallelism.enable_async_tensor_parallel {
+            true => "; async TP overlaps the row-parallel forward and column-parallel backward only (a float8 cast reads its gathered input whole)",
+            false => "",
+        };
+        let head = format!(
+            "float8 linears | recipe {} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision (no float8 GEMMs on the {} yet){async_tp}",
+            self.cfg.quantize.linear.float8.recipe_name,
+            self.be.name(),
+        );
+        std::iter::once(head)
+            .chain(self.layout.model.float8().summary(self.args.n_layers))
+            .collect()
     }
 
     /// The line every rank prints of its own share (the estimate is per rank): DDP replicates

@@ -20,6 +20,7 @@ use crate::config::Config;
 use crate::launch::Distributed;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::AcMode;
+use crate::model::float8_convert::Float8Conversion;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, ReshardPolicy, ShardedParams};
@@ -101,13 +102,14 @@ fn mesh_groups(dist: Option<&Distributed>) -> MeshGroups {
 }
 
 /// What `[parallelism]` asks of the model's crossings.
-fn parallel_options(cfg: &Config, global_batch: usize) -> Result<ParallelOptions> {
+fn parallel_options(cfg: &Config, plan: &RankPlan) -> Result<ParallelOptions> {
     let p = &cfg.parallelism;
     Ok(ParallelOptions {
         loss_parallel: !p.disable_loss_parallel,
         async_tp: p.enable_async_tensor_parallel,
         rotate: RotateMethod::parse(&p.context_parallel_rotate_method)?,
-        global_batch,
+        global_batch: plan.global_batch,
+        float8: plan.float8.clone(),
     })
 }
 
@@ -185,6 +187,8 @@ struct RankPlan {
     reshard: ReshardPolicy,
     ac: AcMode,
     estimate: MemoryEstimate,
+    /// The linears `[model] converters` made float8.
+    float8: Float8Conversion,
 }
 
 impl RankPlan {
@@ -227,6 +231,10 @@ impl RankPlan {
             rank: dist.map_or(0, |d| d.rank),
         };
         let estimate = sizing.check_or_suggest(ac)?;
+        let float8 = match cfg.float8_linears()? {
+            Some(options) => Float8Conversion::plan(&args, &options)?,
+            None => Float8Conversion::default(),
+        };
         Ok(RankPlan {
             args,
             local,
@@ -239,6 +247,7 @@ impl RankPlan {
             reshard,
             ac,
             estimate,
+            float8,
         })
     }
 }
@@ -266,10 +275,7 @@ pub fn compose_rank<B: Backend>(
         tensor_parallel,
         context_parallel,
     };
-    let (seq, options) = (
-        cfg.training.seq_len,
-        parallel_options(cfg, plan.global_batch)?,
-    );
+    let (seq, options) = (cfg.training.seq_len, parallel_options(cfg, &plan)?);
     let model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
     let comm = ParamComm {
         data_parallel,

@@ -66,7 +66,10 @@ mod tests {
             };
             let a = amaxes(&x, rows, cols, axis);
             assert_eq!(a, float8::amaxes(&x, rows, cols, axis), "{axis:?}");
-            assert_eq!(fake_quantized(&x, cols, q, &a), fake_quantize(&x, rows, cols, q));
+            assert_eq!(
+                fake_quantized(&x, cols, q, &a),
+                fake_quantize(&x, rows, cols, q)
+            );
         }
     }
 }

@@ -6,36 +6,38 @@
 use super::recipe::{Quantization, ScaleAxis};
 use super::{round_scale_down_to_power_of_two, scale_from_amax, Fp8Format};
 
-/// The larger of an amax so far and `|v|`, NaN once any value is NaN (as `torch.amax`).
-#[inline]
-fn max_abs(m: f32, v: f32) -> f32 {
-    let a = v.abs();
-    if a > m || a.is_nan() {
-        a
-    } else {
-        m
-    }
+/// `|v|` as its bits: for non-negative floats the bits order as the values do, and every NaN
+/// orders above infinity, so an integer maximum (which vectorises) is `torch.amax`'s, NaN once
+/// any value is NaN.
+#[inline(always)]
+fn abs_bits(v: f32) -> u32 {
+    v.to_bits() & 0x7fff_ffff
+}
+
+fn amax_of(values: &[f32]) -> f32 {
+    f32::from_bits(values.iter().fold(0, |m, &v| m.max(abs_bits(v))))
 }
 
 /// The amaxes of `x` (`[rows, cols]`, row-major) along `axis`: one for the tensor, one per row
 /// (over its columns) or one per column (over its rows).
 pub fn amaxes(x: &[f32], rows: usize, cols: usize, axis: ScaleAxis) -> Vec<f32> {
-    assert_eq!(x.len(), rows * cols, "float8 amax: {rows}x{cols} needs {} values", rows * cols);
+    assert_eq!(
+        x.len(),
+        rows * cols,
+        "float8 amax: {rows}x{cols} needs {} values",
+        rows * cols
+    );
     match axis {
-        ScaleAxis::Tensor => vec![x.iter().fold(0.0, |m, &v| max_abs(m, v))],
-        ScaleAxis::Rows => x
-            .chunks(cols.max(1))
-            .take(rows)
-            .map(|row| row.iter().fold(0.0, |m, &v| max_abs(m, v)))
-            .collect(),
+        ScaleAxis::Tensor => vec![amax_of(x)],
+        ScaleAxis::Rows => x.chunks(cols.max(1)).take(rows).map(amax_of).collect(),
         ScaleAxis::Columns => {
-            let mut out = vec![0f32; cols];
+            let mut out = vec![0u32; cols];
             for row in x.chunks(cols.max(1)).take(rows) {
                 for (m, &v) in out.iter_mut().zip(row) {
-                    *m = max_abs(*m, v);
+                    *m = (*m).max(abs_bits(v));
                 }
             }
-            out
+            out.into_iter().map(f32::from_bits).collect()
         }
     }
 }
@@ -55,31 +57,69 @@ pub fn scales_from_amaxes(amaxes: &[f32], q: Quantization) -> Vec<f32> {
         .collect()
 }
 
-impl Fp8Format {
-    /// `round` for a value already clamped to ±max, in f32: below the smallest normal the
-    /// format's spacing is fixed, so adding and subtracting a constant whose f32 spacing equals
-    /// it rounds to nearest even; above, the f32 mantissa is cut to the format's bits, ties to
-    /// even, the carry moving into the exponent. NaN stays NaN.
-    #[inline]
-    pub fn round_clamped(self, x: f32) -> f32 {
-        let a = x.abs();
-        let min_normal = (self.min_normal_exponent() as f32).exp2();
-        let rounded = if a < min_normal {
-            let spacing_as_f32_ulp =
-                ((self.min_normal_exponent() - self.mantissa_bits() + 23) as f32).exp2();
-            (a + spacing_as_f32_ulp) - spacing_as_f32_ulp
-        } else {
-            let cut = (23 - self.mantissa_bits()) as u32;
-            let bits = a.to_bits();
-            let half_minus_one = (1u32 << (cut - 1)) - 1;
-            let odd = (bits >> cut) & 1;
-            f32::from_bits((bits + half_minus_one + odd) & !((1u32 << cut) - 1))
-        };
-        if a.is_nan() {
+/// A format's rounding constants, computed once per cast rather than per value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Rounding {
+    /// The format's largest finite value.
+    max: f32,
+    /// The f32 whose spacing (ulp) is the format's subnormal spacing.
+    subnormal_magic: f32,
+    /// Mantissa bits of an f32 the format does not have.
+    cut: u32,
+}
+
+impl Rounding {
+    fn of(format: Fp8Format) -> Self {
+        let (e, m) = (format.min_normal_exponent(), format.mantissa_bits());
+        Rounding {
+            max: format.max(),
+            subnormal_magic: ((e - m + 23) as f32).exp2(),
+            cut: (23 - m) as u32,
+        }
+    }
+
+    /// `a` (non-negative, at most max) rounded to the format, ties to even: adding and
+    /// subtracting `c`, an f32 whose spacing (ulp) is the format's spacing at `a`, rounds there
+    /// in the f32 adder itself. `c` is `a`'s power of two times `2^(23 − mantissa bits)`, read off
+    /// `a`'s exponent bits, and never below `subnormal_magic`, whose spacing is the format's
+    /// below its smallest normal. A carry to the next power of two comes out exact. No branch,
+    /// so a loop over values vectorises.
+    #[inline(always)]
+    fn round_magnitude(self, a: f32) -> f32 {
+        let exponent = a.to_bits() & 0x7f80_0000;
+        let c = f32::from_bits(exponent + (self.cut << 23)).max(self.subnormal_magic);
+        (a + c) - c
+    }
+
+    /// `x` (already clamped to ±max) rounded to the format; NaN stays NaN.
+    #[inline(always)]
+    fn round(self, x: f32) -> f32 {
+        if x.is_nan() {
             x
         } else {
-            rounded.copysign(x)
+            self.round_magnitude(x.abs()).copysign(x)
         }
+    }
+
+    /// `v` quantised with scale `s` and dequantised with `inv` = 1/s. (`max`/`min` instead of
+    /// `clamp`, which may panic and so keeps a loop scalar; a NaN is passed on at the end.)
+    #[inline(always)]
+    fn fake(self, v: f32, s: f32, inv: f32) -> f32 {
+        let scaled = v * s;
+        let clamped = scaled.max(-self.max).min(self.max);
+        let q = self.round_magnitude(clamped.abs()).copysign(clamped) * inv;
+        if scaled.is_nan() {
+            scaled
+        } else {
+            q
+        }
+    }
+}
+
+impl Fp8Format {
+    /// `round` for a value already clamped to ±max, in f32 bit operations (`Rounding::round`).
+    pub fn round_clamped(self, x: f32) -> f32 {
+        Rounding::of(self).round(x)
     }
 }
 
@@ -94,18 +134,46 @@ pub fn fake_quantize_rows(
     scales: &[f32],
     q: Quantization,
 ) {
-    let (format, max) = (q.format, q.format.max());
-    let one = |v: f32, s: f32, inv: f32| format.round_clamped((v * s).clamp(-max, max)) * inv;
-    match q.axis {
+    // Each format's constants known at compile time, so the loops vectorise.
+    match q.format {
+        Fp8Format::E4M3 => cast_rows(E4M3_ROUNDING, out, x, (cols, first_row), scales, q.axis),
+        Fp8Format::E5M2 => cast_rows(E5M2_ROUNDING, out, x, (cols, first_row), scales, q.axis),
+    }
+}
+
+/// `Rounding::of(Fp8Format::E4M3)`, as a constant.
+const E4M3_ROUNDING: Rounding = Rounding {
+    max: 448.0,
+    subnormal_magic: 16384.0,
+    cut: 20,
+};
+
+/// `Rounding::of(Fp8Format::E5M2)`, as a constant.
+const E5M2_ROUNDING: Rounding = Rounding {
+    max: 57344.0,
+    subnormal_magic: 128.0,
+    cut: 21,
+};
+
+#[inline(always)]
+fn cast_rows(
+    rounding: Rounding,
+    out: &mut [f32],
+    x: &[f32],
+    (cols, first_row): (usize, usize),
+    scales: &[f32],
+    axis: ScaleAxis,
+) {
+    match axis {
         ScaleAxis::Tensor | ScaleAxis::Rows => {
             for (r, (o, xr)) in out.chunks_mut(cols).zip(x.chunks(cols)).enumerate() {
-                let s = match q.axis {
+                let s = match axis {
                     ScaleAxis::Tensor => scales[0],
                     _ => scales[first_row + r],
                 };
                 let inv = s.recip();
                 for (o, &v) in o.iter_mut().zip(xr) {
-                    *o = one(v, s, inv);
+                    *o = rounding.fake(v, s, inv);
                 }
             }
         }
@@ -113,7 +181,7 @@ pub fn fake_quantize_rows(
             let inverses: Vec<f32> = scales.iter().map(|s| s.recip()).collect();
             for (o, xr) in out.chunks_mut(cols).zip(x.chunks(cols)) {
                 for (((o, &v), &s), &inv) in o.iter_mut().zip(xr).zip(scales).zip(&inverses) {
-                    *o = one(v, s, inv);
+                    *o = rounding.fake(v, s, inv);
                 }
             }
         }
@@ -134,7 +202,12 @@ mod tests {
             let p = (e as f32).exp2();
             for m in 0..64 {
                 let x = p * (1.0 + m as f32 / 64.0);
-                v.extend([x, -x, f32::from_bits(x.to_bits() + 1), f32::from_bits(x.to_bits() - 1)]);
+                v.extend([
+                    x,
+                    -x,
+                    f32::from_bits(x.to_bits() + 1),
+                    f32::from_bits(x.to_bits() - 1),
+                ]);
             }
         }
         v
@@ -164,7 +237,11 @@ mod tests {
         for format in FORMATS {
             for axis in [ScaleAxis::Tensor, ScaleAxis::Rows, ScaleAxis::Columns] {
                 for power_of_two_scales in [false, true] {
-                    let q = Quantization { format, axis, power_of_two_scales };
+                    let q = Quantization {
+                        format,
+                        axis,
+                        power_of_two_scales,
+                    };
                     let scales = scales_from_amaxes(&amaxes(&x, rows, cols, axis), q);
                     let mut fast = vec![0f32; x.len()];
                     fake_quantize_rows(&mut fast[cols * 3..], &x[cols * 3..], cols, 3, &scales, q);
@@ -175,6 +252,12 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_constant_roundings_are_the_formats() {
+        assert_eq!(E4M3_ROUNDING, Rounding::of(Fp8Format::E4M3));
+        assert_eq!(E5M2_ROUNDING, Rounding::of(Fp8Format::E5M2));
     }
 
     #[test]

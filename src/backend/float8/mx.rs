@@ -73,4 +73,3 @@ impl MxQuantized {
             .collect()
     }
 }
-

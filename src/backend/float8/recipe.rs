@@ -172,4 +172,3 @@ impl Float8Recipe {
 pub fn fake_quantize(x: &[f32], rows: usize, cols: usize, q: Quantization) -> Vec<f32> {
     q.quantize(x, rows, cols).dequantize(q.axis, cols)
 }
-

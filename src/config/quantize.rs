@@ -1,0 +1,190 @@
+//! `[model] converters` and `[quantize.*]`: TorchTitan's low-precision model converters and their
+//! sections, with their checks. `quantize.linear.float8` is built (emulated: the CPU has no float8
+//! GEMMs, and the CUDA float8 GEMMs are not built yet); the grouped-GEMM and MXFP8 converters
+//! are accepted as names and refused with what is missing (issue 28).
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::Config;
+use crate::backend::float8::Float8Recipe;
+use crate::model::float8_convert::Float8Options;
+
+/// The converters `[model] converters` accepts (TorchTitan's names).
+pub const CONVERTERS: [&str; 4] = [
+    FLOAT8_LINEAR,
+    "quantize.grouped_mm.float8",
+    "quantize.linear.mx",
+    "quantize.grouped_mm.mx",
+];
+
+/// Float8 linears with torchao's dynamic scaling.
+pub const FLOAT8_LINEAR: &str = "quantize.linear.float8";
+
+/// `[quantize]`: one section per converter.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuantizeConfig {
+    pub linear: LinearQuantizeConfig,
+    pub grouped_mm: GroupedMmQuantizeConfig,
+}
+
+/// `[quantize.linear]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct LinearQuantizeConfig {
+    pub float8: Float8LinearConfig,
+    pub mx: MxLinearConfig,
+}
+
+/// `[quantize.linear.float8]` (TorchTitan's keys).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Float8LinearConfig {
+    /// `rowwise` (default), `rowwise_with_gw_hp` or `tensorwise`.
+    pub recipe_name: String,
+    /// Substrings of linear names left in high precision; `auto_filter_small_kn` among them
+    /// applies torchao's size thresholds.
+    pub filter_fqns: Vec<String>,
+    /// Emulate the float8 GEMMs (the CPU always does).
+    pub emulate: bool,
+    /// FSDP all-gathers float8 weights (tensorwise only; not built yet).
+    pub enable_fsdp_float8_all_gather: bool,
+    /// One all-reduce for every weight's scale after the optimizer step (with the above).
+    pub precompute_float8_dynamic_scale_for_fsdp: bool,
+}
+
+impl Default for Float8LinearConfig {
+    fn default() -> Self {
+        Float8LinearConfig {
+            recipe_name: "rowwise".into(),
+            filter_fqns: vec!["output".into()],
+            emulate: false,
+            enable_fsdp_float8_all_gather: false,
+            precompute_float8_dynamic_scale_for_fsdp: false,
+        }
+    }
+}
+
+/// `[quantize.linear.mx]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MxLinearConfig {
+    pub recipe_name: String,
+    pub filter_fqns: Vec<String>,
+}
+
+impl Default for MxLinearConfig {
+    fn default() -> Self {
+        MxLinearConfig {
+            recipe_name: "mxfp8_cublas".into(),
+            filter_fqns: vec!["output".into()],
+        }
+    }
+}
+
+/// `[quantize.grouped_mm]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct GroupedMmQuantizeConfig {
+    pub float8: GroupedFloat8Config,
+    pub mx: GroupedMxConfig,
+}
+
+/// `[quantize.grouped_mm.float8]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GroupedFloat8Config {
+    pub fqns: Vec<String>,
+}
+
+impl Default for GroupedFloat8Config {
+    fn default() -> Self {
+        GroupedFloat8Config {
+            fqns: vec!["experts".into()],
+        }
+    }
+}
+
+/// `[quantize.grouped_mm.mx]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GroupedMxConfig {
+    pub recipe_name: String,
+    pub fqns: Vec<String>,
+}
+
+impl Default for GroupedMxConfig {
+    fn default() -> Self {
+        GroupedMxConfig {
+            recipe_name: "mxfp8_rceil".into(),
+            fqns: vec!["experts".into()],
+        }
+    }
+}
+
+/// `converters = ["a", "b"]` in a file; `--model.converters a,b` on the command line (TorchTitan's
+/// comma-separated list).
+pub(super) fn list_or_comma_separated<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Either::deserialize(d)? {
+        Either::Many(v) => v,
+        Either::One(s) => s
+            .split(',')
+            .map(|c| c.trim().to_string())
+            .filter(|c| !c.is_empty())
+            .collect(),
+    })
+}
+
+impl Config {
+    /// The float8 linears' options, when `[model] converters` asks for them.
+    pub fn float8_linears(&self) -> Result<Option<Float8Options>> {
+        if !self.model.converters.iter().any(|c| c == FLOAT8_LINEAR) {
+            return Ok(None);
+        }
+        let f = &self.quantize.linear.float8;
+        Ok(Some(Float8Options {
+            recipe: Float8Recipe::parse(&f.recipe_name)?,
+            filter_fqns: f.filter_fqns.clone(),
+        }))
+    }
+
+    pub(super) fn validate_quantize(&self) -> Result<()> {
+        for c in &self.model.converters {
+            if !CONVERTERS.contains(&c.as_str()) {
+                bail!(
+                    "[model] converters: `{c}` is not known (accepted: {})",
+                    CONVERTERS.join(", ")
+                );
+            }
+            if c != FLOAT8_LINEAR {
+                bail!("[model] converters: `{c}` is not built yet (issue 28 has built quantize.linear.float8 so far; MXFP8 and float8 grouped GEMMs for the experts are next)");
+            }
+        }
+        let Some(options) = self.float8_linears()? else {
+            return Ok(());
+        };
+        let f = &self.quantize.linear.float8;
+        if f.enable_fsdp_float8_all_gather && options.recipe != Float8Recipe::Tensorwise {
+            bail!("[quantize.linear.float8] enable_fsdp_float8_all_gather needs recipe_name = \"tensorwise\" (it is \"{}\")", f.recipe_name);
+        }
+        if f.enable_fsdp_float8_all_gather {
+            bail!("[quantize.linear.float8] enable_fsdp_float8_all_gather is not built yet: FSDP gathers the weights in their own precision and the float8 GEMMs cast them (same numbers); set it to false");
+        }
+        if f.precompute_float8_dynamic_scale_for_fsdp {
+            bail!("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather (not built yet); set it to false");
+        }
+        if self.training.device == "cuda" && !f.emulate {
+            bail!("[quantize.linear.float8] emulate = false: float8 GEMMs on CUDA (cuBLASLt) are not built yet; set emulate = true to run the emulated float8 numerics on the GPU");
+        }
+        Ok(())
+    }
+}
