@@ -228,3 +228,20 @@ pub fn hf_python() -> Option<String> {
     }
     ok.then_some(py)
 }
+
+/// The Python with torch and torchao for the float8 parity tests: `TITAN_HF_PYTHON` (default
+/// `python3`), which CI installs torchao into. None, after `reference_missing` (a failure in CI),
+/// when it cannot import them.
+pub fn torchao_python() -> Option<String> {
+    let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import torch, torchao.float8"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        reference_missing(&format!(
+            "no Python with torch and torchao at `{py}` (set TITAN_HF_PYTHON to run the float8 parity check)"
+        ));
+    }
+    ok.then_some(py)
+}

@@ -1,0 +1,146 @@
+//! titan's float8 linears against torchao's own `Float8Linear` (`emulate=True`, on the CPU): for
+//! each recipe, the forward `Y = X·Wᵀ` and both backward products `dX`, `dW` of one linear on the
+//! same inputs. The casts are exact arithmetic on both sides, so the products differ only by the
+//! order of the f32 sums; a scale or rounding off anywhere would move whole rows by far more.
+
+mod common;
+
+use std::process::Command;
+
+use titan::backend::cpu::CpuBackend;
+use titan::backend::float8::{Float8Recipe, LinearGemm};
+use titan::model::crossings::single_rank::SingleRank;
+use titan::model::float8_linear::{FeatureSplit, Float8Casts};
+use titan::model::linear::Linear;
+
+const M: usize = 32;
+const K: usize = 48;
+const N: usize = 64;
+
+/// Values of many magnitudes (so the rows' and columns' amaxes differ, and some values fall
+/// below e4m3's normals after scaling), from a fixed pseudo-random sequence.
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..len)
+        .map(|i| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let u = ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
+            u * 10f32.powi((i % 7) as i32 - 3)
+        })
+        .collect()
+}
+
+/// titan's `Y`, `dX`, `dW` for `recipe` on the CPU backend.
+fn titan_products(recipe: Float8Recipe, x: &[f32], w: &[f32], g: &[f32]) -> [Vec<f32>; 3] {
+    let be = CpuBackend::default();
+    let linear = Linear::new(K, N).in_float8(Some(recipe));
+    let casts = Float8Casts {
+        tp: &SingleRank,
+        split: FeatureSplit::Outputs,
+    };
+    let (x, w, g) = (x.to_vec(), w.to_vec(), g.to_vec());
+    let [xq, wq] = casts
+        .operands(&be, linear, LinearGemm::Output, (&x, &w), M)
+        .unwrap();
+    let mut y = vec![0f32; M * N];
+    linear.forward(&be, &mut y, xq.buf(), wq.buf(), M);
+    let [gq, wq] = casts
+        .operands(&be, linear, LinearGemm::InputGrad, (&g, &w), M)
+        .unwrap();
+    let mut dx = vec![0f32; M * K];
+    linear.input_grad(&be, &mut dx, gq.buf(), wq.buf(), M);
+    let [gq, xq] = casts
+        .operands(&be, linear, LinearGemm::WeightGrad, (&g, &x), M)
+        .unwrap();
+    let mut dw = vec![0f32; N * K];
+    linear.add_weight_grad(&be, &mut dw, gq.buf(), xq.buf(), M);
+    [y, dx, dw]
+}
+
+/// torchao's `Y`, `dX`, `dW` for `recipe` (`Float8LinearConfig.from_recipe_name`, emulated).
+fn torchao_products(py: &str, recipe: &str, x: &[f32], w: &[f32], g: &[f32]) -> [Vec<f32>; 3] {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, v: &[f32]| {
+        let p = dir.path().join(name);
+        std::fs::write(
+            &p,
+            v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>(),
+        )
+        .unwrap();
+        p
+    };
+    let (xp, wp, gp) = (write("x", x), write("w", w), write("g", g));
+    let out = dir.path().join("out");
+    let script = format!(
+        "import sys, dataclasses, torch\n\
+         from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n\
+         def load(p, *shape):\n    return torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.float32).reshape(*shape).clone()\n\
+         x, w, g = load(sys.argv[1], {M}, {K}), load(sys.argv[2], {N}, {K}), load(sys.argv[3], {M}, {N})\n\
+         m = torch.nn.Sequential(torch.nn.Linear({K}, {N}, bias=False))\n\
+         with torch.no_grad():\n    m[0].weight.copy_(w)\n\
+         config = dataclasses.replace(Float8LinearConfig.from_recipe_name('{recipe}'), emulate=True)\n\
+         convert_to_float8_training(m, config=config)\n\
+         x.requires_grad_(True)\n\
+         y = m(x)\n\
+         y.backward(g)\n\
+         out = torch.cat([y.detach().flatten(), x.grad.flatten(), m[0].weight.grad.flatten()])\n\
+         open(sys.argv[4], 'wb').write(out.numpy().tobytes())\n"
+    );
+    let o = Command::new(py)
+        .args(["-c", &script])
+        .args([&xp, &wp, &gp, &out])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all: Vec<f32> = std::fs::read(&out)
+        .unwrap()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (y, rest) = all.split_at(M * N);
+    let (dx, dw) = rest.split_at(M * K);
+    [y.to_vec(), dx.to_vec(), dw.to_vec()]
+}
+
+#[test]
+fn float8_linears_match_torchao_for_every_recipe() {
+    let Some(py) = common::torchao_python() else {
+        return;
+    };
+    let (x, w, g) = (values(M * K, 1), values(N * K, 2), values(M * N, 3));
+    for (recipe, name) in [
+        (Float8Recipe::Tensorwise, "tensorwise"),
+        (Float8Recipe::Rowwise, "rowwise"),
+        (Float8Recipe::RowwiseWithGwHp, "rowwise_with_gw_hp"),
+    ] {
+        let mine = titan_products(recipe, &x, &w, &g);
+        let theirs = torchao_products(&py, name, &x, &w, &g);
+        for ((product, a), b) in ["Y", "dX", "dW"].iter().zip(&mine).zip(&theirs) {
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= 1e-6 * scale,
+                "{name} {product}: titan and torchao differ by {worst:e} (largest value {scale:e})"
+            );
+        }
+        // Not the high-precision products: the casts changed the numbers.
+        let plain: Vec<f32> = (0..M * N)
+            .map(|i| (0..K).map(|k| x[i / N * K + k] * w[i % N * K + k]).sum())
+            .collect();
+        let moved = mine[0]
+            .iter()
+            .zip(&plain)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            moved > 1e-4,
+            "{name}: the float8 forward equals the fp32 one"
+        );
+    }
+}
