@@ -38,6 +38,7 @@ fn titan_products(recipe: Float8Recipe, x: &[f32], w: &[f32], g: &[f32]) -> [Vec
     let linear = Linear::new(K, N).in_float8(Some(recipe));
     let casts = Float8Casts {
         tp: &SingleRank,
+        cp: &SingleRank,
         split: FeatureSplit::Outputs,
     };
     let (x, w, g) = (x.to_vec(), w.to_vec(), g.to_vec());

@@ -6,10 +6,15 @@
 //! The scales are those of the whole operand. Where tensor parallelism splits the dimension an
 //! amax runs over (a column-parallel linear's output features `N`, a row-parallel one's input
 //! features `K`), the amaxes are agreed over the group (`TensorParallelOps::all_reduce_max`)
-//! before any value is cast, so every layout casts exactly as one process does.
+//! before any value is cast; where context parallelism splits each sequence's token rows `M`,
+//! amaxes over rows are agreed over its group. So every layout casts exactly as one process does
+//! on the same micro-batch. (Data parallelism is not reduced over: as in torchao, each rank's
+//! micro-batch is its own GEMM, and one process running the same micro-batches with gradient
+//! accumulation casts the same.)
 
 use anyhow::Result;
 
+use super::crossings::context::ContextParallelOps;
 use super::crossings::tensor::TensorParallelOps;
 use super::linear::Linear;
 use crate::backend::float8::{Float8Recipe, LinearGemm, Quantization, ScaleAxis};
@@ -59,9 +64,12 @@ enum Dim {
     K,
 }
 
-/// Casts a linear's GEMM operands, agreeing scales over its tensor-parallel group.
+/// Casts a linear's GEMM operands, agreeing scales over the groups that split an amax's axis.
 pub struct Float8Casts<'a, B: Backend> {
+    /// Splits the features as `split` says.
     pub tp: &'a dyn TensorParallelOps<B>,
+    /// Splits each sequence's token rows (`M`).
+    pub cp: &'a dyn ContextParallelOps<B>,
     pub split: FeatureSplit,
 }
 
@@ -127,6 +135,9 @@ impl<B: Backend> Float8Casts<'_, B> {
         };
         if self.tp.degree() > 1 && spans.contains(&split) {
             self.tp.all_reduce_max(&mut amaxes)?;
+        }
+        if self.cp.degree() > 1 && spans.contains(&Dim::M) {
+            self.cp.max_amax_over_group(&mut amaxes)?;
         }
         Ok(Operand::Cast(be.float8_fake_quantized(x, cols, q, &amaxes)))
     }

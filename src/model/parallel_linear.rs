@@ -25,6 +25,7 @@
 
 use anyhow::Result;
 
+use super::crossings::context::ContextParallelOps;
 use super::crossings::tensor::TensorParallelOps;
 use super::float8_linear::{FeatureSplit, Float8Casts, Operand, SharedInput};
 use super::linear::Linear;
@@ -94,6 +95,9 @@ impl<B: Backend> DeferredWeightGrad<B> {
 /// backward leaves the weight gradients there instead of computing them.
 pub struct SequenceParallel<'a, B: Backend> {
     pub tp: &'a dyn TensorParallelOps<B>,
+    /// The context-parallel group, whose ranks hold the other rows of the same sequences: a float8
+    /// amax over token rows is agreed over it.
+    pub cp: &'a dyn ContextParallelOps<B>,
     pub tokens: usize,
     pub deferred: Option<&'a std::cell::RefCell<Vec<DeferredWeightGrad<B>>>>,
 }
@@ -111,7 +115,11 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
 
     /// The float8 casts of a layer whose features the group splits as `split`.
     fn casts(&self, split: FeatureSplit) -> Float8Casts<'_, B> {
-        Float8Casts { tp: self.tp, split }
+        Float8Casts {
+            tp: self.tp,
+            cp: self.cp,
+            split,
+        }
     }
 
     /// `dW += dyᵀ · x` now, or its operands kept for later (`deferred`): copies, or the float8

@@ -350,6 +350,10 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
             .all_reduce(values, crate::comm::group::ReduceOp::Sum)
     }
 
+    fn max_amax_over_group(&self, amaxes: &mut [f32]) -> Result<()> {
+        crate::comm::group::all_reduce_amax(self.group.as_ref(), amaxes)
+    }
+
     fn attention_forward(
         &self,
         be: &B,

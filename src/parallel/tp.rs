@@ -36,7 +36,7 @@ use anyhow::{anyhow, Result};
 use rayon::prelude::*;
 
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
-use crate::comm::group::{ProcessGroup, ReduceOp};
+use crate::comm::group::{all_reduce_amax, ProcessGroup, ReduceOp};
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::crossings::tensor::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
@@ -239,18 +239,7 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
     }
 
     fn all_reduce_max(&self, amaxes: &mut [f32]) -> Result<()> {
-        // `f32::max` drops a NaN, so a NaN amax travels as +inf and comes back as NaN. (An
-        // infinite amax dequantises every value to NaN as well: scale 0, inverse infinity.)
-        amaxes
-            .iter_mut()
-            .filter(|a| a.is_nan())
-            .for_each(|a| *a = f32::INFINITY);
-        self.waiting(|| self.group.all_reduce(amaxes, ReduceOp::Max))?;
-        amaxes
-            .iter_mut()
-            .filter(|a| a.is_infinite())
-            .for_each(|a| *a = f32::NAN);
-        Ok(())
+        self.waiting(|| all_reduce_amax(self.group.as_ref(), amaxes))
     }
 
     fn overlap_chunks(&self) -> usize {

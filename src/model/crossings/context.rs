@@ -94,6 +94,12 @@ pub trait ContextParallelOps<B: Backend>: Send + Sync {
     fn sum_over_group(&self, _values: &mut [f32]) -> Result<()> {
         Ok(())
     }
+
+    /// Float8 amaxes over the token rows the group splits, the largest over the group, in place
+    /// (so a sequence's scales are those of the whole sequence); nothing to do for one rank.
+    fn max_amax_over_group(&self, _amaxes: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -125,6 +125,7 @@ impl<B: Backend> Llama<B> {
     pub(super) fn sequence_parallel(&self, tokens: usize) -> SequenceParallel<'_, B> {
         SequenceParallel {
             tp: self.tp.as_ref(),
+            cp: self.cp.as_ref(),
             tokens,
             deferred: None,
         }
