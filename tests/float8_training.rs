@@ -198,3 +198,157 @@ fn float8_moe_under_ep_and_hsdp_by_tp_match_one_process() {
     .concat();
     check("float8 HSDP 2x2 x TP 2", &short, &nproc("8"), &hsdp_tp);
 }
+
+/// A run resumed from `ckpt`'s step-5 checkpoint into a fresh folder, to step 10, with `args`:
+/// its losses (steps 6–10) and what it printed.
+fn resumed_from_step_5(ckpt: &std::path::Path, args: &[&str]) -> (Vec<(u64, f64)>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let dst = dir.path().join("checkpoint");
+    std::fs::create_dir_all(&dst).unwrap();
+    let status = std::process::Command::new("cp")
+        .arg("-r")
+        .arg(ckpt.join("checkpoint/step-5"))
+        .arg(&dst)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let o = train(
+        dir.path(),
+        &[],
+        &[args, &["--training.steps", "10"]].concat(),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(out.contains("resumed from"), "{out}");
+    (metric(dir.path(), "loss"), out)
+}
+
+#[test]
+fn a_float8_run_resumes_bitwise_and_its_checkpoint_loads_without_float8() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[],
+        &[FLOAT8, &["--training.steps", "10"]].concat(),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let straight: Vec<(u64, f64)> = metric(dir.path(), "loss")
+        .into_iter()
+        .filter(|(s, _)| *s > 5)
+        .collect();
+    let (resumed, _) = resumed_from_step_5(dir.path(), FLOAT8);
+    assert_eq!(common::bits(&resumed), common::bits(&straight));
+    // float8 is how the GEMMs compute, not how weights are stored: a run without it loads the
+    // checkpoint and trains on from it, with other numbers.
+    let (plain, out) = resumed_from_step_5(dir.path(), &[]);
+    assert!(!out.contains("float8"), "{out}");
+    assert_eq!(plain.len(), straight.len());
+    assert!(plain
+        .iter()
+        .zip(&straight)
+        .all(|(a, b)| a.1 != b.1 && (a.1 - b.1).abs() < 0.05));
+}
+
+#[test]
+fn bad_float8_settings_are_refused_naming_the_key() {
+    let load = |args: &[&str]| {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        format!(
+            "{:#}",
+            titan::config::Config::load(None, &args).unwrap_err()
+        )
+    };
+    let cases: Vec<(Vec<&str>, &[&str])> = vec![
+        (
+            vec!["--model.converters", "quantize.linear.fp8"],
+            &[
+                "converters",
+                "quantize.linear.fp8",
+                "quantize.linear.float8",
+            ],
+        ),
+        (
+            [&recipe("blockwise")[..]].concat(),
+            &["recipe_name", "blockwise", "rowwise_with_gw_hp"],
+        ),
+        (
+            [
+                FLOAT8,
+                &[
+                    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+                    "true",
+                ],
+            ]
+            .concat(),
+            &["enable_fsdp_float8_all_gather", "tensorwise"],
+        ),
+        (
+            vec![
+                "--model.converters",
+                "quantize.linear.float8,quantize.linear.mx",
+            ],
+            &["quantize.linear.mx", "not built yet"],
+        ),
+        (
+            [&recipe("tensorwise")[..], &["--training.device", "cuda"]].concat(),
+            &["emulate", "not built yet"],
+        ),
+        (
+            vec!["--quantize.linear.float8.recipe", "rowwise"],
+            &["recipe", "recipe_name"],
+        ),
+    ];
+    for (args, needles) in cases {
+        let e = load(&args);
+        for n in needles {
+            assert!(e.contains(n), "{args:?}: `{n}` not in: {e}");
+        }
+    }
+    // The size thresholds exist for tensorwise and rowwise only.
+    let dir = tempfile::tempdir().unwrap();
+    let gw_hp_auto = [
+        &recipe("rowwise_with_gw_hp")[..],
+        &[
+            "--quantize.linear.float8.filter_fqns",
+            "[\"output\", \"auto_filter_small_kn\"]",
+        ],
+    ]
+    .concat();
+    let o = train(dir.path(), &[], &gw_hp_auto);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && e.contains("auto_filter_small_kn")
+            && e.contains("rowwise_with_gw_hp"),
+        "{e}"
+    );
+}
+
+#[test]
+fn filtered_and_small_linears_stay_in_high_precision_and_say_why() {
+    let dir = tempfile::tempdir().unwrap();
+    // Feed-forward width 72 (not a multiple of 16); the value projections filtered by name.
+    let args = [
+        FLOAT8,
+        &[
+            "--model.multiple_of",
+            "8",
+            "--model.ffn_dim_multiplier",
+            "0.5",
+            "--quantize.linear.float8.filter_fqns",
+            "[\"output\", \"attention.wv\"]",
+            "--training.steps",
+            "2",
+        ],
+    ]
+    .concat();
+    let o = train(dir.path(), &[], &args);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("6 linears in float8: layers.*.attention.wq, layers.*.attention.wk, layers.*.attention.wo")
+            && out.contains("left in high precision: layers.*.attention.wv (filter_fqns \"attention.wv\")")
+            && out.contains("are not multiples of 16"),
+        "{out}"
+    );
+}

@@ -212,3 +212,55 @@ fn below_torchao_thresholds(recipe: Float8Recipe, d_in: usize, d_out: usize) -> 
         _ => d_in <= 2048 || d_out <= 1024 || (d_in <= 4096 && d_out <= 2048),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torchao_thresholds_read_weights_as_out_by_in() {
+        // torchao names a weight's shape `K, N = weight.shape` ([out, in]).
+        let tensorwise = |o, i| below_torchao_thresholds(Float8Recipe::Tensorwise, i, o);
+        assert!(!tensorwise(8192, 2048));
+        assert!(tensorwise(4096, 1024));
+        assert!(!tensorwise(4096, 1040));
+        let rowwise = |o, i| below_torchao_thresholds(Float8Recipe::Rowwise, i, o);
+        assert!(rowwise(8192, 2048)); // in ≤ 2048
+        assert!(rowwise(1024, 8192)); // out ≤ 1024
+        assert!(rowwise(2048, 4096)); // in ≤ 4096 and out ≤ 2048
+        assert!(!rowwise(2064, 4096));
+        assert!(!rowwise(8192, 8192));
+    }
+
+    #[test]
+    fn the_plan_converts_block_projections_and_reports_the_rest() {
+        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        args.n_layers = 2;
+        let options = Float8Options {
+            recipe: Float8Recipe::Rowwise,
+            filter_fqns: vec!["output".into(), "layers.1.".into()],
+        };
+        let plan = Float8Conversion::plan(&args, &options).unwrap();
+        assert_eq!(plan.converted(), 7);
+        assert!((0..7).all(|i| plan.recipe(0, i) == Some(Float8Recipe::Rowwise)));
+        assert!((0..7).all(|i| plan.recipe(1, i).is_none()));
+        let summary = plan.summary(args.n_layers).join("\n");
+        assert!(
+            summary.contains("7 linears in float8: layers.0.attention.wq")
+                && summary.contains("layers.1.feed_forward.w2")
+                && summary.contains("output (filter_fqns \"output\")"),
+            "{summary}"
+        );
+        let auto = Float8Options {
+            recipe: Float8Recipe::Rowwise,
+            filter_fqns: vec![AUTO_FILTER_SMALL_KN.into()],
+        };
+        let small = Float8Conversion::plan(&args, &auto).unwrap();
+        assert_eq!(
+            small.converted(),
+            0,
+            "the debug model is below every threshold"
+        );
+        assert!(small.summary(2).join("\n").contains("fused with the loss"));
+    }
+}
