@@ -134,6 +134,19 @@ fn float8_layouts_match_one_process() {
         "1",
     ];
     check("float8 TP 2", &[], &nproc("2"), &tp);
+    let async_tp = [
+        &tp[..],
+        &["--parallelism.enable_async_tensor_parallel", "true"],
+    ]
+    .concat();
+    check("float8 async TP 2", &[], &nproc("2"), &async_tp);
+    // Activation checkpointing recomputes the casts with the block.
+    check(
+        "float8 AC full",
+        &[],
+        &[],
+        &["--activation_checkpoint.mode", "full"],
+    );
     let cp = [
         "--parallelism.context_parallel_degree",
         "2",

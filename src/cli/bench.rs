@@ -66,6 +66,11 @@ pub struct BenchTrainArgs {
     /// GEMMs on CUDA), tfloat32 (CUDA) or float32. Default: bfloat16 on CUDA, float32 on the CPU.
     #[arg(long)]
     pub precision: Option<String>,
+    /// Float8 linears with this recipe (rowwise, rowwise_with_gw_hp or tensorwise): sets
+    /// `[model] converters = ["quantize.linear.float8"]` and `[quantize.linear.float8]
+    /// recipe_name` (and `emulate` on CUDA). Compare its step with a run without it.
+    #[arg(long, value_name = "RECIPE")]
+    pub float8: Option<String>,
     /// Peak TFLOP/s of one device for MFU; 0 uses the device default (989 for an H100/H200 in bf16).
     #[arg(long, default_value_t = 0.0)]
     pub peak_tflops: f64,
@@ -109,6 +114,13 @@ impl BenchTrainArgs {
         }
         if let Some(kv) = self.kv_heads {
             set("model.n_kv_heads", kv.to_string());
+        }
+        if let Some(recipe) = &self.float8 {
+            set("model.converters", crate::config::FLOAT8_LINEAR.into());
+            set("quantize.linear.float8.recipe_name", format!("\"{recipe}\""));
+            if device == "cuda" {
+                set("quantize.linear.float8.emulate", "true".into());
+            }
         }
         set("training.device", format!("\"{device}\""));
         set("training.mixed_precision_param", format!("\"{precision}\""));

@@ -323,13 +323,19 @@ impl<'a> BenchReport<'a> {
         })
     }
 
+    /// The float8 linears' recipe, when `[model] converters` has them.
+    fn float8_recipe(&self) -> Option<&str> {
+        let on = matches!(self.cfg.float8_linears(), Ok(Some(_)));
+        on.then_some(self.cfg.quantize.linear.float8.recipe_name.as_str())
+    }
+
     /// The `--json` object.
     pub(super) fn json(&self) -> serde_json::Value {
         let (cfg, r, j) = (self.cfg, &self.rates, &self.job);
         let p = &cfg.parallelism;
         let tp = p.tensor_parallel_degree;
         let (times, losses, ep) = (&self.times, &self.losses, self.ep);
-        serde_json::json!({"device": self.device, "precision": cfg.training.mixed_precision_param, "flavor": cfg.model.flavor, "batch": cfg.training.local_batch_size, "seq": cfg.training.seq_len, "threads": self.threads, "n_kv_heads": self.args.n_kv_heads,
+        let mut object = serde_json::json!({"device": self.device, "precision": cfg.training.mixed_precision_param, "flavor": cfg.model.flavor, "batch": cfg.training.local_batch_size, "seq": cfg.training.seq_len, "threads": self.threads, "n_kv_heads": self.args.n_kv_heads,
             "nproc": self.world, "layout": self.layout_name, "global_batch": self.global_batch, "micro_batches": self.accum,
             "tensor_parallel_degree": tp, "async_tensor_parallel": p.enable_async_tensor_parallel,
             "activation_checkpoint": self.ac,
@@ -351,7 +357,9 @@ impl<'a> BenchReport<'a> {
             "cp_attention_s_per_step_per_rank": j.cp.as_ref().map(|c| &c.attention),
             "cp_attention_slowest_over_fastest": j.cp.as_ref().map(CpPerRank::spread),
             "peak_rss_mib_per_rank": j.cp.as_ref().map(|c| &c.peaks),
-            "loss_first": losses[0], "loss_last": losses[losses.len()-1]})
+            "loss_first": losses[0], "loss_last": losses[losses.len()-1]});
+        object["float8"] = serde_json::json!(self.float8_recipe());
+        object
     }
 
     /// The line of text printed without `--json`.
@@ -366,8 +374,13 @@ impl<'a> BenchReport<'a> {
         };
         let exposed = self.communication_text();
         let (times, losses) = (&self.times, &self.losses);
+        // MFU counts the FLOPs the model has, whatever precision computes them.
+        let (float8, mfu_kind) = match self.float8_recipe() {
+            Some(r) => (format!(" float8 {r} (emulated)"), " (bf16-equivalent FLOPs)"),
+            None => (String::new(), ""),
+        };
         format!(
-            "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} AC {ac} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}% | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
+            "bench train | {} {} {layout_name} b={batch} s={seq} threads={threads} AC {ac}{float8} | tok/s {tok_s:.0} ({:.0}/device) | step {:.1} ms (min {:.1}, max {:.1}) | GFLOP/s {gflops:.1} | MFU {mfu:.1}%{mfu_kind} | {memory} (estimate {:.0} MiB){exposed} | loss {:.3} -> {:.3}",
             self.device,
             cfg.model.flavor,
             tok_s / self.world as f64,

@@ -17,6 +17,7 @@ use anyhow::Result;
 use super::crossings::context::ContextParallelOps;
 use super::crossings::tensor::TensorParallelOps;
 use super::linear::Linear;
+use super::local_shapes::LocalShapes;
 use crate::backend::float8::{Float8Recipe, LinearGemm, Quantization, ScaleAxis};
 use crate::backend::Backend;
 
@@ -183,4 +184,15 @@ impl<'x, B: Backend> SharedInput<'x, B> {
         };
         Ok(self.casts[i].1.buf())
     }
+}
+
+/// Bytes of the cast operand copies a float8 layer holds at once, over `tokens` rows of this
+/// rank's shapes (the memory estimate's kernel scratch): the column-parallel backward's, the
+/// most, holds each projection's cast output gradient, the shared cast input and a cast weight
+/// (f32 here: the emulated casts keep their values in f32).
+pub fn cast_scratch_bytes(local: &LocalShapes, tokens: usize) -> u64 {
+    let widest = local.dim.max(local.ffn).max(local.q_dim());
+    let projections = 3;
+    let largest_weight = local.dim * local.ffn.max(local.q_dim());
+    4 * ((projections + 1) * tokens * widest + largest_weight) as u64
 }

@@ -18,10 +18,10 @@
 //!
 //! With one rank every layer is its local GEMMs, in the same order as before tensor parallelism.
 //!
-//! A float8 linear's GEMMs read operands cast first, whole (`float8_linear`): a row-parallel
-//! forward and a column-parallel backward cast before cutting chunks, and a layer whose input
-//! arrives in gathered chunks (column-parallel forward, row-parallel backward) gathers it whole
-//! before the cast, so async TP runs those as plain TP.
+//! A float8 linear's GEMMs read operands cast first, whole (`float8_linear`), and a cast may agree
+//! its scales over the group, which cannot run between queued collectives. So a row-parallel
+//! forward casts before cutting chunks, and the other three (whose input arrives in gathered
+//! chunks, or whose weight gradients run while reduce-scatters are queued) run as plain TP.
 
 use anyhow::Result;
 
@@ -155,11 +155,11 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         self.tokens / self.degree()
     }
 
-    /// The chunks async TP cuts the local rows into (empty for plain TP, and for a layer whose
-    /// gathered input a float8 linear casts whole).
-    fn chunks(&self, gathers_float8_input: bool) -> Vec<Chunk> {
+    /// The chunks async TP cuts the local rows into (empty for plain TP, and for a float8 layer
+    /// that casts while the chunks would be in flight).
+    fn chunks(&self, float8_casts_between: bool) -> Vec<Chunk> {
         let parts = self.tp.overlap_chunks().min(self.local_rows());
-        if self.degree() == 1 || parts <= 1 || gathers_float8_input {
+        if self.degree() == 1 || parts <= 1 || float8_casts_between {
             return Vec::new();
         }
         let per = self.local_rows().div_ceil(parts);
@@ -371,7 +371,9 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         let n = self.tokens;
         let casts = self.casts(FeatureSplit::Outputs);
         let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
-        let chunks = self.chunks(false);
+        // A float8 weight gradient may agree its scales over the group, which cannot run while
+        // the chunks' reduce-scatters are queued on it.
+        let chunks = self.chunks(grads.iter().any(|g| g.linear.float8.is_some()));
         if chunks.is_empty() {
             // Each projection's two GEMMs back to back, so a device converts its `dy` once.
             let target = if self.degree() == 1 {

@@ -85,7 +85,7 @@ impl<B: Backend> Banner<'_, B> {
             return Vec::new();
         };
         let async_tp = match self.cfg.parallelism.enable_async_tensor_parallel {
-            true => "; async TP overlaps the row-parallel forward and column-parallel backward only (a float8 cast reads its gathered input whole)",
+            true => "; async TP overlaps the row-parallel forwards only (a float8 cast reads its operand whole and may agree scales over the group)",
             false => "",
         };
         let head = format!(

@@ -213,6 +213,10 @@ impl RankPlan {
         let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
             .expect("validated with the config");
         let ac = cfg.activation_checkpoint.mode()?;
+        let float8 = match cfg.float8_linears()? {
+            Some(options) => Float8Conversion::plan(&args, &options)?,
+            None => Float8Conversion::default(),
+        };
         let sizing = RankSizing {
             be,
             cfg,
@@ -229,12 +233,9 @@ impl RankPlan {
             reshard,
             ranks_sharing_memory,
             rank: dist.map_or(0, |d| d.rank),
+            float8: float8.converted() > 0,
         };
         let estimate = sizing.check_or_suggest(ac)?;
-        let float8 = match cfg.float8_linears()? {
-            Some(options) => Float8Conversion::plan(&args, &options)?,
-            None => Float8Conversion::default(),
-        };
         Ok(RankPlan {
             args,
             local,

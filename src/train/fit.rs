@@ -10,6 +10,7 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
+use crate::model::float8_linear::cast_scratch_bytes;
 use crate::model::llama::workspace_floats;
 use crate::model::{LocalShapes, ModelArgs, ParamDtype};
 use crate::parallel::cp::RotateMethod;
@@ -33,6 +34,8 @@ pub struct RankSizing<'a, B: Backend> {
     /// Ranks (this one included) sharing the memory compared with.
     pub ranks_sharing_memory: usize,
     pub rank: usize,
+    /// Whether some linears compute in float8 (their cast copies are scratch).
+    pub float8: bool,
 }
 
 impl<B: Backend> RankSizing<'_, B> {
@@ -44,6 +47,9 @@ impl<B: Backend> RankSizing<'_, B> {
         // Attention runs one pipeline microbatch at a time.
         let rows = self.pipeline.map_or(batch, |p| p.microbatch_rows);
         e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
+        if self.float8 {
+            e.scratch += cast_scratch_bytes(local, rows * local.local_seq(seq));
+        }
         if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {
             e = e.with_compute_copy(self.be);
         }
