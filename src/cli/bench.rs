@@ -117,7 +117,10 @@ impl BenchTrainArgs {
         }
         if let Some(recipe) = &self.float8 {
             set("model.converters", crate::config::FLOAT8_LINEAR.into());
-            set("quantize.linear.float8.recipe_name", format!("\"{recipe}\""));
+            set(
+                "quantize.linear.float8.recipe_name",
+                format!("\"{recipe}\""),
+            );
             if device == "cuda" {
                 set("quantize.linear.float8.emulate", "true".into());
             }

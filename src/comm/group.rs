@@ -31,22 +31,6 @@ pub enum ReduceOp {
     Max,
 }
 
-/// Float8 amaxes (`|x|` maxima, NaN when a value was NaN) the largest over `group`, in place.
-/// `ReduceOp::Max` keeps the larger number and so would drop a NaN: it travels as +inf and comes
-/// back as NaN. (An infinite amax dequantises every value to NaN as well: scale 0, inverse ∞.)
-pub fn all_reduce_amax(group: &dyn ProcessGroup, amaxes: &mut [f32]) -> Result<()> {
-    amaxes
-        .iter_mut()
-        .filter(|a| a.is_nan())
-        .for_each(|a| *a = f32::INFINITY);
-    group.all_reduce(amaxes, ReduceOp::Max)?;
-    amaxes
-        .iter_mut()
-        .filter(|a| a.is_infinite())
-        .for_each(|a| *a = f32::NAN);
-    Ok(())
-}
-
 pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     fn size(&self) -> usize;

@@ -351,7 +351,7 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
     }
 
     fn max_amax_over_group(&self, amaxes: &mut [f32]) -> Result<()> {
-        crate::comm::group::all_reduce_amax(self.group.as_ref(), amaxes)
+        super::amax::all_reduce_amax(self.group.as_ref(), amaxes)
     }
 
     fn attention_forward(

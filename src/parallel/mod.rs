@@ -4,6 +4,7 @@
 //! the operations a step needs of it (`layout`), where its weights live (`param_state`), and the
 //! one walk over the blocks every layout runs (`walk`).
 
+pub mod amax;
 pub mod cp;
 pub mod ddp;
 pub mod ep;

@@ -35,8 +35,9 @@ use std::time::Instant;
 use anyhow::{anyhow, Result};
 use rayon::prelude::*;
 
+use super::amax::all_reduce_amax;
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
-use crate::comm::group::{all_reduce_amax, ProcessGroup, ReduceOp};
+use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::crossings::tensor::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
