@@ -1,5 +1,6 @@
-//! titan's float8 linears against torchao's own `Float8Linear` (`emulate=True`, on the CPU): for
-//! each recipe, the forward `Y = X·Wᵀ` and both backward products `dX`, `dW` of one linear on the
+//! titan's float8 linears against torchao's own `Float8Linear` (`emulate=True`, on the CPU), and
+//! its MXFP8 linears against torchao's MXFP8 training linear (`KernelPreference.EMULATED`, FLOOR
+//! and RCEIL scales): for each recipe, the forward `Y = X·Wᵀ` and both backward products `dX`, `dW` of one linear on the
 //! same inputs. The casts are exact arithmetic on both sides, so the products differ only by the
 //! order of the f32 sums; a scale or rounding off anywhere would move whole rows by far more.
 
@@ -13,9 +14,26 @@ use titan::model::crossings::single_rank::SingleRank;
 use titan::model::float8_linear::{FeatureSplit, Float8Casts};
 use titan::model::linear::Linear;
 
-const M: usize = 32;
-const K: usize = 48;
-const N: usize = 64;
+/// A linear's GEMM sizes: `M` token rows, `K` input and `N` output features.
+#[derive(Clone, Copy)]
+struct Dims {
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+/// Float8's sizes (not multiples of 32: float8 has no blocks).
+const FLOAT8_DIMS: Dims = Dims {
+    m: 32,
+    k: 48,
+    n: 64,
+};
+/// MXFP8's sizes: each a multiple of its blocks of 32.
+const MX_DIMS: Dims = Dims {
+    m: 64,
+    k: 96,
+    n: 128,
+};
 
 /// Values of many magnitudes (so the rows' and columns' amaxes differ, and some values fall
 /// below e4m3's normals after scaling), from a fixed pseudo-random sequence.
@@ -33,7 +51,11 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
 }
 
 /// titan's `Y`, `dX`, `dW` for `recipe` on the CPU backend.
-fn titan_products(recipe: Float8Recipe, x: &[f32], w: &[f32], g: &[f32]) -> [Vec<f32>; 3] {
+fn titan_products(
+    recipe: Float8Recipe,
+    Dims { m: M, k: K, n: N }: Dims,
+    (x, w, g): (&[f32], &[f32], &[f32]),
+) -> [Vec<f32>; 3] {
     let be = CpuBackend::default();
     let linear = Linear::new(K, N).in_float8(Some(recipe));
     let casts = Float8Casts {
@@ -60,8 +82,14 @@ fn titan_products(recipe: Float8Recipe, x: &[f32], w: &[f32], g: &[f32]) -> [Vec
     [y, dx, dw]
 }
 
-/// torchao's `Y`, `dX`, `dW` for `recipe` (`Float8LinearConfig.from_recipe_name`, emulated).
-fn torchao_products(py: &str, recipe: &str, x: &[f32], w: &[f32], g: &[f32]) -> [Vec<f32>; 3] {
+/// torchao's `Y`, `dX`, `dW` from a linear `convert` (Python lines converting the
+/// `nn.Sequential` `m`, emulated) makes.
+fn torchao_products(
+    py: &str,
+    convert: &str,
+    Dims { m: M, k: K, n: N }: Dims,
+    (x, w, g): (&[f32], &[f32], &[f32]),
+) -> [Vec<f32>; 3] {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, v: &[f32]| {
         let p = dir.path().join(name);
@@ -76,13 +104,11 @@ fn torchao_products(py: &str, recipe: &str, x: &[f32], w: &[f32], g: &[f32]) -> 
     let out = dir.path().join("out");
     let script = format!(
         "import sys, dataclasses, torch\n\
-         from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n\
          def load(p, *shape):\n    return torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.float32).reshape(*shape).clone()\n\
          x, w, g = load(sys.argv[1], {M}, {K}), load(sys.argv[2], {N}, {K}), load(sys.argv[3], {M}, {N})\n\
          m = torch.nn.Sequential(torch.nn.Linear({K}, {N}, bias=False))\n\
          with torch.no_grad():\n    m[0].weight.copy_(w)\n\
-         config = dataclasses.replace(Float8LinearConfig.from_recipe_name('{recipe}'), emulate=True)\n\
-         convert_to_float8_training(m, config=config)\n\
+         {convert}\n\
          x.requires_grad_(True)\n\
          y = m(x)\n\
          y.backward(g)\n\
@@ -105,43 +131,94 @@ fn torchao_products(py: &str, recipe: &str, x: &[f32], w: &[f32], g: &[f32]) -> 
     [y.to_vec(), dx.to_vec(), dw.to_vec()]
 }
 
+/// Checks titan's three products against torchao's: within 1e-6 of the largest value, and not the
+/// high-precision forward.
+fn assert_matches(
+    what: &str,
+    dims: Dims,
+    mine: &[Vec<f32>; 3],
+    theirs: &[Vec<f32>; 3],
+    x: &[f32],
+    w: &[f32],
+) {
+    for ((product, a), b) in ["Y", "dX", "dW"].iter().zip(mine).zip(theirs) {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= 1e-6 * scale,
+            "{what} {product}: titan and torchao differ by {worst:e} (largest value {scale:e})"
+        );
+    }
+    // Not the high-precision products: the casts changed the numbers.
+    let Dims { m: _, k, n } = dims;
+    let plain: Vec<f32> = (0..mine[0].len())
+        .map(|i| (0..k).map(|j| x[i / n * k + j] * w[i % n * k + j]).sum())
+        .collect();
+    let moved = mine[0]
+        .iter()
+        .zip(&plain)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-4,
+        "{what}: the low-precision forward equals the fp32 one"
+    );
+}
+
 #[test]
 fn float8_linears_match_torchao_for_every_recipe() {
     let Some(py) = common::torchao_python() else {
         return;
     };
-    let (x, w, g) = (values(M * K, 1), values(N * K, 2), values(M * N, 3));
+    let d = FLOAT8_DIMS;
+    let (x, w, g) = (
+        values(d.m * d.k, 1),
+        values(d.n * d.k, 2),
+        values(d.m * d.n, 3),
+    );
     for (recipe, name) in [
         (Float8Recipe::Tensorwise, "tensorwise"),
         (Float8Recipe::Rowwise, "rowwise"),
         (Float8Recipe::RowwiseWithGwHp, "rowwise_with_gw_hp"),
     ] {
-        let mine = titan_products(recipe, &x, &w, &g);
-        let theirs = torchao_products(&py, name, &x, &w, &g);
-        for ((product, a), b) in ["Y", "dX", "dW"].iter().zip(&mine).zip(&theirs) {
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(
-                worst <= 1e-6 * scale,
-                "{name} {product}: titan and torchao differ by {worst:e} (largest value {scale:e})"
-            );
-        }
-        // Not the high-precision products: the casts changed the numbers.
-        let plain: Vec<f32> = (0..M * N)
-            .map(|i| (0..K).map(|k| x[i / N * K + k] * w[i % N * K + k]).sum())
-            .collect();
-        let moved = mine[0]
-            .iter()
-            .zip(&plain)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            moved > 1e-4,
-            "{name}: the float8 forward equals the fp32 one"
+        let convert = format!(
+            "from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n\
+             config = dataclasses.replace(Float8LinearConfig.from_recipe_name('{name}'), emulate=True)\n\
+             convert_to_float8_training(m, config=config)"
         );
+        let mine = titan_products(recipe, d, (&x, &w, &g));
+        let theirs = torchao_products(&py, &convert, d, (&x, &w, &g));
+        assert_matches(name, d, &mine, &theirs, &x, &w);
+    }
+}
+
+#[test]
+fn mxfp8_linears_match_torchao_with_floor_and_rceil_scales() {
+    let Some(py) = common::torchao_python() else {
+        return;
+    };
+    let d = MX_DIMS;
+    let (x, w, g) = (
+        values(d.m * d.k, 4),
+        values(d.n * d.k, 5),
+        values(d.m * d.n, 6),
+    );
+    for (name, mode) in [("mxfp8_cublas", "FLOOR"), ("mxfp8_cublas_rceil", "RCEIL")] {
+        let convert = format!(
+            "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig\n\
+             from torchao.prototype.mx_formats.config import ScaleCalculationMode\n\
+             from torchao.quantization import quantize_\n\
+             from torchao.quantization.quantize_.common.kernel_preference import KernelPreference\n\
+             config = MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED, out_dtype=torch.float32, wgrad_with_hp=False, scale_calculation_mode=ScaleCalculationMode.{mode})\n\
+             quantize_(m, config, filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear))"
+        );
+        let recipe = Float8Recipe::parse_mx(name).unwrap();
+        let mine = titan_products(recipe, d, (&x, &w, &g));
+        let theirs = torchao_products(&py, &convert, d, (&x, &w, &g));
+        assert_matches(name, d, &mine, &theirs, &x, &w);
     }
 }

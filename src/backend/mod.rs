@@ -11,7 +11,7 @@ pub mod cuda;
 pub mod float8;
 pub mod profile;
 
-use float8::{Quantization, ScaleAxis};
+use float8::{MxCast, Quantization, ScaleAxis};
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
@@ -434,6 +434,14 @@ pub trait Backend: Send + Sync + 'static {
         let mut out = vec![0f32; host.len()];
         let scales = float8::scales_from_amaxes(amaxes, q);
         float8::fake_quantize_rows(&mut out, &host, cols, 0, &scales, q);
+        self.upload_owned(out)
+    }
+    /// `x` (`[rows, cols]`) cast to MXFP8 as `cast` says and dequantised
+    /// (`float8::mx_fake_quantize_rows`; its blocks' dimension a multiple of 32).
+    fn mx_fake_quantized(&self, x: &Self::Buf, cols: usize, cast: MxCast) -> Self::Buf {
+        let host = self.download(x);
+        let mut out = vec![0f32; host.len()];
+        float8::mx_fake_quantize_rows(&mut out, &host, cols, cast);
         self.upload_owned(out)
     }
 

@@ -323,10 +323,9 @@ impl<'a> BenchReport<'a> {
         })
     }
 
-    /// The float8 linears' recipe, when `[model] converters` has them.
+    /// The float8 or MXFP8 linears' recipe, when `[model] converters` has them.
     fn float8_recipe(&self) -> Option<&str> {
-        let on = matches!(self.cfg.float8_linears(), Ok(Some(_)));
-        on.then_some(self.cfg.quantize.linear.float8.recipe_name.as_str())
+        self.cfg.linear_recipe_name()
     }
 
     /// The `--json` object.

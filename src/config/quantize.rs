@@ -14,12 +14,15 @@ use crate::model::float8_convert::Float8Options;
 pub const CONVERTERS: [&str; 4] = [
     FLOAT8_LINEAR,
     "quantize.grouped_mm.float8",
-    "quantize.linear.mx",
+    MX_LINEAR,
     "quantize.grouped_mm.mx",
 ];
 
 /// Float8 linears with torchao's dynamic scaling.
 pub const FLOAT8_LINEAR: &str = "quantize.linear.float8";
+
+/// MXFP8 linears (blocks of 32 with E8M0 scales).
+pub const MX_LINEAR: &str = "quantize.linear.mx";
 
 /// `[quantize]`: one section per converter.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -66,11 +69,13 @@ impl Default for Float8LinearConfig {
     }
 }
 
-/// `[quantize.linear.mx]`.
+/// `[quantize.linear.mx]` (TorchTitan's keys).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MxLinearConfig {
+    /// `mxfp8_cublas` (FLOOR scales, default) or `mxfp8_cublas_rceil` (RCEIL scales).
     pub recipe_name: String,
+    /// Substrings of linear names left in high precision.
     pub filter_fqns: Vec<String>,
 }
 
@@ -145,16 +150,37 @@ pub(super) fn list_or_comma_separated<'de, D: serde::Deserializer<'de>>(
 }
 
 impl Config {
-    /// The float8 linears' options, when `[model] converters` asks for them.
+    /// The low-precision linears' options, when `[model] converters` asks for float8
+    /// (`quantize.linear.float8`) or MXFP8 (`quantize.linear.mx`) linears.
     pub fn float8_linears(&self) -> Result<Option<Float8Options>> {
-        if !self.model.converters.iter().any(|c| c == FLOAT8_LINEAR) {
-            return Ok(None);
+        let has = |c: &str| self.model.converters.iter().any(|x| x == c);
+        if has(FLOAT8_LINEAR) {
+            let f = &self.quantize.linear.float8;
+            return Ok(Some(Float8Options {
+                recipe: Float8Recipe::parse(&f.recipe_name)?,
+                filter_fqns: f.filter_fqns.clone(),
+            }));
         }
-        let f = &self.quantize.linear.float8;
-        Ok(Some(Float8Options {
-            recipe: Float8Recipe::parse(&f.recipe_name)?,
-            filter_fqns: f.filter_fqns.clone(),
-        }))
+        if has(MX_LINEAR) {
+            let m = &self.quantize.linear.mx;
+            return Ok(Some(Float8Options {
+                recipe: Float8Recipe::parse_mx(&m.recipe_name)?,
+                filter_fqns: m.filter_fqns.clone(),
+            }));
+        }
+        Ok(None)
+    }
+
+    /// The converter and recipe name of the low-precision linears (for reports).
+    pub fn linear_recipe_name(&self) -> Option<&str> {
+        let has = |c: &str| self.model.converters.iter().any(|x| x == c);
+        if has(FLOAT8_LINEAR) {
+            Some(&self.quantize.linear.float8.recipe_name)
+        } else if has(MX_LINEAR) {
+            Some(&self.quantize.linear.mx.recipe_name)
+        } else {
+            None
+        }
     }
 
     pub(super) fn validate_quantize(&self) -> Result<()> {
@@ -165,13 +191,21 @@ impl Config {
                     CONVERTERS.join(", ")
                 );
             }
-            if c != FLOAT8_LINEAR {
-                bail!("[model] converters: `{c}` is not built yet (issue 28 has built quantize.linear.float8 so far; MXFP8 and float8 grouped GEMMs for the experts are next)");
+            if c != FLOAT8_LINEAR && c != MX_LINEAR {
+                bail!("[model] converters: `{c}` is not built yet (issue 28 has built quantize.linear.float8 and quantize.linear.mx so far; the experts' float8 and MXFP8 grouped GEMMs are next)");
             }
         }
+        let linear = |c: &String| c == FLOAT8_LINEAR || c == MX_LINEAR;
+        if self.model.converters.iter().filter(|c| linear(c)).count() > 1 {
+            bail!("[model] converters: quantize.linear.float8 and quantize.linear.mx both convert the linears; choose one");
+        }
+        self.validate_mx_linears()?;
         let Some(options) = self.float8_linears()? else {
             return Ok(());
         };
+        if matches!(options.recipe, Float8Recipe::Mxfp8(_)) {
+            return Ok(());
+        }
         let f = &self.quantize.linear.float8;
         if f.enable_fsdp_float8_all_gather && options.recipe != Float8Recipe::Tensorwise {
             bail!("[quantize.linear.float8] enable_fsdp_float8_all_gather needs recipe_name = \"tensorwise\" (it is \"{}\")", f.recipe_name);
@@ -184,6 +218,29 @@ impl Config {
         }
         if self.training.device == "cuda" && !f.emulate {
             bail!("[quantize.linear.float8] emulate = false: float8 GEMMs on CUDA (cuBLASLt) are not built yet; set emulate = true to run the emulated float8 numerics on the GPU");
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// MXFP8 linears: a context-parallel rank's chunks of a sequence must hold whole blocks of 32
+    /// tokens (so its blocks are one process's), and CUDA has no MXFP8 GEMMs yet.
+    fn validate_mx_linears(&self) -> Result<()> {
+        if !self.model.converters.iter().any(|c| c == MX_LINEAR) {
+            return Ok(());
+        }
+        Float8Recipe::parse_mx(&self.quantize.linear.mx.recipe_name)?;
+        let (cp, seq) = (
+            self.parallelism.context_parallel_degree,
+            self.training.seq_len,
+        );
+        let whole = 2 * cp * crate::backend::float8::MX_BLOCK;
+        if cp > 1 && !seq.is_multiple_of(whole) {
+            bail!("[model] converters = quantize.linear.mx with context_parallel_degree = {cp}: seq_len = {seq} must be a multiple of {whole} (2 × cp chunks of whole MXFP8 blocks of 32 tokens)");
+        }
+        if self.training.device == "cuda" {
+            bail!("[model] converters = quantize.linear.mx: MXFP8 GEMMs on CUDA (SM100 cuBLAS) are not built yet, nor its emulation on the GPU; train MXFP8 linears on the CPU (emulated) for now");
         }
         Ok(())
     }

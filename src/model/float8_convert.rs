@@ -3,7 +3,8 @@
 //!
 //! As torchao's converter (`convert_to_float8_training` with TorchTitan's module filter), a
 //! linear is converted unless a `filter_fqns` entry is a substring of its name, or its input or
-//! output features are not multiples of 16 (the float8 GEMMs' requirement), or, with
+//! output features are not multiples of 16 (the float8 GEMMs' requirement; 32, a block, for
+//! `quantize.linear.mx`'s MXFP8), or, with
 //! `auto_filter_small_kn` among the filters, it is below torchao's size thresholds for the recipe
 //! (`_auto_filter_for_recipe`, measured on H100s). The features counted are the whole model's,
 //! before tensor parallelism splits them.
@@ -50,6 +51,9 @@ impl Float8Conversion {
             .any(|f| f == AUTO_FILTER_SMALL_KN);
         if auto && options.recipe == Float8Recipe::RowwiseWithGwHp {
             bail!("[quantize.linear.float8] filter_fqns: `{AUTO_FILTER_SMALL_KN}` has no size thresholds for recipe_name = \"rowwise_with_gw_hp\" (torchao defines them for tensorwise and rowwise only)");
+        }
+        if auto && matches!(options.recipe, Float8Recipe::Mxfp8(_)) {
+            bail!("[quantize.linear.mx] filter_fqns: `{AUTO_FILTER_SMALL_KN}` has no size thresholds for MXFP8 (torchao defines them for float8 tensorwise and rowwise only)");
         }
         let mut plan = Float8Conversion::default();
         for l in 0..args.n_layers {
@@ -100,9 +104,10 @@ impl Float8Conversion {
         {
             return Some(format!("filter_fqns \"{f}\""));
         }
-        if !d_in.is_multiple_of(16) || !d_out.is_multiple_of(16) {
+        let multiple = options.recipe.feature_multiple();
+        if !d_in.is_multiple_of(multiple) || !d_out.is_multiple_of(multiple) {
             return Some(format!(
-                "features {d_in} -> {d_out} are not multiples of 16"
+                "features {d_in} -> {d_out} are not multiples of {multiple}"
             ));
         }
         if auto && below_torchao_thresholds(options.recipe, d_in, d_out) {

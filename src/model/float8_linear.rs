@@ -12,13 +12,15 @@
 //! micro-batch is its own GEMM, and one process running the same micro-batches with gradient
 //! accumulation casts the same.)
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use super::crossings::context::ContextParallelOps;
 use super::crossings::tensor::TensorParallelOps;
 use super::linear::Linear;
 use super::local_shapes::LocalShapes;
-use crate::backend::float8::{Float8Recipe, LinearGemm, Quantization, ScaleAxis};
+use crate::backend::float8::{
+    Float8Recipe, LinearGemm, MxBlocks, MxCast, OperandCast, Quantization, ScaleAxis, MX_BLOCK,
+};
 use crate::backend::Backend;
 
 /// A GEMM operand: the high-precision buffer itself, or its fake-quantised copy.
@@ -100,7 +102,7 @@ impl<B: Backend> Float8Casts<'_, B> {
         x: &'x B::Buf,
         rows: usize,
     ) -> Result<Operand<'x, B>> {
-        let Some(q) = linear.float8.and_then(|r| r.operands(gemm)[slot]) else {
+        let Some(cast) = linear.float8.and_then(|r| r.operand_casts(gemm)[slot]) else {
             return Ok(Operand::HighPrecision(x));
         };
         let dims = match gemm {
@@ -113,7 +115,11 @@ impl<B: Backend> Float8Casts<'_, B> {
             Dim::N => linear.d_out,
             Dim::K => linear.d_in,
         };
-        self.cast(be, x, [(dims.0, size(dims.0)), (dims.1, size(dims.1))], q)
+        let (rows, cols) = (size(dims.0), size(dims.1));
+        match cast {
+            OperandCast::Scaled(q) => self.cast(be, x, [(dims.0, rows), (dims.1, cols)], q),
+            OperandCast::Mx(mx) => mx_cast(be, x, (rows, cols), mx),
+        }
     }
 
     /// `x` (`[rows, cols]`, their dimensions named) fake-quantised with `q`.
@@ -142,6 +148,26 @@ impl<B: Backend> Float8Casts<'_, B> {
         }
         Ok(Operand::Cast(be.float8_fake_quantized(x, cols, q, &amaxes)))
     }
+}
+
+/// `x` (`[rows, cols]`) cast to MXFP8. Each block of 32 holds values of one rank, so no scale is
+/// agreed over a group: a split dimension whose local size is a multiple of 32 keeps one
+/// process's blocks (a local size that is not is refused here; context parallelism's chunks are
+/// checked with the config).
+fn mx_cast<'x, B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    (rows, cols): (usize, usize),
+    mx: MxCast,
+) -> Result<Operand<'x, B>> {
+    let (along, what) = match mx.blocks {
+        MxBlocks::AlongRows => (cols, "features"),
+        MxBlocks::DownColumns => (rows, "token rows"),
+    };
+    if !along.is_multiple_of(MX_BLOCK) {
+        bail!("MXFP8: an operand's {along} {what} (this rank's, per micro-batch) do not split into blocks of {MX_BLOCK}; choose shapes, batch and parallel degrees that keep them multiples of {MX_BLOCK}");
+    }
+    Ok(Operand::Cast(be.mx_fake_quantized(x, cols, mx)))
 }
 
 /// The input `X` several projections of one layer read (a column-parallel layer's), cast once

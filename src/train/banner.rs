@@ -78,7 +78,7 @@ impl<B: Backend> Banner<'_, B> {
         lines
     }
 
-    /// `[model] converters`' float8 linears: the recipe, how the GEMMs run, which linears were
+    /// `[model] converters`' float8 or MXFP8 linears: the recipe, how the GEMMs run, which linears were
     /// converted and which were left in high precision, with why.
     fn float8_lines(&self) -> Vec<String> {
         let Ok(Some(_)) = self.cfg.float8_linears() else {
@@ -88,9 +88,19 @@ impl<B: Backend> Banner<'_, B> {
             true => "; async TP overlaps the row-parallel forwards only (a float8 cast reads its operand whole and may agree scales over the group)",
             false => "",
         };
+        let kind = match self
+            .cfg
+            .model
+            .converters
+            .iter()
+            .any(|c| c == crate::config::MX_LINEAR)
+        {
+            true => "MXFP8",
+            false => "float8",
+        };
         let head = format!(
-            "float8 linears | recipe {} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision (no float8 GEMMs on the {} yet){async_tp}",
-            self.cfg.quantize.linear.float8.recipe_name,
+            "{kind} linears | recipe {} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision (no {kind} GEMMs on the {} yet){async_tp}",
+            self.cfg.linear_recipe_name().unwrap_or_default(),
             self.be.name(),
         );
         std::iter::once(head)

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::float8::{self, Quantization, ScaleAxis};
+use crate::backend::float8::{self, MxCast, Quantization, ScaleAxis};
 
 /// Values per block of rows a thread takes (at least one row).
 const BLOCK_VALUES: usize = 1 << 15;
@@ -44,6 +44,17 @@ pub fn fake_quantized(x: &[f32], cols: usize, q: Quantization, amaxes: &[f32]) -
         .zip(x.par_chunks(per * cols))
         .enumerate()
         .for_each(|(b, (o, xb))| float8::fake_quantize_rows(o, xb, cols, b * per, &scales, q));
+    out
+}
+
+/// `x` (`[rows, cols]`) cast to MXFP8 as `cast` says, groups of 32 rows in parallel (a block
+/// never crosses a group: along rows it lies in one row, down columns in one group).
+pub fn mx_fake_quantized(x: &[f32], cols: usize, cast: MxCast) -> Vec<f32> {
+    let per = float8::MX_BLOCK * (BLOCK_VALUES / (float8::MX_BLOCK * cols.max(1))).max(1);
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(per * cols)
+        .zip(x.par_chunks(per * cols))
+        .for_each(|(o, xb)| float8::mx_fake_quantize_rows(o, xb, cols, cast));
     out
 }
 

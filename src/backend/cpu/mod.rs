@@ -26,7 +26,7 @@ use rayon::prelude::*;
 
 pub use super::profile::OpProfiler;
 
-use super::float8::{Quantization, ScaleAxis};
+use super::float8::{MxCast, Quantization, ScaleAxis};
 use super::{AdamWStep, AttnShape, Backend, LossSum};
 
 /// Columns per task in column-blocked reductions (norm weight and embedding gradients).
@@ -104,6 +104,10 @@ impl Backend for CpuBackend {
     ) -> Vec<f32> {
         let _timer = self.profiler.time("float8_fake_quantize");
         float8_rows::fake_quantized(x, cols, q, amaxes)
+    }
+    fn mx_fake_quantized(&self, x: &Vec<f32>, cols: usize, cast: MxCast) -> Vec<f32> {
+        let _timer = self.profiler.time("mx_fake_quantize");
+        float8_rows::mx_fake_quantized(x, cols, cast)
     }
     fn row_dots(&self, a: &Vec<f32>, b: &Vec<f32>, width: usize) -> Vec<f32> {
         a.par_chunks(width)

@@ -3,6 +3,7 @@
 //! one pass over a row-major matrix, and quantise-then-dequantise into an output slice (what an
 //! emulated float8 GEMM reads). The tests below hold every path to the reference numerics.
 
+use super::mx::{MxBlockScale, MxBlocks, MxCast, MX_BLOCK};
 use super::recipe::{Quantization, ScaleAxis};
 use super::{round_scale_down_to_power_of_two, scale_from_amax, Fp8Format};
 
@@ -188,6 +189,41 @@ fn cast_rows(
     }
 }
 
+/// Rows of `x` (`[rows, cols]`) cast to MXFP8 as `cast` says and dequantised: the operand
+/// torchao's emulated MX GEMM reads. Along rows, `cols` is a multiple of `MX_BLOCK`; down
+/// columns, the number of rows given is.
+pub fn mx_fake_quantize_rows(out: &mut [f32], x: &[f32], cols: usize, cast: MxCast) {
+    let rounding = E4M3_ROUNDING;
+    match cast.blocks {
+        MxBlocks::AlongRows => {
+            for (o, block) in out.chunks_mut(MX_BLOCK).zip(x.chunks(MX_BLOCK)) {
+                let s = cast.scaling.block_scale(amax_of(block));
+                for (o, &v) in o.iter_mut().zip(block) {
+                    *o = rounding.fake(v, s.multiplier, s.dequantize);
+                }
+            }
+        }
+        MxBlocks::DownColumns => {
+            let group = MX_BLOCK * cols;
+            for (o, rows) in out.chunks_mut(group).zip(x.chunks(group)) {
+                let scales: Vec<MxBlockScale> = amaxes(rows, MX_BLOCK, cols, ScaleAxis::Columns)
+                    .into_iter()
+                    .map(|a| cast.scaling.block_scale(a))
+                    .collect();
+                let multipliers: Vec<f32> = scales.iter().map(|s| s.multiplier).collect();
+                let dequantize: Vec<f32> = scales.iter().map(|s| s.dequantize).collect();
+                for (o, row) in o.chunks_mut(cols).zip(rows.chunks(cols)) {
+                    for (((o, &v), &m), &d) in
+                        o.iter_mut().zip(row).zip(&multipliers).zip(&dequantize)
+                    {
+                        *o = rounding.fake(v, m, d);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::recipe::fake_quantize;
@@ -252,6 +288,53 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn mx_casts_equal_the_reference_blocks_both_ways() {
+        use super::super::mx::{mx_quantize, MxScaling};
+        let (rows, cols) = (64, 96);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 10f32.powi((i % 11) as i32 - 5))
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let rceil = |blocks| MxCast {
+            blocks,
+            scaling: MxScaling::Rceil,
+        };
+        let mut along = vec![0f32; x.len()];
+        mx_fake_quantize_rows(&mut along, &x, cols, rceil(MxBlocks::AlongRows));
+        let reference = mx_quantize(&x, cols).unwrap().dequantize();
+        assert_eq!(bits(&along), bits(&reference));
+        // Down columns is along the rows of the transpose.
+        let transpose = |m: &[f32], r: usize, c: usize| -> Vec<f32> {
+            (0..r * c).map(|i| m[(i % r) * c + i / r]).collect()
+        };
+        let mut down = vec![0f32; x.len()];
+        mx_fake_quantize_rows(&mut down, &x, cols, rceil(MxBlocks::DownColumns));
+        let t = mx_quantize(&transpose(&x, rows, cols), rows)
+            .unwrap()
+            .dequantize();
+        assert_eq!(bits(&down), bits(&transpose(&t, cols, rows)));
+    }
+
+    #[test]
+    fn floor_scales_follow_torchaos_bit_arithmetic() {
+        use super::super::mx::MxScaling;
+        // amax 448 = 1.75 · 2^8: exponent 8 − 8 = 0, byte 127, no scaling; 449 the same power.
+        for (amax, byte) in [
+            (448.0, 127),
+            (449.0, 127),
+            (512.0, 128),
+            (1.0, 119),
+            (0.0, 0),
+        ] {
+            assert_eq!(MxScaling::Floor.block_scale(amax).byte, byte, "{amax}");
+        }
+        assert_eq!(MxScaling::Floor.block_scale(f32::NAN).byte, 255);
+        assert_eq!(MxScaling::Floor.block_scale(f32::MAX).byte, 127 + 119);
+        // RCEIL never saturates: 449 needs the next power.
+        assert_eq!(MxScaling::Rceil.block_scale(449.0).byte, 128);
     }
 
     #[test]

@@ -17,9 +17,13 @@ mod kernels;
 mod mx;
 mod recipe;
 
-pub use kernels::{amaxes, fake_quantize_rows, scales_from_amaxes};
-pub use mx::{mx_quantize, MxQuantized, E8M0_BIAS, MX_BLOCK};
-pub use recipe::{fake_quantize, Float8Recipe, LinearGemm, Quantization, Quantized, ScaleAxis};
+pub use kernels::{amaxes, fake_quantize_rows, mx_fake_quantize_rows, scales_from_amaxes};
+pub use mx::{
+    mx_quantize, MxBlockScale, MxBlocks, MxCast, MxQuantized, MxScaling, E8M0_BIAS, MX_BLOCK,
+};
+pub use recipe::{
+    fake_quantize, Float8Recipe, LinearGemm, OperandCast, Quantization, Quantized, ScaleAxis,
+};
 
 /// The smallest amax a scale is computed from (torchao's `EPS`): an all-zero tensor gets a large,
 /// finite scale instead of infinity.

@@ -1,5 +1,5 @@
 //! MXFP8 (OCP MX v1.0): e4m3 elements in blocks of 32 sharing one E8M0 scale, with torchao's
-//! RCEIL scale rounding.
+//! scale roundings (RCEIL, FLOOR): the scales of a block, and a matrix quantised along its rows.
 
 use super::{amax, Fp8Format};
 
@@ -30,16 +30,7 @@ pub fn mx_quantize(x: &[f32], cols: usize) -> anyhow::Result<MxQuantized> {
     let mut values = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(x.len() / MX_BLOCK);
     for block in x.chunks(MX_BLOCK) {
-        let descale = amax(block) / max_pos;
-        let byte = if descale.is_nan() {
-            255u8
-        } else {
-            (descale
-                .log2()
-                .ceil()
-                .clamp(-E8M0_BIAS as f32, E8M0_BIAS as f32) as i32
-                + E8M0_BIAS) as u8
-        };
+        let byte = rceil_byte(amax(block));
         let multiplier = match byte {
             0 => 1.0,
             b => (E8M0_BIAS as f32 - f32::from(b)).exp2(),
@@ -72,4 +63,91 @@ impl MxQuantized {
             })
             .collect()
     }
+}
+
+/// How an MX block's E8M0 scale comes from its amax (torchao's `ScaleCalculationMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MxScaling {
+    /// The amax's power of two less e4m3's (`2^8`): the block's largest values may saturate at
+    /// 448 (torchao's default, TorchTitan's `mxfp8_cublas`).
+    Floor,
+    /// `ceil(log2(amax / 448))`: no value saturates (`mxfp8_cublas_rceil`).
+    Rceil,
+}
+
+/// Which way an operand's blocks of 32 run: along each row (its contraction runs over columns)
+/// or down each column (over rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MxBlocks {
+    AlongRows,
+    DownColumns,
+}
+
+/// How an operand is cast to MXFP8: e4m3 elements, blocks of 32 running as `blocks`, E8M0 scales
+/// from `scaling`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MxCast {
+    pub blocks: MxBlocks,
+    pub scaling: MxScaling,
+}
+
+/// One block's scale: its E8M0 byte, the factor its values are multiplied by before the e4m3
+/// cast, and the factor a cast value is multiplied by to stand for the original
+/// (`2^(byte − 127)`, NaN for the NaN byte 255).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MxBlockScale {
+    pub byte: u8,
+    pub multiplier: f32,
+    pub dequantize: f32,
+}
+
+impl MxScaling {
+    /// The scale of a block whose largest magnitude is `amax`, as torchao's `to_mx` computes it.
+    pub fn block_scale(self, amax: f32) -> MxBlockScale {
+        let byte = match self {
+            MxScaling::Rceil => rceil_byte(amax),
+            MxScaling::Floor => floor_byte(amax),
+        };
+        let exp2 = |e: i32| 2f64.powi(e) as f32;
+        let multiplier = match (self, byte) {
+            (_, 255) => f32::NAN,
+            (MxScaling::Rceil, 0) => 1.0,
+            // torchao divides by `2^(byte − 127)` clamped to f32's smallest normal.
+            (MxScaling::Floor, 0) => exp2(126),
+            (_, b) => exp2(E8M0_BIAS - i32::from(b)),
+        };
+        let dequantize = match byte {
+            255 => f32::NAN,
+            b => exp2(i32::from(b) - E8M0_BIAS),
+        };
+        MxBlockScale {
+            byte,
+            multiplier,
+            dequantize,
+        }
+    }
+}
+
+/// RCEIL: `descale = amax / 448` in f32, the byte `clamp(ceil(log2(descale)), ±127) + 127`;
+/// NaN: 255.
+fn rceil_byte(amax: f32) -> u8 {
+    let descale = amax / Fp8Format::E4M3.max();
+    if descale.is_nan() {
+        return 255;
+    }
+    (descale
+        .log2()
+        .ceil()
+        .clamp(-E8M0_BIAS as f32, E8M0_BIAS as f32) as i32
+        + E8M0_BIAS) as u8
+}
+
+/// FLOOR: the amax's f32 exponent less 8 (e4m3's largest power of two), clamped to
+/// `[-127, 128]`, plus 127; NaN: 255.
+fn floor_byte(amax: f32) -> u8 {
+    if amax.is_nan() {
+        return 255;
+    }
+    let exponent = ((amax.to_bits() >> 23) & 0xff) as i32 - E8M0_BIAS;
+    ((exponent - 8).clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS) as u8
 }

@@ -1,6 +1,7 @@
 //! torchao's dynamic scaling of a matrix (one scale per tensor, row or column) and its recipes:
 //! which operand of each of a linear's three GEMMs is quantised how.
 
+use super::mx::{MxBlocks, MxCast, MxScaling, MX_BLOCK};
 use super::{amax, Fp8Format};
 
 /// Which scales a matrix `[rows, cols]` is quantised with.
@@ -101,6 +102,16 @@ pub enum Float8Recipe {
     /// As `Rowwise`, but `dX` uses `W` with one scale per tensor (its power of two) and `dW`
     /// stays in high precision.
     RowwiseWithGwHp,
+    /// MXFP8 (`[quantize.linear.mx]`): every operand e4m3 in blocks of 32 along each GEMM's
+    /// contraction, one E8M0 scale per block, as torchao's MXFP8 linear.
+    Mxfp8(MxScaling),
+}
+
+/// How one GEMM operand is cast: with float8 scales per tensor, row or column, or in MX blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperandCast {
+    Scaled(Quantization),
+    Mx(MxCast),
 }
 
 /// The three GEMMs of a linear `Y = X·Wᵀ` (`X` `[M,K]`, `W` `[N,K]`, `G = ∂L/∂Y` `[M,N]`).
@@ -125,8 +136,43 @@ impl Float8Recipe {
         }
     }
 
-    /// How each operand of `gemm` is quantised (in the order the GEMM names them; None: high
+    /// Parses `[quantize.linear.mx] recipe_name` (TorchTitan's names); the error names the key
+    /// and the accepted values.
+    pub fn parse_mx(name: &str) -> anyhow::Result<Self> {
+        match name {
+            "mxfp8_cublas" => Ok(Float8Recipe::Mxfp8(MxScaling::Floor)),
+            "mxfp8_cublas_rceil" => Ok(Float8Recipe::Mxfp8(MxScaling::Rceil)),
+            other => anyhow::bail!("[quantize.linear.mx] recipe_name = \"{other}\" is not known (accepted: mxfp8_cublas (FLOOR scales), mxfp8_cublas_rceil (RCEIL scales))"),
+        }
+    }
+
+    /// The multiple a converted linear's features must be of: 16 for float8's GEMMs, 32 (a
+    /// block) for MXFP8.
+    pub fn feature_multiple(self) -> usize {
+        match self {
+            Float8Recipe::Mxfp8(_) => MX_BLOCK,
+            _ => 16,
+        }
+    }
+
+    /// How each operand of `gemm` is cast (in the order the GEMM names them; None: high
     /// precision), each as stored: `X` `[M,K]`, `W` `[N,K]`, `G` `[M,N]`.
+    pub fn operand_casts(self, gemm: LinearGemm) -> [Option<OperandCast>; 2] {
+        let Float8Recipe::Mxfp8(scaling) = self else {
+            return self.operands(gemm).map(|q| q.map(OperandCast::Scaled));
+        };
+        let mx = |blocks| Some(OperandCast::Mx(MxCast { blocks, scaling }));
+        match gemm {
+            // Blocks run along each GEMM's contraction: K, then N, then M.
+            LinearGemm::Output => [mx(MxBlocks::AlongRows), mx(MxBlocks::AlongRows)],
+            LinearGemm::InputGrad => [mx(MxBlocks::AlongRows), mx(MxBlocks::DownColumns)],
+            LinearGemm::WeightGrad => [mx(MxBlocks::DownColumns), mx(MxBlocks::DownColumns)],
+        }
+    }
+
+    /// How each operand of `gemm` is quantised with float8 scales (in the order the GEMM names
+    /// them; None: high precision or, for MXFP8, `operand_casts`' blocks), each as stored: `X`
+    /// `[M,K]`, `W` `[N,K]`, `G` `[M,N]`.
     pub fn operands(self, gemm: LinearGemm) -> [Option<Quantization>; 2] {
         let q = |format, axis, power_of_two_scales| {
             Some(Quantization {
@@ -163,6 +209,7 @@ impl Float8Recipe {
                 [q(E4M3, Columns, true), q(E4M3, Columns, true)]
             }
             (Float8Recipe::RowwiseWithGwHp, LinearGemm::WeightGrad) => [None, None],
+            (Float8Recipe::Mxfp8(_), _) => [None, None],
         }
     }
 }
