@@ -53,11 +53,11 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
 /// titan's `Y`, `dX`, `dW` for `recipe` on the CPU backend.
 fn titan_products(
     recipe: Float8Recipe,
-    Dims { m: M, k: K, n: N }: Dims,
+    Dims { m, k, n }: Dims,
     (x, w, g): (&[f32], &[f32], &[f32]),
 ) -> [Vec<f32>; 3] {
     let be = CpuBackend::default();
-    let linear = Linear::new(K, N).in_float8(Some(recipe));
+    let linear = Linear::new(k, n).in_float8(Some(recipe));
     let casts = Float8Casts {
         tp: &SingleRank,
         cp: &SingleRank,
@@ -65,20 +65,20 @@ fn titan_products(
     };
     let (x, w, g) = (x.to_vec(), w.to_vec(), g.to_vec());
     let [xq, wq] = casts
-        .operands(&be, linear, LinearGemm::Output, (&x, &w), M)
+        .operands(&be, linear, LinearGemm::Output, (&x, &w), m)
         .unwrap();
-    let mut y = vec![0f32; M * N];
-    linear.forward(&be, &mut y, xq.buf(), wq.buf(), M);
+    let mut y = vec![0f32; m * n];
+    linear.forward(&be, &mut y, xq.buf(), wq.buf(), m);
     let [gq, wq] = casts
-        .operands(&be, linear, LinearGemm::InputGrad, (&g, &w), M)
+        .operands(&be, linear, LinearGemm::InputGrad, (&g, &w), m)
         .unwrap();
-    let mut dx = vec![0f32; M * K];
-    linear.input_grad(&be, &mut dx, gq.buf(), wq.buf(), M);
+    let mut dx = vec![0f32; m * k];
+    linear.input_grad(&be, &mut dx, gq.buf(), wq.buf(), m);
     let [gq, xq] = casts
-        .operands(&be, linear, LinearGemm::WeightGrad, (&g, &x), M)
+        .operands(&be, linear, LinearGemm::WeightGrad, (&g, &x), m)
         .unwrap();
-    let mut dw = vec![0f32; N * K];
-    linear.add_weight_grad(&be, &mut dw, gq.buf(), xq.buf(), M);
+    let mut dw = vec![0f32; n * k];
+    linear.add_weight_grad(&be, &mut dw, gq.buf(), xq.buf(), m);
     [y, dx, dw]
 }
 
@@ -87,7 +87,7 @@ fn titan_products(
 fn torchao_products(
     py: &str,
     convert: &str,
-    Dims { m: M, k: K, n: N }: Dims,
+    Dims { m, k, n }: Dims,
     (x, w, g): (&[f32], &[f32], &[f32]),
 ) -> [Vec<f32>; 3] {
     let dir = tempfile::tempdir().unwrap();
@@ -105,8 +105,8 @@ fn torchao_products(
     let script = format!(
         "import sys, dataclasses, torch\n\
          def load(p, *shape):\n    return torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.float32).reshape(*shape).clone()\n\
-         x, w, g = load(sys.argv[1], {M}, {K}), load(sys.argv[2], {N}, {K}), load(sys.argv[3], {M}, {N})\n\
-         m = torch.nn.Sequential(torch.nn.Linear({K}, {N}, bias=False))\n\
+         x, w, g = load(sys.argv[1], {m}, {k}), load(sys.argv[2], {n}, {k}), load(sys.argv[3], {m}, {n})\n\
+         m = torch.nn.Sequential(torch.nn.Linear({k}, {n}, bias=False))\n\
          with torch.no_grad():\n    m[0].weight.copy_(w)\n\
          {convert}\n\
          x.requires_grad_(True)\n\
@@ -126,8 +126,8 @@ fn torchao_products(
         .chunks(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let (y, rest) = all.split_at(M * N);
-    let (dx, dw) = rest.split_at(M * K);
+    let (y, rest) = all.split_at(m * n);
+    let (dx, dw) = rest.split_at(m * k);
     [y.to_vec(), dx.to_vec(), dw.to_vec()]
 }
 
