@@ -298,9 +298,9 @@ fn bad_float8_settings_are_refused_naming_the_key() {
         (
             vec![
                 "--model.converters",
-                "quantize.linear.float8,quantize.linear.mx",
+                "quantize.linear.float8,quantize.grouped_mm.float8",
             ],
-            &["quantize.linear.mx", "not built yet"],
+            &["quantize.grouped_mm.float8", "not built yet"],
         ),
         (
             [&recipe("tensorwise")[..], &["--training.device", "cuda"]].concat(),
@@ -363,5 +363,127 @@ fn filtered_and_small_linears_stay_in_high_precision_and_say_why() {
             && out.contains("left in high precision: layers.*.attention.wv (filter_fqns \"attention.wv\")")
             && out.contains("are not multiples of 16"),
         "{out}"
+    );
+}
+
+const MX: &[&str] = &["--model.converters", "quantize.linear.mx"];
+
+/// `parallel` on `launcher`'s ranks against one process with `single`, MXFP8 with both scale
+/// roundings: steps 1–2 losses and step-1 grad norm within 1e-6, and both losses fall. MXFP8's
+/// scales belong to blocks of 32 inside one rank's values, so no layout agrees any.
+fn check_mx(what: &str, single: &[&str], launcher: &[&str], parallel: &[&str]) {
+    for name in ["mxfp8_cublas", "mxfp8_cublas_rceil"] {
+        let what = format!("{what} {name}");
+        let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let mx = [
+            MX,
+            &[
+                "--quantize.linear.mx.recipe_name",
+                name,
+                "--training.steps",
+                "10",
+            ],
+        ]
+        .concat();
+        let [l1, g1] = curves(&what, one.path(), &[], &[&mx, single].concat());
+        let [ln, gn] = curves(&what, many.path(), launcher, &[&mx, parallel].concat());
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs();
+        assert!(
+            close(l1[0], ln[0]) && close(l1[1], ln[1]) && close(g1[0], gn[0]),
+            "{what}: losses {:?} / {:?}, grad norms {} / {} (one process / parallel)",
+            &l1[..2],
+            &ln[..2],
+            g1[0],
+            gn[0]
+        );
+        assert!(falls(&l1) && falls(&ln), "{what}: {l1:?} / {ln:?}");
+    }
+}
+
+#[test]
+fn mxfp8_linears_train_under_every_layout_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(dir.path(), &[], &[MX, &["--training.steps", "2"]].concat());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success()
+            && out.contains("MXFP8 linears | recipe mxfp8_cublas")
+            && out.contains("14 linears in MXFP8"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let accum = ["--training.global_batch_size", "4"];
+    let fsdp = [
+        &accum[..],
+        &["--parallelism.data_parallel_shard_degree", "2"],
+    ]
+    .concat();
+    check_mx("MXFP8 FSDP 2", &accum, &nproc("2"), &fsdp);
+    let tp = [
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ];
+    // TP 2 splits wk and wv's 32 outputs into 16s: refused, naming them.
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(dir.path(), &nproc("2"), &[MX, &tp[..]].concat());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("layers.0.attention.wk has 32 output features, 16 per rank"),
+        "{err}"
+    );
+    // With 4 key/value heads every split is 32 or more features a rank.
+    let kv4 = ["--model.n_kv_heads", "4"];
+    check_mx("MXFP8 TP 2", &kv4, &nproc("2"), &[&kv4[..], &tp].concat());
+    // CP 2 cuts each sequence of 128 into chunks of 32 tokens: whole blocks.
+    let seq128 = ["--training.seq_len", "128"];
+    let cp = [
+        &seq128[..],
+        &[
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+    ]
+    .concat();
+    check_mx("MXFP8 CP 2", &seq128, &nproc("2"), &cp);
+}
+
+#[test]
+fn mxfp8_shapes_that_split_blocks_are_refused() {
+    let load = |args: &[&str]| {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        titan::config::Config::load(None, &args).map_err(|e| format!("{e:#}"))
+    };
+    let cp = [
+        MX,
+        &[
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--training.seq_len",
+            "96",
+        ],
+    ]
+    .concat();
+    let e = load(&cp).unwrap_err();
+    assert!(e.contains("seq_len = 96") && e.contains("128"), "{e}");
+    let e = load(&[MX, &["--quantize.linear.mx.recipe_name", "mxfp4"]].concat()).unwrap_err();
+    assert!(e.contains("mxfp8_cublas_rceil"), "{e}");
+    let both = [
+        "--model.converters",
+        "quantize.linear.float8,quantize.linear.mx",
+    ];
+    assert!(load(&both).unwrap_err().contains("choose one"));
+    // 2 sequences of 8 tokens: 16 token rows, not a block of 32 for the weight gradient.
+    let dir = tempfile::tempdir().unwrap();
+    let short = [MX, &["--training.seq_len", "8", "--training.steps", "1"]].concat();
+    let o = train(dir.path(), &[], &short);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("16 token rows") && err.contains("blocks of 32"),
+        "{err}"
     );
 }

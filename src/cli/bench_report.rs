@@ -375,6 +375,9 @@ impl<'a> BenchReport<'a> {
         let (times, losses) = (&self.times, &self.losses);
         // MFU counts the FLOPs the model has, whatever precision computes them.
         let (float8, mfu_kind) = match self.float8_recipe() {
+            Some(r) if r.starts_with("mxfp8") => {
+                (format!(" {r} (emulated)"), " (bf16-equivalent FLOPs)")
+            }
             Some(r) => (
                 format!(" float8 {r} (emulated)"),
                 " (bf16-equivalent FLOPs)",

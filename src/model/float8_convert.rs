@@ -89,6 +89,29 @@ impl Float8Conversion {
         Ok(plan)
     }
 
+    /// MXFP8 under tensor parallelism: each rank's share of a converted linear's split features
+    /// (a column-parallel one's outputs, a row-parallel one's inputs) must be whole blocks of 32,
+    /// so that its blocks are one process's. Refused before the first step, naming the linear.
+    pub fn check_tensor_parallel(&self, args: &ModelArgs, tp: usize) -> Result<()> {
+        for (l, block) in self.blocks.iter().enumerate() {
+            for (i, (name, d_in, d_out)) in block_linears(args, l).into_iter().enumerate() {
+                let Some(recipe @ Float8Recipe::Mxfp8(_)) = block[i] else {
+                    continue;
+                };
+                // wo and w2 are row-parallel (their inputs split); the others column-parallel.
+                let (what, split) = match i {
+                    3 | 5 => ("input", d_in),
+                    _ => ("output", d_out),
+                };
+                let multiple = recipe.feature_multiple();
+                if tp > 1 && !(split / tp).is_multiple_of(multiple) {
+                    bail!("MXFP8 under tensor_parallel_degree = {tp}: {name} has {split} {what} features, {} per rank, not whole blocks of {multiple}; leave it out (`[quantize.linear.mx] filter_fqns`) or choose another degree", split / tp);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Why the linear `name` (`d_in` → `d_out` features) stays in high precision, if it does.
     fn left_out(
         name: &str,
@@ -160,8 +183,12 @@ impl Float8Conversion {
                 )),
             }
         }
+        let kind = match self.blocks.iter().flatten().flatten().next() {
+            Some(Float8Recipe::Mxfp8(_)) => "MXFP8",
+            _ => "float8",
+        };
         let head = format!(
-            "  {} linears in float8: {}",
+            "  {} linears in {kind}: {}",
             self.converted(),
             match converted.is_empty() {
                 true => "none".to_string(),

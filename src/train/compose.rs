@@ -217,6 +217,7 @@ impl RankPlan {
             Some(options) => Float8Conversion::plan(&args, &options)?,
             None => Float8Conversion::default(),
         };
+        float8.check_tensor_parallel(&args, local.tp)?;
         let sizing = RankSizing {
             be,
             cfg,
