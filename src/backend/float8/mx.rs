@@ -108,23 +108,31 @@ impl MxScaling {
             MxScaling::Rceil => rceil_byte(amax),
             MxScaling::Floor => floor_byte(amax),
         };
-        let exp2 = |e: i32| 2f64.powi(e) as f32;
         let multiplier = match (self, byte) {
             (_, 255) => f32::NAN,
             (MxScaling::Rceil, 0) => 1.0,
             // torchao divides by `2^(byte − 127)` clamped to f32's smallest normal.
-            (MxScaling::Floor, 0) => exp2(126),
-            (_, b) => exp2(E8M0_BIAS - i32::from(b)),
+            (MxScaling::Floor, 0) => pow2(126),
+            (_, b) => pow2(E8M0_BIAS - i32::from(b)),
         };
         let dequantize = match byte {
             255 => f32::NAN,
-            b => exp2(i32::from(b) - E8M0_BIAS),
+            b => pow2(i32::from(b) - E8M0_BIAS),
         };
         MxBlockScale {
             byte,
             multiplier,
             dequantize,
         }
+    }
+}
+
+/// `2^e` as an f32, built from its bits (exact; `e` in `[-149, 127]`: below -126 a subnormal).
+fn pow2(e: i32) -> f32 {
+    debug_assert!((-149..=127).contains(&e), "2^{e} is not a finite f32");
+    match e >= -126 {
+        true => f32::from_bits(((e + 127) as u32) << 23),
+        false => f32::from_bits(1u32 << (e + 149)),
     }
 }
 
@@ -150,4 +158,16 @@ fn floor_byte(amax: f32) -> u8 {
     }
     let exponent = ((amax.to_bits() >> 23) & 0xff) as i32 - E8M0_BIAS;
     ((exponent - 8).clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS) as u8
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn powers_of_two_from_bits_are_exact_down_to_subnormals() {
+        for e in -149..=127 {
+            assert_eq!(f64::from(pow2(e)), 2f64.powi(e), "2^{e}");
+        }
+    }
 }
