@@ -154,22 +154,32 @@ fn float8_layouts_match_one_process() {
         "1",
     ];
     check("float8 CP 2", &[], &nproc("2"), &cp);
-    // A pipeline of 2 stages runs micro-batches of one sequence.
+    // A pipeline of 2 stages runs 4 microbatches of one sequence; the zero-bubble schedule defers
+    // the weight gradients, keeping their cast operands.
     let one_at_a_time = [
         "--training.local_batch_size",
         "1",
         "--training.global_batch_size",
-        "2",
+        "4",
     ];
-    let pp = [
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "1F1B",
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-    ];
-    check("float8 PP 2", &one_at_a_time, &nproc("2"), &pp);
+    for schedule in ["1F1B", "ZBVZeroBubble"] {
+        let pp = [
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ];
+        check(
+            &format!("float8 PP 2 {schedule}"),
+            &one_at_a_time,
+            &nproc("2"),
+            &pp,
+        );
+    }
 }
 
 #[test]
