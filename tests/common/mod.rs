@@ -216,31 +216,27 @@ pub fn reference_missing_in(in_ci: bool, what: &str) {
 /// (default `python3`). None, after `reference_missing` (a failure in CI), when it cannot import
 /// them.
 pub fn hf_python() -> Option<String> {
-    let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        reference_missing(&format!(
-            "no Python with torch and transformers at `{py}` (set TITAN_HF_PYTHON to run this parity check)"
-        ));
-    }
-    ok.then_some(py)
+    python_importing("torch, transformers", "this parity check")
 }
 
 /// The Python with torch and torchao for the float8 parity tests: `TITAN_HF_PYTHON` (default
 /// `python3`), which CI installs torchao into. None, after `reference_missing` (a failure in CI),
 /// when it cannot import them.
 pub fn torchao_python() -> Option<String> {
+    python_importing("torch, torchao.float8", "the float8 parity check")
+}
+
+/// `TITAN_HF_PYTHON` (default `python3`) when it can import `modules`; else `reference_missing`
+/// saying what it is for, and None.
+fn python_importing(modules: &str, purpose: &str) -> Option<String> {
     let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&py)
-        .args(["-c", "import torch, torchao.float8"])
+        .args(["-c", &format!("import {modules}")])
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
         reference_missing(&format!(
-            "no Python with torch and torchao at `{py}` (set TITAN_HF_PYTHON to run the float8 parity check)"
+            "no Python with {modules} at `{py}` (set TITAN_HF_PYTHON to run {purpose})"
         ));
     }
     ok.then_some(py)
