@@ -308,9 +308,9 @@ fn bad_float8_settings_are_refused_naming_the_key() {
         (
             vec![
                 "--model.converters",
-                "quantize.linear.float8,quantize.grouped_mm.float8",
+                "quantize.linear.float8,quantize.grouped_mm.mx",
             ],
-            &["quantize.grouped_mm.float8", "not built yet"],
+            &["quantize.grouped_mm.mx", "not built yet"],
         ),
         (
             [&recipe("tensorwise")[..], &["--training.device", "cuda"]].concat(),
@@ -495,5 +495,63 @@ fn mxfp8_shapes_that_split_blocks_are_refused() {
     assert!(
         !o.status.success() && err.contains("16 token rows") && err.contains("blocks of 32"),
         "{err}"
+    );
+}
+
+const MOE: &[&str] = &["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
+const GROUPED: &[&str] = &["--model.converters", "quantize.grouped_mm.float8"];
+
+#[test]
+fn float8_experts_train_and_fsdp_matches_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[],
+        &[MOE, GROUPED, &["--training.steps", "10"]].concat(),
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("linears in float8: layers.*.moe.experts"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let grouped: Vec<f64> = metric(dir.path(), "loss")
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
+    assert!(falls(&grouped), "{grouped:?}");
+    let plain_dir = tempfile::tempdir().unwrap();
+    let o = train(
+        plain_dir.path(),
+        &[],
+        &[MOE, &["--training.steps", "10"]].concat(),
+    );
+    assert!(o.status.success());
+    let plain = metric(plain_dir.path(), "loss");
+    assert!(
+        (plain[1].1 - grouped[1]).abs() > 1e-7,
+        "the experts' casts changed nothing"
+    );
+    // Each rank runs every expert on its own micro-batch: the one-process run accumulating the
+    // same micro-batches casts each expert's rows alike. Experts and linears both in float8.
+    let both = [
+        "--model.converters",
+        "quantize.linear.float8,quantize.grouped_mm.float8",
+    ];
+    let one = tempfile::tempdir().unwrap();
+    let many = tempfile::tempdir().unwrap();
+    let accum = ["--training.global_batch_size", "4", "--training.steps", "3"];
+    let [l1, g1] = curves("experts 1", one.path(), &[], &[MOE, &both, &accum].concat());
+    let fsdp = ["--parallelism.data_parallel_shard_degree", "2"];
+    let [l2, g2] = curves(
+        "experts FSDP 2",
+        many.path(),
+        &nproc("2"),
+        &[MOE, &both, &accum, &fsdp].concat(),
+    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs();
+    assert!(
+        close(l1[0], l2[0]) && close(l1[1], l2[1]) && close(g1[0], g2[0]),
+        "{l1:?} {l2:?} {g1:?} {g2:?}"
     );
 }

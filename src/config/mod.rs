@@ -34,7 +34,7 @@ pub use model::ModelConfig;
 pub use optimizer::{DecayType, LrSchedulerConfig, OptimizerConfig};
 pub use parallelism::ParallelismConfig;
 pub use profiling::ProfilingConfig;
-pub use quantize::{QuantizeConfig, CONVERTERS, FLOAT8_LINEAR, MX_LINEAR};
+pub use quantize::{QuantizeConfig, CONVERTERS, FLOAT8_GROUPED_MM, FLOAT8_LINEAR, MX_LINEAR};
 pub use training::{TrainingConfig, DATASETS, DEVICES, PRECISIONS};
 pub use validation::ValidationConfig;
 

@@ -13,7 +13,7 @@ use crate::model::float8_convert::Float8Options;
 /// The converters `[model] converters` accepts (TorchTitan's names).
 pub const CONVERTERS: [&str; 4] = [
     FLOAT8_LINEAR,
-    "quantize.grouped_mm.float8",
+    FLOAT8_GROUPED_MM,
     MX_LINEAR,
     "quantize.grouped_mm.mx",
 ];
@@ -23,6 +23,9 @@ pub const FLOAT8_LINEAR: &str = "quantize.linear.float8";
 
 /// MXFP8 linears (blocks of 32 with E8M0 scales).
 pub const MX_LINEAR: &str = "quantize.linear.mx";
+
+/// Float8 grouped GEMMs for the routed experts (torchao's rowwise grouped GEMM).
+pub const FLOAT8_GROUPED_MM: &str = "quantize.grouped_mm.float8";
 
 /// `[quantize]`: one section per converter.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -171,6 +174,16 @@ impl Config {
         Ok(None)
     }
 
+    /// The routed experts' float8 grouped GEMMs (`quantize.grouped_mm.float8`): the recipe
+    /// (torchao's is rowwise) and the `fqns` they apply to.
+    pub fn float8_experts(&self) -> Option<(Float8Recipe, &[String])> {
+        let on = self.model.converters.iter().any(|c| c == FLOAT8_GROUPED_MM);
+        on.then_some((
+            Float8Recipe::Rowwise,
+            &self.quantize.grouped_mm.float8.fqns[..],
+        ))
+    }
+
     /// The converter and recipe name of the low-precision linears (for reports).
     pub fn linear_recipe_name(&self) -> Option<&str> {
         let has = |c: &str| self.model.converters.iter().any(|x| x == c);
@@ -191,8 +204,8 @@ impl Config {
                     CONVERTERS.join(", ")
                 );
             }
-            if c != FLOAT8_LINEAR && c != MX_LINEAR {
-                bail!("[model] converters: `{c}` is not built yet (issue 28 has built quantize.linear.float8 and quantize.linear.mx so far; the experts' float8 and MXFP8 grouped GEMMs are next)");
+            if ![FLOAT8_LINEAR, MX_LINEAR, FLOAT8_GROUPED_MM].contains(&c.as_str()) {
+                bail!("[model] converters: `{c}` is not built yet (issue 28 has built quantize.linear.float8, quantize.linear.mx and quantize.grouped_mm.float8 so far; the experts' MXFP8 grouped GEMMs are next)");
             }
         }
         let linear = |c: &String| c == FLOAT8_LINEAR || c == MX_LINEAR;

@@ -38,6 +38,8 @@ pub const BLOCK_PROJECTIONS: [&str; 7] = ["wq", "wk", "wv", "wo", "w1", "w2", "w
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Float8Conversion {
     blocks: Vec<[Option<Float8Recipe>; 7]>,
+    /// Each block's routed experts' recipe (`quantize.grouped_mm.float8`; empty without).
+    experts: Vec<Option<Float8Recipe>>,
     /// Every linear's name and, for those left in high precision, why.
     pub report: Vec<(String, Option<String>)>,
 }
@@ -45,6 +47,22 @@ pub struct Float8Conversion {
 impl Float8Conversion {
     /// The conversion of `args`' linears under `options`.
     pub fn plan(args: &ModelArgs, options: &Float8Options) -> Result<Self> {
+        Self::plan_linears(args, Some(options))
+    }
+
+    /// The report of a model whose linears no converter touches (the experts' may still be
+    /// converted: `with_experts`).
+    pub fn no_linears(args: &ModelArgs) -> Self {
+        Self::plan_linears(args, None).expect("no options, nothing to refuse")
+    }
+
+    fn plan_linears(args: &ModelArgs, options: Option<&Float8Options>) -> Result<Self> {
+        let no_converter = Float8Options {
+            recipe: Float8Recipe::Rowwise,
+            filter_fqns: Vec::new(),
+        };
+        let converts = options.is_some();
+        let options = options.unwrap_or(&no_converter);
         let auto = options
             .filter_fqns
             .iter()
@@ -59,7 +77,10 @@ impl Float8Conversion {
         for l in 0..args.n_layers {
             let mut block = [None; 7];
             for (slot, (name, d_in, d_out)) in block.iter_mut().zip(block_linears(args, l)) {
-                let why = Self::left_out(&name, d_in, d_out, options, auto);
+                let why = match converts {
+                    true => Self::left_out(&name, d_in, d_out, options, auto),
+                    false => Some("no linear converter among [model] converters".into()),
+                };
                 if why.is_none() {
                     *slot = Some(options.recipe);
                 }
@@ -72,7 +93,10 @@ impl Float8Conversion {
                     format!("{p}.router.gate"),
                     Some("the router stays in high precision".into()),
                 ));
-                plan.report.push((format!("{p}.experts"), Some("routed experts are grouped GEMMs: quantize.grouped_mm.float8 (not built yet)".into())));
+                plan.report.push((
+                    format!("{p}.experts"),
+                    Some("routed experts are grouped GEMMs: quantize.grouped_mm.float8 converts them".into()),
+                ));
             }
         }
         let head = match options
@@ -147,9 +171,39 @@ impl Float8Conversion {
         self.blocks.get(layer).and_then(|b| b[index])
     }
 
+    /// Block `layer`'s routed experts' recipe (None: high precision).
+    pub fn experts(&self, layer: usize) -> Option<Float8Recipe> {
+        self.experts.get(layer).copied().flatten()
+    }
+
+    /// The routed experts computing with `recipe` (TorchTitan's `quantize.grouped_mm.float8`,
+    /// torchao's rowwise grouped GEMM) in each MoE block whose `layers.N.moe.experts` contains an
+    /// `fqns` entry; the report says which.
+    pub fn with_experts(mut self, args: &ModelArgs, recipe: Float8Recipe, fqns: &[String]) -> Self {
+        if args.moe.is_none() {
+            return self;
+        }
+        self.experts = (0..args.n_layers)
+            .map(|l| {
+                let name = format!("layers.{l}.moe.experts");
+                let on = fqns.iter().any(|f| name.contains(f.as_str()));
+                let entry = self.report.iter_mut().find(|(n, _)| *n == name);
+                if let Some((_, why)) = entry {
+                    *why = match on {
+                        true => None,
+                        false => Some("not named by [quantize.grouped_mm.float8] fqns".into()),
+                    };
+                }
+                on.then_some(recipe)
+            })
+            .collect();
+        self
+    }
+
     /// How many linears compute in float8.
     pub fn converted(&self) -> usize {
-        self.blocks.iter().flatten().filter(|r| r.is_some()).count()
+        let linears = self.blocks.iter().flatten().filter(|r| r.is_some()).count();
+        linears + self.experts.iter().filter(|r| r.is_some()).count()
     }
 
     /// The start-up lines: the converted linears and those left out with why, a projection that

@@ -81,9 +81,9 @@ impl<B: Backend> Banner<'_, B> {
     /// `[model] converters`' float8 or MXFP8 linears: the recipe, how the GEMMs run, which linears were
     /// converted and which were left in high precision, with why.
     fn float8_lines(&self) -> Vec<String> {
-        let Ok(Some(_)) = self.cfg.float8_linears() else {
+        if self.layout.model.float8().converted() == 0 && self.cfg.model.converters.is_empty() {
             return Vec::new();
-        };
+        }
         let async_tp = match self.cfg.parallelism.enable_async_tensor_parallel {
             true => "; async TP overlaps the row-parallel forwards only (a float8 cast reads its operand whole and may agree scales over the group)",
             false => "",
@@ -100,7 +100,7 @@ impl<B: Backend> Banner<'_, B> {
         };
         let head = format!(
             "{kind} linears | recipe {} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision (no {kind} GEMMs on the {} yet){async_tp}",
-            self.cfg.linear_recipe_name().unwrap_or_default(),
+            self.cfg.linear_recipe_name().unwrap_or("none (experts: rowwise)"),
             self.be.name(),
         );
         std::iter::once(head)

@@ -213,9 +213,14 @@ impl RankPlan {
         let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
             .expect("validated with the config");
         let ac = cfg.activation_checkpoint.mode()?;
-        let float8 = match cfg.float8_linears()? {
-            Some(options) => Float8Conversion::plan(&args, &options)?,
-            None => Float8Conversion::default(),
+        let float8 = match (cfg.float8_linears()?, cfg.float8_experts()) {
+            (None, None) => Float8Conversion::default(),
+            (Some(options), _) => Float8Conversion::plan(&args, &options)?,
+            (None, Some(_)) => Float8Conversion::no_linears(&args),
+        };
+        let float8 = match cfg.float8_experts() {
+            Some((recipe, fqns)) => float8.with_experts(&args, recipe, fqns),
+            None => float8,
         };
         float8.check_tensor_parallel(&args, local.tp)?;
         let sizing = RankSizing {

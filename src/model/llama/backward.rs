@@ -179,7 +179,7 @@ impl<B: Backend> Llama<B> {
                 anyhow::anyhow!("block {l}: a workspace without expert statistics (a titan bug)")
             })?;
             let aux_scale = self.count_expert_stats(&moe_acts, l, stats);
-            let shapes = self.moe_shapes()?;
+            let shapes = self.moe_shapes(l)?;
             moe::backward(
                 be,
                 &shapes,

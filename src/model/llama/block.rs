@@ -419,7 +419,7 @@ impl<B: Backend> Llama<B> {
             bail!("block {l} has no mixture of experts (a titan bug)");
         };
         let be = run.be;
-        let shapes = self.moe_shapes()?;
+        let shapes = self.moe_shapes(l)?;
         let bias = self.block_expert_bias(l);
         let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
         let rows = match run.aux_stats {
@@ -439,11 +439,15 @@ impl<B: Backend> Llama<B> {
         )
     }
 
-    /// The mixture-of-experts layer's shapes (a MoE model's): its routed experts (the block
-    /// computes the shared experts as its SwiGLU, `FeedForwardIds::swiglu`).
-    pub(super) fn moe_shapes(&self) -> Result<MoeShapes> {
+    /// Block `layer`'s mixture-of-experts shapes (a MoE model's): its routed experts, computing
+    /// in float8 where `quantize.grouped_mm.float8` converted them (the block computes the shared
+    /// experts as its SwiGLU, `FeedForwardIds::swiglu`).
+    pub(super) fn moe_shapes(&self, layer: usize) -> Result<MoeShapes> {
         match &self.args.moe {
-            Some(moe) => Ok(MoeShapes::new(self.args.dim, moe)),
+            Some(moe) => Ok(MoeShapes {
+                experts_float8: self.float8.experts(layer),
+                ..MoeShapes::new(self.args.dim, moe)
+            }),
             None => {
                 bail!("a mixture-of-experts block in a model without MoE arguments (a titan bug)")
             }

@@ -29,8 +29,11 @@ use anyhow::Result;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::backend::float8::{Float8Recipe, LinearGemm};
 use crate::backend::Backend;
 use crate::model::crossings::expert::ExpertParallelOps;
+use crate::model::crossings::single_rank::SingleRank;
+use crate::model::float8_linear::{FeatureSplit, Float8Casts, SharedInput};
 use crate::model::linear::Linear;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
@@ -103,6 +106,9 @@ pub struct MoeShapes {
     /// Each routed expert's hidden width.
     pub hidden: usize,
     pub router: RouterArgs,
+    /// The recipe the routed experts' GEMMs cast their operands with (`quantize.grouped_mm.
+    /// float8`: rowwise, each expert's GEMMs over the rows routed to it); None: high precision.
+    pub experts_float8: Option<Float8Recipe>,
 }
 
 impl MoeShapes {
@@ -111,9 +117,24 @@ impl MoeShapes {
             dim,
             hidden: moe.hidden,
             router: moe.router,
+            experts_float8: None,
         }
     }
+
+    /// An expert's two linears: `dim → hidden` (w1, w3) and `hidden → dim` (w2).
+    fn expert_linears(&self) -> (Linear, Linear) {
+        let recipe = self.experts_float8;
+        (
+            Linear::new(self.dim, self.hidden).in_float8(recipe),
+            Linear::new(self.hidden, self.dim).in_float8(recipe),
+        )
+    }
 }
+
+/// An expert's GEMMs cast on their own: an expert's rows and weights are all on this rank, so no
+/// scale is agreed over a group (torchao's grouped GEMM scales per token row, per (expert,
+/// feature), and per expert's group of rows for the weight gradient, as here).
+const EXPERT_CASTS: SingleRank = SingleRank;
 
 /// Where a block's mixture-of-experts parameters are in a parameter list: the router's
 /// `[experts, dim]` gate, each expert's `[w1, w2, w3]` (`[hidden, dim]`, `[dim, hidden]`,
@@ -178,24 +199,44 @@ fn dispatch_order(routing: &Routing, num_experts: usize) -> (Vec<u32>, Vec<usize
 /// `y = w2 · (silu(w1 · x) ∘ w3 · x)` over `rows` rows, keeping gate, up and SwiGLU's output.
 fn swiglu_ffn<B: Backend>(
     be: &B,
+    m: &MoeShapes,
     x: &B::Buf,
     [w1, w2, w3]: [&B::Buf; 3],
-    dim: usize,
-    hidden: usize,
     rows: usize,
     y: &mut B::Buf,
-) -> [B::Buf; 3] {
-    let (up_proj, down) = (Linear::new(dim, hidden), Linear::new(hidden, dim));
+) -> Result<[B::Buf; 3]> {
+    let (up_proj, down) = m.expert_linears();
+    let casts = expert_casts::<B>();
+    let hidden = m.hidden;
     let (mut gate, mut up, mut act) = (
         be.uninit(rows * hidden),
         be.uninit(rows * hidden),
         be.uninit(rows * hidden),
     );
-    up_proj.forward(be, &mut gate, x, w1, rows);
-    up_proj.forward(be, &mut up, x, w3, rows);
+    let mut x_cast = SharedInput::new(x, LinearGemm::Output);
+    for (out, w) in [(&mut gate, w1), (&mut up, w3)] {
+        let wq = casts.operand(be, (up_proj, LinearGemm::Output, 1), w, rows)?;
+        up_proj.forward(
+            be,
+            out,
+            x_cast.for_linear(&casts, be, up_proj, rows)?,
+            wq.buf(),
+            rows,
+        );
+    }
     be.swiglu_forward(&mut act, &gate, &up);
-    down.forward(be, y, &act, w2, rows);
-    [gate, up, act]
+    let [aq, w2q] = casts.operands(be, down, LinearGemm::Output, (&act, w2), rows)?;
+    down.forward(be, y, aq.buf(), w2q.buf(), rows);
+    Ok([gate, up, act])
+}
+
+/// The casts of an expert's GEMMs (no group to agree scales over).
+fn expert_casts<B: Backend>() -> Float8Casts<'static, B> {
+    Float8Casts {
+        tp: &EXPERT_CASTS,
+        cp: &EXPERT_CASTS,
+        split: FeatureSplit::Outputs,
+    }
 }
 
 /// The backward of `swiglu_ffn`: adds the weights' gradients into `[g1, g2, g3]` and `dx +=`
@@ -203,26 +244,33 @@ fn swiglu_ffn<B: Backend>(
 #[allow(clippy::too_many_arguments)]
 fn swiglu_ffn_backward<B: Backend>(
     be: &B,
+    m: &MoeShapes,
     x: &B::Buf,
     [gate, up, act]: [&B::Buf; 3],
     [w1, w2, w3]: [&B::Buf; 3],
     [g1, g2, g3]: [&mut B::Buf; 3],
     dy: &B::Buf,
-    dim: usize,
-    hidden: usize,
-    rows: usize,
-    dx: &mut B::Buf,
-) {
-    let (up_proj, down) = (Linear::new(dim, hidden), Linear::new(hidden, dim));
+    (rows, dx): (usize, &mut B::Buf),
+) -> Result<()> {
+    let (up_proj, down) = m.expert_linears();
+    let casts = expert_casts::<B>();
+    let hidden = m.hidden;
     let mut dact = be.uninit(rows * hidden);
-    down.input_grad(be, &mut dact, dy, w2, rows);
-    down.add_weight_grad(be, g2, dy, act, rows);
+    let [dyq, w2q] = casts.operands(be, down, LinearGemm::InputGrad, (dy, w2), rows)?;
+    down.input_grad(be, &mut dact, dyq.buf(), w2q.buf(), rows);
+    let [dyq, aq] = casts.operands(be, down, LinearGemm::WeightGrad, (dy, act), rows)?;
+    down.add_weight_grad(be, g2, dyq.buf(), aq.buf(), rows);
     let (mut dgate, mut dup) = (be.uninit(rows * hidden), be.uninit(rows * hidden));
     be.swiglu_backward(&mut dgate, &mut dup, &dact, gate, up);
-    up_proj.add_input_grad(be, dx, &dgate, w1, rows);
-    up_proj.add_input_grad(be, dx, &dup, w3, rows);
-    up_proj.add_weight_grad(be, g1, &dgate, x, rows);
-    up_proj.add_weight_grad(be, g3, &dup, x, rows);
+    let mut x_cast = SharedInput::new(x, LinearGemm::WeightGrad);
+    for ((d, w), g) in [(&dgate, w1), (&dup, w3)].into_iter().zip([g1, g3]) {
+        let [dq, wq] = casts.operands(be, up_proj, LinearGemm::InputGrad, (d, w), rows)?;
+        up_proj.add_input_grad(be, dx, dq.buf(), wq.buf(), rows);
+        let dq = casts.operand(be, (up_proj, LinearGemm::WeightGrad, 0), d, rows)?;
+        let xq = x_cast.for_linear(&casts, be, up_proj, rows)?;
+        up_proj.add_weight_grad(be, g, dq.buf(), xq, rows);
+    }
+    Ok(())
 }
 
 /// This rank's experts that got rows: each one's weights and its block of the experts' input
@@ -303,9 +351,9 @@ pub fn forward<B: Backend>(
         let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
-        let gua = swiglu_ffn(be, &xe, weights, d, h, count, &mut ye);
-        (gua, ye)
+        swiglu_ffn(be, m, &xe, weights, count, &mut ye).map(|gua| (gua, ye))
     });
+    let outputs = outputs.into_iter().collect::<Result<Vec<_>>>()?;
     for (&(_, from, count), ([g, u, a], ye)) in blocks.iter().zip(outputs) {
         be.copy_range(&mut gate, from * h, &g, 0, count * h);
         be.copy_range(&mut up, from * h, &u, 0, count * h);
@@ -375,7 +423,7 @@ pub fn backward<B: Backend>(
             ((w, from, count), [take(w[0]), take(w[1]), take(w[2])])
         })
         .collect();
-    let dxs: Vec<B::Buf> = each_expert(be, work, |((w, from, count), expert_grads)| {
+    let dxs = each_expert(be, work, |((w, from, count), expert_grads)| {
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
         let (xe, dye) = (block(&acts.x_local, d), block(&dy_local, d));
         let (g, u, a) = (
@@ -387,19 +435,18 @@ pub fn backward<B: Backend>(
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
         swiglu_ffn_backward(
             be,
+            m,
             &xe,
             [&g, &u, &a],
             weights,
             expert_grads,
             &dye,
-            d,
-            h,
-            count,
-            &mut dxe,
-        );
-        dxe
+            (count, &mut dxe),
+        )
+        .map(|()| dxe)
     });
     drop(slots);
+    let dxs = dxs.into_iter().collect::<Result<Vec<B::Buf>>>()?;
     for (&(_, from, count), dxe) in blocks.iter().zip(&dxs) {
         be.copy_range(&mut dx_local, from * d, dxe, 0, count * d);
     }
@@ -466,6 +513,7 @@ mod tests {
                 route_scale: 1.3,
                 groups,
             },
+            experts_float8: None,
         }
     }
 
