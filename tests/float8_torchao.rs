@@ -10,8 +10,7 @@ use std::process::Command;
 
 use titan::backend::cpu::CpuBackend;
 use titan::backend::float8::{Float8Recipe, LinearGemm};
-use titan::model::crossings::single_rank::SingleRank;
-use titan::model::float8_linear::{FeatureSplit, Float8Casts};
+use titan::model::float8_linear::{Float8Casts, OnOneRank};
 use titan::model::linear::Linear;
 
 /// A linear's GEMM sizes: `M` token rows, `K` input and `N` output features.
@@ -58,11 +57,7 @@ fn titan_products(
 ) -> [Vec<f32>; 3] {
     let be = CpuBackend::default();
     let linear = Linear::new(k, n).in_float8(Some(recipe));
-    let casts = Float8Casts {
-        tp: &SingleRank,
-        cp: &SingleRank,
-        split: FeatureSplit::Outputs,
-    };
+    let casts = Float8Casts { groups: &OnOneRank };
     let (x, w, g) = (x.to_vec(), w.to_vec(), g.to_vec());
     let [xq, wq] = casts
         .operands(&be, linear, LinearGemm::Output, (&x, &w), m)

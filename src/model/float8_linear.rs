@@ -3,21 +3,17 @@
 //! operands quantised as the recipe says (`Float8Recipe::operands`) and dequantised, and
 //! multiplies them in high precision, which is torchao's emulated float8 GEMM number for number.
 //!
-//! The scales are those of the whole operand. Where tensor parallelism splits the dimension an
-//! amax runs over (a column-parallel linear's output features `N`, a row-parallel one's input
-//! features `K`), the amaxes are agreed over the group (`TensorParallelOps::all_reduce_max`)
-//! before any value is cast; where context parallelism splits each sequence's token rows `M`,
-//! amaxes over rows are agreed over its group. So every layout casts exactly as one process does
-//! on the same micro-batch. (Data parallelism is not reduced over: as in torchao, each rank's
-//! micro-batch is its own GEMM, and one process running the same micro-batches with gradient
-//! accumulation casts the same.)
+//! The scales are those of the whole operand: the amaxes over a dimension that a layout splits
+//! are agreed over the groups that split it (`AmaxGroups`, implemented by the layers that know
+//! the groups: `parallel_linear::SplitGroups` for tensor and context parallelism) before any
+//! value is cast. So every layout casts exactly as one process does on the same micro-batch.
+//! (Data parallelism is not reduced over: as in torchao, each rank's micro-batch is its own GEMM,
+//! and one process running the same micro-batches with gradient accumulation casts the same.)
+//! This module names no group, so the experts (`moe`) cast with it too (`OnOneRank`).
 
 use anyhow::{bail, Result};
 
-use super::crossings::context::ContextParallelOps;
-use super::crossings::tensor::TensorParallelOps;
 use super::linear::Linear;
-use super::local_shapes::LocalShapes;
 use crate::backend::float8::{
     Float8Recipe, LinearGemm, MxBlocks, MxCast, OperandCast, Quantization, ScaleAxis, MX_BLOCK,
 };
@@ -50,37 +46,40 @@ impl<B: Backend> Operand<'_, B> {
     }
 }
 
-/// Which of a linear's features its tensor-parallel group splits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FeatureSplit {
-    /// Column-parallel: each rank holds a slice of the output features (`N`).
-    Outputs,
-    /// Row-parallel: each rank holds a slice of the input features (`K`).
-    Inputs,
-}
-
 /// The three dimensions of a linear's GEMMs: `M` token rows, `N` output and `K` input features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Dim {
+pub enum GemmDim {
     M,
     N,
     K,
 }
 
-/// Casts a linear's GEMM operands, agreeing scales over the groups that split an amax's axis.
-pub struct Float8Casts<'a, B: Backend> {
-    /// Splits the features as `split` says.
-    pub tp: &'a dyn TensorParallelOps<B>,
-    /// Splits each sequence's token rows (`M`).
-    pub cp: &'a dyn ContextParallelOps<B>,
-    pub split: FeatureSplit,
+/// The groups that split a linear's GEMM dimensions, as far as its casts need them.
+pub trait AmaxGroups {
+    /// Makes each of `amaxes` (maxima over the dimensions `spans`) the largest over the groups
+    /// that split any of those dimensions, in place (NaN if any rank's is).
+    fn agree(&self, amaxes: &mut [f32], spans: &[GemmDim]) -> Result<()>;
 }
 
-impl<B: Backend> Float8Casts<'_, B> {
+/// A linear whose GEMM dimensions no group splits (one rank; an expert's GEMMs).
+pub struct OnOneRank;
+
+impl AmaxGroups for OnOneRank {
+    fn agree(&self, _amaxes: &mut [f32], _spans: &[GemmDim]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Casts a linear's GEMM operands, agreeing scales over the groups that split an amax's axis.
+pub struct Float8Casts<'a> {
+    pub groups: &'a dyn AmaxGroups,
+}
+
+impl Float8Casts<'_> {
     /// The two operands of `gemm` of `linear` over `rows` token rows, in the order the GEMM names
     /// them (`X, W`; `G, W`; `G, X`), each cast as the linear's recipe says (unchanged without
     /// one, or where the recipe keeps that operand in high precision).
-    pub fn operands<'x>(
+    pub fn operands<'x, B: Backend>(
         &self,
         be: &B,
         linear: Linear,
@@ -95,7 +94,7 @@ impl<B: Backend> Float8Casts<'_, B> {
     }
 
     /// Operand `slot` (0 or 1, as `operands` orders them) of `gemm` of `linear`.
-    pub fn operand<'x>(
+    pub fn operand<'x, B: Backend>(
         &self,
         be: &B,
         (linear, gemm, slot): (Linear, LinearGemm, usize),
@@ -106,14 +105,14 @@ impl<B: Backend> Float8Casts<'_, B> {
             return Ok(Operand::HighPrecision(x));
         };
         let dims = match gemm {
-            LinearGemm::Output => [(Dim::M, Dim::K), (Dim::N, Dim::K)],
-            LinearGemm::InputGrad => [(Dim::M, Dim::N), (Dim::N, Dim::K)],
-            LinearGemm::WeightGrad => [(Dim::M, Dim::N), (Dim::M, Dim::K)],
+            LinearGemm::Output => [(GemmDim::M, GemmDim::K), (GemmDim::N, GemmDim::K)],
+            LinearGemm::InputGrad => [(GemmDim::M, GemmDim::N), (GemmDim::N, GemmDim::K)],
+            LinearGemm::WeightGrad => [(GemmDim::M, GemmDim::N), (GemmDim::M, GemmDim::K)],
         }[slot];
         let size = |d| match d {
-            Dim::M => rows,
-            Dim::N => linear.d_out,
-            Dim::K => linear.d_in,
+            GemmDim::M => rows,
+            GemmDim::N => linear.d_out,
+            GemmDim::K => linear.d_in,
         };
         let (rows, cols) = (size(dims.0), size(dims.1));
         match cast {
@@ -123,29 +122,20 @@ impl<B: Backend> Float8Casts<'_, B> {
     }
 
     /// `x` (`[rows, cols]`, their dimensions named) fake-quantised with `q`.
-    fn cast<'x>(
+    fn cast<'x, B: Backend>(
         &self,
         be: &B,
         x: &B::Buf,
-        [(row_dim, rows), (col_dim, cols)]: [(Dim, usize); 2],
+        [(row_dim, rows), (col_dim, cols)]: [(GemmDim, usize); 2],
         q: Quantization,
     ) -> Result<Operand<'x, B>> {
         let mut amaxes = be.float8_amaxes(x, rows, cols, q.axis);
-        let spans: &[Dim] = match q.axis {
+        let spans: &[GemmDim] = match q.axis {
             ScaleAxis::Tensor => &[row_dim, col_dim],
             ScaleAxis::Rows => &[col_dim],
             ScaleAxis::Columns => &[row_dim],
         };
-        let split = match self.split {
-            FeatureSplit::Outputs => Dim::N,
-            FeatureSplit::Inputs => Dim::K,
-        };
-        if self.tp.degree() > 1 && spans.contains(&split) {
-            self.tp.all_reduce_max(&mut amaxes)?;
-        }
-        if self.cp.degree() > 1 && spans.contains(&Dim::M) {
-            self.cp.max_amax_over_group(&mut amaxes)?;
-        }
+        self.groups.agree(&mut amaxes, spans)?;
         Ok(Operand::Cast(be.float8_fake_quantized(x, cols, q, &amaxes)))
     }
 }
@@ -191,7 +181,7 @@ impl<'x, B: Backend> SharedInput<'x, B> {
     /// `X` as `linear`'s GEMM reads it.
     pub fn for_linear(
         &mut self,
-        casts: &Float8Casts<'_, B>,
+        casts: &Float8Casts<'_>,
         be: &B,
         linear: Linear,
         rows: usize,
@@ -210,15 +200,4 @@ impl<'x, B: Backend> SharedInput<'x, B> {
         };
         Ok(self.casts[i].1.buf())
     }
-}
-
-/// Bytes of the cast operand copies a float8 layer holds at once, over `tokens` rows of this
-/// rank's shapes (the memory estimate's kernel scratch): the column-parallel backward's, the
-/// most, holds each projection's cast output gradient, the shared cast input and a cast weight
-/// (f32 here: the emulated casts keep their values in f32).
-pub fn cast_scratch_bytes(local: &LocalShapes, tokens: usize) -> u64 {
-    let widest = local.dim.max(local.ffn).max(local.q_dim());
-    let projections = 3;
-    let largest_weight = local.dim * local.ffn.max(local.q_dim());
-    4 * ((projections + 1) * tokens * widest + largest_weight) as u64
 }

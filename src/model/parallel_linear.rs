@@ -27,7 +27,7 @@ use anyhow::Result;
 
 use super::crossings::context::ContextParallelOps;
 use super::crossings::tensor::TensorParallelOps;
-use super::float8_linear::{FeatureSplit, Float8Casts, Operand, SharedInput};
+use super::float8_linear::{AmaxGroups, Float8Casts, GemmDim, Operand, SharedInput};
 use super::linear::Linear;
 use crate::backend::float8::LinearGemm;
 use crate::backend::Backend;
@@ -93,6 +93,46 @@ impl<B: Backend> DeferredWeightGrad<B> {
 
 /// The linear layers of a tensor-parallel group over `tokens` token rows. With `deferred`, the
 /// backward leaves the weight gradients there instead of computing them.
+/// Which of a linear's features its tensor-parallel group splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeatureSplit {
+    /// Column-parallel: each rank holds a slice of the output features (`N`).
+    Outputs,
+    /// Row-parallel: each rank holds a slice of the input features (`K`).
+    Inputs,
+}
+
+/// The groups that split a layer's GEMM dimensions: tensor parallelism its features (as
+/// `split` says), context parallelism each sequence's token rows.
+pub struct SplitGroups<'a, B: Backend> {
+    tp: &'a dyn TensorParallelOps<B>,
+    cp: &'a dyn ContextParallelOps<B>,
+    split: FeatureSplit,
+}
+
+impl<B: Backend> SplitGroups<'_, B> {
+    /// The float8 casts agreeing their scales over these groups.
+    fn float8(&self) -> Float8Casts<'_> {
+        Float8Casts { groups: self }
+    }
+}
+
+impl<B: Backend> AmaxGroups for SplitGroups<'_, B> {
+    fn agree(&self, amaxes: &mut [f32], spans: &[GemmDim]) -> anyhow::Result<()> {
+        let split = match self.split {
+            FeatureSplit::Outputs => GemmDim::N,
+            FeatureSplit::Inputs => GemmDim::K,
+        };
+        if self.tp.degree() > 1 && spans.contains(&split) {
+            self.tp.all_reduce_max(amaxes)?;
+        }
+        if self.cp.degree() > 1 && spans.contains(&GemmDim::M) {
+            self.cp.max_amax_over_group(amaxes)?;
+        }
+        Ok(())
+    }
+}
+
 pub struct SequenceParallel<'a, B: Backend> {
     pub tp: &'a dyn TensorParallelOps<B>,
     /// The context-parallel group, whose ranks hold the other rows of the same sequences: a float8
@@ -113,9 +153,9 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         self.tp.degree()
     }
 
-    /// The float8 casts of a layer whose features the group splits as `split`.
-    fn casts(&self, split: FeatureSplit) -> Float8Casts<'_, B> {
-        Float8Casts {
+    /// The groups of a layer whose features the tensor-parallel group splits as `split`.
+    fn groups(&self, split: FeatureSplit) -> SplitGroups<'_, B> {
+        SplitGroups {
             tp: self.tp,
             cp: self.cp,
             split,
@@ -135,7 +175,8 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         x: &mut SharedInput<'_, B>,
         rows: usize,
     ) -> Result<()> {
-        let casts = self.casts(split);
+        let groups = self.groups(split);
+        let casts = groups.float8();
         let g = casts.operand(be, (linear, LinearGemm::WeightGrad, 0), dy, rows)?;
         let xq = x.for_linear(&casts, be, linear, rows)?;
         match self.deferred {
@@ -231,7 +272,8 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 self.tp.gather_rows(be, local, full)?;
                 &*full
             };
-            let casts = self.casts(FeatureSplit::Outputs);
+            let groups = self.groups(FeatureSplit::Outputs);
+            let casts = groups.float8();
             let mut x = SharedInput::new(x, LinearGemm::Output);
             for p in projections.iter_mut() {
                 let w = casts.operand(be, (p.linear, LinearGemm::Output, 1), p.w, self.tokens)?;
@@ -272,7 +314,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         out: &mut B::Buf,
         partial: &mut B::Buf,
     ) -> Result<()> {
-        let [x, w] = self.casts(FeatureSplit::Inputs).operands(
+        let [x, w] = self.groups(FeatureSplit::Inputs).float8().operands(
             be,
             linear,
             LinearGemm::Output,
@@ -330,7 +372,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 self.tp.gather_rows(be, dy_local, full)?;
                 &*full
             };
-            let [g, wq] = self.casts(FeatureSplit::Inputs).operands(
+            let [g, wq] = self.groups(FeatureSplit::Inputs).float8().operands(
                 be,
                 linear,
                 LinearGemm::InputGrad,
@@ -369,7 +411,8 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         dlocal: &mut B::Buf,
     ) -> Result<()> {
         let n = self.tokens;
-        let casts = self.casts(FeatureSplit::Outputs);
+        let groups = self.groups(FeatureSplit::Outputs);
+        let casts = groups.float8();
         let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
         // A float8 weight gradient may agree its scales over the group, which cannot run while
         // the chunks' reduce-scatters are queued on it.

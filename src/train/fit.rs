@@ -10,7 +10,6 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
-use crate::model::float8_linear::cast_scratch_bytes;
 use crate::model::llama::workspace_floats;
 use crate::model::{LocalShapes, ModelArgs, ParamDtype};
 use crate::parallel::cp::RotateMethod;
@@ -48,7 +47,7 @@ impl<B: Backend> RankSizing<'_, B> {
         let rows = self.pipeline.map_or(batch, |p| p.microbatch_rows);
         e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
         if self.float8 {
-            e.scratch += cast_scratch_bytes(local, rows * local.local_seq(seq));
+            e.scratch += float8_cast_scratch_bytes(local, rows * local.local_seq(seq));
         }
         if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {
             e = e.with_compute_copy(self.be);
@@ -143,4 +142,15 @@ fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharde
     {
         eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
     }
+}
+
+/// Bytes of the cast operand copies a float8 layer holds at once, over `tokens` rows of this
+/// rank's shapes (the memory estimate's kernel scratch): the column-parallel backward's, the
+/// most, holds each projection's cast output gradient, the shared cast input and a cast weight
+/// (f32 here: the emulated casts keep their values in f32).
+fn float8_cast_scratch_bytes(local: &LocalShapes, tokens: usize) -> u64 {
+    let widest = local.dim.max(local.ffn).max(local.q_dim());
+    let projections = 3;
+    let largest_weight = local.dim * local.ffn.max(local.q_dim());
+    4 * ((projections + 1) * tokens * widest + largest_weight) as u64
 }

@@ -32,8 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::float8::{Float8Recipe, LinearGemm};
 use crate::backend::Backend;
 use crate::model::crossings::expert::ExpertParallelOps;
-use crate::model::crossings::single_rank::SingleRank;
-use crate::model::float8_linear::{FeatureSplit, Float8Casts, SharedInput};
+use crate::model::float8_linear::{Float8Casts, OnOneRank, SharedInput};
 use crate::model::linear::Linear;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
@@ -131,11 +130,6 @@ impl MoeShapes {
     }
 }
 
-/// An expert's GEMMs cast on their own: an expert's rows and weights are all on this rank, so no
-/// scale is agreed over a group (torchao's grouped GEMM scales per token row, per (expert,
-/// feature), and per expert's group of rows for the weight gradient, as here).
-const EXPERT_CASTS: SingleRank = SingleRank;
-
 /// Where a block's mixture-of-experts parameters are in a parameter list: the router's
 /// `[experts, dim]` gate, each expert's `[w1, w2, w3]` (`[hidden, dim]`, `[dim, hidden]`,
 /// `[hidden, dim]`), and the shared experts' likewise (computed by the block as its SwiGLU).
@@ -206,7 +200,7 @@ fn swiglu_ffn<B: Backend>(
     y: &mut B::Buf,
 ) -> Result<[B::Buf; 3]> {
     let (up_proj, down) = m.expert_linears();
-    let casts = expert_casts::<B>();
+    let casts = expert_casts();
     let hidden = m.hidden;
     let (mut gate, mut up, mut act) = (
         be.uninit(rows * hidden),
@@ -230,13 +224,11 @@ fn swiglu_ffn<B: Backend>(
     Ok([gate, up, act])
 }
 
-/// The casts of an expert's GEMMs (no group to agree scales over).
-fn expert_casts<B: Backend>() -> Float8Casts<'static, B> {
-    Float8Casts {
-        tp: &EXPERT_CASTS,
-        cp: &EXPERT_CASTS,
-        split: FeatureSplit::Outputs,
-    }
+/// The casts of an expert's GEMMs: an expert's rows and weights are all on this rank, so no
+/// scale is agreed over a group (torchao's grouped GEMM scales per token row, per (expert,
+/// feature), and per expert's group of rows for the weight gradient, as here).
+fn expert_casts() -> Float8Casts<'static> {
+    Float8Casts { groups: &OnOneRank }
 }
 
 /// The backward of `swiglu_ffn`: adds the weights' gradients into `[g1, g2, g3]` and `dx +=`
@@ -253,7 +245,7 @@ fn swiglu_ffn_backward<B: Backend>(
     (rows, dx): (usize, &mut B::Buf),
 ) -> Result<()> {
     let (up_proj, down) = m.expert_linears();
-    let casts = expert_casts::<B>();
+    let casts = expert_casts();
     let hidden = m.hidden;
     let mut dact = be.uninit(rows * hidden);
     let [dyq, w2q] = casts.operands(be, down, LinearGemm::InputGrad, (dy, w2), rows)?;
