@@ -57,7 +57,10 @@ fn titan_products(
 ) -> [Vec<f32>; 3] {
     let be = CpuBackend::default();
     let linear = Linear::new(k, n).in_float8(Some(recipe));
-    let casts = Float8Casts { groups: &OnOneRank };
+    let casts = Float8Casts {
+        groups: &OnOneRank,
+        partial_row_blocks: false,
+    };
     let (x, w, g) = (x.to_vec(), w.to_vec(), g.to_vec());
     let [xq, wq] = casts
         .operands(&be, linear, LinearGemm::Output, (&x, &w), m)

@@ -309,8 +309,10 @@ fn bad_float8_settings_are_refused_naming_the_key() {
             vec![
                 "--model.converters",
                 "quantize.linear.float8,quantize.grouped_mm.mx",
+                "--quantize.grouped_mm.mx.recipe_name",
+                "mxfp4",
             ],
-            &["quantize.grouped_mm.mx", "not built yet"],
+            &["recipe_name", "mxfp4", "mxfp8_rceil"],
         ),
         (
             [&recipe("tensorwise")[..], &["--training.device", "cuda"]].concat(),
@@ -554,4 +556,58 @@ fn float8_experts_train_and_fsdp_matches_one_process() {
         close(l1[0], l2[0]) && close(l1[1], l2[1]) && close(g1[0], g2[0]),
         "{l1:?} {l2:?} {g1:?} {g2:?}"
     );
+}
+
+#[test]
+fn mxfp8_experts_train_and_fsdp_matches_one_process() {
+    let mx = ["--model.converters", "quantize.grouped_mm.mx"];
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[],
+        &[MOE, &mx, &["--training.steps", "10"]].concat(),
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("linears in MXFP8: layers.*.moe.experts"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let losses: Vec<f64> = metric(dir.path(), "loss")
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
+    assert!(falls(&losses), "{losses:?}");
+    // An expert's rows end in a partial block of 32 (zero-padded); each rank runs every expert on
+    // its own micro-batch, as the accumulating one-process run does.
+    let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let accum = ["--training.global_batch_size", "4", "--training.steps", "3"];
+    let [l1, g1] = curves(
+        "mx experts 1",
+        one.path(),
+        &[],
+        &[MOE, &mx, &accum].concat(),
+    );
+    let fsdp = ["--parallelism.data_parallel_shard_degree", "2"];
+    let [l2, g2] = curves(
+        "mx experts FSDP 2",
+        many.path(),
+        &nproc("2"),
+        &[MOE, &mx, &accum, &fsdp].concat(),
+    );
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs();
+    assert!(
+        close(l1[0], l2[0]) && close(l1[1], l2[1]) && close(g1[0], g2[0]),
+        "{l1:?} {l2:?} {g1:?} {g2:?}"
+    );
+    let both = [
+        "--model.converters",
+        "quantize.grouped_mm.float8,quantize.grouped_mm.mx",
+    ];
+    let args: Vec<String> = both.iter().map(|s| s.to_string()).collect();
+    let e = format!(
+        "{:#}",
+        titan::config::Config::load(None, &args).unwrap_err()
+    );
+    assert!(e.contains("choose one"), "{e}");
 }

@@ -7,16 +7,11 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::Config;
-use crate::backend::float8::Float8Recipe;
+use crate::backend::float8::{Float8Recipe, MxScaling};
 use crate::model::float8_convert::Float8Options;
 
 /// The converters `[model] converters` accepts (TorchTitan's names).
-pub const CONVERTERS: [&str; 4] = [
-    FLOAT8_LINEAR,
-    FLOAT8_GROUPED_MM,
-    MX_LINEAR,
-    "quantize.grouped_mm.mx",
-];
+pub const CONVERTERS: [&str; 4] = [FLOAT8_LINEAR, FLOAT8_GROUPED_MM, MX_LINEAR, MX_GROUPED_MM];
 
 /// Float8 linears with torchao's dynamic scaling.
 pub const FLOAT8_LINEAR: &str = "quantize.linear.float8";
@@ -26,6 +21,9 @@ pub const MX_LINEAR: &str = "quantize.linear.mx";
 
 /// Float8 grouped GEMMs for the routed experts (torchao's rowwise grouped GEMM).
 pub const FLOAT8_GROUPED_MM: &str = "quantize.grouped_mm.float8";
+
+/// MXFP8 grouped GEMMs for the routed experts.
+pub const MX_GROUPED_MM: &str = "quantize.grouped_mm.mx";
 
 /// `[quantize]`: one section per converter.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -174,14 +172,23 @@ impl Config {
         Ok(None)
     }
 
-    /// The routed experts' float8 grouped GEMMs (`quantize.grouped_mm.float8`): the recipe
-    /// (torchao's is rowwise) and the `fqns` they apply to.
-    pub fn float8_experts(&self) -> Option<(Float8Recipe, &[String])> {
-        let on = self.model.converters.iter().any(|c| c == FLOAT8_GROUPED_MM);
-        on.then_some((
-            Float8Recipe::Rowwise,
-            &self.quantize.grouped_mm.float8.fqns[..],
-        ))
+    /// The routed experts' grouped GEMMs: `quantize.grouped_mm.float8` (torchao's rowwise) or
+    /// `quantize.grouped_mm.mx` (MXFP8 with RCEIL scales), and the `fqns` they apply to.
+    pub fn float8_experts(&self) -> Result<Option<(Float8Recipe, &[String])>> {
+        let has = |c: &str| self.model.converters.iter().any(|x| x == c);
+        if has(FLOAT8_GROUPED_MM) {
+            let fqns = &self.quantize.grouped_mm.float8.fqns[..];
+            return Ok(Some((Float8Recipe::Rowwise, fqns)));
+        }
+        if has(MX_GROUPED_MM) {
+            let mx = &self.quantize.grouped_mm.mx;
+            let recipe = match mx.recipe_name.as_str() {
+                "mxfp8_rceil" | "mxfp8_emulated_rceil" => Float8Recipe::Mxfp8(MxScaling::Rceil),
+                other => bail!("[quantize.grouped_mm.mx] recipe_name = \"{other}\" is not known (accepted: mxfp8_rceil, mxfp8_emulated_rceil)"),
+            };
+            return Ok(Some((recipe, &mx.fqns[..])));
+        }
+        Ok(None)
     }
 
     /// The converter and recipe name of the low-precision linears (for reports).
@@ -204,8 +211,14 @@ impl Config {
                     CONVERTERS.join(", ")
                 );
             }
-            if ![FLOAT8_LINEAR, MX_LINEAR, FLOAT8_GROUPED_MM].contains(&c.as_str()) {
-                bail!("[model] converters: `{c}` is not built yet (issue 28 has built quantize.linear.float8, quantize.linear.mx and quantize.grouped_mm.float8 so far; the experts' MXFP8 grouped GEMMs are next)");
+        }
+        let grouped = |c: &String| c == FLOAT8_GROUPED_MM || c == MX_GROUPED_MM;
+        if self.model.converters.iter().filter(|c| grouped(c)).count() > 1 {
+            bail!("[model] converters: quantize.grouped_mm.float8 and quantize.grouped_mm.mx both convert the experts; choose one");
+        }
+        if let Some((Float8Recipe::Mxfp8(_), _)) = self.float8_experts()? {
+            if self.training.device == "cuda" {
+                bail!("[model] converters = quantize.grouped_mm.mx: MXFP8 grouped GEMMs on CUDA are not built yet; train them on the CPU (emulated) for now");
             }
         }
         let linear = |c: &String| c == FLOAT8_LINEAR || c == MX_LINEAR;

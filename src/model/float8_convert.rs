@@ -180,21 +180,28 @@ impl Float8Conversion {
     /// torchao's rowwise grouped GEMM) in each MoE block whose `layers.N.moe.experts` contains an
     /// `fqns` entry; the report says which.
     pub fn with_experts(mut self, args: &ModelArgs, recipe: Float8Recipe, fqns: &[String]) -> Self {
-        if args.moe.is_none() {
+        let Some(moe) = &args.moe else {
             return self;
-        }
+        };
+        let multiple = recipe.feature_multiple();
+        let whole = args.dim.is_multiple_of(multiple) && moe.hidden.is_multiple_of(multiple);
         self.experts = (0..args.n_layers)
             .map(|l| {
                 let name = format!("layers.{l}.moe.experts");
-                let on = fqns.iter().any(|f| name.contains(f.as_str()));
-                let entry = self.report.iter_mut().find(|(n, _)| *n == name);
-                if let Some((_, why)) = entry {
-                    *why = match on {
-                        true => None,
-                        false => Some("not named by [quantize.grouped_mm.float8] fqns".into()),
-                    };
+                let named = fqns.iter().any(|f| name.contains(f.as_str()));
+                let why = match (named, whole) {
+                    (true, true) => None,
+                    (false, _) => Some("not named by the grouped_mm converter's fqns".to_string()),
+                    (true, false) => Some(format!(
+                        "features {} and {} are not both multiples of {multiple}",
+                        args.dim, moe.hidden
+                    )),
+                };
+                let converted = why.is_none();
+                if let Some(entry) = self.report.iter_mut().find(|(n, _)| *n == name) {
+                    entry.1 = why;
                 }
-                on.then_some(recipe)
+                converted.then_some(recipe)
             })
             .collect();
         self
@@ -237,8 +244,14 @@ impl Float8Conversion {
                 )),
             }
         }
-        let kind = match self.blocks.iter().flatten().flatten().next() {
-            Some(Float8Recipe::Mxfp8(_)) => "MXFP8",
+        let recipes = self.blocks.iter().flatten().chain(&self.experts).flatten();
+        let mx = recipes.clone().any(|r| matches!(r, Float8Recipe::Mxfp8(_)));
+        let float8 = recipes
+            .clone()
+            .any(|r| !matches!(r, Float8Recipe::Mxfp8(_)));
+        let kind = match (float8, mx) {
+            (true, true) => "float8 or MXFP8",
+            (false, true) => "MXFP8",
             _ => "float8",
         };
         let head = format!(

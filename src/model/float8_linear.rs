@@ -73,6 +73,10 @@ impl AmaxGroups for OnOneRank {
 /// Casts a linear's GEMM operands, agreeing scales over the groups that split an amax's axis.
 pub struct Float8Casts<'a> {
     pub groups: &'a dyn AmaxGroups,
+    /// MXFP8 blocks down the token rows may end in a partial block, as if padded with zero rows
+    /// (an expert's group of rows, which TorchTitan pads to 32); false for a linear, whose token
+    /// rows torchao requires in whole blocks.
+    pub partial_row_blocks: bool,
 }
 
 impl Float8Casts<'_> {
@@ -117,7 +121,7 @@ impl Float8Casts<'_> {
         let (rows, cols) = (size(dims.0), size(dims.1));
         match cast {
             OperandCast::Scaled(q) => self.cast(be, x, [(dims.0, rows), (dims.1, cols)], q),
-            OperandCast::Mx(mx) => mx_cast(be, x, (rows, cols), mx),
+            OperandCast::Mx(mx) => mx_cast(be, x, (rows, cols), mx, self.partial_row_blocks),
         }
     }
 
@@ -149,9 +153,11 @@ fn mx_cast<'x, B: Backend>(
     x: &B::Buf,
     (rows, cols): (usize, usize),
     mx: MxCast,
+    partial_row_blocks: bool,
 ) -> Result<Operand<'x, B>> {
     let (along, what) = match mx.blocks {
         MxBlocks::AlongRows => (cols, "features"),
+        MxBlocks::DownColumns if partial_row_blocks => (MX_BLOCK, "token rows"),
         MxBlocks::DownColumns => (rows, "token rows"),
     };
     if !along.is_multiple_of(MX_BLOCK) {

@@ -113,7 +113,10 @@ pub struct SplitGroups<'a, B: Backend> {
 impl<B: Backend> SplitGroups<'_, B> {
     /// The float8 casts agreeing their scales over these groups.
     fn float8(&self) -> Float8Casts<'_> {
-        Float8Casts { groups: self }
+        Float8Casts {
+            groups: self,
+            partial_row_blocks: false,
+        }
     }
 }
 

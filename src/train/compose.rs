@@ -213,12 +213,12 @@ impl RankPlan {
         let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
             .expect("validated with the config");
         let ac = cfg.activation_checkpoint.mode()?;
-        let float8 = match (cfg.float8_linears()?, cfg.float8_experts()) {
+        let float8 = match (cfg.float8_linears()?, cfg.float8_experts()?) {
             (None, None) => Float8Conversion::default(),
             (Some(options), _) => Float8Conversion::plan(&args, &options)?,
             (None, Some(_)) => Float8Conversion::no_linears(&args),
         };
-        let float8 = match cfg.float8_experts() {
+        let float8 = match cfg.float8_experts()? {
             Some((recipe, fqns)) => float8.with_experts(&args, recipe, fqns),
             None => float8,
         };

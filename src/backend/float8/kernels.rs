@@ -191,7 +191,8 @@ fn cast_rows(
 
 /// Rows of `x` (`[rows, cols]`) cast to MXFP8 as `cast` says and dequantised: the operand
 /// torchao's emulated MX GEMM reads. Along rows, `cols` is a multiple of `MX_BLOCK`; down
-/// columns, the number of rows given is.
+/// columns, a last block of fewer rows is as if padded with zero rows (an expert's group of rows,
+/// which TorchTitan pads to 32).
 pub fn mx_fake_quantize_rows(out: &mut [f32], x: &[f32], cols: usize, cast: MxCast) {
     let rounding = E4M3_ROUNDING;
     match cast.blocks {
@@ -206,10 +207,12 @@ pub fn mx_fake_quantize_rows(out: &mut [f32], x: &[f32], cols: usize, cast: MxCa
         MxBlocks::DownColumns => {
             let group = MX_BLOCK * cols;
             for (o, rows) in out.chunks_mut(group).zip(x.chunks(group)) {
-                let scales: Vec<MxBlockScale> = amaxes(rows, MX_BLOCK, cols, ScaleAxis::Columns)
-                    .into_iter()
-                    .map(|a| cast.scaling.block_scale(a))
-                    .collect();
+                // A last group of fewer rows is a block padded with zeros, which change no amax.
+                let scales: Vec<MxBlockScale> =
+                    amaxes(rows, rows.len() / cols, cols, ScaleAxis::Columns)
+                        .into_iter()
+                        .map(|a| cast.scaling.block_scale(a))
+                        .collect();
                 let multipliers: Vec<f32> = scales.iter().map(|s| s.multiplier).collect();
                 let dequantize: Vec<f32> = scales.iter().map(|s| s.dequantize).collect();
                 for (o, row) in o.chunks_mut(cols).zip(rows.chunks(cols)) {
@@ -316,6 +319,26 @@ mod tests {
             .unwrap()
             .dequantize();
         assert_eq!(bits(&down), bits(&transpose(&t, cols, rows)));
+    }
+
+    #[test]
+    fn a_partial_block_down_columns_is_a_block_padded_with_zeros() {
+        use super::super::mx::MxScaling;
+        let (rows, cols) = (45, 8);
+        let x: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) * 10f32.powi((i % 5) as i32 - 2))
+            .collect();
+        let cast = MxCast {
+            blocks: MxBlocks::DownColumns,
+            scaling: MxScaling::Rceil,
+        };
+        let mut partial = vec![0f32; x.len()];
+        mx_fake_quantize_rows(&mut partial, &x, cols, cast);
+        let mut padded_x = x.clone();
+        padded_x.resize(64 * cols, 0.0);
+        let mut padded = vec![0f32; padded_x.len()];
+        mx_fake_quantize_rows(&mut padded, &padded_x, cols, cast);
+        assert_eq!(partial, padded[..x.len()]);
     }
 
     #[test]

@@ -106,7 +106,8 @@ pub struct MoeShapes {
     pub hidden: usize,
     pub router: RouterArgs,
     /// The recipe the routed experts' GEMMs cast their operands with (`quantize.grouped_mm.
-    /// float8`: rowwise, each expert's GEMMs over the rows routed to it); None: high precision.
+    /// float8`: rowwise; `quantize.grouped_mm.mx`: MXFP8; each expert's GEMMs over the rows
+    /// routed to it); None: high precision.
     pub experts_float8: Option<Float8Recipe>,
 }
 
@@ -228,7 +229,10 @@ fn swiglu_ffn<B: Backend>(
 /// scale is agreed over a group (torchao's grouped GEMM scales per token row, per (expert,
 /// feature), and per expert's group of rows for the weight gradient, as here).
 fn expert_casts() -> Float8Casts<'static> {
-    Float8Casts { groups: &OnOneRank }
+    Float8Casts {
+        groups: &OnOneRank,
+        partial_row_blocks: true,
+    }
 }
 
 /// The backward of `swiglu_ffn`: adds the weights' gradients into `[g1, g2, g3]` and `dx +=`
