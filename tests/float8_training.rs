@@ -17,6 +17,22 @@ fn nproc(n: &'static str) -> [&'static str; 4] {
     ["--nproc", n, "--master-port", "0"]
 }
 
+/// Four sequences a step: two micro-batches of the tiny runs' two in one process.
+const ACCUM_4: &[&str] = &["--training.global_batch_size", "4"];
+
+/// Tensor parallelism of degree 2 alone.
+const TP_2: &[&str] = &[
+    "--parallelism.tensor_parallel_degree",
+    "2",
+    "--parallelism.data_parallel_shard_degree",
+    "1",
+];
+
+/// FSDP 2 over the same four sequences a step: each rank one micro-batch of two.
+fn fsdp_2() -> Vec<&'static str> {
+    [ACCUM_4, &["--parallelism.data_parallel_shard_degree", "2"]].concat()
+}
+
 fn recipe(name: &'static str) -> Vec<&'static str> {
     [FLOAT8, &["--quantize.linear.float8.recipe_name", name][..]].concat()
 }
@@ -117,25 +133,11 @@ fn every_recipe_trains_and_reports_what_it_converted() {
 #[test]
 fn float8_layouts_match_one_process() {
     // Two ranks of 2 sequences each against one process accumulating two micro-batches of 2.
-    let accum = ["--training.global_batch_size", "4"];
-    let fsdp = [
-        &accum[..],
-        &["--parallelism.data_parallel_shard_degree", "2"],
-    ]
-    .concat();
-    check("float8 FSDP 2", &accum, &nproc("2"), &fsdp);
-    let tp = [
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-    ];
-    check("float8 TP 2", &[], &nproc("2"), &tp);
-    let async_tp = [
-        &tp[..],
-        &["--parallelism.enable_async_tensor_parallel", "true"],
-    ]
-    .concat();
+    let (accum, fsdp) = (ACCUM_4, fsdp_2());
+    check("float8 FSDP 2", accum, &nproc("2"), &fsdp);
+    let tp = TP_2;
+    check("float8 TP 2", &[], &nproc("2"), tp);
+    let async_tp = [tp, &["--parallelism.enable_async_tensor_parallel", "true"]].concat();
     check("float8 async TP 2", &[], &nproc("2"), &async_tp);
     // Activation checkpointing recomputes the casts with the block.
     check(
@@ -407,22 +409,12 @@ fn mxfp8_linears_train_under_every_layout_as_one_process() {
         "{out}{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let accum = ["--training.global_batch_size", "4"];
-    let fsdp = [
-        &accum[..],
-        &["--parallelism.data_parallel_shard_degree", "2"],
-    ]
-    .concat();
-    check_mx("MXFP8 FSDP 2", &accum, &nproc("2"), &fsdp);
-    let tp = [
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-    ];
+    let (accum, fsdp) = (ACCUM_4, fsdp_2());
+    check_mx("MXFP8 FSDP 2", accum, &nproc("2"), &fsdp);
+    let tp = TP_2;
     // TP 2 splits wk and wv's 32 outputs into 16s: refused, naming them.
     let dir = tempfile::tempdir().unwrap();
-    let o = train(dir.path(), &nproc("2"), &[MX, &tp[..]].concat());
+    let o = train(dir.path(), &nproc("2"), &[MX, tp].concat());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success()
@@ -431,7 +423,7 @@ fn mxfp8_linears_train_under_every_layout_as_one_process() {
     );
     // With 4 key/value heads every split is 32 or more features a rank.
     let kv4 = ["--model.n_kv_heads", "4"];
-    check_mx("MXFP8 TP 2", &kv4, &nproc("2"), &[&kv4[..], &tp].concat());
+    check_mx("MXFP8 TP 2", &kv4, &nproc("2"), &[&kv4[..], tp].concat());
     // CP 2 cuts each sequence of 128 into chunks of 32 tokens: whole blocks.
     let seq128 = ["--training.seq_len", "128"];
     let cp = [
