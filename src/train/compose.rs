@@ -213,15 +213,15 @@ impl RankPlan {
         let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
             .expect("validated with the config");
         let ac = cfg.activation_checkpoint.mode()?;
-        let float8 = match (cfg.float8_linears()?, cfg.float8_experts()?) {
-            (None, None) => Float8Conversion::default(),
-            (Some(options), _) => Float8Conversion::plan(&args, &options)?,
-            (None, Some(_)) => Float8Conversion::no_linears(&args),
+        let (linears, experts) = (cfg.float8_linears()?, cfg.float8_experts()?);
+        let mut float8 = match &linears {
+            Some(options) => Float8Conversion::plan(&args, options)?,
+            None if experts.is_some() => Float8Conversion::no_linears(&args),
+            None => Float8Conversion::default(),
         };
-        let float8 = match cfg.float8_experts()? {
-            Some((recipe, fqns)) => float8.with_experts(&args, recipe, fqns),
-            None => float8,
-        };
+        if let Some((recipe, fqns)) = experts {
+            float8 = float8.with_experts(&args, recipe, fqns);
+        }
         float8.check_tensor_parallel(&args, local.tp)?;
         let sizing = RankSizing {
             be,
