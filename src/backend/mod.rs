@@ -11,7 +11,7 @@ pub mod cuda;
 pub mod float8;
 pub mod profile;
 
-use float8::{MxCast, Quantization, ScaleAxis};
+use float8::{Fp8Format, MxCast, Quantization, ScaleAxis};
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
@@ -443,6 +443,17 @@ pub trait Backend: Send + Sync + 'static {
         let mut out = vec![0f32; host.len()];
         float8::mx_fake_quantize_rows(&mut out, &host, cols, cast);
         self.upload_owned(out)
+    }
+
+    /// `x` quantised to `format` with one `scale` (as `float8_fake_quantized` before it
+    /// dequantises) as 8-bit codes, four to a word (`float8::encode_words`): what FSDP's float8
+    /// all-gather sends.
+    fn float8_encoded(&self, x: &Self::Buf, scale: f32, format: Fp8Format) -> Self::Buf {
+        self.upload_owned(float8::encode_words(&self.download(x), scale, format))
+    }
+    /// The fp8 values of the codes in `words`, four per word (`float8::decode_words`).
+    fn float8_decoded(&self, words: &Self::Buf, format: Fp8Format) -> Self::Buf {
+        self.upload_owned(float8::decode_words(&self.download(words), format))
     }
 
     // ---- loss ----

@@ -1,7 +1,6 @@
 //! `[model] converters` and `[quantize.*]`: TorchTitan's low-precision model converters and their
-//! sections, with their checks. `quantize.linear.float8` is built (emulated: the CPU has no float8
-//! GEMMs, and the CUDA float8 GEMMs are not built yet); the grouped-GEMM and MXFP8 converters
-//! are accepted as names and refused with what is missing (issue 28).
+//! sections, with their checks. Every converter is built emulated (the CPU has no float8 GEMMs);
+//! on CUDA float8 needs `emulate = true` and MXFP8 is refused, with what is missing (issue 28).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -52,9 +51,11 @@ pub struct Float8LinearConfig {
     pub filter_fqns: Vec<String>,
     /// Emulate the float8 GEMMs (the CPU always does).
     pub emulate: bool,
-    /// FSDP all-gathers float8 weights (tensorwise only; not built yet).
+    /// FSDP all-gathers the converted linears' weights as float8 codes with one scale each
+    /// (tensorwise only; a quarter of fp32's bytes).
     pub enable_fsdp_float8_all_gather: bool,
-    /// One all-reduce for every weight's scale after the optimizer step (with the above).
+    /// The weights' scales agreed in one collective per weight update instead of one per
+    /// forward-backward pass (with the above).
     pub precompute_float8_dynamic_scale_for_fsdp: bool,
 }
 
@@ -191,6 +192,16 @@ impl Config {
         Ok(None)
     }
 
+    /// `[quantize.linear.float8] enable_fsdp_float8_all_gather` with the float8 linear converter
+    /// on, and whether its scales are precomputed once per weight update
+    /// (`precompute_float8_dynamic_scale_for_fsdp`); None when it is off.
+    pub fn fsdp_float8_all_gather(&self) -> Option<bool> {
+        let f = &self.quantize.linear.float8;
+        let on = self.model.converters.iter().any(|c| c == FLOAT8_LINEAR)
+            && f.enable_fsdp_float8_all_gather;
+        on.then_some(f.precompute_float8_dynamic_scale_for_fsdp)
+    }
+
     /// The converter and recipe name of the low-precision linears (for reports).
     pub fn linear_recipe_name(&self) -> Option<&str> {
         let has = |c: &str| self.model.converters.iter().any(|x| x == c);
@@ -236,11 +247,8 @@ impl Config {
         if f.enable_fsdp_float8_all_gather && options.recipe != Float8Recipe::Tensorwise {
             bail!("[quantize.linear.float8] enable_fsdp_float8_all_gather needs recipe_name = \"tensorwise\" (it is \"{}\")", f.recipe_name);
         }
-        if f.enable_fsdp_float8_all_gather {
-            bail!("[quantize.linear.float8] enable_fsdp_float8_all_gather is not built yet: FSDP gathers the weights in their own precision and the float8 GEMMs cast them (same numbers); set it to false");
-        }
-        if f.precompute_float8_dynamic_scale_for_fsdp {
-            bail!("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather (not built yet); set it to false");
+        if f.precompute_float8_dynamic_scale_for_fsdp && !f.enable_fsdp_float8_all_gather {
+            bail!("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather = true (the scales it precomputes are the float8 all-gather's)");
         }
         if self.training.device == "cuda" && !f.emulate {
             bail!("[quantize.linear.float8] emulate = false: float8 GEMMs on CUDA (cuBLASLt) are not built yet; set emulate = true to run the emulated float8 numerics on the GPU");

@@ -17,6 +17,7 @@
 use anyhow::{bail, Result};
 
 use super::args::ModelArgs;
+use super::params::ParamIds;
 use crate::backend::float8::Float8Recipe;
 
 /// What `[quantize.linear.float8]` asks for.
@@ -42,6 +43,11 @@ pub struct Float8Conversion {
     experts: Vec<Option<Float8Recipe>>,
     /// Every linear's name and, for those left in high precision, why.
     pub report: Vec<(String, Option<String>)>,
+    /// FSDP all-gathers the converted linears' weights as float8 (tensorwise): their casts skip
+    /// the weight (`Linear::weight_gathered_in_float8`).
+    pub weights_gathered_in_float8: bool,
+    /// `enable_fsdp_float8_all_gather` was asked for a layout without FSDP (said in the report).
+    pub float8_all_gather_without_fsdp: bool,
 }
 
 impl Float8Conversion {
@@ -207,6 +213,38 @@ impl Float8Conversion {
         self
     }
 
+    /// `[quantize.linear.float8] enable_fsdp_float8_all_gather` on a layout that shards with
+    /// FSDP when `fsdp` (else it gathers nothing: as in TorchTitan the option is then off, and
+    /// the report says so). Only tensorwise linears' weights gather in float8 (the config
+    /// refuses the option with another recipe).
+    pub fn with_fsdp_float8_all_gather(mut self, fsdp: bool) -> Self {
+        self.weights_gathered_in_float8 = fsdp;
+        self.float8_all_gather_without_fsdp = !fsdp;
+        self
+    }
+
+    /// The parameter ids of the weights FSDP gathers in float8: every converted tensorwise
+    /// linear's (none unless `with_fsdp_float8_all_gather` found FSDP).
+    pub fn gathered_weights(&self, ids: &ParamIds) -> Vec<usize> {
+        if !self.weights_gathered_in_float8 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for (block, layer) in self.blocks.iter().zip(&ids.layers) {
+            let ffn = layer.ffn.swiglu();
+            let weights = [layer.wq, layer.wk, layer.wv, layer.wo]
+                .into_iter()
+                .map(Some)
+                .chain(ffn.map_or([None; 3], |f| f.map(Some)));
+            for (recipe, id) in block.iter().zip(weights) {
+                if let (Some(Float8Recipe::Tensorwise), Some(id)) = (recipe, id) {
+                    out.push(id);
+                }
+            }
+        }
+        out
+    }
+
     /// How many linears compute in float8.
     pub fn converted(&self) -> usize {
         let linears = self.blocks.iter().flatten().filter(|r| r.is_some()).count();
@@ -262,7 +300,17 @@ impl Float8Conversion {
                 false => converted.join(", "),
             }
         );
-        std::iter::once(head).chain(lines).collect()
+        let gather = if self.weights_gathered_in_float8 {
+            Some("  FSDP all-gathers their weights as float8 (enable_fsdp_float8_all_gather)")
+        } else if self.float8_all_gather_without_fsdp {
+            Some("  enable_fsdp_float8_all_gather: this layout has no FSDP, so no weight is gathered")
+        } else {
+            None
+        };
+        std::iter::once(head)
+            .chain(gather.map(String::from))
+            .chain(lines)
+            .collect()
     }
 }
 

@@ -108,6 +108,11 @@ impl Float8Casts<'_> {
         let Some(cast) = linear.float8.and_then(|r| r.operand_casts(gemm)[slot]) else {
             return Ok(Operand::HighPrecision(x));
         };
+        // W is operand 1 of `Y = X·Wᵀ` and of `dX = G·W`; FSDP's float8 all-gather cast it.
+        let weight = slot == 1 && gemm != LinearGemm::WeightGrad;
+        if weight && linear.weight_gathered_in_float8 {
+            return Ok(Operand::HighPrecision(x));
+        }
         let dims = match gemm {
             LinearGemm::Output => [(GemmDim::M, GemmDim::K), (GemmDim::N, GemmDim::K)],
             LinearGemm::InputGrad => [(GemmDim::M, GemmDim::N), (GemmDim::N, GemmDim::K)],

@@ -4,7 +4,7 @@
 //!
 //! A linear converted to float8 (`[model] converters = ["quantize.linear.float8"]`) carries its
 //! recipe; its GEMMs are the same calls on operands cast beforehand (`float8_linear`), so these
-//! methods never quantise.
+//! methods never quantise. Under FSDP's float8 all-gather its weight arrives cast already.
 
 use crate::backend::float8::Float8Recipe;
 use crate::backend::Backend;
@@ -17,6 +17,9 @@ pub struct Linear {
     pub d_out: usize,
     /// The float8 recipe its three GEMMs' operands are cast with (None: high precision).
     pub float8: Option<Float8Recipe>,
+    /// Its weight arrives already cast: FSDP's float8 all-gather (tensorwise) sent it as float8
+    /// codes with the scale of the whole weight and dequantised it, so its GEMMs read it as it is.
+    pub weight_gathered_in_float8: bool,
 }
 
 impl Linear {
@@ -25,6 +28,15 @@ impl Linear {
             d_in,
             d_out,
             float8: None,
+            weight_gathered_in_float8: false,
+        }
+    }
+
+    /// This linear with its weight gathered in float8 by FSDP when `gathered` (its casts skip it).
+    pub fn weight_gathered_in_float8(self, gathered: bool) -> Self {
+        Linear {
+            weight_gathered_in_float8: gathered && self.float8.is_some(),
+            ..self
         }
     }
 

@@ -25,6 +25,10 @@
 //! rounded to bf16, two values per f32 word (half the bytes), so the blocks compute with bf16
 //! weights; shards, gradients, their reduce-scatter and AdamW stay fp32.
 //!
+//! Float8 all-gather (`enable_fsdp_float8_all_gather`, tensorwise float8 linears): those weights
+//! travel as e4m3 codes with the whole weight's scale, a quarter of the bytes, and arrive cast as
+//! the linear would cast them (`float8`).
+//!
 //! HSDP: with `dp_replicate > 1` the shards are replicated, and each reduce-scattered gradient shard
 //! is then all-reduced across the replicas (by the queue).
 //!
@@ -39,24 +43,42 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 
-use super::walk::{ParamHooks, PassKind, Unit};
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::memory_timeline::{self, Category};
 use crate::model::{Llama, ParamDtype, ParamSet};
 
+mod float8;
+mod hooks;
+
+pub use float8::Float8Gather;
+pub use hooks::ShardedParams;
+
+/// How a gather's shards travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Encoding {
+    F32,
+    /// Rounded to bf16, two to a word (bf16 mixed precision).
+    Bf16Pairs,
+    /// float8 codes, four to a word (`float8`).
+    Float8,
+}
+
+/// A gather in the queue: the packed shards of `ids`, as `encoding` says, from every rank of
+/// shard group `group`; `packed_bytes`, the size of its packed input, a communication buffer
+/// until it finishes.
+struct StartedGather {
+    group: usize,
+    ids: Vec<usize>,
+    encoding: Encoding,
+    packed_bytes: i64,
+}
+
 /// A collective in the queues, in the order they were started: what its output becomes, and the
-/// shard group whose queue runs it. `packed_bytes`: the size of its packed input, a communication
-/// buffer until it finishes.
+/// shard group whose queue runs it.
 enum Pending {
-    /// The packed shards of `ids`, as bf16 pairs when `pairs`, from every rank of the group.
-    Gather {
-        group: usize,
-        ids: Vec<usize>,
-        pairs: bool,
-        packed_bytes: i64,
-    },
+    Gather(StartedGather),
     /// This rank's summed gradient shards of `ids`, packed.
     ReduceScatter {
         group: usize,
@@ -115,6 +137,10 @@ pub struct Fsdp<B: Backend> {
     reshard_after_forward: ReshardPolicy,
     /// What the forward and backward's gathers carry: fp32, or bf16 (half the bytes).
     param_dtype: ParamDtype,
+    /// The weights gathered as float8 codes, and their scales (None: every weight as above).
+    float8: Option<Float8Gather>,
+    /// Bytes this rank's parameter all-gathers received since the last `take_gathered_bytes`.
+    gathered_bytes: u64,
 }
 
 /// When a block's gathered parameters are freed after its forward (TorchTitan's choices).
@@ -236,6 +262,8 @@ impl<B: Backend> Fsdp<B> {
             non_block: (0..specs.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
             param_dtype,
+            float8: None,
+            gathered_bytes: 0,
         };
         f.shards = f.shard_from(be, start)?;
         Ok(f)
@@ -336,9 +364,53 @@ impl<B: Backend> Fsdp<B> {
         Ok(())
     }
 
-    /// Packs this rank's shards of `ids` (all of shard group `group`) back to back and starts
-    /// gathering them; bf16 parameters travel as bf16 pairs (half the bytes).
+    /// Starts gathering `ids` (all of shard group `group`): one collective for the weights that
+    /// travel as float8 codes, one for the rest.
     fn submit_group_gather(&mut self, be: &B, group: usize, ids: &[usize]) -> Result<()> {
+        let (float8, rest): (Vec<usize>, Vec<usize>) =
+            ids.iter().partition(|&&i| self.gathers_in_float8(i));
+        if !rest.is_empty() || float8.is_empty() {
+            let (packed, encoding) = self.pack(be, &rest);
+            self.start_gather(be, group, rest, packed, encoding)?;
+        }
+        if !float8.is_empty() {
+            let packed = self.pack_float8(be, &float8)?;
+            self.start_gather(be, group, float8, packed, Encoding::Float8)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes this rank's parameter all-gathers received since the last call (the metrics').
+    pub fn take_gathered_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.gathered_bytes)
+    }
+
+    /// Starts the all-gather of `packed` (the shards of `ids`, as `encoding` says) over shard
+    /// group `group`.
+    fn start_gather(
+        &mut self,
+        be: &B,
+        group: usize,
+        ids: Vec<usize>,
+        packed: B::Buf,
+        encoding: Encoding,
+    ) -> Result<()> {
+        let packed_bytes = be.len(&packed) as i64 * 4;
+        memory_timeline::add(Category::CommBuffers, packed_bytes);
+        self.gathered_bytes += packed_bytes as u64 * self.groups[group].group.size() as u64;
+        self.groups[group].queue.start_gather(be, packed)?;
+        self.pending.push_back(Pending::Gather(StartedGather {
+            group,
+            ids,
+            encoding,
+            packed_bytes,
+        }));
+        Ok(())
+    }
+
+    /// This rank's shards of `ids` back to back, in fp32 or, for bf16 parameters, as bf16 pairs
+    /// (half the bytes).
+    fn pack(&self, be: &B, ids: &[usize]) -> (B::Buf, Encoding) {
         let words: usize = ids.iter().map(|&i| self.shard_len[i]).sum();
         // Written whole below (as are the other `uninit` buffers of this file).
         let mut packed = be.uninit(words);
@@ -347,22 +419,12 @@ impl<B: Backend> Fsdp<B> {
             be.copy_range(&mut packed, at, &self.shards.bufs[i], 0, self.shard_len[i]);
             at += self.shard_len[i];
         }
-        let pairs = self.param_dtype == ParamDtype::BFloat16;
-        if pairs {
-            let mut paired = be.uninit(words.div_ceil(2));
-            be.pack_bf16_pairs(&mut paired, &packed);
-            packed = paired;
+        if self.param_dtype != ParamDtype::BFloat16 {
+            return (packed, Encoding::F32);
         }
-        let packed_bytes = be.len(&packed) as i64 * 4;
-        memory_timeline::add(Category::CommBuffers, packed_bytes);
-        self.groups[group].queue.start_gather(be, packed)?;
-        self.pending.push_back(Pending::Gather {
-            group,
-            ids: ids.to_vec(),
-            pairs,
-            packed_bytes,
-        });
-        Ok(())
+        let mut paired = be.uninit(words.div_ceil(2));
+        be.pack_bf16_pairs(&mut paired, &packed);
+        (paired, Encoding::Bf16Pairs)
     }
 
     /// Starts the reduce-scatter of the full gradients `ids` over their shard groups (one per
@@ -423,40 +485,25 @@ impl<B: Backend> Fsdp<B> {
             .pop_front()
             .ok_or_else(|| anyhow!("FSDP: no collective in flight"))?;
         let group = match &pending {
-            Pending::Gather { group, .. } | Pending::ReduceScatter { group, .. } => *group,
+            Pending::Gather(StartedGather { group, .. }) | Pending::ReduceScatter { group, .. } => {
+                *group
+            }
         };
-        let size = self.groups[group].group.size();
         let output = self.groups[group].queue.finish_oldest(be)?;
         match pending {
-            Pending::Gather {
-                ids,
-                pairs,
-                packed_bytes,
-                ..
-            } => {
-                memory_timeline::add(Category::CommBuffers, -packed_bytes);
-                let all = if pairs {
-                    // Each rank's part unpacks to an even number of values.
-                    let mut all = be.uninit(be.len(&output) * 2);
-                    be.unpack_bf16_pairs(&mut all, &output);
-                    all
-                } else {
-                    output
-                };
-                let words = be.len(&all) / size;
-                let mut offset = 0;
-                for &i in &ids {
-                    let (c, numel) = (self.shard_len[i], self.numel[i]);
-                    let mut t = be.uninit(numel);
-                    let (whole, rest) = Self::chunks(numel, c, size);
-                    be.copy_rows(&mut t, 0, c, &all, offset, words, whole, c);
-                    if rest > 0 {
-                        be.copy_range(&mut t, whole * c, &all, whole * words + offset, rest);
+            Pending::Gather(started) => {
+                memory_timeline::add(Category::CommBuffers, -started.packed_bytes);
+                match started.encoding {
+                    Encoding::F32 => self.unpack_values(be, &started, &output, full, |_| None),
+                    Encoding::Bf16Pairs => {
+                        // Each rank's part unpacks to an even number of values.
+                        let mut all = be.uninit(be.len(&output) * 2);
+                        be.unpack_bf16_pairs(&mut all, &output);
+                        self.unpack_values(be, &started, &all, full, |_| None);
                     }
-                    full.bufs[i] = t;
-                    offset += c;
+                    Encoding::Float8 => self.unpack_float8(be, &started, &output, full)?,
                 }
-                let gathered: usize = ids.iter().map(|&i| self.numel[i] * 4).sum();
+                let gathered: usize = started.ids.iter().map(|&i| self.numel[i] * 4).sum();
                 memory_timeline::add(Category::GatheredBlocks, gathered as i64);
                 Ok(())
             }
@@ -472,6 +519,33 @@ impl<B: Backend> Fsdp<B> {
                 }
                 Ok(())
             }
+        }
+    }
+
+    /// The full tensors of a finished gather into `full`, from `all` (every rank's packed
+    /// values in rank order, each rank's part holding each tensor's shard back to back,
+    /// `segment(i)` values apart where it says so, else the shard's length).
+    fn unpack_values(
+        &self,
+        be: &B,
+        started: &StartedGather,
+        all: &B::Buf,
+        full: &mut ParamSet<B>,
+        segment: impl Fn(usize) -> Option<usize>,
+    ) {
+        let size = self.groups[started.group].group.size();
+        let words = be.len(all) / size;
+        let mut offset = 0;
+        for &i in &started.ids {
+            let (c, numel) = (self.shard_len[i], self.numel[i]);
+            let mut t = be.uninit(numel);
+            let (whole, rest) = Self::chunks(numel, c, size);
+            be.copy_rows(&mut t, 0, c, all, offset, words, whole, c);
+            if rest > 0 {
+                be.copy_range(&mut t, whole * c, all, whole * words + offset, rest);
+            }
+            full.bufs[i] = t;
+            offset += segment(i).unwrap_or(c);
         }
     }
 
@@ -508,7 +582,7 @@ impl<B: Backend> Fsdp<B> {
     /// Finishes collectives in order until the gathers of `ids` are done.
     fn wait_gather(&mut self, be: &B, full: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
         let waiting = |p: &Pending| match p {
-            Pending::Gather { ids: part, .. } => part.iter().any(|i| ids.contains(i)),
+            Pending::Gather(started) => started.ids.iter().any(|i| ids.contains(i)),
             Pending::ReduceScatter { .. } => false,
         };
         while self.pending.iter().any(waiting) {
@@ -518,216 +592,6 @@ impl<B: Backend> Fsdp<B> {
     }
 }
 
-/// FSDP as the walk's parameter hooks (`walk::ParamHooks`): this rank's shards in `fsdp`, and the
-/// working sets `full` and `grads` whose tensors exist only while a unit computes.
-///
-/// Without a pipeline each block is a unit (FSDP2): its parameters are all-gathered before its
-/// forward, the next block's gather started first so it runs during this one's compute, and freed
-/// after it when the `ReshardPolicy` says so (then gathered again, one block ahead, before its
-/// backward); right after its backward its gradients are reduce-scattered into this rank's shards
-/// and the full tensors freed. The parameters outside blocks are gathered with the embedding and
-/// reduce-scattered after the embedding's backward.
-///
-/// Under a pipeline (`per_pass`) every parameter this rank holds is gathered for the whole pass
-/// over its microbatches and reduce-scattered once after it, as TorchTitan keeps a stage's
-/// parameters gathered between microbatches: regathering them for each would multiply the traffic.
-pub struct ShardedParams<B: Backend> {
-    pub fsdp: Fsdp<B>,
-    pub full: ParamSet<B>,
-    pub grads: ParamSet<B>,
-    pub per_pass: bool,
-    pass: Option<ShardedPass>,
-}
-
-/// The pass in progress.
-struct ShardedPass {
-    kind: PassKind,
-    blocks: Vec<Vec<usize>>,
-    /// Whether each block's parameters are freed after its forward and gathered again.
-    regather: Vec<bool>,
-    /// Under a pipeline: every parameter gathered for the pass.
-    held: Vec<usize>,
-}
-
-impl<B: Backend> ShardedParams<B> {
-    pub fn new(fsdp: Fsdp<B>, full: ParamSet<B>, grads: ParamSet<B>, per_pass: bool) -> Self {
-        ShardedParams {
-            fsdp,
-            full,
-            grads,
-            per_pass,
-            pass: None,
-        }
-    }
-
-    fn pass(&self) -> Result<&ShardedPass> {
-        self.pass
-            .as_ref()
-            .ok_or_else(|| anyhow!("FSDP: a unit ran outside a pass (a titan bug)"))
-    }
-
-    /// Whether this is a per-block pass, and block `l`'s parameters with whether they are
-    /// gathered again before the backward.
-    fn block(&self, l: usize) -> Result<Option<(Vec<usize>, bool)>> {
-        let pass = self.pass()?;
-        Ok((!self.per_pass).then(|| (pass.blocks[l].clone(), pass.regather[l])))
-    }
-
-    fn release(&mut self, be: &B, ids: &[usize]) {
-        Fsdp::release(be, &mut self.full, ids, Category::GatheredBlocks);
-    }
-}
-
-impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
-    fn sets(&mut self) -> (&ParamSet<B>, &mut ParamSet<B>) {
-        (&self.full, &mut self.grads)
-    }
-
-    fn begin_pass(&mut self, be: &B, kind: PassKind, blocks: &[Vec<usize>]) -> Result<()> {
-        if self.fsdp.failed {
-            return Err(anyhow!(
-                "FSDP: an earlier step failed part-way; its collectives cannot be resumed"
-            ));
-        }
-        // Cleared by `end_pass`: a pass that stops part-way may leave collectives in the queue
-        // and gradients half-added.
-        self.fsdp.failed = true;
-        let n = blocks.len();
-        let policy = self.fsdp.reshard_after_forward;
-        let mut pass = ShardedPass {
-            kind,
-            blocks: blocks.to_vec(),
-            regather: (0..n).map(|l| policy.reshard(l, n)).collect(),
-            held: Vec::new(),
-        };
-        if self.per_pass {
-            pass.held = self.fsdp.gather_held(be, &mut self.full)?;
-            if kind.has_backward() {
-                self.fsdp.zeros(be, &mut self.grads, &pass.held);
-            }
-        }
-        self.pass = Some(pass);
-        Ok(())
-    }
-
-    fn before_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
-        if self.per_pass {
-            return Ok(());
-        }
-        let non_block = self.fsdp.non_block.clone();
-        match unit {
-            Unit::Embedding => {
-                let first = self.pass()?.blocks.first().cloned();
-                self.fsdp.submit_gather(be, &non_block)?;
-                if let Some(first) = first {
-                    self.fsdp.submit_gather(be, &first)?;
-                }
-                self.fsdp.wait_gather(be, &mut self.full, &non_block)
-            }
-            Unit::Block(l) => {
-                if let Some(next) = self.pass()?.blocks.get(l + 1).cloned() {
-                    self.fsdp.submit_gather(be, &next)?;
-                }
-                let block = self.pass()?.blocks[l].clone();
-                self.fsdp.wait_gather(be, &mut self.full, &block)
-            }
-            Unit::Head => {
-                if self.pass()?.kind.has_backward() {
-                    self.fsdp.zeros(be, &mut self.grads, &non_block);
-                }
-                Ok(())
-            }
-        }
-    }
-
-    fn after_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
-        if self.per_pass {
-            return Ok(());
-        }
-        let loss_only = !self.pass()?.kind.has_backward();
-        match unit {
-            Unit::Block(l) => {
-                if let Some((block, regather)) = self.block(l)? {
-                    if regather || loss_only {
-                        self.release(be, &block);
-                    }
-                }
-            }
-            Unit::Head if loss_only => {
-                let non_block = self.fsdp.non_block.clone();
-                self.release(be, &non_block);
-            }
-            Unit::Head | Unit::Embedding => {}
-        }
-        Ok(())
-    }
-
-    fn before_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
-        let Unit::Block(l) = unit else {
-            return Ok(());
-        };
-        let Some((block, regather)) = self.block(l)? else {
-            return Ok(());
-        };
-        let pass = self.pass()?;
-        let last = pass.blocks.len() - 1;
-        let previous = (l >= 1 && pass.regather[l - 1]).then(|| pass.blocks[l - 1].clone());
-        // The last block's backward follows its forward at once: its gather was not prefetched.
-        if l == last && regather {
-            self.fsdp.submit_gather(be, &block)?;
-        }
-        if let Some(previous) = previous {
-            self.fsdp.submit_gather(be, &previous)?;
-        }
-        if regather {
-            self.fsdp.wait_gather(be, &mut self.full, &block)?;
-        }
-        self.fsdp.zeros(be, &mut self.grads, &block);
-        Ok(())
-    }
-
-    fn after_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
-        if self.per_pass {
-            return Ok(());
-        }
-        let ids = match unit {
-            Unit::Block(l) => self.pass()?.blocks[l].clone(),
-            Unit::Embedding => self.fsdp.non_block.clone(),
-            Unit::Head => return Ok(()),
-        };
-        self.fsdp.submit_reduce_scatter(be, &mut self.grads, &ids)?;
-        if unit == Unit::Embedding {
-            // The pass's last collectives.
-            self.fsdp.drain(be, &mut self.full)?;
-            self.release(be, &ids);
-            return Ok(());
-        }
-        self.release(be, &ids);
-        self.fsdp.complete_down_to_limit(be, &mut self.full)
-    }
-
-    fn end_pass(
-        &mut self,
-        be: &B,
-        complete: &dyn Fn(&mut ParamSet<B>) -> Result<()>,
-    ) -> Result<()> {
-        let pass = self
-            .pass
-            .take()
-            .ok_or_else(|| anyhow!("FSDP: a pass ended that did not begin (a titan bug)"))?;
-        if self.per_pass {
-            if pass.kind.has_backward() {
-                complete(&mut self.grads)?;
-                self.fsdp
-                    .submit_reduce_scatter(be, &mut self.grads, &pass.held)?;
-                self.fsdp.drain(be, &mut self.full)?;
-            }
-            self.release(be, &pass.held);
-        }
-        self.fsdp.failed = false;
-        Ok(())
-    }
-}
 /// Rank `rank`'s shard (`c` values, zero past the tensor's end) of tensor `name` of `numel`
 /// values, from its start values, checked for length.
 fn cut_shard(

@@ -157,11 +157,24 @@ impl<B: Backend> ParamState<B> {
         }
     }
 
-    /// This rank's master weights (FSDP: its shards) with their gradients, for the optimizer.
+    /// This rank's master weights (FSDP: its shards) with their gradients, for the optimizer
+    /// (which changes the weights: FSDP's float8 scales are agreed again before their next use).
     pub fn weights_and_grads(&mut self) -> (&mut ParamSet<B>, &ParamSet<B>) {
         match self {
             ParamState::Whole(w) => (&mut w.params, &w.grads),
-            ParamState::Sharded(s) => (&mut s.fsdp.shards, &s.fsdp.grad_shards),
+            ParamState::Sharded(s) => {
+                s.fsdp.weights_changed();
+                (&mut s.fsdp.shards, &s.fsdp.grad_shards)
+            }
+        }
+    }
+
+    /// Bytes FSDP's parameter all-gathers received on this rank since the last call; None
+    /// without FSDP.
+    pub fn take_gathered_bytes(&mut self) -> Option<u64> {
+        match self {
+            ParamState::Whole(_) => None,
+            ParamState::Sharded(s) => Some(s.fsdp.take_gathered_bytes()),
         }
     }
 }

@@ -23,7 +23,7 @@ use crate::model::activation_checkpoint::AcMode;
 use crate::model::float8_convert::Float8Conversion;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet};
 use crate::parallel::cp::RotateMethod;
-use crate::parallel::fsdp::{ExpertShards, ReshardPolicy, ShardedParams};
+use crate::parallel::fsdp::{ExpertShards, Float8Gather, ReshardPolicy, ShardedParams};
 use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
 use crate::parallel::parallelize::{
     check_expert_degree, local_shapes, parallelize_layout, parallelize_model, MeshGroups,
@@ -222,6 +222,9 @@ impl RankPlan {
         if let Some((recipe, fqns)) = experts {
             float8 = float8.with_experts(&args, recipe, fqns);
         }
+        if cfg.fsdp_float8_all_gather().is_some() {
+            float8 = float8.with_fsdp_float8_all_gather(fsdp);
+        }
         float8.check_tensor_parallel(&args, local.tp)?;
         let sizing = RankSizing {
             be,
@@ -376,7 +379,15 @@ fn param_state<B: Backend>(
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
     let state = match fsdp {
-        Some(fsdp) => ParamState::Sharded(ShardedParams::new(fsdp, params, grads, false)),
+        Some(mut fsdp) => {
+            if let Some(precompute) = cfg.fsdp_float8_all_gather() {
+                let weights = plan.float8.gathered_weights(&model.ids);
+                let tp = dist.and_then(|d| d.tp.clone()).filter(|g| g.size() > 1);
+                let n = model.param_specs().len();
+                fsdp.gather_in_float8(Float8Gather::new(n, &weights, tp, precompute));
+            }
+            ParamState::Sharded(ShardedParams::new(fsdp, params, grads, false))
+        }
         None => {
             let dp_size = dist.map_or(1, |d| d.dp.size());
             let ddp = dist

@@ -33,6 +33,10 @@ pub struct StepMetrics {
     /// `loss`, which stays the language model's; the gradients carry both).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe_aux_loss: Option<f64>,
+    /// FSDP: the bytes this rank's parameter all-gathers received over the step (forward and
+    /// backward; a quarter of fp32's for weights gathered in float8).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fsdp_all_gather_bytes: Option<u64>,
 }
 
 /// One mixture-of-experts block's expert load over a step.
@@ -127,6 +131,9 @@ impl MetricsLogger {
                     ("memory/peak_bytes", m.peak_memory_bytes as f64),
                 ],
             )?;
+            if let Some(bytes) = m.fsdp_all_gather_bytes {
+                tb.scalars(m.step, &[("comm/fsdp_all_gather_bytes", bytes as f64)])?;
+            }
             if let Some(aux) = m.moe_aux_loss {
                 tb.scalars(m.step, &[("moe/aux_loss", aux)])?;
             }

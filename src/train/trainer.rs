@@ -153,6 +153,8 @@ fn train_on<B: Backend>(
         let data_time = t0.elapsed().as_secs_f64();
         let lr = run.schedule.lr(step);
         let max_norm = cfg.training.max_norm;
+        // The step's gathers only (not the validation's or the profiler's before it).
+        run.layout.state.take_gathered_bytes();
         let (loss, norm) = train_step(
             be,
             &mut run.layout,
@@ -171,9 +173,10 @@ fn train_on<B: Backend>(
         }
         let times = (t0.elapsed().as_secs_f64(), data_time);
         run.losses.push((step, loss));
-        let m = run
+        let mut m = run
             .rate
             .metrics(be, step, (loss, norm, lr), times, moe.as_ref());
+        m.fsdp_all_gather_bytes = run.layout.state.take_gathered_bytes();
         run.reporter.report(be, &mut run.layout, &m)?;
         run.save_if_due(step)?;
         let out = |line: String| emit(&run.reporter.bar, line);
@@ -545,6 +548,7 @@ impl StepRate {
             peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
             moe_expert_load: moe.map(|m| ExpertLoad::of(&m.load)),
             moe_aux_loss: moe.and_then(|m| m.aux_loss),
+            fsdp_all_gather_bytes: None,
         }
     }
 }

@@ -102,6 +102,20 @@ impl Rounding {
         }
     }
 
+    /// `v` quantised with scale `s`: the fp8 value `round(clamp(v · s))`, NaN kept (`fake`
+    /// before it dequantises).
+    #[inline(always)]
+    fn quantized(self, v: f32, s: f32) -> f32 {
+        let scaled = v * s;
+        let clamped = scaled.max(-self.max).min(self.max);
+        let q = self.round_magnitude(clamped.abs()).copysign(clamped);
+        if scaled.is_nan() {
+            scaled
+        } else {
+            q
+        }
+    }
+
     /// `v` quantised with scale `s` and dequantised with `inv` = 1/s. (`max`/`min` instead of
     /// `clamp`, which may panic and so keeps a loop scalar; a NaN is passed on at the end.)
     #[inline(always)]
@@ -139,6 +153,18 @@ pub fn fake_quantize_rows(
     match q.format {
         Fp8Format::E4M3 => cast_rows(E4M3_ROUNDING, out, x, (cols, first_row), scales, q.axis),
         Fp8Format::E5M2 => cast_rows(E5M2_ROUNDING, out, x, (cols, first_row), scales, q.axis),
+    }
+}
+
+/// `x` quantised to `format` with one `scale`: the fp8 values themselves (held as f32), as
+/// `fake_quantize_rows` computes them before it dequantises.
+pub fn quantize_with_scale(out: &mut [f32], x: &[f32], scale: f32, format: Fp8Format) {
+    let rounding = match format {
+        Fp8Format::E4M3 => E4M3_ROUNDING,
+        Fp8Format::E5M2 => E5M2_ROUNDING,
+    };
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = rounding.quantized(v, scale);
     }
 }
 

@@ -39,15 +39,19 @@ impl BlockLinears {
     /// it.
     pub(super) fn of(m: &LocalShapes, float8: &Float8Conversion, layer: usize) -> Self {
         let (d, f) = (m.dim, m.ffn);
-        let recipe = |i| float8.recipe(layer, i);
+        let convert = |linear: Linear, i| {
+            linear
+                .in_float8(float8.recipe(layer, i))
+                .weight_gathered_in_float8(float8.weights_gathered_in_float8)
+        };
         BlockLinears {
-            wq: Linear::new(d, m.q_dim()).in_float8(recipe(0)),
-            wk: Linear::new(d, m.kv_dim()).in_float8(recipe(1)),
-            wv: Linear::new(d, m.kv_dim()).in_float8(recipe(2)),
-            wo: Linear::new(m.q_dim(), d).in_float8(recipe(3)),
-            w1: Linear::new(d, f).in_float8(recipe(4)),
-            w2: Linear::new(f, d).in_float8(recipe(5)),
-            w3: Linear::new(d, f).in_float8(recipe(6)),
+            wq: convert(Linear::new(d, m.q_dim()), 0),
+            wk: convert(Linear::new(d, m.kv_dim()), 1),
+            wv: convert(Linear::new(d, m.kv_dim()), 2),
+            wo: convert(Linear::new(m.q_dim(), d), 3),
+            w1: convert(Linear::new(d, f), 4),
+            w2: convert(Linear::new(f, d), 5),
+            w3: convert(Linear::new(d, f), 6),
         }
     }
 }
