@@ -101,9 +101,10 @@ stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_fol
 # with 4 of the 8 experts and half the batch, against the one-process CPU run above.
 rm -rf "$OUT_DIR/ep2_gpu"
 stage ep_cuda 60 "$BIN" train --nproc 2 $moe --training.device cuda --training.local_batch_size 2 --parallelism.expert_parallel_degree 2 --job.dump_folder "$OUT_DIR/ep2_gpu"
-# Float8 linears, emulated on CUDA (issue 28: the casts go through the host until the cuBLASLt float8
-# GEMMs and NVRTC cast kernels exist): rowwise and tensorwise, 5 steps each, against the CPU's runs
-# (same numerics; the fp32 GEMMs differ only in summation order).
+# Float8 linears, emulated on CUDA (issue 28: the casts run in the NVRTC kernels of
+# kernels/float8.cu, whose numbers the `cuda check` stages' float8 rows hold to the CPU's bit for
+# bit; the GEMMs stay fp32 until the cuBLASLt float8 GEMMs exist): rowwise and tensorwise, 5 steps
+# each, against the CPU's runs (same numerics; the fp32 GEMMs differ only in summation order).
 rm -rf "$OUT_DIR"/f8_*
 f8="--quiet --training.mixed_precision_param float32 --training.steps 5 --checkpoint.enable false --metrics.log_freq 1 --model.converters quantize.linear.float8 --quantize.linear.float8.emulate true"
 stage float8_emulated_cuda 60 sh -c "for r in rowwise tensorwise; do for d in cuda cpu; do '$BIN' train $f8 --quantize.linear.float8.recipe_name \$r --training.device \$d --job.dump_folder '$OUT_DIR'/f8_\${r}_\$d || exit 1; done; done"

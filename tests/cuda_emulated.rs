@@ -104,3 +104,10 @@ fn fp32_attention_norm_rope_and_swiglu_kernels_match_float64_on_the_emulator() {
     // (aligned and not) and back.
     run_check("kernels_check.cpp", 61);
 }
+
+#[test]
+fn float8_cast_kernels_match_a_reference_bit_for_bit_on_the_emulator() {
+    // Amaxes along three axes, with and without a NaN; the quantise-dequantise along three axes
+    // in e4m3 and e5m2; the codes there and back in both.
+    run_check("float8_check.cpp", 14);
+}

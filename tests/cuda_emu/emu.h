@@ -58,6 +58,13 @@ inline float __uint_as_float(unsigned v) { return emu_bit_cast<float>(v); }
 inline float __int_as_float(int v) { return emu_bit_cast<float>(v); }
 inline int __float_as_int(float f) { return emu_bit_cast<int>(f); }
 
+// CUDA's round-to-nearest arithmetic intrinsics (never contracted into an FMA): the host's IEEE
+// f32 operations, which an ISO C++ build does not contract either.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+
 namespace emu {
 
 constexpr size_t kStackBytes = 256 << 10;

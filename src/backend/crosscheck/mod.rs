@@ -3,6 +3,7 @@
 //! the largest relative error of each output reported. `titan cuda check` prints this table; the
 //! tests run it CPU-vs-CPU and against a deliberately broken backend to prove it can fail.
 
+mod float8;
 mod gemm;
 
 use rand::{Rng, SeedableRng};
@@ -654,6 +655,7 @@ pub fn check_ops<R: Backend, T: Backend>(
         ("cross_entropy", Box::new(|c| c.cross_entropy())),
         ("adamw and norm", Box::new(|c| c.adamw_and_norm())),
         ("multi-tensor", Box::new(|c| c.multi_tensor())),
+        ("float8", Box::new(|c| c.float8())),
     ];
     for (family, run) in families {
         let before = c.results.len();

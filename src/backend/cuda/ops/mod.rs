@@ -12,6 +12,7 @@ use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
+use crate::backend::float8::{Fp8Format, Quantization, ScaleAxis};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum};
 
 type Buf = CudaBuf;
@@ -56,7 +57,7 @@ macro_rules! pass_through {
 pass_through!(
     i32, i64, u64, f32, CudaSlice<u16>, CudaSlice<u32>, CudaSlice<u64>, CudaSlice<i64>, CudaSlice<f32>,
     CudaSlice<f64>, CudaView<'_, f32>, CudaView<'_, u32>;
-    mut CudaSlice<f32>, CudaSlice<f64>, CudaViewMut<'_, f32>
+    mut CudaSlice<f32>, CudaSlice<f64>, CudaSlice<u32>, CudaViewMut<'_, f32>
 );
 
 /// Launches elementwise kernel `$name` over `$n` values (nothing when there are none); the kernel's
@@ -90,6 +91,7 @@ mod bf16;
 mod copy;
 mod elementwise;
 mod embedding;
+mod float8;
 mod loss;
 mod matmul;
 mod multi_tensor;
@@ -381,6 +383,23 @@ impl Backend for CudaBackend {
     fn sum_squares(&self, buf: &Buf) -> f64 {
         let _timer = self.profiler.time_on("sum_squares", self);
         self.sum_squares_untimed(buf)
+    }
+
+    fn float8_amaxes(&self, x: &Buf, rows: usize, cols: usize, axis: ScaleAxis) -> Vec<f32> {
+        let _timer = self.profiler.time_on("float8_amax", self);
+        self.float8_amaxes_untimed(x, rows, cols, axis)
+    }
+    fn float8_fake_quantized(&self, x: &Buf, cols: usize, q: Quantization, amaxes: &[f32]) -> Buf {
+        let _timer = self.profiler.time_on("float8_fake_quantize", self);
+        self.float8_fake_quantized_untimed(x, cols, q, amaxes)
+    }
+    fn float8_encoded(&self, x: &Buf, scale: f32, format: Fp8Format) -> Buf {
+        let _timer = self.profiler.time_on("float8_encode", self);
+        self.float8_encoded_untimed(x, scale, format)
+    }
+    fn float8_decoded(&self, words: &Buf, format: Fp8Format) -> Buf {
+        let _timer = self.profiler.time_on("float8_decode", self);
+        self.float8_decoded_untimed(words, format)
     }
 
     fn round_to_bf16(&self, buf: &mut Buf) {

@@ -1,0 +1,158 @@
+//! The float8 casts of emulated float8 GEMMs on the GPU (kernels/float8.cu, bit for bit the CPU's
+//! `float8::kernels`): amaxes along an axis, the quantise-dequantise of an operand, and FSDP's
+//! float8 all-gather codes. The scales come from the amaxes on the host (`scales_from_amaxes`,
+//! the same code as the CPU's), after the caller may have agreed them over a group. An input kept
+//! in bf16 alone goes through the host (`float8::*`), as the default ops do.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{Buf, KernelArg};
+use crate::backend::cuda::kernels::NORM_WARPS;
+use crate::backend::cuda::{elementwise_config, CudaBackend};
+use crate::backend::float8::{self, Fp8Format, Quantization, ScaleAxis};
+use crate::backend::Backend;
+
+/// Blocks of the tensorwise amax's first pass (the host takes the largest of their partials).
+const AMAX_BLOCKS: usize = 256;
+
+fn format_code(format: Fp8Format) -> i32 {
+    match format {
+        Fp8Format::E4M3 => 0,
+        Fp8Format::E5M2 => 1,
+    }
+}
+
+fn axis_code(axis: ScaleAxis) -> i32 {
+    match axis {
+        ScaleAxis::Tensor => 0,
+        ScaleAxis::Rows => 1,
+        ScaleAxis::Columns => 2,
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn float8_amaxes_untimed(
+        &self,
+        x: &Buf,
+        rows: usize,
+        cols: usize,
+        axis: ScaleAxis,
+    ) -> Vec<f32> {
+        let n = rows * cols;
+        assert_eq!(x.len(), n, "float8 amax: {rows}x{cols} needs {n} values");
+        if x.is_bf16_only() || n == 0 {
+            return float8::amaxes(&self.download_untimed(x), rows, cols, axis);
+        }
+        let (rows_i, cols_i) = (rows as i64, cols as i64);
+        match axis {
+            ScaleAxis::Tensor => {
+                let mut partials = self.alloc::<u32>(AMAX_BLOCKS);
+                let cfg = LaunchConfig {
+                    grid_dim: (AMAX_BLOCKS as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let len = n as i64;
+                launch!(self, "float8_amax_partial", cfg, &mut partials, x, &len);
+                let partials = self
+                    .stream
+                    .clone_dtoh(&partials)
+                    .unwrap_or_else(|e| panic!("CUDA: downloading float8 amaxes failed: {e}"));
+                vec![f32::from_bits(partials.into_iter().max().unwrap_or(0))]
+            }
+            ScaleAxis::Rows => {
+                let mut out = self.uninit(rows);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows.div_ceil(NORM_WARPS) as u32, 1, 1),
+                    block_dim: (32 * NORM_WARPS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                launch!(self, "float8_amax_rows", cfg, &mut out, x, &rows_i, &cols_i);
+                self.download_untimed(&out)
+            }
+            ScaleAxis::Columns => {
+                let mut out = self.uninit(cols);
+                let cfg = elementwise_config(cols);
+                launch!(
+                    self,
+                    "float8_amax_columns",
+                    cfg,
+                    &mut out,
+                    x,
+                    &rows_i,
+                    &cols_i
+                );
+                self.download_untimed(&out)
+            }
+        }
+    }
+
+    pub(super) fn float8_fake_quantized_untimed(
+        &self,
+        x: &Buf,
+        cols: usize,
+        q: Quantization,
+        amaxes: &[f32],
+    ) -> Buf {
+        let scales = float8::scales_from_amaxes(amaxes, q);
+        let n = x.len();
+        if x.is_bf16_only() {
+            let host = self.download_untimed(x);
+            let mut out = vec![0f32; n];
+            float8::fake_quantize_rows(&mut out, &host, cols, 0, &scales, q);
+            return self.upload_untimed(&out);
+        }
+        let scales = self.upload_untimed(&scales);
+        let mut out = self.uninit(n);
+        let (cols, axis, format) = (cols as i64, axis_code(q.axis), format_code(q.format));
+        launch_elementwise!(
+            self,
+            "float8_fake_quantize",
+            n,
+            &mut out,
+            x,
+            &scales,
+            &cols,
+            &axis,
+            &format
+        );
+        out
+    }
+
+    pub(super) fn float8_encoded_untimed(&self, x: &Buf, scale: f32, format: Fp8Format) -> Buf {
+        let n = x.len();
+        let words = n.div_ceil(float8::CODES_PER_WORD);
+        if x.is_bf16_only() {
+            return self.upload_untimed(&float8::encode_words(
+                &self.download_untimed(x),
+                scale,
+                format,
+            ));
+        }
+        // The kernel writes the codes' words as u32 into the f32 buffer (bit patterns).
+        let mut out = self.uninit(words);
+        if words > 0 {
+            let (code, len) = (format_code(format), n as i64);
+            let cfg = elementwise_config(words);
+            launch!(
+                self,
+                "float8_encode_words",
+                cfg,
+                &mut out,
+                x,
+                &scale,
+                &code,
+                &len
+            );
+        }
+        out
+    }
+
+    pub(super) fn float8_decoded_untimed(&self, words: &Buf, format: Fp8Format) -> Buf {
+        let n = words.len() * float8::CODES_PER_WORD;
+        let mut out = self.uninit(n);
+        let code = format_code(format);
+        launch_elementwise!(self, "float8_decode_words", n, &mut out, words, &code);
+        out
+    }
+}

@@ -1,0 +1,153 @@
+// Runs the float8 cast kernels (kernels/float8.cu) on the CPU emulator against a reference written
+// here in double arithmetic: amaxes along each axis (a NaN propagating), the quantise-dequantise
+// of an operand with one scale, one per row and one per column, in e4m3 and e5m2 (ties, values
+// below the formats' normals, saturation, signed zeros), and FSDP's float8 codes both ways. Every
+// value must match bit for bit (NaN for NaN): the CPU computes exactly these numbers
+// (src/backend/float8), so the GPU's emulated float8 GEMMs read the CPU's operands. Launch shapes
+// are the backend's (src/backend/cuda/ops/float8.rs). Exits 1 on any difference.
+
+#include <random>
+
+#include "emu.h"
+// clang-format off
+#include "common.cuh"
+#include "float8.cu"
+// clang-format on
+
+namespace {
+
+constexpr unsigned kNormWarps = 4;  // TITAN_NORM_WARPS: rows per block of the row kernels.
+
+struct Format {
+    const char* name;
+    int code, mantissa, min_exponent;
+    double max;
+};
+const Format kE4M3{"e4m3", 0, 3, -6, 448.0}, kE5M2{"e5m2", 1, 2, -14, 57344.0};
+
+// x rounded to the format, ties to even, saturating; NaN kept (the reference of Fp8Format::round).
+float round_ref(const Format& f, float x) {
+    if (std::isnan(x) || x == 0.0f) return x;
+    double a = std::fabs((double)x);
+    int e;
+    std::frexp(a, &e);
+    int exponent = std::max(e - 1, f.min_exponent);
+    double quantum = std::ldexp(1.0, exponent - f.mantissa);
+    double r = std::min(std::nearbyint(a / quantum) * quantum, f.max);
+    return std::copysign((float)r, x);
+}
+
+float quantize_ref(const Format& f, float v, float s) {
+    float scaled = v * s;
+    if (std::isnan(scaled)) return scaled;
+    return round_ref(f, std::fmin(std::fmax(scaled, (float)-f.max), (float)f.max));
+}
+
+bool same(float a, float b) {
+    return (std::isnan(a) && std::isnan(b)) || __float_as_uint(a) == __float_as_uint(b);
+}
+
+bool report(const char* what, const std::vector<float>& got, const std::vector<float>& want) {
+    size_t differ = 0;
+    for (size_t i = 0; i < want.size(); ++i) differ += !same(got[i], want[i]);
+    bool ok = differ == 0 && got.size() == want.size();
+    std::printf("%-34s %zu of %zu values differ %s\n", what, differ, want.size(), ok ? "ok" : "FAILED");
+    return ok;
+}
+
+EmuDim3 blocks(size_t n, unsigned threads) { return EmuDim3{(unsigned)std::min<size_t>((n + threads - 1) / threads, 8192), 1, 1}; }
+
+// Values of many magnitudes (each format's subnormals and saturation), exact ties of e4m3 and
+// e5m2, signed zeros.
+std::vector<float> probe_values(std::mt19937_64& rng, size_t n) {
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    std::uniform_int_distribution<int> exponent(-24, 18);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) {
+        switch (i % 7) {
+            case 0: v[i] = std::ldexp(1.0f + 0.0625f * (float)(i % 16), exponent(rng)); break;  // ties
+            case 1: v[i] = -std::ldexp(1.125f, exponent(rng)); break;
+            case 2: v[i] = (i % 2) ? 0.0f : -0.0f; break;
+            default: v[i] = std::ldexp(unit(rng), exponent(rng)); break;
+        }
+    }
+    return v;
+}
+
+}  // namespace
+
+int main() {
+    std::mt19937_64 rng(20261203);
+    emu::seed_schedule(20261203);
+    const size_t rows = 37, cols = 90, n = rows * cols;
+    std::vector<float> x = probe_values(rng, n);
+    bool ok = true;
+
+    // Amaxes: the tensor's (two-pass, 256 blocks), each row's, each column's; then with a NaN.
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) x[5 * cols + 7] = NAN;
+        float tensor = 0.0f;
+        std::vector<float> row_want(rows, 0.0f), col_want(cols, 0.0f);
+        for (size_t r = 0; r < rows; ++r)
+            for (size_t c = 0; c < cols; ++c) {
+                float a = std::fabs(x[r * cols + c]);
+                auto grow = [&](float& m) { m = (std::isnan(a) || std::isnan(m)) ? NAN : std::max(m, a); };
+                grow(tensor);
+                grow(row_want[r]);
+                grow(col_want[c]);
+            }
+        std::vector<u32> partials(256, 0);
+        emu::launch(EmuDim3{256, 1, 1}, 256, [&] { float8_amax_partial(partials.data(), x.data(), (i64)n); });
+        u32 m = 0;
+        for (u32 p : partials) m = std::max(m, p);
+        std::vector<float> rows_got(rows), cols_got(cols);
+        emu::launch(EmuDim3{(unsigned)((rows + kNormWarps - 1) / kNormWarps), 1, 1}, 32 * kNormWarps,
+                    [&] { float8_amax_rows(rows_got.data(), x.data(), (i64)rows, (i64)cols); });
+        emu::launch(blocks(cols, 256), 256,
+                    [&] { float8_amax_columns(cols_got.data(), x.data(), (i64)rows, (i64)cols); });
+        const char* names[2][3] = {{"amax tensor", "amax rows", "amax columns"},
+                                   {"amax tensor (a NaN)", "amax rows (a NaN)", "amax columns (a NaN)"}};
+        ok &= report(names[pass][0], {__uint_as_float(m)}, {tensor});
+        ok &= report(names[pass][1], rows_got, row_want);
+        ok &= report(names[pass][2], cols_got, col_want);
+    }
+
+    // Quantise-dequantise along each axis, in each format; scales of every kind (powers of two
+    // and not, one making values saturate).
+    std::uniform_real_distribution<float> log_scale(-6.0f, 20.0f);
+    for (const Format* f : {&kE4M3, &kE5M2}) {
+        for (int axis = 0; axis < 3; ++axis) {
+            size_t count = axis == 0 ? 1 : (axis == 1 ? rows : cols);
+            std::vector<float> scales(count);
+            for (size_t k = 0; k < count; ++k)
+                scales[k] = k % 3 == 0 ? std::exp2(std::floor(log_scale(rng))) : std::exp2(log_scale(rng));
+            std::vector<float> want(n), got(n, 7.0f);
+            for (size_t i = 0; i < n; ++i) {
+                float s = scales[axis == 0 ? 0 : (axis == 1 ? i / cols : i % cols)];
+                want[i] = quantize_ref(*f, x[i], s) * (1.0f / s);
+            }
+            emu::launch(blocks(n, 256), 256, [&] {
+                float8_fake_quantize(got.data(), x.data(), scales.data(), (i64)cols, axis, f->code, (i64)n);
+            });
+            char what[64];
+            std::snprintf(what, sizeof what, "fake quantize %s %s", f->name,
+                          axis == 0 ? "tensor" : (axis == 1 ? "rows" : "columns"));
+            ok &= report(what, got, want);
+        }
+        // FSDP's codes: n values (not a multiple of four), one scale, there and back.
+        const size_t odd = n - 3, words = (odd + 3) / 4;
+        float scale = 3.7f;
+        std::vector<u32> codes(words, 0xdeadbeefu);
+        emu::launch(blocks(words, 256), 256,
+                    [&] { float8_encode_words(codes.data(), x.data(), scale, f->code, (i64)odd); });
+        std::vector<float> back(words * 4, 7.0f), want(words * 4, 0.0f);
+        emu::launch(blocks(words * 4, 256), 256,
+                    [&] { float8_decode_words(back.data(), codes.data(), f->code, (i64)(words * 4)); });
+        for (size_t i = 0; i < odd; ++i) want[i] = quantize_ref(*f, x[i], scale);
+        char what[64];
+        std::snprintf(what, sizeof what, "codes %s there and back", f->name);
+        ok &= report(what, back, want);
+    }
+    std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
+    return ok ? 0 : 1;
+}
