@@ -255,6 +255,7 @@ fn time_steps<B: Backend>(
             on_warm();
             timing.at_warm = CommClocks::read(&c.layout.model);
             c.layout.pipeline_bubbles()?;
+            c.layout.state.take_gathered_bytes();
         }
         be.synchronize();
         let t0 = Instant::now();
@@ -284,6 +285,8 @@ fn time_steps<B: Backend>(
             timing.times.push(dt);
         }
     }
+    let gathered = c.layout.state.take_gathered_bytes();
+    timing.fsdp_gathered_bytes = gathered.map(|b| b as f64 / a.steps.max(1) as f64);
     Ok(timing)
 }
 

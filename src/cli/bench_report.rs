@@ -49,6 +49,8 @@ pub(super) struct Timing {
     pub(super) losses: Vec<f64>,
     /// The clocks at the end of warm-up (zero if no step was timed).
     pub(super) at_warm: CommClocks,
+    /// FSDP: the bytes this rank's parameter all-gathers received per timed step.
+    pub(super) fsdp_gathered_bytes: Option<f64>,
 }
 
 impl Timing {
@@ -260,6 +262,8 @@ pub(super) struct BenchReport<'a> {
     pipeline_schedule: Option<String>,
     /// The timed steps' seconds, sorted.
     times: Vec<f64>,
+    /// FSDP: rank 0's parameter all-gather bytes per timed step.
+    fsdp_gathered_bytes: Option<f64>,
     /// Every step's loss, the warm-up's included.
     losses: Vec<f64>,
     rates: Rates,
@@ -316,6 +320,7 @@ impl<'a> BenchReport<'a> {
             ep: local.ep,
             pipeline_schedule: c.layout.pipeline.as_ref().map(|p| p.schedule.name.clone()),
             times: timing.times,
+            fsdp_gathered_bytes: timing.fsdp_gathered_bytes,
             losses: timing.losses,
             rates,
             peak_device: be.device_peak_memory().map(|_| job.device_peak),
@@ -358,6 +363,8 @@ impl<'a> BenchReport<'a> {
             "peak_rss_mib_per_rank": j.cp.as_ref().map(|c| &c.peaks),
             "loss_first": losses[0], "loss_last": losses[losses.len()-1]});
         object["float8"] = serde_json::json!(self.float8_recipe());
+        object["fsdp_all_gather_mib_per_step"] =
+            serde_json::json!(self.fsdp_gathered_bytes.map(mib));
         object
     }
 
@@ -417,6 +424,9 @@ impl<'a> BenchReport<'a> {
                 " | pipeline bubble measured {} (unit-cost {unit:.3})",
                 per_rank.join(" ")
             );
+        }
+        if let Some(bytes) = self.fsdp_gathered_bytes {
+            exposed += &format!(" | FSDP all-gathers {:.2} MiB/step", mib(bytes));
         }
         if let Some(balance) = j.expert_balance {
             exposed += &format!(" | experts max/mean {balance:.2}");
