@@ -10,6 +10,7 @@ mod common;
 use std::process::Command;
 
 use common::{hf_python, quiet, tiny_config};
+use titan::backend::cpu::rope::RopeScaling;
 use titan::backend::cpu::CpuBackend;
 use titan::checkpoint;
 use titan::model::{KvCache, Llama, Workspace};
@@ -82,6 +83,56 @@ with torch.no_grad():
 model.save_pretrained(sys.argv[1], safe_serialization=True)
 "#,
         |args| assert!(args.qk_norm && args.tied_embeddings && args.head_dim() == 32),
+    );
+}
+
+/// YaRN, as transformers computes it: a Qwen3 model with `rope_type = "yarn"` (factor 4 over 64
+/// original positions, its attention factor 0.1·ln 4 + 1 on every cos and sin), and a Llama model
+/// with DeepSeek's `mscale`/`mscale_all_dim` and non-default betas, untruncated: imported, loss and
+/// greedy tokens equal transformers', exported back the same.
+#[test]
+fn yarn_models_made_by_transformers_import_generate_and_export_back() {
+    round_trip_made_by_transformers(
+        r#"
+import sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64})
+torch.manual_seed(0)
+Qwen3ForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
+"#,
+        |args| {
+            let Some(RopeScaling::Yarn(y)) = args.rope_scaling else {
+                panic!("not YaRN: {:?}", args.rope_scaling)
+            };
+            assert_eq!((y.factor, y.original_max_position_embeddings), (4.0, 64));
+            assert!((y.attention_factor() - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        },
+    );
+    round_trip_made_by_transformers(
+        r#"
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=320,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 5.0,
+                                   "original_max_position_embeddings": 64, "beta_fast": 16.0,
+                                   "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 1.0,
+                                   "truncate": False})
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
+"#,
+        |args| {
+            let Some(RopeScaling::Yarn(y)) = args.rope_scaling else {
+                panic!("not YaRN: {:?}", args.rope_scaling)
+            };
+            assert!(!y.truncate && y.beta_fast == 16.0 && y.mscale == Some(0.707));
+            assert!(y.attention_factor() < 1.0);
+        },
     );
 }
 

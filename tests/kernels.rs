@@ -3,7 +3,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use titan::backend::cpu::rope::{rope_tables, RopeScaling};
+use titan::backend::cpu::rope::{rope_tables, Llama3Scaling, RopeScaling, YarnScaling};
 use titan::backend::cpu::CpuBackend;
 use titan::backend::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
 use titan::backend::{GemmOutput, GemmShape, RopeShape};
@@ -105,12 +105,16 @@ fn ref_rope(
     offset: usize,
 ) -> Vec<f64> {
     let inv = titan::backend::cpu::rope::inverse_frequencies(hd, theta, scaling);
+    let magnitude = scaling.map_or(1.0, |s| s.attention_factor());
     let mut out = x.to_vec();
     for (t, row) in out.chunks_mut(heads * hd).enumerate() {
         let pos = (offset + t % seq) as f64;
         for head in row.chunks_mut(hd) {
             for i in 0..hd / 2 {
-                let (c, s) = ((pos * inv[i]).cos(), (pos * inv[i]).sin());
+                let (c, s) = (
+                    (pos * inv[i]).cos() * magnitude,
+                    (pos * inv[i]).sin() * magnitude,
+                );
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
                 head[2 * i] = a * c - b * s;
                 head[2 * i + 1] = a * s + b * c;
@@ -289,15 +293,31 @@ fn rmsnorm_forward_and_backward() {
 }
 
 #[test]
-fn rope_forward_and_backward_with_llama31_scaling() {
-    let be = CpuBackend::new();
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let scaling = Some(RopeScaling {
+fn rope_forward_and_backward_with_llama31_and_yarn_scaling() {
+    let llama3 = RopeScaling::Llama3(Llama3Scaling {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: 64,
     });
+    // YaRN with its attention factor (0.1·ln 4 + 1) on every cos and sin.
+    let yarn = RopeScaling::Yarn(YarnScaling {
+        factor: 4.0,
+        original_max_position_embeddings: 16,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: None,
+        mscale: None,
+        mscale_all_dim: None,
+    });
+    rope_matches_reference(Some(llama3));
+    rope_matches_reference(Some(yarn));
+}
+
+fn rope_matches_reference(scaling: Option<RopeScaling>) {
+    let be = CpuBackend::new();
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
     let (batch, seq, heads, hd, theta) = (2, 9, 3, 16, 10000.0);
     let (cos, sin) = rope_tables(hd, 64, theta, scaling);
     let x = rounded(rand_vec(&mut rng, batch * seq * heads * hd, 1.0));
@@ -337,12 +357,12 @@ fn rope_forward_and_backward_with_llama31_scaling() {
 
 #[test]
 fn llama31_scaling_changes_only_low_frequencies() {
-    let scaling = RopeScaling {
+    let scaling = RopeScaling::Llama3(Llama3Scaling {
         factor: 8.0,
         low_freq_factor: 1.0,
         high_freq_factor: 4.0,
         original_max_position_embeddings: 8192,
-    };
+    });
     let plain = titan::backend::cpu::rope::inverse_frequencies(128, 500000.0, None);
     let scaled = titan::backend::cpu::rope::inverse_frequencies(128, 500000.0, Some(scaling));
     assert_eq!(plain[0], scaled[0]);

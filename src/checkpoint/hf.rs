@@ -6,7 +6,7 @@
 //! head; HF rotates the two halves `(i, i + head_dim/2)`. The q and k projections are therefore
 //! permuted row-wise per head on the way out and back on the way in, which makes the two models
 //! compute the same function. Qwen3's QK-norm weights (one per position of a head) take the same
-//! permutation.
+//! permutation. RoPE's config forms and scalings are `hf_rope`'s.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -14,8 +14,8 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::hf_rope::{hf_rope_scaling, rope_from_hf};
 use super::{st, TrainState, FORMAT_VERSION};
-use crate::backend::cpu::rope::RopeScaling;
 use crate::backend::cpu::CpuBackend;
 use crate::data::LoaderState;
 use crate::model::params::param_specs;
@@ -121,7 +121,7 @@ fn check_exportable(args: &ModelArgs) -> Result<()> {
 }
 
 pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
-    let scaling = args.rope_scaling.map(|s| json!({"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}));
+    let scaling = args.rope_scaling.as_ref().map(hf_rope_scaling);
     // Current `transformers` reads `rope_parameters`; earlier versions `rope_theta` and
     // `rope_scaling`. Both are written, saying the same, so every version loads the same model
     // (current ones without a warning).
@@ -270,75 +270,6 @@ fn get_size(
             "{}: `{key}` = {v} is out of range (titan's {field}: {min} to {max})",
             file.display()
         ),
-    }
-}
-
-/// RoPE's base and scaling from either form `transformers` writes: `rope_parameters` (an object
-/// holding `rope_type`, `rope_theta` and the scaling fields; current versions) or top-level
-/// `rope_theta` and `rope_scaling` (earlier ones). A config with both must say the same in each.
-fn rope_from_hf(cfg: &Value, file: &Path) -> Result<(f64, Option<RopeScaling>)> {
-    let present = |key: &str| cfg.get(key).filter(|v| !v.is_null());
-    let read = |params: Option<&Value>, theta: Option<&Value>, what: &str| {
-        let theta = match theta {
-            None => 10000.0,
-            Some(t) => t
-                .as_f64()
-                .ok_or_else(|| anyhow!("{}: {what} rope_theta is not a number", file.display()))?,
-        };
-        let Some(p) = params else {
-            return Ok((theta, None));
-        };
-        let kind = p
-            .get("rope_type")
-            .or_else(|| p.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        let scaling = match kind {
-            "default" => None,
-            "llama3" => {
-                let f = |k: &str| {
-                    p.get(k)
-                        .and_then(Value::as_f64)
-                        .ok_or_else(|| anyhow!("{}: {what}.{k} missing", file.display()))
-                };
-                Some(RopeScaling {
-                    factor: f("factor")?,
-                    low_freq_factor: f("low_freq_factor")?,
-                    high_freq_factor: f("high_freq_factor")?,
-                    original_max_position_embeddings: f("original_max_position_embeddings")?
-                        as usize,
-                })
-            }
-            other => bail!(
-                "{}: {what} rope_type `{other}` is not supported (titan implements \"default\" and \"llama3\")",
-                file.display()
-            ),
-        };
-        Ok((theta, scaling))
-    };
-    let new = present("rope_parameters")
-        .map(|p| read(Some(p), p.get("rope_theta"), "rope_parameters"))
-        .transpose()?;
-    let legacy = (present("rope_theta").is_some() || present("rope_scaling").is_some())
-        .then(|| {
-            read(
-                present("rope_scaling"),
-                present("rope_theta"),
-                "rope_scaling",
-            )
-        })
-        .transpose()?;
-    match (new, legacy) {
-        (Some(n), Some(l)) if n != l => bail!(
-            "{}: rope_parameters (theta {}, scaling {:?}) and rope_theta/rope_scaling (theta {}, scaling {:?}) disagree",
-            file.display(),
-            n.0,
-            n.1,
-            l.0,
-            l.1
-        ),
-        (Some(rope), _) | (None, Some(rope)) => Ok(rope),
-        (None, None) => Ok((10000.0, None)),
     }
 }
 
@@ -626,6 +557,7 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::rope::{Llama3Scaling, RopeScaling};
 
     #[test]
     fn every_published_flavor_round_trips_through_its_hf_config() {
@@ -669,12 +601,12 @@ mod tests {
         let file = Path::new("config.json");
         let llama3 = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
-        let scaling = Some(RopeScaling {
+        let scaling = Some(RopeScaling::Llama3(Llama3Scaling {
             factor: 8.0,
             low_freq_factor: 1.0,
             high_freq_factor: 4.0,
             original_max_position_embeddings: 8192,
-        });
+        }));
         let mut new = llama3.clone();
         new["rope_theta"] = json!(500000.0);
         let read = |c: Value| args_from_hf_config(&config(c), file);
@@ -712,8 +644,17 @@ mod tests {
         let file = Path::new("config.json");
         for (extra, want) in [
             (
-                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}),
-                "rope_type `yarn`",
+                json!({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}),
+                "rope_type `longrope`",
+            ),
+            (
+                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                    "partial_rotary_factor": 0.5}}),
+                "rope_parameters.partial_rotary_factor is not a YaRN field",
+            ),
+            (
+                json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": -4.0}}),
+                "factor = -4",
             ),
             (
                 json!({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4}),

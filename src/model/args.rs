@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;
-use crate::backend::cpu::rope::RopeScaling;
+use crate::backend::cpu::rope::{Llama3Scaling, RopeScaling};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelArgs {
@@ -113,18 +113,18 @@ pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64
     multiple_of * hidden.div_ceil(multiple_of)
 }
 
-const LLAMA31_SCALING: RopeScaling = RopeScaling {
+const LLAMA31_SCALING: RopeScaling = RopeScaling::Llama3(Llama3Scaling {
     factor: 8.0,
     low_freq_factor: 1.0,
     high_freq_factor: 4.0,
     original_max_position_embeddings: 8192,
-};
-const LLAMA32_SCALING: RopeScaling = RopeScaling {
+});
+const LLAMA32_SCALING: RopeScaling = RopeScaling::Llama3(Llama3Scaling {
     factor: 32.0,
     low_freq_factor: 1.0,
     high_freq_factor: 4.0,
     original_max_position_embeddings: 8192,
-};
+});
 
 impl ModelArgs {
     /// Published Llama 3.x dimensions (1B/3B are Llama 3.2 with tied embeddings).
@@ -278,10 +278,7 @@ impl ModelArgs {
             );
         }
         if let Some(s) = &self.rope_scaling {
-            let factors = [s.factor, s.low_freq_factor, s.high_freq_factor];
-            if factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
-                bail!("rope_scaling factors {factors:?} must be finite positive numbers");
-            }
+            s.validate()?;
         }
         if let Some(moe) = &self.moe {
             moe.validate()?;

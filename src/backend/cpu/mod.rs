@@ -16,6 +16,7 @@ mod matmul;
 mod norm;
 pub mod peak;
 pub mod rope;
+pub mod rope_scaling;
 mod rows;
 pub(crate) mod simd;
 

@@ -1,47 +1,13 @@
 //! Rotary position embedding on interleaved pairs `(x[2i], x[2i+1])` (Meta/TorchTitan layout),
-//! with Llama 3.1 frequency scaling when configured.
+//! with a frequency scaling when configured (`rope_scaling`: Llama 3.1's, YaRN's).
 
 use rayon::prelude::*;
 
+pub use super::rope_scaling::{inverse_frequencies, Llama3Scaling, RopeScaling, YarnScaling};
 use crate::backend::RopeShape;
 
-/// Llama 3.1 long-context frequency scaling (`rope_type = "llama3"` in HF configs).
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RopeScaling {
-    pub factor: f64,
-    pub low_freq_factor: f64,
-    pub high_freq_factor: f64,
-    pub original_max_position_embeddings: usize,
-}
-
-/// Inverse frequencies `θ^(-2i/d)`, scaled the Llama 3.1 way when `scaling` is given.
-pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<RopeScaling>) -> Vec<f64> {
-    (0..head_dim / 2)
-        .map(|i| {
-            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
-            match scaling {
-                None => freq,
-                Some(s) => {
-                    let old = s.original_max_position_embeddings as f64;
-                    let low_wavelen = old / s.low_freq_factor;
-                    let high_wavelen = old / s.high_freq_factor;
-                    let wavelen = 2.0 * std::f64::consts::PI / freq;
-                    if wavelen < high_wavelen {
-                        freq
-                    } else if wavelen > low_wavelen {
-                        freq / s.factor
-                    } else {
-                        let smooth = (old / wavelen - s.low_freq_factor)
-                            / (s.high_freq_factor - s.low_freq_factor);
-                        (1.0 - smooth) * freq / s.factor + smooth * freq
-                    }
-                }
-            }
-        })
-        .collect()
-}
-
-/// `(cos, sin)` tables of shape `[max_seq, head_dim/2]`.
+/// `(cos, sin)` tables of shape `[max_seq, head_dim/2]`, times the scaling's attention factor
+/// (YaRN's; transformers multiplies its cos and sin by it too).
 pub fn rope_tables(
     head_dim: usize,
     max_seq: usize,
@@ -49,14 +15,15 @@ pub fn rope_tables(
     scaling: Option<RopeScaling>,
 ) -> (Vec<f32>, Vec<f32>) {
     let inv = inverse_frequencies(head_dim, theta, scaling);
+    let magnitude = scaling.map_or(1.0, |s| s.attention_factor());
     let half = head_dim / 2;
     let mut cos = vec![0.0f32; max_seq * half];
     let mut sin = vec![0.0f32; max_seq * half];
     for p in 0..max_seq {
         for (i, f) in inv.iter().enumerate() {
             let angle = p as f64 * f;
-            cos[p * half + i] = angle.cos() as f32;
-            sin[p * half + i] = angle.sin() as f32;
+            cos[p * half + i] = (angle.cos() * magnitude) as f32;
+            sin[p * half + i] = (angle.sin() * magnitude) as f32;
         }
     }
     (cos, sin)
