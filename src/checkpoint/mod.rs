@@ -34,7 +34,7 @@ pub(crate) const STATE_FILE: &str = "state.json";
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
 pub struct FileCheck {
     pub bytes: u64,
     pub crc32: u32,

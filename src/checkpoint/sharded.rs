@@ -234,27 +234,6 @@ pub fn optimizer_file(rank: usize) -> String {
     format!("optimizer-rank{rank}.safetensors")
 }
 
-/// Packs a file check into f32s that survive a float sum exactly (16-bit pieces).
-fn pack(c: &FileCheck) -> [f32; 6] {
-    let b = c.bytes;
-    [
-        (b & 0xffff) as f32,
-        ((b >> 16) & 0xffff) as f32,
-        ((b >> 32) & 0xffff) as f32,
-        ((b >> 48) & 0xffff) as f32,
-        (c.crc32 & 0xffff) as f32,
-        (c.crc32 >> 16) as f32,
-    ]
-}
-
-fn unpack(v: &[f32]) -> FileCheck {
-    let p = |i: usize| v[i] as u64;
-    FileCheck {
-        bytes: p(0) | (p(1) << 16) | (p(2) << 32) | (p(3) << 48),
-        crc32: (p(4) | (p(5) << 16)) as u32,
-    }
-}
-
 /// A pipeline's split of a checkpoint: `parts` pipeline ranks, each writing its stages' tensors
 /// (`part_of`: the pipeline rank holding a tensor).
 pub struct PipelineParts<'a> {
@@ -265,12 +244,51 @@ pub struct PipelineParts<'a> {
     pub held_by: &'a dyn Fn(&str, usize) -> bool,
 }
 
-/// Writes `step-N/` from every rank of `group`, the writers (collective: all of them must call
-/// it), `tp_parts` of them being consecutive tensor-parallel ranks (1: none). `shards`, `exp_avg`,
-/// `exp_avg_sq` are this rank's flat shards of its tensor-parallel parts (or the parts whole);
-/// `full_shapes` the global shapes.
+/// How the writers of a sharded save tell each other their files: a channel that works from any
+/// thread (the launcher's store), so a save can finish on a background thread while the training
+/// step's collectives run.
+pub trait FileExchange: Send {
+    /// Tells the other writers this rank's files of the step-`step` save: their checks (model,
+    /// optimizer), or why writing them failed.
+    fn publish(
+        &self,
+        step: u64,
+        rank: usize,
+        files: std::result::Result<[FileCheck; 2], String>,
+    ) -> Result<()>;
+    /// Every writer's file checks, in rank order, once all `writers` have published; an error
+    /// names a writer that failed or did not answer in time.
+    fn collect(&self, step: u64, writers: usize) -> Result<Vec<[FileCheck; 2]>>;
+}
+
+/// A writer's part of a sharded checkpoint, staged in memory by `stage`: its two files' bytes,
+/// and on writer 0 what completes the checkpoint. `write` puts it on disk, on any thread.
+pub struct ShardedSnapshot {
+    step: u64,
+    rank: usize,
+    writers: usize,
+    tmp: PathBuf,
+    model: Vec<u8>,
+    optimizer: Vec<u8>,
+    commit: Option<Commit>,
+}
+
+/// Writer 0's completion of a save: the temporary folder (removed if the save fails), the state
+/// with the index (the files' checks are added once every writer has published them).
+struct Commit {
+    folder: PathBuf,
+    guard: super::atomic::TempFolder,
+    state: TrainState,
+    keep_latest_k: usize,
+}
+
+/// Stages this rank's part of the step-N checkpoint written by every rank of `group`, the
+/// writers (collective: all of them must call it), `tp_parts` of them being consecutive
+/// tensor-parallel ranks (1: none). `shards`, `exp_avg`, `exp_avg_sq` are this rank's flat
+/// shards of its tensor-parallel parts (or the parts whole); `full_shapes` the global shapes.
+/// Writer 0 creates the temporary folder first.
 #[allow(clippy::too_many_arguments)]
-pub fn save<B: Backend>(
+pub fn stage<B: Backend>(
     be: &B,
     group: &dyn ProcessGroup,
     tp_parts: usize,
@@ -284,8 +302,7 @@ pub fn save<B: Backend>(
     experts: Option<ExpertParts>,
     mut state: TrainState,
     keep_latest_k: usize,
-    all_written: &dyn Fn() -> Result<()>,
-) -> Result<Option<PathBuf>> {
+) -> Result<ShardedSnapshot> {
     let (rank, size) = (group.rank(), group.size());
     let pp_parts = pipeline.map_or(1, |p| p.parts);
     assert!(
@@ -300,38 +317,20 @@ pub fn save<B: Backend>(
         let (ep_parts, ep_part) = ExpertParts::of(experts, name);
         pipeline.is_none_or(|p| (p.held_by)(name, my_part)) && my_ep % ep_parts == ep_part
     };
-    // Rank 0 creates the temporary folder and removes it again if its part of the save fails
-    // (any other rank's failure reaches it as a failed collective).
+    // Rank 0 creates the temporary folder and removes it again if the save fails (any other
+    // writer's failure reaches it through the file exchange).
+    let step = state.step;
     let guard = match rank {
-        0 => Some(super::atomic::TempFolder::create(
-            folder, state.step, "sharded",
-        )?),
+        0 => Some(super::atomic::TempFolder::create(folder, step, "sharded")?),
         _ => None,
     };
-    let tmp = super::atomic::tmp_path(folder, state.step, "sharded");
+    let tmp = super::atomic::tmp_path(folder, step, "sharded");
     group.barrier()?;
     let model = st::to_bytes(&to_tensors_of(be, shards, "", &here), None)?;
-    let model_check = super::write_synced(&tmp.join(model_file(rank)), &model)?;
-    drop(model);
     let mut moments = to_tensors_of(be, exp_avg, "exp_avg.", &here);
     moments.extend(to_tensors_of(be, exp_avg_sq, "exp_avg_sq.", &here));
-    let opt = st::to_bytes(&moments, None)?;
-    let opt_check = super::write_synced(&tmp.join(optimizer_file(rank)), &opt)?;
-    drop(opt);
-    // Writers finish at their storage's pace: they meet here with the caller's (long) wait, not
-    // in the next collective, which has only the step's timeout.
-    all_written()?;
-    let mut mine = pack(&model_check).to_vec();
-    mine.extend(pack(&opt_check));
-    let mut all = vec![0.0f32; mine.len() * size];
-    group.all_gather(&mine, &mut all)?;
-    let mut result = None;
-    if let Some(guard) = guard {
-        for r in 0..size {
-            let v = &all[r * 12..(r + 1) * 12];
-            state.files.insert(model_file(r), unpack(&v[..6]));
-            state.files.insert(optimizer_file(r), unpack(&v[6..]));
-        }
+    let optimizer = st::to_bytes(&moments, None)?;
+    let commit = guard.map(|guard| {
         let tensors = shards
             .names
             .iter()
@@ -366,11 +365,58 @@ pub fn save<B: Backend>(
             mesh,
             tensors,
         });
-        result = Some(super::finish_save(folder, guard, state, keep_latest_k)?);
+        Commit {
+            folder: folder.to_path_buf(),
+            guard,
+            state,
+            keep_latest_k,
+        }
+    });
+    Ok(ShardedSnapshot {
+        step,
+        rank,
+        writers: size,
+        tmp,
+        model,
+        optimizer,
+        commit,
+    })
+}
+
+impl ShardedSnapshot {
+    /// Writes this rank's files and publishes their checks through `exchange`; writer 0 then
+    /// waits for every writer's, records them in `state.json` and renames the folder into place
+    /// (returning it). Writers finish at their storage's pace: they meet in the exchange, whose
+    /// wait is the save's (long) one, not a collective's.
+    pub fn write(self, exchange: &dyn FileExchange) -> Result<Option<PathBuf>> {
+        let files = self.write_files();
+        let told = files.as_ref().map(|f| *f).map_err(|e| format!("{e:#}"));
+        let published = exchange.publish(self.step, self.rank, told);
+        files?;
+        published?;
+        let Some(mut commit) = self.commit else {
+            return Ok(None);
+        };
+        let all = exchange.collect(self.step, self.writers)?;
+        for (r, [model, optimizer]) in all.into_iter().enumerate() {
+            commit.state.files.insert(model_file(r), model);
+            commit.state.files.insert(optimizer_file(r), optimizer);
+        }
+        super::finish_save(
+            &commit.folder,
+            commit.guard,
+            commit.state,
+            commit.keep_latest_k,
+        )
+        .map(Some)
     }
-    // Nobody goes on (and possibly saves again) before the checkpoint is in place.
-    group.barrier()?;
-    Ok(result)
+
+    fn write_files(&self) -> Result<[FileCheck; 2]> {
+        Ok([
+            super::write_synced(&self.tmp.join(model_file(self.rank)), &self.model)?,
+            super::write_synced(&self.tmp.join(optimizer_file(self.rank)), &self.optimizer)?,
+        ])
+    }
 }
 
 /// Full tensors of a sharded checkpoint, `kind` being the weights (`model`) or the moments

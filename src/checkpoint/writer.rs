@@ -5,8 +5,11 @@
 //! is reported at the latest one save later. A crash mid-write leaves only a temporary folder, which
 //! loading ignores, as for synchronous saves.
 //!
-//! Sharded (FSDP/HSDP) saves stay synchronous: their ranks agree through collectives, which must not
-//! run beside the training step's own.
+//! Sharded saves (FSDP, TP, PP, every layout whose ranks write their own parts) do the same: each
+//! writer stages its files in memory on the training thread (after the writers' barrier), then
+//! its own writer thread writes them and reports their checks through the launcher's store, where
+//! writer 0's thread waits for every report before it completes the checkpoint
+//! (`sharded::ShardedSnapshot::write`); no collective runs beside the training step's.
 
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
@@ -15,9 +18,13 @@ use anyhow::{anyhow, Result};
 
 use super::{Snapshot, TrainState};
 
+/// A save running on its own thread: its step, and what it returns (the folder it completed, on
+/// the rank that completes it).
+type Job = (u64, JoinHandle<Result<Option<PathBuf>>>);
+
 #[derive(Default)]
 pub struct AsyncWriter {
-    pending: Option<(u64, JoinHandle<Result<PathBuf>>)>,
+    pending: Option<Job>,
 }
 
 impl AsyncWriter {
@@ -25,14 +32,14 @@ impl AsyncWriter {
         Self::default()
     }
 
-    /// Waits for the save in flight, if any; returns where it landed.
+    /// Waits for the save in flight, if any; returns where it landed (on the rank that
+    /// completed it).
     pub fn wait(&mut self) -> Result<Option<PathBuf>> {
         match self.pending.take() {
             None => Ok(None),
             Some((step, handle)) => handle
                 .join()
-                .map_err(|_| anyhow!("the checkpoint writer for step {step} panicked"))?
-                .map(Some),
+                .map_err(|_| anyhow!("the checkpoint writer for step {step} panicked"))?,
         }
     }
 
@@ -45,12 +52,24 @@ impl AsyncWriter {
         state: TrainState,
         keep_latest_k: usize,
     ) -> Result<Option<PathBuf>> {
-        let previous = self.wait()?;
         let step = state.step;
         let folder = folder.to_path_buf();
+        self.start_job(step, move || {
+            snapshot.write(&folder, state, keep_latest_k).map(Some)
+        })
+    }
+
+    /// Runs `job`, the rest of the step-`step` save, on a thread of its own after the previous
+    /// save has finished; returns where that previous one landed.
+    pub fn start_job(
+        &mut self,
+        step: u64,
+        job: impl FnOnce() -> Result<Option<PathBuf>> + Send + 'static,
+    ) -> Result<Option<PathBuf>> {
+        let previous = self.wait()?;
         let handle = std::thread::Builder::new()
             .name(format!("titan-checkpoint-{step}"))
-            .spawn(move || snapshot.write(&folder, state, keep_latest_k))
+            .spawn(job)
             .map_err(|e| anyhow!("cannot start the checkpoint writer: {e}"))?;
         self.pending = Some((step, handle));
         Ok(previous)

@@ -17,6 +17,7 @@ use super::bench_report::{BenchReport, CommClocks, JobFigures, Timing};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::config::Config;
+use crate::launch::Distributed;
 use crate::train::compose::{compose_rank, ComposedRank, RankPlace};
 use crate::train::step::train_step;
 use crate::train::threads::{init_rank_threads, init_threads};
@@ -201,7 +202,22 @@ fn bench_on<B: Backend>(
         );
     }
     let batches = random_batches(cfg, composed.args.vocab_size, composed.accum, dp_rank);
-    let timing = time_steps(be, &mut composed, &batches, a, rank == 0, on_warm)?;
+    let mut saves = BenchSaves {
+        cfg,
+        dist,
+        writer: crate::checkpoint::writer::AsyncWriter::new(),
+    };
+    let timing = time_steps(
+        be,
+        &mut composed,
+        &batches,
+        a,
+        rank == 0,
+        on_warm,
+        &mut saves,
+    )?;
+    // The last asynchronous save's tail, after the timed steps.
+    saves.writer.wait()?;
     // Every rank takes part in the gathering (collectives); rank 0 alone reports.
     let job = JobFigures::gather(
         be,
@@ -238,9 +254,50 @@ fn random_batches(cfg: &Config, vocab_size: usize, accum: usize, dp_rank: usize)
         .collect()
 }
 
-/// Runs the warm-up and the timed steps over `batches`, rank 0 (`log`) printing each. At the end
-/// of warm-up it calls `on_warm`, reads the clocks and drops the warm-up's pipeline bubbles (a
-/// collective of the pipeline group, so that the report's bubbles are the timed steps').
+/// Checkpoint saves during a bench run (`--checkpoint.enable true --checkpoint.interval N`):
+/// every `interval` steps, inside the step's time, as `titan train` saves.
+struct BenchSaves<'a> {
+    cfg: &'a Config,
+    dist: Option<&'a Distributed>,
+    writer: crate::checkpoint::writer::AsyncWriter,
+}
+
+impl BenchSaves<'_> {
+    /// Saves step `step` when one is due.
+    fn save_if_due<B: Backend>(&mut self, be: &B, c: &ComposedRank<B>, step: u64) -> Result<()> {
+        let ck = &self.cfg.checkpoint;
+        if !ck.enable || !step.is_multiple_of(ck.interval) {
+            return Ok(());
+        }
+        let state = crate::checkpoint::TrainState {
+            format_version: crate::checkpoint::FORMAT_VERSION,
+            step,
+            model_args: c.args.clone(),
+            seed: self.cfg.training.seed,
+            data: Default::default(),
+            tokenizer_path: self.cfg.model.tokenizer_path.clone(),
+            sharding: None,
+            files: Default::default(),
+            expert_bias: c.layout.model.expert_bias(),
+        };
+        let (cfg, dist) = (self.cfg, self.dist);
+        crate::train::save::save_checkpoint(
+            be,
+            cfg,
+            dist,
+            &c.layout,
+            &c.opt,
+            &mut self.writer,
+            state,
+        )?;
+        Ok(())
+    }
+}
+
+/// Runs the warm-up and the timed steps over `batches`, rank 0 (`log`) printing each, with the
+/// checkpoint saves `saves` asks for. At the end of warm-up it calls `on_warm`, reads the clocks
+/// and drops the warm-up's pipeline bubbles (a collective of the pipeline group, so that the
+/// report's bubbles are the timed steps').
 fn time_steps<B: Backend>(
     be: &B,
     c: &mut ComposedRank<B>,
@@ -248,6 +305,7 @@ fn time_steps<B: Backend>(
     a: &BenchTrainArgs,
     log: bool,
     on_warm: &dyn Fn(),
+    saves: &mut BenchSaves<'_>,
 ) -> Result<Timing> {
     let mut timing = Timing::default();
     for i in 0..a.warmup + a.steps {
@@ -270,6 +328,7 @@ fn time_steps<B: Backend>(
             i as u64 + 1,
             1.0,
         )?;
+        saves.save_if_due(be, c, i as u64 + 1)?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
         if log {

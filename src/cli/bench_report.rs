@@ -363,6 +363,8 @@ impl<'a> BenchReport<'a> {
             "peak_rss_mib_per_rank": j.cp.as_ref().map(|c| &c.peaks),
             "loss_first": losses[0], "loss_last": losses[losses.len()-1]});
         object["float8"] = serde_json::json!(self.float8_recipe());
+        // Saves every few steps show in the mean, not the median.
+        object["step_s_mean"] = serde_json::json!(times.iter().sum::<f64>() / times.len() as f64);
         object["fsdp_all_gather_mib_per_step"] =
             serde_json::json!(self.fsdp_gathered_bytes.map(mib));
         object

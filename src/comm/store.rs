@@ -255,6 +255,12 @@ impl StoreClient {
         })
     }
 
+    /// A second connection to the same store with the same secret: for a thread that waits on
+    /// keys while this connection serves others.
+    pub fn reconnect(&self) -> Result<Self> {
+        Self::connect(&self.addr, &self.secret, self.timeout)
+    }
+
     /// The job secret this client proved (process groups prove it to each other too).
     pub fn secret(&self) -> &JobSecret {
         &self.secret

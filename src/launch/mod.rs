@@ -1,5 +1,6 @@
 //! Launch: the multi-process launcher and the worker's view of its environment.
 
+pub mod checkpoint_exchange;
 pub mod env;
 pub mod groups;
 pub mod launcher;
@@ -179,31 +180,18 @@ impl Distributed {
         })
     }
 
-    /// Inside a sharded checkpoint save, once this rank has written its files: waits (up to
-    /// `SAVE_WAIT`) until every rank of its writers group has written its own, through the store.
-    pub fn checkpoint_written(&self, step: u64) -> Result<()> {
-        let (Some(group), Some(name)) = (self.writers.as_ref(), self.writers_name.as_ref()) else {
-            return Ok(());
+    /// The file exchange of this rank's writers group's sharded checkpoint saves, on a store
+    /// connection of its own (a background save waits on it); None when checkpoints are written
+    /// whole.
+    pub fn file_exchange(&self) -> Result<Option<checkpoint_exchange::StoreFileExchange>> {
+        let Some(name) = self.writers_name.as_ref() else {
+            return Ok(None);
         };
-        let key = |r: usize| {
-            format!(
-                "checkpoint-written/g{}/{name}/step-{step}/{r}",
-                self.generation
-            )
-        };
-        self.store.set(&key(group.rank()), b"1")?;
-        let wait = SAVE_WAIT.max(self.timeouts.0);
-        let deadline = std::time::Instant::now() + wait;
-        for r in 0..group.size() {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            self.store.get_within(&key(r), left).map_err(|_| {
-                anyhow::anyhow!(
-                    "rank {}: checkpoint writer {r} of its group did not finish writing its step-{step} checkpoint files within {wait:.0?}",
-                    self.rank
-                )
-            })?;
-        }
-        Ok(())
+        Ok(Some(checkpoint_exchange::StoreFileExchange {
+            store: self.store.reconnect()?,
+            prefix: format!("checkpoint-files/g{}/{name}", self.generation),
+            wait: SAVE_WAIT.max(self.timeouts.0),
+        }))
     }
 
     /// An NCCL communicator over the ranks of one of this worker's groups, on `be`'s GPU (every

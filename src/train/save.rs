@@ -5,9 +5,11 @@
 //!   stage writes its own tensors; HSDP and DDP replicas hold the same parts, and replica 0's
 //!   ranks write them;
 //! - otherwise (one process, or DDP alone) every rank holds the whole state and rank 0 writes it
-//!   as one checkpoint, in the background with `[checkpoint] async_mode = "async"`.
+//!   as one checkpoint.
 //!
-//! Then every rank waits until rank 0 has finished (`Distributed::checkpoint_saved`).
+//! With `[checkpoint] async_mode = "async"` both finish in the background (`checkpoint::writer`):
+//! the training thread only stages the state in memory, one save in flight per rank. Without it,
+//! every rank waits until rank 0 has completed the checkpoint (`Distributed::checkpoint_saved`).
 //!
 //! A save that fails leaves no temporary folder (`checkpoint::atomic`) and its error names the
 //! last complete checkpoint, the one a restart resumes from; the run stops with it.
@@ -50,20 +52,38 @@ pub fn save_checkpoint<B: Backend>(
                 ),
                 ParamState::Whole(w) => (&w.params, d.dp.rank() == 0),
             };
+            let asynchronous = cfg.checkpoint.async_mode == "async";
+            // One save in flight: this rank's previous one is done before the next stages.
+            let previous = match asynchronous {
+                true => writer.wait()?,
+                false => None,
+            };
             if writes {
-                save_parts(
-                    be,
-                    d,
-                    writers.as_ref(),
-                    layout,
-                    parts,
+                let staged = SavedParts {
+                    weights: parts,
                     opt,
-                    &folder,
-                    state,
+                    folder: &folder,
                     keep,
-                )?
+                };
+                let snapshot = stage_parts(be, d, writers.as_ref(), layout, staged, state)?;
+                let exchange = d
+                    .file_exchange()?
+                    .expect("a rank with a writers group has a file exchange");
+                let on_failure = folder.clone();
+                let write = move || {
+                    snapshot
+                        .write(&exchange)
+                        .with_context(|| checkpoint::atomic::save_failed(&on_failure, step))
+                };
+                match asynchronous {
+                    true => {
+                        writer.start_job(step, write)?;
+                        previous
+                    }
+                    false => write()?,
+                }
             } else {
-                None
+                previous
             }
         }
         (ParamState::Whole(w), None) if rank == 0 => {
@@ -93,20 +113,25 @@ pub fn save_checkpoint<B: Backend>(
     Ok(written)
 }
 
-/// This rank's parts (`weights`: FSDP shards, or tensor-parallel parts whole; under a pipeline
-/// only its stages' tensors) as its files of a sharded checkpoint written by `writers`.
-#[allow(clippy::too_many_arguments)]
-fn save_parts<B: Backend>(
+/// What a writer saves: its weights (FSDP shards, or tensor-parallel parts whole; under a
+/// pipeline only its stages' tensors) and AdamW moments, into `folder`, keeping the latest `keep`.
+struct SavedParts<'a, B: Backend> {
+    weights: &'a crate::model::ParamSet<B>,
+    opt: &'a AdamW<B>,
+    folder: &'a Path,
+    keep: usize,
+}
+
+/// This rank's part of a sharded checkpoint written by `writers`, staged in memory (a collective
+/// of the writers).
+fn stage_parts<B: Backend>(
     be: &B,
     d: &Distributed,
     writers: &dyn crate::comm::group::ProcessGroup,
     layout: &RankLayout<B>,
-    weights: &crate::model::ParamSet<B>,
-    opt: &AdamW<B>,
-    folder: &Path,
+    parts: SavedParts<'_, B>,
     state: TrainState,
-    keep: usize,
-) -> Result<Option<PathBuf>> {
+) -> Result<checkpoint::sharded::ShardedSnapshot> {
     let step = state.step;
     let shapes: Vec<Vec<usize>> = crate::model::params::param_specs(&layout.model.args)
         .into_iter()
@@ -127,21 +152,20 @@ fn save_parts<B: Backend>(
             part_of: &part_of,
             held_by: &held_by,
         });
-    checkpoint::sharded::save(
+    checkpoint::sharded::stage(
         be,
         writers,
         layout.model.local.tp,
         &d.mesh,
-        folder,
-        weights,
-        &opt.exp_avg,
-        &opt.exp_avg_sq,
+        parts.folder,
+        parts.weights,
+        &parts.opt.exp_avg,
+        &parts.opt.exp_avg_sq,
         &shapes,
         pipeline.as_ref(),
         checkpoint::sharded::ExpertParts::of_shapes(&layout.model.local),
         state,
-        keep,
-        &|| d.checkpoint_written(step),
+        parts.keep,
     )
-    .with_context(|| checkpoint::atomic::save_failed(folder, step))
+    .with_context(|| checkpoint::atomic::save_failed(parts.folder, step))
 }
