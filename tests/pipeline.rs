@@ -120,6 +120,23 @@ fn pp_4_a_csv_schedule_and_pp_with_tp_match_one_process() {
     );
 }
 
+/// PyTorch's own DualPipeV schedule for PP 2 and 4 microbatches, as its CSV dump writes it
+/// (`tests/fixtures/dualpipev_pp2_mb4.csv`, from `scripts/pytorch_dualpipev_csv.py`): V-placed
+/// stages, split backwards, `(0F3;3B1)OVERLAP_F_B` cells and REDUCE_GRAD / WAIT_REDUCE_GRAD
+/// actions. titan runs each overlap's forward and backward in order: the one-process curve.
+#[test]
+fn pytorchs_dualpipev_csv_with_overlap_cells_matches_one_process() {
+    let csv = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/dualpipev_pp2_mb4.csv"
+    );
+    let text = std::fs::read_to_string(csv).unwrap();
+    assert!(text.contains(")OVERLAP_F_B") && text.contains("WAIT_REDUCE_GRAD"));
+    let mut dualpipe = pp("2", "1F1B");
+    dualpipe.extend(["--parallelism.pipeline_parallel_schedule_csv", csv]);
+    check_parity("PP 2 PyTorch DualPipeV CSV", &[], &nproc("2"), &dualpipe);
+}
+
 #[test]
 fn a_pipeline_checkpoint_resumes_in_one_process_and_the_reverse() {
     let run = |dir: &std::path::Path, steps: &str, launcher: &[&str], parallel: &[&str]| {

@@ -450,11 +450,14 @@ impl Schedule {
             .collect()
     }
 
-    /// A schedule from TorchTitan's CSV format (`source` names it in errors): a line per rank,
-    /// actions `{stage}{F|B|I|W}{microbatch}`; the transfer and FSDP actions TorchTitan's files may
-    /// hold (`SEND_F`, `RECV_F`, `SEND_B`, `RECV_B`, `UNSHARD`, `RESHARD`, `REDUCE_GRAD`) are
-    /// skipped, since titan derives its own. Stages and microbatches are counted from the file,
-    /// and the schedule is checked.
+    /// A schedule from TorchTitan's CSV format, as PyTorch's `_dump_csv` writes it (`source`
+    /// names it in errors): a line per rank, actions `{stage}{F|B|I|W}{microbatch}`; an
+    /// `OVERLAP_F_B` cell `(0F3;3B1)OVERLAP_F_B` (a forward of one microbatch run against the
+    /// backward of another, DualPipeV's) runs its actions in the order written, which gives the
+    /// numbers of any overlap; the transfer, FSDP and gradient-reduction actions
+    /// (`SEND_F`, `RECV_F`, `SEND_B`, `RECV_B`, their `WAIT_`s, `UNSHARD`, `RESHARD`, `REDUCE_GRAD`,
+    /// `WAIT_REDUCE_GRAD`) are skipped, since titan derives its own. Stages and microbatches are
+    /// counted from the file, and the schedule is checked.
     pub fn from_csv(text: &str, source: &str) -> Result<Schedule> {
         let mut actions: Vec<Vec<Action>> = Vec::new();
         let mut placement: HashMap<usize, usize> = HashMap::new();
@@ -466,42 +469,17 @@ impl Schedule {
             let r = actions.len();
             let mut list = Vec::new();
             for (col, cell) in line.split(',').enumerate() {
-                let cell = cell.trim();
-                if cell.is_empty() || cell.eq_ignore_ascii_case("none") {
-                    continue;
-                }
                 let at = || format!("{source} line {} column {}", line_no + 1, col + 1);
-                let digits = cell
-                    .find(|c: char| !c.is_ascii_digit())
-                    .unwrap_or(cell.len());
-                let stage: usize = cell[..digits].parse().map_err(|_| {
-                    anyhow!("{}: `{cell}` does not start with a stage number", at())
-                })?;
-                let rest = &cell[digits..];
-                let kind_len = rest
-                    .find(|c: char| c.is_ascii_digit())
-                    .unwrap_or(rest.len());
-                let (kind, mb) = rest.split_at(kind_len);
-                let work = match kind {
-                    "F" => Work::Forward,
-                    "B" => Work::Backward,
-                    "I" => Work::BackwardInput,
-                    "W" => Work::BackwardWeight,
-                    "SEND_F" | "RECV_F" | "SEND_B" | "RECV_B" | "UNSHARD" | "RESHARD"
-                    | "REDUCE_GRAD" => continue,
-                    _ => bail!("{}: `{cell}` is not an action (expected STAGE then F, B, I or W then MICROBATCH, e.g. 0F1)", at()),
-                };
-                let microbatch: usize = mb.parse().map_err(|_| {
-                    anyhow!("{}: `{cell}` does not end with a microbatch number", at())
-                })?;
-                if let Some(&other) = placement.get(&stage) {
-                    if other != r {
-                        bail!("{}: stage {stage} appears on rank {r} and on rank {other}; a stage lives on one rank", at());
+                for a in parse_cell(cell.trim(), &at)? {
+                    if let Some(&other) = placement.get(&a.stage) {
+                        if other != r {
+                            bail!("{}: stage {} appears on rank {r} and on rank {other}; a stage lives on one rank", at(), a.stage);
+                        }
                     }
+                    placement.insert(a.stage, r);
+                    microbatches = microbatches.max(a.microbatch + 1);
+                    list.push(a);
                 }
-                placement.insert(stage, r);
-                microbatches = microbatches.max(microbatch + 1);
-                list.push(act(stage, work, microbatch));
             }
             actions.push(list);
         }
@@ -527,6 +505,52 @@ impl Schedule {
             .with_context(|| format!("checking {source}"))?;
         Ok(schedule)
     }
+}
+
+/// The compute actions of one CSV cell (`at` says where it is, for errors): none for an empty
+/// cell or a communication action, one for `{stage}{F|B|I|W}{microbatch}`, the sub-actions of
+/// an `OVERLAP_F_B` cell in their order.
+fn parse_cell(cell: &str, at: &dyn Fn() -> String) -> Result<Vec<Action>> {
+    if cell.is_empty() || cell.eq_ignore_ascii_case("none") {
+        return Ok(Vec::new());
+    }
+    if let Some(inner) = cell.strip_prefix('(') {
+        let (subs, kind) = inner
+            .split_once(')')
+            .ok_or_else(|| anyhow!("{}: `{cell}` opens `(` without closing it", at()))?;
+        if kind != "OVERLAP_F_B" {
+            bail!("{}: `{cell}` groups actions as `{kind}`; titan knows OVERLAP_F_B groups (e.g. `(0F3;3B1)OVERLAP_F_B`)", at());
+        }
+        let mut out = Vec::new();
+        for sub in subs.split(';') {
+            out.extend(parse_cell(sub.trim(), at)?);
+        }
+        return Ok(out);
+    }
+    let digits = cell
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(cell.len());
+    let stage: usize = cell[..digits]
+        .parse()
+        .map_err(|_| anyhow!("{}: `{cell}` does not start with a stage number", at()))?;
+    let rest = &cell[digits..];
+    let kind_len = rest
+        .find(|c: char| c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    let (kind, mb) = rest.split_at(kind_len);
+    let work = match kind {
+        "F" => Work::Forward,
+        "B" => Work::Backward,
+        "I" => Work::BackwardInput,
+        "W" => Work::BackwardWeight,
+        "SEND_F" | "RECV_F" | "SEND_B" | "RECV_B" | "WAIT_SEND_F" | "WAIT_SEND_B" | "UNSHARD"
+        | "RESHARD" | "REDUCE_GRAD" | "WAIT_REDUCE_GRAD" => return Ok(Vec::new()),
+        _ => bail!("{}: `{cell}` is not an action (expected STAGE then F, B, I or W then MICROBATCH, e.g. 0F1, or an OVERLAP_F_B group)", at()),
+    };
+    let microbatch: usize = mb
+        .parse()
+        .map_err(|_| anyhow!("{}: `{cell}` does not end with a microbatch number", at()))?;
+    Ok(vec![act(stage, work, microbatch)])
 }
 
 #[cfg(test)]
@@ -604,6 +628,35 @@ mod tests {
         // TorchTitan's transfer actions are skipped.
         let with_comms = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\n1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1,1F1,1B1,1SEND_B1\n";
         Schedule::from_csv(with_comms, "c.csv").unwrap();
+    }
+
+    #[test]
+    fn pytorchs_overlap_cells_run_their_actions_in_order() {
+        let text = include_str!("../../../tests/fixtures/dualpipev_pp2_mb4.csv");
+        let s = Schedule::from_csv(text, "dualpipev.csv").unwrap();
+        assert_eq!((s.placement.clone(), s.microbatches), (vec![0, 1, 1, 0], 4));
+        // `(0F3;3B1)OVERLAP_F_B` is 0F3 then 3B1, in the rank's order where the cell stood.
+        let rank0: Vec<String> = s.actions[0].iter().map(|a| a.to_string()).collect();
+        let at = rank0.iter().position(|a| a == "0F3").unwrap();
+        assert_eq!(rank0[at + 1], "3B1");
+        // Every (stage, microbatch) forward once: 4 stages × 4 microbatches.
+        let forwards = s
+            .actions
+            .iter()
+            .flatten()
+            .filter(|a| a.work == Work::Forward);
+        assert_eq!(forwards.count(), 16);
+        for (bad, want) in [
+            ("(0F0;0B0)OVERLAP_B_F\n", "OVERLAP_B_F"),
+            ("(0F0;0B0\n", "without closing"),
+            ("0WAIT_ALL\n", "is not an action"),
+        ] {
+            let e = format!("{:#}", Schedule::from_csv(bad, "bad.csv").unwrap_err());
+            assert!(
+                e.contains(want) && e.contains("bad.csv line 1"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]
