@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{losses, train};
+use common::{losses, train, train_env};
 
 /// The layouts, each with the launcher's ranks.
 const LAYOUTS: [(&str, &str, &[&str]); 4] = [
@@ -107,5 +107,32 @@ fn async_sharded_saves_equal_synchronous_ones_and_resume_on_the_same_curve() {
         let resumed = losses(asynchronous.path());
         let tail: Vec<(u64, f64)> = straight.into_iter().filter(|(s, _)| *s > 4).collect();
         assert_eq!(common::bits(&tail), common::bits(&resumed), "{what}");
+    }
+}
+
+/// A writer whose files cannot be written (a fault drill standing in for a full disk) reports
+/// why; the save fails at writer 0, which removes the temporary folder, and the run stops with an
+/// error naming the writer and the last complete checkpoint: synchronously at the save, and
+/// asynchronously at the next save at the latest.
+#[test]
+fn a_writer_that_cannot_write_fails_the_save_and_names_the_last_checkpoint() {
+    for mode in [&[][..], ASYNC] {
+        let dir = tempfile::tempdir().unwrap();
+        let launcher = ["--nproc", "2", "--master-port", "0"];
+        let args = [SAVES, LAYOUTS[0].2, mode].concat();
+        let drill = [("TITAN_CHECKPOINT_WRITE_FAILS", "1:4")];
+        let o = train_env(dir.path(), &launcher, &args, &drill);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{mode:?}: the run went on");
+        assert!(
+            e.contains("checkpoint writer 1 could not write its step-4 files")
+                && e.contains("the last complete checkpoint is step-2"),
+            "{mode:?}: {e}"
+        );
+        let left: Vec<_> = std::fs::read_dir(dir.path().join("checkpoint"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(left, ["step-2"], "{mode:?}");
     }
 }

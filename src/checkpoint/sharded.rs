@@ -412,11 +412,27 @@ impl ShardedSnapshot {
     }
 
     fn write_files(&self) -> Result<[FileCheck; 2]> {
+        if write_drill(self.rank, self.step) {
+            bail!(
+                "TITAN_CHECKPOINT_WRITE_FAILS: writer {} fails its step-{} files (fault drill)",
+                self.rank,
+                self.step
+            );
+        }
         Ok([
             super::write_synced(&self.tmp.join(model_file(self.rank)), &self.model)?,
             super::write_synced(&self.tmp.join(optimizer_file(self.rank)), &self.optimizer)?,
         ])
     }
+}
+
+/// Fault drill: `TITAN_CHECKPOINT_WRITE_FAILS=RANK:STEP` makes writer `RANK`'s files of the
+/// step-`STEP` save fail to write, as a full disk would, so the failure's path can be tested.
+fn write_drill(rank: usize, step: u64) -> bool {
+    std::env::var("TITAN_CHECKPOINT_WRITE_FAILS").is_ok_and(|spec| {
+        spec.split_once(':')
+            .is_some_and(|(r, s)| r == rank.to_string() && s == step.to_string())
+    })
 }
 
 /// Full tensors of a sharded checkpoint, `kind` being the weights (`model`) or the moments
