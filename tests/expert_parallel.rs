@@ -115,6 +115,58 @@ fn tp_2_alone_and_with_ep_2_match_one_process() {
     }
 }
 
+/// A leading dense block (`n_dense_layers` 1: block 0 a 768-wide SwiGLU, block 1 the experts
+/// with 32-wide shared experts), so the two kinds of feed-forward, with their activations and
+/// scratch of different widths, meet in one model: EP, FSDP × EP, TP × EP under full and per-op
+/// activation checkpointing, and PP × FSDP × EP equal one process.
+#[test]
+fn a_leading_dense_block_composes_with_every_layout() {
+    let dense = [
+        "--model.n_dense_layers",
+        "1",
+        "--model.moe_shared_hidden",
+        "32",
+        "--model.load_balance_coeff",
+        "0.01",
+    ];
+    check("dense block 0, EP 2", "2", "4", "2", &[], &dense);
+    check("dense block 0, FSDP 2 × EP 2", "4", "8", "2", &[], &dense);
+    let tp = ["--parallelism.tensor_parallel_degree", "2"];
+    for ac in [
+        &["--activation_checkpoint.mode", "full"][..],
+        &[
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ] {
+        let extra = [&dense[..], ac].concat();
+        check(
+            &format!("dense block 0, TP 2 × EP 2, {ac:?}"),
+            "4",
+            "4",
+            "2",
+            &tp,
+            &extra,
+        );
+    }
+    let pp = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ];
+    check(
+        "dense block 0, PP 2 × FSDP 2 × EP 2",
+        "4",
+        "4",
+        "2",
+        &pp,
+        &dense,
+    );
+}
+
 #[test]
 fn ep_composes_with_full_ac_and_the_expert_bias() {
     // Full AC recomputes the experts (and their all-to-alls) before each block's backward; the

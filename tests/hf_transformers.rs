@@ -136,6 +136,46 @@ LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
     );
 }
 
+/// Qwen3-MoE with dense blocks: `mlp_only_layers = [0]` (a leading dense block, DeepSeek's
+/// `first_k_dense_replace` 1) and `decoder_sparse_step = 2` (experts in every second block), each
+/// with a dense width of its own: imported, loss and greedy tokens equal transformers', and back.
+#[test]
+fn qwen3_moe_with_dense_blocks_made_by_transformers_imports_generates_and_exports_back() {
+    for (dense, step) in [("[0]", "1"), ("[]", "2")] {
+        let make = format!(
+            r#"
+import sys, torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6,
+                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     mlp_only_layers={dense}, decoder_sparse_step={step},
+                     tie_word_embeddings=False,
+                     rope_parameters={{"rope_type": "default", "rope_theta": 1000000.0}})
+torch.manual_seed(0)
+model = Qwen3MoeForCausalLM(cfg)
+with torch.no_grad():
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#
+        );
+        round_trip_made_by_transformers(&make, |args| {
+            let moe = args.moe.expect("a mixture of experts");
+            let experts: Vec<usize> = (0..4).filter(|&l| args.moe_at(l).is_some()).collect();
+            let want = if step == "2" {
+                vec![1, 3]
+            } else {
+                vec![1, 2, 3]
+            };
+            assert_eq!(experts, want, "{moe:?}");
+            assert_eq!(args.swiglu_hidden_at(0), 96);
+        });
+    }
+}
+
 /// The same for a Qwen3-MoE model (8 experts, 2 per token, renormalised; per-expert tensors as the
 /// published checkpoints store them).
 #[test]

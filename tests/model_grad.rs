@@ -180,6 +180,8 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         router,
         load_balance_coeff: None,
         aux_loss_coef: None,
+        first_dense_layers: 0,
+        sparse_step: 1,
     };
     check_model(
         ModelArgs {
@@ -212,6 +214,8 @@ fn moe_whole_model_gradient_matches_finite_differences() {
             ModelArgs {
                 moe: Some(MoeArgs {
                     aux_loss_coef: Some(0.5),
+                    first_dense_layers: 0,
+                    sparse_step: 1,
                     ..m
                 }),
                 ..qwen3_args(false)

@@ -160,15 +160,17 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
     });
     if let Some(moe) = &args.moe {
-        // Every block a mixture of experts. The auxiliary loss is a training setting (and titan's
-        // is sequence-wise, not transformers' batch-wise one): exported as off.
+        // The leading dense blocks as `mlp_only_layers`. The auxiliary loss is a training
+        // setting (and titan's is sequence-wise, not transformers' batch-wise one): exported as
+        // off.
+        let dense: Vec<usize> = (0..moe.first_dense_layers).collect();
         let fields = json!({
             "num_experts": moe.router.num_experts,
             "num_experts_per_tok": moe.router.top_k,
             "moe_intermediate_size": moe.hidden,
             "norm_topk_prob": moe.router.norm_topk_prob,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
+            "decoder_sparse_step": moe.sparse_step,
+            "mlp_only_layers": dense,
             "output_router_logits": false,
             "router_aux_loss_coef": 0.0,
         });
@@ -315,34 +317,47 @@ fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Qwen3-MoE's experts from its `config.json`: every block a mixture of experts (a
-/// `decoder_sparse_step` above 1 or dense `mlp_only_layers` are refused: titan's MoE models have
-/// no dense blocks yet), softmax scores renormalised over the chosen when `norm_topk_prob`.
+/// Qwen3-MoE's experts from its `config.json`: in block `l` when `l + 1` is a multiple of
+/// `decoder_sparse_step` and `l` is not among `mlp_only_layers` (which titan takes as a prefix
+/// `0..k` of dense blocks, DeepSeek's `first_k_dense_replace`; another set is refused, naming
+/// it), softmax scores renormalised over the chosen when `norm_topk_prob`.
 fn moe_from_hf(cfg: &Value, file: &Path) -> Result<crate::model::moe::MoeArgs> {
     use crate::model::moe::router::{RouterArgs, ScoreFunc};
-    let step = cfg
-        .get("decoder_sparse_step")
-        .and_then(Value::as_u64)
-        .unwrap_or(1);
-    if step != 1 {
+    let sparse_step = match cfg.get("decoder_sparse_step").filter(|v| !v.is_null()) {
+        None => 1,
+        Some(v) => match v.as_u64() {
+            Some(step) if (1..=1 << 12).contains(&step) => step as usize,
+            _ => bail!(
+                "{}: decoder_sparse_step = {v} is not a block count from 1 to 4096",
+                file.display()
+            ),
+        },
+    };
+    let dense: Vec<u64> = match cfg.get("mlp_only_layers").filter(|v| !v.is_null()) {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| a.iter().map(Value::as_u64).collect())
+            .ok_or_else(|| {
+                anyhow!(
+                    "{}: mlp_only_layers = {v} is not a list of block numbers",
+                    file.display()
+                )
+            })?,
+    };
+    if dense.iter().enumerate().any(|(i, &l)| l != i as u64) {
         bail!(
-            "{}: decoder_sparse_step = {step} is not supported (titan's MoE models have experts in every block)",
+            "{}: mlp_only_layers = {dense:?} is not supported: titan's dense blocks in a mixture-of-experts model are the leading ones (0, 1, …, k-1)",
             file.display()
         );
-    }
-    if let Some(dense) = cfg.get("mlp_only_layers").and_then(Value::as_array) {
-        if !dense.is_empty() {
-            bail!(
-                "{}: mlp_only_layers = {dense:?} is not supported (titan's MoE models have experts in every block)",
-                file.display()
-            );
-        }
     }
     Ok(crate::model::moe::MoeArgs {
         hidden: get_size(cfg, "moe_intermediate_size", "moe.hidden", None, file)?,
         shared_hidden: None,
         load_balance_coeff: None,
         aux_loss_coef: None,
+        first_dense_layers: dense.len(),
+        sparse_step,
         router: RouterArgs {
             // Current transformers writes `num_local_experts`, earlier `num_experts`.
             num_experts: match cfg.get("num_local_experts").filter(|v| !v.is_null()) {

@@ -33,6 +33,10 @@ pub struct ModelConfig {
     /// Mixture-of-experts models: the hidden width of shared experts every token goes through
     /// besides its routed ones (DeepSeek-V3's; absent: the flavor's, none for Qwen3-MoE).
     pub moe_shared_hidden: Option<usize>,
+    /// Mixture-of-experts models: the leading blocks that keep a dense feed-forward instead of
+    /// the experts (TorchTitan's DeepSeek-V3 `n_dense_layers`, HF's `first_k_dense_replace`;
+    /// absent: the flavor's, none for Qwen3-MoE).
+    pub n_dense_layers: Option<usize>,
     /// Model converters applied before parallelizing (TorchTitan's names, e.g.
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::quantize::list_or_comma_separated")]
@@ -57,6 +61,7 @@ impl Default for ModelConfig {
             load_balance_coeff: None,
             router_aux_loss_coef: None,
             moe_shared_hidden: None,
+            n_dense_layers: None,
             converters: Vec::new(),
         }
     }
@@ -153,6 +158,14 @@ impl Config {
             match a.moe.as_mut() {
                 Some(moe) => moe.shared_hidden = Some(h),
                 None => bail!("[model] moe_shared_hidden = {h} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            }
+        }
+        if let Some(k) = m.n_dense_layers {
+            let layers = a.n_layers;
+            match a.moe.as_mut() {
+                Some(_) if k >= layers => bail!("[model] n_dense_layers = {k} leaves none of the {layers} blocks a mixture of experts; choose fewer (or a dense flavor)"),
+                Some(moe) => moe.first_dense_layers = k,
+                None => bail!("[model] n_dense_layers = {k} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
             }
         }
         if let Some(c) = m.router_aux_loss_coef {

@@ -194,6 +194,8 @@ impl ModelArgs {
             shared_hidden: None,
             load_balance_coeff: None,
             aux_loss_coef: None,
+            first_dense_layers: 0,
+            sparse_step: 1,
             router: RouterArgs {
                 num_experts: experts,
                 top_k,
@@ -228,13 +230,32 @@ impl ModelArgs {
         })
     }
 
-    /// Hidden width of the block's SwiGLU: the dense feed-forward's, or a mixture of experts'
-    /// shared experts' (0 without).
-    pub fn swiglu_hidden(&self) -> usize {
-        match &self.moe {
+    /// Block `layer`'s mixture of experts (None: its feed-forward is dense).
+    pub fn moe_at(&self, layer: usize) -> Option<&MoeArgs> {
+        self.moe.as_ref().filter(|m| m.in_layer(layer))
+    }
+
+    /// Hidden width of block `layer`'s SwiGLU: the dense feed-forward's, or a mixture of
+    /// experts' shared experts' (0 without).
+    pub fn swiglu_hidden_at(&self, layer: usize) -> usize {
+        match self.moe_at(layer) {
             Some(moe) => moe.shared_hidden.unwrap_or(0),
             None => self.ffn_hidden,
         }
+    }
+
+    /// The widest block SwiGLU (what scratch shared by the blocks is sized for).
+    pub fn max_swiglu_hidden(&self) -> usize {
+        (0..self.n_layers)
+            .map(|l| self.swiglu_hidden_at(l))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether any block's feed-forward is dense (every block of a dense model; the leading or
+    /// interleaved dense blocks of a mixture-of-experts one).
+    pub fn has_dense_blocks(&self) -> bool {
+        (0..self.n_layers).any(|l| self.moe_at(l).is_none())
     }
 
     /// Width of each attention head.
@@ -312,16 +333,24 @@ impl ModelArgs {
         Ok(())
     }
 
-    /// Parameters of one transformer block.
-    pub fn params_per_layer(&self) -> usize {
+    /// Parameters of transformer block `layer`.
+    pub fn params_of_layer(&self, layer: usize) -> usize {
         let hd = self.head_dim();
         let attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2;
-        let ffn = match &self.moe {
+        let ffn = match self.moe_at(layer) {
             Some(moe) => moe.params(self.dim),
             None => 3 * self.dim * self.ffn_hidden,
         };
         let qk_norm = if self.qk_norm { 2 * hd } else { 0 };
         attn + ffn + 2 * self.dim + qk_norm
+    }
+
+    /// Parameters of the largest transformer block.
+    pub fn params_per_layer(&self) -> usize {
+        (0..self.n_layers)
+            .map(|l| self.params_of_layer(l))
+            .max()
+            .unwrap_or(0)
     }
 
     pub fn embedding_params(&self) -> usize {
@@ -334,19 +363,18 @@ impl ModelArgs {
         } else {
             self.vocab_size * self.dim
         };
-        self.embedding_params() + self.n_layers * self.params_per_layer() + self.dim + output
+        let blocks: usize = (0..self.n_layers).map(|l| self.params_of_layer(l)).sum();
+        self.embedding_params() + blocks + self.dim + output
     }
 
     /// Parameters one token goes through: all of them for a dense model; with MoE, each block's
     /// router, `top_k` of its experts and its shared ones (TorchTitan's count).
     pub fn active_params(&self) -> usize {
-        match &self.moe {
-            Some(moe) => {
-                self.num_params()
-                    - self.n_layers * (moe.params(self.dim) - moe.active_params(self.dim))
-            }
-            None => self.num_params(),
-        }
+        let inactive: usize = (0..self.n_layers)
+            .filter_map(|l| self.moe_at(l))
+            .map(|moe| moe.params(self.dim) - moe.active_params(self.dim))
+            .sum();
+        self.num_params() - inactive
     }
 
     /// TorchTitan's count: 6·(N_active − N_embedding) + 12·n_layers·(heads · head_dim)·seq_len

@@ -93,7 +93,7 @@ impl Float8Conversion {
                 plan.report.push((name, why));
             }
             plan.blocks.push(block);
-            if args.moe.is_some() {
+            if args.moe_at(l).is_some() {
                 let p = format!("layers.{l}.moe");
                 plan.report.push((
                     format!("{p}.router.gate"),
@@ -194,6 +194,7 @@ impl Float8Conversion {
         self.experts = (0..args.n_layers)
             .map(|l| {
                 let name = format!("layers.{l}.moe.experts");
+                args.moe_at(l)?;
                 let named = fqns.iter().any(|f| name.contains(f.as_str()));
                 let why = match (named, whole) {
                     (true, true) => None,
@@ -328,9 +329,9 @@ fn block_linears(args: &ModelArgs, l: usize) -> Vec<(String, usize, usize)> {
         args.dim,
         args.n_heads * args.head_dim(),
         args.n_kv_heads * args.head_dim(),
-        args.swiglu_hidden(),
+        args.swiglu_hidden_at(l),
     );
-    let ffn = match &args.moe {
+    let ffn = match args.moe_at(l) {
         Some(_) => format!("layers.{l}.moe.shared_experts"),
         None => format!("layers.{l}.feed_forward"),
     };

@@ -9,6 +9,22 @@ use super::args::ModelArgs;
 use super::moe::MoeArgs;
 use super::params::expert_of;
 
+/// A block's feed-forward: a dense SwiGLU, or a mixture of experts (with its shared experts as
+/// the block's SwiGLU). The two have different widths, so their activations are sized apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnKind {
+    Dense,
+    Experts,
+}
+
+impl FfnKind {
+    pub const ALL: [FfnKind; 2] = [FfnKind::Dense, FfnKind::Experts];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// The shapes one rank computes with: its heads, its slice of the feed-forward's hidden width and
 /// of the vocabulary (Megatron's column- and row-parallel split), the token rows it holds between
 /// blocks (sequence parallel: `batch × seq / tp`), and, with context parallelism, its shard of
@@ -22,9 +38,10 @@ pub struct LocalShapes {
     /// Query and key/value heads of this rank.
     pub heads: usize,
     pub kv_heads: usize,
-    /// This rank's columns of the SwiGLU's hidden layer (the dense feed-forward's, or a mixture of
-    /// experts' shared experts'; 0 without).
-    pub ffn: usize,
+    /// This rank's columns of the SwiGLU's hidden layer in a dense block (0 when the model has
+    /// none) and in a mixture-of-experts block (its shared experts'; 0 without): `ffn`.
+    pub dense_ffn: usize,
+    pub shared_ffn: usize,
     /// This rank's rows of the vocabulary, starting at `vocab_offset`.
     pub vocab: usize,
     pub vocab_offset: usize,
@@ -53,7 +70,12 @@ impl LocalShapes {
             head_dim: args.head_dim(),
             heads: args.n_heads,
             kv_heads: args.n_kv_heads,
-            ffn: args.swiglu_hidden(),
+            dense_ffn: if args.has_dense_blocks() {
+                args.ffn_hidden
+            } else {
+                0
+            },
+            shared_ffn: args.moe.and_then(|m| m.shared_hidden).unwrap_or(0),
             vocab: args.vocab_size,
             vocab_offset: 0,
             tp: 1,
@@ -112,30 +134,61 @@ impl LocalShapes {
     /// Rank `tp_rank` of `tp`: refuses, naming the key and the numbers, a model whose heads, key/
     /// value heads, feed-forward width or vocabulary do not split evenly.
     pub fn sharded(args: &ModelArgs, tp: usize, tp_rank: usize) -> Result<Self> {
+        let whole = Self::whole(args);
         for (key, value) in [
             ("n_heads", args.n_heads),
             ("n_kv_heads", args.n_kv_heads),
-            (
-                "feed-forward (or shared experts') hidden size",
-                args.swiglu_hidden(),
-            ),
+            ("feed-forward hidden size", whole.dense_ffn),
+            ("shared experts' hidden size", whole.shared_ffn),
             ("vocab_size", args.vocab_size),
         ] {
             if !value.is_multiple_of(tp) {
                 bail!("[parallelism] tensor_parallel_degree = {tp} does not divide the model's {key} {value}: every tensor-parallel rank needs an equal share (choose a degree that divides it, or change [model])");
             }
         }
-        let whole = Self::whole(args);
         Ok(LocalShapes {
             heads: args.n_heads / tp,
             kv_heads: args.n_kv_heads / tp,
-            ffn: args.swiglu_hidden() / tp,
+            dense_ffn: whole.dense_ffn / tp,
+            shared_ffn: whole.shared_ffn / tp,
             vocab: args.vocab_size / tp,
             vocab_offset: tp_rank * (args.vocab_size / tp),
             tp,
             tp_rank,
             ..whole
         })
+    }
+
+    /// Block `layer`'s feed-forward: dense, or the mixture of experts.
+    pub fn ffn_kind(&self, layer: usize) -> FfnKind {
+        match self.moe.is_some_and(|m| m.in_layer(layer)) {
+            true => FfnKind::Experts,
+            false => FfnKind::Dense,
+        }
+    }
+
+    /// This rank's columns of the SwiGLU of a `kind` block (a mixture of experts': its shared
+    /// experts').
+    pub fn ffn(&self, kind: FfnKind) -> usize {
+        match kind {
+            FfnKind::Dense => self.dense_ffn,
+            FfnKind::Experts => self.shared_ffn,
+        }
+    }
+
+    /// Whether some block's feed-forward is of `kind`.
+    pub fn has(&self, kind: FfnKind) -> bool {
+        (0..self.n_layers).any(|l| self.ffn_kind(l) == kind)
+    }
+
+    /// The widest SwiGLU of the model's blocks (for scratch every block shares).
+    pub fn max_ffn(&self) -> usize {
+        FfnKind::ALL
+            .into_iter()
+            .filter(|&k| self.has(k))
+            .map(|k| self.ffn(k))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Width of this rank's queries (and attention output), and of its keys and values.

@@ -14,7 +14,8 @@ pub fn expert_of(name: &str) -> Option<usize> {
 
 /// Canonical (TorchTitan) names and shapes of a model's parameters, in storage order (Qwen3's
 /// QK-norm weights after each block's `wo`; a mixture-of-experts block's router, then each
-/// expert's and the shared experts' projections, in place of the feed-forward's).
+/// expert's and the shared experts' projections, in place of the feed-forward's; a MoE model's
+/// dense blocks keep the feed-forward's).
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
     let mut specs = vec![(
@@ -45,7 +46,7 @@ pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
             specs.push((format!("{p}.attention.k_norm.weight"), vec![hd]));
         }
         specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
-        match &args.moe {
+        match args.moe_at(l) {
             None => push_swiglu(&mut specs, &format!("{p}.feed_forward"), f, d),
             Some(moe) => {
                 let experts = moe.router.num_experts;
@@ -257,7 +258,7 @@ impl ParamIds {
         let layers = (0..args.n_layers)
             .map(|l| {
                 let p = format!("layers.{l}");
-                let ffn = match &args.moe {
+                let ffn = match args.moe_at(l) {
                     None => {
                         let [w1, w2, w3] = swiglu(&format!("{p}.feed_forward"));
                         FeedForwardIds::Dense { w1, w2, w3 }

@@ -149,8 +149,9 @@ fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharde
 /// most, holds each projection's cast output gradient, the shared cast input and a cast weight
 /// (f32 here: the emulated casts keep their values in f32).
 fn float8_cast_scratch_bytes(local: &LocalShapes, tokens: usize) -> u64 {
-    let widest = local.dim.max(local.ffn).max(local.q_dim());
+    let ffn = local.max_ffn();
+    let widest = local.dim.max(ffn).max(local.q_dim());
     let projections = 3;
-    let largest_weight = local.dim * local.ffn.max(local.q_dim());
+    let largest_weight = local.dim * ffn.max(local.q_dim());
     4 * ((projections + 1) * tokens * widest + largest_weight) as u64
 }

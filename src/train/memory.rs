@@ -86,7 +86,7 @@ impl MemoryEstimate {
         seq: usize,
         plan: &ActivationPlan,
     ) -> Self {
-        self.scratch = be.scratch_bytes(batch * m.local_seq(seq), m.dim, m.ffn, m.vocab);
+        self.scratch = be.scratch_bytes(batch * m.local_seq(seq), m.dim, m.max_ffn(), m.vocab);
         self.activation_copies =
             workspace_copied_floats(m, batch, seq, plan) as u64 * be.activation_copy_bytes();
         // Buffers the backend keeps in bf16 alone have no f32 storage.

@@ -50,10 +50,12 @@ pub struct ExpertLoad {
 }
 
 impl ExpertLoad {
-    /// Every block's load from `[layer][expert]` token counts.
+    /// Every mixture-of-experts block's load from `[layer][expert]` token counts (a dense
+    /// block, with no tokens routed, is left out).
     pub fn of(load: &[Vec<u64>]) -> Vec<ExpertLoad> {
         load.iter()
             .enumerate()
+            .filter(|(_, tokens)| tokens.iter().any(|&t| t > 0))
             .map(|(layer, tokens)| {
                 let mean = tokens.iter().sum::<u64>() as f64 / tokens.len().max(1) as f64;
                 let ratio = |x: u64| if mean > 0.0 { x as f64 / mean } else { 0.0 };

@@ -7,7 +7,7 @@ use std::cell::RefCell;
 use anyhow::Result;
 
 use super::block::BlockLinears;
-use super::workspace::BlockActs;
+use super::workspace::{BlockActs, FfnGrads};
 use super::Llama;
 use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::moe;
@@ -78,6 +78,7 @@ impl<B: Backend> Llama<B> {
             resid,
             layers,
             recomputed,
+            ffn_recomputed,
             plan,
             dx,
             dnormed,
@@ -88,9 +89,7 @@ impl<B: Backend> Llama<B> {
             dq_raw,
             dk_raw,
             dattn,
-            dgate,
-            dup,
-            dact,
+            ffn_grads,
             moe,
             expert_stats,
             ..
@@ -107,7 +106,10 @@ impl<B: Backend> Llama<B> {
             batch: *batch,
             seq: *seq,
         };
-        let mut acts = BlockActs::pick(&mut layers[l], recomputed, plan.blocks[l]);
+        let kind = self.local.ffn_kind(l).index();
+        let scratch = (recomputed, &mut ffn_recomputed[kind]);
+        let mut acts = BlockActs::pick(&mut layers[l], scratch, plan.blocks[l]);
+        let FfnGrads { dgate, dup, dact } = &mut ffn_grads[kind];
         let ffn = FeedForwardGrads {
             dx,
             dnormed,

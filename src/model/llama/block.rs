@@ -38,7 +38,7 @@ impl BlockLinears {
     /// Block `layer`'s projections in this rank's shapes, each in float8 where `float8` converted
     /// it.
     pub(super) fn of(m: &LocalShapes, float8: &Float8Conversion, layer: usize) -> Self {
-        let (d, f) = (m.dim, m.ffn);
+        let (d, f) = (m.dim, m.ffn(m.ffn_kind(layer)));
         let convert = |linear: Linear, i| {
             linear
                 .in_float8(float8.recipe(layer, i))
@@ -205,7 +205,11 @@ impl<B: Backend> Llama<B> {
             aux_stats: matches!(kv, KvSource::Sequences),
         };
         let (before, after) = ws.resid.split_at_mut(l + 1);
-        let mut acts = BlockActs::pick(&mut ws.layers[l], &mut ws.recomputed, run.save);
+        let scratch = (
+            &mut ws.recomputed,
+            &mut ws.ffn_recomputed[self.local.ffn_kind(l).index()],
+        );
+        let mut acts = BlockActs::pick(&mut ws.layers[l], scratch, run.save);
         let rope = self.rope_tables(&ws.rope);
         self.attention_half(&run, &mut acts, &before[l], &mut ws.full, rope, kv)?;
         self.feed_forward_half(&run, &mut acts, &mut after[0], &mut ws.full)?;

@@ -227,8 +227,11 @@ impl<B: Backend> Llama<B> {
         let Some(coeff) = self.args.moe.and_then(|m| m.load_balance_coeff) else {
             return;
         };
-        for (b, l) in self.expert_bias.iter_mut().zip(load) {
-            moe::router::update_expert_bias(b, l, coeff);
+        // A dense block has no experts to balance (its bias stays zero, unused).
+        for (layer, (b, l)) in self.expert_bias.iter_mut().zip(load).enumerate() {
+            if self.args.moe_at(layer).is_some() {
+                moe::router::update_expert_bias(b, l, coeff);
+            }
         }
     }
 

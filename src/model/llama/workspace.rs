@@ -7,7 +7,7 @@ use super::generate::KvCache;
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
-use crate::model::local_shapes::LocalShapes;
+use crate::model::local_shapes::{FfnKind, LocalShapes};
 use crate::model::moe::stats::ExpertStats;
 use crate::model::moe::MoeActs;
 
@@ -51,6 +51,9 @@ pub struct Workspace<B: Backend> {
     /// the blocks that keep less write and recompute theirs in; what each block keeps.
     pub(super) layers: Vec<LayerActs<B>>,
     pub(super) recomputed: LayerActs<B>,
+    /// The shared set of the feed-forward activations whose size or storage depends on the
+    /// block's kind (`sized_by_ffn`), one per `FfnKind`.
+    pub(super) ffn_recomputed: [LayerActs<B>; 2],
     pub(super) plan: ActivationPlan,
     pub(super) normed_final: B::Buf,
     pub(super) normed_final_full: B::Buf,
@@ -68,9 +71,9 @@ pub struct Workspace<B: Backend> {
     pub(super) dq_raw: B::Buf,
     pub(super) dk_raw: B::Buf,
     pub(super) dattn: B::Buf,
-    pub(super) dgate: B::Buf,
-    pub(super) dup: B::Buf,
-    pub(super) dact: B::Buf,
+    /// The SwiGLU backward's gate, up and output gradients, one set per `FfnKind` (the kinds
+    /// have different widths).
+    pub(super) ffn_grads: [FfnGrads<B>; 2],
     pub(super) inputs: Vec<u32>,
     pub(super) targets: Vec<u32>,
     /// The inputs as rows of this rank's vocabulary shard (`IGNORE_INDEX` for the others').
@@ -88,6 +91,37 @@ pub struct Workspace<B: Backend> {
     pub(super) last_logits: Vec<f32>,
 }
 
+/// A SwiGLU's backward scratch: its gate, up and output gradients.
+pub(super) struct FfnGrads<B: Backend> {
+    pub(super) dgate: B::Buf,
+    pub(super) dup: B::Buf,
+    pub(super) dact: B::Buf,
+}
+
+/// Whether `act`'s size or storage depends on the block's feed-forward kind (its SwiGLU's width;
+/// a mixture of experts gathers its normed rows in f32).
+fn sized_by_ffn(act: Act) -> bool {
+    matches!(act, Act::NormedFfn | Act::Gate | Act::Up | Act::Act)
+}
+
+/// Whether some block of `kind` (run here) recomputes `act`: the shared set of that kind needs a
+/// buffer for it.
+fn needs_scratch_of(plan: &ActivationPlan, m: &LocalShapes, act: Act, kind: FfnKind) -> bool {
+    plan.blocks
+        .iter()
+        .enumerate()
+        .any(|(l, &b)| m.ffn_kind(l) == kind && b != BlockSave::Elsewhere && !b.keeps(act))
+}
+
+/// The SwiGLU widths of the kinds of this rank's blocks, summed (one backward scratch set each).
+fn ffn_widths(m: &LocalShapes) -> usize {
+    FfnKind::ALL
+        .into_iter()
+        .filter(|&k| m.has(k))
+        .map(|k| m.ffn(k))
+        .sum()
+}
+
 /// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
 #[derive(Debug, Clone, Copy)]
 struct ActStorage {
@@ -100,10 +134,10 @@ struct ActStorage {
 
 /// The size and storage of each block activation for one rank's shapes: the single source for
 /// allocation and memory estimates.
-fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act) -> ActStorage {
+fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act, kind: FfnKind) -> ActStorage {
     let n = batch * seq;
     let r = m.rows(n);
-    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    let (d, f, qd, kvd) = (m.dim, m.ffn(kind), m.q_dim(), m.kv_dim());
     let tp = m.tp > 1;
     let plain = |floats| ActStorage {
         floats,
@@ -124,7 +158,7 @@ fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act) -> ActStorag
         // the gather, whose result is then the GEMMs' input.
         Act::NormedAttn | Act::NormedFfn if tp => plain(r * d),
         // A mixture of experts gathers the normed rows (not a GEMM reading them): f32 kept.
-        Act::NormedFfn if m.moe.is_some() => copied(n * d),
+        Act::NormedFfn if kind == FfnKind::Experts => copied(n * d),
         Act::NormedAttn | Act::NormedFfn => gemm_input(n * d),
         Act::NormedAttnFull | Act::NormedFfnFull if tp => gemm_input(n * d),
         Act::NormedAttnFull | Act::NormedFfnFull => plain(0),
@@ -152,11 +186,32 @@ fn block_floats(
     plan: &ActivationPlan,
     which: impl Fn(ActStorage) -> bool,
 ) -> usize {
+    let floats = |act, kind| {
+        let st = act_storage(m, batch, seq, act, kind);
+        if which(st) {
+            st.floats
+        } else {
+            0
+        }
+    };
     Act::ALL
         .iter()
-        .map(|&act| (act_storage(m, batch, seq, act), plan.copies(act)))
-        .filter(|(st, _)| which(*st))
-        .map(|(st, copies)| st.floats * copies)
+        .map(|&act| {
+            let kept: usize = (0..plan.blocks.len())
+                .filter(|&l| plan.blocks[l].keeps(act))
+                .map(|l| floats(act, m.ffn_kind(l)))
+                .sum();
+            let shared: usize = match sized_by_ffn(act) {
+                true => FfnKind::ALL
+                    .into_iter()
+                    .filter(|&k| needs_scratch_of(plan, m, act, k))
+                    .map(|k| floats(act, k))
+                    .sum(),
+                false if plan.needs_scratch(act) => floats(act, FfnKind::Dense),
+                false => 0,
+            };
+            kept + shared
+        })
         .sum()
 }
 
@@ -166,7 +221,7 @@ pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &Activa
     let seq = m.local_seq(seq);
     let n = batch * seq;
     let r = m.rows(n);
-    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    let (d, f, qd, kvd) = (m.dim, ffn_widths(m), m.q_dim(), m.kv_dim());
     let gathered = if m.tp > 1 { n * d } else { 0 };
     let resid = (m.n_layers + 1) * r * d;
     let final_norm = r * (d + 1) + gathered;
@@ -196,7 +251,7 @@ pub fn workspace_bf16_activation_floats(
     plan: &ActivationPlan,
 ) -> usize {
     let seq = m.local_seq(seq);
-    block_floats(m, batch, seq, plan, |st| st.bf16_alone) + 3 * batch * seq * m.ffn
+    block_floats(m, batch, seq, plan, |st| st.bf16_alone) + 3 * batch * seq * ffn_widths(m)
 }
 
 /// Values of the workspace whose producers may keep a bf16 copy beside them (or their values in
@@ -212,21 +267,22 @@ pub fn workspace_copied_floats(
 ) -> usize {
     let seq = m.local_seq(seq);
     let n = batch * seq;
-    let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+    let (d, f, qd, kvd) = (m.dim, ffn_widths(m), m.q_dim(), m.kv_dim());
     block_floats(m, batch, seq, plan, |st| st.bf16_copy) + n * d + n * (3 * f + d + qd + kvd)
 }
 
 impl<B: Backend> LayerActs<B> {
-    /// A block's buffers: those `keep` selects sized for the shapes, the others empty.
+    /// A block's buffers: those `keep` selects sized for the shapes (and a `kind` block's
+    /// feed-forward), the others empty.
     fn allocate(
         be: &B,
         m: &LocalShapes,
-        batch: usize,
-        seq: usize,
+        (batch, seq): (usize, usize),
+        kind: FfnKind,
         keep: impl Fn(Act) -> bool,
     ) -> Self {
         let buf = |act: Act| {
-            let st = act_storage(m, batch, seq, act);
+            let st = act_storage(m, batch, seq, act, kind);
             match (keep(act), st.bf16_alone) {
                 (false, _) => be.zeros(0),
                 (true, true) => be.zeros_bf16_activation(st.floats),
@@ -282,15 +338,20 @@ pub struct BlockActs<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> BlockActs<'a, B> {
+    /// A block's activations: its own buffers (`own`) for what it keeps (`save`), the shared
+    /// sets' for the rest (`ffn_scratch`, the one of the block's feed-forward kind, for the
+    /// `sized_by_ffn` activations).
     pub(super) fn pick(
         own: &'a mut LayerActs<B>,
-        scratch: &'a mut LayerActs<B>,
+        (scratch, ffn_scratch): (&'a mut LayerActs<B>, &'a mut LayerActs<B>),
         save: BlockSave,
     ) -> Self {
         macro_rules! from {
             ($field:ident, $act:expr) => {
                 if save.keeps($act) {
                     &mut own.$field
+                } else if sized_by_ffn($act) {
+                    &mut ffn_scratch.$field
                 } else {
                     &mut scratch.$field
                 }
@@ -362,7 +423,7 @@ impl<B: Backend> Workspace<B> {
         let seq = m.local_seq(seq);
         let n = batch * seq;
         let r = m.rows(n);
-        let (d, f, qd, kvd) = (m.dim, m.ffn, m.q_dim(), m.kv_dim());
+        let (d, qd, kvd) = (m.dim, m.q_dim(), m.kv_dim());
         let z = |len: usize| backend.zeros(len);
         let tp = m.tp > 1;
         // The backward's scratch, none without a backward.
@@ -374,12 +435,20 @@ impl<B: Backend> Workspace<B> {
             seq,
             rope: None,
             resid: (0..=m.n_layers).map(|_| z(r * d)).collect(),
-            layers: plan
-                .blocks
-                .iter()
-                .map(|&save| LayerActs::allocate(backend, m, batch, seq, |a| save.keeps(a)))
+            layers: (0..m.n_layers)
+                .map(|l| {
+                    let save = plan.blocks[l];
+                    LayerActs::allocate(backend, m, (batch, seq), m.ffn_kind(l), |a| save.keeps(a))
+                })
                 .collect(),
-            recomputed: LayerActs::allocate(backend, m, batch, seq, |a| plan.needs_scratch(a)),
+            recomputed: LayerActs::allocate(backend, m, (batch, seq), FfnKind::Dense, |a| {
+                !sized_by_ffn(a) && plan.needs_scratch(a)
+            }),
+            ffn_recomputed: FfnKind::ALL.map(|kind| {
+                LayerActs::allocate(backend, m, (batch, seq), kind, |a| {
+                    sized_by_ffn(a) && needs_scratch_of(&plan, m, a, kind)
+                })
+            }),
             plan,
             normed_final: z(r * d),
             normed_final_full: if tp { z(n * d) } else { z(0) },
@@ -393,9 +462,14 @@ impl<B: Backend> Workspace<B> {
             dq_raw: grad(if m.qk_norm { n * qd } else { 0 }),
             dk_raw: grad(if m.qk_norm { n * kvd } else { 0 }),
             dattn: grad(n * qd),
-            dgate: gemm_input(n * f),
-            dup: gemm_input(n * f),
-            dact: gemm_input(n * f),
+            ffn_grads: FfnKind::ALL.map(|kind| {
+                let f = if m.has(kind) { m.ffn(kind) } else { 0 };
+                FfnGrads {
+                    dgate: gemm_input(n * f),
+                    dup: gemm_input(n * f),
+                    dact: gemm_input(n * f),
+                }
+            }),
             inputs: vec![0; n],
             targets: vec![0; n],
             local_ids: vec![0; n],

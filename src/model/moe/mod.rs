@@ -54,12 +54,40 @@ pub struct MoeArgs {
     /// `router_aux_loss_coef`); None: no auxiliary loss.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub aux_loss_coef: Option<f32>,
+    /// Leading blocks whose feed-forward stays dense (`ModelArgs::ffn_hidden` wide) instead of
+    /// the experts (DeepSeek-V3's `first_k_dense_replace`, Qwen3-MoE's `mlp_only_layers` 0..k).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub first_dense_layers: usize,
+    /// The experts are in every `sparse_step`-th block only, block `l` when `l + 1` is a
+    /// multiple of it, the others dense (Qwen3-MoE's `decoder_sparse_step`).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub sparse_step: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 impl MoeArgs {
+    /// Whether block `layer`'s feed-forward is this mixture of experts (else it is dense).
+    pub fn in_layer(&self, layer: usize) -> bool {
+        layer >= self.first_dense_layers && (layer + 1).is_multiple_of(self.sparse_step.max(1))
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.hidden == 0 || self.shared_hidden == Some(0) {
             anyhow::bail!("[model] moe hidden widths must be positive: {self:?}");
+        }
+        if self.sparse_step == 0 {
+            anyhow::bail!("[model] moe sparse_step (decoder_sparse_step) must be at least 1");
         }
         if let Some(c) = self.load_balance_coeff {
             if !(c.is_finite() && c > 0.0) {

@@ -126,7 +126,7 @@ impl PipelinePlan {
         let tokens = (self.microbatch_rows * local.local_seq(seq)) as u64;
         let (d, f, q, kv) = (
             local.dim as u64,
-            local.ffn as u64,
+            local.max_ffn() as u64,
             local.q_dim() as u64,
             local.kv_dim() as u64,
         );
