@@ -19,6 +19,17 @@ const MOE: &[&str] = &[
     "10",
 ];
 
+/// Full activation checkpointing, and per-op selective.
+const FULL_AND_OP_AC: [&[&str]; 2] = [
+    &["--activation_checkpoint.mode", "full"],
+    &[
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ],
+];
+
 fn nproc(n: &'static str) -> [&'static str; 4] {
     ["--nproc", n, "--master-port", "0"]
 }
@@ -94,15 +105,7 @@ fn tp_2_alone_and_with_ep_2_match_one_process() {
     );
     // Shared experts are the block's SwiGLU: column- then row-parallel like a dense
     // feed-forward, and recomputed like one under activation checkpointing.
-    for ac in [
-        &["--activation_checkpoint.mode", "full"][..],
-        &[
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "op",
-        ],
-    ] {
+    for ac in FULL_AND_OP_AC {
         let shared = [&["--model.moe_shared_hidden", "32"][..], ac].concat();
         check(
             &format!("TP 2 × EP 2 with TP-sharded shared experts, {ac:?}"),
@@ -132,15 +135,7 @@ fn a_leading_dense_block_composes_with_every_layout() {
     check("dense block 0, EP 2", "2", "4", "2", &[], &dense);
     check("dense block 0, FSDP 2 × EP 2", "4", "8", "2", &[], &dense);
     let tp = ["--parallelism.tensor_parallel_degree", "2"];
-    for ac in [
-        &["--activation_checkpoint.mode", "full"][..],
-        &[
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "op",
-        ],
-    ] {
+    for ac in FULL_AND_OP_AC {
         let extra = [&dense[..], ac].concat();
         check(
             &format!("dense block 0, TP 2 × EP 2, {ac:?}"),
