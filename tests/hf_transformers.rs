@@ -176,6 +176,110 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
     }
 }
 
+/// An FP8 release (`quantization_config` fp8, e4m3 weights with `weight_scale_inv` per block, as
+/// DeepSeek-V3's and Qwen3's FP8 checkpoints; blocks of 32×32 here so the tiny matrices hold
+/// several, some partial): imported, every weight equals, bit for bit, the import of the same
+/// model saved dequantised in f32 by torch (`e4m3.float() * scale_inv`), whose loss is
+/// transformers'.
+#[test]
+fn an_fp8_release_imports_dequantised_bit_for_bit() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let make = r#"
+import sys, json, torch
+from safetensors.torch import save_file, load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+fp8_dir, ref_dir = sys.argv[1], sys.argv[2]
+cfg = Qwen3Config(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+torch.manual_seed(0)
+model = Qwen3ForCausalLM(cfg)
+B = 32
+quantized = {}
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if not name.endswith("proj.weight"):
+            continue
+        rows, cols = p.shape
+        br, bc = -(-rows // B), -(-cols // B)
+        scale = torch.zeros(br, bc)
+        q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(br):
+            for j in range(bc):
+                blk = p[i*B:(i+1)*B, j*B:(j+1)*B]
+                s = blk.abs().max() / 448.0
+                scale[i, j] = s
+                q[i*B:(i+1)*B, j*B:(j+1)*B] = (blk / s).to(torch.float8_e4m3fn)
+        quantized[name] = (q, scale)
+        full_scale = scale.repeat_interleave(B, 0)[:rows].repeat_interleave(B, 1)[:, :cols]
+        p.copy_(q.to(torch.float32) * full_scale)
+model.save_pretrained(ref_dir, safe_serialization=True)
+model.save_pretrained(fp8_dir, safe_serialization=True)
+import glob, os
+for f in glob.glob(os.path.join(fp8_dir, "*.safetensors")):
+    tensors = load_file(f)
+    for name, (q, scale) in quantized.items():
+        if name in tensors:
+            tensors[name] = q
+            tensors[name + "_scale_inv"] = scale
+    save_file(tensors, f, metadata={"format": "pt"})
+c = json.load(open(os.path.join(fp8_dir, "config.json")))
+c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [B, B]}
+json.dump(c, open(os.path.join(fp8_dir, "config.json"), "w"))
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let (fp8, reference) = (dir.path().join("fp8"), dir.path().join("reference"));
+    run_python(
+        &py,
+        make,
+        &[fp8.to_str().unwrap(), reference.to_str().unwrap()],
+    );
+    let (a_fp8, p_fp8) = checkpoint::hf::read_hf(&fp8).unwrap();
+    let (a_ref, p_ref) = checkpoint::hf::read_hf(&reference).unwrap();
+    assert_eq!(a_fp8, a_ref);
+    for (i, name) in p_ref.names.iter().enumerate() {
+        let same = p_fp8.bufs[i]
+            .iter()
+            .zip(&p_ref.bufs[i])
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{name}: the FP8 import differs from the dequantised one"
+        );
+    }
+    // The reference is an ordinary model: titan's loss on it is transformers'.
+    let (batch, seq) = (2, 24);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i as u32 * 37 + 11) % 300)
+        .collect();
+    let be = CpuBackend::new();
+    let model = Llama::new(&be, a_fp8.clone(), seq).unwrap();
+    let mut ws = Workspace::new(&be, &a_fp8, batch, seq);
+    let loss = model.loss(&be, &p_fp8, &mut ws, &tokens).unwrap();
+    let titan_loss = loss.sum / loss.count as f64;
+    let hf_loss = transformers_run(&py, &reference, &tokens, seq)["loss"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (hf_loss - titan_loss).abs() < 1e-5 * titan_loss.abs().max(1.0),
+        "titan {titan_loss} vs transformers {hf_loss}"
+    );
+    // Another quantisation method is refused, naming the key.
+    let c = std::fs::read_to_string(fp8.join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&c).unwrap();
+    v["quantization_config"]["quant_method"] = "gptq".into();
+    std::fs::write(fp8.join("config.json"), v.to_string()).unwrap();
+    let e = match checkpoint::hf::read_hf(&fp8) {
+        Ok(_) => panic!("a gptq config was imported"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(e.contains("quant_method") && e.contains("gptq"), "{e}");
+}
+
 /// The same for a Qwen3-MoE model (8 experts, 2 per token, renormalised; per-expert tensors as the
 /// published checkpoints store them).
 #[test]

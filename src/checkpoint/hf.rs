@@ -467,11 +467,17 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
     )
     .map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
     let args = args_from_hf_config(&cfg, &cfg_path)?;
+    let fp8_blocks = super::hf_fp8::block_size(&cfg, &cfg_path)?;
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
-    check_weights_present(&args, &files, &cfg_path)?;
+    // An FP8 release's linears take a byte a value.
+    let bytes_per_value = if fp8_blocks.is_some() { 1 } else { 2 };
+    check_weights_present(&args, &files, &cfg_path, bytes_per_value)?;
     let mut by_name: BTreeMap<String, (Tensor, std::path::PathBuf)> = BTreeMap::new();
+    let mut fp8 = std::collections::BTreeSet::new();
     for f in &files {
-        for (n, t) in st::read_file(f)? {
+        let (tensors, fp8_names) = st::read_release_file(f)?;
+        fp8.extend(fp8_names);
+        for (n, t) in tensors {
             by_name.insert(n, (t, f.clone()));
         }
     }
@@ -498,7 +504,25 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
                 shape
             );
         }
-        let data = t.to_f32_vec();
+        let scale = by_name.get(&super::hf_fp8::scale_name(&hf));
+        let data = match (fp8.contains(&hf), scale, fp8_blocks) {
+            (false, None, _) => t.to_f32_vec(),
+            (true, Some((s, _)), Some(block)) => super::hf_fp8::dequantize(&hf, t, s, block)
+                .map_err(|e| anyhow!("{}: {e}", file.display()))?,
+            (true, _, None) => bail!(
+                "{}: `{hf}` is FP8 (E4M3) but config.json has no quantization_config",
+                file.display()
+            ),
+            (true, None, _) => bail!(
+                "{}: FP8 weight `{hf}` has no `{}` beside it",
+                file.display(),
+                super::hf_fp8::scale_name(&hf)
+            ),
+            (false, Some(_), _) => bail!(
+                "{}: `{hf}` has block scales but is not FP8 (E4M3)",
+                file.display()
+            ),
+        };
         params.bufs[i] = match rope_permutation(name, &args) {
             Some(heads) => permute_rows(&data, heads, args.head_dim(), columns(shape), false),
             None => data,
@@ -507,13 +531,14 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
     Ok((args, params))
 }
 
-/// The weights `config.json` describes fit in the safetensors files present (at 2 bytes a value,
-/// the narrowest dtype read): checked before the model is allocated, so a config that claims a
+/// The weights `config.json` describes fit in the safetensors files present (at
+/// `bytes_per_value`: 2, the narrowest dtype read, or 1 for an FP8 release): checked before the model is allocated, so a config that claims a
 /// far larger model than its files hold is an error, not an allocation of that size.
 fn check_weights_present(
     args: &ModelArgs,
     files: &[std::path::PathBuf],
     cfg_path: &Path,
+    bytes_per_value: u64,
 ) -> Result<()> {
     let mut present = 0u64;
     for f in files {
@@ -523,7 +548,7 @@ fn check_weights_present(
         present = present.saturating_add(len);
     }
     // Within `ModelArgs::validate`'s bounds the count stays below 2⁶².
-    let needed = (args.num_params() as u64).saturating_mul(2);
+    let needed = (args.num_params() as u64).saturating_mul(bytes_per_value);
     if needed > present {
         bail!(
             "{}: the model it describes has {} parameters ({needed} bytes at least), but the safetensors files beside it hold only {present} bytes",

@@ -36,7 +36,21 @@ pub fn read_file(path: &Path) -> Result<Vec<(String, Tensor)>> {
     from_bytes(&bytes).map_err(|e| anyhow!("{}: {e}", path.display()))
 }
 
+/// Every tensor of a safetensors file of a Hugging Face release, FP8 (e4m3) ones too: their
+/// values decoded to f32 unscaled and named in the second list (`hf_fp8` scales them).
+pub fn read_release_file(path: &Path) -> Result<(Vec<(String, Tensor)>, Vec<String>)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut fp8 = Vec::new();
+    let tensors = read(&bytes, Some(&mut fp8)).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    Ok((tensors, fp8))
+}
+
 pub fn from_bytes(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
+    read(bytes, None)
+}
+
+/// The tensors of `bytes`; e4m3 ones only where `fp8` collects their names.
+fn read(bytes: &[u8], mut fp8: Option<&mut Vec<String>>) -> Result<Vec<(String, Tensor)>> {
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| anyhow!("not a valid safetensors file ({e}); is it truncated or corrupt?"))?;
     let mut out = Vec::new();
@@ -53,7 +67,16 @@ pub fn from_bytes(bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
                     .collect();
                 Tensor::from_f32(shape, v)
             }
-            other => bail!("tensor `{name}` has dtype {other:?}; titan reads F32, BF16 and F16"),
+            Dtype::F8_E4M3 if fp8.is_some() => {
+                let e4m3 = crate::backend::float8::Fp8Format::E4M3;
+                let table: Vec<f32> = (0..=255u8).map(|c| e4m3.decode(c)).collect();
+                let v = view.data().iter().map(|&c| table[usize::from(c)]).collect();
+                if let Some(names) = fp8.as_mut() {
+                    names.push(name.clone());
+                }
+                Tensor::from_f32(shape, v)
+            }
+            other => bail!("tensor `{name}` has dtype {other:?}; titan reads F32, BF16 and F16 (and E4M3 in FP8 releases)"),
         };
         out.push((name, t));
     }
