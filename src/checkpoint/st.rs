@@ -36,9 +36,12 @@ pub fn read_file(path: &Path) -> Result<Vec<(String, Tensor)>> {
     from_bytes(&bytes).map_err(|e| anyhow!("{}: {e}", path.display()))
 }
 
+/// A file's tensors by name.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
 /// Every tensor of a safetensors file of a Hugging Face release, FP8 (e4m3) ones too: their
 /// values decoded to f32 unscaled and named in the second list (`hf_fp8` scales them).
-pub fn read_release_file(path: &Path) -> Result<(Vec<(String, Tensor)>, Vec<String>)> {
+pub fn read_release_file(path: &Path) -> Result<(NamedTensors, Vec<String>)> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut fp8 = Vec::new();
     let tensors = read(&bytes, Some(&mut fp8)).map_err(|e| anyhow!("{}: {e}", path.display()))?;
