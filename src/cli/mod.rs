@@ -37,9 +37,13 @@ pub enum Command {
         /// Worker processes to start on this node (one rank each); 1 trains in this process.
         #[arg(long, default_value_t = 1)]
         nproc: usize,
-        /// Nodes in the job (run the same command on each, with its --node-rank).
-        #[arg(long, default_value_t = 1)]
-        nnodes: usize,
+        /// Nodes in the job (run the same command on each, with its --node-rank), or MIN:MAX for an
+        /// elastic job that goes on with the nodes present (node 0, which hosts the store, must stay).
+        #[arg(long, default_value = "1", value_parser = parse_nnodes)]
+        nnodes: (usize, usize),
+        /// Elastic jobs: how long node 0 waits for more than MIN nodes before each generation.
+        #[arg(long, default_value_t = 60)]
+        rdzv_timeout: u64,
         #[arg(long, default_value_t = 0)]
         node_rank: usize,
         /// Address of node 0, where the rendezvous store runs.
@@ -202,13 +206,35 @@ pub fn overrides_last(args: Vec<String>) -> Vec<String> {
     rest
 }
 
+/// `--nnodes N` or `MIN:MAX` (1 ≤ MIN ≤ MAX).
+fn parse_nnodes(s: &str) -> std::result::Result<(usize, usize), String> {
+    let count = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| (1..=1 << 16).contains(&n))
+            .ok_or_else(|| format!("`{v}` is not a node count from 1 to 65536"))
+    };
+    match s.split_once(':') {
+        None => count(s).map(|n| (n, n)),
+        Some((min, max)) => {
+            let (min, max) = (count(min)?, count(max)?);
+            if min > max {
+                return Err(format!("MIN {min} is above MAX {max} (expected MIN:MAX)"));
+            }
+            Ok((min, max))
+        }
+    }
+}
+
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train {
             config,
             quiet,
             nproc,
-            nnodes,
+            nnodes: (min_nodes, nnodes),
+            rdzv_timeout,
             node_rank,
             master_addr,
             master_port,
@@ -218,8 +244,15 @@ pub fn run(cli: Cli) -> Result<()> {
         } => {
             let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
             if nproc * nnodes > 1 {
-                // Refuse a mesh the workers would refuse, before starting any of them.
-                crate::launch::check_mesh(&cfg, nproc * nnodes)?;
+                // Refuse a mesh the workers would refuse, before starting any of them (an elastic
+                // job's at every size it may take: fixed degrees that fit one size only are
+                // named now, not when a node leaves).
+                for n in min_nodes..=nnodes {
+                    crate::launch::check_mesh(&cfg, nproc * n).map_err(|e| match min_nodes < nnodes {
+                        true => anyhow::anyhow!("--nnodes {min_nodes}:{nnodes}: the layout must fit every node count, and at {n} node(s) ({} ranks): {e:#}; leave the degree that absorbs the change at -1 (e.g. data_parallel_shard_degree)", nproc * n),
+                        false => e,
+                    })?;
+                }
                 let mut worker_args = vec!["train".to_string()];
                 if let Some(c) = &config {
                     worker_args.extend(["--config".to_string(), c.display().to_string()]);
@@ -232,6 +265,11 @@ pub fn run(cli: Cli) -> Result<()> {
                     nproc,
                     nnodes,
                     node_rank,
+                    elastic: (min_nodes < nnodes).then_some(crate::launch::rendezvous::Elastic {
+                        min_nodes,
+                        max_nodes: nnodes,
+                        timeout: std::time::Duration::from_secs(rdzv_timeout),
+                    }),
                     master_addr,
                     master_port: master_port.unwrap_or(if nnodes > 1 { 29500 } else { 0 }),
                     max_restarts,

@@ -2,7 +2,8 @@
 //! store, prefixes each rank's output with its rank, and supervises them: when a rank fails every
 //! other rank is stopped and the launcher exits non-zero naming the rank and its last error lines;
 //! with `--max-restarts K` the whole group is restarted (workers resume from the latest complete
-//! checkpoint). Workers die with the launcher (a parent-death signal), and SIGINT or SIGTERM to
+//! checkpoint), and with `--nnodes MIN:MAX` each restart takes the nodes present
+//! (`rendezvous`). Workers die with the launcher (a parent-death signal), and SIGINT or SIGTERM to
 //! the launcher stops them as a failure does.
 
 use std::io::{BufRead, BufReader};
@@ -16,12 +17,16 @@ use anyhow::{bail, Context, Result};
 use crate::comm::auth::{JobSecret, SECRET_ENV, SECRET_FILE_ENV};
 use crate::comm::conn::RUN_ID_ENV;
 use crate::comm::store::{StoreClient, StoreServer};
+use crate::launch::rendezvous::{Elastic, Membership};
 
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
     pub nproc: usize,
+    /// Nodes in the job: with `elastic`, the most it grows to.
     pub nnodes: usize,
     pub node_rank: usize,
+    /// `--nnodes MIN:MAX`: the node range and the rendezvous wait (None: exactly `nnodes`).
+    pub elastic: Option<Elastic>,
     pub master_addr: String,
     pub master_port: u16,
     pub max_restarts: usize,
@@ -45,6 +50,7 @@ impl LaunchOptions {
             nproc,
             nnodes: 1,
             node_rank: 0,
+            elastic: None,
             master_addr: "127.0.0.1".into(),
             master_port: 0,
             max_restarts: 0,
@@ -157,7 +163,6 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
             o.node_rank
         );
     }
-    let world = o.nproc * o.nnodes;
     let exe =
         std::env::current_exe().context("cannot find the titan executable to start workers")?;
     // Node 0 hosts the store; the others connect to it. Port 0 picks a free port (single node).
@@ -171,11 +176,11 @@ pub fn launch(o: &LaunchOptions) -> Result<()> {
         None
     };
     let port = store.as_ref().map_or(o.master_port, |s| s.addr.port());
-    if o.nnodes > 1 && o.master_port == 0 {
+    if (o.nnodes > 1 || o.elastic.is_some()) && o.master_port == 0 {
         bail!("--master-port 0 (any free port) only works on a single node; give every node the same port");
     }
     let interrupted = interrupt_flag()?;
-    let outcome = run_generations(o, &exe, port, world, &interrupted);
+    let outcome = run_generations(o, &exe, port, &interrupted);
     // The job's Unix sockets folder (empty once every rank closed its sockets).
     let folder = crate::comm::conn::job_socket_path(&o.secret.job_id(), Some(&spawn_run_id()));
     let _ = std::fs::remove_dir_all(folder);
@@ -188,56 +193,95 @@ struct Spawn<'a> {
     exe: &'a std::path::Path,
     port: u16,
     world: usize,
+    node_rank: usize,
 }
 
-/// Starts the workers, restarting them all up to `max_restarts` times after a failure. With
-/// several nodes every node's launcher starts each generation together (`agree_on_generation`).
+/// Starts the workers, restarting them all up to `max_restarts` times after a failure (or, when
+/// elastic, to regroup with a node that waits to join). With several nodes every node's launcher
+/// starts each generation together: all of them (`agree_on_generation`), or those the elastic
+/// rendezvous admits (`rendezvous::Elastic::join`).
 fn run_generations(
     o: &LaunchOptions,
     exe: &std::path::Path,
     port: u16,
-    world: usize,
     interrupted: &AtomicBool,
 ) -> Result<()> {
-    let spawn = Spawn {
-        o,
-        exe,
-        port,
-        world,
-    };
-    let nodes = match o.nnodes {
-        1 => None,
-        _ => Some(StoreClient::connect(
+    let nodes = match o.nnodes > 1 || o.elastic.is_some() {
+        false => None,
+        true => Some(StoreClient::connect(
             &format!("{}:{port}", o.master_addr),
             &o.secret,
             o.init_timeout,
         )?),
     };
-    for generation in 0..=o.max_restarts {
-        if let Some(store) = &nodes {
-            agree_on_generation(store, generation, o)?;
+    let mut generation = 0;
+    let mut previous_world = None;
+    while generation <= o.max_restarts {
+        let m = match (&nodes, &o.elastic) {
+            (Some(store), Some(elastic)) => {
+                elastic.join(store, generation, o.node_rank == 0, o.max_restarts)?
+            }
+            (Some(store), None) => {
+                agree_on_generation(store, generation, o)?;
+                static_membership(o, generation)
+            }
+            (None, _) => static_membership(o, generation),
+        };
+        generation = m.generation;
+        let world = o.nproc * m.nodes;
+        if let Some(before) = previous_world.filter(|&w| w != world) {
+            eprintln!("titan launcher: generation {generation}: the job goes from {before} to {world} ranks ({} node(s)); this node is node {}; the workers resume from the latest checkpoint", m.nodes, m.node_rank);
         }
+        previous_world = Some(world);
         if interrupted.load(Ordering::SeqCst) {
             bail!("titan launcher: interrupted (SIGINT or SIGTERM) before generation {generation} started");
         }
+        let spawn = Spawn {
+            o,
+            exe,
+            port,
+            world,
+            node_rank: m.node_rank,
+        };
         let mut workers = start_workers(&spawn, generation)?;
-        match supervise(&mut workers, interrupted) {
+        let waiting = || match (&nodes, &o.elastic) {
+            (Some(store), Some(elastic)) => elastic.someone_waits(store, generation, m.nodes),
+            _ => false,
+        };
+        let msg = match supervise(&mut workers, interrupted, &waiting) {
             Outcome::Done => return Ok(()),
             Outcome::Interrupted => {
                 bail!("titan launcher: interrupted (SIGINT or SIGTERM); all {world} ranks stopped")
             }
+            Outcome::Regroup => format!("a node waits to join the {world}-rank job: regrouping"),
             Outcome::Failed(failures) => {
                 std::thread::sleep(Duration::from_millis(200)); // let the output pumps drain
-                let msg = failure_message(&workers, &failures);
-                if generation < o.max_restarts {
-                    eprintln!("titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})", generation + 1, o.max_restarts);
-                    continue;
-                }
-                bail!("{msg}");
+                failure_message(&workers, &failures)
             }
+        };
+        if generation >= o.max_restarts {
+            bail!("{msg}");
         }
+        eprintln!(
+            "titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})",
+            generation + 1,
+            o.max_restarts
+        );
+        generation += 1;
     }
-    unreachable!("the loop returns or bails on its last generation")
+    bail!(
+        "titan launcher: no restart left (--max-restarts {})",
+        o.max_restarts
+    )
+}
+
+/// A fixed-size job's membership: every node, at its `--node-rank`.
+fn static_membership(o: &LaunchOptions, generation: usize) -> Membership {
+    Membership {
+        generation,
+        nodes: o.nnodes,
+        node_rank: o.node_rank,
+    }
 }
 
 /// Every node's launcher starts generation `g` together (a barrier on the job's store), so the
@@ -258,7 +302,7 @@ fn start_workers(sp: &Spawn, generation: usize) -> Result<Vec<Worker>> {
     let o = sp.o;
     let mut workers = Vec::new();
     for local in 0..o.nproc {
-        let rank = o.node_rank * o.nproc + local;
+        let rank = sp.node_rank * o.nproc + local;
         let mut child = worker_command(sp.exe)
             .args(&o.worker_args)
             .env("RANK", rank.to_string())
@@ -359,17 +403,32 @@ enum Outcome {
     Failed(Vec<(usize, String)>),
     /// The launcher was told to stop (SIGINT, SIGTERM): its workers were stopped.
     Interrupted,
+    /// A node waits to join (elastic): the workers were stopped to regroup with it.
+    Regroup,
 }
 
 /// Waits for every worker; at the first failure stops the others and returns every rank found
 /// failed in that pass, ranks killed by a signal first: the rank that died is named before the
 /// ranks that failed because it did. A signal to the launcher stops them all.
-fn supervise(workers: &mut [Worker], interrupted: &AtomicBool) -> Outcome {
+fn supervise(
+    workers: &mut [Worker],
+    interrupted: &AtomicBool,
+    waiting: &dyn Fn() -> bool,
+) -> Outcome {
     let mut done = vec![false; workers.len()];
+    let mut next_look = std::time::Instant::now();
     loop {
         if interrupted.load(Ordering::SeqCst) {
             stop_all(workers);
             return Outcome::Interrupted;
+        }
+        // A node waiting to join is looked for once a second (a store round trip).
+        if std::time::Instant::now() >= next_look {
+            next_look += Duration::from_secs(1);
+            if waiting() {
+                stop_all(workers);
+                return Outcome::Regroup;
+            }
         }
         let mut failed = Vec::new();
         for (i, w) in workers.iter_mut().enumerate() {

@@ -1,0 +1,154 @@
+//! Elastic jobs (`titan train --nnodes MIN:MAX`), two "nodes" as two launchers on this machine:
+//! a job that loses a node goes on at half size from its latest checkpoint, and one that gains a
+//! node regroups with it; the global batch is kept by gradient accumulation, so the loss curve is
+//! the uninterrupted run's (within fp32 rounding), apart from the steps repeated since the
+//! checkpoint.
+
+mod common;
+
+use common::{losses, train, train_command, TINY_ARGS};
+
+/// FSDP over whatever ranks there are (`-1`), four sequences a step, 12 steps, a checkpoint
+/// every 4.
+const JOB: &[&str] = &[
+    "--training.steps",
+    "12",
+    "--checkpoint.interval",
+    "4",
+    "--training.global_batch_size",
+    "4",
+    "--metrics.log_freq",
+    "1",
+];
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// Node `rank` of an elastic 1:2 job on `port`, training `job` into `dump`.
+fn node(
+    dump: &std::path::Path,
+    port: &str,
+    (rank, restarts): (&str, &str),
+    job: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Child {
+    let launcher = [
+        "--nproc",
+        "1",
+        "--nnodes",
+        "1:2",
+        "--rdzv-timeout",
+        "3",
+        "--node-rank",
+        rank,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--max-restarts",
+        restarts,
+    ];
+    let mut cmd = train_command(dump, &launcher, &[TINY_ARGS, job].concat());
+    cmd.env("RAYON_NUM_THREADS", "1")
+        .env("TITAN_JOB_SECRET", "ef".repeat(32))
+        .env("TITAN_HOST", "127.0.0.1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
+#[test]
+fn a_job_that_loses_a_node_goes_on_at_half_size_on_the_same_curve() {
+    let (straight, elastic) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(
+        straight.path(),
+        &["--nproc", "2", "--master-port", "0"],
+        JOB,
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port();
+    // Node 1's rank dies at step 7 and its launcher has no restart: the node is gone. Node 0's
+    // rank fails with it; its launcher waits 3 s for a second node, then goes on alone.
+    let crash = [("TITAN_CRASH_AT", "1:7")];
+    let node1 = node(elastic.path(), &port, ("1", "0"), JOB, &crash);
+    let node0 = node(elastic.path(), &port, ("0", "1"), JOB, &[]);
+    let (o0, o1) = (
+        node0.wait_with_output().unwrap(),
+        node1.wait_with_output().unwrap(),
+    );
+    let (e0, e1) = (
+        String::from_utf8_lossy(&o0.stderr),
+        String::from_utf8_lossy(&o1.stderr),
+    );
+    assert!(o0.status.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
+    assert!(!o1.status.success(), "node 1 should have died:\n{e1}");
+    assert!(e0.contains("the job goes from 2 to 1 ranks"), "{e0}");
+    // Steps 5-12 ran again on one rank with two micro-batches a step.
+    let (a, b) = (losses(straight.path()), losses(elastic.path()));
+    let last = |l: &[(u64, f64)]| *l.last().unwrap();
+    let ((sa, la), (sb, lb)) = (last(&a), last(&b));
+    assert_eq!((sa, sb), (12, 12));
+    assert!((la - lb).abs() <= 1e-5 * la.abs(), "{a:?}\n{b:?}");
+}
+
+#[test]
+fn a_job_that_gains_a_node_regroups_with_it_on_the_same_curve() {
+    // Long enough that the second node arrives while the first still trains.
+    let job = [
+        "--training.steps",
+        "400",
+        "--checkpoint.interval",
+        "50",
+        "--training.global_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+    ];
+    let (straight, elastic) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(straight.path(), &[], &job);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port();
+    let node0 = node(elastic.path(), &port, ("0", "1"), &job, &[]);
+    // Node 0 waits 3 s for a second node, then trains alone; node 1 arrives once it has steps.
+    let metrics = elastic.path().join("metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 0 did not start training"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let node1 = node(elastic.path(), &port, ("1", "1"), &job, &[]);
+    let (o0, o1) = (
+        node0.wait_with_output().unwrap(),
+        node1.wait_with_output().unwrap(),
+    );
+    let (e0, e1) = (
+        String::from_utf8_lossy(&o0.stderr),
+        String::from_utf8_lossy(&o1.stderr),
+    );
+    assert!(
+        o0.status.success() && o1.status.success(),
+        "node 0:\n{e0}\nnode 1:\n{e1}"
+    );
+    assert!(
+        e0.contains("a node waits to join the 1-rank job: regrouping")
+            && e0.contains("the job goes from 1 to 2 ranks"),
+        "{e0}"
+    );
+    let (a, b) = (losses(straight.path()), losses(elastic.path()));
+    let last = |l: &[(u64, f64)]| *l.last().unwrap();
+    let ((sa, la), (sb, lb)) = (last(&a), last(&b));
+    assert_eq!((sa, sb), (400, 400));
+    assert!((la - lb).abs() <= 1e-5 * la.abs(), "{la} vs {lb}");
+}
