@@ -98,6 +98,20 @@ fn a_job_that_loses_a_node_goes_on_at_half_size_on_the_same_curve() {
     let ((sa, la), (sb, lb)) = (last(&a), last(&b));
     assert_eq!((sa, sb), (12, 12));
     assert!((la - lb).abs() <= 1e-5 * la.abs(), "{a:?}\n{b:?}");
+    // The metrics carry the ranks of each step, and `titan plot` marks the change.
+    let ranks: Vec<f64> = common::metric(elastic.path(), "world_size")
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    assert_eq!((ranks.first(), ranks.last()), (Some(&2.0), Some(&1.0)));
+    let svg = elastic.path().join("metrics.svg");
+    let o = std::process::Command::new(common::titan_bin())
+        .args(["plot", elastic.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let drawn = std::fs::read_to_string(svg).unwrap();
+    assert!(drawn.contains("2 → 1 ranks"), "{drawn}");
 }
 
 #[test]
@@ -105,9 +119,9 @@ fn a_job_that_gains_a_node_regroups_with_it_on_the_same_curve() {
     // Long enough that the second node arrives while the first still trains.
     let job = [
         "--training.steps",
-        "400",
+        "1000",
         "--checkpoint.interval",
-        "50",
+        "100",
         "--training.global_batch_size",
         "4",
         "--metrics.log_freq",
@@ -149,6 +163,6 @@ fn a_job_that_gains_a_node_regroups_with_it_on_the_same_curve() {
     let (a, b) = (losses(straight.path()), losses(elastic.path()));
     let last = |l: &[(u64, f64)]| *l.last().unwrap();
     let ((sa, la), (sb, lb)) = (last(&a), last(&b));
-    assert_eq!((sa, sb), (400, 400));
+    assert_eq!((sa, sb), (1000, 1000));
     assert!((la - lb).abs() <= 1e-5 * la.abs(), "{la} vs {lb}");
 }

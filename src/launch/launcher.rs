@@ -422,9 +422,9 @@ fn supervise(
             stop_all(workers);
             return Outcome::Interrupted;
         }
-        // A node waiting to join is looked for once a second (a store round trip).
+        // A node waiting to join is looked for four times a second (a store round trip).
         if std::time::Instant::now() >= next_look {
-            next_look += Duration::from_secs(1);
+            next_look += Duration::from_millis(250);
             if waiting() {
                 stop_all(workers);
                 return Outcome::Regroup;

@@ -26,6 +26,9 @@ pub struct StepMetrics {
     pub step_time_s: f64,
     pub data_time_pct: f64,
     pub peak_memory_bytes: u64,
+    /// Ranks in the job this step (an elastic job's changes with its membership; `titan plot`
+    /// marks the changes).
+    pub world_size: usize,
     /// Mixture-of-experts models: each block's tokens per expert over the step.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe_expert_load: Option<Vec<ExpertLoad>>,
@@ -131,6 +134,7 @@ impl MetricsLogger {
                     ("time_metrics/step_time(s)", m.step_time_s),
                     ("time_metrics/data_loading(%)", m.data_time_pct),
                     ("memory/peak_bytes", m.peak_memory_bytes as f64),
+                    ("world_size", m.world_size as f64),
                 ],
             )?;
             if let Some(bytes) = m.fsdp_all_gather_bytes {

@@ -546,6 +546,7 @@ impl StepRate {
             step_time_s: step_time,
             data_time_pct: 100.0 * data_time / step_time,
             peak_memory_bytes: be.device_peak_memory().unwrap_or_else(peak_memory),
+            world_size: self.devices,
             moe_expert_load: moe.map(|m| ExpertLoad::of(&m.load)),
             moe_aux_loss: moe.and_then(|m| m.aux_loss),
             fsdp_all_gather_bytes: None,
