@@ -244,8 +244,11 @@ fn run_generations(
             node_rank: m.node_rank,
         };
         let mut workers = start_workers(&spawn, generation)?;
+        // With no restart left a waiting node is not worth stopping the job for.
         let waiting = || match (&nodes, &o.elastic) {
-            (Some(store), Some(elastic)) => elastic.someone_waits(store, generation, m.nodes),
+            (Some(store), Some(elastic)) if generation < o.max_restarts => {
+                elastic.someone_waits(store, generation, m.nodes)
+            }
             _ => false,
         };
         let msg = match supervise(&mut workers, interrupted, &waiting) {
