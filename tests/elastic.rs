@@ -92,6 +92,14 @@ fn a_job_that_loses_a_node_goes_on_at_half_size_on_the_same_curve() {
     assert!(o0.status.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
     assert!(!o1.status.success(), "node 1 should have died:\n{e1}");
     assert!(e0.contains("the job goes from 2 to 1 ranks"), "{e0}");
+    // The worker says what the change cost: the steps since the step-4 checkpoint run again.
+    let out0 = String::from_utf8_lossy(&o0.stdout);
+    assert!(
+        out0.contains(
+            "membership change: 2 → 1 ranks, layout one process; resuming at step 4, steps 5..="
+        ),
+        "{out0}"
+    );
     // Steps 5-12 ran again on one rank with two micro-batches a step.
     let (a, b) = (losses(straight.path()), losses(elastic.path()));
     let last = |l: &[(u64, f64)]| *l.last().unwrap();
@@ -159,6 +167,11 @@ fn a_job_that_gains_a_node_regroups_with_it_on_the_same_curve() {
         e0.contains("a node waits to join the 1-rank job: regrouping")
             && e0.contains("the job goes from 1 to 2 ranks"),
         "{e0}"
+    );
+    let out0 = String::from_utf8_lossy(&o0.stdout);
+    assert!(
+        out0.contains("membership change: 1 → 2 ranks, layout dp_shard 2; resuming at step"),
+        "{out0}"
     );
     let (a, b) = (losses(straight.path()), losses(elastic.path()));
     let last = |l: &[(u64, f64)]| *l.last().unwrap();

@@ -450,16 +450,10 @@ impl<'a> BenchReport<'a> {
 /// `one process`.
 fn layout_name(dist: Option<&Distributed>, ep: usize) -> String {
     dist.map_or("one process".to_string(), |d| {
-        let mut dims: Vec<String> = crate::comm::mesh::DIMS
-            .iter()
-            .zip(d.mesh.degrees)
-            .filter(|(_, n)| *n > 1)
-            .map(|(dim, n)| format!("{dim} {n}"))
-            .collect();
         // Expert parallelism borrows its ranks from dp_shard × cp.
-        if ep > 1 {
-            dims.push(format!("(ep {ep})"));
+        match ep > 1 {
+            true => format!("{} × (ep {ep})", d.mesh.describe()),
+            false => d.mesh.describe(),
         }
-        dims.join(" × ")
     })
 }

@@ -16,6 +16,20 @@ pub struct DeviceMesh {
 }
 
 impl DeviceMesh {
+    /// The dimensions above 1, as `dp_shard 2 × tp 2` (`one rank` for none).
+    pub fn describe(&self) -> String {
+        let dims: Vec<String> = DIMS
+            .iter()
+            .zip(self.degrees)
+            .filter(|(_, n)| *n > 1)
+            .map(|(dim, n)| format!("{dim} {n}"))
+            .collect();
+        match dims.is_empty() {
+            true => "one rank".to_string(),
+            false => dims.join(" × "),
+        }
+    }
+
     /// Resolves `dp_shard = -1` to fill the world and checks that the product is the world size.
     pub fn new(
         pp: usize,

@@ -163,6 +163,16 @@ impl MetricsLogger {
     }
 }
 
+/// The last step line of an earlier run's `{dump_folder}/metrics.jsonl` that recorded its ranks:
+/// (step, world size). What a restarted run repeats is read from it (None without one).
+pub fn last_recorded_step(dump_folder: &Path) -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string(dump_folder.join("metrics.jsonl")).ok()?;
+    text.lines().rev().find_map(|line| {
+        let v: serde_json::Value = serde_json::from_str(line).ok()?;
+        Some((v.get("step")?.as_u64()?, v.get("world_size")?.as_u64()?))
+    })
+}
+
 /// The loss on held-out data after a step (`[validation]`).
 #[derive(Debug, Clone, Serialize)]
 pub struct ValidationMetrics {

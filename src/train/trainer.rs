@@ -228,6 +228,12 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
         let mut composed =
             compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
         let resume = Resume::of(&mut composed, &mut loader, &say)?;
+        // A restarted generation (or a resumed run) says what it repeats; a fresh run does not
+        // read an older run's metrics left in its dump folder.
+        let restarted = std::env::var("TITAN_GENERATION").is_ok_and(|g| g != "0");
+        if restarted || resume.resumed_from.is_some() {
+            say_what_the_restart_repeats(cfg, dist, resume.start_step, &say);
+        }
         let rate = StepRate::of(be, cfg, &composed, dist);
         print_banner(be, cfg, dist, &composed, &loader, &rate, &say);
         let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
@@ -450,6 +456,32 @@ fn metrics_logger(cfg: &Config, rank: usize) -> Result<Option<MetricsLogger>> {
         .enable_tensorboard
         .then(|| cfg.dump_folder().join(&cfg.metrics.save_tb_folder));
     Ok(Some(MetricsLogger::new(&cfg.dump_folder(), tb.as_deref())?))
+}
+
+/// After a restart, what the run before it reached (its last step line in `metrics.jsonl`): the
+/// steps run again since the checkpoint and, when the number of ranks changed (an elastic job's
+/// membership), the old and new world and the new layout.
+fn say_what_the_restart_repeats(
+    cfg: &Config,
+    dist: Option<&crate::launch::Distributed>,
+    resumed_at: u64,
+    say: &dyn Fn(String),
+) {
+    let Some((reached, before)) = super::metrics::last_recorded_step(&cfg.dump_folder()) else {
+        return;
+    };
+    let world = dist.map_or(1, |d| d.world) as u64;
+    let layout = dist.map_or("one process".to_string(), |d| d.mesh.describe());
+    let lost = reached.saturating_sub(resumed_at);
+    let repeats = match lost {
+        0 => "no step is repeated".to_string(),
+        n => format!("steps {}..={reached} run again ({n} lost)", resumed_at + 1),
+    };
+    match before != world {
+        true => say(format!("membership change: {before} → {world} ranks, layout {layout}; resuming at step {resumed_at}, {repeats}")),
+        false if lost > 0 => say(format!("restart: resuming at step {resumed_at}, {repeats}")),
+        false => {}
+    }
 }
 
 /// Where a run starts: step 0, or the checkpoint it resumed from.
