@@ -66,6 +66,27 @@ fn node(
     cmd.spawn().unwrap()
 }
 
+/// Both nodes' outputs once they exit: (status, stdout, stderr) each.
+fn outputs(
+    node0: std::process::Child,
+    node1: std::process::Child,
+) -> [(std::process::ExitStatus, String, String); 2] {
+    [node0, node1].map(|n| {
+        let o = n.wait_with_output().unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (o.status, text(&o.stdout), text(&o.stderr))
+    })
+}
+
+/// The last logged step of both runs is `steps`, their losses there within 1e-5.
+fn final_losses_agree(straight: &std::path::Path, elastic: &std::path::Path, steps: u64) {
+    let (a, b) = (losses(straight), losses(elastic));
+    let last = |l: &[(u64, f64)]| *l.last().unwrap();
+    let ((sa, la), (sb, lb)) = (last(&a), last(&b));
+    assert_eq!((sa, sb), (steps, steps));
+    assert!((la - lb).abs() <= 1e-5 * la.abs(), "{la} vs {lb}");
+}
+
 #[test]
 fn a_job_that_loses_a_node_goes_on_at_half_size_on_the_same_curve() {
     let (straight, elastic) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -81,19 +102,11 @@ fn a_job_that_loses_a_node_goes_on_at_half_size_on_the_same_curve() {
     let crash = [("TITAN_CRASH_AT", "1:7")];
     let node1 = node(elastic.path(), &port, ("1", "0"), JOB, &crash);
     let node0 = node(elastic.path(), &port, ("0", "1"), JOB, &[]);
-    let (o0, o1) = (
-        node0.wait_with_output().unwrap(),
-        node1.wait_with_output().unwrap(),
-    );
-    let (e0, e1) = (
-        String::from_utf8_lossy(&o0.stderr),
-        String::from_utf8_lossy(&o1.stderr),
-    );
-    assert!(o0.status.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
-    assert!(!o1.status.success(), "node 1 should have died:\n{e1}");
+    let [(s0, out0, e0), (s1, _, e1)] = outputs(node0, node1);
+    assert!(s0.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
+    assert!(!s1.success(), "node 1 should have died:\n{e1}");
     assert!(e0.contains("the job goes from 2 to 1 ranks"), "{e0}");
     // The worker says what the change cost: the steps since the step-4 checkpoint run again.
-    let out0 = String::from_utf8_lossy(&o0.stdout);
     assert!(
         out0.contains(
             "membership change: 2 → 1 ranks, layout one process; resuming at step 4, steps 5..="
@@ -101,11 +114,7 @@ fn a_job_that_loses_a_node_goes_on_at_half_size_on_the_same_curve() {
         "{out0}"
     );
     // Steps 5-12 ran again on one rank with two micro-batches a step.
-    let (a, b) = (losses(straight.path()), losses(elastic.path()));
-    let last = |l: &[(u64, f64)]| *l.last().unwrap();
-    let ((sa, la), (sb, lb)) = (last(&a), last(&b));
-    assert_eq!((sa, sb), (12, 12));
-    assert!((la - lb).abs() <= 1e-5 * la.abs(), "{a:?}\n{b:?}");
+    final_losses_agree(straight.path(), elastic.path(), 12);
     // The metrics carry the ranks of each step, and `titan plot` marks the change.
     let ranks: Vec<f64> = common::metric(elastic.path(), "world_size")
         .into_iter()
@@ -151,31 +160,16 @@ fn a_job_that_gains_a_node_regroups_with_it_on_the_same_curve() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let node1 = node(elastic.path(), &port, ("1", "1"), &job, &[]);
-    let (o0, o1) = (
-        node0.wait_with_output().unwrap(),
-        node1.wait_with_output().unwrap(),
-    );
-    let (e0, e1) = (
-        String::from_utf8_lossy(&o0.stderr),
-        String::from_utf8_lossy(&o1.stderr),
-    );
-    assert!(
-        o0.status.success() && o1.status.success(),
-        "node 0:\n{e0}\nnode 1:\n{e1}"
-    );
+    let [(s0, out0, e0), (s1, _, e1)] = outputs(node0, node1);
+    assert!(s0.success() && s1.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
     assert!(
         e0.contains("a node waits to join the 1-rank job: regrouping")
             && e0.contains("the job goes from 1 to 2 ranks"),
         "{e0}"
     );
-    let out0 = String::from_utf8_lossy(&o0.stdout);
     assert!(
         out0.contains("membership change: 1 → 2 ranks, layout dp_shard 2; resuming at step"),
         "{out0}"
     );
-    let (a, b) = (losses(straight.path()), losses(elastic.path()));
-    let last = |l: &[(u64, f64)]| *l.last().unwrap();
-    let ((sa, la), (sb, lb)) = (last(&a), last(&b));
-    assert_eq!((sa, sb), (1000, 1000));
-    assert!((la - lb).abs() <= 1e-5 * la.abs(), "{la} vs {lb}");
+    final_losses_agree(straight.path(), elastic.path(), 1000);
 }

@@ -71,9 +71,8 @@ fn read(bytes: &[u8], mut fp8: Option<&mut Vec<String>>) -> Result<Vec<(String, 
                 Tensor::from_f32(shape, v)
             }
             Dtype::F8_E4M3 if fp8.is_some() => {
-                let e4m3 = crate::backend::float8::Fp8Format::E4M3;
-                let table: Vec<f32> = (0..=255u8).map(|c| e4m3.decode(c)).collect();
-                let v = view.data().iter().map(|&c| table[usize::from(c)]).collect();
+                use crate::backend::float8::{decode_codes, Fp8Format};
+                let v = decode_codes(view.data().iter().copied(), Fp8Format::E4M3);
                 if let Some(names) = fp8.as_mut() {
                     names.push(name.clone());
                 }

@@ -27,12 +27,14 @@ pub fn encode_words(x: &[f32], scale: f32, format: Fp8Format) -> Vec<f32> {
 
 /// The fp8 values (held as f32) of the codes in `words`, four per word.
 pub fn decode_words(words: &[f32], format: Fp8Format) -> Vec<f32> {
+    decode_codes(words.iter().flat_map(|w| w.to_bits().to_le_bytes()), format)
+}
+
+/// The fp8 values (held as f32) of 8-bit `codes` (a safetensors E4M3 tensor's bytes, or the
+/// all-gather's words'), through one 256-entry table.
+pub fn decode_codes(codes: impl Iterator<Item = u8>, format: Fp8Format) -> Vec<f32> {
     let table: Vec<f32> = (0..=255u8).map(|c| format.decode(c)).collect();
-    words
-        .iter()
-        .flat_map(|w| w.to_bits().to_le_bytes())
-        .map(|c| table[usize::from(c)])
-        .collect()
+    codes.map(|c| table[usize::from(c)]).collect()
 }
 
 /// The code of `q`, a value of `format` (or NaN): `Fp8Format::encode` in bit operations, for a

@@ -18,7 +18,7 @@ mod kernels;
 mod mx;
 mod recipe;
 
-pub use codes::{decode_words, encode_words, CODES_PER_WORD};
+pub use codes::{decode_codes, decode_words, encode_words, CODES_PER_WORD};
 pub use kernels::{amaxes, fake_quantize_rows, mx_fake_quantize_rows, scales_from_amaxes};
 pub use mx::{
     mx_quantize, MxBlockScale, MxBlocks, MxCast, MxQuantized, MxScaling, E8M0_BIAS, MX_BLOCK,

@@ -25,7 +25,7 @@ use crate::backend::float8::{scale_from_amax, Fp8Format, ScaleAxis, CODES_PER_WO
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::model::ParamSet;
-use crate::parallel::amax::all_reduce_amax;
+use crate::parallel::amax::{all_reduce_amax, infinity_as_nan, nan_as_infinity};
 
 /// The format the weights travel in (the tensorwise recipe's for `W`).
 const FORMAT: Fp8Format = Fp8Format::E4M3;
@@ -138,10 +138,7 @@ impl<B: Backend> Fsdp<B> {
             bail!("FSDP: float8 scales agreed with collectives in flight (a titan bug)");
         }
         // A maximum drops NaN: it travels as +inf and comes back as NaN (as `all_reduce_amax`).
-        local
-            .iter_mut()
-            .filter(|a| a.is_nan())
-            .for_each(|a| *a = f32::INFINITY);
+        nan_as_infinity(&mut local);
         let queue = &mut self.groups[0].queue;
         queue.start_gather(be, be.upload(&local))?;
         let all = be.download(&queue.finish_oldest(be)?);
@@ -151,10 +148,7 @@ impl<B: Backend> Fsdp<B> {
                 *a = a.max(v);
             }
         }
-        agreed
-            .iter_mut()
-            .filter(|a| a.is_infinite())
-            .for_each(|a| *a = f32::NAN);
+        infinity_as_nan(&mut agreed);
         if let Some(tp) = self.float8.as_ref().and_then(|g| g.tensor_parallel.clone()) {
             all_reduce_amax(tp.as_ref(), &mut agreed)?;
         }
