@@ -196,9 +196,15 @@ impl ActivationPlan {
 
     /// Whether some block recomputes `act`, so the shared scratch set needs a buffer for it.
     pub fn needs_scratch(&self, act: Act) -> bool {
+        self.needs_scratch_among(act, |_| true)
+    }
+
+    /// Whether some block `among` selects (by index) recomputes `act` here.
+    pub fn needs_scratch_among(&self, act: Act, among: impl Fn(usize) -> bool) -> bool {
         self.blocks
             .iter()
-            .any(|&b| b != BlockSave::Elsewhere && !b.keeps(act))
+            .enumerate()
+            .any(|(l, &b)| among(l) && b != BlockSave::Elsewhere && !b.keeps(act))
     }
 
     /// The plan of a pipeline rank running only the blocks `here` says: the others keep nothing.

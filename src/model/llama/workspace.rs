@@ -107,10 +107,7 @@ fn sized_by_ffn(act: Act) -> bool {
 /// Whether some block of `kind` (run here) recomputes `act`: the shared set of that kind needs a
 /// buffer for it.
 fn needs_scratch_of(plan: &ActivationPlan, m: &LocalShapes, act: Act, kind: FfnKind) -> bool {
-    plan.blocks
-        .iter()
-        .enumerate()
-        .any(|(l, &b)| m.ffn_kind(l) == kind && b != BlockSave::Elsewhere && !b.keeps(act))
+    plan.needs_scratch_among(act, |l| m.ffn_kind(l) == kind)
 }
 
 /// The SwiGLU widths of the kinds of this rank's blocks, summed (one backward scratch set each).
