@@ -28,6 +28,7 @@ fn llama_args(tied: bool) -> ModelArgs {
         attention_head_dim: None,
         qk_norm: false,
         moe: None,
+        mla: None,
     }
 }
 
@@ -256,5 +257,50 @@ fn a_token_id_outside_the_vocabulary_is_an_error_before_any_kernel() {
     assert!(
         e.contains(&format!("token id {} at position 1", u32::MAX)),
         "{e}"
+    );
+}
+
+/// DeepSeek-V3's multi-head latent attention: queries projected directly with a value head
+/// narrower than the query/key head; and through a query latent with a value head wider than
+/// it (the queries and keys padded) under YaRN, whose mscale scales the softmax.
+#[test]
+fn mla_whole_model_gradient_matches_finite_differences() {
+    use titan::backend::cpu::rope::{RopeScaling, YarnScaling};
+    use titan::model::mla::MlaArgs;
+    let direct = MlaArgs {
+        q_lora_rank: None,
+        kv_lora_rank: 6,
+        qk_nope_head_dim: 4,
+        qk_rope_head_dim: 4,
+        v_head_dim: 6,
+    };
+    let mla_args = |mla| ModelArgs {
+        n_kv_heads: 4,
+        mla: Some(mla),
+        ..llama_args(false)
+    };
+    check_model(mla_args(direct), false);
+    let latent = MlaArgs {
+        q_lora_rank: Some(10),
+        qk_nope_head_dim: 2,
+        v_head_dim: 8,
+        ..direct
+    };
+    let yarn = RopeScaling::Yarn(YarnScaling {
+        factor: 4.0,
+        original_max_position_embeddings: 4,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: None,
+        mscale: Some(1.0),
+        mscale_all_dim: Some(1.0),
+    });
+    check_model(
+        ModelArgs {
+            rope_scaling: Some(yarn),
+            ..mla_args(latent)
+        },
+        true,
     );
 }

@@ -394,6 +394,31 @@ pub trait Backend: Send + Sync + 'static {
         x_offset: usize,
         len: usize,
     );
+    /// `rows` runs of `cols` values, run `r` of `x` (from `x_offset + r·x_stride`) added into
+    /// `acc` (at `acc_offset + r·acc_stride`): `copy_rows` adding (MLA summing its heads' shares
+    /// of the shared rotated key's gradient). Here one `add_range` per row.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rows(
+        &self,
+        acc: &mut Self::Buf,
+        acc_offset: usize,
+        acc_stride: usize,
+        x: &Self::Buf,
+        x_offset: usize,
+        x_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) {
+        for r in 0..rows {
+            self.add_range(
+                acc,
+                acc_offset + r * acc_stride,
+                x,
+                x_offset + r * x_stride,
+                cols,
+            );
+        }
+    }
     fn scale(&self, buf: &mut Self::Buf, factor: f32);
     /// Row `r` of `buf` (`[rows, width]`) times `scales[r]` (a mixture-of-experts combine).
     /// Here through the host; a backend that runs MoE on its device overrides it.

@@ -432,6 +432,7 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
         attention_head_dim: (head_dim * n_heads != dim).then_some(head_dim),
         qk_norm: qwen3,
         moe,
+        mla: None,
     };
     args.validate()
         .map_err(|e| anyhow!("{}: {e}", file.display()))?;

@@ -37,6 +37,13 @@ pub struct ModelConfig {
     /// the experts (TorchTitan's DeepSeek-V3 `n_dense_layers`, HF's `first_k_dense_replace`;
     /// absent: the flavor's, none for Qwen3-MoE).
     pub n_dense_layers: Option<usize>,
+    /// Multi-head latent attention models (DeepSeek-V3): the query latent's width (0: queries
+    /// projected directly), the key/value latent's, and the head widths (absent: the flavor's).
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: Option<usize>,
+    pub qk_nope_head_dim: Option<usize>,
+    pub qk_rope_head_dim: Option<usize>,
+    pub v_head_dim: Option<usize>,
     /// Model converters applied before parallelizing (TorchTitan's names, e.g.
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::quantize::list_or_comma_separated")]
@@ -62,6 +69,11 @@ impl Default for ModelConfig {
             router_aux_loss_coef: None,
             moe_shared_hidden: None,
             n_dense_layers: None,
+            q_lora_rank: None,
+            kv_lora_rank: None,
+            qk_nope_head_dim: None,
+            qk_rope_head_dim: None,
+            v_head_dim: None,
             converters: Vec::new(),
         }
     }
@@ -74,7 +86,10 @@ impl Config {
         match m.name.as_str() {
             "llama3" => ModelArgs::flavor(&m.flavor),
             "qwen3" => ModelArgs::qwen3_flavor(&m.flavor),
-            other => bail!("[model] name = `{other}` is not supported (accepted: llama3, qwen3)"),
+            "deepseek_v3" => ModelArgs::deepseek_v3_flavor(&m.flavor),
+            other => bail!(
+                "[model] name = `{other}` is not supported (accepted: llama3, qwen3, deepseek_v3)"
+            ),
         }
         .map_err(|e| anyhow!("[model] flavor: {e}"))
     }
@@ -89,6 +104,7 @@ impl Config {
         let mut a = self.base_model_args()?;
         self.apply_shape_overrides(&mut a);
         self.apply_moe_overrides(&mut a)?;
+        self.apply_mla_overrides(&mut a)?;
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
         Ok(a)
     }
@@ -143,6 +159,34 @@ impl Config {
                 m.ffn_dim_multiplier.or(base_mult),
             );
         }
+    }
+
+    /// The multi-head latent attention overrides, refused on a model without MLA; an MLA model
+    /// keeps a key and value per head whatever `n_heads` is.
+    fn apply_mla_overrides(&self, a: &mut ModelArgs) -> Result<()> {
+        let m = &self.model;
+        let overrides = [
+            ("q_lora_rank", m.q_lora_rank),
+            ("kv_lora_rank", m.kv_lora_rank),
+            ("qk_nope_head_dim", m.qk_nope_head_dim),
+            ("qk_rope_head_dim", m.qk_rope_head_dim),
+            ("v_head_dim", m.v_head_dim),
+        ];
+        let Some(mla) = a.mla.as_mut() else {
+            if let Some((key, _)) = overrides.iter().find(|(_, v)| v.is_some()) {
+                bail!("[model] {key} needs a model with multi-head latent attention (flavor {} of {} has none; e.g. name = \"deepseek_v3\")", m.flavor, m.name);
+            }
+            return Ok(());
+        };
+        if let Some(r) = m.q_lora_rank {
+            mla.q_lora_rank = (r > 0).then_some(r);
+        }
+        mla.kv_lora_rank = m.kv_lora_rank.unwrap_or(mla.kv_lora_rank);
+        mla.qk_nope_head_dim = m.qk_nope_head_dim.unwrap_or(mla.qk_nope_head_dim);
+        mla.qk_rope_head_dim = m.qk_rope_head_dim.unwrap_or(mla.qk_rope_head_dim);
+        mla.v_head_dim = m.v_head_dim.unwrap_or(mla.v_head_dim);
+        a.n_kv_heads = a.n_heads;
+        Ok(())
     }
 
     /// The mixture-of-experts overrides, refused on a dense model.

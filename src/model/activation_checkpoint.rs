@@ -38,9 +38,21 @@ pub enum Act {
     KRaw,
     RstdQ,
     RstdK,
+    /// Multi-head latent attention (empty without): the query latent before and after its norm
+    /// and the norm's inverse RMS per token (with `q_lora_rank`); the key/value projection
+    /// (latent and shared rotated key), its latent normed and the inverse RMS.
+    QLatent,
+    QLatentNormed,
+    RstdQLatent,
+    KvLatent,
+    KvLatentNormed,
+    RstdKvLatent,
     /// Attention's output and its log-sum-exp per query.
     AttnOut,
     Lse,
+    /// MLA: each head's value columns of attention's output (`wo`'s input; without MLA `wo` reads
+    /// `AttnOut` itself, and this is empty).
+    AttnValues,
     /// The residual stream after attention.
     H,
     NormedFfn,
@@ -53,7 +65,7 @@ pub enum Act {
 }
 
 impl Act {
-    pub const ALL: [Act; 19] = [
+    pub const ALL: [Act; 26] = [
         Act::NormedAttn,
         Act::NormedAttnFull,
         Act::RstdAttn,
@@ -64,8 +76,15 @@ impl Act {
         Act::KRaw,
         Act::RstdQ,
         Act::RstdK,
+        Act::QLatent,
+        Act::QLatentNormed,
+        Act::RstdQLatent,
+        Act::KvLatent,
+        Act::KvLatentNormed,
+        Act::RstdKvLatent,
         Act::AttnOut,
         Act::Lse,
+        Act::AttnValues,
         Act::H,
         Act::NormedFfn,
         Act::NormedFfnFull,
@@ -82,7 +101,8 @@ impl Act {
 /// norm, with their tensor-parallel gathers, are recomputed. Of the three candidates measured
 /// (`docs/performance.md`) this keeps least for the time: also keeping the gate and up projections
 /// saves a fifth of the memory instead of almost half, and keeping only attention's output costs
-/// a sixth of the throughput.
+/// a sixth of the throughput. Multi-head latent attention keeps its latents (small: a few hundred
+/// values per token) and its heads' values, and recomputes only the latents' norms.
 pub const OP_SAVED: &[Act] = &[
     Act::RstdAttn,
     Act::Q,
@@ -92,8 +112,13 @@ pub const OP_SAVED: &[Act] = &[
     Act::KRaw,
     Act::RstdQ,
     Act::RstdK,
+    Act::QLatent,
+    Act::RstdQLatent,
+    Act::KvLatent,
+    Act::RstdKvLatent,
     Act::AttnOut,
     Act::Lse,
+    Act::AttnValues,
     Act::H,
     Act::RstdFfn,
 ];

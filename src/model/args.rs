@@ -9,6 +9,7 @@
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+use super::mla::MlaArgs;
 use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;
 use crate::backend::cpu::rope::{Llama3Scaling, RopeScaling};
@@ -36,6 +37,10 @@ pub struct ModelArgs {
     /// A mixture-of-experts feed-forward in every block instead of the dense one (Qwen3-MoE).
     #[serde(default)]
     pub moe: Option<MoeArgs>,
+    /// Multi-head latent attention instead of grouped-query attention (DeepSeek-V3); then
+    /// `n_kv_heads = n_heads` and the head width is MLA's padded one (`mla.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<MlaArgs>,
 }
 
 impl ModelArgs {
@@ -154,6 +159,7 @@ impl ModelArgs {
             attention_head_dim: None,
             qk_norm: false,
             moe: None,
+            mla: None,
         })
     }
 
@@ -227,6 +233,7 @@ impl ModelArgs {
             attention_head_dim: (head_dim * n_heads != dim).then_some(head_dim),
             qk_norm: true,
             moe,
+            mla: None,
         })
     }
 
@@ -258,9 +265,21 @@ impl ModelArgs {
         (0..self.n_layers).any(|l| self.moe_at(l).is_none())
     }
 
-    /// Width of each attention head.
+    /// Width of each attention head as the attention kernels see it (MLA's: padded, `mla.rs`).
     pub fn head_dim(&self) -> usize {
-        self.attention_head_dim.unwrap_or(self.dim / self.n_heads)
+        match &self.mla {
+            Some(mla) => mla.padded_head_dim(),
+            None => self.attention_head_dim.unwrap_or(self.dim / self.n_heads),
+        }
+    }
+
+    /// Width of the rotated part of each query and key head (RoPE's tables): the whole head, or
+    /// MLA's `qk_rope_head_dim`.
+    pub fn rope_dim(&self) -> usize {
+        match &self.mla {
+            Some(mla) => mla.qk_rope_head_dim,
+            None => self.head_dim(),
+        }
     }
 
     /// Checks every field against its range (`BOUNDS`) and the fields against each other, with
@@ -304,6 +323,12 @@ impl ModelArgs {
         if let Some(moe) = &self.moe {
             moe.validate()?;
         }
+        if let Some(mla) = &self.mla {
+            mla.validate()?;
+            if self.n_kv_heads != self.n_heads || self.qk_norm {
+                bail!("multi-head latent attention has a key and value per head and no QK-norm: n_kv_heads = {} must equal n_heads = {} and qk_norm be off", self.n_kv_heads, self.n_heads);
+            }
+        }
         Ok(())
     }
 
@@ -336,7 +361,10 @@ impl ModelArgs {
     /// Parameters of transformer block `layer`.
     pub fn params_of_layer(&self, layer: usize) -> usize {
         let hd = self.head_dim();
-        let attn = self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2;
+        let attn = match &self.mla {
+            Some(mla) => mla.params(self.dim, self.n_heads),
+            None => self.dim * self.n_heads * hd * 2 + self.dim * self.n_kv_heads * hd * 2,
+        };
         let ffn = match self.moe_at(layer) {
             Some(moe) => moe.params(self.dim),
             None => 3 * self.dim * self.ffn_hidden,
@@ -377,11 +405,16 @@ impl ModelArgs {
         self.num_params() - inactive
     }
 
-    /// TorchTitan's count: 6·(N_active − N_embedding) + 12·n_layers·(heads · head_dim)·seq_len
-    /// (the attention width is `dim` for Llama).
+    /// TorchTitan's count: 6·(N_active − N_embedding) + 6·n_layers·heads·(qk + v)·seq_len, `qk`
+    /// and `v` the query/key and value head widths (both `head_dim` but for MLA, whose padding
+    /// is not counted: the attention width is `dim` for Llama).
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let (qk, v) = match &self.mla {
+            Some(mla) => (mla.qk_head_dim(), mla.v_head_dim),
+            None => (self.head_dim(), self.head_dim()),
+        };
         6.0 * (self.active_params() - self.embedding_params()) as f64
-            + 12.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
+            + 6.0 * (self.n_layers * self.n_heads * (qk + v) * seq_len) as f64
     }
 }
 

@@ -17,6 +17,7 @@
 use anyhow::{bail, Result};
 
 use super::args::ModelArgs;
+use super::local_shapes::{BlockProjection, LocalShapes};
 use super::params::ParamIds;
 use crate::backend::float8::Float8Recipe;
 
@@ -32,13 +33,10 @@ pub struct Float8Options {
 /// The filter entry that selects torchao's size thresholds.
 pub const AUTO_FILTER_SMALL_KN: &str = "auto_filter_small_kn";
 
-/// A block's projections, in `BlockLinears`' order.
-pub const BLOCK_PROJECTIONS: [&str; 7] = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"];
-
-/// Which linears compute in float8: per block, per projection in `BLOCK_PROJECTIONS`' order.
+/// Which linears compute in float8: per block, per projection (`BlockProjection::index`).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Float8Conversion {
-    blocks: Vec<[Option<Float8Recipe>; 7]>,
+    blocks: Vec<[Option<Float8Recipe>; BlockProjection::ALL.len()]>,
     /// Each block's routed experts' recipe (`quantize.grouped_mm.float8`; empty without).
     experts: Vec<Option<Float8Recipe>>,
     /// Every linear's name and, for those left in high precision, why.
@@ -81,8 +79,9 @@ impl Float8Conversion {
         }
         let mut plan = Float8Conversion::default();
         for l in 0..args.n_layers {
-            let mut block = [None; 7];
-            for (slot, (name, d_in, d_out)) in block.iter_mut().zip(block_linears(args, l)) {
+            let mut block = [None; BlockProjection::ALL.len()];
+            for (p, name, d_in, d_out) in block_linears(args, l) {
+                let slot = &mut block[p.index()];
                 let why = match converts {
                     true => Self::left_out(&name, d_in, d_out, options, auto),
                     false => Some("no linear converter among [model] converters".into()),
@@ -124,13 +123,14 @@ impl Float8Conversion {
     /// so that its blocks are one process's. Refused before the first step, naming the linear.
     pub fn check_tensor_parallel(&self, args: &ModelArgs, tp: usize) -> Result<()> {
         for (l, block) in self.blocks.iter().enumerate() {
-            for (i, (name, d_in, d_out)) in block_linears(args, l).into_iter().enumerate() {
-                let Some(recipe @ Float8Recipe::Mxfp8(_)) = block[i] else {
+            for (p, name, d_in, d_out) in block_linears(args, l) {
+                let Some(recipe @ Float8Recipe::Mxfp8(_)) = block[p.index()] else {
                     continue;
                 };
-                // wo and w2 are row-parallel (their inputs split); the others column-parallel.
-                let (what, split) = match i {
-                    3 | 5 => ("input", d_in),
+                let (what, split) = match p {
+                    _ if p.row_parallel() => ("input", d_in),
+                    // MLA's latent down-projections are replicated: nothing split.
+                    BlockProjection::WqA | BlockProjection::WkvA => continue,
                     _ => ("output", d_out),
                 };
                 let multiple = recipe.feature_multiple();
@@ -171,10 +171,10 @@ impl Float8Conversion {
         None
     }
 
-    /// The recipe of block `layer`'s projection `index` (in `BLOCK_PROJECTIONS`' order; None:
-    /// high precision, and always without a conversion).
-    pub fn recipe(&self, layer: usize, index: usize) -> Option<Float8Recipe> {
-        self.blocks.get(layer).and_then(|b| b[index])
+    /// The recipe of block `layer`'s projection `p` (None: high precision, and always without a
+    /// conversion).
+    pub fn recipe(&self, layer: usize, p: BlockProjection) -> Option<Float8Recipe> {
+        self.blocks.get(layer).and_then(|b| b[p.index()])
     }
 
     /// Block `layer`'s routed experts' recipe (None: high precision).
@@ -232,13 +232,10 @@ impl Float8Conversion {
         }
         let mut out = Vec::new();
         for (block, layer) in self.blocks.iter().zip(&ids.layers) {
-            let ffn = layer.ffn.swiglu();
-            let weights = [layer.wq, layer.wk, layer.wv, layer.wo]
-                .into_iter()
-                .map(Some)
-                .chain(ffn.map_or([None; 3], |f| f.map(Some)));
-            for (recipe, id) in block.iter().zip(weights) {
-                if let (Some(Float8Recipe::Tensorwise), Some(id)) = (recipe, id) {
+            for p in BlockProjection::ALL {
+                if let (Some(Float8Recipe::Tensorwise), Some(id)) =
+                    (block[p.index()], layer.projection(p))
+                {
                     out.push(id);
                 }
             }
@@ -323,33 +320,26 @@ fn layer_pattern(name: &str) -> String {
     }
 }
 
-/// Block `l`'s projections: name, input and output features (the whole model's).
-fn block_linears(args: &ModelArgs, l: usize) -> Vec<(String, usize, usize)> {
-    let (d, q, kv, f) = (
-        args.dim,
-        args.n_heads * args.head_dim(),
-        args.n_kv_heads * args.head_dim(),
-        args.swiglu_hidden_at(l),
-    );
+/// Block `l`'s projections: which, name, input and output features (the whole model's).
+fn block_linears(args: &ModelArgs, l: usize) -> Vec<(BlockProjection, String, usize, usize)> {
+    let whole = LocalShapes::whole(args);
     let ffn = match args.moe_at(l) {
         Some(_) => format!("layers.{l}.moe.shared_experts"),
         None => format!("layers.{l}.feed_forward"),
     };
     let attention = format!("layers.{l}.attention");
-    let mut out = vec![
-        (format!("{attention}.wq"), d, q),
-        (format!("{attention}.wk"), d, kv),
-        (format!("{attention}.wv"), d, kv),
-        (format!("{attention}.wo"), q, d),
-    ];
-    if f > 0 {
-        out.extend([
-            (format!("{ffn}.w1"), d, f),
-            (format!("{ffn}.w2"), f, d),
-            (format!("{ffn}.w3"), d, f),
-        ]);
-    }
-    out
+    BlockProjection::ALL
+        .into_iter()
+        .filter_map(|p| {
+            let (d_in, d_out) = whole.projection(p, l)?;
+            let module = if p.in_feed_forward() {
+                &ffn
+            } else {
+                &attention
+            };
+            Some((p, format!("{module}.{}", p.name()), d_in, d_out))
+        })
+        .collect()
 }
 
 /// torchao's `_auto_filter_for_recipe` size thresholds (weights `[out, in]`): below them a float8
@@ -390,8 +380,14 @@ mod tests {
         };
         let plan = Float8Conversion::plan(&args, &options).unwrap();
         assert_eq!(plan.converted(), 7);
-        assert!((0..7).all(|i| plan.recipe(0, i) == Some(Float8Recipe::Rowwise)));
-        assert!((0..7).all(|i| plan.recipe(1, i).is_none()));
+        use BlockProjection::*;
+        let gqa = [Wq, Wk, Wv, Wo, W1, W2, W3];
+        assert!(gqa
+            .iter()
+            .all(|&p| plan.recipe(0, p) == Some(Float8Recipe::Rowwise)));
+        assert!(BlockProjection::ALL
+            .iter()
+            .all(|&p| plan.recipe(1, p).is_none()));
         let summary = plan.summary(args.n_layers).join("\n");
         assert!(
             summary.contains("7 linears in float8: layers.0.attention.wq")

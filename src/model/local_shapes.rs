@@ -6,6 +6,7 @@
 use anyhow::{bail, Result};
 
 use super::args::ModelArgs;
+use super::mla::MlaArgs;
 use super::moe::MoeArgs;
 use super::params::expert_of;
 
@@ -22,6 +23,76 @@ impl FfnKind {
 
     pub fn index(self) -> usize {
         self as usize
+    }
+}
+
+/// A block's projections (`Linear`s), one list for every attention: grouped-query attention
+/// has `Wq`, `Wk`, `Wv`; multi-head latent attention `Wq` (or `WqA` and `WqB`), `WkvA`, `WkvB`;
+/// both `Wo` and the feed-forward's SwiGLU (when the block has one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockProjection {
+    Wq,
+    Wk,
+    Wv,
+    WqA,
+    WqB,
+    WkvA,
+    WkvB,
+    Wo,
+    W1,
+    W2,
+    W3,
+}
+
+impl BlockProjection {
+    pub const ALL: [BlockProjection; 11] = [
+        BlockProjection::Wq,
+        BlockProjection::Wk,
+        BlockProjection::Wv,
+        BlockProjection::WqA,
+        BlockProjection::WqB,
+        BlockProjection::WkvA,
+        BlockProjection::WkvB,
+        BlockProjection::Wo,
+        BlockProjection::W1,
+        BlockProjection::W2,
+        BlockProjection::W3,
+    ];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Its name in the block's parameter names (`layers.N.attention.wq`, `….feed_forward.w1`).
+    pub fn name(self) -> &'static str {
+        use BlockProjection::*;
+        match self {
+            Wq => "wq",
+            Wk => "wk",
+            Wv => "wv",
+            WqA => "wq_a",
+            WqB => "wq_b",
+            WkvA => "wkv_a",
+            WkvB => "wkv_b",
+            Wo => "wo",
+            W1 => "w1",
+            W2 => "w2",
+            W3 => "w3",
+        }
+    }
+
+    /// Whether tensor parallelism splits its inputs (row-parallel: `wo`, `w2`); the others split
+    /// their outputs or (MLA's latent down-projections) are replicated.
+    pub fn row_parallel(self) -> bool {
+        matches!(self, BlockProjection::Wo | BlockProjection::W2)
+    }
+
+    /// Whether it belongs to the feed-forward (else to attention).
+    pub fn in_feed_forward(self) -> bool {
+        matches!(
+            self,
+            BlockProjection::W1 | BlockProjection::W2 | BlockProjection::W3
+        )
     }
 }
 
@@ -52,6 +123,9 @@ pub struct LocalShapes {
     pub qk_norm: bool,
     /// The mixture-of-experts feed-forward (then `ffn` is its shared experts' width).
     pub moe: Option<MoeArgs>,
+    /// Multi-head latent attention's widths (then `head_dim` is its padded head, `kv_heads` =
+    /// `heads`).
+    pub mla: Option<MlaArgs>,
     /// Context-parallel degree and this rank's place in its group.
     pub cp: usize,
     pub cp_rank: usize,
@@ -82,6 +156,7 @@ impl LocalShapes {
             tp_rank: 0,
             qk_norm: args.qk_norm,
             moe: args.moe,
+            mla: args.mla,
             cp: 1,
             cp_rank: 0,
             ep: 1,
@@ -198,6 +273,35 @@ impl LocalShapes {
 
     pub fn kv_dim(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+
+    /// Width of `wo`'s input: this rank's heads' values (MLA's narrower than their padded
+    /// attention output).
+    pub fn values_dim(&self) -> usize {
+        match &self.mla {
+            Some(mla) => self.heads * mla.v_head_dim,
+            None => self.q_dim(),
+        }
+    }
+
+    /// Block `layer`'s projection `p` in this rank's shapes, `(d_in, d_out)`; None when the block
+    /// has no such projection.
+    pub fn projection(&self, p: BlockProjection, layer: usize) -> Option<(usize, usize)> {
+        use BlockProjection::*;
+        let (d, f, h) = (self.dim, self.ffn(self.ffn_kind(layer)), self.heads);
+        match (p, &self.mla) {
+            (W1 | W3, _) if f > 0 => Some((d, f)),
+            (W2, _) if f > 0 => Some((f, d)),
+            (Wo, _) => Some((self.values_dim(), d)),
+            (Wq, None) => Some((d, self.q_dim())),
+            (Wk | Wv, None) => Some((d, self.kv_dim())),
+            (Wq, Some(m)) if m.q_lora_rank.is_none() => Some((d, h * m.qk_head_dim())),
+            (WqA, Some(m)) => m.q_lora_rank.map(|r| (d, r)),
+            (WqB, Some(m)) => m.q_lora_rank.map(|r| (r, h * m.qk_head_dim())),
+            (WkvA, Some(m)) => Some((d, m.kv_a_dim())),
+            (WkvB, Some(m)) => Some((m.kv_lora_rank, h * m.kv_b_head_dim())),
+            _ => None,
+        }
     }
 
     /// Token rows a rank holds between blocks for `tokens` tokens (sequence parallel).

@@ -5,12 +5,14 @@
 pub mod activation_checkpoint;
 pub mod args;
 pub mod crossings;
+pub mod deepseek_v3;
 pub mod float8_convert;
 pub mod float8_linear;
 pub mod init;
 pub mod linear;
 pub mod llama;
 pub mod local_shapes;
+pub mod mla;
 pub mod moe;
 pub mod parallel_linear;
 pub mod params;

@@ -143,6 +143,10 @@ pub struct SequenceParallel<'a, B: Backend> {
     pub cp: &'a dyn ContextParallelOps<B>,
     pub tokens: usize,
     pub deferred: Option<&'a std::cell::RefCell<Vec<DeferredWeightGrad<B>>>>,
+    /// Every rank holds every token row (MLA's latents, computed whole on each rank): column
+    /// layers neither gather their input nor reduce-scatter its gradient, which stays this rank's
+    /// share. Float8 scales still agree over the group, whose ranks hold the other features.
+    pub rows_replicated: bool,
 }
 
 /// Where chunk `c` of the local rows lies: its first local row and its number of rows.
@@ -153,7 +157,21 @@ struct Chunk {
 
 impl<'a, B: Backend> SequenceParallel<'a, B> {
     fn degree(&self) -> usize {
-        self.tp.degree()
+        match self.rows_replicated {
+            true => 1,
+            false => self.tp.degree(),
+        }
+    }
+
+    /// These layers over input rows every rank holds whole (`rows_replicated`).
+    pub fn replicated_rows(&self) -> SequenceParallel<'a, B> {
+        SequenceParallel {
+            tp: self.tp,
+            cp: self.cp,
+            tokens: self.tokens,
+            deferred: self.deferred,
+            rows_replicated: true,
+        }
     }
 
     /// The groups of a layer whose features the tensor-parallel group splits as `split`.

@@ -4,6 +4,8 @@
 use crate::backend::Backend;
 
 use super::args::ModelArgs;
+use super::local_shapes::BlockProjection;
+use super::mla::MlaArgs;
 use super::moe::MoeIds;
 
 /// The routed expert whose weight `name` is (`layers.N.moe.experts.E.…`); None for any other.
@@ -17,7 +19,7 @@ pub fn expert_of(name: &str) -> Option<usize> {
 /// expert's and the shared experts' projections, in place of the feed-forward's; a MoE model's
 /// dense blocks keep the feed-forward's).
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
-    let (d, hd, f) = (args.dim, args.head_dim(), args.ffn_hidden);
+    let (d, f) = (args.dim, args.ffn_hidden);
     let mut specs = vec![(
         "tok_embeddings.weight".to_string(),
         vec![args.vocab_size, d],
@@ -25,25 +27,9 @@ pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     for l in 0..args.n_layers {
         let p = format!("layers.{l}");
         specs.push((format!("{p}.attention_norm.weight"), vec![d]));
-        specs.push((
-            format!("{p}.attention.wq.weight"),
-            vec![args.n_heads * hd, d],
-        ));
-        specs.push((
-            format!("{p}.attention.wk.weight"),
-            vec![args.n_kv_heads * hd, d],
-        ));
-        specs.push((
-            format!("{p}.attention.wv.weight"),
-            vec![args.n_kv_heads * hd, d],
-        ));
-        specs.push((
-            format!("{p}.attention.wo.weight"),
-            vec![d, args.n_heads * hd],
-        ));
-        if args.qk_norm {
-            specs.push((format!("{p}.attention.q_norm.weight"), vec![hd]));
-            specs.push((format!("{p}.attention.k_norm.weight"), vec![hd]));
+        match &args.mla {
+            None => push_gqa(&mut specs, &p, args),
+            Some(mla) => push_mla(&mut specs, &p, args, mla),
         }
         specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
         match args.moe_at(l) {
@@ -67,6 +53,44 @@ pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     specs
 }
 
+/// Grouped-query attention's projections (and Qwen3's QK-norm weights) of block `p`.
+fn push_gqa(specs: &mut Vec<(String, Vec<usize>)>, p: &str, args: &ModelArgs) {
+    let (d, hd) = (args.dim, args.head_dim());
+    let (q, kv) = (args.n_heads * hd, args.n_kv_heads * hd);
+    specs.push((format!("{p}.attention.wq.weight"), vec![q, d]));
+    specs.push((format!("{p}.attention.wk.weight"), vec![kv, d]));
+    specs.push((format!("{p}.attention.wv.weight"), vec![kv, d]));
+    specs.push((format!("{p}.attention.wo.weight"), vec![d, q]));
+    if args.qk_norm {
+        specs.push((format!("{p}.attention.q_norm.weight"), vec![hd]));
+        specs.push((format!("{p}.attention.k_norm.weight"), vec![hd]));
+    }
+}
+
+/// Multi-head latent attention's projections and latent norms of block `p` (TorchTitan's
+/// DeepSeek-V3 names): `wq`, or `wq_a`, `q_norm`, `wq_b`; then `wkv_a`, `kv_norm`, `wkv_b`, `wo`.
+fn push_mla(specs: &mut Vec<(String, Vec<usize>)>, p: &str, args: &ModelArgs, mla: &MlaArgs) {
+    let (d, h) = (args.dim, args.n_heads);
+    let q = h * mla.qk_head_dim();
+    let a = format!("{p}.attention");
+    match mla.q_lora_rank {
+        None => specs.push((format!("{a}.wq.weight"), vec![q, d])),
+        Some(r) => {
+            specs.push((format!("{a}.wq_a.weight"), vec![r, d]));
+            specs.push((format!("{a}.q_norm.weight"), vec![r]));
+            specs.push((format!("{a}.wq_b.weight"), vec![q, r]));
+        }
+    }
+    let r = mla.kv_lora_rank;
+    specs.push((format!("{a}.wkv_a.weight"), vec![mla.kv_a_dim(), d]));
+    specs.push((format!("{a}.kv_norm.weight"), vec![r]));
+    specs.push((
+        format!("{a}.wkv_b.weight"),
+        vec![h * mla.kv_b_head_dim(), r],
+    ));
+    specs.push((format!("{a}.wo.weight"), vec![d, h * mla.v_head_dim]));
+}
+
 /// A SwiGLU feed-forward's `w1`, `w2`, `w3` under `prefix`.
 fn push_swiglu(specs: &mut Vec<(String, Vec<usize>)>, prefix: &str, hidden: usize, dim: usize) {
     specs.push((format!("{prefix}.w1.weight"), vec![hidden, dim]));
@@ -78,7 +102,9 @@ fn push_swiglu(specs: &mut Vec<(String, Vec<usize>)>, prefix: &str, hidden: usiz
 /// `parallelize`): column-parallel projections (wq, wk, wv, w1, w3, the output) and the
 /// vocabulary-parallel embedding split their rows (`[out, in]`: output features, or vocabulary
 /// entries); row-parallel ones (wo, w2) split their columns (input features); the norms'
-/// weights are replicated.
+/// weights are replicated. Multi-head latent attention splits its heads: the up-projections
+/// (`wq`/`wq_b`, `wkv_b`) by rows and `wo` by columns; its latent down-projections (`wq_a`,
+/// `wkv_a`) and their norms are replicated, every rank computing the latents of all tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TpSharding {
     Rows,
@@ -95,6 +121,8 @@ impl TpSharding {
             ".attention.wq.weight",
             ".attention.wk.weight",
             ".attention.wv.weight",
+            ".attention.wq_b.weight",
+            ".attention.wkv_b.weight",
             ".feed_forward.w1.weight",
             ".feed_forward.w3.weight",
             ".moe.shared_experts.w1.weight",
@@ -177,15 +205,87 @@ pub fn local_param_specs(args: &ModelArgs, tp: usize) -> Vec<(String, Vec<usize>
 #[derive(Debug, Clone)]
 pub struct LayerIds {
     pub attention_norm: usize,
-    pub wq: usize,
-    pub wk: usize,
-    pub wv: usize,
+    pub attention: AttentionIds,
     pub wo: usize,
-    /// QK-norm's weights (Qwen3).
-    pub q_norm: Option<usize>,
-    pub k_norm: Option<usize>,
     pub ffn_norm: usize,
     pub ffn: FeedForwardIds,
+}
+
+/// A block's attention projections before `wo`.
+#[derive(Debug, Clone)]
+pub enum AttentionIds {
+    /// Grouped-query attention (Llama, Qwen3), with QK-norm's weights (Qwen3).
+    Gqa {
+        wq: usize,
+        wk: usize,
+        wv: usize,
+        q_norm: Option<usize>,
+        k_norm: Option<usize>,
+    },
+    /// Multi-head latent attention (DeepSeek-V3).
+    Mla(MlaIds),
+}
+
+/// Multi-head latent attention's parameters (`model::mla`).
+#[derive(Debug, Clone)]
+pub struct MlaIds {
+    pub query: MlaQueryIds,
+    pub wkv_a: usize,
+    pub kv_norm: usize,
+    pub wkv_b: usize,
+}
+
+/// MLA's queries: projected directly, or through a normed low-rank latent.
+#[derive(Debug, Clone)]
+pub enum MlaQueryIds {
+    Direct {
+        wq: usize,
+    },
+    Latent {
+        wq_a: usize,
+        q_norm: usize,
+        wq_b: usize,
+    },
+}
+
+impl MlaIds {
+    /// The weight of MLA's projection `p` before `wo` (None when it has none).
+    pub fn projection(&self, p: BlockProjection) -> Option<usize> {
+        match (p, &self.query) {
+            (BlockProjection::Wq, MlaQueryIds::Direct { wq }) => Some(*wq),
+            (BlockProjection::WqA, MlaQueryIds::Latent { wq_a, .. }) => Some(*wq_a),
+            (BlockProjection::WqB, MlaQueryIds::Latent { wq_b, .. }) => Some(*wq_b),
+            (BlockProjection::WkvA, _) => Some(self.wkv_a),
+            (BlockProjection::WkvB, _) => Some(self.wkv_b),
+            _ => None,
+        }
+    }
+}
+
+impl AttentionIds {
+    /// The parameter indices, in storage order.
+    pub fn all(&self) -> Vec<usize> {
+        match self {
+            AttentionIds::Gqa {
+                wq,
+                wk,
+                wv,
+                q_norm,
+                k_norm,
+            } => [Some(*wq), Some(*wk), Some(*wv), *q_norm, *k_norm]
+                .into_iter()
+                .flatten()
+                .collect(),
+            AttentionIds::Mla(m) => {
+                let mut ids = match m.query {
+                    MlaQueryIds::Direct { wq } => vec![wq],
+                    MlaQueryIds::Latent { wq_a, q_norm, wq_b } => vec![wq_a, q_norm, wq_b],
+                };
+                ids.extend([m.wkv_a, m.kv_norm, m.wkv_b]);
+                ids
+            }
+        }
+    }
 }
 
 /// A block's feed-forward: one SwiGLU, or a mixture of experts.
@@ -207,12 +307,28 @@ impl FeedForwardIds {
 }
 
 impl LayerIds {
+    /// The weight of the block's projection `p` (None when it has none).
+    pub fn projection(&self, p: BlockProjection) -> Option<usize> {
+        use BlockProjection::*;
+        let swiglu = self.ffn.swiglu();
+        match (p, &self.attention) {
+            (Wo, _) => Some(self.wo),
+            (W1, _) => swiglu.map(|f| f[0]),
+            (W2, _) => swiglu.map(|f| f[1]),
+            (W3, _) => swiglu.map(|f| f[2]),
+            (Wq, AttentionIds::Gqa { wq, .. }) => Some(*wq),
+            (Wk, AttentionIds::Gqa { wk, .. }) => Some(*wk),
+            (Wv, AttentionIds::Gqa { wv, .. }) => Some(*wv),
+            (_, AttentionIds::Gqa { .. }) => None,
+            (_, AttentionIds::Mla(m)) => m.projection(p),
+        }
+    }
+
     /// The block's parameter indices, in storage order.
     pub fn all(&self) -> Vec<usize> {
-        let mut ids = vec![self.attention_norm, self.wq, self.wk, self.wv, self.wo];
-        ids.extend(self.q_norm);
-        ids.extend(self.k_norm);
-        ids.push(self.ffn_norm);
+        let mut ids = vec![self.attention_norm];
+        ids.extend(self.attention.all());
+        ids.extend([self.wo, self.ffn_norm]);
         match &self.ffn {
             FeedForwardIds::Dense { w1, w2, w3 } => ids.extend([*w1, *w2, *w3]),
             FeedForwardIds::Moe(moe) => {
@@ -221,6 +337,8 @@ impl LayerIds {
                 ids.extend(moe.shared.iter().flatten());
             }
         }
+        // A block's parameters are consecutive in storage: sorted, they are in its order.
+        ids.sort_unstable();
         ids
     }
 }
@@ -275,16 +393,8 @@ impl ParamIds {
                 };
                 LayerIds {
                     attention_norm: id(format!("{p}.attention_norm.weight")),
-                    wq: id(format!("{p}.attention.wq.weight")),
-                    wk: id(format!("{p}.attention.wk.weight")),
-                    wv: id(format!("{p}.attention.wv.weight")),
+                    attention: attention_ids(args, &p, &id),
                     wo: id(format!("{p}.attention.wo.weight")),
-                    q_norm: args
-                        .qk_norm
-                        .then(|| id(format!("{p}.attention.q_norm.weight"))),
-                    k_norm: args
-                        .qk_norm
-                        .then(|| id(format!("{p}.attention.k_norm.weight"))),
                     ffn_norm: id(format!("{p}.ffn_norm.weight")),
                     ffn,
                 }
@@ -301,6 +411,33 @@ impl ParamIds {
                 id("output.weight".to_string())
             },
         }
+    }
+}
+
+/// Block `p`'s attention parameters, looked up by name with `id`.
+fn attention_ids(args: &ModelArgs, p: &str, id: &impl Fn(String) -> usize) -> AttentionIds {
+    let a = |name: &str| id(format!("{p}.attention.{name}.weight"));
+    match &args.mla {
+        None => AttentionIds::Gqa {
+            wq: a("wq"),
+            wk: a("wk"),
+            wv: a("wv"),
+            q_norm: args.qk_norm.then(|| a("q_norm")),
+            k_norm: args.qk_norm.then(|| a("k_norm")),
+        },
+        Some(mla) => AttentionIds::Mla(MlaIds {
+            query: match mla.q_lora_rank {
+                None => MlaQueryIds::Direct { wq: a("wq") },
+                Some(_) => MlaQueryIds::Latent {
+                    wq_a: a("wq_a"),
+                    q_norm: a("q_norm"),
+                    wq_b: a("wq_b"),
+                },
+            },
+            wkv_a: a("wkv_a"),
+            kv_norm: a("kv_norm"),
+            wkv_b: a("wkv_b"),
+        }),
     }
 }
 

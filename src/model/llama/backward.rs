@@ -7,13 +7,16 @@ use std::cell::RefCell;
 use anyhow::Result;
 
 use super::block::BlockLinears;
+use super::mla::{MlaGrads, MlaScratch};
 use super::workspace::{BlockActs, FfnGrads};
 use super::Llama;
 use crate::backend::{AttnShape, Backend, RopeShape};
+use crate::model::linear::Linear;
+use crate::model::local_shapes::BlockProjection;
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
-use crate::model::params::{FeedForwardIds, LayerIds, ParamSet};
+use crate::model::params::{AttentionIds, FeedForwardIds, LayerIds, ParamSet};
 use crate::model::Workspace;
 
 impl<B: Backend> Llama<B> {
@@ -90,6 +93,7 @@ impl<B: Backend> Llama<B> {
             dk_raw,
             dattn,
             ffn_grads,
+            mla,
             moe,
             expert_stats,
             ..
@@ -131,6 +135,7 @@ impl<B: Backend> Llama<B> {
             dq_raw,
             dk_raw,
             dattn,
+            mla,
         };
         let rope = self.rope_tables(rope);
         self.attention_backward(&run, &mut acts, attn, grads, &resid[l], rope)
@@ -148,10 +153,14 @@ impl<B: Backend> Llama<B> {
         l: usize,
     ) -> Result<()> {
         let (be, p, id) = (run.be, run.p, run.id);
-        let BlockLinears { w1, w2, w3, .. } = run.linears;
         // ∂L/∂n into dnormed: the SwiGLU's first, then the routed experts' added.
         match id.ffn.swiglu() {
             Some([i1, i2, i3]) => {
+                let (w1, w2, w3) = (
+                    run.linear(BlockProjection::W1),
+                    run.linear(BlockProjection::W2),
+                    run.linear(BlockProjection::W3),
+                );
                 let [g_w1, g_w2, g_w3] = grads
                     .bufs
                     .get_disjoint_mut([i1, i2, i3])
@@ -227,89 +236,153 @@ impl<B: Backend> Llama<B> {
     }
 
     /// ∂L/∂x from ∂L/∂h (`g.dx` on entry and exit): wo's row-parallel backward, attention's,
-    /// RoPE's and QK-norm's, the column-parallel q/k/v backward, then the norm's.
+    /// then the projections' back to the norm's output (grouped-query attention's RoPE, QK-norm
+    /// and column-parallel q/k/v; or MLA's, `mla.rs`), then the norm's.
     fn attention_backward(
         &self,
         run: &BackwardRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
-        g: AttentionGrads<'_, B>,
+        mut g: AttentionGrads<'_, B>,
         grads: &mut ParamSet<B>,
         x: &B::Buf,
-        (cos, sin): (&B::Buf, &B::Buf),
+        rope: (&B::Buf, &B::Buf),
     ) -> Result<()> {
         let (be, p, id, m) = (run.be, run.p, run.id, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
-        let BlockLinears { wq, wk, wv, wo, .. } = run.linears;
-        // QK-norm's weight gradients, out of the set while the block's others are borrowed.
-        let mut qk_norm_grads = match (id.q_norm, id.k_norm) {
-            (Some(qn), Some(kn)) => Some((
-                (qn, std::mem::replace(&mut grads.bufs[qn], be.zeros(0))),
-                (kn, std::mem::replace(&mut grads.bufs[kn], be.zeros(0))),
-            )),
-            _ => None,
+        let mla = match &id.attention {
+            AttentionIds::Mla(ids) => Some(ids),
+            AttentionIds::Gqa { .. } => None,
         };
-        let [g_wq, g_wk, g_wv, g_wo, g_attn_norm] = grads
-            .bufs
-            .get_disjoint_mut([id.wq, id.wk, id.wv, id.wo, id.attention_norm])
-            .expect("a block's parameters are distinct");
-        let (attn_out, dattn) = (&*acts.attn_out, &mut *g.dattn);
-        run.sp.row_backward(
-            be,
-            wo,
-            g.dx,
-            g.full,
-            &p[id.wo],
-            (g_wo, id.wo),
-            attn_out,
-            dattn,
-        )?;
+        {
+            let wo = run.linear(BlockProjection::Wo);
+            let g_wo = &mut grads.bufs[id.wo];
+            let (values, dvalues) = match mla {
+                Some(_) => (&*acts.attn_values, self.mla_values_grad(g.mla)),
+                None => (&*acts.attn_out, &mut *g.dattn),
+            };
+            run.sp.row_backward(
+                be,
+                wo,
+                g.dx,
+                g.full,
+                &p[id.wo],
+                (g_wo, id.wo),
+                values,
+                dvalues,
+            )?;
+        }
+        if mla.is_some() {
+            self.mla_values_backward(be, g.dattn, g.mla, b * s);
+        }
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
         let (q, k, v, lse) = (&*acts.q, &*acts.k, &*acts.v, &*acts.lse);
-        self.cp
-            .attention_backward(be, g.dq, g.dk, g.dv, g.dattn, q, k, v, attn_out, lse, shape)?;
+        self.cp.attention_backward(
+            be,
+            g.dq,
+            g.dk,
+            g.dv,
+            g.dattn,
+            q,
+            k,
+            v,
+            acts.attn_out,
+            lse,
+            shape,
+        )?;
+        match mla {
+            Some(ids) => {
+                let heads = MlaGrads {
+                    dq: &mut *g.dq,
+                    dk: &*g.dk,
+                    dv: &*g.dv,
+                    full: &mut *g.full,
+                    dnormed: &mut *g.dnormed,
+                    scratch: &mut *g.mla,
+                };
+                self.mla_backward(run, acts, ids, heads, grads, rope)?;
+            }
+            None => self.gqa_backward(run, acts, &mut g, grads, rope)?,
+        }
+        let (w, d) = (&p[id.attention_norm], self.args.dim);
+        let g_norm = &mut grads.bufs[id.attention_norm];
+        be.rmsnorm_backward(g.dx, g_norm, g.dnormed, x, w, acts.rstd_attn, d);
+        Ok(())
+    }
+
+    /// Grouped-query attention's backward from attention's q, k, v gradients to the norm's output
+    /// gradient (`g.dnormed`): RoPE's, QK-norm's, then the column-parallel q/k/v projections'.
+    fn gqa_backward(
+        &self,
+        run: &BackwardRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        g: &mut AttentionGrads<'_, B>,
+        grads: &mut ParamSet<B>,
+        (cos, sin): (&B::Buf, &B::Buf),
+    ) -> Result<()> {
+        let (be, p, m) = (run.be, run.p, &self.local);
+        let (b, s, hd) = (run.batch, run.seq, m.head_dim);
+        let AttentionIds::Gqa {
+            wq,
+            wk,
+            wv,
+            q_norm,
+            k_norm,
+        } = run.id.attention
+        else {
+            anyhow::bail!("grouped-query attention's backward on another attention (a titan bug)");
+        };
         be.rope_backward(g.dq, cos, sin, RopeShape::new(b, s, m.heads, hd));
         be.rope_backward(g.dk, cos, sin, RopeShape::new(b, s, m.kv_heads, hd));
-        if let Some(((qn, gq), (kn, gk))) = qk_norm_grads.as_mut() {
+        if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+            let [gq, gk] = grads
+                .bufs
+                .get_disjoint_mut([qn, kn])
+                .expect("a block's parameters are distinct");
             be.fill(g.dq_raw, 0.0);
             be.fill(g.dk_raw, 0.0);
             let (q_raw, k_raw) = (&*acts.q_raw, &*acts.k_raw);
-            be.rmsnorm_backward(g.dq_raw, gq, g.dq, q_raw, &p[*qn], acts.rstd_q, hd);
-            be.rmsnorm_backward(g.dk_raw, gk, g.dk, k_raw, &p[*kn], acts.rstd_k, hd);
+            be.rmsnorm_backward(g.dq_raw, gq, g.dq, q_raw, &p[qn], acts.rstd_q, hd);
+            be.rmsnorm_backward(g.dk_raw, gk, g.dk, k_raw, &p[kn], acts.rstd_k, hd);
         }
         let (dq, dk) = match m.qk_norm {
             true => (&*g.dq_raw, &*g.dk_raw),
             false => (&*g.dq, &*g.dk),
         };
+        let [g_wq, g_wk, g_wv] = grads
+            .bufs
+            .get_disjoint_mut([wq, wk, wv])
+            .expect("a block's parameters are distinct");
+        let linear = |p| run.linear(p);
         run.sp.column_backward(
             be,
             &mut [
-                ProjectionGrad::new(wq, dq, &p[id.wq], g_wq, id.wq),
-                ProjectionGrad::new(wk, dk, &p[id.wk], g_wk, id.wk),
-                ProjectionGrad::new(wv, g.dv, &p[id.wv], g_wv, id.wv),
+                ProjectionGrad::new(linear(BlockProjection::Wq), dq, &p[wq], g_wq, wq),
+                ProjectionGrad::new(linear(BlockProjection::Wk), dk, &p[wk], g_wk, wk),
+                ProjectionGrad::new(linear(BlockProjection::Wv), g.dv, &p[wv], g_wv, wv),
             ],
             self.gathered(acts.normed_attn, acts.normed_attn_full),
             g.full,
             g.dnormed,
-        )?;
-        let (w, d) = (&p[id.attention_norm], self.args.dim);
-        be.rmsnorm_backward(g.dx, g_attn_norm, g.dnormed, x, w, acts.rstd_attn, d);
-        if let Some(((qn, gq), (kn, gk))) = qk_norm_grads {
-            grads.bufs[qn] = gq;
-            grads.bufs[kn] = gk;
-        }
-        Ok(())
+        )
     }
 }
 
 /// What every op of one block's backward reads.
-struct BackwardRun<'r, B: Backend> {
-    be: &'r B,
-    p: &'r [B::Buf],
+pub(super) struct BackwardRun<'r, B: Backend> {
+    pub(super) be: &'r B,
+    pub(super) p: &'r [B::Buf],
     id: &'r LayerIds,
     linears: BlockLinears,
-    sp: SequenceParallel<'r, B>,
-    batch: usize,
-    seq: usize,
+    pub(super) sp: SequenceParallel<'r, B>,
+    pub(super) batch: usize,
+    pub(super) seq: usize,
+}
+
+impl<B: Backend> BackwardRun<'_, B> {
+    /// The block's projection `p`.
+    pub(super) fn linear(&self, p: BlockProjection) -> Linear {
+        self.linears.get(p)
+    }
 }
 
 /// The feed-forward backward's buffers: the carried gradient, the norm's input gradient, the
@@ -334,4 +407,5 @@ struct AttentionGrads<'w, B: Backend> {
     dq_raw: &'w mut B::Buf,
     dk_raw: &'w mut B::Buf,
     dattn: &'w mut B::Buf,
+    mla: &'w mut MlaScratch<B>,
 }

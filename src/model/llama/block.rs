@@ -9,50 +9,46 @@
 
 use anyhow::{bail, Result};
 
+use super::mla::MlaScratch;
 use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::activation_checkpoint::{Act, BlockSave};
 use crate::model::float8_convert::Float8Conversion;
 use crate::model::linear::Linear;
-use crate::model::local_shapes::LocalShapes;
+use crate::model::local_shapes::{BlockProjection, LocalShapes};
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
-use crate::model::params::{FeedForwardIds, LayerIds, ParamSet};
+use crate::model::params::{AttentionIds, FeedForwardIds, LayerIds, ParamSet};
 use crate::model::Workspace;
 
-/// A block's projections in one rank's shapes: attention's (wq, wk, wv column-parallel, wo
-/// row-parallel) and the feed-forward's (w1, w3 column-parallel, w2 row-parallel).
+/// A block's projections in one rank's shapes (`LocalShapes::projection`: attention's
+/// column-parallel ones and row-parallel `wo`, the feed-forward's column-parallel w1, w3 and
+/// row-parallel w2), each computing in float8 where the conversion chose it.
 #[derive(Clone, Copy)]
 pub(super) struct BlockLinears {
-    pub(super) wq: Linear,
-    pub(super) wk: Linear,
-    pub(super) wv: Linear,
-    pub(super) wo: Linear,
-    pub(super) w1: Linear,
-    pub(super) w2: Linear,
-    pub(super) w3: Linear,
+    linears: [Option<Linear>; BlockProjection::ALL.len()],
 }
 
 impl BlockLinears {
     /// Block `layer`'s projections in this rank's shapes, each in float8 where `float8` converted
     /// it.
     pub(super) fn of(m: &LocalShapes, float8: &Float8Conversion, layer: usize) -> Self {
-        let (d, f) = (m.dim, m.ffn(m.ffn_kind(layer)));
-        let convert = |linear: Linear, i| {
-            linear
-                .in_float8(float8.recipe(layer, i))
-                .weight_gathered_in_float8(float8.weights_gathered_in_float8)
-        };
-        BlockLinears {
-            wq: convert(Linear::new(d, m.q_dim()), 0),
-            wk: convert(Linear::new(d, m.kv_dim()), 1),
-            wv: convert(Linear::new(d, m.kv_dim()), 2),
-            wo: convert(Linear::new(m.q_dim(), d), 3),
-            w1: convert(Linear::new(d, f), 4),
-            w2: convert(Linear::new(f, d), 5),
-            w3: convert(Linear::new(d, f), 6),
-        }
+        let linears = BlockProjection::ALL.map(|p| {
+            let (d_in, d_out) = m.projection(p, layer)?;
+            Some(
+                Linear::new(d_in, d_out)
+                    .in_float8(float8.recipe(layer, p))
+                    .weight_gathered_in_float8(float8.weights_gathered_in_float8),
+            )
+        });
+        BlockLinears { linears }
+    }
+
+    /// Projection `p`, which the block has (its parameters say so: `LayerIds`).
+    pub(super) fn get(&self, p: BlockProjection) -> Linear {
+        self.linears[p.index()]
+            .unwrap_or_else(|| panic!("the block has no projection {} (a titan bug)", p.name()))
     }
 }
 
@@ -97,14 +93,14 @@ impl<B: Backend> KvSource<'_, B> {
 }
 
 /// What every op of one block's run reads.
-struct BlockRun<'r, B: Backend> {
-    be: &'r B,
-    p: &'r [B::Buf],
+pub(super) struct BlockRun<'r, B: Backend> {
+    pub(super) be: &'r B,
+    pub(super) p: &'r [B::Buf],
     id: &'r LayerIds,
     linears: BlockLinears,
-    sp: SequenceParallel<'r, B>,
-    batch: usize,
-    seq: usize,
+    pub(super) sp: SequenceParallel<'r, B>,
+    pub(super) batch: usize,
+    pub(super) seq: usize,
     save: BlockSave,
     pass: Pass,
     /// Whether a mixture of experts gathers its auxiliary-loss statistics (not in generation).
@@ -113,8 +109,13 @@ struct BlockRun<'r, B: Backend> {
 
 impl<B: Backend> BlockRun<'_, B> {
     /// Whether this run computes `act`.
-    fn redo(&self, act: Act) -> bool {
+    pub(super) fn redo(&self, act: Act) -> bool {
         self.pass != Pass::RecomputeMissing || !self.save.keeps(act)
+    }
+
+    /// The block's projection `p`.
+    pub(super) fn linear(&self, p: BlockProjection) -> Linear {
+        self.linears.get(p)
     }
 
     /// Whether this run writes the block's output (the feed-forward's last projection and the
@@ -132,6 +133,7 @@ impl<B: Backend> Llama<B> {
             cp: self.cp.as_ref(),
             tokens,
             deferred: None,
+            rows_replicated: false,
         }
     }
 
@@ -211,7 +213,8 @@ impl<B: Backend> Llama<B> {
         );
         let mut acts = BlockActs::pick(&mut ws.layers[l], scratch, run.save);
         let rope = self.rope_tables(&ws.rope);
-        self.attention_half(&run, &mut acts, &before[l], &mut ws.full, rope, kv)?;
+        let scratch = (&mut ws.full, &mut ws.mla);
+        self.attention_half(&run, &mut acts, &before[l], scratch, rope, kv)?;
         self.feed_forward_half(&run, &mut acts, &mut after[0], &mut ws.full)?;
         if run.writes_output() {
             if let FeedForwardIds::Moe(_) = &run.id.ffn {
@@ -224,27 +227,72 @@ impl<B: Backend> Llama<B> {
         Ok(())
     }
 
-    /// `h = x + wo · Attention(RoPE(wq·n), RoPE(wk·n), wv·n)`, `n = RMSNorm(x)` (with QK-norm,
-    /// q and k normed per head before RoPE).
+    /// `h = x + wo · Attention(q, k, v)` from `n = RMSNorm(x)`: grouped-query attention's
+    /// `RoPE(wq·n), RoPE(wk·n), wv·n` (with QK-norm, q and k normed per head before RoPE), or
+    /// multi-head latent attention's heads (`mla.rs`).
     fn attention_half(
         &self,
         run: &BlockRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
         x: &B::Buf,
-        full: &mut B::Buf,
-        (cos, sin): (&B::Buf, &B::Buf),
+        (full, mla): (&mut B::Buf, &mut MlaScratch<B>),
+        rope: (&B::Buf, &B::Buf),
         kv: KvSource<'_, B>,
     ) -> Result<()> {
-        let (a, m, be, p, id) = (&self.args, &self.local, run.be, run.p, run.id);
-        let (d, hd, eps) = (a.dim, m.head_dim, a.norm_eps);
-        let redo = |act| run.redo(act);
-        if redo(Act::NormedAttn) || redo(Act::RstdAttn) {
+        let (a, be, p, id) = (&self.args, run.be, run.p, run.id);
+        if run.redo(Act::NormedAttn) || run.redo(Act::RstdAttn) {
             let w = &p[id.attention_norm];
-            be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, d, eps);
+            be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, a.dim, a.norm_eps);
         }
+        let at = kv.first_position();
+        match &id.attention {
+            AttentionIds::Gqa { .. } => self.gqa_forward(run, acts, rope, at)?,
+            AttentionIds::Mla(ids) => self.mla_forward(run, acts, ids, mla, rope, at)?,
+        }
+        if run.redo(Act::AttnOut) || run.redo(Act::Lse) {
+            self.attend(run, acts, kv)?;
+        }
+        let mla_values = matches!(id.attention, AttentionIds::Mla(_));
+        if mla_values && run.redo(Act::AttnValues) {
+            self.mla_values(be, acts, run.batch * run.seq);
+        }
+        if run.redo(Act::H) {
+            let values = if mla_values {
+                &*acts.attn_values
+            } else {
+                &*acts.attn_out
+            };
+            let wo = run.linear(BlockProjection::Wo);
+            run.sp
+                .row_forward_residual(be, wo, values, &p[id.wo], x, acts.h, full)?;
+        }
+        Ok(())
+    }
+
+    /// Grouped-query attention's `q = RoPE(wq·n)`, `k = RoPE(wk·n)`, `v = wv·n` (with QK-norm,
+    /// q and k normed per head before RoPE), positions from `at`.
+    fn gqa_forward(
+        &self,
+        run: &BlockRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        (cos, sin): (&B::Buf, &B::Buf),
+        at: usize,
+    ) -> Result<()> {
+        let (a, m, be, p) = (&self.args, &self.local, run.be, run.p);
+        let AttentionIds::Gqa {
+            wq,
+            wk,
+            wv,
+            q_norm,
+            k_norm,
+        } = run.id.attention
+        else {
+            anyhow::bail!("grouped-query attention's forward on another attention (a titan bug)");
+        };
+        let (hd, eps) = (m.head_dim, a.norm_eps);
+        let redo = |act| run.redo(act);
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
         {
-            let BlockLinears { wq, wk, wv, .. } = run.linears;
             // With QK-norm the projections go to q_raw and k_raw, normed per head into q and k.
             let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match m.qk_norm {
                 true => (
@@ -257,13 +305,22 @@ impl<B: Backend> Llama<B> {
             };
             let mut qkv = Vec::new();
             if redo_q_proj {
-                qkv.push(Projection::new(wq, &p[id.wq], q_proj));
+                qkv.push(Projection::new(
+                    run.linear(BlockProjection::Wq),
+                    &p[wq],
+                    q_proj,
+                ));
             }
             if redo_k_proj {
-                qkv.push(Projection::new(wk, &p[id.wk], k_proj));
+                qkv.push(Projection::new(
+                    run.linear(BlockProjection::Wk),
+                    &p[wk],
+                    k_proj,
+                ));
             }
             if redo(Act::V) {
-                qkv.push(Projection::new(wv, &p[id.wv], &mut *acts.v));
+                let wv_linear = run.linear(BlockProjection::Wv);
+                qkv.push(Projection::new(wv_linear, &p[wv], &mut *acts.v));
             }
             self.column_layer(
                 run,
@@ -273,7 +330,7 @@ impl<B: Backend> Llama<B> {
                 Act::NormedAttnFull,
             )?;
         }
-        if let (Some(qn), Some(kn)) = (id.q_norm, id.k_norm) {
+        if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
             if redo_q || redo(Act::RstdQ) {
                 be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, eps);
             }
@@ -281,7 +338,7 @@ impl<B: Backend> Llama<B> {
                 be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, eps);
             }
         }
-        let (b, s, at) = (run.batch, run.seq, kv.first_position());
+        let (b, s) = (run.batch, run.seq);
         if redo_q {
             be.rope_forward(acts.q, cos, sin, RopeShape::new(b, s, m.heads, hd).at(at));
         }
@@ -292,14 +349,6 @@ impl<B: Backend> Llama<B> {
                 sin,
                 RopeShape::new(b, s, m.kv_heads, hd).at(at),
             );
-        }
-        if redo(Act::AttnOut) || redo(Act::Lse) {
-            self.attend(run, acts, kv)?;
-        }
-        if redo(Act::H) {
-            let wo = run.linears.wo;
-            run.sp
-                .row_forward_residual(be, wo, acts.attn_out, &p[id.wo], x, acts.h, full)?;
         }
         Ok(())
     }
@@ -349,7 +398,7 @@ impl<B: Backend> Llama<B> {
     /// The column-parallel projections of `projections` from the normed rows `local` (gathered
     /// over the tensor-parallel group into `full`); with none to run, the gather alone when the
     /// run needs `full` (`full_act`) again.
-    fn column_layer(
+    pub(super) fn column_layer(
         &self,
         run: &BlockRun<'_, B>,
         local: &B::Buf,
@@ -389,7 +438,11 @@ impl<B: Backend> Llama<B> {
             }
             return Ok(());
         };
-        let BlockLinears { w1, w2, w3, .. } = run.linears;
+        let (w1, w2, w3) = (
+            run.linear(BlockProjection::W1),
+            run.linear(BlockProjection::W2),
+            run.linear(BlockProjection::W3),
+        );
         let mut gate_up = Vec::new();
         if redo(Act::Gate) {
             gate_up.push(Projection::new(w1, &p[i1], &mut *acts.gate));

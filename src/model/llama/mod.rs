@@ -39,6 +39,7 @@ use crate::model::params::{local_param_specs, ParamIds, ParamSet};
 mod backward;
 mod block;
 mod generate;
+mod mla;
 mod workspace;
 
 pub use generate::KvCache;
@@ -93,7 +94,7 @@ impl<B: Backend> Llama<B> {
             tp.degree(),
             "Llama: shapes and group disagree on the TP degree"
         );
-        let (cos, sin) = rope_tables(args.head_dim(), max_seq, args.rope_theta, args.rope_scaling);
+        let (cos, sin) = rope_tables(args.rope_dim(), max_seq, args.rope_theta, args.rope_scaling);
         let expert_bias = match &args.moe {
             Some(moe) if moe.load_balance_coeff.is_some() => {
                 vec![vec![0.0; moe.router.num_experts]; args.n_layers]
@@ -338,8 +339,8 @@ impl<B: Backend> Llama<B> {
         }
         if self.local.cp > 1 && ws.rope.is_none() {
             let a = &self.args;
-            let half = a.head_dim() / 2;
-            let (cos, sin) = rope_tables(a.head_dim(), s, a.rope_theta, a.rope_scaling);
+            let half = a.rope_dim() / 2;
+            let (cos, sin) = rope_tables(a.rope_dim(), s, a.rope_theta, a.rope_scaling);
             let rows = |table: &[f32]| -> Vec<f32> {
                 self.sequence_shard()
                     .positions(s)

@@ -4,6 +4,7 @@
 //! blocks which keep less recompute into (activation checkpointing).
 
 use super::generate::KvCache;
+use super::mla::{mla_scratch_floats, MlaScratch};
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
@@ -26,8 +27,16 @@ pub struct LayerActs<B: Backend> {
     pub k_raw: B::Buf,
     pub rstd_q: B::Buf,
     pub rstd_k: B::Buf,
+    /// Multi-head latent attention's latents (`Act::QLatent` …; empty without).
+    pub q_latent: B::Buf,
+    pub q_latent_normed: B::Buf,
+    pub rstd_q_latent: B::Buf,
+    pub kv_latent: B::Buf,
+    pub kv_latent_normed: B::Buf,
+    pub rstd_kv_latent: B::Buf,
     pub attn_out: B::Buf,
     pub lse: B::Buf,
+    pub attn_values: B::Buf,
     pub h: B::Buf,
     pub normed_ffn: B::Buf,
     pub normed_ffn_full: B::Buf,
@@ -74,6 +83,8 @@ pub struct Workspace<B: Backend> {
     /// The SwiGLU backward's gate, up and output gradients, one set per `FfnKind` (the kinds
     /// have different widths).
     pub(super) ffn_grads: [FfnGrads<B>; 2],
+    /// Multi-head latent attention's transient products and gradients (empty without MLA).
+    pub(super) mla: MlaScratch<B>,
     pub(super) inputs: Vec<u32>,
     pub(super) targets: Vec<u32>,
     /// The inputs as rows of this rank's vocabulary shard (`IGNORE_INDEX` for the others').
@@ -168,6 +179,20 @@ fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act, kind: FfnKin
         Act::RstdQ if m.qk_norm => plain(n * m.heads),
         Act::RstdK if m.qk_norm => plain(n * m.kv_heads),
         Act::QRaw | Act::KRaw | Act::RstdQ | Act::RstdK => plain(0),
+        Act::QLatent | Act::QLatentNormed | Act::RstdQLatent | Act::KvLatent => {
+            let mla = m.mla.as_ref();
+            let q_rank = mla.and_then(|a| a.q_lora_rank).unwrap_or(0);
+            match act {
+                Act::QLatent => plain(n * q_rank),
+                Act::QLatentNormed => gemm_input(n * q_rank),
+                Act::RstdQLatent => plain(if q_rank > 0 { n } else { 0 }),
+                _ => plain(n * mla.map_or(0, |a| a.kv_a_dim())),
+            }
+        }
+        Act::KvLatentNormed => gemm_input(n * m.mla.map_or(0, |a| a.kv_lora_rank)),
+        Act::RstdKvLatent => plain(if m.mla.is_some() { n } else { 0 }),
+        Act::AttnValues if m.mla.is_some() => gemm_input(n * m.values_dim()),
+        Act::AttnValues => plain(0),
         Act::Lse => plain(batch * m.heads * seq),
         Act::H => plain(r * d),
         Act::Gate | Act::Up | Act::Act => gemm_input(n * f),
@@ -224,6 +249,7 @@ pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &Activa
     let final_norm = r * (d + 1) + gathered;
     let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };
     let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f) + qk_norm;
+    let mla = mla_scratch_floats(m, n, true);
     // Every mixture-of-experts block keeps its routed rows' activations (`Workspace::moe`), and its
     // backward needs about as much again for their gradients.
     let moe = m.moe.map_or(0, |moe| {
@@ -235,7 +261,7 @@ pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &Activa
             .count();
         held * per_block + per_block
     });
-    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward + moe
+    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward + moe + mla
 }
 
 /// Values of the workspace allocated by `Backend::zeros_bf16_activation` (the blocks'
@@ -297,8 +323,15 @@ impl<B: Backend> LayerActs<B> {
             k_raw: buf(Act::KRaw),
             rstd_q: buf(Act::RstdQ),
             rstd_k: buf(Act::RstdK),
+            q_latent: buf(Act::QLatent),
+            q_latent_normed: buf(Act::QLatentNormed),
+            rstd_q_latent: buf(Act::RstdQLatent),
+            kv_latent: buf(Act::KvLatent),
+            kv_latent_normed: buf(Act::KvLatentNormed),
+            rstd_kv_latent: buf(Act::RstdKvLatent),
             attn_out: buf(Act::AttnOut),
             lse: buf(Act::Lse),
+            attn_values: buf(Act::AttnValues),
             h: buf(Act::H),
             normed_ffn: buf(Act::NormedFfn),
             normed_ffn_full: buf(Act::NormedFfnFull),
@@ -323,8 +356,15 @@ pub struct BlockActs<'a, B: Backend> {
     pub k_raw: &'a mut B::Buf,
     pub rstd_q: &'a mut B::Buf,
     pub rstd_k: &'a mut B::Buf,
+    pub q_latent: &'a mut B::Buf,
+    pub q_latent_normed: &'a mut B::Buf,
+    pub rstd_q_latent: &'a mut B::Buf,
+    pub kv_latent: &'a mut B::Buf,
+    pub kv_latent_normed: &'a mut B::Buf,
+    pub rstd_kv_latent: &'a mut B::Buf,
     pub attn_out: &'a mut B::Buf,
     pub lse: &'a mut B::Buf,
+    pub attn_values: &'a mut B::Buf,
     pub h: &'a mut B::Buf,
     pub normed_ffn: &'a mut B::Buf,
     pub normed_ffn_full: &'a mut B::Buf,
@@ -365,8 +405,15 @@ impl<'a, B: Backend> BlockActs<'a, B> {
             k_raw: from!(k_raw, Act::KRaw),
             rstd_q: from!(rstd_q, Act::RstdQ),
             rstd_k: from!(rstd_k, Act::RstdK),
+            q_latent: from!(q_latent, Act::QLatent),
+            q_latent_normed: from!(q_latent_normed, Act::QLatentNormed),
+            rstd_q_latent: from!(rstd_q_latent, Act::RstdQLatent),
+            kv_latent: from!(kv_latent, Act::KvLatent),
+            kv_latent_normed: from!(kv_latent_normed, Act::KvLatentNormed),
+            rstd_kv_latent: from!(rstd_kv_latent, Act::RstdKvLatent),
             attn_out: from!(attn_out, Act::AttnOut),
             lse: from!(lse, Act::Lse),
+            attn_values: from!(attn_values, Act::AttnValues),
             h: from!(h, Act::H),
             normed_ffn: from!(normed_ffn, Act::NormedFfn),
             normed_ffn_full: from!(normed_ffn_full, Act::NormedFfnFull),
@@ -467,6 +514,7 @@ impl<B: Backend> Workspace<B> {
                     dact: gemm_input(n * f),
                 }
             }),
+            mla: MlaScratch::allocate(backend, m, n, backward),
             inputs: vec![0; n],
             targets: vec![0; n],
             local_ids: vec![0; n],
