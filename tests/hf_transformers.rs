@@ -238,9 +238,12 @@ json.dump(c, open(os.path.join(fp8_dir, "config.json"), "w"))
         make,
         &[fp8.to_str().unwrap(), reference.to_str().unwrap()],
     );
-    let (a_fp8, p_fp8) = checkpoint::hf::read_hf(&fp8).unwrap();
-    let (a_ref, p_ref) = checkpoint::hf::read_hf(&reference).unwrap();
-    assert_eq!(a_fp8, a_ref);
+    let (m_fp8, m_ref) = (
+        checkpoint::hf::read_hf(&fp8).unwrap(),
+        checkpoint::hf::read_hf(&reference).unwrap(),
+    );
+    assert_eq!(m_fp8.args, m_ref.args);
+    let (p_fp8, p_ref) = (m_fp8.params, m_ref.params);
     for (i, name) in p_ref.names.iter().enumerate() {
         let same = p_fp8.bufs[i]
             .iter()
@@ -257,8 +260,8 @@ json.dump(c, open(os.path.join(fp8_dir, "config.json"), "w"))
         .map(|i| (i as u32 * 37 + 11) % 300)
         .collect();
     let be = CpuBackend::new();
-    let model = Llama::new(&be, a_fp8.clone(), seq).unwrap();
-    let mut ws = Workspace::new(&be, &a_fp8, batch, seq);
+    let model = Llama::new(&be, m_fp8.args.clone(), seq).unwrap();
+    let mut ws = Workspace::new(&be, &m_fp8.args, batch, seq);
     let loss = model.loss(&be, &p_fp8, &mut ws, &tokens).unwrap();
     let titan_loss = loss.sum / loss.count as f64;
     let hf_loss = transformers_run(&py, &reference, &tokens, seq)["loss"]
@@ -313,6 +316,51 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
     );
 }
 
+/// DeepSeek-V3 made by transformers (`DeepseekV3ForCausalLM`): multi-head latent attention with
+/// queries projected directly and through a latent, default RoPE and YaRN (whose mscale scales
+/// the softmax), a leading dense block, shared experts, group-limited sigmoid routing with a
+/// non-zero routing bias: imported, loss and greedy tokens equal transformers', and back.
+#[test]
+fn deepseek_v3_made_by_transformers_imports_generates_and_exports_back() {
+    let rope = [
+        r#"{"rope_type": "default", "rope_theta": 10000.0}"#,
+        r#"{"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 0.7}"#,
+    ];
+    for (q_lora, rope) in [("None", rope[0]), ("24", rope[1])] {
+        let make = format!(
+            r#"
+import sys, torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+cfg = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                       vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       q_lora_rank={q_lora}, kv_lora_rank=16, qk_nope_head_dim=12,
+                       qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                       num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                       routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+                       tie_word_embeddings=False, rope_parameters={rope})
+torch.manual_seed(0)
+model = DeepseekV3ForCausalLM(cfg)
+with torch.no_grad():
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.weight.normal_(0.0, 0.5)
+        layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#
+        );
+        round_trip_made_by_transformers(&make, |args| {
+            let (mla, moe) = (args.mla.expect("MLA"), args.moe.expect("experts"));
+            assert_eq!(mla.q_lora_rank, (q_lora != "None").then_some(24));
+            assert_eq!(
+                (mla.kv_lora_rank, mla.v_head_dim, args.head_dim()),
+                (16, 16, 20)
+            );
+            assert_eq!((moe.first_dense_layers, moe.shared_hidden), (1, Some(32)));
+            assert_eq!(moe.router.groups, Some((4, 2)));
+        });
+    }
+}
+
 /// Makes an HF model with the Python `make` (its folder as argument), imports it, checks the
 /// imported shapes with `expect`, and compares titan's loss and 12 greedy tokens with
 /// transformers' on the folder it made and on titan's export of the import.
@@ -339,11 +387,17 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
     let be = CpuBackend::new();
     let (args, params) = checkpoint::load_weights(&be, &ckpt).unwrap();
     expect(&args);
+    let state =
+        checkpoint::read_state(&checkpoint::resolve_checkpoint_dir(&ckpt).unwrap()).unwrap();
     let (batch, seq) = (2, 24);
     let tokens: Vec<u32> = (0..batch * (seq + 1))
         .map(|i| (i as u32 * 37 + 11) % 300)
         .collect();
-    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let mut model = Llama::new(&be, args.clone(), seq).unwrap();
+    // DeepSeek-V3's routing bias travels in the checkpoint's state, not among the weights.
+    if let Some(bias) = &state.expert_bias {
+        model.set_expert_bias(bias).unwrap();
+    }
     let mut ws = Workspace::new(&be, &args, batch, seq);
     let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
     let titan_loss = loss.sum / loss.count as f64;

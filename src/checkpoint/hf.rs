@@ -14,6 +14,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::hf_deepseek;
 use super::hf_rope::{hf_rope_scaling, rope_from_hf};
 use super::{st, TrainState, FORMAT_VERSION};
 use crate::backend::cpu::CpuBackend;
@@ -52,11 +53,24 @@ pub fn hf_name(name: &str) -> String {
         out = out
             .replace(".moe.router.gate.", ".mlp.gate.")
             .replace(".moe.experts.", ".mlp.experts.")
+            .replace(".moe.shared_experts.", ".mlp.shared_experts.")
             .replace(".w1.weight", ".gate_proj.weight")
             .replace(".w2.weight", ".down_proj.weight")
             .replace(".w3.weight", ".up_proj.weight");
     }
     out
+}
+
+/// titan name → HF name in `args`' model (DeepSeek-V3's attention has names of its own).
+pub fn hf_name_of(args: &ModelArgs, name: &str) -> String {
+    if args.mla.is_none() {
+        return hf_name(name);
+    }
+    let mut name = name.to_string();
+    for (titan, hf) in hf_deepseek::MLA_NAMES {
+        name = name.replace(titan, hf);
+    }
+    hf_name(&name)
 }
 
 /// Row `j` of an HF head comes from this row of the interleaved (titan) head.
@@ -89,7 +103,10 @@ fn permute_rows(w: &[f32], heads: usize, head_dim: usize, cols: usize, to_hf: bo
 /// The heads whose rows a parameter's RoPE layout permutes: the q and k projections', and
 /// QK-norm's weights (one head's positions).
 fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
-    if name.ends_with("attention.wq.weight") {
+    if args.mla.is_some() {
+        // DeepSeek's rotated rows are interleaved in its checkpoints (`hf_deepseek`).
+        None
+    } else if name.ends_with("attention.wq.weight") {
         Some(args.n_heads)
     } else if name.ends_with("attention.wk.weight") {
         Some(args.n_kv_heads)
@@ -120,7 +137,25 @@ fn check_exportable(args: &ModelArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
+pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Result<Value> {
+    let mut config = match args.mla {
+        Some(_) => hf_deepseek::deepseek_config(args)?,
+        None => {
+            check_exportable(args)?;
+            llama_or_qwen3_config(args)
+        }
+    };
+    config["bos_token_id"] = json!(bos);
+    config["eos_token_id"] = json!(eos);
+    config["torch_dtype"] = json!(if dtype == DType::BF16 {
+        "bfloat16"
+    } else {
+        "float32"
+    });
+    Ok(config)
+}
+
+fn llama_or_qwen3_config(args: &ModelArgs) -> Value {
     let scaling = args.rope_scaling.as_ref().map(hf_rope_scaling);
     // Current `transformers` reads `rope_parameters`; earlier versions `rope_theta` and
     // `rope_scaling`. Both are written, saying the same, so every version loads the same model
@@ -155,9 +190,6 @@ pub fn hf_config(args: &ModelArgs, bos: u32, eos: u32, dtype: DType) -> Value {
         "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "torch_dtype": if dtype == DType::BF16 { "bfloat16" } else { "float32" },
     });
     if let Some(moe) = &args.moe {
         // The leading dense blocks as `mlp_only_layers`. The auxiliary loss is a training
@@ -186,7 +218,6 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
     let dir = super::resolve_checkpoint_dir(checkpoint)?;
     let state = super::read_state(&dir)?;
     let (args, params) = super::load_weights(&be, &dir)?;
-    check_exportable(&args)?;
     let tokenizer = crate::data::load_tokenizer(&state.tokenizer_path)?;
     let mut tensors = Vec::new();
     for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {
@@ -195,9 +226,12 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
             None => buf.clone(),
         };
         tensors.push((
-            hf_name(name),
+            hf_name_of(&args, name),
             Tensor::from_f32(shape.clone(), data).to_dtype(dtype),
         ));
+    }
+    if args.mla.is_some() {
+        tensors.extend(routing_bias_tensors(&args, state.expert_bias.as_deref()));
     }
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
@@ -208,7 +242,7 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
         &out_dir.join("model.safetensors"),
         &st::to_bytes(&tensors, Some(meta))?,
     )?;
-    let config = hf_config(&args, tokenizer.bos_id(), tokenizer.eos_id(), dtype);
+    let config = hf_config(&args, tokenizer.bos_id(), tokenizer.eos_id(), dtype)?;
     write_atomic(
         &out_dir.join("config.json"),
         serde_json::to_string_pretty(&config)?.as_bytes(),
@@ -230,6 +264,23 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
         }
     );
     Ok(())
+}
+
+/// DeepSeek-V3's routing bias of every mixture-of-experts block, in f32 as transformers keeps it
+/// (zeros where the checkpoint has none).
+fn routing_bias_tensors(args: &ModelArgs, bias: Option<&[Vec<f32>]>) -> Vec<(String, Tensor)> {
+    let experts = args.moe.map_or(0, |m| m.router.num_experts);
+    (0..args.n_layers)
+        .filter(|&l| args.moe_at(l).is_some())
+        .map(|l| {
+            let values = bias
+                .and_then(|b| b.get(l))
+                .cloned()
+                .unwrap_or_else(|| vec![0.0; experts]);
+            let name = hf_deepseek::bias_name(l);
+            (name, Tensor::from_f32(vec![experts], values))
+        })
+        .collect()
 }
 
 /// Columns of a matrix (1 for a vector).
@@ -378,13 +429,26 @@ fn moe_from_hf(cfg: &Value, file: &Path) -> Result<crate::model::moe::MoeArgs> {
 
 /// Model shapes from an HF Llama, Qwen3 or Qwen3-MoE `config.json`.
 pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
+    model_from_hf_config(cfg, file).map(|(args, _)| args)
+}
+
+/// Model shapes from an HF `config.json`, and whether its rotated rows are interleaved pairs
+/// (DeepSeek's `rope_interleave`; the others rotate halves, `rope_permutation`).
+fn model_from_hf_config(cfg: &Value, file: &Path) -> Result<(ModelArgs, bool)> {
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
     let (qwen3, qwen3_moe) = match arch {
         "llama" => (false, false),
         "qwen3" => (true, false),
         "qwen3_moe" => (true, true),
+        "deepseek_v3" => {
+            refuse_unsupported(cfg, file)?;
+            let (args, interleaved) = hf_deepseek::args_from_deepseek_config(cfg, file)?;
+            args.validate()
+                .map_err(|e| anyhow!("{}: {e}", file.display()))?;
+            return Ok((args, interleaved));
+        }
         other => bail!(
-            "{}: model_type is `{other}`; titan imports Llama (\"llama\"), Qwen3 (\"qwen3\") and Qwen3-MoE (\"qwen3_moe\") models",
+            "{}: model_type is `{other}`; titan imports Llama (\"llama\"), Qwen3 (\"qwen3\"), Qwen3-MoE (\"qwen3_moe\") and DeepSeek-V3 (\"deepseek_v3\") models",
             file.display()
         ),
     };
@@ -436,7 +500,7 @@ pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     };
     args.validate()
         .map_err(|e| anyhow!("{}: {e}", file.display()))?;
-    Ok(args)
+    Ok((args, false))
 }
 
 /// The width of each attention head: `head_dim` when given, else transformers' default (Qwen3's
@@ -458,8 +522,16 @@ fn hf_head_dim(cfg: &Value, dim: usize, n_heads: usize, qwen3: bool, file: &Path
     Ok(dim / n_heads)
 }
 
-/// An HF Llama folder's model shapes and weights, in titan's names and layout (host memory).
-pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
+/// An HF model's shapes, weights (in titan's names and layout, host memory) and, for DeepSeek-V3,
+/// each block's routing bias (titan's expert bias; empty blocks for the dense ones).
+pub struct HfModel {
+    pub args: ModelArgs,
+    pub params: ParamSet<CpuBackend>,
+    pub expert_bias: Option<Vec<Vec<f32>>>,
+}
+
+/// An HF folder's model (`HfModel`).
+pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     let be = CpuBackend::new();
     let cfg_path = hf_dir.join("config.json");
     let cfg: Value = serde_json::from_str(
@@ -467,7 +539,7 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
             .with_context(|| format!("cannot read {}", cfg_path.display()))?,
     )
     .map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
-    let args = args_from_hf_config(&cfg, &cfg_path)?;
+    let (args, interleaved) = model_from_hf_config(&cfg, &cfg_path)?;
     let fp8_blocks = super::hf_fp8::block_size(&cfg, &cfg_path)?;
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
     // An FP8 release's linears take a byte a value.
@@ -485,7 +557,7 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
     let specs = param_specs(&args);
     let mut params: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
     for (i, (name, shape)) in specs.iter().enumerate() {
-        let hf = hf_name(name);
+        let hf = hf_name_of(&args, name);
         let (t, file) = by_name.get(&hf).ok_or_else(|| {
             anyhow!(
                 "{}: tensor `{hf}` (titan `{name}`) is missing from {}",
@@ -526,10 +598,51 @@ pub fn read_hf(hf_dir: &Path) -> Result<(ModelArgs, ParamSet<CpuBackend>)> {
         };
         params.bufs[i] = match rope_permutation(name, &args) {
             Some(heads) => permute_rows(&data, heads, args.head_dim(), columns(shape), false),
+            None if !interleaved => {
+                hf_deepseek::interleave_rope_rows(name, data, columns(shape), &args)
+            }
             None => data,
         };
     }
-    Ok((args, params))
+    let extra = hf_deepseek::extra_layer_tensors(by_name.keys(), args.n_layers);
+    if extra > 0 {
+        println!("{}: skipping {extra} tensors of blocks past the model's {} (a multi-token-prediction layer titan does not train)", hf_dir.display(), args.n_layers);
+    }
+    let expert_bias = routing_bias(&args, &by_name)?;
+    Ok(HfModel {
+        args,
+        params,
+        expert_bias,
+    })
+}
+
+/// DeepSeek-V3's routing bias of each block, from `mlp.gate.e_score_correction_bias` (zeros where
+/// a checkpoint has none, as transformers initialises it); None for other models.
+fn routing_bias(
+    args: &ModelArgs,
+    by_name: &BTreeMap<String, (Tensor, std::path::PathBuf)>,
+) -> Result<Option<Vec<Vec<f32>>>> {
+    let (Some(_), Some(moe)) = (&args.mla, &args.moe) else {
+        return Ok(None);
+    };
+    let experts = moe.router.num_experts;
+    let mut bias = vec![vec![0.0; experts]; args.n_layers];
+    for (l, b) in bias.iter_mut().enumerate() {
+        let name = hf_deepseek::bias_name(l);
+        let Some((t, file)) = by_name.get(&name) else {
+            continue;
+        };
+        if t.shape != [experts] || args.moe_at(l).is_none() {
+            bail!(
+                "{}: `{name}` has shape {:?}; block {l} has {} routed experts",
+                file.display(),
+                t.shape,
+                if args.moe_at(l).is_some() { experts } else { 0 }
+            );
+        }
+        *b = t.to_f32_vec();
+    }
+    Ok(Some(bias))
 }
 
 /// The weights `config.json` describes fit in the safetensors files present (at
@@ -562,7 +675,11 @@ fn check_weights_present(
 
 pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
     let be = CpuBackend::new();
-    let (args, params) = read_hf(hf_dir)?;
+    let HfModel {
+        args,
+        params,
+        expert_bias,
+    } = read_hf(hf_dir)?;
     let specs = param_specs(&args);
     let tokenizer_path = hf_dir.join("tokenizer.json");
     let zeros: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
@@ -581,7 +698,7 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         },
         sharding: None,
         files: Default::default(),
-        expert_bias: None,
+        expert_bias,
     };
     let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;
     println!(
@@ -609,7 +726,7 @@ mod tests {
             .iter()
             .map(|f| ModelArgs::qwen3_flavor(f).unwrap());
         for args in llama.chain(qwen3) {
-            let cfg = hf_config(&args, 1, 2, DType::BF16);
+            let cfg = hf_config(&args, 1, 2, DType::BF16).unwrap();
             let back = args_from_hf_config(&cfg, Path::new("config.json")).unwrap();
             assert!(back.same_model(&args), "{args:?}\n{back:?}");
         }
@@ -674,7 +791,7 @@ mod tests {
             (10000.0, None, 1e-6)
         );
         // What titan writes, it reads back the same.
-        let written = hf_config(&ModelArgs::flavor("1B").unwrap(), 1, 2, DType::F32);
+        let written = hf_config(&ModelArgs::flavor("1B").unwrap(), 1, 2, DType::F32).unwrap();
         let back = args_from_hf_config(&written, file).unwrap();
         assert_eq!(back, ModelArgs::flavor("1B").unwrap());
         assert_eq!(written["rope_parameters"]["rope_type"], "llama3");

@@ -286,12 +286,12 @@ pub fn compose_rank<B: Backend>(
         context_parallel,
     };
     let (seq, options) = (cfg.training.seq_len, parallel_options(cfg, &plan)?);
-    let model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
+    let mut model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
     let comm = ParamComm {
         data_parallel,
         expert_shard,
     };
-    let (state, mut opt, resumed) = param_state(be, cfg, dist, &plan, &model, comm)?;
+    let (state, mut opt, resumed) = param_state(be, cfg, dist, &plan, &mut model, comm)?;
     let walk_shape = WalkShape {
         batch: cfg.training.local_batch_size,
         seq,
@@ -326,13 +326,14 @@ struct ParamComm<B: Backend> {
 }
 
 /// The model's parameters, gradients and optimizer, initialised or resumed, laid out whole (with
-/// DDP across data-parallel ranks) or as FSDP/HSDP shards; and the checkpoint resumed from.
+/// DDP across data-parallel ranks) or as FSDP/HSDP shards; and the checkpoint resumed from. A
+/// model started from a Hugging Face DeepSeek-V3 routes with its routing bias.
 fn param_state<B: Backend>(
     be: &B,
     cfg: &Config,
     dist: Option<&Distributed>,
     plan: &RankPlan,
-    model: &Llama<B>,
+    model: &mut Llama<B>,
     comm: ParamComm<B>,
 ) -> Result<(ParamState<B>, AdamW<B>, Option<Resumed>)> {
     let (device_reducer, device_queue) = match comm.data_parallel {
@@ -375,7 +376,11 @@ fn param_state<B: Backend>(
         opt,
         fsdp,
         resumed,
+        initial_expert_bias,
     } = start;
+    if let Some(bias) = initial_expert_bias {
+        model.set_expert_bias(&bias)?;
+    }
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).
     let state = match fsdp {

@@ -27,6 +27,9 @@ pub struct StartState<B: Backend> {
     pub fsdp: Option<Fsdp<B>>,
     /// Set when the run resumes from a checkpoint.
     pub resumed: Option<Resumed>,
+    /// The expert bias of the model a fresh run starts from (`initial_load_path`: a Hugging Face
+    /// DeepSeek-V3's routing bias), for the model to route with.
+    pub initial_expert_bias: Option<Vec<Vec<f32>>>,
 }
 
 /// Another model a run starts from (`[checkpoint] initial_load_path`).
@@ -36,8 +39,8 @@ enum Initial {
         ckpt: Box<HostCheckpoint>,
         moments: bool,
     },
-    /// A Hugging Face folder's weights, in titan's names and layout.
-    Hf(Vec<Vec<f32>>),
+    /// A Hugging Face folder's weights, in titan's names and layout, and its routing bias.
+    Hf(Vec<Vec<f32>>, Option<Vec<Vec<f32>>>),
 }
 
 impl Initial {
@@ -47,11 +50,12 @@ impl Initial {
         let what =
             |e: anyhow::Error| anyhow!("[checkpoint] initial_load_path {}: {e:#}", path.display());
         if c.initial_load_in_hf {
-            let (theirs, weights) = checkpoint::hf::read_hf(path).map_err(what)?;
+            let hf = checkpoint::hf::read_hf(path).map_err(what)?;
+            let (theirs, weights) = (hf.args, hf.params);
             if !theirs.same_model(args) {
                 bail!("[checkpoint] initial_load_path {}: the Hugging Face model ({theirs:?}) is not the one this job configures ({args:?}); set [model] to its shapes", path.display());
             }
-            return Ok(Initial::Hf(weights.bufs));
+            return Ok(Initial::Hf(weights.bufs, hf.expert_bias));
         }
         let dir = checkpoint::resolve_checkpoint_dir(path).map_err(what)?;
         Ok(Initial::Titan {
@@ -78,7 +82,7 @@ impl Initial {
                 },
                 m,
             ) => ckpt.values(m, name, shape).map(Some),
-            (Initial::Hf(weights), None) => Ok(Some(weights[i].clone())),
+            (Initial::Hf(weights, _), None) => Ok(Some(weights[i].clone())),
             _ => Ok(None),
         }
     }
@@ -124,6 +128,10 @@ pub fn start_state<B: Backend>(be: &B, inputs: StartInputs<'_, B>) -> Result<Sta
         }
         _ => None,
     };
+    let initial_expert_bias = match &initial {
+        Some(Initial::Hf(_, bias)) => bias.clone(),
+        _ => None,
+    };
     let source = Source::new(&inputs, ckpt, initial);
     let mut state = match inputs.dist.filter(|_| inputs.fsdp) {
         Some(d) => sharded_start(be, &source, d, inputs)?,
@@ -137,6 +145,7 @@ pub fn start_state<B: Backend>(be: &B, inputs: StartInputs<'_, B>) -> Result<Sta
         }),
         _ => None,
     };
+    state.initial_expert_bias = initial_expert_bias;
     Ok(state)
 }
 
@@ -344,6 +353,7 @@ fn sharded_start<B: Backend>(
         opt,
         fsdp: Some(f),
         resumed: None,
+        initial_expert_bias: None,
     })
 }
 
@@ -392,5 +402,6 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
         opt,
         fsdp: None,
         resumed: None,
+        initial_expert_bias: None,
     })
 }

@@ -1,0 +1,268 @@
+//! DeepSeek-V3 in Hugging Face `transformers`' `DeepseekV3ForCausalLM` form, both ways: its
+//! `config.json` (`model_type` "deepseek_v3"), its tensor names, the routing bias
+//! (`mlp.gate.e_score_correction_bias`, which titan keeps as the experts' load-balancing bias
+//! beside the weights) and RoPE's layout.
+//!
+//! DeepSeek's checkpoints store the rotated part of each query and key head in interleaved pairs
+//! (`rope_interleave`, true in every release), titan's own layout: no permutation. A config with
+//! `rope_interleave = false` rotates halves, and its rotated rows are permuted on import. titan
+//! exports interleaved. The release's multi-token-prediction layer (`model.layers.<n_layers>.*`,
+//! `num_nextn_predict_layers`) is not part of the main model: import skips it and says so; export
+//! writes none.
+//!
+//! transformers' DeepSeek-V3 router is sigmoid with group-limited top-k (one group: no limit); a
+//! titan model with softmax scores (TorchTitan's small DeepSeek flavors) has no such HF model, and
+//! export refuses it, naming why.
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Result};
+use serde_json::{json, Value};
+
+use super::hf_rope::{hf_rope_scaling, rope_from_hf};
+use crate::model::mla::MlaArgs;
+use crate::model::moe::router::{RouterArgs, ScoreFunc};
+use crate::model::moe::MoeArgs;
+use crate::model::ModelArgs;
+
+/// The routing bias's HF name in block `l`.
+pub fn bias_name(l: usize) -> String {
+    format!("model.layers.{l}.mlp.gate.e_score_correction_bias")
+}
+
+/// titan's MLA parameter names' HF counterparts (the rest is `hf::hf_name`'s).
+pub const MLA_NAMES: &[(&str, &str)] = &[
+    ("attention.wq_a.", "self_attn.q_a_proj."),
+    ("attention.q_norm.", "self_attn.q_a_layernorm."),
+    ("attention.wq_b.", "self_attn.q_b_proj."),
+    ("attention.wkv_a.", "self_attn.kv_a_proj_with_mqa."),
+    ("attention.kv_norm.", "self_attn.kv_a_layernorm."),
+    ("attention.wkv_b.", "self_attn.kv_b_proj."),
+];
+
+/// A size field of `cfg` (`default` when absent or null).
+fn size(cfg: &Value, key: &str, default: Option<usize>, file: &Path) -> Result<usize> {
+    match (cfg.get(key).filter(|v| !v.is_null()), default) {
+        (None, Some(d)) => Ok(d),
+        (None, None) => bail!("{}: `{key}` is missing", file.display()),
+        (Some(v), _) => v
+            .as_u64()
+            .and_then(|v| usize::try_from(v).ok())
+            .filter(|&v| v <= 1 << 24)
+            .ok_or_else(|| {
+                anyhow!(
+                    "{}: `{key}` = {v} is not a size from 0 to 2^24",
+                    file.display()
+                )
+            }),
+    }
+}
+
+/// An optional size: None when absent or null.
+fn optional_size(cfg: &Value, key: &str, file: &Path) -> Result<Option<usize>> {
+    match cfg.get(key).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(_) => size(cfg, key, None, file).map(Some),
+    }
+}
+
+/// The mixture of experts of a DeepSeek-V3 config: sigmoid scores, the routing bias (titan's
+/// load-balancing bias, stepped by TorchTitan's default 10⁻³ when trained), groups, scale.
+fn moe_from_deepseek(cfg: &Value, file: &Path) -> Result<MoeArgs> {
+    let hidden = size(cfg, "moe_intermediate_size", None, file)?;
+    let experts = match optional_size(cfg, "n_routed_experts", file)? {
+        Some(e) => e,
+        None => size(cfg, "num_local_experts", None, file)?,
+    };
+    let shared = size(cfg, "n_shared_experts", Some(0), file)?;
+    let groups = match (
+        optional_size(cfg, "n_group", file)?,
+        optional_size(cfg, "topk_group", file)?,
+    ) {
+        (None | Some(1), _) => None,
+        (Some(g), Some(k)) => Some((g, k)),
+        (Some(g), None) => bail!("{}: n_group = {g} without topk_group", file.display()),
+    };
+    let scale = match cfg.get("routed_scaling_factor").filter(|v| !v.is_null()) {
+        None => 1.0,
+        Some(v) => v.as_f64().filter(|s| s.is_finite()).ok_or_else(|| {
+            anyhow!(
+                "{}: routed_scaling_factor = {v} is not a number",
+                file.display()
+            )
+        })? as f32,
+    };
+    Ok(MoeArgs {
+        hidden,
+        shared_hidden: (shared > 0).then(|| shared * hidden),
+        router: RouterArgs {
+            num_experts: experts,
+            top_k: size(cfg, "num_experts_per_tok", None, file)?,
+            score_func: ScoreFunc::Sigmoid,
+            norm_topk_prob: cfg
+                .get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+            route_scale: scale,
+            groups,
+        },
+        load_balance_coeff: Some(1e-3),
+        aux_loss_coef: None,
+        first_dense_layers: size(cfg, "first_k_dense_replace", Some(0), file)?,
+        sparse_step: 1,
+    })
+}
+
+/// Model shapes from a DeepSeek-V3 `config.json`, and whether its RoPE rows are interleaved.
+pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<(ModelArgs, bool)> {
+    let n_heads = size(cfg, "num_attention_heads", None, file)?;
+    let kv_heads = size(cfg, "num_key_value_heads", Some(n_heads), file)?;
+    if kv_heads != n_heads {
+        bail!("{}: num_key_value_heads = {kv_heads} differs from num_attention_heads = {n_heads}; DeepSeek-V3's attention has a key and value per head", file.display());
+    }
+    let mla = MlaArgs {
+        q_lora_rank: optional_size(cfg, "q_lora_rank", file)?.filter(|&r| r > 0),
+        kv_lora_rank: size(cfg, "kv_lora_rank", None, file)?,
+        qk_nope_head_dim: size(cfg, "qk_nope_head_dim", None, file)?,
+        qk_rope_head_dim: size(cfg, "qk_rope_head_dim", None, file)?,
+        v_head_dim: size(cfg, "v_head_dim", None, file)?,
+    };
+    let (rope_theta, rope_scaling) = rope_from_hf(cfg, file)?;
+    let moe = moe_from_deepseek(cfg, file)?;
+    let n_layers = size(cfg, "num_hidden_layers", None, file)?;
+    if moe.first_dense_layers >= n_layers {
+        bail!("{}: first_k_dense_replace = {} leaves none of the {n_layers} blocks a mixture of experts (titan's DeepSeek-V3 has experts)", file.display(), moe.first_dense_layers);
+    }
+    let args = ModelArgs {
+        dim: size(cfg, "hidden_size", None, file)?,
+        n_layers,
+        n_heads,
+        n_kv_heads: n_heads,
+        vocab_size: size(cfg, "vocab_size", None, file)?,
+        ffn_hidden: size(cfg, "intermediate_size", None, file)?,
+        norm_eps: cfg
+            .get("rms_norm_eps")
+            .and_then(Value::as_f64)
+            .unwrap_or(1e-6) as f32,
+        rope_theta,
+        rope_scaling,
+        max_seq_len: size(cfg, "max_position_embeddings", Some(4096), file)?.max(1),
+        tied_embeddings: cfg
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        attention_head_dim: None,
+        qk_norm: false,
+        moe: Some(moe),
+        mla: Some(mla),
+    };
+    let interleaved = cfg
+        .get("rope_interleave")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    Ok((args, interleaved))
+}
+
+/// The `config.json` of a titan DeepSeek-V3 model, or why transformers has none for it.
+pub fn deepseek_config(args: &ModelArgs) -> Result<Value> {
+    let (Some(mla), Some(moe)) = (&args.mla, &args.moe) else {
+        bail!("multi-head latent attention without a mixture of experts has no Hugging Face model type titan exports to (DeepSeek-V3 has both)");
+    };
+    let r = &moe.router;
+    if r.score_func != ScoreFunc::Sigmoid {
+        bail!("this DeepSeek model routes with softmax scores; transformers' DeepSeek-V3 routes with sigmoid scores (TorchTitan's 671B flavor does; debugmodel, 16B and 236B do not), so it has no Hugging Face model to export to");
+    }
+    let shared = moe.shared_hidden.unwrap_or(0);
+    if !shared.is_multiple_of(moe.hidden) || moe.sparse_step != 1 {
+        bail!("this mixture of experts (shared experts {shared} wide over experts {} wide, experts every {} blocks) is not DeepSeek-V3's: its shared experts are whole experts, in every block after the dense ones", moe.hidden, moe.sparse_step);
+    }
+    let scaling = args.rope_scaling.as_ref().map(hf_rope_scaling);
+    let mut rope_parameters = scaling
+        .clone()
+        .unwrap_or_else(|| json!({"rope_type": "default"}));
+    rope_parameters["rope_theta"] = json!(args.rope_theta);
+    let (groups, limited) = r.groups.unwrap_or((1, 1));
+    Ok(json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "moe_intermediate_size": moe.hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "n_shared_experts": shared / moe.hidden,
+        "n_routed_experts": r.num_experts,
+        "routed_scaling_factor": r.route_scale,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "q_lora_rank": mla.q_lora_rank,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "n_group": groups,
+        "topk_group": limited,
+        "num_experts_per_tok": r.top_k,
+        "first_k_dense_replace": moe.first_dense_layers,
+        "norm_topk_prob": r.norm_topk_prob,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tied_embeddings,
+        "rope_parameters": rope_parameters,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
+        "rope_interleave": true,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "num_nextn_predict_layers": 0,
+    }))
+}
+
+/// Reorders the rotated rows of MLA's query and key projections from the halves layout
+/// (`rope_interleave = false`) to titan's interleaved pairs: each query head's last
+/// `qk_rope_head_dim` rows of `wq`/`wq_b`, and `wkv_a`'s last rows (the shared key). Other
+/// tensors are returned unchanged.
+pub fn interleave_rope_rows(name: &str, data: Vec<f32>, cols: usize, args: &ModelArgs) -> Vec<f32> {
+    let Some(mla) = &args.mla else {
+        return data;
+    };
+    let (r, qk) = (mla.qk_rope_head_dim, mla.qk_head_dim());
+    let starts: Vec<usize> =
+        if name.ends_with("attention.wq.weight") || name.ends_with("attention.wq_b.weight") {
+            (0..args.n_heads)
+                .map(|h| h * qk + mla.qk_nope_head_dim)
+                .collect()
+        } else if name.ends_with("attention.wkv_a.weight") {
+            vec![mla.kv_lora_rank]
+        } else {
+            return data;
+        };
+    let mut out = data.clone();
+    for start in starts {
+        for j in 0..r {
+            // Row j of the halves layout is row i of the interleaved one.
+            let i = if j < r / 2 {
+                2 * j
+            } else {
+                2 * (j - r / 2) + 1
+            };
+            let (dst, src) = (start + i, start + j);
+            out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+        }
+    }
+    out
+}
+
+/// The blocks of the release's multi-token-prediction layer among `names` (those past the main
+/// model's `n_layers`): how many tensors, for the import's log line.
+pub fn extra_layer_tensors<'a>(names: impl Iterator<Item = &'a String>, n_layers: usize) -> usize {
+    names
+        .filter(|n| {
+            n.strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok())
+                .is_some_and(|l| l >= n_layers)
+        })
+        .count()
+}
