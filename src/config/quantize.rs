@@ -48,6 +48,7 @@ pub struct Float8LinearConfig {
     pub recipe_name: String,
     /// Substrings of linear names left in high precision; `auto_filter_small_kn` among them
     /// applies torchao's size thresholds.
+    #[serde(deserialize_with = "list_or_comma_separated")]
     pub filter_fqns: Vec<String>,
     /// Emulate the float8 GEMMs (the CPU always does).
     pub emulate: bool,
@@ -78,6 +79,7 @@ pub struct MxLinearConfig {
     /// `mxfp8_cublas` (FLOOR scales, default) or `mxfp8_cublas_rceil` (RCEIL scales).
     pub recipe_name: String,
     /// Substrings of linear names left in high precision.
+    #[serde(deserialize_with = "list_or_comma_separated")]
     pub filter_fqns: Vec<String>,
 }
 
@@ -102,6 +104,7 @@ pub struct GroupedMmQuantizeConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GroupedFloat8Config {
+    #[serde(deserialize_with = "list_or_comma_separated")]
     pub fqns: Vec<String>,
 }
 
@@ -118,6 +121,7 @@ impl Default for GroupedFloat8Config {
 #[serde(deny_unknown_fields, default)]
 pub struct GroupedMxConfig {
     pub recipe_name: String,
+    #[serde(deserialize_with = "list_or_comma_separated")]
     pub fqns: Vec<String>,
 }
 

@@ -118,10 +118,34 @@ impl Float8Conversion {
         Ok(plan)
     }
 
+    /// This conversion under `tp` tensor-parallel ranks. Multi-head latent attention's latent
+    /// down-projections (`wq_a`, `wkv_a`) stay in high precision there: every rank computes them
+    /// whole, and their output gradients are each rank's share of a sum (its heads'), which a
+    /// float8 scale cannot quantise as one process quantises the sum; the report says so.
+    /// MXFP8 is checked as `check_tensor_parallel` says.
+    pub fn for_tensor_parallel(mut self, args: &ModelArgs, tp: usize) -> Result<Self> {
+        self.check_tensor_parallel(args, tp)?;
+        if tp == 1 {
+            return Ok(self);
+        }
+        for (l, block) in self.blocks.iter_mut().enumerate() {
+            for p in [BlockProjection::WqA, BlockProjection::WkvA] {
+                if block[p.index()].take().is_none() {
+                    continue;
+                }
+                let name = format!("layers.{l}.attention.{}", p.name());
+                if let Some(entry) = self.report.iter_mut().find(|(n, _)| *n == name) {
+                    entry.1 = Some("under tensor parallelism MLA's latent down-projections stay in high precision (their gradients are partial sums over the ranks' heads)".into());
+                }
+            }
+        }
+        Ok(self)
+    }
+
     /// MXFP8 under tensor parallelism: each rank's share of a converted linear's split features
     /// (a column-parallel one's outputs, a row-parallel one's inputs) must be whole blocks of 32,
     /// so that its blocks are one process's. Refused before the first step, naming the linear.
-    pub fn check_tensor_parallel(&self, args: &ModelArgs, tp: usize) -> Result<()> {
+    fn check_tensor_parallel(&self, args: &ModelArgs, tp: usize) -> Result<()> {
         for (l, block) in self.blocks.iter().enumerate() {
             for (p, name, d_in, d_out) in block_linears(args, l) {
                 let Some(recipe @ Float8Recipe::Mxfp8(_)) = block[p.index()] else {

@@ -225,7 +225,7 @@ impl RankPlan {
         if cfg.fsdp_float8_all_gather().is_some() {
             float8 = float8.with_fsdp_float8_all_gather(fsdp);
         }
-        float8.check_tensor_parallel(&args, local.tp)?;
+        let float8 = float8.for_tensor_parallel(&args, local.tp)?;
         let sizing = RankSizing {
             be,
             cfg,

@@ -1,0 +1,175 @@
+//! DeepSeek-V3 (multi-head latent attention, shared experts after a dense block, the routing bias
+//! stepped after every step) under the parallel layouts, real processes through the launcher:
+//! per-step loss and gradient norm within 1e-5 of one process over 10 steps. Under TP the heads
+//! split and the latents are computed whole on every rank (`model::llama::mla`); under CP ring
+//! attention reads the padded heads; EP moves the routed experts, the shared ones stay the
+//! block's SwiGLU; PP (1F1B and DualPipeV) carries the block unchanged. The bias moves with the
+//! job's load, so a layout that routed differently would drift from the one-process curve.
+
+mod common;
+
+use common::{assert_layout_matches_one_process, bits, quiet, tiny_config};
+
+/// The tiny DeepSeek-V3 (`TINY_ARGS`' dim 64, 2 blocks of which the first dense, 4 heads) with
+/// small latents: queries through a latent of 24, key/value latent 16, heads 8 + 8 rotated for
+/// queries and keys, 12 for values.
+const DEEPSEEK: &[&str] = &[
+    "--model.name",
+    "deepseek_v3",
+    "--model.flavor",
+    "debugmodel",
+    "--model.q_lora_rank",
+    "24",
+    "--model.kv_lora_rank",
+    "16",
+    "--model.qk_nope_head_dim",
+    "8",
+    "--model.qk_rope_head_dim",
+    "8",
+    "--model.v_head_dim",
+    "12",
+    "--training.steps",
+    "10",
+];
+
+fn nproc(n: &'static str) -> [&'static str; 4] {
+    ["--nproc", n, "--master-port", "0"]
+}
+
+fn check(what: &str, extra: &[&str], n: &'static str, parallel: &[&str]) {
+    let single = [DEEPSEEK, extra].concat();
+    assert_layout_matches_one_process(what, &single, &nproc(n), parallel, "rank 0 of");
+}
+
+#[test]
+fn deepseek_v3_matches_one_process_under_fsdp_tp_cp_and_ep() {
+    let global = ["--training.global_batch_size", "4"];
+    check("DeepSeek-V3 FSDP 2", &global, "2", &[]);
+    check(
+        "DeepSeek-V3 TP 2",
+        &[],
+        "2",
+        &["--parallelism.tensor_parallel_degree", "2"],
+    );
+    check(
+        "DeepSeek-V3 CP 2",
+        &[],
+        "2",
+        &["--parallelism.context_parallel_degree", "2"],
+    );
+    check(
+        "DeepSeek-V3 EP 2",
+        &global,
+        "2",
+        &["--parallelism.expert_parallel_degree", "2"],
+    );
+}
+
+/// Float8 (rowwise) under TP 2 equals one process that leaves MLA's latent down-projections in
+/// high precision, as TP does by itself: their gradients are partial sums there (latents 32 and
+/// 24 + 8 wide, heads 16 and 8 + 16: every other projection's features divide by 16).
+#[test]
+fn deepseek_v3_float8_under_tp_keeps_the_latent_down_projections_in_high_precision() {
+    let float8 = [
+        "--model.q_lora_rank",
+        "32",
+        "--model.kv_lora_rank",
+        "24",
+        "--model.v_head_dim",
+        "16",
+        "--model.converters",
+        "quantize.linear.float8",
+        "--quantize.linear.float8.filter_fqns",
+        "output,wq_a,wkv_a",
+    ];
+    check(
+        "DeepSeek-V3 float8 TP 2",
+        &float8,
+        "2",
+        &[
+            "--quantize.linear.float8.filter_fqns",
+            "output",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    );
+}
+
+#[test]
+fn deepseek_v3_matches_one_process_under_pp_and_a_3d_layout() {
+    for schedule in ["1F1B", "DualPipeV"] {
+        check(
+            &format!("DeepSeek-V3 PP 2 ({schedule})"),
+            &[],
+            "2",
+            &[
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                schedule,
+            ],
+        );
+    }
+    check(
+        "DeepSeek-V3 PP 2 × FSDP 2 × TP 2",
+        &["--training.global_batch_size", "4"],
+        "8",
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    );
+}
+
+/// The debug flavor learns on the built-in corpus, a run stopped at step 5 resumes bit for bit
+/// (weights, AdamW moments and the routing bias from the checkpoint), and activation
+/// checkpointing changes no number.
+#[test]
+fn deepseek_v3_learns_and_resumes_bit_for_bit() {
+    let tiny = |dir: &std::path::Path, steps| {
+        let mut cfg = tiny_config(dir, steps);
+        cfg.model.name = "deepseek_v3".into();
+        cfg.model.kv_lora_rank = Some(16);
+        cfg.model.qk_nope_head_dim = Some(8);
+        cfg.model.qk_rope_head_dim = Some(8);
+        cfg.model.v_head_dim = Some(12);
+        cfg
+    };
+    let learn = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(learn.path(), 30);
+    cfg.checkpoint.enable = false;
+    cfg.optimizer.lr = 3e-3;
+    let losses = titan::train::train(&cfg, &quiet()).unwrap().losses;
+    let (first, last) = (losses[0].1, losses.last().unwrap().1);
+    assert!(last < 0.6 * first, "deepseek_v3: loss {first} -> {last}");
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let straight = titan::train::train(&tiny(a.path(), 10), &quiet())
+        .unwrap()
+        .losses;
+    let stop_at_5 = titan::train::RunOptions {
+        quiet: true,
+        stop_after: Some(5),
+    };
+    titan::train::train(&tiny(b.path(), 10), &stop_at_5).unwrap();
+    let resumed = titan::train::train(&tiny(b.path(), 10), &quiet())
+        .unwrap()
+        .losses;
+    assert_eq!(bits(&straight[5..]), bits(&resumed));
+    // Activation checkpointing recomputes MLA's latents and heads with the same kernels: the
+    // same curve, bit for bit (full: the whole block again; op: the latents' norms only).
+    for (mode, option) in [("full", "2"), ("selective", "op")] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = tiny(dir.path(), 10);
+        cfg.checkpoint.enable = false;
+        cfg.activation_checkpoint.mode = mode.into();
+        cfg.activation_checkpoint.selective_ac_option = option.into();
+        let losses = titan::train::train(&cfg, &quiet()).unwrap().losses;
+        assert_eq!(
+            bits(&straight),
+            bits(&losses),
+            "activation checkpointing {mode} {option}"
+        );
+    }
+}
