@@ -101,6 +101,13 @@ stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_fol
 # with 4 of the 8 experts and half the batch, against the one-process CPU run above.
 rm -rf "$OUT_DIR/ep2_gpu"
 stage ep_cuda 60 "$BIN" train --nproc 2 $moe --training.device cuda --training.local_batch_size 2 --parallelism.expert_parallel_degree 2 --job.dump_folder "$OUT_DIR/ep2_gpu"
+# DeepSeek-V3 on CUDA (issue 29): multi-head latent attention (heads padded to 192, the latents'
+# norms, strided head copies, the shared rotated key's gradient summed over heads), shared experts
+# after a dense block, YaRN; alone and under TP 2 (heads split, latents replicated), against the
+# same run on the CPU.
+rm -rf "$OUT_DIR/ds_gpu" "$OUT_DIR/ds_cpu" "$OUT_DIR/ds_tp2_gpu"
+ds="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name deepseek_v3 --model.n_layers 2 --training.local_batch_size 4 --training.seq_len 128"
+stage deepseek_cuda 75 sh -c "'$BIN' train $ds --training.device cuda --job.dump_folder '$OUT_DIR/ds_gpu' && '$BIN' train $ds --training.device cpu --job.dump_folder '$OUT_DIR/ds_cpu' && '$BIN' train --nproc 2 $ds --training.device cuda --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/ds_tp2_gpu'"
 # Float8 linears, emulated on CUDA (issue 28: the casts run in the NVRTC kernels of
 # kernels/float8.cu, whose numbers the `cuda check` stages' float8 rows hold to the CPU's bit for
 # bit; the GEMMs stay fp32 until the cuBLASLt float8 GEMMs exist): rowwise and tensorwise, 5 steps
@@ -332,7 +339,17 @@ def moe_report():
               f"({'ok' if diff <= 1e-3 else 'FAIL'})")
     else:
         print("Qwen3-MoE EP 2 on CUDA: no result")
-for report in (resume_report, generate_report, fsdp_report, moe_report, bench_report, attention_report):
+def deepseek_report():
+    cpu = curve("ds_cpu")
+    for folder, what in (("ds_gpu", "DeepSeek-V3 on CUDA"), ("ds_tp2_gpu", "DeepSeek-V3 TP 2 on CUDA")):
+        run = curve(folder)
+        if run and cpu and len(run) == len(cpu):
+            diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
+            print(f"{what} vs one CPU process, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
+                  f"({'ok' if diff <= 1e-3 else 'FAIL'})")
+        else:
+            print(f"{what}: no result")
+for report in (resume_report, generate_report, fsdp_report, moe_report, deepseek_report, bench_report, attention_report):
     section(report)
 PYEOF
 }

@@ -319,7 +319,7 @@ fn time_steps<B: Backend>(
         let t0 = Instant::now();
         let first = (i * c.accum) % batches.len();
         let micro = &batches[first..first + c.accum];
-        let (loss, _) = train_step(
+        let loss = train_step(
             be,
             &mut c.layout,
             &mut c.opt,
@@ -327,7 +327,9 @@ fn time_steps<B: Backend>(
             8e-4,
             i as u64 + 1,
             1.0,
-        )?;
+            None,
+        )?
+        .loss;
         saves.save_if_due(be, c, i as u64 + 1)?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();

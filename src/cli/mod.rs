@@ -5,6 +5,7 @@ pub mod bench_attention;
 mod bench_report;
 pub mod cuda;
 pub mod generate;
+pub mod lighthouse;
 pub mod pipeline;
 pub mod plot;
 
@@ -88,6 +89,9 @@ pub enum Command {
     /// Draw loss (with validation loss), grad norm and tokens/s against steps from metrics.jsonl
     /// files, one run or several side by side, as an SVG.
     Plot(plot::PlotArgs),
+    /// The fault-tolerance lighthouse: replica groups (`[fault_tolerance]`) agree on each step's
+    /// quorum through it.
+    Lighthouse(lighthouse::LighthouseArgs),
     /// Pipeline schedules: print and draw one.
     Pipeline {
         #[command(subcommand)]
@@ -295,6 +299,7 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate::run(&args),
         Command::Plot(args) => plot::run(&args),
+        Command::Lighthouse(args) => lighthouse::run(&args),
         Command::Pipeline {
             what: PipelineCommand::Show(args),
         } => pipeline::show(&args),

@@ -11,4 +11,5 @@ pub mod mesh;
 pub mod nccl;
 pub mod peers;
 pub mod queue;
+pub mod quorum;
 pub mod store;

@@ -10,6 +10,7 @@
 mod activation_checkpoint;
 mod checkpoint;
 mod comm;
+mod fault_tolerance;
 mod job;
 mod load;
 mod metrics;
@@ -27,6 +28,7 @@ use serde::{Deserialize, Serialize};
 pub use activation_checkpoint::ActivationCheckpointConfig;
 pub use checkpoint::CheckpointConfig;
 pub use comm::CommConfig;
+pub use fault_tolerance::FaultToleranceConfig;
 pub use job::JobConfig;
 pub use load::{parse_overrides, DEFAULT_CONFIG_TOML};
 pub use metrics::MetricsConfig;
@@ -55,6 +57,7 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub comm: CommConfig,
     pub quantize: QuantizeConfig,
+    pub fault_tolerance: FaultToleranceConfig,
 }
 
 impl Config {
@@ -71,6 +74,7 @@ impl Config {
         self.validate_checkpoint()?;
         self.validate_validation()?;
         self.validate_comm()?;
+        self.validate_fault_tolerance()?;
         self.validate_metrics()
     }
 }

@@ -40,6 +40,9 @@ pub struct StepMetrics {
     /// backward; a quarter of fp32's for weights gathered in float8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fsdp_all_gather_bytes: Option<u64>,
+    /// Replica-group fault tolerance: the replica groups live in this step's quorum.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub live_replicas: Option<usize>,
 }
 
 /// One mixture-of-experts block's expert load over a step.

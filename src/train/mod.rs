@@ -9,6 +9,7 @@ pub mod memory;
 pub mod metrics;
 pub mod optimizer;
 pub mod profiler;
+pub mod replicas;
 pub mod save;
 pub mod start;
 pub mod step;

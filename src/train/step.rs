@@ -5,14 +5,23 @@
 use anyhow::Result;
 
 use super::optimizer::{clip_factor, AdamW};
+use super::replicas::ReplicaSync;
 use crate::backend::Backend;
 use crate::memory_timeline;
 use crate::parallel::layout::RankLayout;
 
+/// One step's outcome: its loss and gradient norm before clipping, and whether the update was
+/// applied (not when either is not finite, nor when a replica group was lost while averaging).
+pub struct StepOutcome {
+    pub loss: f64,
+    pub norm: f64,
+    pub committed: bool,
+}
+
 /// One step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
 /// normalised by the step's global number of targets, so micro-batches and data-parallel ranks
-/// add up to one big batch. Returns (loss, grad norm before clipping); when either is not finite
-/// the weights are left untouched.
+/// add up to one big batch; with replica groups (`replicas`) they are then averaged over the live
+/// ones. When the loss or the norm is not finite the weights are left untouched.
 #[allow(clippy::too_many_arguments)]
 pub fn train_step<B: Backend>(
     be: &B,
@@ -22,7 +31,8 @@ pub fn train_step<B: Backend>(
     lr: f64,
     step: u64,
     max_norm: f64,
-) -> Result<(f64, f64)> {
+    replicas: Option<&mut ReplicaSync>,
+) -> Result<StepOutcome> {
     let _span = crate::trace::span_named("step", || format!("step {step}"));
     let seq = layout.seq();
     let counted: usize = micro
@@ -35,12 +45,26 @@ pub fn train_step<B: Backend>(
     let loss_sum = layout.forward_backward(be, micro, scale)?;
     memory_timeline::mark(|| format!("step {step}: forward and backward done"));
     let loss = layout.sum_over_batch(loss_sum)? / targets.max(1) as f64;
+    if let Some(r) = replicas {
+        if !r.average(be, layout.state.grads_mut())? {
+            return Ok(StepOutcome {
+                loss,
+                norm: f64::NAN,
+                committed: false,
+            });
+        }
+    }
     let norm = layout.grad_norm(be)?;
-    if loss.is_finite() && norm.is_finite() {
+    let committed = loss.is_finite() && norm.is_finite();
+    if committed {
         let _span = crate::trace::span("optimizer", "AdamW");
         let (weights, grads) = layout.weights_and_grads();
         opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm));
         memory_timeline::mark(|| format!("step {step}: optimizer done"));
     }
-    Ok((loss, norm))
+    Ok(StepOutcome {
+        loss,
+        norm,
+        committed,
+    })
 }

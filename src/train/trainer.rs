@@ -14,6 +14,7 @@ use super::memory::peak_memory;
 use super::metrics::{default_peak_tflops, ExpertLoad, MetricsLogger, StepMetrics};
 use super::optimizer::AdamW;
 use super::profiler::StepProfiler;
+use super::replicas::{ReplicaParts, ReplicaSync};
 use super::save::save_checkpoint;
 use super::step::train_step;
 use super::threads::init_rank_threads;
@@ -140,12 +141,22 @@ fn train_on<B: Backend>(
     place: RankPlace<B>,
 ) -> Result<TrainSummary> {
     let mut run = TrainingRun::start(be, cfg, opts, place)?;
-    let crash_at = crash_drill(run.rank)?;
-    for step in run.first_step..=run.last_step {
+    let crash_at = crash_drill("TITAN_CRASH_AT", run.rank)?;
+    let stall_at = crash_drill("TITAN_STALL_AT", run.rank)?;
+    let mut step = run.first_step;
+    while step <= run.last_step {
+        step = run.sync_replicas(step)?;
+        if step > run.last_step {
+            break;
+        }
         if crash_at == Some(step) {
             let rank = run.rank;
             eprintln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
             std::process::abort();
+        }
+        if stall_at == Some(step) {
+            eprintln!("TITAN_STALL_AT: rank {} stops answering for {STALL_S} s at step {step} (fault drill)", run.rank);
+            std::thread::sleep(std::time::Duration::from_secs(STALL_S));
         }
         let write_trace = run.profiler.begin(step, &mut run.layout)?;
         let t0 = Instant::now();
@@ -155,7 +166,7 @@ fn train_on<B: Backend>(
         let max_norm = cfg.training.max_norm;
         // The step's gathers only (not the validation's or the profiler's before it).
         run.layout.state.take_gathered_bytes();
-        let (loss, norm) = train_step(
+        let outcome = train_step(
             be,
             &mut run.layout,
             &mut run.opt,
@@ -163,7 +174,13 @@ fn train_on<B: Backend>(
             lr,
             step,
             max_norm,
+            run.replicas.as_mut(),
         )?;
+        let (loss, norm) = (outcome.loss, outcome.norm);
+        if run.replicas.is_some() && !outcome.committed && loss.is_finite() {
+            // A replica group was lost while averaging: the next batch trains this step again.
+            continue;
+        }
         if !loss.is_finite() || !norm.is_finite() {
             bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, run.saver.last_good));
         }
@@ -177,10 +194,12 @@ fn train_on<B: Backend>(
             .rate
             .metrics(be, step, (loss, norm, lr), times, moe.as_ref());
         m.fsdp_all_gather_bytes = run.layout.state.take_gathered_bytes();
+        m.live_replicas = run.replicas.as_ref().map(|r| r.live());
         run.reporter.report(be, &mut run.layout, &m)?;
         run.save_if_due(step)?;
         let out = |line: String| emit(&run.reporter.bar, line);
         run.profiler.end(step, write_trace, &mut run.layout, &out)?;
+        step += 1;
     }
     run.finish()
 }
@@ -205,6 +224,8 @@ struct TrainingRun<'a, B: Backend> {
     profiler: StepProfiler<'a>,
     rate: StepRate,
     losses: Vec<(u64, f64)>,
+    /// Replica-group fault tolerance (`[fault_tolerance] enable`).
+    replicas: Option<ReplicaSync>,
     /// The steps this run executes (`first_step > last_step`: nothing left to do).
     first_step: u64,
     last_step: u64,
@@ -224,6 +245,12 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
                 println!("{s}");
             }
         };
+        // Replica groups read shares of the data of their own, as HSDP's replicas do.
+        let ft = &cfg.fault_tolerance;
+        let (dp_rank, dp_size) = match ft.enable {
+            true => (ft.replica_id * dp_size + dp_rank, ft.group_size * dp_size),
+            false => (dp_rank, dp_size),
+        };
         let mut loader = open_loader(cfg, dp_rank, dp_size)?;
         let mut composed =
             compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
@@ -235,6 +262,7 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
             say_what_the_restart_repeats(cfg, dist, resume.start_step, &say);
         }
         let rate = StepRate::of(be, cfg, &composed, dist);
+        let replicas = ReplicaSync::from_config(cfg, rank, dist.map_or(1, |d| d.world))?;
         print_banner(be, cfg, dist, &composed, &loader, &rate, &say);
         let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
         let bar = progress_bar(
@@ -281,10 +309,29 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
             accum: composed.accum,
             loader,
             losses: Vec::new(),
+            replicas,
             first_step: resume.start_step + 1,
             last_step,
             resumed_from: resume.resumed_from,
         })
+    }
+
+    /// With replica groups, before `step`: the quorum, and this replica's state from an
+    /// up-to-date one when it is behind; the step to train next.
+    fn sync_replicas(&mut self, step: u64) -> Result<u64> {
+        let Some(replicas) = self.replicas.as_mut() else {
+            return Ok(step);
+        };
+        let mut parts = ReplicaParts {
+            layout: &mut self.layout,
+            opt: &mut self.opt,
+            loader: &mut self.loader,
+        };
+        let start = replicas.start_step(self.be, step - 1, &mut parts)?;
+        if let (Some(from), false) = (start.recovered_from, self.quiet) {
+            emit(&self.reporter.bar, format!("[fault_tolerance] recovered step {} from replica group {from} (weights, optimizer state, data position); {} replica groups live", start.committed, replicas.live()));
+        }
+        Ok(start.committed + 1)
     }
 
     /// A checkpoint of `step` when one is due (every `interval` steps and at the end).
@@ -582,6 +629,7 @@ impl StepRate {
             moe_expert_load: moe.map(|m| ExpertLoad::of(&m.load)),
             moe_aux_loss: moe.and_then(|m| m.aux_loss),
             fsdp_all_gather_bytes: None,
+            live_replicas: None,
         }
     }
 }
@@ -634,11 +682,16 @@ fn progress_bar(hidden: bool, start: u64, steps: u64) -> ProgressBar {
     bar
 }
 
-/// Fault drills: `TITAN_CRASH_AT=RANK:STEP` makes that rank die abruptly (abort, no cleanup) when it
-/// reaches that step, in the first launch only (`TITAN_GENERATION` 0), so that restarts, timeouts and
-/// resume can be tested the way a real crash happens.
-fn crash_drill(rank: usize) -> Result<Option<u64>> {
-    let Ok(spec) = std::env::var("TITAN_CRASH_AT") else {
+/// How long `TITAN_STALL_AT` stalls a rank.
+const STALL_S: u64 = 4;
+
+/// Fault drills, in the first launch only (`TITAN_GENERATION` 0), so that restarts, timeouts and
+/// resume can be tested the way real faults happen: `TITAN_CRASH_AT=RANK:STEP` makes that rank die
+/// abruptly (abort, no cleanup) when it reaches that step; `TITAN_STALL_AT=RANK:STEP` makes it stop
+/// answering for `STALL_S` seconds there (a hung process, as SIGSTOP then SIGCONT). The step of
+/// `var`'s drill for `rank`.
+fn crash_drill(var: &str, rank: usize) -> Result<Option<u64>> {
+    let Ok(spec) = std::env::var(var) else {
         return Ok(None);
     };
     if std::env::var("TITAN_GENERATION").is_ok_and(|g| g != "0") {
@@ -646,12 +699,10 @@ fn crash_drill(rank: usize) -> Result<Option<u64>> {
     }
     let (r, s) = spec
         .split_once(':')
-        .ok_or_else(|| anyhow!("TITAN_CRASH_AT={spec}: expected RANK:STEP"))?;
+        .ok_or_else(|| anyhow!("{var}={spec}: expected RANK:STEP"))?;
     let (r, s): (usize, u64) = (
-        r.parse()
-            .map_err(|_| anyhow!("TITAN_CRASH_AT={spec}: bad rank"))?,
-        s.parse()
-            .map_err(|_| anyhow!("TITAN_CRASH_AT={spec}: bad step"))?,
+        r.parse().map_err(|_| anyhow!("{var}={spec}: bad rank"))?,
+        s.parse().map_err(|_| anyhow!("{var}={spec}: bad step"))?,
     );
     Ok((r == rank).then_some(s))
 }

@@ -1,0 +1,338 @@
+//! Replica-group fault tolerance on one rank (`[fault_tolerance]`, torchft's `Manager`): this job
+//! is one replica group of several, each an ordinary job with its own layout; at every step
+//! boundary its ranks join the lighthouse's quorum (`comm::quorum`), and each rank averages its
+//! gradients (its shard, under FSDP) with the same rank of every live replica.
+//!
+//! - A replica that dies or hangs past `process_group_timeout_ms` fails the cross-replica
+//!   average: the others drop that step (no update; the next batch is trained instead, as
+//!   torchft drops it) and continue with the replicas still live, without restarting.
+//! - A replica behind the quorum (restarted, or one that missed an update) receives from the
+//!   first up-to-date member, rank by rank, its weights, AdamW moments, data position and routing
+//!   bias, and goes on from that member's step: no checkpoint is read.
+//!
+//! Every replica must have the same layout (each rank's shards the same shape); a transfer whose
+//! sizes differ is refused, naming them. The cross-replica groups meet through the lighthouse's
+//! store, with the secret the replica groups share (`--job-secret-file`).
+
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::optimizer::AdamW;
+use crate::backend::Backend;
+use crate::comm::auth::JobSecret;
+use crate::comm::group::{ProcessGroup, ReduceOp, TcpGroup};
+use crate::comm::quorum::{Quorum, QuorumClient};
+use crate::config::Config;
+use crate::data::{DataLoader, LoaderState};
+use crate::model::ParamSet;
+use crate::parallel::layout::RankLayout;
+
+/// The largest metadata message a transfer accepts (bytes).
+const MAX_META: usize = 1 << 20;
+
+/// One rank's membership in the replica groups.
+pub struct ReplicaSync {
+    client: QuorumClient,
+    replica_id: usize,
+    rank: usize,
+    host: String,
+    timeout: Duration,
+    min_replicas: usize,
+    quorum: Option<Quorum>,
+    /// The same rank of every live replica (None when alone).
+    group: Option<TcpGroup>,
+}
+
+/// What a rank's training state needs beside the layout to continue another replica's run.
+pub struct ReplicaParts<'a, B: Backend> {
+    pub layout: &'a mut RankLayout<B>,
+    pub opt: &'a mut AdamW<B>,
+    pub loader: &'a mut DataLoader,
+}
+
+/// A transfer's first message.
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    step: u64,
+    epoch: u64,
+    consumed: u64,
+    expert_bias: Option<Vec<Vec<f32>>>,
+    lens: Vec<usize>,
+}
+
+/// What `start_step` found.
+pub struct StepStart {
+    /// The last step committed (another replica's when this one recovered).
+    pub committed: u64,
+    /// The replica recovered from, when this one was behind.
+    pub recovered_from: Option<usize>,
+}
+
+impl ReplicaSync {
+    /// Rank `rank` of `world` of this job, when `[fault_tolerance] enable`.
+    pub fn from_config(cfg: &Config, rank: usize, world: usize) -> Result<Option<Self>> {
+        let ft = &cfg.fault_tolerance;
+        if !ft.enable {
+            return Ok(None);
+        }
+        let secret = JobSecret::from_env()?.ok_or_else(|| anyhow!("[fault_tolerance]: no secret to prove to the lighthouse: start every replica group and `titan lighthouse` with the same --job-secret-file (or TITAN_JOB_SECRET_FILE)"))?;
+        let timeout = Duration::from_millis(ft.process_group_timeout_ms);
+        let addr = ft.lighthouse_addr()?;
+        let quorum_timeout = Duration::from_secs(ft.quorum_timeout_seconds);
+        let me = (ft.replica_id, rank, world);
+        let client = QuorumClient::connect(&addr, &secret, me, quorum_timeout)?;
+        let host = match std::env::var("TITAN_HOST") {
+            Ok(h) if !h.is_empty() => h,
+            _ => "127.0.0.1".to_string(),
+        };
+        Ok(Some(ReplicaSync {
+            client,
+            replica_id: ft.replica_id,
+            rank,
+            host,
+            timeout,
+            min_replicas: ft.min_replica_size,
+            quorum: None,
+            group: None,
+        }))
+    }
+
+    /// Live replica groups in the current quorum.
+    pub fn live(&self) -> usize {
+        self.quorum.as_ref().map_or(1, |q| q.members.len())
+    }
+
+    /// At a step boundary, having committed `committed`: joins the quorum (waiting for
+    /// `min_replica_size` live replicas) and, when behind it, takes the state of an up-to-date
+    /// member; an up-to-date source sends its state to those behind.
+    pub fn start_step<B: Backend>(
+        &mut self,
+        be: &B,
+        committed: u64,
+        parts: &mut ReplicaParts<'_, B>,
+    ) -> Result<StepStart> {
+        loop {
+            let q = self.client.join(committed)?;
+            if q.members.len() < self.min_replicas {
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            if self.quorum.as_ref().map(|x| x.id) != Some(q.id) {
+                self.group = None;
+            }
+            self.quorum = Some(q.clone());
+            if q.members.len() == 1 {
+                return Ok(StepStart {
+                    committed,
+                    recovered_from: None,
+                });
+            }
+            match self.sync_with(be, &q, committed, parts) {
+                Ok(start) => return Ok(start),
+                Err(e) => {
+                    eprintln!(
+                        "[fault_tolerance] replica {} rank {}: quorum {} failed ({e:#}); joining the next",
+                        self.replica_id, self.rank, q.id
+                    );
+                    self.forget();
+                }
+            }
+        }
+    }
+
+    /// Connects this quorum's group when needed, then sends or receives the state.
+    fn sync_with<B: Backend>(
+        &mut self,
+        be: &B,
+        q: &Quorum,
+        committed: u64,
+        parts: &mut ReplicaParts<'_, B>,
+    ) -> Result<StepStart> {
+        let me = q
+            .index_of(self.replica_id)
+            .ok_or_else(|| anyhow!("a quorum without this replica (a titan bug)"))?;
+        if self.group.is_none() {
+            // Every member names it alike: the lighthouse's round, and the rank in the replica.
+            let name = format!("ft-round{}-rank{}", self.client.round(), self.rank);
+            self.group = Some(TcpGroup::connect(
+                self.client.store(),
+                &name,
+                me,
+                q.members.len(),
+                &self.host,
+                self.timeout,
+                self.timeout,
+            )?);
+        }
+        let group = self.group.as_ref().expect("connected above");
+        let (max, source) = (q.max_step(), q.source());
+        if committed < max {
+            let step = receive_state(be, group, source, parts)?;
+            return Ok(StepStart {
+                committed: step,
+                recovered_from: Some(q.members[source].replica_id),
+            });
+        }
+        if me == source {
+            for (i, m) in q.members.iter().enumerate() {
+                if m.step < max {
+                    send_state(be, group, i, committed, parts)?;
+                }
+            }
+        }
+        Ok(StepStart {
+            committed,
+            recovered_from: None,
+        })
+    }
+
+    /// Averages `grads` with the same rank of every live replica. False when a replica was lost
+    /// on the way: the gradients are left as they were and the step must not be applied.
+    pub fn average<B: Backend>(&mut self, be: &B, grads: &mut ParamSet<B>) -> Result<bool> {
+        let Some(group) = &self.group else {
+            return Ok(true);
+        };
+        let mut packed: Vec<f32> = Vec::new();
+        for b in &grads.bufs {
+            packed.extend(be.download(b));
+        }
+        if let Err(e) = group.all_reduce(&mut packed, ReduceOp::Avg) {
+            eprintln!(
+                "[fault_tolerance] replica {} rank {}: the gradient average failed ({e:#}); this step is dropped",
+                self.replica_id, self.rank
+            );
+            self.forget();
+            return Ok(false);
+        }
+        let mut at = 0;
+        for b in grads.bufs.iter_mut() {
+            let n = be.len(b);
+            *b = be.upload(&packed[at..at + n]);
+            at += n;
+        }
+        Ok(true)
+    }
+
+    /// Drops the quorum and its group (a member was lost): the next step joins anew.
+    fn forget(&mut self) {
+        self.group = None;
+        self.quorum = None;
+    }
+}
+
+/// `bytes` as f32 words (their bit patterns, never computed with), after a two-word length.
+fn send_bytes(group: &TcpGroup, peer: usize, bytes: &[u8]) -> Result<()> {
+    let len = bytes.len() as u64;
+    let header = [
+        f32::from_bits(len as u32),
+        f32::from_bits((len >> 32) as u32),
+    ];
+    group.send(&header, peer)?;
+    let words: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            f32::from_bits(u32::from_le_bytes(w))
+        })
+        .collect();
+    group.send(&words, peer)
+}
+
+fn recv_bytes(group: &TcpGroup, peer: usize) -> Result<Vec<u8>> {
+    let mut header = [0f32; 2];
+    group.recv(&mut header, peer)?;
+    let len = header[0].to_bits() as u64 | ((header[1].to_bits() as u64) << 32);
+    if len > MAX_META as u64 {
+        bail!("[fault_tolerance] a state transfer from replica rank {peer} announces {len} bytes of metadata (at most {MAX_META})");
+    }
+    let mut words = vec![0f32; (len as usize).div_ceil(4)];
+    group.recv(&mut words, peer)?;
+    let mut bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.to_bits().to_le_bytes())
+        .collect();
+    bytes.truncate(len as usize);
+    Ok(bytes)
+}
+
+/// The buffers a transfer carries, in order: weights, then AdamW's two moments.
+fn state_bufs<'p, B: Backend>(
+    weights: &'p ParamSet<B>,
+    opt: &'p AdamW<B>,
+) -> impl Iterator<Item = &'p B::Buf> {
+    weights
+        .bufs
+        .iter()
+        .chain(&opt.exp_avg.bufs)
+        .chain(&opt.exp_avg_sq.bufs)
+}
+
+/// Sends this rank's state at step `step` to member `peer`.
+fn send_state<B: Backend>(
+    be: &B,
+    group: &TcpGroup,
+    peer: usize,
+    step: u64,
+    parts: &mut ReplicaParts<'_, B>,
+) -> Result<()> {
+    let loader = parts.loader.state();
+    let expert_bias = parts.layout.model.expert_bias();
+    let (weights, _) = parts.layout.weights_and_grads();
+    let lens = state_bufs(weights, parts.opt).map(|b| be.len(b)).collect();
+    let meta = Meta {
+        step,
+        epoch: loader.epoch,
+        consumed: loader.consumed,
+        expert_bias,
+        lens,
+    };
+    send_bytes(group, peer, &serde_json::to_vec(&meta)?)?;
+    for b in state_bufs(weights, parts.opt) {
+        group.send(&be.download(b), peer)?;
+    }
+    Ok(())
+}
+
+/// Receives member `source`'s state into this rank's; returns its step.
+fn receive_state<B: Backend>(
+    be: &B,
+    group: &TcpGroup,
+    source: usize,
+    parts: &mut ReplicaParts<'_, B>,
+) -> Result<u64> {
+    let meta: Meta = serde_json::from_slice(&recv_bytes(group, source)?)
+        .map_err(|e| anyhow!("[fault_tolerance] a malformed state transfer: {e}"))?;
+    let (weights, _) = parts.layout.weights_and_grads();
+    let mine: Vec<usize> = state_bufs(weights, parts.opt).map(|b| be.len(b)).collect();
+    if mine != meta.lens {
+        bail!("[fault_tolerance] replica groups with different layouts: this rank holds tensors of {} values, the up-to-date replica's {} (every replica group must use the same parallelism)", mine.iter().sum::<usize>(), meta.lens.iter().sum::<usize>());
+    }
+    let mut received = Vec::with_capacity(mine.len());
+    for &n in &mine {
+        let mut v = vec![0f32; n];
+        group.recv(&mut v, source)?;
+        received.push(be.upload(&v));
+    }
+    let n = weights.bufs.len();
+    let mut it = received.into_iter();
+    for b in weights.bufs.iter_mut() {
+        *b = it.next().expect("as many as sent");
+    }
+    for set in [&mut parts.opt.exp_avg, &mut parts.opt.exp_avg_sq] {
+        for b in set.bufs.iter_mut().take(n) {
+            *b = it.next().expect("as many as sent");
+        }
+    }
+    if let Some(bias) = &meta.expert_bias {
+        parts.layout.model.set_expert_bias(bias)?;
+    }
+    parts.loader.restore(LoaderState {
+        epoch: meta.epoch,
+        consumed: meta.consumed,
+        buffer: Vec::new(),
+    })?;
+    Ok(meta.step)
+}
