@@ -25,9 +25,13 @@ pub struct FaultToleranceConfig {
     /// How long a step waits for the lighthouse's quorum (enough live replica groups) before the
     /// job fails (torchft's `quorum_timeout`).
     pub quorum_timeout_seconds: u64,
-    /// Semi-synchronous training (`diloco`, `local_sgd`): not built yet.
+    /// Semi-synchronous training: `diloco` or `local_sgd` (absent: gradients averaged every step).
     pub semi_sync_method: Option<String>,
+    /// Steps between the semi-synchronous syncs.
     pub sync_steps: u64,
+    /// DiLoCo's outer Nesterov SGD: learning rate and momentum (the paper's 0.7 and 0.9).
+    pub outer_lr: f32,
+    pub outer_momentum: f32,
 }
 
 impl Default for FaultToleranceConfig {
@@ -42,6 +46,8 @@ impl Default for FaultToleranceConfig {
             quorum_timeout_seconds: 60,
             semi_sync_method: None,
             sync_steps: 5,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
         }
     }
 }
@@ -86,7 +92,16 @@ impl Config {
             bail!("[fault_tolerance] process_group_timeout_ms and quorum_timeout_seconds must be positive");
         }
         if let Some(m) = &ft.semi_sync_method {
-            bail!("[fault_tolerance] semi_sync_method = \"{m}\" is not built yet (issue 30: DiLoCo and local SGD); leave it unset for per-step gradient averaging");
+            if m != "diloco" && m != "local_sgd" {
+                bail!("[fault_tolerance] semi_sync_method = \"{m}\" is not known (accepted: \"diloco\", \"local_sgd\"; absent: gradients averaged every step)");
+            }
+            if ft.sync_steps == 0 {
+                bail!("[fault_tolerance] sync_steps must be at least 1");
+            }
+            let (lr, mu) = (ft.outer_lr, ft.outer_momentum);
+            if !(lr.is_finite() && lr > 0.0 && mu.is_finite() && (0.0..1.0).contains(&mu)) {
+                bail!("[fault_tolerance] outer_lr = {lr} must be positive and outer_momentum = {mu} in [0, 1)");
+            }
         }
         Ok(())
     }

@@ -11,6 +11,7 @@ pub mod optimizer;
 pub mod profiler;
 pub mod replicas;
 pub mod save;
+pub mod semi_sync;
 pub mod start;
 pub mod step;
 pub mod tensorboard;

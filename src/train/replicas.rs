@@ -20,6 +20,7 @@ use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::optimizer::AdamW;
+use super::semi_sync::SemiSync;
 use crate::backend::Backend;
 use crate::comm::auth::JobSecret;
 use crate::comm::group::{ProcessGroup, ReduceOp, TcpGroup};
@@ -43,6 +44,11 @@ pub struct ReplicaSync {
     quorum: Option<Quorum>,
     /// The same rank of every live replica (None when alone).
     group: Option<TcpGroup>,
+    /// Semi-synchronous training (None: gradients averaged every step).
+    pub semi: Option<SemiSync>,
+    /// A semi-synchronous sync failed here: this replica reports a step less at the next quorum,
+    /// so that it takes the state of one whose sync went through (when any did).
+    stale: bool,
 }
 
 /// What a rank's training state needs beside the layout to continue another replica's run.
@@ -60,6 +66,8 @@ struct Meta {
     consumed: u64,
     expert_bias: Option<Vec<Vec<f32>>>,
     lens: Vec<usize>,
+    /// Semi-synchronous training's θ_g and outer momentum, per tensor.
+    semi_lens: Vec<usize>,
 }
 
 /// What `start_step` found.
@@ -96,6 +104,9 @@ impl ReplicaSync {
             min_replicas: ft.min_replica_size,
             quorum: None,
             group: None,
+            semi: SemiSync::from_config(ft)?
+                .map(|s| s.dumping_as(format!("replica{}-rank{rank}", ft.replica_id))),
+            stale: false,
         }))
     }
 
@@ -106,7 +117,8 @@ impl ReplicaSync {
 
     /// At a step boundary, having committed `committed`: joins the quorum (waiting for
     /// `min_replica_size` live replicas) and, when behind it, takes the state of an up-to-date
-    /// member; an up-to-date source sends its state to those behind.
+    /// member; an up-to-date source sends its state to those behind. Semi-synchronous training
+    /// syncs here first (`sync_point`).
     pub fn start_step<B: Backend>(
         &mut self,
         be: &B,
@@ -114,7 +126,8 @@ impl ReplicaSync {
         parts: &mut ReplicaParts<'_, B>,
     ) -> Result<StepStart> {
         loop {
-            let q = self.client.join(committed)?;
+            let reported = committed.saturating_sub(self.stale as u64);
+            let q = self.client.join(reported)?;
             if q.members.len() < self.min_replicas {
                 std::thread::sleep(Duration::from_millis(20));
                 continue;
@@ -123,14 +136,14 @@ impl ReplicaSync {
                 self.group = None;
             }
             self.quorum = Some(q.clone());
-            if q.members.len() == 1 {
-                return Ok(StepStart {
-                    committed,
-                    recovered_from: None,
-                });
-            }
-            match self.sync_with(be, &q, committed, parts) {
-                Ok(start) => return Ok(start),
+            match self.meet(be, &q, reported, parts) {
+                Ok(start) => {
+                    if start.recovered_from.is_some() {
+                        self.stale = false;
+                    }
+                    let committed = start.committed.max(committed);
+                    return Ok(StepStart { committed, ..start });
+                }
                 Err(e) => {
                     eprintln!(
                         "[fault_tolerance] replica {} rank {}: quorum {} failed ({e:#}); joining the next",
@@ -142,50 +155,73 @@ impl ReplicaSync {
         }
     }
 
-    /// Connects this quorum's group when needed, then sends or receives the state.
-    fn sync_with<B: Backend>(
+    /// Whether step `step` ends at a semi-synchronous sync point.
+    pub fn syncs_after(&self, step: u64) -> bool {
+        self.semi.as_ref().is_some_and(|s| s.syncs_after(step))
+    }
+
+    /// With the quorum `q`: the semi-synchronous sync, then the state from an up-to-date member
+    /// to those behind.
+    fn meet<B: Backend>(
         &mut self,
         be: &B,
         q: &Quorum,
-        committed: u64,
+        reported: u64,
         parts: &mut ReplicaParts<'_, B>,
     ) -> Result<StepStart> {
-        let me = q
-            .index_of(self.replica_id)
-            .ok_or_else(|| anyhow!("a quorum without this replica (a titan bug)"))?;
-        if self.group.is_none() {
+        let alone = StepStart {
+            committed: reported,
+            recovered_from: None,
+        };
+        if q.members.len() > 1 && self.group.is_none() {
+            let me = q
+                .index_of(self.replica_id)
+                .ok_or_else(|| anyhow!("a quorum without this replica (a titan bug)"))?;
             // Every member names it alike: the lighthouse's round, and the rank in the replica.
             let name = format!("ft-round{}-rank{}", self.client.round(), self.rank);
+            let (n, t) = (q.members.len(), self.timeout);
             self.group = Some(TcpGroup::connect(
                 self.client.store(),
                 &name,
                 me,
-                q.members.len(),
+                n,
                 &self.host,
-                self.timeout,
-                self.timeout,
+                t,
+                t,
             )?);
         }
-        let group = self.group.as_ref().expect("connected above");
+        let group = self.group.as_ref().map(|g| g as &dyn ProcessGroup);
+        if let Some(semi) = self.semi.as_mut() {
+            let (weights, _) = parts.layout.weights_and_grads();
+            let contributes = reported >= q.max_step();
+            if !semi.sync(be, weights, group, contributes)? {
+                self.stale = true;
+                self.forget();
+                return Ok(alone);
+            }
+        }
+        let Some(group) = self.group.as_ref() else {
+            return Ok(alone);
+        };
+        let me = q.index_of(self.replica_id).unwrap_or(0);
         let (max, source) = (q.max_step(), q.source());
-        if committed < max {
-            let step = receive_state(be, group, source, parts)?;
+        let semi = self.semi.as_mut();
+        if reported < max {
+            let step = receive_state(be, group, source, parts, semi)?;
             return Ok(StepStart {
                 committed: step,
                 recovered_from: Some(q.members[source].replica_id),
             });
         }
         if me == source {
+            let mut semi = semi;
             for (i, m) in q.members.iter().enumerate() {
                 if m.step < max {
-                    send_state(be, group, i, committed, parts)?;
+                    send_state(be, group, i, reported, parts, semi.as_deref_mut())?;
                 }
             }
         }
-        Ok(StepStart {
-            committed,
-            recovered_from: None,
-        })
+        Ok(alone)
     }
 
     /// Averages `grads` with the same rank of every live replica. False when a replica was lost
@@ -277,21 +313,29 @@ fn send_state<B: Backend>(
     peer: usize,
     step: u64,
     parts: &mut ReplicaParts<'_, B>,
+    semi: Option<&mut SemiSync>,
 ) -> Result<()> {
     let loader = parts.loader.state();
     let expert_bias = parts.layout.model.expert_bias();
     let (weights, _) = parts.layout.weights_and_grads();
     let lens = state_bufs(weights, parts.opt).map(|b| be.len(b)).collect();
+    let outer: Vec<&Vec<f32>> = semi
+        .map(|s| s.global.iter().chain(&s.momentum).collect())
+        .unwrap_or_default();
     let meta = Meta {
         step,
         epoch: loader.epoch,
         consumed: loader.consumed,
         expert_bias,
         lens,
+        semi_lens: outer.iter().map(|v| v.len()).collect(),
     };
     send_bytes(group, peer, &serde_json::to_vec(&meta)?)?;
     for b in state_bufs(weights, parts.opt) {
         group.send(&be.download(b), peer)?;
+    }
+    for v in outer {
+        group.send(v, peer)?;
     }
     Ok(())
 }
@@ -302,6 +346,7 @@ fn receive_state<B: Backend>(
     group: &TcpGroup,
     source: usize,
     parts: &mut ReplicaParts<'_, B>,
+    semi: Option<&mut SemiSync>,
 ) -> Result<u64> {
     let meta: Meta = serde_json::from_slice(&recv_bytes(group, source)?)
         .map_err(|e| anyhow!("[fault_tolerance] a malformed state transfer: {e}"))?;
@@ -334,5 +379,38 @@ fn receive_state<B: Backend>(
         consumed: meta.consumed,
         buffer: Vec::new(),
     })?;
+    receive_outer_state(group, source, &meta, semi)?;
     Ok(meta.step)
+}
+
+/// Semi-synchronous training's θ_g and outer momentum from member `source` (`meta.semi_lens`:
+/// the tensors of each, in order), refused when only one side trains semi-synchronously.
+fn receive_outer_state(
+    group: &TcpGroup,
+    source: usize,
+    meta: &Meta,
+    semi: Option<&mut SemiSync>,
+) -> Result<()> {
+    let Some(semi) = semi else {
+        if !meta.semi_lens.is_empty() {
+            bail!("[fault_tolerance] the up-to-date replica trains semi-synchronously and this one does not: every replica group needs the same semi_sync_method");
+        }
+        return Ok(());
+    };
+    // θ_g and the momentum are shaped like the weights (`meta.lens`' first third, checked
+    // against this rank's own before anything is allocated).
+    let weights = &meta.lens[..meta.lens.len() / 3];
+    let half = weights.len();
+    if meta.semi_lens != [weights, weights].concat() {
+        bail!("[fault_tolerance] the up-to-date replica's semi-synchronous state is not shaped like the weights: every replica group needs the same semi_sync_method and layout");
+    }
+    let mut vectors = Vec::with_capacity(meta.semi_lens.len());
+    for &n in &meta.semi_lens {
+        let mut v = vec![0f32; n];
+        group.recv(&mut v, source)?;
+        vectors.push(v);
+    }
+    semi.momentum = vectors.split_off(half);
+    semi.global = vectors;
+    Ok(())
 }

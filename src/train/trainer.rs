@@ -166,6 +166,8 @@ fn train_on<B: Backend>(
         let max_norm = cfg.training.max_norm;
         // The step's gathers only (not the validation's or the profiler's before it).
         run.layout.state.take_gathered_bytes();
+        // Replica groups average gradients every step, unless they sync semi-synchronously.
+        let per_step = run.replicas.as_mut().filter(|r| r.semi.is_none());
         let outcome = train_step(
             be,
             &mut run.layout,
@@ -174,7 +176,7 @@ fn train_on<B: Backend>(
             lr,
             step,
             max_norm,
-            run.replicas.as_mut(),
+            per_step,
         )?;
         let (loss, norm) = (outcome.loss, outcome.norm);
         if run.replicas.is_some() && !outcome.committed && loss.is_finite() {
@@ -196,9 +198,15 @@ fn train_on<B: Backend>(
         m.fsdp_all_gather_bytes = run.layout.state.take_gathered_bytes();
         m.live_replicas = run.replicas.as_ref().map(|r| r.live());
         run.reporter.report(be, &mut run.layout, &m)?;
-        run.save_if_due(step)?;
         let out = |line: String| emit(&run.reporter.bar, line);
         run.profiler.end(step, write_trace, &mut run.layout, &out)?;
+        let synced = run.semi_sync_after(step)?;
+        if synced > step {
+            // Behind the other replica groups: it goes on from their step.
+            step = synced + 1;
+            continue;
+        }
+        run.save_if_due(step)?;
         step += 1;
     }
     run.finish()
@@ -322,16 +330,38 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
         let Some(replicas) = self.replicas.as_mut() else {
             return Ok(step);
         };
+        // Semi-synchronous groups meet at their sync points only, and once at the start.
+        if replicas.semi.is_some() && step != self.first_step {
+            return Ok(step);
+        }
+        self.meet_replicas(step - 1).map(|committed| committed + 1)
+    }
+
+    /// Semi-synchronous training, after committing `step`: the sync when one is due; the step
+    /// this replica has then committed (another group's, when it was behind).
+    fn semi_sync_after(&mut self, step: u64) -> Result<u64> {
+        match &self.replicas {
+            Some(r) if r.syncs_after(step) => self.meet_replicas(step),
+            _ => Ok(step),
+        }
+    }
+
+    /// The replica groups' meeting having committed `committed`: the quorum, the semi-synchronous
+    /// sync, the state from an up-to-date group when this one is behind; the step committed then.
+    fn meet_replicas(&mut self, committed: u64) -> Result<u64> {
+        let Some(replicas) = self.replicas.as_mut() else {
+            return Ok(committed);
+        };
         let mut parts = ReplicaParts {
             layout: &mut self.layout,
             opt: &mut self.opt,
             loader: &mut self.loader,
         };
-        let start = replicas.start_step(self.be, step - 1, &mut parts)?;
+        let start = replicas.start_step(self.be, committed, &mut parts)?;
         if let (Some(from), false) = (start.recovered_from, self.quiet) {
             emit(&self.reporter.bar, format!("[fault_tolerance] recovered step {} from replica group {from} (weights, optimizer state, data position); {} replica groups live", start.committed, replicas.live()));
         }
-        Ok(start.committed + 1)
+        Ok(start.committed)
     }
 
     /// A checkpoint of `step` when one is due (every `interval` steps and at the end).
