@@ -14,7 +14,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
-use super::hf_deepseek;
+use super::hf_deepseek::{self, hf_name_of};
 use super::hf_rope::{hf_rope_scaling, rope_from_hf};
 use super::{st, TrainState, FORMAT_VERSION};
 use crate::backend::cpu::CpuBackend;
@@ -59,18 +59,6 @@ pub fn hf_name(name: &str) -> String {
             .replace(".w3.weight", ".up_proj.weight");
     }
     out
-}
-
-/// titan name → HF name in `args`' model (DeepSeek-V3's attention has names of its own).
-pub fn hf_name_of(args: &ModelArgs, name: &str) -> String {
-    if args.mla.is_none() {
-        return hf_name(name);
-    }
-    let mut name = name.to_string();
-    for (titan, hf) in hf_deepseek::MLA_NAMES {
-        name = name.replace(titan, hf);
-    }
-    hf_name(&name)
 }
 
 /// Row `j` of an HF head comes from this row of the interleaved (titan) head.
@@ -231,7 +219,10 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
         ));
     }
     if args.mla.is_some() {
-        tensors.extend(routing_bias_tensors(&args, state.expert_bias.as_deref()));
+        tensors.extend(hf_deepseek::routing_bias_tensors(
+            &args,
+            state.expert_bias.as_deref(),
+        ));
     }
     std::fs::create_dir_all(out_dir)
         .with_context(|| format!("cannot create {}", out_dir.display()))?;
@@ -264,23 +255,6 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
         }
     );
     Ok(())
-}
-
-/// DeepSeek-V3's routing bias of every mixture-of-experts block, in f32 as transformers keeps it
-/// (zeros where the checkpoint has none).
-fn routing_bias_tensors(args: &ModelArgs, bias: Option<&[Vec<f32>]>) -> Vec<(String, Tensor)> {
-    let experts = args.moe.map_or(0, |m| m.router.num_experts);
-    (0..args.n_layers)
-        .filter(|&l| args.moe_at(l).is_some())
-        .map(|l| {
-            let values = bias
-                .and_then(|b| b.get(l))
-                .cloned()
-                .unwrap_or_else(|| vec![0.0; experts]);
-            let name = hf_deepseek::bias_name(l);
-            (name, Tensor::from_f32(vec![experts], values))
-        })
-        .collect()
 }
 
 /// Columns of a matrix (1 for a vector).
@@ -608,41 +582,12 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     if extra > 0 {
         println!("{}: skipping {extra} tensors of blocks past the model's {} (a multi-token-prediction layer titan does not train)", hf_dir.display(), args.n_layers);
     }
-    let expert_bias = routing_bias(&args, &by_name)?;
+    let expert_bias = hf_deepseek::routing_bias(&args, &by_name)?;
     Ok(HfModel {
         args,
         params,
         expert_bias,
     })
-}
-
-/// DeepSeek-V3's routing bias of each block, from `mlp.gate.e_score_correction_bias` (zeros where
-/// a checkpoint has none, as transformers initialises it); None for other models.
-fn routing_bias(
-    args: &ModelArgs,
-    by_name: &BTreeMap<String, (Tensor, std::path::PathBuf)>,
-) -> Result<Option<Vec<Vec<f32>>>> {
-    let (Some(_), Some(moe)) = (&args.mla, &args.moe) else {
-        return Ok(None);
-    };
-    let experts = moe.router.num_experts;
-    let mut bias = vec![vec![0.0; experts]; args.n_layers];
-    for (l, b) in bias.iter_mut().enumerate() {
-        let name = hf_deepseek::bias_name(l);
-        let Some((t, file)) = by_name.get(&name) else {
-            continue;
-        };
-        if t.shape != [experts] || args.moe_at(l).is_none() {
-            bail!(
-                "{}: `{name}` has shape {:?}; block {l} has {} routed experts",
-                file.display(),
-                t.shape,
-                if args.moe_at(l).is_some() { experts } else { 0 }
-            );
-        }
-        *b = t.to_f32_vec();
-    }
-    Ok(Some(bias))
 }
 
 /// The weights `config.json` describes fit in the safetensors files present (at

@@ -14,6 +14,7 @@
 //! titan model with softmax scores (TorchTitan's small DeepSeek flavors) has no such HF model, and
 //! export refuses it, naming why.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
@@ -24,6 +25,7 @@ use crate::model::mla::MlaArgs;
 use crate::model::moe::router::{RouterArgs, ScoreFunc};
 use crate::model::moe::MoeArgs;
 use crate::model::ModelArgs;
+use crate::tensor::Tensor;
 
 /// The routing bias's HF name in block `l`.
 pub fn bias_name(l: usize) -> String {
@@ -265,4 +267,62 @@ pub fn extra_layer_tensors<'a>(names: impl Iterator<Item = &'a String>, n_layers
                 .is_some_and(|l| l >= n_layers)
         })
         .count()
+}
+
+/// titan name → HF name in `args`' model (DeepSeek-V3's attention has names of its own).
+pub fn hf_name_of(args: &ModelArgs, name: &str) -> String {
+    if args.mla.is_none() {
+        return super::hf::hf_name(name);
+    }
+    let mut name = name.to_string();
+    for (titan, hf) in MLA_NAMES {
+        name = name.replace(titan, hf);
+    }
+    super::hf::hf_name(&name)
+}
+
+/// DeepSeek-V3's routing bias of every mixture-of-experts block, in f32 as transformers keeps it
+/// (zeros where the checkpoint has none).
+pub fn routing_bias_tensors(args: &ModelArgs, bias: Option<&[Vec<f32>]>) -> Vec<(String, Tensor)> {
+    let experts = args.moe.map_or(0, |m| m.router.num_experts);
+    (0..args.n_layers)
+        .filter(|&l| args.moe_at(l).is_some())
+        .map(|l| {
+            let values = bias
+                .and_then(|b| b.get(l))
+                .cloned()
+                .unwrap_or_else(|| vec![0.0; experts]);
+            let name = bias_name(l);
+            (name, Tensor::from_f32(vec![experts], values))
+        })
+        .collect()
+}
+
+/// DeepSeek-V3's routing bias of each block, from `mlp.gate.e_score_correction_bias` (zeros where
+/// a checkpoint has none, as transformers initialises it); None for other models.
+pub fn routing_bias(
+    args: &ModelArgs,
+    by_name: &BTreeMap<String, (Tensor, std::path::PathBuf)>,
+) -> Result<Option<Vec<Vec<f32>>>> {
+    let (Some(_), Some(moe)) = (&args.mla, &args.moe) else {
+        return Ok(None);
+    };
+    let experts = moe.router.num_experts;
+    let mut bias = vec![vec![0.0; experts]; args.n_layers];
+    for (l, b) in bias.iter_mut().enumerate() {
+        let name = bias_name(l);
+        let Some((t, file)) = by_name.get(&name) else {
+            continue;
+        };
+        if t.shape != [experts] || args.moe_at(l).is_none() {
+            bail!(
+                "{}: `{name}` has shape {:?}; block {l} has {} routed experts",
+                file.display(),
+                t.shape,
+                if args.moe_at(l).is_some() { experts } else { 0 }
+            );
+        }
+        *b = t.to_f32_vec();
+    }
+    Ok(Some(bias))
 }

@@ -17,8 +17,9 @@
 use anyhow::{bail, Result};
 
 use super::args::ModelArgs;
-use super::local_shapes::{BlockProjection, LocalShapes};
+use super::local_shapes::LocalShapes;
 use super::params::ParamIds;
+use super::projection::BlockProjection;
 use crate::backend::float8::Float8Recipe;
 
 /// What `[quantize.linear.float8]` asks for.

@@ -16,6 +16,7 @@ pub mod mla;
 pub mod moe;
 pub mod parallel_linear;
 pub mod params;
+pub mod projection;
 
 pub use args::ModelArgs;
 pub use llama::{KvCache, Llama, Workspace};

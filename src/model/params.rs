@@ -4,9 +4,9 @@
 use crate::backend::Backend;
 
 use super::args::ModelArgs;
-use super::local_shapes::BlockProjection;
 use super::mla::MlaArgs;
 use super::moe::MoeIds;
+use super::projection::BlockProjection;
 
 /// The routed expert whose weight `name` is (`layers.N.moe.experts.E.…`); None for any other.
 pub fn expert_of(name: &str) -> Option<usize> {

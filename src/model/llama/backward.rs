@@ -6,17 +6,17 @@ use std::cell::RefCell;
 
 use anyhow::Result;
 
-use super::block::BlockLinears;
-use super::mla::{MlaGrads, MlaScratch};
+use super::mla::MlaGrads;
+use super::mla_scratch::MlaScratch;
+use super::run::{BackwardRun, BlockLinears};
 use super::workspace::{BlockActs, FfnGrads};
 use super::Llama;
 use crate::backend::{AttnShape, Backend, RopeShape};
-use crate::model::linear::Linear;
-use crate::model::local_shapes::BlockProjection;
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
-use crate::model::params::{AttentionIds, FeedForwardIds, LayerIds, ParamSet};
+use crate::model::params::{AttentionIds, FeedForwardIds, ParamSet};
+use crate::model::projection::BlockProjection;
 use crate::model::Workspace;
 
 impl<B: Backend> Llama<B> {
@@ -364,24 +364,6 @@ impl<B: Backend> Llama<B> {
             g.full,
             g.dnormed,
         )
-    }
-}
-
-/// What every op of one block's backward reads.
-pub(super) struct BackwardRun<'r, B: Backend> {
-    pub(super) be: &'r B,
-    pub(super) p: &'r [B::Buf],
-    id: &'r LayerIds,
-    linears: BlockLinears,
-    pub(super) sp: SequenceParallel<'r, B>,
-    pub(super) batch: usize,
-    pub(super) seq: usize,
-}
-
-impl<B: Backend> BackwardRun<'_, B> {
-    /// The block's projection `p`.
-    pub(super) fn linear(&self, p: BlockProjection) -> Linear {
-        self.linears.get(p)
     }
 }
 

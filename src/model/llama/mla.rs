@@ -17,87 +17,16 @@
 
 use anyhow::Result;
 
-use super::backward::BackwardRun;
-use super::block::BlockRun;
+use super::mla_scratch::MlaScratch;
+use super::run::{BackwardRun, BlockRun};
 use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::{Backend, RopeShape};
 use crate::model::activation_checkpoint::Act;
-use crate::model::local_shapes::{BlockProjection, LocalShapes};
 use crate::model::mla::MlaArgs;
 use crate::model::parallel_linear::{Projection, ProjectionGrad};
 use crate::model::params::{MlaIds, MlaQueryIds, ParamSet};
-
-/// MLA's working buffers besides the block's activations: the forward's transient products
-/// (reused by the backward for their gradients) and the backward's latent gradients. Empty
-/// without MLA.
-pub(crate) struct MlaScratch<B: Backend> {
-    /// `[n, heads·qk]`: the query projection (backward: its gradient).
-    q_proj: B::Buf,
-    /// `[n, heads·(nope + v)]`: the key/value up-projection (backward: its gradient).
-    kv_up: B::Buf,
-    /// `[n·heads, rope]` and `[n, rope]`: the rotated parts while RoPE turns them.
-    q_rope: B::Buf,
-    k_rope: B::Buf,
-    /// `[n, kv_lora_rank]`: the key/value latent before its norm, contiguous.
-    kv_c: B::Buf,
-    /// The backward's: the query latent's gradients after and before its norm, the key/value
-    /// projection's, the latent's after and before its norm, and the heads' values'.
-    dq_latent_normed: B::Buf,
-    dq_latent: B::Buf,
-    dkv_latent: B::Buf,
-    dkv_normed: B::Buf,
-    dkv_c: B::Buf,
-    dvalues: B::Buf,
-}
-
-/// The sizes of `MlaScratch`'s buffers, in field order.
-fn scratch_sizes(m: &LocalShapes, n: usize, backward: bool) -> [usize; 11] {
-    let Some(a) = m.mla.as_ref() else {
-        return [0; 11];
-    };
-    let h = m.heads;
-    let q_rank = a.q_lora_rank.unwrap_or(0);
-    let grad = |len: usize| if backward { len } else { 0 };
-    [
-        n * h * a.qk_head_dim(),
-        n * h * a.kv_b_head_dim(),
-        n * h * a.qk_rope_head_dim,
-        n * a.qk_rope_head_dim,
-        n * a.kv_lora_rank,
-        grad(n * q_rank),
-        grad(n * q_rank),
-        grad(n * a.kv_a_dim()),
-        grad(n * a.kv_lora_rank),
-        grad(n * a.kv_lora_rank),
-        grad(n * m.values_dim()),
-    ]
-}
-
-/// Values of `MlaScratch` for `n` token rows (the memory estimate's count).
-pub fn mla_scratch_floats(m: &LocalShapes, n: usize, backward: bool) -> usize {
-    scratch_sizes(m, n, backward).iter().sum()
-}
-
-impl<B: Backend> MlaScratch<B> {
-    pub(super) fn allocate(be: &B, m: &LocalShapes, n: usize, backward: bool) -> Self {
-        let [q_proj, kv_up, q_rope, k_rope, kv_c, dq_latent_normed, dq_latent, dkv_latent, dkv_normed, dkv_c, dvalues] =
-            scratch_sizes(m, n, backward).map(|len| be.zeros(len));
-        MlaScratch {
-            q_proj,
-            kv_up,
-            q_rope,
-            k_rope,
-            kv_c,
-            dq_latent_normed,
-            dq_latent,
-            dkv_latent,
-            dkv_normed,
-            dkv_c,
-            dvalues,
-        }
-    }
-}
+use crate::model::projection::BlockProjection;
 
 /// Where one head's columns of width `cols` start, in rows of `stride` (`copy_rows`' operands).
 #[derive(Clone, Copy)]

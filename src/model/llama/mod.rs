@@ -40,6 +40,8 @@ mod backward;
 mod block;
 mod generate;
 mod mla;
+mod mla_scratch;
+mod run;
 mod workspace;
 
 pub use generate::KvCache;

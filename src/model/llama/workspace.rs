@@ -4,7 +4,7 @@
 //! blocks which keep less recompute into (activation checkpointing).
 
 use super::generate::KvCache;
-use super::mla::{mla_scratch_floats, MlaScratch};
+use super::mla_scratch::{mla_scratch_floats, MlaScratch};
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
