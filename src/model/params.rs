@@ -214,16 +214,20 @@ pub struct LayerIds {
 /// A block's attention projections before `wo`.
 #[derive(Debug, Clone)]
 pub enum AttentionIds {
-    /// Grouped-query attention (Llama, Qwen3), with QK-norm's weights (Qwen3).
-    Gqa {
-        wq: usize,
-        wk: usize,
-        wv: usize,
-        q_norm: Option<usize>,
-        k_norm: Option<usize>,
-    },
+    /// Grouped-query attention (Llama, Qwen3).
+    Gqa(GqaIds),
     /// Multi-head latent attention (DeepSeek-V3).
     Mla(MlaIds),
+}
+
+/// Grouped-query attention's projections, with QK-norm's weights (Qwen3).
+#[derive(Debug, Clone, Copy)]
+pub struct GqaIds {
+    pub wq: usize,
+    pub wk: usize,
+    pub wv: usize,
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
 }
 
 /// Multi-head latent attention's parameters (`model::mla`).
@@ -266,13 +270,7 @@ impl AttentionIds {
     /// The parameter indices, in storage order.
     pub fn all(&self) -> Vec<usize> {
         match self {
-            AttentionIds::Gqa {
-                wq,
-                wk,
-                wv,
-                q_norm,
-                k_norm,
-            } => [Some(*wq), Some(*wk), Some(*wv), *q_norm, *k_norm]
+            AttentionIds::Gqa(g) => [Some(g.wq), Some(g.wk), Some(g.wv), g.q_norm, g.k_norm]
                 .into_iter()
                 .flatten()
                 .collect(),
@@ -316,10 +314,10 @@ impl LayerIds {
             (W1, _) => swiglu.map(|f| f[0]),
             (W2, _) => swiglu.map(|f| f[1]),
             (W3, _) => swiglu.map(|f| f[2]),
-            (Wq, AttentionIds::Gqa { wq, .. }) => Some(*wq),
-            (Wk, AttentionIds::Gqa { wk, .. }) => Some(*wk),
-            (Wv, AttentionIds::Gqa { wv, .. }) => Some(*wv),
-            (_, AttentionIds::Gqa { .. }) => None,
+            (Wq, AttentionIds::Gqa(g)) => Some(g.wq),
+            (Wk, AttentionIds::Gqa(g)) => Some(g.wk),
+            (Wv, AttentionIds::Gqa(g)) => Some(g.wv),
+            (_, AttentionIds::Gqa(_)) => None,
             (_, AttentionIds::Mla(m)) => m.projection(p),
         }
     }
@@ -418,13 +416,13 @@ impl ParamIds {
 fn attention_ids(args: &ModelArgs, p: &str, id: &impl Fn(String) -> usize) -> AttentionIds {
     let a = |name: &str| id(format!("{p}.attention.{name}.weight"));
     match &args.mla {
-        None => AttentionIds::Gqa {
+        None => AttentionIds::Gqa(GqaIds {
             wq: a("wq"),
             wk: a("wk"),
             wv: a("wv"),
             q_norm: args.qk_norm.then(|| a("q_norm")),
             k_norm: args.qk_norm.then(|| a("k_norm")),
-        },
+        }),
         Some(mla) => AttentionIds::Mla(MlaIds {
             query: match mla.q_lora_rank {
                 None => MlaQueryIds::Direct { wq: a("wq") },

@@ -15,7 +15,7 @@ use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
-use crate::model::params::{AttentionIds, FeedForwardIds, ParamSet};
+use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
 use crate::model::projection::BlockProjection;
 use crate::model::Workspace;
 
@@ -251,7 +251,7 @@ impl<B: Backend> Llama<B> {
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
         let mla = match &id.attention {
             AttentionIds::Mla(ids) => Some(ids),
-            AttentionIds::Gqa { .. } => None,
+            AttentionIds::Gqa(_) => None,
         };
         {
             let wo = run.linear(BlockProjection::Wo);
@@ -321,16 +321,16 @@ impl<B: Backend> Llama<B> {
     ) -> Result<()> {
         let (be, p, m) = (run.be, run.p, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
-        let AttentionIds::Gqa {
+        let AttentionIds::Gqa(ids) = &run.id.attention else {
+            anyhow::bail!("grouped-query attention's backward on another attention (a titan bug)");
+        };
+        let GqaIds {
             wq,
             wk,
             wv,
             q_norm,
             k_norm,
-        } = run.id.attention
-        else {
-            anyhow::bail!("grouped-query attention's backward on another attention (a titan bug)");
-        };
+        } = *ids;
         be.rope_backward(g.dq, cos, sin, RopeShape::new(b, s, m.heads, hd));
         be.rope_backward(g.dk, cos, sin, RopeShape::new(b, s, m.kv_heads, hd));
         if let (Some(qn), Some(kn)) = (q_norm, k_norm) {

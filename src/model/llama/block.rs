@@ -17,7 +17,7 @@ use crate::backend::{AttnShape, Backend, RopeShape};
 use crate::model::activation_checkpoint::{Act, BlockSave};
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
-use crate::model::params::{AttentionIds, FeedForwardIds, ParamSet};
+use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
 use crate::model::projection::BlockProjection;
 use crate::model::Workspace;
 
@@ -166,7 +166,7 @@ impl<B: Backend> Llama<B> {
         }
         let at = kv.first_position();
         match &id.attention {
-            AttentionIds::Gqa { .. } => self.gqa_forward(run, acts, rope, at)?,
+            AttentionIds::Gqa(ids) => self.gqa_forward(run, acts, ids, rope, at)?,
             AttentionIds::Mla(ids) => self.mla_forward(run, acts, ids, mla, rope, at)?,
         }
         if run.redo(Act::AttnOut) || run.redo(Act::Lse) {
@@ -195,20 +195,18 @@ impl<B: Backend> Llama<B> {
         &self,
         run: &BlockRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
+        ids: &GqaIds,
         (cos, sin): (&B::Buf, &B::Buf),
         at: usize,
     ) -> Result<()> {
         let (a, m, be, p) = (&self.args, &self.local, run.be, run.p);
-        let AttentionIds::Gqa {
+        let GqaIds {
             wq,
             wk,
             wv,
             q_norm,
             k_norm,
-        } = run.id.attention
-        else {
-            anyhow::bail!("grouped-query attention's forward on another attention (a titan bug)");
-        };
+        } = *ids;
         let (hd, eps) = (m.head_dim, a.norm_eps);
         let redo = |act| run.redo(act);
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
