@@ -217,6 +217,19 @@ fn a_replica_group_that_stops_answering_is_left_out_and_rejoins() {
         out_b.contains("from replica group 0"),
         "the stalled group rejoined by recovering:\n{out_b}"
     );
+    // The live group logs the membership both ways, the metrics carry it and `titan plot`
+    // marks it.
+    for change in ["live replica groups 2 → 1", "live replica groups 1 → 2"] {
+        assert!(out_a.contains(change), "{change}:\n{out_a}");
+    }
+    let dump = dir.path().join("replica0");
+    let o = Command::new(titan_bin())
+        .args(["plot", dump.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let svg = std::fs::read_to_string(dump.join("metrics.svg")).unwrap();
+    assert!(svg.contains("2 → 1 replica groups"), "{svg}");
     assert_same_final_state(dir.path(), "600");
 }
 

@@ -1,8 +1,9 @@
 //! `titan plot METRICS.jsonl [MORE.jsonl ...] [--out FILE.svg]`: the curves of one run or of
 //! several side by side (two layouts, two commits) without TensorBoard: loss with the validation
 //! loss, gradient norm, and tokens/s against steps, one panel each, one colour per run; where a
-//! run's `world_size` changes (an elastic job's membership), a dotted line across the panels,
-//! labelled with the old and new number of ranks.
+//! run's `world_size` changes (an elastic job's membership) or its `live_replicas` (replica groups
+//! in the fault-tolerance quorum), a dotted line across the panels, labelled with the old and new
+//! number.
 //!
 //! Written by hand: an SVG line chart is a few dozen elements, and the plotting crates lay out
 //! their text with a font engine (system fonts or an embedded font file) that SVG, which leaves
@@ -27,8 +28,8 @@ pub struct PlotArgs {
 struct Run {
     label: String,
     series: Vec<(&'static str, Vec<(f64, f64)>)>,
-    /// The steps where the number of ranks changed: (step, before, after).
-    world_changes: Vec<(f64, u64, u64)>,
+    /// The steps where the job's membership changed: (step, what changed, as "2 → 1 ranks").
+    changes: Vec<(f64, String)>,
 }
 
 /// The panels: title, and the keys drawn in it (the second dashed).
@@ -52,7 +53,13 @@ fn read_run(path: &Path) -> Result<Run> {
     let keys = ["loss", "validation_loss", "grad_norm", "tokens_per_s"];
     let mut series: Vec<(&'static str, Vec<(f64, f64)>)> =
         keys.iter().map(|&k| (k, Vec::new())).collect();
-    let (mut world_changes, mut world) = (Vec::new(), None);
+    let mut changes = Vec::new();
+    // What a step line says of the membership: its ranks (an elastic job's change), and the
+    // replica groups in its quorum (fault tolerance).
+    let mut members: [(&str, &str, Option<u64>); 2] = [
+        ("world_size", "ranks", None),
+        ("live_replicas", "replica groups", None),
+    ];
     for (n, line) in text
         .lines()
         .enumerate()
@@ -63,11 +70,13 @@ fn read_run(path: &Path) -> Result<Run> {
         let Some(step) = v.get("step").and_then(|s| s.as_f64()) else {
             bail!("{}:{}: no `step`", file.display(), n + 1);
         };
-        if let Some(ranks) = v.get("world_size").and_then(|w| w.as_u64()) {
-            if let Some(before) = world.filter(|&b| b != ranks) {
-                world_changes.push((step, before, ranks));
+        for (key, what, last) in members.iter_mut() {
+            if let Some(now) = v.get(*key).and_then(|w| w.as_u64()) {
+                if let Some(before) = last.filter(|&b| b != now) {
+                    changes.push((step, format!("{before} → {now} {what}")));
+                }
+                *last = Some(now);
             }
-            world = Some(ranks);
         }
         for (key, points) in series.iter_mut() {
             if let Some(x) = v
@@ -89,7 +98,7 @@ fn read_run(path: &Path) -> Result<Run> {
     Ok(Run {
         label,
         series,
-        world_changes,
+        changes,
     })
 }
 
@@ -185,11 +194,11 @@ fn svg(runs: &[Run]) -> String {
         }
         for (r, run) in runs.iter().enumerate() {
             let colour = COLOURS[r % COLOURS.len()];
-            for &(step, before, after) in &run.world_changes {
-                let xs = x(step);
+            for (step, change) in &run.changes {
+                let xs = x(*step);
                 let _ = writeln!(
                     out,
-                    r#"<line x1="{xs:.1}" y1="{y0}" x2="{xs:.1}" y2="{}" stroke="{colour}" stroke-dasharray="2 3"/><text x="{:.1}" y="{}" fill="{colour}">{before} → {after} ranks</text>"#,
+                    r#"<line x1="{xs:.1}" y1="{y0}" x2="{xs:.1}" y2="{}" stroke="{colour}" stroke-dasharray="2 3"/><text x="{:.1}" y="{}" fill="{colour}">{change}</text>"#,
                     y0 + ph,
                     xs + 3.0,
                     y0 + 12.0 + 14.0 * r as f64

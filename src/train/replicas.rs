@@ -49,6 +49,8 @@ pub struct ReplicaSync {
     /// A semi-synchronous sync failed here: this replica reports a step less at the next quorum,
     /// so that it takes the state of one whose sync went through (when any did).
     stale: bool,
+    /// The live replica groups last reported (`membership_change`).
+    reported_live: usize,
 }
 
 /// What a rank's training state needs beside the layout to continue another replica's run.
@@ -104,6 +106,7 @@ impl ReplicaSync {
             min_replicas: ft.min_replica_size,
             quorum: None,
             group: None,
+            reported_live: 0,
             semi: SemiSync::from_config(ft)?
                 .map(|s| s.dumping_as(format!("replica{}-rank{rank}", ft.replica_id))),
             stale: false,
@@ -113,6 +116,15 @@ impl ReplicaSync {
     /// Live replica groups in the current quorum.
     pub fn live(&self) -> usize {
         self.quorum.as_ref().map_or(1, |q| q.members.len())
+    }
+
+    /// The live replica groups before and now, when they changed since the last call (not at the
+    /// first quorum).
+    pub fn membership_change(&mut self) -> Option<(usize, usize)> {
+        let now = self.live();
+        let before = std::mem::replace(&mut self.reported_live, now);
+        // The first quorum is no change.
+        (before != now && before != 0).then_some((before, now))
     }
 
     /// At a step boundary, having committed `committed`: joins the quorum (waiting for

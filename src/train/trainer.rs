@@ -358,7 +358,20 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
             loader: &mut self.loader,
         };
         let start = replicas.start_step(self.be, committed, &mut parts)?;
-        if let (Some(from), false) = (start.recovered_from, self.quiet) {
+        let change = replicas.membership_change();
+        if self.quiet {
+            return Ok(start.committed);
+        }
+        if let Some((before, now)) = change {
+            emit(
+                &self.reporter.bar,
+                format!(
+                    "[fault_tolerance] after step {}: live replica groups {before} → {now}",
+                    start.committed
+                ),
+            );
+        }
+        if let Some(from) = start.recovered_from {
             emit(&self.reporter.bar, format!("[fault_tolerance] recovered step {} from replica group {from} (weights, optimizer state, data position); {} replica groups live", start.committed, replicas.live()));
         }
         Ok(start.committed)
