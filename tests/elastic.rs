@@ -173,3 +173,99 @@ fn a_job_that_gains_a_node_regroups_with_it_on_the_same_curve() {
     );
     final_losses_agree(straight.path(), elastic.path(), 1000);
 }
+
+/// Issue 30's scenario: a 4-rank job (two nodes of two ranks) loses a node at step 11, goes on at
+/// 2 ranks from its step-10 checkpoint, and grows back to 4 when a node arrives again after step
+/// 20; the global batch is kept throughout, so it ends on the uninterrupted 4-rank run's loss.
+#[test]
+fn a_job_shrinks_from_4_to_2_ranks_and_grows_back_on_the_same_curve() {
+    let job = [
+        "--training.steps",
+        "400",
+        "--checkpoint.interval",
+        "10",
+        "--checkpoint.keep_latest_k",
+        "3",
+        "--training.global_batch_size",
+        "8",
+        "--metrics.log_freq",
+        "1",
+    ];
+    let (straight, elastic) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let o = train(
+        straight.path(),
+        &["--nproc", "4", "--master-port", "0"],
+        &job,
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let port = free_port();
+    let two_ranks = |rank: &'static str, restarts: &'static str, env: &[(&str, &str)]| {
+        let mut cmd = train_command(
+            elastic.path(),
+            &[
+                "--nproc",
+                "2",
+                "--nnodes",
+                "1:2",
+                "--rdzv-timeout",
+                "3",
+                "--node-rank",
+                rank,
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port,
+                "--max-restarts",
+                restarts,
+            ],
+            &[TINY_ARGS, &job].concat(),
+        );
+        cmd.env("RAYON_NUM_THREADS", "1")
+            .env("TITAN_JOB_SECRET", "ef".repeat(32))
+            .env("TITAN_HOST", "127.0.0.1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.spawn().unwrap()
+    };
+    let node0 = two_ranks("0", "3", &[]);
+    // Global rank 2 (node 1's first) dies at step 11, and its launcher has no restart left.
+    let lost = two_ranks("1", "0", &[("TITAN_CRASH_AT", "2:11")]);
+    let lost = lost.wait_with_output().unwrap();
+    assert!(!lost.status.success(), "node 1 should have died");
+    // Node 1 comes back once the job trains at 2 ranks past step 20.
+    let metrics = elastic.path().join("metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let shrunk_past_20 = || {
+        std::fs::read_to_string(&metrics).is_ok_and(|m| {
+            m.lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .any(|v| v["world_size"].as_u64() == Some(2) && v["step"].as_u64() >= Some(20))
+        })
+    };
+    while !shrunk_past_20() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job did not go on at 2 ranks"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let back = two_ranks("1", "1", &[]);
+    let [(s0, _, e0), (s1, _, e1)] = outputs(node0, back);
+    assert!(s0.success() && s1.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
+    for change in [
+        "the job goes from 4 to 2 ranks",
+        "the job goes from 2 to 4 ranks",
+    ] {
+        assert!(e0.contains(change), "{change}:\n{e0}");
+    }
+    let ranks: Vec<f64> = common::metric(elastic.path(), "world_size")
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    assert!(ranks.contains(&2.0), "{ranks:?}");
+    assert_eq!((ranks.first(), ranks.last()), (Some(&4.0), Some(&4.0)));
+    final_losses_agree(straight.path(), elastic.path(), 400);
+}

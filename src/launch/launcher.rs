@@ -216,10 +216,14 @@ fn run_generations(
     };
     let mut generation = 0;
     let mut previous_world = None;
-    while generation <= o.max_restarts {
+    // The generation this node first ran: its restarts count from there (an elastic node that
+    // arrives mid-run joins the job's generation, whatever its number).
+    let mut first: Option<usize> = None;
+    let last = |first: Option<usize>| first.map_or(usize::MAX, |f| f + o.max_restarts);
+    while generation <= last(first) {
         let m = match (&nodes, &o.elastic) {
             (Some(store), Some(elastic)) => {
-                elastic.join(store, generation, o.node_rank == 0, o.max_restarts)?
+                elastic.join(store, generation, o.node_rank == 0, last(first))?
             }
             (Some(store), None) => {
                 agree_on_generation(store, generation, o)?;
@@ -228,6 +232,8 @@ fn run_generations(
             (None, _) => static_membership(o, generation),
         };
         generation = m.generation;
+        let first_generation = *first.get_or_insert(generation);
+        let limit = first_generation + o.max_restarts;
         let world = o.nproc * m.nodes;
         if let Some(before) = previous_world.filter(|&w| w != world) {
             eprintln!("titan launcher: generation {generation}: the job goes from {before} to {world} ranks ({} node(s)); this node is node {}; the workers resume from the latest checkpoint", m.nodes, m.node_rank);
@@ -246,7 +252,7 @@ fn run_generations(
         let mut workers = start_workers(&spawn, generation)?;
         // With no restart left a waiting node is not worth stopping the job for.
         let waiting = || match (&nodes, &o.elastic) {
-            (Some(store), Some(elastic)) if generation < o.max_restarts => {
+            (Some(store), Some(elastic)) if generation < limit => {
                 elastic.someone_waits(store, generation, m.nodes)
             }
             _ => false,
@@ -262,12 +268,12 @@ fn run_generations(
                 failure_message(&workers, &failures)
             }
         };
-        if generation >= o.max_restarts {
+        if generation >= limit {
             bail!("{msg}");
         }
         eprintln!(
             "titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})",
-            generation + 1,
+            generation - first_generation + 1,
             o.max_restarts
         );
         generation += 1;
