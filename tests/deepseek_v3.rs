@@ -173,3 +173,40 @@ fn deepseek_v3_learns_and_resumes_bit_for_bit() {
         );
     }
 }
+
+/// The routing bias moves after every step by the whole job's expert load, so every layout moves
+/// it exactly as one process does: the final checkpoints' `expert_bias` are equal bit for bit.
+#[test]
+fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
+    let bias = |launcher: &[&str], parallel: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let global = ["--training.global_batch_size", "4"];
+        let o = common::train(
+            dir.path(),
+            launcher,
+            &[DEEPSEEK, &global, parallel].concat(),
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let state = std::fs::read_to_string(dir.path().join("checkpoint/step-10/state.json"));
+        let state: serde_json::Value = serde_json::from_str(&state.unwrap()).unwrap();
+        let values: Vec<u64> = state["expert_bias"]
+            .as_array()
+            .expect("a routing bias")
+            .iter()
+            .flat_map(|block| block.as_array().unwrap().clone())
+            .map(|x| (x.as_f64().unwrap() as f32).to_bits() as u64)
+            .collect();
+        assert!(values.iter().any(|&b| b != 0), "the bias moved");
+        values
+    };
+    let one = bias(&[], &[]);
+    for (n, parallel) in [
+        ("2", &[][..]),
+        ("2", &["--parallelism.expert_parallel_degree", "2"][..]),
+        ("2", &["--parallelism.tensor_parallel_degree", "2"][..]),
+        ("2", &["--parallelism.pipeline_parallel_degree", "2"][..]),
+    ] {
+        let many = bias(&nproc(n), parallel);
+        assert_eq!(one, many, "the routing bias under {parallel:?}");
+    }
+}
