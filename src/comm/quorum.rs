@@ -184,14 +184,26 @@ fn close_round(
     previous: &[usize],
     options: LighthouseOptions,
 ) -> Result<Vec<Member>> {
-    let mut joins: Vec<Join> = Vec::new();
+    let (mut joins, mut read): (Vec<Join>, usize) = (Vec::new(), 0);
     let mut minimum_since: Option<Instant> = None;
     loop {
         let n = store.add(&format!("ft/r{round}/n"), 0)?.max(0) as usize;
-        for i in joins.len()..n {
-            let v = store.get_within(&format!("ft/r{round}/j{i}"), Duration::from_secs(5))?;
-            joins.push(parse_join(&String::from_utf8_lossy(&v))?);
+        for i in read..n {
+            // A rank that died between counting itself and writing its join, or wrote garbage,
+            // is left out (its replica is then incomplete), never the coordinator's end.
+            let key = format!("ft/r{round}/j{i}");
+            match store
+                .get_within(&key, Duration::from_secs(2))
+                .map(|v| parse_join(&String::from_utf8_lossy(&v)))
+            {
+                Ok(Ok(join)) => joins.push(join),
+                Ok(Err(e)) => eprintln!("lighthouse: round {round}: {e:#}; ignored"),
+                Err(_) => eprintln!(
+                    "lighthouse: round {round}: join {i} was counted but never written; ignored"
+                ),
+            }
         }
+        read = n;
         let complete = complete_replicas(&joins);
         if complete.len() >= options.min_replicas {
             let since = *minimum_since.get_or_insert_with(Instant::now);
@@ -333,6 +345,34 @@ mod tests {
         let joins = [j(0, 0, 5), j(1, 1, 3), j(0, 1, 5)];
         let complete = complete_replicas(&joins);
         assert_eq!(complete.into_iter().collect::<Vec<_>>(), vec![(0, 5)]);
+    }
+
+    #[test]
+    fn garbage_and_joins_never_written_do_not_stop_the_lighthouse() {
+        let secret = JobSecret::generate();
+        let options = LighthouseOptions {
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(100),
+        };
+        let lh = Lighthouse::start("127.0.0.1:0", &secret, options).unwrap();
+        let addr = lh.addr.to_string();
+        let t = Duration::from_secs(10);
+        // Round 0: one join counted and never written, one garbage, then a real one.
+        let raw = StoreClient::connect(&addr, &secret, t).unwrap();
+        raw.add("ft/r0/n", 1).unwrap();
+        let slot = raw.add("ft/r0/n", 1).unwrap() - 1;
+        raw.set(&format!("ft/r0/j{slot}"), b"9,9,1,x").unwrap();
+        let mut a = QuorumClient::connect(&addr, &secret, (0, 0, 1), t).unwrap();
+        let q = a.join(3).unwrap();
+        assert_eq!(
+            q.members,
+            vec![Member {
+                replica_id: 0,
+                step: 3
+            }]
+        );
+        // The coordinator goes on: the next round forms too.
+        assert_eq!(a.join(4).unwrap().max_step(), 4);
     }
 
     #[test]
