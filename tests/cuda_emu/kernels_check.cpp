@@ -416,6 +416,22 @@ bool copy_rows() {
     return report("copy_rows", dst, want);
 }
 
+// MLA's strided add: the same runs added into a destination that already holds values.
+bool add_rows() {
+    const long long rows = 5, cols = 700, src_stride = 1003, dst_stride = 701;
+    auto src = random_floats((size_t)(rows * src_stride));
+    auto dst = random_floats((size_t)(rows * dst_stride + 9));
+    std::vector<double> want(dst.begin(), dst.end());
+    for (long long r = 0; r < rows; ++r)
+        for (long long c = 0; c < cols; ++c)
+            want[4 + r * dst_stride + c] = (double)(dst[4 + r * dst_stride + c] + src[2 + r * src_stride + c]);
+    EmuDim3 grid{2, 3, 1};
+    emu::launch(grid, 128, [&] {
+        add_rows_f32(dst.data() + 4, dst_stride, src.data() + 2, src_stride, rows, cols);
+    });
+    return report("add_rows", dst, want);
+}
+
 // A mixture of experts' row ops: each row scaled by its weight, and each row's dot product with
 // another buffer's (one warp per row; a width that is not a multiple of the 32 lanes).
 bool moe_row_ops() {
@@ -452,6 +468,7 @@ int main() {
     ok &= swiglu();
     ok &= to_bf16();
     ok &= copy_rows();
+    ok &= add_rows();
     ok &= moe_row_ops();
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;

@@ -340,6 +340,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             .copy_rows(&mut rb, 2, 1301, &rr, 11, 400, 7, 301);
         self.test.copy_rows(&mut tb, 2, 1301, &tr, 11, 400, 7, 301);
         self.compare("copy_rows back", &rb, &tb, self.tol.exact);
+        self.reference
+            .add_rows(&mut rb, 5, 1301, &rr, 11, 400, 7, 301);
+        self.test.add_rows(&mut tb, 5, 1301, &tr, 11, 400, 7, 301);
+        self.compare("add_rows", &rb, &tb, self.tol.exact);
         let mut values = self.random(n, 3.0);
         values.extend([
             0.0,

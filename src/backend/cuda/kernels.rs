@@ -40,6 +40,7 @@ pub const KERNELS: &[&str] = &[
     "scale_rows_f32",
     "row_dots_f32",
     "copy_rows_f32",
+    "add_rows_f32",
     "swiglu_forward",
     "swiglu_backward",
     "round_to_bf16",

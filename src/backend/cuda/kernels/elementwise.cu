@@ -42,6 +42,15 @@ extern "C" __global__ void copy_rows_f32(float* dst, i64 dst_stride, const float
         TITAN_FOR_EACH(c, cols) dst[r * dst_stride + c] = src[r * src_stride + c];
 }
 
+// The same runs added instead of copied (MLA: each head's share of the shared rotated key's
+// gradient summed into it, one call per head). Destination rows never overlap, so each value has
+// one writer.
+extern "C" __global__ void add_rows_f32(float* dst, i64 dst_stride, const float* src, i64 src_stride,
+                                        i64 rows, i64 cols) {
+    for (i64 r = blockIdx.y; r < rows; r += gridDim.y)
+        TITAN_FOR_EACH(c, cols) dst[r * dst_stride + c] += src[r * src_stride + c];
+}
+
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ float swiglu(float g, float u) { return g * sigmoidf(g) * u; }

@@ -81,16 +81,53 @@ impl CudaBackend {
         rows: usize,
         cols: usize,
     ) {
+        let runs = StridedRuns {
+            kernel: "copy_rows_f32",
+            rows,
+            cols,
+        };
+        self.strided_rows(
+            runs,
+            (dst, dst_offset, dst_stride),
+            (src, src_offset, src_stride),
+        );
+    }
+
+    /// `rows` runs of `cols` values, run `r` of `src` added into `dst` (`Backend::add_rows`).
+    pub(super) fn add_rows_untimed(
+        &self,
+        dst: (&mut Buf, usize, usize),
+        src: (&Buf, usize, usize),
+        rows: usize,
+        cols: usize,
+    ) {
+        let runs = StridedRuns {
+            kernel: "add_rows_f32",
+            rows,
+            cols,
+        };
+        self.strided_rows(runs, dst, src);
+    }
+
+    /// `runs.kernel` (`copy_rows_f32` or `add_rows_f32`) over `runs.rows` runs of `runs.cols`
+    /// values, `(buffer, offset, stride)` each side.
+    fn strided_rows(
+        &self,
+        runs: StridedRuns,
+        (dst, dst_offset, dst_stride): (&mut Buf, usize, usize),
+        (src, src_offset, src_stride): (&Buf, usize, usize),
+    ) {
+        let StridedRuns { kernel, rows, cols } = runs;
         if rows == 0 || cols == 0 {
             return;
         }
         assert!(
             rows == 1 || dst_stride >= cols,
-            "copy_rows: destination rows of {cols} values {dst_stride} apart overlap"
+            "{kernel}: destination rows of {cols} values {dst_stride} apart overlap"
         );
         let last = |offset: usize, stride: usize| offset + (rows - 1) * stride + cols;
-        check_len("copy_rows", "dst", dst.len(), last(dst_offset, dst_stride));
-        check_len("copy_rows", "src", src.len(), last(src_offset, src_stride));
+        check_len(kernel, "dst", dst.len(), last(dst_offset, dst_stride));
+        check_len(kernel, "src", src.len(), last(src_offset, src_stride));
         let to = dst.device_address_mut(&self.stream) + 4 * dst_offset as u64;
         let from = src.device_address(&self.stream) + 4 * src_offset as u64;
         let (dst_stride, src_stride) = (dst_stride as i64, src_stride as i64);
@@ -101,7 +138,7 @@ impl CudaBackend {
         cfg.grid_dim = (cfg.grid_dim.0.div_ceil(grid_rows).max(1), grid_rows, 1);
         launch!(
             self,
-            "copy_rows_f32",
+            kernel,
             cfg,
             &to,
             &dst_stride,
@@ -118,4 +155,11 @@ impl CudaBackend {
             .clone_htod(ids)
             .unwrap_or_else(|e| panic!("CUDA: uploading {} token ids failed: {e}", ids.len()))
     }
+}
+
+/// Which strided-rows kernel runs, over how many runs of how many values.
+struct StridedRuns {
+    kernel: &'static str,
+    rows: usize,
+    cols: usize,
 }

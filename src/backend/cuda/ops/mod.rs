@@ -194,6 +194,22 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn add_rows(
+        &self,
+        acc: &mut Buf,
+        acc_offset: usize,
+        acc_stride: usize,
+        x: &Buf,
+        x_offset: usize,
+        x_stride: usize,
+        rows: usize,
+        cols: usize,
+    ) {
+        let _timer = self.profiler.time_on("add_rows", self);
+        let (dst, src) = ((acc, acc_offset, acc_stride), (x, x_offset, x_stride));
+        self.add_rows_untimed(dst, src, rows, cols);
+    }
+
     fn matmul(&self, out: &mut Buf, a: &Buf, b: &Buf, shape: GemmShape, output: GemmOutput) {
         let _timer = self.profiler.time_on("matmul", self);
         self.matmul_untimed(out, a, b, shape, output);
