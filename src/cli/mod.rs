@@ -288,6 +288,13 @@ pub fn run(cli: Cli) -> Result<()> {
                 };
                 return crate::launch::launcher::launch(&o);
             }
+            if let Some(file) = &job_secret_file {
+                // One process reads its secret (the lighthouse's, under fault tolerance) where a
+                // launched worker does; set here, before any thread starts. Read now, so a bad
+                // file is refused before training.
+                crate::comm::auth::JobSecret::from_file(file)?;
+                std::env::set_var(crate::comm::auth::SECRET_FILE_ENV, file);
+            }
             crate::train::train(
                 &cfg,
                 &crate::train::RunOptions {
