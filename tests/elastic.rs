@@ -30,7 +30,7 @@ fn free_port() -> String {
         .to_string()
 }
 
-/// Node `rank` of an elastic 1:2 job on `port`, training `job` into `dump`.
+/// Node `rank` of an elastic 1:2 job on `port` (one rank a node), training `job` into `dump`.
 fn node(
     dump: &std::path::Path,
     port: &str,
@@ -38,9 +38,20 @@ fn node(
     job: &[&str],
     env: &[(&str, &str)],
 ) -> std::process::Child {
+    node_of(dump, port, ("1", rank, restarts), job, env)
+}
+
+/// Node `rank` of an elastic 1:2 job of `nproc` ranks a node.
+fn node_of(
+    dump: &std::path::Path,
+    port: &str,
+    (nproc, rank, restarts): (&str, &str, &str),
+    job: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Child {
     let launcher = [
         "--nproc",
-        "1",
+        nproc,
         "--nnodes",
         "1:2",
         "--rdzv-timeout",
@@ -200,35 +211,7 @@ fn a_job_shrinks_from_4_to_2_ranks_and_grows_back_on_the_same_curve() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let port = free_port();
     let two_ranks = |rank: &'static str, restarts: &'static str, env: &[(&str, &str)]| {
-        let mut cmd = train_command(
-            elastic.path(),
-            &[
-                "--nproc",
-                "2",
-                "--nnodes",
-                "1:2",
-                "--rdzv-timeout",
-                "3",
-                "--node-rank",
-                rank,
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                &port,
-                "--max-restarts",
-                restarts,
-            ],
-            &[TINY_ARGS, &job].concat(),
-        );
-        cmd.env("RAYON_NUM_THREADS", "1")
-            .env("TITAN_JOB_SECRET", "ef".repeat(32))
-            .env("TITAN_HOST", "127.0.0.1")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        cmd.spawn().unwrap()
+        node_of(elastic.path(), &port, ("2", rank, restarts), &job, env)
     };
     let node0 = two_ranks("0", "3", &[]);
     // Global rank 2 (node 1's first) dies at step 11, and its launcher has no restart left.

@@ -14,7 +14,9 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
-use super::hf_deepseek::{self, hf_name_of};
+use super::hf_deepseek;
+pub use super::hf_names::hf_name;
+use super::hf_names::hf_name_of;
 use super::hf_rope::{hf_rope_scaling, rope_from_hf};
 use super::{st, TrainState, FORMAT_VERSION};
 use crate::backend::cpu::CpuBackend;
@@ -22,44 +24,6 @@ use crate::data::LoaderState;
 use crate::model::params::param_specs;
 use crate::model::{ModelArgs, ParamSet};
 use crate::tensor::{DType, Tensor};
-
-/// titan name → HF name.
-pub fn hf_name(name: &str) -> String {
-    let map = [
-        ("attention.wq", "self_attn.q_proj"),
-        ("attention.wk", "self_attn.k_proj"),
-        ("attention.wv", "self_attn.v_proj"),
-        ("attention.wo", "self_attn.o_proj"),
-        ("attention.q_norm", "self_attn.q_norm"),
-        ("attention.k_norm", "self_attn.k_norm"),
-        ("feed_forward.w1", "mlp.gate_proj"),
-        ("feed_forward.w2", "mlp.down_proj"),
-        ("feed_forward.w3", "mlp.up_proj"),
-        ("attention_norm", "input_layernorm"),
-        ("ffn_norm", "post_attention_layernorm"),
-    ];
-    match name {
-        "tok_embeddings.weight" => return "model.embed_tokens.weight".into(),
-        "norm.weight" => return "model.norm.weight".into(),
-        "output.weight" => return "lm_head.weight".into(),
-        _ => {}
-    }
-    let mut out = format!("model.{name}");
-    for (a, b) in map {
-        out = out.replace(a, b);
-    }
-    // Qwen3-MoE: the router is `mlp.gate`, each expert's projections gate/up/down.
-    if name.contains(".moe.") {
-        out = out
-            .replace(".moe.router.gate.", ".mlp.gate.")
-            .replace(".moe.experts.", ".mlp.experts.")
-            .replace(".moe.shared_experts.", ".mlp.shared_experts.")
-            .replace(".w1.weight", ".gate_proj.weight")
-            .replace(".w2.weight", ".down_proj.weight")
-            .replace(".w3.weight", ".up_proj.weight");
-    }
-    out
-}
 
 /// Row `j` of an HF head comes from this row of the interleaved (titan) head.
 fn interleaved_row(j: usize, head_dim: usize) -> usize {

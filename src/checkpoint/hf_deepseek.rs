@@ -32,16 +32,6 @@ pub fn bias_name(l: usize) -> String {
     format!("model.layers.{l}.mlp.gate.e_score_correction_bias")
 }
 
-/// titan's MLA parameter names' HF counterparts (the rest is `hf::hf_name`'s).
-pub const MLA_NAMES: &[(&str, &str)] = &[
-    ("attention.wq_a.", "self_attn.q_a_proj."),
-    ("attention.q_norm.", "self_attn.q_a_layernorm."),
-    ("attention.wq_b.", "self_attn.q_b_proj."),
-    ("attention.wkv_a.", "self_attn.kv_a_proj_with_mqa."),
-    ("attention.kv_norm.", "self_attn.kv_a_layernorm."),
-    ("attention.wkv_b.", "self_attn.kv_b_proj."),
-];
-
 /// A size field of `cfg` (`default` when absent or null).
 fn size(cfg: &Value, key: &str, default: Option<usize>, file: &Path) -> Result<usize> {
     match (cfg.get(key).filter(|v| !v.is_null()), default) {
@@ -267,18 +257,6 @@ pub fn extra_layer_tensors<'a>(names: impl Iterator<Item = &'a String>, n_layers
                 .is_some_and(|l| l >= n_layers)
         })
         .count()
-}
-
-/// titan name → HF name in `args`' model (DeepSeek-V3's attention has names of its own).
-pub fn hf_name_of(args: &ModelArgs, name: &str) -> String {
-    if args.mla.is_none() {
-        return super::hf::hf_name(name);
-    }
-    let mut name = name.to_string();
-    for (titan, hf) in MLA_NAMES {
-        name = name.replace(titan, hf);
-    }
-    super::hf::hf_name(&name)
 }
 
 /// DeepSeek-V3's routing bias of every mixture-of-experts block, in f32 as transformers keeps it
