@@ -318,15 +318,21 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
 
 /// DeepSeek-V3 made by transformers (`DeepseekV3ForCausalLM`): multi-head latent attention with
 /// queries projected directly and through a latent, default RoPE and YaRN (whose mscale scales
-/// the softmax), a leading dense block, shared experts, group-limited sigmoid routing with a
-/// non-zero routing bias: imported, loss and greedy tokens equal transformers', and back.
+/// the softmax), rotated parts interleaved and in halves, a leading dense block, shared experts,
+/// group-limited sigmoid routing with a non-zero routing bias: imported, loss and greedy tokens
+/// equal transformers', and back.
 #[test]
 fn deepseek_v3_made_by_transformers_imports_generates_and_exports_back() {
     let rope = [
         r#"{"rope_type": "default", "rope_theta": 10000.0}"#,
         r#"{"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 0.7}"#,
     ];
-    for (q_lora, rope) in [("None", rope[0]), ("24", rope[1])] {
+    // The third rotates halves (`rope_interleave = False`): its rotated rows are permuted on import.
+    for (q_lora, rope, interleave) in [
+        ("None", rope[0], "True"),
+        ("24", rope[1], "True"),
+        ("None", rope[0], "False"),
+    ] {
         let make = format!(
             r#"
 import sys, torch
@@ -338,7 +344,8 @@ cfg = DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_si
                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
                        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                        routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
-                       tie_word_embeddings=False, rope_parameters={rope})
+                       tie_word_embeddings=False, rope_parameters={rope},
+                       rope_interleave={interleave})
 torch.manual_seed(0)
 model = DeepseekV3ForCausalLM(cfg)
 with torch.no_grad():

@@ -304,3 +304,86 @@ pub fn routing_bias(
     }
     Ok(Some(bias))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: Value) -> Value {
+        let mut c = json!({
+            "model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96,
+            "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 300, "q_lora_rank": null, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8, "n_shared_experts": 1,
+            "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    #[test]
+    fn a_deepseek_config_round_trips_and_what_titan_cannot_compute_is_refused_by_name() {
+        let file = Path::new("config.json");
+        let (args, interleaved) = args_from_deepseek_config(&config(json!({})), file).unwrap();
+        assert!(interleaved);
+        let moe = args.moe.unwrap();
+        assert_eq!(
+            (moe.shared_hidden, moe.router.groups, moe.first_dense_layers),
+            (Some(32), None, 1)
+        );
+        let back = args_from_deepseek_config(&deepseek_config(&args).unwrap(), file).unwrap();
+        assert!(back.0.same_model(&args));
+        for (extra, key) in [
+            (json!({"num_key_value_heads": 2}), "num_key_value_heads"),
+            (json!({"n_group": 4, "topk_group": null}), "n_group"),
+            (
+                json!({"routed_scaling_factor": "x"}),
+                "routed_scaling_factor",
+            ),
+            (json!({"first_k_dense_replace": 2}), "first_k_dense_replace"),
+            (json!({"kv_lora_rank": -1}), "kv_lora_rank"),
+        ] {
+            let e = args_from_deepseek_config(&config(extra), file)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // transformers' DeepSeek-V3 routes with sigmoid scores: a softmax-routed model has none.
+        let mut softmax = args;
+        softmax.moe.as_mut().unwrap().router.score_func = ScoreFunc::Softmax;
+        assert!(deepseek_config(&softmax)
+            .unwrap_err()
+            .to_string()
+            .contains("sigmoid"));
+    }
+
+    #[test]
+    fn rotated_rows_in_halves_are_interleaved_on_import() {
+        let file = Path::new("config.json");
+        let (args, _) = args_from_deepseek_config(&config(json!({})), file).unwrap();
+        // wq: 4 heads of 8 unrotated + 8 rotated rows, one column holding each row's number.
+        let rows: Vec<f32> = (0..4 * 16).map(|r| r as f32).collect();
+        let out = interleave_rope_rows("layers.0.attention.wq.weight", rows.clone(), 1, &args);
+        for h in 0..4 {
+            let head = &out[h * 16..(h + 1) * 16];
+            let want_rope: Vec<f32> = [0, 4, 1, 5, 2, 6, 3, 7]
+                .iter()
+                .map(|&j| (h * 16 + 8 + j) as f32)
+                .collect();
+            assert_eq!(&head[..8], &rows[h * 16..h * 16 + 8], "unrotated rows stay");
+            assert_eq!(&head[8..], &want_rope[..], "head {h}");
+        }
+        // wkv_a: the latent's 16 rows stay, the shared key's 8 are interleaved.
+        let kv: Vec<f32> = (0..24).map(|r| r as f32).collect();
+        let out = interleave_rope_rows("layers.0.attention.wkv_a.weight", kv, 1, &args);
+        assert_eq!(
+            &out[16..],
+            &[16.0, 20.0, 17.0, 21.0, 18.0, 22.0, 19.0, 23.0]
+        );
+        let other = interleave_rope_rows("layers.0.attention.wo.weight", vec![1.0, 2.0], 1, &args);
+        assert_eq!(other, vec![1.0, 2.0]);
+    }
+}
