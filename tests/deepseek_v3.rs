@@ -175,7 +175,8 @@ fn deepseek_v3_learns_and_resumes_bit_for_bit() {
 }
 
 /// The routing bias moves after every step by the whole job's expert load, so every layout moves
-/// it exactly as one process does: the final checkpoints' `expert_bias` are equal bit for bit.
+/// it exactly as one process does: the final checkpoints' `expert_bias` are equal bit for bit
+/// (and each step's metrics log its range per block).
 #[test]
 fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
     let bias = |launcher: &[&str], parallel: &[&str]| {
@@ -197,6 +198,12 @@ fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
             .map(|x| (x.as_f64().unwrap() as f32).to_bits() as u64)
             .collect();
         assert!(values.iter().any(|&b| b != 0), "the bias moved");
+        // The metrics log each MoE block's bias range after the step.
+        let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        let last: serde_json::Value =
+            serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+        let block = &last["moe_expert_load"][0];
+        assert!(block["bias_max"].as_f64() > block["bias_min"].as_f64(), "{block}");
         values
     };
     let one = bias(&[], &[]);

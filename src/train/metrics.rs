@@ -53,6 +53,12 @@ pub struct ExpertLoad {
     /// The busiest and the idlest expert's tokens over the mean (1 and 1: perfectly balanced).
     pub max_over_mean: f64,
     pub min_over_mean: f64,
+    /// Auxiliary-loss-free load balancing: the block's routing bias after the step, its lowest
+    /// and highest entry (`with_routing_bias`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias_min: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bias_max: Option<f32>,
 }
 
 impl ExpertLoad {
@@ -70,9 +76,23 @@ impl ExpertLoad {
                     max_over_mean: ratio(tokens.iter().copied().max().unwrap_or(0)),
                     min_over_mean: ratio(tokens.iter().copied().min().unwrap_or(0)),
                     tokens_per_expert: tokens.clone(),
+                    bias_min: None,
+                    bias_max: None,
                 }
             })
             .collect()
+    }
+
+    /// Each block's routing bias range from `bias` (`[layer][expert]`, the model's after the
+    /// step's update).
+    pub fn with_routing_bias(loads: &mut [ExpertLoad], bias: &[Vec<f32>]) {
+        for l in loads.iter_mut() {
+            let Some(b) = bias.get(l.layer).filter(|b| !b.is_empty()) else {
+                continue;
+            };
+            l.bias_min = b.iter().copied().reduce(f32::min);
+            l.bias_max = b.iter().copied().reduce(f32::max);
+        }
     }
 }
 
@@ -160,6 +180,13 @@ impl MetricsLogger {
                         ),
                     ],
                 )?;
+                if let (Some(lo), Some(hi)) = (l.bias_min, l.bias_max) {
+                    let (min, max) = (
+                        format!("moe/layer{}_bias_min", l.layer),
+                        format!("moe/layer{}_bias_max", l.layer),
+                    );
+                    tb.scalars(m.step, &[(&min, lo as f64), (&max, hi as f64)])?;
+                }
             }
         }
         Ok(())

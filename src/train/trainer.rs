@@ -197,6 +197,11 @@ fn train_on<B: Backend>(
             .metrics(be, step, (loss, norm, lr), times, moe.as_ref());
         m.fsdp_all_gather_bytes = run.layout.state.take_gathered_bytes();
         m.live_replicas = run.replicas.as_ref().map(|r| r.live());
+        if let (Some(loads), Some(bias)) =
+            (m.moe_expert_load.as_mut(), run.layout.model.expert_bias())
+        {
+            ExpertLoad::with_routing_bias(loads, &bias);
+        }
         run.reporter.report(be, &mut run.layout, &m)?;
         let out = |line: String| emit(&run.reporter.bar, line);
         run.profiler.end(step, write_trace, &mut run.layout, &out)?;
