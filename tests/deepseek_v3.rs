@@ -203,7 +203,10 @@ fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
         let last: serde_json::Value =
             serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
         let block = &last["moe_expert_load"][0];
-        assert!(block["bias_max"].as_f64() > block["bias_min"].as_f64(), "{block}");
+        assert!(
+            block["bias_max"].as_f64() > block["bias_min"].as_f64(),
+            "{block}"
+        );
         values
     };
     let one = bias(&[], &[]);
@@ -216,4 +219,77 @@ fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
         let many = bias(&nproc(n), parallel);
         assert_eq!(one, many, "the routing bias under {parallel:?}");
     }
+}
+
+/// `titan generate` routes with the checkpoint's routing bias: its greedy tokens equal the
+/// library's with the bias set (a large load-balancing step, so the bias changes the routing).
+#[test]
+fn generation_routes_with_the_checkpoints_routing_bias() {
+    use titan::backend::cpu::CpuBackend;
+    use titan::model::{KvCache, Llama};
+    let dir = tempfile::tempdir().unwrap();
+    // An odd number of ±0.5 steps leaves every expert that was ever off the mean off zero.
+    let biased = [
+        "--model.load_balance_coeff",
+        "0.5",
+        "--training.steps",
+        "5",
+        "--optimizer.lr",
+        "0.02",
+    ];
+    let o = common::train(dir.path(), &[], &[DEEPSEEK, &biased].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ckpt = dir.path().join("checkpoint/step-5");
+    let o = std::process::Command::new(common::titan_bin())
+        .args(["generate", "--checkpoint", ckpt.to_str().unwrap()])
+        .args(["--prompt", "The cat", "--max-new-tokens", "8", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        out[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (prompt, generated) = (ids("prompt_ids"), ids("generated_ids"));
+    let be = CpuBackend::new();
+    let (args, params) = titan::checkpoint::load_weights(&be, &ckpt).unwrap();
+    let state = titan::checkpoint::read_state(&ckpt).unwrap();
+    let bias = state.expert_bias.expect("a routing bias");
+    assert!(
+        bias.iter().flatten().any(|b| b.abs() >= 0.5),
+        "the bias moved far: {bias:?}"
+    );
+    let greedy = |with_bias: bool| {
+        let capacity = prompt.len() + 8;
+        let mut model = Llama::new(&be, args.clone(), capacity).unwrap();
+        if with_bias {
+            model.set_expert_bias(&bias).unwrap();
+        }
+        let mut cache = KvCache::new(&be, &args, capacity);
+        let mut logits = model
+            .forward_cached(&be, &params, &mut cache, &prompt)
+            .unwrap();
+        let mut out = Vec::new();
+        for _ in 0..generated.len() {
+            let next = (0..logits.len())
+                .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+                .unwrap() as u32;
+            out.push(next);
+            logits = model
+                .forward_cached(&be, &params, &mut cache, &[next])
+                .unwrap();
+        }
+        out
+    };
+    assert_eq!(generated, greedy(true));
+    assert_ne!(
+        greedy(false),
+        greedy(true),
+        "the bias changes what is generated"
+    );
 }

@@ -109,7 +109,12 @@ fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
             args.max_seq_len
         );
     }
-    let model = Llama::new(be, args.clone(), capacity)?;
+    let mut model = Llama::new(be, args.clone(), capacity)?;
+    // A mixture of experts routes with the bias its training left (auxiliary-loss-free load
+    // balancing; a Hugging Face DeepSeek-V3's routing bias once imported).
+    if let Some(bias) = &state.expert_bias {
+        model.set_expert_bias(bias)?;
+    }
     let mut cache = KvCache::new(be, &args, capacity);
     let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
     let mut logits = model.forward_cached(be, &params, &mut cache, &prompt_ids)?;
