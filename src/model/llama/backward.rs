@@ -289,8 +289,8 @@ impl<B: Backend> Llama<B> {
             lse,
             shape,
         )?;
-        match mla {
-            Some(ids) => {
+        match &id.attention {
+            AttentionIds::Mla(ids) => {
                 let heads = MlaGrads {
                     dq: &mut *g.dq,
                     dk: &*g.dk,
@@ -301,7 +301,7 @@ impl<B: Backend> Llama<B> {
                 };
                 self.mla_backward(run, acts, ids, heads, grads, rope)?;
             }
-            None => self.gqa_backward(run, acts, &mut g, grads, rope)?,
+            AttentionIds::Gqa(ids) => self.gqa_backward(run, acts, ids, &mut g, grads, rope)?,
         }
         let (w, d) = (&p[id.attention_norm], self.args.dim);
         let g_norm = &mut grads.bufs[id.attention_norm];
@@ -315,25 +315,17 @@ impl<B: Backend> Llama<B> {
         &self,
         run: &BackwardRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
+        ids: &GqaIds,
         g: &mut AttentionGrads<'_, B>,
         grads: &mut ParamSet<B>,
         (cos, sin): (&B::Buf, &B::Buf),
     ) -> Result<()> {
         let (be, p, m) = (run.be, run.p, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
-        let AttentionIds::Gqa(ids) = &run.id.attention else {
-            anyhow::bail!("grouped-query attention's backward on another attention (a titan bug)");
-        };
-        let GqaIds {
-            wq,
-            wk,
-            wv,
-            q_norm,
-            k_norm,
-        } = *ids;
+        let (wq, wk, wv) = (ids.wq, ids.wk, ids.wv);
         be.rope_backward(g.dq, cos, sin, RopeShape::new(b, s, m.heads, hd));
         be.rope_backward(g.dk, cos, sin, RopeShape::new(b, s, m.kv_heads, hd));
-        if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             let [gq, gk] = grads
                 .bufs
                 .get_disjoint_mut([qn, kn])

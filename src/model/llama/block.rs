@@ -200,13 +200,7 @@ impl<B: Backend> Llama<B> {
         at: usize,
     ) -> Result<()> {
         let (a, m, be, p) = (&self.args, &self.local, run.be, run.p);
-        let GqaIds {
-            wq,
-            wk,
-            wv,
-            q_norm,
-            k_norm,
-        } = *ids;
+        let (wq, wk, wv) = (ids.wq, ids.wk, ids.wv);
         let (hd, eps) = (m.head_dim, a.norm_eps);
         let redo = |act| run.redo(act);
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
@@ -248,7 +242,7 @@ impl<B: Backend> Llama<B> {
                 Act::NormedAttnFull,
             )?;
         }
-        if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             if redo_q || redo(Act::RstdQ) {
                 be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, eps);
             }
