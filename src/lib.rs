@@ -1,5 +1,5 @@
 //! titan: Llama pretraining in Rust. Modules follow the layers of DESIGN.md, bottom to top:
-//! tensor/backend → model → train → checkpoint → data → config/cli.
+//! tensor/backend → model → train → checkpoint → data → config/cli/launch/plan.
 
 pub mod backend;
 pub mod checkpoint;
@@ -11,6 +11,7 @@ pub mod launch;
 pub mod memory_timeline;
 pub mod model;
 pub mod parallel;
+pub mod plan;
 pub mod tensor;
 pub mod trace;
 pub mod train;

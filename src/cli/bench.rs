@@ -432,6 +432,9 @@ pub struct BenchCommArgs {
     /// Timed iterations per size (after one warm-up).
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
+    /// One JSON object per size (median seconds of each collective) instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Bus bandwidth (NCCL's definition) of all-reduce, all-gather and reduce-scatter across `nproc`
@@ -456,13 +459,16 @@ pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(","),
         );
+        if a.json {
+            worker_args.push("--json".into());
+        }
         let o = crate::launch::launcher::LaunchOptions::local(a.nproc, worker_args);
         return crate::launch::launcher::launch(&o);
     };
     let timeout = std::time::Duration::from_secs(300);
     let (g, _store) = crate::launch::world_group(&env, "bench", timeout, timeout)?;
     let n = g.size() as f64;
-    if g.rank() == 0 {
+    if g.rank() == 0 && !a.json {
         println!(
             "{:>9} {:>16} {:>16} {:>16}   (bus bandwidth GB/s, {} ranks, median of {})",
             "size",
@@ -494,7 +500,10 @@ pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
         let mut gathered = vec![0.0f32; floats];
         let ag = time(&mut || g.all_gather(&input, &mut gathered))?;
         let rs = time(&mut || g.reduce_scatter(&buf, &mut shard, ReduceOp::Sum))?;
-        if g.rank() == 0 {
+        if g.rank() == 0 && a.json {
+            let row = serde_json::json!({"ranks": g.size(), "bytes": bytes, "all_reduce_s": ar, "all_gather_s": ag, "reduce_scatter_s": rs});
+            println!("{row}");
+        } else if g.rank() == 0 {
             let bw = |t: f64, factor: f64| bytes / t * factor / 1e9;
             println!(
                 "{:>6} MiB {:>16.2} {:>16.2} {:>16.2}",

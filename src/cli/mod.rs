@@ -7,6 +7,7 @@ pub mod cuda;
 pub mod generate;
 pub mod lighthouse;
 pub mod pipeline;
+pub mod plan;
 pub mod plot;
 
 use std::path::PathBuf;
@@ -92,6 +93,10 @@ pub enum Command {
     /// The fault-tolerance lighthouse: replica groups (`[fault_tolerance]`) agree on each step's
     /// quorum through it.
     Lighthouse(lighthouse::LighthouseArgs),
+    /// The fastest layout that fits: enumerates the layouts of a job over --ngpu GPUs of a kind
+    /// (or --nproc CPU ranks here), drops those the memory estimate refuses, ranks the rest by a
+    /// cost model (docs/plan.md) and prints the best, with its TOML.
+    Plan(plan::PlanArgs),
     /// Pipeline schedules: print and draw one.
     Pipeline {
         #[command(subcommand)]
@@ -307,6 +312,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Plot(args) => plot::run(&args),
         Command::Lighthouse(args) => lighthouse::run(&args),
+        Command::Plan(args) => plan::run(&args),
         Command::Pipeline {
             what: PipelineCommand::Show(args),
         } => pipeline::show(&args),

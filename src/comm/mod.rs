@@ -12,4 +12,5 @@ pub mod nccl;
 pub mod peers;
 pub mod queue;
 pub mod quorum;
+pub mod shape_group;
 pub mod store;

@@ -10,8 +10,9 @@ use anyhow::{bail, Result};
 
 use super::collectives::{self, DataParallelComm, DeviceComm};
 use super::fit::RankSizing;
-use super::memory::MemoryEstimate;
+use super::memory::{DeviceSizing, MemoryEstimate};
 use super::optimizer::AdamW;
+use super::place::MeshPlace;
 use super::start::{start_state, Resumed, StartInputs, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
@@ -87,20 +88,6 @@ pub struct ComposedRank<B: Backend> {
     pub collectives_on_device: bool,
 }
 
-/// This rank's mesh groups, as the layout crosses them (TorchTitan's device mesh, sliced).
-fn mesh_groups(dist: Option<&Distributed>) -> MeshGroups {
-    match dist {
-        None => MeshGroups::default(),
-        Some(d) => MeshGroups {
-            tp: d.tp.clone(),
-            cp: d.cp.clone(),
-            ep: d.ep.clone(),
-            pp: d.pp.clone(),
-            loss: Some(d.loss.clone()),
-        },
-    }
-}
-
 /// What `[parallelism]` asks of the model's crossings.
 fn parallel_options(cfg: &Config, plan: &RankPlan) -> Result<ParallelOptions> {
     let p = &cfg.parallelism;
@@ -137,8 +124,8 @@ fn pipeline_plan(
 /// The checks of how the batch splits that only the shapes can make: the sequence-parallel
 /// shards of a (micro)batch, async TP's row copies, the global batch over the data-parallel
 /// ranks. Returns the microbatches per step (gradient accumulation) and the global batch.
-fn check_batch<B: Backend>(
-    be: &B,
+fn check_batch(
+    be: &dyn DeviceSizing,
     cfg: &Config,
     local: &LocalShapes,
     dp_size: usize,
@@ -173,38 +160,59 @@ fn check_batch<B: Backend>(
 
 /// What the config and this rank's place decide before anything is allocated: the shapes, the
 /// mesh groups, the pipeline, the batch split and the memory estimate the layout was checked
-/// against.
-struct RankPlan {
-    args: ModelArgs,
-    local: LocalShapes,
+/// against (`titan plan` reads the same for each layout it weighs).
+pub struct RankPlan {
+    pub args: ModelArgs,
+    pub local: LocalShapes,
     groups: MeshGroups,
-    pipeline: Option<PipelinePlan>,
-    accum: usize,
-    global_batch: usize,
+    pub pipeline: Option<PipelinePlan>,
+    /// Microbatches per step (gradient accumulation) and the global batch.
+    pub accum: usize,
+    pub global_batch: usize,
     /// FSDP/HSDP shards the parameters (else they stay whole, with DDP over `dp` ranks).
     fsdp: bool,
     param_dtype: ParamDtype,
     reshard: ReshardPolicy,
-    ac: AcMode,
-    estimate: MemoryEstimate,
+    pub ac: AcMode,
+    pub estimate: MemoryEstimate,
     /// The linears `[model] converters` made float8.
-    float8: Float8Conversion,
+    pub float8: Float8Conversion,
 }
 
 impl RankPlan {
     /// Every check the config alone can make, and the memory estimate (with the activation
     /// checkpointing that would fit suggested when it does not).
-    fn check<B: Backend>(
-        be: &B,
+    fn check(
+        be: &dyn DeviceSizing,
         cfg: &Config,
-        dist: Option<&Distributed>,
+        place: MeshPlace,
         ranks_sharing_memory: usize,
+    ) -> Result<Self> {
+        Self::build(be, cfg, place, Some(ranks_sharing_memory))
+    }
+
+    /// The plan of the rank at `place` with its estimate, not checked against any memory
+    /// (`titan plan` compares it with the planned device's).
+    pub fn sized(be: &dyn DeviceSizing, cfg: &Config, place: MeshPlace) -> Result<Self> {
+        Self::build(be, cfg, place, None)
+    }
+
+    /// The plan; with `ranks_sharing_memory`, its estimate checked against the free memory.
+    fn build(
+        be: &dyn DeviceSizing,
+        cfg: &Config,
+        place: MeshPlace,
+        ranks_sharing_memory: Option<usize>,
     ) -> Result<Self> {
         let args = cfg.model_args()?;
         let (batch, seq) = (cfg.training.local_batch_size, cfg.training.seq_len);
-        let dp_size = dist.map_or(1, |d| d.dp.size());
-        let fsdp = dist.is_some_and(|d| d.shard.is_some());
-        let groups = mesh_groups(dist);
+        let MeshPlace {
+            groups,
+            dp_size,
+            fsdp_shard,
+            rank,
+        } = place;
+        let fsdp = fsdp_shard.is_some();
         let local = local_shapes(&args, &groups)?;
         check_expert_degree(cfg.parallelism.expert_parallel_degree, &groups)?;
         let pipeline = pipeline_plan(cfg, &args, &groups)?;
@@ -236,15 +244,16 @@ impl RankPlan {
             pipeline: pipeline.as_ref(),
             rotate: RotateMethod::parse(&cfg.parallelism.context_parallel_rotate_method)?,
             param_dtype,
-            fsdp_shard: dist
-                .filter(|_| fsdp)
-                .map(|d| d.mesh.degree("dp_shard") * d.mesh.degree("cp")),
+            fsdp_shard,
             reshard,
-            ranks_sharing_memory,
-            rank: dist.map_or(0, |d| d.rank),
+            ranks_sharing_memory: ranks_sharing_memory.unwrap_or(1),
+            rank,
             float8: float8.converted() > 0,
         };
-        let estimate = sizing.check_or_suggest(ac)?;
+        let estimate = match ranks_sharing_memory {
+            Some(_) => sizing.check_or_suggest(ac)?,
+            None => sizing.estimate(&ac.plan(args.n_layers)),
+        };
         Ok(RankPlan {
             args,
             local,
@@ -273,7 +282,7 @@ pub fn compose_rank<B: Backend>(
     device_comm: DeviceComm<B>,
     ranks_sharing_memory: usize,
 ) -> Result<ComposedRank<B>> {
-    let plan = RankPlan::check(be, cfg, dist, ranks_sharing_memory)?;
+    let plan = RankPlan::check(be, cfg, MeshPlace::of(dist), ranks_sharing_memory)?;
     let collectives_on_device = device_comm.on_device();
     let DeviceComm {
         data_parallel,

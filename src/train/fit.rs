@@ -5,8 +5,7 @@
 
 use anyhow::{bail, Result};
 
-use super::memory::{check_fits, gib, MemoryEstimate};
-use crate::backend::Backend;
+use super::memory::{check_fits, gib, DeviceSizing, MemoryEstimate};
 use crate::config::Config;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
@@ -17,8 +16,8 @@ use crate::parallel::fsdp::ReshardPolicy;
 use crate::parallel::pipeline::plan::PipelinePlan;
 
 /// What a rank's memory estimate depends on.
-pub struct RankSizing<'a, B: Backend> {
-    pub be: &'a B,
+pub struct RankSizing<'a> {
+    pub be: &'a dyn DeviceSizing,
     pub cfg: &'a Config,
     pub args: &'a ModelArgs,
     pub local: &'a LocalShapes,
@@ -37,7 +36,7 @@ pub struct RankSizing<'a, B: Backend> {
     pub float8: bool,
 }
 
-impl<B: Backend> RankSizing<'_, B> {
+impl RankSizing<'_> {
     /// The estimate per rank when the blocks keep what `plan` says.
     pub fn estimate(&self, plan: &ActivationPlan) -> MemoryEstimate {
         let (args, local, batch, seq) = (self.args, self.local, self.batch, self.seq);

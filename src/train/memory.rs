@@ -12,6 +12,40 @@ use crate::model::{
     LocalShapes, ModelArgs,
 };
 
+/// What a device adds to a rank's memory estimate beyond the model's tensors, and the memory the
+/// estimate is compared with: a backend's own accounting (every `Backend`), or a device that
+/// `titan plan` sizes without having it.
+pub trait DeviceSizing {
+    /// Kernel scratch of one step over `tokens` rows (`Backend::scratch_bytes`).
+    fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64;
+    /// Bytes per value of the activations' bf16 copies (`Backend::activation_copy_bytes`).
+    fn activation_copy_bytes(&self) -> u64;
+    /// Bytes per value of the f32 storage of buffers the device may keep in bf16 alone.
+    fn bf16_activation_f32_bytes(&self) -> u64;
+    /// Bytes per parameter of the bf16 compute copy.
+    fn compute_copy_bytes_per_param(&self) -> u64;
+    /// The device's free memory (None: the host's memory is what counts).
+    fn device_free_memory(&self) -> Option<u64>;
+}
+
+impl<B: Backend> DeviceSizing for B {
+    fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
+        Backend::scratch_bytes(self, tokens, dim, hidden, vocab)
+    }
+    fn activation_copy_bytes(&self) -> u64 {
+        Backend::activation_copy_bytes(self)
+    }
+    fn bf16_activation_f32_bytes(&self) -> u64 {
+        Backend::bf16_activation_f32_bytes(self)
+    }
+    fn compute_copy_bytes_per_param(&self) -> u64 {
+        Backend::compute_copy_bytes_per_param(self)
+    }
+    fn device_free_memory(&self) -> Option<u64> {
+        Backend::device_free_memory(self)
+    }
+}
+
 /// Values of one tensor-parallel rank's parameters (`m.tp`): all of them, those outside the
 /// blocks, and one block's as the rank gathers it (under expert parallelism, with its own experts
 /// only).
@@ -78,9 +112,9 @@ impl MemoryEstimate {
 
     /// Adds the scratch `be` needs for a step of this model at this batch and sequence, and the
     /// bf16 copies its kernels keep beside activations.
-    pub fn with_backend_scratch<B: Backend>(
+    pub fn with_backend_scratch(
         mut self,
-        be: &B,
+        be: &dyn DeviceSizing,
         m: &LocalShapes,
         batch: usize,
         seq: usize,
@@ -149,7 +183,7 @@ impl MemoryEstimate {
 
     /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP, as `be`
     /// stores it (`Backend::compute_copy_bytes_per_param`).
-    pub fn with_compute_copy<B: Backend>(mut self, be: &B) -> Self {
+    pub fn with_compute_copy(mut self, be: &dyn DeviceSizing) -> Self {
         self.compute_copy = self.params / 4 * be.compute_copy_bytes_per_param();
         self
     }

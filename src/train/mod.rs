@@ -8,6 +8,7 @@ pub mod lr;
 pub mod memory;
 pub mod metrics;
 pub mod optimizer;
+pub mod place;
 pub mod profiler;
 pub mod replicas;
 pub mod save;

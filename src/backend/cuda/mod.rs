@@ -14,6 +14,7 @@ pub mod gemm;
 pub mod kernels;
 pub mod libs;
 mod ops;
+pub use ops::loss::bf16_operand_scratch_bytes;
 pub mod specs;
 
 use std::collections::HashMap;

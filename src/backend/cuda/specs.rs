@@ -8,6 +8,7 @@ use super::GemmPrecision;
 /// (name fragment, bf16, tf32, fp32) TFLOP/s; the first fragment found in the name wins, so the
 /// more specific names come first.
 const PEAKS: &[(&str, f64, f64, f64)] = &[
+    ("B200", 2250.0, 1100.0, 75.0), // also GB200
     ("H100 PCIe", 756.0, 378.0, 51.0),
     ("H100 NVL", 835.0, 418.0, 60.0),
     ("H200", 989.0, 494.0, 67.0), // also GH200

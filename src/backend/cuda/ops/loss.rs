@@ -189,12 +189,11 @@ impl CudaBackend {
             0
         };
         let bf16_operands = if self.precision() == GemmPrecision::BFloat16 {
-            let largest = (vocab * dim).max(tokens * hidden);
-            chunk * vocab * 2 + 2 * largest * 2 + 4 * tokens * dim * 2
+            bf16_operand_scratch_bytes(tokens, dim, hidden, vocab)
         } else {
             0
         };
-        (logits + bf16_operands) as u64
+        logits as u64 + bf16_operands
     }
 
     /// Whether the loss's logit gradient for a chunk of `n` rows can live in bf16 alone: bf16
@@ -255,6 +254,16 @@ fn check_loss_operands(
 /// Llama 3's 128k vocabulary: few chunks, so the output weight is converted to bf16 few times), at
 /// least 128 rows so the three GEMMs per chunk stay large, and a multiple of 64 so every chunk's
 /// rows start 256-byte aligned, as cuBLASLt's fast kernels assume.
+/// The scratch of bf16 GEMMs over a step of `tokens` rows: a loss chunk's bf16 logit gradient,
+/// the two operand copies, at most the largest operands converted (the output weight, an FFN
+/// activation), and the attention's bf16 copies of q, k, v and dout. Also what `titan plan`
+/// counts for a GPU it sizes without having one.
+pub fn bf16_operand_scratch_bytes(tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
+    let chunk = gpu_loss_chunk_rows(vocab).min(tokens.max(1));
+    let largest = (vocab * dim).max(tokens * hidden);
+    (chunk * vocab * 2 + 2 * largest * 2 + 4 * tokens * dim * 2) as u64
+}
+
 fn gpu_loss_chunk_rows(vocab: usize) -> usize {
     ((512usize << 20) / vocab.max(1)).clamp(128, 4096) / 64 * 64
 }

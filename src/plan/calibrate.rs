@@ -1,0 +1,283 @@
+//! `titan plan --calibrate`: this CPU as the cost model sees it, measured by short `titan bench`
+//! runs of this very binary (one process of the debug model at one thread for batches 1 and 8,
+//! once with gradient accumulation, once on every core; collectives between two local ranks),
+//! stored as JSON (`$TITAN_PLAN_CALIBRATION`, else `~/.cache/titan/plan_cpu.json`) and reused
+//! while the host's CPU model and core count are the same.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::device::{Compute, Device, Link};
+use crate::model::ModelArgs;
+
+/// A stored calibration: the host it was measured on and the device it makes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Calibration {
+    pub host: String,
+    pub device: Device,
+    /// The measured step times (seconds) the device was fitted to, for the record.
+    pub measured: Measured,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Measured {
+    pub seq: usize,
+    /// One thread: batch 1, batch 8, and batch 1 accumulated 8 times.
+    pub one_thread_batch1_s: f64,
+    pub one_thread_batch8_s: f64,
+    pub one_thread_accum8_s: f64,
+    /// Every core, batch 8.
+    pub all_cores_batch8_s: f64,
+    /// (bytes, all-gather s, reduce-scatter s) between two ranks.
+    pub two_rank_collectives: Vec<(f64, f64, f64)>,
+    /// Two ranks of tensor parallelism, batch 8: the step and its TP collectives' time.
+    pub tp2_step_s: f64,
+    pub tp2_comm_s: f64,
+}
+
+/// The CPU's model name and core count (a calibration is reused only on the same).
+pub fn host() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    format!("{model} × {} cores", cores())
+}
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+pub fn path() -> PathBuf {
+    if let Some(p) = std::env::var_os("TITAN_PLAN_CALIBRATION") {
+        return PathBuf::from(p);
+    }
+    let home = std::env::var_os("HOME").map_or(PathBuf::from("."), PathBuf::from);
+    home.join(".cache/titan/plan_cpu.json")
+}
+
+/// The stored calibration of this host, or a fresh one (measured and stored) when there is none,
+/// it was made on another host, or `force`.
+pub fn cpu(force: bool) -> Result<Calibration> {
+    let file = path();
+    if !force {
+        if let Ok(text) = std::fs::read_to_string(&file) {
+            let stored: Calibration = serde_json::from_str(&text).with_context(|| {
+                format!(
+                    "{}: not a titan plan calibration (delete it or run titan plan --calibrate)",
+                    file.display()
+                )
+            })?;
+            if stored.host == host() {
+                return Ok(stored);
+            }
+            eprintln!(
+                "titan plan: {} was measured on {}; calibrating this host ({})",
+                file.display(),
+                stored.host,
+                host()
+            );
+        } else {
+            eprintln!(
+                "titan plan: no CPU calibration at {}; measuring this host (about a minute)",
+                file.display()
+            );
+        }
+    }
+    let c = measure()?;
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let text = serde_json::to_string_pretty(&c)?;
+    std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
+    eprintln!("titan plan: calibration stored in {}", file.display());
+    Ok(c)
+}
+
+const SEQ: usize = 256;
+
+/// Runs the benchmarks and fits the device: the slope of batch 8 over batch 1 is the compute
+/// rate, the accumulated run separates the per-microbatch cost from the per-step optimizer's,
+/// the all-core run the threads' efficiency, the two-rank collectives the host link.
+fn measure() -> Result<Calibration> {
+    let run = |extra: &[&str]| -> Result<serde_json::Value> {
+        let seq = SEQ.to_string();
+        let mut args = vec![
+            "bench", "train", "--json", "--steps", "4", "--warmup", "2", "--seq", &seq,
+        ];
+        args.extend(extra);
+        let out = titan(&args)?;
+        Ok(serde_json::from_str(last_line(&out)?)?)
+    };
+    let step = |row: &serde_json::Value| {
+        row["step_s_median"]
+            .as_f64()
+            .context("bench train --json without step_s_median")
+    };
+    let bench = |threads: usize, batch: usize, global: usize| -> Result<f64> {
+        let (t, b, g) = (threads.to_string(), batch.to_string(), global.to_string());
+        step(&run(&[
+            "--threads",
+            &t,
+            "--batch",
+            &b,
+            "--training.global_batch_size",
+            &g,
+        ])?)
+    };
+    let (t1, t8, acc8) = (bench(1, 1, 1)?, bench(1, 8, 8)?, bench(1, 1, 8)?);
+    let all = bench(cores(), 8, 8)?;
+    let tp2 = run(&[
+        "--nproc",
+        "2",
+        "--batch",
+        "8",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ])?;
+    let tp2_comm_s = tp2["tp_comm_ms_per_step"]
+        .as_f64()
+        .context("bench train --json without tp_comm_ms_per_step")?
+        / 1e3;
+    let comm = titan(&[
+        "bench",
+        "comm",
+        "--json",
+        "--nproc",
+        "2",
+        "--sizes-mib",
+        "1,16",
+        "--iters",
+        "5",
+    ])?;
+    let mut collectives = Vec::new();
+    for line in comm.lines().filter(|l| l.starts_with('{')) {
+        let row: serde_json::Value = serde_json::from_str(line)?;
+        let f = |k: &str| row[k].as_f64().context("bench comm --json row");
+        collectives.push((f("bytes")?, f("all_gather_s")?, f("reduce_scatter_s")?));
+    }
+    let measured = Measured {
+        seq: SEQ,
+        one_thread_batch1_s: t1,
+        one_thread_batch8_s: t8,
+        one_thread_accum8_s: acc8,
+        all_cores_batch8_s: all,
+        two_rank_collectives: collectives,
+        tp2_step_s: step(&tp2)?,
+        tp2_comm_s,
+    };
+    Ok(Calibration {
+        host: host(),
+        device: fit(&measured)?,
+        measured,
+    })
+}
+
+/// The CPU device the measurements make (see `measure`).
+pub fn fit(m: &Measured) -> Result<Device> {
+    let args = ModelArgs::flavor("debugmodel")?;
+    let seq_flops = args.flops_per_token(m.seq) * m.seq as f64;
+    // t1 = opt + mb + x, t8 = opt + mb + 8x, acc8 = opt + 8·(mb + x).
+    let x = (m.one_thread_batch8_s - m.one_thread_batch1_s) / 7.0;
+    let microbatch = ((m.one_thread_accum8_s - m.one_thread_batch1_s) / 7.0 - x).max(0.0);
+    let optimizer = (m.one_thread_batch1_s - microbatch - x).max(0.0);
+    if x <= 0.0 {
+        bail!("titan plan --calibrate: batch 8 ran no slower than batch 1 ({:.4} s vs {:.4} s); the machine was too noisy, run it again", m.one_thread_batch8_s, m.one_thread_batch1_s);
+    }
+    let n = cores();
+    let thread_efficiency = (m.one_thread_batch8_s / (n as f64 * m.all_cores_batch8_s)).min(1.0);
+    let link = host_link(&m.two_rank_collectives)?;
+    let rate = seq_flops / x;
+    let (step_alpha_s, tp_efficiency) =
+        tensor_parallel_fit(m, &args, link, x, optimizer + microbatch);
+    Ok(Device {
+        name: "cpu".into(),
+        peak_tflops: rate * n as f64 / 1e12,
+        memory_bytes: None,
+        compute: Compute {
+            flops_per_s: rate,
+            block_overhead_s: microbatch / args.n_layers as f64,
+            optimizer_s_per_param: optimizer / args.num_params() as f64,
+        },
+        intra: link,
+        inter: link,
+        per_node: usize::MAX,
+        wire_bytes: 4,
+        overlaps: false,
+        cores: n,
+        thread_efficiency,
+        step_alpha_s,
+        tp_efficiency,
+    })
+}
+
+/// The wait per in-step collective and the compute efficiency of TP 2, from the two-rank TP run
+/// (batch 8, one thread each): its TP time over its collectives (`4·2` per block, forward and
+/// backward, and two for the head, each of `8·seq·dim` f32 values) beyond their alpha-beta cost;
+/// its compute against half of one thread's batch-8 step (`8x` plus the fixed costs).
+fn tensor_parallel_fit(
+    m: &Measured,
+    args: &ModelArgs,
+    link: Link,
+    x: f64,
+    fixed: f64,
+) -> (f64, f64) {
+    let collectives = (8 * args.n_layers + 2) as f64;
+    let bytes = (8 * m.seq * args.dim * 4) as f64;
+    let alpha_beta = link.alpha_s + bytes / 2.0 * link.beta_s_per_byte;
+    let wait = (m.tp2_comm_s / collectives - alpha_beta).max(0.0);
+    let ideal = (8.0 * x + fixed) / 2.0;
+    let efficiency = (ideal / (m.tp2_step_s - m.tp2_comm_s).max(1e-9)).min(1.0);
+    (wait, efficiency)
+}
+
+/// Alpha and beta of the host's transport from two ranks' all-gathers and reduce-scatters at two
+/// sizes (each moves half the bytes: `t = α + bytes/2 · β`).
+fn host_link(rows: &[(f64, f64, f64)]) -> Result<Link> {
+    let [small, large] = rows else {
+        bail!(
+            "titan plan --calibrate: bench comm gave {} sizes, expected 2",
+            rows.len()
+        );
+    };
+    let t = |r: &(f64, f64, f64)| (r.1 + r.2) / 2.0;
+    let beta = ((t(large) - t(small)) / ((large.0 - small.0) / 2.0)).max(1e-12);
+    let alpha = (t(small) - small.0 / 2.0 * beta).max(0.0);
+    Ok(Link {
+        alpha_s: alpha,
+        beta_s_per_byte: beta,
+    })
+}
+
+/// This binary's output for `args`, failing with its stderr.
+fn titan(args: &[&str]) -> Result<String> {
+    let exe = std::env::current_exe().context("cannot find the titan binary")?;
+    let out = Command::new(&exe)
+        .args(args)
+        .env_remove("RAYON_NUM_THREADS")
+        .output()
+        .with_context(|| format!("cannot run {}", exe.display()))?;
+    if !out.status.success() {
+        bail!(
+            "titan plan --calibrate: `titan {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn last_line(text: &str) -> Result<&str> {
+    text.lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .context("no JSON line in the benchmark's output")
+}

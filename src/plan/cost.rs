@@ -1,0 +1,274 @@
+//! The predicted step time of a layout (docs/plan.md): each rank's compute from TorchTitan's FLOP
+//! count at the device's achieved rate plus a cost per block and microbatch, the pipeline's bubble
+//! from the schedule simulator run on those costs, the optimizer step, and each parallelism's
+//! collectives as alpha-beta sums over the link its group crosses, minus what the device overlaps.
+
+use super::device::{Device, Link};
+use super::layout::{AcChoice, Layout};
+use crate::model::ModelArgs;
+use crate::parallel::pipeline::plan::PipelinePlan;
+use crate::parallel::pipeline::schedule::Work;
+
+/// What a layout is predicted to do per optimizer step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Prediction {
+    pub step_s: f64,
+    /// Tokens per second over the job (`titan bench train`'s `tokens_per_s`).
+    pub tokens_per_s: f64,
+    pub compute_s: f64,
+    /// The pipeline's idle share (0 without a pipeline).
+    pub bubble: f64,
+    pub exposed_comm_s: f64,
+    /// Model FLOP utilisation against the device's peak (TorchTitan's count).
+    pub mfu: f64,
+}
+
+/// One layout of one job on one device kind.
+pub struct Weighing<'a> {
+    pub layout: &'a Layout,
+    pub args: &'a ModelArgs,
+    pub seq: usize,
+    /// Microbatch steps per optimizer step (gradient accumulation).
+    pub accum: usize,
+    pub device: &'a Device,
+    pub world: usize,
+    /// The pipeline the trainer would run (its schedule and stage split), None without one.
+    pub pipeline: Option<&'a PipelinePlan>,
+}
+
+/// A collective's shape.
+#[derive(Clone, Copy)]
+enum Collective {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    AllToAll,
+    PointToPoint,
+}
+
+impl Weighing<'_> {
+    pub fn predict(&self) -> Prediction {
+        let l = self.layout;
+        let (rate, share) = self.device.rank_rate(self.ranks_per_node());
+        let blocks = self.blocks_per_rank();
+        let mb_tokens = (l.microbatch_size * self.seq) as f64;
+        let per_mb = self.microbatch_compute_s(rate, share, mb_tokens);
+        let (compute_per_accum, bubble) = match self.pipeline {
+            None => (per_mb.0 + per_mb.1, 0.0),
+            Some(p) => self.pipelined(p, per_mb),
+        };
+        let params = self.params_per_rank();
+        let optimizer_s = params * self.device.compute.optimizer_s_per_param / share;
+        let compute_s = compute_per_accum * self.accum as f64;
+        let work_s = compute_s * (1.0 - bubble) + optimizer_s;
+        let exposed = self.exposed_comm_s(compute_s * (1.0 - bubble), mb_tokens, blocks);
+        let step_s = compute_s + optimizer_s + exposed;
+        let tokens = (l.local_batch * self.accum * self.seq * l.dp_replicate * l.dp_shard) as f64;
+        let flops = self.args.flops_per_token(self.seq) * tokens;
+        let _ = work_s;
+        Prediction {
+            step_s,
+            tokens_per_s: tokens / step_s,
+            compute_s,
+            bubble,
+            exposed_comm_s: exposed,
+            mfu: flops / step_s / (self.world as f64 * self.device.peak_tflops * 1e12),
+        }
+    }
+
+    fn ranks_per_node(&self) -> usize {
+        self.world.min(self.device.per_node)
+    }
+
+    /// Blocks a rank runs (its stages' under a pipeline).
+    fn blocks_per_rank(&self) -> f64 {
+        self.args.n_layers as f64 / self.layout.pp as f64
+    }
+
+    /// (forward, backward) seconds of one microbatch of `tokens` rows on one rank, for the
+    /// whole model split `pp` ways: FLOPs over `tp × cp`, the checkpointing's recompute in the
+    /// backward, and the per-block cost.
+    fn microbatch_compute_s(&self, rate: f64, share: f64, tokens: f64) -> (f64, f64) {
+        let l = self.layout;
+        let flops = self.args.flops_per_token(self.seq) * tokens / (l.tp * l.cp * l.pp) as f64;
+        let recompute = match l.ac {
+            AcChoice::None => 0.0,
+            AcChoice::Op => 0.05,
+            AcChoice::Full => 1.0,
+        };
+        let tp_efficiency = self.device.tp_efficiency.powf((l.tp as f64).log2());
+        let forward = flops / 3.0 / (rate * tp_efficiency);
+        let overhead = self.device.compute.block_overhead_s * self.blocks_per_rank() / share;
+        (
+            forward + overhead / 3.0,
+            forward * (2.0 + recompute) + overhead * 2.0 / 3.0,
+        )
+    }
+
+    /// Seconds of a pipelined local batch (its microbatches through the schedule, as the
+    /// simulator runs them on these costs) and the bubble.
+    fn pipelined(&self, p: &PipelinePlan, (forward, backward): (f64, f64)) -> (f64, f64) {
+        let v = p.schedule.stages() as f64 / self.layout.pp as f64;
+        let ns = |s: f64| (s / v * 1e9).max(1.0) as u64;
+        let cost = |w: Work| match w {
+            Work::Forward => ns(forward),
+            Work::Backward => ns(backward),
+            Work::BackwardInput | Work::BackwardWeight => ns(backward / 2.0),
+        };
+        match p.schedule.simulate(cost) {
+            Ok(t) => (t.makespan as f64 * 1e-9, t.bubble()),
+            Err(_) => (f64::INFINITY, 1.0),
+        }
+    }
+
+    /// Parameters a rank holds whole (before FSDP sharding): its tensor-parallel and pipeline
+    /// share, the routed experts split over expert parallelism.
+    fn params_per_rank(&self) -> f64 {
+        let l = self.layout;
+        let total = self.args.num_params() as f64;
+        let experts = self.expert_params();
+        let held = (total - experts) + experts / l.ep as f64;
+        held / (l.tp * l.pp) as f64
+    }
+
+    fn expert_params(&self) -> f64 {
+        (0..self.args.n_layers)
+            .filter_map(|i| self.args.moe_at(i))
+            .map(|m| (m.router.num_experts * 3 * self.args.dim * m.hidden) as f64)
+            .sum()
+    }
+
+    /// The link a group over dims of `stride × size` consecutive-rank span crosses.
+    fn link(&self, span: usize) -> Link {
+        match span <= self.device.per_node {
+            true => self.device.intra,
+            false => self.device.inter,
+        }
+    }
+
+    fn time(&self, link: Link, c: Collective, group: usize, bytes: f64) -> f64 {
+        if group <= 1 {
+            return 0.0;
+        }
+        let g = group as f64;
+        let crowd = match self.device.cores {
+            0 => 1.0,
+            cores => (self.ranks_per_node() as f64 / cores as f64).max(1.0),
+        };
+        let (steps, moved) = match c {
+            Collective::AllGather | Collective::ReduceScatter => (g - 1.0, (g - 1.0) / g),
+            Collective::AllReduce => (2.0 * (g - 1.0), 2.0 * (g - 1.0) / g),
+            Collective::AllToAll => (g - 1.0, (g - 1.0) / g),
+            Collective::PointToPoint => (1.0, 1.0),
+        };
+        steps * link.alpha_s + moved * bytes * link.beta_s_per_byte * crowd
+    }
+
+    /// A collective inside the step (the ranks wait on each other): its link's time and the
+    /// device's per-collective wait.
+    fn in_step(&self, link: Link, c: Collective, group: usize, bytes: f64) -> f64 {
+        match group {
+            0 | 1 => 0.0,
+            _ => self.time(link, c, group, bytes) + self.device.step_alpha_s,
+        }
+    }
+
+    /// The communication a step leaves exposed, given the compute it can hide behind.
+    fn exposed_comm_s(&self, busy_s: f64, mb_tokens: f64, blocks: f64) -> f64 {
+        let l = self.layout;
+        let d = self.device;
+        let overlaps = d.overlaps;
+        let microbatches = (l.microbatches() * self.accum) as f64;
+        let (data, first_last) = self.data_parallel_s(blocks);
+        let data = match overlaps {
+            true => (data - 0.8 * busy_s).max(0.0) + first_last,
+            false => data,
+        };
+        let wire = d.wire_bytes as f64;
+        let dim = self.args.dim as f64;
+        let tp_bytes = mb_tokens / l.cp as f64 * dim * wire;
+        let tp_link = self.link(l.tp);
+        let ac = if l.ac == AcChoice::Full { 1.5 } else { 1.0 };
+        let tp_per_block = 4.0
+            * (self.in_step(tp_link, Collective::AllGather, l.tp, tp_bytes)
+                + self.in_step(tp_link, Collective::ReduceScatter, l.tp, tp_bytes));
+        let tp = (tp_per_block * blocks * ac
+            + 2.0 * self.in_step(tp_link, Collective::AllGather, l.tp, tp_bytes))
+            * microbatches;
+        let cp_kv = mb_tokens / l.cp as f64 * 2.0 * self.kv_width() * wire / l.tp as f64;
+        let cp_link = self.link(l.tp * l.cp);
+        let cp_ring =
+            3.0 * (l.cp as f64 - 1.0) * self.in_step(cp_link, Collective::PointToPoint, 2, cp_kv);
+        let cp = cp_ring * blocks * microbatches;
+        let cp = match overlaps {
+            true => (cp - 0.3 * busy_s).max(0.0),
+            false => cp,
+        };
+        let ep = self.expert_exchange_s(mb_tokens, wire) * microbatches;
+        let pp_bytes = mb_tokens / (l.cp * l.tp) as f64 * dim * wire;
+        let pp_link = self.link(self.world);
+        let pp = match l.pp {
+            1 => 0.0,
+            _ => 2.0 * microbatches * self.in_step(pp_link, Collective::PointToPoint, 2, pp_bytes),
+        };
+        data + tp + cp + ep + pp
+    }
+
+    /// Data parallelism's collectives per step (FSDP's gathers and reduce-scatters, HSDP's and
+    /// DDP's all-reduces), and the part no overlap hides (the first gather, the last reduce).
+    fn data_parallel_s(&self, blocks: f64) -> (f64, f64) {
+        let l = self.layout;
+        let d = self.device;
+        let params = self.params_per_rank();
+        let (shard, replicate) = (l.dp_shard * l.cp, l.dp_replicate);
+        let shard_link = self.link(l.tp * shard);
+        let replicate_link = self.link(self.world / l.pp);
+        let total = if shard > 1 {
+            let gathers = if l.pp > 1 { 1.0 } else { 2.0 };
+            let gather_bytes = params * d.wire_bytes as f64;
+            gathers * self.time(shard_link, Collective::AllGather, shard, gather_bytes)
+                + self.time(shard_link, Collective::ReduceScatter, shard, params * 4.0)
+                + self.time(
+                    replicate_link,
+                    Collective::AllReduce,
+                    replicate,
+                    params * 4.0 / shard as f64,
+                )
+        } else {
+            self.time(
+                replicate_link,
+                Collective::AllReduce,
+                replicate,
+                params * 4.0,
+            )
+        };
+        (total, 2.0 * total / blocks.max(1.0) / 3.0)
+    }
+
+    /// Expert parallelism's dispatch and combine, forward and backward, per microbatch.
+    fn expert_exchange_s(&self, mb_tokens: f64, wire: f64) -> f64 {
+        let l = self.layout;
+        let moe_blocks = (0..self.args.n_layers)
+            .filter(|i| self.args.moe_at(*i).is_some())
+            .count() as f64
+            / l.pp as f64;
+        let Some(moe) = (0..self.args.n_layers).find_map(|i| self.args.moe_at(i)) else {
+            return 0.0;
+        };
+        let bytes = mb_tokens / (l.cp * l.tp) as f64
+            * moe.router.top_k as f64
+            * self.args.dim as f64
+            * wire;
+        let link = self.link(l.tp * l.ep);
+        4.0 * moe_blocks * self.in_step(link, Collective::AllToAll, l.ep, bytes)
+    }
+
+    /// Key plus value width of one token (all heads).
+    fn kv_width(&self) -> f64 {
+        let a = self.args;
+        match &a.mla {
+            Some(m) => (a.n_heads * (m.qk_head_dim() + m.v_head_dim)) as f64 / 2.0,
+            None => (a.n_kv_heads * a.head_dim()) as f64,
+        }
+    }
+}
