@@ -5,8 +5,8 @@ For each layout below, `titan plan --nproc N --json` predicts tokens/s and `tita
 measures it (the candidate's own `overrides`, so the measured run is the planned layout and the
 overrides round-trip into a config titan accepts). Prints a markdown table, the median relative
 error and Spearman's rank correlation; exits 1 when the median error exceeds 20% or Spearman is
-below 0.8. The tensor-parallel 2 layout is a calibration point (`titan plan --calibrate` runs it)
-and is marked so.
+below 0.8. The two-rank TP and CP layouts are calibration points (`titan plan --calibrate` runs them,
+as it runs one process of each model) and are marked so.
 
 Usage: scripts/plan_check.py [--titan target/release/titan] [--repeats 2] [--quick]
 """
@@ -24,13 +24,14 @@ LAYOUTS = [
     (DEBUG, 2, {"data_parallel_shard_degree": "2"}, "FSDP 2"),
     (DEBUG, 2, {"data_parallel_replicate_degree": "2"}, "DDP 2"),
     (DEBUG, 2, {"tensor_parallel_degree": "2"}, "TP 2 (calibration)"),
-    (DEBUG, 2, {"context_parallel_degree": "2"}, "CP 2"),
+    (DEBUG, 2, {"context_parallel_degree": "2"}, "CP 2 (calibration)"),
     (DEBUG, 2, {"pipeline_parallel_degree": "2", "pipeline_parallel_schedule": "1F1B",
                 "pipeline_parallel_microbatch_size": "1"}, "PP 2 1F1B, 8 mb"),
     (DEBUG, 4, {"data_parallel_shard_degree": "4"}, "FSDP 4"),
     (DEBUG, 4, {"data_parallel_shard_degree": "2", "tensor_parallel_degree": "2"}, "FSDP 2 × TP 2"),
     (DEBUG, 4, {"data_parallel_replicate_degree": "2", "data_parallel_shard_degree": "2"}, "HSDP 2×2"),
     (DEBUG, 4, {"tensor_parallel_degree": "4"}, "TP 4"),
+    (DEBUG, 4, {"data_parallel_shard_degree": "2", "context_parallel_degree": "2"}, "FSDP 2 × CP 2"),
     (DEBUG, 4, {"pipeline_parallel_degree": "2", "data_parallel_shard_degree": "2",
                 "pipeline_parallel_schedule": "Interleaved1F1B",
                 "pipeline_parallel_microbatch_size": "2"}, "PP 2 × FSDP 2 interleaved, 4 mb"),

@@ -1,6 +1,7 @@
 //! `titan plan --calibrate`: this CPU as the cost model sees it, measured by short `titan bench`
 //! runs of this very binary (one process of the debug model at one thread for batches 1 and 8,
-//! once with gradient accumulation, once on every core; collectives between two local ranks),
+//! once with gradient accumulation, once on every core; the MoE debug model; two ranks of tensor
+//! and of context parallelism; collectives between two local ranks),
 //! stored as JSON (`$TITAN_PLAN_CALIBRATION`, else `~/.cache/titan/plan_cpu.json`) and reused
 //! while the host's CPU model and core count are the same.
 
@@ -11,6 +12,9 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::device::{Compute, Device, Link};
+use super::layout::{AcChoice, Layout};
+use super::Job;
+use crate::backend::cpu::CpuBackend;
 use crate::model::ModelArgs;
 
 /// A stored calibration: the host it was measured on and the device it makes.
@@ -36,6 +40,10 @@ pub struct Measured {
     /// Two ranks of tensor parallelism, batch 8: the step and its TP collectives' time.
     pub tp2_step_s: f64,
     pub tp2_comm_s: f64,
+    /// Two ranks of context parallelism, batch 8.
+    pub cp2_step_s: f64,
+    /// One process of the MoE debug model (Qwen3 `debugmodel_moe`) on every core, batch 8.
+    pub moe_step_s: f64,
 }
 
 /// The CPU's model name and core count (a calibration is reused only on the same).
@@ -147,6 +155,22 @@ fn measure() -> Result<Calibration> {
         .as_f64()
         .context("bench train --json without tp_comm_ms_per_step")?
         / 1e3;
+    let cp2 = run(&[
+        "--nproc",
+        "2",
+        "--batch",
+        "8",
+        "--parallelism.context_parallel_degree",
+        "2",
+    ])?;
+    let moe = run(&[
+        "--batch",
+        "8",
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel_moe",
+    ])?;
     let comm = titan(&[
         "bench",
         "comm",
@@ -173,6 +197,8 @@ fn measure() -> Result<Calibration> {
         two_rank_collectives: collectives,
         tp2_step_s: step(&tp2)?,
         tp2_comm_s,
+        cp2_step_s: step(&cp2)?,
+        moe_step_s: step(&moe)?,
     };
     Ok(Calibration {
         host: host(),
@@ -196,9 +222,8 @@ pub fn fit(m: &Measured) -> Result<Device> {
     let thread_efficiency = (m.one_thread_batch8_s / (n as f64 * m.all_cores_batch8_s)).min(1.0);
     let link = host_link(&m.two_rank_collectives)?;
     let rate = seq_flops / x;
-    let (step_alpha_s, tp_efficiency) =
-        tensor_parallel_fit(m, &args, link, x, optimizer + microbatch);
-    Ok(Device {
+    let step_alpha_s = in_step_wait(m, &args, link);
+    let mut device = Device {
         name: "cpu".into(),
         peak_tflops: rate * n as f64 / 1e12,
         memory_bytes: None,
@@ -215,28 +240,59 @@ pub fn fit(m: &Measured) -> Result<Device> {
         cores: n,
         thread_efficiency,
         step_alpha_s,
-        tp_efficiency,
-    })
+        tp_efficiency: 1.0,
+        cp_efficiency: 1.0,
+        moe_efficiency: 1.0,
+    };
+    let probe = |device: &Device, layout: Layout, model: &[&str], measured: f64| {
+        efficiency(device, layout, model, measured)
+    };
+    let one = |local_batch| Layout {
+        pp: 1,
+        dp_replicate: 1,
+        dp_shard: 1,
+        cp: 1,
+        tp: 1,
+        ep: 1,
+        schedule: None,
+        microbatch_size: local_batch,
+        local_batch,
+        ac: AcChoice::None,
+    };
+    let moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
+    device.moe_efficiency = probe(&device, one(8), &moe, m.moe_step_s)?;
+    device.tp_efficiency = probe(&device, Layout { tp: 2, ..one(8) }, &[], m.tp2_step_s)?;
+    device.cp_efficiency = probe(&device, Layout { cp: 2, ..one(8) }, &[], m.cp2_step_s)?;
+    Ok(device)
 }
 
-/// The wait per in-step collective and the compute efficiency of TP 2, from the two-rank TP run
-/// (batch 8, one thread each): its TP time over its collectives (`4·2` per block, forward and
-/// backward, and two for the head, each of `8·seq·dim` f32 values) beyond their alpha-beta cost;
-/// its compute against half of one thread's batch-8 step (`8x` plus the fixed costs).
-fn tensor_parallel_fit(
-    m: &Measured,
-    args: &ModelArgs,
-    link: Link,
-    x: f64,
-    fixed: f64,
-) -> (f64, f64) {
+/// The compute efficiency that makes `layout`'s predicted step `measured`: the predicted compute
+/// over what the measured step leaves for it once the rest of the prediction is taken out.
+fn efficiency(device: &Device, layout: Layout, model: &[&str], measured: f64) -> Result<f64> {
+    let cpu = CpuBackend::new();
+    let world = layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp;
+    let job = Job {
+        config: None,
+        overrides: model.iter().map(|s| s.to_string()).collect(),
+        world,
+        device: device.clone(),
+        sizing: &cpu,
+        ranks_sharing_memory: world,
+        vary_ac: false,
+    };
+    let p = job.weigh(&layout)?.prediction;
+    let rest = p.step_s - p.compute_s;
+    Ok((p.compute_s / (measured - rest).max(1e-9)).clamp(0.05, 1.5))
+}
+
+/// The wait per in-step collective, from the two-rank TP run (batch 8, one thread each): its TP
+/// time over its collectives (`4·2` per block, forward and backward, and two for the head, each
+/// of `8·seq·dim` f32 values) beyond their alpha-beta cost (the ranks' skew on shared cores).
+fn in_step_wait(m: &Measured, args: &ModelArgs, link: Link) -> f64 {
     let collectives = (8 * args.n_layers + 2) as f64;
     let bytes = (8 * m.seq * args.dim * 4) as f64;
     let alpha_beta = link.alpha_s + bytes / 2.0 * link.beta_s_per_byte;
-    let wait = (m.tp2_comm_s / collectives - alpha_beta).max(0.0);
-    let ideal = (8.0 * x + fixed) / 2.0;
-    let efficiency = (ideal / (m.tp2_step_s - m.tp2_comm_s).max(1e-9)).min(1.0);
-    (wait, efficiency)
+    (m.tp2_comm_s / collectives - alpha_beta).max(0.0)
 }
 
 /// Alpha and beta of the host's transport from two ranks' all-gathers and reduce-scatters at two

@@ -36,6 +36,24 @@ pub struct Weighing<'a> {
     pub pipeline: Option<&'a PipelinePlan>,
 }
 
+/// A step's communication (see `Weighing::comm`).
+struct Comm {
+    busy_s: f64,
+    exposed_s: f64,
+    waits_s: f64,
+}
+
+/// `Σ count · (time, wait)`, as (time, wait).
+fn sum(parts: &[(f64, (f64, f64))]) -> (f64, f64) {
+    parts
+        .iter()
+        .fold((0.0, 0.0), |(t, w), (n, (ti, wi))| (t + n * ti, w + n * wi))
+}
+
+fn scale((t, w): (f64, f64), n: f64) -> (f64, f64) {
+    (t * n, w * n)
+}
+
 /// A collective's shape.
 #[derive(Clone, Copy)]
 enum Collective {
@@ -47,31 +65,40 @@ enum Collective {
 }
 
 impl Weighing<'_> {
+    /// The step on the slowest rank: its critical path (the pipeline's schedule with its bubble,
+    /// the optimizer, the communication left exposed, the waits between ranks) or, on a host
+    /// whose ranks want more threads than it has cores, the host's whole work over its cores
+    /// (a waiting rank's core then runs another rank), whichever is longer.
     pub fn predict(&self) -> Prediction {
         let l = self.layout;
-        let (rate, share) = self.device.rank_rate(self.ranks_per_node());
+        let (rate, crowd) = self.device.rank_rate(self.ranks_per_node());
         let blocks = self.blocks_per_rank();
         let mb_tokens = (l.microbatch_size * self.seq) as f64;
-        let per_mb = self.microbatch_compute_s(rate, share, mb_tokens);
-        let (compute_per_accum, bubble) = match self.pipeline {
-            None => (per_mb.0 + per_mb.1, 0.0),
-            Some(p) => self.pipelined(p, per_mb),
+        let (forward, backward) = self.microbatch_compute_s(rate, mb_tokens);
+        let steps = (l.microbatches() * self.accum) as f64;
+        let busy_compute = (forward + backward) * steps;
+        let (critical, bubble) = match self.pipeline {
+            None => (busy_compute, 0.0),
+            Some(p) => {
+                let (span, bubble) = self.pipelined(p, (forward, backward));
+                (span * self.accum as f64, bubble)
+            }
         };
-        let params = self.params_per_rank();
-        let optimizer_s = params * self.device.compute.optimizer_s_per_param / share;
-        let compute_s = compute_per_accum * self.accum as f64;
-        let work_s = compute_s * (1.0 - bubble) + optimizer_s;
-        let exposed = self.exposed_comm_s(compute_s * (1.0 - bubble), mb_tokens, blocks);
-        let step_s = compute_s + optimizer_s + exposed;
+        let speedup = rate / self.device.compute.flops_per_s;
+        let optimizer_s =
+            self.params_per_rank() * self.device.compute.optimizer_s_per_param / speedup;
+        let comm = self.comm(busy_compute, mb_tokens, blocks);
+        let dedicated = critical + optimizer_s + comm.exposed_s + comm.waits_s;
+        let saturated = (busy_compute + optimizer_s + comm.busy_s) * crowd;
+        let step_s = dedicated.max(saturated);
         let tokens = (l.local_batch * self.accum * self.seq * l.dp_replicate * l.dp_shard) as f64;
         let flops = self.args.flops_per_token(self.seq) * tokens;
-        let _ = work_s;
         Prediction {
             step_s,
             tokens_per_s: tokens / step_s,
-            compute_s,
+            compute_s: critical,
             bubble,
-            exposed_comm_s: exposed,
+            exposed_comm_s: comm.exposed_s + comm.waits_s,
             mfu: flops / step_s / (self.world as f64 * self.device.peak_tflops * 1e12),
         }
     }
@@ -88,7 +115,7 @@ impl Weighing<'_> {
     /// (forward, backward) seconds of one microbatch of `tokens` rows on one rank, for the
     /// whole model split `pp` ways: FLOPs over `tp × cp`, the checkpointing's recompute in the
     /// backward, and the per-block cost.
-    fn microbatch_compute_s(&self, rate: f64, share: f64, tokens: f64) -> (f64, f64) {
+    fn microbatch_compute_s(&self, rate: f64, tokens: f64) -> (f64, f64) {
         let l = self.layout;
         let flops = self.args.flops_per_token(self.seq) * tokens / (l.tp * l.cp * l.pp) as f64;
         let recompute = match l.ac {
@@ -96,9 +123,17 @@ impl Weighing<'_> {
             AcChoice::Op => 0.05,
             AcChoice::Full => 1.0,
         };
-        let tp_efficiency = self.device.tp_efficiency.powf((l.tp as f64).log2());
-        let forward = flops / 3.0 / (rate * tp_efficiency);
-        let overhead = self.device.compute.block_overhead_s * self.blocks_per_rank() / share;
+        let d = self.device;
+        let moe = match self.args.moe.is_some() {
+            true => d.moe_efficiency,
+            false => 1.0,
+        };
+        let efficiency = d.tp_efficiency.powf((l.tp as f64).log2())
+            * d.cp_efficiency.powf((l.cp as f64).log2())
+            * moe;
+        let forward = flops / 3.0 / (rate * efficiency);
+        let speedup = rate / self.device.compute.flops_per_s;
+        let overhead = self.device.compute.block_overhead_s * self.blocks_per_rank() / speedup;
         (
             forward + overhead / 3.0,
             forward * (2.0 + recompute) + overhead * 2.0 / 3.0,
@@ -151,67 +186,77 @@ impl Weighing<'_> {
             return 0.0;
         }
         let g = group as f64;
-        let crowd = match self.device.cores {
-            0 => 1.0,
-            cores => (self.ranks_per_node() as f64 / cores as f64).max(1.0),
-        };
         let (steps, moved) = match c {
             Collective::AllGather | Collective::ReduceScatter => (g - 1.0, (g - 1.0) / g),
             Collective::AllReduce => (2.0 * (g - 1.0), 2.0 * (g - 1.0) / g),
             Collective::AllToAll => (g - 1.0, (g - 1.0) / g),
             Collective::PointToPoint => (1.0, 1.0),
         };
-        steps * link.alpha_s + moved * bytes * link.beta_s_per_byte * crowd
+        steps * link.alpha_s + moved * bytes * link.beta_s_per_byte
     }
 
     /// A collective inside the step (the ranks wait on each other): its link's time and the
     /// device's per-collective wait.
-    fn in_step(&self, link: Link, c: Collective, group: usize, bytes: f64) -> f64 {
+    fn in_step(&self, link: Link, c: Collective, group: usize, bytes: f64) -> (f64, f64) {
         match group {
-            0 | 1 => 0.0,
-            _ => self.time(link, c, group, bytes) + self.device.step_alpha_s,
+            0 | 1 => (0.0, 0.0),
+            _ => (self.time(link, c, group, bytes), self.device.step_alpha_s),
         }
     }
 
-    /// The communication a step leaves exposed, given the compute it can hide behind.
-    fn exposed_comm_s(&self, busy_s: f64, mb_tokens: f64, blocks: f64) -> f64 {
+    /// A step's communication: the link time (busy), the part no overlap hides (exposed), the
+    /// waits of in-step collectives; `busy_compute` is the compute it can hide behind.
+    fn comm(&self, busy_compute: f64, mb_tokens: f64, blocks: f64) -> Comm {
         let l = self.layout;
         let d = self.device;
-        let overlaps = d.overlaps;
         let microbatches = (l.microbatches() * self.accum) as f64;
         let (data, first_last) = self.data_parallel_s(blocks);
-        let data = match overlaps {
-            true => (data - 0.8 * busy_s).max(0.0) + first_last,
-            false => data,
-        };
         let wire = d.wire_bytes as f64;
         let dim = self.args.dim as f64;
         let tp_bytes = mb_tokens / l.cp as f64 * dim * wire;
         let tp_link = self.link(l.tp);
         let ac = if l.ac == AcChoice::Full { 1.5 } else { 1.0 };
-        let tp_per_block = 4.0
-            * (self.in_step(tp_link, Collective::AllGather, l.tp, tp_bytes)
-                + self.in_step(tp_link, Collective::ReduceScatter, l.tp, tp_bytes));
-        let tp = (tp_per_block * blocks * ac
-            + 2.0 * self.in_step(tp_link, Collective::AllGather, l.tp, tp_bytes))
-            * microbatches;
+        let gather = self.in_step(tp_link, Collective::AllGather, l.tp, tp_bytes);
+        let scatter = self.in_step(tp_link, Collective::ReduceScatter, l.tp, tp_bytes);
+        let tp_count = 4.0 * blocks * ac;
+        let tp = scale(
+            sum(&[(tp_count, gather), (tp_count, scatter), (2.0, gather)]),
+            microbatches,
+        );
         let cp_kv = mb_tokens / l.cp as f64 * 2.0 * self.kv_width() * wire / l.tp as f64;
-        let cp_link = self.link(l.tp * l.cp);
-        let cp_ring =
-            3.0 * (l.cp as f64 - 1.0) * self.in_step(cp_link, Collective::PointToPoint, 2, cp_kv);
-        let cp = cp_ring * blocks * microbatches;
-        let cp = match overlaps {
-            true => (cp - 0.3 * busy_s).max(0.0),
-            false => cp,
-        };
-        let ep = self.expert_exchange_s(mb_tokens, wire) * microbatches;
+        let ring = self.in_step(self.link(l.tp * l.cp), Collective::PointToPoint, 2, cp_kv);
+        let cp = scale(
+            sum(&[(3.0 * (l.cp as f64 - 1.0) * blocks, ring)]),
+            microbatches,
+        );
+        let ep = scale(self.expert_exchange_s(mb_tokens, wire), microbatches);
         let pp_bytes = mb_tokens / (l.cp * l.tp) as f64 * dim * wire;
-        let pp_link = self.link(self.world);
-        let pp = match l.pp {
-            1 => 0.0,
-            _ => 2.0 * microbatches * self.in_step(pp_link, Collective::PointToPoint, 2, pp_bytes),
+        let hop = match l.pp {
+            1 => (0.0, 0.0),
+            _ => self.in_step(self.link(self.world), Collective::PointToPoint, 2, pp_bytes),
         };
-        data + tp + cp + ep + pp
+        let pp = sum(&[(2.0 * microbatches, hop)]);
+        let busy = data + tp.0 + cp.0 + ep.0 + pp.0;
+        let waits = tp.1 + cp.1 + ep.1 + pp.1;
+        let exposed = match d.overlaps {
+            // GPU streams: FSDP's and DDP's collectives hide behind the blocks' compute but for
+            // the first gather and the last reduce; the ring behind the attention; TP, EP and
+            // the pipeline's transfers stay exposed.
+            true => {
+                (data - 0.8 * busy_compute).max(0.0)
+                    + first_last
+                    + tp.0
+                    + (cp.0 - 0.3 * busy_compute).max(0.0)
+                    + ep.0
+                    + pp.0
+            }
+            false => busy,
+        };
+        Comm {
+            busy_s: busy,
+            exposed_s: exposed,
+            waits_s: waits,
+        }
     }
 
     /// Data parallelism's collectives per step (FSDP's gathers and reduce-scatters, HSDP's and
@@ -246,21 +291,24 @@ impl Weighing<'_> {
     }
 
     /// Expert parallelism's dispatch and combine, forward and backward, per microbatch.
-    fn expert_exchange_s(&self, mb_tokens: f64, wire: f64) -> f64 {
+    fn expert_exchange_s(&self, mb_tokens: f64, wire: f64) -> (f64, f64) {
         let l = self.layout;
         let moe_blocks = (0..self.args.n_layers)
             .filter(|i| self.args.moe_at(*i).is_some())
             .count() as f64
             / l.pp as f64;
         let Some(moe) = (0..self.args.n_layers).find_map(|i| self.args.moe_at(i)) else {
-            return 0.0;
+            return (0.0, 0.0);
         };
         let bytes = mb_tokens / (l.cp * l.tp) as f64
             * moe.router.top_k as f64
             * self.args.dim as f64
             * wire;
         let link = self.link(l.tp * l.ep);
-        4.0 * moe_blocks * self.in_step(link, Collective::AllToAll, l.ep, bytes)
+        sum(&[(
+            4.0 * moe_blocks,
+            self.in_step(link, Collective::AllToAll, l.ep, bytes),
+        )])
     }
 
     /// Key plus value width of one token (all heads).

@@ -68,6 +68,11 @@ pub struct Device {
     /// Compute efficiency kept per doubling of the tensor-parallel degree (narrower GEMMs, the
     /// work TP does not split): calibrated on the CPU; 1 on GPUs, whose GEMMs stay large.
     pub tp_efficiency: f64,
+    /// The same per doubling of the context-parallel degree (ring attention's chunks).
+    pub cp_efficiency: f64,
+    /// Compute efficiency of a mixture-of-experts model against its FLOP count (routing,
+    /// dispatch, the experts' smaller GEMMs): calibrated on the CPU; 1 on GPUs (no measurement).
+    pub moe_efficiency: f64,
 }
 
 /// An H100 as TorchTitan ran them (8 per host over NVLink, 400 Gb/s per GPU between hosts); the
@@ -91,6 +96,8 @@ fn h100() -> Device {
         thread_efficiency: 1.0,
         step_alpha_s: 0.0,
         tp_efficiency: 1.0,
+        cp_efficiency: 1.0,
+        moe_efficiency: 1.0,
     }
 }
 
@@ -132,20 +139,23 @@ pub fn gpu(name: &str) -> Result<Device> {
 }
 
 impl Device {
-    /// FLOP/s and the share of a core (or device) each of `ranks` ranks on one node gets: a GPU
-    /// rank its device; CPU ranks share the host's cores (`[training] threads = 0`: the cores
-    /// shared out, at least one thread each, time-sliced beyond).
-    pub fn rank_rate(&self, ranks_per_node: usize) -> (f64, f64) {
+    /// A rank's FLOP/s on the threads it has, and how crowded the host is, for `ranks` ranks on
+    /// one node: a GPU rank has its device (crowd 1); CPU ranks share the host's cores
+    /// (`[training] threads = 0`: the cores shared out, at least one thread each), the crowd
+    /// being how many threads want each core (above 1 the host is saturated).
+    pub fn rank_rate(&self, ranks: usize) -> (f64, f64) {
         if self.cores == 0 {
             return (self.compute.flops_per_s, 1.0);
         }
-        let threads = (self.cores / ranks_per_node.max(1)).max(1);
+        let ranks = ranks.max(1);
+        let threads = (self.cores / ranks).max(1);
         let span = (self.cores.max(2) - 1) as f64;
         let efficiency = self.thread_efficiency.powf((threads - 1) as f64 / span);
-        let share = (self.cores as f64 / ranks_per_node.max(1) as f64).min(1.0);
-        let slowdown = share.min(threads as f64) / threads as f64;
-        let rate = self.compute.flops_per_s * threads as f64 * efficiency * slowdown;
-        (rate, slowdown)
+        let crowd = ((ranks * threads) as f64 / self.cores as f64).max(1.0);
+        (
+            self.compute.flops_per_s * threads as f64 * efficiency,
+            crowd,
+        )
     }
 }
 

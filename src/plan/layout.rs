@@ -229,3 +229,144 @@ impl Layout {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// Every layout of `space` by brute force: all 6-tuples of degrees up to the world size whose
+    /// mesh product is the world, with the same rules written plainly.
+    fn brute_force(space: &Space) -> BTreeSet<Layout> {
+        let w = space.world;
+        let mut out = BTreeSet::new();
+        let range = || 1..=w;
+        for pp in range() {
+            for dpr in range() {
+                for dps in range() {
+                    for cp in range() {
+                        for tp in range() {
+                            if pp * dpr * dps * cp * tp != w || tp > space.max_tp {
+                                continue;
+                            }
+                            let dp = dpr * dps;
+                            let local = match space.global_batch {
+                                Some(g) if g % dp != 0 => continue,
+                                Some(g) => g / dp,
+                                None => space.local_batch,
+                            };
+                            for ep in range() {
+                                let legal = match space.experts {
+                                    None => ep == 1,
+                                    Some(n) => (dps * cp) % ep == 0 && n % ep == 0,
+                                };
+                                if !legal {
+                                    continue;
+                                }
+                                for mbs in 1..=local {
+                                    let m = local / mbs;
+                                    let pipelined = pp > 1
+                                        && local % mbs == 0
+                                        && [pp, 2 * pp, 4 * pp, 8 * pp].contains(&m);
+                                    let schedules: Vec<Option<&'static str>> = match pp {
+                                        1 if mbs == local => vec![None],
+                                        1 => vec![],
+                                        _ if pipelined => {
+                                            SCHEDULE_NAMES.iter().map(|s| Some(*s)).collect()
+                                        }
+                                        _ => vec![],
+                                    };
+                                    for schedule in schedules {
+                                        for ac in AcChoice::ALL {
+                                            out.insert(Layout {
+                                                pp,
+                                                dp_replicate: dpr,
+                                                dp_shard: dps,
+                                                cp,
+                                                tp,
+                                                ep,
+                                                schedule,
+                                                microbatch_size: mbs,
+                                                local_batch: local,
+                                                ac,
+                                            });
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_enumeration_is_the_brute_force_list() {
+        let cases = [
+            (8, 8, None, Some(16), 4),
+            (12, 4, Some(8), None, 8),
+            (6, 2, None, Some(12), 2),
+            (16, 8, Some(16), Some(32), 2),
+        ];
+        for (world, max_tp, experts, global_batch, local_batch) in cases {
+            let space = Space {
+                world,
+                max_tp,
+                experts,
+                global_batch,
+                local_batch,
+                vary_ac: true,
+                fixed_ac: AcChoice::None,
+            };
+            let listed = enumerate(&space);
+            let set: BTreeSet<Layout> = listed.iter().cloned().collect();
+            assert_eq!(set.len(), listed.len(), "world {world}: duplicates");
+            let want = brute_force(&space);
+            assert!(!want.is_empty());
+            assert_eq!(
+                set, want,
+                "world {world}, max_tp {max_tp}, experts {experts:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_layout_round_trips_through_its_overrides() {
+        let l = Layout {
+            pp: 2,
+            dp_replicate: 1,
+            dp_shard: 2,
+            cp: 1,
+            tp: 2,
+            ep: 1,
+            schedule: Some("Interleaved1F1B"),
+            microbatch_size: 2,
+            local_batch: 8,
+            ac: AcChoice::Op,
+        };
+        let cfg = crate::config::Config::load(None, &l.overrides()).unwrap();
+        let p = &cfg.parallelism;
+        assert_eq!(
+            (
+                p.pipeline_parallel_degree,
+                p.data_parallel_shard_degree,
+                p.tensor_parallel_degree
+            ),
+            (2, 2, 2)
+        );
+        assert_eq!(p.pipeline_parallel_schedule, "Interleaved1F1B");
+        assert_eq!(p.pipeline_parallel_microbatch_size, 2);
+        assert_eq!(cfg.training.local_batch_size, 8);
+        assert_eq!(
+            cfg.activation_checkpoint.mode().unwrap(),
+            crate::model::activation_checkpoint::AcMode::Op
+        );
+        assert_eq!(l.microbatches(), 4);
+        assert_eq!(
+            l.describe(),
+            "pp 2 × dp_shard 2 × tp 2 (Interleaved1F1B, 4 mb)"
+        );
+    }
+}
