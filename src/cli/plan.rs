@@ -23,6 +23,9 @@ pub struct PlanArgs {
     /// The GPU kind: h100, h200 or b200.
     #[arg(long, default_value = "h100")]
     pub gpu: String,
+    /// Memory per GPU in GiB, when it is not the kind's usual (TorchTitan's H100s had 95).
+    #[arg(long)]
+    pub gpu_memory_gib: Option<f64>,
     /// Plan N CPU ranks on this machine instead (its calibration, measured once and stored).
     #[arg(long)]
     pub nproc: Option<usize>,
@@ -76,14 +79,26 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             (job, format!("{n} CPU ranks on {}", c.host))
         }
         (None, Some(n)) => {
-            let device = device::gpu(&a.gpu)?;
+            let mut device = device::gpu(&a.gpu)?;
+            if let Some(g) = a.gpu_memory_gib {
+                if !(g > 0.0 && g < 1e5) {
+                    bail!("titan plan: --gpu-memory-gib {g} is not a memory size in GiB");
+                }
+                device.memory_bytes = Some((g * (1u64 << 30) as f64) as u64);
+            }
             let memory_bytes = device.memory_bytes.expect("a GPU has its memory");
             let mut overrides = vec![
                 "--training.mixed_precision_param".to_string(),
                 "bfloat16".into(),
             ];
             overrides.extend(a.overrides.iter().cloned());
-            let sizing: &'static PlannedGpu = Box::leak(Box::new(PlannedGpu { memory_bytes }));
+            let precision = crate::config::Config::load(a.config.as_deref(), &overrides)?
+                .training
+                .mixed_precision_param;
+            let sizing: &'static PlannedGpu = Box::leak(Box::new(PlannedGpu {
+                memory_bytes,
+                bf16: precision == "bfloat16",
+            }));
             let job = Job {
                 config: a.config.clone(),
                 overrides,

@@ -83,12 +83,14 @@ fn h100() -> Device {
         peak_tflops: 989.0,
         memory_bytes: Some(80 << 30),
         compute: Compute {
-            flops_per_s: 989e12 * 0.42,
+            flops_per_s: 989e12 * 0.36,
             block_overhead_s: 0.2e-3,
             optimizer_s_per_param: 28.0 / 2.4e12,
         },
-        intra: Link::new(15.0, 150.0),
-        inter: Link::new(25.0, 40.0),
+        // NCCL's bus bandwidth over NVLink 4 (450 GB/s a direction) reaches about 360 GB/s on
+        // large messages; 400 Gb/s of RDMA per GPU about 45 GB/s.
+        intra: Link::new(10.0, 360.0),
+        inter: Link::new(20.0, 45.0),
         per_node: 8,
         wire_bytes: 2,
         overlaps: true,
@@ -123,12 +125,12 @@ pub fn gpu(name: &str) -> Result<Device> {
             peak_tflops: 2250.0,
             memory_bytes: Some(180 << 30),
             compute: Compute {
-                flops_per_s: 2250e12 * 0.42,
+                flops_per_s: 2250e12 * 0.36,
                 optimizer_s_per_param: 28.0 / 8e12,
                 ..base.compute
             },
-            intra: Link::new(15.0, 300.0),
-            inter: Link::new(25.0, 80.0),
+            // NVLink 5: 900 GB/s a direction.
+            intra: Link::new(10.0, 720.0),
             ..base
         },
         other => bail!(
@@ -159,21 +161,27 @@ impl Device {
     }
 }
 
-/// A GPU titan sizes without having it: the CUDA backend's accounting with bf16 GEMMs and the
-/// activations' bf16 copies (its defaults in bf16), against the table's memory.
+/// A GPU titan sizes without having it: the CUDA backend's accounting (in bf16: bf16 GEMMs and
+/// the activations' bf16 copies, its defaults; else f32 activations alone), against the table's
+/// memory.
 pub struct PlannedGpu {
     pub memory_bytes: u64,
+    /// `[training] mixed_precision_param = "bfloat16"`.
+    pub bf16: bool,
 }
 
 impl DeviceSizing for PlannedGpu {
     fn scratch_bytes(&self, tokens: usize, dim: usize, hidden: usize, vocab: usize) -> u64 {
-        bf16_operand_scratch_bytes(tokens, dim, hidden, vocab)
+        match self.bf16 {
+            true => bf16_operand_scratch_bytes(tokens, dim, hidden, vocab),
+            false => 0,
+        }
     }
     fn activation_copy_bytes(&self) -> u64 {
-        2
+        2 * self.bf16 as u64
     }
     fn bf16_activation_f32_bytes(&self) -> u64 {
-        0
+        4 * !self.bf16 as u64
     }
     fn compute_copy_bytes_per_param(&self) -> u64 {
         4 + 2

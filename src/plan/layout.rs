@@ -69,6 +69,8 @@ pub struct Space {
     pub world: usize,
     /// The largest tensor-parallel degree (a node's devices: TP stays inside one).
     pub max_tp: usize,
+    /// The largest pipeline degree (the model's blocks: a stage holds at least one).
+    pub max_pp: usize,
     /// Routed experts (None: a dense model, no expert parallelism).
     pub experts: Option<usize>,
     /// Sequences per optimizer step over the job; None keeps `local_batch` per data-parallel rank.
@@ -113,6 +115,9 @@ pub fn enumerate(space: &Space) -> Vec<Layout> {
         false => vec![space.fixed_ac],
     };
     for [pp, dp_replicate, dp_shard, cp, tp] in meshes(space.world, space.max_tp) {
+        if pp > space.max_pp {
+            continue;
+        }
         let dp = dp_replicate * dp_shard;
         let local_batch = match space.global_batch {
             Some(g) if !g.is_multiple_of(dp) => continue,
@@ -149,6 +154,10 @@ pub fn enumerate(space: &Space) -> Vec<Layout> {
     out
 }
 
+/// The most pipeline microbatches weighed (more only shrink a bubble already small, and a
+/// schedule's simulation grows with them), unless the pipeline needs more.
+pub const MAX_MICROBATCHES: usize = 64;
+
 /// The schedules and microbatch sizes weighed for `pp` stages over `local_batch` rows.
 fn pipelines(pp: usize, local_batch: usize) -> Vec<(Option<&'static str>, usize)> {
     if pp == 1 {
@@ -157,6 +166,7 @@ fn pipelines(pp: usize, local_batch: usize) -> Vec<(Option<&'static str>, usize)
     let counts = [pp, 2 * pp, 4 * pp, 8 * pp];
     let sizes: Vec<usize> = counts
         .iter()
+        .filter(|m| **m <= MAX_MICROBATCHES.max(pp))
         .filter(|m| **m <= local_batch && local_batch.is_multiple_of(**m))
         .map(|m| local_batch / m)
         .collect();
@@ -246,7 +256,10 @@ mod tests {
                 for dps in range() {
                     for cp in range() {
                         for tp in range() {
-                            if pp * dpr * dps * cp * tp != w || tp > space.max_tp {
+                            if pp * dpr * dps * cp * tp != w
+                                || tp > space.max_tp
+                                || pp > space.max_pp
+                            {
                                 continue;
                             }
                             let dp = dpr * dps;
@@ -267,7 +280,8 @@ mod tests {
                                     let m = local / mbs;
                                     let pipelined = pp > 1
                                         && local % mbs == 0
-                                        && [pp, 2 * pp, 4 * pp, 8 * pp].contains(&m);
+                                        && [pp, 2 * pp, 4 * pp, 8 * pp].contains(&m)
+                                        && (m <= MAX_MICROBATCHES || m == pp);
                                     let schedules: Vec<Option<&'static str>> = match pp {
                                         1 if mbs == local => vec![None],
                                         1 => vec![],
@@ -305,15 +319,17 @@ mod tests {
     #[test]
     fn the_enumeration_is_the_brute_force_list() {
         let cases = [
-            (8, 8, None, Some(16), 4),
-            (12, 4, Some(8), None, 8),
-            (6, 2, None, Some(12), 2),
-            (16, 8, Some(16), Some(32), 2),
+            (8, 8, 8, None, Some(16), 4),
+            (12, 4, 3, Some(8), None, 8),
+            (6, 2, 6, None, Some(12), 2),
+            (16, 8, 4, Some(16), Some(32), 2),
+            (16, 16, 16, None, Some(1024), 2),
         ];
-        for (world, max_tp, experts, global_batch, local_batch) in cases {
+        for (world, max_tp, max_pp, experts, global_batch, local_batch) in cases {
             let space = Space {
                 world,
                 max_tp,
+                max_pp,
                 experts,
                 global_batch,
                 local_batch,

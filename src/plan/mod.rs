@@ -13,6 +13,7 @@ pub mod layout;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use rayon::prelude::*;
 
 use crate::comm::mesh::DeviceMesh;
 use crate::config::Config;
@@ -30,7 +31,7 @@ pub struct Job<'a> {
     pub world: usize,
     pub device: Device,
     /// The memory accounting of one device (a planned GPU, or the CPU backend's).
-    pub sizing: &'a dyn DeviceSizing,
+    pub sizing: &'a (dyn DeviceSizing + Sync),
     /// Ranks sharing one memory (a CPU host's ranks; 1 for GPUs).
     pub ranks_sharing_memory: usize,
     /// Weigh `none`/`op`/`full` checkpointing (else only the config's mode).
@@ -77,6 +78,7 @@ impl Job<'_> {
         let space = Space {
             world: self.world,
             max_tp: self.device.per_node.min(self.world),
+            max_pp: args.n_layers,
             experts: (0..args.n_layers)
                 .find_map(|i| args.moe_at(i))
                 .map(|m| m.router.num_experts),
@@ -90,14 +92,10 @@ impl Job<'_> {
                 _ => layout::AcChoice::Op,
             },
         };
-        let mut candidates = Vec::new();
-        let mut refused = 0;
-        for layout in layout::enumerate(&space) {
-            match self.weigh(&layout) {
-                Ok(c) => candidates.push(c),
-                Err(_) => refused += 1,
-            }
-        }
+        let layouts = layout::enumerate(&space);
+        let weighed: Vec<Result<Candidate>> = layouts.par_iter().map(|l| self.weigh(l)).collect();
+        let refused = weighed.iter().filter(|w| w.is_err()).count();
+        let mut candidates: Vec<Candidate> = weighed.into_iter().flatten().collect();
         candidates.sort_by(|a, b| match (a.fits(), b.fits()) {
             (true, true) => b
                 .prediction
@@ -140,6 +138,7 @@ impl Job<'_> {
             device: &self.device,
             world: self.world,
             pipeline: plans[0].pipeline.as_ref(),
+            async_tp: cfg.parallelism.enable_async_tensor_parallel,
         }
         .predict();
         Ok(Candidate {
