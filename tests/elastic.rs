@@ -49,6 +49,18 @@ fn node_of(
     job: &[&str],
     env: &[(&str, &str)],
 ) -> std::process::Child {
+    node_with(dump, port, (nproc, rank, restarts), &[], job, env)
+}
+
+/// `node_of` with more launcher flags.
+fn node_with(
+    dump: &std::path::Path,
+    port: &str,
+    (nproc, rank, restarts): (&str, &str, &str),
+    flags: &[&str],
+    job: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Child {
     let launcher = [
         "--nproc",
         nproc,
@@ -65,6 +77,7 @@ fn node_of(
         "--max-restarts",
         restarts,
     ];
+    let launcher = [&launcher[..], flags].concat();
     let mut cmd = train_command(dump, &launcher, &[TINY_ARGS, job].concat());
     cmd.env("RAYON_NUM_THREADS", "1")
         .env("TITAN_JOB_SECRET", "ef".repeat(32))
@@ -251,4 +264,55 @@ fn a_job_shrinks_from_4_to_2_ranks_and_grows_back_on_the_same_curve() {
     assert!(ranks.contains(&2.0), "{ranks:?}");
     assert_eq!((ranks.first(), ranks.last()), (Some(&4.0), Some(&4.0)));
     final_losses_agree(straight.path(), elastic.path(), 400);
+}
+
+#[test]
+fn a_replanned_job_lays_each_world_size_out_as_titan_plan_ranks_it() {
+    let elastic = tempfile::tempdir().unwrap();
+    let calibration = common::plan_calibration();
+    let calibration = calibration.to_str().unwrap();
+    let port = free_port();
+
+    // Node 1's rank dies at step 7 and its launcher has no restart; node 0 goes on alone, laid
+    // out anew for one rank. Node 1 reads generation 0's layout from node 0 through the store.
+    let env = |crash: bool| {
+        let mut e = vec![("TITAN_PLAN_CALIBRATION", calibration)];
+        if crash {
+            e.push(("TITAN_CRASH_AT", "1:7"));
+        }
+        e
+    };
+    let replan = ["--replan"];
+    let node1 = node_with(
+        elastic.path(),
+        &port,
+        ("1", "1", "0"),
+        &replan,
+        JOB,
+        &env(true),
+    );
+    let node0 = node_with(
+        elastic.path(),
+        &port,
+        ("1", "0", "1"),
+        &replan,
+        JOB,
+        &env(false),
+    );
+    let [(s0, _, e0), (s1, _, e1)] = outputs(node0, node1);
+    assert!(s0.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
+    assert!(!s1.success(), "node 1 should have died:\n{e1}");
+    for (who, text) in [("node 0", &e0), ("node 1", &e1)] {
+        assert!(
+            text.contains("generation 0: 2 ranks laid out by titan plan: --parallelism."),
+            "{who}:\n{text}"
+        );
+    }
+    assert!(e0.contains("1 ranks laid out by titan plan"), "{e0}");
+    let ranks: Vec<f64> = common::metric(elastic.path(), "world_size")
+        .into_iter()
+        .map(|(_, r)| r)
+        .collect();
+    assert_eq!((ranks.first(), ranks.last()), (Some(&2.0), Some(&1.0)));
+    assert_eq!(losses(elastic.path()).last().unwrap().0, 12);
 }

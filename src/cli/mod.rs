@@ -62,6 +62,10 @@ pub enum Command {
         /// processes that hold it join the job. One node draws a fresh one when it is not given.
         #[arg(long)]
         job_secret_file: Option<PathBuf>,
+        /// Lay each generation's ranks out as `titan plan` ranks them best for its world size (an
+        /// elastic job re-plans when nodes leave or join; this host's CPU calibration).
+        #[arg(long)]
+        replan: bool,
         /// Overrides: --section.key VALUE (e.g. --training.steps 50 --model.flavor 8B).
         #[arg(
             trailing_var_arg = true,
@@ -249,14 +253,24 @@ pub fn run(cli: Cli) -> Result<()> {
             master_port,
             max_restarts,
             job_secret_file,
+            replan,
             overrides,
         } => {
             let cfg = crate::config::Config::load(config.as_deref(), &overrides)?;
+            let replan = match replan {
+                true => Some(crate::plan::replanner(
+                    &cfg,
+                    config.clone(),
+                    overrides.clone(),
+                    nproc,
+                )?),
+                false => None,
+            };
             if nproc * nnodes > 1 {
                 // Refuse a mesh the workers would refuse, before starting any of them (an elastic
                 // job's at every size it may take: fixed degrees that fit one size only are
                 // named now, not when a node leaves).
-                for n in min_nodes..=nnodes {
+                for n in (min_nodes..=nnodes).filter(|_| replan.is_none()) {
                     crate::launch::check_mesh(&cfg, nproc * n).map_err(|e| match min_nodes < nnodes {
                         true => anyhow::anyhow!("--nnodes {min_nodes}:{nnodes}: the layout must fit every node count, and at {n} node(s) ({} ranks): {e:#}; leave the degree that absorbs the change at -1 (e.g. data_parallel_shard_degree)", nproc * n),
                         false => e,
@@ -290,6 +304,7 @@ pub fn run(cli: Cli) -> Result<()> {
                         cfg.comm.insecure_no_auth,
                     )?,
                     init_timeout: std::time::Duration::from_secs(cfg.comm.init_timeout_seconds),
+                    replan,
                 };
                 return crate::launch::launcher::launch(&o);
             }

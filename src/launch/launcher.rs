@@ -40,6 +40,19 @@ pub struct LaunchOptions {
     pub secret: JobSecret,
     /// How long the nodes' launchers wait for each other (`[comm] init_timeout_seconds`).
     pub init_timeout: Duration,
+    /// `titan train --replan`: the layout of each generation's world size, as overrides appended
+    /// to the workers' (node 0 asks, the other nodes read its answer from the store).
+    pub replan: Option<Replan>,
+}
+
+/// The overrides that lay a job out over a world of ranks (`titan plan`'s best layout).
+#[derive(Clone)]
+pub struct Replan(pub Arc<dyn Fn(usize) -> Result<Vec<String>> + Send + Sync>);
+
+impl std::fmt::Debug for Replan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Replan(titan plan)")
+    }
 }
 
 impl LaunchOptions {
@@ -58,6 +71,7 @@ impl LaunchOptions {
             rank0_stdout_plain: true,
             secret: JobSecret::generate(),
             init_timeout: Duration::from_secs(300),
+            replan: None,
         }
     }
 }
@@ -194,6 +208,8 @@ struct Spawn<'a> {
     port: u16,
     world: usize,
     node_rank: usize,
+    /// Overrides appended to the workers' for this generation (its planned layout).
+    layout: Vec<String>,
 }
 
 /// Starts the workers, restarting them all up to `max_restarts` times after a failure (or, when
@@ -242,12 +258,14 @@ fn run_generations(
         if interrupted.load(Ordering::SeqCst) {
             bail!("titan launcher: interrupted (SIGINT or SIGTERM) before generation {generation} started");
         }
+        let layout = planned_layout(o, nodes.as_ref(), generation, world, m.node_rank)?;
         let spawn = Spawn {
             o,
             exe,
             port,
             world,
             node_rank: m.node_rank,
+            layout,
         };
         let mut workers = start_workers(&spawn, generation)?;
         // With no restart left a waiting node is not worth stopping the job for.
@@ -306,6 +324,46 @@ fn agree_on_generation(store: &StoreClient, g: usize, o: &LaunchOptions) -> Resu
         })
 }
 
+/// With `replan`, the layout of this generation's `world`: node 0 plans it and leaves it in the
+/// store, where the other nodes read it, so every node's workers run the same layout.
+fn planned_layout(
+    o: &LaunchOptions,
+    store: Option<&StoreClient>,
+    generation: usize,
+    world: usize,
+    node_rank: usize,
+) -> Result<Vec<String>> {
+    let Some(Replan(plan)) = &o.replan else {
+        return Ok(Vec::new());
+    };
+    let key = format!("launch/layout-g{generation}");
+    let layout = match (store, node_rank) {
+        (Some(store), r) if r > 0 => {
+            let bytes = store.get_within(&key, o.init_timeout).with_context(|| {
+                format!("node {r}: node 0 did not publish generation {generation}'s planned layout")
+            })?;
+            serde_json::from_slice::<Vec<String>>(&bytes).with_context(|| {
+                format!(
+                    "node {r}: generation {generation}'s planned layout is not a list of overrides"
+                )
+            })?
+        }
+        (store, _) => {
+            let layout = plan(world)
+                .with_context(|| format!("titan launcher: planning the layout of {world} ranks"))?;
+            if let Some(store) = store {
+                store.set(&key, &serde_json::to_vec(&layout)?)?;
+            }
+            layout
+        }
+    };
+    eprintln!(
+        "titan launcher: generation {generation}: {world} ranks laid out by titan plan: {}",
+        layout.join(" ")
+    );
+    Ok(layout)
+}
+
 /// This node's workers of `generation`, their output pumped.
 fn start_workers(sp: &Spawn, generation: usize) -> Result<Vec<Worker>> {
     let o = sp.o;
@@ -314,6 +372,7 @@ fn start_workers(sp: &Spawn, generation: usize) -> Result<Vec<Worker>> {
         let rank = sp.node_rank * o.nproc + local;
         let mut child = worker_command(sp.exe)
             .args(&o.worker_args)
+            .args(&sp.layout)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", sp.world.to_string())
             .env("LOCAL_RANK", local.to_string())

@@ -337,3 +337,102 @@ impl Weighing<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::device::gpu;
+
+    fn data_parallel(n: usize, shard: bool) -> Layout {
+        Layout {
+            pp: 1,
+            dp_replicate: if shard { 1 } else { n },
+            dp_shard: if shard { n } else { 1 },
+            cp: 1,
+            tp: 1,
+            ep: 1,
+            schedule: None,
+            microbatch_size: 2,
+            local_batch: 2,
+            ac: AcChoice::Op,
+        }
+    }
+
+    #[test]
+    fn more_devices_never_predict_less_data_parallel_throughput() {
+        for flavor in ["8B", "70B"] {
+            let args = ModelArgs::flavor(flavor).unwrap();
+            for kind in ["h100", "b200"] {
+                let device = gpu(kind).unwrap();
+                for shard in [true, false] {
+                    let mut last = 0.0;
+                    for n in (0..10).map(|p| 1usize << p) {
+                        let layout = data_parallel(n, shard);
+                        let p = Weighing {
+                            layout: &layout,
+                            args: &args,
+                            seq: 8192,
+                            accum: 1,
+                            device: &device,
+                            world: n,
+                            pipeline: None,
+                            async_tp: false,
+                        }
+                        .predict();
+                        assert!(
+                            p.tokens_per_s >= last,
+                            "{flavor} on {n} {kind}s (shard {shard}): {} < {last}",
+                            p.tokens_per_s
+                        );
+                        assert!(p.mfu > 0.0 && p.mfu < 1.0, "{p:?}");
+                        last = p.tokens_per_s;
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_saturated_host_runs_every_ranks_work_and_a_crossing_group_takes_the_network() {
+        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let mut cpu = gpu("h100").unwrap();
+        cpu.cores = 2;
+        cpu.overlaps = false;
+        cpu.per_node = usize::MAX;
+        let predict = |n: usize| {
+            let layout = data_parallel(n, false);
+            Weighing {
+                layout: &layout,
+                args: &args,
+                seq: 256,
+                accum: 1,
+                device: &cpu,
+                world: n,
+                pipeline: None,
+                async_tp: false,
+            }
+            .predict()
+        };
+        // Eight ranks on two cores: each step's tokens grow 4×, its time at least 4× (the host
+        // computes every rank's batch on its two cores).
+        let (two, eight) = (predict(2), predict(8));
+        assert!(
+            eight.step_s >= 4.0 * two.step_s * 0.999,
+            "{two:?} {eight:?}"
+        );
+        let h100 = gpu("h100").unwrap();
+        let layout = data_parallel(16, false);
+        let w = Weighing {
+            layout: &layout,
+            args: &args,
+            seq: 256,
+            accum: 1,
+            device: &h100,
+            world: 16,
+            pipeline: None,
+            async_tp: false,
+        };
+        assert_eq!(w.link(8), h100.intra);
+        assert_eq!(w.link(16), h100.inter);
+    }
+}

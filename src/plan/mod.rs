@@ -15,8 +15,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
+use crate::backend::cpu::CpuBackend;
 use crate::comm::mesh::DeviceMesh;
 use crate::config::Config;
+use crate::launch::launcher::Replan;
 use crate::train::compose::RankPlan;
 use crate::train::memory::{check_fits, DeviceSizing};
 use crate::train::place::MeshPlace;
@@ -168,4 +170,40 @@ fn pipeline_ranks(mesh: &DeviceMesh) -> Vec<usize> {
         ranks.push((pp - 1) * per_stage);
     }
     ranks
+}
+
+/// `titan train --replan`: the overrides of the best layout of a CPU job over `world` ranks,
+/// `ranks_per_host` to a host (this host's calibration, measured now if it has none), for the
+/// launcher to ask at each generation.
+pub fn replanner(
+    cfg: &Config,
+    config: Option<PathBuf>,
+    overrides: Vec<String>,
+    ranks_per_host: usize,
+) -> Result<Replan> {
+    if cfg.training.device != "cpu" {
+        anyhow::bail!("titan train --replan plans CPU jobs (this host's calibration); for GPUs run `titan plan --ngpu N --gpu KIND` and pass the overrides it prints");
+    }
+    let calibration = calibrate::cpu(false)?;
+    let mut device = calibration.device;
+    device.per_node = ranks_per_host;
+    Ok(Replan(std::sync::Arc::new(move |world| {
+        let cpu = CpuBackend::new();
+        let job = Job {
+            config: config.clone(),
+            overrides: overrides.clone(),
+            world,
+            device: device.clone(),
+            sizing: &cpu,
+            ranks_sharing_memory: ranks_per_host,
+            vary_ac: true,
+        };
+        let plan = job.plan()?;
+        match plan.candidates.into_iter().find(Candidate::fits) {
+            Some(best) => Ok(best.overrides),
+            None => anyhow::bail!(
+                "no layout of the job fits on {world} ranks ({ranks_per_host} to a host)"
+            ),
+        }
+    })))
 }

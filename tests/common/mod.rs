@@ -241,3 +241,21 @@ fn python_importing(modules: &str, purpose: &str) -> Option<String> {
     }
     ok.then_some(py)
 }
+
+/// A `titan plan` CPU calibration of this host, shared by the test binaries (measured once, by
+/// the first that needs it; `titan plan` measures again only on another host).
+#[allow(dead_code)]
+pub fn plan_calibration() -> std::path::PathBuf {
+    static ONCE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| {
+        let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("plan_cpu.json");
+        let o = Command::new(titan_bin())
+            .args(["plan", "--nproc", "1", "--json", "--top", "1"])
+            .env("TITAN_PLAN_CALIBRATION", &path)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        path
+    })
+    .clone()
+}
