@@ -5,8 +5,8 @@ For each layout below, `titan plan --nproc N --json` predicts tokens/s and `tita
 measures it (the candidate's own `overrides`, so the measured run is the planned layout and the
 overrides round-trip into a config titan accepts). Prints a markdown table, the median relative
 error and Spearman's rank correlation; exits 1 when the median error exceeds 20% or Spearman is
-below 0.8. The two-rank TP and CP layouts are calibration points (`titan plan --calibrate` runs them,
-as it runs one process of each model) and are marked so.
+below 0.8. The two-rank TP and CP layouts and DDP 2 × TP 2 are calibration points (`titan plan
+--calibrate` runs them, as it runs one process of each model) and are marked so.
 
 Usage: scripts/plan_check.py [--titan target/release/titan] [--repeats 2] [--quick]
 """
@@ -31,6 +31,7 @@ LAYOUTS = [
     (DEBUG, 4, {"data_parallel_shard_degree": "2", "tensor_parallel_degree": "2"}, "FSDP 2 × TP 2"),
     (DEBUG, 4, {"data_parallel_replicate_degree": "2", "data_parallel_shard_degree": "2"}, "HSDP 2×2"),
     (DEBUG, 4, {"tensor_parallel_degree": "4"}, "TP 4"),
+    (DEBUG, 4, {"data_parallel_replicate_degree": "2", "tensor_parallel_degree": "2"}, "DDP 2 × TP 2 (calibration)"),
     (DEBUG, 4, {"data_parallel_shard_degree": "2", "context_parallel_degree": "2"}, "FSDP 2 × CP 2"),
     (DEBUG, 4, {"pipeline_parallel_degree": "2", "data_parallel_shard_degree": "2",
                 "pipeline_parallel_schedule": "Interleaved1F1B",

@@ -52,6 +52,7 @@ pub struct PlanArgs {
 
 pub fn run(a: &PlanArgs) -> Result<()> {
     let cpu = CpuBackend::new();
+    let gpu_sizing;
     let (job, what) = match (a.nproc, a.ngpu) {
         (Some(_), Some(_)) => {
             bail!("titan plan: give --nproc N (CPU ranks here) or --ngpu N --gpu KIND, not both")
@@ -79,39 +80,23 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             (job, format!("{n} CPU ranks on {}", c.host))
         }
         (None, Some(n)) => {
-            let mut device = device::gpu(&a.gpu)?;
-            if let Some(g) = a.gpu_memory_gib {
-                if !(g > 0.0 && g < 1e5) {
-                    bail!("titan plan: --gpu-memory-gib {g} is not a memory size in GiB");
-                }
-                device.memory_bytes = Some((g * (1u64 << 30) as f64) as u64);
-            }
-            let memory_bytes = device.memory_bytes.expect("a GPU has its memory");
-            let mut overrides = vec![
-                "--training.mixed_precision_param".to_string(),
-                "bfloat16".into(),
-            ];
-            overrides.extend(a.overrides.iter().cloned());
-            let precision = crate::config::Config::load(a.config.as_deref(), &overrides)?
-                .training
-                .mixed_precision_param;
-            let sizing: &'static PlannedGpu = Box::leak(Box::new(PlannedGpu {
-                memory_bytes,
-                bf16: precision == "bfloat16",
-            }));
+            let (device, overrides, sizing) = gpu(a)?;
+            gpu_sizing = sizing;
+            let what = format!(
+                "{n} × {} ({:.0} GiB each)",
+                a.gpu,
+                gib(gpu_sizing.memory_bytes)
+            );
             let job = Job {
                 config: a.config.clone(),
                 overrides,
                 world: n,
                 device,
-                sizing,
+                sizing: &gpu_sizing,
                 ranks_sharing_memory: 1,
                 vary_ac: !a.keep_ac,
             };
-            (
-                job,
-                format!("{n} × {} ({:.0} GiB each)", a.gpu, gib(memory_bytes)),
-            )
+            (job, what)
         }
     };
     let plan = job.plan()?;
@@ -124,6 +109,32 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         print!("{}", table(&plan, &what, a.top));
     }
     Ok(())
+}
+
+/// The GPU of `--gpu` (with `--gpu-memory-gib`), the job's overrides (bf16 unless they say
+/// otherwise, as on CUDA) and how the CUDA backend would size its memory.
+fn gpu(a: &PlanArgs) -> Result<(device::Device, Vec<String>, PlannedGpu)> {
+    let mut device = device::gpu(&a.gpu)?;
+    if let Some(g) = a.gpu_memory_gib {
+        if !(g > 0.0 && g < 1e5) {
+            bail!("titan plan: --gpu-memory-gib {g} is not a memory size in GiB");
+        }
+        device.memory_bytes = Some((g * (1u64 << 30) as f64) as u64);
+    }
+    let memory_bytes = device.memory_bytes.expect("a GPU has its memory");
+    let mut overrides = vec![
+        "--training.mixed_precision_param".to_string(),
+        "bfloat16".into(),
+    ];
+    overrides.extend(a.overrides.iter().cloned());
+    let precision = crate::config::Config::load(a.config.as_deref(), &overrides)?
+        .training
+        .mixed_precision_param;
+    let sizing = PlannedGpu {
+        memory_bytes,
+        bf16: precision == "bfloat16",
+    };
+    Ok((device, overrides, sizing))
 }
 
 /// The JSON list: the best `top` that fit, then the best of those that do not (with why).

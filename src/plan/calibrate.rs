@@ -1,7 +1,7 @@
 //! `titan plan --calibrate`: this CPU as the cost model sees it, measured by short `titan bench`
 //! runs of this very binary (one process of the debug model at one thread for batches 1 and 8,
 //! once with gradient accumulation, once on every core; the MoE debug model; two ranks of tensor
-//! and of context parallelism; collectives between two local ranks),
+//! and of context parallelism, TP 2 × DDP 2 on four; collectives between two local ranks),
 //! stored as JSON (`$TITAN_PLAN_CALIBRATION`, else `~/.cache/titan/plan_cpu.json`) and reused
 //! while the host's CPU model and core count are the same.
 
@@ -11,6 +11,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use super::cost::Prediction;
 use super::device::{Compute, Device, Link};
 use super::layout::{AcChoice, Layout};
 use super::Job;
@@ -39,7 +40,8 @@ pub struct Measured {
     pub two_rank_collectives: Vec<(f64, f64, f64)>,
     /// Two ranks of tensor parallelism, batch 8: the step and its TP collectives' time.
     pub tp2_step_s: f64,
-    pub tp2_comm_s: f64,
+    /// Tensor parallelism 2 × DDP 2 on four ranks (the host saturated: its waits cost nothing).
+    pub tp2_dp2_step_s: f64,
     /// Two ranks of context parallelism, batch 8.
     pub cp2_step_s: f64,
     /// One process of the MoE debug model (Qwen3 `debugmodel_moe`) on every core, batch 8.
@@ -151,10 +153,18 @@ fn measure() -> Result<Calibration> {
         "--parallelism.tensor_parallel_degree",
         "2",
     ])?;
-    let tp2_comm_s = tp2["tp_comm_ms_per_step"]
-        .as_f64()
-        .context("bench train --json without tp_comm_ms_per_step")?
-        / 1e3;
+    let tp2_dp2 = run(&[
+        "--nproc",
+        "4",
+        "--batch",
+        "8",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ])?;
     let cp2 = run(&[
         "--nproc",
         "2",
@@ -196,7 +206,7 @@ fn measure() -> Result<Calibration> {
         all_cores_batch8_s: all,
         two_rank_collectives: collectives,
         tp2_step_s: step(&tp2)?,
-        tp2_comm_s,
+        tp2_dp2_step_s: step(&tp2_dp2)?,
         cp2_step_s: step(&cp2)?,
         moe_step_s: step(&moe)?,
     };
@@ -222,7 +232,6 @@ pub fn fit(m: &Measured) -> Result<Device> {
     let thread_efficiency = (m.one_thread_batch8_s / (n as f64 * m.all_cores_batch8_s)).min(1.0);
     let link = host_link(&m.two_rank_collectives)?;
     let rate = seq_flops / x;
-    let step_alpha_s = in_step_wait(m, &args, link);
     let mut device = Device {
         name: "cpu".into(),
         peak_tflops: rate * n as f64 / 1e12,
@@ -239,13 +248,10 @@ pub fn fit(m: &Measured) -> Result<Device> {
         overlaps: false,
         cores: n,
         thread_efficiency,
-        step_alpha_s,
+        step_alpha_s: 0.0,
         tp_efficiency: 1.0,
         cp_efficiency: 1.0,
         moe_efficiency: 1.0,
-    };
-    let probe = |device: &Device, layout: Layout, model: &[&str], measured: f64| {
-        efficiency(device, layout, model, measured)
     };
     let one = |local_batch| Layout {
         pp: 1,
@@ -260,15 +266,60 @@ pub fn fit(m: &Measured) -> Result<Device> {
         ac: AcChoice::None,
     };
     let moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
-    device.moe_efficiency = probe(&device, one(8), &moe, m.moe_step_s)?;
-    device.tp_efficiency = probe(&device, Layout { tp: 2, ..one(8) }, &[], m.tp2_step_s)?;
-    device.cp_efficiency = probe(&device, Layout { cp: 2, ..one(8) }, &[], m.cp2_step_s)?;
+    // The efficiencies where the host is saturated (no waits count), then the wait per in-step
+    // collective as what the two-rank TP step leaves unexplained, then CP's with those waits.
+    device.moe_efficiency = fit_efficiency(
+        &device,
+        |d, e| d.moe_efficiency = e,
+        (one(8), &moe),
+        m.moe_step_s,
+    )?;
+    let tp2_dp2 = Layout {
+        tp: 2,
+        dp_replicate: 2,
+        ..one(8)
+    };
+    device.tp_efficiency = fit_efficiency(
+        &device,
+        |d, e| d.tp_efficiency = e,
+        (tp2_dp2, &[]),
+        m.tp2_dp2_step_s,
+    )?;
+    let tp2 = predict(&device, Layout { tp: 2, ..one(8) }, &[])?;
+    let collectives = (8 * args.n_layers + 2) as f64;
+    device.step_alpha_s = ((m.tp2_step_s - tp2.step_s) / collectives).max(0.0);
+    device.cp_efficiency = fit_efficiency(
+        &device,
+        |d, e| d.cp_efficiency = e,
+        (Layout { cp: 2, ..one(8) }, &[]),
+        m.cp2_step_s,
+    )?;
     Ok(device)
 }
 
-/// The compute efficiency that makes `layout`'s predicted step `measured`: the predicted compute
-/// over what the measured step leaves for it once the rest of the prediction is taken out.
-fn efficiency(device: &Device, layout: Layout, model: &[&str], measured: f64) -> Result<f64> {
+/// The efficiency (set on the device by `set`) that makes `layout`'s predicted step `measured`:
+/// bisection, the predicted step falling as the efficiency rises.
+fn fit_efficiency(
+    device: &Device,
+    set: fn(&mut Device, f64),
+    (layout, model): (Layout, &[&str]),
+    measured: f64,
+) -> Result<f64> {
+    let (mut low, mut high) = (0.05, 1.5);
+    for _ in 0..40 {
+        let mid = (low + high) / 2.0;
+        let mut trial = device.clone();
+        set(&mut trial, mid);
+        match predict(&trial, layout.clone(), model)?.step_s > measured {
+            true => low = mid,
+            false => high = mid,
+        }
+    }
+    Ok((low + high) / 2.0)
+}
+
+/// The planner's prediction of `layout` of the debug job (with `model`'s overrides).
+fn predict(device: &Device, layout: Layout, model: &[&str]) -> Result<Prediction> {
     let cpu = CpuBackend::new();
     let world = layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp;
     let job = Job {
@@ -280,19 +331,7 @@ fn efficiency(device: &Device, layout: Layout, model: &[&str], measured: f64) ->
         ranks_sharing_memory: world,
         vary_ac: false,
     };
-    let p = job.weigh(&layout)?.prediction;
-    let rest = p.step_s - p.compute_s;
-    Ok((p.compute_s / (measured - rest).max(1e-9)).clamp(0.05, 1.5))
-}
-
-/// The wait per in-step collective, from the two-rank TP run (batch 8, one thread each): its TP
-/// time over its collectives (`4·2` per block, forward and backward, and two for the head, each
-/// of `8·seq·dim` f32 values) beyond their alpha-beta cost (the ranks' skew on shared cores).
-fn in_step_wait(m: &Measured, args: &ModelArgs, link: Link) -> f64 {
-    let collectives = (8 * args.n_layers + 2) as f64;
-    let bytes = (8 * m.seq * args.dim * 4) as f64;
-    let alpha_beta = link.alpha_s + bytes / 2.0 * link.beta_s_per_byte;
-    (m.tp2_comm_s / collectives - alpha_beta).max(0.0)
+    Ok(job.weigh(&layout)?.prediction)
 }
 
 /// Alpha and beta of the host's transport from two ranks' all-gathers and reduce-scatters at two

@@ -135,9 +135,8 @@ impl Weighing<'_> {
             true => d.moe_efficiency,
             false => 1.0,
         };
-        let efficiency = d.tp_efficiency.powf((l.tp as f64).log2())
-            * d.cp_efficiency.powf((l.cp as f64).log2())
-            * moe;
+        let split = |degree: usize, e: f64| if degree > 1 { e } else { 1.0 };
+        let efficiency = split(l.tp, d.tp_efficiency) * split(l.cp, d.cp_efficiency) * moe;
         let forward = flops / 3.0 / (rate * efficiency);
         let speedup = rate / self.device.compute.flops_per_s;
         let overhead = self.device.compute.block_overhead_s * self.blocks_per_rank() / speedup;

@@ -65,10 +65,11 @@ pub struct Device {
     /// on each other) costs beyond its link's alpha-beta: on a CPU host, the ranks' skew on
     /// shared cores (calibrated); 0 on GPUs.
     pub step_alpha_s: f64,
-    /// Compute efficiency kept per doubling of the tensor-parallel degree (narrower GEMMs, the
-    /// work TP does not split): calibrated on the CPU; 1 on GPUs, whose GEMMs stay large.
+    /// Compute efficiency kept under tensor parallelism (narrower GEMMs, the sequence-parallel
+    /// copies), the same at any degree above 1 (on this CPU TP 4 keeps what TP 2 keeps, measured
+    /// by scripts/plan_check.py): calibrated on the CPU; 1 on GPUs, whose GEMMs stay large.
     pub tp_efficiency: f64,
-    /// The same per doubling of the context-parallel degree (ring attention's chunks).
+    /// The same under context parallelism (ring attention's chunks).
     pub cp_efficiency: f64,
     /// Compute efficiency of a mixture-of-experts model against its FLOP count (routing,
     /// dispatch, the experts' smaller GEMMs): calibrated on the CPU; 1 on GPUs (no measurement).
