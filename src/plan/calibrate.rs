@@ -253,7 +253,13 @@ pub fn fit(m: &Measured) -> Result<Device> {
         cp_efficiency: 1.0,
         moe_efficiency: 1.0,
     };
-    let one = |local_batch| Layout {
+    fit_parallel_costs(&mut device, m, &args)?;
+    Ok(device)
+}
+
+/// The one-process debug job of `local_batch` sequences, as a layout.
+fn one(local_batch: usize) -> Layout {
+    Layout {
         pp: 1,
         dp_replicate: 1,
         dp_shard: 1,
@@ -264,12 +270,17 @@ pub fn fit(m: &Measured) -> Result<Device> {
         microbatch_size: local_batch,
         local_batch,
         ac: AcChoice::None,
-    };
+    }
+}
+
+/// The MoE, TP and CP efficiencies and the in-step wait, each fitted through the planner's own
+/// prediction of its run.
+fn fit_parallel_costs(device: &mut Device, m: &Measured, args: &ModelArgs) -> Result<()> {
     let moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
     // The efficiencies where the host is saturated (no waits count), then the wait per in-step
     // collective as what the two-rank TP step leaves unexplained, then CP's with those waits.
     device.moe_efficiency = fit_efficiency(
-        &device,
+        device,
         |d, e| d.moe_efficiency = e,
         (one(8), &moe),
         m.moe_step_s,
@@ -280,21 +291,21 @@ pub fn fit(m: &Measured) -> Result<Device> {
         ..one(8)
     };
     device.tp_efficiency = fit_efficiency(
-        &device,
+        device,
         |d, e| d.tp_efficiency = e,
         (tp2_dp2, &[]),
         m.tp2_dp2_step_s,
     )?;
-    let tp2 = predict(&device, Layout { tp: 2, ..one(8) }, &[])?;
+    let tp2 = predict(device, Layout { tp: 2, ..one(8) }, &[])?;
     let collectives = (8 * args.n_layers + 2) as f64;
     device.step_alpha_s = ((m.tp2_step_s - tp2.step_s) / collectives).max(0.0);
     device.cp_efficiency = fit_efficiency(
-        &device,
+        device,
         |d, e| d.cp_efficiency = e,
         (Layout { cp: 2, ..one(8) }, &[]),
         m.cp2_step_s,
     )?;
-    Ok(device)
+    Ok(())
 }
 
 /// The efficiency (set on the device by `set`) that makes `layout`'s predicted step `measured`:
@@ -375,4 +386,80 @@ fn last_line(text: &str) -> Result<&str> {
         .rev()
         .find(|l| l.starts_with('{'))
         .context("no JSON line in the benchmark's output")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 2-core Xeon's measurements (this file's own calibration of 2026-12-03).
+    fn measured() -> Measured {
+        Measured {
+            seq: 256,
+            one_thread_batch1_s: 0.135,
+            one_thread_batch8_s: 0.771,
+            one_thread_accum8_s: 0.862,
+            all_cores_batch8_s: 0.435,
+            two_rank_collectives: vec![
+                (1048576.0, 2.18e-4, 1.59e-4),
+                (16777216.0, 1.83e-3, 2.18e-3),
+            ],
+            tp2_step_s: 0.518,
+            tp2_dp2_step_s: 0.890,
+            cp2_step_s: 0.546,
+            moe_step_s: 0.567,
+        }
+    }
+
+    #[test]
+    fn the_fitted_cpu_predicts_its_own_calibration_runs() {
+        let m = measured();
+        let d = fit(&m).unwrap();
+        let moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
+        let runs: [(Layout, &[&str], f64); 4] = [
+            (one(8), &moe, m.moe_step_s),
+            (
+                Layout {
+                    tp: 2,
+                    dp_replicate: 2,
+                    ..one(8)
+                },
+                &[],
+                m.tp2_dp2_step_s,
+            ),
+            (Layout { tp: 2, ..one(8) }, &[], m.tp2_step_s),
+            (Layout { cp: 2, ..one(8) }, &[], m.cp2_step_s),
+        ];
+        for (layout, model, want) in runs {
+            let got = predict(&d, layout.clone(), model).unwrap().step_s;
+            // The in-step wait is never negative: a host on which TP 2's step is explained
+            // without one predicts it no faster than measured.
+            let clamped = layout.tp == 2 && layout.dp_replicate == 1 && d.step_alpha_s == 0.0;
+            assert!(
+                (clamped && got >= want) || (got - want).abs() <= 1e-3 * want,
+                "{}: predicted {got} s, measured {want} s ({d:?})",
+                layout.describe()
+            );
+        }
+        let (alpha, beta) = (d.intra.alpha_s, d.intra.beta_s_per_byte);
+        assert!(
+            alpha > 0.0 && (1e-11..1e-9).contains(&beta),
+            "{:?}",
+            d.intra
+        );
+        assert!(
+            d.compute.flops_per_s > 1e10 && d.thread_efficiency <= 1.0,
+            "{d:?}"
+        );
+    }
+
+    #[test]
+    fn a_calibration_that_cannot_be_fitted_says_so() {
+        let m = Measured {
+            one_thread_batch8_s: 0.1,
+            ..measured()
+        };
+        let e = fit(&m).unwrap_err();
+        assert!(format!("{e}").contains("too noisy"), "{e}");
+    }
 }
