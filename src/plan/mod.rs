@@ -19,6 +19,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::comm::mesh::DeviceMesh;
 use crate::config::Config;
 use crate::launch::launcher::Replan;
+use crate::model::activation_checkpoint::AcMode;
 use crate::train::compose::RankPlan;
 use crate::train::memory::{check_fits, DeviceSizing};
 use crate::train::place::MeshPlace;
@@ -89,9 +90,13 @@ impl Job<'_> {
             local_batch: base.training.local_batch_size,
             vary_ac: self.vary_ac,
             fixed_ac: match base.activation_checkpoint.mode()? {
-                crate::model::activation_checkpoint::AcMode::None => layout::AcChoice::None,
-                crate::model::activation_checkpoint::AcMode::Full => layout::AcChoice::Full,
-                _ => layout::AcChoice::Op,
+                AcMode::None => layout::AcChoice::None,
+                AcMode::Full => layout::AcChoice::Full,
+                AcMode::Op => layout::AcChoice::Op,
+                AcMode::EveryNth(n) if !self.vary_ac => anyhow::bail!(
+                    "titan plan --keep-ac: [activation_checkpoint] selective_ac_option = \"{n}\" (every N-th block, N = {n}) is not modelled; titan plan weighs none, op and full (drop --keep-ac, or keep op or full)"
+                ),
+                AcMode::EveryNth(_) => layout::AcChoice::Full,
             },
         };
         let layouts = layout::enumerate(&space);
@@ -104,7 +109,7 @@ impl Job<'_> {
                 .tokens_per_s
                 .total_cmp(&a.prediction.tokens_per_s),
             (false, false) => a.memory_bytes.cmp(&b.memory_bytes),
-            (x, _) => b_first(x),
+            (a_fits, _) => fitting_first(a_fits),
         });
         Ok(Plan {
             candidates,
@@ -153,7 +158,8 @@ impl Job<'_> {
     }
 }
 
-fn b_first(a_fits: bool) -> std::cmp::Ordering {
+/// The order of a fitting and a non-fitting candidate: the one that fits first.
+fn fitting_first(a_fits: bool) -> std::cmp::Ordering {
     match a_fits {
         true => std::cmp::Ordering::Less,
         false => std::cmp::Ordering::Greater,
