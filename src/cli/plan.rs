@@ -263,13 +263,8 @@ fn nothing_fits(job: &Job, plan: &Plan, what: &str) -> String {
     if job.ranks_sharing_memory == 1 {
         for factor in [2, 4, 8, 16, 32, 64] {
             let bigger = Job {
-                config: job.config.clone(),
-                overrides: job.overrides.clone(),
-                world: job.world * factor,
-                device: job.device.clone(),
-                sizing: job.sizing,
-                ranks_sharing_memory: 1,
                 vary_ac: true,
+                ..job.resized(job.world * factor)
             };
             if let Ok(p) = bigger.plan() {
                 if p.candidates.iter().any(Candidate::fits) {

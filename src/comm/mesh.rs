@@ -130,6 +130,13 @@ impl DeviceMesh {
         }
     }
 
+    /// The ranks FSDP shards the parameters over (`dp_shard × cp`), None when they stay whole
+    /// (the launcher joins a shard group exactly then, and the planner sizes one).
+    pub fn fsdp_shard_degree(&self) -> Option<usize> {
+        let shard = self.degree("dp_shard") * self.degree("cp");
+        (shard > 1).then_some(shard)
+    }
+
     /// Expert parallelism borrows its ranks from the shard group (`dp_shard × cp`, TorchTitan's
     /// dp2ep): the group's ranks, in order, are cut into consecutive runs of `ep`, each run one
     /// expert-parallel group splitting the experts; the ranks at the same place of every run hold

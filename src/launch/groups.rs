@@ -167,22 +167,20 @@ impl GroupJoiner<'_> {
             dp.clone()
         };
         let shard_dims = mesh.shard_dims();
-        let (shard, replicate, shard_name, replicate_name) = match (
-            mesh.degree("dp_replicate"),
-            mesh.degree("dp_shard") * cp_degree,
-        ) {
-            (_, 1) => (None, None, None, None),
-            (1, _) if cp_degree > 1 => {
-                (Some(loss.clone()), None, Some(self.name(shard_dims)), None)
-            }
-            (1, _) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
-            _ => (
-                Some(self.dims(shard_dims)?),
-                Some(self.dims(&["dp_replicate"])?),
-                Some(self.name(shard_dims)),
-                Some(self.name(&["dp_replicate"])),
-            ),
-        };
+        let (shard, replicate, shard_name, replicate_name) =
+            match (mesh.degree("dp_replicate"), mesh.fsdp_shard_degree()) {
+                (_, None) => (None, None, None, None),
+                (1, Some(_)) if cp_degree > 1 => {
+                    (Some(loss.clone()), None, Some(self.name(shard_dims)), None)
+                }
+                (1, Some(_)) => (Some(dp.clone()), None, Some(dp_name.clone()), None),
+                _ => (
+                    Some(self.dims(shard_dims)?),
+                    Some(self.dims(&["dp_replicate"])?),
+                    Some(self.name(shard_dims)),
+                    Some(self.name(&["dp_replicate"])),
+                ),
+            };
         Ok(DataGroups {
             dp,
             dp_name,

@@ -76,7 +76,9 @@ impl Weighing<'_> {
         let (rate, crowd) = self.device.rank_rate(self.ranks_per_node());
         let blocks = self.blocks_per_rank();
         let mb_tokens = (l.microbatch_size * self.seq) as f64;
-        let (forward, backward) = self.microbatch_compute_s(rate, mb_tokens);
+        // The rank's threads against the one thread the compute rates were measured with.
+        let speedup = rate / self.device.compute.flops_per_s;
+        let (forward, backward) = self.microbatch_compute_s(rate, speedup, mb_tokens);
         let steps = (l.microbatches() * self.accum) as f64;
         let busy_compute = (forward + backward) * steps;
         let (critical, bubble) = match self.pipeline {
@@ -86,7 +88,6 @@ impl Weighing<'_> {
                 (span * self.accum as f64, bubble)
             }
         };
-        let speedup = rate / self.device.compute.flops_per_s;
         let optimizer_s =
             self.params_per_rank() * self.device.compute.optimizer_s_per_param / speedup;
         let comm = self.comm(busy_compute, mb_tokens, blocks);
@@ -122,7 +123,7 @@ impl Weighing<'_> {
     /// (forward, backward) seconds of one microbatch of `tokens` rows on one rank, for the
     /// whole model split `pp` ways: FLOPs over `tp × cp`, the checkpointing's recompute in the
     /// backward, and the per-block cost.
-    fn microbatch_compute_s(&self, rate: f64, tokens: f64) -> (f64, f64) {
+    fn microbatch_compute_s(&self, rate: f64, speedup: f64, tokens: f64) -> (f64, f64) {
         let l = self.layout;
         let flops = self.args.flops_per_token(self.seq) * tokens / (l.tp * l.cp * l.pp) as f64;
         let recompute = match l.ac {
@@ -138,7 +139,6 @@ impl Weighing<'_> {
         let split = |degree: usize, e: f64| if degree > 1 { e } else { 1.0 };
         let efficiency = split(l.tp, d.tp_efficiency) * split(l.cp, d.cp_efficiency) * moe;
         let forward = flops / 3.0 / (rate * efficiency);
-        let speedup = rate / self.device.compute.flops_per_s;
         let overhead = self.device.compute.block_overhead_s * self.blocks_per_rank() / speedup;
         (
             forward + overhead / 3.0,
@@ -175,7 +175,7 @@ impl Weighing<'_> {
     fn expert_params(&self) -> f64 {
         (0..self.args.n_layers)
             .filter_map(|i| self.args.moe_at(i))
-            .map(|m| (m.router.num_experts * 3 * self.args.dim * m.hidden) as f64)
+            .map(|m| m.routed_params(self.args.dim) as f64)
             .sum()
     }
 

@@ -68,10 +68,23 @@ pub struct Plan {
     pub base: Config,
 }
 
-impl Job<'_> {
+impl<'a> Job<'a> {
     fn load(&self, extra: &[String]) -> Result<Config> {
         let all: Vec<String> = self.overrides.iter().chain(extra).cloned().collect();
         Config::load(self.config.as_deref(), &all)
+    }
+
+    /// The same job over `world` devices.
+    pub fn resized(&self, world: usize) -> Job<'a> {
+        Job {
+            config: self.config.clone(),
+            overrides: self.overrides.clone(),
+            world,
+            device: self.device.clone(),
+            sizing: self.sizing,
+            ranks_sharing_memory: self.ranks_sharing_memory,
+            vary_ac: self.vary_ac,
+        }
     }
 
     /// Every candidate of the job, weighed.

@@ -163,20 +163,20 @@ fn check_batch(
 /// against (`titan plan` reads the same for each layout it weighs).
 pub struct RankPlan {
     pub args: ModelArgs,
-    pub local: LocalShapes,
+    local: LocalShapes,
     groups: MeshGroups,
     pub pipeline: Option<PipelinePlan>,
     /// Microbatches per step (gradient accumulation) and the global batch.
     pub accum: usize,
-    pub global_batch: usize,
+    global_batch: usize,
     /// FSDP/HSDP shards the parameters (else they stay whole, with DDP over `dp` ranks).
     fsdp: bool,
     param_dtype: ParamDtype,
     reshard: ReshardPolicy,
-    pub ac: AcMode,
+    ac: AcMode,
     pub estimate: MemoryEstimate,
     /// The linears `[model] converters` made float8.
-    pub float8: Float8Conversion,
+    float8: Float8Conversion,
 }
 
 impl RankPlan {

@@ -46,10 +46,7 @@ impl MeshPlace {
                 loss: Some(d.loss.clone()),
             },
             dp_size: d.dp.size(),
-            fsdp_shard: d
-                .shard
-                .as_ref()
-                .map(|_| d.mesh.degree("dp_shard") * d.mesh.degree("cp")),
+            fsdp_shard: d.mesh.fsdp_shard_degree(),
             rank: d.rank,
         }
     }
@@ -73,7 +70,6 @@ impl MeshPlace {
             "loss",
             mesh.group_ranks(rank, &["dp_replicate", "dp_shard", "cp"]),
         );
-        let shard = mesh.degree("dp_shard") * mesh.degree("cp");
         MeshPlace {
             groups: MeshGroups {
                 tp: dim("tp"),
@@ -83,7 +79,7 @@ impl MeshPlace {
                 loss: Some(loss),
             },
             dp_size: mesh.degree("dp_replicate") * mesh.degree("dp_shard"),
-            fsdp_shard: (shard > 1).then_some(shard),
+            fsdp_shard: mesh.fsdp_shard_degree(),
             rank,
         }
     }

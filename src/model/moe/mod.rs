@@ -109,7 +109,12 @@ impl MoeArgs {
     /// Parameters of one layer: the router, every expert, the shared experts.
     pub fn params(&self, dim: usize) -> usize {
         let e = self.router.num_experts;
-        e * dim + 3 * dim * (e * self.hidden + self.shared_hidden.unwrap_or(0))
+        e * dim + self.routed_params(dim) + 3 * dim * self.shared_hidden.unwrap_or(0)
+    }
+
+    /// Parameters of one layer's routed experts (what expert parallelism splits).
+    pub fn routed_params(&self, dim: usize) -> usize {
+        self.router.num_experts * 3 * dim * self.hidden
     }
 
     /// Parameters one token goes through: the router, its `top_k` experts, the shared ones.

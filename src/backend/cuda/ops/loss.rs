@@ -254,6 +254,10 @@ fn check_loss_operands(
 /// Llama 3's 128k vocabulary: few chunks, so the output weight is converted to bf16 few times), at
 /// least 128 rows so the three GEMMs per chunk stay large, and a multiple of 64 so every chunk's
 /// rows start 256-byte aligned, as cuBLASLt's fast kernels assume.
+fn gpu_loss_chunk_rows(vocab: usize) -> usize {
+    ((512usize << 20) / vocab.max(1)).clamp(128, 4096) / 64 * 64
+}
+
 /// The scratch of bf16 GEMMs over a step of `tokens` rows: a loss chunk's bf16 logit gradient,
 /// the two operand copies, at most the largest operands converted (the output weight, an FFN
 /// activation), and the attention's bf16 copies of q, k, v and dout. Also what `titan plan`
@@ -262,8 +266,4 @@ pub fn bf16_operand_scratch_bytes(tokens: usize, dim: usize, hidden: usize, voca
     let chunk = gpu_loss_chunk_rows(vocab).min(tokens.max(1));
     let largest = (vocab * dim).max(tokens * hidden);
     (chunk * vocab * 2 + 2 * largest * 2 + 4 * tokens * dim * 2) as u64
-}
-
-fn gpu_loss_chunk_rows(vocab: usize) -> usize {
-    ((512usize << 20) / vocab.max(1)).clamp(128, 4096) / 64 * 64
 }

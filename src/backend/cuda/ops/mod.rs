@@ -92,7 +92,7 @@ mod copy;
 mod elementwise;
 mod embedding;
 mod float8;
-pub mod loss;
+pub(super) mod loss;
 mod matmul;
 mod multi_tensor;
 mod norm;
