@@ -328,8 +328,13 @@ fn bad_float8_settings_are_refused_naming_the_key() {
             &["recipe_name", "mxfp4", "mxfp8_rceil"],
         ),
         (
-            [&recipe("tensorwise")[..], &["--training.device", "cuda"]].concat(),
-            &["emulate", "not built yet"],
+            vec![
+                "--model.converters",
+                "quantize.linear.mx",
+                "--training.device",
+                "cuda",
+            ],
+            &["quantize.linear.mx", "not built yet"],
         ),
         (
             vec!["--quantize.linear.float8.recipe", "rowwise"],

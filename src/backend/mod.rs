@@ -11,7 +11,7 @@ pub mod cuda;
 pub mod float8;
 pub mod profile;
 
-use float8::{Fp8Format, MxCast, Quantization, ScaleAxis};
+use float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
 
 /// Shapes of one causal attention call. Queries are `[batch, q_len, n_heads, head_dim]`; keys and
 /// values are `[batch, kv_capacity, n_kv_heads, head_dim]` of which the first `kv_len` positions are
@@ -447,13 +447,16 @@ pub trait Backend: Send + Sync + 'static {
         float8::amaxes(&self.download(x), rows, cols, axis)
     }
     /// `x` (`[rows, cols]`) quantised with `q` and the scales of `amaxes`, then dequantised:
-    /// the operand an emulated float8 GEMM reads (`float8::fake_quantize_rows`).
+    /// the operand an emulated float8 GEMM reads (`float8::fake_quantize_rows`). `contracted` is
+    /// the dimension the GEMM that reads it sums over: a backend with float8 GEMMs (CUDA) also
+    /// keeps the codes, laid out for that GEMM; the values are the same either way.
     fn float8_fake_quantized(
         &self,
         x: &Self::Buf,
         cols: usize,
         q: Quantization,
         amaxes: &[f32],
+        _contracted: ContractedDim,
     ) -> Self::Buf {
         let host = self.download(x);
         let mut out = vec![0f32; host.len()];

@@ -69,7 +69,8 @@ pub struct BenchTrainArgs {
     pub precision: Option<String>,
     /// Float8 linears with this recipe (rowwise, rowwise_with_gw_hp or tensorwise): sets
     /// `[model] converters = ["quantize.linear.float8"]` and `[quantize.linear.float8]
-    /// recipe_name` (and `emulate` on CUDA). Compare its step with a run without it.
+    /// recipe_name`: float8 GEMMs on CUDA (sm_89+; `--quantize.linear.float8.emulate true` emulates
+    /// them there too), emulated on the CPU. Compare its step with a run without it.
     #[arg(long, value_name = "RECIPE")]
     pub float8: Option<String>,
     /// Peak TFLOP/s of one device for MFU; 0 uses the device default (989 for an H100/H200 in bf16).
@@ -122,9 +123,6 @@ impl BenchTrainArgs {
                 "quantize.linear.float8.recipe_name",
                 format!("\"{recipe}\""),
             );
-            if device == "cuda" {
-                set("quantize.linear.float8.emulate", "true".into());
-            }
         }
         set("training.device", format!("\"{device}\""));
         set("training.mixed_precision_param", format!("\"{precision}\""));

@@ -387,6 +387,10 @@ impl<'a> BenchReport<'a> {
             Some(r) if r.starts_with("mxfp8") => {
                 (format!(" {r} (emulated)"), " (bf16-equivalent FLOPs)")
             }
+            Some(r) if self.device == "cuda" && cfg.wants_float8_gemms() => (
+                format!(" float8 {r} (float8 GEMMs)"),
+                " (bf16-equivalent FLOPs)",
+            ),
             Some(r) => (
                 format!(" float8 {r} (emulated)"),
                 " (bf16-equivalent FLOPs)",

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::crosscheck::{check_ops, format_table, panic_message, OpCheck, Tolerances};
+use crate::backend::crosscheck::{
+    check_float8_gemms, check_ops, format_table, panic_message, OpCheck, Tolerances,
+};
 use crate::backend::cuda::libs::{device_count, CudaLib};
 use crate::backend::cuda::{kernels, CudaBackend, GemmPrecision};
 use crate::config::Config;
@@ -166,9 +168,10 @@ fn check(a: &CheckArgs) -> Result<()> {
             1e-5
         },
     };
-    let ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed, true);
-    print!("{}", format_table(&ops));
+    let mut ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed, true);
     drop(be);
+    ops.extend(float8_gemm_rows(a.seed)?);
+    print!("{}", format_table(&ops));
     // Written now and again after training, so a run that dies in training keeps the op table.
     let write_json = |parity: Option<&TrainParity>| -> Result<()> {
         if let Some(path) = &a.json_out {
@@ -226,6 +229,32 @@ fn check(a: &CheckArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The float8 GEMMs (cuBLASLt on the casts' codes) against the CPU's emulated ones, and a row
+/// saying whether each GEMM went the way it should (float8, or the dequantised values for a shape
+/// float8 kernels do not take). None on a GPU without float8 tensor cores (before sm_89). The
+/// other GEMMs run in exact fp32 here, so the dequantised fallback is compared at 1e-5 too.
+fn float8_gemm_rows(seed: u64) -> Result<Vec<OpCheck>> {
+    let mut be = CudaBackend::new(0, GemmPrecision::Float32)?;
+    if let Err(e) = be.enable_fp8_gemms() {
+        println!("float8 GEMMs not checked: {e:#}");
+        return Ok(Vec::new());
+    }
+    // Both sides multiply the same values (code · 1/scale), summed in another order.
+    let (mut rows, want_fp8, want_emulated) =
+        check_float8_gemms(&CpuBackend::new(), &be, 1e-5, seed);
+    let (fp8, emulated) = be.fp8_gemm_counts();
+    let right_way = fp8 == want_fp8 && emulated == want_emulated;
+    rows.push(OpCheck {
+        op: format!(
+            "float8 GEMMs on cuBLASLt: {fp8} of {want_fp8} (+{emulated} of {want_emulated} dequantised)"
+        ),
+        rel_err: if right_way { 0.0 } else { 1.0 },
+        tolerance: 0.0,
+        passed: right_way,
+    });
+    Ok(rows)
 }
 
 fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {

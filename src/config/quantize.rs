@@ -1,6 +1,7 @@
 //! `[model] converters` and `[quantize.*]`: TorchTitan's low-precision model converters and their
-//! sections, with their checks. Every converter is built emulated (the CPU has no float8 GEMMs);
-//! on CUDA float8 needs `emulate = true` and MXFP8 is refused, with what is missing (issue 28).
+//! sections, with their checks. The CPU emulates every converter (it has no float8 GEMMs); CUDA
+//! runs float8 linears in cuBLASLt's float8 GEMMs unless `emulate = true`, and refuses MXFP8,
+//! saying what is missing (issue 28).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -156,6 +157,14 @@ pub(super) fn list_or_comma_separated<'de, D: serde::Deserializer<'de>>(
 }
 
 impl Config {
+    /// Whether float8 linears ask for real float8 GEMMs (`quantize.linear.float8` with `emulate =
+    /// false`): the CUDA backend then multiplies float8 operands in cuBLASLt's float8 GEMMs (and
+    /// the experts' too, with `quantize.grouped_mm.float8`); the CPU always emulates.
+    pub fn wants_float8_gemms(&self) -> bool {
+        self.model.converters.iter().any(|c| c == FLOAT8_LINEAR)
+            && !self.quantize.linear.float8.emulate
+    }
+
     /// The low-precision linears' options, when `[model] converters` asks for float8
     /// (`quantize.linear.float8`) or MXFP8 (`quantize.linear.mx`) linears.
     pub fn float8_linears(&self) -> Result<Option<Float8Options>> {
@@ -253,9 +262,6 @@ impl Config {
         }
         if f.precompute_float8_dynamic_scale_for_fsdp && !f.enable_fsdp_float8_all_gather {
             bail!("[quantize.linear.float8] precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather = true (the scales it precomputes are the float8 all-gather's)");
-        }
-        if self.training.device == "cuda" && !f.emulate {
-            bail!("[quantize.linear.float8] emulate = false: float8 GEMMs on CUDA (cuBLASLt) are not built yet; set emulate = true to run the emulated float8 numerics on the GPU");
         }
         Ok(())
     }

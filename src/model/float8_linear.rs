@@ -15,7 +15,8 @@ use anyhow::{bail, Result};
 
 use super::linear::Linear;
 use crate::backend::float8::{
-    Float8Recipe, LinearGemm, MxBlocks, MxCast, OperandCast, Quantization, ScaleAxis, MX_BLOCK,
+    ContractedDim, Float8Recipe, LinearGemm, MxBlocks, MxCast, OperandCast, Quantization,
+    ScaleAxis, MX_BLOCK,
 };
 use crate::backend::Backend;
 
@@ -124,19 +125,32 @@ impl Float8Casts<'_> {
             GemmDim::K => linear.d_in,
         };
         let (rows, cols) = (size(dims.0), size(dims.1));
+        let summed = match gemm {
+            LinearGemm::Output => GemmDim::K,
+            LinearGemm::InputGrad => GemmDim::N,
+            LinearGemm::WeightGrad => GemmDim::M,
+        };
+        let contracted = if dims.0 == summed {
+            ContractedDim::Rows
+        } else {
+            ContractedDim::Columns
+        };
         match cast {
-            OperandCast::Scaled(q) => self.cast(be, x, [(dims.0, rows), (dims.1, cols)], q),
+            OperandCast::Scaled(q) => {
+                self.cast(be, x, [(dims.0, rows), (dims.1, cols)], (q, contracted))
+            }
             OperandCast::Mx(mx) => mx_cast(be, x, (rows, cols), mx, self.partial_row_blocks),
         }
     }
 
-    /// `x` (`[rows, cols]`, their dimensions named) fake-quantised with `q`.
+    /// `x` (`[rows, cols]`, their dimensions named) fake-quantised with `q` for a GEMM that sums
+    /// over `contracted`.
     fn cast<'x, B: Backend>(
         &self,
         be: &B,
         x: &B::Buf,
         [(row_dim, rows), (col_dim, cols)]: [(GemmDim, usize); 2],
-        q: Quantization,
+        (q, contracted): (Quantization, ContractedDim),
     ) -> Result<Operand<'x, B>> {
         let mut amaxes = be.float8_amaxes(x, rows, cols, q.axis);
         let spans: &[GemmDim] = match q.axis {
@@ -145,7 +159,9 @@ impl Float8Casts<'_> {
             ScaleAxis::Columns => &[row_dim],
         };
         self.groups.agree(&mut amaxes, spans)?;
-        Ok(Operand::Cast(be.float8_fake_quantized(x, cols, q, &amaxes)))
+        Ok(Operand::Cast(
+            be.float8_fake_quantized(x, cols, q, &amaxes, contracted),
+        ))
     }
 }
 

@@ -98,11 +98,19 @@ impl<B: Backend> Banner<'_, B> {
             true => "MXFP8",
             false => "float8",
         };
-        let head = format!(
-            "{kind} linears | recipe {} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision (no {kind} GEMMs on the {} yet){async_tp}",
-            self.cfg.linear_recipe_name().unwrap_or("none (experts: rowwise)"),
-            self.be.name(),
-        );
+        let recipe = self
+            .cfg
+            .linear_recipe_name()
+            .unwrap_or("none (experts: rowwise)");
+        let head = if self.be.name() == "cuda" && self.cfg.wants_float8_gemms() {
+            format!("{kind} linears | recipe {recipe} | float8 GEMMs on cuBLASLt: each operand cast as torchao's, its codes multiplied and the products scaled back (a GEMM float8 kernels do not take multiplies the dequantised values){async_tp}")
+        } else {
+            let why = match self.be.name() {
+                "cpu" => format!("the CPU has no {kind} GEMMs"),
+                _ => "emulate = true".to_string(),
+            };
+            format!("{kind} linears | recipe {recipe} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision ({why}){async_tp}")
+        };
         std::iter::once(head)
             .chain(self.layout.model.float8().summary(self.args.n_layers))
             .collect()

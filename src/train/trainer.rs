@@ -77,7 +77,11 @@ pub fn cuda_backend(cfg: &Config, local_rank: usize) -> Result<CudaBackend> {
     }
     // More local ranks than visible GPUs: either the launcher gave each rank its own GPU through
     // CUDA_VISIBLE_DEVICES, or ranks share GPUs (collectives::for_cuda finds out and says so).
-    CudaBackend::new(local_rank % gpus, precision)
+    let mut be = CudaBackend::new(local_rank % gpus, precision)?;
+    if cfg.wants_float8_gemms() {
+        be.enable_fp8_gemms()?;
+    }
+    Ok(be)
 }
 
 pub fn train(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {

@@ -74,6 +74,97 @@ std::vector<float> probe_values(std::mt19937_64& rng, size_t n) {
     return v;
 }
 
+// The float8 GEMM's data path without cuBLASLt: a linear's three GEMMs (Y = X·Wᵀ, dX = G·W,
+// dW = Gᵀ·X, the last accumulating) with each operand cast by float8_fake_quantize into codes laid
+// out with the summed dimension contiguous, the codes multiplied here as cuBLASLt's float8 GEMM
+// does (exact products summed in double, rounded to f32), and float8_scale_product scaling them
+// back: the result must be the GEMM of the dequantised values (the emulated path, summed here in
+// double too) to 1e-6 of its largest value, for one scale per tensor and one per row or column.
+bool check_float8_gemms(std::mt19937_64& rng) {
+    const size_t m = 48, n = 32, k = 64;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    struct Operand {
+        size_t rows, cols;
+        bool sums_rows;  // the GEMM sums down the columns (codes transposed)
+    };
+    struct Gemm {
+        const char* name;
+        Operand a, b;
+        size_t om, on, depth;  // output [om, on], summed dimension
+        bool accumulate;
+    };
+    const Gemm gemms[] = {
+        {"Y = X.W^T", {m, k, false}, {n, k, false}, m, n, k, false},
+        {"dX = G.W", {m, n, false}, {n, k, true}, m, k, n, false},
+        {"dW = G^T.X (accumulating)", {m, n, true}, {m, k, true}, n, k, m, true},
+    };
+    bool ok = true;
+    for (int rowwise = 0; rowwise < 2; ++rowwise) {
+        for (const Gemm& g : gemms) {
+            // Each operand: values, scales (per tensor, or per index of the unsummed dimension),
+            // its cast through the kernel, and a "value(i, d)" reader of the GEMM's element.
+            std::vector<float> values[2], casts[2], inverse[2];
+            std::vector<u8> codes[2];
+            const Operand* ops[2] = {&g.a, &g.b};
+            for (int o = 0; o < 2; ++o) {
+                const Operand& op = *ops[o];
+                size_t len = op.rows * op.cols;
+                values[o].resize(len);
+                for (float& v : values[o]) v = normal(rng) * 3.0f;
+                int axis = rowwise ? (op.sums_rows ? 2 : 1) : 0;
+                size_t count = axis == 0 ? 1 : (axis == 1 ? op.rows : op.cols);
+                std::vector<float> scales(count);
+                for (size_t i = 0; i < count; ++i) scales[i] = std::exp2((float)(i % 5) + 4.0f) * (rowwise ? 1.0f : 1.37f);
+                inverse[o].resize(count);
+                for (size_t i = 0; i < count; ++i) inverse[o][i] = 1.0f / scales[i];
+                casts[o].assign(len, 0.0f);
+                codes[o].assign(len, 0);
+                emu::launch(blocks(len, 256), 256, [&] {
+                    float8_fake_quantize(casts[o].data(), values[o].data(), scales.data(), (i64)op.cols, axis,
+                                         0, codes[o].data(), op.sums_rows ? 1 : 0, (i64)len);
+                });
+            }
+            // Element (i, d) of operand o as the GEMM reads it: i the unsummed index, d the summed.
+            auto cast_at = [&](int o, size_t i, size_t d) {
+                const Operand& op = *ops[o];
+                return op.sums_rows ? casts[o][d * op.cols + i] : casts[o][i * op.cols + d];
+            };
+            auto code_at = [&](int o, size_t i, size_t d) {  // codes are [unsummed, summed] either way
+                return fp8_value(0, codes[o][i * g.depth + d]);
+            };
+            std::vector<float> product(g.om * g.on), out(g.om * g.on), want(g.om * g.on);
+            std::vector<float> start(g.om * g.on);
+            for (float& v : start) v = g.accumulate ? normal(rng) : 0.0f;
+            for (size_t i = 0; i < g.om; ++i)
+                for (size_t j = 0; j < g.on; ++j) {
+                    double codes_sum = 0.0, values_sum = 0.0;
+                    for (size_t d = 0; d < g.depth; ++d) {
+                        codes_sum += (double)code_at(0, i, d) * code_at(1, j, d);
+                        values_sum += (double)cast_at(0, i, d) * cast_at(1, j, d);
+                    }
+                    product[i * g.on + j] = (float)codes_sum;
+                    want[i * g.on + j] = (float)(start[i * g.on + j] + values_sum);
+                }
+            out = start;
+            emu::launch(blocks(out.size(), 256), 256, [&] {
+                float8_scale_product(out.data(), product.data(), g.accumulate ? out.data() : nullptr,
+                                     inverse[0].data(), inverse[0].size() > 1, inverse[1].data(),
+                                     inverse[1].size() > 1, (i64)g.on, (i64)out.size());
+            });
+            double largest = 0.0, worst = 0.0;
+            for (size_t i = 0; i < out.size(); ++i) {
+                largest = std::max(largest, (double)std::fabs(want[i]));
+                worst = std::max(worst, (double)std::fabs(out[i] - want[i]));
+            }
+            bool fine = worst <= 1e-6 * largest;
+            std::printf("float8 GEMM %-9s %-26s max |diff| %.2e of %.2e %s\n", rowwise ? "rowwise" : "tensorwise",
+                        g.name, worst, largest, fine ? "ok" : "FAILED");
+            ok &= fine;
+        }
+    }
+    return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -126,13 +217,34 @@ int main() {
                 float s = scales[axis == 0 ? 0 : (axis == 1 ? i / cols : i % cols)];
                 want[i] = quantize_ref(*f, x[i], s) * (1.0f / s);
             }
+            // Without codes (the emulated GEMMs), then with them in both layouts (float8 GEMMs):
+            // the values must not change, and each code must be its value's.
             emu::launch(blocks(n, 256), 256, [&] {
-                float8_fake_quantize(got.data(), x.data(), scales.data(), (i64)cols, axis, f->code, (i64)n);
+                float8_fake_quantize(got.data(), x.data(), scales.data(), (i64)cols, axis, f->code,
+                                     nullptr, 0, (i64)n);
             });
             char what[64];
             std::snprintf(what, sizeof what, "fake quantize %s %s", f->name,
                           axis == 0 ? "tensor" : (axis == 1 ? "rows" : "columns"));
             ok &= report(what, got, want);
+            for (int transposed = 0; transposed < 2; ++transposed) {
+                std::vector<u8> codes(n, 0xab);
+                std::vector<float> with_codes(n, 7.0f), decoded(n), want_decoded(n);
+                emu::launch(blocks(n, 256), 256, [&] {
+                    float8_fake_quantize(with_codes.data(), x.data(), scales.data(), (i64)cols, axis,
+                                         f->code, codes.data(), transposed, (i64)n);
+                });
+                for (size_t i = 0; i < n; ++i) {
+                    size_t r = i / cols, c = i % cols;
+                    float s = scales[axis == 0 ? 0 : (axis == 1 ? r : c)];
+                    want_decoded[i] = quantize_ref(*f, x[i], s);
+                    decoded[i] = fp8_value(f->code, codes[transposed ? c * rows + r : i]);
+                }
+                std::snprintf(what, sizeof what, "  with codes%s: values", transposed ? " (transposed)" : "");
+                ok &= report(what, with_codes, want);
+                std::snprintf(what, sizeof what, "  with codes%s: codes", transposed ? " (transposed)" : "");
+                ok &= report(what, decoded, want_decoded);
+            }
         }
         // FSDP's codes: n values (not a multiple of four), one scale, there and back.
         const size_t odd = n - 3, words = (odd + 3) / 4;
@@ -148,6 +260,7 @@ int main() {
         std::snprintf(what, sizeof what, "codes %s there and back", f->name);
         ok &= report(what, back, want);
     }
+    ok &= check_float8_gemms(rng);
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;
 }

@@ -27,7 +27,7 @@ use rayon::prelude::*;
 
 pub use super::profile::OpProfiler;
 
-use super::float8::{MxCast, Quantization, ScaleAxis};
+use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
 use super::{AdamWStep, AttnShape, Backend, LossSum};
 
 /// Columns per task in column-blocked reductions (norm weight and embedding gradients).
@@ -102,6 +102,7 @@ impl Backend for CpuBackend {
         cols: usize,
         q: Quantization,
         amaxes: &[f32],
+        _contracted: ContractedDim,
     ) -> Vec<f32> {
         let _timer = self.profiler.time("float8_fake_quantize");
         float8_rows::fake_quantized(x, cols, q, amaxes)

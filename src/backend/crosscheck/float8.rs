@@ -3,9 +3,11 @@
 //! The test backend must give the reference's numbers exactly (tolerance 0): an emulated float8
 //! GEMM on the GPU reads the CPU's operands.
 
-use super::Checker;
-use crate::backend::float8::{Fp8Format, Quantization, ScaleAxis};
-use crate::backend::Backend;
+use super::{Checker, OpCheck, Tolerances};
+use crate::backend::float8::{
+    ContractedDim, Float8Recipe, Fp8Format, LinearGemm, OperandCast, Quantization, ScaleAxis,
+};
+use crate::backend::{Backend, GemmOutput, GemmShape};
 
 impl<R: Backend, T: Backend> Checker<'_, R, T> {
     pub(super) fn float8(&mut self) {
@@ -31,8 +33,17 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                     axis,
                     power_of_two_scales,
                 };
-                let r = self.reference.float8_fake_quantized(&rx, cols, q, &amaxes);
-                let t = self.test.float8_fake_quantized(&tx, cols, q, &amaxes);
+                // The dimension a rowwise GEMM sums over is the one its scales do not index.
+                let contracted = match axis {
+                    ScaleAxis::Columns => ContractedDim::Rows,
+                    ScaleAxis::Tensor | ScaleAxis::Rows => ContractedDim::Columns,
+                };
+                let r = self
+                    .reference
+                    .float8_fake_quantized(&rx, cols, q, &amaxes, contracted);
+                let t = self
+                    .test
+                    .float8_fake_quantized(&tx, cols, q, &amaxes, contracted);
                 let pow2 = if power_of_two_scales { " pow2" } else { "" };
                 let name = format!("float8_fake_quantize {axis:?} {format:?}{pow2}");
                 self.compare(&name, &r, &t, 0.0);
@@ -57,5 +68,126 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let r = self.reference.float8_decoded(&rc, Fp8Format::E4M3);
         let t = self.test.float8_decoded(&tc, Fp8Format::E4M3);
         self.compare("float8_decoded", &r, &t, 0.0);
+    }
+}
+
+/// A float8 linear's GEMM in the checks: its shape and each operand's `[rows, cols]` and summed
+/// dimension, as `model::float8_linear` casts them (X `[m,k]`, W `[n,k]`, G `[m,n]`).
+struct LinearGemmCase {
+    gemm: LinearGemm,
+    shape: GemmShape,
+    operands: [(usize, usize, ContractedDim); 2],
+}
+
+fn linear_gemm_cases(m: usize, n: usize, k: usize) -> [LinearGemmCase; 3] {
+    use ContractedDim::{Columns, Rows};
+    [
+        LinearGemmCase {
+            gemm: LinearGemm::Output,
+            shape: GemmShape::new(m, k, n).b_transposed(),
+            operands: [(m, k, Columns), (n, k, Columns)],
+        },
+        LinearGemmCase {
+            gemm: LinearGemm::InputGrad,
+            shape: GemmShape::new(m, n, k),
+            operands: [(m, n, Columns), (n, k, Rows)],
+        },
+        LinearGemmCase {
+            gemm: LinearGemm::WeightGrad,
+            shape: GemmShape::new(n, m, k).a_transposed(),
+            operands: [(m, n, Rows), (m, k, Rows)],
+        },
+    ]
+}
+
+/// The float8 GEMMs of a linear (`Y = X·Wᵀ`, `dX = G·W`, `dW = Gᵀ·X`) under the tensorwise and
+/// rowwise recipes, on operands cast as a float8 linear casts them: the test backend (CUDA with
+/// float8 GEMMs on) multiplies their codes, the reference their dequantised values, so the
+/// outputs differ only by the order of the sums. Shapes whose dimensions are multiples of 16 and
+/// one that is not (which multiplies the dequantised values on both sides), and an accumulating
+/// weight gradient. Returns the rows and how many GEMMs should have run in float8 on the test
+/// backend and how many should have fallen back (`CudaBackend::fp8_gemm_counts`).
+pub fn check_float8_gemms<R: Backend, T: Backend>(
+    reference: &R,
+    test: &T,
+    tolerance: f64,
+    seed: u64,
+) -> (Vec<OpCheck>, u64, u64) {
+    use rand::SeedableRng;
+    let mut checker = Checker {
+        reference,
+        test,
+        rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+        tol: Tolerances {
+            exact: tolerance,
+            gemm: tolerance,
+            attention: tolerance,
+        },
+        results: Vec::new(),
+    };
+    let (mut fp8, mut emulated) = (0, 0);
+    for recipe in [Float8Recipe::Tensorwise, Float8Recipe::Rowwise] {
+        for (m, n, k) in [(64, 96, 48), (40, 96, 48)] {
+            let aligned = [m, n, k].iter().all(|d| d % 16 == 0);
+            for case in linear_gemm_cases(m, n, k) {
+                checker.float8_gemm(recipe, &case, (m, n, k));
+                *if aligned { &mut fp8 } else { &mut emulated } += 1;
+            }
+        }
+    }
+    (checker.results, fp8, emulated)
+}
+
+impl<R: Backend, T: Backend> Checker<'_, R, T> {
+    fn float8_gemm(
+        &mut self,
+        recipe: Float8Recipe,
+        case: &LinearGemmCase,
+        dims: (usize, usize, usize),
+    ) {
+        let casts = recipe.operand_casts(case.gemm);
+        let mut pairs = Vec::new();
+        for (slot, &(rows, cols, contracted)) in case.operands.iter().enumerate() {
+            let x = self.random(rows * cols, 3.0);
+            let (rx, tx) = self.both(&x);
+            let Some(OperandCast::Scaled(q)) = casts[slot] else {
+                panic!(
+                    "{recipe:?} casts every operand of {:?} with scales",
+                    case.gemm
+                );
+            };
+            let amaxes = self.reference.float8_amaxes(&rx, rows, cols, q.axis);
+            pairs.push((
+                self.reference
+                    .float8_fake_quantized(&rx, cols, q, &amaxes, contracted),
+                self.test
+                    .float8_fake_quantized(&tx, cols, q, &amaxes, contracted),
+            ));
+        }
+        let GemmShape { m, n, .. } = case.shape;
+        let accumulate = case.gemm == LinearGemm::WeightGrad;
+        let start = if accumulate {
+            self.random(m * n, 1.0)
+        } else {
+            vec![0.0; m * n]
+        };
+        let (mut ro, mut to) = self.both(&start);
+        let output = if accumulate {
+            GemmOutput::Accumulate
+        } else {
+            GemmOutput::Overwrite
+        };
+        self.matmul_both(
+            (&mut ro, &mut to),
+            (&pairs[0].0, &pairs[0].1),
+            (&pairs[1].0, &pairs[1].1),
+            case.shape,
+            output,
+        );
+        let name = format!(
+            "float8 GEMM {recipe:?} {:?} {}x{}x{}",
+            case.gemm, dims.0, dims.1, dims.2
+        );
+        self.compare(&name, &ro, &to, self.tol.gemm);
     }
 }

@@ -5,6 +5,7 @@
 
 mod float8;
 mod gemm;
+pub use float8::check_float8_gemms;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

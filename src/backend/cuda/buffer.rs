@@ -12,6 +12,11 @@
 //! same operand again (the q, k and v projections of one input; a gradient used by both of its
 //! backward GEMMs).
 //!
+//! A float8 operand (`float8_fake_quantized` with float8 GEMMs on) carries its 8-bit codes and the
+//! reciprocals of its scales as well (`Fp8Copy`), written by the same kernel as its dequantised
+//! values, and dropped by every write like the bf16 copy: a float8 GEMM that reads the codes
+//! multiplies exactly the values the buffer holds.
+//!
 //! A buffer made by `bf16_only` holds its values in bf16 alone (SwiGLU's output, which only bf16
 //! GEMMs read): it has no f32 storage, and every f32 accessor panics naming the mistake, so a
 //! reader that would need f32 values fails loudly instead of reading stale memory.
@@ -19,6 +24,19 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr};
+
+/// A float8 operand's codes, laid out for the GEMM that reads it (`float8_fake_quantized`).
+pub struct Fp8Copy {
+    /// One code a value: row-major `[rows, cols]`, or `[cols, rows]` when `transposed` (the
+    /// GEMM's summed dimension contiguous either way).
+    pub codes: CudaSlice<u8>,
+    pub format: crate::backend::float8::Fp8Format,
+    pub transposed: bool,
+    /// Length of the codes' contiguous runs: the GEMM's summed dimension.
+    pub contiguous: usize,
+    /// `1/scale`: one for the tensor, or one per index of the dimension not summed over.
+    pub inverse_scales: CudaSlice<f32>,
+}
 
 /// Source of buffer ids: never reused within a process.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -35,6 +53,8 @@ pub struct CudaBuf {
     version: u64,
     /// The values live in `bf16` alone (`data` is a one-element placeholder).
     bf16_only: bool,
+    /// The float8 codes of the values, when the cast kernel wrote both.
+    fp8: Option<Fp8Copy>,
 }
 
 impl CudaBuf {
@@ -47,6 +67,7 @@ impl CudaBuf {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             version: 0,
             bf16_only: false,
+            fp8: None,
         }
     }
 
@@ -84,6 +105,7 @@ impl CudaBuf {
     /// Before any write: the bf16 copy no longer matches, and the contents change.
     fn begin_write(&mut self) {
         self.bf16 = None;
+        self.fp8 = None;
         self.version += 1;
     }
 
@@ -149,10 +171,22 @@ impl CudaBuf {
     ) -> CudaSlice<u16> {
         let capacity = self.len.div_ceil(2) * 2;
         self.version += 1;
+        self.fp8 = None;
         match self.bf16.take() {
             Some(copy) if copy.len() >= capacity => copy,
             _ => alloc(capacity),
         }
+    }
+
+    /// The float8 codes of the values, when the buffer has them.
+    pub fn fp8(&self) -> Option<&Fp8Copy> {
+        self.fp8.as_ref()
+    }
+
+    /// Records `copy` as the codes of this buffer's values. Only for the cast kernel that has just
+    /// been queued to write both (see the module doc).
+    pub(super) fn keep_fp8_copy(&mut self, copy: Fp8Copy) {
+        self.fp8 = Some(copy);
     }
 
     /// Records `copy` as this buffer's bf16 copy. Only for the kernel that has just been queued to

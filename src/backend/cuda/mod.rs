@@ -48,6 +48,11 @@ pub struct CudaBackend {
     /// Whether norm, attention and SwiGLU kernels write bf16 copies of their outputs for the GEMMs
     /// that read them (with bf16 GEMMs; `TITAN_CUDA_BF16_COPIES=off` turns it off, to compare).
     activation_copies: bool,
+    /// Float8 casts keep their codes and float8 operands multiply in cuBLASLt's float8 GEMMs
+    /// (`enable_fp8_gemms`); off: the emulated GEMMs on the dequantised values.
+    fp8_gemms: bool,
+    /// Compute capability as `major * 10 + minor` (90 on Hopper).
+    capability: i32,
 }
 
 /// The attention kernels of the training shape. Tensor cores when GEMMs run in bf16 (the same
@@ -214,8 +219,8 @@ impl CudaBackend {
         let gemm = gemm::Gemm::new(
             stream.clone(),
             precision,
-            functions["f32_to_bf16"].clone(),
-            functions["bf16_pairs_to_f32"].clone(),
+            ["f32_to_bf16", "bf16_pairs_to_f32", "float8_scale_product"]
+                .map(|f| functions[f].clone()),
         )?;
         Ok(CudaBackend {
             ctx,
@@ -231,6 +236,8 @@ impl CudaBackend {
             shared_memory_per_block,
             activation_copies: precision == GemmPrecision::BFloat16
                 && std::env::var("TITAN_CUDA_BF16_COPIES").as_deref() != Ok("off"),
+            fp8_gemms: false,
+            capability: major * 10 + minor,
         })
     }
 
@@ -266,6 +273,37 @@ impl CudaBackend {
             get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
         );
         Ok(((domain as u32 & 0x7ff) << 13) | ((bus as u32 & 0xff) << 5) | (device as u32 & 0x1f))
+    }
+
+    /// Float8 operands multiply in cuBLASLt's float8 GEMMs from now on (`[quantize.linear.float8]
+    /// emulate = false`): the casts keep their codes, and a GEMM whose two operands have codes
+    /// laid out for it runs on them (`gemm.rs`); any other GEMM, or a shape cuBLASLt refuses,
+    /// multiplies the dequantised values as the emulation does. Needs an sm_89+ GPU (Ada, Hopper,
+    /// Blackwell: float8 tensor cores).
+    pub fn enable_fp8_gemms(&mut self) -> Result<()> {
+        if self.capability < 89 {
+            return Err(anyhow!(
+                "[quantize.linear.float8] emulate = false: float8 GEMMs need a GPU with float8 \
+                 tensor cores (sm_89 or newer: Ada, Hopper, Blackwell); {} is {}. Set \
+                 [quantize.linear.float8] emulate = true to run the float8 numerics emulated on \
+                 this GPU",
+                self.device_name,
+                self.arch
+            ));
+        }
+        self.fp8_gemms = true;
+        Ok(())
+    }
+
+    /// Whether float8 operands multiply in float8 GEMMs (`enable_fp8_gemms`).
+    pub fn fp8_gemms(&self) -> bool {
+        self.fp8_gemms
+    }
+
+    /// Float8 GEMMs run so far, and GEMMs of float8 operands that multiplied the dequantised
+    /// values instead (a layout or shape cuBLASLt's float8 kernels do not take).
+    pub fn fp8_gemm_counts(&self) -> (u64, u64) {
+        self.gemm.fp8_counts()
     }
 
     /// Whether kernels write bf16 copies of activations for the GEMMs (`TITAN_CUDA_BF16_COPIES`).

@@ -24,7 +24,8 @@ pub use mx::{
     mx_quantize, MxBlockScale, MxBlocks, MxCast, MxQuantized, MxScaling, E8M0_BIAS, MX_BLOCK,
 };
 pub use recipe::{
-    fake_quantize, Float8Recipe, LinearGemm, OperandCast, Quantization, Quantized, ScaleAxis,
+    fake_quantize, ContractedDim, Float8Recipe, LinearGemm, OperandCast, Quantization, Quantized,
+    ScaleAxis,
 };
 
 /// The smallest amax a scale is computed from (torchao's `EPS`): an all-zero tensor gets a large,
@@ -32,7 +33,7 @@ pub use recipe::{
 pub const AMAX_EPS: f64 = 1e-12;
 
 /// An OCP FP8 format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fp8Format {
     /// 4 exponent bits (bias 7), 3 mantissa bits, no infinity, NaN = `S.1111.111`; max 448.
     E4M3,

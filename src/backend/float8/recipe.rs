@@ -15,6 +15,17 @@ pub enum ScaleAxis {
     Columns,
 }
 
+/// Which dimension of an operand `[rows, cols]` its GEMM sums over. The emulated GEMM reads the
+/// values either way; a real float8 GEMM (cuBLASLt) wants its 8-bit codes laid out with the summed
+/// dimension contiguous, so a backend that keeps codes stores them transposed for `Rows`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContractedDim {
+    /// The GEMM sums along each row (`X` and `W` in `Y = X·Wᵀ`; `G` in `dX = G·W`).
+    Columns,
+    /// The GEMM sums down each column (`W` in `dX = G·W`; both operands of `dW = Gᵀ·X`).
+    Rows,
+}
+
 /// How a matrix is quantised: the format, the scales' axis, and whether they are rounded down to
 /// powers of two (the rowwise recipes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

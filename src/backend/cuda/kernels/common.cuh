@@ -5,6 +5,7 @@
 #define TITAN_NEG_INF __int_as_float(0xff800000)
 
 typedef unsigned int u32;
+typedef unsigned char u8;
 typedef long long i64;
 // bf16 values as their 16 bits (CUDA's __nv_bfloat16 lives in a header NVRTC does not have here).
 typedef unsigned short bf16_bits;

@@ -79,18 +79,6 @@ extern "C" __global__ void float8_amax_columns(float* out, const float* x, i64 r
     }
 }
 
-// out = x ([rows, cols], n values) quantised with `scales` and dequantised: each value
-// round(clamp(v · s)) · (1/s). `axis`: 0 one scale, 1 one per row, 2 one per column.
-extern "C" __global__ void float8_fake_quantize(float* out, const float* x, const float* scales,
-                                                i64 cols, int axis, int format, i64 n) {
-    Fp8Rounding r = fp8_rounding(format);
-    TITAN_FOR_EACH(i, n) {
-        i64 k = axis == 0 ? 0 : (axis == 1 ? i / cols : i % cols);
-        float s = scales[k];
-        out[i] = __fmul_rn(fp8_quantized(r, x[i], s), __frcp_rn(s));
-    }
-}
-
 // The 8-bit code of q, a value of the format (or NaN).
 __device__ __forceinline__ u32 fp8_code(int format, float q) {
     u32 bits = __float_as_uint(q);
@@ -107,6 +95,39 @@ __device__ __forceinline__ u32 fp8_code(int format, float q) {
         magnitude = exponent_field << m | ((bits >> (23 - m)) & ((1u << m) - 1u));
     }
     return sign | magnitude;
+}
+
+// out = x ([rows, cols], n values) quantised with `scales` and dequantised: each value
+// round(clamp(v · s)) · (1/s). `axis`: 0 one scale, 1 one per row, 2 one per column. When `codes`
+// is not null it also receives each value's 8-bit code (what a float8 GEMM reads): row-major, or
+// `[cols, rows]` when `transposed` (the GEMM's summed dimension contiguous).
+extern "C" __global__ void float8_fake_quantize(float* out, const float* x, const float* scales,
+                                                i64 cols, int axis, int format, u8* codes,
+                                                int transposed, i64 n) {
+    Fp8Rounding r = fp8_rounding(format);
+    i64 rows = n / cols;
+    TITAN_FOR_EACH(i, n) {
+        i64 row = i / cols, col = i % cols;
+        float s = scales[axis == 0 ? 0 : (axis == 1 ? row : col)];
+        float q = fp8_quantized(r, x[i], s);
+        out[i] = __fmul_rn(q, __frcp_rn(s));
+        if (codes) codes[transposed ? col * rows + row : i] = (u8)fp8_code(format, q);
+    }
+}
+
+// A float8 GEMM's product of codes ([m, n], one f32 sum of code products each) scaled back by
+// the operands' reciprocal scales: out = addend + product · (inv_a · inv_b), inv_a one per row
+// of the output (or one for all when !a_per_row), inv_b one per column (or one). `addend` may be
+// null (nothing added) or `out` itself (accumulation).
+extern "C" __global__ void float8_scale_product(float* out, const float* product,
+                                                const float* addend, const float* inv_a,
+                                                int a_per_row, const float* inv_b, int b_per_col,
+                                                i64 n, i64 len) {
+    TITAN_FOR_EACH(i, len) {
+        float s = __fmul_rn(inv_a[a_per_row ? i / n : 0], inv_b[b_per_col ? i % n : 0]);
+        float v = __fmul_rn(product[i], s);
+        out[i] = addend ? __fadd_rn(addend[i], v) : v;
+    }
 }
 
 // words[j] = the codes of x[4j..4j+4] quantised with `scale` (the first in the low byte; past n,

@@ -4,12 +4,13 @@
 //! the same code as the CPU's), after the caller may have agreed them over a group. An input kept
 //! in bf16 alone goes through the host (`float8::*`), as the default ops do.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{Buf, KernelArg};
+use crate::backend::cuda::buffer::Fp8Copy;
 use crate::backend::cuda::kernels::NORM_WARPS;
 use crate::backend::cuda::{elementwise_config, CudaBackend};
-use crate::backend::float8::{self, Fp8Format, Quantization, ScaleAxis};
+use crate::backend::float8::{self, ContractedDim, Fp8Format, Quantization, ScaleAxis};
 use crate::backend::Backend;
 
 /// Blocks of the tensorwise amax's first pass (the host takes the largest of their partials).
@@ -87,24 +88,42 @@ impl CudaBackend {
         }
     }
 
+    /// With float8 GEMMs on (`fp8_gemms`), the result also carries its codes, laid out for a GEMM
+    /// that sums over `contracted`, and the reciprocals of its scales (`Fp8Copy`).
     pub(super) fn float8_fake_quantized_untimed(
         &self,
         x: &Buf,
         cols: usize,
         q: Quantization,
         amaxes: &[f32],
+        contracted: ContractedDim,
     ) -> Buf {
         let scales = float8::scales_from_amaxes(amaxes, q);
         let n = x.len();
-        if x.is_bf16_only() {
+        if x.is_bf16_only() || n == 0 {
             let host = self.download_untimed(x);
             let mut out = vec![0f32; n];
             float8::fake_quantize_rows(&mut out, &host, cols, 0, &scales, q);
             return self.upload_untimed(&out);
         }
+        let transposed = contracted == ContractedDim::Rows;
+        // A float8 GEMM factors the scales out of its sums: one per tensor, or one per index of
+        // the dimension it does not sum over (every recipe's rowwise scales are).
+        let scales_factor_out = match q.axis {
+            ScaleAxis::Tensor => true,
+            ScaleAxis::Rows => !transposed,
+            ScaleAxis::Columns => transposed,
+        };
+        let mut codes = (self.fp8_gemms && scales_factor_out).then(|| self.alloc_unzeroed::<u8>(n));
+        let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
         let scales = self.upload_untimed(&scales);
         let mut out = self.uninit(n);
-        let (cols, axis, format) = (cols as i64, axis_code(q.axis), format_code(q.format));
+        let (cols_i, axis, format) = (cols as i64, axis_code(q.axis), format_code(q.format));
+        // The codes by address (0: none), as the kernel's nullable `u8*`.
+        let codes_address = codes
+            .as_mut()
+            .map_or(0u64, |c| c.device_ptr_mut(&self.stream).0);
+        let transposed_i = transposed as i32;
         launch_elementwise!(
             self,
             "float8_fake_quantize",
@@ -112,10 +131,27 @@ impl CudaBackend {
             &mut out,
             x,
             &scales,
-            &cols,
+            &cols_i,
             &axis,
-            &format
+            &format,
+            &codes_address,
+            &transposed_i
         );
+        if let Some(codes) = codes {
+            let inverse_scales = self.stream.clone_htod(&inverse).unwrap_or_else(|e| {
+                panic!(
+                    "CUDA: uploading {} float8 scales failed: {e}",
+                    inverse.len()
+                )
+            });
+            out.keep_fp8_copy(Fp8Copy {
+                codes,
+                format: q.format,
+                transposed,
+                contiguous: if transposed { n / cols } else { cols },
+                inverse_scales,
+            });
+        }
         out
     }
 

@@ -80,6 +80,7 @@ impl CudaBackend {
                     bf16: grad16.is_some().then_some(grad16_address),
                     contents: None,
                     f32_stale: bf16_only,
+                    fp8: None,
                 };
                 self.gemm(
                     &mut dh_chunk,

@@ -5,7 +5,7 @@ use crate::backend::{GemmOutput, GemmShape};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::{check_len, Buf};
-use crate::backend::cuda::gemm::{launch_to_bf16, GemmInput};
+use crate::backend::cuda::gemm::{launch_to_bf16, Fp8Input, GemmInput};
 use crate::backend::cuda::CudaBackend;
 
 /// The operand lengths of an `m×k · k×n` product into `out`.
@@ -34,6 +34,15 @@ impl CudaBackend {
             bf16: buf.bf16_address(&self.stream),
             contents: Some(buf.contents()),
             f32_stale: bf16_only,
+            fp8: buf.fp8().map(|copy| Fp8Input {
+                codes: copy.codes.device_ptr(&self.stream).0,
+                format: copy.format,
+                transposed: copy.transposed,
+                contiguous: copy.contiguous,
+                len: buf.len(),
+                inverse_scales: copy.inverse_scales.device_ptr(&self.stream).0,
+                scale_count: copy.inverse_scales.len(),
+            }),
         }
     }
 

@@ -12,7 +12,7 @@ use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
-use crate::backend::float8::{Fp8Format, Quantization, ScaleAxis};
+use crate::backend::float8::{ContractedDim, Fp8Format, Quantization, ScaleAxis};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum};
 
 type Buf = CudaBuf;
@@ -405,9 +405,16 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("float8_amax", self);
         self.float8_amaxes_untimed(x, rows, cols, axis)
     }
-    fn float8_fake_quantized(&self, x: &Buf, cols: usize, q: Quantization, amaxes: &[f32]) -> Buf {
+    fn float8_fake_quantized(
+        &self,
+        x: &Buf,
+        cols: usize,
+        q: Quantization,
+        amaxes: &[f32],
+        contracted: ContractedDim,
+    ) -> Buf {
         let _timer = self.profiler.time_on("float8_fake_quantize", self);
-        self.float8_fake_quantized_untimed(x, cols, q, amaxes)
+        self.float8_fake_quantized_untimed(x, cols, q, amaxes, contracted)
     }
     fn float8_encoded(&self, x: &Buf, scale: f32, format: Fp8Format) -> Buf {
         let _timer = self.profiler.time_on("float8_encode", self);

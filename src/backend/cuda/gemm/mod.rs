@@ -10,6 +10,10 @@
 //! descriptors and the heuristic's algorithm are cached per shape: after the first step no call
 //! allocates or queries the heuristic again.
 
+mod fp8;
+
+pub use fp8::Fp8Input;
+
 use crate::backend::{GemmOutput, GemmShape};
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -69,6 +73,8 @@ pub struct GemmInput {
     /// The f32 values were not written (only `bf16` holds them): an fp32 GEMM widens the bf16
     /// values instead of reading stale f32 ones.
     pub f32_stale: bool,
+    /// The float8 codes of the values, when the buffer has them (`fp8.rs`).
+    pub fp8: Option<Fp8Input>,
 }
 
 impl GemmInput {
@@ -80,6 +86,7 @@ impl GemmInput {
             bf16: None,
             contents: None,
             f32_stale: false,
+            fp8: None,
         }
     }
 }
@@ -97,6 +104,14 @@ struct GemmKey {
     shape: GemmShape,
     /// The output (cuBLASLt's C and D) is bf16: bf16 inputs only, no fallback to fp32.
     bf16_output: bool,
+}
+
+/// What a plan is made of: the compute type, whether cuBLASLt's A and B are transposed, and the
+/// element type and stored (rows, cols, ld) of A, B and C = D in column-major terms.
+struct PlanSpec {
+    compute: sys::cublasComputeType_t,
+    transposes: [bool; 2],
+    layouts: [(sys::cudaDataType, (u64, u64, u64)); 3],
 }
 
 /// The cuBLASLt objects of one shape.
@@ -117,7 +132,7 @@ impl Drop for GemmPlan {
     fn drop(&mut self) {
         // SAFETY: each handle was created by this plan and is destroyed once.
         unsafe {
-            for l in self.layouts {
+            for l in self.layouts.into_iter().filter(|l| !l.is_null()) {
                 let _ = lt::destroy_matrix_layout(l);
             }
             let _ = lt::destroy_matmul_desc(self.desc);
@@ -140,6 +155,8 @@ pub struct Gemm {
     to_f32: CudaFunction,
     /// bf16 copies of the two operands, grown to the largest GEMM and then reused.
     scratch: Mutex<[ScratchSlot; 2]>,
+    /// The float8 GEMMs (`fp8.rs`).
+    fp8: fp8::Fp8Gemms,
 }
 
 // SAFETY: the cuBLASLt handle is thread-safe; the plan cache is behind a mutex.
@@ -157,8 +174,7 @@ impl Gemm {
     pub fn new(
         stream: Arc<CudaStream>,
         precision: GemmPrecision,
-        to_bf16: CudaFunction,
-        to_f32: CudaFunction,
+        [to_bf16, to_f32, scale_fp8_product]: [CudaFunction; 3],
     ) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| lt_err("create", e))?;
         let workspace = stream
@@ -175,11 +191,17 @@ impl Gemm {
             to_bf16,
             to_f32,
             scratch: Mutex::new(Default::default()),
+            fp8: fp8::Fp8Gemms::new(scale_fp8_product),
         })
     }
 
     pub fn precision(&self) -> GemmPrecision {
         self.precision
+    }
+
+    /// Float8 GEMMs run, and GEMMs of float8 operands that multiplied dequantised values.
+    pub fn fp8_counts(&self) -> (u64, u64) {
+        self.fp8.counts()
     }
 
     /// The plan in the configured precision; if cuBLASLt has no tensor-core algorithm for a shape,
@@ -216,31 +238,6 @@ impl Gemm {
         let bf16t = sys::cudaDataType::CUDA_R_16BF;
         let input_type = if bf16_inputs { bf16t } else { f32t };
         let output_type = if key.bf16_output { bf16t } else { f32t };
-        let desc =
-            lt::create_matmul_desc(compute, f32t).map_err(|e| lt_err("matmul descriptor", e))?;
-        // cuBLASLt's A is our b, its B is our a (see the module doc).
-        let (op_a, op_b) = (key.shape.trans_b as i32, key.shape.trans_a as i32);
-        // SAFETY: desc is live; the attribute values are i32 as cuBLASLt documents.
-        unsafe {
-            for (attr, op) in [
-                (
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    &op_a,
-                ),
-                (
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    &op_b,
-                ),
-            ] {
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    attr,
-                    op as *const i32 as *const c_void,
-                    std::mem::size_of::<i32>(),
-                )
-                .map_err(|e| lt_err("transpose attribute", e))?;
-            }
-        }
         let (m, k, n) = (key.shape.m as u64, key.shape.k as u64, key.shape.n as u64);
         // Stored (rows, cols, ld) of each operand in column-major terms.
         let b_layout = if key.shape.trans_b {
@@ -253,13 +250,65 @@ impl Gemm {
         } else {
             (k, m, k)
         };
-        let c_layout = (n, m, n);
-        let mut layouts = [std::ptr::null_mut(); 3];
-        for ((slot, (r, c, ld)), dtype) in layouts
-            .iter_mut()
-            .zip([b_layout, a_layout, c_layout])
-            .zip([input_type, input_type, output_type])
-        {
+        let spec = PlanSpec {
+            compute,
+            // cuBLASLt's A is our b, its B is our a (see the module doc).
+            transposes: [key.shape.trans_b, key.shape.trans_a],
+            layouts: [
+                (input_type, b_layout),
+                (input_type, a_layout),
+                (output_type, (n, m, n)),
+            ],
+        };
+        let mut plan = self.make_plan(&spec).map_err(|e| {
+            anyhow!(
+                "cuBLASLt has no algorithm for a {}x{}x{} GEMM (trans_a {}, trans_b {}) with \
+                 {compute:?}{}{}: {e}",
+                key.shape.m,
+                key.shape.k,
+                key.shape.n,
+                key.shape.trans_a,
+                key.shape.trans_b,
+                if bf16_inputs { " on bf16 inputs" } else { "" },
+                if key.bf16_output { " into bf16" } else { "" },
+            )
+        })?;
+        plan.bf16_inputs = bf16_inputs;
+        Ok(plan)
+    }
+
+    /// The descriptor, layouts and heuristic's best algorithm of `spec` (f32 alpha and beta).
+    fn make_plan(&self, spec: &PlanSpec) -> Result<GemmPlan> {
+        let f32t = sys::cudaDataType::CUDA_R_32F;
+        let desc = lt::create_matmul_desc(spec.compute, f32t)
+            .map_err(|e| lt_err("matmul descriptor", e))?;
+        // The plan owns the handles from here: dropped on every error below.
+        let mut plan = GemmPlan {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            bf16_inputs: false,
+        };
+        // SAFETY: desc is live; the attribute values are i32 as cuBLASLt documents.
+        unsafe {
+            for (attr, transposed) in [
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+            ]
+            .into_iter()
+            .zip(spec.transposes)
+            {
+                let op = transposed as i32;
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    attr,
+                    &op as *const i32 as *const c_void,
+                    std::mem::size_of::<i32>(),
+                )
+                .map_err(|e| lt_err("transpose attribute", e))?;
+            }
+        }
+        for (slot, (dtype, (r, c, ld))) in plan.layouts.iter_mut().zip(spec.layouts) {
             *slot = lt::create_matrix_layout(dtype, r, c, ld as i64)
                 .map_err(|e| lt_err("matrix layout", e))?;
         }
@@ -274,37 +323,13 @@ impl Gemm {
                 std::mem::size_of::<usize>(),
             )
             .map_err(|e| lt_err("workspace preference", e))?;
-            let h = lt::get_matmul_algo_heuristic(
-                self.handle,
-                desc,
-                layouts[0],
-                layouts[1],
-                layouts[2],
-                layouts[2],
-                pref,
-            );
+            let l = plan.layouts;
+            let h = lt::get_matmul_algo_heuristic(self.handle, desc, l[0], l[1], l[2], l[2], pref);
             let _ = lt::destroy_matmul_pref(pref);
             h
         };
-        let heuristic = heuristic.map_err(|e| {
-            anyhow!(
-                "cuBLASLt has no algorithm for a {}x{}x{} GEMM (trans_a {}, trans_b {}) with \
-                 {compute:?}{}{}: {e:?}",
-                key.shape.m,
-                key.shape.k,
-                key.shape.n,
-                key.shape.trans_a,
-                key.shape.trans_b,
-                if bf16_inputs { " on bf16 inputs" } else { "" },
-                if key.bf16_output { " into bf16" } else { "" },
-            )
-        })?;
-        Ok(GemmPlan {
-            desc,
-            layouts,
-            algo: heuristic.algo,
-            bf16_inputs,
-        })
+        plan.algo = heuristic.map_err(|e| anyhow!("{e:?}"))?.algo;
+        Ok(plan)
     }
 
     /// Whether the GEMM of this shape reads its operands in bf16 (bf16 precision, and cuBLASLt
@@ -459,6 +484,9 @@ impl Gemm {
             .context()
             .bind_to_thread()
             .map_err(|e| anyhow!("binding the CUDA context: {e}"))?;
+        if self.try_fp8(out, addend, (a, b), shape)? {
+            return Ok(());
+        }
         let (out_ptr, bf16_output) = match out {
             Output::F32(address) => (address, false),
             Output::Bf16(address) => (address, true),
