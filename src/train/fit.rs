@@ -46,7 +46,9 @@ impl RankSizing<'_> {
         let rows = self.pipeline.map_or(batch, |p| p.microbatch_rows);
         e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
         if self.float8 {
-            e.scratch += float8_cast_scratch_bytes(local, rows * local.local_seq(seq));
+            // On a GPU with float8 GEMMs each cast also keeps its codes and reciprocal scales.
+            let codes = self.cfg.wants_float8_gemms() && self.be.device_free_memory().is_some();
+            e.scratch += float8_cast_scratch_bytes(local, rows * local.local_seq(seq), codes);
         }
         if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {
             e = e.with_compute_copy(self.be);
@@ -146,11 +148,17 @@ fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharde
 /// Bytes of the cast operand copies a float8 layer holds at once, over `tokens` rows of this
 /// rank's shapes (the memory estimate's kernel scratch): the column-parallel backward's, the
 /// most, holds each projection's cast output gradient, the shared cast input and a cast weight
-/// (f32 here: the emulated casts keep their values in f32).
-fn float8_cast_scratch_bytes(local: &LocalShapes, tokens: usize) -> u64 {
+/// (f32: the casts keep their dequantised values in f32), and with `codes` (float8 GEMMs on a
+/// GPU) one byte of code a value and one f32 reciprocal scale a row or column besides.
+fn float8_cast_scratch_bytes(local: &LocalShapes, tokens: usize, codes: bool) -> u64 {
     let ffn = local.max_ffn();
     let widest = local.dim.max(ffn).max(local.q_dim());
     let projections = 3;
     let largest_weight = local.dim * ffn.max(local.q_dim());
-    4 * ((projections + 1) * tokens * widest + largest_weight) as u64
+    let values = ((projections + 1) * tokens * widest + largest_weight) as u64;
+    let scales = ((projections + 2) * tokens.max(widest)) as u64;
+    match codes {
+        true => 5 * values + 4 * scales,
+        false => 4 * values,
+    }
 }

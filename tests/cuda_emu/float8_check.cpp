@@ -74,6 +74,47 @@ std::vector<float> probe_values(std::mt19937_64& rng, size_t n) {
     return v;
 }
 
+// An operand kept in bf16 alone (x16 given, x null): the amaxes along each axis and the cast (with
+// codes) must be those of its values widened to f32 and read as f32, bit for bit.
+bool check_bf16_operands(const std::vector<float>& x) {
+    const size_t rows = 37, cols = 90, n = rows * cols;
+    std::vector<bf16_bits> x16(n);
+    std::vector<float> widened(n);
+    for (size_t i = 0; i < n; ++i) {
+        x16[i] = (bf16_bits)(__float_as_uint(round_bf16(x[i])) >> 16);
+        widened[i] = f32_of_bf16(x16[i]);
+    }
+    bool ok = true;
+    std::vector<u32> p16(256, 0), p32(256, 0);
+    emu::launch(EmuDim3{256, 1, 1}, 256, [&] { float8_amax_partial(p16.data(), nullptr, x16.data(), (i64)n); });
+    emu::launch(EmuDim3{256, 1, 1}, 256, [&] { float8_amax_partial(p32.data(), widened.data(), nullptr, (i64)n); });
+    std::vector<float> a16(256), a32(256);
+    for (size_t i = 0; i < 256; ++i) a16[i] = __uint_as_float(p16[i]), a32[i] = __uint_as_float(p32[i]);
+    ok &= report("bf16 operand: amax tensor", a16, a32);
+    std::vector<float> r16(rows), r32(rows), c16(cols), c32(cols);
+    EmuDim3 row_blocks{(unsigned)((rows + kNormWarps - 1) / kNormWarps), 1, 1};
+    emu::launch(row_blocks, 32 * kNormWarps, [&] { float8_amax_rows(r16.data(), nullptr, x16.data(), (i64)rows, (i64)cols); });
+    emu::launch(row_blocks, 32 * kNormWarps, [&] { float8_amax_rows(r32.data(), widened.data(), nullptr, (i64)rows, (i64)cols); });
+    ok &= report("bf16 operand: amax rows", r16, r32);
+    emu::launch(blocks(cols, 256), 256, [&] { float8_amax_columns(c16.data(), nullptr, x16.data(), (i64)rows, (i64)cols); });
+    emu::launch(blocks(cols, 256), 256, [&] { float8_amax_columns(c32.data(), widened.data(), nullptr, (i64)rows, (i64)cols); });
+    ok &= report("bf16 operand: amax columns", c16, c32);
+    std::vector<float> scales(rows), q16(n), q32(n);
+    for (size_t r = 0; r < rows; ++r) scales[r] = std::exp2((float)(r % 9) - 2.0f);
+    std::vector<u8> k16(n), k32(n);
+    emu::launch(blocks(n, 256), 256, [&] {
+        float8_fake_quantize(q16.data(), nullptr, x16.data(), scales.data(), (i64)cols, 1, 0, k16.data(), 1, (i64)n);
+    });
+    emu::launch(blocks(n, 256), 256, [&] {
+        float8_fake_quantize(q32.data(), widened.data(), nullptr, scales.data(), (i64)cols, 1, 0, k32.data(), 1, (i64)n);
+    });
+    ok &= report("bf16 operand: fake quantize", q16, q32);
+    std::vector<float> d16(n), d32(n);
+    for (size_t i = 0; i < n; ++i) d16[i] = fp8_value(0, k16[i]), d32[i] = fp8_value(0, k32[i]);
+    ok &= report("bf16 operand: codes", d16, d32);
+    return ok;
+}
+
 // The float8 GEMM's data path without cuBLASLt: a linear's three GEMMs (Y = X·Wᵀ, dX = G·W,
 // dW = Gᵀ·X, the last accumulating) with each operand cast by float8_fake_quantize into codes laid
 // out with the summed dimension contiguous, the codes multiplied here as cuBLASLt's float8 GEMM
@@ -120,8 +161,8 @@ bool check_float8_gemms(std::mt19937_64& rng) {
                 casts[o].assign(len, 0.0f);
                 codes[o].assign(len, 0);
                 emu::launch(blocks(len, 256), 256, [&] {
-                    float8_fake_quantize(casts[o].data(), values[o].data(), scales.data(), (i64)op.cols, axis,
-                                         0, codes[o].data(), op.sums_rows ? 1 : 0, (i64)len);
+                    float8_fake_quantize(casts[o].data(), values[o].data(), nullptr, scales.data(), (i64)op.cols,
+                                         axis, 0, codes[o].data(), op.sums_rows ? 1 : 0, (i64)len);
                 });
             }
             // Element (i, d) of operand o as the GEMM reads it: i the unsummed index, d the summed.
@@ -188,14 +229,14 @@ int main() {
                 grow(col_want[c]);
             }
         std::vector<u32> partials(256, 0);
-        emu::launch(EmuDim3{256, 1, 1}, 256, [&] { float8_amax_partial(partials.data(), x.data(), (i64)n); });
+        emu::launch(EmuDim3{256, 1, 1}, 256, [&] { float8_amax_partial(partials.data(), x.data(), nullptr, (i64)n); });
         u32 m = 0;
         for (u32 p : partials) m = std::max(m, p);
         std::vector<float> rows_got(rows), cols_got(cols);
         emu::launch(EmuDim3{(unsigned)((rows + kNormWarps - 1) / kNormWarps), 1, 1}, 32 * kNormWarps,
-                    [&] { float8_amax_rows(rows_got.data(), x.data(), (i64)rows, (i64)cols); });
+                    [&] { float8_amax_rows(rows_got.data(), x.data(), nullptr, (i64)rows, (i64)cols); });
         emu::launch(blocks(cols, 256), 256,
-                    [&] { float8_amax_columns(cols_got.data(), x.data(), (i64)rows, (i64)cols); });
+                    [&] { float8_amax_columns(cols_got.data(), x.data(), nullptr, (i64)rows, (i64)cols); });
         const char* names[2][3] = {{"amax tensor", "amax rows", "amax columns"},
                                    {"amax tensor (a NaN)", "amax rows (a NaN)", "amax columns (a NaN)"}};
         ok &= report(names[pass][0], {__uint_as_float(m)}, {tensor});
@@ -220,7 +261,7 @@ int main() {
             // Without codes (the emulated GEMMs), then with them in both layouts (float8 GEMMs):
             // the values must not change, and each code must be its value's.
             emu::launch(blocks(n, 256), 256, [&] {
-                float8_fake_quantize(got.data(), x.data(), scales.data(), (i64)cols, axis, f->code,
+                float8_fake_quantize(got.data(), x.data(), nullptr, scales.data(), (i64)cols, axis, f->code,
                                      nullptr, 0, (i64)n);
             });
             char what[64];
@@ -231,7 +272,7 @@ int main() {
                 std::vector<u8> codes(n, 0xab);
                 std::vector<float> with_codes(n, 7.0f), decoded(n), want_decoded(n);
                 emu::launch(blocks(n, 256), 256, [&] {
-                    float8_fake_quantize(with_codes.data(), x.data(), scales.data(), (i64)cols, axis,
+                    float8_fake_quantize(with_codes.data(), x.data(), nullptr, scales.data(), (i64)cols, axis,
                                          f->code, codes.data(), transposed, (i64)n);
                 });
                 for (size_t i = 0; i < n; ++i) {
@@ -260,6 +301,7 @@ int main() {
         std::snprintf(what, sizeof what, "codes %s there and back", f->name);
         ok &= report(what, back, want);
     }
+    ok &= check_bf16_operands(x);
     ok &= check_float8_gemms(rng);
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;

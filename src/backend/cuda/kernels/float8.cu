@@ -3,7 +3,9 @@
 // order above infinity's, propagates), and the rounding to e4m3/e5m2 by adding and subtracting a
 // power of two whose f32 spacing is the format's at the value, so the f32 adder rounds to nearest
 // even. The `_rn` intrinsics keep the compiler from contracting or reassociating that arithmetic.
-// `format`: 0 e4m3, 1 e5m2. Also the FSDP float8 all-gather's codes, four to a word.
+// `format`: 0 e4m3, 1 e5m2. Also the FSDP float8 all-gather's codes, four to a word. The amaxes
+// and the cast read an operand's f32 values, or its bf16 copy when it is kept in bf16 alone
+// (`x16` not null).
 
 struct Fp8Rounding {
     float max;
@@ -43,10 +45,11 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 
 // The largest |x| of each block's share of x, as f32 bits, into partials[blockIdx.x] (the host
 // takes the largest). blockDim.x a multiple of 32, at most 1024.
-extern "C" __global__ void float8_amax_partial(u32* partials, const float* x, i64 n) {
+extern "C" __global__ void float8_amax_partial(u32* partials, const float* x, const bf16_bits* x16,
+                                               i64 n) {
     __shared__ u32 shared[32];
     u32 m = 0;
-    TITAN_FOR_EACH(i, n) m = max(m, abs_bits(x[i]));
+    TITAN_FOR_EACH(i, n) m = max(m, abs_bits(load_value(x, x16, i)));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     m = warp_max_u32(m);
     if (lane == 0) shared[warp] = m;
@@ -58,12 +61,13 @@ extern "C" __global__ void float8_amax_partial(u32* partials, const float* x, i6
 }
 
 // The largest |x| of each row of x ([rows, cols]): one warp per row, TITAN_NORM_WARPS rows a block.
-extern "C" __global__ void float8_amax_rows(float* out, const float* x, i64 rows, i64 cols) {
+extern "C" __global__ void float8_amax_rows(float* out, const float* x, const bf16_bits* x16,
+                                            i64 rows, i64 cols) {
     i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     u32 m = 0;
     if (row < rows) {
-        for (i64 c = lane; c < cols; c += 32) m = max(m, abs_bits(x[row * cols + c]));
+        for (i64 c = lane; c < cols; c += 32) m = max(m, abs_bits(load_value(x, x16, row * cols + c)));
     }
     m = warp_max_u32(m);
     if (row < rows && lane == 0) out[row] = __uint_as_float(m);
@@ -71,10 +75,11 @@ extern "C" __global__ void float8_amax_rows(float* out, const float* x, i64 rows
 
 // The largest |x| of each column of x ([rows, cols]): a thread per column, walking down the rows
 // (neighbouring threads read neighbouring values).
-extern "C" __global__ void float8_amax_columns(float* out, const float* x, i64 rows, i64 cols) {
+extern "C" __global__ void float8_amax_columns(float* out, const float* x, const bf16_bits* x16,
+                                               i64 rows, i64 cols) {
     TITAN_FOR_EACH(c, cols) {
         u32 m = 0;
-        for (i64 r = 0; r < rows; ++r) m = max(m, abs_bits(x[r * cols + c]));
+        for (i64 r = 0; r < rows; ++r) m = max(m, abs_bits(load_value(x, x16, r * cols + c)));
         out[c] = __uint_as_float(m);
     }
 }
@@ -101,15 +106,15 @@ __device__ __forceinline__ u32 fp8_code(int format, float q) {
 // round(clamp(v · s)) · (1/s). `axis`: 0 one scale, 1 one per row, 2 one per column. When `codes`
 // is not null it also receives each value's 8-bit code (what a float8 GEMM reads): row-major, or
 // `[cols, rows]` when `transposed` (the GEMM's summed dimension contiguous).
-extern "C" __global__ void float8_fake_quantize(float* out, const float* x, const float* scales,
-                                                i64 cols, int axis, int format, u8* codes,
-                                                int transposed, i64 n) {
+extern "C" __global__ void float8_fake_quantize(float* out, const float* x, const bf16_bits* x16,
+                                                const float* scales, i64 cols, int axis, int format,
+                                                u8* codes, int transposed, i64 n) {
     Fp8Rounding r = fp8_rounding(format);
     i64 rows = n / cols;
     TITAN_FOR_EACH(i, n) {
         i64 row = i / cols, col = i % cols;
         float s = scales[axis == 0 ? 0 : (axis == 1 ? row : col)];
-        float q = fp8_quantized(r, x[i], s);
+        float q = fp8_quantized(r, load_value(x, x16, i), s);
         out[i] = __fmul_rn(q, __frcp_rn(s));
         if (codes) codes[transposed ? col * rows + row : i] = (u8)fp8_code(format, q);
     }

@@ -32,6 +32,19 @@ fn axis_code(axis: ScaleAxis) -> i32 {
 }
 
 impl CudaBackend {
+    /// The `(x, x16)` device addresses the cast kernels read an operand from: its f32 values, or
+    /// (0 and) its bf16 copy when it is kept in bf16 alone.
+    fn operand_addresses(&self, x: &Buf) -> [u64; 2] {
+        match x.is_bf16_only() {
+            true => [
+                0,
+                x.bf16_address(&self.stream)
+                    .expect("a buffer kept in bf16 alone has its bf16 copy"),
+            ],
+            false => [x.device_address(&self.stream), 0],
+        }
+    }
+
     pub(super) fn float8_amaxes_untimed(
         &self,
         x: &Buf,
@@ -41,10 +54,11 @@ impl CudaBackend {
     ) -> Vec<f32> {
         let n = rows * cols;
         assert_eq!(x.len(), n, "float8 amax: {rows}x{cols} needs {n} values");
-        if x.is_bf16_only() || n == 0 {
-            return float8::amaxes(&self.download_untimed(x), rows, cols, axis);
+        if n == 0 {
+            return float8::amaxes(&[], rows, cols, axis);
         }
         let (rows_i, cols_i) = (rows as i64, cols as i64);
+        let [x, x16] = self.operand_addresses(x);
         match axis {
             ScaleAxis::Tensor => {
                 let mut partials = self.alloc::<u32>(AMAX_BLOCKS);
@@ -54,7 +68,15 @@ impl CudaBackend {
                     shared_mem_bytes: 0,
                 };
                 let len = n as i64;
-                launch!(self, "float8_amax_partial", cfg, &mut partials, x, &len);
+                launch!(
+                    self,
+                    "float8_amax_partial",
+                    cfg,
+                    &mut partials,
+                    &x,
+                    &x16,
+                    &len
+                );
                 let partials = self
                     .stream
                     .clone_dtoh(&partials)
@@ -68,7 +90,16 @@ impl CudaBackend {
                     block_dim: (32 * NORM_WARPS as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                launch!(self, "float8_amax_rows", cfg, &mut out, x, &rows_i, &cols_i);
+                launch!(
+                    self,
+                    "float8_amax_rows",
+                    cfg,
+                    &mut out,
+                    &x,
+                    &x16,
+                    &rows_i,
+                    &cols_i
+                );
                 self.download_untimed(&out)
             }
             ScaleAxis::Columns => {
@@ -79,7 +110,8 @@ impl CudaBackend {
                     "float8_amax_columns",
                     cfg,
                     &mut out,
-                    x,
+                    &x,
+                    &x16,
                     &rows_i,
                     &cols_i
                 );
@@ -100,11 +132,8 @@ impl CudaBackend {
     ) -> Buf {
         let scales = float8::scales_from_amaxes(amaxes, q);
         let n = x.len();
-        if x.is_bf16_only() || n == 0 {
-            let host = self.download_untimed(x);
-            let mut out = vec![0f32; n];
-            float8::fake_quantize_rows(&mut out, &host, cols, 0, &scales, q);
-            return self.upload_untimed(&out);
+        if n == 0 {
+            return self.buffer(0);
         }
         let transposed = contracted == ContractedDim::Rows;
         // A float8 GEMM factors the scales out of its sums: one per tensor, or one per index of
@@ -118,6 +147,7 @@ impl CudaBackend {
         let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
         let scales = self.upload_untimed(&scales);
         let mut out = self.uninit(n);
+        let [x_address, x16_address] = self.operand_addresses(x);
         let (cols_i, axis, format) = (cols as i64, axis_code(q.axis), format_code(q.format));
         // The codes by address (0: none), as the kernel's nullable `u8*`.
         let codes_address = codes
@@ -129,7 +159,8 @@ impl CudaBackend {
             "float8_fake_quantize",
             n,
             &mut out,
-            x,
+            &x_address,
+            &x16_address,
             &scales,
             &cols_i,
             &axis,
