@@ -110,11 +110,15 @@ ds="--quiet --training.mixed_precision_param float32 --training.steps 10 --check
 stage deepseek_cuda 75 sh -c "'$BIN' train $ds --training.device cuda --job.dump_folder '$OUT_DIR/ds_gpu' && '$BIN' train $ds --training.device cpu --job.dump_folder '$OUT_DIR/ds_cpu' && '$BIN' train --nproc 2 $ds --training.device cuda --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/ds_tp2_gpu'"
 # Float8 linears, emulated on CUDA (issue 28: the casts run in the NVRTC kernels of
 # kernels/float8.cu, whose numbers the `cuda check` stages' float8 rows hold to the CPU's bit for
-# bit; the GEMMs stay fp32 until the cuBLASLt float8 GEMMs exist): rowwise and tensorwise, 5 steps
-# each, against the CPU's runs (same numerics; the fp32 GEMMs differ only in summation order).
+# bit; the GEMMs multiply the dequantised values in fp32): rowwise and tensorwise, 5 steps each,
+# against the CPU's runs (same numerics; the fp32 GEMMs differ only in summation order).
 rm -rf "$OUT_DIR"/f8_*
-f8="--quiet --training.mixed_precision_param float32 --training.steps 5 --checkpoint.enable false --metrics.log_freq 1 --model.converters quantize.linear.float8 --quantize.linear.float8.emulate true"
-stage float8_emulated_cuda 60 sh -c "for r in rowwise tensorwise; do for d in cuda cpu; do '$BIN' train $f8 --quantize.linear.float8.recipe_name \$r --training.device \$d --job.dump_folder '$OUT_DIR'/f8_\${r}_\$d || exit 1; done; done"
+f8="--quiet --training.mixed_precision_param float32 --training.steps 5 --checkpoint.enable false --metrics.log_freq 1 --model.converters quantize.linear.float8"
+stage float8_emulated_cuda 60 sh -c "for r in rowwise tensorwise; do for d in cuda cpu; do '$BIN' train $f8 --quantize.linear.float8.emulate true --quantize.linear.float8.recipe_name \$r --training.device \$d --job.dump_folder '$OUT_DIR'/f8_\${r}_\$d || exit 1; done; done"
+# The same with float8 GEMMs (emulate = false, sm_89+): cuBLASLt multiplies the casts' codes on
+# float8 tensor cores and float8_scale_product scales the products back (the GEMM rows of the
+# check_fp32 stage compare each GEMM and count which ran in float8); the losses against the CPU's.
+stage float8_cuda 45 sh -c "for r in rowwise tensorwise; do '$BIN' train $f8 --quantize.linear.float8.emulate false --quantize.linear.float8.recipe_name \$r --training.device cuda --job.dump_folder '$OUT_DIR'/f8_\${r}_fp8 || exit 1; done"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -152,6 +156,8 @@ stage generate_cuda 30 sh -c "$gen --device $dev > '$OUT_DIR/generate_gpu.json' 
 # Where a step goes: every op timed on its own (the GPU waits after each, so slower than the bench).
 stage titan_1b_profile 60 "$BIN" bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 1 --profile-ops
 stage titan_1b_s2048 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json > '$OUT_DIR/titan_1b_s2048.json'"
+# Float8 linears with float8 GEMMs against the bf16 step above (TorchTitan: +28% on 8B, H100).
+stage titan_1b_s2048_float8 90 sh -c "for r in rowwise tensorwise; do '$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 8 --seq 2048 --warmup 1 --steps 4 --json --float8 \$r > '$OUT_DIR'/titan_float8_\${r}_1b_s2048.json || exit 1; done"
 stage torch_1b_s2048 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 8 --seq 2048 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s2048.json'"
 stage titan_1b_s8192 70 sh -c "'$BIN' bench train --device cuda --precision bfloat16 --flavor 1B --batch 2 --seq 8192 --warmup 1 --steps 2 --json > '$OUT_DIR/titan_1b_s8192.json'"
 stage torch_1b_s8192 45 sh -c "'$PY' scripts/torch_llama_gpu.py --flavor 1B --batch 2 --seq 8192 --warmup 3 --steps 10 > '$OUT_DIR/torch_1b_s8192.json'"
@@ -190,7 +196,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -285,10 +291,11 @@ def bench_report():
     print()
     print(f"{'Llama 3 1B, bf16':<22} {'impl':<14} {'tok/s':>9} {'TFLOP/s':>8} {'MFU %':>6} {'peak MiB':>9} {'step s':>7}")
     for seq, batch in ((2048, 8), (8192, 2)):
-        for impl in ("titan", "titan_fused8", "titan_nocopies", "titan_acop", "titan_acevery2", "titan_acfull", "torch"):
+        optional = ("titan_fused8", "titan_nocopies", "titan_acop", "titan_acevery2", "titan_acfull", "titan_float8_rowwise", "titan_float8_tensorwise")
+        for impl in ("titan", *optional, "torch"):
             r = load(f"{impl}_1b_s{seq}.json")
             label = f"batch {batch} x seq {seq}"
-            if not r and impl in ("titan_fused8", "titan_nocopies", "titan_acop", "titan_acevery2", "titan_acfull"):
+            if not r and impl in optional:
                 continue
             if not r:
                 print(f"{label:<22} {impl:<14} {'no result':>9}")
@@ -349,7 +356,24 @@ def deepseek_report():
                   f"({'ok' if diff <= 1e-3 else 'FAIL'})")
         else:
             print(f"{what}: no result")
-for report in (resume_report, generate_report, fsdp_report, moe_report, deepseek_report, bench_report, attention_report):
+def float8_report():
+    for r in ("rowwise", "tensorwise"):
+        cpu = curve(f"f8_{r}_cpu")
+        for folder, what in ((f"f8_{r}_cuda", "emulated"), (f"f8_{r}_fp8", "float8 GEMMs")):
+            run = curve(folder)
+            if run and cpu and len(run) == len(cpu):
+                diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
+                print(f"float8 {r} on CUDA ({what}) vs the CPU, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
+                      f"({'ok' if diff <= 1e-3 else 'FAIL'})")
+            else:
+                print(f"float8 {r} on CUDA ({what}): no result")
+    bf16 = load("titan_1b_s2048.json")
+    for r in ("rowwise", "tensorwise"):
+        f8 = load(f"titan_float8_{r}_1b_s2048.json")
+        if bf16 and f8:
+            print(f"Llama 3 1B b8 s2048: float8 {r} {f8['tokens_per_s']:.0f} tok/s vs bf16 {bf16['tokens_per_s']:.0f} "
+                  f"({f8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x)")
+for report in (resume_report, generate_report, fsdp_report, moe_report, deepseek_report, float8_report, bench_report, attention_report):
     section(report)
 PYEOF
 }
