@@ -269,6 +269,22 @@ impl Float8Conversion {
     }
 
     /// How many linears compute in float8.
+    /// Parameters one token multiplies in float8 (or MXFP8) GEMMs, over the whole model: the
+    /// converted block projections, and the `top_k` routed experts it goes through where they are
+    /// converted (the planner's share of the FLOPs that float8 speeds up).
+    pub fn params_per_token(&self, args: &ModelArgs) -> usize {
+        let mut params = 0;
+        for (l, block) in self.blocks.iter().enumerate() {
+            for (p, _, d_in, d_out) in block_linears(args, l) {
+                params += block[p.index()].map_or(0, |_| d_in * d_out);
+            }
+            if let (Some(Some(_)), Some(moe)) = (self.experts.get(l), args.moe_at(l)) {
+                params += moe.router.top_k * 3 * args.dim * moe.hidden;
+            }
+        }
+        params
+    }
+
     pub fn converted(&self) -> usize {
         let linears = self.blocks.iter().flatten().filter(|r| r.is_some()).count();
         linears + self.experts.iter().filter(|r| r.is_some()).count()
@@ -379,6 +395,38 @@ fn below_torchao_thresholds(recipe: Float8Recipe, d_in: usize, d_out: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_multiplies_every_converted_projection_in_float8() {
+        let args = ModelArgs::flavor("8B").unwrap();
+        let options = Float8Options {
+            recipe: Float8Recipe::Rowwise,
+            filter_fqns: vec!["output".into()],
+        };
+        let hd = args.head_dim();
+        let (d, q, kv, f) = (
+            args.dim,
+            args.n_heads * hd,
+            args.n_kv_heads * hd,
+            args.ffn_hidden,
+        );
+        let per_block = 2 * d * q + 2 * d * kv + 3 * d * f;
+        let all = Float8Conversion::plan(&args, &options).unwrap();
+        assert_eq!(all.params_per_token(&args), args.n_layers * per_block);
+        let no_ffn = Float8Options {
+            filter_fqns: vec!["feed_forward".into()],
+            ..options
+        };
+        let attention = Float8Conversion::plan(&args, &no_ffn).unwrap();
+        assert_eq!(
+            attention.params_per_token(&args),
+            args.n_layers * (2 * d * q + 2 * d * kv)
+        );
+        assert_eq!(
+            Float8Conversion::no_linears(&args).params_per_token(&args),
+            0
+        );
+    }
 
     #[test]
     fn torchao_thresholds_read_weights_as_out_by_in() {

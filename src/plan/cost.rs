@@ -36,6 +36,9 @@ pub struct Weighing<'a> {
     pub pipeline: Option<&'a PipelinePlan>,
     /// `[parallelism] enable_async_tensor_parallel`.
     pub async_tp: bool,
+    /// Parameters a token multiplies in float8 GEMMs (`Float8Conversion::params_per_token`):
+    /// their FLOPs run at the device's `float8_speedup`.
+    pub float8_params: f64,
 }
 
 /// A step's communication (see `Weighing::comm`).
@@ -125,7 +128,11 @@ impl Weighing<'_> {
     /// backward, and the per-block cost.
     fn microbatch_compute_s(&self, rate: f64, speedup: f64, tokens: f64) -> (f64, f64) {
         let l = self.layout;
-        let flops = self.args.flops_per_token(self.seq) * tokens / (l.tp * l.cp * l.pp) as f64;
+        let per_rank = tokens / (l.tp * l.cp * l.pp) as f64;
+        let float8_flops = 6.0 * self.float8_params * per_rank;
+        // Float8 FLOPs counted as the bf16 FLOPs they replace, at the device's float8 rate.
+        let flops = self.args.flops_per_token(self.seq) * per_rank - float8_flops
+            + float8_flops / self.device.float8_speedup;
         let recompute = match l.ac {
             AcChoice::None => 0.0,
             AcChoice::Op => 0.05,
@@ -342,6 +349,38 @@ mod tests {
     use super::*;
     use crate::plan::device::gpu;
 
+    #[test]
+    fn float8_linears_are_faster_on_a_gpu_and_slower_emulated_on_the_cpu() {
+        let args = ModelArgs::flavor("8B").unwrap();
+        let layout = data_parallel(8, true);
+        let mut device = gpu("h100").unwrap();
+        for (speedup, faster) in [(device.float8_speedup, true), (0.78, false)] {
+            device.float8_speedup = speedup;
+            let predict = |float8_params: f64| {
+                Weighing {
+                    layout: &layout,
+                    args: &args,
+                    seq: 8192,
+                    accum: 1,
+                    device: &device,
+                    world: 8,
+                    pipeline: None,
+                    async_tp: false,
+                    float8_params,
+                }
+                .predict()
+            };
+            let (bf16, float8) = (predict(0.0), predict(6.98e9));
+            assert_eq!(
+                float8.tokens_per_s > bf16.tokens_per_s,
+                faster,
+                "{bf16:?} {float8:?}"
+            );
+            // MFU counts the model's FLOPs whatever precision runs them.
+            assert!((float8.mfu / bf16.mfu - float8.tokens_per_s / bf16.tokens_per_s).abs() < 1e-9);
+        }
+    }
+
     fn data_parallel(n: usize, shard: bool) -> Layout {
         Layout {
             pp: 1,
@@ -376,6 +415,7 @@ mod tests {
                             world: n,
                             pipeline: None,
                             async_tp: false,
+                            float8_params: 0.0,
                         }
                         .predict();
                         assert!(
@@ -409,6 +449,7 @@ mod tests {
                 world: n,
                 pipeline: None,
                 async_tp: false,
+                float8_params: 0.0,
             }
             .predict()
         };
@@ -430,6 +471,7 @@ mod tests {
             world: 16,
             pipeline: None,
             async_tp: false,
+            float8_params: 0.0,
         };
         assert_eq!(w.link(8), h100.intra);
         assert_eq!(w.link(16), h100.inter);

@@ -159,6 +159,7 @@ impl<'a> Job<'a> {
             world: self.world,
             pipeline: plans[0].pipeline.as_ref(),
             async_tp: cfg.parallelism.enable_async_tensor_parallel,
+            float8_params: plan.float8.params_per_token(&plan.args) as f64,
         }
         .predict();
         Ok(Candidate {

@@ -176,7 +176,7 @@ pub struct RankPlan {
     ac: AcMode,
     pub estimate: MemoryEstimate,
     /// The linears `[model] converters` made float8.
-    float8: Float8Conversion,
+    pub float8: Float8Conversion,
 }
 
 impl RankPlan {
