@@ -331,42 +331,25 @@ def attention_report():
             label = f"{r.get('batch')}x{r.get('seq')} h{r.get('heads')}/{r.get('kv_heads')} d{r.get('head_dim')}"
             print(f"{label:<30} {impl:<22} {cell(r, 'forward_ms', 2)} {cell(r, 'forward_tflops', 1)} "
                   f"{cell(r, 'backward_ms', 2)} {cell(r, 'backward_tflops', 1)}")
+def against_cpu(folder, cpu_folder, what):
+    """A GPU run's losses against the CPU's (fp32, same job): the largest relative difference."""
+    run, cpu = curve(folder), curve(cpu_folder)
+    if run and cpu and len(run) == len(cpu):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
+        print(f"{what} vs one CPU process, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
+              f"({'ok' if diff <= 1e-3 else 'FAIL'})")
+    else:
+        print(f"{what}: no result")
 def moe_report():
-    gpu, cpu = curve("moe_gpu"), curve("moe_cpu")
-    if gpu and cpu and len(gpu) == len(cpu):
-        diff = max(abs(a - b) / abs(b) for a, b in zip(gpu, cpu))
-        print(f"Qwen3-MoE on CUDA vs the CPU, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
-              f"({'ok' if diff <= 1e-3 else 'FAIL'})")
-    else:
-        print("Qwen3-MoE on CUDA: no result")
-    ep = curve("ep2_gpu")
-    if ep and cpu and len(ep) == len(cpu):
-        diff = max(abs(a - b) / abs(b) for a, b in zip(ep, cpu))
-        print(f"Qwen3-MoE EP 2 on CUDA vs one CPU process, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
-              f"({'ok' if diff <= 1e-3 else 'FAIL'})")
-    else:
-        print("Qwen3-MoE EP 2 on CUDA: no result")
+    against_cpu("moe_gpu", "moe_cpu", "Qwen3-MoE on CUDA")
+    against_cpu("ep2_gpu", "moe_cpu", "Qwen3-MoE EP 2 on CUDA")
 def deepseek_report():
-    cpu = curve("ds_cpu")
-    for folder, what in (("ds_gpu", "DeepSeek-V3 on CUDA"), ("ds_tp2_gpu", "DeepSeek-V3 TP 2 on CUDA")):
-        run = curve(folder)
-        if run and cpu and len(run) == len(cpu):
-            diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
-            print(f"{what} vs one CPU process, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
-                  f"({'ok' if diff <= 1e-3 else 'FAIL'})")
-        else:
-            print(f"{what}: no result")
+    against_cpu("ds_gpu", "ds_cpu", "DeepSeek-V3 on CUDA")
+    against_cpu("ds_tp2_gpu", "ds_cpu", "DeepSeek-V3 TP 2 on CUDA")
 def float8_report():
     for r in ("rowwise", "tensorwise"):
-        cpu = curve(f"f8_{r}_cpu")
-        for folder, what in ((f"f8_{r}_cuda", "emulated"), (f"f8_{r}_fp8", "float8 GEMMs")):
-            run = curve(folder)
-            if run and cpu and len(run) == len(cpu):
-                diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
-                print(f"float8 {r} on CUDA ({what}) vs the CPU, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
-                      f"({'ok' if diff <= 1e-3 else 'FAIL'})")
-            else:
-                print(f"float8 {r} on CUDA ({what}): no result")
+        against_cpu(f"f8_{r}_cuda", f"f8_{r}_cpu", f"float8 {r} on CUDA (emulated)")
+        against_cpu(f"f8_{r}_fp8", f"f8_{r}_cpu", f"float8 {r} on CUDA (float8 GEMMs)")
     bf16 = load("titan_1b_s2048.json")
     for r in ("rowwise", "tensorwise"):
         f8 = load(f"titan_float8_{r}_1b_s2048.json")

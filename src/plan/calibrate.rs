@@ -253,7 +253,7 @@ pub fn fit(m: &Measured) -> Result<Device> {
         cp_efficiency: 1.0,
         moe_efficiency: 1.0,
         // Not calibrated: the emulated casts' cost measured once (docs/float8.md, `Device`).
-        float8_speedup: 0.78,
+        float8_speedup: super::device::emulated_float8_speedup(),
     };
     fit_parallel_costs(&mut device, m, &args)?;
     Ok(device)
@@ -411,6 +411,15 @@ mod tests {
             cp2_step_s: 0.546,
             moe_step_s: 0.567,
         }
+    }
+
+    #[test]
+    fn a_calibration_stored_before_float8_speedup_existed_still_loads() {
+        let d = fit(&measured()).unwrap();
+        let mut json = serde_json::to_value(&d).unwrap();
+        json.as_object_mut().unwrap().remove("float8_speedup");
+        let read: Device = serde_json::from_value(json).unwrap();
+        assert_eq!(read, d);
     }
 
     #[test]

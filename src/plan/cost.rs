@@ -354,7 +354,10 @@ mod tests {
         let args = ModelArgs::flavor("8B").unwrap();
         let layout = data_parallel(8, true);
         let mut device = gpu("h100").unwrap();
-        for (speedup, faster) in [(device.float8_speedup, true), (0.78, false)] {
+        for (speedup, faster) in [
+            (device.float8_speedup, true),
+            (crate::plan::device::emulated_float8_speedup(), false),
+        ] {
             device.float8_speedup = speedup;
             let predict = |float8_params: f64| {
                 Weighing {

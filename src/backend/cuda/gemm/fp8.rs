@@ -16,15 +16,14 @@
 //! algorithm for (said once on stderr). `counts` tells how many GEMMs went which way.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use anyhow::{anyhow, Result};
-use cudarc::cublaslt::{result as lt, sys};
+use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{lt_err, Addend, Gemm, GemmInput, GemmPlan, Output, PlanSpec, WORKSPACE_BYTES};
+use super::{Addend, Gemm, GemmInput, GemmPlan, Output, PlanSpec};
 use crate::backend::float8::Fp8Format;
 use crate::backend::GemmShape;
 
@@ -94,6 +93,12 @@ impl Fp8Gemms {
         }
     }
 
+    /// Counts a GEMM of float8 operands that multiplies their dequantised values: false.
+    fn dequantised(&self) -> bool {
+        self.emulated.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
     /// Float8 GEMMs run, and GEMMs of float8 operands that multiplied dequantised values.
     pub(super) fn counts(&self) -> (u64, u64) {
         (
@@ -117,19 +122,16 @@ impl Gemm {
             return Ok(false);
         }
         let GemmShape { m, k, n, .. } = shape;
-        let fits = match (a.fp8, b.fp8, out) {
-            (Some(fa), Some(fb), Output::F32(_)) => {
-                fa.fits(m, k, shape.trans_a)
-                    && fb.fits(n, k, !shape.trans_b)
-                    && !(fa.format == Fp8Format::E5M2 && fb.format == Fp8Format::E5M2)
-                    && [m, n, k].iter().all(|d| d.is_multiple_of(FP8_MULTIPLE))
-            }
-            _ => false,
+        let (Some(fa), Some(fb), Output::F32(out)) = (a.fp8, b.fp8, out) else {
+            return Ok(self.fp8.dequantised());
         };
-        let (Some(fa), Some(fb), Output::F32(out), true) = (a.fp8, b.fp8, out, fits) else {
-            self.fp8.emulated.fetch_add(1, Ordering::Relaxed);
-            return Ok(false);
-        };
+        let fits = fa.fits(m, k, shape.trans_a)
+            && fb.fits(n, k, !shape.trans_b)
+            && !(fa.format == Fp8Format::E5M2 && fb.format == Fp8Format::E5M2)
+            && [m, n, k].iter().all(|d| d.is_multiple_of(FP8_MULTIPLE));
+        if !fits {
+            return Ok(self.fp8.dequantised());
+        }
         let key = Fp8Key {
             m,
             n,
@@ -148,8 +150,7 @@ impl Gemm {
             plan.ok()
         });
         let Some(plan) = plan.as_ref() else {
-            self.fp8.emulated.fetch_add(1, Ordering::Relaxed);
-            return Ok(false);
+            return Ok(self.fp8.dequantised());
         };
         let product = self.fp8_product(plan, (fa, fb), m * n)?;
         drop(plans);
@@ -199,31 +200,9 @@ impl Gemm {
         let product = unsafe { self.stream.alloc::<f32>(len) }
             .map_err(|e| anyhow!("allocating a float8 GEMM's {len} products: {e}"))?;
         let product_ptr = product.device_ptr(&self.stream).0;
-        let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: the codes are live device buffers of m·k and n·k bytes (checked by `fits`), the
-        // product holds m·n floats, and every handle belongs to this plan.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                b.codes as *const c_void,
-                plan.layouts[0],
-                a.codes as *const c_void,
-                plan.layouts[1],
-                product_ptr as *const c_void,
-                plan.layouts[2],
-                product_ptr as *mut c_void,
-                plan.layouts[2],
-                &plan.algo,
-                ws_ptr as *mut c_void,
-                WORKSPACE_BYTES,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(|e| lt_err("float8 matmul", e))?;
+        // SAFETY: the codes are live device buffers of m·k and n·k bytes (checked by `fits`), and
+        // the product holds m·n floats.
+        unsafe { self.run_plan(plan, [b.codes, a.codes], [product_ptr, product_ptr], 0.0) }?;
         Ok(product)
     }
 

@@ -409,28 +409,9 @@ impl Gemm {
         b: GemmInput,
         shape: GemmShape,
     ) -> Result<()> {
-        let GemmShape {
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
-        } = shape;
-        assert!(out.len() >= m * n, "bf16 GEMM output too small");
+        assert!(out.len() >= shape.m * shape.n, "bf16 GEMM output too small");
         let (out, _ro) = out.device_ptr_mut(&self.stream);
-        self.matmul_with(
-            Output::Bf16(out),
-            Addend::None,
-            a,
-            b,
-            GemmShape {
-                m,
-                k,
-                n,
-                trans_a,
-                trans_b,
-            },
-        )
+        self.matmul_with(Output::Bf16(out), Addend::None, a, b, shape)
     }
 
     /// `out[m,n] = addend[m,n] + op(a)[m,k] · op(b)[k,n]` with `addend` an f32 device address of
@@ -444,27 +425,8 @@ impl Gemm {
         b: GemmInput,
         shape: GemmShape,
     ) -> Result<()> {
-        let GemmShape {
-            m,
-            k,
-            n,
-            trans_a,
-            trans_b,
-        } = shape;
         let (out, _ro) = out.device_ptr_mut(&self.stream);
-        self.matmul_with(
-            Output::F32(out),
-            Addend::Other(addend),
-            a,
-            b,
-            GemmShape {
-                m,
-                k,
-                n,
-                trans_a,
-                trans_b,
-            },
-        )
+        self.matmul_with(Output::F32(out), Addend::Other(addend), a, b, shape)
     }
 
     fn matmul_with(
@@ -504,7 +466,6 @@ impl Gemm {
                 }
             }
         }
-        let alpha = 1.0f32;
         let beta = if matches!(addend, Addend::None) {
             0.0f32
         } else {
@@ -525,33 +486,47 @@ impl Gemm {
                 None => self.convert_to_bf16(&mut scratch[1], b, k * n)?,
             };
         }
-        let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
         let c_ptr = match addend {
             Addend::Other(address) => address,
             Addend::None | Addend::Output => out_ptr,
         };
         // SAFETY: the pointers are live device buffers at least as large as the shapes (checked by
-        // the caller), and every handle belongs to this plan.
-        unsafe {
-            lt::matmul(
-                self.handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                b_ptr as *const c_void,
-                plan.layouts[0],
-                a_ptr as *const c_void,
-                plan.layouts[1],
-                c_ptr as *const c_void,
-                plan.layouts[2],
-                out_ptr as *mut c_void,
-                plan.layouts[2],
-                &plan.algo,
-                ws_ptr as *mut c_void,
-                WORKSPACE_BYTES,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
+        // the caller).
+        unsafe { self.run_plan(plan, [b_ptr, a_ptr], [c_ptr, out_ptr], beta) }
+    }
+
+    /// cuBLASLt's `D = A·B + beta·C` of `plan` on the stream (alpha 1): `[A, B]` are our `b` and
+    /// `a` (see the module doc), `[C, D]` addresses of the output's layout.
+    ///
+    /// # Safety
+    /// Every address is a live device buffer at least as large as the plan's layout says.
+    unsafe fn run_plan(
+        &self,
+        plan: &GemmPlan,
+        [a_ptr, b_ptr]: [u64; 2],
+        [c_ptr, d_ptr]: [u64; 2],
+        beta: f32,
+    ) -> Result<()> {
+        let alpha = 1.0f32;
+        let (ws_ptr, _rw) = self.workspace.device_ptr(&self.stream);
+        lt::matmul(
+            self.handle,
+            plan.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            a_ptr as *const c_void,
+            plan.layouts[0],
+            b_ptr as *const c_void,
+            plan.layouts[1],
+            c_ptr as *const c_void,
+            plan.layouts[2],
+            d_ptr as *mut c_void,
+            plan.layouts[2],
+            &plan.algo,
+            ws_ptr as *mut c_void,
+            WORKSPACE_BYTES,
+            self.stream.cu_stream() as sys::cudaStream_t,
+        )
         .map_err(|e| lt_err("matmul", e))
     }
 }
