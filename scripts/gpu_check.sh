@@ -112,13 +112,19 @@ stage deepseek_cuda 75 sh -c "'$BIN' train $ds --training.device cuda --job.dump
 # kernels/float8.cu, whose numbers the `cuda check` stages' float8 rows hold to the CPU's bit for
 # bit; the GEMMs multiply the dequantised values in fp32): rowwise and tensorwise, 5 steps each,
 # against the CPU's runs (same numerics; the fp32 GEMMs differ only in summation order).
-rm -rf "$OUT_DIR"/f8_*
-f8="--quiet --training.mixed_precision_param float32 --training.steps 5 --checkpoint.enable false --metrics.log_freq 1 --model.converters quantize.linear.float8"
+rm -rf "$OUT_DIR"/f8_* "$OUT_DIR"/mx_*
+low="--quiet --training.mixed_precision_param float32 --training.steps 5 --checkpoint.enable false --metrics.log_freq 1"
+f8="$low --model.converters quantize.linear.float8"
 stage float8_emulated_cuda 60 sh -c "for r in rowwise tensorwise; do for d in cuda cpu; do '$BIN' train $f8 --quantize.linear.float8.emulate true --quantize.linear.float8.recipe_name \$r --training.device \$d --job.dump_folder '$OUT_DIR'/f8_\${r}_\$d || exit 1; done; done"
 # The same with float8 GEMMs (emulate = false, sm_89+): cuBLASLt multiplies the casts' codes on
 # float8 tensor cores and float8_scale_product scales the products back (the GEMM rows of the
 # check_fp32 stage compare each GEMM and count which ran in float8); the losses against the CPU's.
 stage float8_cuda 45 sh -c "for r in rowwise tensorwise; do '$BIN' train $f8 --quantize.linear.float8.emulate false --quantize.linear.float8.recipe_name \$r --training.device cuda --job.dump_folder '$OUT_DIR'/f8_\${r}_fp8 || exit 1; done"
+# MXFP8 emulated on CUDA (the casts in kernels/float8.cu's mx_fake_quantize, which the check_fp32
+# stage's mx rows hold to the CPU's bit for bit), RCEIL linears 5 steps against the CPU's run; and
+# an MXFP8 GEMM recipe must be refused naming the GPU (titan has no block-scaled GEMMs yet).
+mx="$low --model.converters quantize.linear.mx --quantize.linear.mx.recipe_name mxfp8_emulated_rceil"
+stage mx_emulated_cuda 60 sh -c "for d in cuda cpu; do '$BIN' train $mx --training.device \$d --job.dump_folder '$OUT_DIR'/mx_\$d || exit 1; done; ! '$BIN' train $low --model.converters quantize.linear.mx --training.device cuda --job.dump_folder '$OUT_DIR'/mx_refused > '$OUT_DIR'/mx_refused.txt 2>&1 && grep -q 'MXFP8 GEMMs on CUDA' '$OUT_DIR'/mx_refused.txt"
 # bf16: attention on tensor cores, trained with head_dim 64 (4 heads, GQA) and 128 (2 heads).
 stage check_bf16 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 4 --model-kv-heads 2 --json-out "$OUT_DIR/check_bf16.json"
 stage check_bf16_hd128 60 "$BIN" cuda check --precision bfloat16 --train-steps 20 --model-heads 2 --model-kv-heads 1 --json-out "$OUT_DIR/check_bf16_hd128.json"
@@ -196,7 +202,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -350,6 +356,7 @@ def float8_report():
     for r in ("rowwise", "tensorwise"):
         against_cpu(f"f8_{r}_cuda", f"f8_{r}_cpu", f"float8 {r} on CUDA (emulated)")
         against_cpu(f"f8_{r}_fp8", f"f8_{r}_cpu", f"float8 {r} on CUDA (float8 GEMMs)")
+    against_cpu("mx_cuda", "mx_cpu", "MXFP8 RCEIL on CUDA (emulated)")
     bf16 = load("titan_1b_s2048.json")
     for r in ("rowwise", "tensorwise"):
         f8 = load(f"titan_float8_{r}_1b_s2048.json")

@@ -331,10 +331,10 @@ fn bad_float8_settings_are_refused_naming_the_key() {
             vec![
                 "--model.converters",
                 "quantize.linear.mx",
-                "--training.device",
-                "cuda",
+                "--quantize.linear.mx.recipe_name",
+                "mxfp4_cutlass",
             ],
-            &["quantize.linear.mx", "not built yet"],
+            &["recipe_name", "mxfp4_cutlass", "mxfp8_emulated"],
         ),
         (
             vec!["--quantize.linear.float8.recipe", "rowwise"],

@@ -1,7 +1,7 @@
 //! `[model] converters` and `[quantize.*]`: TorchTitan's low-precision model converters and their
 //! sections, with their checks. The CPU emulates every converter (it has no float8 GEMMs); CUDA
-//! runs float8 linears in cuBLASLt's float8 GEMMs unless `emulate = true`, and refuses MXFP8,
-//! saying what is missing (issue 28).
+//! runs float8 linears in cuBLASLt's float8 GEMMs unless `emulate = true`, and MXFP8 emulated
+//! only (the `mxfp8_emulated*` recipes; the others are refused naming the GPU: issue 28).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
@@ -77,7 +77,8 @@ impl Default for Float8LinearConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MxLinearConfig {
-    /// `mxfp8_cublas` (FLOOR scales, default) or `mxfp8_cublas_rceil` (RCEIL scales).
+    /// `mxfp8_cublas` (FLOOR scales, default) or `mxfp8_cublas_rceil` (RCEIL scales); their
+    /// `mxfp8_emulated` and `mxfp8_emulated_rceil` forms ask for the emulation on every device.
     pub recipe_name: String,
     /// Substrings of linear names left in high precision.
     #[serde(deserialize_with = "list_or_comma_separated")]
@@ -165,6 +166,26 @@ impl Config {
             && !self.quantize.linear.float8.emulate
     }
 
+    /// The MXFP8 converters whose recipe asks for MXFP8 GEMMs rather than their emulation
+    /// (`mxfp8_cublas`, `mxfp8_cublas_rceil`, the experts' `mxfp8_rceil`), as `section.key =
+    /// "value"` for an error; none on the CPU, which always emulates. titan has no MXFP8 GEMMs
+    /// yet, so CUDA refuses these, naming the GPU (`CudaBackend::refuse_mx_gemms`).
+    pub fn wanted_mx_gemms(&self) -> Vec<String> {
+        let has = |c: &str| self.model.converters.iter().any(|x| x == c);
+        let mut wanted = Vec::new();
+        let linear = &self.quantize.linear.mx.recipe_name;
+        if has(MX_LINEAR) && !linear.contains("emulated") {
+            wanted.push(format!("[quantize.linear.mx] recipe_name = \"{linear}\""));
+        }
+        let experts = &self.quantize.grouped_mm.mx.recipe_name;
+        if has(MX_GROUPED_MM) && !experts.contains("emulated") {
+            wanted.push(format!(
+                "[quantize.grouped_mm.mx] recipe_name = \"{experts}\""
+            ));
+        }
+        wanted
+    }
+
     /// The low-precision linears' options, when `[model] converters` asks for float8
     /// (`quantize.linear.float8`) or MXFP8 (`quantize.linear.mx`) linears.
     pub fn float8_linears(&self) -> Result<Option<Float8Options>> {
@@ -240,11 +261,7 @@ impl Config {
         if self.model.converters.iter().filter(|c| grouped(c)).count() > 1 {
             bail!("[model] converters: quantize.grouped_mm.float8 and quantize.grouped_mm.mx both convert the experts; choose one");
         }
-        if let Some((Float8Recipe::Mxfp8(_), _)) = self.float8_experts()? {
-            if self.training.device == "cuda" {
-                bail!("[model] converters = quantize.grouped_mm.mx: MXFP8 grouped GEMMs on CUDA are not built yet; train them on the CPU (emulated) for now");
-            }
-        }
+        self.float8_experts()?;
         let linear = |c: &String| c == FLOAT8_LINEAR || c == MX_LINEAR;
         if self.model.converters.iter().filter(|c| linear(c)).count() > 1 {
             bail!("[model] converters: quantize.linear.float8 and quantize.linear.mx both convert the linears; choose one");
@@ -269,7 +286,7 @@ impl Config {
 
 impl Config {
     /// MXFP8 linears: a context-parallel rank's chunks of a sequence must hold whole blocks of 32
-    /// tokens (so its blocks are one process's), and CUDA has no MXFP8 GEMMs yet.
+    /// tokens (so its blocks are one process's).
     fn validate_mx_linears(&self) -> Result<()> {
         if !self.model.converters.iter().any(|c| c == MX_LINEAR) {
             return Ok(());
@@ -282,9 +299,6 @@ impl Config {
         let whole = 2 * cp * crate::backend::float8::MX_BLOCK;
         if cp > 1 && !seq.is_multiple_of(whole) {
             bail!("[model] converters = quantize.linear.mx with context_parallel_degree = {cp}: seq_len = {seq} must be a multiple of {whole} (2 × cp chunks of whole MXFP8 blocks of 32 tokens)");
-        }
-        if self.training.device == "cuda" {
-            bail!("[model] converters = quantize.linear.mx: MXFP8 GEMMs on CUDA (SM100 cuBLAS) are not built yet, nor its emulation on the GPU; train MXFP8 linears on the CPU (emulated) for now");
         }
         Ok(())
     }

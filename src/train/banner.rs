@@ -105,8 +105,9 @@ impl<B: Backend> Banner<'_, B> {
         let head = if self.be.name() == "cuda" && self.cfg.wants_float8_gemms() {
             format!("{kind} linears | recipe {recipe} | float8 GEMMs on cuBLASLt: each operand cast as torchao's, its codes multiplied and the products scaled back (a GEMM float8 kernels do not take multiplies the dequantised values){async_tp}")
         } else {
-            let why = match self.be.name() {
-                "cpu" => format!("the CPU has no {kind} GEMMs"),
+            let why = match (self.be.name(), kind) {
+                ("cpu", _) => format!("the CPU has no {kind} GEMMs"),
+                (_, "MXFP8") => "titan has no MXFP8 GEMMs on CUDA yet".to_string(),
                 _ => "emulate = true".to_string(),
             };
             format!("{kind} linears | recipe {recipe} | emulated: each GEMM operand quantised and dequantised as torchao's, then multiplied in high precision ({why}){async_tp}")

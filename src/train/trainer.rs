@@ -81,6 +81,7 @@ pub fn cuda_backend(cfg: &Config, local_rank: usize) -> Result<CudaBackend> {
     if cfg.wants_float8_gemms() {
         be.enable_fp8_gemms()?;
     }
+    be.refuse_mx_gemms(&cfg.wanted_mx_gemms())?;
     Ok(be)
 }
 

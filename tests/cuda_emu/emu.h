@@ -64,6 +64,9 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+// Leading zero bits of a 32-bit word (32 for zero), as CUDA's __clz.
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
 
 namespace emu {
 

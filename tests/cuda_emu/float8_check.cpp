@@ -115,6 +115,103 @@ bool check_bf16_operands(const std::vector<float>& x) {
     return ok;
 }
 
+// MXFP8's E8M0 byte of a block whose largest magnitude is `amax`, in double arithmetic from the
+// definitions (mx.rs): FLOOR, the amax's f32 exponent (-127 below the normals) less 8; RCEIL,
+// ceil(log2(amax / 448)) of the f32 quotient, exactly.
+int mx_byte_ref(float amax, bool rceil) {
+    if (std::isnan(amax)) return 255;
+    if (!rceil) {
+        int e = amax < std::ldexp(1.0f, -126) ? -127 : (std::isinf(amax) ? 128 : std::ilogb(amax));
+        return std::min(std::max(e - 8, -127), 128) + 127;
+    }
+    float descale = amax / 448.0f;
+    int e;
+    if (descale == 0.0f) {
+        e = -127;
+    } else if (std::isinf(descale)) {
+        e = 127;
+    } else {
+        int exponent;
+        double m = std::frexp((double)descale, &exponent);  // descale = m 2^exponent, m in [0.5, 1)
+        e = m == 0.5 ? exponent - 1 : exponent;
+    }
+    return std::min(std::max(e, -127), 127) + 127;
+}
+
+// A block's values cast and dequantised from the reference byte.
+void mx_block_ref(float* out, const float* x, const size_t* at, size_t count, bool rceil) {
+    float amax = 0.0f;
+    for (size_t j = 0; j < count; ++j) {
+        float a = std::fabs(x[at[j]]);
+        amax = (std::isnan(a) || std::isnan(amax)) ? NAN : std::max(amax, a);
+    }
+    int byte = mx_byte_ref(amax, rceil);
+    float multiplier = byte == 255 ? NAN : (byte == 0 ? (rceil ? 1.0f : std::ldexp(1.0f, 126)) : std::ldexp(1.0f, 127 - byte));
+    float dequantize = byte == 255 ? NAN : std::ldexp(1.0f, byte - 127);
+    for (size_t j = 0; j < count; ++j) out[at[j]] = quantize_ref(kE4M3, x[at[j]], multiplier) * dequantize;
+}
+
+// MXFP8 casts (mx_fake_quantize) against the reference, bit for bit: blocks along rows and down
+// columns (37 rows: the last group of rows is 5 short of a block), FLOOR and RCEIL scales, blocks
+// whose RCEIL descale lies just above a power of two (where log2f would round down), a NaN block,
+// an infinite one, an all-zero one; and from a bf16 copy as from its widened values.
+bool check_mx(std::mt19937_64& rng) {
+    const size_t rows = 37, cols = 96, n = rows * cols;
+    std::vector<float> x = probe_values(rng, n);
+    // Two blocks whose RCEIL descale is 1 ulp above 16 and 32: the exact exponent is 5 (6), where
+    // ceilf(log2f()) gives 4 (5); their other values become e4m3's smallest subnormal under the
+    // latter scale and a tie that rounds to zero under the former, so the two differ.
+    for (size_t j = 0; j < 32; ++j) {
+        x[32 + j] = j == 3 ? std::nextafter(448.0f * 16.0f, INFINITY) : 0.03125f;
+        x[64 + j] = j == 9 ? -std::nextafter(448.0f * 32.0f, INFINITY) : 0.0625f;
+        x[2 * cols + j] = 0.0f;
+    }
+    x[5 * cols + 40] = NAN;
+    x[9 * cols + 70] = INFINITY;
+    bool ok = true;
+    for (int down = 0; down < 2; ++down) {
+        for (int rceil = 0; rceil < 2; ++rceil) {
+            std::vector<float> want(n, 0.0f), got(n, 7.0f);
+            std::vector<size_t> at;
+            if (!down) {
+                for (size_t b = 0; b < n / 32; ++b) {
+                    at.clear();
+                    for (size_t j = 0; j < 32; ++j) at.push_back(b * 32 + j);
+                    mx_block_ref(want.data(), x.data(), at.data(), at.size(), rceil);
+                }
+            } else {
+                for (size_t g = 0; g * 32 < rows; ++g)
+                    for (size_t c = 0; c < cols; ++c) {
+                        at.clear();
+                        for (size_t r = 32 * g; r < std::min(rows, 32 * g + 32); ++r) at.push_back(r * cols + c);
+                        mx_block_ref(want.data(), x.data(), at.data(), at.size(), rceil);
+                    }
+            }
+            EmuDim3 grid = down ? blocks(((rows + 31) / 32) * cols, 256)
+                                : EmuDim3{(unsigned)((n / 32 + kNormWarps - 1) / kNormWarps), 1, 1};
+            unsigned threads = down ? 256 : 32 * kNormWarps;
+            emu::launch(grid, threads, [&] {
+                mx_fake_quantize(got.data(), x.data(), nullptr, (i64)rows, (i64)cols, down, rceil);
+            });
+            char what[64];
+            std::snprintf(what, sizeof what, "mx %s %s", down ? "down columns" : "along rows", rceil ? "RCEIL" : "FLOOR");
+            ok &= report(what, got, want);
+        }
+    }
+    // From a bf16 copy: the same as from the widened values.
+    std::vector<bf16_bits> x16(n);
+    std::vector<float> widened(n), from16(n), from32(n);
+    for (size_t i = 0; i < n; ++i) {
+        x16[i] = (bf16_bits)(__float_as_uint(round_bf16(x[i])) >> 16);
+        widened[i] = f32_of_bf16(x16[i]);
+    }
+    EmuDim3 grid{(unsigned)((n / 32 + kNormWarps - 1) / kNormWarps), 1, 1};
+    emu::launch(grid, 32 * kNormWarps, [&] { mx_fake_quantize(from16.data(), nullptr, x16.data(), (i64)rows, (i64)cols, 0, 1); });
+    emu::launch(grid, 32 * kNormWarps, [&] { mx_fake_quantize(from32.data(), widened.data(), nullptr, (i64)rows, (i64)cols, 0, 1); });
+    ok &= report("mx from a bf16 copy", from16, from32);
+    return ok;
+}
+
 // The float8 GEMM's data path without cuBLASLt: a linear's three GEMMs (Y = X·Wᵀ, dX = G·W,
 // dW = Gᵀ·X, the last accumulating) with each operand cast by float8_fake_quantize into codes laid
 // out with the summed dimension contiguous, the codes multiplied here as cuBLASLt's float8 GEMM
@@ -302,6 +399,7 @@ int main() {
         ok &= report(what, back, want);
     }
     ok &= check_bf16_operands(x);
+    ok &= check_mx(rng);
     ok &= check_float8_gemms(rng);
     std::printf("%s\n", ok ? "all outputs within tolerance" : "FAILED");
     return ok ? 0 : 1;

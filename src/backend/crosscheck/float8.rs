@@ -1,11 +1,13 @@
 //! The float8 checks of `crosscheck`: amaxes along each axis, the quantise-dequantise of every
-//! recipe's operand kinds (e4m3 and e5m2, power-of-two scales), and FSDP's float8 codes both ways.
+//! recipe's operand kinds (e4m3 and e5m2, power-of-two scales), MXFP8's casts, and FSDP's float8
+//! codes both ways.
 //! The test backend must give the reference's numbers exactly (tolerance 0): an emulated float8
 //! GEMM on the GPU reads the CPU's operands.
 
 use super::{Checker, OpCheck, Tolerances};
 use crate::backend::float8::{
-    ContractedDim, Float8Recipe, Fp8Format, LinearGemm, OperandCast, Quantization, ScaleAxis,
+    ContractedDim, Float8Recipe, Fp8Format, LinearGemm, MxBlocks, MxCast, MxScaling, OperandCast,
+    Quantization, ScaleAxis,
 };
 use crate::backend::{Backend, GemmOutput, GemmShape};
 
@@ -47,6 +49,21 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 let pow2 = if power_of_two_scales { " pow2" } else { "" };
                 let name = format!("float8_fake_quantize {axis:?} {format:?}{pow2}");
                 self.compare(&name, &r, &t, 0.0);
+            }
+        }
+        // MXFP8 blocks along the rows and down the columns (67 rows: a last group of 3), both
+        // scalings.
+        for blocks in [MxBlocks::AlongRows, MxBlocks::DownColumns] {
+            for scaling in [MxScaling::Floor, MxScaling::Rceil] {
+                let cast = MxCast { blocks, scaling };
+                let r = self.reference.mx_fake_quantized(&rx, cols, cast);
+                let t = self.test.mx_fake_quantized(&tx, cols, cast);
+                self.compare(
+                    &format!("mx_fake_quantize {blocks:?} {scaling:?}"),
+                    &r,
+                    &t,
+                    0.0,
+                );
             }
         }
         // An odd count: the last word padded.

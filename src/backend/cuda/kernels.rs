@@ -51,6 +51,7 @@ pub const KERNELS: &[&str] = &[
     "float8_amax_columns",
     "float8_fake_quantize",
     "float8_scale_product",
+    "mx_fake_quantize",
     "float8_encode_words",
     "float8_decode_words",
     "embedding_forward",

@@ -295,6 +295,26 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// MXFP8 GEMMs (block-scaled, sm_100) are not built: a recipe that asks for them (`wanted`,
+    /// as `Config::wanted_mx_gemms` names them) is refused, naming this GPU and the emulated
+    /// recipe that runs the same numbers here.
+    pub fn refuse_mx_gemms(&self, wanted: &[String]) -> Result<()> {
+        let Some(first) = wanted.first() else {
+            return Ok(());
+        };
+        let why = match self.capability >= 100 {
+            true => "titan's block-scaled cuBLASLt GEMMs for it are not built yet".to_string(),
+            false => format!(
+                "they need an sm_100 GPU (Blackwell), and {} is {}",
+                self.device_name, self.arch
+            ),
+        };
+        Err(anyhow!(
+            "{first}: MXFP8 GEMMs on CUDA: {why}. Set the recipe's emulated form (mxfp8_emulated, \
+             mxfp8_emulated_rceil) to cast on the GPU and multiply in high precision, as the CPU does"
+        ))
+    }
+
     /// Whether float8 operands multiply in float8 GEMMs (`enable_fp8_gemms`).
     pub fn fp8_gemms(&self) -> bool {
         self.fp8_gemms

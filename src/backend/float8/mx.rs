@@ -137,17 +137,31 @@ fn pow2(e: i32) -> f32 {
 }
 
 /// RCEIL: `descale = amax / 448` in f32, the byte `clamp(ceil(log2(descale)), ±127) + 127`;
-/// NaN: 255.
+/// NaN: 255. The exponent is computed exactly from the bits (`ceil_log2`), as the hardware's
+/// round-up conversion to E8M0 does; `ceilf(log2f(descale))`, torchao's emulation, differs only
+/// for a descale a few ulps above a power of two, where `log2f` rounds down to the integer.
 fn rceil_byte(amax: f32) -> u8 {
     let descale = amax / Fp8Format::E4M3.max();
-    if descale.is_nan() {
-        return 255;
+    let exponent = match descale {
+        d if d.is_nan() => return 255,
+        0.0 => -E8M0_BIAS,
+        d if d.is_infinite() => E8M0_BIAS,
+        d => ceil_log2(d),
+    };
+    (exponent.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS) as u8
+}
+
+/// `ceil(log2(x))` of a positive finite f32, exactly: its exponent, one more unless `x` is a
+/// power of two (subnormals included).
+pub(super) fn ceil_log2(x: f32) -> i32 {
+    let bits = x.to_bits();
+    let (field, mantissa) = (((bits >> 23) & 0xff) as i32, bits & 0x7f_ffff);
+    if field == 0 {
+        // x = mantissa · 2^-149.
+        let floor = 31 - mantissa.leading_zeros() as i32;
+        return floor - 149 + !mantissa.is_power_of_two() as i32;
     }
-    (descale
-        .log2()
-        .ceil()
-        .clamp(-E8M0_BIAS as f32, E8M0_BIAS as f32) as i32
-        + E8M0_BIAS) as u8
+    field - 127 + (mantissa != 0) as i32
 }
 
 /// FLOOR: the amax's f32 exponent less 8 (e4m3's largest power of two), clamped to
@@ -163,6 +177,32 @@ fn floor_byte(amax: f32) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rceil_exponent_is_the_exact_ceiling_of_log2() {
+        let mut values = vec![
+            f32::from_bits(1),
+            f32::from_bits(3),
+            f32::MIN_POSITIVE,
+            1.0,
+            3.0,
+        ];
+        for e in -149..=127 {
+            let p = pow2(e);
+            values.extend([
+                p,
+                f32::from_bits(p.to_bits() + 1),
+                f32::from_bits(p.to_bits() + 2),
+            ]);
+            values.push(f32::from_bits(p.to_bits() - 1));
+        }
+        for x in values.into_iter().filter(|x| *x > 0.0 && x.is_finite()) {
+            assert_eq!(ceil_log2(x), f64::from(x).log2().ceil() as i32, "{x:e}");
+        }
+        // Just above a power of two, where f32's log2 rounds down to the integer.
+        let above = f32::from_bits(16.0f32.to_bits() + 1);
+        assert_eq!(ceil_log2(above), 5);
+    }
 
     #[test]
     fn powers_of_two_from_bits_are_exact_down_to_subnormals() {

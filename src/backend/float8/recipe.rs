@@ -151,9 +151,11 @@ impl Float8Recipe {
     /// and the accepted values.
     pub fn parse_mx(name: &str) -> anyhow::Result<Self> {
         match name {
-            "mxfp8_cublas" => Ok(Float8Recipe::Mxfp8(MxScaling::Floor)),
-            "mxfp8_cublas_rceil" => Ok(Float8Recipe::Mxfp8(MxScaling::Rceil)),
-            other => anyhow::bail!("[quantize.linear.mx] recipe_name = \"{other}\" is not known (accepted: mxfp8_cublas (FLOOR scales), mxfp8_cublas_rceil (RCEIL scales))"),
+            "mxfp8_cublas" | "mxfp8_emulated" => Ok(Float8Recipe::Mxfp8(MxScaling::Floor)),
+            "mxfp8_cublas_rceil" | "mxfp8_emulated_rceil" => {
+                Ok(Float8Recipe::Mxfp8(MxScaling::Rceil))
+            }
+            other => anyhow::bail!("[quantize.linear.mx] recipe_name = \"{other}\" is not known (accepted: mxfp8_cublas (FLOOR scales), mxfp8_cublas_rceil (RCEIL scales), and their emulated forms mxfp8_emulated, mxfp8_emulated_rceil)"),
         }
     }
 

@@ -84,6 +84,84 @@ extern "C" __global__ void float8_amax_columns(float* out, const float* x, const
     }
 }
 
+// ---- MXFP8 (src/backend/float8/mx.rs): e4m3 in blocks of 32, one E8M0 scale per block ----
+
+// 2^e as an f32 from its bits (exact; e in [-149, 127], below -126 a subnormal).
+__device__ __forceinline__ float mx_pow2(int e) {
+    return e >= -126 ? __uint_as_float((u32)(e + 127) << 23) : __uint_as_float(1u << (e + 149));
+}
+
+// ceil(log2(x)) of a positive finite f32, exactly from its bits (mx.rs's ceil_log2).
+__device__ __forceinline__ int mx_ceil_log2(float x) {
+    u32 bits = __float_as_uint(x), field = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+    if (field == 0u) {
+        int floor = 31 - __clz(mantissa);
+        return floor - 149 + ((mantissa & (mantissa - 1u)) != 0u);
+    }
+    return (int)field - 127 + (mantissa != 0u);
+}
+
+// A block's scale from its amax's bits: the factor its values are multiplied by before the e4m3
+// cast, and the one a cast value is multiplied by after (MxScaling::block_scale). `rceil`: RCEIL
+// (descale = amax / 448, its exact ceil-log2), else FLOOR (the amax's exponent less 8).
+struct MxScale {
+    float multiplier, dequantize;
+};
+__device__ __forceinline__ MxScale mx_block_scale(u32 amax_bits, int rceil) {
+    float amax = __uint_as_float(amax_bits);
+    float nan = __int_as_float(0x7fc00000);
+    int byte;
+    if (amax != amax) {
+        byte = 255;
+    } else if (rceil) {
+        float descale = __fdiv_rn(amax, 448.0f);
+        int e = descale == 0.0f ? -127 : (amax_bits >= 0x7f800000u ? 127 : mx_ceil_log2(descale));
+        byte = min(max(e, -127), 127) + 127;
+    } else {
+        int e = (int)((amax_bits >> 23) & 0xffu) - 127 - 8;
+        byte = min(max(e, -127), 128) + 127;
+    }
+    MxScale s;
+    if (byte == 255) {
+        s.multiplier = nan;
+        s.dequantize = nan;
+        return s;
+    }
+    s.multiplier = byte == 0 ? (rceil ? 1.0f : mx_pow2(126)) : mx_pow2(127 - byte);
+    s.dequantize = mx_pow2(byte - 127);
+    return s;
+}
+
+// out = x ([rows, cols], from x16 when given) cast to MXFP8 and dequantised
+// (float8::mx_fake_quantize_rows): `down_columns` 0: blocks of 32 along each row (cols a multiple
+// of 32), one warp a block, TITAN_NORM_WARPS blocks a thread block; 1: blocks of 32 rows down each
+// column (the last group of rows may be shorter: as if padded with zeros), a thread a block.
+extern "C" __global__ void mx_fake_quantize(float* out, const float* x, const bf16_bits* x16,
+                                            i64 rows, i64 cols, int down_columns, int rceil) {
+    Fp8Rounding r = fp8_rounding(0);
+    if (!down_columns) {
+        i64 block = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+        int lane = threadIdx.x & 31;
+        bool live = block < rows * cols / 32;
+        i64 i = block * 32 + lane;
+        float v = live ? load_value(x, x16, i) : 0.0f;
+        MxScale s = mx_block_scale(warp_max_u32(abs_bits(v)), rceil);
+        if (live) out[i] = __fmul_rn(fp8_quantized(r, v, s.multiplier), s.dequantize);
+        return;
+    }
+    i64 groups = (rows + 31) / 32;
+    TITAN_FOR_EACH(t, groups * cols) {
+        i64 g = t / cols, c = t % cols, end = min(32 * g + 32, rows);
+        u32 m = 0;
+        for (i64 row = 32 * g; row < end; ++row) m = max(m, abs_bits(load_value(x, x16, row * cols + c)));
+        MxScale s = mx_block_scale(m, rceil);
+        for (i64 row = 32 * g; row < end; ++row) {
+            i64 i = row * cols + c;
+            out[i] = __fmul_rn(fp8_quantized(r, load_value(x, x16, i), s.multiplier), s.dequantize);
+        }
+    }
+}
+
 // The 8-bit code of q, a value of the format (or NaN).
 __device__ __forceinline__ u32 fp8_code(int format, float q) {
     u32 bits = __float_as_uint(q);

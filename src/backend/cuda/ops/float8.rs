@@ -10,7 +10,9 @@ use super::{Buf, KernelArg};
 use crate::backend::cuda::buffer::Fp8Copy;
 use crate::backend::cuda::kernels::NORM_WARPS;
 use crate::backend::cuda::{elementwise_config, CudaBackend};
-use crate::backend::float8::{self, ContractedDim, Fp8Format, Quantization, ScaleAxis};
+use crate::backend::float8::{
+    self, ContractedDim, Fp8Format, MxBlocks, MxCast, MxScaling, Quantization, ScaleAxis, MX_BLOCK,
+};
 use crate::backend::Backend;
 
 /// Blocks of the tensorwise amax's first pass (the host takes the largest of their partials).
@@ -183,6 +185,52 @@ impl CudaBackend {
                 inverse_scales,
             });
         }
+        out
+    }
+
+    /// `x` (`[rows, cols]`) cast to MXFP8 as `cast` says and dequantised, bit for bit the CPU's
+    /// `float8::mx_fake_quantize_rows` (kernels/float8.cu `mx_fake_quantize`).
+    pub(super) fn mx_fake_quantized_untimed(&self, x: &Buf, cols: usize, cast: MxCast) -> Buf {
+        let n = x.len();
+        if n == 0 {
+            return self.buffer(0);
+        }
+        assert!(
+            cols > 0 && n.is_multiple_of(cols),
+            "MXFP8 cast: {n} values are not rows of {cols}"
+        );
+        let down_columns = cast.blocks == MxBlocks::DownColumns;
+        assert!(
+            down_columns || cols.is_multiple_of(MX_BLOCK),
+            "MXFP8 cast: rows of {cols} values do not split into blocks of {MX_BLOCK}"
+        );
+        let [x_address, x16_address] = self.operand_addresses(x);
+        let (rows_i, cols_i) = ((n / cols) as i64, cols as i64);
+        let (down_i, rceil_i) = (
+            down_columns as i32,
+            (cast.scaling == MxScaling::Rceil) as i32,
+        );
+        let cfg = match down_columns {
+            true => elementwise_config(n.div_ceil(cols).div_ceil(MX_BLOCK) * cols),
+            false => LaunchConfig {
+                grid_dim: ((n / MX_BLOCK).div_ceil(NORM_WARPS) as u32, 1, 1),
+                block_dim: (32 * NORM_WARPS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        };
+        let mut out = self.uninit(n);
+        launch!(
+            self,
+            "mx_fake_quantize",
+            cfg,
+            &mut out,
+            &x_address,
+            &x16_address,
+            &rows_i,
+            &cols_i,
+            &down_i,
+            &rceil_i
+        );
         out
     }
 

@@ -12,7 +12,7 @@ use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
-use crate::backend::float8::{ContractedDim, Fp8Format, Quantization, ScaleAxis};
+use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
 use crate::backend::{AdamWStep, AttnShape, Backend, LossSum};
 
 type Buf = CudaBuf;
@@ -415,6 +415,10 @@ impl Backend for CudaBackend {
     ) -> Buf {
         let _timer = self.profiler.time_on("float8_fake_quantize", self);
         self.float8_fake_quantized_untimed(x, cols, q, amaxes, contracted)
+    }
+    fn mx_fake_quantized(&self, x: &Buf, cols: usize, cast: MxCast) -> Buf {
+        let _timer = self.profiler.time_on("mx_fake_quantize", self);
+        self.mx_fake_quantized_untimed(x, cols, cast)
     }
     fn float8_encoded(&self, x: &Buf, scale: f32, format: Fp8Format) -> Buf {
         let _timer = self.profiler.time_on("float8_encode", self);
