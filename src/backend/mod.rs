@@ -464,6 +464,13 @@ pub trait Backend: Send + Sync + 'static {
         float8::fake_quantize_rows(&mut out, &host, cols, 0, &scales, q);
         self.upload_owned(out)
     }
+    /// Whether `float8_fake_quantized` also keeps the codes, which this backend's GEMMs then
+    /// multiply in float8 (CUDA with float8 GEMMs on). A weight FSDP gathered in float8 is then
+    /// cast again (its values are already on the float8 grid, so the cast gives back its codes)
+    /// instead of being read as values.
+    fn keeps_float8_codes(&self) -> bool {
+        false
+    }
     /// `x` (`[rows, cols]`) cast to MXFP8 as `cast` says and dequantised
     /// (`float8::mx_fake_quantize_rows`; its blocks' dimension a multiple of 32).
     fn mx_fake_quantized(&self, x: &Self::Buf, cols: usize, cast: MxCast) -> Self::Buf {

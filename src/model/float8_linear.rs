@@ -109,9 +109,11 @@ impl Float8Casts<'_> {
         let Some(cast) = linear.float8.and_then(|r| r.operand_casts(gemm)[slot]) else {
             return Ok(Operand::HighPrecision(x));
         };
-        // W is operand 1 of `Y = X·Wᵀ` and of `dX = G·W`; FSDP's float8 all-gather cast it.
+        // W is operand 1 of `Y = X·Wᵀ` and of `dX = G·W`; FSDP's float8 all-gather cast it. A
+        // backend with float8 GEMMs casts it again for its codes: its values are on the float8
+        // grid, so the cast returns them (with a scale within an ulp of the gather's).
         let weight = slot == 1 && gemm != LinearGemm::WeightGrad;
-        if weight && linear.weight_gathered_in_float8 {
+        if weight && linear.weight_gathered_in_float8 && !be.keeps_float8_codes() {
             return Ok(Operand::HighPrecision(x));
         }
         let dims = match gemm {

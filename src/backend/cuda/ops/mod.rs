@@ -416,6 +416,9 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("float8_fake_quantize", self);
         self.float8_fake_quantized_untimed(x, cols, q, amaxes, contracted)
     }
+    fn keeps_float8_codes(&self) -> bool {
+        self.fp8_gemms()
+    }
     fn mx_fake_quantized(&self, x: &Buf, cols: usize, cast: MxCast) -> Buf {
         let _timer = self.profiler.time_on("mx_fake_quantize", self);
         self.mx_fake_quantized_untimed(x, cols, cast)
