@@ -367,7 +367,8 @@ def float8_report():
         f8 = load(f"titan_float8_{r}_1b_s2048.json")
         if bf16 and f8:
             print(f"Llama 3 1B b8 s2048: float8 {r} {f8['tokens_per_s']:.0f} tok/s vs bf16 {bf16['tokens_per_s']:.0f} "
-                  f"({f8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x)")
+                  f"({f8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x; {f8.get('float8_gemms')} float8 GEMMs, "
+                  f"{f8.get('float8_gemms_dequantised')} dequantised)")
 for report in (resume_report, generate_report, fsdp_report, moe_report, deepseek_report, float8_report, bench_report, attention_report):
     section(report)
 PYEOF

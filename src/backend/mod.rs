@@ -471,6 +471,11 @@ pub trait Backend: Send + Sync + 'static {
     fn keeps_float8_codes(&self) -> bool {
         false
     }
+    /// With float8 GEMMs: how many ran so far, and how many GEMMs of float8 operands multiplied
+    /// their dequantised values instead (a shape or layout the float8 kernels do not take).
+    fn float8_gemm_counts(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// `x` (`[rows, cols]`) cast to MXFP8 as `cast` says and dequantised
     /// (`float8::mx_fake_quantize_rows`; its blocks' dimension a multiple of 32).
     fn mx_fake_quantized(&self, x: &Self::Buf, cols: usize, cast: MxCast) -> Self::Buf {

@@ -95,6 +95,9 @@ pub(super) struct JobFigures {
     unit_bubble: Option<f64>,
     /// Context parallel: every rank's figures (the load balance).
     cp: Option<CpPerRank>,
+    /// Rank 0's float8 GEMMs over the whole run and those that multiplied dequantised values
+    /// (`Backend::float8_gemm_counts`; None without float8 GEMMs).
+    float8_gemms: Option<(u64, u64)>,
 }
 
 impl JobFigures {
@@ -138,6 +141,7 @@ impl JobFigures {
             expert_balance,
             bubbles,
             unit_bubble,
+            float8_gemms: be.float8_gemm_counts(),
             cp,
         })
     }
@@ -363,6 +367,8 @@ impl<'a> BenchReport<'a> {
             "peak_rss_mib_per_rank": j.cp.as_ref().map(|c| &c.peaks),
             "loss_first": losses[0], "loss_last": losses[losses.len()-1]});
         object["float8"] = serde_json::json!(self.float8_recipe());
+        object["float8_gemms"] = serde_json::json!(j.float8_gemms.map(|g| g.0));
+        object["float8_gemms_dequantised"] = serde_json::json!(j.float8_gemms.map(|g| g.1));
         // Saves every few steps show in the mean, not the median.
         object["step_s_mean"] = serde_json::json!(times.iter().sum::<f64>() / times.len() as f64);
         object["fsdp_all_gather_mib_per_step"] =
@@ -387,10 +393,13 @@ impl<'a> BenchReport<'a> {
             Some(r) if r.starts_with("mxfp8") => {
                 (format!(" {r} (emulated)"), " (bf16-equivalent FLOPs)")
             }
-            Some(r) if self.device == "cuda" && cfg.wants_float8_gemms() => (
-                format!(" float8 {r} (float8 GEMMs)"),
-                " (bf16-equivalent FLOPs)",
-            ),
+            Some(r) if self.device == "cuda" && cfg.wants_float8_gemms() => {
+                let (run, dequantised) = self.job.float8_gemms.unwrap_or((0, 0));
+                (
+                    format!(" float8 {r} ({run} float8 GEMMs, {dequantised} dequantised)"),
+                    " (bf16-equivalent FLOPs)",
+                )
+            }
             Some(r) => (
                 format!(" float8 {r} (emulated)"),
                 " (bf16-equivalent FLOPs)",

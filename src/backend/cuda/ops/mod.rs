@@ -419,6 +419,9 @@ impl Backend for CudaBackend {
     fn keeps_float8_codes(&self) -> bool {
         self.fp8_gemms()
     }
+    fn float8_gemm_counts(&self) -> Option<(u64, u64)> {
+        self.fp8_gemms().then(|| self.fp8_gemm_counts())
+    }
     fn mx_fake_quantized(&self, x: &Buf, cols: usize, cast: MxCast) -> Buf {
         let _timer = self.profiler.time_on("mx_fake_quantize", self);
         self.mx_fake_quantized_untimed(x, cols, cast)
