@@ -2,7 +2,8 @@
 //! its MXFP8 linears against torchao's MXFP8 training linear (`KernelPreference.EMULATED`, FLOOR
 //! and RCEIL scales): for each recipe, the forward `Y = X·Wᵀ` and both backward products `dX`, `dW` of one linear on the
 //! same inputs. The casts are exact arithmetic on both sides, so the products differ only by the
-//! order of the f32 sums; a scale or rounding off anywhere would move whole rows by far more.
+//! order of the f32 sums; a scale or rounding off anywhere would move whole rows by far more. And
+//! MXFP8 experts against torchao's emulated MXFP8 grouped GEMM, compared in bf16 (its output).
 
 mod common;
 
@@ -52,15 +53,25 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
 /// titan's `Y`, `dX`, `dW` for `recipe` on the CPU backend.
 fn titan_products(
     recipe: Float8Recipe,
+    dims: Dims,
+    operands: (&[f32], &[f32], &[f32]),
+) -> [Vec<f32>; 3] {
+    let casts = Float8Casts {
+        groups: &OnOneRank,
+        partial_row_blocks: false,
+    };
+    products_cast(&casts, recipe, dims, operands)
+}
+
+/// `Y`, `dX`, `dW` of one linear (or one expert's GEMMs over its rows) cast by `casts`.
+fn products_cast(
+    casts: &Float8Casts<'_>,
+    recipe: Float8Recipe,
     Dims { m, k, n }: Dims,
     (x, w, g): (&[f32], &[f32], &[f32]),
 ) -> [Vec<f32>; 3] {
     let be = CpuBackend::default();
     let linear = Linear::new(k, n).in_float8(Some(recipe));
-    let casts = Float8Casts {
-        groups: &OnOneRank,
-        partial_row_blocks: false,
-    };
     let (x, w, g) = (x.to_vec(), w.to_vec(), g.to_vec());
     let [xq, wq] = casts
         .operands(&be, linear, LinearGemm::Output, (&x, &w), m)
@@ -219,4 +230,126 @@ fn mxfp8_linears_match_torchao_with_floor_and_rceil_scales() {
         let theirs = torchao_products(&py, &convert, d, (&x, &w, &g));
         assert_matches(name, d, &mine, &theirs, &x, &w);
     }
+}
+
+/// x rounded to bf16 (nearest even): what torchao's bf16 outputs and output gradients hold.
+fn bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+}
+
+#[test]
+fn mxfp8_experts_match_torchaos_emulated_grouped_gemm() {
+    // Two experts of 40 and 50 routed rows (each ends in a partial block of rows, which torchao
+    // pads with zero rows to 32, as TorchTitan does), RCEIL scales. torchao's emulated grouped
+    // GEMM dequantises into bf16 (exactly: e4m3 values times powers of two) and writes bf16, so
+    // titan's f32 products rounded to bf16 must be torchao's, but for the rare element whose f32
+    // sums (in another order) straddle a bf16 rounding boundary: one bf16 ulp.
+    let Some(py) = common::torchao_python() else {
+        return;
+    };
+    let (k, n, groups) = (64, 96, [40usize, 50]);
+    let m: usize = groups.iter().sum();
+    let (x, w) = (values(m * k, 7), values(groups.len() * n * k, 8));
+    // The output gradient reaches torchao in bf16 (its output's dtype): both sides get those.
+    let g: Vec<f32> = values(m * n, 9).into_iter().map(bf16).collect();
+    let recipe = Float8Recipe::Mxfp8(titan::backend::float8::MxScaling::Rceil);
+    let casts = Float8Casts {
+        groups: &OnOneRank,
+        partial_row_blocks: true,
+    };
+    let mut mine = [Vec::new(), Vec::new(), Vec::new()];
+    let mut start = 0;
+    for (e, &rows) in groups.iter().enumerate() {
+        let (xe, ge) = (
+            &x[start * k..(start + rows) * k],
+            &g[start * n..(start + rows) * n],
+        );
+        let we = &w[e * n * k..(e + 1) * n * k];
+        let dims = Dims { m: rows, k, n };
+        let [y, dx, dw] = products_cast(&casts, recipe, dims, (xe, we, ge));
+        mine[0].extend(y);
+        mine[1].extend(dx);
+        mine[2].extend(dw);
+        start += rows;
+    }
+    let theirs = torchao_grouped(&py, (m, k, n), &groups, (&x, &w, &g));
+    for ((product, a), b) in ["Y", "dX", "dW"].iter().zip(&mine).zip(&theirs) {
+        assert_eq!(a.len(), b.len(), "{product}");
+        let ulps: Vec<u32> = a
+            .iter()
+            .zip(b)
+            .map(|(a, b)| (bf16(*a).to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32)
+            .collect();
+        let exact = ulps.iter().filter(|&&u| u == 0).count();
+        let worst = ulps.iter().max().copied().unwrap_or(0);
+        assert!(
+            worst <= 1 && exact * 100 >= 95 * a.len(),
+            "{product}: {exact} of {} equal in bf16, worst {worst} bf16 ulps",
+            a.len()
+        );
+    }
+}
+
+/// torchao's emulated MXFP8 grouped GEMM (`_to_mxfp8_then_scaled_grouped_mm`, RCEIL, token groups
+/// padded to 32) on `x` `[m, k]`, experts `w` `[E, n, k]` and output gradient `g` `[m, n]`: `Y`,
+/// `dX` and each expert's `dW` `[n, k]`, as f32 (holding bf16 values).
+fn torchao_grouped(
+    py: &str,
+    (m, k, n): (usize, usize, usize),
+    groups: &[usize],
+    (x, w, g): (&[f32], &[f32], &[f32]),
+) -> [Vec<f32>; 3] {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, v: &[f32]| {
+        let p = dir.path().join(name);
+        std::fs::write(
+            &p,
+            v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>(),
+        )
+        .unwrap();
+        p
+    };
+    let (xp, wp, gp) = (write("x", x), write("w", w), write("g", g));
+    let out = dir.path().join("out");
+    let ends: Vec<String> = groups
+        .iter()
+        .scan(0, |end, r| {
+            *end += r;
+            Some(end.to_string())
+        })
+        .collect();
+    let e = groups.len();
+    let script = format!(
+        "import sys, warnings, torch\n\
+         warnings.filterwarnings('ignore')\n\
+         from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm\n\
+         from torchao.prototype.mx_formats.config import ScaleCalculationMode\n\
+         from torchao.quantization.quantize_.common import KernelPreference\n\
+         def load(p, *shape):\n    return torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.float32).reshape(*shape).clone()\n\
+         x, w, g = load(sys.argv[1], {m}, {k}), load(sys.argv[2], {e}, {n}, {k}), load(sys.argv[3], {m}, {n})\n\
+         x.requires_grad_(True)\n\
+         b_t = w.transpose(-2, -1).detach().requires_grad_(True)\n\
+         offs = torch.tensor([{ends}], dtype=torch.int32)\n\
+         y = _to_mxfp8_then_scaled_grouped_mm(x, b_t, offs, out_dtype=torch.bfloat16, kernel_preference=KernelPreference.EMULATED, scale_calculation_mode=ScaleCalculationMode.RCEIL, pad_token_groups_for_grouped_mm=True)\n\
+         y.backward(g.to(torch.bfloat16))\n\
+         dw = b_t.grad.transpose(-2, -1)\n\
+         out = torch.cat([y.detach().float().flatten(), x.grad.float().flatten(), dw.float().flatten()])\n\
+         open(sys.argv[4], 'wb').write(out.numpy().tobytes())\n",
+        ends = ends.join(", ")
+    );
+    let o = Command::new(py)
+        .args(["-c", &script])
+        .args([&xp, &wp, &gp, &out])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let all: Vec<f32> = std::fs::read(&out)
+        .unwrap()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let (y, rest) = all.split_at(m * n);
+    let (dx, dw) = rest.split_at(m * k);
+    [y.to_vec(), dx.to_vec(), dw.to_vec()]
 }
