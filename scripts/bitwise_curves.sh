@@ -41,6 +41,10 @@ cases=(
   "tied_fsdp_pp|4|configs/debug_model.toml|--model.flavor 1B --model.dim 128 --model.n_layers 4 --model.n_heads 4 --model.n_kv_heads 2 --model.vocab_size 2048 --parallelism.pipeline_parallel_degree 2 --training.local_batch_size 4 --training.global_batch_size 16 --parallelism.pipeline_parallel_microbatch_size 2 --training.seq_len 128"
   "ep2_fsdp_ac_full|4|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --parallelism.expert_parallel_degree 2 --activation_checkpoint.mode full --training.seq_len 128 --model.router_aux_loss_coef 0.001"
   "fsdp2_reshard_never_ac2|2|configs/debug_model.toml|--parallelism.fsdp_reshard_after_forward never --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option 2"
+  "float8_rowwise_tp2|2|configs/debug_model.toml|--model.converters quantize.linear.float8 --parallelism.tensor_parallel_degree 2"
+  "float8_tensorwise_fsdp2_ag|2|configs/debug_model.toml|--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.enable_fsdp_float8_all_gather true"
+  "mx_rceil_cp2|2|configs/debug_model.toml|--model.converters quantize.linear.mx --quantize.linear.mx.recipe_name mxfp8_cublas_rceil --parallelism.context_parallel_degree 2"
+  "mx_experts_ep2|2|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --model.converters quantize.grouped_mm.mx --parallelism.expert_parallel_degree 2 --training.seq_len 128"
 )
 # TITAN_CURVES_ONLY="name ...": record only those cases (and no generation).
 only=${TITAN_CURVES_ONLY:-}
