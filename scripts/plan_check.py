@@ -8,7 +8,7 @@ error and Spearman's rank correlation; exits 1 when the median error exceeds 20%
 below 0.8. The two-rank TP and CP layouts and DDP 2 × TP 2 are calibration points (`titan plan
 --calibrate` runs them, as it runs one process of each model) and are marked so.
 
-Usage: scripts/plan_check.py [--titan target/release/titan] [--repeats 2] [--quick]
+Usage: scripts/plan_check.py [--titan target/release/titan] [--repeats 2] [--only LABEL_PART]
 """
 import argparse
 import json
@@ -18,6 +18,7 @@ import sys
 
 DEBUG = []  # the built-in debug job: llama3 debugmodel, batch 8, seq 256
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+FLOAT8 = ["--model.converters", "quantize.linear.float8"]  # rowwise, emulated on the CPU
 
 # (model overrides, ranks, the layout's keys that pick the candidate, label)
 LAYOUTS = [
@@ -43,6 +44,10 @@ LAYOUTS = [
     (MOE, 2, {"data_parallel_shard_degree": "2"}, "MoE FSDP 2"),
     (MOE, 2, {"data_parallel_shard_degree": "2", "expert_parallel_degree": "2"}, "MoE FSDP 2, EP 2"),
     (MOE, 4, {"data_parallel_shard_degree": "4", "expert_parallel_degree": "4"}, "MoE FSDP 4, EP 4"),
+    (FLOAT8, 1, {}, "float8 rowwise, 1 process (calibration)"),
+    (FLOAT8, 2, {"data_parallel_shard_degree": "2"}, "float8 rowwise FSDP 2"),
+    (FLOAT8, 2, {"tensor_parallel_degree": "2"}, "float8 rowwise TP 2"),
+    (FLOAT8, 4, {"data_parallel_shard_degree": "2", "tensor_parallel_degree": "2"}, "float8 rowwise FSDP 2 × TP 2"),
 ]
 
 DEFAULTS = {"pipeline_parallel_degree": "1", "data_parallel_replicate_degree": "1",
@@ -89,10 +94,13 @@ def main():
     ap.add_argument("--titan", default="target/release/titan")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--only", default="", help="only the layouts whose label contains this")
     a = ap.parse_args()
     rows = []
     plans = {}
     for model, n, want, label in LAYOUTS:
+        if a.only not in label:
+            continue
         key = (tuple(model), n)
         if key not in plans:
             plans[key] = json.loads(run([a.titan, "plan", "--nproc", str(n), "--json", "--top", "100000", *model]))

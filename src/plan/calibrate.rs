@@ -46,6 +46,10 @@ pub struct Measured {
     pub cp2_step_s: f64,
     /// One process of the MoE debug model (Qwen3 `debugmodel_moe`) on every core, batch 8.
     pub moe_step_s: f64,
+    /// One process of the debug model with float8 rowwise linears (emulated) on every core, batch
+    /// 8; None in a calibration stored before it was measured (the default rate then).
+    #[serde(default)]
+    pub float8_step_s: Option<f64>,
 }
 
 /// The CPU's model name and core count (a calibration is reused only on the same).
@@ -181,6 +185,7 @@ fn measure() -> Result<Calibration> {
         "--model.flavor",
         "debugmodel_moe",
     ])?;
+    let float8 = run(&["--batch", "8", "--float8", "rowwise"])?;
     let comm = titan(&[
         "bench",
         "comm",
@@ -209,6 +214,7 @@ fn measure() -> Result<Calibration> {
         tp2_dp2_step_s: step(&tp2_dp2)?,
         cp2_step_s: step(&cp2)?,
         moe_step_s: step(&moe)?,
+        float8_step_s: Some(step(&float8)?),
     };
     Ok(Calibration {
         host: host(),
@@ -252,7 +258,7 @@ pub fn fit(m: &Measured) -> Result<Device> {
         tp_efficiency: 1.0,
         cp_efficiency: 1.0,
         moe_efficiency: 1.0,
-        // Not calibrated: the emulated casts' cost measured once (docs/float8.md, `Device`).
+        // Fitted below from the float8 run; this rate where a stored calibration has none.
         float8_speedup: super::device::emulated_float8_speedup(),
     };
     fit_parallel_costs(&mut device, m, &args)?;
@@ -275,8 +281,16 @@ fn one(local_batch: usize) -> Layout {
     }
 }
 
-/// The MoE, TP and CP efficiencies and the in-step wait, each fitted through the planner's own
-/// prediction of its run.
+/// The calibration's float8 run: rowwise linears (`titan bench train --float8 rowwise`).
+const FLOAT8_ROWWISE: [&str; 4] = [
+    "--model.converters",
+    "quantize.linear.float8",
+    "--quantize.linear.float8.recipe_name",
+    "rowwise",
+];
+
+/// The MoE, TP and CP efficiencies, the in-step wait and float8's rate, each fitted through the
+/// planner's own prediction of its run.
 fn fit_parallel_costs(device: &mut Device, m: &Measured, args: &ModelArgs) -> Result<()> {
     let moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
     // The efficiencies where the host is saturated (no waits count), then the wait per in-step
@@ -307,6 +321,14 @@ fn fit_parallel_costs(device: &mut Device, m: &Measured, args: &ModelArgs) -> Re
         (Layout { cp: 2, ..one(8) }, &[]),
         m.cp2_step_s,
     )?;
+    if let Some(measured) = m.float8_step_s {
+        device.float8_speedup = fit_efficiency(
+            device,
+            |d, e| d.float8_speedup = e,
+            (one(8), &FLOAT8_ROWWISE),
+            measured,
+        )?;
+    }
     Ok(())
 }
 
@@ -410,6 +432,7 @@ mod tests {
             tp2_dp2_step_s: 0.890,
             cp2_step_s: 0.546,
             moe_step_s: 0.567,
+            float8_step_s: Some(0.525),
         }
     }
 
@@ -419,7 +442,20 @@ mod tests {
         let mut json = serde_json::to_value(&d).unwrap();
         json.as_object_mut().unwrap().remove("float8_speedup");
         let read: Device = serde_json::from_value(json).unwrap();
-        assert_eq!(read, d);
+        let default = crate::plan::device::emulated_float8_speedup();
+        assert_eq!(
+            read,
+            Device {
+                float8_speedup: default,
+                ..d
+            }
+        );
+        let mut json = serde_json::to_value(measured()).unwrap();
+        json.as_object_mut().unwrap().remove("float8_step_s");
+        let old: Measured = serde_json::from_value(json).unwrap();
+        assert_eq!(old.float8_step_s, None);
+        // Without the float8 run the fit keeps the measured-once rate.
+        assert_eq!(fit(&old).unwrap().float8_speedup, default);
     }
 
     #[test]
@@ -427,8 +463,9 @@ mod tests {
         let m = measured();
         let d = fit(&m).unwrap();
         let moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"];
-        let runs: [(Layout, &[&str], f64); 4] = [
+        let runs: [(Layout, &[&str], f64); 5] = [
             (one(8), &moe, m.moe_step_s),
+            (one(8), &FLOAT8_ROWWISE, m.float8_step_s.unwrap()),
             (
                 Layout {
                     tp: 2,

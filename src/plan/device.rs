@@ -76,9 +76,9 @@ pub struct Device {
     pub moe_efficiency: f64,
     /// How much faster a float8 linear's FLOPs run than bf16 ones: read off TorchTitan's
     /// Llama 3.1 8B on 8 H100s (6,667 → 8,532 tok/s/GPU with float8 rowwise, +28%, at a 72% share
-    /// of linear FLOPs: 1.43) for the GPUs; on the CPU the emulated casts make them slower
-    /// (docs/float8.md: the debug model's step 1.24× with rowwise, 85% linear FLOPs: 0.78). Not
-    /// measured by the calibration, so a calibration stored before it existed reads the CPU's.
+    /// of linear FLOPs: 1.43) for the GPUs; on the CPU the emulated casts make them slower, fitted
+    /// by the calibration's float8 run (a calibration stored before it had one reads 0.78, from
+    /// docs/float8.md's debug model: step 1.24× with rowwise at 85% linear FLOPs).
     #[serde(default = "emulated_float8_speedup")]
     pub float8_speedup: f64,
 }
