@@ -99,18 +99,6 @@ fn torchao_products(
     Dims { m, k, n }: Dims,
     (x, w, g): (&[f32], &[f32], &[f32]),
 ) -> [Vec<f32>; 3] {
-    let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, v: &[f32]| {
-        let p = dir.path().join(name);
-        std::fs::write(
-            &p,
-            v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>(),
-        )
-        .unwrap();
-        p
-    };
-    let (xp, wp, gp) = (write("x", x), write("w", w), write("g", g));
-    let out = dir.path().join("out");
     let script = format!(
         "import sys, dataclasses, torch\n\
          def load(p, *shape):\n    return torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.float32).reshape(*shape).clone()\n\
@@ -124,20 +112,38 @@ fn torchao_products(
          out = torch.cat([y.detach().flatten(), x.grad.flatten(), m[0].weight.grad.flatten()])\n\
          open(sys.argv[4], 'wb').write(out.numpy().tobytes())\n"
     );
-    let o = Command::new(py)
-        .args(["-c", &script])
-        .args([&xp, &wp, &gp, &out])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let all: Vec<f32> = std::fs::read(&out)
-        .unwrap()
-        .chunks(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    let all = run_torch(py, &script, [x, w, g]);
     let (y, rest) = all.split_at(m * n);
     let (dx, dw) = rest.split_at(m * k);
     [y.to_vec(), dx.to_vec(), dw.to_vec()]
+}
+
+/// Runs `script` with `py`: its arguments are files holding `inputs` (f32, little-endian) and
+/// the file it writes its f32 outputs to, which are returned.
+fn run_torch(py: &str, script: &str, inputs: [&[f32]; 3]) -> Vec<f32> {
+    let dir = tempfile::tempdir().unwrap();
+    let mut paths: Vec<std::path::PathBuf> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let p = dir.path().join(format!("in{i}"));
+            let bytes: Vec<u8> = v.iter().flat_map(|f| f.to_le_bytes()).collect();
+            std::fs::write(&p, bytes).unwrap();
+            p
+        })
+        .collect();
+    paths.push(dir.path().join("out"));
+    let o = Command::new(py)
+        .args(["-c", script])
+        .args(&paths)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read(&paths[3])
+        .unwrap()
+        .chunks(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// Checks titan's three products against torchao's: within 1e-6 of the largest value, and not the
@@ -300,18 +306,6 @@ fn torchao_grouped(
     groups: &[usize],
     (x, w, g): (&[f32], &[f32], &[f32]),
 ) -> [Vec<f32>; 3] {
-    let dir = tempfile::tempdir().unwrap();
-    let write = |name: &str, v: &[f32]| {
-        let p = dir.path().join(name);
-        std::fs::write(
-            &p,
-            v.iter().flat_map(|f| f.to_le_bytes()).collect::<Vec<u8>>(),
-        )
-        .unwrap();
-        p
-    };
-    let (xp, wp, gp) = (write("x", x), write("w", w), write("g", g));
-    let out = dir.path().join("out");
     let ends: Vec<String> = groups
         .iter()
         .scan(0, |end, r| {
@@ -338,17 +332,7 @@ fn torchao_grouped(
          open(sys.argv[4], 'wb').write(out.numpy().tobytes())\n",
         ends = ends.join(", ")
     );
-    let o = Command::new(py)
-        .args(["-c", &script])
-        .args([&xp, &wp, &gp, &out])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let all: Vec<f32> = std::fs::read(&out)
-        .unwrap()
-        .chunks(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
+    let all = run_torch(py, &script, [x, w, g]);
     let (y, rest) = all.split_at(m * n);
     let (dx, dw) = rest.split_at(m * k);
     [y.to_vec(), dx.to_vec(), dw.to_vec()]
