@@ -127,12 +127,11 @@ fn gpu(a: &PlanArgs) -> Result<(device::Device, Vec<String>, PlannedGpu)> {
         "bfloat16".into(),
     ];
     overrides.extend(a.overrides.iter().cloned());
-    let precision = crate::config::Config::load(a.config.as_deref(), &overrides)?
-        .training
-        .mixed_precision_param;
+    let cfg = crate::config::Config::load(a.config.as_deref(), &overrides)?;
     let sizing = PlannedGpu {
         memory_bytes,
-        bf16: precision == "bfloat16",
+        bf16: cfg.training.mixed_precision_param == "bfloat16",
+        float8_gemms: cfg.wants_float8_gemms(),
     };
     Ok((device, overrides, sizing))
 }

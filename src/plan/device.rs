@@ -182,6 +182,8 @@ pub struct PlannedGpu {
     pub memory_bytes: u64,
     /// `[training] mixed_precision_param = "bfloat16"`.
     pub bf16: bool,
+    /// Float8 linears with float8 GEMMs (`Config::wants_float8_gemms`): the casts keep codes.
+    pub float8_gemms: bool,
 }
 
 impl DeviceSizing for PlannedGpu {
@@ -202,5 +204,8 @@ impl DeviceSizing for PlannedGpu {
     }
     fn device_free_memory(&self) -> Option<u64> {
         Some(self.memory_bytes)
+    }
+    fn keeps_float8_codes(&self) -> bool {
+        self.float8_gemms
     }
 }

@@ -46,8 +46,7 @@ impl RankSizing<'_> {
         let rows = self.pipeline.map_or(batch, |p| p.microbatch_rows);
         e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
         if self.float8 {
-            // On a GPU with float8 GEMMs each cast also keeps its codes and reciprocal scales.
-            let codes = self.cfg.wants_float8_gemms() && self.be.device_free_memory().is_some();
+            let codes = self.be.keeps_float8_codes();
             e.scratch += float8_cast_scratch_bytes(local, rows * local.local_seq(seq), codes);
         }
         if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {

@@ -26,6 +26,8 @@ pub trait DeviceSizing {
     fn compute_copy_bytes_per_param(&self) -> u64;
     /// The device's free memory (None: the host's memory is what counts).
     fn device_free_memory(&self) -> Option<u64>;
+    /// Whether float8 casts also keep their codes (`Backend::keeps_float8_codes`).
+    fn keeps_float8_codes(&self) -> bool;
 }
 
 impl<B: Backend> DeviceSizing for B {
@@ -43,6 +45,9 @@ impl<B: Backend> DeviceSizing for B {
     }
     fn device_free_memory(&self) -> Option<u64> {
         Backend::device_free_memory(self)
+    }
+    fn keeps_float8_codes(&self) -> bool {
+        Backend::keeps_float8_codes(self)
     }
 }
 

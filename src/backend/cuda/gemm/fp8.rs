@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::sys;
-use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{Addend, Gemm, GemmInput, GemmPlan, Output, PlanSpec};
 use crate::backend::float8::Fp8Format;
@@ -77,6 +77,8 @@ fn data_type(format: Fp8Format) -> sys::cudaDataType {
 pub(super) struct Fp8Gemms {
     plans: Mutex<HashMap<Fp8Key, Option<GemmPlan>>>,
     scale_product: CudaFunction,
+    /// The products of an accumulating GEMM (`try_fp8`), grown to the largest and reused.
+    scratch: Mutex<Option<CudaSlice<f32>>>,
     run: AtomicU64,
     emulated: AtomicU64,
     warned: AtomicBool,
@@ -87,6 +89,7 @@ impl Fp8Gemms {
         Fp8Gemms {
             plans: Mutex::new(HashMap::new()),
             scale_product,
+            scratch: Mutex::new(None),
             run: AtomicU64::new(0),
             emulated: AtomicU64::new(0),
             warned: AtomicBool::new(false),
@@ -152,14 +155,19 @@ impl Gemm {
         let Some(plan) = plan.as_ref() else {
             return Ok(self.fp8.dequantised());
         };
-        let product = self.fp8_product(plan, (fa, fb), m * n)?;
-        drop(plans);
-        let addend = match addend {
-            Addend::None => 0,
-            Addend::Output => out,
-            Addend::Other(address) => address,
+        // The products go straight into `out` unless it is accumulated into (then its values are
+        // the addend, and the products wait in a scratch buffer kept for the next such GEMM).
+        let mut scratch = self.fp8.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let (product, addend) = match addend {
+            Addend::None => (out, 0),
+            Addend::Other(address) => (out, address),
+            Addend::Output => (self.fp8_scratch(&mut scratch, m * n)?, out),
         };
-        self.scale_fp8_product(out, &product, addend, (fa, fb), (m, n))?;
+        // SAFETY: the codes are live device buffers of m·k and n·k bytes (checked by `fits`), and
+        // `product` holds m·n floats (`out`, or the scratch grown to it).
+        unsafe { self.run_plan(plan, [fb.codes, fa.codes], [product, product], 0.0) }?;
+        drop(plans);
+        self.scale_fp8_product(out, product, addend, (fa, fb), (m, n))?;
         self.fp8.run.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
@@ -189,28 +197,26 @@ impl Gemm {
         })
     }
 
-    /// The f32 products of the codes (`len` = m·n values), summed by cuBLASLt with unit scales.
-    fn fp8_product(
-        &self,
-        plan: &GemmPlan,
-        (a, b): (Fp8Input, Fp8Input),
-        len: usize,
-    ) -> Result<cudarc::driver::CudaSlice<f32>> {
-        // SAFETY: every element is written by the GEMM below before the scaling kernel reads it.
-        let product = unsafe { self.stream.alloc::<f32>(len) }
-            .map_err(|e| anyhow!("allocating a float8 GEMM's {len} products: {e}"))?;
-        let product_ptr = product.device_ptr(&self.stream).0;
-        // SAFETY: the codes are live device buffers of m·k and n·k bytes (checked by `fits`), and
-        // the product holds m·n floats.
-        unsafe { self.run_plan(plan, [b.codes, a.codes], [product_ptr, product_ptr], 0.0) }?;
-        Ok(product)
+    /// The address of the accumulation scratch, grown to at least `len` floats (its contents are
+    /// written by the GEMM before they are read; the stream orders its reuse).
+    fn fp8_scratch(&self, scratch: &mut Option<CudaSlice<f32>>, len: usize) -> Result<u64> {
+        if scratch.as_ref().is_none_or(|s| s.len() < len) {
+            *scratch = None;
+            // SAFETY: every element read is first written by the GEMM that uses the scratch.
+            let grown = unsafe { self.stream.alloc::<f32>(len) }
+                .map_err(|e| anyhow!("allocating a float8 GEMM's {len} products: {e}"))?;
+            *scratch = Some(grown);
+        }
+        let slice = scratch.as_ref().expect("allocated above");
+        Ok(slice.device_ptr(&self.stream).0)
     }
 
-    /// `out = addend + product · (1/scale_a · 1/scale_b)` per element (`addend` 0: none).
+    /// `out = addend + product · (1/scale_a · 1/scale_b)` per element (`addend` 0: none;
+    /// `product` may be `out` itself).
     fn scale_fp8_product(
         &self,
         out: u64,
-        product: &cudarc::driver::CudaSlice<f32>,
+        product: u64,
         addend: u64,
         (a, b): (Fp8Input, Fp8Input),
         (m, n): (usize, usize),
@@ -224,7 +230,7 @@ impl Gemm {
         let (a_per_row, b_per_col) = ((a.scale_count > 1) as i32, (b.scale_count > 1) as i32);
         let (n_i, len_i) = (n as i64, len as i64);
         let mut builder = self.stream.launch_builder(&self.fp8.scale_product);
-        builder.arg(&out).arg(product).arg(&addend);
+        builder.arg(&out).arg(&product).arg(&addend);
         builder.arg(&a.inverse_scales).arg(&a_per_row);
         builder.arg(&b.inverse_scales).arg(&b_per_col);
         builder.arg(&n_i).arg(&len_i);

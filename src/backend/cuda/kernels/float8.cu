@@ -201,7 +201,8 @@ extern "C" __global__ void float8_fake_quantize(float* out, const float* x, cons
 // A float8 GEMM's product of codes ([m, n], one f32 sum of code products each) scaled back by
 // the operands' reciprocal scales: out = addend + product · (inv_a · inv_b), inv_a one per row
 // of the output (or one for all when !a_per_row), inv_b one per column (or one). `addend` may be
-// null (nothing added) or `out` itself (accumulation).
+// null (nothing added) or `out` itself (accumulation); `product` may be `out` itself (each value
+// is read before it is written).
 extern "C" __global__ void float8_scale_product(float* out, const float* product,
                                                 const float* addend, const float* inv_a,
                                                 int a_per_row, const float* inv_b, int b_per_col,

@@ -146,8 +146,7 @@ impl CudaBackend {
             ScaleAxis::Columns => transposed,
         };
         let mut codes = (self.fp8_gemms && scales_factor_out).then(|| self.alloc_unzeroed::<u8>(n));
-        let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
-        let scales = self.upload_untimed(&scales);
+        let device_scales = self.upload_untimed(&scales);
         let mut out = self.uninit(n);
         let [x_address, x16_address] = self.operand_addresses(x);
         let (cols_i, axis, format) = (cols as i64, axis_code(q.axis), format_code(q.format));
@@ -163,7 +162,7 @@ impl CudaBackend {
             &mut out,
             &x_address,
             &x16_address,
-            &scales,
+            &device_scales,
             &cols_i,
             &axis,
             &format,
@@ -171,6 +170,7 @@ impl CudaBackend {
             &transposed_i
         );
         if let Some(codes) = codes {
+            let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
             let inverse_scales = self.stream.clone_htod(&inverse).unwrap_or_else(|e| {
                 panic!(
                     "CUDA: uploading {} float8 scales failed: {e}",
