@@ -44,6 +44,7 @@ cases=(
   "float8_rowwise_tp2|2|configs/debug_model.toml|--model.converters quantize.linear.float8 --parallelism.tensor_parallel_degree 2"
   "float8_tensorwise_fsdp2_ag|2|configs/debug_model.toml|--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.enable_fsdp_float8_all_gather true"
   "mx_rceil_cp2|2|configs/debug_model.toml|--model.converters quantize.linear.mx --quantize.linear.mx.recipe_name mxfp8_cublas_rceil --parallelism.context_parallel_degree 2"
+  "float8_head_tp2|2|configs/debug_model.toml|--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns , --parallelism.tensor_parallel_degree 2"
   "mx_experts_ep2|2|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --model.converters quantize.grouped_mm.mx --parallelism.expert_parallel_degree 2 --training.seq_len 128"
 )
 # TITAN_CURVES_ONLY="name ...": record only those cases (and no generation).

@@ -4,6 +4,8 @@
 //! same inputs. The casts are exact arithmetic on both sides, so the products differ only by the
 //! order of the f32 sums; a scale or rounding off anywhere would move whole rows by far more. And
 //! MXFP8 experts against torchao's emulated MXFP8 grouped GEMM, compared in bf16 (its output).
+//! And a float8 output head (`filter_fqns` without `output`): torchao's `Float8Linear` followed
+//! by PyTorch's cross-entropy, its loss and both gradients.
 
 mod common;
 
@@ -11,6 +13,7 @@ use std::process::Command;
 
 use titan::backend::cpu::CpuBackend;
 use titan::backend::float8::{Float8Recipe, LinearGemm};
+use titan::backend::{Backend, IGNORE_INDEX};
 use titan::model::float8_linear::{Float8Casts, OnOneRank};
 use titan::model::linear::Linear;
 
@@ -236,6 +239,122 @@ fn mxfp8_linears_match_torchao_with_floor_and_rceil_scales() {
         let theirs = torchao_products(&py, &convert, d, (&x, &w, &g));
         assert_matches(name, d, &mine, &theirs, &x, &w);
     }
+}
+
+/// A float8 output head's sizes: 32 token rows, dim 48, vocabulary 64.
+const HEAD_DIMS: Dims = Dims {
+    m: 32,
+    k: 48,
+    n: 64,
+};
+
+/// titan's loss, `dH`, `dW` of a float8 head on the CPU backend, as `Llama`'s float8 head
+/// computes them: the logits through the float8 linear, the loss of the whole logits with their
+/// gradient in place, and the linear's two backward GEMMs on that gradient.
+fn titan_head(
+    recipe: Float8Recipe,
+    (h, w, targets): (&[f32], &[f32], &[u32]),
+    grad_scale: f32,
+) -> [Vec<f32>; 3] {
+    let Dims { m, k, n } = HEAD_DIMS;
+    let be = CpuBackend::default();
+    let linear = Linear::new(k, n).in_float8(Some(recipe));
+    let casts = Float8Casts {
+        groups: &OnOneRank,
+        partial_row_blocks: false,
+    };
+    let (h, w) = (h.to_vec(), w.to_vec());
+    let [hq, wq] = casts
+        .operands(&be, linear, LinearGemm::Output, (&h, &w), m)
+        .unwrap();
+    let mut logits = vec![0f32; m * n];
+    linear.forward(&be, &mut logits, hq.buf(), wq.buf(), m);
+    let loss = be.cross_entropy_of_logits(&mut logits, targets, n, grad_scale, true);
+    let [_, dh, dw] = products_cast(&casts, recipe, HEAD_DIMS, (&h, &w, &logits));
+    [vec![loss.sum as f32], dh, dw]
+}
+
+/// torchao's: `Float8Linear` (emulated) and `F.cross_entropy` summed over the rows (ignore index
+/// -100), times `grad_scale`, backward.
+fn torchao_head(
+    py: &str,
+    name: &str,
+    (h, w, targets): (&[f32], &[f32], &[f32]),
+    grad_scale: f32,
+) -> [Vec<f32>; 3] {
+    let Dims { m, k, n } = HEAD_DIMS;
+    let script = format!(
+        "import sys, dataclasses, torch\n\
+         from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n\
+         def load(p, *shape):\n    return torch.frombuffer(bytearray(open(p, 'rb').read()), dtype=torch.float32).reshape(*shape).clone()\n\
+         h, w, t = load(sys.argv[1], {m}, {k}), load(sys.argv[2], {n}, {k}), load(sys.argv[3], {m}).long()\n\
+         m = torch.nn.Sequential(torch.nn.Linear({k}, {n}, bias=False))\n\
+         with torch.no_grad():\n    m[0].weight.copy_(w)\n\
+         config = dataclasses.replace(Float8LinearConfig.from_recipe_name('{name}'), emulate=True)\n\
+         convert_to_float8_training(m, config=config)\n\
+         h.requires_grad_(True)\n\
+         loss = torch.nn.functional.cross_entropy(m(h), t, ignore_index=-100, reduction='sum')\n\
+         (loss * {grad_scale:?}).backward()\n\
+         out = torch.cat([loss.detach().reshape(1), h.grad.flatten(), m[0].weight.grad.flatten()])\n\
+         open(sys.argv[4], 'wb').write(out.numpy().tobytes())\n"
+    );
+    let all = run_torch(py, &script, [h, w, targets]);
+    let (loss, rest) = all.split_at(1);
+    let (dh, dw) = rest.split_at(m * k);
+    [loss.to_vec(), dh.to_vec(), dw.to_vec()]
+}
+
+#[test]
+fn a_float8_output_head_matches_torchao_and_pytorchs_cross_entropy() {
+    let Some(py) = common::torchao_python() else {
+        return;
+    };
+    let Dims { m, k, n } = HEAD_DIMS;
+    // Logits of a few units, so the softmax is neither flat nor one-hot.
+    let h: Vec<f32> = values(m * k, 7).iter().map(|v| v * 0.004).collect();
+    let w: Vec<f32> = values(n * k, 8).iter().map(|v| v * 0.004).collect();
+    let targets: Vec<u32> = (0..m)
+        .map(|r| match r % 5 {
+            4 => IGNORE_INDEX,
+            _ => (r * 37 % n) as u32,
+        })
+        .collect();
+    let as_torch: Vec<f32> = targets
+        .iter()
+        .map(|&t| if t == IGNORE_INDEX { -100.0 } else { t as f32 })
+        .collect();
+    let grad_scale = 1.0 / 26.0;
+    for (recipe, name) in [
+        (Float8Recipe::Tensorwise, "tensorwise"),
+        (Float8Recipe::Rowwise, "rowwise"),
+        (Float8Recipe::RowwiseWithGwHp, "rowwise_with_gw_hp"),
+    ] {
+        let mine = titan_head(recipe, (&h, &w, &targets), grad_scale);
+        let theirs = torchao_head(&py, name, (&h, &w, &as_torch), grad_scale);
+        for ((what, a), b) in ["loss", "dH", "dW"].iter().zip(&mine).zip(&theirs) {
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= 2e-6 * scale,
+                "{name} {what}: titan and torchao differ by {worst:e} (largest value {scale:e})"
+            );
+        }
+    }
+    // The casts are in the numbers: the high-precision head's loss is another.
+    let be = CpuBackend::default();
+    let mut logits = vec![0f32; m * n];
+    Linear::new(k, n).forward(&be, &mut logits, &h, &w, m);
+    let plain = be.cross_entropy_of_logits(&mut logits, &targets, n, 1.0, false);
+    let float8 = titan_head(Float8Recipe::Rowwise, (&h, &w, &targets), grad_scale)[0][0];
+    assert!(
+        (plain.sum as f32 - float8).abs() > 1e-4,
+        "{} / {float8}",
+        plain.sum
+    );
 }
 
 /// x rounded to bf16 (nearest even): what torchao's bf16 outputs and output gradients hold.

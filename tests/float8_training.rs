@@ -442,6 +442,76 @@ fn fsdp_float8_all_gather_changes_no_number_and_sends_a_quarter_of_the_bytes() {
     assert_eq!(saved[0], (3 * 61440 * 3) as f64);
 }
 
+/// The output head in float8 too: nothing filtered, and a vocabulary of 320 (300 is not a multiple
+/// of 16; 160 a rank under TP 2).
+const HEAD: &[&str] = &[
+    "--model.vocab_size",
+    "320",
+    "--quantize.linear.float8.filter_fqns",
+    "",
+];
+
+#[test]
+fn a_float8_output_head_trains_under_tp_and_cp_as_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[],
+        &[FLOAT8, HEAD, &["--training.steps", "2"]].concat(),
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("15 linears in float8: ") && out.contains(", output"),
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // Its logits whole, cast like a column-parallel projection's (per-row and per-column amaxes
+    // of the logit gradient agreed over the vocabulary shards, and over CP's token rows).
+    check(
+        "float8 head TP 2",
+        HEAD,
+        &nproc("2"),
+        &[HEAD, TP_2].concat(),
+    );
+    let no_loss_parallel = [TP_2, &["--parallelism.disable_loss_parallel", "true"]].concat();
+    check(
+        "float8 head TP 2 without loss parallel",
+        HEAD,
+        &nproc("2"),
+        &[HEAD, &no_loss_parallel].concat(),
+    );
+    let cp = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ];
+    check("float8 head CP 2", HEAD, &nproc("2"), &[HEAD, &cp].concat());
+    // FSDP's float8 all-gather takes the head's weight too (tensorwise): the same numbers, fewer
+    // bytes than with the head in high precision.
+    let tensorwise = [&recipe("tensorwise")[..], &["--training.steps", "3"]].concat();
+    let fsdp = [&tensorwise[..], &fsdp_2()].concat();
+    let gather = [
+        "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+        "true",
+    ];
+    let run = |args: &[&str]| step_figures("float8 head FSDP 2", &nproc("2"), args);
+    let plain = run(&[&fsdp[..], HEAD].concat());
+    let gathered = run(&[&fsdp[..], HEAD, &gather].concat());
+    let head_not_float8 = ["--model.vocab_size", "320"];
+    let blocks_only = run(&[&fsdp[..], &head_not_float8, &gather].concat());
+    for (a, b) in plain.iter().zip(&gathered) {
+        assert!(
+            a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
+            "{plain:?} / {gathered:?}"
+        );
+    }
+    assert!(
+        gathered[0][2] < blocks_only[0][2],
+        "{gathered:?} / {blocks_only:?}"
+    );
+}
+
 #[test]
 fn filtered_and_small_linears_stay_in_high_precision_and_say_why() {
     let dir = tempfile::tempdir().unwrap();

@@ -511,6 +511,23 @@ pub trait Backend: Send + Sync + 'static {
         grad_scale: f32,
         grads: Option<(&mut Self::Buf, &mut Self::Buf)>,
     ) -> LossSum;
+    /// Cross-entropy of each row of `logits` (`[rows, vocab]`, computed by the caller) against
+    /// `targets` (every one inside the vocabulary or `IGNORE_INDEX`); with `want_grad` each row
+    /// becomes `grad_scale · ∂(sum of losses)/∂logits`, else the logits are left scratch.
+    fn cross_entropy_of_logits(
+        &self,
+        logits: &mut Self::Buf,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: f32,
+        want_grad: bool,
+    ) -> LossSum {
+        let mut host = self.download(logits);
+        let loss =
+            cpu::loss::cross_entropy_of_logits(&mut host, targets, vocab, grad_scale, want_grad);
+        *logits = self.upload_owned(host);
+        loss
+    }
     /// Logits of the given rows of `h` (`[rows, dim]`) against `weight` `[vocab, dim]`.
     fn logits(
         &self,

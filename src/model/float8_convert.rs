@@ -9,10 +9,12 @@
 //! (`_auto_filter_for_recipe`, measured on H100s). The features counted are the whole model's,
 //! before tensor parallelism splits them.
 //!
-//! Only the blocks' projections are `nn.Linear`s that titan computes through `Linear`: the output
-//! head is fused with the loss (and TorchTitan filters it by default), the router stays in high
-//! precision, and the routed experts are grouped GEMMs (`quantize.grouped_mm.float8`, not built
-//! yet): the report lists them as left out.
+//! The blocks' projections and the output head (`output`, which TorchTitan's default
+//! `filter_fqns` leaves out) are the linears converted. The router stays in high precision, and
+//! the routed experts are grouped GEMMs that `quantize.grouped_mm.float8` converts
+//! (`with_experts`): the report lists them as left out otherwise. A float8 head computes its
+//! logits whole instead of fused with the loss in row chunks, because its casts need the whole
+//! logit gradient (`Llama::head_forward_backward`).
 
 use anyhow::{bail, Result};
 
@@ -40,6 +42,8 @@ pub struct Float8Conversion {
     blocks: Vec<[Option<Float8Recipe>; BlockProjection::ALL.len()]>,
     /// Each block's routed experts' recipe (`quantize.grouped_mm.float8`; empty without).
     experts: Vec<Option<Float8Recipe>>,
+    /// The output head's recipe (None: high precision, fused with the loss).
+    head: Option<Float8Recipe>,
     /// Every linear's name and, for those left in high precision, why.
     pub report: Vec<(String, Option<String>)>,
     /// FSDP all-gathers the converted linears' weights as float8 (tensorwise): their casts skip
@@ -105,17 +109,15 @@ impl Float8Conversion {
                 ));
             }
         }
-        let head = match options
-            .filter_fqns
-            .iter()
-            .find(|f| "output".contains(f.as_str()))
-        {
-            Some(f) => format!("filter_fqns \"{f}\""),
-            None => {
-                "the output head is computed fused with the loss; a float8 head is not built".into()
-            }
+        let (d_in, d_out) = (args.dim, args.vocab_size);
+        let why = match converts {
+            true => Self::left_out("output", d_in, d_out, options, auto),
+            false => Some("no linear converter among [model] converters".into()),
         };
-        plan.report.push(("output".into(), Some(head)));
+        if why.is_none() {
+            plan.head = Some(options.recipe);
+        }
+        plan.report.push(("output".into(), why));
         Ok(plan)
     }
 
@@ -159,10 +161,13 @@ impl Float8Conversion {
                     _ => ("output", d_out),
                 };
                 let multiple = recipe.feature_multiple();
-                if tp > 1 && !(split / tp).is_multiple_of(multiple) {
-                    bail!("MXFP8 under tensor_parallel_degree = {tp}: {name} has {split} {what} features, {} per rank, not whole blocks of {multiple}; leave it out (`[quantize.linear.mx] filter_fqns`) or choose another degree", split / tp);
-                }
+                check_split_blocks(tp, (&name, what, split), multiple)?;
             }
+        }
+        // The head is column-parallel: its vocabulary rows are split.
+        if let Some(recipe @ Float8Recipe::Mxfp8(_)) = self.head {
+            let split = ("output", "output", args.vocab_size);
+            check_split_blocks(tp, split, recipe.feature_multiple())?;
         }
         Ok(())
     }
@@ -194,6 +199,11 @@ impl Float8Conversion {
             ));
         }
         None
+    }
+
+    /// The output head's recipe (None: high precision).
+    pub fn head(&self) -> Option<Float8Recipe> {
+        self.head
     }
 
     /// The recipe of block `layer`'s projection `p` (None: high precision, and always without a
@@ -265,15 +275,17 @@ impl Float8Conversion {
                 }
             }
         }
+        if self.head == Some(Float8Recipe::Tensorwise) {
+            out.push(ids.output);
+        }
         out
     }
 
-    /// How many linears compute in float8.
     /// Parameters one token multiplies in float8 (or MXFP8) GEMMs, over the whole model: the
     /// converted block projections, and the `top_k` routed experts it goes through where they are
-    /// converted (the planner's share of the FLOPs that float8 speeds up).
+    /// converted (the planner's share of the FLOPs that float8 speeds up), and the output head.
     pub fn params_per_token(&self, args: &ModelArgs) -> usize {
-        let mut params = 0;
+        let mut params = self.head.map_or(0, |_| args.dim * args.vocab_size);
         for (l, block) in self.blocks.iter().enumerate() {
             for (p, _, d_in, d_out) in block_linears(args, l) {
                 params += block[p.index()].map_or(0, |_| d_in * d_out);
@@ -285,9 +297,11 @@ impl Float8Conversion {
         params
     }
 
+    /// How many linears compute in float8 (the experts of a block count as one).
     pub fn converted(&self) -> usize {
         let linears = self.blocks.iter().flatten().filter(|r| r.is_some()).count();
-        linears + self.experts.iter().filter(|r| r.is_some()).count()
+        let head = self.head.is_some() as usize;
+        linears + head + self.experts.iter().filter(|r| r.is_some()).count()
     }
 
     /// The start-up lines: the converted linears and those left out with why, a projection that
@@ -321,7 +335,8 @@ impl Float8Conversion {
                 )),
             }
         }
-        let recipes = self.blocks.iter().flatten().chain(&self.experts).flatten();
+        let recipes = self.blocks.iter().flatten().chain(&self.experts);
+        let recipes = recipes.chain(std::iter::once(&self.head)).flatten();
         let mx = recipes.clone().any(|r| matches!(r, Float8Recipe::Mxfp8(_)));
         let float8 = recipes
             .clone()
@@ -351,6 +366,19 @@ impl Float8Conversion {
             .chain(lines)
             .collect()
     }
+}
+
+/// MXFP8 under `tp` ranks: a linear's split features (`name`, `what` features, `split` of them)
+/// must leave each rank whole blocks of `multiple`.
+fn check_split_blocks(
+    tp: usize,
+    (name, what, split): (&str, &str, usize),
+    multiple: usize,
+) -> Result<()> {
+    if tp > 1 && !(split / tp).is_multiple_of(multiple) {
+        bail!("MXFP8 under tensor_parallel_degree = {tp}: {name} has {split} {what} features, {} per rank, not whole blocks of {multiple}; leave it out (`[quantize.linear.mx] filter_fqns`) or choose another degree", split / tp);
+    }
+    Ok(())
 }
 
 /// `layers.<n>.rest` as `layers.*.rest` (other names unchanged).
@@ -414,7 +442,7 @@ mod tests {
         let all = Float8Conversion::plan(&args, &options).unwrap();
         assert_eq!(all.params_per_token(&args), args.n_layers * per_block);
         let no_ffn = Float8Options {
-            filter_fqns: vec!["feed_forward".into()],
+            filter_fqns: vec!["feed_forward".into(), "output".into()],
             ..options
         };
         let attention = Float8Conversion::plan(&args, &no_ffn).unwrap();
@@ -478,6 +506,63 @@ mod tests {
             0,
             "the debug model is below every threshold"
         );
-        assert!(small.summary(2).join("\n").contains("fused with the loss"));
+        assert!(small
+            .summary(2)
+            .join("\n")
+            .contains("output (auto_filter_small_kn: 256 -> 2048 is below"));
+    }
+
+    #[test]
+    fn the_output_head_converts_when_no_filter_names_it() {
+        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        args.n_layers = 1;
+        let options = Float8Options {
+            recipe: Float8Recipe::Tensorwise,
+            filter_fqns: Vec::new(),
+        };
+        let plan = Float8Conversion::plan(&args, &options).unwrap();
+        assert_eq!(plan.head(), Some(Float8Recipe::Tensorwise));
+        assert_eq!(plan.converted(), 8);
+        let summary = plan.summary(1).join("\n");
+        assert!(summary.contains("8 linears in float8: ") && summary.contains(", output"));
+        let blocks = Float8Conversion::plan(
+            &args,
+            &Float8Options {
+                filter_fqns: vec!["output".into()],
+                ..options.clone()
+            },
+        )
+        .unwrap();
+        assert_eq!(blocks.head(), None);
+        let head_params = args.dim * args.vocab_size;
+        assert_eq!(
+            plan.params_per_token(&args),
+            blocks.params_per_token(&args) + head_params
+        );
+        // FSDP's float8 all-gather takes its weight with the blocks' (tensorwise).
+        let ids = ParamIds::new(&args);
+        let gathered = plan.clone().with_fsdp_float8_all_gather(true);
+        assert!(gathered.gathered_weights(&ids).contains(&ids.output));
+        // A vocabulary that is not a multiple of 16 keeps it in high precision, and says why.
+        args.vocab_size = 2050;
+        let odd = Float8Conversion::plan(&args, &options).unwrap();
+        assert_eq!(odd.head(), None);
+        assert!(odd
+            .summary(1)
+            .join("\n")
+            .contains("output (features 256 -> 2050 are not multiples of 16)"));
+        // MXFP8 under TP 2: each rank's vocabulary rows must be whole blocks of 32.
+        args.vocab_size = 2 * 1040;
+        let mx = Float8Options {
+            recipe: Float8Recipe::Mxfp8(crate::backend::float8::MxScaling::Rceil),
+            filter_fqns: Vec::new(),
+        };
+        let mx_plan = Float8Conversion::plan(&args, &mx).unwrap();
+        assert!(mx_plan.head().is_some());
+        let err = mx_plan.for_tensor_parallel(&args, 2).unwrap_err();
+        assert!(
+            format!("{err}").contains("output has 2080 output features, 1040 per rank"),
+            "{err}"
+        );
     }
 }

@@ -201,6 +201,49 @@ impl<B: Backend> TensorParallelGroup<B> {
     }
 }
 
+impl<B: Backend> TensorParallelGroup<B> {
+    /// The cross-entropy of each row of `logits` (`[rows, vocab]`, this rank's vocabulary shard
+    /// `(vocab, offset)`) against `targets`, added into `total` in row order; with `want_grad`
+    /// the logits become `grad_scale · ∂(sum of losses)/∂logits` = softmax − one-hot(target).
+    fn add_shard_losses(
+        &self,
+        logits: &mut [f32],
+        targets: &[u32],
+        (vocab, offset): (usize, usize),
+        (grad_scale, want_grad): (f32, bool),
+        total: &mut LossSum,
+    ) -> Result<()> {
+        let stats = self.row_statistics(logits, targets, vocab, offset)?;
+        for (&t, &(max, sum, target)) in targets.iter().zip(&stats) {
+            if t != IGNORE_INDEX {
+                total.sum += sum.ln() + max as f64 - target as f64;
+                total.count += 1;
+            }
+        }
+        if !want_grad {
+            return Ok(());
+        }
+        logits
+            .par_chunks_mut(vocab)
+            .zip(targets.par_iter().zip(stats.par_iter()))
+            .for_each(|(row, (&t, &(max, sum, _)))| {
+                if t == IGNORE_INDEX {
+                    row.fill(0.0);
+                    return;
+                }
+                let scale = grad_scale as f64 / sum;
+                for x in row.iter_mut() {
+                    *x = (((*x - max) as f64).exp() * scale) as f32;
+                }
+                let t = t as usize;
+                if (offset..offset + vocab).contains(&t) {
+                    row[t - offset] -= grad_scale;
+                }
+            });
+        Ok(())
+    }
+}
+
 impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
     fn degree(&self) -> usize {
         self.group.size()
@@ -311,34 +354,12 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
             be.copy_range(&mut h_chunk, 0, h, r0 * d, n * d);
             be.logits(&mut logits_buf, &h_chunk, w, n, d, vocab);
             let mut logits = be.download(&logits_buf);
-            let stats = self.row_statistics(&logits, tc, vocab, offset)?;
-            for (&t, &(max, sum, target)) in tc.iter().zip(&stats) {
-                if t != IGNORE_INDEX {
-                    total.sum += sum.ln() + max as f64 - target as f64;
-                    total.count += 1;
-                }
-            }
+            let want_grad = grads.is_some();
+            let shard = (vocab, offset);
+            self.add_shard_losses(&mut logits, tc, shard, (grad_scale, want_grad), &mut total)?;
             let Some((dh, dw)) = grads.as_mut() else {
                 continue;
             };
-            // ∂(sum of losses)/∂logit = softmax − one-hot(target), times grad_scale.
-            logits
-                .par_chunks_mut(vocab)
-                .zip(tc.par_iter().zip(stats.par_iter()))
-                .for_each(|(row, (&t, &(max, sum, _)))| {
-                    if t == IGNORE_INDEX {
-                        row.fill(0.0);
-                        return;
-                    }
-                    let scale = grad_scale as f64 / sum;
-                    for x in row.iter_mut() {
-                        *x = (((*x - max) as f64).exp() * scale) as f32;
-                    }
-                    let t = t as usize;
-                    if (offset..offset + vocab).contains(&t) {
-                        row[t - offset] -= grad_scale;
-                    }
-                });
             let dlogits = be.upload(&logits);
             be.matmul(
                 &mut dh_chunk,
@@ -356,6 +377,22 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
                 GemmOutput::Accumulate,
             );
         }
+        Ok(total)
+    }
+
+    fn loss_of_logits(
+        &self,
+        be: &B,
+        logits: &mut B::Buf,
+        targets: &[u32],
+        shapes: &LocalShapes,
+        grad: (f32, bool),
+    ) -> Result<LossSum> {
+        let mut host = be.download(logits);
+        let mut total = LossSum { sum: 0.0, count: 0 };
+        let shard = (shapes.vocab, shapes.vocab_offset);
+        self.add_shard_losses(&mut host, targets, shard, grad, &mut total)?;
+        *logits = be.upload_owned(host);
         Ok(total)
     }
 }

@@ -249,6 +249,7 @@ impl RankPlan {
             ranks_sharing_memory: ranks_sharing_memory.unwrap_or(1),
             rank,
             float8: float8.converted() > 0,
+            float8_head: float8.head().is_some(),
         };
         let estimate = match ranks_sharing_memory {
             Some(_) => sizing.check_or_suggest(ac)?,

@@ -34,6 +34,9 @@ pub struct RankSizing<'a> {
     pub rank: usize,
     /// Whether some linears compute in float8 (their cast copies are scratch).
     pub float8: bool,
+    /// Whether the output head computes in float8 (its whole logits, their gradient and casts
+    /// are scratch, in place of the fused loss's chunk).
+    pub float8_head: bool,
 }
 
 impl RankSizing<'_> {
@@ -47,7 +50,14 @@ impl RankSizing<'_> {
         e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
         if self.float8 {
             let codes = self.be.keeps_float8_codes();
-            e.scratch += float8_cast_scratch_bytes(local, rows * local.local_seq(seq), codes);
+            let tokens = rows * local.local_seq(seq);
+            let blocks = float8_cast_scratch_bytes(local, tokens, codes);
+            let head = match self.float8_head {
+                true => float8_head_scratch_bytes(local, tokens, codes),
+                false => 0,
+            };
+            // The blocks' casts are dropped before the head runs.
+            e.scratch += blocks.max(head);
         }
         if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {
             e = e.with_compute_copy(self.be);
@@ -141,6 +151,20 @@ fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharde
     if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, vec![sample])
     {
         eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+    }
+}
+
+/// Bytes a float8 output head holds at once over `tokens` rows of this rank's shapes, at its
+/// backward: the logits' gradient, its two casts (per row for `dX`, per column for `dW`), the
+/// cast input and weight, all f32, and with `codes` a byte of code a value and a reciprocal
+/// scale a row or column besides.
+fn float8_head_scratch_bytes(local: &LocalShapes, tokens: usize, codes: bool) -> u64 {
+    let logits = tokens * local.vocab;
+    let values = (3 * logits + tokens * local.dim + local.vocab * local.dim) as u64;
+    let scales = (3 * (tokens + local.vocab) + local.dim) as u64;
+    match codes {
+        true => 4 * values + (values - logits as u64) + 4 * scales,
+        false => 4 * values,
     }
 }
 

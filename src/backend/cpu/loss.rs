@@ -6,6 +6,9 @@
 //! tokens). The chunk holds at most `CHUNK_FLOATS` logits (32 MiB: 64 rows of Llama 3's 128k
 //! vocabulary, 256 rows of the debug model's 2k). Chunking rows rather than the vocabulary keeps
 //! each row's softmax exact in one pass; vocabulary chunks would need the logits computed twice.
+//!
+//! The cross-entropy of logits computed elsewhere (`cross_entropy_of_logits`: a float8 output
+//! head, whose casts need the whole logit gradient) shares the per-chunk loss loop.
 
 use crate::backend::{GemmOutput, GemmShape};
 use rayon::prelude::*;
@@ -94,25 +97,15 @@ pub fn cross_entropy_forward_backward(
             GemmOutput::Overwrite,
         );
         let want_grad = grads.is_some();
-        lc.par_chunks_mut(vocab)
-            .zip(row_loss[..n].par_iter_mut())
-            .zip(tc.par_iter())
-            .for_each(|((row, loss), &t)| {
-                if t == IGNORE_INDEX {
-                    *loss = f32::NAN; // marker: not counted
-                    if want_grad {
-                        row.fill(0.0);
-                    }
-                    return;
-                }
-                *loss = cross_entropy_row(row, t as usize, grad_scale, want_grad);
-            });
-        for &l in &row_loss[..n] {
-            if !l.is_nan() {
-                total.sum += l as f64;
-                total.count += 1;
-            }
-        }
+        let rows_loss = &mut row_loss[..n];
+        add_logit_losses(
+            lc,
+            tc,
+            vocab,
+            (grad_scale, want_grad),
+            rows_loss,
+            &mut total,
+        );
         if let Some((dh, dweight)) = grads.as_mut() {
             matmul(
                 &mut dh[r0 * dim..(r0 + n) * dim],
@@ -130,5 +123,78 @@ pub fn cross_entropy_forward_backward(
             );
         }
     }
+    total
+}
+
+/// The cross-entropy of each row of `logits` (`[rows, vocab]`) against `targets`, added into
+/// `total` in row order; with `want_grad` each row becomes `grad_scale · ∂(loss)/∂logits` (zero
+/// for an ignored target), else it is left scratch. `row_loss` holds a float per row.
+pub fn add_logit_losses(
+    logits: &mut [f32],
+    targets: &[u32],
+    vocab: usize,
+    (grad_scale, want_grad): (f32, bool),
+    row_loss: &mut [f32],
+    total: &mut LossSum,
+) {
+    logits
+        .par_chunks_mut(vocab)
+        .zip(row_loss.par_iter_mut())
+        .zip(targets.par_iter())
+        .for_each(|((row, loss), &t)| {
+            if t == IGNORE_INDEX {
+                *loss = f32::NAN; // marker: not counted
+                if want_grad {
+                    row.fill(0.0);
+                }
+                return;
+            }
+            *loss = cross_entropy_row(row, t as usize, grad_scale, want_grad);
+        });
+    for &l in row_loss.iter() {
+        if !l.is_nan() {
+            total.sum += l as f64;
+            total.count += 1;
+        }
+    }
+}
+
+/// `add_logit_losses` over a whole block of logits, whose every target (`IGNORE_INDEX` aside) is
+/// inside the vocabulary (a panic naming it otherwise: targets from data are checked as errors
+/// before they reach a kernel).
+pub fn cross_entropy_of_logits(
+    logits: &mut [f32],
+    targets: &[u32],
+    vocab: usize,
+    grad_scale: f32,
+    want_grad: bool,
+) -> LossSum {
+    let rows = targets.len();
+    assert!(
+        logits.len() >= rows.saturating_mul(vocab),
+        "cross_entropy_of_logits: the logits hold {} floats, {rows} rows of vocabulary {vocab} need {}",
+        logits.len(),
+        rows.saturating_mul(vocab)
+    );
+    if let Some(r) = targets
+        .iter()
+        .position(|&t| t != IGNORE_INDEX && t as usize >= vocab)
+    {
+        panic!(
+            "cross_entropy_of_logits: target id {} at row {r} is outside the vocabulary of {vocab}",
+            targets[r]
+        );
+    }
+    let mut total = LossSum { sum: 0.0, count: 0 };
+    let mut row_loss = vec![0f32; rows];
+    let logits = &mut logits[..rows * vocab];
+    add_logit_losses(
+        logits,
+        targets,
+        vocab,
+        (grad_scale, want_grad),
+        &mut row_loss,
+        &mut total,
+    );
     total
 }

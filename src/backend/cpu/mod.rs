@@ -279,6 +279,17 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("scale");
         elementwise::scale(buf, factor);
     }
+    fn cross_entropy_of_logits(
+        &self,
+        logits: &mut Vec<f32>,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: f32,
+        want_grad: bool,
+    ) -> LossSum {
+        let _timer = self.profiler.time("cross_entropy_of_logits");
+        loss::cross_entropy_of_logits(logits, targets, vocab, grad_scale, want_grad)
+    }
     fn cross_entropy_forward_backward(
         &self,
         h: &Vec<f32>,

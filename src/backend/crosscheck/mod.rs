@@ -419,6 +419,23 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         );
         self.compare("cross_entropy dh", &rdh, &tdh, self.tol.gemm);
         self.compare("cross_entropy dweight", &rdw, &tdw, self.tol.gemm);
+        // The loss of logits given whole (a float8 output head's), with their gradient in place.
+        let logits = self.random(rows * vocab, 4.0);
+        let (mut rlg, mut tlg) = self.both(&logits);
+        let rl = self
+            .reference
+            .cross_entropy_of_logits(&mut rlg, &targets, vocab, scale, true);
+        let tl = self
+            .test
+            .cross_entropy_of_logits(&mut tlg, &targets, vocab, scale, true);
+        let count_ok = rl.count == tl.count;
+        self.record(
+            "cross_entropy_of_logits loss",
+            &[tl.sum as f32, if count_ok { 0.0 } else { f32::NAN }],
+            &[rl.sum as f32, 0.0],
+            self.tol.gemm,
+        );
+        self.compare("cross_entropy_of_logits dlogits", &rlg, &tlg, self.tol.gemm);
     }
 
     fn adamw_and_norm(&mut self) {

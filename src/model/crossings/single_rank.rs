@@ -57,6 +57,17 @@ impl<B: Backend> TensorParallelOps<B> for SingleRank {
             grads,
         ))
     }
+
+    fn loss_of_logits(
+        &self,
+        be: &B,
+        logits: &mut B::Buf,
+        targets: &[u32],
+        shapes: &LocalShapes,
+        (grad_scale, want_grad): (f32, bool),
+    ) -> Result<LossSum> {
+        Ok(be.cross_entropy_of_logits(logits, targets, shapes.vocab, grad_scale, want_grad))
+    }
 }
 
 impl<B: Backend> ContextParallelOps<B> for SingleRank {

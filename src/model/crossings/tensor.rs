@@ -81,6 +81,19 @@ pub trait TensorParallelOps<B: Backend>: Send + Sync {
         grad_scale: f32,
         grads: LossGrads<'_, B>,
     ) -> Result<LossSum>;
+
+    /// Cross-entropy of `logits` (`[rows, shapes.vocab]`, this rank's vocabulary columns of
+    /// every row, computed by the caller: a float8 output head) against `targets` (global ids).
+    /// With `grad = (grad_scale, true)` the logits become `grad_scale · ∂(sum of losses)/∂logits`
+    /// (this rank's columns); with `(_, false)` they are left scratch. Every rank returns the same sum.
+    fn loss_of_logits(
+        &self,
+        be: &B,
+        logits: &mut B::Buf,
+        targets: &[u32],
+        shapes: &LocalShapes,
+        grad: (f32, bool),
+    ) -> Result<LossSum>;
 }
 
 /// The error of the async-only operations on a group without a queue (a titan bug: callers ask

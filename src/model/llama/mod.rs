@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use crate::backend::{cpu::rope::rope_tables, Backend, LossSum, IGNORE_INDEX};
+use crate::backend::{cpu::rope::rope_tables, Backend, IGNORE_INDEX};
 
 use crate::model::args::ModelArgs;
 use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
@@ -39,6 +39,7 @@ use crate::model::params::{local_param_specs, ParamIds, ParamSet};
 mod backward;
 mod block;
 mod generate;
+mod head;
 mod mla;
 mod mla_scratch;
 mod run;
@@ -293,22 +294,6 @@ impl<B: Backend> Llama<B> {
         self.tp.as_ref()
     }
 
-    /// Final norm and cross-entropy without gradients (after the last block's forward): this
-    /// rank's sum of token losses and their count.
-    pub fn head_loss(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        ws: &mut Workspace<B>,
-    ) -> Result<LossSum> {
-        let _span = crate::trace::span("model", "norm, output and loss");
-        self.final_norm(be, params, ws);
-        let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
-        let w = &params.bufs[self.ids.output];
-        self.tp
-            .cross_entropy(be, h, w, &ws.targets, &self.local, 0.0, None)
-    }
-
     /// Checks `tokens` (`[batch, seq+1]`, whole sequences) and splits them into the workspace's
     /// inputs and targets: with context parallelism, those at this rank's positions. This is where
     /// token ids enter the model: one outside the vocabulary is an error here, before any kernel.
@@ -414,58 +399,6 @@ impl<B: Backend> Llama<B> {
         }
         be.embedding_forward(&mut ws.full, table, &ws.local_ids, d);
         self.tp.reduce_scatter_rows(be, &ws.full, &mut ws.resid[0])
-    }
-
-    fn final_norm(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
-        let a = &self.args;
-        be.rmsnorm_forward(
-            &mut ws.normed_final,
-            &mut ws.rstd_final,
-            &ws.resid[a.n_layers],
-            &params.bufs[self.ids.norm],
-            a.dim,
-            a.norm_eps,
-        );
-    }
-
-    /// Final norm, cross-entropy fused with the output projection, and their backward: leaves
-    /// ∂L/∂(last block output) in the workspace for `block_backward`.
-    pub fn head_forward_backward(
-        &self,
-        be: &B,
-        params: &ParamSet<B>,
-        grads: &mut ParamSet<B>,
-        ws: &mut Workspace<B>,
-        grad_scale: f32,
-    ) -> Result<LossSum> {
-        let _span = crate::trace::span("model", "norm, output and loss, forward and backward");
-        self.final_norm(be, params, ws);
-        let a = &self.args;
-        let p = &params.bufs;
-        let h = self.column_parallel_input(be, &ws.normed_final, &mut ws.normed_final_full)?;
-        let dh = self.input_grad_target(&mut ws.dnormed, &mut ws.full);
-        be.fill(dh, 0.0);
-        let loss = self.tp.cross_entropy(
-            be,
-            h,
-            &p[self.ids.output],
-            &ws.targets,
-            &self.local,
-            grad_scale,
-            Some((dh, &mut grads.bufs[self.ids.output])),
-        )?;
-        self.scatter_input_grad(be, &ws.full, &mut ws.dnormed)?;
-        be.fill(&mut ws.dx, 0.0);
-        be.rmsnorm_backward(
-            &mut ws.dx,
-            &mut grads.bufs[self.ids.norm],
-            &ws.dnormed,
-            &ws.resid[a.n_layers],
-            &p[self.ids.norm],
-            &ws.rstd_final,
-            a.dim,
-        );
-        Ok(loss)
     }
 
     /// Adds the embedding gradient (after the first block's backward).

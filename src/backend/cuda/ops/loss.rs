@@ -103,6 +103,46 @@ impl CudaBackend {
         self.sum_row_losses(&row_loss)
     }
 
+    /// `Backend::cross_entropy_of_logits`: the loss kernel over logits given whole, in f32, their
+    /// gradient written over them.
+    pub(super) fn cross_entropy_of_logits_untimed(
+        &self,
+        logits: &mut Buf,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: f32,
+        want_grad: bool,
+    ) -> LossSum {
+        let rows = targets.len();
+        check_len(
+            "cross_entropy_of_logits",
+            "logits",
+            logits.len(),
+            rows * vocab,
+        );
+        check_targets(targets, vocab);
+        if rows == 0 {
+            return LossSum { sum: 0.0, count: 0 };
+        }
+        let mut row_loss = self.alloc::<f32>(rows);
+        let dev_targets = self.upload_ids(targets);
+        let (v, want, no_bf16) = (vocab as i32, want_grad as i32, 0u64);
+        launch!(
+            self,
+            "cross_entropy_rows",
+            rows_config(rows, 256),
+            logits,
+            &mut row_loss,
+            &dev_targets,
+            &v,
+            &grad_scale,
+            &want,
+            &no_bf16,
+            &no_bf16
+        );
+        self.sum_row_losses(&row_loss)
+    }
+
     /// One chunk's logits `h_chunk · weightᵀ` (`n` rows) written in bf16 alone, into the block
     /// where the loss kernel then writes their gradient over them.
     fn chunk_logits_in_bf16(
@@ -243,6 +283,12 @@ fn check_loss_operands(
         check_len("cross_entropy", "dh", dh.len(), rows * dim);
         check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
     }
+    check_targets(targets, vocab);
+}
+
+/// Every target inside the vocabulary (`IGNORE_INDEX` aside): data's are checked as errors
+/// before they reach a kernel, so one outside is a titan bug.
+fn check_targets(targets: &[u32], vocab: usize) {
     if let Some(&bad) = targets
         .iter()
         .find(|&&t| t != IGNORE_INDEX && t as usize >= vocab)

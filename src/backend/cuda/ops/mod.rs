@@ -357,6 +357,18 @@ impl Backend for CudaBackend {
         )
     }
 
+    fn cross_entropy_of_logits(
+        &self,
+        logits: &mut Buf,
+        targets: &[u32],
+        vocab: usize,
+        grad_scale: f32,
+        want_grad: bool,
+    ) -> LossSum {
+        let _timer = self.profiler.time_on("cross_entropy_of_logits", self);
+        self.cross_entropy_of_logits_untimed(logits, targets, vocab, grad_scale, want_grad)
+    }
+
     fn adamw_step(
         &self,
         param: &mut Buf,
