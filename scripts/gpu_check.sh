@@ -120,6 +120,9 @@ stage float8_emulated_cuda 60 sh -c "for r in rowwise tensorwise; do for d in cu
 # float8 tensor cores and float8_scale_product scales the products back (the GEMM rows of the
 # check_fp32 stage compare each GEMM and count which ran in float8); the losses against the CPU's.
 stage float8_cuda 45 sh -c "for r in rowwise tensorwise; do '$BIN' train $f8 --quantize.linear.float8.emulate false --quantize.linear.float8.recipe_name \$r --training.device cuda --job.dump_folder '$OUT_DIR'/f8_\${r}_fp8 || exit 1; done"
+# The output head in float8 too (filter_fqns empty): its whole logits through a float8 GEMM and the
+# loss kernel over them (Backend::cross_entropy_of_logits), rowwise, against the CPU's run.
+stage float8_head_cuda 45 sh -c "for d in cuda cpu; do '$BIN' train $f8 --quantize.linear.float8.filter_fqns , --training.device \$d --job.dump_folder '$OUT_DIR'/f8_head_\$d || exit 1; done"
 # FSDP 2 gathering the weights in float8 (tensorwise) with float8 GEMMs on CUDA (each gathered
 # weight cast again for its codes), against the same layout on the CPU.
 f8ag="$f8 --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.enable_fsdp_float8_all_gather true --training.local_batch_size 4"
@@ -206,7 +209,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -360,6 +363,7 @@ def float8_report():
     for r in ("rowwise", "tensorwise"):
         against_cpu(f"f8_{r}_cuda", f"f8_{r}_cpu", f"float8 {r} on CUDA (emulated)")
         against_cpu(f"f8_{r}_fp8", f"f8_{r}_cpu", f"float8 {r} on CUDA (float8 GEMMs)")
+    against_cpu("f8_head_cuda", "f8_head_cpu", "float8 rowwise with a float8 head on CUDA (float8 GEMMs)")
     against_cpu("f8_fsdp_cuda", "f8_fsdp_cpu", "float8 tensorwise FSDP 2, float8 all-gather, on CUDA (float8 GEMMs)")
     against_cpu("mx_cuda", "mx_cpu", "MXFP8 RCEIL on CUDA (emulated)")
     bf16 = load("titan_1b_s2048.json")

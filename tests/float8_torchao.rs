@@ -149,6 +149,29 @@ fn run_torch(py: &str, script: &str, inputs: [&[f32]; 3]) -> Vec<f32> {
         .collect()
 }
 
+/// Checks each of titan's three results (named `names`) against torchao's: within `tolerance`
+/// times torchao's largest value.
+fn assert_each_close(
+    what: &str,
+    names: [&str; 3],
+    mine: &[Vec<f32>; 3],
+    theirs: &[Vec<f32>; 3],
+    tolerance: f32,
+) {
+    for ((product, a), b) in names.iter().zip(mine).zip(theirs) {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= tolerance * scale,
+            "{what} {product}: titan and torchao differ by {worst:e} (largest value {scale:e})"
+        );
+    }
+}
+
 /// Checks titan's three products against torchao's: within 1e-6 of the largest value, and not the
 /// high-precision forward.
 fn assert_matches(
@@ -159,18 +182,7 @@ fn assert_matches(
     x: &[f32],
     w: &[f32],
 ) {
-    for ((product, a), b) in ["Y", "dX", "dW"].iter().zip(mine).zip(theirs) {
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let worst = a
-            .iter()
-            .zip(b)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(
-            worst <= 1e-6 * scale,
-            "{what} {product}: titan and torchao differ by {worst:e} (largest value {scale:e})"
-        );
-    }
+    assert_each_close(what, ["Y", "dX", "dW"], mine, theirs, 1e-6);
     // Not the high-precision products: the casts changed the numbers.
     let Dims { m: _, k, n } = dims;
     let plain: Vec<f32> = (0..mine[0].len())
@@ -331,18 +343,7 @@ fn a_float8_output_head_matches_torchao_and_pytorchs_cross_entropy() {
     ] {
         let mine = titan_head(recipe, (&h, &w, &targets), grad_scale);
         let theirs = torchao_head(&py, name, (&h, &w, &as_torch), grad_scale);
-        for ((what, a), b) in ["loss", "dH", "dW"].iter().zip(&mine).zip(&theirs) {
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(
-                worst <= 2e-6 * scale,
-                "{name} {what}: titan and torchao differ by {worst:e} (largest value {scale:e})"
-            );
-        }
+        assert_each_close(name, ["loss", "dH", "dW"], &mine, &theirs, 2e-6);
     }
     // The casts are in the numbers: the high-precision head's loss is another.
     let be = CpuBackend::default();

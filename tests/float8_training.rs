@@ -452,7 +452,7 @@ const HEAD: &[&str] = &[
 ];
 
 #[test]
-fn a_float8_output_head_trains_under_tp_and_cp_as_one_process() {
+fn a_float8_output_head_trains_under_every_layout_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let o = train(
         dir.path(),
@@ -487,6 +487,40 @@ fn a_float8_output_head_trains_under_tp_and_cp_as_one_process() {
         "1",
     ];
     check("float8 head CP 2", HEAD, &nproc("2"), &[HEAD, &cp].concat());
+    let async_tp = [
+        TP_2,
+        &["--parallelism.enable_async_tensor_parallel", "true"],
+    ]
+    .concat();
+    check(
+        "float8 head async TP 2",
+        HEAD,
+        &nproc("2"),
+        &[HEAD, &async_tp].concat(),
+    );
+    // The last stage's head, each microbatch its own casts (one sequence, as the reference's).
+    let one_at_a_time = [
+        "--training.local_batch_size",
+        "1",
+        "--training.global_batch_size",
+        "4",
+    ];
+    let zbv = [
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "ZBVZeroBubble",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ];
+    check(
+        "float8 head PP 2 ZBVZeroBubble",
+        &[HEAD, &one_at_a_time].concat(),
+        &nproc("2"),
+        &[HEAD, &zbv].concat(),
+    );
     // FSDP's float8 all-gather takes the head's weight too (tensorwise): the same numbers, fewer
     // bytes than with the head in high precision.
     let tensorwise = [&recipe("tensorwise")[..], &["--training.steps", "3"]].concat();
