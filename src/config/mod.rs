@@ -78,3 +78,24 @@ impl Config {
         self.validate_metrics()
     }
 }
+
+/// A list of strings: `converters = ["a", "b"]` in a file, or one string of comma-separated items
+/// on the command line (`--model.converters a,b`, TorchTitan's form; `""` or `,` is the empty list).
+fn list_or_comma_separated<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Either::deserialize(d)? {
+        Either::Many(v) => v,
+        Either::One(s) => s
+            .split(',')
+            .map(|c| c.trim().to_string())
+            .filter(|c| !c.is_empty())
+            .collect(),
+    })
+}

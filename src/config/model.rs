@@ -46,7 +46,7 @@ pub struct ModelConfig {
     pub v_head_dim: Option<usize>,
     /// Model converters applied before parallelizing (TorchTitan's names, e.g.
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
-    #[serde(deserialize_with = "super::quantize::list_or_comma_separated")]
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub converters: Vec<String>,
 }
 

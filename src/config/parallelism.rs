@@ -43,26 +43,8 @@ pub struct ParallelismConfig {
     pub pipeline_parallel_layers_per_stage: i64,
     /// The blocks that start stages 1, 2, … (`layers.N`); empty: balanced. A list, or one string
     /// of comma-separated names (`--parallelism.pipeline_parallel_split_points layers.2,layers.4`).
-    #[serde(deserialize_with = "list_or_commas")]
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub pipeline_parallel_split_points: Vec<String>,
-}
-
-/// A list of strings, or one string of comma-separated items (as a command-line override gives it).
-fn list_or_commas<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Items {
-        List(Vec<String>),
-        Commas(String),
-    }
-    Ok(match Items::deserialize(d)? {
-        Items::List(v) => v,
-        Items::Commas(s) => s
-            .split(',')
-            .map(|x| x.trim().to_string())
-            .filter(|x| !x.is_empty())
-            .collect(),
-    })
 }
 
 impl Default for ParallelismConfig {

@@ -49,7 +49,7 @@ pub struct Float8LinearConfig {
     pub recipe_name: String,
     /// Substrings of linear names left in high precision; `auto_filter_small_kn` among them
     /// applies torchao's size thresholds.
-    #[serde(deserialize_with = "list_or_comma_separated")]
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub filter_fqns: Vec<String>,
     /// Emulate the float8 GEMMs (the CPU always does).
     pub emulate: bool,
@@ -81,7 +81,7 @@ pub struct MxLinearConfig {
     /// `mxfp8_emulated` and `mxfp8_emulated_rceil` forms ask for the emulation on every device.
     pub recipe_name: String,
     /// Substrings of linear names left in high precision.
-    #[serde(deserialize_with = "list_or_comma_separated")]
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub filter_fqns: Vec<String>,
 }
 
@@ -106,7 +106,7 @@ pub struct GroupedMmQuantizeConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GroupedFloat8Config {
-    #[serde(deserialize_with = "list_or_comma_separated")]
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub fqns: Vec<String>,
 }
 
@@ -123,7 +123,7 @@ impl Default for GroupedFloat8Config {
 #[serde(deny_unknown_fields, default)]
 pub struct GroupedMxConfig {
     pub recipe_name: String,
-    #[serde(deserialize_with = "list_or_comma_separated")]
+    #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub fqns: Vec<String>,
 }
 
@@ -134,27 +134,6 @@ impl Default for GroupedMxConfig {
             fqns: vec!["experts".into()],
         }
     }
-}
-
-/// `converters = ["a", "b"]` in a file; `--model.converters a,b` on the command line (TorchTitan's
-/// comma-separated list).
-pub(super) fn list_or_comma_separated<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Either {
-        One(String),
-        Many(Vec<String>),
-    }
-    Ok(match Either::deserialize(d)? {
-        Either::Many(v) => v,
-        Either::One(s) => s
-            .split(',')
-            .map(|c| c.trim().to_string())
-            .filter(|c| !c.is_empty())
-            .collect(),
-    })
 }
 
 impl Config {
