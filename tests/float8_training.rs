@@ -544,6 +544,17 @@ fn a_float8_output_head_trains_under_every_layout_as_one_process() {
         gathered[0][2] < blocks_only[0][2],
         "{gathered:?} / {blocks_only:?}"
     );
+    // Tied embeddings (the 1B flavor's): the head's weight is the embedding table, which the
+    // lookups read in high precision, so it is gathered as before, and the numbers stay the same.
+    let tied = [&fsdp[..], HEAD, &["--model.flavor", "1B"]].concat();
+    let plain = run(&tied);
+    let gathered = run(&[&tied[..], &gather].concat());
+    for (a, b) in plain.iter().zip(&gathered) {
+        assert!(
+            a[0].to_bits() == b[0].to_bits() && a[1].to_bits() == b[1].to_bits(),
+            "tied: {plain:?} / {gathered:?}"
+        );
+    }
 }
 
 #[test]

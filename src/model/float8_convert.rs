@@ -275,10 +275,18 @@ impl Float8Conversion {
                 }
             }
         }
-        if self.head == Some(Float8Recipe::Tensorwise) {
+        if self.head_weight_gathered(ids) {
             out.push(ids.output);
         }
         out
+    }
+
+    /// Whether FSDP all-gathers the output head's weight in float8: a tensorwise head's, unless
+    /// it is the embedding table (tied embeddings), whose lookups read it in high precision.
+    pub fn head_weight_gathered(&self, ids: &ParamIds) -> bool {
+        self.weights_gathered_in_float8
+            && self.head == Some(Float8Recipe::Tensorwise)
+            && ids.output != ids.tok_embeddings
     }
 
     /// Parameters one token multiplies in float8 (or MXFP8) GEMMs, over the whole model: the
@@ -543,6 +551,17 @@ mod tests {
         let ids = ParamIds::new(&args);
         let gathered = plan.clone().with_fsdp_float8_all_gather(true);
         assert!(gathered.gathered_weights(&ids).contains(&ids.output));
+        // Not when it is the embedding table: the lookups read it in high precision.
+        let tied_args = ModelArgs {
+            tied_embeddings: true,
+            ..args.clone()
+        };
+        let tied_ids = ParamIds::new(&tied_args);
+        let tied = Float8Conversion::plan(&tied_args, &options)
+            .unwrap()
+            .with_fsdp_float8_all_gather(true);
+        assert!(!tied.head_weight_gathered(&tied_ids));
+        assert!(!tied.gathered_weights(&tied_ids).contains(&tied_ids.output));
         // A vocabulary that is not a multiple of 16 keeps it in high precision, and says why.
         args.vocab_size = 2050;
         let odd = Float8Conversion::plan(&args, &options).unwrap();

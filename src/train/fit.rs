@@ -35,7 +35,7 @@ pub struct RankSizing<'a> {
     /// Whether some linears compute in float8 (their cast copies are scratch).
     pub float8: bool,
     /// Whether the output head computes in float8 (its whole logits, their gradient and casts
-    /// are scratch, in place of the fused loss's chunk).
+    /// are scratch, beside the fused loss's chunk the backend's scratch counts).
     pub float8_head: bool,
 }
 
@@ -52,7 +52,9 @@ impl RankSizing<'_> {
             let codes = self.be.keeps_float8_codes();
             let tokens = rows * local.local_seq(seq);
             let blocks = float8_cast_scratch_bytes(local, tokens, codes);
-            let head = match self.float8_head {
+            // Under a pipeline only the last stage's ranks run the head (`norm` is its weight).
+            let runs_head = self.pipeline.is_none_or(|p| p.holds("norm.weight"));
+            let head = match self.float8_head && runs_head {
                 true => float8_head_scratch_bytes(local, tokens, codes),
                 false => 0,
             };

@@ -26,7 +26,7 @@ impl<B: Backend> Llama<B> {
     fn head_linear(&self) -> Linear {
         Linear::new(self.local.dim, self.local.vocab)
             .in_float8(self.float8.head())
-            .weight_gathered_in_float8(self.float8.weights_gathered_in_float8)
+            .weight_gathered_in_float8(self.float8.head_weight_gathered(&self.ids))
     }
 
     /// Final norm and cross-entropy without gradients (after the last block's forward): this

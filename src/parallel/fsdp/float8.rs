@@ -69,8 +69,9 @@ impl Float8Gather {
 }
 
 impl<B: Backend> Fsdp<B> {
-    /// Gathers the weights `gather` names as float8 from the next pass on. They are block
-    /// linears' weights, all in the first shard group (never routed experts).
+    /// Gathers the weights `gather` names as float8 from the next pass on. They are linears'
+    /// weights (the blocks', and a float8 head's unless tied to the embedding), all in the first
+    /// shard group (never routed experts).
     pub fn gather_in_float8(&mut self, gather: Float8Gather) {
         assert!(
             (0..self.numel.len()).all(|i| !gather.gathered[i] || self.group_of[i] == 0),
