@@ -146,9 +146,7 @@ impl Gemm {
         let plan = plans.entry(key).or_insert_with(|| {
             let plan = self.fp8_plan(key);
             if let Err(e) = &plan {
-                if !self.fp8.warned.swap(true, Ordering::Relaxed) {
-                    eprintln!("warning: {e:#}; such GEMMs multiply the dequantised values");
-                }
+                self.warn_fp8_once(e);
             }
             plan.ok()
         });
@@ -165,11 +163,25 @@ impl Gemm {
         };
         // SAFETY: the codes are live device buffers of m·k and n·k bytes (checked by `fits`), and
         // `product` holds m·n floats (`out`, or the scratch grown to it).
-        unsafe { self.run_plan(plan, [fb.codes, fa.codes], [product, product], 0.0) }?;
+        let ran = unsafe { self.run_plan(plan, [fb.codes, fa.codes], [product, product], 0.0) };
+        if let Err(e) = ran {
+            // A plan cuBLASLt made but refuses to run (nothing was written): this shape multiplies
+            // the dequantised values from now on, as a shape without a plan does.
+            plans.insert(key, None);
+            self.warn_fp8_once(&e);
+            return Ok(self.fp8.dequantised());
+        }
         drop(plans);
         self.scale_fp8_product(out, product, addend, (fa, fb), (m, n))?;
         self.fp8.run.fetch_add(1, Ordering::Relaxed);
         Ok(true)
+    }
+
+    /// Says once per process that a float8 GEMM fell back to the dequantised values, and why.
+    fn warn_fp8_once(&self, e: &anyhow::Error) {
+        if !self.fp8.warned.swap(true, Ordering::Relaxed) {
+            eprintln!("warning: {e:#}; such GEMMs multiply the dequantised values");
+        }
     }
 
     /// The plan of a float8 GEMM: our `b` codes are cuBLASLt's A (`[n, k]` k-major, read

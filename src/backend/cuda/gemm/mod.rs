@@ -316,15 +316,17 @@ impl Gemm {
         let ws = WORKSPACE_BYTES;
         // SAFETY: all handles are live and the workspace attribute is a usize.
         let heuristic = unsafe {
-            lt::set_matmul_pref_attribute(
+            let set = lt::set_matmul_pref_attribute(
                 pref,
                 sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &ws as *const usize as *const c_void,
                 std::mem::size_of::<usize>(),
-            )
-            .map_err(|e| lt_err("workspace preference", e))?;
+            );
             let l = plan.layouts;
-            let h = lt::get_matmul_algo_heuristic(self.handle, desc, l[0], l[1], l[2], l[2], pref);
+            let h = set.and_then(|()| {
+                lt::get_matmul_algo_heuristic(self.handle, desc, l[0], l[1], l[2], l[2], pref)
+            });
+            // Destroyed on every path (the plan's own handles drop with it).
             let _ = lt::destroy_matmul_pref(pref);
             h
         };
