@@ -633,6 +633,23 @@ fn mxfp8_linears_train_under_every_layout_as_one_process() {
     // With 4 key/value heads every split is 32 or more features a rank.
     let kv4 = ["--model.n_kv_heads", "4"];
     check_mx("MXFP8 TP 2", &kv4, &nproc("2"), &[&kv4[..], tp].concat());
+    // The head in MXFP8 too: 160 vocabulary rows a rank, five blocks of 32.
+    let head = [
+        &kv4[..],
+        &[
+            "--model.vocab_size",
+            "320",
+            "--quantize.linear.mx.filter_fqns",
+            "",
+        ],
+    ]
+    .concat();
+    check_mx(
+        "MXFP8 head TP 2",
+        &head,
+        &nproc("2"),
+        &[&head[..], tp].concat(),
+    );
     // CP 2 cuts each sequence of 128 into chunks of 32 tokens: whole blocks.
     let seq128 = ["--training.seq_len", "128"];
     let cp = [
