@@ -82,15 +82,16 @@ impl Float8Conversion {
         if auto && matches!(options.recipe, Float8Recipe::Mxfp8(_)) {
             bail!("[quantize.linear.mx] filter_fqns: `{AUTO_FILTER_SMALL_KN}` has no size thresholds for MXFP8 (torchao defines them for float8 tensorwise and rowwise only)");
         }
+        let why_left_out = |name: &str, d_in, d_out| match converts {
+            true => Self::left_out(name, d_in, d_out, options, auto),
+            false => Some("no linear converter among [model] converters".into()),
+        };
         let mut plan = Float8Conversion::default();
         for l in 0..args.n_layers {
             let mut block = [None; BlockProjection::ALL.len()];
             for (p, name, d_in, d_out) in block_linears(args, l) {
                 let slot = &mut block[p.index()];
-                let why = match converts {
-                    true => Self::left_out(&name, d_in, d_out, options, auto),
-                    false => Some("no linear converter among [model] converters".into()),
-                };
+                let why = why_left_out(&name, d_in, d_out);
                 if why.is_none() {
                     *slot = Some(options.recipe);
                 }
@@ -109,11 +110,7 @@ impl Float8Conversion {
                 ));
             }
         }
-        let (d_in, d_out) = (args.dim, args.vocab_size);
-        let why = match converts {
-            true => Self::left_out("output", d_in, d_out, options, auto),
-            false => Some("no linear converter among [model] converters".into()),
-        };
+        let why = why_left_out("output", args.dim, args.vocab_size);
         if why.is_none() {
             plan.head = Some(options.recipe);
         }

@@ -199,9 +199,7 @@ impl<B: Backend> TensorParallelGroup<B> {
             .map(|r| (max[r], sums[2 * r] as f64, sums[2 * r + 1]))
             .collect())
     }
-}
 
-impl<B: Backend> TensorParallelGroup<B> {
     /// The cross-entropy of each row of `logits` (`[rows, vocab]`, this rank's vocabulary shard
     /// `(vocab, offset)`) against `targets`, added into `total` in row order; with `want_grad`
     /// the logits become `grad_scale · ∂(sum of losses)/∂logits` = softmax − one-hot(target).
