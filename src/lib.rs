@@ -1,6 +1,9 @@
 //! titan: Llama pretraining in Rust. Modules follow the layers of DESIGN.md, bottom to top:
 //! tensor/backend → model → train → checkpoint → data → config/cli/launch/plan.
 
+#[macro_use]
+pub mod console;
+
 pub mod backend;
 pub mod checkpoint;
 pub mod cli;

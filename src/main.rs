@@ -3,6 +3,8 @@
 use clap::Parser;
 
 fn main() {
+    // A worker of titan's launcher ends with it, whatever it is doing (no-op otherwise).
+    titan::launch::orphan::exit_with_launcher();
     // Flags and `--section.key VALUE` overrides in any order (see `overrides_last`).
     let args = titan::cli::overrides_last(
         std::env::args_os()
@@ -13,7 +15,7 @@ fn main() {
     if let Err(e) = titan::cli::run(cli) {
         // A rank of a job with the flight recorder on leaves its dump (no-op otherwise).
         titan::comm::flight_recorder::dump_once(&format!("this rank failed: {e:#}"));
-        eprintln!("error: {e:#}");
+        titan::errln!("error: {e:#}");
         std::process::exit(1);
     }
 }

@@ -140,6 +140,7 @@ fn bad_settings_are_refused_naming_the_key() {
 /// A run whose activations do not fit this machine without checkpointing, but do with per-op
 /// checkpointing, is refused before allocating, naming the mode that would fit.
 #[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
 fn a_run_that_does_not_fit_is_told_which_mode_would() {
     use titan::model::activation_checkpoint::AcMode;
     use titan::model::{LocalShapes, ModelArgs};

@@ -671,46 +671,207 @@ fn running(pid: u32) -> bool {
     }
 }
 
-/// A launcher killed outright (SIGKILL) or told to stop (SIGTERM) takes its workers with it
-/// within seconds, instead of leaving them training (or hung in a collective) on their own.
-#[test]
-fn a_killed_or_stopped_launcher_takes_its_workers_with_it() {
-    for signal in [libc::SIGKILL, libc::SIGTERM] {
-        let dir = tempfile::tempdir().unwrap();
-        let mut overrides = vec!["--training.steps", "100000"];
-        overrides.extend_from_slice(TINY_ARGS);
-        overrides.extend_from_slice(DDP_MESH);
-        // A fixed secret: the launcher killed outright cannot remove its sockets folder, so
-        // every run reuses the same one.
-        let mut launcher = train_command(dir.path(), DDP2, &overrides)
-            .env("RAYON_NUM_THREADS", "1")
-            .env("TITAN_JOB_SECRET", "7e".repeat(32))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = std::time::Instant::now();
-        let workers = loop {
-            let w = children_of(launcher.id());
-            if w.len() == 2 || t0.elapsed() > std::time::Duration::from_secs(60) {
-                break w;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
-        assert_eq!(workers.len(), 2, "the launcher started {workers:?}");
-        std::thread::sleep(std::time::Duration::from_secs(2));
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(launcher.id() as libc::pid_t, signal) };
-        let t1 = std::time::Instant::now();
-        while workers.iter().any(|&p| running(p)) {
-            assert!(
-                t1.elapsed() < std::time::Duration::from_secs(20),
-                "signal {signal}: workers {workers:?} outlived the launcher"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(50));
+/// How a launcher dies in `launcher_death_leaves_no_worker`.
+struct LauncherDeath {
+    name: &'static str,
+    signal: libc::c_int,
+    /// Rank 0 logs every step (verbose) or nothing (`--quiet`).
+    verbose: bool,
+    /// `[comm] trace_buf_size`: the flight recorder (20000, the default) or none (0).
+    recorder: bool,
+    /// More overrides (a mesh, checkpoints).
+    extra: &'static [&'static str],
+    /// A fault drill (`VAR=RANK:STEP`) and the stderr text it prints: the launcher dies once
+    /// that text shows (2 s after the workers start when there is none).
+    drill: Option<(&'static str, &'static str)>,
+}
+
+/// Kills `case`'s launcher and returns how long its workers took to end, panicking past 10 s.
+fn kill_launcher_and_time_its_workers(case: &LauncherDeath, dir: &std::path::Path) -> f64 {
+    use std::io::BufRead;
+    let trace = if case.recorder { "20000" } else { "0" };
+    let mut overrides = vec!["--training.steps", "100000", "--comm.trace_buf_size", trace];
+    overrides.extend_from_slice(TINY_ARGS);
+    overrides.extend_from_slice(case.extra);
+    if case.verbose {
+        overrides.extend_from_slice(&["--metrics.log_freq", "1"]);
+    } else {
+        overrides.extend_from_slice(&["--quiet", "--metrics.log_freq", "1000000"]);
+    }
+    let mut cmd = train_command(dir, DDP2, &overrides);
+    cmd.env("RAYON_NUM_THREADS", "1")
+        // A fixed secret: a launcher killed outright cannot remove its sockets folder, so every
+        // case reuses the same one (removed by the test).
+        .env("TITAN_JOB_SECRET", "7e".repeat(32))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    if let Some((var, _)) = case.drill {
+        cmd.env(
+            var.split_once('=').unwrap().0,
+            var.split_once('=').unwrap().1,
+        );
+    }
+    let mut launcher = cmd.spawn().unwrap();
+    // The launcher's stderr, line by line, until it ends.
+    let (lines, seen) = std::sync::mpsc::channel::<String>();
+    let stderr = launcher.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line);
         }
-        let status = launcher.wait().unwrap();
-        assert!(!status.success(), "signal {signal}: {status}");
+    });
+    let t0 = std::time::Instant::now();
+    let workers = loop {
+        let w = children_of(launcher.id());
+        if w.len() == 2 || t0.elapsed() > std::time::Duration::from_secs(60) {
+            break w;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(
+        workers.len(),
+        2,
+        "{}: the launcher started {workers:?}",
+        case.name
+    );
+    match case.drill {
+        None => std::thread::sleep(std::time::Duration::from_secs(2)),
+        Some((_, text)) => {
+            let mut log = Vec::new();
+            loop {
+                match seen.recv_timeout(std::time::Duration::from_secs(120)) {
+                    Ok(line) if line.contains(text) => break,
+                    Ok(line) => log.push(line),
+                    Err(_) => panic!("{}: no `{text}` on stderr:\n{}", case.name, log.join("\n")),
+                }
+            }
+            // Into the stall (a collective waiting on the stalled rank, a half-written save).
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(launcher.id() as libc::pid_t, case.signal) };
+    let t1 = std::time::Instant::now();
+    while workers.iter().any(|&p| running(p)) {
+        assert!(
+            t1.elapsed() < std::time::Duration::from_secs(10),
+            "{}: workers {workers:?} outlived the launcher by 10 s",
+            case.name
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let status = launcher.wait().unwrap();
+    assert!(!status.success(), "{}: {status}", case.name);
+    t1.elapsed().as_secs_f64()
+}
+
+/// A launcher killed outright (SIGKILL) or told to stop (SIGTERM) takes its workers with it
+/// within 10 s, instead of leaving them training (or hung in a collective) on their own: quiet
+/// and verbose, with the flight recorder on and off (its SIGTERM handler once died printing into
+/// the dead launcher's pipe, and quiet workers trained on forever), while a rank is blocked in a
+/// collective and while a checkpoint is being written (which is then absent, not half there).
+#[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
+fn launcher_death_leaves_no_worker() {
+    // No checkpoint: a save waits on the store the launcher hosted, and that error would end the
+    // workers where the launcher's death alone must.
+    const DDP_NO_SAVES: &[&str] = &[
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--checkpoint.interval",
+        "1000000",
+    ];
+    const FSDP_CHECKPOINTS: &[&str] = &["--checkpoint.interval", "3"];
+    let cases = [
+        (
+            "sigkill, quiet, recorder on",
+            libc::SIGKILL,
+            false,
+            true,
+            DDP_NO_SAVES,
+            None,
+        ),
+        (
+            "sigkill, verbose, recorder on",
+            libc::SIGKILL,
+            true,
+            true,
+            DDP_NO_SAVES,
+            None,
+        ),
+        (
+            "sigkill, quiet, recorder off",
+            libc::SIGKILL,
+            false,
+            false,
+            DDP_NO_SAVES,
+            None,
+        ),
+        (
+            "sigkill, verbose, recorder off",
+            libc::SIGKILL,
+            true,
+            false,
+            DDP_NO_SAVES,
+            None,
+        ),
+        (
+            "sigterm, quiet, recorder on",
+            libc::SIGTERM,
+            false,
+            true,
+            DDP_NO_SAVES,
+            None,
+        ),
+        (
+            "sigkill, rank 0 blocked in a collective",
+            libc::SIGKILL,
+            false,
+            true,
+            DDP_NO_SAVES,
+            Some(("TITAN_STALL_AT=1:3", "TITAN_STALL_AT")),
+        ),
+        (
+            "sigkill, rank 1 writing its checkpoint shards (FSDP 2)",
+            libc::SIGKILL,
+            false,
+            true,
+            FSDP_CHECKPOINTS,
+            Some((
+                "TITAN_CHECKPOINT_WRITE_STALLS=1:6",
+                "TITAN_CHECKPOINT_WRITE_STALLS",
+            )),
+        ),
+    ];
+    for (name, signal, verbose, recorder, extra, drill) in cases {
+        let case = LauncherDeath {
+            name,
+            signal,
+            verbose,
+            recorder,
+            extra,
+            drill,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let took = kill_launcher_and_time_its_workers(&case, dir.path());
+        eprintln!("{name}: the workers ended {took:.1} s after the launcher");
+        if drill.is_some_and(|(var, _)| var.contains("CHECKPOINT")) {
+            // The save that was cut is absent; the one before it is whole.
+            let ckpt = dir.path().join("checkpoint");
+            assert!(
+                !ckpt.join("step-6").exists(),
+                "{name}: a half save looks whole"
+            );
+            assert!(
+                ckpt.join("step-3/state.json").exists(),
+                "{name}: step 3 lost"
+            );
+        }
     }
     // A launcher killed outright cannot remove its sockets folder: this test does.
     let secret = titan::comm::auth::JobSecret::from_hex(&"7e".repeat(32), "test").unwrap();

@@ -452,6 +452,7 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
     }
 }
 
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
 fn parity(adjust: impl Fn(&mut titan::config::Config)) {
     let Some(py) = hf_python() else {
         return;

@@ -95,12 +95,12 @@ pub(crate) fn finish_save(
 fn prune(folder: &Path, keep: usize) {
     let steps = match list_steps(folder) {
         Ok(steps) => steps,
-        Err(e) => return eprintln!("warning: old checkpoints not pruned: {e:#}"),
+        Err(e) => return errln!("warning: old checkpoints not pruned: {e:#}"),
     };
     for &old in steps.iter().take(steps.len().saturating_sub(keep)) {
         let dir = step_dir(folder, old);
         if let Err(e) = std::fs::remove_dir_all(&dir) {
-            eprintln!("warning: old checkpoint {} not removed: {e}", dir.display());
+            errln!("warning: old checkpoint {} not removed: {e}", dir.display());
         }
     }
 }
@@ -127,7 +127,7 @@ fn install(folder: &Path, tmp: &Path, final_dir: &Path, step: u64) -> Result<()>
     sync_dir(folder)?;
     if let Some(a) = aside {
         if let Err(e) = std::fs::remove_dir_all(&a) {
-            eprintln!(
+            errln!(
                 "warning: the replaced checkpoint {} could not be removed: {e}",
                 a.display()
             );
@@ -148,7 +148,7 @@ pub fn remove_stale(folder: &Path) -> Result<()> {
         let name = entry.file_name().to_string_lossy().into_owned();
         let path = entry.path();
         if name.starts_with(TMP_PREFIX) {
-            eprintln!(
+            errln!(
                 "removing {}: the temporary folder of an interrupted checkpoint save",
                 path.display()
             );
@@ -167,7 +167,7 @@ fn settle_aside(folder: &Path, path: &Path, rest: &str) -> Result<()> {
     if let Some(step) = step {
         let dir = step_dir(folder, step);
         if !dir.exists() && path.join(super::STATE_FILE).exists() {
-            eprintln!(
+            errln!(
                 "restoring {} from {} (a save of that step was interrupted)",
                 dir.display(),
                 path.display()

@@ -206,7 +206,7 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
         std::fs::copy(&state.tokenizer_path, out_dir.join("tokenizer.json"))
             .with_context(|| format!("cannot copy tokenizer {}", state.tokenizer_path))?;
     }
-    println!(
+    outln!(
         "exported {} (step {}) to {} ({} tensors, {})",
         dir.display(),
         state.step,
@@ -544,7 +544,7 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     }
     let extra = hf_deepseek::extra_layer_tensors(by_name.keys(), args.n_layers);
     if extra > 0 {
-        println!("{}: skipping {extra} tensors of blocks past the model's {} (a multi-token-prediction layer titan does not train)", hf_dir.display(), args.n_layers);
+        outln!("{}: skipping {extra} tensors of blocks past the model's {} (a multi-token-prediction layer titan does not train)", hf_dir.display(), args.n_layers);
     }
     let expert_bias = hf_deepseek::routing_bias(&args, &by_name)?;
     Ok(HfModel {
@@ -610,7 +610,7 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         expert_bias,
     };
     let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;
-    println!(
+    outln!(
         "imported {} ({} layers, dim {}, vocab {}) into {}",
         hf_dir.display(),
         args.n_layers,

@@ -100,7 +100,7 @@ fn warn_unverified(dir: &Path) {
     static WARNED: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
     let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
     if warned.insert(dir.to_path_buf()) {
-        eprintln!(
+        errln!(
             "warning: checkpoint {} has no {STATE_SHA_FILE} (written by an earlier titan): its state.json is read unverified",
             dir.display()
         );

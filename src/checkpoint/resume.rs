@@ -36,7 +36,7 @@ pub fn choose(folder: &Path, load_step: Option<u64>) -> Result<Option<u64>> {
         match read_state(&step_dir(folder, s)) {
             Ok(_) => {
                 for (bad, e) in &failed {
-                    eprintln!(
+                    errln!(
                         "warning: checkpoint step-{bad} cannot be read ({e:#}); resuming from step-{s}, the latest complete checkpoint before it"
                     );
                 }

@@ -412,24 +412,37 @@ impl ShardedSnapshot {
     }
 
     fn write_files(&self) -> Result<[FileCheck; 2]> {
-        if write_drill(self.rank, self.step) {
+        if write_drill("TITAN_CHECKPOINT_WRITE_FAILS", self.rank, self.step) {
             bail!(
                 "TITAN_CHECKPOINT_WRITE_FAILS: writer {} fails its step-{} files (fault drill)",
                 self.rank,
                 self.step
             );
         }
-        Ok([
-            super::write_synced(&self.tmp.join(model_file(self.rank)), &self.model)?,
-            super::write_synced(&self.tmp.join(optimizer_file(self.rank)), &self.optimizer)?,
-        ])
+        let model = super::write_synced(&self.tmp.join(model_file(self.rank)), &self.model)?;
+        if write_drill("TITAN_CHECKPOINT_WRITE_STALLS", self.rank, self.step) {
+            errln!(
+                "TITAN_CHECKPOINT_WRITE_STALLS: writer {} stalls half-way through its step-{} files for {WRITE_STALL:?} (fault drill)",
+                self.rank,
+                self.step
+            );
+            std::thread::sleep(WRITE_STALL);
+        }
+        let optimizer =
+            super::write_synced(&self.tmp.join(optimizer_file(self.rank)), &self.optimizer)?;
+        Ok([model, optimizer])
     }
 }
 
-/// Fault drill: `TITAN_CHECKPOINT_WRITE_FAILS=RANK:STEP` makes writer `RANK`'s files of the
-/// step-`STEP` save fail to write, as a full disk would, so the failure's path can be tested.
-fn write_drill(rank: usize, step: u64) -> bool {
-    std::env::var("TITAN_CHECKPOINT_WRITE_FAILS").is_ok_and(|spec| {
+/// How long the `TITAN_CHECKPOINT_WRITE_STALLS` drill stalls a writer.
+const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Fault drills on writer `RANK`'s files of the step-`STEP` save (`var=RANK:STEP`), so the paths
+/// of a failing and a hanging disk can be tested: `TITAN_CHECKPOINT_WRITE_FAILS` makes them fail
+/// to write, as a full disk would; `TITAN_CHECKPOINT_WRITE_STALLS` stalls the writer between its
+/// two files (`WRITE_STALL`), as a disk that stops answering would.
+fn write_drill(var: &str, rank: usize, step: u64) -> bool {
+    std::env::var(var).is_ok_and(|spec| {
         spec.split_once(':')
             .is_some_and(|(r, s)| r == rank.to_string() && s == step.to_string())
     })

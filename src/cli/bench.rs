@@ -155,7 +155,7 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             let place = RankPlace::cpu(&cfg)?;
             if let Some(timed_s) = bench_on(&be, &cfg, a, place, &|| be.profiler.reset())? {
                 if a.profile_ops {
-                    print!("{}", be.profiler.report(timed_s));
+                    out!("{}", be.profiler.report(timed_s));
                 }
             }
             Ok(())
@@ -169,7 +169,7 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
             let place = RankPlace::cuda(&cfg, &be, a.json)?;
             if let Some(timed_s) = bench_on(&be, &cfg, a, place, &|| be.profiler.reset())? {
                 if a.profile_ops {
-                    print!("{}", be.profiler.report(timed_s));
+                    out!("{}", be.profiler.report(timed_s));
                 }
             }
             Ok(())
@@ -193,7 +193,7 @@ fn bench_on<B: Backend>(
     let mut composed = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
     be.synchronize();
     if rank == 0 {
-        eprintln!(
+        errln!(
             "bench setup of {} (parameters, optimizer, buffers): {:.1} s",
             cfg.model.flavor,
             setup.elapsed().as_secs_f64()
@@ -231,9 +231,9 @@ fn bench_on<B: Backend>(
     let timed_s = timing.timed_s();
     let report = BenchReport::new(be, cfg, a.peak_tflops, &composed, dist, timing, job)?;
     if a.json {
-        println!("{}", report.json());
+        outln!("{}", report.json());
     } else {
-        println!("{}", report.text());
+        outln!("{}", report.text());
     }
     Ok(Some(timed_s))
 }
@@ -332,7 +332,7 @@ fn time_steps<B: Backend>(
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
         if log {
-            eprintln!(
+            errln!(
                 "bench step {}/{}{}: {dt:.3} s, loss {loss:.4}",
                 i + 1,
                 a.warmup + a.steps,
@@ -408,7 +408,7 @@ pub fn run_gemm(threads: usize, extra: &[String]) -> Result<()> {
             best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
         }
         let op = |t: bool| if t { "t" } else { "n" };
-        println!(
+        outln!(
             "gemm {m}x{k}x{n}:{}{}: {:.1} GFLOP/s ({} threads)",
             op(trans_a),
             op(trans_b),
@@ -467,7 +467,7 @@ pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
     let (g, _store) = crate::launch::world_group(&env, "bench", timeout, timeout)?;
     let n = g.size() as f64;
     if g.rank() == 0 && !a.json {
-        println!(
+        outln!(
             "{:>9} {:>16} {:>16} {:>16}   (bus bandwidth GB/s, {} ranks, median of {})",
             "size",
             "all_reduce",
@@ -500,10 +500,10 @@ pub fn run_comm(a: &BenchCommArgs) -> Result<()> {
         let rs = time(&mut || g.reduce_scatter(&buf, &mut shard, ReduceOp::Sum))?;
         if g.rank() == 0 && a.json {
             let row = serde_json::json!({"ranks": g.size(), "bytes": bytes, "all_reduce_s": ar, "all_gather_s": ag, "reduce_scatter_s": rs});
-            println!("{row}");
+            outln!("{row}");
         } else if g.rank() == 0 {
             let bw = |t: f64, factor: f64| bytes / t * factor / 1e9;
-            println!(
+            outln!(
                 "{:>6} MiB {:>16.2} {:>16.2} {:>16.2}",
                 mib,
                 bw(ar, 2.0 * (n - 1.0) / n),

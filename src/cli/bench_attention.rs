@@ -89,7 +89,7 @@ fn report<B: Backend>(a: &BenchAttentionArgs, precision: &str, be: &B) -> Result
         backward_flops / backward_s / 1e12,
     );
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "device": a.device, "backend": be.name(), "precision": precision,
@@ -100,7 +100,7 @@ fn report<B: Backend>(a: &BenchAttentionArgs, precision: &str, be: &B) -> Result
             })
         );
     } else {
-        println!(
+        outln!(
             "attention {}×{} heads {}/{} head_dim {} ({}, {precision}): forward {:.3} ms ({:.2} \
              TFLOP/s), backward {:.3} ms ({:.2} TFLOP/s); medians of {} calls",
             a.batch,

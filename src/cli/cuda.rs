@@ -79,14 +79,14 @@ fn info() -> Result<()> {
         CudaLib::Nccl,
     ] {
         let state = if lib.is_present() { "found" } else { "MISSING" };
-        println!("{state:>8}  {}", lib.describe());
+        outln!("{state:>8}  {}", lib.describe());
     }
     let n = device_count()?;
-    println!("{n} CUDA device(s)");
+    outln!("{n} CUDA device(s)");
     for i in 0..n {
         let ctx = cudarc::driver::CudaContext::new(i).context("opening the CUDA device")?;
         let (major, minor) = ctx.compute_capability()?;
-        println!(
+        outln!(
             "  {i}: {} (sm_{major}{minor}), {:.1} GiB",
             ctx.name()?,
             ctx.total_mem()? as f64 / (1u64 << 30) as f64
@@ -98,14 +98,14 @@ fn info() -> Result<()> {
 fn compile(archs: &str, out: Option<&PathBuf>, verbose: bool) -> Result<()> {
     for arch in archs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
         let compiled = kernels::compile(arch)?;
-        println!(
+        outln!(
             "{}: {} kernels compiled by NVRTC, {} bytes of cubin",
             compiled.arch,
             kernels::KERNELS.len(),
             compiled.cubin.len()
         );
         if verbose {
-            print!("{}", compiled.log);
+            out!("{}", compiled.log);
         }
         if let Some(dir) = out {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -146,7 +146,7 @@ struct AcParity {
 fn check(a: &CheckArgs) -> Result<()> {
     let precision = GemmPrecision::from_config(&a.precision)?;
     let be = CudaBackend::new(0, precision)?;
-    println!(
+    outln!(
         "CUDA-vs-CPU check on {} ({}), GEMMs in {:?}, attention {:?}, bf16 activation copies {}",
         be.device_name(),
         be.arch(),
@@ -171,7 +171,7 @@ fn check(a: &CheckArgs) -> Result<()> {
     let mut ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed, true);
     drop(be);
     ops.extend(float8_gemm_rows(a.seed)?);
-    print!("{}", format_table(&ops));
+    out!("{}", format_table(&ops));
     // Written now and again after training, so a run that dies in training keeps the op table.
     let write_json = |parity: Option<&TrainParity>| -> Result<()> {
         if let Some(path) = &a.json_out {
@@ -188,7 +188,7 @@ fn check(a: &CheckArgs) -> Result<()> {
         None
     };
     if let Some(p) = &parity {
-        println!(
+        outln!(
             "training: {} steps of the debug model, loss {:.4} -> {:.4} (CPU) vs {:.4} -> {:.4} (CUDA), \
              max relative difference {:.2e} (tolerance {:.0e}): {}",
             p.steps,
@@ -201,10 +201,10 @@ fn check(a: &CheckArgs) -> Result<()> {
             if p.passed { "ok" } else { "FAIL" }
         );
         if let Some(e) = &p.cuda_error {
-            println!("training on CUDA failed: {e}");
+            outln!("training on CUDA failed: {e}");
         }
         for ac in &p.activation_checkpoint {
-            println!(
+            outln!(
                 "activation checkpointing {} on CUDA vs none: max relative loss difference {:.2e}{}: {}",
                 ac.mode,
                 ac.max_rel_diff,
@@ -238,7 +238,7 @@ fn check(a: &CheckArgs) -> Result<()> {
 fn float8_gemm_rows(seed: u64) -> Result<Vec<OpCheck>> {
     let mut be = CudaBackend::new(0, GemmPrecision::Float32)?;
     if let Err(e) = be.enable_fp8_gemms() {
-        println!("float8 GEMMs not checked: {e:#}");
+        outln!("float8 GEMMs not checked: {e:#}");
         return Ok(Vec::new());
     }
     // Both sides multiply the same values (code · 1/scale), summed in another order.
@@ -420,7 +420,7 @@ fn nccl_check() -> Result<()> {
         g.all_reduce(&mut big, ReduceOp::Sum)?;
     }
     let per_call = t0.elapsed().as_secs_f64() / 10.0;
-    println!(
+    outln!(
         "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter, ordering against compute, FSDP queue {}; 256 MiB all_reduce {:.2} ms",
         be.device_name(),
         if failures.is_empty() { "ok" } else { "FAILED" },

@@ -120,7 +120,7 @@ fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
     let mut logits = model.forward_cached(be, &params, &mut cache, &prompt_ids)?;
     let mut generated = Vec::new();
     if !a.json {
-        print!("{}", a.prompt);
+        out!("{}", a.prompt);
     }
     let mut printed = 0;
     for _ in 0..a.max_new_tokens {
@@ -133,7 +133,7 @@ fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
             // Decode the whole continuation so multi-byte characters print once complete.
             let text = tokenizer.decode(&generated)?;
             if text.len() > printed && !text.ends_with('\u{FFFD}') {
-                print!("{}", &text[printed..]);
+                out!("{}", &text[printed..]);
                 printed = text.len();
                 std::io::stdout().flush()?;
             }
@@ -145,15 +145,15 @@ fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
     }
     let text = tokenizer.decode(&generated)?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({ "prompt_ids": prompt_ids, "generated_ids": generated, "text": text })
         );
     } else {
         if text.len() > printed {
-            print!("{}", &text[printed..]);
+            out!("{}", &text[printed..]);
         }
-        println!();
+        outln!();
     }
     Ok(())
 }

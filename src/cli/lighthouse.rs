@@ -38,9 +38,11 @@ pub fn run(args: &LighthouseArgs) -> Result<()> {
         join_timeout: Duration::from_millis(args.join_timeout_ms),
     };
     let lh = Lighthouse::start(&format!("{}:{}", args.bind, args.port), &secret, options)?;
-    println!(
+    outln!(
         "lighthouse listening on {} (quorum of at least {} replica groups, join timeout {} ms)",
-        lh.addr, args.min_replicas, args.join_timeout_ms
+        lh.addr,
+        args.min_replicas,
+        args.join_timeout_ms
     );
     loop {
         std::thread::park();

@@ -335,7 +335,7 @@ pub fn run(cli: Cli) -> Result<()> {
             what: DebugCommand::FlightRecorder { dir },
         } => {
             let dumps = crate::comm::flight_recorder::read_dumps(&dir)?;
-            println!("{}", crate::comm::flight_recorder::analyze(&dumps));
+            outln!("{}", crate::comm::flight_recorder::analyze(&dumps));
             Ok(())
         }
         Command::Convert { direction } => match direction {

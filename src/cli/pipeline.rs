@@ -50,11 +50,11 @@ pub fn show(a: &ShowArgs) -> Result<()> {
         }
     };
     let timeline = schedule.simulate(Work::unit_cost)?;
-    print!("{}", describe(&schedule, &timeline));
+    out!("{}", describe(&schedule, &timeline));
     if let Some(path) = &a.svg {
         std::fs::write(path, svg(&schedule, &timeline))
             .with_context(|| format!("cannot write {}", path.display()))?;
-        println!("timeline: {}", path.display());
+        outln!("timeline: {}", path.display());
     }
     Ok(())
 }

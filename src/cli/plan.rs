@@ -59,7 +59,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         }
         (None, None) if a.calibrate => {
             let c = calibrate::cpu(true)?;
-            println!("{}", serde_json::to_string_pretty(&c)?);
+            outln!("{}", serde_json::to_string_pretty(&c)?);
             return Ok(());
         }
         (None, None) => bail!(
@@ -104,9 +104,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         bail!("{}", nothing_fits(&job, &plan, &what));
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&json(&plan, a.top))?);
+        outln!("{}", serde_json::to_string_pretty(&json(&plan, a.top))?);
     } else {
-        print!("{}", table(&plan, &what, a.top));
+        out!("{}", table(&plan, &what, a.top));
     }
     Ok(())
 }

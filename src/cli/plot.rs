@@ -251,6 +251,6 @@ pub fn run(a: &PlotArgs) -> Result<()> {
         dir.join("metrics.svg")
     });
     std::fs::write(&out, svg(&runs)).with_context(|| format!("cannot write {}", out.display()))?;
-    println!("wrote {}", out.display());
+    outln!("wrote {}", out.display());
     Ok(())
 }

@@ -89,7 +89,7 @@ impl GroupRecord {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let seq = self.next_seq.load(Ordering::SeqCst);
         if self.skip_at == Some(seq) && !self.skipped.swap(true, Ordering::SeqCst) {
-            eprintln!(
+            errln!(
                 "TITAN_SKIP_COLLECTIVE: skipping {op} #{seq} on group `{}` (fault drill)",
                 self.name
             );
@@ -282,8 +282,8 @@ pub fn dump_once(reason: &str) {
         .and_then(|bytes| Ok(std::fs::write(&tmp, bytes)?))
         .and_then(|_| Ok(std::fs::rename(&tmp, &path)?));
     match written {
-        Ok(()) => eprintln!("flight recorder: wrote {}", path.display()),
-        Err(e) => eprintln!(
+        Ok(()) => errln!("flight recorder: wrote {}", path.display()),
+        Err(e) => errln!(
             "warning: flight recorder could not write {}: {e:#}",
             path.display()
         ),
@@ -302,7 +302,12 @@ pub fn dump_on_terminate() -> Result<()> {
         .name("flight-recorder".into())
         .spawn(move || {
             if signals.forever().next().is_some() {
-                dump_once("stopped by the launcher (SIGTERM): another rank failed");
+                // Whatever the dump meets, the process exits: this thread is what ends it.
+                let _ = std::panic::catch_unwind(|| {
+                    dump_once(
+                        "stopped by the launcher (SIGTERM): another rank failed or it stopped",
+                    )
+                });
                 std::process::exit(128 + 15);
             }
         })?;
@@ -325,7 +330,7 @@ pub fn read_dumps(dir: &Path) -> Result<Vec<Dump>> {
             .and_then(|text| Ok(serde_json::from_str::<Dump>(&text)?));
         match parsed {
             Ok(dump) => dumps.push(dump),
-            Err(e) => eprintln!(
+            Err(e) => errln!(
                 "warning: {} is not a readable flight recorder dump, left out: {e:#}",
                 path.display()
             ),

@@ -55,7 +55,7 @@ impl Lighthouse {
             .name("lighthouse".into())
             .spawn(move || {
                 if let Err(e) = coordinate(&client, options) {
-                    eprintln!("lighthouse: the coordinator stopped: {e:#}");
+                    errln!("lighthouse: the coordinator stopped: {e:#}");
                 }
             })?;
         Ok(Lighthouse {
@@ -197,8 +197,8 @@ fn close_round(
                 .map(|v| parse_join(&String::from_utf8_lossy(&v)))
             {
                 Ok(Ok(join)) => joins.push(join),
-                Ok(Err(e)) => eprintln!("lighthouse: round {round}: {e:#}; ignored"),
-                Err(_) => eprintln!(
+                Ok(Err(e)) => errln!("lighthouse: round {round}: {e:#}; ignored"),
+                Err(_) => errln!(
                     "lighthouse: round {round}: join {i} was counted but never written; ignored"
                 ),
             }

@@ -54,7 +54,7 @@ pub fn train_bpe(input: &Path, vocab_size: usize, output: &Path) -> Result<()> {
     tokenizer
         .save(output, true)
         .map_err(|e| anyhow!("cannot write {}: {e}", output.display()))?;
-    println!(
+    outln!(
         "trained byte-level BPE on {} documents: {} tokens -> {}",
         docs.len(),
         tokenizer.get_vocab_size(true),

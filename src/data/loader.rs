@@ -199,7 +199,7 @@ impl DataLoader {
                 if self.state.consumed >= windows {
                     self.state.epoch = self.state.epoch.saturating_add(1);
                     self.state.consumed = 0;
-                    eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                    errln!("dataset exhausted: starting epoch {}", self.state.epoch);
                 }
                 if let Some(row) = row {
                     shards.read(self.state.consumed * window as u64, row, self.vocab)?;
@@ -217,7 +217,7 @@ impl DataLoader {
                             self.state.epoch = self.state.epoch.saturating_add(1);
                             self.state.consumed = 0;
                             source.reset();
-                            eprintln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                            errln!("dataset exhausted: starting epoch {}", self.state.epoch);
                             continue;
                         }
                     };

@@ -104,9 +104,9 @@ fn pump(
             let line = String::from_utf8_lossy(&bytes);
             let line = line.trim_end_matches(['\n', '\r']).to_string();
             match (to_stderr, plain) {
-                (true, _) => eprintln!("[rank {rank}] {line}"),
-                (false, true) => println!("{line}"),
-                (false, false) => println!("[rank {rank}] {line}"),
+                (true, _) => errln!("[rank {rank}] {line}"),
+                (false, true) => outln!("{line}"),
+                (false, false) => outln!("[rank {rank}] {line}"),
             }
             if let Some(k) = &keep {
                 let mut k = k.lock().unwrap_or_else(|e| e.into_inner());
@@ -138,6 +138,7 @@ fn worker_command(exe: &std::path::Path) -> Command {
     use std::os::unix::process::CommandExt;
     let launcher = std::process::id() as libc::pid_t;
     let mut cmd = Command::new(exe);
+    cmd.env(super::orphan::LAUNCHER_PID_ENV, launcher.to_string());
     // SAFETY: only async-signal-safe calls (prctl, getppid, _exit) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
@@ -252,7 +253,7 @@ fn run_generations(
         let limit = first_generation + o.max_restarts;
         let world = o.nproc * m.nodes;
         if let Some(before) = previous_world.filter(|&w| w != world) {
-            eprintln!("titan launcher: generation {generation}: the job goes from {before} to {world} ranks ({} node(s)); this node is node {}; the workers resume from the latest checkpoint", m.nodes, m.node_rank);
+            errln!("titan launcher: generation {generation}: the job goes from {before} to {world} ranks ({} node(s)); this node is node {}; the workers resume from the latest checkpoint", m.nodes, m.node_rank);
         }
         previous_world = Some(world);
         if interrupted.load(Ordering::SeqCst) {
@@ -289,7 +290,7 @@ fn run_generations(
         if generation >= limit {
             bail!("{msg}");
         }
-        eprintln!(
+        errln!(
             "titan launcher: {msg}\ntitan launcher: restarting all {world} ranks (restart {} of {})",
             generation - first_generation + 1,
             o.max_restarts
@@ -357,7 +358,7 @@ fn planned_layout(
             layout
         }
     };
-    eprintln!(
+    errln!(
         "titan launcher: generation {generation}: {world} ranks laid out by titan plan: {}",
         layout.join(" ")
     );

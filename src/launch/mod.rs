@@ -4,6 +4,7 @@ pub mod checkpoint_exchange;
 pub mod env;
 pub mod groups;
 pub mod launcher;
+pub mod orphan;
 pub mod rendezvous;
 pub mod secret;
 

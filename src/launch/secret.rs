@@ -26,7 +26,7 @@ pub fn for_launcher(
     match (nnodes, insecure_no_auth) {
         (1, _) => Ok(JobSecret::generate()),
         (_, true) => {
-            eprintln!("warning: [comm] insecure_no_auth = true: this multi-node job's store and ranks accept any connection");
+            errln!("warning: [comm] insecure_no_auth = true: this multi-node job's store and ranks accept any connection");
             Ok(JobSecret::insecure())
         }
         _ => bail!("a multi-node job needs a job secret shared by its nodes: {MULTI_NODE_HINT}"),

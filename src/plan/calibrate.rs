@@ -93,14 +93,14 @@ pub fn cpu(force: bool) -> Result<Calibration> {
             if stored.host == host() {
                 return Ok(stored);
             }
-            eprintln!(
+            errln!(
                 "titan plan: {} was measured on {}; calibrating this host ({})",
                 file.display(),
                 stored.host,
                 host()
             );
         } else {
-            eprintln!(
+            errln!(
                 "titan plan: no CPU calibration at {}; measuring this host (about a minute)",
                 file.display()
             );
@@ -112,7 +112,7 @@ pub fn cpu(force: bool) -> Result<Calibration> {
     }
     let text = serde_json::to_string_pretty(&c)?;
     std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
-    eprintln!("titan plan: calibration stored in {}", file.display());
+    errln!("titan plan: calibration stored in {}", file.display());
     Ok(c)
 }
 

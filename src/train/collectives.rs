@@ -145,7 +145,7 @@ pub fn for_cuda(
     let sharing = agreed.ranks_on_my_gpu.max(1);
     if !agreed.nccl {
         if d.rank == 0 && !quiet {
-            println!(
+            outln!(
                 "note: collectives go through host copies, not NCCL ({})",
                 agreed.why_not_nccl.as_deref().unwrap_or("unknown")
             );
@@ -187,7 +187,7 @@ pub fn for_cuda(
         None => None,
     };
     if d.rank == 0 && !quiet {
-        println!("collectives on the GPUs through NCCL ({} ranks)", d.world);
+        outln!("collectives on the GPUs through NCCL ({} ranks)", d.world);
     }
     Ok((
         DeviceComm {

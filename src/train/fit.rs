@@ -152,7 +152,7 @@ fn snapshot_refused(cfg: &Config, rank: usize, estimate: &MemoryEstimate, sharde
     let sample = memory_timeline::now("estimate of the refused run");
     if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, vec![sample])
     {
-        eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+        errln!("warning: rank {rank}: memory snapshot not written: {e:#}");
     }
 }
 

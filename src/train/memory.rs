@@ -366,7 +366,7 @@ mod tests {
         let none = rank(AcMode::None);
         let (op, full) = (rank(AcMode::Op), rank(AcMode::Full));
         for (what, e) in [("none", &none), ("op", &op), ("full", &full)] {
-            eprintln!(
+            errln!(
                 "8B, FSDP 8, seq 8192, AC {what}: {:.1} GiB per rank, of which activations {:.1} GiB",
                 gib(e.total()),
                 gib(e.activations)

@@ -246,7 +246,7 @@ pub fn default_peak_tflops<B: Backend>(be: &B, threads: usize) -> f64 {
     match (be.peak_tflops(), be.name()) {
         (Some(peak), _) => peak,
         (None, "cuda") => {
-            eprintln!(
+            errln!(
                 "note: MFU is against 989 TFLOP/s (H100 dense bf16): this GPU is not in titan's \
                  table; set [metrics] peak_tflops to its figure"
             );

@@ -79,7 +79,7 @@ impl StepProfiler<'_> {
         match memory_timeline::write(&dir, &stem, rank, memory_timeline::take()) {
             Ok(()) if !self.quiet => say(format!("memory timeline {}/{stem}.svg", dir.display())),
             Ok(()) => {}
-            Err(e) => eprintln!("warning: rank {rank}: memory timeline not written: {e:#}"),
+            Err(e) => errln!("warning: rank {rank}: memory timeline not written: {e:#}"),
         }
     }
 
@@ -97,7 +97,7 @@ impl StepProfiler<'_> {
         match crate::trace::write(&path, rank, &events) {
             Ok(()) if !self.quiet => say(format!("profiler trace {}", path.display())),
             Ok(()) => {}
-            Err(e) => eprintln!("warning: rank {rank}: profiler trace not written: {e:#}"),
+            Err(e) => errln!("warning: rank {rank}: profiler trace not written: {e:#}"),
         }
     }
 }

@@ -157,7 +157,7 @@ impl ReplicaSync {
                     return Ok(StepStart { committed, ..start });
                 }
                 Err(e) => {
-                    eprintln!(
+                    errln!(
                         "[fault_tolerance] replica {} rank {}: quorum {} failed ({e:#}); joining the next",
                         self.replica_id, self.rank, q.id
                     );
@@ -247,7 +247,7 @@ impl ReplicaSync {
             packed.extend(be.download(b));
         }
         if let Err(e) = group.all_reduce(&mut packed, ReduceOp::Avg) {
-            eprintln!(
+            errln!(
                 "[fault_tolerance] replica {} rank {}: the gradient average failed ({e:#}); this step is dropped",
                 self.replica_id, self.rank
             );

@@ -123,7 +123,7 @@ impl SemiSync {
         packed.push(if contributes { 1.0 } else { 0.0 });
         if let Some(group) = group {
             if let Err(e) = group.all_reduce(&mut packed, ReduceOp::Sum) {
-                eprintln!("[fault_tolerance] the {:?} sync failed ({e:#}); every replica keeps its weights until the next", self.method);
+                errln!("[fault_tolerance] the {:?} sync failed ({e:#}); every replica keeps its weights until the next", self.method);
                 return Ok(false);
             }
         }

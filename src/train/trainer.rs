@@ -112,7 +112,7 @@ fn snapshot_failure(cfg: &Config, error: &anyhow::Error) {
         .join(&cfg.profiling.save_memory_snapshot_folder)
         .join("failure");
     if let Err(e) = memory_timeline::write(&dir, &format!("rank{rank}_memory"), rank, samples) {
-        eprintln!("warning: rank {rank}: memory snapshot not written: {e:#}");
+        errln!("warning: rank {rank}: memory snapshot not written: {e:#}");
     }
 }
 
@@ -124,7 +124,7 @@ fn train_on_device(cfg: &Config, opts: &RunOptions) -> Result<TrainSummary> {
             let local_rank = crate::launch::env::WorkerEnv::detect()?.map_or(0, |e| e.local_rank);
             let be = cuda_backend(cfg, local_rank)?;
             if !opts.quiet {
-                println!(
+                outln!(
                     "device: {} ({}), GEMMs in {:?}",
                     be.device_name(),
                     be.arch(),
@@ -156,11 +156,11 @@ fn train_on<B: Backend>(
         }
         if crash_at == Some(step) {
             let rank = run.rank;
-            eprintln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
+            errln!("TITAN_CRASH_AT: rank {rank} exits abruptly at step {step} (fault drill)");
             std::process::abort();
         }
         if stall_at == Some(step) {
-            eprintln!("TITAN_STALL_AT: rank {} stops answering for {STALL_S} s at step {step} (fault drill)", run.rank);
+            errln!("TITAN_STALL_AT: rank {} stops answering for {STALL_S} s at step {step} (fault drill)", run.rank);
             std::thread::sleep(std::time::Duration::from_secs(STALL_S));
         }
         let write_trace = run.profiler.begin(step, &mut run.layout)?;
@@ -260,7 +260,7 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
         let quiet = opts.quiet || rank != 0;
         let say = |s: String| {
             if !quiet {
-                println!("{s}");
+                outln!("{s}");
             }
         };
         // Replica groups read shares of the data of their own, as HSDP's replicas do.
@@ -420,12 +420,12 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
         let steps = self.cfg.training.steps;
         if !self.quiet {
             match self.losses.last() {
-                Some(&(s, l)) => println!(
+                Some(&(s, l)) => outln!(
                     "done: step {s}, loss {l:.4}, peak memory {:.0} MiB",
                     self.be.device_peak_memory().unwrap_or_else(peak_memory) as f64
                         / (1 << 20) as f64
                 ),
-                None => println!(
+                None => outln!(
                     "nothing to do: the checkpoint is already at step {start_step} of {steps}"
                 ),
             }
@@ -465,7 +465,7 @@ fn print_banner<B: Backend>(
     };
     banner.lines().into_iter().for_each(say);
     if let Some(line) = banner.rank_line() {
-        println!("{line}");
+        outln!("{line}");
     }
 }
 
@@ -763,7 +763,7 @@ fn crash_drill(var: &str, rank: usize) -> Result<Option<u64>> {
 /// A line above the progress bar, or plainly when the bar is hidden (output is not a terminal).
 fn emit(bar: &ProgressBar, line: String) {
     if bar.is_hidden() {
-        println!("{line}");
+        outln!("{line}");
     } else {
         bar.println(line);
     }

@@ -204,6 +204,7 @@ pub fn reference_missing(what: &str) {
 }
 
 /// `reference_missing` with `in_ci` given (for testing it without changing the environment).
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
 pub fn reference_missing_in(in_ci: bool, what: &str) {
     assert!(
         !in_ci,

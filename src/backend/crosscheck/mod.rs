@@ -695,7 +695,7 @@ pub fn check_ops<R: Backend, T: Backend>(
         }
         if echo {
             for r in &c.results[before..] {
-                eprintln!(
+                errln!(
                     "checked {}: rel err {:.2e} (tolerance {:.0e}) {}",
                     r.op,
                     r.rel_err,

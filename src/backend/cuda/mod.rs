@@ -121,7 +121,7 @@ impl AttentionKernels {
                 "fused" => fused_warps = Some(4),
                 "fused8" => fused_warps = Some(8),
                 "unordered" => ordered = false,
-                other => eprintln!(
+                other => errln!(
                     "warning: TITAN_CUDA_ATTENTION: `{other}` is not known (accepted, comma \
                      separated: exact, narrow, fused, fused8, unordered); ignoring it"
                 ),

@@ -588,7 +588,7 @@ mod tests {
             for s in &schedules {
                 s.check().unwrap();
                 let b = s.unit_bubble().unwrap();
-                eprintln!("p {p} m {m} {}: bubble {b:.3}", s.name);
+                errln!("p {p} m {m} {}: bubble {b:.3}", s.name);
                 if s.name.contains("ZeroBubble") {
                     assert!(b < one_f_one_b, "{} {b} vs 1F1B {one_f_one_b}", s.name);
                     // Deferred weight gradients are held between each I and its W.

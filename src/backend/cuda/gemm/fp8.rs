@@ -180,7 +180,7 @@ impl Gemm {
     /// Says once per process that a float8 GEMM fell back to the dequantised values, and why.
     fn warn_fp8_once(&self, e: &anyhow::Error) {
         if !self.fp8.warned.swap(true, Ordering::Relaxed) {
-            eprintln!("warning: {e:#}; such GEMMs multiply the dequantised values");
+            errln!("warning: {e:#}; such GEMMs multiply the dequantised values");
         }
     }
 

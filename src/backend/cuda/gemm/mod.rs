@@ -220,7 +220,7 @@ impl Gemm {
             Ok(plan) => Ok(plan),
             Err(e) if self.precision != GemmPrecision::Float32 => {
                 if !self.warned_fallback.swap(true, Ordering::Relaxed) {
-                    eprintln!("warning: {e:#}; such GEMMs run in fp32");
+                    errln!("warning: {e:#}; such GEMMs run in fp32");
                 }
                 self.plan_with(key, GemmPrecision::Float32.compute_type(), false)
             }
