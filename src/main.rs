@@ -12,7 +12,10 @@ fn main() {
             .collect(),
     );
     let cli = titan::cli::Cli::parse_from(args);
-    if let Err(e) = titan::cli::run(cli) {
+    let outcome = titan::cli::run(cli);
+    // A rank leaves no socket of its own behind, nor its job's empty socket folder.
+    titan::comm::conn::remove_own_sockets();
+    if let Err(e) = outcome {
         // A rank of a job with the flight recorder on leaves its dump (no-op otherwise).
         titan::comm::flight_recorder::dump_once(&format!("this rank failed: {e:#}"));
         titan::errln!("error: {e:#}");

@@ -352,6 +352,48 @@ fn a_peer_that_never_arrives_is_an_error_not_a_hang() {
     assert!(e.contains("ranks [1] never connected"), "{e}");
 }
 
+/// Ranks started by hand, as torchrun or SLURM start them (no titan launcher to clean up after
+/// them), leave neither their sockets nor the job's socket folder behind.
+#[test]
+fn ranks_started_without_titans_launcher_leave_no_socket_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    // A secret of this test's own: its job id names the socket folder.
+    let secret = format!("{:0>64x}", 0x50c0_0000_u64 + std::process::id() as u64);
+    let mut extra = vec!["--training.steps", "2"];
+    extra.extend_from_slice(TINY_ARGS);
+    extra.extend_from_slice(DDP_MESH);
+    let ranks: Vec<_> = ["0", "1"]
+        .iter()
+        .map(|rank| {
+            let sub = dir.path().join(format!("rank{rank}"));
+            train_command(&sub, &[], &extra)
+                .env("RAYON_NUM_THREADS", "1")
+                .env("RANK", rank)
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("TITAN_JOB_SECRET", &secret)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for r in ranks {
+        let o = r.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let job = titan::comm::auth::JobSecret::from_hex(&secret, "test").unwrap();
+    let folder = titan::comm::conn::job_socket_path(&job.job_id(), None);
+    assert!(!folder.exists(), "{} was left behind", folder.display());
+}
+
 #[test]
 fn ddp_with_gradient_accumulation_matches_one_process() {
     let (one, two) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

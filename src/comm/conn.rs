@@ -148,7 +148,15 @@ impl Listener {
                 std::process::id()
             ));
             let _ = std::fs::remove_file(&path);
-            let l = UnixListener::bind(&path)?;
+            let l = match UnixListener::bind(&path) {
+                // The last rank of an earlier run removed the empty folder meanwhile
+                // (`remove_own_sockets`): make it again.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    job_socket_dir(job_id)?;
+                    UnixListener::bind(&path)?
+                }
+                bound => bound?,
+            };
             l.set_nonblocking(true)?;
             let addr = format!("unix:{}", path.display());
             Ok((Listener::Unix(l, path), addr))
@@ -199,6 +207,29 @@ pub fn job_socket_path(job_id: &str, run: Option<&str>) -> PathBuf {
     base.join(name)
 }
 
+/// The job's socket folder this process made or used (`job_socket_dir`).
+static SOCKET_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// At this process's exit: removes the Unix sockets it bound in its job's socket folder (a
+/// listener not dropped before `exit` leaves its file) and then the folder itself once no other
+/// rank's socket is in it. Titan's launcher removes its workers' folder; a rank started by
+/// torchrun, SLURM or mpirun has only this.
+pub fn remove_own_sockets() {
+    let Some(dir) = SOCKET_DIR.get() else {
+        return;
+    };
+    let mine = format!("-{}.sock", std::process::id());
+    if let Ok(listing) = std::fs::read_dir(dir) {
+        for entry in listing.flatten() {
+            if entry.file_name().to_string_lossy().ends_with(&mine) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    // Fails, as it should, while another rank's sockets are still there.
+    let _ = std::fs::remove_dir(dir);
+}
+
 /// The job's folder of Unix sockets: `titan-{uid}-{job_id}` in the temp folder (or in `/tmp` when
 /// the temp folder's path would make socket paths too long), mode 0700, owned by this user. Made
 /// by whichever rank comes first; a folder of that name owned by another user, or open to others,
@@ -211,6 +242,7 @@ pub fn job_socket_dir(job_id: &str) -> std::io::Result<PathBuf> {
         .ok()
         .filter(|r| !r.is_empty() && r.len() <= 16 && r.bytes().all(|b| b.is_ascii_alphanumeric()));
     let dir = job_socket_path(job_id, run.as_deref());
+    let _ = SOCKET_DIR.set(dir.clone());
     match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}

@@ -13,12 +13,14 @@
 //!
 //! Keys (in the lighthouse's store): `ft/round` the open round; `ft/r{R}/n` the joins counted, each
 //! join `ft/r{R}/j{I}` = `replica,rank,world,step`; `ft/r{R}/quorum` = `id;replica:step,…` once
-//! closed. Every value read back is parsed with an error, never trusted. The keys of past rounds
-//! stay in the store (tens of bytes per rank and step).
+//! closed. Every value read back is parsed with an error, never trusted. The keys of rounds more
+//! than `ROUNDS_KEPT` behind the open one are dropped, so the store's memory stays bounded
+//! however long the job runs (a rank that far behind has long timed out waiting).
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -35,10 +37,14 @@ pub struct LighthouseOptions {
     pub join_timeout: Duration,
 }
 
+/// Closed rounds whose keys the lighthouse keeps: a rank reads its round's quorum at most a
+/// round or two after it closed (every live replica must have joined the next one first).
+pub const ROUNDS_KEPT: u64 = 8;
+
 /// A running lighthouse (its threads run until the process exits).
 pub struct Lighthouse {
     pub addr: SocketAddr,
-    _store: StoreServer,
+    store: Arc<StoreServer>,
 }
 
 impl Lighthouse {
@@ -47,22 +53,40 @@ impl Lighthouse {
         if options.min_replicas == 0 {
             bail!("the lighthouse needs --min-replicas of at least 1");
         }
-        let store = StoreServer::start(bind, secret)?;
+        let store = Arc::new(StoreServer::start(bind, secret)?);
         let addr = store.addr;
         let client = StoreClient::connect(&addr.to_string(), secret, Duration::from_secs(10))?;
         client.set("ft/round", b"0")?;
+        let server = store.clone();
         std::thread::Builder::new()
             .name("lighthouse".into())
             .spawn(move || {
-                if let Err(e) = coordinate(&client, options) {
+                if let Err(e) = coordinate(&client, &server, options) {
                     errln!("lighthouse: the coordinator stopped: {e:#}");
                 }
             })?;
-        Ok(Lighthouse {
-            addr,
-            _store: store,
-        })
+        Ok(Lighthouse { addr, store })
     }
+
+    /// Keys in the lighthouse's store (bounded: `ROUNDS_KEPT`).
+    pub fn keys(&self) -> usize {
+        self.store.len()
+    }
+}
+
+/// Drops the keys of rounds more than `ROUNDS_KEPT` before `round`.
+fn drop_old_rounds(server: &StoreServer, round: u64) {
+    let Some(oldest) = round.checked_sub(ROUNDS_KEPT) else {
+        return;
+    };
+    // Keys reach the server prefixed with the job's id: `{job}/ft/r{R}/…`.
+    server.retain(|key| {
+        let r = key
+            .split_once("/ft/r")
+            .and_then(|(_, rest)| rest.split('/').next())
+            .and_then(|r| r.parse::<u64>().ok());
+        r.is_none_or(|r| r >= oldest)
+    });
 }
 
 /// One replica in a quorum: its id and the last step it committed.
@@ -156,10 +180,11 @@ fn parse_join(text: &str) -> Result<Join> {
 }
 
 /// The coordinator's loop: one round after another, each closed as the module doc says.
-fn coordinate(store: &StoreClient, options: LighthouseOptions) -> Result<()> {
+fn coordinate(store: &StoreClient, server: &StoreServer, options: LighthouseOptions) -> Result<()> {
     let (mut previous, mut id): (Vec<usize>, u64) = (Vec::new(), 0);
     for round in 0u64.. {
         store.set("ft/round", round.to_string().as_bytes())?;
+        drop_old_rounds(server, round);
         let members = close_round(store, round, &previous, options)?;
         let replicas: Vec<usize> = members.iter().map(|m| m.replica_id).collect();
         if replicas != previous {
@@ -373,6 +398,30 @@ mod tests {
         );
         // The coordinator goes on: the next round forms too.
         assert_eq!(a.join(4).unwrap().max_step(), 4);
+    }
+
+    #[test]
+    fn the_lighthouse_keeps_the_recent_rounds_only() {
+        let secret = JobSecret::generate();
+        let options = LighthouseOptions {
+            min_replicas: 1,
+            join_timeout: Duration::from_millis(200),
+        };
+        let lh = Lighthouse::start("127.0.0.1:0", &secret, options).unwrap();
+        let t = Duration::from_secs(10);
+        let mut a = QuorumClient::connect(&lh.addr.to_string(), &secret, (0, 0, 1), t).unwrap();
+        let mut most = 0;
+        for step in 0..100 {
+            a.join(step).unwrap();
+            most = most.max(lh.keys());
+        }
+        // Each round: its count, one join and its quorum, plus `ft/round`.
+        let bound = (ROUNDS_KEPT as usize + 2) * 3 + 1;
+        assert!(
+            most <= bound,
+            "{most} keys after 100 rounds (bound {bound})"
+        );
+        assert!(a.round() >= 99);
     }
 
     #[test]

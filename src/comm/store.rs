@@ -49,6 +49,7 @@ struct Table {
 /// The server side; it runs on background threads until the process exits.
 pub struct StoreServer {
     pub addr: SocketAddr,
+    table: Arc<Table>,
 }
 
 impl StoreServer {
@@ -59,6 +60,7 @@ impl StoreServer {
         })?;
         let addr = listener.local_addr()?;
         let table = Arc::new(Table::default());
+        let served = table.clone();
         let secret = secret.clone();
         let pending = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
@@ -79,7 +81,7 @@ impl StoreServer {
                     }
                 };
                 pending.fetch_add(1, Ordering::SeqCst);
-                let (table, secret, counted) = (table.clone(), secret.clone(), pending.clone());
+                let (table, secret, counted) = (served.clone(), secret.clone(), pending.clone());
                 let spawned = std::thread::Builder::new()
                     .name("titan-store-conn".into())
                     .spawn(move || serve_authenticated(stream, &table, &secret, &counted));
@@ -88,7 +90,24 @@ impl StoreServer {
                     std::thread::sleep(Duration::from_millis(20));
                 }
             })?;
-        Ok(StoreServer { addr })
+        Ok(StoreServer { addr, table })
+    }
+
+    /// Drops every key `keep` refuses (a server whose keys would otherwise grow without end,
+    /// such as the lighthouse's rounds); clients waiting for a dropped key go on waiting.
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        let mut values = self.table.values.lock().unwrap_or_else(|e| e.into_inner());
+        values.retain(|k, _| keep(k));
+    }
+
+    /// How many keys the store holds.
+    pub fn len(&self) -> usize {
+        let values = self.table.values.lock().unwrap_or_else(|e| e.into_inner());
+        values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
