@@ -9,8 +9,10 @@ for that job. Sources (pytorch/torchtitan): benchmarks/llama3_h100_202412_torcht
 docs/performance.md), benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, and the Aug 2024
 docs/performance.md (commit 3faaa1a) for 405B on 128 GPUs. Row A is the anchor the H100's compute
 efficiency was set from; rows F compare bf16 predictions with Float8 + async TP runs, so only
-which schedule wins is compared there (titan's pipeline with FSDP keeps the stage's gathered f32
-weights and gradients, more than 95 GiB here: those rows are predicted as if the GPU had room). Exits 1 when a compared row is off by more than 25%.
+which schedule wins is compared there; rows F1-8 and F2-8 are the same layouts with the Float8
+linears as published, for their memory. A layout that does not fit 95 GiB in titan is predicted
+as if the GPU had room, and its note says how much it needs. Exits 1 when a compared row is off
+by more than 25%.
 
 Usage: scripts/plan_gpu_tables.py [--titan target/release/titan]
 """
@@ -38,13 +40,16 @@ ROWS = [
      "3-D, 1F1B; published with Float8 + compile + async TP (Table 5)"),
     ("F2", "405B", 512, 256, "full", "pp 8 × dp_shard 8 × tp 8", "Interleaved1F1B", 1, 128, False,
      "3-D, Interleaved 1F1B; published with Float8 + compile + async TP (Table 5)"),
+    ("F1-8", "405B", 512, 256, "full", "pp 8 × dp_shard 8 × tp 8", "1F1B", 1, 100, True,
+     "row F1 with Float8 linears, as published (Table 5)"),
+    ("F2-8", "405B", 512, 256, "full", "pp 8 × dp_shard 8 × tp 8", "Interleaved1F1B", 1, 128, False,
+     "row F2 with Float8 linears, as published (Table 5)"),
 ]
 
 
 # Extra flags of a row (float8 linears: titan's float8 GEMM rate, `Device::float8_speedup`).
-# (Rows F ran with Float8 too, but with float8's cast copies no 405B layout fits 95 GiB in titan,
-# whose PP+FSDP already keeps more than TorchTitan's: they stay bf16 predictions.)
-FLAGS = {"A8": ["--model.converters", "quantize.linear.float8"]}
+FLOAT8 = ["--model.converters", "quantize.linear.float8"]
+FLAGS = {"A8": FLOAT8, "F1-8": FLOAT8, "F2-8": FLOAT8}
 
 
 def plan(titan, flavor, gpus, batch, ac, memory="95", extra=()):

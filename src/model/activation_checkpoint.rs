@@ -244,6 +244,27 @@ impl ActivationPlan {
         }
     }
 
+    /// Whether this rank holds the residual stream at block `l`'s input (`l` = n_layers: the
+    /// final norm's input): a block it runs reads it there, or the one before writes it, or it is
+    /// the embedding's output or the head's input (which a pipeline rank may hold without a
+    /// block beside them). A pipeline rank holds those of its own blocks only; a stage that
+    /// receives its input where it holds nothing gets the buffer with the transfer.
+    pub fn holds_block_input(&self, l: usize) -> bool {
+        let here = |b: usize| {
+            self.blocks
+                .get(b)
+                .is_some_and(|&s| s != BlockSave::Elsewhere)
+        };
+        l == 0 || l == self.blocks.len() || here(l) || (l > 0 && here(l - 1))
+    }
+
+    /// How many block inputs this rank holds (`holds_block_input`), of the `n_layers + 1`.
+    pub fn block_inputs_held(&self) -> usize {
+        (0..=self.blocks.len())
+            .filter(|&l| self.holds_block_input(l))
+            .count()
+    }
+
     /// Buffers of `act` in the workspace: one per block keeping it, and one shared by the blocks
     /// that recompute it.
     pub fn copies(&self, act: Act) -> usize {

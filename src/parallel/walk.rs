@@ -207,8 +207,13 @@ impl<B: Backend> Walk<B> {
         let (last_of_microbatch, slots_needed) = schedule.microbatch_lifetimes(me);
         let here = blocks_of(&schedule, &split, me);
         let plan = plan.only(|l| here.contains(&l));
+        // One microbatch runs at a time: the first workspace holds the transient buffers, which
+        // the others borrow while they run (`run_actions`).
         let slots = (0..slots_needed)
-            .map(|_| Workspace::planned(be, m, microbatch_rows, seq, plan.clone()))
+            .map(|k| match k {
+                0 => Workspace::planned(be, m, microbatch_rows, seq, plan.clone()),
+                _ => Workspace::planned_borrowing(be, m, microbatch_rows, seq, plan.clone()),
+            })
             .collect();
         Ok(Walk {
             schedule,
@@ -445,7 +450,7 @@ fn run_list<B: Backend>(
             run_actions(&run, hooks, list, slots, tokens, &mut take, &send)?
         }
         Some(g) => {
-            let len = be.len(slots[0].block_input(0));
+            let len = slots[0].block_input_len();
             with_transfers(g, list.schedule, len, |mailbox, send| {
                 let mut take = |t: Transfer, peer: usize| {
                     let t0 = Instant::now();
@@ -461,13 +466,38 @@ fn run_list<B: Backend>(
     Ok((loss, waited))
 }
 
+/// Moves the transient buffers the workspaces share from `slots[*holder]` to `slots[to]`.
+fn lend_transient<B: Backend>(slots: &mut [Workspace<B>], holder: &mut usize, to: usize) {
+    if *holder != to {
+        let (low, high) = slots.split_at_mut(to.max(*holder));
+        low[to.min(*holder)].trade_transient(&mut high[0]);
+        *holder = to;
+    }
+}
+
 /// The actions themselves: each microbatch's tokens loaded into a free workspace at its first
-/// action, the workspace freed after its last.
+/// action, the workspace freed after its last; the workspace running an action holds the
+/// transient buffers, which go back to the first when the pass ends.
 fn run_actions<B: Backend>(
     run: &StageRun<'_, B>,
     hooks: &mut dyn ParamHooks<B>,
     list: &ActionList<'_>,
     slots: &mut [Workspace<B>],
+    tokens: &[u32],
+    take: &mut Take<'_>,
+    send: &Send<'_>,
+) -> Result<LossSum> {
+    let mut holder = 0;
+    let ran = run_actions_lending(run, hooks, list, (slots, &mut holder), tokens, take, send);
+    lend_transient(slots, &mut holder, 0);
+    ran
+}
+
+fn run_actions_lending<B: Backend>(
+    run: &StageRun<'_, B>,
+    hooks: &mut dyn ParamHooks<B>,
+    list: &ActionList<'_>,
+    (slots, holder): (&mut [Workspace<B>], &mut usize),
     tokens: &[u32],
     take: &mut Take<'_>,
     send: &Send<'_>,
@@ -493,6 +523,7 @@ fn run_actions<B: Backend>(
                 k
             }
         };
+        lend_transient(slots, holder, slot);
         let ws = &mut slots[slot];
         let _span = crate::trace::span_named("pipeline", || format!("{a}"));
         match a.work {

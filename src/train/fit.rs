@@ -9,7 +9,7 @@ use super::memory::{check_fits, gib, DeviceSizing, MemoryEstimate};
 use crate::config::Config;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
-use crate::model::llama::workspace_floats;
+use crate::model::llama::{workspace_floats, WorkspaceFloats};
 use crate::model::{LocalShapes, ModelArgs, ParamDtype};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::ReshardPolicy;
@@ -43,10 +43,10 @@ impl RankSizing<'_> {
     /// The estimate per rank when the blocks keep what `plan` says.
     pub fn estimate(&self, plan: &ActivationPlan) -> MemoryEstimate {
         let (args, local, batch, seq) = (self.args, self.local, self.batch, self.seq);
-        let mut e = MemoryEstimate::new(args, local, batch, seq, plan)
-            .with_backend_scratch(self.be, local, batch, seq, plan);
-        // Attention runs one pipeline microbatch at a time.
+        // A pipeline runs its kernels on one microbatch at a time.
         let rows = self.pipeline.map_or(batch, |p| p.microbatch_rows);
+        let mut e = MemoryEstimate::new(args, local, batch, seq, plan)
+            .with_backend_scratch(self.be, local, rows, seq, plan);
         e.scratch += crate::parallel::cp::scratch_bytes(local, rows, seq, self.rotate);
         if self.float8 {
             let codes = self.be.keeps_float8_codes();
@@ -65,12 +65,12 @@ impl RankSizing<'_> {
             e = e.with_compute_copy(self.be);
         }
         e = match (self.pipeline, self.fsdp_shard) {
-            (Some(p), shard) => e.pipelined(
-                p.held_fraction(args, local),
-                shard,
-                p.workspaces(),
-                workspace_floats(local, p.microbatch_rows, seq, &p.plan(plan)) as u64 * 4,
-            ),
+            (Some(p), shard) => {
+                let floats =
+                    WorkspaceFloats::pipelined(local, (rows, seq), &p.plan(plan), p.workspaces());
+                e.pipelined(p.held_fraction(args, local), shard)
+                    .with_workspaces(self.be, floats)
+            }
             (None, Some(shard)) => e.sharded(
                 args,
                 local,

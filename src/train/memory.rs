@@ -7,7 +7,7 @@ use crate::backend::Backend;
 use crate::memory_timeline::Category;
 use crate::model::{
     activation_checkpoint::ActivationPlan,
-    llama::{workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats},
+    llama::{WorkspaceFloats, WorkspacePart},
     params::local_param_specs,
     LocalShapes, ModelArgs,
 };
@@ -107,7 +107,8 @@ impl MemoryEstimate {
             params: p,
             grads: p,
             optimizer: 2 * p,
-            activations: workspace_floats(m, batch, seq, plan) as u64 * 4,
+            activations: WorkspaceFloats::of(m, batch, seq, plan, WorkspacePart::Whole).all as u64
+                * 4,
             scratch: 0,
             compute_copy: 0,
             activation_copies: 0,
@@ -126,12 +127,16 @@ impl MemoryEstimate {
         plan: &ActivationPlan,
     ) -> Self {
         self.scratch = be.scratch_bytes(batch * m.local_seq(seq), m.dim, m.max_ffn(), m.vocab);
-        self.activation_copies =
-            workspace_copied_floats(m, batch, seq, plan) as u64 * be.activation_copy_bytes();
-        // Buffers the backend keeps in bf16 alone have no f32 storage.
-        self.f32_left_out = workspace_bf16_activation_floats(m, batch, seq, plan) as u64
-            * (4 - be.bf16_activation_f32_bytes());
-        self.activations -= self.f32_left_out;
+        let whole = WorkspaceFloats::of(m, batch, seq, plan, WorkspacePart::Whole);
+        self.with_workspaces(be, whole)
+    }
+
+    /// The activations of `floats` (a rank's workspaces), with the bf16 copies `be` keeps
+    /// beside them and without the f32 storage of what it keeps in bf16 alone.
+    pub fn with_workspaces(mut self, be: &dyn DeviceSizing, floats: WorkspaceFloats) -> Self {
+        self.activation_copies = floats.copied as u64 * be.activation_copy_bytes();
+        self.f32_left_out = floats.bf16_alone as u64 * (4 - be.bf16_activation_f32_bytes());
+        self.activations = floats.all as u64 * 4 - self.f32_left_out;
         self
     }
 
@@ -162,15 +167,9 @@ impl MemoryEstimate {
 
     /// A pipeline rank's share: `held` of the weights with their gradients and AdamW state, the
     /// three sharded over `fsdp_shard` ranks when given (the stage's parameters are then gathered
-    /// whole, with whole gradients, for the step's pipeline pass), and `workspaces` workspaces of
-    /// `workspace_bytes` (one per microbatch it holds at once) for the activations.
-    pub fn pipelined(
-        mut self,
-        held: f64,
-        fsdp_shard: Option<usize>,
-        workspaces: usize,
-        workspace_bytes: u64,
-    ) -> Self {
+    /// whole, with whole gradients, for the step's pipeline pass). Its activations are its
+    /// workspaces' (`with_workspaces`, `WorkspaceFloats::pipelined`).
+    pub fn pipelined(mut self, held: f64, fsdp_shard: Option<usize>) -> Self {
         let part = |x: u64| (x as f64 * held).ceil() as u64;
         let (params, optimizer) = (part(self.params), part(self.optimizer));
         self.compute_copy = part(self.compute_copy);
@@ -182,7 +181,6 @@ impl MemoryEstimate {
             }
             None => (params, params, optimizer),
         };
-        self.activations = workspaces as u64 * workspace_bytes;
         self
     }
 
@@ -334,21 +332,43 @@ mod tests {
 
     #[test]
     fn a_pipeline_rank_holds_its_stages_and_the_microbatches_in_flight() {
+        use crate::model::activation_checkpoint::AcMode;
         let args = ModelArgs::flavor("8B").unwrap();
         let one = LocalShapes::whole(&args);
         let everything = ActivationPlan::keep_everything(args.n_layers);
         let whole = MemoryEstimate::new(&args, &one, 8, 8192, &everything);
-        let micro = MemoryEstimate::new(&args, &one, 1, 8192, &everything).activations;
         // PP 8 with 1F1B: the first rank holds an eighth of the model and 8 microbatches.
-        let rank = whole.pipelined(1.0 / 8.0, None, 8, micro);
+        let rank = whole.pipelined(1.0 / 8.0, None);
         assert_eq!(rank.params, whole.params.div_ceil(8));
         assert_eq!(rank.optimizer, whole.optimizer.div_ceil(8));
-        assert_eq!(rank.activations, 8 * micro);
         // With FSDP 2 inside the stage: half of the stage's shards, plus the stage gathered whole.
-        let sharded = whole.pipelined(1.0 / 8.0, Some(2), 8, micro);
+        let sharded = whole.pipelined(1.0 / 8.0, Some(2));
         assert_eq!(sharded.optimizer, rank.optimizer.div_ceil(2));
         assert_eq!(sharded.params, rank.params.div_ceil(2) + rank.params);
         assert!(rank.total() < whole.total());
+        // Its workspaces: 8 microbatches' block inputs and kept activations, of its own 4 blocks
+        // only, and one transient set (the recomputed block, the backward's scratch) they share.
+        let (rows, d) = (8192, args.dim);
+        for mode in [AcMode::None, AcMode::Full, AcMode::Op] {
+            let stage = mode.plan(args.n_layers).only(|l| l < 4);
+            let part = |p| WorkspaceFloats::of(&one, 1, 8192, &stage, p).all;
+            let (kept, transient) = (
+                part(WorkspacePart::PerMicrobatch),
+                part(WorkspacePart::Transient),
+            );
+            assert_eq!(part(WorkspacePart::Whole), kept + transient, "{mode:?}");
+            let floats = WorkspaceFloats::pipelined(&one, (1, 8192), &stage, 8);
+            assert_eq!(floats.all, 8 * kept + transient, "{mode:?}");
+            assert!(transient > 0 && kept > 0, "{mode:?}");
+            // Blocks 0..4 read inputs 0..4 and write input 4; input 32 is the head's (held
+            // whole on every rank, one buffer): six of the 33 block inputs.
+            assert_eq!(stage.block_inputs_held(), 6);
+            if mode == AcMode::Full {
+                // Full checkpointing keeps block inputs, the carried gradient and the final
+                // norm's buffers only.
+                assert_eq!(kept, 6 * rows * d + rows * d + rows * (d + 1));
+            }
+        }
     }
 
     #[test]

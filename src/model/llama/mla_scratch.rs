@@ -57,8 +57,17 @@ pub fn mla_scratch_floats(m: &LocalShapes, n: usize, backward: bool) -> usize {
 
 impl<B: Backend> MlaScratch<B> {
     pub(super) fn allocate(be: &B, m: &LocalShapes, n: usize, backward: bool) -> Self {
+        Self::of_sizes(be, scratch_sizes(m, n, backward))
+    }
+
+    /// No buffers: a workspace that borrows them (`Workspace::trade_transient`).
+    pub(super) fn empty(be: &B) -> Self {
+        Self::of_sizes(be, [0; 11])
+    }
+
+    fn of_sizes(be: &B, sizes: [usize; 11]) -> Self {
         let [q_proj, kv_up, q_rope, k_rope, kv_c, dq_latent_normed, dq_latent, dkv_latent, dkv_normed, dkv_c, dvalues] =
-            scratch_sizes(m, n, backward).map(|len| be.zeros(len));
+            sizes.map(|len| be.zeros(len));
         MlaScratch {
             q_proj,
             kv_up,

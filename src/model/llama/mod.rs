@@ -44,12 +44,11 @@ mod mla;
 mod mla_scratch;
 mod run;
 mod workspace;
+mod workspace_floats;
 
 pub use generate::KvCache;
-pub use workspace::{
-    workspace_bf16_activation_floats, workspace_copied_floats, workspace_floats, LayerActs,
-    Workspace,
-};
+pub use workspace::{LayerActs, Workspace};
+pub use workspace_floats::{workspace_floats, WorkspaceFloats, WorkspacePart};
 
 /// A Llama model bound to a backend: shapes, parameter indices, RoPE tables and the
 /// tensor- and context-parallel groups its blocks cross.

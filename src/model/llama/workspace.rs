@@ -1,10 +1,12 @@
 //! Every activation and gradient buffer of one rank's training step (`Workspace`), allocated
-//! once per (batch, seq) shape, and the float counts the memory estimate reads from the same
-//! source: each block's activations (`LayerActs`), kept per block or in one shared set that the
-//! blocks which keep less recompute into (activation checkpointing).
+//! once per (batch, seq) shape from the sizes the memory estimate counts (`workspace_floats`):
+//! each block's activations (`LayerActs`), kept per block or in one shared set that the blocks
+//! which keep less recompute into (activation checkpointing); a pipeline rank's workspaces share
+//! one set of the transient buffers (`Workspace::trade_transient`).
 
 use super::generate::KvCache;
-use super::mla_scratch::{mla_scratch_floats, MlaScratch};
+use super::mla_scratch::MlaScratch;
+use super::workspace_floats::{act_storage, needs_scratch_of, sized_by_ffn};
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
@@ -54,8 +56,11 @@ pub struct Workspace<B: Backend> {
     /// With context parallelism, the RoPE tables of the shard's rows (their global positions),
     /// made by `Llama::load_tokens` the first time.
     pub(super) rope: Option<(B::Buf, B::Buf)>,
-    /// Input of block `l` at `resid[l]`; the last entry is the final block's output.
+    /// Input of block `l` at `resid[l]`; the last entry is the final block's output. A pipeline
+    /// rank's entries of other ranks' blocks are empty (`ActivationPlan::holds_block_input`).
     pub(super) resid: Vec<B::Buf>,
+    /// Values of one entry of `resid` (this rank's rows × dim).
+    resid_len: usize,
     /// Each block's own activations (empty buffers for what it does not keep) and the shared set
     /// the blocks that keep less write and recompute theirs in; what each block keeps.
     pub(super) layers: Vec<LayerActs<B>>,
@@ -102,196 +107,22 @@ pub struct Workspace<B: Backend> {
     pub(super) last_logits: Vec<f32>,
 }
 
+/// Which buffers a workspace allocates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holds {
+    /// Training's: every buffer.
+    Everything,
+    /// A pipeline workspace that borrows the transient ones (`Workspace::trade_transient`).
+    PerMicrobatch,
+    /// A forward with no backward (generation): no gradient buffers.
+    Forward,
+}
+
 /// A SwiGLU's backward scratch: its gate, up and output gradients.
 pub(super) struct FfnGrads<B: Backend> {
     pub(super) dgate: B::Buf,
     pub(super) dup: B::Buf,
     pub(super) dact: B::Buf,
-}
-
-/// Whether `act`'s size or storage depends on the block's feed-forward kind (its SwiGLU's width;
-/// a mixture of experts gathers its normed rows in f32).
-fn sized_by_ffn(act: Act) -> bool {
-    matches!(act, Act::NormedFfn | Act::Gate | Act::Up | Act::Act)
-}
-
-/// Whether some block of `kind` (run here) recomputes `act`: the shared set of that kind needs a
-/// buffer for it.
-fn needs_scratch_of(plan: &ActivationPlan, m: &LocalShapes, act: Act, kind: FfnKind) -> bool {
-    plan.needs_scratch_among(act, |l| m.ffn_kind(l) == kind)
-}
-
-/// The SwiGLU widths of the kinds of this rank's blocks, summed (one backward scratch set each).
-fn ffn_widths(m: &LocalShapes) -> usize {
-    FfnKind::ALL
-        .into_iter()
-        .filter(|&k| m.has(k))
-        .map(|k| m.ffn(k))
-        .sum()
-}
-
-/// How a device may store an activation (`Backend::zeros_bf16_activation`, `activation_copy_bytes`).
-#[derive(Debug, Clone, Copy)]
-struct ActStorage {
-    floats: usize,
-    /// Read only by GEMMs, SwiGLU or a gather feeding GEMMs: a device may keep it in bf16 alone.
-    bf16_alone: bool,
-    /// Its producer may keep a bf16 copy beside it for the kernels that read it.
-    bf16_copy: bool,
-}
-
-/// The size and storage of each block activation for one rank's shapes: the single source for
-/// allocation and memory estimates.
-fn act_storage(m: &LocalShapes, batch: usize, seq: usize, act: Act, kind: FfnKind) -> ActStorage {
-    let n = batch * seq;
-    let r = m.rows(n);
-    let (d, f, qd, kvd) = (m.dim, m.ffn(kind), m.q_dim(), m.kv_dim());
-    let tp = m.tp > 1;
-    let plain = |floats| ActStorage {
-        floats,
-        bf16_alone: false,
-        bf16_copy: false,
-    };
-    let copied = |floats| ActStorage {
-        bf16_copy: true,
-        ..plain(floats)
-    };
-    let gemm_input = |floats| ActStorage {
-        floats,
-        bf16_alone: true,
-        bf16_copy: true,
-    };
-    match act {
-        // A norm's output feeds the column-parallel GEMMs directly, or (tensor parallel) through
-        // the gather, whose result is then the GEMMs' input.
-        Act::NormedAttn | Act::NormedFfn if tp => plain(r * d),
-        // A mixture of experts gathers the normed rows (not a GEMM reading them): f32 kept.
-        Act::NormedFfn if kind == FfnKind::Experts => copied(n * d),
-        Act::NormedAttn | Act::NormedFfn => gemm_input(n * d),
-        Act::NormedAttnFull | Act::NormedFfnFull if tp => gemm_input(n * d),
-        Act::NormedAttnFull | Act::NormedFfnFull => plain(0),
-        Act::RstdAttn | Act::RstdFfn => plain(r),
-        Act::Q | Act::AttnOut => copied(n * qd),
-        Act::K => copied(n * kvd),
-        Act::V => plain(n * kvd),
-        Act::QRaw if m.qk_norm => plain(n * qd),
-        Act::KRaw if m.qk_norm => plain(n * kvd),
-        Act::RstdQ if m.qk_norm => plain(n * m.heads),
-        Act::RstdK if m.qk_norm => plain(n * m.kv_heads),
-        Act::QRaw | Act::KRaw | Act::RstdQ | Act::RstdK => plain(0),
-        Act::QLatent | Act::QLatentNormed | Act::RstdQLatent | Act::KvLatent => {
-            let mla = m.mla.as_ref();
-            let q_rank = mla.and_then(|a| a.q_lora_rank).unwrap_or(0);
-            match act {
-                Act::QLatent => plain(n * q_rank),
-                Act::QLatentNormed => gemm_input(n * q_rank),
-                Act::RstdQLatent => plain(if q_rank > 0 { n } else { 0 }),
-                _ => plain(n * mla.map_or(0, |a| a.kv_a_dim())),
-            }
-        }
-        Act::KvLatentNormed => gemm_input(n * m.mla.map_or(0, |a| a.kv_lora_rank)),
-        Act::RstdKvLatent => plain(if m.mla.is_some() { n } else { 0 }),
-        Act::AttnValues if m.mla.is_some() => gemm_input(n * m.values_dim()),
-        Act::AttnValues => plain(0),
-        Act::Lse => plain(batch * m.heads * seq),
-        Act::H => plain(r * d),
-        Act::Gate | Act::Up | Act::Act => gemm_input(n * f),
-    }
-}
-
-/// The block activations' values over the workspace, counting each buffer `plan` allocates, of
-/// those selected by `which`.
-fn block_floats(
-    m: &LocalShapes,
-    batch: usize,
-    seq: usize,
-    plan: &ActivationPlan,
-    which: impl Fn(ActStorage) -> bool,
-) -> usize {
-    let floats = |act, kind| {
-        let st = act_storage(m, batch, seq, act, kind);
-        if which(st) {
-            st.floats
-        } else {
-            0
-        }
-    };
-    Act::ALL
-        .iter()
-        .map(|&act| {
-            let kept: usize = (0..plan.blocks.len())
-                .filter(|&l| plan.blocks[l].keeps(act))
-                .map(|l| floats(act, m.ffn_kind(l)))
-                .sum();
-            let shared: usize = match sized_by_ffn(act) {
-                true => FfnKind::ALL
-                    .into_iter()
-                    .filter(|&k| needs_scratch_of(plan, m, act, k))
-                    .map(|k| floats(act, k))
-                    .sum(),
-                false if plan.needs_scratch(act) => floats(act, FfnKind::Dense),
-                false => 0,
-            };
-            kept + shared
-        })
-        .sum()
-}
-
-/// Float counts of the workspace for a shape and activation plan: the single source for
-/// allocation and memory estimates.
-pub fn workspace_floats(m: &LocalShapes, batch: usize, seq: usize, plan: &ActivationPlan) -> usize {
-    let seq = m.local_seq(seq);
-    let n = batch * seq;
-    let r = m.rows(n);
-    let (d, f, qd, kvd) = (m.dim, ffn_widths(m), m.q_dim(), m.kv_dim());
-    let gathered = if m.tp > 1 { n * d } else { 0 };
-    let resid = (m.n_layers + 1) * r * d;
-    let final_norm = r * (d + 1) + gathered;
-    let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };
-    let backward = r * 2 * d + gathered + n * (2 * qd + 2 * kvd + 3 * f) + qk_norm;
-    let mla = mla_scratch_floats(m, n, true);
-    // Every mixture-of-experts block keeps its routed rows' activations (`Workspace::moe`), and its
-    // backward needs about as much again for their gradients.
-    let moe = m.moe.map_or(0, |moe| {
-        let per_block = n * moe.activation_floats_per_token(d);
-        let held = plan
-            .blocks
-            .iter()
-            .filter(|&&b| b != BlockSave::Elsewhere && b != BlockSave::Input)
-            .count();
-        held * per_block + per_block
-    });
-    block_floats(m, batch, seq, plan, |_| true) + resid + final_norm + backward + moe + mla
-}
-
-/// Values of the workspace allocated by `Backend::zeros_bf16_activation` (the blocks'
-/// column-parallel inputs, gate and up projections and SwiGLU outputs, and the backward's SwiGLU
-/// input and output gradients), whose f32 storage a device may leave out.
-pub fn workspace_bf16_activation_floats(
-    m: &LocalShapes,
-    batch: usize,
-    seq: usize,
-    plan: &ActivationPlan,
-) -> usize {
-    let seq = m.local_seq(seq);
-    block_floats(m, batch, seq, plan, |st| st.bf16_alone) + 3 * batch * seq * ffn_widths(m)
-}
-
-/// Values of the workspace whose producers may keep a bf16 copy beside them (or their values in
-/// bf16 alone) for the GEMMs, attention and SwiGLU kernels that read them
-/// (`Backend::activation_copy_bytes`): the blocks' normed inputs, rotated q and k, attention
-/// outputs, gate and up projections and SwiGLU outputs, the final norm's output, and the
-/// backward's SwiGLU input and output gradients, rotated dq and dk, and block-input gradient.
-pub fn workspace_copied_floats(
-    m: &LocalShapes,
-    batch: usize,
-    seq: usize,
-    plan: &ActivationPlan,
-) -> usize {
-    let seq = m.local_seq(seq);
-    let n = batch * seq;
-    let (d, f, qd, kvd) = (m.dim, ffn_widths(m), m.q_dim(), m.kv_dim());
-    block_floats(m, batch, seq, plan, |st| st.bf16_copy) + n * d + n * (3 * f + d + qd + kvd)
 }
 
 impl<B: Backend> LayerActs<B> {
@@ -443,7 +274,38 @@ impl<B: Backend> Workspace<B> {
         seq: usize,
         plan: ActivationPlan,
     ) -> Self {
-        Self::allocate(backend, m, batch, seq, plan, true)
+        Self::allocate(backend, m, batch, seq, plan, Holds::Everything)
+    }
+
+    /// `planned` without the transient buffers (the recompute sets, the backward's scratch):
+    /// a pipeline rank's workspaces after the first, which borrow them (`trade_transient`).
+    pub fn planned_borrowing(
+        backend: &B,
+        m: &LocalShapes,
+        batch: usize,
+        seq: usize,
+        plan: ActivationPlan,
+    ) -> Self {
+        Self::allocate(backend, m, batch, seq, plan, Holds::PerMicrobatch)
+    }
+
+    /// Swaps the transient buffers (the recompute sets, the backward's scratch, MLA's) with
+    /// `other`'s: a pipeline rank's workspaces share one set, held by the one running an action.
+    /// Nothing in them outlives an action (`WorkspacePart::Transient`).
+    pub fn trade_transient(&mut self, other: &mut Self) {
+        use std::mem::swap;
+        swap(&mut self.recomputed, &mut other.recomputed);
+        swap(&mut self.ffn_recomputed, &mut other.ffn_recomputed);
+        swap(&mut self.dnormed, &mut other.dnormed);
+        swap(&mut self.full, &mut other.full);
+        swap(&mut self.dq, &mut other.dq);
+        swap(&mut self.dk, &mut other.dk);
+        swap(&mut self.dv, &mut other.dv);
+        swap(&mut self.dq_raw, &mut other.dq_raw);
+        swap(&mut self.dk_raw, &mut other.dk_raw);
+        swap(&mut self.dattn, &mut other.dattn);
+        swap(&mut self.ffn_grads, &mut other.ffn_grads);
+        swap(&mut self.mla, &mut other.mla);
     }
 
     /// The workspace of a forward with no backward after it (generation): the blocks' activations
@@ -452,7 +314,7 @@ impl<B: Backend> Workspace<B> {
         let plan = ActivationPlan {
             blocks: vec![BlockSave::Input; m.n_layers],
         };
-        Self::allocate(backend, m, batch, seq, plan, false)
+        Self::allocate(backend, m, batch, seq, plan, Holds::Forward)
     }
 
     fn allocate(
@@ -461,24 +323,34 @@ impl<B: Backend> Workspace<B> {
         batch: usize,
         seq: usize,
         plan: ActivationPlan,
-        backward: bool,
+        holds: Holds,
     ) -> Self {
         assert_eq!(plan.blocks.len(), m.n_layers, "a plan per block");
+        let backward = holds != Holds::Forward;
+        // Transient buffers: none in a workspace that borrows them.
+        let transient = holds != Holds::PerMicrobatch;
         let seq = m.local_seq(seq);
         let n = batch * seq;
         let r = m.rows(n);
         let (d, qd, kvd) = (m.dim, m.q_dim(), m.kv_dim());
         let z = |len: usize| backend.zeros(len);
         let tp = m.tp > 1;
-        // The backward's scratch, none without a backward.
+        // The backward's scratch, none without a backward; `grad` for the carried gradient.
         let grad = |len: usize| backend.zeros(if backward { len } else { 0 });
+        let scratch = |len: usize| backend.zeros(if backward && transient { len } else { 0 });
+        let transient_len = |len: usize| if transient { len } else { 0 };
         // Read only by GEMMs (dgate, dup) or SwiGLU's backward (dact).
-        let gemm_input = |len: usize| backend.zeros_bf16_activation(if backward { len } else { 0 });
+        let gemm_input =
+            |len: usize| backend.zeros_bf16_activation(if backward && transient { len } else { 0 });
         Workspace {
             batch,
             seq,
             rope: None,
-            resid: (0..=m.n_layers).map(|_| z(r * d)).collect(),
+            resid_len: r * d,
+            // A pipeline rank's residual stream at its own blocks only.
+            resid: (0..=m.n_layers)
+                .map(|l| z(if plan.holds_block_input(l) { r * d } else { 0 }))
+                .collect(),
             layers: (0..m.n_layers)
                 .map(|l| {
                     let save = plan.blocks[l];
@@ -486,11 +358,11 @@ impl<B: Backend> Workspace<B> {
                 })
                 .collect(),
             recomputed: LayerActs::allocate(backend, m, (batch, seq), FfnKind::Dense, |a| {
-                !sized_by_ffn(a) && plan.needs_scratch(a)
+                transient && !sized_by_ffn(a) && plan.needs_scratch(a)
             }),
             ffn_recomputed: FfnKind::ALL.map(|kind| {
                 LayerActs::allocate(backend, m, (batch, seq), kind, |a| {
-                    sized_by_ffn(a) && needs_scratch_of(&plan, m, a, kind)
+                    transient && sized_by_ffn(a) && needs_scratch_of(&plan, m, a, kind)
                 })
             }),
             plan,
@@ -498,14 +370,14 @@ impl<B: Backend> Workspace<B> {
             normed_final_full: if tp { z(n * d) } else { z(0) },
             rstd_final: z(r),
             dx: grad(r * d),
-            dnormed: grad(r * d),
-            full: if tp { z(n * d) } else { z(0) },
-            dq: grad(n * qd),
-            dk: grad(n * kvd),
-            dv: grad(n * kvd),
-            dq_raw: grad(if m.qk_norm { n * qd } else { 0 }),
-            dk_raw: grad(if m.qk_norm { n * kvd } else { 0 }),
-            dattn: grad(n * qd),
+            dnormed: scratch(r * d),
+            full: z(transient_len(if tp { n * d } else { 0 })),
+            dq: scratch(n * qd),
+            dk: scratch(n * kvd),
+            dv: scratch(n * kvd),
+            dq_raw: scratch(if m.qk_norm { n * qd } else { 0 }),
+            dk_raw: scratch(if m.qk_norm { n * kvd } else { 0 }),
+            dattn: scratch(n * qd),
             ffn_grads: FfnKind::ALL.map(|kind| {
                 let f = if m.has(kind) { m.ffn(kind) } else { 0 };
                 FfnGrads {
@@ -514,7 +386,10 @@ impl<B: Backend> Workspace<B> {
                     dact: gemm_input(n * f),
                 }
             }),
-            mla: MlaScratch::allocate(backend, m, n, backward),
+            mla: match transient {
+                true => MlaScratch::allocate(backend, m, n, backward),
+                false => MlaScratch::empty(backend),
+            },
             inputs: vec![0; n],
             targets: vec![0; n],
             local_ids: vec![0; n],
@@ -549,6 +424,11 @@ impl<B: Backend> Workspace<B> {
         &self.resid[l]
     }
 
+    /// Values of a block input on this rank (what a pipeline stage sends and receives).
+    pub fn block_input_len(&self) -> usize {
+        self.resid_len
+    }
+
     pub fn block_input_mut(&mut self, l: usize) -> &mut B::Buf {
         &mut self.resid[l]
     }
@@ -573,5 +453,140 @@ impl<B: Backend> Workspace<B> {
 
     pub fn carried_grad_mut(&mut self) -> &mut B::Buf {
         &mut self.dx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::workspace_floats::{WorkspaceFloats, WorkspacePart};
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::activation_checkpoint::AcMode;
+
+    /// Values a workspace allocated, every buffer counted.
+    fn allocated(be: &CpuBackend, ws: &Workspace<CpuBackend>) -> usize {
+        let acts = |a: &LayerActs<CpuBackend>| {
+            [
+                &a.normed_attn,
+                &a.normed_attn_full,
+                &a.rstd_attn,
+                &a.q,
+                &a.k,
+                &a.v,
+                &a.q_raw,
+                &a.k_raw,
+                &a.rstd_q,
+                &a.rstd_k,
+                &a.q_latent,
+                &a.q_latent_normed,
+                &a.rstd_q_latent,
+                &a.kv_latent,
+                &a.kv_latent_normed,
+                &a.rstd_kv_latent,
+                &a.attn_out,
+                &a.lse,
+                &a.attn_values,
+                &a.h,
+                &a.normed_ffn,
+                &a.normed_ffn_full,
+                &a.rstd_ffn,
+                &a.gate,
+                &a.up,
+                &a.act,
+            ]
+            .iter()
+            .map(|b| be.len(b))
+            .sum::<usize>()
+        };
+        let m = &ws.mla;
+        let mla: usize = [
+            &m.q_proj,
+            &m.kv_up,
+            &m.q_rope,
+            &m.k_rope,
+            &m.kv_c,
+            &m.dq_latent_normed,
+            &m.dq_latent,
+            &m.dkv_latent,
+            &m.dkv_normed,
+            &m.dkv_c,
+            &m.dvalues,
+        ]
+        .iter()
+        .map(|b| be.len(b))
+        .sum();
+        let ffn: usize = ws
+            .ffn_grads
+            .iter()
+            .map(|g| be.len(&g.dgate) + be.len(&g.dup) + be.len(&g.dact))
+            .sum();
+        let singles: usize = [
+            &ws.normed_final,
+            &ws.normed_final_full,
+            &ws.rstd_final,
+            &ws.dx,
+            &ws.dnormed,
+            &ws.full,
+            &ws.dq,
+            &ws.dk,
+            &ws.dv,
+            &ws.dq_raw,
+            &ws.dk_raw,
+            &ws.dattn,
+        ]
+        .iter()
+        .map(|b| be.len(b))
+        .sum();
+        ws.resid.iter().map(|b| be.len(b)).sum::<usize>()
+            + ws.layers.iter().map(acts).sum::<usize>()
+            + acts(&ws.recomputed)
+            + ws.ffn_recomputed.iter().map(acts).sum::<usize>()
+            + mla
+            + ffn
+            + singles
+    }
+
+    /// The estimate counts what a workspace allocates, whole or as a pipeline rank's (its own
+    /// blocks, the transient buffers in one workspace only), for dense, QK-norm and MLA blocks
+    /// under every checkpointing mode; trading the transient set moves it whole.
+    #[test]
+    fn the_estimate_counts_what_a_workspace_allocates() {
+        let be = CpuBackend::new();
+        let mut models = vec![ModelArgs::flavor("debugmodel").unwrap()];
+        models.push(ModelArgs::qwen3_flavor("debugmodel").unwrap());
+        // Multi-head latent attention with dense feed-forwards (the experts' buffers are made
+        // per step, not with the workspace).
+        let mut mla = ModelArgs::deepseek_v3_flavor("debugmodel").unwrap();
+        mla.moe = None;
+        assert!(mla.mla.is_some());
+        models.push(mla);
+        for args in &models {
+            let m = LocalShapes::whole(args);
+            for mode in [AcMode::None, AcMode::Full, AcMode::Op, AcMode::EveryNth(2)] {
+                let whole = mode.plan(args.n_layers);
+                // A pipeline rank running the last two blocks.
+                let stage = whole.only(|l| l + 2 >= args.n_layers);
+                for plan in [whole, stage] {
+                    let what = format!("{mode:?}, {} blocks here", plan.block_inputs_held());
+                    let count = |part| WorkspaceFloats::of(&m, 2, 32, &plan, part).all;
+                    let mut first = Workspace::planned(&be, &m, 2, 32, plan.clone());
+                    let mut other = Workspace::planned_borrowing(&be, &m, 2, 32, plan.clone());
+                    assert_eq!(
+                        allocated(&be, &first),
+                        count(WorkspacePart::Whole),
+                        "{what}"
+                    );
+                    let kept = count(WorkspacePart::PerMicrobatch);
+                    assert_eq!(allocated(&be, &other), kept, "{what}");
+                    other.trade_transient(&mut first);
+                    assert_eq!(allocated(&be, &first), kept, "{what}");
+                    assert_eq!(
+                        allocated(&be, &other),
+                        count(WorkspacePart::Whole),
+                        "{what}"
+                    );
+                }
+            }
+        }
     }
 }
