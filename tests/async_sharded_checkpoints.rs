@@ -136,3 +136,40 @@ fn a_writer_that_cannot_write_fails_the_save_and_names_the_last_checkpoint() {
         assert_eq!(left, ["step-2"], "{mode:?}");
     }
 }
+
+/// With `[checkpoint] on_save_failure = "warn"` the same failure is a warning on every rank: the
+/// run trains on to the end on the same curve as a run whose saves all land, the failed save
+/// leaves no folder, and the next interval's save lands (synchronous and asynchronous saves).
+#[test]
+fn with_on_save_failure_warn_a_failed_save_is_skipped_and_training_goes_on() {
+    let launcher = ["--nproc", "2", "--master-port", "0"];
+    let warn = ["--checkpoint.on_save_failure", "warn"];
+    let straight = tempfile::tempdir().unwrap();
+    let o = train(straight.path(), &launcher, &[SAVES, LAYOUTS[0].2].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for mode in [&[][..], ASYNC] {
+        let dir = tempfile::tempdir().unwrap();
+        let args = [SAVES, LAYOUTS[0].2, mode, &warn].concat();
+        let drill = [("TITAN_CHECKPOINT_WRITE_FAILS", "1:4")];
+        let o = train_env(dir.path(), &launcher, &args, &drill);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{mode:?}: {e}");
+        assert!(
+            e.contains("warning:")
+                && e.contains("checkpoint writer 1 could not write its step-4 files")
+                && e.contains("training goes on"),
+            "{mode:?}: {e}"
+        );
+        let mut left: Vec<_> = std::fs::read_dir(dir.path().join("checkpoint"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["step-2", "step-6"], "{mode:?}");
+        assert_eq!(
+            common::bits(&losses(straight.path())),
+            common::bits(&losses(dir.path())),
+            "{mode:?}"
+        );
+    }
+}

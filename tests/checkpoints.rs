@@ -216,6 +216,15 @@ fn an_unknown_async_mode_is_refused() {
         e.contains("async_mode") && e.contains("use \"async\""),
         "{e}"
     );
+    let args = ["--checkpoint.on_save_failure", "retry"].map(String::from);
+    let e = format!(
+        "{:#}",
+        titan::config::Config::load(None, &args).unwrap_err()
+    );
+    assert!(
+        e.contains("on_save_failure") && e.contains("stop, warn"),
+        "{e}"
+    );
 }
 
 /// `[checkpoint] initial_load_path`: a run with no checkpoint of its own starts from another

@@ -25,6 +25,8 @@ type Job = (u64, JoinHandle<Result<Option<PathBuf>>>);
 #[derive(Default)]
 pub struct AsyncWriter {
     pending: Option<Job>,
+    /// A failed save is a warning (`[checkpoint] on_save_failure = "warn"`), not an error.
+    warn_on_failure: bool,
 }
 
 impl AsyncWriter {
@@ -32,14 +34,32 @@ impl AsyncWriter {
         Self::default()
     }
 
+    /// A writer whose failed saves are warnings when `warn_on_failure` (the run goes on; the next
+    /// save tries again).
+    pub fn with_failure_warning(warn_on_failure: bool) -> Self {
+        AsyncWriter {
+            pending: None,
+            warn_on_failure,
+        }
+    }
+
     /// Waits for the save in flight, if any; returns where it landed (on the rank that
-    /// completed it).
+    /// completed it). A save that failed is an error, or with `warn_on_failure` a warning and
+    /// `None`.
     pub fn wait(&mut self) -> Result<Option<PathBuf>> {
-        match self.pending.take() {
+        let landed = match self.pending.take() {
             None => Ok(None),
             Some((step, handle)) => handle
                 .join()
-                .map_err(|_| anyhow!("the checkpoint writer for step {step} panicked"))?,
+                .map_err(|_| anyhow!("the checkpoint writer for step {step} panicked"))
+                .and_then(|r| r),
+        };
+        match landed {
+            Err(e) if self.warn_on_failure => {
+                warn_save_failed(&e);
+                Ok(None)
+            }
+            other => other,
         }
     }
 
@@ -74,4 +94,9 @@ impl AsyncWriter {
         self.pending = Some((step, handle));
         Ok(previous)
     }
+}
+
+/// The warning of a failed save under `[checkpoint] on_save_failure = "warn"`.
+pub fn warn_save_failed(e: &anyhow::Error) {
+    errln!("warning: {e:#}; training goes on ([checkpoint] on_save_failure = \"warn\"), the next save tries again");
 }

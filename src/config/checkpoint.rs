@@ -30,6 +30,10 @@ pub struct CheckpointConfig {
     /// Only the weights (fresh AdamW state, step 0); false also takes a titan checkpoint's
     /// moments.
     pub initial_load_model_only: bool,
+    /// What a save that fails (a full disk, a writer that cannot write) does: `stop` the run with
+    /// an error naming the last complete checkpoint, or `warn` and train on, the next interval's
+    /// save trying again (every rank learns the outcome from rank 0 first, so all go on together).
+    pub on_save_failure: String,
 }
 
 impl Default for CheckpointConfig {
@@ -44,6 +48,7 @@ impl Default for CheckpointConfig {
             initial_load_path: String::new(),
             initial_load_in_hf: false,
             initial_load_model_only: true,
+            on_save_failure: "stop".into(),
         }
     }
 }
@@ -51,6 +56,11 @@ impl Default for CheckpointConfig {
 impl Config {
     pub fn checkpoint_folder(&self) -> PathBuf {
         self.dump_folder().join(&self.checkpoint.folder)
+    }
+
+    /// `[checkpoint] on_save_failure = "warn"`: a failed save is a warning, not the run's end.
+    pub fn save_failure_warns(&self) -> bool {
+        self.checkpoint.on_save_failure == "warn"
     }
 
     pub(super) fn validate_checkpoint(&self) -> Result<()> {
@@ -63,6 +73,12 @@ impl Config {
         }
         if c.interval == 0 {
             bail!("[checkpoint] interval must be positive");
+        }
+        if !matches!(c.on_save_failure.as_str(), "stop" | "warn") {
+            bail!(
+                "[checkpoint] on_save_failure = `{}` is not known (accepted: stop, warn)",
+                c.on_save_failure
+            );
         }
         match c.async_mode.as_str() {
             "disabled" | "async" => {}

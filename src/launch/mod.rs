@@ -168,18 +168,34 @@ impl Distributed {
     /// little or nothing (HSDP's other replicas, DDP's other ranks) would otherwise wait for the
     /// writers inside its next collective, which gives up after `train_timeout_seconds`; here it
     /// waits up to `SAVE_WAIT` (a rank that dies meanwhile is caught by the launcher at once).
-    pub fn checkpoint_saved(&self, step: u64) -> Result<()> {
+    ///
+    /// Rank 0 publishes how its save ended (`outcome`: a failure of its own or one a writer
+    /// reported to it), and every rank returns that: all ranks agree whether the save failed,
+    /// so under `[checkpoint] on_save_failure = "warn"` they all go on together.
+    pub fn checkpoint_saved(&self, step: u64, outcome: Result<(), String>) -> Result<()> {
         let key = format!("checkpoint-saved/g{}/step-{step}", self.generation);
         if self.rank == 0 {
-            return self.store.set(&key, b"1");
+            let value = match &outcome {
+                Ok(()) => b"1".to_vec(),
+                Err(e) => format!("failed:{e}").into_bytes(),
+            };
+            self.store.set(&key, &value)?;
+            return outcome.map_err(|e| anyhow::anyhow!("{e}"));
         }
         let wait = SAVE_WAIT.max(self.timeouts.0);
-        self.store.get_within(&key, wait).map(|_| ()).map_err(|_| {
+        let value = self.store.get_within(&key, wait).map_err(|_| {
             anyhow::anyhow!(
                 "rank {}: rank 0 did not finish saving the step-{step} checkpoint within {wait:.0?}",
                 self.rank
             )
-        })
+        })?;
+        match value.strip_prefix(b"failed:") {
+            None => Ok(()),
+            Some(why) => Err(anyhow::anyhow!(
+                "rank 0 could not save the step-{step} checkpoint: {}",
+                String::from_utf8_lossy(why)
+            )),
+        }
     }
 
     /// The file exchange of this rank's writers group's sharded checkpoint saves, on a store

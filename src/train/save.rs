@@ -12,7 +12,9 @@
 //! every rank waits until rank 0 has completed the checkpoint (`Distributed::checkpoint_saved`).
 //!
 //! A save that fails leaves no temporary folder (`checkpoint::atomic`) and its error names the
-//! last complete checkpoint, the one a restart resumes from; the run stops with it.
+//! last complete checkpoint, the one a restart resumes from; the run stops with it, or with
+//! `[checkpoint] on_save_failure = "warn"` warns and trains on (all ranks agree through rank 0
+//! first; an asynchronous save's failure is met at the next save, `AsyncWriter::wait`).
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +35,28 @@ pub fn save_checkpoint<B: Backend>(
     dist: Option<&Distributed>,
     layout: &RankLayout<B>,
     opt: &AdamW<B>,
+    writer: &mut AsyncWriter,
+    state: TrainState,
+) -> Result<Option<PathBuf>> {
+    let step = state.step;
+    let written = write_checkpoint(be, cfg, dist, (layout, opt), writer, state);
+    let Some(d) = dist else {
+        return written;
+    };
+    // Every rank learns rank 0's outcome, which covers every writer's (a writer that failed
+    // reported it to rank 0's collect); a rank's own failure stands beside it. So every rank
+    // fails a save together, and `[checkpoint] on_save_failure` stops or warns on all of them.
+    let told = written.as_ref().map(|_| ()).map_err(|e| format!("{e:#}"));
+    let agreed = d.checkpoint_saved(step, if d.rank == 0 { told } else { Ok(()) });
+    written.and_then(|w| agreed.map(|()| w))
+}
+
+/// This rank's part of the save of `state`: what it writes (or stages for its writer thread).
+fn write_checkpoint<B: Backend>(
+    be: &B,
+    cfg: &Config,
+    dist: Option<&Distributed>,
+    (layout, opt): (&RankLayout<B>, &AdamW<B>),
     writer: &mut AsyncWriter,
     state: TrainState,
 ) -> Result<Option<PathBuf>> {
@@ -107,9 +131,6 @@ pub fn save_checkpoint<B: Backend>(
         }
         _ => None,
     };
-    if let Some(d) = dist {
-        d.checkpoint_saved(step)?;
-    }
     Ok(written)
 }
 

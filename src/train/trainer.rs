@@ -309,7 +309,9 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
                 quiet,
             },
             saver: Saver {
-                writer: checkpoint::writer::AsyncWriter::new(),
+                writer: checkpoint::writer::AsyncWriter::with_failure_warning(
+                    cfg.save_failure_warns(),
+                ),
                 last_good: resume.last_good,
             },
             profiler: StepProfiler {
@@ -503,9 +505,18 @@ impl Saver {
     ) -> Result<Option<std::path::PathBuf>> {
         let step = state.step;
         let _span = crate::trace::span("checkpoint", "checkpoint save");
-        let written = save_checkpoint(be, cfg, dist, layout, opt, &mut self.writer, state)?;
-        self.last_good = Some(step);
-        Ok(written)
+        match save_checkpoint(be, cfg, dist, layout, opt, &mut self.writer, state) {
+            Ok(written) => {
+                self.last_good = Some(step);
+                Ok(written)
+            }
+            // Every rank met the failure (`save_checkpoint` agrees on it): all train on.
+            Err(e) if cfg.save_failure_warns() => {
+                checkpoint::writer::warn_save_failed(&e);
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 
