@@ -494,6 +494,7 @@ impl Schedule {
                 })
             })
             .collect::<Result<_>>()?;
+        same_forwards_everywhere(&actions, source)?;
         let schedule = Schedule {
             name: format!("CSV {source}"),
             microbatches,
@@ -505,6 +506,38 @@ impl Schedule {
             .with_context(|| format!("checking {source}"))?;
         Ok(schedule)
     }
+}
+
+/// Every stage of a CSV schedule runs forwards of the same microbatches, or the file is not one
+/// schedule: named here, before the count check (which would name the first missing action of
+/// the microbatch count the file's largest number implies, not the stage that is off).
+fn same_forwards_everywhere(actions: &[Vec<Action>], source: &str) -> Result<()> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut forwards: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+    for a in actions.iter().flatten().filter(|a| a.work == Work::Forward) {
+        forwards.entry(a.stage).or_default().insert(a.microbatch);
+    }
+    let Some((&first_stage, first)) = forwards.iter().next() else {
+        return Ok(());
+    };
+    let Some((s, theirs)) = forwards.iter().find(|(_, set)| *set != first) else {
+        return Ok(());
+    };
+    let show = |set: &BTreeSet<usize>| match (set.first(), set.last()) {
+        (Some(a), Some(b)) if b - a + 1 == set.len() => format!("{a}–{b}"),
+        _ => format!("{set:?}"),
+    };
+    // PyTorch 2.15's PipelineScheduleSingle schedules (1F1B) number the last stage's forwards
+    // from 1 in the order they dump (`_get_pipeline_order`), not in the one they run.
+    let hint = match (first.first(), theirs.first()) {
+        (Some(0), Some(1)) => " (PyTorch's Schedule1F1B writes its last stage's forwards from 1 in the order it dumps, which is not the order it runs; titan's own `--parallelism.pipeline_parallel_schedule 1F1B` is the schedule it means)",
+        _ => "",
+    };
+    bail!(
+        "{source}: stage {s} runs forwards of microbatches {} but stage {first_stage} of {}: the file is not one schedule{hint}",
+        show(theirs),
+        show(first)
+    )
 }
 
 /// The compute actions of one CSV cell (`at` says where it is, for errors): none for an empty
@@ -600,6 +633,40 @@ mod tests {
             // Interleaving shrinks the bubble (same work cut into twice the stages).
             assert!(schedules[2].unit_bubble().unwrap() < one_f_one_b);
         }
+    }
+
+    /// PyTorch 2.15's own dumps (`scripts/pytorch_schedule_csv.py`): GPipe with its
+    /// `REDUCE_GRAD` / `WAIT_REDUCE_GRAD` cells reads as titan's GPipe; 1F1B's, whose last stage
+    /// runs forwards 1–8 against backwards 0–7, is refused naming that stage and titan's 1F1B.
+    #[test]
+    fn pytorchs_own_dumps_are_read_or_refused_naming_the_stage() {
+        let gpipe = include_str!("../../../tests/fixtures/pytorch_gpipe_pp4_mb8.csv");
+        let read = Schedule::from_csv(gpipe, "gpipe.csv").unwrap();
+        let ours = generate(ScheduleKind::GPipe, 4, 1, 8).unwrap();
+        assert_eq!(read.actions, ours.actions);
+        let f1b = include_str!("../../../tests/fixtures/pytorch_1f1b_pp4_mb8.csv");
+        let e = format!("{:#}", Schedule::from_csv(f1b, "1f1b.csv").unwrap_err());
+        assert!(
+            e.contains("stage 3 runs forwards of microbatches 1–8 but stage 0 of 0–7")
+                && e.contains("pipeline_parallel_schedule 1F1B"),
+            "{e}"
+        );
+        // With its last stage numbered as it runs, PyTorch's 1F1B is titan's.
+        let fixed: String = f1b
+            .lines()
+            .map(|line| match line.starts_with("3F") {
+                false => line.to_string(),
+                true => (0..8)
+                    .map(|mb| format!("3F{mb},3B{mb}"))
+                    .chain(["3REDUCE_GRAD,3WAIT_REDUCE_GRAD".to_string()])
+                    .collect::<Vec<_>>()
+                    .join(","),
+            })
+            .map(|l| l + "\n")
+            .collect();
+        let read = Schedule::from_csv(&fixed, "1f1b.csv").unwrap();
+        let ours = generate(ScheduleKind::OneFOneB, 4, 1, 8).unwrap();
+        assert_eq!(read.actions, ours.actions);
     }
 
     #[test]
