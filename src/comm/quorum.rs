@@ -308,15 +308,14 @@ impl QuorumClient {
     /// in.
     pub fn join(&mut self, step: u64) -> Result<Quorum> {
         loop {
-            let round = match self.next_round {
-                Some(r) => r,
-                None => {
-                    let v = self.store.get_within("ft/round", self.timeout)?;
-                    String::from_utf8_lossy(&v)
-                        .parse()
-                        .map_err(|_| anyhow!("lighthouse: malformed round number"))?
-                }
-            };
+            // The rounds before the open one are closed, and none of them can take this rank in:
+            // a replica that fell behind (stalled, or rejoining) goes straight to the open one,
+            // whose keys are there (older rounds' are dropped, `ROUNDS_KEPT`).
+            let v = self.store.get_within("ft/round", self.timeout)?;
+            let open: u64 = String::from_utf8_lossy(&v)
+                .parse()
+                .map_err(|_| anyhow!("lighthouse: malformed round number"))?;
+            let round = self.next_round.map_or(open, |r| r.max(open));
             let slot = self.store.add(&format!("ft/r{round}/n"), 1)? - 1;
             let me = format!("{},{},{},{step}", self.replica_id, self.rank, self.world);
             self.store

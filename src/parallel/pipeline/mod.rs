@@ -4,6 +4,7 @@
 //! rank holds (`rank`); the one walk (`parallel::walk`) runs its schedule.
 
 mod actions;
+mod dual_pipe_v;
 mod list_schedule;
 pub mod plan;
 pub mod rank;

@@ -24,6 +24,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use super::actions::{act, Ends};
 pub use super::actions::{Action, Schedule, Work};
+use super::dual_pipe_v::dual_pipe_v;
 use super::list_schedule::{list_schedule, SplitBackward};
 
 /// The schedules TorchTitan offers (`[parallelism] pipeline_parallel_schedule`).
@@ -174,6 +175,14 @@ pub fn generate(
         ScheduleKind::ZbvZeroBubble => {
             list_schedule(name, m, v_shape(p), vec![2 * p; p], SplitBackward::Always)?
         }
+        // DeepSeek's phases need a microbatch per stage at least (PyTorch refuses fewer); with
+        // fewer, the list scheduler orders the same V.
+        ScheduleKind::DualPipeV if m >= 2 * p => Schedule {
+            name,
+            microbatches: m,
+            placement: v_shape(p),
+            actions: (0..p).map(|r| dual_pipe_v(r, p, m)).collect(),
+        },
         ScheduleKind::DualPipeV => list_schedule(
             name,
             m,
@@ -667,6 +676,35 @@ mod tests {
         let read = Schedule::from_csv(&fixed, "1f1b.csv").unwrap();
         let ours = generate(ScheduleKind::OneFOneB, 4, 1, 8).unwrap();
         assert_eq!(read.actions, ours.actions);
+    }
+
+    /// titan's DualPipeV is PyTorch 2.15's action for action (its dump,
+    /// `tests/fixtures/dualpipev_pp2_mb4.csv`; P 3, 4, 8 compared by hand with
+    /// `scripts/pytorch_dualpipev_csv.py`), so its unit-cost bubble is PyTorch's (P 2, M 4: 1/25,
+    /// ZBV's; the list-scheduled one it replaces had 3/27); with fewer microbatches than
+    /// stages, which PyTorch refuses, the list scheduler still orders the V.
+    #[test]
+    fn dual_pipe_v_is_pytorchs_and_no_worse_than_zbv() {
+        let dump = include_str!("../../../tests/fixtures/dualpipev_pp2_mb4.csv");
+        let pytorch = Schedule::from_csv(dump, "dualpipev.csv").unwrap();
+        let ours = generate(ScheduleKind::DualPipeV, 2, 2, 4).unwrap();
+        assert_eq!(pytorch.actions, ours.actions);
+        assert!((ours.unit_bubble().unwrap() - 1.0 / 25.0).abs() < 1e-12);
+        for p in 2..=8 {
+            for m in [2 * p, 2 * p + 1, 3 * p, 4 * p] {
+                let d = generate(ScheduleKind::DualPipeV, p, 2, m).unwrap();
+                let zbv = generate(ScheduleKind::ZbvZeroBubble, p, 2, m).unwrap();
+                let (db, zb) = (d.unit_bubble().unwrap(), zbv.unit_bubble().unwrap());
+                assert!(
+                    db <= zb + 0.02,
+                    "p {p} m {m}: DualPipeV {db:.3}, ZBV {zb:.3}"
+                );
+            }
+        }
+        generate(ScheduleKind::DualPipeV, 4, 2, 5)
+            .unwrap()
+            .check()
+            .unwrap();
     }
 
     #[test]
