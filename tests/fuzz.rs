@@ -1,7 +1,8 @@
 //! Property-based fuzzing of every reader of outside input (issue 27, item 8), on stable Rust with
 //! `proptest`: the rendezvous store's wire protocol, the peer handshake, the checkpoint reader
-//! (`state.json`, the shard index, safetensors files), the HF `config.json` reader, the TOML config
-//! and the text/JSONL/Parquet data readers. Each target starts from a valid seed (the text ones in
+//! (`state.json`, the shard index, safetensors files), the HF `config.json` reader, the TOML config,
+//! the text/JSONL/Parquet data readers, pipeline schedule CSVs, `tokenizer.json` and pre-tokenized
+//! `.bin` shards. Each target starts from a valid seed (the text ones in
 //! `tests/fuzz_corpus/`, the binary ones written at start) and feeds mutations of it: structural
 //! edits (a JSON or TOML value replaced by an extreme one, a key removed), byte edits (flips,
 //! inserts, deletions, truncation, splices of troublesome tokens) and plain random bytes.
@@ -31,6 +32,7 @@ use titan::data::documents::{DocumentSource, JsonlSource, TextSource};
 use titan::data::parquet::ParquetSource;
 use titan::data::{ByteTokenizer, DataLoader, LoaderState};
 use titan::model::{ModelArgs, ParamSet};
+use titan::parallel::pipeline::schedule::Schedule;
 
 /// The seed corpus of the text formats.
 const CORPUS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fuzz_corpus");
@@ -916,6 +918,93 @@ proptest! {
     }
 }
 
+// ------------------------------------------------------------------ schedules, tokenizers, shards
+
+/// PyTorch's DualPipeV dump: overlap cells, reduction and transfer cells.
+const SCHEDULE_SEED: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/dualpipev_pp2_mb4.csv"
+);
+
+proptest! {
+    #![proptest_config(runner(512))]
+
+    /// Mutated pipeline schedule CSVs: an error, or a schedule that passed its own checks.
+    #[test]
+    fn pipeline_csv_reader_survives_mutated_files(m in mutation()) {
+        let bytes = mutate_bytes(&std::fs::read(SCHEDULE_SEED).unwrap(), &m);
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        within("pipeline csv", move || {
+            if let Ok(s) = Schedule::from_csv(&text, "x.csv") {
+                s.check().unwrap();
+                let _ = s.unit_bubble();
+            }
+        });
+    }
+}
+
+/// Stage and microbatch numbers far beyond the file's actions are refused at once, never sized.
+#[test]
+fn pipeline_csv_with_huge_numbers_is_refused_at_once() {
+    for text in [
+        "0F0,0B0,0F999999999999,0B999999999999\n",
+        "0F0,0B0\n18446744073709551615F0,18446744073709551615B0\n",
+        "0F18446744073709551615\n",
+    ] {
+        let t = text.to_string();
+        let e = within("huge csv", move || {
+            Schedule::from_csv(&t, "x.csv").map(|_| ())
+        });
+        assert!(e.is_err(), "{text}");
+    }
+}
+
+/// A byte-level BPE `tokenizer.json` trained on the text seed (the `tokenizers` crate's format).
+fn tokenizer_seed() -> &'static [u8] {
+    static SEED: OnceLock<Vec<u8>> = OnceLock::new();
+    SEED.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("tokenizer.json");
+        titan::data::bpe::train_bpe(&Path::new(CORPUS).join("data.txt"), 300, &out).unwrap();
+        std::fs::read(out).unwrap()
+    })
+}
+
+proptest! {
+    #![proptest_config(runner(128))]
+
+    /// Mutated `tokenizer.json` files: an error naming the file, or a tokenizer that encodes.
+    #[test]
+    fn tokenizer_json_reader_survives_mutated_files(m in mutation()) {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("tokenizer.json");
+        std::fs::write(&path, mutate_json(tokenizer_seed(), &m)).unwrap();
+        within("tokenizer.json", move || {
+            match titan::data::load_tokenizer(path.to_str().unwrap()) {
+                Ok(t) => {
+                    let _ = t.encode("the cat sat ✓");
+                }
+                Err(e) => assert!(format!("{e:#}").contains("tokenizer"), "{e:#}"),
+            }
+        });
+    }
+
+    /// Mutated pre-tokenized `.bin` shards (uint16 and uint32): the loader's errors name the
+    /// shard (odd lengths, ids outside the vocabulary), never a panic.
+    #[test]
+    fn token_shards_survive_mutated_files(m in byte_mutation(), wide in any::<bool>()) {
+        let tmp = tempfile::tempdir().unwrap();
+        let seed: Vec<u8> = (0u32..200)
+            .flat_map(|t| if wide { t.to_le_bytes().to_vec() } else { (t as u16).to_le_bytes().to_vec() })
+            .collect();
+        std::fs::write(tmp.path().join("00.bin"), mutate_bytes(&seed, &m)).unwrap();
+        let dir = tmp.path().to_path_buf();
+        within("token shards", move || {
+            load_batches(if wide { "tokens_u32" } else { "tokens_u16" }, &dir);
+        });
+    }
+}
+
 /// The seeds themselves are valid: every target starts from an input its reader accepts.
 #[test]
 fn fuzz_seeds_are_valid() {
@@ -934,4 +1023,9 @@ fn fuzz_seeds_are_valid() {
     std::fs::write(&p, &s.parquet).unwrap();
     let mut parquet = ParquetSource::open(&p).unwrap();
     assert_eq!(parquet.next_document().unwrap().unwrap(), "parquet row 0 ✓");
+    let csv = std::fs::read_to_string(SCHEDULE_SEED).unwrap();
+    Schedule::from_csv(&csv, "seed.csv").unwrap();
+    let tok = tmp.path().join("tokenizer.json");
+    std::fs::write(&tok, tokenizer_seed()).unwrap();
+    titan::data::load_tokenizer(tok.to_str().unwrap()).unwrap();
 }

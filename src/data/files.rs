@@ -1,5 +1,7 @@
 //! Finding dataset files and reading them line by line across files, with the file and line of
-//! every record at hand for error messages. `.gz` files are decompressed on the fly.
+//! every record at hand for error messages. `.gz` files are decompressed on the fly. And the guard
+//! every call into a third-party decoder that may panic on malformed input runs under
+//! (`panic_as_error`: the Parquet reader, `tokenizers`).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -7,6 +9,23 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use flate2::read::MultiGzDecoder;
+
+/// Runs `f`, a call into a third-party decoder that may panic on malformed input, turning a panic
+/// into the error `failed` makes of its message (the default hook has already printed it to
+/// stderr): a bad file is an error naming it, never a crashed rank.
+pub fn panic_as_error<T>(
+    f: impl FnOnce() -> Result<T>,
+    failed: impl FnOnce(&str) -> anyhow::Error,
+) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(failed(&msg))
+    })
+}
 
 /// `path` itself, or every file under it (recursively, sorted) whose name ends with one of `suffixes`
 /// (any file when `suffixes` is empty).

@@ -6,7 +6,6 @@
 //! never a crashed rank.
 
 use std::fs::File;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -16,7 +15,7 @@ use parquet::record::RowAccessor;
 use parquet::schema::types::Type;
 
 use super::documents::DocumentSource;
-use super::files::list_files;
+use super::files::{list_files, panic_as_error};
 
 pub struct ParquetSource {
     files: Vec<PathBuf>,
@@ -94,17 +93,11 @@ impl ParquetSource {
 }
 
 /// Runs `f`, a call into the `parquet` crate, turning a panic of the decoder into an error naming
-/// `path` and the row it was reading, if any (the panic message is kept; the default hook has
-/// already printed it to stderr).
+/// `path` and the row it was reading, if any (`files::panic_as_error`).
 fn guarded<T>(path: &Path, row: Option<usize>, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let msg = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "no message".into());
+    panic_as_error(f, |msg| {
         let doing = row.map_or("opening it".into(), |r| format!("at row {r}"));
-        bail!(
+        anyhow!(
             "{}: the Parquet decoder failed {doing} (a corrupt or unsupported file): {msg}",
             path.display()
         )

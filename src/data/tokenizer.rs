@@ -56,8 +56,19 @@ impl HfTokenizer {
         if !path.exists() {
             bail!("tokenizer file {} does not exist", path.display());
         }
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))?;
+        // The `tokenizers` crate panics on some malformed files (a bad `decoder` section).
+        let inner = super::files::panic_as_error(
+            || {
+                tokenizers::Tokenizer::from_file(path)
+                    .map_err(|e| anyhow!("cannot load tokenizer {}: {e}", path.display()))
+            },
+            |msg| {
+                anyhow!(
+                    "cannot load tokenizer {}: the tokenizers crate failed on it (a malformed file): {msg}",
+                    path.display()
+                )
+            },
+        )?;
         let find = |names: &[&str]| names.iter().find_map(|n| inner.token_to_id(n));
         let bos = find(BOS_NAMES).ok_or_else(|| {
             anyhow!(

@@ -486,7 +486,7 @@ impl Schedule {
                         }
                     }
                     placement.insert(a.stage, r);
-                    microbatches = microbatches.max(a.microbatch + 1);
+                    microbatches = microbatches.max(a.microbatch.saturating_add(1));
                     list.push(a);
                 }
             }
@@ -495,7 +495,7 @@ impl Schedule {
         if actions.is_empty() {
             bail!("{source}: no actions (expected a line of actions per pipeline rank)");
         }
-        let n = placement.keys().max().map_or(0, |s| s + 1);
+        let n = placement.keys().max().map_or(0, |s| s.saturating_add(1));
         let placement: Vec<usize> = (0..n)
             .map(|s| {
                 placement.get(&s).copied().ok_or_else(|| {
@@ -504,6 +504,18 @@ impl Schedule {
             })
             .collect::<Result<_>>()?;
         same_forwards_everywhere(&actions, source)?;
+        // Every stage runs every microbatch forward once: numbers beyond what the file's
+        // forwards can cover are refused before anything is sized by them.
+        let forwards = actions
+            .iter()
+            .flatten()
+            .filter(|a| a.work == Work::Forward)
+            .count();
+        if n.checked_mul(microbatches)
+            .is_none_or(|cells| cells > forwards)
+        {
+            bail!("{source}: it names stages up to {} and microbatches up to {} but holds {forwards} forwards; a schedule has one forward per stage and microbatch", n.saturating_sub(1), microbatches.saturating_sub(1));
+        }
         let schedule = Schedule {
             name: format!("CSV {source}"),
             microbatches,
