@@ -10,6 +10,16 @@ use common::{
 };
 
 const DDP2: &[&str] = &["--nproc", "2", "--master-port", "0"];
+
+/// A port free on this host now (for a store the test's ranks meet at).
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
 const DDP_MESH: &[&str] = &[
     "--parallelism.data_parallel_replicate_degree",
     "2",
@@ -321,12 +331,7 @@ fn a_port_in_use_is_a_clear_error() {
 fn a_peer_that_never_arrives_is_an_error_not_a_hang() {
     // Rank 0 of 2 started by hand (as torchrun would), without rank 1.
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     let mut extra = vec!["--training.steps", "2", "--comm.init_timeout_seconds", "2"];
     extra.extend_from_slice(DDP_MESH);
     let t0 = std::time::Instant::now();
@@ -357,12 +362,7 @@ fn a_peer_that_never_arrives_is_an_error_not_a_hang() {
 #[test]
 fn ranks_started_without_titans_launcher_leave_no_socket_folder() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     // A secret of this test's own: its job id names the socket folder.
     let secret = format!("{:0>64x}", 0x50c0_0000_u64 + std::process::id() as u64);
     let mut extra = vec!["--training.steps", "2"];
@@ -969,12 +969,7 @@ fn two_nodes_restart_together_and_end_on_the_uninterrupted_loss() {
     extra.extend_from_slice(DDP_MESH);
     let o = train(straight.path(), DDP2, &extra);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port();
     let secret = "cd".repeat(32);
     let node = |rank: &str| {
         let launcher = [
