@@ -1105,3 +1105,26 @@ fn outsiders_during_a_job_change_nothing() {
     let bits = |l: &[(u64, f64)]| l.iter().map(|(s, x)| (*s, x.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&a), bits(&b), "the losses changed");
 }
+
+/// `scripts/soak.sh --short` (issue 42): random SIGKILLs and a SIGSTOP past the collective
+/// timeout of an FSDP 2 × TP 2 job with asynchronous checkpoints under `--max-restarts`; the last
+/// checkpoint's weights and moments equal the uninterrupted run's byte for byte, nothing of the
+/// job is left, and each restart loses at most a checkpoint interval.
+#[test]
+fn a_soak_of_random_faults_ends_on_the_uninterrupted_weights() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/soak.sh");
+    let o = Command::new("bash")
+        .args([script, "--short", "--titan", titan_bin()])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        out.contains("final weights and moments identical") && out.contains("SIGSTOP"),
+        "{out}"
+    );
+}
