@@ -405,7 +405,11 @@ fn mxfp8_experts_match_torchaos_emulated_grouped_gemm() {
         let ulps: Vec<u32> = a
             .iter()
             .zip(b)
-            .map(|(a, b)| (bf16(*a).to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32)
+            // In bf16 ulps: the top 16 bits of an f32 holding a bf16 value.
+            .map(|(a, b)| {
+                ((bf16(*a).to_bits() >> 16) as i64 - (b.to_bits() >> 16) as i64).unsigned_abs()
+                    as u32
+            })
             .collect();
         let exact = ulps.iter().filter(|&&u| u == 0).count();
         let worst = ulps.iter().max().copied().unwrap_or(0);
