@@ -6,20 +6,10 @@ mod common;
 use std::process::Command;
 
 use common::{
-    assert_parity, losses, metric, titan_bin, train, train_command, train_env, TINY_ARGS,
+    assert_parity, free_port, losses, metric, titan_bin, train, train_command, train_env, TINY_ARGS,
 };
 
 const DDP2: &[&str] = &["--nproc", "2", "--master-port", "0"];
-
-/// A port free on this host now (for a store the test's ranks meet at).
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
 const DDP_MESH: &[&str] = &[
     "--parallelism.data_parallel_replicate_degree",
     "2",

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{losses, train, train_command, TINY_ARGS};
+use common::{free_port, losses, train, train_command, TINY_ARGS};
 
 /// FSDP over whatever ranks there are (`-1`), four sequences a step, 12 steps, a checkpoint
 /// every 4.
@@ -20,15 +20,6 @@ const JOB: &[&str] = &[
     "--metrics.log_freq",
     "1",
 ];
-
-fn free_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
 
 /// Node `rank` of an elastic 1:2 job on `port` (one rank a node), training `job` into `dump`.
 fn node(

@@ -35,7 +35,9 @@ impl AsyncWriter {
     }
 
     /// A writer whose failed saves are warnings when `warn_on_failure` (the run goes on; the next
-    /// save tries again).
+    /// save tries again). The policy lives here, not only with the trainer, because a background
+    /// save's failure meets the next save before it is staged: that save must still be staged on
+    /// every rank (staging is a collective of the writers), whichever of them saw the failure.
     pub fn with_failure_warning(warn_on_failure: bool) -> Self {
         AsyncWriter {
             pending: None,

@@ -55,6 +55,16 @@ pub fn bits(losses: &[(u64, f64)]) -> Vec<(u64, u64)> {
 }
 
 /// Path of the built `titan` binary (integration tests get it from Cargo).
+/// A port free on this host now (for a store the test's ranks meet at).
+pub fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
 pub fn titan_bin() -> &'static str {
     env!("CARGO_BIN_EXE_titan")
 }
