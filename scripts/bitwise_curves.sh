@@ -25,6 +25,7 @@ cases=(
   "pp2_1f1b|2|configs/debug_model.toml|--parallelism.pipeline_parallel_degree 2 --training.global_batch_size 16 --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2"
   "pp2_interleaved|2|configs/debug_model.toml|--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule Interleaved1F1B --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2 --model.n_layers 4"
   "pp2_zbv|2|configs/debug_model.toml|--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2 --model.n_layers 4"
+  "pp2_izb|2|configs/debug_model.toml|--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule InterleavedZeroBubble --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2 --model.n_layers 4"
   "cp2|2|configs/debug_model.toml|--parallelism.context_parallel_degree 2"
   "ep2_moe|2|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --parallelism.expert_parallel_degree 2 --model.load_balance_coeff 0.001 --model.router_aux_loss_coef 0.001"
   "moe_1proc|1|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --model.load_balance_coeff 0.001"

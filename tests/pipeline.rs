@@ -67,6 +67,7 @@ fn pp_2_matches_one_process_under_every_schedule() {
         &nproc("2"),
         &pp("2", "Interleaved1F1B"),
     );
+    check_parity("PP 2 LoopedBFS", &[], &nproc("2"), &pp("2", "LoopedBFS"));
     // Zero-bubble: backwards split into input and weight gradients, the latter deferred.
     for zb in ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"] {
         check_parity(&format!("PP 2 {zb}"), &[], &nproc("2"), &pp("2", zb));

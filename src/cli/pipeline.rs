@@ -12,7 +12,7 @@ use crate::parallel::pipeline::schedule::{generate, Schedule, ScheduleKind, Time
 
 #[derive(Args, Debug)]
 pub struct ShowArgs {
-    /// GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.
+    /// GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV or LoopedBFS.
     #[arg(long, default_value = "1F1B")]
     pub schedule: String,
     /// A schedule in TorchTitan's CSV format instead of --schedule (its ranks, stages and

@@ -4,7 +4,7 @@
 //! of them titan accepts is decided by the trainer's own checks (`plan::weigh`).
 
 use crate::model::activation_checkpoint::AcMode;
-use crate::parallel::pipeline::schedule::SCHEDULE_NAMES;
+use crate::parallel::pipeline::schedule::planned_schedule_names;
 
 /// One layout of a job.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -16,7 +16,7 @@ pub struct Layout {
     pub tp: usize,
     /// Expert parallelism (borrowed from `dp_shard × cp`); 1 without.
     pub ep: usize,
-    /// The pipeline schedule's name (`SCHEDULE_NAMES`), None without a pipeline.
+    /// The pipeline schedule's name (`planned_schedule_names`), None without a pipeline.
     pub schedule: Option<&'static str>,
     /// Rows of a pipeline microbatch (the local batch without a pipeline).
     pub microbatch_size: usize,
@@ -170,9 +170,8 @@ fn pipelines(pp: usize, local_batch: usize) -> Vec<(Option<&'static str>, usize)
         .filter(|m| **m <= local_batch && local_batch.is_multiple_of(**m))
         .map(|m| local_batch / m)
         .collect();
-    SCHEDULE_NAMES
-        .iter()
-        .flat_map(|s| sizes.iter().map(move |m| (Some(*s), *m)))
+    planned_schedule_names()
+        .flat_map(|s| sizes.iter().map(move |m| (Some(s), *m)))
         .collect()
 }
 
@@ -286,7 +285,7 @@ mod tests {
                                         1 if mbs == local => vec![None],
                                         1 => vec![],
                                         _ if pipelined => {
-                                            SCHEDULE_NAMES.iter().map(|s| Some(*s)).collect()
+                                            planned_schedule_names().map(Some).collect()
                                         }
                                         _ => vec![],
                                     };

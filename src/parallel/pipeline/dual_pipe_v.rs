@@ -2,56 +2,8 @@
 //! DualPipe folded onto a V, generated phase by phase as DeepSeek and PyTorch define it, so it is
 //! PyTorch's order action for action (tested against its dump) and has its bubble.
 
-use std::collections::{HashMap, VecDeque};
-
-use super::actions::{act, Action, Work};
-
-/// A rank's actions as they are appended: each stage's next forward and backward microbatch,
-/// and the input-gradient halves whose weight gradients wait (oldest first).
-struct RankActions {
-    list: Vec<Action>,
-    next_forward: HashMap<usize, usize>,
-    next_backward: HashMap<usize, usize>,
-    weights_waiting: VecDeque<(usize, usize)>,
-}
-
-impl RankActions {
-    fn new() -> Self {
-        RankActions {
-            list: Vec::new(),
-            next_forward: HashMap::new(),
-            next_backward: HashMap::new(),
-            weights_waiting: Default::default(),
-        }
-    }
-
-    fn forward(&mut self, stage: usize) {
-        let mb = self.next_forward.entry(stage).or_default();
-        self.list.push(act(stage, Work::Forward, *mb));
-        *mb += 1;
-    }
-
-    /// The next backward of `stage`, whole, or its input half (`split`) with the weight half
-    /// left waiting.
-    fn backward(&mut self, stage: usize, split: bool) {
-        let mb = self.next_backward.entry(stage).or_default();
-        let work = if split {
-            self.weights_waiting.push_back((stage, *mb));
-            Work::BackwardInput
-        } else {
-            Work::Backward
-        };
-        self.list.push(act(stage, work, *mb));
-        *mb += 1;
-    }
-
-    /// The oldest waiting weight gradient, if any.
-    fn weight(&mut self) {
-        if let Some((stage, mb)) = self.weights_waiting.pop_front() {
-            self.list.push(act(stage, Work::BackwardWeight, mb));
-        }
-    }
-}
+use super::actions::Action;
+use super::rank_actions::RankActions;
 
 /// DualPipeV (DeepSeek's DualPipe cut in half onto a V) on rank `r` of `p`, `m ≥ 2p` microbatches,
 /// in its eight phases. The rank holds stage `r` (`a`, on the way down) and stage `2p − 1 − r`
@@ -106,8 +58,6 @@ pub(super) fn dual_pipe_v(r: usize, p: usize, m: usize) -> Vec<Action> {
         x.weight();
         x.backward(a, split);
     }
-    while !x.weights_waiting.is_empty() {
-        x.weight();
-    }
+    x.remaining_weights();
     x.list
 }

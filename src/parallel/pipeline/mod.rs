@@ -5,9 +5,11 @@
 
 mod actions;
 mod dual_pipe_v;
+mod interleaved;
 mod list_schedule;
 pub mod plan;
 pub mod rank;
+mod rank_actions;
 pub mod schedule;
 pub mod stage;
 pub mod transfer;
