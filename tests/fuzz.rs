@@ -2,7 +2,7 @@
 //! `proptest`: the rendezvous store's wire protocol, the peer handshake, the checkpoint reader
 //! (`state.json`, the shard index, safetensors files), the HF `config.json` reader, the TOML config,
 //! the text/JSONL/Parquet data readers, pipeline schedule CSVs, `tokenizer.json` and pre-tokenized
-//! `.bin` shards. Each target starts from a valid seed (the text ones in
+//! `.bin` shards, and the direct-read collectives' phase messages. Each target starts from a valid seed (the text ones in
 //! `tests/fuzz_corpus/`, the binary ones written at start) and feeds mutations of it: structural
 //! edits (a JSON or TOML value replaced by an extreme one, a key removed), byte edits (flips,
 //! inserts, deletions, truncation, splices of troublesome tokens) and plain random bytes.
@@ -555,6 +555,138 @@ proptest! {
         if let Some(len) = got {
             prop_assert_eq!(len, expected);
         }
+    }
+}
+
+// ------------------------------------------------------------------ direct-read phase messages
+
+/// Floats in the fuzzed all-reduce.
+const PHASE_LEN: usize = 64;
+/// Real, readable memory for a fuzzed phase message to point at.
+static PEER_FLOATS: [f32; PHASE_LEN] = [0.5; PHASE_LEN];
+
+/// The store of the phase-message cases, with a fixed secret so their Unix sockets share one
+/// private folder from run to run.
+fn phase_store() -> &'static Store {
+    static STORE: OnceLock<Store> = OnceLock::new();
+    STORE.get_or_init(|| {
+        let secret = JobSecret::from_hex(&"c1".repeat(32), "fuzz secret").unwrap();
+        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
+        Store {
+            addr: server.addr.to_string(),
+            secret,
+        }
+    })
+}
+
+/// What a peer may send where a direct-read collective expects its 32-byte phase message
+/// (collective number, phase, address, length): each word right or wrong, the address anywhere
+/// (0, unmapped, the top of memory where an offset overflows, real memory), or a message of
+/// another length.
+fn phase_message() -> impl Strategy<Value = Vec<u8>> {
+    fn word(right: u64) -> impl Strategy<Value = u64> {
+        prop_oneof![Just(right), Just(right + 1), Just(u64::MAX), any::<u64>()]
+    }
+    let real = PEER_FLOATS.as_ptr() as u64;
+    let address = prop_oneof![
+        Just(real),
+        Just(0u64),
+        Just(u64::MAX - 3),
+        Just(1u64 << 47),
+        any::<u64>()
+    ];
+    let message =
+        (word(0), word(0), address, word(PHASE_LEN as u64)).prop_map(|(seq, phase, addr, len)| {
+            [seq, phase, addr, len]
+                .iter()
+                .flat_map(|w| w.to_le_bytes())
+                .collect()
+        });
+    prop_oneof![
+        3 => message,
+        1 => proptest::collection::vec(any::<u8>(), 0..16).prop_map(|b| [b.as_slice(), &[0; 4]].concat()),
+    ]
+}
+
+/// The direct-read collectives a fuzzed phase message can meet.
+const PHASE_OPS: [&str; 3] = ["all_reduce", "all_gather", "reduce_scatter"];
+
+/// Rank `real` runs collective `op` by direct reads while the other rank (this test) sends
+/// `message` where its first phase message belongs, then leaves. The real rank's answer.
+fn collective_against(
+    message: Vec<u8>,
+    case: u64,
+    op: &'static str,
+    real: usize,
+) -> anyhow::Result<()> {
+    use titan::comm::group::{ProcessGroup, ReduceOp, TcpGroup};
+    let s = phase_store();
+    let name = format!("phase-fuzz-{}-{case}", std::process::id());
+    let join = |rank: usize| {
+        let (addr, secret, name) = (s.addr.clone(), s.secret.clone(), name.clone());
+        move || {
+            let store = StoreClient::connect(&addr, &secret, Duration::from_secs(5)).unwrap();
+            let t = Duration::from_secs(2);
+            TcpGroup::connect(
+                &store,
+                &name,
+                rank,
+                2,
+                "127.0.0.1",
+                Duration::from_secs(10),
+                t,
+            )
+            .unwrap()
+        }
+    };
+    let peer = std::thread::spawn({
+        let connect = join(1 - real);
+        move || {
+            let g = connect();
+            // Whole floats: the socket path carries f32s (the zeros pad a ragged tail).
+            let floats: Vec<f32> = message
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let _ = g.send(&floats, real);
+        }
+    });
+    let g = join(real)();
+    assert!(
+        g.uses_cross_memory_attach(),
+        "this machine refuses direct reads between threads of one process"
+    );
+    let input = vec![1.0f32; PHASE_LEN];
+    let result = match op {
+        "all_reduce" => g.all_reduce(&mut input.clone(), ReduceOp::Sum),
+        "all_gather" => g.all_gather(&input[..PHASE_LEN / 2], &mut vec![0.0; PHASE_LEN]),
+        _ => g.reduce_scatter(&input, &mut vec![0.0; PHASE_LEN / 2], ReduceOp::Sum),
+    };
+    peer.join().unwrap();
+    result
+}
+
+proptest! {
+    #![proptest_config(runner(64))]
+
+    /// Garbage where a direct-read collective's phase message belongs (`comm::group`): an error
+    /// naming the collective and the peer, never a panic (an address whose offsets overflow
+    /// included), a hang or a read of the wrong length.
+    #[test]
+    fn direct_read_phase_messages_refuse_garbage(
+        message in phase_message(),
+        op in proptest::sample::select(PHASE_OPS.to_vec()),
+        real in 0usize..2,
+    ) {
+        static CASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let case = CASE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let result = within("phase message", move || {
+            collective_against(message, case, op, real).map_err(|e| format!("{e:#}"))
+        });
+        // Every case ends in an error: the peer leaves after its first message.
+        let e = result.unwrap_err();
+        let peer = format!("rank {}", 1 - real);
+        prop_assert!(e.contains(&format!("{op} on group")) && e.contains(&peer), "{}", e);
     }
 }
 

@@ -40,9 +40,10 @@ pub enum Command {
         #[arg(long, default_value_t = 1)]
         nproc: usize,
         /// Nodes in the job (run the same command on each, with its --node-rank), or MIN:MAX for an
-        /// elastic job that goes on with the nodes present (node 0, which hosts the store, must stay).
+        /// elastic job that goes on with the nodes present (node 0, which hosts the store, must stay);
+        /// N:N keeps N nodes and lets a node whose launcher was restarted rejoin.
         #[arg(long, default_value = "1", value_parser = parse_nnodes)]
-        nnodes: (usize, usize),
+        nnodes: NodeCount,
         /// Elastic jobs: how long node 0 waits for more than MIN nodes before each generation.
         #[arg(long, default_value_t = 60)]
         rdzv_timeout: u64,
@@ -219,8 +220,18 @@ pub fn overrides_last(args: Vec<String>) -> Vec<String> {
     rest
 }
 
+/// `--nnodes`: `N` nodes (a fixed job), or `MIN:MAX` (elastic: nodes meet at each generation's
+/// rendezvous, so a node that fails may leave and one that is restarted rejoins; `N:N` keeps the
+/// size fixed while letting a restarted node back in).
+#[derive(Debug, Clone, Copy)]
+pub struct NodeCount {
+    min: usize,
+    max: usize,
+    elastic: bool,
+}
+
 /// `--nnodes N` or `MIN:MAX` (1 ≤ MIN ≤ MAX).
-fn parse_nnodes(s: &str) -> std::result::Result<(usize, usize), String> {
+fn parse_nnodes(s: &str) -> std::result::Result<NodeCount, String> {
     let count = |v: &str| {
         v.trim()
             .parse::<usize>()
@@ -229,13 +240,21 @@ fn parse_nnodes(s: &str) -> std::result::Result<(usize, usize), String> {
             .ok_or_else(|| format!("`{v}` is not a node count from 1 to 65536"))
     };
     match s.split_once(':') {
-        None => count(s).map(|n| (n, n)),
+        None => count(s).map(|n| NodeCount {
+            min: n,
+            max: n,
+            elastic: false,
+        }),
         Some((min, max)) => {
             let (min, max) = (count(min)?, count(max)?);
             if min > max {
                 return Err(format!("MIN {min} is above MAX {max} (expected MIN:MAX)"));
             }
-            Ok((min, max))
+            Ok(NodeCount {
+                min,
+                max,
+                elastic: true,
+            })
         }
     }
 }
@@ -246,7 +265,12 @@ pub fn run(cli: Cli) -> Result<()> {
             config,
             quiet,
             nproc,
-            nnodes: (min_nodes, nnodes),
+            nnodes:
+                NodeCount {
+                    min: min_nodes,
+                    max: nnodes,
+                    elastic,
+                },
             rdzv_timeout,
             node_rank,
             master_addr,
@@ -288,11 +312,13 @@ pub fn run(cli: Cli) -> Result<()> {
                     nproc,
                     nnodes,
                     node_rank,
-                    elastic: (min_nodes < nnodes).then_some(crate::launch::rendezvous::Elastic {
-                        min_nodes,
-                        max_nodes: nnodes,
-                        timeout: std::time::Duration::from_secs(rdzv_timeout),
-                    }),
+                    elastic: (elastic && nnodes > 1).then_some(
+                        crate::launch::rendezvous::Elastic {
+                            min_nodes,
+                            max_nodes: nnodes,
+                            timeout: std::time::Duration::from_secs(rdzv_timeout),
+                        },
+                    ),
                     master_addr,
                     master_port: master_port.unwrap_or(if nnodes > 1 { 29500 } else { 0 }),
                     max_restarts,

@@ -211,23 +211,37 @@ pub fn job_socket_path(job_id: &str, run: Option<&str>) -> PathBuf {
 static SOCKET_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
 /// At this process's exit: removes the Unix sockets it bound in its job's socket folder (a
-/// listener not dropped before `exit` leaves its file) and then the folder itself once no other
-/// rank's socket is in it. Titan's launcher removes its workers' folder; a rank started by
-/// torchrun, SLURM or mpirun has only this.
+/// listener not dropped before `exit` leaves its file) and those of ranks that died without doing
+/// so (their pid, the name's last field, gone), then the folder itself once no live rank's socket
+/// is in it. Titan's launcher removes its workers' folder; a rank started by torchrun, SLURM or
+/// mpirun, or one whose launcher was killed, has only this.
 pub fn remove_own_sockets() {
     let Some(dir) = SOCKET_DIR.get() else {
         return;
     };
-    let mine = format!("-{}.sock", std::process::id());
+    let me = std::process::id() as libc::pid_t;
     if let Ok(listing) = std::fs::read_dir(dir) {
         for entry in listing.flatten() {
-            if entry.file_name().to_string_lossy().ends_with(&mine) {
+            let name = entry.file_name();
+            let owner = name
+                .to_string_lossy()
+                .strip_suffix(".sock")
+                .and_then(|n| n.rsplit('-').next()?.parse::<libc::pid_t>().ok());
+            if owner.is_some_and(|pid| pid == me || !process_alive(pid)) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
     }
     // Fails, as it should, while another rank's sockets are still there.
     let _ = std::fs::remove_dir(dir);
+}
+
+/// Whether process `pid` exists (a process of another user counts as alive).
+fn process_alive(pid: libc::pid_t) -> bool {
+    // SAFETY: kill(2) with signal 0 only checks that the process exists.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH))
 }
 
 /// The job's folder of Unix sockets: `titan-{uid}-{job_id}` in the temp folder (or in `/tmp` when

@@ -290,30 +290,6 @@ pub fn dump_once(reason: &str) {
     }
 }
 
-/// When the recorder is on: on SIGTERM (the launcher stopping the group because a rank died) this
-/// rank writes its dump and exits with 128 + 15, as the default action would.
-pub fn dump_on_terminate() -> Result<()> {
-    if RECORDER.get().is_none() {
-        return Ok(());
-    }
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM])
-        .context("flight recorder: cannot watch for SIGTERM")?;
-    std::thread::Builder::new()
-        .name("flight-recorder".into())
-        .spawn(move || {
-            if signals.forever().next().is_some() {
-                // Whatever the dump meets, the process exits: this thread is what ends it.
-                let _ = std::panic::catch_unwind(|| {
-                    dump_once(
-                        "stopped by the launcher (SIGTERM): another rank failed or it stopped",
-                    )
-                });
-                std::process::exit(128 + 15);
-            }
-        })?;
-    Ok(())
-}
-
 /// Reads every `rank_*.json` in `dir`.
 pub fn read_dumps(dir: &Path) -> Result<Vec<Dump>> {
     let mut dumps = Vec::new();

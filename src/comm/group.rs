@@ -382,7 +382,8 @@ impl TcpGroup {
     }
 
     /// One phase of a direct-read collective: sends (collective number, phase, address, length) to
-    /// every peer and returns every rank's address. Also a barrier: it returns once every rank has
+    /// every peer and returns every rank's address. An address is only ever read through `cma`,
+    /// which answers a bad one with an error (offsets into it wrap, never panic). Also a barrier: it returns once every rank has
     /// reached this phase of this collective, with the same length.
     fn exchange_phase(
         &self,
@@ -461,7 +462,7 @@ impl TcpGroup {
         for (b, block) in acc.chunks_mut(BLOCK).enumerate() {
             for p in (0..self.size).filter(|&p| p != self.rank) {
                 let t = &mut tmp[..block.len()];
-                let at = remotes[p] + (b * BLOCK * 4) as u64;
+                let at = remotes[p].wrapping_add((b * BLOCK * 4) as u64);
                 self.read_peer(op_name, pids, p, at, t)?;
                 reduce_into(block, t, op);
             }
@@ -477,7 +478,10 @@ impl TcpGroup {
         let seq = self.sequence.fetch_add(1, Ordering::SeqCst);
         let addrs = self.exchange_phase("all_reduce", seq, 0, buf.as_ptr() as u64, len)?;
         let (c0, c1) = chunk(len, n, r);
-        let remotes: Vec<u64> = addrs.iter().map(|a| a + (c0 * 4) as u64).collect();
+        let remotes: Vec<u64> = addrs
+            .iter()
+            .map(|a| a.wrapping_add((c0 * 4) as u64))
+            .collect();
         self.reduce_from_peers("all_reduce", pids, &remotes, &mut buf[c0..c1], op)?;
         self.exchange_phase("all_reduce", seq, 1, 0, len)?;
         for p in (0..n).filter(|&p| p != r) {
@@ -486,7 +490,7 @@ impl TcpGroup {
                 "all_reduce",
                 pids,
                 p,
-                addrs[p] + (p0 * 4) as u64,
+                addrs[p].wrapping_add((p0 * 4) as u64),
                 &mut buf[p0..p1],
             )?;
         }
@@ -627,7 +631,7 @@ impl TcpGroup {
                 self.exchange_phase("reduce_scatter", seq, 0, input.as_ptr() as u64, input.len())?;
             let remotes: Vec<u64> = addrs
                 .iter()
-                .map(|a| a + (self.rank * c * 4) as u64)
+                .map(|a| a.wrapping_add((self.rank * c * 4) as u64))
                 .collect();
             self.reduce_from_peers("reduce_scatter", pids, &remotes, output, op)?;
             self.exchange_phase("reduce_scatter", seq, 1, 0, input.len())?;

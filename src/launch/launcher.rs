@@ -319,8 +319,8 @@ fn agree_on_generation(store: &StoreClient, g: usize, o: &LaunchOptions) -> Resu
         .barrier(&format!("launch/generation-{g}"), o.nnodes)
         .with_context(|| {
             format!(
-                "node {}: not every node's launcher started generation {g} (restart {g} of {}); every node must run with the same --max-restarts, and a node whose launcher stopped ends the job",
-                o.node_rank, o.max_restarts
+                "node {}: not every node's launcher started generation {g} (restart {g} of {}); every node must run with the same --max-restarts, and a node whose launcher stopped ends the job (a job whose nodes may be restarted runs with --nnodes {n}:{n}, whose rendezvous lets a restarted node back in)",
+                o.node_rank, o.max_restarts, n = o.nnodes
             )
         })
 }

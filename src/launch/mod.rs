@@ -98,6 +98,7 @@ impl Distributed {
         let (store, store_server, host) = rendezvous(&env, &secret, init)?;
         let gen = env.generation;
         start_flight_recorder(cfg, &env, &store, init)?;
+        orphan::end_on_terminate()?;
         let joiner = groups::GroupJoiner {
             store: &store,
             mesh: &mesh,
@@ -263,8 +264,8 @@ pub enum MeshGroup {
 }
 
 /// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through
-/// the store (so the analyzer can tell dumps of different runs apart), and SIGTERM from the launcher
-/// makes this rank write its dump before it exits.
+/// the store (so the analyzer can tell dumps of different runs apart); SIGTERM from the launcher
+/// makes this rank write its dump before it exits (`orphan::end_on_terminate`).
 fn start_flight_recorder(
     cfg: &Config,
     env: &env::WorkerEnv,
@@ -295,8 +296,7 @@ fn start_flight_recorder(
         &String::from_utf8_lossy(&run),
         cfg.comm.trace_buf_size,
         &dir,
-    )?;
-    flight_recorder::dump_on_terminate()
+    )
 }
 
 /// The device mesh `[parallelism]` asks for over `world` ranks (its degrees must multiply to it).

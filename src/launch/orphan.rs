@@ -1,14 +1,20 @@
-//! A worker of titan's launcher never outlives it.
+//! A worker never outlives its launcher, and leaves no socket behind when stopped.
 //!
-//! The launcher starts each worker with a parent-death signal (SIGTERM, `launcher::worker_command`):
-//! a worker with the flight recorder on writes its dump and exits, one without dies at once. This
-//! is the backstop for whatever keeps that path from ending the process (a handler stuck behind a
-//! dump another thread is writing, a disk that does not answer): a thread that notices the
-//! launcher is gone (the worker was handed to another parent) and, after the grace the SIGTERM
-//! path gets, ends the process outright. Files being written are safe either way: checkpoints and
-//! dumps go to temporary names renamed when complete, so each is whole or absent.
+//! SIGTERM reaches a worker when its launcher stops the group (a rank failed) or dies (the
+//! parent-death signal `launcher::worker_command` sets); torchrun and SLURM send it too. One
+//! thread answers it (`end_on_terminate`): the flight recorder's dump when it is on, this
+//! process's Unix sockets (and the job's socket folder once empty) removed, exit 128 + 15.
+//! The backstop for whatever keeps that path from ending the process (a dump another thread is
+//! writing, a disk that does not answer) is a thread that notices the launcher is gone (the
+//! worker was handed to another parent) and, after the grace the SIGTERM path gets, ends the
+//! process outright. Files being written are safe either way: checkpoints and dumps go to
+//! temporary names renamed when complete, so each is whole or absent.
 
 use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::comm::{conn, flight_recorder};
 
 /// Set by the launcher on each worker: its own pid.
 pub const LAUNCHER_PID_ENV: &str = "TITAN_LAUNCHER_PID";
@@ -38,6 +44,7 @@ pub fn exit_with_launcher() {
             }
             std::thread::sleep(GRACE);
             errln!("the launcher (pid {launcher}) is gone: this worker exits");
+            conn::remove_own_sockets();
             // SAFETY: _exit(2) ends the process without running destructors or atexit handlers,
             // none of which may block it now.
             unsafe { libc::_exit(128 + libc::SIGTERM) };
@@ -45,4 +52,26 @@ pub fn exit_with_launcher() {
     if let Err(e) = watch {
         errln!("warning: cannot watch the launcher (this worker may outlive it): {e}");
     }
+}
+
+/// In a worker of a multi-process job: on SIGTERM, writes the flight recorder's dump (when on),
+/// removes this process's sockets and exits with 128 + 15, as the default action would.
+pub fn end_on_terminate() -> Result<()> {
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM])
+        .context("cannot watch for SIGTERM")?;
+    std::thread::Builder::new()
+        .name("terminate".into())
+        .spawn(move || {
+            if signals.forever().next().is_some() {
+                // Whatever the dump meets, the process exits: this thread is what ends it.
+                let _ = std::panic::catch_unwind(|| {
+                    flight_recorder::dump_once(
+                        "stopped by the launcher (SIGTERM): another rank failed or it stopped",
+                    )
+                });
+                conn::remove_own_sockets();
+                std::process::exit(128 + 15);
+            }
+        })?;
+    Ok(())
 }
