@@ -118,6 +118,7 @@ straight() {
 
 leg_chaos() {
   straight
+  rm -rf "$work/chaos" "$work/chaos.log"
   # One save fails as on a full disk (writer 1's files of step 8·interval; the drill stands in for
   # the disk), under [checkpoint] on_save_failure = "warn": every rank warns and trains on.
   local full_disk_step=$((8 * interval)) t1 launcher faults=0 stops=0 victim end
@@ -158,6 +159,7 @@ leg_chaos() {
 leg_elastic() {
   straight
   local port t1 node0 node1 faults=0 kills=0 end victim
+  rm -rf "$work/elastic" "$work"/elastic-node*.log
   port=$(free_port)
   # exec: the background job's pid is the launcher's own, which the chaos loop kills.
   node() {
@@ -206,6 +208,7 @@ leg_elastic() {
 
 leg_ft() {
   local lh_log="$work/lighthouse.log" lighthouse addr t1 group0 group1 faults=0 kills=0 victim
+  rm -rf "$work"/ft0* "$work"/ft1* "$lh_log"
   "$titan" lighthouse --port 0 --min-replicas 1 --join-timeout-ms 1000 --job-secret-file "$work/secret" \
     >"$lh_log" 2>&1 &
   lighthouse=$!

@@ -14,6 +14,7 @@
 //! sizes differ is refused, naming them. The cross-replica groups meet through the lighthouse's
 //! store, with the secret the replica groups share (`--job-secret-file`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
@@ -44,6 +45,9 @@ pub struct ReplicaSync {
     quorum: Option<Quorum>,
     /// The same rank of every live replica (None when alone).
     group: Option<TcpGroup>,
+    /// Every rank of this replica group (None in a one-process group): its ranks agree on whether
+    /// each step's cross-replica average went through everywhere.
+    own_group: Option<Arc<dyn ProcessGroup>>,
     /// Semi-synchronous training (None: gradients averaged every step).
     pub semi: Option<SemiSync>,
     /// A semi-synchronous sync failed here: this replica reports a step less at the next quorum,
@@ -81,8 +85,14 @@ pub struct StepStart {
 }
 
 impl ReplicaSync {
-    /// Rank `rank` of `world` of this job, when `[fault_tolerance] enable`.
-    pub fn from_config(cfg: &Config, rank: usize, world: usize) -> Result<Option<Self>> {
+    /// Rank `rank` of `world` of this job (every rank of it in `own_group`), when
+    /// `[fault_tolerance] enable`.
+    pub fn from_config(
+        cfg: &Config,
+        rank: usize,
+        world: usize,
+        own_group: Option<Arc<dyn ProcessGroup>>,
+    ) -> Result<Option<Self>> {
         let ft = &cfg.fault_tolerance;
         if !ft.enable {
             return Ok(None);
@@ -106,6 +116,7 @@ impl ReplicaSync {
             min_replicas: ft.min_replica_size,
             quorum: None,
             group: None,
+            own_group,
             reported_live: 0,
             semi: SemiSync::from_config(ft)?
                 .map(|s| s.dumping_as(format!("replica{}-rank{rank}", ft.replica_id))),
@@ -237,7 +248,10 @@ impl ReplicaSync {
     }
 
     /// Averages `grads` with the same rank of every live replica. False when a replica was lost
-    /// on the way: the gradients are left as they were and the step must not be applied.
+    /// on the way at any rank of this group (they agree, so that all of them drop the step or
+    /// none: a rank whose own average went through while another's failed would otherwise apply a
+    /// step the others drop, and wait for them in the next collective); the gradients are then
+    /// not to be applied.
     pub fn average<B: Backend>(&mut self, be: &B, grads: &mut ParamSet<B>) -> Result<bool> {
         let Some(group) = &self.group else {
             return Ok(true);
@@ -246,11 +260,25 @@ impl ReplicaSync {
         for b in &grads.bufs {
             packed.extend(be.download(b));
         }
-        if let Err(e) = group.all_reduce(&mut packed, ReduceOp::Avg) {
+        let averaged = group.all_reduce(&mut packed, ReduceOp::Avg);
+        // Any rank's failure fails the step everywhere.
+        let mut failed = [averaged.is_err() as u8 as f32];
+        if let Some(own) = &self.own_group {
+            own.all_reduce(&mut failed, ReduceOp::Max)?;
+        }
+        let everywhere = failed[0] == 0.0;
+        if let Err(e) = &averaged {
             errln!(
                 "[fault_tolerance] replica {} rank {}: the gradient average failed ({e:#}); this step is dropped",
                 self.replica_id, self.rank
             );
+        } else if !everywhere {
+            errln!(
+                "[fault_tolerance] replica {} rank {}: the gradient average failed on another rank of this group; this step is dropped",
+                self.replica_id, self.rank
+            );
+        }
+        if !everywhere {
             self.forget();
             return Ok(false);
         }

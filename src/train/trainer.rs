@@ -280,7 +280,8 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
             say_what_the_restart_repeats(cfg, dist, resume.start_step, &say);
         }
         let rate = StepRate::of(be, cfg, &composed, dist);
-        let replicas = ReplicaSync::from_config(cfg, rank, dist.map_or(1, |d| d.world))?;
+        let world = dist.map_or(1, |d| d.world);
+        let replicas = ReplicaSync::from_config(cfg, rank, world, dist.map(|d| d.all.clone()))?;
         print_banner(be, cfg, dist, &composed, &loader, &rate, &say);
         let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
         let bar = progress_bar(
