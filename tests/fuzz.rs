@@ -660,8 +660,8 @@ fn collective_against(
     let input = vec![1.0f32; PHASE_LEN];
     let result = match op {
         "all_reduce" => g.all_reduce(&mut input.clone(), ReduceOp::Sum),
-        "all_gather" => g.all_gather(&input[..PHASE_LEN / 2], &mut vec![0.0; PHASE_LEN]),
-        _ => g.reduce_scatter(&input, &mut vec![0.0; PHASE_LEN / 2], ReduceOp::Sum),
+        "all_gather" => g.all_gather(&input[..PHASE_LEN / 2], &mut [0.0; PHASE_LEN]),
+        _ => g.reduce_scatter(&input, &mut [0.0; PHASE_LEN / 2], ReduceOp::Sum),
     };
     peer.join().unwrap();
     result
