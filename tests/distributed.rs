@@ -415,6 +415,62 @@ fn ddp_with_gradient_accumulation_matches_one_process() {
     }
 }
 
+/// `[training] mixed_precision_reduce = "bfloat16"` (FSDP2's `reduce_dtype`): FSDP 2's
+/// reduce-scatter and DDP 2's all-reduce round each rank's gradient and the sum to bf16. The
+/// rounding is real (the step-1 gradient norm moves off fp32's by more than 1e-5, the weights were
+/// never rounded, so the loss of step 1 is fp32's to the bit); FSDP and DDP round alike (their
+/// curves within 1e-6); the curve stays within 1e-3 of fp32's; an unknown dtype is refused.
+#[test]
+fn bf16_reductions_round_fsdp_and_ddp_gradients_alike() {
+    let run = |mesh: &[&str], dtype: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let reduce = [
+            "--training.mixed_precision_reduce",
+            dtype,
+            "--training.steps",
+            "8",
+        ];
+        let o = train(dir.path(), DDP2, &[mesh, &reduce[..]].concat());
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (losses(dir.path()), metric(dir.path(), "grad_norm"))
+    };
+    let fsdp = ["--parallelism.data_parallel_shard_degree", "2"];
+    let (fp32_loss, fp32_norm) = run(&fsdp, "float32");
+    let (fsdp_loss, fsdp_norm) = run(&fsdp, "bfloat16");
+    let (ddp_loss, ddp_norm) = run(DDP_MESH, "bfloat16");
+    assert_eq!(fsdp_loss[0].1.to_bits(), fp32_loss[0].1.to_bits());
+    let moved = (fsdp_norm[0].1 - fp32_norm[0].1).abs() / fp32_norm[0].1;
+    assert!(
+        moved > 1e-5,
+        "the bf16 reduction changed the step-1 norm by {moved:e} only"
+    );
+    for (a, b, what, tolerance) in [
+        (&fsdp_loss, &ddp_loss, "FSDP vs DDP loss", 1e-6),
+        (&fsdp_norm, &ddp_norm, "FSDP vs DDP grad norm", 1e-6),
+        (&fsdp_loss, &fp32_loss, "bf16 vs fp32 loss", 1e-3),
+        (&fsdp_norm, &fp32_norm, "bf16 vs fp32 grad norm", 1e-3),
+    ] {
+        assert_eq!(a.len(), 8, "{what}");
+        for ((s, x), (_, y)) in a.iter().zip(b.iter()) {
+            assert!(
+                (x - y).abs() <= tolerance * y.abs(),
+                "{what}, step {s}: {x} vs {y}"
+            );
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        dir.path(),
+        &[],
+        &["--training.mixed_precision_reduce", "fp16"],
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("mixed_precision_reduce = `fp16`"),
+        "{e}"
+    );
+}
+
 #[test]
 fn bf16_parameters_fsdp_2_and_ddp_2_match_one_process_in_bf16() {
     let bf16 = ["--training.mixed_precision_param", "bfloat16"];

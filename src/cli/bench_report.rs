@@ -95,6 +95,8 @@ pub(super) struct JobFigures {
     unit_bubble: Option<f64>,
     /// Context parallel: every rank's figures (the load balance).
     cp: Option<CpPerRank>,
+    /// How the kept activations are stored (`MemoryEstimate::activation_dtype`).
+    activation_dtype: &'static str,
     /// Rank 0's float8 GEMMs over the whole run and those that multiplied dequantised values
     /// (`Backend::float8_gemm_counts`; None without float8 GEMMs).
     float8_gemms: Option<(u64, u64)>,
@@ -143,6 +145,7 @@ impl JobFigures {
             unit_bubble,
             float8_gemms: be.float8_gemm_counts(),
             cp,
+            activation_dtype: estimate.activation_dtype(be.bf16_activation_f32_bytes()),
         })
     }
 }
@@ -366,6 +369,8 @@ impl<'a> BenchReport<'a> {
             "cp_attention_slowest_over_fastest": j.cp.as_ref().map(CpPerRank::spread),
             "peak_rss_mib_per_rank": j.cp.as_ref().map(|c| &c.peaks),
             "loss_first": losses[0], "loss_last": losses[losses.len()-1]});
+        object["activation_dtype"] = serde_json::json!(j.activation_dtype);
+        object["reduce_dtype"] = serde_json::json!(cfg.training.mixed_precision_reduce);
         object["float8"] = serde_json::json!(self.float8_recipe());
         object["float8_gemms"] = serde_json::json!(j.float8_gemms.map(|g| g.0));
         object["float8_gemms_dequantised"] = serde_json::json!(j.float8_gemms.map(|g| g.1));

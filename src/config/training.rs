@@ -27,6 +27,10 @@ pub struct TrainingConfig {
     /// run on bf16 tensor cores), `tfloat32` keeps fp32 weights with TF32 GEMMs on CUDA, `float32`
     /// is exact fp32. Master weights, gradients, reductions and AdamW state are fp32 in every case.
     pub mixed_precision_param: String,
+    /// The dtype of the gradients' reduction across data-parallel ranks (TorchTitan's key):
+    /// `float32` (the default) or `bfloat16`, each rank's gradient rounded to bf16 before FSDP's
+    /// reduce-scatter or DDP's all-reduce and the sum rounded to bf16 after it.
+    pub mixed_precision_reduce: String,
 }
 
 impl Default for TrainingConfig {
@@ -42,6 +46,7 @@ impl Default for TrainingConfig {
             seed: 42,
             device: "cpu".into(),
             mixed_precision_param: "float32".into(),
+            mixed_precision_reduce: "float32".into(),
             threads: 0,
         }
     }
@@ -58,6 +63,7 @@ pub const DATASETS: &[&str] = &[
 ];
 pub const DEVICES: &[&str] = &["cpu", "cuda", "auto"];
 pub const PRECISIONS: &[&str] = &["bfloat16", "tfloat32", "float32"];
+pub const REDUCE_PRECISIONS: &[&str] = &["float32", "bfloat16"];
 
 impl Config {
     /// Sequences per optimizer step with `dp_size` data-parallel ranks (-1: one micro-batch per
@@ -107,6 +113,13 @@ impl Config {
                 "[training] mixed_precision_param = `{}` is not known (accepted: {})",
                 t.mixed_precision_param,
                 PRECISIONS.join(", ")
+            );
+        }
+        if !REDUCE_PRECISIONS.contains(&t.mixed_precision_reduce.as_str()) {
+            bail!(
+                "[training] mixed_precision_reduce = `{}` is not known (accepted: {})",
+                t.mixed_precision_reduce,
+                REDUCE_PRECISIONS.join(", ")
             );
         }
         if !DEVICES.contains(&t.device.as_str()) {

@@ -21,7 +21,7 @@ pub mod projection;
 pub use args::ModelArgs;
 pub use llama::{KvCache, Llama, Workspace};
 pub use local_shapes::LocalShapes;
-pub use params::{ParamDtype, ParamSet};
+pub use params::{ParamDtype, ParamSet, ReduceDtype};
 
 use crate::backend::Backend;
 

@@ -460,6 +460,46 @@ impl ParamDtype {
     }
 }
 
+/// The dtype gradients are reduced in across the data-parallel ranks (`[training]
+/// mixed_precision_reduce`, FSDP2's `reduce_dtype`): `BFloat16` rounds each rank's gradient to
+/// bf16 before FSDP's reduce-scatter or DDP's all-reduce and the reduced sum to bf16 after it
+/// (the sum itself accumulates in f32, as a reduction accumulating in f32 does); the result goes
+/// into the f32 gradients either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceDtype {
+    Float32,
+    BFloat16,
+}
+
+impl ReduceDtype {
+    /// From `mixed_precision_reduce` (validated with the config: `float32` or `bfloat16`).
+    pub fn from_config(name: &str) -> Self {
+        if name == "bfloat16" {
+            ReduceDtype::BFloat16
+        } else {
+            ReduceDtype::Float32
+        }
+    }
+
+    /// TorchTitan's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceDtype::Float32 => "float32",
+            ReduceDtype::BFloat16 => "bfloat16",
+        }
+    }
+
+    /// Rounds `bufs` to bf16 when reductions are in bf16.
+    pub fn round<'a, B: Backend>(self, be: &B, bufs: impl IntoIterator<Item = &'a mut B::Buf>)
+    where
+        B::Buf: 'a,
+    {
+        if self == ReduceDtype::BFloat16 {
+            bufs.into_iter().for_each(|b| be.round_to_bf16(b));
+        }
+    }
+}
+
 /// Buffers with names and shapes, one per parameter.
 pub struct ParamSet<B: Backend> {
     pub names: Vec<String>,

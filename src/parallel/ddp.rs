@@ -24,7 +24,7 @@ use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::nccl::{InFlight, NcclGroup};
 use crate::model::params::LayerIds;
-use crate::model::ParamSet;
+use crate::model::{ParamSet, ReduceDtype};
 
 /// A bucket: the parameter indices it covers and their gradients, concatenated.
 struct Bucket {
@@ -227,7 +227,9 @@ impl Drop for DdpReducer {
 /// reducer.
 pub struct Ddp<B: Backend> {
     pub group: Arc<dyn ProcessGroup>,
-    pub reducer: Box<dyn GradReducer<B>>,
+    reducer: Box<dyn GradReducer<B>>,
+    /// fp32, or gradients rounded to bf16 before and after their sum (`mixed_precision_reduce`).
+    reduce_dtype: ReduceDtype,
 }
 
 impl<B: Backend> Ddp<B> {
@@ -235,10 +237,49 @@ impl<B: Backend> Ddp<B> {
     pub fn new(
         group: Arc<dyn ProcessGroup>,
         device_reducer: Option<Box<dyn GradReducer<B>>>,
+        reduce_dtype: ReduceDtype,
     ) -> Self {
         Ddp {
             reducer: device_reducer.unwrap_or_else(|| Box::new(DdpReducer::new(group.clone()))),
             group,
+            reduce_dtype,
         }
+    }
+
+    /// A block's gradients (`ids`) are final: their sum starts (see `GradReducer`).
+    pub fn block_done(&mut self, be: &B, ids: &[usize], grads: &mut ParamSet<B>) -> Result<()> {
+        let dtype = self.reduce_dtype;
+        let chosen = grads
+            .bufs
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| ids.contains(i));
+        dtype.round(be, chosen.map(|(_, b)| b));
+        self.reducer.block_done(be, ids, grads)
+    }
+
+    /// Sums what no `block_done` covered and waits for every sum (see `GradReducer`).
+    pub fn finish(
+        &mut self,
+        be: &B,
+        grads: &mut ParamSet<B>,
+        block_ids: &[LayerIds],
+    ) -> Result<()> {
+        let dtype = self.reduce_dtype;
+        let mut covered = vec![false; grads.len()];
+        block_ids
+            .iter()
+            .flat_map(|l| l.all())
+            .for_each(|i| covered[i] = true);
+        let rest = grads
+            .bufs
+            .iter_mut()
+            .zip(covered)
+            .filter(|(_, c)| !c)
+            .map(|(b, _)| b);
+        dtype.round(be, rest);
+        self.reducer.finish(be, grads, block_ids)?;
+        dtype.round(be, grads.bufs.iter_mut());
+        Ok(())
     }
 }

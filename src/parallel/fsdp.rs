@@ -47,7 +47,7 @@ use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::memory_timeline::{self, Category};
-use crate::model::{Llama, ParamDtype, ParamSet};
+use crate::model::{Llama, ParamDtype, ParamSet, ReduceDtype};
 
 mod float8;
 mod hooks;
@@ -137,6 +137,9 @@ pub struct Fsdp<B: Backend> {
     reshard_after_forward: ReshardPolicy,
     /// What the forward and backward's gathers carry: fp32, or bf16 (half the bytes).
     param_dtype: ParamDtype,
+    /// What the gradients' reduce-scatters carry: fp32, or values rounded to bf16 before and
+    /// after (`mixed_precision_reduce`).
+    reduce_dtype: ReduceDtype,
     /// The weights gathered as float8 codes, and their scales (None: every weight as above).
     float8: Option<Float8Gather>,
     /// Bytes this rank's parameter all-gathers received since the last `take_gathered_bytes`.
@@ -200,7 +203,7 @@ impl<B: Backend> Fsdp<B> {
         specs: &[(String, Vec<usize>)],
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
         reshard_after_forward: ReshardPolicy,
-        param_dtype: ParamDtype,
+        (param_dtype, reduce_dtype): (ParamDtype, ReduceDtype),
     ) -> Result<Self> {
         let numel: Vec<usize> = specs.iter().map(|(_, s)| s.iter().product()).collect();
         let group_of: Vec<usize> = specs
@@ -262,6 +265,7 @@ impl<B: Backend> Fsdp<B> {
             non_block: (0..specs.len()).filter(|&i| !in_block[i]).collect(),
             reshard_after_forward,
             param_dtype,
+            reduce_dtype,
             float8: None,
             gathered_bytes: 0,
         };
@@ -466,6 +470,7 @@ impl<B: Backend> Fsdp<B> {
             offset += c;
         }
         Self::release(be, grads, ids, Category::Gradients);
+        self.reduce_dtype.round(be, [&mut packed]);
         let packed_bytes = be.len(&packed) as i64 * 4;
         memory_timeline::add(Category::CommBuffers, packed_bytes);
         self.groups[group].queue.start_reduce_scatter(be, packed)?;
@@ -511,6 +516,8 @@ impl<B: Backend> Fsdp<B> {
                 ids, packed_bytes, ..
             } => {
                 memory_timeline::add(Category::CommBuffers, -packed_bytes);
+                let mut output = output;
+                self.reduce_dtype.round(be, [&mut output]);
                 let mut offset = 0;
                 for &i in &ids {
                     let c = self.shard_len[i];

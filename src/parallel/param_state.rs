@@ -76,8 +76,7 @@ impl<B: Backend> ParamHooks<B> for WholeParams<B> {
 
     fn after_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
         if let (Unit::Block(l), true, Some(ddp)) = (unit, self.reducing, self.ddp.as_mut()) {
-            ddp.reducer
-                .block_done(be, &self.blocks[l], &mut self.grads)?;
+            ddp.block_done(be, &self.blocks[l], &mut self.grads)?;
         }
         Ok(())
     }
@@ -126,7 +125,7 @@ impl<B: Backend> ParamState<B> {
         complete(&mut w.grads)?;
         if let Some(d) = w.ddp.as_mut() {
             let covered = if w.ddp_per_block { blocks } else { &[] };
-            d.reducer.finish(be, &mut w.grads, covered)?;
+            d.finish(be, &mut w.grads, covered)?;
         }
         Ok(())
     }

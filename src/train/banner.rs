@@ -47,6 +47,10 @@ impl<B: Backend> Banner<'_, B> {
             true => format!(" + bf16 copies {:.3} GiB", gib(est.activation_copies)),
             false => String::new(),
         };
+        let reduced = match self.dist {
+            Some(_) => format!(" (reduced in {})", cfg.training.mixed_precision_reduce),
+            None => String::new(),
+        };
         let mut lines = vec![
             format!(
                 "titan | model {} {} | {:.2}M parameters ({:.2}M non-embedding{active}) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {:.3} TFLOP/s{reference}",
@@ -59,12 +63,13 @@ impl<B: Backend> Banner<'_, B> {
                 self.peak_tflops,
             ),
             format!(
-                "memory{}: weights {:.3} GiB, gradients {:.3} GiB, AdamW {:.3} GiB, activations {:.3} GiB{copies}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {} micro-batch(es)/step",
+                "memory{}: weights {:.3} GiB, gradients {:.3} GiB{reduced}, AdamW {:.3} GiB, activations {:.3} GiB ({}){copies}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {} micro-batch(es)/step",
                 if self.dist.is_some() { " per rank" } else { "" },
                 gib(est.params),
                 gib(est.grads),
                 gib(est.optimizer),
                 gib(est.activations),
+                est.activation_dtype(self.be.bf16_activation_f32_bytes()),
                 gib(est.scratch),
                 self.data,
                 self.global_batch,

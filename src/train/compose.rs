@@ -22,7 +22,7 @@ use crate::launch::Distributed;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::AcMode;
 use crate::model::float8_convert::Float8Conversion;
-use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet};
+use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, ReduceDtype};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, Float8Gather, ReshardPolicy, ShardedParams};
 use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
@@ -172,6 +172,7 @@ pub struct RankPlan {
     /// FSDP/HSDP shards the parameters (else they stay whole, with DDP over `dp` ranks).
     fsdp: bool,
     param_dtype: ParamDtype,
+    pub reduce_dtype: ReduceDtype,
     reshard: ReshardPolicy,
     ac: AcMode,
     pub estimate: MemoryEstimate,
@@ -218,6 +219,7 @@ impl RankPlan {
         let pipeline = pipeline_plan(cfg, &args, &groups)?;
         let (accum, global_batch) = check_batch(be, cfg, &local, dp_size, pipeline.as_ref())?;
         let param_dtype = ParamDtype::from_config(&cfg.training.mixed_precision_param);
+        let reduce_dtype = ReduceDtype::from_config(&cfg.training.mixed_precision_reduce);
         let reshard = ReshardPolicy::parse(&cfg.parallelism.fsdp_reshard_after_forward)
             .expect("validated with the config");
         let ac = cfg.activation_checkpoint.mode()?;
@@ -264,6 +266,7 @@ impl RankPlan {
             global_batch,
             fsdp,
             param_dtype,
+            reduce_dtype,
             reshard,
             ac,
             estimate,
@@ -372,6 +375,7 @@ fn param_state<B: Backend>(
             experts: expert_shards,
             reshard: plan.reshard,
             param_dtype: plan.param_dtype,
+            reduce_dtype: plan.reduce_dtype,
             held: pipeline
                 .is_some()
                 .then_some(&held as &(dyn Fn(&str) -> bool + Sync)),
@@ -405,9 +409,9 @@ fn param_state<B: Backend>(
         }
         None => {
             let dp_size = dist.map_or(1, |d| d.dp.size());
-            let ddp = dist
-                .filter(|_| !plan.fsdp && dp_size > 1)
-                .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer));
+            let ddp = dist.filter(|_| !plan.fsdp && dp_size > 1).map(|d| {
+                crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer, plan.reduce_dtype)
+            });
             let bf16_copy = (plan.param_dtype == ParamDtype::BFloat16)
                 .then(|| ParamSet::zeros(be, &model.param_specs()));
             ParamState::Whole(WholeParams::new(params, grads, bf16_copy, ddp))

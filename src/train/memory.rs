@@ -225,6 +225,18 @@ impl MemoryEstimate {
             + self.compute_copy
             + self.activation_copies
     }
+
+    /// How the kept activations are stored, given the f32 bytes per value a backend's GEMM-only
+    /// activations take (`Backend::bf16_activation_f32_bytes`): `float32`; `float32+bfloat16`
+    /// (bf16 copies beside f32 activations, for the GEMMs); `bfloat16+float32` (GEMM-only
+    /// activations in bf16 alone, the others f32: CUDA's bf16 path).
+    pub fn activation_dtype(&self, gemm_only_f32_bytes: u64) -> &'static str {
+        match (gemm_only_f32_bytes, self.activation_copies > 0) {
+            (0, _) => "bfloat16+float32",
+            (_, true) => "float32+bfloat16",
+            _ => "float32",
+        }
+    }
 }
 
 pub fn gib(bytes: u64) -> f64 {

@@ -14,7 +14,7 @@ use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::model::params::TpSharding;
-use crate::model::{init_params, Llama, ParamDtype, ParamSet};
+use crate::model::{init_params, Llama, ParamDtype, ParamSet, ReduceDtype};
 use crate::parallel::fsdp::{ExpertShards, Fsdp, ReshardPolicy, StartValues};
 
 /// The state a run starts from.
@@ -110,6 +110,7 @@ pub struct StartInputs<'a, B: Backend> {
     pub experts: Option<ExpertShards<B>>,
     pub reshard: ReshardPolicy,
     pub param_dtype: ParamDtype,
+    pub reduce_dtype: ReduceDtype,
     /// A pipeline rank's: whether its stages hold a tensor, and which stage holds it (to tell a
     /// checkpoint written with other stages); None without a pipeline.
     pub held: Option<&'a (dyn Fn(&str) -> bool + Sync)>,
@@ -340,7 +341,7 @@ fn sharded_start<B: Backend>(
         &fsdp_specs,
         &|i| source.start_values(None, i),
         inputs.reshard,
-        inputs.param_dtype,
+        (inputs.param_dtype, inputs.reduce_dtype),
     )?;
     let opt = AdamW {
         exp_avg: f.shard_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
