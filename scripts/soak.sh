@@ -76,7 +76,7 @@ worker_of() {
 # The last step logged in metrics file $1 (0 before any).
 progress() {
   local step
-  step=$({ tail -c 600 "$1" 2>/dev/null || true; } | grep -o '"step": *[0-9]*' | tail -1 | tr -dc '0-9')
+  step=$({ tail -n 2 "$1" 2>/dev/null || true; } | grep -o '"step": *[0-9]*' | tail -1 | tr -dc '0-9')
   echo "${step:-0}"
 }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -91,6 +91,7 @@ nothing_left() {
 # The tensor files of checkpoint folders $1 and $2 are the same bytes (at least $3 files).
 same_tensors() {
   local files=0 f
+  compgen -G "$1/*.safetensors" >/dev/null || fail "no tensor files in $1"
   for f in "$1"/*.safetensors; do
     cmp -s "$f" "$2/$(basename "$f")" || fail "$2/$(basename "$f") differs from $f"
     files=$((files + 1))
@@ -212,7 +213,8 @@ leg_ft() {
   "$titan" lighthouse --port 0 --min-replicas 1 --join-timeout-ms 1000 --job-secret-file "$work/secret" \
     >"$lh_log" 2>&1 &
   lighthouse=$!
-  for _ in $(seq 100); do grep -q . "$lh_log" && break; sleep 0.1; done
+  # The first whole line names the address.
+  for _ in $(seq 100); do [ "$(wc -l <"$lh_log")" -ge 1 ] && break; sleep 0.1; done
   addr=$(head -1 "$lh_log" | awk '{print $4}')
   [ -n "$addr" ] || fail "the lighthouse did not start: $(cat "$lh_log")"
   group() {

@@ -1162,8 +1162,9 @@ fn outsiders_during_a_job_change_nothing() {
 #[test]
 fn a_soak_of_random_faults_ends_on_the_uninterrupted_weights() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/soak.sh");
-    let o = Command::new("bash")
-        .args([script, "--short", "--titan", titan_bin()])
+    // A soak that hangs fails here instead of stalling the suite.
+    let o = Command::new("timeout")
+        .args(["900", "bash", script, "--short", "--titan", titan_bin()])
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);

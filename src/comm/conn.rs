@@ -211,15 +211,19 @@ pub fn job_socket_path(job_id: &str, run: Option<&str>) -> PathBuf {
 static SOCKET_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
 /// At this process's exit: removes the Unix sockets it bound in its job's socket folder (a
-/// listener not dropped before `exit` leaves its file) and those of ranks that died without doing
-/// so (their pid, the name's last field, gone), then the folder itself once no live rank's socket
-/// is in it. Titan's launcher removes its workers' folder; a rank started by torchrun, SLURM or
-/// mpirun, or one whose launcher was killed, has only this.
+/// listener not dropped before `exit` leaves its file) and, in a launch of titan's launcher (its
+/// own folder, every rank in it started on this host, so in this pid namespace), those of ranks
+/// that died without doing so (their pid, the name's last field, gone); then the folder itself
+/// once no live rank's socket is in it. Titan's launcher removes its workers' folder; a rank
+/// started by torchrun, SLURM or mpirun, or one whose launcher was killed, has only this.
 pub fn remove_own_sockets() {
     let Some(dir) = SOCKET_DIR.get() else {
         return;
     };
     let me = std::process::id() as libc::pid_t;
+    // Other hosts' ranks may share a folder without a run id (a shared temp folder), where their
+    // pids mean nothing here.
+    let reap_dead = std::env::var_os(RUN_ID_ENV).is_some();
     if let Ok(listing) = std::fs::read_dir(dir) {
         for entry in listing.flatten() {
             let name = entry.file_name();
@@ -227,7 +231,7 @@ pub fn remove_own_sockets() {
                 .to_string_lossy()
                 .strip_suffix(".sock")
                 .and_then(|n| n.rsplit('-').next()?.parse::<libc::pid_t>().ok());
-            if owner.is_some_and(|pid| pid == me || !process_alive(pid)) {
+            if owner.is_some_and(|pid| pid == me || (reap_dead && !process_alive(pid))) {
                 let _ = std::fs::remove_file(entry.path());
             }
         }

@@ -44,7 +44,14 @@ pub fn exit_with_launcher() {
             }
             std::thread::sleep(GRACE);
             errln!("the launcher (pid {launcher}) is gone: this worker exits");
-            conn::remove_own_sockets();
+            // The sockets go on a thread of their own: a disk that does not answer must not keep
+            // this backstop from ending the process.
+            let (done, cleaned) = std::sync::mpsc::channel();
+            let _ = std::thread::Builder::new().spawn(move || {
+                conn::remove_own_sockets();
+                let _ = done.send(());
+            });
+            let _ = cleaned.recv_timeout(Duration::from_secs(1));
             // SAFETY: _exit(2) ends the process without running destructors or atexit handlers,
             // none of which may block it now.
             unsafe { libc::_exit(128 + libc::SIGTERM) };
@@ -70,7 +77,9 @@ pub fn end_on_terminate() -> Result<()> {
                     )
                 });
                 conn::remove_own_sockets();
-                std::process::exit(128 + 15);
+                // SAFETY: _exit(2) ends the process at once, as SIGTERM's default action would,
+                // without the exit handlers and destructors other threads may still be using.
+                unsafe { libc::_exit(128 + 15) };
             }
         })?;
     Ok(())

@@ -47,9 +47,9 @@ impl<B: Backend> Banner<'_, B> {
             true => format!(" + bf16 copies {:.3} GiB", gib(est.activation_copies)),
             false => String::new(),
         };
-        let reduced = match self.dist {
-            Some(_) => format!(" (reduced in {})", cfg.training.mixed_precision_reduce),
-            None => String::new(),
+        let reduced = match dp_size > 1 {
+            true => format!(" (reduced in {})", cfg.training.mixed_precision_reduce),
+            false => String::new(),
         };
         let mut lines = vec![
             format!(

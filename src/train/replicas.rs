@@ -159,7 +159,18 @@ impl ReplicaSync {
                 self.group = None;
             }
             self.quorum = Some(q.clone());
-            match self.meet(be, &q, reported, parts) {
+            let met = self.meet(be, &q, reported, parts);
+            // The group's ranks go on together: when any of them failed to meet the quorum, all
+            // join the next (one rank rejoining alone would leave the others waiting for it in
+            // the step's collectives).
+            let failed_here = met.is_err();
+            let met = match (met, self.any_rank(failed_here)?) {
+                (Ok(_), true) => Err(anyhow!(
+                    "another rank of this replica group failed to meet it"
+                )),
+                (met, _) => met,
+            };
+            match met {
                 Ok(start) => {
                     if start.recovered_from.is_some() {
                         self.stale = false;
@@ -253,35 +264,51 @@ impl ReplicaSync {
     /// step the others drop, and wait for them in the next collective); the gradients are then
     /// not to be applied.
     pub fn average<B: Backend>(&mut self, be: &B, grads: &mut ParamSet<B>) -> Result<bool> {
-        let Some(group) = &self.group else {
-            return Ok(true);
+        // Every rank of the group votes every step, alone in the quorum or not, so that the votes
+        // pair up even when the group's ranks see the quorum differently.
+        let averaged = match &self.group {
+            None => Ok(None),
+            Some(group) => {
+                let mut packed: Vec<f32> = Vec::new();
+                for b in &grads.bufs {
+                    packed.extend(be.download(b));
+                }
+                group
+                    .all_reduce(&mut packed, ReduceOp::Avg)
+                    .map(|_| Some(packed))
+            }
         };
-        let mut packed: Vec<f32> = Vec::new();
-        for b in &grads.bufs {
-            packed.extend(be.download(b));
-        }
-        let averaged = group.all_reduce(&mut packed, ReduceOp::Avg);
-        // Any rank's failure fails the step everywhere.
-        let mut failed = [averaged.is_err() as u8 as f32];
-        if let Some(own) = &self.own_group {
-            own.all_reduce(&mut failed, ReduceOp::Max)?;
-        }
-        let everywhere = failed[0] == 0.0;
-        if let Err(e) = &averaged {
-            errln!(
-                "[fault_tolerance] replica {} rank {}: the gradient average failed ({e:#}); this step is dropped",
-                self.replica_id, self.rank
-            );
-        } else if !everywhere {
-            errln!(
-                "[fault_tolerance] replica {} rank {}: the gradient average failed on another rank of this group; this step is dropped",
-                self.replica_id, self.rank
-            );
-        }
-        if !everywhere {
+        // Any rank's failure fails the step everywhere, and so do ranks that disagree on whether
+        // the group is alone (some averaged, some did not).
+        let alone = self.group.is_none() as u8 as f32;
+        let [failed, alone_somewhere, averaged_somewhere] =
+            self.over_group([averaged.is_err() as u8 as f32, alone, 1.0 - alone])?;
+        let failed_anywhere =
+            failed != 0.0 || (alone_somewhere != 0.0 && averaged_somewhere != 0.0);
+        let packed = match averaged {
+            Err(e) => {
+                errln!(
+                    "[fault_tolerance] replica {} rank {}: the gradient average failed ({e:#}); this step is dropped",
+                    self.replica_id, self.rank
+                );
+                None
+            }
+            Ok(_) if failed_anywhere => {
+                errln!(
+                    "[fault_tolerance] replica {} rank {}: the gradient average failed or was skipped on another rank of this group; this step is dropped",
+                    self.replica_id, self.rank
+                );
+                None
+            }
+            Ok(packed) => Some(packed),
+        };
+        let Some(packed) = packed else {
             self.forget();
             return Ok(false);
-        }
+        };
+        let Some(packed) = packed else {
+            return Ok(true);
+        };
         let mut at = 0;
         for b in grads.bufs.iter_mut() {
             let n = be.len(b);
@@ -289,6 +316,19 @@ impl ReplicaSync {
             at += n;
         }
         Ok(true)
+    }
+
+    /// Max of `flags` over the ranks of this replica group (every rank asks together).
+    fn over_group<const N: usize>(&self, mut flags: [f32; N]) -> Result<[f32; N]> {
+        if let Some(own) = &self.own_group {
+            own.all_reduce(&mut flags, ReduceOp::Max)?;
+        }
+        Ok(flags)
+    }
+
+    /// Whether `failed` holds on any rank of this replica group.
+    fn any_rank(&self, failed: bool) -> Result<bool> {
+        Ok(self.over_group([failed as u8 as f32])?[0] != 0.0)
     }
 
     /// Drops the quorum and its group (a member was lost): the next step joins anew.
