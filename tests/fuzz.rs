@@ -351,14 +351,16 @@ struct Store {
 
 fn store() -> &'static Store {
     static STORE: OnceLock<Store> = OnceLock::new();
-    STORE.get_or_init(|| {
-        let secret = JobSecret::generate();
-        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
-        Store {
-            addr: server.addr.to_string(),
-            secret,
-        }
-    })
+    STORE.get_or_init(|| serve(JobSecret::generate()))
+}
+
+/// A store server on loopback for the rest of the run, proving `secret`.
+fn serve(secret: JobSecret) -> Store {
+    let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
+    Store {
+        addr: server.addr.to_string(),
+        secret,
+    }
 }
 
 /// What a fuzzed connection sends: raw bytes, or a request-shaped frame with chosen lengths.
@@ -569,14 +571,7 @@ static PEER_FLOATS: [f32; PHASE_LEN] = [0.5; PHASE_LEN];
 /// private folder from run to run.
 fn phase_store() -> &'static Store {
     static STORE: OnceLock<Store> = OnceLock::new();
-    STORE.get_or_init(|| {
-        let secret = JobSecret::from_hex(&"c1".repeat(32), "fuzz secret").unwrap();
-        let server = StoreServer::start("127.0.0.1:0", &secret).unwrap();
-        Store {
-            addr: server.addr.to_string(),
-            secret,
-        }
-    })
+    STORE.get_or_init(|| serve(JobSecret::from_hex(&"c1".repeat(32), "fuzz secret").unwrap()))
 }
 
 /// What a peer may send where a direct-read collective expects its 32-byte phase message

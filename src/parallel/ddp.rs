@@ -79,6 +79,16 @@ impl DdpReducer {
     }
 }
 
+/// The parameters of `n` that no block of `block_ids` holds (embeddings, final norm, output).
+fn not_in_blocks(n: usize, block_ids: &[LayerIds]) -> Vec<usize> {
+    let mut covered = vec![false; n];
+    block_ids
+        .iter()
+        .flat_map(|l| l.all())
+        .for_each(|i| covered[i] = true);
+    (0..n).filter(|&i| !covered[i]).collect()
+}
+
 /// Sums a step's gradients across the data-parallel ranks: told when each block's gradients are
 /// final (on the last micro-batch), then `finish` leaves every gradient summed.
 pub trait GradReducer<B: Backend> {
@@ -96,13 +106,7 @@ impl<B: Backend> GradReducer<B> for DdpReducer {
     /// Reduces the parameters no block hook covered, waits for every bucket and writes the summed
     /// gradients back.
     fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, block_ids: &[LayerIds]) -> Result<()> {
-        let mut covered = vec![false; grads.len()];
-        for l in block_ids {
-            for i in l.all() {
-                covered[i] = true;
-            }
-        }
-        let rest: Vec<usize> = (0..grads.len()).filter(|&i| !covered[i]).collect();
+        let rest = not_in_blocks(grads.len(), block_ids);
         self.submit(be, rest, grads)?;
         let mut first_err = None;
         while self.in_flight > 0 {
@@ -248,14 +252,20 @@ impl<B: Backend> Ddp<B> {
 
     /// A block's gradients (`ids`) are final: their sum starts (see `GradReducer`).
     pub fn block_done(&mut self, be: &B, ids: &[usize], grads: &mut ParamSet<B>) -> Result<()> {
-        let dtype = self.reduce_dtype;
-        let chosen = grads
-            .bufs
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| ids.contains(i));
-        dtype.round(be, chosen.map(|(_, b)| b));
+        self.round(be, grads, ids);
         self.reducer.block_done(be, ids, grads)
+    }
+
+    /// Rounds the gradients `ids` to bf16 when reductions are in bf16.
+    fn round(&self, be: &B, grads: &mut ParamSet<B>, ids: &[usize]) {
+        let (bufs, dtype) = (&mut grads.bufs, self.reduce_dtype);
+        dtype.round(
+            be,
+            bufs.iter_mut()
+                .enumerate()
+                .filter(|(i, _)| ids.contains(i))
+                .map(|(_, b)| b),
+        );
     }
 
     /// Sums what no `block_done` covered and waits for every sum (see `GradReducer`).
@@ -265,21 +275,9 @@ impl<B: Backend> Ddp<B> {
         grads: &mut ParamSet<B>,
         block_ids: &[LayerIds],
     ) -> Result<()> {
-        let dtype = self.reduce_dtype;
-        let mut covered = vec![false; grads.len()];
-        block_ids
-            .iter()
-            .flat_map(|l| l.all())
-            .for_each(|i| covered[i] = true);
-        let rest = grads
-            .bufs
-            .iter_mut()
-            .zip(covered)
-            .filter(|(_, c)| !c)
-            .map(|(b, _)| b);
-        dtype.round(be, rest);
+        self.round(be, grads, &not_in_blocks(grads.len(), block_ids));
         self.reducer.finish(be, grads, block_ids)?;
-        dtype.round(be, grads.bufs.iter_mut());
+        self.reduce_dtype.round(be, grads.bufs.iter_mut());
         Ok(())
     }
 }
