@@ -316,7 +316,7 @@ fn plot_draws_runs_side_by_side() {
                     "4",
                     "--optimizer.lr",
                     lr,
-                    "--validation.enabled",
+                    "--validation.enable",
                     "true",
                     "--validation.freq",
                     "2",

@@ -10,7 +10,7 @@ use titan::backend::{GemmOutput, GemmShape, RopeShape};
 
 use titan::backend::cpu::CpuBackend;
 use titan::backend::crosscheck::{check_ops, rel_err, Tolerances};
-use titan::backend::{AdamWStep, AttnShape, Backend, LossSum};
+use titan::backend::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum};
 
 fn titan_with_env(args: &[&str], env: &[(&str, String)]) -> Output {
     let mut cmd = Command::new(common::titan_bin());
@@ -300,28 +300,24 @@ impl Backend for SkewedDkBackend {
         &self,
         out: &mut Vec<f32>,
         lse: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        s: AttnShape,
+        x: AttnInputs<'_, Vec<f32>>,
     ) {
-        self.cpu.attention_forward(out, lse, q, k, v, s)
+        self.cpu.attention_forward(out, lse, x)
     }
     fn attention_backward(
         &self,
-        dq: &mut Vec<f32>,
-        dk: &mut Vec<f32>,
-        dv: &mut Vec<f32>,
+        grads: AttnGrads<'_, Vec<f32>>,
         dout: &Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        out: &Vec<f32>,
-        lse: &Vec<f32>,
-        s: AttnShape,
+        x: AttnInputs<'_, Vec<f32>>,
+        saved: AttnSaved<'_, Vec<f32>>,
     ) {
-        self.cpu
-            .attention_backward(dq, dk, dv, dout, q, k, v, out, lse, s);
+        let AttnGrads { dq, dk, dv } = grads;
+        let lent = AttnGrads {
+            dq,
+            dk: &mut *dk,
+            dv,
+        };
+        self.cpu.attention_backward(lent, dout, x, saved);
         self.cpu.scale(dk, 1.001);
     }
     fn attention_merge(

@@ -6,6 +6,7 @@ use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::rope::{rope_tables, Llama3Scaling, RopeScaling, YarnScaling};
 use titan::backend::cpu::CpuBackend;
 use titan::backend::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
+use titan::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved};
 use titan::backend::{GemmOutput, GemmShape, RopeShape};
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, scale: f64) -> Vec<f64> {
@@ -124,7 +125,9 @@ fn ref_rope(
     out
 }
 
-fn ref_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
+/// Attention as its definition: query `i` over keys `first_key(i) ..= q_offset + i` (of those
+/// there are); a query that sees none gets zeros.
+fn ref_masked_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, mask: AttnMask) -> Vec<f64> {
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let mut out = vec![0.0; s.batch * s.q_len * s.n_heads * hd];
@@ -134,7 +137,8 @@ fn ref_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
             for i in 0..s.q_len {
                 let qi = &q[((b * s.q_len + i) * s.n_heads + h) * hd..][..hd];
                 let pos = s.q_offset + i;
-                let scores: Vec<f64> = (0..=pos.min(s.kv_len - 1))
+                let first = mask.first_key(&s, b, i);
+                let scores: Vec<f64> = (first..=pos.min(s.kv_len - 1))
                     .map(|j| {
                         dot(
                             qi,
@@ -145,7 +149,7 @@ fn ref_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape) -> Vec<f64> {
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
                 let o = &mut out[((b * s.q_len + i) * s.n_heads + h) * hd..][..hd];
-                for (j, sc) in scores.iter().enumerate() {
+                for (j, sc) in (first..).zip(&scores) {
                     let p = (sc - m).exp() / z;
                     for d in 0..hd {
                         o[d] += p * v[((b * s.kv_capacity + j) * s.n_kv_heads + kvh) * hd + d];
@@ -370,6 +374,10 @@ fn llama31_scaling_changes_only_low_frequencies() {
 }
 
 fn attention_case(s: AttnShape, seed: u64) {
+    masked_attention_case(s, AttnMask::CAUSAL, seed)
+}
+
+fn masked_attention_case(s: AttnShape, mask: AttnMask, seed: u64) {
     let be = CpuBackend::new();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let q = rounded(rand_vec(
@@ -389,43 +397,144 @@ fn attention_case(s: AttnShape, seed: u64) {
     ));
     let mut out = vec![0.0; q.len()];
     let mut lse = vec![0.0; s.batch * s.n_heads * s.q_len];
-    be.attention_forward(&mut out, &mut lse, &f32s(&q), &f32s(&k), &f32s(&v), s);
-    assert_close("attention", &out, &ref_attention(&q, &k, &v, s), 1e-5, 2e-6);
+    let (qf, kf, vf) = (f32s(&q), f32s(&k), f32s(&v));
+    let x = AttnInputs {
+        mask,
+        ..AttnInputs::causal(&qf, &kf, &vf, s)
+    };
+    be.attention_forward(&mut out, &mut lse, x);
+    let reference = |q: &[f64], k: &[f64], v: &[f64]| ref_masked_attention(q, k, v, s, mask);
+    assert_close("attention", &out, &reference(&q, &k, &v), 1e-5, 2e-6);
     if s.kv_capacity != s.kv_len {
         return;
     }
     let r = rounded(rand_vec(&mut rng, q.len(), 1.0));
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    be.attention_backward(
-        &mut dq,
-        &mut dk,
-        &mut dv,
-        &f32s(&r),
-        &f32s(&q),
-        &f32s(&k),
-        &f32s(&v),
-        &out,
-        &lse,
-        s,
-    );
-    fd_check(
-        "attention dq",
-        &q,
-        |q| dot(&ref_attention(q, &k, &v, s), &r),
-        &dq,
-    );
-    fd_check(
-        "attention dk",
-        &k,
-        |k| dot(&ref_attention(&q, k, &v, s), &r),
-        &dk,
-    );
-    fd_check(
-        "attention dv",
-        &v,
-        |v| dot(&ref_attention(&q, &k, v, s), &r),
-        &dv,
-    );
+    let grads = AttnGrads {
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+    };
+    let saved = AttnSaved {
+        out: &out,
+        lse: &lse,
+    };
+    be.attention_backward(grads, &f32s(&r), x, saved);
+    fd_check("attention dq", &q, |q| dot(&reference(q, &k, &v), &r), &dq);
+    fd_check("attention dk", &k, |k| dot(&reference(&q, k, &v), &r), &dk);
+    fd_check("attention dv", &v, |v| dot(&reference(&q, &k, v), &r), &dv);
+}
+
+/// Each query's position in its document for sequences cut into documents of `lengths` (one
+/// list per sequence).
+fn positions_of(lengths: &[&[usize]]) -> Vec<u32> {
+    lengths
+        .iter()
+        .flat_map(|row| row.iter().flat_map(|&n| 0..n as u32))
+        .collect()
+}
+
+#[test]
+fn block_causal_attention_sees_only_each_querys_document() {
+    // Two sequences of 9: documents 3 + 4 + 2 and 1 + 8.
+    let positions = positions_of(&[&[3, 4, 2], &[1, 8]]);
+    let mask = AttnMask {
+        positions: Some(&positions),
+        window: None,
+    };
+    masked_attention_case(AttnShape::causal(2, 9, 4, 2, 4), mask, 21);
+}
+
+#[test]
+fn block_causal_attention_across_tiles_skips_and_masks_exactly() {
+    // 300 positions: documents straddling the key tiles' borders (128, 256), a one-token
+    // document, and a long last one.
+    let positions = positions_of(&[&[100, 1, 60, 139]]);
+    let mask = AttnMask {
+        positions: Some(&positions),
+        window: None,
+    };
+    masked_attention_case(AttnShape::causal(1, 300, 2, 1, 4), mask, 22);
+}
+
+#[test]
+fn sliding_window_attention_alone_and_within_documents() {
+    let shape = AttnShape::causal(1, 300, 2, 1, 4);
+    let window = AttnMask {
+        positions: None,
+        window: Some(37),
+    };
+    masked_attention_case(shape, window, 23);
+    let positions = positions_of(&[&[20, 250, 30]]);
+    let both = AttnMask {
+        positions: Some(&positions),
+        window: Some(64),
+    };
+    masked_attention_case(shape, both, 24);
+}
+
+#[test]
+fn a_block_of_keys_wholly_masked_for_some_queries_merges_as_nothing() {
+    // Queries at 8..14 in documents starting at 0 and at 10: keys 0..8 lie before the second
+    // document, so its queries see none of that block (output 0, lse −∞), and merging the
+    // blocks still equals attention over every key.
+    let be = CpuBackend::new();
+    let mut rng = ChaCha8Rng::seed_from_u64(25);
+    let (ql, h, kvh, hd, keys) = (6, 2, 1, 4, 14);
+    let whole = AttnShape {
+        batch: 1,
+        q_len: ql,
+        kv_len: keys,
+        kv_capacity: keys,
+        n_heads: h,
+        n_kv_heads: kvh,
+        head_dim: hd,
+        q_offset: 8,
+    };
+    let positions = [8, 9, 0, 1, 2, 3];
+    let mask = AttnMask {
+        positions: Some(&positions),
+        window: None,
+    };
+    let q = f32s(&rand_vec(&mut rng, ql * h * hd, 1.5));
+    let k = f32s(&rand_vec(&mut rng, keys * kvh * hd, 1.5));
+    let v = f32s(&rand_vec(&mut rng, keys * kvh * hd, 1.0));
+    let run = |k: &Vec<f32>, v: &Vec<f32>, s: AttnShape| {
+        let (mut o, mut l) = (vec![0.0; q.len()], vec![0.0; h * ql]);
+        let x = AttnInputs {
+            mask,
+            ..AttnInputs::causal(&q, k, v, s)
+        };
+        be.attention_forward(&mut o, &mut l, x);
+        (o, l)
+    };
+    let (out, lse) = run(&k, &v, whole);
+    let at = |from: usize, to: usize, x: &[f32]| x[from * kvh * hd..to * kvh * hd].to_vec();
+    let first = AttnShape {
+        kv_len: 8,
+        kv_capacity: 8,
+        ..whole
+    };
+    let (mut merged, mut merged_lse) = run(&at(0, 8, &k), &at(0, 8, &v), first);
+    for i in 2..ql {
+        for head in 0..h {
+            assert_eq!(merged_lse[head * ql + i], f32::NEG_INFINITY);
+            assert!(merged[(i * h + head) * hd..][..hd]
+                .iter()
+                .all(|&o| o == 0.0));
+        }
+    }
+    let diagonal = AttnShape {
+        kv_len: 6,
+        kv_capacity: 6,
+        q_offset: 0,
+        ..whole
+    };
+    let (part, part_lse) = run(&at(8, 14, &k), &at(8, 14, &v), diagonal);
+    be.attention_merge(&mut merged, &mut merged_lse, &part, &part_lse, whole);
+    let widen = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    assert_close("merged out", &merged, &widen(&out), 1e-5, 1e-6);
+    assert_close("merged lse", &merged_lse, &widen(&lse), 1e-5, 1e-6);
 }
 
 #[test]
@@ -518,7 +627,7 @@ fn merging_attention_over_two_key_blocks_equals_attention_over_all() {
             .collect()
     };
     let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; b * h * ql]);
-    be.attention_forward(&mut out, &mut lse, &q, &k, &v, whole);
+    be.attention_forward(&mut out, &mut lse, AttnInputs::causal(&q, &k, &v, whole));
     let block = |from: usize, to: usize, q_offset: usize| {
         let s = AttnShape {
             kv_len: to - from,
@@ -527,14 +636,8 @@ fn merging_attention_over_two_key_blocks_equals_attention_over_all() {
             ..whole
         };
         let (mut o, mut l) = (vec![0.0; q.len()], vec![0.0; b * h * ql]);
-        be.attention_forward(
-            &mut o,
-            &mut l,
-            &q,
-            &keys(from, to, &k),
-            &keys(from, to, &v),
-            s,
-        );
+        let (k, v) = (keys(from, to, &k), keys(from, to, &v));
+        be.attention_forward(&mut o, &mut l, AttnInputs::causal(&q, &k, &v, s));
         (o, l)
     };
     let (mut merged, mut merged_lse) = block(0, 8, 8);

@@ -20,7 +20,7 @@ fn run(launcher: &[&str], extra: &[&str]) -> tempfile::TempDir {
 }
 
 const VALIDATE: [&str; 6] = [
-    "--validation.enabled",
+    "--validation.enable",
     "true",
     "--validation.freq",
     "3",
@@ -103,7 +103,7 @@ fn validation_matches_across_layouts_and_leaves_training_alone() {
     let other = run(
         &[],
         &[
-            "--validation.enabled",
+            "--validation.enable",
             "true",
             "--validation.freq",
             "6",
@@ -124,7 +124,7 @@ fn bad_validation_settings_are_refused() {
     for (args, want) in [
         (
             vec![
-                "--validation.enabled",
+                "--validation.enable",
                 "true",
                 "--validation.dataset",
                 "jsonl",
@@ -134,12 +134,12 @@ fn bad_validation_settings_are_refused() {
             "/no/such/file.jsonl",
         ),
         (
-            vec!["--validation.enabled", "true", "--validation.steps", "-1"],
+            vec!["--validation.enable", "true", "--validation.steps", "-1"],
             "[validation] steps = -1",
         ),
         (
             vec![
-                "--validation.enabled",
+                "--validation.enable",
                 "true",
                 "--validation.dataset",
                 "jsonl",

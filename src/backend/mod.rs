@@ -53,6 +53,100 @@ impl AttnShape {
     }
 }
 
+/// Which keys each query sees within the causal limit: FlexAttention's document mask and sliding
+/// window as one description. Query row `i` of a call sits at key index `q_offset + i` and sees key
+/// `j` when `first_key(i) ≤ j ≤ q_offset + i`; with neither field set, `first_key` is 0 (plain
+/// causal attention).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttnMask<'a> {
+    /// Per query (`[batch, q_len]`), its position in its document (0 at the document's first
+    /// token): the query sees no key of an earlier document. Positions grow by one from query to
+    /// query or restart at 0, so a query's first key never lies before its predecessor's (the
+    /// kernels rely on it to skip whole tiles).
+    pub positions: Option<&'a [u32]>,
+    /// A sliding window: a query sees at most the last `window` keys, itself included.
+    pub window: Option<usize>,
+}
+
+impl AttnMask<'_> {
+    /// Every query sees every key up to its own position.
+    pub const CAUSAL: AttnMask<'static> = AttnMask {
+        positions: None,
+        window: None,
+    };
+
+    pub fn is_causal(&self) -> bool {
+        self.positions.is_none() && self.window.is_none()
+    }
+
+    /// The first key query `i` of sequence `b` sees (`s`: the call's shape).
+    #[inline]
+    pub fn first_key(&self, s: &AttnShape, b: usize, i: usize) -> usize {
+        let at = s.q_offset + i;
+        let mut first = 0;
+        if let Some(positions) = self.positions {
+            first = at.saturating_sub(positions[b * s.q_len + i] as usize);
+        }
+        if let Some(window) = self.window {
+            first = first.max((at + 1).saturating_sub(window));
+        }
+        first
+    }
+}
+
+/// One attention call's operands: queries `[batch, q_len, n_heads, head_dim]`, keys and values
+/// `[batch, kv_capacity, n_kv_heads, head_dim]`, their shape and which keys each query sees.
+pub struct AttnInputs<'a, Buf> {
+    pub q: &'a Buf,
+    pub k: &'a Buf,
+    pub v: &'a Buf,
+    pub shape: AttnShape,
+    pub mask: AttnMask<'a>,
+}
+
+impl<Buf> Clone for AttnInputs<'_, Buf> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<Buf> Copy for AttnInputs<'_, Buf> {}
+
+impl<'a, Buf> AttnInputs<'a, Buf> {
+    /// Causal attention of `q` over `k`, `v`.
+    pub fn causal(q: &'a Buf, k: &'a Buf, v: &'a Buf, shape: AttnShape) -> Self {
+        AttnInputs {
+            q,
+            k,
+            v,
+            shape,
+            mask: AttnMask::CAUSAL,
+        }
+    }
+    /// The same call with other keys and values and shape (a block of keys: ring attention).
+    pub fn with_keys(self, k: &'a Buf, v: &'a Buf, shape: AttnShape) -> Self {
+        AttnInputs {
+            k,
+            v,
+            shape,
+            ..self
+        }
+    }
+}
+
+/// What attention's forward keeps for its backward: the output and each query row's log-sum-exp
+/// (`[batch, n_heads, q_len]`).
+pub struct AttnSaved<'a, Buf> {
+    pub out: &'a Buf,
+    pub lse: &'a Buf,
+}
+
+/// Attention's backward outputs, overwritten: the gradients of the queries, keys and values.
+pub struct AttnGrads<'a, Buf> {
+    pub dq: &'a mut Buf,
+    pub dk: &'a mut Buf,
+    pub dv: &'a mut Buf,
+}
+
 /// The shape of one matrix product `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]` and how its operands
 /// are stored: `a` as `[m,k]`, or `[k,m]` when `trans_a`; `b` as `[k,n]`, or `[n,k]` when
 /// `trans_b`. Built by name: `GemmShape::new(rows, d_in, d_out).b_transposed()` is `x · Wᵀ`.
@@ -101,6 +195,9 @@ pub struct RopeShape {
     pub heads: usize,
     pub head_dim: usize,
     pub pos_offset: usize,
+    /// The tables hold one row per token (`[batch · seq, head_dim/2]`, token `t` at row `t`):
+    /// each token's own position (documents packed in a sequence restart theirs).
+    pub per_token: bool,
 }
 
 impl RopeShape {
@@ -112,11 +209,23 @@ impl RopeShape {
             heads,
             head_dim,
             pos_offset: 0,
+            per_token: false,
         }
     }
     /// Sequences starting at position `pos_offset` (generation after a KV cache of that length).
     pub fn at(self, pos_offset: usize) -> Self {
         RopeShape { pos_offset, ..self }
+    }
+    /// Tables with one row per token (`per_token`), or per position when `per_token` is false.
+    pub fn tables_per_token(self, per_token: bool) -> Self {
+        RopeShape { per_token, ..self }
+    }
+    /// The table rows the call reads.
+    pub fn table_rows(&self) -> usize {
+        match self.per_token {
+            true => self.batch * self.seq,
+            false => self.pos_offset + self.seq,
+        }
     }
     /// The values the call rotates.
     pub fn values(&self) -> usize {
@@ -328,33 +437,25 @@ pub trait Backend: Send + Sync + 'static {
     /// The rotation by the opposite angles (the rotation is orthogonal).
     fn rope_backward(&self, dx: &mut Self::Buf, cos: &Self::Buf, sin: &Self::Buf, shape: RopeShape);
 
-    // ---- causal grouped-query attention ----
-    /// Writes `out` `[batch, q_len, n_heads, head_dim]` and `lse` `[batch, n_heads, q_len]`.
+    // ---- causal (document-, window-masked) grouped-query attention ----
+    /// Writes `out` `[batch, q_len, n_heads, head_dim]` and `lse` `[batch, n_heads, q_len]`. A
+    /// query that sees no key of the call (a block of keys wholly masked for it) gets a zero
+    /// output and a log-sum-exp of −∞, which `attention_merge` folds in as nothing.
     fn attention_forward(
         &self,
         out: &mut Self::Buf,
         lse: &mut Self::Buf,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        shape: AttnShape,
+        x: AttnInputs<'_, Self::Buf>,
     );
-    /// Overwrites `dq`, `dk`, `dv` (keys without spare capacity: `kv_capacity == kv_len`). `out`
-    /// and `lse` are the forward's over *all* keys the queries attend to, so that a block of keys
-    /// (context parallelism) gets its exact share of the gradients.
-    #[allow(clippy::too_many_arguments)]
+    /// Overwrites the gradients (keys without spare capacity: `kv_capacity == kv_len`). `saved`
+    /// is the forward's over *all* keys the queries attend to, so that a block of keys (context
+    /// parallelism) gets its exact share of the gradients.
     fn attention_backward(
         &self,
-        dq: &mut Self::Buf,
-        dk: &mut Self::Buf,
-        dv: &mut Self::Buf,
+        grads: AttnGrads<'_, Self::Buf>,
         dout: &Self::Buf,
-        q: &Self::Buf,
-        k: &Self::Buf,
-        v: &Self::Buf,
-        out: &Self::Buf,
-        lse: &Self::Buf,
-        shape: AttnShape,
+        x: AttnInputs<'_, Self::Buf>,
+        saved: AttnSaved<'_, Self::Buf>,
     );
 
     /// Folds attention over another block of keys into `out`/`lse` (shapes as the forward's for

@@ -1,4 +1,4 @@
-//! `titan bench attention`: causal grouped-query attention alone, forward and backward, on the CPU
+//! `titan bench attention`: causal (or block-causal, `--doc-len`) grouped-query attention alone, forward and backward, on the CPU
 //! or GPU 0, timed per call after warm-up (medians), with TFLOP/s counted the way FlashAttention
 //! reports them (forward 4·b·h·s²·d/2 for the causal half, backward 2.5 times that), so the figures
 //! compare with `scripts/torch_attention_gpu.py` (PyTorch's SDPA) on the same shapes. titan's times
@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CudaBackend, GemmPrecision};
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend};
 use crate::train::threads::init_threads;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -43,9 +43,38 @@ pub struct BenchAttentionArgs {
     /// CPU threads (0: every core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Documents of this many tokens packed in each sequence, attended block-causally (each
+    /// query sees only its own document: `[model] attn_mask_type = "block_causal"`; CPU only).
+    /// 0: one document per sequence (plain causal attention).
+    #[arg(long, default_value_t = 0)]
+    pub doc_len: usize,
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     pub json: bool,
+}
+
+impl BenchAttentionArgs {
+    /// The documents' lengths in one sequence.
+    fn documents(&self) -> Vec<usize> {
+        let len = if self.doc_len == 0 {
+            self.seq
+        } else {
+            self.doc_len
+        };
+        let mut docs = vec![len; self.seq / len];
+        if !self.seq.is_multiple_of(len) {
+            docs.push(self.seq % len);
+        }
+        docs
+    }
+
+    /// Each query's position in its document, for every sequence (None: one document each).
+    fn positions(&self) -> Option<Vec<u32>> {
+        (self.doc_len > 0).then(|| {
+            let row: Vec<u32> = self.documents().iter().flat_map(|&n| 0..n as u32).collect();
+            row.repeat(self.batch)
+        })
+    }
 }
 
 pub fn run_attention(a: &BenchAttentionArgs) -> Result<()> {
@@ -58,6 +87,10 @@ pub fn run_attention(a: &BenchAttentionArgs) -> Result<()> {
     ensure!(
         a.batch > 0 && a.seq > 0 && a.head_dim > 0 && a.iters > 0,
         "--batch, --seq, --head-dim and --iters must be positive"
+    );
+    ensure!(
+        a.doc_len == 0 || a.device == "cpu",
+        "--doc-len: block-causal attention is built on the CPU only so far (issue 43)"
     );
     init_threads(a.threads);
     let precision = a.precision.clone().unwrap_or_else(|| {
@@ -80,9 +113,10 @@ pub fn run_attention(a: &BenchAttentionArgs) -> Result<()> {
 
 fn report<B: Backend>(a: &BenchAttentionArgs, precision: &str, be: &B) -> Result<()> {
     let (forward_s, backward_s) = time_attention(be, a);
-    // FlashAttention's count: 4·b·h·s²·d for the forward's two products, halved by the causal mask.
-    let forward_flops =
-        4.0 * (a.batch * a.heads * a.head_dim) as f64 * (a.seq as f64).powi(2) / 2.0;
+    // FlashAttention's count: 4·b·h·s²·d for the forward's two products, halved by the causal
+    // mask; with documents, the sum of their squares in place of s².
+    let squares: f64 = a.documents().iter().map(|&n| (n as f64).powi(2)).sum();
+    let forward_flops = 4.0 * (a.batch * a.heads * a.head_dim) as f64 * squares / 2.0;
     let backward_flops = 2.5 * forward_flops;
     let (fwd_tflops, bwd_tflops) = (
         forward_flops / forward_s / 1e12,
@@ -94,15 +128,19 @@ fn report<B: Backend>(a: &BenchAttentionArgs, precision: &str, be: &B) -> Result
             serde_json::json!({
                 "device": a.device, "backend": be.name(), "precision": precision,
                 "batch": a.batch, "seq": a.seq, "heads": a.heads, "kv_heads": a.kv_heads,
-                "head_dim": a.head_dim,
+                "head_dim": a.head_dim, "doc_len": a.doc_len,
                 "forward_ms": forward_s * 1e3, "backward_ms": backward_s * 1e3,
                 "forward_tflops": fwd_tflops, "backward_tflops": bwd_tflops,
             })
         );
     } else {
+        let documents = match a.doc_len {
+            0 => String::new(),
+            n => format!(" in documents of {n}"),
+        };
         outln!(
-            "attention {}×{} heads {}/{} head_dim {} ({}, {precision}): forward {:.3} ms ({:.2} \
-             TFLOP/s), backward {:.3} ms ({:.2} TFLOP/s); medians of {} calls",
+            "attention {}×{}{documents} heads {}/{} head_dim {} ({}, {precision}): forward {:.3} \
+             ms ({:.2} TFLOP/s), backward {:.3} ms ({:.2} TFLOP/s); medians of {} calls",
             a.batch,
             a.seq,
             a.heads,
@@ -151,11 +189,26 @@ fn time_attention<B: Backend>(be: &B, a: &BenchAttentionArgs) -> (f64, f64) {
         times.sort_by(f64::total_cmp);
         times[times.len() / 2]
     };
-    let forward = timed(&mut || be.attention_forward(&mut out, &mut lse, &q, &k, &v, shape));
+    let positions = a.positions();
+    let x = AttnInputs {
+        mask: AttnMask {
+            positions: positions.as_deref(),
+            window: None,
+        },
+        ..AttnInputs::causal(&q, &k, &v, shape)
+    };
+    let forward = timed(&mut || be.attention_forward(&mut out, &mut lse, x));
     let backward = timed(&mut || {
-        be.attention_backward(
-            &mut dq, &mut dk, &mut dv, &dout, &q, &k, &v, &out, &lse, shape,
-        )
+        let grads = AttnGrads {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+        };
+        let saved = AttnSaved {
+            out: &out,
+            lse: &lse,
+        };
+        be.attention_backward(grads, &dout, x, saved)
     });
     (forward, backward)
 }

@@ -29,6 +29,7 @@ impl Config {
             toml::from_str(&text).map_err(|e| anyhow!("config {source}: {e}"))?;
         let pairs = parse_overrides(overrides)?;
         apply_overrides(&mut table, &pairs)?;
+        rename_deprecated_keys(&mut table).map_err(|e| anyhow!("config {source}: {e}"))?;
         let with = if pairs.is_empty() {
             String::new()
         } else {
@@ -47,6 +48,32 @@ impl Config {
             .map_err(|e| anyhow!("config {source}{with}: {e}"))?;
         Ok(cfg)
     }
+}
+
+/// Keys TorchTitan renamed, read under their new names with a warning: `(section, old, new)`.
+const RENAMED_KEYS: &[(&str, &str, &str)] = &[("validation", "enabled", "enable")];
+
+/// Moves each renamed key of `table` to its new name, warning; both names given is an error
+/// unless they agree.
+fn rename_deprecated_keys(table: &mut toml::Table) -> Result<()> {
+    for &(section, old, new) in RENAMED_KEYS {
+        let Some(toml::Value::Table(t)) = table.get_mut(section) else {
+            continue;
+        };
+        let Some(value) = t.remove(old) else {
+            continue;
+        };
+        match t.get(new) {
+            Some(current) if *current != value => bail!(
+                "[{section}] sets both `{new}` = {current} and its old name `{old}` = {value}; keep `{new}`"
+            ),
+            _ => {
+                errln!("warning: [{section}] `{old}` is TorchTitan's old name of `{new}`; read as `{new}` (rename it)");
+                t.insert(new.to_string(), value);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Sets each `(section, key, value)` in `table`, adding the section where the file has none; a
@@ -108,6 +135,28 @@ mod tests {
     #[test]
     fn embedded_defaults_equal_the_rust_defaults() {
         assert_eq!(Config::load(None, &[]).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn validations_old_key_enabled_reads_as_enable_and_a_conflict_is_refused() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let old = Config::load(None, &args(&["--validation.enabled", "true"])).unwrap();
+        assert!(old.validation.enable);
+        let both = [
+            "--validation.enabled",
+            "true",
+            "--validation.enable",
+            "true",
+        ];
+        assert!(Config::load(None, &args(&both)).unwrap().validation.enable);
+        let clash = [
+            "--validation.enabled",
+            "false",
+            "--validation.enable",
+            "true",
+        ];
+        let err = Config::load(None, &args(&clash)).unwrap_err().to_string();
+        assert!(err.contains("keep `enable`"), "{err}");
     }
 
     #[test]

@@ -48,7 +48,14 @@ pub struct ModelConfig {
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub converters: Vec<String>,
+    /// `causal` (every token sees every earlier token of its sequence) or `block_causal` (only
+    /// those of its own document, RoPE at its position in the document: TorchTitan's default;
+    /// titan's stays `causal` until every layout has documents, README "Packed documents").
+    pub attn_mask_type: String,
 }
+
+/// The values `[model] attn_mask_type` accepts.
+pub const ATTN_MASK_TYPES: &[&str] = &["causal", "block_causal"];
 
 impl Default for ModelConfig {
     fn default() -> Self {
@@ -75,6 +82,7 @@ impl Default for ModelConfig {
             qk_rope_head_dim: None,
             v_head_dim: None,
             converters: Vec::new(),
+            attn_mask_type: "causal".into(),
         }
     }
 }
@@ -96,6 +104,28 @@ impl Config {
 
     pub(super) fn validate_model(&self) -> Result<()> {
         self.base_model_args()?;
+        self.validate_attention_mask()
+    }
+
+    /// `attn_mask_type` is known, and block-causal attention runs where it is built: the CPU,
+    /// without context parallelism (issue 43).
+    fn validate_attention_mask(&self) -> Result<()> {
+        let mask = self.model.attn_mask_type.as_str();
+        if !ATTN_MASK_TYPES.contains(&mask) {
+            bail!(
+                "[model] attn_mask_type = `{mask}` is not known (accepted: {})",
+                ATTN_MASK_TYPES.join(", ")
+            );
+        }
+        if mask == "causal" {
+            return Ok(());
+        }
+        if self.parallelism.context_parallel_degree > 1 {
+            bail!("[model] attn_mask_type = \"block_causal\" with context_parallel_degree > 1 is not built yet (issue 43): use attn_mask_type = \"causal\" with context parallelism");
+        }
+        if self.training.device == "cuda" {
+            bail!("[model] attn_mask_type = \"block_causal\" is built on the CPU only so far (issue 43): use attn_mask_type = \"causal\" on CUDA");
+        }
         Ok(())
     }
 

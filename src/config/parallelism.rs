@@ -104,7 +104,7 @@ impl Config {
             ("training", self.training.seq_len),
             ("validation", self.validation_shape().1),
         ] {
-            if section == "validation" && !self.validation.enabled {
+            if section == "validation" && !self.validation.enable {
                 continue;
             }
             if !seq.is_multiple_of(2 * cp) {

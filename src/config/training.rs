@@ -31,6 +31,10 @@ pub struct TrainingConfig {
     /// `float32` (the default) or `bfloat16`, each rank's gradient rounded to bf16 before FSDP's
     /// reduce-scatter or DDP's all-reduce and the sum rounded to bf16 after it.
     pub mixed_precision_reduce: String,
+    /// For token shards (`tokens_u16`, `tokens_u32`): the id that starts a document, so that
+    /// block-causal attention (`[model] attn_mask_type`) finds the documents; absent, a shard's
+    /// sequences are one document each. Document sources start theirs with the tokenizer's BOS.
+    pub document_start_id: Option<u32>,
 }
 
 impl Default for TrainingConfig {
@@ -48,6 +52,7 @@ impl Default for TrainingConfig {
             mixed_precision_param: "float32".into(),
             mixed_precision_reduce: "float32".into(),
             threads: 0,
+            document_start_id: None,
         }
     }
 }

@@ -11,7 +11,9 @@ use super::{Config, DATASETS};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ValidationConfig {
-    pub enabled: bool,
+    /// TorchTitan's name since 2025-08; its older `enabled` is read as this, with a warning
+    /// (`load::rename_deprecated_keys`).
+    pub enable: bool,
     /// A dataset kind of `[training] dataset`; `synthetic` is another stream than training's.
     pub dataset: String,
     pub dataset_path: String,
@@ -26,7 +28,7 @@ pub struct ValidationConfig {
 impl Default for ValidationConfig {
     fn default() -> Self {
         ValidationConfig {
-            enabled: false,
+            enable: false,
             dataset: "synthetic".into(),
             dataset_path: String::new(),
             local_batch_size: -1,
@@ -52,7 +54,7 @@ impl Config {
 
     pub(super) fn validate_validation(&self) -> Result<()> {
         let v = &self.validation;
-        if !v.enabled {
+        if !v.enable {
             return Ok(());
         }
         if !DATASETS.contains(&v.dataset.as_str()) {

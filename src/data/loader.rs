@@ -238,6 +238,24 @@ impl DataLoader {
     }
 }
 
+/// The token that starts a document in `cfg`'s training stream when attention is block-causal
+/// (`[model] attn_mask_type`): the tokenizer's BOS for document sources (the loader puts it before
+/// every document), `[training] document_start_id` for token shards (without it each of their
+/// sequences is one document). None with causal attention.
+pub fn document_start(cfg: &Config, vocab: usize) -> Result<Option<u32>> {
+    if cfg.model.attn_mask_type != "block_causal" {
+        return Ok(None);
+    }
+    let start = match cfg.training.dataset.as_str() {
+        "tokens_u16" | "tokens_u32" => cfg.training.document_start_id,
+        _ => Some(super::load_tokenizer(&cfg.model.tokenizer_path)?.bos_id()),
+    };
+    if let Some(id) = start {
+        check_ids(&[id], vocab, "[training] document_start_id")?;
+    }
+    Ok(start)
+}
+
 /// Every id of `ids` below `vocab`; otherwise an error naming `what`, the id, its index and the
 /// vocabulary size.
 fn check_ids(ids: &[u32], vocab: usize, what: &str) -> Result<()> {

@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend};
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::CollectiveQueue;
 use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
@@ -340,6 +340,15 @@ impl<B: Backend> ContextParallelGroup<B> {
     }
 }
 
+/// Ring attention over documents or a window is not built yet: the config check refuses it
+/// (`Config::validate_attention_mask`), and so does the group, should a caller get past it.
+fn refuse_masks(mask: &AttnMask) -> Result<()> {
+    if !mask.is_causal() {
+        bail!("context parallelism with block-causal or windowed attention is not built yet (issue 43): set [model] attn_mask_type = \"causal\" or context_parallel_degree = 1");
+    }
+    Ok(())
+}
+
 impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
     fn degree(&self) -> usize {
         self.group.size()
@@ -359,12 +368,11 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         be: &B,
         out: &mut B::Buf,
         lse: &mut B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        s: AttnShape,
+        x: AttnInputs<'_, B::Buf>,
     ) -> Result<()> {
         let _span = crate::trace::span("context parallel", "ring attention forward");
+        refuse_masks(&x.mask)?;
+        let (q, k, v, s) = (x.q, x.k, x.v, x.shape);
         let lay = self.layouts(&s, be, k, v)?;
         let (n, r) = (self.group.size(), self.group.rank());
         let queries = [lay.q.take(be, q, 0, 0), lay.q.take(be, q, 0, 1)];
@@ -376,7 +384,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                 for (j, shape) in blocks {
                     let mut o = be.uninit(lay.q.chunk_len());
                     let mut l = be.uninit(lay.lse.chunk_len());
-                    be.attention_forward(&mut o, &mut l, &queries[j], keys, values, shape);
+                    let block = AttnInputs::causal(&queries[j], keys, values, shape);
+                    be.attention_forward(&mut o, &mut l, block);
                     match &mut acc[j] {
                         None => acc[j] = Some((o, l)),
                         Some((ao, al)) => be.attention_merge(ao, al, &o, &l, shape),
@@ -426,18 +435,16 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
     fn attention_backward(
         &self,
         be: &B,
-        dq: &mut B::Buf,
-        dk: &mut B::Buf,
-        dv: &mut B::Buf,
+        grads: AttnGrads<'_, B::Buf>,
         dout: &B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        out: &B::Buf,
-        lse: &B::Buf,
-        s: AttnShape,
+        x: AttnInputs<'_, B::Buf>,
+        saved: AttnSaved<'_, B::Buf>,
     ) -> Result<()> {
         let _span = crate::trace::span("context parallel", "ring attention backward");
+        refuse_masks(&x.mask)?;
+        let AttnGrads { dq, dk, dv } = grads;
+        let (q, k, v, s) = (x.q, x.k, x.v, x.shape);
+        let AttnSaved { out, lse } = saved;
         let lay = self.layouts(&s, be, k, v)?;
         let (n, r) = (self.group.size(), self.group.rank());
         let of = |x: &B::Buf, l: &ShardLayout| [l.take(be, x, 0, 0), l.take(be, x, 0, 1)];
@@ -458,18 +465,17 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                     let mut dk_block = be.uninit(lay.kv.chunk_len());
                     let mut dv_block = be.uninit(lay.kv.chunk_len());
                     for (j, shape) in blocks {
-                        be.attention_backward(
-                            &mut dq_block,
-                            &mut dk_block,
-                            &mut dv_block,
-                            &douts[j],
-                            &queries[j],
-                            keys,
-                            values,
-                            &outs[j],
-                            &lses[j],
-                            shape,
-                        );
+                        let block_grads = AttnGrads {
+                            dq: &mut dq_block,
+                            dk: &mut dk_block,
+                            dv: &mut dv_block,
+                        };
+                        let block = AttnInputs::causal(&queries[j], keys, values, shape);
+                        let saved = AttnSaved {
+                            out: &outs[j],
+                            lse: &lses[j],
+                        };
+                        be.attention_backward(block_grads, &douts[j], block, saved);
                         be.add_assign(&mut dqs[j], &dq_block);
                         lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
                         lay.kv

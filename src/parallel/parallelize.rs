@@ -50,6 +50,9 @@ pub struct ParallelOptions {
     pub global_batch: usize,
     /// `[model] converters`' float8 linears (none by default).
     pub float8: Float8Conversion,
+    /// Block-causal attention over the documents in each sequence, a document starting at this
+    /// token (`data::document_start`); None: causal attention over whole sequences.
+    pub document_start: Option<u32>,
 }
 
 /// The device's queues for the model's collectives (None: the CPU transport's).
@@ -115,6 +118,10 @@ pub fn parallelize_model<B: Backend>(
     };
     let model = match &groups.ep {
         Some(g) => model.with_expert_parallel(Arc::new(ExpertParallelGroup::new(g.clone()))),
+        None => model,
+    };
+    let model = match options.document_start {
+        Some(start) => model.with_documents(start),
         None => model,
     };
     Ok(model.with_sequences_per_step(options.global_batch))

@@ -97,6 +97,7 @@ fn parallel_options(cfg: &Config, plan: &RankPlan) -> Result<ParallelOptions> {
         rotate: RotateMethod::parse(&p.context_parallel_rotate_method)?,
         global_batch: plan.global_batch,
         float8: plan.float8.clone(),
+        document_start: crate::data::document_start(cfg, plan.args.vocab_size)?,
     })
 }
 
@@ -299,6 +300,9 @@ pub fn compose_rank<B: Backend>(
         context_parallel,
     };
     let (seq, options) = (cfg.training.seq_len, parallel_options(cfg, &plan)?);
+    if options.document_start.is_some() && be.name() != "cpu" {
+        bail!("[model] attn_mask_type = \"block_causal\" is built on the CPU only so far (issue 43), and [training] device = \"{}\" chose {}: use attn_mask_type = \"causal\" there", cfg.training.device, be.name());
+    }
     let mut model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
     let comm = ParamComm {
         data_parallel,

@@ -86,7 +86,7 @@ impl RankSizing<'_> {
         // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
         // its own, keeping no activations past each block (`train::validate`).
         let (vb, vs) = self.cfg.validation_shape();
-        if self.cfg.validation.enabled && ((vb, vs) != (batch, seq) || self.pipeline.is_some()) {
+        if self.cfg.validation.enable && ((vb, vs) != (batch, seq) || self.pipeline.is_some()) {
             let forward_only = AcMode::Full.plan(args.n_layers);
             e.activations += workspace_floats(local, vb, vs, &forward_only) as u64 * 4;
         }

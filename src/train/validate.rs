@@ -33,7 +33,7 @@ impl<B: Backend> Validator<B> {
         dp_rank: usize,
         dp_size: usize,
     ) -> Result<Option<Self>> {
-        if !cfg.validation.enabled {
+        if !cfg.validation.enable {
             return Ok(None);
         }
         let (batch, seq) = cfg.validation_shape();

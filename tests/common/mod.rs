@@ -121,7 +121,7 @@ pub fn train_env(
 pub const VALIDATE_TWICE: &[&str] = &[
     "--training.steps",
     "4",
-    "--validation.enabled",
+    "--validation.enable",
     "true",
     "--validation.freq",
     "2",

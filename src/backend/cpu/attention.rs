@@ -22,7 +22,7 @@ use super::fastmath::dot;
 use super::matmul::{gemm_block, Strided};
 use super::rows::{attention_grad_row, online_softmax_tile_keys};
 use super::SendPtr;
-use crate::backend::AttnShape;
+use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape};
 
 const K_TILE: usize = 128;
 /// The backward takes long query blocks per key tile: fewer, longer GEMMs (dV and dK get k = 512).
@@ -46,6 +46,18 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
+fn check_mask(mask: &AttnMask, s: &AttnShape) {
+    if let Some(p) = mask.positions {
+        assert!(
+            p.len() >= s.batch * s.q_len,
+            "attention: {} document positions for {} queries",
+            p.len(),
+            s.batch * s.q_len
+        );
+    }
+    assert!(mask.window != Some(0), "attention: a window of 0 keys");
+}
+
 fn check(s: AttnShape, q: &[f32], k: &[f32], v: &[f32]) {
     assert!(
         s.n_heads.is_multiple_of(s.n_kv_heads),
@@ -59,22 +71,42 @@ fn check(s: AttnShape, q: &[f32], k: &[f32], v: &[f32]) {
     assert!(v.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
 }
 
-/// Zeroes the entries of a score block above the causal diagonal (key index > query position) and
-/// returns, per row, how many leading keys are visible.
+/// How many leading keys of the tile from `j0` (`width` wide) lie at or before the causal limit of
+/// the query `row` rows after position `first_pos`.
 #[inline(always)]
 fn visible(first_pos: usize, row: usize, j0: usize, width: usize) -> usize {
     (first_pos + row + 1).saturating_sub(j0).min(width)
 }
 
-pub fn attention_forward(
-    out: &mut [f32],
-    lse: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    s: AttnShape,
-) {
+/// The queries of sequence `b` from `i0` on, before the first whose first visible key
+/// (`AttnMask::first_key`) lies after `key`: those that may see `key`, since first keys never move
+/// back from query to query. Every query up to `q_len` without a document mask or window.
+fn queries_seeing(mask: &AttnMask, s: &AttnShape, b: usize, i0: usize, key: usize) -> usize {
+    if mask.is_causal() {
+        return s.q_len;
+    }
+    let (mut lo, mut hi) = (i0, s.q_len);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if mask.first_key(s, b, mid) <= key {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+pub fn attention_forward(out: &mut [f32], lse: &mut [f32], x: AttnInputs<'_, Vec<f32>>) {
+    let AttnInputs {
+        q,
+        k,
+        v,
+        shape: s,
+        mask,
+    } = x;
     check(s, q, k, v);
+    check_mask(&mask, &s);
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -104,11 +136,13 @@ pub fn attention_forward(
                     acc[..rows * hd].fill(0.0);
                     row_max.fill(f32::NEG_INFINITY);
                     row_sum.fill(0.0);
-                    let mut from = [0usize; FWD_K_TILE];
+                    let (mut from, mut until) = ([0usize; FWD_K_TILE], [0usize; FWD_K_TILE]);
                     let q_blk = q[((b * s.q_len + i0) * s.n_heads + h) * hd..].as_ptr();
-                    // Keys up to the last row's position, of those there are.
+                    // Keys from the first row's first visible one up to the last row's position,
+                    // of those there are: tiles wholly masked for every row are never computed.
                     let key_end = (first_pos + rows).min(s.kv_len);
-                    for j0 in (0..key_end).step_by(FWD_K_TILE) {
+                    let key_begin = mask.first_key(&s, b, i0).min(key_end);
+                    for j0 in (key_begin..key_end).step_by(FWD_K_TILE) {
                         let width = FWD_K_TILE.min(key_end - j0);
                         let kv_off = ((b * s.kv_capacity + j0) * s.n_kv_heads + kvh) * hd;
                         // SAFETY: the views stay inside q/k/v (checked shapes); st is local scratch.
@@ -126,12 +160,19 @@ pub fn attention_forward(
                                 false,
                             )
                         };
-                        // Key j0 + j is visible to the rows at positions from it on.
-                        for (j, f) in from[..width].iter_mut().enumerate() {
+                        // Key j0 + j is visible to the rows at positions from it on, before the
+                        // first row whose document (or window) starts after it.
+                        let mut seen = 0;
+                        for (j, (f, u)) in from.iter_mut().zip(&mut until).take(width).enumerate() {
                             *f = (j0 + j).saturating_sub(first_pos);
+                            while seen < rows && mask.first_key(&s, b, i0 + seen) <= j0 + j {
+                                seen += 1;
+                            }
+                            *u = seen;
                         }
+                        let (from, until) = (&from[..width], &until[..width]);
                         online_softmax_tile_keys(
-                            st, rows, width, &from, scale, row_max, row_sum, correction,
+                            st, rows, width, from, until, scale, row_max, row_sum, correction,
                         );
                         for col in acc[..rows * hd].chunks_exact_mut(rows) {
                             for (a, c) in col.iter_mut().zip(&correction[..rows]) {
@@ -155,7 +196,12 @@ pub fn attention_forward(
                         };
                     }
                     for r in 0..rows {
-                        let inv = 1.0 / row_sum[r];
+                        // A row that saw no key of this call: output 0, log-sum-exp −∞.
+                        let inv = if row_sum[r] > 0.0 {
+                            1.0 / row_sum[r]
+                        } else {
+                            0.0
+                        };
                         let i = i0 + r;
                         // SAFETY: (b, h, query tile) rows of `out` and `lse` belong to this task alone.
                         unsafe {
@@ -175,20 +221,23 @@ pub fn attention_forward(
         });
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    grads: AttnGrads<'_, Vec<f32>>,
     dout: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    s: AttnShape,
+    x: AttnInputs<'_, Vec<f32>>,
+    saved: AttnSaved<'_, Vec<f32>>,
 ) {
+    let AttnGrads { dq, dk, dv } = grads;
+    let AttnInputs {
+        q,
+        k,
+        v,
+        shape: s,
+        mask,
+    } = x;
+    let AttnSaved { out, lse } = saved;
     check(s, q, k, v);
+    check_mask(&mask, &s);
     assert!(
         s.kv_capacity == s.kv_len,
         "attention backward expects keys without spare capacity, got {s:?}"
@@ -235,10 +284,12 @@ pub fn attention_backward(
                     let (k_blk, v_blk) = (k[kv_at(j0)..].as_ptr(), v[kv_at(j0)..].as_ptr());
                     let (dk_blk, dv_blk) =
                         unsafe { (dk_ptr.get().add(kv_at(j0)), dv_ptr.get().add(kv_at(j0))) };
+                    // The queries that see at least one key of this tile.
+                    let i_begin = j0.saturating_sub(s.q_offset).min(seq);
+                    let i_end = queries_seeing(&mask, &s, b, i_begin, j0 + width - 1);
                     for (g, h) in heads.clone().enumerate() {
-                        // Query tiles that see at least one key of this tile.
-                        for i0 in (j0.saturating_sub(s.q_offset)..seq).step_by(BWD_Q_TILE) {
-                            let rows = BWD_Q_TILE.min(seq - i0);
+                        for i0 in (i_begin..i_end).step_by(BWD_Q_TILE) {
+                            let rows = BWD_Q_TILE.min(i_end - i0);
                             let (q_blk, do_blk) =
                                 (q[q_at(i0, h)..].as_ptr(), dout[q_at(i0, h)..].as_ptr());
                             unsafe {
@@ -269,6 +320,7 @@ pub fn attention_backward(
                             }
                             for r in 0..rows {
                                 let n = visible(s.q_offset + i0, r, j0, width);
+                                let from = mask.first_key(&s, b, i0 + r).saturating_sub(j0).min(n);
                                 let (pr, dsr) = (
                                     &mut p[r * K_TILE..r * K_TILE + width],
                                     &mut ds[r * K_TILE..r * K_TILE + width],
@@ -277,7 +329,7 @@ pub fn attention_backward(
                                     lse[(b * s.n_heads + h) * seq + i0 + r],
                                     delta[g * seq + i0 + r],
                                 );
-                                attention_grad_row(pr, dsr, n, scale, row_lse, row_delta);
+                                attention_grad_row(pr, dsr, from..n, scale, row_lse, row_delta);
                             }
                             unsafe {
                                 // dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K

@@ -28,7 +28,7 @@ use rayon::prelude::*;
 pub use super::profile::OpProfiler;
 
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
-use super::{AdamWStep, AttnShape, Backend, LossSum};
+use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum};
 
 /// Columns per task in column-blocked reductions (norm weight and embedding gradients).
 pub(crate) const COLUMN_BLOCK: usize = 64;
@@ -203,29 +203,20 @@ impl Backend for CpuBackend {
         &self,
         out: &mut Vec<f32>,
         lse: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        shape: AttnShape,
+        x: AttnInputs<'_, Vec<f32>>,
     ) {
         let _timer = self.profiler.time("attention_forward");
-        attention::attention_forward(out, lse, q, k, v, shape);
+        attention::attention_forward(out, lse, x);
     }
     fn attention_backward(
         &self,
-        dq: &mut Vec<f32>,
-        dk: &mut Vec<f32>,
-        dv: &mut Vec<f32>,
+        grads: AttnGrads<'_, Vec<f32>>,
         dout: &Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
-        out: &Vec<f32>,
-        lse: &Vec<f32>,
-        shape: AttnShape,
+        x: AttnInputs<'_, Vec<f32>>,
+        saved: AttnSaved<'_, Vec<f32>>,
     ) {
         let _timer = self.profiler.time("attention_backward");
-        attention::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
+        attention::attention_backward(grads, dout, x, saved);
     }
     fn attention_merge(
         &self,

@@ -37,12 +37,13 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], shape: RopeShape, direction: 
         heads,
         head_dim,
         pos_offset,
+        per_token,
         ..
     } = shape;
     assert!(
-        (pos_offset + seq) * head_dim / 2 <= cos.len().min(sin.len()),
-        "rope: position {} beyond the table",
-        pos_offset + seq
+        shape.table_rows() * head_dim / 2 <= cos.len().min(sin.len()),
+        "rope: table row {} beyond the table",
+        shape.table_rows()
     );
     let half = head_dim / 2;
     let row = heads * head_dim;
@@ -50,7 +51,7 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], shape: RopeShape, direction: 
         .par_chunks_mut(row)
         .enumerate()
         .for_each(|(t, xr)| {
-            let p = pos_offset + t % seq;
+            let p = if per_token { t } else { pos_offset + t % seq };
             let c = &cos[p * half..(p + 1) * half];
             let s = &sin[p * half..(p + 1) * half];
             for head in xr.chunks_exact_mut(head_dim) {

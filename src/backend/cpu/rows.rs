@@ -6,17 +6,17 @@ use super::simd::multiversion;
 
 multiversion! {
     /// One key tile of the online softmax in key-major layout: `st[j·rows + r]` holds the raw score
-    /// of key `j` for query row `r`, and key `j` is visible to rows `r >= from[j]` (at most 256
+    /// of key `j` for query row `r`, and key `j` is visible to rows `from[j] <= r < until[j]` (at most 256
     /// rows). Scores become `exp(score·scale − new_max)` (0 where hidden), the running max and sum
     /// are updated, and `correction[r]` receives the factor for earlier accumulations. Every loop
     /// runs over rows, so it vectorises across queries.
-    pub fn online_softmax_tile_keys(st: &mut [f32], rows: usize, width: usize, from: &[usize], scale: f32, row_max: &mut [f32], row_sum: &mut [f32], correction: &mut [f32]) {
+    pub fn online_softmax_tile_keys(st: &mut [f32], rows: usize, width: usize, from: &[usize], until: &[usize], scale: f32, row_max: &mut [f32], row_sum: &mut [f32], correction: &mut [f32]) {
         let (row_max, row_sum, correction) = (&mut row_max[..rows], &mut row_sum[..rows], &mut correction[..rows]);
         let mut tile_max = [f32::NEG_INFINITY; 256];
         let tile_max = &mut tile_max[..rows];
         for j in 0..width {
             let col = &st[j * rows..(j + 1) * rows];
-            for r in from[j]..rows {
+            for r in from[j]..until[j].min(rows) {
                 tile_max[r] = tile_max[r].max(col[r]);
             }
         }
@@ -29,24 +29,29 @@ multiversion! {
         for j in 0..width {
             let col = &mut st[j * rows..(j + 1) * rows];
             let f = from[j].min(rows);
+            let u = until[j].clamp(f, rows);
             col[..f].fill(0.0);
-            for r in f..rows {
+            for r in f..u {
                 let p = exp(col[r] * scale - row_max[r]);
                 col[r] = p;
                 row_sum[r] += p;
             }
+            col[u..rows].fill(0.0);
         }
     }
 }
 
 multiversion! {
     /// Attention backward for one row of a tile: `p = exp(s·scale − lse)`, `ds = p·(dp − δ)·scale` on the
-    /// first `n` entries (`p` holds raw scores and `ds` holds `dP` on entry); the rest are zeroed.
-    pub fn attention_grad_row(p: &mut [f32], ds: &mut [f32], n: usize, scale: f32, lse: f32, delta: f32) {
-        for (pj, dsj) in p[..n].iter_mut().zip(ds[..n].iter_mut()) {
+    /// visible entries (`p` holds raw scores and `ds` holds `dP` on entry); the rest are zeroed.
+    pub fn attention_grad_row(p: &mut [f32], ds: &mut [f32], visible: std::ops::Range<usize>, scale: f32, lse: f32, delta: f32) {
+        let (from, n) = (visible.start, visible.end);
+        for (pj, dsj) in p[from..n].iter_mut().zip(ds[from..n].iter_mut()) {
             *pj = exp(*pj * scale - lse);
             *dsj = *pj * (*dsj - delta) * scale;
         }
+        p[..from].fill(0.0);
+        ds[..from].fill(0.0);
         p[n..].fill(0.0);
         ds[n..].fill(0.0);
     }

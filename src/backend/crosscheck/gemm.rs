@@ -4,7 +4,7 @@
 
 use super::Checker;
 use crate::backend::cpu::rope::rope_tables;
-use crate::backend::{AttnShape, Backend, GemmOutput, GemmShape, RopeShape};
+use crate::backend::{AttnInputs, AttnShape, Backend, GemmOutput, GemmShape, RopeShape};
 
 impl<R: Backend, T: Backend> Checker<'_, R, T> {
     pub(super) fn matmul(&mut self) {
@@ -348,9 +348,9 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             self.test.zeros(heads * seq),
         );
         self.reference
-            .attention_forward(&mut rat, &mut rl, &rq, &rk, &rv, s);
+            .attention_forward(&mut rat, &mut rl, AttnInputs::causal(&rq, &rk, &rv, s));
         self.test
-            .attention_forward(&mut tat, &mut tl, &tq, &tk, &tv, s);
+            .attention_forward(&mut tat, &mut tl, AttnInputs::causal(&tq, &tk, &tv, s));
         self.compare("attention on rotated q, k", &rat, &tat, self.tol.attention);
         self.matmul_on("matmul on attention's output", &rat, &tat, seq, heads * hd);
     }

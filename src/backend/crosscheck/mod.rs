@@ -11,7 +11,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::cpu::rope::rope_tables;
-use super::{AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, RopeShape, IGNORE_INDEX};
+use super::{
+    AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, GemmOutput, GemmShape,
+    RopeShape, IGNORE_INDEX,
+};
 
 /// One output of one op.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -191,6 +194,14 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.test
             .rope_backward(&mut tx, &tc, &ts, RopeShape::new(batch, seq, heads, hd));
         self.compare("rope_backward", &rx, &tx, self.tol.exact);
+        // Tables with a row per token (documents packed in a sequence restart their positions).
+        let per_token = RopeShape::new(batch, seq, heads, hd).tables_per_token(true);
+        let (cos, sin) = rope_tables(hd, batch * seq, 10000.0, None);
+        let ((rc, tc), (rs, ts)) = (self.both(&cos), self.both(&sin));
+        let (mut rx, mut tx) = self.both(&x);
+        self.reference.rope_forward(&mut rx, &rc, &rs, per_token);
+        self.test.rope_forward(&mut tx, &tc, &ts, per_token);
+        self.compare("rope_forward per token", &rx, &tx, self.tol.exact);
     }
 
     fn attention(&mut self, label: &str, s: AttnShape, backward: bool) {
@@ -204,10 +215,12 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (mut ro, mut to) = (self.reference.zeros(q.len()), self.test.zeros(q.len()));
         let stats = s.batch * s.n_heads * s.q_len;
         let (mut rl, mut tl) = (self.reference.zeros(stats), self.test.zeros(stats));
-        self.reference
-            .attention_forward(&mut ro, &mut rl, &rq, &rk, &rv, s);
-        self.test
-            .attention_forward(&mut to, &mut tl, &tq, &tk, &tv, s);
+        let (r_in, t_in) = (
+            AttnInputs::causal(&rq, &rk, &rv, s),
+            AttnInputs::causal(&tq, &tk, &tv, s),
+        );
+        self.reference.attention_forward(&mut ro, &mut rl, r_in);
+        self.test.attention_forward(&mut to, &mut tl, t_in);
         let tol = self.tol.attention;
         self.compare(&format!("attention_forward {label} out"), &ro, &to, tol);
         self.compare(&format!("attention_forward {label} lse"), &rl, &tl, tol);
@@ -219,21 +232,36 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let (mut rdq, mut tdq) = (self.reference.zeros(q.len()), self.test.zeros(q.len()));
         let (mut rdk, mut tdk) = (self.reference.zeros(kv_len), self.test.zeros(kv_len));
         let (mut rdv, mut tdv) = (self.reference.zeros(kv_len), self.test.zeros(kv_len));
-        self.reference.attention_backward(
-            &mut rdq, &mut rdk, &mut rdv, &rd, &rq, &rk, &rv, &ro, &rl, s,
+        let (r_saved, t_saved) = (
+            AttnSaved { out: &ro, lse: &rl },
+            AttnSaved { out: &to, lse: &tl },
         );
-        self.test.attention_backward(
-            &mut tdq, &mut tdk, &mut tdv, &td, &tq, &tk, &tv, &to, &tl, s,
-        );
+        let r_grads = AttnGrads {
+            dq: &mut rdq,
+            dk: &mut rdk,
+            dv: &mut rdv,
+        };
+        self.reference
+            .attention_backward(r_grads, &rd, r_in, r_saved);
+        let t_grads = AttnGrads {
+            dq: &mut tdq,
+            dk: &mut tdk,
+            dv: &mut tdv,
+        };
+        self.test.attention_backward(t_grads, &td, t_in, t_saved);
         for (name, r, t) in [("dq", &rdq, &tdq), ("dk", &rdk, &tdk), ("dv", &rdv, &tdv)] {
             self.compare(&format!("attention_backward {label} {name}"), r, t, tol);
         }
         // The backward again on the test backend: the same bits (training is repeatable), which
         // a device's racing additions would not give.
         let first = [&tdq, &tdk, &tdv].map(|b| self.test.download(b));
-        self.test.attention_backward(
-            &mut tdq, &mut tdk, &mut tdv, &td, &tq, &tk, &tv, &to, &tl, s,
-        );
+        let t_grads = AttnGrads {
+            dq: &mut tdq,
+            dk: &mut tdk,
+            dv: &mut tdv,
+        };
+        let t_saved = AttnSaved { out: &to, lse: &tl };
+        self.test.attention_backward(t_grads, &td, t_in, t_saved);
         let again: Vec<f32> = [&tdq, &tdk, &tdv]
             .iter()
             .flat_map(|b| self.test.download(b))

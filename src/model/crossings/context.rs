@@ -14,7 +14,7 @@ use std::ops::Range;
 
 use anyhow::Result;
 
-use crate::backend::{AttnShape, Backend};
+use crate::backend::{AttnGrads, AttnInputs, AttnSaved, Backend};
 
 /// The positions of each sequence rank `rank` of a context-parallel group of `degree` computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,37 +50,26 @@ pub trait ContextParallelOps<B: Backend>: Send + Sync {
     /// Ranks in the group (1: no context parallelism).
     fn degree(&self) -> usize;
 
-    /// Causal attention of this rank's queries (`shape`: its shard, `q_len` positions per
+    /// Causal attention of this rank's queries (`x.shape`: its shard, `q_len` positions per
     /// sequence) over every key of their sequences, the other ranks' shards included. Writes `out`
     /// and `lse` as `Backend::attention_forward` does for the rank's rows.
-    #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
         be: &B,
         out: &mut B::Buf,
         lse: &mut B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        shape: AttnShape,
+        x: AttnInputs<'_, B::Buf>,
     ) -> Result<()>;
 
-    /// The backward of `attention_forward`: overwrites `dq`, and `dk`, `dv` with the gradients of
-    /// this rank's keys and values summed over every rank's queries.
-    #[allow(clippy::too_many_arguments)]
+    /// The backward of `attention_forward`: overwrites `grads.dq`, and `grads.dk`, `grads.dv`
+    /// with the gradients of this rank's keys and values summed over every rank's queries.
     fn attention_backward(
         &self,
         be: &B,
-        dq: &mut B::Buf,
-        dk: &mut B::Buf,
-        dv: &mut B::Buf,
+        grads: AttnGrads<'_, B::Buf>,
         dout: &B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        out: &B::Buf,
-        lse: &B::Buf,
-        shape: AttnShape,
+        x: AttnInputs<'_, B::Buf>,
+        saved: AttnSaved<'_, B::Buf>,
     ) -> Result<()>;
 
     /// Seconds this rank has computed attention since the group was made (0 for one rank): the

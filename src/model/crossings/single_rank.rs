@@ -8,7 +8,7 @@ use anyhow::Result;
 use super::context::ContextParallelOps;
 use super::expert::ExpertParallelOps;
 use super::tensor::{LossGrads, TensorParallelOps};
-use crate::backend::{AttnShape, Backend, LossSum};
+use crate::backend::{AttnGrads, AttnInputs, AttnSaved, Backend, LossSum};
 use crate::model::local_shapes::LocalShapes;
 
 /// One rank: every operation is the local one.
@@ -80,30 +80,21 @@ impl<B: Backend> ContextParallelOps<B> for SingleRank {
         be: &B,
         out: &mut B::Buf,
         lse: &mut B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        shape: AttnShape,
+        x: AttnInputs<'_, B::Buf>,
     ) -> Result<()> {
-        be.attention_forward(out, lse, q, k, v, shape);
+        be.attention_forward(out, lse, x);
         Ok(())
     }
 
     fn attention_backward(
         &self,
         be: &B,
-        dq: &mut B::Buf,
-        dk: &mut B::Buf,
-        dv: &mut B::Buf,
+        grads: AttnGrads<'_, B::Buf>,
         dout: &B::Buf,
-        q: &B::Buf,
-        k: &B::Buf,
-        v: &B::Buf,
-        out: &B::Buf,
-        lse: &B::Buf,
-        shape: AttnShape,
+        x: AttnInputs<'_, B::Buf>,
+        saved: AttnSaved<'_, B::Buf>,
     ) -> Result<()> {
-        be.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, shape);
+        be.attention_backward(grads, dout, x, saved);
         Ok(())
     }
 }

@@ -8,10 +8,11 @@ use anyhow::Result;
 
 use super::mla::MlaGrads;
 use super::mla_scratch::MlaScratch;
+use super::positions::Positions;
 use super::run::{BackwardRun, BlockLinears};
 use super::workspace::{BlockActs, FfnGrads};
 use super::Llama;
-use crate::backend::{AttnShape, Backend, RopeShape};
+use crate::backend::{AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend};
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
@@ -78,6 +79,7 @@ impl<B: Backend> Llama<B> {
             batch,
             seq,
             rope,
+            documents,
             resid,
             layers,
             recomputed,
@@ -137,8 +139,8 @@ impl<B: Backend> Llama<B> {
             dattn,
             mla,
         };
-        let rope = self.rope_tables(rope);
-        self.attention_backward(&run, &mut acts, attn, grads, &resid[l], rope)
+        let positions = self.positions(rope, documents);
+        self.attention_backward(&run, &mut acts, attn, grads, &resid[l], positions)
     }
 
     /// ∂L/∂h from ∂L/∂out (`grads.dx` on entry and exit): the SwiGLU's row- then column-parallel
@@ -245,7 +247,7 @@ impl<B: Backend> Llama<B> {
         mut g: AttentionGrads<'_, B>,
         grads: &mut ParamSet<B>,
         x: &B::Buf,
-        rope: (&B::Buf, &B::Buf),
+        positions: Positions<'_, B>,
     ) -> Result<()> {
         let (be, p, id, m) = (run.be, run.p, run.id, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
@@ -275,20 +277,21 @@ impl<B: Backend> Llama<B> {
             self.mla_values_backward(be, g.dattn, g.mla, b * s);
         }
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
-        let (q, k, v, lse) = (&*acts.q, &*acts.k, &*acts.v, &*acts.lse);
-        self.cp.attention_backward(
-            be,
-            g.dq,
-            g.dk,
-            g.dv,
-            g.dattn,
-            q,
-            k,
-            v,
-            acts.attn_out,
-            lse,
-            shape,
-        )?;
+        let x_attn = AttnInputs {
+            mask: positions.mask(),
+            ..AttnInputs::causal(&*acts.q, &*acts.k, &*acts.v, shape)
+        };
+        let saved = AttnSaved {
+            out: &*acts.attn_out,
+            lse: &*acts.lse,
+        };
+        let attn_grads = AttnGrads {
+            dq: &mut *g.dq,
+            dk: &mut *g.dk,
+            dv: &mut *g.dv,
+        };
+        self.cp
+            .attention_backward(be, attn_grads, g.dattn, x_attn, saved)?;
         match &id.attention {
             AttentionIds::Mla(ids) => {
                 let heads = MlaGrads {
@@ -299,9 +302,11 @@ impl<B: Backend> Llama<B> {
                     dnormed: &mut *g.dnormed,
                     scratch: &mut *g.mla,
                 };
-                self.mla_backward(run, acts, ids, heads, grads, rope)?;
+                self.mla_backward(run, acts, ids, heads, grads, positions)?;
             }
-            AttentionIds::Gqa(ids) => self.gqa_backward(run, acts, ids, &mut g, grads, rope)?,
+            AttentionIds::Gqa(ids) => {
+                self.gqa_backward(run, acts, ids, &mut g, grads, positions)?
+            }
         }
         let (w, d) = (&p[id.attention_norm], self.args.dim);
         let g_norm = &mut grads.bufs[id.attention_norm];
@@ -318,13 +323,14 @@ impl<B: Backend> Llama<B> {
         ids: &GqaIds,
         g: &mut AttentionGrads<'_, B>,
         grads: &mut ParamSet<B>,
-        (cos, sin): (&B::Buf, &B::Buf),
+        positions: Positions<'_, B>,
     ) -> Result<()> {
         let (be, p, m) = (run.be, run.p, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
         let (wq, wk, wv) = (ids.wq, ids.wk, ids.wv);
-        be.rope_backward(g.dq, cos, sin, RopeShape::new(b, s, m.heads, hd));
-        be.rope_backward(g.dk, cos, sin, RopeShape::new(b, s, m.kv_heads, hd));
+        let (cos, sin) = (positions.cos, positions.sin);
+        be.rope_backward(g.dq, cos, sin, positions.rope(b, s, m.heads, hd));
+        be.rope_backward(g.dk, cos, sin, positions.rope(b, s, m.kv_heads, hd));
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             let [gq, gk] = grads
                 .bufs

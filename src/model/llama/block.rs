@@ -10,10 +10,11 @@
 use anyhow::{bail, Result};
 
 use super::mla_scratch::MlaScratch;
+use super::positions::Positions;
 use super::run::{BlockLinears, BlockRun, Pass};
 use super::workspace::BlockActs;
 use super::Llama;
-use crate::backend::{AttnShape, Backend, RopeShape};
+use crate::backend::{AttnInputs, AttnMask, AttnShape, Backend};
 use crate::model::activation_checkpoint::{Act, BlockSave};
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
@@ -132,9 +133,9 @@ impl<B: Backend> Llama<B> {
             &mut ws.ffn_recomputed[self.local.ffn_kind(l).index()],
         );
         let mut acts = BlockActs::pick(&mut ws.layers[l], scratch, run.save);
-        let rope = self.rope_tables(&ws.rope);
+        let positions = self.positions(&ws.rope, &ws.documents);
         let scratch = (&mut ws.full, &mut ws.mla);
-        self.attention_half(&run, &mut acts, &before[l], scratch, rope, kv)?;
+        self.attention_half(&run, &mut acts, &before[l], scratch, positions, kv)?;
         self.feed_forward_half(&run, &mut acts, &mut after[0], &mut ws.full)?;
         if run.writes_output() {
             if let FeedForwardIds::Moe(_) = &run.id.ffn {
@@ -156,7 +157,7 @@ impl<B: Backend> Llama<B> {
         acts: &mut BlockActs<'_, B>,
         x: &B::Buf,
         (full, mla): (&mut B::Buf, &mut MlaScratch<B>),
-        rope: (&B::Buf, &B::Buf),
+        positions: Positions<'_, B>,
         kv: KvSource<'_, B>,
     ) -> Result<()> {
         let (a, be, p, id) = (&self.args, run.be, run.p, run.id);
@@ -166,11 +167,11 @@ impl<B: Backend> Llama<B> {
         }
         let at = kv.first_position();
         match &id.attention {
-            AttentionIds::Gqa(ids) => self.gqa_forward(run, acts, ids, rope, at)?,
-            AttentionIds::Mla(ids) => self.mla_forward(run, acts, ids, mla, rope, at)?,
+            AttentionIds::Gqa(ids) => self.gqa_forward(run, acts, ids, positions, at)?,
+            AttentionIds::Mla(ids) => self.mla_forward(run, acts, ids, mla, positions, at)?,
         }
         if run.redo(Act::AttnOut) || run.redo(Act::Lse) {
-            self.attend(run, acts, kv)?;
+            self.attend(run, acts, kv, positions.mask())?;
         }
         let mla_values = matches!(id.attention, AttentionIds::Mla(_));
         if mla_values && run.redo(Act::AttnValues) {
@@ -196,7 +197,7 @@ impl<B: Backend> Llama<B> {
         run: &BlockRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
         ids: &GqaIds,
-        (cos, sin): (&B::Buf, &B::Buf),
+        positions: Positions<'_, B>,
         at: usize,
     ) -> Result<()> {
         let (a, m, be, p) = (&self.args, &self.local, run.be, run.p);
@@ -250,16 +251,16 @@ impl<B: Backend> Llama<B> {
                 be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, eps);
             }
         }
-        let (b, s) = (run.batch, run.seq);
+        let (b, s, (cos, sin)) = (run.batch, run.seq, (positions.cos, positions.sin));
         if redo_q {
-            be.rope_forward(acts.q, cos, sin, RopeShape::new(b, s, m.heads, hd).at(at));
+            be.rope_forward(acts.q, cos, sin, positions.rope(b, s, m.heads, hd).at(at));
         }
         if redo_k {
             be.rope_forward(
                 acts.k,
                 cos,
                 sin,
-                RopeShape::new(b, s, m.kv_heads, hd).at(at),
+                positions.rope(b, s, m.kv_heads, hd).at(at),
             );
         }
         Ok(())
@@ -272,15 +273,18 @@ impl<B: Backend> Llama<B> {
         run: &BlockRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
         kv: KvSource<'_, B>,
+        mask: AttnMask<'_>,
     ) -> Result<()> {
         let (m, be) = (&self.local, run.be);
         let (b, s) = (run.batch, run.seq);
         match kv {
             KvSource::Sequences => {
                 let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, m.head_dim);
-                let (q, k, v) = (&*acts.q, &*acts.k, &*acts.v);
-                self.cp
-                    .attention_forward(be, acts.attn_out, acts.lse, q, k, v, shape)
+                let x = AttnInputs {
+                    mask,
+                    ..AttnInputs::causal(&*acts.q, &*acts.k, &*acts.v, shape)
+                };
+                self.cp.attention_forward(be, acts.attn_out, acts.lse, x)
             }
             KvSource::Cache {
                 k,
@@ -301,7 +305,12 @@ impl<B: Backend> Llama<B> {
                     head_dim: m.head_dim,
                     q_offset: pos,
                 };
-                be.attention_forward(acts.attn_out, acts.lse, acts.q, k, v, shape);
+                // Generation: the prompt and what follows are one document.
+                be.attention_forward(
+                    acts.attn_out,
+                    acts.lse,
+                    AttnInputs::causal(acts.q, k, v, shape),
+                );
                 Ok(())
             }
         }

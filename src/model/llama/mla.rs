@@ -18,10 +18,11 @@
 use anyhow::Result;
 
 use super::mla_scratch::MlaScratch;
+use super::positions::Positions;
 use super::run::{BackwardRun, BlockRun};
 use super::workspace::BlockActs;
 use super::Llama;
-use crate::backend::{Backend, RopeShape};
+use crate::backend::Backend;
 use crate::model::activation_checkpoint::Act;
 use crate::model::mla::MlaArgs;
 use crate::model::parallel_linear::{Projection, ProjectionGrad};
@@ -74,7 +75,7 @@ impl<B: Backend> Llama<B> {
         acts: &mut BlockActs<'_, B>,
         ids: &MlaIds,
         s: &mut MlaScratch<B>,
-        (cos, sin): (&B::Buf, &B::Buf),
+        positions: Positions<'_, B>,
         first_position: usize,
     ) -> Result<()> {
         let (a, be, p) = (self.mla_args(), run.be, run.p);
@@ -148,8 +149,8 @@ impl<B: Backend> Llama<B> {
             )?;
         }
         let rope = |x: &mut B::Buf, heads| {
-            let shape = RopeShape::new(run.batch, run.seq, heads, a.qk_rope_head_dim);
-            be.rope_forward(x, cos, sin, shape.at(first_position));
+            let shape = positions.rope(run.batch, run.seq, heads, a.qk_rope_head_dim);
+            be.rope_forward(x, positions.cos, positions.sin, shape.at(first_position));
         };
         if redo_q {
             self.assemble_queries(be, acts.q, s, n, &rope);
@@ -307,7 +308,7 @@ impl<B: Backend> Llama<B> {
         ids: &MlaIds,
         g: MlaGrads<'_, B>,
         grads: &mut ParamSet<B>,
-        (cos, sin): (&B::Buf, &B::Buf),
+        positions: Positions<'_, B>,
     ) -> Result<()> {
         let s = g.scratch;
         let (a, be, p, h) = (self.mla_args(), run.be, run.p, self.local.heads);
@@ -319,7 +320,8 @@ impl<B: Backend> Llama<B> {
             a.kv_b_head_dim(),
         );
         let rope_back = |x: &mut B::Buf, heads| {
-            be.rope_backward(x, cos, sin, RopeShape::new(run.batch, run.seq, heads, r));
+            let shape = positions.rope(run.batch, run.seq, heads, r);
+            be.rope_backward(x, positions.cos, positions.sin, shape);
         };
         // Queries: unscale, unpad, turn the rotated part back.
         let scale = a.query_scale(self.args.rope_scaling.as_ref());

@@ -42,11 +42,14 @@ mod generate;
 mod head;
 mod mla;
 mod mla_scratch;
+mod positions;
 mod run;
 mod workspace;
 mod workspace_floats;
 
 pub use generate::KvCache;
+pub use positions::document_positions;
+use positions::Positions;
 pub use workspace::{LayerActs, Workspace};
 pub use workspace_floats::{workspace_floats, WorkspaceFloats, WorkspacePart};
 
@@ -71,6 +74,11 @@ pub struct Llama<B: Backend> {
     rope_cos: B::Buf,
     rope_sin: B::Buf,
     rope_len: usize,
+    /// The tables' host copies, gathered per token for sequences of several documents.
+    rope_host: (Vec<f32>, Vec<f32>),
+    /// The token id that starts a document when attention is block-causal
+    /// (`with_documents`); None: each sequence is one document.
+    document_start: Option<u32>,
     /// Which linears compute in float8 (`[model] converters`; none by default).
     float8: Float8Conversion,
 }
@@ -115,6 +123,8 @@ impl<B: Backend> Llama<B> {
             rope_cos: backend.upload(&cos),
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
+            rope_host: (cos, sin),
+            document_start: None,
             float8: Float8Conversion::default(),
         })
     }
@@ -153,6 +163,14 @@ impl<B: Backend> Llama<B> {
             "Llama: shapes and group disagree on the EP degree or rank"
         );
         self.ep = ep;
+        self
+    }
+
+    /// This model with block-causal attention over the documents packed in each sequence, a
+    /// document starting at each `start` token (`positions.rs`). Not built with context
+    /// parallelism yet (refused by the config check and by `load_tokens`).
+    pub fn with_documents(mut self, start: u32) -> Self {
+        self.document_start = Some(start);
         self
     }
 
@@ -271,16 +289,59 @@ impl<B: Backend> Llama<B> {
             .sum()
     }
 
-    /// The RoPE tables of a workspace's rows: the model's, or the shard's own.
-    fn rope_tables<'a>(&'a self, shard: &'a Option<(B::Buf, B::Buf)>) -> (&'a B::Buf, &'a B::Buf) {
+    /// Where a workspace's rows sit: the model's RoPE tables, or the rows' own (a
+    /// context-parallel shard's, or a row per token for sequences of several documents), and
+    /// the documents' positions.
+    fn positions<'a>(
+        &'a self,
+        own: &'a Option<(B::Buf, B::Buf)>,
+        in_document: &'a Option<Vec<u32>>,
+    ) -> Positions<'a, B> {
         debug_assert!(
-            self.local.cp == 1 || shard.is_some(),
+            self.local.cp == 1 || own.is_some(),
             "a context-parallel workspace gets its RoPE tables from load_tokens"
         );
-        match shard {
+        let tables = match own {
             Some((cos, sin)) => (cos, sin),
             None => (&self.rope_cos, &self.rope_sin),
+        };
+        Positions::new(tables, in_document.as_deref())
+    }
+
+    /// With documents on, each input token's position in its document and the RoPE tables'
+    /// rows for them; nothing when every sequence is one document (then attention and RoPE are
+    /// exactly the causal ones).
+    fn load_documents(&self, be: &B, ws: &mut Workspace<B>) -> Result<()> {
+        let Some(start) = self.document_start else {
+            return Ok(());
+        };
+        if self.local.cp > 1 {
+            bail!("block-causal attention with context parallelism is not built yet (issue 43)");
         }
+        let positions: Vec<u32> = ws
+            .inputs
+            .chunks(ws.seq)
+            .flat_map(|row| document_positions(row, start))
+            .collect();
+        let one_document = positions
+            .chunks(ws.seq)
+            .all(|row| row.iter().enumerate().all(|(i, &p)| p as usize == i));
+        if one_document {
+            (ws.documents, ws.rope) = (None, None);
+            return Ok(());
+        }
+        let half = self.args.rope_dim() / 2;
+        let rows = |table: &[f32]| -> Vec<f32> {
+            positions
+                .iter()
+                .flat_map(|&p| &table[p as usize * half..(p as usize + 1) * half])
+                .copied()
+                .collect()
+        };
+        let (cos, sin) = (rows(&self.rope_host.0), rows(&self.rope_host.1));
+        ws.rope = Some((be.upload(&cos), be.upload(&sin)));
+        ws.documents = Some(positions);
+        Ok(())
     }
 
     /// Names and shapes of this rank's parameters (its tensor-parallel parts).
@@ -336,6 +397,7 @@ impl<B: Backend> Llama<B> {
             };
             ws.rope = Some((be.upload(&rows(&cos)), be.upload(&rows(&sin))));
         }
+        self.load_documents(be, ws)?;
         let (lo, n) = (self.local.vocab_offset as u32, self.local.vocab as u32);
         for (local, &id) in ws.local_ids.iter_mut().zip(&ws.inputs) {
             *local = if id >= lo && id - lo < n {

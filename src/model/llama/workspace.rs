@@ -53,9 +53,13 @@ pub struct Workspace<B: Backend> {
     pub batch: usize,
     /// Positions of each sequence this rank holds (with context parallelism, its shard).
     pub seq: usize,
-    /// With context parallelism, the RoPE tables of the shard's rows (their global positions),
-    /// made by `Llama::load_tokens` the first time.
+    /// The RoPE tables of the rows when they are not the model's, made by `Llama::load_tokens`:
+    /// with context parallelism, the shard's rows (their global positions, made the first time);
+    /// for sequences of several documents, a row per token (`documents`).
     pub(super) rope: Option<(B::Buf, B::Buf)>,
+    /// Each input token's position in its document (`[batch, seq]`) when block-causal attention
+    /// is on and some sequence holds more than one document (`positions.rs`).
+    pub(super) documents: Option<Vec<u32>>,
     /// Input of block `l` at `resid[l]`; the last entry is the final block's output. A pipeline
     /// rank's entries of other ranks' blocks are empty (`ActivationPlan::holds_block_input`).
     pub(super) resid: Vec<B::Buf>,
@@ -346,6 +350,7 @@ impl<B: Backend> Workspace<B> {
             batch,
             seq,
             rope: None,
+            documents: None,
             resid_len: r * d,
             // A pipeline rank's residual stream at its own blocks only.
             resid: (0..=m.n_layers)

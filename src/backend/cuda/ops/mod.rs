@@ -13,7 +13,9 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
-use crate::backend::{AdamWStep, AttnShape, Backend, LossSum};
+use crate::backend::{
+    AdamWStep, AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend, LossSum,
+};
 
 type Buf = CudaBuf;
 
@@ -102,6 +104,17 @@ fn check_len(op: &str, what: &str, have: usize, need: usize) {
     assert!(
         have >= need,
         "{op}: `{what}` holds {have} floats but the shapes need {need}"
+    );
+}
+
+/// The CUDA kernels compute plain causal attention only; a job asking for documents or a window
+/// on CUDA is refused when its config is checked (`Config::validate_attention_mask`), so this is
+/// an internal invariant.
+fn refuse_masks(mask: &AttnMask) {
+    assert!(
+        mask.is_causal(),
+        "attention on CUDA: block-causal and sliding-window masks are not built yet (issue 43); \
+         the CPU backend has them"
     );
 }
 
@@ -264,33 +277,23 @@ impl Backend for CudaBackend {
         self.rope_rotate(dx, cos, sin, shape, -1.0);
     }
 
-    fn attention_forward(
-        &self,
-        out: &mut Buf,
-        lse: &mut Buf,
-        q: &Buf,
-        k: &Buf,
-        v: &Buf,
-        s: AttnShape,
-    ) {
+    fn attention_forward(&self, out: &mut Buf, lse: &mut Buf, x: AttnInputs<'_, Buf>) {
         let _timer = self.profiler.time_on("attention_forward", self);
-        self.attention_forward_untimed(out, lse, q, k, v, s);
+        refuse_masks(&x.mask);
+        self.attention_forward_untimed(out, lse, x.q, x.k, x.v, x.shape);
     }
     fn attention_backward(
         &self,
-        dq: &mut Buf,
-        dk: &mut Buf,
-        dv: &mut Buf,
+        grads: AttnGrads<'_, Buf>,
         dout: &Buf,
-        q: &Buf,
-        k: &Buf,
-        v: &Buf,
-        out: &Buf,
-        lse: &Buf,
-        s: AttnShape,
+        x: AttnInputs<'_, Buf>,
+        saved: AttnSaved<'_, Buf>,
     ) {
         let _timer = self.profiler.time_on("attention_backward", self);
-        self.attention_backward_untimed(dq, dk, dv, dout, q, k, v, out, lse, s);
+        refuse_masks(&x.mask);
+        let AttnGrads { dq, dk, dv } = grads;
+        let (q, k, v, s) = (x.q, x.k, x.v, x.shape);
+        self.attention_backward_untimed(dq, dk, dv, dout, q, k, v, saved.out, saved.lse, s);
     }
 
     fn attention_merge(

@@ -22,6 +22,7 @@ impl CudaBackend {
             heads,
             head_dim,
             pos_offset,
+            per_token,
         } = shape;
         assert!(
             head_dim.is_multiple_of(2),
@@ -29,11 +30,17 @@ impl CudaBackend {
         );
         let pairs = batch * seq * heads * head_dim / 2;
         check_len("rope", "x", x.len(), pairs * 2);
-        check_len("rope", "cos", cos.len(), (pos_offset + seq) * head_dim / 2);
-        check_len("rope", "sin", sin.len(), (pos_offset + seq) * head_dim / 2);
+        check_len("rope", "cos", cos.len(), shape.table_rows() * head_dim / 2);
+        check_len("rope", "sin", sin.len(), shape.table_rows() * head_dim / 2);
         if pairs == 0 {
             return;
         }
+        // The kernel reads row `pos_offset + token % seq`: tables per token are one sequence of
+        // every token, from row 0.
+        let (seq, pos_offset) = match per_token {
+            true => (batch * seq, 0),
+            false => (seq, pos_offset),
+        };
         let (n, s, h, d, p) = (
             pairs as i64,
             seq as i32,

@@ -1,0 +1,98 @@
+//! Where a workspace's token rows sit: each token's position in its document, which RoPE rotates
+//! it by and which limits what attention lets it see (block-causal attention over packed
+//! documents, TorchTitan's `block_causal`), and the RoPE tables that follow from them.
+//!
+//! A sequence of the data loader is a window of the concatenated `[BOS] doc [EOS]` stream, so it
+//! may hold the end of one document and the starts of others. With documents on
+//! (`Llama::with_documents`), a token's position restarts at 0 at every document start (the
+//! configured id, the tokenizer's BOS) and at the sequence's first token: a document cut by the
+//! window continues as a new one, as TorchTitan canonicalises it. Positions are derived from the
+//! tokens themselves, so every rank that holds the tokens (every pipeline stage, every
+//! tensor-parallel rank) derives the same ones with nothing sent.
+
+use crate::backend::{AttnMask, Backend, RopeShape};
+
+/// Each token's position in its document: 0 at the first token of `row` and at every
+/// `document_start`, one more than its predecessor's elsewhere.
+pub fn document_positions(row: &[u32], document_start: u32) -> Vec<u32> {
+    let mut positions = Vec::with_capacity(row.len());
+    let mut next = 0u32;
+    for &token in row {
+        if token == document_start {
+            next = 0;
+        }
+        positions.push(next);
+        next += 1;
+    }
+    positions
+}
+
+/// The RoPE tables and document positions one run of the blocks reads.
+pub(super) struct Positions<'a, B: Backend> {
+    pub(super) cos: &'a B::Buf,
+    pub(super) sin: &'a B::Buf,
+    /// The tables hold one row per token (documents restart their positions), not one per
+    /// position.
+    per_token: bool,
+    /// Each token's position in its document (`[batch, seq]`) when some sequence holds more than
+    /// one; `None`: every sequence one document (plain causal attention).
+    in_document: Option<&'a [u32]>,
+}
+
+impl<B: Backend> Clone for Positions<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for Positions<'_, B> {}
+
+impl<'a, B: Backend> Positions<'a, B> {
+    /// `tables` hold a row per token exactly when `in_document` is given.
+    pub(super) fn new(
+        (cos, sin): (&'a B::Buf, &'a B::Buf),
+        in_document: Option<&'a [u32]>,
+    ) -> Self {
+        Positions {
+            cos,
+            sin,
+            per_token: in_document.is_some(),
+            in_document,
+        }
+    }
+
+    /// The RoPE call on `[batch, seq, heads, head_dim]` rows.
+    pub(super) fn rope(
+        &self,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+    ) -> RopeShape {
+        RopeShape::new(batch, seq, heads, head_dim).tables_per_token(self.per_token)
+    }
+
+    /// Which keys each query sees: its own document's up to itself.
+    pub(super) fn mask(&self) -> AttnMask<'a> {
+        AttnMask {
+            positions: self.in_document,
+            window: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_restart_at_each_document_start_and_at_the_row_start() {
+        let bos = 1;
+        assert_eq!(
+            document_positions(&[7, 8, 1, 5, 6, 9, 1, 4], bos),
+            vec![0, 1, 0, 1, 2, 3, 0, 1]
+        );
+        assert_eq!(document_positions(&[1, 2, 3], bos), vec![0, 1, 2]);
+        assert_eq!(document_positions(&[1, 1, 1], bos), vec![0, 0, 0]);
+        assert!(document_positions(&[], bos).is_empty());
+    }
+}
