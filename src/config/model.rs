@@ -107,8 +107,8 @@ impl Config {
         self.validate_attention_mask()
     }
 
-    /// `attn_mask_type` is known, and block-causal attention runs where it is built: the CPU,
-    /// without context parallelism (issue 43).
+    /// `attn_mask_type` is known, and block-causal attention runs where it is built: the CPU
+    /// (issue 43).
     fn validate_attention_mask(&self) -> Result<()> {
         let mask = self.model.attn_mask_type.as_str();
         if !ATTN_MASK_TYPES.contains(&mask) {
@@ -119,9 +119,6 @@ impl Config {
         }
         if mask == "causal" {
             return Ok(());
-        }
-        if self.parallelism.context_parallel_degree > 1 {
-            bail!("[model] attn_mask_type = \"block_causal\" with context_parallel_degree > 1 is not built yet (issue 43): use attn_mask_type = \"causal\" with context parallelism");
         }
         if self.training.device == "cuda" {
             bail!("[model] attn_mask_type = \"block_causal\" is built on the CPU only so far (issue 43): use attn_mask_type = \"causal\" on CUDA");

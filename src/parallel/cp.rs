@@ -6,7 +6,9 @@
 //! rank's queries over the whole sequence is computed block by block, one (query chunk, key chunk)
 //! pair at a time, with the local kernel: a key chunk wholly before the query chunk is attended in
 //! full (`q_offset` ≥ the chunk length), the chunk on the diagonal causally, and one wholly after
-//! is skipped. The blocks' outputs are folded together by their log-sum-exp
+//! is skipped. With documents (block-causal attention) each query chunk carries its queries'
+//! document positions, so a block masks what lies before a query's document, and a block no query
+//! of the chunk can see is skipped like those after the diagonal. The blocks' outputs are folded together by their log-sum-exp
 //! (`Backend::attention_merge`), the online softmax across blocks. The backward runs each block's
 //! backward with the merged output and log-sum-exp, so each returns its exact share of dQ, dK, dV.
 //!
@@ -234,7 +236,7 @@ impl<B: Backend> ContextParallelGroup<B> {
     /// The block of a query chunk at `q_pos` against a key chunk at `k_pos` (both `chunk` long),
     /// or None when every key lies after every query.
     fn block(s: &AttnShape, chunk: usize, q_pos: usize, k_pos: usize) -> Option<AttnShape> {
-        (k_pos <= q_pos).then_some(AttnShape {
+        (k_pos <= q_pos).then(|| AttnShape {
             batch: s.batch,
             q_len: chunk,
             kv_len: chunk,
@@ -296,11 +298,12 @@ impl<B: Backend> ContextParallelGroup<B> {
 
     /// For each key chunk of shard `owner` (at `kv`) that some query chunk of this rank sees:
     /// `f(key chunk, its keys, its values, [(query chunk, block shape)])`, its time counted as
-    /// attention's. Blocks wholly above the causal diagonal are skipped.
+    /// attention's. Blocks wholly above the causal diagonal, or wholly before every query's
+    /// document or window (`masks`: each query chunk's), are skipped, not computed and masked.
     fn each_key_chunk(
         &self,
         be: &B,
-        s: &AttnShape,
+        (s, masks): (&AttnShape, &[AttnMask<'_>; 2]),
         lay: &Layouts,
         owner: usize,
         kv: KeysValues<'_, B>,
@@ -311,7 +314,10 @@ impl<B: Backend> ContextParallelGroup<B> {
             let mine = self.chunk_starts(self.group.rank(), seq);
             for (i, k_pos) in self.chunk_starts(owner, seq).into_iter().enumerate() {
                 let blocks: Vec<(usize, AttnShape)> = (0..2)
-                    .filter_map(|j| Self::block(s, lay.q.chunk, mine[j], k_pos).map(|b| (j, b)))
+                    .filter_map(|j| {
+                        let block = Self::block(s, lay.q.chunk, mine[j], k_pos)?;
+                        sees_any(&masks[j], &block).then_some((j, block))
+                    })
                     .collect();
                 if blocks.is_empty() {
                     continue;
@@ -340,13 +346,36 @@ impl<B: Backend> ContextParallelGroup<B> {
     }
 }
 
-/// Ring attention over documents or a window is not built yet: the config check refuses it
-/// (`Config::validate_attention_mask`), and so does the group, should a caller get past it.
-fn refuse_masks(mask: &AttnMask) -> Result<()> {
-    if !mask.is_causal() {
-        bail!("context parallelism with block-causal or windowed attention is not built yet (issue 43): set [model] attn_mask_type = \"causal\" or context_parallel_degree = 1");
+/// Whether some query of a block sees some key of it. A sequence's first query sees the earliest
+/// key of any of its queries (first keys never move back from query to query).
+fn sees_any(mask: &AttnMask, block: &AttnShape) -> bool {
+    mask.is_causal() || (0..block.batch).any(|b| mask.first_key(block, b, 0) < block.kv_len)
+}
+
+/// Each query chunk's document positions (`[batch, chunk]`), taken from the shard's
+/// (`[batch, 2·chunk]`: every sequence's head chunk, then its tail chunk).
+struct ChunkPositions([Option<Vec<u32>>; 2]);
+
+impl ChunkPositions {
+    fn of(mask: &AttnMask, lay: &Layouts) -> Self {
+        let (batch, chunk) = (lay.q.batch, lay.q.chunk);
+        ChunkPositions([0, 1].map(|j| {
+            mask.positions.map(|p| {
+                (0..batch)
+                    .flat_map(|b| &p[(2 * b + j) * chunk..(2 * b + j + 1) * chunk])
+                    .copied()
+                    .collect()
+            })
+        }))
     }
-    Ok(())
+
+    /// Each query chunk's mask: its positions, the call's window.
+    fn masks(&self, mask: &AttnMask) -> [AttnMask<'_>; 2] {
+        [0, 1].map(|j| AttnMask {
+            positions: self.0[j].as_deref(),
+            window: mask.window,
+        })
+    }
 }
 
 impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
@@ -371,27 +400,38 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         x: AttnInputs<'_, B::Buf>,
     ) -> Result<()> {
         let _span = crate::trace::span("context parallel", "ring attention forward");
-        refuse_masks(&x.mask)?;
         let (q, k, v, s) = (x.q, x.k, x.v, x.shape);
         let lay = self.layouts(&s, be, k, v)?;
         let (n, r) = (self.group.size(), self.group.rank());
         let queries = [lay.q.take(be, q, 0, 0), lay.q.take(be, q, 0, 1)];
+        let positions = ChunkPositions::of(&x.mask, &lay);
+        let masks = positions.masks(&x.mask);
         let kv_len = lay.kv.len();
         // Per query chunk, the output and log-sum-exp over the key blocks seen so far.
         let mut acc: [Option<(B::Buf, B::Buf)>; 2] = [None, None];
         let mut attend = |owner: usize, kv: KeysValues<'_, B>| {
-            self.each_key_chunk(be, &s, &lay, owner, kv, |_, keys, values, blocks| {
-                for (j, shape) in blocks {
-                    let mut o = be.uninit(lay.q.chunk_len());
-                    let mut l = be.uninit(lay.lse.chunk_len());
-                    let block = AttnInputs::causal(&queries[j], keys, values, shape);
-                    be.attention_forward(&mut o, &mut l, block);
-                    match &mut acc[j] {
-                        None => acc[j] = Some((o, l)),
-                        Some((ao, al)) => be.attention_merge(ao, al, &o, &l, shape),
+            self.each_key_chunk(
+                be,
+                (&s, &masks),
+                &lay,
+                owner,
+                kv,
+                |_, keys, values, blocks| {
+                    for (j, shape) in blocks {
+                        let mut o = be.uninit(lay.q.chunk_len());
+                        let mut l = be.uninit(lay.lse.chunk_len());
+                        let block = AttnInputs {
+                            mask: masks[j],
+                            ..AttnInputs::causal(&queries[j], keys, values, shape)
+                        };
+                        be.attention_forward(&mut o, &mut l, block);
+                        match &mut acc[j] {
+                            None => acc[j] = Some((o, l)),
+                            Some((ao, al)) => be.attention_merge(ao, al, &o, &l, shape),
+                        }
                     }
-                }
-            })
+                },
+            )
         };
         match self.rotate {
             RotateMethod::AllGather => {
@@ -441,7 +481,6 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         saved: AttnSaved<'_, B::Buf>,
     ) -> Result<()> {
         let _span = crate::trace::span("context parallel", "ring attention backward");
-        refuse_masks(&x.mask)?;
         let AttnGrads { dq, dk, dv } = grads;
         let (q, k, v, s) = (x.q, x.k, x.v, x.shape);
         let AttnSaved { out, lse } = saved;
@@ -455,33 +494,45 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
             of(lse, &lay.lse),
         );
         let mut dqs = [be.zeros(lay.q.chunk_len()), be.zeros(lay.q.chunk_len())];
+        let positions = ChunkPositions::of(&x.mask, &lay);
+        let masks = positions.masks(&x.mask);
         let kv_len = lay.kv.len();
         // Adds the gradients of shard `owner`'s keys and values (`kv`) from this
         // rank's queries into `grad` (`[dk | dv]` of that shard at `grad_offset`).
         let mut attend =
             |owner: usize, kv: KeysValues<'_, B>, grad: &mut B::Buf, grad_offset: usize| {
-                self.each_key_chunk(be, &s, &lay, owner, kv, |i, keys, values, blocks| {
-                    let mut dq_block = be.uninit(lay.q.chunk_len());
-                    let mut dk_block = be.uninit(lay.kv.chunk_len());
-                    let mut dv_block = be.uninit(lay.kv.chunk_len());
-                    for (j, shape) in blocks {
-                        let block_grads = AttnGrads {
-                            dq: &mut dq_block,
-                            dk: &mut dk_block,
-                            dv: &mut dv_block,
-                        };
-                        let block = AttnInputs::causal(&queries[j], keys, values, shape);
-                        let saved = AttnSaved {
-                            out: &outs[j],
-                            lse: &lses[j],
-                        };
-                        be.attention_backward(block_grads, &douts[j], block, saved);
-                        be.add_assign(&mut dqs[j], &dq_block);
-                        lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
-                        lay.kv
-                            .add_into(be, grad, grad_offset + kv_len, i, &dv_block);
-                    }
-                })
+                self.each_key_chunk(
+                    be,
+                    (&s, &masks),
+                    &lay,
+                    owner,
+                    kv,
+                    |i, keys, values, blocks| {
+                        let mut dq_block = be.uninit(lay.q.chunk_len());
+                        let mut dk_block = be.uninit(lay.kv.chunk_len());
+                        let mut dv_block = be.uninit(lay.kv.chunk_len());
+                        for (j, shape) in blocks {
+                            let block_grads = AttnGrads {
+                                dq: &mut dq_block,
+                                dk: &mut dk_block,
+                                dv: &mut dv_block,
+                            };
+                            let block = AttnInputs {
+                                mask: masks[j],
+                                ..AttnInputs::causal(&queries[j], keys, values, shape)
+                            };
+                            let saved = AttnSaved {
+                                out: &outs[j],
+                                lse: &lses[j],
+                            };
+                            be.attention_backward(block_grads, &douts[j], block, saved);
+                            be.add_assign(&mut dqs[j], &dq_block);
+                            lay.kv.add_into(be, grad, grad_offset, i, &dk_block);
+                            lay.kv
+                                .add_into(be, grad, grad_offset + kv_len, i, &dv_block);
+                        }
+                    },
+                )
             };
         // This rank's `[dk | dv]`, summed over every rank's queries.
         let summed = match self.rotate {

@@ -167,8 +167,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// This model with block-causal attention over the documents packed in each sequence, a
-    /// document starting at each `start` token (`positions.rs`). Not built with context
-    /// parallelism yet (refused by the config check and by `load_tokens`).
+    /// document starting at each `start` token (`positions.rs`).
     pub fn with_documents(mut self, start: u32) -> Self {
         self.document_start = Some(start);
         self
@@ -308,25 +307,28 @@ impl<B: Backend> Llama<B> {
         Positions::new(tables, in_document.as_deref())
     }
 
-    /// With documents on, each input token's position in its document and the RoPE tables'
-    /// rows for them; nothing when every sequence is one document (then attention and RoPE are
-    /// exactly the causal ones).
-    fn load_documents(&self, be: &B, ws: &mut Workspace<B>) -> Result<()> {
+    /// With documents on, each input token's position in its document (of the rank's rows: with
+    /// context parallelism, its shard's, found from the whole sequences in `tokens`) and the RoPE
+    /// tables' rows for them; nothing when every sequence is one document (then attention and
+    /// RoPE are exactly the causal ones).
+    fn load_documents(&self, be: &B, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
         let Some(start) = self.document_start else {
             return Ok(());
         };
-        if self.local.cp > 1 {
-            bail!("block-causal attention with context parallelism is not built yet (issue 43)");
-        }
-        let positions: Vec<u32> = ws
-            .inputs
-            .chunks(ws.seq)
-            .flat_map(|row| document_positions(row, start))
+        let s = ws.seq * self.local.cp;
+        let shard = self.sequence_shard().positions(s);
+        let positions: Vec<u32> = tokens
+            .chunks(s + 1)
+            .flat_map(|row| {
+                let whole = document_positions(&row[..s], start);
+                shard.iter().map(move |&p| whole[p])
+            })
             .collect();
         let one_document = positions
             .chunks(ws.seq)
-            .all(|row| row.iter().enumerate().all(|(i, &p)| p as usize == i));
+            .all(|row| row.iter().zip(&shard).all(|(&p, &at)| p as usize == at));
         if one_document {
+            // The model's tables, or the shard's (made again by `load_tokens`).
             (ws.documents, ws.rope) = (None, None);
             return Ok(());
         }
@@ -384,20 +386,21 @@ impl<B: Backend> Llama<B> {
                 at += n;
             }
         }
+        self.load_documents(be, ws, tokens)?;
         if self.local.cp > 1 && ws.rope.is_none() {
-            let a = &self.args;
-            let half = a.rope_dim() / 2;
-            let (cos, sin) = rope_tables(a.rope_dim(), s, a.rope_theta, a.rope_scaling);
+            // The shard's rows of the model's tables (their global positions).
+            let half = self.args.rope_dim() / 2;
             let rows = |table: &[f32]| -> Vec<f32> {
                 self.sequence_shard()
                     .positions(s)
                     .into_iter()
-                    .flat_map(|p| table[p * half..(p + 1) * half].to_vec())
+                    .flat_map(|p| &table[p * half..(p + 1) * half])
+                    .copied()
                     .collect()
             };
-            ws.rope = Some((be.upload(&rows(&cos)), be.upload(&rows(&sin))));
+            let (cos, sin) = (rows(&self.rope_host.0), rows(&self.rope_host.1));
+            ws.rope = Some((be.upload(&cos), be.upload(&sin)));
         }
-        self.load_documents(be, ws)?;
         let (lo, n) = (self.local.vocab_offset as u32, self.local.vocab as u32);
         for (local, &id) in ws.local_ids.iter_mut().zip(&ws.inputs) {
             *local = if id >= lo && id - lo < n {
