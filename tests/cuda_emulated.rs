@@ -96,12 +96,13 @@ fn loss_kernel_writes_its_bf16_gradient_as_the_rounded_f32_one_on_the_emulator()
 
 #[test]
 fn fp32_attention_norm_rope_and_swiglu_kernels_match_float64_on_the_emulator() {
-    // Attention at three shapes (five outputs each), RMSNorm (3, the bf16 copies of out and dx,
+    // Attention at three shapes and two masked ones (documents; a window with documents; five
+    // outputs each), ring blocks causal and with documents (five each), RMSNorm (3, the bf16 copies of out and dx,
     // and a bf16-only out, on the 16-byte and the scalar path), RoPE (2 and a bf16 copy), SwiGLU (3 and their bf16
     // copies, a bf16-only output, bf16-only gradients aligned and not, 2 and a copy through
     // unaligned views, and all 3 from bf16-only inputs aligned and not), FSDP's strided copy and
     // MLA's strided add, the bf16 conversion (aligned and not) and back.
-    run_check("kernels_check.cpp", 62);
+    run_check("kernels_check.cpp", 77);
 }
 
 #[test]

@@ -260,10 +260,10 @@ fn block_causal_layouts_match_one_process() {
     }
 }
 
-/// What is not built yet says so, naming the key: CUDA with documents; an unknown mask; a document
-/// start outside the vocabulary.
+/// Bad document settings are refused by name: an unknown mask; a document start outside the
+/// vocabulary.
 #[test]
-fn unbuilt_and_bad_document_settings_are_refused_by_name() {
+fn bad_document_settings_are_refused_by_name() {
     let refused = |extra: &[&str], says: &str| {
         let dir = tempfile::tempdir().unwrap();
         let o = train(
@@ -277,10 +277,6 @@ fn unbuilt_and_bad_document_settings_are_refused_by_name() {
             "{extra:?}: {err}"
         );
     };
-    refused(
-        &[BLOCK_CAUSAL, &["--training.device", "cuda"]].concat(),
-        "CPU only",
-    );
     refused(
         &["--model.attn_mask_type", "sliding"],
         "attn_mask_type = `sliding` is not known",

@@ -107,8 +107,7 @@ impl Config {
         self.validate_attention_mask()
     }
 
-    /// `attn_mask_type` is known, and block-causal attention runs where it is built: the CPU
-    /// (issue 43).
+    /// `attn_mask_type` is one titan knows.
     fn validate_attention_mask(&self) -> Result<()> {
         let mask = self.model.attn_mask_type.as_str();
         if !ATTN_MASK_TYPES.contains(&mask) {
@@ -116,12 +115,6 @@ impl Config {
                 "[model] attn_mask_type = `{mask}` is not known (accepted: {})",
                 ATTN_MASK_TYPES.join(", ")
             );
-        }
-        if mask == "causal" {
-            return Ok(());
-        }
-        if self.training.device == "cuda" {
-            bail!("[model] attn_mask_type = \"block_causal\" is built on the CPU only so far (issue 43): use attn_mask_type = \"causal\" on CUDA");
         }
         Ok(())
     }

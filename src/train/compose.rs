@@ -300,9 +300,6 @@ pub fn compose_rank<B: Backend>(
         context_parallel,
     };
     let (seq, options) = (cfg.training.seq_len, parallel_options(cfg, &plan)?);
-    if options.document_start.is_some() && be.name() != "cpu" {
-        bail!("[model] attn_mask_type = \"block_causal\" is built on the CPU only so far (issue 43), and [training] device = \"{}\" chose {}: use attn_mask_type = \"causal\" there", cfg.training.device, be.name());
-    }
     let mut model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
     let comm = ParamComm {
         data_parallel,

@@ -14,7 +14,19 @@ struct Shape {
     // Keys scaled up along the sequence (see attention_tc_check.cpp), so that later key tiles
     // hold much larger scores than earlier ones.
     bool growing_scores = false;
+    // The mask (kernels/attention.cu): each query's position in its document [batch, seq] (empty:
+    // one document per sequence) and a sliding window (0: none).
+    std::vector<unsigned> doc_pos = {};
+    int window = 0;
 };
+
+// The first key query i of sequence b sees (whole sequences: query i at key index i).
+inline int first_key(const Shape& s, int b, int i) {
+    int first = 0;
+    if (!s.doc_pos.empty()) first = std::max(i - (int)s.doc_pos[(size_t)b * s.seq + i], 0);
+    if (s.window > 0) first = std::max(first, i + 1 - s.window);
+    return first;
+}
 
 struct Reference {
     std::vector<double> out, lse, dq, dk, dv;
@@ -37,25 +49,26 @@ inline Reference reference(const Shape& s, const std::vector<double>& q, const s
         for (int h = 0; h < s.heads; ++h) {
             int kh = h / group;
             for (int i = 0; i < s.seq; ++i) {
+                int first = first_key(s, b, i);
                 double mx = -INFINITY;
-                for (int j = 0; j <= i; ++j) {
+                for (int j = first; j <= i; ++j) {
                     double dot = 0.0;
                     for (int d = 0; d < D; ++d) dot += q[qi(b, i, h) + d] * k[kj(b, j, kh) + d];
                     p[j] = dot * scale;
                     mx = std::max(mx, p[j]);
                 }
                 double sum = 0.0;
-                for (int j = 0; j <= i; ++j) sum += std::exp(p[j] - mx);
+                for (int j = first; j <= i; ++j) sum += std::exp(p[j] - mx);
                 r.lse[((size_t)b * s.heads + h) * s.seq + i] = mx + std::log(sum);
-                for (int j = 0; j <= i; ++j) p[j] = std::exp(p[j] - mx) / sum;
+                for (int j = first; j <= i; ++j) p[j] = std::exp(p[j] - mx) / sum;
                 double delta = 0.0;
                 for (int d = 0; d < D; ++d) {
                     double o = 0.0;
-                    for (int j = 0; j <= i; ++j) o += p[j] * v[kj(b, j, kh) + d];
+                    for (int j = first; j <= i; ++j) o += p[j] * v[kj(b, j, kh) + d];
                     r.out[qi(b, i, h) + d] = o;
                     delta += o * dout[qi(b, i, h) + d];
                 }
-                for (int j = 0; j <= i; ++j) {
+                for (int j = first; j <= i; ++j) {
                     double dot = 0.0;
                     for (int d = 0; d < D; ++d) dot += dout[qi(b, i, h) + d] * v[kj(b, j, kh) + d];
                     double ds = p[j] * (dot - delta) * scale;

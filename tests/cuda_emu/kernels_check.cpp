@@ -1,6 +1,7 @@
 // Runs the fp32 CUDA kernels that have no tensor cores on the CPU emulator against float64
 // references: causal attention (kernels/attention.cu: forward, delta, dQ, dK/dV, at head dims that
-// are and are not multiples of the 32 lanes), RMSNorm forward and backward (kernels/norm.cu, with
+// are and are not multiples of the 32 lanes; with documents and a sliding window; ring blocks with
+// and without documents), RMSNorm forward and backward (kernels/norm.cu, with
 // the two-pass weight gradient), RoPE both ways (kernels/rope.cu) and SwiGLU both ways
 // (kernels/elementwise.cu). Launch shapes are the backend's (src/backend/cuda/ops). The tolerance is
 // the GPU op check's fp32 one. Prints one line per output; exits 1 when any fails.
@@ -66,9 +67,10 @@ bool attention(const Shape& s) {
     EmuDim3 per_key{per_warp, (unsigned)s.kv_heads, (unsigned)s.batch};
     unsigned threads = TITAN_ATTN_WARPS * 32;
     std::vector<float> out(q_len, NAN), lse(rows, NAN), delta(rows, NAN);
+    const unsigned* doc_pos = s.doc_pos.empty() ? nullptr : s.doc_pos.data();
     emu::launch(per_query, threads, [&] {
         attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), s.seq, s.seq, s.seq,
-                          s.heads, s.kv_heads, D, 0, scale);
+                          s.heads, s.kv_heads, D, 0, scale, doc_pos, s.window);
     });
     emu::launch(per_query, threads, [&] {
         attention_backward_delta(delta.data(), dout.data(), out.data(), s.seq, s.heads, D);
@@ -76,12 +78,13 @@ bool attention(const Shape& s) {
     std::vector<float> dq(q_len, NAN), dk(kv_len, NAN), dv(kv_len, NAN);
     emu::launch(per_query, threads, [&] {
         attention_backward_dq(dq.data(), dout.data(), q.data(), k.data(), v.data(), lse.data(),
-                              delta.data(), s.seq, s.seq, 0, s.heads, s.kv_heads, D, scale);
+                              delta.data(), s.seq, s.seq, 0, s.heads, s.kv_heads, D, scale,
+                              doc_pos, s.window);
     });
     emu::launch(per_key, threads, [&] {
         attention_backward_dkdv(dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(),
                                 lse.data(), delta.data(), s.seq, s.seq, 0, s.heads, s.kv_heads, D,
-                                scale);
+                                scale, doc_pos, s.window);
     });
     std::string name = std::string("attention ") + s.name;
     bool ok = report((name + " out").c_str(), out, ref.out);
@@ -96,10 +99,15 @@ bool attention(const Shape& s) {
 // P..P+c against keys 0..P (every key visible, q_offset P) and keys P..P+c (the diagonal,
 // q_offset 0), each block's forward merged by attention_merge and each block's backward run with
 // the merged out and lse, must equal whole causal attention over P + c positions whose output
-// gradient is zero outside the chunk.
-bool ring_attention_blocks() {
+// gradient is zero outside the chunk. With `doc_pos` (the whole sequence's document positions),
+// block-causal: then the queries of a document starting after P see none of the first block
+// (output 0, lse -inf), which the merge must fold in as nothing.
+bool ring_attention_blocks(const char* name, std::vector<unsigned> doc_pos) {
     const int P = 20, c = 13, S = P + c, H = 4, KVH = 2, D = 16;
     Shape whole{"ring", 1, S, H, KVH, D};
+    whole.doc_pos = doc_pos;
+    std::vector<unsigned> chunk_pos(doc_pos.begin() + (doc_pos.empty() ? 0 : P), doc_pos.end());
+    const unsigned* pos = chunk_pos.empty() ? nullptr : chunk_pos.data();
     auto q = random_floats((size_t)S * H * D), k = random_floats((size_t)S * KVH * D),
          v = random_floats((size_t)S * KVH * D), dout = random_floats((size_t)S * H * D);
     std::fill(dout.begin(), dout.begin() + (size_t)P * H * D, 0.0f);
@@ -125,7 +133,7 @@ bool ring_attention_blocks() {
         blk.lse.assign((size_t)H * c, NAN);
         emu::launch(grid(c, H), threads, [&] {
             attention_forward(blk.out.data(), blk.lse.data(), q_c.data(), kb.data(), vb.data(), c,
-                              n, n, H, KVH, D, blk.q_offset, scale);
+                              n, n, H, KVH, D, blk.q_offset, scale, pos, 0);
         });
     }
     std::vector<float> out = blocks[0].out, lse = blocks[0].lse;
@@ -143,12 +151,13 @@ bool ring_attention_blocks() {
         std::vector<float> dq_b((size_t)c * H * D, NAN), dk_b(kb.size(), NAN), dv_b(vb.size(), NAN);
         emu::launch(grid(c, H), threads, [&] {
             attention_backward_dq(dq_b.data(), do_c.data(), q_c.data(), kb.data(), vb.data(),
-                                  lse.data(), delta.data(), c, n, blk.q_offset, H, KVH, D, scale);
+                                  lse.data(), delta.data(), c, n, blk.q_offset, H, KVH, D, scale,
+                                  pos, 0);
         });
         emu::launch(grid(n, KVH), threads, [&] {
             attention_backward_dkdv(dk_b.data(), dv_b.data(), do_c.data(), q_c.data(), kb.data(),
                                     vb.data(), lse.data(), delta.data(), c, n, blk.q_offset, H, KVH,
-                                    D, scale);
+                                    D, scale, pos, 0);
         });
         for (size_t i = 0; i < dq.size(); ++i) dq[i] += dq_b[i];
         dk.insert(dk.end(), dk_b.begin(), dk_b.end());
@@ -161,11 +170,12 @@ bool ring_attention_blocks() {
     for (int h = 0; h < H; ++h)
         want_lse.insert(want_lse.end(), ref.lse.begin() + (size_t)h * S + P,
                         ref.lse.begin() + (size_t)(h + 1) * S);
-    bool ok = report("ring blocks merged out", out, chunk(ref.out, H * D));
-    ok &= report("ring blocks merged lse", lse, want_lse);
-    ok &= report("ring blocks dq", dq, chunk(ref.dq, H * D));
-    ok &= report("ring blocks dk", dk, ref.dk);
-    ok &= report("ring blocks dv", dv, ref.dv);
+    std::string label = std::string("ring blocks") + name;
+    bool ok = report((label + " merged out").c_str(), out, chunk(ref.out, H * D));
+    ok &= report((label + " merged lse").c_str(), lse, want_lse);
+    ok &= report((label + " dq").c_str(), dq, chunk(ref.dq, H * D));
+    ok &= report((label + " dk").c_str(), dk, ref.dk);
+    ok &= report((label + " dv").c_str(), dv, ref.dv);
     return ok;
 }
 
@@ -458,10 +468,25 @@ bool moe_row_ops() {
 int main() {
     emu::seed_schedule(20261130);
     bool ok = true;
+    // Each query's position in its document, for sequences cut into documents of `lengths`.
+    auto positions = [](std::vector<std::vector<unsigned>> lengths) {
+        std::vector<unsigned> p;
+        for (auto& row : lengths)
+            for (unsigned n : row)
+                for (unsigned i = 0; i < n; ++i) p.push_back(i);
+        return p;
+    };
+    Shape documents{"hd16 documents", 2, 45, 4, 2, 16};
+    documents.doc_pos = positions({{7, 1, 20, 17}, {45}});
+    Shape window{"hd40 window+docs", 1, 38, 4, 2, 40};
+    window.doc_pos = positions({{30, 8}});
+    window.window = 9;
     for (const Shape& s : {Shape{"hd16", 2, 45, 4, 4, 16}, Shape{"hd40 GQA", 1, 38, 4, 2, 40},
-                           Shape{"hd64 GQA", 1, 33, 4, 1, 64}})
+                           Shape{"hd64 GQA", 1, 33, 4, 1, 64}, documents, window})
         ok &= attention(s);
-    ok &= ring_attention_blocks();
+    ok &= ring_attention_blocks("", {});
+    // Documents 0..12, 12..27, 27..33: the last chunk's queries of the third see no key before 20.
+    ok &= ring_attention_blocks(" documents", positions({{12, 15, 6}}));
     ok &= rmsnorm(96);
     ok &= rmsnorm(38);
     ok &= rope();

@@ -7,6 +7,13 @@
 //
 // Layouts: q, out, dout [batch, q_len, n_heads, head_dim]; k, v [batch, kv_cap, n_kv_heads, head_dim];
 // lse, delta [batch, n_heads, q_len]. head_dim <= TITAN_ATTN_MAX_D.
+//
+// The mask (backend::AttnMask): query i, at key index q_offset + i, sees the keys from
+// attn_first_key(i) to itself. doc_pos (null: none) holds each query's position in its document
+// [batch, q_len], so it sees nothing before its document's start; window (0: none) limits it to its
+// last `window` keys. First keys never move back from query to query, so the key-major dK/dV pass
+// stops at the first query that cannot see its key. A query that sees no key (a block of ring
+// attention wholly before its document) gets a zero output and a log-sum-exp of -inf.
 
 #define TITAN_ATTN_WARPS 4
 #define TITAN_ATTN_MAX_D 256
@@ -34,10 +41,18 @@ __device__ __forceinline__ void warp_accumulate_rows(float* acc, float weight, c
     }
 }
 
+__device__ __forceinline__ int attn_first_key(const unsigned* doc_pos, int window, int b, int q_len,
+                                               int q_offset, int i) {
+    int at = q_offset + i, first = 0;
+    if (doc_pos) first = max(at - (int)doc_pos[(i64)b * q_len + i], 0);
+    if (window > 0) first = max(first, at + 1 - window);
+    return first;
+}
+
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* q, const float* k,
                                              const float* v, int q_len, int kv_len, int kv_cap,
                                              int n_heads, int n_kv_heads, int head_dim, int q_offset,
-                                             float scale) {
+                                             float scale, const unsigned* doc_pos, int window) {
     __shared__ float q_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int i = blockIdx.x * TITAN_ATTN_WARPS + warp;
@@ -49,6 +64,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
     for (int c = lane; c < head_dim; c += 32) qs[c] = qi[c];
     __syncwarp();
     int n_keys = min(q_offset + i + 1, kv_len);
+    int first = attn_first_key(doc_pos, window, b, q_len, q_offset, i);
     i64 kv_stride = (i64)n_kv_heads * head_dim;
     const float* kb = k + (i64)b * kv_cap * kv_stride + (i64)kvh * head_dim;
     const float* vb = v + (i64)b * kv_cap * kv_stride + (i64)kvh * head_dim;
@@ -56,7 +72,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
 #pragma unroll
     for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] = 0.0f;
     float row_max = TITAN_NEG_INF, row_sum = 0.0f;
-    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+    for (int j0 = first; j0 < n_keys; j0 += 32) {
         int j = j0 + lane;
         float s = TITAN_NEG_INF;
         if (j < n_keys) s = dot_shared_global(qs, kb + (i64)j * kv_stride, head_dim) * scale;
@@ -69,7 +85,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
         for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] *= correction;
         warp_accumulate_rows(acc, p, vb, j0, min(32, n_keys - j0), kv_stride, head_dim, lane);
     }
-    float inv = 1.0f / row_sum;
+    float inv = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
     float* oi = out + (((i64)b * q_len + i) * n_heads + h) * head_dim;
 #pragma unroll
     for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) {
@@ -99,7 +115,8 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
                                                  const float* k, const float* v, const float* lse,
                                                  const float* delta, int q_len, int kv_len,
                                                  int q_offset, int n_heads, int n_kv_heads,
-                                                 int head_dim, float scale) {
+                                                 int head_dim, float scale, const unsigned* doc_pos,
+                                                 int window) {
     __shared__ float q_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     __shared__ float do_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -124,7 +141,8 @@ extern "C" __global__ void attention_backward_dq(float* dq, const float* dout, c
 #pragma unroll
     for (int c = 0; c < TITAN_ATTN_PER_LANE; ++c) acc[c] = 0.0f;
     int n_keys = min(q_offset + i + 1, kv_len);
-    for (int j0 = 0; j0 < n_keys; j0 += 32) {
+    int first = attn_first_key(doc_pos, window, b, q_len, q_offset, i);
+    for (int j0 = first; j0 < n_keys; j0 += 32) {
         int j = j0 + lane;
         float ds = 0.0f;
         if (j < n_keys) {
@@ -147,7 +165,8 @@ extern "C" __global__ void attention_backward_dkdv(float* dk, float* dv, const f
                                                    const float* q, const float* k, const float* v,
                                                    const float* lse, const float* delta,
                                                    int q_len, int kv_len, int q_offset, int n_heads,
-                                                   int n_kv_heads, int head_dim, float scale) {
+                                                   int n_kv_heads, int head_dim, float scale,
+                                                   const unsigned* doc_pos, int window) {
     __shared__ float k_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     __shared__ float v_rows[TITAN_ATTN_WARPS][TITAN_ATTN_MAX_D];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -172,11 +191,13 @@ extern "C" __global__ void attention_backward_dkdv(float* dk, float* dv, const f
         const float* dob = dout + (i64)b * q_len * q_stride + (i64)h * head_dim;
         const float* lse_h = lse + ((i64)b * n_heads + h) * q_len;
         const float* delta_h = delta + ((i64)b * n_heads + h) * q_len;
-        // Query i (at position q_offset + i) sees key j from i = j - q_offset on.
-        for (int i0 = max(j - q_offset, 0); i0 < q_len; i0 += 32) {
+        // Query i (at position q_offset + i) sees key j from i = j - q_offset on, up to the first
+        // query whose document (or window) starts after j.
+        for (int i0 = max(j - q_offset, 0);
+             i0 < q_len && attn_first_key(doc_pos, window, b, q_len, q_offset, i0) <= j; i0 += 32) {
             int i = i0 + lane;
             float p = 0.0f, ds = 0.0f;
-            if (i < q_len) {
+            if (i < q_len && attn_first_key(doc_pos, window, b, q_len, q_offset, i) <= j) {
                 p = expf(dot_shared_global(ks, qb + (i64)i * q_stride, head_dim) * scale - lse_h[i]);
                 float dp = dot_shared_global(vs, dob + (i64)i * q_stride, head_dim);
                 ds = p * (dp - delta_h[i]) * scale;

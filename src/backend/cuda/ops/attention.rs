@@ -9,18 +9,22 @@ use crate::backend::cuda::kernels::{ATTN_MAX_HEAD_DIM, ATTN_WARPS};
 use crate::backend::cuda::{
     AttentionKernels, CudaBackend, TensorCoreBackward, FUSED_BACKWARD_KERNELS,
 };
-use crate::backend::AttnShape;
+use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape};
 
 impl CudaBackend {
     pub(super) fn attention_forward_untimed(
         &self,
         out: &mut Buf,
         lse: &mut Buf,
-        q: &Buf,
-        k: &Buf,
-        v: &Buf,
-        s: AttnShape,
+        x: AttnInputs<'_, Buf>,
     ) {
+        let AttnInputs {
+            q,
+            k,
+            v,
+            shape: s,
+            mask,
+        } = x;
         check_attention_shape(&s);
         let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
         let kv_floats = s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim;
@@ -38,7 +42,7 @@ impl CudaBackend {
             return;
         }
         let scale = 1.0 / (s.head_dim as f32).sqrt();
-        if let Some(kernels) = self.tensor_core_attention(&s) {
+        if let Some(kernels) = self.tensor_core_attention(&s, &mask) {
             let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
             let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch, kernels.forward_rows);
             let (q, k, v) = (
@@ -74,6 +78,7 @@ impl CudaBackend {
             s.head_dim as i32,
             s.q_offset as i32,
         );
+        let on_device = DeviceMask::upload(self, &mask, &s);
         let cfg = attention_config(s.q_len, s.n_heads, s.batch);
         launch!(
             self,
@@ -91,24 +96,28 @@ impl CudaBackend {
             &kvh,
             &d,
             &off,
-            &scale
+            &scale,
+            &on_device.positions,
+            &on_device.window
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward_untimed(
         &self,
-        dq: &mut Buf,
-        dk: &mut Buf,
-        dv: &mut Buf,
+        grads: AttnGrads<'_, Buf>,
         dout: &Buf,
-        q: &Buf,
-        k: &Buf,
-        v: &Buf,
-        out: &Buf,
-        lse: &Buf,
-        s: AttnShape,
+        x: AttnInputs<'_, Buf>,
+        saved: AttnSaved<'_, Buf>,
     ) {
+        let AttnGrads { dq, dk, dv } = grads;
+        let AttnInputs {
+            q,
+            k,
+            v,
+            shape: s,
+            mask,
+        } = x;
+        let AttnSaved { out, lse } = saved;
         check_attention_shape(&s);
         assert!(
             s.kv_capacity == s.kv_len,
@@ -143,9 +152,12 @@ impl CudaBackend {
             delta: &delta,
             scale,
         };
-        match self.tensor_core_attention(&s) {
+        match self.tensor_core_attention(&s, &mask) {
             Some(kernels) => self.tensor_core_backward(kernels.backward, dq, dk, dv, &reads, &s),
-            None => self.per_row_backward(dq, dk, dv, &reads, &s),
+            None => {
+                let on_device = DeviceMask::upload(self, &mask, &s);
+                self.per_row_backward(AttnGrads { dq, dk, dv }, &reads, &s, &on_device)
+            }
         }
     }
 
@@ -253,12 +265,12 @@ impl CudaBackend {
     /// take: dQ one query row per warp, then dK and dV one key row per warp.
     fn per_row_backward(
         &self,
-        dq: &mut Buf,
-        dk: &mut Buf,
-        dv: &mut Buf,
+        grads: AttnGrads<'_, Buf>,
         r: &BackwardReads,
         s: &AttnShape,
+        mask: &DeviceMask,
     ) {
+        let AttnGrads { dq, dk, dv } = grads;
         let (seq, h, kvh, d) = (
             s.q_len as i32,
             s.n_heads as i32,
@@ -285,7 +297,9 @@ impl CudaBackend {
             &h,
             &kvh,
             &d,
-            scale
+            scale,
+            &mask.positions,
+            &mask.window
         );
         let per_key = attention_config(s.kv_len, s.n_kv_heads, s.batch);
         launch!(
@@ -306,7 +320,9 @@ impl CudaBackend {
             &h,
             &kvh,
             &d,
-            scale
+            scale,
+            &mask.positions,
+            &mask.window
         );
     }
 
@@ -380,6 +396,31 @@ fn check_attention_shape(s: &AttnShape) {
 
 /// What every backward pass reads besides the gradients it writes: the output's gradient, the
 /// forward's inputs and log-sum-exp, `delta` (see `attention_backward_delta`) and the score scale.
+/// A call's mask as the one-warp-per-row kernels read it: the queries' document positions on the
+/// device (a null address without documents) and the window (0: none).
+struct DeviceMask {
+    /// Kept alive until the kernels that read it are queued (the stream orders the free).
+    _memory: Option<CudaSlice<u32>>,
+    positions: u64,
+    window: i32,
+}
+
+impl DeviceMask {
+    fn upload(be: &CudaBackend, mask: &AttnMask, s: &AttnShape) -> Self {
+        let memory = mask
+            .positions
+            .map(|p| be.upload_ids(&p[..s.batch * s.q_len]));
+        let window = mask.window.map_or(0, |w| {
+            i32::try_from(w).expect("attention window beyond i32 (a titan bug: configs bound it)")
+        });
+        DeviceMask {
+            positions: be.address_or_null(memory.as_ref()),
+            _memory: memory,
+            window,
+        }
+    }
+}
+
 struct BackwardReads<'a> {
     dout: &'a Buf,
     q: &'a Buf,
@@ -446,8 +487,13 @@ impl TensorCoreBackwardKernels {
 impl CudaBackend {
     /// The tensor-core kernels when they apply: the backend allows them (`attention`, chosen in
     /// `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
-    fn tensor_core_attention(&self, s: &AttnShape) -> Option<TensorCoreAttention> {
+    /// The tensor-core kernels for a call, when they take it: the training shape, causal (the
+    /// one-warp-per-row kernels take documents and windows; the tensor-core ones do not yet).
+    fn tensor_core_attention(&self, s: &AttnShape, mask: &AttnMask) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
+        if !mask.is_causal() {
+            return None;
+        }
         let AttentionKernels::TensorCores {
             wide_forward,
             backward,

@@ -13,9 +13,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
-use crate::backend::{
-    AdamWStep, AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend, LossSum,
-};
+use crate::backend::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum};
 
 type Buf = CudaBuf;
 
@@ -104,17 +102,6 @@ fn check_len(op: &str, what: &str, have: usize, need: usize) {
     assert!(
         have >= need,
         "{op}: `{what}` holds {have} floats but the shapes need {need}"
-    );
-}
-
-/// The CUDA kernels compute plain causal attention only; a job asking for documents or a window
-/// on CUDA is refused when its config is checked (`Config::validate_attention_mask`), so this is
-/// an internal invariant.
-fn refuse_masks(mask: &AttnMask) {
-    assert!(
-        mask.is_causal(),
-        "attention on CUDA: block-causal and sliding-window masks are not built yet (issue 43); \
-         the CPU backend has them"
     );
 }
 
@@ -279,8 +266,7 @@ impl Backend for CudaBackend {
 
     fn attention_forward(&self, out: &mut Buf, lse: &mut Buf, x: AttnInputs<'_, Buf>) {
         let _timer = self.profiler.time_on("attention_forward", self);
-        refuse_masks(&x.mask);
-        self.attention_forward_untimed(out, lse, x.q, x.k, x.v, x.shape);
+        self.attention_forward_untimed(out, lse, x);
     }
     fn attention_backward(
         &self,
@@ -290,10 +276,7 @@ impl Backend for CudaBackend {
         saved: AttnSaved<'_, Buf>,
     ) {
         let _timer = self.profiler.time_on("attention_backward", self);
-        refuse_masks(&x.mask);
-        let AttnGrads { dq, dk, dv } = grads;
-        let (q, k, v, s) = (x.q, x.k, x.v, x.shape);
-        self.attention_backward_untimed(dq, dk, dv, dout, q, k, v, saved.out, saved.lse, s);
+        self.attention_backward_untimed(grads, dout, x, saved);
     }
 
     fn attention_merge(
