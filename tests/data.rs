@@ -110,12 +110,35 @@ fn every_format_trains() {
     }
 }
 
+/// Every format under each packing that takes it (first-fit packs documents: not token shards),
+/// with sequences of 128 so that first-fit fits two documents of the small files in each.
+fn formats_and_packings(dir: &Path) -> Vec<(&'static str, String, &'static str)> {
+    all_formats(dir)
+        .into_iter()
+        .flat_map(|(kind, path)| {
+            let packings: &[&str] = match kind.starts_with("tokens") {
+                true => &["concat_then_split"],
+                false => &["concat_then_split", "first_fit"],
+            };
+            packings.iter().map(move |&p| (kind, path.clone(), p))
+        })
+        .collect()
+}
+
+fn packed_config(dump: &Path, kind: &str, path: &str, packing: &str) -> Config {
+    let mut c = config_for(dump, kind, path);
+    c.training.packing = packing.into();
+    c.training.seq_len = 128;
+    c
+}
+
 #[test]
 fn every_format_resumes_its_exact_position_across_epochs() {
     let data = tempfile::tempdir().unwrap();
-    for (kind, path) in all_formats(data.path()) {
+    for (kind, path, packing) in formats_and_packings(data.path()) {
         let dump = tempfile::tempdir().unwrap();
-        let cfg = config_for(dump.path(), kind, &path);
+        let cfg = packed_config(dump.path(), kind, &path, packing);
+        let kind = &*format!("{kind} ({packing})");
         let make = || DataLoader::from_config(&cfg, Box::new(ByteTokenizer), 300, 0, 1).unwrap();
         let mut straight = make();
         // Enough batches to wrap the small files into a second epoch.
@@ -144,9 +167,10 @@ fn every_format_resumes_its_exact_position_across_epochs() {
 #[test]
 fn data_parallel_ranks_split_the_same_global_batches() {
     let data = tempfile::tempdir().unwrap();
-    for (kind, path) in all_formats(data.path()) {
+    for (kind, path, packing) in formats_and_packings(data.path()) {
         let dump = tempfile::tempdir().unwrap();
-        let mut one = config_for(dump.path(), kind, &path);
+        let mut one = packed_config(dump.path(), kind, &path, packing);
+        let kind = &*format!("{kind} ({packing})");
         one.training.local_batch_size = 4;
         let mut two = one.clone();
         two.training.local_batch_size = 2;
@@ -165,6 +189,36 @@ fn data_parallel_ranks_split_the_same_global_batches() {
             assert_eq!(r0.state(), single.state(), "{kind}: so does one process");
         }
     }
+}
+
+/// First-fit packing: every sample is whole `[BOS] doc [EOS]` documents then ignored padding, and
+/// the samples hold each document read exactly once (the one waiting for the next batch aside).
+#[test]
+fn first_fit_packs_whole_documents_and_pads_the_rest() {
+    use titan::backend::IGNORE_INDEX;
+    let (bos, eos) = (ByteTokenizer::BOS, ByteTokenizer::EOS);
+    let data = tempfile::tempdir().unwrap();
+    let dump = tempfile::tempdir().unwrap();
+    let path = write_jsonl(data.path());
+    let cfg = packed_config(dump.path(), "jsonl", &path, "first_fit");
+    let mut loader = DataLoader::from_config(&cfg, Box::new(ByteTokenizer), 300, 0, 1).unwrap();
+    let mut documents = 0;
+    for _ in 0..5 {
+        let batch = loader.next_batch().unwrap();
+        for row in batch.chunks(129) {
+            let used = row.iter().position(|&t| t == IGNORE_INDEX).unwrap_or(129);
+            assert!(row[used..].iter().all(|&t| t == IGNORE_INDEX), "{row:?}");
+            assert_eq!(row[0], bos, "{row:?}");
+            let docs = row[..used].split_inclusive(|&t| t == eos);
+            for doc in docs {
+                assert!(doc[0] == bos && *doc.last().unwrap() == eos, "{row:?}");
+                assert_eq!(doc.iter().filter(|&&t| t == bos).count(), 1, "{row:?}");
+                documents += 1;
+            }
+        }
+    }
+    let waiting = usize::from(!loader.state().buffer.is_empty());
+    assert_eq!(documents + waiting, loader.state().consumed as usize);
 }
 
 fn train_err(dump: &Path, kind: &str, path: &str) -> String {

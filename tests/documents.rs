@@ -260,8 +260,83 @@ fn block_causal_layouts_match_one_process() {
     }
 }
 
-/// Bad document settings are refused by name: an unknown mask; a document start outside the
-/// vocabulary.
+/// Records of 5 to 60 characters, one JSON object a line.
+fn write_short_records(path: &Path) {
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let words = [
+        "the", "packed", "document", "sees", "only", "itself", "and", "nothing", "else",
+    ];
+    let lines: String = (0..400)
+        .map(|i| {
+            let n = rng.gen_range(1..=10);
+            let text: Vec<&str> = (0..n)
+                .map(|_| words[rng.gen_range(0..words.len())])
+                .collect();
+            format!("{{\"text\": \"{i} {}\"}}\n", text.join(" "))
+        })
+        .collect();
+    std::fs::write(path, lines).unwrap();
+}
+
+/// First-fit packing (whole documents, padding whose targets count for nothing) under FSDP, TP
+/// and a 1F1B pipeline against one process over 6 steps, block-causally.
+#[test]
+fn first_fit_packing_layouts_match_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let records = dir.path().join("records.jsonl");
+    write_short_records(&records);
+    let data = [
+        "--training.dataset",
+        "jsonl",
+        "--training.dataset_path",
+        records.to_str().unwrap(),
+        "--training.packing",
+        "first_fit",
+    ];
+    let single = [
+        &["--training.steps", "6", "--training.local_batch_size", "4"],
+        SEQ64,
+        BLOCK_CAUSAL,
+        &data,
+    ]
+    .concat();
+    let layouts: [(&str, &[&str], &str); 3] = [
+        (
+            "FSDP 2",
+            &[
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.local_batch_size",
+                "2",
+            ],
+            "FSDP",
+        ),
+        (
+            "TP 2",
+            &["--parallelism.tensor_parallel_degree", "2"],
+            "tensor parallel",
+        ),
+        (
+            "PP 2 (1F1B)",
+            &[
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "1F1B",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "1",
+            ],
+            "pipeline: ",
+        ),
+    ];
+    for (what, parallel, says) in layouts {
+        let what = format!("first_fit, {what}");
+        assert_layout_matches_one_process(&what, &single, &nproc("2"), parallel, says);
+    }
+}
+
+/// Bad document settings are refused by name: an unknown mask or packing; first-fit packing of
+/// token shards (no documents to keep whole); a document start outside the vocabulary.
 #[test]
 fn bad_document_settings_are_refused_by_name() {
     let refused = |extra: &[&str], says: &str| {
@@ -292,5 +367,8 @@ fn bad_document_settings_are_refused_by_name() {
         "--training.document_start_id",
         "300",
     ];
+    let first_fit = ["--training.packing", "first_fit"];
+    refused(&[&shards[..4], &first_fit].concat(), "first_fit");
+    refused(&["--training.packing", "best_fit"], "packing = `best_fit`");
     refused(&[&shards[..], BLOCK_CAUSAL].concat(), "document_start_id");
 }

@@ -35,6 +35,9 @@ pub struct TrainingConfig {
     /// block-causal attention (`[model] attn_mask_type`) finds the documents; absent, a shard's
     /// sequences are one document each. Document sources start theirs with the tokenizer's BOS.
     pub document_start_id: Option<u32>,
+    /// How documents become samples (TorchTitan's packing configs): `concat_then_split` (the
+    /// default: windows of the concatenated stream) or `first_fit` (whole documents, padded).
+    pub packing: String,
 }
 
 impl Default for TrainingConfig {
@@ -53,6 +56,7 @@ impl Default for TrainingConfig {
             mixed_precision_reduce: "float32".into(),
             threads: 0,
             document_start_id: None,
+            packing: "concat_then_split".into(),
         }
     }
 }
@@ -127,6 +131,7 @@ impl Config {
                 REDUCE_PRECISIONS.join(", ")
             );
         }
+        crate::data::packing::Packing::parse(&t.packing)?;
         if !DEVICES.contains(&t.device.as_str()) {
             bail!(
                 "[training] device = `{}` is not known (accepted: {})",

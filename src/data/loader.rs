@@ -1,6 +1,8 @@
 //! The stateful data loader: documents are tokenized as `[BOS] text [EOS]`, concatenated, and cut
 //! into windows of `seq_len + 1` tokens (inputs and shifted targets), `local_batch_size` windows per
-//! micro-batch. Every data-parallel rank walks the same global stream of windows and keeps its own
+//! micro-batch; or, with `[training] packing = "first_fit"`, packed whole into windows padded with
+//! ignored tokens (`packing.rs`: every call packs the `dp_size × local_batch_size` windows of the
+//! global micro-batch, so the packing too is the same for any data-parallel degree). Every data-parallel rank walks the same global stream of windows and keeps its own
 //! block of each `dp_size × local_batch_size` windows, so ranks train on disjoint data, a step's global
 //! batch is the same for any data-parallel degree (exact loss parity with one process), and the
 //! position (epoch, documents consumed, tokens left over from the last document) is the same on every
@@ -13,6 +15,7 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::documents::{DocumentSource, JsonlSource, SyntheticSource, TextSource};
+use super::packing::{FirstFitBins, Packing};
 use super::tokenizer::Tokenizer;
 use super::tokens::TokenShards;
 use crate::config::Config;
@@ -22,7 +25,8 @@ pub struct LoaderState {
     pub epoch: u64,
     /// Documents consumed in this epoch, or token windows for token shards (the same on every rank).
     pub consumed: u64,
-    /// Tokens of this rank's last document not yet emitted.
+    /// Tokens of the last document read not yet emitted (under first-fit packing, the whole
+    /// document that did not fit the last micro-batch's windows).
     pub buffer: Vec<u32>,
 }
 
@@ -33,6 +37,7 @@ struct Source<'a> {
     dataset: &'a str,
     path: &'a str,
     seed: u64,
+    packing: Packing,
 }
 
 enum Stream {
@@ -50,6 +55,7 @@ pub struct DataLoader {
     vocab: usize,
     dp_rank: usize,
     dp_size: usize,
+    packing: Packing,
     state: LoaderState,
 }
 
@@ -68,6 +74,7 @@ impl DataLoader {
             dataset: &t.dataset,
             path: &t.dataset_path,
             seed: t.seed,
+            packing: Packing::parse(&t.packing)?,
         };
         Self::open(
             source,
@@ -95,6 +102,7 @@ impl DataLoader {
             dataset: &v.dataset,
             path: &v.dataset_path,
             seed: cfg.training.seed ^ 0x5eed_da7a,
+            packing: Packing::parse(&cfg.training.packing)?,
         };
         let (batch, seq) = cfg.validation_shape();
         Self::open(source, tokenizer, vocab, batch, seq, dp_rank, dp_size)
@@ -135,6 +143,8 @@ impl DataLoader {
         if let Stream::Documents { tokenizer, .. } = &stream {
             check_ids(&[tokenizer.bos_id()], vocab, "the tokenizer's BOS id")?;
             check_ids(&[tokenizer.eos_id()], vocab, "the tokenizer's EOS id")?;
+        } else if src.packing == Packing::FirstFit {
+            bail!("[training] packing = \"first_fit\" packs whole documents, and [{}] dataset = `{}` is pre-tokenized shards without document boundaries: use concat_then_split, or a document dataset (text, jsonl, parquet)", src.section, src.dataset);
         }
         Ok(DataLoader {
             stream,
@@ -143,6 +153,7 @@ impl DataLoader {
             vocab,
             dp_rank,
             dp_size,
+            packing: src.packing,
             state: LoaderState::default(),
         })
     }
@@ -174,6 +185,9 @@ impl DataLoader {
     /// `[batch, seq + 1]` token ids, row-major: this rank's share of the next `dp_size × batch`
     /// windows of the global stream.
     pub fn next_batch(&mut self) -> Result<Vec<u32>> {
+        if self.packing == Packing::FirstFit {
+            return self.next_packed_batch();
+        }
         let window = self.seq + 1;
         let mut out = vec![0u32; self.batch * window];
         for k in 0..self.dp_size * self.batch {
@@ -206,27 +220,10 @@ impl DataLoader {
                 }
                 self.state.consumed += 1;
             }
-            Stream::Documents { source, tokenizer } => {
+            Stream::Documents { .. } => {
                 while self.state.buffer.len() < window {
-                    let doc = match source.next_document()? {
-                        Some(d) => d,
-                        None => {
-                            if self.state.consumed == 0 {
-                                bail!("dataset ({}) has no documents", source.describe());
-                            }
-                            self.state.epoch = self.state.epoch.saturating_add(1);
-                            self.state.consumed = 0;
-                            source.reset();
-                            errln!("dataset exhausted: starting epoch {}", self.state.epoch);
-                            continue;
-                        }
-                    };
-                    self.state.consumed = self.state.consumed.saturating_add(1);
-                    let ids = tokenizer.encode(&doc)?;
-                    check_ids(&ids, self.vocab, "the tokenizer's output")?;
-                    self.state.buffer.push(tokenizer.bos_id());
-                    self.state.buffer.extend_from_slice(&ids);
-                    self.state.buffer.push(tokenizer.eos_id());
+                    let doc = self.next_document()?;
+                    self.state.buffer.extend_from_slice(&doc);
                 }
                 if let Some(row) = row {
                     row.copy_from_slice(&self.state.buffer[..window]);
@@ -235,6 +232,58 @@ impl DataLoader {
             }
         }
         Ok(())
+    }
+
+    /// The next document of the stream as `[BOS] ids [EOS]`, a new epoch begun at its end.
+    fn next_document(&mut self) -> Result<Vec<u32>> {
+        let Stream::Documents { source, tokenizer } = &mut self.stream else {
+            bail!("token shards have no documents (a titan bug: checked when the loader opened)");
+        };
+        loop {
+            let Some(doc) = source.next_document()? else {
+                if self.state.consumed == 0 {
+                    bail!("dataset ({}) has no documents", source.describe());
+                }
+                self.state.epoch = self.state.epoch.saturating_add(1);
+                self.state.consumed = 0;
+                source.reset();
+                errln!("dataset exhausted: starting epoch {}", self.state.epoch);
+                continue;
+            };
+            self.state.consumed = self.state.consumed.saturating_add(1);
+            let ids = tokenizer.encode(&doc)?;
+            check_ids(&ids, self.vocab, "the tokenizer's output")?;
+            let mut tokens = Vec::with_capacity(ids.len() + 2);
+            tokens.push(tokenizer.bos_id());
+            tokens.extend_from_slice(&ids);
+            tokens.push(tokenizer.eos_id());
+            return Ok(tokens);
+        }
+    }
+
+    /// First-fit packing: whole documents into the global micro-batch's windows, this rank's
+    /// share of them. The document that fits no window waits in `state.buffer` for the next call.
+    fn next_packed_batch(&mut self) -> Result<Vec<u32>> {
+        let window = self.seq + 1;
+        let mut bins = FirstFitBins::new(self.dp_size * self.batch, window);
+        loop {
+            let mut doc = match self.state.buffer.is_empty() {
+                true => self.next_document()?,
+                false => std::mem::take(&mut self.state.buffer),
+            };
+            if doc.len() > window {
+                if self.dp_rank == 0 {
+                    errln!("warning: document {} of epoch {} ({}) has {} tokens with BOS and EOS, more than a sample's seq_len + 1 = {window}: first_fit packing keeps its first {window}", self.state.consumed, self.state.epoch, self.describe(), doc.len());
+                }
+                doc.truncate(window);
+            }
+            if !bins.place(&doc) {
+                self.state.buffer = doc;
+                break;
+            }
+        }
+        let mine = self.dp_rank * self.batch..(self.dp_rank + 1) * self.batch;
+        Ok(bins.into_samples()[mine].concat())
     }
 }
 

@@ -5,6 +5,7 @@ pub mod bpe;
 pub mod documents;
 pub mod files;
 pub mod loader;
+pub mod packing;
 pub mod parquet;
 pub mod synthetic;
 pub mod tokenizer;

@@ -375,7 +375,9 @@ impl<B: Backend> Llama<B> {
                 self.rope_len
             );
         }
-        check_token_ids(tokens, s + 1, self.args.vocab_size)?;
+        // Padding (first-fit packing) is IGNORE_INDEX: targets that count for nothing, inputs
+        // that embed as zeros.
+        check_ids_but(tokens, s + 1, self.args.vocab_size, IGNORE_INDEX)?;
         let chunks = self.sequence_shard().chunks(s);
         for (r, row) in tokens.chunks(s + 1).enumerate() {
             let mut at = r * ws.seq;
@@ -498,7 +500,21 @@ impl<B: Backend> Llama<B> {
 /// error naming the first that is not, its position (row and column of rows of `width`) and the
 /// vocabulary size. No kernel then sees an id outside its table.
 pub fn check_token_ids(tokens: &[u32], width: usize, vocab: usize) -> Result<()> {
-    let Some(i) = tokens.iter().position(|&t| t as usize >= vocab) else {
+    check_ids_but(tokens, width, vocab, None)
+}
+
+/// `check_token_ids` with `allowed` (padding) let through.
+fn check_ids_but(
+    tokens: &[u32],
+    width: usize,
+    vocab: usize,
+    allowed: impl Into<Option<u32>>,
+) -> Result<()> {
+    let allowed = allowed.into();
+    let Some(i) = tokens
+        .iter()
+        .position(|&t| t as usize >= vocab && Some(t) != allowed)
+    else {
         return Ok(());
     };
     let width = width.max(1);
