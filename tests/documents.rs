@@ -260,6 +260,66 @@ fn block_causal_layouts_match_one_process() {
     }
 }
 
+/// The other block features with documents: Qwen3-MoE's experts split over EP 2 with full
+/// activation checkpointing (the recomputed forward masks as the first did), and DeepSeek-V3's
+/// multi-head latent attention (its rotated key and query parts at per-document positions) under
+/// FSDP 2, each against one process.
+#[test]
+fn block_causal_with_experts_checkpointing_and_latent_attention_matches_one_process() {
+    let moe = [
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--training.global_batch_size",
+        "4",
+        "--training.local_batch_size",
+        "4",
+        "--activation_checkpoint.mode",
+        "full",
+    ];
+    let single = [&["--training.steps", "6"], SEQ64, BLOCK_CAUSAL, &moe].concat();
+    let ep = [
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ];
+    assert_layout_matches_one_process(
+        "EP 2 (MoE, AC full)",
+        &single,
+        &nproc("2"),
+        &ep,
+        "rank 0 of",
+    );
+    let mla = [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "debugmodel",
+        "--model.q_lora_rank",
+        "24",
+        "--model.kv_lora_rank",
+        "16",
+        "--model.qk_nope_head_dim",
+        "8",
+        "--model.qk_rope_head_dim",
+        "8",
+        "--model.v_head_dim",
+        "12",
+        "--training.local_batch_size",
+        "4",
+    ];
+    let single = [&["--training.steps", "6"], SEQ64, BLOCK_CAUSAL, &mla].concat();
+    let fsdp = [
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ];
+    assert_layout_matches_one_process("FSDP 2 (MLA)", &single, &nproc("2"), &fsdp, "FSDP");
+}
+
 /// Records of 5 to 60 characters, one JSON object a line.
 fn write_short_records(path: &Path) {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
