@@ -191,12 +191,15 @@ fn data_parallel_ranks_split_the_same_global_batches() {
     }
 }
 
-/// First-fit packing: every sample is whole `[BOS] doc [EOS]` documents then ignored padding, and
+/// First-fit packing: every sample is whole `[BOS] doc [EOS]` documents (the BOS marked as the
+/// document's start) then ignored padding, and
 /// the samples hold each document read exactly once (the one waiting for the next batch aside).
 #[test]
 fn first_fit_packs_whole_documents_and_pads_the_rest() {
     use titan::backend::IGNORE_INDEX;
-    let (bos, eos) = (ByteTokenizer::BOS, ByteTokenizer::EOS);
+    use titan::model::token_marks::DOCUMENT_START;
+    // Each document's BOS is marked as its start.
+    let (bos, eos) = (ByteTokenizer::BOS | DOCUMENT_START, ByteTokenizer::EOS);
     let data = tempfile::tempdir().unwrap();
     let dump = tempfile::tempdir().unwrap();
     let path = write_jsonl(data.path());

@@ -1,4 +1,6 @@
-//! The stateful data loader: documents are tokenized as `[BOS] text [EOS]`, concatenated, and cut
+//! The stateful data loader: documents are tokenized as `[BOS] text [EOS]` (the BOS marked as a
+//! document's start, `model::token_marks`; in token shards, `[training] document_start_id`'s
+//! tokens), concatenated, and cut
 //! into windows of `seq_len + 1` tokens (inputs and shifted targets), `local_batch_size` windows per
 //! micro-batch; or, with `[training] packing = "first_fit"`, packed whole into windows padded with
 //! ignored tokens (`packing.rs`: every call packs the `dp_size × local_batch_size` windows of the
@@ -19,6 +21,7 @@ use super::packing::{FirstFitBins, Packing};
 use super::tokenizer::Tokenizer;
 use super::tokens::TokenShards;
 use crate::config::Config;
+use crate::model::token_marks::{token_id, DOCUMENT_START};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoaderState {
@@ -38,6 +41,7 @@ struct Source<'a> {
     path: &'a str,
     seed: u64,
     packing: Packing,
+    document_start: Option<u32>,
 }
 
 enum Stream {
@@ -56,6 +60,8 @@ pub struct DataLoader {
     dp_rank: usize,
     dp_size: usize,
     packing: Packing,
+    /// Token shards: the id whose tokens the loader marks as documents' starts.
+    document_start: Option<u32>,
     state: LoaderState,
 }
 
@@ -75,6 +81,7 @@ impl DataLoader {
             path: &t.dataset_path,
             seed: t.seed,
             packing: Packing::parse(&t.packing)?,
+            document_start: t.document_start_id,
         };
         Self::open(
             source,
@@ -103,6 +110,7 @@ impl DataLoader {
             path: &v.dataset_path,
             seed: cfg.training.seed ^ 0x5eed_da7a,
             packing: Packing::parse(&cfg.training.packing)?,
+            document_start: cfg.training.document_start_id,
         };
         let (batch, seq) = cfg.validation_shape();
         Self::open(source, tokenizer, vocab, batch, seq, dp_rank, dp_size)
@@ -143,7 +151,10 @@ impl DataLoader {
         if let Stream::Documents { tokenizer, .. } = &stream {
             check_ids(&[tokenizer.bos_id()], vocab, "the tokenizer's BOS id")?;
             check_ids(&[tokenizer.eos_id()], vocab, "the tokenizer's EOS id")?;
-        } else if src.packing == Packing::FirstFit {
+        } else if let Some(id) = src.document_start {
+            check_ids(&[id], vocab, "[training] document_start_id")?;
+        }
+        if src.packing == Packing::FirstFit && matches!(stream, Stream::Tokens(_)) {
             bail!("[training] packing = \"first_fit\" packs whole documents, and [{}] dataset = `{}` is pre-tokenized shards without document boundaries: use concat_then_split, or a document dataset (text, jsonl, parquet)", src.section, src.dataset);
         }
         Ok(DataLoader {
@@ -154,6 +165,7 @@ impl DataLoader {
             dp_rank,
             dp_size,
             packing: src.packing,
+            document_start: src.document_start,
             state: LoaderState::default(),
         })
     }
@@ -173,7 +185,8 @@ impl DataLoader {
     /// comes from a checkpoint's `state.json` (field `data`): its buffered tokens are checked
     /// against the model's vocabulary, since they go to the model without passing the tokenizer.
     pub fn restore(&mut self, state: LoaderState) -> Result<()> {
-        check_ids(&state.buffer, self.vocab, "checkpoint field `data.buffer`")?;
+        let ids: Vec<u32> = state.buffer.iter().map(|&t| token_id(t)).collect();
+        check_ids(&ids, self.vocab, "checkpoint field `data.buffer`")?;
         if let Stream::Documents { source, .. } = &mut self.stream {
             source.reset();
             source.skip(state.consumed)?;
@@ -217,6 +230,11 @@ impl DataLoader {
                 }
                 if let Some(row) = row {
                     shards.read(self.state.consumed * window as u64, row, self.vocab)?;
+                    if let Some(start) = self.document_start {
+                        row.iter_mut()
+                            .filter(|t| **t == start)
+                            .for_each(|t| *t |= DOCUMENT_START);
+                    }
                 }
                 self.state.consumed += 1;
             }
@@ -254,7 +272,7 @@ impl DataLoader {
             let ids = tokenizer.encode(&doc)?;
             check_ids(&ids, self.vocab, "the tokenizer's output")?;
             let mut tokens = Vec::with_capacity(ids.len() + 2);
-            tokens.push(tokenizer.bos_id());
+            tokens.push(tokenizer.bos_id() | DOCUMENT_START);
             tokens.extend_from_slice(&ids);
             tokens.push(tokenizer.eos_id());
             return Ok(tokens);
@@ -285,24 +303,6 @@ impl DataLoader {
         let mine = self.dp_rank * self.batch..(self.dp_rank + 1) * self.batch;
         Ok(bins.into_samples()[mine].concat())
     }
-}
-
-/// The token that starts a document in `cfg`'s training stream when attention is block-causal
-/// (`[model] attn_mask_type`): the tokenizer's BOS for document sources (the loader puts it before
-/// every document), `[training] document_start_id` for token shards (without it each of their
-/// sequences is one document). None with causal attention.
-pub fn document_start(cfg: &Config, vocab: usize) -> Result<Option<u32>> {
-    if cfg.model.attn_mask_type != "block_causal" {
-        return Ok(None);
-    }
-    let start = match cfg.training.dataset.as_str() {
-        "tokens_u16" | "tokens_u32" => cfg.training.document_start_id,
-        _ => Some(super::load_tokenizer(&cfg.model.tokenizer_path)?.bos_id()),
-    };
-    if let Some(id) = start {
-        check_ids(&[id], vocab, "[training] document_start_id")?;
-    }
-    Ok(start)
 }
 
 /// Every id of `ids` below `vocab`; otherwise an error naming `what`, the id, its index and the

@@ -11,5 +11,5 @@ pub mod synthetic;
 pub mod tokenizer;
 pub mod tokens;
 
-pub use loader::{document_start, DataLoader, LoaderState};
+pub use loader::{DataLoader, LoaderState};
 pub use tokenizer::{load_tokenizer, ByteTokenizer, Tokenizer};

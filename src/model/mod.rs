@@ -17,6 +17,7 @@ pub mod moe;
 pub mod parallel_linear;
 pub mod params;
 pub mod projection;
+pub mod token_marks;
 
 pub use args::ModelArgs;
 pub use llama::{KvCache, Llama, Workspace};

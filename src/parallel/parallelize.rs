@@ -50,9 +50,9 @@ pub struct ParallelOptions {
     pub global_batch: usize,
     /// `[model] converters`' float8 linears (none by default).
     pub float8: Float8Conversion,
-    /// Block-causal attention over the documents in each sequence, a document starting at this
-    /// token (`data::document_start`); None: causal attention over whole sequences.
-    pub document_start: Option<u32>,
+    /// Block-causal attention over the documents the data marks in each sequence
+    /// (`[model] attn_mask_type = "block_causal"`); false: causal over whole sequences.
+    pub documents: bool,
 }
 
 /// The device's queues for the model's collectives (None: the CPU transport's).
@@ -120,9 +120,9 @@ pub fn parallelize_model<B: Backend>(
         Some(g) => model.with_expert_parallel(Arc::new(ExpertParallelGroup::new(g.clone()))),
         None => model,
     };
-    let model = match options.document_start {
-        Some(start) => model.with_documents(start),
-        None => model,
+    let model = match options.documents {
+        true => model.with_documents(),
+        false => model,
     };
     Ok(model.with_sequences_per_step(options.global_batch))
 }

@@ -97,7 +97,7 @@ fn parallel_options(cfg: &Config, plan: &RankPlan) -> Result<ParallelOptions> {
         rotate: RotateMethod::parse(&p.context_parallel_rotate_method)?,
         global_batch: plan.global_batch,
         float8: plan.float8.clone(),
-        document_start: crate::data::document_start(cfg, plan.args.vocab_size)?,
+        documents: cfg.model.attn_mask_type == "block_causal",
     })
 }
 

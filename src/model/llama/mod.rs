@@ -35,6 +35,7 @@ use crate::model::float8_convert::Float8Conversion;
 use crate::model::local_shapes::LocalShapes;
 use crate::model::moe;
 use crate::model::params::{local_param_specs, ParamIds, ParamSet};
+use crate::model::token_marks;
 
 mod backward;
 mod block;
@@ -76,9 +77,9 @@ pub struct Llama<B: Backend> {
     rope_len: usize,
     /// The tables' host copies, gathered per token for sequences of several documents.
     rope_host: (Vec<f32>, Vec<f32>),
-    /// The token id that starts a document when attention is block-causal
-    /// (`with_documents`); None: each sequence is one document.
-    document_start: Option<u32>,
+    /// Block-causal attention over the documents the data marks (`with_documents`); false:
+    /// each sequence is one document.
+    documents: bool,
     /// Which linears compute in float8 (`[model] converters`; none by default).
     float8: Float8Conversion,
 }
@@ -124,7 +125,7 @@ impl<B: Backend> Llama<B> {
             rope_sin: backend.upload(&sin),
             rope_len: max_seq,
             rope_host: (cos, sin),
-            document_start: None,
+            documents: false,
             float8: Float8Conversion::default(),
         })
     }
@@ -166,10 +167,10 @@ impl<B: Backend> Llama<B> {
         self
     }
 
-    /// This model with block-causal attention over the documents packed in each sequence, a
-    /// document starting at each `start` token (`positions.rs`).
-    pub fn with_documents(mut self, start: u32) -> Self {
-        self.document_start = Some(start);
+    /// This model with block-causal attention over the documents packed in each sequence, each
+    /// starting at a token the data marked (`token_marks::DOCUMENT_START`, `positions.rs`).
+    pub fn with_documents(mut self) -> Self {
+        self.documents = true;
         self
     }
 
@@ -269,7 +270,7 @@ impl<B: Backend> Llama<B> {
     }
 
     /// The targets of `[rows, seq+1]` token rows that count toward this rank's loss: those at its
-    /// positions, ignored ids left out.
+    /// positions, padding and tokens marked not a target left out (`token_marks`).
     pub fn count_targets(&self, tokens: &[u32], seq: usize) -> usize {
         let chunks = self.sequence_shard().chunks(seq);
         tokens
@@ -280,7 +281,7 @@ impl<B: Backend> Llama<B> {
                     .map(|c| {
                         row[c.start + 1..c.end + 1]
                             .iter()
-                            .filter(|&&t| t != IGNORE_INDEX)
+                            .filter(|&&t| token_marks::target(t) != IGNORE_INDEX)
                             .count()
                     })
                     .sum::<usize>()
@@ -312,15 +313,15 @@ impl<B: Backend> Llama<B> {
     /// tables' rows for them; nothing when every sequence is one document (then attention and
     /// RoPE are exactly the causal ones).
     fn load_documents(&self, be: &B, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
-        let Some(start) = self.document_start else {
+        if !self.documents {
             return Ok(());
-        };
+        }
         let s = ws.seq * self.local.cp;
         let shard = self.sequence_shard().positions(s);
         let positions: Vec<u32> = tokens
             .chunks(s + 1)
             .flat_map(|row| {
-                let whole = document_positions(&row[..s], start);
+                let whole = document_positions(&row[..s]);
                 shard.iter().map(move |&p| whole[p])
             })
             .collect();
@@ -375,16 +376,20 @@ impl<B: Backend> Llama<B> {
                 self.rope_len
             );
         }
-        // Padding (first-fit packing) is IGNORE_INDEX: targets that count for nothing, inputs
-        // that embed as zeros.
-        check_ids_but(tokens, s + 1, self.args.vocab_size, IGNORE_INDEX)?;
+        // The data loader's marks cleared (`token_marks`); padding (first-fit packing) is
+        // IGNORE_INDEX: targets that count for nothing, inputs that embed as zeros.
+        let ids: Vec<u32> = tokens.iter().map(|&t| token_marks::token_id(t)).collect();
+        check_ids_but(&ids, s + 1, self.args.vocab_size, IGNORE_INDEX)?;
         let chunks = self.sequence_shard().chunks(s);
-        for (r, row) in tokens.chunks(s + 1).enumerate() {
+        for (r, (row, marked)) in ids.chunks(s + 1).zip(tokens.chunks(s + 1)).enumerate() {
             let mut at = r * ws.seq;
             for c in &chunks {
                 let n = c.len();
                 ws.inputs[at..at + n].copy_from_slice(&row[c.clone()]);
-                ws.targets[at..at + n].copy_from_slice(&row[c.start + 1..c.end + 1]);
+                let targets = marked[c.start + 1..c.end + 1].iter();
+                for (t, &m) in ws.targets[at..at + n].iter_mut().zip(targets) {
+                    *t = token_marks::target(m);
+                }
                 at += n;
             }
         }

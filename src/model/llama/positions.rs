@@ -4,21 +4,22 @@
 //!
 //! A sequence of the data loader is a window of the concatenated `[BOS] doc [EOS]` stream, so it
 //! may hold the end of one document and the starts of others. With documents on
-//! (`Llama::with_documents`), a token's position restarts at 0 at every document start (the
-//! configured id, the tokenizer's BOS) and at the sequence's first token: a document cut by the
-//! window continues as a new one, as TorchTitan canonicalises it. Positions are derived from the
-//! tokens themselves, so every rank that holds the tokens (every pipeline stage, every
-//! tensor-parallel rank) derives the same ones with nothing sent.
+//! (`Llama::with_documents`), a token's position restarts at 0 at every document start (the tokens
+//! the loader marked, `token_marks::DOCUMENT_START`) and at the sequence's first token: a document
+//! cut by the window continues as a new one, as TorchTitan canonicalises it. Positions are derived
+//! from the marked tokens themselves, so every rank that holds the tokens (every pipeline stage,
+//! every tensor-parallel rank) derives the same ones with nothing sent.
 
 use crate::backend::{AttnMask, Backend, RopeShape};
+use crate::model::token_marks::starts_document;
 
-/// Each token's position in its document: 0 at the first token of `row` and at every
-/// `document_start`, one more than its predecessor's elsewhere.
-pub fn document_positions(row: &[u32], document_start: u32) -> Vec<u32> {
+/// Each token's position in its document: 0 at the first token of `row` and at every token
+/// marked as a document's start, one more than its predecessor's elsewhere.
+pub fn document_positions(row: &[u32]) -> Vec<u32> {
     let mut positions = Vec::with_capacity(row.len());
     let mut next = 0u32;
     for &token in row {
-        if token == document_start {
+        if starts_document(token) {
             next = 0;
         }
         positions.push(next);
@@ -86,13 +87,14 @@ mod tests {
 
     #[test]
     fn positions_restart_at_each_document_start_and_at_the_row_start() {
-        let bos = 1;
+        use crate::model::token_marks::DOCUMENT_START;
+        let start = 1 | DOCUMENT_START;
         assert_eq!(
-            document_positions(&[7, 8, 1, 5, 6, 9, 1, 4], bos),
+            document_positions(&[7, 8, start, 5, 6, 9, start, 4]),
             vec![0, 1, 0, 1, 2, 3, 0, 1]
         );
-        assert_eq!(document_positions(&[1, 2, 3], bos), vec![0, 1, 2]);
-        assert_eq!(document_positions(&[1, 1, 1], bos), vec![0, 0, 0]);
-        assert!(document_positions(&[], bos).is_empty());
+        assert_eq!(document_positions(&[1, 1, 3]), vec![0, 1, 2], "unmarked");
+        assert_eq!(document_positions(&[start, start, start]), vec![0, 0, 0]);
+        assert!(document_positions(&[]).is_empty());
     }
 }
