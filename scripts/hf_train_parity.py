@@ -11,7 +11,9 @@ With --document-start the attention is block-causal, as titan's `[model] attn_ma
 token, and a 4-D mask lets a token see only the earlier tokens of its own document. Without it,
 plain causal attention. The schedule is titan's (linear warm-up from 1/(warmup+1), then linear
 decay over the remaining steps to 0, `src/train/lr.rs`); gradients are clipped as
-`clip_grad_norm_` does. Needs torch and transformers (never a dependency of titan itself).
+`clip_grad_norm_` does. With --targets (supervised fine-tuning) the labels of tokens that are not
+targets are -100 and the loss is `cross_entropy(ignore_index=-100)`, the mean over the rest.
+Needs torch and transformers (never a dependency of titan itself).
 """
 import argparse
 import json
@@ -64,10 +66,16 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--max-norm", type=float, default=1.0)
     ap.add_argument("--document-start", type=int)
+    ap.add_argument(
+        "--targets",
+        help="a uint8 file aligned with --tokens: 0 where the token is not a target "
+        "(a chat sample's prompt: its label is -100, as ignore_index skips it)",
+    )
     a = ap.parse_args()
 
     torch.use_deterministic_algorithms(True)
     tokens = np.fromfile(a.tokens, dtype="<u4").astype(np.int64)
+    counts = np.fromfile(a.targets, dtype=np.uint8) if a.targets else np.ones(len(tokens), np.uint8)
     window = a.seq + 1
     windows = len(tokens) // window
     model = AutoModelForCausalLM.from_pretrained(
@@ -80,13 +88,16 @@ def main():
     )
     taken, out = 0, []
     for step in range(1, a.steps + 1):
-        rows = []
+        rows, masks = [], []
         for _ in range(a.batch):
             w = taken % windows
             rows.append(tokens[w * window:(w + 1) * window])
+            masks.append(counts[w * window:(w + 1) * window])
             taken += 1
         ids = torch.tensor(np.stack(rows))
-        inputs, targets = ids[:, :-1], ids[:, 1:]
+        inputs = ids[:, :-1]
+        counted = torch.tensor(np.stack(masks)[:, 1:] != 0)
+        targets = torch.where(counted, ids[:, 1:], torch.full_like(ids[:, 1:], -100))
         kwargs = {}
         if a.document_start is not None:
             kwargs["position_ids"], kwargs["attention_mask"] = block_causal_inputs(
@@ -94,7 +105,7 @@ def main():
             )
         logits = model(input_ids=inputs, **kwargs).logits
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
         )
         opt.zero_grad()
         loss.backward()

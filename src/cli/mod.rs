@@ -9,6 +9,7 @@ pub mod lighthouse;
 pub mod pipeline;
 pub mod plan;
 pub mod plot;
+mod tokenizer_chat;
 
 use std::path::PathBuf;
 
@@ -163,6 +164,19 @@ pub enum TokenizerCommand {
         vocab_size: usize,
         #[arg(long)]
         output: PathBuf,
+    },
+    /// Each row of a chat JSONL as training sees it: rendered with the tokenizer's chat template,
+    /// its ids, and which are the assistant's (`assistant_mask`: 1 on the tokens that count).
+    Chat {
+        /// A Hugging Face tokenizer.json, or the folder holding it (and its chat template).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Chat rows: `messages` (role, content) or `prompt`/`response`, one JSON object a line.
+        #[arg(long)]
+        input: PathBuf,
+        /// One JSON object a row: `row`, `text`, `ids`, `assistant_mask`.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -385,6 +399,11 @@ pub fn run(cli: Cli) -> Result<()> {
                 vocab_size,
                 output,
             } => crate::data::bpe::train_bpe(&input, vocab_size, &output),
+            TokenizerCommand::Chat {
+                tokenizer,
+                input,
+                json,
+            } => tokenizer_chat::run(&tokenizer, &input, json),
         },
         Command::Cuda { action } => cuda::run(&action),
         Command::Bench { what } => match what {

@@ -69,6 +69,7 @@ pub const DATASETS: &[&str] = &[
     "parquet",
     "tokens_u16",
     "tokens_u32",
+    "chat",
 ];
 pub const DEVICES: &[&str] = &["cpu", "cuda", "auto"];
 pub const PRECISIONS: &[&str] = &["bfloat16", "tfloat32", "float32"];

@@ -24,6 +24,10 @@ pub trait DocumentSource: Send {
         Ok(())
     }
     fn describe(&self) -> String;
+    /// Where the last document came from (a file and line), for errors about it.
+    fn last_position(&self) -> Option<String> {
+        None
+    }
 }
 
 pub struct SyntheticSource {
@@ -86,6 +90,46 @@ impl DocumentSource for TextSource {
     }
     fn describe(&self) -> String {
         format!("text files at {}", self.path)
+    }
+}
+
+/// Chat rows (`chat.rs`), one JSON object per line, each handed on whole: the loader parses and
+/// renders it.
+pub struct ChatSource {
+    lines: LineReader,
+    path: String,
+    last: Option<String>,
+}
+
+impl ChatSource {
+    pub fn open(path: &Path) -> Result<Self> {
+        Ok(ChatSource {
+            lines: LineReader::new(list_files(path, &[".jsonl", ".jsonl.gz", ".json.gz"])?),
+            path: path.display().to_string(),
+            last: None,
+        })
+    }
+}
+
+impl DocumentSource for ChatSource {
+    fn next_document(&mut self) -> Result<Option<String>> {
+        while let Some((line, file, line_no)) = self.lines.next_line()? {
+            if line.trim().is_empty() {
+                continue;
+            }
+            self.last = Some(format!("{}:{line_no}", file.display()));
+            return Ok(Some(line.to_string()));
+        }
+        Ok(None)
+    }
+    fn reset(&mut self) {
+        self.lines.reset();
+    }
+    fn describe(&self) -> String {
+        format!("chat JSONL at {}", self.path)
+    }
+    fn last_position(&self) -> Option<String> {
+        self.last.clone()
     }
 }
 

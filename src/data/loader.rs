@@ -16,12 +16,13 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::documents::{DocumentSource, JsonlSource, SyntheticSource, TextSource};
+use super::chat::{encode_chat, parse_row, ChatTemplate, ChatTokens};
+use super::documents::{ChatSource, DocumentSource, JsonlSource, SyntheticSource, TextSource};
 use super::packing::{FirstFitBins, Packing};
 use super::tokenizer::Tokenizer;
 use super::tokens::TokenShards;
 use crate::config::Config;
-use crate::model::token_marks::{token_id, DOCUMENT_START};
+use crate::model::token_marks::{token_id, DOCUMENT_START, NOT_A_TARGET};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoaderState {
@@ -42,12 +43,16 @@ struct Source<'a> {
     seed: u64,
     packing: Packing,
     document_start: Option<u32>,
+    /// `[model] tokenizer_path`, beside which a chat dataset's template lies.
+    tokenizer_path: &'a str,
 }
 
 enum Stream {
     Documents {
         source: Box<dyn DocumentSource>,
         tokenizer: Box<dyn Tokenizer>,
+        /// Chat rows rendered with this template (`chat.rs`); None: plain text documents.
+        chat: Option<Box<ChatTemplate>>,
     },
     Tokens(TokenShards),
 }
@@ -82,6 +87,7 @@ impl DataLoader {
             seed: t.seed,
             packing: Packing::parse(&t.packing)?,
             document_start: t.document_start_id,
+            tokenizer_path: &cfg.model.tokenizer_path,
         };
         Self::open(
             source,
@@ -111,6 +117,7 @@ impl DataLoader {
             seed: cfg.training.seed ^ 0x5eed_da7a,
             packing: Packing::parse(&cfg.training.packing)?,
             document_start: cfg.training.document_start_id,
+            tokenizer_path: &cfg.model.tokenizer_path,
         };
         let (batch, seq) = cfg.validation_shape();
         Self::open(source, tokenizer, vocab, batch, seq, dp_rank, dp_size)
@@ -127,23 +134,31 @@ impl DataLoader {
         dp_size: usize,
     ) -> Result<Self> {
         let path = Path::new(src.path);
+        let documents = |source: Box<dyn DocumentSource>, tokenizer| Stream::Documents {
+            source,
+            tokenizer,
+            chat: None,
+        };
         let stream = match src.dataset {
-            "synthetic" => Stream::Documents {
-                source: Box::new(SyntheticSource::new(src.seed)),
+            "synthetic" => documents(Box::new(SyntheticSource::new(src.seed)), tokenizer),
+            "text" => documents(Box::new(TextSource::open(path)?), tokenizer),
+            "jsonl" => documents(Box::new(JsonlSource::open(path)?), tokenizer),
+            "parquet" => documents(
+                Box::new(super::parquet::ParquetSource::open(path)?),
                 tokenizer,
-            },
-            "text" => Stream::Documents {
-                source: Box::new(TextSource::open(path)?),
-                tokenizer,
-            },
-            "jsonl" => Stream::Documents {
-                source: Box::new(JsonlSource::open(path)?),
-                tokenizer,
-            },
-            "parquet" => Stream::Documents {
-                source: Box::new(super::parquet::ParquetSource::open(path)?),
-                tokenizer,
-            },
+            ),
+            "chat" => {
+                if src.tokenizer_path.is_empty() {
+                    bail!("[{}] dataset = \"chat\" renders rows with the tokenizer's chat template: set [model] tokenizer_path to a Hugging Face tokenizer.json with one beside it (chat_template.jinja or tokenizer_config.json)", src.section);
+                }
+                Stream::Documents {
+                    source: Box::new(ChatSource::open(path)?),
+                    tokenizer,
+                    chat: Some(Box::new(ChatTemplate::beside(Path::new(
+                        src.tokenizer_path,
+                    ))?)),
+                }
+            }
             "tokens_u16" => Stream::Tokens(TokenShards::open(path, 2)?),
             "tokens_u32" => Stream::Tokens(TokenShards::open(path, 4)?),
             other => bail!("[{}] dataset = `{other}` is not known", src.section),
@@ -175,6 +190,18 @@ impl DataLoader {
             Stream::Documents { source, .. } => source.describe(),
             Stream::Tokens(t) => format!("{} pre-tokenized tokens", t.total_tokens()),
         }
+    }
+
+    /// Where the last document read came from: its file and line, or its index in the epoch.
+    fn last_position(&self) -> String {
+        let position = match &self.stream {
+            Stream::Documents { source, .. } => source.last_position(),
+            Stream::Tokens(_) => None,
+        };
+        position.unwrap_or_else(|| {
+            let (n, epoch) = (self.state.consumed, self.state.epoch);
+            format!("{n} of epoch {epoch} ({})", self.describe())
+        })
     }
 
     pub fn state(&self) -> LoaderState {
@@ -254,7 +281,12 @@ impl DataLoader {
 
     /// The next document of the stream as `[BOS] ids [EOS]`, a new epoch begun at its end.
     fn next_document(&mut self) -> Result<Vec<u32>> {
-        let Stream::Documents { source, tokenizer } = &mut self.stream else {
+        let Stream::Documents {
+            source,
+            tokenizer,
+            chat,
+        } = &mut self.stream
+        else {
             bail!("token shards have no documents (a titan bug: checked when the loader opened)");
         };
         loop {
@@ -269,6 +301,13 @@ impl DataLoader {
                 continue;
             };
             self.state.consumed = self.state.consumed.saturating_add(1);
+            if let Some(template) = chat {
+                let at = source.last_position().unwrap_or_else(|| source.describe());
+                let messages = parse_row(&doc, &at)?;
+                let chat = encode_chat(template, tokenizer.as_ref(), &messages, &at)?;
+                check_ids(&chat.ids, self.vocab, "the tokenizer's output")?;
+                return Ok(marked_chat(chat));
+            }
             let ids = tokenizer.encode(&doc)?;
             check_ids(&ids, self.vocab, "the tokenizer's output")?;
             let mut tokens = Vec::with_capacity(ids.len() + 2);
@@ -291,7 +330,8 @@ impl DataLoader {
             };
             if doc.len() > window {
                 if self.dp_rank == 0 {
-                    errln!("warning: document {} of epoch {} ({}) has {} tokens with BOS and EOS, more than a sample's seq_len + 1 = {window}: first_fit packing keeps its first {window}", self.state.consumed, self.state.epoch, self.describe(), doc.len());
+                    let at = self.last_position();
+                    errln!("warning: document {at} has {} tokens with BOS and EOS (or its chat template's), more than a sample's seq_len + 1 = {window}: first_fit packing keeps its first {window}", doc.len());
                 }
                 doc.truncate(window);
             }
@@ -303,6 +343,21 @@ impl DataLoader {
         let mine = self.dp_rank * self.batch..(self.dp_rank + 1) * self.batch;
         Ok(bins.into_samples()[mine].concat())
     }
+}
+
+/// A conversation's tokens as the model reads them: its first token marked as a document's start,
+/// every token but the assistant's marked not a target.
+fn marked_chat(chat: ChatTokens) -> Vec<u32> {
+    chat.ids
+        .iter()
+        .zip(&chat.assistant_mask)
+        .enumerate()
+        .map(|(i, (&id, &assistant))| {
+            let start = if i == 0 { DOCUMENT_START } else { 0 };
+            let prompt = if assistant == 0 { NOT_A_TARGET } else { 0 };
+            id | start | prompt
+        })
+        .collect()
 }
 
 /// Every id of `ids` below `vocab`; otherwise an error naming `what`, the id, its index and the

@@ -2,6 +2,7 @@
 //! stateful, data-parallel-aware loader that packs them into training windows.
 
 pub mod bpe;
+pub mod chat;
 pub mod documents;
 pub mod files;
 pub mod loader;

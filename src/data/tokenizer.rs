@@ -5,9 +5,14 @@ use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
 
+/// Token ids, each with the byte range of `text` it covers.
+pub type IdsWithOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
 pub trait Tokenizer: Send + Sync {
     /// Token ids of `text`, without BOS/EOS.
     fn encode(&self, text: &str) -> Result<Vec<u32>>;
+    /// `encode` with each token's byte range in `text` (where its text starts and ends).
+    fn encode_with_offsets(&self, text: &str) -> Result<IdsWithOffsets>;
     fn decode(&self, ids: &[u32]) -> Result<String>;
     fn vocab_size(&self) -> usize;
     fn bos_id(&self) -> u32;
@@ -25,6 +30,12 @@ impl ByteTokenizer {
 impl Tokenizer for ByteTokenizer {
     fn encode(&self, text: &str) -> Result<Vec<u32>> {
         Ok(text.bytes().map(u32::from).collect())
+    }
+    fn encode_with_offsets(&self, text: &str) -> Result<IdsWithOffsets> {
+        Ok((
+            self.encode(text)?,
+            (0..text.len()).map(|i| (i, i + 1)).collect(),
+        ))
     }
     fn decode(&self, ids: &[u32]) -> Result<String> {
         let bytes: Vec<u8> = ids.iter().filter(|&&i| i < 256).map(|&i| i as u8).collect();
@@ -96,6 +107,14 @@ impl Tokenizer for HfTokenizer {
             .map_err(|e| anyhow!("tokenizer: {e}"))?
             .get_ids()
             .to_vec())
+    }
+    fn encode_with_offsets(&self, text: &str) -> Result<IdsWithOffsets> {
+        // The tokenizers crate's offsets are byte offsets into `text`.
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenizer: {e}"))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
     }
     fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner

@@ -1,0 +1,331 @@
+//! Supervised fine-tuning on chat data (`[training] dataset = "chat"`): rows render token for
+//! token as transformers' `apply_chat_template` renders them with the tokenizer's own template (a
+//! Llama 3 `tokenizer_config.json` with a small tokenizer made for the test), the assistant's
+//! tokens are those transformers' rendering adds for each assistant turn, and training equals
+//! PyTorch's with the prompt's labels at -100 (`cross_entropy(ignore_index=-100)`), step for step.
+
+mod common;
+
+use std::path::Path;
+
+use common::{hf_python, losses, titan_bin, train};
+
+/// Meta-Llama-3-8B-Instruct's chat template.
+const LLAMA3_TEMPLATE: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
+
+/// Writes a byte-level BPE tokenizer with Llama 3's special tokens and a `tokenizer_config.json`
+/// carrying Llama 3's template into `dir`.
+fn make_tokenizer(py: &str, dir: &Path) {
+    let script = r#"
+import json, sys
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+out, template = sys.argv[1], sys.argv[2]
+specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+corpus = ["hello there, how are you today?", "the assistant answers questions about packing",
+          "documents are packed whole into samples", "what is the capital of france? paris."] * 50
+tok.train_from_iterator(corpus, trainer)
+tok.save(f"{out}/tokenizer.json")
+json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+           "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template},
+          open(f"{out}/tokenizer_config.json", "w"))
+"#;
+    python(py, &["-c", script, dir.to_str().unwrap(), LLAMA3_TEMPLATE]);
+}
+
+/// Chat rows: single and multi-turn, a system turn, a prompt/response pair.
+fn write_rows(path: &Path) {
+    let questions = [
+        "how are you today?",
+        "what is the capital of france?",
+        "are documents packed whole?",
+    ];
+    let answers = ["hello there, fine.", "paris.", "yes, into samples."];
+    let mut lines = String::new();
+    for i in 0..60 {
+        let (q, a) = (questions[i % 3], answers[i % 3]);
+        let row = match i % 3 {
+            0 => serde_json::json!({"messages": [
+                {"role": "user", "content": q}, {"role": "assistant", "content": a}]}),
+            1 => serde_json::json!({"messages": [
+                {"role": "system", "content": "answer questions about packing"},
+                {"role": "user", "content": q}, {"role": "assistant", "content": a},
+                {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "the assistant answers."}]}),
+            _ => serde_json::json!({"prompt": q, "response": a}),
+        };
+        lines.push_str(&format!("{row}\n"));
+    }
+    std::fs::write(path, lines).unwrap();
+}
+
+fn python(py: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(py).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// transformers' rendering of each row and its assistant tokens: for each assistant turn, the
+/// tokens its rendering adds to the conversation before it (rendered with the generation prompt).
+const TRANSFORMERS_RENDERING: &str = r#"
+import json, sys
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+for line in open(sys.argv[2]):
+    row = json.loads(line)
+    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]},
+                                       {"role": "assistant", "content": row["response"]}]
+    ids = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+        through = tok.apply_chat_template(messages[:i + 1], tokenize=True, return_dict=True)["input_ids"]
+        assert ids[:len(through)] == through and through[:len(before)] == before
+        for t in range(len(before), len(through)):
+            mask[t] = 1
+    print(json.dumps({"ids": ids, "assistant_mask": mask}))
+"#;
+
+#[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
+fn chat_rows_render_as_transformers_and_train_as_pytorch_with_the_prompt_ignored() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let tok_dir = dir.path().join("tokenizer");
+    std::fs::create_dir(&tok_dir).unwrap();
+    make_tokenizer(&py, &tok_dir);
+    let rows = dir.path().join("chat.jsonl");
+    write_rows(&rows);
+
+    // titan's rendering, token for token transformers'.
+    let out = std::process::Command::new(titan_bin())
+        .args(["tokenizer", "chat", "--json", "--tokenizer"])
+        .arg(&tok_dir)
+        .arg("--input")
+        .arg(&rows)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ours: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let theirs: Vec<serde_json::Value> = python(
+        &py,
+        &[
+            "-c",
+            TRANSFORMERS_RENDERING,
+            tok_dir.to_str().unwrap(),
+            rows.to_str().unwrap(),
+        ],
+    )
+    .lines()
+    .map(|l| serde_json::from_str(l).unwrap())
+    .collect();
+    assert_eq!(ours.len(), 60);
+    for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        assert_eq!(a["ids"], b["ids"], "row {i}: ids");
+        assert_eq!(
+            a["assistant_mask"], b["assistant_mask"],
+            "row {i}: assistant mask"
+        );
+    }
+
+    // The stream training reads (the rows' tokens one after another) and which are targets.
+    let ids: Vec<u32> = ours
+        .iter()
+        .flat_map(|r| {
+            r["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+        })
+        .collect();
+    let counts: Vec<u8> = ours
+        .iter()
+        .flat_map(|r| {
+            r["assistant_mask"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m.as_u64().unwrap() as u8)
+        })
+        .collect();
+    let tokens = dir.path().join("tokens.bin");
+    let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+    std::fs::write(&tokens, bytes).unwrap();
+    let targets = dir.path().join("targets.bin");
+    std::fs::write(&targets, &counts).unwrap();
+
+    let make = r#"
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
+"#;
+    let hf = dir.path().join("hf");
+    python(&py, &["-c", make, hf.to_str().unwrap()]);
+    let (steps, batch, seq, lr, warmup) = ("10", "2", "64", "3e-3", "2");
+    let dump = dir.path().join("titan");
+    let o = train(
+        &dump,
+        &[],
+        &[
+            "--model.attn_mask_type",
+            "block_causal",
+            "--model.tokenizer_path",
+            tok_dir.join("tokenizer.json").to_str().unwrap(),
+            "--training.dataset",
+            "chat",
+            "--training.dataset_path",
+            rows.to_str().unwrap(),
+            "--training.steps",
+            steps,
+            "--training.local_batch_size",
+            batch,
+            "--training.seq_len",
+            seq,
+            "--optimizer.lr",
+            lr,
+            "--lr_scheduler.warmup_steps",
+            warmup,
+            "--checkpoint.initial_load_path",
+            hf.to_str().unwrap(),
+            "--checkpoint.initial_load_in_hf",
+            "true",
+            "--checkpoint.enable",
+            "false",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_train_parity.py");
+    let bos = ids[0].to_string();
+    let reference = python(
+        &py,
+        &[
+            script,
+            hf.to_str().unwrap(),
+            "--tokens",
+            tokens.to_str().unwrap(),
+            "--targets",
+            targets.to_str().unwrap(),
+            "--batch",
+            batch,
+            "--seq",
+            seq,
+            "--steps",
+            steps,
+            "--lr",
+            lr,
+            "--warmup",
+            warmup,
+            "--document-start",
+            &bos,
+        ],
+    );
+    let reference: Vec<serde_json::Value> = serde_json::from_str(&reference).unwrap();
+    let titan_losses = losses(&dump);
+    assert_eq!(titan_losses.len(), reference.len());
+    let mut worst: f64 = 0.0;
+    for ((step, ours), r) in titan_losses.iter().zip(&reference) {
+        let theirs = r["loss"].as_f64().unwrap();
+        worst = worst.max((ours - theirs).abs() / theirs.abs());
+        assert!(
+            (ours - theirs).abs() <= 1e-5 * theirs.abs(),
+            "step {step}: titan {ours}, PyTorch {theirs}"
+        );
+    }
+    eprintln!("SFT vs PyTorch (ignore_index=-100): largest relative loss difference {worst:.2e}");
+}
+
+/// A tokenizer made by `titan tokenizer train`, with Llama 3's template beside it (no Python).
+fn titan_tokenizer(dir: &Path) -> std::path::PathBuf {
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, "hello there, how are you today?\n".repeat(20)).unwrap();
+    let file = dir.join("tokenizer.json");
+    let o = std::process::Command::new(titan_bin())
+        .args(["tokenizer", "train", "--vocab-size", "280", "--input"])
+        .arg(&corpus)
+        .arg("--output")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let config =
+        serde_json::json!({"bos_token": "<|begin_of_text|>", "chat_template": LLAMA3_TEMPLATE});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    file
+}
+
+/// Bad chat data is an error naming the file and line (or the template's file); a chat dataset
+/// without a tokenizer names the key.
+#[test]
+fn bad_chat_rows_are_refused_naming_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = titan_tokenizer(dir.path());
+    let refused = |rows: &str, extra: &[&str], says: &[&str]| {
+        let data = dir.path().join("rows.jsonl");
+        std::fs::write(&data, rows).unwrap();
+        let dump = tempfile::tempdir().unwrap();
+        let base = [
+            "--training.dataset",
+            "chat",
+            "--training.dataset_path",
+            data.to_str().unwrap(),
+            "--model.tokenizer_path",
+            tokenizer.to_str().unwrap(),
+            "--training.steps",
+            "1",
+        ];
+        let o = train(dump.path(), &[], &[&base[..], extra].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{rows}: trained");
+        for s in says {
+            assert!(err.contains(s), "{rows}: {err}");
+        }
+    };
+    let ok = r#"{"prompt": "hi", "response": "hello"}"#;
+    let user_only = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+    // After a good row and a blank line; sequences of 256 need more than the first row.
+    let long = ["--training.seq_len", "256"];
+    refused(
+        &format!("{ok}\n\n{user_only}\n"),
+        &long,
+        &["rows.jsonl:3", "no assistant turn"],
+    );
+    let robot = r#"{"messages": [{"role": "robot", "content": "hi"}]}"#;
+    refused(
+        &format!("{robot}\n"),
+        &[],
+        &["rows.jsonl:1", "unknown role `robot`"],
+    );
+    refused("{\"text\": 1}\n", &[], &["rows.jsonl:1", "`messages`"]);
+    refused(ok, &["--model.tokenizer_path", ""], &["tokenizer_path"]);
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": "{{ raise_exception('system turns only') }}"})
+            .to_string(),
+    )
+    .unwrap();
+    refused(ok, &[], &["tokenizer_config.json", "system turns only"]);
+}
