@@ -46,19 +46,9 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
-fn check_mask(mask: &AttnMask, s: &AttnShape) {
-    if let Some(p) = mask.positions {
-        assert!(
-            p.len() >= s.batch * s.q_len,
-            "attention: {} document positions for {} queries",
-            p.len(),
-            s.batch * s.q_len
-        );
-    }
-    assert!(mask.window != Some(0), "attention: a window of 0 keys");
-}
-
-fn check(s: AttnShape, q: &[f32], k: &[f32], v: &[f32]) {
+/// The call's lengths and mask fit its buffers.
+fn check(x: &AttnInputs<'_, Vec<f32>>) {
+    let s = x.shape;
     assert!(
         s.n_heads.is_multiple_of(s.n_kv_heads),
         "attention: {} heads not a multiple of {} kv heads",
@@ -66,9 +56,18 @@ fn check(s: AttnShape, q: &[f32], k: &[f32], v: &[f32]) {
         s.n_kv_heads
     );
     assert!(s.kv_len <= s.kv_capacity, "attention: bad lengths {s:?}");
-    assert!(q.len() >= s.batch * s.q_len * s.n_heads * s.head_dim);
-    assert!(k.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
-    assert!(v.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
+    assert!(x.q.len() >= s.batch * s.q_len * s.n_heads * s.head_dim);
+    assert!(x.k.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
+    assert!(x.v.len() >= s.batch * s.kv_capacity * s.n_kv_heads * s.head_dim);
+    if let Some(p) = x.mask.positions {
+        let queries = s.batch * s.q_len;
+        assert!(
+            p.len() >= queries,
+            "attention: {} document positions for {queries} queries",
+            p.len()
+        );
+    }
+    assert!(x.mask.window != Some(0), "attention: a window of 0 keys");
 }
 
 /// How many leading keys of the tile from `j0` (`width` wide) lie at or before the causal limit of
@@ -98,6 +97,7 @@ fn queries_seeing(mask: &AttnMask, s: &AttnShape, b: usize, i0: usize, key: usiz
 }
 
 pub fn attention_forward(out: &mut [f32], lse: &mut [f32], x: AttnInputs<'_, Vec<f32>>) {
+    check(&x);
     let AttnInputs {
         q,
         k,
@@ -105,8 +105,6 @@ pub fn attention_forward(out: &mut [f32], lse: &mut [f32], x: AttnInputs<'_, Vec
         shape: s,
         mask,
     } = x;
-    check(s, q, k, v);
-    check_mask(&mask, &s);
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -227,6 +225,7 @@ pub fn attention_backward(
     x: AttnInputs<'_, Vec<f32>>,
     saved: AttnSaved<'_, Vec<f32>>,
 ) {
+    check(&x);
     let AttnGrads { dq, dk, dv } = grads;
     let AttnInputs {
         q,
@@ -236,8 +235,6 @@ pub fn attention_backward(
         mask,
     } = x;
     let AttnSaved { out, lse } = saved;
-    check(s, q, k, v);
-    check_mask(&mask, &s);
     assert!(
         s.kv_capacity == s.kv_len,
         "attention backward expects keys without spare capacity, got {s:?}"
@@ -246,6 +243,10 @@ pub fn attention_backward(
     let group = s.n_heads / s.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let (q_rs, kv_rs) = (s.n_heads * hd, s.n_kv_heads * hd);
+    // Every gradient is summed into: dQ over key tiles, dK and dV over query tiles and heads.
+    dq[..s.batch * seq * q_rs].fill(0.0);
+    dk[..s.batch * keys * kv_rs].fill(0.0);
+    dv[..s.batch * keys * kv_rs].fill(0.0);
     let (dq_ptr, dk_ptr, dv_ptr) = (
         SendPtr(dq.as_mut_ptr()),
         SendPtr(dk.as_mut_ptr()),
@@ -265,18 +266,8 @@ pub fn attention_backward(
                 // head belong to this task; every strided view stays inside its buffer.
                 for (g, h) in heads.clone().enumerate() {
                     for i in 0..seq {
-                        delta[g * seq + i] = dot(
-                            &dout[q_at(i, h)..q_at(i, h) + hd],
-                            &out[q_at(i, h)..q_at(i, h) + hd],
-                        );
-                        unsafe { std::slice::from_raw_parts_mut(dq_ptr.get().add(q_at(i, h)), hd) }
-                            .fill(0.0);
-                    }
-                }
-                for j in 0..keys {
-                    unsafe {
-                        std::slice::from_raw_parts_mut(dk_ptr.get().add(kv_at(j)), hd).fill(0.0);
-                        std::slice::from_raw_parts_mut(dv_ptr.get().add(kv_at(j)), hd).fill(0.0);
+                        let row = q_at(i, h)..q_at(i, h) + hd;
+                        delta[g * seq + i] = dot(&dout[row.clone()], &out[row]);
                     }
                 }
                 for j0 in (0..keys).step_by(K_TILE) {
