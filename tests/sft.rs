@@ -329,3 +329,71 @@ fn bad_chat_rows_are_refused_naming_file_and_line() {
     .unwrap();
     refused(ok, &[], &["tokenizer_config.json", "system turns only"]);
 }
+
+/// Chat rows in Parquet (`prompt` and `response` columns) train bit for bit as the same rows in
+/// JSONL do.
+#[test]
+fn parquet_chat_rows_train_as_jsonl_rows_do() {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = titan_tokenizer(dir.path());
+    let pairs: Vec<(String, String)> = (0..40)
+        .map(|i| (format!("how are you {i}?"), format!("hello there, {i}.")))
+        .collect();
+    let jsonl = dir.path().join("rows.jsonl");
+    let lines: String = pairs
+        .iter()
+        .map(|(p, r)| format!("{}\n", serde_json::json!({"prompt": p, "response": r})))
+        .collect();
+    std::fs::write(&jsonl, lines).unwrap();
+    let parquet = dir.path().join("rows.parquet");
+    let schema = Arc::new(
+        parquet::schema::parser::parse_message_type(
+            "message schema { REQUIRED BYTE_ARRAY prompt (UTF8); REQUIRED BYTE_ARRAY response (UTF8); }",
+        )
+        .unwrap(),
+    );
+    let file = std::fs::File::create(&parquet).unwrap();
+    let props = Arc::new(WriterProperties::builder().build());
+    let mut writer = SerializedFileWriter::new(file, schema, props).unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    for column in [0, 1] {
+        let values: Vec<ByteArray> = pairs
+            .iter()
+            .map(|p| {
+                ByteArray::from(if column == 0 {
+                    p.0.as_str()
+                } else {
+                    p.1.as_str()
+                })
+            })
+            .collect();
+        let mut col = group.next_column().unwrap().unwrap();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .unwrap();
+        col.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+    let run = |data: &Path| {
+        let dump = tempfile::tempdir().unwrap();
+        let args = [
+            "--training.dataset",
+            "chat",
+            "--training.dataset_path",
+            data.to_str().unwrap(),
+            "--model.tokenizer_path",
+            tokenizer.to_str().unwrap(),
+            "--training.steps",
+            "3",
+        ];
+        let o = train(dump.path(), &[], &args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        common::bits(&losses(dump.path()))
+    };
+    assert_eq!(run(&parquet), run(&jsonl));
+}

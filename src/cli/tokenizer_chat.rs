@@ -6,8 +6,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use crate::data::chat::{encode_chat, parse_row, ChatTemplate};
-use crate::data::documents::{ChatSource, DocumentSource};
+use crate::data::chat::{chat_rows, encode_chat, parse_row, ChatTemplate};
 use crate::data::tokenizer::{HfTokenizer, Tokenizer};
 
 /// `tokenizer`: a `tokenizer.json` or the folder holding it.
@@ -18,7 +17,7 @@ pub fn run(tokenizer: &Path, input: &Path, json: bool) -> Result<()> {
     };
     let tok = HfTokenizer::from_file(&file)?;
     let template = ChatTemplate::beside(&file)?;
-    let mut rows = ChatSource::open(input)?;
+    let mut rows = chat_rows(input)?;
     while let Some(line) = rows.next_document()? {
         let at = rows.last_position().unwrap_or_default();
         let messages = parse_row(&line, &at)?;

@@ -1,5 +1,5 @@
-//! Chat samples for supervised fine-tuning (`[training] dataset = "chat"`): rows of `messages`
-//! (`role`, `content`) or a `prompt`/`response` pair, rendered with the tokenizer's own chat
+//! Chat samples for supervised fine-tuning (`[training] dataset = "chat"`): rows (JSONL lines or
+//! Parquet rows) of `messages` (`role`, `content`) or a `prompt`/`response` pair, rendered with the tokenizer's own chat
 //! template as transformers' `apply_chat_template` renders it, with the assistant's tokens told
 //! apart from the rest so that only they count as targets.
 //!
@@ -22,6 +22,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 
+use super::documents::DocumentSource;
 use super::tokenizer::Tokenizer;
 
 /// One turn of a conversation.
@@ -90,6 +91,22 @@ pub fn parse_row(line: &str, at: &str) -> Result<Vec<Message>> {
         bail!("{at}: the conversation has no assistant turn, so nothing in it would be trained on");
     }
     Ok(messages)
+}
+
+/// The chat rows at `path`: JSONL lines, or Parquet rows (a `.parquet` file, or a folder holding
+/// one), each handed on as its JSON object.
+pub fn chat_rows(path: &Path) -> Result<Box<dyn DocumentSource>> {
+    let parquet = |p: &Path| p.extension().is_some_and(|e| e == "parquet");
+    let is_parquet = match path.is_dir() {
+        true => std::fs::read_dir(path)
+            .map(|d| d.flatten().any(|e| parquet(&e.path())))
+            .unwrap_or(false),
+        false => parquet(path),
+    };
+    Ok(match is_parquet {
+        true => Box::new(super::parquet::ParquetSource::open_chat(path)?),
+        false => Box::new(super::documents::ChatSource::open(path)?),
+    })
 }
 
 /// A tokenizer's chat template, ready to render.

@@ -16,8 +16,8 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::chat::{encode_chat, parse_row, ChatTemplate, ChatTokens};
-use super::documents::{ChatSource, DocumentSource, JsonlSource, SyntheticSource, TextSource};
+use super::chat::{chat_rows, encode_chat, parse_row, ChatTemplate, ChatTokens};
+use super::documents::{DocumentSource, JsonlSource, SyntheticSource, TextSource};
 use super::packing::{FirstFitBins, Packing};
 use super::tokenizer::Tokenizer;
 use super::tokens::TokenShards;
@@ -152,7 +152,7 @@ impl DataLoader {
                     bail!("[{}] dataset = \"chat\" renders rows with the tokenizer's chat template: set [model] tokenizer_path to a Hugging Face tokenizer.json with one beside it (chat_template.jinja or tokenizer_config.json)", src.section);
                 }
                 Stream::Documents {
-                    source: Box::new(ChatSource::open(path)?),
+                    source: chat_rows(path)?,
                     tokenizer,
                     chat: Some(Box::new(ChatTemplate::beside(Path::new(
                         src.tokenizer_path,

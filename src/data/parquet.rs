@@ -1,5 +1,7 @@
-//! Parquet datasets (HF `datasets` style): one document per row of the string column `text`, read
-//! row by row with the `parquet` crate's record reader (only that column is decoded).
+//! Parquet datasets (HF `datasets` style): one document per row of the string column `text`, or
+//! for chat data (`chat.rs`) each row's `messages` (a list of `role`/`content`) or `prompt` and
+//! `response`, handed on as the row's JSON; read row by row with the `parquet` crate's record
+//! reader (only those columns are decoded).
 //!
 //! The `parquet` crate can panic on malformed input (a corrupt page, a bad dictionary index); every
 //! call into it runs under `catch_unwind`, so a bad file is an error naming the file (and row),
@@ -17,54 +19,83 @@ use parquet::schema::types::Type;
 use super::documents::DocumentSource;
 use super::files::{list_files, panic_as_error};
 
+/// What a row is read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowKind {
+    /// The string column `text`.
+    Text,
+    /// The row's chat columns as one JSON object.
+    Chat,
+}
+
 pub struct ParquetSource {
     files: Vec<PathBuf>,
     next_file: usize,
     current: Option<(RowIter<'static>, PathBuf, usize)>,
     path: String,
+    kind: RowKind,
 }
 
 impl ParquetSource {
+    /// Rows of the string column `text`.
     pub fn open(path: &Path) -> Result<Self> {
+        Self::open_as(path, RowKind::Text)
+    }
+
+    /// Chat rows: `messages`, or `prompt` and `response`, each row as its JSON object.
+    pub fn open_chat(path: &Path) -> Result<Self> {
+        Self::open_as(path, RowKind::Chat)
+    }
+
+    fn open_as(path: &Path, kind: RowKind) -> Result<Self> {
         let files = list_files(path, &[".parquet"])?;
-        // Fail early (not at the first batch) when a file is unreadable or has no `text` column.
+        // Fail early (not at the first batch) when a file is unreadable or lacks the columns.
         for f in &files {
-            Self::open_rows(f)?;
+            Self::open_rows(f, kind)?;
         }
         Ok(ParquetSource {
             files,
             next_file: 0,
             current: None,
             path: path.display().to_string(),
+            kind,
         })
     }
 
-    fn open_rows(path: &Path) -> Result<RowIter<'static>> {
+    fn open_rows(path: &Path, kind: RowKind) -> Result<RowIter<'static>> {
         let file = File::open(path)
             .with_context(|| format!("cannot open data file {}", path.display()))?;
-        guarded(path, None, || Self::rows_of(path, file))
+        guarded(path, None, || Self::rows_of(path, file, kind))
     }
 
-    /// The rows of `file`'s `text` column (the decoder may panic here: see `guarded`).
-    fn rows_of(path: &Path, file: File) -> Result<RowIter<'static>> {
+    /// The rows of `file`'s columns `kind` reads (the decoder may panic here: see `guarded`).
+    fn rows_of(path: &Path, file: File, kind: RowKind) -> Result<RowIter<'static>> {
         let reader = SerializedFileReader::new(file)
             .map_err(|e| anyhow!("{}: not a readable Parquet file: {e}", path.display()))?;
         let schema = reader.metadata().file_metadata().schema_descr_ptr();
         let root = schema.root_schema();
-        let text = root
-            .get_fields()
-            .iter()
-            .find(|f| f.name() == "text")
-            .ok_or_else(|| {
-                let names: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
-                anyhow!(
-                    "{}: no column `text` (columns: {})",
-                    path.display(),
-                    names.join(", ")
-                )
-            })?;
+        let field = |name: &str| root.get_fields().iter().find(|f| f.name() == name).cloned();
+        let fields = match kind {
+            RowKind::Text => vec![field("text")],
+            RowKind::Chat => match field("messages") {
+                Some(m) => vec![Some(m)],
+                None => vec![field("prompt"), field("response")],
+            },
+        };
+        let Some(fields) = fields.into_iter().collect::<Option<Vec<_>>>() else {
+            let names: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
+            let wanted = match kind {
+                RowKind::Text => "a column `text`",
+                RowKind::Chat => "a column `messages`, or `prompt` and `response`",
+            };
+            bail!(
+                "{}: no {wanted} (columns: {})",
+                path.display(),
+                names.join(", ")
+            );
+        };
         let projection = Type::group_type_builder(root.name())
-            .with_fields(vec![text.clone()])
+            .with_fields(fields)
             .build()
             .map_err(|e| anyhow!("{}: {e}", path.display()))?;
         RowIter::from_file_into(Box::new(reader))
@@ -72,16 +103,19 @@ impl ParquetSource {
             .map_err(|e| anyhow!("{}: {e}", path.display()))
     }
 
-    /// The next row's text, `None` at the end of the file.
+    /// The next row's text (or chat JSON), `None` at the end of the file.
     fn next_text(
         rows: &mut RowIter<'static>,
         path: &Path,
-        row_no: usize,
+        (row_no, kind): (usize, RowKind),
     ) -> Result<Option<String>> {
         let Some(row) = rows.next() else {
             return Ok(None);
         };
         let row = row.map_err(|e| anyhow!("{} row {row_no}: {e}", path.display()))?;
+        if kind == RowKind::Chat {
+            return Ok(Some(row.to_json_value().to_string()));
+        }
         let text = row.get_string(0).map_err(|e| {
             anyhow!(
                 "{} row {row_no}: column `text` is not a non-null string ({e})",
@@ -113,12 +147,13 @@ impl DocumentSource for ParquetSource {
                 }
                 let p = self.files[self.next_file].clone();
                 self.next_file += 1;
-                self.current = Some((Self::open_rows(&p)?, p, 0));
+                self.current = Some((Self::open_rows(&p, self.kind)?, p, 0));
             }
+            let kind = self.kind;
             let (rows, path, row_no) = self.current.as_mut().expect("opened above");
             *row_no += 1;
             let (path, at) = (&*path, *row_no);
-            match guarded(path, Some(at), || Self::next_text(rows, path, at)) {
+            match guarded(path, Some(at), || Self::next_text(rows, path, (at, kind))) {
                 Ok(Some(text)) => return Ok(Some(text)),
                 Ok(None) => self.current = None,
                 Err(e) => {
@@ -137,6 +172,11 @@ impl DocumentSource for ParquetSource {
 
     fn describe(&self) -> String {
         format!("Parquet at {}", self.path)
+    }
+
+    fn last_position(&self) -> Option<String> {
+        let (_, path, row) = self.current.as_ref()?;
+        Some(format!("{} row {row}", path.display()))
     }
 }
 
