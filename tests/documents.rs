@@ -7,6 +7,7 @@ mod common;
 
 use std::path::Path;
 
+use common::pytorch_training::{train_both, Comparison};
 use common::{assert_layout_matches_one_process, assert_parity, bits, hf_python, losses, train};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -32,17 +33,6 @@ fn write_documents(path: &Path, n: usize, seed: u64) {
     std::fs::write(path, bytes).unwrap();
 }
 
-/// Runs the Python `script` with `args`, which must succeed; its standard output.
-fn python(py: &str, args: &[&str]) -> String {
-    let out = std::process::Command::new(py).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 /// A tiny Llama made by transformers (the tiny config's shapes: titan's debug model at dim 64),
 /// imported into titan and trained 20 steps block-causally on
 /// packed documents, against the same model trained by PyTorch's AdamW with `position_ids` that
@@ -55,103 +45,36 @@ fn block_causal_training_equals_transformers_on_packed_documents() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let make = r#"
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-torch.manual_seed(0)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
-    let hf = dir.path().join("hf");
-    python(&py, &["-c", make, hf.to_str().unwrap()]);
     let shard = dir.path().join("documents.bin");
     write_documents(&shard, 4000, 3);
-    let (steps, batch, seq, lr, warmup) = ("20", "2", "64", "3e-3", "2");
-    let dump = dir.path().join("titan");
-    let o = train(
-        &dump,
-        &[],
-        &[
-            BLOCK_CAUSAL,
-            &[
-                "--training.steps",
-                steps,
-                "--training.local_batch_size",
-                batch,
-                "--training.seq_len",
-                seq,
-                "--optimizer.lr",
-                lr,
-                "--lr_scheduler.warmup_steps",
-                warmup,
-                "--training.dataset",
-                "tokens_u32",
-                "--training.dataset_path",
-                shard.to_str().unwrap(),
-                "--training.document_start_id",
-                "1",
-                "--checkpoint.initial_load_path",
-                hf.to_str().unwrap(),
-                "--checkpoint.initial_load_in_hf",
-                "true",
-                "--checkpoint.enable",
-                "false",
-            ],
-        ]
-        .concat(),
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_train_parity.py");
-    let reference = python(
-        &py,
-        &[
-            script,
-            hf.to_str().unwrap(),
-            "--tokens",
-            shard.to_str().unwrap(),
-            "--batch",
-            batch,
-            "--seq",
-            seq,
-            "--steps",
-            steps,
-            "--lr",
-            lr,
-            "--warmup",
-            warmup,
-            "--document-start",
-            "1",
-        ],
-    );
-    let reference: Vec<serde_json::Value> = serde_json::from_str(&reference).unwrap();
-    let curve = |key: &str| -> Vec<(u64, f64)> {
-        reference
-            .iter()
-            .map(|r| (r["step"].as_u64().unwrap(), r[key].as_f64().unwrap()))
-            .collect()
+    let data = [
+        "--training.dataset",
+        "tokens_u32",
+        "--training.dataset_path",
+        shard.to_str().unwrap(),
+        "--training.document_start_id",
+        "1",
+    ];
+    let comparison = Comparison {
+        dir: dir.path(),
+        steps: "20",
+        titan_data: &data,
+        tokens: &shard,
+        targets: None,
+        document_start: "1",
     };
-    let titan_losses = losses(&dump);
-    assert_eq!(titan_losses.len(), 20);
-    let worst = curve("loss")
-        .iter()
-        .zip(&titan_losses)
-        .map(|((_, a), (_, b))| (a - b).abs() / a.abs())
-        .fold(0.0, f64::max);
+    let curves = train_both(&py, &comparison);
+    assert_eq!(curves.titan.0.len(), 20);
+    let worst = curves.worst_loss_difference();
     eprintln!(
         "block-causal vs transformers: largest relative loss difference over 20 steps {worst:.2e}"
     );
     assert_parity(
-        &curve("loss"),
-        &titan_losses,
+        &curves.pytorch.0,
+        &curves.titan.0,
         "block-causal loss vs transformers",
     );
-    for ((step, hf), (_, ours)) in curve("grad_norm")
-        .iter()
-        .zip(&common::metric(&dump, "grad_norm"))
-    {
+    for ((step, hf), (_, ours)) in curves.pytorch.1.iter().zip(&curves.titan.1) {
         assert!(
             (hf - ours).abs() <= 1e-4 * hf.abs(),
             "step {step}: grad norm transformers {hf}, titan {ours}"
@@ -195,6 +118,42 @@ fn documents_change_the_curve_only_where_sequences_hold_several() {
     assert_eq!(bits(&one_document_each), bits(&run(&shards)));
 }
 
+/// A layout to check: its name, its overrides, and what its run prints.
+type Layout = (&'static str, &'static [&'static str], &'static str);
+
+/// FSDP 2 (the same global batch: 2 sequences a rank), TP 2, and a 1F1B pipeline of 2 stages
+/// with microbatches of one sequence.
+const FSDP_TP_PP: [Layout; 3] = [
+    (
+        "FSDP 2",
+        // The same global batch: 2 sequences a rank.
+        &[
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+        "FSDP",
+    ),
+    (
+        "TP 2",
+        &["--parallelism.tensor_parallel_degree", "2"],
+        "tensor parallel",
+    ),
+    (
+        "PP 2 (1F1B)",
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+        ],
+        "pipeline: ",
+    ),
+];
+
 fn nproc(n: &'static str) -> [&'static str; 4] {
     ["--nproc", n, "--master-port", "0"]
 }
@@ -210,35 +169,7 @@ fn block_causal_layouts_match_one_process() {
         BLOCK_CAUSAL,
     ]
     .concat();
-    let layouts: [(&str, &[&str], &str); 5] = [
-        (
-            "FSDP 2",
-            // The same global batch: 2 sequences a rank.
-            &[
-                "--parallelism.data_parallel_shard_degree",
-                "2",
-                "--training.local_batch_size",
-                "2",
-            ],
-            "FSDP",
-        ),
-        (
-            "TP 2",
-            &["--parallelism.tensor_parallel_degree", "2"],
-            "tensor parallel",
-        ),
-        (
-            "PP 2 (1F1B)",
-            &[
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                "--parallelism.pipeline_parallel_schedule",
-                "1F1B",
-                "--parallelism.pipeline_parallel_microbatch_size",
-                "1",
-            ],
-            "pipeline: ",
-        ),
+    let cp: [Layout; 2] = [
         (
             "CP 2 (allgather)",
             &["--parallelism.context_parallel_degree", "2"],
@@ -255,7 +186,7 @@ fn block_causal_layouts_match_one_process() {
             "context parallel",
         ),
     ];
-    for (what, parallel, says) in layouts {
+    for (what, parallel, says) in FSDP_TP_PP.into_iter().chain(cp) {
         assert_layout_matches_one_process(what, &single, &nproc("2"), parallel, says);
     }
 }
@@ -360,36 +291,7 @@ fn first_fit_packing_layouts_match_one_process() {
         &data,
     ]
     .concat();
-    let layouts: [(&str, &[&str], &str); 3] = [
-        (
-            "FSDP 2",
-            &[
-                "--parallelism.data_parallel_shard_degree",
-                "2",
-                "--training.local_batch_size",
-                "2",
-            ],
-            "FSDP",
-        ),
-        (
-            "TP 2",
-            &["--parallelism.tensor_parallel_degree", "2"],
-            "tensor parallel",
-        ),
-        (
-            "PP 2 (1F1B)",
-            &[
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                "--parallelism.pipeline_parallel_schedule",
-                "1F1B",
-                "--parallelism.pipeline_parallel_microbatch_size",
-                "1",
-            ],
-            "pipeline: ",
-        ),
-    ];
-    for (what, parallel, says) in layouts {
+    for (what, parallel, says) in FSDP_TP_PP {
         let what = format!("first_fit, {what}");
         assert_layout_matches_one_process(&what, &single, &nproc("2"), parallel, says);
     }

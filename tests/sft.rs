@@ -8,7 +8,8 @@ mod common;
 
 use std::path::Path;
 
-use common::{hf_python, losses, titan_bin, train};
+use common::pytorch_training::{python, train_both, Comparison};
+use common::{assert_parity, hf_python, losses, titan_bin, train};
 
 /// Meta-Llama-3-8B-Instruct's chat template.
 const LLAMA3_TEMPLATE: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
@@ -60,16 +61,6 @@ fn write_rows(path: &Path) {
         lines.push_str(&format!("{row}\n"));
     }
     std::fs::write(path, lines).unwrap();
-}
-
-fn python(py: &str, args: &[&str]) -> String {
-    let out = std::process::Command::new(py).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// transformers' rendering of each row and its assistant tokens: for each assistant turn, the
@@ -173,88 +164,28 @@ fn chat_rows_render_as_transformers_and_train_as_pytorch_with_the_prompt_ignored
     let targets = dir.path().join("targets.bin");
     std::fs::write(&targets, &counts).unwrap();
 
-    let make = r#"
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-cfg = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-torch.manual_seed(0)
-LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
-    let hf = dir.path().join("hf");
-    python(&py, &["-c", make, hf.to_str().unwrap()]);
-    let (steps, batch, seq, lr, warmup) = ("10", "2", "64", "3e-3", "2");
-    let dump = dir.path().join("titan");
-    let o = train(
-        &dump,
-        &[],
-        &[
-            "--model.attn_mask_type",
-            "block_causal",
-            "--model.tokenizer_path",
-            tok_dir.join("tokenizer.json").to_str().unwrap(),
-            "--training.dataset",
-            "chat",
-            "--training.dataset_path",
-            rows.to_str().unwrap(),
-            "--training.steps",
-            steps,
-            "--training.local_batch_size",
-            batch,
-            "--training.seq_len",
-            seq,
-            "--optimizer.lr",
-            lr,
-            "--lr_scheduler.warmup_steps",
-            warmup,
-            "--checkpoint.initial_load_path",
-            hf.to_str().unwrap(),
-            "--checkpoint.initial_load_in_hf",
-            "true",
-            "--checkpoint.enable",
-            "false",
-        ],
-    );
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_train_parity.py");
+    let tokenizer = tok_dir.join("tokenizer.json");
+    let data = [
+        "--model.tokenizer_path",
+        tokenizer.to_str().unwrap(),
+        "--training.dataset",
+        "chat",
+        "--training.dataset_path",
+        rows.to_str().unwrap(),
+    ];
     let bos = ids[0].to_string();
-    let reference = python(
-        &py,
-        &[
-            script,
-            hf.to_str().unwrap(),
-            "--tokens",
-            tokens.to_str().unwrap(),
-            "--targets",
-            targets.to_str().unwrap(),
-            "--batch",
-            batch,
-            "--seq",
-            seq,
-            "--steps",
-            steps,
-            "--lr",
-            lr,
-            "--warmup",
-            warmup,
-            "--document-start",
-            &bos,
-        ],
-    );
-    let reference: Vec<serde_json::Value> = serde_json::from_str(&reference).unwrap();
-    let titan_losses = losses(&dump);
-    assert_eq!(titan_losses.len(), reference.len());
-    let mut worst: f64 = 0.0;
-    for ((step, ours), r) in titan_losses.iter().zip(&reference) {
-        let theirs = r["loss"].as_f64().unwrap();
-        worst = worst.max((ours - theirs).abs() / theirs.abs());
-        assert!(
-            (ours - theirs).abs() <= 1e-5 * theirs.abs(),
-            "step {step}: titan {ours}, PyTorch {theirs}"
-        );
-    }
+    let comparison = Comparison {
+        dir: dir.path(),
+        steps: "10",
+        titan_data: &data,
+        tokens: &tokens,
+        targets: Some(&targets),
+        document_start: &bos,
+    };
+    let curves = train_both(&py, &comparison);
+    assert_eq!(curves.titan.0.len(), 10);
+    assert_parity(&curves.pytorch.0, &curves.titan.0, "SFT loss vs PyTorch");
+    let worst = curves.worst_loss_difference();
     eprintln!("SFT vs PyTorch (ignore_index=-100): largest relative loss difference {worst:.2e}");
 }
 

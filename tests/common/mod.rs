@@ -2,6 +2,8 @@
 //! parity check between curves, and what a test does when a reference it needs is missing.
 #![allow(dead_code)]
 
+pub mod pytorch_training;
+
 use std::path::Path;
 use std::process::Command;
 
