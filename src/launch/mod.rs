@@ -163,6 +163,10 @@ impl Distributed {
         }))
     }
 
+    /// How long rank 0, serving the store itself, waits at its end for the other ranks to be
+    /// done with it (`Drop`).
+    const GOODBYE_WAIT: Duration = Duration::from_secs(10);
+
     /// After a checkpoint save, before the next collective: rank 0 finishes a save last (it
     /// renames the folder once every writer has reported, or writes the whole checkpoint alone),
     /// so it says so through the store and every other rank waits for that. A rank that writes
@@ -297,6 +301,31 @@ fn start_flight_recorder(
         cfg.comm.trace_buf_size,
         &dir,
     )
+}
+
+/// Ranks started without titan's launcher (torchrun, SLURM) meet at a store that rank 0 serves
+/// and that ends with rank 0's process: without this, rank 0 could exit while another rank still
+/// reads the run's last keys (the final checkpoint's outcome), which then fails as if rank 0 had
+/// never finished saving. Every other rank says goodbye through the store; rank 0 waits a bounded
+/// while for all of them (a rank that died is not waited for long).
+impl Drop for Distributed {
+    fn drop(&mut self) {
+        let key = |r: usize| format!("goodbye/g{}/rank{r}", self.generation);
+        if self.rank != 0 {
+            let _ = self.store.set(&key(self.rank), b"1");
+            return;
+        }
+        if self._store.is_none() {
+            return;
+        }
+        let deadline = std::time::Instant::now() + Self::GOODBYE_WAIT;
+        for r in 1..self.world {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || self.store.get_within(&key(r), left).is_err() {
+                break;
+            }
+        }
+    }
 }
 
 /// The device mesh `[parallelism]` asks for over `world` ranks (its degrees must multiply to it).
