@@ -44,10 +44,13 @@ pub struct Comparison<'a> {
     pub document_start: &'a str,
 }
 
+/// `(step, value)` per step.
+pub type Curve = Vec<(u64, f64)>;
+
 /// Per-step losses and gradient norms: titan's, then PyTorch's.
 pub struct Curves {
-    pub titan: (Vec<(u64, f64)>, Vec<(u64, f64)>),
-    pub pytorch: (Vec<(u64, f64)>, Vec<(u64, f64)>),
+    pub titan: (Curve, Curve),
+    pub pytorch: (Curve, Curve),
 }
 
 impl Curves {
@@ -113,7 +116,7 @@ pub fn train_both(py: &str, c: &Comparison) -> Curves {
         args.extend(["--targets", t.to_str().unwrap()]);
     }
     let reference: Vec<serde_json::Value> = serde_json::from_str(&python(py, &args)).unwrap();
-    let curve = |key: &str| -> Vec<(u64, f64)> {
+    let curve = |key: &str| -> Curve {
         reference
             .iter()
             .map(|r| (r["step"].as_u64().unwrap(), r[key].as_f64().unwrap()))
