@@ -227,23 +227,27 @@ fn plan_world(plan: &Plan) -> usize {
 }
 
 /// The layout's `[parallelism]`, `[training]` and `[activation_checkpoint]` keys.
+/// Each section once, in the order the overrides first name it (a layout's overrides may come
+/// back to a section: a second header of it would be invalid TOML).
 fn toml_sections(l: &Layout) -> String {
-    let mut s = String::new();
-    let mut section = "";
-    for pair in l.overrides().chunks(2) {
+    let overrides = l.overrides();
+    let mut sections: Vec<(&str, String)> = Vec::new();
+    for pair in overrides.chunks(2) {
         let (key, value) = (&pair[0][2..], &pair[1]);
         let (sec, name) = key.split_once('.').expect("section.key");
-        if sec != section {
-            s += &format!("[{sec}]\n");
-            section = sec;
-        }
-        let quoted = value.parse::<f64>().is_err();
-        match quoted {
-            true => s += &format!("{name} = \"{value}\"\n"),
-            false => s += &format!("{name} = {value}\n"),
+        let line = match value.parse::<f64>().is_err() {
+            true => format!("{name} = \"{value}\"\n"),
+            false => format!("{name} = {value}\n"),
+        };
+        match sections.iter_mut().find(|(s, _)| *s == sec) {
+            Some((_, lines)) => lines.push_str(&line),
+            None => sections.push((sec, line)),
         }
     }
-    s
+    sections
+        .into_iter()
+        .map(|(sec, lines)| format!("[{sec}]\n{lines}"))
+        .collect()
 }
 
 /// The answer when no layout fits: the smallest rank of all and, for GPUs, the smallest device

@@ -85,8 +85,8 @@ impl ParquetSource {
         let Some(fields) = fields.into_iter().collect::<Option<Vec<_>>>() else {
             let names: Vec<&str> = root.get_fields().iter().map(|f| f.name()).collect();
             let wanted = match kind {
-                RowKind::Text => "a column `text`",
-                RowKind::Chat => "a column `messages`, or `prompt` and `response`",
+                RowKind::Text => "column `text`",
+                RowKind::Chat => "column `messages`, nor `prompt` and `response`",
             };
             bail!(
                 "{}: no {wanted} (columns: {})",
