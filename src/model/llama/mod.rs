@@ -308,6 +308,26 @@ impl<B: Backend> Llama<B> {
         Positions::new(tables, in_document.as_deref())
     }
 
+    /// The rows of the model's RoPE tables at `positions`, one a token, on the device.
+    fn rope_rows(
+        &self,
+        be: &B,
+        positions: impl Iterator<Item = usize> + Clone,
+    ) -> (B::Buf, B::Buf) {
+        let half = self.args.rope_dim() / 2;
+        let rows = |table: &[f32]| -> Vec<f32> {
+            positions
+                .clone()
+                .flat_map(|p| &table[p * half..(p + 1) * half])
+                .copied()
+                .collect()
+        };
+        (
+            be.upload(&rows(&self.rope_host.0)),
+            be.upload(&rows(&self.rope_host.1)),
+        )
+    }
+
     /// With documents on, each input token's position in its document (of the rank's rows: with
     /// context parallelism, its shard's, found from the whole sequences in `tokens`) and the RoPE
     /// tables' rows for them; nothing when every sequence is one document (then attention and
@@ -333,16 +353,7 @@ impl<B: Backend> Llama<B> {
             (ws.documents, ws.rope) = (None, None);
             return Ok(());
         }
-        let half = self.args.rope_dim() / 2;
-        let rows = |table: &[f32]| -> Vec<f32> {
-            positions
-                .iter()
-                .flat_map(|&p| &table[p as usize * half..(p as usize + 1) * half])
-                .copied()
-                .collect()
-        };
-        let (cos, sin) = (rows(&self.rope_host.0), rows(&self.rope_host.1));
-        ws.rope = Some((be.upload(&cos), be.upload(&sin)));
+        ws.rope = Some(self.rope_rows(be, positions.iter().map(|&p| p as usize)));
         ws.documents = Some(positions);
         Ok(())
     }
@@ -396,17 +407,7 @@ impl<B: Backend> Llama<B> {
         self.load_documents(be, ws, tokens)?;
         if self.local.cp > 1 && ws.rope.is_none() {
             // The shard's rows of the model's tables (their global positions).
-            let half = self.args.rope_dim() / 2;
-            let rows = |table: &[f32]| -> Vec<f32> {
-                self.sequence_shard()
-                    .positions(s)
-                    .into_iter()
-                    .flat_map(|p| &table[p * half..(p + 1) * half])
-                    .copied()
-                    .collect()
-            };
-            let (cos, sin) = (rows(&self.rope_host.0), rows(&self.rope_host.1));
-            ws.rope = Some((be.upload(&cos), be.upload(&sin)));
+            ws.rope = Some(self.rope_rows(be, self.sequence_shard().positions(s).into_iter()));
         }
         let (lo, n) = (self.local.vocab_offset as u32, self.local.vocab as u32);
         for (local, &id) in ws.local_ids.iter_mut().zip(&ws.inputs) {
