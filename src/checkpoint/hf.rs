@@ -435,6 +435,7 @@ fn model_from_hf_config(cfg: &Value, file: &Path) -> Result<(ModelArgs, bool)> {
         qk_norm: qwen3,
         moe,
         mla: None,
+        lora: None,
     };
     args.validate()
         .map_err(|e| anyhow!("{}: {e}", file.display()))?;

@@ -147,6 +147,7 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<(ModelArgs,
         qk_norm: false,
         moe: Some(moe),
         mla: Some(mla),
+        lora: None,
     };
     let interleaved = cfg
         .get("rope_interleave")

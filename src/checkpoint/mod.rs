@@ -75,18 +75,20 @@ pub fn to_tensors<B: Backend>(be: &B, set: &ParamSet<B>, prefix: &str) -> Vec<(S
     to_tensors_of(be, set, prefix, &|_| true)
 }
 
-/// `to_tensors` of the tensors whose name `keep` accepts (a pipeline rank's stages).
+/// `to_tensors` of the tensors whose name `keep` accepts (a pipeline rank's stages) and that are
+/// allocated: a frozen weight's moments (LoRA's base) do not exist and are not written.
 pub fn to_tensors_of<B: Backend>(
     be: &B,
     set: &ParamSet<B>,
     prefix: &str,
     keep: &dyn Fn(&str) -> bool,
 ) -> Vec<(String, Tensor)> {
+    let allocated = |s: &[usize], b: &B::Buf| be.len(b) > 0 || s.iter().product::<usize>() == 0;
     set.names
         .iter()
         .zip(&set.shapes)
         .zip(&set.bufs)
-        .filter(|((n, _), _)| keep(n))
+        .filter(|((n, s), b)| keep(n) && allocated(s, b))
         .map(|((n, s), b)| {
             (
                 format!("{prefix}{n}"),

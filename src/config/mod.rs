@@ -13,6 +13,7 @@ mod comm;
 mod fault_tolerance;
 mod job;
 mod load;
+mod lora;
 mod metrics;
 mod model;
 mod optimizer;
@@ -31,6 +32,7 @@ pub use comm::CommConfig;
 pub use fault_tolerance::FaultToleranceConfig;
 pub use job::JobConfig;
 pub use load::{parse_overrides, DEFAULT_CONFIG_TOML};
+pub use lora::{LoraConfig, LORA};
 pub use metrics::MetricsConfig;
 pub use model::ModelConfig;
 pub use optimizer::{DecayType, LrSchedulerConfig, OptimizerConfig};
@@ -57,6 +59,7 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub comm: CommConfig,
     pub quantize: QuantizeConfig,
+    pub lora: LoraConfig,
     pub fault_tolerance: FaultToleranceConfig,
 }
 
@@ -65,6 +68,9 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         self.validate_model()?;
         self.validate_quantize()?;
+        if self.lora_enabled() || self.lora != LoraConfig::default() {
+            self.model_args()?; // with `[lora]`'s checks against the model
+        }
         self.validate_optimizer()?;
         self.validate_lr_scheduler()?;
         self.validate_training()?;

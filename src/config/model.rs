@@ -126,6 +126,8 @@ impl Config {
         self.apply_moe_overrides(&mut a)?;
         self.apply_mla_overrides(&mut a)?;
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
+        self.validate_lora(&a)?;
+        a.lora = self.lora_args();
         Ok(a)
     }
 

@@ -229,10 +229,11 @@ impl Config {
 
     pub(super) fn validate_quantize(&self) -> Result<()> {
         for c in &self.model.converters {
-            if !CONVERTERS.contains(&c.as_str()) {
+            if !CONVERTERS.contains(&c.as_str()) && c != super::LORA {
                 bail!(
-                    "[model] converters: `{c}` is not known (accepted: {})",
-                    CONVERTERS.join(", ")
+                    "[model] converters: `{c}` is not known (accepted: {}, {})",
+                    CONVERTERS.join(", "),
+                    super::LORA
                 );
             }
         }

@@ -9,6 +9,7 @@
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+use super::lora::LoraArgs;
 use super::mla::MlaArgs;
 use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;
@@ -41,12 +42,16 @@ pub struct ModelArgs {
     /// `n_kv_heads = n_heads` and the head width is MLA's padded one (`mla.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mla: Option<MlaArgs>,
+    /// Low-rank adapters on the block projections, every other weight frozen (`[lora]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraArgs>,
 }
 
 impl ModelArgs {
     /// Whether `other` computes the same function with the same parameters: every field but
     /// `max_seq_len`, which only bounds the RoPE tables and the sequences (not part of a
-    /// model's identity: a checkpoint of one trains or generates at another).
+    /// model's identity: a checkpoint of one trains or generates at another), and LoRA's
+    /// adapters, which a run adds to a base model (a resumed run checks them on their own).
     pub fn same_model(&self, other: &ModelArgs) -> bool {
         // Load balancing's coefficients are training settings, not part of the function either.
         let plain = |a: &ModelArgs| {
@@ -56,6 +61,7 @@ impl ModelArgs {
                 moe.aux_loss_coef = None;
             }
             a.max_seq_len = 0;
+            a.lora = None;
             a
         };
         plain(self) == plain(other)
@@ -160,6 +166,7 @@ impl ModelArgs {
             qk_norm: false,
             moe: None,
             mla: None,
+            lora: None,
         })
     }
 
@@ -234,6 +241,7 @@ impl ModelArgs {
             qk_norm: true,
             moe,
             mla: None,
+            lora: None,
         })
     }
 

@@ -143,6 +143,7 @@ impl ModelArgs {
                 qk_rope_head_dim: 64,
                 v_head_dim: 128,
             }),
+            lora: None,
         })
     }
 }

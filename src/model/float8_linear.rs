@@ -207,6 +207,11 @@ impl<'x, B: Backend> SharedInput<'x, B> {
         }
     }
 
+    /// `X` itself, as a high-precision GEMM reads it (LoRA's adapters).
+    pub fn high_precision(&self) -> &'x B::Buf {
+        self.x
+    }
+
     /// `X` as `linear`'s GEMM reads it.
     pub fn for_linear(
         &mut self,

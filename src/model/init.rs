@@ -1,6 +1,7 @@
 //! Weight initialization the way TorchTitan's Llama 3 does it: embeddings N(0, 1), projections
 //! truncated normal with std 0.02, output projections of each block (wo, w2, w3) depth-scaled to
-//! 0.02/√(2·(layer+1)), the final projection with std dim^-½ cut at ±3σ, norms at one.
+//! 0.02/√(2·(layer+1)), the final projection with std dim^-½ cut at ±3σ, norms at one; LoRA's
+//! adapters as `lora::init_adapter` says.
 //! Each parameter draws from its own stream keyed by seed and name, so layouts that shard or reorder
 //! parameters initialise identically.
 
@@ -39,6 +40,10 @@ fn truncated_normal(rng: &mut ChaCha8Rng, std: f64, lo: f64, hi: f64) -> f32 {
 /// Initial value of one parameter, by canonical name.
 pub fn init_param(args: &ModelArgs, name: &str, numel: usize, seed: u64) -> Vec<f32> {
     let mut rng = stream(seed, name);
+    if super::lora::is_adapter(name) {
+        let rank = args.lora.as_ref().map_or(1, |l| l.rank);
+        return super::lora::init_adapter(name, numel, rank, &mut rng);
+    }
     if name.ends_with("norm.weight") {
         return vec![1.0; numel];
     }

@@ -132,7 +132,7 @@ impl Linear {
         );
     }
 
-    /// `dW += dyᵀ · x`.
+    /// `dW += dyᵀ · x`; nothing for a frozen weight (an empty `dw`: LoRA's base).
     pub fn add_weight_grad<B: Backend>(
         &self,
         be: &B,
@@ -141,6 +141,9 @@ impl Linear {
         x: &B::Buf,
         rows: usize,
     ) {
+        if be.len(dw) == 0 {
+            return;
+        }
         be.matmul(
             dw,
             dy,

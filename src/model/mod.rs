@@ -12,6 +12,7 @@ pub mod init;
 pub mod linear;
 pub mod llama;
 pub mod local_shapes;
+pub mod lora;
 pub mod mla;
 pub mod moe;
 pub mod parallel_linear;

@@ -29,30 +29,54 @@ use super::crossings::context::ContextParallelOps;
 use super::crossings::tensor::TensorParallelOps;
 use super::float8_linear::{AmaxGroups, Float8Casts, GemmDim, Operand, SharedInput};
 use super::linear::Linear;
+use super::lora::{Adapter, AdapterGrads, LoraIds, OwnedAdapter};
+use super::params::ParamSet;
 use crate::backend::float8::LinearGemm;
 use crate::backend::Backend;
 
-/// One projection of a column-parallel layer's forward: `y = x · Wᵀ`.
+/// One projection of a column-parallel layer's forward: `y = x · Wᵀ`, plus its LoRA adapter's
+/// `scale · (x·Aᵀ)·Bᵀ` when it has one.
 pub struct Projection<'a, B: Backend> {
     pub linear: Linear,
     pub w: &'a B::Buf,
     pub y: &'a mut B::Buf,
+    pub lora: Option<Adapter<'a, B>>,
 }
 
 impl<'a, B: Backend> Projection<'a, B> {
     pub fn new(linear: Linear, w: &'a B::Buf, y: &'a mut B::Buf) -> Self {
-        Projection { linear, w, y }
+        Projection {
+            linear,
+            w,
+            y,
+            lora: None,
+        }
+    }
+
+    /// This projection with its LoRA adapter (None: none).
+    pub fn with_lora(self, lora: Option<Adapter<'a, B>>) -> Self {
+        Projection { lora, ..self }
     }
 }
 
-/// One projection of a column-parallel layer's backward: its output gradient `dy`, its weight
-/// `w` and where that weight's gradient is added (`dw`, parameter `param`).
+/// A LoRA adapter in a backward: its factors, where their gradients go, and their parameters
+/// (for a weight gradient left for later).
+pub struct AdapterGrad<'a, B: Backend> {
+    pub adapter: Adapter<'a, B>,
+    pub grads: AdapterGrads<'a, B>,
+    pub ids: LoraIds,
+}
+
+/// One projection's backward: its output gradient `dy`, its weight `w` and where that weight's
+/// gradient is added (`dw`, parameter `param`; an empty `dw` is a frozen weight, whose gradient
+/// is not computed), and its LoRA adapter's.
 pub struct ProjectionGrad<'a, B: Backend> {
     pub linear: Linear,
     pub dy: &'a B::Buf,
     pub w: &'a B::Buf,
     pub dw: &'a mut B::Buf,
     pub param: usize,
+    pub lora: Option<AdapterGrad<'a, B>>,
 }
 
 impl<'a, B: Backend> ProjectionGrad<'a, B> {
@@ -69,25 +93,53 @@ impl<'a, B: Backend> ProjectionGrad<'a, B> {
             w,
             dw,
             param,
+            lora: None,
+        }
+    }
+
+    /// This projection's backward with its LoRA adapter's (None: none).
+    pub fn with_lora(self, lora: Option<AdapterGrad<'a, B>>) -> Self {
+        ProjectionGrad { lora, ..self }
+    }
+
+    /// `dx += scale · (dy·B)·A` over `rows` rows of `dy` (the adapter's input-gradient share).
+    fn add_adapter_input_grad(&self, be: &B, dx: &mut B::Buf, dy: &B::Buf, rows: usize) {
+        if let Some(l) = &self.lora {
+            l.adapter.add_input_grad(be, self.linear, dx, dy, rows);
         }
     }
 }
 
 /// A weight gradient `dW += dyᵀ · x` left for later (zero-bubble pipeline schedules run the
-/// weight-gradient GEMMs as their own `W` action): copies of its operands, and the parameter.
+/// weight-gradient GEMMs as their own `W` action): copies of its operands, the parameter, and
+/// the LoRA adapter's factors and parameters when it has one.
 pub struct DeferredWeightGrad<B: Backend> {
     pub param: usize,
     pub linear: Linear,
     pub dy: B::Buf,
     pub x: B::Buf,
     pub rows: usize,
+    pub lora: Option<(OwnedAdapter<B>, LoraIds)>,
 }
 
 impl<B: Backend> DeferredWeightGrad<B> {
-    /// Adds the gradient into `dw`.
-    pub fn apply(&self, be: &B, dw: &mut B::Buf) {
-        self.linear
-            .add_weight_grad(be, dw, &self.dy, &self.x, self.rows);
+    /// Adds the gradients into `grads` (a frozen weight's, empty, gets none).
+    pub fn apply(&self, be: &B, grads: &mut ParamSet<B>) {
+        let dw = &mut grads.bufs[self.param];
+        if be.len(dw) > 0 {
+            self.linear
+                .add_weight_grad(be, dw, &self.dy, &self.x, self.rows);
+        }
+        if let Some((adapter, ids)) = &self.lora {
+            let [da, db] = grads
+                .bufs
+                .get_disjoint_mut([ids.a, ids.b])
+                .expect("an adapter's factors are distinct");
+            let mut g = AdapterGrads { da, db };
+            adapter
+                .view()
+                .add_weight_grads(be, self.linear, &mut g, &self.dy, &self.x, self.rows);
+        }
     }
 }
 
@@ -183,31 +235,51 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         }
     }
 
-    /// `dW += dyᵀ · x` now, or its operands kept for later (`deferred`): copies, or the float8
-    /// casts themselves.
-    #[allow(clippy::too_many_arguments)]
+    /// `g`'s weight gradient `dW += dyᵀ · x` now, or its operands kept for later (`deferred`):
+    /// copies, or the float8 casts themselves; none for a frozen weight. Then its LoRA adapter's
+    /// factor gradients, from the high-precision `dy` and `x`.
     fn weight_grad(
         &self,
         be: &B,
-        (linear, split): (Linear, FeatureSplit),
-        param: usize,
-        dw: &mut B::Buf,
+        g: &mut ProjectionGrad<'_, B>,
+        split: FeatureSplit,
         dy: &B::Buf,
         x: &mut SharedInput<'_, B>,
         rows: usize,
     ) -> Result<()> {
-        let groups = self.groups(split);
-        let casts = groups.float8();
-        let g = casts.operand(be, (linear, LinearGemm::WeightGrad, 0), dy, rows)?;
-        let xq = x.for_linear(&casts, be, linear, rows)?;
+        let linear = g.linear;
+        if be.len(g.dw) > 0 {
+            let groups = self.groups(split);
+            let casts = groups.float8();
+            let gq = casts.operand(be, (linear, LinearGemm::WeightGrad, 0), dy, rows)?;
+            let xq = x.for_linear(&casts, be, linear, rows)?;
+            match self.deferred {
+                None => linear.add_weight_grad(be, g.dw, gq.buf(), xq, rows),
+                Some(later) => later.borrow_mut().push(DeferredWeightGrad {
+                    param: g.param,
+                    linear,
+                    dy: gq.into_owned(be, rows * linear.d_out),
+                    x: Operand::HighPrecision(xq).into_owned(be, rows * linear.d_in),
+                    rows,
+                    lora: None,
+                }),
+            }
+        }
+        let Some(l) = g.lora.as_mut() else {
+            return Ok(());
+        };
+        let xh = x.high_precision();
         match self.deferred {
-            None => linear.add_weight_grad(be, dw, g.buf(), xq, rows),
+            None => l
+                .adapter
+                .add_weight_grads(be, linear, &mut l.grads, dy, xh, rows),
             Some(later) => later.borrow_mut().push(DeferredWeightGrad {
-                param,
+                param: g.param,
                 linear,
-                dy: g.into_owned(be, rows * linear.d_out),
-                x: Operand::HighPrecision(xq).into_owned(be, rows * linear.d_in),
+                dy: Operand::HighPrecision(dy).into_owned(be, rows * linear.d_out),
+                x: Operand::HighPrecision(xh).into_owned(be, rows * linear.d_in),
                 rows,
+                lora: Some((l.adapter.to_owned(be), l.ids)),
             }),
         }
         Ok(())
@@ -295,11 +367,14 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             };
             let groups = self.groups(FeatureSplit::Outputs);
             let casts = groups.float8();
-            let mut x = SharedInput::new(x, LinearGemm::Output);
+            let mut xs = SharedInput::new(x, LinearGemm::Output);
             for p in projections.iter_mut() {
                 let w = casts.operand(be, (p.linear, LinearGemm::Output, 1), p.w, self.tokens)?;
-                let xq = x.for_linear(&casts, be, p.linear, self.tokens)?;
+                let xq = xs.for_linear(&casts, be, p.linear, self.tokens)?;
                 p.linear.forward(be, p.y, xq, w.buf(), self.tokens);
+                if let Some(l) = &p.lora {
+                    l.add_forward(be, p.linear, p.y, x, self.tokens);
+                }
             }
             return Ok(());
         }
@@ -314,27 +389,34 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             for p in projections.iter_mut() {
                 let mut y = be.uninit(rows * p.linear.d_out);
                 p.linear.forward(be, &mut y, &x, p.w, rows);
+                if let Some(l) = &p.lora {
+                    l.add_forward(be, p.linear, &mut y, &x, rows);
+                }
                 self.place(be, p.y, &y, p.linear.d_out, c);
             }
         }
         Ok(())
     }
 
-    /// Row-parallel forward into the residual stream: `out = residual + x · Wᵀ` on this rank's
-    /// rows, `x` (`[tokens, d_in]`) holding this rank's slice of the input features, so that the
-    /// products are partial sums over the group, reduce-scattered (through `partial`,
-    /// `[tokens, d_out]`).
-    #[allow(clippy::too_many_arguments)]
+    /// Row-parallel forward into the residual stream: `out = residual + x · Wᵀ` (and the
+    /// adapter's share) on this rank's rows, `proj.y` being `out` and `x` (`[tokens, d_in]`)
+    /// holding this rank's slice of the input features, so that the products are partial sums
+    /// over the group, reduce-scattered (through `partial`, `[tokens, d_out]`).
     pub fn row_forward_residual(
         &self,
         be: &B,
-        linear: Linear,
+        proj: Projection<'_, B>,
         x: &B::Buf,
-        w: &B::Buf,
         residual: &B::Buf,
-        out: &mut B::Buf,
         partial: &mut B::Buf,
     ) -> Result<()> {
+        let Projection {
+            linear,
+            w,
+            y: out,
+            lora,
+        } = proj;
+        let x_hp = x;
         let [x, w] = self.groups(FeatureSplit::Inputs).float8().operands(
             be,
             linear,
@@ -343,21 +425,32 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             self.tokens,
         )?;
         let (x, w) = (x.buf(), w.buf());
+        let add_adapter = |y: &mut B::Buf, x: &B::Buf, rows: usize| {
+            if let Some(l) = &lora {
+                l.add_forward(be, linear, y, x, rows);
+            }
+        };
         if self.degree() == 1 {
             linear.forward_residual(be, out, residual, x, w, self.tokens);
+            add_adapter(out, x_hp, self.tokens);
             return Ok(());
         }
         let chunks = self.chunks(false);
         if chunks.is_empty() {
             linear.forward(be, partial, x, w, self.tokens);
+            add_adapter(partial, x_hp, self.tokens);
             self.tp.reduce_scatter_rows(be, partial, out)?;
             be.add_assign(out, residual);
             return Ok(());
         }
         for c in &chunks {
             let xc = self.pick(be, x, linear.d_in, c);
-            let mut pc = be.uninit(self.degree() * c.rows * linear.d_out);
-            linear.forward(be, &mut pc, &xc, w, self.degree() * c.rows);
+            let rows = self.degree() * c.rows;
+            let mut pc = be.uninit(rows * linear.d_out);
+            linear.forward(be, &mut pc, &xc, w, rows);
+            if lora.is_some() {
+                add_adapter(&mut pc, &self.pick(be, x_hp, linear.d_in, c), rows);
+            }
             self.tp.start_reduce_scatter_rows(be, pc)?;
         }
         let d = linear.d_out;
@@ -369,22 +462,18 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         Ok(())
     }
 
-    /// Row-parallel backward: `dx = dy · W` and `dW += dyᵀ · x`, `dy` being the output gradient's
-    /// `local` rows gathered over the group (into `full`, `[tokens, d_out]`).
-    #[allow(clippy::too_many_arguments)]
+    /// Row-parallel backward: `dx = dy · W` (and the adapter's share) and the weight gradients,
+    /// `dy` being the output gradient's local rows (`g.dy`) gathered over the group (into `full`,
+    /// `[tokens, d_out]`).
     pub fn row_backward(
         &self,
         be: &B,
-        linear: Linear,
-        dy_local: &B::Buf,
+        mut g: ProjectionGrad<'_, B>,
         full: &mut B::Buf,
-        w: &B::Buf,
-        (dw, param): (&mut B::Buf, usize),
         x: &B::Buf,
         dx: &mut B::Buf,
     ) -> Result<()> {
-        let n = self.tokens;
-        let row = (linear, FeatureSplit::Inputs);
+        let (n, linear, dy_local, w) = (self.tokens, g.linear, g.dy, g.w);
         let chunks = self.chunks(linear.float8.is_some());
         if chunks.is_empty() {
             let dy = if self.degree() == 1 {
@@ -393,16 +482,17 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 self.tp.gather_rows(be, dy_local, full)?;
                 &*full
             };
-            let [g, wq] = self.groups(FeatureSplit::Inputs).float8().operands(
+            let [gq, wq] = self.groups(FeatureSplit::Inputs).float8().operands(
                 be,
                 linear,
                 LinearGemm::InputGrad,
                 (dy, w),
                 n,
             )?;
-            linear.input_grad(be, dx, g.buf(), wq.buf(), n);
+            linear.input_grad(be, dx, gq.buf(), wq.buf(), n);
+            g.add_adapter_input_grad(be, dx, dy, n);
             let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
-            return self.weight_grad(be, row, param, dw, dy, &mut x, n);
+            return self.weight_grad(be, &mut g, FeatureSplit::Inputs, dy, &mut x, n);
         }
         for c in &chunks {
             self.tp
@@ -414,10 +504,11 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             let rows = self.degree() * c.rows;
             let mut dxc = be.uninit(rows * linear.d_in);
             linear.input_grad(be, &mut dxc, &dyc, w, rows);
+            g.add_adapter_input_grad(be, &mut dxc, &dyc, rows);
             self.place(be, dx, &dxc, linear.d_in, c);
         }
         let mut x = SharedInput::new(x, LinearGemm::WeightGrad);
-        self.weight_grad(be, row, param, dw, full, &mut x, n)
+        self.weight_grad(be, &mut g, FeatureSplit::Inputs, full, &mut x, n)
     }
 
     /// Column-parallel backward: `dW_i += dy_iᵀ · x` for each projection, and this rank's rows of
@@ -453,8 +544,9 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 } else {
                     g.linear.add_input_grad(be, target, dy.buf(), w.buf(), n);
                 }
-                let column = (g.linear, FeatureSplit::Outputs);
-                self.weight_grad(be, column, g.param, g.dw, g.dy, &mut x, n)?;
+                g.add_adapter_input_grad(be, target, g.dy, n);
+                let dy = g.dy;
+                self.weight_grad(be, g, FeatureSplit::Outputs, dy, &mut x, n)?;
             }
             if self.degree() > 1 {
                 self.tp.reduce_scatter_rows(be, full, dlocal)?;
@@ -476,14 +568,15 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 } else {
                     g.linear.add_input_grad(be, &mut dxc, &dyc, w.buf(), rows);
                 }
+                g.add_adapter_input_grad(be, &mut dxc, &dyc, rows);
             }
             self.tp.start_reduce_scatter_rows(be, dxc)?;
         }
         drop(cast);
         // The weight gradients need no communication: they hide the last reduce-scatters.
         for g in grads.iter_mut() {
-            let column = (g.linear, FeatureSplit::Outputs);
-            self.weight_grad(be, column, g.param, g.dw, g.dy, &mut x, n)?;
+            let dy = g.dy;
+            self.weight_grad(be, g, FeatureSplit::Outputs, dy, &mut x, n)?;
         }
         for c in &chunks {
             let sum = self.tp.finish_oldest(be)?;

@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 
 use super::args::ModelArgs;
+use super::lora::{self, LoraIds};
 use super::mla::MlaArgs;
 use super::moe::MoeIds;
 use super::projection::BlockProjection;
@@ -17,8 +18,17 @@ pub fn expert_of(name: &str) -> Option<usize> {
 /// Canonical (TorchTitan) names and shapes of a model's parameters, in storage order (Qwen3's
 /// QK-norm weights after each block's `wo`; a mixture-of-experts block's router, then each
 /// expert's and the shared experts' projections, in place of the feed-forward's; a MoE model's
-/// dense blocks keep the feed-forward's).
+/// dense blocks keep the feed-forward's; with LoRA each adapted weight followed by its adapter).
 pub fn param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
+    let specs = base_param_specs(args);
+    match &args.lora {
+        Some(l) => lora::with_adapters(specs, l),
+        None => specs,
+    }
+}
+
+/// `param_specs` without LoRA's adapters.
+fn base_param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
     let (d, f) = (args.dim, args.ffn_hidden);
     let mut specs = vec![(
         "tok_embeddings.weight".to_string(),
@@ -115,6 +125,9 @@ pub enum TpSharding {
 impl TpSharding {
     /// The split of parameter `name` (a canonical name of `param_specs`).
     pub fn of(name: &str) -> Self {
+        if let Some(base) = lora::base_of(name) {
+            return lora::adapter_sharding(name, Self::of(&base));
+        }
         let column_parallel = [
             "tok_embeddings.weight",
             "output.weight",
@@ -209,6 +222,8 @@ pub struct LayerIds {
     pub wo: usize,
     pub ffn_norm: usize,
     pub ffn: FeedForwardIds,
+    /// Each projection's LoRA adapter (by `BlockProjection::index`; None where not adapted).
+    pub lora: [Option<LoraIds>; BlockProjection::ALL.len()],
 }
 
 /// A block's attention projections before `wo`.
@@ -322,9 +337,15 @@ impl LayerIds {
         }
     }
 
+    /// The adapter of the block's projection `p` (None without).
+    pub fn adapter(&self, p: BlockProjection) -> Option<LoraIds> {
+        self.lora[p.index()]
+    }
+
     /// The block's parameter indices, in storage order.
     pub fn all(&self) -> Vec<usize> {
         let mut ids = vec![self.attention_norm];
+        ids.extend(self.lora.iter().flatten().flat_map(|l| [l.a, l.b]));
         ids.extend(self.attention.all());
         ids.extend([self.wo, self.ffn_norm]);
         match &self.ffn {
@@ -389,13 +410,23 @@ impl ParamIds {
                             .map(|_| swiglu(&format!("{p}.moe.shared_experts"))),
                     }),
                 };
-                LayerIds {
+                let mut layer = LayerIds {
                     attention_norm: id(format!("{p}.attention_norm.weight")),
                     attention: attention_ids(args, &p, &id),
                     wo: id(format!("{p}.attention.wo.weight")),
                     ffn_norm: id(format!("{p}.ffn_norm.weight")),
                     ffn,
-                }
+                    lora: [None; BlockProjection::ALL.len()],
+                };
+                layer.lora = BlockProjection::ALL.map(|proj| {
+                    let weight = &specs[layer.projection(proj)?].0;
+                    let stem = weight.strip_suffix(".weight")?;
+                    Some(LoraIds {
+                        a: *at.get(format!("{stem}{}", lora::LORA_A).as_str())?,
+                        b: *at.get(format!("{stem}{}", lora::LORA_B).as_str())?,
+                    })
+                });
+                layer
             })
             .collect();
         let norm = id("norm.weight".to_string());

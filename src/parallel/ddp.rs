@@ -65,6 +65,14 @@ impl DdpReducer {
     }
 
     fn submit<B: Backend>(&mut self, be: &B, ids: Vec<usize>, grads: &ParamSet<B>) -> Result<()> {
+        // Frozen weights (LoRA's base) have no gradient: on every rank alike, so the buckets agree.
+        let ids: Vec<usize> = ids
+            .into_iter()
+            .filter(|&i| be.len(&grads.bufs[i]) > 0)
+            .collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
         let mut data = Vec::new();
         for &i in &ids {
             data.extend_from_slice(&be.download(&grads.bufs[i]));
@@ -158,7 +166,7 @@ impl NcclGradReducer {
             .bufs
             .iter_mut()
             .enumerate()
-            .filter(|(i, _)| ids.contains(i))
+            .filter(|(i, b)| ids.contains(i) && b.len() > 0)
             .map(|(_, b)| b);
         let f = self.group.start_all_reduce_each(bufs, ReduceOp::Sum)?;
         self.in_flight.push(f);

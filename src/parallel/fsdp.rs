@@ -134,6 +134,9 @@ pub struct Fsdp<B: Backend> {
     shard_len: Vec<usize>,
     /// Parameters outside the transformer blocks (embeddings, final norm, output).
     non_block: Vec<usize>,
+    /// Whether each parameter trains: a frozen one (LoRA's base) is gathered like any other but
+    /// has no gradient (no working gradient, no reduce-scatter, no gradient shard) nor moments.
+    trainable: Vec<bool>,
     reshard_after_forward: ReshardPolicy,
     /// What the forward and backward's gathers carry: fp32, or bf16 (half the bytes).
     param_dtype: ParamDtype,
@@ -231,6 +234,11 @@ impl<B: Backend> Fsdp<B> {
                 in_block[i] = true;
             }
         }
+        let lora = model.args.lora.as_ref();
+        let trainable: Vec<bool> = specs
+            .iter()
+            .map(|(n, _)| crate::model::lora::trainable(lora, n))
+            .collect();
         let replicated = replicate.is_some();
         let queue = queue
             .unwrap_or_else(|| Box::new(HostQueue::new("FSDP", group.clone(), replicate.clone())));
@@ -260,6 +268,7 @@ impl<B: Backend> Fsdp<B> {
             failed: false,
             shards: ParamSet::unallocated(be, &shard_specs),
             grad_shards: ParamSet::zeros(be, &shard_specs),
+            trainable,
             numel,
             shard_len,
             non_block: (0..specs.len()).filter(|&i| !in_block[i]).collect(),
@@ -270,6 +279,10 @@ impl<B: Backend> Fsdp<B> {
             gathered_bytes: 0,
         };
         f.shards = f.shard_from(be, start)?;
+        let trains = |name: &str| f.shards.index_of(name).is_some_and(|i| f.trainable[i]);
+        let mut grad_shards = std::mem::replace(&mut f.grad_shards, ParamSet::unallocated(be, &[]));
+        grad_shards.keep_only(be, trains);
+        f.grad_shards = grad_shards;
         Ok(f)
     }
 
@@ -296,18 +309,44 @@ impl<B: Backend> Fsdp<B> {
         be: &B,
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
     ) -> Result<ParamSet<B>> {
+        self.shards_of(be, start, |_| true)
+    }
+
+    /// `shard_from` for AdamW's moments: only the trainable parameters have any (the frozen
+    /// ones' stay unallocated, and `start` is not asked for them).
+    pub fn moment_shards_from(
+        &self,
+        be: &B,
+        start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
+    ) -> Result<ParamSet<B>> {
+        let trainable = &self.trainable;
+        self.shards_of(be, start, |i| trainable[i])
+    }
+
+    fn shards_of(
+        &self,
+        be: &B,
+        start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
+        wanted: impl Fn(usize) -> bool + Sync,
+    ) -> Result<ParamSet<B>> {
         use rayon::prelude::*;
         let mut out = ParamSet::unallocated(be, &self.shard_specs());
         let (numel, shard_len, names) = (&self.numel, &self.shard_len, &out.names);
         let ranks: Vec<usize> = self.groups.iter().map(|g| g.group.rank()).collect();
         let (ranks, group_of) = (&ranks, &self.group_of);
         let rank = |i: usize| ranks[group_of[i]];
-        let shards: Vec<Vec<f32>> = (0..out.len())
+        let shards: Vec<Option<Vec<f32>>> = (0..out.len())
             .into_par_iter()
-            .map(|i| cut_shard(start(i)?, numel[i], shard_len[i], rank(i), &names[i]))
+            .map(|i| {
+                wanted(i)
+                    .then(|| cut_shard(start(i)?, numel[i], shard_len[i], rank(i), &names[i]))
+                    .transpose()
+            })
             .collect::<Result<_>>()?;
         for (buf, shard) in out.bufs.iter_mut().zip(&shards) {
-            *buf = be.upload(shard);
+            if let Some(shard) = shard {
+                *buf = be.upload(shard);
+            }
         }
         Ok(out)
     }
@@ -332,14 +371,15 @@ impl<B: Backend> Fsdp<B> {
         }
     }
 
-    /// Full gradients `ids`, zeroed.
+    /// Full gradients `ids`, zeroed (a frozen parameter's stays empty: it gets none).
     fn zeros(&self, be: &B, set: &mut ParamSet<B>, ids: &[usize]) {
+        let ids: Vec<usize> = ids.iter().copied().filter(|&i| self.trainable[i]).collect();
         let grown: i64 = ids
             .iter()
             .map(|&i| (self.numel[i] as i64 - be.len(&set.bufs[i]) as i64) * 4)
             .sum();
         memory_timeline::add(Category::Gradients, grown);
-        for &i in ids {
+        for &i in &ids {
             set.bufs[i] = be.zeros(self.numel[i]);
         }
     }
@@ -439,8 +479,12 @@ impl<B: Backend> Fsdp<B> {
         grads: &mut ParamSet<B>,
         ids: &[usize],
     ) -> Result<()> {
-        for (group, part) in self.by_group(ids) {
-            self.submit_group_reduce_scatter(be, grads, group, &part)?;
+        // Frozen parameters have no gradient (alike on every rank: the collectives agree).
+        let ids: Vec<usize> = ids.iter().copied().filter(|&i| self.trainable[i]).collect();
+        for (group, part) in self.by_group(&ids) {
+            if !part.is_empty() || self.trainable.iter().all(|&t| t) {
+                self.submit_group_reduce_scatter(be, grads, group, &part)?;
+            }
         }
         Ok(())
     }

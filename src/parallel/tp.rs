@@ -367,13 +367,16 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
                 GemmOutput::Overwrite,
             );
             be.add_range(dh, r0 * d, &dh_chunk, 0, n * d);
-            be.matmul(
-                dw,
-                &dlogits,
-                &h_chunk,
-                GemmShape::new(vocab, n, d).a_transposed(),
-                GemmOutput::Accumulate,
-            );
+            // An empty gradient is a frozen output weight (LoRA): none is computed.
+            if be.len(dw) > 0 {
+                be.matmul(
+                    dw,
+                    &dlogits,
+                    &h_chunk,
+                    GemmShape::new(vocab, n, d).a_transposed(),
+                    GemmOutput::Accumulate,
+                );
+            }
         }
         Ok(total)
     }

@@ -46,13 +46,27 @@ impl<B: Backend> AdamW<B> {
             step,
             grad_scale,
         };
-        be.adamw_step_all(
-            &mut params.bufs,
-            &grads.bufs,
-            &mut self.exp_avg.bufs,
-            &mut self.exp_avg_sq.bufs,
-            hp,
-        );
+        // A frozen weight (LoRA's base) has neither gradient nor moments: the step skips it.
+        let frozen = |i: usize| be.len(&grads.bufs[i]) == 0 && be.len(&params.bufs[i]) > 0;
+        if !(0..params.len()).any(frozen) {
+            be.adamw_step_all(
+                &mut params.bufs,
+                &grads.bufs,
+                &mut self.exp_avg.bufs,
+                &mut self.exp_avg_sq.bufs,
+                hp,
+            );
+            return;
+        }
+        for i in (0..params.len()).filter(|&i| be.len(&grads.bufs[i]) > 0) {
+            be.adamw_step(
+                &mut params.bufs[i],
+                &grads.bufs[i],
+                &mut self.exp_avg.bufs[i],
+                &mut self.exp_avg_sq.bufs[i],
+                hp,
+            );
+        }
     }
 }
 

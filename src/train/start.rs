@@ -13,6 +13,7 @@ use crate::checkpoint::{self, HostCheckpoint, TrainState, WriterPlace};
 use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
+use crate::model::lora;
 use crate::model::params::TpSharding;
 use crate::model::{init_params, Llama, ParamDtype, ParamSet, ReduceDtype};
 use crate::parallel::fsdp::{ExpertShards, Fsdp, ReshardPolicy, StartValues};
@@ -39,8 +40,11 @@ enum Initial {
         ckpt: Box<HostCheckpoint>,
         moments: bool,
     },
-    /// A Hugging Face folder's weights, in titan's names and layout, and its routing bias.
-    Hf(Vec<Vec<f32>>, Option<Vec<Vec<f32>>>),
+    /// A Hugging Face folder's weights by titan's names, and its routing bias.
+    Hf(
+        std::collections::HashMap<String, Vec<f32>>,
+        Option<Vec<Vec<f32>>>,
+    ),
 }
 
 impl Initial {
@@ -55,7 +59,8 @@ impl Initial {
             if !theirs.same_model(args) {
                 bail!("[checkpoint] initial_load_path {}: the Hugging Face model ({theirs:?}) is not the one this job configures ({args:?}); set [model] to its shapes", path.display());
             }
-            return Ok(Initial::Hf(weights.bufs, hf.expert_bias));
+            let by_name = weights.names.into_iter().zip(weights.bufs).collect();
+            return Ok(Initial::Hf(by_name, hf.expert_bias));
         }
         let dir = checkpoint::resolve_checkpoint_dir(path).map_err(what)?;
         Ok(Initial::Titan {
@@ -64,15 +69,22 @@ impl Initial {
         })
     }
 
-    /// Whole values of tensor `i` (`name`, `shape`), or of one of its moments: None where the
-    /// initial model does not give them (moments of a model-only start).
+    /// Whole values of tensor `name` (of `shape`), or of one of its moments: None where the
+    /// initial model does not give them (moments of a model-only start; LoRA's adapters of a
+    /// base model without them, which start fresh).
     fn values(
         &self,
         moment: Option<&str>,
-        i: usize,
         name: &str,
         shape: &[usize],
     ) -> Result<Option<Vec<f32>>> {
+        let has_adapters = match self {
+            Initial::Titan { ckpt, .. } => ckpt.state.model_args.lora.is_some(),
+            Initial::Hf(..) => false,
+        };
+        if lora::is_adapter(name) && !has_adapters {
+            return Ok(None);
+        }
         match (self, moment) {
             (Initial::Titan { ckpt, .. }, None) => ckpt.values(None, name, shape).map(Some),
             (
@@ -82,7 +94,10 @@ impl Initial {
                 },
                 m,
             ) => ckpt.values(m, name, shape).map(Some),
-            (Initial::Hf(weights, _), None) => Ok(Some(weights[i].clone())),
+            (Initial::Hf(weights, _), None) => match weights.get(name) {
+                Some(w) => Ok(Some(w.clone())),
+                None => bail!("the Hugging Face model has no tensor for {name} (a titan bug: the shapes agreed)"),
+            },
             _ => Ok(None),
         }
     }
@@ -202,6 +217,14 @@ fn read_checkpoint<B: Backend>(
         None => HostCheckpoint::read(dir, args),
     }
     .map_err(cannot_resume)?;
+    let saved = &ckpt.state.model_args.lora;
+    if saved != &args.lora {
+        return Err(cannot_resume(anyhow!(
+            "checkpoint {} was saved with LoRA adapters {saved:?}; this job configures {:?} (the [lora] section and [model] converters must match to resume)",
+            dir.display(),
+            args.lora
+        )));
+    }
     // A pipeline rank whose stages hold other tensors than when the checkpoint was written
     // merges it instead of reading its own files.
     Ok(Some(match inputs.holder {
@@ -266,11 +289,7 @@ impl<'a, B: Backend> Source<'a, B> {
     fn fresh(&self, moment: Option<&str>, i: usize) -> Result<Vec<f32>> {
         let (name, shape) = &self.global[i];
         let numel = shape.iter().product();
-        if let Some(from) = self
-            .initial
-            .as_ref()
-            .map(|x| x.values(moment, i, name, shape))
-        {
+        if let Some(from) = self.initial.as_ref().map(|x| x.values(moment, name, shape)) {
             if let Some(values) = from? {
                 return Ok(values);
             }
@@ -344,8 +363,8 @@ fn sharded_start<B: Backend>(
         (inputs.param_dtype, inputs.reduce_dtype),
     )?;
     let opt = AdamW {
-        exp_avg: f.shard_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
-        exp_avg_sq: f.shard_from(be, &|i| source.start_values(Some("exp_avg_sq."), i))?,
+        exp_avg: f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
+        exp_avg_sq: f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg_sq."), i))?,
         cfg: inputs.cfg.optimizer.clone(),
     };
     Ok(StartState {
@@ -364,6 +383,11 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
     let specs = &source.specs;
     let mut params = ParamSet::zeros(be, specs);
     let mut opt = AdamW::new(be, specs, cfg.optimizer.clone());
+    let mut grads = ParamSet::zeros(be, specs);
+    // Frozen weights (LoRA's base) get neither gradients nor moments.
+    let trains = |name: &str| lora::trainable(source.model.args.lora.as_ref(), name);
+    opt.keep_only(be, trains);
+    grads.keep_only(be, trains);
     let tp = source.model.local.tp;
     match &source.ckpt {
         Some(ckpt) => {
@@ -372,7 +396,8 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
                 (&mut opt.exp_avg, Some("exp_avg.")),
                 (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
             ] {
-                for i in (0..source.global.len()).filter(|&i| source.here(i)) {
+                let held = |i: usize| source.here(i) && (moment.is_none() || trains(&specs[i].0));
+                for i in (0..source.global.len()).filter(|&i| held(i)) {
                     let (StartValues::Shard(values) | StartValues::Full(values)) =
                         source.checkpointed(ckpt, moment, i)?;
                     set.bufs[i] = be.upload(&values);
@@ -391,7 +416,9 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
                 if moment.is_some() && source.initial.is_none() {
                     continue; // AdamW::new's zeros
                 }
-                for i in 0..source.global.len() {
+                for i in
+                    (0..source.global.len()).filter(|&i| moment.is_none() || trains(&specs[i].0))
+                {
                     set.bufs[i] = be.upload(&source.tp_part(i, source.fresh(moment, i)?));
                 }
             }
@@ -399,7 +426,7 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
     }
     Ok(StartState {
         params,
-        grads: ParamSet::zeros(be, specs),
+        grads,
         opt,
         fsdp: None,
         resumed: None,

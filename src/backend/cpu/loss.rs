@@ -54,7 +54,9 @@ fn check_shapes(
     fits("the scratch", scratch.len(), scratch_floats(vocab));
     if let Some((dh, dweight)) = grads {
         fits("dh", dh.len(), h_need);
-        fits("the output weight's gradient", dweight.len(), w_need);
+        if !dweight.is_empty() {
+            fits("the output weight's gradient", dweight.len(), w_need);
+        }
     }
     if let Some(r) = targets
         .iter()
@@ -114,13 +116,16 @@ pub fn cross_entropy_forward_backward(
                 GemmShape::new(n, vocab, dim),
                 GemmOutput::Accumulate,
             );
-            matmul(
-                dweight,
-                lc,
-                hc,
-                GemmShape::new(vocab, n, dim).a_transposed(),
-                GemmOutput::Accumulate,
-            );
+            // An empty gradient is a frozen output weight (LoRA): none is computed.
+            if !dweight.is_empty() {
+                matmul(
+                    dweight,
+                    lc,
+                    hc,
+                    GemmShape::new(vocab, n, dim).a_transposed(),
+                    GemmOutput::Accumulate,
+                );
+            }
         }
     }
     total

@@ -9,13 +9,13 @@ use anyhow::Result;
 use super::mla::MlaGrads;
 use super::mla_scratch::MlaScratch;
 use super::positions::Positions;
-use super::run::{BackwardRun, BlockLinears};
+use super::run::{frozen_or, BackwardRun, BlockLinears};
 use super::workspace::{BlockActs, FfnGrads};
 use super::Llama;
 use crate::backend::{AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend};
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
-use crate::model::parallel_linear::{DeferredWeightGrad, ProjectionGrad, SequenceParallel};
+use crate::model::parallel_linear::{DeferredWeightGrad, SequenceParallel};
 use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
 use crate::model::projection::BlockProjection;
 use crate::model::Workspace;
@@ -59,7 +59,7 @@ impl<B: Backend> Llama<B> {
     ) {
         let _span = crate::trace::span("model", "weight gradients");
         for g in deferred {
-            g.apply(be, &mut grads.bufs[g.param]);
+            g.apply(be, grads);
         }
     }
 
@@ -104,7 +104,8 @@ impl<B: Backend> Llama<B> {
             be,
             p: &params.bufs,
             id: &self.ids.layers[l],
-            linears: BlockLinears::of(&self.local, &self.float8, l),
+            linears: BlockLinears::of(&self.local, &self.float8, l)
+                .with_lora(self.args.lora.as_ref()),
             sp: SequenceParallel {
                 deferred,
                 ..self.sequence_parallel(*batch * *seq)
@@ -157,26 +158,20 @@ impl<B: Backend> Llama<B> {
         let (be, p, id) = (run.be, run.p, run.id);
         // ∂L/∂n into dnormed: the SwiGLU's first, then the routed experts' added.
         match id.ffn.swiglu() {
-            Some([i1, i2, i3]) => {
-                let (w1, w2, w3) = (
-                    run.linear(BlockProjection::W1),
-                    run.linear(BlockProjection::W2),
-                    run.linear(BlockProjection::W3),
-                );
-                let [g_w1, g_w2, g_w3] = grads
-                    .bufs
-                    .get_disjoint_mut([i1, i2, i3])
-                    .expect("a block's parameters are distinct");
-                let (act, dact) = (&*acts.act, &mut *g.dact);
-                run.sp
-                    .row_backward(be, w2, g.dx, g.full, &p[i2], (g_w2, i2), act, dact)?;
+            Some(_) => {
+                let [w2] = run.projection_grads(grads, [(BlockProjection::W2, &*g.dx)]);
+                run.sp.row_backward(be, w2, g.full, acts.act, g.dact)?;
                 be.swiglu_backward(g.dgate, g.dup, g.dact, acts.gate, acts.up);
+                let mut gate_up = run.projection_grads(
+                    grads,
+                    [
+                        (BlockProjection::W1, &*g.dgate),
+                        (BlockProjection::W3, &*g.dup),
+                    ],
+                );
                 run.sp.column_backward(
                     be,
-                    &mut [
-                        ProjectionGrad::new(w1, g.dgate, &p[i1], g_w1, i1),
-                        ProjectionGrad::new(w3, g.dup, &p[i3], g_w3, i3),
-                    ],
+                    &mut gate_up,
                     self.gathered(acts.normed_ffn, acts.normed_ffn_full),
                     g.full,
                     g.dnormed,
@@ -209,7 +204,8 @@ impl<B: Backend> Llama<B> {
         }
         let d = self.args.dim;
         let w = &p[id.ffn_norm];
-        let dw = &mut grads.bufs[id.ffn_norm];
+        let mut spare = None;
+        let dw = frozen_or(be, &mut grads.bufs[id.ffn_norm], &mut spare, d);
         be.rmsnorm_backward(g.dx, dw, g.dnormed, acts.h, w, acts.rstd_ffn, d);
         Ok(())
     }
@@ -256,22 +252,12 @@ impl<B: Backend> Llama<B> {
             AttentionIds::Gqa(_) => None,
         };
         {
-            let wo = run.linear(BlockProjection::Wo);
-            let g_wo = &mut grads.bufs[id.wo];
+            let [wo] = run.projection_grads(grads, [(BlockProjection::Wo, &*g.dx)]);
             let (values, dvalues) = match mla {
                 Some(_) => (&*acts.attn_values, self.mla_values_grad(g.mla)),
                 None => (&*acts.attn_out, &mut *g.dattn),
             };
-            run.sp.row_backward(
-                be,
-                wo,
-                g.dx,
-                g.full,
-                &p[id.wo],
-                (g_wo, id.wo),
-                values,
-                dvalues,
-            )?;
+            run.sp.row_backward(be, wo, g.full, values, dvalues)?;
         }
         if mla.is_some() {
             self.mla_values_backward(be, g.dattn, g.mla, b * s);
@@ -309,7 +295,8 @@ impl<B: Backend> Llama<B> {
             }
         }
         let (w, d) = (&p[id.attention_norm], self.args.dim);
-        let g_norm = &mut grads.bufs[id.attention_norm];
+        let mut spare = None;
+        let g_norm = frozen_or(be, &mut grads.bufs[id.attention_norm], &mut spare, d);
         be.rmsnorm_backward(g.dx, g_norm, g.dnormed, x, w, acts.rstd_attn, d);
         Ok(())
     }
@@ -327,7 +314,6 @@ impl<B: Backend> Llama<B> {
     ) -> Result<()> {
         let (be, p, m) = (run.be, run.p, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
-        let (wq, wk, wv) = (ids.wq, ids.wk, ids.wv);
         let (cos, sin) = (positions.cos, positions.sin);
         be.rope_backward(g.dq, cos, sin, positions.rope(b, s, m.heads, hd));
         be.rope_backward(g.dk, cos, sin, positions.rope(b, s, m.kv_heads, hd));
@@ -336,6 +322,9 @@ impl<B: Backend> Llama<B> {
                 .bufs
                 .get_disjoint_mut([qn, kn])
                 .expect("a block's parameters are distinct");
+            let (mut spare_q, mut spare_k) = (None, None);
+            let gq = frozen_or(be, gq, &mut spare_q, hd);
+            let gk = frozen_or(be, gk, &mut spare_k, hd);
             be.fill(g.dq_raw, 0.0);
             be.fill(g.dk_raw, 0.0);
             let (q_raw, k_raw) = (&*acts.q_raw, &*acts.k_raw);
@@ -346,18 +335,17 @@ impl<B: Backend> Llama<B> {
             true => (&*g.dq_raw, &*g.dk_raw),
             false => (&*g.dq, &*g.dk),
         };
-        let [g_wq, g_wk, g_wv] = grads
-            .bufs
-            .get_disjoint_mut([wq, wk, wv])
-            .expect("a block's parameters are distinct");
-        let linear = |p| run.linear(p);
+        let mut qkv = run.projection_grads(
+            grads,
+            [
+                (BlockProjection::Wq, dq),
+                (BlockProjection::Wk, dk),
+                (BlockProjection::Wv, &*g.dv),
+            ],
+        );
         run.sp.column_backward(
             be,
-            &mut [
-                ProjectionGrad::new(linear(BlockProjection::Wq), dq, &p[wq], g_wq, wq),
-                ProjectionGrad::new(linear(BlockProjection::Wk), dk, &p[wk], g_wk, wk),
-                ProjectionGrad::new(linear(BlockProjection::Wv), g.dv, &p[wv], g_wv, wv),
-            ],
+            &mut qkv,
             self.gathered(acts.normed_attn, acts.normed_attn_full),
             g.full,
             g.dnormed,

@@ -119,7 +119,8 @@ impl<B: Backend> Llama<B> {
             be,
             p: &params.bufs,
             id: &self.ids.layers[l],
-            linears: BlockLinears::of(&self.local, &self.float8, l),
+            linears: BlockLinears::of(&self.local, &self.float8, l)
+                .with_lora(self.args.lora.as_ref()),
             sp: self.sequence_parallel(b * s),
             batch: b,
             seq: s,
@@ -183,9 +184,8 @@ impl<B: Backend> Llama<B> {
             } else {
                 &*acts.attn_out
             };
-            let wo = run.linear(BlockProjection::Wo);
-            run.sp
-                .row_forward_residual(be, wo, values, &p[id.wo], x, acts.h, full)?;
+            let wo = run.projection(BlockProjection::Wo, acts.h);
+            run.sp.row_forward_residual(be, wo, values, x, full)?;
         }
         Ok(())
     }
@@ -201,7 +201,6 @@ impl<B: Backend> Llama<B> {
         at: usize,
     ) -> Result<()> {
         let (a, m, be, p) = (&self.args, &self.local, run.be, run.p);
-        let (wq, wk, wv) = (ids.wq, ids.wk, ids.wv);
         let (hd, eps) = (m.head_dim, a.norm_eps);
         let redo = |act| run.redo(act);
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
@@ -218,22 +217,13 @@ impl<B: Backend> Llama<B> {
             };
             let mut qkv = Vec::new();
             if redo_q_proj {
-                qkv.push(Projection::new(
-                    run.linear(BlockProjection::Wq),
-                    &p[wq],
-                    q_proj,
-                ));
+                qkv.push(run.projection(BlockProjection::Wq, q_proj));
             }
             if redo_k_proj {
-                qkv.push(Projection::new(
-                    run.linear(BlockProjection::Wk),
-                    &p[wk],
-                    k_proj,
-                ));
+                qkv.push(run.projection(BlockProjection::Wk, k_proj));
             }
             if redo(Act::V) {
-                let wv_linear = run.linear(BlockProjection::Wv);
-                qkv.push(Projection::new(wv_linear, &p[wv], &mut *acts.v));
+                qkv.push(run.projection(BlockProjection::Wv, &mut *acts.v));
             }
             self.column_layer(
                 run,
@@ -353,23 +343,18 @@ impl<B: Backend> Llama<B> {
             let w = &p[id.ffn_norm];
             be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, a.dim, a.norm_eps);
         }
-        let Some([i1, i2, i3]) = id.ffn.swiglu() else {
+        if id.ffn.swiglu().is_none() {
             if run.writes_output() {
                 be.copy_from(out, acts.h);
             }
             return Ok(());
         };
-        let (w1, w2, w3) = (
-            run.linear(BlockProjection::W1),
-            run.linear(BlockProjection::W2),
-            run.linear(BlockProjection::W3),
-        );
         let mut gate_up = Vec::new();
         if redo(Act::Gate) {
-            gate_up.push(Projection::new(w1, &p[i1], &mut *acts.gate));
+            gate_up.push(run.projection(BlockProjection::W1, &mut *acts.gate));
         }
         if redo(Act::Up) {
-            gate_up.push(Projection::new(w3, &p[i3], &mut *acts.up));
+            gate_up.push(run.projection(BlockProjection::W3, &mut *acts.up));
         }
         self.column_layer(
             run,
@@ -382,8 +367,9 @@ impl<B: Backend> Llama<B> {
             be.swiglu_forward(acts.act, acts.gate, acts.up);
         }
         if run.writes_output() {
+            let w2 = run.projection(BlockProjection::W2, out);
             run.sp
-                .row_forward_residual(be, w2, acts.act, &p[i2], acts.h, out, full)?;
+                .row_forward_residual(be, w2, acts.act, acts.h, full)?;
         }
         Ok(())
     }

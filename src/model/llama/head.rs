@@ -14,6 +14,7 @@
 
 use anyhow::Result;
 
+use super::run::frozen_or;
 use super::{Llama, Workspace};
 use crate::backend::{Backend, LossSum};
 use crate::model::linear::Linear;
@@ -78,9 +79,10 @@ impl<B: Backend> Llama<B> {
         };
         let a = &self.args;
         be.fill(&mut ws.dx, 0.0);
+        let mut spare = None;
         be.rmsnorm_backward(
             &mut ws.dx,
-            &mut grads.bufs[self.ids.norm],
+            frozen_or(be, &mut grads.bufs[self.ids.norm], &mut spare, a.dim),
             &ws.dnormed,
             &ws.resid[a.n_layers],
             &params.bufs[self.ids.norm],

@@ -19,13 +19,12 @@ use anyhow::Result;
 
 use super::mla_scratch::MlaScratch;
 use super::positions::Positions;
-use super::run::{BackwardRun, BlockRun};
+use super::run::{frozen_or, BackwardRun, BlockRun};
 use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::Act;
 use crate::model::mla::MlaArgs;
-use crate::model::parallel_linear::{Projection, ProjectionGrad};
 use crate::model::params::{MlaIds, MlaQueryIds, ParamSet};
 use crate::model::projection::BlockProjection;
 
@@ -85,21 +84,16 @@ impl<B: Backend> Llama<B> {
         let (redo_q, redo_kv) = (redo(Act::Q), redo(Act::K) || redo(Act::V));
         let mut first = Vec::new();
         match ids.query {
-            MlaQueryIds::Direct { wq } if redo_q => first.push(Projection::new(
-                run.linear(BlockProjection::Wq),
-                &p[wq],
-                &mut s.q_proj,
-            )),
-            MlaQueryIds::Latent { wq_a, .. } if redo(Act::QLatent) => first.push(Projection::new(
-                run.linear(BlockProjection::WqA),
-                &p[wq_a],
-                &mut *acts.q_latent,
-            )),
+            MlaQueryIds::Direct { .. } if redo_q => {
+                first.push(run.projection(BlockProjection::Wq, &mut s.q_proj))
+            }
+            MlaQueryIds::Latent { .. } if redo(Act::QLatent) => {
+                first.push(run.projection(BlockProjection::WqA, &mut *acts.q_latent))
+            }
             _ => {}
         }
         if redo(Act::KvLatent) {
-            let wkv_a = run.linear(BlockProjection::WkvA);
-            first.push(Projection::new(wkv_a, &p[ids.wkv_a], &mut *acts.kv_latent));
+            first.push(run.projection(BlockProjection::WkvA, &mut *acts.kv_latent));
         }
         self.column_layer(
             run,
@@ -109,15 +103,14 @@ impl<B: Backend> Llama<B> {
             Act::NormedAttnFull,
         )?;
         let rows = run.sp.replicated_rows();
-        if let MlaQueryIds::Latent { q_norm, wq_b, .. } = ids.query {
+        if let MlaQueryIds::Latent { q_norm, .. } = ids.query {
             let r = a.q_lora_rank.unwrap_or(0);
             if redo(Act::QLatentNormed) || redo(Act::RstdQLatent) {
                 let (out, rstd) = (&mut *acts.q_latent_normed, &mut *acts.rstd_q_latent);
                 be.rmsnorm_forward(out, rstd, acts.q_latent, &p[q_norm], r, eps);
             }
             if redo_q {
-                let wq_b =
-                    Projection::new(run.linear(BlockProjection::WqB), &p[wq_b], &mut s.q_proj);
+                let wq_b = run.projection(BlockProjection::WqB, &mut s.q_proj);
                 rows.column_forward(be, acts.q_latent_normed, &mut be.zeros(0), r, &mut [wq_b])?;
             }
         }
@@ -135,11 +128,7 @@ impl<B: Backend> Llama<B> {
             be.rmsnorm_forward(out, rstd, &s.kv_c, &p[ids.kv_norm], rkv, eps);
         }
         if redo_kv {
-            let wkv_b = Projection::new(
-                run.linear(BlockProjection::WkvB),
-                &p[ids.wkv_b],
-                &mut s.kv_up,
-            );
+            let wkv_b = run.projection(BlockProjection::WkvB, &mut s.kv_up);
             rows.column_forward(
                 be,
                 acts.kv_latent_normed,
@@ -311,7 +300,7 @@ impl<B: Backend> Llama<B> {
         positions: Positions<'_, B>,
     ) -> Result<()> {
         let s = g.scratch;
-        let (a, be, p, h) = (self.mla_args(), run.be, run.p, self.local.heads);
+        let (a, be, h) = (self.mla_args(), run.be, self.local.heads);
         let n = run.batch * run.seq;
         let (nope, r, padded, up) = (
             a.qk_nope_head_dim,
@@ -381,19 +370,12 @@ impl<B: Backend> Llama<B> {
             r,
         );
         self.mla_latent_backward(run, acts, ids, s, grads)?;
-        let (wq, q_id, dq) = match ids.query {
-            MlaQueryIds::Direct { wq } => (BlockProjection::Wq, wq, &s.q_proj),
-            MlaQueryIds::Latent { wq_a, .. } => (BlockProjection::WqA, wq_a, &s.dq_latent),
+        let (wq, dq) = match ids.query {
+            MlaQueryIds::Direct { .. } => (BlockProjection::Wq, &s.q_proj),
+            MlaQueryIds::Latent { .. } => (BlockProjection::WqA, &s.dq_latent),
         };
-        let [dw_q, dw_kv] = grads
-            .bufs
-            .get_disjoint_mut([q_id, ids.wkv_a])
-            .expect("a block's parameters are distinct");
-        let wkv_a = run.linear(BlockProjection::WkvA);
-        let mut first = [
-            ProjectionGrad::new(run.linear(wq), dq, &p[q_id], dw_q, q_id),
-            ProjectionGrad::new(wkv_a, &s.dkv_latent, &p[ids.wkv_a], dw_kv, ids.wkv_a),
-        ];
+        let mut first =
+            run.projection_grads(grads, [(wq, dq), (BlockProjection::WkvA, &s.dkv_latent)]);
         let x = self.gathered(acts.normed_attn, acts.normed_attn_full);
         run.sp.column_backward(be, &mut first, x, g.full, g.dnormed)
     }
@@ -414,18 +396,7 @@ impl<B: Backend> Llama<B> {
         let none = &mut be.zeros(0);
         let (rkv, kv_a) = (a.kv_lora_rank, a.kv_a_dim());
         {
-            let wkv_b = run.linear(BlockProjection::WkvB);
-            let [dw_b, dw_norm] = grads
-                .bufs
-                .get_disjoint_mut([ids.wkv_b, ids.kv_norm])
-                .expect("a block's parameters are distinct");
-            let mut grad = [ProjectionGrad::new(
-                wkv_b,
-                &s.kv_up,
-                &p[ids.wkv_b],
-                dw_b,
-                ids.wkv_b,
-            )];
+            let mut grad = run.projection_grads(grads, [(BlockProjection::WkvB, &s.kv_up)]);
             rows.column_backward(
                 be,
                 &mut grad,
@@ -442,6 +413,8 @@ impl<B: Backend> Llama<B> {
             );
             be.fill(&mut s.dkv_c, 0.0);
             let (w, rstd) = (&p[ids.kv_norm], &*acts.rstd_kv_latent);
+            let mut spare = None;
+            let dw_norm = frozen_or(be, &mut grads.bufs[ids.kv_norm], &mut spare, rkv);
             be.rmsnorm_backward(&mut s.dkv_c, dw_norm, &s.dkv_normed, &s.kv_c, w, rstd, rkv);
             copy_columns(
                 be,
@@ -451,20 +424,9 @@ impl<B: Backend> Llama<B> {
                 rkv,
             );
         }
-        if let MlaQueryIds::Latent { q_norm, wq_b, .. } = ids.query {
+        if let MlaQueryIds::Latent { q_norm, .. } = ids.query {
             let r = a.q_lora_rank.unwrap_or(0);
-            let [dw_b, dw_norm] = grads
-                .bufs
-                .get_disjoint_mut([wq_b, q_norm])
-                .expect("a block's parameters are distinct");
-            let wq_b_linear = run.linear(BlockProjection::WqB);
-            let mut grad = [ProjectionGrad::new(
-                wq_b_linear,
-                &s.q_proj,
-                &p[wq_b],
-                dw_b,
-                wq_b,
-            )];
+            let mut grad = run.projection_grads(grads, [(BlockProjection::WqB, &s.q_proj)]);
             rows.column_backward(
                 be,
                 &mut grad,
@@ -474,6 +436,8 @@ impl<B: Backend> Llama<B> {
             )?;
             be.fill(&mut s.dq_latent, 0.0);
             let (w, rstd) = (&p[q_norm], &*acts.rstd_q_latent);
+            let mut spare = None;
+            let dw_norm = frozen_or(be, &mut grads.bufs[q_norm], &mut spare, r);
             be.rmsnorm_backward(
                 &mut s.dq_latent,
                 dw_norm,

@@ -483,6 +483,9 @@ impl<B: Backend> Llama<B> {
         let _span = crate::trace::span("model", "embedding backward");
         let dtable = &mut grads.bufs[self.ids.tok_embeddings];
         let d = self.args.dim;
+        if be.len(dtable) == 0 {
+            return Ok(()); // frozen (LoRA): every rank alike, so no collective is skipped alone
+        }
         if self.local.tp == 1 {
             be.embedding_backward(dtable, &ws.dx, &ws.inputs, d);
             return Ok(());

@@ -7,8 +7,9 @@ use crate::model::activation_checkpoint::{Act, BlockSave};
 use crate::model::float8_convert::Float8Conversion;
 use crate::model::linear::Linear;
 use crate::model::local_shapes::LocalShapes;
-use crate::model::parallel_linear::SequenceParallel;
-use crate::model::params::LayerIds;
+use crate::model::lora::{Adapter, AdapterGrads, LoraArgs, LoraIds};
+use crate::model::parallel_linear::{AdapterGrad, Projection, ProjectionGrad, SequenceParallel};
+use crate::model::params::{LayerIds, ParamSet};
 use crate::model::projection::BlockProjection;
 
 /// A block's projections in one rank's shapes (`LocalShapes::projection`: attention's
@@ -17,6 +18,8 @@ use crate::model::projection::BlockProjection;
 #[derive(Clone, Copy)]
 pub(super) struct BlockLinears {
     linears: [Option<Linear>; BlockProjection::ALL.len()],
+    /// LoRA's rank and output scale (None without adapters).
+    lora: Option<(usize, f32)>,
 }
 
 impl BlockLinears {
@@ -31,7 +34,31 @@ impl BlockLinears {
                     .weight_gathered_in_float8(float8.weights_gathered_in_float8),
             )
         });
-        BlockLinears { linears }
+        BlockLinears {
+            linears,
+            lora: None,
+        }
+    }
+
+    /// These projections with LoRA's rank and scale (`lora`: the model's `[lora]`).
+    pub(super) fn with_lora(self, lora: Option<&LoraArgs>) -> Self {
+        BlockLinears {
+            lora: lora.map(|l| (l.rank, l.scale())),
+            ..self
+        }
+    }
+
+    /// The adapter whose factors are `ids` among the parameters `p`.
+    fn adapter<'p, B: Backend>(&self, p: &'p [B::Buf], ids: LoraIds) -> Adapter<'p, B> {
+        let (rank, scale) = self
+            .lora
+            .expect("a block with adapters knows LoRA's rank (a titan bug)");
+        Adapter {
+            a: &p[ids.a],
+            b: &p[ids.b],
+            rank,
+            scale,
+        }
     }
 
     /// Projection `p`, which the block has (its parameters say so: `LayerIds`).
@@ -72,7 +99,7 @@ pub(super) struct BlockRun<'r, B: Backend> {
     pub(super) aux_stats: bool,
 }
 
-impl<B: Backend> BlockRun<'_, B> {
+impl<'r, B: Backend> BlockRun<'r, B> {
     /// Whether this run computes `act`.
     pub(super) fn redo(&self, act: Act) -> bool {
         self.pass != Pass::RecomputeMissing || !self.save.keeps(act)
@@ -81,6 +108,19 @@ impl<B: Backend> BlockRun<'_, B> {
     /// The block's projection `p`.
     pub(super) fn linear(&self, p: BlockProjection) -> Linear {
         self.linears.get(p)
+    }
+
+    /// Projection `p`'s forward into `y`: its linear, weight and LoRA adapter.
+    pub(super) fn projection<'y>(&self, p: BlockProjection, y: &'y mut B::Buf) -> Projection<'y, B>
+    where
+        'r: 'y,
+    {
+        let id = self.id.projection(p).expect("the block has the projection");
+        let lora = self
+            .id
+            .adapter(p)
+            .map(|ids| self.linears.adapter(self.p, ids));
+        Projection::new(self.linear(p), &self.p[id], y).with_lora(lora)
     }
 
     /// Whether this run writes the block's output (the feed-forward's last projection and the
@@ -101,9 +141,57 @@ pub(super) struct BackwardRun<'r, B: Backend> {
     pub(super) seq: usize,
 }
 
-impl<B: Backend> BackwardRun<'_, B> {
+impl<'r, B: Backend> BackwardRun<'r, B> {
     /// The block's projection `p`.
     pub(super) fn linear(&self, p: BlockProjection) -> Linear {
         self.linears.get(p)
+    }
+
+    /// The backward of each projection `p` with its output gradient `dy`: the weight, where its
+    /// gradient goes (empty when frozen), and its LoRA adapter's factors and gradients, all
+    /// borrowed from `grads` at once.
+    pub(super) fn projection_grads<'g, const N: usize>(
+        &self,
+        grads: &'g mut ParamSet<B>,
+        each: [(BlockProjection, &'g B::Buf); N],
+    ) -> [ProjectionGrad<'g, B>; N]
+    where
+        'r: 'g,
+    {
+        let mut slots: Vec<Option<&'g mut B::Buf>> = grads.bufs.iter_mut().map(Some).collect();
+        let mut take = |i: usize| {
+            slots[i]
+                .take()
+                .expect("a block's projections and adapters are distinct parameters")
+        };
+        each.map(|(p, dy)| {
+            let id = self.id.projection(p).expect("the block has the projection");
+            let dw = take(id);
+            let lora = self.id.adapter(p).map(|ids| AdapterGrad {
+                adapter: self.linears.adapter(self.p, ids),
+                grads: AdapterGrads {
+                    da: take(ids.a),
+                    db: take(ids.b),
+                },
+                ids,
+            });
+            ProjectionGrad::new(self.linear(p), dy, &self.p[id], dw, id).with_lora(lora)
+        })
+    }
+}
+
+/// A norm weight's gradient buffer `grad`, or when the weight is frozen (LoRA: an empty
+/// gradient) a spare one of `width` zeros in `spare`: the norm's backward computes its weight's
+/// gradient in the same pass as its input's, and a frozen weight's is dropped.
+pub(super) fn frozen_or<'g, B: Backend>(
+    be: &B,
+    grad: &'g mut B::Buf,
+    spare: &'g mut Option<B::Buf>,
+    width: usize,
+) -> &'g mut B::Buf {
+    if be.len(grad) > 0 {
+        grad
+    } else {
+        spare.insert(be.zeros(width))
     }
 }

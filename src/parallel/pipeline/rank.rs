@@ -114,10 +114,12 @@ impl PipelineRank {
         model: &Llama<B>,
         grads: &mut ParamSet<B>,
     ) -> Result<()> {
-        if !self.tied {
+        let id = model.ids.tok_embeddings;
+        // A frozen embedding (LoRA) has no gradient on any stage.
+        if !self.tied || !crate::model::lora::trainable(model.args.lora.as_ref(), &grads.names[id])
+        {
             return Ok(());
         }
-        let id = model.ids.tok_embeddings;
         let numel: usize = grads.shapes[id].iter().product();
         let here = self.holds(&grads.names[id]);
         let mut v = if here {

@@ -89,15 +89,18 @@ impl CudaBackend {
                     GemmShape::new(n, vocab, dim),
                     GemmOutput::Accumulate,
                 );
-                let mut dw = dweight.slice_mut(0..vocab * dim);
-                let hc = self.view_input(&h_chunk);
-                self.gemm(
-                    &mut dw,
-                    lc,
-                    hc,
-                    GemmShape::new(vocab, n, dim).a_transposed(),
-                    GemmOutput::Accumulate,
-                );
+                // An empty gradient is a frozen output weight (LoRA): none is computed.
+                if dweight.len() > 0 {
+                    let mut dw = dweight.slice_mut(0..vocab * dim);
+                    let hc = self.view_input(&h_chunk);
+                    self.gemm(
+                        &mut dw,
+                        lc,
+                        hc,
+                        GemmShape::new(vocab, n, dim).a_transposed(),
+                        GemmOutput::Accumulate,
+                    );
+                }
             }
         }
         self.sum_row_losses(&row_loss)
@@ -281,7 +284,9 @@ fn check_loss_operands(
     check_len("cross_entropy", "weight", weight.len(), vocab * dim);
     if let Some((dh, dweight)) = grads {
         check_len("cross_entropy", "dh", dh.len(), rows * dim);
-        check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
+        if dweight.len() > 0 {
+            check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
+        }
     }
     check_targets(targets, vocab);
 }

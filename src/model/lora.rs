@@ -1,0 +1,304 @@
+//! LoRA (TorchTitan's `lora` model converter): a linear `y = x·Wᵀ` becomes
+//! `y = x·Wᵀ + (alpha/rank)·(x·Aᵀ)·Bᵀ` with `A` (`{linear}.lora_a.weight`, `[rank, d_in]`,
+//! Kaiming-uniform) and `B` (`{linear}.lora_b.weight`, `[d_out, rank]`, zeros) trained and every
+//! other weight frozen: no gradient, no AdamW state, no reduction.
+//!
+//! What this module owns: which linears a `[lora]` section adapts (`LoraArgs::adapts`), the
+//! adapters' names and shapes among the parameters (`with_adapters`), how tensor parallelism
+//! splits them (`adapter_sharding`, TorchTitan's `_lora_adapter_sharding`: a column-parallel
+//! linear's `B` splits its rows as the weight does and `A` is replicated; a row-parallel linear's
+//! `A` splits its columns and `B` is replicated), and the adapter's own GEMMs, forward and
+//! backward, in one rank's shapes (`Adapter`). The layers of `parallel_linear` call these next
+//! to the base linear's GEMMs, so every layout that runs the linear runs its adapter: the
+//! adapter's products are added to the base's before any collective the layer runs, and the
+//! gradient of a replicated factor is a partial sum over the group like a norm's, summed with
+//! the other replicated weights' (`parallel::layout`).
+//!
+//! The adapter never goes through float8: with a float8 base its GEMMs read the high-precision
+//! input and output gradient, as TorchTitan's LoRA over a `Float8Linear` does.
+
+use serde::{Deserialize, Serialize};
+
+use super::linear::Linear;
+use super::params::TpSharding;
+use crate::backend::Backend;
+
+/// The names of the linears LoRA can adapt (`[lora] target_modules`): every block projection
+/// (attention's, the feed-forward's and a mixture of experts' shared experts'). The routed
+/// experts (grouped 3-D weights), the router and the output projection are not adapted.
+pub const ADAPTABLE: [&str; 11] = [
+    "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wq_a", "wq_b", "wkv_a", "wkv_b",
+];
+
+/// `[lora]` as the model sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraArgs {
+    pub rank: usize,
+    pub alpha: f64,
+    /// The adapted linears' last name segments; empty: every adaptable linear.
+    #[serde(default)]
+    pub target_modules: Vec<String>,
+}
+
+/// Suffixes of an adapter's two factors.
+pub const LORA_A: &str = ".lora_a.weight";
+pub const LORA_B: &str = ".lora_b.weight";
+
+/// Whether `name` is an adapter's factor (the only tensors a LoRA run trains).
+pub fn is_adapter(name: &str) -> bool {
+    name.ends_with(LORA_A) || name.ends_with(LORA_B)
+}
+
+/// Whether a model with `lora` (None: none) trains tensor `name`: every tensor without LoRA,
+/// only the adapters with it.
+pub fn trainable(lora: Option<&LoraArgs>, name: &str) -> bool {
+    lora.is_none() || is_adapter(name)
+}
+
+/// The weight an adapter factor `name` belongs to (`….wq.lora_a.weight` → `….wq.weight`).
+pub fn base_of(name: &str) -> Option<String> {
+    let stem = name
+        .strip_suffix(LORA_A)
+        .or_else(|| name.strip_suffix(LORA_B))?;
+    Some(format!("{stem}.weight"))
+}
+
+impl LoraArgs {
+    /// `alpha / rank`, the adapter's output scale.
+    pub fn scale(&self) -> f32 {
+        (self.alpha / self.rank as f64) as f32
+    }
+
+    /// Whether the weight `name` (a canonical parameter name) gets an adapter.
+    pub fn adapts(&self, name: &str) -> bool {
+        let Some(stem) = name.strip_suffix(".weight") else {
+            return false;
+        };
+        let Some(segment) = stem.rsplit('.').next() else {
+            return false;
+        };
+        let adaptable = ADAPTABLE.contains(&segment)
+            && stem.starts_with("layers.")
+            && !stem.contains(".moe.experts.");
+        adaptable
+            && (self.target_modules.is_empty() || self.target_modules.iter().any(|t| t == segment))
+    }
+}
+
+/// `specs` with each adapted weight followed by its two factors (`A` `[rank, in]`, `B`
+/// `[out, rank]`), so a block's tensors stay consecutive.
+pub fn with_adapters(
+    specs: Vec<(String, Vec<usize>)>,
+    lora: &LoraArgs,
+) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::with_capacity(specs.len());
+    for (name, shape) in specs {
+        let adapted = lora.adapts(&name);
+        out.push((name.clone(), shape.clone()));
+        if adapted {
+            let stem = name.strip_suffix(".weight").expect("an adapted weight");
+            out.push((format!("{stem}{LORA_A}"), vec![lora.rank, shape[1]]));
+            out.push((format!("{stem}{LORA_B}"), vec![shape[0], lora.rank]));
+        }
+    }
+    out
+}
+
+/// How tensor parallelism splits adapter factor `name`, given how it splits the base weight.
+pub fn adapter_sharding(name: &str, base: TpSharding) -> TpSharding {
+    match (name.ends_with(LORA_A), base) {
+        (true, TpSharding::Columns) => TpSharding::Columns,
+        (false, TpSharding::Rows) => TpSharding::Rows,
+        _ => TpSharding::Replicated,
+    }
+}
+
+/// The initial values of adapter factor `name` of `numel` values (`rank` rows for `A`): `A`
+/// Kaiming-uniform as `nn.Linear`'s default (`a = √5`: bound `1/√in`), `B` zeros, so a fresh
+/// adapter leaves the model's function unchanged.
+pub fn init_adapter(name: &str, numel: usize, rank: usize, rng: &mut impl rand::Rng) -> Vec<f32> {
+    if name.ends_with(LORA_B) {
+        return vec![0.0; numel];
+    }
+    let fan_in = numel / rank.max(1);
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    (0..numel)
+        .map(|_| rng.gen_range(-bound..bound) as f32)
+        .collect()
+}
+
+/// Parameter indices of one adapter's factors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoraIds {
+    pub a: usize,
+    pub b: usize,
+}
+
+/// One linear's adapter as a rank holds it: `a` `[rank, d_in]`, `b` `[d_out, rank]` in the
+/// linear's local shapes.
+pub struct Adapter<'a, B: Backend> {
+    pub a: &'a B::Buf,
+    pub b: &'a B::Buf,
+    pub rank: usize,
+    pub scale: f32,
+}
+
+/// Where an adapter's factor gradients are added.
+pub struct AdapterGrads<'a, B: Backend> {
+    pub da: &'a mut B::Buf,
+    pub db: &'a mut B::Buf,
+}
+
+impl<B: Backend> Adapter<'_, B> {
+    /// `A` as a linear from the base's inputs to the rank, `B` from the rank to its outputs.
+    fn factors(&self, base: Linear) -> (Linear, Linear) {
+        (
+            Linear::new(base.d_in, self.rank),
+            Linear::new(self.rank, base.d_out),
+        )
+    }
+
+    /// `u = scale · x·Aᵀ` (`[rows, rank]`).
+    fn scaled_down(&self, be: &B, base: Linear, x: &B::Buf, rows: usize) -> B::Buf {
+        let (a, _) = self.factors(base);
+        let mut u = be.uninit(rows * self.rank);
+        a.forward(be, &mut u, x, self.a, rows);
+        be.scale(&mut u, self.scale);
+        u
+    }
+
+    /// `du = scale · dy·B` (`[rows, rank]`).
+    fn scaled_up_grad(&self, be: &B, base: Linear, dy: &B::Buf, rows: usize) -> B::Buf {
+        let (_, b) = self.factors(base);
+        let mut du = be.uninit(rows * self.rank);
+        b.input_grad(be, &mut du, dy, self.b, rows);
+        be.scale(&mut du, self.scale);
+        du
+    }
+
+    /// `y += scale · (x·Aᵀ)·Bᵀ` for `base`'s `x` `[rows, d_in]` and `y` `[rows, d_out]`.
+    pub fn add_forward(&self, be: &B, base: Linear, y: &mut B::Buf, x: &B::Buf, rows: usize) {
+        let u = self.scaled_down(be, base, x, rows);
+        self.factors(base).1.add_forward(be, y, &u, self.b, rows);
+    }
+
+    /// `dx += scale · (dy·B)·A`: the adapter's share of the input gradient.
+    pub fn add_input_grad(&self, be: &B, base: Linear, dx: &mut B::Buf, dy: &B::Buf, rows: usize) {
+        let du = self.scaled_up_grad(be, base, dy, rows);
+        self.factors(base)
+            .0
+            .add_input_grad(be, dx, &du, self.a, rows);
+    }
+
+    /// `dA += (scale · dy·B)ᵀ·x` and `dB += dyᵀ·(scale · x·Aᵀ)`.
+    pub fn add_weight_grads(
+        &self,
+        be: &B,
+        base: Linear,
+        grads: &mut AdapterGrads<'_, B>,
+        dy: &B::Buf,
+        x: &B::Buf,
+        rows: usize,
+    ) {
+        let (a, b) = self.factors(base);
+        let du = self.scaled_up_grad(be, base, dy, rows);
+        a.add_weight_grad(be, grads.da, &du, x, rows);
+        let u = self.scaled_down(be, base, x, rows);
+        b.add_weight_grad(be, grads.db, dy, &u, rows);
+    }
+
+    /// Copies of the two factors, for a weight gradient computed later (zero-bubble schedules).
+    pub fn to_owned(&self, be: &B) -> OwnedAdapter<B> {
+        let copy = |buf: &B::Buf| {
+            let mut c = be.uninit(be.len(buf));
+            be.copy_from(&mut c, buf);
+            c
+        };
+        OwnedAdapter {
+            a: copy(self.a),
+            b: copy(self.b),
+            rank: self.rank,
+            scale: self.scale,
+        }
+    }
+}
+
+/// An adapter's factors copied (`Adapter::to_owned`).
+pub struct OwnedAdapter<B: Backend> {
+    pub a: B::Buf,
+    pub b: B::Buf,
+    pub rank: usize,
+    pub scale: f32,
+}
+
+impl<B: Backend> OwnedAdapter<B> {
+    pub fn view(&self) -> Adapter<'_, B> {
+        Adapter {
+            a: &self.a,
+            b: &self.b,
+            rank: self.rank,
+            scale: self.scale,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lora(targets: &[&str]) -> LoraArgs {
+        LoraArgs {
+            rank: 4,
+            alpha: 8.0,
+            target_modules: targets.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn adapts_block_projections_only() {
+        let all = lora(&[]);
+        assert!(all.adapts("layers.0.attention.wq.weight"));
+        assert!(all.adapts("layers.1.feed_forward.w2.weight"));
+        assert!(all.adapts("layers.1.moe.shared_experts.w1.weight"));
+        assert!(!all.adapts("layers.1.moe.experts.3.w1.weight"));
+        assert!(!all.adapts("layers.1.moe.router.gate.weight"));
+        assert!(!all.adapts("layers.0.attention_norm.weight"));
+        assert!(!all.adapts("output.weight"));
+        assert!(!all.adapts("tok_embeddings.weight"));
+        let some = lora(&["wq", "wv"]);
+        assert!(some.adapts("layers.0.attention.wv.weight"));
+        assert!(!some.adapts("layers.0.attention.wk.weight"));
+    }
+
+    #[test]
+    fn adapters_follow_their_weight_with_its_shapes_and_splits() {
+        let specs = vec![
+            ("layers.0.attention.wq.weight".to_string(), vec![32, 16]),
+            ("layers.0.attention.wo.weight".to_string(), vec![16, 32]),
+        ];
+        let out = with_adapters(specs, &lora(&["wq", "wo"]));
+        let names: Vec<&str> = out.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "layers.0.attention.wq.weight",
+                "layers.0.attention.wq.lora_a.weight",
+                "layers.0.attention.wq.lora_b.weight",
+                "layers.0.attention.wo.weight",
+                "layers.0.attention.wo.lora_a.weight",
+                "layers.0.attention.wo.lora_b.weight",
+            ]
+        );
+        assert_eq!(out[1].1, [4, 16]);
+        assert_eq!(out[2].1, [32, 4]);
+        assert_eq!(
+            base_of("layers.0.attention.wo.lora_b.weight").as_deref(),
+            Some("layers.0.attention.wo.weight")
+        );
+        // Column-parallel wq: B splits its rows, A is whole; row-parallel wo: A splits its columns.
+        assert_eq!(TpSharding::of(&out[1].0), TpSharding::Replicated);
+        assert_eq!(TpSharding::of(&out[2].0), TpSharding::Rows);
+        assert_eq!(TpSharding::of(&out[4].0), TpSharding::Columns);
+        assert_eq!(TpSharding::of(&out[5].0), TpSharding::Replicated);
+    }
+}
