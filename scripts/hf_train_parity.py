@@ -13,6 +13,10 @@ plain causal attention. The schedule is titan's (linear warm-up from 1/(warmup+1
 decay over the remaining steps to 0, `src/train/lr.rs`); gradients are clipped as
 `clip_grad_norm_` does. With --targets (supervised fine-tuning) the labels of tokens that are not
 targets are -100 and the loss is `cross_entropy(ignore_index=-100)`, the mean over the rest.
+With --lora-adapters (a titan checkpoint's model.safetensors holding `{linear}.lora_a.weight` and
+`{linear}.lora_b.weight`) the linears that have adapters become LoRA linears written here,
+`base(x) + alpha/rank · (x·Aᵀ)·Bᵀ`, every other weight frozen, and AdamW trains the adapters
+alone; --lora-out writes their final values (titan's names and RoPE layout) as JSON.
 Needs torch and transformers (never a dependency of titan itself).
 """
 import argparse
@@ -52,6 +56,82 @@ def block_causal_inputs(inputs, start):
     return positions, mask[:, None]
 
 
+# titan's linear names inside a block, and transformers' module paths for them.
+HF_LINEARS = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+}
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear plus a trained low-rank update: base(x) + scale · (x·Aᵀ)·Bᵀ."""
+
+    def __init__(self, base, a, b, scale):
+        super().__init__()
+        self.base, self.scale = base, scale
+        self.lora_a = torch.nn.Parameter(a.clone())
+        self.lora_b = torch.nn.Parameter(b.clone())
+
+    def forward(self, x):
+        return self.base(x) + self.scale * ((x @ self.lora_a.T) @ self.lora_b.T)
+
+
+def rope_heads(model, linear):
+    """Heads whose rows titan keeps interleaved (q and k): HF's halves are a row permutation."""
+    cfg = model.config
+    return {"attention.wq": cfg.num_attention_heads, "attention.wk": cfg.num_key_value_heads}.get(
+        linear
+    )
+
+
+def to_hf_rows(b, heads):
+    rank = b.shape[1]
+    return b.reshape(heads, -1, 2, rank).transpose(1, 2).reshape(-1, rank)
+
+
+def to_titan_rows(b, heads):
+    rank = b.shape[1]
+    return b.reshape(heads, 2, -1, rank).transpose(1, 2).reshape(-1, rank)
+
+
+def add_lora(model, path, alpha):
+    """Wraps every linear with adapters in `path` (titan's names); returns {titan stem: module}."""
+    from safetensors.torch import load_file
+
+    saved = load_file(path)
+    model.requires_grad_(False)
+    adapted = {}
+    for name in saved:
+        if not name.endswith(".lora_a.weight"):
+            continue
+        stem = name[: -len(".lora_a.weight")]
+        _, layer, linear = stem.split(".", 2)
+        a, b = saved[f"{stem}.lora_a.weight"], saved[f"{stem}.lora_b.weight"]
+        heads = rope_heads(model, linear)
+        if heads:
+            b = to_hf_rows(b, heads)
+        parent_path, attr = HF_LINEARS[linear].split(".")
+        parent = getattr(model.model.layers[int(layer)], parent_path)
+        module = LoRALinear(getattr(parent, attr), a, b, alpha / a.shape[0])
+        setattr(parent, attr, module)
+        adapted[stem] = (module, heads)
+    return adapted
+
+
+def adapters_json(adapted):
+    out = {}
+    for stem, (module, heads) in adapted.items():
+        b = module.lora_b.detach()
+        out[f"{stem}.lora_a.weight"] = module.lora_a.detach().flatten().tolist()
+        out[f"{stem}.lora_b.weight"] = (to_titan_rows(b, heads) if heads else b).flatten().tolist()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("hf_dir")
@@ -71,6 +151,9 @@ def main():
         help="a uint8 file aligned with --tokens: 0 where the token is not a target "
         "(a chat sample's prompt: its label is -100, as ignore_index skips it)",
     )
+    ap.add_argument("--lora-adapters", help="a titan model.safetensors holding the adapters")
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
+    ap.add_argument("--lora-out", help="where to write the final adapters (JSON)")
     a = ap.parse_args()
 
     torch.use_deterministic_algorithms(True)
@@ -82,6 +165,7 @@ def main():
         a.hf_dir, torch_dtype=torch.float32, attn_implementation="eager"
     )
     model.train()
+    adapted = add_lora(model, a.lora_adapters, a.lora_alpha) if a.lora_adapters else {}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         params, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay
@@ -114,6 +198,9 @@ def main():
             group["lr"] = a.lr * lr_factor(step, a.warmup, a.steps)
         opt.step()
         out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
+    if a.lora_out:
+        with open(a.lora_out, "w") as f:
+            json.dump(adapters_json(adapted), f)
     print(json.dumps(out))
 
 

@@ -169,7 +169,11 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
     let be = CpuBackend::new();
     let dir = super::resolve_checkpoint_dir(checkpoint)?;
     let state = super::read_state(&dir)?;
-    let (args, params) = super::load_weights(&be, &dir)?;
+    let (mut args, mut params) = super::load_weights(&be, &dir)?;
+    if let Some(lora) = args.lora.take() {
+        // A LoRA run's model is its base with the adapters merged in (`W + (alpha/rank)·B·A`).
+        params = crate::model::lora::merge_adapters(&be, params, &lora);
+    }
     let tokenizer = crate::data::load_tokenizer(&state.tokenizer_path)?;
     let mut tensors = Vec::new();
     for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {

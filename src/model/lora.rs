@@ -20,8 +20,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::linear::Linear;
-use super::params::TpSharding;
-use crate::backend::Backend;
+use super::params::{ParamSet, TpSharding};
+use crate::backend::{Backend, GemmOutput, GemmShape};
 
 /// The names of the linears LoRA can adapt (`[lora] target_modules`): every block projection
 /// (attention's, the feed-forward's and a mixture of experts' shared experts'). The routed
@@ -242,6 +242,56 @@ impl<B: Backend> OwnedAdapter<B> {
     }
 }
 
+/// `params` (whole tensors) with every adapter merged into its weight, `W += (alpha/rank)·B·A`,
+/// and the adapters dropped: the plain model a LoRA run computes (Hugging Face export).
+pub fn merge_adapters<B: Backend>(be: &B, params: ParamSet<B>, lora: &LoraArgs) -> ParamSet<B> {
+    let ParamSet {
+        names,
+        shapes,
+        mut bufs,
+    } = params;
+    let index = |n: &str| names.iter().position(|x| x == n);
+    for (a_id, name) in names.iter().enumerate() {
+        let Some(stem) = name.strip_suffix(LORA_A) else {
+            continue;
+        };
+        let (Some(w_id), Some(b_id)) = (
+            index(&format!("{stem}.weight")),
+            index(&format!("{stem}{LORA_B}")),
+        ) else {
+            continue;
+        };
+        let (d_out, d_in) = (shapes[w_id][0], shapes[w_id][1]);
+        let mut scaled_b = be.uninit(d_out * lora.rank);
+        be.copy_from(&mut scaled_b, &bufs[b_id]);
+        be.scale(&mut scaled_b, lora.scale());
+        let a = std::mem::replace(&mut bufs[a_id], be.zeros(0));
+        let shape = GemmShape::new(d_out, lora.rank, d_in);
+        be.matmul(
+            &mut bufs[w_id],
+            &scaled_b,
+            &a,
+            shape,
+            GemmOutput::Accumulate,
+        );
+        bufs[a_id] = a;
+    }
+    let keep: Vec<bool> = names.iter().map(|n| !is_adapter(n)).collect();
+    ParamSet {
+        names: kept(names, &keep),
+        shapes: kept(shapes, &keep),
+        bufs: kept(bufs, &keep),
+    }
+}
+
+/// The items of `v` whose `keep` is true.
+fn kept<T>(v: Vec<T>, keep: &[bool]) -> Vec<T> {
+    v.into_iter()
+        .zip(keep)
+        .filter_map(|(x, &k)| k.then_some(x))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,6 +301,47 @@ mod tests {
             rank: 4,
             alpha: 8.0,
             target_modules: targets.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn merged_weights_compute_what_the_adapted_linear_does() {
+        use crate::backend::cpu::CpuBackend;
+        let be = CpuBackend::new();
+        let (d_in, d_out, rows) = (6, 5, 3);
+        let l = lora(&[]);
+        let values = |n: usize, k: f32| (0..n).map(|i| ((i as f32) * k).sin()).collect::<Vec<_>>();
+        let (w, a, b) = (
+            values(d_out * d_in, 0.7),
+            values(l.rank * d_in, 1.3),
+            values(d_out * l.rank, 0.4),
+        );
+        let x = values(rows * d_in, 0.9);
+        let set = ParamSet {
+            names: vec![
+                "layers.0.attention.wq.weight".into(),
+                format!("layers.0.attention.wq{LORA_A}"),
+                format!("layers.0.attention.wq{LORA_B}"),
+            ],
+            shapes: vec![vec![d_out, d_in], vec![l.rank, d_in], vec![d_out, l.rank]],
+            bufs: vec![w.clone(), a.clone(), b.clone()],
+        };
+        let merged = merge_adapters(&be, set, &l);
+        assert_eq!(merged.names, ["layers.0.attention.wq.weight"]);
+        let linear = Linear::new(d_in, d_out);
+        let mut expect = vec![0.0; rows * d_out];
+        linear.forward(&be, &mut expect, &x, &w, rows);
+        let adapter = Adapter::<CpuBackend> {
+            a: &a,
+            b: &b,
+            rank: l.rank,
+            scale: l.scale(),
+        };
+        adapter.add_forward(&be, linear, &mut expect, &x, rows);
+        let mut got = vec![0.0; rows * d_out];
+        linear.forward(&be, &mut got, &x, &merged.bufs[0], rows);
+        for (g, e) in got.iter().zip(&expect) {
+            assert!((g - e).abs() < 1e-5, "{g} vs {e}");
         }
     }
 

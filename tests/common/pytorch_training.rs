@@ -7,7 +7,7 @@ use std::path::Path;
 use super::{losses, metric, train};
 
 /// Makes the model at `out`: Llama, dim 64, 2 layers, 4/2 heads, FFN 256, vocabulary 300, seed 0.
-fn make_llama(py: &str, out: &Path) {
+pub fn make_llama(py: &str, out: &Path) {
     let make = r#"
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,461 @@
+//! LoRA (`[model] converters = ["lora"]`): training equals a PyTorch reference of LoRA linears
+//! (`scripts/hf_train_parity.py --lora-adapters`) step for step, the base weights stay bit for
+//! bit what they were, the optimizer holds only the adapters' state, every layout equals one
+//! process, a Hugging Face export of a LoRA run (the adapters merged) computes and generates as
+//! titan does, and bad settings are refused by name.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use common::pytorch_training::{make_llama, python};
+use common::{assert_layout_matches_one_process, hf_python, losses, metric, train};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use titan::backend::cpu::CpuBackend;
+use titan::checkpoint;
+
+/// LoRA on every block projection, rank 4, alpha 8 (scale 2).
+const LORA: &[&str] = &[
+    "--model.converters",
+    "lora",
+    "--lora.rank",
+    "4",
+    "--lora.alpha",
+    "8",
+];
+
+/// AdamW's epsilon in the PyTorch comparison: above the first steps' tiniest gradients, whose
+/// updates (m/√v ≈ ±1 whatever their size) would otherwise turn rounding into visible steps.
+const EPS: &str = "1e-6";
+
+/// A uint32 token shard of `n` ids drawn from 0..300.
+fn write_tokens(path: &Path, n: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let bytes: Vec<u8> = (0..n)
+        .flat_map(|_| rng.gen_range(0..300u32).to_le_bytes())
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Every tensor of the checkpoint at `dir`, by name.
+fn weights(dir: &Path) -> BTreeMap<String, Vec<f32>> {
+    let (_, params) = checkpoint::load_weights(&CpuBackend::new(), dir).unwrap();
+    params.names.into_iter().zip(params.bufs).collect()
+}
+
+fn run(dump: &Path, args: &[&str]) {
+    let o = train(dump, &[], args);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// A tiny Llama made by transformers, imported, one LoRA step (so both adapter factors are
+/// non-zero), then 3 more steps from that checkpoint against PyTorch training LoRA linears
+/// written in the script from the same adapters: every loss and gradient norm within 1e-6, the
+/// adapters within 1e-6 after one step (1e-5 after three); the base weights bit for bit the
+/// imported ones, and the optimizer's state only the adapters'.
+#[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
+fn lora_training_equals_a_pytorch_reference_and_leaves_the_base_untouched() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    make_llama(&py, &hf);
+    let shard = dir.path().join("tokens.bin");
+    write_tokens(&shard, 3000, 5);
+    let (batch, seq, lr, warmup, steps) = ("2", "64", "3e-3", "2", "3");
+    let common = [
+        "--training.dataset",
+        "tokens_u32",
+        "--training.dataset_path",
+        shard.to_str().unwrap(),
+        "--training.local_batch_size",
+        batch,
+        "--training.seq_len",
+        seq,
+        "--optimizer.lr",
+        lr,
+        "--lr_scheduler.warmup_steps",
+        warmup,
+        "--optimizer.eps",
+        EPS,
+        "--checkpoint.enable",
+        "true",
+    ];
+    let first = dir.path().join("first");
+    let from_hf = [
+        "--training.steps",
+        "1",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.initial_load_path",
+        hf.to_str().unwrap(),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+    ];
+    run(&first, &[&common[..], LORA, &from_hf].concat());
+    let start = first.join("checkpoint/step-1");
+    let second = dir.path().join("second");
+    let from_first = [
+        "--training.steps",
+        steps,
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.initial_load_path",
+        start.to_str().unwrap(),
+    ];
+    run(&second, &[&common[..], LORA, &from_first].concat());
+
+    // PyTorch from the same step-1 checkpoint: one step, then all three.
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_train_parity.py");
+    let adapters = start.join("model.safetensors");
+    let pytorch = |steps: &str| {
+        let out = dir.path().join(format!("adapters{steps}.json"));
+        let curves: Vec<serde_json::Value> = serde_json::from_str(&python(
+            &py,
+            &[
+                script,
+                hf.to_str().unwrap(),
+                "--tokens",
+                shard.to_str().unwrap(),
+                "--batch",
+                batch,
+                "--seq",
+                seq,
+                "--steps",
+                steps,
+                "--lr",
+                lr,
+                "--warmup",
+                warmup,
+                "--lora-adapters",
+                adapters.to_str().unwrap(),
+                "--eps",
+                EPS,
+                "--lora-alpha",
+                "8",
+                "--lora-out",
+                out.to_str().unwrap(),
+            ],
+        ))
+        .unwrap();
+        let adapters: BTreeMap<String, Vec<f32>> =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        (curves, adapters)
+    };
+    let (reference, at_end) = pytorch(steps);
+    let curve =
+        |key: &str| -> Vec<f64> { reference.iter().map(|r| r[key].as_f64().unwrap()).collect() };
+    let titan_losses: Vec<f64> = losses(&second).iter().map(|&(_, l)| l).collect();
+    let titan_norms: Vec<f64> = metric(&second, "grad_norm")
+        .iter()
+        .map(|&(_, g)| g)
+        .collect();
+    let relative = |a: &[f64], b: &[f64]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs() / y.abs())
+            .fold(0.0, f64::max)
+    };
+    let (loss_diff, norm_diff) = (
+        relative(&titan_losses, &curve("loss")),
+        relative(&titan_norms, &curve("grad_norm")),
+    );
+    eprintln!(
+        "LoRA vs PyTorch over {steps} steps: loss {loss_diff:.2e}, grad norm {norm_diff:.2e}"
+    );
+    assert!(
+        loss_diff <= 1e-6,
+        "losses {titan_losses:?} vs {:?}",
+        curve("loss")
+    );
+    assert!(
+        norm_diff <= 1e-6,
+        "norms {titan_norms:?} vs {:?}",
+        curve("grad_norm")
+    );
+    let worst = |titan: &BTreeMap<String, Vec<f32>>, torch: &BTreeMap<String, Vec<f32>>| {
+        let mut worst = 0.0f32;
+        for (name, expect) in torch {
+            let got = &titan[name];
+            assert_eq!(got.len(), expect.len(), "{name}");
+            for (g, e) in got.iter().zip(expect) {
+                worst = worst.max((g - e).abs());
+            }
+        }
+        worst
+    };
+    let after_one = weights(&second.join("checkpoint/step-1"));
+    let one = worst(&after_one, &pytorch("1").1);
+    let after = weights(&second.join(format!("checkpoint/step-{steps}")));
+    let all = worst(&after, &at_end);
+    eprintln!("LoRA vs PyTorch: adapters within {one:.2e} after one step, {all:.2e} after {steps}");
+    assert!(one <= 1e-6, "adapters differ by {one} after one step");
+    // AdamW's first steps divide by small second moments, which magnifies rounding.
+    assert!(all <= 1e-5, "adapters differ by {all} after {steps} steps");
+    let reference = at_end;
+    let before = weights(&start);
+    // 2 layers × 7 projections, two factors each.
+    assert_eq!(reference.len(), 28);
+    let base: Vec<&String> = after.keys().filter(|n| !n.contains(".lora_")).collect();
+    assert_eq!(base.len(), before.len() - 28);
+    for name in base {
+        assert_eq!(
+            after[name].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            before[name].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{name} changed: the base must stay frozen"
+        );
+    }
+    let moments = checkpoint::st::read_file(
+        &second.join(format!("checkpoint/step-{steps}/optimizer.safetensors")),
+    )
+    .unwrap();
+    assert_eq!(
+        moments.len(),
+        2 * 28,
+        "AdamW's state: two moments per adapter factor"
+    );
+    assert!(moments.iter().all(|(n, _)| n.contains(".lora_")));
+}
+
+/// LoRA under FSDP 2, DDP 2, TP 2 (the adapters split as TorchTitan's adapter sharding) with and
+/// without async TP, a 1F1B pipeline of 2 stages and a zero-bubble one (the adapters' weight
+/// gradients deferred to the W actions), each against one process over 4 steps.
+#[test]
+fn lora_layouts_match_one_process() {
+    let single = [
+        &[
+            "--training.steps",
+            "4",
+            "--training.local_batch_size",
+            "4",
+            "--optimizer.lr",
+            "1e-2",
+        ],
+        LORA,
+    ]
+    .concat();
+    let layouts: [(&str, &[&str], &str); 6] = [
+        (
+            "FSDP 2",
+            &[
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+                "--training.local_batch_size",
+                "2",
+            ],
+            "FSDP",
+        ),
+        (
+            "DDP 2",
+            &[
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--training.local_batch_size",
+                "2",
+            ],
+            "DDP",
+        ),
+        (
+            "TP 2",
+            &["--parallelism.tensor_parallel_degree", "2"],
+            "tensor parallel",
+        ),
+        (
+            "TP 2 (async)",
+            &[
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_async_tensor_parallel",
+                "true",
+            ],
+            "tensor parallel",
+        ),
+        (
+            "PP 2 (1F1B)",
+            &[
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "1F1B",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "1",
+            ],
+            "pipeline: ",
+        ),
+        (
+            "PP 2 (ZBVZeroBubble)",
+            &[
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "1",
+            ],
+            "pipeline: ",
+        ),
+    ];
+    let nproc = ["--nproc", "2", "--master-port", "0"];
+    for (what, parallel, says) in layouts {
+        assert_layout_matches_one_process(what, &single, &nproc, parallel, says);
+    }
+}
+
+/// A LoRA run exported to Hugging Face (`convert hf-export`, the adapters merged into their
+/// weights) computes the loss titan computes with the adapters apart, within 1e-5, and
+/// transformers' greedy generation picks titan's tokens.
+#[test]
+fn a_lora_run_exports_merged_weights_that_transformers_runs_as_titan_does() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let lr = ["--optimizer.lr", "3e-2", "--training.steps", "5"];
+    run(
+        dir.path(),
+        &[&lr[..], LORA, &["--checkpoint.enable", "true"]].concat(),
+    );
+    let step = dir.path().join("checkpoint/step-5");
+    let hf = dir.path().join("hf");
+    let o = std::process::Command::new(common::titan_bin())
+        .args(["convert", "hf-export"])
+        .args([&step, &hf])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let names: Vec<String> = checkpoint::st::read_file(&hf.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert!(names.iter().all(|n| !n.contains("lora")), "{names:?}");
+
+    let be = CpuBackend::new();
+    let (args, params) = checkpoint::load_weights(&be, &step).unwrap();
+    assert!(args.lora.is_some());
+    let (batch, seq) = (2, 24);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i as u32 * 37 + 11) % 258)
+        .collect();
+    let model = titan::model::Llama::new(&be, args.clone(), seq).unwrap();
+    let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
+    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+    let titan_loss = loss.sum / loss.count as f64;
+    let (prompt, new) = (&tokens[..8], 10);
+    let mut cache = titan::model::KvCache::new(&be, &args, prompt.len() + new);
+    let mut logits = model
+        .forward_cached(&be, &params, &mut cache, prompt)
+        .unwrap();
+    let mut titan_ids = Vec::new();
+    for _ in 0..new {
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        titan_ids.push(next);
+        logits = model
+            .forward_cached(&be, &params, &mut cache, &[next])
+            .unwrap();
+    }
+    let script = r#"
+import sys, json, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+model.generation_config.eos_token_id = None
+rows = torch.tensor([[int(t) for t in r.split(",")] for r in sys.argv[2].split(";")])
+with torch.no_grad():
+    logits = model(input_ids=rows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+prompt = rows[:1, :8]
+out = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+print(json.dumps({"loss": loss.item(), "ids": out[0, 8:].tolist()}))
+"#;
+    let rows: Vec<String> = tokens
+        .chunks(seq + 1)
+        .map(|r| {
+            r.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    let out: serde_json::Value = serde_json::from_str(&python(
+        &py,
+        &["-c", script, hf.to_str().unwrap(), &rows.join(";")],
+    ))
+    .unwrap();
+    let hf_loss = out["loss"].as_f64().unwrap();
+    assert!(
+        (hf_loss - titan_loss).abs() <= 1e-5 * titan_loss,
+        "titan {titan_loss} vs transformers {hf_loss}"
+    );
+    let hf_ids: Vec<u32> = serde_json::from_value(out["ids"].clone()).unwrap();
+    assert_eq!(hf_ids, titan_ids, "greedy generation");
+}
+
+/// Settings LoRA cannot run are refused naming the key; a resumed run must keep its adapters.
+#[test]
+fn bad_lora_settings_are_refused_by_name() {
+    let refused = |extra: &[&str], says: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let o = train(
+            dir.path(),
+            &[],
+            &[&["--training.steps", "1"], extra].concat(),
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(says),
+            "{extra:?}: {err}"
+        );
+    };
+    let lora = ["--model.converters", "lora"];
+    refused(
+        &[&lora[..], &["--lora.rank", "0"]].concat(),
+        "[lora] rank = 0",
+    );
+    refused(
+        &[&lora[..], &["--lora.target_modules", "wq,q_proj"]].concat(),
+        "`q_proj` is not a linear's name",
+    );
+    refused(
+        &[&lora[..], &["--lora.target_modules", "output"]].concat(),
+        "`output` is not adapted yet",
+    );
+    refused(
+        &[&lora[..], &["--lora.target_modules", "wkv_a"]].concat(),
+        "`wkv_a` names no linear of this model",
+    );
+    refused(&["--lora.rank", "16"], "add --model.converters lora");
+
+    // A checkpoint written with rank 4 does not resume at rank 8.
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"];
+    run(
+        dir.path(),
+        &[&["--training.steps", "1"], LORA, &ckpt].concat(),
+    );
+    let o = train(
+        dir.path(),
+        &[],
+        &[
+            &["--training.steps", "2", "--model.converters", "lora"],
+            &ckpt[..],
+        ]
+        .concat(),
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("saved with LoRA adapters"),
+        "{err}"
+    );
+}
