@@ -308,6 +308,74 @@ fn lora_layouts_match_one_process() {
     }
 }
 
+/// LoRA with the other block features: Qwen3-MoE's shared-less experts frozen and split over EP 2
+/// with full activation checkpointing, DeepSeek-V3's latent attention (its replicated latent
+/// projections adapted too) under TP 2, float8 base linears (rowwise) under FSDP 2, and context
+/// parallelism, each against one process.
+#[test]
+fn lora_composes_with_experts_latent_attention_float8_and_context_parallel() {
+    let nproc = ["--nproc", "2", "--master-port", "0"];
+    let steps = ["--training.steps", "4", "--optimizer.lr", "1e-2"];
+    let moe = [
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--training.global_batch_size",
+        "4",
+        "--training.local_batch_size",
+        "4",
+        "--activation_checkpoint.mode",
+        "full",
+    ];
+    let ep = [
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ];
+    let single = [&steps[..], LORA, &moe].concat();
+    assert_layout_matches_one_process("EP 2 (MoE, AC full)", &single, &nproc, &ep, "rank 0 of");
+    let mla = [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "debugmodel",
+        "--model.q_lora_rank",
+        "24",
+        "--model.kv_lora_rank",
+        "16",
+        "--model.qk_nope_head_dim",
+        "8",
+        "--model.qk_rope_head_dim",
+        "8",
+        "--model.v_head_dim",
+        "12",
+    ];
+    let tp = ["--parallelism.tensor_parallel_degree", "2"];
+    let single = [&steps[..], LORA, &mla].concat();
+    assert_layout_matches_one_process("TP 2 (MLA)", &single, &nproc, &tp, "tensor parallel");
+    let float8 = [
+        "--model.converters",
+        "lora,quantize.linear.float8",
+        "--lora.rank",
+        "4",
+        "--training.local_batch_size",
+        "4",
+    ];
+    let fsdp = [
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    ];
+    let single = [&steps[..], &float8].concat();
+    assert_layout_matches_one_process("FSDP 2 (float8 base)", &single, &nproc, &fsdp, "FSDP");
+    let cp = ["--parallelism.context_parallel_degree", "2"];
+    let single = [&steps[..], LORA].concat();
+    assert_layout_matches_one_process("CP 2", &single, &nproc, &cp, "context parallel");
+}
+
 /// A LoRA run exported to Hugging Face (`convert hf-export`, the adapters merged into their
 /// weights) computes the loss titan computes with the adapters apart, within 1e-5, and
 /// transformers' greedy generation picks titan's tokens.

@@ -1,6 +1,7 @@
 //! Whole-model gradient check on a tiny Llama and a tiny Qwen3 (QK-norm, a head width that is not
-//! dim / heads): the analytic gradient of every parameter tensor against central differences of
-//! the loss, along that tensor's gradient and along a random mix.
+//! dim / heads), with mixtures of experts, latent attention and LoRA's adapters: the analytic
+//! gradient of every parameter tensor against central differences of the loss, along that
+//! tensor's gradient and along a random mix.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -29,6 +30,7 @@ fn llama_args(tied: bool) -> ModelArgs {
         qk_norm: false,
         moe: None,
         mla: None,
+        lora: None,
     }
 }
 
@@ -153,6 +155,25 @@ fn whole_model_gradient_matches_finite_differences() {
 #[test]
 fn whole_model_gradient_with_tied_embeddings() {
     check(true);
+}
+
+/// LoRA's adapters (rank 3, scale 2) on every block projection, their `B` made non-zero: the
+/// adapters' gradients and their share of every input gradient (which the base weights' and
+/// embeddings' gradients below them read).
+#[test]
+fn lora_whole_model_gradient_matches_finite_differences() {
+    let lora = titan::model::lora::LoraArgs {
+        rank: 3,
+        alpha: 6.0,
+        target_modules: Vec::new(),
+    };
+    check_model(
+        ModelArgs {
+            lora: Some(lora),
+            ..qwen3_args(false)
+        },
+        false,
+    );
 }
 
 #[test]

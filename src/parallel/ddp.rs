@@ -166,7 +166,7 @@ impl NcclGradReducer {
             .bufs
             .iter_mut()
             .enumerate()
-            .filter(|(i, b)| ids.contains(i) && b.len() > 0)
+            .filter(|(i, b)| ids.contains(i) && !b.is_empty())
             .map(|(_, b)| b);
         let f = self.group.start_all_reduce_each(bufs, ReduceOp::Sum)?;
         self.in_flight.push(f);

@@ -80,13 +80,50 @@ impl<B: Backend> Banner<'_, B> {
             lines.push(p.describe());
         }
         lines.extend(self.float8_lines());
+        lines.extend(self.lora_line());
         lines
+    }
+
+    /// `[lora]`: the adapters' shape and how much of the model trains.
+    fn lora_line(&self) -> Option<String> {
+        let l = self.args.lora.as_ref()?;
+        let specs = crate::model::params::param_specs(self.args);
+        let numel = |s: &[usize]| s.iter().product::<usize>();
+        let adapters = specs
+            .iter()
+            .filter(|(n, _)| n.ends_with(crate::model::lora::LORA_A));
+        let trained: usize = specs
+            .iter()
+            .filter(|(n, _)| crate::model::lora::is_adapter(n))
+            .map(|(_, s)| numel(s))
+            .sum();
+        let all: usize = specs.iter().map(|(_, s)| numel(s)).sum();
+        Some(format!(
+            "LoRA | rank {}, alpha {} (scale {}) on {} linears ({}) | {:.3}M trainable parameters, {:.2}% of {:.2}M; every other weight frozen (no gradient, no AdamW state)",
+            l.rank,
+            l.alpha,
+            l.scale(),
+            adapters.count(),
+            match l.target_modules.is_empty() {
+                true => "every block projection".to_string(),
+                false => l.target_modules.join(", "),
+            },
+            trained as f64 / 1e6,
+            100.0 * trained as f64 / all as f64,
+            all as f64 / 1e6,
+        ))
     }
 
     /// `[model] converters`' float8 or MXFP8 linears: the recipe, how the GEMMs run, which linears were
     /// converted and which were left in high precision, with why.
     fn float8_lines(&self) -> Vec<String> {
-        if self.layout.model.float8().converted() == 0 && self.cfg.model.converters.is_empty() {
+        let quantizing = self
+            .cfg
+            .model
+            .converters
+            .iter()
+            .any(|c| c != crate::config::LORA);
+        if self.layout.model.float8().converted() == 0 && !quantizing {
             return Vec::new();
         }
         let async_tp = match self.cfg.parallelism.enable_async_tensor_parallel {

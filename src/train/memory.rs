@@ -55,11 +55,23 @@ impl<B: Backend> DeviceSizing for B {
 /// blocks, and one block's as the rank gathers it (under expert parallelism, with its own experts
 /// only).
 fn local_param_counts(args: &ModelArgs, m: &LocalShapes) -> (u64, u64, u64) {
+    local_counts(args, m, false)
+}
+
+/// `local_param_counts` of the parameters that train (all but LoRA's frozen base): those with
+/// gradients and AdamW state.
+fn local_trainable_counts(args: &ModelArgs, m: &LocalShapes) -> (u64, u64, u64) {
+    local_counts(args, m, true)
+}
+
+fn local_counts(args: &ModelArgs, m: &LocalShapes, trainable_only: bool) -> (u64, u64, u64) {
     let specs = local_param_specs(args, m.tp);
+    let lora = args.lora.as_ref();
     let count = |keep: &dyn Fn(&str) -> bool| -> u64 {
         specs
             .iter()
             .filter(|(name, _)| keep(name))
+            .filter(|(name, _)| !trainable_only || crate::model::lora::trainable(lora, name))
             .map(|(_, shape)| shape.iter().product::<usize>() as u64)
             .sum()
     };
@@ -76,6 +88,8 @@ fn local_param_counts(args: &ModelArgs, m: &LocalShapes) -> (u64, u64, u64) {
 #[derive(Debug, Clone, Copy)]
 pub struct MemoryEstimate {
     pub params: u64,
+    /// Of `params`, what stays held between steps: this rank's shards under FSDP, else all.
+    pub param_shards: u64,
     pub grads: u64,
     pub optimizer: u64,
     pub activations: u64,
@@ -103,10 +117,12 @@ impl MemoryEstimate {
         plan: &ActivationPlan,
     ) -> Self {
         let p = local_param_counts(args, m).0 * 4;
+        let trained = local_trainable_counts(args, m).0 * 4;
         MemoryEstimate {
             params: p,
-            grads: p,
-            optimizer: 2 * p,
+            param_shards: p,
+            grads: trained,
+            optimizer: 2 * trained,
             activations: WorkspaceFloats::of(m, batch, seq, plan, WorkspacePart::Whole).all as u64
                 * 4,
             scratch: 0,
@@ -159,6 +175,10 @@ impl MemoryEstimate {
         let (all, outside_blocks, block) = (all * 4, outside_blocks * 4, block * 4);
         let shard = shard.max(1) as u64;
         self.params = all.div_ceil(shard) + outside_blocks + blocks_gathered as u64 * block;
+        self.param_shards = all.div_ceil(shard);
+        // Gradients exist only for the parameters that train (LoRA: the adapters).
+        let (all, outside_blocks, block) = local_trainable_counts(args, m);
+        let (all, outside_blocks, block) = (all * 4, outside_blocks * 4, block * 4);
         self.grads =
             all.div_ceil(shard) + outside_blocks + (1 + reduce_scatter_blocks as u64) * block;
         self.optimizer = self.optimizer.div_ceil(shard);
@@ -171,15 +191,24 @@ impl MemoryEstimate {
     /// workspaces' (`with_workspaces`, `WorkspaceFloats::pipelined`).
     pub fn pipelined(mut self, held: f64, fsdp_shard: Option<usize>) -> Self {
         let part = |x: u64| (x as f64 * held).ceil() as u64;
-        let (params, optimizer) = (part(self.params), part(self.optimizer));
+        let (params, grads, optimizer) =
+            (part(self.params), part(self.grads), part(self.optimizer));
         self.compute_copy = part(self.compute_copy);
         (self.params, self.grads, self.optimizer) = match fsdp_shard {
             Some(n) => {
                 let n = n.max(1) as u64;
-                let shard = params.div_ceil(n);
-                (shard + params, shard + params, optimizer.div_ceil(n))
+                let shard = |x: u64| x.div_ceil(n);
+                self.param_shards = shard(params);
+                (
+                    shard(params) + params,
+                    shard(grads) + grads,
+                    optimizer.div_ceil(n),
+                )
             }
-            None => (params, params, optimizer),
+            None => {
+                self.param_shards = params;
+                (params, grads, optimizer)
+            }
         };
         self
     }
@@ -196,10 +225,10 @@ impl MemoryEstimate {
     /// the full gradients and the packed buffers of its collectives as it goes). `sharded`: this is
     /// an FSDP rank's estimate (`sharded`), whose AdamW state is two moments of its shards.
     pub fn by_category(&self, sharded: bool, peak: bool) -> Vec<(Category, u64)> {
-        let shard = self.optimizer / 2;
+        let (shard, grad_shard) = (self.param_shards, self.optimizer / 2);
         let (weights, gathered, grads) = match (sharded, peak) {
             (true, true) => (shard, self.params - shard, self.grads),
-            (true, false) => (shard, 0, shard),
+            (true, false) => (shard, 0, grad_shard),
             (false, _) => (self.params + self.compute_copy, 0, self.grads),
         };
         vec![
@@ -340,6 +369,39 @@ mod tests {
         // One rank alone holds everything once and the gathered working set on top.
         let alone = whole.sharded(&args, &one, 1, 3, 3);
         assert!(state(&alone) > state(&whole));
+    }
+
+    #[test]
+    fn lora_counts_gradients_and_adamw_state_of_the_adapters_only() {
+        // Llama 3.1 8B with rank-16 adapters on every block projection: the weights grow by the
+        // adapters, the gradients and moments are the adapters' alone (a few hundred MiB).
+        let mut args = ModelArgs::flavor("8B").unwrap();
+        let base = MemoryEstimate::new(
+            &args,
+            &LocalShapes::whole(&args),
+            1,
+            1024,
+            &ActivationPlan::keep_everything(args.n_layers),
+        );
+        args.lora = Some(crate::model::lora::LoraArgs {
+            rank: 16,
+            alpha: 32.0,
+            target_modules: Vec::new(),
+        });
+        let one = LocalShapes::whole(&args);
+        let plan = ActivationPlan::keep_everything(args.n_layers);
+        let lora = MemoryEstimate::new(&args, &one, 1, 1024, &plan);
+        let (d, f, kv) = (4096u64, 14336u64, 1024u64);
+        let per_layer = 16 * ((d + d) + (d + kv) * 2 + (d + d) + 2 * (d + f) + (f + d));
+        let adapters = 32 * per_layer * 4;
+        assert_eq!(lora.params, base.params + adapters);
+        assert_eq!(lora.grads, adapters);
+        assert_eq!(lora.optimizer, 2 * adapters);
+        assert!(gib(lora.grads + lora.optimizer) < 0.5);
+        // Under FSDP each rank holds its shards of the adapters' gradients, and one block's.
+        let rank = lora.sharded(&args, &one, 8, 3, 3);
+        assert_eq!(rank.optimizer, lora.optimizer.div_ceil(8));
+        assert_eq!(rank.grads, adapters.div_ceil(8) + 4 * (adapters / 32));
     }
 
     #[test]

@@ -90,7 +90,7 @@ impl CudaBackend {
                     GemmOutput::Accumulate,
                 );
                 // An empty gradient is a frozen output weight (LoRA): none is computed.
-                if dweight.len() > 0 {
+                if !dweight.is_empty() {
                     let mut dw = dweight.slice_mut(0..vocab * dim);
                     let hc = self.view_input(&h_chunk);
                     self.gemm(
@@ -284,7 +284,7 @@ fn check_loss_operands(
     check_len("cross_entropy", "weight", weight.len(), vocab * dim);
     if let Some((dh, dweight)) = grads {
         check_len("cross_entropy", "dh", dh.len(), rows * dim);
-        if dweight.len() > 0 {
+        if !dweight.is_empty() {
             check_len("cross_entropy", "dweight", dweight.len(), vocab * dim);
         }
     }
