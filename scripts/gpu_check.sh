@@ -103,6 +103,11 @@ stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_fol
 rm -rf "$OUT_DIR/docs_gpu" "$OUT_DIR/docs_cpu" "$OUT_DIR/docs_cp2_gpu"
 docs="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.attn_mask_type block_causal --training.local_batch_size 4"
 stage documents_cuda 60 sh -c "'$BIN' train $docs --training.device cuda --job.dump_folder '$OUT_DIR/docs_gpu' && '$BIN' train $docs --training.device cpu --job.dump_folder '$OUT_DIR/docs_cpu' && '$BIN' train --nproc 2 $docs --training.device cuda --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/docs_cp2_gpu'"
+# LoRA on CUDA (issue 43: the adapters' GEMMs beside each projection's, frozen weights without
+# gradients: the fused loss skips the output weight's), in fp32 and bf16, against the CPU.
+rm -rf "$OUT_DIR/lora_gpu" "$OUT_DIR/lora_cpu" "$OUT_DIR/lora_bf16_gpu"
+lora="--quiet --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.converters lora --optimizer.lr 1e-2 --training.local_batch_size 4"
+stage lora_cuda 60 sh -c "'$BIN' train $lora --training.mixed_precision_param float32 --training.device cuda --job.dump_folder '$OUT_DIR/lora_gpu' && '$BIN' train $lora --training.mixed_precision_param float32 --training.device cpu --job.dump_folder '$OUT_DIR/lora_cpu' && '$BIN' train $lora --training.mixed_precision_param bfloat16 --training.device cuda --job.dump_folder '$OUT_DIR/lora_bf16_gpu'"
 # Expert parallelism on CUDA: 2 ranks (on one GPU: rows and collectives through the host), each
 # with 4 of the 8 experts and half the batch, against the one-process CPU run above.
 rm -rf "$OUT_DIR/ep2_gpu"
@@ -215,7 +220,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda lora_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -365,6 +370,14 @@ def moe_report():
 def documents_report():
     against_cpu("docs_gpu", "docs_cpu", "block-causal documents on CUDA")
     against_cpu("docs_cp2_gpu", "docs_cpu", "block-causal documents CP 2 on CUDA")
+def lora_report():
+    against_cpu("lora_gpu", "lora_cpu", "LoRA on CUDA")
+    run, cpu = curve("lora_bf16_gpu"), curve("lora_cpu")
+    if run and cpu and len(run) == len(cpu):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
+        print(f"LoRA bf16 on CUDA vs fp32 CPU: max rel loss diff {diff:.2e} ({'ok' if diff <= 2e-2 else 'FAIL'})")
+    else:
+        print("LoRA bf16 on CUDA: no result")
 def deepseek_report():
     against_cpu("ds_gpu", "ds_cpu", "DeepSeek-V3 on CUDA")
     against_cpu("ds_tp2_gpu", "ds_cpu", "DeepSeek-V3 TP 2 on CUDA")
@@ -382,7 +395,7 @@ def float8_report():
             print(f"Llama 3 1B b8 s2048: float8 {r} {f8['tokens_per_s']:.0f} tok/s vs bf16 {bf16['tokens_per_s']:.0f} "
                   f"({f8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x; {f8.get('float8_gemms')} float8 GEMMs, "
                   f"{f8.get('float8_gemms_dequantised')} dequantised)")
-for report in (resume_report, generate_report, fsdp_report, moe_report, documents_report, deepseek_report, float8_report, bench_report, attention_report):
+for report in (resume_report, generate_report, fsdp_report, moe_report, documents_report, lora_report, deepseek_report, float8_report, bench_report, attention_report):
     section(report)
 PYEOF
 }

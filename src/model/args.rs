@@ -9,7 +9,7 @@
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::lora::LoraArgs;
+use super::lora_args::LoraArgs;
 use super::mla::MlaArgs;
 use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;

@@ -3,12 +3,10 @@
 //! Kaiming-uniform) and `B` (`{linear}.lora_b.weight`, `[d_out, rank]`, zeros) trained and every
 //! other weight frozen: no gradient, no AdamW state, no reduction.
 //!
-//! What this module owns: which linears a `[lora]` section adapts (`LoraArgs::adapts`), the
-//! adapters' names and shapes among the parameters (`with_adapters`), how tensor parallelism
-//! splits them (`adapter_sharding`, TorchTitan's `_lora_adapter_sharding`: a column-parallel
-//! linear's `B` splits its rows as the weight does and `A` is replicated; a row-parallel linear's
-//! `A` splits its columns and `B` is replicated), and the adapter's own GEMMs, forward and
-//! backward, in one rank's shapes (`Adapter`). The layers of `parallel_linear` call these next
+//! What this module owns: the adapter's own GEMMs, forward and backward, in one rank's shapes
+//! (`Adapter`), and the merge of adapters into their weights (`merge_adapters`). Which linears
+//! are adapted and the adapters' names are `lora_args`'; how tensor parallelism splits them is
+//! `params::TpSharding`'s (TorchTitan's `_lora_adapter_sharding`). The layers of `parallel_linear` call these next
 //! to the base linear's GEMMs, so every layout that runs the linear runs its adapter: the
 //! adapter's products are added to the base's before any collective the layer runs, and the
 //! gradient of a replicated factor is a partial sum over the group like a norm's, summed with
@@ -17,122 +15,10 @@
 //! The adapter never goes through float8: with a float8 base its GEMMs read the high-precision
 //! input and output gradient, as TorchTitan's LoRA over a `Float8Linear` does.
 
-use serde::{Deserialize, Serialize};
-
 use super::linear::Linear;
-use super::params::{ParamSet, TpSharding};
+pub use super::lora_args::*;
+use super::params::ParamSet;
 use crate::backend::{Backend, GemmOutput, GemmShape};
-
-/// The names of the linears LoRA can adapt (`[lora] target_modules`): every block projection
-/// (attention's, the feed-forward's and a mixture of experts' shared experts'). The routed
-/// experts (grouped 3-D weights), the router and the output projection are not adapted.
-pub const ADAPTABLE: [&str; 11] = [
-    "wq", "wk", "wv", "wo", "w1", "w2", "w3", "wq_a", "wq_b", "wkv_a", "wkv_b",
-];
-
-/// `[lora]` as the model sees it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct LoraArgs {
-    pub rank: usize,
-    pub alpha: f64,
-    /// The adapted linears' last name segments; empty: every adaptable linear.
-    #[serde(default)]
-    pub target_modules: Vec<String>,
-}
-
-/// Suffixes of an adapter's two factors.
-pub const LORA_A: &str = ".lora_a.weight";
-pub const LORA_B: &str = ".lora_b.weight";
-
-/// Whether `name` is an adapter's factor (the only tensors a LoRA run trains).
-pub fn is_adapter(name: &str) -> bool {
-    name.ends_with(LORA_A) || name.ends_with(LORA_B)
-}
-
-/// Whether a model with `lora` (None: none) trains tensor `name`: every tensor without LoRA,
-/// only the adapters with it.
-pub fn trainable(lora: Option<&LoraArgs>, name: &str) -> bool {
-    lora.is_none() || is_adapter(name)
-}
-
-/// The weight an adapter factor `name` belongs to (`….wq.lora_a.weight` → `….wq.weight`).
-pub fn base_of(name: &str) -> Option<String> {
-    let stem = name
-        .strip_suffix(LORA_A)
-        .or_else(|| name.strip_suffix(LORA_B))?;
-    Some(format!("{stem}.weight"))
-}
-
-impl LoraArgs {
-    /// `alpha / rank`, the adapter's output scale.
-    pub fn scale(&self) -> f32 {
-        (self.alpha / self.rank as f64) as f32
-    }
-
-    /// Whether the weight `name` (a canonical parameter name) gets an adapter.
-    pub fn adapts(&self, name: &str) -> bool {
-        let Some(stem) = name.strip_suffix(".weight") else {
-            return false;
-        };
-        let Some(segment) = stem.rsplit('.').next() else {
-            return false;
-        };
-        let adaptable = ADAPTABLE.contains(&segment)
-            && stem.starts_with("layers.")
-            && !stem.contains(".moe.experts.");
-        adaptable
-            && (self.target_modules.is_empty() || self.target_modules.iter().any(|t| t == segment))
-    }
-}
-
-/// `specs` with each adapted weight followed by its two factors (`A` `[rank, in]`, `B`
-/// `[out, rank]`), so a block's tensors stay consecutive.
-pub fn with_adapters(
-    specs: Vec<(String, Vec<usize>)>,
-    lora: &LoraArgs,
-) -> Vec<(String, Vec<usize>)> {
-    let mut out = Vec::with_capacity(specs.len());
-    for (name, shape) in specs {
-        let adapted = lora.adapts(&name);
-        out.push((name.clone(), shape.clone()));
-        if adapted {
-            let stem = name.strip_suffix(".weight").expect("an adapted weight");
-            out.push((format!("{stem}{LORA_A}"), vec![lora.rank, shape[1]]));
-            out.push((format!("{stem}{LORA_B}"), vec![shape[0], lora.rank]));
-        }
-    }
-    out
-}
-
-/// How tensor parallelism splits adapter factor `name`, given how it splits the base weight.
-pub fn adapter_sharding(name: &str, base: TpSharding) -> TpSharding {
-    match (name.ends_with(LORA_A), base) {
-        (true, TpSharding::Columns) => TpSharding::Columns,
-        (false, TpSharding::Rows) => TpSharding::Rows,
-        _ => TpSharding::Replicated,
-    }
-}
-
-/// The initial values of adapter factor `name` of `numel` values (`rank` rows for `A`): `A`
-/// Kaiming-uniform as `nn.Linear`'s default (`a = √5`: bound `1/√in`), `B` zeros, so a fresh
-/// adapter leaves the model's function unchanged.
-pub fn init_adapter(name: &str, numel: usize, rank: usize, rng: &mut impl rand::Rng) -> Vec<f32> {
-    if name.ends_with(LORA_B) {
-        return vec![0.0; numel];
-    }
-    let fan_in = numel / rank.max(1);
-    let bound = 1.0 / (fan_in as f64).sqrt();
-    (0..numel)
-        .map(|_| rng.gen_range(-bound..bound) as f32)
-        .collect()
-}
-
-/// Parameter indices of one adapter's factors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoraIds {
-    pub a: usize,
-    pub b: usize,
-}
 
 /// One linear's adapter as a rank holds it: `a` `[rank, d_in]`, `b` `[d_out, rank]` in the
 /// linear's local shapes.
@@ -295,6 +181,7 @@ fn kept<T>(v: Vec<T>, keep: &[bool]) -> Vec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::params::TpSharding;
 
     fn lora(targets: &[&str]) -> LoraArgs {
         LoraArgs {

@@ -13,6 +13,7 @@ pub mod linear;
 pub mod llama;
 pub mod local_shapes;
 pub mod lora;
+pub mod lora_args;
 pub mod mla;
 pub mod moe;
 pub mod parallel_linear;

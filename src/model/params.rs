@@ -4,7 +4,7 @@
 use crate::backend::Backend;
 
 use super::args::ModelArgs;
-use super::lora::{self, LoraIds};
+use super::lora_args::{self as lora, LoraIds};
 use super::mla::MlaArgs;
 use super::moe::MoeIds;
 use super::projection::BlockProjection;
@@ -125,8 +125,15 @@ pub enum TpSharding {
 impl TpSharding {
     /// The split of parameter `name` (a canonical name of `param_specs`).
     pub fn of(name: &str) -> Self {
+        // LoRA's adapters as TorchTitan's `_lora_adapter_sharding`: a column-parallel linear's
+        // `B` splits its rows as the weight does and its `A` is whole; a row-parallel linear's
+        // `A` splits its columns and its `B` is whole.
         if let Some(base) = lora::base_of(name) {
-            return lora::adapter_sharding(name, Self::of(&base));
+            return match (name.ends_with(lora::LORA_A), Self::of(&base)) {
+                (true, TpSharding::Columns) => TpSharding::Columns,
+                (false, TpSharding::Rows) => TpSharding::Rows,
+                _ => TpSharding::Replicated,
+            };
         }
         let column_parallel = [
             "tok_embeddings.weight",
