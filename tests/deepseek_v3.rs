@@ -10,34 +10,17 @@ mod common;
 
 use common::{assert_layout_matches_one_process, bits, quiet, tiny_config};
 
-/// The tiny DeepSeek-V3 (`TINY_ARGS`' dim 64, 2 blocks of which the first dense, 4 heads) with
-/// small latents: queries through a latent of 24, key/value latent 16, heads 8 + 8 rotated for
-/// queries and keys, 12 for values.
-const DEEPSEEK: &[&str] = &[
-    "--model.name",
-    "deepseek_v3",
-    "--model.flavor",
-    "debugmodel",
-    "--model.q_lora_rank",
-    "24",
-    "--model.kv_lora_rank",
-    "16",
-    "--model.qk_nope_head_dim",
-    "8",
-    "--model.qk_rope_head_dim",
-    "8",
-    "--model.v_head_dim",
-    "12",
-    "--training.steps",
-    "10",
-];
+/// `common::TINY_DEEPSEEK`, 10 steps.
+fn deepseek() -> Vec<&'static str> {
+    [common::TINY_DEEPSEEK, &["--training.steps", "10"]].concat()
+}
 
 fn nproc(n: &'static str) -> [&'static str; 4] {
     ["--nproc", n, "--master-port", "0"]
 }
 
 fn check(what: &str, extra: &[&str], n: &'static str, parallel: &[&str]) {
-    let single = [DEEPSEEK, extra].concat();
+    let single = [&deepseek()[..], extra].concat();
     assert_layout_matches_one_process(what, &single, &nproc(n), parallel, "rank 0 of");
 }
 
@@ -185,7 +168,7 @@ fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
         let o = common::train(
             dir.path(),
             launcher,
-            &[DEEPSEEK, &global, parallel].concat(),
+            &[&deepseek()[..], &global, parallel].concat(),
         );
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let state = std::fs::read_to_string(dir.path().join("checkpoint/step-10/state.json"));
@@ -237,7 +220,7 @@ fn generation_routes_with_the_checkpoints_routing_bias() {
         "--optimizer.lr",
         "0.02",
     ];
-    let o = common::train(dir.path(), &[], &[DEEPSEEK, &biased].concat());
+    let o = common::train(dir.path(), &[], &[&deepseek()[..], &biased].concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let ckpt = dir.path().join("checkpoint/step-5");
     let o = std::process::Command::new(common::titan_bin())

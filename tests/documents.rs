@@ -8,7 +8,10 @@ mod common;
 use std::path::Path;
 
 use common::pytorch_training::{train_both, Comparison};
-use common::{assert_layout_matches_one_process, assert_parity, bits, hf_python, losses, train};
+use common::{
+    assert_layout_matches_one_process, assert_parity, bits, hf_python, losses, train, Layout,
+    FSDP_TP_PP,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -118,42 +121,6 @@ fn documents_change_the_curve_only_where_sequences_hold_several() {
     assert_eq!(bits(&one_document_each), bits(&run(&shards)));
 }
 
-/// A layout to check: its name, its overrides, and what its run prints.
-type Layout = (&'static str, &'static [&'static str], &'static str);
-
-/// FSDP 2 (the same global batch: 2 sequences a rank), TP 2, and a 1F1B pipeline of 2 stages
-/// with microbatches of one sequence.
-const FSDP_TP_PP: [Layout; 3] = [
-    (
-        "FSDP 2",
-        // The same global batch: 2 sequences a rank.
-        &[
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-        "FSDP",
-    ),
-    (
-        "TP 2",
-        &["--parallelism.tensor_parallel_degree", "2"],
-        "tensor parallel",
-    ),
-    (
-        "PP 2 (1F1B)",
-        &[
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_schedule",
-            "1F1B",
-            "--parallelism.pipeline_parallel_microbatch_size",
-            "1",
-        ],
-        "pipeline: ",
-    ),
-];
-
 fn nproc(n: &'static str) -> [&'static str; 4] {
     ["--nproc", n, "--master-port", "0"]
 }
@@ -223,24 +190,7 @@ fn block_causal_with_experts_checkpointing_and_latent_attention_matches_one_proc
         &ep,
         "rank 0 of",
     );
-    let mla = [
-        "--model.name",
-        "deepseek_v3",
-        "--model.flavor",
-        "debugmodel",
-        "--model.q_lora_rank",
-        "24",
-        "--model.kv_lora_rank",
-        "16",
-        "--model.qk_nope_head_dim",
-        "8",
-        "--model.qk_rope_head_dim",
-        "8",
-        "--model.v_head_dim",
-        "12",
-        "--training.local_batch_size",
-        "4",
-    ];
+    let mla = [common::TINY_DEEPSEEK, &["--training.local_batch_size", "4"]].concat();
     let single = [&["--training.steps", "6"], SEQ64, BLOCK_CAUSAL, &mla].concat();
     let fsdp = [
         "--parallelism.data_parallel_shard_degree",

@@ -409,24 +409,8 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
     let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
     let titan_loss = loss.sum / loss.count as f64;
     // Greedy continuation of the first 8 tokens, with titan's KV cache.
-    let (prompt, new) = (&tokens[..8], 12);
-    let mut cache = KvCache::new(&be, &args, prompt.len() + new);
-    let mut logits = model
-        .forward_cached(&be, &params, &mut cache, prompt)
-        .unwrap();
-    let mut titan_ids = Vec::new();
-    for _ in 0..new {
-        let next = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .unwrap()
-            .0 as u32;
-        titan_ids.push(next);
-        logits = model
-            .forward_cached(&be, &params, &mut cache, &[next])
-            .unwrap();
-    }
+    let prompt = &tokens[..8];
+    let titan_ids = common::greedy_ids(&be, &model, &params, prompt, 12);
     let prompt_arg = prompt
         .iter()
         .map(|t| t.to_string())

@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use common::pytorch_training::{make_llama, python};
-use common::{assert_layout_matches_one_process, hf_python, losses, metric, train};
+use common::{
+    assert_layout_matches_one_process, hf_python, losses, metric, train, Layout, FSDP_TP_PP,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::CpuBackend;
@@ -239,17 +241,7 @@ fn lora_layouts_match_one_process() {
         LORA,
     ]
     .concat();
-    let layouts: [(&str, &[&str], &str); 6] = [
-        (
-            "FSDP 2",
-            &[
-                "--parallelism.data_parallel_shard_degree",
-                "2",
-                "--training.local_batch_size",
-                "2",
-            ],
-            "FSDP",
-        ),
+    let more: [Layout; 3] = [
         (
             "DDP 2",
             &[
@@ -263,11 +255,6 @@ fn lora_layouts_match_one_process() {
             "DDP",
         ),
         (
-            "TP 2",
-            &["--parallelism.tensor_parallel_degree", "2"],
-            "tensor parallel",
-        ),
-        (
             "TP 2 (async)",
             &[
                 "--parallelism.tensor_parallel_degree",
@@ -276,18 +263,6 @@ fn lora_layouts_match_one_process() {
                 "true",
             ],
             "tensor parallel",
-        ),
-        (
-            "PP 2 (1F1B)",
-            &[
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                "--parallelism.pipeline_parallel_schedule",
-                "1F1B",
-                "--parallelism.pipeline_parallel_microbatch_size",
-                "1",
-            ],
-            "pipeline: ",
         ),
         (
             "PP 2 (ZBVZeroBubble)",
@@ -302,6 +277,7 @@ fn lora_layouts_match_one_process() {
             "pipeline: ",
         ),
     ];
+    let layouts = FSDP_TP_PP.into_iter().chain(more);
     let nproc = ["--nproc", "2", "--master-port", "0"];
     for (what, parallel, says) in layouts {
         assert_layout_matches_one_process(what, &single, &nproc, parallel, says);
@@ -336,24 +312,9 @@ fn lora_composes_with_experts_latent_attention_float8_and_context_parallel() {
     ];
     let single = [&steps[..], LORA, &moe].concat();
     assert_layout_matches_one_process("EP 2 (MoE, AC full)", &single, &nproc, &ep, "rank 0 of");
-    let mla = [
-        "--model.name",
-        "deepseek_v3",
-        "--model.flavor",
-        "debugmodel",
-        "--model.q_lora_rank",
-        "24",
-        "--model.kv_lora_rank",
-        "16",
-        "--model.qk_nope_head_dim",
-        "8",
-        "--model.qk_rope_head_dim",
-        "8",
-        "--model.v_head_dim",
-        "12",
-    ];
+    let mla = common::TINY_DEEPSEEK;
     let tp = ["--parallelism.tensor_parallel_degree", "2"];
-    let single = [&steps[..], LORA, &mla].concat();
+    let single = [&steps[..], LORA, mla].concat();
     assert_layout_matches_one_process("TP 2 (MLA)", &single, &nproc, &tp, "tensor parallel");
     let float8 = [
         "--model.converters",
@@ -416,24 +377,7 @@ fn a_lora_run_exports_merged_weights_that_transformers_runs_as_titan_does() {
     let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
     let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
     let titan_loss = loss.sum / loss.count as f64;
-    let (prompt, new) = (&tokens[..8], 10);
-    let mut cache = titan::model::KvCache::new(&be, &args, prompt.len() + new);
-    let mut logits = model
-        .forward_cached(&be, &params, &mut cache, prompt)
-        .unwrap();
-    let mut titan_ids = Vec::new();
-    for _ in 0..new {
-        let next = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .unwrap()
-            .0 as u32;
-        titan_ids.push(next);
-        logits = model
-            .forward_cached(&be, &params, &mut cache, &[next])
-            .unwrap();
-    }
+    let titan_ids = common::greedy_ids(&be, &model, &params, &tokens[..8], 10);
     let script = r#"
 import sys, json, torch
 from transformers import AutoModelForCausalLM

@@ -35,6 +35,90 @@ pub const TINY_ARGS: &[&str] = &[
     "1",
 ];
 
+/// The tiny DeepSeek-V3 (with `TINY_ARGS`: dim 64, 2 blocks of which the first dense, 4 heads)
+/// with small latents: queries through a latent of 24, key/value latent 16, heads 8 + 8 rotated
+/// for queries and keys, 12 for values.
+pub const TINY_DEEPSEEK: &[&str] = &[
+    "--model.name",
+    "deepseek_v3",
+    "--model.flavor",
+    "debugmodel",
+    "--model.q_lora_rank",
+    "24",
+    "--model.kv_lora_rank",
+    "16",
+    "--model.qk_nope_head_dim",
+    "8",
+    "--model.qk_rope_head_dim",
+    "8",
+    "--model.v_head_dim",
+    "12",
+];
+
+/// A layout to check: its name, its overrides, and what its run prints.
+pub type Layout = (&'static str, &'static [&'static str], &'static str);
+
+/// FSDP 2 (the same global batch: 2 sequences a rank), TP 2, and a 1F1B pipeline of 2 stages
+/// with microbatches of one sequence.
+pub const FSDP_TP_PP: [Layout; 3] = [
+    (
+        "FSDP 2",
+        // The same global batch: 2 sequences a rank.
+        &[
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+        "FSDP",
+    ),
+    (
+        "TP 2",
+        &["--parallelism.tensor_parallel_degree", "2"],
+        "tensor parallel",
+    ),
+    (
+        "PP 2 (1F1B)",
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+        ],
+        "pipeline: ",
+    ),
+];
+
+/// Greedy decoding of `new` tokens after `prompt` with titan's KV cache.
+pub fn greedy_ids<B: titan::backend::Backend>(
+    be: &B,
+    model: &titan::model::Llama<B>,
+    params: &titan::model::ParamSet<B>,
+    prompt: &[u32],
+    new: usize,
+) -> Vec<u32> {
+    let mut cache = titan::model::KvCache::new(be, &model.args, prompt.len() + new);
+    let mut logits = model
+        .forward_cached(be, params, &mut cache, prompt)
+        .unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..new {
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        ids.push(next);
+        logits = model
+            .forward_cached(be, params, &mut cache, &[next])
+            .unwrap();
+    }
+    ids
+}
+
 /// A tiny Llama (dim 64, 2 layers, GQA 4/2 heads, vocab 300 > the byte tokenizer's 258) on the
 /// synthetic corpus: fast enough for many runs per test.
 pub fn tiny_config(dump: &Path, steps: u64) -> Config {
