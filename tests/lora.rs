@@ -414,6 +414,98 @@ print(json.dumps({"loss": loss.item(), "ids": out[0, 8:].tolist()}))
     assert_eq!(hf_ids, titan_ids, "greedy generation");
 }
 
+/// A LoRA run's adapters exported in PEFT's format (`convert peft-export`) load with
+/// `peft.PeftModel.from_pretrained` on the transformers model the run started from and compute
+/// titan's loss within 1e-5 (and not the base model's).
+#[test]
+fn a_lora_runs_adapters_load_in_peft_on_their_base_model() {
+    let Some(py) = common::python_importing("torch, transformers, peft", "the PEFT check") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    make_llama(&py, &hf);
+    let run_args = [
+        "--training.steps",
+        "4",
+        "--optimizer.lr",
+        "3e-2",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.initial_load_path",
+        hf.to_str().unwrap(),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+    ];
+    let dump = dir.path().join("run");
+    run(&dump, &[&run_args[..], LORA].concat());
+    let step = dump.join("checkpoint/step-4");
+    let peft = dir.path().join("peft");
+    let o = std::process::Command::new(common::titan_bin())
+        .args(["convert", "peft-export"])
+        .args([&step, &peft])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let be = CpuBackend::new();
+    let (args, params) = checkpoint::load_weights(&be, &step).unwrap();
+    let (batch, seq) = (2, 24);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i as u32 * 37 + 11) % 300)
+        .collect();
+    let model = titan::model::Llama::new(&be, args.clone(), seq).unwrap();
+    let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
+    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+    let titan_loss = loss.sum / loss.count as f64;
+    let script = r#"
+import sys, json, torch
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+base = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+rows = torch.tensor([[int(t) for t in r.split(",")] for r in sys.argv[3].split(";")])
+def loss(model):
+    with torch.no_grad():
+        logits = model(input_ids=rows[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item()
+before = loss(base)
+adapted = PeftModel.from_pretrained(base, sys.argv[2])
+print(json.dumps({"base": before, "adapted": loss(adapted)}))
+"#;
+    let rows: Vec<String> = tokens
+        .chunks(seq + 1)
+        .map(|r| {
+            r.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    let out: serde_json::Value = serde_json::from_str(&python(
+        &py,
+        &[
+            "-c",
+            script,
+            hf.to_str().unwrap(),
+            peft.to_str().unwrap(),
+            &rows.join(";"),
+        ],
+    ))
+    .unwrap();
+    let (base, adapted) = (
+        out["base"].as_f64().unwrap(),
+        out["adapted"].as_f64().unwrap(),
+    );
+    assert!(
+        (adapted - titan_loss).abs() <= 1e-5 * titan_loss,
+        "titan {titan_loss} vs PEFT {adapted}"
+    );
+    assert!(
+        (base - titan_loss).abs() > 1e-3 * titan_loss,
+        "the adapters changed nothing: base {base}, titan {titan_loss}"
+    );
+}
+
 /// Settings LoRA cannot run are refused naming the key; a resumed run must keep its adapters.
 #[test]
 fn bad_lora_settings_are_refused_by_name() {

@@ -36,7 +36,13 @@ fn interleaved_row(j: usize, head_dim: usize) -> usize {
 }
 
 /// Reorders the rows of a `[heads·head_dim, cols]` projection between the two RoPE layouts.
-fn permute_rows(w: &[f32], heads: usize, head_dim: usize, cols: usize, to_hf: bool) -> Vec<f32> {
+pub(super) fn permute_rows(
+    w: &[f32],
+    heads: usize,
+    head_dim: usize,
+    cols: usize,
+    to_hf: bool,
+) -> Vec<f32> {
     let mut out = vec![0.0; w.len()];
     for h in 0..heads {
         for j in 0..head_dim {
@@ -54,7 +60,7 @@ fn permute_rows(w: &[f32], heads: usize, head_dim: usize, cols: usize, to_hf: bo
 
 /// The heads whose rows a parameter's RoPE layout permutes: the q and k projections', and
 /// QK-norm's weights (one head's positions).
-fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
+pub(super) fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
     if args.mla.is_some() {
         // DeepSeek's rotated rows are interleaved in its checkpoints (`hf_deepseek`).
         None
@@ -230,7 +236,7 @@ fn columns(shape: &[usize]) -> usize {
     shape.get(1).copied().unwrap_or(1)
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path)

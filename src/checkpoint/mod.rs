@@ -12,6 +12,7 @@ mod hf_fp8;
 mod hf_names;
 mod hf_rope;
 pub mod integrity;
+pub mod peft;
 pub mod resume;
 pub mod sharded;
 pub mod st;

@@ -130,6 +130,12 @@ pub enum ConvertCommand {
         #[arg(long, default_value = "float32")]
         dtype: String,
     },
+    /// A LoRA checkpoint's adapters → Hugging Face PEFT folder (adapter_model.safetensors +
+    /// adapter_config.json), for `peft.PeftModel.from_pretrained` on the base model.
+    PeftExport {
+        checkpoint: PathBuf,
+        out_dir: PathBuf,
+    },
     /// HF Llama folder (config.json + *.safetensors) → titan checkpoint (step-0, fresh optimizer state).
     HfImport {
         hf_dir: PathBuf,
@@ -388,6 +394,10 @@ pub fn run(cli: Cli) -> Result<()> {
                 &out_dir,
                 crate::tensor::DType::parse(&dtype)?,
             ),
+            ConvertCommand::PeftExport {
+                checkpoint,
+                out_dir,
+            } => crate::checkpoint::peft::export(&checkpoint, &out_dir),
             ConvertCommand::HfImport {
                 hf_dir,
                 out_checkpoint_dir,

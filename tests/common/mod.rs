@@ -325,7 +325,7 @@ pub fn torchao_python() -> Option<String> {
 
 /// `TITAN_HF_PYTHON` (default `python3`) when it can import `modules`; else `reference_missing`
 /// saying what it is for, and None.
-fn python_importing(modules: &str, purpose: &str) -> Option<String> {
+pub fn python_importing(modules: &str, purpose: &str) -> Option<String> {
     let py = std::env::var("TITAN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&py)
         .args(["-c", &format!("import {modules}")])
