@@ -17,9 +17,14 @@ With --lora-adapters (a titan checkpoint's model.safetensors holding `{linear}.l
 `{linear}.lora_b.weight`) the linears that have adapters become LoRA linears written here,
 `base(x) + alpha/rank · (x·Aᵀ)·Bᵀ`, every other weight frozen, and AdamW trains the adapters
 alone; --lora-out writes their final values (titan's names and RoPE layout) as JSON.
+With --param-groups (JSON: a list of {"match": [patterns], "lr", "weight_decay", "betas"}, as
+titan's `[[optimizer.param_groups]]`) each parameter, by its titan name, goes to the first group
+a pattern of which matches it (`*` any characters), the rest to the default group; the schedule
+scales every group's lr.
 Needs torch and transformers (never a dependency of titan itself).
 """
 import argparse
+import fnmatch
 import json
 
 import numpy as np
@@ -79,6 +84,58 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x):
         return self.base(x) + self.scale * ((x @ self.lora_a.T) @ self.lora_b.T)
+
+
+HF_TO_TITAN = [
+    ("self_attn.q_proj", "attention.wq"),
+    ("self_attn.k_proj", "attention.wk"),
+    ("self_attn.v_proj", "attention.wv"),
+    ("self_attn.o_proj", "attention.wo"),
+    ("self_attn.q_norm", "attention.q_norm"),
+    ("self_attn.k_norm", "attention.k_norm"),
+    ("mlp.gate_proj", "feed_forward.w1"),
+    ("mlp.down_proj", "feed_forward.w2"),
+    ("mlp.up_proj", "feed_forward.w3"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("input_layernorm", "attention_norm"),
+]
+
+
+def titan_name(hf_name):
+    """A transformers Llama/Qwen3 parameter's name in titan (TorchTitan's)."""
+    fixed = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    name = hf_name.removeprefix("model.")
+    for hf, titan in HF_TO_TITAN:
+        name = name.replace(hf, titan)
+    return name
+
+
+def param_groups(model, spec, a):
+    """torch.optim param groups from titan's `[[optimizer.param_groups]]` (JSON)."""
+    groups = [{"params": [], "base_lr": a.lr} for _ in spec] + [{"params": [], "base_lr": a.lr}]
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        titan = titan_name(name)
+        at = next(
+            (i for i, g in enumerate(spec) if any(fnmatch.fnmatchcase(titan, m) for m in g["match"])),
+            len(spec),
+        )
+        groups[at]["params"].append(p)
+    for g, s in zip(groups, spec):
+        if "lr" in s:
+            g["base_lr"] = s["lr"]
+        if "weight_decay" in s:
+            g["weight_decay"] = s["weight_decay"]
+        if "betas" in s:
+            g["betas"] = tuple(s["betas"])
+    return [g for g in groups if g["params"]]
 
 
 def rope_heads(model, linear):
@@ -151,6 +208,7 @@ def main():
         help="a uint8 file aligned with --tokens: 0 where the token is not a target "
         "(a chat sample's prompt: its label is -100, as ignore_index skips it)",
     )
+    ap.add_argument("--param-groups", help="titan's [[optimizer.param_groups]] as JSON")
     ap.add_argument("--lora-adapters", help="a titan model.safetensors holding the adapters")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-out", help="where to write the final adapters (JSON)")
@@ -167,8 +225,10 @@ def main():
     model.train()
     adapted = add_lora(model, a.lora_adapters, a.lora_alpha) if a.lora_adapters else {}
     params = [p for p in model.parameters() if p.requires_grad]
+    spec = json.loads(a.param_groups) if a.param_groups else []
+    groups = param_groups(model, spec, a) if spec else [{"params": params, "base_lr": a.lr}]
     opt = torch.optim.AdamW(
-        params, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay
+        groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay
     )
     taken, out = 0, []
     for step in range(1, a.steps + 1):
@@ -195,7 +255,7 @@ def main():
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_norm if a.max_norm > 0 else float("inf"))
         for group in opt.param_groups:
-            group["lr"] = a.lr * lr_factor(step, a.warmup, a.steps)
+            group["lr"] = group["base_lr"] * lr_factor(step, a.warmup, a.steps)
         opt.step()
         out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
     if a.lora_out:

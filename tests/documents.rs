@@ -65,6 +65,8 @@ fn block_causal_training_equals_transformers_on_packed_documents() {
         tokens: &shard,
         targets: None,
         document_start: "1",
+        titan_extra: &[],
+        python_extra: &[],
     };
     let curves = train_both(&py, &comparison);
     assert_eq!(curves.titan.0.len(), 20);

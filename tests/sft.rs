@@ -181,6 +181,8 @@ fn chat_rows_render_as_transformers_and_train_as_pytorch_with_the_prompt_ignored
         tokens: &tokens,
         targets: Some(&targets),
         document_start: &bos,
+        titan_extra: &[],
+        python_extra: &[],
     };
     let curves = train_both(&py, &comparison);
     assert_eq!(curves.titan.0.len(), 10);

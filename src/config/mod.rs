@@ -35,7 +35,9 @@ pub use load::{parse_overrides, DEFAULT_CONFIG_TOML};
 pub use lora::{LoraConfig, LORA};
 pub use metrics::MetricsConfig;
 pub use model::ModelConfig;
-pub use optimizer::{DecayType, LrSchedulerConfig, OptimizerConfig};
+pub use optimizer::{
+    name_matches, DecayType, LrSchedulerConfig, OptimizerConfig, ParamGroupConfig,
+};
 pub use parallelism::ParallelismConfig;
 pub use profiling::ProfilingConfig;
 pub use quantize::{QuantizeConfig, CONVERTERS, FLOAT8_GROUPED_MM, FLOAT8_LINEAR, MX_LINEAR};

@@ -15,6 +15,53 @@ pub struct OptimizerConfig {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// `[[optimizer.param_groups]]`: a parameter takes the settings of the first group one of
+    /// whose patterns its name matches, the section's own when none does.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub param_groups: Vec<ParamGroupConfig>,
+}
+
+/// One `[[optimizer.param_groups]]`: name patterns (`*` matches any run of characters, dots
+/// included: `*norm*`, `tok_embeddings.*`) and the settings that replace the section's for the
+/// parameters they match. The learning-rate schedule scales a group's `lr` as it scales the
+/// section's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamGroupConfig {
+    #[serde(rename = "match")]
+    pub patterns: Vec<String>,
+    pub lr: Option<f64>,
+    pub weight_decay: Option<f64>,
+    pub betas: Option<[f64; 2]>,
+}
+
+/// Whether `name` matches `pattern`, in which `*` stands for any run of characters.
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = name.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty(); // no `*`: the whole name
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+impl OptimizerConfig {
+    /// The group parameter `name` belongs to (None: the section's own settings).
+    pub fn group_of(&self, name: &str) -> Option<&ParamGroupConfig> {
+        self.param_groups
+            .iter()
+            .find(|g| g.patterns.iter().any(|p| name_matches(p, name)))
+    }
 }
 
 impl Default for OptimizerConfig {
@@ -26,7 +73,31 @@ impl Default for OptimizerConfig {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            param_groups: Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::name_matches;
+
+    #[test]
+    fn patterns_match_whole_names_with_stars_for_any_run() {
+        assert!(name_matches("tok_embeddings.*", "tok_embeddings.weight"));
+        assert!(name_matches("*norm*", "layers.0.attention_norm.weight"));
+        assert!(name_matches("*norm.weight", "norm.weight"));
+        assert!(name_matches(
+            "layers.*.wq.*",
+            "layers.12.attention.wq.weight"
+        ));
+        assert!(name_matches("output.weight", "output.weight"));
+        assert!(!name_matches("output", "output.weight"));
+        assert!(!name_matches(
+            "*.wq.weight",
+            "layers.0.attention.wqa.weight"
+        ));
+        assert!(!name_matches("a*a", "a"));
     }
 }
 
@@ -79,6 +150,36 @@ impl Config {
         ] {
             if !(0.0..1.0).contains(&v) {
                 bail!("[optimizer] {k} must be in [0, 1), got {v}");
+            }
+        }
+        self.validate_param_groups()
+    }
+
+    /// Each group's settings in range and each pattern matching a parameter of the model.
+    fn validate_param_groups(&self) -> Result<()> {
+        let groups = &self.optimizer.param_groups;
+        if groups.is_empty() {
+            return Ok(());
+        }
+        let specs = crate::model::params::param_specs(&self.model_args()?);
+        for (n, g) in groups.iter().enumerate() {
+            let at = format!("[[optimizer.param_groups]] #{}", n + 1);
+            if g.patterns.is_empty() {
+                bail!("{at}: `match` names no pattern");
+            }
+            if let Some(lr) = g.lr.filter(|lr| !(*lr > 0.0 && lr.is_finite())) {
+                bail!("{at}: lr must be a positive number, got {lr}");
+            }
+            if let Some(wd) = g.weight_decay.filter(|wd| !(*wd >= 0.0 && wd.is_finite())) {
+                bail!("{at}: weight_decay must be a number >= 0, got {wd}");
+            }
+            if let Some(b) = g.betas.iter().flatten().find(|b| !(0.0..1.0).contains(*b)) {
+                bail!("{at}: betas must be in [0, 1), got {b}");
+            }
+            for p in &g.patterns {
+                if !specs.iter().any(|(name, _)| name_matches(p, name)) {
+                    bail!("{at}: match pattern `{p}` matches no parameter of this model (names such as `layers.0.attention.wq.weight`, `tok_embeddings.weight`; `*` matches any characters)");
+                }
             }
         }
         Ok(())

@@ -1,14 +1,18 @@
 //! AdamW over a parameter set: fp32 moments laid out like the parameters, one fused multi-tensor
-//! kernel call for the whole set, and global-norm gradient clipping folded into it.
+//! kernel call for the whole set (one per tensor when parameter groups give tensors their own
+//! settings, or frozen tensors are skipped), and global-norm gradient clipping folded into it.
 
 use crate::backend::{AdamWStep, Backend};
-use crate::config::OptimizerConfig;
+use crate::config::{name_matches, OptimizerConfig};
 use crate::model::ParamSet;
 
 pub struct AdamW<B: Backend> {
     pub exp_avg: ParamSet<B>,
     pub exp_avg_sq: ParamSet<B>,
     pub cfg: OptimizerConfig,
+    /// Each tensor's `[[optimizer.param_groups]]` (an index into `cfg.param_groups`; None: the
+    /// section's own settings).
+    groups: Vec<Option<usize>>,
 }
 
 impl<B: Backend> AdamW<B> {
@@ -19,10 +23,45 @@ impl<B: Backend> AdamW<B> {
     }
 
     pub fn new(be: &B, specs: &[(String, Vec<usize>)], cfg: OptimizerConfig) -> Self {
+        Self::from_moments(ParamSet::zeros(be, specs), ParamSet::zeros(be, specs), cfg)
+    }
+
+    /// AdamW with the moments given (laid out like the parameters).
+    pub fn from_moments(
+        exp_avg: ParamSet<B>,
+        exp_avg_sq: ParamSet<B>,
+        cfg: OptimizerConfig,
+    ) -> Self {
+        let groups = exp_avg
+            .names
+            .iter()
+            .map(|name| {
+                cfg.param_groups
+                    .iter()
+                    .position(|g| g.patterns.iter().any(|p| name_matches(p, name)))
+            })
+            .collect();
         AdamW {
-            exp_avg: ParamSet::zeros(be, specs),
-            exp_avg_sq: ParamSet::zeros(be, specs),
+            exp_avg,
+            exp_avg_sq,
             cfg,
+            groups,
+        }
+    }
+
+    /// Tensor `i`'s step settings: `base` (the section's, at the scheduled `lr`), or its group's,
+    /// the schedule scaling the group's learning rate as it scales the section's.
+    fn settings(&self, i: usize, base: AdamWStep, lr: f64) -> AdamWStep {
+        let Some(g) = self.groups[i].map(|g| &self.cfg.param_groups[g]) else {
+            return base;
+        };
+        let [beta1, beta2] = g.betas.unwrap_or([self.cfg.beta1, self.cfg.beta2]);
+        AdamWStep {
+            lr: g.lr.map_or(lr, |group_lr| group_lr * lr / self.cfg.lr) as f32,
+            weight_decay: g.weight_decay.unwrap_or(self.cfg.weight_decay) as f32,
+            beta1: beta1 as f32,
+            beta2: beta2 as f32,
+            ..base
         }
     }
 
@@ -48,7 +87,8 @@ impl<B: Backend> AdamW<B> {
         };
         // A frozen weight (LoRA's base) has neither gradient nor moments: the step skips it.
         let frozen = |i: usize| be.len(&grads.bufs[i]) == 0 && be.len(&params.bufs[i]) > 0;
-        if !(0..params.len()).any(frozen) {
+        let grouped = self.groups.iter().any(Option::is_some);
+        if !grouped && !(0..params.len()).any(frozen) {
             be.adamw_step_all(
                 &mut params.bufs,
                 &grads.bufs,
@@ -59,6 +99,7 @@ impl<B: Backend> AdamW<B> {
             return;
         }
         for i in (0..params.len()).filter(|&i| be.len(&grads.bufs[i]) > 0) {
+            let hp = self.settings(i, hp, lr);
             be.adamw_step(
                 &mut params.bufs[i],
                 &grads.bufs[i],

@@ -362,11 +362,11 @@ fn sharded_start<B: Backend>(
         inputs.reshard,
         (inputs.param_dtype, inputs.reduce_dtype),
     )?;
-    let opt = AdamW {
-        exp_avg: f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
-        exp_avg_sq: f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg_sq."), i))?,
-        cfg: inputs.cfg.optimizer.clone(),
-    };
+    let opt = AdamW::from_moments(
+        f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
+        f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg_sq."), i))?,
+        inputs.cfg.optimizer.clone(),
+    );
     Ok(StartState {
         params: ParamSet::unallocated(be, &source.specs),
         grads: ParamSet::unallocated(be, &source.specs),

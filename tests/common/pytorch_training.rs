@@ -42,6 +42,9 @@ pub struct Comparison<'a> {
     pub tokens: &'a Path,
     pub targets: Option<&'a Path>,
     pub document_start: &'a str,
+    /// More for titan (e.g. `--config FILE`) and for the script (e.g. `--param-groups JSON`).
+    pub titan_extra: &'a [&'a str],
+    pub python_extra: &'a [&'a str],
 }
 
 /// `(step, value)` per step.
@@ -91,7 +94,11 @@ pub fn train_both(py: &str, c: &Comparison) -> Curves {
         "--checkpoint.enable",
         "false",
     ];
-    let o = train(&dump, &[], &[&run[..], c.titan_data].concat());
+    let o = train(
+        &dump,
+        &[],
+        &[&run[..], c.titan_data, c.titan_extra].concat(),
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_train_parity.py");
     let mut args = vec![
@@ -115,6 +122,7 @@ pub fn train_both(py: &str, c: &Comparison) -> Curves {
     if let Some(t) = c.targets {
         args.extend(["--targets", t.to_str().unwrap()]);
     }
+    args.extend(c.python_extra);
     let reference: Vec<serde_json::Value> = serde_json::from_str(&python(py, &args)).unwrap();
     let curve = |key: &str| -> Curve {
         reference

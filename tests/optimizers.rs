@@ -1,0 +1,128 @@
+//! Optimizer settings beyond one AdamW for every tensor: `[[optimizer.param_groups]]` (the first
+//! group whose pattern matches a parameter's name gives it its learning rate, weight decay and
+//! betas) trains as PyTorch's AdamW with the same groups, and a bad group is refused by name.
+
+mod common;
+
+use common::pytorch_training::{train_both, Comparison};
+use common::{hf_python, train};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Norms and embeddings without weight decay; the output head at its own learning rate and betas.
+const GROUPS_TOML: &str = r#"
+[[optimizer.param_groups]]
+match = ["*norm*", "tok_embeddings.*"]
+weight_decay = 0.0
+
+[[optimizer.param_groups]]
+match = ["output.*"]
+lr = 1e-3
+betas = [0.8, 0.9]
+"#;
+
+const GROUPS_JSON: &str = r#"[{"match": ["*norm*", "tok_embeddings.*"], "weight_decay": 0.0},
+ {"match": ["output.*"], "lr": 1e-3, "betas": [0.8, 0.9]}]"#;
+
+/// A tiny Llama made by transformers, imported, trained 10 steps with two parameter groups
+/// against PyTorch's AdamW given the same groups: every loss within 1e-5 (and not the curve
+/// without groups).
+#[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
+fn parameter_groups_train_as_pytorchs() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let shard = dir.path().join("tokens.bin");
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let bytes: Vec<u8> = (0..3000)
+        .flat_map(|_| rng.gen_range(0..300u32).to_le_bytes())
+        .collect();
+    std::fs::write(&shard, bytes).unwrap();
+    let config = dir.path().join("groups.toml");
+    std::fs::write(
+        &config,
+        format!("{}{GROUPS_TOML}", titan::config::DEFAULT_CONFIG_TOML),
+    )
+    .unwrap();
+    let data = [
+        "--training.dataset",
+        "tokens_u32",
+        "--training.dataset_path",
+        shard.to_str().unwrap(),
+        "--training.document_start_id",
+        "1",
+    ];
+    let compare = |titan_extra: &[&str], python_extra: &[&str], sub: &str| {
+        let sub = dir.path().join(sub);
+        std::fs::create_dir_all(&sub).unwrap();
+        train_both(
+            &py,
+            &Comparison {
+                dir: &sub,
+                steps: "10",
+                titan_data: &data,
+                tokens: &shard,
+                targets: None,
+                document_start: "1",
+                titan_extra,
+                python_extra,
+            },
+        )
+    };
+    let grouped = compare(
+        &["--config", config.to_str().unwrap()],
+        &["--param-groups", GROUPS_JSON],
+        "grouped",
+    );
+    let worst = grouped.worst_loss_difference();
+    eprintln!("parameter groups vs PyTorch over 10 steps: loss within {worst:.2e}");
+    assert!(
+        worst <= 1e-5,
+        "{:?} vs {:?}",
+        grouped.titan.0,
+        grouped.pytorch.0
+    );
+    let plain = compare(&[], &[], "plain");
+    assert_ne!(
+        common::bits(&plain.titan.0),
+        common::bits(&grouped.titan.0),
+        "the groups changed nothing"
+    );
+}
+
+/// A group whose pattern matches no parameter, a group without patterns and one with a
+/// learning rate that is not positive are refused naming the group.
+#[test]
+fn bad_parameter_groups_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    for (groups, says) in [
+        (
+            "[[optimizer.param_groups]]\nmatch = [\"*.bias\"]\nweight_decay = 0.0\n",
+            "[[optimizer.param_groups]] #1: match pattern `*.bias` matches no parameter",
+        ),
+        (
+            "[[optimizer.param_groups]]\nmatch = []\n",
+            "[[optimizer.param_groups]] #1: `match` names no pattern",
+        ),
+        (
+            "[[optimizer.param_groups]]\nmatch = [\"*norm*\"]\n[[optimizer.param_groups]]\nmatch = [\"output.*\"]\nlr = -1.0\n",
+            "[[optimizer.param_groups]] #2: lr must be a positive number",
+        ),
+    ] {
+        let config = dir.path().join("bad.toml");
+        std::fs::write(
+            &config,
+            format!("{}\n{groups}", titan::config::DEFAULT_CONFIG_TOML),
+        )
+        .unwrap();
+        let o = train(
+            &dir.path().join("run"),
+            &[],
+            &["--training.steps", "1", "--config", config.to_str().unwrap()],
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(says), "{err}");
+    }
+}
