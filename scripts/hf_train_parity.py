@@ -209,6 +209,12 @@ def main():
         "(a chat sample's prompt: its label is -100, as ignore_index skips it)",
     )
     ap.add_argument("--param-groups", help="titan's [[optimizer.param_groups]] as JSON")
+    ap.add_argument(
+        "--optimizer",
+        choices=["AdamW", "Adam"],
+        default="AdamW",
+        help="titan's [optimizer] name: Adam adds the weight decay to the gradient (L2)",
+    )
     ap.add_argument("--lora-adapters", help="a titan model.safetensors holding the adapters")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-out", help="where to write the final adapters (JSON)")
@@ -227,9 +233,8 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     spec = json.loads(a.param_groups) if a.param_groups else []
     groups = param_groups(model, spec, a) if spec else [{"params": params, "base_lr": a.lr}]
-    opt = torch.optim.AdamW(
-        groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay
-    )
+    optimizer = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[a.optimizer]
+    opt = optimizer(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)
     taken, out = 0, []
     for step in range(1, a.steps + 1):
         rows, masks = [], []

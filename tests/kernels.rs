@@ -5,7 +5,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::rope::{rope_tables, Llama3Scaling, RopeScaling, YarnScaling};
 use titan::backend::cpu::CpuBackend;
-use titan::backend::{AdamWStep, AttnShape, Backend, IGNORE_INDEX};
+use titan::backend::{AdamWStep, AttnShape, Backend, WeightDecay, IGNORE_INDEX};
 use titan::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved};
 use titan::backend::{GemmOutput, GemmShape, RopeShape};
 
@@ -736,6 +736,7 @@ fn adamw_matches_pytorch_formula() {
             weight_decay: 0.1,
             step,
             grad_scale: 1.0,
+            decay: WeightDecay::Decoupled,
         };
         be.adamw_step(&mut p, &g, &mut m, &mut v, hp);
         for i in 0..n {

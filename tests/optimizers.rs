@@ -1,6 +1,7 @@
 //! Optimizer settings beyond one AdamW for every tensor: `[[optimizer.param_groups]]` (the first
 //! group whose pattern matches a parameter's name gives it its learning rate, weight decay and
-//! betas) trains as PyTorch's AdamW with the same groups, and a bad group is refused by name.
+//! betas) trains as PyTorch's AdamW with the same groups, `Adam` as `torch.optim.Adam`, and a bad
+//! group or name is refused by name.
 
 mod common;
 
@@ -25,11 +26,11 @@ const GROUPS_JSON: &str = r#"[{"match": ["*norm*", "tok_embeddings.*"], "weight_
  {"match": ["output.*"], "lr": 1e-3, "betas": [0.8, 0.9]}]"#;
 
 /// A tiny Llama made by transformers, imported, trained 10 steps with two parameter groups
-/// against PyTorch's AdamW given the same groups: every loss within 1e-5 (and not the curve
-/// without groups).
+/// against PyTorch's AdamW given the same groups, and with Adam against `torch.optim.Adam`:
+/// every loss within 1e-5 (and neither the plain AdamW curve).
 #[test]
 #[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
-fn parameter_groups_train_as_pytorchs() {
+fn parameter_groups_and_adam_train_as_pytorchs() {
     let Some(py) = hf_python() else {
         return;
     };
@@ -90,6 +91,16 @@ fn parameter_groups_train_as_pytorchs() {
         common::bits(&grouped.titan.0),
         "the groups changed nothing"
     );
+    // Adam: the weight decay (0.1) as an L2 term of the gradient, as `torch.optim.Adam`.
+    let adam = compare(
+        &["--optimizer.name", "Adam"],
+        &["--optimizer", "Adam"],
+        "adam",
+    );
+    let worst = adam.worst_loss_difference();
+    eprintln!("Adam vs PyTorch over 10 steps: loss within {worst:.2e}");
+    assert!(worst <= 1e-5, "{:?} vs {:?}", adam.titan.0, adam.pytorch.0);
+    assert_ne!(common::bits(&plain.titan.0), common::bits(&adam.titan.0));
 }
 
 /// A group whose pattern matches no parameter, a group without patterns and one with a
@@ -97,6 +108,16 @@ fn parameter_groups_train_as_pytorchs() {
 #[test]
 fn bad_parameter_groups_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
+    let o = train(
+        &dir.path().join("run"),
+        &[],
+        &["--training.steps", "1", "--optimizer.name", "SGD"],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("[optimizer] name = `SGD` is not supported (accepted: AdamW, Adam"),
+        "{err}"
+    );
     for (groups, says) in [
         (
             "[[optimizer.param_groups]]\nmatch = [\"*.bias\"]\nweight_decay = 0.0\n",

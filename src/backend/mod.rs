@@ -267,19 +267,36 @@ pub struct AdamWStep {
     /// Factor the gradient is multiplied by before the update: gradient clipping's `max_norm /
     /// norm`, or 1. The gradient buffers themselves are left as they are.
     pub grad_scale: f32,
+    /// How `weight_decay` applies: decoupled from the gradient (AdamW) or added to it as an L2
+    /// term, `g + weight_decay·p`, before the moments (Adam, as `torch.optim.Adam`).
+    pub decay: WeightDecay,
+}
+
+/// How an Adam step applies weight decay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightDecay {
+    /// AdamW: `p ← p·(1 − lr·wd) − …`.
+    #[default]
+    Decoupled,
+    /// Adam: the gradient becomes `g + wd·p` (after clipping's scale).
+    L2,
 }
 
 impl AdamWStep {
     /// The per-step constants every AdamW kernel takes: the step size `lr / (1 − beta1^t)`, the
-    /// square root of the second bias correction `1 − beta2^t`, and the decay factor `1 − lr·wd`,
-    /// computed in f64 on the host so that every backend rounds them alike.
-    pub fn host_constants(&self) -> (f32, f32, f32) {
+    /// square root of the second bias correction `1 − beta2^t`, the decay factor `1 − lr·wd`
+    /// (1 for Adam) and the L2 coefficient added to the gradient (0 for AdamW), computed on the
+    /// host so that every backend rounds them alike.
+    pub fn host_constants(&self) -> (f32, f32, f32, f32) {
         let bias1 = 1.0 - (self.beta1 as f64).powi(self.step as i32);
         let bias2 = 1.0 - (self.beta2 as f64).powi(self.step as i32);
         let step_size = (self.lr as f64 / bias1) as f32;
         let bias2_sqrt = bias2.sqrt() as f32;
-        let decay = 1.0 - self.lr * self.weight_decay;
-        (step_size, bias2_sqrt, decay)
+        let (decay, l2) = match self.decay {
+            WeightDecay::Decoupled => (1.0 - self.lr * self.weight_decay, 0.0),
+            WeightDecay::L2 => (1.0, self.weight_decay),
+        };
+        (step_size, bias2_sqrt, decay, l2)
     }
 }
 

@@ -6,6 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use super::Config;
 
+/// The optimizers `[optimizer] name` accepts: `AdamW` (decoupled weight decay) and `Adam`
+/// (`torch.optim.Adam`: the decay added to the gradient as an L2 term).
+pub const OPTIMIZERS: [&str; 2] = ["AdamW", "Adam"];
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
@@ -132,10 +136,11 @@ impl Default for LrSchedulerConfig {
 
 impl Config {
     pub(super) fn validate_optimizer(&self) -> Result<()> {
-        if self.optimizer.name != "AdamW" {
+        if !OPTIMIZERS.contains(&self.optimizer.name.as_str()) {
             bail!(
-                "[optimizer] name = `{}` is not supported (accepted: AdamW)",
-                self.optimizer.name
+                "[optimizer] name = `{}` is not supported (accepted: {}; Muon: issue 46)",
+                self.optimizer.name,
+                OPTIMIZERS.join(", ")
             );
         }
         if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {

@@ -1,8 +1,9 @@
-//! AdamW over a parameter set: fp32 moments laid out like the parameters, one fused multi-tensor
+//! AdamW (or Adam, `[optimizer] name = "Adam"`: the weight decay as an L2 term of the gradient)
+//! over a parameter set: fp32 moments laid out like the parameters, one fused multi-tensor
 //! kernel call for the whole set (one per tensor when parameter groups give tensors their own
 //! settings, or frozen tensors are skipped), and global-norm gradient clipping folded into it.
 
-use crate::backend::{AdamWStep, Backend};
+use crate::backend::{AdamWStep, Backend, WeightDecay};
 use crate::config::{name_matches, OptimizerConfig};
 use crate::model::ParamSet;
 
@@ -84,6 +85,10 @@ impl<B: Backend> AdamW<B> {
             weight_decay: self.cfg.weight_decay as f32,
             step,
             grad_scale,
+            decay: match self.cfg.name.as_str() {
+                "Adam" => WeightDecay::L2,
+                _ => WeightDecay::Decoupled,
+            },
         };
         // A frozen weight (LoRA's base) has neither gradient nor moments: the step skips it.
         let frozen = |i: usize| be.len(&grads.bufs[i]) == 0 && be.len(&params.bufs[i]) > 0;

@@ -59,16 +59,16 @@ int main() {
          m = random_list(rng, lens, 0.01f, false), v = random_list(rng, lens, 1e-3f, true);
     List p_ref = p, m_ref = m, v_ref = v;
     float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, step_size = 1.7e-3f, bias2_sqrt = 0.37f,
-          decay = 0.9999f, grad_scale = 0.5f;
+          decay = 0.9999f, l2 = 0.0f, grad_scale = 0.5f;
     for (int t = 0; t < n; ++t)
         for (i64 j = 0; j < lens[t]; ++j)
             adamw_update(p_ref.tensors[t].data(), g.tensors[t].data(), m_ref.tensors[t].data(),
                          v_ref.tensors[t].data(), j, b1, b2, eps, step_size, bias2_sqrt, decay,
-                         grad_scale);
+                         l2, grad_scale);
     emu::launch(grid, 256, [&] {
         adamw_step_all(p.pointers.data(), (const float* const*)g.pointers.data(),
                        m.pointers.data(), v.pointers.data(), offsets.data(), n, b1, b2, eps,
-                       step_size, bias2_sqrt, decay, grad_scale);
+                       step_size, bias2_sqrt, decay, l2, grad_scale);
     });
     bool ok = same_bits("adamw_step_all param", p, p_ref);
     ok &= same_bits("adamw_step_all exp_avg", m, m_ref);

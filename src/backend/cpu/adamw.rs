@@ -1,4 +1,5 @@
-//! Fused AdamW (decoupled weight decay, bias-corrected moments), one pass over each parameter.
+//! Fused AdamW (decoupled weight decay, bias-corrected moments), one pass over each parameter;
+//! with `WeightDecay::L2`, Adam (the decay added to the gradient instead).
 
 use rayon::prelude::*;
 
@@ -14,7 +15,7 @@ pub fn adamw_step(
     exp_avg_sq: &mut [f32],
     hp: AdamWStep,
 ) {
-    let (step_size, bias2_sqrt, decay) = hp.host_constants();
+    let (step_size, bias2_sqrt, decay, l2) = hp.host_constants();
     let (b1, b2, eps) = (hp.beta1, hp.beta2, hp.eps);
     param
         .par_chunks_mut(CHUNK)
@@ -33,7 +34,7 @@ pub fn adamw_step(
                 eps,
                 step_size,
                 bias2_sqrt,
-                decay,
+                (decay, l2),
                 hp.grad_scale,
             );
         });

@@ -103,11 +103,15 @@ multiversion! {
 }
 
 multiversion! {
-    pub fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], b1: f32, b2: f32, eps: f32, step_size: f32, bias2_sqrt: f32, decay: f32, grad_scale: f32) {
+    pub fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], b1: f32, b2: f32, eps: f32, step_size: f32, bias2_sqrt: f32, decay_l2: (f32, f32), grad_scale: f32) {
+        let (decay, l2) = decay_l2;
         let n = p.len();
         let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
         for i in 0..n {
-            let gi = g[i] * grad_scale;
+            let mut gi = g[i] * grad_scale;
+            if l2 != 0.0 {
+                gi = l2.mul_add(p[i], gi); // Adam's L2 term
+            }
             m[i] = b1 * m[i] + (1.0 - b1) * gi;
             v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
             let denom = v[i].sqrt() / bias2_sqrt + eps;

@@ -11,7 +11,7 @@ pub use float8::check_float8_gemms;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, IGNORE_INDEX};
+use super::{AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, WeightDecay, IGNORE_INDEX};
 
 /// One output of one op.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -350,6 +350,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             weight_decay: 0.1,
             step: 7,
             grad_scale: 0.75,
+            decay: WeightDecay::Decoupled,
         };
         self.reference
             .adamw_step(&mut rp, &rg, &mut rm, &mut rv, hp);
@@ -357,6 +358,16 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare("adamw_step param", &rp, &tp, self.tol.exact);
         self.compare("adamw_step exp_avg", &rm, &tm, self.tol.exact);
         self.compare("adamw_step exp_avg_sq", &rv, &tv, self.tol.exact);
+        // Adam: the decay as an L2 term of the gradient.
+        let adam = AdamWStep {
+            decay: WeightDecay::L2,
+            ..hp
+        };
+        self.reference
+            .adamw_step(&mut rp, &rg, &mut rm, &mut rv, adam);
+        self.test.adamw_step(&mut tp, &tg, &mut tm, &mut tv, adam);
+        self.compare("adam_step param", &rp, &tp, self.tol.exact);
+        self.compare("adam_step exp_avg", &rm, &tm, self.tol.exact);
         let big = self.random(300_001, 3.0);
         let (rb, tb) = self.both(&big);
         let (rs, ts) = (self.reference.sum_squares(&rb), self.test.sum_squares(&tb));
@@ -379,6 +390,7 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             weight_decay: 0.1,
             step: 3,
             grad_scale: 0.5,
+            decay: WeightDecay::Decoupled,
         };
         // Tensor 2 (8192 values) as a 64 × 128 weight, multiplied before and after the update: a
         // device must not reuse the bf16 conversion of the old values.

@@ -38,9 +38,9 @@ __device__ __forceinline__ void for_each_listed(const i64* offsets, int n, Visit
 extern "C" __global__ void adamw_step_all(float* const* p, const float* const* g, float* const* m,
                                           float* const* v, const i64* offsets, int n, float b1,
                                           float b2, float eps, float step_size, float bias2_sqrt,
-                                          float decay, float grad_scale) {
+                                          float decay, float l2, float grad_scale) {
     for_each_listed(offsets, n, [&](int t, i64 j) {
-        adamw_update(p[t], g[t], m[t], v[t], j, b1, b2, eps, step_size, bias2_sqrt, decay,
+        adamw_update(p[t], g[t], m[t], v[t], j, b1, b2, eps, step_size, bias2_sqrt, decay, l2,
                      grad_scale);
     });
 }

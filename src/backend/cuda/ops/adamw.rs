@@ -24,7 +24,7 @@ impl CudaBackend {
                 ("exp_avg_sq", exp_avg_sq.len()),
             ],
         );
-        let (step_size, bias2_sqrt, decay) = hp.host_constants();
+        let (step_size, bias2_sqrt, decay, l2) = hp.host_constants();
         launch_elementwise!(
             self,
             "adamw_step",
@@ -39,6 +39,7 @@ impl CudaBackend {
             &step_size,
             &bias2_sqrt,
             &decay,
+            &l2,
             &hp.grad_scale,
         );
     }

@@ -132,7 +132,7 @@ impl CudaBackend {
         let Some(list) = self.tensor_list("adamw_step_all", &lens, &addresses) else {
             return;
         };
-        let (step_size, bias2_sqrt, decay) = hp.host_constants();
+        let (step_size, bias2_sqrt, decay, l2) = hp.host_constants();
         launch!(
             self,
             "adamw_step_all",
@@ -149,6 +149,7 @@ impl CudaBackend {
             &step_size,
             &bias2_sqrt,
             &decay,
+            &l2,
             &hp.grad_scale,
         );
     }
