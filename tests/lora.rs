@@ -506,6 +506,47 @@ print(json.dumps({"base": before, "adapted": loss(adapted)}))
     );
 }
 
+/// A LoRA run stopped after step 2 and resumed from its checkpoint, in one process and under
+/// FSDP 2 (the adapters' moment shards, no moments of the frozen base), ends with the straight
+/// run's losses, bit for bit.
+#[test]
+fn a_lora_run_resumes_bit_for_bit() {
+    let steps = |n: &'static str| {
+        [
+            &[
+                "--training.steps",
+                n,
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.interval",
+                "2",
+                "--optimizer.lr",
+                "1e-2",
+                "--training.local_batch_size",
+                "2",
+                // A constant learning rate: the schedule does not depend on the run's length.
+                "--lr_scheduler.warmup_steps",
+                "0",
+                "--lr_scheduler.decay_ratio",
+                "0",
+            ][..],
+            LORA,
+        ]
+        .concat()
+    };
+    let fsdp: &[&str] = &["--nproc", "2", "--master-port", "0"];
+    for launcher in [&[][..], fsdp] {
+        let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        for (dir, n) in [(&straight, "4"), (&resumed, "2"), (&resumed, "4")] {
+            let o = train(dir.path(), launcher, &steps(n));
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        }
+        let tail = |d: &Path| common::bits(&losses(d)[2..]);
+        assert_eq!(losses(resumed.path()).len(), 4);
+        assert_eq!(tail(straight.path()), tail(resumed.path()), "{launcher:?}");
+    }
+}
+
 /// Settings LoRA cannot run are refused naming the key; a resumed run must keep its adapters.
 #[test]
 fn bad_lora_settings_are_refused_by_name() {
