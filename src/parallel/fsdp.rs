@@ -479,12 +479,15 @@ impl<B: Backend> Fsdp<B> {
         grads: &mut ParamSet<B>,
         ids: &[usize],
     ) -> Result<()> {
-        // Frozen parameters have no gradient (alike on every rank: the collectives agree).
+        // Frozen parameters have no gradient (alike on every rank: the collectives agree), so
+        // with some frozen a unit may have nothing to reduce.
+        let some_frozen = self.trainable.iter().any(|&t| !t);
         let ids: Vec<usize> = ids.iter().copied().filter(|&i| self.trainable[i]).collect();
         for (group, part) in self.by_group(&ids) {
-            if !part.is_empty() || self.trainable.iter().all(|&t| t) {
-                self.submit_group_reduce_scatter(be, grads, group, &part)?;
+            if some_frozen && part.is_empty() {
+                continue;
             }
+            self.submit_group_reduce_scatter(be, grads, group, &part)?;
         }
         Ok(())
     }
