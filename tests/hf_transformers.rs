@@ -547,19 +547,8 @@ fn transformers_run(
     tokens: &[u32],
     seq: usize,
 ) -> serde_json::Value {
-    let rows: Vec<String> = tokens
-        .chunks(seq + 1)
-        .map(|r| {
-            r.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .collect();
+    let rows = common::rows_arg(tokens, seq);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_parity.py");
-    let out = python_output(
-        py,
-        &[script, hf.to_str().unwrap(), "--tokens", &rows.join(";")],
-    );
+    let out = python_output(py, &[script, hf.to_str().unwrap(), "--tokens", &rows]);
     serde_json::from_slice(&out).unwrap()
 }

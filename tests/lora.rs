@@ -337,6 +337,33 @@ fn lora_composes_with_experts_latent_attention_float8_and_context_parallel() {
     assert_layout_matches_one_process("CP 2", &single, &nproc, &cp, "context parallel");
 }
 
+/// Two rows of 25 token ids below `vocab`, and titan's mean loss on them with the checkpoint at
+/// `step` as it is (a LoRA model: the adapters apart from their weights), with the model.
+fn titan_loss_on_rows(
+    step: &Path,
+    vocab: u32,
+) -> (
+    Vec<u32>,
+    f64,
+    titan::model::Llama<CpuBackend>,
+    titan::model::ParamSet<CpuBackend>,
+) {
+    let be = CpuBackend::new();
+    let (args, params) = checkpoint::load_weights(&be, step).unwrap();
+    assert!(args.lora.is_some());
+    let (batch, seq) = (2, ROW_SEQ);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i as u32 * 37 + 11) % vocab)
+        .collect();
+    let model = titan::model::Llama::new(&be, args.clone(), seq).unwrap();
+    let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
+    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+    (tokens, loss.sum / loss.count as f64, model, params)
+}
+
+/// The sequence length of `titan_loss_on_rows`' rows.
+const ROW_SEQ: usize = 24;
+
 /// A LoRA run exported to Hugging Face (`convert hf-export`, the adapters merged into their
 /// weights) computes the loss titan computes with the adapters apart, within 1e-5, and
 /// transformers' greedy generation picks titan's tokens.
@@ -366,18 +393,8 @@ fn a_lora_run_exports_merged_weights_that_transformers_runs_as_titan_does() {
         .collect();
     assert!(names.iter().all(|n| !n.contains("lora")), "{names:?}");
 
-    let be = CpuBackend::new();
-    let (args, params) = checkpoint::load_weights(&be, &step).unwrap();
-    assert!(args.lora.is_some());
-    let (batch, seq) = (2, 24);
-    let tokens: Vec<u32> = (0..batch * (seq + 1))
-        .map(|i| (i as u32 * 37 + 11) % 258)
-        .collect();
-    let model = titan::model::Llama::new(&be, args.clone(), seq).unwrap();
-    let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
-    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
-    let titan_loss = loss.sum / loss.count as f64;
-    let titan_ids = common::greedy_ids(&be, &model, &params, &tokens[..8], 10);
+    let (tokens, titan_loss, model, params) = titan_loss_on_rows(&step, 258);
+    let titan_ids = common::greedy_ids(&CpuBackend::new(), &model, &params, &tokens[..8], 10);
     let script = r#"
 import sys, json, torch
 from transformers import AutoModelForCausalLM
@@ -391,20 +408,9 @@ prompt = rows[:1, :8]
 out = model.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
 print(json.dumps({"loss": loss.item(), "ids": out[0, 8:].tolist()}))
 "#;
-    let rows: Vec<String> = tokens
-        .chunks(seq + 1)
-        .map(|r| {
-            r.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .collect();
-    let out: serde_json::Value = serde_json::from_str(&python(
-        &py,
-        &["-c", script, hf.to_str().unwrap(), &rows.join(";")],
-    ))
-    .unwrap();
+    let rows = common::rows_arg(&tokens, ROW_SEQ);
+    let out: serde_json::Value =
+        serde_json::from_str(&python(&py, &["-c", script, hf.to_str().unwrap(), &rows])).unwrap();
     let hf_loss = out["loss"].as_f64().unwrap();
     assert!(
         (hf_loss - titan_loss).abs() <= 1e-5 * titan_loss,
@@ -448,16 +454,7 @@ fn a_lora_runs_adapters_load_in_peft_on_their_base_model() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 
-    let be = CpuBackend::new();
-    let (args, params) = checkpoint::load_weights(&be, &step).unwrap();
-    let (batch, seq) = (2, 24);
-    let tokens: Vec<u32> = (0..batch * (seq + 1))
-        .map(|i| (i as u32 * 37 + 11) % 300)
-        .collect();
-    let model = titan::model::Llama::new(&be, args.clone(), seq).unwrap();
-    let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
-    let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
-    let titan_loss = loss.sum / loss.count as f64;
+    let (tokens, titan_loss, ..) = titan_loss_on_rows(&step, 300);
     let script = r#"
 import sys, json, torch
 from transformers import AutoModelForCausalLM
@@ -472,15 +469,7 @@ before = loss(base)
 adapted = PeftModel.from_pretrained(base, sys.argv[2])
 print(json.dumps({"base": before, "adapted": loss(adapted)}))
 "#;
-    let rows: Vec<String> = tokens
-        .chunks(seq + 1)
-        .map(|r| {
-            r.iter()
-                .map(|t| t.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        })
-        .collect();
+    let rows = common::rows_arg(&tokens, ROW_SEQ);
     let out: serde_json::Value = serde_json::from_str(&python(
         &py,
         &[
@@ -488,7 +477,7 @@ print(json.dumps({"base": before, "adapted": loss(adapted)}))
             script,
             hf.to_str().unwrap(),
             peft.to_str().unwrap(),
-            &rows.join(";"),
+            &rows,
         ],
     ))
     .unwrap();

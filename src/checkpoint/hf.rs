@@ -198,15 +198,7 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
             state.expert_bias.as_deref(),
         ));
     }
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let meta = [("format".to_string(), "pt".to_string())]
-        .into_iter()
-        .collect();
-    write_atomic(
-        &out_dir.join("model.safetensors"),
-        &st::to_bytes(&tensors, Some(meta))?,
-    )?;
+    write_folder_file(out_dir, "model.safetensors", &tensors)?;
     let config = hf_config(&args, tokenizer.bos_id(), tokenizer.eos_id(), dtype)?;
     write_atomic(
         &out_dir.join("config.json"),
@@ -234,6 +226,21 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
 /// Columns of a matrix (1 for a vector).
 fn columns(shape: &[usize]) -> usize {
     shape.get(1).copied().unwrap_or(1)
+}
+
+/// `tensors` as safetensors (with PyTorch's `format: pt` metadata, as transformers writes them)
+/// in `out_dir/file`, the folder made first.
+pub(super) fn write_folder_file(
+    out_dir: &Path,
+    file: &str,
+    tensors: &[(String, Tensor)],
+) -> Result<()> {
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
+    let meta = [("format".to_string(), "pt".to_string())]
+        .into_iter()
+        .collect();
+    write_atomic(&out_dir.join(file), &st::to_bytes(tensors, Some(meta))?)
 }
 
 pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {

@@ -7,12 +7,11 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use serde_json::json;
 
-use super::hf::{permute_rows, rope_permutation, write_atomic};
+use super::hf::{permute_rows, rope_permutation, write_atomic, write_folder_file};
 use super::hf_names::hf_name_of;
-use super::st;
 use crate::backend::cpu::CpuBackend;
 use crate::model::lora::{base_of, LORA_A};
 use crate::tensor::Tensor;
@@ -53,15 +52,7 @@ pub fn export(checkpoint: &Path, out_dir: &Path) -> Result<()> {
             modules.push(module);
         }
     }
-    std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("cannot create {}", out_dir.display()))?;
-    let meta = [("format".to_string(), "pt".to_string())]
-        .into_iter()
-        .collect();
-    write_atomic(
-        &out_dir.join("adapter_model.safetensors"),
-        &st::to_bytes(&tensors, Some(meta))?,
-    )?;
+    write_folder_file(out_dir, "adapter_model.safetensors", &tensors)?;
     let config = json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -91,6 +91,21 @@ pub const FSDP_TP_PP: [Layout; 3] = [
     ),
 ];
 
+/// Token rows of `seq + 1` ids as a command-line argument: ids joined by `,`, rows by `;`
+/// (`scripts/hf_parity.py --tokens`, and the tests' inline scripts).
+pub fn rows_arg(tokens: &[u32], seq: usize) -> String {
+    tokens
+        .chunks(seq + 1)
+        .map(|r| {
+            r.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
 /// Greedy decoding of `new` tokens after `prompt` with titan's KV cache.
 pub fn greedy_ids<B: titan::backend::Backend>(
     be: &B,
