@@ -50,7 +50,9 @@ pub struct ModelConfig {
     pub converters: Vec<String>,
     /// `causal` (every token sees every earlier token of its sequence) or `block_causal` (only
     /// those of its own document, RoPE at its position in the document: TorchTitan's default;
-    /// titan's stays `causal` until every layout has documents, README "Packed documents").
+    /// titan's stays `causal` until CUDA's tensor-core attention kernels take document masks,
+    /// README "Not yet built").
+
     pub attn_mask_type: String,
 }
 
