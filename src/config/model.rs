@@ -52,7 +52,6 @@ pub struct ModelConfig {
     /// those of its own document, RoPE at its position in the document: TorchTitan's default;
     /// titan's stays `causal` until CUDA's tensor-core attention kernels take document masks,
     /// README "Not yet built").
-
     pub attn_mask_type: String,
 }
 
