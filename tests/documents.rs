@@ -51,13 +51,10 @@ fn block_causal_training_equals_transformers_on_packed_documents() {
     let shard = dir.path().join("documents.bin");
     write_documents(&shard, 4000, 3);
     let data = [
-        "--training.dataset",
-        "tokens_u32",
-        "--training.dataset_path",
-        shard.to_str().unwrap(),
-        "--training.document_start_id",
-        "1",
-    ];
+        &common::token_shard(&shard)[..],
+        &["--training.document_start_id", "1"],
+    ]
+    .concat();
     let comparison = Comparison {
         dir: dir.path(),
         steps: "20",
@@ -113,12 +110,7 @@ fn documents_change_the_curve_only_where_sequences_hold_several() {
     let dir = tempfile::tempdir().unwrap();
     let shard = dir.path().join("documents.bin");
     write_documents(&shard, 2000, 4);
-    let shards = [
-        "--training.dataset",
-        "tokens_u32",
-        "--training.dataset_path",
-    ];
-    let shards = [&shards[..], &[shard.to_str().unwrap()]].concat();
+    let shards = common::token_shard(&shard);
     let one_document_each = run(&[&shards[..], BLOCK_CAUSAL].concat());
     assert_eq!(bits(&one_document_each), bits(&run(&shards)));
 }
@@ -274,13 +266,10 @@ fn bad_document_settings_are_refused_by_name() {
     let shard = dir.path().join("documents.bin");
     write_documents(&shard, 500, 5);
     let shards = [
-        "--training.dataset",
-        "tokens_u32",
-        "--training.dataset_path",
-        shard.to_str().unwrap(),
-        "--training.document_start_id",
-        "300",
-    ];
+        &common::token_shard(&shard)[..],
+        &["--training.document_start_id", "300"],
+    ]
+    .concat();
     let first_fit = ["--training.packing", "first_fit"];
     refused(&[&shards[..4], &first_fit].concat(), "first_fit");
     refused(&["--training.packing", "best_fit"], "packing = `best_fit`");

@@ -13,8 +13,6 @@ use common::pytorch_training::{make_llama, python};
 use common::{
     assert_layout_matches_one_process, hf_python, losses, metric, train, Layout, FSDP_TP_PP,
 };
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::CpuBackend;
 use titan::checkpoint;
 
@@ -31,15 +29,6 @@ const LORA: &[&str] = &[
 /// AdamW's epsilon in the PyTorch comparison: above the first steps' tiniest gradients, whose
 /// updates (m/√v ≈ ±1 whatever their size) would otherwise turn rounding into visible steps.
 const EPS: &str = "1e-6";
-
-/// A uint32 token shard of `n` ids drawn from 0..300.
-fn write_tokens(path: &Path, n: usize, seed: u64) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let bytes: Vec<u8> = (0..n)
-        .flat_map(|_| rng.gen_range(0..300u32).to_le_bytes())
-        .collect();
-    std::fs::write(path, bytes).unwrap();
-}
 
 /// Every tensor of the checkpoint at `dir`, by name.
 fn weights(dir: &Path) -> BTreeMap<String, Vec<f32>> {
@@ -67,13 +56,10 @@ fn lora_training_equals_a_pytorch_reference_and_leaves_the_base_untouched() {
     let hf = dir.path().join("hf");
     make_llama(&py, &hf);
     let shard = dir.path().join("tokens.bin");
-    write_tokens(&shard, 3000, 5);
+    common::write_random_tokens(&shard, 3000, 5);
     let (batch, seq, lr, warmup, steps) = ("2", "64", "3e-3", "2", "3");
+    let data = common::token_shard(&shard);
     let common = [
-        "--training.dataset",
-        "tokens_u32",
-        "--training.dataset_path",
-        shard.to_str().unwrap(),
         "--training.local_batch_size",
         batch,
         "--training.seq_len",
@@ -98,7 +84,7 @@ fn lora_training_equals_a_pytorch_reference_and_leaves_the_base_untouched() {
         "--checkpoint.initial_load_in_hf",
         "true",
     ];
-    run(&first, &[&common[..], LORA, &from_hf].concat());
+    run(&first, &[&data[..], &common, LORA, &from_hf].concat());
     let start = first.join("checkpoint/step-1");
     let second = dir.path().join("second");
     let from_first = [
@@ -109,7 +95,7 @@ fn lora_training_equals_a_pytorch_reference_and_leaves_the_base_untouched() {
         "--checkpoint.initial_load_path",
         start.to_str().unwrap(),
     ];
-    run(&second, &[&common[..], LORA, &from_first].concat());
+    run(&second, &[&data[..], &common, LORA, &from_first].concat());
 
     // PyTorch from the same step-1 checkpoint: one step, then all three.
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/hf_train_parity.py");

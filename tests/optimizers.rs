@@ -7,8 +7,6 @@ mod common;
 
 use common::pytorch_training::{train_both, Comparison};
 use common::{hf_python, train};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 /// Norms and embeddings without weight decay; the output head at its own learning rate and betas.
 const GROUPS_TOML: &str = r#"
@@ -36,11 +34,7 @@ fn parameter_groups_and_adam_train_as_pytorchs() {
     };
     let dir = tempfile::tempdir().unwrap();
     let shard = dir.path().join("tokens.bin");
-    let mut rng = ChaCha8Rng::seed_from_u64(9);
-    let bytes: Vec<u8> = (0..3000)
-        .flat_map(|_| rng.gen_range(0..300u32).to_le_bytes())
-        .collect();
-    std::fs::write(&shard, bytes).unwrap();
+    common::write_random_tokens(&shard, 3000, 9);
     let config = dir.path().join("groups.toml");
     std::fs::write(
         &config,
@@ -48,13 +42,10 @@ fn parameter_groups_and_adam_train_as_pytorchs() {
     )
     .unwrap();
     let data = [
-        "--training.dataset",
-        "tokens_u32",
-        "--training.dataset_path",
-        shard.to_str().unwrap(),
-        "--training.document_start_id",
-        "1",
-    ];
+        &common::token_shard(&shard)[..],
+        &["--training.document_start_id", "1"],
+    ]
+    .concat();
     let compare = |titan_extra: &[&str], python_extra: &[&str], sub: &str| {
         let sub = dir.path().join(sub);
         std::fs::create_dir_all(&sub).unwrap();

@@ -353,6 +353,12 @@ pub trait Backend: Send + Sync + 'static {
     fn len(&self, buf: &Self::Buf) -> usize;
     fn fill(&self, buf: &mut Self::Buf, value: f32);
     fn copy_from(&self, dst: &mut Self::Buf, src: &Self::Buf);
+    /// A buffer of its own holding `buf`'s values.
+    fn copied(&self, buf: &Self::Buf) -> Self::Buf {
+        let mut copy = self.uninit(self.len(buf));
+        self.copy_from(&mut copy, buf);
+        copy
+    }
     /// Copies `src` into `dst[offset..offset+len(src)]`.
     fn copy_into_at(&self, dst: &mut Self::Buf, offset: usize, src: &Self::Buf);
     /// `dst[dst_offset..+len] = src[src_offset..+len]` (FSDP's packing of shards and gradients).

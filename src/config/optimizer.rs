@@ -60,11 +60,12 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
 }
 
 impl OptimizerConfig {
-    /// The group parameter `name` belongs to (None: the section's own settings).
-    pub fn group_of(&self, name: &str) -> Option<&ParamGroupConfig> {
+    /// The index in `param_groups` of the group parameter `name` belongs to (None: the
+    /// section's own settings).
+    pub fn group_of(&self, name: &str) -> Option<usize> {
         self.param_groups
             .iter()
-            .find(|g| g.patterns.iter().any(|p| name_matches(p, name)))
+            .position(|g| g.patterns.iter().any(|p| name_matches(p, name)))
     }
 }
 

@@ -95,14 +95,9 @@ impl<B: Backend> Adapter<'_, B> {
 
     /// Copies of the two factors, for a weight gradient computed later (zero-bubble schedules).
     pub fn to_owned(&self, be: &B) -> OwnedAdapter<B> {
-        let copy = |buf: &B::Buf| {
-            let mut c = be.uninit(be.len(buf));
-            be.copy_from(&mut c, buf);
-            c
-        };
         OwnedAdapter {
-            a: copy(self.a),
-            b: copy(self.b),
+            a: be.copied(self.a),
+            b: be.copied(self.b),
             rank: self.rank,
             scale: self.scale,
         }

@@ -556,6 +556,22 @@ impl<B: Backend> ParamSet<B> {
         }
     }
 
+    /// Zeros for the tensors `keep` accepts; the others empty (a frozen weight's gradient and
+    /// moments: never allocated, so a LoRA run does not hold the base model's sizes even briefly).
+    pub fn zeros_where(
+        backend: &B,
+        specs: &[(String, Vec<usize>)],
+        keep: impl Fn(&str) -> bool,
+    ) -> Self {
+        let mut set = Self::unallocated(backend, specs);
+        for ((name, shape), buf) in specs.iter().zip(set.bufs.iter_mut()) {
+            if keep(name) {
+                *buf = backend.zeros(shape.iter().product());
+            }
+        }
+        set
+    }
+
     pub fn zeros(backend: &B, specs: &[(String, Vec<usize>)]) -> Self {
         ParamSet {
             names: specs.iter().map(|(n, _)| n.clone()).collect(),

@@ -267,7 +267,9 @@ impl<B: Backend> Fsdp<B> {
             pending: VecDeque::new(),
             failed: false,
             shards: ParamSet::unallocated(be, &shard_specs),
-            grad_shards: ParamSet::zeros(be, &shard_specs),
+            grad_shards: ParamSet::zeros_where(be, &shard_specs, |name| {
+                crate::model::lora::trainable(lora, name)
+            }),
             trainable,
             numel,
             shard_len,
@@ -279,10 +281,6 @@ impl<B: Backend> Fsdp<B> {
             gathered_bytes: 0,
         };
         f.shards = f.shard_from(be, start)?;
-        let trains = |name: &str| f.shards.index_of(name).is_some_and(|i| f.trainable[i]);
-        let mut grad_shards = std::mem::replace(&mut f.grad_shards, ParamSet::unallocated(be, &[]));
-        grad_shards.keep_only(be, trains);
-        f.grad_shards = grad_shards;
         Ok(f)
     }
 

@@ -42,13 +42,6 @@ use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::crossings::tensor::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
 
-/// A buffer of its own for a queued collective (which holds its input until finished).
-fn copy_of<B: Backend>(be: &B, buf: &B::Buf) -> B::Buf {
-    let mut copy = be.uninit(be.len(buf));
-    be.copy_from(&mut copy, buf);
-    copy
-}
-
 /// Logits a rank holds at once in the loss (rows × its vocabulary shard).
 const LOSS_CHUNK_FLOATS: usize = 4 << 20;
 
@@ -249,7 +242,8 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
 
     fn gather_rows(&self, be: &B, local: &B::Buf, full: &mut B::Buf) -> Result<()> {
         if self.queue_on_device {
-            self.start_gather_rows(be, copy_of(be, local))?;
+            // A queued collective holds its input until it finishes: a copy of its own.
+            self.start_gather_rows(be, be.copied(local))?;
             *full = self.finish_oldest(be)?;
             return Ok(());
         }
@@ -262,7 +256,8 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
 
     fn reduce_scatter_rows(&self, be: &B, partial: &B::Buf, local: &mut B::Buf) -> Result<()> {
         if self.queue_on_device {
-            self.start_reduce_scatter_rows(be, copy_of(be, partial))?;
+            // As in `gather_rows`, the queue takes a copy of its own.
+            self.start_reduce_scatter_rows(be, be.copied(partial))?;
             *local = self.finish_oldest(be)?;
             return Ok(());
         }

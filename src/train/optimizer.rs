@@ -4,7 +4,7 @@
 //! settings, or frozen tensors are skipped), and global-norm gradient clipping folded into it.
 
 use crate::backend::{AdamWStep, Backend, WeightDecay};
-use crate::config::{name_matches, OptimizerConfig};
+use crate::config::OptimizerConfig;
 use crate::model::ParamSet;
 
 pub struct AdamW<B: Backend> {
@@ -23,8 +23,18 @@ impl<B: Backend> AdamW<B> {
         self.exp_avg_sq.keep_only(be, &keep);
     }
 
-    pub fn new(be: &B, specs: &[(String, Vec<usize>)], cfg: OptimizerConfig) -> Self {
-        Self::from_moments(ParamSet::zeros(be, specs), ParamSet::zeros(be, specs), cfg)
+    /// Zero moments for the tensors `trains` accepts (a frozen one has none).
+    pub fn new(
+        be: &B,
+        specs: &[(String, Vec<usize>)],
+        cfg: OptimizerConfig,
+        trains: impl Fn(&str) -> bool,
+    ) -> Self {
+        Self::from_moments(
+            ParamSet::zeros_where(be, specs, &trains),
+            ParamSet::zeros_where(be, specs, &trains),
+            cfg,
+        )
     }
 
     /// AdamW with the moments given (laid out like the parameters).
@@ -36,11 +46,7 @@ impl<B: Backend> AdamW<B> {
         let groups = exp_avg
             .names
             .iter()
-            .map(|name| {
-                cfg.param_groups
-                    .iter()
-                    .position(|g| g.patterns.iter().any(|p| name_matches(p, name)))
-            })
+            .map(|name| cfg.group_of(name))
             .collect();
         AdamW {
             exp_avg,

@@ -382,12 +382,10 @@ fn sharded_start<B: Backend>(
 fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Result<StartState<B>> {
     let specs = &source.specs;
     let mut params = ParamSet::zeros(be, specs);
-    let mut opt = AdamW::new(be, specs, cfg.optimizer.clone());
-    let mut grads = ParamSet::zeros(be, specs);
     // Frozen weights (LoRA's base) get neither gradients nor moments.
     let trains = |name: &str| lora::trainable(source.model.args.lora.as_ref(), name);
-    opt.keep_only(be, trains);
-    grads.keep_only(be, trains);
+    let mut opt = AdamW::new(be, specs, cfg.optimizer.clone(), trains);
+    let grads = ParamSet::zeros_where(be, specs, trains);
     let tp = source.model.local.tp;
     match &source.ckpt {
         Some(ckpt) => {

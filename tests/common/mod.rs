@@ -91,6 +91,26 @@ pub const FSDP_TP_PP: [Layout; 3] = [
     ),
 ];
 
+/// A uint32 token shard at `path`: `n` ids drawn from 0..300 (the tiny models' vocabulary).
+pub fn write_random_tokens(path: &Path, n: usize, seed: u64) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let bytes: Vec<u8> = (0..n)
+        .flat_map(|_| rng.gen_range(0..300u32).to_le_bytes())
+        .collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The overrides that train on the uint32 token shard at `path`.
+pub fn token_shard(path: &Path) -> [&str; 4] {
+    [
+        "--training.dataset",
+        "tokens_u32",
+        "--training.dataset_path",
+        path.to_str().unwrap(),
+    ]
+}
+
 /// Token rows of `seq + 1` ids as a command-line argument: ids joined by `,`, rows by `;`
 /// (`scripts/hf_parity.py --tokens`, and the tests' inline scripts).
 pub fn rows_arg(tokens: &[u32], seq: usize) -> String {
