@@ -21,11 +21,16 @@ With --param-groups (JSON: a list of {"match": [patterns], "lr", "weight_decay",
 titan's `[[optimizer.param_groups]]`) each parameter, by its titan name, goes to the first group
 a pattern of which matches it (`*` any characters), the rest to the default group; the schedule
 scales every group's lr.
+With --optimizer Muon, `torch.optim.Muon` (--muon JSON: titan's `[optimizer]` Muon keys) updates
+every 2-D weight but the embedding and the output head, and `torch.optim.AdamW` the rest at
+`adamw_lr`; with `ns_dtype = "float32"` PyTorch's own Newton–Schulz runs with float32 in place of
+bfloat16 (its module sees a `torch` whose bfloat16 is float32), nothing else changed.
 Needs torch and transformers (never a dependency of titan itself).
 """
 import argparse
 import fnmatch
 import json
+import types
 
 import numpy as np
 import torch
@@ -138,6 +143,51 @@ def param_groups(model, spec, a):
     return [g for g in groups if g["params"]]
 
 
+class _Float32Torch(types.SimpleNamespace):
+    """`torch` as torch.optim._muon sees it with ns_dtype float32: bfloat16 means float32."""
+
+    bfloat16 = torch.float32
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def muon_optimizers(model, a, lr):
+    """torch.optim.Muon on the blocks' matrices and AdamW on the rest (titan's split)."""
+    import torch.optim._muon as muon_module
+
+    keys = json.loads(a.muon)
+    if keys.get("ns_dtype", "bfloat16") == "float32":
+        muon_module.torch = _Float32Torch()
+    matrices, rest = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        titan = titan_name(name)
+        is_matrix = p.ndim == 2 and titan not in ("tok_embeddings.weight", "output.weight")
+        (matrices if is_matrix else rest).append(p)
+    muon = torch.optim.Muon(
+        [{"params": matrices, "base_lr": lr}],
+        lr=lr,
+        weight_decay=a.weight_decay,
+        momentum=keys.get("momentum", 0.95),
+        nesterov=keys.get("nesterov", True),
+        ns_coefficients=tuple(keys.get("ns_coefficients", (3.4445, -4.775, 2.0315))),
+        eps=keys.get("ns_eps", 1e-7),
+        ns_steps=keys.get("ns_steps", 5),
+        adjust_lr_fn=keys.get("adjust_lr_fn", "original"),
+    )
+    adamw_lr = keys.get("adamw_lr", lr)
+    adamw = torch.optim.AdamW(
+        [{"params": rest, "base_lr": adamw_lr}],
+        lr=adamw_lr,
+        betas=tuple(a.betas),
+        eps=a.eps,
+        weight_decay=a.weight_decay,
+    )
+    return [muon, adamw]
+
+
 def rope_heads(model, linear):
     """Heads whose rows titan keeps interleaved (q and k): HF's halves are a row permutation."""
     cfg = model.config
@@ -211,10 +261,11 @@ def main():
     ap.add_argument("--param-groups", help="titan's [[optimizer.param_groups]] as JSON")
     ap.add_argument(
         "--optimizer",
-        choices=["AdamW", "Adam"],
+        choices=["AdamW", "Adam", "Muon"],
         default="AdamW",
         help="titan's [optimizer] name: Adam adds the weight decay to the gradient (L2)",
     )
+    ap.add_argument("--muon", default="{}", help="titan's [optimizer] Muon keys as JSON")
     ap.add_argument("--lora-adapters", help="a titan model.safetensors holding the adapters")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
     ap.add_argument("--lora-out", help="where to write the final adapters (JSON)")
@@ -233,8 +284,11 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     spec = json.loads(a.param_groups) if a.param_groups else []
     groups = param_groups(model, spec, a) if spec else [{"params": params, "base_lr": a.lr}]
-    optimizer = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[a.optimizer]
-    opt = optimizer(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)
+    if a.optimizer == "Muon":
+        opts = muon_optimizers(model, a, a.lr)
+    else:
+        optimizer = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[a.optimizer]
+        opts = [optimizer(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)]
     taken, out = 0, []
     for step in range(1, a.steps + 1):
         rows, masks = [], []
@@ -256,12 +310,14 @@ def main():
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
         )
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_norm if a.max_norm > 0 else float("inf"))
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * lr_factor(step, a.warmup, a.steps)
-        opt.step()
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * lr_factor(step, a.warmup, a.steps)
+            opt.step()
         out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
     if a.lora_out:
         with open(a.lora_out, "w") as f:

@@ -1,7 +1,7 @@
 //! Optimizer settings beyond one AdamW for every tensor: `[[optimizer.param_groups]]` (the first
 //! group whose pattern matches a parameter's name gives it its learning rate, weight decay and
-//! betas) trains as PyTorch's AdamW with the same groups, `Adam` as `torch.optim.Adam`, and a bad
-//! group or name is refused by name.
+//! betas) trains as PyTorch's AdamW with the same groups, `Adam` as `torch.optim.Adam`, `Muon` as
+//! `torch.optim.Muon` beside AdamW, and a bad group, name or Muon key is refused by name.
 
 mod common;
 
@@ -92,6 +92,76 @@ fn parameter_groups_and_adam_train_as_pytorchs() {
     eprintln!("Adam vs PyTorch over 10 steps: loss within {worst:.2e}");
     assert!(worst <= 1e-5, "{:?} vs {:?}", adam.titan.0, adam.pytorch.0);
     assert_ne!(common::bits(&plain.titan.0), common::bits(&adam.titan.0));
+}
+
+/// Muon on the blocks' matrices and AdamW (at `adamw_lr`) on the rest, against
+/// `torch.optim.Muon` + `torch.optim.AdamW` over 20 steps: every `adjust_lr_fn` with the
+/// Newton–Schulz iteration in float32 within 1e-5 of PyTorch's, and in bfloat16 (the default,
+/// PyTorch's own precision) within the rounding of bf16 products.
+#[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
+fn muon_trains_as_pytorchs() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let shard = dir.path().join("tokens.bin");
+    common::write_random_tokens(&shard, 6000, 11);
+    let data = [
+        &common::token_shard(&shard)[..],
+        &["--training.document_start_id", "1"],
+    ]
+    .concat();
+    let mut curves = Vec::new();
+    for (adjust, dtype, tolerance) in [
+        ("original", "float32", 1e-5),
+        ("match_rms_adamw", "float32", 1e-5),
+        ("spectral_unclamped", "float32", 1e-5),
+        ("original", "bfloat16", 2e-5),
+    ] {
+        let sub = dir.path().join(format!("{adjust}-{dtype}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let titan = [
+            "--optimizer.name",
+            "Muon",
+            "--optimizer.adamw_lr",
+            "1e-3",
+            "--optimizer.adjust_lr_fn",
+            adjust,
+            "--optimizer.ns_dtype",
+            dtype,
+        ];
+        let keys =
+            format!(r#"{{"adamw_lr": 1e-3, "adjust_lr_fn": "{adjust}", "ns_dtype": "{dtype}"}}"#);
+        let both = train_both(
+            &py,
+            &Comparison {
+                dir: &sub,
+                steps: "20",
+                titan_data: &data,
+                tokens: &shard,
+                targets: None,
+                document_start: "1",
+                titan_extra: &titan,
+                python_extra: &["--optimizer", "Muon", "--muon", &keys],
+            },
+        );
+        let worst = both.worst_loss_difference();
+        eprintln!(
+            "Muon ({adjust}, {dtype}) vs torch.optim.Muon over 20 steps: loss within {worst:.2e}"
+        );
+        assert!(
+            worst <= tolerance,
+            "{adjust} {dtype}: {:?} vs {:?}",
+            both.titan.0,
+            both.pytorch.0
+        );
+        curves.push(common::bits(&both.titan.0));
+    }
+    assert!(
+        curves[0] != curves[1] && curves[0] != curves[2] && curves[0] != curves[3],
+        "adjust_lr_fn or ns_dtype changed nothing"
+    );
 }
 
 /// A group whose pattern matches no parameter, a group without patterns and one with a

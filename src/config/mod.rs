@@ -36,7 +36,7 @@ pub use lora::{LoraConfig, LORA};
 pub use metrics::MetricsConfig;
 pub use model::ModelConfig;
 pub use optimizer::{
-    name_matches, DecayType, LrSchedulerConfig, OptimizerConfig, ParamGroupConfig,
+    muon_updates, name_matches, DecayType, LrSchedulerConfig, OptimizerConfig, ParamGroupConfig,
 };
 pub use parallelism::ParallelismConfig;
 pub use profiling::ProfilingConfig;

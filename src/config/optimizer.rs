@@ -1,14 +1,32 @@
-//! `[optimizer]` and `[lr_scheduler]`: AdamW's hyperparameters and the learning-rate schedule
-//! (warm-up, then decay); with their checks.
+//! `[optimizer]` and `[lr_scheduler]`: the optimizer's hyperparameters (AdamW's, Adam's, Muon's
+//! and the AdamW beside it), parameter groups, and the learning-rate schedule (warm-up, then
+//! decay); with their checks.
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::Config;
 
-/// The optimizers `[optimizer] name` accepts: `AdamW` (decoupled weight decay) and `Adam`
-/// (`torch.optim.Adam`: the decay added to the gradient as an L2 term).
-pub const OPTIMIZERS: [&str; 2] = ["AdamW", "Adam"];
+/// The optimizers `[optimizer] name` accepts: `AdamW` (decoupled weight decay), `Adam`
+/// (`torch.optim.Adam`: the decay added to the gradient as an L2 term) and `Muon`
+/// (`torch.optim.Muon` on the blocks' weight matrices, AdamW on the rest).
+pub const OPTIMIZERS: [&str; 3] = ["AdamW", "Adam", "Muon"];
+
+/// `[optimizer] adjust_lr_fn`: how Muon scales its learning rate by a matrix's shape `[A, B]`
+/// (`torch.optim.Muon`'s): `original` `√max(1, A/B)`, `match_rms_adamw` `0.2·√max(A, B)`,
+/// `spectral_unclamped` `√(A/B)`.
+pub const ADJUST_LR_FNS: [&str; 3] = ["original", "match_rms_adamw", "spectral_unclamped"];
+
+/// `[optimizer] ns_dtype`: the precision of Muon's Newton–Schulz iteration, `bfloat16` (as
+/// `torch.optim.Muon` runs it: every product rounded to bf16) or `float32`.
+pub const NS_DTYPES: [&str; 2] = ["bfloat16", "float32"];
+
+/// Whether Muon (not the AdamW beside it) updates parameter `name` of shape `shape`: every weight
+/// matrix but the embedding and the output head (Moonlight's and TorchTitan's split; a routed
+/// expert is a matrix of its own, so experts are orthogonalised one by one).
+pub fn muon_updates(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && name != "tok_embeddings.weight" && name != "output.weight"
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -19,6 +37,20 @@ pub struct OptimizerConfig {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// Muon's momentum (0.95), Nesterov's form of it (true), the Newton–Schulz iteration's
+    /// coefficients, steps, epsilon (the norm's floor) and precision, and its learning-rate
+    /// adjustment (`torch.optim.Muon`'s keys and defaults; `eps` stays AdamW's).
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub ns_coefficients: [f64; 3],
+    pub ns_steps: usize,
+    pub ns_eps: f64,
+    pub ns_dtype: String,
+    pub adjust_lr_fn: String,
+    /// With Muon, the learning rate of the parameters AdamW updates (embedding, output head,
+    /// norms); absent: `lr`. The schedule scales it as it scales `lr`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adamw_lr: Option<f64>,
     /// `[[optimizer.param_groups]]`: a parameter takes the settings of the first group one of
     /// whose patterns its name matches, the section's own when none does.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -78,6 +110,14 @@ impl Default for OptimizerConfig {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            momentum: 0.95,
+            nesterov: true,
+            ns_coefficients: [3.4445, -4.775, 2.0315],
+            ns_steps: 5,
+            ns_eps: 1e-7,
+            ns_dtype: "bfloat16".into(),
+            adjust_lr_fn: "original".into(),
+            adamw_lr: None,
             param_groups: Vec::new(),
         }
     }
@@ -139,7 +179,7 @@ impl Config {
     pub(super) fn validate_optimizer(&self) -> Result<()> {
         if !OPTIMIZERS.contains(&self.optimizer.name.as_str()) {
             bail!(
-                "[optimizer] name = `{}` is not supported (accepted: {}; Muon: issue 46)",
+                "[optimizer] name = `{}` is not supported (accepted: {})",
                 self.optimizer.name,
                 OPTIMIZERS.join(", ")
             );
@@ -158,7 +198,55 @@ impl Config {
                 bail!("[optimizer] {k} must be in [0, 1), got {v}");
             }
         }
+        if self.optimizer.name == "Muon" {
+            self.validate_muon()?;
+        }
         self.validate_param_groups()
+    }
+
+    /// Muon's keys in range, and a weight matrix in the model for it to update.
+    fn validate_muon(&self) -> Result<()> {
+        let o = &self.optimizer;
+        if !(0.0..1.0).contains(&o.momentum) {
+            bail!("[optimizer] momentum must be in [0, 1), got {}", o.momentum);
+        }
+        if !(1..100).contains(&o.ns_steps) {
+            bail!(
+                "[optimizer] ns_steps must be between 1 and 99 (Muon's Newton–Schulz iterations), got {}",
+                o.ns_steps
+            );
+        }
+        if !(o.ns_eps > 0.0 && o.ns_eps.is_finite()) {
+            bail!(
+                "[optimizer] ns_eps must be a positive number, got {}",
+                o.ns_eps
+            );
+        }
+        if o.ns_coefficients.iter().any(|c| !c.is_finite()) {
+            bail!(
+                "[optimizer] ns_coefficients must be finite, got {:?}",
+                o.ns_coefficients
+            );
+        }
+        for (key, value, accepted) in [
+            ("adjust_lr_fn", &o.adjust_lr_fn, &ADJUST_LR_FNS[..]),
+            ("ns_dtype", &o.ns_dtype, &NS_DTYPES[..]),
+        ] {
+            if !accepted.contains(&value.as_str()) {
+                bail!(
+                    "[optimizer] {key} = `{value}` is not supported (accepted: {})",
+                    accepted.join(", ")
+                );
+            }
+        }
+        if let Some(lr) = o.adamw_lr.filter(|lr| !(*lr > 0.0 && lr.is_finite())) {
+            bail!("[optimizer] adamw_lr must be a positive number, got {lr}");
+        }
+        let specs = crate::model::params::param_specs(&self.model_args()?);
+        if !specs.iter().any(|(name, shape)| muon_updates(name, shape)) {
+            bail!("[optimizer] name = `Muon`: this model has no weight matrix for Muon to update (it updates the blocks' 2-D weights; the embedding and output head take AdamW)");
+        }
+        Ok(())
     }
 
     /// Each group's settings in range and each pattern matching a parameter of the model.

@@ -310,15 +310,24 @@ impl<B: Backend> Fsdp<B> {
         self.shards_of(be, start, |_| true)
     }
 
-    /// `shard_from` for AdamW's moments: only the trainable parameters have any (the frozen
-    /// ones' stay unallocated, and `start` is not asked for them).
+    /// `shard_from` for an optimizer state: only the trainable parameters `kept` accepts have
+    /// any (the others' stay unallocated, and `start` is not asked for them).
     pub fn moment_shards_from(
         &self,
         be: &B,
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
+        kept: impl Fn(usize) -> bool + Sync,
     ) -> Result<ParamSet<B>> {
         let trainable = &self.trainable;
-        self.shards_of(be, start, |i| trainable[i])
+        self.shards_of(be, start, |i| trainable[i] && kept(i))
+    }
+
+    /// The flat range `[lo, hi)` of parameter `i` (its tensor-parallel part, flattened) that
+    /// this rank's shard holds (empty for a shard of padding alone).
+    pub fn held_range(&self, i: usize) -> (usize, usize) {
+        let rank = self.groups[self.group_of[i]].group.rank();
+        let lo = (rank * self.shard_len[i]).min(self.numel[i]);
+        (lo, (lo + self.shard_len[i]).min(self.numel[i]))
     }
 
     fn shards_of(

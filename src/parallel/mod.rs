@@ -10,6 +10,7 @@ pub mod ddp;
 pub mod ep;
 pub mod fsdp;
 pub mod layout;
+pub mod muon_exchange;
 pub mod parallelize;
 pub mod param_state;
 pub mod pipeline;

@@ -168,6 +168,15 @@ impl<B: Backend> ParamState<B> {
         }
     }
 
+    /// The flat range of parameter `i` (its tensor-parallel part, flattened) this rank holds:
+    /// all of it, or under FSDP its shard's.
+    pub fn held_range(&self, be: &B, i: usize) -> (usize, usize) {
+        match self {
+            ParamState::Whole(w) => (0, be.len(&w.params.bufs[i])),
+            ParamState::Sharded(s) => s.fsdp.held_range(i),
+        }
+    }
+
     /// Bytes FSDP's parameter all-gathers received on this rank since the last call; None
     /// without FSDP.
     pub fn take_gathered_bytes(&mut self) -> Option<u64> {

@@ -11,7 +11,8 @@ use anyhow::{bail, Result};
 use super::collectives::{self, DataParallelComm, DeviceComm};
 use super::fit::RankSizing;
 use super::memory::{DeviceSizing, MemoryEstimate};
-use super::optimizer::AdamW;
+use super::muon::NewtonSchulz;
+use super::optimizer::Optimizer;
 use super::place::MeshPlace;
 use super::start::{start_state, Resumed, StartInputs, StartState};
 use crate::backend::cuda::CudaBackend;
@@ -22,10 +23,12 @@ use crate::launch::Distributed;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::AcMode;
 use crate::model::float8_convert::Float8Conversion;
+use crate::model::params::TpSharding;
 use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, ReduceDtype};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, Float8Gather, ReshardPolicy, ShardedParams};
 use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
+use crate::parallel::muon_exchange::{ExchangeInputs, MuonExchange, Piece};
 use crate::parallel::parallelize::{
     check_expert_degree, local_shapes, parallelize_layout, parallelize_model, MeshGroups,
     ModelQueues, ParallelOptions, WalkShape,
@@ -76,7 +79,7 @@ pub struct ComposedRank<B: Backend> {
     /// This rank's tensor-parallel shapes.
     pub local: LocalShapes,
     pub layout: RankLayout<B>,
-    pub opt: AdamW<B>,
+    pub opt: Optimizer<B>,
     /// The memory estimate per rank the layout was checked against.
     pub estimate: MemoryEstimate,
     /// Micro-batches per step, and the global batch (sequences per step).
@@ -316,6 +319,9 @@ pub fn compose_rank<B: Backend>(
     if let Some(p) = &layout.pipeline {
         opt.keep_only(be, |name| p.holds(name));
     }
+    if let Some(d) = dist.filter(|d| d.world > 1 && cfg.optimizer.name == "Muon") {
+        opt.set_exchange(muon_exchange(be, d, &layout, &opt)?);
+    }
     for (category, bytes) in plan.estimate.by_category(plan.fsdp, false) {
         memory_timeline::set(category, bytes);
     }
@@ -329,6 +335,46 @@ pub fn compose_rank<B: Backend>(
         global_batch: plan.global_batch,
         resumed,
         collectives_on_device,
+    })
+}
+
+/// Distributed Muon's plan (collective over the job): the piece of each of its matrices this
+/// rank holds, its tensor-parallel part and, under FSDP, its shard's range.
+fn muon_exchange<B: Backend>(
+    be: &B,
+    dist: &Distributed,
+    layout: &RankLayout<B>,
+    opt: &Optimizer<B>,
+) -> Result<MuonExchange> {
+    let names = &layout.grads().names;
+    let (tp_rank, tp_parts) = dist.tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+    let slots = opt
+        .muon_slots(be, layout.grads())
+        .into_iter()
+        .map(|i| {
+            let (lo, hi) = layout.state.held_range(be, i);
+            let split = match tp_parts {
+                1 => TpSharding::Replicated,
+                _ => TpSharding::of(&names[i]),
+            };
+            let piece = Piece {
+                matrix: i,
+                split,
+                tp_rank,
+                tp_parts,
+                lo,
+                hi,
+            };
+            ((hi > lo).then_some(piece), be.len(&layout.grads().bufs[i]))
+        })
+        .collect();
+    let ns = NewtonSchulz::of(&opt.cfg);
+    MuonExchange::new(ExchangeInputs {
+        group: dist.all.clone(),
+        slots,
+        shapes: opt.muon_shapes(),
+        names,
+        cost: &|rows, cols| ns.flops(rows, cols),
     })
 }
 
@@ -349,7 +395,7 @@ fn param_state<B: Backend>(
     plan: &RankPlan,
     model: &mut Llama<B>,
     comm: ParamComm<B>,
-) -> Result<(ParamState<B>, AdamW<B>, Option<Resumed>)> {
+) -> Result<(ParamState<B>, Optimizer<B>, Option<Resumed>)> {
     let (device_reducer, device_queue) = match comm.data_parallel {
         Some(DataParallelComm::Ddp(r)) => (Some(r), None),
         Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),

@@ -7,6 +7,7 @@ pub mod fit;
 pub mod lr;
 pub mod memory;
 pub mod metrics;
+pub mod muon;
 pub mod optimizer;
 pub mod place;
 pub mod profiler;

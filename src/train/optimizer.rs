@@ -1,79 +1,156 @@
-//! AdamW (or Adam, `[optimizer] name = "Adam"`: the weight decay as an L2 term of the gradient)
-//! over a parameter set: fp32 moments laid out like the parameters, one fused multi-tensor
-//! kernel call for the whole set (one per tensor when parameter groups give tensors their own
-//! settings, or frozen tensors are skipped), and global-norm gradient clipping folded into it.
+//! The optimizer over a parameter set: AdamW (or Adam, `[optimizer] name = "Adam"`: the weight
+//! decay as an L2 term of the gradient) with fp32 moments laid out like the parameters, one fused
+//! multi-tensor kernel call for the whole set (one per tensor when parameter groups give tensors
+//! their own settings, or frozen tensors are skipped), and global-norm gradient clipping folded
+//! into it; or Muon (`name = "Muon"`) on the blocks' weight matrices with AdamW on the rest.
+//!
+//! Muon keeps one state per matrix, its momentum buffer, in the slot AdamW's first moment has
+//! (`exp_avg`: so checkpoints, resharding and replica recovery carry it unchanged) and no second
+//! moment. Its matrices are orthogonalised whole, each by one rank for all
+//! (`parallel::muon_exchange`), or here when one rank holds them all.
 
+use anyhow::Result;
+
+use super::muon::{adjusted_lr, momentum_update, Momentum, NewtonSchulz};
 use crate::backend::{AdamWStep, Backend, WeightDecay};
-use crate::config::OptimizerConfig;
+use crate::config::{muon_updates, OptimizerConfig};
 use crate::model::ParamSet;
+use crate::parallel::muon_exchange::MuonExchange;
 
-pub struct AdamW<B: Backend> {
+pub struct Optimizer<B: Backend> {
+    /// AdamW's first moments; for Muon's matrices, their momentum buffers.
     pub exp_avg: ParamSet<B>,
+    /// AdamW's second moments (none for Muon's matrices).
     pub exp_avg_sq: ParamSet<B>,
     pub cfg: OptimizerConfig,
     /// Each tensor's `[[optimizer.param_groups]]` (an index into `cfg.param_groups`; None: the
     /// section's own settings).
     groups: Vec<Option<usize>>,
+    /// Each tensor's whole `[rows, cols]` when Muon updates it.
+    muon: Vec<Option<[usize; 2]>>,
+    /// Where Muon's matrices are orthogonalised when their pieces are spread over ranks (None:
+    /// every one here, whole).
+    exchange: Option<MuonExchange>,
+    /// Newton–Schulz iterations run on this rank since `take_orthogonalized`: matrices, FLOPs.
+    orthogonalized: (u64, f64),
 }
 
-impl<B: Backend> AdamW<B> {
-    /// Frees the moments of every tensor `keep` rejects (`ParamSet::keep_only`).
+/// Whether `cfg`'s optimizer keeps a second moment for parameter `name` of whole shape `shape`
+/// (AdamW's tensors do; Muon's matrices keep only their momentum).
+pub fn keeps_second_moment(cfg: &OptimizerConfig, name: &str, shape: &[usize]) -> bool {
+    !(cfg.name == "Muon" && muon_updates(name, shape))
+}
+
+impl<B: Backend> Optimizer<B> {
+    /// Frees the state of every tensor `keep` rejects (`ParamSet::keep_only`).
     pub fn keep_only(&mut self, be: &B, keep: impl Fn(&str) -> bool) {
         self.exp_avg.keep_only(be, &keep);
         self.exp_avg_sq.keep_only(be, &keep);
     }
 
-    /// Zero moments for the tensors `trains` accepts (a frozen one has none).
+    /// Zero state for the tensors `trains` accepts (a frozen one has none); `whole` gives every
+    /// tensor's whole shape (`param_specs`, in the set's order).
     pub fn new(
         be: &B,
         specs: &[(String, Vec<usize>)],
+        whole: &[(String, Vec<usize>)],
         cfg: OptimizerConfig,
         trains: impl Fn(&str) -> bool,
     ) -> Self {
-        Self::from_moments(
-            ParamSet::zeros_where(be, specs, &trains),
-            ParamSet::zeros_where(be, specs, &trains),
-            cfg,
-        )
+        let second = |i: usize| keeps_second_moment(&cfg, &whole[i].0, &whole[i].1);
+        let exp_avg = ParamSet::zeros_where(be, specs, &trains);
+        let mut exp_avg_sq = ParamSet::zeros_where(be, specs, &trains);
+        for i in (0..specs.len()).filter(|&i| !second(i)) {
+            exp_avg_sq.bufs[i] = be.zeros(0);
+        }
+        Self::from_state(exp_avg, exp_avg_sq, cfg, whole)
     }
 
-    /// AdamW with the moments given (laid out like the parameters).
-    pub fn from_moments(
+    /// The optimizer with its state given (laid out like the parameters).
+    pub fn from_state(
         exp_avg: ParamSet<B>,
         exp_avg_sq: ParamSet<B>,
         cfg: OptimizerConfig,
+        whole: &[(String, Vec<usize>)],
     ) -> Self {
         let groups = exp_avg
             .names
             .iter()
             .map(|name| cfg.group_of(name))
             .collect();
-        AdamW {
+        let muon = whole
+            .iter()
+            .map(|(name, shape)| {
+                (cfg.name == "Muon" && muon_updates(name, shape)).then(|| [shape[0], shape[1]])
+            })
+            .collect();
+        Optimizer {
             exp_avg,
             exp_avg_sq,
             cfg,
             groups,
+            muon,
+            exchange: None,
+            orthogonalized: (0, 0.0),
         }
     }
 
-    /// Tensor `i`'s step settings: `base` (the section's, at the scheduled `lr`), or its group's,
-    /// the schedule scaling the group's learning rate as it scales the section's.
+    /// Muon's matrices spread over ranks: orthogonalised through `exchange`, whose slots are the
+    /// tensors `muon_slots` lists.
+    pub fn set_exchange(&mut self, exchange: MuonExchange) {
+        self.exchange = Some(exchange);
+    }
+
+    /// The tensors Muon updates on this rank, in order: Muon's, trained here (a gradient buffer in
+    /// `grads`, empty for a frozen tensor or another pipeline rank's).
+    pub fn muon_slots(&self, be: &B, grads: &ParamSet<B>) -> Vec<usize> {
+        (0..self.muon.len())
+            .filter(|&i| self.muon[i].is_some() && be.len(&grads.bufs[i]) > 0)
+            .collect()
+    }
+
+    /// Each tensor's whole `[rows, cols]` when Muon updates it.
+    pub fn muon_shapes(&self) -> &[Option<[usize; 2]>] {
+        &self.muon
+    }
+
+    /// Matrices orthogonalised on this rank and their Newton–Schulz FLOPs since the last call.
+    pub fn take_orthogonalized(&mut self) -> (u64, f64) {
+        std::mem::take(&mut self.orthogonalized)
+    }
+
+    /// Tensor `i`'s learning rate and weight decay: the section's (`lr` as scheduled), or its
+    /// group's, the schedule scaling the group's learning rate as it scales the section's.
+    fn lr_and_decay(&self, i: usize, lr: f64) -> (f64, f64) {
+        match self.groups[i].map(|g| &self.cfg.param_groups[g]) {
+            None => (lr, self.cfg.weight_decay),
+            Some(g) => (
+                g.lr.map_or(lr, |group_lr| group_lr * lr / self.cfg.lr),
+                g.weight_decay.unwrap_or(self.cfg.weight_decay),
+            ),
+        }
+    }
+
+    /// Tensor `i`'s AdamW settings: `base` (the section's, at the scheduled `lr`), or its group's.
     fn settings(&self, i: usize, base: AdamWStep, lr: f64) -> AdamWStep {
         let Some(g) = self.groups[i].map(|g| &self.cfg.param_groups[g]) else {
             return base;
         };
         let [beta1, beta2] = g.betas.unwrap_or([self.cfg.beta1, self.cfg.beta2]);
+        let (lr, weight_decay) = self.lr_and_decay(i, lr);
         AdamWStep {
-            lr: g.lr.map_or(lr, |group_lr| group_lr * lr / self.cfg.lr) as f32,
-            weight_decay: g.weight_decay.unwrap_or(self.cfg.weight_decay) as f32,
+            lr: lr as f32,
+            weight_decay: weight_decay as f32,
             beta1: beta1 as f32,
             beta2: beta2 as f32,
             ..base
         }
     }
 
-    /// One update at `lr`; `step` is 1-based (bias correction). Each gradient is multiplied by
-    /// `grad_scale` (the clipping factor, `clip_factor`) as it is read; the gradients are unchanged.
+    /// One update at `lr` (the schedule's, for `[optimizer] lr`); `step` is 1-based (bias
+    /// correction). Each gradient is multiplied by `grad_scale` (the clipping factor,
+    /// `clip_factor`) as it is read; the gradients are unchanged. Collective over the job with
+    /// Muon's matrices spread over ranks.
     pub fn step(
         &mut self,
         be: &B,
@@ -82,9 +159,13 @@ impl<B: Backend> AdamW<B> {
         lr: f64,
         step: u64,
         grad_scale: f32,
-    ) {
+    ) -> Result<()> {
+        let adamw_lr = match self.cfg.name.as_str() {
+            "Muon" => self.cfg.adamw_lr.unwrap_or(self.cfg.lr) * lr / self.cfg.lr,
+            _ => lr,
+        };
         let hp = AdamWStep {
-            lr: lr as f32,
+            lr: adamw_lr as f32,
             beta1: self.cfg.beta1 as f32,
             beta2: self.cfg.beta2 as f32,
             eps: self.cfg.eps as f32,
@@ -99,7 +180,8 @@ impl<B: Backend> AdamW<B> {
         // A frozen weight (LoRA's base) has neither gradient nor moments: the step skips it.
         let frozen = |i: usize| be.len(&grads.bufs[i]) == 0 && be.len(&params.bufs[i]) > 0;
         let grouped = self.groups.iter().any(Option::is_some);
-        if !grouped && !(0..params.len()).any(frozen) {
+        let muon = self.muon.iter().any(Option::is_some);
+        if !grouped && !muon && !(0..params.len()).any(frozen) {
             be.adamw_step_all(
                 &mut params.bufs,
                 &grads.bufs,
@@ -107,10 +189,11 @@ impl<B: Backend> AdamW<B> {
                 &mut self.exp_avg_sq.bufs,
                 hp,
             );
-            return;
+            return Ok(());
         }
-        for i in (0..params.len()).filter(|&i| be.len(&grads.bufs[i]) > 0) {
-            let hp = self.settings(i, hp, lr);
+        let adamw = |i: usize| self.muon[i].is_none() && be.len(&grads.bufs[i]) > 0;
+        for i in (0..params.len()).filter(|&i| adamw(i)) {
+            let hp = self.settings(i, hp, adamw_lr);
             be.adamw_step(
                 &mut params.bufs[i],
                 &grads.bufs[i],
@@ -119,6 +202,60 @@ impl<B: Backend> AdamW<B> {
                 hp,
             );
         }
+        if muon {
+            self.muon_step(be, params, grads, lr, grad_scale)?;
+        }
+        Ok(())
+    }
+
+    /// Muon on its matrices: each piece's momentum advanced, the matrices orthogonalised whole,
+    /// then `p ← p·(1 − lr·wd) − adjusted_lr·O` (`torch.optim.Muon`'s order).
+    fn muon_step(
+        &mut self,
+        be: &B,
+        params: &mut ParamSet<B>,
+        grads: &ParamSet<B>,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<()> {
+        let slots = self.muon_slots(be, grads);
+        let momentum = Momentum {
+            momentum: self.cfg.momentum as f32,
+            nesterov: self.cfg.nesterov,
+            grad_scale,
+        };
+        let mut updates: Vec<B::Buf> = slots
+            .iter()
+            .map(|&i| momentum_update(be, &mut self.exp_avg.bufs[i], &grads.bufs[i], momentum))
+            .collect();
+        let ns = NewtonSchulz::of(&self.cfg);
+        let mut done = (0u64, 0f64);
+        let mut orthogonalize = |x: &mut B::Buf, rows: usize, cols: usize| {
+            ns.orthogonalize(be, x, rows, cols);
+            done = (done.0 + 1, done.1 + ns.flops(rows, cols));
+        };
+        match &self.exchange {
+            Some(exchange) => exchange.orthogonalize(be, &mut updates, &mut orthogonalize)?,
+            None => {
+                for (u, &i) in updates.iter_mut().zip(&slots) {
+                    let [rows, cols] = self.muon[i].expect("a Muon slot");
+                    orthogonalize(u, rows, cols);
+                }
+            }
+        }
+        self.orthogonalized = (
+            self.orthogonalized.0 + done.0,
+            self.orthogonalized.1 + done.1,
+        );
+        for (mut update, &i) in updates.into_iter().zip(&slots) {
+            let (lr, weight_decay) = self.lr_and_decay(i, lr);
+            let [rows, cols] = self.muon[i].expect("a Muon slot");
+            be.scale(&mut params.bufs[i], (1.0 - lr * weight_decay) as f32);
+            let step = adjusted_lr(lr, &self.cfg.adjust_lr_fn, rows, cols);
+            be.scale(&mut update, -(step as f32));
+            be.add_assign(&mut params.bufs[i], &update);
+        }
+        Ok(())
     }
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::optimizer::AdamW;
+use super::optimizer::Optimizer;
 use super::semi_sync::SemiSync;
 use crate::backend::Backend;
 use crate::comm::auth::JobSecret;
@@ -60,7 +60,7 @@ pub struct ReplicaSync {
 /// What a rank's training state needs beside the layout to continue another replica's run.
 pub struct ReplicaParts<'a, B: Backend> {
     pub layout: &'a mut RankLayout<B>,
-    pub opt: &'a mut AdamW<B>,
+    pub opt: &'a mut Optimizer<B>,
     pub loader: &'a mut DataLoader,
 }
 
@@ -377,7 +377,7 @@ fn recv_bytes(group: &TcpGroup, peer: usize) -> Result<Vec<u8>> {
 /// The buffers a transfer carries, in order: weights, then AdamW's two moments.
 fn state_bufs<'p, B: Backend>(
     weights: &'p ParamSet<B>,
-    opt: &'p AdamW<B>,
+    opt: &'p Optimizer<B>,
 ) -> impl Iterator<Item = &'p B::Buf> {
     weights
         .bufs

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
-use super::optimizer::AdamW;
+use super::optimizer::Optimizer;
 use crate::backend::Backend;
 use crate::checkpoint::{self, writer::AsyncWriter, TrainState};
 use crate::config::Config;
@@ -34,7 +34,7 @@ pub fn save_checkpoint<B: Backend>(
     cfg: &Config,
     dist: Option<&Distributed>,
     layout: &RankLayout<B>,
-    opt: &AdamW<B>,
+    opt: &Optimizer<B>,
     writer: &mut AsyncWriter,
     state: TrainState,
 ) -> Result<Option<PathBuf>> {
@@ -56,7 +56,7 @@ fn write_checkpoint<B: Backend>(
     be: &B,
     cfg: &Config,
     dist: Option<&Distributed>,
-    (layout, opt): (&RankLayout<B>, &AdamW<B>),
+    (layout, opt): (&RankLayout<B>, &Optimizer<B>),
     writer: &mut AsyncWriter,
     state: TrainState,
 ) -> Result<Option<PathBuf>> {
@@ -138,7 +138,7 @@ fn write_checkpoint<B: Backend>(
 /// pipeline only its stages' tensors) and AdamW moments, into `folder`, keeping the latest `keep`.
 struct SavedParts<'a, B: Backend> {
     weights: &'a crate::model::ParamSet<B>,
-    opt: &'a AdamW<B>,
+    opt: &'a Optimizer<B>,
     folder: &'a Path,
     keep: usize,
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Result};
 
-use super::optimizer::AdamW;
+use super::optimizer::{keeps_second_moment, Optimizer};
 use crate::backend::Backend;
 use crate::checkpoint::{self, HostCheckpoint, TrainState, WriterPlace};
 use crate::comm::queue::CollectiveQueue;
@@ -24,7 +24,7 @@ pub struct StartState<B: Backend> {
     pub params: ParamSet<B>,
     /// Full gradients; with FSDP an unallocated working set.
     pub grads: ParamSet<B>,
-    pub opt: AdamW<B>,
+    pub opt: Optimizer<B>,
     pub fsdp: Option<Fsdp<B>>,
     /// Set when the run resumes from a checkpoint.
     pub resumed: Option<Resumed>,
@@ -362,10 +362,16 @@ fn sharded_start<B: Backend>(
         inputs.reshard,
         (inputs.param_dtype, inputs.reduce_dtype),
     )?;
-    let opt = AdamW::from_moments(
-        f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg."), i))?,
-        f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg_sq."), i))?,
-        inputs.cfg.optimizer.clone(),
+    let optimizer = &inputs.cfg.optimizer;
+    let second = |i: usize| {
+        let (name, shape) = &source.global[i];
+        keeps_second_moment(optimizer, name, shape)
+    };
+    let opt = Optimizer::from_state(
+        f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg."), i), |_| true)?,
+        f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg_sq."), i), second)?,
+        optimizer.clone(),
+        &source.global,
     );
     Ok(StartState {
         params: ParamSet::unallocated(be, &source.specs),
@@ -384,7 +390,7 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
     let mut params = ParamSet::zeros(be, specs);
     // Frozen weights (LoRA's base) get neither gradients nor moments.
     let trains = |name: &str| lora::trainable(source.model.args.lora.as_ref(), name);
-    let mut opt = AdamW::new(be, specs, cfg.optimizer.clone(), trains);
+    let mut opt = Optimizer::new(be, specs, &source.global, cfg.optimizer.clone(), trains);
     let grads = ParamSet::zeros_where(be, specs, trains);
     let tp = source.model.local.tp;
     match &source.ckpt {
@@ -394,8 +400,12 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
                 (&mut opt.exp_avg, Some("exp_avg.")),
                 (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
             ] {
-                let held = |i: usize| source.here(i) && (moment.is_none() || trains(&specs[i].0));
-                for i in (0..source.global.len()).filter(|&i| held(i)) {
+                // A moment is read where the optimizer keeps one (frozen tensors and Muon's
+                // second moments have none).
+                let held: Vec<usize> = (0..source.global.len())
+                    .filter(|&i| source.here(i) && (moment.is_none() || be.len(&set.bufs[i]) > 0))
+                    .collect();
+                for i in held {
                     let (StartValues::Shard(values) | StartValues::Full(values)) =
                         source.checkpointed(ckpt, moment, i)?;
                     set.bufs[i] = be.upload(&values);
@@ -412,11 +422,12 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
                 (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
             ] {
                 if moment.is_some() && source.initial.is_none() {
-                    continue; // AdamW::new's zeros
+                    continue; // Optimizer::new's zeros
                 }
-                for i in
-                    (0..source.global.len()).filter(|&i| moment.is_none() || trains(&specs[i].0))
-                {
+                let kept: Vec<usize> = (0..source.global.len())
+                    .filter(|&i| moment.is_none() || be.len(&set.bufs[i]) > 0)
+                    .collect();
+                for i in kept {
                     set.bufs[i] = be.upload(&source.tp_part(i, source.fresh(moment, i)?));
                 }
             }

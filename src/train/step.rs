@@ -1,10 +1,10 @@
 //! One optimizer step, the same for every layout: the step's targets counted over the ranks that
 //! split the batch, every micro-batch's forward and backward (the layout runs its collectives),
-//! the global gradient norm, clipping folded into AdamW.
+//! the global gradient norm, clipping folded into the optimizer.
 
 use anyhow::Result;
 
-use super::optimizer::{clip_factor, AdamW};
+use super::optimizer::{clip_factor, Optimizer};
 use super::replicas::ReplicaSync;
 use crate::backend::Backend;
 use crate::memory_timeline;
@@ -26,7 +26,7 @@ pub struct StepOutcome {
 pub fn train_step<B: Backend>(
     be: &B,
     layout: &mut RankLayout<B>,
-    opt: &mut AdamW<B>,
+    opt: &mut Optimizer<B>,
     micro: &[Vec<u32>],
     lr: f64,
     step: u64,
@@ -57,9 +57,9 @@ pub fn train_step<B: Backend>(
     let norm = layout.grad_norm(be)?;
     let committed = loss.is_finite() && norm.is_finite();
     if committed {
-        let _span = crate::trace::span("optimizer", "AdamW");
+        let _span = crate::trace::span("optimizer", "optimizer step");
         let (weights, grads) = layout.weights_and_grads();
-        opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm));
+        opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm))?;
         memory_timeline::mark(|| format!("step {step}: optimizer done"));
     }
     Ok(StepOutcome {

@@ -12,7 +12,7 @@ use super::compose::{compose_rank, ComposedRank, RankPlace};
 use super::lr::LrSchedule;
 use super::memory::peak_memory;
 use super::metrics::{default_peak_tflops, ExpertLoad, MetricsLogger, StepMetrics};
-use super::optimizer::AdamW;
+use super::optimizer::Optimizer;
 use super::profiler::StepProfiler;
 use super::replicas::{ReplicaParts, ReplicaSync};
 use super::save::save_checkpoint;
@@ -233,7 +233,7 @@ struct TrainingRun<'a, B: Backend> {
     quiet: bool,
     args: ModelArgs,
     layout: RankLayout<B>,
-    opt: AdamW<B>,
+    opt: Optimizer<B>,
     loader: DataLoader,
     accum: usize,
     schedule: LrSchedule,
@@ -501,7 +501,7 @@ impl Saver {
         be: &B,
         cfg: &Config,
         dist: Option<&crate::launch::Distributed>,
-        (layout, opt): (&RankLayout<B>, &AdamW<B>),
+        (layout, opt): (&RankLayout<B>, &Optimizer<B>),
         state: TrainState,
     ) -> Result<Option<std::path::PathBuf>> {
         let step = state.step;
