@@ -626,6 +626,8 @@ pub fn import(hf_dir: &Path, out_dir: &Path) -> Result<()> {
         sharding: None,
         files: Default::default(),
         expert_bias,
+        // Zero moments: the state of any optimizer.
+        optimizer: None,
     };
     let dir = super::save(&be, out_dir, &params, &zeros, &zeros, state, 0)?;
     outln!(

@@ -65,6 +65,34 @@ pub struct TrainState {
     /// [expert]`), the same on every rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_bias: Option<Vec<Vec<f32>>>,
+    /// The optimizer whose state the checkpoint holds (absent in checkpoints written before it
+    /// was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<SavedOptimizer>,
+}
+
+/// What a checkpoint's optimizer state means: the optimizer (`[optimizer] name`: Muon's
+/// matrices keep a momentum buffer where AdamW keeps its first moment) and which tensors each
+/// parameter group took (its `match` patterns; its learning rate and decay may change between
+/// runs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedOptimizer {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub param_groups: Vec<Vec<String>>,
+}
+
+impl std::fmt::Display for SavedOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.param_groups.is_empty() {
+            true => write!(f, "{} without parameter groups", self.name),
+            false => write!(
+                f,
+                "{} with parameter groups matching {:?}",
+                self.name, self.param_groups
+            ),
+        }
+    }
 }
 
 pub fn step_dir(folder: &Path, step: u64) -> PathBuf {

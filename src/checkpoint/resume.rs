@@ -187,6 +187,7 @@ mod tests {
             sharding: None,
             files: Default::default(),
             expert_bias: None,
+            optimizer: None,
         };
         save(&be, folder, &p, &p, &p, state, 0).unwrap();
     }

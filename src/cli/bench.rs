@@ -277,6 +277,9 @@ impl BenchSaves<'_> {
             sharding: None,
             files: Default::default(),
             expert_bias: c.layout.model.expert_bias(),
+            optimizer: Some(crate::train::optimizer::saved_optimizer(
+                &self.cfg.optimizer,
+            )),
         };
         let (cfg, dist) = (self.cfg, self.dist);
         crate::train::save::save_checkpoint(

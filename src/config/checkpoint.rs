@@ -34,6 +34,11 @@ pub struct CheckpointConfig {
     /// an error naming the last complete checkpoint, or `warn` and train on, the next interval's
     /// save trying again (every rank learns the outcome from rank 0 first, so all go on together).
     pub on_save_failure: String,
+    /// Parts of a checkpoint a resumed run does not load (TorchTitan's key): `optimizer` starts
+    /// the optimizer state afresh (zero moments), as changing the optimizer or its parameter
+    /// groups between runs needs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub exclude_from_loading: Vec<String>,
 }
 
 impl Default for CheckpointConfig {
@@ -49,6 +54,7 @@ impl Default for CheckpointConfig {
             initial_load_in_hf: false,
             initial_load_model_only: true,
             on_save_failure: "stop".into(),
+            exclude_from_loading: Vec::new(),
         }
     }
 }
@@ -65,6 +71,9 @@ impl Config {
 
     pub(super) fn validate_checkpoint(&self) -> Result<()> {
         let c = &self.checkpoint;
+        if let Some(part) = c.exclude_from_loading.iter().find(|p| *p != "optimizer") {
+            bail!("[checkpoint] exclude_from_loading: `{part}` is not supported (accepted: optimizer)");
+        }
         if c.initial_load_path.is_empty() && c.initial_load_in_hf {
             bail!("[checkpoint] initial_load_in_hf = true needs initial_load_path (the Hugging Face folder)");
         }

@@ -40,6 +40,12 @@ pub struct StepMetrics {
     /// backward; a quarter of fp32's for weights gathered in float8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fsdp_all_gather_bytes: Option<u64>,
+    /// Muon: the matrices orthogonalised in this step over every rank (each matrix once), and the
+    /// busiest rank's share of the step's Newton–Schulz FLOPs (1 in one process).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub muon_matrices: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub muon_max_rank_ns_share: Option<f64>,
     /// Replica-group fault tolerance: the replica groups live in this step's quorum.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub live_replicas: Option<usize>,

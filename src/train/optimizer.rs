@@ -13,6 +13,7 @@ use anyhow::Result;
 
 use super::muon::{adjusted_lr, momentum_update, Momentum, NewtonSchulz};
 use crate::backend::{AdamWStep, Backend, WeightDecay};
+use crate::checkpoint::SavedOptimizer;
 use crate::config::{muon_updates, OptimizerConfig};
 use crate::model::ParamSet;
 use crate::parallel::muon_exchange::MuonExchange;
@@ -256,6 +257,18 @@ impl<B: Backend> Optimizer<B> {
             be.add_assign(&mut params.bufs[i], &update);
         }
         Ok(())
+    }
+}
+
+/// What a checkpoint records of the optimizer its state belongs to.
+pub fn saved_optimizer(cfg: &OptimizerConfig) -> SavedOptimizer {
+    SavedOptimizer {
+        name: cfg.name.clone(),
+        param_groups: cfg
+            .param_groups
+            .iter()
+            .map(|g| g.patterns.clone())
+            .collect(),
     }
 }
 

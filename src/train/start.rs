@@ -225,6 +225,22 @@ fn read_checkpoint<B: Backend>(
             args.lora
         )));
     }
+    let excluded = inputs
+        .cfg
+        .checkpoint
+        .exclude_from_loading
+        .iter()
+        .any(|p| p == "optimizer");
+    let ours = super::optimizer::saved_optimizer(&inputs.cfg.optimizer);
+    match &ckpt.state.optimizer {
+        Some(saved) if !excluded && saved != &ours => {
+            return Err(cannot_resume(anyhow!(
+                "checkpoint {} holds the state of {saved}; this job configures {ours}. Its state would mean something else: keep [optimizer] name and the param groups' match patterns, or start the optimizer afresh with --checkpoint.exclude_from_loading '[\"optimizer\"]'",
+                dir.display()
+            )))
+        }
+        _ => {}
+    }
     // A pipeline rank whose stages hold other tensors than when the checkpoint was written
     // merges it instead of reading its own files.
     Ok(Some(match inputs.holder {
@@ -248,6 +264,8 @@ struct Source<'a, B: Backend> {
     held: Option<&'a (dyn Fn(&str) -> bool + Sync)>,
     ckpt: Option<HostCheckpoint>,
     initial: Option<Initial>,
+    /// The checkpoint's optimizer state is not loaded (`[checkpoint] exclude_from_loading`).
+    fresh_optimizer: bool,
 }
 
 impl<'a, B: Backend> Source<'a, B> {
@@ -264,6 +282,12 @@ impl<'a, B: Backend> Source<'a, B> {
             held: inputs.held,
             ckpt,
             initial,
+            fresh_optimizer: inputs
+                .cfg
+                .checkpoint
+                .exclude_from_loading
+                .iter()
+                .any(|p| p == "optimizer"),
         }
     }
 
@@ -308,6 +332,13 @@ impl<'a, B: Backend> Source<'a, B> {
         moment: Option<&str>,
         i: usize,
     ) -> Result<StartValues> {
+        if moment.is_some() && self.fresh_optimizer {
+            // `exclude_from_loading = ["optimizer"]`: zero moments.
+            return Ok(StartValues::Full(vec![
+                0.0;
+                self.specs[i].1.iter().product()
+            ]));
+        }
         let (name, shape) = &self.global[i];
         let own = ckpt
             .own_shard(moment, name, &self.specs[i].1)
