@@ -680,7 +680,7 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
     assert!(!o.status.success());
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(e.contains("for 2 ranks on this host"), "{e}");
-    // "needs about N GiB (... each: weights W GiB, gradients G GiB, AdamW state A GiB, activations
+    // "needs about N GiB (... each: weights W GiB, gradients G GiB, optimizer state A GiB, activations
     // X GiB and their bf16 copies C GiB, kernel scratch S GiB, bf16 compute copy B GiB)"
     let gib_after = |key: &str| -> f64 {
         e.split(key)
@@ -692,7 +692,7 @@ fn replicas_that_together_overflow_the_host_are_refused_before_allocating() {
     let each: f64 = [
         "weights",
         "gradients",
-        "AdamW state",
+        "optimizer state",
         "activations",
         "bf16 copies",
         "kernel scratch",

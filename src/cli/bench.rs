@@ -320,7 +320,7 @@ fn time_steps<B: Backend>(
         let t0 = Instant::now();
         let first = (i * c.accum) % batches.len();
         let micro = &batches[first..first + c.accum];
-        let loss = train_step(
+        let outcome = train_step(
             be,
             &mut c.layout,
             &mut c.opt,
@@ -329,8 +329,8 @@ fn time_steps<B: Backend>(
             i as u64 + 1,
             1.0,
             None,
-        )?
-        .loss;
+        )?;
+        let loss = outcome.loss;
         saves.save_if_due(be, c, i as u64 + 1)?;
         be.synchronize();
         let dt = t0.elapsed().as_secs_f64();
@@ -345,6 +345,7 @@ fn time_steps<B: Backend>(
         timing.losses.push(loss);
         if i >= a.warmup {
             timing.times.push(dt);
+            timing.optimizer_times.push(outcome.optimizer_s);
         }
     }
     let gathered = c.layout.state.take_gathered_bytes();

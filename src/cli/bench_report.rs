@@ -51,6 +51,8 @@ pub(super) struct Timing {
     pub(super) at_warm: CommClocks,
     /// FSDP: the bytes this rank's parameter all-gathers received per timed step.
     pub(super) fsdp_gathered_bytes: Option<f64>,
+    /// Seconds of each timed step's optimizer update (rank 0's; collective with distributed Muon).
+    pub(super) optimizer_times: Vec<f64>,
 }
 
 impl Timing {
@@ -271,6 +273,7 @@ pub(super) struct BenchReport<'a> {
     times: Vec<f64>,
     /// FSDP: rank 0's parameter all-gather bytes per timed step.
     fsdp_gathered_bytes: Option<f64>,
+    optimizer_s_median: f64,
     /// Every step's loss, the warm-up's included.
     losses: Vec<f64>,
     rates: Rates,
@@ -293,6 +296,7 @@ impl<'a> BenchReport<'a> {
         job: JobFigures,
     ) -> Result<Self> {
         timing.times.sort_by(|x, y| x.total_cmp(y));
+        timing.optimizer_times.sort_by(|x, y| x.total_cmp(y));
         let world = dist.map_or(1, |d| d.world);
         let seq = cfg.training.seq_len;
         let median = timing.times[timing.times.len() / 2];
@@ -328,6 +332,7 @@ impl<'a> BenchReport<'a> {
             pipeline_schedule: c.layout.pipeline.as_ref().map(|p| p.schedule.name.clone()),
             times: timing.times,
             fsdp_gathered_bytes: timing.fsdp_gathered_bytes,
+            optimizer_s_median: timing.optimizer_times[timing.optimizer_times.len() / 2],
             losses: timing.losses,
             rates,
             peak_device: be.device_peak_memory().map(|_| job.device_peak),
@@ -376,6 +381,8 @@ impl<'a> BenchReport<'a> {
         object["float8_gemms_dequantised"] = serde_json::json!(j.float8_gemms.map(|g| g.1));
         // Saves every few steps show in the mean, not the median.
         object["step_s_mean"] = serde_json::json!(times.iter().sum::<f64>() / times.len() as f64);
+        object["optimizer"] = serde_json::json!(cfg.optimizer.name);
+        object["optimizer_ms_per_step"] = serde_json::json!(self.optimizer_s_median * 1e3);
         object["fsdp_all_gather_mib_per_step"] =
             serde_json::json!(self.fsdp_gathered_bytes.map(mib));
         object

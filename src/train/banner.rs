@@ -47,6 +47,13 @@ impl<B: Backend> Banner<'_, B> {
             true => format!(" + bf16 copies {:.3} GiB", gib(est.activation_copies)),
             false => String::new(),
         };
+        let muon = match est.optimizer_step > 0 {
+            true => format!(
+                " (Muon's step: {:.3} GiB of gathered matrices)",
+                gib(est.optimizer_step)
+            ),
+            false => String::new(),
+        };
         let reduced = match dp_size > 1 {
             true => format!(" (reduced in {})", cfg.training.mixed_precision_reduce),
             false => String::new(),
@@ -63,10 +70,11 @@ impl<B: Backend> Banner<'_, B> {
                 self.peak_tflops,
             ),
             format!(
-                "memory{}: weights {:.3} GiB, gradients {:.3} GiB{reduced}, AdamW {:.3} GiB, activations {:.3} GiB ({}){copies}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {} micro-batch(es)/step",
+                "memory{}: weights {:.3} GiB, gradients {:.3} GiB{reduced}, {} {:.3} GiB{muon}, activations {:.3} GiB ({}){copies}, kernel scratch {:.3} GiB | data: {} | global batch {} × {seq} tokens, {dp_size} data-parallel rank(s) × {} micro-batch(es)/step",
                 if self.dist.is_some() { " per rank" } else { "" },
                 gib(est.params),
                 gib(est.grads),
+                cfg.optimizer.name,
                 gib(est.optimizer),
                 gib(est.activations),
                 est.activation_dtype(self.be.bf16_activation_f32_bytes()),
@@ -204,7 +212,7 @@ impl<B: Backend> Banner<'_, B> {
             false => "",
         };
         Some(format!(
-            "rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, AdamW state {:.2} MiB ({how}{path})",
+            "rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB ({how}{path})",
             d.rank,
             d.world,
             mib(est.params),

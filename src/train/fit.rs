@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Result};
 
-use super::memory::{check_fits, gib, DeviceSizing, MemoryEstimate};
+use super::memory::{check_fits, gib, DeviceSizing, MemoryEstimate, MuonSizing};
 use crate::config::Config;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
@@ -82,6 +82,17 @@ impl RankSizing<'_> {
         };
         if let Some(p) = self.pipeline {
             e.activations += p.deferred_bytes(local, seq);
+        }
+        if self.cfg.optimizer.name == "Muon" {
+            let shard = self.fsdp_shard.unwrap_or(1);
+            let replicas = self.cfg.parallelism.data_parallel_replicate_degree.max(1);
+            let muon = MuonSizing {
+                held: self.pipeline.map_or(1.0, |p| p.held_fraction(args, local)),
+                holders: shard * replicas * local.tp,
+                shard,
+                exchanged: shard * replicas * local.tp > 1 || self.pipeline.is_some(),
+            };
+            e = e.with_muon(args, local, muon);
         }
         // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
         // its own, keeping no activations past each block (`train::validate`).

@@ -1,14 +1,17 @@
 //! Memory accounting known from the config alone (the way TorchTitan builds on the meta device):
 //! a job that cannot fit is refused with the estimate before anything is allocated.
 
+use std::collections::BTreeMap;
+
 use anyhow::{bail, Result};
 
 use crate::backend::Backend;
+use crate::config::muon_updates;
 use crate::memory_timeline::Category;
 use crate::model::{
     activation_checkpoint::ActivationPlan,
     llama::{WorkspaceFloats, WorkspacePart},
-    params::local_param_specs,
+    params::{local_param_specs, param_specs},
     LocalShapes, ModelArgs,
 };
 
@@ -82,6 +85,19 @@ fn local_counts(args: &ModelArgs, m: &LocalShapes, trainable_only: bool) -> (u64
     )
 }
 
+/// Where Muon's matrices are spread (`MemoryEstimate::with_muon`): the share of the model a
+/// pipeline rank holds, the ranks holding each of its stage's matrices (all of a stage's ranks but
+/// none of another's), and the shards FSDP cuts a matrix into.
+#[derive(Debug, Clone, Copy)]
+pub struct MuonSizing {
+    pub held: f64,
+    pub holders: usize,
+    pub shard: usize,
+    /// Whether the matrices travel (`parallel::muon_exchange`: a job of several ranks); one
+    /// process orthogonalises its momentum updates where they are.
+    pub exchanged: bool,
+}
+
 /// Bytes a single-process fp32 training job needs: weights, gradients, two AdamW moments, the
 /// activation workspace of one micro-batch, and the backend's own scratch (the loss's logit block,
 /// bf16 operand copies on CUDA; `Backend::scratch_bytes`).
@@ -104,6 +120,9 @@ pub struct MemoryEstimate {
     /// f32 storage the backend leaves out for buffers it keeps in bf16 alone (already taken off
     /// `activations`; it comes back when the copies are turned off).
     pub f32_left_out: u64,
+    /// What the optimizer step holds for a moment, after the activations are freed: Muon's
+    /// whole matrices this rank orthogonalises and the exchange's buffers (0 for AdamW).
+    pub optimizer_step: u64,
 }
 
 impl MemoryEstimate {
@@ -129,6 +148,7 @@ impl MemoryEstimate {
             compute_copy: 0,
             activation_copies: 0,
             f32_left_out: 0,
+            optimizer_step: 0,
         }
     }
 
@@ -246,13 +266,52 @@ impl MemoryEstimate {
     }
 
     pub fn total(&self) -> u64 {
+        let step = self.activations + self.scratch + self.activation_copies;
         self.params
             + self.grads
             + self.optimizer
-            + self.activations
-            + self.scratch
             + self.compute_copy
-            + self.activation_copies
+            + step.max(self.optimizer_step)
+    }
+
+    /// Muon's state and step (`[optimizer] name = "Muon"`): one state, the momentum, for the
+    /// matrices Muon updates instead of AdamW's two moments; and the step's transient memory:
+    /// the momentum updates of its pieces and, when the matrices travel, this rank's share of the
+    /// stage's whole matrices (spread over the `holders` ranks holding the stage) received,
+    /// assembled and sent back (×3), with its pieces downloaded, sent and received back (×3 more).
+    pub fn with_muon(mut self, args: &ModelArgs, m: &LocalShapes, muon: MuonSizing) -> Self {
+        let whole: BTreeMap<String, Vec<usize>> = param_specs(args).into_iter().collect();
+        let lora = args.lora.as_ref();
+        let (mut matrices, mut others) = (0u64, 0u64);
+        for (name, shape) in local_param_specs(args, m.tp) {
+            if !crate::model::lora::trainable(lora, &name) || !m.holds(&name) {
+                continue;
+            }
+            let n = shape.iter().product::<usize>() as u64;
+            match muon_updates(&name, &whole[&name]) {
+                true => matrices += n,
+                false => others += n,
+            }
+        }
+        let all_moments = 2 * (matrices + others);
+        let kept = matrices + 2 * others;
+        self.optimizer =
+            (self.optimizer as u128 * kept as u128 / all_moments.max(1) as u128) as u64;
+        // The whole model's matrices; a pipeline rank's stages hold `held` of them.
+        let all_matrices: u64 = whole
+            .iter()
+            .filter(|(name, shape)| {
+                crate::model::lora::trainable(lora, name) && muon_updates(name, shape)
+            })
+            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+            .sum();
+        let owned = (all_matrices as f64 * muon.held / muon.holders.max(1) as f64) as u64 * 4;
+        let pieces = (matrices as f64 * muon.held / muon.shard.max(1) as f64) as u64 * 4;
+        self.optimizer_step = match muon.exchanged {
+            true => 3 * owned + 4 * pieces,
+            false => pieces,
+        };
+        self
     }
 
     /// How the kept activations are stored, given the f32 bytes per value a backend's GEMM-only
@@ -326,7 +385,7 @@ pub fn check_fits(
                 String::new()
             };
             bail!(
-                "{what} needs about {:.1} GiB ({} bytes{per_rank}: weights {:.1} GiB, gradients {:.1} GiB, AdamW state {:.1} GiB, activations {:.1} GiB and their bf16 copies {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
+                "{what} needs about {:.1} GiB ({} bytes{per_rank}: weights {:.1} GiB, gradients {:.1} GiB, optimizer state {:.1} GiB, activations {:.1} GiB and their bf16 copies {:.1} GiB, kernel scratch {:.1} GiB, bf16 compute copy {:.1} GiB) but only {:.1} GiB is available; \
                  choose a smaller flavor, batch or seq_len{copies_hint}",
                 gib(needed),
                 needed,
@@ -369,6 +428,52 @@ mod tests {
         // One rank alone holds everything once and the gathered working set on top.
         let alone = whole.sharded(&args, &one, 1, 3, 3);
         assert!(state(&alone) > state(&whole));
+    }
+
+    #[test]
+    fn muon_keeps_one_state_per_matrix_and_spreads_its_gathered_matrices() {
+        // Llama 3.1 8B: Muon's matrices (every block projection) keep a momentum alone, the
+        // embedding, output head and norms AdamW's two moments.
+        let args = ModelArgs::flavor("8B").unwrap();
+        let one = LocalShapes::whole(&args);
+        let plan = ActivationPlan::keep_everything(args.n_layers);
+        let adamw = MemoryEstimate::new(&args, &one, 1, 1024, &plan);
+        let alone = MuonSizing {
+            held: 1.0,
+            holders: 1,
+            shard: 1,
+            exchanged: false,
+        };
+        let muon = adamw.with_muon(&args, &one, alone);
+        let (d, f, kv, vocab) = (4096u64, 14336u64, 1024u64, 128256u64);
+        let matrices = 32 * (2 * d * d + 2 * d * kv + 3 * d * f);
+        let others = 2 * vocab * d + 65 * d;
+        assert_eq!(muon.optimizer, 4 * (matrices + 2 * others));
+        assert_eq!(adamw.optimizer, 4 * 2 * (matrices + others));
+        // One process orthogonalises the momentum updates where they are.
+        assert_eq!(muon.optimizer_step, 4 * matrices);
+        // Under FSDP 8 each rank holds an eighth of the state and of the gathered matrices.
+        let fsdp = MuonSizing {
+            held: 1.0,
+            holders: 8,
+            shard: 8,
+            exchanged: true,
+        };
+        let rank = adamw
+            .sharded(&args, &one, 8, 3, 3)
+            .with_muon(&args, &one, fsdp);
+        assert_eq!(
+            rank.optimizer,
+            (adamw.optimizer.div_ceil(8) as u128 * (matrices + 2 * others) as u128
+                / (2 * (matrices + others)) as u128) as u64
+        );
+        assert_eq!(rank.optimizer_step, 7 * 4 * matrices / 8);
+        // The step's transient memory comes after the activations are freed: the larger counts.
+        let step = rank.activations + rank.scratch + rank.activation_copies;
+        assert_eq!(
+            rank.total(),
+            rank.params + rank.grads + rank.optimizer + step.max(rank.optimizer_step)
+        );
     }
 
     #[test]

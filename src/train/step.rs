@@ -16,6 +16,8 @@ pub struct StepOutcome {
     pub loss: f64,
     pub norm: f64,
     pub committed: bool,
+    /// Seconds the optimizer step took (0 when no update was applied).
+    pub optimizer_s: f64,
 }
 
 /// One step over `micro` batches (`[batch, seq+1]` each): gradients accumulate with the loss
@@ -51,20 +53,26 @@ pub fn train_step<B: Backend>(
                 loss,
                 norm: f64::NAN,
                 committed: false,
+                optimizer_s: 0.0,
             });
         }
     }
     let norm = layout.grad_norm(be)?;
     let committed = loss.is_finite() && norm.is_finite();
+    let mut optimizer_s = 0.0;
     if committed {
         let _span = crate::trace::span("optimizer", "optimizer step");
+        let t0 = std::time::Instant::now();
         let (weights, grads) = layout.weights_and_grads();
         opt.step(be, weights, grads, lr, step, clip_factor(norm, max_norm))?;
+        be.synchronize();
+        optimizer_s = t0.elapsed().as_secs_f64();
         memory_timeline::mark(|| format!("step {step}: optimizer done"));
     }
     Ok(StepOutcome {
         loss,
         norm,
         committed,
+        optimizer_s,
     })
 }
