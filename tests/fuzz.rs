@@ -758,6 +758,7 @@ fn write_micro_checkpoint(folder: &Path) -> PathBuf {
         sharding: None,
         files: Default::default(),
         expert_bias: None,
+        optimizer: None,
     };
     checkpoint::save(&be, folder, &params, &moments, &moments, state, 0).unwrap()
 }
