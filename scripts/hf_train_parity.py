@@ -25,6 +25,8 @@ With --optimizer Muon, `torch.optim.Muon` (--muon JSON: titan's `[optimizer]` Mu
 every 2-D weight but the embedding and the output head, and `torch.optim.AdamW` the rest at
 `adamw_lr`; with `ns_dtype = "float32"` PyTorch's own Newton–Schulz runs with float32 in place of
 bfloat16 (its module sees a `torch` whose bfloat16 is float32), nothing else changed.
+With --state-dtype bfloat16 every optimizer state tensor is rounded to bf16 after each step
+(titan's `[optimizer] state_dtype = "bfloat16"`: bf16 storage, fp32 arithmetic).
 Needs torch and transformers (never a dependency of titan itself).
 """
 import argparse
@@ -265,6 +267,7 @@ def main():
         default="AdamW",
         help="titan's [optimizer] name: Adam adds the weight decay to the gradient (L2)",
     )
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--muon", default="{}", help="titan's [optimizer] Muon keys as JSON")
     ap.add_argument("--lora-adapters", help="a titan model.safetensors holding the adapters")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
@@ -318,6 +321,11 @@ def main():
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_factor(step, a.warmup, a.steps)
             opt.step()
+            if a.state_dtype == "bfloat16":
+                for state in opt.state.values():
+                    for t in state.values():
+                        if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
+                            t.copy_(t.to(torch.bfloat16).to(torch.float32))
         out.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
     if a.lora_out:
         with open(a.lora_out, "w") as f:

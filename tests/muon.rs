@@ -172,20 +172,31 @@ fn resumable(steps: &'static str) -> Vec<&'static str> {
 }
 
 /// A Muon run stopped at step 2 and resumed trains steps 3 and 4 bit for bit as the run that never
-/// stopped, in one process and under FSDP 2 (each rank's momentum shards); a checkpoint written
+/// stopped, in one process and under FSDP 2 (each rank's momentum shards), with fp32 and with
+/// bf16 state (checkpoints hold the bf16 values widened); a checkpoint written
 /// under FSDP 2 resumes in one process (the momentum merged by name).
 #[test]
 fn a_muon_run_resumes_bit_for_bit_and_under_another_layout() {
     let fsdp: &[&str] = &["--nproc", "2", "--master-port", "0"];
-    for launcher in [&[][..], fsdp] {
+    let bf16_state: &[&str] = &["--optimizer.state_dtype", "bfloat16"];
+    for (launcher, extra) in [
+        (&[][..], &[][..]),
+        (fsdp, &[]),
+        (&[], bf16_state),
+        (fsdp, bf16_state),
+    ] {
         let (straight, resumed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         for (dir, n) in [(&straight, "4"), (&resumed, "2"), (&resumed, "4")] {
-            let o = train(dir.path(), launcher, &resumable(n));
+            let o = train(dir.path(), launcher, &[&resumable(n)[..], extra].concat());
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         }
         let tail = |d: &std::path::Path| common::bits(&losses(d)[2..]);
         assert_eq!(losses(resumed.path()).len(), 4);
-        assert_eq!(tail(straight.path()), tail(resumed.path()), "{launcher:?}");
+        assert_eq!(
+            tail(straight.path()),
+            tail(resumed.path()),
+            "{launcher:?} {extra:?}"
+        );
     }
     let (sharded, whole) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let o = train(sharded.path(), fsdp, &resumable("4"));

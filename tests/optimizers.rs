@@ -92,6 +92,36 @@ fn parameter_groups_and_adam_train_as_pytorchs() {
     eprintln!("Adam vs PyTorch over 10 steps: loss within {worst:.2e}");
     assert!(worst <= 1e-5, "{:?} vs {:?}", adam.titan.0, adam.pytorch.0);
     assert_ne!(common::bits(&plain.titan.0), common::bits(&adam.titan.0));
+    // bf16 optimizer state: AdamW's moments (and Muon's momentum) stored rounded to bf16, the
+    // update in fp32, as PyTorch's optimizers with their state rounded after each step.
+    for (name, titan_name) in [("AdamW", "AdamW"), ("Muon", "Muon")] {
+        let muon_keys = r#"{"ns_dtype": "float32"}"#;
+        let bf16 = compare(
+            &[
+                "--optimizer.name",
+                titan_name,
+                "--optimizer.state_dtype",
+                "bfloat16",
+                "--optimizer.ns_dtype",
+                "float32",
+            ],
+            &[
+                "--optimizer",
+                name,
+                "--state-dtype",
+                "bfloat16",
+                "--muon",
+                muon_keys,
+            ],
+            &format!("{name}-bf16-state"),
+        );
+        let worst = bf16.worst_loss_difference();
+        eprintln!("{name} with bf16 state vs PyTorch over 10 steps: loss within {worst:.2e}");
+        assert!(worst <= 1e-5, "{:?} vs {:?}", bf16.titan.0, bf16.pytorch.0);
+        if name == "AdamW" {
+            assert_ne!(common::bits(&plain.titan.0), common::bits(&bf16.titan.0));
+        }
+    }
 }
 
 /// Muon on the blocks' matrices and AdamW (at `adamw_lr`) on the rest, against

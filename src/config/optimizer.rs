@@ -51,6 +51,9 @@ pub struct OptimizerConfig {
     /// norms); absent: `lr`. The schedule scales it as it scales `lr`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adamw_lr: Option<f64>,
+    /// The dtype the optimizer's state is stored in: `float32`, or `bfloat16` (half the memory;
+    /// the update still computes in fp32).
+    pub state_dtype: String,
     /// `[[optimizer.param_groups]]`: a parameter takes the settings of the first group one of
     /// whose patterns its name matches, the section's own when none does.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -118,6 +121,7 @@ impl Default for OptimizerConfig {
             ns_dtype: "bfloat16".into(),
             adjust_lr_fn: "original".into(),
             adamw_lr: None,
+            state_dtype: "float32".into(),
             param_groups: Vec::new(),
         }
     }
@@ -197,6 +201,12 @@ impl Config {
             if !(0.0..1.0).contains(&v) {
                 bail!("[optimizer] {k} must be in [0, 1), got {v}");
             }
+        }
+        if !["float32", "bfloat16"].contains(&self.optimizer.state_dtype.as_str()) {
+            bail!(
+                "[optimizer] state_dtype = `{}` is not supported (accepted: float32, bfloat16)",
+                self.optimizer.state_dtype
+            );
         }
         if self.optimizer.name == "Muon" {
             self.validate_muon()?;

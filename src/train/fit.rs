@@ -94,6 +94,9 @@ impl RankSizing<'_> {
             };
             e = e.with_muon(args, local, muon);
         }
+        if self.cfg.optimizer.state_dtype == "bfloat16" {
+            e.optimizer = e.optimizer.div_ceil(2); // two bf16 values to a word
+        }
         // Validation at a shape of its own (and always on a pipeline rank) has a workspace of
         // its own, keeping no activations past each block (`train::validate`).
         let (vb, vs) = self.cfg.validation_shape();

@@ -107,6 +107,8 @@ pub struct MemoryEstimate {
     /// Of `params`, what stays held between steps: this rank's shards under FSDP, else all.
     pub param_shards: u64,
     pub grads: u64,
+    /// Of `grads`, what stays held between steps: this rank's shards under FSDP, else all.
+    pub grad_shards: u64,
     pub optimizer: u64,
     pub activations: u64,
     /// Working memory of the backend's kernels.
@@ -141,6 +143,7 @@ impl MemoryEstimate {
             params: p,
             param_shards: p,
             grads: trained,
+            grad_shards: trained,
             optimizer: 2 * trained,
             activations: WorkspaceFloats::of(m, batch, seq, plan, WorkspacePart::Whole).all as u64
                 * 4,
@@ -201,6 +204,7 @@ impl MemoryEstimate {
         let (all, outside_blocks, block) = (all * 4, outside_blocks * 4, block * 4);
         self.grads =
             all.div_ceil(shard) + outside_blocks + (1 + reduce_scatter_blocks as u64) * block;
+        self.grad_shards = all.div_ceil(shard);
         self.optimizer = self.optimizer.div_ceil(shard);
         self
     }
@@ -219,6 +223,7 @@ impl MemoryEstimate {
                 let n = n.max(1) as u64;
                 let shard = |x: u64| x.div_ceil(n);
                 self.param_shards = shard(params);
+                self.grad_shards = shard(grads);
                 (
                     shard(params) + params,
                     shard(grads) + grads,
@@ -227,6 +232,7 @@ impl MemoryEstimate {
             }
             None => {
                 self.param_shards = params;
+                self.grad_shards = grads;
                 (params, grads, optimizer)
             }
         };
@@ -243,9 +249,9 @@ impl MemoryEstimate {
     /// The estimate by memory-timeline category: at its peak when `peak` (what a refused run
     /// would have needed), else what stays held for the whole run (FSDP adds the blocks it gathers,
     /// the full gradients and the packed buffers of its collectives as it goes). `sharded`: this is
-    /// an FSDP rank's estimate (`sharded`), whose AdamW state is two moments of its shards.
+    /// an FSDP rank's estimate (`sharded`).
     pub fn by_category(&self, sharded: bool, peak: bool) -> Vec<(Category, u64)> {
-        let (shard, grad_shard) = (self.param_shards, self.optimizer / 2);
+        let (shard, grad_shard) = (self.param_shards, self.grad_shards);
         let (weights, gathered, grads) = match (sharded, peak) {
             (true, true) => (shard, self.params - shard, self.grads),
             (true, false) => (shard, 0, grad_shard),

@@ -8,6 +8,10 @@
 //! (`exp_avg`: so checkpoints, resharding and replica recovery carry it unchanged) and no second
 //! moment. Its matrices are orthogonalised whole, each by one rank for all
 //! (`parallel::muon_exchange`), or here when one rank holds them all.
+//!
+//! `[optimizer] state_dtype = "bfloat16"` stores every state rounded to bf16, two values to an
+//! f32 word (half the memory): each tensor's state is widened to fp32 for its update and rounded
+//! back after, so the arithmetic stays fp32. Checkpoints hold the fp32 values of the bf16 ones.
 
 use anyhow::Result;
 
@@ -34,6 +38,9 @@ pub struct Optimizer<B: Backend> {
     exchange: Option<MuonExchange>,
     /// Newton–Schulz iterations run on this rank since `take_orthogonalized`: matrices, FLOPs.
     orthogonalized: (u64, f64),
+    /// With bf16 state: each tensor's fp32 lengths of `exp_avg` and `exp_avg_sq`, whose buffers
+    /// hold bf16 pairs (None: fp32 state).
+    packed: Option<Vec<[usize; 2]>>,
 }
 
 /// Whether `cfg`'s optimizer keeps a second moment for parameter `name` of whole shape `shape`
@@ -58,17 +65,31 @@ impl<B: Backend> Optimizer<B> {
         cfg: OptimizerConfig,
         trains: impl Fn(&str) -> bool,
     ) -> Self {
-        let second = |i: usize| keeps_second_moment(&cfg, &whole[i].0, &whole[i].1);
+        let (exp_avg, exp_avg_sq) = Self::zero_state(be, specs, whole, &cfg, trains);
+        Self::from_state(be, exp_avg, exp_avg_sq, cfg, whole)
+    }
+
+    /// Zero fp32 state laid out as `specs` (`exp_avg`, `exp_avg_sq`) for the tensors `trains`
+    /// accepts, without the second moments `cfg`'s optimizer does not keep.
+    pub fn zero_state(
+        be: &B,
+        specs: &[(String, Vec<usize>)],
+        whole: &[(String, Vec<usize>)],
+        cfg: &OptimizerConfig,
+        trains: impl Fn(&str) -> bool,
+    ) -> (ParamSet<B>, ParamSet<B>) {
+        let second = |i: usize| keeps_second_moment(cfg, &whole[i].0, &whole[i].1);
         let exp_avg = ParamSet::zeros_where(be, specs, &trains);
         let mut exp_avg_sq = ParamSet::zeros_where(be, specs, &trains);
         for i in (0..specs.len()).filter(|&i| !second(i)) {
             exp_avg_sq.bufs[i] = be.zeros(0);
         }
-        Self::from_state(exp_avg, exp_avg_sq, cfg, whole)
+        (exp_avg, exp_avg_sq)
     }
 
     /// The optimizer with its state given (laid out like the parameters).
     pub fn from_state(
+        be: &B,
         exp_avg: ParamSet<B>,
         exp_avg_sq: ParamSet<B>,
         cfg: OptimizerConfig,
@@ -85,7 +106,7 @@ impl<B: Backend> Optimizer<B> {
                 (cfg.name == "Muon" && muon_updates(name, shape)).then(|| [shape[0], shape[1]])
             })
             .collect();
-        Optimizer {
+        let mut opt = Optimizer {
             exp_avg,
             exp_avg_sq,
             cfg,
@@ -93,7 +114,68 @@ impl<B: Backend> Optimizer<B> {
             muon,
             exchange: None,
             orthogonalized: (0, 0.0),
+            packed: None,
+        };
+        if opt.cfg.state_dtype == "bfloat16" {
+            opt.pack_state(be);
         }
+        opt
+    }
+
+    /// Stores the state as bf16 pairs (`state_dtype = "bfloat16"`).
+    fn pack_state(&mut self, be: &B) {
+        let lens = (0..self.exp_avg.len())
+            .map(|i| {
+                [
+                    be.len(&self.exp_avg.bufs[i]),
+                    be.len(&self.exp_avg_sq.bufs[i]),
+                ]
+            })
+            .collect();
+        for set in [&mut self.exp_avg, &mut self.exp_avg_sq] {
+            for buf in set.bufs.iter_mut() {
+                let mut words = be.zeros(be.len(buf).div_ceil(2));
+                be.pack_bf16_pairs(&mut words, buf);
+                *buf = words;
+            }
+        }
+        self.packed = Some(lens);
+    }
+
+    /// Calls `f` with the state as fp32 sets laid out like the parameters (what checkpoints
+    /// hold): the sets themselves, or with bf16 state widened copies.
+    pub fn with_f32_state<R>(&self, be: &B, f: impl FnOnce(&ParamSet<B>, &ParamSet<B>) -> R) -> R {
+        let Some(lens) = &self.packed else {
+            return f(&self.exp_avg, &self.exp_avg_sq);
+        };
+        let widen = |set: &ParamSet<B>, which: usize| ParamSet {
+            names: set.names.clone(),
+            shapes: set.shapes.clone(),
+            bufs: (0..set.len())
+                .map(|i| widened(be, &set.bufs[i], lens[i][which]))
+                .collect(),
+        };
+        f(&widen(&self.exp_avg, 0), &widen(&self.exp_avg_sq, 1))
+    }
+
+    /// Runs `update` on tensor `i`'s state in fp32: the buffers themselves, or with bf16 state
+    /// widened copies rounded back after.
+    fn with_state_of<R>(
+        &mut self,
+        be: &B,
+        i: usize,
+        update: impl FnOnce(&mut B::Buf, &mut B::Buf) -> R,
+    ) -> R {
+        let Some(lens) = &self.packed else {
+            return update(&mut self.exp_avg.bufs[i], &mut self.exp_avg_sq.bufs[i]);
+        };
+        let [m_len, v_len] = lens[i];
+        let mut m = widened(be, &self.exp_avg.bufs[i], m_len);
+        let mut v = widened(be, &self.exp_avg_sq.bufs[i], v_len);
+        let out = update(&mut m, &mut v);
+        be.pack_bf16_pairs(&mut self.exp_avg.bufs[i], &m);
+        be.pack_bf16_pairs(&mut self.exp_avg_sq.bufs[i], &v);
+        out
     }
 
     /// Muon's matrices spread over ranks: orthogonalised through `exchange`, whose slots are the
@@ -182,7 +264,8 @@ impl<B: Backend> Optimizer<B> {
         let frozen = |i: usize| be.len(&grads.bufs[i]) == 0 && be.len(&params.bufs[i]) > 0;
         let grouped = self.groups.iter().any(Option::is_some);
         let muon = self.muon.iter().any(Option::is_some);
-        if !grouped && !muon && !(0..params.len()).any(frozen) {
+        let packed = self.packed.is_some();
+        if !grouped && !muon && !packed && !(0..params.len()).any(frozen) {
             be.adamw_step_all(
                 &mut params.bufs,
                 &grads.bufs,
@@ -193,15 +276,12 @@ impl<B: Backend> Optimizer<B> {
             return Ok(());
         }
         let adamw = |i: usize| self.muon[i].is_none() && be.len(&grads.bufs[i]) > 0;
-        for i in (0..params.len()).filter(|&i| adamw(i)) {
+        let adamw: Vec<usize> = (0..params.len()).filter(|&i| adamw(i)).collect();
+        for i in adamw {
             let hp = self.settings(i, hp, adamw_lr);
-            be.adamw_step(
-                &mut params.bufs[i],
-                &grads.bufs[i],
-                &mut self.exp_avg.bufs[i],
-                &mut self.exp_avg_sq.bufs[i],
-                hp,
-            );
+            self.with_state_of(be, i, |m, v| {
+                be.adamw_step(&mut params.bufs[i], &grads.bufs[i], m, v, hp)
+            });
         }
         if muon {
             self.muon_step(be, params, grads, lr, grad_scale)?;
@@ -227,7 +307,11 @@ impl<B: Backend> Optimizer<B> {
         };
         let mut updates: Vec<B::Buf> = slots
             .iter()
-            .map(|&i| momentum_update(be, &mut self.exp_avg.bufs[i], &grads.bufs[i], momentum))
+            .map(|&i| {
+                self.with_state_of(be, i, |m, _| {
+                    momentum_update(be, m, &grads.bufs[i], momentum)
+                })
+            })
             .collect();
         let ns = NewtonSchulz::of(&self.cfg);
         let mut done = (0u64, 0f64);
@@ -258,6 +342,15 @@ impl<B: Backend> Optimizer<B> {
         }
         Ok(())
     }
+}
+
+/// The `len` fp32 values of bf16 pairs `words`.
+fn widened<B: Backend>(be: &B, words: &B::Buf, len: usize) -> B::Buf {
+    let mut out = be.zeros(len);
+    if len > 0 {
+        be.unpack_bf16_pairs(&mut out, words);
+    }
+    out
 }
 
 /// What a checkpoint records of the optimizer its state belongs to.

@@ -114,19 +114,14 @@ fn write_checkpoint<B: Backend>(
             let params = &w.params;
             if cfg.checkpoint.async_mode == "async" {
                 // Returns the previous save, which this one waited for.
-                let snapshot =
-                    checkpoint::Snapshot::take(be, params, &opt.exp_avg, &opt.exp_avg_sq)?;
+                let snapshot = opt.with_f32_state(be, |exp_avg, exp_avg_sq| {
+                    checkpoint::Snapshot::take(be, params, exp_avg, exp_avg_sq)
+                })?;
                 writer.start(snapshot, &folder, state, keep)?
             } else {
-                Some(checkpoint::save(
-                    be,
-                    &folder,
-                    params,
-                    &opt.exp_avg,
-                    &opt.exp_avg_sq,
-                    state,
-                    keep,
-                )?)
+                Some(opt.with_f32_state(be, |exp_avg, exp_avg_sq| {
+                    checkpoint::save(be, &folder, params, exp_avg, exp_avg_sq, state, keep)
+                })?)
             }
         }
         _ => None,
@@ -173,20 +168,24 @@ fn stage_parts<B: Backend>(
             part_of: &part_of,
             held_by: &held_by,
         });
-    checkpoint::sharded::stage(
-        be,
-        writers,
-        layout.model.local.tp,
-        &d.mesh,
-        parts.folder,
-        parts.weights,
-        &parts.opt.exp_avg,
-        &parts.opt.exp_avg_sq,
-        &shapes,
-        pipeline.as_ref(),
-        checkpoint::sharded::ExpertParts::of_shapes(&layout.model.local),
-        state,
-        parts.keep,
-    )
-    .with_context(|| checkpoint::atomic::save_failed(parts.folder, step))
+    parts
+        .opt
+        .with_f32_state(be, |exp_avg, exp_avg_sq| {
+            checkpoint::sharded::stage(
+                be,
+                writers,
+                layout.model.local.tp,
+                &d.mesh,
+                parts.folder,
+                parts.weights,
+                exp_avg,
+                exp_avg_sq,
+                &shapes,
+                pipeline.as_ref(),
+                checkpoint::sharded::ExpertParts::of_shapes(&layout.model.local),
+                state,
+                parts.keep,
+            )
+        })
+        .with_context(|| checkpoint::atomic::save_failed(parts.folder, step))
 }

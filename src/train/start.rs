@@ -399,6 +399,7 @@ fn sharded_start<B: Backend>(
         keeps_second_moment(optimizer, name, shape)
     };
     let opt = Optimizer::from_state(
+        be,
         f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg."), i), |_| true)?,
         f.moment_shards_from(be, &|i| source.start_values(Some("exp_avg_sq."), i), second)?,
         optimizer.clone(),
@@ -421,15 +422,17 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
     let mut params = ParamSet::zeros(be, specs);
     // Frozen weights (LoRA's base) get neither gradients nor moments.
     let trains = |name: &str| lora::trainable(source.model.args.lora.as_ref(), name);
-    let mut opt = Optimizer::new(be, specs, &source.global, cfg.optimizer.clone(), trains);
+    let optimizer = &cfg.optimizer;
+    let (mut exp_avg, mut exp_avg_sq) =
+        Optimizer::zero_state(be, specs, &source.global, optimizer, trains);
     let grads = ParamSet::zeros_where(be, specs, trains);
     let tp = source.model.local.tp;
     match &source.ckpt {
         Some(ckpt) => {
             for (set, moment) in [
                 (&mut params, None),
-                (&mut opt.exp_avg, Some("exp_avg.")),
-                (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
+                (&mut exp_avg, Some("exp_avg.")),
+                (&mut exp_avg_sq, Some("exp_avg_sq.")),
             ] {
                 // A moment is read where the optimizer keeps one (frozen tensors and Muon's
                 // second moments have none).
@@ -449,11 +452,11 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
         None => {
             for (set, moment) in [
                 (&mut params, None),
-                (&mut opt.exp_avg, Some("exp_avg.")),
-                (&mut opt.exp_avg_sq, Some("exp_avg_sq.")),
+                (&mut exp_avg, Some("exp_avg.")),
+                (&mut exp_avg_sq, Some("exp_avg_sq.")),
             ] {
                 if moment.is_some() && source.initial.is_none() {
-                    continue; // Optimizer::new's zeros
+                    continue; // zero_state's zeros
                 }
                 let kept: Vec<usize> = (0..source.global.len())
                     .filter(|&i| moment.is_none() || be.len(&set.bufs[i]) > 0)
@@ -464,6 +467,7 @@ fn whole_start<B: Backend>(be: &B, source: &Source<'_, B>, cfg: &Config) -> Resu
             }
         }
     }
+    let opt = Optimizer::from_state(be, exp_avg, exp_avg_sq, optimizer.clone(), &source.global);
     Ok(StartState {
         params,
         grads,
