@@ -108,6 +108,12 @@ stage documents_cuda 60 sh -c "'$BIN' train $docs --training.device cuda --job.d
 rm -rf "$OUT_DIR/lora_gpu" "$OUT_DIR/lora_cpu" "$OUT_DIR/lora_bf16_gpu"
 lora="--quiet --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.converters lora --optimizer.lr 1e-2 --training.local_batch_size 4"
 stage lora_cuda 60 sh -c "'$BIN' train $lora --training.mixed_precision_param float32 --training.device cuda --job.dump_folder '$OUT_DIR/lora_gpu' && '$BIN' train $lora --training.mixed_precision_param float32 --training.device cpu --job.dump_folder '$OUT_DIR/lora_cpu' && '$BIN' train $lora --training.mixed_precision_param bfloat16 --training.device cuda --job.dump_folder '$OUT_DIR/lora_bf16_gpu'"
+# Muon (issue 46) on CUDA: the Newton-Schulz iteration through the device's GEMMs (the check
+# stages' `muon newton_schulz` rows compare it alone), fp32 and bf16 state, against the CPU; and
+# FSDP 2 on one GPU (the matrices exchanged through the host, each orthogonalised by one rank).
+rm -rf "$OUT_DIR"/muon_*
+muon="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --optimizer.name Muon --optimizer.lr 2e-2 --optimizer.adamw_lr 1e-3 --optimizer.ns_dtype float32 --training.local_batch_size 4"
+stage muon_cuda 75 sh -c "'$BIN' train $muon --training.device cuda --job.dump_folder '$OUT_DIR/muon_gpu' && '$BIN' train $muon --training.device cpu --job.dump_folder '$OUT_DIR/muon_cpu' && '$BIN' train $muon --optimizer.state_dtype bfloat16 --training.device cuda --job.dump_folder '$OUT_DIR/muon_bf16_state_gpu' && '$BIN' train $muon --optimizer.state_dtype bfloat16 --training.device cpu --job.dump_folder '$OUT_DIR/muon_bf16_state_cpu' && '$BIN' train --nproc 2 $muon --training.local_batch_size 2 --training.device cuda --job.dump_folder '$OUT_DIR/muon_fsdp2_gpu'"
 # Expert parallelism on CUDA: 2 ranks (on one GPU: rows and collectives through the host), each
 # with 4 of the 8 experts and half the batch, against the one-process CPU run above.
 rm -rf "$OUT_DIR/ep2_gpu"
@@ -220,7 +226,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda lora_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda lora_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -367,6 +373,10 @@ def against_cpu(folder, cpu_folder, what):
 def moe_report():
     against_cpu("moe_gpu", "moe_cpu", "Qwen3-MoE on CUDA")
     against_cpu("ep2_gpu", "moe_cpu", "Qwen3-MoE EP 2 on CUDA")
+def muon_report():
+    against_cpu("muon_gpu", "muon_cpu", "Muon on CUDA")
+    against_cpu("muon_bf16_state_gpu", "muon_bf16_state_cpu", "Muon with bf16 state on CUDA")
+    against_cpu("muon_fsdp2_gpu", "muon_cpu", "Muon FSDP 2 on CUDA")
 def documents_report():
     against_cpu("docs_gpu", "docs_cpu", "block-causal documents on CUDA")
     against_cpu("docs_cp2_gpu", "docs_cpu", "block-causal documents CP 2 on CUDA")
@@ -395,7 +405,7 @@ def float8_report():
             print(f"Llama 3 1B b8 s2048: float8 {r} {f8['tokens_per_s']:.0f} tok/s vs bf16 {bf16['tokens_per_s']:.0f} "
                   f"({f8['tokens_per_s'] / bf16['tokens_per_s']:.2f}x; {f8.get('float8_gemms')} float8 GEMMs, "
                   f"{f8.get('float8_gemms_dequantised')} dequantised)")
-for report in (resume_report, generate_report, fsdp_report, moe_report, documents_report, lora_report, deepseek_report, float8_report, bench_report, attention_report):
+for report in (resume_report, generate_report, fsdp_report, moe_report, documents_report, lora_report, muon_report, deepseek_report, float8_report, bench_report, attention_report):
     section(report)
 PYEOF
 }

@@ -169,6 +169,12 @@ fn check(a: &CheckArgs) -> Result<()> {
         },
     };
     let mut ops: Vec<OpCheck> = check_ops(&CpuBackend::new(), &be, tol, a.seed, true);
+    ops.extend(crate::train::muon::check_newton_schulz(
+        &CpuBackend::new(),
+        &be,
+        gemm_tol,
+        a.seed,
+    ));
     drop(be);
     ops.extend(float8_gemm_rows(a.seed)?);
     out!("{}", format_table(&ops));

@@ -122,3 +122,91 @@ pub fn momentum_update<B: Backend>(be: &B, buf: &mut B::Buf, grad: &B::Buf, m: M
     }
     update
 }
+
+/// The Newton–Schulz iteration on `test` against `reference` (`titan cuda check`'s Muon rows):
+/// a wide and a tall matrix, in float32 (`gemm` tolerance: the GEMMs sum in another order) and
+/// in bf16 (1e-2: a rounding that lands on the other side of a bf16 step moves a value by 2⁻⁸).
+pub fn check_newton_schulz<R: Backend, T: Backend>(
+    reference: &R,
+    test: &T,
+    gemm: f64,
+    seed: u64,
+) -> Vec<crate::backend::crosscheck::OpCheck> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut rows = Vec::new();
+    for (bf16, tolerance) in [(false, gemm), (true, gemm.max(1e-2))] {
+        let ns = NewtonSchulz {
+            coefficients: [3.4445, -4.775, 2.0315],
+            steps: 5,
+            eps: 1e-7,
+            bf16,
+        };
+        for (r, c) in [(48, 160), (160, 48)] {
+            let x: Vec<f32> = (0..r * c).map(|_| rng.gen::<f32>() * 2.0 - 1.0).collect();
+            let (mut want, mut got) = (reference.upload(&x), test.upload(&x));
+            ns.orthogonalize(reference, &mut want, r, c);
+            ns.orthogonalize(test, &mut got, r, c);
+            let e = crate::backend::crosscheck::rel_err(
+                &test.download(&got),
+                &reference.download(&want),
+            );
+            let dtype = if bf16 { "bf16" } else { "fp32" };
+            rows.push(crate::backend::crosscheck::OpCheck {
+                op: format!("muon newton_schulz {r}x{c} {dtype}"),
+                rel_err: e,
+                tolerance,
+                passed: e <= tolerance,
+            });
+        }
+    }
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+
+    /// The iteration brings every singular value near 1 (PyTorch's coefficients leave them in
+    /// roughly [0.7, 1.2]): `O·Oᵀ` close to the identity, for a wide and a tall matrix.
+    #[test]
+    fn newton_schulz_orthogonalizes_wide_and_tall_matrices() {
+        let be = CpuBackend::new();
+        let ns = NewtonSchulz {
+            coefficients: [3.4445, -4.775, 2.0315],
+            steps: 5,
+            eps: 1e-7,
+            bf16: false,
+        };
+        for (r, c) in [(8, 20), (20, 8)] {
+            let x: Vec<f32> = (0..r * c)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let mut o = be.upload(&x);
+            ns.orthogonalize(&be, &mut o, r, c);
+            let s = r.min(c);
+            let mut gram = be.zeros(s * s);
+            let shape = match r <= c {
+                true => GemmShape::new(r, c, r).b_transposed(),
+                false => GemmShape::new(c, r, c).a_transposed(),
+            };
+            be.matmul(&mut gram, &o, &o, shape, GemmOutput::Overwrite);
+            for i in 0..s {
+                let diagonal = gram[i * s + i];
+                assert!((0.45..1.45).contains(&diagonal), "{r}x{c}: σ² {diagonal}");
+                for j in (0..s).filter(|&j| j != i) {
+                    assert!(
+                        gram[i * s + j].abs() < 0.35,
+                        "{r}x{c}: ({i},{j}) {}",
+                        gram[i * s + j]
+                    );
+                }
+            }
+        }
+        // The same backend on both sides: identical.
+        assert!(check_newton_schulz(&be, &be, 0.0, 3)
+            .iter()
+            .all(|row| row.passed));
+    }
+}
