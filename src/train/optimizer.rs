@@ -18,6 +18,7 @@ use anyhow::Result;
 use super::muon::{adjusted_lr, momentum_update, Momentum, NewtonSchulz};
 use crate::backend::{AdamWStep, Backend, WeightDecay};
 use crate::checkpoint::SavedOptimizer;
+use crate::comm::group::ProcessGroup;
 use crate::config::{muon_updates, OptimizerConfig};
 use crate::model::ParamSet;
 use crate::parallel::muon_exchange::MuonExchange;
@@ -197,9 +198,29 @@ impl<B: Backend> Optimizer<B> {
         &self.muon
     }
 
-    /// Matrices orthogonalised on this rank and their Newton–Schulz FLOPs since the last call.
-    pub fn take_orthogonalized(&mut self) -> (u64, f64) {
-        std::mem::take(&mut self.orthogonalized)
+    /// With Muon, the matrices orthogonalised over the `job`'s ranks (collective; None: one
+    /// process) since the last call, and the busiest rank's share of their Newton–Schulz FLOPs.
+    pub fn job_orthogonalized(
+        &mut self,
+        job: Option<&dyn ProcessGroup>,
+    ) -> Result<Option<(u64, f64)>> {
+        if self.cfg.name != "Muon" {
+            return Ok(None);
+        }
+        let (matrices, flops) = std::mem::take(&mut self.orthogonalized);
+        let mine = [matrices as f32, flops as f32];
+        let all = match job {
+            None => mine.to_vec(),
+            Some(group) => {
+                let mut all = vec![0f32; 2 * group.size()];
+                group.all_gather(&mine, &mut all)?;
+                all
+            }
+        };
+        let flops = all.chunks(2).map(|r| r[1] as f64);
+        let (total, busiest) = (flops.clone().sum::<f64>(), flops.fold(0.0, f64::max));
+        let matrices = all.chunks(2).map(|r| r[0] as u64).sum();
+        Ok(Some((matrices, busiest / total.max(f64::MIN_POSITIVE))))
     }
 
     /// Tensor `i`'s learning rate and weight decay: the section's (`lr` as scheduled), or its

@@ -202,7 +202,8 @@ fn train_on<B: Backend>(
             .metrics(be, step, (loss, norm, lr), times, moe.as_ref());
         m.fsdp_all_gather_bytes = run.layout.state.take_gathered_bytes();
         m.live_replicas = run.replicas.as_ref().map(|r| r.live());
-        (m.muon_matrices, m.muon_max_rank_ns_share) = run.muon_work()?.unzip();
+        let job = run.dist.as_ref().map(|d| d.all.as_ref());
+        (m.muon_matrices, m.muon_max_rank_ns_share) = run.opt.job_orthogonalized(job)?.unzip();
         if let (Some(loads), Some(bias)) =
             (m.moe_expert_load.as_mut(), run.layout.model.expert_bias())
         {
@@ -252,28 +253,6 @@ struct TrainingRun<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> TrainingRun<'a, B> {
-    /// With Muon, the matrices orthogonalised over every rank since the last call and the
-    /// busiest rank's share of their Newton–Schulz FLOPs (collective over the job).
-    fn muon_work(&mut self) -> Result<Option<(u64, f64)>> {
-        if self.cfg.optimizer.name != "Muon" {
-            return Ok(None);
-        }
-        let (matrices, flops) = self.opt.take_orthogonalized();
-        let mine = [matrices as f32, flops as f32];
-        let all = match &self.dist {
-            None => mine.to_vec(),
-            Some(d) => {
-                let mut all = vec![0f32; 2 * d.all.size()];
-                d.all.all_gather(&mine, &mut all)?;
-                all
-            }
-        };
-        let total: f64 = all.chunks(2).map(|r| r[1] as f64).sum();
-        let busiest = all.chunks(2).map(|r| r[1] as f64).fold(0.0, f64::max);
-        let matrices = all.chunks(2).map(|r| r[0] as u64).sum();
-        Ok(Some((matrices, busiest / total.max(f64::MIN_POSITIVE))))
-    }
-
     /// Composes the rank, resumes it from the latest complete checkpoint and prints the banner.
     fn start(be: &'a B, cfg: &'a Config, opts: &RunOptions, place: RankPlace<B>) -> Result<Self> {
         let dist = place.dist.as_ref();
