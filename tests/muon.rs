@@ -111,15 +111,8 @@ fn muon_tensor_and_pipeline_layouts_match_one_process() {
     check("TP 2", &[], "2", &tp, LLAMA_MATRICES);
     let fsdp_tp = [&tp[..], &["--parallelism.data_parallel_shard_degree", "2"]].concat();
     check("FSDP 2 × TP 2", &[], "4", &fsdp_tp, LLAMA_MATRICES);
-    let pp = [
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "1F1B",
-        "--parallelism.pipeline_parallel_microbatch_size",
-        "1",
-    ];
-    check("PP 2 (1F1B)", &[], "2", &pp, LLAMA_MATRICES);
+    let (what, pp, _) = common::FSDP_TP_PP[2];
+    check(what, &[], "2", pp, LLAMA_MATRICES);
 }
 
 #[test]

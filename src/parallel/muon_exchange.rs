@@ -132,10 +132,50 @@ pub struct MuonExchange {
     /// The length of each local slot's buffer (a shard is padded past its piece).
     slot_len: Vec<usize>,
     owned: Vec<Owned>,
-    gather_send: Vec<Transfer>,
-    gather_recv: Vec<Transfer>,
-    scatter_send: Vec<Transfer>,
-    scatter_recv: Vec<Transfer>,
+    /// The pieces to their matrices' owners.
+    gather: Legs,
+    /// The owners' results to every holder.
+    scatter: Legs,
+}
+
+/// One all-to-all's transfers as this rank sees them, sorted by peer then matrix (the order both
+/// ends pack and unpack in).
+#[derive(Default)]
+struct Legs {
+    send: Vec<Transfer>,
+    recv: Vec<Transfer>,
+}
+
+impl Legs {
+    /// A piece of `matrix` going from rank `from` (its slot or owned matrix `at`) to rank `to`
+    /// (into its `at`): this rank's send or receive, if either.
+    fn add(
+        &mut self,
+        me: usize,
+        (from, from_at): (usize, usize),
+        (to, to_at): (usize, usize),
+        matrix: usize,
+        piece: Piece,
+    ) {
+        if from == me {
+            let at = from_at;
+            self.send.push(Transfer {
+                peer: to,
+                matrix,
+                at,
+                piece,
+            });
+        }
+        if to == me {
+            let at = to_at;
+            self.recv.push(Transfer {
+                peer: from,
+                matrix,
+                at,
+                piece,
+            });
+        }
+    }
 }
 
 /// The pieces a rank holds and what the plan needs to know of the model.
@@ -175,10 +215,8 @@ impl MuonExchange {
             group: inputs.group.clone(),
             slot_len: inputs.slots.iter().map(|(_, len)| *len).collect(),
             owned: Vec::new(),
-            gather_send: Vec::new(),
-            gather_recv: Vec::new(),
-            scatter_send: Vec::new(),
-            scatter_recv: Vec::new(),
+            gather: Legs::default(),
+            scatter: Legs::default(),
         };
         for (&m, holders) in &by_matrix {
             let shape = inputs.shapes[m].expect("checked above");
@@ -187,56 +225,24 @@ impl MuonExchange {
             if !covers(shape, sources.iter().map(|(_, p)| p)) {
                 bail!("Muon: the ranks' pieces of {} do not cover its {shape:?} values exactly (a titan bug)", inputs.names[m]);
             }
-            let at = plan.owned.len();
+            let owned_at = plan.owned.len();
             if owner == me {
                 plan.owned.push(Owned { shape });
             }
+            // This rank's slot of the matrix (used only where it holds a piece of it).
+            let slot = slot_of.get(&m).copied().unwrap_or(usize::MAX);
             for &(source, piece) in &sources {
-                if source == me {
-                    let at = slot_of[&m];
-                    plan.gather_send.push(Transfer {
-                        peer: owner,
-                        matrix: m,
-                        at,
-                        piece,
-                    });
-                }
-                if owner == me {
-                    plan.gather_recv.push(Transfer {
-                        peer: source,
-                        matrix: m,
-                        at,
-                        piece,
-                    });
-                }
+                plan.gather
+                    .add(me, (source, slot), (owner, owned_at), m, piece);
             }
             for &(holder, piece) in holders {
-                if owner == me {
-                    plan.scatter_send.push(Transfer {
-                        peer: holder,
-                        matrix: m,
-                        at,
-                        piece,
-                    });
-                }
-                if holder == me {
-                    let at = slot_of[&m];
-                    plan.scatter_recv.push(Transfer {
-                        peer: owner,
-                        matrix: m,
-                        at,
-                        piece,
-                    });
-                }
+                plan.scatter
+                    .add(me, (owner, owned_at), (holder, slot), m, piece);
             }
         }
-        for list in [
-            &mut plan.gather_send,
-            &mut plan.gather_recv,
-            &mut plan.scatter_send,
-            &mut plan.scatter_recv,
-        ] {
-            list.sort_by_key(|t| (t.peer, t.matrix));
+        for legs in [&mut plan.gather, &mut plan.scatter] {
+            legs.send.sort_by_key(|t| (t.peer, t.matrix));
+            legs.recv.sort_by_key(|t| (t.peer, t.matrix));
         }
         Ok(plan)
     }
@@ -252,21 +258,16 @@ impl MuonExchange {
         orthogonalize: &mut dyn FnMut(&mut B::Buf, usize, usize),
     ) -> Result<()> {
         let host: Vec<Vec<f32>> = updates.iter().map(|u| be.download(u)).collect();
-        let n = self.group.size();
-        let (send, send_counts) = pack(n, &self.gather_send, |t, out| {
+        let received = self.all_to_all(&self.gather, |t, out| {
             out.extend_from_slice(&host[t.at][..t.piece.hi - t.piece.lo])
-        });
-        let recv_counts = counts(n, &self.gather_recv);
-        let mut received = vec![0f32; recv_counts.iter().sum()];
-        self.group
-            .all_to_all(&send, &send_counts, &mut received, &recv_counts)?;
+        })?;
         let mut whole: Vec<Vec<f32>> = self
             .owned
             .iter()
             .map(|o| vec![0f32; o.shape[0] * o.shape[1]])
             .collect();
         let mut at = 0;
-        for t in &self.gather_recv {
+        for t in &self.gather.recv {
             let (values, matrix) = (&received[at..], &mut whole[t.at]);
             t.piece.runs(self.owned[t.at].shape, |from, to, len| {
                 matrix[to..to + len].copy_from_slice(&values[from..from + len])
@@ -278,20 +279,16 @@ impl MuonExchange {
             orthogonalize(&mut buf, o.shape[0], o.shape[1]);
             *values = be.download(&buf);
         }
-        let (send, send_counts) = pack(n, &self.scatter_send, |t, out| {
+        let received = self.all_to_all(&self.scatter, |t, out| {
             let start = out.len();
             out.resize(start + t.piece.hi - t.piece.lo, 0.0);
             t.piece.runs(self.owned[t.at].shape, |from, to, len| {
                 out[start + from..start + from + len].copy_from_slice(&whole[t.at][to..to + len])
             });
-        });
-        let recv_counts = counts(n, &self.scatter_recv);
-        let mut received = vec![0f32; recv_counts.iter().sum()];
-        self.group
-            .all_to_all(&send, &send_counts, &mut received, &recv_counts)?;
+        })?;
         let mut result: Vec<Vec<f32>> = self.slot_len.iter().map(|&n| vec![0f32; n]).collect();
         let mut at = 0;
-        for t in &self.scatter_recv {
+        for t in &self.scatter.recv {
             let len = t.piece.hi - t.piece.lo;
             result[t.at][..len].copy_from_slice(&received[at..at + len]);
             at += len;
@@ -300,6 +297,25 @@ impl MuonExchange {
             *u = be.upload_owned(values);
         }
         Ok(())
+    }
+
+    /// One all-to-all of `legs`: `fill` appends each sent transfer's values; returns the
+    /// received values in `legs.recv`'s order.
+    fn all_to_all(
+        &self,
+        legs: &Legs,
+        mut fill: impl FnMut(&Transfer, &mut Vec<f32>),
+    ) -> Result<Vec<f32>> {
+        let n = self.group.size();
+        let mut send = Vec::new();
+        for t in &legs.send {
+            fill(t, &mut send);
+        }
+        let recv_counts = counts(n, &legs.recv);
+        let mut received = vec![0f32; recv_counts.iter().sum()];
+        self.group
+            .all_to_all(&send, &counts(n, &legs.send), &mut received, &recv_counts)?;
+        Ok(received)
     }
 
     /// The whole shapes of the matrices this rank orthogonalises (the gathered matrices it holds
@@ -409,19 +425,7 @@ fn covers<'a>(shape: [usize; 2], pieces: impl Iterator<Item = &'a Piece>) -> boo
         })
 }
 
-/// The transfers' values packed by peer (`fill` appends one transfer's), and the count per peer.
-fn pack(
-    n: usize,
-    transfers: &[Transfer],
-    mut fill: impl FnMut(&Transfer, &mut Vec<f32>),
-) -> (Vec<f32>, Vec<usize>) {
-    let mut out = Vec::new();
-    for t in transfers {
-        fill(t, &mut out);
-    }
-    (out, counts(n, transfers))
-}
-
+/// Values per peer of `transfers`.
 fn counts(n: usize, transfers: &[Transfer]) -> Vec<usize> {
     let mut c = vec![0; n];
     for t in transfers {
