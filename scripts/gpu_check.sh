@@ -100,9 +100,13 @@ stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_fol
 # Block-causal attention over packed documents on CUDA (issue 43: per-token RoPE tables, the
 # one-warp-per-row attention kernels with document positions), alone and under CP 2 (blocks wholly
 # before a query's document), against the same run on the CPU; seq 256 holds several documents.
-rm -rf "$OUT_DIR/docs_gpu" "$OUT_DIR/docs_cpu" "$OUT_DIR/docs_cp2_gpu"
+# Then in bf16 with head_dim 64, where the tensor-core kernels take the documents (their forward,
+# dQ and dK/dV passes; the check_bf16 stages' `documents` rows compare them op by op).
+rm -rf "$OUT_DIR/docs_gpu" "$OUT_DIR/docs_cpu" "$OUT_DIR/docs_cp2_gpu" "$OUT_DIR"/docs_tc_*
 docs="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.attn_mask_type block_causal --training.local_batch_size 4"
 stage documents_cuda 60 sh -c "'$BIN' train $docs --training.device cuda --job.dump_folder '$OUT_DIR/docs_gpu' && '$BIN' train $docs --training.device cpu --job.dump_folder '$OUT_DIR/docs_cpu' && '$BIN' train --nproc 2 $docs --training.device cuda --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/docs_cp2_gpu'"
+docs_tc="--quiet --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.attn_mask_type block_causal --training.local_batch_size 4 --model.n_heads 4 --model.n_kv_heads 2"
+stage documents_tc_cuda 60 sh -c "'$BIN' train $docs_tc --training.mixed_precision_param bfloat16 --training.device cuda --job.dump_folder '$OUT_DIR/docs_tc_gpu' && '$BIN' train $docs_tc --training.mixed_precision_param float32 --training.device cpu --job.dump_folder '$OUT_DIR/docs_tc_cpu'"
 # LoRA on CUDA (issue 43: the adapters' GEMMs beside each projection's, frozen weights without
 # gradients: the fused loss skips the output weight's), in fp32 and bf16, against the CPU.
 rm -rf "$OUT_DIR/lora_gpu" "$OUT_DIR/lora_cpu" "$OUT_DIR/lora_bf16_gpu"
@@ -226,7 +230,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda lora_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda documents_tc_cuda lora_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -380,6 +384,12 @@ def muon_report():
 def documents_report():
     against_cpu("docs_gpu", "docs_cpu", "block-causal documents on CUDA")
     against_cpu("docs_cp2_gpu", "docs_cpu", "block-causal documents CP 2 on CUDA")
+    run, cpu = curve("docs_tc_gpu"), curve("docs_tc_cpu")
+    if run and cpu and len(run) == len(cpu):
+        diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
+        print(f"block-causal documents on tensor cores (bf16) vs fp32 CPU: max rel loss diff {diff:.2e} ({'ok' if diff <= 2e-2 else 'FAIL'})")
+    else:
+        print("block-causal documents on tensor cores: no result")
 def lora_report():
     against_cpu("lora_gpu", "lora_cpu", "LoRA on CUDA")
     run, cpu = curve("lora_bf16_gpu"), curve("lora_cpu")

@@ -1,7 +1,9 @@
 // Runs the tensor-core attention kernels (kernels/attention_tc.cu) on the CPU emulator and checks
 // forward (output, log-sum-exp) and backward (dQ, dK, dV) against a float64 reference of causal
 // grouped-query attention on the same bf16-rounded inputs (also the fused backward with 64 and 128
-// keys per block, and at head_dim 64 the two-block forward). The shapes are the GPU op check's
+// keys per block, and at head_dim 64 the two-block forward). Shapes with documents (each query's
+// position in its document) check the block-causal mask of the forward, dQ and dK/dV passes; the
+// fused backward takes none (the host runs the split passes for them). The shapes are the GPU op check's
 // (src/backend/crosscheck.rs), lengths that are not multiples of the 64-row tiles included; the
 // tolerance is its bf16 one, on the same measure: max |kernel − reference| / max |reference|.
 // Prints one line per output and exits 1 when any is outside the tolerance or not finite.
@@ -82,15 +84,18 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     EmuDim3 per_query{tiles, (unsigned)s.heads, (unsigned)s.batch};
     EmuDim3 per_key{tiles, (unsigned)s.kv_heads, (unsigned)s.batch};
 
+    const unsigned* docs = s.doc_pos.empty() ? nullptr : s.doc_pos.data();
     std::vector<float> out(q_len, NAN), lse(rows, NAN);
     std::vector<bf16_bits> out16(q_len, 0xffff);
     emu::launch(per_query, 128, [&] {
         if (D == 64)
             attention_forward_tc64(out.data(), out16.data(), lse.data(), q.bits.data(),
-                                   k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+                                   k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads, scale,
+                                   docs);
         else
             attention_forward_tc128(out.data(), out16.data(), lse.data(), q.bits.data(),
-                                    k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads, scale);
+                                    k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads, scale,
+                                    docs);
     });
     bool ok = report(s, "out", out, ref.out);
     ok &= report(s, "lse", lse, ref.lse);
@@ -103,7 +108,7 @@ bool check(const Shape& s, std::mt19937_64& rng) {
         emu::launch(EmuDim3{tiles2, (unsigned)s.heads, (unsigned)s.batch}, 128, [&] {
             attention_forward_tc64x2(out2.data(), out2_16.data(), lse2.data(), q.bits.data(),
                                      k.bits.data(), v.bits.data(), s.seq, s.heads, s.kv_heads,
-                                     scale);
+                                     scale, docs);
         });
         ok &= report(s, "out x2", out2, ref.out);
         ok &= report(s, "lse x2", lse2, ref.lse);
@@ -124,7 +129,7 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     emu::launch(per_query, 128, [&] {
         auto kernel = D == 64 ? attention_backward_dq_tc64 : attention_backward_dq_tc128;
         kernel(dq.data(), dout.bits.data(), q.bits.data(), k.bits.data(), v.bits.data(),
-               lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, scale);
+               lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, scale, docs);
     });
     std::vector<decltype(&attention_backward_dkdv_tc64)> dkdv_passes;
     if (D == 64)
@@ -134,12 +139,13 @@ bool check(const Shape& s, std::mt19937_64& rng) {
     for (auto pass : dkdv_passes)
         emu::launch(per_key, 128, [&] {
             pass(dk.data(), dv.data(), dout.bits.data(), q.bits.data(), k.bits.data(),
-                 v.bits.data(), lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, scale);
+                 v.bits.data(), lse.data(), delta.data(), s.seq, s.heads, s.kv_heads, scale,
+                 docs);
         });
     ok &= report(s, "dq", dq, ref.dq);
     ok &= report(s, "dk", dk, ref.dk);
     ok &= report(s, "dv", dv, ref.dv);
-    {
+    if (docs == nullptr) {
         // The fused backward with 64 and 128 keys per block, its dQ additions taking turns (the
         // default) or not; it adds into a zeroed dq.
         for (auto [warps, ordered] : {std::pair{4, true}, {8, true}, {8, false}}) {
@@ -186,6 +192,19 @@ bool check(const Shape& s, std::mt19937_64& rng) {
 
 }  // namespace
 
+// Each query's position in its document for documents of the given lengths, repeated to fill
+// every sequence of `s` (a sequence's first token starts a document too, as titan's samples do).
+Shape with_documents(Shape s, std::vector<int> lengths) {
+    for (int b = 0; b < s.batch; ++b) {
+        int at = 0, doc = b;  // each sequence starts at another length
+        while (at < s.seq) {
+            int len = lengths[(size_t)doc++ % lengths.size()];
+            for (int p = 0; p < len && at < s.seq; ++p, ++at) s.doc_pos.push_back((unsigned)p);
+        }
+    }
+    return s;
+}
+
 int main(int argc, char** argv) {
     std::vector<Shape> shapes = {
         {"hd64", 1, 77, 4, 2, 64},
@@ -195,6 +214,10 @@ int main(int argc, char** argv) {
         {"hd64 even", 1, 128, 2, 2, 64},
         {"hd64 grow", 1, 200, 2, 1, 64, true},
         {"hd128 grow", 1, 150, 2, 1, 128, true},
+        // Documents shorter than a tile, longer than two, one ending on a tile boundary.
+        with_documents({"hd64 docs", 2, 300, 4, 2, 64}, {5, 140, 64, 1, 31, 90}),
+        with_documents({"hd128 docs", 1, 200, 4, 1, 128}, {70, 3, 128, 17}),
+        with_documents({"hd64 grow docs", 1, 256, 2, 1, 64, true}, {100, 156}),
     };
     unsigned long long seed = argc > 1 ? std::stoull(argv[1]) : 20261130;
     std::mt19937_64 rng(seed);

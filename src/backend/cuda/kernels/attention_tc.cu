@@ -1,5 +1,10 @@
 // Causal grouped-query attention on tensor cores, for the training shape (queries and keys the same
-// sequence) with head_dim 64 or 128, used when GEMMs run in bf16. The operands of every product are
+// sequence) with head_dim 64 or 128, used when GEMMs run in bf16. With documents (`doc_pos`, each
+// query's position in its document, [batch, seq]; null: one document per sequence) a query sees
+// only the keys of its own document: the forward and dQ passes start at their first query's
+// document (first keys never decrease from query to query), the dK/dV pass stops after the last
+// query of its last key's document, and only tiles a document boundary or the diagonal crosses are
+// masked. The fused backward takes no documents (the host runs the split passes for them). The operands of every product are
 // bf16 and multiplied by `mma.sync.m16n8k16` with fp32 accumulation; the online softmax, the saved
 // log-sum-exp and every accumulator stay fp32 (the forward's row sums are of the bf16-rounded P
 // that multiplies V, added up by one more MMA per tile). Same layouts and results (to bf16 precision) as
@@ -26,6 +31,8 @@
 // launches these there).
 
 #define TITAN_TC_ROWS 64
+// A first key below every key (no document start to respect).
+#define TITAN_TC_NO_FIRST (-(1 << 30))
 // Threads per block of every kernel but the fused `w8` ones (4 warps of 16 rows); the host
 // launches exactly this many.
 #define TITAN_TC_THREADS 128
@@ -258,6 +265,26 @@ __device__ __forceinline__ bool visible_on_diagonal(int query_in_tile, int key_i
     return key_in_tile <= query_in_tile;
 }
 
+// The same with documents: a key sees its query when it is at or before it and at or after the
+// query's first key (`first_in_tile`, in the same coordinates; without documents at or below 0).
+__device__ __forceinline__ bool visible_in_tile(int query_in_tile, int first_in_tile,
+                                                int key_in_tile) {
+    return key_in_tile <= query_in_tile && key_in_tile >= first_in_tile;
+}
+
+// Two rows' first keys (a thread's rows g and g + 8), relative to a tile.
+struct FirstKeys {
+    int x, y;
+};
+
+// The first key query `i` of sequence `b` sees: its document's start (0 without documents); a row
+// past `seq` (never stored) takes the last query's.
+__device__ __forceinline__ int tc_first_key(const unsigned* doc_pos, int b, int seq, int i) {
+    if (!doc_pos) return 0;
+    i = min(i, seq - 1);
+    return i - (int)doc_pos[(i64)b * seq + i];
+}
+
 // How far (in base-2 exponent) a row's maximum may grow past the reference its probabilities are
 // taken against before the output is rescaled: probabilities then stay below 2^8, harmless in fp32
 // and bf16, and most tiles after the first few skip the rescaling altogether.
@@ -273,7 +300,8 @@ __device__ __forceinline__ bool visible_on_diagonal(int query_in_tile, int key_i
 template <int D, bool DIAGONAL>
 __device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4], float* sums,
                                                     float& m0, float& m1, float scale_log2,
-                                                    float slack, int row_in_tile, int t) {
+                                                    float slack, int row_in_tile, FirstKeys first,
+                                                    int t) {
     float mx0 = TITAN_NEG_INF, mx1 = TITAN_NEG_INF;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -281,8 +309,8 @@ __device__ __forceinline__ void online_softmax_tile(float (*s)[4], float (*o)[4]
         for (int e = 0; e < 2; ++e) {
             if (DIAGONAL) {
                 int c = nt * 8 + 2 * t + e;
-                if (!visible_on_diagonal(row_in_tile, c)) s[nt][e] = TITAN_NEG_INF;
-                if (!visible_on_diagonal(row_in_tile + 8, c)) s[nt][2 + e] = TITAN_NEG_INF;
+                if (!visible_in_tile(row_in_tile, first.x, c)) s[nt][e] = TITAN_NEG_INF;
+                if (!visible_in_tile(row_in_tile + 8, first.y, c)) s[nt][2 + e] = TITAN_NEG_INF;
             }
             mx0 = fmaxf(mx0, s[nt][e]);
             mx1 = fmaxf(mx1, s[nt][2 + e]);
@@ -331,7 +359,8 @@ template <int D, int M>
 __device__ __forceinline__ void attention_forward_tc(float* out, bf16_bits* out16, float* lse,
                                                      const bf16_bits* q, const bf16_bits* k,
                                                      const bf16_bits* v, int seq, int n_heads,
-                                                     int n_kv_heads, float scale) {
+                                                     int n_kv_heads, float scale,
+                                                     const unsigned* doc_pos) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
     constexpr int WARP_ROWS = 16 * M, BLOCK_ROWS = TITAN_TC_ROWS * M;
     __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
@@ -358,34 +387,51 @@ __device__ __forceinline__ void attention_forward_tc(float* out, bf16_bits* out1
         m0[mt] = m1[mt] = TITAN_NEG_INF;
         sums[mt][0] = sums[mt][1] = sums[mt][2] = sums[mt][3] = 0.0f;
     }
-    // Key tiles up to the block's last query. Keys past `seq` (zero-filled) only fall in tiles
-    // that overlap the block's queries, after every valid query, so the causal mask hides them.
+    // Key tiles from the block's first query's document up to the block's last query. Keys past
+    // `seq` (zero-filled) only fall in tiles that overlap the block's queries, after every valid
+    // query, so the causal mask hides them.
     int n_tiles = (min(seq, q0 + BLOCK_ROWS) + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
-    auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
+    int first_tile = tc_first_key(doc_pos, b, seq, q0) / TITAN_TC_ROWS;
+    // The warp's earliest and latest first keys (its first and last rows'), and each row's.
+    int warp_first = tc_first_key(doc_pos, b, seq, warp_row);
+    int warp_last_first = tc_first_key(doc_pos, b, seq, warp_row + WARP_ROWS - 1);
+    FirstKeys row_first[M];
+#pragma unroll
+    for (int mt = 0; mt < M; ++mt)
+        row_first[mt] = FirstKeys{tc_first_key(doc_pos, b, seq, warp_row + 16 * mt + g),
+                                  tc_first_key(doc_pos, b, seq, warp_row + 16 * mt + g + 8)};
+    int visits = n_tiles - first_tile;
+    auto stage = [&](int i, int buf) {
+        stage_keys_values<D>(ks, vs, kb, vb, kv_stride, first_tile + i, buf, seq);
+    };
     stage(0, 0);
-    for (int it = 0; it < n_tiles; ++it) {
-        int cur = tile_begin<STAGES>(stage, it, n_tiles);
-        int j0 = it * TITAN_TC_ROWS;
-        // A warp whose rows all precede the tile sees none of it; one whose rows all follow it sees
-        // all of it; otherwise the tile straddles the diagonal and is masked. With M = 1 only the
-        // last tile does, and no warp skips one (decided at compile time).
-        if (M == 1 || j0 < warp_row + WARP_ROWS) {
+    for (int it = 0; it < visits; ++it) {
+        int cur = tile_begin<STAGES>(stage, it, visits);
+        int j0 = (first_tile + it) * TITAN_TC_ROWS;
+        // A warp whose rows all precede the tile, or whose documents all start after it, sees
+        // none of it; one whose rows all follow it within their documents sees all of it;
+        // otherwise the diagonal or a document start crosses the tile and it is masked. Without
+        // documents and with M = 1 only the last tile is masked and no warp skips one.
+        bool seen = (M == 1 || j0 < warp_row + WARP_ROWS) && j0 + TITAN_TC_ROWS > warp_first;
+        if (seen) {
             float s[M][8][4];
             product_with_tile_rows<D, M>(s, qa, ks + cur * TILE);
-            bool diagonal = M == 1 ? it + 1 == n_tiles : j0 + TITAN_TC_ROWS - 1 > warp_row;
+            bool crossed = M == 1 ? it + 1 == visits : j0 + TITAN_TC_ROWS - 1 > warp_row;
+            bool masked = crossed || j0 < warp_last_first;
 #pragma unroll
             for (int mt = 0; mt < M; ++mt) {
                 int row_in_tile = warp_row + 16 * mt + g - j0;
-                if (diagonal)
+                FirstKeys first{row_first[mt].x - j0, row_first[mt].y - j0};
+                if (masked)
                     online_softmax_tile<D, true>(s[mt], o[mt], sums[mt], m0[mt], m1[mt],
-                                                 scale_log2, slack, row_in_tile, t);
+                                                 scale_log2, slack, row_in_tile, first, t);
                 else
                     online_softmax_tile<D, false>(s[mt], o[mt], sums[mt], m0[mt], m1[mt],
-                                                  scale_log2, slack, row_in_tile, t);
+                                                  scale_log2, slack, row_in_tile, first, t);
             }
             accumulate_times_tile<D, M>(o, s, vs + cur * TILE, sums);
         }
-        tile_end<STAGES>(stage, it, n_tiles);
+        tile_end<STAGES>(stage, it, visits);
     }
     float* ob = out + (i64)b * seq * q_stride + (i64)h * D;
     bf16_bits* ob16 = out16 ? out16 + (i64)b * seq * q_stride + (i64)h * D : nullptr;
@@ -407,7 +453,8 @@ __device__ __forceinline__ void attention_forward_tc(float* out, bf16_bits* out1
 template <bool DIAGONAL>
 __device__ __forceinline__ void dq_scores_to_ds(float (*s)[4], const float (*dp)[4],
                                                 float scale_log2, float lse2_0, float lse2_1,
-                                                float dl0, float dl1, int row_in_tile, int t) {
+                                                float dl0, float dl1, int row_in_tile, FirstKeys first,
+                                                int t) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -416,8 +463,8 @@ __device__ __forceinline__ void dq_scores_to_ds(float (*s)[4], const float (*dp)
             float p1 = exp2_approx(fmaf(s[nt][2 + e], scale_log2, -lse2_1));
             if (DIAGONAL) {
                 int c = nt * 8 + 2 * t + e;
-                if (!visible_on_diagonal(row_in_tile, c)) p0 = 0.0f;
-                if (!visible_on_diagonal(row_in_tile + 8, c)) p1 = 0.0f;
+                if (!visible_in_tile(row_in_tile, first.x, c)) p0 = 0.0f;
+                if (!visible_in_tile(row_in_tile + 8, first.y, c)) p1 = 0.0f;
             }
             s[nt][e] = p0 * (dp[nt][e] - dl0);
             s[nt][2 + e] = p1 * (dp[nt][2 + e] - dl1);
@@ -431,7 +478,8 @@ template <int D>
 __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_bits* dout, const bf16_bits* q,
                                                          const bf16_bits* k, const bf16_bits* v, const float* lse,
                                                          const float* delta, int seq, int n_heads,
-                                                         int n_kv_heads, float scale) {
+                                                         int n_kv_heads, float scale,
+                                                         const unsigned* doc_pos) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
     __shared__ __align__(16) bf16_bits ks[STAGES * TILE];
     __shared__ __align__(16) bf16_bits vs[STAGES * TILE];
@@ -456,20 +504,30 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
     float dl0 = r0 < seq ? delta_bh[r0] : 0.0f, dl1 = r1 < seq ? delta_bh[r1] : 0.0f;
     float acc[D / 8][4];
     zero_fragments<D / 8>(acc);
-    int n_tiles = q_tile + 1;
-    auto stage = [&](int i, int buf) { stage_keys_values<D>(ks, vs, kb, vb, kv_stride, i, buf, seq); };
+    // Key tiles from the first query's document to the diagonal one.
+    int first_tile = tc_first_key(doc_pos, b, seq, q0) / TITAN_TC_ROWS;
+    int visits = q_tile + 1 - first_tile;
+    int warp_last_first = tc_first_key(doc_pos, b, seq, q0 + warp * 16 + 15);
+    FirstKeys row_first{tc_first_key(doc_pos, b, seq, r0), tc_first_key(doc_pos, b, seq, r1)};
+    auto stage = [&](int i, int buf) {
+        stage_keys_values<D>(ks, vs, kb, vb, kv_stride, first_tile + i, buf, seq);
+    };
     stage(0, 0);
-    for (int it = 0; it < n_tiles; ++it) {
-        int cur = tile_begin<STAGES>(stage, it, n_tiles);
+    for (int it = 0; it < visits; ++it) {
+        int cur = tile_begin<STAGES>(stage, it, visits);
+        int j0 = (first_tile + it) * TITAN_TC_ROWS;
         float s[8][4], dp[8][4];
         product_with_tile_rows<D>(&s, &qa, ks + cur * TILE);
         product_with_tile_rows<D>(&dp, &da, vs + cur * TILE);
-        if (it + 1 < n_tiles)
-            dq_scores_to_ds<false>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_in_tile, t);
+        // Rows and first keys relative to the key tile (the diagonal tile's j0 is q0).
+        int row_rel = r0 - j0;
+        FirstKeys first{row_first.x - j0, row_first.y - j0};
+        if (it + 1 < visits && j0 >= warp_last_first)
+            dq_scores_to_ds<false>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_rel, first, t);
         else
-            dq_scores_to_ds<true>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_in_tile, t);
+            dq_scores_to_ds<true>(s, dp, scale_log2, lse2_0, lse2_1, dl0, dl1, row_rel, first, t);
         accumulate_times_tile<D>(&acc, &s, ks + cur * TILE);
-        tile_end<STAGES>(stage, it, n_tiles);
+        tile_end<STAGES>(stage, it, visits);
     }
     store_row_fragments<D>(dq + q_off, q_stride, r0, seq, t, acc, scale, scale);
 }
@@ -480,7 +538,7 @@ __device__ __forceinline__ void attention_backward_dq_tc(float* dq, const bf16_b
 template <bool WANT_K, bool DIAGONAL>
 __device__ __forceinline__ void dkdv_scores(float (*p)[4], float (*dp)[4], const float* lse2,
                                             const float* delta, float scale_log2, int key_in_tile,
-                                            int t) {
+                                            int t, const int* first = nullptr, int query_base = 0) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -489,8 +547,11 @@ __device__ __forceinline__ void dkdv_scores(float (*p)[4], float (*dp)[4], const
             float p0 = exp2_approx(fmaf(p[nt][e], scale_log2, -lse2[c]));
             float p1 = exp2_approx(fmaf(p[nt][2 + e], scale_log2, -lse2[c]));
             if (DIAGONAL) {
-                if (!visible_on_diagonal(c, key_in_tile)) p0 = 0.0f;
-                if (!visible_on_diagonal(c, key_in_tile + 8)) p1 = 0.0f;
+                // Queries at query_base + c of the key tile, their first keys (relative to it)
+                // in `first` when there are documents.
+                int f = first ? first[c] : TITAN_TC_NO_FIRST;
+                if (!visible_in_tile(query_base + c, f, key_in_tile)) p0 = 0.0f;
+                if (!visible_in_tile(query_base + c, f, key_in_tile + 8)) p1 = 0.0f;
             }
             if (WANT_K) {
                 dp[nt][e] = p0 * (dp[nt][e] - delta[c]);
@@ -510,7 +571,9 @@ __device__ __forceinline__ void stage_query_tile(bf16_bits* qs, bf16_bits* do_ti
                                                  float* delta_s, const bf16_bits* q,
                                                  const bf16_bits* dout, const float* lse,
                                                  const float* delta, int b, int h, int i0,
-                                                 int seq, int n_heads, int buf) {
+                                                 int seq, int n_heads, int buf,
+                                                 int* first_s = nullptr,
+                                                 const unsigned* doc_pos = nullptr, int k0 = 0) {
     constexpr int TILE = TITAN_TC_ROWS * (D + 8);
     i64 q_stride = (i64)n_heads * D, head_off = (i64)b * seq * q_stride + (i64)h * D;
     load_tile<D, THREADS>(qs + buf * TILE, q + head_off, q_stride, i0, seq);
@@ -520,6 +583,8 @@ __device__ __forceinline__ void stage_query_tile(bf16_bits* qs, bf16_bits* do_ti
         i64 row = ((i64)b * n_heads + h) * seq + i;
         lse2_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? lse[row] * TITAN_LOG2E : -TITAN_NEG_INF;
         delta_s[buf * TITAN_TC_ROWS + threadIdx.x] = i < seq ? delta[row] : 0.0f;
+        // Each query's first key relative to the key block's first key `k0` (documents only).
+        if (first_s) first_s[buf * TITAN_TC_ROWS + threadIdx.x] = tc_first_key(doc_pos, b, seq, i) - k0;
     }
     async_commit();
 }
@@ -533,12 +598,13 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
                                                            const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                                            const float* lse, const float* delta,
                                                            int seq, int n_heads, int n_kv_heads,
-                                                           float scale) {
+                                                           float scale, const unsigned* doc_pos) {
     constexpr int S = D + 8, TILE = TITAN_TC_ROWS * S, STAGES = TITAN_TC_STAGES(D);
     __shared__ __align__(16) bf16_bits qs[STAGES * TILE];
     __shared__ __align__(16) bf16_bits do_tile[STAGES * TILE];
     __shared__ float lse2_s[STAGES * TITAN_TC_ROWS];
     __shared__ float delta_s[STAGES * TITAN_TC_ROWS];
+    __shared__ int first_s[STAGES * TITAN_TC_ROWS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int k0 = blockIdx.x * TITAN_TC_ROWS, kvh = blockIdx.y, b = blockIdx.z;
     i64 kv_stride = (i64)n_kv_heads * D;
@@ -552,15 +618,29 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
     zero_fragments<D / 8>(acc_k);
     zero_fragments<D / 8>(acc_v);
     int group = n_heads / n_kv_heads;
-    int q_tiles = (seq - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
+    // The queries that see a key of this block: from k0 to the last of the document holding the
+    // block's last key (first keys never decrease, so a binary search finds it).
+    int q_end = seq;
+    if (doc_pos) {
+        int last_key = min(k0 + TITAN_TC_ROWS, seq) - 1, lo = last_key, hi = seq - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (tc_first_key(doc_pos, b, seq, mid) <= last_key) lo = mid; else hi = mid - 1;
+        }
+        q_end = lo + 1;
+    }
+    int q_tiles = (q_end - k0 + TITAN_TC_ROWS - 1) / TITAN_TC_ROWS;
     int n_tiles = group * q_tiles;
+    // The warp's first key: a query tile whose latest first key lies after it is masked.
+    int warp_key = k0 + warp * 16;
     QueryTileCursor staged;
     auto stage = [&](int, int buf) {
         int head, tile;
         staged.next(q_tiles, head, tile);
         stage_query_tile<D, TITAN_TC_THREADS>(qs, do_tile, lse2_s, delta_s, q, dout, lse, delta, b,
                                               kvh * group + head, k0 + tile * TITAN_TC_ROWS, seq,
-                                              n_heads, buf);
+                                              n_heads, buf, doc_pos ? first_s : nullptr, doc_pos,
+                                              k0);
     };
     stage(0, 0);
     QueryTileCursor visiting;
@@ -573,14 +653,19 @@ __device__ __forceinline__ void attention_backward_dkdv_tc(float* dk, float* dv,
         float p[8][4], dp[8][4];
         product_with_tile_rows<D>(&p, &ka, q_tile);
         if (WANT_K) product_with_tile_rows<D>(&dp, &va, d_tile);
-        // Each head's first query tile is the diagonal one (its queries start at k0).
+        // Each head's first query tile is the diagonal one (its queries start at k0); a later one
+        // is masked when a query of it starts its document after the warp's first key.
         int head, query_tile;
         visiting.next(q_tiles, head, query_tile);
-        bool diagonal = query_tile == 0;
-        if (!diagonal)
+        int i0 = k0 + query_tile * TITAN_TC_ROWS;
+        bool crossed = doc_pos && tc_first_key(doc_pos, b, seq, i0 + TITAN_TC_ROWS - 1) > warp_key;
+        const int* first_t = doc_pos ? first_s + cur * TITAN_TC_ROWS : nullptr;
+        int query_base = query_tile * TITAN_TC_ROWS;
+        if (query_tile != 0 && !crossed)
             dkdv_scores<WANT_K, false>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
         else
-            dkdv_scores<WANT_K, true>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t);
+            dkdv_scores<WANT_K, true>(p, dp, lse2_t, delta_t, scale_log2, key_in_tile, t,
+                                      first_t, query_base);
         if (WANT_V) accumulate_times_tile<D>(&acc_v, &p, d_tile);
         if (WANT_K) accumulate_times_tile<D>(&acc_k, &dp, q_tile);
         tile_end<STAGES>(stage, it, n_tiles);
@@ -816,24 +901,25 @@ __device__ __forceinline__ void attention_backward_fused_tc(
 #define TITAN_TC_FORWARD(name, D, M)                                                              \
     extern "C" __global__ void name(float* out, bf16_bits* out16, float* lse, const bf16_bits* q, \
                                     const bf16_bits* k, const bf16_bits* v, int seq, int n_heads, \
-                                    int n_kv_heads, float scale) {                                \
-        attention_forward_tc<D, M>(out, out16, lse, q, k, v, seq, n_heads, n_kv_heads, scale);    \
+                                    int n_kv_heads, float scale, const unsigned* doc_pos) {       \
+        attention_forward_tc<D, M>(out, out16, lse, q, k, v, seq, n_heads, n_kv_heads, scale,     \
+                                   doc_pos);                                                      \
     }
 #define TITAN_TC_DQ(name, D)                                                                      \
     extern "C" __global__ void name(float* dq, const bf16_bits* dout, const bf16_bits* q,         \
                                     const bf16_bits* k, const bf16_bits* v, const float* lse,     \
                                     const float* delta, int seq, int n_heads, int n_kv_heads,     \
-                                    float scale) {                                                \
+                                    float scale, const unsigned* doc_pos) {                       \
         attention_backward_dq_tc<D>(dq, dout, q, k, v, lse, delta, seq, n_heads, n_kv_heads,      \
-                                    scale);                                                       \
+                                    scale, doc_pos);                                              \
     }
 #define TITAN_TC_DKDV(name, D, WANT_K, WANT_V)                                                    \
     extern "C" __global__ void name(float* dk, float* dv, const bf16_bits* dout,                  \
                                     const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,   \
                                     const float* lse, const float* delta, int seq, int n_heads,   \
-                                    int n_kv_heads, float scale) {                                \
+                                    int n_kv_heads, float scale, const unsigned* doc_pos) {       \
         attention_backward_dkdv_tc<D, WANT_K, WANT_V>(dk, dv, dout, q, k, v, lse, delta, seq,     \
-                                                      n_heads, n_kv_heads, scale);                \
+                                                      n_heads, n_kv_heads, scale, doc_pos);       \
     }
 
 #define TITAN_TC_FUSED(name, D, WARPS)                                                            \

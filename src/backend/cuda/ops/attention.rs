@@ -45,6 +45,7 @@ impl CudaBackend {
         if let Some(kernels) = self.tensor_core_attention(&s, &mask) {
             let (seq, h, kvh) = (s.q_len as i32, s.n_heads as i32, s.n_kv_heads as i32);
             let cfg = tensor_core_config(s.q_len, s.n_heads, s.batch, kernels.forward_rows);
+            let documents = DeviceMask::upload(self, &mask, &s);
             let (q, k, v) = (
                 self.to_bf16(q, q_floats),
                 self.to_bf16(k, kv_floats),
@@ -64,7 +65,8 @@ impl CudaBackend {
                 &seq,
                 &h,
                 &kvh,
-                &scale
+                &scale,
+                &documents.positions
             );
             Self::keep_twin(out, twin);
             return;
@@ -152,12 +154,13 @@ impl CudaBackend {
             delta: &delta,
             scale,
         };
+        let on_device = DeviceMask::upload(self, &mask, &s);
         match self.tensor_core_attention(&s, &mask) {
-            Some(kernels) => self.tensor_core_backward(kernels.backward, dq, dk, dv, &reads, &s),
-            None => {
-                let on_device = DeviceMask::upload(self, &mask, &s);
-                self.per_row_backward(AttnGrads { dq, dk, dv }, &reads, &s, &on_device)
+            Some(kernels) => {
+                let grads = AttnGrads { dq, dk, dv };
+                self.tensor_core_backward(kernels.backward, grads, &reads, &s, &on_device)
             }
+            None => self.per_row_backward(AttnGrads { dq, dk, dv }, &reads, &s, &on_device),
         }
     }
 
@@ -186,12 +189,12 @@ impl CudaBackend {
     fn tensor_core_backward(
         &self,
         kernels: TensorCoreBackwardKernels,
-        dq: &mut Buf,
-        dk: &mut Buf,
-        dv: &mut Buf,
+        grads: AttnGrads<'_, Buf>,
         r: &BackwardReads,
         s: &AttnShape,
+        documents: &DeviceMask,
     ) {
+        let AttnGrads { dq, dk, dv } = grads;
         let q_floats = s.batch * s.q_len * s.n_heads * s.head_dim;
         let kv_floats = s.batch * s.kv_len * s.n_kv_heads * s.head_dim;
         let (dout, q, k, v) = (
@@ -207,13 +210,15 @@ impl CudaBackend {
                 let per_query = tensor_core_config(s.q_len, s.n_heads, s.batch, 64);
                 let per_key = tensor_core_config(s.q_len, s.n_kv_heads, s.batch, 64);
                 let (dout, q, k, v) = (&dout.address, &q.address, &k.address, &v.address);
+                let docs = &documents.positions;
                 launch!(
-                    self, dq_pass, per_query, dq, dout, q, k, v, lse, delta, &seq, &h, &kvh, scale
+                    self, dq_pass, per_query, dq, dout, q, k, v, lse, delta, &seq, &h, &kvh, scale,
+                    docs
                 );
                 for pass in dkdv {
                     launch!(
                         self, pass, per_key, &mut *dk, &mut *dv, dout, q, k, v, lse, delta, &seq,
-                        &h, &kvh, scale
+                        &h, &kvh, scale, docs
                     );
                 }
             }
@@ -486,12 +491,12 @@ impl TensorCoreBackwardKernels {
 
 impl CudaBackend {
     /// The tensor-core kernels when they apply: the backend allows them (`attention`, chosen in
-    /// `CudaBackend::new`), head_dim is 64 or 128, and the shape is training's (no KV cache).
-    /// The tensor-core kernels for a call, when they take it: the training shape, causal (the
-    /// one-warp-per-row kernels take documents and windows; the tensor-core ones do not yet).
+    /// `CudaBackend::new`), head_dim is 64 or 128, the shape is training's (no KV cache), and the
+    /// mask causal or block-causal (sliding windows run on the one-warp-per-row kernels). With
+    /// documents the backward is the split passes (the fused kernel takes none).
     fn tensor_core_attention(&self, s: &AttnShape, mask: &AttnMask) -> Option<TensorCoreAttention> {
         let training_shape = s.q_offset == 0 && s.kv_len == s.q_len && s.kv_capacity == s.q_len;
-        if !mask.is_causal() {
+        if mask.window.is_some() {
             return None;
         }
         let AttentionKernels::TensorCores {
@@ -500,6 +505,10 @@ impl CudaBackend {
         } = self.attention
         else {
             return None;
+        };
+        let backward = match mask.positions {
+            Some(_) => TensorCoreBackward::Split,
+            None => backward,
         };
         if !training_shape {
             return None;
