@@ -17,6 +17,9 @@ use rand_chacha::ChaCha8Rng;
 
 const BLOCK_CAUSAL: &[&str] = &["--model.attn_mask_type", "block_causal"];
 
+/// Today's default is block-causal; plain causal attention over the whole window is asked for.
+const CAUSAL: &[&str] = &["--model.attn_mask_type", "causal"];
+
 /// Longer sequences than the tiny config's, so that every window holds several documents of the
 /// synthetic corpus.
 const SEQ64: &[&str] = &["--training.seq_len", "64"];
@@ -99,8 +102,13 @@ fn documents_change_the_curve_only_where_sequences_hold_several() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         losses(dir.path())
     };
-    let causal = run(&[]);
+    let causal = run(CAUSAL);
     let blocks = run(BLOCK_CAUSAL);
+    assert_eq!(
+        bits(&blocks),
+        bits(&run(&[])),
+        "block_causal is the default"
+    );
     assert_eq!(causal.len(), blocks.len());
     assert_ne!(
         bits(&causal),
@@ -112,7 +120,10 @@ fn documents_change_the_curve_only_where_sequences_hold_several() {
     write_documents(&shard, 2000, 4);
     let shards = common::token_shard(&shard);
     let one_document_each = run(&[&shards[..], BLOCK_CAUSAL].concat());
-    assert_eq!(bits(&one_document_each), bits(&run(&shards)));
+    assert_eq!(
+        bits(&one_document_each),
+        bits(&run(&[&shards[..], CAUSAL].concat()))
+    );
 }
 
 fn nproc(n: &'static str) -> [&'static str; 4] {

@@ -48,10 +48,9 @@ pub struct ModelConfig {
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::list_or_comma_separated")]
     pub converters: Vec<String>,
-    /// `causal` (every token sees every earlier token of its sequence) or `block_causal` (only
-    /// those of its own document, RoPE at its position in the document: TorchTitan's default;
-    /// titan's stays `causal` until CUDA's tensor-core attention kernels take document masks,
-    /// README "Not yet built").
+    /// `block_causal` (the default, as TorchTitan's: a token sees only the earlier tokens of its
+    /// own document, RoPE at its position in the document) or `causal` (every earlier token of
+    /// its sequence).
     pub attn_mask_type: String,
 }
 
@@ -83,7 +82,7 @@ impl Default for ModelConfig {
             qk_rope_head_dim: None,
             v_head_dim: None,
             converters: Vec::new(),
-            attn_mask_type: "causal".into(),
+            attn_mask_type: "block_causal".into(),
         }
     }
 }
