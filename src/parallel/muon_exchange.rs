@@ -157,23 +157,17 @@ impl Legs {
         matrix: usize,
         piece: Piece,
     ) {
+        let transfer = |peer, at| Transfer {
+            peer,
+            matrix,
+            at,
+            piece,
+        };
         if from == me {
-            let at = from_at;
-            self.send.push(Transfer {
-                peer: to,
-                matrix,
-                at,
-                piece,
-            });
+            self.send.push(transfer(to, from_at));
         }
         if to == me {
-            let at = to_at;
-            self.recv.push(Transfer {
-                peer: from,
-                matrix,
-                at,
-                piece,
-            });
+            self.recv.push(transfer(from, to_at));
         }
     }
 }
