@@ -365,13 +365,13 @@ def attention_report():
             label = f"{r.get('batch')}x{r.get('seq')} h{r.get('heads')}/{r.get('kv_heads')} d{r.get('head_dim')}"
             print(f"{label:<30} {impl:<22} {cell(r, 'forward_ms', 2)} {cell(r, 'forward_tflops', 1)} "
                   f"{cell(r, 'backward_ms', 2)} {cell(r, 'backward_tflops', 1)}")
-def against_cpu(folder, cpu_folder, what):
+def against_cpu(folder, cpu_folder, what, precision="fp32", tolerance=1e-3):
     """A GPU run's losses against the CPU's (fp32, same job): the largest relative difference."""
     run, cpu = curve(folder), curve(cpu_folder)
     if run and cpu and len(run) == len(cpu):
         diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
-        print(f"{what} vs one CPU process, {len(cpu)} steps fp32: max rel loss diff {diff:.2e} "
-              f"({'ok' if diff <= 1e-3 else 'FAIL'})")
+        print(f"{what} vs one CPU process, {len(cpu)} steps {precision}: max rel loss diff {diff:.2e} "
+              f"({'ok' if diff <= tolerance else 'FAIL'})")
     else:
         print(f"{what}: no result")
 def moe_report():
@@ -384,20 +384,11 @@ def muon_report():
 def documents_report():
     against_cpu("docs_gpu", "docs_cpu", "block-causal documents on CUDA")
     against_cpu("docs_cp2_gpu", "docs_cpu", "block-causal documents CP 2 on CUDA")
-    run, cpu = curve("docs_tc_gpu"), curve("docs_tc_cpu")
-    if run and cpu and len(run) == len(cpu):
-        diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
-        print(f"block-causal documents on tensor cores (bf16) vs fp32 CPU: max rel loss diff {diff:.2e} ({'ok' if diff <= 2e-2 else 'FAIL'})")
-    else:
-        print("block-causal documents on tensor cores: no result")
+    against_cpu("docs_tc_gpu", "docs_tc_cpu", "block-causal documents on tensor cores",
+                "bf16 (CPU fp32)", 2e-2)
 def lora_report():
     against_cpu("lora_gpu", "lora_cpu", "LoRA on CUDA")
-    run, cpu = curve("lora_bf16_gpu"), curve("lora_cpu")
-    if run and cpu and len(run) == len(cpu):
-        diff = max(abs(a - b) / abs(b) for a, b in zip(run, cpu))
-        print(f"LoRA bf16 on CUDA vs fp32 CPU: max rel loss diff {diff:.2e} ({'ok' if diff <= 2e-2 else 'FAIL'})")
-    else:
-        print("LoRA bf16 on CUDA: no result")
+    against_cpu("lora_bf16_gpu", "lora_cpu", "LoRA bf16 on CUDA", "bf16 (CPU fp32)", 2e-2)
 def deepseek_report():
     against_cpu("ds_gpu", "ds_cpu", "DeepSeek-V3 on CUDA")
     against_cpu("ds_tp2_gpu", "ds_cpu", "DeepSeek-V3 TP 2 on CUDA")
