@@ -41,6 +41,13 @@ pub struct CheckpointConfig {
     pub exclude_from_loading: Vec<String>,
 }
 
+impl CheckpointConfig {
+    /// Whether a resumed run starts the optimizer state afresh (`exclude_from_loading`).
+    pub fn excludes_optimizer(&self) -> bool {
+        self.exclude_from_loading.iter().any(|p| p == "optimizer")
+    }
+}
+
 impl Default for CheckpointConfig {
     fn default() -> Self {
         CheckpointConfig {

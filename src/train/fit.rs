@@ -86,11 +86,12 @@ impl RankSizing<'_> {
         if self.cfg.optimizer.name == "Muon" {
             let shard = self.fsdp_shard.unwrap_or(1);
             let replicas = self.cfg.parallelism.data_parallel_replicate_degree.max(1);
+            let holders = shard * replicas * local.tp;
             let muon = MuonSizing {
                 held: self.pipeline.map_or(1.0, |p| p.held_fraction(args, local)),
-                holders: shard * replicas * local.tp,
+                holders,
                 shard,
-                exchanged: shard * replicas * local.tp > 1 || self.pipeline.is_some(),
+                exchanged: holders > 1 || self.pipeline.is_some(),
             };
             e = e.with_muon(args, local, muon);
         }

@@ -57,21 +57,9 @@ impl<B: Backend> Optimizer<B> {
         self.exp_avg_sq.keep_only(be, &keep);
     }
 
-    /// Zero state for the tensors `trains` accepts (a frozen one has none); `whole` gives every
-    /// tensor's whole shape (`param_specs`, in the set's order).
-    pub fn new(
-        be: &B,
-        specs: &[(String, Vec<usize>)],
-        whole: &[(String, Vec<usize>)],
-        cfg: OptimizerConfig,
-        trains: impl Fn(&str) -> bool,
-    ) -> Self {
-        let (exp_avg, exp_avg_sq) = Self::zero_state(be, specs, whole, &cfg, trains);
-        Self::from_state(be, exp_avg, exp_avg_sq, cfg, whole)
-    }
-
     /// Zero fp32 state laid out as `specs` (`exp_avg`, `exp_avg_sq`) for the tensors `trains`
-    /// accepts, without the second moments `cfg`'s optimizer does not keep.
+    /// accepts (a frozen one has none), without the second moments `cfg`'s optimizer does not
+    /// keep; `whole` gives every tensor's whole shape (`param_specs`, in the set's order).
     pub fn zero_state(
         be: &B,
         specs: &[(String, Vec<usize>)],

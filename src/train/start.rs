@@ -225,12 +225,7 @@ fn read_checkpoint<B: Backend>(
             args.lora
         )));
     }
-    let excluded = inputs
-        .cfg
-        .checkpoint
-        .exclude_from_loading
-        .iter()
-        .any(|p| p == "optimizer");
+    let excluded = inputs.cfg.checkpoint.excludes_optimizer();
     let ours = super::optimizer::saved_optimizer(&inputs.cfg.optimizer);
     match &ckpt.state.optimizer {
         Some(saved) if !excluded && saved != &ours => {
@@ -282,12 +277,7 @@ impl<'a, B: Backend> Source<'a, B> {
             held: inputs.held,
             ckpt,
             initial,
-            fresh_optimizer: inputs
-                .cfg
-                .checkpoint
-                .exclude_from_loading
-                .iter()
-                .any(|p| p == "optimizer"),
+            fresh_optimizer: inputs.cfg.checkpoint.excludes_optimizer(),
         }
     }
 
