@@ -203,14 +203,27 @@ impl AcMode {
         };
         ActivationPlan {
             blocks: (0..n_layers).map(save).collect(),
+            residual: ResidualDtype::Float32,
         }
     }
 }
 
-/// What every block of a model keeps.
+/// How the residual stream between blocks (each block's input, kept for its backward) is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResidualDtype {
+    /// f32, as the blocks compute it.
+    Float32,
+    /// Rounded to bf16 at each block's output and stored two values to a word (half the
+    /// memory), as PyTorch's bf16 autocast or FSDP2's `param_dtype = bfloat16` leaves a block's
+    /// output in bf16: `[training] mixed_precision_param = "bfloat16"`.
+    BFloat16,
+}
+
+/// What every block of a model keeps, and how the residual stream is stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActivationPlan {
     pub blocks: Vec<BlockSave>,
+    pub residual: ResidualDtype,
 }
 
 impl ActivationPlan {
@@ -241,7 +254,13 @@ impl ActivationPlan {
                 .enumerate()
                 .map(|(l, &b)| if here(l) { b } else { BlockSave::Elsewhere })
                 .collect(),
+            residual: self.residual,
         }
+    }
+
+    /// This plan with the residual stream stored as `residual` says.
+    pub fn with_residual(self, residual: ResidualDtype) -> Self {
+        ActivationPlan { residual, ..self }
     }
 
     /// Whether this rank holds the residual stream at block `l`'s input (`l` = n_layers: the

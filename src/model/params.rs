@@ -3,6 +3,7 @@
 
 use crate::backend::Backend;
 
+use super::activation_checkpoint::ResidualDtype;
 use super::args::ModelArgs;
 use super::lora_args::{self as lora, LoraIds};
 use super::mla::MlaArgs;
@@ -494,6 +495,15 @@ impl ParamDtype {
             ParamDtype::BFloat16
         } else {
             ParamDtype::Float32
+        }
+    }
+
+    /// How the residual stream between blocks is stored: in bf16 when the blocks compute in
+    /// bf16, as a block's output is under PyTorch's bf16 mixed precision.
+    pub fn residual(self) -> ResidualDtype {
+        match self {
+            ParamDtype::Float32 => ResidualDtype::Float32,
+            ParamDtype::BFloat16 => ResidualDtype::BFloat16,
         }
     }
 }

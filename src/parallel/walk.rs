@@ -583,7 +583,7 @@ impl<B: Backend> StageRun<'_, B> {
                 microbatch: mb,
             };
             let v = take(t, self.placement[s - 1])?;
-            *ws.block_input_mut(stage.blocks.start) = be.upload(&v);
+            ws.receive_block_input(stage.blocks.start, be.upload_owned(v));
         }
         for l in stage.blocks.clone() {
             hooks.before_forward(be, Unit::Block(l))?;

@@ -259,7 +259,7 @@ impl RankPlan {
         };
         let estimate = match ranks_sharing_memory {
             Some(_) => sizing.check_or_suggest(ac)?,
-            None => sizing.estimate(&ac.plan(args.n_layers)),
+            None => sizing.estimate(&sizing.plan_of(ac)),
         };
         Ok(RankPlan {
             args,
@@ -312,7 +312,10 @@ pub fn compose_rank<B: Backend>(
     let walk_shape = WalkShape {
         batch: cfg.training.local_batch_size,
         seq,
-        plan: &plan.ac.plan(plan.args.n_layers),
+        plan: &plan
+            .ac
+            .plan(plan.args.n_layers)
+            .with_residual(plan.param_dtype.residual()),
         timeout: std::time::Duration::from_secs(cfg.comm.train_timeout_seconds),
     };
     let layout = parallelize_layout(be, model, state, &plan.groups, plan.pipeline, walk_shape)?;

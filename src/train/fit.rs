@@ -40,6 +40,12 @@ pub struct RankSizing<'a> {
 }
 
 impl RankSizing<'_> {
+    /// What the blocks keep under `ac`, the residual stream stored as the parameters compute.
+    pub fn plan_of(&self, ac: AcMode) -> ActivationPlan {
+        ac.plan(self.args.n_layers)
+            .with_residual(self.param_dtype.residual())
+    }
+
     /// The estimate per rank when the blocks keep what `plan` says.
     pub fn estimate(&self, plan: &ActivationPlan) -> MemoryEstimate {
         let (args, local, batch, seq) = (self.args, self.local, self.batch, self.seq);
@@ -102,7 +108,7 @@ impl RankSizing<'_> {
         // its own, keeping no activations past each block (`train::validate`).
         let (vb, vs) = self.cfg.validation_shape();
         if self.cfg.validation.enable && ((vb, vs) != (batch, seq) || self.pipeline.is_some()) {
-            let forward_only = AcMode::Full.plan(args.n_layers);
+            let forward_only = self.plan_of(AcMode::Full);
             e.activations += workspace_floats(local, vb, vs, &forward_only) as u64 * 4;
         }
         e
@@ -111,7 +117,7 @@ impl RankSizing<'_> {
     /// The estimate of mode `ac`, checked against the free memory; when it does not fit, an
     /// error that names the checkpointing mode that would (per-op first: it recomputes least).
     pub fn check_or_suggest(&self, ac: AcMode) -> Result<MemoryEstimate> {
-        let estimate = self.estimate(&ac.plan(self.args.n_layers));
+        let estimate = self.estimate(&self.plan_of(ac));
         let what = format!(
             "model flavor {} at local_batch_size {} × seq_len {} (activation checkpointing: {})",
             self.cfg.model.flavor,
@@ -134,7 +140,7 @@ impl RankSizing<'_> {
         ]
         .into_iter()
         .filter(|(mode, _)| *mode != ac && *mode != AcMode::None)
-        .map(|(mode, keys)| (self.estimate(&mode.plan(self.args.n_layers)), keys))
+        .map(|(mode, keys)| (self.estimate(&self.plan_of(mode)), keys))
         .find(|(e, _)| e.total() < estimate.total() && fits(e).is_ok());
         match suggestion {
             Some((smaller, keys)) => bail!(

@@ -12,7 +12,7 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::data::{load_tokenizer, DataLoader, LoaderState};
 use crate::model::activation_checkpoint::AcMode;
-use crate::model::{LocalShapes, Workspace};
+use crate::model::{LocalShapes, ParamDtype, Workspace};
 use crate::parallel::layout::RankLayout;
 
 pub struct Validator<B: Backend> {
@@ -48,7 +48,10 @@ impl<B: Backend> Validator<B> {
         let pipelined = cfg.parallelism.pipeline_parallel_degree > 1;
         let own_shape = (batch, seq) != (cfg.training.local_batch_size, cfg.training.seq_len);
         let own_workspace = (own_shape || pipelined).then(|| {
-            let plan = AcMode::Full.plan(local.n_layers);
+            let param_dtype = ParamDtype::from_config(&cfg.training.mixed_precision_param);
+            let plan = AcMode::Full
+                .plan(local.n_layers)
+                .with_residual(param_dtype.residual());
             Workspace::planned(be, local, batch, seq, plan)
         });
         Ok(Some(Validator {

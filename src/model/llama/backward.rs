@@ -141,7 +141,8 @@ impl<B: Backend> Llama<B> {
             mla,
         };
         let positions = self.positions(rope, documents);
-        self.attention_backward(&run, &mut acts, attn, grads, &resid[l], positions)
+        let x = resid.read(be, l);
+        self.attention_backward(&run, &mut acts, attn, grads, x, positions)
     }
 
     /// ∂L/∂h from ∂L/∂out (`grads.dx` on entry and exit): the SwiGLU's row- then column-parallel

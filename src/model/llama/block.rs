@@ -58,7 +58,7 @@ impl<B: Backend> Llama<B> {
         }
     }
 
-    /// Block `l`'s forward from `ws.block_input(l)` to `ws.block_input(l + 1)`; attending to the
+    /// Block `l`'s forward from its input to block `l + 1`'s (the residual stream); attending to the
     /// workspace's KV cache and extending it when it holds one (generation).
     pub fn block_forward(
         &self,
@@ -128,7 +128,7 @@ impl<B: Backend> Llama<B> {
             pass,
             aux_stats: matches!(kv, KvSource::Sequences),
         };
-        let (before, after) = ws.resid.split_at_mut(l + 1);
+        let (input, output) = ws.resid.block_io(be, l);
         let scratch = (
             &mut ws.recomputed,
             &mut ws.ffn_recomputed[self.local.ffn_kind(l).index()],
@@ -136,15 +136,19 @@ impl<B: Backend> Llama<B> {
         let mut acts = BlockActs::pick(&mut ws.layers[l], scratch, run.save);
         let positions = self.positions(&ws.rope, &ws.documents);
         let scratch = (&mut ws.full, &mut ws.mla);
-        self.attention_half(&run, &mut acts, &before[l], scratch, positions, kv)?;
-        self.feed_forward_half(&run, &mut acts, &mut after[0], &mut ws.full)?;
+        self.attention_half(&run, &mut acts, input, scratch, positions, kv)?;
+        self.feed_forward_half(&run, &mut acts, output, &mut ws.full)?;
         if run.writes_output() {
             if let FeedForwardIds::Moe(_) = &run.id.ffn {
-                let moe_acts = self.experts_forward(&run, acts.normed_ffn, &mut after[0], l)?;
+                let moe_acts = self.experts_forward(&run, acts.normed_ffn, output, l)?;
                 // A block that keeps only its input recomputes its experts before its backward.
                 let keep = pass == Pass::RecomputeAll || run.save != BlockSave::Input;
                 ws.moe[l] = keep.then_some(moe_acts);
             }
+        }
+        // A recompute's output equals the stored one: only the forward stores it.
+        if pass == Pass::Forward {
+            ws.resid.commit(be, l + 1);
         }
         Ok(())
     }

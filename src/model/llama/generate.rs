@@ -38,7 +38,7 @@ impl<B: Backend> Llama<B> {
     pub fn head_last_logits(&self, be: &B, params: &ParamSet<B>, ws: &mut Workspace<B>) {
         let (a, n) = (&self.args, ws.batch * ws.seq);
         let d = a.dim;
-        let last = be.upload(&be.download(ws.block_input(a.n_layers))[(n - 1) * d..]);
+        let last = be.upload(&be.download(ws.resid.read(be, a.n_layers))[(n - 1) * d..]);
         let mut last_normed = be.zeros(d);
         let mut last_rstd = be.zeros(1);
         be.rmsnorm_forward(

@@ -54,7 +54,7 @@ impl<B: Backend> Llama<B> {
         be.rmsnorm_forward(
             &mut ws.normed_final,
             &mut ws.rstd_final,
-            &ws.resid[a.n_layers],
+            ws.resid.read(be, a.n_layers),
             &params.bufs[self.ids.norm],
             a.dim,
             a.norm_eps,
@@ -84,7 +84,7 @@ impl<B: Backend> Llama<B> {
             &mut ws.dx,
             frozen_or(be, &mut grads.bufs[self.ids.norm], &mut spare, a.dim),
             &ws.dnormed,
-            &ws.resid[a.n_layers],
+            ws.resid.read(be, a.n_layers),
             &params.bufs[self.ids.norm],
             &ws.rstd_final,
             a.dim,

@@ -44,6 +44,7 @@ mod head;
 mod mla;
 mod mla_scratch;
 mod positions;
+mod residual;
 mod run;
 mod workspace;
 mod workspace_floats;
@@ -466,11 +467,13 @@ impl<B: Backend> Llama<B> {
         let table = &params.bufs[self.ids.tok_embeddings];
         let d = self.args.dim;
         if self.local.tp == 1 {
-            be.embedding_forward(&mut ws.resid[0], table, &ws.inputs, d);
-            return Ok(());
+            be.embedding_forward(ws.resid.write(0), table, &ws.inputs, d);
+        } else {
+            be.embedding_forward(&mut ws.full, table, &ws.local_ids, d);
+            self.tp.reduce_scatter_rows(be, &ws.full, ws.resid.write(0))?;
         }
-        be.embedding_forward(&mut ws.full, table, &ws.local_ids, d);
-        self.tp.reduce_scatter_rows(be, &ws.full, &mut ws.resid[0])
+        ws.resid.commit(be, 0);
+        Ok(())
     }
 
     /// Adds the embedding gradient (after the first block's backward).

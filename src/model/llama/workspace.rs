@@ -6,9 +6,10 @@
 
 use super::generate::KvCache;
 use super::mla_scratch::MlaScratch;
+use super::residual::ResidualStream;
 use super::workspace_floats::{act_storage, needs_scratch_of, sized_by_ffn};
 use crate::backend::Backend;
-use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
+use crate::model::activation_checkpoint::{Act, AcMode, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
 use crate::model::local_shapes::{FfnKind, LocalShapes};
 use crate::model::moe::stats::ExpertStats;
@@ -60,11 +61,9 @@ pub struct Workspace<B: Backend> {
     /// Each input token's position in its document (`[batch, seq]`) when block-causal attention
     /// is on and some sequence holds more than one document (`positions.rs`).
     pub(super) documents: Option<Vec<u32>>,
-    /// Input of block `l` at `resid[l]`; the last entry is the final block's output. A pipeline
+    /// Input of block `l` at entry `l`; the last entry is the final block's output. A pipeline
     /// rank's entries of other ranks' blocks are empty (`ActivationPlan::holds_block_input`).
-    pub(super) resid: Vec<B::Buf>,
-    /// Values of one entry of `resid` (this rank's rows × dim).
-    resid_len: usize,
+    pub(super) resid: ResidualStream<B>,
     /// Each block's own activations (empty buffers for what it does not keep) and the shared set
     /// the blocks that keep less write and recompute theirs in; what each block keeps.
     pub(super) layers: Vec<LayerActs<B>>,
@@ -310,14 +309,13 @@ impl<B: Backend> Workspace<B> {
         swap(&mut self.dattn, &mut other.dattn);
         swap(&mut self.ffn_grads, &mut other.ffn_grads);
         swap(&mut self.mla, &mut other.mla);
+        self.resid.trade_transient(&mut other.resid);
     }
 
     /// The workspace of a forward with no backward after it (generation): the blocks' activations
     /// in one shared set, no gradient buffers.
     pub fn for_inference(backend: &B, m: &LocalShapes, batch: usize, seq: usize) -> Self {
-        let plan = ActivationPlan {
-            blocks: vec![BlockSave::Input; m.n_layers],
-        };
+        let plan = AcMode::Full.plan(m.n_layers);
         Self::allocate(backend, m, batch, seq, plan, Holds::Forward)
     }
 
@@ -351,11 +349,8 @@ impl<B: Backend> Workspace<B> {
             seq,
             rope: None,
             documents: None,
-            resid_len: r * d,
             // A pipeline rank's residual stream at its own blocks only.
-            resid: (0..=m.n_layers)
-                .map(|l| z(if plan.holds_block_input(l) { r * d } else { 0 }))
-                .collect(),
+            resid: ResidualStream::allocate(backend, &plan, r * d, transient),
             layers: (0..m.n_layers)
                 .map(|l| {
                     let save = plan.blocks[l];
@@ -422,20 +417,21 @@ impl<B: Backend> Workspace<B> {
         &self.plan
     }
 
-    /// The input of block `l` on this rank's rows: the embedding's output for `l = 0`, the final
-    /// norm's input for `l = n_layers` (a pipeline stage receives its input here and sends its
-    /// output from here).
+    /// The input of block `l` on this rank's rows, as stored (f32, or bf16 pairs under bf16
+    /// mixed precision): the embedding's output for `l = 0`, the final norm's input for
+    /// `l = n_layers`. A pipeline stage sends its output from here.
     pub fn block_input(&self, l: usize) -> &B::Buf {
-        &self.resid[l]
+        self.resid.stored(l)
     }
 
-    /// Values of a block input on this rank (what a pipeline stage sends and receives).
+    /// Length of a stored block input on this rank (what a pipeline stage sends and receives).
     pub fn block_input_len(&self) -> usize {
-        self.resid_len
+        self.resid.stored_len()
     }
 
-    pub fn block_input_mut(&mut self, l: usize) -> &mut B::Buf {
-        &mut self.resid[l]
+    /// Sets block `l`'s input to `stored` (a pipeline stage's received input, in the stored form).
+    pub fn receive_block_input(&mut self, l: usize, stored: B::Buf) {
+        self.resid.receive(l, stored);
     }
 
     /// The gradient the backward carries from block to block: ∂L/∂(output) of the next block to
@@ -466,7 +462,7 @@ mod tests {
     use super::super::workspace_floats::{WorkspaceFloats, WorkspacePart};
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::model::activation_checkpoint::AcMode;
+    use crate::model::activation_checkpoint::ResidualDtype;
 
     /// Values a workspace allocated, every buffer counted.
     fn allocated(be: &CpuBackend, ws: &Workspace<CpuBackend>) -> usize {
@@ -542,7 +538,7 @@ mod tests {
         .iter()
         .map(|b| be.len(b))
         .sum();
-        ws.resid.iter().map(|b| be.len(b)).sum::<usize>()
+        ws.resid.allocated(be)
             + ws.layers.iter().map(acts).sum::<usize>()
             + acts(&ws.recomputed)
             + ws.ffn_recomputed.iter().map(acts).sum::<usize>()
@@ -553,7 +549,8 @@ mod tests {
 
     /// The estimate counts what a workspace allocates, whole or as a pipeline rank's (its own
     /// blocks, the transient buffers in one workspace only), for dense, QK-norm and MLA blocks
-    /// under every checkpointing mode; trading the transient set moves it whole.
+    /// under every checkpointing mode, with the residual stream in f32 and in bf16; trading the
+    /// transient set moves it whole.
     #[test]
     fn the_estimate_counts_what_a_workspace_allocates() {
         let be = CpuBackend::new();
@@ -567,12 +564,15 @@ mod tests {
         models.push(mla);
         for args in &models {
             let m = LocalShapes::whole(args);
-            for mode in [AcMode::None, AcMode::Full, AcMode::Op, AcMode::EveryNth(2)] {
-                let whole = mode.plan(args.n_layers);
+            let modes = [AcMode::None, AcMode::Full, AcMode::Op, AcMode::EveryNth(2)];
+            let dtypes = [ResidualDtype::Float32, ResidualDtype::BFloat16];
+            for (mode, dtype) in modes.into_iter().flat_map(|m| dtypes.map(|d| (m, d))) {
+                let whole = mode.plan(args.n_layers).with_residual(dtype);
                 // A pipeline rank running the last two blocks.
                 let stage = whole.only(|l| l + 2 >= args.n_layers);
                 for plan in [whole, stage] {
-                    let what = format!("{mode:?}, {} blocks here", plan.block_inputs_held());
+                    let held = plan.block_inputs_held();
+                    let what = format!("{mode:?}, {dtype:?}, {held} blocks here");
                     let count = |part| WorkspaceFloats::of(&m, 2, 32, &plan, part).all;
                     let mut first = Workspace::planned(&be, &m, 2, 32, plan.clone());
                     let mut other = Workspace::planned_borrowing(&be, &m, 2, 32, plan.clone());

@@ -4,7 +4,8 @@
 //! estimate both read (`WorkspaceFloats`), so the two cannot drift apart.
 
 use super::mla_scratch::mla_scratch_floats;
-use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave};
+use super::residual::stored_len;
+use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave, ResidualDtype};
 use crate::model::local_shapes::{FfnKind, LocalShapes};
 
 /// Whether `act`'s size or storage depends on the block's feed-forward kind (its SwiGLU's width;
@@ -217,7 +218,13 @@ impl WorkspaceFloats {
         let (d, f, qd, kvd) = (m.dim, ffn_widths(m), m.q_dim(), m.kv_dim());
         let gathered = if m.tp > 1 { n * d } else { 0 };
         let shape = (batch, seq);
-        let resid = plan.block_inputs_held() * r * d;
+        // The stream's stored entries, and (bf16) the unpacked input and output of the block
+        // running (`ResidualStream`).
+        let resid = plan.block_inputs_held() * stored_len(plan.residual, r * d);
+        let unpacked = match plan.residual {
+            ResidualDtype::Float32 => 0,
+            ResidualDtype::BFloat16 => 2 * r * d,
+        };
         let final_norm = r * (d + 1) + gathered;
         let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };
         // The carried gradient (`dx`) lives from a microbatch's backward to the next stage's on
@@ -238,7 +245,7 @@ impl WorkspaceFloats {
         });
         let all = block_floats(m, shape, plan, part, |_| true)
             + part.if_kept(resid + final_norm + carried + moe_kept)
-            + part.if_transient(backward + moe_grads + mla);
+            + part.if_transient(backward + moe_grads + mla + unpacked);
         let bf16_alone =
             block_floats(m, shape, plan, part, |st| st.bf16_alone) + part.if_transient(3 * n * f);
         let copied = block_floats(m, shape, plan, part, |st| st.bf16_copy)
