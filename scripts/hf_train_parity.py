@@ -27,9 +27,15 @@ every 2-D weight but the embedding and the output head, and `torch.optim.AdamW` 
 bfloat16 (its module sees a `torch` whose bfloat16 is float32), nothing else changed.
 With --state-dtype bfloat16 every optimizer state tensor is rounded to bf16 after each step
 (titan's `[optimizer] state_dtype = "bfloat16"`: bf16 storage, fp32 arithmetic).
+With --param-dtype bfloat16 the model computes as FSDP2's `MixedPrecisionPolicy(param_dtype=
+bfloat16, reduce_dtype=float32)` has it (titan's `[training] mixed_precision_param = "bfloat16"`):
+each step the float32 master weights are cast to a bfloat16 copy of the model, which runs the
+forward and backward in bfloat16 (its logits cast to float32 for the loss, as TorchTitan's
+cross-entropy does); its gradients, cast to float32, are the masters' for clipping and AdamW.
 Needs torch and transformers (never a dependency of titan itself).
 """
 import argparse
+import copy
 import fnmatch
 import json
 import types
@@ -268,6 +274,7 @@ def main():
         help="titan's [optimizer] name: Adam adds the weight decay to the gradient (L2)",
     )
     ap.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--muon", default="{}", help="titan's [optimizer] Muon keys as JSON")
     ap.add_argument("--lora-adapters", help="a titan model.safetensors holding the adapters")
     ap.add_argument("--lora-alpha", type=float, default=16.0)
@@ -292,6 +299,8 @@ def main():
     else:
         optimizer = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[a.optimizer]
         opts = [optimizer(groups, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)]
+    # bf16 mixed precision: the compute copy the forward and backward run on.
+    compute = copy.deepcopy(model).to(torch.bfloat16) if a.param_dtype == "bfloat16" else model
     taken, out = 0, []
     for step in range(1, a.steps + 1):
         rows, masks = [], []
@@ -309,13 +318,21 @@ def main():
             kwargs["position_ids"], kwargs["attention_mask"] = block_causal_inputs(
                 inputs, a.document_start
             )
-        logits = model(input_ids=inputs, **kwargs).logits
+        if compute is not model:
+            with torch.no_grad():
+                for c, m in zip(compute.parameters(), model.parameters()):
+                    c.copy_(m)
+                    c.grad = None
+        logits = compute(input_ids=inputs, **kwargs).logits.float()
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100
         )
         for opt in opts:
             opt.zero_grad()
         loss.backward()
+        if compute is not model:
+            for c, m in zip(compute.parameters(), model.parameters()):
+                m.grad = None if c.grad is None else c.grad.float()
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_norm if a.max_norm > 0 else float("inf"))
         for opt in opts:
             for group in opt.param_groups:

@@ -99,6 +99,8 @@ pub(super) struct JobFigures {
     cp: Option<CpPerRank>,
     /// How the kept activations are stored (`MemoryEstimate::activation_dtype`).
     activation_dtype: &'static str,
+    /// How the residual stream between blocks is stored (`ResidualDtype::name`).
+    residual_dtype: &'static str,
     /// Rank 0's float8 GEMMs over the whole run and those that multiplied dequantised values
     /// (`Backend::float8_gemm_counts`; None without float8 GEMMs).
     float8_gemms: Option<(u64, u64)>,
@@ -148,6 +150,7 @@ impl JobFigures {
             float8_gemms: be.float8_gemm_counts(),
             cp,
             activation_dtype: estimate.activation_dtype(be.bf16_activation_f32_bytes()),
+            residual_dtype: estimate.residual.name(),
         })
     }
 }
@@ -375,6 +378,7 @@ impl<'a> BenchReport<'a> {
             "peak_rss_mib_per_rank": j.cp.as_ref().map(|c| &c.peaks),
             "loss_first": losses[0], "loss_last": losses[losses.len()-1]});
         object["activation_dtype"] = serde_json::json!(j.activation_dtype);
+        object["residual_dtype"] = serde_json::json!(j.residual_dtype);
         object["reduce_dtype"] = serde_json::json!(cfg.training.mixed_precision_reduce);
         object["float8"] = serde_json::json!(self.float8_recipe());
         object["float8_gemms"] = serde_json::json!(j.float8_gemms.map(|g| g.0));

@@ -219,6 +219,16 @@ pub enum ResidualDtype {
     BFloat16,
 }
 
+impl ResidualDtype {
+    /// The dtype's name, as PyTorch spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ResidualDtype::Float32 => "float32",
+            ResidualDtype::BFloat16 => "bfloat16",
+        }
+    }
+}
+
 /// What every block of a model keeps, and how the residual stream is stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActivationPlan {

@@ -30,7 +30,7 @@ use anyhow::{anyhow, bail, Result};
 
 use super::pipeline::schedule::{Action, Schedule, Work};
 use super::pipeline::stage::StageSplit;
-use super::pipeline::transfer::{with_transfers, Transfer};
+use super::pipeline::transfer::{with_transfers, Transfer, TransferLens};
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
@@ -450,8 +450,11 @@ fn run_list<B: Backend>(
             run_actions(&run, hooks, list, slots, tokens, &mut take, &send)?
         }
         Some(g) => {
-            let len = slots[0].block_input_len();
-            with_transfers(g, list.schedule, len, |mailbox, send| {
+            let lens = TransferLens {
+                activation: slots[0].block_input_len(),
+                gradient: be.len(slots[0].carried_grad()),
+            };
+            with_transfers(g, list.schedule, lens, |mailbox, send| {
                 let mut take = |t: Transfer, peer: usize| {
                     let t0 = Instant::now();
                     let v = mailbox.take(t, peer, timeout);

@@ -77,7 +77,7 @@ impl<B: Backend> Banner<'_, B> {
                 cfg.optimizer.name,
                 gib(est.optimizer),
                 gib(est.activations),
-                est.activation_dtype(self.be.bf16_activation_f32_bytes()),
+                est.describe_activations(self.be.bf16_activation_f32_bytes()),
                 gib(est.scratch),
                 self.data,
                 self.global_batch,

@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::config::muon_updates;
 use crate::memory_timeline::Category;
 use crate::model::{
-    activation_checkpoint::ActivationPlan,
+    activation_checkpoint::{ActivationPlan, ResidualDtype},
     llama::{WorkspaceFloats, WorkspacePart},
     params::{local_param_specs, param_specs},
     LocalShapes, ModelArgs,
@@ -125,6 +125,8 @@ pub struct MemoryEstimate {
     /// What the optimizer step holds for a moment, after the activations are freed: Muon's
     /// whole matrices this rank orthogonalises and the exchange's buffers (0 for AdamW).
     pub optimizer_step: u64,
+    /// How the residual stream between blocks is stored (in `activations`).
+    pub residual: ResidualDtype,
 }
 
 impl MemoryEstimate {
@@ -152,6 +154,7 @@ impl MemoryEstimate {
             activation_copies: 0,
             f32_left_out: 0,
             optimizer_step: 0,
+            residual: plan.residual,
         }
     }
 
@@ -330,6 +333,15 @@ impl MemoryEstimate {
             (_, true) => "float32+bfloat16",
             _ => "float32",
         }
+    }
+
+    /// `activation_dtype` and the residual stream's storage, for the start-up memory line.
+    pub fn describe_activations(&self, gemm_only_f32_bytes: u64) -> String {
+        format!(
+            "{}, residual stream {}",
+            self.activation_dtype(gemm_only_f32_bytes),
+            self.residual.name()
+        )
     }
 }
 

@@ -470,7 +470,8 @@ impl<B: Backend> Llama<B> {
             be.embedding_forward(ws.resid.write(0), table, &ws.inputs, d);
         } else {
             be.embedding_forward(&mut ws.full, table, &ws.local_ids, d);
-            self.tp.reduce_scatter_rows(be, &ws.full, ws.resid.write(0))?;
+            self.tp
+                .reduce_scatter_rows(be, &ws.full, ws.resid.write(0))?;
         }
         ws.resid.commit(be, 0);
         Ok(())

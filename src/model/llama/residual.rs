@@ -143,3 +143,61 @@ pub(super) fn stored_len(dtype: ResidualDtype, values: usize) -> usize {
         ResidualDtype::BFloat16 => values.div_ceil(2),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::activation_checkpoint::AcMode;
+    use crate::model::llama::{Llama, Workspace};
+    use crate::model::local_shapes::LocalShapes;
+    use crate::model::{init_params, ModelArgs};
+
+    /// In bf16 each block's output is stored as the f32 stream's value rounded to bf16 (the
+    /// first block reads the same input either way, so its output rounds exactly), at half the
+    /// words; the loss stays close to f32's. With full checkpointing the recompute reads the
+    /// stored input, so the backward sees what the forward saw.
+    #[test]
+    fn a_bf16_stream_stores_each_block_output_rounded_at_half_the_words() {
+        let be = CpuBackend::new();
+        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let (batch, seq) = (2, 16);
+        let model = Llama::new(&be, args.clone(), seq).unwrap();
+        // The weights as bf16 mixed precision computes with them: the embedding's rows, so block
+        // 0's input, are bf16 values either way.
+        let mut params = init_params(&be, &args, 7);
+        params.bufs.iter_mut().for_each(|b| be.round_to_bf16(b));
+        let tokens: Vec<u32> = (0..batch * (seq + 1))
+            .map(|i| (i * 37 % args.vocab_size) as u32)
+            .collect();
+        let m = LocalShapes::whole(&args);
+        let run = |dtype| {
+            let plan = AcMode::Full.plan(args.n_layers).with_residual(dtype);
+            let mut ws = Workspace::planned(&be, &m, batch, seq, plan);
+            let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
+            (loss.sum / loss.count as f64, ws)
+        };
+        let (exact, mut f32_ws) = run(ResidualDtype::Float32);
+        let (rounded, mut bf16_ws) = run(ResidualDtype::BFloat16);
+        let values = batch * seq * args.dim;
+        assert_eq!(be.len(bf16_ws.resid.stored(1)), values / 2);
+        assert_eq!(be.len(f32_ws.resid.stored(1)), values);
+        let mut expected = f32_ws.resid.read(&be, 1).clone();
+        be.round_to_bf16(&mut expected);
+        let stored = bf16_ws.resid.read(&be, 1);
+        let differ = stored.iter().zip(&expected).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            differ, 0,
+            "block 0's output: {differ} of {values} values not f32's rounded"
+        );
+        let last = bf16_ws.resid.read(&be, args.n_layers).clone();
+        let mut again = last.clone();
+        be.round_to_bf16(&mut again);
+        assert!(last == again, "the last block's output is stored in bf16");
+        assert_ne!(exact, rounded, "the rounding is real");
+        assert!(
+            (exact - rounded).abs() < 1e-2 * exact,
+            "{exact} vs {rounded}"
+        );
+    }
+}

@@ -9,7 +9,7 @@ use super::mla_scratch::MlaScratch;
 use super::residual::ResidualStream;
 use super::workspace_floats::{act_storage, needs_scratch_of, sized_by_ffn};
 use crate::backend::Backend;
-use crate::model::activation_checkpoint::{Act, AcMode, ActivationPlan, BlockSave};
+use crate::model::activation_checkpoint::{AcMode, Act, ActivationPlan, BlockSave};
 use crate::model::args::ModelArgs;
 use crate::model::local_shapes::{FfnKind, LocalShapes};
 use crate::model::moe::stats::ExpertStats;

@@ -30,6 +30,24 @@ pub enum Transfer {
     Gradient { stage: usize, microbatch: usize },
 }
 
+/// Values a transfer holds: a stage's input activations as the workspace stores its block inputs
+/// (bf16 pairs under bf16 mixed precision: half the f32 values), an output gradient in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransferLens {
+    pub activation: usize,
+    pub gradient: usize,
+}
+
+impl Transfer {
+    /// Values this transfer holds.
+    pub fn len(&self, lens: TransferLens) -> usize {
+        match self {
+            Transfer::Activation { .. } => lens.activation,
+            Transfer::Gradient { .. } => lens.gradient,
+        }
+    }
+}
+
 impl std::fmt::Display for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -176,12 +194,12 @@ impl Mailbox {
 
 /// Runs `compute` with this rank's transfers of one pass of `schedule` moving on their own
 /// threads: `compute` gets the mailbox to take received values from and a function that sends a
-/// transfer to a pipeline rank. Each transfer holds `len` values; receives and sends have the
-/// group's timeout.
+/// transfer to a pipeline rank. Each transfer holds the values `lens` says for its kind; receives
+/// and sends have the group's timeout.
 pub fn with_transfers<T>(
     group: &dyn ProcessGroup,
     schedule: &Schedule,
-    len: usize,
+    lens: TransferLens,
     compute: impl FnOnce(&Mailbox, &dyn Fn(usize, Transfer, Vec<f32>) -> Result<()>) -> Result<T>,
 ) -> Result<T> {
     let me = group.rank();
@@ -208,7 +226,7 @@ pub fn with_transfers<T>(
                         if !mailbox.wait_wanted(peer, k) {
                             return;
                         }
-                        let mut buf = vec![0f32; len];
+                        let mut buf = vec![0f32; t.len(lens)];
                         if let Err(e) = group.recv(&mut buf, peer) {
                             mailbox.fail(format!("{e:#}"));
                             return;
@@ -235,10 +253,11 @@ pub fn with_transfers<T>(
             }
         }
         let send = |peer: usize, t: Transfer, values: Vec<f32>| -> Result<()> {
-            if values.len() != len {
+            if values.len() != t.len(lens) {
                 return Err(anyhow!(
-                    "pipeline: {t} holds {} values, expected {len}",
-                    values.len()
+                    "pipeline: {t} holds {} values, expected {}",
+                    values.len(),
+                    t.len(lens)
                 ));
             }
             outboxes
