@@ -112,6 +112,12 @@ stage documents_tc_cuda 60 sh -c "'$BIN' train $docs_tc --training.mixed_precisi
 rm -rf "$OUT_DIR/lora_gpu" "$OUT_DIR/lora_cpu" "$OUT_DIR/lora_bf16_gpu"
 lora="--quiet --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.converters lora --optimizer.lr 1e-2 --training.local_batch_size 4"
 stage lora_cuda 60 sh -c "'$BIN' train $lora --training.mixed_precision_param float32 --training.device cuda --job.dump_folder '$OUT_DIR/lora_gpu' && '$BIN' train $lora --training.mixed_precision_param float32 --training.device cpu --job.dump_folder '$OUT_DIR/lora_cpu' && '$BIN' train $lora --training.mixed_precision_param bfloat16 --training.device cuda --job.dump_folder '$OUT_DIR/lora_bf16_gpu'"
+# bf16 residual stream (issue 41): block outputs stored as bf16 pairs through the pack/unpack
+# kernels FSDP's gathers use, read back for the recompute under full AC; one process and FSDP 2,
+# against the same bf16 run on the CPU (which computes the blocks' GEMMs in f32: bf16 tolerance).
+rm -rf "$OUT_DIR"/resid_bf16_*
+resid="--quiet --training.mixed_precision_param bfloat16 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --activation_checkpoint.mode full --training.local_batch_size 4"
+stage residual_bf16_cuda 60 sh -c "'$BIN' train $resid --training.device cuda --job.dump_folder '$OUT_DIR/resid_bf16_gpu' && '$BIN' train $resid --training.device cpu --job.dump_folder '$OUT_DIR/resid_bf16_cpu' && '$BIN' train --nproc 2 $resid --training.local_batch_size 2 --training.device cuda --job.dump_folder '$OUT_DIR/resid_bf16_fsdp2_gpu'"
 # Muon (issue 46) on CUDA: the Newton-Schulz iteration through the device's GEMMs (the check
 # stages' `muon newton_schulz` rows compare it alone), fp32 and bf16 state, against the CPU; and
 # FSDP 2 on one GPU (the matrices exchanged through the host, each orthogonalised by one rank).
@@ -387,6 +393,8 @@ def documents_report():
     against_cpu("docs_tc_gpu", "docs_tc_cpu", "block-causal documents on tensor cores",
                 "bf16 (CPU fp32)", 2e-2)
 def lora_report():
+    against_cpu("resid_bf16_gpu", "resid_bf16_cpu", "bf16 residual stream, full AC, on CUDA", "bf16", 2e-2)
+    against_cpu("resid_bf16_fsdp2_gpu", "resid_bf16_cpu", "bf16 residual stream, full AC, FSDP 2 on CUDA", "bf16", 2e-2)
     against_cpu("lora_gpu", "lora_cpu", "LoRA on CUDA")
     against_cpu("lora_bf16_gpu", "lora_cpu", "LoRA bf16 on CUDA", "bf16 (CPU fp32)", 2e-2)
 def deepseek_report():
