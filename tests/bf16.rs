@@ -73,7 +73,8 @@ fn assert_close(a: &[(u64, f64)], b: &[(u64, f64)], tol: f64, what: &str) -> f64
 
 /// Every layout in bf16 against one process in bf16, loss and gradient norm within 1e-3 over 10
 /// steps: the stream is rounded per value, so layouts differ only where an f32 sum's order moves
-/// a value across a bf16 rounding boundary. Pipelines send the stored bf16 pairs.
+/// a value across a bf16 rounding boundary. Pipelines send the stored bf16 pairs; zero-bubble
+/// schedules read the stored inputs for their deferred weight gradients.
 #[test]
 #[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
 fn bf16_layouts_match_one_process_in_bf16() {
@@ -95,6 +96,18 @@ fn bf16_layouts_match_one_process_in_bf16() {
     // Data-parallel ranks take half the sequences each.
     let half = ["--training.local_batch_size", "2"];
     let ac_full = ["--activation_checkpoint.mode", "full"];
+    let ac_op = [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ];
+    let float8 = [
+        "--model.converters",
+        "quantize.linear.float8",
+        "--quantize.linear.float8.recipe_name",
+        "rowwise",
+    ];
     let cases: Vec<(&str, &str, Vec<&str>, Vec<&str>)> = vec![
         ("FSDP 2, full AC", "2", ac_full.to_vec(), half.to_vec()),
         (
@@ -125,6 +138,43 @@ fn bf16_layouts_match_one_process_in_bf16() {
             "2",
             [&layers[..], &ac_full[..]].concat(),
             pp("Interleaved1F1B"),
+        ),
+        (
+            "PP 2, ZBV zero bubble",
+            "2",
+            layers.to_vec(),
+            pp("ZBVZeroBubble"),
+        ),
+        ("PP 2, DualPipeV", "2", layers.to_vec(), pp("DualPipeV")),
+        (
+            "PP 2, Interleaved 1F1B, DeepSeek-V3 (MLA, MoE)",
+            "2",
+            [&common::TINY_DEEPSEEK[..], &ac_op[..]].concat(),
+            pp("Interleaved1F1B"),
+        ),
+        (
+            "HSDP 2 × 2, per-op AC",
+            "4",
+            ac_op.to_vec(),
+            vec![
+                "--training.local_batch_size",
+                "1",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+            ],
+        ),
+        (
+            "async TP 2, float8 rowwise",
+            "2",
+            float8.to_vec(),
+            vec![
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--parallelism.enable_async_tensor_parallel",
+                "true",
+            ],
         ),
         (
             "EP 2 (Qwen3-MoE)",
