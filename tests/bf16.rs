@@ -149,7 +149,7 @@ fn bf16_layouts_match_one_process_in_bf16() {
         (
             "PP 2, Interleaved 1F1B, DeepSeek-V3 (MLA, MoE)",
             "2",
-            [&common::TINY_DEEPSEEK[..], &ac_op[..]].concat(),
+            [common::TINY_DEEPSEEK, &ac_op[..]].concat(),
             pp("Interleaved1F1B"),
         ),
         (
