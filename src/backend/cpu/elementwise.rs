@@ -53,6 +53,42 @@ pub fn round_to_bf16(buf: &mut [f32]) {
     });
 }
 
+/// `words[i]` = `src[2i]` and `src[2i + 1]` (0 past the end) rounded to bf16, low half first: the
+/// layout of `tensor::pack_bf16_pairs`, written in place by the pool's threads.
+pub fn pack_bf16_pairs(words: &mut [f32], src: &[f32]) {
+    assert_eq!(
+        words.len(),
+        src.len().div_ceil(2),
+        "pack_bf16_pairs: lengths"
+    );
+    let bits = |v: f32| half::bf16::from_f32(v).to_bits() as u32;
+    words
+        .par_chunks_mut(CHUNK / 2)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(w, s)| {
+            for (word, pair) in w.iter_mut().zip(s.chunks(2)) {
+                let hi = pair.get(1).map_or(0, |&v| bits(v));
+                *word = f32::from_bits(bits(pair[0]) | (hi << 16));
+            }
+        });
+}
+
+/// The values `pack_bf16_pairs` packed into `words`, widened to f32 (`out`'s length of them).
+pub fn unpack_bf16_pairs(out: &mut [f32], words: &[f32]) {
+    assert!(words.len() * 2 >= out.len(), "unpack_bf16_pairs: lengths");
+    out.par_chunks_mut(CHUNK)
+        .zip(words.par_chunks(CHUNK / 2))
+        .for_each(|(o, w)| {
+            for (pair, word) in o.chunks_mut(2).zip(w) {
+                let bits = word.to_bits();
+                pair[0] = f32::from_bits(bits << 16);
+                if let Some(v) = pair.get_mut(1) {
+                    *v = f32::from_bits(bits & 0xffff_0000);
+                }
+            }
+        });
+}
+
 pub fn scale(buf: &mut [f32], factor: f32) {
     buf.par_chunks_mut(CHUNK)
         .for_each(|b| b.iter_mut().for_each(|v| *v *= factor));
@@ -73,4 +109,33 @@ pub fn sum_squares(buf: &[f32]) -> f64 {
             .sum::<f64>();
     });
     partials.iter().sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The threaded packing writes `tensor::pack_bf16_pairs`'s words bit for bit (odd lengths and
+    /// lengths across chunk boundaries), and unpacking gives back each value rounded to bf16.
+    #[test]
+    fn bf16_pairs_pack_as_the_tensor_layout_and_unpack_to_the_rounded_values() {
+        for n in [1, 7, CHUNK - 1, CHUNK, 3 * CHUNK + 5] {
+            let src: Vec<f32> = (0..n)
+                .map(|i| (i as f32 * 0.37).sin() * 1e3 + 0.1)
+                .collect();
+            let mut words = vec![0.0; n.div_ceil(2)];
+            pack_bf16_pairs(&mut words, &src);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&words),
+                bits(&crate::tensor::pack_bf16_pairs(&src)),
+                "{n}"
+            );
+            let mut back = vec![0.0; n];
+            unpack_bf16_pairs(&mut back, &words);
+            let mut rounded = src.clone();
+            round_to_bf16(&mut rounded);
+            assert_eq!(bits(&back), bits(&rounded), "{n}");
+        }
+    }
 }

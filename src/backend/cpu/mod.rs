@@ -325,13 +325,12 @@ impl Backend for CpuBackend {
         elementwise::sum_squares(buf)
     }
     fn pack_bf16_pairs(&self, words: &mut Vec<f32>, src: &Vec<f32>) {
-        let packed = crate::tensor::pack_bf16_pairs(src);
-        words.copy_from_slice(&packed);
+        let _timer = self.profiler.time("pack_bf16_pairs");
+        elementwise::pack_bf16_pairs(words, src);
     }
     fn unpack_bf16_pairs(&self, out: &mut Vec<f32>, words: &Vec<f32>) {
-        for (i, v) in out.iter_mut().enumerate() {
-            *v = crate::tensor::bf16_pair_value(words, i);
-        }
+        let _timer = self.profiler.time("unpack_bf16_pairs");
+        elementwise::unpack_bf16_pairs(out, words);
     }
     fn round_to_bf16(&self, buf: &mut Vec<f32>) {
         let _timer = self.profiler.time("round_to_bf16");
