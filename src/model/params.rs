@@ -625,11 +625,6 @@ impl<B: Backend> ParamSet<B> {
     pub fn zero(&mut self, backend: &B) {
         backend.fill_all(&mut self.bufs, 0.0);
     }
-
-    /// Makes this set (same shapes) the compute copy of `master`: copied, then rounded to bf16.
-    pub fn refresh_bf16_copy(&mut self, backend: &B, master: &ParamSet<B>) {
-        backend.copy_rounded_to_bf16_all(&mut self.bufs, &master.bufs);
-    }
 }
 
 #[cfg(test)]

@@ -12,27 +12,52 @@ use crate::model::params::LayerIds;
 use crate::model::ParamSet;
 
 /// The whole (tensor-parallel rank's) model: one process, or DDP with `ddp`.
+///
+/// With bf16 mixed precision the forward and backward compute with a rounded copy
+/// (`bf16_copy`). Its parameters outside the blocks (embedding, final norm, output) are rounded
+/// once a step and before a pass without a backward; a block's exist only while the block runs:
+/// rounded from the masters before its forward and again before its backward, freed after each,
+/// as FSDP2 with `reshard_after_forward` holds one block's bf16 parameters at a time. So the copy
+/// costs the parameters outside the blocks and one block, not a second model.
 pub struct WholeParams<B: Backend> {
     pub params: ParamSet<B>,
     pub grads: ParamSet<B>,
-    /// With bf16 mixed precision, the rounded set the forward and backward compute with.
+    /// With bf16 mixed precision, the rounded set the forward and backward compute with (a
+    /// block's tensors empty while it does not run).
     pub bf16_copy: Option<ParamSet<B>>,
     pub ddp: Option<Ddp<B>>,
     /// DDP sums each block's gradients as soon as they are final in the last microbatch's
     /// backward (false under a pipeline: every gradient at once after the step's last microbatch).
     pub ddp_per_block: bool,
-    /// The pass in progress: whether DDP reduces during it, and each block's parameters.
+    /// The pass in progress: whether DDP reduces during it.
     reducing: bool,
+    /// Each block's parameters.
     blocks: Vec<Vec<usize>>,
 }
 
 impl<B: Backend> WholeParams<B> {
+    /// `blocks[l]`: block `l`'s parameters; `bf16`: compute with a rounded copy.
     pub fn new(
-        params: ParamSet<B>,
-        grads: ParamSet<B>,
-        bf16_copy: Option<ParamSet<B>>,
+        be: &B,
+        (params, grads): (ParamSet<B>, ParamSet<B>),
+        bf16: bool,
         ddp: Option<Ddp<B>>,
+        blocks: Vec<Vec<usize>>,
     ) -> Self {
+        let bf16_copy = bf16.then(|| {
+            let in_blocks: std::collections::HashSet<usize> =
+                blocks.iter().flatten().copied().collect();
+            ParamSet {
+                names: params.names.clone(),
+                shapes: params.shapes.clone(),
+                bufs: (0..params.bufs.len())
+                    .map(|i| match in_blocks.contains(&i) {
+                        true => be.zeros(0),
+                        false => be.zeros(be.len(&params.bufs[i])),
+                    })
+                    .collect(),
+            }
+        });
         WholeParams {
             params,
             grads,
@@ -40,14 +65,38 @@ impl<B: Backend> WholeParams<B> {
             ddp,
             ddp_per_block: true,
             reducing: false,
-            blocks: Vec::new(),
+            blocks,
         }
     }
 
-    /// Rounds the bf16 compute copy from the master weights.
+    /// Rounds the bf16 compute copy of the parameters outside the blocks from the masters.
     fn refresh_copy(&mut self, be: &B) {
         if let Some(c) = self.bf16_copy.as_mut() {
-            c.refresh_bf16_copy(be, &self.params);
+            let in_blocks: std::collections::HashSet<usize> =
+                self.blocks.iter().flatten().copied().collect();
+            for i in (0..c.bufs.len()).filter(|i| !in_blocks.contains(i)) {
+                be.copy_rounded_to_bf16_all(&mut c.bufs[i..=i], &self.params.bufs[i..=i]);
+            }
+        }
+    }
+
+    /// Makes block `l`'s compute copy (rounded from the masters) for its forward or backward.
+    fn round_block(&mut self, be: &B, unit: Unit) {
+        let (Some(c), Unit::Block(l)) = (self.bf16_copy.as_mut(), unit) else {
+            return;
+        };
+        for &i in &self.blocks[l] {
+            c.bufs[i] = be.uninit(be.len(&self.params.bufs[i]));
+            be.copy_rounded_to_bf16_all(&mut c.bufs[i..=i], &self.params.bufs[i..=i]);
+        }
+    }
+
+    /// Frees block `l`'s compute copy.
+    fn free_block(&mut self, be: &B, unit: Unit) {
+        if let (Some(c), Unit::Block(l)) = (self.bf16_copy.as_mut(), unit) {
+            for &i in &self.blocks[l] {
+                c.bufs[i] = be.zeros(0);
+            }
         }
     }
 }
@@ -68,13 +117,27 @@ impl<B: Backend> ParamHooks<B> for WholeParams<B> {
                 false
             }
         };
-        if self.reducing && self.blocks.is_empty() {
-            self.blocks = blocks.to_vec();
-        }
+        debug_assert_eq!(self.blocks, blocks, "the walk's blocks are the state's");
+        Ok(())
+    }
+
+    fn before_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        self.round_block(be, unit);
+        Ok(())
+    }
+
+    fn after_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        self.free_block(be, unit);
+        Ok(())
+    }
+
+    fn before_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        self.round_block(be, unit);
         Ok(())
     }
 
     fn after_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
+        self.free_block(be, unit);
         if let (Unit::Block(l), true, Some(ddp)) = (unit, self.reducing, self.ddp.as_mut()) {
             ddp.block_done(be, &self.blocks[l], &mut self.grads)?;
         }
@@ -184,5 +247,52 @@ impl<B: Backend> ParamState<B> {
             ParamState::Whole(_) => None,
             ParamState::Sharded(s) => Some(s.fsdp.take_gathered_bytes()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::{init_params, Llama, ModelArgs};
+
+    /// Under bf16 a block's compute copy exists from its forward's start to its end (and again
+    /// around its backward), rounded from the masters; at most the parameters outside the blocks
+    /// and one block are held, what the memory estimate counts.
+    #[test]
+    fn a_blocks_bf16_copy_lives_while_the_block_runs() {
+        let be = CpuBackend::new();
+        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let model = Llama::new(&be, args.clone(), 16).unwrap();
+        let params = init_params(&be, &args, 3);
+        let grads = ParamSet::zeros(&be, &model.param_specs());
+        let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();
+        let mut w = WholeParams::new(&be, (params, grads), true, None, blocks.clone());
+        let held = |w: &WholeParams<CpuBackend>| -> usize {
+            w.bf16_copy
+                .as_ref()
+                .unwrap()
+                .bufs
+                .iter()
+                .map(|b| b.len())
+                .sum()
+        };
+        let lens: Vec<usize> = w.params.bufs.iter().map(|b| b.len()).collect();
+        let in_block = |l: usize| blocks[l].iter().map(|&i| lens[i]).sum::<usize>();
+        let outside = lens.iter().sum::<usize>() - (0..args.n_layers).map(in_block).sum::<usize>();
+        assert_eq!(held(&w), outside);
+        w.before_forward(&be, Unit::Block(1)).unwrap();
+        assert_eq!(held(&w), outside + in_block(1));
+        for &i in &blocks[1] {
+            let mut rounded = w.params.bufs[i].clone();
+            be.round_to_bf16(&mut rounded);
+            assert_eq!(w.bf16_copy.as_ref().unwrap().bufs[i], rounded);
+        }
+        w.after_forward(&be, Unit::Block(1)).unwrap();
+        assert_eq!(held(&w), outside);
+        w.before_backward(&be, Unit::Block(0)).unwrap();
+        assert_eq!(held(&w), outside + in_block(0));
+        w.after_backward(&be, Unit::Block(0)).unwrap();
+        assert_eq!(held(&w), outside);
     }
 }

@@ -24,7 +24,7 @@ use crate::memory_timeline;
 use crate::model::activation_checkpoint::AcMode;
 use crate::model::float8_convert::Float8Conversion;
 use crate::model::params::TpSharding;
-use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ParamSet, ReduceDtype};
+use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ReduceDtype};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, Float8Gather, ReshardPolicy, ShardedParams};
 use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
@@ -462,9 +462,9 @@ fn param_state<B: Backend>(
             let ddp = dist.filter(|_| !plan.fsdp && dp_size > 1).map(|d| {
                 crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer, plan.reduce_dtype)
             });
-            let bf16_copy = (plan.param_dtype == ParamDtype::BFloat16)
-                .then(|| ParamSet::zeros(be, &model.param_specs()));
-            ParamState::Whole(WholeParams::new(params, grads, bf16_copy, ddp))
+            let bf16 = plan.param_dtype == ParamDtype::BFloat16;
+            let blocks = model.ids.layers.iter().map(|l| l.all()).collect();
+            ParamState::Whole(WholeParams::new(be, (params, grads), bf16, ddp, blocks))
         }
     };
     Ok((state, opt, resumed))

@@ -68,7 +68,8 @@ impl RankSizing<'_> {
             e.scratch += blocks.max(head);
         }
         if self.param_dtype == ParamDtype::BFloat16 && self.fsdp_shard.is_none() {
-            e = e.with_compute_copy(self.be);
+            let held = self.pipeline.map_or(1.0, |p| p.held_fraction(args, local));
+            e = e.with_compute_copy(self.be, (args, local), held);
         }
         e = match (self.pipeline, self.fsdp_shard) {
             (Some(p), shard) => {

@@ -85,6 +85,22 @@ fn local_counts(args: &ModelArgs, m: &LocalShapes, trainable_only: bool) -> (u64
     )
 }
 
+/// Parameters of this rank's largest block (blocks differ: dense and mixture-of-experts).
+fn largest_block_params(args: &ModelArgs, m: &LocalShapes) -> u64 {
+    let specs = local_param_specs(args, m.tp);
+    (0..args.n_layers)
+        .map(|l| {
+            let prefix = format!("layers.{l}.");
+            specs
+                .iter()
+                .filter(|(name, _)| name.starts_with(&prefix) && m.holds(name))
+                .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// Where Muon's matrices are spread (`MemoryEstimate::with_muon`): the share of the model a
 /// pipeline rank holds, the ranks holding each of its stage's matrices (all of a stage's ranks but
 /// none of another's), and the shards FSDP cuts a matrix into.
@@ -220,7 +236,6 @@ impl MemoryEstimate {
         let part = |x: u64| (x as f64 * held).ceil() as u64;
         let (params, grads, optimizer) =
             (part(self.params), part(self.grads), part(self.optimizer));
-        self.compute_copy = part(self.compute_copy);
         (self.params, self.grads, self.optimizer) = match fsdp_shard {
             Some(n) => {
                 let n = n.max(1) as u64;
@@ -243,9 +258,18 @@ impl MemoryEstimate {
     }
 
     /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP, as `be`
-    /// stores it (`Backend::compute_copy_bytes_per_param`).
-    pub fn with_compute_copy(mut self, be: &dyn DeviceSizing) -> Self {
-        self.compute_copy = self.params / 4 * be.compute_copy_bytes_per_param();
+    /// stores it (`Backend::compute_copy_bytes_per_param`): the parameters outside the blocks
+    /// (`held` of them on a pipeline rank) and the largest block's, one block existing at a time
+    /// (`parallel::param_state::WholeParams`).
+    pub fn with_compute_copy(
+        mut self,
+        be: &dyn DeviceSizing,
+        (args, m): (&ModelArgs, &LocalShapes),
+        held: f64,
+    ) -> Self {
+        let outside = local_param_counts(args, m).1;
+        let copied = (outside as f64 * held).ceil() as u64 + largest_block_params(args, m);
+        self.compute_copy = copied * be.compute_copy_bytes_per_param();
         self
     }
 
