@@ -31,8 +31,9 @@ pub struct WholeParams<B: Backend> {
     pub ddp_per_block: bool,
     /// The pass in progress: whether DDP reduces during it.
     reducing: bool,
-    /// Each block's parameters.
+    /// Each block's parameters, and those outside every block.
     blocks: Vec<Vec<usize>>,
+    outside: Vec<usize>,
 }
 
 impl<B: Backend> WholeParams<B> {
@@ -44,19 +45,20 @@ impl<B: Backend> WholeParams<B> {
         ddp: Option<Ddp<B>>,
         blocks: Vec<Vec<usize>>,
     ) -> Self {
-        let bf16_copy = bf16.then(|| {
-            let in_blocks: std::collections::HashSet<usize> =
-                blocks.iter().flatten().copied().collect();
-            ParamSet {
-                names: params.names.clone(),
-                shapes: params.shapes.clone(),
-                bufs: (0..params.bufs.len())
-                    .map(|i| match in_blocks.contains(&i) {
-                        true => be.zeros(0),
-                        false => be.zeros(be.len(&params.bufs[i])),
-                    })
-                    .collect(),
-            }
+        let in_blocks: std::collections::HashSet<usize> =
+            blocks.iter().flatten().copied().collect();
+        let outside: Vec<usize> = (0..params.bufs.len())
+            .filter(|i| !in_blocks.contains(i))
+            .collect();
+        let bf16_copy = bf16.then(|| ParamSet {
+            names: params.names.clone(),
+            shapes: params.shapes.clone(),
+            bufs: (0..params.bufs.len())
+                .map(|i| match in_blocks.contains(&i) {
+                    true => be.zeros(0),
+                    false => be.zeros(be.len(&params.bufs[i])),
+                })
+                .collect(),
         });
         WholeParams {
             params,
@@ -66,15 +68,14 @@ impl<B: Backend> WholeParams<B> {
             ddp_per_block: true,
             reducing: false,
             blocks,
+            outside,
         }
     }
 
     /// Rounds the bf16 compute copy of the parameters outside the blocks from the masters.
     fn refresh_copy(&mut self, be: &B) {
         if let Some(c) = self.bf16_copy.as_mut() {
-            let in_blocks: std::collections::HashSet<usize> =
-                self.blocks.iter().flatten().copied().collect();
-            for i in (0..c.bufs.len()).filter(|i| !in_blocks.contains(i)) {
+            for &i in &self.outside {
                 be.copy_rounded_to_bf16_all(&mut c.bufs[i..=i], &self.params.bufs[i..=i]);
             }
         }
