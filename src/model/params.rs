@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 
-use super::activation_checkpoint::ResidualDtype;
+use super::activation_checkpoint::{AcMode, ActivationPlan, ResidualDtype};
 use super::args::ModelArgs;
 use super::lora_args::{self as lora, LoraIds};
 use super::mla::MlaArgs;
@@ -498,13 +498,14 @@ impl ParamDtype {
         }
     }
 
-    /// How the residual stream between blocks is stored: in bf16 when the blocks compute in
-    /// bf16, as a block's output is under PyTorch's bf16 mixed precision.
-    pub fn residual(self) -> ResidualDtype {
-        match self {
+    /// What the blocks keep under `ac`, with the residual stream between them stored in bf16
+    /// when they compute in bf16 (as a block's output is under PyTorch's bf16 mixed precision).
+    pub fn activation_plan(self, ac: AcMode, n_layers: usize) -> ActivationPlan {
+        let residual = match self {
             ParamDtype::Float32 => ResidualDtype::Float32,
             ParamDtype::BFloat16 => ResidualDtype::BFloat16,
-        }
+        };
+        ac.plan(n_layers).with_residual(residual)
     }
 }
 

@@ -20,17 +20,6 @@ pub fn pack_bf16_pairs(values: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// Value `at` of words made by `pack_bf16_pairs`, as f32.
-pub fn bf16_pair_value(words: &[f32], at: usize) -> f32 {
-    let w = words[at / 2].to_bits();
-    let half = if at.is_multiple_of(2) {
-        w & 0xffff
-    } else {
-        w >> 16
-    };
-    f32::from_bits(half << 16)
-}
-
 /// Storage element types titan reads and writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DType {

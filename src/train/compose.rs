@@ -313,9 +313,8 @@ pub fn compose_rank<B: Backend>(
         batch: cfg.training.local_batch_size,
         seq,
         plan: &plan
-            .ac
-            .plan(plan.args.n_layers)
-            .with_residual(plan.param_dtype.residual()),
+            .param_dtype
+            .activation_plan(plan.ac, plan.args.n_layers),
         timeout: std::time::Duration::from_secs(cfg.comm.train_timeout_seconds),
     };
     let layout = parallelize_layout(be, model, state, &plan.groups, plan.pipeline, walk_shape)?;

@@ -42,8 +42,7 @@ pub struct RankSizing<'a> {
 impl RankSizing<'_> {
     /// What the blocks keep under `ac`, the residual stream stored as the parameters compute.
     pub fn plan_of(&self, ac: AcMode) -> ActivationPlan {
-        ac.plan(self.args.n_layers)
-            .with_residual(self.param_dtype.residual())
+        self.param_dtype.activation_plan(ac, self.args.n_layers)
     }
 
     /// The estimate per rank when the blocks keep what `plan` says.

@@ -49,9 +49,7 @@ impl<B: Backend> Validator<B> {
         let own_shape = (batch, seq) != (cfg.training.local_batch_size, cfg.training.seq_len);
         let own_workspace = (own_shape || pipelined).then(|| {
             let param_dtype = ParamDtype::from_config(&cfg.training.mixed_precision_param);
-            let plan = AcMode::Full
-                .plan(local.n_layers)
-                .with_residual(param_dtype.residual());
+            let plan = param_dtype.activation_plan(AcMode::Full, local.n_layers);
             Workspace::planned(be, local, batch, seq, plan)
         });
         Ok(Some(Validator {
