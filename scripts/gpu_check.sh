@@ -118,6 +118,12 @@ stage lora_cuda 60 sh -c "'$BIN' train $lora --training.mixed_precision_param fl
 rm -rf "$OUT_DIR"/resid_bf16_*
 resid="--quiet --training.mixed_precision_param bfloat16 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --activation_checkpoint.mode full --training.local_batch_size 4"
 stage residual_bf16_cuda 60 sh -c "'$BIN' train $resid --training.device cuda --job.dump_folder '$OUT_DIR/resid_bf16_gpu' && '$BIN' train $resid --training.device cpu --job.dump_folder '$OUT_DIR/resid_bf16_cpu' && '$BIN' train --nproc 2 $resid --training.local_batch_size 2 --training.device cuda --job.dump_folder '$OUT_DIR/resid_bf16_fsdp2_gpu'"
+# bf16 kept activations (issue 41): each block's activations rounded where produced and kept as
+# bf16 pairs, unpacked into the shared set before the backward (bf16-alone GEMM operands copied
+# as they are); no AC and per-op AC (kept and recomputed ones mixed), against the CPU's same run.
+rm -rf "$OUT_DIR"/kept_bf16_*
+kept="--quiet --training.mixed_precision_param bfloat16 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --training.local_batch_size 4"
+stage kept_bf16_cuda 60 sh -c "'$BIN' train $kept --activation_checkpoint.mode none --training.device cuda --job.dump_folder '$OUT_DIR/kept_bf16_gpu' && '$BIN' train $kept --activation_checkpoint.mode none --training.device cpu --job.dump_folder '$OUT_DIR/kept_bf16_cpu' && '$BIN' train $kept --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op --training.device cuda --job.dump_folder '$OUT_DIR/kept_bf16_op_gpu'"
 # Muon (issue 46) on CUDA: the Newton-Schulz iteration through the device's GEMMs (the check
 # stages' `muon newton_schulz` rows compare it alone), fp32 and bf16 state, against the CPU; and
 # FSDP 2 on one GPU (the matrices exchanged through the host, each orthogonalised by one rank).
@@ -236,7 +242,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda documents_tc_cuda lora_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda documents_tc_cuda lora_cuda residual_bf16_cuda kept_bf16_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -395,6 +401,8 @@ def documents_report():
 def lora_report():
     against_cpu("resid_bf16_gpu", "resid_bf16_cpu", "bf16 residual stream, full AC, on CUDA", "bf16", 2e-2)
     against_cpu("resid_bf16_fsdp2_gpu", "resid_bf16_cpu", "bf16 residual stream, full AC, FSDP 2 on CUDA", "bf16", 2e-2)
+    against_cpu("kept_bf16_gpu", "kept_bf16_cpu", "bf16 kept activations, no AC, on CUDA", "bf16", 2e-2)
+    against_cpu("kept_bf16_op_gpu", "kept_bf16_cpu", "bf16 kept activations, per-op AC, on CUDA", "bf16", 2e-2)
     against_cpu("lora_gpu", "lora_cpu", "LoRA on CUDA")
     against_cpu("lora_bf16_gpu", "lora_cpu", "LoRA bf16 on CUDA", "bf16 (CPU fp32)", 2e-2)
 def deepseek_report():

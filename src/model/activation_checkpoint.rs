@@ -93,6 +93,21 @@ impl Act {
         Act::Up,
         Act::Act,
     ];
+
+    /// A per-row statistic (a norm's inverse RMS, attention's log-sum-exp): small, and kept in
+    /// f32 whatever the activations' dtype, as PyTorch's bf16 norms and attention keep theirs.
+    pub fn is_statistic(self) -> bool {
+        matches!(
+            self,
+            Act::RstdAttn
+                | Act::RstdQ
+                | Act::RstdK
+                | Act::RstdQLatent
+                | Act::RstdKvLatent
+                | Act::Lse
+                | Act::RstdFfn
+        )
+    }
 }
 
 /// Per-op selective checkpointing keeps attention's inputs and outputs (its q, k, v projections,
@@ -215,7 +230,8 @@ pub enum ResidualDtype {
     Float32,
     /// Rounded to bf16 at each block's output and stored two values to a word (half the
     /// memory), as PyTorch's bf16 autocast or FSDP2's `param_dtype = bfloat16` leaves a block's
-    /// output in bf16: `[training] mixed_precision_param = "bfloat16"`.
+    /// output in bf16: `[training] mixed_precision_param = "bfloat16"`. The activations a block
+    /// keeps for its backward likewise (`ActivationPlan::packs`).
     BFloat16,
 }
 
@@ -247,12 +263,27 @@ impl ActivationPlan {
         self.needs_scratch_among(act, |_| true)
     }
 
-    /// Whether some block `among` selects (by index) recomputes `act` here.
+    /// Whether some block `among` selects (by index) computes `act` in the shared set here: it
+    /// recomputes it, or keeps it packed (`packs`), written there and packed after its forward,
+    /// unpacked there before its backward.
     pub fn needs_scratch_among(&self, act: Act, among: impl Fn(usize) -> bool) -> bool {
-        self.blocks
-            .iter()
-            .enumerate()
-            .any(|(l, &b)| among(l) && b != BlockSave::Elsewhere && !b.keeps(act))
+        self.blocks.iter().enumerate().any(|(l, &b)| {
+            among(l) && b != BlockSave::Elsewhere && (!b.keeps(act) || self.packs(act))
+        })
+    }
+
+    /// Whether block `l` keeps `act` in its own buffer as computed (not packed): its forward and
+    /// backward read it there; they read the others in the shared set.
+    pub fn keeps_as_computed(&self, l: usize, act: Act) -> bool {
+        self.blocks[l].keeps(act) && !self.packs(act)
+    }
+
+    /// Whether a block that keeps `act` keeps it as bf16 pairs (`Backend::pack_bf16_pairs`):
+    /// under bf16 mixed precision, every activation but the per-row statistics. Its forward rounds
+    /// it to bf16 where it is produced, so the ops after it, a recompute and the backward all
+    /// read the same values.
+    pub fn packs(&self, act: Act) -> bool {
+        self.residual == ResidualDtype::BFloat16 && !act.is_statistic()
     }
 
     /// The plan of a pipeline rank running only the blocks `here` says: the others keep nothing.
@@ -295,7 +326,7 @@ impl ActivationPlan {
     }
 
     /// Buffers of `act` in the workspace: one per block keeping it, and one shared by the blocks
-    /// that recompute it.
+    /// that recompute it or keep it packed.
     pub fn copies(&self, act: Act) -> usize {
         let kept = self.blocks.iter().filter(|b| b.keeps(act)).count();
         kept + self.needs_scratch(act) as usize

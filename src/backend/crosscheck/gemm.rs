@@ -205,6 +205,62 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         }
     }
 
+    /// Activations a block keeps as bf16 pairs under bf16 mixed precision: a norm's output
+    /// rounded in place where it is produced (on a device, keeping its bf16 copy) and SwiGLU's
+    /// output in bf16 alone (already bf16), each packed into words and unpacked into a plain and
+    /// a bf16-alone buffer, as a backward's shared set holds them, then read by a GEMM. The round
+    /// trip on the test backend is exact; an odd count takes the padded last word.
+    pub(super) fn bf16_activations_kept_as_pairs(&mut self) {
+        for (rows, dim) in [(64, 96), (33, 41)] {
+            let n = rows * dim;
+            let what = format!("{rows}x{dim}");
+            let [_, _, (mut rn, mut tn), _] = self.rmsnorm_both(rows, dim);
+            self.reference.round_to_bf16(&mut rn);
+            self.test.round_to_bf16(&mut tn);
+            self.matmul_on(
+                &format!("matmul on rmsnorm's output rounded ({what})"),
+                &rn,
+                &tn,
+                rows,
+                dim,
+            );
+            let (gate, up) = (self.random(n, 3.0), self.random(n, 1.0));
+            let ((rg, tg), (ru, tu)) = (self.both(&gate), self.both(&up));
+            let (mut ra, mut ta) = self.bf16_activations(n);
+            self.reference.swiglu_forward(&mut ra, &rg, &ru);
+            self.test.swiglu_forward(&mut ta, &tg, &tu);
+            self.reference.round_to_bf16(&mut ra);
+            self.test.round_to_bf16(&mut ta);
+            for (kept, (r_src, t_src)) in [
+                ("rmsnorm's output", (&rn, &tn)),
+                ("swiglu's output", (&ra, &ta)),
+            ] {
+                let (mut rw, mut tw) = (
+                    self.reference.zeros(n.div_ceil(2)),
+                    self.test.zeros(n.div_ceil(2)),
+                );
+                self.reference.pack_bf16_pairs(&mut rw, r_src);
+                self.test.pack_bf16_pairs(&mut tw, t_src);
+                let source = self.test.download(t_src);
+                let unpacked = [
+                    ("f32", self.reference.zeros(n), self.test.zeros(n)),
+                    (
+                        "bf16-alone",
+                        self.reference.zeros_bf16_activation(n),
+                        self.test.zeros_bf16_activation(n),
+                    ),
+                ];
+                for (into, mut ro, mut to) in unpacked {
+                    self.reference.unpack_bf16_pairs(&mut ro, &rw);
+                    self.test.unpack_bf16_pairs(&mut to, &tw);
+                    let op = format!("{kept} packed and unpacked into {into} ({what})");
+                    self.record(&op, &self.test.download(&to), &source, 0.0);
+                    self.matmul_on(&format!("matmul on {op}"), &ro, &to, rows, dim);
+                }
+            }
+        }
+    }
+
     /// `zeros_bf16_activation` on each side.
     fn bf16_activations(&self, len: usize) -> (R::Buf, T::Buf) {
         (

@@ -514,6 +514,10 @@ pub fn check_ops<R: Backend, T: Backend>(
             "feed-forward through bf16 activations",
             Box::new(|c| c.feed_forward_through_bf16_activations()),
         ),
+        (
+            "bf16 activations kept as pairs",
+            Box::new(|c| c.bf16_activations_kept_as_pairs()),
+        ),
         ("embedding", Box::new(|c| c.embedding())),
         ("rmsnorm", Box::new(|c| c.rmsnorm())),
         ("rope", Box::new(|c| c.rope())),

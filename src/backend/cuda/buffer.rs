@@ -162,6 +162,21 @@ impl CudaBuf {
         })
     }
 
+    /// The bf16 copy, when the buffer has one (a bf16-only buffer's values).
+    pub(super) fn bf16_copy(&self) -> Option<&CudaSlice<u16>> {
+        self.bf16.as_ref()
+    }
+
+    /// Takes the bf16 copy of a buffer that also holds f32 values, for an op that changes the f32
+    /// values without changing their bf16 rounding (rounding them to bf16) and hands it back
+    /// with `keep_bf16_copy`. None for a bf16-only buffer, whose copy is its values.
+    pub(super) fn take_bf16_copy(&mut self) -> Option<CudaSlice<u16>> {
+        match self.bf16_only {
+            true => None,
+            false => self.bf16.take(),
+        }
+    }
+
     /// Storage for a kernel that is about to write this buffer's values and their bf16 rounding
     /// together (this counts as the write): the old copy's memory when it is large enough, else
     /// `alloc(⌈len/2⌉·2)`. Hand it back with `keep_bf16_copy` once that kernel is queued.

@@ -115,7 +115,7 @@ impl<B: Backend> Llama<B> {
         };
         let kind = self.local.ffn_kind(l).index();
         let scratch = (recomputed, &mut ffn_recomputed[kind]);
-        let mut acts = BlockActs::pick(&mut layers[l], scratch, plan.blocks[l]);
+        let mut acts = BlockActs::pick(&mut layers[l], scratch, |a| plan.keeps_as_computed(l, a));
         let FfnGrads { dgate, dup, dact } = &mut ffn_grads[kind];
         let ffn = FeedForwardGrads {
             dx,

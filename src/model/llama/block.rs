@@ -15,7 +15,7 @@ use super::run::{BlockLinears, BlockRun, Pass};
 use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::{AttnInputs, AttnMask, AttnShape, Backend};
-use crate::model::activation_checkpoint::{Act, BlockSave};
+use crate::model::activation_checkpoint::{Act, BlockSave, ResidualDtype};
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
 use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
@@ -93,12 +93,16 @@ impl<B: Backend> Llama<B> {
     ) -> Result<()> {
         let _span = crate::trace::span_named("model", || format!("block {l} recompute"));
         let pass = match ws.plan.blocks[l] {
-            BlockSave::Everything => return Ok(()),
-            BlockSave::Input => Pass::RecomputeAll,
-            BlockSave::ExpensiveOps => Pass::RecomputeMissing,
+            BlockSave::Everything => None,
+            BlockSave::Input => Some(Pass::RecomputeAll),
+            BlockSave::ExpensiveOps => Some(Pass::RecomputeMissing),
             BlockSave::Elsewhere => bail!("block {l} runs on another pipeline rank, not this one"),
         };
-        self.run_block(be, params, ws, l, pass, KvSource::Sequences)
+        ws.unpack_kept(be, l, self.local.ffn_kind(l));
+        match pass {
+            Some(pass) => self.run_block(be, params, ws, l, pass, KvSource::Sequences),
+            None => Ok(()),
+        }
     }
 
     /// The block, written once: attention then the feed-forward, each op run when `pass` asks
@@ -127,13 +131,16 @@ impl<B: Backend> Llama<B> {
             save: ws.plan.blocks[l],
             pass,
             aux_stats: matches!(kv, KvSource::Sequences),
+            rounds_to_bf16: ws.plan.residual == ResidualDtype::BFloat16,
         };
         let (input, output) = ws.resid.block_io(be, l);
         let scratch = (
             &mut ws.recomputed,
             &mut ws.ffn_recomputed[self.local.ffn_kind(l).index()],
         );
-        let mut acts = BlockActs::pick(&mut ws.layers[l], scratch, run.save);
+        let plan = &ws.plan;
+        let mut acts =
+            BlockActs::pick(&mut ws.layers[l], scratch, |a| plan.keeps_as_computed(l, a));
         let positions = self.positions(&ws.rope, &ws.documents);
         let scratch = (&mut ws.full, &mut ws.mla);
         self.attention_half(&run, &mut acts, input, scratch, positions, kv)?;
@@ -148,6 +155,7 @@ impl<B: Backend> Llama<B> {
         }
         // A recompute's output equals the stored one: only the forward stores it.
         if pass == Pass::Forward {
+            ws.pack_kept(be, l, self.local.ffn_kind(l));
             ws.resid.commit(be, l + 1);
         }
         Ok(())
@@ -169,6 +177,7 @@ impl<B: Backend> Llama<B> {
         if run.redo(Act::NormedAttn) || run.redo(Act::RstdAttn) {
             let w = &p[id.attention_norm];
             be.rmsnorm_forward(acts.normed_attn, acts.rstd_attn, x, w, a.dim, a.norm_eps);
+            run.round(acts, &[Act::NormedAttn]);
         }
         let at = kv.first_position();
         match &id.attention {
@@ -177,10 +186,12 @@ impl<B: Backend> Llama<B> {
         }
         if run.redo(Act::AttnOut) || run.redo(Act::Lse) {
             self.attend(run, acts, kv, positions.mask())?;
+            run.round(acts, &[Act::AttnOut]);
         }
         let mla_values = matches!(id.attention, AttentionIds::Mla(_));
         if mla_values && run.redo(Act::AttnValues) {
             self.mla_values(be, acts, run.batch * run.seq);
+            run.round(acts, &[Act::AttnValues]);
         }
         if run.redo(Act::H) {
             let values = if mla_values {
@@ -190,6 +201,7 @@ impl<B: Backend> Llama<B> {
             };
             let wo = run.projection(BlockProjection::Wo, acts.h);
             run.sp.row_forward_residual(be, wo, values, x, full)?;
+            run.round(acts, &[Act::H]);
         }
         Ok(())
     }
@@ -237,6 +249,7 @@ impl<B: Backend> Llama<B> {
                 Act::NormedAttnFull,
             )?;
         }
+        run.round(acts, &[Act::QRaw, Act::KRaw, Act::Q, Act::K, Act::V]);
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             if redo_q || redo(Act::RstdQ) {
                 be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, eps);
@@ -257,6 +270,7 @@ impl<B: Backend> Llama<B> {
                 positions.rope(b, s, m.kv_heads, hd).at(at),
             );
         }
+        run.round(acts, &[Act::Q, Act::K]);
         Ok(())
     }
 
@@ -346,6 +360,7 @@ impl<B: Backend> Llama<B> {
         if redo(Act::NormedFfn) || redo(Act::RstdFfn) {
             let w = &p[id.ffn_norm];
             be.rmsnorm_forward(acts.normed_ffn, acts.rstd_ffn, acts.h, w, a.dim, a.norm_eps);
+            run.round(acts, &[Act::NormedFfn]);
         }
         if id.ffn.swiglu().is_none() {
             if run.writes_output() {
@@ -367,8 +382,10 @@ impl<B: Backend> Llama<B> {
             &mut gate_up,
             Act::NormedFfnFull,
         )?;
+        run.round(acts, &[Act::Gate, Act::Up]);
         if redo(Act::Act) {
             be.swiglu_forward(acts.act, acts.gate, acts.up);
+            run.round(acts, &[Act::Act]);
         }
         if run.writes_output() {
             let w2 = run.projection(BlockProjection::W2, out);

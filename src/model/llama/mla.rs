@@ -102,12 +102,14 @@ impl<B: Backend> Llama<B> {
             &mut first,
             Act::NormedAttnFull,
         )?;
+        run.round(acts, &[Act::QLatent, Act::KvLatent]);
         let rows = run.sp.replicated_rows();
         if let MlaQueryIds::Latent { q_norm, .. } = ids.query {
             let r = a.q_lora_rank.unwrap_or(0);
             if redo(Act::QLatentNormed) || redo(Act::RstdQLatent) {
                 let (out, rstd) = (&mut *acts.q_latent_normed, &mut *acts.rstd_q_latent);
                 be.rmsnorm_forward(out, rstd, acts.q_latent, &p[q_norm], r, eps);
+                run.round(acts, &[Act::QLatentNormed]);
             }
             if redo_q {
                 let wq_b = run.projection(BlockProjection::WqB, &mut s.q_proj);
@@ -126,6 +128,7 @@ impl<B: Backend> Llama<B> {
             );
             let (out, rstd) = (&mut *acts.kv_latent_normed, &mut *acts.rstd_kv_latent);
             be.rmsnorm_forward(out, rstd, &s.kv_c, &p[ids.kv_norm], rkv, eps);
+            run.round(acts, &[Act::KvLatentNormed]);
         }
         if redo_kv {
             let wkv_b = run.projection(BlockProjection::WkvB, &mut s.kv_up);
@@ -158,6 +161,7 @@ impl<B: Backend> Llama<B> {
             );
             copy_columns(be, v, kv_up, n * h, a.v_head_dim);
         }
+        run.round(acts, &[Act::Q, Act::K, Act::V]);
         Ok(())
     }
 

@@ -153,10 +153,10 @@ mod tests {
     use crate::model::local_shapes::LocalShapes;
     use crate::model::{init_params, ModelArgs};
 
-    /// In bf16 each block's output is stored as the f32 stream's value rounded to bf16 (the
-    /// first block reads the same input either way, so its output rounds exactly), at half the
-    /// words; the loss stays close to f32's. With full checkpointing the recompute reads the
-    /// stored input, so the backward sees what the forward saw.
+    /// In bf16 each block's output is stored in bf16 (rounding it again changes nothing), at half
+    /// the words, near the f32 stream's (the block computes from bf16-rounded activations, so
+    /// not exactly its rounding); the loss stays close to f32's. With full checkpointing the
+    /// recompute reads the stored input, so the backward sees what the forward saw.
     #[test]
     fn a_bf16_stream_stores_each_block_output_rounded_at_half_the_words() {
         let be = CpuBackend::new();
@@ -182,13 +182,20 @@ mod tests {
         let values = batch * seq * args.dim;
         assert_eq!(be.len(bf16_ws.resid.stored(1)), values / 2);
         assert_eq!(be.len(f32_ws.resid.stored(1)), values);
-        let mut expected = f32_ws.resid.read(&be, 1).clone();
-        be.round_to_bf16(&mut expected);
-        let stored = bf16_ws.resid.read(&be, 1);
-        let differ = stored.iter().zip(&expected).filter(|(a, b)| a != b).count();
-        assert_eq!(
-            differ, 0,
-            "block 0's output: {differ} of {values} values not f32's rounded"
+        let exact_out = f32_ws.resid.read(&be, 1).clone();
+        let stored = bf16_ws.resid.read(&be, 1).clone();
+        let mut again = stored.clone();
+        be.round_to_bf16(&mut again);
+        assert!(stored == again, "block 0's output is stored in bf16");
+        let scale = exact_out.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        let worst = stored
+            .iter()
+            .zip(&exact_out)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst > 0.0 && worst < 0.02 * scale,
+            "block 0's output: bf16 {worst} from f32's (largest value {scale})"
         );
         let last = bf16_ws.resid.read(&be, args.n_layers).clone();
         let mut again = last.clone();

@@ -2,6 +2,7 @@
 //! (`BlockLinears`), which ops a forward run computes (`Pass`), and the run's context
 //! (`BlockRun`, `BackwardRun`), shared by the block's files (`block`, `backward`, `mla`).
 
+use super::workspace::BlockActs;
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::{Act, BlockSave};
 use crate::model::float8_convert::Float8Conversion;
@@ -97,6 +98,9 @@ pub(super) struct BlockRun<'r, B: Backend> {
     pub(super) pass: Pass,
     /// Whether a mixture of experts gathers its auxiliary-loss statistics (not in generation).
     pub(super) aux_stats: bool,
+    /// bf16 mixed precision: each activation is rounded to bf16 where it is produced
+    /// (`BlockActs::round`), as PyTorch's bf16 ops store theirs.
+    pub(super) rounds_to_bf16: bool,
 }
 
 impl<'r, B: Backend> BlockRun<'r, B> {
@@ -108,6 +112,22 @@ impl<'r, B: Backend> BlockRun<'r, B> {
     /// The block's projection `p`.
     pub(super) fn linear(&self, p: BlockProjection) -> Linear {
         self.linears.get(p)
+    }
+
+    /// Under bf16 mixed precision, the activations of `which` that this run computes rounded to
+    /// bf16 in place, right after the op that produced them (PyTorch's bf16 ops store their
+    /// outputs in bf16): the ops after it, a recompute and the backward then read the values the
+    /// block keeps packed. An f32 run leaves them.
+    pub(super) fn round(&self, acts: &mut BlockActs<'_, B>, which: &[Act]) {
+        if !self.rounds_to_bf16 {
+            return;
+        }
+        for &act in which.iter().filter(|&&a| self.redo(a)) {
+            let buf = acts.get_mut(act);
+            if self.be.len(buf) > 0 {
+                self.be.round_to_bf16(buf);
+            }
+        }
     }
 
     /// Projection `p`'s forward into `y`: its linear, weight and LoRA adapter.

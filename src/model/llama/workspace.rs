@@ -7,9 +7,11 @@
 use super::generate::KvCache;
 use super::mla_scratch::MlaScratch;
 use super::residual::ResidualStream;
-use super::workspace_floats::{act_storage, needs_scratch_of, sized_by_ffn};
+use super::workspace_floats::{
+    act_storage, kept_storage, needs_scratch_of, sized_by_ffn, ActStorage,
+};
 use crate::backend::Backend;
-use crate::model::activation_checkpoint::{AcMode, Act, ActivationPlan, BlockSave};
+use crate::model::activation_checkpoint::{AcMode, Act, ActivationPlan};
 use crate::model::args::ModelArgs;
 use crate::model::local_shapes::{FfnKind, LocalShapes};
 use crate::model::moe::stats::ExpertStats;
@@ -129,22 +131,19 @@ pub(super) struct FfnGrads<B: Backend> {
 }
 
 impl<B: Backend> LayerActs<B> {
-    /// A block's buffers: those `keep` selects sized for the shapes (and a `kind` block's
-    /// feed-forward), the others empty.
+    /// A block's buffers, for the shapes (and a `kind` block's feed-forward): each stored as
+    /// `stored` says, given its storage as computed (`act_storage`); empty where it says None.
     fn allocate(
         be: &B,
         m: &LocalShapes,
         (batch, seq): (usize, usize),
         kind: FfnKind,
-        keep: impl Fn(Act) -> bool,
+        stored: impl Fn(Act, ActStorage) -> Option<ActStorage>,
     ) -> Self {
-        let buf = |act: Act| {
-            let st = act_storage(m, batch, seq, act, kind);
-            match (keep(act), st.bf16_alone) {
-                (false, _) => be.zeros(0),
-                (true, true) => be.zeros_bf16_activation(st.floats),
-                (true, false) => be.zeros(st.floats),
-            }
+        let buf = |act: Act| match stored(act, act_storage(m, batch, seq, act, kind)) {
+            None => be.zeros(0),
+            Some(st) if st.bf16_alone => be.zeros_bf16_activation(st.floats),
+            Some(st) => be.zeros(st.floats),
         };
         LayerActs {
             normed_attn: buf(Act::NormedAttn),
@@ -174,6 +173,50 @@ impl<B: Backend> LayerActs<B> {
             up: buf(Act::Up),
             act: buf(Act::Act),
         }
+    }
+}
+
+macro_rules! act_field {
+    ($acts:expr, $act:expr, $($borrow:tt)+) => {
+        match $act {
+            Act::NormedAttn => $($borrow)+ $acts.normed_attn,
+            Act::NormedAttnFull => $($borrow)+ $acts.normed_attn_full,
+            Act::RstdAttn => $($borrow)+ $acts.rstd_attn,
+            Act::Q => $($borrow)+ $acts.q,
+            Act::K => $($borrow)+ $acts.k,
+            Act::V => $($borrow)+ $acts.v,
+            Act::QRaw => $($borrow)+ $acts.q_raw,
+            Act::KRaw => $($borrow)+ $acts.k_raw,
+            Act::RstdQ => $($borrow)+ $acts.rstd_q,
+            Act::RstdK => $($borrow)+ $acts.rstd_k,
+            Act::QLatent => $($borrow)+ $acts.q_latent,
+            Act::QLatentNormed => $($borrow)+ $acts.q_latent_normed,
+            Act::RstdQLatent => $($borrow)+ $acts.rstd_q_latent,
+            Act::KvLatent => $($borrow)+ $acts.kv_latent,
+            Act::KvLatentNormed => $($borrow)+ $acts.kv_latent_normed,
+            Act::RstdKvLatent => $($borrow)+ $acts.rstd_kv_latent,
+            Act::AttnOut => $($borrow)+ $acts.attn_out,
+            Act::Lse => $($borrow)+ $acts.lse,
+            Act::AttnValues => $($borrow)+ $acts.attn_values,
+            Act::H => $($borrow)+ $acts.h,
+            Act::NormedFfn => $($borrow)+ $acts.normed_ffn,
+            Act::NormedFfnFull => $($borrow)+ $acts.normed_ffn_full,
+            Act::RstdFfn => $($borrow)+ $acts.rstd_ffn,
+            Act::Gate => $($borrow)+ $acts.gate,
+            Act::Up => $($borrow)+ $acts.up,
+            Act::Act => $($borrow)+ $acts.act,
+        }
+    };
+}
+
+impl<B: Backend> LayerActs<B> {
+    /// The buffer of `act`.
+    fn get(&self, act: Act) -> &B::Buf {
+        act_field!(self, act, &)
+    }
+
+    fn get_mut(&mut self, act: Act) -> &mut B::Buf {
+        act_field!(self, act, &mut)
     }
 }
 
@@ -209,17 +252,22 @@ pub struct BlockActs<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> BlockActs<'a, B> {
-    /// A block's activations: its own buffers (`own`) for what it keeps (`save`), the shared
-    /// sets' for the rest (`ffn_scratch`, the one of the block's feed-forward kind, for the
-    /// `sized_by_ffn` activations).
+    /// The buffer of `act`.
+    pub(super) fn get_mut(&mut self, act: Act) -> &mut B::Buf {
+        act_field!(self, act, &mut *)
+    }
+
+    /// A block's activations: its own buffers (`own`) for what it keeps as computed (`in_own`:
+    /// `ActivationPlan::keeps_as_computed`), the shared sets' for the rest (`ffn_scratch`, the
+    /// one of the block's feed-forward kind, for the `sized_by_ffn` activations).
     pub(super) fn pick(
         own: &'a mut LayerActs<B>,
         (scratch, ffn_scratch): (&'a mut LayerActs<B>, &'a mut LayerActs<B>),
-        save: BlockSave,
+        in_own: impl Fn(Act) -> bool,
     ) -> Self {
         macro_rules! from {
             ($field:ident, $act:expr) => {
-                if save.keeps($act) {
+                if in_own($act) {
                     &mut own.$field
                 } else if sized_by_ffn($act) {
                     &mut ffn_scratch.$field
@@ -353,16 +401,18 @@ impl<B: Backend> Workspace<B> {
             resid: ResidualStream::allocate(backend, &plan, r * d, transient),
             layers: (0..m.n_layers)
                 .map(|l| {
-                    let save = plan.blocks[l];
-                    LayerActs::allocate(backend, m, (batch, seq), m.ffn_kind(l), |a| save.keeps(a))
+                    let kept = |a, st| plan.blocks[l].keeps(a).then(|| kept_storage(&plan, a, st));
+                    LayerActs::allocate(backend, m, (batch, seq), m.ffn_kind(l), kept)
                 })
                 .collect(),
-            recomputed: LayerActs::allocate(backend, m, (batch, seq), FfnKind::Dense, |a| {
-                transient && !sized_by_ffn(a) && plan.needs_scratch(a)
+            recomputed: LayerActs::allocate(backend, m, (batch, seq), FfnKind::Dense, |a, st| {
+                (transient && !sized_by_ffn(a) && plan.needs_scratch(a)).then_some(st)
             }),
             ffn_recomputed: FfnKind::ALL.map(|kind| {
-                LayerActs::allocate(backend, m, (batch, seq), kind, |a| {
-                    transient && sized_by_ffn(a) && needs_scratch_of(&plan, m, a, kind)
+                LayerActs::allocate(backend, m, (batch, seq), kind, |a, st| {
+                    let needed =
+                        transient && sized_by_ffn(a) && needs_scratch_of(&plan, m, a, kind);
+                    needed.then_some(st)
                 })
             }),
             plan,
@@ -454,6 +504,40 @@ impl<B: Backend> Workspace<B> {
 
     pub fn carried_grad_mut(&mut self) -> &mut B::Buf {
         &mut self.dx
+    }
+
+    /// After block `l`'s forward: each activation it keeps packed (`ActivationPlan::packs`),
+    /// computed in the shared set, stored as bf16 pairs in its own buffer. The forward rounded
+    /// each to bf16 where it was produced, so the pairs hold exactly the values it used.
+    pub(super) fn pack_kept(&mut self, be: &B, l: usize, kind: FfnKind) {
+        for act in self.packed_acts(be, l) {
+            let shared = match sized_by_ffn(act) {
+                true => &self.ffn_recomputed[kind.index()],
+                false => &self.recomputed,
+            };
+            be.pack_bf16_pairs(self.layers[l].get_mut(act), shared.get(act));
+        }
+    }
+
+    /// Before block `l`'s backward (and its recompute): its packed activations unpacked into the
+    /// shared set, where the recompute and the backward read them.
+    pub(super) fn unpack_kept(&mut self, be: &B, l: usize, kind: FfnKind) {
+        for act in self.packed_acts(be, l) {
+            let shared = match sized_by_ffn(act) {
+                true => &mut self.ffn_recomputed[kind.index()],
+                false => &mut self.recomputed,
+            };
+            be.unpack_bf16_pairs(shared.get_mut(act), self.layers[l].get(act));
+        }
+    }
+
+    /// The activations block `l` keeps packed here (those its shapes leave empty skipped).
+    fn packed_acts(&self, be: &B, l: usize) -> Vec<Act> {
+        let (plan, own) = (&self.plan, &self.layers[l]);
+        Act::ALL
+            .into_iter()
+            .filter(|&a| plan.blocks[l].keeps(a) && plan.packs(a) && be.len(own.get(a)) > 0)
+            .collect()
     }
 }
 

@@ -109,6 +109,19 @@ pub(super) fn act_storage(
     }
 }
 
+/// How a block that keeps `act` stores it: as `act_storage` says (`st`), or when the plan packs it
+/// (`ActivationPlan::packs`) as bf16 pairs, two values to an f32 word.
+pub(super) fn kept_storage(plan: &ActivationPlan, act: Act, st: ActStorage) -> ActStorage {
+    match plan.packs(act) {
+        true => ActStorage {
+            floats: st.floats.div_ceil(2),
+            bf16_alone: false,
+            bf16_copy: false,
+        },
+        false => st,
+    }
+}
+
 /// Which of a workspace's buffers a count covers. A pipeline rank holds the `PerMicrobatch` ones
 /// of each microbatch in flight and one `Transient` set (the recomputed activations and the
 /// backward's scratch), lent to the workspace running an action (`Workspace::trade_transient`).
@@ -156,20 +169,17 @@ fn block_floats(
     part: WorkspacePart,
     which: impl Fn(ActStorage) -> bool,
 ) -> usize {
-    let floats = |act, kind| {
-        let st = act_storage(m, batch, seq, act, kind);
-        if which(st) {
-            st.floats
-        } else {
-            0
-        }
-    };
+    let counted = |st: ActStorage| if which(st) { st.floats } else { 0 };
+    let floats = |act, kind| counted(act_storage(m, batch, seq, act, kind));
     Act::ALL
         .iter()
         .map(|&act| {
             let kept: usize = (0..plan.blocks.len())
                 .filter(|&l| plan.blocks[l].keeps(act))
-                .map(|l| floats(act, m.ffn_kind(l)))
+                .map(|l| {
+                    let st = act_storage(m, batch, seq, act, m.ffn_kind(l));
+                    counted(kept_storage(plan, act, st))
+                })
                 .sum();
             let shared: usize = match sized_by_ffn(act) {
                 true => FfnKind::ALL

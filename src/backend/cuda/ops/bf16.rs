@@ -2,7 +2,7 @@
 //! `keep_twin`; see `CudaBuf`), activations kept in bf16 alone as kernel inputs, bf16 operands for
 //! the kernels that read bf16, and the rounding and packing ops.
 
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, PushKernelArg};
 
 use super::{check_len, Buf, KernelArg};
 use crate::backend::cuda::gemm::launch_to_bf16;
@@ -89,14 +89,35 @@ impl CudaBackend {
         }
     }
 
+    /// Rounds `buf`'s values to bf16 in place. A bf16-only buffer's values are bf16 already; a
+    /// buffer's bf16 copy still equals its values rounded (rounding twice changes nothing), so
+    /// it is kept for the GEMMs that read it.
     pub(super) fn round_to_bf16_untimed(&self, buf: &mut Buf) {
+        if buf.is_bf16_only() {
+            return;
+        }
+        let copy = buf.take_bf16_copy();
         let n = buf.len();
-        launch_elementwise!(self, "round_to_bf16", n, buf);
+        launch_elementwise!(self, "round_to_bf16", n, &mut *buf);
+        if let Some(copy) = copy {
+            buf.keep_bf16_copy(copy);
+        }
     }
 
     pub(super) fn pack_bf16_pairs_untimed(&self, words: &mut Buf, src: &Buf) {
         let n = src.len();
         check_len("pack_bf16_pairs", "words", words.len() * 2, n);
+        if src.is_bf16_only() {
+            // Its bf16 values are laid out as the packed words already: a copy.
+            let values = src
+                .bf16_copy()
+                .expect("a bf16-only buffer holds its values");
+            let pairs = n.div_ceil(2) * 2;
+            // SAFETY: any bit pattern is a valid u16; `words` holds ⌈n/2⌉ f32 words (checked).
+            let mut dst = unsafe { words.data_mut().transmute_mut::<u16>(pairs) }
+                .expect("the words hold n values as bf16 pairs");
+            return self.copy_device(&values.slice(0..pairs), &mut dst);
+        }
         // f32_to_bf16 writes the pairs as u32 words, the layout of tensor::pack_bf16_pairs.
         let (out, input) = (
             words.device_address_mut(&self.stream),
@@ -108,8 +129,28 @@ impl CudaBackend {
     pub(super) fn unpack_bf16_pairs_untimed(&self, out: &mut Buf, words: &Buf) {
         let n = out.len();
         check_len("unpack_bf16_pairs", "words", words.len() * 2, n);
+        if out.is_bf16_only() {
+            // The words are its bf16 values as it lays them out: a copy into its storage.
+            let pairs = n.div_ceil(2) * 2;
+            let mut values = out.take_bf16_storage(|len| self.alloc::<u16>(len));
+            // SAFETY: any bit pattern is a valid u16; `words` holds ⌈n/2⌉ f32 words (checked).
+            let src = unsafe { words.data().transmute::<u16>(pairs) }
+                .expect("the words hold n values as bf16 pairs");
+            self.copy_device(&src, &mut values.slice_mut(0..pairs));
+            out.keep_bf16_copy(values);
+            return;
+        }
         let input = words.device_address(&self.stream);
         launch_elementwise!(self, "bf16_pairs_to_f32", n, out, &input);
+    }
+
+    /// `dst = src` on the stream (the same length).
+    fn copy_device(&self, src: &CudaView<'_, u16>, dst: &mut CudaViewMut<'_, u16>) {
+        if src.len() > 0 {
+            self.stream
+                .memcpy_dtod(src, dst)
+                .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
+        }
     }
 }
 
