@@ -99,7 +99,7 @@ pub(super) struct JobFigures {
     cp: Option<CpPerRank>,
     /// How the kept activations are stored (`MemoryEstimate::activation_dtype`).
     activation_dtype: &'static str,
-    /// How the residual stream between blocks is stored (`ResidualDtype::name`).
+    /// How the residual stream between blocks is stored (`ActivationDtype::name`).
     residual_dtype: &'static str,
     /// Rank 0's float8 GEMMs over the whole run and those that multiplied dequantised values
     /// (`Backend::float8_gemm_counts`; None without float8 GEMMs).
@@ -150,7 +150,7 @@ impl JobFigures {
             float8_gemms: be.float8_gemm_counts(),
             cp,
             activation_dtype: estimate.activation_dtype(be.bf16_activation_f32_bytes()),
-            residual_dtype: estimate.residual.name(),
+            residual_dtype: estimate.stored_dtype.name(),
         })
     }
 }

@@ -218,38 +218,39 @@ impl AcMode {
         };
         ActivationPlan {
             blocks: (0..n_layers).map(save).collect(),
-            residual: ResidualDtype::Float32,
+            dtype: ActivationDtype::Float32,
         }
     }
 }
 
-/// How the residual stream between blocks (each block's input, kept for its backward) is stored.
+/// How the activations a step keeps are stored: the residual stream between blocks (each block's
+/// input, kept for its backward) and what each block keeps for its backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResidualDtype {
-    /// f32, as the blocks compute it.
+pub enum ActivationDtype {
+    /// f32, as the blocks compute them.
     Float32,
-    /// Rounded to bf16 at each block's output and stored two values to a word (half the
-    /// memory), as PyTorch's bf16 autocast or FSDP2's `param_dtype = bfloat16` leaves a block's
-    /// output in bf16: `[training] mixed_precision_param = "bfloat16"`. The activations a block
-    /// keeps for its backward likewise (`ActivationPlan::packs`).
+    /// Rounded to bf16 where they are produced and stored two values to a word (half the
+    /// memory), as PyTorch's bf16 ops store their outputs under FSDP2's `param_dtype = bfloat16`:
+    /// `[training] mixed_precision_param = "bfloat16"`. The per-row statistics of the norms and
+    /// attention stay f32 (`ActivationPlan::packs`).
     BFloat16,
 }
 
-impl ResidualDtype {
+impl ActivationDtype {
     /// The dtype's name, as PyTorch spells it.
     pub fn name(self) -> &'static str {
         match self {
-            ResidualDtype::Float32 => "float32",
-            ResidualDtype::BFloat16 => "bfloat16",
+            ActivationDtype::Float32 => "float32",
+            ActivationDtype::BFloat16 => "bfloat16",
         }
     }
 }
 
-/// What every block of a model keeps, and how the residual stream is stored.
+/// What every block of a model keeps, and how the kept activations are stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActivationPlan {
     pub blocks: Vec<BlockSave>,
-    pub residual: ResidualDtype,
+    pub dtype: ActivationDtype,
 }
 
 impl ActivationPlan {
@@ -283,7 +284,7 @@ impl ActivationPlan {
     /// it to bf16 where it is produced, so the ops after it, a recompute and the backward all
     /// read the same values.
     pub fn packs(&self, act: Act) -> bool {
-        self.residual == ResidualDtype::BFloat16 && !act.is_statistic()
+        self.dtype == ActivationDtype::BFloat16 && !act.is_statistic()
     }
 
     /// The plan of a pipeline rank running only the blocks `here` says: the others keep nothing.
@@ -295,13 +296,13 @@ impl ActivationPlan {
                 .enumerate()
                 .map(|(l, &b)| if here(l) { b } else { BlockSave::Elsewhere })
                 .collect(),
-            residual: self.residual,
+            dtype: self.dtype,
         }
     }
 
-    /// This plan with the residual stream stored as `residual` says.
-    pub fn with_residual(self, residual: ResidualDtype) -> Self {
-        ActivationPlan { residual, ..self }
+    /// This plan with the kept activations stored in `dtype`.
+    pub fn with_dtype(self, dtype: ActivationDtype) -> Self {
+        ActivationPlan { dtype, ..self }
     }
 
     /// Whether this rank holds the residual stream at block `l`'s input (`l` = n_layers: the

@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 
-use super::activation_checkpoint::{AcMode, ActivationPlan, ResidualDtype};
+use super::activation_checkpoint::{AcMode, ActivationDtype, ActivationPlan};
 use super::args::ModelArgs;
 use super::lora_args::{self as lora, LoraIds};
 use super::mla::MlaArgs;
@@ -498,14 +498,14 @@ impl ParamDtype {
         }
     }
 
-    /// What the blocks keep under `ac`, with the residual stream between them stored in bf16
-    /// when they compute in bf16 (as a block's output is under PyTorch's bf16 mixed precision).
+    /// What the blocks keep under `ac`, stored (with the residual stream between them) in bf16
+    /// when they compute in bf16, as PyTorch's bf16 mixed precision stores its activations.
     pub fn activation_plan(self, ac: AcMode, n_layers: usize) -> ActivationPlan {
-        let residual = match self {
-            ParamDtype::Float32 => ResidualDtype::Float32,
-            ParamDtype::BFloat16 => ResidualDtype::BFloat16,
+        let dtype = match self {
+            ParamDtype::Float32 => ActivationDtype::Float32,
+            ParamDtype::BFloat16 => ActivationDtype::BFloat16,
         };
-        ac.plan(n_layers).with_residual(residual)
+        ac.plan(n_layers).with_dtype(dtype)
     }
 }
 

@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::config::muon_updates;
 use crate::memory_timeline::Category;
 use crate::model::{
-    activation_checkpoint::{ActivationPlan, ResidualDtype},
+    activation_checkpoint::{ActivationDtype, ActivationPlan},
     llama::{WorkspaceFloats, WorkspacePart},
     params::{local_param_specs, param_specs},
     LocalShapes, ModelArgs,
@@ -141,8 +141,9 @@ pub struct MemoryEstimate {
     /// What the optimizer step holds for a moment, after the activations are freed: Muon's
     /// whole matrices this rank orthogonalises and the exchange's buffers (0 for AdamW).
     pub optimizer_step: u64,
-    /// How the residual stream between blocks is stored (in `activations`).
-    pub residual: ResidualDtype,
+    /// How the residual stream between blocks and the activations the blocks keep are stored
+    /// (in `activations`).
+    pub stored_dtype: ActivationDtype,
 }
 
 impl MemoryEstimate {
@@ -170,7 +171,7 @@ impl MemoryEstimate {
             activation_copies: 0,
             f32_left_out: 0,
             optimizer_step: 0,
-            residual: plan.residual,
+            stored_dtype: plan.dtype,
         }
     }
 
@@ -347,11 +348,15 @@ impl MemoryEstimate {
         self
     }
 
-    /// How the kept activations are stored, given the f32 bytes per value a backend's GEMM-only
-    /// activations take (`Backend::bf16_activation_f32_bytes`): `float32`; `float32+bfloat16`
-    /// (bf16 copies beside f32 activations, for the GEMMs); `bfloat16+float32` (GEMM-only
-    /// activations in bf16 alone, the others f32: CUDA's bf16 path).
+    /// How the activations the blocks keep for their backward are stored, given the f32 bytes
+    /// per value a backend's GEMM-only activations take (`Backend::bf16_activation_f32_bytes`):
+    /// `bfloat16` (bf16 mixed precision: as bf16 pairs, the per-row statistics in f32);
+    /// otherwise `float32`; `float32+bfloat16` (bf16 copies beside f32 activations, for the
+    /// GEMMs); `bfloat16+float32` (GEMM-only activations in bf16 alone, the others f32).
     pub fn activation_dtype(&self, gemm_only_f32_bytes: u64) -> &'static str {
+        if self.stored_dtype == ActivationDtype::BFloat16 {
+            return "bfloat16";
+        }
         match (gemm_only_f32_bytes, self.activation_copies > 0) {
             (0, _) => "bfloat16+float32",
             (_, true) => "float32+bfloat16",
@@ -364,7 +369,7 @@ impl MemoryEstimate {
         format!(
             "{}, residual stream {}",
             self.activation_dtype(gemm_only_f32_bytes),
-            self.residual.name()
+            self.stored_dtype.name()
         )
     }
 }

@@ -15,7 +15,7 @@ use super::run::{BlockLinears, BlockRun, Pass};
 use super::workspace::BlockActs;
 use super::Llama;
 use crate::backend::{AttnInputs, AttnMask, AttnShape, Backend};
-use crate::model::activation_checkpoint::{Act, BlockSave, ResidualDtype};
+use crate::model::activation_checkpoint::{Act, ActivationDtype, BlockSave};
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
 use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
@@ -131,7 +131,7 @@ impl<B: Backend> Llama<B> {
             save: ws.plan.blocks[l],
             pass,
             aux_stats: matches!(kv, KvSource::Sequences),
-            rounds_to_bf16: ws.plan.residual == ResidualDtype::BFloat16,
+            rounds_to_bf16: ws.plan.dtype == ActivationDtype::BFloat16,
         };
         let (input, output) = ws.resid.block_io(be, l);
         let scratch = (

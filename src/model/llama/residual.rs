@@ -1,6 +1,6 @@
 //! `ResidualStream`: the residual stream at every block input a rank holds (`resid[l]` is block
 //! `l`'s input; the last entry the final norm's), stored in f32 or, under bf16 mixed precision
-//! (`ResidualDtype::BFloat16`), rounded to bf16 and packed two values to a word, as a bf16 block
+//! (`ActivationDtype::BFloat16`), rounded to bf16 and packed two values to a word, as a bf16 block
 //! output is in PyTorch. Packed, the stream is half the memory of the blocks' saved inputs (under
 //! full activation checkpointing, nearly all a block keeps), and a pipeline stage sends the packed
 //! words.
@@ -11,7 +11,7 @@
 //! In f32 the entries are read and written in place, with no copy.
 
 use crate::backend::Backend;
-use crate::model::activation_checkpoint::{ActivationPlan, ResidualDtype};
+use crate::model::activation_checkpoint::{ActivationDtype, ActivationPlan};
 
 /// The residual stream of one workspace (see the module doc).
 pub(super) struct ResidualStream<B: Backend> {
@@ -19,7 +19,7 @@ pub(super) struct ResidualStream<B: Backend> {
     entries: Vec<B::Buf>,
     /// Values of one entry (this rank's rows × dim).
     values: usize,
-    dtype: ResidualDtype,
+    dtype: ActivationDtype,
     /// bf16: the unpacked values of entry `unpacked`, which the block running reads.
     input: B::Buf,
     unpacked: Option<usize>,
@@ -30,10 +30,10 @@ pub(super) struct ResidualStream<B: Backend> {
 impl<B: Backend> ResidualStream<B> {
     /// The entries `plan` holds, of `values` each, with the unpacked pair when `transient`.
     pub(super) fn allocate(be: &B, plan: &ActivationPlan, values: usize, transient: bool) -> Self {
-        let dtype = plan.residual;
+        let dtype = plan.dtype;
         let stored = stored_len(dtype, values);
         let unpacked = |len| match dtype {
-            ResidualDtype::BFloat16 if transient => be.zeros(len),
+            ActivationDtype::BFloat16 if transient => be.zeros(len),
             _ => be.zeros(0),
         };
         ResidualStream {
@@ -56,8 +56,8 @@ impl<B: Backend> ResidualStream<B> {
     /// Entry `l`'s values in f32.
     pub(super) fn read(&mut self, be: &B, l: usize) -> &B::Buf {
         match self.dtype {
-            ResidualDtype::Float32 => &self.entries[l],
-            ResidualDtype::BFloat16 => {
+            ActivationDtype::Float32 => &self.entries[l],
+            ActivationDtype::BFloat16 => {
                 self.unpack(be, l);
                 &self.input
             }
@@ -67,11 +67,11 @@ impl<B: Backend> ResidualStream<B> {
     /// Block `l`'s input in f32 and the buffer its output goes to (stored by `commit(l + 1)`).
     pub(super) fn block_io(&mut self, be: &B, l: usize) -> (&B::Buf, &mut B::Buf) {
         match self.dtype {
-            ResidualDtype::Float32 => {
+            ActivationDtype::Float32 => {
                 let (before, after) = self.entries.split_at_mut(l + 1);
                 (&before[l], &mut after[0])
             }
-            ResidualDtype::BFloat16 => {
+            ActivationDtype::BFloat16 => {
                 self.unpack(be, l);
                 (&self.input, &mut self.output)
             }
@@ -81,14 +81,14 @@ impl<B: Backend> ResidualStream<B> {
     /// The buffer entry `l`'s f32 values are written to, stored by `commit(l)`.
     pub(super) fn write(&mut self, l: usize) -> &mut B::Buf {
         match self.dtype {
-            ResidualDtype::Float32 => &mut self.entries[l],
-            ResidualDtype::BFloat16 => &mut self.output,
+            ActivationDtype::Float32 => &mut self.entries[l],
+            ActivationDtype::BFloat16 => &mut self.output,
         }
     }
 
     /// Stores what was written for entry `l` (bf16: rounded and packed; f32: already there).
     pub(super) fn commit(&mut self, be: &B, l: usize) {
-        if self.dtype == ResidualDtype::BFloat16 {
+        if self.dtype == ActivationDtype::BFloat16 {
             let stored = self.stored_len();
             if be.len(&self.entries[l]) != stored {
                 self.entries[l] = be.uninit(stored);
@@ -137,10 +137,10 @@ impl<B: Backend> ResidualStream<B> {
 }
 
 /// Length of a stored entry of `values` values: bf16 pairs take half the words (rounded up).
-pub(super) fn stored_len(dtype: ResidualDtype, values: usize) -> usize {
+pub(super) fn stored_len(dtype: ActivationDtype, values: usize) -> usize {
     match dtype {
-        ResidualDtype::Float32 => values,
-        ResidualDtype::BFloat16 => values.div_ceil(2),
+        ActivationDtype::Float32 => values,
+        ActivationDtype::BFloat16 => values.div_ceil(2),
     }
 }
 
@@ -172,13 +172,13 @@ mod tests {
             .collect();
         let m = LocalShapes::whole(&args);
         let run = |dtype| {
-            let plan = AcMode::Full.plan(args.n_layers).with_residual(dtype);
+            let plan = AcMode::Full.plan(args.n_layers).with_dtype(dtype);
             let mut ws = Workspace::planned(&be, &m, batch, seq, plan);
             let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
             (loss.sum / loss.count as f64, ws)
         };
-        let (exact, mut f32_ws) = run(ResidualDtype::Float32);
-        let (rounded, mut bf16_ws) = run(ResidualDtype::BFloat16);
+        let (exact, mut f32_ws) = run(ActivationDtype::Float32);
+        let (rounded, mut bf16_ws) = run(ActivationDtype::BFloat16);
         let values = batch * seq * args.dim;
         assert_eq!(be.len(bf16_ws.resid.stored(1)), values / 2);
         assert_eq!(be.len(f32_ws.resid.stored(1)), values);

@@ -546,7 +546,7 @@ mod tests {
     use super::super::workspace_floats::{WorkspaceFloats, WorkspacePart};
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::model::activation_checkpoint::ResidualDtype;
+    use crate::model::activation_checkpoint::ActivationDtype;
 
     /// Values a workspace allocated, every buffer counted.
     fn allocated(be: &CpuBackend, ws: &Workspace<CpuBackend>) -> usize {
@@ -631,6 +631,53 @@ mod tests {
             + singles
     }
 
+    /// Under bf16 a block keeps its activations as bf16 pairs (half the words) and
+    /// its per-row statistics in f32; the shared set holds one f32 copy of each for the block
+    /// running. In f32 nothing is shared without checkpointing.
+    #[test]
+    fn a_bf16_workspace_keeps_activations_at_half_the_words() {
+        let be = CpuBackend::new();
+        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let m = LocalShapes::whole(&args);
+        let (batch, seq) = (1, 33);
+        let plan = |dtype| AcMode::None.plan(args.n_layers).with_dtype(dtype);
+        let f32_ws = Workspace::planned(&be, &m, batch, seq, plan(ActivationDtype::Float32));
+        let bf16_ws = Workspace::planned(&be, &m, batch, seq, plan(ActivationDtype::BFloat16));
+        for act in [
+            Act::NormedAttn,
+            Act::Q,
+            Act::AttnOut,
+            Act::H,
+            Act::Gate,
+            Act::Act,
+        ] {
+            let values = be.len(f32_ws.layers[0].get(act));
+            assert_eq!(
+                be.len(bf16_ws.layers[0].get(act)),
+                values.div_ceil(2),
+                "{act:?}"
+            );
+            assert_eq!(
+                be.len(bf16_ws.recomputed.get(act)) + be.len(bf16_ws.ffn_recomputed[0].get(act)),
+                values,
+                "{act:?}"
+            );
+            assert_eq!(
+                be.len(f32_ws.recomputed.get(act)) + be.len(f32_ws.ffn_recomputed[0].get(act)),
+                0,
+                "{act:?}"
+            );
+        }
+        for act in [Act::RstdAttn, Act::Lse, Act::RstdFfn] {
+            let values = be.len(f32_ws.layers[0].get(act));
+            assert_eq!(
+                be.len(bf16_ws.layers[0].get(act)),
+                values,
+                "{act:?} stays f32"
+            );
+        }
+    }
+
     /// The estimate counts what a workspace allocates, whole or as a pipeline rank's (its own
     /// blocks, the transient buffers in one workspace only), for dense, QK-norm and MLA blocks
     /// under every checkpointing mode, with the residual stream in f32 and in bf16; trading the
@@ -649,9 +696,9 @@ mod tests {
         for args in &models {
             let m = LocalShapes::whole(args);
             let modes = [AcMode::None, AcMode::Full, AcMode::Op, AcMode::EveryNth(2)];
-            let dtypes = [ResidualDtype::Float32, ResidualDtype::BFloat16];
+            let dtypes = [ActivationDtype::Float32, ActivationDtype::BFloat16];
             for (mode, dtype) in modes.into_iter().flat_map(|m| dtypes.map(|d| (m, d))) {
-                let whole = mode.plan(args.n_layers).with_residual(dtype);
+                let whole = mode.plan(args.n_layers).with_dtype(dtype);
                 // A pipeline rank running the last two blocks.
                 let stage = whole.only(|l| l + 2 >= args.n_layers);
                 for plan in [whole, stage] {

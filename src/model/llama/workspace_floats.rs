@@ -5,7 +5,7 @@
 
 use super::mla_scratch::mla_scratch_floats;
 use super::residual::stored_len;
-use crate::model::activation_checkpoint::{Act, ActivationPlan, BlockSave, ResidualDtype};
+use crate::model::activation_checkpoint::{Act, ActivationDtype, ActivationPlan, BlockSave};
 use crate::model::local_shapes::{FfnKind, LocalShapes};
 
 /// Whether `act`'s size or storage depends on the block's feed-forward kind (its SwiGLU's width;
@@ -230,10 +230,10 @@ impl WorkspaceFloats {
         let shape = (batch, seq);
         // The stream's stored entries, and (bf16) the unpacked input and output of the block
         // running (`ResidualStream`).
-        let resid = plan.block_inputs_held() * stored_len(plan.residual, r * d);
-        let unpacked = match plan.residual {
-            ResidualDtype::Float32 => 0,
-            ResidualDtype::BFloat16 => 2 * r * d,
+        let resid = plan.block_inputs_held() * stored_len(plan.dtype, r * d);
+        let unpacked = match plan.dtype {
+            ActivationDtype::Float32 => 0,
+            ActivationDtype::BFloat16 => 2 * r * d,
         };
         let final_norm = r * (d + 1) + gathered;
         let qk_norm = if m.qk_norm { n * (qd + kvd) } else { 0 };

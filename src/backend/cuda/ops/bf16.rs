@@ -146,7 +146,7 @@ impl CudaBackend {
 
     /// `dst = src` on the stream (the same length).
     fn copy_device(&self, src: &CudaView<'_, u16>, dst: &mut CudaViewMut<'_, u16>) {
-        if src.len() > 0 {
+        if !src.is_empty() {
             self.stream
                 .memcpy_dtod(src, dst)
                 .unwrap_or_else(|e| panic!("CUDA: device copy failed: {e}"));
