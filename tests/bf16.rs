@@ -153,6 +153,18 @@ fn bf16_layouts_match_one_process_in_bf16() {
             pp("Interleaved1F1B"),
         ),
         (
+            // The stage's gathered block weights held as bf16 pairs for the pass.
+            "PP 2 × FSDP 2, ZBV zero bubble, per-op AC",
+            "4",
+            [&layers[..], &ac_op[..]].concat(),
+            [
+                &pp("ZBVZeroBubble")[..6],
+                &["--parallelism.data_parallel_shard_degree", "2"],
+                &half[..],
+            ]
+            .concat(),
+        ),
+        (
             "HSDP 2 × 2, per-op AC",
             "4",
             ac_op.to_vec(),

@@ -51,6 +51,7 @@ use crate::model::{Llama, ParamDtype, ParamSet, ReduceDtype};
 
 mod float8;
 mod hooks;
+mod stage_pairs;
 
 pub use float8::Float8Gather;
 pub use hooks::ShardedParams;
@@ -619,17 +620,6 @@ impl<B: Backend> Fsdp<B> {
             self.complete_next(be, full)?;
         }
         Ok(())
-    }
-
-    /// Gathers every parameter this rank holds a shard of (a pipeline rank: its stages') into
-    /// `full`, returning their ids.
-    fn gather_held(&mut self, be: &B, full: &mut ParamSet<B>) -> Result<Vec<usize>> {
-        let ids: Vec<usize> = (0..self.numel.len())
-            .filter(|&i| self.numel[i] > 0)
-            .collect();
-        self.submit_gather(be, &ids)?;
-        self.wait_gather(be, full, &ids)?;
-        Ok(ids)
     }
 
     /// Finishes every collective in flight.

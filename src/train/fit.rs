@@ -74,8 +74,17 @@ impl RankSizing<'_> {
             (Some(p), shard) => {
                 let floats =
                     WorkspaceFloats::pipelined(local, (rows, seq), &p.plan(plan), p.workspaces());
-                e.pipelined(p.held_fraction(args, local), shard)
-                    .with_workspaces(self.be, floats)
+                e = e
+                    .pipelined(p.held_fraction(args, local), shard)
+                    .with_workspaces(self.be, floats);
+                // Weights gathered as float8 codes stay as gathered (`StagePairs`).
+                let pairs = self.param_dtype == ParamDtype::BFloat16
+                    && shard.is_some()
+                    && self.cfg.fsdp_float8_all_gather().is_none();
+                match pairs {
+                    true => e.with_stage_pairs((args, local), p.held_block_params(args, local)),
+                    false => e,
+                }
             }
             (None, Some(shard)) => e.sharded(
                 args,

@@ -258,6 +258,20 @@ impl MemoryEstimate {
         self
     }
 
+    /// A pipeline rank under FSDP with bf16 mixed precision (after `pipelined`): the
+    /// `held_block_params` gathered block weights held for the pass as bf16 pairs, and one block's
+    /// (the largest) unpacked in f32 while it computes (`parallel::fsdp::StagePairs`).
+    pub fn with_stage_pairs(
+        mut self,
+        (args, m): (&ModelArgs, &LocalShapes),
+        held_block_params: u64,
+    ) -> Self {
+        self.params = self.params - 4 * held_block_params
+            + 2 * held_block_params
+            + 4 * largest_block_params(args, m);
+        self
+    }
+
     /// Adds the compute copy of the weights that bf16 mixed precision keeps outside FSDP, as `be`
     /// stores it (`Backend::compute_copy_bytes_per_param`): the parameters outside the blocks
     /// (`held` of them on a pipeline rank) and the largest block's, one block existing at a time

@@ -6,7 +6,8 @@ use anyhow::{anyhow, Result};
 use super::Fsdp;
 use crate::backend::Backend;
 use crate::memory_timeline::Category;
-use crate::model::ParamSet;
+use super::stage_pairs::StagePairs;
+use crate::model::{ParamDtype, ParamSet};
 use crate::parallel::walk::{ParamHooks, PassKind, Unit};
 
 /// FSDP as the walk's parameter hooks (`walk::ParamHooks`): this rank's shards in `fsdp`, and the
@@ -22,12 +23,15 @@ use crate::parallel::walk::{ParamHooks, PassKind, Unit};
 /// Under a pipeline (`per_pass`) every parameter this rank holds is gathered for the whole pass
 /// over its microbatches and reduce-scattered once after it, as TorchTitan keeps a stage's
 /// parameters gathered between microbatches: regathering them for each would multiply the traffic.
+/// With bf16 mixed precision the blocks' gathered weights are held as bf16 pairs for the pass and
+/// unpacked while their block computes (`StagePairs`).
 pub struct ShardedParams<B: Backend> {
     pub fsdp: Fsdp<B>,
     pub full: ParamSet<B>,
     pub grads: ParamSet<B>,
     pub per_pass: bool,
     pass: Option<ShardedPass>,
+    stage_pairs: StagePairs<B>,
 }
 
 /// The pass in progress.
@@ -36,8 +40,9 @@ struct ShardedPass {
     blocks: Vec<Vec<usize>>,
     /// Whether each block's parameters are freed after its forward and gathered again.
     regather: Vec<bool>,
-    /// Under a pipeline: every parameter gathered for the pass.
-    held: Vec<usize>,
+    /// Under a pipeline: every parameter gathered for the pass, as the parameters outside the
+    /// blocks and each block's (`held_units`).
+    held: Vec<Vec<usize>>,
 }
 
 impl<B: Backend> ShardedParams<B> {
@@ -48,6 +53,7 @@ impl<B: Backend> ShardedParams<B> {
             grads,
             per_pass,
             pass: None,
+            stage_pairs: StagePairs::new(0),
         }
     }
 
@@ -66,6 +72,59 @@ impl<B: Backend> ShardedParams<B> {
 
     fn release(&mut self, be: &B, ids: &[usize]) {
         Fsdp::release(be, &mut self.full, ids, Category::GatheredBlocks);
+    }
+
+    /// Under a pipeline: the parameters this rank holds, as those outside the blocks and each
+    /// block's (none empty).
+    fn held_units(&self, blocks: &[Vec<usize>]) -> Vec<Vec<usize>> {
+        let numel = &self.fsdp.numel;
+        let held = |ids: &mut dyn Iterator<Item = usize>| -> Vec<usize> {
+            ids.filter(|&i| numel[i] > 0).collect()
+        };
+        let mut in_block = vec![false; numel.len()];
+        blocks.iter().flatten().for_each(|&i| in_block[i] = true);
+        let outside = held(&mut (0..numel.len()).filter(|&i| !in_block[i]));
+        std::iter::once(outside)
+            .chain(blocks.iter().map(|b| held(&mut b.iter().copied())))
+            .filter(|ids| !ids.is_empty())
+            .collect()
+    }
+
+    /// Under a pipeline: the stage's parameters gathered a unit at a time (`held_units`, the
+    /// next one's gather in flight); with bf16 mixed precision each block's packed into
+    /// `stage_pairs` as it arrives, so no more than two blocks exist in f32 at once.
+    fn gather_stage(&mut self, be: &B, units: &[Vec<usize>], blocks: &[Vec<usize>]) -> Result<()> {
+        let pack = self.fsdp.param_dtype == ParamDtype::BFloat16;
+        self.stage_pairs = StagePairs::new(self.full.bufs.len());
+        if let Some(first) = units.first() {
+            self.fsdp.submit_gather(be, first)?;
+        }
+        for (k, ids) in units.iter().enumerate() {
+            if let Some(next) = units.get(k + 1) {
+                self.fsdp.submit_gather(be, next)?;
+            }
+            self.fsdp.wait_gather(be, &mut self.full, ids)?;
+            let in_block = blocks.iter().any(|b| b.contains(&ids[0]));
+            if pack && in_block {
+                let fsdp = &self.fsdp;
+                let packable = |i| !fsdp.gathers_in_float8(i);
+                self.stage_pairs.pack(be, &mut self.full, ids, packable);
+            }
+        }
+        Ok(())
+    }
+
+    /// Under a pipeline: block `l`'s weights unpacked from the stage's bf16 pairs (`lend`), or
+    /// freed again after it ran.
+    fn stage_block(&mut self, be: &B, l: usize, lend: bool) -> Result<()> {
+        let block = self.pass()?.blocks[l].clone();
+        match lend {
+            true => self
+                .stage_pairs
+                .lend(be, &mut self.full, &block, &self.fsdp.numel),
+            false => self.stage_pairs.take_back(be, &mut self.full, &block),
+        }
+        Ok(())
     }
 }
 
@@ -93,9 +152,12 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
             held: Vec::new(),
         };
         if self.per_pass {
-            pass.held = self.fsdp.gather_held(be, &mut self.full)?;
+            pass.held = self.held_units(blocks);
+            self.gather_stage(be, &pass.held, blocks)?;
             if kind.has_backward() {
-                self.fsdp.zeros(be, &mut self.grads, &pass.held);
+                for ids in &pass.held {
+                    self.fsdp.zeros(be, &mut self.grads, ids);
+                }
             }
         }
         self.pass = Some(pass);
@@ -104,7 +166,10 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
 
     fn before_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
         if self.per_pass {
-            return Ok(());
+            return match unit {
+                Unit::Block(l) => self.stage_block(be, l, true),
+                _ => Ok(()),
+            };
         }
         let non_block = self.fsdp.non_block.clone();
         match unit {
@@ -134,7 +199,10 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
 
     fn after_forward(&mut self, be: &B, unit: Unit) -> Result<()> {
         if self.per_pass {
-            return Ok(());
+            return match unit {
+                Unit::Block(l) => self.stage_block(be, l, false),
+                _ => Ok(()),
+            };
         }
         let loss_only = !self.pass()?.kind.has_backward();
         match unit {
@@ -159,7 +227,7 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
             return Ok(());
         };
         let Some((block, regather)) = self.block(l)? else {
-            return Ok(());
+            return self.stage_block(be, l, true);
         };
         let pass = self.pass()?;
         let last = pass.blocks.len() - 1;
@@ -180,7 +248,10 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
 
     fn after_backward(&mut self, be: &B, unit: Unit) -> Result<()> {
         if self.per_pass {
-            return Ok(());
+            return match unit {
+                Unit::Block(l) => self.stage_block(be, l, false),
+                _ => Ok(()),
+            };
         }
         let ids = match unit {
             Unit::Block(l) => self.pass()?.blocks[l].clone(),
@@ -208,13 +279,19 @@ impl<B: Backend> ParamHooks<B> for ShardedParams<B> {
             .take()
             .ok_or_else(|| anyhow!("FSDP: a pass ended that did not begin (a titan bug)"))?;
         if self.per_pass {
+            self.stage_pairs.free(&self.fsdp.numel);
             if pass.kind.has_backward() {
                 complete(&mut self.grads)?;
-                self.fsdp
-                    .submit_reduce_scatter(be, &mut self.grads, &pass.held)?;
+                // A unit at a time, so only a few units' packed gradients exist at once.
+                for ids in &pass.held {
+                    self.fsdp.submit_reduce_scatter(be, &mut self.grads, ids)?;
+                    self.fsdp.complete_down_to_limit(be, &mut self.full)?;
+                }
                 self.fsdp.drain(be, &mut self.full)?;
             }
-            self.release(be, &pass.held);
+            for ids in &pass.held {
+                self.release(be, ids);
+            }
         }
         self.fsdp.failed = false;
         Ok(())

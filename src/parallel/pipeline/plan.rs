@@ -177,6 +177,15 @@ impl PipelinePlan {
         held / all.max(1.0)
     }
 
+    /// Values of the blocks' parameters this rank holds (of the tensor-parallel rank's shapes).
+    pub fn held_block_params(&self, args: &ModelArgs, local: &LocalShapes) -> u64 {
+        crate::model::params::local_param_specs(args, local.tp)
+            .iter()
+            .filter(|(name, _)| name.starts_with("layers.") && self.holds(name))
+            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     /// The pipeline rank and the walk running its schedule, with its workspaces allocated.
     pub fn build<B: Backend>(
         self,
