@@ -3,10 +3,10 @@
 
 use anyhow::{anyhow, Result};
 
+use super::stage_pairs::StagePairs;
 use super::Fsdp;
 use crate::backend::Backend;
 use crate::memory_timeline::Category;
-use super::stage_pairs::StagePairs;
 use crate::model::{ParamDtype, ParamSet};
 use crate::parallel::walk::{ParamHooks, PassKind, Unit};
 
