@@ -107,6 +107,9 @@ fn every_mode_is_bit_identical_for_qwen3_and_qwen3_moe() {
     check_every_mode("Qwen3-MoE", &[], &moe);
     let nproc2 = ["--nproc", "2", "--master-port", "0"];
     check_every_mode("Qwen3-MoE FSDP 2", &nproc2, &moe);
+    // In bf16 the experts' activations are rounded where produced and kept as bf16 pairs.
+    let bf16 = ["--training.mixed_precision_param", "bfloat16"];
+    check_every_mode("Qwen3-MoE bf16", &[], &[&moe[..], &bf16[..]].concat());
 }
 
 #[test]

@@ -408,7 +408,10 @@ impl<B: Backend> Llama<B> {
             bail!("block {l} has no mixture of experts (a titan bug)");
         };
         let be = run.be;
-        let shapes = self.moe_shapes(l)?;
+        let shapes = MoeShapes {
+            bf16_activations: run.rounds_to_bf16,
+            ..self.moe_shapes(l)?
+        };
         let bias = self.block_expert_bias(l);
         let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
         let rows = match run.aux_stats {

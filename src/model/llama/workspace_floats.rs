@@ -242,8 +242,9 @@ impl WorkspaceFloats {
         let carried = r * d;
         let backward = r * d + gathered + n * (2 * qd + 2 * kvd + 3 * f) + qk_norm;
         let mla = mla_scratch_floats(m, n, true);
-        // Every mixture-of-experts block keeps its routed rows' activations (`Workspace::moe`),
-        // and its backward needs about as much again for their gradients.
+        // Every mixture-of-experts block keeps its routed rows' activations (`Workspace::moe`;
+        // under bf16 as pairs, unpacked for its backward), and its backward needs about as much
+        // again for their gradients.
         let (moe_kept, moe_grads) = m.moe.map_or((0, 0), |moe| {
             let per_block = n * moe.activation_floats_per_token(d);
             let held = plan
@@ -251,7 +252,10 @@ impl WorkspaceFloats {
                 .iter()
                 .filter(|&&b| b != BlockSave::Elsewhere && b != BlockSave::Input)
                 .count();
-            (held * per_block, per_block)
+            match plan.dtype {
+                ActivationDtype::Float32 => (held * per_block, per_block),
+                ActivationDtype::BFloat16 => (held * per_block.div_ceil(2), 2 * per_block),
+            }
         });
         let all = block_floats(m, shape, plan, part, |_| true)
             + part.if_kept(resid + final_norm + carried + moe_kept)

@@ -142,6 +142,9 @@ pub struct MoeShapes {
     /// float8`: rowwise; `quantize.grouped_mm.mx`: MXFP8; each expert's GEMMs over the rows
     /// routed to it); None: high precision.
     pub experts_float8: Option<Float8Recipe>,
+    /// bf16 mixed precision: the experts' activations rounded to bf16 where they are produced and
+    /// kept as bf16 pairs (`MoeActs`), as the block keeps its own.
+    pub bf16_activations: bool,
 }
 
 impl MoeShapes {
@@ -151,6 +154,14 @@ impl MoeShapes {
             hidden: moe.hidden,
             router: moe.router,
             experts_float8: None,
+            bf16_activations: false,
+        }
+    }
+
+    /// Under bf16 mixed precision, `buf` rounded to bf16 in place.
+    fn round<B: Backend>(&self, be: &B, buf: &mut B::Buf) {
+        if self.bf16_activations {
+            be.round_to_bf16(buf);
         }
     }
 
@@ -192,6 +203,9 @@ pub struct MoeActs<B: Backend> {
     act: B::Buf,
     /// The unweighted outputs of this rank's dispatched rows `[rows, dim]`, back from their experts.
     y: B::Buf,
+    /// Under bf16 mixed precision the five buffers above hold bf16 pairs of these many values
+    /// (`MoeActs::unpacked` widens them for the backward); None: f32 values.
+    packed_lens: Option<[usize; 5]>,
     /// The auxiliary loss's per-sequence figures (with `aux_loss_coef`).
     pub aux: Option<AuxStats>,
 }
@@ -252,9 +266,13 @@ fn swiglu_ffn<B: Backend>(
             rows,
         );
     }
+    m.round(be, &mut gate);
+    m.round(be, &mut up);
     be.swiglu_forward(&mut act, &gate, &up);
+    m.round(be, &mut act);
     let [aq, w2q] = casts.operands(be, down, LinearGemm::Output, (&act, w2), rows)?;
     down.forward(be, y, aq.buf(), w2q.buf(), rows);
+    m.round(be, y);
     Ok([gate, up, act])
 }
 
@@ -394,7 +412,7 @@ pub fn forward<B: Backend>(
     let mut weighted = rows_of(be, &y, 0, n, d);
     be.scale_rows(&mut weighted, &row_weights(&routing, &slots), d);
     be.embedding_backward(out, &weighted, &rows, d);
-    Ok(MoeActs {
+    let acts = MoeActs {
         routing,
         rows,
         slots,
@@ -404,8 +422,52 @@ pub fn forward<B: Backend>(
         up,
         act,
         y,
+        packed_lens: None,
         aux,
+    };
+    Ok(match m.bf16_activations {
+        true => acts.packed(be),
+        false => acts,
     })
+}
+
+impl<B: Backend> MoeActs<B> {
+    /// These activations (bf16-rounded where they were produced; the input rows are the normed
+    /// block input, bf16 already) kept as bf16 pairs: half the memory.
+    fn packed(mut self, be: &B) -> Self {
+        let mut lens = [0; 5];
+        for (len, buf) in lens.iter_mut().zip(self.buffers()) {
+            *len = be.len(buf);
+            let mut pairs = be.uninit(len.div_ceil(2));
+            be.pack_bf16_pairs(&mut pairs, buf);
+            *buf = pairs;
+        }
+        self.packed_lens = Some(lens);
+        self
+    }
+
+    /// The kept buffers: input rows, gate, up, SwiGLU output, expert outputs.
+    fn buffers(&mut self) -> [&mut B::Buf; 5] {
+        [
+            &mut self.x_local,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.act,
+            &mut self.y,
+        ]
+    }
+
+    /// The kept activations in f32 for the backward: unpacked when they are kept as bf16 pairs
+    /// (transient, freed after the backward), else None (read in place).
+    fn unpacked(&self, be: &B) -> Option<[B::Buf; 5]> {
+        let lens = self.packed_lens?;
+        let kept = [&self.x_local, &self.gate, &self.up, &self.act, &self.y];
+        Some(std::array::from_fn(|k| {
+            let mut values = be.uninit(lens[k]);
+            be.unpack_bf16_pairs(&mut values, kept[k]);
+            values
+        }))
+    }
 }
 
 /// The layer's backward: adds the parameters' gradients into `grads` (this rank's experts' from
@@ -429,11 +491,16 @@ pub fn backward<B: Backend>(
     let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
     let tokens = be.len(x) / d;
     let n = acts.rows.len();
+    let unpacked = acts.unpacked(be);
+    let [x_local, gate, up, act, y] = match &unpacked {
+        Some([x_local, gate, up, act, y]) => [x_local, gate, up, act, y],
+        None => [&acts.x_local, &acts.gate, &acts.up, &acts.act, &acts.y],
+    };
     // Each row's output gradient: its token's, times its weight; the weight's own gradient is
     // that token's output gradient dotted with the row's unweighted output.
     let mut dy = be.uninit(n * d);
     be.embedding_forward(&mut dy, dout, &acts.rows, d);
-    let dots = be.row_dots(&dy, &acts.y, d);
+    let dots = be.row_dots(&dy, y, d);
     let mut dweights = vec![0.0f32; n];
     for (r, &slot) in acts.slots.iter().enumerate() {
         dweights[slot] = dots[r];
@@ -454,12 +521,8 @@ pub fn backward<B: Backend>(
         .collect();
     let dxs = each_expert(be, work, |((w, from, count), expert_grads)| {
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
-        let (xe, dye) = (block(&acts.x_local, d), block(&dy_local, d));
-        let (g, u, a) = (
-            block(&acts.gate, h),
-            block(&acts.up, h),
-            block(&acts.act, h),
-        );
+        let (xe, dye) = (block(x_local, d), block(&dy_local, d));
+        let (g, u, a) = (block(gate, h), block(up, h), block(act, h));
         let mut dxe = be.zeros(count * d);
         let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
         swiglu_ffn_backward(
@@ -543,6 +606,7 @@ mod tests {
                 groups,
             },
             experts_float8: None,
+            bf16_activations: false,
         }
     }
 
