@@ -5,7 +5,7 @@ mod common;
 use common::{quiet, tiny_config};
 use titan::backend::cpu::CpuBackend;
 use titan::checkpoint;
-use titan::model::{KvCache, Llama};
+use titan::model::{Decoder, KvCache};
 use titan::train::train;
 
 fn trained(dir: &std::path::Path, steps: u64) -> titan::config::Config {
@@ -82,7 +82,7 @@ fn resuming_with_a_different_model_is_refused() {
 fn last_logits(dir: &std::path::Path, tokens: &[u32]) -> Vec<f32> {
     let be = CpuBackend::new();
     let (args, params) = checkpoint::load_weights(&be, dir).unwrap();
-    let model = Llama::new(&be, args.clone(), 64).unwrap();
+    let model = Decoder::new(&be, args.clone(), 64).unwrap();
     let mut cache = KvCache::new(&be, &args, 64);
     model
         .forward_cached(&be, &params, &mut cache, tokens)

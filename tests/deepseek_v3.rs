@@ -1,7 +1,7 @@
 //! DeepSeek-V3 (multi-head latent attention, shared experts after a dense block, the routing bias
 //! stepped after every step) under the parallel layouts, real processes through the launcher:
 //! per-step loss and gradient norm within 1e-5 of one process over 10 steps. Under TP the heads
-//! split and the latents are computed whole on every rank (`model::llama::mla`); under CP ring
+//! split and the latents are computed whole on every rank (`model::decoder::mla`); under CP ring
 //! attention reads the padded heads; EP moves the routed experts, the shared ones stay the
 //! block's SwiGLU; PP (1F1B and DualPipeV) carries the block unchanged. The bias moves with the
 //! job's load, so a layout that routed differently would drift from the one-process curve.
@@ -209,7 +209,7 @@ fn deepseek_v3_routing_bias_moves_alike_under_every_layout() {
 #[test]
 fn generation_routes_with_the_checkpoints_routing_bias() {
     use titan::backend::cpu::CpuBackend;
-    use titan::model::{KvCache, Llama};
+    use titan::model::{Decoder, KvCache};
     let dir = tempfile::tempdir().unwrap();
     // An odd number of ±0.5 steps leaves every expert that was ever off the mean off zero.
     let biased = [
@@ -249,7 +249,7 @@ fn generation_routes_with_the_checkpoints_routing_bias() {
     );
     let greedy = |with_bias: bool| {
         let capacity = prompt.len() + 8;
-        let mut model = Llama::new(&be, args.clone(), capacity).unwrap();
+        let mut model = Decoder::new(&be, args.clone(), capacity).unwrap();
         if with_bias {
             model.set_expert_bias(&bias).unwrap();
         }

@@ -13,7 +13,7 @@ use common::{hf_python, quiet, tiny_config};
 use titan::backend::cpu::rope::RopeScaling;
 use titan::backend::cpu::CpuBackend;
 use titan::checkpoint;
-use titan::model::{KvCache, Llama, Workspace};
+use titan::model::{Decoder, KvCache, Workspace};
 
 /// Runs `py` with `args`, which must succeed; its standard output.
 fn python_output(py: &str, args: &[&str]) -> Vec<u8> {
@@ -260,7 +260,7 @@ json.dump(c, open(os.path.join(fp8_dir, "config.json"), "w"))
         .map(|i| (i as u32 * 37 + 11) % 300)
         .collect();
     let be = CpuBackend::new();
-    let model = Llama::new(&be, m_fp8.args.clone(), seq).unwrap();
+    let model = Decoder::new(&be, m_fp8.args.clone(), seq).unwrap();
     let mut ws = Workspace::new(&be, &m_fp8.args, batch, seq);
     let loss = model.loss(&be, &p_fp8, &mut ws, &tokens).unwrap();
     let titan_loss = loss.sum / loss.count as f64;
@@ -400,7 +400,7 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
     let tokens: Vec<u32> = (0..batch * (seq + 1))
         .map(|i| (i as u32 * 37 + 11) % 300)
         .collect();
-    let mut model = Llama::new(&be, args.clone(), seq).unwrap();
+    let mut model = Decoder::new(&be, args.clone(), seq).unwrap();
     // DeepSeek-V3's routing bias travels in the checkpoint's state, not among the weights.
     if let Some(bias) = &state.expert_bias {
         model.set_expert_bias(bias).unwrap();
@@ -455,7 +455,7 @@ fn parity(adjust: impl Fn(&mut titan::config::Config)) {
         .collect();
     let be = CpuBackend::new();
     let (args, params) = checkpoint::load_weights(&be, &cfg.checkpoint_folder()).unwrap();
-    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let model = Decoder::new(&be, args.clone(), seq).unwrap();
     let mut ws = Workspace::new(&be, &args, batch, seq);
     let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
     let titan_loss = loss.sum / loss.count as f64;
@@ -525,7 +525,7 @@ LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
         let (args, params) = checkpoint::load_weights(&be, &ckpt).unwrap();
         assert_eq!(args.rope_theta, 500000.0, "{kind}");
         assert_eq!(args.rope_scaling.is_some(), kind == "llama3");
-        let model = Llama::new(&be, args.clone(), seq).unwrap();
+        let model = Decoder::new(&be, args.clone(), seq).unwrap();
         let mut ws = Workspace::new(&be, &args, batch, seq);
         let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
         let titan_loss = loss.sum / loss.count as f64;

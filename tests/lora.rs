@@ -331,7 +331,7 @@ fn titan_loss_on_rows(
 ) -> (
     Vec<u32>,
     f64,
-    titan::model::Llama<CpuBackend>,
+    titan::model::Decoder<CpuBackend>,
     titan::model::ParamSet<CpuBackend>,
 ) {
     let be = CpuBackend::new();
@@ -341,7 +341,7 @@ fn titan_loss_on_rows(
     let tokens: Vec<u32> = (0..batch * (seq + 1))
         .map(|i| (i as u32 * 37 + 11) % vocab)
         .collect();
-    let model = titan::model::Llama::new(&be, args.clone(), seq).unwrap();
+    let model = titan::model::Decoder::new(&be, args.clone(), seq).unwrap();
     let mut ws = titan::model::Workspace::new(&be, &args, batch, seq);
     let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();
     (tokens, loss.sum / loss.count as f64, model, params)

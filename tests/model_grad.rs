@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::CpuBackend;
 use titan::backend::Backend;
-use titan::model::{init_params, Llama, ModelArgs, ParamSet, Workspace};
+use titan::model::{init_params, Decoder, ModelArgs, ParamSet, Workspace};
 
 fn tiny_args(tied: bool) -> ModelArgs {
     llama_args(tied)
@@ -58,7 +58,7 @@ fn check_model(args: ModelArgs, tied: bool) {
 fn check_model_with(args: ModelArgs, tied: bool, eps: f64) {
     let be = CpuBackend::new();
     let (batch, seq) = (2, 9);
-    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let model = Decoder::new(&be, args.clone(), seq).unwrap();
     let mut params = init_params(&be, &args, 3);
     // Larger weights than the init so every path carries a visible gradient.
     let mut rng = ChaCha8Rng::seed_from_u64(5);
@@ -255,7 +255,7 @@ fn a_token_id_outside_the_vocabulary_is_an_error_before_any_kernel() {
     let be = CpuBackend::new();
     let args = llama_args(false);
     let (batch, seq) = (2, 5);
-    let model = Llama::new(&be, args.clone(), seq).unwrap();
+    let model = Decoder::new(&be, args.clone(), seq).unwrap();
     let params = init_params(&be, &args, 3);
     let mut ws = Workspace::new(&be, &args, batch, seq);
     let mut grads = ParamSet::zeros(&be, &model.param_specs());
@@ -287,7 +287,7 @@ fn a_token_id_outside_the_vocabulary_is_an_error_before_any_kernel() {
 #[test]
 fn mla_whole_model_gradient_matches_finite_differences() {
     use titan::backend::cpu::rope::{RopeScaling, YarnScaling};
-    use titan::model::mla::MlaArgs;
+    use titan::model::decoder::mla::MlaArgs;
     let direct = MlaArgs {
         q_lora_rank: None,
         kv_lora_rank: 6,

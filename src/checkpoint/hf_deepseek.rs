@@ -21,7 +21,7 @@ use anyhow::{anyhow, bail, Result};
 use serde_json::{json, Value};
 
 use super::hf_rope::{hf_rope_scaling, rope_from_hf};
-use crate::model::mla::MlaArgs;
+use crate::model::decoder::mla::MlaArgs;
 use crate::model::moe::router::{RouterArgs, ScoreFunc};
 use crate::model::moe::MoeArgs;
 use crate::model::ModelArgs;

@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::comm::group::ReduceOp;
 use crate::config::Config;
 use crate::launch::Distributed;
-use crate::model::{Llama, ModelArgs};
+use crate::model::{Decoder, ModelArgs};
 use crate::parallel::layout::RankLayout;
 use crate::train::compose::ComposedRank;
 use crate::train::memory::{peak_memory, MemoryEstimate};
@@ -30,7 +30,7 @@ pub(super) struct CommClocks {
 }
 
 impl CommClocks {
-    pub(super) fn read<B: Backend>(model: &Llama<B>) -> Self {
+    pub(super) fn read<B: Backend>(model: &Decoder<B>) -> Self {
         CommClocks {
             exposed_tp: model.tp().exposed_comm_seconds(),
             comm_tp: model.tp().comm_seconds(),

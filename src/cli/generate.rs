@@ -12,7 +12,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::checkpoint;
 use crate::data::load_tokenizer;
-use crate::model::{KvCache, Llama};
+use crate::model::{Decoder, KvCache};
 
 #[derive(clap::Args, Debug)]
 pub struct GenerateArgs {
@@ -109,7 +109,7 @@ fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
             args.max_seq_len
         );
     }
-    let mut model = Llama::new(be, args.clone(), capacity)?;
+    let mut model = Decoder::new(be, args.clone(), capacity)?;
     // A mixture of experts routes with the bias its training left (auxiliary-loss-free load
     // balancing; a Hugging Face DeepSeek-V3's routing bias once imported).
     if let Some(bias) = &state.expert_bias {

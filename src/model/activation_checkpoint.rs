@@ -1,7 +1,7 @@
 //! Activation checkpointing as a save policy: what each block's forward keeps for its backward.
 //! titan's backward is explicit, so checkpointing is not a wrapper around the block: a block that
 //! kept less recomputes the rest, with the same kernels on the same inputs, at the start of its
-//! backward (`Llama::block_backward`), and the gradients are bit-identical to a run that kept
+//! backward (`Decoder::block_backward`), and the gradients are bit-identical to a run that kept
 //! everything.
 //!
 //! TorchTitan's modes (`[activation_checkpoint]`):
@@ -20,7 +20,7 @@
 
 use anyhow::{bail, Result};
 
-/// A block's activations, as its backward reads them (`llama::LayerActs` has one buffer of each).
+/// A block's activations, as its backward reads them (`decoder::LayerActs` has one buffer of each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Act {
     /// The attention norm's output on this rank's rows, and gathered over the tensor-parallel

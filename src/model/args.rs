@@ -9,8 +9,8 @@
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+use super::decoder::mla::MlaArgs;
 use super::lora_args::LoraArgs;
-use super::mla::MlaArgs;
 use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;
 use crate::backend::cpu::rope::{Llama3Scaling, RopeScaling};

@@ -11,7 +11,7 @@
 use anyhow::{bail, Result};
 
 use super::args::ModelArgs;
-use super::mla::MlaArgs;
+use super::decoder::mla::MlaArgs;
 use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;
 use crate::backend::cpu::rope::{RopeScaling, YarnScaling};

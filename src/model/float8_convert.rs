@@ -14,7 +14,7 @@
 //! the routed experts are grouped GEMMs that `quantize.grouped_mm.float8` converts
 //! (`with_experts`): the report lists them as left out otherwise. A float8 head computes its
 //! logits whole instead of fused with the loss in row chunks, because its casts need the whole
-//! logit gradient (`Llama::head_forward_backward`).
+//! logit gradient (`Decoder::head_forward_backward`).
 
 use anyhow::{bail, Result};
 

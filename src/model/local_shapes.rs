@@ -6,7 +6,7 @@
 use anyhow::{bail, Result};
 
 use super::args::ModelArgs;
-use super::mla::MlaArgs;
+use super::decoder::mla::MlaArgs;
 use super::moe::MoeArgs;
 use super::params::expert_of;
 use super::projection::BlockProjection;

@@ -5,16 +5,15 @@
 pub mod activation_checkpoint;
 pub mod args;
 pub mod crossings;
+pub mod decoder;
 pub mod deepseek_v3;
 pub mod float8_convert;
 pub mod float8_linear;
 pub mod init;
 pub mod linear;
-pub mod llama;
 pub mod local_shapes;
 pub mod lora;
 pub mod lora_args;
-pub mod mla;
 pub mod moe;
 pub mod parallel_linear;
 pub mod params;
@@ -22,7 +21,7 @@ pub mod projection;
 pub mod token_marks;
 
 pub use args::ModelArgs;
-pub use llama::{KvCache, Llama, Workspace};
+pub use decoder::{Decoder, KvCache, Workspace};
 pub use local_shapes::LocalShapes;
 pub use params::{ParamDtype, ParamSet, ReduceDtype};
 

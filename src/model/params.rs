@@ -5,8 +5,8 @@ use crate::backend::Backend;
 
 use super::activation_checkpoint::{AcMode, ActivationDtype, ActivationPlan};
 use super::args::ModelArgs;
+use super::decoder::mla::MlaArgs;
 use super::lora_args::{self as lora, LoraIds};
-use super::mla::MlaArgs;
 use super::moe::MoeIds;
 use super::projection::BlockProjection;
 
@@ -253,7 +253,7 @@ pub struct GqaIds {
     pub k_norm: Option<usize>,
 }
 
-/// Multi-head latent attention's parameters (`model::mla`).
+/// Multi-head latent attention's parameters (`model::decoder::mla`).
 #[derive(Debug, Clone)]
 pub struct MlaIds {
     pub query: MlaQueryIds,

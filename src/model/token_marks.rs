@@ -1,6 +1,6 @@
 //! What a training row says about its tokens besides their ids: the data loader marks the first
 //! token of every document and the tokens that are not targets (the prompt of a chat sample), and
-//! the model reads the marks where tokens enter it (`Llama::load_tokens`, `count_targets`).
+//! the model reads the marks where tokens enter it (`Decoder::load_tokens`, `count_targets`).
 //!
 //! The marks are the two top bits of each `u32` (vocabularies stay below 2²⁴: `args::BOUNDS`), so
 //! rows travel unchanged through every layout that slices them (data-parallel shares, pipeline

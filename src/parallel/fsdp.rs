@@ -47,7 +47,7 @@ use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::memory_timeline::{self, Category};
-use crate::model::{Llama, ParamDtype, ParamSet, ReduceDtype};
+use crate::model::{Decoder, ParamDtype, ParamSet, ReduceDtype};
 
 mod float8;
 mod hooks;
@@ -203,7 +203,7 @@ impl<B: Backend> Fsdp<B> {
         replicate: Option<Arc<dyn ProcessGroup>>,
         queue: Option<Box<dyn CollectiveQueue<B>>>,
         experts: Option<ExpertShards<B>>,
-        model: &Llama<B>,
+        model: &Decoder<B>,
         specs: &[(String, Vec<usize>)],
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
         reshard_after_forward: ReshardPolicy,

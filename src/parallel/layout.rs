@@ -2,7 +2,7 @@
 //! step needs of it whatever the layout: walk the micro-batches' forward and backward (`walk`),
 //! finish the gradients, take their global norm, update.
 //!
-//! - Tensor parallel lives in the model (`Llama::tensor_parallel`: its shapes and its group's
+//! - Tensor parallel lives in the model (`Decoder::tensor_parallel`: its shapes and its group's
 //!   crossings); here only the gradients of the weights every TP rank holds whole (the norms,
 //!   a mixture of experts' router and routed experts), whose parts come from each rank's token
 //!   rows, are summed over the group once per step, packed into one all-reduce.
@@ -22,7 +22,7 @@ use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::model::moe::stats::ExpertStats;
 use crate::model::params::TpSharding;
-use crate::model::{Llama, ParamSet, Workspace};
+use crate::model::{Decoder, ParamSet, Workspace};
 
 /// A mixture-of-experts model's figures of a step, summed over the job.
 pub struct MoeStepStats {
@@ -34,7 +34,7 @@ pub struct MoeStepStats {
 
 /// One rank's model and layout.
 pub struct RankLayout<B: Backend> {
-    pub model: Llama<B>,
+    pub model: Decoder<B>,
     pub state: ParamState<B>,
     /// The rank's action list with its workspaces (one stage, or its pipeline schedule).
     pub walk: Walk<B>,
@@ -52,7 +52,7 @@ pub struct RankLayout<B: Backend> {
 
 /// A rank's parts, for `RankLayout::new`.
 pub struct LayoutParts<B: Backend> {
-    pub model: Llama<B>,
+    pub model: Decoder<B>,
     pub state: ParamState<B>,
     pub walk: Walk<B>,
     pub batch_group: Option<Arc<dyn ProcessGroup>>,

@@ -24,7 +24,7 @@ use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::crossings::single_rank::SingleRank;
 use crate::model::float8_convert::Float8Conversion;
-use crate::model::{Llama, LocalShapes, ModelArgs, Workspace};
+use crate::model::{Decoder, LocalShapes, ModelArgs, Workspace};
 
 /// The groups of this rank's mesh that its layout crosses (None: degree 1).
 #[derive(Clone, Default)]
@@ -86,7 +86,7 @@ pub fn parallelize_model<B: Backend>(
     groups: &MeshGroups,
     queues: ModelQueues<B>,
     options: ParallelOptions,
-) -> Result<Llama<B>> {
+) -> Result<Decoder<B>> {
     let local = local_shapes(args, groups)?;
     let float8 = options.float8;
     let model = match &groups.tp {
@@ -97,9 +97,9 @@ pub fn parallelize_model<B: Backend>(
                 options.loss_parallel,
                 options.async_tp,
             );
-            Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
+            Decoder::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
         }
-        None => Llama::tensor_parallel(be, args.clone(), seq, local, Arc::new(SingleRank))?,
+        None => Decoder::tensor_parallel(be, args.clone(), seq, local, Arc::new(SingleRank))?,
     }
     .with_float8(float8);
     let model = match &groups.cp {
@@ -133,7 +133,7 @@ pub fn parallelize_model<B: Backend>(
 /// pipeline, which parameters this rank holds (for the optimizer's state).
 pub fn parallelize_layout<B: Backend>(
     be: &B,
-    model: Llama<B>,
+    model: Decoder<B>,
     mut state: ParamState<B>,
     groups: &MeshGroups,
     pipeline: Option<PipelinePlan>,

@@ -255,7 +255,7 @@ impl<B: Backend> ParamState<B> {
 mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::model::{init_params, Llama, ModelArgs};
+    use crate::model::{init_params, Decoder, ModelArgs};
 
     /// Under bf16 a block's compute copy exists from its forward's start to its end (and again
     /// around its backward), rounded from the masters; at most the parameters outside the blocks
@@ -264,7 +264,7 @@ mod tests {
     fn a_blocks_bf16_copy_lives_while_the_block_runs() {
         let be = CpuBackend::new();
         let args = ModelArgs::flavor("debugmodel").unwrap();
-        let model = Llama::new(&be, args.clone(), 16).unwrap();
+        let model = Decoder::new(&be, args.clone(), 16).unwrap();
         let params = init_params(&be, &args, 3);
         let grads = ParamSet::zeros(&be, &model.param_specs());
         let blocks: Vec<Vec<usize>> = model.ids.layers.iter().map(|l| l.all()).collect();

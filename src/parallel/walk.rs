@@ -12,7 +12,7 @@
 //!   (each block all-gathered before its forward and its gradients reduce-scattered after its
 //!   backward, FSDP2's hooks; under a pipeline, every held parameter gathered for the pass).
 //! - Validation runs the same walk without the backward (`PassKind::LossOnly`: a forward-only list).
-//! - Generation too (`PassKind::LastLogits`, `Llama::forward_cached`): the workspace holds the KV
+//! - Generation too (`PassKind::LastLogits`, `Decoder::forward_cached`): the workspace holds the KV
 //!   cache every block reads and extends; the head keeps the last position's logits.
 //!
 //! A microbatch takes a workspace at its first action on this rank and gives it back after its
@@ -36,7 +36,7 @@ use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::DeferredWeightGrad;
-use crate::model::{KvCache, Llama, LocalShapes, ParamSet, Workspace};
+use crate::model::{Decoder, KvCache, LocalShapes, ParamSet, Workspace};
 
 /// A part of the model the walk visits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +137,7 @@ pub struct Walk<B: Backend> {
 /// One stage's forward or backward of microbatch `mb` in `ws`, with the rank's transfers.
 struct StageRun<'r, B: Backend> {
     be: &'r B,
-    model: &'r Llama<B>,
+    model: &'r Decoder<B>,
     split: &'r StageSplit,
     placement: &'r [usize],
     me: usize,
@@ -267,7 +267,7 @@ impl<B: Backend> Walk<B> {
     pub fn forward_backward(
         &mut self,
         be: &B,
-        model: &Llama<B>,
+        model: &Decoder<B>,
         hooks: &mut dyn ParamHooks<B>,
         tokens: &[u32],
         pass: PassKind,
@@ -311,7 +311,7 @@ impl<B: Backend> Walk<B> {
     pub fn loss(
         &mut self,
         be: &B,
-        model: &Llama<B>,
+        model: &Decoder<B>,
         hooks: &mut dyn ParamHooks<B>,
         ws: Option<&mut Workspace<B>>,
         tokens: &[u32],
@@ -410,7 +410,7 @@ struct Pass<'a, B: Backend> {
 /// and count) and the seconds spent waiting for other ranks.
 fn run_list<B: Backend>(
     be: &B,
-    model: &Llama<B>,
+    model: &Decoder<B>,
     hooks: &mut dyn ParamHooks<B>,
     list: &ActionList<'_>,
     slots: &mut [Workspace<B>],
@@ -672,7 +672,7 @@ impl<B: Backend> StageRun<'_, B> {
 }
 
 /// One process's model API (tests, tools): the same walk, one stage, fixed sets.
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// One forward and backward over `tokens` (`[batch, seq+1]`, inputs are the first `seq` of each
     /// row, targets the last `seq`). Gradients are *added* into `grads`, scaled by `grad_scale`
     /// (1 / global number of targets), so micro-batches accumulate into one big batch.

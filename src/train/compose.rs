@@ -24,7 +24,7 @@ use crate::memory_timeline;
 use crate::model::activation_checkpoint::AcMode;
 use crate::model::float8_convert::Float8Conversion;
 use crate::model::params::TpSharding;
-use crate::model::{Llama, LocalShapes, ModelArgs, ParamDtype, ReduceDtype};
+use crate::model::{Decoder, LocalShapes, ModelArgs, ParamDtype, ReduceDtype};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::{ExpertShards, Float8Gather, ReshardPolicy, ShardedParams};
 use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
@@ -395,7 +395,7 @@ fn param_state<B: Backend>(
     cfg: &Config,
     dist: Option<&Distributed>,
     plan: &RankPlan,
-    model: &mut Llama<B>,
+    model: &mut Decoder<B>,
     comm: ParamComm<B>,
 ) -> Result<(ParamState<B>, Optimizer<B>, Option<Resumed>)> {
     let (device_reducer, device_queue) = match comm.data_parallel {

@@ -9,7 +9,7 @@ use super::memory::{check_fits, gib, DeviceSizing, MemoryEstimate, MuonSizing};
 use crate::config::Config;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::{AcMode, ActivationPlan};
-use crate::model::llama::{workspace_floats, WorkspaceFloats};
+use crate::model::decoder::{workspace_floats, WorkspaceFloats};
 use crate::model::{LocalShapes, ModelArgs, ParamDtype};
 use crate::parallel::cp::RotateMethod;
 use crate::parallel::fsdp::ReshardPolicy;

@@ -10,7 +10,7 @@ use crate::config::muon_updates;
 use crate::memory_timeline::Category;
 use crate::model::{
     activation_checkpoint::{ActivationDtype, ActivationPlan},
-    llama::{WorkspaceFloats, WorkspacePart},
+    decoder::{WorkspaceFloats, WorkspacePart},
     params::{local_param_specs, param_specs},
     LocalShapes, ModelArgs,
 };

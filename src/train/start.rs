@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::launch::Distributed;
 use crate::model::lora;
 use crate::model::params::TpSharding;
-use crate::model::{init_params, Llama, ParamDtype, ParamSet, ReduceDtype};
+use crate::model::{init_params, Decoder, ParamDtype, ParamSet, ReduceDtype};
 use crate::parallel::fsdp::{ExpertShards, Fsdp, ReshardPolicy, StartValues};
 
 /// The state a run starts from.
@@ -115,7 +115,7 @@ pub struct Resumed {
 /// weights are laid out (FSDP shards or whole) and which tensors it holds.
 pub struct StartInputs<'a, B: Backend> {
     pub cfg: &'a Config,
-    pub model: &'a Llama<B>,
+    pub model: &'a Decoder<B>,
     /// The job (one process: None).
     pub dist: Option<&'a Distributed>,
     /// Whether it shards with FSDP, its collectives through `queue` when given and the experts'
@@ -250,7 +250,7 @@ fn read_checkpoint<B: Backend>(
 /// the initial model (`[checkpoint] initial_load_path`), else a fresh initialisation; each cut
 /// to this rank's tensor-parallel part.
 struct Source<'a, B: Backend> {
-    model: &'a Llama<B>,
+    model: &'a Decoder<B>,
     seed: u64,
     /// The tensors whole (`global`), as checkpoints and initial values hold them, and this rank's
     /// tensor-parallel part of each (`specs`).

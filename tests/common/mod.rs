@@ -129,7 +129,7 @@ pub fn rows_arg(tokens: &[u32], seq: usize) -> String {
 /// Greedy decoding of `new` tokens after `prompt` with titan's KV cache.
 pub fn greedy_ids<B: titan::backend::Backend>(
     be: &B,
-    model: &titan::model::Llama<B>,
+    model: &titan::model::Decoder<B>,
     params: &titan::model::ParamSet<B>,
     prompt: &[u32],
     new: usize,

@@ -3,7 +3,7 @@
 //!
 //! Both check what they are given before touching memory (ids within the table, buffers long
 //! enough) and panic with a message naming the kernel, the id and its position: token ids from
-//! data are checked as errors before they reach a kernel (`Llama::load_tokens`), so a failed check
+//! data are checked as errors before they reach a kernel (`Decoder::load_tokens`), so a failed check
 //! here is a bug in titan, never undefined behaviour.
 
 use rayon::prelude::*;

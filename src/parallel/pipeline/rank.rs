@@ -10,7 +10,7 @@ use super::schedule::Schedule;
 use super::stage::StageSplit;
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
-use crate::model::{Llama, ParamSet};
+use crate::model::{Decoder, ParamSet};
 
 /// Whether pipeline rank `r` of `schedule` over `split` holds the parameter `name`
 /// (`tok_embeddings.*`: the first stage, and the last too when the output is tied to it;
@@ -111,7 +111,7 @@ impl PipelineRank {
     pub fn sum_tied_grad<B: Backend>(
         &self,
         be: &B,
-        model: &Llama<B>,
+        model: &Decoder<B>,
         grads: &mut ParamSet<B>,
     ) -> Result<()> {
         let id = model.ids.tok_embeddings;
@@ -137,7 +137,7 @@ impl PipelineRank {
 
     /// The parameter this rank holds as a copy whose gradient the norm must not count again: the
     /// tied embedding on a rank holding the last stage but not the first.
-    pub fn copy_not_to_count<B: Backend>(&self, model: &Llama<B>) -> Option<usize> {
+    pub fn copy_not_to_count<B: Backend>(&self, model: &Decoder<B>) -> Option<usize> {
         let first = self.holder("tok_embeddings.weight");
         (self.tied && self.group.rank() != first && self.holds("tok_embeddings.weight"))
             .then_some(model.ids.tok_embeddings)

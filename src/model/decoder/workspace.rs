@@ -5,7 +5,7 @@
 //! one set of the transient buffers (`Workspace::trade_transient`).
 
 use super::generate::KvCache;
-use super::mla_scratch::MlaScratch;
+use super::mla::scratch::MlaScratch;
 use super::residual::ResidualStream;
 use super::workspace_floats::{
     act_storage, kept_storage, needs_scratch_of, sized_by_ffn, ActStorage,
@@ -56,7 +56,7 @@ pub struct Workspace<B: Backend> {
     pub batch: usize,
     /// Positions of each sequence this rank holds (with context parallelism, its shard).
     pub seq: usize,
-    /// The RoPE tables of the rows when they are not the model's, made by `Llama::load_tokens`:
+    /// The RoPE tables of the rows when they are not the model's, made by `Decoder::load_tokens`:
     /// with context parallelism, the shard's rows (their global positions, made the first time);
     /// for sequences of several documents, a row per token (`documents`).
     pub(super) rope: Option<(B::Buf, B::Buf)>,
@@ -108,7 +108,7 @@ pub struct Workspace<B: Backend> {
     /// Generation: the keys and values of the earlier tokens, which every block's forward reads
     /// and extends (None in training and validation).
     pub(super) kv_cache: Option<KvCache<B>>,
-    /// Generation: the logits of the last position (`Llama::head_last_logits`).
+    /// Generation: the logits of the last position (`Decoder::head_last_logits`).
     pub(super) last_logits: Vec<f32>,
 }
 

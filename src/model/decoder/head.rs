@@ -15,13 +15,13 @@
 use anyhow::Result;
 
 use super::run::frozen_or;
-use super::{Llama, Workspace};
+use super::{Decoder, Workspace};
 use crate::backend::{Backend, LossSum};
 use crate::model::linear::Linear;
 use crate::model::parallel_linear::{Projection, ProjectionGrad};
 use crate::model::params::ParamSet;
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// The output projection in this rank's shapes (its vocabulary rows), in float8 where the
     /// conversion chose it.
     fn head_linear(&self) -> Linear {

@@ -1,6 +1,6 @@
 //! The decoder block's forward, written once in one rank's local shapes. The training and
 //! validation forward, activation checkpointing's recompute before a block's backward and
-//! generation with a KV cache all run this one function (`Llama::run_block`); they differ only in
+//! generation with a KV cache all run this one function (`Decoder::run_block`); they differ only in
 //! which ops run (`Pass`: every op, or those whose outputs the block did not keep) and where
 //! attention finds its keys and values (`KvSource`: the workspace's sequences, or the cache).
 //!
@@ -9,11 +9,11 @@
 
 use anyhow::{bail, Result};
 
-use super::mla_scratch::MlaScratch;
+use super::mla::scratch::MlaScratch;
 use super::positions::Positions;
 use super::run::{BlockLinears, BlockRun, Pass};
 use super::workspace::BlockActs;
-use super::Llama;
+use super::Decoder;
 use crate::backend::{AttnInputs, AttnMask, AttnShape, Backend};
 use crate::model::activation_checkpoint::{Act, ActivationDtype, BlockSave};
 use crate::model::moe::{self, MoeShapes};
@@ -46,7 +46,7 @@ impl<B: Backend> KvSource<'_, B> {
     }
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// The linear layers of this rank's tensor-parallel group over `tokens` rows.
     pub(super) fn sequence_parallel(&self, tokens: usize) -> SequenceParallel<'_, B> {
         SequenceParallel {

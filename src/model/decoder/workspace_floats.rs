@@ -3,7 +3,7 @@
 //! within one action (`WorkspacePart`), and the float counts that allocation and the memory
 //! estimate both read (`WorkspaceFloats`), so the two cannot drift apart.
 
-use super::mla_scratch::mla_scratch_floats;
+use super::mla::scratch::mla_scratch_floats;
 use super::residual::stored_len;
 use crate::model::activation_checkpoint::{Act, ActivationDtype, ActivationPlan, BlockSave};
 use crate::model::local_shapes::{FfnKind, LocalShapes};

@@ -149,7 +149,7 @@ mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
     use crate::model::activation_checkpoint::AcMode;
-    use crate::model::llama::{Llama, Workspace};
+    use crate::model::decoder::{Decoder, Workspace};
     use crate::model::local_shapes::LocalShapes;
     use crate::model::{init_params, ModelArgs};
 
@@ -162,7 +162,7 @@ mod tests {
         let be = CpuBackend::new();
         let args = ModelArgs::flavor("debugmodel").unwrap();
         let (batch, seq) = (2, 16);
-        let model = Llama::new(&be, args.clone(), seq).unwrap();
+        let model = Decoder::new(&be, args.clone(), seq).unwrap();
         // The weights as bf16 mixed precision computes with them: the embedding's rows, so block
         // 0's input, are bf16 values either way.
         let mut params = init_params(&be, &args, 7);

@@ -6,12 +6,12 @@ use std::cell::RefCell;
 
 use anyhow::Result;
 
-use super::mla::MlaGrads;
-use super::mla_scratch::MlaScratch;
+use super::mla::attention::MlaGrads;
+use super::mla::scratch::MlaScratch;
 use super::positions::Positions;
 use super::run::{frozen_or, BackwardRun, BlockLinears};
 use super::workspace::{BlockActs, FfnGrads};
-use super::Llama;
+use super::Decoder;
 use crate::backend::{AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend};
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
@@ -20,7 +20,7 @@ use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
 use crate::model::projection::BlockProjection;
 use crate::model::Workspace;
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// On entry `ws.dx` holds ∂L/∂(block output) on this rank's rows; on exit ∂L/∂(block input).
     pub fn block_backward(
         &self,

@@ -4,7 +4,7 @@
 //!
 //! A sequence of the data loader is a window of the concatenated `[BOS] doc [EOS]` stream, so it
 //! may hold the end of one document and the starts of others. With documents on
-//! (`Llama::with_documents`), a token's position restarts at 0 at every document start (the tokens
+//! (`Decoder::with_documents`), a token's position restarts at 0 at every document start (the tokens
 //! the loader marked, `token_marks::DOCUMENT_START`) and at the sequence's first token: a document
 //! cut by the window continues as a new one, as TorchTitan canonicalises it. Positions are derived
 //! from the marked tokens themselves, so every rank that holds the tokens (every pipeline stage,

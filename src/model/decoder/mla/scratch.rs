@@ -1,5 +1,5 @@
 //! Multi-head latent attention's working buffers besides the block's activations
-//! (`MlaScratch`), sized from one rank's shapes; `mla` computes with them.
+//! (`MlaScratch`), sized from one rank's shapes; `attention` computes with them.
 
 use crate::backend::Backend;
 use crate::model::local_shapes::LocalShapes;
@@ -9,22 +9,22 @@ use crate::model::local_shapes::LocalShapes;
 /// without MLA.
 pub(crate) struct MlaScratch<B: Backend> {
     /// `[n, heads·qk]`: the query projection (backward: its gradient).
-    pub(super) q_proj: B::Buf,
+    pub(in crate::model::decoder) q_proj: B::Buf,
     /// `[n, heads·(nope + v)]`: the key/value up-projection (backward: its gradient).
-    pub(super) kv_up: B::Buf,
+    pub(in crate::model::decoder) kv_up: B::Buf,
     /// `[n·heads, rope]` and `[n, rope]`: the rotated parts while RoPE turns them.
-    pub(super) q_rope: B::Buf,
-    pub(super) k_rope: B::Buf,
+    pub(in crate::model::decoder) q_rope: B::Buf,
+    pub(in crate::model::decoder) k_rope: B::Buf,
     /// `[n, kv_lora_rank]`: the key/value latent before its norm, contiguous.
-    pub(super) kv_c: B::Buf,
+    pub(in crate::model::decoder) kv_c: B::Buf,
     /// The backward's: the query latent's gradients after and before its norm, the key/value
     /// projection's, the latent's after and before its norm, and the heads' values'.
-    pub(super) dq_latent_normed: B::Buf,
-    pub(super) dq_latent: B::Buf,
-    pub(super) dkv_latent: B::Buf,
-    pub(super) dkv_normed: B::Buf,
-    pub(super) dkv_c: B::Buf,
-    pub(super) dvalues: B::Buf,
+    pub(in crate::model::decoder) dq_latent_normed: B::Buf,
+    pub(in crate::model::decoder) dq_latent: B::Buf,
+    pub(in crate::model::decoder) dkv_latent: B::Buf,
+    pub(in crate::model::decoder) dkv_normed: B::Buf,
+    pub(in crate::model::decoder) dkv_c: B::Buf,
+    pub(in crate::model::decoder) dvalues: B::Buf,
 }
 
 /// The sizes of `MlaScratch`'s buffers, in field order.
@@ -56,12 +56,17 @@ pub fn mla_scratch_floats(m: &LocalShapes, n: usize, backward: bool) -> usize {
 }
 
 impl<B: Backend> MlaScratch<B> {
-    pub(super) fn allocate(be: &B, m: &LocalShapes, n: usize, backward: bool) -> Self {
+    pub(in crate::model::decoder) fn allocate(
+        be: &B,
+        m: &LocalShapes,
+        n: usize,
+        backward: bool,
+    ) -> Self {
         Self::of_sizes(be, scratch_sizes(m, n, backward))
     }
 
     /// No buffers: a workspace that borrows them (`Workspace::trade_transient`).
-    pub(super) fn empty(be: &B) -> Self {
+    pub(in crate::model::decoder) fn empty(be: &B) -> Self {
         Self::of_sizes(be, [0; 11])
     }
 

@@ -1,5 +1,8 @@
-//! The Llama 3 decoder with an explicit forward (saving what the backward needs) and backward,
-//! written once in one tensor-parallel rank's shapes (`LocalShapes`; with one rank, the model's).
+//! The one decoder every model family runs (Llama 3, Qwen3, DeepSeek-V3: `model::families`),
+//! with an explicit forward (saving what the backward needs) and backward, written once in one
+//! tensor-parallel rank's shapes (`LocalShapes`; with one rank, the model's). A family selects its
+//! block features through `ModelArgs` (QK-norm, multi-head latent attention in `mla/`, a mixture
+//! of experts); the block reads them, nothing here names a family.
 //!
 //! Per block: `h = x + Attention(RMSNorm(x))`, `out = h + W2·(silu(W1·n) ∘ W3·n)` with `n = RMSNorm(h)`.
 //!
@@ -41,8 +44,7 @@ mod backward;
 mod block;
 mod generate;
 mod head;
-mod mla;
-mod mla_scratch;
+pub mod mla;
 mod positions;
 mod residual;
 mod run;
@@ -55,9 +57,9 @@ use positions::Positions;
 pub use workspace::{LayerActs, Workspace};
 pub use workspace_floats::{workspace_floats, WorkspaceFloats, WorkspacePart};
 
-/// A Llama model bound to a backend: shapes, parameter indices, RoPE tables and the
+/// A decoder model bound to a backend: shapes, parameter indices, RoPE tables and the
 /// tensor- and context-parallel groups its blocks cross.
-pub struct Llama<B: Backend> {
+pub struct Decoder<B: Backend> {
     pub args: ModelArgs,
     /// The shapes this rank computes with.
     pub local: LocalShapes,
@@ -85,7 +87,7 @@ pub struct Llama<B: Backend> {
     float8: Float8Conversion,
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// `max_seq` bounds the positions the RoPE tables cover (training seq_len or generation length).
     pub fn new(backend: &B, args: ModelArgs, max_seq: usize) -> Result<Self> {
         let local = LocalShapes::whole(&args);
@@ -104,7 +106,7 @@ impl<B: Backend> Llama<B> {
         assert_eq!(
             local.tp,
             tp.degree(),
-            "Llama: shapes and group disagree on the TP degree"
+            "Decoder: shapes and group disagree on the TP degree"
         );
         let (cos, sin) = rope_tables(args.rope_dim(), max_seq, args.rope_theta, args.rope_scaling);
         let expert_bias = match &args.moe {
@@ -113,7 +115,7 @@ impl<B: Backend> Llama<B> {
             }
             _ => Vec::new(),
         };
-        Ok(Llama {
+        Ok(Decoder {
             ids: ParamIds::new(&args),
             args,
             local,
@@ -150,7 +152,7 @@ impl<B: Backend> Llama<B> {
         assert_eq!(
             self.local.cp,
             cp.degree(),
-            "Llama: shapes and group disagree on the CP degree"
+            "Decoder: shapes and group disagree on the CP degree"
         );
         self.cp = cp;
         self
@@ -162,7 +164,7 @@ impl<B: Backend> Llama<B> {
         assert_eq!(
             (self.local.ep, self.local.ep_rank),
             (ep.degree(), ep.rank()),
-            "Llama: shapes and group disagree on the EP degree or rank"
+            "Decoder: shapes and group disagree on the EP degree or rank"
         );
         self.ep = ep;
         self

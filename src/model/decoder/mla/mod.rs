@@ -17,6 +17,12 @@
 //! zero value column gives a zero output column, which `Wo` never reads. The kernels scale by
 //! `1/sqrt(padded)`; the queries are multiplied by `query_scale()` first so the product is MLA's
 //! `s`. What this costs (the padded value columns' FLOPs and memory) buys unchanged kernels.
+//!
+//! MLA lives in this one folder: the shapes here, its part of the block's forward and backward
+//! (`attention`) and its working buffers (`scratch`).
+
+pub(in crate::model::decoder) mod attention;
+pub(in crate::model::decoder) mod scratch;
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

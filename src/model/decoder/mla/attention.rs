@@ -1,5 +1,5 @@
 //! Multi-head latent attention's part of the block (DeepSeek-V3; shapes and the padding of heads
-//! in `model::mla`): from the attention norm's output to the queries, keys and values the
+//! in `mla/mod.rs`): from the attention norm's output to the queries, keys and values the
 //! attention kernels read, and back. The rest of the block (the norm, attention itself, `wo`, the
 //! residual) is the block's own, shared with grouped-query attention.
 //!
@@ -17,14 +17,14 @@
 
 use anyhow::Result;
 
-use super::mla_scratch::MlaScratch;
-use super::positions::Positions;
-use super::run::{frozen_or, BackwardRun, BlockRun};
-use super::workspace::BlockActs;
-use super::Llama;
+use super::scratch::MlaScratch;
+use super::MlaArgs;
 use crate::backend::Backend;
 use crate::model::activation_checkpoint::Act;
-use crate::model::mla::MlaArgs;
+use crate::model::decoder::positions::Positions;
+use crate::model::decoder::run::{frozen_or, BackwardRun, BlockRun};
+use crate::model::decoder::workspace::BlockActs;
+use crate::model::decoder::Decoder;
 use crate::model::params::{MlaIds, MlaQueryIds, ParamSet};
 use crate::model::projection::BlockProjection;
 
@@ -59,7 +59,7 @@ fn at(offset: usize, stride: usize) -> Columns {
     Columns { offset, stride }
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     fn mla_args(&self) -> MlaArgs {
         self.local
             .mla
@@ -68,7 +68,7 @@ impl<B: Backend> Llama<B> {
 
     /// The block's queries, keys and values (`acts.q`, `acts.k`, `acts.v`, heads padded) from the
     /// attention norm's output, each op run when `run` asks for its output.
-    pub(super) fn mla_forward(
+    pub(in crate::model::decoder) fn mla_forward(
         &self,
         run: &BlockRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
@@ -240,7 +240,12 @@ impl<B: Backend> Llama<B> {
     }
 
     /// `wo`'s input: each head's value columns of attention's padded output.
-    pub(super) fn mla_values(&self, be: &B, acts: &mut BlockActs<'_, B>, n: usize) {
+    pub(in crate::model::decoder) fn mla_values(
+        &self,
+        be: &B,
+        acts: &mut BlockActs<'_, B>,
+        n: usize,
+    ) {
         let a = self.mla_args();
         let (src, dst) = (at(0, a.padded_head_dim()), at(0, a.v_head_dim));
         copy_columns(
@@ -256,19 +261,19 @@ impl<B: Backend> Llama<B> {
 /// The gradients MLA's backward starts from (attention's, of the padded heads; `dq` is scaled in
 /// place) and where the attention norm's output gradient goes (this rank's rows, through the
 /// tensor-parallel partial sums in `full`).
-pub(super) struct MlaGrads<'g, B: Backend> {
-    pub(super) dq: &'g mut B::Buf,
-    pub(super) dk: &'g B::Buf,
-    pub(super) dv: &'g B::Buf,
-    pub(super) full: &'g mut B::Buf,
-    pub(super) dnormed: &'g mut B::Buf,
-    pub(super) scratch: &'g mut MlaScratch<B>,
+pub(in crate::model::decoder) struct MlaGrads<'g, B: Backend> {
+    pub(in crate::model::decoder) dq: &'g mut B::Buf,
+    pub(in crate::model::decoder) dk: &'g B::Buf,
+    pub(in crate::model::decoder) dv: &'g B::Buf,
+    pub(in crate::model::decoder) full: &'g mut B::Buf,
+    pub(in crate::model::decoder) dnormed: &'g mut B::Buf,
+    pub(in crate::model::decoder) scratch: &'g mut MlaScratch<B>,
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// `wo`'s input gradient (`s.dvalues`) into each head's value columns of attention's padded
     /// output gradient `dattn` (zeros elsewhere).
-    pub(super) fn mla_values_backward(
+    pub(in crate::model::decoder) fn mla_values_backward(
         &self,
         be: &B,
         dattn: &mut B::Buf,
@@ -288,13 +293,16 @@ impl<B: Backend> Llama<B> {
     }
 
     /// `wo`'s input gradient buffer (MLA's own: narrower than attention's output).
-    pub(super) fn mla_values_grad<'s>(&self, s: &'s mut MlaScratch<B>) -> &'s mut B::Buf {
+    pub(in crate::model::decoder) fn mla_values_grad<'s>(
+        &self,
+        s: &'s mut MlaScratch<B>,
+    ) -> &'s mut B::Buf {
         &mut s.dvalues
     }
 
     /// The mirror of `mla_forward`: from the padded heads' gradients to the attention norm's
     /// output gradient and every MLA weight's.
-    pub(super) fn mla_backward(
+    pub(in crate::model::decoder) fn mla_backward(
         &self,
         run: &BackwardRun<'_, B>,
         acts: &mut BlockActs<'_, B>,

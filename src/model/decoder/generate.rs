@@ -1,18 +1,18 @@
 //! Generation's pieces: the `KvCache` of the earlier tokens' keys and values, which a workspace
 //! holds while the walk runs the blocks over new tokens (the block written once,
 //! `block::run_block`, reading and extending the cache), and the head that keeps the last
-//! position's logits. The step itself is `Llama::forward_cached` in `parallel/walk.rs`.
+//! position's logits. The step itself is `Decoder::forward_cached` in `parallel/walk.rs`.
 
 use anyhow::{bail, Result};
 
-use super::{Llama, Workspace};
+use super::{Decoder, Workspace};
 use crate::backend::Backend;
 use crate::model::args::ModelArgs;
 use crate::model::params::ParamSet;
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// Whether `tokens` can run next at positions `cache.len..` (the walk then runs them:
-    /// `Llama::forward_cached` in `parallel/walk.rs`).
+    /// `Decoder::forward_cached` in `parallel/walk.rs`).
     pub fn check_generation_step(&self, cache: &KvCache<B>, tokens: &[u32]) -> Result<()> {
         let a = &self.args;
         if self.local.tp != 1 || self.local.cp != 1 {
