@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# flavor: (dim, layers, heads, kv_heads, vocab, multiple_of, ffn_multiplier, tied) -- titan's args.rs
+# flavor: (dim, layers, heads, kv_heads, vocab, multiple_of, ffn_multiplier, tied) -- titan's model/families/llama3/flavors.rs
 FLAVORS = {
     "debugmodel": (256, 6, 16, 16, 2048, 256, None, False),
     "1B": (2048, 16, 32, 8, 128256, 256, 1.5, True),

@@ -146,13 +146,13 @@ fn bad_settings_are_refused_naming_the_key() {
 #[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
 fn a_run_that_does_not_fit_is_told_which_mode_would() {
     use titan::model::activation_checkpoint::AcMode;
-    use titan::model::{LocalShapes, ModelArgs};
+    use titan::model::LocalShapes;
     use titan::train::memory::{available_memory, MemoryEstimate};
     let Some(avail) = available_memory() else {
         eprintln!("no MemAvailable on this machine: nothing to check");
         return;
     };
-    let args = ModelArgs::flavor("debugmodel").unwrap();
+    let args = titan::model::families::llama3::flavor("debugmodel").unwrap();
     let whole = LocalShapes::whole(&args);
     let seq = 2048;
     let need = |batch: usize, mode: AcMode| {

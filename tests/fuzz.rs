@@ -698,7 +698,7 @@ fn micro_args() -> ModelArgs {
         vocab_size: 260,
         ffn_hidden: 32,
         max_seq_len: 64,
-        ..ModelArgs::flavor("debugmodel").unwrap()
+        ..titan::model::families::llama3::flavor("debugmodel").unwrap()
     }
 }
 

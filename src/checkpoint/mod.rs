@@ -7,10 +7,7 @@
 
 pub mod atomic;
 pub mod hf;
-mod hf_deepseek;
 mod hf_fp8;
-mod hf_names;
-mod hf_rope;
 pub mod integrity;
 pub mod peft;
 pub mod resume;

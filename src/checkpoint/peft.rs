@@ -10,9 +10,9 @@ use std::path::Path;
 use anyhow::{anyhow, Result};
 use serde_json::json;
 
-use super::hf::{permute_rows, rope_permutation, write_atomic, write_folder_file};
-use super::hf_names::hf_name_of;
+use super::hf::{write_atomic, write_folder_file};
 use crate::backend::cpu::CpuBackend;
+use crate::model::families;
 use crate::model::lora::{base_of, LORA_A};
 use crate::tensor::Tensor;
 
@@ -27,21 +27,23 @@ pub fn export(checkpoint: &Path, out_dir: &Path) -> Result<()> {
             dir.display()
         )
     })?;
+    let family = families::of_args(&args)?;
     let mut tensors = Vec::new();
     let mut modules = Vec::new();
     for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {
         let Some(base) = base_of(name) else {
             continue;
         };
-        let hf_base = hf_name_of(&args, &base);
+        let hf_base = family.hf_name(&args, &base);
         let module = hf_base
             .strip_suffix(".weight")
             .expect("a linear's weight")
             .to_string();
         let factor_a = name.ends_with(LORA_A);
-        let data = match (factor_a, rope_permutation(&base, &args)) {
-            (false, Some(heads)) => permute_rows(buf, heads, args.head_dim(), lora.rank, true),
-            _ => buf.clone(),
+        // `A` is `[rank, in]`: its rows are not the projection's. `B`'s rows are.
+        let data = match factor_a {
+            true => buf.clone(),
+            false => family.export_rows(&args, &base, buf, lora.rank),
         };
         let factor = if factor_a { "lora_A" } else { "lora_B" };
         tensors.push((

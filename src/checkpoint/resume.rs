@@ -112,7 +112,7 @@ mod tests {
     use crate::backend::cpu::CpuBackend;
     use crate::checkpoint::{save, TrainState, FORMAT_VERSION};
     use crate::comm::group::ReduceOp;
-    use crate::model::{params::param_specs, ModelArgs, ParamSet};
+    use crate::model::{params::param_specs, ParamSet};
 
     /// Ranks as threads of one process: just the collectives `agree` uses.
     struct Threads {
@@ -172,7 +172,7 @@ mod tests {
 
     /// A checkpoint of a tiny model at `step` in `folder`.
     fn saved(folder: &Path, step: u64) {
-        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        let mut args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) = (16, 1, 2, 2);
         (args.vocab_size, args.ffn_hidden) = (8, 8);
         let be = CpuBackend::new();

@@ -5,7 +5,7 @@ use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
 use super::Config;
-use crate::model::ModelArgs;
+use crate::model::{families, ModelArgs};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -90,16 +90,8 @@ impl Default for ModelConfig {
 impl Config {
     /// The published shapes of `[model] name` and `flavor`, before the config's overrides.
     fn base_model_args(&self) -> Result<ModelArgs> {
-        let m = &self.model;
-        match m.name.as_str() {
-            "llama3" => ModelArgs::flavor(&m.flavor),
-            "qwen3" => ModelArgs::qwen3_flavor(&m.flavor),
-            "deepseek_v3" => ModelArgs::deepseek_v3_flavor(&m.flavor),
-            other => bail!(
-                "[model] name = `{other}` is not supported (accepted: llama3, qwen3, deepseek_v3)"
-            ),
-        }
-        .map_err(|e| anyhow!("[model] flavor: {e}"))
+        let family = families::by_name(&self.model.name)?;
+        families::flavor(family, &self.model.flavor).map_err(|e| anyhow!("[model] flavor: {e}"))
     }
 
     pub(super) fn validate_model(&self) -> Result<()> {
@@ -122,7 +114,7 @@ impl Config {
     /// Model shapes: the flavor, with any `[model]` overrides applied.
     pub fn model_args(&self) -> Result<ModelArgs> {
         let mut a = self.base_model_args()?;
-        self.apply_shape_overrides(&mut a);
+        self.apply_shape_overrides(&mut a)?;
         self.apply_moe_overrides(&mut a)?;
         self.apply_mla_overrides(&mut a)?;
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
@@ -134,22 +126,9 @@ impl Config {
     /// `dim`, `n_layers`, heads, vocabulary, RoPE, norm and FFN overrides; the FFN width is
     /// recomputed (with the flavor's multiplier and rounding where not overridden) when `dim`,
     /// `multiple_of` or `ffn_dim_multiplier` is set.
-    fn apply_shape_overrides(&self, a: &mut ModelArgs) {
+    fn apply_shape_overrides(&self, a: &mut ModelArgs) -> Result<()> {
         let m = &self.model;
-        let llama = m.name == "llama3";
-        let base_mult = match m.flavor.as_str() {
-            _ if !llama => None,
-            "1B" => Some(1.5),
-            "3B" => Some(1.0),
-            "8B" | "70B" => Some(1.3),
-            "405B" => Some(1.2),
-            _ => None,
-        };
-        let base_multiple = match m.flavor.as_str() {
-            "8B" => 1024,
-            "70B" | "405B" => 4096,
-            _ => 256,
-        };
+        let rounding = families::by_name(&m.name)?.ffn_rounding(&m.flavor);
         if let Some(v) = m.dim {
             a.dim = v;
         }
@@ -177,10 +156,11 @@ impl Config {
         if m.dim.is_some() || m.multiple_of.is_some() || m.ffn_dim_multiplier.is_some() {
             a.ffn_hidden = crate::model::args::ffn_hidden(
                 a.dim,
-                m.multiple_of.unwrap_or(base_multiple),
-                m.ffn_dim_multiplier.or(base_mult),
+                m.multiple_of.unwrap_or(rounding.multiple_of),
+                m.ffn_dim_multiplier.or(rounding.multiplier),
             );
         }
+        Ok(())
     }
 
     /// The multi-head latent attention overrides, refused on a model without MLA; an MLA model

@@ -1,8 +1,8 @@
-//! Model shapes: the published Llama 3 and Qwen3 flavors and the derived quantities (FFN width,
-//! parameter count, FLOPs per token, memory) that are known from the config alone, before anything
-//! is allocated. Qwen3 is Llama's block with two differences, both fields here: a head width of its
-//! own (`attention_head_dim`, not `dim / n_heads`) and an RMSNorm on every query and key head before
-//! RoPE (`qk_norm`).
+//! Model shapes (`ModelArgs`): the decoder's sizes and the block features a family selects
+//! (a head width of its own, QK-norm, multi-head latent attention, a mixture of experts), their
+//! checks, and the derived quantities (FFN width, parameter count, FLOPs per token) that are known
+//! from the config alone, before anything is allocated. The published flavors are the families'
+//! (`model::families`).
 //! One rank's share of these shapes under tensor, context and expert parallelism is `LocalShapes`
 //! (`local_shapes.rs`).
 
@@ -11,9 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use super::decoder::mla::MlaArgs;
 use super::lora_args::LoraArgs;
-use super::moe::router::{RouterArgs, ScoreFunc};
 use super::moe::MoeArgs;
-use crate::backend::cpu::rope::{Llama3Scaling, RopeScaling};
+use crate::backend::cpu::rope::RopeScaling;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelArgs {
@@ -68,23 +67,6 @@ impl ModelArgs {
     }
 }
 
-/// The flavors `[model] flavor` accepts for `name = "llama3"`.
-pub const FLAVORS: &[&str] = &["debugmodel", "1B", "3B", "8B", "70B", "405B"];
-
-/// The flavors `[model] flavor` accepts for `name = "qwen3"`.
-pub const QWEN3_FLAVORS: &[&str] = &[
-    "debugmodel",
-    "0.6B",
-    "1.7B",
-    "4B",
-    "8B",
-    "14B",
-    "32B",
-    "debugmodel_moe",
-    "30B-A3B",
-    "235B-A22B",
-];
-
 /// The range of every size field of `ModelArgs` (`validate`): far above any published model
 /// (Llama 3 405B: dim 16384, 126 layers, 128 heads, vocabulary 128256; Qwen3-MoE: 128 experts),
 /// low enough that no count derived from them overflows (all together stay below 2⁶² parameters)
@@ -124,127 +106,7 @@ pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64
     multiple_of * hidden.div_ceil(multiple_of)
 }
 
-const LLAMA31_SCALING: RopeScaling = RopeScaling::Llama3(Llama3Scaling {
-    factor: 8.0,
-    low_freq_factor: 1.0,
-    high_freq_factor: 4.0,
-    original_max_position_embeddings: 8192,
-});
-const LLAMA32_SCALING: RopeScaling = RopeScaling::Llama3(Llama3Scaling {
-    factor: 32.0,
-    low_freq_factor: 1.0,
-    high_freq_factor: 4.0,
-    original_max_position_embeddings: 8192,
-});
-
 impl ModelArgs {
-    /// Published Llama 3.x dimensions (1B/3B are Llama 3.2 with tied embeddings).
-    pub fn flavor(name: &str) -> Result<ModelArgs> {
-        #[allow(clippy::type_complexity)]
-        let (dim, n_layers, n_heads, n_kv, vocab, multiple_of, mult, scaling, tied, max_seq): (usize, usize, usize, usize, usize, usize, Option<f64>, Option<RopeScaling>, bool, usize) = match name {
-            "debugmodel" => (256, 6, 16, 16, 2048, 256, None, None, false, 2048),
-            "1B" => (2048, 16, 32, 8, 128256, 256, Some(1.5), Some(LLAMA32_SCALING), true, 131072),
-            "3B" => (3072, 28, 24, 8, 128256, 256, Some(1.0), Some(LLAMA32_SCALING), true, 131072),
-            "8B" => (4096, 32, 32, 8, 128256, 1024, Some(1.3), Some(LLAMA31_SCALING), false, 131072),
-            "70B" => (8192, 80, 64, 8, 128256, 4096, Some(1.3), Some(LLAMA31_SCALING), false, 131072),
-            "405B" => (16384, 126, 128, 8, 128256, 4096, Some(1.2), Some(LLAMA31_SCALING), false, 131072),
-            other => bail!("unknown model flavor `{other}` (accepted: {})", FLAVORS.join(", ")),
-        };
-        Ok(ModelArgs {
-            dim,
-            n_layers,
-            n_heads,
-            n_kv_heads: n_kv,
-            vocab_size: vocab,
-            ffn_hidden: ffn_hidden(dim, multiple_of, mult),
-            norm_eps: 1e-5,
-            rope_theta: 500000.0,
-            rope_scaling: scaling,
-            max_seq_len: max_seq,
-            tied_embeddings: tied,
-            attention_head_dim: None,
-            qk_norm: false,
-            moe: None,
-            mla: None,
-            lora: None,
-        })
-    }
-
-    /// Published Qwen3 dense dimensions (Hugging Face `Qwen/Qwen3-*` configs: head width 128,
-    /// QK-norm, RoPE θ 10⁶, RMSNorm ε 10⁻⁶; 0.6B, 1.7B and 4B tie their embeddings), and a tiny
-    /// `debugmodel` whose head width (64) is not `dim / n_heads` (32), as Qwen3's are not.
-    pub fn qwen3_flavor(name: &str) -> Result<ModelArgs> {
-        #[allow(clippy::type_complexity)]
-        let (dim, n_layers, n_heads, n_kv, head_dim, ffn, vocab, tied): (
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-            bool,
-        ) = match name {
-            "debugmodel" => (256, 6, 8, 4, 64, 768, 2048, false),
-            "0.6B" => (1024, 28, 16, 8, 128, 3072, 151936, true),
-            "1.7B" => (2048, 28, 16, 8, 128, 6144, 151936, true),
-            "4B" => (2560, 36, 32, 8, 128, 9728, 151936, true),
-            "8B" => (4096, 36, 32, 8, 128, 12288, 151936, false),
-            "14B" => (5120, 40, 40, 8, 128, 17408, 151936, false),
-            "32B" => (5120, 64, 64, 8, 128, 25600, 151936, false),
-            "debugmodel_moe" => (256, 6, 8, 4, 64, 768, 2048, false),
-            "30B-A3B" => (2048, 48, 32, 4, 128, 6144, 151936, false),
-            "235B-A22B" => (4096, 94, 64, 4, 128, 12288, 151936, false),
-            other => bail!(
-                "unknown qwen3 flavor `{other}` (accepted: {})",
-                QWEN3_FLAVORS.join(", ")
-            ),
-        };
-        // Qwen3-MoE: every block's feed-forward is 128 experts (8 for the debug model) of which
-        // each token takes 8 (2), softmax scores renormalised over the chosen, no shared experts.
-        let moe = |experts: usize, top_k: usize, hidden: usize| MoeArgs {
-            hidden,
-            shared_hidden: None,
-            load_balance_coeff: None,
-            aux_loss_coef: None,
-            first_dense_layers: 0,
-            sparse_step: 1,
-            router: RouterArgs {
-                num_experts: experts,
-                top_k,
-                score_func: ScoreFunc::Softmax,
-                norm_topk_prob: true,
-                route_scale: 1.0,
-                groups: None,
-            },
-        };
-        let moe = match name {
-            "debugmodel_moe" => Some(moe(8, 2, 256)),
-            "30B-A3B" => Some(moe(128, 8, 768)),
-            "235B-A22B" => Some(moe(128, 8, 1536)),
-            _ => None,
-        };
-        Ok(ModelArgs {
-            dim,
-            n_layers,
-            n_heads,
-            n_kv_heads: n_kv,
-            vocab_size: vocab,
-            ffn_hidden: ffn,
-            norm_eps: 1e-6,
-            rope_theta: 1_000_000.0,
-            rope_scaling: None,
-            max_seq_len: 40960,
-            tied_embeddings: tied,
-            // Stored only where it differs from dim / heads, as an imported config stores it.
-            attention_head_dim: (head_dim * n_heads != dim).then_some(head_dim),
-            qk_norm: true,
-            moe,
-            mla: None,
-            lora: None,
-        })
-    }
-
     /// Block `layer`'s mixture of experts (None: its feed-forward is dense).
     pub fn moe_at(&self, layer: usize) -> Option<&MoeArgs> {
         self.moe.as_ref().filter(|m| m.in_layer(layer))
@@ -431,65 +293,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn published_ffn_widths() {
-        let want = [
-            ("debugmodel", 768),
-            ("1B", 8192),
-            ("3B", 8192),
-            ("8B", 14336),
-            ("70B", 28672),
-            ("405B", 53248),
-        ];
-        for (name, hidden) in want {
-            assert_eq!(
-                ModelArgs::flavor(name).unwrap().ffn_hidden,
-                hidden,
-                "{name}"
-            );
-        }
-    }
-
-    #[test]
-    fn published_qwen3_parameter_counts() {
-        // Qwen3 model cards: 0.6B (tied), 1.7B (tied), 4B (tied), 8.2B, 14.8B, 32.8B in all.
-        let approx = [
-            ("0.6B", 0.596e9),
-            ("1.7B", 1.72e9),
-            ("4B", 4.02e9),
-            ("8B", 8.19e9),
-            ("14B", 14.77e9),
-            ("32B", 32.76e9),
-        ];
-        for (name, n) in approx {
-            let a = ModelArgs::qwen3_flavor(name).unwrap();
-            assert_eq!(a.head_dim(), 128, "{name}");
-            let got = a.num_params() as f64;
-            assert!((got - n).abs() / n < 0.01, "{name}: {got}");
-        }
-        let debug = ModelArgs::qwen3_flavor("debugmodel").unwrap();
-        assert_ne!(debug.head_dim(), debug.dim / debug.n_heads);
-        debug.validate().unwrap();
-    }
-
-    #[test]
-    fn published_parameter_counts() {
-        // Llama 3.1 8B has 8.03B parameters, 70B 70.6B, 405B 405.9B; Llama 3.2 1B 1.24B, 3B 3.21B.
-        let approx = [
-            ("1B", 1.236e9),
-            ("3B", 3.213e9),
-            ("8B", 8.030e9),
-            ("70B", 70.55e9),
-            ("405B", 405.85e9),
-        ];
-        for (name, n) in approx {
-            let got = ModelArgs::flavor(name).unwrap().num_params() as f64;
-            assert!((got - n).abs() / n < 0.002, "{name}: {got}");
-        }
-    }
-
-    #[test]
     fn every_size_is_bounded_and_an_error_names_the_field() {
-        let ok = ModelArgs::flavor("debugmodel").unwrap();
+        let ok = crate::model::families::llama3::flavor("debugmodel").unwrap();
         ok.validate().unwrap();
         type Edit = fn(&mut ModelArgs);
         let cases: [(&str, Edit); 9] = [
@@ -516,7 +321,7 @@ mod tests {
     #[test]
     fn the_largest_accepted_model_counts_its_parameters_without_overflow() {
         let bound = |f: &str| field_range(f).1;
-        let mut a = ModelArgs::qwen3_flavor("235B-A22B").unwrap();
+        let mut a = crate::model::families::qwen3::flavor("235B-A22B").unwrap();
         (a.dim, a.n_layers, a.vocab_size) = (bound("dim"), bound("n_layers"), bound("vocab_size"));
         (a.n_heads, a.n_kv_heads) = (bound("n_heads"), bound("n_kv_heads"));
         a.attention_head_dim = Some(MAX_HEAD_DIM);
@@ -538,14 +343,5 @@ mod tests {
         let want = 2 * (a.vocab_size as u128) * d + a.n_layers as u128 * layer + d;
         assert_eq!(a.num_params() as u128, want);
         assert!(want < 1 << 62, "{want}");
-    }
-
-    #[test]
-    fn unknown_flavor_lists_the_accepted_ones() {
-        let err = ModelArgs::flavor("7B").unwrap_err().to_string();
-        assert!(
-            err.contains("7B") && err.contains("debugmodel") && err.contains("405B"),
-            "{err}"
-        );
     }
 }

@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn a_token_multiplies_every_converted_projection_in_float8() {
-        let args = ModelArgs::flavor("8B").unwrap();
+        let args = crate::model::families::llama3::flavor("8B").unwrap();
         let options = Float8Options {
             recipe: Float8Recipe::Rowwise,
             filter_fqns: vec!["output".into()],
@@ -478,7 +478,7 @@ mod tests {
 
     #[test]
     fn the_plan_converts_block_projections_and_reports_the_rest() {
-        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        let mut args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         args.n_layers = 2;
         let options = Float8Options {
             recipe: Float8Recipe::Rowwise,
@@ -519,7 +519,7 @@ mod tests {
 
     #[test]
     fn the_output_head_converts_when_no_filter_names_it() {
-        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        let mut args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         args.n_layers = 1;
         let options = Float8Options {
             recipe: Float8Recipe::Tensorwise,

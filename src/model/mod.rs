@@ -1,12 +1,13 @@
-//! Models: Llama 3 shapes and flavors, canonical parameter names, initialization, and the decoder
-//! itself with explicit forward and backward; one rank's shapes (`local_shapes`) and the interfaces
-//! through which the block crosses ranks (`crossings`).
+//! Models: the one decoder with explicit forward and backward (`decoder`), the model families over
+//! it, each a folder with its flavors and Hugging Face adapter (`families`), model shapes
+//! (`args`), canonical parameter names, initialization; one rank's shapes (`local_shapes`) and the
+//! interfaces through which the block crosses ranks (`crossings`).
 
 pub mod activation_checkpoint;
 pub mod args;
 pub mod crossings;
 pub mod decoder;
-pub mod deepseek_v3;
+pub mod families;
 pub mod float8_convert;
 pub mod float8_linear;
 pub mod init;

@@ -255,7 +255,7 @@ impl<B: Backend> ParamState<B> {
 mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::model::{init_params, Decoder, ModelArgs};
+    use crate::model::{init_params, Decoder};
 
     /// Under bf16 a block's compute copy exists from its forward's start to its end (and again
     /// around its backward), rounded from the masters; at most the parameters outside the blocks
@@ -263,7 +263,7 @@ mod tests {
     #[test]
     fn a_blocks_bf16_copy_lives_while_the_block_runs() {
         let be = CpuBackend::new();
-        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         let model = Decoder::new(&be, args.clone(), 16).unwrap();
         let params = init_params(&be, &args, 3);
         let grads = ParamSet::zeros(&be, &model.param_specs());

@@ -225,7 +225,8 @@ fn measure() -> Result<Calibration> {
 
 /// The CPU device the measurements make (see `measure`).
 pub fn fit(m: &Measured) -> Result<Device> {
-    let args = ModelArgs::flavor("debugmodel")?;
+    let args =
+        crate::model::families::flavor(&crate::model::families::llama3::Llama3, "debugmodel")?;
     let seq_flops = args.flops_per_token(m.seq) * m.seq as f64;
     // t1 = opt + mb + x, t8 = opt + mb + 8x, acc8 = opt + 8·(mb + x).
     let x = (m.one_thread_batch8_s - m.one_thread_batch1_s) / 7.0;

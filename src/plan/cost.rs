@@ -351,7 +351,7 @@ mod tests {
 
     #[test]
     fn float8_linears_are_faster_on_a_gpu_and_slower_emulated_on_the_cpu() {
-        let args = ModelArgs::flavor("8B").unwrap();
+        let args = crate::model::families::llama3::flavor("8B").unwrap();
         let layout = data_parallel(8, true);
         let mut device = gpu("h100").unwrap();
         for (speedup, faster) in [
@@ -402,7 +402,7 @@ mod tests {
     #[test]
     fn more_devices_never_predict_less_data_parallel_throughput() {
         for flavor in ["8B", "70B"] {
-            let args = ModelArgs::flavor(flavor).unwrap();
+            let args = crate::model::families::llama3::flavor(flavor).unwrap();
             for kind in ["h100", "b200"] {
                 let device = gpu(kind).unwrap();
                 for shard in [true, false] {
@@ -436,7 +436,7 @@ mod tests {
 
     #[test]
     fn a_saturated_host_runs_every_ranks_work_and_a_crossing_group_takes_the_network() {
-        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         let mut cpu = gpu("h100").unwrap();
         cpu.cores = 2;
         cpu.overlaps = false;

@@ -472,7 +472,7 @@ mod tests {
     fn an_fsdp_rank_holds_its_shards_and_the_gathered_blocks() {
         // Llama 3.1 8B on 8 GPUs, TorchTitan's flagship layout: 128 GB of weights, gradients and
         // AdamW state in all, of which each rank holds an eighth plus what it gathers.
-        let args = ModelArgs::flavor("8B").unwrap();
+        let args = crate::model::families::llama3::flavor("8B").unwrap();
         let one = LocalShapes::whole(&args);
         let everything = ActivationPlan::keep_everything(args.n_layers);
         let whole = MemoryEstimate::new(&args, &one, 1, 8192, &everything);
@@ -495,7 +495,7 @@ mod tests {
     fn muon_keeps_one_state_per_matrix_and_spreads_its_gathered_matrices() {
         // Llama 3.1 8B: Muon's matrices (every block projection) keep a momentum alone, the
         // embedding, output head and norms AdamW's two moments.
-        let args = ModelArgs::flavor("8B").unwrap();
+        let args = crate::model::families::llama3::flavor("8B").unwrap();
         let one = LocalShapes::whole(&args);
         let plan = ActivationPlan::keep_everything(args.n_layers);
         let adamw = MemoryEstimate::new(&args, &one, 1, 1024, &plan);
@@ -541,7 +541,7 @@ mod tests {
     fn lora_counts_gradients_and_adamw_state_of_the_adapters_only() {
         // Llama 3.1 8B with rank-16 adapters on every block projection: the weights grow by the
         // adapters, the gradients and moments are the adapters' alone (a few hundred MiB).
-        let mut args = ModelArgs::flavor("8B").unwrap();
+        let mut args = crate::model::families::llama3::flavor("8B").unwrap();
         let base = MemoryEstimate::new(
             &args,
             &LocalShapes::whole(&args),
@@ -573,7 +573,7 @@ mod tests {
     #[test]
     fn a_pipeline_rank_holds_its_stages_and_the_microbatches_in_flight() {
         use crate::model::activation_checkpoint::AcMode;
-        let args = ModelArgs::flavor("8B").unwrap();
+        let args = crate::model::families::llama3::flavor("8B").unwrap();
         let one = LocalShapes::whole(&args);
         let everything = ActivationPlan::keep_everything(args.n_layers);
         let whole = MemoryEstimate::new(&args, &one, 8, 8192, &everything);
@@ -616,7 +616,7 @@ mod tests {
         use crate::model::activation_checkpoint::AcMode;
         // TorchTitan's 8B recipe: FSDP 8, local batch 1, seq 8192; activations counted in f32
         // (the CPU's storage; a GPU keeps some in bf16 alone and adds bf16 copies of others).
-        let args = ModelArgs::flavor("8B").unwrap();
+        let args = crate::model::families::llama3::flavor("8B").unwrap();
         let one = LocalShapes::whole(&args);
         let rank = |mode: AcMode| {
             let plan = mode.plan(args.n_layers);
@@ -640,7 +640,7 @@ mod tests {
     #[test]
     fn a_tensor_parallel_rank_holds_its_parts_and_the_replicated_norms() {
         // Llama 3.1 70B at TP 8: every weight but the norms split eight ways.
-        let args = ModelArgs::flavor("70B").unwrap();
+        let args = crate::model::families::llama3::flavor("70B").unwrap();
         let everything = ActivationPlan::keep_everything(args.n_layers);
         let whole = MemoryEstimate::new(&args, &LocalShapes::whole(&args), 1, 8192, &everything);
         let tp8 = LocalShapes::sharded(&args, 8, 3).unwrap();

@@ -150,8 +150,8 @@ mod tests {
     use crate::backend::cpu::CpuBackend;
     use crate::model::activation_checkpoint::AcMode;
     use crate::model::decoder::{Decoder, Workspace};
+    use crate::model::init_params;
     use crate::model::local_shapes::LocalShapes;
-    use crate::model::{init_params, ModelArgs};
 
     /// In bf16 each block's output is stored in bf16 (rounding it again changes nothing), at half
     /// the words, near the f32 stream's (the block computes from bf16-rounded activations, so
@@ -160,7 +160,7 @@ mod tests {
     #[test]
     fn a_bf16_stream_stores_each_block_output_rounded_at_half_the_words() {
         let be = CpuBackend::new();
-        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         let (batch, seq) = (2, 16);
         let model = Decoder::new(&be, args.clone(), seq).unwrap();
         // The weights as bf16 mixed precision computes with them: the embedding's rows, so block

@@ -637,7 +637,7 @@ mod tests {
     #[test]
     fn a_bf16_workspace_keeps_activations_at_half_the_words() {
         let be = CpuBackend::new();
-        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let args = crate::model::families::llama3::flavor("debugmodel").unwrap();
         let m = LocalShapes::whole(&args);
         let (batch, seq) = (1, 33);
         let plan = |dtype| AcMode::None.plan(args.n_layers).with_dtype(dtype);
@@ -685,11 +685,11 @@ mod tests {
     #[test]
     fn the_estimate_counts_what_a_workspace_allocates() {
         let be = CpuBackend::new();
-        let mut models = vec![ModelArgs::flavor("debugmodel").unwrap()];
-        models.push(ModelArgs::qwen3_flavor("debugmodel").unwrap());
+        let mut models = vec![crate::model::families::llama3::flavor("debugmodel").unwrap()];
+        models.push(crate::model::families::qwen3::flavor("debugmodel").unwrap());
         // Multi-head latent attention with dense feed-forwards (the experts' buffers are made
         // per step, not with the workspace).
-        let mut mla = ModelArgs::deepseek_v3_flavor("debugmodel").unwrap();
+        let mut mla = crate::model::families::deepseek_v3::flavor("debugmodel").unwrap();
         mla.moe = None;
         assert!(mla.mla.is_some());
         models.push(mla);

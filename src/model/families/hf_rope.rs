@@ -29,7 +29,7 @@ const YARN_KEYS: &[&str] = &[
 ];
 
 /// RoPE's base and scaling from either form; a config with both must say the same in each.
-pub(super) fn rope_from_hf(cfg: &Value, file: &Path) -> Result<(f64, Option<RopeScaling>)> {
+pub fn rope_from_hf(cfg: &Value, file: &Path) -> Result<(f64, Option<RopeScaling>)> {
     let present = |key: &str| cfg.get(key).filter(|v| !v.is_null());
     let max_positions = cfg.get("max_position_embeddings").and_then(Value::as_f64);
     let read = |params: Option<&Value>, theta: Option<&Value>, what: &str| {
@@ -142,7 +142,7 @@ fn scaling_from(p: &Value, max_positions: Option<f64>, at: &str) -> Result<Optio
 
 /// A scaling as `transformers` reads it (`rope_type` and its fields; `rope_theta` is added by the
 /// caller where the form holds it).
-pub(super) fn hf_rope_scaling(scaling: &RopeScaling) -> Value {
+pub fn hf_rope_scaling(scaling: &RopeScaling) -> Value {
     match scaling {
         RopeScaling::Llama3(s) => json!({"rope_type": "llama3", "factor": s.factor,
             "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
@@ -163,4 +163,16 @@ pub(super) fn hf_rope_scaling(scaling: &RopeScaling) -> Value {
             v
         }
     }
+}
+
+/// RoPE in both of transformers' forms, saying the same: `rope_parameters` (current versions read
+/// it) and `rope_theta` with `rope_scaling` (earlier versions), so every version loads the same
+/// model (current ones without a warning). An object of the three fields, for `hf_fields::merge`.
+pub fn hf_rope_fields(theta: f64, scaling: Option<&RopeScaling>) -> Value {
+    let scaling = scaling.map(hf_rope_scaling);
+    let mut parameters = scaling
+        .clone()
+        .unwrap_or_else(|| json!({"rope_type": "default"}));
+    parameters["rope_theta"] = json!(theta);
+    json!({"rope_parameters": parameters, "rope_theta": theta, "rope_scaling": scaling})
 }

@@ -14,18 +14,39 @@
 //! titan model with softmax scores (TorchTitan's small DeepSeek flavors) has no such HF model, and
 //! export refuses it, naming why.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
 use serde_json::{json, Value};
 
-use super::hf_rope::{hf_rope_scaling, rope_from_hf};
 use crate::model::decoder::mla::MlaArgs;
+use crate::model::families::hf_fields::{merge, norm_eps, tied_embeddings};
+use crate::model::families::hf_rope::{hf_rope_fields, rope_from_hf};
+use crate::model::families::llama_form::interleaved_row;
+use crate::model::families::{hf_names, HfShapes, HfTensors, RopeRows};
 use crate::model::moe::router::{RouterArgs, ScoreFunc};
 use crate::model::moe::MoeArgs;
 use crate::model::ModelArgs;
 use crate::tensor::Tensor;
+
+/// titan's MLA parameter names' HF counterparts (the rest is Llama's, `hf_names`).
+const MLA_NAMES: &[(&str, &str)] = &[
+    ("attention.wq_a.", "self_attn.q_a_proj."),
+    ("attention.q_norm.", "self_attn.q_a_layernorm."),
+    ("attention.wq_b.", "self_attn.q_b_proj."),
+    ("attention.wkv_a.", "self_attn.kv_a_proj_with_mqa."),
+    ("attention.kv_norm.", "self_attn.kv_a_layernorm."),
+    ("attention.wkv_b.", "self_attn.kv_b_proj."),
+];
+
+/// titan name → HF name: MLA's attention has names of its own.
+pub fn hf_name(name: &str) -> String {
+    let mut name = name.to_string();
+    for (titan, hf) in MLA_NAMES {
+        name = name.replace(titan, hf);
+    }
+    hf_names::hf_name(&name)
+}
 
 /// The routing bias's HF name in block `l`.
 pub fn bias_name(l: usize) -> String {
@@ -105,8 +126,9 @@ fn moe_from_deepseek(cfg: &Value, file: &Path) -> Result<MoeArgs> {
     })
 }
 
-/// Model shapes from a DeepSeek-V3 `config.json`, and whether its RoPE rows are interleaved.
-pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<(ModelArgs, bool)> {
+/// Model shapes from a DeepSeek-V3 `config.json`, and how its RoPE rows are laid out; not yet
+/// validated.
+pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<HfShapes> {
     let n_heads = size(cfg, "num_attention_heads", None, file)?;
     let kv_heads = size(cfg, "num_key_value_heads", Some(n_heads), file)?;
     if kv_heads != n_heads {
@@ -132,17 +154,11 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<(ModelArgs,
         n_kv_heads: n_heads,
         vocab_size: size(cfg, "vocab_size", None, file)?,
         ffn_hidden: size(cfg, "intermediate_size", None, file)?,
-        norm_eps: cfg
-            .get("rms_norm_eps")
-            .and_then(Value::as_f64)
-            .unwrap_or(1e-6) as f32,
+        norm_eps: norm_eps(cfg),
         rope_theta,
         rope_scaling,
         max_seq_len: size(cfg, "max_position_embeddings", Some(4096), file)?.max(1),
-        tied_embeddings: cfg
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        tied_embeddings: tied_embeddings(cfg),
         attention_head_dim: None,
         qk_norm: false,
         moe: Some(moe),
@@ -153,7 +169,13 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<(ModelArgs,
         .get("rope_interleave")
         .and_then(Value::as_bool)
         .unwrap_or(true);
-    Ok((args, interleaved))
+    Ok(HfShapes {
+        args,
+        rope_rows: match interleaved {
+            true => RopeRows::Interleaved,
+            false => RopeRows::Halves,
+        },
+    })
 }
 
 /// The `config.json` of a titan DeepSeek-V3 model, or why transformers has none for it.
@@ -169,13 +191,8 @@ pub fn deepseek_config(args: &ModelArgs) -> Result<Value> {
     if !shared.is_multiple_of(moe.hidden) || moe.sparse_step != 1 {
         bail!("this mixture of experts (shared experts {shared} wide over experts {} wide, experts every {} blocks) is not DeepSeek-V3's: its shared experts are whole experts, in every block after the dense ones", moe.hidden, moe.sparse_step);
     }
-    let scaling = args.rope_scaling.as_ref().map(hf_rope_scaling);
-    let mut rope_parameters = scaling
-        .clone()
-        .unwrap_or_else(|| json!({"rope_type": "default"}));
-    rope_parameters["rope_theta"] = json!(args.rope_theta);
     let (groups, limited) = r.groups.unwrap_or((1, 1));
-    Ok(json!({
+    let mut config = json!({
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
         "vocab_size": args.vocab_size,
@@ -202,14 +219,16 @@ pub fn deepseek_config(args: &ModelArgs) -> Result<Value> {
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "tie_word_embeddings": args.tied_embeddings,
-        "rope_parameters": rope_parameters,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": scaling,
         "rope_interleave": true,
         "attention_bias": false,
         "attention_dropout": 0.0,
         "num_nextn_predict_layers": 0,
-    }))
+    });
+    merge(
+        &mut config,
+        hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
+    );
+    Ok(config)
 }
 
 /// Reorders the rotated rows of MLA's query and key projections from the halves layout
@@ -235,11 +254,7 @@ pub fn interleave_rope_rows(name: &str, data: Vec<f32>, cols: usize, args: &Mode
     for start in starts {
         for j in 0..r {
             // Row j of the halves layout is row i of the interleaved one.
-            let i = if j < r / 2 {
-                2 * j
-            } else {
-                2 * (j - r / 2) + 1
-            };
+            let i = interleaved_row(j, r);
             let (dst, src) = (start + i, start + j);
             out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
         }
@@ -249,8 +264,9 @@ pub fn interleave_rope_rows(name: &str, data: Vec<f32>, cols: usize, args: &Mode
 
 /// The blocks of the release's multi-token-prediction layer among `names` (those past the main
 /// model's `n_layers`): how many tensors, for the import's log line.
-pub fn extra_layer_tensors<'a>(names: impl Iterator<Item = &'a String>, n_layers: usize) -> usize {
-    names
+pub fn extra_layer_tensors(tensors: &HfTensors, n_layers: usize) -> usize {
+    tensors
+        .keys()
         .filter(|n| {
             n.strip_prefix("model.layers.")
                 .and_then(|r| r.split('.').next())
@@ -279,10 +295,7 @@ pub fn routing_bias_tensors(args: &ModelArgs, bias: Option<&[Vec<f32>]>) -> Vec<
 
 /// DeepSeek-V3's routing bias of each block, from `mlp.gate.e_score_correction_bias` (zeros where
 /// a checkpoint has none, as transformers initialises it); None for other models.
-pub fn routing_bias(
-    args: &ModelArgs,
-    by_name: &BTreeMap<String, (Tensor, std::path::PathBuf)>,
-) -> Result<Option<Vec<Vec<f32>>>> {
+pub fn routing_bias(args: &ModelArgs, by_name: &HfTensors) -> Result<Option<Vec<Vec<f32>>>> {
     let (Some(_), Some(moe)) = (&args.mla, &args.moe) else {
         return Ok(None);
     };
@@ -328,15 +341,16 @@ mod tests {
     #[test]
     fn a_deepseek_config_round_trips_and_what_titan_cannot_compute_is_refused_by_name() {
         let file = Path::new("config.json");
-        let (args, interleaved) = args_from_deepseek_config(&config(json!({})), file).unwrap();
-        assert!(interleaved);
+        let HfShapes { args, rope_rows } =
+            args_from_deepseek_config(&config(json!({})), file).unwrap();
+        assert_eq!(rope_rows, RopeRows::Interleaved);
         let moe = args.moe.unwrap();
         assert_eq!(
             (moe.shared_hidden, moe.router.groups, moe.first_dense_layers),
             (Some(32), None, 1)
         );
         let back = args_from_deepseek_config(&deepseek_config(&args).unwrap(), file).unwrap();
-        assert!(back.0.same_model(&args));
+        assert!(back.args.same_model(&args));
         for (extra, key) in [
             (json!({"num_key_value_heads": 2}), "num_key_value_heads"),
             (json!({"n_group": 4, "topk_group": null}), "n_group"),
@@ -364,7 +378,9 @@ mod tests {
     #[test]
     fn rotated_rows_in_halves_are_interleaved_on_import() {
         let file = Path::new("config.json");
-        let (args, _) = args_from_deepseek_config(&config(json!({})), file).unwrap();
+        let args = args_from_deepseek_config(&config(json!({})), file)
+            .unwrap()
+            .args;
         // wq: 4 heads of 8 unrotated + 8 rotated rows, one column holding each row's number.
         let rows: Vec<f32> = (0..4 * 16).map(|r| r as f32).collect();
         let out = interleave_rope_rows("layers.0.attention.wq.weight", rows.clone(), 1, &args);

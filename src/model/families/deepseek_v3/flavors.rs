@@ -8,16 +8,14 @@
 //! 0.7 for the two small ones, 1.0 for the others), and no cos/sin magnitude (mscale equals
 //! mscale_all_dim), as TorchTitan and Hugging Face compute it.
 
-use anyhow::{bail, Result};
-
-use super::args::ModelArgs;
-use super::decoder::mla::MlaArgs;
-use super::moe::router::{RouterArgs, ScoreFunc};
-use super::moe::MoeArgs;
 use crate::backend::cpu::rope::{RopeScaling, YarnScaling};
+use crate::model::decoder::mla::MlaArgs;
+use crate::model::moe::router::{RouterArgs, ScoreFunc};
+use crate::model::moe::MoeArgs;
+use crate::model::ModelArgs;
 
 /// The flavors `[model] flavor` accepts for `name = "deepseek_v3"`.
-pub const DEEPSEEK_V3_FLAVORS: &[&str] = &["debugmodel", "16B", "236B", "671B"];
+pub const FLAVORS: &[&str] = &["debugmodel", "16B", "236B", "671B"];
 
 /// One flavor's numbers (TorchTitan's registry).
 struct Flavor {
@@ -39,7 +37,7 @@ struct Flavor {
     mscale: f64,
 }
 
-fn flavor(name: &str) -> Result<Flavor> {
+fn numbers(name: &str) -> Option<Flavor> {
     let small = |dim, n_layers, vocab, dense_hidden, moe_hidden, experts, top_k| Flavor {
         dim,
         n_layers,
@@ -58,7 +56,7 @@ fn flavor(name: &str) -> Result<Flavor> {
         route_norm: false,
         mscale: 0.7,
     };
-    Ok(match name {
+    Some(match name {
         "debugmodel" => small(256, 6, 2048, 1024, 256, 8, 3),
         "16B" => small(2048, 27, 102400, 10944, 1408, 64, 6),
         "236B" => Flavor {
@@ -81,71 +79,66 @@ fn flavor(name: &str) -> Result<Flavor> {
             mscale: 1.0,
             ..small(7168, 61, 129280, 18432, 2048, 256, 8)
         },
-        other => bail!(
-            "unknown deepseek_v3 flavor `{other}` (accepted: {})",
-            DEEPSEEK_V3_FLAVORS.join(", ")
-        ),
+        _ => return None,
     })
 }
 
-impl ModelArgs {
-    /// Published DeepSeek-V3 shapes (`DEEPSEEK_V3_FLAVORS`): every block MLA (key/value latent 512,
-    /// heads 128 + 64 rotated for queries and keys, 128 for values), RoPE θ 10⁴ with YaRN,
-    /// RMSNorm ε 10⁻⁶, and experts with aux-loss-free load balancing (bias step 10⁻³, TorchTitan's
-    /// default).
-    pub fn deepseek_v3_flavor(name: &str) -> Result<ModelArgs> {
-        let f = flavor(name)?;
-        let yarn = YarnScaling {
-            factor: 40.0,
-            original_max_position_embeddings: 4096,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-            truncate: true,
-            attention_factor: None,
-            mscale: Some(f.mscale),
-            mscale_all_dim: Some(f.mscale),
-        };
-        let moe = MoeArgs {
-            hidden: f.moe_hidden,
-            shared_hidden: Some(f.moe_hidden * f.shared_experts),
-            router: RouterArgs {
-                num_experts: f.experts,
-                top_k: f.top_k,
-                score_func: f.score_func,
-                norm_topk_prob: f.route_norm,
-                route_scale: f.route_scale,
-                groups: f.groups,
-            },
-            load_balance_coeff: Some(1e-3),
-            aux_loss_coef: None,
-            first_dense_layers: f.n_dense_layers,
-            sparse_step: 1,
-        };
-        Ok(ModelArgs {
-            dim: f.dim,
-            n_layers: f.n_layers,
-            n_heads: f.n_heads,
-            n_kv_heads: f.n_heads,
-            vocab_size: f.vocab,
-            ffn_hidden: f.dense_hidden,
-            norm_eps: 1e-6,
-            rope_theta: 10000.0,
-            rope_scaling: Some(RopeScaling::Yarn(yarn)),
-            max_seq_len: 4 * 4096,
-            tied_embeddings: false,
-            attention_head_dim: None,
-            qk_norm: false,
-            moe: Some(moe),
-            mla: Some(MlaArgs {
-                q_lora_rank: f.q_lora_rank,
-                kv_lora_rank: 512,
-                qk_nope_head_dim: 128,
-                qk_rope_head_dim: 64,
-                v_head_dim: 128,
-            }),
-            lora: None,
-        })
-    }
+/// Published DeepSeek-V3 shapes (`FLAVORS`): every block MLA (key/value latent 512,
+/// heads 128 + 64 rotated for queries and keys, 128 for values), RoPE θ 10⁴ with YaRN,
+/// RMSNorm ε 10⁻⁶, and experts with aux-loss-free load balancing (bias step 10⁻³, TorchTitan's
+/// default).
+pub fn flavor(name: &str) -> Option<ModelArgs> {
+    let f = numbers(name)?;
+    let yarn = YarnScaling {
+        factor: 40.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: None,
+        mscale: Some(f.mscale),
+        mscale_all_dim: Some(f.mscale),
+    };
+    let moe = MoeArgs {
+        hidden: f.moe_hidden,
+        shared_hidden: Some(f.moe_hidden * f.shared_experts),
+        router: RouterArgs {
+            num_experts: f.experts,
+            top_k: f.top_k,
+            score_func: f.score_func,
+            norm_topk_prob: f.route_norm,
+            route_scale: f.route_scale,
+            groups: f.groups,
+        },
+        load_balance_coeff: Some(1e-3),
+        aux_loss_coef: None,
+        first_dense_layers: f.n_dense_layers,
+        sparse_step: 1,
+    };
+    Some(ModelArgs {
+        dim: f.dim,
+        n_layers: f.n_layers,
+        n_heads: f.n_heads,
+        n_kv_heads: f.n_heads,
+        vocab_size: f.vocab,
+        ffn_hidden: f.dense_hidden,
+        norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: Some(RopeScaling::Yarn(yarn)),
+        max_seq_len: 4 * 4096,
+        tied_embeddings: false,
+        attention_head_dim: None,
+        qk_norm: false,
+        moe: Some(moe),
+        mla: Some(MlaArgs {
+            q_lora_rank: f.q_lora_rank,
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128,
+        }),
+        lora: None,
+    })
 }
 
 #[cfg(test)]
@@ -154,22 +147,17 @@ mod tests {
 
     #[test]
     fn every_flavor_is_valid_and_the_671b_counts_its_published_parameters() {
-        for name in DEEPSEEK_V3_FLAVORS {
-            ModelArgs::deepseek_v3_flavor(name)
-                .unwrap()
-                .validate()
-                .unwrap();
+        for name in FLAVORS {
+            flavor(name).unwrap().validate().unwrap();
         }
         // DeepSeek-V3: 671B parameters, 37B active per token (the main model, without its
         // multi-token-prediction layer).
-        let v3 = ModelArgs::deepseek_v3_flavor("671B").unwrap();
+        let v3 = flavor("671B").unwrap();
         let (total, active) = (
             v3.num_params() as f64 / 1e9,
             v3.active_params() as f64 / 1e9,
         );
         assert!((total - 671.0).abs() < 1.0, "{total}B");
         assert!((active - 37.5).abs() < 1.0, "{active}B");
-        let err = ModelArgs::deepseek_v3_flavor("7B").unwrap_err().to_string();
-        assert!(err.contains("debugmodel, 16B, 236B, 671B"), "{err}");
     }
 }

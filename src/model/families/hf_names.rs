@@ -1,7 +1,5 @@
-//! titan's parameter names and their Hugging Face `transformers` counterparts (Llama, Qwen3,
-//! Qwen3-MoE, DeepSeek-V3), both ways through `hf_name_of`.
-
-use crate::model::ModelArgs;
+//! The transformers names of the decoder's parameters (Llama's, which Qwen3, Qwen3-MoE and
+//! DeepSeek-V3 keep; a family with names of its own maps them first, as DeepSeek-V3's attention).
 
 /// titan name → HF name.
 pub fn hf_name(name: &str) -> String {
@@ -41,24 +39,24 @@ pub fn hf_name(name: &str) -> String {
     out
 }
 
-/// titan's MLA parameter names' HF counterparts (the rest is `hf_name`'s).
-pub const MLA_NAMES: &[(&str, &str)] = &[
-    ("attention.wq_a.", "self_attn.q_a_proj."),
-    ("attention.q_norm.", "self_attn.q_a_layernorm."),
-    ("attention.wq_b.", "self_attn.q_b_proj."),
-    ("attention.wkv_a.", "self_attn.kv_a_proj_with_mqa."),
-    ("attention.kv_norm.", "self_attn.kv_a_layernorm."),
-    ("attention.wkv_b.", "self_attn.kv_b_proj."),
-];
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// titan name → HF name in `args`' model (DeepSeek-V3's attention has names of its own).
-pub fn hf_name_of(args: &ModelArgs, name: &str) -> String {
-    if args.mla.is_none() {
-        return hf_name(name);
+    #[test]
+    fn names_follow_transformers() {
+        assert_eq!(
+            hf_name("layers.3.attention.wq.weight"),
+            "model.layers.3.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("layers.0.feed_forward.w1.weight"),
+            "model.layers.0.mlp.gate_proj.weight"
+        );
+        assert_eq!(
+            hf_name("layers.0.ffn_norm.weight"),
+            "model.layers.0.post_attention_layernorm.weight"
+        );
+        assert_eq!(hf_name("output.weight"), "lm_head.weight");
     }
-    let mut name = name.to_string();
-    for (titan, hf) in MLA_NAMES {
-        name = name.replace(titan, hf);
-    }
-    hf_name(&name)
 }

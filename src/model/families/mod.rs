@@ -1,0 +1,242 @@
+//! Model families: each one folder over the one decoder (`model::decoder`), owning its published
+//! flavors, the block features it selects (through `ModelArgs`: QK-norm, multi-head latent
+//! attention, a mixture of experts and its routing) and its Hugging Face adapter (model types,
+//! `config.json` fields both ways, tensor names, the layout of RoPE's rows, tensors kept beside
+//! the weights). `config` and `checkpoint` look a family up here, by `[model] name`, by an HF
+//! `model_type` or by the model a checkpoint holds (`of_args`); no family is named anywhere else.
+//!
+//! Adding a family of a kind the decoder already computes is one folder and one line in
+//! `FAMILIES`. The HF helpers every family shares are `hf_fields` (reading `config.json` sizes,
+//! refusing what titan does not compute), `hf_rope` (RoPE's config forms), `hf_names` (the
+//! transformers names of the decoder's parameters) and `llama_form` (the Llama-shaped config and
+//! its RoPE row permutation, which Llama 3 and Qwen3 share).
+
+pub mod deepseek_v3;
+pub mod hf_fields;
+pub mod hf_names;
+pub mod hf_rope;
+pub mod llama3;
+pub mod llama_form;
+pub mod qwen3;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Result};
+use serde_json::Value;
+
+use super::ModelArgs;
+use crate::tensor::Tensor;
+
+/// How a Hugging Face checkpoint lays out the rotated rows of each query and key head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeRows {
+    /// transformers' usual layout: the two halves `(i, i + head_dim/2)` rotate together.
+    Halves,
+    /// titan's (and Meta's, TorchTitan's, DeepSeek's releases'): pairs `(2i, 2i+1)`.
+    Interleaved,
+}
+
+/// What an HF `config.json` says: the model, and how its checkpoint lays out RoPE's rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfShapes {
+    pub args: ModelArgs,
+    pub rope_rows: RopeRows,
+}
+
+/// An HF folder's tensors by name, each with the file it came from (for errors).
+pub type HfTensors = BTreeMap<String, (Tensor, PathBuf)>;
+
+/// The FFN width's rounding when `[model]` overrides `dim`, `multiple_of` or
+/// `ffn_dim_multiplier` (Llama's rule, `args::ffn_hidden`): a flavor's own `multiple_of` and
+/// multiplier where the config does not set them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FfnRounding {
+    pub multiple_of: usize,
+    pub multiplier: Option<f64>,
+}
+
+/// One model family: its flavors and its Hugging Face adapter.
+pub trait Family: Sync {
+    /// `[model] name`.
+    fn name(&self) -> &'static str;
+    /// The flavors `[model] flavor` accepts, as published.
+    fn flavors(&self) -> &'static [&'static str];
+    /// The published shapes of `flavor` (one of `flavors`; None for any other).
+    fn flavor_args(&self, flavor: &str) -> Option<ModelArgs>;
+    /// How an FFN-width override of `flavor` is rounded.
+    fn ffn_rounding(&self, _flavor: &str) -> FfnRounding {
+        FfnRounding {
+            multiple_of: 256,
+            multiplier: None,
+        }
+    }
+    /// Whether `args` is this family's model (exactly one family owns each model).
+    fn owns(&self, args: &ModelArgs) -> bool;
+
+    /// The `model_type`s of the HF configs this family reads.
+    fn hf_model_types(&self) -> &'static [&'static str];
+    /// The model an HF `config.json` (`file`, for errors) describes, checked.
+    fn read_hf_config(&self, cfg: &Value, file: &Path) -> Result<HfShapes>;
+    /// The HF `config.json` of `args` (without the token ids and dtype), or why transformers
+    /// has no model for it.
+    fn hf_config(&self, args: &ModelArgs) -> Result<Value>;
+    /// The HF name of titan parameter `name`.
+    fn hf_name(&self, args: &ModelArgs, name: &str) -> String {
+        let _ = args;
+        hf_names::hf_name(name)
+    }
+    /// Parameter `name`'s rows (`cols` wide) in the HF layout.
+    fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32>;
+    /// Parameter `name`'s rows from an HF checkpoint laid out as `hf` says, in titan's layout.
+    fn import_rows(&self, hf: &HfShapes, name: &str, data: Vec<f32>, cols: usize) -> Vec<f32>;
+    /// Tensors HF keeps beside the weights that titan keeps as training state (DeepSeek-V3's
+    /// routing bias, titan's expert bias): written on export.
+    fn hf_extra_tensors(
+        &self,
+        _args: &ModelArgs,
+        _expert_bias: Option<&[Vec<f32>]>,
+    ) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
+    /// The expert bias an HF checkpoint holds (None: the family keeps none).
+    fn expert_bias_from_hf(
+        &self,
+        _args: &ModelArgs,
+        _tensors: &HfTensors,
+    ) -> Result<Option<Vec<Vec<f32>>>> {
+        Ok(None)
+    }
+    /// How many of `tensors` belong to no parameter of `args` and are skipped on import, with
+    /// what they are (DeepSeek-V3's multi-token-prediction layer); 0 for none.
+    fn skipped_hf_tensors(&self, _args: &ModelArgs, _tensors: &HfTensors) -> (usize, &'static str) {
+        (0, "")
+    }
+}
+
+impl std::fmt::Debug for dyn Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Every family titan trains.
+pub static FAMILIES: [&dyn Family; 3] = [&llama3::Llama3, &qwen3::Qwen3, &deepseek_v3::DeepSeekV3];
+
+/// The family `[model] name` names.
+pub fn by_name(name: &str) -> Result<&'static dyn Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.name() == name)
+        .ok_or_else(|| {
+            anyhow!(
+                "[model] name = `{name}` is not supported (accepted: {})",
+                names(FAMILIES.iter().map(|f| f.name()))
+            )
+        })
+}
+
+/// The published shapes of `family`'s `flavor`, or an error listing the family's flavors.
+pub fn flavor(family: &dyn Family, flavor: &str) -> Result<ModelArgs> {
+    family.flavor_args(flavor).ok_or_else(|| {
+        anyhow!(
+            "unknown {} flavor `{flavor}` (accepted: {})",
+            family.name(),
+            family.flavors().join(", ")
+        )
+    })
+}
+
+/// The family whose HF configs have `model_type` (`file`, for the error).
+pub fn by_hf_model_type(model_type: &str, file: &Path) -> Result<&'static dyn Family> {
+    if let Some(f) = FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.hf_model_types().contains(&model_type))
+    {
+        return Ok(f);
+    }
+    let known = FAMILIES
+        .iter()
+        .flat_map(|f| f.hf_model_types().iter().map(|t| format!("\"{t}\"")));
+    bail!(
+        "{}: model_type is `{model_type}`; titan imports {}",
+        file.display(),
+        names(known)
+    )
+}
+
+/// The family whose model `args` is.
+pub fn of_args(args: &ModelArgs) -> Result<&'static dyn Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.owns(args))
+        .ok_or_else(|| anyhow!("no model family owns this model ({args:?})"))
+}
+
+fn names(items: impl Iterator<Item = impl AsRef<str>>) -> String {
+    items
+        .map(|s| s.as_ref().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_flavor_is_valid_and_owned_by_its_family_alone() {
+        for family in FAMILIES {
+            for name in family.flavors() {
+                let args = flavor(family, name).unwrap();
+                args.validate().unwrap();
+                let owners: Vec<&str> = FAMILIES
+                    .iter()
+                    .filter(|f| f.owns(&args))
+                    .map(|f| f.name())
+                    .collect();
+                assert_eq!(owners, [family.name()], "{} {name}", family.name());
+            }
+            assert!(family.flavor_args("7B").is_none(), "{}", family.name());
+        }
+    }
+
+    #[test]
+    fn every_flavor_hf_transformers_has_round_trips_through_its_config() {
+        let file = Path::new("config.json");
+        for family in FAMILIES {
+            for name in family.flavors() {
+                let args = flavor(family, name).unwrap();
+                // TorchTitan's small DeepSeek flavors route with softmax: no HF model.
+                let Ok(cfg) = family.hf_config(&args) else {
+                    continue;
+                };
+                let model_type = cfg["model_type"].as_str().unwrap();
+                let back = by_hf_model_type(model_type, file).unwrap();
+                assert_eq!(back.name(), family.name());
+                let read = back.read_hf_config(&cfg, file).unwrap().args;
+                assert!(read.same_model(&args), "{args:?}\n{read:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_names_list_the_accepted_ones() {
+        let e = by_name("mistral").unwrap_err().to_string();
+        assert!(e.contains("llama3, qwen3, deepseek_v3"), "{e}");
+        let e = flavor(by_name("llama3").unwrap(), "7B")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("7B") && e.contains("debugmodel") && e.contains("405B"),
+            "{e}"
+        );
+        let e = by_hf_model_type("gpt2", Path::new("c.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`gpt2`") && e.contains("\"qwen3_moe\""), "{e}");
+    }
+}

@@ -1,0 +1,75 @@
+//! Qwen3 (`[model] name = "qwen3"`): Llama's block with two differences, both block features of
+//! the one decoder: a head width of its own (`attention_head_dim`, not `dim / n_heads`) and an
+//! RMSNorm on every query and key head before RoPE (`qk_norm`); Qwen3-MoE's flavors put a
+//! mixture of experts (softmax top-k, no shared experts) in every block. Hugging Face
+//! `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` (`model_type` "qwen3", "qwen3_moe") both ways.
+
+pub mod flavors;
+pub mod hf;
+
+use std::path::Path;
+
+use anyhow::Result;
+use serde_json::Value;
+
+use super::llama_form::{self, LlamaForm};
+use super::{Family, HfShapes, RopeRows};
+use crate::model::ModelArgs;
+
+pub use flavors::flavor;
+
+/// The Qwen3 family (dense and mixture of experts).
+pub struct Qwen3;
+
+impl Family for Qwen3 {
+    fn name(&self) -> &'static str {
+        "qwen3"
+    }
+    fn flavors(&self) -> &'static [&'static str] {
+        flavors::FLAVORS
+    }
+    fn flavor_args(&self, flavor: &str) -> Option<ModelArgs> {
+        flavors::flavor(flavor)
+    }
+    fn owns(&self, args: &ModelArgs) -> bool {
+        args.mla.is_none() && (args.qk_norm || args.moe.is_some())
+    }
+    fn hf_model_types(&self) -> &'static [&'static str] {
+        &["qwen3", "qwen3_moe"]
+    }
+    fn read_hf_config(&self, cfg: &Value, file: &Path) -> Result<HfShapes> {
+        let moe = match cfg.get("model_type").and_then(Value::as_str) {
+            Some("qwen3_moe") => Some(hf::moe_from_hf(cfg, file)?),
+            _ => None,
+        };
+        let form = LlamaForm {
+            qk_norm: true,
+            default_head_dim: Some(128),
+        };
+        let args = ModelArgs {
+            moe,
+            ..llama_form::read(cfg, file, &form)?
+        };
+        Ok(HfShapes {
+            args: llama_form::validated(args, file)?,
+            rope_rows: RopeRows::Halves,
+        })
+    }
+    fn hf_config(&self, args: &ModelArgs) -> Result<Value> {
+        hf::check_exportable(args)?;
+        Ok(match &args.moe {
+            Some(moe) => {
+                let mut config = llama_form::write(args, "Qwen3MoeForCausalLM", "qwen3_moe");
+                hf::write_moe(&mut config, moe);
+                config
+            }
+            None => llama_form::write(args, "Qwen3ForCausalLM", "qwen3"),
+        })
+    }
+    fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32> {
+        llama_form::permute_rope_rows(args, name, data, cols, true)
+    }
+    fn import_rows(&self, hf: &HfShapes, name: &str, data: Vec<f32>, cols: usize) -> Vec<f32> {
+        llama_form::permute_rope_rows(&hf.args, name, &data, cols, false)
+    }
+}
