@@ -332,6 +332,25 @@ impl Backend for SkewedDkBackend {
     ) {
         self.cpu.attention_merge(out, lse, part_out, part_lse, s)
     }
+    fn attention_sinks_forward(
+        &self,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+        sinks: &Vec<f32>,
+        s: AttnShape,
+    ) {
+        self.cpu.attention_sinks_forward(out, lse, sinks, s)
+    }
+    fn attention_sinks_backward(
+        &self,
+        dsinks: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        saved: AttnSaved<'_, Vec<f32>>,
+        sinks: &Vec<f32>,
+        s: AttnShape,
+    ) {
+        self.cpu.attention_sinks_backward(dsinks, dout, saved, sinks, s)
+    }
     fn swiglu_forward(&self, out: &mut Vec<f32>, g: &Vec<f32>, u: &Vec<f32>) {
         self.cpu.swiglu_forward(out, g, u)
     }

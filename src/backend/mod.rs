@@ -493,6 +493,31 @@ pub trait Backend: Send + Sync + 'static {
         shape: AttnShape,
     );
 
+    /// Attention sinks (gpt-oss): a learned logit `sinks[h]` per head joins every softmax of
+    /// head `h` with a zero value, so it only adds to the denominator. Applied to a finished
+    /// attention (after every block of keys is merged): per query row `lse' = log(e^lse +
+    /// e^sinks[h])` and `out' = out·e^(lse − lse')`, `attention_merge` with an empty block of
+    /// logit `sinks[h]`. The backward of attention is then the plain one run with `out'` and
+    /// `lse'`, which are the sink softmax's.
+    fn attention_sinks_forward(
+        &self,
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        sinks: &Self::Buf,
+        shape: AttnShape,
+    );
+    /// Adds the sinks' gradient into `dsinks` (`[n_heads]`): `∂L/∂sinks[h] = −Σ_rows
+    /// e^(sinks[h] − lse')·(dout·out')` over the rows of head `h` (`out'`, `lse'`: the forward's
+    /// results with the sinks).
+    fn attention_sinks_backward(
+        &self,
+        dsinks: &mut Self::Buf,
+        dout: &Self::Buf,
+        saved: AttnSaved<'_, Self::Buf>,
+        sinks: &Self::Buf,
+        shape: AttnShape,
+    );
+
     // ---- SwiGLU: out = silu(gate) * up ----
     fn swiglu_forward(&self, out: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
     fn swiglu_backward(

@@ -1,7 +1,7 @@
 // Runs the fp32 CUDA kernels that have no tensor cores on the CPU emulator against float64
 // references: causal attention (kernels/attention.cu: forward, delta, dQ, dK/dV, at head dims that
 // are and are not multiples of the 32 lanes; with documents and a sliding window; ring blocks with
-// and without documents), RMSNorm forward and backward (kernels/norm.cu, with
+// and without documents; attention sinks), RMSNorm forward and backward (kernels/norm.cu, with
 // the two-pass weight gradient), RoPE both ways (kernels/rope.cu) and SwiGLU both ways
 // (kernels/elementwise.cu). Launch shapes are the backend's (src/backend/cuda/ops). The tolerance is
 // the GPU op check's fp32 one. Prints one line per output; exits 1 when any fails.
@@ -407,6 +407,44 @@ bool to_bf16() {
     return ok;
 }
 
+// Attention sinks (gpt-oss) against float64: the fold into a finished attention (out, lse; a row
+// that saw no key, lse -inf, too) and the sinks' gradient summed over each head's rows.
+bool attention_sinks_check() {
+    const int B = 2, Q = 37, H = 3, D = 20;
+    const size_t rows = (size_t)B * Q * H;
+    auto out = random_floats(rows * D), dout = random_floats(rows * D), lse = random_floats(rows, 3.0f),
+         sinks = random_floats(H, 2.0f);
+    lse[5] = -INFINITY;
+    std::vector<double> want_out(rows * D), want_lse(rows), want_dsinks(H, 0.0);
+    for (int b = 0; b < B; ++b)
+        for (int i = 0; i < Q; ++i)
+            for (int h = 0; h < H; ++h) {
+                size_t row = ((size_t)b * Q + i) * H + h, at = ((size_t)b * H + h) * Q + i;
+                double l = lse[at], sink = sinks[h];
+                double merged = std::isinf(l) ? sink : std::max(l, sink) + std::log1p(std::exp(-std::fabs(l - sink)));
+                double keep = std::exp(l - merged), dot = 0.0;
+                for (int d = 0; d < D; ++d) {
+                    want_out[row * D + d] = out[row * D + d] * keep;
+                    dot += (double)dout[row * D + d] * want_out[row * D + d];
+                }
+                want_lse[at] = merged;
+                want_dsinks[h] -= std::exp(sink - merged) * dot;
+            }
+    std::vector<float> got_out = out, got_lse = lse;
+    emu::launch(EmuDim3{(unsigned)((rows + 127) / 128), 1, 1}, 128,
+                [&] { attention_sinks(got_out.data(), got_lse.data(), sinks.data(), B, Q, H, D); });
+    std::vector<float> dsinks(H, 0.0f);
+    // The kernel reads the forward's results, as the backward does.
+    emu::launch(EmuDim3{(unsigned)H, 1, 1}, 256, [&] {
+        attention_sinks_grad(dsinks.data(), dout.data(), got_out.data(), got_lse.data(), sinks.data(), B, Q,
+                             H, D);
+    });
+    bool ok = report("attention_sinks out", got_out, want_out);
+    ok &= report("attention_sinks lse", got_lse, want_lse);
+    ok &= report("attention_sinks_grad", dsinks, want_dsinks);
+    return ok;
+}
+
 }  // namespace
 
 // FSDP's strided copy: rows of a source with one pitch into a destination with another, on a
@@ -487,6 +525,7 @@ int main() {
     ok &= ring_attention_blocks("", {});
     // Documents 0..12, 12..27, 27..33: the last chunk's queries of the third see no key before 20.
     ok &= ring_attention_blocks(" documents", positions({{12, 15, 6}}));
+    ok &= attention_sinks_check();
     ok &= rmsnorm(96);
     ok &= rmsnorm(38);
     ok &= rope();

@@ -400,3 +400,64 @@ pub fn attention_merge(
             }
         });
 }
+
+/// Attention sinks folded into a finished attention (`Backend::attention_sinks_forward`).
+pub fn attention_sinks_forward(out: &mut [f32], lse: &mut [f32], sinks: &[f32], s: AttnShape) {
+    let (hd, heads, q_len) = (s.head_dim, s.n_heads, s.q_len);
+    assert!(out.len() >= s.batch * q_len * heads * hd && lse.len() >= s.batch * heads * q_len);
+    assert!(sinks.len() >= heads);
+    out[..s.batch * q_len * heads * hd]
+        .par_chunks_mut(q_len * heads * hd)
+        .zip(lse.par_chunks_mut(heads * q_len))
+        .for_each(|(out, lse)| {
+            for i in 0..q_len {
+                for (h, &sink) in sinks[..heads].iter().enumerate() {
+                    let at = h * q_len + i;
+                    // A query that saw no key (lse −∞) keeps its zero output: lse' is the sink's.
+                    let mine = lse[at];
+                    let merged = mine.max(sink) + (-(mine - sink).abs()).exp().ln_1p();
+                    let keep = (mine - merged).exp();
+                    let row = (i * heads + h) * hd;
+                    out[row..row + hd].iter_mut().for_each(|o| *o *= keep);
+                    lse[at] = merged;
+                }
+            }
+        });
+}
+
+/// The sinks' gradient, added into `dsinks` (`Backend::attention_sinks_backward`).
+pub fn attention_sinks_backward(
+    dsinks: &mut [f32],
+    dout: &[f32],
+    saved: AttnSaved<'_, Vec<f32>>,
+    sinks: &[f32],
+    s: AttnShape,
+) {
+    let (hd, heads, q_len) = (s.head_dim, s.n_heads, s.q_len);
+    let (out, lse) = (saved.out, saved.lse);
+    assert!(out.len() >= s.batch * q_len * heads * hd && dout.len() >= s.batch * q_len * heads * hd);
+    assert!(lse.len() >= s.batch * heads * q_len && sinks.len() >= heads && dsinks.len() >= heads);
+    // Per head, in f64 over every row of the call: a sum of b·q_len terms.
+    let per_head: Vec<f64> = (0..heads)
+        .into_par_iter()
+        .map(|h| {
+            let mut sum = 0.0f64;
+            for b in 0..s.batch {
+                for i in 0..q_len {
+                    let row = ((b * q_len + i) * heads + h) * hd;
+                    let dot: f32 = dout[row..row + hd]
+                        .iter()
+                        .zip(&out[row..row + hd])
+                        .map(|(g, o)| g * o)
+                        .sum();
+                    let p_sink = (sinks[h] - lse[(b * heads + h) * q_len + i]).exp();
+                    sum += (p_sink * dot) as f64;
+                }
+            }
+            sum
+        })
+        .collect();
+    for (d, g) in dsinks[..heads].iter_mut().zip(per_head) {
+        *d -= g as f32;
+    }
+}

@@ -229,6 +229,27 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("attention_merge");
         attention::attention_merge(out, lse, part_out, part_lse, shape);
     }
+    fn attention_sinks_forward(
+        &self,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+        sinks: &Vec<f32>,
+        shape: AttnShape,
+    ) {
+        let _timer = self.profiler.time("attention_sinks_forward");
+        attention::attention_sinks_forward(out, lse, sinks, shape);
+    }
+    fn attention_sinks_backward(
+        &self,
+        dsinks: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        saved: AttnSaved<'_, Vec<f32>>,
+        sinks: &Vec<f32>,
+        shape: AttnShape,
+    ) {
+        let _timer = self.profiler.time("attention_sinks_backward");
+        attention::attention_sinks_backward(dsinks, dout, saved, sinks, shape);
+    }
     fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
         let _timer = self.profiler.time("swiglu_forward");
         elementwise::swiglu_forward(out, gate, up);

@@ -73,6 +73,8 @@ pub const KERNELS: &[&str] = &[
     "attention_backward_dq",
     "attention_backward_dkdv",
     "attention_merge",
+    "attention_sinks",
+    "attention_sinks_grad",
     "attention_forward_tc64",
     "attention_forward_tc64x2",
     "attention_forward_tc128",

@@ -249,3 +249,49 @@ extern "C" __global__ void attention_merge(float* out, float* lse, const float* 
     for (int d = 0; d < head_dim; ++d) o[d] = o[d] * keep + p[d] * take;
     lse[at] = merged;
 }
+
+// Attention sinks (gpt-oss) folded into a finished attention: per query row,
+// lse' = log(e^lse + e^sinks[h]) and out' = out·e^(lse − lse') (attention_merge with an empty block
+// of logit sinks[h]). A row that saw no key (lse −inf) keeps its zero output. One thread per
+// (batch, query, head) row.
+extern "C" __global__ void attention_sinks(float* out, float* lse, const float* sinks, int batch,
+                                           int q_len, int n_heads, int head_dim) {
+    i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= (i64)batch * q_len * n_heads) return;
+    int h = (int)(row % n_heads);
+    i64 bi = row / n_heads;
+    int i = (int)(bi % q_len), b = (int)(bi / q_len);
+    i64 at = ((i64)b * n_heads + h) * q_len + i;
+    float mine = lse[at], sink = sinks[h];
+    float merged = fmaxf(mine, sink) + log1pf(expf(-fabsf(mine - sink)));
+    float keep = expf(mine - merged);
+    float* o = out + row * head_dim;
+    for (int d = 0; d < head_dim; ++d) o[d] *= keep;
+    lse[at] = merged;
+}
+
+// The sinks' gradient, added into dsinks: dsinks[h] -= Σ_rows e^(sinks[h] − lse')·(dout·out') over
+// the rows of head h. One block of ATTN_SINK_THREADS per head, its threads striding over the rows,
+// summed in shared memory.
+#define ATTN_SINK_THREADS 256
+extern "C" __global__ void attention_sinks_grad(float* dsinks, const float* dout, const float* out,
+                                                const float* lse, const float* sinks, int batch,
+                                                int q_len, int n_heads, int head_dim) {
+    __shared__ float part[ATTN_SINK_THREADS];
+    int h = blockIdx.x;
+    float acc = 0.0f;
+    for (i64 r = threadIdx.x; r < (i64)batch * q_len; r += blockDim.x) {
+        int b = (int)(r / q_len), i = (int)(r % q_len);
+        i64 row = (r * n_heads + h) * head_dim;
+        float dot = 0.0f;
+        for (int d = 0; d < head_dim; ++d) dot += dout[row + d] * out[row + d];
+        acc += expf(sinks[h] - lse[((i64)b * n_heads + h) * q_len + i]) * dot;
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int stride = ATTN_SINK_THREADS / 2; stride > 0; stride >>= 1) {
+        if ((int)threadIdx.x < stride) part[threadIdx.x] += part[threadIdx.x + stride];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) dsinks[h] -= part[0];
+}

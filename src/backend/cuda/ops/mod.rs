@@ -87,6 +87,7 @@ macro_rules! launch {
 
 mod adamw;
 mod attention;
+mod attention_sinks;
 mod bf16;
 mod copy;
 mod elementwise;
@@ -289,6 +290,22 @@ impl Backend for CudaBackend {
     ) {
         let _timer = self.profiler.time_on("attention_merge", self);
         self.attention_merge_untimed(out, lse, part_out, part_lse, s);
+    }
+
+    fn attention_sinks_forward(&self, out: &mut Buf, lse: &mut Buf, sinks: &Buf, s: AttnShape) {
+        let _timer = self.profiler.time_on("attention_sinks_forward", self);
+        self.attention_sinks_forward_untimed(out, lse, sinks, s);
+    }
+    fn attention_sinks_backward(
+        &self,
+        dsinks: &mut Buf,
+        dout: &Buf,
+        saved: AttnSaved<'_, Buf>,
+        sinks: &Buf,
+        s: AttnShape,
+    ) {
+        let _timer = self.profiler.time_on("attention_sinks_backward", self);
+        self.attention_sinks_backward_untimed(dsinks, dout, saved, sinks, s);
     }
 
     fn swiglu_forward(&self, out: &mut Buf, gate: &Buf, up: &Buf) {
