@@ -349,7 +349,8 @@ impl Backend for SkewedDkBackend {
         sinks: &Vec<f32>,
         s: AttnShape,
     ) {
-        self.cpu.attention_sinks_backward(dsinks, dout, saved, sinks, s)
+        self.cpu
+            .attention_sinks_backward(dsinks, dout, saved, sinks, s)
     }
     fn swiglu_forward(&self, out: &mut Vec<f32>, g: &Vec<f32>, u: &Vec<f32>) {
         self.cpu.swiglu_forward(out, g, u)

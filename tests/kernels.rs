@@ -128,6 +128,19 @@ fn ref_rope(
 /// Attention as its definition: query `i` over keys `first_key(i) ..= q_offset + i` (of those
 /// there are); a query that sees none gets zeros.
 fn ref_masked_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, mask: AttnMask) -> Vec<f64> {
+    ref_attention(q, k, v, s, mask, None)
+}
+
+/// `ref_masked_attention`, with attention sinks when given: head `h`'s softmax over its scores
+/// and `sinks[h]`, whose value is zero (HF gpt-oss's `eager_attention_forward`).
+fn ref_attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    s: AttnShape,
+    mask: AttnMask,
+    sinks: Option<&[f64]>,
+) -> Vec<f64> {
     let hd = s.head_dim;
     let group = s.n_heads / s.n_kv_heads;
     let mut out = vec![0.0; s.batch * s.q_len * s.n_heads * hd];
@@ -146,8 +159,13 @@ fn ref_masked_attention(q: &[f64], k: &[f64], v: &[f64], s: AttnShape, mask: Att
                         ) / (hd as f64).sqrt()
                     })
                     .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+                let sink = sinks.map(|sinks| sinks[h]);
+                let m = scores
+                    .iter()
+                    .chain(&sink)
+                    .cloned()
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().chain(&sink).map(|x| (x - m).exp()).sum();
                 let o = &mut out[((b * s.q_len + i) * s.n_heads + h) * hd..][..hd];
                 for (j, sc) in (first..).zip(&scores) {
                     let p = (sc - m).exp() / z;
@@ -455,6 +473,63 @@ fn block_causal_attention_across_tiles_skips_and_masks_exactly() {
         window: None,
     };
     masked_attention_case(AttnShape::causal(1, 300, 2, 1, 4), mask, 22);
+}
+
+/// gpt-oss's attention sinks: a learned logit per head joins each softmax with a zero value. The
+/// forward (attention, then the sinks folded in) against the definition; the backward (the plain
+/// attention backward on the forward's results, and the sinks' own gradient) against finite
+/// differences of it, causal and with documents and a sliding window.
+#[test]
+fn attention_sinks_join_each_softmax_forward_and_backward() {
+    let s = AttnShape::causal(2, 13, 4, 2, 8);
+    let positions = positions_of(&[&[5, 8], &[13]]);
+    let windowed = AttnMask {
+        positions: Some(&positions),
+        window: Some(4),
+    };
+    for (seed, mask) in [(41, AttnMask::CAUSAL), (42, windowed)] {
+        let be = CpuBackend::new();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let n_q = s.batch * s.q_len * s.n_heads * s.head_dim;
+        let n_kv = s.batch * s.kv_len * s.n_kv_heads * s.head_dim;
+        let q = rounded(rand_vec(&mut rng, n_q, 1.5));
+        let k = rounded(rand_vec(&mut rng, n_kv, 1.5));
+        let v = rounded(rand_vec(&mut rng, n_kv, 1.0));
+        let sinks = rounded(rand_vec(&mut rng, s.n_heads, 2.0));
+        let (qf, kf, vf, sinks_f) = (f32s(&q), f32s(&k), f32s(&v), f32s(&sinks));
+        let x = AttnInputs {
+            mask,
+            ..AttnInputs::causal(&qf, &kf, &vf, s)
+        };
+        let mut out = vec![0.0; n_q];
+        let mut lse = vec![0.0; s.batch * s.n_heads * s.q_len];
+        be.attention_forward(&mut out, &mut lse, x);
+        be.attention_sinks_forward(&mut out, &mut lse, &sinks_f, s);
+        let reference = |q: &[f64], k: &[f64], v: &[f64], sinks: &[f64]| {
+            ref_attention(q, k, v, s, mask, Some(sinks))
+        };
+        assert_close("sinks", &out, &reference(&q, &k, &v, &sinks), 1e-5, 2e-6);
+        let r = rounded(rand_vec(&mut rng, n_q, 1.0));
+        let (mut dq, mut dk, mut dv) = (vec![0.0; n_q], vec![0.0; n_kv], vec![0.0; n_kv]);
+        let mut dsinks = vec![0.0; s.n_heads];
+        let saved = || AttnSaved {
+            out: &out,
+            lse: &lse,
+        };
+        be.attention_sinks_backward(&mut dsinks, &f32s(&r), saved(), &sinks_f, s);
+        let grads = AttnGrads {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+        };
+        be.attention_backward(grads, &f32s(&r), x, saved());
+        let loss =
+            |q: &[f64], k: &[f64], v: &[f64], sinks: &[f64]| dot(&reference(q, k, v, sinks), &r);
+        fd_check("sinks dq", &q, |q| loss(q, &k, &v, &sinks), &dq);
+        fd_check("sinks dk", &k, |k| loss(&q, k, &v, &sinks), &dk);
+        fd_check("sinks dv", &v, |v| loss(&q, &k, v, &sinks), &dv);
+        fd_check("dsinks", &sinks, |sinks| loss(&q, &k, &v, sinks), &dsinks);
+    }
 }
 
 #[test]

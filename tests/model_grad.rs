@@ -31,6 +31,8 @@ fn llama_args(tied: bool) -> ModelArgs {
         moe: None,
         mla: None,
         lora: None,
+        attention_sinks: false,
+        sliding_window: None,
     }
 }
 
@@ -284,6 +286,63 @@ fn a_token_id_outside_the_vocabulary_is_an_error_before_any_kernel() {
 /// DeepSeek-V3's multi-head latent attention: queries projected directly with a value head
 /// narrower than the query/key head; and through a query latent with a value head wider than
 /// it (the queries and keys padded) under YaRN, whose mscale scales the softmax.
+/// gpt-oss's attention: sinks in every block (a learned logit per head in each softmax's
+/// denominator) and a sliding window of 4 keys on every other block; sinks on MLA's padded heads
+/// too.
+#[test]
+fn attention_sinks_and_sliding_windows_whole_model_gradient() {
+    let window = Some(titan::model::args::SlidingWindow { size: 4, period: 2 });
+    let gpt_oss_like = ModelArgs {
+        attention_sinks: true,
+        sliding_window: window,
+        ..llama_args(false)
+    };
+    check_model(gpt_oss_like.clone(), false);
+    let mla = titan::model::decoder::mla::MlaArgs {
+        q_lora_rank: None,
+        kv_lora_rank: 6,
+        qk_nope_head_dim: 4,
+        qk_rope_head_dim: 4,
+        v_head_dim: 6,
+    };
+    let with_mla = ModelArgs {
+        n_kv_heads: 4,
+        mla: Some(mla),
+        ..gpt_oss_like
+    };
+    check_model(with_mla, false);
+}
+
+/// The window masks: a window as long as the sequence changes nothing, a shorter one changes the
+/// loss of the blocks it is on; a sink changes it too.
+#[test]
+fn a_sliding_window_and_sinks_change_the_model_only_as_they_should() {
+    use titan::model::args::SlidingWindow;
+    let be = CpuBackend::new();
+    let (batch, seq) = (2, 9);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i * 7 % 23) as u32)
+        .collect();
+    let loss = |args: ModelArgs| {
+        let model = Decoder::new(&be, args.clone(), seq).unwrap();
+        let params = init_params(&be, &args, 3);
+        let mut ws = Workspace::new(&be, &args, batch, seq);
+        model.loss(&be, &params, &mut ws, &tokens).unwrap().sum
+    };
+    let plain = loss(llama_args(false));
+    let window = |size| ModelArgs {
+        sliding_window: Some(SlidingWindow { size, period: 2 }),
+        ..llama_args(false)
+    };
+    assert_eq!(loss(window(seq)), plain);
+    assert_ne!(loss(window(3)), plain);
+    let sinks = ModelArgs {
+        attention_sinks: true,
+        ..llama_args(false)
+    };
+    assert_ne!(loss(sinks), plain);
+}
+
 #[test]
 fn mla_whole_model_gradient_matches_finite_differences() {
     use titan::backend::cpu::rope::{RopeScaling, YarnScaling};

@@ -78,6 +78,8 @@ impl Config {
         let lora = self.lora_args().expect("LoRA is on");
         let specs = crate::model::params::param_specs(&ModelArgs {
             lora: None,
+            attention_sinks: false,
+            sliding_window: None,
             ..args.clone()
         });
         for t in &l.target_modules {

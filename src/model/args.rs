@@ -44,6 +44,23 @@ pub struct ModelArgs {
     /// Low-rank adapters on the block projections, every other weight frozen (`[lora]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraArgs>,
+    /// A learned logit per head in every block's attention softmax, with no value: it only adds
+    /// to the denominator (gpt-oss's attention sinks, `layers.N.attention.sinks`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attention_sinks: bool,
+    /// Sliding-window attention on some blocks (gpt-oss: every other block).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<SlidingWindow>,
+}
+
+/// Sliding-window attention: in block `l` with `l % period == 0` a query sees only the last
+/// `size` keys, itself included (FlexAttention's sliding-window mask: `q − k < size`); the other
+/// blocks attend to every earlier key. gpt-oss: size 128, period 2 (blocks 0, 2, 4, … slide);
+/// every block sliding: period 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlidingWindow {
+    pub size: usize,
+    pub period: usize,
 }
 
 impl ModelArgs {
@@ -107,6 +124,12 @@ pub fn ffn_hidden(dim: usize, multiple_of: usize, ffn_dim_multiplier: Option<f64
 }
 
 impl ModelArgs {
+    /// The sliding window of block `layer`'s attention (None: every earlier key).
+    pub fn window_at(&self, layer: usize) -> Option<usize> {
+        let w = self.sliding_window?;
+        layer.is_multiple_of(w.period).then_some(w.size)
+    }
+
     /// Block `layer`'s mixture of experts (None: its feed-forward is dense).
     pub fn moe_at(&self, layer: usize) -> Option<&MoeArgs> {
         self.moe.as_ref().filter(|m| m.in_layer(layer))
@@ -193,6 +216,15 @@ impl ModelArgs {
         if let Some(moe) = &self.moe {
             moe.validate()?;
         }
+        if let Some(w) = self.sliding_window {
+            if w.size == 0 || w.period == 0 {
+                bail!(
+                    "sliding_window: size = {} and period = {} must both be at least 1",
+                    w.size,
+                    w.period
+                );
+            }
+        }
         if let Some(mla) = &self.mla {
             mla.validate()?;
             if self.n_kv_heads != self.n_heads || self.qk_norm {
@@ -240,7 +272,12 @@ impl ModelArgs {
             None => 3 * self.dim * self.ffn_hidden,
         };
         let qk_norm = if self.qk_norm { 2 * hd } else { 0 };
-        attn + ffn + 2 * self.dim + qk_norm
+        let sinks = if self.attention_sinks {
+            self.n_heads
+        } else {
+            0
+        };
+        attn + ffn + 2 * self.dim + qk_norm + sinks
     }
 
     /// Parameters of the largest transformer block.

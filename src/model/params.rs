@@ -42,6 +42,9 @@ fn base_param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
             None => push_gqa(&mut specs, &p, args),
             Some(mla) => push_mla(&mut specs, &p, args, mla),
         }
+        if args.attention_sinks {
+            specs.push((format!("{p}.attention.sinks"), vec![args.n_heads]));
+        }
         specs.push((format!("{p}.ffn_norm.weight"), vec![d]));
         match args.moe_at(l) {
             None => push_swiglu(&mut specs, &format!("{p}.feed_forward"), f, d),
@@ -144,6 +147,8 @@ impl TpSharding {
             ".attention.wv.weight",
             ".attention.wq_b.weight",
             ".attention.wkv_b.weight",
+            // One logit per head: split with the heads.
+            ".attention.sinks",
             ".feed_forward.w1.weight",
             ".feed_forward.w3.weight",
             ".moe.shared_experts.w1.weight",
@@ -230,6 +235,8 @@ pub struct LayerIds {
     pub wo: usize,
     pub ffn_norm: usize,
     pub ffn: FeedForwardIds,
+    /// The attention sinks' logits, one per head (gpt-oss; None without).
+    pub sinks: Option<usize>,
     /// Each projection's LoRA adapter (by `BlockProjection::index`; None where not adapted).
     pub lora: [Option<LoraIds>; BlockProjection::ALL.len()],
 }
@@ -355,6 +362,7 @@ impl LayerIds {
         let mut ids = vec![self.attention_norm];
         ids.extend(self.lora.iter().flatten().flat_map(|l| [l.a, l.b]));
         ids.extend(self.attention.all());
+        ids.extend(self.sinks);
         ids.extend([self.wo, self.ffn_norm]);
         match &self.ffn {
             FeedForwardIds::Dense { w1, w2, w3 } => ids.extend([*w1, *w2, *w3]),
@@ -424,6 +432,9 @@ impl ParamIds {
                     wo: id(format!("{p}.attention.wo.weight")),
                     ffn_norm: id(format!("{p}.ffn_norm.weight")),
                     ffn,
+                    sinks: args
+                        .attention_sinks
+                        .then(|| id(format!("{p}.attention.sinks"))),
                     lora: [None; BlockProjection::ALL.len()],
                 };
                 layer.lora = BlockProjection::ALL.map(|proj| {

@@ -435,7 +435,9 @@ pub fn attention_sinks_backward(
 ) {
     let (hd, heads, q_len) = (s.head_dim, s.n_heads, s.q_len);
     let (out, lse) = (saved.out, saved.lse);
-    assert!(out.len() >= s.batch * q_len * heads * hd && dout.len() >= s.batch * q_len * heads * hd);
+    assert!(
+        out.len() >= s.batch * q_len * heads * hd && dout.len() >= s.batch * q_len * heads * hd
+    );
     assert!(lse.len() >= s.batch * heads * q_len && sinks.len() >= heads && dsinks.len() >= heads);
     // Per head, in f64 over every row of the call: a sum of b·q_len terms.
     let per_head: Vec<f64> = (0..heads)

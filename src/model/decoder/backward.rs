@@ -103,6 +103,7 @@ impl<B: Backend> Decoder<B> {
         let run = BackwardRun {
             be,
             p: &params.bufs,
+            layer: l,
             id: &self.ids.layers[l],
             linears: BlockLinears::of(&self.local, &self.float8, l)
                 .with_lora(self.args.lora.as_ref()),
@@ -265,13 +266,25 @@ impl<B: Backend> Decoder<B> {
         }
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
         let x_attn = AttnInputs {
-            mask: positions.mask(),
+            mask: positions.mask(self.args.window_at(run.layer)),
             ..AttnInputs::causal(&*acts.q, &*acts.k, &*acts.v, shape)
         };
         let saved = AttnSaved {
             out: &*acts.attn_out,
             lse: &*acts.lse,
         };
+        if let Some(sinks) = id.sinks {
+            // The sinks' gradient from the forward's results; a frozen sink (LoRA: an empty
+            // gradient) has none to take.
+            if be.len(&grads.bufs[sinks]) > 0 {
+                let saved = AttnSaved {
+                    out: &*acts.attn_out,
+                    lse: &*acts.lse,
+                };
+                let dsinks = &mut grads.bufs[sinks];
+                be.attention_sinks_backward(dsinks, g.dattn, saved, &p[sinks], shape);
+            }
+        }
         let attn_grads = AttnGrads {
             dq: &mut *g.dq,
             dk: &mut *g.dk,

@@ -122,6 +122,7 @@ impl<B: Backend> Decoder<B> {
         let run = BlockRun {
             be,
             p: &params.bufs,
+            layer: l,
             id: &self.ids.layers[l],
             linears: BlockLinears::of(&self.local, &self.float8, l)
                 .with_lora(self.args.lora.as_ref()),
@@ -185,7 +186,8 @@ impl<B: Backend> Decoder<B> {
             AttentionIds::Mla(ids) => self.mla_forward(run, acts, ids, mla, positions, at)?,
         }
         if run.redo(Act::AttnOut) || run.redo(Act::Lse) {
-            self.attend(run, acts, kv, positions.mask())?;
+            let mask = positions.mask(self.args.window_at(run.layer));
+            self.attend(run, acts, kv, mask)?;
             run.round(acts, &[Act::AttnOut]);
         }
         let mla_values = matches!(id.attention, AttentionIds::Mla(_));
@@ -275,8 +277,27 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Causal attention of the block's queries over its keys and values: the workspace's
-    /// sequences (through the context-parallel group), or the cache with the new rows appended.
+    /// sequences (through the context-parallel group), or the cache with the new rows appended;
+    /// then the block's attention sinks, when it has them, folded into the finished softmax.
     fn attend(
+        &self,
+        run: &BlockRun<'_, B>,
+        acts: &mut BlockActs<'_, B>,
+        kv: KvSource<'_, B>,
+        mask: AttnMask<'_>,
+    ) -> Result<()> {
+        self.attend_keys(run, acts, kv, mask)?;
+        if let Some(sinks) = run.id.sinks {
+            let m = &self.local;
+            let shape = AttnShape::causal(run.batch, run.seq, m.heads, m.kv_heads, m.head_dim);
+            run.be
+                .attention_sinks_forward(acts.attn_out, acts.lse, &run.p[sinks], shape);
+        }
+        Ok(())
+    }
+
+    /// `attend`'s attention over the keys.
+    fn attend_keys(
         &self,
         run: &BlockRun<'_, B>,
         acts: &mut BlockActs<'_, B>,
@@ -313,12 +334,16 @@ impl<B: Backend> Decoder<B> {
                     head_dim: m.head_dim,
                     q_offset: pos,
                 };
-                // Generation: the prompt and what follows are one document.
-                be.attention_forward(
-                    acts.attn_out,
-                    acts.lse,
-                    AttnInputs::causal(acts.q, k, v, shape),
-                );
+                // Generation: the prompt and what follows are one document, within the
+                // block's window.
+                let x = AttnInputs {
+                    mask: AttnMask {
+                        positions: None,
+                        window: mask.window,
+                    },
+                    ..AttnInputs::causal(acts.q, k, v, shape)
+                };
+                be.attention_forward(acts.attn_out, acts.lse, x);
                 Ok(())
             }
         }

@@ -72,11 +72,12 @@ impl<'a, B: Backend> Positions<'a, B> {
         RopeShape::new(batch, seq, heads, head_dim).tables_per_token(self.per_token)
     }
 
-    /// Which keys each query sees: its own document's up to itself.
-    pub(super) fn mask(&self) -> AttnMask<'a> {
+    /// Which keys each query sees: its own document's up to itself, within the block's sliding
+    /// window (`window`) when it has one.
+    pub(super) fn mask(&self, window: Option<usize>) -> AttnMask<'a> {
         AttnMask {
             positions: self.in_document,
-            window: None,
+            window,
         }
     }
 }

@@ -89,6 +89,8 @@ pub(super) enum Pass {
 pub(super) struct BlockRun<'r, B: Backend> {
     pub(super) be: &'r B,
     pub(super) p: &'r [B::Buf],
+    /// Which block runs (its features: `ModelArgs::window_at`).
+    pub(super) layer: usize,
     pub(super) id: &'r LayerIds,
     pub(super) linears: BlockLinears,
     pub(super) sp: SequenceParallel<'r, B>,
@@ -154,6 +156,7 @@ impl<'r, B: Backend> BlockRun<'r, B> {
 pub(super) struct BackwardRun<'r, B: Backend> {
     pub(super) be: &'r B,
     pub(super) p: &'r [B::Buf],
+    pub(super) layer: usize,
     pub(super) id: &'r LayerIds,
     pub(super) linears: BlockLinears,
     pub(super) sp: SequenceParallel<'r, B>,

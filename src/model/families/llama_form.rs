@@ -125,6 +125,8 @@ pub fn read(cfg: &Value, file: &Path, form: &LlamaForm) -> Result<ModelArgs> {
         moe: None,
         mla: None,
         lora: None,
+        attention_sinks: false,
+        sliding_window: None,
     })
 }
 

@@ -561,5 +561,4 @@ fn attention_config(rows: usize, heads: usize, batch: usize) -> LaunchConfig {
         block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     }
-
 }

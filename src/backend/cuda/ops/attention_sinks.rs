@@ -32,7 +32,18 @@ impl CudaBackend {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(self, "attention_sinks", cfg, out, lse, sinks, &b, &ql, &h, &d);
+        launch!(
+            self,
+            "attention_sinks",
+            cfg,
+            out,
+            lse,
+            sinks,
+            &b,
+            &ql,
+            &h,
+            &d
+        );
     }
 
     pub(super) fn attention_sinks_backward_untimed(

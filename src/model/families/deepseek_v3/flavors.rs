@@ -138,6 +138,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
             v_head_dim: 128,
         }),
         lora: None,
+        attention_sinks: false,
+        sliding_window: None,
     })
 }
 

@@ -164,6 +164,8 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<HfShapes> {
         moe: Some(moe),
         mla: Some(mla),
         lora: None,
+        attention_sinks: false,
+        sliding_window: None,
     };
     let interleaved = cfg
         .get("rope_interleave")

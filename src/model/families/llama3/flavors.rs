@@ -103,6 +103,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         moe: None,
         mla: None,
         lora: None,
+        attention_sinks: false,
+        sliding_window: None,
     })
 }
 

@@ -89,6 +89,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         moe,
         mla: None,
         lora: None,
+        attention_sinks: false,
+        sliding_window: None,
     })
 }
 
