@@ -1,7 +1,8 @@
 //! Context parallelism through the launcher, real processes on the CPU transport: per-step loss
 //! and gradient-norm parity with one process for CP 2 and CP 4 under both rotate methods, with
 //! activation checkpointing and gradient accumulation, composed with FSDP, HSDP, TP and PP, the
-//! 4-D PP × FSDP × TP × CP layout, validation, resume across layouts, and the refusals.
+//! 4-D PP × FSDP × TP × CP layout, sliding windows, validation, resume across layouts, and the
+//! refusals.
 
 mod common;
 
@@ -101,6 +102,30 @@ fn pp_fsdp_tp_cp_4d_matches_one_process() {
         &nproc("16"),
         &four_d,
     );
+}
+
+/// Sliding-window attention (Mistral's, on every block; a window of 6 keys over sequences of 32):
+/// CP's ring skips the blocks of keys no query of a chunk sees and masks within the others, TP
+/// splits the heads; each equals one process.
+#[test]
+fn sliding_windows_under_cp_and_tp_match_one_process() {
+    let mistral = [
+        "--model.name",
+        "mistral",
+        "--model.flavor",
+        "debugmodel",
+        "--model.sliding_window_size",
+        "6",
+    ];
+    check_parity(
+        "window 6, CP 2",
+        &mistral,
+        &nproc("2"),
+        &cp("2", "allgather"),
+    );
+    let mut tp = cp("2", "alltoall");
+    tp.extend(["--parallelism.tensor_parallel_degree", "2"]);
+    check_parity("window 6, TP 2 × CP 2", &mistral, &nproc("4"), &tp);
 }
 
 #[test]

@@ -136,6 +136,29 @@ LlamaForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
     );
 }
 
+/// Mistral, a family of a kind titan computes (Llama's block with a sliding window on every
+/// block, one folder): made by transformers with a window of 6 keys, shorter than the 24-token
+/// sequences and the 20 positions of generation, imported: loss and greedy tokens equal
+/// transformers', and exported back the same.
+#[test]
+fn mistral_with_a_sliding_window_made_by_transformers_imports_generates_and_exports_back() {
+    round_trip_made_by_transformers(
+        r#"
+import sys, torch
+from transformers import MistralConfig, MistralForCausalLM
+cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
+                    rms_norm_eps=1e-5, sliding_window=6, tie_word_embeddings=False)
+torch.manual_seed(0)
+MistralForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
+"#,
+        |args| {
+            let window = titan::model::args::SlidingWindow { size: 6, period: 1 };
+            assert_eq!(args.sliding_window, Some(window));
+        },
+    );
+}
+
 /// Qwen3-MoE with dense blocks: `mlp_only_layers = [0]` (a leading dense block, DeepSeek's
 /// `first_k_dense_replace` 1) and `decoder_sparse_step = 2` (experts in every second block), each
 /// with a dense width of its own: imported, loss and greedy tokens equal transformers', and back.

@@ -44,6 +44,9 @@ pub struct ModelConfig {
     pub qk_nope_head_dim: Option<usize>,
     pub qk_rope_head_dim: Option<usize>,
     pub v_head_dim: Option<usize>,
+    /// Models with sliding-window attention (Mistral, gpt-oss): the window's length in keys, a
+    /// query's own included (TorchTitan's gpt-oss `sliding_window_size`; absent: the flavor's).
+    pub sliding_window_size: Option<usize>,
     /// Model converters applied before parallelizing (TorchTitan's names, e.g.
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::list_or_comma_separated")]
@@ -81,6 +84,7 @@ impl Default for ModelConfig {
             qk_nope_head_dim: None,
             qk_rope_head_dim: None,
             v_head_dim: None,
+            sliding_window_size: None,
             converters: Vec::new(),
             attn_mask_type: "block_causal".into(),
         }
@@ -117,6 +121,7 @@ impl Config {
         self.apply_shape_overrides(&mut a)?;
         self.apply_moe_overrides(&mut a)?;
         self.apply_mla_overrides(&mut a)?;
+        self.apply_window_override(&mut a)?;
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
         self.validate_lora(&a)?;
         a.lora = self.lora_args();
@@ -188,6 +193,19 @@ impl Config {
         mla.qk_rope_head_dim = m.qk_rope_head_dim.unwrap_or(mla.qk_rope_head_dim);
         mla.v_head_dim = m.v_head_dim.unwrap_or(mla.v_head_dim);
         a.n_kv_heads = a.n_heads;
+        Ok(())
+    }
+
+    /// The sliding window's length, refused on a model without one.
+    fn apply_window_override(&self, a: &mut ModelArgs) -> Result<()> {
+        let m = &self.model;
+        let Some(size) = m.sliding_window_size else {
+            return Ok(());
+        };
+        match a.sliding_window.as_mut() {
+            Some(w) => w.size = size,
+            None => bail!("[model] sliding_window_size = {size} needs a model with sliding-window attention (flavor {} of {} has none; e.g. name = \"mistral\")", m.flavor, m.name),
+        }
         Ok(())
     }
 

@@ -33,7 +33,7 @@ impl Family for DeepSeekV3 {
         flavors::flavor(flavor)
     }
     fn owns(&self, args: &ModelArgs) -> bool {
-        args.mla.is_some()
+        args.mla.is_some() && super::full_attention(args)
     }
     fn hf_model_types(&self) -> &'static [&'static str] {
         &["deepseek_v3"]

@@ -32,7 +32,8 @@ impl Family for Llama3 {
         flavors::ffn_rounding(flavor)
     }
     fn owns(&self, args: &ModelArgs) -> bool {
-        !args.qk_norm && args.moe.is_none() && args.mla.is_none()
+        let plain = !args.qk_norm && args.moe.is_none() && args.mla.is_none();
+        plain && super::full_attention(args)
     }
     fn hf_model_types(&self) -> &'static [&'static str] {
         &["llama"]

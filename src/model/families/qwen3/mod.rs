@@ -32,7 +32,7 @@ impl Family for Qwen3 {
         flavors::flavor(flavor)
     }
     fn owns(&self, args: &ModelArgs) -> bool {
-        args.mla.is_none() && (args.qk_norm || args.moe.is_some())
+        args.mla.is_none() && (args.qk_norm || args.moe.is_some()) && super::full_attention(args)
     }
     fn hf_model_types(&self) -> &'static [&'static str] {
         &["qwen3", "qwen3_moe"]
