@@ -58,9 +58,19 @@ impl<B: Backend> Banner<'_, B> {
             true => format!(" (reduced in {})", cfg.training.mixed_precision_reduce),
             false => String::new(),
         };
+        let which = |period: usize| match period {
+            1 => "every block".to_string(),
+            p => format!("every {p}th block from the first"),
+        };
+        let sinks = if args.attention_sinks { ", attention sinks" } else { "" };
+        let attention = match args.sliding_window {
+            Some(w) => format!(" (sliding window {} on {}{sinks})", w.size, which(w.period)),
+            None if args.attention_sinks => " (attention sinks)".to_string(),
+            None => String::new(),
+        };
         let mut lines = vec![
             format!(
-                "titan | model {} {} | {:.2}M parameters ({:.2}M non-embedding{active}) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {:.3} TFLOP/s{reference}",
+                "titan | model {} {}{attention} | {:.2}M parameters ({:.2}M non-embedding{active}) | {:.1} MFLOPs/token | backend {} × {threads} threads | MFU of {:.3} TFLOP/s{reference}",
                 cfg.model.name,
                 cfg.model.flavor,
                 args.num_params() as f64 / 1e6,
