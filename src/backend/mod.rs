@@ -493,12 +493,9 @@ pub trait Backend: Send + Sync + 'static {
         shape: AttnShape,
     );
 
-    /// Attention sinks (gpt-oss): a learned logit `sinks[h]` per head joins every softmax of
-    /// head `h` with a zero value, so it only adds to the denominator. Applied to a finished
-    /// attention (after every block of keys is merged): per query row `lse' = log(e^lse +
-    /// e^sinks[h])` and `out' = out·e^(lse − lse')`, `attention_merge` with an empty block of
-    /// logit `sinks[h]`. The backward of attention is then the plain one run with `out'` and
-    /// `lse'`, which are the sink softmax's.
+    /// Attention sinks (gpt-oss: a logit `sinks[h]` per head with a zero value) folded into a
+    /// finished attention: per row `lse' = log(e^lse + e^sinks[h])`, `out' = out·e^(lse − lse')`
+    /// (a merge with an empty block of keys). Attention's plain backward on `out'`/`lse'` is exact.
     fn attention_sinks_forward(
         &self,
         out: &mut Self::Buf,
@@ -506,9 +503,8 @@ pub trait Backend: Send + Sync + 'static {
         sinks: &Self::Buf,
         shape: AttnShape,
     );
-    /// Adds the sinks' gradient into `dsinks` (`[n_heads]`): `∂L/∂sinks[h] = −Σ_rows
-    /// e^(sinks[h] − lse')·(dout·out')` over the rows of head `h` (`out'`, `lse'`: the forward's
-    /// results with the sinks).
+    /// Adds `∂L/∂sinks[h] = −Σ_rows e^(sinks[h] − lse')·(dout·out')` (over head `h`'s rows; `saved`:
+    /// the forward's results with the sinks) into `dsinks` (`[n_heads]`).
     fn attention_sinks_backward(
         &self,
         dsinks: &mut Self::Buf,

@@ -62,7 +62,11 @@ impl<B: Backend> Banner<'_, B> {
             1 => "every block".to_string(),
             p => format!("every {p}th block from the first"),
         };
-        let sinks = if args.attention_sinks { ", attention sinks" } else { "" };
+        let sinks = if args.attention_sinks {
+            ", attention sinks"
+        } else {
+            ""
+        };
         let attention = match args.sliding_window {
             Some(w) => format!(" (sliding window {} on {}{sinks})", w.size, which(w.period)),
             None if args.attention_sinks => " (attention sinks)".to_string(),

@@ -88,10 +88,16 @@ pub trait Family: Sync {
         let _ = args;
         hf_names::hf_name(name)
     }
-    /// Parameter `name`'s rows (`cols` wide) in the HF layout.
-    fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32>;
-    /// Parameter `name`'s rows from an HF checkpoint laid out as `hf` says, in titan's layout.
-    fn import_rows(&self, hf: &HfShapes, name: &str, data: Vec<f32>, cols: usize) -> Vec<f32>;
+    /// Parameter `name`'s rows (`cols` wide) in the HF layout: by default transformers' halves
+    /// (`llama_form`).
+    fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32> {
+        llama_form::permute_rope_rows(args, name, data, cols, true)
+    }
+    /// Parameter `name`'s rows from an HF checkpoint laid out as `hf` says, in titan's layout: by
+    /// default from transformers' halves.
+    fn import_rows(&self, hf: &HfShapes, name: &str, data: Vec<f32>, cols: usize) -> Vec<f32> {
+        llama_form::permute_rope_rows(&hf.args, name, &data, cols, false)
+    }
     /// Tensors HF keeps beside the weights that titan keeps as training state (DeepSeek-V3's
     /// routing bias, titan's expert bias): written on export.
     fn hf_extra_tensors(

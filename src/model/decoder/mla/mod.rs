@@ -21,8 +21,8 @@
 //! MLA lives in this one folder: the shapes here, its part of the block's forward and backward
 //! (`attention`) and its working buffers (`scratch`).
 
-pub(in crate::model::decoder) mod attention;
-pub(in crate::model::decoder) mod scratch;
+pub(super) mod attention;
+pub(super) mod scratch;
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};

@@ -66,10 +66,4 @@ impl Family for Qwen3 {
             None => llama_form::write(args, "Qwen3ForCausalLM", "qwen3"),
         })
     }
-    fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32> {
-        llama_form::permute_rope_rows(args, name, data, cols, true)
-    }
-    fn import_rows(&self, hf: &HfShapes, name: &str, data: Vec<f32>, cols: usize) -> Vec<f32> {
-        llama_form::permute_rope_rows(&hf.args, name, &data, cols, false)
-    }
 }
