@@ -100,6 +100,8 @@ pub const BOUNDS: &[(&str, usize, usize)] = &[
     ("moe.hidden", 1, 1 << 20),
     ("moe.shared_hidden", 1, 1 << 20),
     ("moe.num_experts", 1, 1 << 10),
+    ("sliding_window.size", 1, 1 << 24),
+    ("sliding_window.period", 1, 1 << 12),
 ];
 
 /// The range `ModelArgs::validate` accepts for size field `field` (a name of `BOUNDS`; any other
@@ -216,15 +218,6 @@ impl ModelArgs {
         if let Some(moe) = &self.moe {
             moe.validate()?;
         }
-        if let Some(w) = self.sliding_window {
-            if w.size == 0 || w.period == 0 {
-                bail!(
-                    "sliding_window: size = {} and period = {} must both be at least 1",
-                    w.size,
-                    w.period
-                );
-            }
-        }
         if let Some(mla) = &self.mla {
             mla.validate()?;
             if self.n_kv_heads != self.n_heads || self.qk_norm {
@@ -249,6 +242,11 @@ impl ModelArgs {
             ("moe.hidden", moe.map(|m| m.hidden)),
             ("moe.shared_hidden", moe.and_then(|m| m.shared_hidden)),
             ("moe.num_experts", moe.map(|m| m.router.num_experts)),
+            ("sliding_window.size", self.sliding_window.map(|w| w.size)),
+            (
+                "sliding_window.period",
+                self.sliding_window.map(|w| w.period),
+            ),
         ];
         for (field, value) in fields {
             let Some(v) = value else { continue };

@@ -72,7 +72,13 @@ impl Family for Mistral {
             default_head_dim: None,
         };
         let size = match cfg.get("sliding_window").filter(|v| !v.is_null()) {
-            Some(_) => Some(get_size(cfg, "sliding_window", "max_seq_len", None, file)?),
+            Some(_) => Some(get_size(
+                cfg,
+                "sliding_window",
+                "sliding_window.size",
+                None,
+                file,
+            )?),
             None => None,
         };
         let args = ModelArgs {
