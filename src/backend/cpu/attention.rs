@@ -388,7 +388,7 @@ pub fn attention_merge(
                 for h in 0..heads {
                     let at = h * q_len + i;
                     let (mine, theirs) = (lse[at], part_lse[b * heads * q_len + at]);
-                    let merged = mine.max(theirs) + (-(mine - theirs).abs()).exp().ln_1p();
+                    let merged = log_add_exp(mine, theirs);
                     let (keep, take) = ((mine - merged).exp(), (theirs - merged).exp());
                     let row = (i * heads + h) * hd;
                     let part = &part_out[b * q_len * heads * hd + row..][..hd];
@@ -399,6 +399,12 @@ pub fn attention_merge(
                 }
             }
         });
+}
+
+/// `log(e^a + e^b)` without overflow; `a` = −∞ gives `b`.
+#[inline]
+fn log_add_exp(a: f32, b: f32) -> f32 {
+    a.max(b) + (-(a - b).abs()).exp().ln_1p()
 }
 
 /// Attention sinks folded into a finished attention (`Backend::attention_sinks_forward`).
@@ -415,7 +421,7 @@ pub fn attention_sinks_forward(out: &mut [f32], lse: &mut [f32], sinks: &[f32], 
                     let at = h * q_len + i;
                     // A query that saw no key (lse −∞) keeps its zero output: lse' is the sink's.
                     let mine = lse[at];
-                    let merged = mine.max(sink) + (-(mine - sink).abs()).exp().ln_1p();
+                    let merged = log_add_exp(mine, sink);
                     let keep = (mine - merged).exp();
                     let row = (i * heads + h) * hd;
                     out[row..row + hd].iter_mut().for_each(|o| *o *= keep);

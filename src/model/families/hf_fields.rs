@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 
 use crate::model::args::field_range;
+use crate::model::ModelArgs;
 
 /// Size `key` of `cfg` (`default` when absent or null), within the range `ModelArgs::validate`
 /// accepts for titan's `field`: an error naming the file and the key, before anything is sized
@@ -94,6 +95,13 @@ pub fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `args` validated, the error naming `file` (every family's import ends with it).
+pub fn validated(args: ModelArgs, file: &Path) -> Result<ModelArgs> {
+    args.validate()
+        .map_err(|e| anyhow!("{}: {e}", file.display()))?;
+    Ok(args)
 }
 
 /// `fields` (an object) written into `config` (an object), replacing what it held under them.

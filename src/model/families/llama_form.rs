@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
 use super::hf_fields::{get_size, merge, norm_eps, refuse_unsupported, tied_embeddings};
@@ -64,16 +64,10 @@ pub fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
     }
 }
 
-/// Parameter `name`'s rows between titan's RoPE layout and transformers' halves (`to_hf`: out).
-pub fn permute_rope_rows(
-    args: &ModelArgs,
-    name: &str,
-    data: &[f32],
-    cols: usize,
-    to_hf: bool,
-) -> Vec<f32> {
+/// Parameter `name`'s rows in transformers' halves layout (a copy; permuted where RoPE rotates).
+pub fn rows_to_halves(args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32> {
     match rope_permutation(name, args) {
-        Some(heads) => permute_rows(data, heads, args.head_dim(), cols, to_hf),
+        Some(heads) => permute_rows(data, heads, args.head_dim(), cols, true),
         None => data.to_vec(),
     }
 }
@@ -181,13 +175,6 @@ pub fn write(args: &ModelArgs, architecture: &str, model_type: &str) -> Value {
         hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
     );
     config
-}
-
-/// `args` validated, the error naming `file`.
-pub fn validated(args: ModelArgs, file: &Path) -> Result<ModelArgs> {
-    args.validate()
-        .map_err(|e| anyhow!("{}: {e}", file.display()))?;
-    Ok(args)
 }
 
 #[cfg(test)]

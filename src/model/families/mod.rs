@@ -91,12 +91,16 @@ pub trait Family: Sync {
     /// Parameter `name`'s rows (`cols` wide) in the HF layout: by default transformers' halves
     /// (`llama_form`).
     fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32> {
-        llama_form::permute_rope_rows(args, name, data, cols, true)
+        llama_form::rows_to_halves(args, name, data, cols)
     }
     /// Parameter `name`'s rows from an HF checkpoint laid out as `hf` says, in titan's layout: by
     /// default from transformers' halves.
     fn import_rows(&self, hf: &HfShapes, name: &str, data: Vec<f32>, cols: usize) -> Vec<f32> {
-        llama_form::permute_rope_rows(&hf.args, name, &data, cols, false)
+        // Only the permuted tensors are rebuilt; the others are taken as read.
+        match llama_form::rope_permutation(name, &hf.args) {
+            Some(heads) => llama_form::permute_rows(&data, heads, hf.args.head_dim(), cols, false),
+            None => data,
+        }
     }
     /// Tensors HF keeps beside the weights that titan keeps as training state (DeepSeek-V3's
     /// routing bias, titan's expert bias): written on export.

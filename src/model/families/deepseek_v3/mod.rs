@@ -9,10 +9,10 @@ pub mod hf;
 
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use serde_json::Value;
 
-use super::hf_fields::refuse_unsupported;
+use super::hf_fields::{refuse_unsupported, validated};
 use super::{Family, HfShapes, HfTensors, RopeRows};
 use crate::model::ModelArgs;
 use crate::tensor::Tensor;
@@ -40,12 +40,11 @@ impl Family for DeepSeekV3 {
     }
     fn read_hf_config(&self, cfg: &Value, file: &Path) -> Result<HfShapes> {
         refuse_unsupported(cfg, file)?;
-        let shapes = hf::args_from_deepseek_config(cfg, file)?;
-        shapes
-            .args
-            .validate()
-            .map_err(|e| anyhow!("{}: {e}", file.display()))?;
-        Ok(shapes)
+        let HfShapes { args, rope_rows } = hf::args_from_deepseek_config(cfg, file)?;
+        Ok(HfShapes {
+            args: validated(args, file)?,
+            rope_rows,
+        })
     }
     fn hf_config(&self, args: &ModelArgs) -> Result<Value> {
         hf::deepseek_config(args)

@@ -43,7 +43,7 @@ impl Family for Llama3 {
             qk_norm: false,
             default_head_dim: None,
         };
-        let args = llama_form::validated(llama_form::read(cfg, file, &form)?, file)?;
+        let args = super::hf_fields::validated(llama_form::read(cfg, file, &form)?, file)?;
         Ok(HfShapes {
             args,
             rope_rows: RopeRows::Halves,

@@ -86,7 +86,7 @@ impl Family for Mistral {
             ..llama_form::read(cfg, file, &form)?
         };
         Ok(HfShapes {
-            args: llama_form::validated(args, file)?,
+            args: super::hf_fields::validated(args, file)?,
             rope_rows: RopeRows::Halves,
         })
     }

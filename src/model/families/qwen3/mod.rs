@@ -51,7 +51,7 @@ impl Family for Qwen3 {
             ..llama_form::read(cfg, file, &form)?
         };
         Ok(HfShapes {
-            args: llama_form::validated(args, file)?,
+            args: super::hf_fields::validated(args, file)?,
             rope_rows: RopeRows::Halves,
         })
     }
