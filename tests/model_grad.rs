@@ -33,6 +33,7 @@ fn llama_args(tied: bool) -> ModelArgs {
         lora: None,
         attention_sinks: false,
         sliding_window: None,
+        attention_bias: false,
     }
 }
 
@@ -206,6 +207,8 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         aux_loss_coef: None,
         first_dense_layers: 0,
         sparse_step: 1,
+        linear_biases: false,
+        activation: Default::default(),
     };
     check_model(
         ModelArgs {
@@ -240,6 +243,8 @@ fn moe_whole_model_gradient_matches_finite_differences() {
                     aux_loss_coef: Some(0.5),
                     first_dense_layers: 0,
                     sparse_step: 1,
+                    linear_biases: false,
+                    activation: Default::default(),
                     ..m
                 }),
                 ..qwen3_args(false)

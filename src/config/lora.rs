@@ -80,6 +80,7 @@ impl Config {
             lora: None,
             attention_sinks: false,
             sliding_window: None,
+            attention_bias: false,
             ..args.clone()
         });
         for t in &l.target_modules {

@@ -51,6 +51,10 @@ pub struct ModelArgs {
     /// Sliding-window attention on some blocks (gpt-oss: every other block).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<SlidingWindow>,
+    /// Biases on the attention's projections, `wq`, `wk`, `wv` and `wo` (gpt-oss; transformers'
+    /// `attention_bias`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attention_bias: bool,
 }
 
 /// Sliding-window attention: in block `l` with `l % period == 0` a query sees only the last
@@ -223,6 +227,9 @@ impl ModelArgs {
             if self.n_kv_heads != self.n_heads || self.qk_norm {
                 bail!("multi-head latent attention has a key and value per head and no QK-norm: n_kv_heads = {} must equal n_heads = {} and qk_norm be off", self.n_kv_heads, self.n_heads);
             }
+            if self.attention_bias {
+                bail!("attention_bias with multi-head latent attention is not built (no family has both)");
+            }
         }
         Ok(())
     }
@@ -275,7 +282,11 @@ impl ModelArgs {
         } else {
             0
         };
-        attn + ffn + 2 * self.dim + qk_norm + sinks
+        let biases = match self.attention_bias {
+            true => (self.n_heads + 2 * self.n_kv_heads) * hd + self.dim,
+            false => 0,
+        };
+        attn + ffn + 2 * self.dim + qk_norm + sinks + biases
     }
 
     /// Parameters of the largest transformer block.

@@ -1,7 +1,7 @@
 //! Weight initialization the way TorchTitan's Llama 3 does it: embeddings N(0, 1), projections
 //! truncated normal with std 0.02, output projections of each block (wo, w2, w3) depth-scaled to
-//! 0.02/√(2·(layer+1)), the final projection with std dim^-½ cut at ±3σ, norms at one; LoRA's
-//! adapters as `lora::init_adapter` says.
+//! 0.02/√(2·(layer+1)), the final projection with std dim^-½ cut at ±3σ, norms at one, linear
+//! biases at zero; LoRA's adapters as `lora::init_adapter` says.
 //! Each parameter draws from its own stream keyed by seed and name, so layouts that shard or reorder
 //! parameters initialise identically.
 
@@ -46,6 +46,10 @@ pub fn init_param(args: &ModelArgs, name: &str, numel: usize, seed: u64) -> Vec<
     }
     if name.ends_with("norm.weight") {
         return vec![1.0; numel];
+    }
+    if name.ends_with(".bias") {
+        // Linear biases (gpt-oss) start at zero, as PyTorch's models initialise them.
+        return vec![0.0; numel];
     }
     if name == "tok_embeddings.weight" {
         if args.tied_embeddings {

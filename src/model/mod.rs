@@ -5,6 +5,7 @@
 
 pub mod activation_checkpoint;
 pub mod args;
+pub mod bias;
 pub mod crossings;
 pub mod decoder;
 pub mod families;

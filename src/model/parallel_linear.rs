@@ -34,13 +34,16 @@ use super::params::ParamSet;
 use crate::backend::float8::LinearGemm;
 use crate::backend::Backend;
 
-/// One projection of a column-parallel layer's forward: `y = x · Wᵀ`, plus its LoRA adapter's
-/// `scale · (x·Aᵀ)·Bᵀ` when it has one.
+/// One projection of a column-parallel layer's forward: `y = x · Wᵀ (+ b)`, plus its LoRA
+/// adapter's `scale · (x·Aᵀ)·Bᵀ` when it has one.
 pub struct Projection<'a, B: Backend> {
     pub linear: Linear,
     pub w: &'a B::Buf,
     pub y: &'a mut B::Buf,
     pub lora: Option<Adapter<'a, B>>,
+    /// Its bias (gpt-oss's attention): split with the output features of a column-parallel
+    /// layer, whole on every rank of a row-parallel one, added once the products are summed.
+    pub bias: Option<&'a B::Buf>,
 }
 
 impl<'a, B: Backend> Projection<'a, B> {
@@ -50,12 +53,18 @@ impl<'a, B: Backend> Projection<'a, B> {
             w,
             y,
             lora: None,
+            bias: None,
         }
     }
 
     /// This projection with its LoRA adapter (None: none).
     pub fn with_lora(self, lora: Option<Adapter<'a, B>>) -> Self {
         Projection { lora, ..self }
+    }
+
+    /// This projection with its bias (None: none).
+    pub fn with_bias(self, bias: Option<&'a B::Buf>) -> Self {
+        Projection { bias, ..self }
     }
 }
 
@@ -69,7 +78,7 @@ pub struct AdapterGrad<'a, B: Backend> {
 
 /// One projection's backward: its output gradient `dy`, its weight `w` and where that weight's
 /// gradient is added (`dw`, parameter `param`; an empty `dw` is a frozen weight, whose gradient
-/// is not computed), and its LoRA adapter's.
+/// is not computed), its LoRA adapter's, and its bias's (`db`).
 pub struct ProjectionGrad<'a, B: Backend> {
     pub linear: Linear,
     pub dy: &'a B::Buf,
@@ -77,6 +86,7 @@ pub struct ProjectionGrad<'a, B: Backend> {
     pub dw: &'a mut B::Buf,
     pub param: usize,
     pub lora: Option<AdapterGrad<'a, B>>,
+    pub db: Option<&'a mut B::Buf>,
 }
 
 impl<'a, B: Backend> ProjectionGrad<'a, B> {
@@ -94,12 +104,26 @@ impl<'a, B: Backend> ProjectionGrad<'a, B> {
             dw,
             param,
             lora: None,
+            db: None,
         }
     }
 
     /// This projection's backward with its LoRA adapter's (None: none).
     pub fn with_lora(self, lora: Option<AdapterGrad<'a, B>>) -> Self {
         ProjectionGrad { lora, ..self }
+    }
+
+    /// This projection's backward with its bias's gradient (None: no bias).
+    pub fn with_bias(self, db: Option<&'a mut B::Buf>) -> Self {
+        ProjectionGrad { db, ..self }
+    }
+
+    /// `db += Σ_rows dy` over the rows of `dy` this rank holds (a column-parallel layer's every
+    /// token, a row-parallel one's own rows, whose sums the group's replicated-gradient sum adds).
+    fn add_bias_grad(&mut self, be: &B) {
+        if let Some(db) = self.db.as_deref_mut() {
+            super::bias::add_grad(be, db, self.dy);
+        }
     }
 
     /// `dx += scale · (dy·B)·A` over `rows` rows of `dy` (the adapter's input-gradient share).
@@ -375,6 +399,9 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 if let Some(l) = &p.lora {
                     l.add_forward(be, p.linear, p.y, x, self.tokens);
                 }
+                if let Some(b) = p.bias {
+                    super::bias::add(be, p.y, b);
+                }
             }
             return Ok(());
         }
@@ -391,6 +418,9 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
                 p.linear.forward(be, &mut y, &x, p.w, rows);
                 if let Some(l) = &p.lora {
                     l.add_forward(be, p.linear, &mut y, &x, rows);
+                }
+                if let Some(b) = p.bias {
+                    super::bias::add(be, &mut y, b);
                 }
                 self.place(be, p.y, &y, p.linear.d_out, c);
             }
@@ -415,7 +445,13 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             w,
             y: out,
             lora,
+            bias,
         } = proj;
+        let add_bias = |out: &mut B::Buf| {
+            if let Some(b) = bias {
+                super::bias::add(be, out, b);
+            }
+        };
         let x_hp = x;
         let [x, w] = self.groups(FeatureSplit::Inputs).float8().operands(
             be,
@@ -433,6 +469,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         if self.degree() == 1 {
             linear.forward_residual(be, out, residual, x, w, self.tokens);
             add_adapter(out, x_hp, self.tokens);
+            add_bias(out);
             return Ok(());
         }
         let chunks = self.chunks(false);
@@ -441,6 +478,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             add_adapter(partial, x_hp, self.tokens);
             self.tp.reduce_scatter_rows(be, partial, out)?;
             be.add_assign(out, residual);
+            add_bias(out);
             return Ok(());
         }
         for c in &chunks {
@@ -459,6 +497,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
             be.copy_range(out, c.first * d, &sum, 0, c.rows * d);
         }
         be.add_assign(out, residual);
+        add_bias(out);
         Ok(())
     }
 
@@ -473,6 +512,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         x: &B::Buf,
         dx: &mut B::Buf,
     ) -> Result<()> {
+        g.add_bias_grad(be);
         let (n, linear, dy_local, w) = (self.tokens, g.linear, g.dy, g.w);
         let chunks = self.chunks(linear.float8.is_some());
         if chunks.is_empty() {
@@ -523,6 +563,7 @@ impl<'a, B: Backend> SequenceParallel<'a, B> {
         dlocal: &mut B::Buf,
     ) -> Result<()> {
         let n = self.tokens;
+        grads.iter_mut().for_each(|g| g.add_bias_grad(be));
         let groups = self.groups(FeatureSplit::Outputs);
         let casts = groups.float8();
         let mut x = SharedInput::new(x, LinearGemm::WeightGrad);

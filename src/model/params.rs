@@ -7,7 +7,7 @@ use super::activation_checkpoint::{AcMode, ActivationDtype, ActivationPlan};
 use super::args::ModelArgs;
 use super::decoder::mla::MlaArgs;
 use super::lora_args::{self as lora, LoraIds};
-use super::moe::MoeIds;
+use super::moe::{MoeBiasIds, MoeIds};
 use super::projection::BlockProjection;
 
 /// The routed expert whose weight `name` is (`layers.N.moe.experts.E.…`); None for any other.
@@ -51,8 +51,15 @@ fn base_param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
             Some(moe) => {
                 let experts = moe.router.num_experts;
                 specs.push((format!("{p}.moe.router.gate.weight"), vec![experts, d]));
+                if moe.linear_biases {
+                    specs.push((format!("{p}.moe.router.gate.bias"), vec![experts]));
+                }
                 for e in 0..experts {
-                    push_swiglu(&mut specs, &format!("{p}.moe.experts.{e}"), moe.hidden, d);
+                    let expert = format!("{p}.moe.experts.{e}");
+                    push_swiglu(&mut specs, &expert, moe.hidden, d);
+                    if moe.linear_biases {
+                        push_swiglu_biases(&mut specs, &expert, moe.hidden, d);
+                    }
                 }
                 if let Some(hs) = moe.shared_hidden {
                     push_swiglu(&mut specs, &format!("{p}.moe.shared_experts"), hs, d);
@@ -71,10 +78,12 @@ fn base_param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
 fn push_gqa(specs: &mut Vec<(String, Vec<usize>)>, p: &str, args: &ModelArgs) {
     let (d, hd) = (args.dim, args.head_dim());
     let (q, kv) = (args.n_heads * hd, args.n_kv_heads * hd);
-    specs.push((format!("{p}.attention.wq.weight"), vec![q, d]));
-    specs.push((format!("{p}.attention.wk.weight"), vec![kv, d]));
-    specs.push((format!("{p}.attention.wv.weight"), vec![kv, d]));
-    specs.push((format!("{p}.attention.wo.weight"), vec![d, q]));
+    for (name, shape) in [("wq", [q, d]), ("wk", [kv, d]), ("wv", [kv, d]), ("wo", [d, q])] {
+        specs.push((format!("{p}.attention.{name}.weight"), shape.to_vec()));
+        if args.attention_bias {
+            specs.push((format!("{p}.attention.{name}.bias"), vec![shape[0]]));
+        }
+    }
     if args.qk_norm {
         specs.push((format!("{p}.attention.q_norm.weight"), vec![hd]));
         specs.push((format!("{p}.attention.k_norm.weight"), vec![hd]));
@@ -112,6 +121,18 @@ fn push_swiglu(specs: &mut Vec<(String, Vec<usize>)>, prefix: &str, hidden: usiz
     specs.push((format!("{prefix}.w3.weight"), vec![hidden, dim]));
 }
 
+/// A SwiGLU's biases (gpt-oss's experts) under `prefix`, after its weights.
+fn push_swiglu_biases(
+    specs: &mut Vec<(String, Vec<usize>)>,
+    prefix: &str,
+    hidden: usize,
+    dim: usize,
+) {
+    specs.push((format!("{prefix}.w1.bias"), vec![hidden]));
+    specs.push((format!("{prefix}.w2.bias"), vec![dim]));
+    specs.push((format!("{prefix}.w3.bias"), vec![hidden]));
+}
+
 /// How a parameter splits over the tensor-parallel ranks (Megatron's plan, TorchTitan's
 /// `parallelize`): column-parallel projections (wq, wk, wv, w1, w3, the output) and the
 /// vocabulary-parallel embedding split their rows (`[out, in]`: output features, or vocabulary
@@ -145,6 +166,11 @@ impl TpSharding {
             ".attention.wq.weight",
             ".attention.wk.weight",
             ".attention.wv.weight",
+            // A column-parallel projection's bias splits with its output features (a
+            // row-parallel one's is whole on every rank).
+            ".attention.wq.bias",
+            ".attention.wk.bias",
+            ".attention.wv.bias",
             ".attention.wq_b.weight",
             ".attention.wkv_b.weight",
             // One logit per head: split with the heads.
@@ -239,6 +265,8 @@ pub struct LayerIds {
     pub sinks: Option<usize>,
     /// Each projection's LoRA adapter (by `BlockProjection::index`; None where not adapted).
     pub lora: [Option<LoraIds>; BlockProjection::ALL.len()],
+    /// Each projection's bias (by `BlockProjection::index`; None where it has none).
+    pub biases: [Option<usize>; BlockProjection::ALL.len()],
 }
 
 /// A block's attention projections before `wo`.
@@ -357,10 +385,16 @@ impl LayerIds {
         self.lora[p.index()]
     }
 
+    /// The bias of the block's projection `p` (None without).
+    pub fn bias(&self, p: BlockProjection) -> Option<usize> {
+        self.biases[p.index()]
+    }
+
     /// The block's parameter indices, in storage order.
     pub fn all(&self) -> Vec<usize> {
         let mut ids = vec![self.attention_norm];
         ids.extend(self.lora.iter().flatten().flat_map(|l| [l.a, l.b]));
+        ids.extend(self.biases.iter().flatten());
         ids.extend(self.attention.all());
         ids.extend(self.sinks);
         ids.extend([self.wo, self.ffn_norm]);
@@ -370,6 +404,10 @@ impl LayerIds {
                 ids.push(moe.router);
                 ids.extend(moe.experts.iter().flatten());
                 ids.extend(moe.shared.iter().flatten());
+                if let Some(b) = &moe.biases {
+                    ids.push(b.router);
+                    ids.extend(b.experts.iter().flatten());
+                }
             }
         }
         // A block's parameters are consecutive in storage: sorted, they are in its order.
@@ -424,6 +462,15 @@ impl ParamIds {
                         shared: moe
                             .shared_hidden
                             .map(|_| swiglu(&format!("{p}.moe.shared_experts"))),
+                        biases: moe.linear_biases.then(|| MoeBiasIds {
+                            router: id(format!("{p}.moe.router.gate.bias")),
+                            experts: (0..moe.router.num_experts)
+                                .map(|e| {
+                                    let x = format!("{p}.moe.experts.{e}");
+                                    ["w1", "w2", "w3"].map(|w| id(format!("{x}.{w}.bias")))
+                                })
+                                .collect(),
+                        }),
                     }),
                 };
                 let mut layer = LayerIds {
@@ -436,7 +483,13 @@ impl ParamIds {
                         .attention_sinks
                         .then(|| id(format!("{p}.attention.sinks"))),
                     lora: [None; BlockProjection::ALL.len()],
+                    biases: [None; BlockProjection::ALL.len()],
                 };
+                layer.biases = BlockProjection::ALL.map(|proj| {
+                    let weight = &specs[layer.projection(proj)?].0;
+                    let stem = weight.strip_suffix(".weight")?;
+                    at.get(format!("{stem}.bias").as_str()).copied()
+                });
                 layer.lora = BlockProjection::ALL.map(|proj| {
                     let weight = &specs[layer.projection(proj)?].0;
                     let stem = weight.strip_suffix(".weight")?;

@@ -132,7 +132,7 @@ impl<'r, B: Backend> BlockRun<'r, B> {
         }
     }
 
-    /// Projection `p`'s forward into `y`: its linear, weight and LoRA adapter.
+    /// Projection `p`'s forward into `y`: its linear, weight, LoRA adapter and bias.
     pub(super) fn projection<'y>(&self, p: BlockProjection, y: &'y mut B::Buf) -> Projection<'y, B>
     where
         'r: 'y,
@@ -142,7 +142,10 @@ impl<'r, B: Backend> BlockRun<'r, B> {
             .id
             .adapter(p)
             .map(|ids| self.linears.adapter(self.p, ids));
-        Projection::new(self.linear(p), &self.p[id], y).with_lora(lora)
+        let bias = self.id.bias(p).map(|b| &self.p[b]);
+        Projection::new(self.linear(p), &self.p[id], y)
+            .with_lora(lora)
+            .with_bias(bias)
     }
 
     /// Whether this run writes the block's output (the feed-forward's last projection and the
@@ -171,8 +174,8 @@ impl<'r, B: Backend> BackwardRun<'r, B> {
     }
 
     /// The backward of each projection `p` with its output gradient `dy`: the weight, where its
-    /// gradient goes (empty when frozen), and its LoRA adapter's factors and gradients, all
-    /// borrowed from `grads` at once.
+    /// gradient goes (empty when frozen), its LoRA adapter's factors and gradients, and its
+    /// bias's gradient, all borrowed from `grads` at once.
     pub(super) fn projection_grads<'g, const N: usize>(
         &self,
         grads: &'g mut ParamSet<B>,
@@ -198,7 +201,10 @@ impl<'r, B: Backend> BackwardRun<'r, B> {
                 },
                 ids,
             });
-            ProjectionGrad::new(self.linear(p), dy, &self.p[id], dw, id).with_lora(lora)
+            let db = self.id.bias(p).map(&mut take);
+            ProjectionGrad::new(self.linear(p), dy, &self.p[id], dw, id)
+                .with_lora(lora)
+                .with_bias(db)
         })
     }
 }

@@ -121,6 +121,7 @@ pub fn read(cfg: &Value, file: &Path, form: &LlamaForm) -> Result<ModelArgs> {
         lora: None,
         attention_sinks: false,
         sliding_window: None,
+        attention_bias: false,
     })
 }
 

@@ -133,9 +133,9 @@ impl std::fmt::Debug for dyn Family {
 }
 
 /// Whether `args` has none of the attention features only some families select (sinks, sliding
-/// windows): what a family whose HF form has no field for them checks in `owns`.
+/// windows, biases): what a family whose HF form has no field for them checks in `owns`.
 pub fn full_attention(args: &ModelArgs) -> bool {
-    !args.attention_sinks && args.sliding_window.is_none()
+    !args.attention_sinks && args.sliding_window.is_none() && !args.attention_bias
 }
 
 /// Every family titan trains.

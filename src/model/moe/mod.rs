@@ -20,6 +20,7 @@
 //! The sequence-wise auxiliary balance loss is `aux_loss`. Not built yet (issue 16): routing on
 //! the device, grouped GEMMs.
 
+pub mod activation;
 pub mod aux_loss;
 pub mod dispatch;
 pub mod router;
@@ -33,7 +34,9 @@ use crate::backend::float8::{Float8Recipe, LinearGemm};
 use crate::backend::Backend;
 use crate::model::crossings::expert::ExpertParallelOps;
 use crate::model::float8_linear::{Float8Casts, OnOneRank, SharedInput};
+use crate::model::bias;
 use crate::model::linear::Linear;
+use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
 use router::{route, route_backward, RouterArgs, Routing};
@@ -62,6 +65,12 @@ pub struct MoeArgs {
     /// multiple of it, the others dense (Qwen3-MoE's `decoder_sparse_step`).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub sparse_step: usize,
+    /// Biases on the router's logits and on every routed expert's three projections (gpt-oss).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub linear_biases: bool,
+    /// The routed experts' gated activation (gpt-oss's clamped SwiGLU; else SwiGLU).
+    #[serde(default, skip_serializing_if = "ExpertActivation::is_default")]
+    pub activation: ExpertActivation,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -108,19 +117,37 @@ impl MoeArgs {
 
     /// Parameters of one layer: the router, every expert, the shared experts.
     pub fn params(&self, dim: usize) -> usize {
+        self.router_params(dim)
+            + self.routed_params(dim)
+            + 3 * dim * self.shared_hidden.unwrap_or(0)
+    }
+
+    /// Parameters of the router: its gate and (gpt-oss) its bias.
+    fn router_params(&self, dim: usize) -> usize {
         let e = self.router.num_experts;
-        e * dim + self.routed_params(dim) + 3 * dim * self.shared_hidden.unwrap_or(0)
+        e * dim + if self.linear_biases { e } else { 0 }
+    }
+
+    /// Parameters of one routed expert: three projections and (gpt-oss) their biases.
+    fn expert_params(&self, dim: usize) -> usize {
+        let biases = if self.linear_biases {
+            2 * self.hidden + dim
+        } else {
+            0
+        };
+        3 * dim * self.hidden + biases
     }
 
     /// Parameters of one layer's routed experts (what expert parallelism splits).
     pub fn routed_params(&self, dim: usize) -> usize {
-        self.router.num_experts * 3 * dim * self.hidden
+        self.router.num_experts * self.expert_params(dim)
     }
 
     /// Parameters one token goes through: the router, its `top_k` experts, the shared ones.
     pub fn active_params(&self, dim: usize) -> usize {
-        let r = &self.router;
-        r.num_experts * dim + 3 * dim * (r.top_k * self.hidden + self.shared_hidden.unwrap_or(0))
+        self.router_params(dim)
+            + self.router.top_k * self.expert_params(dim)
+            + 3 * dim * self.shared_hidden.unwrap_or(0)
     }
 
     /// Activation values one layer keeps per token for its routed experts (`MoeActs`): each
@@ -145,6 +172,7 @@ pub struct MoeShapes {
     /// bf16 mixed precision: the experts' activations rounded to bf16 where they are produced and
     /// kept as bf16 pairs (`MoeActs`), as the block keeps its own.
     pub bf16_activations: bool,
+    pub activation: ExpertActivation,
 }
 
 impl MoeShapes {
@@ -155,6 +183,7 @@ impl MoeShapes {
             router: moe.router,
             experts_float8: None,
             bf16_activations: false,
+            activation: moe.activation,
         }
     }
 
@@ -183,6 +212,31 @@ pub struct MoeIds {
     pub router: usize,
     pub experts: Vec<[usize; 3]>,
     pub shared: Option<[usize; 3]>,
+    /// The router's and the routed experts' biases (gpt-oss; None without).
+    pub biases: Option<MoeBiasIds>,
+}
+
+/// The router's bias `[experts]` and each routed expert's `[b1, b2, b3]` (`[hidden]`, `[dim]`,
+/// `[hidden]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeBiasIds {
+    pub router: usize,
+    pub experts: Vec<[usize; 3]>,
+}
+
+impl MoeIds {
+    /// Routed expert `e`'s parameter ids: its weights, and its biases when it has them.
+    fn expert(&self, e: usize) -> (&[usize; 3], Option<&[usize; 3]>) {
+        let biases = self.biases.as_ref().map(|b| &b.experts[e]);
+        (&self.experts[e], biases)
+    }
+}
+
+/// One routed expert's parameters (or their gradients): `[w1, w2, w3]` and their biases when it
+/// has them.
+struct ExpertParams<T> {
+    w: [T; 3],
+    b: Option<[T; 3]>,
 }
 
 /// What the forward keeps for the backward.
@@ -238,18 +292,20 @@ fn dispatch_order(routing: &Routing, num_experts: usize) -> (Vec<u32>, Vec<usize
     (rows, slots, offsets)
 }
 
-/// `y = w2 · (silu(w1 · x) ∘ w3 · x)` over `rows` rows, keeping gate, up and SwiGLU's output.
+/// `y = w2 · f(w1 · x + b1, w3 · x + b3) + b2` over `rows` rows (`f` the experts' activation;
+/// no biases but gpt-oss's), keeping gate, up and the activation's output.
 fn swiglu_ffn<B: Backend>(
     be: &B,
     m: &MoeShapes,
     x: &B::Buf,
-    [w1, w2, w3]: [&B::Buf; 3],
+    p: ExpertParams<&B::Buf>,
     rows: usize,
     y: &mut B::Buf,
 ) -> Result<[B::Buf; 3]> {
     let (up_proj, down) = m.expert_linears();
     let casts = expert_casts();
     let hidden = m.hidden;
+    let [w1, w2, w3] = p.w;
     let (mut gate, mut up, mut act) = (
         be.uninit(rows * hidden),
         be.uninit(rows * hidden),
@@ -266,12 +322,19 @@ fn swiglu_ffn<B: Backend>(
             rows,
         );
     }
+    if let Some([b1, _, b3]) = p.b {
+        bias::add(be, &mut gate, b1);
+        bias::add(be, &mut up, b3);
+    }
     m.round(be, &mut gate);
     m.round(be, &mut up);
-    be.swiglu_forward(&mut act, &gate, &up);
+    m.activation.forward(be, &mut act, &gate, &up);
     m.round(be, &mut act);
     let [aq, w2q] = casts.operands(be, down, LinearGemm::Output, (&act, w2), rows)?;
     down.forward(be, y, aq.buf(), w2q.buf(), rows);
+    if let Some([_, b2, _]) = p.b {
+        bias::add(be, y, b2);
+    }
     m.round(be, y);
     Ok([gate, up, act])
 }
@@ -286,29 +349,36 @@ fn expert_casts() -> Float8Casts<'static> {
     }
 }
 
-/// The backward of `swiglu_ffn`: adds the weights' gradients into `[g1, g2, g3]` and `dx +=`
-/// the input's.
+/// The backward of `swiglu_ffn`: adds the parameters' gradients into `g` and `dx +=` the
+/// input's.
 #[allow(clippy::too_many_arguments)]
 fn swiglu_ffn_backward<B: Backend>(
     be: &B,
     m: &MoeShapes,
     x: &B::Buf,
     [gate, up, act]: [&B::Buf; 3],
-    [w1, w2, w3]: [&B::Buf; 3],
-    [g1, g2, g3]: [&mut B::Buf; 3],
+    p: ExpertParams<&B::Buf>,
+    g: ExpertParams<&mut B::Buf>,
     dy: &B::Buf,
     (rows, dx): (usize, &mut B::Buf),
 ) -> Result<()> {
     let (up_proj, down) = m.expert_linears();
     let casts = expert_casts();
     let hidden = m.hidden;
+    let ([w1, w2, w3], [g1, g2, g3]) = (p.w, g.w);
     let mut dact = be.uninit(rows * hidden);
     let [dyq, w2q] = casts.operands(be, down, LinearGemm::InputGrad, (dy, w2), rows)?;
     down.input_grad(be, &mut dact, dyq.buf(), w2q.buf(), rows);
     let [dyq, aq] = casts.operands(be, down, LinearGemm::WeightGrad, (dy, act), rows)?;
     down.add_weight_grad(be, g2, dyq.buf(), aq.buf(), rows);
     let (mut dgate, mut dup) = (be.uninit(rows * hidden), be.uninit(rows * hidden));
-    be.swiglu_backward(&mut dgate, &mut dup, &dact, gate, up);
+    m.activation
+        .backward(be, (&mut dgate, &mut dup), &dact, gate, up);
+    if let Some([db1, db2, db3]) = g.b {
+        bias::add_grad(be, db1, &dgate);
+        bias::add_grad(be, db2, dy);
+        bias::add_grad(be, db3, &dup);
+    }
     let mut x_cast = SharedInput::new(x, LinearGemm::WeightGrad);
     for ((d, w), g) in [(&dgate, w1), (&dup, w3)].into_iter().zip([g1, g3]) {
         let [dq, wq] = casts.operands(be, up_proj, LinearGemm::InputGrad, (d, w), rows)?;
@@ -320,17 +390,14 @@ fn swiglu_ffn_backward<B: Backend>(
     Ok(())
 }
 
-/// This rank's experts that got rows: each one's weights and its block of the experts' input
+/// This rank's experts that got rows: each one's index and its block of the experts' input
 /// (first row and row count).
-fn local_blocks<'a>(
-    ids: &'a MoeIds,
-    dispatch: &'a Dispatch,
-) -> impl Iterator<Item = (&'a [usize; 3], usize, usize)> + 'a {
+fn local_blocks(dispatch: &Dispatch) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
     dispatch
         .offsets
         .windows(2)
-        .zip(&ids.experts[dispatch.first_expert..])
-        .map(|(rows, w)| (w, rows[0], rows[1] - rows[0]))
+        .enumerate()
+        .map(|(x, rows)| (dispatch.first_expert + x, rows[0], rows[1] - rows[0]))
         .filter(|&(_, _, count)| count > 0)
 }
 
@@ -374,6 +441,9 @@ pub fn forward<B: Backend>(
     let tokens = be.len(x) / d;
     let mut logits = be.uninit(tokens * e);
     Linear::new(d, e).forward(be, &mut logits, x, &params[ids.router], tokens);
+    if let Some(b) = &ids.biases {
+        bias::add(be, &mut logits, &params[b.router]);
+    }
     let routing = route(&m.router, &be.download(&logits), bias);
     let aux = match sequences {
         Some(rows) => Some(aux_loss::forward(&m.router, &routing, rows)?),
@@ -393,12 +463,16 @@ pub fn forward<B: Backend>(
         be.uninit(local_n * h),
         be.uninit(local_n * d),
     );
-    let blocks: Vec<_> = local_blocks(ids, &dispatch).collect();
-    let outputs = each_expert(be, blocks.clone(), |(w, from, count)| {
+    let blocks: Vec<_> = local_blocks(&dispatch).collect();
+    let outputs = each_expert(be, blocks.clone(), |(e, from, count)| {
         let xe = rows_of(be, &x_local, from, count, d);
         let mut ye = be.uninit(count * d);
-        let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
-        swiglu_ffn(be, m, &xe, weights, count, &mut ye).map(|gua| (gua, ye))
+        let (w, b) = ids.expert(e);
+        let p = ExpertParams {
+            w: w.map(|i| &params[i]),
+            b: b.map(|b| b.map(|i| &params[i])),
+        };
+        swiglu_ffn(be, m, &xe, p, count, &mut ye).map(|gua| (gua, ye))
     });
     let outputs = outputs.into_iter().collect::<Result<Vec<_>>>()?;
     for (&(_, from, count), ([g, u, a], ye)) in blocks.iter().zip(outputs) {
@@ -510,34 +584,46 @@ pub fn backward<B: Backend>(
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
     let mut dx_local = be.zeros(dispatch.local_rows() * d);
     // Each expert adds into its own three gradients (concurrently on the CPU: `each_expert`).
-    let blocks: Vec<_> = local_blocks(ids, dispatch).collect();
-    let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
-    let work: Vec<_> = blocks
-        .iter()
-        .map(|&(w, from, count)| {
-            let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
-            ((w, from, count), [take(w[0]), take(w[1]), take(w[2])])
-        })
-        .collect();
-    let dxs = each_expert(be, work, |((w, from, count), expert_grads)| {
+    let blocks: Vec<_> = local_blocks(dispatch).collect();
+    let (router_bias_grad, expert_grads) = {
+        let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
+        let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
+        let router_bias = ids.biases.as_ref().map(|b| take(b.router));
+        let work: Vec<_> = blocks
+            .iter()
+            .map(|&(e, from, count)| {
+                let (w, b) = ids.expert(e);
+                let g = ExpertParams {
+                    w: w.map(&mut take),
+                    b: b.map(|b| b.map(&mut take)),
+                };
+                ((e, from, count), g)
+            })
+            .collect();
+        (router_bias, work)
+    };
+    let dxs = each_expert(be, expert_grads, |((e, from, count), expert_grads)| {
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
         let (xe, dye) = (block(x_local, d), block(&dy_local, d));
         let (g, u, a) = (block(gate, h), block(up, h), block(act, h));
         let mut dxe = be.zeros(count * d);
-        let weights = [&params[w[0]], &params[w[1]], &params[w[2]]];
+        let (w, b) = ids.expert(e);
+        let p = ExpertParams {
+            w: w.map(|i| &params[i]),
+            b: b.map(|b| b.map(|i| &params[i])),
+        };
         swiglu_ffn_backward(
             be,
             m,
             &xe,
             [&g, &u, &a],
-            weights,
+            p,
             expert_grads,
             &dye,
             (count, &mut dxe),
         )
         .map(|()| dxe)
     });
-    drop(slots);
     let dxs = dxs.into_iter().collect::<Result<Vec<B::Buf>>>()?;
     for (&(_, from, count), dxe) in blocks.iter().zip(&dxs) {
         be.copy_range(&mut dx_local, from * d, dxe, 0, count * d);
@@ -555,6 +641,9 @@ pub fn backward<B: Backend>(
         &dweights,
         aux_grads.as_deref(),
     ));
+    if let Some(db) = router_bias_grad {
+        bias::add_grad(be, db, &dlogits);
+    }
     let gate = Linear::new(d, e);
     gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
     gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
@@ -570,8 +659,8 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
-    /// Parameters of a layer of `m` at `ids`: router, experts.
-    fn layer(m: &MoeShapes, seed: u64) -> (MoeIds, Vec<Vec<f32>>) {
+    /// Parameters of a layer of `m` at `ids`: router, experts, and with `biases` theirs.
+    fn layer(m: &MoeShapes, seed: u64, biases: bool) -> (MoeIds, Vec<Vec<f32>>) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let mut params = vec![];
         let mut add = |n: usize, scale: f32| {
@@ -583,11 +672,16 @@ mod tests {
         let experts = (0..e)
             .map(|_| [add(h * d, 0.8), add(d * h, 0.8), add(h * d, 0.8)])
             .collect();
+        let biases = biases.then(|| MoeBiasIds {
+            router: add(e, 1.0),
+            experts: (0..e).map(|_| [add(h, 0.5), add(d, 0.5), add(h, 0.5)]).collect(),
+        });
         (
             MoeIds {
                 router,
                 experts,
                 shared: None,
+                biases,
             },
             params,
         )
@@ -607,6 +701,7 @@ mod tests {
             },
             experts_float8: None,
             bf16_activations: false,
+            activation: ExpertActivation::Swiglu,
         }
     }
 
@@ -649,13 +744,22 @@ mod tests {
 
     #[test]
     fn moe_gradients_match_finite_differences() {
-        for (f, groups) in [
-            (ScoreFunc::Softmax, None),
-            (ScoreFunc::Sigmoid, Some((2, 1))),
+        // gpt-oss's experts: biases, and the clamped SwiGLU with a limit the values cross.
+        let clamped = ExpertActivation::ClampedSwiglu {
+            alpha: 1.702,
+            limit: 0.4,
+        };
+        for (f, groups, biases, activation) in [
+            (ScoreFunc::Softmax, None, false, ExpertActivation::Swiglu),
+            (ScoreFunc::Sigmoid, Some((2, 1)), false, ExpertActivation::Swiglu),
+            (ScoreFunc::Softmax, None, true, clamped),
         ] {
-            let m = shapes(f, groups);
+            let m = MoeShapes {
+                activation,
+                ..shapes(f, groups)
+            };
             let be = CpuBackend::new();
-            let (ids, params) = layer(&m, 7);
+            let (ids, params) = layer(&m, 7, biases);
             let tokens = 9;
             let mut rng = ChaCha8Rng::seed_from_u64(11);
             let x: Vec<f32> = (0..tokens * m.dim)

@@ -114,6 +114,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         aux_loss_coef: None,
         first_dense_layers: f.n_dense_layers,
         sparse_step: 1,
+        linear_biases: false,
+        activation: Default::default(),
     };
     Some(ModelArgs {
         dim: f.dim,
@@ -140,6 +142,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         lora: None,
         attention_sinks: false,
         sliding_window: None,
+        attention_bias: false,
     })
 }
 

@@ -123,6 +123,8 @@ fn moe_from_deepseek(cfg: &Value, file: &Path) -> Result<MoeArgs> {
         aux_loss_coef: None,
         first_dense_layers: size(cfg, "first_k_dense_replace", Some(0), file)?,
         sparse_step: 1,
+        linear_biases: false,
+        activation: Default::default(),
     })
 }
 
@@ -166,6 +168,7 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<HfShapes> {
         lora: None,
         attention_sinks: false,
         sliding_window: None,
+        attention_bias: false,
     };
     let interleaved = cfg
         .get("rope_interleave")

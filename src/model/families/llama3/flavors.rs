@@ -105,6 +105,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         lora: None,
         attention_sinks: false,
         sliding_window: None,
+        attention_bias: false,
     })
 }
 

@@ -56,6 +56,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         aux_loss_coef: None,
         first_dense_layers: 0,
         sparse_step: 1,
+        linear_biases: false,
+        activation: Default::default(),
         router: RouterArgs {
             num_experts: experts,
             top_k,
@@ -91,6 +93,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         lora: None,
         attention_sinks: false,
         sliding_window: None,
+        attention_bias: false,
     })
 }
 

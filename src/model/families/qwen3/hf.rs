@@ -52,6 +52,8 @@ pub fn moe_from_hf(cfg: &Value, file: &Path) -> Result<MoeArgs> {
         aux_loss_coef: None,
         first_dense_layers: dense.len(),
         sparse_step,
+        linear_biases: false,
+        activation: Default::default(),
         router: RouterArgs {
             // Current transformers writes `num_local_experts`, earlier `num_experts`.
             num_experts: match cfg.get("num_local_experts").filter(|v| !v.is_null()) {
