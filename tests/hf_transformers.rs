@@ -159,6 +159,42 @@ MistralForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
     );
 }
 
+/// gpt-oss (attention sinks and biases, a window on every other block, experts with biases and
+/// the clamped SwiGLU, YaRN without truncation): made by transformers with a window of 6 keys,
+/// a clamp limit the gate and up values cross, and every bias and sink drawn away from zero;
+/// imported (the fused experts sliced per expert), loss and greedy tokens equal transformers',
+/// and exported back (fused again) the same.
+#[test]
+fn gpt_oss_made_by_transformers_imports_generates_and_exports_back() {
+    round_trip_made_by_transformers(
+        r#"
+import sys, torch
+from transformers import GptOssConfig, GptOssForCausalLM
+cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=128,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.1,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                    "original_max_position_embeddings": 4},
+                   tie_word_embeddings=False)
+torch.manual_seed(0)
+model = GptOssForCausalLM(cfg)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or name.endswith("sinks"):
+            p.normal_(0.0, 0.5)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#,
+        |args| {
+            let window = titan::model::args::SlidingWindow { size: 6, period: 2 };
+            assert_eq!(args.sliding_window, Some(window));
+            assert!(args.attention_sinks && args.attention_bias);
+            let moe = args.moe.as_ref().unwrap();
+            assert!(moe.linear_biases && moe.load_balance_coeff.is_none());
+        },
+    );
+}
+
 /// Qwen3-MoE with dense blocks: `mlp_only_layers = [0]` (a leading dense block, DeepSeek's
 /// `first_k_dense_replace` 1) and `decoder_sparse_step = 2` (experts in every second block), each
 /// with a dense width of its own: imported, loss and greedy tokens equal transformers', and back.

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use super::{st, TrainState, FORMAT_VERSION};
 use crate::backend::cpu::CpuBackend;
 use crate::data::LoaderState;
-use crate::model::families::{self, HfShapes, HfTensors};
+use crate::model::families::{self, HfPart, HfShapes, HfTensors};
 use crate::model::params::param_specs;
 use crate::model::{ModelArgs, ParamSet};
 use crate::tensor::{DType, Tensor};
@@ -45,14 +45,28 @@ pub fn export(checkpoint: &Path, out_dir: &Path, dtype: DType) -> Result<()> {
     // Before anything is written: a model transformers has no class for is refused whole.
     let config = hf_config(&args, tokenizer.bos_id(), tokenizer.eos_id(), dtype)?;
     let mut tensors = Vec::new();
+    // Tensors holding every expert's slice (gpt-oss), filled as their slices come.
+    let mut fused: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
     for ((name, shape), buf) in params.names.iter().zip(&params.shapes).zip(&params.bufs) {
-        let data = family.export_rows(&args, name, buf, columns(shape));
-        tensors.push((
-            family.hf_name(&args, name),
-            Tensor::from_f32(shape.clone(), data).to_dtype(dtype),
-        ));
+        match family.hf_part(&args, name) {
+            HfPart::Whole(hf) => {
+                let data = family.export_rows(&args, name, buf, columns(shape));
+                tensors.push((hf, Tensor::from_f32(shape.clone(), data).to_dtype(dtype)));
+            }
+            HfPart::Expert(slice) => {
+                let (whole, values) = fused.entry(slice.tensor.clone()).or_insert_with(|| {
+                    let whole = slice.fused_shape(shape);
+                    let len = whole.iter().product();
+                    (whole, vec![0.0; len])
+                });
+                slice.put(values, whole, buf);
+            }
+        }
     }
-    tensors.extend(family.hf_extra_tensors(&args, state.expert_bias.as_deref()));
+    for (name, (shape, values)) in fused {
+        tensors.push((name, Tensor::from_f32(shape, values).to_dtype(dtype)));
+    }
+    tensors.extend(family.hf_extra_tensors(&args, state.expert_bias.as_deref())?);
     write_folder_file(out_dir, "model.safetensors", &tensors)?;
     write_atomic(
         &out_dir.join("config.json"),
@@ -137,9 +151,14 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     let args = &shapes.args;
     let fp8_blocks = super::hf_fp8::block_size(&cfg, &cfg_path)?;
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
-    // An FP8 release's linears take a byte a value.
-    let bytes_per_value = if fp8_blocks.is_some() { 1 } else { 2 };
-    check_weights_present(args, &files, &cfg_path, bytes_per_value)?;
+    // An FP8 release's linears take a byte a value, an MXFP4 one's experts half a byte.
+    let mxfp4 = cfg["quantization_config"]["quant_method"].as_str() == Some("mxfp4");
+    let bits_per_value = match (fp8_blocks, mxfp4) {
+        (_, true) => 4,
+        (Some(_), _) => 8,
+        _ => 16,
+    };
+    check_weights_present(args, &files, &cfg_path, bits_per_value)?;
     let mut by_name: HfTensors = BTreeMap::new();
     let mut fp8 = std::collections::BTreeSet::new();
     for f in &files {
@@ -149,49 +168,32 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
             by_name.insert(n, (t, f.clone()));
         }
     }
+    let folder = HfFolder {
+        dir: hf_dir,
+        files: &files,
+        tensors: &by_name,
+        fp8: &fp8,
+        fp8_blocks,
+    };
     let specs = param_specs(args);
     let mut params: ParamSet<CpuBackend> = ParamSet::zeros(&be, &specs);
+    // Tensors holding every expert's slice (gpt-oss), read (and dequantised) once.
+    let mut fused: BTreeMap<String, Vec<f32>> = BTreeMap::new();
     for (i, (name, shape)) in specs.iter().enumerate() {
-        let hf = family.hf_name(args, name);
-        let (t, file) = by_name.get(&hf).ok_or_else(|| {
-            anyhow!(
-                "{}: tensor `{hf}` (titan `{name}`) is missing from {}",
-                hf_dir.display(),
-                files
-                    .iter()
-                    .map(|f| f.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        })?;
-        if &t.shape != shape {
-            bail!(
-                "{}: tensor `{hf}` has shape {:?}, config.json implies {:?}",
-                file.display(),
-                t.shape,
-                shape
-            );
-        }
-        let scale = by_name.get(&super::hf_fp8::scale_name(&hf));
-        let data = match (fp8.contains(&hf), scale, fp8_blocks) {
-            (false, None, _) => t.to_f32_vec(),
-            (true, Some((s, _)), Some(block)) => super::hf_fp8::dequantize(&hf, t, s, block)
-                .map_err(|e| anyhow!("{}: {e}", file.display()))?,
-            (true, _, None) => bail!(
-                "{}: `{hf}` is FP8 (E4M3) but config.json has no quantization_config",
-                file.display()
-            ),
-            (true, None, _) => bail!(
-                "{}: FP8 weight `{hf}` has no `{}` beside it",
-                file.display(),
-                super::hf_fp8::scale_name(&hf)
-            ),
-            (false, Some(_), _) => bail!(
-                "{}: `{hf}` has block scales but is not FP8 (E4M3)",
-                file.display()
-            ),
+        params.bufs[i] = match family.hf_part(args, name) {
+            HfPart::Whole(hf) => {
+                let data = folder.whole(&hf, name, shape)?;
+                family.import_rows(&shapes, name, data, columns(shape))
+            }
+            HfPart::Expert(slice) => {
+                let whole = slice.fused_shape(shape);
+                if !fused.contains_key(&slice.tensor) {
+                    let values = folder.fused(&slice.tensor, name, &whole)?;
+                    fused.insert(slice.tensor.clone(), values);
+                }
+                slice.take(&fused[&slice.tensor], &whole)
+            }
         };
-        params.bufs[i] = family.import_rows(&shapes, name, data, columns(shape));
     }
     let (skipped, what) = family.skipped_hf_tensors(args, &by_name);
     if skipped > 0 {
@@ -209,14 +211,91 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     })
 }
 
+/// An HF folder's tensors, read: what a parameter's values are taken from.
+struct HfFolder<'a> {
+    dir: &'a Path,
+    files: &'a [std::path::PathBuf],
+    tensors: &'a HfTensors,
+    /// The tensors stored in e4m3 (FP8 releases) and their blocks' size.
+    fp8: &'a std::collections::BTreeSet<String>,
+    fp8_blocks: Option<(usize, usize)>,
+}
+
+impl HfFolder<'_> {
+    /// Tensor `hf` (titan's `name`, for errors), or an error naming it and the files.
+    fn get(&self, hf: &str, name: &str) -> Result<&(Tensor, std::path::PathBuf)> {
+        self.tensors.get(hf).ok_or_else(|| {
+            let files: Vec<String> = self.files.iter().map(|f| f.display().to_string()).collect();
+            anyhow!(
+                "{}: tensor `{hf}` (titan `{name}`) is missing from {}",
+                self.dir.display(),
+                files.join(", ")
+            )
+        })
+    }
+
+    /// Tensor `hf` of shape `shape` in f32, dequantised when an FP8 release stores it in e4m3.
+    fn whole(&self, hf: &str, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (t, file) = self.get(hf, name)?;
+        if t.shape != shape {
+            bail!(
+                "{}: tensor `{hf}` has shape {:?}, config.json implies {:?}",
+                file.display(),
+                t.shape,
+                shape
+            );
+        }
+        let scale = self.tensors.get(&super::hf_fp8::scale_name(hf));
+        Ok(match (self.fp8.contains(hf), scale, self.fp8_blocks) {
+            (false, None, _) => t.to_f32_vec(),
+            (true, Some((s, _)), Some(block)) => super::hf_fp8::dequantize(hf, t, s, block)
+                .map_err(|e| anyhow!("{}: {e}", file.display()))?,
+            (true, _, None) => bail!(
+                "{}: `{hf}` is FP8 (E4M3) but config.json has no quantization_config",
+                file.display()
+            ),
+            (true, None, _) => bail!(
+                "{}: FP8 weight `{hf}` has no `{}` beside it",
+                file.display(),
+                super::hf_fp8::scale_name(hf)
+            ),
+            (false, Some(_), _) => bail!(
+                "{}: `{hf}` has block scales but is not FP8 (E4M3)",
+                file.display()
+            ),
+        })
+    }
+
+    /// The tensor of every expert's slice, `hf` (of shape `shape`), in f32: stored whole, or as
+    /// an MXFP4 release's codes and scales (`hf_mxfp4`), dequantised.
+    fn fused(&self, hf: &str, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let (blocks, scales) = super::hf_mxfp4::parts(hf);
+        let (Some((b, file)), Some((s, _))) =
+            (self.tensors.get(&blocks), self.tensors.get(&scales))
+        else {
+            return self.whole(hf, name, shape);
+        };
+        let (got, values) = super::hf_mxfp4::dequantize(hf, b, s)
+            .map_err(|e| anyhow!("{}: {e}", file.display()))?;
+        if got != shape {
+            bail!(
+                "{}: MXFP4 tensor `{hf}` dequantises to shape {got:?}, config.json implies {shape:?}",
+                file.display()
+            );
+        }
+        Ok(values)
+    }
+}
+
 /// The weights `config.json` describes fit in the safetensors files present (at
-/// `bytes_per_value`: 2, the narrowest dtype read, or 1 for an FP8 release): checked before the model is allocated, so a config that claims a
-/// far larger model than its files hold is an error, not an allocation of that size.
+/// `bits_per_value`: 16, the narrowest dtype read, 8 for an FP8 release, 4 for an MXFP4 one):
+/// checked before the model is allocated, so a config that claims a far larger model than its
+/// files hold is an error, not an allocation of that size.
 fn check_weights_present(
     args: &ModelArgs,
     files: &[std::path::PathBuf],
     cfg_path: &Path,
-    bytes_per_value: u64,
+    bits_per_value: u64,
 ) -> Result<()> {
     let mut present = 0u64;
     for f in files {
@@ -226,7 +305,7 @@ fn check_weights_present(
         present = present.saturating_add(len);
     }
     // Within `ModelArgs::validate`'s bounds the count stays below 2⁶².
-    let needed = (args.num_params() as u64).saturating_mul(bytes_per_value);
+    let needed = (args.num_params() as u64).saturating_mul(bits_per_value) / 8;
     if needed > present {
         bail!(
             "{}: the model it describes has {} parameters ({needed} bytes at least), but the safetensors files beside it hold only {present} bytes",

@@ -27,8 +27,12 @@ pub fn block_size(cfg: &Value, file: &Path) -> Result<Option<(usize, usize)>> {
     };
     let at = |key: &str| format!("{}: quantization_config.{key}", file.display());
     let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+    if method == "mxfp4" {
+        // gpt-oss's experts: `hf_mxfp4`, by the tensors' names.
+        return Ok(None);
+    }
     if method != "fp8" {
-        bail!("{} = \"{method}\" is not supported (titan imports FP8 releases, \"fp8\", dequantising them)", at("quant_method"));
+        bail!("{} = \"{method}\" is not supported (titan imports FP8 releases, \"fp8\", and MXFP4 ones, \"mxfp4\", dequantising them)", at("quant_method"));
     }
     if let Some(fmt) = q.get("fmt").and_then(Value::as_str) {
         if fmt != "e4m3" {

@@ -8,6 +8,7 @@
 pub mod atomic;
 pub mod hf;
 mod hf_fp8;
+mod hf_mxfp4;
 pub mod integrity;
 pub mod peft;
 pub mod resume;

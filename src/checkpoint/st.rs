@@ -78,7 +78,11 @@ fn read(bytes: &[u8], mut fp8: Option<&mut Vec<String>>) -> Result<Vec<(String, 
                 }
                 Tensor::from_f32(shape, v)
             }
-            other => bail!("tensor `{name}` has dtype {other:?}; titan reads F32, BF16 and F16 (and E4M3 in FP8 releases)"),
+            // MXFP4 releases' codes and exponents, a byte each (`hf_mxfp4`).
+            Dtype::U8 if fp8.is_some() => {
+                Tensor::from_f32(shape, view.data().iter().map(|&b| b as f32).collect())
+            }
+            other => bail!("tensor `{name}` has dtype {other:?}; titan reads F32, BF16 and F16 (and E4M3 and U8 in FP8 and MXFP4 releases)"),
         };
         out.push((name, t));
     }

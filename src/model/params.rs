@@ -78,7 +78,12 @@ fn base_param_specs(args: &ModelArgs) -> Vec<(String, Vec<usize>)> {
 fn push_gqa(specs: &mut Vec<(String, Vec<usize>)>, p: &str, args: &ModelArgs) {
     let (d, hd) = (args.dim, args.head_dim());
     let (q, kv) = (args.n_heads * hd, args.n_kv_heads * hd);
-    for (name, shape) in [("wq", [q, d]), ("wk", [kv, d]), ("wv", [kv, d]), ("wo", [d, q])] {
+    for (name, shape) in [
+        ("wq", [q, d]),
+        ("wk", [kv, d]),
+        ("wv", [kv, d]),
+        ("wo", [d, q]),
+    ] {
         specs.push((format!("{p}.attention.{name}.weight"), shape.to_vec()));
         if args.attention_bias {
             specs.push((format!("{p}.attention.{name}.bias"), vec![shape[0]]));

@@ -49,12 +49,12 @@ pub fn permute_rows(
     out
 }
 
-/// The heads whose rows a parameter's RoPE layout permutes: the q and k projections', and
-/// QK-norm's weights (one head's positions).
+/// The heads whose rows a parameter's RoPE layout permutes: the q and k projections' (and their
+/// biases'), and QK-norm's weights (one head's positions).
 pub fn rope_permutation(name: &str, args: &ModelArgs) -> Option<usize> {
-    if name.ends_with("attention.wq.weight") {
+    if name.ends_with("attention.wq.weight") || name.ends_with("attention.wq.bias") {
         Some(args.n_heads)
-    } else if name.ends_with("attention.wk.weight") {
+    } else if name.ends_with("attention.wk.weight") || name.ends_with("attention.wk.bias") {
         Some(args.n_kv_heads)
     } else if name.ends_with("attention.q_norm.weight") || name.ends_with("attention.k_norm.weight")
     {

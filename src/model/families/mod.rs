@@ -12,6 +12,7 @@
 //! its RoPE row permutation, which Llama 3 and Qwen3 share).
 
 pub mod deepseek_v3;
+pub mod gpt_oss;
 pub mod hf_fields;
 pub mod hf_names;
 pub mod hf_rope;
@@ -47,6 +48,75 @@ pub struct HfShapes {
 
 /// An HF folder's tensors by name, each with the file it came from (for errors).
 pub type HfTensors = BTreeMap<String, (Tensor, PathBuf)>;
+
+/// Where a titan parameter lies in a Hugging Face checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HfPart {
+    /// A tensor of its own, of this name.
+    Whole(String),
+    /// One expert's slice of a tensor that holds every expert's (gpt-oss's fused experts).
+    Expert(ExpertSlice),
+}
+
+/// Expert `expert`'s slice of `tensor`, `[experts, rows, cols]` (or `[experts, cols]` for a
+/// vector): every `step`-th column from `first` (gpt-oss interleaves the gate's and the up
+/// projection's features), transposed into titan's `[out, in]` when `transposed` (transformers
+/// keeps its experts `[in, out]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpertSlice {
+    pub tensor: String,
+    pub experts: usize,
+    pub expert: usize,
+    pub first: usize,
+    pub step: usize,
+    pub transposed: bool,
+}
+
+impl ExpertSlice {
+    /// The whole tensor's shape, from the shape of the titan parameter it holds a slice of.
+    pub fn fused_shape(&self, piece: &[usize]) -> Vec<usize> {
+        match (piece, self.transposed) {
+            ([n], _) => vec![self.experts, n * self.step],
+            ([out, inp], true) => vec![self.experts, *inp, out * self.step],
+            ([rows, cols], false) => vec![self.experts, *rows, cols * self.step],
+            _ => unreachable!("an expert's parameters are vectors and matrices"),
+        }
+    }
+
+    /// Each value of the slice (in titan's order) with its index in the whole tensor of shape
+    /// `fused` (`fused_shape`).
+    fn places(&self, fused: &[usize]) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let (rows, cols) = match fused {
+            [_, c] => (1, *c),
+            [_, r, c] => (*r, *c),
+            _ => unreachable!("a fused experts tensor is 2- or 3-dimensional"),
+        };
+        let (base, picked) = (self.expert * rows * cols, cols / self.step);
+        let at = move |r: usize, j: usize| base + r * cols + self.first + j * self.step;
+        let transposed = self.transposed;
+        (0..rows * picked).map(move |i| match transposed {
+            // titan's row j (an output feature) holds the HF column, over every HF row.
+            true => (i, at(i % rows, i / rows)),
+            false => (i, at(i / picked, i % picked)),
+        })
+    }
+
+    /// The slice, in titan's layout, of the whole tensor `data` of shape `fused`.
+    pub fn take(&self, data: &[f32], fused: &[usize]) -> Vec<f32> {
+        let mut out = vec![0.0; fused[1..].iter().product::<usize>() / self.step];
+        for (i, at) in self.places(fused) {
+            out[i] = data[at];
+        }
+        out
+    }
+
+    /// `piece` (titan's layout) written into its place in the whole tensor `data` of shape `fused`.
+    pub fn put(&self, data: &mut [f32], fused: &[usize], piece: &[f32]) {
+        for (i, at) in self.places(fused) {
+            data[at] = piece[i];
+        }
+    }
+}
 
 /// The FFN width's rounding when `[model]` overrides `dim`, `multiple_of` or
 /// `ffn_dim_multiplier` (Llama's rule, `args::ffn_hidden`): a flavor's own `multiple_of` and
@@ -88,6 +158,10 @@ pub trait Family: Sync {
         let _ = args;
         hf_names::hf_name(name)
     }
+    /// Where parameter `name` lies in the HF checkpoint: by default its own tensor (`hf_name`).
+    fn hf_part(&self, args: &ModelArgs, name: &str) -> HfPart {
+        HfPart::Whole(self.hf_name(args, name))
+    }
     /// Parameter `name`'s rows (`cols` wide) in the HF layout: by default transformers' halves
     /// (`llama_form`).
     fn export_rows(&self, args: &ModelArgs, name: &str, data: &[f32], cols: usize) -> Vec<f32> {
@@ -103,13 +177,14 @@ pub trait Family: Sync {
         }
     }
     /// Tensors HF keeps beside the weights that titan keeps as training state (DeepSeek-V3's
-    /// routing bias, titan's expert bias): written on export.
+    /// routing bias, titan's expert bias): written on export; an error when the family's HF
+    /// model has no place for that state (the export is then refused).
     fn hf_extra_tensors(
         &self,
         _args: &ModelArgs,
         _expert_bias: Option<&[Vec<f32>]>,
-    ) -> Vec<(String, Tensor)> {
-        Vec::new()
+    ) -> Result<Vec<(String, Tensor)>> {
+        Ok(Vec::new())
     }
     /// The expert bias an HF checkpoint holds (None: the family keeps none).
     fn expert_bias_from_hf(
@@ -139,11 +214,12 @@ pub fn full_attention(args: &ModelArgs) -> bool {
 }
 
 /// Every family titan trains.
-pub static FAMILIES: [&dyn Family; 4] = [
+pub static FAMILIES: [&dyn Family; 5] = [
     &llama3::Llama3,
     &qwen3::Qwen3,
     &deepseek_v3::DeepSeekV3,
     &mistral::Mistral,
+    &gpt_oss::GptOss,
 ];
 
 /// The family `[model] name` names.

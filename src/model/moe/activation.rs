@@ -106,14 +106,26 @@ mod tests {
             let u = u.clamp(-(limit as f64), limit as f64);
             (u + 1.0) * g / (1.0 + (-(alpha as f64) * g).exp())
         };
-        for (g, u) in [(0.3, -0.7), (-2.5, 1.2), (8.0, 0.5), (1.0, 9.0), (-3.0, -8.0)] {
+        for (g, u) in [
+            (0.3, -0.7),
+            (-2.5, 1.2),
+            (8.0, 0.5),
+            (1.0, 9.0),
+            (-3.0, -8.0),
+        ] {
             let (out, dg, du) = clamped(alpha, limit, g as f32, u as f32);
             assert!((out as f64 - f(g, u)).abs() < 1e-5, "{g} {u}");
             let eps = 1e-4;
             let ng = (f(g + eps, u) - f(g - eps, u)) / (2.0 * eps);
             let nu = (f(g, u + eps) - f(g, u - eps)) / (2.0 * eps);
-            assert!((dg as f64 - ng).abs() < 1e-3, "dgate at {g} {u}: {dg} vs {ng}");
-            assert!((du as f64 - nu).abs() < 1e-3, "dup at {g} {u}: {du} vs {nu}");
+            assert!(
+                (dg as f64 - ng).abs() < 1e-3,
+                "dgate at {g} {u}: {dg} vs {ng}"
+            );
+            assert!(
+                (du as f64 - nu).abs() < 1e-3,
+                "dup at {g} {u}: {du} vs {nu}"
+            );
         }
     }
 }

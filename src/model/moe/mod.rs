@@ -32,9 +32,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::float8::{Float8Recipe, LinearGemm};
 use crate::backend::Backend;
+use crate::model::bias;
 use crate::model::crossings::expert::ExpertParallelOps;
 use crate::model::float8_linear::{Float8Casts, OnOneRank, SharedInput};
-use crate::model::bias;
 use crate::model::linear::Linear;
 use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
@@ -674,7 +674,9 @@ mod tests {
             .collect();
         let biases = biases.then(|| MoeBiasIds {
             router: add(e, 1.0),
-            experts: (0..e).map(|_| [add(h, 0.5), add(d, 0.5), add(h, 0.5)]).collect(),
+            experts: (0..e)
+                .map(|_| [add(h, 0.5), add(d, 0.5), add(h, 0.5)])
+                .collect(),
         });
         (
             MoeIds {
@@ -751,7 +753,12 @@ mod tests {
         };
         for (f, groups, biases, activation) in [
             (ScoreFunc::Softmax, None, false, ExpertActivation::Swiglu),
-            (ScoreFunc::Sigmoid, Some((2, 1)), false, ExpertActivation::Swiglu),
+            (
+                ScoreFunc::Sigmoid,
+                Some((2, 1)),
+                false,
+                ExpertActivation::Swiglu,
+            ),
             (ScoreFunc::Softmax, None, true, clamped),
         ] {
             let m = MoeShapes {

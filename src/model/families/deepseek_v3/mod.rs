@@ -66,8 +66,8 @@ impl Family for DeepSeekV3 {
         &self,
         args: &ModelArgs,
         expert_bias: Option<&[Vec<f32>]>,
-    ) -> Vec<(String, Tensor)> {
-        hf::routing_bias_tensors(args, expert_bias)
+    ) -> Result<Vec<(String, Tensor)>> {
+        Ok(hf::routing_bias_tensors(args, expert_bias))
     }
     fn expert_bias_from_hf(
         &self,

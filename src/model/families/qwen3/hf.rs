@@ -84,6 +84,8 @@ pub fn check_exportable(args: &ModelArgs) -> Result<()> {
         || r.groups.is_some()
         || moe.shared_hidden.is_some()
         || moe.load_balance_coeff.is_some()
+        || moe.linear_biases
+        || !moe.activation.is_default()
         || !args.qk_norm
     {
         bail!("this mixture-of-experts model ({moe:?}) has no Hugging Face model type titan exports to: Qwen3-MoE needs QK-norm, softmax scores, route scale 1, no expert groups, no shared experts and no expert bias (load_balance_coeff)");
