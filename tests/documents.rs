@@ -64,7 +64,8 @@ fn block_causal_training_equals_transformers_on_packed_documents() {
         titan_data: &data,
         tokens: &shard,
         targets: None,
-        document_start: "1",
+        make: None,
+        document_start: Some("1"),
         titan_extra: &[],
         python_extra: &[],
     };

@@ -318,6 +318,24 @@ fn attention_sinks_and_sliding_windows_whole_model_gradient() {
     check_model(with_mla, false);
 }
 
+/// gpt-oss's block, shrunk: biases on the attention's projections, sinks, a window on every
+/// other block, YaRN, and experts with biases and the clamped SwiGLU (a limit of 1, which some
+/// gate and up values cross; the finite differences stay on one side of it).
+#[test]
+fn gpt_oss_whole_model_gradient_matches_finite_differences() {
+    let mut args = titan::model::families::gpt_oss::flavors::gpt_oss(16, 2, 4, 23);
+    (args.n_heads, args.n_kv_heads, args.attention_head_dim) = (4, 2, Some(6));
+    args.max_seq_len = 64;
+    args.sliding_window.as_mut().unwrap().size = 4;
+    let moe = args.moe.as_mut().unwrap();
+    (moe.hidden, moe.router.top_k, moe.load_balance_coeff) = (5, 2, None);
+    moe.activation = titan::model::moe::activation::ExpertActivation::ClampedSwiglu {
+        alpha: 1.702,
+        limit: 1.0,
+    };
+    check_model(args, false);
+}
+
 /// The window masks: a window as long as the sequence changes nothing, a shorter one changes the
 /// loss of the blocks it is on; a sink changes it too.
 #[test]

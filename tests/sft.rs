@@ -180,7 +180,8 @@ fn chat_rows_render_as_transformers_and_train_as_pytorch_with_the_prompt_ignored
         titan_data: &data,
         tokens: &tokens,
         targets: Some(&targets),
-        document_start: &bos,
+        make: None,
+        document_start: Some(&bos),
         titan_extra: &[],
         python_extra: &[],
     };

@@ -25,7 +25,7 @@ pub struct ModelConfig {
     pub rope_theta: Option<f64>,
     pub norm_eps: Option<f32>,
     /// Mixture-of-experts models: auxiliary-loss-free load balancing, the step of the expert
-    /// bias after each step (TorchTitan's `load_balance_coeff`; absent: none).
+    /// bias after each step (TorchTitan's `load_balance_coeff`; absent: the flavor's; 0: none).
     pub load_balance_coeff: Option<f32>,
     /// Mixture-of-experts models: the sequence-wise auxiliary balance loss's coefficient (the
     /// name Hugging Face configs use; absent: none).
@@ -33,6 +33,14 @@ pub struct ModelConfig {
     /// Mixture-of-experts models: the hidden width of shared experts every token goes through
     /// besides its routed ones (DeepSeek-V3's; absent: the flavor's, none for Qwen3-MoE).
     pub moe_shared_hidden: Option<usize>,
+    /// Mixture-of-experts models: each routed expert's hidden width, the number of routed
+    /// experts and how many each token takes (absent: the flavor's).
+    pub moe_hidden: Option<usize>,
+    pub num_experts: Option<usize>,
+    pub top_k: Option<usize>,
+    /// The width of each attention head when it is not `dim / n_heads` (Qwen3's, gpt-oss's;
+    /// absent: the flavor's). Not for multi-head latent attention, whose widths are its own.
+    pub head_dim: Option<usize>,
     /// Mixture-of-experts models: the leading blocks that keep a dense feed-forward instead of
     /// the experts (TorchTitan's DeepSeek-V3 `n_dense_layers`, HF's `first_k_dense_replace`;
     /// absent: the flavor's, none for Qwen3-MoE).
@@ -78,6 +86,10 @@ impl Default for ModelConfig {
             load_balance_coeff: None,
             router_aux_loss_coef: None,
             moe_shared_hidden: None,
+            moe_hidden: None,
+            num_experts: None,
+            top_k: None,
+            head_dim: None,
             n_dense_layers: None,
             q_lora_rank: None,
             kv_lora_rank: None,
@@ -158,6 +170,12 @@ impl Config {
         if let Some(v) = m.norm_eps {
             a.norm_eps = v;
         }
+        if let Some(v) = m.head_dim {
+            if a.mla.is_some() {
+                bail!("[model] head_dim = {v} does not apply to multi-head latent attention (its widths: qk_nope_head_dim, qk_rope_head_dim, v_head_dim)");
+            }
+            a.attention_head_dim = Some(v);
+        }
         if m.dim.is_some() || m.multiple_of.is_some() || m.ffn_dim_multiplier.is_some() {
             a.ffn_hidden = crate::model::args::ffn_hidden(
                 a.dim,
@@ -212,32 +230,41 @@ impl Config {
     /// The mixture-of-experts overrides, refused on a dense model.
     fn apply_moe_overrides(&self, a: &mut ModelArgs) -> Result<()> {
         let m = &self.model;
-        if let Some(c) = m.load_balance_coeff {
-            match a.moe.as_mut() {
-                Some(moe) => moe.load_balance_coeff = Some(c),
-                None => bail!("[model] load_balance_coeff = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+        let given = [
+            ("load_balance_coeff", m.load_balance_coeff.is_some()),
+            ("moe_shared_hidden", m.moe_shared_hidden.is_some()),
+            ("n_dense_layers", m.n_dense_layers.is_some()),
+            ("router_aux_loss_coef", m.router_aux_loss_coef.is_some()),
+            ("moe_hidden", m.moe_hidden.is_some()),
+            ("num_experts", m.num_experts.is_some()),
+            ("top_k", m.top_k.is_some()),
+        ];
+        let layers = a.n_layers;
+        let Some(moe) = a.moe.as_mut() else {
+            if let Some((key, _)) = given.iter().find(|(_, set)| *set) {
+                bail!(
+                    "[model] {key} needs a mixture-of-experts model (flavor {} of {} has none)",
+                    m.flavor,
+                    m.name
+                );
             }
-        }
-        if let Some(h) = m.moe_shared_hidden {
-            match a.moe.as_mut() {
-                Some(moe) => moe.shared_hidden = Some(h),
-                None => bail!("[model] moe_shared_hidden = {h} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
-            }
-        }
+            return Ok(());
+        };
         if let Some(k) = m.n_dense_layers {
-            let layers = a.n_layers;
-            match a.moe.as_mut() {
-                Some(_) if k >= layers => bail!("[model] n_dense_layers = {k} leaves none of the {layers} blocks a mixture of experts; choose fewer (or a dense flavor)"),
-                Some(moe) => moe.first_dense_layers = k,
-                None => bail!("[model] n_dense_layers = {k} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
+            if k >= layers {
+                bail!("[model] n_dense_layers = {k} leaves none of the {layers} blocks a mixture of experts; choose fewer (or a dense flavor)");
             }
+            moe.first_dense_layers = k;
         }
-        if let Some(c) = m.router_aux_loss_coef {
-            match a.moe.as_mut() {
-                Some(moe) => moe.aux_loss_coef = Some(c),
-                None => bail!("[model] router_aux_loss_coef = {c} needs a mixture-of-experts model (flavor {} of {} has none)", m.flavor, m.name),
-            }
+        if let Some(c) = m.load_balance_coeff {
+            // 0: no expert bias (a flavor that balances with one, trained without).
+            moe.load_balance_coeff = (c != 0.0).then_some(c);
         }
+        moe.shared_hidden = m.moe_shared_hidden.or(moe.shared_hidden);
+        moe.aux_loss_coef = m.router_aux_loss_coef.or(moe.aux_loss_coef);
+        moe.hidden = m.moe_hidden.unwrap_or(moe.hidden);
+        moe.router.num_experts = m.num_experts.unwrap_or(moe.router.num_experts);
+        moe.router.top_k = m.top_k.unwrap_or(moe.router.top_k);
         Ok(())
     }
 }

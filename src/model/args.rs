@@ -82,6 +82,10 @@ impl ModelArgs {
             }
             a.max_seq_len = 0;
             a.lora = None;
+            // The dense width of a model without dense blocks (gpt-oss) computes nothing.
+            if !a.has_dense_blocks() {
+                a.ffn_hidden = 0;
+            }
             a
         };
         plain(self) == plain(other)

@@ -32,16 +32,18 @@ pub fn python(py: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// One comparison: titan reads its data as `titan_data` says (block-causally); PyTorch reads the
-/// uint32 stream `tokens` (with `targets`, a uint8 file: 0 where a token is no target), documents
-/// starting at `document_start`.
+/// One comparison: titan reads its data as `titan_data` says (block-causally with
+/// `document_start`, else causally); PyTorch reads the uint32 stream `tokens` (with `targets`, a
+/// uint8 file: 0 where a token is no target), documents starting at `document_start`.
 pub struct Comparison<'a> {
     pub dir: &'a Path,
+    /// A Python script writing the model's HF folder at `sys.argv[1]` (None: `make_llama`'s).
+    pub make: Option<&'a str>,
     pub steps: &'a str,
     pub titan_data: &'a [&'a str],
     pub tokens: &'a Path,
     pub targets: Option<&'a Path>,
-    pub document_start: &'a str,
+    pub document_start: Option<&'a str>,
     /// More for titan (e.g. `--config FILE`) and for the script (e.g. `--param-groups JSON`).
     pub titan_extra: &'a [&'a str],
     pub python_extra: &'a [&'a str],
@@ -71,12 +73,19 @@ impl Curves {
 
 pub fn train_both(py: &str, c: &Comparison) -> Curves {
     let hf = c.dir.join("hf");
-    make_llama(py, &hf);
+    match c.make {
+        Some(script) => drop(python(py, &["-c", script, hf.to_str().unwrap()])),
+        None => make_llama(py, &hf),
+    }
+    let mask = match c.document_start {
+        Some(_) => "block_causal",
+        None => "causal",
+    };
     let (batch, seq, lr, warmup) = ("2", "64", "3e-3", "2");
     let dump = c.dir.join("titan");
     let run = [
         "--model.attn_mask_type",
-        "block_causal",
+        mask,
         "--training.steps",
         c.steps,
         "--training.local_batch_size",
@@ -116,9 +125,10 @@ pub fn train_both(py: &str, c: &Comparison) -> Curves {
         lr,
         "--warmup",
         warmup,
-        "--document-start",
-        c.document_start,
     ];
+    if let Some(start) = c.document_start {
+        args.extend(["--document-start", start]);
+    }
     if let Some(t) = c.targets {
         args.extend(["--targets", t.to_str().unwrap()]);
     }

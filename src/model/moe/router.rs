@@ -216,6 +216,11 @@ pub fn route_backward(
         let s = &routing.scores[t * e..(t + 1) * e];
         let chosen = &routing.experts[t * k..(t + 1) * k];
         let dw = &dweights[t * k..(t + 1) * k];
+        let dl = &mut dlogits[t * e..(t + 1) * e];
+        if args.score_func == ScoreFunc::Softmax && args.norm_topk_prob && aux_grads.is_none() {
+            softmax_over_chosen_backward(args.route_scale, s, chosen, dw, dl);
+            continue;
+        }
         dscores.fill(0.0);
         if args.norm_topk_prob {
             // w_j = scale · s_j / Z with Z = Σ s_chosen.
@@ -236,7 +241,6 @@ pub fn route_backward(
         if let Some(g) = aux_grads {
             unnormalise_grad(args, s, &g[t * e..(t + 1) * e], &mut dscores);
         }
-        let dl = &mut dlogits[t * e..(t + 1) * e];
         match args.score_func {
             ScoreFunc::Softmax => {
                 let dot: f32 = dscores.iter().zip(s).map(|(d, s)| d * s).sum();
@@ -252,6 +256,24 @@ pub fn route_backward(
         }
     }
     dlogits
+}
+
+/// The logits' gradient of softmax scores renormalised over the chosen experts, which are the
+/// softmax of the chosen logits alone (`w_j = scale · p_j`, `p_j = e^{l_j} / Σ_chosen e^{l_c}`):
+/// `dl_j = scale · p_j · (dw_j − Σ_i p_i·dw_i)` for a chosen expert, exactly 0 for the others
+/// (as transformers' gpt-oss and Mixtral compute it; through the whole softmax the others' would
+/// be rounding noise).
+fn softmax_over_chosen_backward(scale: f32, s: &[f32], chosen: &[u32], dw: &[f32], dl: &mut [f32]) {
+    let z: f32 = chosen.iter().map(|&x| s[x as usize]).sum::<f32>() + RENORM_EPS;
+    let dot: f32 = chosen
+        .iter()
+        .zip(dw)
+        .map(|(&x, &d)| d * s[x as usize] / z)
+        .sum();
+    dl.fill(0.0);
+    for (&x, &d) in chosen.iter().zip(dw) {
+        dl[x as usize] = scale * s[x as usize] / z * (d - dot);
+    }
 }
 
 /// Auxiliary-loss-free load balancing (DeepSeek-V3, TorchTitan's `load_balance_coeff`): after a

@@ -1,0 +1,171 @@
+//! gpt-oss (attention sinks and biases, a sliding window on every other block, experts with
+//! biases and the clamped SwiGLU): the debug model, shrunk, under the parallel layouts against
+//! one process (per-step loss and gradient norm within 1e-5), and a tiny gpt-oss made by
+//! transformers trained by titan and by PyTorch's AdamW, curves within 1e-5. What the layouts
+//! needed of their own: the q/k/v biases and the sinks split with their heads under TP, `wo`'s
+//! bias whole on every rank (its gradient summed like the norms'); the experts' biases travel with
+//! their experts (EP) and the rest is per token (FSDP, CP, PP carry it unchanged).
+//! Import and export against transformers: `tests/hf_transformers.rs`.
+
+mod common;
+
+use common::pytorch_training::{train_both, Comparison};
+use common::{assert_layout_matches_one_process, hf_python};
+
+/// TorchTitan's debug model with the shapes of a test: 2 blocks of dim 64, 4 query heads and 2
+/// key/value heads of 16, 4 experts of 32 (2 per token), a window of 8 keys on block 0 (the
+/// data's sequences are longer), 8 steps.
+const GPT_OSS: &[&str] = &[
+    "--model.name",
+    "gpt_oss",
+    "--model.flavor",
+    "debugmodel",
+    "--model.dim",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.head_dim",
+    "16",
+    "--model.moe_hidden",
+    "32",
+    "--model.num_experts",
+    "4",
+    "--model.top_k",
+    "2",
+    "--model.sliding_window_size",
+    "8",
+    "--model.vocab_size",
+    "300",
+    "--training.steps",
+    "8",
+];
+
+fn nproc(n: &'static str) -> [&'static str; 4] {
+    ["--nproc", n, "--master-port", "0"]
+}
+
+fn check(what: &str, n: &'static str, extra: &[&str], parallel: &[&str]) {
+    let single = [GPT_OSS, extra].concat();
+    assert_layout_matches_one_process(what, &single, &nproc(n), parallel, "rank 0 of");
+}
+
+#[test]
+fn gpt_oss_matches_one_process_under_tp_and_async_tp() {
+    let tp2 = ["--parallelism.tensor_parallel_degree", "2"];
+    check("gpt-oss TP 2", "2", &[], &tp2);
+    let async_tp = [
+        &tp2[..],
+        &["--parallelism.enable_async_tensor_parallel", "true"],
+    ]
+    .concat();
+    check("gpt-oss async TP 2", "2", &[], &async_tp);
+}
+
+#[test]
+fn gpt_oss_matches_one_process_under_ep_fsdp_cp_and_pp() {
+    let global = ["--training.global_batch_size", "4"];
+    check(
+        "gpt-oss FSDP 2 × EP 2",
+        "2",
+        &global,
+        &["--parallelism.expert_parallel_degree", "2"],
+    );
+    check(
+        "gpt-oss CP 2 (windows across the ranks' rows)",
+        "2",
+        &[],
+        &["--parallelism.context_parallel_degree", "2"],
+    );
+    check(
+        "gpt-oss PP 2 (ZBV: weight gradients deferred), full AC",
+        "2",
+        &["--activation_checkpoint.mode", "full"],
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+        ],
+    );
+}
+
+/// A gpt-oss made by transformers (`GPT_OSS`'s shapes, windows of 6 keys on block 0 over
+/// sequences of 64, the experts' gate and up weights scaled ×30 so that their values cross the
+/// clamp of 7 (6% of the gate values, 15-22% of the up values),
+/// biases and sinks away from zero), trained 20 steps by titan (imported; no expert bias, as
+/// transformers has none) and by PyTorch's AdamW on the same tokens: every step's loss and
+/// gradient norm within 1e-5.
+#[test]
+#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
+fn gpt_oss_trains_as_pytorch_trains_it() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let make = r#"
+import sys, torch
+from transformers import GptOssConfig, GptOssForCausalLM
+cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                   tie_word_embeddings=False)
+torch.manual_seed(0)
+model = GptOssForCausalLM(cfg)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or name.endswith("sinks"):
+            p.normal_(0.0, 0.5)
+        if name.endswith("gate_up_proj"):
+            p.mul_(30.0)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let shard = dir.path().join("tokens.bin");
+    common::write_random_tokens(&shard, 4000, 5);
+    let data = common::token_shard(&shard);
+    let curves = train_both(
+        &py,
+        &Comparison {
+            dir: dir.path(),
+            make: Some(make),
+            steps: "20",
+            titan_data: &data,
+            tokens: &shard,
+            targets: None,
+            document_start: None,
+            titan_extra: &[
+                // The shapes but the window's, the steps'.
+                &GPT_OSS[..GPT_OSS.len() - 6],
+                &[
+                    "--model.vocab_size",
+                    "300",
+                    "--model.sliding_window_size",
+                    "6",
+                ],
+                &["--model.load_balance_coeff", "0"],
+            ]
+            .concat(),
+            python_extra: &[],
+        },
+    );
+    let worst = curves.worst_loss_difference();
+    let ((_, titan_norm), (_, torch_norm)) = (&curves.titan, &curves.pytorch);
+    let worst_norm = titan_norm
+        .iter()
+        .zip(torch_norm)
+        .map(|((_, a), (_, b))| (a - b).abs() / b.abs())
+        .fold(0.0, f64::max);
+    eprintln!(
+        "gpt-oss vs PyTorch, 20 steps: loss within {worst:.2e}, grad norm within {worst_norm:.2e}"
+    );
+    assert!(
+        worst <= 1e-5,
+        "{:?} vs {:?}",
+        curves.titan.0,
+        curves.pytorch.0
+    );
+    assert!(worst_norm <= 1e-5, "{titan_norm:?} vs {torch_norm:?}");
+}
