@@ -63,6 +63,54 @@ fn gpt_oss_matches_one_process_under_tp_and_async_tp() {
     ]
     .concat();
     check("gpt-oss async TP 2", "2", &[], &async_tp);
+    check(
+        "gpt-oss TP 2, per-op AC, float8 linears",
+        "2",
+        &[
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+            "--model.converters",
+            "quantize.linear.float8",
+        ],
+        &tp2,
+    );
+}
+
+#[test]
+fn gpt_oss_matches_one_process_under_ddp_hsdp_and_interleaved_pp() {
+    let global = ["--training.global_batch_size", "4"];
+    check(
+        "gpt-oss DDP 2",
+        "2",
+        &global,
+        &["--parallelism.data_parallel_replicate_degree", "2"],
+    );
+    check(
+        "gpt-oss HSDP 2 × 2, EP 2",
+        "4",
+        &["--training.global_batch_size", "8"],
+        &[
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.expert_parallel_degree",
+            "2",
+        ],
+    );
+    check(
+        "gpt-oss PP 2 (Interleaved 1F1B, 2 stages a rank)",
+        "2",
+        &["--model.n_layers", "4"],
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+        ],
+    );
 }
 
 #[test]

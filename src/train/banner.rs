@@ -60,13 +60,16 @@ impl<B: Backend> Banner<'_, B> {
         };
         let which = |period: usize| match period {
             1 => "every block".to_string(),
-            p => format!("every {p}th block from the first"),
+            2 => "blocks 0, 2, 4, …".to_string(),
+            p => format!("blocks 0, {p}, {}, …", 2 * p),
         };
         let sinks = if args.attention_sinks {
             ", attention sinks"
         } else {
             ""
         };
+        let bias = if args.attention_bias { ", biases" } else { "" };
+        let sinks = format!("{sinks}{bias}");
         let attention = match args.sliding_window {
             Some(w) => format!(" (sliding window {} on {}{sinks})", w.size, which(w.period)),
             None if args.attention_sinks => " (attention sinks)".to_string(),
