@@ -217,3 +217,83 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
     );
     assert!(worst_norm <= 1e-5, "{titan_norm:?} vs {torch_norm:?}");
 }
+
+/// An MXFP4 release (gpt-oss's published form: each block's fused experts as FP4 codes and E8M0
+/// exponents, `quantization_config.quant_method = "mxfp4"`) imports as the model whose experts
+/// transformers' `convert_moe_packed_tensors` dequantises: every parameter bit for bit.
+#[test]
+fn an_mxfp4_release_imports_as_transformers_dequantises_it() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let make = r#"
+import sys, json, glob, os, torch
+from safetensors.torch import save_file, load_file
+from transformers import GptOssConfig, GptOssForCausalLM
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+mx_dir, ref_dir = sys.argv[1], sys.argv[2]
+cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=6, tie_word_embeddings=False)
+torch.manual_seed(0)
+model = GptOssForCausalLM(cfg)
+packed = {}
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if not (name.endswith("gate_up_proj") or name.endswith("down_proj")):
+            continue
+        experts, cols, rows = p.shape  # stored [experts, in, out]; packed per output row
+        blocks = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8)
+        scales = torch.randint(120, 130, (experts, rows, cols // 32), dtype=torch.uint8)
+        packed[name] = (blocks, scales)
+        # Dequantised and transposed to the [experts, in, out] the model keeps.
+        p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+model.save_pretrained(ref_dir, safe_serialization=True)
+model.save_pretrained(mx_dir, safe_serialization=True)
+for f in glob.glob(os.path.join(mx_dir, "*.safetensors")):
+    tensors = load_file(f)
+    for name, (blocks, scales) in packed.items():
+        if name in tensors:
+            del tensors[name]
+            tensors[name + "_blocks"] = blocks
+            tensors[name + "_scales"] = scales
+    save_file(tensors, f, metadata={"format": "pt"})
+c = json.load(open(os.path.join(mx_dir, "config.json")))
+c["quantization_config"] = {"quant_method": "mxfp4",
+                            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"]}
+json.dump(c, open(os.path.join(mx_dir, "config.json"), "w"))
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let (mx, reference) = (dir.path().join("mxfp4"), dir.path().join("reference"));
+    let out = std::process::Command::new(&py)
+        .args([
+            "-c",
+            make,
+            mx.to_str().unwrap(),
+            reference.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (m_mx, m_ref) = (
+        titan::checkpoint::hf::read_hf(&mx).unwrap(),
+        titan::checkpoint::hf::read_hf(&reference).unwrap(),
+    );
+    assert_eq!(m_mx.args, m_ref.args);
+    let mut experts = 0;
+    for (i, name) in m_ref.params.names.iter().enumerate() {
+        let (a, b) = (&m_mx.params.bufs[i], &m_ref.params.bufs[i]);
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same,
+            "{name}: the MXFP4 import differs from transformers' dequantisation"
+        );
+        experts += usize::from(name.contains(".moe.experts.") && name.ends_with("weight"));
+    }
+    assert_eq!(experts, 2 * 4 * 3, "every expert weight compared");
+}

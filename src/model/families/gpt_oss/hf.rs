@@ -206,3 +206,58 @@ pub fn write(args: &ModelArgs) -> Result<Value> {
     );
     Ok(config)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::families::gpt_oss::{flavor, GptOss};
+    use crate::model::families::Family;
+
+    #[test]
+    fn what_titan_cannot_compute_is_refused_by_name() {
+        let file = Path::new("config.json");
+        let ok = write(&flavor("debugmodel").unwrap()).unwrap();
+        read(&ok, file).unwrap();
+        let refused = [
+            (
+                "layer_types",
+                json!([
+                    "full_attention",
+                    "sliding_attention",
+                    "sliding_attention",
+                    "full_attention"
+                ]),
+            ),
+            ("attention_bias", json!(false)),
+            ("hidden_act", json!("gelu")),
+            (
+                "rope_parameters",
+                json!({"rope_type": "dynamic", "factor": 2.0}),
+            ),
+            ("swiglu_limit", json!(-1.0)),
+        ];
+        for (key, value) in refused {
+            let mut cfg = ok.clone();
+            cfg[key] = value;
+            let e = read(&cfg, file).unwrap_err().to_string();
+            assert!(e.contains(key) || e.contains("dynamic"), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_model_that_routes_with_an_expert_bias_is_not_exported() {
+        let args = flavor("debugmodel").unwrap();
+        let zero = vec![vec![0.0; 8]; 4];
+        assert!(GptOss
+            .hf_extra_tensors(&args, Some(&zero))
+            .unwrap()
+            .is_empty());
+        let mut moved = zero.clone();
+        moved[1][3] = 1e-3;
+        let e = GptOss
+            .hf_extra_tensors(&args, Some(&moved))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("load_balance_coeff = 0"), "{e}");
+    }
+}
