@@ -8,37 +8,38 @@
 //! `out += Σ_j w_tj · Expert_{e_tj}(x_t)` for every token `t`, where the router chose
 //! experts `e_tj` with weights `w_tj`. The dispatch gathers each token's row once per choice, in
 //! expert order (`Backend::embedding_forward` with the row order as ids); each expert's rows are
-//! one block, its three projections one GEMM each (a grouped GEMM as a loop over the experts); the
-//! combine scales each row by its weight and adds it back to its token
+//! one block, its three projections one GEMM each (a grouped GEMM as a loop over the experts,
+//! `expert`); the combine scales each row by its weight and adds it back to its token
 //! (`Backend::embedding_backward`, a scatter-add). The backward mirrors each step; the weights'
 //! gradient is each row's output dotted with the token's output gradient, and the router's is
 //! `router::route_backward`'s.
 //!
 //! Under expert parallelism a rank holds some of the experts: the dispatched rows go to their
 //! experts' ranks and come back before the combine (`dispatch`, over `ExpertParallelOps`); with one
-//! rank nothing moves. Qwen3-MoE's blocks run this layer (`model::llama`, `FeedForwardIds::Moe`).
-//! The sequence-wise auxiliary balance loss is `aux_loss`. Not built yet (issue 16): routing on
-//! the device, grouped GEMMs.
+//! rank nothing moves. Qwen3-MoE's, DeepSeek-V3's and gpt-oss's blocks run this layer
+//! (`model::decoder`, `FeedForwardIds::Moe`; gpt-oss's router and experts with biases and the
+//! clamped SwiGLU, `activation`). The sequence-wise auxiliary balance loss is `aux_loss`. Not
+//! built yet (issue 45): routing on the device, grouped GEMMs.
 
 pub mod activation;
 pub mod aux_loss;
 pub mod dispatch;
+mod expert;
 pub mod router;
 pub mod stats;
 
 use anyhow::Result;
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::float8::{Float8Recipe, LinearGemm};
+use crate::backend::float8::Float8Recipe;
 use crate::backend::Backend;
 use crate::model::bias;
 use crate::model::crossings::expert::ExpertParallelOps;
-use crate::model::float8_linear::{Float8Casts, OnOneRank, SharedInput};
 use crate::model::linear::Linear;
 use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
+use expert::{each_expert, swiglu_ffn, swiglu_ffn_backward, ExpertParams};
 use router::{route, route_backward, RouterArgs, Routing};
 
 /// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
@@ -232,13 +233,6 @@ impl MoeIds {
     }
 }
 
-/// One routed expert's parameters (or their gradients): `[w1, w2, w3]` and their biases when it
-/// has them.
-struct ExpertParams<T> {
-    w: [T; 3],
-    b: Option<[T; 3]>,
-}
-
 /// What the forward keeps for the backward.
 pub struct MoeActs<B: Backend> {
     pub routing: Routing,
@@ -292,104 +286,6 @@ fn dispatch_order(routing: &Routing, num_experts: usize) -> (Vec<u32>, Vec<usize
     (rows, slots, offsets)
 }
 
-/// `y = w2 · f(w1 · x + b1, w3 · x + b3) + b2` over `rows` rows (`f` the experts' activation;
-/// no biases but gpt-oss's), keeping gate, up and the activation's output.
-fn swiglu_ffn<B: Backend>(
-    be: &B,
-    m: &MoeShapes,
-    x: &B::Buf,
-    p: ExpertParams<&B::Buf>,
-    rows: usize,
-    y: &mut B::Buf,
-) -> Result<[B::Buf; 3]> {
-    let (up_proj, down) = m.expert_linears();
-    let casts = expert_casts();
-    let hidden = m.hidden;
-    let [w1, w2, w3] = p.w;
-    let (mut gate, mut up, mut act) = (
-        be.uninit(rows * hidden),
-        be.uninit(rows * hidden),
-        be.uninit(rows * hidden),
-    );
-    let mut x_cast = SharedInput::new(x, LinearGemm::Output);
-    for (out, w) in [(&mut gate, w1), (&mut up, w3)] {
-        let wq = casts.operand(be, (up_proj, LinearGemm::Output, 1), w, rows)?;
-        up_proj.forward(
-            be,
-            out,
-            x_cast.for_linear(&casts, be, up_proj, rows)?,
-            wq.buf(),
-            rows,
-        );
-    }
-    if let Some([b1, _, b3]) = p.b {
-        bias::add(be, &mut gate, b1);
-        bias::add(be, &mut up, b3);
-    }
-    m.round(be, &mut gate);
-    m.round(be, &mut up);
-    m.activation.forward(be, &mut act, &gate, &up);
-    m.round(be, &mut act);
-    let [aq, w2q] = casts.operands(be, down, LinearGemm::Output, (&act, w2), rows)?;
-    down.forward(be, y, aq.buf(), w2q.buf(), rows);
-    if let Some([_, b2, _]) = p.b {
-        bias::add(be, y, b2);
-    }
-    m.round(be, y);
-    Ok([gate, up, act])
-}
-
-/// The casts of an expert's GEMMs: an expert's rows and weights are all on this rank, so no
-/// scale is agreed over a group (torchao's grouped GEMM scales per token row, per (expert,
-/// feature), and per expert's group of rows for the weight gradient, as here).
-fn expert_casts() -> Float8Casts<'static> {
-    Float8Casts {
-        groups: &OnOneRank,
-        partial_row_blocks: true,
-    }
-}
-
-/// The backward of `swiglu_ffn`: adds the parameters' gradients into `g` and `dx +=` the
-/// input's.
-#[allow(clippy::too_many_arguments)]
-fn swiglu_ffn_backward<B: Backend>(
-    be: &B,
-    m: &MoeShapes,
-    x: &B::Buf,
-    [gate, up, act]: [&B::Buf; 3],
-    p: ExpertParams<&B::Buf>,
-    g: ExpertParams<&mut B::Buf>,
-    dy: &B::Buf,
-    (rows, dx): (usize, &mut B::Buf),
-) -> Result<()> {
-    let (up_proj, down) = m.expert_linears();
-    let casts = expert_casts();
-    let hidden = m.hidden;
-    let ([w1, w2, w3], [g1, g2, g3]) = (p.w, g.w);
-    let mut dact = be.uninit(rows * hidden);
-    let [dyq, w2q] = casts.operands(be, down, LinearGemm::InputGrad, (dy, w2), rows)?;
-    down.input_grad(be, &mut dact, dyq.buf(), w2q.buf(), rows);
-    let [dyq, aq] = casts.operands(be, down, LinearGemm::WeightGrad, (dy, act), rows)?;
-    down.add_weight_grad(be, g2, dyq.buf(), aq.buf(), rows);
-    let (mut dgate, mut dup) = (be.uninit(rows * hidden), be.uninit(rows * hidden));
-    m.activation
-        .backward(be, (&mut dgate, &mut dup), &dact, gate, up);
-    if let Some([db1, db2, db3]) = g.b {
-        bias::add_grad(be, db1, &dgate);
-        bias::add_grad(be, db2, dy);
-        bias::add_grad(be, db3, &dup);
-    }
-    let mut x_cast = SharedInput::new(x, LinearGemm::WeightGrad);
-    for ((d, w), g) in [(&dgate, w1), (&dup, w3)].into_iter().zip([g1, g3]) {
-        let [dq, wq] = casts.operands(be, up_proj, LinearGemm::InputGrad, (d, w), rows)?;
-        up_proj.add_input_grad(be, dx, dq.buf(), wq.buf(), rows);
-        let dq = casts.operand(be, (up_proj, LinearGemm::WeightGrad, 0), d, rows)?;
-        let xq = x_cast.for_linear(&casts, be, up_proj, rows)?;
-        up_proj.add_weight_grad(be, g, dq.buf(), xq, rows);
-    }
-    Ok(())
-}
-
 /// This rank's experts that got rows: each one's index and its block of the experts' input
 /// (first row and row count).
 fn local_blocks(dispatch: &Dispatch) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
@@ -404,21 +300,6 @@ fn local_blocks(dispatch: &Dispatch) -> impl Iterator<Item = (usize, usize, usiz
 /// The routing weight of each dispatched row (`slots`: each row's place in the routing).
 fn row_weights(routing: &Routing, slots: &[usize]) -> Vec<f32> {
     slots.iter().map(|&s| routing.weights[s]).collect()
-}
-
-/// `f` of every expert's work, in order: on the CPU the experts run concurrently, one per
-/// thread, because their GEMMs are small (a few hundred rows) and split over every thread they
-/// scaled worse than whole experts per thread (docs/performance.md); elsewhere one after another.
-fn each_expert<B: Backend, I: Send, T: Send>(
-    be: &B,
-    work: Vec<I>,
-    f: impl Fn(I) -> T + Sync + Send,
-) -> Vec<T> {
-    if be.overlaps_host_calls() {
-        work.into_par_iter().map(f).collect()
-    } else {
-        work.into_iter().map(f).collect()
-    }
 }
 
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
