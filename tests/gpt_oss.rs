@@ -141,6 +141,85 @@ fn gpt_oss_matches_one_process_under_ep_fsdp_cp_and_pp() {
     );
 }
 
+/// Every pipeline schedule (4 blocks, 2 a rank where the schedule runs two stages a rank), and
+/// the routed experts' GEMMs in float8 under EP.
+#[test]
+fn gpt_oss_matches_one_process_under_every_pipeline_schedule_and_float8_experts() {
+    for schedule in [
+        "GPipe",
+        "1F1B",
+        "InterleavedZeroBubble",
+        "DualPipeV",
+        "LoopedBFS",
+    ] {
+        check(
+            &format!("gpt-oss PP 2 ({schedule})"),
+            "2",
+            &["--model.n_layers", "4"],
+            &[
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                schedule,
+            ],
+        );
+    }
+    check(
+        "gpt-oss EP 2, float8 experts",
+        "2",
+        &[
+            "--training.global_batch_size",
+            "4",
+            "--model.converters",
+            "quantize.grouped_mm.float8",
+        ],
+        &["--parallelism.expert_parallel_degree", "2"],
+    );
+}
+
+/// bf16 mixed precision: TP 2 and FSDP 2 × EP 2 against one process in bf16, loss and gradient
+/// norm within 1e-3 (the layouts differ where an f32 sum's order moves a value across a bf16
+/// rounding boundary, as `tests/bf16.rs` says of the other models).
+#[test]
+fn gpt_oss_in_bf16_matches_one_process_in_bf16() {
+    let bf16 = ["--training.mixed_precision_param", "bfloat16"];
+    let cases: [(&str, &[&str]); 2] = [
+        ("TP 2", &["--parallelism.tensor_parallel_degree", "2"]),
+        (
+            "FSDP 2 × EP 2",
+            &[
+                "--training.global_batch_size",
+                "16",
+                "--parallelism.expert_parallel_degree",
+                "2",
+            ],
+        ),
+    ];
+    for (what, parallel) in cases {
+        let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let single = [GPT_OSS, &bf16[..]].concat();
+        let o = common::train(one.path(), &[], &single);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let o = common::train(many.path(), &nproc("2"), &[&single[..], parallel].concat());
+        assert!(
+            o.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        for key in ["loss", "grad_norm"] {
+            let (a, b) = (
+                common::metric(one.path(), key),
+                common::metric(many.path(), key),
+            );
+            assert_eq!(a.len(), b.len(), "{what}: steps");
+            for ((step, x), (_, y)) in a.iter().zip(&b) {
+                let rel = (x - y).abs() / x.abs();
+                assert!(rel <= 1e-3, "{what} {key}, step {step}: {x} vs {y}");
+            }
+        }
+    }
+}
+
 /// A gpt-oss made by transformers (`GPT_OSS`'s shapes, windows of 6 keys on block 0 over
 /// sequences of 64, the experts' gate and up weights scaled ×30 so that their values cross the
 /// clamp of 7 (6% of the gate values, 15-22% of the up values),

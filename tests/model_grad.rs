@@ -209,6 +209,7 @@ fn moe_whole_model_gradient_matches_finite_differences() {
         sparse_step: 1,
         linear_biases: false,
         activation: Default::default(),
+        score_before_experts: false,
     };
     check_model(
         ModelArgs {
@@ -245,6 +246,7 @@ fn moe_whole_model_gradient_matches_finite_differences() {
                     sparse_step: 1,
                     linear_biases: false,
                     activation: Default::default(),
+                    score_before_experts: false,
                     ..m
                 }),
                 ..qwen3_args(false)

@@ -59,14 +59,16 @@ pub enum HfPart {
 }
 
 /// Expert `expert`'s slice of `tensor`, `[experts, rows, cols]` (or `[experts, cols]` for a
-/// vector): every `step`-th column from `first` (gpt-oss interleaves the gate's and the up
-/// projection's features), transposed into titan's `[out, in]` when `transposed` (transformers
-/// keeps its experts `[in, out]`).
+/// vector) whose columns hold `parts` parameters: every `step`-th column from `first` (gpt-oss
+/// interleaves the gate's and the up projection's features: step 2; Llama 4 puts them side by
+/// side: step 1, the up projection's from the middle), transposed into titan's `[out, in]` when
+/// `transposed` (transformers keeps its experts `[in, out]`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpertSlice {
     pub tensor: String,
     pub experts: usize,
     pub expert: usize,
+    pub parts: usize,
     pub first: usize,
     pub step: usize,
     pub transposed: bool,
@@ -76,9 +78,9 @@ impl ExpertSlice {
     /// The whole tensor's shape, from the shape of the titan parameter it holds a slice of.
     pub fn fused_shape(&self, piece: &[usize]) -> Vec<usize> {
         match (piece, self.transposed) {
-            ([n], _) => vec![self.experts, n * self.step],
-            ([out, inp], true) => vec![self.experts, *inp, out * self.step],
-            ([rows, cols], false) => vec![self.experts, *rows, cols * self.step],
+            ([n], _) => vec![self.experts, n * self.parts],
+            ([out, inp], true) => vec![self.experts, *inp, out * self.parts],
+            ([rows, cols], false) => vec![self.experts, *rows, cols * self.parts],
             _ => unreachable!("an expert's parameters are vectors and matrices"),
         }
     }
@@ -91,7 +93,7 @@ impl ExpertSlice {
             [_, r, c] => (*r, *c),
             _ => unreachable!("a fused experts tensor is 2- or 3-dimensional"),
         };
-        let (base, picked) = (self.expert * rows * cols, cols / self.step);
+        let (base, picked) = (self.expert * rows * cols, cols / self.parts);
         let at = move |r: usize, j: usize| base + r * cols + self.first + j * self.step;
         let transposed = self.transposed;
         (0..rows * picked).map(move |i| match transposed {
@@ -103,7 +105,7 @@ impl ExpertSlice {
 
     /// The slice, in titan's layout, of the whole tensor `data` of shape `fused`.
     pub fn take(&self, data: &[f32], fused: &[usize]) -> Vec<f32> {
-        let mut out = vec![0.0; fused[1..].iter().product::<usize>() / self.step];
+        let mut out = vec![0.0; fused[1..].iter().product::<usize>() / self.parts];
         for (i, at) in self.places(fused) {
             out[i] = data[at];
         }

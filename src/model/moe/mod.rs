@@ -72,6 +72,10 @@ pub struct MoeArgs {
     /// The routed experts' gated activation (gpt-oss's clamped SwiGLU; else SwiGLU).
     #[serde(default, skip_serializing_if = "ExpertActivation::is_default")]
     pub activation: ExpertActivation,
+    /// Each routing weight scales its expert's input row instead of its output (TorchTitan's
+    /// `score_before_experts`, Llama 4's routing): `Σ_j Expert_j(w_j·x)`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub score_before_experts: bool,
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -174,6 +178,8 @@ pub struct MoeShapes {
     /// kept as bf16 pairs (`MoeActs`), as the block keeps its own.
     pub bf16_activations: bool,
     pub activation: ExpertActivation,
+    /// The routing weights scale the experts' input rows (`MoeArgs::score_before_experts`).
+    pub score_before_experts: bool,
 }
 
 impl MoeShapes {
@@ -185,6 +191,7 @@ impl MoeShapes {
             experts_float8: None,
             bf16_activations: false,
             activation: moe.activation,
+            score_before_experts: moe.score_before_experts,
         }
     }
 
@@ -336,6 +343,9 @@ pub fn forward<B: Backend>(
     let n = rows.len();
     let mut x_sorted = be.uninit(n * d);
     be.embedding_forward(&mut x_sorted, x, &rows, d);
+    if m.score_before_experts {
+        be.scale_rows(&mut x_sorted, &row_weights(&routing, &slots), d);
+    }
     let x_local = dispatch.to_experts(be, ep, x_sorted, d)?;
     let local_n = dispatch.local_rows();
     let (mut gate, mut up, mut act, mut y_local) = (
@@ -363,9 +373,11 @@ pub fn forward<B: Backend>(
         be.copy_range(&mut y_local, from * d, &ye, 0, count * d);
     }
     let y = dispatch.from_experts(be, ep, y_local, d)?;
-    // Combine: each row weighted, added back to its token.
+    // Combine: each row weighted (unless its input was), added back to its token.
     let mut weighted = rows_of(be, &y, 0, n, d);
-    be.scale_rows(&mut weighted, &row_weights(&routing, &slots), d);
+    if !m.score_before_experts {
+        be.scale_rows(&mut weighted, &row_weights(&routing, &slots), d);
+    }
     be.embedding_backward(out, &weighted, &rows, d);
     let acts = MoeActs {
         routing,
@@ -443,7 +455,7 @@ pub fn backward<B: Backend>(
     ep: &dyn ExpertParallelOps<B>,
     aux_scale: f32,
 ) -> Result<()> {
-    let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
+    let (d, e) = (m.dim, m.router.num_experts);
     let tokens = be.len(x) / d;
     let n = acts.rows.len();
     let unpacked = acts.unpacked(be);
@@ -452,40 +464,83 @@ pub fn backward<B: Backend>(
         None => [&acts.x_local, &acts.gate, &acts.up, &acts.act, &acts.y],
     };
     // Each row's output gradient: its token's, times its weight; the weight's own gradient is
-    // that token's output gradient dotted with the row's unweighted output.
+    // that token's output gradient dotted with the row's unweighted output (or, when the weight
+    // scaled the input, the input row's gradient dotted with the unweighted input row).
     let mut dy = be.uninit(n * d);
     be.embedding_forward(&mut dy, dout, &acts.rows, d);
-    let dots = be.row_dots(&dy, y, d);
+    let weights = row_weights(&acts.routing, &acts.slots);
     let mut dweights = vec![0.0f32; n];
-    for (r, &slot) in acts.slots.iter().enumerate() {
-        dweights[slot] = dots[r];
+    let mut weight_grads = |dots: Vec<f32>| {
+        for (r, &slot) in acts.slots.iter().enumerate() {
+            dweights[slot] = dots[r];
+        }
+    };
+    if !m.score_before_experts {
+        weight_grads(be.row_dots(&dy, y, d));
+        be.scale_rows(&mut dy, &weights, d);
     }
-    be.scale_rows(&mut dy, &row_weights(&acts.routing, &acts.slots), d);
     let dispatch = &acts.dispatch;
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
-    let mut dx_local = be.zeros(dispatch.local_rows() * d);
-    // Each expert adds into its own three gradients (concurrently on the CPU: `each_expert`).
+    let saved = [x_local, gate, up, act];
+    let dx_local = experts_backward(be, m, ids, (params, grads), saved, &dy_local, dispatch)?;
+    let mut dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
+    if m.score_before_experts {
+        let mut x_sorted = be.uninit(n * d);
+        be.embedding_forward(&mut x_sorted, x, &acts.rows, d);
+        weight_grads(be.row_dots(&dx_sorted, &x_sorted, d));
+        be.scale_rows(&mut dx_sorted, &weights, d);
+    }
+    be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
+    // The router: from the weights' gradient to the logits', then to its gate and the input.
+    let aux_grads = acts
+        .aux
+        .as_ref()
+        .map(|a| aux_loss::score_grads(&m.router, a, aux_scale));
+    let dlogits = be.upload(&route_backward(
+        &m.router,
+        &acts.routing,
+        &dweights,
+        aux_grads.as_deref(),
+    ));
+    if let Some(b) = &ids.biases {
+        bias::add_grad(be, &mut grads[b.router], &dlogits);
+    }
+    let gate = Linear::new(d, e);
+    gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
+    gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
+    Ok(())
+}
+
+/// This rank's experts' backward over their rows (`saved`: the experts' input rows, gate, up and
+/// activation output; `dy_local`: their output gradients): adds each expert's parameter gradients
+/// into `grads` (concurrently on the CPU: `each_expert`) and returns the input rows' gradients.
+fn experts_backward<B: Backend>(
+    be: &B,
+    m: &MoeShapes,
+    ids: &MoeIds,
+    (params, grads): (&[B::Buf], &mut [B::Buf]),
+    [x_local, gate, up, act]: [&B::Buf; 4],
+    dy_local: &B::Buf,
+    dispatch: &Dispatch,
+) -> Result<B::Buf> {
+    let (d, h) = (m.dim, m.hidden);
     let blocks: Vec<_> = local_blocks(dispatch).collect();
-    let (router_bias_grad, expert_grads) = {
-        let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
-        let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
-        let router_bias = ids.biases.as_ref().map(|b| take(b.router));
-        let work: Vec<_> = blocks
-            .iter()
-            .map(|&(e, from, count)| {
-                let (w, b) = ids.expert(e);
-                let g = ExpertParams {
-                    w: w.map(&mut take),
-                    b: b.map(|b| b.map(&mut take)),
-                };
-                ((e, from, count), g)
-            })
-            .collect();
-        (router_bias, work)
-    };
-    let dxs = each_expert(be, expert_grads, |((e, from, count), expert_grads)| {
+    let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
+    let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
+    let work: Vec<_> = blocks
+        .iter()
+        .map(|&(e, from, count)| {
+            let (w, b) = ids.expert(e);
+            let g = ExpertParams {
+                w: w.map(&mut take),
+                b: b.map(|b| b.map(&mut take)),
+            };
+            ((e, from, count), g)
+        })
+        .collect();
+    let dxs = each_expert(be, work, |((e, from, count), expert_grads)| {
         let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
-        let (xe, dye) = (block(x_local, d), block(&dy_local, d));
+        let (xe, dye) = (block(x_local, d), block(dy_local, d));
         let (g, u, a) = (block(gate, h), block(up, h), block(act, h));
         let mut dxe = be.zeros(count * d);
         let (w, b) = ids.expert(e);
@@ -506,29 +561,11 @@ pub fn backward<B: Backend>(
         .map(|()| dxe)
     });
     let dxs = dxs.into_iter().collect::<Result<Vec<B::Buf>>>()?;
+    let mut dx_local = be.zeros(dispatch.local_rows() * d);
     for (&(_, from, count), dxe) in blocks.iter().zip(&dxs) {
         be.copy_range(&mut dx_local, from * d, dxe, 0, count * d);
     }
-    let dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
-    be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
-    // The router: from the weights' gradient to the logits', then to its gate and the input.
-    let aux_grads = acts
-        .aux
-        .as_ref()
-        .map(|a| aux_loss::score_grads(&m.router, a, aux_scale));
-    let dlogits = be.upload(&route_backward(
-        &m.router,
-        &acts.routing,
-        &dweights,
-        aux_grads.as_deref(),
-    ));
-    if let Some(db) = router_bias_grad {
-        bias::add_grad(be, db, &dlogits);
-    }
-    let gate = Linear::new(d, e);
-    gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
-    gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
-    Ok(())
+    Ok(dx_local)
 }
 
 #[cfg(test)]
@@ -585,6 +622,7 @@ mod tests {
             experts_float8: None,
             bf16_activations: false,
             activation: ExpertActivation::Swiglu,
+            score_before_experts: false,
         }
     }
 
@@ -632,18 +670,17 @@ mod tests {
             alpha: 1.702,
             limit: 0.4,
         };
-        for (f, groups, biases, activation) in [
-            (ScoreFunc::Softmax, None, false, ExpertActivation::Swiglu),
-            (
-                ScoreFunc::Sigmoid,
-                Some((2, 1)),
-                false,
-                ExpertActivation::Swiglu,
-            ),
-            (ScoreFunc::Softmax, None, true, clamped),
+        // Llama 4's: each sigmoid score scales its expert's input, not its output.
+        let plain = ExpertActivation::Swiglu;
+        for (f, groups, biases, activation, score_before_experts) in [
+            (ScoreFunc::Softmax, None, false, plain, false),
+            (ScoreFunc::Sigmoid, Some((2, 1)), false, plain, false),
+            (ScoreFunc::Softmax, None, true, clamped, false),
+            (ScoreFunc::Sigmoid, None, false, plain, true),
         ] {
             let m = MoeShapes {
                 activation,
+                score_before_experts,
                 ..shapes(f, groups)
             };
             let be = CpuBackend::new();

@@ -116,6 +116,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         sparse_step: 1,
         linear_biases: false,
         activation: Default::default(),
+        score_before_experts: false,
     };
     Some(ModelArgs {
         dim: f.dim,

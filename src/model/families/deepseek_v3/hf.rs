@@ -125,6 +125,7 @@ fn moe_from_deepseek(cfg: &Value, file: &Path) -> Result<MoeArgs> {
         sparse_step: 1,
         linear_biases: false,
         activation: Default::default(),
+        score_before_experts: false,
     })
 }
 

@@ -63,6 +63,7 @@ pub fn gpt_oss(dim: usize, n_layers: usize, experts: usize, vocab: usize) -> Mod
             sparse_step: 1,
             linear_biases: true,
             activation: ExpertActivation::GPT_OSS,
+            score_before_experts: false,
         }),
         mla: None,
         lora: None,

@@ -49,6 +49,8 @@ pub fn part(args: &ModelArgs, name: &str) -> HfPart {
         ),
         experts,
         expert,
+        // gate_up_proj holds the gate and the up projection, interleaved.
+        parts: step,
         first,
         step,
         transposed: !bias,

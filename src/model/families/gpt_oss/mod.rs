@@ -104,6 +104,7 @@ mod tests {
             tensor: "t".into(),
             experts: 2,
             expert: 1,
+            parts: 2,
             first: 1,
             step: 2,
             transposed: true,
@@ -117,6 +118,16 @@ mod tests {
         assert_eq!(back[13], 13.0);
         assert_eq!(back[23], 23.0);
         assert_eq!(back.iter().filter(|&&x| x != 0.0).count(), 6);
+        // Side by side (Llama 4's): the up projection's 3 columns from the middle.
+        let side = ExpertSlice {
+            first: 3,
+            step: 1,
+            ..up
+        };
+        assert_eq!(
+            side.take(&data, &fused_shape),
+            [15.0, 21.0, 16.0, 22.0, 17.0, 23.0]
+        );
     }
 
     #[test]

@@ -58,6 +58,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         sparse_step: 1,
         linear_biases: false,
         activation: Default::default(),
+        score_before_experts: false,
         router: RouterArgs {
             num_experts: experts,
             top_k,

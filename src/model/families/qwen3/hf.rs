@@ -54,6 +54,7 @@ pub fn moe_from_hf(cfg: &Value, file: &Path) -> Result<MoeArgs> {
         sparse_step,
         linear_biases: false,
         activation: Default::default(),
+        score_before_experts: false,
         router: RouterArgs {
             // Current transformers writes `num_local_experts`, earlier `num_experts`.
             num_experts: match cfg.get("num_local_experts").filter(|v| !v.is_null()) {
