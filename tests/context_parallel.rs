@@ -128,6 +128,29 @@ fn sliding_windows_under_cp_and_tp_match_one_process() {
     check_parity("window 6, TP 2 × CP 2", &mistral, &nproc("4"), &tp);
 }
 
+/// Llama 4's attention on the debug model: every second block without RoPE and chunked attention
+/// of 24 positions on the others, over packed documents (a chunk restarts at a document's start
+/// too): CP's ring with the chunk mask over its load-balanced shards, and TP × CP, equal one
+/// process.
+#[test]
+fn chunked_attention_and_nope_blocks_under_cp_and_tp_match_one_process() {
+    let chunks = [
+        "--model.attention_chunk_size",
+        "24",
+        "--model.every_n_layers_nope",
+        "2",
+    ];
+    check_parity(
+        "chunks 24, CP 2",
+        &chunks,
+        &nproc("2"),
+        &cp("2", "allgather"),
+    );
+    let mut tp = cp("2", "alltoall");
+    tp.extend(["--parallelism.tensor_parallel_degree", "2"]);
+    check_parity("chunks 24, TP 2 × CP 2", &chunks, &nproc("4"), &tp);
+}
+
 #[test]
 fn validation_under_cp_equals_one_process() {
     assert_validation_matches(&[], &nproc("2"), &cp("2", "alltoall"), "CP 2 validation");

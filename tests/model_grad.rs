@@ -34,6 +34,8 @@ fn llama_args(tied: bool) -> ModelArgs {
         attention_sinks: false,
         sliding_window: None,
         attention_bias: false,
+        every_n_layers_nope: None,
+        attention_chunk_size: None,
     }
 }
 
@@ -366,6 +368,49 @@ fn a_sliding_window_and_sinks_change_the_model_only_as_they_should() {
         ..llama_args(false)
     };
     assert_ne!(loss(sinks), plain);
+}
+
+/// Llama 4's attention block features: NoPE blocks (block 1 of 2 rotates nothing) and chunked
+/// attention of 4 positions on the blocks with RoPE, over sequences of 9.
+#[test]
+fn nope_blocks_and_chunked_attention_whole_model_gradient() {
+    let args = ModelArgs {
+        every_n_layers_nope: Some(2),
+        attention_chunk_size: Some(4),
+        ..llama_args(false)
+    };
+    check_model(args, false);
+}
+
+/// NoPE and chunks change the model only as they should: a chunk as long as the sequence changes
+/// nothing, a shorter one changes the loss; with every block NoPE, chunks (on the RoPE blocks
+/// only) and RoPE's θ change nothing; one NoPE block changes the loss.
+#[test]
+fn nope_blocks_and_chunks_change_the_model_only_as_they_should() {
+    let be = CpuBackend::new();
+    let (batch, seq) = (2, 9);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i * 7 % 23) as u32)
+        .collect();
+    let loss = |args: ModelArgs| {
+        let model = Decoder::new(&be, args.clone(), seq).unwrap();
+        let params = init_params(&be, &args, 3);
+        let mut ws = Workspace::new(&be, &args, batch, seq);
+        model.loss(&be, &params, &mut ws, &tokens).unwrap().sum
+    };
+    let plain = loss(llama_args(false));
+    let with = |nope: Option<usize>, chunk: Option<usize>, theta: f64| ModelArgs {
+        every_n_layers_nope: nope,
+        attention_chunk_size: chunk,
+        rope_theta: theta,
+        ..llama_args(false)
+    };
+    assert_eq!(loss(with(None, Some(seq), 10000.0)), plain);
+    assert_ne!(loss(with(None, Some(4), 10000.0)), plain);
+    assert_ne!(loss(with(Some(2), None, 10000.0)), plain);
+    let all_nope = loss(with(Some(1), None, 10000.0));
+    assert_eq!(loss(with(Some(1), Some(4), 10000.0)), all_nope);
+    assert_eq!(loss(with(Some(1), None, 500.0)), all_nope);
 }
 
 #[test]

@@ -81,6 +81,8 @@ impl Config {
             attention_sinks: false,
             sliding_window: None,
             attention_bias: false,
+            every_n_layers_nope: None,
+            attention_chunk_size: None,
             ..args.clone()
         });
         for t in &l.target_modules {

@@ -55,6 +55,11 @@ pub struct ModelConfig {
     /// Models with sliding-window attention (Mistral, gpt-oss): the window's length in keys, a
     /// query's own included (TorchTitan's gpt-oss `sliding_window_size`; absent: the flavor's).
     pub sliding_window_size: Option<usize>,
+    /// Llama 4's attention (any GQA model): every `n`-th block without RoPE (TorchTitan's
+    /// `every_n_layers_nope`), and chunked attention of this many positions on the blocks with
+    /// RoPE (transformers' `attention_chunk_size`); absent: the flavor's, none.
+    pub every_n_layers_nope: Option<usize>,
+    pub attention_chunk_size: Option<usize>,
     /// Model converters applied before parallelizing (TorchTitan's names, e.g.
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::list_or_comma_separated")]
@@ -97,6 +102,8 @@ impl Default for ModelConfig {
             qk_rope_head_dim: None,
             v_head_dim: None,
             sliding_window_size: None,
+            every_n_layers_nope: None,
+            attention_chunk_size: None,
             converters: Vec::new(),
             attn_mask_type: "block_causal".into(),
         }
@@ -170,6 +177,8 @@ impl Config {
         if let Some(v) = m.norm_eps {
             a.norm_eps = v;
         }
+        a.every_n_layers_nope = m.every_n_layers_nope.or(a.every_n_layers_nope);
+        a.attention_chunk_size = m.attention_chunk_size.or(a.attention_chunk_size);
         if let Some(v) = m.head_dim {
             if a.mla.is_some() {
                 bail!("[model] head_dim = {v} does not apply to multi-head latent attention (its widths: qk_nope_head_dim, qk_rope_head_dim, v_head_dim)");

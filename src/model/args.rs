@@ -55,6 +55,15 @@ pub struct ModelArgs {
     /// `attention_bias`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attention_bias: bool,
+    /// Every `n`-th block (`l + 1` a multiple of `n`) applies no RoPE (Llama 4's iRoPE: NoPE
+    /// blocks; TorchTitan's `every_n_layers_nope`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub every_n_layers_nope: Option<usize>,
+    /// Chunked attention on the blocks with RoPE: a query sees only the earlier keys of its own
+    /// chunk of `size` positions (Llama 4's `attention_chunk_size`, TorchTitan's
+    /// `fixed_attn_block_size`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_chunk_size: Option<usize>,
 }
 
 /// Sliding-window attention: in block `l` with `l % period == 0` a query sees only the last
@@ -110,6 +119,8 @@ pub const BOUNDS: &[(&str, usize, usize)] = &[
     ("moe.num_experts", 1, 1 << 10),
     ("sliding_window.size", 1, 1 << 24),
     ("sliding_window.period", 1, 1 << 12),
+    ("every_n_layers_nope", 1, 1 << 12),
+    ("attention_chunk_size", 1, 1 << 24),
 ];
 
 /// The range `ModelArgs::validate` accepts for size field `field` (a name of `BOUNDS`; any other
@@ -138,6 +149,17 @@ impl ModelArgs {
     pub fn window_at(&self, layer: usize) -> Option<usize> {
         let w = self.sliding_window?;
         layer.is_multiple_of(w.period).then_some(w.size)
+    }
+
+    /// Whether block `layer` rotates its queries and keys (all but the NoPE blocks).
+    pub fn rope_at(&self, layer: usize) -> bool {
+        self.every_n_layers_nope
+            .is_none_or(|n| !(layer + 1).is_multiple_of(n))
+    }
+
+    /// The chunk of block `layer`'s chunked attention (None: not chunked).
+    pub fn chunk_at(&self, layer: usize) -> Option<usize> {
+        self.attention_chunk_size.filter(|_| self.rope_at(layer))
     }
 
     /// Block `layer`'s mixture of experts (None: its feed-forward is dense).
@@ -234,6 +256,9 @@ impl ModelArgs {
             if self.attention_bias {
                 bail!("attention_bias with multi-head latent attention is not built (no family has both)");
             }
+            if self.every_n_layers_nope.is_some() || self.attention_chunk_size.is_some() {
+                bail!("NoPE blocks and chunked attention with multi-head latent attention are not built (no family has both)");
+            }
         }
         Ok(())
     }
@@ -258,6 +283,8 @@ impl ModelArgs {
                 "sliding_window.period",
                 self.sliding_window.map(|w| w.period),
             ),
+            ("every_n_layers_nope", self.every_n_layers_nope),
+            ("attention_chunk_size", self.attention_chunk_size),
         ];
         for (field, value) in fields {
             let Some(v) = value else { continue };

@@ -80,6 +80,7 @@ impl<B: Backend> Decoder<B> {
             seq,
             rope,
             documents,
+            chunks,
             resid,
             layers,
             recomputed,
@@ -141,7 +142,7 @@ impl<B: Backend> Decoder<B> {
             dattn,
             mla,
         };
-        let positions = self.positions(rope, documents);
+        let positions = self.positions(rope, documents, chunks);
         let x = resid.read(be, l);
         self.attention_backward(&run, &mut acts, attn, grads, x, positions)
     }
@@ -266,7 +267,10 @@ impl<B: Backend> Decoder<B> {
         }
         let shape = AttnShape::causal(b, s, m.heads, m.kv_heads, hd);
         let x_attn = AttnInputs {
-            mask: positions.mask(self.args.window_at(run.layer)),
+            mask: positions.mask(
+                self.args.window_at(run.layer),
+                self.args.chunk_at(run.layer).is_some(),
+            ),
             ..AttnInputs::causal(&*acts.q, &*acts.k, &*acts.v, shape)
         };
         let saved = AttnSaved {
@@ -329,8 +333,10 @@ impl<B: Backend> Decoder<B> {
         let (be, p, m) = (run.be, run.p, &self.local);
         let (b, s, hd) = (run.batch, run.seq, m.head_dim);
         let (cos, sin) = (positions.cos, positions.sin);
-        be.rope_backward(g.dq, cos, sin, positions.rope(b, s, m.heads, hd));
-        be.rope_backward(g.dk, cos, sin, positions.rope(b, s, m.kv_heads, hd));
+        if self.args.rope_at(run.layer) {
+            be.rope_backward(g.dq, cos, sin, positions.rope(b, s, m.heads, hd));
+            be.rope_backward(g.dk, cos, sin, positions.rope(b, s, m.kv_heads, hd));
+        }
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             let [gq, gk] = grads
                 .bufs

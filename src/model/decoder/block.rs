@@ -142,7 +142,7 @@ impl<B: Backend> Decoder<B> {
         let plan = &ws.plan;
         let mut acts =
             BlockActs::pick(&mut ws.layers[l], scratch, |a| plan.keeps_as_computed(l, a));
-        let positions = self.positions(&ws.rope, &ws.documents);
+        let positions = self.positions(&ws.rope, &ws.documents, &ws.chunks);
         let scratch = (&mut ws.full, &mut ws.mla);
         self.attention_half(&run, &mut acts, input, scratch, positions, kv)?;
         self.feed_forward_half(&run, &mut acts, output, &mut ws.full)?;
@@ -186,7 +186,8 @@ impl<B: Backend> Decoder<B> {
             AttentionIds::Mla(ids) => self.mla_forward(run, acts, ids, mla, positions, at)?,
         }
         if run.redo(Act::AttnOut) || run.redo(Act::Lse) {
-            let mask = positions.mask(self.args.window_at(run.layer));
+            let l = run.layer;
+            let mask = positions.mask(self.args.window_at(l), self.args.chunk_at(l).is_some());
             self.attend(run, acts, kv, mask)?;
             run.round(acts, &[Act::AttnOut]);
         }
@@ -261,6 +262,11 @@ impl<B: Backend> Decoder<B> {
             }
         }
         let (b, s, (cos, sin)) = (run.batch, run.seq, (positions.cos, positions.sin));
+        // NoPE blocks (Llama 4's) rotate nothing.
+        let (redo_q, redo_k) = match a.rope_at(run.layer) {
+            true => (redo_q, redo_k),
+            false => (false, false),
+        };
         if redo_q {
             be.rope_forward(acts.q, cos, sin, positions.rope(b, s, m.heads, hd).at(at));
         }
@@ -335,10 +341,14 @@ impl<B: Backend> Decoder<B> {
                     q_offset: pos,
                 };
                 // Generation: the prompt and what follows are one document, within the
-                // block's window.
+                // block's window, and in a chunked block within each position's chunk.
+                let in_chunk: Option<Vec<u32>> = self.args.chunk_at(run.layer).map(|c| {
+                    let rows: Vec<u32> = (pos..pos + s).map(|p| (p % c) as u32).collect();
+                    rows.repeat(b)
+                });
                 let x = AttnInputs {
                     mask: AttnMask {
-                        positions: None,
+                        positions: in_chunk.as_deref(),
                         window: mask.window,
                     },
                     ..AttnInputs::causal(acts.q, k, v, shape)

@@ -299,6 +299,7 @@ impl<B: Backend> Decoder<B> {
         &'a self,
         own: &'a Option<(B::Buf, B::Buf)>,
         in_document: &'a Option<Vec<u32>>,
+        in_chunk: &'a Option<Vec<u32>>,
     ) -> Positions<'a, B> {
         debug_assert!(
             self.local.cp == 1 || own.is_some(),
@@ -308,7 +309,7 @@ impl<B: Backend> Decoder<B> {
             Some((cos, sin)) => (cos, sin),
             None => (&self.rope_cos, &self.rope_sin),
         };
-        Positions::new(tables, in_document.as_deref())
+        Positions::new(tables, in_document.as_deref(), in_chunk.as_deref())
     }
 
     /// The rows of the model's RoPE tables at `positions`, one a token, on the device.
@@ -334,9 +335,12 @@ impl<B: Backend> Decoder<B> {
     /// With documents on, each input token's position in its document (of the rank's rows: with
     /// context parallelism, its shard's, found from the whole sequences in `tokens`) and the RoPE
     /// tables' rows for them; nothing when every sequence is one document (then attention and
-    /// RoPE are exactly the causal ones).
+    /// RoPE are exactly the causal ones). With chunked attention, each token's place in its chunk
+    /// (`positions::chunk_positions`); nothing when no chunk starts inside a document.
     fn load_documents(&self, be: &B, ws: &mut Workspace<B>, tokens: &[u32]) -> Result<()> {
-        if !self.documents {
+        let chunk = self.args.attention_chunk_size;
+        ws.chunks = None;
+        if !self.documents && chunk.is_none() {
             return Ok(());
         }
         let s = ws.seq * self.local.cp;
@@ -344,10 +348,23 @@ impl<B: Backend> Decoder<B> {
         let positions: Vec<u32> = tokens
             .chunks(s + 1)
             .flat_map(|row| {
-                let whole = document_positions(&row[..s]);
+                let whole = match self.documents {
+                    true => document_positions(&row[..s]),
+                    false => (0..s as u32).collect(),
+                };
                 shard.iter().map(move |&p| whole[p])
             })
             .collect();
+        if let Some(c) = chunk {
+            let indices: Vec<usize> = shard
+                .iter()
+                .copied()
+                .cycle()
+                .take(positions.len())
+                .collect();
+            let in_chunk = positions::chunk_positions(&indices, &positions, c);
+            ws.chunks = (in_chunk != positions).then_some(in_chunk);
+        }
         let one_document = positions
             .chunks(ws.seq)
             .all(|row| row.iter().zip(&shard).all(|(&p, &at)| p as usize == at));

@@ -38,6 +38,8 @@ pub(super) struct Positions<'a, B: Backend> {
     /// Each token's position in its document (`[batch, seq]`) when some sequence holds more than
     /// one; `None`: every sequence one document (plain causal attention).
     in_document: Option<&'a [u32]>,
+    /// Each token's place in its chunk of chunked attention (`chunk_positions`; None without).
+    in_chunk: Option<&'a [u32]>,
 }
 
 impl<B: Backend> Clone for Positions<'_, B> {
@@ -52,12 +54,14 @@ impl<'a, B: Backend> Positions<'a, B> {
     pub(super) fn new(
         (cos, sin): (&'a B::Buf, &'a B::Buf),
         in_document: Option<&'a [u32]>,
+        in_chunk: Option<&'a [u32]>,
     ) -> Self {
         Positions {
             cos,
             sin,
             per_token: in_document.is_some(),
             in_document,
+            in_chunk,
         }
     }
 
@@ -72,14 +76,29 @@ impl<'a, B: Backend> Positions<'a, B> {
         RopeShape::new(batch, seq, heads, head_dim).tables_per_token(self.per_token)
     }
 
-    /// Which keys each query sees: its own document's up to itself, within the block's sliding
-    /// window (`window`) when it has one.
-    pub(super) fn mask(&self, window: Option<usize>) -> AttnMask<'a> {
-        AttnMask {
-            positions: self.in_document,
-            window,
-        }
+    /// Which keys each query sees: its own document's up to itself (and its own chunk's, in a
+    /// `chunked` block), within the block's sliding window (`window`) when it has one.
+    pub(super) fn mask(&self, window: Option<usize>, chunked: bool) -> AttnMask<'a> {
+        // No chunk starting inside a document: the chunk mask is the document mask.
+        let positions = match chunked {
+            true => self.in_chunk.or(self.in_document),
+            false => self.in_document,
+        };
+        AttnMask { positions, window }
     }
+}
+
+/// Each token's place in its chunk of `chunk` positions (chunked attention: a query sees the
+/// earlier keys of its chunk only), where `indices` are the tokens' positions in their sequence
+/// and `in_document` their positions in their documents: a document's start starts a chunk
+/// too, so the mask is the document mask and the chunk mask at once. Like document positions,
+/// these grow by one or restart at 0, as `AttnMask::positions` needs.
+pub fn chunk_positions(indices: &[usize], in_document: &[u32], chunk: usize) -> Vec<u32> {
+    indices
+        .iter()
+        .zip(in_document)
+        .map(|(&at, &doc)| ((at % chunk) as u32).min(doc))
+        .collect()
 }
 
 #[cfg(test)]

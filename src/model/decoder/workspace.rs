@@ -63,6 +63,9 @@ pub struct Workspace<B: Backend> {
     /// Each input token's position in its document (`[batch, seq]`) when block-causal attention
     /// is on and some sequence holds more than one document (`positions.rs`).
     pub(super) documents: Option<Vec<u32>>,
+    /// Each input token's place in its chunk of chunked attention, its document's start counted
+    /// as a chunk's (`[batch, seq]`; Llama 4's `attention_chunk_size`; None without).
+    pub(super) chunks: Option<Vec<u32>>,
     /// Input of block `l` at entry `l`; the last entry is the final block's output. A pipeline
     /// rank's entries of other ranks' blocks are empty (`ActivationPlan::holds_block_input`).
     pub(super) resid: ResidualStream<B>,
@@ -397,6 +400,7 @@ impl<B: Backend> Workspace<B> {
             seq,
             rope: None,
             documents: None,
+            chunks: None,
             // A pipeline rank's residual stream at its own blocks only.
             resid: ResidualStream::allocate(backend, &plan, r * d, transient),
             layers: (0..m.n_layers)

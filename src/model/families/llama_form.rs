@@ -122,6 +122,8 @@ pub fn read(cfg: &Value, file: &Path, form: &LlamaForm) -> Result<ModelArgs> {
         attention_sinks: false,
         sliding_window: None,
         attention_bias: false,
+        every_n_layers_nope: None,
+        attention_chunk_size: None,
     })
 }
 

@@ -170,6 +170,8 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<HfShapes> {
         attention_sinks: false,
         sliding_window: None,
         attention_bias: false,
+        every_n_layers_nope: None,
+        attention_chunk_size: None,
     };
     let interleaved = cfg
         .get("rope_interleave")

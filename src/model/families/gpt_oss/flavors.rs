@@ -73,6 +73,8 @@ pub fn gpt_oss(dim: usize, n_layers: usize, experts: usize, vocab: usize) -> Mod
             period: 2,
         }),
         attention_bias: true,
+        every_n_layers_nope: None,
+        attention_chunk_size: None,
     }
 }
 

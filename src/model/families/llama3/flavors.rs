@@ -106,6 +106,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         attention_sinks: false,
         sliding_window: None,
         attention_bias: false,
+        every_n_layers_nope: None,
+        attention_chunk_size: None,
     })
 }
 
