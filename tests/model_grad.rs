@@ -340,22 +340,25 @@ fn gpt_oss_whole_model_gradient_matches_finite_differences() {
     check_model(args, false);
 }
 
-/// The window masks: a window as long as the sequence changes nothing, a shorter one changes the
-/// loss of the blocks it is on; a sink changes it too.
-#[test]
-fn a_sliding_window_and_sinks_change_the_model_only_as_they_should() {
-    use titan::model::args::SlidingWindow;
+/// The summed loss of `args`' model, initialised with seed 3, on 2 fixed sequences of 9 tokens.
+fn fixed_loss(args: ModelArgs) -> f64 {
     let be = CpuBackend::new();
     let (batch, seq) = (2, 9);
     let tokens: Vec<u32> = (0..batch * (seq + 1))
         .map(|i| (i * 7 % 23) as u32)
         .collect();
-    let loss = |args: ModelArgs| {
-        let model = Decoder::new(&be, args.clone(), seq).unwrap();
-        let params = init_params(&be, &args, 3);
-        let mut ws = Workspace::new(&be, &args, batch, seq);
-        model.loss(&be, &params, &mut ws, &tokens).unwrap().sum
-    };
+    let model = Decoder::new(&be, args.clone(), seq).unwrap();
+    let params = init_params(&be, &args, 3);
+    let mut ws = Workspace::new(&be, &args, batch, seq);
+    model.loss(&be, &params, &mut ws, &tokens).unwrap().sum
+}
+
+/// The window masks: a window as long as the sequence changes nothing, a shorter one changes the
+/// loss of the blocks it is on; a sink changes it too.
+#[test]
+fn a_sliding_window_and_sinks_change_the_model_only_as_they_should() {
+    use titan::model::args::SlidingWindow;
+    let (loss, seq) = (fixed_loss, 9);
     let plain = loss(llama_args(false));
     let window = |size| ModelArgs {
         sliding_window: Some(SlidingWindow { size, period: 2 }),
@@ -387,17 +390,7 @@ fn nope_blocks_and_chunked_attention_whole_model_gradient() {
 /// only) and RoPE's θ change nothing; one NoPE block changes the loss.
 #[test]
 fn nope_blocks_and_chunks_change_the_model_only_as_they_should() {
-    let be = CpuBackend::new();
-    let (batch, seq) = (2, 9);
-    let tokens: Vec<u32> = (0..batch * (seq + 1))
-        .map(|i| (i * 7 % 23) as u32)
-        .collect();
-    let loss = |args: ModelArgs| {
-        let model = Decoder::new(&be, args.clone(), seq).unwrap();
-        let params = init_params(&be, &args, 3);
-        let mut ws = Workspace::new(&be, &args, batch, seq);
-        model.loss(&be, &params, &mut ws, &tokens).unwrap().sum
-    };
+    let (loss, seq) = (fixed_loss, 9);
     let plain = loss(llama_args(false));
     let with = |nope: Option<usize>, chunk: Option<usize>, theta: f64| ModelArgs {
         every_n_layers_nope: nope,

@@ -55,19 +55,44 @@ pub fn tied_embeddings(cfg: &Value) -> bool {
         .unwrap_or(false)
 }
 
-/// Config fields that change what the model computes and that titan does not implement: an
-/// error, not a silently different model.
-pub fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
+/// `hidden_act` is SwiGLU's `silu` (absent: transformers' default, the same), else an error
+/// naming it.
+pub fn refuse_other_activation(cfg: &Value, file: &Path) -> Result<()> {
     let act = cfg
         .get("hidden_act")
         .and_then(Value::as_str)
         .unwrap_or("silu");
     if act != "silu" {
         bail!(
-            "{}: hidden_act `{act}` is not supported (titan's feed-forward is SwiGLU: \"silu\")",
+            "{}: hidden_act `{act}` is not supported (titan's feed-forwards are SwiGLU: \"silu\")",
             file.display()
         );
     }
+    Ok(())
+}
+
+/// The `config.json` fields every decoder family writes alike: sizes, heads, the norm's ε,
+/// positions, embeddings and SwiGLU's activation.
+pub fn decoder_fields(args: &ModelArgs) -> Value {
+    serde_json::json!({
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim(),
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tied_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+    })
+}
+
+/// Config fields that change what the model computes and that titan does not implement: an
+/// error, not a silently different model.
+pub fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
+    refuse_other_activation(cfg, file)?;
     if cfg.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
         bail!(
             "{}: use_sliding_window = true is not supported (titan's attention is full causal attention)",

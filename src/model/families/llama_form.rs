@@ -12,7 +12,9 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
-use super::hf_fields::{get_size, merge, norm_eps, refuse_unsupported, tied_embeddings};
+use super::hf_fields::{
+    decoder_fields, get_size, merge, norm_eps, refuse_unsupported, tied_embeddings,
+};
 use super::hf_rope::{hf_rope_fields, rope_from_hf};
 use crate::model::ModelArgs;
 
@@ -158,21 +160,11 @@ pub fn write(args: &ModelArgs, architecture: &str, model_type: &str) -> Value {
         "architectures": [architecture],
         "model_type": model_type,
         "use_sliding_window": false,
-        "attention_dropout": 0.0,
-        "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim(),
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tied_embeddings,
-        "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
     });
+    merge(&mut config, decoder_fields(args));
     merge(
         &mut config,
         hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),

@@ -12,7 +12,9 @@ use serde_json::{json, Value};
 use super::flavors::{gpt_oss, YARN};
 use crate::backend::cpu::rope::RopeScaling;
 use crate::model::args::SlidingWindow;
-use crate::model::families::hf_fields::{get_size, merge, norm_eps, tied_embeddings};
+use crate::model::families::hf_fields::{
+    decoder_fields, get_size, merge, norm_eps, refuse_other_activation, tied_embeddings,
+};
 use crate::model::families::hf_rope::{hf_rope_fields, rope_from_hf};
 use crate::model::families::{hf_names, ExpertSlice, HfPart};
 use crate::model::moe::activation::ExpertActivation;
@@ -94,16 +96,7 @@ fn check_layer_types(cfg: &Value, n_layers: usize, file: &Path) -> Result<()> {
 
 /// Refuses the fields whose other values change what gpt-oss computes.
 fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
-    let act = cfg
-        .get("hidden_act")
-        .and_then(Value::as_str)
-        .unwrap_or("silu");
-    if act != "silu" {
-        bail!(
-            "{}: hidden_act `{act}` is not supported (gpt-oss's experts: \"silu\")",
-            file.display()
-        );
-    }
+    refuse_other_activation(cfg, file)?;
     if cfg.get("attention_bias").and_then(Value::as_bool) == Some(false) {
         bail!(
             "{}: attention_bias = false is not supported (gpt-oss's attention has biases)",
@@ -180,19 +173,8 @@ pub fn write(args: &ModelArgs) -> Result<Value> {
     let mut config = json!({
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
-        "hidden_size": args.dim,
         "intermediate_size": moe.hidden,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim(),
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tied_embeddings,
-        "hidden_act": "silu",
         "attention_bias": true,
-        "attention_dropout": 0.0,
         "num_local_experts": moe.router.num_experts,
         "num_experts_per_tok": moe.router.top_k,
         "swiglu_alpha": alpha,
@@ -202,6 +184,7 @@ pub fn write(args: &ModelArgs) -> Result<Value> {
         "output_router_logits": false,
         "router_aux_loss_coef": 0.0,
     });
+    merge(&mut config, decoder_fields(args));
     merge(
         &mut config,
         hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
