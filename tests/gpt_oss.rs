@@ -183,21 +183,18 @@ fn gpt_oss_matches_one_process_under_every_pipeline_schedule_and_float8_experts(
 #[test]
 fn gpt_oss_in_bf16_matches_one_process_in_bf16() {
     let bf16 = ["--training.mixed_precision_param", "bfloat16"];
-    let cases: [(&str, &[&str]); 2] = [
-        ("TP 2", &["--parallelism.tensor_parallel_degree", "2"]),
+    // (what, for both runs, for the parallel one)
+    let cases: [(&str, &[&str], &[&str]); 2] = [
+        ("TP 2", &[], &["--parallelism.tensor_parallel_degree", "2"]),
         (
             "FSDP 2 × EP 2",
-            &[
-                "--training.global_batch_size",
-                "16",
-                "--parallelism.expert_parallel_degree",
-                "2",
-            ],
+            &["--training.global_batch_size", "4"],
+            &["--parallelism.expert_parallel_degree", "2"],
         ),
     ];
-    for (what, parallel) in cases {
+    for (what, both, parallel) in cases {
         let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let single = [GPT_OSS, &bf16[..]].concat();
+        let single = [GPT_OSS, &bf16[..], both].concat();
         let o = common::train(one.path(), &[], &single);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let o = common::train(many.path(), &nproc("2"), &[&single[..], parallel].concat());
