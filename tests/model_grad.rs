@@ -406,6 +406,46 @@ fn nope_blocks_and_chunks_change_the_model_only_as_they_should() {
     assert_eq!(loss(with(Some(1), None, 500.0)), all_nope);
 }
 
+/// Generation with a KV cache in a chunked model: the last logits of 11 tokens fed at once equal
+/// those of 5 fed and then 6 one at a time (each new position masked to its chunk of 4 from its
+/// offset in the cache), and differ from the unchunked model's.
+#[test]
+fn a_kv_cache_keeps_each_position_to_its_chunk() {
+    let be = CpuBackend::new();
+    let args = ModelArgs {
+        every_n_layers_nope: Some(2),
+        attention_chunk_size: Some(4),
+        ..llama_args(false)
+    };
+    let tokens: Vec<u32> = (0..11).map(|i| (i * 5 % 23) as u32).collect();
+    let last_logits = |args: &ModelArgs, first: usize| {
+        let model = Decoder::new(&be, args.clone(), 16).unwrap();
+        let params = init_params(&be, args, 3);
+        let mut cache = titan::model::KvCache::new(&be, args, 16);
+        let mut logits = model
+            .forward_cached(&be, &params, &mut cache, &tokens[..first])
+            .unwrap();
+        for t in &tokens[first..] {
+            logits = model
+                .forward_cached(&be, &params, &mut cache, &[*t])
+                .unwrap();
+        }
+        logits
+    };
+    let (whole, stepped) = (last_logits(&args, 11), last_logits(&args, 5));
+    let worst = whole
+        .iter()
+        .zip(&stepped)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "cached generation differs by {worst}");
+    let unchunked = ModelArgs {
+        attention_chunk_size: None,
+        ..args
+    };
+    assert_ne!(last_logits(&unchunked, 11), whole);
+}
+
 #[test]
 fn mla_whole_model_gradient_matches_finite_differences() {
     use titan::backend::cpu::rope::{RopeScaling, YarnScaling};
