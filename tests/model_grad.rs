@@ -7,6 +7,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use titan::backend::cpu::CpuBackend;
 use titan::backend::Backend;
+use titan::model::args::AttentionTemperature;
 use titan::model::{init_params, Decoder, ModelArgs, ParamSet, Workspace};
 
 fn tiny_args(tied: bool) -> ModelArgs {
@@ -36,6 +37,8 @@ fn llama_args(tied: bool) -> ModelArgs {
         attention_bias: false,
         every_n_layers_nope: None,
         attention_chunk_size: None,
+        l2_qk_norm: false,
+        attention_temperature: None,
     }
 }
 
@@ -385,6 +388,48 @@ fn nope_blocks_and_chunked_attention_whole_model_gradient() {
     check_model(args, false);
 }
 
+/// The rest of Llama 4's attention: the weightless QK-norm after RoPE on the RoPE block and
+/// temperature tuning on the NoPE block, its floor scale 2 so that the 9 positions take factors
+/// from 1 to 1 + ln 6 / 2 (Llama 4's 8192 would leave them all 1).
+#[test]
+fn l2_qk_norm_and_attention_temperature_whole_model_gradient() {
+    check_model(llama4_attention(2), false);
+}
+
+/// Llama 4's attention over 2 blocks: block 1 NoPE with temperature tuning of `floor_scale`,
+/// block 0 chunked (4) with the L2 QK-norm.
+fn llama4_attention(floor_scale: usize) -> ModelArgs {
+    ModelArgs {
+        every_n_layers_nope: Some(2),
+        attention_chunk_size: Some(4),
+        l2_qk_norm: true,
+        attention_temperature: Some(AttentionTemperature {
+            floor_scale,
+            scale: 0.5,
+        }),
+        ..llama_args(false)
+    }
+}
+
+/// Temperature tuning changes nothing while every position is below its floor scale, and the
+/// loss when some are not; the L2 norm changes the loss.
+#[test]
+fn temperature_tuning_and_the_l2_norm_change_the_model_only_as_they_should() {
+    let loss = fixed_loss;
+    let high = loss(llama4_attention(10));
+    let none = ModelArgs {
+        attention_temperature: None,
+        ..llama4_attention(2)
+    };
+    assert_eq!(high, loss(none.clone()));
+    assert_ne!(loss(llama4_attention(2)), high);
+    let unnormed = ModelArgs {
+        l2_qk_norm: false,
+        ..none
+    };
+    assert_ne!(loss(unnormed), high);
+}
+
 /// NoPE and chunks change the model only as they should: a chunk as long as the sequence changes
 /// nothing, a shorter one changes the loss; with every block NoPE, chunks (on the RoPE blocks
 /// only) and RoPE's θ change nothing; one NoPE block changes the loss.
@@ -406,17 +451,14 @@ fn nope_blocks_and_chunks_change_the_model_only_as_they_should() {
     assert_eq!(loss(with(Some(1), None, 500.0)), all_nope);
 }
 
-/// Generation with a KV cache in a chunked model: the last logits of 11 tokens fed at once equal
-/// those of 5 fed and then 6 one at a time (each new position masked to its chunk of 4 from its
-/// offset in the cache), and differ from the unchunked model's.
+/// Generation with a KV cache in Llama 4's blocks: the last logits of 11 tokens fed at once equal
+/// those of 5 fed and then 6 one at a time (each new position masked to its chunk of 4 and its
+/// queries' temperature found from its offset in the cache), and differ from the unchunked
+/// model's.
 #[test]
 fn a_kv_cache_keeps_each_position_to_its_chunk() {
     let be = CpuBackend::new();
-    let args = ModelArgs {
-        every_n_layers_nope: Some(2),
-        attention_chunk_size: Some(4),
-        ..llama_args(false)
-    };
+    let args = llama4_attention(3);
     let tokens: Vec<u32> = (0..11).map(|i| (i * 5 % 23) as u32).collect();
     let last_logits = |args: &ModelArgs, first: usize| {
         let model = Decoder::new(&be, args.clone(), 16).unwrap();

@@ -83,6 +83,8 @@ impl Config {
             attention_bias: false,
             every_n_layers_nope: None,
             attention_chunk_size: None,
+            l2_qk_norm: false,
+            attention_temperature: None,
             ..args.clone()
         });
         for t in &l.target_modules {

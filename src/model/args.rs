@@ -64,6 +64,41 @@ pub struct ModelArgs {
     /// `fixed_attn_block_size`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_chunk_size: Option<usize>,
+    /// A weightless RMSNorm (ε `norm_eps`) over each query and key head after RoPE, on the
+    /// blocks that rotate (Llama 4's `use_qk_norm`, transformers' `Llama4TextL2Norm`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub l2_qk_norm: bool,
+    /// Attention temperature tuning on the NoPE blocks (Llama 4's `attn_temperature_tuning`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_temperature: Option<AttentionTemperature>,
+}
+
+/// Where a block norms its query and key heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    /// RMSNorm with weights `[head_dim]` before RoPE (Qwen3's).
+    Weighted,
+    /// A weightless RMSNorm after RoPE (Llama 4's L2 norm).
+    Weightless,
+}
+
+/// Attention temperature tuning (Llama 4's NoPE blocks, arXiv 2501.19399): the queries of the
+/// token at sequence position `p` (from the sequence's first token, whatever its document; a KV
+/// cache's earlier positions counted) are scaled by `ln(1 + ⌊(p + 1) / floor_scale⌋) · scale + 1`,
+/// which is exactly 1 below `floor_scale − 1` (Llama 4: 8192 and 0.1).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionTemperature {
+    pub floor_scale: usize,
+    pub scale: f32,
+}
+
+impl AttentionTemperature {
+    /// The factor of the queries at sequence position `position`, in f32 as transformers
+    /// computes it.
+    pub fn factor(&self, position: usize) -> f32 {
+        let steps = ((position as f32 + 1.0) / self.floor_scale as f32).floor();
+        steps.ln_1p() * self.scale + 1.0
+    }
 }
 
 /// Sliding-window attention: in block `l` with `l % period == 0` a query sees only the last
@@ -121,6 +156,7 @@ pub const BOUNDS: &[(&str, usize, usize)] = &[
     ("sliding_window.period", 1, 1 << 12),
     ("every_n_layers_nope", 1, 1 << 12),
     ("attention_chunk_size", 1, 1 << 24),
+    ("attention_temperature.floor_scale", 1, 1 << 24),
 ];
 
 /// The range `ModelArgs::validate` accepts for size field `field` (a name of `BOUNDS`; any other
@@ -155,6 +191,20 @@ impl ModelArgs {
     pub fn rope_at(&self, layer: usize) -> bool {
         self.every_n_layers_nope
             .is_none_or(|n| !(layer + 1).is_multiple_of(n))
+    }
+
+    /// How block `layer` norms its query and key heads (None: not at all).
+    pub fn qk_norm_at(&self, layer: usize) -> Option<QkNorm> {
+        if self.qk_norm {
+            Some(QkNorm::Weighted)
+        } else {
+            (self.l2_qk_norm && self.rope_at(layer)).then_some(QkNorm::Weightless)
+        }
+    }
+
+    /// Block `layer`'s attention temperature tuning (only NoPE blocks have one).
+    pub fn temperature_at(&self, layer: usize) -> Option<AttentionTemperature> {
+        self.attention_temperature.filter(|_| !self.rope_at(layer))
     }
 
     /// The chunk of block `layer`'s chunked attention (None: not chunked).
@@ -259,6 +309,30 @@ impl ModelArgs {
             if self.every_n_layers_nope.is_some() || self.attention_chunk_size.is_some() {
                 bail!("NoPE blocks and chunked attention with multi-head latent attention are not built (no family has both)");
             }
+            if self.l2_qk_norm {
+                bail!(
+                    "l2_qk_norm with multi-head latent attention is not built (no family has both)"
+                );
+            }
+        }
+        self.check_llama4_features()
+    }
+
+    /// Llama 4's attention features against the rest: one QK-norm, temperatures on NoPE blocks.
+    fn check_llama4_features(&self) -> Result<()> {
+        if self.l2_qk_norm && self.qk_norm {
+            bail!("qk_norm (weighted, before RoPE) and l2_qk_norm (weightless, after RoPE) exclude each other");
+        }
+        if let Some(t) = self.attention_temperature {
+            if self.every_n_layers_nope.is_none() {
+                bail!("attention temperature tuning applies to NoPE blocks: it needs every_n_layers_nope");
+            }
+            if !(t.scale.is_finite() && t.scale >= 0.0) {
+                bail!(
+                    "attention temperature scale = {} must be a finite number ≥ 0",
+                    t.scale
+                );
+            }
         }
         Ok(())
     }
@@ -285,6 +359,10 @@ impl ModelArgs {
             ),
             ("every_n_layers_nope", self.every_n_layers_nope),
             ("attention_chunk_size", self.attention_chunk_size),
+            (
+                "attention_temperature.floor_scale",
+                self.attention_temperature.map(|t| t.floor_scale),
+            ),
         ];
         for (field, value) in fields {
             let Some(v) = value else { continue };

@@ -50,7 +50,8 @@ pub struct LocalShapes {
     /// Tensor-parallel degree and this rank's place in its group.
     pub tp: usize,
     pub tp_rank: usize,
-    /// Whether each query and key head is RMS-normalised before RoPE (Qwen3).
+    /// Whether some block RMS-normalises each query and key head (Qwen3's before RoPE, Llama 4's
+    /// weightless after it: `ModelArgs::qk_norm_at`), so the blocks keep q and k un-normed too.
     pub qk_norm: bool,
     /// The mixture-of-experts feed-forward (then `ffn` is its shared experts' width).
     pub moe: Option<MoeArgs>,
@@ -85,7 +86,7 @@ impl LocalShapes {
             vocab_offset: 0,
             tp: 1,
             tp_rank: 0,
-            qk_norm: args.qk_norm,
+            qk_norm: args.qk_norm || args.l2_qk_norm,
             moe: args.moe,
             mla: args.mla,
             cp: 1,

@@ -13,6 +13,7 @@ use super::run::{frozen_or, BackwardRun, BlockLinears};
 use super::workspace::{BlockActs, FfnGrads};
 use super::Decoder;
 use crate::backend::{AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend};
+use crate::model::args::QkNorm;
 use crate::model::moe;
 use crate::model::moe::stats::ExpertStats;
 use crate::model::parallel_linear::{DeferredWeightGrad, SequenceParallel};
@@ -320,7 +321,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Grouped-query attention's backward from attention's q, k, v gradients to the norm's output
-    /// gradient (`g.dnormed`): RoPE's, QK-norm's, then the column-parallel q/k/v projections'.
+    /// gradient (`g.dnormed`): the forward's steps in reverse (temperature tuning's, then RoPE's and
+    /// QK-norm's in the block's order), then the column-parallel q/k/v projections'.
     fn gqa_backward(
         &self,
         run: &BackwardRun<'_, B>,
@@ -331,29 +333,47 @@ impl<B: Backend> Decoder<B> {
         positions: Positions<'_, B>,
     ) -> Result<()> {
         let (be, p, m) = (run.be, run.p, &self.local);
-        let (b, s, hd) = (run.batch, run.seq, m.head_dim);
+        let (b, s, hd, layer) = (run.batch, run.seq, m.head_dim, run.layer);
         let (cos, sin) = (positions.cos, positions.sin);
-        if self.args.rope_at(run.layer) {
-            be.rope_backward(g.dq, cos, sin, positions.rope(b, s, m.heads, hd));
-            be.rope_backward(g.dk, cos, sin, positions.rope(b, s, m.kv_heads, hd));
+        let rope_back = |dx: &mut B::Buf, heads: usize| {
+            be.rope_backward(dx, cos, sin, positions.rope(b, s, heads, hd));
+        };
+        if let Some(t) = self.query_temperatures(layer, b, s, 0) {
+            be.scale_rows(g.dq, &t, m.q_dim());
         }
-        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
-            let [gq, gk] = grads
-                .bufs
-                .get_disjoint_mut([qn, kn])
-                .expect("a block's parameters are distinct");
+        let (rotates, norm) = (self.args.rope_at(layer), self.args.qk_norm_at(layer));
+        if rotates && norm != Some(QkNorm::Weightless) {
+            rope_back(g.dq, m.heads);
+            rope_back(g.dk, m.kv_heads);
+        }
+        if let Some(norm) = norm {
+            let (q_weight, k_weight) = self.qk_norm_weights(ids, p, norm);
             let (mut spare_q, mut spare_k) = (None, None);
-            let gq = frozen_or(be, gq, &mut spare_q, hd);
-            let gk = frozen_or(be, gk, &mut spare_k, hd);
+            // A weightless norm's weight gradient is computed and dropped.
+            let (gq, gk) = match (norm, ids.q_norm.zip(ids.k_norm)) {
+                (QkNorm::Weighted, Some((qn, kn))) => {
+                    let [gq, gk] = grads
+                        .bufs
+                        .get_disjoint_mut([qn, kn])
+                        .expect("a block's parameters are distinct");
+                    let gq = frozen_or(be, gq, &mut spare_q, hd);
+                    (gq, frozen_or(be, gk, &mut spare_k, hd))
+                }
+                _ => (spare_q.insert(be.zeros(hd)), spare_k.insert(be.zeros(hd))),
+            };
             be.fill(g.dq_raw, 0.0);
             be.fill(g.dk_raw, 0.0);
             let (q_raw, k_raw) = (&*acts.q_raw, &*acts.k_raw);
-            be.rmsnorm_backward(g.dq_raw, gq, g.dq, q_raw, &p[qn], acts.rstd_q, hd);
-            be.rmsnorm_backward(g.dk_raw, gk, g.dk, k_raw, &p[kn], acts.rstd_k, hd);
+            be.rmsnorm_backward(g.dq_raw, gq, g.dq, q_raw, q_weight, acts.rstd_q, hd);
+            be.rmsnorm_backward(g.dk_raw, gk, g.dk, k_raw, k_weight, acts.rstd_k, hd);
+            if norm == QkNorm::Weightless && rotates {
+                rope_back(g.dq_raw, m.heads);
+                rope_back(g.dk_raw, m.kv_heads);
+            }
         }
-        let (dq, dk) = match m.qk_norm {
-            true => (&*g.dq_raw, &*g.dk_raw),
-            false => (&*g.dq, &*g.dk),
+        let (dq, dk) = match norm {
+            Some(_) => (&*g.dq_raw, &*g.dk_raw),
+            None => (&*g.dq, &*g.dk),
         };
         let mut qkv = run.projection_grads(
             grads,

@@ -16,6 +16,7 @@ use super::workspace::BlockActs;
 use super::Decoder;
 use crate::backend::{AttnInputs, AttnMask, AttnShape, Backend};
 use crate::model::activation_checkpoint::{Act, ActivationDtype, BlockSave};
+use crate::model::args::QkNorm;
 use crate::model::moe::{self, MoeShapes};
 use crate::model::parallel_linear::{Projection, SequenceParallel};
 use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
@@ -163,7 +164,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// `h = x + wo · Attention(q, k, v)` from `n = RMSNorm(x)`: grouped-query attention's
-    /// `RoPE(wq·n), RoPE(wk·n), wv·n` (with QK-norm, q and k normed per head before RoPE), or
+    /// `RoPE(wq·n), RoPE(wk·n), wv·n` (with QK-norm, q and k normed per head; `gqa_forward`), or
     /// multi-head latent attention's heads (`mla.rs`).
     fn attention_half(
         &self,
@@ -209,8 +210,9 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Grouped-query attention's `q = RoPE(wq·n)`, `k = RoPE(wk·n)`, `v = wv·n` (with QK-norm,
-    /// q and k normed per head before RoPE), positions from `at`.
+    /// Grouped-query attention's `q = RoPE(wq·n)`, `k = RoPE(wk·n)`, `v = wv·n`, positions from
+    /// `at`: with Qwen3's QK-norm q and k normed per head before RoPE, with Llama 4's after it
+    /// (weightless); a NoPE block rotates nothing and may scale its queries (temperature tuning).
     fn gqa_forward(
         &self,
         run: &BlockRun<'_, B>,
@@ -220,19 +222,20 @@ impl<B: Backend> Decoder<B> {
         at: usize,
     ) -> Result<()> {
         let (a, m, be, p) = (&self.args, &self.local, run.be, run.p);
-        let (hd, eps) = (m.head_dim, a.norm_eps);
+        let (hd, eps, layer) = (m.head_dim, a.norm_eps, run.layer);
         let redo = |act| run.redo(act);
         let (redo_q, redo_k) = (redo(Act::Q), redo(Act::K));
+        let norm = a.qk_norm_at(layer);
         {
             // With QK-norm the projections go to q_raw and k_raw, normed per head into q and k.
-            let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match m.qk_norm {
-                true => (
+            let (q_proj, k_proj, redo_q_proj, redo_k_proj) = match norm {
+                Some(_) => (
                     &mut *acts.q_raw,
                     &mut *acts.k_raw,
                     redo(Act::QRaw),
                     redo(Act::KRaw),
                 ),
-                false => (&mut *acts.q, &mut *acts.k, redo_q, redo_k),
+                None => (&mut *acts.q, &mut *acts.k, redo_q, redo_k),
             };
             let mut qkv = Vec::new();
             if redo_q_proj {
@@ -253,33 +256,80 @@ impl<B: Backend> Decoder<B> {
             )?;
         }
         run.round(acts, &[Act::QRaw, Act::KRaw, Act::Q, Act::K, Act::V]);
-        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
+        let rope = |x: &mut B::Buf, heads: usize| {
+            let shape = positions.rope(run.batch, run.seq, heads, hd).at(at);
+            be.rope_forward(x, positions.cos, positions.sin, shape);
+        };
+        let rotates = a.rope_at(layer);
+        // Llama 4's L2 norm reads the rotated rows: RoPE them where they were just projected.
+        if norm == Some(QkNorm::Weightless) {
+            if redo(Act::QRaw) {
+                rope(acts.q_raw, m.heads);
+            }
+            if redo(Act::KRaw) {
+                rope(acts.k_raw, m.kv_heads);
+            }
+            run.round(acts, &[Act::QRaw, Act::KRaw]);
+        }
+        if let Some(norm) = norm {
+            let (q_weight, k_weight) = self.qk_norm_weights(ids, p, norm);
             if redo_q || redo(Act::RstdQ) {
-                be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, &p[qn], hd, eps);
+                be.rmsnorm_forward(acts.q, acts.rstd_q, acts.q_raw, q_weight, hd, eps);
             }
             if redo_k || redo(Act::RstdK) {
-                be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, &p[kn], hd, eps);
+                be.rmsnorm_forward(acts.k, acts.rstd_k, acts.k_raw, k_weight, hd, eps);
             }
         }
-        let (b, s, (cos, sin)) = (run.batch, run.seq, (positions.cos, positions.sin));
-        // NoPE blocks (Llama 4's) rotate nothing.
-        let (redo_q, redo_k) = match a.rope_at(run.layer) {
-            true => (redo_q, redo_k),
-            false => (false, false),
-        };
-        if redo_q {
-            be.rope_forward(acts.q, cos, sin, positions.rope(b, s, m.heads, hd).at(at));
+        if rotates && norm != Some(QkNorm::Weightless) {
+            if redo_q {
+                rope(acts.q, m.heads);
+            }
+            if redo_k {
+                rope(acts.k, m.kv_heads);
+            }
         }
-        if redo_k {
-            be.rope_forward(
-                acts.k,
-                cos,
-                sin,
-                positions.rope(b, s, m.kv_heads, hd).at(at),
-            );
+        if redo_q {
+            if let Some(t) = self.query_temperatures(layer, run.batch, run.seq, at) {
+                be.scale_rows(acts.q, &t, m.q_dim());
+            }
         }
         run.round(acts, &[Act::Q, Act::K]);
         Ok(())
+    }
+
+    /// The weights of QK-norm `norm` over the query and the key heads: the block's (Qwen3's),
+    /// or ones (Llama 4's weightless norm).
+    pub(super) fn qk_norm_weights<'p>(
+        &'p self,
+        ids: &GqaIds,
+        p: &'p [B::Buf],
+        norm: QkNorm,
+    ) -> (&'p B::Buf, &'p B::Buf) {
+        match (norm, ids.q_norm.zip(ids.k_norm), &self.unit_weight) {
+            (QkNorm::Weighted, Some((qn, kn)), _) => (&p[qn], &p[kn]),
+            (QkNorm::Weightless, _, Some(ones)) => (ones, ones),
+            _ => unreachable!("a weighted QK-norm has weights; a weightless one the unit ones"),
+        }
+    }
+
+    /// The factor of each query row (`[batch, seq]`) of block `layer`'s temperature tuning, from
+    /// the rows' positions in their sequences (a context-parallel shard's, a KV cache's from
+    /// `at`); None where the block has none or every factor is 1 (every position below the
+    /// floor scale), so such a block computes exactly as one without.
+    pub(super) fn query_temperatures(
+        &self,
+        layer: usize,
+        batch: usize,
+        seq: usize,
+        at: usize,
+    ) -> Option<Vec<f32>> {
+        let t = self.args.temperature_at(layer)?;
+        let indices = match self.local.cp {
+            1 => (0..seq).collect(),
+            cp => self.sequence_shard().positions(seq * cp),
+        };
+        let row: Vec<f32> = indices.iter().map(|&i| t.factor(at + i)).collect();
+        row.iter().any(|&f| f != 1.0).then(|| row.repeat(batch))
     }
 
     /// Causal attention of the block's queries over its keys and values: the workspace's

@@ -85,6 +85,8 @@ pub struct Decoder<B: Backend> {
     documents: bool,
     /// Which linears compute in float8 (`[model] converters`; none by default).
     float8: Float8Conversion,
+    /// Ones of the head width: the weight of a weightless QK-norm (Llama 4's; None without).
+    unit_weight: Option<B::Buf>,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -115,6 +117,9 @@ impl<B: Backend> Decoder<B> {
             }
             _ => Vec::new(),
         };
+        let unit_weight = args
+            .l2_qk_norm
+            .then(|| backend.upload(&vec![1.0; args.head_dim()]));
         Ok(Decoder {
             ids: ParamIds::new(&args),
             args,
@@ -130,6 +135,7 @@ impl<B: Backend> Decoder<B> {
             rope_host: (cos, sin),
             documents: false,
             float8: Float8Conversion::default(),
+            unit_weight,
         })
     }
 

@@ -126,6 +126,8 @@ pub fn read(cfg: &Value, file: &Path, form: &LlamaForm) -> Result<ModelArgs> {
         attention_bias: false,
         every_n_layers_nope: None,
         attention_chunk_size: None,
+        l2_qk_norm: false,
+        attention_temperature: None,
     })
 }
 

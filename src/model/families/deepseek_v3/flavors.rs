@@ -146,6 +146,8 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         attention_bias: false,
         every_n_layers_nope: None,
         attention_chunk_size: None,
+        l2_qk_norm: false,
+        attention_temperature: None,
     })
 }
 

@@ -172,6 +172,8 @@ pub fn args_from_deepseek_config(cfg: &Value, file: &Path) -> Result<HfShapes> {
         attention_bias: false,
         every_n_layers_nope: None,
         attention_chunk_size: None,
+        l2_qk_norm: false,
+        attention_temperature: None,
     };
     let interleaved = cfg
         .get("rope_interleave")

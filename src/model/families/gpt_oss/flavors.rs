@@ -75,6 +75,8 @@ pub fn gpt_oss(dim: usize, n_layers: usize, experts: usize, vocab: usize) -> Mod
         attention_bias: true,
         every_n_layers_nope: None,
         attention_chunk_size: None,
+        l2_qk_norm: false,
+        attention_temperature: None,
     }
 }
 
