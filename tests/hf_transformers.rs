@@ -195,6 +195,49 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
     );
 }
 
+/// Llama 4 text (4 blocks: block 3 without RoPE, its queries temperature-tuned from position 3 on
+/// (floor scale 4); chunks of 6 positions with the L2 QK-norm on the others; experts (2 a token,
+/// here) beside a shared one in blocks 1 and 3, dense SwiGLUs of their own width in 0 and 2;
+/// Scout's Llama 3 RoPE scaling): made by transformers, imported (the fused experts sliced per
+/// expert), loss and greedy tokens equal transformers', and exported back the same.
+#[test]
+fn llama4_made_by_transformers_imports_generates_and_exports_back() {
+    round_trip_made_by_transformers(
+        r#"
+import sys, torch
+from transformers import Llama4TextConfig, Llama4ForCausalLM
+cfg = Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       vocab_size=300, max_position_embeddings=128, num_local_experts=4,
+                       num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=4,
+                       attention_chunk_size=6, floor_scale=4, attn_scale=0.5,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                        "original_max_position_embeddings": 8},
+                       tie_word_embeddings=False)
+torch.manual_seed(0)
+model = Llama4ForCausalLM(cfg)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        # Attention far from uniform, so that temperatures and norms move the logits.
+        if "self_attn" in name:
+            p.mul_(10.0)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#,
+        |args| {
+            assert_eq!(args.every_n_layers_nope, Some(4));
+            assert_eq!(args.attention_chunk_size, Some(6));
+            assert!(args.l2_qk_norm && args.rope_at(2) && !args.rope_at(3));
+            let t = args.attention_temperature.unwrap();
+            assert_eq!((t.floor_scale, t.scale), (4, 0.5));
+            let moe = args.moe.as_ref().unwrap();
+            assert!(moe.score_before_experts && moe.load_balance_coeff.is_none());
+            assert_eq!((moe.sparse_step, moe.shared_hidden), (2, Some(32)));
+            assert_eq!(args.ffn_hidden, 96);
+        },
+    );
+}
+
 /// Qwen3-MoE with dense blocks: `mlp_only_layers = [0]` (a leading dense block, DeepSeek's
 /// `first_k_dense_replace` 1) and `decoder_sparse_step = 2` (experts in every second block), each
 /// with a dense width of its own: imported, loss and greedy tokens equal transformers', and back.

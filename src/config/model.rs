@@ -60,6 +60,15 @@ pub struct ModelConfig {
     /// RoPE (transformers' `attention_chunk_size`); absent: the flavor's, none.
     pub every_n_layers_nope: Option<usize>,
     pub attention_chunk_size: Option<usize>,
+    /// Llama 4's attention temperature tuning on its NoPE blocks (transformers' names): the
+    /// positions per step of the queries' factor and the factor's scale (absent: the flavor's,
+    /// 8192 and 0.1). Refused on a model without temperature tuning.
+    pub floor_scale: Option<usize>,
+    pub attn_scale: Option<f32>,
+    /// Mixture-of-experts models: the experts in block `l` when `l + 1` is a multiple of this,
+    /// dense feed-forwards in the others (TorchTitan's and transformers' Llama 4 name, Qwen3-MoE's
+    /// `decoder_sparse_step`; absent: the flavor's).
+    pub interleave_moe_layer_step: Option<usize>,
     /// Model converters applied before parallelizing (TorchTitan's names, e.g.
     /// `quantize.linear.float8`); a list in a file, comma-separated on the command line.
     #[serde(deserialize_with = "super::list_or_comma_separated")]
@@ -104,6 +113,9 @@ impl Default for ModelConfig {
             sliding_window_size: None,
             every_n_layers_nope: None,
             attention_chunk_size: None,
+            floor_scale: None,
+            attn_scale: None,
+            interleave_moe_layer_step: None,
             converters: Vec::new(),
             attn_mask_type: "block_causal".into(),
         }
@@ -141,6 +153,7 @@ impl Config {
         self.apply_moe_overrides(&mut a)?;
         self.apply_mla_overrides(&mut a)?;
         self.apply_window_override(&mut a)?;
+        self.apply_temperature_overrides(&mut a)?;
         a.validate().map_err(|e| anyhow!("[model]: {e}"))?;
         self.validate_lora(&a)?;
         a.lora = self.lora_args();
@@ -236,6 +249,20 @@ impl Config {
         Ok(())
     }
 
+    /// The temperature tuning's overrides, refused on a model without it.
+    fn apply_temperature_overrides(&self, a: &mut ModelArgs) -> Result<()> {
+        let m = &self.model;
+        let Some(t) = a.attention_temperature.as_mut() else {
+            if m.floor_scale.is_some() || m.attn_scale.is_some() {
+                bail!("[model] floor_scale and attn_scale need a model with attention temperature tuning (flavor {} of {} has none; e.g. name = \"llama4\")", m.flavor, m.name);
+            }
+            return Ok(());
+        };
+        t.floor_scale = m.floor_scale.unwrap_or(t.floor_scale);
+        t.scale = m.attn_scale.unwrap_or(t.scale);
+        Ok(())
+    }
+
     /// The mixture-of-experts overrides, refused on a dense model.
     fn apply_moe_overrides(&self, a: &mut ModelArgs) -> Result<()> {
         let m = &self.model;
@@ -247,6 +274,10 @@ impl Config {
             ("moe_hidden", m.moe_hidden.is_some()),
             ("num_experts", m.num_experts.is_some()),
             ("top_k", m.top_k.is_some()),
+            (
+                "interleave_moe_layer_step",
+                m.interleave_moe_layer_step.is_some(),
+            ),
         ];
         let layers = a.n_layers;
         let Some(moe) = a.moe.as_mut() else {
@@ -274,6 +305,7 @@ impl Config {
         moe.hidden = m.moe_hidden.unwrap_or(moe.hidden);
         moe.router.num_experts = m.num_experts.unwrap_or(moe.router.num_experts);
         moe.router.top_k = m.top_k.unwrap_or(moe.router.top_k);
+        moe.sparse_step = m.interleave_moe_layer_step.unwrap_or(moe.sparse_step);
         Ok(())
     }
 }

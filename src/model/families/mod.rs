@@ -17,6 +17,7 @@ pub mod hf_fields;
 pub mod hf_names;
 pub mod hf_rope;
 pub mod llama3;
+pub mod llama4;
 pub mod llama_form;
 pub mod mistral;
 pub mod qwen3;
@@ -209,19 +210,42 @@ impl std::fmt::Debug for dyn Family {
     }
 }
 
-/// Whether `args` has none of the attention features only some families select (sinks, sliding
-/// windows, biases): what a family whose HF form has no field for them checks in `owns`.
+/// Whether `args` has none of the attention features only some families select (gpt-oss's
+/// sinks, sliding windows and biases; Llama 4's NoPE blocks, chunks, L2 QK-norm and temperature
+/// tuning): what a family whose HF form has no field for them checks in `owns`.
 pub fn full_attention(args: &ModelArgs) -> bool {
-    !args.attention_sinks && args.sliding_window.is_none() && !args.attention_bias
+    !args.attention_sinks
+        && args.sliding_window.is_none()
+        && !args.attention_bias
+        && !llama4_attention(args)
+}
+
+/// Whether `args` has one of Llama 4's attention features.
+pub fn llama4_attention(args: &ModelArgs) -> bool {
+    args.every_n_layers_nope.is_some()
+        || args.attention_chunk_size.is_some()
+        || args.l2_qk_norm
+        || args.attention_temperature.is_some()
+}
+
+/// Refuses the export of a model whose load balancing moved its expert bias to `hf_model`, which
+/// has no place for one (its routing would differ there).
+pub fn refuse_moved_expert_bias(hf_model: &str, expert_bias: Option<&[Vec<f32>]>) -> Result<()> {
+    let moved = expert_bias.is_some_and(|b| b.iter().flatten().any(|&x| x != 0.0));
+    if moved {
+        bail!("this checkpoint routes with an expert bias (load balancing's, [model] load_balance_coeff), which transformers' {hf_model} has no place for: its export would route differently. Train with load_balance_coeff = 0 to export it");
+    }
+    Ok(())
 }
 
 /// Every family titan trains.
-pub static FAMILIES: [&dyn Family; 5] = [
+pub static FAMILIES: [&dyn Family; 6] = [
     &llama3::Llama3,
     &qwen3::Qwen3,
     &deepseek_v3::DeepSeekV3,
     &mistral::Mistral,
     &gpt_oss::GptOss,
+    &llama4::Llama4,
 ];
 
 /// The family `[model] name` names.

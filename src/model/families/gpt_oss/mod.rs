@@ -12,7 +12,7 @@ pub mod hf;
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use serde_json::Value;
 
 use super::hf_fields::validated;
@@ -55,6 +55,7 @@ impl Family for GptOss {
             && args.attention_sinks
             && args.attention_bias
             && !args.qk_norm
+            && !super::llama4_attention(args)
             && args.mla.is_none()
     }
     fn hf_model_types(&self) -> &'static [&'static str] {
@@ -82,10 +83,7 @@ impl Family for GptOss {
         _args: &ModelArgs,
         expert_bias: Option<&[Vec<f32>]>,
     ) -> Result<Vec<(String, Tensor)>> {
-        let moved = expert_bias.is_some_and(|b| b.iter().flatten().any(|&x| x != 0.0));
-        if moved {
-            bail!("this gpt-oss checkpoint routes with an expert bias (load balancing's, [model] load_balance_coeff), which transformers' GptOssForCausalLM has no place for: its export would route differently. Train with load_balance_coeff = 0 to export it");
-        }
+        super::refuse_moved_expert_bias("GptOssForCausalLM", expert_bias)?;
         Ok(Vec::new())
     }
 }

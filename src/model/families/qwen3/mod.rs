@@ -32,7 +32,12 @@ impl Family for Qwen3 {
         flavors::flavor(flavor)
     }
     fn owns(&self, args: &ModelArgs) -> bool {
-        args.mla.is_none() && (args.qk_norm || args.moe.is_some()) && super::full_attention(args)
+        // Llama 4's routing (the score scaling the expert's input) is Llama 4's.
+        let llama4_routing = args.moe.as_ref().is_some_and(|m| m.score_before_experts);
+        args.mla.is_none()
+            && (args.qk_norm || args.moe.is_some())
+            && !llama4_routing
+            && super::full_attention(args)
     }
     fn hf_model_types(&self) -> &'static [&'static str] {
         &["qwen3", "qwen3_moe"]
