@@ -151,7 +151,6 @@ mod tests {
             a.validate().unwrap();
             let n = a.num_params() as f64;
             let act = a.active_params() as f64;
-            eprintln!("{name}: {n:.4e} parameters, {act:.4e} active");
             assert!((n / total - 1.0).abs() < 0.015, "{name}: {n}");
             assert!((act / active - 1.0).abs() < 0.02, "{name} active: {act}");
         }
