@@ -432,20 +432,65 @@ impl ModelArgs {
 
     /// TorchTitan's count: 6·(N_active − N_embedding) + 6·n_layers·heads·(qk + v)·seq_len, `qk`
     /// and `v` the query/key and value head widths (both `head_dim` but for MLA, whose padding
-    /// is not counted: the attention width is `dim` for Llama).
+    /// is not counted: the attention width is `dim` for Llama); a block whose queries see at most
+    /// a window or a chunk of keys counts that many in place of `seq_len`.
     pub fn flops_per_token(&self, seq_len: usize) -> f64 {
         let (qk, v) = match &self.mla {
             Some(mla) => (mla.qk_head_dim(), mla.v_head_dim),
             None => (self.head_dim(), self.head_dim()),
         };
+        let keys: usize = (0..self.n_layers)
+            .map(|l| {
+                let span = self.window_at(l).or(self.chunk_at(l)).unwrap_or(seq_len);
+                span.min(seq_len)
+            })
+            .sum();
         6.0 * (self.active_params() - self.embedding_params()) as f64
-            + 6.0 * (self.n_layers * self.n_heads * (qk + v) * seq_len) as f64
+            + 6.0 * (self.n_heads * (qk + v) * keys) as f64
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn windows_and_chunks_count_the_keys_a_query_sees() {
+        let plain = crate::model::families::llama3::flavor("debugmodel").unwrap();
+        let attention = |a: &ModelArgs, seq| {
+            a.flops_per_token(seq) - 6.0 * (a.active_params() - a.embedding_params()) as f64
+        };
+        let per_block = 6.0 * (plain.n_heads * 2 * plain.head_dim()) as f64;
+        assert_eq!(
+            attention(&plain, 64),
+            per_block * 64.0 * plain.n_layers as f64
+        );
+        // A window of 16 on every other block of 6, chunks of 8 on the blocks with RoPE (not 3).
+        let windowed = ModelArgs {
+            n_layers: 6,
+            sliding_window: Some(SlidingWindow {
+                size: 16,
+                period: 2,
+            }),
+            ..plain.clone()
+        };
+        assert_eq!(
+            attention(&windowed, 64),
+            per_block * (3.0 * 16.0 + 3.0 * 64.0)
+        );
+        assert_eq!(
+            attention(&windowed, 8),
+            per_block * 6.0 * 8.0,
+            "shorter than the window"
+        );
+        let chunked = ModelArgs {
+            n_layers: 6,
+            every_n_layers_nope: Some(4),
+            attention_chunk_size: Some(8),
+            ..plain
+        };
+        assert_eq!(attention(&chunked, 64), per_block * (5.0 * 8.0 + 64.0));
+    }
 
     #[test]
     fn every_size_is_bounded_and_an_error_names_the_field() {
