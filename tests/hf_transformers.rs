@@ -238,6 +238,46 @@ model.save_pretrained(sys.argv[1], safe_serialization=True)
     );
 }
 
+/// Meta publishes Llama 4 as `Llama4ForConditionalGeneration` (`model_type` "llama4": a vision
+/// tower, a projector and the text model under `language_model.`): such a folder imports as its
+/// text model, the same shapes and every parameter bit for bit as the `Llama4ForCausalLM`
+/// transformers saves of it, the vision tensors skipped.
+#[test]
+fn a_multimodal_llama4_imports_its_text_model() {
+    let Some(py) = hf_python() else {
+        return;
+    };
+    let make = r#"
+import sys, torch
+from transformers import Llama4Config, Llama4ForConditionalGeneration
+text = dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+            max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, attention_chunk_size=6, tie_word_embeddings=False)
+vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+              image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+              projector_output_dim=64)
+torch.manual_seed(0)
+model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision))
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+model.language_model.save_pretrained(sys.argv[2], safe_serialization=True)
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let (both, text) = (dir.path().join("multimodal"), dir.path().join("text"));
+    run_python(&py, make, &[both.to_str().unwrap(), text.to_str().unwrap()]);
+    let (from_both, from_text) = (
+        checkpoint::hf::read_hf(&both).unwrap(),
+        checkpoint::hf::read_hf(&text).unwrap(),
+    );
+    assert_eq!(from_both.args, from_text.args);
+    assert_eq!(from_both.params.names, from_text.params.names);
+    for (i, name) in from_text.params.names.iter().enumerate() {
+        let (a, b) = (&from_both.params.bufs[i], &from_text.params.bufs[i]);
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same && a.len() == b.len(), "{name} differs");
+    }
+}
+
 /// Qwen3-MoE with dense blocks: `mlp_only_layers = [0]` (a leading dense block, DeepSeek's
 /// `first_k_dense_replace` 1) and `decoder_sparse_step = 2` (experts in every second block), each
 /// with a dense width of its own: imported, loss and greedy tokens equal transformers', and back.

@@ -148,6 +148,8 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     .map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
     let shapes = shapes_from_hf_config(&cfg, &cfg_path)?;
     let family = families::of_args(&shapes.args)?;
+    let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let prefix = families::by_hf_model_type(model_type, &cfg_path)?.hf_tensor_prefix(&cfg);
     let args = &shapes.args;
     let fp8_blocks = super::hf_fp8::block_size(&cfg, &cfg_path)?;
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;
@@ -161,12 +163,23 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
     check_weights_present(args, &files, &cfg_path, bits_per_value)?;
     let mut by_name: HfTensors = BTreeMap::new();
     let mut fp8 = std::collections::BTreeSet::new();
+    let mut other_models = 0;
     for f in &files {
         let (tensors, fp8_names) = st::read_release_file(f)?;
-        fp8.extend(fp8_names);
+        let own = |n: &String| n.strip_prefix(prefix).map(str::to_string);
+        fp8.extend(fp8_names.iter().filter_map(own));
         for (n, t) in tensors {
-            by_name.insert(n, (t, f.clone()));
+            match n.strip_prefix(prefix) {
+                Some(own) => drop(by_name.insert(own.to_string(), (t, f.clone()))),
+                None => other_models += 1,
+            }
         }
+    }
+    if other_models > 0 {
+        outln!(
+            "{}: skipping {other_models} tensors outside the language model (`{prefix}`): titan trains the text model",
+            hf_dir.display()
+        );
     }
     let folder = HfFolder {
         dir: hf_dir,

@@ -153,6 +153,12 @@ pub trait Family: Sync {
     fn hf_model_types(&self) -> &'static [&'static str];
     /// The model an HF `config.json` (`file`, for errors) describes, checked.
     fn read_hf_config(&self, cfg: &Value, file: &Path) -> Result<HfShapes>;
+    /// What the names of the model's tensors start with in an HF folder whose `config.json` is
+    /// `cfg`: "" but for a multimodal checkpoint's language model (Llama 4's `language_model.`),
+    /// whose other tensors are skipped on import.
+    fn hf_tensor_prefix(&self, _cfg: &Value) -> &'static str {
+        ""
+    }
     /// The HF `config.json` of `args` (without the token ids and dtype), or why transformers
     /// has no model for it.
     fn hf_config(&self, args: &ModelArgs) -> Result<Value>;

@@ -17,7 +17,7 @@ pub mod hf;
 
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{anyhow, Result};
 use serde_json::Value;
 
 use super::hf_fields::validated;
@@ -26,6 +26,12 @@ use crate::model::ModelArgs;
 use crate::tensor::Tensor;
 
 pub use flavors::flavor;
+
+/// Whether `cfg` is a multimodal Llama 4's (`Llama4ForConditionalGeneration`, whose text model
+/// titan imports).
+fn multimodal(cfg: &Value) -> bool {
+    cfg.get("model_type").and_then(Value::as_str) == Some("llama4")
+}
 
 /// The Llama 4 family.
 pub struct Llama4;
@@ -51,14 +57,34 @@ impl Family for Llama4 {
             && !args.qk_norm
             && args.mla.is_none()
     }
+    /// The text model's, and Meta's published multimodal checkpoints'
+    /// (`Llama4ForConditionalGeneration`: its `text_config` and `language_model.` tensors).
     fn hf_model_types(&self) -> &'static [&'static str] {
-        &["llama4_text"]
+        &["llama4_text", "llama4"]
     }
     fn read_hf_config(&self, cfg: &Value, file: &Path) -> Result<HfShapes> {
+        let text = match multimodal(cfg) {
+            true => cfg
+                .get("text_config")
+                .filter(|t| t.is_object())
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{}: a Llama 4 (model_type \"llama4\") config without its text_config",
+                        file.display()
+                    )
+                })?,
+            false => cfg,
+        };
         Ok(HfShapes {
-            args: validated(hf::read(cfg, file)?, file)?,
+            args: validated(hf::read(text, file)?, file)?,
             rope_rows: RopeRows::Interleaved,
         })
+    }
+    fn hf_tensor_prefix(&self, cfg: &Value) -> &'static str {
+        match multimodal(cfg) {
+            true => "language_model.",
+            false => "",
+        }
     }
     fn hf_config(&self, args: &ModelArgs) -> Result<Value> {
         hf::write(args)
