@@ -9,13 +9,13 @@
 
 mod common;
 
-use common::pytorch_training::{train_both, Comparison};
-use common::{assert_layout_matches_one_process, hf_python};
+use common::family_layouts::{self, bf16_layouts_match, pipeline_schedules, trains_as_pytorch};
+use common::hf_python;
 
 /// TorchTitan's debug model with the shapes of a test: `common::TINY_ARGS` (which every run
 /// here starts from) gives dim 64, 2 blocks, 4 query and 2 key/value heads and a vocabulary of
 /// 300; here heads of 16, 4 experts of 32 (2 per token), a window of 8 keys on block 0 (the
-/// data's sequences are longer), 8 steps.
+/// data's sequences are longer), 10 steps.
 const GPT_OSS: &[&str] = &[
     "--model.name",
     "gpt_oss",
@@ -32,16 +32,11 @@ const GPT_OSS: &[&str] = &[
     "--model.sliding_window_size",
     "8",
     "--training.steps",
-    "8",
+    "10",
 ];
 
-fn nproc(n: &'static str) -> [&'static str; 4] {
-    ["--nproc", n, "--master-port", "0"]
-}
-
 fn check(what: &str, n: &'static str, extra: &[&str], parallel: &[&str]) {
-    let single = [GPT_OSS, extra].concat();
-    assert_layout_matches_one_process(what, &single, &nproc(n), parallel, "rank 0 of");
+    family_layouts::check(GPT_OSS, what, n, extra, parallel);
 }
 
 #[test]
@@ -73,9 +68,18 @@ fn gpt_oss_matches_one_process_under_tp_and_async_tp() {
 fn gpt_oss_matches_one_process_under_ddp_hsdp_and_interleaved_pp() {
     let global = ["--training.global_batch_size", "4"];
     check(
-        "gpt-oss DDP 2",
+        "gpt-oss DDP 2, selective AC of every other block",
         "2",
-        &global,
+        &[
+            &global[..],
+            &[
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "2",
+            ],
+        ]
+        .concat(),
         &["--parallelism.data_parallel_replicate_degree", "2"],
     );
     check(
@@ -136,25 +140,14 @@ fn gpt_oss_matches_one_process_under_ep_fsdp_cp_and_pp() {
 /// the routed experts' GEMMs in float8 under EP.
 #[test]
 fn gpt_oss_matches_one_process_under_every_pipeline_schedule_and_float8_experts() {
-    for schedule in [
+    let schedules = [
         "GPipe",
         "1F1B",
         "InterleavedZeroBubble",
         "DualPipeV",
         "LoopedBFS",
-    ] {
-        check(
-            &format!("gpt-oss PP 2 ({schedule})"),
-            "2",
-            &["--model.n_layers", "4"],
-            &[
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                "--parallelism.pipeline_parallel_schedule",
-                schedule,
-            ],
-        );
-    }
+    ];
+    pipeline_schedules(GPT_OSS, "gpt-oss", &schedules);
     check(
         "gpt-oss EP 2, float8 experts",
         "2",
@@ -168,44 +161,10 @@ fn gpt_oss_matches_one_process_under_every_pipeline_schedule_and_float8_experts(
     );
 }
 
-/// bf16 mixed precision: TP 2 and FSDP 2 × EP 2 against one process in bf16, loss and gradient
-/// norm within 1e-3 (the layouts differ where an f32 sum's order moves a value across a bf16
-/// rounding boundary, as `tests/bf16.rs` says of the other models).
+/// bf16 mixed precision: TP 2 and FSDP 2 × EP 2 against one process in bf16 within 1e-3.
 #[test]
 fn gpt_oss_in_bf16_matches_one_process_in_bf16() {
-    let bf16 = ["--training.mixed_precision_param", "bfloat16"];
-    // (what, for both runs, for the parallel one)
-    let cases: [(&str, &[&str], &[&str]); 2] = [
-        ("TP 2", &[], &["--parallelism.tensor_parallel_degree", "2"]),
-        (
-            "FSDP 2 × EP 2",
-            &["--training.global_batch_size", "4"],
-            &["--parallelism.expert_parallel_degree", "2"],
-        ),
-    ];
-    for (what, both, parallel) in cases {
-        let (one, many) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let single = [GPT_OSS, &bf16[..], both].concat();
-        let o = common::train(one.path(), &[], &single);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let o = common::train(many.path(), &nproc("2"), &[&single[..], parallel].concat());
-        assert!(
-            o.status.success(),
-            "{what}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        for key in ["loss", "grad_norm"] {
-            let (a, b) = (
-                common::metric(one.path(), key),
-                common::metric(many.path(), key),
-            );
-            assert_eq!(a.len(), b.len(), "{what}: steps");
-            for ((step, x), (_, y)) in a.iter().zip(&b) {
-                let rel = (x - y).abs() / x.abs();
-                assert!(rel <= 1e-3, "{what} {key}, step {step}: {x} vs {y}");
-            }
-        }
-    }
+    bf16_layouts_match(GPT_OSS, "gpt-oss");
 }
 
 /// A gpt-oss made by transformers (`GPT_OSS`'s shapes, windows of 6 keys on block 0 over
@@ -215,7 +174,6 @@ fn gpt_oss_in_bf16_matches_one_process_in_bf16() {
 /// transformers has none) and by PyTorch's AdamW on the same tokens: every step's loss and
 /// gradient norm within 1e-5.
 #[test]
-#[allow(clippy::disallowed_macros)] // libtest captures eprintln!, not titan's errln!
 fn gpt_oss_trains_as_pytorch_trains_it() {
     let Some(py) = hf_python() else {
         return;
@@ -237,47 +195,18 @@ with torch.no_grad():
             p.mul_(30.0)
 model.save_pretrained(sys.argv[1], safe_serialization=True)
 "#;
-    let dir = tempfile::tempdir().unwrap();
-    let shard = dir.path().join("tokens.bin");
-    common::write_random_tokens(&shard, 4000, 5);
-    let data = common::token_shard(&shard);
-    let curves = train_both(
+    trains_as_pytorch(
         &py,
-        &Comparison {
-            dir: dir.path(),
-            make: Some(make),
-            steps: "20",
-            titan_data: &data,
-            tokens: &shard,
-            targets: None,
-            document_start: None,
-            titan_extra: &[
-                // The shapes but the window's, the steps'.
-                &GPT_OSS[..GPT_OSS.len() - 4],
-                &["--model.sliding_window_size", "6"],
-                &["--model.load_balance_coeff", "0"],
-            ]
-            .concat(),
-            python_extra: &[],
-        },
+        make,
+        &[
+            // The shapes but the window's, the steps'.
+            &GPT_OSS[..GPT_OSS.len() - 4],
+            &["--model.sliding_window_size", "6"],
+            &["--model.load_balance_coeff", "0"],
+        ]
+        .concat(),
+        "gpt-oss",
     );
-    let worst = curves.worst_loss_difference();
-    let ((_, titan_norm), (_, torch_norm)) = (&curves.titan, &curves.pytorch);
-    let worst_norm = titan_norm
-        .iter()
-        .zip(torch_norm)
-        .map(|((_, a), (_, b))| (a - b).abs() / b.abs())
-        .fold(0.0, f64::max);
-    eprintln!(
-        "gpt-oss vs PyTorch, 20 steps: loss within {worst:.2e}, grad norm within {worst_norm:.2e}"
-    );
-    assert!(
-        worst <= 1e-5,
-        "{:?} vs {:?}",
-        curves.titan.0,
-        curves.pytorch.0
-    );
-    assert!(worst_norm <= 1e-5, "{titan_norm:?} vs {torch_norm:?}");
 }
 
 /// An MXFP4 release (gpt-oss's published form: each block's fused experts as FP4 codes and E8M0

@@ -2,6 +2,7 @@
 //! parity check between curves, and what a test does when a reference it needs is missing.
 #![allow(dead_code)]
 
+pub mod family_layouts;
 pub mod pytorch_training;
 
 use std::path::Path;

@@ -41,6 +41,18 @@ pub fn get_size(
     }
 }
 
+/// Number `key` of `cfg` (`default` when absent or null), finite and ≥ 0, else an error naming
+/// the file and the key.
+pub fn get_float(cfg: &Value, key: &str, default: f64, file: &Path) -> Result<f64> {
+    match cfg.get(key).filter(|v| !v.is_null()) {
+        None => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| anyhow!("{}: `{key}` = {v} is not a number ≥ 0", file.display())),
+    }
+}
+
 /// RMSNorm's ε (transformers' default 10⁻⁶ when absent).
 pub fn norm_eps(cfg: &Value) -> f32 {
     cfg.get("rms_norm_eps")

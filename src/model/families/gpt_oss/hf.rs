@@ -6,14 +6,14 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
 use super::flavors::{gpt_oss, YARN};
 use crate::backend::cpu::rope::RopeScaling;
 use crate::model::args::SlidingWindow;
 use crate::model::families::hf_fields::{
-    decoder_fields, get_size, merge, norm_eps, refuse_other_activation, tied_embeddings,
+    decoder_fields, get_float, get_size, merge, norm_eps, refuse_other_activation, tied_embeddings,
 };
 use crate::model::families::hf_rope::{hf_rope_fields, rope_from_hf};
 use crate::model::families::{hf_names, ExpertSlice, HfPart};
@@ -59,15 +59,13 @@ pub fn part(args: &ModelArgs, name: &str) -> HfPart {
     })
 }
 
-/// A float field of `cfg` (`default` when absent).
-fn float(cfg: &Value, key: &str, default: f64, file: &Path) -> Result<f64> {
-    match cfg.get(key).filter(|v| !v.is_null()) {
-        None => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .filter(|x| x.is_finite() && *x > 0.0)
-            .ok_or_else(|| anyhow!("{}: `{key}` = {v} is not a positive number", file.display())),
+/// A positive number `key` of `cfg` (`default` when absent).
+fn positive(cfg: &Value, key: &str, default: f64, file: &Path) -> Result<f32> {
+    let v = get_float(cfg, key, default, file)?;
+    if v == 0.0 {
+        bail!("{}: `{key}` = 0 must be positive", file.display());
     }
+    Ok(v as f32)
 }
 
 /// The window pattern of `layer_types`: windows on the even blocks, full attention on the odd
@@ -135,8 +133,8 @@ pub fn read(cfg: &Value, file: &Path) -> Result<ModelArgs> {
     // transformers' gpt-oss has no expert bias: an imported model routes as it does.
     moe.load_balance_coeff = None;
     moe.activation = ExpertActivation::ClampedSwiglu {
-        alpha: float(cfg, "swiglu_alpha", 1.702, file)? as f32,
-        limit: float(cfg, "swiglu_limit", 7.0, file)? as f32,
+        alpha: positive(cfg, "swiglu_alpha", 1.702, file)?,
+        limit: positive(cfg, "swiglu_limit", 7.0, file)?,
     };
     args.ffn_hidden = moe.hidden;
     args.n_heads = size("num_attention_heads", "n_heads", None)?;

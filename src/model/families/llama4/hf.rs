@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::flavors::{llama4, Llama4Shape, TEMPERATURE};
 use crate::model::args::AttentionTemperature;
 use crate::model::families::hf_fields::{
-    decoder_fields, get_size, merge, norm_eps, refuse_other_activation, tied_embeddings,
+    decoder_fields, get_float, get_size, merge, norm_eps, refuse_other_activation, tied_embeddings,
 };
 use crate::model::families::hf_rope::{hf_rope_fields, rope_from_hf};
 use crate::model::families::{hf_names, ExpertSlice, HfPart};
@@ -85,17 +85,6 @@ fn flag(cfg: &Value, key: &str, default: bool, file: &Path) -> Result<bool> {
     }
 }
 
-/// A positive float field of `cfg` (`default` when absent).
-fn float(cfg: &Value, key: &str, default: f64, file: &Path) -> Result<f64> {
-    match cfg.get(key).filter(|v| !v.is_null()) {
-        None => Ok(default),
-        Some(v) => v
-            .as_f64()
-            .filter(|x| x.is_finite() && *x >= 0.0)
-            .ok_or_else(|| anyhow!("{}: `{key}` = {v} is not a number ≥ 0", file.display())),
-    }
-}
-
 /// `key`'s list equals `want` when given (absent, null or empty: transformers computes `want`
 /// itself), else an error naming it and the pattern titan computes.
 fn check_list(cfg: &Value, key: &str, want: &[Value], pattern: &str, file: &Path) -> Result<()> {
@@ -149,7 +138,7 @@ fn refuse_unsupported(cfg: &Value, file: &Path) -> Result<()> {
             );
         }
     }
-    if float(cfg, "router_jitter_noise", 0.0, file)? != 0.0 {
+    if get_float(cfg, "router_jitter_noise", 0.0, file)? != 0.0 {
         bail!(
             "{}: router_jitter_noise is not supported (titan routes without noise)",
             file.display()
@@ -233,7 +222,7 @@ pub fn read(cfg: &Value, file: &Path) -> Result<ModelArgs> {
                     "attention_temperature.floor_scale",
                     Some(TEMPERATURE.floor_scale),
                 )?,
-                scale: float(cfg, "attn_scale", TEMPERATURE.scale as f64, file)? as f32,
+                scale: get_float(cfg, "attn_scale", TEMPERATURE.scale as f64, file)? as f32,
             })
         })
         .transpose()?;
@@ -305,4 +294,69 @@ pub fn write(args: &ModelArgs) -> Result<Value> {
         hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
     );
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::families::llama4::{flavor, Llama4};
+    use crate::model::families::Family;
+
+    #[test]
+    fn what_titan_cannot_compute_is_refused_by_name() {
+        let file = Path::new("config.json");
+        let ok = write(&flavor("debugmodel").unwrap()).unwrap();
+        assert_eq!(read(&ok, file).unwrap().every_n_layers_nope, Some(4));
+        let refused = [
+            ("no_rope_layers", json!([1, 0, 1, 1, 1, 1])),
+            ("moe_layers", json!([0, 2, 4])),
+            (
+                "layer_types",
+                json!([
+                    "full_attention",
+                    "chunked_attention",
+                    "chunked_attention",
+                    "full_attention",
+                    "chunked_attention",
+                    "chunked_attention"
+                ]),
+            ),
+            ("attention_bias", json!(true)),
+            ("hidden_act", json!("gelu")),
+            ("router_jitter_noise", json!(0.1)),
+            (
+                "rope_parameters",
+                json!({"rope_type": "dynamic", "factor": 2.0}),
+            ),
+        ];
+        for (key, value) in refused {
+            let mut cfg = ok.clone();
+            cfg[key] = value;
+            let e = read(&cfg, file).unwrap_err().to_string();
+            assert!(e.contains(key) || e.contains("dynamic"), "{key}: {e}");
+        }
+        // Every block rotating is a pattern titan computes: no NoPE block, no temperature.
+        let mut all_rope = ok.clone();
+        all_rope["no_rope_layers"] = json!([1, 1, 1, 1, 1, 1]);
+        all_rope["layer_types"] = json!(vec!["chunked_attention"; 6]);
+        let args = read(&all_rope, file).unwrap();
+        assert_eq!(
+            (args.every_n_layers_nope, args.attention_temperature),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn a_model_transformers_cannot_hold_is_not_exported() {
+        let mut args = flavor("debugmodel").unwrap();
+        let zero = vec![vec![0.0; 8]; 6];
+        let mut moved = zero.clone();
+        moved[1][3] = 1e-3;
+        assert!(Llama4.hf_extra_tensors(&args, Some(&zero)).is_ok());
+        let e = Llama4.hf_extra_tensors(&args, Some(&moved)).unwrap_err();
+        assert!(e.to_string().contains("load_balance_coeff = 0"), "{e}");
+        args.moe.as_mut().unwrap().shared_hidden = Some(1024);
+        let e = write(&args).unwrap_err().to_string();
+        assert!(e.contains("shared expert"), "{e}");
+    }
 }
