@@ -417,6 +417,13 @@ fn a_lora_runs_adapters_load_in_peft_on_their_base_model() {
     let dir = tempfile::tempdir().unwrap();
     let hf = dir.path().join("hf");
     make_llama(&py, &hf);
+    let step = train_lora_from(&hf, dir.path(), &[]);
+    assert_peft_loads_as_titan_computes(&py, &hf, &step, dir.path());
+}
+
+/// Trains 4 LoRA steps (`LORA`) from the HF model at `hf` with `shapes` (its titan `[model]`
+/// keys) into `dir/run`; the step-4 checkpoint.
+pub fn train_lora_from(hf: &Path, dir: &Path, shapes: &[&str]) -> std::path::PathBuf {
     let run_args = [
         "--training.steps",
         "4",
@@ -429,18 +436,24 @@ fn a_lora_runs_adapters_load_in_peft_on_their_base_model() {
         "--checkpoint.initial_load_in_hf",
         "true",
     ];
-    let dump = dir.path().join("run");
-    run(&dump, &[&run_args[..], LORA].concat());
-    let step = dump.join("checkpoint/step-4");
-    let peft = dir.path().join("peft");
+    let dump = dir.join("run");
+    run(&dump, &[shapes, &run_args[..], LORA].concat());
+    dump.join("checkpoint/step-4")
+}
+
+/// The LoRA checkpoint `step`, exported in PEFT's format into `dir/peft`, loads with
+/// `peft.PeftModel.from_pretrained` on its base model `hf` and computes titan's loss within 1e-5
+/// (and not the base model's).
+pub fn assert_peft_loads_as_titan_computes(py: &str, hf: &Path, step: &Path, dir: &Path) {
+    let peft = dir.join("peft");
     let o = std::process::Command::new(common::titan_bin())
         .args(["convert", "peft-export"])
-        .args([&step, &peft])
+        .args([step, &peft])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 
-    let (tokens, titan_loss, ..) = titan_loss_on_rows(&step, 300);
+    let (tokens, titan_loss, ..) = titan_loss_on_rows(step, 300);
     let script = r#"
 import sys, json, torch
 from transformers import AutoModelForCausalLM
@@ -457,7 +470,7 @@ print(json.dumps({"base": before, "adapted": loss(adapted)}))
 "#;
     let rows = common::rows_arg(&tokens, ROW_SEQ);
     let out: serde_json::Value = serde_json::from_str(&python(
-        &py,
+        py,
         &[
             "-c",
             script,
@@ -479,6 +492,57 @@ print(json.dumps({"base": before, "adapted": loss(adapted)}))
         (base - titan_loss).abs() > 1e-3 * titan_loss,
         "the adapters changed nothing: base {base}, titan {titan_loss}"
     );
+}
+
+/// The same for a Llama 4 (`tests/llama4.rs`' shapes: NoPE and temperatures, chunks and
+/// the L2 norm, dense blocks and experts beside a shared expert): its adapters on the attention,
+/// the dense SwiGLUs and the shared experts (`feed_forward.shared_expert.*`; the routed experts
+/// are not adapted) load in PEFT on the transformers Llama 4 as titan computes them.
+#[test]
+fn a_llama4_lora_runs_adapters_load_in_peft() {
+    let Some(py) = common::python_importing("torch, transformers, peft", "the PEFT check") else {
+        return;
+    };
+    let make = r#"
+import sys, torch
+from transformers import Llama4TextConfig, Llama4ForCausalLM
+cfg = Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       vocab_size=300, max_position_embeddings=256, num_local_experts=4,
+                       num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
+                       attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                        "original_max_position_embeddings": 8192},
+                       tie_word_embeddings=False)
+torch.manual_seed(0)
+Llama4ForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    python(&py, &["-c", make, hf.to_str().unwrap()]);
+    let shapes = [
+        "--model.name",
+        "llama4",
+        "--model.moe_hidden",
+        "32",
+        "--model.moe_shared_hidden",
+        "32",
+        "--model.num_experts",
+        "4",
+        "--model.every_n_layers_nope",
+        "2",
+        "--model.attention_chunk_size",
+        "8",
+        "--model.floor_scale",
+        "4",
+        "--model.attn_scale",
+        "0.5",
+        "--model.load_balance_coeff",
+        "0",
+    ];
+    let step = train_lora_from(&hf, dir.path(), &shapes);
+    assert_peft_loads_as_titan_computes(&py, &hf, &step, dir.path());
 }
 
 /// A LoRA run stopped after step 2 and resumed from its checkpoint, in one process and under
