@@ -545,6 +545,52 @@ Llama4ForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
     assert_peft_loads_as_titan_computes(&py, &hf, &step, dir.path());
 }
 
+/// The same for a gpt-oss (`tests/gpt_oss.rs`' shapes, a window of 6; biases and sinks away from
+/// zero): its adapters on the attention's projections (which have biases; the routed experts
+/// and the router are not adapted) load in PEFT on the transformers gpt-oss as titan computes them.
+#[test]
+fn a_gpt_oss_lora_runs_adapters_load_in_peft() {
+    let Some(py) = common::python_importing("torch, transformers, peft", "the PEFT check") else {
+        return;
+    };
+    let make = r#"
+import sys, torch
+from transformers import GptOssConfig, GptOssForCausalLM
+cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+                   num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                   tie_word_embeddings=False)
+torch.manual_seed(0)
+model = GptOssForCausalLM(cfg)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or name.endswith("sinks"):
+            p.normal_(0.0, 0.5)
+model.save_pretrained(sys.argv[1], safe_serialization=True)
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    python(&py, &["-c", make, hf.to_str().unwrap()]);
+    let shapes = [
+        "--model.name",
+        "gpt_oss",
+        "--model.head_dim",
+        "16",
+        "--model.moe_hidden",
+        "32",
+        "--model.num_experts",
+        "4",
+        "--model.top_k",
+        "2",
+        "--model.sliding_window_size",
+        "6",
+        "--model.load_balance_coeff",
+        "0",
+    ];
+    let step = train_lora_from(&hf, dir.path(), &shapes);
+    assert_peft_loads_as_titan_computes(&py, &hf, &step, dir.path());
+}
+
 /// A LoRA run stopped after step 2 and resumed from its checkpoint, in one process and under
 /// FSDP 2 (the adapters' moment shards, no moments of the frozen base), ends with the straight
 /// run's losses, bit for bit.
