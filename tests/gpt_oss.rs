@@ -10,6 +10,7 @@
 mod common;
 
 use common::family_layouts::{self, bf16_layouts_match, pipeline_schedules, trains_as_pytorch};
+use common::hf_models::gpt_oss_two_blocks;
 use common::hf_python;
 
 /// TorchTitan's debug model with the shapes of a test: `common::TINY_ARGS` (which every run
@@ -178,26 +179,11 @@ fn gpt_oss_trains_as_pytorch_trains_it() {
     let Some(py) = hf_python() else {
         return;
     };
-    let make = r#"
-import sys, torch
-from transformers import GptOssConfig, GptOssForCausalLM
-cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
-                   num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-                   tie_word_embeddings=False)
-torch.manual_seed(0)
-model = GptOssForCausalLM(cfg)
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if name.endswith("bias") or name.endswith("sinks"):
-            p.normal_(0.0, 0.5)
-        if name.endswith("gate_up_proj"):
-            p.mul_(30.0)
-model.save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
+    let make =
+        gpt_oss_two_blocks("        if name.endswith(\"gate_up_proj\"):\n            p.mul_(30.0)");
     trains_as_pytorch(
         &py,
-        make,
+        &make,
         &[
             // The shapes but the window's, the steps'.
             &GPT_OSS[..GPT_OSS.len() - 4],

@@ -11,6 +11,7 @@
 mod common;
 
 use common::family_layouts::{self, bf16_layouts_match, pipeline_schedules, trains_as_pytorch};
+use common::hf_models::llama4_two_blocks;
 use common::hf_python;
 
 /// TorchTitan's debug model with the shapes of a test: `common::TINY_ARGS` (which every run
@@ -187,29 +188,10 @@ fn llama4_trains_as_pytorch_trains_it() {
     let Some(py) = hf_python() else {
         return;
     };
-    let make = r#"
-import sys, torch
-from transformers import Llama4TextConfig, Llama4ForCausalLM
-cfg = Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       vocab_size=300, max_position_embeddings=256, num_local_experts=4,
-                       num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
-                       attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
-                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
-                                        "original_max_position_embeddings": 8192},
-                       tie_word_embeddings=False)
-torch.manual_seed(0)
-model = Llama4ForCausalLM(cfg)
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if "self_attn" in name:
-            p.mul_(4.0)
-model.save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
+    let make = llama4_two_blocks("        if \"self_attn\" in name:\n            p.mul_(4.0)");
     trains_as_pytorch(
         &py,
-        make,
+        &make,
         &[
             // The shapes, not the steps.
             &LLAMA4[..LLAMA4.len() - 2],

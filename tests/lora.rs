@@ -9,6 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use common::hf_models::{gpt_oss_two_blocks, llama4_two_blocks};
 use common::pytorch_training::{make_llama, python};
 use common::{
     assert_layout_matches_one_process, hf_python, losses, metric, train, Layout, FSDP_TP_PP,
@@ -503,24 +504,10 @@ fn a_llama4_lora_runs_adapters_load_in_peft() {
     let Some(py) = common::python_importing("torch, transformers, peft", "the PEFT check") else {
         return;
     };
-    let make = r#"
-import sys, torch
-from transformers import Llama4TextConfig, Llama4ForCausalLM
-cfg = Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=256,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       vocab_size=300, max_position_embeddings=256, num_local_experts=4,
-                       num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2,
-                       attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
-                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 1.0,
-                                        "original_max_position_embeddings": 8192},
-                       tie_word_embeddings=False)
-torch.manual_seed(0)
-Llama4ForCausalLM(cfg).save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
+    let make = llama4_two_blocks("");
     let dir = tempfile::tempdir().unwrap();
     let hf = dir.path().join("hf");
-    python(&py, &["-c", make, hf.to_str().unwrap()]);
+    python(&py, &["-c", &make, hf.to_str().unwrap()]);
     let shapes = [
         "--model.name",
         "llama4",
@@ -553,24 +540,10 @@ fn a_gpt_oss_lora_runs_adapters_load_in_peft() {
     let Some(py) = common::python_importing("torch, transformers, peft", "the PEFT check") else {
         return;
     };
-    let make = r#"
-import sys, torch
-from transformers import GptOssConfig, GptOssForCausalLM
-cfg = GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
-                   num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-                   tie_word_embeddings=False)
-torch.manual_seed(0)
-model = GptOssForCausalLM(cfg)
-with torch.no_grad():
-    for name, p in model.named_parameters():
-        if name.endswith("bias") or name.endswith("sinks"):
-            p.normal_(0.0, 0.5)
-model.save_pretrained(sys.argv[1], safe_serialization=True)
-"#;
+    let make = gpt_oss_two_blocks("");
     let dir = tempfile::tempdir().unwrap();
     let hf = dir.path().join("hf");
-    python(&py, &["-c", make, hf.to_str().unwrap()]);
+    python(&py, &["-c", &make, hf.to_str().unwrap()]);
     let shapes = [
         "--model.name",
         "gpt_oss",

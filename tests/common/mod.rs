@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod family_layouts;
+pub mod hf_models;
 pub mod pytorch_training;
 
 use std::path::Path;

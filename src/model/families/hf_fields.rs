@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 
+use super::hf_rope::hf_rope_fields;
 use crate::model::args::field_range;
 use crate::model::ModelArgs;
 
@@ -84,9 +85,9 @@ pub fn refuse_other_activation(cfg: &Value, file: &Path) -> Result<()> {
 }
 
 /// The `config.json` fields every decoder family writes alike: sizes, heads, the norm's ε,
-/// positions, embeddings and SwiGLU's activation.
+/// positions (RoPE's θ and scaling), embeddings and SwiGLU's activation.
 pub fn decoder_fields(args: &ModelArgs) -> Value {
-    serde_json::json!({
+    let mut fields = serde_json::json!({
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -98,7 +99,12 @@ pub fn decoder_fields(args: &ModelArgs) -> Value {
         "tie_word_embeddings": args.tied_embeddings,
         "hidden_act": "silu",
         "attention_dropout": 0.0,
-    })
+    });
+    merge(
+        &mut fields,
+        hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
+    );
+    fields
 }
 
 /// Config fields that change what the model computes and that titan does not implement: an

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::hf_fields::{
     decoder_fields, get_size, merge, norm_eps, refuse_unsupported, tied_embeddings,
 };
-use super::hf_rope::{hf_rope_fields, rope_from_hf};
+use super::hf_rope::rope_from_hf;
 use crate::model::ModelArgs;
 
 /// Row `j` of an HF head comes from this row of the interleaved (titan) head.
@@ -167,10 +167,6 @@ pub fn write(args: &ModelArgs, architecture: &str, model_type: &str) -> Value {
         "mlp_bias": false,
     });
     merge(&mut config, decoder_fields(args));
-    merge(
-        &mut config,
-        hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
-    );
     config
 }
 

@@ -187,12 +187,14 @@ pub trait Family: Sync {
     }
     /// Tensors HF keeps beside the weights that titan keeps as training state (DeepSeek-V3's
     /// routing bias, titan's expert bias): written on export; an error when the family's HF
-    /// model has no place for that state (the export is then refused).
+    /// model has no place for that state (the export is then refused). By default none: a model
+    /// whose load balancing moved its expert bias is refused, as it would route differently.
     fn hf_extra_tensors(
         &self,
         _args: &ModelArgs,
-        _expert_bias: Option<&[Vec<f32>]>,
+        expert_bias: Option<&[Vec<f32>]>,
     ) -> Result<Vec<(String, Tensor)>> {
+        refuse_moved_expert_bias(self.name(), expert_bias)?;
         Ok(Vec::new())
     }
     /// The expert bias an HF checkpoint holds (None: the family keeps none).
@@ -234,12 +236,12 @@ pub fn llama4_attention(args: &ModelArgs) -> bool {
         || args.attention_temperature.is_some()
 }
 
-/// Refuses the export of a model whose load balancing moved its expert bias to `hf_model`, which
-/// has no place for one (its routing would differ there).
-pub fn refuse_moved_expert_bias(hf_model: &str, expert_bias: Option<&[Vec<f32>]>) -> Result<()> {
+/// Refuses the export of a model whose load balancing moved its expert bias to transformers'
+/// model of `family`, which has no place for one (its routing would differ there).
+fn refuse_moved_expert_bias(family: &str, expert_bias: Option<&[Vec<f32>]>) -> Result<()> {
     let moved = expert_bias.is_some_and(|b| b.iter().flatten().any(|&x| x != 0.0));
     if moved {
-        bail!("this checkpoint routes with an expert bias (load balancing's, [model] load_balance_coeff), which transformers' {hf_model} has no place for: its export would route differently. Train with load_balance_coeff = 0 to export it");
+        bail!("this checkpoint routes with an expert bias (load balancing's, [model] load_balance_coeff), which transformers' {family} model has no place for: its export would route differently. Train with load_balance_coeff = 0 to export it");
     }
     Ok(())
 }
@@ -353,6 +355,22 @@ mod tests {
                 let read = back.read_hf_config(&cfg, file).unwrap().args;
                 assert!(read.same_model(&args), "{args:?}\n{read:?}");
             }
+        }
+    }
+
+    /// DeepSeek-V3 writes the expert bias (`e_score_correction_bias`, its own tests); every other
+    /// family's transformers model has no place for one, so a moved one refuses the export.
+    #[test]
+    fn only_deepseek_exports_a_moved_expert_bias() {
+        let moved = vec![vec![0.0, 1e-3]; 2];
+        for family in FAMILIES.iter().filter(|f| f.name() != "deepseek_v3") {
+            let args = flavor(*family, family.flavors()[0]).unwrap();
+            let e = family.hf_extra_tensors(&args, Some(&moved)).unwrap_err();
+            assert!(e.to_string().contains(family.name()), "{e}");
+            assert!(family.hf_extra_tensors(&args, None).is_ok());
+            assert!(family
+                .hf_extra_tensors(&args, Some(&[vec![0.0; 2]]))
+                .is_ok());
         }
     }
 

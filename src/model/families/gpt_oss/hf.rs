@@ -15,7 +15,7 @@ use crate::model::args::SlidingWindow;
 use crate::model::families::hf_fields::{
     decoder_fields, get_float, get_size, merge, norm_eps, refuse_other_activation, tied_embeddings,
 };
-use crate::model::families::hf_rope::{hf_rope_fields, rope_from_hf};
+use crate::model::families::hf_rope::rope_from_hf;
 use crate::model::families::{hf_names, ExpertSlice, HfPart};
 use crate::model::moe::activation::ExpertActivation;
 use crate::model::params::expert_of;
@@ -183,10 +183,6 @@ pub fn write(args: &ModelArgs) -> Result<Value> {
         "router_aux_loss_coef": 0.0,
     });
     merge(&mut config, decoder_fields(args));
-    merge(
-        &mut config,
-        hf_rope_fields(args.rope_theta, args.rope_scaling.as_ref()),
-    );
     Ok(config)
 }
 

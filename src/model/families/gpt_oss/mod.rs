@@ -20,7 +20,6 @@ use super::{Family, HfPart, HfShapes, RopeRows};
 use crate::model::moe::activation::ExpertActivation;
 use crate::model::moe::router::ScoreFunc;
 use crate::model::ModelArgs;
-use crate::tensor::Tensor;
 
 pub use flavors::flavor;
 
@@ -75,16 +74,6 @@ impl Family for GptOss {
     }
     fn hf_part(&self, args: &ModelArgs, name: &str) -> HfPart {
         hf::part(args, name)
-    }
-    /// transformers' gpt-oss has no expert bias: a model trained with one (TorchTitan's load
-    /// balancing, `load_balance_coeff`) routes differently there, so its export is refused.
-    fn hf_extra_tensors(
-        &self,
-        _args: &ModelArgs,
-        expert_bias: Option<&[Vec<f32>]>,
-    ) -> Result<Vec<(String, Tensor)>> {
-        super::refuse_moved_expert_bias("GptOssForCausalLM", expert_bias)?;
-        Ok(Vec::new())
     }
 }
 

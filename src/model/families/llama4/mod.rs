@@ -23,7 +23,6 @@ use serde_json::Value;
 use super::hf_fields::validated;
 use super::{Family, HfPart, HfShapes, RopeRows};
 use crate::model::ModelArgs;
-use crate::tensor::Tensor;
 
 pub use flavors::flavor;
 
@@ -101,14 +100,6 @@ impl Family for Llama4 {
     }
     fn import_rows(&self, _hf: &HfShapes, _name: &str, data: Vec<f32>, _cols: usize) -> Vec<f32> {
         data
-    }
-    fn hf_extra_tensors(
-        &self,
-        _args: &ModelArgs,
-        expert_bias: Option<&[Vec<f32>]>,
-    ) -> Result<Vec<(String, Tensor)>> {
-        super::refuse_moved_expert_bias("Llama4ForCausalLM", expert_bias)?;
-        Ok(Vec::new())
     }
 }
 
