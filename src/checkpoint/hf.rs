@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use super::{st, TrainState, FORMAT_VERSION};
 use crate::backend::cpu::CpuBackend;
 use crate::data::LoaderState;
-use crate::model::families::{self, HfPart, HfShapes, HfTensors};
+use crate::model::families::{self, Family, HfPart, HfShapes, HfTensors};
 use crate::model::params::param_specs;
 use crate::model::{ModelArgs, ParamSet};
 use crate::tensor::{DType, Tensor};
@@ -121,12 +121,14 @@ pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Model shapes from an HF `config.json` (`file`, for errors), by its `model_type`'s family.
 pub fn args_from_hf_config(cfg: &Value, file: &Path) -> Result<ModelArgs> {
-    shapes_from_hf_config(cfg, file).map(|shapes| shapes.args)
+    shapes_from_hf_config(cfg, file).map(|(_, shapes)| shapes.args)
 }
 
-fn shapes_from_hf_config(cfg: &Value, file: &Path) -> Result<HfShapes> {
+/// The family that reads `cfg` (by its `model_type`) and the model it describes.
+fn shapes_from_hf_config(cfg: &Value, file: &Path) -> Result<(&'static dyn Family, HfShapes)> {
     let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
-    families::by_hf_model_type(model_type, file)?.read_hf_config(cfg, file)
+    let reader = families::by_hf_model_type(model_type, file)?;
+    Ok((reader, reader.read_hf_config(cfg, file)?))
 }
 
 /// An HF model's shapes, weights (in titan's names and layout, host memory) and, for DeepSeek-V3,
@@ -146,10 +148,9 @@ pub fn read_hf(hf_dir: &Path) -> Result<HfModel> {
             .with_context(|| format!("cannot read {}", cfg_path.display()))?,
     )
     .map_err(|e| anyhow!("{}: not valid JSON: {e}", cfg_path.display()))?;
-    let shapes = shapes_from_hf_config(&cfg, &cfg_path)?;
+    let (reader, shapes) = shapes_from_hf_config(&cfg, &cfg_path)?;
     let family = families::of_args(&shapes.args)?;
-    let model_type = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let prefix = families::by_hf_model_type(model_type, &cfg_path)?.hf_tensor_prefix(&cfg);
+    let prefix = reader.hf_tensor_prefix(&cfg);
     let args = &shapes.args;
     let fp8_blocks = super::hf_fp8::block_size(&cfg, &cfg_path)?;
     let files = crate::data::files::list_files(hf_dir, &[".safetensors"])?;

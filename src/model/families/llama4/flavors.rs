@@ -41,7 +41,8 @@ pub struct Llama4Shape {
     pub experts: usize,
     /// The experts in block `l` when `l + 1` is a multiple of it (`interleave_moe_layer_step`).
     pub moe_step: usize,
-    pub chunk: usize,
+    /// Chunked attention's chunk on the blocks with RoPE (None: full causal attention).
+    pub chunk: Option<usize>,
     pub l2_qk_norm: bool,
     pub rope_scaling: Option<RopeScaling>,
     pub max_seq_len: usize,
@@ -92,7 +93,7 @@ pub fn llama4(s: Llama4Shape) -> ModelArgs {
         sliding_window: None,
         attention_bias: false,
         every_n_layers_nope: Some(4),
-        attention_chunk_size: Some(s.chunk),
+        attention_chunk_size: s.chunk,
         l2_qk_norm: s.l2_qk_norm,
         attention_temperature: Some(TEMPERATURE),
     }
@@ -110,7 +111,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
         moe_hidden: 8192,
         experts,
         moe_step,
-        chunk: 8192,
+        chunk: Some(8192),
         l2_qk_norm,
         rope_scaling,
         max_seq_len,
@@ -126,7 +127,7 @@ pub fn flavor(name: &str) -> Option<ModelArgs> {
             moe_hidden: 512,
             experts: 8,
             moe_step: 2,
-            chunk: 256,
+            chunk: Some(256),
             l2_qk_norm: true,
             rope_scaling: Some(SCOUT_ROPE),
             max_seq_len: 1 << 20,

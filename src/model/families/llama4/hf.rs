@@ -197,12 +197,11 @@ pub fn read(cfg: &Value, file: &Path) -> Result<ModelArgs> {
         moe_hidden,
         experts: size("num_local_experts", "moe.num_experts", Some(16))?,
         moe_step,
-        chunk: chunk.unwrap_or(1),
+        chunk,
         l2_qk_norm: flag(cfg, "use_qk_norm", true, file)?,
         rope_scaling,
         max_seq_len: size("max_position_embeddings", "max_seq_len", Some(131072))?,
     });
-    args.attention_chunk_size = chunk;
     args.every_n_layers_nope = nope;
     args.rope_theta = rope_theta;
     let head_dim = size("head_dim", "attention_head_dim", Some(128))?;
