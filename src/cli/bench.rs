@@ -190,7 +190,7 @@ fn bench_on<B: Backend>(
     let dist = place.dist.as_ref();
     let (rank, dp_rank) = dist.map_or((0, 0), |d| (d.rank, d.dp.rank()));
     let setup = Instant::now();
-    let mut composed = compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
+    let mut composed = compose_rank(be, cfg, &place)?;
     be.synchronize();
     if rank == 0 {
         errln!(

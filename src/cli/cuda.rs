@@ -357,7 +357,7 @@ fn nccl_check() -> Result<()> {
     use crate::backend::Backend;
     use crate::comm::group::ReduceOp;
     use crate::comm::nccl::NcclGroup;
-    use crate::comm::queue::{CollectiveQueue, NcclQueue};
+    use crate::comm::queue::{CollectiveQueue, DeviceQueue};
     use crate::comm::store::{StoreClient, StoreServer};
     use std::time::Duration;
 
@@ -413,7 +413,11 @@ fn nccl_check() -> Result<()> {
     // more one-rank groups): collectives finish in the order they started, each with its output.
     let shard = NcclGroup::connect(&store, "nccl-check-shard", 0, 1, &be, t, t)?;
     let replicas = NcclGroup::connect(&store, "nccl-check-replicas", 0, 1, &be, t, t)?;
-    let mut queue = NcclQueue::new("FSDP", shard, Some(replicas));
+    let mut queue: DeviceQueue<CudaBackend> = DeviceQueue::new(
+        "FSDP",
+        std::sync::Arc::new(shard),
+        Some(std::sync::Arc::new(replicas)),
+    );
     queue.start_gather(&be, be.upload(&values))?;
     queue.start_reduce_scatter(&be, be.upload(&doubled))?;
     let (gathered, reduced) = (queue.finish_oldest(&be)?, queue.finish_oldest(&be)?);

@@ -6,10 +6,16 @@
 //!
 //! A group turns it on only when every rank could read a probe word from every peer at connect
 //! time (the call can be forbidden by a container's seccomp profile or by Yama's ptrace scope); the
-//! environment variable `TITAN_COMM_NO_CMA=1` turns it off.
+//! environment variable `TITAN_COMM_NO_CMA=1` turns it off. `agree` is that decision, taken alike on every
+//! rank through the store.
 
 use std::io;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+
+use super::store::StoreClient;
 
 /// A random word of this process, read by peers to check that they read the right process: a pid
 /// can name another process in a peer's pid namespace, and without ASLR every titan process has its
@@ -109,4 +115,73 @@ pub fn read_f32(pid: i32, remote: u64, dst: &mut [f32]) -> io::Result<()> {
 pub fn can_read(pid: i32, address: u64, expected: u64) -> bool {
     let mut b = [0u8; 8];
     read_bytes(pid, address, &mut b).is_ok() && u64::from_ne_bytes(b) == expected
+}
+
+/// Decides, identically on every rank, whether the group copies by direct reads. Round 1: each rank
+/// publishes whether it is willing (local sockets, not disabled) with its pid and probe. Round 2
+/// (only when all are willing): each rank reads every peer's probe and publishes whether all read
+/// back right. Direct reads are used only when every rank could read every peer.
+pub(super) fn agree(
+    store: &StoreClient,
+    name: &str,
+    rank: usize,
+    size: usize,
+    willing: bool,
+    link_pids: &[Option<i32>],
+    timeout: Duration,
+) -> Result<Option<Vec<i32>>> {
+    let deadline = Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let never =
+        |peer: usize| anyhow!("group `{name}` rank {rank}: rank {peer} never finished connecting");
+    let me = if willing {
+        allow_peer_reads();
+        format!(
+            "{}:{}:{}",
+            std::process::id(),
+            probe_address(),
+            probe_value()
+        )
+    } else {
+        "no".to_string()
+    };
+    store.set(&format!("group/{name}/cma-offer/{rank}"), me.as_bytes())?;
+    let mut offers = Vec::with_capacity(size);
+    for peer in 0..size {
+        let v = store
+            .get_within(&format!("group/{name}/cma-offer/{peer}"), left())
+            .map_err(|_| never(peer))?;
+        let v = String::from_utf8_lossy(&v).into_owned();
+        let mut parts = v.split(':');
+        let mut field = || parts.next().and_then(|f| f.parse::<u64>().ok());
+        offers.push(match (field(), field(), field()) {
+            (Some(pid), Some(address), Some(value)) => Some((pid as i32, address, value)),
+            _ => None,
+        });
+    }
+    if offers.iter().any(Option::is_none) {
+        return Ok(None);
+    }
+    let offers: Vec<(i32, u64, u64)> = offers.into_iter().flatten().collect();
+    let readable =
+        offers
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| *p != rank)
+            .all(|(p, &(pid, address, value))| {
+                // The pid a peer offers must be the one the kernel names at the link's other end.
+                link_pids.get(p).copied().flatten() == Some(pid) && can_read(pid, address, value)
+            });
+    store.set(
+        &format!("group/{name}/cma-ok/{rank}"),
+        if readable { b"1" } else { b"0" },
+    )?;
+    let mut all = readable;
+    for peer in (0..size).filter(|&p| p != rank) {
+        let v = store
+            .get_within(&format!("group/{name}/cma-ok/{peer}"), left())
+            .map_err(|_| never(peer))?;
+        all &= v.as_slice() == b"1";
+    }
+    Ok(all.then(|| offers.iter().map(|o| o.0).collect()))
 }

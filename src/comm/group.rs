@@ -13,7 +13,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
 
@@ -30,6 +30,10 @@ pub enum ReduceOp {
     Avg,
     Max,
 }
+
+/// Where a group keeps the device communicator attached to it (`device_group::attach`): an
+/// `Arc<dyn DeviceGroup<B>>` for the backend `B` it was made on.
+pub type DeviceSlot = std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>;
 
 pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
@@ -54,6 +58,11 @@ pub trait ProcessGroup: Send + Sync {
         recv_counts: &[usize],
     ) -> Result<()>;
     fn barrier(&self) -> Result<()>;
+    /// The slot for the device communicator over the same ranks (None: this group cannot carry
+    /// one, e.g. a shape-only group of the planner).
+    fn device_slot(&self) -> Option<&DeviceSlot> {
+        None
+    }
 }
 
 fn as_bytes(x: &[f32]) -> &[u8] {
@@ -80,76 +89,6 @@ fn disjoint(buf: &mut [f32], a: (usize, usize), b: (usize, usize)) -> (&[f32], &
         let (lo, hi) = buf.split_at_mut(a.0);
         (&hi[..a.1 - a.0], &mut lo[b.0..b.1])
     }
-}
-
-/// Decides, identically on every rank, whether the group copies by direct reads. Round 1: each rank
-/// publishes whether it is willing (local sockets, not disabled) with its pid and probe. Round 2
-/// (only when all are willing): each rank reads every peer's probe and publishes whether all read
-/// back right. Direct reads are used only when every rank could read every peer.
-fn agree_on_cma(
-    store: &StoreClient,
-    name: &str,
-    rank: usize,
-    size: usize,
-    willing: bool,
-    link_pids: &[Option<i32>],
-    timeout: Duration,
-) -> Result<Option<Vec<i32>>> {
-    let deadline = Instant::now() + timeout;
-    let left = || deadline.saturating_duration_since(Instant::now());
-    let never =
-        |peer: usize| anyhow!("group `{name}` rank {rank}: rank {peer} never finished connecting");
-    let me = if willing {
-        cma::allow_peer_reads();
-        format!(
-            "{}:{}:{}",
-            std::process::id(),
-            cma::probe_address(),
-            cma::probe_value()
-        )
-    } else {
-        "no".to_string()
-    };
-    store.set(&format!("group/{name}/cma-offer/{rank}"), me.as_bytes())?;
-    let mut offers = Vec::with_capacity(size);
-    for peer in 0..size {
-        let v = store
-            .get_within(&format!("group/{name}/cma-offer/{peer}"), left())
-            .map_err(|_| never(peer))?;
-        let v = String::from_utf8_lossy(&v).into_owned();
-        let mut parts = v.split(':');
-        let mut field = || parts.next().and_then(|f| f.parse::<u64>().ok());
-        offers.push(match (field(), field(), field()) {
-            (Some(pid), Some(address), Some(value)) => Some((pid as i32, address, value)),
-            _ => None,
-        });
-    }
-    if offers.iter().any(Option::is_none) {
-        return Ok(None);
-    }
-    let offers: Vec<(i32, u64, u64)> = offers.into_iter().flatten().collect();
-    let readable =
-        offers
-            .iter()
-            .enumerate()
-            .filter(|(p, _)| *p != rank)
-            .all(|(p, &(pid, address, value))| {
-                // The pid a peer offers must be the one the kernel names at the link's other end.
-                link_pids.get(p).copied().flatten() == Some(pid)
-                    && cma::can_read(pid, address, value)
-            });
-    store.set(
-        &format!("group/{name}/cma-ok/{rank}"),
-        if readable { b"1" } else { b"0" },
-    )?;
-    let mut all = readable;
-    for peer in (0..size).filter(|&p| p != rank) {
-        let v = store
-            .get_within(&format!("group/{name}/cma-ok/{peer}"), left())
-            .map_err(|_| never(peer))?;
-        all &= v.as_slice() == b"1";
-    }
-    Ok(all.then(|| offers.iter().map(|o| o.0).collect()))
 }
 
 fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
@@ -191,6 +130,8 @@ pub struct TcpGroup {
     broken: AtomicBool,
     /// The flight recorder's buffer of this group's operations, when it is on.
     record: Option<Arc<GroupRecord>>,
+    /// The device communicator over the same ranks, once one is attached.
+    device: DeviceSlot,
 }
 
 impl TcpGroup {
@@ -236,7 +177,7 @@ impl TcpGroup {
                     s.conn().peer_credentials().map(|(pid, _)| pid)
                 })
                 .collect();
-            agree_on_cma(store, name, rank, size, willing, &link_pids, init_timeout)?
+            cma::agree(store, name, rank, size, willing, &link_pids, init_timeout)?
         } else {
             None
         };
@@ -250,6 +191,7 @@ impl TcpGroup {
             sequence: AtomicU64::new(0),
             broken: AtomicBool::new(false),
             record: None,
+            device: DeviceSlot::new(),
         })
     }
 
@@ -792,5 +734,9 @@ impl ProcessGroup for TcpGroup {
     fn barrier(&self) -> Result<()> {
         let mut one = [1.0f32];
         self.all_reduce(&mut one, ReduceOp::Sum)
+    }
+
+    fn device_slot(&self) -> Option<&DeviceSlot> {
+        Some(&self.device)
     }
 }

@@ -4,9 +4,11 @@
 pub mod auth;
 pub mod cma;
 pub mod conn;
+pub mod device_group;
 pub mod flight_recorder;
 pub mod frame;
 pub mod group;
+pub mod host_device;
 pub mod mesh;
 pub mod nccl;
 pub mod peers;

@@ -24,9 +24,10 @@
 //! Status: run on one GPU only (`titan cuda nccl-check`, a one-rank group): NCCL refuses two ranks
 //! on one GPU, and the lent machines have one. When every rank has its own GPU, DDP sums each
 //! block's gradients through these groups while the backward goes on with the blocks below
-//! (`parallel::ddp::NcclGradReducer`), and FSDP gathers and reduce-scatters through them one block
-//! ahead of or behind the compute (`comm::queue::NcclQueue`; FSDP's packing and schedule are the
-//! ones the CPU runs with the host queue).
+//! (`parallel::ddp::DeviceGradReducer`), and FSDP gathers and reduce-scatters through them one block
+//! ahead of or behind the compute (`comm::queue::DeviceQueue`; FSDP's packing and schedule are the
+//! ones the CPU runs with the host queue): each communicator is attached to its mesh group
+//! (`DeviceGroup`), and the layouts take it from there.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +38,7 @@ use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaEvent, CudaStream};
 use cudarc::nccl::{result as nccl, sys};
 
+use super::device_group::{DeviceGroup, Pending};
 use super::group::ReduceOp;
 use super::store::StoreClient;
 use crate::backend::cuda::libs::{require, CudaLib};
@@ -437,6 +439,54 @@ impl NcclGroup {
         self.compute
             .wait(&f.done)
             .map_err(|e| self.failed_cuda(op, "ordering the compute stream", e))
+    }
+}
+
+/// NCCL is the device group of CUDA buffers: FSDP's queue, DDP's sums and tensor parallelism's
+/// rows run through it once it is attached to a mesh group (`device_group::attach`).
+impl DeviceGroup<CudaBackend> for NcclGroup {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn start_all_gather(
+        &self,
+        _be: &CudaBackend,
+        input: &CudaBuf,
+        output: &mut CudaBuf,
+    ) -> Result<Pending> {
+        Ok(Pending(Box::new(NcclGroup::start_all_gather(
+            self, input, output,
+        )?)))
+    }
+
+    fn start_reduce_scatter(
+        &self,
+        _be: &CudaBackend,
+        input: &CudaBuf,
+        output: &mut CudaBuf,
+    ) -> Result<Pending> {
+        let f = NcclGroup::start_reduce_scatter(self, input, output, ReduceOp::Sum)?;
+        Ok(Pending(Box::new(f)))
+    }
+
+    fn start_all_reduce_each(&self, _be: &CudaBackend, bufs: Vec<&mut CudaBuf>) -> Result<Pending> {
+        let f = NcclGroup::start_all_reduce_each(self, bufs, ReduceOp::Sum)?;
+        Ok(Pending(Box::new(f)))
+    }
+
+    fn wait(&self, pending: Pending) -> Result<()> {
+        let f = pending.0.downcast::<InFlight>().map_err(|_| {
+            anyhow!(
+                "NCCL group `{}`: waited for another group's collective",
+                self.name
+            )
+        })?;
+        NcclGroup::wait(self, *f)
+    }
+
+    fn abort(&self) {
+        NcclGroup::abort(self)
     }
 }
 

@@ -4,12 +4,13 @@
 //! while the caller computes. Sharded data parallelism (FSDP, HSDP) gathers its weights and
 //! reduce-scatters its gradients through one; async tensor parallelism its chunks of token rows.
 //!
-//! Two queues, one interface (their users know only `CollectiveQueue`):
+//! Two queues, one interface (their users know only `CollectiveQueue`, and get one from the
+//! group they cross: `queue_over`):
 //! - `HostQueue`, for any backend: each input is copied to the host and handed to a communication
 //!   thread, which runs the collectives in order over the CPU transport; finishing one waits for
 //!   the thread's result and uploads it.
-//! - `NcclQueue`, on GPUs: the collectives run on NCCL's stream (`comm::nccl`), each queue entry
-//!   holding its input and output until it is finished.
+//! - `DeviceQueue`, over the device communicator attached to the group (`device_group`; NCCL's
+//!   stream on GPUs), each queue entry holding its input and output until it is finished.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,9 +19,8 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 
+use super::device_group::{device_of, DeviceGroup, Pending};
 use super::group::{ProcessGroup, ReduceOp};
-use super::nccl::{InFlight, NcclGroup};
-use crate::backend::cuda::{CudaBackend, CudaBuf};
 use crate::backend::Backend;
 
 pub trait CollectiveQueue<B: Backend> {
@@ -39,6 +39,10 @@ pub trait CollectiveQueue<B: Backend> {
     /// Seconds the queue's collectives have been running, where the queue measures it.
     fn busy_seconds(&self) -> Option<f64> {
         None
+    }
+    /// Whether the collectives run on the device's buffers (no host copies).
+    fn on_device(&self) -> bool {
+        false
     }
 }
 
@@ -175,27 +179,32 @@ impl Drop for HostQueue {
     }
 }
 
-/// A collective on NCCL's stream, with the buffers it reads and writes.
-struct NcclEntry {
-    _input: CudaBuf,
-    output: CudaBuf,
-    shard: InFlight,
-    /// HSDP's all-reduce across the replicas, queued after the reduce-scatter.
-    replicated: Option<InFlight>,
+/// A collective on a device group, with the buffers it reads and writes.
+struct DeviceEntry<B: Backend> {
+    _input: B::Buf,
+    output: B::Buf,
+    shard: Pending,
+    /// HSDP's all-reduce across the replicas, started after the reduce-scatter.
+    replicated: Option<Pending>,
 }
 
-/// The collectives on the GPUs through NCCL: over the shard group and, for HSDP, the replicas.
-pub struct NcclQueue {
+/// The collectives on a device group (`device_group`: NCCL's communicators on GPUs), over the
+/// shard group and, for HSDP, the replicas.
+pub struct DeviceQueue<B: Backend> {
     /// Who uses the queue, for its errors ("FSDP", "tensor parallel").
     user: &'static str,
-    shard: NcclGroup,
-    replicate: Option<NcclGroup>,
-    in_flight: VecDeque<NcclEntry>,
+    shard: Arc<dyn DeviceGroup<B>>,
+    replicate: Option<Arc<dyn DeviceGroup<B>>>,
+    in_flight: VecDeque<DeviceEntry<B>>,
 }
 
-impl NcclQueue {
-    pub fn new(user: &'static str, shard: NcclGroup, replicate: Option<NcclGroup>) -> Self {
-        NcclQueue {
+impl<B: Backend> DeviceQueue<B> {
+    pub fn new(
+        user: &'static str,
+        shard: Arc<dyn DeviceGroup<B>>,
+        replicate: Option<Arc<dyn DeviceGroup<B>>>,
+    ) -> Self {
+        DeviceQueue {
             user,
             shard,
             replicate,
@@ -204,16 +213,16 @@ impl NcclQueue {
     }
 }
 
-impl CollectiveQueue<CudaBackend> for NcclQueue {
+impl<B: Backend> CollectiveQueue<B> for DeviceQueue<B> {
     fn shard_size(&self) -> usize {
         self.shard.size()
     }
 
-    fn start_gather(&mut self, be: &CudaBackend, input: CudaBuf) -> Result<()> {
-        // NCCL writes every value of the outputs.
-        let mut output = be.uninit(input.len() * self.shard.size());
-        let shard = self.shard.start_all_gather(&input, &mut output)?;
-        self.in_flight.push_back(NcclEntry {
+    fn start_gather(&mut self, be: &B, input: B::Buf) -> Result<()> {
+        // The collective writes every value of the output.
+        let mut output = be.uninit(be.len(&input) * self.shard.size());
+        let shard = self.shard.start_all_gather(be, &input, &mut output)?;
+        self.in_flight.push_back(DeviceEntry {
             _input: input,
             output,
             shard,
@@ -222,21 +231,17 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
         Ok(())
     }
 
-    fn start_reduce_scatter(&mut self, be: &CudaBackend, input: CudaBuf) -> Result<()> {
-        let mut output = be.uninit(input.len() / self.shard.size());
-        let shard = self
-            .shard
-            .start_reduce_scatter(&input, &mut output, ReduceOp::Sum)?;
-        // Queued after the reduce-scatter on the one communication stream, so it sums the
+    fn start_reduce_scatter(&mut self, be: &B, input: B::Buf) -> Result<()> {
+        let mut output = be.uninit(be.len(&input) / self.shard.size());
+        let shard = self.shard.start_reduce_scatter(be, &input, &mut output)?;
+        // Started after the reduce-scatter on the one communication stream, so it sums the
         // reduce-scatter's result. The entry is queued only once both started, so the caller's
         // record of what is in flight stays in step on an error (which aborts the communicator).
         let replicated = match &self.replicate {
-            Some(replicas) => {
-                Some(replicas.start_all_reduce_each(std::iter::once(&mut output), ReduceOp::Sum)?)
-            }
+            Some(replicas) => Some(replicas.start_all_reduce_each(be, vec![&mut output])?),
             None => None,
         };
-        self.in_flight.push_back(NcclEntry {
+        self.in_flight.push_back(DeviceEntry {
             _input: input,
             output,
             shard,
@@ -245,7 +250,7 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
         Ok(())
     }
 
-    fn finish_oldest(&mut self, _be: &CudaBackend) -> Result<CudaBuf> {
+    fn finish_oldest(&mut self, _be: &B) -> Result<B::Buf> {
         let entry = self
             .in_flight
             .pop_front()
@@ -260,11 +265,15 @@ impl CollectiveQueue<CudaBackend> for NcclQueue {
     fn replicated(&self) -> bool {
         self.replicate.is_some()
     }
+
+    fn on_device(&self) -> bool {
+        true
+    }
 }
 
-impl Drop for NcclQueue {
+impl<B: Backend> Drop for DeviceQueue<B> {
     /// Collectives still in flight mean the run is ending on an error: the communicators are
-    /// aborted, as `ncclCommDestroy` could wait for them forever.
+    /// aborted, as NCCL's `ncclCommDestroy` could wait for them forever.
     fn drop(&mut self) {
         if !self.in_flight.is_empty() {
             self.shard.abort();
@@ -272,5 +281,26 @@ impl Drop for NcclQueue {
                 r.abort();
             }
         }
+    }
+}
+
+/// The queue `user`'s collectives over `group` run on (for HSDP's reduce-scatters, summed across
+/// `replicate` after): on the device when `group` (and `replicate`) carry a device communicator
+/// for `B`, else a communication thread over the host transport.
+pub fn queue_over<B: Backend>(
+    user: &'static str,
+    group: &Arc<dyn ProcessGroup>,
+    replicate: Option<&Arc<dyn ProcessGroup>>,
+) -> Box<dyn CollectiveQueue<B> + Send> {
+    let devices = (
+        device_of::<B>(group.as_ref()),
+        replicate.map(|r| device_of::<B>(r.as_ref())),
+    );
+    match devices {
+        (Some(shard), None) => Box::new(DeviceQueue::new(user, shard, None)),
+        (Some(shard), Some(Some(replicas))) => {
+            Box::new(DeviceQueue::new(user, shard, Some(replicas)))
+        }
+        _ => Box::new(HostQueue::new(user, group.clone(), replicate.cloned())),
     }
 }

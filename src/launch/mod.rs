@@ -1,6 +1,7 @@
 //! Launch: the multi-process launcher and the worker's view of its environment.
 
 pub mod checkpoint_exchange;
+pub mod device_groups;
 pub mod env;
 pub mod groups;
 pub mod launcher;
@@ -217,29 +218,43 @@ impl Distributed {
         }))
     }
 
-    /// An NCCL communicator over the ranks of one of this worker's groups, on `be`'s GPU (every
-    /// rank of that group calls this together; the unique id travels through the store). None when
-    /// the job has no such group.
-    pub fn nccl_group(
-        &self,
-        which: MeshGroup,
-        be: &crate::backend::cuda::CudaBackend,
-    ) -> Result<Option<crate::comm::nccl::NcclGroup>> {
-        let (group, name) = match which {
-            MeshGroup::DataParallel => (Some(&self.dp), Some(&self.dp_name)),
-            MeshGroup::Shard => (self.shard.as_ref(), self.shard_name.as_ref()),
-            MeshGroup::Replicate => (self.replicate.as_ref(), self.replicate_name.as_ref()),
-            MeshGroup::Tensor => (self.tp.as_ref(), self.tp_name.as_ref()),
-            MeshGroup::Context => (self.cp.as_ref(), self.cp_name.as_ref()),
-            MeshGroup::ExpertShard => (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
-            MeshGroup::ExpertReplicate => (
+    /// The groups whose collectives may run on a device communicator, each with its name in the
+    /// store, in the one order every rank attaches them (so no two ranks wait for each other's
+    /// next): data parallelism's (FSDP's shard and HSDP's replica groups, or with whole
+    /// parameters every data-parallel rank), tensor parallel, context parallel, then the experts'
+    /// shard and replica groups under expert parallelism.
+    pub fn device_capable_groups(&self) -> Vec<(&Arc<dyn ProcessGroup>, &str)> {
+        let data = match &self.shard {
+            Some(shard) => vec![
+                (Some(shard), self.shard_name.as_ref()),
+                (self.replicate.as_ref(), self.replicate_name.as_ref()),
+            ],
+            None if self.dp.size() > 1 => vec![(Some(&self.dp), Some(&self.dp_name))],
+            None => Vec::new(),
+        };
+        let others = [
+            (self.tp.as_ref(), self.tp_name.as_ref()),
+            (self.cp.as_ref(), self.cp_name.as_ref()),
+            (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
+            (
                 self.expert_replicate.as_ref(),
                 self.expert_replicate_name.as_ref(),
             ),
-        };
-        let (Some(group), Some(name)) = (group, name) else {
-            return Ok(None);
-        };
+        ];
+        data.into_iter()
+            .chain(others)
+            .filter_map(|(group, name)| Some((group?, name?.as_str())))
+            .collect()
+    }
+
+    /// An NCCL communicator over the ranks of `group` (named `name` in the store), on `be`'s GPU
+    /// (every rank of the group calls this together; the unique id travels through the store).
+    pub fn nccl_over(
+        &self,
+        group: &dyn ProcessGroup,
+        name: &str,
+        be: &crate::backend::cuda::CudaBackend,
+    ) -> Result<crate::comm::nccl::NcclGroup> {
         crate::comm::nccl::NcclGroup::connect(
             &self.store,
             &format!("{name}-nccl"),
@@ -249,22 +264,7 @@ impl Distributed {
             self.timeouts.0,
             self.timeouts.1,
         )
-        .map(Some)
     }
-}
-
-/// A worker's groups that may get an NCCL communicator: every data-parallel rank, FSDP's shard
-/// group, HSDP's replica group, the tensor-parallel group, the context-parallel group, FSDP's
-/// shard and replica groups of the experts under expert parallelism.
-#[derive(Debug, Clone, Copy)]
-pub enum MeshGroup {
-    DataParallel,
-    Shard,
-    Replicate,
-    Tensor,
-    Context,
-    ExpertShard,
-    ExpertReplicate,
 }
 
 /// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through

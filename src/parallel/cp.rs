@@ -33,7 +33,7 @@ use anyhow::{anyhow, bail, Result};
 
 use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend};
 use crate::comm::group::ProcessGroup;
-use crate::comm::queue::CollectiveQueue;
+use crate::comm::queue::{queue_over, CollectiveQueue};
 use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
 use crate::model::LocalShapes;
 
@@ -176,22 +176,18 @@ pub fn scratch_bytes(m: &LocalShapes, batch: usize, seq: usize, rotate: RotateMe
 }
 
 impl<B: Backend> ContextParallelGroup<B> {
-    /// The group's attention as `rotate` says; `queue` (over `group`) carries `allgather`'s
-    /// collectives (and is made only for it: `alltoall` needs none).
-    pub fn new(
-        group: Arc<dyn ProcessGroup>,
-        rotate: RotateMethod,
-        queue: Option<Box<dyn CollectiveQueue<B> + Send>>,
-    ) -> Result<Self> {
-        if rotate == RotateMethod::AllGather && queue.is_none() {
-            bail!("context parallel: allgather needs a collective queue (a titan bug)");
-        }
-        Ok(ContextParallelGroup {
+    /// The group's attention as `rotate` says; `allgather`'s collectives run on a queue over
+    /// `group` (its device communicator where it carries one), made only for it: `alltoall`
+    /// rotates through the host transport.
+    pub fn new(group: Arc<dyn ProcessGroup>, rotate: RotateMethod) -> Self {
+        let queue = (rotate == RotateMethod::AllGather)
+            .then(|| queue_over::<B>("context parallel", &group, None));
+        ContextParallelGroup {
             group,
             rotate,
             queue: queue.map(Mutex::new),
             compute_ns: AtomicU64::new(0),
-        })
+        }
     }
 
     /// The layouts of a call's shard, checking that `k` and `v` hold it.

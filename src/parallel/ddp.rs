@@ -9,20 +9,22 @@
 //!   which all-reduces it while the backward goes on with the blocks below. The remaining
 //!   parameters (embeddings, final norm, output) form the last bucket. The thread is the group's
 //!   only user while buckets are in flight.
-//! - `NcclGradReducer`, on CUDA when every rank has its own GPU: the same buckets summed in place on
-//!   the GPUs, one NCCL group call per block started as soon as the backward has queued that
-//!   block's gradients, running on NCCL's stream while the compute stream goes on with the blocks
-//!   below (no host copies; not yet run with more than one rank: see `comm::nccl`).
+//! - `DeviceGradReducer`, when the group carries a device communicator (`comm::device_group`; NCCL's
+//!   on CUDA when every rank has its own GPU): the same buckets summed in place on the devices, one
+//!   call per block started as soon as the backward has queued that block's gradients, running on
+//!   the communication stream while the compute stream goes on with the blocks below (no host
+//!   copies; with NCCL not yet run with more than one rank: see `comm::nccl`).
+//!
+//! `Ddp::new` takes the one its group offers.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 
-use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
+use crate::comm::device_group::{device_of, DeviceGroup, Pending};
 use crate::comm::group::{ProcessGroup, ReduceOp};
-use crate::comm::nccl::{InFlight, NcclGroup};
 use crate::model::params::LayerIds;
 use crate::model::{ParamSet, ReduceDtype};
 
@@ -141,34 +143,35 @@ impl<B: Backend> GradReducer<B> for DdpReducer {
     }
 }
 
-/// DDP's gradient sum on the GPUs through NCCL, a block at a time during the backward.
-pub struct NcclGradReducer {
-    group: NcclGroup,
+/// DDP's gradient sum on the devices, a block at a time during the backward.
+pub struct DeviceGradReducer<B: Backend> {
+    group: Arc<dyn DeviceGroup<B>>,
     /// The sums started this step, oldest first.
-    in_flight: Vec<InFlight>,
+    in_flight: Vec<Pending>,
     /// Which gradients a started sum covers (indexed like the parameters).
     started: Vec<bool>,
 }
 
-impl NcclGradReducer {
-    pub fn new(group: NcclGroup) -> Self {
-        NcclGradReducer {
+impl<B: Backend> DeviceGradReducer<B> {
+    pub fn new(group: Arc<dyn DeviceGroup<B>>) -> Self {
+        DeviceGradReducer {
             group,
             in_flight: Vec::new(),
             started: Vec::new(),
         }
     }
 
-    /// Starts summing the gradients `ids` (one NCCL group call); they must not be written until
-    /// `finish`, which the backward guarantees for a finished block.
-    fn start(&mut self, grads: &mut ParamSet<CudaBackend>, ids: &[usize]) -> Result<()> {
+    /// Starts summing the gradients `ids` (one call); they must not be written until `finish`,
+    /// which the backward guarantees for a finished block.
+    fn start(&mut self, be: &B, grads: &mut ParamSet<B>, ids: &[usize]) -> Result<()> {
         let bufs = grads
             .bufs
             .iter_mut()
             .enumerate()
-            .filter(|(i, b)| ids.contains(i) && !b.is_empty())
-            .map(|(_, b)| b);
-        let f = self.group.start_all_reduce_each(bufs, ReduceOp::Sum)?;
+            .filter(|(i, b)| ids.contains(i) && be.len(b) > 0)
+            .map(|(_, b)| b)
+            .collect();
+        let f = self.group.start_all_reduce_each(be, bufs)?;
         self.in_flight.push(f);
         self.started.resize(grads.len(), false);
         for &i in ids {
@@ -178,30 +181,20 @@ impl NcclGradReducer {
     }
 }
 
-impl GradReducer<CudaBackend> for NcclGradReducer {
-    fn block_done(
-        &mut self,
-        _be: &CudaBackend,
-        ids: &[usize],
-        grads: &mut ParamSet<CudaBackend>,
-    ) -> Result<()> {
-        self.start(grads, ids)
+impl<B: Backend> GradReducer<B> for DeviceGradReducer<B> {
+    fn block_done(&mut self, be: &B, ids: &[usize], grads: &mut ParamSet<B>) -> Result<()> {
+        self.start(be, grads, ids)
     }
 
     /// Starts the sum of every gradient no block hook covered (embeddings, final norm, output),
     /// then waits for all of them.
-    fn finish(
-        &mut self,
-        _be: &CudaBackend,
-        grads: &mut ParamSet<CudaBackend>,
-        _block_ids: &[LayerIds],
-    ) -> Result<()> {
+    fn finish(&mut self, be: &B, grads: &mut ParamSet<B>, _block_ids: &[LayerIds]) -> Result<()> {
         self.started.resize(grads.len(), false);
         let rest: Vec<usize> = (0..grads.len()).filter(|&i| !self.started[i]).collect();
         let started = if rest.is_empty() {
             Ok(())
         } else {
-            self.start(grads, &rest)
+            self.start(be, grads, &rest)
         };
         self.started.iter_mut().for_each(|s| *s = false);
         // Every started sum is waited for (after a failure they end at once: the communicator is
@@ -216,9 +209,9 @@ impl GradReducer<CudaBackend> for NcclGradReducer {
     }
 }
 
-impl Drop for NcclGradReducer {
+impl<B: Backend> Drop for DeviceGradReducer<B> {
     /// Sums still in flight mean the run is ending on an error: the communicator is aborted, as
-    /// `ncclCommDestroy` could wait for them forever.
+    /// NCCL's `ncclCommDestroy` could wait for them forever.
     fn drop(&mut self) {
         if !self.in_flight.is_empty() {
             self.group.abort();
@@ -245,14 +238,15 @@ pub struct Ddp<B: Backend> {
 }
 
 impl<B: Backend> Ddp<B> {
-    /// Gradients summed through `group` in host buckets, or by `device_reducer` when given.
-    pub fn new(
-        group: Arc<dyn ProcessGroup>,
-        device_reducer: Option<Box<dyn GradReducer<B>>>,
-        reduce_dtype: ReduceDtype,
-    ) -> Self {
+    /// Gradients summed in place on the device communicator `group` carries, or through the
+    /// host transport in buckets.
+    pub fn new(group: Arc<dyn ProcessGroup>, reduce_dtype: ReduceDtype) -> Self {
+        let reducer: Box<dyn GradReducer<B>> = match device_of::<B>(group.as_ref()) {
+            Some(device) => Box::new(DeviceGradReducer::new(device)),
+            None => Box::new(DdpReducer::new(group.clone())),
+        };
         Ddp {
-            reducer: device_reducer.unwrap_or_else(|| Box::new(DdpReducer::new(group.clone()))),
+            reducer,
             group,
             reduce_dtype,
         }

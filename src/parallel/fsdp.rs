@@ -45,7 +45,7 @@ use anyhow::{anyhow, Result};
 
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
-use crate::comm::queue::{CollectiveQueue, HostQueue};
+use crate::comm::queue::{queue_over, CollectiveQueue};
 use crate::memory_timeline::{self, Category};
 use crate::model::{Decoder, ParamDtype, ParamSet, ReduceDtype};
 
@@ -95,13 +95,11 @@ struct ShardGroup<B: Backend> {
 }
 
 /// Expert parallelism's second shard group: the ranks holding the same experts, over which the
-/// experts this rank holds are sharded (`DeviceMesh::expert_groups`), under HSDP their replica
-/// group (its own connections: its queue runs beside the other), and the queue for their
-/// collectives (None: the CPU transport's over those groups).
-pub struct ExpertShards<B: Backend> {
+/// experts this rank holds are sharded (`DeviceMesh::expert_groups`), and under HSDP their
+/// replica group (its own connections: its queue runs beside the other).
+pub struct ExpertShards {
     pub group: Arc<dyn ProcessGroup>,
     pub replicate: Option<Arc<dyn ProcessGroup>>,
-    pub queue: Option<Box<dyn CollectiveQueue<B>>>,
 }
 
 /// What a rank starts one parameter-shaped tensor (weights or an AdamW moment) from: its full
@@ -192,8 +190,9 @@ impl ReshardPolicy {
 impl<B: Backend> Fsdp<B> {
     /// Shards the parameters `specs` across `group`, their values (identical on every rank) given
     /// one tensor at a time by `start`, so that no full tensor ever reaches the device. The
-    /// step's collectives go through `queue`, or when none is given through the CPU transport over
-    /// `group` and `replicate` (`HostQueue`); `group` also serves the gradient norm. Under expert
+    /// step's collectives run on a queue over `group` and `replicate` (`comm::queue::queue_over`:
+    /// their device communicators where they carry them, else the CPU transport); `group` also
+    /// serves the gradient norm. Under expert
     /// parallelism the routed experts this rank holds are sharded over `experts.group` instead
     /// (the others are absent: `specs` gives them no values).
     #[allow(clippy::too_many_arguments)]
@@ -201,8 +200,7 @@ impl<B: Backend> Fsdp<B> {
         be: &B,
         group: Arc<dyn ProcessGroup>,
         replicate: Option<Arc<dyn ProcessGroup>>,
-        queue: Option<Box<dyn CollectiveQueue<B>>>,
-        experts: Option<ExpertShards<B>>,
+        experts: Option<ExpertShards>,
         model: &Decoder<B>,
         specs: &[(String, Vec<usize>)],
         start: &(dyn Fn(usize) -> Result<StartValues> + Sync),
@@ -241,19 +239,14 @@ impl<B: Backend> Fsdp<B> {
             .map(|(n, _)| crate::model::lora::trainable(lora, n))
             .collect();
         let replicated = replicate.is_some();
-        let queue = queue
-            .unwrap_or_else(|| Box::new(HostQueue::new("FSDP", group.clone(), replicate.clone())));
         let mut groups = vec![ShardGroup {
+            queue: queue_over("FSDP", &group, replicate.as_ref()),
             group: group.clone(),
-            queue,
         }];
         if let Some(e) = experts {
-            let queue = e.queue.unwrap_or_else(|| {
-                Box::new(HostQueue::new("FSDP experts", e.group.clone(), e.replicate))
-            });
             groups.push(ShardGroup {
+                queue: queue_over("FSDP experts", &e.group, e.replicate.as_ref()),
                 group: e.group,
-                queue,
             });
         }
         for g in &groups {

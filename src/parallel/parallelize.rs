@@ -20,7 +20,6 @@ use super::tp::TensorParallelGroup;
 use super::walk::Walk;
 use crate::backend::Backend;
 use crate::comm::group::ProcessGroup;
-use crate::comm::queue::{CollectiveQueue, HostQueue};
 use crate::model::activation_checkpoint::ActivationPlan;
 use crate::model::crossings::single_rank::SingleRank;
 use crate::model::float8_convert::Float8Conversion;
@@ -55,12 +54,6 @@ pub struct ParallelOptions {
     pub documents: bool,
 }
 
-/// The device's queues for the model's collectives (None: the CPU transport's).
-pub struct ModelQueues<B: Backend> {
-    pub tensor_parallel: Option<Box<dyn CollectiveQueue<B> + Send>>,
-    pub context_parallel: Option<Box<dyn CollectiveQueue<B> + Send>>,
-}
-
 /// This rank's shapes: its tensor-parallel heads and FFN slice, its context-parallel shard of
 /// every sequence, its experts (refused when the model does not split evenly).
 pub fn local_shapes(args: &ModelArgs, groups: &MeshGroups) -> Result<LocalShapes> {
@@ -78,25 +71,20 @@ pub fn local_shapes(args: &ModelArgs, groups: &MeshGroups) -> Result<LocalShapes
 }
 
 /// Model converters → tensor parallel → context parallel → expert parallel: the model in this
-/// rank's shapes, crossing its groups (with one rank each crossing is the local op).
+/// rank's shapes, crossing its groups (with one rank each crossing is the local op; each takes its
+/// collectives from its group: `comm::device_group`).
 pub fn parallelize_model<B: Backend>(
     be: &B,
     args: &ModelArgs,
     seq: usize,
     groups: &MeshGroups,
-    queues: ModelQueues<B>,
     options: ParallelOptions,
 ) -> Result<Decoder<B>> {
     let local = local_shapes(args, groups)?;
     let float8 = options.float8;
     let model = match &groups.tp {
         Some(g) => {
-            let ops = TensorParallelGroup::new(
-                g.clone(),
-                queues.tensor_parallel,
-                options.loss_parallel,
-                options.async_tp,
-            );
+            let ops = TensorParallelGroup::new(g.clone(), options.loss_parallel, options.async_tp);
             Decoder::tensor_parallel(be, args.clone(), seq, local, Arc::new(ops))?
         }
         None => Decoder::tensor_parallel(be, args.clone(), seq, local, Arc::new(SingleRank))?,
@@ -104,14 +92,7 @@ pub fn parallelize_model<B: Backend>(
     .with_float8(float8);
     let model = match &groups.cp {
         Some(g) => {
-            // Only `allgather` runs collectives on a queue (`alltoall` rotates through the group).
-            let queue = (options.rotate == RotateMethod::AllGather).then(|| {
-                queues.context_parallel.unwrap_or_else(|| {
-                    Box::new(HostQueue::new("context parallel", g.clone(), None))
-                        as Box<dyn CollectiveQueue<B> + Send>
-                })
-            });
-            let ops = ContextParallelGroup::new(g.clone(), options.rotate, queue)?;
+            let ops = ContextParallelGroup::new(g.clone(), options.rotate);
             model.with_context_parallel(Arc::new(ops))
         }
         None => model,

@@ -20,8 +20,8 @@
 //! `reduce_scatter_rows` (`start_*`, `finish_oldest`), so that `model::parallel_linear` overlaps
 //! each chunk's communication with another chunk's GEMMs.
 //!
-//! Where the tensors travel: on GPUs whose ranks agreed on NCCL (`train::collectives`), the
-//! token rows go through a `comm::queue::NcclQueue` over the group's NCCL communicator, on its
+//! Where the tensors travel: on GPUs whose ranks agreed on NCCL (`launch::device_groups`), the
+//! token rows go through a `comm::queue::DeviceQueue` over the group's NCCL communicator, on its
 //! communication stream, blocking and async alike. Otherwise through the host and the CPU
 //! transport (`comm::group`): blocking collectives directly, async ones on a `HostQueue`'s
 //! thread. The loss's softmax statistics and the replicated weights' gradient sum always take
@@ -37,8 +37,9 @@ use rayon::prelude::*;
 
 use super::amax::all_reduce_amax;
 use crate::backend::{Backend, LossSum, IGNORE_INDEX};
+use crate::comm::device_group::device_of;
 use crate::comm::group::{ProcessGroup, ReduceOp};
-use crate::comm::queue::{CollectiveQueue, HostQueue};
+use crate::comm::queue::{queue_over, CollectiveQueue};
 use crate::model::crossings::tensor::{LossGrads, TensorParallelOps};
 use crate::model::LocalShapes;
 
@@ -70,21 +71,12 @@ pub struct TensorParallelGroup<B: Backend> {
 impl<B: Backend> TensorParallelGroup<B> {
     /// The group's operations as `[parallelism]` asks: cross-entropy over vocabulary shards
     /// (`loss_parallel`, unless `disable_loss_parallel`), chunked collectives overlapping the
-    /// GEMMs (`async_tp`, `enable_async_tensor_parallel`); `device_queue` carries the token rows
-    /// on GPUs (NCCL).
-    pub fn new(
-        group: Arc<dyn ProcessGroup>,
-        device_queue: Option<Box<dyn CollectiveQueue<B> + Send>>,
-        loss_parallel: bool,
-        async_tp: bool,
-    ) -> Self {
-        let queue_on_device = device_queue.is_some();
-        let queue = device_queue.or_else(|| {
-            async_tp.then(|| {
-                Box::new(HostQueue::new("tensor parallel", group.clone(), None))
-                    as Box<dyn CollectiveQueue<B> + Send>
-            })
-        });
+    /// GEMMs (`async_tp`, `enable_async_tensor_parallel`). The token rows go through the device
+    /// communicator `group` carries, when it carries one (NCCL on GPUs).
+    pub fn new(group: Arc<dyn ProcessGroup>, loss_parallel: bool, async_tp: bool) -> Self {
+        let queue_on_device = device_of::<B>(group.as_ref()).is_some();
+        let queue =
+            (queue_on_device || async_tp).then(|| queue_over::<B>("tensor parallel", &group, None));
         TensorParallelGroup {
             group,
             loss_parallel,

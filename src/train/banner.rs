@@ -24,7 +24,8 @@ pub struct Banner<'a, B: Backend> {
     pub accum: usize,
     pub flops_per_token: f64,
     pub peak_tflops: f64,
-    pub collectives_on_device: bool,
+    /// What carries the device collectives (NCCL), None when they go through the host.
+    pub device_collectives: Option<&'static str>,
 }
 
 impl<B: Backend> Banner<'_, B> {
@@ -224,10 +225,9 @@ impl<B: Backend> Banner<'_, B> {
             );
         }
         let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-        let path = match self.collectives_on_device {
-            true => ", collectives through NCCL",
-            false => "",
-        };
+        let path = self
+            .device_collectives
+            .map_or(String::new(), |c| format!(", collectives through {c}"));
         Some(format!(
             "rank {} of {}: parameters {:.2} MiB, gradients {:.2} MiB, optimizer state {:.2} MiB ({how}{path})",
             d.rank,

@@ -4,11 +4,11 @@
 //! memory estimate that refused the layout if it could not fit. `titan train` and
 //! `titan bench train` both build their ranks here, so a benchmark measures the layout training runs.
 //!
-//! Also where a process learns its place: per device, its distribution with the collectives its device can run (`RankPlace`).
+//! Also where a process learns its place: per device, its distribution with the road its
+//! collectives take (`RankPlace`, `launch::device_groups`).
 
 use anyhow::{bail, Result};
 
-use super::collectives::{self, DataParallelComm, DeviceComm};
 use super::fit::RankSizing;
 use super::memory::{DeviceSizing, MemoryEstimate};
 use super::muon::NewtonSchulz;
@@ -17,8 +17,8 @@ use super::place::MeshPlace;
 use super::start::{start_state, Resumed, StartInputs, StartState};
 use crate::backend::cuda::CudaBackend;
 use crate::backend::Backend;
-use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
+use crate::launch::device_groups;
 use crate::launch::Distributed;
 use crate::memory_timeline;
 use crate::model::activation_checkpoint::AcMode;
@@ -31,7 +31,7 @@ use crate::parallel::layout::{ParamState, RankLayout, WholeParams};
 use crate::parallel::muon_exchange::{ExchangeInputs, MuonExchange, Piece};
 use crate::parallel::parallelize::{
     check_expert_degree, local_shapes, parallelize_layout, parallelize_model, MeshGroups,
-    ModelQueues, ParallelOptions, WalkShape,
+    ParallelOptions, WalkShape,
 };
 use crate::parallel::pipeline::plan::{PipelineOptions, PipelinePlan};
 
@@ -39,36 +39,40 @@ use crate::parallel::pipeline::plan::{PipelineOptions, PipelinePlan};
 pub struct RankPlace<B: Backend> {
     /// None in one process.
     pub dist: Option<Distributed>,
-    /// Collectives on the device (NCCL) instead of through the host.
-    pub device_comm: DeviceComm<B>,
+    /// What carries the collectives of the groups with a device communicator (NCCL), None
+    /// when every collective goes through the host.
+    pub device_collectives: Option<&'static str>,
     /// Ranks (this one included) sharing the memory the memory check compares with: the host's,
     /// or this rank's GPU.
     pub ranks_sharing_memory: usize,
+    _backend: std::marker::PhantomData<B>,
 }
 
 impl<B: Backend> RankPlace<B> {
     /// A CPU rank: collectives through the host.
     pub fn cpu(cfg: &Config) -> Result<Self> {
         let dist = Distributed::from_env(cfg)?;
-        let device_comm = collectives::for_cpu(dist.as_ref())?;
+        let road = device_groups::for_cpu(dist.as_ref())?;
         let ranks_sharing_memory = dist.as_ref().map_or(1, |d| d.local_world_size);
         Ok(RankPlace {
             dist,
-            device_comm,
+            device_collectives: road.carrier,
             ranks_sharing_memory,
+            _backend: std::marker::PhantomData,
         })
     }
 }
 
 impl RankPlace<CudaBackend> {
-    /// A CUDA rank: NCCL when every rank has a GPU of its own (see `collectives::for_cuda`).
+    /// A CUDA rank: NCCL when every rank has a GPU of its own (see `device_groups::for_cuda`).
     pub fn cuda(cfg: &Config, be: &CudaBackend, quiet: bool) -> Result<Self> {
         let dist = Distributed::from_env(cfg)?;
-        let (device_comm, ranks_sharing_memory) = collectives::for_cuda(dist.as_ref(), be, quiet)?;
+        let road = device_groups::for_cuda(dist.as_ref(), be, quiet)?;
         Ok(RankPlace {
             dist,
-            device_comm,
-            ranks_sharing_memory,
+            device_collectives: road.carrier,
+            ranks_sharing_memory: road.ranks_on_my_gpu,
+            _backend: std::marker::PhantomData,
         })
     }
 }
@@ -87,8 +91,8 @@ pub struct ComposedRank<B: Backend> {
     pub global_batch: usize,
     /// Set when the run resumed from a checkpoint.
     pub resumed: Option<Resumed>,
-    /// Whether the collectives run on the device (NCCL).
-    pub collectives_on_device: bool,
+    /// What carries the collectives on the device (NCCL), None when they go through the host.
+    pub device_collectives: Option<&'static str>,
 }
 
 /// What `[parallelism]` asks of the model's crossings.
@@ -286,29 +290,13 @@ impl RankPlan {
 pub fn compose_rank<B: Backend>(
     be: &B,
     cfg: &Config,
-    dist: Option<&Distributed>,
-    device_comm: DeviceComm<B>,
-    ranks_sharing_memory: usize,
+    place: &RankPlace<B>,
 ) -> Result<ComposedRank<B>> {
-    let plan = RankPlan::check(be, cfg, MeshPlace::of(dist), ranks_sharing_memory)?;
-    let collectives_on_device = device_comm.on_device();
-    let DeviceComm {
-        data_parallel,
-        tensor_parallel,
-        context_parallel,
-        expert_shard,
-    } = device_comm;
-    let queues = ModelQueues {
-        tensor_parallel,
-        context_parallel,
-    };
+    let dist = place.dist.as_ref();
+    let plan = RankPlan::check(be, cfg, MeshPlace::of(dist), place.ranks_sharing_memory)?;
     let (seq, options) = (cfg.training.seq_len, parallel_options(cfg, &plan)?);
-    let mut model = parallelize_model(be, &plan.args, seq, &plan.groups, queues, options)?;
-    let comm = ParamComm {
-        data_parallel,
-        expert_shard,
-    };
-    let (state, mut opt, resumed) = param_state(be, cfg, dist, &plan, &mut model, comm)?;
+    let mut model = parallelize_model(be, &plan.args, seq, &plan.groups, options)?;
+    let (state, mut opt, resumed) = param_state(be, cfg, dist, &plan, &mut model)?;
     let walk_shape = WalkShape {
         batch: cfg.training.local_batch_size,
         seq,
@@ -336,7 +324,7 @@ pub fn compose_rank<B: Backend>(
         accum: plan.accum,
         global_batch: plan.global_batch,
         resumed,
-        collectives_on_device,
+        device_collectives: place.device_collectives,
     })
 }
 
@@ -380,13 +368,6 @@ fn muon_exchange<B: Backend>(
     })
 }
 
-/// The device collectives the parameter state runs over: data parallelism's, and the expert
-/// shards'.
-struct ParamComm<B: Backend> {
-    data_parallel: Option<DataParallelComm<B>>,
-    expert_shard: Option<Box<dyn CollectiveQueue<B>>>,
-}
-
 /// The model's parameters, gradients and optimizer, initialised or resumed, laid out whole (with
 /// DDP across data-parallel ranks) or as FSDP/HSDP shards; and the checkpoint resumed from. A
 /// model started from a Hugging Face DeepSeek-V3 routes with its routing bias.
@@ -396,19 +377,12 @@ fn param_state<B: Backend>(
     dist: Option<&Distributed>,
     plan: &RankPlan,
     model: &mut Decoder<B>,
-    comm: ParamComm<B>,
 ) -> Result<(ParamState<B>, Optimizer<B>, Option<Resumed>)> {
-    let (device_reducer, device_queue) = match comm.data_parallel {
-        Some(DataParallelComm::Ddp(r)) => (Some(r), None),
-        Some(DataParallelComm::Fsdp(q)) => (None, Some(q)),
-        None => (None, None),
-    };
     let expert_shards = dist
         .and_then(|d| d.expert_shard.clone())
         .map(|group| ExpertShards {
             group,
             replicate: dist.and_then(|d| d.expert_replicate.clone()),
-            queue: comm.expert_shard,
         });
     let pipeline = plan.pipeline.as_ref();
     let held = |name: &str| pipeline.is_none_or(|p| p.holds(name));
@@ -420,7 +394,6 @@ fn param_state<B: Backend>(
             model,
             dist,
             fsdp: plan.fsdp,
-            queue: device_queue,
             experts: expert_shards,
             reshard: plan.reshard,
             param_dtype: plan.param_dtype,
@@ -458,9 +431,9 @@ fn param_state<B: Backend>(
         }
         None => {
             let dp_size = dist.map_or(1, |d| d.dp.size());
-            let ddp = dist.filter(|_| !plan.fsdp && dp_size > 1).map(|d| {
-                crate::parallel::ddp::Ddp::new(d.dp.clone(), device_reducer, plan.reduce_dtype)
-            });
+            let ddp = dist
+                .filter(|_| !plan.fsdp && dp_size > 1)
+                .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), plan.reduce_dtype));
             let bf16 = plan.param_dtype == ParamDtype::BFloat16;
             let blocks = model.ids.layers.iter().map(|l| l.all()).collect();
             ParamState::Whole(WholeParams::new(be, (params, grads), bf16, ddp, blocks))

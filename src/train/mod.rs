@@ -1,7 +1,6 @@
 //! Training: AdamW and clipping, the lr schedule, memory accounting, metrics, and the loop itself.
 
 pub mod banner;
-pub mod collectives;
 pub mod compose;
 pub mod fit;
 pub mod lr;

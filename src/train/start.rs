@@ -10,7 +10,6 @@ use anyhow::{anyhow, bail, Result};
 use super::optimizer::{keeps_second_moment, Optimizer};
 use crate::backend::Backend;
 use crate::checkpoint::{self, HostCheckpoint, TrainState, WriterPlace};
-use crate::comm::queue::CollectiveQueue;
 use crate::config::Config;
 use crate::launch::Distributed;
 use crate::model::lora;
@@ -118,11 +117,10 @@ pub struct StartInputs<'a, B: Backend> {
     pub model: &'a Decoder<B>,
     /// The job (one process: None).
     pub dist: Option<&'a Distributed>,
-    /// Whether it shards with FSDP, its collectives through `queue` when given and the experts'
-    /// through `experts` (see `Fsdp::new`).
+    /// Whether it shards with FSDP, and the experts' shard groups under expert parallelism (see
+    /// `Fsdp::new`).
     pub fsdp: bool,
-    pub queue: Option<Box<dyn CollectiveQueue<B>>>,
-    pub experts: Option<ExpertShards<B>>,
+    pub experts: Option<ExpertShards>,
     pub reshard: ReshardPolicy,
     pub param_dtype: ParamDtype,
     pub reduce_dtype: ReduceDtype,
@@ -375,7 +373,6 @@ fn sharded_start<B: Backend>(
         be,
         shard,
         d.replicate.clone(),
-        inputs.queue,
         inputs.experts,
         inputs.model,
         &fsdp_specs,

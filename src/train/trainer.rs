@@ -272,8 +272,7 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
             false => (dp_rank, dp_size),
         };
         let mut loader = open_loader(cfg, dp_rank, dp_size)?;
-        let mut composed =
-            compose_rank(be, cfg, dist, place.device_comm, place.ranks_sharing_memory)?;
+        let mut composed = compose_rank(be, cfg, &place)?;
         let resume = Resume::of(&mut composed, &mut loader, &say)?;
         // A restarted generation (or a resumed run) says what it repeats; a fresh run does not
         // read an older run's metrics left in its dump folder.
@@ -466,7 +465,7 @@ fn print_banner<B: Backend>(
         accum: composed.accum,
         flops_per_token: rate.flops_per_token,
         peak_tflops: rate.peak_tflops,
-        collectives_on_device: composed.collectives_on_device,
+        device_collectives: composed.device_collectives,
     };
     banner.lines().into_iter().for_each(say);
     if let Some(line) = banner.rank_line() {
