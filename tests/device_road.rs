@@ -1,7 +1,8 @@
 //! The device road on CPU ranks: a GPU job's collectives run through the device communicators
 //! attached to its mesh groups (NCCL's), by the code `comm::device_group` gives every layout
 //! (FSDP's and HSDP's `DeviceQueue`, DDP's `DeviceGradReducer`, tensor parallelism's row
-//! collectives on the queue, context parallelism's `allgather`, the experts' shards).
+//! collectives on the queue, context parallelism's `allgather` and ring shifts, expert
+//! parallelism's all-to-all of rows, the experts' shards).
 //! `TITAN_DEVICE_COLLECTIVES=host` attaches host-run device groups to a CPU job's groups, so that
 //! code runs here: every layout's losses and gradient norms must equal the host road's bit for bit
 //! (each group has two ranks, whose sums are exact in either order).
@@ -90,16 +91,20 @@ fn tensor_and_context_parallel_on_the_device_road_equal_the_host_road() {
     ]
     .concat();
     same_on_both_roads("async TP 2", "2", &async_tp);
-    same_on_both_roads(
-        "CP 2 allgather",
-        "2",
-        &["--parallelism.context_parallel_degree", "2"],
-    );
+    let cp = ["--parallelism.context_parallel_degree", "2"];
+    same_on_both_roads("CP 2 allgather", "2", &cp);
+    let ring = [
+        &cp[..],
+        &["--parallelism.context_parallel_rotate_method", "alltoall"],
+    ]
+    .concat();
+    same_on_both_roads("CP 2 alltoall (the ring)", "2", &ring);
 }
 
 #[test]
 fn expert_shards_and_pipeline_stages_on_the_device_road_equal_the_host_road() {
     let ep = [MOE, &["--parallelism.expert_parallel_degree", "2"]].concat();
+    same_on_both_roads("EP 2 (the rows' all-to-all)", "2", &ep);
     same_on_both_roads("FSDP 2 × EP 2 (experts FSDP-sharded over 2)", "4", &ep);
     same_on_both_roads(
         "PP 2 × FSDP 2",

@@ -409,6 +409,14 @@ fn nccl_check() -> Result<()> {
     if be.download(&all_x) != vec![1.5; values.len()] || be.download(&part) != doubled {
         failures.push("ordering against compute");
     }
+    // Expert parallelism's rows and CP's ring: an all-to-all with uneven parts, here the one
+    // rank sending itself its part (an empty part moves nothing).
+    let mut received = be.zeros(values.len());
+    let all_to_all = g.start_all_to_all(&buf, &[values.len()], &mut received, &[values.len()])?;
+    g.wait(all_to_all)?;
+    if be.download(&received) != values {
+        failures.push("all_to_all");
+    }
     // FSDP's queue on NCCL, with HSDP's all-reduce across replicas after each reduce-scatter (two
     // more one-rank groups): collectives finish in the order they started, each with its output.
     let shard = NcclGroup::connect(&store, "nccl-check-shard", 0, 1, &be, t, t)?;
@@ -431,7 +439,7 @@ fn nccl_check() -> Result<()> {
     }
     let per_call = t0.elapsed().as_secs_f64() / 10.0;
     outln!(
-        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter, ordering against compute, FSDP queue {}; 256 MiB all_reduce {:.2} ms",
+        "NCCL one-rank group on {}: all_reduce, all_reduce_each, all_gather, reduce_scatter, all_to_all, ordering against compute, FSDP queue {}; 256 MiB all_reduce {:.2} ms",
         be.device_name(),
         if failures.is_empty() { "ok" } else { "FAILED" },
         per_call * 1e3

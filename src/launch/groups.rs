@@ -45,6 +45,7 @@ pub struct RankGroups {
     pub cp_name: Option<String>,
     pub pp: Option<Group>,
     pub ep: Option<Group>,
+    pub ep_name: Option<String>,
     pub expert_shard: Option<Group>,
     pub expert_shard_name: Option<String>,
     pub expert_replicate: Option<Group>,
@@ -63,6 +64,15 @@ struct DataGroups {
     shard_name: Option<String>,
     replicate: Option<Group>,
     replicate_name: Option<String>,
+}
+
+/// Expert parallelism's groups, with their names (none without it).
+#[derive(Default)]
+struct ExpertGroups {
+    ep: Option<Group>,
+    ep_name: Option<String>,
+    shard: Option<Group>,
+    shard_name: Option<String>,
 }
 
 impl GroupJoiner<'_> {
@@ -114,7 +124,7 @@ impl GroupJoiner<'_> {
         let (tp, tp_name) = self.optional("tp")?;
         let (cp, cp_name) = self.optional("cp")?;
         let (pp, _) = self.optional("pp")?;
-        let (ep, expert_shard, expert_shard_name) = self.expert_groups(expert_parallel_degree)?;
+        let experts = self.expert_groups(expert_parallel_degree)?;
         let (expert_replicate, expert_replicate_name) = match &data.replicate {
             Some(_) if expert_parallel_degree > 1 => {
                 let ranks = self.mesh.group_ranks(self.rank, &["dp_replicate"]);
@@ -142,9 +152,10 @@ impl GroupJoiner<'_> {
             cp,
             cp_name,
             pp,
-            ep,
-            expert_shard,
-            expert_shard_name,
+            ep: experts.ep,
+            ep_name: experts.ep_name,
+            expert_shard: experts.shard,
+            expert_shard_name: experts.shard_name,
             expert_replicate,
             expert_replicate_name,
             writers,
@@ -193,22 +204,20 @@ impl GroupJoiner<'_> {
     }
 
     /// Expert parallelism's groups: the ranks splitting the experts and the ranks holding the
-    /// same experts (which FSDP-shard them), with the latter's name.
-    fn expert_groups(
-        &self,
-        degree: usize,
-    ) -> Result<(Option<Group>, Option<Group>, Option<String>)> {
+    /// same experts (which FSDP-shard them), with their names.
+    fn expert_groups(&self, degree: usize) -> Result<ExpertGroups> {
         if degree <= 1 {
-            return Ok((None, None, None));
+            return Ok(ExpertGroups::default());
         }
         let (ep_ranks, shard_ranks) = self.mesh.expert_groups(self.rank, degree);
         let ep_name = format!("ep[{}]-g{}", ep_ranks[0], self.generation);
         let shard_name = format!("expert_shard[{}]-g{}", shard_ranks[0], self.generation);
-        Ok((
-            Some(self.ranks(&ep_ranks, &ep_name)?),
-            Some(self.ranks(&shard_ranks, &shard_name)?),
-            Some(shard_name),
-        ))
+        Ok(ExpertGroups {
+            ep: Some(self.ranks(&ep_ranks, &ep_name)?),
+            ep_name: Some(ep_name),
+            shard: Some(self.ranks(&shard_ranks, &shard_name)?),
+            shard_name: Some(shard_name),
+        })
     }
 
     /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of

@@ -71,6 +71,7 @@ pub struct Distributed {
     replicate_name: Option<String>,
     tp_name: Option<String>,
     cp_name: Option<String>,
+    ep_name: Option<String>,
     expert_shard_name: Option<String>,
     expert_replicate_name: Option<String>,
     writers_name: Option<String>,
@@ -124,6 +125,7 @@ impl Distributed {
             cp_name,
             pp,
             ep,
+            ep_name,
             expert_shard,
             expert_shard_name,
             expert_replicate,
@@ -155,6 +157,7 @@ impl Distributed {
             replicate_name,
             tp_name,
             cp_name,
+            ep_name,
             expert_shard_name,
             expert_replicate_name,
             writers_name,
@@ -221,8 +224,8 @@ impl Distributed {
     /// The groups whose collectives may run on a device communicator, each with its name in the
     /// store, in the one order every rank attaches them (so no two ranks wait for each other's
     /// next): data parallelism's (FSDP's shard and HSDP's replica groups, or with whole
-    /// parameters every data-parallel rank), tensor parallel, context parallel, then the experts'
-    /// shard and replica groups under expert parallelism.
+    /// parameters every data-parallel rank), tensor parallel, context parallel, then expert
+    /// parallelism's group and the experts' shard and replica groups.
     pub fn device_capable_groups(&self) -> Vec<(&Arc<dyn ProcessGroup>, &str)> {
         let data = match &self.shard {
             Some(shard) => vec![
@@ -235,6 +238,7 @@ impl Distributed {
         let others = [
             (self.tp.as_ref(), self.tp_name.as_ref()),
             (self.cp.as_ref(), self.cp_name.as_ref()),
+            (self.ep.as_ref(), self.ep_name.as_ref()),
             (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
             (
                 self.expert_replicate.as_ref(),

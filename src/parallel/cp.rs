@@ -22,8 +22,10 @@
 //!   one last step hands it to its owner. A rank holds the shard it computes with and the one
 //!   arriving, never all of them.
 //!
-//! The queue is `comm::queue`'s (host transport, or NCCL on GPUs); the ring's transfers run on a
-//! scoped thread over the group's CPU transport, with its timeout.
+//! Both take their traffic from the group (`comm::device_group`): the queue is
+//! `comm::queue::queue_over`'s, and the ring's shifts run on the group's device communicator
+//! (NCCL's sends and receives on GPUs) or, without one, on a scoped thread over the host
+//! transport, each with the group's timeout.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +34,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 
 use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend};
+use crate::comm::device_group::device_of;
 use crate::comm::group::ProcessGroup;
 use crate::comm::queue::{queue_over, CollectiveQueue};
 use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
@@ -253,36 +256,48 @@ impl<B: Backend> ContextParallelGroup<B> {
         packed
     }
 
-    /// `[k | v]` on the host, for the ring.
-    fn pack_on_host(be: &B, k: &B::Buf, v: &B::Buf) -> Vec<f32> {
-        let mut host = be.download(k);
-        host.extend(be.download(v));
-        host
-    }
-
-    /// Sends `data` to the next rank of the ring and returns what the previous one sent.
-    fn shift(&self, data: &[f32]) -> Result<Vec<f32>> {
+    /// The ring's counts: this rank's part goes to the next rank, the previous rank's arrives.
+    fn ring_counts(&self, len: usize) -> (Vec<usize>, Vec<usize>) {
         let (n, r) = (self.group.size(), self.group.rank());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let mut send_counts = vec![0; n];
         let mut recv_counts = vec![0; n];
-        send_counts[next] = data.len();
-        recv_counts[prev] = data.len();
-        let mut received = vec![0.0; data.len()];
-        self.group
-            .all_to_all(data, &send_counts, &mut received, &recv_counts)?;
-        Ok(received)
+        send_counts[next] = len;
+        recv_counts[prev] = len;
+        (send_counts, recv_counts)
     }
 
-    /// `shift` of `host` on a scoped thread while `compute` runs; what arrived, on the device.
+    /// Sends `data` to the next rank of the ring and returns what the previous one sent.
+    fn shift(&self, be: &B, data: B::Buf) -> Result<B::Buf> {
+        Ok(self.shift_during(be, data, || ())?.0)
+    }
+
+    /// `shift` of `data` while `compute` runs: on the group's device communicator when it carries
+    /// one (started before, waited for after), else on a scoped thread over the host transport.
     fn shift_during<T>(
         &self,
         be: &B,
-        host: Vec<f32>,
+        data: B::Buf,
         compute: impl FnOnce() -> T,
     ) -> Result<(B::Buf, T)> {
+        let len = be.len(&data);
+        let (send_counts, recv_counts) = self.ring_counts(len);
+        if let Some(device) = device_of::<B>(self.group.as_ref()) {
+            let mut received = be.uninit(len);
+            let pending =
+                device.start_all_to_all(be, &data, &send_counts, &mut received, &recv_counts)?;
+            let out = compute();
+            device.wait(pending)?;
+            return Ok((received, out));
+        }
+        let host = be.download_owned(data);
         let (received, out) = std::thread::scope(|sc| {
-            let transfer = sc.spawn(|| self.shift(&host));
+            let transfer = sc.spawn(|| {
+                let mut received = vec![0.0; len];
+                self.group
+                    .all_to_all(&host, &send_counts, &mut received, &recv_counts)
+                    .map(|_| received)
+            });
             let out = compute();
             let received = transfer
                 .join()
@@ -441,14 +456,13 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
             }
             RotateMethod::AllToAll => {
                 // The shard here moves on to the next rank while this one computes with it.
-                let (mut here, ()) = self.shift_during(be, Self::pack_on_host(be, k, v), || {
+                let (mut here, ()) = self.shift_during(be, Self::pack(be, k, v), || {
                     attend(r, KeysValues::own(k, v))
                 })?;
                 for t in 1..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
-                        let host = be.download(&here);
-                        let (next, ()) = self.shift_during(be, host, || {
+                        let (next, ()) = self.shift_during(be, be.copied(&here), || {
                             attend(owner, KeysValues::packed(&here, 0, kv_len))
                         })?;
                         here = next;
@@ -550,22 +564,21 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
                 // The shard here and its gradient so far travel the ring together; the keys and
                 // values move on while this rank computes, the gradient once it has added to it.
                 let mut grad = be.zeros(2 * kv_len);
-                let (mut here, ()) = self.shift_during(be, Self::pack_on_host(be, k, v), || {
+                let (mut here, ()) = self.shift_during(be, Self::pack(be, k, v), || {
                     attend(r, KeysValues::own(k, v), &mut grad, 0)
                 })?;
-                grad = be.upload_owned(self.shift(&be.download_owned(grad))?);
+                grad = self.shift(be, grad)?;
                 for t in 1..n {
                     let owner = (r + n - t) % n;
                     if t + 1 < n {
-                        let host = be.download(&here);
-                        let (next, ()) = self.shift_during(be, host, || {
+                        let (next, ()) = self.shift_during(be, be.copied(&here), || {
                             attend(owner, KeysValues::packed(&here, 0, kv_len), &mut grad, 0)
                         })?;
                         here = next;
                     } else {
                         attend(owner, KeysValues::packed(&here, 0, kv_len), &mut grad, 0);
                     }
-                    grad = be.upload_owned(self.shift(&be.download_owned(grad))?);
+                    grad = self.shift(be, grad)?;
                 }
                 grad
             }

@@ -4,9 +4,11 @@
 //!
 //! Each layer and direction costs two exchanges over the expert-parallel group: first the rows per
 //! expert (small, so every rank knows how many rows it will receive from each peer), then the rows
-//! themselves, of uneven sizes (`ProcessGroup::all_to_all`, with the group's timeout). The rows
-//! travel through the host on every backend (an NCCL all-to-all is not built yet); the time spent
-//! is counted, so `titan bench train` can report it.
+//! themselves, of uneven sizes, with the group's timeout. The rows travel on the device
+//! communicator the group carries (`comm::device_group`: NCCL's grouped sends and receives on
+//! GPUs), else through the host (`ProcessGroup::all_to_all`); the counts, a few numbers the
+//! router computed on the host, always through the host. The time spent is counted, so `titan
+//! bench train` can report it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,10 +17,11 @@ use std::time::Instant;
 use anyhow::Result;
 
 use crate::backend::Backend;
+use crate::comm::device_group::device_of;
 use crate::comm::group::ProcessGroup;
 use crate::model::crossings::expert::ExpertParallelOps;
 
-/// An expert-parallel group over the CPU transport.
+/// An expert-parallel group.
 pub struct ExpertParallelGroup {
     group: Arc<dyn ProcessGroup>,
     /// Nanoseconds spent in the row all-to-alls since the group was made.
@@ -67,14 +70,26 @@ impl<B: Backend> ExpertParallelOps<B> for ExpertParallelGroup {
         width: usize,
     ) -> Result<B::Buf> {
         let start = Instant::now();
-        let input = be.download_owned(rows);
         let scaled = |c: &[usize]| c.iter().map(|&r| r * width).collect::<Vec<usize>>();
-        let mut output = vec![0.0f32; recv.iter().sum::<usize>() * width];
-        self.group
-            .all_to_all(&input, &scaled(send), &mut output, &scaled(recv))?;
+        let (send, recv) = (scaled(send), scaled(recv));
+        let received = recv.iter().sum::<usize>();
+        let output = match device_of::<B>(self.group.as_ref()) {
+            Some(device) => {
+                let mut output = be.uninit(received);
+                let pending = device.start_all_to_all(be, &rows, &send, &mut output, &recv)?;
+                device.wait(pending)?;
+                output
+            }
+            None => {
+                let input = be.download_owned(rows);
+                let mut output = vec![0.0f32; received];
+                self.group.all_to_all(&input, &send, &mut output, &recv)?;
+                be.upload_owned(output)
+            }
+        };
         self.exchange_nanos
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(be.upload_owned(output))
+        Ok(output)
     }
 
     fn exchange_seconds(&self) -> f64 {

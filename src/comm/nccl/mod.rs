@@ -29,6 +29,8 @@
 //! ones the CPU runs with the host queue): each communicator is attached to its mesh group
 //! (`DeviceGroup`), and the layouts take it from there.
 
+mod p2p;
+
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -472,6 +474,18 @@ impl DeviceGroup<CudaBackend> for NcclGroup {
 
     fn start_all_reduce_each(&self, _be: &CudaBackend, bufs: Vec<&mut CudaBuf>) -> Result<Pending> {
         let f = NcclGroup::start_all_reduce_each(self, bufs, ReduceOp::Sum)?;
+        Ok(Pending(Box::new(f)))
+    }
+
+    fn start_all_to_all(
+        &self,
+        _be: &CudaBackend,
+        input: &CudaBuf,
+        send_counts: &[usize],
+        output: &mut CudaBuf,
+        recv_counts: &[usize],
+    ) -> Result<Pending> {
+        let f = NcclGroup::start_all_to_all(self, input, send_counts, output, recv_counts)?;
         Ok(Pending(Box::new(f)))
     }
 
