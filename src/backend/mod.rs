@@ -10,6 +10,7 @@ pub mod crosscheck;
 pub mod cuda;
 pub mod float8;
 pub mod profile;
+pub mod transfers;
 
 use float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
 

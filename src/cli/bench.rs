@@ -15,6 +15,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::bench_report::{BenchReport, CommClocks, JobFigures, Timing};
 use crate::backend::cpu::CpuBackend;
+use crate::backend::transfers::Transfers;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::launch::Distributed;
@@ -153,7 +154,11 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
                 CpuBackend::new()
             };
             let place = RankPlace::cpu(&cfg)?;
-            if let Some(timed_s) = bench_on(&be, &cfg, a, place, &|| be.profiler.reset())? {
+            let probes = BackendProbes {
+                on_warm: &|| be.profiler.reset(),
+                transfers: &|| be.transfers.read(),
+            };
+            if let Some(timed_s) = bench_on(&be, &cfg, a, place, &probes)? {
                 if a.profile_ops {
                     out!("{}", be.profiler.report(timed_s));
                 }
@@ -167,7 +172,11 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
                 be.enable_profiling();
             }
             let place = RankPlace::cuda(&cfg, &be, a.json)?;
-            if let Some(timed_s) = bench_on(&be, &cfg, a, place, &|| be.profiler.reset())? {
+            let probes = BackendProbes {
+                on_warm: &|| be.profiler.reset(),
+                transfers: &|| be.transfers.read(),
+            };
+            if let Some(timed_s) = bench_on(&be, &cfg, a, place, &probes)? {
                 if a.profile_ops {
                     out!("{}", be.profiler.report(timed_s));
                 }
@@ -177,15 +186,23 @@ pub fn run_train(a: &BenchTrainArgs) -> Result<()> {
     }
 }
 
-/// This rank's timed steps of the composed layout; `on_warm` is called once the warm-up steps are
-/// done. Rank 0 prints the job's figures and returns the seconds its timed steps took; the other
+/// What a bench run reads of its backend beyond the `Backend` trait.
+struct BackendProbes<'a> {
+    /// Called once the warm-up steps are done (the op profiler starts afresh).
+    on_warm: &'a dyn Fn(),
+    /// The backend's host↔device copies so far (`backend::transfers`).
+    transfers: &'a dyn Fn() -> Transfers,
+}
+
+/// This rank's timed steps of the composed layout; `probes.on_warm` is called once the warm-up
+/// steps are done. Rank 0 prints the job's figures and returns the seconds its timed steps took; the other
 /// ranks return None.
 fn bench_on<B: Backend>(
     be: &B,
     cfg: &Config,
     a: &BenchTrainArgs,
     place: RankPlace<B>,
-    on_warm: &dyn Fn(),
+    probes: &BackendProbes<'_>,
 ) -> Result<Option<f64>> {
     let dist = place.dist.as_ref();
     let (rank, dp_rank) = dist.map_or((0, 0), |d| (d.rank, d.dp.rank()));
@@ -211,7 +228,7 @@ fn bench_on<B: Backend>(
         &batches,
         a,
         rank == 0,
-        on_warm,
+        probes,
         &mut saves,
     )?;
     // The last asynchronous save's tail, after the timed steps.
@@ -296,7 +313,8 @@ impl BenchSaves<'_> {
 }
 
 /// Runs the warm-up and the timed steps over `batches`, rank 0 (`log`) printing each, with the
-/// checkpoint saves `saves` asks for. At the end of warm-up it calls `on_warm`, reads the clocks
+/// checkpoint saves `saves` asks for. At the end of warm-up it calls `probes.on_warm`, reads the
+/// clocks and the backend's copies so far
 /// and drops the warm-up's pipeline bubbles (a collective of the pipeline group, so that the
 /// report's bubbles are the timed steps').
 fn time_steps<B: Backend>(
@@ -305,13 +323,15 @@ fn time_steps<B: Backend>(
     batches: &[Vec<u32>],
     a: &BenchTrainArgs,
     log: bool,
-    on_warm: &dyn Fn(),
+    probes: &BackendProbes<'_>,
     saves: &mut BenchSaves<'_>,
 ) -> Result<Timing> {
     let mut timing = Timing::default();
+    let mut copies_at_warm = (probes.transfers)();
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
-            on_warm();
+            (probes.on_warm)();
+            copies_at_warm = (probes.transfers)();
             timing.at_warm = CommClocks::read(&c.layout.model);
             c.layout.pipeline_bubbles()?;
             c.layout.state.take_gathered_bytes();
@@ -350,6 +370,7 @@ fn time_steps<B: Backend>(
     }
     let gathered = c.layout.state.take_gathered_bytes();
     timing.fsdp_gathered_bytes = gathered.map(|b| b as f64 / a.steps.max(1) as f64);
+    timing.host_device = (probes.transfers)().since(copies_at_warm);
     Ok(timing)
 }
 

@@ -5,6 +5,7 @@
 
 use anyhow::Result;
 
+use crate::backend::transfers::Transfers;
 use crate::backend::Backend;
 use crate::comm::group::ReduceOp;
 use crate::config::Config;
@@ -53,6 +54,8 @@ pub(super) struct Timing {
     pub(super) fsdp_gathered_bytes: Option<f64>,
     /// Seconds of each timed step's optimizer update (rank 0's; collective with distributed Muon).
     pub(super) optimizer_times: Vec<f64>,
+    /// This rank's host↔device copies over the timed steps (`backend::transfers`).
+    pub(super) host_device: Transfers,
 }
 
 impl Timing {
@@ -276,6 +279,8 @@ pub(super) struct BenchReport<'a> {
     times: Vec<f64>,
     /// FSDP: rank 0's parameter all-gather bytes per timed step.
     fsdp_gathered_bytes: Option<f64>,
+    /// Rank 0's host↔device copies over the timed steps.
+    host_device: Transfers,
     optimizer_s_median: f64,
     /// Every step's loss, the warm-up's included.
     losses: Vec<f64>,
@@ -335,6 +340,7 @@ impl<'a> BenchReport<'a> {
             pipeline_schedule: c.layout.pipeline.as_ref().map(|p| p.schedule.name.clone()),
             times: timing.times,
             fsdp_gathered_bytes: timing.fsdp_gathered_bytes,
+            host_device: timing.host_device,
             optimizer_s_median: timing.optimizer_times[timing.optimizer_times.len() / 2],
             losses: timing.losses,
             rates,
@@ -389,6 +395,10 @@ impl<'a> BenchReport<'a> {
         object["optimizer_ms_per_step"] = serde_json::json!(self.optimizer_s_median * 1e3);
         object["fsdp_all_gather_mib_per_step"] =
             serde_json::json!(self.fsdp_gathered_bytes.map(mib));
+        let per_step = |n: u64| n as f64 / times.len() as f64;
+        object["host_device_copies_per_step"] =
+            serde_json::json!(per_step(self.host_device.copies));
+        object["host_device_bytes_per_step"] = serde_json::json!(per_step(self.host_device.bytes));
         object
     }
 

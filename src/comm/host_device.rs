@@ -1,5 +1,6 @@
-//! The device road run through the host: a `DeviceGroup` on any backend's buffers whose
-//! collectives go through the group's host transport, each finished when it is started.
+//! The device road run through the host: a `DeviceGroup` on the CPU backend's buffers whose
+//! collectives go through the group's host transport, on the buffers in place (no upload or
+//! download, as a device communicator makes none), each finished when it is started.
 //!
 //! It exists so that the code a GPU job runs with NCCL attached to its groups (FSDP's
 //! `DeviceQueue`, DDP's `DeviceGradReducer`, tensor parallelism's row collectives on the queue)
@@ -15,7 +16,7 @@ use anyhow::{bail, Result};
 
 use super::device_group::{DeviceGroup, Pending};
 use super::group::{ProcessGroup, ReduceOp};
-use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
 
 pub struct HostDeviceGroup {
     host: Arc<dyn ProcessGroup>,
@@ -32,55 +33,43 @@ fn done() -> Pending {
     Pending(Box::new(()))
 }
 
-impl<B: Backend> DeviceGroup<B> for HostDeviceGroup {
+impl DeviceGroup<CpuBackend> for HostDeviceGroup {
     fn size(&self) -> usize {
         self.host.size()
     }
 
-    fn start_all_gather(&self, be: &B, input: &B::Buf, output: &mut B::Buf) -> Result<Pending> {
-        let mine = be.download(input);
-        let mut all = vec![0.0f32; mine.len() * self.host.size()];
-        if be.len(output) != all.len() {
-            bail!(
-                "all_gather on `{}`: output holds {} values, needs {}",
-                self.host.name(),
-                be.len(output),
-                all.len()
-            );
-        }
-        self.host.all_gather(&mine, &mut all)?;
-        *output = be.upload_owned(all);
+    fn start_all_gather(
+        &self,
+        _be: &CpuBackend,
+        input: &Vec<f32>,
+        output: &mut Vec<f32>,
+    ) -> Result<Pending> {
+        self.host.all_gather(input, output)?;
         Ok(done())
     }
 
-    fn start_reduce_scatter(&self, be: &B, input: &B::Buf, output: &mut B::Buf) -> Result<Pending> {
-        let all = be.download(input);
-        let mut mine = vec![0.0f32; be.len(output)];
-        if all.len() != mine.len() * self.host.size() {
-            bail!(
-                "reduce_scatter on `{}`: input holds {} values, needs {} × {}",
-                self.host.name(),
-                all.len(),
-                self.host.size(),
-                mine.len()
-            );
-        }
-        self.host.reduce_scatter(&all, &mut mine, ReduceOp::Sum)?;
-        *output = be.upload_owned(mine);
+    fn start_reduce_scatter(
+        &self,
+        _be: &CpuBackend,
+        input: &Vec<f32>,
+        output: &mut Vec<f32>,
+    ) -> Result<Pending> {
+        self.host.reduce_scatter(input, output, ReduceOp::Sum)?;
         Ok(done())
     }
 
-    fn start_all_reduce_each(&self, be: &B, bufs: Vec<&mut B::Buf>) -> Result<Pending> {
-        // One host all-reduce over the buffers side by side, as a device does one group call.
-        let mut values = Vec::new();
-        for b in &bufs {
-            values.extend_from_slice(&be.download(b));
-        }
+    fn start_all_reduce_each(
+        &self,
+        _be: &CpuBackend,
+        bufs: Vec<&mut Vec<f32>>,
+    ) -> Result<Pending> {
+        // One all-reduce over the buffers side by side, as a device does one group call.
+        let mut values: Vec<f32> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
         self.host.all_reduce(&mut values, ReduceOp::Sum)?;
         let mut at = 0;
         for b in bufs {
-            let n = be.len(b);
-            *b = be.upload(&values[at..at + n]);
+            let n = b.len();
+            b.copy_from_slice(&values[at..at + n]);
             at += n;
         }
         Ok(done())
@@ -88,17 +77,14 @@ impl<B: Backend> DeviceGroup<B> for HostDeviceGroup {
 
     fn start_all_to_all(
         &self,
-        be: &B,
-        input: &B::Buf,
+        _be: &CpuBackend,
+        input: &Vec<f32>,
         send_counts: &[usize],
-        output: &mut B::Buf,
+        output: &mut Vec<f32>,
         recv_counts: &[usize],
     ) -> Result<Pending> {
-        let mut received = vec![0.0f32; be.len(output)];
-        let sent = be.download(input);
         self.host
-            .all_to_all(&sent, send_counts, &mut received, recv_counts)?;
-        *output = be.upload_owned(received);
+            .all_to_all(input, send_counts, output, recv_counts)?;
         Ok(done())
     }
 

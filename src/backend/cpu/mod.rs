@@ -28,6 +28,7 @@ use rayon::prelude::*;
 pub use super::profile::OpProfiler;
 
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
+use super::transfers::TransferCounter;
 use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum};
 
 /// Columns per task in column-blocked reductions (norm weight and embedding gradients).
@@ -50,6 +51,8 @@ pub struct CpuBackend {
     /// Logit block of the fused loss, grown once and reused every step.
     loss_scratch: Mutex<Vec<f32>>,
     pub profiler: OpProfiler,
+    /// Uploads and downloads, counted as a GPU would make them (`backend::transfers`).
+    pub transfers: TransferCounter,
 }
 
 impl CpuBackend {
@@ -82,9 +85,11 @@ impl Backend for CpuBackend {
         vec![0.0; len]
     }
     fn upload(&self, data: &[f32]) -> Vec<f32> {
+        self.transfers.record(data.len());
         data.to_vec()
     }
     fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
+        self.transfers.record(buf.len());
         buf.clone()
     }
     fn scale_rows(&self, buf: &mut Vec<f32>, scales: &[f32], width: usize) {
@@ -118,9 +123,11 @@ impl Backend for CpuBackend {
             .collect()
     }
     fn upload_owned(&self, data: Vec<f32>) -> Vec<f32> {
+        self.transfers.record(data.len());
         data
     }
     fn download_owned(&self, buf: Vec<f32>) -> Vec<f32> {
+        self.transfers.record(buf.len());
         buf
     }
     fn len(&self, buf: &Vec<f32>) -> usize {

@@ -41,6 +41,8 @@ pub struct CudaBackend {
     arch: String,
     /// Per-op times when profiling (`titan bench train --profile-ops`); off by default.
     pub profiler: OpProfiler,
+    /// Copies between host memory and the GPU (`backend::transfers`).
+    pub transfers: crate::backend::transfers::TransferCounter,
     /// Which attention kernels the training shape uses (decided once, here).
     attention: AttentionKernels,
     /// Most shared memory one block may have on this device (with the kernel's consent).
@@ -232,6 +234,7 @@ impl CudaBackend {
             device_name,
             arch,
             profiler: OpProfiler::default(),
+            transfers: Default::default(),
             attention: AttentionKernels::choose(precision, major),
             shared_memory_per_block,
             activation_copies: precision == GemmPrecision::BFloat16

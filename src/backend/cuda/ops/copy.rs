@@ -2,19 +2,35 @@
 //! (whole buffers, ranges, strided rows). Other ops call the untimed bodies here inside their
 //! own timing.
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, DriverError, PushKernelArg};
 
 use super::{check_len, Buf, KernelArg};
 use crate::backend::cuda::{elementwise_config, CudaBackend, CudaBuf};
 
 impl CudaBackend {
+    /// A copy of `host` on the device, counted (`backend::transfers`).
+    pub(super) fn to_device<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, DriverError> {
+        self.transfers
+            .record_bytes(std::mem::size_of_val(host) as u64);
+        self.stream.clone_htod(host)
+    }
+
+    /// A copy of `device` on the host, counted (`backend::transfers`).
+    pub(super) fn to_host<T: DeviceRepr, S: DevicePtr<T>>(
+        &self,
+        device: &S,
+    ) -> Result<Vec<T>, DriverError> {
+        self.transfers
+            .record_bytes((device.len() * std::mem::size_of::<T>()) as u64);
+        self.stream.clone_dtoh(device)
+    }
+
     pub(super) fn upload_untimed(&self, data: &[f32]) -> Buf {
         if data.is_empty() {
             return self.buffer(0);
         }
         let data_dev = self
-            .stream
-            .clone_htod(data)
+            .to_device(data)
             .unwrap_or_else(|e| panic!("CUDA: uploading {} floats failed: {e}", data.len()));
         CudaBuf::new(data_dev, data.len())
     }
@@ -32,11 +48,11 @@ impl CudaBackend {
                 .expect("a bf16-only buffer has its copy");
             let n = buf.len();
             launch_elementwise!(self, "bf16_pairs_to_f32", n, &mut values, &words);
-            let mut out = self.stream.clone_dtoh(&values).unwrap_or_else(fail);
+            let mut out = self.to_host(&values).unwrap_or_else(fail);
             out.truncate(n);
             return out;
         }
-        self.stream.clone_dtoh(buf.data()).unwrap_or_else(fail)
+        self.to_host(buf.data()).unwrap_or_else(fail)
     }
 
     /// The bodies of `fill` and `copy_into_at`, for ops that use them inside their own timing.
@@ -151,8 +167,7 @@ impl CudaBackend {
 
     /// Token ids on the device (embedding rows, loss targets).
     pub(super) fn upload_ids(&self, ids: &[u32]) -> cudarc::driver::CudaSlice<u32> {
-        self.stream
-            .clone_htod(ids)
+        self.to_device(ids)
             .unwrap_or_else(|e| panic!("CUDA: uploading {} token ids failed: {e}", ids.len()))
     }
 }

@@ -141,8 +141,7 @@ impl CudaBackend {
             );
         }
         let mut host = self
-            .stream
-            .clone_dtoh(&out)
+            .to_host(&out)
             .unwrap_or_else(|e| panic!("CUDA: reading row dots back failed: {e}"));
         host.truncate(rows);
         host
@@ -162,8 +161,7 @@ impl CudaBackend {
         };
         let len = n as i64;
         launch!(self, "sum_squares_partial", cfg, &mut partials, buf, &len);
-        self.stream
-            .clone_dtoh(&partials)
+        self.to_host(&partials)
             .unwrap_or_else(|e| panic!("CUDA: downloading partial sums failed: {e}"))
             .iter()
             .sum()

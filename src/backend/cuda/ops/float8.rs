@@ -80,8 +80,7 @@ impl CudaBackend {
                     &len
                 );
                 let partials = self
-                    .stream
-                    .clone_dtoh(&partials)
+                    .to_host(&partials)
                     .unwrap_or_else(|e| panic!("CUDA: downloading float8 amaxes failed: {e}"));
                 vec![f32::from_bits(partials.into_iter().max().unwrap_or(0))]
             }
@@ -171,7 +170,7 @@ impl CudaBackend {
         );
         if let Some(codes) = codes {
             let inverse: Vec<f32> = scales.iter().map(|s| 1.0 / s).collect();
-            let inverse_scales = self.stream.clone_htod(&inverse).unwrap_or_else(|e| {
+            let inverse_scales = self.to_device(&inverse).unwrap_or_else(|e| {
                 panic!(
                     "CUDA: uploading {} float8 scales failed: {e}",
                     inverse.len()

@@ -193,8 +193,7 @@ impl CudaBackend {
     /// The loss summed over the rows that count: the kernel marks an ignored target's row NaN.
     fn sum_row_losses(&self, row_loss: &CudaSlice<f32>) -> LossSum {
         let losses = self
-            .stream
-            .clone_dtoh(row_loss)
+            .to_host(row_loss)
             .unwrap_or_else(|e| panic!("CUDA: downloading the losses failed: {e}"));
         let mut total = LossSum { sum: 0.0, count: 0 };
         for l in losses {

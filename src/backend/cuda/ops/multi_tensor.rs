@@ -42,14 +42,13 @@ impl CudaBackend {
         let pointers = addresses
             .iter()
             .map(|list| {
-                self.stream.clone_htod(list).unwrap_or_else(|e| {
+                self.to_device(list).unwrap_or_else(|e| {
                     panic!("CUDA: uploading the tensor addresses of {op} failed: {e}")
                 })
             })
             .collect();
         let offsets = self
-            .stream
-            .clone_htod(&offsets)
+            .to_device(&offsets)
             .unwrap_or_else(|e| panic!("CUDA: uploading the offsets of {op} failed: {e}"));
         Some(TensorList {
             pointers,
@@ -203,8 +202,7 @@ impl CudaBackend {
             &list.offsets,
             &list.count,
         );
-        self.stream
-            .clone_dtoh(&partials)
+        self.to_host(&partials)
             .unwrap_or_else(|e| panic!("CUDA: downloading partial sums failed: {e}"))
             .iter()
             .sum()

@@ -1,0 +1,91 @@
+//! The host↔device copy counter (`backend::transfers`) on the CPU backend, which counts the calls
+//! a GPU would make copies for: each upload and download once, with its bytes; device-side
+//! copies not at all. A dense model's forward and backward make none; a mixture of experts
+//! still makes its routing's (the router's logits to the host and their gradient back, per MoE
+//! block: issue 45 moves routing onto the device).
+
+use titan::backend::cpu::CpuBackend;
+use titan::backend::transfers::Transfers;
+use titan::backend::Backend;
+use titan::config::Config;
+use titan::model::{init_params, Decoder, ModelArgs, ParamSet, Workspace};
+
+#[test]
+fn each_upload_and_download_is_one_copy_of_its_bytes() {
+    let be = CpuBackend::new();
+    let at = |copies, bytes| Transfers { copies, bytes };
+    assert_eq!(be.transfers.read(), at(0, 0));
+    let mut a = be.upload(&[1.0; 10]);
+    assert_eq!(be.transfers.read(), at(1, 40));
+    assert_eq!(be.download(&a), vec![1.0; 10]);
+    assert_eq!(be.transfers.read(), at(2, 80));
+    let b = be.upload_owned(vec![2.0; 5]);
+    assert_eq!(be.download_owned(b), vec![2.0; 5]);
+    assert_eq!(be.transfers.read(), at(4, 120));
+    // Copies between device buffers stay on the device.
+    let mut c = be.copied(&a);
+    be.copy_from(&mut c, &a);
+    be.fill(&mut a, 3.0);
+    be.copy_into_at(&mut c, 2, &be.zeros(3));
+    assert_eq!(be.transfers.read(), at(4, 120));
+    assert_eq!(be.transfers.read().since(at(1, 40)), at(3, 80));
+}
+
+/// The model of `[model] name`/`flavor` at dim 64, 2 blocks.
+fn args_of(name: &str, flavor: &str) -> ModelArgs {
+    let flags = [
+        "--model.name",
+        name,
+        "--model.flavor",
+        flavor,
+        "--model.dim",
+        "64",
+        "--model.n_layers",
+        "2",
+        "--model.vocab_size",
+        "300",
+    ];
+    let flags: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+    Config::load(None, &flags).unwrap().model_args().unwrap()
+}
+
+/// Copies one whole forward and backward (loss included) of `args` makes, after a first step
+/// that sizes what it keeps.
+fn copies_of_a_step(args: &ModelArgs) -> Transfers {
+    let be = CpuBackend::new();
+    let (batch, seq) = (2, 16);
+    let model = Decoder::new(&be, args.clone(), seq).unwrap();
+    let params = init_params(&be, args, 3);
+    let tokens: Vec<u32> = (0..batch * (seq + 1))
+        .map(|i| (i * 7 % 300) as u32)
+        .collect();
+    let mut ws = Workspace::new(&be, args, batch, seq);
+    let mut grads = ParamSet::zeros(&be, &model.param_specs());
+    let mut step = || {
+        model
+            .forward_backward(&be, &params, &mut grads, &mut ws, &tokens, 1.0)
+            .unwrap()
+    };
+    step();
+    let before = be.transfers.read();
+    step();
+    be.transfers.read().since(before)
+}
+
+#[test]
+fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_its_routings() {
+    assert_eq!(
+        copies_of_a_step(&args_of("llama3", "debugmodel")),
+        Transfers::default()
+    );
+    let moe = args_of("qwen3", "debugmodel_moe");
+    let experts: Vec<usize> = (0..moe.n_layers)
+        .filter_map(|l| moe.moe_at(l).map(|m| m.router.num_experts))
+        .collect();
+    // Each MoE block: its router's logits (a row of experts per token) down, their gradient up.
+    let tokens = 2 * 16;
+    let bytes = experts.iter().map(|e| 2 * 4 * (tokens * e) as u64).sum();
+    let copies = 2 * experts.len() as u64;
+    assert!(copies > 0);
+    assert_eq!(copies_of_a_step(&moe), Transfers { copies, bytes });
+}
