@@ -22,10 +22,10 @@
 //!
 //! Where the tensors travel: on GPUs whose ranks agreed on NCCL (`launch::device_groups`), the
 //! token rows go through a `comm::queue::DeviceQueue` over the group's NCCL communicator, on its
-//! communication stream, blocking and async alike. Otherwise through the host and the CPU
-//! transport (`comm::group`): blocking collectives directly, async ones on a `HostQueue`'s
-//! thread. The loss's softmax statistics and the replicated weights' gradient sum always take
-//! the host path (a few floats per row, and once per step).
+//! communication stream, blocking and async alike, and so does the replicated weights' gradient
+//! sum. Otherwise through the host and the CPU transport (`comm::group`): blocking collectives
+//! directly, async ones on a `HostQueue`'s thread. The loss's softmax statistics always take the
+//! host path (a few floats per row).
 
 use crate::backend::{GemmOutput, GemmShape};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -261,6 +261,12 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
     }
 
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()> {
+        if let Some(device) = device_of::<B>(self.group.as_ref()) {
+            return self.waiting(|| {
+                let pending = device.start_all_reduce_each(be, vec![buf])?;
+                device.wait(pending)
+            });
+        }
         let mut values = be.download(buf);
         self.waiting(|| self.group.all_reduce(&mut values, ReduceOp::Sum))?;
         *buf = be.upload_owned(values);
