@@ -1,9 +1,8 @@
 //! The backend trait: every kernel titan runs, forward and backward, on one kind of device.
 //!
-//! Layers above this one (model, train) only see `Backend` and its buffer type, so the CPU backend
-//! (the reference, always tested) and a CUDA backend are interchangeable. Shapes are passed
-//! explicitly; all buffers are contiguous row-major f32. Token ids live on the host and are handed to
-//! the kernels that need them (a device backend uploads them).
+//! Layers above (model, train) only see `Backend` and its buffer type, so the CPU backend (the
+//! reference, always tested) and a CUDA backend are interchangeable. Shapes are explicit; buffers
+//! are contiguous row-major f32; token ids live on the host (a device backend uploads them).
 
 pub mod cpu;
 pub mod crosscheck;

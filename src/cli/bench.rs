@@ -205,7 +205,7 @@ fn bench_on<B: Backend>(
     probes: &BackendProbes<'_>,
 ) -> Result<Option<f64>> {
     let dist = place.dist.as_ref();
-    let (rank, dp_rank) = dist.map_or((0, 0), |d| (d.rank, d.dp.rank()));
+    let (rank, dp_rank) = dist.map_or((0, 0), |d| (d.rank, d.groups.dp.rank()));
     let setup = Instant::now();
     let mut composed = compose_rank(be, cfg, &place)?;
     be.synchronize();

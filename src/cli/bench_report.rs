@@ -178,7 +178,7 @@ fn job_max(
                 per_step.comm_tp as f32,
                 per_step.exchange_ep as f32,
             ];
-            d.all.all_reduce(&mut v, ReduceOp::Max)?;
+            d.groups.all.all_reduce(&mut v, ReduceOp::Max)?;
             v.map(f64::from)
         }
         None => [
@@ -205,7 +205,7 @@ impl CpPerRank {
     fn gather(d: &Distributed, attention_s: f64) -> Result<Self> {
         let mine = [attention_s as f32, peak_memory() as f32];
         let mut all = vec![0f32; 2 * d.world];
-        d.all.all_gather(&mine, &mut all)?;
+        d.groups.all.all_gather(&mine, &mut all)?;
         let (attention, peaks) = all
             .chunks(2)
             .map(|x| (x[0] as f64, x[1] as f64 / (1 << 20) as f64))

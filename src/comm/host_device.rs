@@ -58,11 +58,7 @@ impl DeviceGroup<CpuBackend> for HostDeviceGroup {
         Ok(done())
     }
 
-    fn start_all_reduce_each(
-        &self,
-        _be: &CpuBackend,
-        bufs: Vec<&mut Vec<f32>>,
-    ) -> Result<Pending> {
+    fn start_all_reduce_each(&self, _be: &CpuBackend, bufs: Vec<&mut Vec<f32>>) -> Result<Pending> {
         // One all-reduce over the buffers side by side, as a device does one group call.
         let mut values: Vec<f32> = bufs.iter().flat_map(|b| b.iter().copied()).collect();
         self.host.all_reduce(&mut values, ReduceOp::Sum)?;

@@ -40,10 +40,6 @@ pub trait CollectiveQueue<B: Backend> {
     fn busy_seconds(&self) -> Option<f64> {
         None
     }
-    /// Whether the collectives run on the device's buffers (no host copies).
-    fn on_device(&self) -> bool {
-        false
-    }
 }
 
 /// Work for the communication thread.
@@ -264,10 +260,6 @@ impl<B: Backend> CollectiveQueue<B> for DeviceQueue<B> {
 
     fn replicated(&self) -> bool {
         self.replicate.is_some()
-    }
-
-    fn on_device(&self) -> bool {
-        true
     }
 }
 

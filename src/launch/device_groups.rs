@@ -3,7 +3,7 @@
 //! exchanges what it can do over the group of all ranks first, so all of them take the same road,
 //! and a job that cannot use NCCL says why. The communicators are attached to the groups the
 //! launcher joined (`comm::device_group::attach`), once, in the one order of
-//! `Distributed::device_capable_groups`; every layout then takes its collectives from the groups it
+//! `groups::RankGroups::device_capable`; every layout then takes its collectives from the groups it
 //! crosses.
 //!
 //! `TITAN_DEVICE_COLLECTIVES=host` attaches the host-run device groups
@@ -69,7 +69,7 @@ fn agree(
     my_gpu: Option<u32>,
     local_nccl: std::result::Result<(), String>,
 ) -> Result<Agreement> {
-    let group = d.all.as_ref();
+    let group = d.groups.all.as_ref();
     // A CPU rank gets a value no GPU has, distinct per rank.
     let gpu = my_gpu.map_or(-1.0 - group.rank() as f32, |pci| pci as f32);
     let mine = [local_nccl.is_ok() as u8 as f32, node_key(), gpu];
@@ -109,7 +109,7 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
     match std::env::var("TITAN_DEVICE_COLLECTIVES").as_deref() {
         Err(_) | Ok("") => Ok(DeviceRoad::host()),
         Ok("host") => {
-            for (group, _) in d.device_capable_groups() {
+            for (group, _) in d.groups.device_capable() {
                 let device: Arc<dyn DeviceGroup<CpuBackend>> =
                     Arc::new(HostDeviceGroup::new(group.clone()));
                 attach(group.as_ref(), device);
@@ -154,7 +154,7 @@ pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Re
             ranks_on_my_gpu,
         });
     }
-    for (group, name) in d.device_capable_groups() {
+    for (group, name) in d.groups.device_capable() {
         let device: Arc<dyn DeviceGroup<CudaBackend>> =
             Arc::new(d.nccl_over(group.as_ref(), name, be)?);
         attach(group.as_ref(), device);

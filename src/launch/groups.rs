@@ -1,8 +1,12 @@
-//! Joining a rank's process groups from the device mesh, in the one order every rank follows
-//! (a rank that joined its groups in another order would wait on a peer waiting on it): the data
-//! groups (`dp`, the loss group, FSDP's shard and HSDP's replica groups), then `tp`, `cp`, `pp`,
-//! the expert groups, the checkpoint writers and the whole job. Each group is named by its mesh
-//! dims and the restart generation, so a restarted run never meets an earlier one's keys.
+//! A rank's process groups from the device mesh: which groups a layout has, over which ranks,
+//! decided once here for the trainer and the planner alike. A running job joins them over the
+//! TCP transport (`TcpGroups`), in the one order every rank follows (a rank that joined its groups
+//! in another order would wait on a peer waiting on it): the data groups (`dp`, the loss group,
+//! FSDP's shard and HSDP's replica groups), then `tp`, `cp`, `pp`, the expert groups, the
+//! checkpoint writers and the whole job. `titan plan` makes the same groups as shapes alone
+//! (`ShapeGroups`). Each group is named by its mesh dims and the restart generation, so a
+//! restarted run never meets an earlier one's keys. Device communicators are attached to these
+//! groups afterwards (`device_groups`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,47 +16,135 @@ use anyhow::Result;
 use crate::comm::flight_recorder;
 use crate::comm::group::{ProcessGroup, TcpGroup};
 use crate::comm::mesh::DeviceMesh;
+use crate::comm::shape_group::ShapeGroup;
 use crate::comm::store::StoreClient;
 
 type Group = Arc<dyn ProcessGroup>;
 
-/// What a rank joins groups with.
-pub struct GroupJoiner<'a> {
+/// How a group over some ranks comes to be.
+pub trait GroupMaker {
+    /// The group of the global `ranks`, this rank at `local`, named `name`.
+    fn group(&self, ranks: &[usize], local: usize, name: &str) -> Result<Group>;
+}
+
+/// A running job's groups: joined over the TCP transport through the rendezvous store, each
+/// recorded by the flight recorder when it is on.
+pub struct TcpGroups<'a> {
     pub store: &'a StoreClient,
-    pub mesh: &'a DeviceMesh,
-    pub rank: usize,
-    pub world: usize,
     /// This rank's address peers connect to.
     pub host: &'a str,
     pub init: Duration,
     pub op: Duration,
+}
+
+impl GroupMaker for TcpGroups<'_> {
+    fn group(&self, ranks: &[usize], local: usize, name: &str) -> Result<Group> {
+        let group = TcpGroup::connect(
+            self.store,
+            name,
+            local,
+            ranks.len(),
+            self.host,
+            self.init,
+            self.op,
+        )?;
+        Ok(Arc::new(
+            group.with_record(flight_recorder::for_group(name, ranks)),
+        ))
+    }
+}
+
+/// The planner's groups: their shapes alone (`titan plan` sizes a rank without running it).
+pub struct ShapeGroups;
+
+impl GroupMaker for ShapeGroups {
+    fn group(&self, ranks: &[usize], local: usize, name: &str) -> Result<Group> {
+        Ok(Arc::new(ShapeGroup::new(name, local, ranks.len())))
+    }
+}
+
+/// What a rank makes its groups with.
+pub struct GroupJoiner<'a> {
+    pub maker: &'a dyn GroupMaker,
+    pub mesh: &'a DeviceMesh,
+    pub rank: usize,
+    pub world: usize,
     pub generation: u64,
 }
 
-/// Every group of a rank and the store names of those a layer above forms more groups beside
-/// (NCCL communicators, checkpoint barriers).
+/// Every group of a rank, with the store names of those a layer above forms more groups beside
+/// (device communicators, checkpoint barriers). A group of a dimension of degree 1 is None.
 pub struct RankGroups {
+    /// The ranks that split the batch (`dp_replicate × dp_shard`): each reads its own data.
     pub dp: Group,
     pub dp_name: String,
+    /// The ranks whose losses and target counts add up to the step's (`dp_replicate × dp_shard ×
+    /// cp`: context parallelism splits each sequence's targets too); `dp` without it.
     pub loss: Group,
+    /// FSDP's shard group (`dp_shard`, `× cp` with context parallelism, TorchTitan's folding) and,
+    /// for HSDP, the replica group (`dp_replicate`).
     pub shard: Option<Group>,
     pub shard_name: Option<String>,
     pub replicate: Option<Group>,
     pub replicate_name: Option<String>,
+    /// The tensor-parallel group (`tp`).
     pub tp: Option<Group>,
     pub tp_name: Option<String>,
+    /// The context-parallel group (`cp`: the ranks splitting each sequence).
     pub cp: Option<Group>,
     pub cp_name: Option<String>,
+    /// The pipeline group (`pp`: the ranks holding the stages of one model copy).
     pub pp: Option<Group>,
+    /// Expert parallelism (`[parallelism] expert_parallel_degree` above 1): the ranks splitting
+    /// the experts, and the ranks holding the same experts, which FSDP-shard them
+    /// (`DeviceMesh::expert_groups`); under HSDP, a replica group of the experts' own (the
+    /// `dp_replicate` ranks again: its collectives run on another queue than `replicate`'s).
     pub ep: Option<Group>,
     pub ep_name: Option<String>,
     pub expert_shard: Option<Group>,
     pub expert_shard_name: Option<String>,
     pub expert_replicate: Option<Group>,
     pub expert_replicate_name: Option<String>,
+    /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of
+    /// the dims in use; under HSDP or DDP each replica has one and replica 0's writes). None when
+    /// checkpoints are written whole by rank 0 (one process or DDP, without TP or PP).
     pub writers: Option<Group>,
     pub writers_name: Option<String>,
+    /// Every rank of the job (the data-parallel group itself when the job is data parallel
+    /// only): job-wide figures such as the largest rank's peak memory.
     pub all: Group,
+}
+
+impl RankGroups {
+    /// The groups whose collectives may run on a device communicator, each with its name in the
+    /// store, in the one order every rank attaches them (so no two ranks wait for each other's
+    /// next): data parallelism's (FSDP's shard and HSDP's replica groups, or with whole
+    /// parameters every data-parallel rank), tensor parallel, context parallel, then expert
+    /// parallelism's group and the experts' shard and replica groups.
+    pub fn device_capable(&self) -> Vec<(&Group, &str)> {
+        let data = match &self.shard {
+            Some(shard) => vec![
+                (Some(shard), self.shard_name.as_ref()),
+                (self.replicate.as_ref(), self.replicate_name.as_ref()),
+            ],
+            None if self.dp.size() > 1 => vec![(Some(&self.dp), Some(&self.dp_name))],
+            None => Vec::new(),
+        };
+        let others = [
+            (self.tp.as_ref(), self.tp_name.as_ref()),
+            (self.cp.as_ref(), self.cp_name.as_ref()),
+            (self.ep.as_ref(), self.ep_name.as_ref()),
+            (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
+            (
+                self.expert_replicate.as_ref(),
+                self.expert_replicate_name.as_ref(),
+            ),
+        ];
+        data.into_iter()
+            .chain(others)
+            .filter_map(|(group, name)| Some((group?, name?.as_str())))
+            .collect()
+    }
 }
 
 /// The data groups: `dp`, the loss group, and FSDP's shard and HSDP's replica groups.
@@ -82,18 +174,7 @@ impl GroupJoiner<'_> {
             .iter()
             .position(|&r| r == self.rank)
             .expect("a rank is in its own group");
-        let group = TcpGroup::connect(
-            self.store,
-            name,
-            local,
-            ranks.len(),
-            self.host,
-            self.init,
-            self.op,
-        )?;
-        Ok(Arc::new(
-            group.with_record(flight_recorder::for_group(name, ranks)),
-        ))
+        self.maker.group(ranks, local, name)
     }
 
     /// The store name of this rank's group over mesh `dims`.

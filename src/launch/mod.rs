@@ -9,7 +9,6 @@ pub mod orphan;
 pub mod rendezvous;
 pub mod secret;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
@@ -29,52 +28,13 @@ pub struct Distributed {
     pub rank: usize,
     pub world: usize,
     pub mesh: DeviceMesh,
-    /// The ranks that split the batch (`dp_replicate × dp_shard`): each reads its own data.
-    pub dp: Arc<dyn ProcessGroup>,
-    /// The ranks whose losses and target counts add up to the step's (`dp_replicate × dp_shard ×
-    /// cp`: context parallelism splits each sequence's targets too); `dp` without it.
-    pub loss: Arc<dyn ProcessGroup>,
-    /// FSDP's shard group (`dp_shard`, `× cp` with context parallelism, TorchTitan's folding) and,
-    /// for HSDP, the replica group (`dp_replicate`).
-    pub shard: Option<Arc<dyn ProcessGroup>>,
-    pub replicate: Option<Arc<dyn ProcessGroup>>,
-    /// The tensor-parallel group (`tp`), when its degree is above 1.
-    pub tp: Option<Arc<dyn ProcessGroup>>,
-    /// The context-parallel group (`cp`: the ranks splitting each sequence), when its degree is
-    /// above 1.
-    pub cp: Option<Arc<dyn ProcessGroup>>,
-    /// The pipeline group (`pp`: the ranks holding the stages of one model copy), when its degree
-    /// is above 1.
-    pub pp: Option<Arc<dyn ProcessGroup>>,
-    /// Expert parallelism (`[parallelism] expert_parallel_degree` above 1): the ranks splitting
-    /// the experts, and the ranks holding the same experts, which FSDP-shard them
-    /// (`DeviceMesh::expert_groups`); under HSDP, a replica group of the experts' own (the
-    /// `dp_replicate` ranks again: its collectives run on another queue than `replicate`'s).
-    pub ep: Option<Arc<dyn ProcessGroup>>,
-    pub expert_shard: Option<Arc<dyn ProcessGroup>>,
-    pub expert_replicate: Option<Arc<dyn ProcessGroup>>,
-    /// The ranks that write a sharded checkpoint together (`pp × dp_shard × tp`, tp fastest, of
-    /// the dims in use; under HSDP or DDP each replica has one and replica 0's writes). None when
-    /// checkpoints are written whole by rank 0 (one process or DDP, without TP or PP).
-    pub writers: Option<Arc<dyn ProcessGroup>>,
-    /// Every rank of the job (the data-parallel group itself when the job is data parallel only):
-    /// job-wide figures such as the largest rank's peak memory.
-    pub all: Arc<dyn ProcessGroup>,
+    /// Every group of this rank, joined once (`groups::GroupJoiner`), each with its store name.
+    pub groups: groups::RankGroups,
     /// Ranks on this node (the launcher's processes per node).
     pub local_world_size: usize,
     /// The rendezvous store, for groups formed later (NCCL's unique id).
     store: StoreClient,
-    /// The names of `dp`, `shard` and `replicate` in the store, and the timeouts of `[comm]`
-    /// (init, each collective).
-    dp_name: String,
-    shard_name: Option<String>,
-    replicate_name: Option<String>,
-    tp_name: Option<String>,
-    cp_name: Option<String>,
-    ep_name: Option<String>,
-    expert_shard_name: Option<String>,
-    expert_replicate_name: Option<String>,
-    writers_name: Option<String>,
+    /// The timeouts of `[comm]` (init, each collective).
     timeouts: (Duration, Duration),
     /// Restart generation: store keys of this run never meet a previous run's.
     generation: u64,
@@ -101,66 +61,27 @@ impl Distributed {
         let gen = env.generation;
         start_flight_recorder(cfg, &env, &store, init)?;
         orphan::end_on_terminate()?;
-        let joiner = groups::GroupJoiner {
+        let transport = groups::TcpGroups {
             store: &store,
-            mesh: &mesh,
-            rank: env.rank,
-            world: env.world_size,
             host: &host,
             init,
             op,
+        };
+        let joiner = groups::GroupJoiner {
+            maker: &transport,
+            mesh: &mesh,
+            rank: env.rank,
+            world: env.world_size,
             generation: gen,
         };
-        let groups::RankGroups {
-            dp,
-            dp_name,
-            loss,
-            shard,
-            shard_name,
-            replicate,
-            replicate_name,
-            tp,
-            tp_name,
-            cp,
-            cp_name,
-            pp,
-            ep,
-            ep_name,
-            expert_shard,
-            expert_shard_name,
-            expert_replicate,
-            expert_replicate_name,
-            writers,
-            writers_name,
-            all,
-        } = joiner.join_all(cfg.parallelism.expert_parallel_degree)?;
+        let groups = joiner.join_all(cfg.parallelism.expert_parallel_degree)?;
         Ok(Some(Distributed {
             rank: env.rank,
             world: env.world_size,
             mesh,
-            dp,
-            loss,
-            shard,
-            replicate,
-            tp,
-            cp,
-            pp,
-            ep,
-            expert_shard,
-            expert_replicate,
-            writers,
-            all,
+            groups,
             local_world_size: env.local_world_size,
             store,
-            dp_name,
-            shard_name,
-            replicate_name,
-            tp_name,
-            cp_name,
-            ep_name,
-            expert_shard_name,
-            expert_replicate_name,
-            writers_name,
             timeouts: (init, op),
             generation: gen,
             _store: store_server,
@@ -211,7 +132,7 @@ impl Distributed {
     /// connection of its own (a background save waits on it); None when checkpoints are written
     /// whole.
     pub fn file_exchange(&self) -> Result<Option<checkpoint_exchange::StoreFileExchange>> {
-        let Some(name) = self.writers_name.as_ref() else {
+        let Some(name) = self.groups.writers_name.as_ref() else {
             return Ok(None);
         };
         Ok(Some(checkpoint_exchange::StoreFileExchange {
@@ -219,36 +140,6 @@ impl Distributed {
             prefix: format!("checkpoint-files/g{}/{name}", self.generation),
             wait: SAVE_WAIT.max(self.timeouts.0),
         }))
-    }
-
-    /// The groups whose collectives may run on a device communicator, each with its name in the
-    /// store, in the one order every rank attaches them (so no two ranks wait for each other's
-    /// next): data parallelism's (FSDP's shard and HSDP's replica groups, or with whole
-    /// parameters every data-parallel rank), tensor parallel, context parallel, then expert
-    /// parallelism's group and the experts' shard and replica groups.
-    pub fn device_capable_groups(&self) -> Vec<(&Arc<dyn ProcessGroup>, &str)> {
-        let data = match &self.shard {
-            Some(shard) => vec![
-                (Some(shard), self.shard_name.as_ref()),
-                (self.replicate.as_ref(), self.replicate_name.as_ref()),
-            ],
-            None if self.dp.size() > 1 => vec![(Some(&self.dp), Some(&self.dp_name))],
-            None => Vec::new(),
-        };
-        let others = [
-            (self.tp.as_ref(), self.tp_name.as_ref()),
-            (self.cp.as_ref(), self.cp_name.as_ref()),
-            (self.ep.as_ref(), self.ep_name.as_ref()),
-            (self.expert_shard.as_ref(), self.expert_shard_name.as_ref()),
-            (
-                self.expert_replicate.as_ref(),
-                self.expert_replicate_name.as_ref(),
-            ),
-        ];
-        data.into_iter()
-            .chain(others)
-            .filter_map(|(group, name)| Some((group?, name?.as_str())))
-            .collect()
     }
 
     /// An NCCL communicator over the ranks of `group` (named `name` in the store), on `be`'s GPU

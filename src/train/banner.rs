@@ -34,7 +34,7 @@ impl<B: Backend> Banner<'_, B> {
         let (cfg, args, est) = (self.cfg, self.args, self.estimate);
         let threads = rayon::current_num_threads();
         let seq = cfg.training.seq_len;
-        let dp_size = self.dist.map_or(1, |d| d.dp.size());
+        let dp_size = self.dist.map_or(1, |d| d.groups.dp.size());
         let active = match args.moe.is_some() {
             true => format!(", {:.2}M active", args.active_params() as f64 / 1e6),
             false => String::new(),
@@ -191,8 +191,12 @@ impl<B: Backend> Banner<'_, B> {
     pub fn rank_line(&self) -> Option<String> {
         let d = self.dist?;
         let (local, est) = (self.local, self.estimate);
-        let fsdp_mode = d.shard.is_some();
-        let mut how = match (fsdp_mode, d.replicate.is_some(), d.dp.size() > 1) {
+        let fsdp_mode = d.groups.shard.is_some();
+        let mut how = match (
+            fsdp_mode,
+            d.groups.replicate.is_some(),
+            d.groups.dp.size() > 1,
+        ) {
             (true, true, _) => "sharded, HSDP",
             (true, false, _) => "sharded, FSDP",
             (false, _, true) => "replicated, DDP",

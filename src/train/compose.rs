@@ -337,7 +337,11 @@ fn muon_exchange<B: Backend>(
     opt: &Optimizer<B>,
 ) -> Result<MuonExchange> {
     let names = &layout.grads().names;
-    let (tp_rank, tp_parts) = dist.tp.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
+    let (tp_rank, tp_parts) = dist
+        .groups
+        .tp
+        .as_ref()
+        .map_or((0, 1), |g| (g.rank(), g.size()));
     let slots = opt
         .muon_slots(be, layout.grads())
         .into_iter()
@@ -360,7 +364,7 @@ fn muon_exchange<B: Backend>(
         .collect();
     let ns = NewtonSchulz::of(&opt.cfg);
     MuonExchange::new(ExchangeInputs {
-        group: dist.all.clone(),
+        group: dist.groups.all.clone(),
         slots,
         shapes: opt.muon_shapes(),
         names,
@@ -379,10 +383,10 @@ fn param_state<B: Backend>(
     model: &mut Decoder<B>,
 ) -> Result<(ParamState<B>, Optimizer<B>, Option<Resumed>)> {
     let expert_shards = dist
-        .and_then(|d| d.expert_shard.clone())
+        .and_then(|d| d.groups.expert_shard.clone())
         .map(|group| ExpertShards {
             group,
-            replicate: dist.and_then(|d| d.expert_replicate.clone()),
+            replicate: dist.and_then(|d| d.groups.expert_replicate.clone()),
         });
     let pipeline = plan.pipeline.as_ref();
     let held = |name: &str| pipeline.is_none_or(|p| p.holds(name));
@@ -423,17 +427,19 @@ fn param_state<B: Backend>(
         Some(mut fsdp) => {
             if let Some(precompute) = cfg.fsdp_float8_all_gather() {
                 let weights = plan.float8.gathered_weights(&model.ids);
-                let tp = dist.and_then(|d| d.tp.clone()).filter(|g| g.size() > 1);
+                let tp = dist
+                    .and_then(|d| d.groups.tp.clone())
+                    .filter(|g| g.size() > 1);
                 let n = model.param_specs().len();
                 fsdp.gather_in_float8(Float8Gather::new(n, &weights, tp, precompute));
             }
             ParamState::Sharded(ShardedParams::new(fsdp, params, grads, false))
         }
         None => {
-            let dp_size = dist.map_or(1, |d| d.dp.size());
+            let dp_size = dist.map_or(1, |d| d.groups.dp.size());
             let ddp = dist
                 .filter(|_| !plan.fsdp && dp_size > 1)
-                .map(|d| crate::parallel::ddp::Ddp::new(d.dp.clone(), plan.reduce_dtype));
+                .map(|d| crate::parallel::ddp::Ddp::new(d.groups.dp.clone(), plan.reduce_dtype));
             let bf16 = plan.param_dtype == ParamDtype::BFloat16;
             let blocks = model.ids.layers.iter().map(|l| l.all()).collect();
             ParamState::Whole(WholeParams::new(be, (params, grads), bf16, ddp, blocks))

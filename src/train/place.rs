@@ -1,13 +1,11 @@
 //! What a rank's composition knows of its place in the mesh: the groups its layout crosses, the
 //! data-parallel degree, FSDP's shard degree and its rank. A running job takes them from its
-//! joined groups (`MeshPlace::of`); `titan plan` from the degrees alone (`MeshPlace::planned`,
-//! shape-only groups), so the planner and the trainer size a rank with one function.
+//! joined groups (`MeshPlace::of`); `titan plan` from the same groups made as shapes
+//! (`MeshPlace::planned`: `launch::groups` decides for both which groups exist), so the planner
+//! and the trainer size a rank with one function.
 
-use std::sync::Arc;
-
-use crate::comm::group::ProcessGroup;
 use crate::comm::mesh::DeviceMesh;
-use crate::comm::shape_group::ShapeGroup;
+use crate::launch::groups::{GroupJoiner, RankGroups, ShapeGroups};
 use crate::launch::Distributed;
 use crate::parallel::parallelize::MeshGroups;
 
@@ -34,51 +32,43 @@ impl MeshPlace {
 
     /// A running rank's place, from the groups it joined.
     pub fn of(dist: Option<&Distributed>) -> Self {
-        let Some(d) = dist else {
-            return Self::single();
-        };
-        MeshPlace {
-            groups: MeshGroups {
-                tp: d.tp.clone(),
-                cp: d.cp.clone(),
-                ep: d.ep.clone(),
-                pp: d.pp.clone(),
-                loss: Some(d.loss.clone()),
-            },
-            dp_size: d.dp.size(),
-            fsdp_shard: d.mesh.fsdp_shard_degree(),
-            rank: d.rank,
+        match dist {
+            Some(d) => Self::in_groups(&d.groups, &d.mesh, d.rank),
+            None => Self::single(),
         }
     }
 
-    /// The place of `rank` in `mesh` with `expert_parallel_degree`, as `launch::groups` would
-    /// join it (the same groups exist, of the same sizes, with this rank at the same place).
+    /// The place of `rank` in `mesh` with `expert_parallel_degree`: the groups `launch::groups`
+    /// joins for it, made as shapes alone (the same groups, of the same sizes, with this rank at
+    /// the same place).
     pub fn planned(mesh: &DeviceMesh, rank: usize, expert_parallel_degree: usize) -> Self {
         if mesh.world == 1 {
             return Self::single();
         }
-        let group = |name: &str, ranks: Vec<usize>| -> Arc<dyn ProcessGroup> {
-            let at = ranks.iter().position(|&r| r == rank).expect("own group");
-            Arc::new(ShapeGroup::new(name, at, ranks.len()))
+        let joiner = GroupJoiner {
+            maker: &ShapeGroups,
+            mesh,
+            rank,
+            world: mesh.world,
+            generation: 0,
         };
-        let dim = |name: &str| {
-            (mesh.degree(name) > 1).then(|| group(name, mesh.group_ranks(rank, &[name])))
-        };
-        let ep = (expert_parallel_degree > 1)
-            .then(|| group("ep", mesh.expert_groups(rank, expert_parallel_degree).0));
-        let loss = group(
-            "loss",
-            mesh.group_ranks(rank, &["dp_replicate", "dp_shard", "cp"]),
-        );
+        let groups = joiner
+            .join_all(expert_parallel_degree)
+            .expect("shape groups are made without a transport");
+        Self::in_groups(&groups, mesh, rank)
+    }
+
+    /// The place of `rank` with `groups` in `mesh`.
+    fn in_groups(groups: &RankGroups, mesh: &DeviceMesh, rank: usize) -> Self {
         MeshPlace {
             groups: MeshGroups {
-                tp: dim("tp"),
-                cp: dim("cp"),
-                ep,
-                pp: dim("pp"),
-                loss: Some(loss),
+                tp: groups.tp.clone(),
+                cp: groups.cp.clone(),
+                ep: groups.ep.clone(),
+                pp: groups.pp.clone(),
+                loss: Some(groups.loss.clone()),
             },
-            dp_size: mesh.degree("dp_replicate") * mesh.degree("dp_shard"),
+            dp_size: groups.dp.size(),
             fsdp_shard: mesh.fsdp_shard_degree(),
             rank,
         }

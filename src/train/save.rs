@@ -64,7 +64,7 @@ fn write_checkpoint<B: Backend>(
     let keep = cfg.checkpoint.keep_latest_k;
     let step = state.step;
     let rank = dist.map_or(0, |d| d.rank);
-    let writers = dist.and_then(|d| d.writers.as_ref().map(|w| (d, w)));
+    let writers = dist.and_then(|d| d.groups.writers.as_ref().map(|w| (d, w)));
     let written = match (&layout.state, writers) {
         (param_state, Some((d, writers))) => {
             // FSDP (maybe with TP or PP): replica 0's shards. TP or PP without FSDP:
@@ -72,9 +72,9 @@ fn write_checkpoint<B: Backend>(
             let (parts, writes) = match param_state {
                 ParamState::Sharded(s) => (
                     &s.fsdp.shards,
-                    d.replicate.as_ref().is_none_or(|r| r.rank() == 0),
+                    d.groups.replicate.as_ref().is_none_or(|r| r.rank() == 0),
                 ),
-                ParamState::Whole(w) => (&w.params, d.dp.rank() == 0),
+                ParamState::Whole(w) => (&w.params, d.groups.dp.rank() == 0),
             };
             let asynchronous = cfg.checkpoint.async_mode == "async";
             // One save in flight: this rank's previous one is done before the next stages.

@@ -178,7 +178,7 @@ fn resume_dir(cfg: &Config, dist: Option<&Distributed>) -> Result<Option<(u64, P
         _ => checkpoint::resume::choose(&folder, load_step).map_err(cannot_resume),
     };
     let step = match dist {
-        Some(d) => checkpoint::resume::agree(d.all.as_ref(), &folder, chosen)?,
+        Some(d) => checkpoint::resume::agree(d.groups.all.as_ref(), &folder, chosen)?,
         None => chosen?,
     };
     Ok(step.map(|s| (s, checkpoint::step_dir(&folder, s))))
@@ -202,7 +202,7 @@ fn read_checkpoint<B: Backend>(
     let (args, local) = (&inputs.model.args, &inputs.model.local);
     let writer = inputs
         .dist
-        .and_then(|d| d.writers.as_ref().map(|w| (d, w)))
+        .and_then(|d| d.groups.writers.as_ref().map(|w| (d, w)))
         .map(|(d, w)| WriterPlace {
             rank: w.rank(),
             size: w.size(),
@@ -361,7 +361,7 @@ fn sharded_start<B: Backend>(
     d: &Distributed,
     inputs: StartInputs<'_, B>,
 ) -> Result<StartState<B>> {
-    let shard = d.shard.clone().expect("FSDP mode has a shard group");
+    let shard = d.groups.shard.clone().expect("FSDP mode has a shard group");
     // A pipeline rank shards only its stages' tensors; the others are empty here.
     let fsdp_specs: Vec<(String, Vec<usize>)> = source
         .specs
@@ -372,7 +372,7 @@ fn sharded_start<B: Backend>(
     let f = Fsdp::new(
         be,
         shard,
-        d.replicate.clone(),
+        d.groups.replicate.clone(),
         inputs.experts,
         inputs.model,
         &fsdp_specs,

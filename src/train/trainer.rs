@@ -202,7 +202,7 @@ fn train_on<B: Backend>(
             .metrics(be, step, (loss, norm, lr), times, moe.as_ref());
         m.fsdp_all_gather_bytes = run.layout.state.take_gathered_bytes();
         m.live_replicas = run.replicas.as_ref().map(|r| r.live());
-        let job = run.dist.as_ref().map(|d| d.all.as_ref());
+        let job = run.dist.as_ref().map(|d| d.groups.all.as_ref());
         (m.muon_matrices, m.muon_max_rank_ns_share) = run.opt.job_orthogonalized(job)?.unzip();
         if let (Some(loads), Some(bias)) =
             (m.moe_expert_load.as_mut(), run.layout.model.expert_bias())
@@ -257,8 +257,9 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
     fn start(be: &'a B, cfg: &'a Config, opts: &RunOptions, place: RankPlace<B>) -> Result<Self> {
         let dist = place.dist.as_ref();
         let t = &cfg.training;
-        let (rank, dp_rank, dp_size) =
-            dist.map_or((0, 0, 1), |d| (d.rank, d.dp.rank(), d.dp.size()));
+        let (rank, dp_rank, dp_size) = dist.map_or((0, 0, 1), |d| {
+            (d.rank, d.groups.dp.rank(), d.groups.dp.size())
+        });
         let quiet = opts.quiet || rank != 0;
         let say = |s: String| {
             if !quiet {
@@ -282,7 +283,8 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
         }
         let rate = StepRate::of(be, cfg, &composed, dist);
         let world = dist.map_or(1, |d| d.world);
-        let replicas = ReplicaSync::from_config(cfg, rank, world, dist.map(|d| d.all.clone()))?;
+        let replicas =
+            ReplicaSync::from_config(cfg, rank, world, dist.map(|d| d.groups.all.clone()))?;
         print_banner(be, cfg, dist, &composed, &loader, &rate, &say);
         let last_step = opts.stop_after.map_or(t.steps, |s| s.min(t.steps));
         let bar = progress_bar(
