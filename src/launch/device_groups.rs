@@ -127,7 +127,8 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`: a
 /// communicator is then attached to every group a layout runs device collectives over (DDP's
 /// sums, FSDP's gathers and reduce-scatters, tensor parallelism's rows, context parallelism's
-/// `allgather`, the experts' shards). Otherwise the host road.
+/// `allgather` and ring, expert parallelism's rows, the experts' shards). Otherwise the host
+/// road.
 pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Result<DeviceRoad> {
     let Some(d) = dist else {
         return Ok(DeviceRoad::host());
