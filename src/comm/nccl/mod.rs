@@ -238,41 +238,45 @@ impl NcclGroup {
         bufs: impl IntoIterator<Item = &'a mut CudaBuf>,
         op: ReduceOp,
     ) -> Result<InFlight> {
-        self.begin("all_reduce")?;
+        self.group_call("all_reduce", || {
+            for buf in bufs.into_iter().filter(|b| !b.is_empty()) {
+                let p = buf.device_address_mut(&self.stream);
+                // SAFETY: p addresses buf.len() floats on this communicator's device.
+                unsafe {
+                    nccl::all_reduce(
+                        p as *const _,
+                        p as *mut _,
+                        buf.len(),
+                        sys::ncclDataType_t::ncclFloat32,
+                        Self::red_op(op),
+                        self.comm,
+                        self.cu_stream(),
+                    )
+                }
+                .map_err(|e| nccl_err("all_reduce", e))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Queues the calls `queue` makes as one NCCL group call (one launch sequence, one event),
+    /// after the compute so far (`begin`). The group is closed whatever happened inside it; a
+    /// communicator that failed to take the work is in an unknown state, so it is aborted (never
+    /// destroyed or used again).
+    fn group_call(&self, op: &'static str, queue: impl FnOnce() -> Result<()>) -> Result<InFlight> {
+        self.begin(op)?;
         nccl::group_start().map_err(|e| {
             self.abort();
             nccl_err("group start", e)
         })?;
-        let mut queued = Ok(());
-        for buf in bufs.into_iter().filter(|b| !b.is_empty()) {
-            let p = buf.device_address_mut(&self.stream);
-            // SAFETY: p addresses buf.len() floats on this communicator's device.
-            queued = unsafe {
-                nccl::all_reduce(
-                    p as *const _,
-                    p as *mut _,
-                    buf.len(),
-                    sys::ncclDataType_t::ncclFloat32,
-                    Self::red_op(op),
-                    self.comm,
-                    self.cu_stream(),
-                )
-            }
-            .map(|_| ())
-            .map_err(|e| nccl_err("all_reduce", e));
-            if queued.is_err() {
-                break;
-            }
-        }
-        // The group is closed whatever happened inside it; a communicator that failed to take the
-        // work is in an unknown state, so it is aborted (never destroyed or used again).
+        let queued = queue();
         let ended = nccl::group_end().map_err(|e| nccl_err("group end", e));
         if queued.is_err() || ended.is_err() {
             self.abort();
         }
         queued?;
         ended?;
-        self.issued("all_reduce")
+        self.issued(op)
     }
 
     /// `output` (`size × input.len()`) receives every rank's `input` in rank order; waits.

@@ -50,35 +50,20 @@ impl NcclGroup {
                 output.len()
             );
         }
-        self.begin("all_to_all")?;
-        let (src, dst) = (
-            input.device_address(&self.stream),
-            output.device_address_mut(&self.stream),
-        );
-        nccl::group_start().map_err(|e| {
-            self.abort();
-            nccl_err("group start", e)
-        })?;
-        let parts = send_counts
-            .iter()
-            .zip(offsets(send_counts))
-            .zip(recv_counts.iter().zip(offsets(recv_counts)));
-        let mut queued = Ok(());
-        for (peer, ((&send, send_at), (&recv, recv_at))) in parts.enumerate() {
-            queued = self.queue_pair(peer, (src, send_at, send), (dst, recv_at, recv));
-            if queued.is_err() {
-                break;
+        self.group_call("all_to_all", || {
+            let (src, dst) = (
+                input.device_address(&self.stream),
+                output.device_address_mut(&self.stream),
+            );
+            let parts = send_counts
+                .iter()
+                .zip(offsets(send_counts))
+                .zip(recv_counts.iter().zip(offsets(recv_counts)));
+            for (peer, ((&send, send_at), (&recv, recv_at))) in parts.enumerate() {
+                self.queue_pair(peer, (src, send_at, send), (dst, recv_at, recv))?;
             }
-        }
-        // The group is closed whatever happened inside it; a communicator that failed to take
-        // the work is aborted.
-        let ended = nccl::group_end().map_err(|e| nccl_err("group end", e));
-        if queued.is_err() || ended.is_err() {
-            self.abort();
-        }
-        queued?;
-        ended?;
-        self.issued("all_to_all")
+            Ok(())
+        })
     }
 
     /// Queues (inside a group call) the send of `count` values at `base + at` floats to `peer`
