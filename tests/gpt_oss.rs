@@ -10,34 +10,35 @@
 mod common;
 
 use common::family_layouts::{self, bf16_layouts_match, pipeline_schedules, trains_as_pytorch};
-use common::hf_models::gpt_oss_two_blocks;
+use common::hf_models::{gpt_oss_two_blocks, GPT_OSS_SHAPES};
 use common::hf_python;
 
-/// TorchTitan's debug model with the shapes of a test: `common::TINY_ARGS` (which every run
-/// here starts from) gives dim 64, 2 blocks, 4 query and 2 key/value heads and a vocabulary of
-/// 300; here heads of 16, 4 experts of 32 (2 per token), a window of 8 keys on block 0 (the
+/// TorchTitan's debug model with the shapes of a test (`GPT_OSS_SHAPES` over
+/// `common::TINY_ARGS`, which every run here starts from), a window of 8 keys on block 0 (the
 /// data's sequences are longer), 10 steps.
-const GPT_OSS: &[&str] = &[
-    "--model.name",
-    "gpt_oss",
-    "--model.flavor",
-    "debugmodel",
-    "--model.head_dim",
-    "16",
-    "--model.moe_hidden",
-    "32",
-    "--model.num_experts",
-    "4",
-    "--model.top_k",
-    "2",
+fn gpt_oss() -> Vec<&'static str> {
+    let rest = [
+        "--model.flavor",
+        "debugmodel",
+        "--model.sliding_window_size",
+        "8",
+        "--training.steps",
+        "10",
+    ];
+    [GPT_OSS_SHAPES, &rest].concat()
+}
+
+/// The transformers gpt-oss' shapes (`gpt_oss_two_blocks`: windows of 6), without an expert
+/// bias (transformers has none).
+const GPT_OSS_HF: [&str; 4] = [
     "--model.sliding_window_size",
-    "8",
-    "--training.steps",
-    "10",
+    "6",
+    "--model.load_balance_coeff",
+    "0",
 ];
 
 fn check(what: &str, n: &'static str, extra: &[&str], parallel: &[&str]) {
-    family_layouts::check(GPT_OSS, what, n, extra, parallel);
+    family_layouts::check(&gpt_oss(), what, n, extra, parallel);
 }
 
 #[test]
@@ -148,7 +149,7 @@ fn gpt_oss_matches_one_process_under_every_pipeline_schedule_and_float8_experts(
         "DualPipeV",
         "LoopedBFS",
     ];
-    pipeline_schedules(GPT_OSS, "gpt-oss", &schedules);
+    pipeline_schedules(&gpt_oss(), "gpt-oss", &schedules);
     check(
         "gpt-oss EP 2, float8 experts",
         "2",
@@ -165,10 +166,10 @@ fn gpt_oss_matches_one_process_under_every_pipeline_schedule_and_float8_experts(
 /// bf16 mixed precision: TP 2 and FSDP 2 × EP 2 against one process in bf16 within 1e-3.
 #[test]
 fn gpt_oss_in_bf16_matches_one_process_in_bf16() {
-    bf16_layouts_match(GPT_OSS, "gpt-oss");
+    bf16_layouts_match(&gpt_oss(), "gpt-oss");
 }
 
-/// A gpt-oss made by transformers (`GPT_OSS`'s shapes, windows of 6 keys on block 0 over
+/// A gpt-oss made by transformers (`GPT_OSS_SHAPES`, windows of 6 keys on block 0 over
 /// sequences of 64, the experts' gate and up weights scaled ×30 so that their values cross the
 /// clamp of 7 (6% of the gate values, 15-22% of the up values),
 /// biases and sinks away from zero), trained 20 steps by titan (imported; no expert bias, as
@@ -184,13 +185,7 @@ fn gpt_oss_trains_as_pytorch_trains_it() {
     trains_as_pytorch(
         &py,
         &make,
-        &[
-            // The shapes but the window's, the steps'.
-            &GPT_OSS[..GPT_OSS.len() - 4],
-            &["--model.sliding_window_size", "6"],
-            &["--model.load_balance_coeff", "0"],
-        ]
-        .concat(),
+        &[GPT_OSS_SHAPES, &GPT_OSS_HF].concat(),
         "gpt-oss",
     );
 }

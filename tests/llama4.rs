@@ -11,39 +11,21 @@
 mod common;
 
 use common::family_layouts::{self, bf16_layouts_match, pipeline_schedules, trains_as_pytorch};
-use common::hf_models::llama4_two_blocks;
+use common::hf_models::{llama4_two_blocks, LLAMA4_SHAPES};
 use common::hf_python;
 
-/// TorchTitan's debug model with the shapes of a test: `common::TINY_ARGS` (which every run
-/// here starts from) gives dim 64, 2 blocks, 4 query and 2 key/value heads and a vocabulary of
-/// 300; here block 1 without RoPE (temperature-tuned from position 3 on: floor scale 4), chunks
-/// of 8 positions on block 0, experts in block 1 (4 of 32, a shared one of 32) and a dense
-/// SwiGLU in block 0, 10 steps.
-const LLAMA4: &[&str] = &[
-    "--model.name",
-    "llama4",
-    "--model.flavor",
-    "debugmodel",
-    "--model.moe_hidden",
-    "32",
-    "--model.moe_shared_hidden",
-    "32",
-    "--model.num_experts",
-    "4",
-    "--model.every_n_layers_nope",
-    "2",
-    "--model.attention_chunk_size",
-    "8",
-    "--model.floor_scale",
-    "4",
-    "--model.attn_scale",
-    "0.5",
-    "--training.steps",
-    "10",
-];
+/// TorchTitan's debug model with the shapes of a test (`LLAMA4_SHAPES` over `common::TINY_ARGS`,
+/// which every run here starts from), 10 steps.
+fn llama4() -> Vec<&'static str> {
+    [
+        LLAMA4_SHAPES,
+        &["--model.flavor", "debugmodel", "--training.steps", "10"],
+    ]
+    .concat()
+}
 
 fn check(what: &str, n: &'static str, extra: &[&str], parallel: &[&str]) {
-    family_layouts::check(LLAMA4, what, n, extra, parallel);
+    family_layouts::check(&llama4(), what, n, extra, parallel);
 }
 
 #[test]
@@ -159,7 +141,7 @@ fn llama4_matches_one_process_under_every_pipeline_schedule_and_float8_experts()
         "DualPipeV",
         "LoopedBFS",
     ];
-    pipeline_schedules(LLAMA4, "Llama 4", &schedules);
+    pipeline_schedules(&llama4(), "Llama 4", &schedules);
     check(
         "Llama 4 EP 2, float8 experts",
         "2",
@@ -176,10 +158,10 @@ fn llama4_matches_one_process_under_every_pipeline_schedule_and_float8_experts()
 /// bf16 mixed precision: TP 2 and FSDP 2 × EP 2 against one process in bf16 within 1e-3.
 #[test]
 fn llama4_in_bf16_matches_one_process_in_bf16() {
-    bf16_layouts_match(LLAMA4, "Llama 4");
+    bf16_layouts_match(&llama4(), "Llama 4");
 }
 
-/// A Llama 4 made by transformers (`LLAMA4`'s shapes; the attention's weights ×4 so that the
+/// A Llama 4 made by transformers (`LLAMA4_SHAPES`; the attention's weights ×4 so that the
 /// temperatures and norms move the logits), trained 20 steps by titan (imported; no expert bias,
 /// as transformers has none) and by PyTorch's AdamW on the same tokens: every step's loss and
 /// gradient norm within 1e-5.
@@ -192,12 +174,7 @@ fn llama4_trains_as_pytorch_trains_it() {
     trains_as_pytorch(
         &py,
         &make,
-        &[
-            // The shapes, not the steps.
-            &LLAMA4[..LLAMA4.len() - 2],
-            &["--model.load_balance_coeff", "0"],
-        ]
-        .concat(),
+        &[LLAMA4_SHAPES, &["--model.load_balance_coeff", "0"]].concat(),
         "Llama 4",
     );
 }

@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::hf_models::{gpt_oss_two_blocks, llama4_two_blocks};
+use common::hf_models::{gpt_oss_two_blocks, llama4_two_blocks, GPT_OSS_SHAPES, LLAMA4_SHAPES};
 use common::pytorch_training::{make_llama, python};
 use common::{
     assert_layout_matches_one_process, hf_python, losses, metric, train, Layout, FSDP_TP_PP,
@@ -495,8 +495,8 @@ print(json.dumps({"base": before, "adapted": loss(adapted)}))
     );
 }
 
-/// The same for a Llama 4 (`tests/llama4.rs`' shapes: NoPE and temperatures, chunks and
-/// the L2 norm, dense blocks and experts beside a shared expert): its adapters on the attention,
+/// The same for a Llama 4 (`LLAMA4_SHAPES`: NoPE and temperatures, chunks and the L2 norm,
+/// dense blocks and experts beside a shared expert): its adapters on the attention,
 /// the dense SwiGLUs and the shared experts (`feed_forward.shared_expert.*`; the routed experts
 /// are not adapted) load in PEFT on the transformers Llama 4 as titan computes them.
 #[test]
@@ -508,31 +508,12 @@ fn a_llama4_lora_runs_adapters_load_in_peft() {
     let dir = tempfile::tempdir().unwrap();
     let hf = dir.path().join("hf");
     python(&py, &["-c", &make, hf.to_str().unwrap()]);
-    let shapes = [
-        "--model.name",
-        "llama4",
-        "--model.moe_hidden",
-        "32",
-        "--model.moe_shared_hidden",
-        "32",
-        "--model.num_experts",
-        "4",
-        "--model.every_n_layers_nope",
-        "2",
-        "--model.attention_chunk_size",
-        "8",
-        "--model.floor_scale",
-        "4",
-        "--model.attn_scale",
-        "0.5",
-        "--model.load_balance_coeff",
-        "0",
-    ];
+    let shapes = [LLAMA4_SHAPES, &["--model.load_balance_coeff", "0"]].concat();
     let step = train_lora_from(&hf, dir.path(), &shapes);
     assert_peft_loads_as_titan_computes(&py, &hf, &step, dir.path());
 }
 
-/// The same for a gpt-oss (`tests/gpt_oss.rs`' shapes, a window of 6; biases and sinks away from
+/// The same for a gpt-oss (`GPT_OSS_SHAPES`, a window of 6; biases and sinks away from
 /// zero): its adapters on the attention's projections (which have biases; the routed experts
 /// and the router are not adapted) load in PEFT on the transformers gpt-oss as titan computes them.
 #[test]
@@ -544,22 +525,13 @@ fn a_gpt_oss_lora_runs_adapters_load_in_peft() {
     let dir = tempfile::tempdir().unwrap();
     let hf = dir.path().join("hf");
     python(&py, &["-c", &make, hf.to_str().unwrap()]);
-    let shapes = [
-        "--model.name",
-        "gpt_oss",
-        "--model.head_dim",
-        "16",
-        "--model.moe_hidden",
-        "32",
-        "--model.num_experts",
-        "4",
-        "--model.top_k",
-        "2",
+    let window_and_bias = [
         "--model.sliding_window_size",
         "6",
         "--model.load_balance_coeff",
         "0",
     ];
+    let shapes = [GPT_OSS_SHAPES, &window_and_bias].concat();
     let step = train_lora_from(&hf, dir.path(), &shapes);
     assert_peft_loads_as_titan_computes(&py, &hf, &step, dir.path());
 }

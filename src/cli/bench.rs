@@ -201,7 +201,7 @@ fn bench_on<B: Backend>(
     be: &B,
     cfg: &Config,
     a: &BenchTrainArgs,
-    place: RankPlace<B>,
+    place: RankPlace,
     probes: &BackendProbes<'_>,
 ) -> Result<Option<f64>> {
     let dist = place.dist.as_ref();

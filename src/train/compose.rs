@@ -36,7 +36,7 @@ use crate::parallel::parallelize::{
 use crate::parallel::pipeline::plan::{PipelineOptions, PipelinePlan};
 
 /// This process's place in the job and what its device can do.
-pub struct RankPlace<B: Backend> {
+pub struct RankPlace {
     /// None in one process.
     pub dist: Option<Distributed>,
     /// What carries the collectives of the groups with a device communicator (NCCL), None
@@ -45,11 +45,11 @@ pub struct RankPlace<B: Backend> {
     /// Ranks (this one included) sharing the memory the memory check compares with: the host's,
     /// or this rank's GPU.
     pub ranks_sharing_memory: usize,
-    _backend: std::marker::PhantomData<B>,
 }
 
-impl<B: Backend> RankPlace<B> {
-    /// A CPU rank: collectives through the host.
+impl RankPlace {
+    /// A CPU rank: collectives through the host (or `TITAN_DEVICE_COLLECTIVES=host`'s device
+    /// road, `device_groups::for_cpu`).
     pub fn cpu(cfg: &Config) -> Result<Self> {
         let dist = Distributed::from_env(cfg)?;
         let road = device_groups::for_cpu(dist.as_ref())?;
@@ -58,12 +58,9 @@ impl<B: Backend> RankPlace<B> {
             dist,
             device_collectives: road.carrier,
             ranks_sharing_memory,
-            _backend: std::marker::PhantomData,
         })
     }
-}
 
-impl RankPlace<CudaBackend> {
     /// A CUDA rank: NCCL when every rank has a GPU of its own (see `device_groups::for_cuda`).
     pub fn cuda(cfg: &Config, be: &CudaBackend, quiet: bool) -> Result<Self> {
         let dist = Distributed::from_env(cfg)?;
@@ -72,7 +69,6 @@ impl RankPlace<CudaBackend> {
             dist,
             device_collectives: road.carrier,
             ranks_sharing_memory: road.ranks_on_my_gpu,
-            _backend: std::marker::PhantomData,
         })
     }
 }
@@ -290,7 +286,7 @@ impl RankPlan {
 pub fn compose_rank<B: Backend>(
     be: &B,
     cfg: &Config,
-    place: &RankPlace<B>,
+    place: &RankPlace,
 ) -> Result<ComposedRank<B>> {
     let dist = place.dist.as_ref();
     let plan = RankPlan::check(be, cfg, MeshPlace::of(dist), place.ranks_sharing_memory)?;

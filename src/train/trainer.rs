@@ -143,7 +143,7 @@ fn train_on<B: Backend>(
     be: &B,
     cfg: &Config,
     opts: &RunOptions,
-    place: RankPlace<B>,
+    place: RankPlace,
 ) -> Result<TrainSummary> {
     let mut run = TrainingRun::start(be, cfg, opts, place)?;
     let crash_at = crash_drill("TITAN_CRASH_AT", run.rank)?;
@@ -254,7 +254,7 @@ struct TrainingRun<'a, B: Backend> {
 
 impl<'a, B: Backend> TrainingRun<'a, B> {
     /// Composes the rank, resumes it from the latest complete checkpoint and prints the banner.
-    fn start(be: &'a B, cfg: &'a Config, opts: &RunOptions, place: RankPlace<B>) -> Result<Self> {
+    fn start(be: &'a B, cfg: &'a Config, opts: &RunOptions, place: RankPlace) -> Result<Self> {
         let dist = place.dist.as_ref();
         let t = &cfg.training;
         let (rank, dp_rank, dp_size) = dist.map_or((0, 0, 1), |d| {

@@ -1,5 +1,43 @@
-//! Python scripts that write tiny transformers models of the families' test shapes (the ones
-//! `tests/llama4.rs` and `tests/gpt_oss.rs` give titan) into the folder `sys.argv[1]`.
+//! Python scripts that write tiny transformers models of the families' test shapes into the
+//! folder `sys.argv[1]`, and those shapes as titan's `[model]` flags (over `common::TINY_ARGS`'
+//! dim 64, 2 blocks, 4/2 heads, vocabulary 300), which `tests/llama4.rs`, `tests/gpt_oss.rs` and
+//! `tests/lora.rs` give titan.
+
+/// `llama4_two_blocks`' shapes: block 1 without RoPE (temperature-tuned from position 3 on:
+/// floor scale 4), chunks of 8 positions on block 0, experts in block 1 (4 of 32, a shared one of
+/// 32) and a dense SwiGLU in block 0.
+pub const LLAMA4_SHAPES: &[&str] = &[
+    "--model.name",
+    "llama4",
+    "--model.moe_hidden",
+    "32",
+    "--model.moe_shared_hidden",
+    "32",
+    "--model.num_experts",
+    "4",
+    "--model.every_n_layers_nope",
+    "2",
+    "--model.attention_chunk_size",
+    "8",
+    "--model.floor_scale",
+    "4",
+    "--model.attn_scale",
+    "0.5",
+];
+
+/// `gpt_oss_two_blocks`' shapes but its window: heads of 16, 4 experts of 32 (2 per token).
+pub const GPT_OSS_SHAPES: &[&str] = &[
+    "--model.name",
+    "gpt_oss",
+    "--model.head_dim",
+    "16",
+    "--model.moe_hidden",
+    "32",
+    "--model.num_experts",
+    "4",
+    "--model.top_k",
+    "2",
+];
 
 /// The script writing the model `config` (a transformers `…Config(...)` expression) of class
 /// `model`, seed 0, after running `adjust` (Python lines, indented by 8) on each parameter `p`
