@@ -97,6 +97,28 @@ stage cp_cuda 50 sh -c "'$BIN' train --nproc 2 $common --training.local_batch_si
 rm -rf "$OUT_DIR/moe_gpu" "$OUT_DIR/moe_cpu"
 moe="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name qwen3 --model.flavor debugmodel_moe --training.local_batch_size 4"
 stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_folder '$OUT_DIR/moe_gpu' && '$BIN' train $moe --training.device cpu --job.dump_folder '$OUT_DIR/moe_cpu'"
+# Two GPUs or more (issue 45): the device road between GPUs, NCCL attached to the mesh groups,
+# each layout against one process (`one`, `moe_cpu` above). PP 2 (1F1B and ZBV) sends its stage
+# transfers over the pipeline group's NCCL channels (one communicator and stream per direction);
+# CP 2 `alltoall` shifts the ring through NCCL's all-to-all; EP 2 moves the rows the same way.
+# Each run must say its collectives went through NCCL. One GPU skips these stages.
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${ngpu:-0}" -ge 2 ]; then
+  gpus=$(echo "$common" | sed 's/--quiet //')
+  rm -rf "$OUT_DIR"/nccl_*
+  nccl_cmd() { # folder, then train flags: the command line of a run that must take NCCL
+    local folder=$1; shift
+    echo "'$BIN' train --nproc 2 $gpus --job.dump_folder '$OUT_DIR/$folder' $* > '$OUT_DIR/$folder.train.log' 2>&1 && grep -q 'collectives on the GPUs through NCCL' '$OUT_DIR/$folder.train.log'"
+  }
+  stage nccl_fsdp2 40 sh -c "$(nccl_cmd nccl_fsdp2 --training.local_batch_size 4)"
+  stage nccl_tp2 40 sh -c "$(nccl_cmd nccl_tp2 --training.local_batch_size 8 --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1)"
+  stage nccl_pp2 40 sh -c "$(nccl_cmd nccl_pp2 --training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 1)"
+  stage nccl_pp2_zbv 40 sh -c "$(nccl_cmd nccl_pp2_zbv --training.local_batch_size 8 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble --parallelism.data_parallel_shard_degree 1)"
+  stage nccl_cp2 40 sh -c "$(nccl_cmd nccl_cp2 --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.context_parallel_rotate_method alltoall --parallelism.data_parallel_shard_degree 1)"
+  moe_gpus=$(echo "$moe" | sed 's/--quiet //; s/--training.local_batch_size 4//')
+  gpus="$moe_gpus --training.device cuda"
+  stage nccl_ep2 60 sh -c "$(nccl_cmd nccl_ep2 --training.local_batch_size 2 --parallelism.expert_parallel_degree 2)"
+fi
 # Block-causal attention over packed documents on CUDA (issue 43: per-token RoPE tables, the
 # one-warp-per-row attention kernels with document positions), alone and under CP 2 (blocks wholly
 # before a query's document), against the same run on the CPU; seq 256 holds several documents.
@@ -325,7 +347,12 @@ def generate_report():
           f"({'ok' if gpu_ids == cpu_ids else 'FAIL'})")
 def fsdp_report():
     one = curve("one")
-    for layout, folder in (("FSDP", "fsdp2"), ("DDP", "ddp2"), ("TP", "tp2"), ("async TP", "tp2_async"), ("PP (ZBV)", "pp2"), ("CP allgather", "cp2"), ("CP alltoall", "cp2_a2a")):
+    layouts = [("FSDP", "fsdp2"), ("DDP", "ddp2"), ("TP", "tp2"), ("async TP", "tp2_async"), ("PP (ZBV)", "pp2"), ("CP allgather", "cp2"), ("CP alltoall", "cp2_a2a")]
+    if os.path.isdir(os.path.join(out, "nccl_fsdp2")):
+        layouts += [("FSDP over NCCL, two GPUs,", "nccl_fsdp2"), ("TP over NCCL, two GPUs,", "nccl_tp2"),
+                    ("PP 1F1B over NCCL channels, two GPUs,", "nccl_pp2"), ("PP ZBV over NCCL channels, two GPUs,", "nccl_pp2_zbv"),
+                    ("CP alltoall over NCCL, two GPUs,", "nccl_cp2")]
+    for layout, folder in layouts:
         two = curve(folder)
         if one and two and len(one) == len(two):
             diff = max(abs(a - b) / abs(a) for a, b in zip(one, two))
@@ -389,6 +416,8 @@ def against_cpu(folder, cpu_folder, what, precision="fp32", tolerance=1e-3):
 def moe_report():
     against_cpu("moe_gpu", "moe_cpu", "Qwen3-MoE on CUDA")
     against_cpu("ep2_gpu", "moe_cpu", "Qwen3-MoE EP 2 on CUDA")
+    if os.path.isdir(os.path.join(out, "nccl_ep2")):
+        against_cpu("nccl_ep2", "moe_cpu", "Qwen3-MoE EP 2 on two GPUs over NCCL")
 def muon_report():
     against_cpu("muon_gpu", "muon_cpu", "Muon on CUDA")
     against_cpu("muon_bf16_state_gpu", "muon_bf16_state_cpu", "Muon with bf16 state on CUDA")

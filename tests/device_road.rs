@@ -2,7 +2,8 @@
 //! attached to its mesh groups (NCCL's), by the code `comm::device_group` gives every layout
 //! (FSDP's and HSDP's `DeviceQueue`, DDP's `DeviceGradReducer`, tensor parallelism's row
 //! collectives on the queue, context parallelism's `allgather` and ring shifts, expert
-//! parallelism's all-to-all of rows, the experts' shards).
+//! parallelism's all-to-all of rows, the experts' shards), and the pipeline's stage transfers
+//! through the point-to-point channels of the pipeline group.
 //! `TITAN_DEVICE_COLLECTIVES=host` attaches host-run device groups to a CPU job's groups, so that
 //! code runs here: every layout's losses and gradient norms must equal the host road's bit for bit
 //! (each group has two ranks, whose sums are exact in either order).
@@ -112,6 +113,18 @@ fn expert_shards_and_pipeline_stages_on_the_device_road_equal_the_host_road() {
         &[
             "--parallelism.pipeline_parallel_degree",
             "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    );
+    same_on_both_roads(
+        "PP 2, ZBVZeroBubble (two stages a rank, in a V)",
+        "2",
+        &[
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
             "--training.local_batch_size",
             "4",
         ],

@@ -2,7 +2,10 @@
 //! a GPU would make copies for: each upload and download once, with its bytes; device-side
 //! copies not at all. A dense model's forward and backward make none; a mixture of experts
 //! still makes its routing's (the router's logits to the host and their gradient back, per MoE
-//! block: issue 45 moves routing onto the device).
+//! block: issue 45 moves routing onto the device). Between pipeline stages, the transfers copy
+//! through the host on the host road and stay on the device on the device road.
+
+mod common;
 
 use titan::backend::cpu::CpuBackend;
 use titan::backend::transfers::Transfers;
@@ -88,4 +91,40 @@ fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_its_routings() {
     let copies = 2 * experts.len() as u64;
     assert!(copies > 0);
     assert_eq!(copies_of_a_step(&moe), Transfers { copies, bytes });
+}
+
+/// Rank 0's host↔device copies per step (`titan bench train --json`) of a pipeline of two stages,
+/// on the host road and on the device road (`TITAN_DEVICE_COLLECTIVES=host`).
+fn pipeline_copies(road: Option<&str>) -> (f64, f64) {
+    let mut cmd = std::process::Command::new(common::titan_bin());
+    cmd.args(["bench", "train", "--steps", "2", "--warmup", "1", "--json"])
+        .args(["--threads", "1", "--nproc", "2"])
+        .args(["--parallelism.pipeline_parallel_degree", "2"])
+        .args(common::TINY_ARGS)
+        .env_remove("TITAN_DEVICE_COLLECTIVES");
+    if let Some(road) = road {
+        cmd.env("TITAN_DEVICE_COLLECTIVES", road);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let figure = |key: &str| {
+        json[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no {key}: {json}"))
+    };
+    (
+        figure("host_device_copies_per_step"),
+        figure("host_device_bytes_per_step"),
+    )
+}
+
+#[test]
+fn pipeline_transfers_copy_through_the_host_only_on_the_host_road() {
+    // Rank 0 of two stages, two microbatches of one sequence: each one's activations down to the
+    // host, the gradient that comes back up.
+    let (copies, bytes) = pipeline_copies(None);
+    assert_eq!(copies, 4.0, "host road");
+    assert!(bytes > 0.0);
+    assert_eq!(pipeline_copies(Some("host")), (0.0, 0.0), "device road");
 }

@@ -7,6 +7,12 @@
 //! `device_of`). A group with no device communicator runs them over the host transport
 //! (`queue::HostQueue`).
 //!
+//! The pipeline group carries point-to-point channels instead (`DevicePeers`): a stage's output
+//! goes to the next stage's rank and its input gradient back, each in the order the schedule
+//! produces them, with sends and receives to the same peer in flight at once on different
+//! threads. NCCL needs a communicator per direction for that (`nccl::peers`); a group carries
+//! either collectives or peers.
+//!
 //! The slot is type-erased (`group::DeviceSlot`) because the groups are joined before the
 //! backend's type is chosen at run time (`[training] device`); `device_of::<B>` finds a
 //! communicator only on the buffers it was attached for.
@@ -59,10 +65,38 @@ pub trait DeviceGroup<B: Backend>: Send + Sync {
     fn abort(&self);
 }
 
+/// Point-to-point traffic between the ranks of one group on `B`'s buffers, ordered per directed
+/// pair: what a rank sends a peer arrives in the order it was sent. A send and a receive, with the
+/// same peer or others, may run at once on different threads; sends to one peer come from one
+/// thread at a time, as do receives from one peer.
+pub trait DevicePeers<B: Backend>: Send + Sync {
+    /// Sends `buf` to group rank `peer` and returns once it has left (the buffer may then be
+    /// freed), within the group's timeout.
+    fn send(&self, be: &B, buf: &B::Buf, peer: usize) -> Result<()>;
+    /// Receives the next buffer group rank `peer` sends this rank into `buf` (its length), within
+    /// the group's timeout.
+    fn recv(&self, be: &B, buf: &mut B::Buf, peer: usize) -> Result<()>;
+    /// Ends the channels after a failure.
+    fn abort(&self);
+}
+
 /// The device communicator attached to `group` for `B`'s buffers, if any.
 pub fn device_of<B: Backend>(group: &dyn ProcessGroup) -> Option<Arc<dyn DeviceGroup<B>>> {
     let link = group.device_slot()?.get()?;
     link.downcast_ref::<Arc<dyn DeviceGroup<B>>>().cloned()
+}
+
+/// The point-to-point channels attached to `group` for `B`'s buffers, if any.
+pub fn peers_of<B: Backend>(group: &dyn ProcessGroup) -> Option<Arc<dyn DevicePeers<B>>> {
+    let link = group.device_slot()?.get()?;
+    link.downcast_ref::<Arc<dyn DevicePeers<B>>>().cloned()
+}
+
+/// Attaches point-to-point channels to `group` (the same ranks, in the same order), as `attach`.
+pub fn attach_peers<B: Backend>(group: &dyn ProcessGroup, peers: Arc<dyn DevicePeers<B>>) -> bool {
+    group
+        .device_slot()
+        .is_some_and(|slot| slot.set(Arc::new(peers)).is_ok())
 }
 
 /// Attaches `device` to `group` (the same ranks, in the same order). A group that cannot carry

@@ -8,13 +8,14 @@
 //! (`TITAN_DEVICE_COLLECTIVES=host`, `launch::device_groups`). The sums are the host transport's,
 //! so the numbers are the host road's; what it checks is the device road's bookkeeping (which
 //! buffer a queue entry returns, what HSDP sums across replicas, which gradients a block's sum
-//! covers).
+//! covers). On the pipeline group it carries the stage transfers (`DevicePeers`) over the host
+//! transport's point-to-point calls, which already keep each direction's order.
 
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
 
-use super::device_group::{DeviceGroup, Pending};
+use super::device_group::{DeviceGroup, DevicePeers, Pending};
 use super::group::{ProcessGroup, ReduceOp};
 use crate::backend::cpu::CpuBackend;
 
@@ -95,5 +96,17 @@ impl DeviceGroup<CpuBackend> for HostDeviceGroup {
     }
 
     /// The host transport marks itself broken on a failure; nothing else is held.
+    fn abort(&self) {}
+}
+
+impl DevicePeers<CpuBackend> for HostDeviceGroup {
+    fn send(&self, _be: &CpuBackend, buf: &Vec<f32>, peer: usize) -> Result<()> {
+        self.host.send(buf, peer)
+    }
+
+    fn recv(&self, _be: &CpuBackend, buf: &mut Vec<f32>, peer: usize) -> Result<()> {
+        self.host.recv(buf, peer)
+    }
+
     fn abort(&self) {}
 }

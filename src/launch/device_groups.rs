@@ -19,7 +19,7 @@ use super::Distributed;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::libs::CudaLib;
 use crate::backend::cuda::CudaBackend;
-use crate::comm::device_group::{attach, DeviceGroup};
+use crate::comm::device_group::{attach, attach_peers, DeviceGroup, DevicePeers};
 use crate::comm::host_device::HostDeviceGroup;
 
 /// The road a rank's collectives take, as the ranks agreed.
@@ -114,6 +114,11 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
                     Arc::new(HostDeviceGroup::new(group.clone()));
                 attach(group.as_ref(), device);
             }
+            if let Some((group, _)) = d.groups.pipeline() {
+                let peers: Arc<dyn DevicePeers<CpuBackend>> =
+                    Arc::new(HostDeviceGroup::new(group.clone()));
+                attach_peers(group.as_ref(), peers);
+            }
             Ok(DeviceRoad {
                 carrier: Some("host-run device groups"),
                 ranks_on_my_gpu: 1,
@@ -127,8 +132,8 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`: a
 /// communicator is then attached to every group a layout runs device collectives over (DDP's
 /// sums, FSDP's gathers and reduce-scatters, tensor parallelism's rows, context parallelism's
-/// `allgather` and ring, expert parallelism's rows, the experts' shards). Otherwise the host
-/// road.
+/// `allgather` and ring, expert parallelism's rows, the experts' shards), and point-to-point
+/// channels to the pipeline group (the stage transfers). Otherwise the host road.
 pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Result<DeviceRoad> {
     let Some(d) = dist else {
         return Ok(DeviceRoad::host());
@@ -159,6 +164,11 @@ pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Re
         let device: Arc<dyn DeviceGroup<CudaBackend>> =
             Arc::new(d.nccl_over(group.as_ref(), name, be)?);
         attach(group.as_ref(), device);
+    }
+    if let Some((group, name)) = d.groups.pipeline() {
+        let peers: Arc<dyn DevicePeers<CudaBackend>> =
+            Arc::new(d.nccl_peers_over(group.as_ref(), name, be)?);
+        attach_peers(group.as_ref(), peers);
     }
     if d.rank == 0 && !quiet {
         outln!("collectives on the GPUs through NCCL ({} ranks)", d.world);

@@ -95,6 +95,7 @@ pub struct RankGroups {
     pub cp_name: Option<String>,
     /// The pipeline group (`pp`: the ranks holding the stages of one model copy).
     pub pp: Option<Group>,
+    pub pp_name: Option<String>,
     /// Expert parallelism (`[parallelism] expert_parallel_degree` above 1): the ranks splitting
     /// the experts, and the ranks holding the same experts, which FSDP-shard them
     /// (`DeviceMesh::expert_groups`); under HSDP, a replica group of the experts' own (the
@@ -144,6 +145,12 @@ impl RankGroups {
             .chain(others)
             .filter_map(|(group, name)| Some((group?, name?.as_str())))
             .collect()
+    }
+
+    /// The pipeline group with its name in the store, which carries point-to-point channels
+    /// rather than collectives (attached after `device_capable`'s groups, by every rank).
+    pub fn pipeline(&self) -> Option<(&Group, &str)> {
+        Some((self.pp.as_ref()?, self.pp_name.as_deref()?))
     }
 }
 
@@ -204,7 +211,7 @@ impl GroupJoiner<'_> {
         let data = self.data_groups()?;
         let (tp, tp_name) = self.optional("tp")?;
         let (cp, cp_name) = self.optional("cp")?;
-        let (pp, _) = self.optional("pp")?;
+        let (pp, pp_name) = self.optional("pp")?;
         let experts = self.expert_groups(expert_parallel_degree)?;
         let (expert_replicate, expert_replicate_name) = match &data.replicate {
             Some(_) if expert_parallel_degree > 1 => {
@@ -233,6 +240,7 @@ impl GroupJoiner<'_> {
             cp,
             cp_name,
             pp,
+            pp_name,
             ep: experts.ep,
             ep_name: experts.ep_name,
             expert_shard: experts.shard,

@@ -160,6 +160,17 @@ impl Distributed {
             self.timeouts.1,
         )
     }
+
+    /// The NCCL point-to-point channels of this rank's pipeline `group` (`comm::nccl::peers`).
+    pub fn nccl_peers_over(
+        &self,
+        group: &dyn ProcessGroup,
+        name: &str,
+        be: &crate::backend::cuda::CudaBackend,
+    ) -> Result<crate::comm::nccl::NcclPeers> {
+        let who = (&format!("{name}-nccl") as &str, group.rank(), group.size());
+        crate::comm::nccl::NcclPeers::connect(&self.store, who, be, self.timeouts)
+    }
 }
 
 /// Turns the flight recorder on (`[comm] trace_buf_size > 0`): the ranks agree on a run id through

@@ -30,7 +30,7 @@ use anyhow::{anyhow, bail, Result};
 
 use super::pipeline::schedule::{Action, Schedule, Work};
 use super::pipeline::stage::StageSplit;
-use super::pipeline::transfer::{with_transfers, Transfer, TransferLens};
+use super::pipeline::transfer::{with_transfers, SendTo, Transfer, TransferLens};
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
@@ -144,8 +144,7 @@ struct StageRun<'r, B: Backend> {
     pass: PassKind,
 }
 
-type Take<'t> = dyn FnMut(Transfer, usize) -> Result<Vec<f32>> + 't;
-type Send<'t> = dyn Fn(usize, Transfer, Vec<f32>) -> Result<()> + 't;
+type Take<'t, B> = dyn FnMut(Transfer, usize) -> Result<<B as Backend>::Buf> + 't;
 
 impl<B: Backend> Walk<B> {
     /// The trivial list of one process (or one rank of any layout without a pipeline): a single
@@ -441,7 +440,7 @@ fn run_list<B: Backend>(
     let mut waited = 0.0;
     let loss = match group {
         None => {
-            let mut take = |t: Transfer, _| -> Result<Vec<f32>> {
+            let mut take = |t: Transfer, _| -> Result<B::Buf> {
                 bail!("one stage alone receives nothing, yet {t} was awaited (a titan bug)")
             };
             let send = |_, t: Transfer, _| -> Result<()> {
@@ -454,7 +453,7 @@ fn run_list<B: Backend>(
                 activation: slots[0].block_input_len(),
                 gradient: be.len(slots[0].carried_grad()),
             };
-            with_transfers(g, list.schedule, lens, |mailbox, send| {
+            with_transfers(be, g, list.schedule, lens, |mailbox, send| {
                 let mut take = |t: Transfer, peer: usize| {
                     let t0 = Instant::now();
                     let v = mailbox.take(t, peer, timeout);
@@ -487,8 +486,8 @@ fn run_actions<B: Backend>(
     list: &ActionList<'_>,
     slots: &mut [Workspace<B>],
     tokens: &[u32],
-    take: &mut Take<'_>,
-    send: &Send<'_>,
+    take: &mut Take<'_, B>,
+    send: &SendTo<'_, B>,
 ) -> Result<LossSum> {
     let mut holder = 0;
     let ran = run_actions_lending(run, hooks, list, (slots, &mut holder), tokens, take, send);
@@ -502,8 +501,8 @@ fn run_actions_lending<B: Backend>(
     list: &ActionList<'_>,
     (slots, holder): (&mut [Workspace<B>], &mut usize),
     tokens: &[u32],
-    take: &mut Take<'_>,
-    send: &Send<'_>,
+    take: &mut Take<'_, B>,
+    send: &SendTo<'_, B>,
 ) -> Result<LossSum> {
     let chunk = list.microbatch_rows * (list.seq + 1);
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
@@ -571,8 +570,8 @@ impl<B: Backend> StageRun<'_, B> {
         ws: &mut Workspace<B>,
         s: usize,
         mb: usize,
-        take: &mut Take<'_>,
-        send: &Send<'_>,
+        take: &mut Take<'_, B>,
+        send: &SendTo<'_, B>,
     ) -> Result<Option<LossSum>> {
         let (be, model) = (self.be, self.model);
         let stage = &self.split.stages[s];
@@ -585,8 +584,8 @@ impl<B: Backend> StageRun<'_, B> {
                 stage: s,
                 microbatch: mb,
             };
-            let v = take(t, self.placement[s - 1])?;
-            ws.receive_block_input(stage.blocks.start, be.upload_owned(v));
+            let received = take(t, self.placement[s - 1])?;
+            ws.receive_block_input(stage.blocks.start, received);
         }
         for l in stage.blocks.clone() {
             hooks.before_forward(be, Unit::Block(l))?;
@@ -618,7 +617,7 @@ impl<B: Backend> StageRun<'_, B> {
                 stage: s + 1,
                 microbatch: mb,
             };
-            let out = be.download(ws.block_input(stage.blocks.end));
+            let out = be.copied(ws.block_input(stage.blocks.end));
             send(self.placement[s + 1], t, out)?;
         }
         Ok(None)
@@ -633,8 +632,8 @@ impl<B: Backend> StageRun<'_, B> {
         ws: &mut Workspace<B>,
         a: &Action,
         later: Option<&RefCell<Vec<DeferredWeightGrad<B>>>>,
-        take: &mut Take<'_>,
-        send: &Send<'_>,
+        take: &mut Take<'_, B>,
+        send: &SendTo<'_, B>,
     ) -> Result<()> {
         let (be, model) = (self.be, self.model);
         let (s, mb) = (a.stage, a.microbatch);
@@ -644,8 +643,7 @@ impl<B: Backend> StageRun<'_, B> {
                 stage: s,
                 microbatch: mb,
             };
-            let v = take(t, self.placement[s + 1])?;
-            *ws.carried_grad_mut() = be.upload(&v);
+            *ws.carried_grad_mut() = take(t, self.placement[s + 1])?;
         }
         for l in stage.blocks.clone().rev() {
             hooks.before_backward(be, Unit::Block(l))?;
@@ -665,7 +663,7 @@ impl<B: Backend> StageRun<'_, B> {
                 stage: s - 1,
                 microbatch: mb,
             };
-            send(self.placement[s - 1], t, be.download(ws.carried_grad()))?;
+            send(self.placement[s - 1], t, be.copied(ws.carried_grad()))?;
         }
         Ok(())
     }

@@ -359,6 +359,14 @@ impl CudaBackend {
         Ok(self.comm_stream.get_or_init(|| made).clone())
     }
 
+    /// A stream of its own for one channel of point-to-point traffic (`comm::nccl::peers`): a
+    /// receive waiting for its peer there holds up nothing else.
+    pub fn channel_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx
+            .new_stream()
+            .map_err(|e| anyhow!("CUDA: creating a point-to-point stream: {e}"))
+    }
+
     /// Waits for every queued kernel (benchmarks time whole steps).
     pub fn synchronize(&self) -> Result<()> {
         self.stream

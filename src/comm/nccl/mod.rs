@@ -27,9 +27,13 @@
 //! (`parallel::ddp::DeviceGradReducer`), and FSDP gathers and reduce-scatters through them one block
 //! ahead of or behind the compute (`comm::queue::DeviceQueue`; FSDP's packing and schedule are the
 //! ones the CPU runs with the host queue): each communicator is attached to its mesh group
-//! (`DeviceGroup`), and the layouts take it from there.
+//! (`DeviceGroup`), and the layouts take it from there. The pipeline group carries two-rank
+//! channels instead (`peers`), one per direction between neighbouring stage ranks.
 
 mod p2p;
+mod peers;
+
+pub use peers::NcclPeers;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,7 +88,7 @@ fn nccl_err(what: &str, e: nccl::NcclError) -> anyhow::Error {
 }
 
 impl NcclGroup {
-    /// Joins group `name` of `size` ranks as `rank`, on `be`'s GPU and stream.
+    /// Joins group `name` of `size` ranks as `rank`, on `be`'s GPU and communication stream.
     pub fn connect(
         store: &StoreClient,
         name: &str,
@@ -93,6 +97,20 @@ impl NcclGroup {
         be: &CudaBackend,
         init_timeout: Duration,
         op_timeout: Duration,
+    ) -> Result<Self> {
+        let stream = be.comm_stream()?;
+        let timeouts = (init_timeout, op_timeout);
+        Self::connect_on(store, (name, rank, size), be, timeouts, stream)
+    }
+
+    /// Joins group `name` of `size` ranks as `rank` (`who`), its collectives queued on `stream`;
+    /// `timeouts`: the init's and each collective's.
+    fn connect_on(
+        store: &StoreClient,
+        (name, rank, size): (&str, usize, usize),
+        be: &CudaBackend,
+        (init_timeout, op_timeout): (Duration, Duration),
+        stream: Arc<CudaStream>,
     ) -> Result<Self> {
         require(&[CudaLib::Nccl], "NCCL collectives")?;
         if rank >= size {
@@ -130,7 +148,6 @@ impl NcclGroup {
                     anyhow!("NCCL group `{name}` rank {rank}: rank {peer} never arrived within {init_timeout:.0?}")
                 })?;
         }
-        let stream = be.comm_stream()?;
         stream
             .context()
             .bind_to_thread()

@@ -1,7 +1,9 @@
 //! NCCL's point-to-point traffic: an all-to-all with uneven splits as one group call of a send
 //! and a receive per peer (NCCL has no all-to-all of its own), on the communication stream,
 //! ordered against compute like every collective of the group (`begin`, `issued`, `wait`).
-//! Expert parallelism's rows and context parallelism's ring shifts travel through it.
+//! Expert parallelism's rows and context parallelism's ring shifts travel through it; a single
+//! send or receive (`start_send`, `start_recv`) carries a pipeline transfer on one of the
+//! two-rank channels of `peers`.
 
 use std::ffi::c_void;
 
@@ -64,6 +66,36 @@ impl NcclGroup {
             }
             Ok(())
         })
+    }
+
+    /// Starts sending the whole of `buf` to `peer`.
+    pub fn start_send(&self, buf: &CudaBuf, peer: usize) -> Result<InFlight> {
+        self.check_peer("send", peer)?;
+        self.group_call("send", || {
+            let src = buf.device_address(&self.stream);
+            self.queue_pair(peer, (src, 0, buf.len()), (0, 0, 0))
+        })
+    }
+
+    /// Starts receiving `buf.len()` values from `peer` into `buf`.
+    pub fn start_recv(&self, buf: &mut CudaBuf, peer: usize) -> Result<InFlight> {
+        self.check_peer("recv", peer)?;
+        self.group_call("recv", || {
+            let len = buf.len();
+            let dst = buf.device_address_mut(&self.stream);
+            self.queue_pair(peer, (0, 0, 0), (dst, 0, len))
+        })
+    }
+
+    fn check_peer(&self, op: &str, peer: usize) -> Result<()> {
+        if peer >= self.size || peer == self.rank {
+            bail!(
+                "{op} on NCCL group `{}`: rank {peer} is not another rank of a group of {}",
+                self.name,
+                self.size
+            );
+        }
+        Ok(())
     }
 
     /// Queues (inside a group call) the send of `count` values at `base + at` floats to `peer`

@@ -10,15 +10,22 @@
 //! can never deadlock on the order of their sends (the schedule check proves the compute order
 //! itself cannot). Each receive and send has the group's timeout, and a wait on the mailbox gives
 //! up after the same time, naming the peer and the transfer.
+//!
+//! The transfers are the backend's buffers. When the pipeline group carries device channels
+//! (`comm::device_group::DevicePeers`: NCCL between GPUs) they go from device buffer to device
+//! buffer; otherwise the sending thread copies the buffer to the host for the group's transport
+//! and the receiving thread copies what arrived back to the device (`Carrier`).
 
 use std::collections::HashMap;
 use std::sync::mpsc;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 
 use super::schedule::{Schedule, Work};
+use crate::backend::Backend;
+use crate::comm::device_group::{peers_of, DevicePeers};
 use crate::comm::group::ProcessGroup;
 
 /// What travels: the input activations of `stage` (sent by the previous stage's rank after its
@@ -94,27 +101,37 @@ pub fn sent_from_to(schedule: &Schedule, from: usize, to: usize) -> Vec<Transfer
 
 /// Transfers received and not yet taken, how many of each peer's transfers the compute thread
 /// has asked for, and the first error of a transfer thread.
-#[derive(Default)]
-struct Received {
-    values: HashMap<Transfer, Vec<f32>>,
+struct Received<P> {
+    values: HashMap<Transfer, P>,
     /// Per peer: transfers asked for so far (a prefix of its send order).
     wanted: HashMap<usize, usize>,
     failed: Option<String>,
     done: bool,
 }
 
+impl<P> Default for Received<P> {
+    fn default() -> Self {
+        Received {
+            values: HashMap::new(),
+            wanted: HashMap::new(),
+            failed: None,
+            done: false,
+        }
+    }
+}
+
 /// What the receiving threads hand to the compute thread. A receiving thread reads a peer's next
 /// transfer only once the compute thread waits for it or a later one, so each socket read's
 /// timeout measures a real wait, as a collective's does (a peer may rightly stay silent for most
 /// of a step, as under GPipe).
-pub struct Mailbox {
-    state: Mutex<Received>,
+pub struct Mailbox<P> {
+    state: Mutex<Received<P>>,
     changed: Condvar,
     /// Each transfer's place in its sender's order.
     position: HashMap<Transfer, usize>,
 }
 
-impl Mailbox {
+impl<P> Mailbox<P> {
     fn new(position: HashMap<Transfer, usize>) -> Self {
         Mailbox {
             state: Mutex::new(Received::default()),
@@ -123,11 +140,11 @@ impl Mailbox {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Received> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Received<P>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn put(&self, t: Transfer, values: Vec<f32>) {
+    fn put(&self, t: Transfer, values: P) {
         self.lock().values.insert(t, values);
         self.changed.notify_all();
     }
@@ -159,7 +176,7 @@ impl Mailbox {
     }
 
     /// Waits up to `timeout` for `t` from pipeline rank `peer`.
-    pub fn take(&self, t: Transfer, peer: usize, timeout: Duration) -> Result<Vec<f32>> {
+    pub fn take(&self, t: Transfer, peer: usize, timeout: Duration) -> Result<P> {
         let deadline = Instant::now() + timeout;
         let k = self.position.get(&t).copied().ok_or_else(|| {
             anyhow!("pipeline: {t} is not sent by pipeline rank {peer} in this schedule (a bug)")
@@ -192,16 +209,66 @@ impl Mailbox {
     }
 }
 
+/// How this rank's transfers travel: between device buffers over the pipeline group's channels,
+/// or copied to the host for the group's transport and back.
+enum Carrier<'g, B: Backend> {
+    Host(&'g dyn ProcessGroup),
+    Device(Arc<dyn DevicePeers<B>>),
+}
+
+impl<'g, B: Backend> Carrier<'g, B> {
+    fn of(group: &'g dyn ProcessGroup) -> Self {
+        match peers_of::<B>(group) {
+            Some(device) => Carrier::Device(device),
+            None => Carrier::Host(group),
+        }
+    }
+
+    fn send(&self, be: &B, buf: B::Buf, peer: usize) -> Result<()> {
+        match self {
+            Carrier::Host(group) => group.send(&be.download_owned(buf), peer),
+            Carrier::Device(device) => device.send(be, &buf, peer),
+        }
+    }
+
+    fn recv(&self, be: &B, len: usize, peer: usize) -> Result<B::Buf> {
+        match self {
+            Carrier::Host(group) => {
+                let mut values = vec![0f32; len];
+                group.recv(&mut values, peer)?;
+                Ok(be.upload_owned(values))
+            }
+            Carrier::Device(device) => {
+                let mut buf = be.uninit(len);
+                device.recv(be, &mut buf, peer)?;
+                Ok(buf)
+            }
+        }
+    }
+
+    /// After a failed transfer: device channels may hold work that will never complete.
+    fn abort(&self) {
+        if let Carrier::Device(device) = self {
+            device.abort();
+        }
+    }
+}
+
+/// Sends a transfer's buffer to a pipeline rank.
+pub type SendTo<'t, B> = dyn Fn(usize, Transfer, <B as Backend>::Buf) -> Result<()> + 't;
+
 /// Runs `compute` with this rank's transfers of one pass of `schedule` moving on their own
-/// threads: `compute` gets the mailbox to take received values from and a function that sends a
+/// threads: `compute` gets the mailbox to take received buffers from and a function that sends a
 /// transfer to a pipeline rank. Each transfer holds the values `lens` says for its kind; receives
 /// and sends have the group's timeout.
-pub fn with_transfers<T>(
+pub fn with_transfers<B: Backend, T>(
+    be: &B,
     group: &dyn ProcessGroup,
     schedule: &Schedule,
     lens: TransferLens,
-    compute: impl FnOnce(&Mailbox, &dyn Fn(usize, Transfer, Vec<f32>) -> Result<()>) -> Result<T>,
+    compute: impl FnOnce(&Mailbox<B::Buf>, &SendTo<'_, B>) -> Result<T>,
 ) -> Result<T> {
+    let carrier = Carrier::<B>::of(group);
     let me = group.rank();
     let peers: Vec<usize> = (0..schedule.ranks()).filter(|&p| p != me).collect();
     let incoming: HashMap<usize, Vec<Transfer>> = peers
@@ -215,7 +282,8 @@ pub fn with_transfers<T>(
     let mailbox = Mailbox::new(position);
     std::thread::scope(|scope| {
         let mut receivers = Vec::new();
-        let mut outboxes: HashMap<usize, mpsc::Sender<(Transfer, Vec<f32>)>> = HashMap::new();
+        let mut outboxes: HashMap<usize, mpsc::Sender<(Transfer, B::Buf)>> = HashMap::new();
+        let carrier = &carrier;
         let mut senders = Vec::new();
         for &peer in &peers {
             let expected = incoming[&peer].clone();
@@ -226,22 +294,25 @@ pub fn with_transfers<T>(
                         if !mailbox.wait_wanted(peer, k) {
                             return;
                         }
-                        let mut buf = vec![0f32; t.len(lens)];
-                        if let Err(e) = group.recv(&mut buf, peer) {
-                            mailbox.fail(format!("{e:#}"));
-                            return;
+                        match carrier.recv(be, t.len(lens), peer) {
+                            Ok(buf) => mailbox.put(t, buf),
+                            Err(e) => {
+                                carrier.abort();
+                                mailbox.fail(format!("{e:#}"));
+                                return;
+                            }
                         }
-                        mailbox.put(t, buf);
                     }
                 }));
             }
             if !sent_from_to(schedule, me, peer).is_empty() {
-                let (tx, rx) = mpsc::channel::<(Transfer, Vec<f32>)>();
+                let (tx, rx) = mpsc::channel::<(Transfer, B::Buf)>();
                 outboxes.insert(peer, tx);
                 let mailbox = &mailbox;
                 senders.push(scope.spawn(move || -> Result<()> {
-                    for (t, values) in rx {
-                        if let Err(e) = group.send(&values, peer) {
+                    for (t, buf) in rx {
+                        if let Err(e) = carrier.send(be, buf, peer) {
+                            carrier.abort();
                             let e = anyhow!("pipeline: sending {t} to pipeline rank {peer}: {e:#}");
                             // The compute thread stops waiting at once, with this error.
                             mailbox.fail(format!("{e:#}"));
@@ -252,18 +323,18 @@ pub fn with_transfers<T>(
                 }));
             }
         }
-        let send = |peer: usize, t: Transfer, values: Vec<f32>| -> Result<()> {
-            if values.len() != t.len(lens) {
+        let send = |peer: usize, t: Transfer, buf: B::Buf| -> Result<()> {
+            if be.len(&buf) != t.len(lens) {
                 return Err(anyhow!(
                     "pipeline: {t} holds {} values, expected {}",
-                    values.len(),
+                    be.len(&buf),
                     t.len(lens)
                 ));
             }
             outboxes
                 .get(&peer)
                 .ok_or_else(|| anyhow!("pipeline: the schedule sends nothing to pipeline rank {peer}, yet {t} is sent there"))?
-                .send((t, values))
+                .send((t, buf))
                 .map_err(|_| anyhow!("pipeline: the sending thread to pipeline rank {peer} stopped before {t}"))
         };
         let result = compute(&mailbox, &send);
