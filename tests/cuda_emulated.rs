@@ -2,7 +2,8 @@
 //! compiler against an emulator of the CUDA dialect and of the PTX tensor-core instructions, and
 //! checks them against references: the tensor-core attention (forward and backward) against float64,
 //! the multi-tensor optimizer kernels against the single-tensor ones, the grouped embedding backward
-//! against the in-order sum, the loss kernel (with its bf16 gradient), and the fp32 attention,
+//! against the in-order sum, the loss kernel (with its bf16 gradient), the vocabulary-parallel
+//! loss kernels over three shards against whole rows, and the fp32 attention,
 //! RMSNorm, RoPE and SwiGLU kernels against float64. This is how a change to those
 //! kernels is tested on machines without a GPU; `scripts/gpu_check.sh` tests them on one.
 //! Outside CI a machine with no C++ compiler skips it; in CI (`CI` set) that fails.
@@ -92,6 +93,11 @@ fn embedding_backward_matches_the_in_order_sum_bit_for_bit_on_the_emulator() {
 #[test]
 fn loss_kernel_writes_its_bf16_gradient_as_the_rounded_f32_one_on_the_emulator() {
     run_check("loss_check.cpp", 4);
+}
+
+#[test]
+fn vocabulary_parallel_loss_kernels_match_whole_rows_on_the_emulator() {
+    run_check("vocab_shard_check.cpp", 4);
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! a GPU would make copies for: each upload and download once, with its bytes; device-side
 //! copies not at all. A dense model's forward and backward make none; a mixture of experts
 //! still makes its routing's (the router's logits to the host and their gradient back, per MoE
-//! block: issue 45 moves routing onto the device). Between pipeline stages, the transfers copy
-//! through the host on the host road and stay on the device on the device road.
+//! block: issue 45 moves routing onto the device). Pipeline stage transfers and tensor
+//! parallelism (its vocabulary-parallel loss included) copy through the host on the host road and
+//! stay on the device on the device road.
 
 mod common;
 
@@ -93,17 +94,17 @@ fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_its_routings() {
     assert_eq!(copies_of_a_step(&moe), Transfers { copies, bytes });
 }
 
-/// Rank 0's host↔device copies per step (`titan bench train --json`) of a pipeline of two stages,
-/// on the host road and on the device road (`TITAN_DEVICE_COLLECTIVES=host`).
-fn pipeline_copies(road: Option<&str>) -> (f64, f64) {
+/// Rank 0's host↔device copies and bytes per step (`titan bench train --json`) of a two-rank
+/// `layout`, on the host road or on the device road (`TITAN_DEVICE_COLLECTIVES=host`).
+fn copies_per_step(layout: &[&str], device_road: bool) -> (f64, f64) {
     let mut cmd = std::process::Command::new(common::titan_bin());
     cmd.args(["bench", "train", "--steps", "2", "--warmup", "1", "--json"])
         .args(["--threads", "1", "--nproc", "2"])
-        .args(["--parallelism.pipeline_parallel_degree", "2"])
+        .args(layout)
         .args(common::TINY_ARGS)
         .env_remove("TITAN_DEVICE_COLLECTIVES");
-    if let Some(road) = road {
-        cmd.env("TITAN_DEVICE_COLLECTIVES", road);
+    if device_road {
+        cmd.env("TITAN_DEVICE_COLLECTIVES", "host");
     }
     let o = cmd.output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -120,11 +121,17 @@ fn pipeline_copies(road: Option<&str>) -> (f64, f64) {
 }
 
 #[test]
-fn pipeline_transfers_copy_through_the_host_only_on_the_host_road() {
+fn stage_transfers_and_the_vocabulary_parallel_loss_stay_on_the_device_road() {
     // Rank 0 of two stages, two microbatches of one sequence: each one's activations down to the
     // host, the gradient that comes back up.
-    let (copies, bytes) = pipeline_copies(None);
-    assert_eq!(copies, 4.0, "host road");
+    let pp = ["--parallelism.pipeline_parallel_degree", "2"];
+    let (copies, bytes) = copies_per_step(&pp, false);
+    assert_eq!(copies, 4.0, "PP 2, host road");
     assert!(bytes > 0.0);
-    assert_eq!(pipeline_copies(Some("host")), (0.0, 0.0), "device road");
+    assert_eq!(copies_per_step(&pp, true), (0.0, 0.0), "PP 2, device road");
+    // TP 2 with loss parallel: the row collectives and the loss's row statistics go through the
+    // host on the host road; on the device road nothing does (the logits never leave it).
+    let tp = ["--parallelism.tensor_parallel_degree", "2"];
+    assert!(copies_per_step(&tp, false).0 > 0.0, "TP 2, host road");
+    assert_eq!(copies_per_step(&tp, true), (0.0, 0.0), "TP 2, device road");
 }

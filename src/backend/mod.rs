@@ -181,6 +181,14 @@ impl From<LossSum> for (f64, u64) {
     }
 }
 
+/// One rank's shard of the vocabulary under tensor parallelism's loss parallel: `vocab` logits of
+/// every row, for vocabulary ids `offset..offset + vocab`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VocabShard {
+    pub vocab: usize,
+    pub offset: usize,
+}
+
 /// Target id that contributes neither loss nor gradient.
 pub const IGNORE_INDEX: u32 = u32::MAX;
 
@@ -540,6 +548,45 @@ pub trait Backend: Send + Sync + 'static {
             cpu::loss::cross_entropy_of_logits(&mut host, targets, vocab, grad_scale, want_grad);
         *logits = self.upload_owned(host);
         loss
+    }
+    /// The vocabulary-parallel loss, first step: each row's maximum over this rank's shard of
+    /// the vocabulary (`logits` `[rows, shard.vocab]`), `[rows]`. The three steps default to the
+    /// host; a device runs them where the logits are (`cpu::vocab_shard` defines them).
+    fn vocab_shard_row_max(&self, logits: &Self::Buf, shard: VocabShard) -> Self::Buf {
+        self.upload_owned(cpu::vocab_shard::row_max(&self.download(logits), shard))
+    }
+    /// Second step, given each row's maximum over the whole vocabulary: the shard's sum of
+    /// `exp(logit − max)` and the target's logit when the target lies in the shard (else 0),
+    /// `[rows, 2]`, to be summed over the shards.
+    fn vocab_shard_row_sums(
+        &self,
+        logits: &Self::Buf,
+        max: &Self::Buf,
+        targets: &[u32],
+        shard: VocabShard,
+    ) -> Self::Buf {
+        let (logits, max) = (self.download(logits), self.download(max));
+        self.upload_owned(cpu::vocab_shard::row_sums(&logits, &max, targets, shard))
+    }
+    /// Last step, given the whole vocabulary's statistics (`max`, and `sums` summed over the
+    /// shards): adds each counted row's cross-entropy into `total`, in row order; with
+    /// `want_grad` the logits become `grad_scale · (softmax − one-hot(target))` on this shard
+    /// (zero for an ignored target), else they are left as they are.
+    fn vocab_shard_loss(
+        &self,
+        logits: &mut Self::Buf,
+        (max, sums): (&Self::Buf, &Self::Buf),
+        targets: &[u32],
+        shard: VocabShard,
+        grad: (f32, bool),
+        total: &mut LossSum,
+    ) {
+        let mut host = self.download(logits);
+        let (max, sums) = (self.download(max), self.download(sums));
+        cpu::vocab_shard::add_losses(&mut host, (&max, &sums), targets, shard, grad, total);
+        if grad.1 {
+            *logits = self.upload_owned(host);
+        }
     }
     /// Logits of the given rows of `h` (`[rows, dim]`) against `weight` `[vocab, dim]`.
     fn logits(

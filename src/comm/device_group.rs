@@ -46,6 +46,9 @@ pub trait DeviceGroup<B: Backend>: Send + Sync {
     fn start_reduce_scatter(&self, be: &B, input: &B::Buf, output: &mut B::Buf) -> Result<Pending>;
     /// Starts summing each buffer in place over the group (one call: DDP's sum of a block).
     fn start_all_reduce_each(&self, be: &B, bufs: Vec<&mut B::Buf>) -> Result<Pending>;
+    /// Starts taking the elementwise maximum of `buf` over the group, in place (the row maxima
+    /// of tensor parallelism's vocabulary-parallel loss).
+    fn start_all_reduce_max(&self, be: &B, buf: &mut B::Buf) -> Result<Pending>;
     /// Starts an all-to-all with uneven splits: part `p` of `input` (laid out by `send_counts`,
     /// values per rank) goes to rank `p`, and rank `p`'s part for this rank lands in part `p` of
     /// `output` (laid out by `recv_counts`). A count of 0 moves nothing, so a ring shift is an

@@ -72,6 +72,11 @@ impl DeviceGroup<CpuBackend> for HostDeviceGroup {
         Ok(done())
     }
 
+    fn start_all_reduce_max(&self, _be: &CpuBackend, buf: &mut Vec<f32>) -> Result<Pending> {
+        self.host.all_reduce(buf, ReduceOp::Max)?;
+        Ok(done())
+    }
+
     fn start_all_to_all(
         &self,
         _be: &CpuBackend,

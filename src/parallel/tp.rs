@@ -12,7 +12,7 @@
 //! - `cross_entropy`: the loss over vocabulary shards. Each rank computes the logits of every row
 //!   against its vocabulary rows, chunk by chunk; the row maxima are all-reduced (max), then the
 //!   sums of exponentials and the target logits (sum), so no rank ever holds a whole row of
-//!   logits. With `disable_loss_parallel` the chunk's logits are all-gathered instead and every
+//!   logits, and the logits never leave the device. With `disable_loss_parallel` the chunk's logits are all-gathered instead and every
 //!   rank computes the softmax over whole rows (TorchTitan's behaviour without loss parallel):
 //!   the same loss for more traffic.
 //!
@@ -36,7 +36,7 @@ use anyhow::{anyhow, Result};
 use rayon::prelude::*;
 
 use super::amax::all_reduce_amax;
-use crate::backend::{Backend, LossSum, IGNORE_INDEX};
+use crate::backend::{Backend, LossSum, VocabShard, IGNORE_INDEX};
 use crate::comm::device_group::device_of;
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::queue::{queue_over, CollectiveQueue};
@@ -120,83 +120,104 @@ impl<B: Backend> TensorParallelGroup<B> {
         r
     }
 
-    /// Per row of a chunk of `rows` logits (`[rows, vocab]`, this rank's vocabulary shard at
-    /// `offset`): the maximum, the sum of `exp(logit − max)`, and the target's logit, each over
-    /// the whole vocabulary.
-    fn row_statistics(
+    /// Per row of a chunk of `rows` logits (`[rows, vocab]`, this rank's vocabulary shard), with
+    /// loss parallel disabled: every rank's shard is gathered, and each row's maximum, sum of
+    /// `exp(logit − max)` and target logit taken over the whole row.
+    fn gathered_row_statistics(
         &self,
         logits: &[f32],
         targets: &[u32],
         vocab: usize,
-        offset: usize,
     ) -> Result<Vec<(f32, f64, f32)>> {
         let rows = targets.len();
-        if !self.loss_parallel {
-            // Whole rows: every rank's shard, in rank order (= vocabulary order).
-            let size = self.group.size();
-            let mut all = vec![0.0f32; logits.len() * size];
-            self.waiting(|| self.group.all_gather(logits, &mut all))?;
-            let shard = |rank: usize, r: usize| &all[(rank * rows + r) * vocab..][..vocab];
-            return Ok((0..rows)
-                .into_par_iter()
-                .map(|r| {
-                    let max = (0..size)
-                        .flat_map(|k| shard(k, r).iter())
-                        .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                    let sum = (0..size)
-                        .flat_map(|k| shard(k, r).iter())
-                        .map(|&x| ((x - max) as f64).exp())
-                        .sum();
-                    let t = targets[r];
-                    let target = if t == IGNORE_INDEX {
-                        0.0
-                    } else {
-                        let t = t as usize;
-                        shard(t / vocab, r)[t % vocab]
-                    };
-                    (max, sum, target)
-                })
-                .collect());
-        }
-        let mut max: Vec<f32> = logits
-            .par_chunks(vocab)
-            .map(|row| row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)))
-            .collect();
-        self.waiting(|| self.group.all_reduce(&mut max, ReduceOp::Max))?;
-        // Sums of exponentials and target logits, each carried as f32 (the target logit is on one
-        // rank; the others add zero).
-        let mut sums = vec![0.0f32; 2 * rows];
-        sums.par_chunks_mut(2)
-            .zip(logits.par_chunks(vocab))
-            .enumerate()
-            .for_each(|(r, (out, row))| {
-                out[0] = row
-                    .iter()
-                    .map(|&x| ((x - max[r]) as f64).exp())
-                    .sum::<f64>() as f32;
-                let t = targets[r] as usize;
-                if targets[r] != IGNORE_INDEX && (offset..offset + vocab).contains(&t) {
-                    out[1] = row[t - offset];
-                }
-            });
-        self.waiting(|| self.group.all_reduce(&mut sums, ReduceOp::Sum))?;
+        // Whole rows: every rank's shard, in rank order (= vocabulary order).
+        let size = self.group.size();
+        let mut all = vec![0.0f32; logits.len() * size];
+        self.waiting(|| self.group.all_gather(logits, &mut all))?;
+        let shard = |rank: usize, r: usize| &all[(rank * rows + r) * vocab..][..vocab];
         Ok((0..rows)
-            .map(|r| (max[r], sums[2 * r] as f64, sums[2 * r + 1]))
+            .into_par_iter()
+            .map(|r| {
+                let max = (0..size)
+                    .flat_map(|k| shard(k, r).iter())
+                    .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                let sum = (0..size)
+                    .flat_map(|k| shard(k, r).iter())
+                    .map(|&x| ((x - max) as f64).exp())
+                    .sum();
+                let t = targets[r];
+                let target = if t == IGNORE_INDEX {
+                    0.0
+                } else {
+                    let t = t as usize;
+                    shard(t / vocab, r)[t % vocab]
+                };
+                (max, sum, target)
+            })
             .collect())
     }
 
-    /// The cross-entropy of each row of `logits` (`[rows, vocab]`, this rank's vocabulary shard
-    /// `(vocab, offset)`) against `targets`, added into `total` in row order; with `want_grad`
-    /// the logits become `grad_scale · ∂(sum of losses)/∂logits` = softmax − one-hot(target).
-    fn add_shard_losses(
+    /// The cross-entropy of each row of `logits` (`[rows, shard.vocab]`, this rank's vocabulary
+    /// shard) against `targets`, added into `total` in row order; with `want_grad` the logits
+    /// become `grad_scale · ∂(sum of losses)/∂logits` = softmax − one-hot(target). Loss parallel
+    /// runs the backend's three steps where the logits are, only the row statistics crossing the
+    /// group; without it the logits are gathered on the host.
+    fn shard_losses(
+        &self,
+        be: &B,
+        logits: &mut B::Buf,
+        targets: &[u32],
+        shard: VocabShard,
+        grad: (f32, bool),
+        total: &mut LossSum,
+    ) -> Result<()> {
+        if !self.loss_parallel {
+            let mut host = be.download(logits);
+            self.add_gathered_losses(&mut host, targets, shard, grad, total)?;
+            if grad.1 {
+                *logits = be.upload_owned(host);
+            }
+            return Ok(());
+        }
+        let mut max = be.vocab_shard_row_max(logits, shard);
+        self.all_reduce_rows(be, &mut max, ReduceOp::Max)?;
+        let mut sums = be.vocab_shard_row_sums(logits, &max, targets, shard);
+        self.all_reduce_rows(be, &mut sums, ReduceOp::Sum)?;
+        be.vocab_shard_loss(logits, (&max, &sums), targets, shard, grad, total);
+        Ok(())
+    }
+
+    /// Row statistics summed (or maximised) over the group in place: on its device communicator
+    /// when it carries one, else through the host.
+    fn all_reduce_rows(&self, be: &B, buf: &mut B::Buf, op: ReduceOp) -> Result<()> {
+        if let Some(device) = device_of::<B>(self.group.as_ref()) {
+            return self.waiting(|| {
+                let pending = match op {
+                    ReduceOp::Max => device.start_all_reduce_max(be, buf)?,
+                    ReduceOp::Sum => device.start_all_reduce_each(be, vec![buf])?,
+                    ReduceOp::Avg => {
+                        return Err(anyhow!("tensor parallel: no averaged row statistics"))
+                    }
+                };
+                device.wait(pending)
+            });
+        }
+        let mut values = be.download(buf);
+        self.waiting(|| self.group.all_reduce(&mut values, op))?;
+        *buf = be.upload_owned(values);
+        Ok(())
+    }
+
+    /// `shard_losses` on gathered logits (loss parallel disabled), on the host.
+    fn add_gathered_losses(
         &self,
         logits: &mut [f32],
         targets: &[u32],
-        (vocab, offset): (usize, usize),
+        VocabShard { vocab, offset }: VocabShard,
         (grad_scale, want_grad): (f32, bool),
         total: &mut LossSum,
     ) -> Result<()> {
-        let stats = self.row_statistics(logits, targets, vocab, offset)?;
+        let stats = self.gathered_row_statistics(logits, targets, vocab)?;
         for (&t, &(max, sum, target)) in targets.iter().zip(&stats) {
             if t != IGNORE_INDEX {
                 total.sum += sum.ln() + max as f64 - target as f64;
@@ -261,16 +282,7 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
     }
 
     fn all_reduce_sum(&self, be: &B, buf: &mut B::Buf) -> Result<()> {
-        if let Some(device) = device_of::<B>(self.group.as_ref()) {
-            return self.waiting(|| {
-                let pending = device.start_all_reduce_each(be, vec![buf])?;
-                device.wait(pending)
-            });
-        }
-        let mut values = be.download(buf);
-        self.waiting(|| self.group.all_reduce(&mut values, ReduceOp::Sum))?;
-        *buf = be.upload_owned(values);
-        Ok(())
+        self.all_reduce_rows(be, buf, ReduceOp::Sum)
     }
 
     fn all_reduce_max(&self, amaxes: &mut [f32]) -> Result<()> {
@@ -327,7 +339,11 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
         grad_scale: f32,
         mut grads: LossGrads<'_, B>,
     ) -> Result<LossSum> {
-        let (d, vocab, offset) = (shapes.dim, shapes.vocab, shapes.vocab_offset);
+        let (d, vocab) = (shapes.dim, shapes.vocab);
+        let shard = VocabShard {
+            vocab,
+            offset: shapes.vocab_offset,
+        };
         let rows = targets.len();
         let chunk = (LOSS_CHUNK_FLOATS / vocab.max(1)).clamp(1, rows.max(1));
         let mut total = LossSum { sum: 0.0, count: 0 };
@@ -344,17 +360,15 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
             }
             be.copy_range(&mut h_chunk, 0, h, r0 * d, n * d);
             be.logits(&mut logits_buf, &h_chunk, w, n, d, vocab);
-            let mut logits = be.download(&logits_buf);
-            let want_grad = grads.is_some();
-            let shard = (vocab, offset);
-            self.add_shard_losses(&mut logits, tc, shard, (grad_scale, want_grad), &mut total)?;
+            let grad = (grad_scale, grads.is_some());
+            self.shard_losses(be, &mut logits_buf, tc, shard, grad, &mut total)?;
             let Some((dh, dw)) = grads.as_mut() else {
                 continue;
             };
-            let dlogits = be.upload(&logits);
+            let dlogits = &logits_buf;
             be.matmul(
                 &mut dh_chunk,
-                &dlogits,
+                dlogits,
                 w,
                 GemmShape::new(n, vocab, d),
                 GemmOutput::Overwrite,
@@ -364,7 +378,7 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
             if be.len(dw) > 0 {
                 be.matmul(
                     dw,
-                    &dlogits,
+                    dlogits,
                     &h_chunk,
                     GemmShape::new(vocab, n, d).a_transposed(),
                     GemmOutput::Accumulate,
@@ -382,11 +396,12 @@ impl<B: Backend> TensorParallelOps<B> for TensorParallelGroup<B> {
         shapes: &LocalShapes,
         grad: (f32, bool),
     ) -> Result<LossSum> {
-        let mut host = be.download(logits);
         let mut total = LossSum { sum: 0.0, count: 0 };
-        let shard = (shapes.vocab, shapes.vocab_offset);
-        self.add_shard_losses(&mut host, targets, shard, grad, &mut total)?;
-        *logits = be.upload_owned(host);
+        let shard = VocabShard {
+            vocab: shapes.vocab,
+            offset: shapes.vocab_offset,
+        };
+        self.shard_losses(be, logits, targets, shard, grad, &mut total)?;
         Ok(total)
     }
 }

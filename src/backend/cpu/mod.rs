@@ -19,6 +19,7 @@ pub mod rope;
 pub mod rope_scaling;
 mod rows;
 pub(crate) mod simd;
+pub mod vocab_shard;
 
 use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use std::sync::Mutex;
@@ -29,7 +30,7 @@ pub use super::profile::OpProfiler;
 
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
 use super::transfers::TransferCounter;
-use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum};
+use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard};
 
 /// Columns per task in column-blocked reductions (norm weight and embedding gradients).
 pub(crate) const COLUMN_BLOCK: usize = 64;
@@ -308,6 +309,32 @@ impl Backend for CpuBackend {
     ) -> LossSum {
         let _timer = self.profiler.time("cross_entropy_of_logits");
         loss::cross_entropy_of_logits(logits, targets, vocab, grad_scale, want_grad)
+    }
+    fn vocab_shard_row_max(&self, logits: &Vec<f32>, shard: VocabShard) -> Vec<f32> {
+        let _timer = self.profiler.time("vocab_shard_row_max");
+        vocab_shard::row_max(logits, shard)
+    }
+    fn vocab_shard_row_sums(
+        &self,
+        logits: &Vec<f32>,
+        max: &Vec<f32>,
+        targets: &[u32],
+        shard: VocabShard,
+    ) -> Vec<f32> {
+        let _timer = self.profiler.time("vocab_shard_row_sums");
+        vocab_shard::row_sums(logits, max, targets, shard)
+    }
+    fn vocab_shard_loss(
+        &self,
+        logits: &mut Vec<f32>,
+        (max, sums): (&Vec<f32>, &Vec<f32>),
+        targets: &[u32],
+        shard: VocabShard,
+        grad: (f32, bool),
+        total: &mut LossSum,
+    ) {
+        let _timer = self.profiler.time("vocab_shard_loss");
+        vocab_shard::add_losses(logits, (max, sums), targets, shard, grad, total);
     }
     fn cross_entropy_forward_backward(
         &self,

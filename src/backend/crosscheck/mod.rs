@@ -11,7 +11,10 @@ pub use float8::check_float8_gemms;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::{AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, WeightDecay, IGNORE_INDEX};
+use super::{
+    AdamWStep, AttnShape, Backend, GemmOutput, GemmShape, LossSum, VocabShard, WeightDecay,
+    IGNORE_INDEX,
+};
 
 /// One output of one op.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -332,6 +335,51 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.compare("cross_entropy_of_logits dlogits", &rlg, &tlg, self.tol.gemm);
     }
 
+    /// The vocabulary-parallel loss's three steps on one shard (ids 300..500 of a vocabulary of
+    /// 800, targets in and outside it, some ignored), each output against the reference.
+    fn vocab_shard_loss(&mut self) {
+        let (rows, shard) = (
+            300,
+            VocabShard {
+                vocab: 200,
+                offset: 300,
+            },
+        );
+        let logits = self.random(rows * shard.vocab, 4.0);
+        let mut targets = self.ids(rows, 800);
+        for t in targets.iter_mut().step_by(7) {
+            *t = IGNORE_INDEX;
+        }
+        let (mut rlg, mut tlg) = self.both(&logits);
+        let (rm, tm) = (
+            self.reference.vocab_shard_row_max(&rlg, shard),
+            self.test.vocab_shard_row_max(&tlg, shard),
+        );
+        self.compare("vocab_shard_row_max", &rm, &tm, self.tol.exact);
+        let rs = self
+            .reference
+            .vocab_shard_row_sums(&rlg, &rm, &targets, shard);
+        let ts = self.test.vocab_shard_row_sums(&tlg, &tm, &targets, shard);
+        self.compare("vocab_shard_row_sums", &rs, &ts, self.tol.gemm);
+        let (mut rl, mut tl) = (
+            LossSum { sum: 0.0, count: 0 },
+            LossSum { sum: 0.0, count: 0 },
+        );
+        let grad = (1.0 / rows as f32, true);
+        let reference = &self.reference;
+        reference.vocab_shard_loss(&mut rlg, (&rm, &rs), &targets, shard, grad, &mut rl);
+        self.test
+            .vocab_shard_loss(&mut tlg, (&tm, &ts), &targets, shard, grad, &mut tl);
+        let count_ok = rl.count == tl.count;
+        self.record(
+            "vocab_shard_loss loss",
+            &[tl.sum as f32, if count_ok { 0.0 } else { f32::NAN }],
+            &[rl.sum as f32, 0.0],
+            self.tol.gemm,
+        );
+        self.compare("vocab_shard_loss dlogits", &rlg, &tlg, self.tol.gemm);
+    }
+
     fn adamw_and_norm(&mut self) {
         let n = 5000;
         let p = self.random(n, 1.0);
@@ -589,6 +637,10 @@ pub fn check_ops<R: Backend, T: Backend>(
         ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),
         ("mixture-of-experts row ops", Box::new(|c| c.moe_row_ops())),
         ("cross_entropy", Box::new(|c| c.cross_entropy())),
+        (
+            "vocabulary-parallel loss",
+            Box::new(|c| c.vocab_shard_loss()),
+        ),
         ("adamw and norm", Box::new(|c| c.adamw_and_norm())),
         ("multi-tensor", Box::new(|c| c.multi_tensor())),
         ("float8", Box::new(|c| c.float8())),

@@ -498,6 +498,11 @@ impl DeviceGroup<CudaBackend> for NcclGroup {
         Ok(Pending(Box::new(f)))
     }
 
+    fn start_all_reduce_max(&self, _be: &CudaBackend, buf: &mut CudaBuf) -> Result<Pending> {
+        let f = NcclGroup::start_all_reduce_each(self, std::iter::once(buf), ReduceOp::Max)?;
+        Ok(Pending(Box::new(f)))
+    }
+
     fn start_all_to_all(
         &self,
         _be: &CudaBackend,

@@ -192,17 +192,23 @@ impl CudaBackend {
 
     /// The loss summed over the rows that count: the kernel marks an ignored target's row NaN.
     fn sum_row_losses(&self, row_loss: &CudaSlice<f32>) -> LossSum {
+        let mut total = LossSum { sum: 0.0, count: 0 };
+        self.add_row_losses(row_loss, &mut total);
+        total
+    }
+
+    /// Adds the losses of the rows that count into `total`, in row order (NaN marks an ignored
+    /// target's row).
+    pub(super) fn add_row_losses(&self, row_loss: &CudaSlice<f32>, total: &mut LossSum) {
         let losses = self
             .to_host(row_loss)
             .unwrap_or_else(|e| panic!("CUDA: downloading the losses failed: {e}"));
-        let mut total = LossSum { sum: 0.0, count: 0 };
         for l in losses {
             if !l.is_nan() {
                 total.sum += l as f64;
                 total.count += 1;
             }
         }
-        total
     }
 
     /// The body of `Backend::scratch_bytes`; the loss's logit block is most of it.

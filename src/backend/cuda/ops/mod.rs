@@ -13,7 +13,9 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
-use crate::backend::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum};
+use crate::backend::{
+    AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard,
+};
 
 type Buf = CudaBuf;
 
@@ -98,6 +100,7 @@ mod matmul;
 mod multi_tensor;
 mod norm;
 mod rope;
+mod vocab_shard;
 
 fn check_len(op: &str, what: &str, have: usize, need: usize) {
     assert!(
@@ -370,6 +373,35 @@ impl Backend for CudaBackend {
     ) -> LossSum {
         let _timer = self.profiler.time_on("cross_entropy_of_logits", self);
         self.cross_entropy_of_logits_untimed(logits, targets, vocab, grad_scale, want_grad)
+    }
+
+    fn vocab_shard_row_max(&self, logits: &Buf, shard: VocabShard) -> Buf {
+        let _timer = self.profiler.time_on("vocab_shard_row_max", self);
+        self.vocab_shard_row_max_untimed(logits, shard)
+    }
+
+    fn vocab_shard_row_sums(
+        &self,
+        logits: &Buf,
+        max: &Buf,
+        targets: &[u32],
+        shard: VocabShard,
+    ) -> Buf {
+        let _timer = self.profiler.time_on("vocab_shard_row_sums", self);
+        self.vocab_shard_row_sums_untimed(logits, max, targets, shard)
+    }
+
+    fn vocab_shard_loss(
+        &self,
+        logits: &mut Buf,
+        stats: (&Buf, &Buf),
+        targets: &[u32],
+        shard: VocabShard,
+        grad: (f32, bool),
+        total: &mut LossSum,
+    ) {
+        let _timer = self.profiler.time_on("vocab_shard_loss", self);
+        self.vocab_shard_loss_untimed(logits, stats, targets, shard, grad, total)
     }
 
     fn adamw_step(
