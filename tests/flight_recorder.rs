@@ -1,5 +1,6 @@
 //! The flight recorder: a 2-rank FSDP run where one rank skips a collective, or dies, leaves the
-//! dumps of the ranks that could write one, and `titan debug flight-recorder` names what went wrong.
+//! dumps of the ranks that could write one, and `titan debug flight-recorder` names what went wrong;
+//! on the device road its device collectives are in the dumps too.
 
 mod common;
 
@@ -49,6 +50,52 @@ fn a_skipped_collective_is_named_by_both_dumps() {
         text.contains("disagree on collective #10") && text.contains("rank 1 called"),
         "{text}"
     );
+}
+
+#[test]
+fn device_collectives_are_recorded_in_a_buffer_of_their_own() {
+    // The device road on CPU ranks: FSDP's gathers and reduce-scatters go through the device
+    // communicator attached to the shard group, recorded under `<group>/device` (numbered in
+    // their own order). Rank 1 skips a collective (of the host transport underneath, which
+    // records its own): both ranks dump both buffers.
+    let dir = tempfile::tempdir().unwrap();
+    let o = train_env(
+        dir.path(),
+        FSDP2,
+        EXTRA,
+        &[
+            ("TITAN_SKIP_COLLECTIVE", "1:10"),
+            ("TITAN_DEVICE_COLLECTIVES", "host"),
+        ],
+    );
+    assert!(!o.status.success());
+    let traces = dir.path().join("comm_traces");
+    for r in 0..2 {
+        let dump = std::fs::read_to_string(traces.join(format!("rank_{r}.json"))).unwrap();
+        let dump: serde_json::Value = serde_json::from_str(&dump).unwrap();
+        let groups = dump["groups"].as_array().unwrap();
+        let device = groups
+            .iter()
+            .find(|g| g["name"].as_str().unwrap().ends_with("/device"))
+            .unwrap_or_else(|| panic!("rank {r}: no device group in {dump}"));
+        let entries = device["entries"].as_array().unwrap();
+        let has = |op: &str, state: &str| {
+            entries
+                .iter()
+                .any(|e| e["op"] == op && (state.is_empty() || e["state"] == state))
+        };
+        // The reduce-scatters started last may still be in flight when the host transport's
+        // failure writes the dump.
+        assert!(
+            has("device all_gather", "completed") && has("device reduce_scatter", ""),
+            "rank {r}: {device}"
+        );
+        // Numbered from 0 on their own, in order.
+        let seqs: Vec<u64> = entries.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+        assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    }
+    let text = analyze(&traces);
+    assert!(text.contains("disagree on collective #10"), "{text}");
 }
 
 #[test]

@@ -68,8 +68,8 @@ pub struct GroupRecord {
 }
 
 /// A recorded operation in flight: `finish` marks it completed or failed.
-pub struct Recording<'a> {
-    record: &'a GroupRecord,
+pub struct Recording {
+    record: Arc<GroupRecord>,
     seq: u64,
     op: String,
 }
@@ -81,9 +81,24 @@ fn now_us() -> u64 {
 }
 
 impl GroupRecord {
+    /// The group's name, as its dumps give it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The group's global ranks, in group-rank order.
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
     /// Records the start of `op`; `None` when the fault drill makes this rank skip it (the caller
     /// then returns without communicating, as a rank with a bug in its control flow would).
-    pub fn start(&self, op: &str, elements: usize, peer: Option<usize>) -> Option<Recording<'_>> {
+    pub fn start(
+        self: &Arc<Self>,
+        op: &str,
+        elements: usize,
+        peer: Option<usize>,
+    ) -> Option<Recording> {
         // Numbered under the buffer's lock: threads sharing a group (a pipeline's sending and
         // receiving threads) never draw the same number.
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
@@ -110,14 +125,14 @@ impl GroupRecord {
             error: None,
         });
         Some(Recording {
-            record: self,
+            record: self.clone(),
             seq,
             op: op.to_string(),
         })
     }
 }
 
-impl Recording<'_> {
+impl Recording {
     /// Marks the operation completed, or failed with its error; the first failure on this rank
     /// writes the dump.
     pub fn finish<T>(self, result: &Result<T>) {

@@ -63,6 +63,10 @@ pub trait ProcessGroup: Send + Sync {
     fn device_slot(&self) -> Option<&DeviceSlot> {
         None
     }
+    /// The flight recorder's buffer of this group's operations, when the recorder is on.
+    fn flight_record(&self) -> Option<Arc<GroupRecord>> {
+        None
+    }
 }
 
 fn as_bytes(x: &[f32]) -> &[u8] {
@@ -738,5 +742,9 @@ impl ProcessGroup for TcpGroup {
 
     fn device_slot(&self) -> Option<&DeviceSlot> {
         Some(&self.device)
+    }
+
+    fn flight_record(&self) -> Option<Arc<GroupRecord>> {
+        self.record.clone()
     }
 }

@@ -14,5 +14,6 @@ pub mod nccl;
 pub mod peers;
 pub mod queue;
 pub mod quorum;
+pub mod recorded_device;
 pub mod shape_group;
 pub mod store;

@@ -6,6 +6,9 @@
 //! `groups::RankGroups::device_capable`; every layout then takes its collectives from the groups it
 //! crosses.
 //!
+//! With the flight recorder on, each device communicator is attached wrapped in its recorder
+//! (`comm::recorded_device`).
+//!
 //! `TITAN_DEVICE_COLLECTIVES=host` attaches the host-run device groups
 //! (`comm::host_device::HostDeviceGroup`) to a CPU job's groups instead, so that the device road's
 //! code runs and is tested on CPU ranks.
@@ -21,6 +24,7 @@ use crate::backend::cuda::libs::CudaLib;
 use crate::backend::cuda::CudaBackend;
 use crate::comm::device_group::{attach, attach_peers, DeviceGroup, DevicePeers};
 use crate::comm::host_device::HostDeviceGroup;
+use crate::comm::recorded_device::{recorded, recorded_peers};
 
 /// The road a rank's collectives take, as the ranks agreed.
 pub struct DeviceRoad {
@@ -112,12 +116,12 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
             for (group, _) in d.groups.device_capable() {
                 let device: Arc<dyn DeviceGroup<CpuBackend>> =
                     Arc::new(HostDeviceGroup::new(group.clone()));
-                attach(group.as_ref(), device);
+                attach(group.as_ref(), recorded(group.as_ref(), device));
             }
             if let Some((group, _)) = d.groups.pipeline() {
                 let peers: Arc<dyn DevicePeers<CpuBackend>> =
                     Arc::new(HostDeviceGroup::new(group.clone()));
-                attach_peers(group.as_ref(), peers);
+                attach_peers(group.as_ref(), recorded_peers(group.as_ref(), peers));
             }
             Ok(DeviceRoad {
                 carrier: Some("host-run device groups"),
@@ -163,12 +167,12 @@ pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Re
     for (group, name) in d.groups.device_capable() {
         let device: Arc<dyn DeviceGroup<CudaBackend>> =
             Arc::new(d.nccl_over(group.as_ref(), name, be)?);
-        attach(group.as_ref(), device);
+        attach(group.as_ref(), recorded(group.as_ref(), device));
     }
     if let Some((group, name)) = d.groups.pipeline() {
         let peers: Arc<dyn DevicePeers<CudaBackend>> =
             Arc::new(d.nccl_peers_over(group.as_ref(), name, be)?);
-        attach_peers(group.as_ref(), peers);
+        attach_peers(group.as_ref(), recorded_peers(group.as_ref(), peers));
     }
     if d.rank == 0 && !quiet {
         outln!("collectives on the GPUs through NCCL ({} ranks)", d.world);

@@ -75,7 +75,6 @@ impl CudaBackend {
         sums
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn vocab_shard_loss_untimed(
         &self,
         logits: &mut Buf,
