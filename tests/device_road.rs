@@ -3,7 +3,8 @@
 //! (FSDP's and HSDP's `DeviceQueue`, DDP's `DeviceGradReducer`, tensor parallelism's row
 //! collectives on the queue, context parallelism's `allgather` and ring shifts, expert
 //! parallelism's all-to-all of rows, the experts' shards), and the pipeline's stage transfers
-//! through the point-to-point channels of the pipeline group.
+//! through the point-to-point channels of the pipeline group, and Muon's exchange of whole
+//! matrices on the job's group.
 //! `TITAN_DEVICE_COLLECTIVES=host` attaches host-run device groups to a CPU job's groups, so that
 //! code runs here: every layout's losses and gradient norms must equal the host road's bit for bit
 //! (each group has two ranks, whose sums are exact in either order).
@@ -69,6 +70,11 @@ fn data_parallel_layouts_on_the_device_road_equal_the_host_road() {
     );
     same_on_both_roads("FSDP 2", "2", &[]);
     same_on_both_roads(
+        "Muon, FSDP 2 (the exchange of whole matrices on the job's device group)",
+        "2",
+        &["--optimizer.name", "Muon"],
+    );
+    same_on_both_roads(
         "HSDP 2 × 2, bf16 reductions",
         "4",
         &[
@@ -86,6 +92,8 @@ fn data_parallel_layouts_on_the_device_road_equal_the_host_road() {
 fn tensor_and_context_parallel_on_the_device_road_equal_the_host_road() {
     let tp = ["--parallelism.tensor_parallel_degree", "2"];
     same_on_both_roads("TP 2", "2", &tp);
+    let muon_tp = [&tp[..], &["--optimizer.name", "Muon"]].concat();
+    same_on_both_roads("Muon, TP 2 (row- and column-split pieces)", "2", &muon_tp);
     let async_tp = [
         &tp[..],
         &["--parallelism.enable_async_tensor_parallel", "true"],

@@ -121,7 +121,7 @@ fn copies_per_step(layout: &[&str], device_road: bool) -> (f64, f64) {
 }
 
 #[test]
-fn stage_transfers_and_the_vocabulary_parallel_loss_stay_on_the_device_road() {
+fn stage_transfers_the_vocabulary_parallel_loss_and_muon_stay_on_the_device_road() {
     // Rank 0 of two stages, two microbatches of one sequence: each one's activations down to the
     // host, the gradient that comes back up.
     let pp = ["--parallelism.pipeline_parallel_degree", "2"];
@@ -134,4 +134,8 @@ fn stage_transfers_and_the_vocabulary_parallel_loss_stay_on_the_device_road() {
     let tp = ["--parallelism.tensor_parallel_degree", "2"];
     assert!(copies_per_step(&tp, false).0 > 0.0, "TP 2, host road");
     assert_eq!(copies_per_step(&tp, true), (0.0, 0.0), "TP 2, device road");
+    // Muon's exchange of whole matrices: packed on the device, the all-to-alls on the job group's.
+    let muon = ["--optimizer.name", "Muon"];
+    assert!(copies_per_step(&muon, false).0 > 0.0, "Muon FSDP 2, host road");
+    assert_eq!(copies_per_step(&muon, true), (0.0, 0.0), "Muon FSDP 2, device road");
 }

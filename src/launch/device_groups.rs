@@ -105,7 +105,7 @@ fn agree(
 
 /// The collectives of a CPU rank: the host road (it takes part in the agreement all the same),
 /// or with `TITAN_DEVICE_COLLECTIVES=host` the device road run through the host.
-pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
+pub fn for_cpu(dist: Option<&Distributed>, muon: bool) -> Result<DeviceRoad> {
     let Some(d) = dist else {
         return Ok(DeviceRoad::host());
     };
@@ -113,7 +113,7 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
     match std::env::var("TITAN_DEVICE_COLLECTIVES").as_deref() {
         Err(_) | Ok("") => Ok(DeviceRoad::host()),
         Ok("host") => {
-            for (group, _) in d.groups.device_capable() {
+            for (group, _) in d.groups.device_capable(muon) {
                 let device: Arc<dyn DeviceGroup<CpuBackend>> =
                     Arc::new(HostDeviceGroup::new(group.clone()));
                 attach(group.as_ref(), recorded(group.as_ref(), device));
@@ -136,9 +136,14 @@ pub fn for_cpu(dist: Option<&Distributed>) -> Result<DeviceRoad> {
 /// refuses two ranks on one), the NCCL library loads, and `TITAN_NCCL` is not `off`: a
 /// communicator is then attached to every group a layout runs device collectives over (DDP's
 /// sums, FSDP's gathers and reduce-scatters, tensor parallelism's rows, context parallelism's
-/// `allgather` and ring, expert parallelism's rows, the experts' shards), and point-to-point
-/// channels to the pipeline group (the stage transfers). Otherwise the host road.
-pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Result<DeviceRoad> {
+/// `allgather` and ring, expert parallelism's rows, the experts' shards; with `muon` the whole
+/// job's, for Muon's exchange), and point-to-point channels to the pipeline group (the stage
+/// transfers). Otherwise the host road.
+pub fn for_cuda(
+    dist: Option<&Distributed>,
+    be: &CudaBackend,
+    (quiet, muon): (bool, bool),
+) -> Result<DeviceRoad> {
     let Some(d) = dist else {
         return Ok(DeviceRoad::host());
     };
@@ -164,7 +169,7 @@ pub fn for_cuda(dist: Option<&Distributed>, be: &CudaBackend, quiet: bool) -> Re
             ranks_on_my_gpu,
         });
     }
-    for (group, name) in d.groups.device_capable() {
+    for (group, name) in d.groups.device_capable(muon) {
         let device: Arc<dyn DeviceGroup<CudaBackend>> =
             Arc::new(d.nccl_over(group.as_ref(), name, be)?);
         attach(group.as_ref(), recorded(group.as_ref(), device));

@@ -114,15 +114,17 @@ pub struct RankGroups {
     /// Every rank of the job (the data-parallel group itself when the job is data parallel
     /// only): job-wide figures such as the largest rank's peak memory.
     pub all: Group,
+    pub all_name: String,
 }
 
 impl RankGroups {
     /// The groups whose collectives may run on a device communicator, each with its name in the
     /// store, in the one order every rank attaches them (so no two ranks wait for each other's
     /// next): data parallelism's (FSDP's shard and HSDP's replica groups, or with whole
-    /// parameters every data-parallel rank), tensor parallel, context parallel, then expert
-    /// parallelism's group and the experts' shard and replica groups.
-    pub fn device_capable(&self) -> Vec<(&Group, &str)> {
+    /// parameters every data-parallel rank), tensor parallel, context parallel, expert
+    /// parallelism's group and the experts' shard and replica groups, then, with `muon`, the
+    /// group of every rank (Muon's exchange of whole matrices).
+    pub fn device_capable(&self, muon: bool) -> Vec<(&Group, &str)> {
         let data = match &self.shard {
             Some(shard) => vec![
                 (Some(shard), self.shard_name.as_ref()),
@@ -141,10 +143,16 @@ impl RankGroups {
                 self.expert_replicate_name.as_ref(),
             ),
         ];
-        data.into_iter()
+        let mut groups: Vec<(&Group, &str)> = data
+            .into_iter()
             .chain(others)
             .filter_map(|(group, name)| Some((group?, name?.as_str())))
-            .collect()
+            .collect();
+        // The whole job (Muon's exchange), unless it is one of the groups above already.
+        if muon && !groups.iter().any(|(g, _)| Arc::ptr_eq(g, &self.all)) {
+            groups.push((&self.all, &self.all_name));
+        }
+        groups
     }
 
     /// The pipeline group with its name in the store, which carries point-to-point channels
@@ -222,10 +230,11 @@ impl GroupJoiner<'_> {
             _ => (None, None),
         };
         let (writers, writers_name) = self.writers(&data, (&tp, &tp_name), &pp)?;
-        let all = if data.dp.size() == self.world {
-            data.dp.clone()
+        let (all, all_name) = if data.dp.size() == self.world {
+            (data.dp.clone(), data.dp_name.clone())
         } else {
-            self.dims(&crate::comm::mesh::DIMS)?
+            let dims = &crate::comm::mesh::DIMS;
+            (self.dims(dims)?, self.name(dims))
         };
         Ok(RankGroups {
             dp: data.dp,
@@ -250,6 +259,7 @@ impl GroupJoiner<'_> {
             writers,
             writers_name,
             all,
+            all_name,
         })
     }
 

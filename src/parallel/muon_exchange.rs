@@ -13,8 +13,9 @@
 //! orthogonalise them, and each holder's piece of the result back (TorchTitan's `dist_muon`
 //! and PyTorch's distributed-Muon design: gather to one rank, orthogonalise, scatter).
 //!
-//! The all-to-alls run on the host transport (f32 over the job's group); NCCL's all-to-all is
-//! issue 45's.
+//! The pieces are packed and unpacked on the backend's buffers; the all-to-alls run on the job
+//! group's device communicator when it carries one (NCCL between GPUs, attached for Muon jobs:
+//! `launch::device_groups`), else through the host transport.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use crate::backend::Backend;
+use crate::comm::device_group::device_of;
 use crate::comm::group::ProcessGroup;
 use crate::model::params::TpSharding;
 
@@ -251,65 +253,72 @@ impl MuonExchange {
         updates: &mut [B::Buf],
         orthogonalize: &mut dyn FnMut(&mut B::Buf, usize, usize),
     ) -> Result<()> {
-        let host: Vec<Vec<f32>> = updates.iter().map(|u| be.download(u)).collect();
-        let received = self.all_to_all(&self.gather, |t, out| {
-            out.extend_from_slice(&host[t.at][..t.piece.hi - t.piece.lo])
+        let received = self.all_to_all(be, &self.gather, |t, send, at| {
+            be.copy_range(send, at, &updates[t.at], 0, t.piece.hi - t.piece.lo)
         })?;
-        let mut whole: Vec<Vec<f32>> = self
+        let mut whole: Vec<B::Buf> = self
             .owned
             .iter()
-            .map(|o| vec![0f32; o.shape[0] * o.shape[1]])
+            .map(|o| be.zeros(o.shape[0] * o.shape[1]))
             .collect();
         let mut at = 0;
         for t in &self.gather.recv {
-            let (values, matrix) = (&received[at..], &mut whole[t.at]);
+            let matrix = &mut whole[t.at];
             t.piece.runs(self.owned[t.at].shape, |from, to, len| {
-                matrix[to..to + len].copy_from_slice(&values[from..from + len])
+                be.copy_range(matrix, to, &received, at + from, len)
             });
             at += t.piece.hi - t.piece.lo;
         }
         for (values, o) in whole.iter_mut().zip(&self.owned) {
-            let mut buf = be.upload(values);
-            orthogonalize(&mut buf, o.shape[0], o.shape[1]);
-            *values = be.download(&buf);
+            orthogonalize(values, o.shape[0], o.shape[1]);
         }
-        let received = self.all_to_all(&self.scatter, |t, out| {
-            let start = out.len();
-            out.resize(start + t.piece.hi - t.piece.lo, 0.0);
+        let received = self.all_to_all(be, &self.scatter, |t, send, at| {
             t.piece.runs(self.owned[t.at].shape, |from, to, len| {
-                out[start + from..start + from + len].copy_from_slice(&whole[t.at][to..to + len])
+                be.copy_range(send, at + from, &whole[t.at], to, len)
             });
         })?;
-        let mut result: Vec<Vec<f32>> = self.slot_len.iter().map(|&n| vec![0f32; n]).collect();
+        for (u, &len) in updates.iter_mut().zip(&self.slot_len) {
+            *u = be.zeros(len);
+        }
         let mut at = 0;
         for t in &self.scatter.recv {
             let len = t.piece.hi - t.piece.lo;
-            result[t.at][..len].copy_from_slice(&received[at..at + len]);
+            be.copy_range(&mut updates[t.at], 0, &received, at, len);
             at += len;
-        }
-        for (u, values) in updates.iter_mut().zip(result) {
-            *u = be.upload_owned(values);
         }
         Ok(())
     }
 
-    /// One all-to-all of `legs`: `fill` appends each sent transfer's values; returns the
-    /// received values in `legs.recv`'s order.
-    fn all_to_all(
+    /// One all-to-all of `legs` on `B`'s buffers: `fill` copies each sent transfer's values into
+    /// the send buffer at the offset given; returns the received values in `legs.recv`'s order.
+    /// On the group's device communicator when it carries one, else through the host.
+    fn all_to_all<B: Backend>(
         &self,
+        be: &B,
         legs: &Legs,
-        mut fill: impl FnMut(&Transfer, &mut Vec<f32>),
-    ) -> Result<Vec<f32>> {
+        mut fill: impl FnMut(&Transfer, &mut B::Buf, usize),
+    ) -> Result<B::Buf> {
         let n = self.group.size();
-        let mut send = Vec::new();
+        let (send_counts, recv_counts) = (counts(n, &legs.send), counts(n, &legs.recv));
+        let mut send = be.uninit(send_counts.iter().sum());
+        let mut at = 0;
         for t in &legs.send {
-            fill(t, &mut send);
+            fill(t, &mut send, at);
+            at += t.piece.hi - t.piece.lo;
         }
-        let recv_counts = counts(n, &legs.recv);
-        let mut received = vec![0f32; recv_counts.iter().sum()];
+        let received = recv_counts.iter().sum();
+        if let Some(device) = device_of::<B>(self.group.as_ref()) {
+            let mut out = be.uninit(received);
+            let pending =
+                device.start_all_to_all(be, &send, &send_counts, &mut out, &recv_counts)?;
+            device.wait(pending)?;
+            return Ok(out);
+        }
+        let send = be.download_owned(send);
+        let mut out = vec![0f32; received];
         self.group
-            .all_to_all(&send, &counts(n, &legs.send), &mut received, &recv_counts)?;
-        Ok(received)
+            .all_to_all(&send, &send_counts, &mut out, &recv_counts)?;
+        Ok(be.upload_owned(out))
     }
 
     /// The whole shapes of the matrices this rank orthogonalises (the gathered matrices it holds

@@ -52,7 +52,7 @@ impl RankPlace {
     /// road, `device_groups::for_cpu`).
     pub fn cpu(cfg: &Config) -> Result<Self> {
         let dist = Distributed::from_env(cfg)?;
-        let road = device_groups::for_cpu(dist.as_ref())?;
+        let road = device_groups::for_cpu(dist.as_ref(), uses_muon(cfg))?;
         let ranks_sharing_memory = dist.as_ref().map_or(1, |d| d.local_world_size);
         Ok(RankPlace {
             dist,
@@ -64,13 +64,18 @@ impl RankPlace {
     /// A CUDA rank: NCCL when every rank has a GPU of its own (see `device_groups::for_cuda`).
     pub fn cuda(cfg: &Config, be: &CudaBackend, quiet: bool) -> Result<Self> {
         let dist = Distributed::from_env(cfg)?;
-        let road = device_groups::for_cuda(dist.as_ref(), be, quiet)?;
+        let road = device_groups::for_cuda(dist.as_ref(), be, (quiet, uses_muon(cfg)))?;
         Ok(RankPlace {
             dist,
             device_collectives: road.carrier,
             ranks_sharing_memory: road.ranks_on_my_gpu,
         })
     }
+}
+
+/// Whether the job's optimizer is Muon (its exchange crosses the group of every rank).
+fn uses_muon(cfg: &Config) -> bool {
+    cfg.optimizer.name == "Muon"
 }
 
 /// A rank ready to train.
