@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "cast.cu"
 #include "loss.cu"
+#include "loss_reference.h"
 // clang-format on
 
 int main() {
@@ -23,18 +24,8 @@ int main() {
     for (auto& x : logits) x = dist(rng);
     std::vector<u32> targets = {3, 999, TITAN_IGNORE_INDEX, 0, 517, 42};
 
-    std::vector<double> want_loss(rows), want_grad(logits.size(), 0.0);
-    for (int r = 0; r < rows; ++r) {
-        if (targets[r] == TITAN_IGNORE_INDEX) continue;
-        const float* row = &logits[(size_t)r * vocab];
-        double m = -INFINITY, z = 0.0;
-        for (int j = 0; j < vocab; ++j) m = std::max(m, (double)row[j]);
-        for (int j = 0; j < vocab; ++j) z += std::exp(row[j] - m);
-        want_loss[r] = m + std::log(z) - row[targets[r]];
-        for (int j = 0; j < vocab; ++j)
-            want_grad[(size_t)r * vocab + j] =
-                grad_scale * (std::exp(row[j] - m) / z - (j == (int)targets[r] ? 1.0 : 0.0));
-    }
+    const LossReference want = reference_cross_entropy(logits, rows, vocab, targets, grad_scale);
+    const std::vector<double>&want_loss = want.loss, &want_grad = want.grad;
 
     std::vector<float> row_loss(rows, 0.0f);
     const std::vector<float> original = logits;

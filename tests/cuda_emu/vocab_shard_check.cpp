@@ -12,6 +12,7 @@
 #include "common.cuh"
 #include "cast.cu"
 #include "loss.cu"
+#include "loss_reference.h"
 // clang-format on
 
 int main() {
@@ -26,18 +27,8 @@ int main() {
     // Targets in each shard, at shard edges, and one ignored.
     std::vector<u32> targets = {0, 399, 400, TITAN_IGNORE_INDEX, 749, 750, 999};
 
-    std::vector<double> want_loss(rows), want_grad(logits.size(), 0.0);
-    for (int r = 0; r < rows; ++r) {
-        if (targets[r] == TITAN_IGNORE_INDEX) continue;
-        const float* row = &logits[(size_t)r * vocab];
-        double m = -INFINITY, z = 0.0;
-        for (int j = 0; j < vocab; ++j) m = std::max(m, (double)row[j]);
-        for (int j = 0; j < vocab; ++j) z += std::exp(row[j] - m);
-        want_loss[r] = m + std::log(z) - row[targets[r]];
-        for (int j = 0; j < vocab; ++j)
-            want_grad[(size_t)r * vocab + j] =
-                grad_scale * (std::exp(row[j] - m) / z - (j == (int)targets[r] ? 1.0 : 0.0));
-    }
+    const LossReference want = reference_cross_entropy(logits, rows, vocab, targets, grad_scale);
+    const std::vector<double>&want_loss = want.loss, &want_grad = want.grad;
 
     // Each shard's logits as its rank holds them: [rows, width].
     std::vector<std::vector<float>> shard_logits(3);
