@@ -136,6 +136,13 @@ fn stage_transfers_the_vocabulary_parallel_loss_and_muon_stay_on_the_device_road
     assert_eq!(copies_per_step(&tp, true), (0.0, 0.0), "TP 2, device road");
     // Muon's exchange of whole matrices: packed on the device, the all-to-alls on the job group's.
     let muon = ["--optimizer.name", "Muon"];
-    assert!(copies_per_step(&muon, false).0 > 0.0, "Muon FSDP 2, host road");
-    assert_eq!(copies_per_step(&muon, true), (0.0, 0.0), "Muon FSDP 2, device road");
+    assert!(
+        copies_per_step(&muon, false).0 > 0.0,
+        "Muon FSDP 2, host road"
+    );
+    assert_eq!(
+        copies_per_step(&muon, true),
+        (0.0, 0.0),
+        "Muon FSDP 2, device road"
+    );
 }
