@@ -417,6 +417,13 @@ fn nccl_check() -> Result<()> {
     if be.download(&received) != values {
         failures.push("all_to_all");
     }
+    // TP's vocabulary-parallel loss: the row maxima through `ncclMax` (one rank: unchanged).
+    let mut maxima = be.upload(&values);
+    let max = crate::comm::device_group::DeviceGroup::start_all_reduce_max(&g, &be, &mut maxima)?;
+    crate::comm::device_group::DeviceGroup::wait(&g, max)?;
+    if be.download(&maxima) != values {
+        failures.push("all_reduce_max");
+    }
     // FSDP's queue on NCCL, with HSDP's all-reduce across replicas after each reduce-scatter (two
     // more one-rank groups): collectives finish in the order they started, each with its output.
     let shard = NcclGroup::connect(&store, "nccl-check-shard", 0, 1, &be, t, t)?;
