@@ -79,6 +79,11 @@ pub trait DevicePeers<B: Backend>: Send + Sync {
     /// Receives the next buffer group rank `peer` sends this rank into `buf` (its length), within
     /// the group's timeout.
     fn recv(&self, be: &B, buf: &mut B::Buf, peer: usize) -> Result<()>;
+    /// Whether this rank has a channel to group rank `peer` each way (NCCL's join ring
+    /// neighbours only).
+    fn reaches(&self, _peer: usize) -> bool {
+        true
+    }
     /// Ends the channels after a failure.
     fn abort(&self);
 }

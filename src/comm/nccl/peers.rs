@@ -12,8 +12,9 @@
 //! computing.
 //!
 //! Which channels: titan's stages are placed in loops (`r → r + 1 mod size`) or in a V (back down
-//! from the last rank), so every transfer is between ring neighbours; a channel to any other rank
-//! is an error naming the pair. Every rank joins its channels in one global order (by the pair's
+//! from the last rank), so every transfer is between ring neighbours (a test of every schedule
+//! holds this); a custom schedule (`pipeline_parallel_schedule_csv`) that places consecutive
+//! stages on other ranks is refused at its first step, naming the ranks (`reaches`). Every rank joins its channels in one global order (by the pair's
 //! lower then higher rank, then direction), so no two ranks wait on each other's next channel.
 //!
 //! Each transfer is started after the compute queued so far (`NcclGroup::begin`: the buffer was
@@ -84,7 +85,7 @@ impl NcclPeers {
     fn channel(&self, from: usize, to: usize) -> Result<&NcclGroup> {
         self.channels.get(&(from, to)).ok_or_else(|| {
             anyhow!(
-                "pipeline group `{}`: no NCCL channel from rank {from} to rank {to} (channels join ring neighbours only; a titan bug if a schedule needs another)",
+                "pipeline group `{}`: no NCCL channel from rank {from} to rank {to} (channels join ring neighbours only)",
                 self.name
             )
         })
@@ -102,6 +103,11 @@ impl DevicePeers<CudaBackend> for NcclPeers {
         let channel = self.channel(peer, self.rank)?;
         let received = channel.start_recv(buf, 0)?;
         channel.wait(received)
+    }
+
+    fn reaches(&self, peer: usize) -> bool {
+        self.channels.contains_key(&(self.rank, peer))
+            && self.channels.contains_key(&(peer, self.rank))
     }
 
     fn abort(&self) {

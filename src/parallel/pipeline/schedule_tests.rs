@@ -236,3 +236,25 @@ fn too_few_microbatches_and_unknown_names_are_refused() {
     let e = ScheduleKind::parse("LoopedDFS").unwrap_err().to_string();
     assert!(e.contains("ZBVZeroBubble"), "{e}");
 }
+
+/// NCCL's pipeline channels join ring neighbours only (`comm::nccl::peers`): every built-in
+/// schedule, at every degree, transfers between pipeline ranks `r` and `r ± 1 mod p` alone.
+#[test]
+fn every_schedule_transfers_between_ring_neighbours_only() {
+    for (p, m) in [(2, 4), (3, 6), (4, 8), (5, 10), (8, 16)] {
+        for s in all(p, m) {
+            for from in 0..p {
+                for to in (0..p).filter(|&to| to != from) {
+                    let neighbours = (from + 1) % p == to || (to + 1) % p == from;
+                    let sends = crate::parallel::pipeline::transfer::sent_from_to(&s, from, to);
+                    assert!(
+                        neighbours || sends.is_empty(),
+                        "{} p {p}: rank {from} sends rank {to} {:?}",
+                        s.name,
+                        sends.first()
+                    );
+                }
+            }
+        }
+    }
+}

@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 
 use super::schedule::{Schedule, Work};
 use crate::backend::Backend;
@@ -246,6 +246,15 @@ impl<'g, B: Backend> Carrier<'g, B> {
         }
     }
 
+    /// Whether transfers both ways with pipeline rank `peer` can travel (device channels join
+    /// only some pairs).
+    fn reaches(&self, peer: usize) -> bool {
+        match self {
+            Carrier::Host(_) => true,
+            Carrier::Device(device) => device.reaches(peer),
+        }
+    }
+
     /// After a failed transfer: device channels may hold work that will never complete.
     fn abort(&self) {
         if let Carrier::Device(device) = self {
@@ -275,6 +284,16 @@ pub fn with_transfers<B: Backend, T>(
         .iter()
         .map(|&p| (p, sent_from_to(schedule, p, me)))
         .collect();
+    for &peer in &peers {
+        let exchanges = !incoming[&peer].is_empty() || !sent_from_to(schedule, me, peer).is_empty();
+        if exchanges && !carrier.reaches(peer) {
+            bail!(
+                "pipeline: schedule {} moves activations or gradients between pipeline ranks {me} and {peer}, which the device's channels do not join (NCCL's join neighbouring ranks, r and r + 1 mod {}): place consecutive stages on neighbouring ranks, or run with TITAN_NCCL=off",
+                schedule.name,
+                schedule.ranks()
+            );
+        }
+    }
     let position = incoming
         .values()
         .flat_map(|list| list.iter().enumerate().map(|(k, &t)| (t, k)))
