@@ -355,6 +355,7 @@ fn train_parity(a: &CheckArgs, tolerance: f64) -> Result<TrainParity> {
 
 fn nccl_check() -> Result<()> {
     use crate::backend::Backend;
+    use crate::comm::device_group::DeviceGroup;
     use crate::comm::group::ReduceOp;
     use crate::comm::nccl::NcclGroup;
     use crate::comm::queue::{CollectiveQueue, DeviceQueue};
@@ -419,8 +420,8 @@ fn nccl_check() -> Result<()> {
     }
     // TP's vocabulary-parallel loss: the row maxima through `ncclMax` (one rank: unchanged).
     let mut maxima = be.upload(&values);
-    let max = crate::comm::device_group::DeviceGroup::start_all_reduce_max(&g, &be, &mut maxima)?;
-    crate::comm::device_group::DeviceGroup::wait(&g, max)?;
+    let max = DeviceGroup::start_all_reduce_max(&g, &be, &mut maxima)?;
+    DeviceGroup::wait(&g, max)?;
     if be.download(&maxima) != values {
         failures.push("all_reduce_max");
     }

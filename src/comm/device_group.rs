@@ -26,9 +26,9 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
-use super::group::ProcessGroup;
+use super::group::{ProcessGroup, ReduceOp};
 use crate::backend::Backend;
 
 /// A collective started on a device group and not yet waited for (`DeviceGroup::wait`). Its
@@ -114,4 +114,50 @@ pub fn attach<B: Backend>(group: &dyn ProcessGroup, device: Arc<dyn DeviceGroup<
     group
         .device_slot()
         .is_some_and(|slot| slot.set(Arc::new(device)).is_ok())
+}
+
+/// A blocking all-to-all of `input` over `group` with uneven splits (`DeviceGroup::
+/// start_all_to_all`'s layout): on the group's device communicator when it carries one for `B`,
+/// else through the host (downloaded, the host transport, uploaded). Expert parallelism's rows and
+/// Muon's pieces travel through it.
+pub fn all_to_all_on<B: Backend>(
+    be: &B,
+    group: &dyn ProcessGroup,
+    input: B::Buf,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+) -> Result<B::Buf> {
+    let received = recv_counts.iter().sum();
+    if let Some(device) = device_of::<B>(group) {
+        let mut output = be.uninit(received);
+        let pending = device.start_all_to_all(be, &input, send_counts, &mut output, recv_counts)?;
+        device.wait(pending)?;
+        return Ok(output);
+    }
+    let input = be.download_owned(input);
+    let mut output = vec![0.0f32; received];
+    group.all_to_all(&input, send_counts, &mut output, recv_counts)?;
+    Ok(be.upload_owned(output))
+}
+
+/// A blocking sum or maximum of `buf` over `group`, in place: on the group's device communicator
+/// when it carries one for `B`, else through the host.
+pub fn all_reduce_on<B: Backend>(
+    be: &B,
+    group: &dyn ProcessGroup,
+    buf: &mut B::Buf,
+    op: ReduceOp,
+) -> Result<()> {
+    if let Some(device) = device_of::<B>(group) {
+        let pending = match op {
+            ReduceOp::Sum => device.start_all_reduce_each(be, vec![buf])?,
+            ReduceOp::Max => device.start_all_reduce_max(be, buf)?,
+            ReduceOp::Avg => bail!("`{}`: device groups sum or take maxima only", group.name()),
+        };
+        return device.wait(pending);
+    }
+    let mut values = be.download(buf);
+    group.all_reduce(&mut values, op)?;
+    *buf = be.upload_owned(values);
+    Ok(())
 }

@@ -24,10 +24,16 @@ pub struct Recorded<D: ?Sized> {
     record: Arc<GroupRecord>,
 }
 
-/// The flight recorder's buffer for the device communicator of `group`, when the recorder is on.
-fn device_record(group: &dyn ProcessGroup) -> Option<Arc<GroupRecord>> {
-    let host = group.flight_record()?;
-    for_group(&format!("{}/device", host.name()), host.ranks())
+/// `inner` wrapped in the flight recorder's buffer for the device communicator of `group`, or
+/// `inner` itself when the recorder is off.
+fn wrap<D: ?Sized>(group: &dyn ProcessGroup, inner: Arc<D>) -> Result<Recorded<D>, Arc<D>> {
+    let Some(host) = group.flight_record() else {
+        return Err(inner);
+    };
+    match for_group(&format!("{}/device", host.name()), host.ranks()) {
+        Some(record) => Ok(Recorded { inner, record }),
+        None => Err(inner),
+    }
 }
 
 /// `device`, recorded when the flight recorder is on.
@@ -35,13 +41,7 @@ pub fn recorded<B: Backend>(
     group: &dyn ProcessGroup,
     device: Arc<dyn DeviceGroup<B>>,
 ) -> Arc<dyn DeviceGroup<B>> {
-    match device_record(group) {
-        Some(record) => Arc::new(Recorded {
-            inner: device,
-            record,
-        }),
-        None => device,
-    }
+    wrap(group, device).map_or_else(|device| device, |r| Arc::new(r))
 }
 
 /// `peers`, recorded when the flight recorder is on.
@@ -49,13 +49,7 @@ pub fn recorded_peers<B: Backend>(
     group: &dyn ProcessGroup,
     peers: Arc<dyn DevicePeers<B>>,
 ) -> Arc<dyn DevicePeers<B>> {
-    match device_record(group) {
-        Some(record) => Arc::new(Recorded {
-            inner: peers,
-            record,
-        }),
-        None => peers,
-    }
+    wrap(group, peers).map_or_else(|peers| peers, |r| Arc::new(r))
 }
 
 /// A recorded collective in flight: the inner group's (None when the fault drill skipped it).

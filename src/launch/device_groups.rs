@@ -22,7 +22,9 @@ use super::Distributed;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::libs::CudaLib;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
 use crate::comm::device_group::{attach, attach_peers, DeviceGroup, DevicePeers};
+use crate::comm::group::ProcessGroup;
 use crate::comm::host_device::HostDeviceGroup;
 use crate::comm::recorded_device::{recorded, recorded_peers};
 
@@ -103,6 +105,32 @@ fn agree(
     })
 }
 
+type Group = Arc<dyn ProcessGroup>;
+
+/// Attaches, in the one order every rank follows, a device communicator made by `collectives` to
+/// each group of `RankGroups::device_capable(muon)`, then point-to-point channels made by `peers`
+/// to the pipeline group; each wrapped in the flight recorder when it is on.
+fn attach_road<B: Backend>(
+    d: &Distributed,
+    muon: bool,
+    collectives: impl Fn(&Group, &str) -> Result<Arc<dyn DeviceGroup<B>>>,
+    peers: impl Fn(&Group, &str) -> Result<Arc<dyn DevicePeers<B>>>,
+) -> Result<()> {
+    for (group, name) in d.groups.device_capable(muon) {
+        attach(
+            group.as_ref(),
+            recorded(group.as_ref(), collectives(group, name)?),
+        );
+    }
+    if let Some((group, name)) = d.groups.pipeline() {
+        attach_peers(
+            group.as_ref(),
+            recorded_peers(group.as_ref(), peers(group, name)?),
+        );
+    }
+    Ok(())
+}
+
 /// The collectives of a CPU rank: the host road (it takes part in the agreement all the same),
 /// or with `TITAN_DEVICE_COLLECTIVES=host` the device road run through the host.
 pub fn for_cpu(dist: Option<&Distributed>, muon: bool) -> Result<DeviceRoad> {
@@ -113,16 +141,12 @@ pub fn for_cpu(dist: Option<&Distributed>, muon: bool) -> Result<DeviceRoad> {
     match std::env::var("TITAN_DEVICE_COLLECTIVES").as_deref() {
         Err(_) | Ok("") => Ok(DeviceRoad::host()),
         Ok("host") => {
-            for (group, _) in d.groups.device_capable(muon) {
-                let device: Arc<dyn DeviceGroup<CpuBackend>> =
-                    Arc::new(HostDeviceGroup::new(group.clone()));
-                attach(group.as_ref(), recorded(group.as_ref(), device));
-            }
-            if let Some((group, _)) = d.groups.pipeline() {
-                let peers: Arc<dyn DevicePeers<CpuBackend>> =
-                    Arc::new(HostDeviceGroup::new(group.clone()));
-                attach_peers(group.as_ref(), recorded_peers(group.as_ref(), peers));
-            }
+            attach_road::<CpuBackend>(
+                d,
+                muon,
+                |group, _| Ok(Arc::new(HostDeviceGroup::new(group.clone()))),
+                |group, _| Ok(Arc::new(HostDeviceGroup::new(group.clone()))),
+            )?;
             Ok(DeviceRoad {
                 carrier: Some("host-run device groups"),
                 ranks_on_my_gpu: 1,
@@ -169,16 +193,12 @@ pub fn for_cuda(
             ranks_on_my_gpu,
         });
     }
-    for (group, name) in d.groups.device_capable(muon) {
-        let device: Arc<dyn DeviceGroup<CudaBackend>> =
-            Arc::new(d.nccl_over(group.as_ref(), name, be)?);
-        attach(group.as_ref(), recorded(group.as_ref(), device));
-    }
-    if let Some((group, name)) = d.groups.pipeline() {
-        let peers: Arc<dyn DevicePeers<CudaBackend>> =
-            Arc::new(d.nccl_peers_over(group.as_ref(), name, be)?);
-        attach_peers(group.as_ref(), recorded_peers(group.as_ref(), peers));
-    }
+    attach_road::<CudaBackend>(
+        d,
+        muon,
+        |group, name| Ok(Arc::new(d.nccl_over(group.as_ref(), name, be)?)),
+        |group, name| Ok(Arc::new(d.nccl_peers_over(group.as_ref(), name, be)?)),
+    )?;
     if d.rank == 0 && !quiet {
         outln!("collectives on the GPUs through NCCL ({} ranks)", d.world);
     }

@@ -17,7 +17,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use crate::backend::Backend;
-use crate::comm::device_group::device_of;
+use crate::comm::device_group::all_to_all_on;
 use crate::comm::group::ProcessGroup;
 use crate::model::crossings::expert::ExpertParallelOps;
 
@@ -72,21 +72,7 @@ impl<B: Backend> ExpertParallelOps<B> for ExpertParallelGroup {
         let start = Instant::now();
         let scaled = |c: &[usize]| c.iter().map(|&r| r * width).collect::<Vec<usize>>();
         let (send, recv) = (scaled(send), scaled(recv));
-        let received = recv.iter().sum::<usize>();
-        let output = match device_of::<B>(self.group.as_ref()) {
-            Some(device) => {
-                let mut output = be.uninit(received);
-                let pending = device.start_all_to_all(be, &rows, &send, &mut output, &recv)?;
-                device.wait(pending)?;
-                output
-            }
-            None => {
-                let input = be.download_owned(rows);
-                let mut output = vec![0.0f32; received];
-                self.group.all_to_all(&input, &send, &mut output, &recv)?;
-                be.upload_owned(output)
-            }
-        };
+        let output = all_to_all_on(be, self.group.as_ref(), rows, &send, &recv)?;
         self.exchange_nanos
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(output)

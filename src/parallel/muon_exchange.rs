@@ -23,7 +23,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 
 use crate::backend::Backend;
-use crate::comm::device_group::device_of;
+use crate::comm::device_group::all_to_all_on;
 use crate::comm::group::ProcessGroup;
 use crate::model::params::TpSharding;
 
@@ -306,19 +306,7 @@ impl MuonExchange {
             fill(t, &mut send, at);
             at += t.piece.hi - t.piece.lo;
         }
-        let received = recv_counts.iter().sum();
-        if let Some(device) = device_of::<B>(self.group.as_ref()) {
-            let mut out = be.uninit(received);
-            let pending =
-                device.start_all_to_all(be, &send, &send_counts, &mut out, &recv_counts)?;
-            device.wait(pending)?;
-            return Ok(out);
-        }
-        let send = be.download_owned(send);
-        let mut out = vec![0f32; received];
-        self.group
-            .all_to_all(&send, &send_counts, &mut out, &recv_counts)?;
-        Ok(be.upload_owned(out))
+        all_to_all_on(be, self.group.as_ref(), send, &send_counts, &recv_counts)
     }
 
     /// The whole shapes of the matrices this rank orthogonalises (the gathered matrices it holds

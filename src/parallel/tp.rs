@@ -37,7 +37,7 @@ use rayon::prelude::*;
 
 use super::amax::all_reduce_amax;
 use crate::backend::{Backend, LossSum, VocabShard, IGNORE_INDEX};
-use crate::comm::device_group::device_of;
+use crate::comm::device_group::{all_reduce_on, device_of};
 use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::queue::{queue_over, CollectiveQueue};
 use crate::model::crossings::tensor::{LossGrads, TensorParallelOps};
@@ -190,22 +190,7 @@ impl<B: Backend> TensorParallelGroup<B> {
     /// Row statistics summed (or maximised) over the group in place: on its device communicator
     /// when it carries one, else through the host.
     fn all_reduce_rows(&self, be: &B, buf: &mut B::Buf, op: ReduceOp) -> Result<()> {
-        if let Some(device) = device_of::<B>(self.group.as_ref()) {
-            return self.waiting(|| {
-                let pending = match op {
-                    ReduceOp::Max => device.start_all_reduce_max(be, buf)?,
-                    ReduceOp::Sum => device.start_all_reduce_each(be, vec![buf])?,
-                    ReduceOp::Avg => {
-                        return Err(anyhow!("tensor parallel: no averaged row statistics"))
-                    }
-                };
-                device.wait(pending)
-            });
-        }
-        let mut values = be.download(buf);
-        self.waiting(|| self.group.all_reduce(&mut values, op))?;
-        *buf = be.upload_owned(values);
-        Ok(())
+        self.waiting(|| all_reduce_on(be, self.group.as_ref(), buf, op))
     }
 
     /// `shard_losses` on gathered logits (loss parallel disabled), on the host.

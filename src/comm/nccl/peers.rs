@@ -14,8 +14,9 @@
 //! Which channels: titan's stages are placed in loops (`r → r + 1 mod size`) or in a V (back down
 //! from the last rank), so every transfer is between ring neighbours (a test of every schedule
 //! holds this); a custom schedule (`pipeline_parallel_schedule_csv`) that places consecutive
-//! stages on other ranks is refused at its first step, naming the ranks (`reaches`). Every rank joins its channels in one global order (by the pair's
-//! lower then higher rank, then direction), so no two ranks wait on each other's next channel.
+//! stages on other ranks is refused at its first step, naming the ranks (`reaches`). Every rank
+//! joins its channels in one global order (by the pair's lower then higher rank, then
+//! direction), so no two ranks wait on each other's next channel.
 //!
 //! Each transfer is started after the compute queued so far (`NcclGroup::begin`: the buffer was
 //! written by it) and waited for on the calling thread within the group's timeout (a dead peer is
