@@ -1,8 +1,8 @@
 //! The host↔device copy counter (`backend::transfers`) on the CPU backend, which counts the calls
 //! a GPU would make copies for: each upload and download once, with its bytes; device-side
-//! copies not at all. A dense model's forward and backward make none; a mixture of experts
-//! still makes its routing's (the router's logits to the host and their gradient back, per MoE
-//! block: issue 45 moves routing onto the device). Pipeline stage transfers and tensor
+//! copies not at all. A dense model's forward and backward make none; a mixture-of-experts block
+//! one, its experts' row counts (until its expert GEMMs read them on the device, issue 45), and
+//! with load balancing the expert bias's upload. Pipeline stage transfers and tensor
 //! parallelism (its vocabulary-parallel loss included) copy through the host on the host road and
 //! stay on the device on the device road.
 
@@ -77,21 +77,38 @@ fn copies_of_a_step(args: &ModelArgs) -> Transfers {
 }
 
 #[test]
-fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_its_routings() {
+fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_one_per_block() {
     assert_eq!(
         copies_of_a_step(&args_of("llama3", "debugmodel")),
         Transfers::default()
     );
-    let moe = args_of("qwen3", "debugmodel_moe");
-    let experts: Vec<usize> = (0..moe.n_layers)
-        .filter_map(|l| moe.moe_at(l).map(|m| m.router.num_experts))
-        .collect();
-    // Each MoE block: its router's logits (a row of experts per token) down, their gradient up.
-    let tokens = 2 * 16;
-    let bytes = experts.iter().map(|e| 2 * 4 * (tokens * e) as u64).sum();
-    let copies = 2 * experts.len() as u64;
-    assert!(copies > 0);
-    assert_eq!(copies_of_a_step(&moe), Transfers { copies, bytes });
+    // Each MoE block: its experts' row counts down (experts + 1 offsets), which size the experts'
+    // GEMMs on the host; routing, dispatch order, combine and the router's backward stay on the
+    // device. With load balancing, the expert bias goes up as well (it moves on the host between
+    // steps).
+    for (name, flavor, bias) in [
+        ("qwen3", "debugmodel_moe", false),
+        ("deepseek_v3", "debugmodel", true),
+    ] {
+        let moe = args_of(name, flavor);
+        assert_eq!(
+            moe.moe.is_some_and(|m| m.load_balance_coeff.is_some()),
+            bias,
+            "{name}"
+        );
+        let experts: Vec<u64> = (0..moe.n_layers)
+            .filter_map(|l| moe.moe_at(l).map(|m| m.router.num_experts as u64))
+            .collect();
+        assert!(!experts.is_empty(), "{name}");
+        let per_block = 1 + bias as u64;
+        let bytes = experts.iter().map(|e| 4 * (e + 1 + bias as u64 * e)).sum();
+        let copies = per_block * experts.len() as u64;
+        assert_eq!(
+            copies_of_a_step(&moe),
+            Transfers { copies, bytes },
+            "{name}"
+        );
+    }
 }
 
 /// Rank 0's host↔device copies and bytes per step (`titan bench train --json`) of a two-rank

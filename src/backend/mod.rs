@@ -9,11 +9,14 @@ pub mod cpu;
 pub mod crosscheck;
 pub mod cuda;
 pub mod float8;
+mod host_routing;
 pub mod profile;
+pub mod routing;
 pub mod transfers;
 
 pub use attention_types::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape};
 use float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
+use routing::{DispatchOrder, RoutedTokens, RouterArgs};
 
 /// The shape of one matrix product `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]` and how its operands
 /// are stored: `a` as `[m,k]`, or `[k,m]` when `trans_a`; `b` as `[k,n]`, or `[n,k]` when
@@ -450,14 +453,68 @@ pub trait Backend: Send + Sync + 'static {
         }
         *buf = self.upload_owned(host);
     }
-    /// The dot product of each row of `a` with the same row of `b` (`[rows, width]` each): the
-    /// gradient of a mixture-of-experts routing weight. Here through the host, as `scale_rows`.
-    fn row_dots(&self, a: &Self::Buf, b: &Self::Buf, width: usize) -> Vec<f32> {
+    /// `scale_rows` with the scales in a buffer (`[rows]`).
+    fn scale_rows_by(&self, buf: &mut Self::Buf, scales: &Self::Buf, width: usize) {
+        self.scale_rows(buf, &self.download(scales), width);
+    }
+    /// The dot product of each row of `a` with the same row of `b` (`[rows, width]` each), `[rows]`:
+    /// the gradient of a mixture-of-experts routing weight. Here through the host.
+    fn row_dots(&self, a: &Self::Buf, b: &Self::Buf, width: usize) -> Self::Buf {
         let (a, b) = (self.download(a), self.download(b));
-        a.chunks(width)
-            .zip(b.chunks(width))
-            .map(|(x, y)| x.iter().zip(y).map(|(x, y)| x * y).sum())
-            .collect()
+        let dots = a.chunks(width).zip(b.chunks(width));
+        self.upload_owned(
+            dots.map(|(x, y)| x.iter().zip(y).map(|(x, y)| x * y).sum())
+                .collect(),
+        )
+    }
+
+    // ---- Mixture of experts: routing and dispatch (`routing`; ids as u32 bits in buffers) ----
+    // These default to the host (`host_routing`); a device overrides them so that a block's
+    // routing never leaves it.
+    /// Every token's top-k experts and weights from the router's `logits` `[tokens, experts]`;
+    /// `bias` `[experts]` shifts the choice (`routing::route`).
+    fn moe_route(
+        &self,
+        logits: &Self::Buf,
+        bias: Option<&Self::Buf>,
+        args: &RouterArgs,
+    ) -> RoutedTokens<Self::Buf> {
+        host_routing::route(self, logits, bias, args)
+    }
+    /// The logits' gradient from the weights' (`dweights`, one per token and choice) and, with
+    /// the auxiliary loss, the normalised scores' (`routing::route_backward`).
+    fn moe_route_backward(
+        &self,
+        args: &RouterArgs,
+        scores_experts: (&Self::Buf, &Self::Buf),
+        dweights: &Self::Buf,
+        aux_grads: Option<&Self::Buf>,
+    ) -> Self::Buf {
+        host_routing::route_backward(self, args, scores_experts, dweights, aux_grads)
+    }
+    /// The chosen `experts`' rows grouped by expert (`routing::dispatch_order`).
+    fn moe_dispatch_order(
+        &self,
+        experts: &Self::Buf,
+        experts_top_k: (usize, usize),
+    ) -> DispatchOrder<Self::Buf> {
+        host_routing::dispatch_order(self, experts, experts_top_k)
+    }
+    /// `out[r] = table[ids[r]]` for rows of `width` (`embedding_forward` with ids in a buffer).
+    fn gather_rows(&self, out: &mut Self::Buf, table: &Self::Buf, ids: &Self::Buf, width: usize) {
+        let ids = routing::ids_of_bits(&self.download(ids));
+        self.embedding_forward(out, table, &ids, width);
+    }
+    /// `out[t] += rows[r]` for each of token `t`'s `top_k` dispatched rows (`row_of_slot`), in
+    /// increasing `r` (`routing::combine`).
+    fn moe_combine(
+        &self,
+        out: &mut Self::Buf,
+        rows: &Self::Buf,
+        row_of_slot: &Self::Buf,
+        top_k_width: (usize, usize),
+    ) {
+        host_routing::combine(self, out, rows, row_of_slot, top_k_width)
     }
 
     // ---- float8 (issue 28: emulated float8 GEMMs read fake-quantised operands) ----

@@ -29,6 +29,7 @@ use rayon::prelude::*;
 pub use super::profile::OpProfiler;
 
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
+use super::routing::{self, DispatchOrder, RoutedTokens, RouterArgs};
 use super::transfers::TransferCounter;
 use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard};
 
@@ -122,6 +123,62 @@ impl Backend for CpuBackend {
             .zip(b.par_chunks(width))
             .map(|(x, y)| fastmath::dot(x, y))
             .collect()
+    }
+    fn scale_rows_by(&self, buf: &mut Vec<f32>, scales: &Vec<f32>, width: usize) {
+        self.scale_rows(buf, scales, width);
+    }
+    fn moe_route(
+        &self,
+        logits: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        args: &RouterArgs,
+    ) -> RoutedTokens<Vec<f32>> {
+        let _timer = self.profiler.time("moe_route");
+        let r = routing::route(args, logits, bias.map(Vec::as_slice));
+        RoutedTokens {
+            experts: routing::ids_to_bits(&r.experts),
+            weights: r.weights,
+            scores: r.scores,
+        }
+    }
+    fn moe_route_backward(
+        &self,
+        args: &RouterArgs,
+        (scores, experts): (&Vec<f32>, &Vec<f32>),
+        dweights: &Vec<f32>,
+        aux_grads: Option<&Vec<f32>>,
+    ) -> Vec<f32> {
+        let _timer = self.profiler.time("moe_route_backward");
+        let chosen = routing::ids_of_bits(experts);
+        routing::route_backward(
+            args,
+            (scores, &chosen),
+            dweights,
+            aux_grads.map(Vec::as_slice),
+        )
+    }
+    fn moe_dispatch_order(
+        &self,
+        experts: &Vec<f32>,
+        (e, k): (usize, usize),
+    ) -> DispatchOrder<Vec<f32>> {
+        let _timer = self.profiler.time("moe_dispatch_order");
+        routing::dispatch_order(&routing::ids_of_bits(experts), e, k)
+            .map(|ids| routing::ids_to_bits(&ids))
+    }
+    fn gather_rows(&self, out: &mut Vec<f32>, table: &Vec<f32>, ids: &Vec<f32>, width: usize) {
+        let _timer = self.profiler.time("gather_rows");
+        embedding::embedding_forward(out, table, &routing::ids_of_bits(ids), width);
+    }
+    fn moe_combine(
+        &self,
+        out: &mut Vec<f32>,
+        rows: &Vec<f32>,
+        row_of_slot: &Vec<f32>,
+        (k, width): (usize, usize),
+    ) {
+        let _timer = self.profiler.time("moe_combine");
+        routing::combine(out, rows, &routing::ids_of_bits(row_of_slot), k, width);
     }
     fn upload_owned(&self, data: Vec<f32>) -> Vec<f32> {
         self.transfers.record(data.len());

@@ -176,11 +176,9 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         let scales = self.random(rows, 2.0);
         let (mut rx, mut tx) = self.both(&x);
         let (ry, ty) = self.both(&y);
-        let (rd, td) = (
-            self.reference.row_dots(&rx, &ry, width),
-            self.test.row_dots(&tx, &ty, width),
-        );
-        self.record("row_dots", &td, &rd, self.tol.exact);
+        let rd = self.reference.row_dots(&rx, &ry, width);
+        let td = self.test.row_dots(&tx, &ty, width);
+        self.compare("row_dots", &rd, &td, self.tol.exact);
         self.reference.scale_rows(&mut rx, &scales, width);
         self.test.scale_rows(&mut tx, &scales, width);
         self.compare("scale_rows", &rx, &tx, self.tol.exact);

@@ -223,7 +223,7 @@ impl<B: Backend> Decoder<B> {
         l: usize,
         stats: &mut ExpertStats,
     ) -> f32 {
-        stats.count_routing(l, &moe_acts.routing.experts);
+        stats.count_load(l, &moe_acts.load);
         match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
             (Some(aux), Some(coef)) => {
                 let share = (self.local.tp * self.local.cp) as f64;

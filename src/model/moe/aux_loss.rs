@@ -19,7 +19,7 @@
 
 use anyhow::Result;
 
-use super::router::{normalised, RouterArgs, Routing};
+use super::router::{normalised, RouterArgs};
 
 /// Which sequence each of a rank's token rows belongs to, and how to sum per-sequence figures over
 /// the ranks holding the other rows of the same sequences.
@@ -42,17 +42,22 @@ pub struct AuxStats {
     seq_of: Vec<u32>,
 }
 
-/// `f`, `P` and `L_b` of every sequence of `rows` (collective over the ranks sharing them).
-pub fn forward(args: &RouterArgs, routing: &Routing, rows: SequenceRows) -> Result<AuxStats> {
+/// `f`, `P` and `L_b` of every sequence of `rows` (collective over the ranks sharing them), from
+/// the routing's chosen experts (`[tokens · top_k]`) and scores (`[tokens, experts]`).
+pub fn forward(
+    args: &RouterArgs,
+    (experts, scores): (&[u32], &[f32]),
+    rows: SequenceRows,
+) -> Result<AuxStats> {
     let (e, k, n) = (args.num_experts, args.top_k, rows.sequences);
     // Counts, then score sums, then tokens: one sum over the ranks.
     let mut figures = vec![0.0f32; 2 * n * e + n];
     for (t, &b) in rows.seq_of.iter().enumerate() {
         let b = b as usize;
-        for &x in &routing.experts[t * k..(t + 1) * k] {
+        for &x in &experts[t * k..(t + 1) * k] {
             figures[b * e + x as usize] += 1.0;
         }
-        let (s, _) = normalised(args, &routing.scores[t * e..(t + 1) * e]);
+        let (s, _) = normalised(args, &scores[t * e..(t + 1) * e]);
         for (sum, s) in figures[n * e + b * e..n * e + (b + 1) * e]
             .iter_mut()
             .zip(s)

@@ -32,6 +32,7 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::float8::Float8Recipe;
+use crate::backend::routing::{ids_of_bits, DispatchOrder, RoutedTokens};
 use crate::backend::Backend;
 use crate::model::bias;
 use crate::model::crossings::expert::ExpertParallelOps;
@@ -40,7 +41,7 @@ use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::Dispatch;
 use expert::{each_expert, swiglu_ffn, swiglu_ffn_backward, ExpertParams};
-use router::{route, route_backward, RouterArgs, Routing};
+use router::RouterArgs;
 
 /// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -242,11 +243,13 @@ impl MoeIds {
 
 /// What the forward keeps for the backward.
 pub struct MoeActs<B: Backend> {
-    pub routing: Routing,
-    /// The token of each dispatched row (rows in expert order) and its place `t·k + j` in the
-    /// routing.
-    pub rows: Vec<u32>,
-    pub slots: Vec<usize>,
+    /// Every token's choice, where the backend keeps it.
+    routed: RoutedTokens<B::Buf>,
+    /// The chosen rows grouped by expert, and each one's routing weight (`[rows]`).
+    order: DispatchOrder<B::Buf>,
+    row_weights: B::Buf,
+    /// The rows this rank routed to each expert (the step's load statistics).
+    pub load: Vec<usize>,
     /// Where the rows went to their experts and came back from (expert parallelism).
     dispatch: Dispatch,
     /// This rank's experts' input rows `[local rows, dim]` (in local expert order, rows
@@ -272,27 +275,6 @@ fn rows_of<B: Backend>(be: &B, x: &B::Buf, from: usize, rows: usize, width: usiz
     out
 }
 
-/// The routing's rows in expert order (stable: by token, then choice, within an expert).
-fn dispatch_order(routing: &Routing, num_experts: usize) -> (Vec<u32>, Vec<usize>, Vec<usize>) {
-    let mut offsets = vec![0usize; num_experts + 1];
-    for &e in &routing.experts {
-        offsets[e as usize + 1] += 1;
-    }
-    for e in 0..num_experts {
-        offsets[e + 1] += offsets[e];
-    }
-    let mut next = offsets.clone();
-    let n = routing.experts.len();
-    let (mut rows, mut slots) = (vec![0u32; n], vec![0usize; n]);
-    for (slot, &e) in routing.experts.iter().enumerate() {
-        let r = next[e as usize];
-        next[e as usize] += 1;
-        rows[r] = (slot / routing.top_k) as u32;
-        slots[r] = slot;
-    }
-    (rows, slots, offsets)
-}
-
 /// This rank's experts that got rows: each one's index and its block of the experts' input
 /// (first row and row count).
 fn local_blocks(dispatch: &Dispatch) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
@@ -302,11 +284,6 @@ fn local_blocks(dispatch: &Dispatch) -> impl Iterator<Item = (usize, usize, usiz
         .enumerate()
         .map(|(x, rows)| (dispatch.first_expert + x, rows[0], rows[1] - rows[0]))
         .filter(|&(_, _, count)| count > 0)
-}
-
-/// The routing weight of each dispatched row (`slots`: each row's place in the routing).
-fn row_weights(routing: &Routing, slots: &[usize]) -> Vec<f32> {
-    slots.iter().map(|&s| routing.weights[s]).collect()
 }
 
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
@@ -332,19 +309,31 @@ pub fn forward<B: Backend>(
     if let Some(b) = &ids.biases {
         bias::add(be, &mut logits, &params[b.router]);
     }
-    let routing = route(&m.router, &be.download(&logits), bias);
+    let (k, n) = (m.router.top_k, tokens * m.router.top_k);
+    // The expert bias lives on the host between steps (`Decoder::update_expert_bias`).
+    let bias = bias.map(|b| be.upload(b));
+    let routed = be.moe_route(&logits, bias.as_ref(), &m.router);
     let aux = match sequences {
-        Some(rows) => Some(aux_loss::forward(&m.router, &routing, rows)?),
+        Some(rows) => {
+            // The auxiliary loss's per-sequence sums are host math for now: its figures down.
+            let experts = ids_of_bits(&be.download(&routed.experts));
+            let scores = be.download(&routed.scores);
+            Some(aux_loss::forward(&m.router, (&experts, &scores), rows)?)
+        }
         None => None,
     };
-    let (rows, slots, offsets) = dispatch_order(&routing, e);
-    let counts: Vec<usize> = offsets.windows(2).map(|w| w[1] - w[0]).collect();
-    let dispatch = Dispatch::plan(ep, &counts)?;
-    let n = rows.len();
+    let order = be.moe_dispatch_order(&routed.experts, (e, k));
+    // The one copy of the block: each expert's row count, which sizes its GEMMs (and, under
+    // expert parallelism, the all-to-alls) on the host.
+    let offsets = ids_of_bits(&be.download(&order.offsets));
+    let load: Vec<usize> = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
+    let dispatch = Dispatch::plan(ep, &load)?;
+    let mut row_weights = be.uninit(n);
+    be.gather_rows(&mut row_weights, &routed.weights, &order.slots, 1);
     let mut x_sorted = be.uninit(n * d);
-    be.embedding_forward(&mut x_sorted, x, &rows, d);
+    be.gather_rows(&mut x_sorted, x, &order.rows, d);
     if m.score_before_experts {
-        be.scale_rows(&mut x_sorted, &row_weights(&routing, &slots), d);
+        be.scale_rows_by(&mut x_sorted, &row_weights, d);
     }
     let x_local = dispatch.to_experts(be, ep, x_sorted, d)?;
     let local_n = dispatch.local_rows();
@@ -376,13 +365,14 @@ pub fn forward<B: Backend>(
     // Combine: each row weighted (unless its input was), added back to its token.
     let mut weighted = rows_of(be, &y, 0, n, d);
     if !m.score_before_experts {
-        be.scale_rows(&mut weighted, &row_weights(&routing, &slots), d);
+        be.scale_rows_by(&mut weighted, &row_weights, d);
     }
-    be.embedding_backward(out, &weighted, &rows, d);
+    be.moe_combine(out, &weighted, &order.row_of_slot, (k, d));
     let acts = MoeActs {
-        routing,
-        rows,
-        slots,
+        routed,
+        order,
+        row_weights,
+        load,
         dispatch,
         x_local,
         gate,
@@ -455,9 +445,9 @@ pub fn backward<B: Backend>(
     ep: &dyn ExpertParallelOps<B>,
     aux_scale: f32,
 ) -> Result<()> {
-    let (d, e) = (m.dim, m.router.num_experts);
+    let (d, e, k) = (m.dim, m.router.num_experts, m.router.top_k);
     let tokens = be.len(x) / d;
-    let n = acts.rows.len();
+    let n = tokens * k;
     let unpacked = acts.unpacked(be);
     let [x_local, gate, up, act, y] = match &unpacked {
         Some([x_local, gate, up, act, y]) => [x_local, gate, up, act, y],
@@ -466,18 +456,13 @@ pub fn backward<B: Backend>(
     // Each row's output gradient: its token's, times its weight; the weight's own gradient is
     // that token's output gradient dotted with the row's unweighted output (or, when the weight
     // scaled the input, the input row's gradient dotted with the unweighted input row).
+    let order = &acts.order;
     let mut dy = be.uninit(n * d);
-    be.embedding_forward(&mut dy, dout, &acts.rows, d);
-    let weights = row_weights(&acts.routing, &acts.slots);
-    let mut dweights = vec![0.0f32; n];
-    let mut weight_grads = |dots: Vec<f32>| {
-        for (r, &slot) in acts.slots.iter().enumerate() {
-            dweights[slot] = dots[r];
-        }
-    };
+    be.gather_rows(&mut dy, dout, &order.rows, d);
+    let mut row_dots = None;
     if !m.score_before_experts {
-        weight_grads(be.row_dots(&dy, y, d));
-        be.scale_rows(&mut dy, &weights, d);
+        row_dots = Some(be.row_dots(&dy, y, d));
+        be.scale_rows_by(&mut dy, &acts.row_weights, d);
     }
     let dispatch = &acts.dispatch;
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
@@ -486,22 +471,22 @@ pub fn backward<B: Backend>(
     let mut dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
     if m.score_before_experts {
         let mut x_sorted = be.uninit(n * d);
-        be.embedding_forward(&mut x_sorted, x, &acts.rows, d);
-        weight_grads(be.row_dots(&dx_sorted, &x_sorted, d));
-        be.scale_rows(&mut dx_sorted, &weights, d);
+        be.gather_rows(&mut x_sorted, x, &order.rows, d);
+        row_dots = Some(be.row_dots(&dx_sorted, &x_sorted, d));
+        be.scale_rows_by(&mut dx_sorted, &acts.row_weights, d);
     }
-    be.embedding_backward(dx, &dx_sorted, &acts.rows, d);
+    be.moe_combine(dx, &dx_sorted, &order.row_of_slot, (k, d));
+    // Each choice's weight gradient, back in routing order.
+    let row_dots = row_dots.expect("one of the two branches computed the dots");
+    let mut dweights = be.uninit(n);
+    be.gather_rows(&mut dweights, &row_dots, &order.row_of_slot, 1);
     // The router: from the weights' gradient to the logits', then to its gate and the input.
     let aux_grads = acts
         .aux
         .as_ref()
-        .map(|a| aux_loss::score_grads(&m.router, a, aux_scale));
-    let dlogits = be.upload(&route_backward(
-        &m.router,
-        &acts.routing,
-        &dweights,
-        aux_grads.as_deref(),
-    ));
+        .map(|a| be.upload(&aux_loss::score_grads(&m.router, a, aux_scale)));
+    let routed = (&acts.routed.scores, &acts.routed.experts);
+    let dlogits = be.moe_route_backward(&m.router, routed, &dweights, aux_grads.as_ref());
     if let Some(b) = &ids.biases {
         bias::add_grad(be, &mut grads[b.router], &dlogits);
     }
@@ -708,11 +693,7 @@ mod tests {
             )
             .unwrap();
             // Every expert gets tokens, so every expert's gradient is checked.
-            assert!(
-                acts.routing.load(4).iter().all(|&l| l > 0),
-                "{:?}",
-                acts.routing.load(4)
-            );
+            assert!(acts.load.iter().all(|&l| l > 0), "{:?}", acts.load);
             let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
             let mut dx = vec![0.0; x.len()];
             backward(
@@ -753,19 +734,5 @@ mod tests {
                 });
             }
         }
-    }
-
-    #[test]
-    fn dispatch_orders_rows_by_expert_and_keeps_every_choice() {
-        let routing = Routing {
-            top_k: 2,
-            experts: vec![2, 0, 0, 1, 2, 1],
-            weights: vec![0.5; 6],
-            scores: vec![],
-        };
-        let (rows, slots, offsets) = dispatch_order(&routing, 3);
-        assert_eq!(offsets, [0, 2, 4, 6]);
-        assert_eq!(rows, [0, 1, 1, 2, 0, 2]);
-        assert_eq!(slots, [1, 2, 3, 5, 0, 4]);
     }
 }

@@ -23,10 +23,10 @@ impl ExpertStats {
         }
     }
 
-    /// Counts one routed token per entry of `experts` for block `l`.
-    pub fn count_routing(&mut self, l: usize, experts: &[u32]) {
-        for &e in experts {
-            self.load[l][e as usize] += 1;
+    /// Adds the rows block `l` routed to each expert (`load[e]`).
+    pub fn count_load(&mut self, l: usize, load: &[usize]) {
+        for (total, &rows) in self.load[l].iter_mut().zip(load) {
+            *total += rows as u64;
         }
     }
 

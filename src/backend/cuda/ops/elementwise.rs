@@ -111,17 +111,20 @@ impl CudaBackend {
     }
 
     pub(super) fn scale_rows_untimed(&self, buf: &mut Buf, scales: &[f32], width: usize) {
-        check_len("scale_rows", "buf", buf.len(), scales.len() * width);
-        let scales = self.upload(scales);
-        let width = width as i64;
-        launch_elementwise!(self, "scale_rows_f32", buf.len(), buf, &scales, &width);
+        self.scale_rows_by_untimed(buf, &self.upload(scales), width);
     }
 
-    pub(super) fn row_dots_untimed(&self, a: &Buf, b: &Buf, width: usize) -> Vec<f32> {
+    pub(super) fn scale_rows_by_untimed(&self, buf: &mut Buf, scales: &Buf, width: usize) {
+        check_len("scale_rows", "buf", buf.len(), scales.len() * width);
+        let width = width as i64;
+        launch_elementwise!(self, "scale_rows_f32", buf.len(), buf, scales, &width);
+    }
+
+    pub(super) fn row_dots_untimed(&self, a: &Buf, b: &Buf, width: usize) -> Buf {
         let rows = a.len() / width.max(1);
         check_len("row_dots", "a", a.len(), rows * width);
         check_len("row_dots", "b", b.len(), rows * width);
-        let mut out = self.alloc::<f32>(rows.max(1));
+        let mut out = self.uninit(rows);
         if rows > 0 {
             let cfg = LaunchConfig {
                 grid_dim: (rows.div_ceil(4) as u32, 1, 1),
@@ -140,11 +143,7 @@ impl CudaBackend {
                 &width_arg
             );
         }
-        let mut host = self
-            .to_host(&out)
-            .unwrap_or_else(|e| panic!("CUDA: reading row dots back failed: {e}"));
-        host.truncate(rows);
-        host
+        out
     }
 
     pub(super) fn sum_squares_untimed(&self, buf: &Buf) -> f64 {

@@ -38,6 +38,26 @@ impl CudaBackend {
         );
     }
 
+    /// `out[r] = table[ids[r]]` with the ids already on the device (a mixture of experts'
+    /// dispatch order, in range by construction: `moe_dispatch_order` writes them).
+    pub(super) fn gather_rows_untimed(&self, out: &mut Buf, table: &Buf, ids: &Buf, width: usize) {
+        let rows = ids.len();
+        check_len("gather_rows", "out", out.len(), rows * width);
+        if rows == 0 || width == 0 {
+            return;
+        }
+        let d = width as i32;
+        launch!(
+            self,
+            "embedding_forward",
+            rows_config(rows, row_threads(width).min(256)),
+            out,
+            table,
+            ids,
+            &d
+        );
+    }
+
     pub(super) fn embedding_backward_untimed(
         &self,
         dtable: &mut Buf,

@@ -228,6 +228,10 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("embedding_forward", self);
         self.embedding_forward_untimed(out, table, ids, dim);
     }
+    fn gather_rows(&self, out: &mut Buf, table: &Buf, ids: &Buf, width: usize) {
+        let _timer = self.profiler.time_on("gather_rows", self);
+        self.gather_rows_untimed(out, table, ids, width);
+    }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);
         self.embedding_backward_untimed(dtable, dout, ids, dim);
@@ -340,7 +344,11 @@ impl Backend for CudaBackend {
         let _timer = self.profiler.time_on("scale_rows", self);
         self.scale_rows_untimed(buf, scales, width);
     }
-    fn row_dots(&self, a: &Buf, b: &Buf, width: usize) -> Vec<f32> {
+    fn scale_rows_by(&self, buf: &mut Buf, scales: &Buf, width: usize) {
+        let _timer = self.profiler.time_on("scale_rows", self);
+        self.scale_rows_by_untimed(buf, scales, width);
+    }
+    fn row_dots(&self, a: &Buf, b: &Buf, width: usize) -> Buf {
         let _timer = self.profiler.time_on("row_dots", self);
         self.row_dots_untimed(a, b, width)
     }
