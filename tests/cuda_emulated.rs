@@ -96,6 +96,13 @@ fn loss_kernel_writes_its_bf16_gradient_as_the_rounded_f32_one_on_the_emulator()
 }
 
 #[test]
+fn moe_routing_dispatch_order_and_combine_kernels_match_their_references_on_the_emulator() {
+    // Four routers (experts, weights, scores, logits' gradient each), the dispatch order's four
+    // outputs, the combine.
+    run_check("routing_check.cpp", 21);
+}
+
+#[test]
 fn vocabulary_parallel_loss_kernels_match_whole_rows_on_the_emulator() {
     run_check("vocab_shard_check.cpp", 4);
 }

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
+use crate::backend::routing::{DispatchOrder, RoutedTokens, RouterArgs};
 use crate::backend::{
     AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard,
 };
@@ -100,6 +101,7 @@ mod matmul;
 mod multi_tensor;
 mod norm;
 mod rope;
+mod routing;
 mod vocab_shard;
 
 fn check_len(op: &str, what: &str, have: usize, need: usize) {
@@ -231,6 +233,38 @@ impl Backend for CudaBackend {
     fn gather_rows(&self, out: &mut Buf, table: &Buf, ids: &Buf, width: usize) {
         let _timer = self.profiler.time_on("gather_rows", self);
         self.gather_rows_untimed(out, table, ids, width);
+    }
+    fn moe_route(&self, logits: &Buf, bias: Option<&Buf>, args: &RouterArgs) -> RoutedTokens<Buf> {
+        let _timer = self.profiler.time_on("moe_route", self);
+        self.moe_route_untimed(logits, bias, args)
+    }
+    fn moe_route_backward(
+        &self,
+        args: &RouterArgs,
+        scores_experts: (&Buf, &Buf),
+        dweights: &Buf,
+        aux_grads: Option<&Buf>,
+    ) -> Buf {
+        let _timer = self.profiler.time_on("moe_route_backward", self);
+        self.moe_route_backward_untimed(args, scores_experts, dweights, aux_grads)
+    }
+    fn moe_dispatch_order(
+        &self,
+        experts: &Buf,
+        experts_top_k: (usize, usize),
+    ) -> DispatchOrder<Buf> {
+        let _timer = self.profiler.time_on("moe_dispatch_order", self);
+        self.moe_dispatch_order_untimed(experts, experts_top_k)
+    }
+    fn moe_combine(
+        &self,
+        out: &mut Buf,
+        rows: &Buf,
+        row_of_slot: &Buf,
+        top_k_width: (usize, usize),
+    ) {
+        let _timer = self.profiler.time_on("moe_combine", self);
+        self.moe_combine_untimed(out, rows, row_of_slot, top_k_width);
     }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);
