@@ -6,6 +6,7 @@
 mod attention;
 mod float8;
 mod gemm;
+mod routing;
 pub use float8::check_float8_gemms;
 
 use rand::{Rng, SeedableRng};
@@ -166,22 +167,6 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
             .rmsnorm_backward(&mut tdx, &mut tdw, &td, &tx, &tw, &tr, dim);
         self.compare("rmsnorm_backward dx", &rdx, &tdx, self.tol.exact);
         self.compare("rmsnorm_backward dweight", &rdw, &tdw, self.tol.exact);
-    }
-
-    /// A mixture of experts' row ops: the combine's row scaling and the weights' gradient dots.
-    fn moe_row_ops(&mut self) {
-        let (rows, width) = (37, 70);
-        let x = self.random(rows * width, 1.0);
-        let y = self.random(rows * width, 1.0);
-        let scales = self.random(rows, 2.0);
-        let (mut rx, mut tx) = self.both(&x);
-        let (ry, ty) = self.both(&y);
-        let rd = self.reference.row_dots(&rx, &ry, width);
-        let td = self.test.row_dots(&tx, &ty, width);
-        self.compare("row_dots", &rd, &td, self.tol.exact);
-        self.reference.scale_rows(&mut rx, &scales, width);
-        self.test.scale_rows(&mut tx, &scales, width);
-        self.compare("scale_rows", &rx, &tx, self.tol.exact);
     }
 
     fn swiglu_and_elementwise(&mut self) {
@@ -634,6 +619,7 @@ pub fn check_ops<R: Backend, T: Backend>(
         ),
         ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),
         ("mixture-of-experts row ops", Box::new(|c| c.moe_row_ops())),
+        ("mixture-of-experts routing", Box::new(|c| c.moe_routing())),
         ("cross_entropy", Box::new(|c| c.cross_entropy())),
         (
             "vocabulary-parallel loss",

@@ -1,0 +1,148 @@
+//! The mixture-of-experts checks of `crosscheck`: the row ops of the dispatch and combine
+//! (`row_dots`, `scale_rows`, `scale_rows_by`, `gather_rows`, `moe_combine`) and the routing
+//! (`moe_route` with softmax and with DeepSeek-V3's biased, group-limited sigmoid,
+//! `moe_route_backward` with the auxiliary loss's gradient, `moe_dispatch_order`). Ids must agree
+//! exactly; values within the fp32 tolerance (the routers' `exp`s are each device's).
+
+use super::Checker;
+use crate::backend::routing::{ids_of_bits, ids_to_bits, RouterArgs, ScoreFunc};
+use crate::backend::Backend;
+
+impl<R: Backend, T: Backend> Checker<'_, R, T> {
+    /// The same random values uploaded to both backends.
+    fn random_both(&mut self, n: usize, scale: f32) -> (R::Buf, T::Buf) {
+        let values = self.random(n, scale);
+        self.both(&values)
+    }
+
+    /// Records two buffers of ids (u32 bits) as numbers, which must be equal.
+    fn compare_ids(&mut self, op: &str, r: &R::Buf, t: &T::Buf) {
+        let values = |bits: Vec<f32>| -> Vec<f32> {
+            ids_of_bits(&bits).iter().map(|&id| id as f32).collect()
+        };
+        let rv = values(self.reference.download(r));
+        let tv = values(self.test.download(t));
+        let same = rv.len() == tv.len() && rv == tv;
+        self.record(op, &tv, &rv, 0.0);
+        if !same {
+            self.results.last_mut().expect("just recorded").passed = false;
+        }
+    }
+
+    /// The combine's row scaling and the weights' gradient dots, and the gather and combine
+    /// by ids on the device.
+    pub(super) fn moe_row_ops(&mut self) {
+        let (rows, width) = (37, 70);
+        let x = self.random(rows * width, 1.0);
+        let y = self.random(rows * width, 1.0);
+        let scales = self.random(rows, 2.0);
+        let (mut rx, mut tx) = self.both(&x);
+        let (ry, ty) = self.both(&y);
+        let rd = self.reference.row_dots(&rx, &ry, width);
+        let td = self.test.row_dots(&tx, &ty, width);
+        self.compare("row_dots", &rd, &td, self.tol.exact);
+        self.reference.scale_rows(&mut rx, &scales, width);
+        self.test.scale_rows(&mut tx, &scales, width);
+        self.compare("scale_rows", &rx, &tx, self.tol.exact);
+        let (rs, ts) = self.both(&scales);
+        self.reference.scale_rows_by(&mut rx, &rs, width);
+        self.test.scale_rows_by(&mut tx, &ts, width);
+        self.compare("scale_rows_by", &rx, &tx, self.tol.exact);
+        // Every row of `y` gathered once per choice of 2, then combined back per token.
+        let (tokens, k) = (rows, 2);
+        let order = self.ids(tokens * k, rows);
+        let (ri, ti) = self.both(&ids_to_bits(&order));
+        let (mut rg, mut tg) = (
+            self.reference.zeros(tokens * k * width),
+            self.test.zeros(tokens * k * width),
+        );
+        self.reference.gather_rows(&mut rg, &ry, &ri, width);
+        self.test.gather_rows(&mut tg, &ty, &ti, width);
+        self.compare("gather_rows", &rg, &tg, 0.0);
+        let mut slots: Vec<u32> = (0..(tokens * k) as u32).collect();
+        slots.reverse();
+        let (rslots, tslots) = self.both(&ids_to_bits(&slots));
+        self.reference
+            .moe_combine(&mut rx, &rg, &rslots, (k, width));
+        self.test.moe_combine(&mut tx, &tg, &tslots, (k, width));
+        self.compare("moe_combine", &rx, &tx, 0.0);
+    }
+
+    /// The router forward and backward under two routers, and the dispatch order.
+    pub(super) fn moe_routing(&mut self) {
+        let tokens = 61;
+        let softmax = RouterArgs {
+            num_experts: 16,
+            top_k: 2,
+            score_func: ScoreFunc::Softmax,
+            norm_topk_prob: true,
+            route_scale: 1.0,
+            groups: None,
+        };
+        let deepseek = RouterArgs {
+            num_experts: 32,
+            top_k: 4,
+            score_func: ScoreFunc::Sigmoid,
+            route_scale: 2.5,
+            groups: Some((8, 3)),
+            ..softmax
+        };
+        for (name, args, with_bias) in [
+            ("softmax", softmax, false),
+            ("sigmoid groups", deepseek, true),
+        ] {
+            let e = args.num_experts;
+            let (rl, tl) = self.random_both(tokens * e, 3.0);
+            let bias = self.random(e, 0.05);
+            let (rb, tb) = self.both(&bias);
+            let (rb, tb) = if with_bias {
+                (Some(&rb), Some(&tb))
+            } else {
+                (None, None)
+            };
+            let r = self.reference.moe_route(&rl, rb, &args);
+            let t = self.test.moe_route(&tl, tb, &args);
+            self.compare_ids(&format!("moe_route {name} experts"), &r.experts, &t.experts);
+            self.compare(
+                &format!("moe_route {name} weights"),
+                &r.weights,
+                &t.weights,
+                self.tol.exact,
+            );
+            self.compare(
+                &format!("moe_route {name} scores"),
+                &r.scores,
+                &t.scores,
+                self.tol.exact,
+            );
+            let (rdw, tdw) = self.random_both(tokens * args.top_k, 1.0);
+            let (rg, tg) = self.random_both(tokens * e, 0.3);
+            let rd =
+                self.reference
+                    .moe_route_backward(&args, (&r.scores, &r.experts), &rdw, Some(&rg));
+            let td = self
+                .test
+                .moe_route_backward(&args, (&t.scores, &t.experts), &tdw, Some(&tg));
+            self.compare(
+                &format!("moe_route_backward {name}"),
+                &rd,
+                &td,
+                self.tol.exact,
+            );
+            // The dispatch order of the reference's choice on both.
+            let experts = self.test.upload(&self.reference.download(&r.experts));
+            let ro = self
+                .reference
+                .moe_dispatch_order(&r.experts, (e, args.top_k));
+            let to = self.test.moe_dispatch_order(&experts, (e, args.top_k));
+            for (what, rb, tb) in [
+                ("rows", &ro.rows, &to.rows),
+                ("slots", &ro.slots, &to.slots),
+                ("row_of_slot", &ro.row_of_slot, &to.row_of_slot),
+                ("offsets", &ro.offsets, &to.offsets),
+            ] {
+                self.compare_ids(&format!("moe_dispatch_order {name} {what}"), rb, tb);
+            }
+        }
+    }
+}
