@@ -251,7 +251,7 @@ fn generation_routes_with_the_checkpoints_routing_bias() {
         let capacity = prompt.len() + 8;
         let mut model = Decoder::new(&be, args.clone(), capacity).unwrap();
         if with_bias {
-            model.set_expert_bias(&bias).unwrap();
+            model.set_expert_bias(&be, &bias).unwrap();
         }
         let mut cache = KvCache::new(&be, &args, capacity);
         let mut logits = model

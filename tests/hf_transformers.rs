@@ -545,7 +545,7 @@ print(json.dumps(out[0, ids.shape[1]:].tolist()))
     let mut model = Decoder::new(&be, args.clone(), seq).unwrap();
     // DeepSeek-V3's routing bias travels in the checkpoint's state, not among the weights.
     if let Some(bias) = &state.expert_bias {
-        model.set_expert_bias(bias).unwrap();
+        model.set_expert_bias(&be, bias).unwrap();
     }
     let mut ws = Workspace::new(&be, &args, batch, seq);
     let loss = model.loss(&be, &params, &mut ws, &tokens).unwrap();

@@ -1,8 +1,7 @@
 //! The host↔device copy counter (`backend::transfers`) on the CPU backend, which counts the calls
 //! a GPU would make copies for: each upload and download once, with its bytes; device-side
 //! copies not at all. A dense model's forward and backward make none; a mixture-of-experts block
-//! one, its experts' row counts (until its expert GEMMs read them on the device, issue 45), and
-//! with load balancing the expert bias's upload. Pipeline stage transfers and tensor
+//! one, its experts' row counts (until its expert GEMMs read them on the device, issue 45). Pipeline stage transfers and tensor
 //! parallelism (its vocabulary-parallel loss included) copy through the host on the host road and
 //! stay on the device on the device road.
 
@@ -84,8 +83,8 @@ fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_one_per_block() {
     );
     // Each MoE block: its experts' row counts down (experts + 1 offsets), which size the experts'
     // GEMMs on the host; routing, dispatch order, combine and the router's backward stay on the
-    // device. With load balancing, the expert bias goes up as well (it moves on the host between
-    // steps).
+    // device, and so does the expert bias (DeepSeek-V3's load balancing: uploaded when it moves,
+    // after a step, not by the blocks).
     for (name, flavor, bias) in [
         ("qwen3", "debugmodel_moe", false),
         ("deepseek_v3", "debugmodel", true),
@@ -100,9 +99,8 @@ fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_one_per_block() {
             .filter_map(|l| moe.moe_at(l).map(|m| m.router.num_experts as u64))
             .collect();
         assert!(!experts.is_empty(), "{name}");
-        let per_block = 1 + bias as u64;
-        let bytes = experts.iter().map(|e| 4 * (e + 1 + bias as u64 * e)).sum();
-        let copies = per_block * experts.len() as u64;
+        let bytes = experts.iter().map(|e| 4 * (e + 1)).sum();
+        let copies = experts.len() as u64;
         assert_eq!(
             copies_of_a_step(&moe),
             Transfers { copies, bytes },

@@ -113,7 +113,7 @@ fn generate_on<B: Backend>(be: &B, a: &GenerateArgs) -> Result<()> {
     // A mixture of experts routes with the bias its training left (auxiliary-loss-free load
     // balancing; a Hugging Face DeepSeek-V3's routing bias once imported).
     if let Some(bias) = &state.expert_bias {
-        model.set_expert_bias(bias)?;
+        model.set_expert_bias(be, bias)?;
     }
     let mut cache = KvCache::new(be, &args, capacity);
     let mut rng = ChaCha8Rng::seed_from_u64(a.seed);

@@ -420,7 +420,7 @@ fn param_state<B: Backend>(
         initial_expert_bias,
     } = start;
     if let Some(bias) = initial_expert_bias {
-        model.set_expert_bias(&bias)?;
+        model.set_expert_bias(be, &bias)?;
     }
     // bf16 mixed precision without FSDP: a compute copy of the parameters, rounded each step (FSDP
     // rounds while it packs its all-gathers instead).

@@ -452,7 +452,7 @@ fn receive_state<B: Backend>(
         }
     }
     if let Some(bias) = &meta.expert_bias {
-        parts.layout.model.set_expert_bias(bias)?;
+        parts.layout.model.set_expert_bias(be, bias)?;
     }
     parts.loader.restore(LoaderState {
         epoch: meta.epoch,

@@ -193,7 +193,7 @@ fn train_on<B: Backend>(
         }
         let moe = run.layout.moe_step_stats()?;
         if let Some(m) = &moe {
-            run.layout.model.update_expert_bias(&m.load);
+            run.layout.model.update_expert_bias(be, &m.load);
         }
         let times = (t0.elapsed().as_secs_f64(), data_time);
         run.losses.push((step, loss));
@@ -274,7 +274,7 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
         };
         let mut loader = open_loader(cfg, dp_rank, dp_size)?;
         let mut composed = compose_rank(be, cfg, &place)?;
-        let resume = Resume::of(&mut composed, &mut loader, &say)?;
+        let resume = Resume::of(be, &mut composed, &mut loader, &say)?;
         // A restarted generation (or a resumed run) says what it repeats; a fresh run does not
         // read an older run's metrics left in its dump folder.
         let restarted = std::env::var("TITAN_GENERATION").is_ok_and(|g| g != "0");
@@ -610,6 +610,7 @@ struct Resume {
 impl Resume {
     /// The data position and expert bias of the checkpoint the rank resumed from, restored.
     fn of<B: Backend>(
+        be: &B,
         rank: &mut ComposedRank<B>,
         loader: &mut DataLoader,
         say: &dyn Fn(String),
@@ -626,7 +627,7 @@ impl Resume {
             .restore(r.state.data)
             .map_err(|e| anyhow!("resuming from {}: {e:#}", state_file.display()))?;
         if let Some(bias) = &r.state.expert_bias {
-            rank.layout.model.set_expert_bias(bias)?;
+            rank.layout.model.set_expert_bias(be, bias)?;
         }
         say(format!(
             "resumed from {} (step {})",

@@ -72,6 +72,9 @@ pub struct Decoder<B: Backend> {
     /// after every step by `update_expert_bias`. (The step's expert load and auxiliary loss are
     /// counted in the workspaces: `Workspace::take_expert_stats`.)
     expert_bias: Vec<Vec<f32>>,
+    /// The same on the device, where the router reads it: uploaded when it moves (once per step),
+    /// not by every block's forward.
+    expert_bias_bufs: Vec<B::Buf>,
     /// Sequences in an optimizer step over the whole job (the global batch): the auxiliary loss is
     /// a mean over them.
     sequences_per_step: usize,
@@ -127,6 +130,7 @@ impl<B: Backend> Decoder<B> {
             tp,
             cp: Arc::new(SingleRank),
             ep: Arc::new(SingleRank),
+            expert_bias_bufs: expert_bias.iter().map(|b| backend.upload(b)).collect(),
             expert_bias,
             sequences_per_step: 1,
             rope_cos: backend.upload(&cos),
@@ -235,7 +239,7 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Restores the expert bias of a checkpoint (it must be this model's shape).
-    pub fn set_expert_bias(&mut self, saved: &[Vec<f32>]) -> Result<()> {
+    pub fn set_expert_bias(&mut self, be: &B, saved: &[Vec<f32>]) -> Result<()> {
         let bias = &mut self.expert_bias;
         let shape = |b: &[Vec<f32>]| b.iter().map(Vec::len).collect::<Vec<_>>();
         if shape(bias) != shape(saved) {
@@ -248,26 +252,29 @@ impl<B: Backend> Decoder<B> {
             );
         }
         *bias = saved.to_vec();
+        self.expert_bias_bufs = saved.iter().map(|b| be.upload(b)).collect();
         Ok(())
     }
 
     /// After a step: each block's bias moves `load_balance_coeff` toward the mean of `load`, the
     /// step's tokens per expert summed over the job (so every rank moves it alike).
-    pub fn update_expert_bias(&mut self, load: &[Vec<u64>]) {
+    pub fn update_expert_bias(&mut self, be: &B, load: &[Vec<u64>]) {
         let Some(coeff) = self.args.moe.and_then(|m| m.load_balance_coeff) else {
             return;
         };
         // A dense block has no experts to balance (its bias stays zero, unused).
-        for (layer, (b, l)) in self.expert_bias.iter_mut().zip(load).enumerate() {
+        let biases = self.expert_bias.iter_mut().zip(&mut self.expert_bias_bufs);
+        for (layer, ((b, buf), l)) in biases.zip(load).enumerate() {
             if self.args.moe_at(layer).is_some() {
                 moe::router::update_expert_bias(b, l, coeff);
+                *buf = be.upload(b);
             }
         }
     }
 
-    /// Block `l`'s routing bias, when load balancing is on.
-    fn block_expert_bias(&self, l: usize) -> Option<&[f32]> {
-        self.expert_bias.get(l).map(Vec::as_slice)
+    /// Block `l`'s routing bias on the device, when load balancing is on.
+    fn block_expert_bias(&self, l: usize) -> Option<&B::Buf> {
+        self.expert_bias_bufs.get(l)
     }
 
     /// The positions of each sequence this rank holds.

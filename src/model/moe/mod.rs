@@ -298,7 +298,7 @@ pub fn forward<B: Backend>(
     params: &[B::Buf],
     x: &B::Buf,
     out: &mut B::Buf,
-    bias: Option<&[f32]>,
+    bias: Option<&B::Buf>,
     ep: &dyn ExpertParallelOps<B>,
     sequences: Option<SequenceRows>,
 ) -> Result<MoeActs<B>> {
@@ -310,9 +310,7 @@ pub fn forward<B: Backend>(
         bias::add(be, &mut logits, &params[b.router]);
     }
     let (k, n) = (m.router.top_k, tokens * m.router.top_k);
-    // The expert bias lives on the host between steps (`Decoder::update_expert_bias`).
-    let bias = bias.map(|b| be.upload(b));
-    let routed = be.moe_route(&logits, bias.as_ref(), &m.router);
+    let routed = be.moe_route(&logits, bias, &m.router);
     let aux = match sequences {
         Some(rows) => {
             // The auxiliary loss's per-sequence sums are host math for now: its figures down.
