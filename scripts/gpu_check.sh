@@ -92,8 +92,10 @@ stage pp_cuda 40 "$BIN" train --nproc 2 $common --training.local_batch_size 8 --
 # K/V exchanged through the host (allgather, then alltoall); same loss as the `one` run above.
 rm -rf "$OUT_DIR/cp2" "$OUT_DIR/cp2_a2a"
 stage cp_cuda 50 sh -c "'$BIN' train --nproc 2 $common --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/cp2' && '$BIN' train --nproc 2 $common --training.local_batch_size 8 --parallelism.context_parallel_degree 2 --parallelism.context_parallel_rotate_method alltoall --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/cp2_a2a'"
-# Qwen3-MoE on CUDA (QK-norm, 8 experts top-2: the dispatch gathers and scatter-adds, the row ops
-# scale_rows and row_dots, the router on the host) against the same run on the CPU.
+# Qwen3-MoE on CUDA (QK-norm, 8 experts top-2: the routing kernels of kernels/routing.cu, the
+# dispatch order, the gathers and the combine on the device, one download of the experts' row
+# counts per block) against the same run on the CPU; `deepseek_cuda` below routes DeepSeek-V3's
+# biased, group-limited sigmoid router on the device too.
 rm -rf "$OUT_DIR/moe_gpu" "$OUT_DIR/moe_cpu"
 moe="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name qwen3 --model.flavor debugmodel_moe --training.local_batch_size 4"
 stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_folder '$OUT_DIR/moe_gpu' && '$BIN' train $moe --training.device cpu --job.dump_folder '$OUT_DIR/moe_cpu'"

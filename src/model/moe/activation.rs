@@ -2,9 +2,9 @@
 //! gpt-oss's clamped SwiGLU, `(clamp(up, ±limit) + 1) · g · σ(alpha · g)` with
 //! `g = min(gate, limit)` (transformers' `GptOssExperts._apply_gate`), forward and backward.
 //!
-//! The clamped form runs on the host, as the router and the combine's row scaling do
-//! (`Backend::scale_rows`): the experts run on the CPU only until MoE runs on the device
-//! (issue 45), and an elementwise op over `[rows, hidden]` is far below the experts' GEMMs.
+//! The clamped form runs on the host (a download and an upload on a device; no backend op of its
+//! own yet, issue 45): an elementwise op over `[rows, hidden]` is far below the experts' GEMMs,
+//! and gpt-oss has not run on a GPU.
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};

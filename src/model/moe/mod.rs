@@ -1,25 +1,28 @@
 //! The mixture-of-experts feed-forward (TorchTitan's `MoE`, Qwen3-MoE's and DeepSeek-V3's
-//! structure), forward and backward: a token-choice top-k router (`router`), routed SwiGLU experts
-//! computed on the token rows sorted by expert (no capacity limit: no token is dropped), and the
-//! expert bias of auxiliary-loss-free load balancing. Optional shared experts, which every token
+//! structure), forward and backward: a token-choice top-k router (`router`; the backend's
+//! `moe_route`), routed SwiGLU experts computed on the token rows sorted by expert (no capacity
+//! limit: no token is dropped), and the expert bias of auxiliary-loss-free load balancing. Optional shared experts, which every token
 //! goes through, are the block's SwiGLU (`FeedForwardIds::swiglu`, column- and row-parallel
 //! under TP like a dense feed-forward), not this layer's.
 //!
 //! `out += Σ_j w_tj · Expert_{e_tj}(x_t)` for every token `t`, where the router chose
-//! experts `e_tj` with weights `w_tj`. The dispatch gathers each token's row once per choice, in
-//! expert order (`Backend::embedding_forward` with the row order as ids); each expert's rows are
-//! one block, its three projections one GEMM each (a grouped GEMM as a loop over the experts,
-//! `expert`); the combine scales each row by its weight and adds it back to its token
-//! (`Backend::embedding_backward`, a scatter-add). The backward mirrors each step; the weights'
-//! gradient is each row's output dotted with the token's output gradient, and the router's is
-//! `router::route_backward`'s.
+//! experts `e_tj` with weights `w_tj`. The routing stays where the rows are: the choice, the
+//! dispatch order (`Backend::moe_dispatch_order`: each row's token and routing slot, ids in
+//! backend buffers) and each row's weight; the dispatch gathers each token's row once per choice
+//! in expert order (`Backend::gather_rows`); each expert's rows are one block, its three
+//! projections one GEMM each (a loop over the experts, `expert`, sized by the experts' row counts:
+//! the block's one download); the combine scales each row by its weight and adds it back to its
+//! token (`Backend::moe_combine`, in dispatch order). The backward mirrors each step; the
+//! weights' gradient is each row's output dotted with the token's output gradient
+//! (`Backend::row_dots`), and the router's is `Backend::moe_route_backward`'s.
 //!
 //! Under expert parallelism a rank holds some of the experts: the dispatched rows go to their
 //! experts' ranks and come back before the combine (`dispatch`, over `ExpertParallelOps`); with one
 //! rank nothing moves. Qwen3-MoE's, DeepSeek-V3's and gpt-oss's blocks run this layer
 //! (`model::decoder`, `FeedForwardIds::Moe`; gpt-oss's router and experts with biases and the
-//! clamped SwiGLU, `activation`). The sequence-wise auxiliary balance loss is `aux_loss`. Not
-//! built yet (issue 45): routing on the device, grouped GEMMs.
+//! clamped SwiGLU, `activation`). The sequence-wise auxiliary balance loss is `aux_loss` (host
+//! math over the downloaded scores). Not built yet (issue 45): grouped GEMMs reading the row
+//! counts on the device, which would leave the block no copy.
 
 pub mod activation;
 pub mod aux_loss;

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
+use crate::backend::host_routing;
 use crate::backend::routing::{DispatchOrder, RoutedTokens, RouterArgs};
 use crate::backend::{
     AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard,
@@ -236,7 +237,10 @@ impl Backend for CudaBackend {
     }
     fn moe_route(&self, logits: &Buf, bias: Option<&Buf>, args: &RouterArgs) -> RoutedTokens<Buf> {
         let _timer = self.profiler.time_on("moe_route", self);
-        self.moe_route_untimed(logits, bias, args)
+        match routing::fits_kernels(args.num_experts, args.top_k) {
+            true => self.moe_route_untimed(logits, bias, args),
+            false => host_routing::route(self, logits, bias, args),
+        }
     }
     fn moe_route_backward(
         &self,
@@ -246,7 +250,10 @@ impl Backend for CudaBackend {
         aux_grads: Option<&Buf>,
     ) -> Buf {
         let _timer = self.profiler.time_on("moe_route_backward", self);
-        self.moe_route_backward_untimed(args, scores_experts, dweights, aux_grads)
+        match routing::fits_kernels(args.num_experts, args.top_k) {
+            true => self.moe_route_backward_untimed(args, scores_experts, dweights, aux_grads),
+            false => host_routing::route_backward(self, args, scores_experts, dweights, aux_grads),
+        }
     }
     fn moe_dispatch_order(
         &self,
@@ -254,7 +261,10 @@ impl Backend for CudaBackend {
         experts_top_k: (usize, usize),
     ) -> DispatchOrder<Buf> {
         let _timer = self.profiler.time_on("moe_dispatch_order", self);
-        self.moe_dispatch_order_untimed(experts, experts_top_k)
+        match routing::fits_kernels(experts_top_k.0, experts_top_k.1) {
+            true => self.moe_dispatch_order_untimed(experts, experts_top_k),
+            false => host_routing::dispatch_order(self, experts, experts_top_k),
+        }
     }
     fn moe_combine(
         &self,
@@ -264,7 +274,10 @@ impl Backend for CudaBackend {
         top_k_width: (usize, usize),
     ) {
         let _timer = self.profiler.time_on("moe_combine", self);
-        self.moe_combine_untimed(out, rows, row_of_slot, top_k_width);
+        match routing::fits_kernels(0, top_k_width.0) {
+            true => self.moe_combine_untimed(out, rows, row_of_slot, top_k_width),
+            false => host_routing::combine(self, out, rows, row_of_slot, top_k_width),
+        }
     }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);

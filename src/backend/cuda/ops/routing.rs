@@ -1,7 +1,8 @@
 //! A mixture of experts' routing on the GPU (`Backend::moe_route`, `moe_route_backward`,
 //! `moe_dispatch_order`, `moe_combine`; kernels in `kernels/routing.cu`): the router's logits,
 //! the choice, the dispatch order and the combine stay on the device, ids as u32 values in f32
-//! buffers (`backend::routing`).
+//! buffers (`backend::routing`). A router of more than 512 experts or a top_k over 32 routes
+//! through the host defaults instead (`fits_kernels`).
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -18,15 +19,10 @@ const CHUNK: usize = 1024;
 /// Threads per block of the per-token kernels.
 const TOKEN_THREADS: usize = 128;
 
-/// Panics unless the kernels can route over `args` (a model this large routes on the host).
-fn check_router(op: &str, args: &RouterArgs) {
-    assert!(
-        args.num_experts <= MAX_EXPERTS && args.top_k <= MAX_TOP_K,
-        "{op}: the CUDA routing kernels take at most {MAX_EXPERTS} experts and top_k {MAX_TOP_K} \
-         (this router has {} and {})",
-        args.num_experts,
-        args.top_k
-    );
+/// Whether the kernels hold a router of `experts` experts choosing `top_k` (a larger one routes
+/// through the host defaults).
+pub(super) fn fits_kernels(experts: usize, top_k: usize) -> bool {
+    experts <= MAX_EXPERTS && (1..=MAX_TOP_K).contains(&top_k)
 }
 
 /// One thread per token.
@@ -61,7 +57,6 @@ impl CudaBackend {
         bias: Option<&Buf>,
         args: &RouterArgs,
     ) -> RoutedTokens<Buf> {
-        check_router("moe_route", args);
         let (e, k) = (args.num_experts, args.top_k);
         let tokens = logits.len() / e;
         check_len("moe_route", "logits", logits.len(), tokens * e);
@@ -107,7 +102,6 @@ impl CudaBackend {
         dweights: &Buf,
         aux_grads: Option<&Buf>,
     ) -> Buf {
-        check_router("moe_route_backward", args);
         let (e, k) = (args.num_experts, args.top_k);
         let tokens = scores.len() / e;
         check_len("moe_route_backward", "experts", experts.len(), tokens * k);
@@ -145,10 +139,6 @@ impl CudaBackend {
         experts: &Buf,
         (num_experts, top_k): (usize, usize),
     ) -> DispatchOrder<Buf> {
-        assert!(
-            num_experts <= MAX_EXPERTS && top_k > 0,
-            "moe_dispatch_order: at most {MAX_EXPERTS} experts (here {num_experts}), top_k > 0"
-        );
         let n = experts.len();
         let chunks = n.div_ceil(CHUNK);
         let mut order = DispatchOrder {
@@ -210,10 +200,6 @@ impl CudaBackend {
         row_of_slot: &Buf,
         (top_k, width): (usize, usize),
     ) {
-        assert!(
-            top_k > 0 && top_k <= MAX_TOP_K,
-            "moe_combine: top_k {top_k} outside 1..={MAX_TOP_K}"
-        );
         let tokens = out.len() / width.max(1);
         check_len(
             "moe_combine",
