@@ -261,6 +261,8 @@ pub fn fit(m: &Measured) -> Result<Device> {
         moe_efficiency: 1.0,
         // Fitted below from the float8 run; this rate where a stored calibration has none.
         float8_speedup: super::device::emulated_float8_speedup(),
+        // The calibrated `moe_efficiency` covers the experts' small GEMMs on the CPU.
+        grouped_gemm: None,
     };
     fit_parallel_costs(&mut device, m, &args)?;
     Ok(device)

@@ -146,10 +146,11 @@ impl Weighing<'_> {
         let split = |degree: usize, e: f64| if degree > 1 { e } else { 1.0 };
         let efficiency = split(l.tp, d.tp_efficiency) * split(l.cp, d.cp_efficiency) * moe;
         let forward = flops / 3.0 / (rate * efficiency);
+        let experts = self.grouped_gemm_extra_s(rate * efficiency, tokens);
         let overhead = self.device.compute.block_overhead_s * self.blocks_per_rank() / speedup;
         (
-            forward + overhead / 3.0,
-            forward * (2.0 + recompute) + overhead * 2.0 / 3.0,
+            forward + experts + overhead / 3.0,
+            (forward + experts) * (2.0 + recompute) + overhead * 2.0 / 3.0,
         )
     }
 

@@ -39,6 +39,26 @@ pub struct Compute {
     pub optimizer_s_per_param: f64,
 }
 
+/// How a GPU runs a mixture of experts' grouped GEMMs (`plan::experts`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct GroupedGemm {
+    /// Output rows per GEMM tile.
+    pub tile_rows: f64,
+    /// Achieved memory bandwidth reading weights, bytes per second.
+    pub weight_bytes_per_s: f64,
+}
+
+impl GroupedGemm {
+    /// 128-row tiles (cuBLAS's and CUTLASS's Hopper and Blackwell grouped kernels) and 80% of the
+    /// datasheet's memory bandwidth (`tb_per_s`), what a streaming read achieves.
+    const fn gpu(tb_per_s: f64) -> Self {
+        GroupedGemm {
+            tile_rows: 128.0,
+            weight_bytes_per_s: 0.8 * tb_per_s * 1e12,
+        }
+    }
+}
+
 /// A device kind and its links.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Device {
@@ -81,6 +101,10 @@ pub struct Device {
     /// docs/float8.md's debug model: step 1.24× with rowwise at 85% linear FLOPs).
     #[serde(default = "emulated_float8_speedup")]
     pub float8_speedup: f64,
+    /// A GPU's grouped expert GEMMs (tiles, weight reads); None on CPU ranks, whose calibrated
+    /// `moe_efficiency` stands for them.
+    #[serde(default)]
+    pub grouped_gemm: Option<GroupedGemm>,
 }
 
 /// `Device::float8_speedup` of CPU ranks: the emulated casts' measured cost.
@@ -114,6 +138,8 @@ fn h100() -> Device {
         cp_efficiency: 1.0,
         moe_efficiency: 1.0,
         float8_speedup: 1.43,
+        // HBM3: 3.35 TB/s.
+        grouped_gemm: Some(GroupedGemm::gpu(3.35)),
     }
 }
 
@@ -132,6 +158,8 @@ pub fn gpu(name: &str) -> Result<Device> {
                 optimizer_s_per_param: 28.0 / 4.8e12,
                 ..base.compute
             },
+            // HBM3e: 4.8 TB/s.
+            grouped_gemm: Some(GroupedGemm::gpu(4.8)),
             ..base
         },
         "b200" => Device {
@@ -145,6 +173,8 @@ pub fn gpu(name: &str) -> Result<Device> {
             },
             // NVLink 5: 900 GB/s a direction.
             intra: Link::new(10.0, 720.0),
+            // HBM3e: 8 TB/s.
+            grouped_gemm: Some(GroupedGemm::gpu(8.0)),
             ..base
         },
         other => bail!(

@@ -8,6 +8,7 @@
 pub mod calibrate;
 pub mod cost;
 pub mod device;
+mod experts;
 pub mod layout;
 
 use std::path::PathBuf;
