@@ -99,6 +99,10 @@ stage cp_cuda 50 sh -c "'$BIN' train --nproc 2 $common --training.local_batch_si
 rm -rf "$OUT_DIR/moe_gpu" "$OUT_DIR/moe_cpu"
 moe="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name qwen3 --model.flavor debugmodel_moe --training.local_batch_size 4"
 stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_folder '$OUT_DIR/moe_gpu' && '$BIN' train $moe --training.device cpu --job.dump_folder '$OUT_DIR/moe_cpu'"
+# The host↔device copies a step makes (`host_device_copies_per_step`): the MoE debug model against
+# the dense one of the same shapes; the difference must be one copy per MoE block (its experts' row
+# counts; the routing, dispatch order and combine stay on the GPU).
+stage moe_copies_cuda 60 sh -c "for f in debugmodel debugmodel_moe; do '$BIN' bench train --device cuda --precision float32 --config configs/qwen3_debugmodel.toml --flavor \$f --batch 2 --seq 128 --warmup 1 --steps 2 --json > '$OUT_DIR'/copies_\$f.json || exit 1; done"
 # Two GPUs or more (issue 45): the device road between GPUs, NCCL attached to the mesh groups,
 # each layout against one process (`one`, `moe_cpu` above). PP 2 (1F1B and ZBV) sends its stage
 # transfers over the pipeline group's NCCL channels (one communicator and stream per direction);
@@ -266,7 +270,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda documents_cuda documents_tc_cuda lora_cuda residual_bf16_cuda kept_bf16_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda moe_copies_cuda documents_cuda documents_tc_cuda lora_cuda residual_bf16_cuda kept_bf16_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -417,6 +421,15 @@ def against_cpu(folder, cpu_folder, what, precision="fp32", tolerance=1e-3):
         print(f"{what}: no result")
 def moe_report():
     against_cpu("moe_gpu", "moe_cpu", "Qwen3-MoE on CUDA")
+    dense, moe = load("copies_debugmodel.json"), load("copies_debugmodel_moe.json")
+    if dense and moe:
+        extra = moe["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
+        blocks = 6  # debugmodel_moe's MoE blocks
+        print(f"Qwen3-MoE on CUDA: {extra:.0f} host-device copies per step beyond the dense model's "
+              f"({dense['host_device_copies_per_step']:.0f}), {blocks} MoE blocks "
+              f"({'ok' if extra == blocks else 'FAIL: not one per block'})")
+    else:
+        print("Qwen3-MoE copies per step: no result")
     against_cpu("ep2_gpu", "moe_cpu", "Qwen3-MoE EP 2 on CUDA")
     if os.path.isdir(os.path.join(out, "nccl_ep2")):
         against_cpu("nccl_ep2", "moe_cpu", "Qwen3-MoE EP 2 on two GPUs over NCCL")
