@@ -149,13 +149,20 @@ extern "C" __global__ void moe_route_backward(float* dlogits, const float* score
     }
 }
 
+// Block c's chunk of the slots' experts, from slot `first`, into shared `chunk` (every thread of
+// the block calls it); returns the chunk's length.
+__device__ int moe_load_chunk(u32* chunk, const u32* experts, i64 first, i64 n) {
+    int len = (int)min((i64)TITAN_MOE_CHUNK, n - first);
+    for (int i = threadIdx.x; i < len; i += blockDim.x) chunk[i] = experts[first + i];
+    __syncthreads();
+    return len;
+}
+
 // Dispatch order, pass 1: block c counts each expert's slots in chunk c (`counts[c·E + e]`).
 extern "C" __global__ void moe_chunk_counts(u32* counts, const u32* experts, i64 n, int E) {
     __shared__ u32 chunk[TITAN_MOE_CHUNK];
     i64 first = (i64)blockIdx.x * TITAN_MOE_CHUNK;
-    int len = (int)min((i64)TITAN_MOE_CHUNK, n - first);
-    for (int i = threadIdx.x; i < len; i += blockDim.x) chunk[i] = experts[first + i];
-    __syncthreads();
+    int len = moe_load_chunk(chunk, experts, first, n);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         u32 count = 0;
         for (int i = 0; i < len; ++i) count += chunk[i] == (u32)e;
@@ -193,9 +200,7 @@ extern "C" __global__ void moe_place(u32* rows, u32* slots, u32* row_of_slot, co
                                      const u32* bases, i64 n, int E, int K) {
     __shared__ u32 chunk[TITAN_MOE_CHUNK];
     i64 first = (i64)blockIdx.x * TITAN_MOE_CHUNK;
-    int len = (int)min((i64)TITAN_MOE_CHUNK, n - first);
-    for (int i = threadIdx.x; i < len; i += blockDim.x) chunk[i] = experts[first + i];
-    __syncthreads();
+    int len = moe_load_chunk(chunk, experts, first, n);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         u32 r = bases[(i64)blockIdx.x * E + e];
         for (int i = 0; i < len; ++i) {
