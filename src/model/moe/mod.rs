@@ -1,9 +1,10 @@
 //! The mixture-of-experts feed-forward (TorchTitan's `MoE`, Qwen3-MoE's and DeepSeek-V3's
 //! structure), forward and backward: a token-choice top-k router (`router`; the backend's
 //! `moe_route`), routed SwiGLU experts computed on the token rows sorted by expert (no capacity
-//! limit: no token is dropped), and the expert bias of auxiliary-loss-free load balancing. Optional shared experts, which every token
-//! goes through, are the block's SwiGLU (`FeedForwardIds::swiglu`, column- and row-parallel
-//! under TP like a dense feed-forward), not this layer's.
+//! limit: no token is dropped), and the expert bias of auxiliary-loss-free load balancing.
+//! Optional shared experts, which every token goes through, are the block's SwiGLU
+//! (`FeedForwardIds::swiglu`, column- and row-parallel under TP like a dense feed-forward), not
+//! this layer's.
 //!
 //! `out += Σ_j w_tj · Expert_{e_tj}(x_t)` for every token `t`, where the router chose
 //! experts `e_tj` with weights `w_tj`. The routing stays where the rows are: the choice, the
@@ -460,25 +461,25 @@ pub fn backward<B: Backend>(
     let order = &acts.order;
     let mut dy = be.uninit(n * d);
     be.gather_rows(&mut dy, dout, &order.rows, d);
-    let mut row_dots = None;
-    if !m.score_before_experts {
-        row_dots = Some(be.row_dots(&dy, y, d));
+    let output_dots = (!m.score_before_experts).then(|| {
+        let dots = be.row_dots(&dy, y, d);
         be.scale_rows_by(&mut dy, &acts.row_weights, d);
-    }
+        dots
+    });
     let dispatch = &acts.dispatch;
     let dy_local = dispatch.to_experts(be, ep, dy, d)?;
     let saved = [x_local, gate, up, act];
     let dx_local = experts_backward(be, m, ids, (params, grads), saved, &dy_local, dispatch)?;
     let mut dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
-    if m.score_before_experts {
+    let row_dots = output_dots.unwrap_or_else(|| {
         let mut x_sorted = be.uninit(n * d);
         be.gather_rows(&mut x_sorted, x, &order.rows, d);
-        row_dots = Some(be.row_dots(&dx_sorted, &x_sorted, d));
+        let dots = be.row_dots(&dx_sorted, &x_sorted, d);
         be.scale_rows_by(&mut dx_sorted, &acts.row_weights, d);
-    }
+        dots
+    });
     be.moe_combine(dx, &dx_sorted, &order.row_of_slot, (k, d));
     // Each choice's weight gradient, back in routing order.
-    let row_dots = row_dots.expect("one of the two branches computed the dots");
     let mut dweights = be.uninit(n);
     be.gather_rows(&mut dweights, &row_dots, &order.row_of_slot, 1);
     // The router: from the weights' gradient to the logits', then to its gate and the input.
