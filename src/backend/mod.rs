@@ -2,7 +2,8 @@
 //!
 //! Layers above (model, train) only see `Backend` and its buffer type, so the CPU backend (the
 //! reference, always tested) and a CUDA backend are interchangeable. Shapes are explicit; buffers
-//! are contiguous row-major f32; token ids live on the host (a device backend uploads them).
+//! are contiguous row-major f32; token ids live on the host (a device backend uploads them), and a
+//! mixture of experts' ids (chosen experts, row orders) in buffers as `u32` bits (`routing`).
 
 mod attention_types;
 pub mod cpu;
