@@ -79,21 +79,9 @@ impl RouterArgs {
 /// weight; `scores` `[tokens, experts]` kept for the backward.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routing {
-    pub top_k: usize,
     pub experts: Vec<u32>,
     pub weights: Vec<f32>,
     pub scores: Vec<f32>,
-}
-
-impl Routing {
-    /// Tokens routed to each of `num_experts` experts.
-    pub fn load(&self, num_experts: usize) -> Vec<usize> {
-        let mut load = vec![0; num_experts];
-        for &e in &self.experts {
-            load[e as usize] += 1;
-        }
-        load
-    }
 }
 
 /// Added to the chosen scores' sum before renormalising (TorchTitan's).
@@ -165,7 +153,6 @@ pub fn route(args: &RouterArgs, logits: &[f32], bias: Option<&[f32]>) -> Routing
         }
     }
     Routing {
-        top_k: k,
         experts,
         weights,
         scores,
@@ -371,11 +358,18 @@ pub fn combine(out: &mut [f32], rows: &[f32], row_of_slot: &[u32], top_k: usize,
     out.par_chunks_mut(width)
         .zip(row_of_slot.par_chunks(top_k))
         .for_each(|(token, choices)| {
-            let mut order = choices.to_vec();
-            order.sort_unstable();
-            for r in order {
+            // The token's rows smallest first (a token's rows are distinct; top_k is small).
+            let mut after = None;
+            for _ in choices {
+                let next = choices
+                    .iter()
+                    .copied()
+                    .filter(|&r| after.is_none_or(|a| r > a))
+                    .min();
+                let Some(r) = next else { break };
                 let row = &rows[r as usize * width..(r as usize + 1) * width];
                 token.iter_mut().zip(row).for_each(|(o, x)| *o += x);
+                after = Some(r);
             }
         });
 }

@@ -9,6 +9,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::{check_len, Buf, KernelArg};
 use crate::backend::cuda::{rows_config, CudaBackend, CudaBuf};
 use crate::backend::routing::{DispatchOrder, RoutedTokens, RouterArgs, ScoreFunc};
+use crate::backend::Backend;
 
 /// The most experts and choices per token the kernels hold per thread (`TITAN_MOE_MAX_EXPERTS`,
 /// `TITAN_MOE_MAX_TOP_K` in the source).
@@ -46,11 +47,6 @@ fn router_flags(args: &RouterArgs) -> (i32, i32, i32, i32) {
 }
 
 impl CudaBackend {
-    /// A device buffer of `len` values the kernel writes in full.
-    fn written(&self, len: usize) -> Buf {
-        CudaBuf::new(self.alloc_unzeroed::<f32>(len), len)
-    }
-
     pub(super) fn moe_route_untimed(
         &self,
         logits: &Buf,
@@ -64,9 +60,9 @@ impl CudaBackend {
             check_len("moe_route", "bias", b.len(), e);
         }
         let mut routed = RoutedTokens {
-            experts: self.written(tokens * k),
-            weights: self.written(tokens * k),
-            scores: self.written(tokens * e),
+            experts: self.uninit(tokens * k),
+            weights: self.uninit(tokens * k),
+            scores: self.uninit(tokens * e),
         };
         if tokens > 0 {
             let (sigmoid, norm, groups, limited) = router_flags(args);
@@ -109,7 +105,7 @@ impl CudaBackend {
         if let Some(g) = aux_grads {
             check_len("moe_route_backward", "aux_grads", g.len(), tokens * e);
         }
-        let mut dlogits = self.written(tokens * e);
+        let mut dlogits = self.uninit(tokens * e);
         if tokens > 0 {
             let (sigmoid, norm, _, _) = router_flags(args);
             let (t, e, k) = (tokens as i32, e as i32, k as i32);
@@ -142,10 +138,10 @@ impl CudaBackend {
         let n = experts.len();
         let chunks = n.div_ceil(CHUNK);
         let mut order = DispatchOrder {
-            rows: self.written(n),
-            slots: self.written(n),
-            row_of_slot: self.written(n),
-            offsets: self.written(num_experts + 1),
+            rows: self.uninit(n),
+            slots: self.uninit(n),
+            row_of_slot: self.uninit(n),
+            offsets: self.uninit(num_experts + 1),
         };
         let mut counts = self.alloc_unzeroed::<u32>(chunks * num_experts);
         let mut bases = self.alloc_unzeroed::<u32>(chunks * num_experts);
