@@ -51,6 +51,10 @@ cases=(
   "muon_fsdp2|2|configs/debug_model.toml|--optimizer.name Muon"
   "muon_tp2_hsdp|4|configs/debug_model.toml|--optimizer.name Muon --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2"
   "pp2_zbv_ac_op|2|configs/debug_model.toml|--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule ZBVZeroBubble --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2 --model.n_layers 4 --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"
+  "gpt_oss_1proc|1|configs/gpt_oss_debugmodel.toml|--training.seq_len 128"
+  "float8_experts_1proc|1|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --model.converters quantize.grouped_mm.float8 --training.seq_len 128"
+  "moe_bf16_1proc|1|configs/qwen3_debugmodel.toml|--model.flavor debugmodel_moe --training.mixed_precision_param bfloat16 --training.seq_len 128"
+  "llama4_1proc|1|configs/llama4_debugmodel.toml|--training.seq_len 128"
   "pp2_mla_moe_ac_full|2|configs/deepseek_v3_debugmodel.toml|--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule Interleaved1F1B --training.local_batch_size 8 --parallelism.pipeline_parallel_microbatch_size 2 --activation_checkpoint.mode full --training.seq_len 128"
   "mistral_window_cp2|2|configs/mistral_debugmodel.toml|--model.sliding_window_size 48 --parallelism.context_parallel_degree 2"
 )

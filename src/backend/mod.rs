@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod crosscheck;
 pub mod cuda;
 pub mod float8;
+pub mod grouped_gemm;
 mod host_routing;
 pub mod profile;
 pub mod routing;
@@ -17,6 +18,7 @@ pub mod transfers;
 
 pub use attention_types::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape};
 use float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
+use grouped_gemm::GroupedGemm;
 use routing::{DispatchOrder, RoutedTokens, RouterArgs};
 
 /// The shape of one matrix product `out[m,n] (+)= op(a)[m,k] · op(b)[k,n]` and how its operands
@@ -516,6 +518,28 @@ pub trait Backend: Send + Sync + 'static {
         top_k_width: (usize, usize),
     ) {
         host_routing::combine(self, out, rows, row_of_slot, top_k_width)
+    }
+    /// Expert `e`'s rows `offsets[e]..offsets[e + 1]` of `out` (+)= the same rows of `a` times
+    /// `op(weights[e])` (`grouped_gemm`); here with the offsets on the host.
+    fn grouped_matmul(
+        &self,
+        out: &mut Self::Buf,
+        a: &Self::Buf,
+        weights_offsets: (&[&Self::Buf], &Self::Buf),
+        g: GroupedGemm,
+    ) {
+        grouped_gemm::matmul(self, out, a, weights_offsets, g)
+    }
+    /// `grads[e]` (`[n_out, k_in]`) += expert `e`'s rows of `dy`, transposed, times its rows of
+    /// `x`: the experts' weight gradients (`grouped_gemm`); here with the offsets on the host.
+    fn grouped_weight_grad(
+        &self,
+        grads: &mut [&mut Self::Buf],
+        dy_x: (&Self::Buf, &Self::Buf),
+        offsets: &Self::Buf,
+        n_out_k_in: (usize, usize),
+    ) {
+        grouped_gemm::weight_grad(self, grads, dy_x, offsets, n_out_k_in)
     }
 
     // ---- float8 (issue 28: emulated float8 GEMMs read fake-quantised operands) ----

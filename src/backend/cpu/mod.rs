@@ -29,6 +29,7 @@ use rayon::prelude::*;
 pub use super::profile::OpProfiler;
 
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
+use super::grouped_gemm::{self, GroupedGemm};
 use super::routing::{self, DispatchOrder, RoutedTokens, RouterArgs};
 use super::transfers::TransferCounter;
 use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard};
@@ -179,6 +180,27 @@ impl Backend for CpuBackend {
     ) {
         let _timer = self.profiler.time("moe_combine");
         routing::combine(out, rows, &routing::ids_of_bits(row_of_slot), k, width);
+    }
+    fn grouped_matmul(
+        &self,
+        out: &mut Vec<f32>,
+        a: &Vec<f32>,
+        (weights, offsets): (&[&Vec<f32>], &Vec<f32>),
+        g: GroupedGemm,
+    ) {
+        let _timer = self.profiler.time("grouped_matmul");
+        grouped_gemm::cpu_matmul(out, a, (weights, offsets), g, matmul::matmul);
+    }
+    fn grouped_weight_grad(
+        &self,
+        grads: &mut [&mut Vec<f32>],
+        dy_x: (&Vec<f32>, &Vec<f32>),
+        offsets: &Vec<f32>,
+        n_out_k_in: (usize, usize),
+    ) {
+        let _timer = self.profiler.time("grouped_weight_grad");
+        let dy_x = (dy_x.0.as_slice(), dy_x.1.as_slice());
+        grouped_gemm::cpu_weight_grad(grads, dy_x, offsets, n_out_k_in, matmul::matmul);
     }
     fn upload_owned(&self, data: Vec<f32>) -> Vec<f32> {
         self.transfers.record(data.len());

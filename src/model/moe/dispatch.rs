@@ -11,6 +11,7 @@
 
 use anyhow::Result;
 
+use crate::backend::routing::{ids_of_bits, ids_to_bits};
 use crate::backend::Backend;
 use crate::model::crossings::expert::ExpertParallelOps;
 
@@ -112,6 +113,104 @@ impl Dispatch {
             None => rows,
         };
         ep.all_to_all_rows(be, rows, &self.recv, &self.send, width)
+    }
+}
+
+/// Where a layer's dispatched rows are computed: on this rank (one expert-parallel rank: nothing
+/// moves, and the experts read the dispatch order's offsets where the backend keeps them), or by
+/// their experts' ranks (`Dispatch`, with the local experts' offsets uploaded for their GEMMs).
+pub enum ExpertRows<B: Backend> {
+    Here,
+    Group(Dispatch, B::Buf),
+}
+
+impl<B: Backend> ExpertRows<B> {
+    /// The plan for the rows the dispatch order `offsets` (`[experts + 1]`, u32 bits) groups by
+    /// expert: under expert parallelism their counts come to the host (they size the all-to-alls).
+    pub fn plan(be: &B, ep: &dyn ExpertParallelOps<B>, offsets: &B::Buf) -> Result<Self> {
+        if ep.degree() == 1 {
+            return Ok(ExpertRows::Here);
+        }
+        let offsets = ids_of_bits(&be.download(offsets));
+        let counts: Vec<usize> = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
+        let dispatch = Dispatch::plan(ep, &counts)?;
+        let local: Vec<u32> = dispatch.offsets.iter().map(|&o| o as u32).collect();
+        let local = be.upload_owned(ids_to_bits(&local));
+        Ok(ExpertRows::Group(dispatch, local))
+    }
+
+    /// The local experts' offsets into their input rows (u32 bits): the dispatch order's when
+    /// the rows stay here.
+    pub fn offsets<'a>(&'a self, order_offsets: &'a B::Buf) -> &'a B::Buf {
+        match self {
+            ExpertRows::Here => order_offsets,
+            ExpertRows::Group(_, local) => local,
+        }
+    }
+
+    /// The first local expert's global id.
+    pub fn first_expert(&self) -> usize {
+        match self {
+            ExpertRows::Here => 0,
+            ExpertRows::Group(d, _) => d.first_expert,
+        }
+    }
+
+    /// How many of a layer's `total` experts are this rank's.
+    pub fn local_experts(&self, total: usize) -> usize {
+        match self {
+            ExpertRows::Here => total,
+            ExpertRows::Group(d, _) => d.offsets.len() - 1,
+        }
+    }
+
+    /// Rows the local experts compute on, of `dispatched` this rank sent.
+    pub fn local_rows(&self, dispatched: usize) -> usize {
+        match self {
+            ExpertRows::Here => dispatched,
+            ExpertRows::Group(d, _) => d.local_rows(),
+        }
+    }
+
+    /// The local experts' blocks of rows on the host, (first row, count) each (a download of the
+    /// dispatch order's offsets when the rows stay here).
+    pub fn host_blocks(&self, be: &B, order_offsets: &B::Buf) -> Vec<(usize, usize)> {
+        let offsets: Vec<usize> = match self {
+            ExpertRows::Here => ids_of_bits(&be.download(order_offsets))
+                .into_iter()
+                .map(|o| o as usize)
+                .collect(),
+            ExpertRows::Group(d, _) => d.offsets.clone(),
+        };
+        offsets.windows(2).map(|w| (w[0], w[1] - w[0])).collect()
+    }
+
+    /// `Dispatch::to_experts`, or the rows as they are.
+    pub fn to_experts(
+        &self,
+        be: &B,
+        ep: &dyn ExpertParallelOps<B>,
+        rows: B::Buf,
+        width: usize,
+    ) -> Result<B::Buf> {
+        match self {
+            ExpertRows::Here => Ok(rows),
+            ExpertRows::Group(d, _) => d.to_experts(be, ep, rows, width),
+        }
+    }
+
+    /// `Dispatch::from_experts`, or the rows as they are.
+    pub fn from_experts(
+        &self,
+        be: &B,
+        ep: &dyn ExpertParallelOps<B>,
+        rows: B::Buf,
+        width: usize,
+    ) -> Result<B::Buf> {
+        match self {
+            ExpertRows::Here => Ok(rows),
+            ExpertRows::Group(d, _) => d.from_experts(be, ep, rows, width),
+        }
     }
 }
 

@@ -8,9 +8,11 @@ use rayon::prelude::*;
 
 use super::MoeShapes;
 use crate::backend::float8::LinearGemm;
-use crate::backend::Backend;
+use crate::backend::grouped_gemm::GroupedGemm;
+use crate::backend::{Backend, GemmOutput, GemmShape};
 use crate::model::bias;
-use crate::model::float8_linear::{Float8Casts, OnOneRank, SharedInput};
+use crate::model::float8_linear::{Float8Casts, OnOneRank};
+use crate::model::linear::Linear;
 
 /// One routed expert's parameters (or their gradients): `[w1, w2, w3]` and their biases when it
 /// has them.
@@ -19,49 +21,197 @@ pub(super) struct ExpertParams<T> {
     pub(super) b: Option<[T; 3]>,
 }
 
-/// `y = w2 · f(w1 · x + b1, w3 · x + b3) + b2` over `rows` rows (`f` the experts' activation;
-/// no biases but gpt-oss's), keeping gate, up and the activation's output.
+/// Which of an expert's three projections (its place in `[w1, w2, w3]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Proj {
+    Gate = 0,
+    Down = 1,
+    Up = 2,
+}
+
+/// This rank's experts over their rows (`[local rows, _]`, expert-major): each projection of every
+/// expert at once. Plain experts run one grouped GEMM per projection reading the offsets where
+/// the backend keeps them (`Backend::grouped_matmul`); float8 experts (each expert's operands cast
+/// with its own scales) and biased ones (gpt-oss) run one expert at a time on the host's blocks.
+pub(super) struct LocalExperts<'a, B: Backend> {
+    pub(super) params: Vec<ExpertParams<&'a B::Buf>>,
+    /// Local expert `x`'s rows are `offsets[x]..offsets[x + 1]` (`u32` bits, on the backend).
+    pub(super) offsets: &'a B::Buf,
+    /// The same as (first row, count) on the host, where the experts run one at a time.
+    pub(super) blocks: Option<Vec<(usize, usize)>>,
+}
+
+impl<'a, B: Backend> LocalExperts<'a, B> {
+    /// Whether experts of these shapes run one at a time (float8 casts or biases).
+    pub(super) fn one_at_a_time(m: &MoeShapes, biased: bool) -> bool {
+        m.experts_float8.is_some() || biased
+    }
+
+    fn weights(&self, p: Proj) -> Vec<&'a B::Buf> {
+        self.params.iter().map(|e| e.w[p as usize]).collect()
+    }
+
+    /// `(linear, d_in, d_out)` of projection `p`.
+    fn linear(m: &MoeShapes, p: Proj) -> Linear {
+        let (up_proj, down) = m.expert_linears();
+        match p {
+            Proj::Down => down,
+            _ => up_proj,
+        }
+    }
+
+    /// `f(e, first row, count)` for every local expert with rows (concurrently on the CPU).
+    fn each<T: Send>(
+        &self,
+        be: &B,
+        f: impl Fn(usize, usize, usize) -> Result<T> + Sync + Send,
+    ) -> Result<Vec<(usize, usize, T)>> {
+        let blocks = self.blocks.as_ref().expect("experts run one at a time");
+        let work: Vec<_> = blocks.iter().enumerate().filter(|(_, b)| b.1 > 0).collect();
+        each_expert(be, work, |(e, &(from, count))| {
+            f(e, from, count).map(|t| (from, count, t))
+        })
+        .into_iter()
+        .collect()
+    }
+
+    /// `out = x · Wᵀ + b` for each expert's rows.
+    fn forward(&self, be: &B, m: &MoeShapes, p: Proj, out: &mut B::Buf, x: &B::Buf) -> Result<()> {
+        let linear = Self::linear(m, p);
+        let (d_in, d_out) = (linear.d_in, linear.d_out);
+        if self.blocks.is_none() {
+            let g = GroupedGemm {
+                k: d_in,
+                n: d_out,
+                trans_b: true,
+                output: GemmOutput::Overwrite,
+            };
+            be.grouped_matmul(out, x, (&self.weights(p), self.offsets), g);
+            return Ok(());
+        }
+        let outputs = self.each(be, |e, from, count| {
+            let casts = expert_casts();
+            let xe = rows_of(be, x, from, count, d_in);
+            let w = self.params[e].w[p as usize];
+            let [xq, wq] = casts.operands(be, linear, LinearGemm::Output, (&xe, w), count)?;
+            let mut ye = be.uninit(count * d_out);
+            linear.forward(be, &mut ye, xq.buf(), wq.buf(), count);
+            if let Some(b) = self.params[e].b {
+                bias::add(be, &mut ye, b[p as usize]);
+            }
+            Ok(ye)
+        })?;
+        for (from, count, ye) in outputs {
+            be.copy_range(out, from * d_out, &ye, 0, count * d_out);
+        }
+        Ok(())
+    }
+
+    /// `dx (+)= dy · W` for each expert's rows.
+    fn input_grad(
+        &self,
+        be: &B,
+        m: &MoeShapes,
+        p: Proj,
+        (dx, output): (&mut B::Buf, GemmOutput),
+        dy: &B::Buf,
+    ) -> Result<()> {
+        let linear = Self::linear(m, p);
+        let (d_in, d_out) = (linear.d_in, linear.d_out);
+        if self.blocks.is_none() {
+            let g = GroupedGemm {
+                k: d_out,
+                n: d_in,
+                trans_b: false,
+                output,
+            };
+            be.grouped_matmul(dx, dy, (&self.weights(p), self.offsets), g);
+            return Ok(());
+        }
+        let grads = self.each(be, |e, from, count| {
+            let casts = expert_casts();
+            let dye = rows_of(be, dy, from, count, d_out);
+            let w = self.params[e].w[p as usize];
+            let [dq, wq] = casts.operands(be, linear, LinearGemm::InputGrad, (&dye, w), count)?;
+            let mut dxe = match output {
+                GemmOutput::Accumulate => rows_of(be, dx, from, count, d_in),
+                GemmOutput::Overwrite => be.uninit(count * d_in),
+            };
+            be.matmul(
+                &mut dxe,
+                dq.buf(),
+                wq.buf(),
+                GemmShape::new(count, d_out, d_in),
+                output,
+            );
+            Ok(dxe)
+        })?;
+        for (from, count, dxe) in grads {
+            be.copy_range(dx, from * d_in, &dxe, 0, count * d_in);
+        }
+        Ok(())
+    }
+
+    /// Each expert's `dW += dyᵀ · x` (and `db += Σ dy`) over its rows.
+    fn weight_grad(
+        &self,
+        be: &B,
+        m: &MoeShapes,
+        p: Proj,
+        grads: &mut [ExpertParams<&mut B::Buf>],
+        (dy, x): (&B::Buf, &B::Buf),
+    ) -> Result<()> {
+        let linear = Self::linear(m, p);
+        let (d_in, d_out) = (linear.d_in, linear.d_out);
+        let i = p as usize;
+        if self.blocks.is_none() {
+            let mut dws: Vec<&mut B::Buf> = grads.iter_mut().map(|g| &mut *g.w[i]).collect();
+            be.grouped_weight_grad(&mut dws, (dy, x), self.offsets, (d_out, d_in));
+            return Ok(());
+        }
+        let blocks = self.blocks.as_ref().expect("experts run one at a time");
+        let work: Vec<_> = blocks
+            .iter()
+            .zip(grads.iter_mut())
+            .filter(|(b, _)| b.1 > 0)
+            .map(|(b, g)| (b, (&mut *g.w[i], g.b.as_mut().map(|b| &mut *b[i]))))
+            .collect();
+        let done = each_expert(be, work, |(&(from, count), (dw, db))| {
+            let casts = expert_casts();
+            let (dye, xe) = (
+                rows_of(be, dy, from, count, d_out),
+                rows_of(be, x, from, count, d_in),
+            );
+            let [dq, xq] =
+                casts.operands(be, linear, LinearGemm::WeightGrad, (&dye, &xe), count)?;
+            linear.add_weight_grad(be, dw, dq.buf(), xq.buf(), count);
+            if let Some(db) = db {
+                bias::add_grad(be, db, &dye);
+            }
+            Ok(())
+        });
+        done.into_iter().collect()
+    }
+}
+
+/// `y = w2 · f(w1 · x + b1, w3 · x + b3) + b2` over every local expert's rows (`f` the experts'
+/// activation; no biases but gpt-oss's), keeping gate, up and the activation's output.
 pub(super) fn swiglu_ffn<B: Backend>(
     be: &B,
     m: &MoeShapes,
+    experts: &LocalExperts<B>,
     x: &B::Buf,
-    p: ExpertParams<&B::Buf>,
-    rows: usize,
     y: &mut B::Buf,
 ) -> Result<[B::Buf; 3]> {
-    let (up_proj, down) = m.expert_linears();
-    let casts = expert_casts();
-    let hidden = m.hidden;
-    let [w1, w2, w3] = p.w;
-    let (mut gate, mut up, mut act) = (
-        be.uninit(rows * hidden),
-        be.uninit(rows * hidden),
-        be.uninit(rows * hidden),
-    );
-    let mut x_cast = SharedInput::new(x, LinearGemm::Output);
-    for (out, w) in [(&mut gate, w1), (&mut up, w3)] {
-        let wq = casts.operand(be, (up_proj, LinearGemm::Output, 1), w, rows)?;
-        up_proj.forward(
-            be,
-            out,
-            x_cast.for_linear(&casts, be, up_proj, rows)?,
-            wq.buf(),
-            rows,
-        );
-    }
-    if let Some([b1, _, b3]) = p.b {
-        bias::add(be, &mut gate, b1);
-        bias::add(be, &mut up, b3);
-    }
+    let rows = be.len(x) / m.dim;
+    let [mut gate, mut up, mut act] = std::array::from_fn(|_| be.uninit(rows * m.hidden));
+    experts.forward(be, m, Proj::Gate, &mut gate, x)?;
+    experts.forward(be, m, Proj::Up, &mut up, x)?;
     m.round(be, &mut gate);
     m.round(be, &mut up);
     m.activation.forward(be, &mut act, &gate, &up);
     m.round(be, &mut act);
-    let [aq, w2q] = casts.operands(be, down, LinearGemm::Output, (&act, w2), rows)?;
-    down.forward(be, y, aq.buf(), w2q.buf(), rows);
-    if let Some([_, b2, _]) = p.b {
-        bias::add(be, y, b2);
-    }
+    experts.forward(be, m, Proj::Down, y, &act)?;
     m.round(be, y);
     Ok([gate, up, act])
 }
@@ -76,45 +226,42 @@ fn expert_casts() -> Float8Casts<'static> {
     }
 }
 
-/// The backward of `swiglu_ffn`: adds the parameters' gradients into `g` and `dx +=` the
-/// input's.
-#[allow(clippy::too_many_arguments)]
+/// The backward of `swiglu_ffn`: adds the parameters' gradients into `grads` (one per local
+/// expert) and returns the input rows' gradient.
 pub(super) fn swiglu_ffn_backward<B: Backend>(
     be: &B,
     m: &MoeShapes,
-    x: &B::Buf,
-    [gate, up, act]: [&B::Buf; 3],
-    p: ExpertParams<&B::Buf>,
-    g: ExpertParams<&mut B::Buf>,
+    experts: &LocalExperts<B>,
+    [x, gate, up, act]: [&B::Buf; 4],
+    grads: &mut [ExpertParams<&mut B::Buf>],
     dy: &B::Buf,
-    (rows, dx): (usize, &mut B::Buf),
-) -> Result<()> {
-    let (up_proj, down) = m.expert_linears();
-    let casts = expert_casts();
-    let hidden = m.hidden;
-    let ([w1, w2, w3], [g1, g2, g3]) = (p.w, g.w);
-    let mut dact = be.uninit(rows * hidden);
-    let [dyq, w2q] = casts.operands(be, down, LinearGemm::InputGrad, (dy, w2), rows)?;
-    down.input_grad(be, &mut dact, dyq.buf(), w2q.buf(), rows);
-    let [dyq, aq] = casts.operands(be, down, LinearGemm::WeightGrad, (dy, act), rows)?;
-    down.add_weight_grad(be, g2, dyq.buf(), aq.buf(), rows);
-    let (mut dgate, mut dup) = (be.uninit(rows * hidden), be.uninit(rows * hidden));
+) -> Result<B::Buf> {
+    let rows = be.len(x) / m.dim;
+    let mut dact = be.uninit(rows * m.hidden);
+    experts.input_grad(be, m, Proj::Down, (&mut dact, GemmOutput::Overwrite), dy)?;
+    experts.weight_grad(be, m, Proj::Down, grads, (dy, act))?;
+    let (mut dgate, mut dup) = (be.uninit(rows * m.hidden), be.uninit(rows * m.hidden));
     m.activation
         .backward(be, (&mut dgate, &mut dup), &dact, gate, up);
-    if let Some([db1, db2, db3]) = g.b {
-        bias::add_grad(be, db1, &dgate);
-        bias::add_grad(be, db2, dy);
-        bias::add_grad(be, db3, &dup);
+    let mut dx = be.zeros(rows * m.dim);
+    for (d, p) in [(&dgate, Proj::Gate), (&dup, Proj::Up)] {
+        experts.input_grad(be, m, p, (&mut dx, GemmOutput::Accumulate), d)?;
+        experts.weight_grad(be, m, p, grads, (d, x))?;
     }
-    let mut x_cast = SharedInput::new(x, LinearGemm::WeightGrad);
-    for ((d, w), g) in [(&dgate, w1), (&dup, w3)].into_iter().zip([g1, g3]) {
-        let [dq, wq] = casts.operands(be, up_proj, LinearGemm::InputGrad, (d, w), rows)?;
-        up_proj.add_input_grad(be, dx, dq.buf(), wq.buf(), rows);
-        let dq = casts.operand(be, (up_proj, LinearGemm::WeightGrad, 0), d, rows)?;
-        let xq = x_cast.for_linear(&casts, be, up_proj, rows)?;
-        up_proj.add_weight_grad(be, g, dq.buf(), xq, rows);
-    }
-    Ok(())
+    Ok(dx)
+}
+
+/// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
+pub(super) fn rows_of<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    from: usize,
+    rows: usize,
+    width: usize,
+) -> B::Buf {
+    let mut out = be.uninit(rows * width);
+    be.copy_range(&mut out, 0, x, from * width, rows * width);
+    out
 }
 
 /// `f` of every expert's work, in order: on the CPU the experts run concurrently, one per

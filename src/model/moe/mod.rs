@@ -43,8 +43,8 @@ use crate::model::crossings::expert::ExpertParallelOps;
 use crate::model::linear::Linear;
 use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
-use dispatch::Dispatch;
-use expert::{each_expert, swiglu_ffn, swiglu_ffn_backward, ExpertParams};
+use dispatch::ExpertRows;
+use expert::{rows_of, swiglu_ffn, swiglu_ffn_backward, ExpertParams, LocalExperts};
 use router::RouterArgs;
 
 /// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
@@ -255,9 +255,12 @@ pub struct MoeActs<B: Backend> {
     /// The rows this rank routed to each expert (the step's load statistics).
     pub load: Vec<usize>,
     /// Where the rows went to their experts and came back from (expert parallelism).
-    dispatch: Dispatch,
-    /// This rank's experts' input rows `[local rows, dim]` (in local expert order, rows
-    /// `dispatch.offsets[x]..` for local expert `x`), their gate and up projections and SwiGLU
+    rows_go: ExpertRows<B>,
+    /// The local experts' blocks of rows on the host where they run one at a time
+    /// (`LocalExperts::blocks`).
+    blocks: Option<Vec<(usize, usize)>>,
+    /// This rank's experts' input rows `[local rows, dim]` (in local expert order), their gate
+    /// and up projections and SwiGLU
     /// outputs `[local rows, hidden]`.
     x_local: B::Buf,
     gate: B::Buf,
@@ -272,22 +275,32 @@ pub struct MoeActs<B: Backend> {
     pub aux: Option<AuxStats>,
 }
 
-/// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
-fn rows_of<B: Backend>(be: &B, x: &B::Buf, from: usize, rows: usize, width: usize) -> B::Buf {
-    let mut out = be.uninit(rows * width);
-    be.copy_range(&mut out, 0, x, from * width, rows * width);
-    out
+/// This rank's experts with their parameters (or, `grads`, their gradients' slots), their rows'
+/// offsets and, where they run one at a time, their blocks on the host.
+fn local_experts<'a, B: Backend>(
+    ids: &MoeIds,
+    params: &'a [B::Buf],
+    rows_go: &'a ExpertRows<B>,
+    (order_offsets, blocks): (&'a B::Buf, Option<Vec<(usize, usize)>>),
+) -> LocalExperts<'a, B> {
+    let first = rows_go.first_expert();
+    let count = rows_go.local_experts(ids.experts.len());
+    LocalExperts {
+        params: (first..first + count)
+            .map(|e| expert_params(ids, e, |i| &params[i]))
+            .collect(),
+        offsets: rows_go.offsets(order_offsets),
+        blocks,
+    }
 }
 
-/// This rank's experts that got rows: each one's index and its block of the experts' input
-/// (first row and row count).
-fn local_blocks(dispatch: &Dispatch) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-    dispatch
-        .offsets
-        .windows(2)
-        .enumerate()
-        .map(|(x, rows)| (dispatch.first_expert + x, rows[0], rows[1] - rows[0]))
-        .filter(|&(_, _, count)| count > 0)
+/// Expert `e`'s parameters (or gradients), each id mapped by `at`.
+fn expert_params<T>(ids: &MoeIds, e: usize, mut at: impl FnMut(usize) -> T) -> ExpertParams<T> {
+    let (w, b) = ids.expert(e);
+    ExpertParams {
+        w: w.map(&mut at),
+        b: b.map(|b| b.map(&mut at)),
+    }
 }
 
 /// The layer's forward over `x` (`[tokens, dim]`): adds its output into `out`; `bias` is the
@@ -306,7 +319,7 @@ pub fn forward<B: Backend>(
     ep: &dyn ExpertParallelOps<B>,
     sequences: Option<SequenceRows>,
 ) -> Result<MoeActs<B>> {
-    let (d, h, e) = (m.dim, m.hidden, m.router.num_experts);
+    let (d, e) = (m.dim, m.router.num_experts);
     let tokens = be.len(x) / d;
     let mut logits = be.uninit(tokens * e);
     Linear::new(d, e).forward(be, &mut logits, x, &params[ids.router], tokens);
@@ -325,11 +338,9 @@ pub fn forward<B: Backend>(
         None => None,
     };
     let order = be.moe_dispatch_order(&routed.experts, (e, k));
-    // The one copy of the block: each expert's row count, which sizes its GEMMs (and, under
-    // expert parallelism, the all-to-alls) on the host.
     let offsets = ids_of_bits(&be.download(&order.offsets));
     let load: Vec<usize> = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
-    let dispatch = Dispatch::plan(ep, &load)?;
+    let rows_go = ExpertRows::plan(be, ep, &order.offsets)?;
     let mut row_weights = be.uninit(n);
     be.gather_rows(&mut row_weights, &routed.weights, &order.slots, 1);
     let mut x_sorted = be.uninit(n * d);
@@ -337,33 +348,13 @@ pub fn forward<B: Backend>(
     if m.score_before_experts {
         be.scale_rows_by(&mut x_sorted, &row_weights, d);
     }
-    let x_local = dispatch.to_experts(be, ep, x_sorted, d)?;
-    let local_n = dispatch.local_rows();
-    let (mut gate, mut up, mut act, mut y_local) = (
-        be.uninit(local_n * h),
-        be.uninit(local_n * h),
-        be.uninit(local_n * h),
-        be.uninit(local_n * d),
-    );
-    let blocks: Vec<_> = local_blocks(&dispatch).collect();
-    let outputs = each_expert(be, blocks.clone(), |(e, from, count)| {
-        let xe = rows_of(be, &x_local, from, count, d);
-        let mut ye = be.uninit(count * d);
-        let (w, b) = ids.expert(e);
-        let p = ExpertParams {
-            w: w.map(|i| &params[i]),
-            b: b.map(|b| b.map(|i| &params[i])),
-        };
-        swiglu_ffn(be, m, &xe, p, count, &mut ye).map(|gua| (gua, ye))
-    });
-    let outputs = outputs.into_iter().collect::<Result<Vec<_>>>()?;
-    for (&(_, from, count), ([g, u, a], ye)) in blocks.iter().zip(outputs) {
-        be.copy_range(&mut gate, from * h, &g, 0, count * h);
-        be.copy_range(&mut up, from * h, &u, 0, count * h);
-        be.copy_range(&mut act, from * h, &a, 0, count * h);
-        be.copy_range(&mut y_local, from * d, &ye, 0, count * d);
-    }
-    let y = dispatch.from_experts(be, ep, y_local, d)?;
+    let x_local = rows_go.to_experts(be, ep, x_sorted, d)?;
+    let blocks = LocalExperts::<B>::one_at_a_time(m, ids.biases.is_some())
+        .then(|| rows_go.host_blocks(be, &order.offsets));
+    let experts = local_experts(ids, params, &rows_go, (&order.offsets, blocks.clone()));
+    let mut y_local = be.uninit(rows_go.local_rows(n) * d);
+    let [gate, up, act] = swiglu_ffn(be, m, &experts, &x_local, &mut y_local)?;
+    let y = rows_go.from_experts(be, ep, y_local, d)?;
     // Combine: each row weighted (unless its input was), added back to its token.
     let mut weighted = rows_of(be, &y, 0, n, d);
     if !m.score_before_experts {
@@ -375,7 +366,8 @@ pub fn forward<B: Backend>(
         order,
         row_weights,
         load,
-        dispatch,
+        rows_go,
+        blocks,
         x_local,
         gate,
         up,
@@ -466,11 +458,19 @@ pub fn backward<B: Backend>(
         be.scale_rows_by(&mut dy, &acts.row_weights, d);
         dots
     });
-    let dispatch = &acts.dispatch;
-    let dy_local = dispatch.to_experts(be, ep, dy, d)?;
+    let rows_go = &acts.rows_go;
+    let dy_local = rows_go.to_experts(be, ep, dy, d)?;
+    let experts = local_experts(ids, params, rows_go, (&order.offsets, acts.blocks.clone()));
+    let first = rows_go.first_expert();
+    let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
+    let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
+    let mut expert_grads: Vec<_> = (first..first + experts.params.len())
+        .map(|e| expert_params(ids, e, &mut take))
+        .collect();
     let saved = [x_local, gate, up, act];
-    let dx_local = experts_backward(be, m, ids, (params, grads), saved, &dy_local, dispatch)?;
-    let mut dx_sorted = dispatch.from_experts(be, ep, dx_local, d)?;
+    let dx_local = swiglu_ffn_backward(be, m, &experts, saved, &mut expert_grads, &dy_local)?;
+    drop(expert_grads);
+    let mut dx_sorted = rows_go.from_experts(be, ep, dx_local, d)?;
     let row_dots = output_dots.unwrap_or_else(|| {
         let mut x_sorted = be.uninit(n * d);
         be.gather_rows(&mut x_sorted, x, &order.rows, d);
@@ -496,63 +496,6 @@ pub fn backward<B: Backend>(
     gate.add_weight_grad(be, &mut grads[ids.router], &dlogits, x, tokens);
     gate.add_input_grad(be, dx, &dlogits, &params[ids.router], tokens);
     Ok(())
-}
-
-/// This rank's experts' backward over their rows (`saved`: the experts' input rows, gate, up and
-/// activation output; `dy_local`: their output gradients): adds each expert's parameter gradients
-/// into `grads` (concurrently on the CPU: `each_expert`) and returns the input rows' gradients.
-fn experts_backward<B: Backend>(
-    be: &B,
-    m: &MoeShapes,
-    ids: &MoeIds,
-    (params, grads): (&[B::Buf], &mut [B::Buf]),
-    [x_local, gate, up, act]: [&B::Buf; 4],
-    dy_local: &B::Buf,
-    dispatch: &Dispatch,
-) -> Result<B::Buf> {
-    let (d, h) = (m.dim, m.hidden);
-    let blocks: Vec<_> = local_blocks(dispatch).collect();
-    let mut slots: Vec<Option<&mut B::Buf>> = grads.iter_mut().map(Some).collect();
-    let mut take = |i: usize| slots[i].take().expect("an expert's gradients are its own");
-    let work: Vec<_> = blocks
-        .iter()
-        .map(|&(e, from, count)| {
-            let (w, b) = ids.expert(e);
-            let g = ExpertParams {
-                w: w.map(&mut take),
-                b: b.map(|b| b.map(&mut take)),
-            };
-            ((e, from, count), g)
-        })
-        .collect();
-    let dxs = each_expert(be, work, |((e, from, count), expert_grads)| {
-        let block = |buf: &B::Buf, width: usize| rows_of(be, buf, from, count, width);
-        let (xe, dye) = (block(x_local, d), block(dy_local, d));
-        let (g, u, a) = (block(gate, h), block(up, h), block(act, h));
-        let mut dxe = be.zeros(count * d);
-        let (w, b) = ids.expert(e);
-        let p = ExpertParams {
-            w: w.map(|i| &params[i]),
-            b: b.map(|b| b.map(|i| &params[i])),
-        };
-        swiglu_ffn_backward(
-            be,
-            m,
-            &xe,
-            [&g, &u, &a],
-            p,
-            expert_grads,
-            &dye,
-            (count, &mut dxe),
-        )
-        .map(|()| dxe)
-    });
-    let dxs = dxs.into_iter().collect::<Result<Vec<B::Buf>>>()?;
-    let mut dx_local = be.zeros(dispatch.local_rows() * d);
-    for (&(_, from, count), dxe) in blocks.iter().zip(&dxs) {
-        be.copy_range(&mut dx_local, from * d, dxe, 0, count * d);
-    }
-    Ok(dx_local)
 }
 
 #[cfg(test)]

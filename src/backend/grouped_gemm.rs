@@ -1,0 +1,173 @@
+//! A mixture of experts' grouped GEMMs: one product per expert over that expert's block of rows,
+//! the blocks given by offsets in a buffer (`offsets[e]..offsets[e + 1]`, `u32` bits as
+//! `routing::ids_to_bits` writes them), so that a device can size each expert's GEMM without the
+//! counts coming back to the host (`Backend::grouped_matmul`, `grouped_weight_grad`).
+//!
+//! Here the shape, the host defaults (the offsets downloaded, one `matmul` per expert on its rows,
+//! which stay on the backend) and the CPU's versions (slices of the same buffers, the experts
+//! concurrently: their GEMMs are small, and whole experts per thread scaled better than each split
+//! over every thread, docs/performance.md).
+
+use rayon::prelude::*;
+
+use super::routing::ids_of_bits;
+use super::{Backend, GemmOutput, GemmShape};
+
+/// Each expert's product `out_e[rows_e, n] (+)= a_e[rows_e, k] · op(W_e)`, `W_e` stored `[n, k]`
+/// and read transposed with `trans_b` (a linear layer's `x · Wᵀ`), else `[k, n]` (its input
+/// gradient `dy · W`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupedGemm {
+    pub k: usize,
+    pub n: usize,
+    pub trans_b: bool,
+    pub output: GemmOutput,
+}
+
+impl GroupedGemm {
+    /// One expert's GEMM over `rows` rows.
+    pub fn expert(&self, rows: usize) -> GemmShape {
+        let shape = GemmShape::new(rows, self.k, self.n);
+        match self.trans_b {
+            true => shape.b_transposed(),
+            false => shape,
+        }
+    }
+}
+
+/// Expert `e`'s block of rows: (first row, row count).
+fn block(offsets: &[u32], e: usize) -> (usize, usize) {
+    let from = offsets[e] as usize;
+    (from, offsets[e + 1] as usize - from)
+}
+
+/// Checks the offsets against the experts and the rows the operands hold.
+fn checked_offsets(op: &str, bits: &[f32], experts: usize, rows: usize) -> Vec<u32> {
+    let offsets = ids_of_bits(bits);
+    assert_eq!(
+        offsets.len(),
+        experts + 1,
+        "{op}: offsets for {experts} experts"
+    );
+    assert!(
+        offsets.windows(2).all(|w| w[0] <= w[1]) && offsets[experts] as usize <= rows,
+        "{op}: offsets {offsets:?} decrease or pass the {rows} rows"
+    );
+    offsets
+}
+
+/// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
+fn rows_of<B: Backend + ?Sized>(
+    be: &B,
+    x: &B::Buf,
+    (from, rows): (usize, usize),
+    width: usize,
+) -> B::Buf {
+    let mut out = be.uninit(rows * width);
+    be.copy_range(&mut out, 0, x, from * width, rows * width);
+    out
+}
+
+/// `Backend::grouped_matmul`'s host default.
+pub(super) fn matmul<B: Backend + ?Sized>(
+    be: &B,
+    out: &mut B::Buf,
+    a: &B::Buf,
+    (weights, offsets): (&[&B::Buf], &B::Buf),
+    g: GroupedGemm,
+) {
+    let rows = be.len(a) / g.k.max(1);
+    let offsets = checked_offsets("grouped_matmul", &be.download(offsets), weights.len(), rows);
+    for (e, w) in weights.iter().enumerate() {
+        let (from, count) = block(&offsets, e);
+        if count == 0 {
+            continue;
+        }
+        let ae = rows_of(be, a, (from, count), g.k);
+        let mut oe = match g.output {
+            GemmOutput::Accumulate => rows_of(be, out, (from, count), g.n),
+            _ => be.uninit(count * g.n),
+        };
+        be.matmul(&mut oe, &ae, w, g.expert(count), g.output);
+        be.copy_range(out, from * g.n, &oe, 0, count * g.n);
+    }
+}
+
+/// `Backend::grouped_weight_grad`'s host default.
+pub(super) fn weight_grad<B: Backend + ?Sized>(
+    be: &B,
+    grads: &mut [&mut B::Buf],
+    (dy, x): (&B::Buf, &B::Buf),
+    offsets: &B::Buf,
+    (n_out, k_in): (usize, usize),
+) {
+    let rows = be.len(x) / k_in.max(1);
+    let offsets = checked_offsets(
+        "grouped_weight_grad",
+        &be.download(offsets),
+        grads.len(),
+        rows,
+    );
+    for (e, g) in grads.iter_mut().enumerate() {
+        let (from, count) = block(&offsets, e);
+        if count == 0 || be.len(g) == 0 {
+            continue;
+        }
+        let (dye, xe) = (
+            rows_of(be, dy, (from, count), n_out),
+            rows_of(be, x, (from, count), k_in),
+        );
+        let shape = GemmShape::new(n_out, count, k_in).a_transposed();
+        be.matmul(g, &dye, &xe, shape, GemmOutput::Accumulate);
+    }
+}
+
+/// The CPU's `grouped_matmul`: each expert's GEMM on its slices, the experts concurrently.
+pub(super) fn cpu_matmul(
+    out: &mut [f32],
+    a: &[f32],
+    (weights, offsets): (&[&Vec<f32>], &[f32]),
+    g: GroupedGemm,
+    gemm: impl Fn(&mut [f32], &[f32], &[f32], GemmShape, GemmOutput) + Sync,
+) {
+    let rows = a.len() / g.k.max(1);
+    let offsets = checked_offsets("grouped_matmul", offsets, weights.len(), rows);
+    let mut blocks = Vec::with_capacity(weights.len());
+    let mut rest = &mut out[offsets[0] as usize * g.n..];
+    for e in 0..weights.len() {
+        let (from, count) = block(&offsets, e);
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(count * g.n);
+        blocks.push((from, count, mine));
+        rest = tail;
+    }
+    blocks
+        .into_par_iter()
+        .zip(weights.par_iter())
+        .filter(|((_, count, _), _)| *count > 0)
+        .for_each(|((from, count, mine), w)| {
+            let ae = &a[from * g.k..(from + count) * g.k];
+            gemm(mine, ae, w, g.expert(count), g.output);
+        });
+}
+
+/// The CPU's `grouped_weight_grad`: each expert's `dW_e += dy_eᵀ · x_e` on its slices.
+pub(super) fn cpu_weight_grad(
+    grads: &mut [&mut Vec<f32>],
+    (dy, x): (&[f32], &[f32]),
+    offsets: &[f32],
+    (n_out, k_in): (usize, usize),
+    gemm: impl Fn(&mut [f32], &[f32], &[f32], GemmShape, GemmOutput) + Sync,
+) {
+    let rows = x.len() / k_in.max(1);
+    let offsets = checked_offsets("grouped_weight_grad", offsets, grads.len(), rows);
+    grads.par_iter_mut().enumerate().for_each(|(e, g)| {
+        let (from, count) = block(&offsets, e);
+        if count == 0 || g.is_empty() {
+            return;
+        }
+        let dye = &dy[from * n_out..(from + count) * n_out];
+        let xe = &x[from * k_in..(from + count) * k_in];
+        let shape = GemmShape::new(n_out, count, k_in).a_transposed();
+        gemm(g, dye, xe, shape, GemmOutput::Accumulate);
+    });
+}
