@@ -95,7 +95,7 @@ fn check_model_with(args: ModelArgs, tied: bool, eps: f64) {
     // With the MoE auxiliary loss the objective is the language model's loss plus it (which only
     // a backward reports): the finite differences run whole steps on a scratch gradient set.
     let aux = args.moe.and_then(|m| m.aux_loss_coef).is_some();
-    ws.take_expert_stats();
+    ws.take_expert_stats(&be);
     let mut scratch = ParamSet::zeros(&be, &model.param_specs());
     let mut loss_at = |params: &ParamSet<CpuBackend>| {
         if !aux {
@@ -105,7 +105,7 @@ fn check_model_with(args: ModelArgs, tied: bool, eps: f64) {
             .forward_backward(&be, params, &mut scratch, &mut ws, &tokens, 1.0)
             .unwrap()
             .sum;
-        let stats = ws.take_expert_stats().expect("a mixture of experts");
+        let stats = ws.take_expert_stats(&be).expect("a mixture of experts");
         lm / n_targets + stats.aux_loss.expect("an auxiliary loss")
     };
     for i in 0..params.len() {

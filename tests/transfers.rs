@@ -1,7 +1,8 @@
 //! The host↔device copy counter (`backend::transfers`) on the CPU backend, which counts the calls
 //! a GPU would make copies for: each upload and download once, with its bytes; device-side
-//! copies not at all. A dense model's forward and backward make none; a mixture-of-experts block
-//! one, its experts' row counts (until its expert GEMMs read them on the device, issue 45). Pipeline stage transfers and tensor
+//! copies not at all. A dense model's forward and backward make none, and so does a
+//! mixture-of-experts block (its expert load comes down once, when the step's statistics are
+//! taken). Pipeline stage transfers and tensor
 //! parallelism (its vocabulary-parallel loss included) copy through the host on the host road and
 //! stay on the device on the device road.
 
@@ -53,8 +54,8 @@ fn args_of(name: &str, flavor: &str) -> ModelArgs {
 }
 
 /// Copies one whole forward and backward (loss included) of `args` makes, after a first step
-/// that sizes what it keeps.
-fn copies_of_a_step(args: &ModelArgs) -> Transfers {
+/// that sizes what it keeps, and those of taking the expert statistics after it.
+fn copies_of_a_step(args: &ModelArgs) -> (Transfers, Transfers) {
     let be = CpuBackend::new();
     let (batch, seq) = (2, 16);
     let model = Decoder::new(&be, args.clone(), seq).unwrap();
@@ -64,27 +65,33 @@ fn copies_of_a_step(args: &ModelArgs) -> Transfers {
         .collect();
     let mut ws = Workspace::new(&be, args, batch, seq);
     let mut grads = ParamSet::zeros(&be, &model.param_specs());
-    let mut step = || {
+    let mut step = |ws: &mut Workspace<CpuBackend>| {
         model
-            .forward_backward(&be, &params, &mut grads, &mut ws, &tokens, 1.0)
+            .forward_backward(&be, &params, &mut grads, ws, &tokens, 1.0)
             .unwrap()
     };
-    step();
+    step(&mut ws);
+    ws.take_expert_stats(&be);
     let before = be.transfers.read();
-    step();
-    be.transfers.read().since(before)
+    step(&mut ws);
+    let after_step = be.transfers.read();
+    ws.take_expert_stats(&be);
+    (
+        after_step.since(before),
+        be.transfers.read().since(after_step),
+    )
 }
 
 #[test]
-fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_one_per_block() {
+fn neither_a_dense_step_nor_a_mixture_of_experts_makes_a_copy() {
     assert_eq!(
         copies_of_a_step(&args_of("llama3", "debugmodel")),
-        Transfers::default()
+        Default::default()
     );
-    // Each MoE block: its experts' row counts down (experts + 1 offsets), which size the experts'
-    // GEMMs on the host; routing, dispatch order, combine and the router's backward stay on the
-    // device, and so does the expert bias (DeepSeek-V3's load balancing: uploaded when it moves,
-    // after a step, not by the blocks).
+    // A MoE block's routing, dispatch order, grouped expert GEMMs, combine and the router's
+    // backward stay on the device, and so do the expert bias (DeepSeek-V3's load balancing:
+    // uploaded when it moves, after a step, not by the blocks) and the step's expert load, which
+    // comes down once when taken: every block's counts, `[layers, experts]`.
     for (name, flavor, bias) in [
         ("qwen3", "debugmodel_moe", false),
         ("deepseek_v3", "debugmodel", true),
@@ -95,15 +102,14 @@ fn a_dense_step_makes_no_copy_and_a_mixture_of_experts_one_per_block() {
             bias,
             "{name}"
         );
-        let experts: Vec<u64> = (0..moe.n_layers)
-            .filter_map(|l| moe.moe_at(l).map(|m| m.router.num_experts as u64))
-            .collect();
-        assert!(!experts.is_empty(), "{name}");
-        let bytes = experts.iter().map(|e| 4 * (e + 1)).sum();
-        let copies = experts.len() as u64;
+        let experts = moe.moe.map(|m| m.router.num_experts as u64).unwrap();
+        let counts = Transfers {
+            copies: 1,
+            bytes: 4 * experts * moe.n_layers as u64,
+        };
         assert_eq!(
             copies_of_a_step(&moe),
-            Transfers { copies, bytes },
+            (Transfers::default(), counts),
             "{name}"
         );
     }

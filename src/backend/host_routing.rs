@@ -1,5 +1,5 @@
 //! The mixture-of-experts ops' host defaults (`Backend::moe_route`, `moe_route_backward`,
-//! `moe_dispatch_order`, `moe_combine`): download, `routing`'s math, upload. A backend that keeps
+//! `moe_dispatch_order`, `moe_combine`, `moe_count_load`): download, `routing`'s math, upload. A backend that keeps
 //! the routing on its device overrides them; the CPU's run the same math without the copies.
 
 use super::routing::{self, ids_of_bits, ids_to_bits, DispatchOrder, RoutedTokens, RouterArgs};
@@ -59,4 +59,15 @@ pub(super) fn combine<B: Backend + ?Sized>(
     let order = ids_of_bits(&be.download(row_of_slot));
     routing::combine(&mut host, &be.download(rows), &order, top_k, width);
     *out = be.upload_owned(host);
+}
+
+pub(super) fn count_load<B: Backend + ?Sized>(
+    be: &B,
+    counts: &mut B::Buf,
+    offsets: &B::Buf,
+    at: usize,
+) {
+    let mut host = be.download(counts);
+    routing::count_load(&mut host, &ids_of_bits(&be.download(offsets)), at);
+    *counts = be.upload_owned(host);
 }

@@ -519,6 +519,11 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         host_routing::combine(self, out, rows, row_of_slot, top_k_width)
     }
+    /// `counts[at + e] += offsets[e + 1] - offsets[e]` for every expert (f32 counts, exact to
+    /// 2^24): a step's expert load, counted where the dispatch order is.
+    fn moe_count_load(&self, counts: &mut Self::Buf, offsets: &Self::Buf, at: usize) {
+        host_routing::count_load(self, counts, offsets, at)
+    }
     /// Expert `e`'s rows `offsets[e]..offsets[e + 1]` of `out` (+)= the same rows of `a` times
     /// `op(weights[e])` (`grouped_gemm`); here with the offsets on the host.
     fn grouped_matmul(

@@ -483,3 +483,10 @@ mod tests {
         assert_eq!(ids_of_bits(&bits), [0, 7, u32::MAX]);
     }
 }
+
+/// `counts[at + e] += offsets[e + 1] - offsets[e]`: each expert's rows added to a load count.
+pub fn count_load(counts: &mut [f32], offsets: &[u32], at: usize) {
+    for (c, w) in counts[at..].iter_mut().zip(offsets.windows(2)) {
+        *c += (w[1] - w[0]) as f32;
+    }
+}

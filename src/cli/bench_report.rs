@@ -120,7 +120,7 @@ impl JobFigures {
         timing: &Timing,
         steps: usize,
     ) -> Result<Self> {
-        let expert_balance = layout.moe_step_stats()?.map(|load| {
+        let expert_balance = layout.moe_step_stats(be)?.map(|load| {
             ExpertLoad::of(&load.load)
                 .iter()
                 .map(|l| l.max_over_mean)

@@ -20,7 +20,7 @@ use super::pipeline::rank::PipelineRank;
 use super::walk::{PassKind, Walk};
 use crate::backend::Backend;
 use crate::comm::group::{ProcessGroup, ReduceOp};
-use crate::model::moe::stats::ExpertStats;
+use crate::model::moe::stats::ExpertFigures;
 use crate::model::params::TpSharding;
 use crate::model::{Decoder, ParamSet, Workspace};
 
@@ -198,11 +198,11 @@ impl<B: Backend> RankLayout<B> {
     /// auxiliary loss, summed over the job (every rank calls this together: the ranks that split the batch and the sequences, the
     /// tensor-parallel ranks, each routing its own rows, and the pipeline's, each holding its own
     /// blocks' counts). None for a dense model.
-    pub fn moe_step_stats(&mut self) -> Result<Option<MoeStepStats>> {
-        let Some(ExpertStats {
+    pub fn moe_step_stats(&mut self, be: &B) -> Result<Option<MoeStepStats>> {
+        let Some(ExpertFigures {
             load,
             aux_loss: aux,
-        }) = self.walk.take_expert_stats()
+        }) = self.walk.take_expert_stats(be)
         else {
             return Ok(None);
         };

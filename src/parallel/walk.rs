@@ -34,7 +34,7 @@ use super::pipeline::transfer::{with_transfers, SendTo, Transfer, TransferLens};
 use crate::backend::{Backend, LossSum};
 use crate::comm::group::ProcessGroup;
 use crate::model::activation_checkpoint::ActivationPlan;
-use crate::model::moe::stats::ExpertStats;
+use crate::model::moe::stats::ExpertFigures;
 use crate::model::parallel_linear::DeferredWeightGrad;
 use crate::model::{Decoder, KvCache, LocalShapes, ParamSet, Workspace};
 
@@ -235,11 +235,11 @@ impl<B: Backend> Walk<B> {
 
     /// The expert load and auxiliary loss the microbatches trained since the last call, summed
     /// over this rank's workspaces (None for a dense model).
-    pub fn take_expert_stats(&mut self) -> Option<ExpertStats> {
+    pub fn take_expert_stats(&mut self, be: &B) -> Option<ExpertFigures> {
         let mut slots = self
             .slots
             .iter_mut()
-            .filter_map(Workspace::take_expert_stats);
+            .filter_map(|w| w.take_expert_stats(be));
         let mut total = slots.next()?;
         slots.for_each(|s| total.add(&s));
         Some(total)

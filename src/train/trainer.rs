@@ -191,7 +191,7 @@ fn train_on<B: Backend>(
         if !loss.is_finite() || !norm.is_finite() {
             bail!("non-finite loss or gradient at step {step} (loss {loss}, grad norm {norm}); training stopped before the update, {}. Lower [optimizer] lr or set [training] max_norm", kept_checkpoint(cfg, run.saver.last_good));
         }
-        let moe = run.layout.moe_step_stats()?;
+        let moe = run.layout.moe_step_stats(be)?;
         if let Some(m) = &moe {
             run.layout.model.update_expert_bias(be, &m.load);
         }

@@ -181,6 +181,9 @@ impl Backend for CpuBackend {
         let _timer = self.profiler.time("moe_combine");
         routing::combine(out, rows, &routing::ids_of_bits(row_of_slot), k, width);
     }
+    fn moe_count_load(&self, counts: &mut Vec<f32>, offsets: &Vec<f32>, at: usize) {
+        routing::count_load(counts, &routing::ids_of_bits(offsets), at);
+    }
     fn grouped_matmul(
         &self,
         out: &mut Vec<f32>,

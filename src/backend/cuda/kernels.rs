@@ -78,6 +78,7 @@ pub const KERNELS: &[&str] = &[
     "moe_offsets",
     "moe_place",
     "moe_combine",
+    "moe_count_load",
     "attention_forward",
     "attention_backward_delta",
     "attention_backward_dq",

@@ -156,7 +156,7 @@ impl<B: Backend> Decoder<B> {
         acts: &mut BlockActs<'_, B>,
         g: FeedForwardGrads<'_, B>,
         grads: &mut ParamSet<B>,
-        moe_acts: Option<(moe::MoeActs<B>, Option<&mut ExpertStats>)>,
+        moe_acts: Option<(moe::MoeActs<B>, Option<&mut ExpertStats<B>>)>,
         l: usize,
     ) -> Result<()> {
         let (be, p, id) = (run.be, run.p, run.id);
@@ -190,7 +190,7 @@ impl<B: Backend> Decoder<B> {
             let stats = stats.ok_or_else(|| {
                 anyhow::anyhow!("block {l}: a workspace without expert statistics (a titan bug)")
             })?;
-            let aux_scale = self.count_expert_stats(&moe_acts, l, stats);
+            let aux_scale = self.count_expert_stats(&moe_acts, l, stats, be);
             let shapes = self.moe_shapes(l)?;
             moe::backward(
                 be,
@@ -221,9 +221,10 @@ impl<B: Backend> Decoder<B> {
         &self,
         moe_acts: &moe::MoeActs<B>,
         l: usize,
-        stats: &mut ExpertStats,
+        stats: &mut ExpertStats<B>,
+        be: &B,
     ) -> f32 {
-        stats.count_load(l, &moe_acts.load);
+        stats.count_load(be, l, moe_acts.load_offsets());
         match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
             (Some(aux), Some(coef)) => {
                 let share = (self.local.tp * self.local.cp) as f64;

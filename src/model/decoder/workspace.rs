@@ -14,7 +14,7 @@ use crate::backend::Backend;
 use crate::model::activation_checkpoint::{AcMode, Act, ActivationPlan};
 use crate::model::args::ModelArgs;
 use crate::model::local_shapes::{FfnKind, LocalShapes};
-use crate::model::moe::stats::ExpertStats;
+use crate::model::moe::stats::{ExpertFigures, ExpertStats};
 use crate::model::moe::MoeActs;
 
 /// What one block keeps from its forward for its backward.
@@ -107,7 +107,7 @@ pub struct Workspace<B: Backend> {
     pub(super) moe: Vec<Option<MoeActs<B>>>,
     /// A mixture of experts' load and auxiliary loss of the microbatches this workspace trained
     /// (None for a dense model).
-    pub(super) expert_stats: Option<ExpertStats>,
+    pub(super) expert_stats: Option<ExpertStats<B>>,
     /// Generation: the keys and values of the earlier tokens, which every block's forward reads
     /// and extends (None in training and validation).
     pub(super) kv_cache: Option<KvCache<B>>,
@@ -448,7 +448,9 @@ impl<B: Backend> Workspace<B> {
             targets: vec![0; n],
             local_ids: vec![0; n],
             moe: (0..m.n_layers).map(|_| None).collect(),
-            expert_stats: m.moe.map(|moe| ExpertStats::zeros(&moe, m.n_layers)),
+            expert_stats: m
+                .moe
+                .map(|moe| ExpertStats::zeros(backend, &moe, m.n_layers)),
             kv_cache: None,
             last_logits: Vec::new(),
         }
@@ -497,8 +499,8 @@ impl<B: Backend> Workspace<B> {
 
     /// The expert load and auxiliary loss of the microbatches this workspace trained since the
     /// last call, the counts left at zero (None for a dense model).
-    pub fn take_expert_stats(&mut self) -> Option<ExpertStats> {
-        self.expert_stats.as_mut().map(ExpertStats::take)
+    pub fn take_expert_stats(&mut self, be: &B) -> Option<ExpertFigures> {
+        self.expert_stats.as_mut().map(|s| s.take(be))
     }
 
     /// Frees the mixture-of-experts activations the blocks' forwards kept (no backward follows).

@@ -233,3 +233,9 @@ extern "C" __global__ void moe_combine(float* out, const float* rows, const u32*
         o[c] = acc;
     }
 }
+
+// A step's expert load: counts[at + e] += offsets[e + 1] - offsets[e], one thread per expert.
+extern "C" __global__ void moe_count_load(float* counts, const u32* offsets, i64 at, int E) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < E) counts[at + e] += (float)(offsets[e + 1] - offsets[e]);
+}

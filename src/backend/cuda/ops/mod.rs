@@ -279,6 +279,10 @@ impl Backend for CudaBackend {
             false => host_routing::combine(self, out, rows, row_of_slot, top_k_width),
         }
     }
+    fn moe_count_load(&self, counts: &mut Buf, offsets: &Buf, at: usize) {
+        let _timer = self.profiler.time_on("moe_count_load", self);
+        self.moe_count_load_untimed(counts, offsets, at);
+    }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);
         self.embedding_backward_untimed(dtable, dout, ids, dim);

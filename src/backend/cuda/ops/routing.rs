@@ -189,6 +189,28 @@ impl CudaBackend {
         order
     }
 
+    pub(super) fn moe_count_load_untimed(&self, counts: &mut Buf, offsets: &Buf, at: usize) {
+        let experts = offsets.len().saturating_sub(1);
+        assert!(
+            counts.len() >= at + experts,
+            "moe_count_load: counts hold {} < {at} + {experts}",
+            counts.len()
+        );
+        if experts == 0 {
+            return;
+        }
+        let (at, e) = (at as i64, experts as i32);
+        launch!(
+            self,
+            "moe_count_load",
+            token_config(experts),
+            counts,
+            offsets,
+            &at,
+            &e
+        );
+    }
+
     pub(super) fn moe_combine_untimed(
         &self,
         out: &mut Buf,
