@@ -98,8 +98,15 @@ fn loss_kernel_writes_its_bf16_gradient_as_the_rounded_f32_one_on_the_emulator()
 #[test]
 fn moe_routing_dispatch_order_and_combine_kernels_match_their_references_on_the_emulator() {
     // Four routers (experts, weights, scores, logits' gradient each), the dispatch order's four
-    // outputs, the combine.
-    run_check("routing_check.cpp", 21);
+    // outputs, the combine, the load count.
+    run_check("routing_check.cpp", 22);
+}
+
+#[test]
+fn grouped_expert_gemm_kernels_match_float64_on_the_emulator() {
+    // The forward and the accumulated input gradient (each with the rows of no expert), five
+    // experts' weight gradients (one passed as null).
+    run_check("grouped_gemm_check.cpp", 9);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 // and without renormalisation, an expert bias, group-limited choice) and its backward (with and
 // without the auxiliary loss's score gradient) against a float64 reference of the same
 // definitions (backend/routing.rs); the dispatch order over several chunks against a stable sort,
-// bit for bit; the combine against the in-order sum, bit for bit. Prints one line per output;
+// bit for bit; the combine against the in-order sum, bit for bit; the load count exactly. Prints one line per output;
 // exits 1 when any fails.
 
 #include <algorithm>
@@ -221,6 +221,24 @@ bool combine() {
     return wrong == 0;
 }
 
+// A step's load counted from two blocks' offsets into one row of counts each, exactly.
+bool count_load() {
+    const int E = 37, layers = 2;
+    std::vector<float> counts((size_t)layers * E, 0.0f), want = counts;
+    for (int l = 0; l < layers; ++l) {
+        std::vector<u32> offsets(E + 1, 0);
+        for (int e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (u32)((e * 7 + l * 3) % 11);
+        for (int e = 0; e < E; ++e) want[(size_t)l * E + e] += 2.0f * (float)(offsets[e + 1] - offsets[e]);
+        for (int twice = 0; twice < 2; ++twice)
+            emu::launch(EmuDim3{(unsigned)((E + kTokenThreads - 1) / kTokenThreads), 1, 1}, kTokenThreads,
+                        [&] { moe_count_load(counts.data(), offsets.data(), (i64)l * E, E); });
+    }
+    size_t wrong = 0;
+    for (size_t i = 0; i < want.size(); ++i) wrong += counts[i] != want[i];
+    std::printf("%-36s %zu of %zu differ %s\n", "count load", wrong, want.size(), wrong == 0 ? "ok" : "FAILED");
+    return wrong == 0;
+}
+
 }  // namespace
 
 int main() {
@@ -234,6 +252,7 @@ int main() {
     ok &= router_case("sigmoid plain", Router{24, 4, true, false, 1.0f, 0, 0, false, false});
     ok &= dispatch_order();
     ok &= combine();
+    ok &= count_load();
     std::printf(ok ? "all outputs within tolerance\n" : "SOME OUTPUTS FAILED\n");
     return ok ? 0 : 1;
 }

@@ -620,6 +620,10 @@ pub fn check_ops<R: Backend, T: Backend>(
         ("elementwise", Box::new(|c| c.swiglu_and_elementwise())),
         ("mixture-of-experts row ops", Box::new(|c| c.moe_row_ops())),
         ("mixture-of-experts routing", Box::new(|c| c.moe_routing())),
+        (
+            "mixture-of-experts grouped GEMMs",
+            Box::new(|c| c.grouped_experts()),
+        ),
         ("cross_entropy", Box::new(|c| c.cross_entropy())),
         (
             "vocabulary-parallel loss",

@@ -1,12 +1,14 @@
 //! The mixture-of-experts checks of `crosscheck`: the row ops of the dispatch and combine
 //! (`row_dots`, `scale_rows`, `scale_rows_by`, `gather_rows`, `moe_combine`) and the routing
 //! (`moe_route` with softmax and with DeepSeek-V3's biased, group-limited sigmoid,
-//! `moe_route_backward` with the auxiliary loss's gradient, `moe_dispatch_order`). Ids must agree
-//! exactly; values within the fp32 tolerance (the routers' `exp`s are each device's).
+//! `moe_route_backward` with the auxiliary loss's gradient, `moe_dispatch_order`), the experts'
+//! grouped GEMMs and the load count. Ids must agree exactly; values within the fp32 tolerance
+//! (the routers' `exp`s are each device's), the grouped GEMMs within the GEMM tolerance.
 
 use super::Checker;
+use crate::backend::grouped_gemm::GroupedGemm;
 use crate::backend::routing::{ids_of_bits, ids_to_bits, RouterArgs, ScoreFunc};
-use crate::backend::Backend;
+use crate::backend::{Backend, GemmOutput};
 
 impl<R: Backend, T: Backend> Checker<'_, R, T> {
     /// The same random values uploaded to both backends.
@@ -144,5 +146,70 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 self.compare_ids(&format!("moe_dispatch_order {name} {what}"), rb, tb);
             }
         }
+    }
+
+    /// The experts' grouped GEMMs over uneven blocks of rows (one expert without rows, one of a
+    /// single row): the forward, the input gradient added in, the weight gradients added in; and
+    /// the load count from the same offsets.
+    pub(super) fn grouped_experts(&mut self) {
+        let offsets: Vec<u32> = vec![0, 70, 70, 200, 201, 261];
+        let (experts, rows, dim, hidden) = (offsets.len() - 1, 261, 40, 72);
+        let (ro, to) = self.both(&ids_to_bits(&offsets));
+        let weights: Vec<_> = (0..experts)
+            .map(|_| self.random_both(hidden * dim, 0.2))
+            .collect();
+        let rw: Vec<&R::Buf> = weights.iter().map(|w| &w.0).collect();
+        let tw: Vec<&T::Buf> = weights.iter().map(|w| &w.1).collect();
+        let (rx, tx) = self.random_both(rows * dim, 1.0);
+        let forward = GroupedGemm {
+            k: dim,
+            n: hidden,
+            trans_b: true,
+            output: GemmOutput::Overwrite,
+        };
+        let (mut ry, mut ty) = (
+            self.reference.zeros(rows * hidden),
+            self.test.zeros(rows * hidden),
+        );
+        self.reference
+            .grouped_matmul(&mut ry, &rx, (&rw, &ro), forward);
+        self.test.grouped_matmul(&mut ty, &tx, (&tw, &to), forward);
+        self.compare("grouped_matmul x.W^T", &ry, &ty, self.tol.gemm);
+        let input_grad = GroupedGemm {
+            k: hidden,
+            n: dim,
+            trans_b: false,
+            output: GemmOutput::Accumulate,
+        };
+        let (mut rdx, mut tdx) = self.random_both(rows * dim, 1.0);
+        self.reference
+            .grouped_matmul(&mut rdx, &ry, (&rw, &ro), input_grad);
+        self.test
+            .grouped_matmul(&mut tdx, &ty, (&tw, &to), input_grad);
+        self.compare("grouped_matmul dx += dy.W", &rdx, &tdx, self.tol.gemm);
+        let mut grads: Vec<_> = (0..experts)
+            .map(|_| self.random_both(hidden * dim, 1.0))
+            .collect();
+        let mut rg: Vec<&mut R::Buf> = grads.iter_mut().map(|g| &mut g.0).collect();
+        self.reference
+            .grouped_weight_grad(&mut rg, (&ry, &rx), &ro, (hidden, dim));
+        let mut tg: Vec<&mut T::Buf> = grads.iter_mut().map(|g| &mut g.1).collect();
+        self.test
+            .grouped_weight_grad(&mut tg, (&ty, &tx), &to, (hidden, dim));
+        for (e, (r, t)) in grads.iter().enumerate() {
+            self.compare(
+                &format!("grouped_weight_grad expert {e}"),
+                r,
+                t,
+                self.tol.gemm,
+            );
+        }
+        let (mut rc, mut tc) = (
+            self.reference.zeros(2 * experts),
+            self.test.zeros(2 * experts),
+        );
+        self.reference.moe_count_load(&mut rc, &ro, experts);
+        self.test.moe_count_load(&mut tc, &to, experts);
+        self.compare("moe_count_load", &rc, &tc, 0.0);
     }
 }

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
+use crate::backend::grouped_gemm::{self as host_grouped, GroupedGemm};
 use crate::backend::host_routing;
 use crate::backend::routing::{DispatchOrder, RoutedTokens, RouterArgs};
 use crate::backend::{
@@ -97,6 +98,7 @@ mod copy;
 mod elementwise;
 mod embedding;
 mod float8;
+mod grouped_gemm;
 pub(super) mod loss;
 mod matmul;
 mod multi_tensor;
@@ -277,6 +279,32 @@ impl Backend for CudaBackend {
         match routing::fits_kernels(0, top_k_width.0) {
             true => self.moe_combine_untimed(out, rows, row_of_slot, top_k_width),
             false => host_routing::combine(self, out, rows, row_of_slot, top_k_width),
+        }
+    }
+    fn grouped_matmul(
+        &self,
+        out: &mut Buf,
+        a: &Buf,
+        weights_offsets: (&[&Buf], &Buf),
+        g: GroupedGemm,
+    ) {
+        let _timer = self.profiler.time_on("grouped_matmul", self);
+        match weights_offsets.0.len() <= grouped_gemm::MAX_EXPERTS {
+            true => self.grouped_matmul_untimed(out, a, weights_offsets, g),
+            false => host_grouped::matmul(self, out, a, weights_offsets, g),
+        }
+    }
+    fn grouped_weight_grad(
+        &self,
+        grads: &mut [&mut Buf],
+        dy_x: (&Buf, &Buf),
+        offsets: &Buf,
+        n_out_k_in: (usize, usize),
+    ) {
+        let _timer = self.profiler.time_on("grouped_weight_grad", self);
+        match grads.len() <= grouped_gemm::MAX_EXPERTS {
+            true => self.grouped_weight_grad_untimed(grads, dy_x, offsets, n_out_k_in),
+            false => host_grouped::weight_grad(self, grads, dy_x, offsets, n_out_k_in),
         }
     }
     fn moe_count_load(&self, counts: &mut Buf, offsets: &Buf, at: usize) {
