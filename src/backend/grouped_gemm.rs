@@ -134,20 +134,28 @@ pub(super) fn cpu_matmul(
     let offsets = checked_offsets("grouped_matmul", offsets, weights.len(), rows);
     let mut blocks = Vec::with_capacity(weights.len());
     let mut rest = &mut out[offsets[0] as usize * g.n..];
-    for e in 0..weights.len() {
+    for (e, w) in weights.iter().enumerate() {
         let (from, count) = block(&offsets, e);
         let (mine, tail) = std::mem::take(&mut rest).split_at_mut(count * g.n);
-        blocks.push((from, count, mine));
+        if count > 0 {
+            blocks.push((from, count, mine, w));
+        }
         rest = tail;
     }
+    largest_first(&mut blocks, |b| b.1);
     blocks
         .into_par_iter()
-        .zip(weights.par_iter())
-        .filter(|((_, count, _), _)| *count > 0)
-        .for_each(|((from, count, mine), w)| {
+        .with_max_len(1)
+        .for_each(|(from, count, mine, w)| {
             let ae = &a[from * g.k..(from + count) * g.k];
             gemm(mine, ae, w, g.expert(count), g.output);
         });
+}
+
+/// The experts' work ordered largest first, each its own task: the threads that finish the small
+/// ones take the rest, instead of waiting on one thread's share of several large ones.
+fn largest_first<T>(work: &mut [T], rows: impl Fn(&T) -> usize) {
+    work.sort_by_key(|w| std::cmp::Reverse(rows(w)));
 }
 
 /// The CPU's `grouped_weight_grad`: each expert's `dW_e += dy_eᵀ · x_e` on its slices.
@@ -160,14 +168,19 @@ pub(super) fn cpu_weight_grad(
 ) {
     let rows = x.len() / k_in.max(1);
     let offsets = checked_offsets("grouped_weight_grad", offsets, grads.len(), rows);
-    grads.par_iter_mut().enumerate().for_each(|(e, g)| {
-        let (from, count) = block(&offsets, e);
-        if count == 0 || g.is_empty() {
-            return;
-        }
-        let dye = &dy[from * n_out..(from + count) * n_out];
-        let xe = &x[from * k_in..(from + count) * k_in];
-        let shape = GemmShape::new(n_out, count, k_in).a_transposed();
-        gemm(g, dye, xe, shape, GemmOutput::Accumulate);
-    });
+    let mut work: Vec<_> = grads
+        .iter_mut()
+        .enumerate()
+        .map(|(e, g)| (block(&offsets, e), g))
+        .filter(|((_, count), g)| *count > 0 && !g.is_empty())
+        .collect();
+    largest_first(&mut work, |w| w.0 .1);
+    work.into_par_iter()
+        .with_max_len(1)
+        .for_each(|((from, count), g)| {
+            let dye = &dy[from * n_out..(from + count) * n_out];
+            let xe = &x[from * k_in..(from + count) * k_in];
+            let shape = GemmShape::new(n_out, count, k_in).a_transposed();
+            gemm(g, dye, xe, shape, GemmOutput::Accumulate);
+        });
 }
