@@ -10,9 +10,10 @@
 //! experts `e_tj` with weights `w_tj`. The routing stays where the rows are: the choice, the
 //! dispatch order (`Backend::moe_dispatch_order`: each row's token and routing slot, ids in
 //! backend buffers) and each row's weight; the dispatch gathers each token's row once per choice
-//! in expert order (`Backend::gather_rows`); each expert's rows are one block, its three
-//! projections one GEMM each (a loop over the experts, `expert`, sized by the experts' row counts:
-//! the block's one download); the combine scales each row by its weight and adds it back to its
+//! in expert order (`Backend::gather_rows`); each expert's rows are one block, and each of the
+//! experts' three projections is one grouped GEMM over every block, sized by the dispatch order's
+//! offsets where they are (`expert::LocalExperts`, `Backend::grouped_matmul`: no download; float8
+//! and biased experts one GEMM per expert on host blocks); the combine scales each row by its weight and adds it back to its
 //! token (`Backend::moe_combine`, in dispatch order). The backward mirrors each step; the
 //! weights' gradient is each row's output dotted with the token's output gradient
 //! (`Backend::row_dots`), and the router's is `Backend::moe_route_backward`'s.
