@@ -92,9 +92,12 @@ fn neither_a_dense_step_nor_a_mixture_of_experts_makes_a_copy() {
     // backward stay on the device, and so do the expert bias (DeepSeek-V3's load balancing:
     // uploaded when it moves, after a step, not by the blocks) and the step's expert load, which
     // comes down once when taken: every block's counts, `[layers, experts]`.
+    // gpt-oss's biased experts add their biases as grouped GEMMs of depth one, and its clamped
+    // SwiGLU is a backend op.
     for (name, flavor, bias) in [
         ("qwen3", "debugmodel_moe", false),
         ("deepseek_v3", "debugmodel", true),
+        ("gpt_oss", "debugmodel", true),
     ] {
         let moe = args_of(name, flavor);
         assert_eq!(

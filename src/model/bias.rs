@@ -13,9 +13,12 @@ fn of_width(width: usize) -> Linear {
     Linear::new(1, width)
 }
 
-/// `rows` ones, the input feature a bias multiplies.
-fn ones<B: Backend>(be: &B, rows: usize) -> B::Buf {
-    be.upload(&vec![1.0; rows])
+/// `rows` ones, the input feature a bias multiplies (filled where the backend keeps them: no
+/// upload).
+pub fn ones<B: Backend>(be: &B, rows: usize) -> B::Buf {
+    let mut ones = be.uninit(rows);
+    be.fill(&mut ones, 1.0);
+    ones
 }
 
 /// `y[r, :] += b` for every row of `y` (`[rows, len(b)]`).

@@ -285,6 +285,33 @@ void swiglu_reference(const std::vector<float>& gate, const std::vector<float>& 
     }
 }
 
+// gpt-oss's clamped SwiGLU against float64, with values past both clamps' bounds and on them.
+bool clamped_swiglu() {
+    const long long n = 3000;
+    const float alpha = 1.702f, limit = 7.0f;
+    auto gate = random_floats(n, 10.0f), up = random_floats(n, 10.0f), dact = random_floats(n);
+    gate[0] = limit, up[1] = -limit, up[2] = limit;
+    std::vector<double> want_act(n), want_dgate(n), want_dup(n);
+    for (long long i = 0; i < n; ++i) {
+        double g = std::min((double)gate[i], (double)limit);
+        double u = std::max(std::min((double)up[i], (double)limit), -(double)limit);
+        double s = 1.0 / (1.0 + std::exp(-alpha * g));
+        want_act[i] = (u + 1.0) * g * s;
+        want_dgate[i] = gate[i] <= limit ? dact[i] * (u + 1.0) * (s + g * alpha * s * (1.0 - s)) : 0.0;
+        want_dup[i] = (up[i] >= -limit && up[i] <= limit) ? dact[i] * g * s : 0.0;
+    }
+    std::vector<float> act(n, NAN), dgate(n, NAN), dup(n, NAN);
+    EmuDim3 grid{3, 1, 1};  // the grid-stride loop wraps
+    emu::launch(grid, 256, [&] { clamped_swiglu_forward(act.data(), gate.data(), up.data(), alpha, limit, n); });
+    emu::launch(grid, 256, [&] {
+        clamped_swiglu_backward(dgate.data(), dup.data(), dact.data(), gate.data(), up.data(), alpha, limit, n);
+    });
+    bool ok = report("clamped_swiglu_forward", act, want_act);
+    ok &= report("clamped_swiglu_backward dgate", dgate, want_dgate);
+    ok &= report("clamped_swiglu_backward dup", dup, want_dup);
+    return ok;
+}
+
 bool swiglu() {
     const long long n = 5000;
     auto gate = random_floats(n, 4.0f), up = random_floats(n), dout = random_floats(n);
@@ -530,6 +557,7 @@ int main() {
     ok &= rmsnorm(38);
     ok &= rope();
     ok &= swiglu();
+    ok &= clamped_swiglu();
     ok &= to_bf16();
     ok &= copy_rows();
     ok &= add_rows();

@@ -28,6 +28,7 @@ use rayon::prelude::*;
 
 pub use super::profile::OpProfiler;
 
+use super::clamped_swiglu::{self, Clamp};
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
 use super::grouped_gemm::{self, GroupedGemm};
 use super::routing::{self, DispatchOrder, RoutedTokens, RouterArgs};
@@ -180,6 +181,25 @@ impl Backend for CpuBackend {
     ) {
         let _timer = self.profiler.time("moe_combine");
         routing::combine(out, rows, &routing::ids_of_bits(row_of_slot), k, width);
+    }
+    fn clamped_swiglu_forward(
+        &self,
+        act: &mut Vec<f32>,
+        (gate, up): (&Vec<f32>, &Vec<f32>),
+        clamp: Clamp,
+    ) {
+        let _timer = self.profiler.time("clamped_swiglu_forward");
+        clamped_swiglu::forward(act, gate, up, clamp);
+    }
+    fn clamped_swiglu_backward(
+        &self,
+        (dgate, dup): (&mut Vec<f32>, &mut Vec<f32>),
+        dact: &Vec<f32>,
+        (gate, up): (&Vec<f32>, &Vec<f32>),
+        clamp: Clamp,
+    ) {
+        let _timer = self.profiler.time("clamped_swiglu_backward");
+        clamped_swiglu::backward((dgate, dup), dact, (gate, up), clamp);
     }
     fn moe_count_load(&self, counts: &mut Vec<f32>, offsets: &Vec<f32>, at: usize) {
         routing::count_load(counts, &routing::ids_of_bits(offsets), at);

@@ -2,7 +2,7 @@
 //! (`row_dots`, `scale_rows`, `scale_rows_by`, `gather_rows`, `moe_combine`) and the routing
 //! (`moe_route` with softmax and with DeepSeek-V3's biased, group-limited sigmoid,
 //! `moe_route_backward` with the auxiliary loss's gradient, `moe_dispatch_order`), the experts'
-//! grouped GEMMs and the load count. Ids must agree exactly; values within the fp32 tolerance
+//! grouped GEMMs, the load count and gpt-oss's clamped SwiGLU. Ids must agree exactly; values within the fp32 tolerance
 //! (the routers' `exp`s are each device's), the grouped GEMMs within the GEMM tolerance.
 
 use super::Checker;
@@ -211,5 +211,29 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
         self.reference.moe_count_load(&mut rc, &ro, experts);
         self.test.moe_count_load(&mut tc, &to, experts);
         self.compare("moe_count_load", &rc, &tc, 0.0);
+        self.clamped_swiglu();
+    }
+
+    /// gpt-oss's clamped SwiGLU, forward and backward, with values past both clamps.
+    fn clamped_swiglu(&mut self) {
+        let (n, clamp) = (10_007, (1.702, 7.0));
+        let (rg, tg) = self.random_both(n, 10.0);
+        let (ru, tu) = self.random_both(n, 10.0);
+        let (rd, td) = self.random_both(n, 1.0);
+        let (mut ra, mut ta) = (self.reference.zeros(n), self.test.zeros(n));
+        self.reference
+            .clamped_swiglu_forward(&mut ra, (&rg, &ru), clamp);
+        self.test.clamped_swiglu_forward(&mut ta, (&tg, &tu), clamp);
+        self.compare("clamped_swiglu_forward", &ra, &ta, self.tol.exact);
+        let (mut rdg, mut tdg) = (self.reference.zeros(n), self.test.zeros(n));
+        let (mut rdu, mut tdu) = (self.reference.zeros(n), self.test.zeros(n));
+        let r_grads = (&mut rdg, &mut rdu);
+        self.reference
+            .clamped_swiglu_backward(r_grads, &rd, (&rg, &ru), clamp);
+        let t_grads = (&mut tdg, &mut tdu);
+        self.test
+            .clamped_swiglu_backward(t_grads, &td, (&tg, &tu), clamp);
+        self.compare("clamped_swiglu_backward dgate", &rdg, &tdg, self.tol.exact);
+        self.compare("clamped_swiglu_backward dup", &rdu, &tdu, self.tol.exact);
     }
 }

@@ -80,6 +80,8 @@ pub const KERNELS: &[&str] = &[
     "moe_place",
     "moe_combine",
     "moe_count_load",
+    "clamped_swiglu_forward",
+    "clamped_swiglu_backward",
     "grouped_gemm",
     "grouped_weight_grad",
     "attention_forward",

@@ -42,13 +42,21 @@ pub(super) struct LocalExperts<'a, B: Backend> {
 }
 
 impl<'a, B: Backend> LocalExperts<'a, B> {
-    /// Whether experts of these shapes run one at a time (float8 casts or biases).
-    pub(super) fn one_at_a_time(m: &MoeShapes, biased: bool) -> bool {
-        m.experts_float8.is_some() || biased
+    /// Whether experts of these shapes run one at a time (float8 casts).
+    pub(super) fn one_at_a_time(m: &MoeShapes) -> bool {
+        m.experts_float8.is_some()
     }
 
     fn weights(&self, p: Proj) -> Vec<&'a B::Buf> {
         self.params.iter().map(|e| e.w[p as usize]).collect()
+    }
+
+    /// Each expert's bias of projection `p`, when the experts have biases.
+    fn biases(&self, p: Proj) -> Option<Vec<&'a B::Buf>> {
+        self.params
+            .iter()
+            .map(|e| e.b.map(|b| b[p as usize]))
+            .collect()
     }
 
     /// `(linear, d_in, d_out)` of projection `p`.
@@ -87,6 +95,17 @@ impl<'a, B: Backend> LocalExperts<'a, B> {
                 output: GemmOutput::Overwrite,
             };
             be.grouped_matmul(out, x, (&self.weights(p), self.offsets), g);
+            if let Some(biases) = self.biases(p) {
+                // Each expert's bias: a GEMM of depth one, its rows' ones times `bᵀ` (`bias`).
+                let ones = bias::ones(be, be.len(x) / d_in);
+                let g = GroupedGemm {
+                    k: 1,
+                    n: d_out,
+                    trans_b: true,
+                    output: GemmOutput::Accumulate,
+                };
+                be.grouped_matmul(out, &ones, (&biases, self.offsets), g);
+            }
             return Ok(());
         }
         let outputs = self.each(be, |e, from, count| {
@@ -167,6 +186,14 @@ impl<'a, B: Backend> LocalExperts<'a, B> {
         if self.blocks.is_none() {
             let mut dws: Vec<&mut B::Buf> = grads.iter_mut().map(|g| &mut *g.w[i]).collect();
             be.grouped_weight_grad(&mut dws, (dy, x), self.offsets, (d_out, d_in));
+            let dbs: Option<Vec<&mut B::Buf>> = grads
+                .iter_mut()
+                .map(|g| g.b.as_mut().map(|b| &mut *b[i]))
+                .collect();
+            if let Some(mut dbs) = dbs {
+                let ones = bias::ones(be, be.len(x) / d_in);
+                be.grouped_weight_grad(&mut dbs, (dy, &ones), self.offsets, (d_out, 1));
+            }
             return Ok(());
         }
         let blocks = self.blocks.as_ref().expect("experts run one at a time");

@@ -346,8 +346,8 @@ pub fn forward<B: Backend>(
         be.scale_rows_by(&mut x_sorted, &row_weights, d);
     }
     let x_local = rows_go.to_experts(be, ep, x_sorted, d)?;
-    let blocks = LocalExperts::<B>::one_at_a_time(m, ids.biases.is_some())
-        .then(|| rows_go.host_blocks(be, &order.offsets));
+    let blocks =
+        LocalExperts::<B>::one_at_a_time(m).then(|| rows_go.host_blocks(be, &order.offsets));
     let experts = local_experts(ids, params, &rows_go, (&order.offsets, blocks.clone()));
     let mut y_local = be.uninit(rows_go.local_rows(n) * d);
     let [gate, up, act] = swiglu_ffn(be, m, &experts, &x_local, &mut y_local)?;

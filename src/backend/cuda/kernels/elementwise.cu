@@ -125,3 +125,35 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, bf16_bits* 
         if (dup16) dup16[i] = bf16_of(du);
     }
 }
+
+// gpt-oss's clamped SwiGLU of one pair (backend/clamped_swiglu.rs): g = min(gate, limit),
+// u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha * g); its partial derivatives
+// pass where each clamp's input is within its bounds, bounds included (PyTorch's clamp).
+__device__ __forceinline__ void clamped_swiglu_one(float alpha, float limit, float gate, float up,
+                                                   float& out, float& dg, float& du) {
+    float g = fminf(gate, limit), u = fminf(fmaxf(up, -limit), limit);
+    float s = 1.0f / (1.0f + expf(-alpha * g));
+    float glu = g * s;
+    out = (u + 1.0f) * glu;
+    dg = gate <= limit ? (u + 1.0f) * (s + g * alpha * s * (1.0f - s)) : 0.0f;
+    du = (up >= -limit && up <= limit) ? glu : 0.0f;
+}
+
+extern "C" __global__ void clamped_swiglu_forward(float* act, const float* gate, const float* up,
+                                                  float alpha, float limit, i64 n) {
+    TITAN_FOR_EACH(i, n) {
+        float dg, du;
+        clamped_swiglu_one(alpha, limit, gate[i], up[i], act[i], dg, du);
+    }
+}
+
+extern "C" __global__ void clamped_swiglu_backward(float* dgate, float* dup, const float* dact,
+                                                   const float* gate, const float* up,
+                                                   float alpha, float limit, i64 n) {
+    TITAN_FOR_EACH(i, n) {
+        float out, dg, du;
+        clamped_swiglu_one(alpha, limit, gate[i], up[i], out, dg, du);
+        dgate[i] = dact[i] * dg;
+        dup[i] = dact[i] * du;
+    }
+}

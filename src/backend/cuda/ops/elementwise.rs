@@ -1,9 +1,10 @@
-//! Elementwise ops and per-row reductions: SwiGLU, residual adds, scaling, row dot products and
+//! Elementwise ops and per-row reductions: SwiGLU (gpt-oss's clamped form too), residual adds, scaling, row dot products and
 //! the sum of squares.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{check_len, Buf, KernelArg};
+use crate::backend::clamped_swiglu::Clamp;
 use crate::backend::cuda::{elementwise_config, CudaBackend};
 use crate::backend::Backend;
 
@@ -164,5 +165,54 @@ impl CudaBackend {
             .unwrap_or_else(|e| panic!("CUDA: downloading partial sums failed: {e}"))
             .iter()
             .sum()
+    }
+
+    pub(super) fn clamped_swiglu_forward_untimed(
+        &self,
+        act: &mut Buf,
+        (gate, up): (&Buf, &Buf),
+        (alpha, limit): Clamp,
+    ) {
+        let lens = [("act", act.len()), ("gate", gate.len()), ("up", up.len())];
+        let n = self.elementwise_len("clamped_swiglu_forward", &lens);
+        launch_elementwise!(
+            self,
+            "clamped_swiglu_forward",
+            n,
+            act,
+            gate,
+            up,
+            &alpha,
+            &limit
+        );
+    }
+
+    pub(super) fn clamped_swiglu_backward_untimed(
+        &self,
+        (dgate, dup): (&mut Buf, &mut Buf),
+        dact: &Buf,
+        (gate, up): (&Buf, &Buf),
+        (alpha, limit): Clamp,
+    ) {
+        let lens = [
+            ("dgate", dgate.len()),
+            ("dup", dup.len()),
+            ("dact", dact.len()),
+            ("gate", gate.len()),
+            ("up", up.len()),
+        ];
+        let n = self.elementwise_len("clamped_swiglu_backward", &lens);
+        launch_elementwise!(
+            self,
+            "clamped_swiglu_backward",
+            n,
+            dgate,
+            dup,
+            dact,
+            gate,
+            up,
+            &alpha,
+            &limit
+        );
     }
 }

@@ -12,6 +12,7 @@ use crate::backend::{GemmOutput, GemmShape, RopeShape};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::{CudaBackend, CudaBuf};
+use crate::backend::clamped_swiglu::Clamp;
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
 use crate::backend::grouped_gemm::{self as host_grouped, GroupedGemm};
 use crate::backend::host_routing;
@@ -401,6 +402,20 @@ impl Backend for CudaBackend {
     fn swiglu_backward(&self, dgate: &mut Buf, dup: &mut Buf, dout: &Buf, gate: &Buf, up: &Buf) {
         let _timer = self.profiler.time_on("swiglu_backward", self);
         self.swiglu_backward_untimed(dgate, dup, dout, gate, up);
+    }
+    fn clamped_swiglu_forward(&self, act: &mut Buf, gate_up: (&Buf, &Buf), clamp: Clamp) {
+        let _timer = self.profiler.time_on("clamped_swiglu_forward", self);
+        self.clamped_swiglu_forward_untimed(act, gate_up, clamp);
+    }
+    fn clamped_swiglu_backward(
+        &self,
+        dgate_dup: (&mut Buf, &mut Buf),
+        dact: &Buf,
+        gate_up: (&Buf, &Buf),
+        clamp: Clamp,
+    ) {
+        let _timer = self.profiler.time_on("clamped_swiglu_backward", self);
+        self.clamped_swiglu_backward_untimed(dgate_dup, dact, gate_up, clamp);
     }
 
     fn add(&self, out: &mut Buf, a: &Buf, b: &Buf) {
