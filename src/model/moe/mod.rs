@@ -13,7 +13,8 @@
 //! in expert order (`Backend::gather_rows`); each expert's rows are one block, and each of the
 //! experts' three projections is one grouped GEMM over every block, sized by the dispatch order's
 //! offsets where they are (`expert::LocalExperts`, `Backend::grouped_matmul`: no download; float8
-//! and biased experts one GEMM per expert on host blocks); the combine scales each row by its weight and adds it back to its
+//! experts one GEMM per expert on host blocks); the combine scales each row by its weight and
+//! adds it back to its
 //! token (`Backend::moe_combine`, in dispatch order). The backward mirrors each step; the
 //! weights' gradient is each row's output dotted with the token's output gradient
 //! (`Backend::row_dots`), and the router's is `Backend::moe_route_backward`'s.
