@@ -9,6 +9,20 @@ use gemm::Parallelism;
 const PARALLEL_MIN_FLOPS: usize = 48 * 48 * 48;
 
 pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], shape: GemmShape, output: GemmOutput) {
+    matmul_threads(out, a, b, shape, output, true)
+}
+
+/// `matmul`, split over the threads (when large enough) only if `threaded`: a GEMM that is one
+/// task of a parallel loop already (a mixture of experts' experts) may run on its own thread.
+/// Either way every output is the same sum in the same order.
+pub fn matmul_threads(
+    out: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    shape: GemmShape,
+    output: GemmOutput,
+    threaded: bool,
+) {
     let GemmShape {
         m,
         k,
@@ -44,11 +58,12 @@ pub fn matmul(out: &mut [f32], a: &[f32], b: &[f32], shape: GemmShape, output: G
     } else {
         (n as isize, 1)
     };
-    let parallelism = if m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    let parallelism =
+        if threaded && m * n * k >= PARALLEL_MIN_FLOPS && rayon::current_num_threads() > 1 {
+            Parallelism::Rayon(0)
+        } else {
+            Parallelism::None
+        };
     // SAFETY: the asserts above bound every index the strides can reach; `out` does not alias `a`/`b`
     // (distinct borrows).
     unsafe {

@@ -212,7 +212,7 @@ impl Backend for CpuBackend {
         g: GroupedGemm,
     ) {
         let _timer = self.profiler.time("grouped_matmul");
-        grouped_gemm::cpu_matmul(out, a, (weights, offsets), g, matmul::matmul);
+        grouped_gemm::cpu_matmul(out, a, (weights, offsets), g, matmul::matmul_threads);
     }
     fn grouped_weight_grad(
         &self,
@@ -223,7 +223,7 @@ impl Backend for CpuBackend {
     ) {
         let _timer = self.profiler.time("grouped_weight_grad");
         let dy_x = (dy_x.0.as_slice(), dy_x.1.as_slice());
-        grouped_gemm::cpu_weight_grad(grads, dy_x, offsets, n_out_k_in, matmul::matmul);
+        grouped_gemm::cpu_weight_grad(grads, dy_x, offsets, n_out_k_in, matmul::matmul_threads);
     }
     fn upload_owned(&self, data: Vec<f32>) -> Vec<f32> {
         self.transfers.record(data.len());

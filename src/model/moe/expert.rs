@@ -1,7 +1,8 @@
-//! One routed expert's computation on the rows routed to it, forward and backward: `y = w2 ·
-//! f(w1·x + b1, w3·x + b3) + b2` (`f` the experts' activation, `activation.rs`; the biases
-//! gpt-oss's), each GEMM in float8 where a converter chose it, and how the experts of a layer
-//! share the CPU's threads (`each_expert`).
+//! The routed experts' computation on the rows routed to them, forward and backward: `y = w2 ·
+//! f(w1·x + b1, w3·x + b3) + b2` per expert (`f` the experts' activation, `activation.rs`; the
+//! biases gpt-oss's), written once over every local row: each projection one grouped GEMM over
+//! the experts' blocks of rows (`LocalExperts`), or, for float8 experts, one GEMM per expert with
+//! its own casts, the experts sharing the CPU's threads (`each_expert`).
 
 use anyhow::Result;
 use rayon::prelude::*;
@@ -31,8 +32,9 @@ enum Proj {
 
 /// This rank's experts over their rows (`[local rows, _]`, expert-major): each projection of every
 /// expert at once. Plain experts run one grouped GEMM per projection reading the offsets where
-/// the backend keeps them (`Backend::grouped_matmul`); float8 experts (each expert's operands cast
-/// with its own scales) and biased ones (gpt-oss) run one expert at a time on the host's blocks.
+/// the backend keeps them (`Backend::grouped_matmul`; biases as grouped GEMMs of depth one); float8
+/// experts (each expert's operands cast with its own scales) run one expert at a time on the
+/// host's blocks.
 pub(super) struct LocalExperts<'a, B: Backend> {
     pub(super) params: Vec<ExpertParams<&'a B::Buf>>,
     /// Local expert `x`'s rows are `offsets[x]..offsets[x + 1]` (`u32` bits, on the backend).
@@ -59,7 +61,7 @@ impl<'a, B: Backend> LocalExperts<'a, B> {
             .collect()
     }
 
-    /// `(linear, d_in, d_out)` of projection `p`.
+    /// The linear of projection `p` (its shape and float8 recipe).
     fn linear(m: &MoeShapes, p: Proj) -> Linear {
         let (up_proj, down) = m.expert_linears();
         match p {
