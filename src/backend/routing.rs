@@ -374,6 +374,13 @@ pub fn combine(out: &mut [f32], rows: &[f32], row_of_slot: &[u32], top_k: usize,
         });
 }
 
+/// `counts[at + e] += offsets[e + 1] - offsets[e]`: each expert's rows added to a load count.
+pub fn count_load(counts: &mut [f32], offsets: &[u32], at: usize) {
+    for (c, w) in counts[at..].iter_mut().zip(offsets.windows(2)) {
+        *c += (w[1] - w[0]) as f32;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -481,12 +488,5 @@ mod tests {
         assert_eq!(out, [0.5, 4.0]);
         let bits = ids_to_bits(&[0, 7, u32::MAX]);
         assert_eq!(ids_of_bits(&bits), [0, 7, u32::MAX]);
-    }
-}
-
-/// `counts[at + e] += offsets[e + 1] - offsets[e]`: each expert's rows added to a load count.
-pub fn count_load(counts: &mut [f32], offsets: &[u32], at: usize) {
-    for (c, w) in counts[at..].iter_mut().zip(offsets.windows(2)) {
-        *c += (w[1] - w[0]) as f32;
     }
 }

@@ -22,6 +22,9 @@ pub(super) struct ExpertParams<T> {
     pub(super) b: Option<[T; 3]>,
 }
 
+/// Each local expert's block of rows on the host: (first row, count).
+pub(super) type ExpertBlocks = Vec<(usize, usize)>;
+
 /// Which of an expert's three projections (its place in `[w1, w2, w3]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Proj {
@@ -40,7 +43,7 @@ pub(super) struct LocalExperts<'a, B: Backend> {
     /// Local expert `x`'s rows are `offsets[x]..offsets[x + 1]` (`u32` bits, on the backend).
     pub(super) offsets: &'a B::Buf,
     /// The same as (first row, count) on the host, where the experts run one at a time.
-    pub(super) blocks: Option<Vec<(usize, usize)>>,
+    pub(super) blocks: Option<ExpertBlocks>,
 }
 
 impl<'a, B: Backend> LocalExperts<'a, B> {

@@ -46,7 +46,7 @@ use crate::model::linear::Linear;
 use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::ExpertRows;
-use expert::{rows_of, swiglu_ffn, swiglu_ffn_backward, ExpertParams, LocalExperts};
+use expert::{rows_of, swiglu_ffn, swiglu_ffn_backward, ExpertBlocks, ExpertParams, LocalExperts};
 use router::RouterArgs;
 
 /// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
@@ -258,7 +258,7 @@ pub struct MoeActs<B: Backend> {
     rows_go: ExpertRows<B>,
     /// The local experts' blocks of rows on the host where they run one at a time
     /// (`LocalExperts::blocks`).
-    blocks: Option<Vec<(usize, usize)>>,
+    blocks: Option<ExpertBlocks>,
     /// This rank's experts' input rows `[local rows, dim]` (in local expert order), their gate
     /// and up projections and SwiGLU
     /// outputs `[local rows, hidden]`.
@@ -281,7 +281,7 @@ fn local_experts<'a, B: Backend>(
     ids: &MoeIds,
     params: &'a [B::Buf],
     rows_go: &'a ExpertRows<B>,
-    (order_offsets, blocks): (&'a B::Buf, Option<Vec<(usize, usize)>>),
+    (order_offsets, blocks): (&'a B::Buf, Option<ExpertBlocks>),
 ) -> LocalExperts<'a, B> {
     let first = rows_go.first_expert();
     let count = rows_go.local_experts(ids.experts.len());
