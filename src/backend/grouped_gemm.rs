@@ -194,3 +194,99 @@ pub(super) fn cpu_weight_grad(
             gemm(g, dye, xe, shape, GemmOutput::Accumulate, threaded);
         });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::backend::routing::ids_to_bits;
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 + seed * 104_729) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// One `matmul` per expert on its rows copied out, as the MoE layer computed before.
+    fn one_expert_at_a_time(
+        out: &mut [f32],
+        a: &[f32],
+        w: &[Vec<f32>],
+        offsets: &[u32],
+        g: GroupedGemm,
+    ) {
+        let be = CpuBackend::new();
+        for (e, w) in w.iter().enumerate() {
+            let (from, count) = block(offsets, e);
+            let ae = a[from * g.k..(from + count) * g.k].to_vec();
+            let mut oe = out[from * g.n..(from + count) * g.n].to_vec();
+            be.matmul(&mut oe, &ae, w, g.expert(count), g.output);
+            out[from * g.n..(from + count) * g.n].copy_from_slice(&oe);
+        }
+    }
+
+    #[test]
+    fn grouped_gemms_equal_one_gemm_per_expert_bit_for_bit() {
+        // Ten experts (on 2 threads each GEMM runs on its own thread), one without rows; and two
+        // experts (each GEMM split over the threads).
+        check_against_one_per_expert(&[70, 0, 130, 1, 64, 9, 33, 2, 40, 5]);
+        check_against_one_per_expert(&[300, 170]);
+    }
+
+    /// Two rows past the last expert stay as they were; one gradient is frozen (empty).
+    fn check_against_one_per_expert(counts: &[u32]) {
+        let be = CpuBackend::new();
+        let mut offsets = vec![0u32];
+        for &c in counts {
+            offsets.push(offsets.last().unwrap() + c);
+        }
+        let rows = *offsets.last().unwrap() as usize + 2;
+        let (k, n) = (40, 72);
+        let weights: Vec<Vec<f32>> = (0..counts.len()).map(|e| values(k * n, e)).collect();
+        let refs: Vec<&Vec<f32>> = weights.iter().collect();
+        let bits = ids_to_bits(&offsets);
+        let a = values(rows * k, 99);
+        for (trans_b, output) in [
+            (true, GemmOutput::Overwrite),
+            (false, GemmOutput::Accumulate),
+        ] {
+            let g = GroupedGemm {
+                k,
+                n,
+                trans_b,
+                output,
+            };
+            let start = values(rows * n, 7);
+            let (mut grouped, mut each) = (start.clone(), start.clone());
+            be.grouped_matmul(&mut grouped, &a, (&refs, &bits), g);
+            one_expert_at_a_time(&mut each, &a, &weights, &offsets, g);
+            assert_eq!(grouped, each, "trans_b {trans_b}");
+            assert_eq!(grouped[(rows - 2) * n..], start[(rows - 2) * n..]);
+        }
+        // Weight gradients, one of them frozen (empty): dW_e += dy_eᵀ · x_e.
+        let dy = values(rows * n, 5);
+        let mut grads: Vec<Vec<f32>> = (0..counts.len()).map(|e| values(n * k, 50 + e)).collect();
+        grads[1].clear();
+        let mut want = grads.clone();
+        for (e, w) in want.iter_mut().enumerate() {
+            let (from, count) = block(&offsets, e);
+            if count > 0 && !w.is_empty() {
+                let (dye, xe) = (
+                    &dy[from * n..(from + count) * n],
+                    &a[from * k..(from + count) * k],
+                );
+                let shape = GemmShape::new(n, count, k).a_transposed();
+                be.matmul(
+                    w,
+                    &dye.to_vec(),
+                    &xe.to_vec(),
+                    shape,
+                    GemmOutput::Accumulate,
+                );
+            }
+        }
+        let mut slots: Vec<&mut Vec<f32>> = grads.iter_mut().collect();
+        be.grouped_weight_grad(&mut slots, (&dy, &a), &bits, (n, k));
+        assert_eq!(grads, want);
+    }
+}
