@@ -169,6 +169,13 @@ stage ep_cuda 60 "$BIN" train --nproc 2 $moe --training.device cuda --training.l
 rm -rf "$OUT_DIR/ds_gpu" "$OUT_DIR/ds_cpu" "$OUT_DIR/ds_tp2_gpu"
 ds="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name deepseek_v3 --model.n_layers 2 --training.local_batch_size 4 --training.seq_len 128"
 stage deepseek_cuda 75 sh -c "'$BIN' train $ds --training.device cuda --job.dump_folder '$OUT_DIR/ds_gpu' && '$BIN' train $ds --training.device cpu --job.dump_folder '$OUT_DIR/ds_cpu' && '$BIN' train --nproc 2 $ds --training.device cuda --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/ds_tp2_gpu'"
+# gpt-oss on CUDA (issue 45): attention sinks over sliding windows, biased projections, the
+# experts' biases as grouped GEMMs of depth one and the clamped SwiGLU's kernels, against the
+# same run on the CPU; and its copies per step against the dense Qwen3's of `moe_copies_cuda`
+# (the difference must be none).
+rm -rf "$OUT_DIR/gptoss_gpu" "$OUT_DIR/gptoss_cpu"
+gptoss="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name gpt_oss --model.flavor debugmodel --training.local_batch_size 4 --training.seq_len 128"
+stage gpt_oss_cuda 60 sh -c "'$BIN' train $gptoss --training.device cuda --job.dump_folder '$OUT_DIR/gptoss_gpu' && '$BIN' train $gptoss --training.device cpu --job.dump_folder '$OUT_DIR/gptoss_cpu' && '$BIN' bench train --device cuda --precision float32 --config configs/gpt_oss_debugmodel.toml --batch 2 --seq 128 --warmup 1 --steps 2 --json > '$OUT_DIR'/copies_gpt_oss.json"
 # Float8 linears, emulated on CUDA (issue 28: the casts run in the NVRTC kernels of
 # kernels/float8.cu, whose numbers the `cuda check` stages' float8 rows hold to the CPU's bit for
 # bit; the GEMMs multiply the dequantised values in fp32): rowwise and tensorwise, 5 steps each,
@@ -270,7 +277,7 @@ summarize() {
 echo
 echo "================ titan GPU check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ================"
 echo "GPU: $(cat "$OUT_DIR/nvidia-smi.txt" 2>/dev/null | head -n 1)"
-for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda moe_copies_cuda documents_cuda documents_tc_cuda lora_cuda residual_bf16_cuda kept_bf16_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
+for s in info ptxas check_fp32 nccl fsdp_cuda ddp_cuda tp_cuda tp_async_cuda pp_cuda cp_cuda moe_cuda moe_copies_cuda gpt_oss_cuda documents_cuda documents_tc_cuda lora_cuda residual_bf16_cuda kept_bf16_cuda muon_cuda ep_cuda deepseek_cuda float8_emulated_cuda float8_cuda float8_head_cuda float8_fsdp_cuda mx_emulated_cuda check_bf16 check_bf16_hd128 check_bf16_nocopies check_bf16_narrow check_bf16_exact resume_cuda generate_cuda titan_1b_profile titan_1b_s2048 titan_1b_s2048_float8 torch_1b_s2048 titan_1b_s8192 torch_1b_s8192 attn_titan attn_torch attn_titan_narrow check_bf16_fused attn_titan_fused titan_1b_s2048_fused8 titan_1b_s2048_nocopies titan_1b_s8192_fused8 titan_1b_s2048_ac_full titan_1b_s2048_ac_op titan_1b_s2048_ac_every2; do
   printf '  %-16s %s\n' "$s" "${status[$s]:-not run}"
   case ${status[$s]:-} in
     ok|"") ;;
@@ -451,6 +458,14 @@ def lora_report():
 def deepseek_report():
     against_cpu("ds_gpu", "ds_cpu", "DeepSeek-V3 on CUDA")
     against_cpu("ds_tp2_gpu", "ds_cpu", "DeepSeek-V3 TP 2 on CUDA")
+    against_cpu("gptoss_gpu", "gptoss_cpu", "gpt-oss on CUDA")
+    copies, dense = load("copies_gpt_oss.json"), load("copies_debugmodel.json")
+    if copies and dense:
+        n = copies["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
+        print(f"gpt-oss on CUDA: {n:.0f} host-device copies per step beyond the dense Qwen3's "
+              f"({'ok' if n == 0 else 'FAIL: its blocks copy'})")
+    else:
+        print("gpt-oss copies per step: no result")
 def float8_report():
     for r in ("rowwise", "tensorwise"):
         against_cpu(f"f8_{r}_cuda", f"f8_{r}_cpu", f"float8 {r} on CUDA (emulated)")
