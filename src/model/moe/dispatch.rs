@@ -1,6 +1,7 @@
 //! Where a mixture-of-experts layer's dispatched rows go and come back from under expert
 //! parallelism: the plan of one layer's two all-to-alls (`Dispatch`), made from the rows each rank
-//! sends to each expert.
+//! sends to each expert, and `ExpertRows`, which plans nothing (and downloads nothing) when one
+//! rank holds every expert.
 //!
 //! A rank's dispatched rows are sorted by global expert, so the rows for rank `p` (whose experts
 //! are a consecutive run) are consecutive too: the all-to-all sends them as they are. What a rank

@@ -14,8 +14,7 @@
 //! experts' three projections is one grouped GEMM over every block, sized by the dispatch order's
 //! offsets where they are (`expert::LocalExperts`, `Backend::grouped_matmul`: no download; float8
 //! experts one GEMM per expert on host blocks); the combine scales each row by its weight and
-//! adds it back to its
-//! token (`Backend::moe_combine`, in dispatch order). The backward mirrors each step; the
+//! adds it back to its token (`Backend::moe_combine`, in dispatch order). The backward mirrors each step; the
 //! weights' gradient is each row's output dotted with the token's output gradient
 //! (`Backend::row_dots`), and the router's is `Backend::moe_route_backward`'s.
 //!
@@ -260,8 +259,7 @@ pub struct MoeActs<B: Backend> {
     /// (`LocalExperts::blocks`).
     blocks: Option<ExpertBlocks>,
     /// This rank's experts' input rows `[local rows, dim]` (in local expert order), their gate
-    /// and up projections and SwiGLU
-    /// outputs `[local rows, hidden]`.
+    /// and up projections and SwiGLU outputs `[local rows, hidden]`.
     x_local: B::Buf,
     gate: B::Buf,
     up: B::Buf,
@@ -275,8 +273,8 @@ pub struct MoeActs<B: Backend> {
     pub aux: Option<AuxStats>,
 }
 
-/// This rank's experts with their parameters (or, `grads`, their gradients' slots), their rows'
-/// offsets and, where they run one at a time, their blocks on the host.
+/// This rank's experts with their parameters, their rows' offsets and, where they run one at a
+/// time, their blocks on the host.
 fn local_experts<'a, B: Backend>(
     ids: &MoeIds,
     params: &'a [B::Buf],
