@@ -1,11 +1,14 @@
 // Causal grouped-query attention and its gradients in float64, the reference of the emulated
 // attention checks. Layouts as the kernels': q, out, dout [b, s, h, d]; k, v [b, s, kvh, d];
-// lse [b, h, s].
+// lse [b, h, s]. Also the checks' shared helpers: the relative error, its report line, random
+// inputs.
 
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <random>
 #include <vector>
 
 struct Shape {
@@ -93,4 +96,21 @@ inline double rel_err(const std::vector<float>& got, const std::vector<double>& 
         diff = std::max(diff, std::fabs((double)got[i] - want[i]));
     }
     return diff / scale;
+}
+
+// Prints `what`'s relative error against `want` on one line; true when within `tolerance`.
+inline bool report_rel_err(const char* what, const std::vector<float>& got,
+                           const std::vector<double>& want, double tolerance) {
+    double err = rel_err(got, want);
+    bool ok = err <= tolerance;
+    std::printf("%-36s rel err %.3e %s\n", what, err, ok ? "ok" : "FAILED");
+    return ok;
+}
+
+// `n` floats drawn uniformly from [lo, hi) by `rng`.
+inline std::vector<float> uniform_floats(std::mt19937_64& rng, size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(rng);
+    return v;
 }

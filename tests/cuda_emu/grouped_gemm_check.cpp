@@ -24,18 +24,10 @@ constexpr unsigned kThreads = 256;  // TITAN_GG_THREADS
 
 std::mt19937_64 rng(20261208);
 
-std::vector<float> random_floats(size_t n) {
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-    std::vector<float> v(n);
-    for (auto& x : v) x = dist(rng);
-    return v;
-}
+std::vector<float> random_floats(size_t n) { return uniform_floats(rng, n, -1.0f, 1.0f); }
 
 bool report(const char* what, const std::vector<float>& got, const std::vector<double>& want) {
-    double err = rel_err(got, want);
-    bool ok = err <= kTolerance;
-    std::printf("%-36s rel err %.3e %s\n", what, err, ok ? "ok" : "FAILED");
-    return ok;
+    return report_rel_err(what, got, want, kTolerance);
 }
 
 bool report_untouched(const char* what, const std::vector<float>& got, const std::vector<float>& was,

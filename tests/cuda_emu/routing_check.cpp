@@ -26,18 +26,10 @@ constexpr int kChunk = 1024;             // CHUNK
 
 std::mt19937_64 rng(20261207);
 
-std::vector<float> random_floats(size_t n, float lo, float hi) {
-    std::uniform_real_distribution<float> dist(lo, hi);
-    std::vector<float> v(n);
-    for (auto& x : v) x = dist(rng);
-    return v;
-}
+std::vector<float> random_floats(size_t n, float lo, float hi) { return uniform_floats(rng, n, lo, hi); }
 
 bool report(const char* what, const std::vector<float>& got, const std::vector<double>& want) {
-    double err = rel_err(got, want);
-    bool ok = err <= kTolerance;
-    std::printf("%-36s rel err %.3e %s\n", what, err, ok ? "ok" : "FAILED");
-    return ok;
+    return report_rel_err(what, got, want, kTolerance);
 }
 
 bool report_exact(const char* what, const std::vector<u32>& got, const std::vector<u32>& want) {

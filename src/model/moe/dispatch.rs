@@ -194,10 +194,7 @@ impl<B: Backend> ExpertRows<B> {
         rows: B::Buf,
         width: usize,
     ) -> Result<B::Buf> {
-        match self {
-            ExpertRows::Here => Ok(rows),
-            ExpertRows::Group(d, _) => d.to_experts(be, ep, rows, width),
-        }
+        self.through(rows, |d, rows| d.to_experts(be, ep, rows, width))
     }
 
     /// `Dispatch::from_experts`, or the rows as they are.
@@ -208,9 +205,18 @@ impl<B: Backend> ExpertRows<B> {
         rows: B::Buf,
         width: usize,
     ) -> Result<B::Buf> {
+        self.through(rows, |d, rows| d.from_experts(be, ep, rows, width))
+    }
+
+    /// `rows` through `trip` under expert parallelism, as they are otherwise.
+    fn through(
+        &self,
+        rows: B::Buf,
+        trip: impl FnOnce(&Dispatch, B::Buf) -> Result<B::Buf>,
+    ) -> Result<B::Buf> {
         match self {
             ExpertRows::Here => Ok(rows),
-            ExpertRows::Group(d, _) => d.from_experts(be, ep, rows, width),
+            ExpertRows::Group(d, _) => trip(d, rows),
         }
     }
 }
