@@ -57,7 +57,7 @@ fn checked_offsets(op: &str, bits: &[f32], experts: usize, rows: usize) -> Vec<u
 }
 
 /// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
-fn rows_of<B: Backend + ?Sized>(
+pub fn rows_of<B: Backend + ?Sized>(
     be: &B,
     x: &B::Buf,
     (from, rows): (usize, usize),

@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::MoeShapes;
 use crate::backend::float8::LinearGemm;
-use crate::backend::grouped_gemm::GroupedGemm;
+use crate::backend::grouped_gemm::{rows_of, GroupedGemm};
 use crate::backend::{Backend, GemmOutput, GemmShape};
 use crate::model::bias;
 use crate::model::float8_linear::{Float8Casts, OnOneRank};
@@ -115,7 +115,7 @@ impl<'a, B: Backend> LocalExperts<'a, B> {
         }
         let outputs = self.each(be, |e, from, count| {
             let casts = expert_casts();
-            let xe = rows_of(be, x, from, count, d_in);
+            let xe = rows_of(be, x, (from, count), d_in);
             let w = self.params[e].w[p as usize];
             let [xq, wq] = casts.operands(be, linear, LinearGemm::Output, (&xe, w), count)?;
             let mut ye = be.uninit(count * d_out);
@@ -154,11 +154,11 @@ impl<'a, B: Backend> LocalExperts<'a, B> {
         }
         let grads = self.each(be, |e, from, count| {
             let casts = expert_casts();
-            let dye = rows_of(be, dy, from, count, d_out);
+            let dye = rows_of(be, dy, (from, count), d_out);
             let w = self.params[e].w[p as usize];
             let [dq, wq] = casts.operands(be, linear, LinearGemm::InputGrad, (&dye, w), count)?;
             let mut dxe = match output {
-                GemmOutput::Accumulate => rows_of(be, dx, from, count, d_in),
+                GemmOutput::Accumulate => rows_of(be, dx, (from, count), d_in),
                 GemmOutput::Overwrite => be.uninit(count * d_in),
             };
             be.matmul(
@@ -211,8 +211,8 @@ impl<'a, B: Backend> LocalExperts<'a, B> {
         let done = each_expert(be, work, |(&(from, count), (dw, db))| {
             let casts = expert_casts();
             let (dye, xe) = (
-                rows_of(be, dy, from, count, d_out),
-                rows_of(be, x, from, count, d_in),
+                rows_of(be, dy, (from, count), d_out),
+                rows_of(be, x, (from, count), d_in),
             );
             let [dq, xq] =
                 casts.operands(be, linear, LinearGemm::WeightGrad, (&dye, &xe), count)?;
@@ -281,19 +281,6 @@ pub(super) fn swiglu_ffn_backward<B: Backend>(
         experts.weight_grad(be, m, p, grads, (d, x))?;
     }
     Ok(dx)
-}
-
-/// Rows `from..from + rows` of a `[_, width]` buffer, as a buffer of their own.
-pub(super) fn rows_of<B: Backend>(
-    be: &B,
-    x: &B::Buf,
-    from: usize,
-    rows: usize,
-    width: usize,
-) -> B::Buf {
-    let mut out = be.uninit(rows * width);
-    be.copy_range(&mut out, 0, x, from * width, rows * width);
-    out
 }
 
 /// `f` of every expert's work, in order: on the CPU the experts run concurrently, one per

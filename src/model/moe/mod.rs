@@ -37,6 +37,7 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::float8::Float8Recipe;
+use crate::backend::grouped_gemm::rows_of;
 use crate::backend::routing::{ids_of_bits, DispatchOrder, RoutedTokens};
 use crate::backend::Backend;
 use crate::model::bias;
@@ -45,7 +46,7 @@ use crate::model::linear::Linear;
 use activation::ExpertActivation;
 use aux_loss::{AuxStats, SequenceRows};
 use dispatch::ExpertRows;
-use expert::{rows_of, swiglu_ffn, swiglu_ffn_backward, ExpertBlocks, ExpertParams, LocalExperts};
+use expert::{swiglu_ffn, swiglu_ffn_backward, ExpertBlocks, ExpertParams, LocalExperts};
 use router::RouterArgs;
 
 /// A model's mixture-of-experts feed-forward (part of `ModelArgs`).
@@ -352,7 +353,7 @@ pub fn forward<B: Backend>(
     let [gate, up, act] = swiglu_ffn(be, m, &experts, &x_local, &mut y_local)?;
     let y = rows_go.from_experts(be, ep, y_local, d)?;
     // Combine: each row weighted (unless its input was), added back to its token.
-    let mut weighted = rows_of(be, &y, 0, n, d);
+    let mut weighted = rows_of(be, &y, (0, n), d);
     if !m.score_before_experts {
         be.scale_rows_by(&mut weighted, &row_weights, d);
     }
