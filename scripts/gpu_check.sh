@@ -101,8 +101,9 @@ moe="--quiet --training.mixed_precision_param float32 --training.steps 10 --chec
 stage moe_cuda 60 sh -c "'$BIN' train $moe --training.device cuda --job.dump_folder '$OUT_DIR/moe_gpu' && '$BIN' train $moe --training.device cpu --job.dump_folder '$OUT_DIR/moe_cpu'"
 # The host↔device copies a step makes (`host_device_copies_per_step`): the MoE debug model against
 # the dense one of the same shapes; the difference must be none (routing, dispatch order, grouped
-# expert GEMMs, combine and the load count stay on the GPU).
-stage moe_copies_cuda 60 sh -c "for f in debugmodel debugmodel_moe; do '$BIN' bench train --device cuda --precision float32 --config configs/qwen3_debugmodel.toml --flavor \$f --batch 2 --seq 128 --warmup 1 --steps 2 --json > '$OUT_DIR'/copies_\$f.json || exit 1; done"
+# expert GEMMs, combine and the load count stay on the GPU), and with the sequence-wise auxiliary
+# loss (its figures, balance and gradient kernels of kernels/moe_aux.cu) none either.
+stage moe_copies_cuda 60 sh -c "for f in debugmodel debugmodel_moe; do '$BIN' bench train --device cuda --precision float32 --config configs/qwen3_debugmodel.toml --flavor \$f --batch 2 --seq 128 --warmup 1 --steps 2 --json > '$OUT_DIR'/copies_\$f.json || exit 1; done && '$BIN' bench train --device cuda --precision float32 --config configs/qwen3_debugmodel.toml --flavor debugmodel_moe --batch 2 --seq 128 --warmup 1 --steps 2 --json --model.router_aux_loss_coef 0.01 > '$OUT_DIR'/copies_debugmodel_moe_aux.json"
 # Two GPUs or more (issue 45): the device road between GPUs, NCCL attached to the mesh groups,
 # each layout against one process (`one`, `moe_cpu` above). PP 2 (1F1B and ZBV) sends its stage
 # transfers over the pipeline group's NCCL channels (one communicator and stream per direction);
@@ -167,7 +168,7 @@ stage ep_cuda 60 "$BIN" train --nproc 2 $moe --training.device cuda --training.l
 # after a dense block, YaRN; alone and under TP 2 (heads split, latents replicated), against the
 # same run on the CPU.
 rm -rf "$OUT_DIR/ds_gpu" "$OUT_DIR/ds_cpu" "$OUT_DIR/ds_tp2_gpu"
-ds="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name deepseek_v3 --model.n_layers 2 --training.local_batch_size 4 --training.seq_len 128"
+ds="--quiet --training.mixed_precision_param float32 --training.steps 10 --checkpoint.enable false --metrics.log_freq 1 --model.name deepseek_v3 --model.n_layers 2 --training.local_batch_size 4 --training.seq_len 128 --model.router_aux_loss_coef 0.01"
 stage deepseek_cuda 75 sh -c "'$BIN' train $ds --training.device cuda --job.dump_folder '$OUT_DIR/ds_gpu' && '$BIN' train $ds --training.device cpu --job.dump_folder '$OUT_DIR/ds_cpu' && '$BIN' train --nproc 2 $ds --training.device cuda --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 --job.dump_folder '$OUT_DIR/ds_tp2_gpu'"
 # gpt-oss on CUDA (issue 45): attention sinks over sliding windows, biased projections, the
 # experts' biases as grouped GEMMs of depth one and the clamped SwiGLU's kernels, against the
@@ -436,6 +437,13 @@ def moe_report():
               f"({'ok' if extra == 0 else 'FAIL: its MoE blocks copy'})")
     else:
         print("Qwen3-MoE copies per step: no result")
+    aux = load("copies_debugmodel_moe_aux.json")
+    if dense and aux:
+        extra = aux["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
+        print(f"Qwen3-MoE with the auxiliary loss on CUDA: {extra:.0f} host-device copies per step beyond "
+              f"the dense model's ({'ok' if extra == 0 else 'FAIL: its auxiliary loss copies'})")
+    else:
+        print("Qwen3-MoE with the auxiliary loss, copies per step: no result")
     against_cpu("ep2_gpu", "moe_cpu", "Qwen3-MoE EP 2 on CUDA")
     if os.path.isdir(os.path.join(out, "nccl_ep2")):
         against_cpu("nccl_ep2", "moe_cpu", "Qwen3-MoE EP 2 on two GPUs over NCCL")

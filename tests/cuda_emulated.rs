@@ -103,6 +103,13 @@ fn moe_routing_dispatch_order_and_combine_kernels_match_their_references_on_the_
 }
 
 #[test]
+fn moe_auxiliary_loss_kernels_match_the_cpu_arithmetic_bit_for_bit_on_the_emulator() {
+    // Two routers (softmax on whole sequences, sigmoid on rows starting mid-sequence): the
+    // figures, the balance and the scores' gradient of each.
+    run_check("moe_aux_check.cpp", 6);
+}
+
+#[test]
 fn grouped_expert_gemm_kernels_match_float64_on_the_emulator() {
     // The forward and the accumulated input gradient (each with the rows of no expert), five
     // experts' weight gradients (one passed as null).

@@ -116,6 +116,34 @@ fn neither_a_dense_step_nor_a_mixture_of_experts_makes_a_copy() {
             "{name}"
         );
     }
+    // The sequence-wise auxiliary loss's figures, balance and gradient stay on the device too;
+    // each block's per-sequence losses come down with the counts, in the same copy.
+    for name in ["qwen3", "deepseek_v3"] {
+        let mut moe = args_of(
+            name,
+            if name == "qwen3" {
+                "debugmodel_moe"
+            } else {
+                "debugmodel"
+            },
+        );
+        moe.moe.as_mut().unwrap().aux_loss_coef = Some(0.01);
+        let experts = moe.moe.map(|m| m.router.num_experts as u64).unwrap();
+        let layers = moe.n_layers as u64;
+        let moe_layers = (0..moe.n_layers)
+            .filter(|&l| moe.moe_at(l).is_some())
+            .count() as u64;
+        // Two sequences per step: one `L_b` each per MoE block.
+        let counts_and_losses = Transfers {
+            copies: 1,
+            bytes: 4 * (experts * layers + 2 * moe_layers),
+        };
+        assert_eq!(
+            copies_of_a_step(&moe),
+            (Transfers::default(), counts_and_losses),
+            "{name} with the auxiliary loss"
+        );
+    }
 }
 
 /// Rank 0's host↔device copies and bytes per step (`titan bench train --json`) of a two-rank

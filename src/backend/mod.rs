@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod float8;
 pub mod grouped_gemm;
 mod host_routing;
+pub mod moe_aux;
 pub mod profile;
 pub mod routing;
 mod shapes;
@@ -22,6 +23,7 @@ pub use attention_types::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape}
 use clamped_swiglu::Clamp;
 use float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
 use grouped_gemm::GroupedGemm;
+use moe_aux::SequenceSpan;
 use routing::{DispatchOrder, RoutedTokens, RouterArgs};
 pub use shapes::{GemmOutput, GemmShape, RopeShape};
 
@@ -439,6 +441,37 @@ pub trait Backend: Send + Sync + 'static {
     /// 2^24): a step's expert load, counted where the dispatch order is.
     fn moe_count_load(&self, counts: &mut Self::Buf, offsets: &Self::Buf, at: usize) {
         host_routing::count_load(self, counts, offsets, at)
+    }
+    /// The auxiliary loss's per-sequence figures of this rank's rows, `[counts | normalised
+    /// score sums | tokens]` (`moe_aux::figures`), from the routing's chosen experts and scores.
+    fn moe_aux_figures(
+        &self,
+        experts_scores: (&Self::Buf, &Self::Buf),
+        args: &RouterArgs,
+        span: SequenceSpan,
+    ) -> Self::Buf {
+        moe_aux::host_figures(self, experts_scores, args, span)
+    }
+    /// `[f | L_b]` from the figures summed over the ranks sharing the sequences
+    /// (`moe_aux::balance`).
+    fn moe_aux_balance(
+        &self,
+        figures: &Self::Buf,
+        args: &RouterArgs,
+        sequences: usize,
+    ) -> Self::Buf {
+        moe_aux::host_balance(self, figures, args, sequences)
+    }
+    /// The gradient of `scale · Σ_b L_b` with respect to each of `tokens` local rows' normalised
+    /// scores, `[tokens, E]` (`moe_aux::score_grads`).
+    fn moe_aux_score_grads(
+        &self,
+        balance_figures: (&Self::Buf, &Self::Buf),
+        args: &RouterArgs,
+        span_tokens: (SequenceSpan, usize),
+        scale: f32,
+    ) -> Self::Buf {
+        moe_aux::host_score_grads(self, balance_figures, args, span_tokens, scale)
     }
     /// Expert `e`'s rows `offsets[e]..offsets[e + 1]` of `out` (+)= the same rows of `a` times
     /// `op(weights[e])` (`grouped_gemm`); here with the offsets on the host.

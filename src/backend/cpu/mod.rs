@@ -31,6 +31,7 @@ pub use super::profile::OpProfiler;
 use super::clamped_swiglu::{self, Clamp};
 use super::float8::{ContractedDim, MxCast, Quantization, ScaleAxis};
 use super::grouped_gemm::{self, GroupedGemm};
+use super::moe_aux::{self, SequenceSpan};
 use super::routing::{self, DispatchOrder, RoutedTokens, RouterArgs};
 use super::transfers::TransferCounter;
 use super::{AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard};
@@ -203,6 +204,26 @@ impl Backend for CpuBackend {
     }
     fn moe_count_load(&self, counts: &mut Vec<f32>, offsets: &Vec<f32>, at: usize) {
         routing::count_load(counts, &routing::ids_of_bits(offsets), at);
+    }
+    fn moe_aux_figures(
+        &self,
+        (experts, scores): (&Vec<f32>, &Vec<f32>),
+        args: &RouterArgs,
+        span: SequenceSpan,
+    ) -> Vec<f32> {
+        moe_aux::figures(args, (&routing::ids_of_bits(experts), scores), span)
+    }
+    fn moe_aux_balance(&self, figures: &Vec<f32>, args: &RouterArgs, sequences: usize) -> Vec<f32> {
+        moe_aux::balance(args, figures, sequences)
+    }
+    fn moe_aux_score_grads(
+        &self,
+        (balance, figures): (&Vec<f32>, &Vec<f32>),
+        args: &RouterArgs,
+        span_tokens: (SequenceSpan, usize),
+        scale: f32,
+    ) -> Vec<f32> {
+        moe_aux::score_grads(args, (balance, figures), span_tokens, scale)
     }
     fn grouped_matmul(
         &self,

@@ -1,12 +1,14 @@
 //! The mixture-of-experts checks of `crosscheck`: the row ops of the dispatch and combine
 //! (`row_dots`, `scale_rows`, `scale_rows_by`, `gather_rows`, `moe_combine`) and the routing
 //! (`moe_route` with softmax and with DeepSeek-V3's biased, group-limited sigmoid,
-//! `moe_route_backward` with the auxiliary loss's gradient, `moe_dispatch_order`), the experts'
+//! `moe_route_backward` with the auxiliary loss's gradient, `moe_dispatch_order`, the auxiliary
+//! loss's `moe_aux_figures`, `moe_aux_balance`, `moe_aux_score_grads`), the experts'
 //! grouped GEMMs, the load count and gpt-oss's clamped SwiGLU. Ids must agree exactly; values within the fp32 tolerance
 //! (the routers' `exp`s are each device's), the grouped GEMMs within the GEMM tolerance.
 
 use super::Checker;
 use crate::backend::grouped_gemm::GroupedGemm;
+use crate::backend::moe_aux::SequenceSpan;
 use crate::backend::routing::{ids_of_bits, ids_to_bits, RouterArgs, ScoreFunc};
 use crate::backend::{Backend, GemmOutput};
 
@@ -131,8 +133,10 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 &td,
                 self.tol.exact,
             );
-            // The dispatch order of the reference's choice on both.
+            // The dispatch order and the auxiliary loss of the reference's choice on both.
             let experts = self.test.upload(&self.reference.download(&r.experts));
+            let scores = self.test.upload(&self.reference.download(&r.scores));
+            self.moe_aux(name, &args, (&r.experts, &r.scores), (&experts, &scores));
             let ro = self
                 .reference
                 .moe_dispatch_order(&r.experts, (e, args.top_k));
@@ -146,6 +150,37 @@ impl<R: Backend, T: Backend> Checker<'_, R, T> {
                 self.compare_ids(&format!("moe_dispatch_order {name} {what}"), rb, tb);
             }
         }
+    }
+
+    /// The auxiliary loss's figures, balance and scores' gradient of one routing, on a rank whose
+    /// 61 rows start at row 3 of four sequences of 16.
+    fn moe_aux(
+        &mut self,
+        name: &str,
+        args: &RouterArgs,
+        (re, rs): (&R::Buf, &R::Buf),
+        (te, ts): (&T::Buf, &T::Buf),
+    ) {
+        let span = SequenceSpan {
+            first: 3,
+            seq: 16,
+            sequences: 4,
+        };
+        let rf = self.reference.moe_aux_figures((re, rs), args, span);
+        let tf = self.test.moe_aux_figures((te, ts), args, span);
+        self.compare(&format!("moe_aux_figures {name}"), &rf, &tf, self.tol.exact);
+        let rb = self.reference.moe_aux_balance(&rf, args, span.sequences);
+        let tb = self.test.moe_aux_balance(&tf, args, span.sequences);
+        self.compare(&format!("moe_aux_balance {name}"), &rb, &tb, self.tol.exact);
+        let tokens = self.reference.len(rs) / args.num_experts;
+        let rg = (self.reference).moe_aux_score_grads((&rb, &rf), args, (span, tokens), 0.3);
+        let tg = (self.test).moe_aux_score_grads((&tb, &tf), args, (span, tokens), 0.3);
+        self.compare(
+            &format!("moe_aux_score_grads {name}"),
+            &rg,
+            &tg,
+            self.tol.exact,
+        );
     }
 
     /// The experts' grouped GEMMs over uneven blocks of rows (one expert without rows, one of a

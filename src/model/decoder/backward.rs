@@ -15,7 +15,7 @@ use super::Decoder;
 use crate::backend::{AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend};
 use crate::model::args::QkNorm;
 use crate::model::moe;
-use crate::model::moe::stats::ExpertStats;
+use crate::model::moe::stats::{AuxWeight, ExpertStats};
 use crate::model::parallel_linear::{DeferredWeightGrad, SequenceParallel};
 use crate::model::params::{AttentionIds, FeedForwardIds, GqaIds, ParamSet};
 use crate::model::projection::BlockProjection;
@@ -227,11 +227,12 @@ impl<B: Backend> Decoder<B> {
         stats.count_load(be, l, moe_acts.load_offsets());
         match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
             (Some(aux), Some(coef)) => {
-                let share = (self.local.tp * self.local.cp) as f64;
-                let value: f64 = aux.values.iter().map(|&v| v as f64).sum();
-                if let Some(total) = stats.aux_loss.as_mut() {
-                    *total += coef as f64 * value / self.sequences_per_step as f64 / share;
-                }
+                let weight = AuxWeight {
+                    coef: coef as f64,
+                    sequences: self.sequences_per_step as f64,
+                    share: (self.local.tp * self.local.cp) as f64,
+                };
+                stats.add_aux(be, aux.values(), weight);
                 coef / self.sequences_per_step as f32
             }
             _ => 0.0,

@@ -498,7 +498,7 @@ impl<B: Backend> Decoder<B> {
             ..self.moe_shapes(l)?
         };
         let bias = self.block_expert_bias(l);
-        let sum = |v: &mut [f32]| self.sum_over_sequence_ranks(be, v);
+        let sum = |v: &mut B::Buf| self.sum_over_sequence_ranks(be, v);
         let rows = match run.aux_stats {
             true => self.sequence_rows(run.batch, run.seq, &sum),
             false => None,

@@ -201,26 +201,30 @@ impl<B: Backend> Decoder<B> {
         &self,
         batch: usize,
         seq: usize,
-        sum: &'a (dyn Fn(&mut [f32]) -> Result<()> + 'a),
-    ) -> Option<moe::aux_loss::SequenceRows<'a>> {
+        sum: &'a (dyn Fn(&mut B::Buf) -> Result<()> + 'a),
+    ) -> Option<moe::aux_loss::SequenceRows<'a, B>> {
         self.args.moe.as_ref()?.aux_loss_coef?;
         let rows = self.local.rows(batch * seq);
-        let first = self.local.tp_rank * rows;
-        Some(moe::aux_loss::SequenceRows {
-            seq_of: (first..first + rows).map(|r| (r / seq) as u32).collect(),
+        let span = moe::aux_loss::SequenceSpan {
+            first: self.local.tp_rank * rows,
+            seq,
             sequences: batch,
-            sum,
-        })
+        };
+        Some(moe::aux_loss::SequenceRows { span, sum })
     }
 
-    /// Sums host figures over the TP and CP ranks (every one of them calls this together).
-    fn sum_over_sequence_ranks(&self, be: &B, values: &mut [f32]) -> Result<()> {
+    /// Sums per-sequence figures over the TP ranks (on the backend) and the CP ranks (through
+    /// the host); every one of them calls this together.
+    fn sum_over_sequence_ranks(&self, be: &B, figures: &mut B::Buf) -> Result<()> {
         if self.local.tp > 1 {
-            let mut buf = be.upload(values);
-            self.tp.all_reduce_sum(be, &mut buf)?;
-            values.copy_from_slice(&be.download(&buf));
+            self.tp.all_reduce_sum(be, figures)?;
         }
-        self.cp.sum_over_group(values)
+        if self.local.cp > 1 {
+            let mut host = be.download(figures);
+            self.cp.sum_over_group(&mut host)?;
+            *figures = be.upload_owned(host);
+        }
+        Ok(())
     }
 
     /// The expert-parallel group (degree 1 without expert parallelism).

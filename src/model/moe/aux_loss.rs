@@ -11,95 +11,73 @@
 //! per step, so it does not depend on how the batch is split over ranks, micro-batches or
 //! pipeline stages. `f` is a count (no gradient); the gradient reaches the logits through `P`:
 //! `∂/∂s'_te = coef · f_e / (T · sequences)`, added to the scores' gradient in
-//! `router::route_backward`.
+//! `router::route_backward`. The arithmetic is the backend's (`backend::moe_aux`,
+//! `Backend::moe_aux_figures`, `moe_aux_balance`, `moe_aux_score_grads`), so the figures stay where
+//! the routing is: a block's forward and backward copy nothing for them.
 //!
 //! A sequence whose tokens are spread over ranks (context parallel, sequence parallel under TP)
 //! has its counts and score sums summed over those ranks first (`SequenceRows::sum`), so every rank
-//! sees the whole sequence's `f` and `P`.
+//! sees the whole sequence's `f` and `P` (over TP on the backend's buffers; over CP through the
+//! host).
 
 use anyhow::Result;
 
-use super::router::{normalised, RouterArgs};
+pub use crate::backend::moe_aux::SequenceSpan;
+use crate::backend::routing::{RoutedTokens, RouterArgs};
+use crate::backend::Backend;
 
 /// Which sequence each of a rank's token rows belongs to, and how to sum per-sequence figures over
 /// the ranks holding the other rows of the same sequences.
-pub struct SequenceRows<'a> {
-    /// The sequence (of this forward's `sequences`) of each local token row.
-    pub seq_of: Vec<u32>,
-    pub sequences: usize,
+pub struct SequenceRows<'a, B: Backend> {
+    pub span: SequenceSpan,
     /// Sums a buffer elementwise over the ranks sharing these sequences (in place).
-    pub sum: &'a (dyn Fn(&mut [f32]) -> Result<()> + 'a),
+    pub sum: &'a (dyn Fn(&mut B::Buf) -> Result<()> + 'a),
 }
 
-/// A block's per-sequence figures, from its forward to its backward.
-pub struct AuxStats {
-    /// `f[b·E + e]`.
-    f: Vec<f32>,
-    /// Tokens of each sequence.
-    tokens: Vec<f32>,
-    /// `L_b` of each sequence.
-    pub values: Vec<f32>,
-    seq_of: Vec<u32>,
+/// A block's per-sequence figures, from its forward to its backward, on the backend.
+pub struct AuxStats<B: Backend> {
+    /// `[counts | normalised score sums | tokens]`, summed over the ranks sharing the sequences.
+    figures: B::Buf,
+    /// `[f | L_b]`.
+    balance: B::Buf,
+    span: SequenceSpan,
+    /// This rank's rows.
+    tokens: usize,
+    experts: usize,
 }
 
 /// `f`, `P` and `L_b` of every sequence of `rows` (collective over the ranks sharing them), from
-/// the routing's chosen experts (`[tokens · top_k]`) and scores (`[tokens, experts]`).
-pub fn forward(
+/// the routing's chosen experts and scores.
+pub fn forward<B: Backend>(
+    be: &B,
     args: &RouterArgs,
-    (experts, scores): (&[u32], &[f32]),
-    rows: SequenceRows,
-) -> Result<AuxStats> {
-    let (e, k, n) = (args.num_experts, args.top_k, rows.sequences);
-    // Counts, then score sums, then tokens: one sum over the ranks.
-    let mut figures = vec![0.0f32; 2 * n * e + n];
-    for (t, &b) in rows.seq_of.iter().enumerate() {
-        let b = b as usize;
-        for &x in &experts[t * k..(t + 1) * k] {
-            figures[b * e + x as usize] += 1.0;
-        }
-        let (s, _) = normalised(args, &scores[t * e..(t + 1) * e]);
-        for (sum, s) in figures[n * e + b * e..n * e + (b + 1) * e]
-            .iter_mut()
-            .zip(s)
-        {
-            *sum += s;
-        }
-        figures[2 * n * e + b] += 1.0;
-    }
+    routed: &RoutedTokens<B::Buf>,
+    rows: SequenceRows<B>,
+) -> Result<AuxStats<B>> {
+    let span = rows.span;
+    let mut figures = be.moe_aux_figures((&routed.experts, &routed.scores), args, span);
     (rows.sum)(&mut figures)?;
-    let (counts, rest) = figures.split_at(n * e);
-    let (score_sums, tokens) = rest.split_at(n * e);
-    let mut f = vec![0.0f32; n * e];
-    let mut values = vec![0.0f32; n];
-    for b in 0..n {
-        let t = tokens[b].max(1.0);
-        for x in 0..e {
-            f[b * e + x] = e as f32 / (k as f32 * t) * counts[b * e + x];
-            values[b] += f[b * e + x] * score_sums[b * e + x] / t;
-        }
-    }
+    let balance = be.moe_aux_balance(&figures, args, span.sequences);
     Ok(AuxStats {
-        f,
-        tokens: tokens.to_vec(),
-        values,
-        seq_of: rows.seq_of,
+        figures,
+        balance,
+        span,
+        tokens: be.len(&routed.scores) / args.num_experts.max(1),
+        experts: args.num_experts,
     })
 }
 
-/// The gradient of `scale · Σ_b L_b` with respect to the normalised scores of each local token
-/// (`[tokens, E]`).
-pub fn score_grads(args: &RouterArgs, stats: &AuxStats, scale: f32) -> Vec<f32> {
-    let e = args.num_experts;
-    let mut g = vec![0.0f32; stats.seq_of.len() * e];
-    for (t, &b) in stats.seq_of.iter().enumerate() {
-        let b = b as usize;
-        let per_token = scale / stats.tokens[b].max(1.0);
-        for (g, f) in g[t * e..(t + 1) * e]
-            .iter_mut()
-            .zip(&stats.f[b * e..(b + 1) * e])
-        {
-            *g = per_token * f;
-        }
+impl<B: Backend> AuxStats<B> {
+    /// The gradient of `scale · Σ_b L_b` with respect to the normalised scores of each local
+    /// token (`[tokens, E]`).
+    pub fn score_grads(&self, be: &B, args: &RouterArgs, scale: f32) -> B::Buf {
+        let span_tokens = (self.span, self.tokens);
+        be.moe_aux_score_grads((&self.balance, &self.figures), args, span_tokens, scale)
     }
-    g
+
+    /// Where each sequence's `L_b` lies: `(buffer, offset, sequences)`.
+    pub fn values(&self) -> (&B::Buf, usize, usize) {
+        let n = self.span.sequences;
+        (&self.balance, n * self.experts, n)
+    }
 }

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::float8::Float8Recipe;
 use crate::backend::grouped_gemm::rows_of;
-use crate::backend::routing::{ids_of_bits, DispatchOrder, RoutedTokens};
+use crate::backend::routing::{DispatchOrder, RoutedTokens};
 use crate::backend::Backend;
 use crate::model::bias;
 use crate::model::crossings::expert::ExpertParallelOps;
@@ -271,7 +271,7 @@ pub struct MoeActs<B: Backend> {
     /// (`MoeActs::unpacked` widens them for the backward); None: f32 values.
     packed_lens: Option<[usize; 5]>,
     /// The auxiliary loss's per-sequence figures (with `aux_loss_coef`).
-    pub aux: Option<AuxStats>,
+    pub aux: Option<AuxStats<B>>,
 }
 
 /// This rank's experts with their parameters, their rows' offsets and, where they run one at a
@@ -316,7 +316,7 @@ pub fn forward<B: Backend>(
     out: &mut B::Buf,
     bias: Option<&B::Buf>,
     ep: &dyn ExpertParallelOps<B>,
-    sequences: Option<SequenceRows>,
+    sequences: Option<SequenceRows<B>>,
 ) -> Result<MoeActs<B>> {
     let (d, e) = (m.dim, m.router.num_experts);
     let tokens = be.len(x) / d;
@@ -328,12 +328,7 @@ pub fn forward<B: Backend>(
     let (k, n) = (m.router.top_k, tokens * m.router.top_k);
     let routed = be.moe_route(&logits, bias, &m.router);
     let aux = match sequences {
-        Some(rows) => {
-            // The auxiliary loss's per-sequence sums are host math for now: its figures down.
-            let experts = ids_of_bits(&be.download(&routed.experts));
-            let scores = be.download(&routed.scores);
-            Some(aux_loss::forward(&m.router, (&experts, &scores), rows)?)
-        }
+        Some(rows) => Some(aux_loss::forward(be, &m.router, &routed, rows)?),
         None => None,
     };
     let order = be.moe_dispatch_order(&routed.experts, (e, k));
@@ -488,7 +483,7 @@ pub fn backward<B: Backend>(
     let aux_grads = acts
         .aux
         .as_ref()
-        .map(|a| be.upload(&aux_loss::score_grads(&m.router, a, aux_scale)));
+        .map(|a| a.score_grads(be, &m.router, aux_scale));
     let routed = (&acts.routed.scores, &acts.routed.experts);
     let dlogits = be.moe_route_backward(&m.router, routed, &dweights, aux_grads.as_ref());
     if let Some(b) = &ids.biases {
@@ -562,10 +557,15 @@ mod tests {
     const AUX_SCALE: f32 = 0.7;
 
     /// Three sequences of three tokens, on one rank.
-    fn three_sequences<'a>(sum: &'a (dyn Fn(&mut [f32]) -> Result<()> + 'a)) -> SequenceRows<'a> {
+    fn three_sequences<'a>(
+        sum: &'a (dyn Fn(&mut Vec<f32>) -> Result<()> + 'a),
+    ) -> SequenceRows<'a, CpuBackend> {
         SequenceRows {
-            seq_of: (0..9).map(|t| t / 3).collect(),
-            sequences: 3,
+            span: aux_loss::SequenceSpan {
+                first: 0,
+                seq: 3,
+                sequences: 3,
+            },
             sum,
         }
     }
@@ -574,7 +574,7 @@ mod tests {
     fn objective(m: &MoeShapes, ids: &MoeIds, params: &[Vec<f32>], x: &[f32], r: &[f32]) -> f64 {
         let be = CpuBackend::new();
         let mut out = vec![0.0; x.len()];
-        let nothing = |_: &mut [f32]| Ok(());
+        let nothing = |_: &mut Vec<f32>| Ok(());
         let acts = forward(
             &be,
             m,
@@ -587,7 +587,8 @@ mod tests {
             Some(three_sequences(&nothing)),
         )
         .unwrap();
-        let aux: f64 = acts.aux.unwrap().values.iter().map(|&v| v as f64).sum();
+        let (values, at, n) = acts.aux.as_ref().unwrap().values();
+        let aux: f64 = values[at..at + n].iter().map(|&v| v as f64).sum();
         out.iter()
             .zip(r)
             .map(|(o, r)| *o as f64 * *r as f64)
@@ -626,7 +627,7 @@ mod tests {
                 .map(|_| rng.gen::<f32>() - 0.5)
                 .collect();
             let mut out = vec![0.0; x.len()];
-            let nothing = |_: &mut [f32]| Ok(());
+            let nothing = |_: &mut Vec<f32>| Ok(());
             let acts = forward(
                 &be,
                 &m,
@@ -640,7 +641,7 @@ mod tests {
             )
             .unwrap();
             // Every expert gets tokens, so every expert's gradient is checked.
-            let offsets = ids_of_bits(acts.load_offsets());
+            let offsets = crate::backend::routing::ids_of_bits(acts.load_offsets());
             assert!(offsets.windows(2).all(|w| w[1] > w[0]), "{offsets:?}");
             let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
             let mut dx = vec![0.0; x.len()];

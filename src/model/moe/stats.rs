@@ -2,8 +2,9 @@
 //! auxiliary loss's share, counted by the backward into the workspace that ran it (once per
 //! trained microbatch: not for a recomputed forward, not for validation) and taken after the step.
 //!
-//! The counts stay where the backend keeps the dispatch order (`Backend::moe_count_load`): a
-//! block's forward and backward never wait for them; they come to the host once, when taken.
+//! The counts stay where the backend keeps the dispatch order (`Backend::moe_count_load`), and
+//! each block's per-sequence auxiliary losses where the backend computed them: a block's forward
+//! and backward never wait for them; they come to the host together, in one copy, when taken.
 
 use super::MoeArgs;
 use crate::backend::Backend;
@@ -14,9 +15,19 @@ pub struct ExpertStats<B: Backend> {
     /// exact to 2^24 per expert and step), on the backend.
     counts: B::Buf,
     experts: usize,
-    /// This rank's share of `coef · Σ_blocks Σ_sequences L_b` (a sequence spread over TP and CP
-    /// ranks adds `1 / (tp · cp)` on each); None without an auxiliary loss.
-    pub aux_loss: Option<f64>,
+    /// Each trained block's `L_b` (a copy on the backend) and its weight in this rank's share of
+    /// `coef · Σ_blocks Σ_sequences L_b`, in the order the backward ran them; None without an
+    /// auxiliary loss.
+    aux: Option<Vec<(B::Buf, AuxWeight)>>,
+}
+
+/// How a block's `Σ_b L_b` enters the step's auxiliary loss: `coef · Σ_b L_b / sequences /
+/// share` (a sequence spread over TP and CP ranks adds `1 / (tp · cp)` on each).
+#[derive(Debug, Clone, Copy)]
+pub struct AuxWeight {
+    pub coef: f64,
+    pub sequences: f64,
+    pub share: f64,
 }
 
 /// `ExpertStats` taken to the host.
@@ -24,6 +35,7 @@ pub struct ExpertStats<B: Backend> {
 pub struct ExpertFigures {
     /// Tokens each block sent to each expert (`[layer][expert]`).
     pub load: Vec<Vec<u64>>,
+    /// This rank's share of the auxiliary loss; None without one.
     pub aux_loss: Option<f64>,
 }
 
@@ -34,7 +46,7 @@ impl<B: Backend> ExpertStats<B> {
         ExpertStats {
             counts: be.zeros(n_layers * experts),
             experts,
-            aux_loss: moe.aux_loss_coef.map(|_| 0.0),
+            aux: moe.aux_loss_coef.map(|_| Vec::new()),
         }
     }
 
@@ -44,18 +56,46 @@ impl<B: Backend> ExpertStats<B> {
         be.moe_count_load(&mut self.counts, offsets, l * self.experts);
     }
 
-    /// These figures on the host (one download), with the counts left at zero.
+    /// Keeps a block's per-sequence `L_b` (`values`: buffer, offset, sequences) for the step's
+    /// auxiliary loss, weighted by `weight`; copied on the backend, summed when taken.
+    pub fn add_aux(&mut self, be: &B, (values, at, n): (&B::Buf, usize, usize), weight: AuxWeight) {
+        if let Some(aux) = self.aux.as_mut() {
+            let mut copy = be.uninit(n);
+            be.copy_range(&mut copy, 0, values, at, n);
+            aux.push((copy, weight));
+        }
+    }
+
+    /// These figures on the host (one download of the counts and every kept `L_b` together),
+    /// with the counts left at zero.
     pub fn take(&mut self, be: &B) -> ExpertFigures {
-        let counts = be.download(&self.counts);
+        let kept = self.aux.as_mut().map(std::mem::take).unwrap_or_default();
+        let counted = be.len(&self.counts);
+        let mut all = be.uninit(counted + kept.iter().map(|(v, _)| be.len(v)).sum::<usize>());
+        be.copy_into_at(&mut all, 0, &self.counts);
+        let mut at = counted;
+        for (v, _) in &kept {
+            be.copy_into_at(&mut all, at, v);
+            at += be.len(v);
+        }
+        let host = be.download_owned(all);
         be.fill(&mut self.counts, 0.0);
+        let (counts, mut values) = host.split_at(counted);
         let load = counts
             .chunks(self.experts.max(1))
             .map(|l| l.iter().map(|&c| c as u64).collect())
             .collect();
-        ExpertFigures {
-            load,
-            aux_loss: self.aux_loss.as_mut().map(std::mem::take),
-        }
+        let aux_loss = self.aux.as_ref().map(|_| {
+            let mut total = 0.0f64;
+            for (v, w) in &kept {
+                let (block, rest) = values.split_at(be.len(v));
+                values = rest;
+                let value: f64 = block.iter().map(|&v| v as f64).sum();
+                total += w.coef * value / w.sequences / w.share;
+            }
+            total
+        });
+        ExpertFigures { load, aux_loss }
     }
 }
 

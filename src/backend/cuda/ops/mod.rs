@@ -16,6 +16,7 @@ use crate::backend::clamped_swiglu::Clamp;
 use crate::backend::float8::{ContractedDim, Fp8Format, MxCast, Quantization, ScaleAxis};
 use crate::backend::grouped_gemm::{self as host_grouped, GroupedGemm};
 use crate::backend::host_routing;
+use crate::backend::moe_aux::SequenceSpan;
 use crate::backend::routing::{DispatchOrder, RoutedTokens, RouterArgs};
 use crate::backend::{
     AdamWStep, AttnGrads, AttnInputs, AttnSaved, AttnShape, Backend, LossSum, VocabShard,
@@ -102,6 +103,7 @@ mod float8;
 mod grouped_gemm;
 pub(super) mod loss;
 mod matmul;
+mod moe_aux;
 mod multi_tensor;
 mod norm;
 mod rope;
@@ -311,6 +313,29 @@ impl Backend for CudaBackend {
     fn moe_count_load(&self, counts: &mut Buf, offsets: &Buf, at: usize) {
         let _timer = self.profiler.time_on("moe_count_load", self);
         self.moe_count_load_untimed(counts, offsets, at);
+    }
+    fn moe_aux_figures(
+        &self,
+        experts_scores: (&Buf, &Buf),
+        args: &RouterArgs,
+        span: SequenceSpan,
+    ) -> Buf {
+        let _timer = self.profiler.time_on("moe_aux_figures", self);
+        self.moe_aux_figures_untimed(experts_scores, args, span)
+    }
+    fn moe_aux_balance(&self, figures: &Buf, args: &RouterArgs, sequences: usize) -> Buf {
+        let _timer = self.profiler.time_on("moe_aux_balance", self);
+        self.moe_aux_balance_untimed(figures, args, sequences)
+    }
+    fn moe_aux_score_grads(
+        &self,
+        balance_figures: (&Buf, &Buf),
+        args: &RouterArgs,
+        span_tokens: (SequenceSpan, usize),
+        scale: f32,
+    ) -> Buf {
+        let _timer = self.profiler.time_on("moe_aux_score_grads", self);
+        self.moe_aux_score_grads_untimed(balance_figures, args, span_tokens, scale)
     }
     fn embedding_backward(&self, dtable: &mut Buf, dout: &Buf, ids: &[u32], dim: usize) {
         let _timer = self.profiler.time_on("embedding_backward", self);

@@ -27,7 +27,7 @@ pub(super) fn fits_kernels(experts: usize, top_k: usize) -> bool {
 }
 
 /// One thread per token.
-fn token_config(tokens: usize) -> LaunchConfig {
+pub(super) fn token_config(tokens: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (tokens.div_ceil(TOKEN_THREADS).max(1) as u32, 1, 1),
         block_dim: (TOKEN_THREADS as u32, 1, 1),
