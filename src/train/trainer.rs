@@ -311,6 +311,7 @@ impl<'a, B: Backend> TrainingRun<'a, B> {
                 logger: metrics_logger(cfg, rank)?,
                 bar,
                 quiet,
+                logged_members: None,
             },
             saver: Saver {
                 writer: checkpoint::writer::AsyncWriter::with_failure_warning(
@@ -532,12 +533,20 @@ struct Reporter<'a, B: Backend> {
     logger: Option<MetricsLogger>,
     bar: ProgressBar,
     quiet: bool,
+    /// The membership (ranks, live replica groups) of the last step logged.
+    logged_members: Option<(usize, Option<usize>)>,
 }
 
 impl<B: Backend> Reporter<'_, B> {
+    /// Logs every `log_freq` steps, the first and the last, and any step whose membership differs
+    /// from the last logged one's (so a change lasting fewer steps than `log_freq` is recorded,
+    /// and `titan plot` marks it).
     fn report(&mut self, be: &B, layout: &mut RankLayout<B>, m: &StepMetrics) -> Result<()> {
         let (step, steps) = (m.step, self.cfg.training.steps);
-        if step % self.cfg.metrics.log_freq == 0 || step == 1 || step == steps {
+        let members = Some((m.world_size, m.live_replicas));
+        let periodic = step % self.cfg.metrics.log_freq == 0 || step == 1 || step == steps;
+        if periodic || members != self.logged_members {
+            self.logged_members = members;
             if let Some(logger) = &mut self.logger {
                 logger.log(m)?;
             }
