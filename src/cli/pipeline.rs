@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::parallel::pipeline::schedule::{generate, Schedule, ScheduleKind, Timeline, Work};
+use crate::parallel::pipeline::schedule::{
+    generate, Action, Schedule, ScheduleKind, Timeline, Work,
+};
 
 #[derive(Args, Debug)]
 pub struct ShowArgs {
@@ -49,7 +51,7 @@ pub fn show(a: &ShowArgs) -> Result<()> {
             )?
         }
     };
-    let timeline = schedule.simulate(Work::unit_cost)?;
+    let timeline = schedule.simulate(Action::unit_cost)?;
     out!("{}", describe(&schedule, &timeline));
     if let Some(path) = &a.svg {
         std::fs::write(path, svg(&schedule, &timeline))

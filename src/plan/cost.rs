@@ -7,7 +7,8 @@ use super::device::{Device, Link};
 use super::layout::{AcChoice, Layout};
 use crate::model::ModelArgs;
 use crate::parallel::pipeline::plan::PipelinePlan;
-use crate::parallel::pipeline::schedule::Work;
+use crate::parallel::pipeline::schedule::{Action, Work};
+use crate::parallel::pipeline::stage::StageSplit;
 
 /// What a layout is predicted to do per optimizer step.
 #[derive(Debug, Clone, Copy, Default)]
@@ -46,6 +47,9 @@ struct Comm {
     busy_s: f64,
     exposed_s: f64,
     waits_s: f64,
+    /// The pipeline transfers' share of `waits_s`: on a crowded host each is a hand-off between
+    /// ranks that share cores, which the host pays for as work (`predict`).
+    pipeline_waits_s: f64,
 }
 
 /// `Σ count · (time, wait)`, as (time, wait).
@@ -94,12 +98,21 @@ impl Weighing<'_> {
         let optimizer_s =
             self.params_per_rank() * self.device.compute.optimizer_s_per_param / speedup;
         let comm = self.comm(busy_compute, mb_tokens, blocks);
-        let dedicated = critical + optimizer_s + comm.exposed_s + comm.waits_s;
+        // A pipeline transfer's wait on a core of its own falls in the bubble the simulation
+        // already counts (the receiver idles until its input arrives), so it is not added here.
+        let waits = comm.waits_s - comm.pipeline_waits_s;
+        let dedicated = critical + optimizer_s + comm.exposed_s + waits;
         // A saturated host's cores run every rank's work, the copies of its collectives included
-        // (a GPU's links run beside its compute: no such sum).
+        // (a GPU's links run beside its compute: no such sum), and each pipeline transfer's
+        // hand-off: the receiving rank wakes on a core other ranks share (measured on 2 cores:
+        // PP 2 × FSDP 2's schedules order as their transfers, docs/plan.md).
+        let hand_offs = match crowd > 1.0 {
+            true => comm.pipeline_waits_s,
+            false => 0.0,
+        };
         let saturated = match self.device.cores {
             0 => 0.0,
-            _ => (busy_compute + optimizer_s + comm.busy_s) * crowd,
+            _ => (busy_compute + optimizer_s + comm.busy_s + hand_offs) * crowd,
         };
         let step_s = dedicated.max(saturated);
         let tokens = (l.local_batch * self.accum * self.seq * l.dp_replicate * l.dp_shard) as f64;
@@ -155,19 +168,41 @@ impl Weighing<'_> {
     }
 
     /// Seconds of a pipelined local batch (its microbatches through the schedule, as the
-    /// simulator runs them on these costs) and the bubble.
+    /// simulator runs them on these costs) and the bubble. `(forward, backward)` are a rank's
+    /// average (the model over `pp`); each stage costs its own share of the model (`stage_shares`),
+    /// so a schedule whose placement leaves one rank more blocks, or the output beside as many
+    /// blocks, shows the rank the others wait for.
     fn pipelined(&self, p: &PipelinePlan, (forward, backward): (f64, f64)) -> (f64, f64) {
-        let v = p.schedule.stages() as f64 / self.layout.pp as f64;
-        let ns = |s: f64| (s / v * 1e9).max(1.0) as u64;
-        let cost = |w: Work| match w {
-            Work::Forward => ns(forward),
-            Work::Backward => ns(backward),
-            Work::BackwardInput | Work::BackwardWeight => ns(backward / 2.0),
+        let shares = self.stage_shares(&p.split);
+        let pp = self.layout.pp as f64;
+        let ns = |s: f64| (s * 1e9).max(1.0) as u64;
+        let cost = |a: Action| {
+            let share = shares.get(a.stage).copied().unwrap_or(0.0) * pp;
+            match a.work {
+                Work::Forward => ns(forward * share),
+                Work::Backward => ns(backward * share),
+                Work::BackwardInput | Work::BackwardWeight => ns(backward * share / 2.0),
+            }
         };
         match p.schedule.simulate(cost) {
             Ok(t) => (t.makespan as f64 * 1e-9, t.bubble()),
             Err(_) => (f64::INFINITY, 1.0),
         }
+    }
+
+    /// Each stage's share of the model's compute: its blocks' (alike), and the last stage's
+    /// output projection and loss (TorchTitan's FLOP count of the output, `6 · dim · vocab` per
+    /// token, of `flops_per_token`); the embedding's lookup costs nothing here.
+    fn stage_shares(&self, split: &StageSplit) -> Vec<f64> {
+        let a = self.args;
+        let total = a.flops_per_token(self.seq).max(1.0);
+        let head = (6.0 * (a.dim * a.vocab_size) as f64 / total).min(0.5);
+        let block = (1.0 - head) / a.n_layers.max(1) as f64;
+        split
+            .stages
+            .iter()
+            .map(|st| st.blocks.len() as f64 * block + if st.head { head } else { 0.0 })
+            .collect()
     }
 
     /// Parameters a rank holds whole (before FSDP sharding): its tensor-parallel and pipeline
@@ -249,7 +284,15 @@ impl Weighing<'_> {
             1 => (0.0, 0.0),
             _ => self.in_step(self.link(self.world), Collective::PointToPoint, 2, pp_bytes),
         };
-        let pp = sum(&[(2.0 * microbatches, hop)]);
+        // Per microbatch the busiest pipeline rank sends and receives once across each stage
+        // boundary it borders (`Schedule::crossings_of`).
+        let crossings = self.pipeline.map_or(1, |p| {
+            (0..l.pp)
+                .map(|r| p.schedule.crossings_of(r))
+                .max()
+                .unwrap_or(1)
+        });
+        let pp = sum(&[(2.0 * crossings as f64 * microbatches, hop)]);
         let busy = data + tp.0 + cp.0 + ep.0 + pp.0;
         let waits = tp.1 + cp.1 + ep.1 + pp.1;
         let exposed = match d.overlaps {
@@ -270,6 +313,7 @@ impl Weighing<'_> {
             busy_s: busy,
             exposed_s: exposed,
             waits_s: waits,
+            pipeline_waits_s: pp.1,
         }
     }
 
@@ -479,5 +523,66 @@ mod tests {
         };
         assert_eq!(w.link(8), h100.intra);
         assert_eq!(w.link(16), h100.inter);
+    }
+
+    /// Tokens per second of the debug model's PP 2 (× FSDP `shard`) with `schedule` over a local
+    /// batch of 8 in microbatches of `rows`, on a 2-core host whose in-step hand-offs cost 4 ms.
+    fn pipeline_tokens_per_s(schedule: &'static str, shard: usize, rows: usize) -> f64 {
+        use crate::comm::shape_group::ShapeGroup;
+        use crate::parallel::pipeline::plan::PipelineOptions;
+        let args = crate::model::families::llama3::flavor("debugmodel").unwrap();
+        let mut cpu = gpu("h100").unwrap();
+        (cpu.cores, cpu.overlaps, cpu.per_node) = (2, false, usize::MAX);
+        cpu.compute.flops_per_s = 9e10;
+        cpu.step_alpha_s = 0.004;
+        let options = PipelineOptions {
+            pipeline_parallel_schedule: schedule,
+            pipeline_parallel_schedule_csv: "",
+            pipeline_parallel_microbatch_size: rows,
+            pipeline_parallel_layers_per_stage: -1,
+            pipeline_parallel_split_points: &[],
+            local_batch_size: 8,
+        };
+        let group = std::sync::Arc::new(ShapeGroup::new("pp", 0, 2));
+        let plan = PipelinePlan::new(&options, &args, group).unwrap();
+        let layout = Layout {
+            pp: 2,
+            dp_shard: shard,
+            schedule: Some(schedule),
+            microbatch_size: rows,
+            local_batch: 8,
+            ac: AcChoice::None,
+            ..data_parallel(1, true)
+        };
+        Weighing {
+            layout: &layout,
+            args: &args,
+            seq: 256,
+            accum: 1,
+            device: &cpu,
+            world: 2 * shard,
+            pipeline: Some(&plan),
+            async_tp: false,
+            float8_params: 0.0,
+        }
+        .predict()
+        .tokens_per_s
+    }
+
+    #[test]
+    fn schedules_differ_by_their_stage_costs_and_on_a_crowded_host_by_their_transfers() {
+        let on_two = |s: &'static str| pipeline_tokens_per_s(s, 1, 1);
+        // A rank per core: the looped schedules' smaller bubble wins; a "V" puts the output
+        // beside the first stage's block on one rank and four blocks on the other, which the
+        // other waits for (each stage costs its own share).
+        assert!(on_two("Interleaved1F1B") > 1.02 * on_two("1F1B"));
+        assert!(on_two("1F1B") > 1.02 * on_two("ZBVZeroBubble"));
+        assert_eq!(on_two("ZBVZeroBubble"), on_two("DualPipeV"));
+        // Two ranks per core (PP 2 × FSDP 2, 4 microbatches of 2): the host runs every rank's
+        // work whatever the schedule, and each transfer's hand-off costs: 1F1B crosses one
+        // boundary per microbatch, a "V" two, the looped schedules three.
+        let on_four = |s: &'static str| pipeline_tokens_per_s(s, 2, 2);
+        assert!(on_four("1F1B") > 1.03 * on_four("ZBVZeroBubble"));
+        assert!(on_four("ZBVZeroBubble") > 1.03 * on_four("Interleaved1F1B"));
     }
 }

@@ -45,6 +45,13 @@ pub struct Action {
     pub microbatch: usize,
 }
 
+impl Action {
+    /// Its work's cost under the unit model (`Work::unit_cost`), whatever its stage.
+    pub fn unit_cost(self) -> u64 {
+        self.work.unit_cost()
+    }
+}
+
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}{}{}", self.stage, self.work.letter(), self.microbatch)

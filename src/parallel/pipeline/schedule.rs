@@ -318,14 +318,15 @@ impl Schedule {
                 }
             }
         }
-        self.simulate(Work::unit_cost).map(|_| ())
+        self.simulate(Action::unit_cost).map(|_| ())
     }
 
     /// Runs the schedule under `cost`: each rank in list order, each action starting once its
     /// rank is free and its inputs exist (the previous stage's forward; the next stage's input
-    /// gradient and this stage's forward; a `W` after its `I`). Transfers take no time. An error
-    /// names where every rank is stuck when the ranks wait on each other.
-    pub fn simulate(&self, cost: impl Fn(Work) -> u64) -> Result<Timeline> {
+    /// gradient and this stage's forward; a `W` after its `I`), each costing `cost(action)`
+    /// (its work on its stage). Transfers take no time. An error names where every rank is stuck
+    /// when the ranks wait on each other.
+    pub fn simulate(&self, cost: impl Fn(Action) -> u64) -> Result<Timeline> {
         let p = self.ranks();
         let mut ends = Ends::new(self.stages());
         let mut next = vec![0usize; p];
@@ -339,7 +340,7 @@ impl Schedule {
                         break;
                     };
                     let start = ready.max(free[r]);
-                    let end = start + cost(a.work);
+                    let end = start + cost(a);
                     ends.record(a.work, a.stage, a.microbatch, end);
                     timed[r].push(Timed {
                         action: a,
@@ -383,9 +384,21 @@ impl Schedule {
         })
     }
 
+    /// The stage boundaries pipeline rank `r` sends and receives across (a boundary between two
+    /// stages on different ranks, one of them `r`'s): per microbatch, `r` sends and receives once
+    /// across each, an activation forward or a gradient back. 1F1B's end ranks cross one,
+    /// its middle ranks two; the looped schedules cross at every boundary; a "V" keeps its turn
+    /// on one rank.
+    pub fn crossings_of(&self, r: usize) -> usize {
+        self.placement
+            .windows(2)
+            .filter(|w| w[0] != w[1] && (w[0] == r || w[1] == r))
+            .count()
+    }
+
     /// The bubble fraction under unit costs.
     pub fn unit_bubble(&self) -> Result<f64> {
-        Ok(self.simulate(Work::unit_cost)?.bubble())
+        Ok(self.simulate(Action::unit_cost)?.bubble())
     }
 
     /// For each of rank `r`'s actions, whether it is the last of its microbatch on that rank (its
