@@ -427,23 +427,20 @@ def against_cpu(folder, cpu_folder, what, precision="fp32", tolerance=1e-3):
               f"({'ok' if diff <= tolerance else 'FAIL'})")
     else:
         print(f"{what}: no result")
+def extra_copies(name, what, failure):
+    """The host-device copies per step of bench JSON `name` beyond the dense Qwen3's (must be 0)."""
+    run, dense = load(name), load("copies_debugmodel.json")
+    if run and dense:
+        extra = run["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
+        print(f"{what}: {extra:.0f} host-device copies per step beyond the dense model's "
+              f"({dense['host_device_copies_per_step']:.0f}) ({'ok' if extra == 0 else 'FAIL: ' + failure})")
+    else:
+        print(f"{what}, copies per step: no result")
 def moe_report():
     against_cpu("moe_gpu", "moe_cpu", "Qwen3-MoE on CUDA")
-    dense, moe = load("copies_debugmodel.json"), load("copies_debugmodel_moe.json")
-    if dense and moe:
-        extra = moe["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
-        print(f"Qwen3-MoE on CUDA: {extra:.0f} host-device copies per step beyond the dense model's "
-              f"({dense['host_device_copies_per_step']:.0f}) "
-              f"({'ok' if extra == 0 else 'FAIL: its MoE blocks copy'})")
-    else:
-        print("Qwen3-MoE copies per step: no result")
-    aux = load("copies_debugmodel_moe_aux.json")
-    if dense and aux:
-        extra = aux["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
-        print(f"Qwen3-MoE with the auxiliary loss on CUDA: {extra:.0f} host-device copies per step beyond "
-              f"the dense model's ({'ok' if extra == 0 else 'FAIL: its auxiliary loss copies'})")
-    else:
-        print("Qwen3-MoE with the auxiliary loss, copies per step: no result")
+    extra_copies("copies_debugmodel_moe.json", "Qwen3-MoE on CUDA", "its MoE blocks copy")
+    extra_copies("copies_debugmodel_moe_aux.json", "Qwen3-MoE with the auxiliary loss on CUDA",
+                 "its auxiliary loss copies")
     against_cpu("ep2_gpu", "moe_cpu", "Qwen3-MoE EP 2 on CUDA")
     if os.path.isdir(os.path.join(out, "nccl_ep2")):
         against_cpu("nccl_ep2", "moe_cpu", "Qwen3-MoE EP 2 on two GPUs over NCCL")
@@ -467,13 +464,7 @@ def deepseek_report():
     against_cpu("ds_gpu", "ds_cpu", "DeepSeek-V3 on CUDA")
     against_cpu("ds_tp2_gpu", "ds_cpu", "DeepSeek-V3 TP 2 on CUDA")
     against_cpu("gptoss_gpu", "gptoss_cpu", "gpt-oss on CUDA")
-    copies, dense = load("copies_gpt_oss.json"), load("copies_debugmodel.json")
-    if copies and dense:
-        n = copies["host_device_copies_per_step"] - dense["host_device_copies_per_step"]
-        print(f"gpt-oss on CUDA: {n:.0f} host-device copies per step beyond the dense Qwen3's "
-              f"({'ok' if n == 0 else 'FAIL: its blocks copy'})")
-    else:
-        print("gpt-oss copies per step: no result")
+    extra_copies("copies_gpt_oss.json", "gpt-oss on CUDA", "its blocks copy")
 def float8_report():
     for r in ("rowwise", "tensorwise"):
         against_cpu(f"f8_{r}_cuda", f"f8_{r}_cpu", f"float8 {r} on CUDA (emulated)")

@@ -25,7 +25,7 @@ impl SequenceSpan {
     }
 
     /// Panics unless `tokens` local rows all fall within the span's sequences (a caller's bug).
-    fn check(&self, tokens: usize) {
+    pub fn check(&self, tokens: usize) {
         assert!(
             tokens == 0 || self.of(tokens - 1) < self.sequences,
             "moe_aux: {tokens} rows from row {} of sequences of {} overrun {} sequences",

@@ -14,14 +14,8 @@ use crate::backend::Backend;
 
 /// `(tokens, first, seq)` as the kernels take them, after checking that the rows fall within
 /// the span's sequences.
-fn span_args(op: &str, span: SequenceSpan, tokens: usize) -> (i64, i64, i64) {
-    assert!(
-        tokens == 0 || span.of(tokens - 1) < span.sequences,
-        "{op}: {tokens} rows from row {} of sequences of {} overrun {} sequences",
-        span.first,
-        span.seq,
-        span.sequences
-    );
+fn span_args(span: SequenceSpan, tokens: usize) -> (i64, i64, i64) {
+    span.check(tokens);
     (tokens as i64, span.first as i64, span.seq.max(1) as i64)
 }
 
@@ -35,7 +29,7 @@ impl CudaBackend {
         let (e, k, n) = (args.num_experts, args.top_k, span.sequences);
         let tokens = scores.len() / e.max(1);
         check_len("moe_aux_figures", "experts", experts.len(), tokens * k);
-        let (t, first, seq) = span_args("moe_aux_figures", span, tokens);
+        let (t, first, seq) = span_args(span, tokens);
         let mut figures = self.zeros(2 * n * e + n);
         if n * e > 0 {
             let sigmoid = (args.score_func == ScoreFunc::Sigmoid) as i32;
@@ -99,7 +93,7 @@ impl CudaBackend {
             figures.len(),
             2 * n * e + n,
         );
-        let (t, first, seq) = span_args("moe_aux_score_grads", span, tokens);
+        let (t, first, seq) = span_args(span, tokens);
         let mut grads = self.uninit(tokens * e);
         if tokens * e > 0 {
             let (n_arg, e_arg) = (n as i32, e as i32);
