@@ -186,6 +186,28 @@ fn stage_transfers_the_vocabulary_parallel_loss_and_muon_stay_on_the_device_road
     let tp = ["--parallelism.tensor_parallel_degree", "2"];
     assert!(copies_per_step(&tp, false).0 > 0.0, "TP 2, host road");
     assert_eq!(copies_per_step(&tp, true), (0.0, 0.0), "TP 2, device road");
+    // The MoE auxiliary loss's per-sequence figures, summed over the sequence's CP or TP ranks:
+    // on the device road over the groups' communicators, so the loss adds no copy to the step
+    // (CP's own step makes two, with or without it).
+    for degree in [
+        "--parallelism.context_parallel_degree",
+        "--parallelism.tensor_parallel_degree",
+    ] {
+        let moe = [
+            "--model.name",
+            "qwen3",
+            "--model.flavor",
+            "debugmodel_moe",
+            degree,
+            "2",
+        ];
+        let aux = [&moe[..], &["--model.router_aux_loss_coef", "0.01"]].concat();
+        assert_eq!(
+            copies_per_step(&aux, true),
+            copies_per_step(&moe, true),
+            "{degree} 2, MoE with the auxiliary loss against without, device road"
+        );
+    }
     // Muon's exchange of whole matrices: packed on the device, the all-to-alls on the job group's.
     let muon = ["--optimizer.name", "Muon"];
     assert!(

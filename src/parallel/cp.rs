@@ -34,8 +34,8 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Result};
 
 use crate::backend::{AttnGrads, AttnInputs, AttnMask, AttnSaved, AttnShape, Backend};
-use crate::comm::device_group::device_of;
-use crate::comm::group::ProcessGroup;
+use crate::comm::device_group::{all_reduce_on, device_of};
+use crate::comm::group::{ProcessGroup, ReduceOp};
 use crate::comm::queue::{queue_over, CollectiveQueue};
 use crate::model::crossings::context::{ContextParallelOps, SequenceShard};
 use crate::model::LocalShapes;
@@ -394,9 +394,8 @@ impl<B: Backend> ContextParallelOps<B> for ContextParallelGroup<B> {
         self.group.size()
     }
 
-    fn sum_over_group(&self, values: &mut [f32]) -> Result<()> {
-        self.group
-            .all_reduce(values, crate::comm::group::ReduceOp::Sum)
+    fn sum_over_group(&self, be: &B, figures: &mut B::Buf) -> Result<()> {
+        all_reduce_on(be, self.group.as_ref(), figures, ReduceOp::Sum)
     }
 
     fn max_amax_over_group(&self, amaxes: &mut [f32]) -> Result<()> {

@@ -79,8 +79,9 @@ pub trait ContextParallelOps<B: Backend>: Send + Sync {
     }
 
     /// Sums per-sequence figures over the group, whose ranks hold the other rows of the same
-    /// sequences (the MoE auxiliary loss's counts); nothing to do for one rank.
-    fn sum_over_group(&self, _values: &mut [f32]) -> Result<()> {
+    /// sequences (the MoE auxiliary loss's counts), in place on the backend; nothing to do for
+    /// one rank.
+    fn sum_over_group(&self, _be: &B, _figures: &mut B::Buf) -> Result<()> {
         Ok(())
     }
 

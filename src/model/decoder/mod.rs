@@ -213,18 +213,13 @@ impl<B: Backend> Decoder<B> {
         Some(moe::aux_loss::SequenceRows { span, sum })
     }
 
-    /// Sums per-sequence figures over the TP ranks (on the backend) and the CP ranks (through
-    /// the host); every one of them calls this together.
+    /// Sums per-sequence figures over the TP and CP ranks, on the backend's buffer (each group's
+    /// device communicator, else its host transport); every one of them calls this together.
     fn sum_over_sequence_ranks(&self, be: &B, figures: &mut B::Buf) -> Result<()> {
         if self.local.tp > 1 {
             self.tp.all_reduce_sum(be, figures)?;
         }
-        if self.local.cp > 1 {
-            let mut host = be.download(figures);
-            self.cp.sum_over_group(&mut host)?;
-            *figures = be.upload_owned(host);
-        }
-        Ok(())
+        self.cp.sum_over_group(be, figures)
     }
 
     /// The expert-parallel group (degree 1 without expert parallelism).
