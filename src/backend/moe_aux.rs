@@ -4,7 +4,7 @@
 //! holding the sequence, each `f_e` and `L_b` (`balance`); and the gradient that `L_b`'s `P_e`
 //! sends each row's normalised scores (`score_grads`). The CPU's `Backend::moe_aux_*` ops and
 //! every other backend's host defaults (download, this math, upload); CUDA runs kernels of the
-//! same definitions (`kernels/routing.cu`), each figure summed in row order as here.
+//! same definitions (`kernels/moe_aux.cu`), each figure summed in row order as here.
 
 use super::routing::{ids_of_bits, normalised, RouterArgs};
 use super::Backend;

@@ -190,7 +190,11 @@ impl<B: Backend> Decoder<B> {
             let stats = stats.ok_or_else(|| {
                 anyhow::anyhow!("block {l}: a workspace without expert statistics (a titan bug)")
             })?;
-            let aux_scale = self.count_expert_stats(&moe_acts, l, stats, be);
+            let aux = self.args.moe.and_then(|m| m.aux_loss_coef);
+            let aux_scale = match (&moe_acts.aux, aux) {
+                (Some(_), Some(coef)) => coef / self.sequences_per_step as f32,
+                _ => 0.0,
+            };
             let shapes = self.moe_shapes(l)?;
             moe::backward(
                 be,
@@ -205,6 +209,7 @@ impl<B: Backend> Decoder<B> {
                 self.ep.as_ref(),
                 aux_scale,
             )?;
+            self.count_expert_stats(moe_acts, l, stats, be);
         }
         let d = self.args.dim;
         let w = &p[id.ffn_norm];
@@ -215,27 +220,24 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// A mixture-of-experts block's step statistics from its routing (the backward counts each
-    /// trained microbatch once): the tokens per expert, and the auxiliary loss's share. Returns
-    /// the auxiliary loss's gradient scale (0 without one).
+    /// trained microbatch once): the tokens per expert, and the auxiliary loss's share (its
+    /// per-sequence losses kept in their own buffer until taken).
     fn count_expert_stats(
         &self,
-        moe_acts: &moe::MoeActs<B>,
+        moe_acts: moe::MoeActs<B>,
         l: usize,
         stats: &mut ExpertStats<B>,
         be: &B,
-    ) -> f32 {
+    ) {
         stats.count_load(be, l, moe_acts.load_offsets());
-        match (&moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef)) {
-            (Some(aux), Some(coef)) => {
-                let weight = AuxWeight {
-                    coef: coef as f64,
-                    sequences: self.sequences_per_step as f64,
-                    share: (self.local.tp * self.local.cp) as f64,
-                };
-                stats.add_aux(be, aux.values(), weight);
-                coef / self.sequences_per_step as f32
-            }
-            _ => 0.0,
+        if let (Some(aux), Some(coef)) = (moe_acts.aux, self.args.moe.and_then(|m| m.aux_loss_coef))
+        {
+            let weight = AuxWeight {
+                coef: coef as f64,
+                sequences: self.sequences_per_step as f64,
+                share: (self.local.tp * self.local.cp) as f64,
+            };
+            stats.add_aux(aux.into_values(), weight);
         }
     }
 

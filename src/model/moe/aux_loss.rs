@@ -80,4 +80,10 @@ impl<B: Backend> AuxStats<B> {
         let n = self.span.sequences;
         (&self.balance, n * self.experts, n)
     }
+
+    /// `values`, owning the buffer (the figures go).
+    pub fn into_values(self) -> (B::Buf, usize, usize) {
+        let n = self.span.sequences;
+        (self.balance, n * self.experts, n)
+    }
 }

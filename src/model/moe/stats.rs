@@ -15,11 +15,14 @@ pub struct ExpertStats<B: Backend> {
     /// exact to 2^24 per expert and step), on the backend.
     counts: B::Buf,
     experts: usize,
-    /// Each trained block's `L_b` (a copy on the backend) and its weight in this rank's share of
-    /// `coef · Σ_blocks Σ_sequences L_b`, in the order the backward ran them; None without an
-    /// auxiliary loss.
-    aux: Option<Vec<(B::Buf, AuxWeight)>>,
+    /// Each trained block's `L_b` (`(buffer, offset, sequences)`: the block's own balance
+    /// buffer, kept until taken) and its weight in this rank's share of `coef · Σ_blocks
+    /// Σ_sequences L_b`, in the order the backward ran them; None without an auxiliary loss.
+    aux: Option<Vec<(KeptLosses<B>, AuxWeight)>>,
 }
+
+/// A block's per-sequence `L_b`: its balance buffer, their offset in it, how many.
+type KeptLosses<B> = (<B as Backend>::Buf, usize, usize);
 
 /// How a block's `Σ_b L_b` enters the step's auxiliary loss: `coef · Σ_b L_b / sequences /
 /// share` (a sequence spread over TP and CP ranks adds `1 / (tp · cp)` on each).
@@ -56,13 +59,11 @@ impl<B: Backend> ExpertStats<B> {
         be.moe_count_load(&mut self.counts, offsets, l * self.experts);
     }
 
-    /// Keeps a block's per-sequence `L_b` (`values`: buffer, offset, sequences) for the step's
-    /// auxiliary loss, weighted by `weight`; copied on the backend, summed when taken.
-    pub fn add_aux(&mut self, be: &B, (values, at, n): (&B::Buf, usize, usize), weight: AuxWeight) {
+    /// Keeps a block's per-sequence `L_b` (`values`: its buffer, offset, sequences) for the
+    /// step's auxiliary loss, weighted by `weight`; summed when taken.
+    pub fn add_aux(&mut self, values: (B::Buf, usize, usize), weight: AuxWeight) {
         if let Some(aux) = self.aux.as_mut() {
-            let mut copy = be.uninit(n);
-            be.copy_range(&mut copy, 0, values, at, n);
-            aux.push((copy, weight));
+            aux.push((values, weight));
         }
     }
 
@@ -71,12 +72,12 @@ impl<B: Backend> ExpertStats<B> {
     pub fn take(&mut self, be: &B) -> ExpertFigures {
         let kept = self.aux.as_mut().map(std::mem::take).unwrap_or_default();
         let counted = be.len(&self.counts);
-        let mut all = be.uninit(counted + kept.iter().map(|(v, _)| be.len(v)).sum::<usize>());
+        let mut all = be.uninit(counted + kept.iter().map(|((_, _, n), _)| n).sum::<usize>());
         be.copy_into_at(&mut all, 0, &self.counts);
         let mut at = counted;
-        for (v, _) in &kept {
-            be.copy_into_at(&mut all, at, v);
-            at += be.len(v);
+        for ((v, offset, n), _) in &kept {
+            be.copy_range(&mut all, at, v, *offset, *n);
+            at += n;
         }
         let host = be.download_owned(all);
         be.fill(&mut self.counts, 0.0);
@@ -87,8 +88,8 @@ impl<B: Backend> ExpertStats<B> {
             .collect();
         let aux_loss = self.aux.as_ref().map(|_| {
             let mut total = 0.0f64;
-            for (v, w) in &kept {
-                let (block, rest) = values.split_at(be.len(v));
+            for ((_, _, n), w) in &kept {
+                let (block, rest) = values.split_at(*n);
                 values = rest;
                 let value: f64 = block.iter().map(|&v| v as f64).sum();
                 total += w.coef * value / w.sequences / w.share;
